@@ -1,0 +1,3 @@
+"""shardlm: train language models efficiently on one device or many."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,368 @@
+"""One typed configuration tree: defaults < preset < TOML file < command-line overrides.
+
+Every field has a docstring (the string literal under it), which `shardlm train --help-config`
+prints. Parsing is strict: an unknown key is an error naming the closest valid key. `validate()`
+holds every cross-field check and runs before any work starts (and before any process is spawned).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake; the message says what is wrong and how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "gpt-mini"
+    """Named shape to start from (see `shardlm presets`); the other [model] keys override it."""
+    vocab_size: int = 8192
+    """Vocabulary size. The BPE tokenizer is trained on the corpus with exactly this many tokens."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention (query) heads per block."""
+    n_kv_heads: int = 0
+    """Key/value heads: 0 = n_heads (multi-head), 1 = multi-query, else grouped-query."""
+    d_model: int = 256
+    """Residual stream width."""
+    d_ff: int = 0
+    """MLP hidden width; 0 = 4*d_model for GELU, LLaMA's rounded 8/3*d_model for SwiGLU."""
+    max_seq_len: int = 256
+    """Longest sequence the model accepts (size of the learned position table for GPT-2)."""
+    norm: str = "layernorm"
+    """'layernorm' (GPT-2) or 'rmsnorm' (LLaMA)."""
+    position: str = "learned"
+    """'learned' absolute positions (GPT-2) or 'rope' rotary embeddings (LLaMA)."""
+    mlp: str = "gelu"
+    """'gelu' two-layer MLP (GPT-2) or 'swiglu' gated MLP (LLaMA)."""
+    bias: bool = True
+    """Biases in linear layers and norms (GPT-2 has them, LLaMA does not)."""
+    tie_embeddings: bool = True
+    """Share the token embedding matrix with the output head (GPT-2 does, LLaMA does not)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """Epsilon of the normalisation layers."""
+    ffn_multiple_of: int = 256
+    """SwiGLU hidden width is rounded up to a multiple of this (LLaMA's convention)."""
+    init_std: float = 0.02
+    """Standard deviation of the weight initialisation (residual projections get /sqrt(2*n_layers))."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    """'stdlib' = the Python standard library's own .py files (always present), or a path to a
+    text/JSONL file or a directory of them (comma-separated for several)."""
+    cache_dir: str = ""
+    """Where the tokenizer and token shards are cached; '' = ~/.cache/shardlm (or $SHARDLM_CACHE)."""
+    val_fraction: float = 0.01
+    """Fraction of the token stream held out for validation."""
+    max_bytes: int = 0
+    """Read at most this many bytes of text (0 = all): small values make quick experiments."""
+    jsonl_field: str = "text"
+    """For JSONL sources: the field holding the document text."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps to run."""
+    micro_batch: int = 8
+    """Sequences per forward/backward pass on each data-parallel rank."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step (global batch = micro_batch*grad_accum*dp)."""
+    seq_len: int = 256
+    """Tokens per training sequence (<= model.max_seq_len)."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to lr*min_lr_ratio at the last step."""
+    warmup_steps: int = 30
+    """Linear warmup steps from 0 to lr."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not to biases, norms)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = no clipping)."""
+    seed: int = 1337
+    """Seeds the weights and the data order; the same seed gives the same run."""
+    eval_every: int = 100
+    """Compute validation loss every this many steps (0 = only at the end)."""
+    eval_batches: int = 8
+    """Micro-batches averaged for one validation loss."""
+    log_every: int = 1
+    """Write a JSONL line every this many steps."""
+    compile: bool = False
+    """Wrap the model in torch.compile."""
+    sample_tokens: int = 120
+    """After training, generate this many tokens from `sample_prompt` (0 = skip)."""
+    sample_prompt: str = "def "
+    """Prompt for the sample printed after training."""
+
+
+@dataclass
+class PrecisionConfig:
+    compute: str = "auto"
+    """'fp32', 'bf16' (autocast), 'fp16' (autocast + dynamic loss scaling), or 'auto': bf16 on GPUs
+    that support it; on CPU the faster of fp32/bf16 by the machine's measured matmul peak."""
+    loss_scale_init: float = 65536.0
+    """fp16: initial loss scale."""
+    loss_scale_growth_interval: int = 2000
+    """fp16: double the scale after this many steps without overflow."""
+    loss_scale_backoff: float = 0.5
+    """fp16: multiply the scale by this on overflow (and skip that step)."""
+
+
+@dataclass
+class ActivationConfig:
+    checkpoint: str = "none"
+    """Activation checkpointing per block: 'none', 'full' (recompute the whole block in backward),
+    or 'selective' (keep matmul and attention outputs, recompute the cheap element-wise ops)."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs"
+    """Parent directory of run directories."""
+    name: str = ""
+    """Run directory name under `dir`; '' = a timestamp."""
+    device: str = "auto"
+    """'auto' (CUDA if present, else CPU), 'cpu', 'cuda', 'cuda:N'."""
+    progress: str = "auto"
+    """Progress bar: 'auto' (only on a terminal), 'on', 'off'."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The network's shape."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus and tokenizer."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation and loop."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Numeric formats."""
+    activation: ActivationConfig = field(default_factory=ActivationConfig)
+    """Activation memory."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Where outputs go, which device."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "Config":
+        """Every cross-field check, all errors at once. Returns self for chaining."""
+        errors = _validation_errors(self)
+        if errors:
+            raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Field docs and the flat key space
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each dataclass field, read from the class source."""
+    try:
+        tree = ast.parse(inspect.getsource(cls).lstrip())
+    except (OSError, TypeError):
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def sections() -> dict[str, type]:
+    hints = get_type_hints(Config)
+    return {f.name: hints[f.name] for f in fields(Config)}
+
+
+def valid_keys() -> list[str]:
+    return [f"{name}.{f.name}" for name, cls in sections().items() for f in fields(cls)]
+
+
+def describe() -> str:
+    """Every key with its default and docstring: the text of `--help-config`."""
+    lines = []
+    default = Config()
+    for name, cls in sections().items():
+        lines.append(f"[{name}]")
+        docs = field_docs(cls)
+        for f in fields(cls):
+            value = getattr(getattr(default, name), f.name)
+            lines.append(f"  {f.name} = {value!r}")
+            if f.name in docs:
+                lines.append(f"      {docs[f.name]}")
+    return "\n".join(lines)
+
+
+def _unknown_key(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.5)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key '{key}'.{hint} (`shardlm train --help-config` lists all keys)")
+
+
+def _coerce(key: str, value: Any, typ: type) -> Any:
+    """Turn a TOML value or a command-line string into the field's type, or explain why not."""
+    if isinstance(value, str) and typ is not str:
+        text = value.strip()
+        try:
+            if typ is bool:
+                if text.lower() in ("true", "1", "yes", "on"):
+                    return True
+                if text.lower() in ("false", "0", "no", "off"):
+                    return False
+                raise ValueError
+            return typ(float(text)) if typ is int and ("e" in text.lower()) else typ(text)
+        except ValueError:
+            raise ConfigError(f"{key} must be a {typ.__name__}, got {value!r}") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} must be a {typ.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            flat.update(_flatten(v, key + "."))
+        else:
+            flat[key] = v
+    return flat
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """`--a.b=value` or `--a.b value` pairs into {'a.b': 'value'}."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"expected an override like --train.steps=100, got {arg!r}")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(args):
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"override {arg!r} has no value; write {arg}=VALUE")
+        out[key] = value
+        i += 1
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Build the Config: defaults < model preset < TOML file < overrides. Does not validate."""
+    from shardlm.models.presets import get_preset
+
+    values: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            values.update(_flatten(tomllib.loads(p.read_text())))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    values.update(overrides or {})
+
+    cfg = Config()
+    secs = sections()
+    for key in values:
+        section, _, name = key.partition(".")
+        if section not in secs or name not in {f.name for f in fields(secs[section])}:
+            raise _unknown_key(key)
+    preset = values.get("model.preset", cfg.model.preset)
+    ordered = {f"model.{k}": v for k, v in get_preset(str(preset)).items()}
+    ordered["model.preset"] = preset
+    ordered.update(values)
+    for key, value in ordered.items():
+        section, _, name = key.partition(".")
+        typ = get_type_hints(secs[section])[name]
+        setattr(getattr(cfg, section), name, _coerce(key, value, typ))
+    return cfg
+
+
+_CHOICES = {
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.position": ("learned", "rope"),
+    "model.mlp": ("gelu", "swiglu"),
+    "precision.compute": ("auto", "fp32", "bf16", "fp16"),
+    "activation.checkpoint": ("none", "full", "selective"),
+    "run.progress": ("auto", "on", "off"),
+}
+
+_POSITIVE = ("model.vocab_size", "model.n_layers", "model.n_heads", "model.d_model",
+             "model.max_seq_len", "train.steps", "train.micro_batch", "train.grad_accum",
+             "train.seq_len", "train.eval_batches", "train.log_every")
+
+
+def _get(cfg: Config, key: str) -> Any:
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _validation_errors(cfg: Config) -> list[str]:
+    errors = []
+    for key, choices in _CHOICES.items():
+        if _get(cfg, key) not in choices:
+            errors.append(f"{key} = {_get(cfg, key)!r}; choose one of {', '.join(choices)}")
+    for key in _POSITIVE:
+        if _get(cfg, key) <= 0:
+            errors.append(f"{key} = {_get(cfg, key)} must be > 0")
+    m, t = cfg.model, cfg.train
+    if m.n_heads > 0 and m.d_model % m.n_heads:
+        errors.append(f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}")
+    kv = m.n_kv_heads or m.n_heads
+    if kv < 0 or (m.n_heads > 0 and kv > 0 and m.n_heads % kv):
+        errors.append(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}")
+    if m.position == "rope" and m.n_heads > 0 and (m.d_model // m.n_heads) % 2:
+        errors.append(f"RoPE needs an even head dim; d_model/n_heads = {m.d_model // max(m.n_heads, 1)}")
+    if t.seq_len > m.max_seq_len:
+        errors.append(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}; "
+                      f"lower train.seq_len or raise model.max_seq_len")
+    if t.warmup_steps < 0:
+        errors.append(f"train.warmup_steps = {t.warmup_steps} must be >= 0")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        errors.append(f"train.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1]")
+    if t.lr <= 0:
+        errors.append(f"train.lr = {t.lr} must be > 0")
+    if t.grad_clip < 0:
+        errors.append(f"train.grad_clip = {t.grad_clip} must be >= 0 (0 disables clipping)")
+    if not 0.0 <= t.beta1 < 1.0 or not 0.0 <= t.beta2 < 1.0:
+        errors.append(f"train.beta1 = {t.beta1}, train.beta2 = {t.beta2} must be in [0, 1)")
+    if not 0.0 < cfg.data.val_fraction < 0.5:
+        errors.append(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 0.5)")
+    if cfg.data.max_bytes < 0:
+        errors.append(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 = whole corpus)")
+    p = cfg.precision
+    if p.loss_scale_init <= 0 or not 0 < p.loss_scale_backoff < 1 or p.loss_scale_growth_interval <= 0:
+        errors.append("precision.loss_scale_init must be > 0, loss_scale_backoff in (0, 1), "
+                      "loss_scale_growth_interval > 0")
+    return errors
