@@ -246,12 +246,12 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
     return value
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            flat.update(_flatten(v, key + "."))
+            flat.update(flatten(v, key + "."))
         else:
             flat[key] = v
     return flat
@@ -287,7 +287,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            values.update(_flatten(tomllib.loads(p.read_text())))
+            values.update(flatten(tomllib.loads(p.read_text())))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from None
     values.update(overrides or {})

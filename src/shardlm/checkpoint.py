@@ -1,0 +1,76 @@
+"""Saving and loading trained weights: safetensors for tensors, JSON for metadata — nothing is
+ever unpickled.
+
+A run directory holds `model.safetensors`, `config.json` and `tokenizer.json`; the run's parent
+directory holds a `latest` link to the newest finished run. (Sharded, resumable checkpoints with
+optimizer state extend this format; they live here too.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from shardlm.config import Config, ConfigError, flatten, load_config
+
+WEIGHTS, CONFIG, TOKENIZER, LATEST = "model.safetensors", "config.json", "tokenizer.json", "latest"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def point_latest(run_dir: Path) -> None:
+    """Move `<parent>/latest` to this run, atomically (a new link renamed over the old one)."""
+    link = run_dir.parent / LATEST
+    tmp = run_dir.parent / f".{LATEST}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(run_dir.name)
+    os.replace(tmp, link)
+
+
+def save_weights(run_dir: Path, model: nn.Module, cfg: Config, tokenizer) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / (WEIGHTS + ".tmp")
+    save_model(model, str(tmp))  # handles the tied embedding/head pair (stored once)
+    os.replace(tmp, run_dir / WEIGHTS)
+    _write_atomic(run_dir / CONFIG, json.dumps(cfg.to_dict(), indent=2))
+    tokenizer.save(str(run_dir / TOKENIZER))
+    point_latest(run_dir)
+    return run_dir / WEIGHTS
+
+
+def resolve_run_dir(path: str | Path) -> Path:
+    """A run directory, its `latest` link, or its parent (then `latest` inside it)."""
+    p = Path(path)
+    if (p / LATEST).exists() and not (p / WEIGHTS).exists():
+        p = p / LATEST
+    if not (p / WEIGHTS).is_file():
+        raise ConfigError(f"no trained weights at {str(path)!r}: expected a run directory holding "
+                          f"{WEIGHTS} (e.g. runs/latest after `shardlm train`)")
+    return p.resolve()
+
+
+def load_config_json(run_dir: Path) -> Config:
+    return load_config(overrides=flatten(json.loads((run_dir / CONFIG).read_text())))
+
+
+def load_for_inference(path: str | Path, device: torch.device):
+    """(model, tokenizer, config) of a saved run, model in eval mode on `device`."""
+    from tokenizers import Tokenizer
+
+    from shardlm.models import build_model
+
+    run_dir = resolve_run_dir(path)
+    cfg = load_config_json(run_dir)
+    model = build_model(cfg.model, device, seed=0)
+    load_model(model, str(run_dir / WEIGHTS), device=str(device))
+    model.eval()
+    return model, Tokenizer.from_file(str(run_dir / TOKENIZER)), cfg

@@ -1,0 +1,123 @@
+"""The `shardlm` command: train, generate, presets."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from shardlm.config import ConfigError
+
+EPILOG = """\
+examples:
+  shardlm train                                   train the default small GPT on the built-in corpus
+  shardlm train configs/gpt2-124m.toml --train.steps=100
+  shardlm train --model.preset=llama-tiny --precision.compute=bf16
+  shardlm train --help-config                     every config key, its default and meaning
+  shardlm generate --checkpoint runs/latest --prompt "def fib("
+  shardlm presets                                 the named model shapes
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardlm", description="Train language models efficiently on one device or many.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train = sub.add_parser(
+        "train", help="train a model (config file + --section.key=value overrides)",
+        description="Train a model. Settings: defaults < model preset < CONFIG (TOML) < overrides "
+                    "such as --train.steps=100. See --help-config for every key.")
+    train.add_argument("config", nargs="?", help="TOML config file (optional)")
+    train.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    gen = sub.add_parser("generate", help="sample text from a trained run")
+    gen.add_argument("--checkpoint", default="runs/latest", help="run directory (default runs/latest)")
+    gen.add_argument("--prompt", default="def ", help="text to continue")
+    gen.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-k", type=int, default=50)
+    gen.add_argument("--seed", type=int, default=0)
+    sub.add_parser("presets", help="list the named model shapes with parameter counts")
+    return parser
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from shardlm.config import describe, load_config, parse_overrides
+
+    if args.help_config:
+        print(describe())
+        return 0
+    cfg = load_config(args.config, parse_overrides(overrides)).validate()
+
+    from shardlm.models import count_params
+    from shardlm.trainer import build_run, sample_text, train
+
+    run = build_run(cfg)
+    t = cfg.train
+    print(f"shardlm: {cfg.model.preset} ({count_params(cfg.model) / 1e6:.1f}M params) on "
+          f"{run.runtime.device}, {run.precision.name}, {run.train_loader.global_batch} x {t.seq_len} "
+          f"tokens/step, {t.steps} steps -> {run.run_dir}")
+    result = train(run)
+    val = f", val loss {result.val_loss:.3f}" if result.val_loss is not None else ""
+    print(f"done: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}{val}; "
+          f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%}; "
+          f"log {run.run_dir / 'metrics.jsonl'}")
+    if t.sample_tokens > 0:
+        print("sample:\n" + sample_text(run, t.sample_prompt, t.sample_tokens))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from shardlm.checkpoint import load_for_inference
+    from shardlm.launch import pick_device
+    from shardlm.models import generate
+
+    device = pick_device("auto")
+    model, tokenizer, _ = load_for_inference(args.checkpoint, device)
+    idx = torch.tensor([tokenizer.encode(args.prompt).ids], device=device)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    out = generate(model, idx, args.tokens, temperature=args.temperature, top_k=args.top_k,
+                   generator=generator)
+    print(tokenizer.decode(out[0].tolist()))
+    return 0
+
+
+def cmd_presets() -> int:
+    from shardlm.config import ModelConfig
+    from shardlm.models import count_params
+    from shardlm.models.presets import ALIASES, PRESETS
+
+    aliases = {v: k for k, v in ALIASES.items()}
+    for name, shape in PRESETS.items():
+        cfg = ModelConfig(preset=name, **shape)
+        alias = f" (alias {aliases[name]})" if name in aliases else ""
+        print(f"{name:12s} {count_params(cfg) / 1e6:10.1f}M  layers={cfg.n_layers:<3d} "
+              f"d_model={cfg.d_model:<5d} heads={cfg.n_heads}/{cfg.n_kv_heads or cfg.n_heads} "
+              f"vocab={cfg.vocab_size}{alias}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command == "train":
+            return cmd_train(args, rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "presets":
+            return cmd_presets()
+        parser.print_help()
+        return 0
+    except ConfigError as e:
+        print(f"shardlm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Process environment: which rank am I, which device and backend, how many threads.
+
+This is the one place that reads the launcher's environment variables (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE as set by torchrun / torch.distributed.run); everything else receives
+a `Runtime`. Device and backend come from what exists: CUDA + NCCL when GPUs are there, CPU + gloo
+otherwise; nothing is hard-coded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shardlm.config import ConfigError
+
+log = logging.getLogger("shardlm")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None
+    """The torch.distributed backend in use, or None for a single process."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (respects taskset / cgroup affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def pick_device(preference: str, local_rank: int = 0) -> torch.device:
+    """'auto' = this rank's GPU if CUDA exists, else the CPU; an explicit choice is checked."""
+    if preference == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+    device = torch.device(preference)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"run.device = {preference!r} but this machine has no CUDA device; "
+                          f"use run.device = 'auto' or 'cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"run.device = {preference!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    return device
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_runtime(device_preference: str = "auto") -> Runtime:
+    """Read the launcher's environment, pick device and backend, set the per-rank thread count,
+    and join the process group when there is more than one rank."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    device = pick_device(device_preference, local_rank)
+    if device.type == "cpu":
+        # Ranks on one machine share its cores: oversubscription makes every rank slower.
+        torch.set_num_threads(max(1, cpu_cores() // max(1, local_world)))
+    else:
+        torch.cuda.set_device(device)
+    backend = None
+    if world_size > 1:
+        backend = backend_for(device)
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    return Runtime(rank, world_size, local_rank, local_world, device, backend)
+
+
+def shutdown(runtime: Runtime) -> None:
+    if runtime.backend is not None and dist.is_initialized():
+        dist.destroy_process_group()

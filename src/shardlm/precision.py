@@ -1,0 +1,129 @@
+"""Precision policy: the compute dtype (autocast) and, for fp16, a dynamic loss scaler.
+
+The variant is chosen once when the run is built (`build_precision`); the step calls the same
+methods whatever the precision. Master weights and optimizer states stay fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, ContextManager
+
+import torch
+
+from shardlm.config import PrecisionConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class NoLossScaler:
+    """fp32 and bf16: bf16 has fp32's exponent range, so gradients need no scaling."""
+
+    scale = 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def unscale_(self, grads: list[torch.Tensor]) -> None:
+        pass
+
+    def update(self, grads_finite: bool) -> bool:
+        """Returns whether the optimizer may step. Outside fp16 a non-finite gradient is not an
+        expected event to skip silently but a diverged run."""
+        if not grads_finite:
+            raise FloatingPointError(
+                "the gradient norm is not finite (NaN/inf): the run diverged. Lower train.lr, "
+                "keep train.grad_clip > 0, or use precision.compute = 'fp32' / 'bf16' instead of fp16")
+        return True
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class DynamicLossScaler:
+    """fp16 loss scaling (Micikevicius et al. 2018): multiply the loss by `scale` so small
+    gradients survive fp16's narrow range; on overflow skip the step and back off; after
+    `growth_interval` clean steps grow the scale again."""
+
+    def __init__(self, init_scale: float, growth_interval: int, backoff: float, growth: float = 2.0):
+        self.scale = float(init_scale)
+        self.growth_interval = growth_interval
+        self.backoff = backoff
+        self.growth = growth
+        self.clean_steps = 0
+        self.skipped_steps = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale
+
+    def unscale_(self, grads: list[torch.Tensor]) -> None:
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+
+    def update(self, grads_finite: bool) -> bool:
+        if not grads_finite:
+            self.scale *= self.backoff
+            self.clean_steps = 0
+            self.skipped_steps += 1
+            return False
+        self.clean_steps += 1
+        if self.clean_steps % self.growth_interval == 0:
+            self.scale *= self.growth
+        return True
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+
+@dataclass
+class Precision:
+    name: str
+    """'fp32', 'bf16' or 'fp16' (resolved; never 'auto')."""
+    autocast: Callable[[], ContextManager]
+    scaler: NoLossScaler | DynamicLossScaler
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.name]
+
+
+def resolve_compute(name: str, device: torch.device) -> str:
+    """'auto' → bf16 on a GPU that has it; on a CPU the faster of fp32 and bf16 by the measured
+    matmul peak (bf16 is only fast on CPUs with AMX; with AVX-512 alone it is slower than fp32)."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    from shardlm.telemetry import peak_flops
+
+    return "bf16" if peak_flops(device, "bf16") > 1.1 * peak_flops(device, "fp32") else "fp32"
+
+
+def build_precision(cfg: PrecisionConfig, device: torch.device) -> Precision:
+    name = resolve_compute(cfg.compute, device)
+    if name == "fp32":
+        autocast: Callable[[], ContextManager] = contextlib.nullcontext
+    else:
+        dtype = DTYPES[name]
+        autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
+    if name == "fp16":
+        scaler: NoLossScaler | DynamicLossScaler = DynamicLossScaler(
+            cfg.loss_scale_init, cfg.loss_scale_growth_interval, cfg.loss_scale_backoff)
+    else:
+        scaler = NoLossScaler()
+    return Precision(name, autocast, scaler)
+
+
+def is_finite(value: torch.Tensor | float) -> bool:
+    return math.isfinite(float(value))

@@ -1,0 +1,157 @@
+"""What a run reports: device peak FLOPs (for MFU), process peak memory, the JSONL log, and a
+progress display for people.
+
+MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per second / the device's dense peak.
+For GPUs the peak comes from the vendor's published dense (non-sparse) numbers; for a CPU it is
+measured by a short matmul probe in the run's precision, once per machine, and cached.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+# Published dense peak FLOP/s (no sparsity) by device name substring, per compute dtype.
+# Sources: NVIDIA V100 datasheet (fp16 tensor core 125 TF, fp32 15.7 TF), A100 datasheet
+# (bf16 312 TF, tf32 156 TF, fp32 19.5 TF), H100 SXM datasheet (bf16 989 TF, tf32 494 TF),
+# H200 (same compute as H100 SXM), AMD MI250X datasheet (bf16 383 TF, fp32 47.9 TF).
+GPU_PEAKS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
+    "V100": {"bf16": 15.7e12, "fp16": 125e12, "fp32": 15.7e12},
+    "MI250X": {"bf16": 383e12, "fp16": 383e12, "fp32": 47.9e12},
+}
+
+_PROBE_SIZE = 2048
+
+
+def cache_dir() -> Path:
+    """Per-user cache for measured machine facts (and, in data/, tokenizers and token shards)."""
+    root = os.environ.get("SHARDLM_CACHE") or Path.home() / ".cache" / "shardlm"
+    return Path(root)
+
+
+def _probe_matmul(dtype: torch.dtype, seconds: float = 0.5) -> float:
+    """Best sustained FLOP/s of a square matmul on the CPU with the current thread count."""
+    a = torch.randn(_PROBE_SIZE, _PROBE_SIZE).to(dtype)
+    b = torch.randn(_PROBE_SIZE, _PROBE_SIZE).to(dtype)
+    a @ b  # warm up kernels and caches
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        a @ b
+        best = max(best, 2 * _PROBE_SIZE**3 / (time.perf_counter() - start))
+    return best
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_key(precision: str) -> str:
+    """The probe's result depends on the CPU, torch's kernels and the thread count."""
+    return f"{_cpu_name()}|{torch.__version__}|threads={torch.get_num_threads()}|{precision}"
+
+
+def peak_flops(device: torch.device, precision: str) -> float:
+    """Dense peak FLOP/s of one device in `precision` ('fp32', 'bf16', 'fp16')."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peaks in GPU_PEAKS.items():
+            if key in name:
+                return peaks[precision]
+        raise KeyError(f"no published peak for GPU {name!r}; add it to telemetry.GPU_PEAKS")
+    path = cache_dir() / "cpu_peak_flops.json"
+    table: dict[str, float] = json.loads(path.read_text()) if path.is_file() else {}
+    key = _cpu_key(precision)
+    if key not in table:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        table[key] = _probe_matmul(dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+    return table[key]
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def peak_device_bytes(device: torch.device) -> int:
+    """Peak bytes allocated by torch on a GPU; on the CPU the process RSS is the measure."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return peak_rss_bytes()
+
+
+class MetricsLog:
+    """One JSON object per line; flushed per write so a crashed run keeps its log."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._file: TextIO | None = open(path, "a", buffering=1) if path else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            # NaN/inf are not JSON: a non-finite value (an fp16 overflow step) is written as null.
+            clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                     for k, v in record.items()}
+            self._file.write(json.dumps(clean, allow_nan=False) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class ProgressDisplay:
+    """A rich progress bar with loss, tokens/s and MFU on a terminal; on a pipe (CI, logs),
+    a plain line at every tenth of the run instead."""
+
+    def __init__(self, total_steps: int, mode: str, enabled: bool = True):
+        interactive = sys.stderr.isatty() if mode == "auto" else mode == "on"
+        self.enabled = enabled and mode != "off"
+        self.total = total_steps
+        self.every = max(1, total_steps // 10)
+        self._bar = None
+        if self.enabled and interactive:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeRemainingColumn)
+
+            self._bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
+                                 transient=False)
+            self._task = self._bar.add_task("train", total=total_steps, status="")
+            self._bar.start()
+
+    def update(self, step: int, status: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step + 1, status=status)
+        elif (step + 1) % self.every == 0 or step == 0:
+            print(f"step {step + 1}/{self.total} {status}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

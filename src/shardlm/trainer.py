@@ -1,0 +1,186 @@
+"""The training loop: data → forward/backward → step → telemetry, read top to bottom.
+
+`build_run` assembles everything from a validated Config (the variants — precision, activation
+checkpointing, compile — are chosen here, once); `train` runs the loop. Model code knows nothing
+of this file; strategies are applied to the plain model in `build_run`, in a fixed order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm import checkpoint
+from shardlm.config import Config, ConfigError
+from shardlm.data import Dataset, Loader, build_dataset
+from shardlm.launch import Runtime, init_runtime
+from shardlm.models import build_model, flops_per_token, generate
+from shardlm.optim import build_optimizer, lr_at, set_lr
+from shardlm.parallel.activation import apply_ac
+from shardlm.precision import Precision, build_precision, is_finite
+from shardlm.telemetry import MetricsLog, ProgressDisplay, peak_flops, peak_rss_bytes
+
+log = logging.getLogger("shardlm")
+
+
+@dataclass
+class Run:
+    """Everything a training run holds, built once."""
+
+    cfg: Config
+    runtime: Runtime
+    dataset: Dataset
+    model: nn.Module
+    """The plain model (parameters, state_dict) — what is saved."""
+    forward: nn.Module
+    """What is called in the step: the model, possibly compiled."""
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    train_loader: Loader
+    val_loader: Loader
+    run_dir: Path
+    peak_flops_per_device: float
+    flops_per_token: float
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    losses: list[float] = field(default_factory=list)
+    val_loss: float | None = None
+    tokens_per_s: float = 0.0
+    """Mean over the steps after the first (which pays one-off warm-up costs)."""
+    mfu: float = 0.0
+    skipped_steps: int = 0
+
+
+def make_run_dir(cfg: Config, is_main: bool) -> Path:
+    name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.run.dir) / name
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def build_run(cfg: Config, runtime: Runtime | None = None) -> Run:
+    cfg.validate()
+    runtime = runtime or init_runtime(cfg.run.device)
+    if runtime.world_size > 1:
+        raise ConfigError(f"launched with {runtime.world_size} ranks, but this version trains on one "
+                          f"device; run a single process")
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    dataset = build_dataset(cfg.data, cfg.model.vocab_size)
+    model = build_model(cfg.model, runtime.device, seed=t.seed)
+    apply_ac(model, cfg.activation.checkpoint)
+    forward = torch.compile(model) if t.compile else model
+    precision = build_precision(cfg.precision, runtime.device)
+    common = dict(seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
+                  dp_rank=runtime.rank, dp_size=runtime.world_size)
+    return Run(
+        cfg=cfg, runtime=runtime, dataset=dataset, model=model, forward=forward,
+        optimizer=build_optimizer(model, t, runtime.device), precision=precision,
+        train_loader=Loader(dataset.train, grad_accum=t.grad_accum, **common),
+        val_loader=Loader(dataset.val, grad_accum=1, **common),
+        run_dir=make_run_dir(cfg, runtime.is_main),
+        peak_flops_per_device=peak_flops(runtime.device, precision.name),
+        flops_per_token=flops_per_token(cfg.model, t.seq_len),
+    )
+
+
+def loss_of(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    device = run.runtime.device
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    with run.precision.autocast():
+        logits = run.forward(x)  # (B, T, vocab)
+    # Cross-entropy in fp32: a bf16/fp16 softmax over 50k classes loses the small probabilities.
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def train_step(run: Run, step: int) -> tuple[float, float, bool]:
+    """One optimizer step over grad_accum micro-batches. Returns (loss, grad norm, stepped)."""
+    set_lr(run.optimizer, lr_at(step, run.cfg.train))
+    micro_batches = run.train_loader.micro_batches(step)
+    total = torch.zeros((), device=run.runtime.device)
+    for x, y in micro_batches:
+        loss = loss_of(run, x, y) / len(micro_batches)
+        run.precision.scaler.scale_loss(loss).backward()
+        total += loss.detach()
+    params = [p for p in run.model.parameters() if p.grad is not None]
+    run.precision.scaler.unscale_([p.grad for p in params])
+    # The norm is computed every step (telemetry) and doubles as the overflow check.
+    max_norm = run.cfg.train.grad_clip or float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+    stepped = run.precision.scaler.update(is_finite(grad_norm))
+    if stepped:
+        run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return float(total), grad_norm, stepped
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    run.model.eval()
+    losses = [float(loss_of(run, x, y)) for x, y in run.val_loader.eval_batches(run.cfg.train.eval_batches)]
+    run.model.train()
+    return sum(losses) / len(losses)
+
+
+def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: float) -> dict:
+    tokens = run.train_loader.global_batch * run.cfg.train.seq_len
+    tokens_per_s = tokens / seconds
+    mfu = tokens_per_s * run.flops_per_token / (run.peak_flops_per_device * run.runtime.world_size)
+    return {"step": step + 1, "loss": loss, "lr": run.optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
+            "step_time_s": seconds, "peak_rss_bytes": peak_rss_bytes(),
+            "loss_scale": run.precision.scaler.scale}
+
+
+def train(run: Run) -> TrainResult:
+    cfg, main = run.cfg, run.runtime.is_main
+    metrics = MetricsLog(run.run_dir / "metrics.jsonl" if main else None)
+    progress = ProgressDisplay(cfg.train.steps, cfg.run.progress, enabled=main)
+    result = TrainResult(run.run_dir)
+    speeds, mfus = [], []
+    try:
+        for step in range(cfg.train.steps):
+            start = time.perf_counter()
+            loss, grad_norm, stepped = train_step(run, step)
+            record = step_record(run, step, loss, grad_norm, time.perf_counter() - start)
+            record["skipped"] = not stepped
+            result.losses.append(loss)
+            result.skipped_steps += not stepped
+            if step > 0 or cfg.train.steps == 1:
+                speeds.append(record["tokens_per_s"])
+                mfus.append(record["mfu"])
+            last = step + 1 == cfg.train.steps
+            if last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0):
+                result.val_loss = record["val_loss"] = evaluate(run)
+            if last or (step + 1) % cfg.train.log_every == 0:
+                metrics.write(record)
+            progress.update(step, f"loss {loss:.3f}  {record['tokens_per_s']:,.0f} tok/s  "
+                                  f"MFU {record['mfu']:.1%}")
+    finally:
+        progress.close()
+        metrics.close()
+    result.tokens_per_s = sum(speeds) / len(speeds)
+    result.mfu = sum(mfus) / len(mfus)
+    if main:
+        checkpoint.save_weights(run.run_dir, run.model, cfg, run.dataset.tokenizer)
+    return result
+
+
+def sample_text(run: Run, prompt: str, max_new_tokens: int) -> str:
+    tokenizer = run.dataset.tokenizer
+    idx = torch.tensor([tokenizer.encode(prompt).ids], device=run.runtime.device)
+    generator = torch.Generator(device=run.runtime.device).manual_seed(run.cfg.train.seed)
+    run.model.eval()
+    with run.precision.autocast():
+        out = generate(run.model, idx, max_new_tokens, generator=generator)
+    return tokenizer.decode(out[0].tolist())

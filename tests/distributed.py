@@ -1,0 +1,60 @@
+"""Spawn N real processes joined in a gloo (or NCCL) process group through a file-based
+rendezvous — no fixed port, so tests can run side by side. Every distributed test uses this."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardlm.launch import backend_for, cpu_cores, pick_device
+
+
+def _entry(fn: Callable, rank: int, world_size: int, init_file: str, queue, args: tuple) -> None:
+    # The launcher's variables, as torchrun would set them, so code under test reads them as usual.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(max(1, cpu_cores() // world_size))
+    try:
+        backend = backend_for(pick_device("auto", rank))
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size)
+        try:
+            queue.put((rank, "ok", fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # report every failure to the parent, which raises it
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn: Callable, world_size: int, tmp_dir: Path, *args: Any, timeout: float = 180) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return their results
+    by rank. `fn` must be importable (module level). Raises with the failing ranks' tracebacks."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    init_file = str(Path(tmp_dir) / f"rendezvous-{os.getpid()}-{id(fn)}")
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, queue, args))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    for _ in range(world_size):
+        rank, status, value = queue.get()
+        if status == "ok":
+            results[rank] = value
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+            break  # the other ranks may be blocked in a collective with the failed one
+    for p in procs:
+        p.join(timeout=timeout if not errors else 5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise RuntimeError("distributed test failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
