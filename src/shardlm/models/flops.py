@@ -1,0 +1,97 @@
+"""Parameter and FLOP counts as pure functions of a ModelConfig: no tensors are allocated.
+
+`count_params` equals `sum(p.numel() for p in build_model(cfg).parameters())` (tests check it for
+every preset), so the planner and the MFU meter can size a 70B model without building one.
+"""
+
+from __future__ import annotations
+
+from shardlm.config import ModelConfig
+
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
+def resolved_d_ff(cfg: ModelConfig) -> int:
+    """MLP hidden width: `d_ff` if set, else 4*d for GELU, else LLaMA's SwiGLU rule.
+
+    LLaMA keeps the SwiGLU MLP's parameters (3 matrices) equal to a 4*d GELU MLP's (2 matrices):
+    hidden = 2/3 * 4*d, rounded up to a multiple of `ffn_multiple_of` (Meta's llama/model.py).
+    """
+    if cfg.d_ff:
+        return cfg.d_ff
+    if cfg.mlp == "gelu":
+        return 4 * cfg.d_model
+    hidden = int(2 * 4 * cfg.d_model / 3)
+    m = cfg.ffn_multiple_of
+    return m * ((hidden + m - 1) // m)
+
+
+def _block_matmul_params(cfg: ModelConfig) -> int:
+    """Weight elements of one block's linears: fused qkv, attention proj, the MLP's matrices."""
+    d, head_dim = cfg.d_model, cfg.d_model // cfg.n_heads
+    n_kv = cfg.n_kv_heads or cfg.n_heads
+    attn = d * (cfg.n_heads + 2 * n_kv) * head_dim + cfg.n_heads * head_dim * d
+    mlp_matrices = 3 if cfg.mlp == "swiglu" else 2
+    return attn + mlp_matrices * d * resolved_d_ff(cfg)
+
+
+def _norm_params(cfg: ModelConfig) -> int:
+    has_bias = cfg.norm == "layernorm" and cfg.bias
+    return cfg.d_model * (2 if has_bias else 1)
+
+
+def _block_params(cfg: ModelConfig) -> int:
+    biases = 0
+    if cfg.bias:
+        head_dim, n_kv = cfg.d_model // cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
+        mlp_out = 2 * resolved_d_ff(cfg) if cfg.mlp == "swiglu" else resolved_d_ff(cfg)
+        biases = (cfg.n_heads + 2 * n_kv) * head_dim + cfg.d_model + mlp_out + cfg.d_model
+    return _block_matmul_params(cfg) + biases + 2 * _norm_params(cfg)
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Unique parameters of the built model; a tied head shares the embedding and counts once."""
+    embeddings = cfg.vocab_size * cfg.d_model
+    if cfg.position == "learned":
+        embeddings += cfg.max_seq_len * cfg.d_model
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+    return cfg.n_layers * _block_params(cfg) + embeddings + _norm_params(cfg) + head
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weight elements multiplied per token: every block linear, plus the head (tied or not).
+
+    Embedding lookups do no multiply-adds and are excluded; biases and norms are not matmuls.
+    """
+    return cfg.n_layers * _block_matmul_params(cfg) + cfg.d_model * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none") -> float:
+    """Training FLOPs (forward + backward) per token at sequence length `seq_len`.
+
+    PaLM (Chowdhery et al. 2022, appendix B): 6*N for the matmuls (2 forward, 4 backward per
+    weight element) plus 12*n_layers*d_model*seq_len for attention: QK^T and AV are 2*T*d each
+    per token and layer forward (4*T*d), twice that backward. Like PaLM and torch's
+    FlopCounterMode, attention is counted dense, not halved for the causal mask, so at long
+    sequences these "model FLOPs" overstate the useful work.
+
+    recompute="full" (blocks checkpointed by `apply_ac`) adds a second forward of each block, the
+    familiar "8N, 4/3 of 6N", minus what torch does not redo: the head sits outside the
+    blocks, and torch's non-reentrant checkpoint stops recomputing once every tensor backward
+    needs exists again, so the block's last linear (MLP `proj`/`down`, whose output backward never
+    reads) is skipped. Extra = n_layers * (2*(N_block - d_model*d_ff) + 4*d_model*seq_len).
+    recompute="selective" keeps every matmul and attention output, so it recomputes only
+    element-wise ops and adds no matmul FLOPs.
+
+    MFU conventionally uses recompute="none" (recomputation is not model work). Kernels may do
+    more: torch's CPU/flash attention backward recomputes QK^T (another 2*T*d per token and
+    layer), which FlopCounterMode counts and this function, as PaLM, does not.
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute = {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
+    attention_forward = 4 * cfg.n_layers * cfg.d_model * seq_len
+    flops = 6 * matmul_params(cfg) + 3 * attention_forward
+    if recompute == "full":
+        recomputed = _block_matmul_params(cfg) - cfg.d_model * resolved_d_ff(cfg)
+        flops += 2 * cfg.n_layers * recomputed + attention_forward
+    return float(flops)
