@@ -1,8 +1,8 @@
 """Process environment: which rank am I, which device and backend, how many threads.
 
-This is the one place that reads the launcher's environment variables (RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE as set by torchrun / torch.distributed.run); everything else receives
-a `Runtime`. Device and backend come from what exists: CUDA + NCCL when GPUs are there, CPU + gloo
+This is the one place that reads environment variables: the launcher's (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE as set by torchrun / torch.distributed.run) and $SHARDLM_CACHE;
+everything else receives a `Runtime` or a path. Device and backend come from what exists: CUDA + NCCL when GPUs are there, CPU + gloo
 otherwise; nothing is hard-coded.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,12 @@ class Runtime:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def cache_root(configured: str = "") -> Path:
+    """Per-user cache (tokenizers, token shards, the CPU FLOP probe): the configured path, else
+    $SHARDLM_CACHE, else ~/.cache/shardlm."""
+    return Path(configured or os.environ.get("SHARDLM_CACHE") or "~/.cache/shardlm").expanduser()
 
 
 def cpu_cores() -> int:

@@ -20,6 +20,8 @@ from typing import Any, TextIO
 
 import torch
 
+from shardlm.launch import cache_root
+
 # Published dense peak FLOP/s (no sparsity) by device name substring, per compute dtype.
 # Sources: NVIDIA V100 datasheet (fp16 tensor core 125 TF, fp32 15.7 TF), A100 datasheet
 # (bf16 312 TF, tf32 156 TF, fp32 19.5 TF), H100 SXM datasheet (bf16 989 TF, tf32 494 TF),
@@ -33,12 +35,6 @@ GPU_PEAKS: dict[str, dict[str, float]] = {
 }
 
 _PROBE_SIZE = 2048
-
-
-def cache_dir() -> Path:
-    """Per-user cache for measured machine facts (and, in data/, tokenizers and token shards)."""
-    root = os.environ.get("SHARDLM_CACHE") or Path.home() / ".cache" / "shardlm"
-    return Path(root)
 
 
 def _probe_matmul(dtype: torch.dtype, seconds: float = 0.5) -> float:
@@ -77,7 +73,7 @@ def peak_flops(device: torch.device, precision: str) -> float:
             if key in name:
                 return peaks[precision]
         raise KeyError(f"no published peak for GPU {name!r}; add it to telemetry.GPU_PEAKS")
-    path = cache_dir() / "cpu_peak_flops.json"
+    path = cache_root() / "cpu_peak_flops.json"
     table: dict[str, float] = json.loads(path.read_text()) if path.is_file() else {}
     key = _cpu_key(precision)
     if key not in table:

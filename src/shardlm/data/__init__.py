@@ -1,0 +1,10 @@
+"""Corpus -> byte-level BPE -> cached token stream -> deterministic, resumable batches."""
+
+from shardlm.data.corpus import corpus_files, fingerprint, iter_documents
+from shardlm.data.loader import (Dataset, Loader, build_dataset, eval_batches,
+                                 load_dataset)
+from shardlm.data.tokenizer import EOT, load_tokenizer, train_tokenizer
+
+__all__ = ["EOT", "Dataset", "Loader", "build_dataset", "corpus_files",
+           "eval_batches", "fingerprint", "iter_documents", "load_dataset", "load_tokenizer",
+           "train_tokenizer"]

@@ -1,0 +1,211 @@
+"""Token shards on disk, built once per (corpus, vocab), and a sampler that is a pure function of
+(seed, step, dp_rank, dp_size).
+
+Layout of one cache entry, `<cache root>/<corpus fingerprint>-v<vocab_size>/`:
+  tokenizer.json   the trained BPE
+  tokens.bin       the whole token stream (uint16, or uint32 for vocab > 65535), documents joined
+                   by <|endoftext|>; train/val are views of it, so val_fraction needs no rebuild
+  meta.json        dtype, token/document/byte counts
+  done             written last: its presence means every other file is complete
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from shardlm.config import ConfigError, DataConfig
+from shardlm.launch import cache_root
+from shardlm.data.corpus import corpus_files, fingerprint, iter_documents
+from shardlm.data.tokenizer import (encode_to_file, eot_id, load_tokenizer, save_tokenizer,
+                                    train_tokenizer)
+
+log = logging.getLogger("shardlm")
+
+
+@dataclass
+class Dataset:
+    train: np.memmap
+    """Training tokens: the stream minus its last val_fraction."""
+    val: np.memmap
+    """Validation tokens: the last val_fraction of the stream (held-out text, not random windows,
+    so no validation window shares text with a training window except at the one cut)."""
+    tokenizer: Tokenizer
+    cache_dir: Path
+    eot_id: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive flock: of several ranks building the same entry, one builds, the rest wait."""
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build_dataset(cfg: DataConfig, vocab_size: int) -> Dataset:
+    """Train the tokenizer and write the token stream once; later calls (and other ranks) load."""
+    files = corpus_files(cfg)
+    cache_dir = cache_root(cfg.cache_dir) / f"{fingerprint(cfg, files)}-v{vocab_size}"
+    if not (cache_dir / "done").exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with _file_lock(cache_dir / "lock"):
+            # Checked again under the lock: another rank may have finished while we waited.
+            if not (cache_dir / "done").exists():
+                _build(cfg, files, vocab_size, cache_dir)
+    return load_dataset(cache_dir, cfg.val_fraction)
+
+
+def load_dataset(cache_dir: Path, val_fraction: float) -> Dataset:
+    meta = json.loads((cache_dir / "meta.json").read_text())
+    n_tokens = meta["n_tokens"]
+    tokens = np.memmap(cache_dir / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(n_tokens,))
+    split = n_tokens - int(round(n_tokens * val_fraction))
+    tok = load_tokenizer(cache_dir / "tokenizer.json")
+    return Dataset(train=tokens[:split], val=tokens[split:], tokenizer=tok,
+                   cache_dir=cache_dir, eot_id=eot_id(tok))
+
+
+def _documents(cfg: DataConfig, files: list[Path]) -> Iterator[str]:
+    """The corpus documents; a source that yields no text at all is the user's mistake."""
+    docs = iter_documents(cfg, files)
+    first = next(docs, None)
+    if first is None:
+        raise ConfigError(f"data.source = {cfg.source!r} yields no text ({len(files)} files, all "
+                          f"empty); point it at non-empty .txt/.py/.md/.jsonl files")
+    return chain([first], docs)
+
+
+def _build(cfg: DataConfig, files: list[Path], vocab_size: int, cache_dir: Path) -> None:
+    start = time.perf_counter()
+    for stale in cache_dir.glob("*.tmp.*"):  # left by a build that crashed; we hold the lock
+        stale.unlink()
+    tok = train_tokenizer(_documents(cfg, files), vocab_size)
+    save_tokenizer(tok, cache_dir / "tokenizer.json")
+    trained = time.perf_counter()
+    dtype = token_dtype(vocab_size)
+    counts = encode_to_file(tok, _documents(cfg, files), cache_dir / "tokens.bin", dtype)
+    meta = {"dtype": dtype.name, "vocab_size": vocab_size, "source": cfg.source,
+            "max_bytes": cfg.max_bytes, "n_files": len(files), **counts}
+    _write_atomic(cache_dir / "meta.json", json.dumps(meta, indent=2))
+    _write_atomic(cache_dir / "done", "")
+    done = time.perf_counter()
+    log.info("data: built %s: %d files, %d documents, %.1f MB text -> %d tokens (vocab %d, "
+             "%.2f bytes/token); tokenizer %.1fs, encode %.1fs", cache_dir, len(files),
+             counts["n_documents"], counts["n_bytes"] / 1e6, counts["n_tokens"], vocab_size,
+             counts["n_bytes"] / max(counts["n_tokens"], 1), trained - start, done - trained)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _require_windows(n_tokens: int, seq_len: int, needed: int, split: str, what: str) -> int:
+    n_windows = max(n_tokens - 1, 0) // seq_len
+    if n_windows < needed:
+        raise ConfigError(
+            f"the {split} split has {n_tokens} tokens = {n_windows} windows of seq_len+1 = "
+            f"{seq_len + 1} tokens, but {what} needs {needed} windows ({needed * seq_len + 1} "
+            f"tokens); lower train.seq_len or the batch size, or raise data.max_bytes"
+            + (" or data.val_fraction" if split == "val" else ""))
+    return n_windows
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _windows(tokens: np.ndarray, window_ids: np.ndarray, seq_len: int) -> Batch:
+    """Inputs and targets of the given windows: x = tokens[w*T : w*T+T], y = x shifted by one."""
+    index = window_ids[:, None] * seq_len + np.arange(seq_len + 1)  # (B, T+1)
+    w = torch.from_numpy(tokens[index].astype(np.int64))  # fancy index reads only these rows
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (B, T), (B, T)
+
+
+def eval_batches(tokens: np.ndarray, seq_len: int, micro_batch: int, n: int) -> Iterator[Batch]:
+    """The first n*micro_batch windows in order, (x, y) per micro-batch: the same on every call,
+    every rank and every step, so validation losses are comparable across a run and across runs.
+    Fewer batches when the split is smaller than n batches."""
+    n_windows = _require_windows(len(tokens), seq_len, micro_batch, "val", "one validation batch")
+    for b in range(min(n, n_windows // micro_batch)):
+        yield _windows(tokens, np.arange(b * micro_batch, (b + 1) * micro_batch), seq_len)
+
+
+class Loader:
+    """Batches that are a pure function of (seed, step, dp_rank, dp_size): no sampler state to save.
+
+    The stream is cut into windows of seq_len+1 tokens that overlap by one token, so every token
+    after the first is a target exactly once per epoch. Epoch e visits the windows in a permutation
+    seeded by (seed, e). Global sample g = step*global_batch + i lies in epoch g // n_windows. Rank
+    r takes the contiguous slice [r*L, (r+1)*L), L = micro_batch*grad_accum, of its step's global
+    batch and cuts it into grad_accum micro-batches: ranks and micro-steps in order concatenate to
+    the global batch, which is the same for every dp_size with the same global batch size. So a
+    resume, or a resume at another world size, neither repeats nor skips a sample.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch: int, grad_accum: int,
+                 seed: int, dp_rank: int = 0, dp_size: int = 1, split: str = "train"):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank = {dp_rank} must be in [0, dp_size = {dp_size})")
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.micro_batch, self.grad_accum = micro_batch, grad_accum
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.local_batch = micro_batch * grad_accum
+        self.global_batch = self.local_batch * dp_size
+        what = (f"one global batch (micro_batch {micro_batch} * grad_accum {grad_accum} * "
+                f"dp_size {dp_size})")
+        # At least one global batch of windows: then a step spans at most two epochs.
+        self.n_windows = _require_windows(len(tokens), seq_len, self.global_batch, split, what)
+        self._perms: dict[int, np.ndarray] = {}
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:  # only the current and the next epoch are ever needed
+                del self._perms[min(self._perms)]
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))
+            self._perms[epoch] = rng.permutation(self.n_windows)
+        return self._perms[epoch]
+
+    def window_ids(self, step: int) -> np.ndarray:
+        """This rank's window ids for `step`, shape (grad_accum, micro_batch)."""
+        g = step * self.global_batch + self.dp_rank * self.local_batch + np.arange(self.local_batch)
+        epochs = g // self.n_windows
+        ids = np.empty(self.local_batch, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            ids[mask] = self.permutation(int(epoch))[g[mask] % self.n_windows]
+        return ids.reshape(self.grad_accum, self.micro_batch)
+
+    def micro_batches(self, step: int) -> list[Batch]:
+        """grad_accum pairs (x, y) of LongTensors (micro_batch, seq_len), y = x shifted by one."""
+        return [_windows(self.tokens, ids, self.seq_len) for ids in self.window_ids(step)]
+
+    def eval_batches(self, n: int) -> Iterator[Batch]:
+        return eval_batches(self.tokens, self.seq_len, self.micro_batch, n)
