@@ -36,9 +36,9 @@ class PlainBlock(nn.Module):
     def __init__(self, d: int, n_heads: int):
         super().__init__()
         self.n_heads = n_heads
-        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        # Registered in shardlm's order, so parameters() line up one to one for copy_weights.
+        self.ln_1, self.c_attn, self.c_proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln_2, self.c_fc, self.mlp_proj = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
     def forward(self, x):
         B, T, C = x.shape
@@ -63,6 +63,17 @@ class PlainGPT(nn.Module):
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+@torch.no_grad()
+def copy_weights(src: nn.Module, dst: nn.Module) -> None:
+    """Start both loops from identical weights: the same maths must then give the same first loss
+    (a check that the comparison is fair), and no loop is slowed by a worse init (PyTorch's
+    default init drives this CPU into denormal floats within a few steps, 2-6x slower)."""
+    pairs = list(zip(src.parameters(), dst.parameters(), strict=True))
+    for a, b in pairs:
+        assert a.shape == b.shape, (a.shape, b.shape)
+        b.copy_(a)
 
 
 def plain_step(model, optimizer, batches, autocast) -> float:
@@ -98,11 +109,13 @@ def bench_case(preset: str, precision: str, steps: int, rounds: int, warmup: int
         run = build_run(cfg)
     m = cfg.model
     plain = PlainGPT(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.max_seq_len)
+    copy_weights(run.model, plain)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=cfg.train.lr, weight_decay=0.1)
     autocast = (contextlib.nullcontext if precision == "fp32"
                 else lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     batches = {s: run.train_loader.micro_batches(s) for s in range(rounds * (steps + warmup))}
     times: dict[str, list[float]] = {"plain": [], "shardlm": []}
+    first = {"plain": plain_step(plain, plain_opt, batches[0], autocast), "shardlm": train_step(run, 0)[0]}
     for r in range(rounds):
         span = range(r * (steps + warmup), (r + 1) * (steps + warmup))
         times["plain"] += timed(lambda s: plain_step(plain, plain_opt, batches[s], autocast), span)[warmup:]
@@ -116,6 +129,7 @@ def bench_case(preset: str, precision: str, steps: int, rounds: int, warmup: int
         row[f"{name}_tok_s"] = tokens / t
         row[f"{name}_mfu"] = flops / t / run.peak_flops_per_device
     row["ratio"] = row["shardlm_tok_s"] / row["plain_tok_s"]
+    row["first_loss_diff"] = abs(first["plain"] - first["shardlm"])
     return row
 
 
@@ -131,14 +145,14 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
     header = ("preset", "params", "prec", "batch", "plain tok/s", "shardlm tok/s", "ratio",
-              "plain MFU", "shardlm MFU", "peak GFLOP/s")
+              "plain MFU", "shardlm MFU", "peak GFLOP/s", "|Δ first loss|")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for preset in args.presets.split(","):
         for precision in args.precisions.split(","):
             r = bench_case(preset, precision, args.steps, args.rounds, args.warmup)
             print(f"| {r['preset']} | {r['params_M']:.1f}M | {r['precision']} | {r['batch']} | "
                   f"{r['plain_tok_s']:,.0f} | {r['shardlm_tok_s']:,.0f} | {r['ratio']:.2f}x | "
-                  f"{r['plain_mfu']:.1%} | {r['shardlm_mfu']:.1%} | {r['peak_gflops']:.0f} |", flush=True)
+                  f"{r['plain_mfu']:.1%} | {r['shardlm_mfu']:.1%} | {r['peak_gflops']:.0f} | {r['first_loss_diff']:.1e} |", flush=True)
 
 
 if __name__ == "__main__":
