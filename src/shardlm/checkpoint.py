@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from shardlm.config import Config, ConfigError, flatten, load_config
@@ -39,7 +39,10 @@ def point_latest(run_dir: Path) -> None:
 def save_weights(run_dir: Path, model: nn.Module, cfg: Config, tokenizer) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / (WEIGHTS + ".tmp")
-    save_model(model, str(tmp))  # handles the tied embedding/head pair (stored once)
+    # named_parameters() lists a tied parameter once (the embedding, not the head); contiguous
+    # copies, because parameters may be views of one flat buffer (the ZeRO engine's).
+    tensors = {n: p.detach().cpu().contiguous().clone() for n, p in model.named_parameters()}
+    save_file(tensors, str(tmp))
     os.replace(tmp, run_dir / WEIGHTS)
     _write_atomic(run_dir / CONFIG, json.dumps(cfg.to_dict(), indent=2))
     tokenizer.save(str(run_dir / TOKENIZER))
@@ -71,6 +74,11 @@ def load_for_inference(path: str | Path, device: torch.device):
     run_dir = resolve_run_dir(path)
     cfg = load_config_json(run_dir)
     model = build_model(cfg.model, device, seed=0)
-    load_model(model, str(run_dir / WEIGHTS), device=str(device))
+    missing, unexpected = model.load_state_dict(load_file(str(run_dir / WEIGHTS), device=str(device)),
+                                                strict=False)
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    if unexpected or set(missing) - tied:
+        raise ConfigError(f"{run_dir / WEIGHTS} does not match its config.json: missing "
+                          f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
     model.eval()
     return model, Tokenizer.from_file(str(run_dir / TOKENIZER)), cfg

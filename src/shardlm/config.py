@@ -121,12 +121,43 @@ class PrecisionConfig:
     compute: str = "auto"
     """'fp32', 'bf16' (autocast), 'fp16' (autocast + dynamic loss scaling), or 'auto': bf16 on GPUs
     that support it; on CPU the faster of fp32/bf16 by the machine's measured matmul peak."""
+    reduce: str = "auto"
+    """dtype gradients are kept and reduced in: 'auto' = the compute dtype (as DeepSpeed and
+    FSDP do; what the ZeRO memory formulas assume), or 'fp32' for exact reductions."""
+    master: str = "fp32"
+    """dtype of the master weights and optimizer states: 'fp32', or 'bf16' for FSDP's "pure bf16"
+    (memory-constrained) mode, where parameters are updated in bf16."""
     loss_scale_init: float = 65536.0
     """fp16: initial loss scale."""
     loss_scale_growth_interval: int = 2000
     """fp16: double the scale after this many steps without overflow."""
     loss_scale_backoff: float = 0.5
     """fp16: multiply the scale by this on overflow (and skip that step)."""
+
+
+@dataclass
+class ParallelConfig:
+    zero_stage: int = 0
+    """What is sharded over dp_shard (ZeRO, Rajbhandari et al. 2020): 0 nothing (plain data
+    parallel), 1 optimizer states + fp32 master, 2 + gradients, 3 + parameters."""
+    dp_replicate: int = 1
+    """Replicas (hybrid sharding): shard within groups of dp_shard ranks, replicate across them."""
+    dp_shard: int = -1
+    """Ranks a model state is sharded over; -1 = every rank the other degrees leave."""
+    tp: int = 1
+    """Tensor-parallel degree (reserved: 1 until tensor parallelism lands)."""
+    pp: int = 1
+    """Pipeline-parallel degree (reserved: 1 until pipeline parallelism lands)."""
+    ep: int = 1
+    """Expert-parallel degree (reserved: 1 until mixture-of-experts lands)."""
+    reshard_after_forward: bool = True
+    """Stage 3: free a unit's gathered parameters after its forward and gather again for its
+    backward (memory), or keep them until its backward (one all-gather less per step)."""
+    prefetch: bool = True
+    """Stage 3: start gathering the next unit's parameters while the current one computes."""
+    units: str = ""
+    """Sharding units for a model that is not ours: comma-separated class names (e.g.
+    'GPT2Block'); '' = the children of the largest nn.ModuleList."""
 
 
 @dataclass
@@ -158,6 +189,8 @@ class Config:
     """Optimisation and loop."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Numeric formats."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Data parallelism and ZeRO sharding."""
     activation: ActivationConfig = field(default_factory=ActivationConfig)
     """Activation memory."""
     run: RunConfig = field(default_factory=RunConfig)
@@ -315,6 +348,9 @@ _CHOICES = {
     "model.mlp": ("gelu", "swiglu"),
     "precision.compute": ("auto", "fp32", "bf16", "fp16"),
     "activation.checkpoint": ("none", "full", "selective"),
+    "precision.reduce": ("auto", "fp32", "bf16", "fp16"),
+    "precision.master": ("fp32", "bf16"),
+    "parallel.zero_stage": (0, 1, 2, 3),
     "run.progress": ("auto", "on", "off"),
 }
 
@@ -361,7 +397,18 @@ def _validation_errors(cfg: Config) -> list[str]:
         errors.append(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 0.5)")
     if cfg.data.max_bytes < 0:
         errors.append(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 = whole corpus)")
+    par = cfg.parallel
+    if par.dp_replicate < 1 or (par.dp_shard < 1 and par.dp_shard != -1):
+        errors.append(f"parallel.dp_replicate = {par.dp_replicate} must be >= 1 and parallel.dp_shard "
+                      f"= {par.dp_shard} must be >= 1 or -1 (all remaining ranks)")
+    for name in ("tp", "pp", "ep"):
+        if getattr(par, name) != 1:
+            errors.append(f"parallel.{name} = {getattr(par, name)}: this version has data parallelism "
+                          f"and ZeRO only; set parallel.{name} = 1")
     p = cfg.precision
+    if p.master == "bf16" and p.compute != "bf16":
+        errors.append(f"precision.master = 'bf16' (pure bf16) needs precision.compute = 'bf16', "
+                      f"got {p.compute!r}")
     if p.loss_scale_init <= 0 or not 0 < p.loss_scale_backoff < 1 or p.loss_scale_growth_interval <= 0:
         errors.append("precision.loss_scale_init must be > 0, loss_scale_backoff in (0, 1), "
                       "loss_scale_growth_interval > 0")

@@ -90,6 +90,17 @@ def init_runtime(device_preference: str = "auto") -> Runtime:
     return Runtime(rank, world_size, local_rank, local_world, device, backend)
 
 
+def agree_on_name(name: str, runtime: Runtime) -> str:
+    """Rank 0's `name` on every rank (e.g. a timestamped run directory)."""
+    if runtime.world_size == 1:
+        return name
+    data = torch.zeros(256, dtype=torch.uint8, device=runtime.device)
+    encoded = name.encode()[:256]
+    data[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    dist.broadcast(data, src=0)
+    return bytes(data.cpu().tolist()).rstrip(b"\0").decode()
+
+
 def shutdown(runtime: Runtime) -> None:
     if runtime.backend is not None and dist.is_initialized():
         dist.destroy_process_group()

@@ -17,12 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm import checkpoint
-from shardlm.config import Config, ConfigError
+from shardlm.config import Config
 from shardlm.data import Dataset, Loader, build_dataset
-from shardlm.launch import Runtime, init_runtime
+from shardlm.launch import Runtime, agree_on_name, init_runtime
+from shardlm.mesh import Mesh, build_mesh, resolve_dims
 from shardlm.models import build_model, flops_per_token, generate
-from shardlm.optim import build_optimizer, lr_at, set_lr
+from shardlm.optim import lr_at, set_lr
 from shardlm.parallel.activation import apply_ac
+from shardlm.parallel.data import Strategy, apply_data_parallel
 from shardlm.precision import Precision, build_precision, is_finite
 from shardlm.telemetry import MetricsLog, ProgressDisplay, peak_flops, peak_rss_bytes
 
@@ -35,12 +37,14 @@ class Run:
 
     cfg: Config
     runtime: Runtime
+    mesh: Mesh
     dataset: Dataset
     model: nn.Module
     """The plain model (parameters, state_dict) — what is saved."""
     forward: nn.Module
     """What is called in the step: the model, possibly compiled."""
-    optimizer: torch.optim.Optimizer
+    strategy: Strategy
+    """Gradient synchronisation, clipping and the optimizer step (local or ZeRO)."""
     precision: Precision
     train_loader: Loader
     val_loader: Loader
@@ -60,35 +64,37 @@ class TrainResult:
     skipped_steps: int = 0
 
 
-def make_run_dir(cfg: Config, is_main: bool) -> Path:
-    name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S")
+def make_run_dir(cfg: Config, runtime: Runtime) -> Path:
+    # Every rank must write to the same directory: rank 0's timestamp is the name.
+    name = cfg.run.name or agree_on_name(time.strftime("%Y%m%d-%H%M%S"), runtime)
     run_dir = Path(cfg.run.dir) / name
-    if is_main:
+    if runtime.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
 
 def build_run(cfg: Config, runtime: Runtime | None = None) -> Run:
+    """Everything in the documented order: mesh → data → model → activation checkpointing →
+    data parallelism (ZeRO) → compile."""
     cfg.validate()
     runtime = runtime or init_runtime(cfg.run.device)
-    if runtime.world_size > 1:
-        raise ConfigError(f"launched with {runtime.world_size} ranks, but this version trains on one "
-                          f"device; run a single process")
+    mesh = build_mesh(resolve_dims(cfg.parallel, runtime.world_size), runtime.device, runtime.rank)
     t = cfg.train
     torch.manual_seed(t.seed)
     dataset = build_dataset(cfg.data, cfg.model.vocab_size)
+    precision = build_precision(cfg.precision, runtime.device)
     model = build_model(cfg.model, runtime.device, seed=t.seed)
     apply_ac(model, cfg.activation.checkpoint)
+    strategy = apply_data_parallel(model, mesh, cfg, runtime.device, precision.name)
     forward = torch.compile(model) if t.compile else model
-    precision = build_precision(cfg.precision, runtime.device)
     common = dict(seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
-                  dp_rank=runtime.rank, dp_size=runtime.world_size)
+                  dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp_size)
     return Run(
-        cfg=cfg, runtime=runtime, dataset=dataset, model=model, forward=forward,
-        optimizer=build_optimizer(model, t, runtime.device), precision=precision,
+        cfg=cfg, runtime=runtime, mesh=mesh, dataset=dataset, model=model, forward=forward,
+        strategy=strategy, precision=precision,
         train_loader=Loader(dataset.train, grad_accum=t.grad_accum, **common),
         val_loader=Loader(dataset.val, grad_accum=1, **common),
-        run_dir=make_run_dir(cfg, runtime.is_main),
+        run_dir=make_run_dir(cfg, runtime),
         peak_flops_per_device=peak_flops(runtime.device, precision.name),
         flops_per_token=flops_per_token(cfg.model, t.seq_len),
     )
@@ -104,23 +110,30 @@ def loss_of(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(run: Run, step: int) -> tuple[float, float, bool]:
-    """One optimizer step over grad_accum micro-batches. Returns (loss, grad norm, stepped)."""
-    set_lr(run.optimizer, lr_at(step, run.cfg.train))
+    """One optimizer step over grad_accum micro-batches. Returns (loss averaged over all
+    data-parallel ranks, global grad norm, stepped)."""
+    strategy, scaler = run.strategy, run.precision.scaler
+    set_lr(strategy.optimizer, lr_at(step, run.cfg.train))
     micro_batches = run.train_loader.micro_batches(step)
     total = torch.zeros((), device=run.runtime.device)
-    for x, y in micro_batches:
+    for i, (x, y) in enumerate(micro_batches):
+        # Gradients are synchronised on the last micro-batch only (nanoGPT's no_sync reasoning:
+        # reducing inner micro-steps would be pure waste).
+        strategy.micro_step(sync=i == len(micro_batches) - 1)
         loss = loss_of(run, x, y) / len(micro_batches)
-        run.precision.scaler.scale_loss(loss).backward()
+        scaler.scale_loss(loss).backward()
         total += loss.detach()
-    params = [p for p in run.model.parameters() if p.grad is not None]
-    run.precision.scaler.unscale_([p.grad for p in params])
-    # The norm is computed every step (telemetry) and doubles as the overflow check.
-    max_norm = run.cfg.train.grad_clip or float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
-    stepped = run.precision.scaler.update(is_finite(grad_norm))
+    strategy.finish_backward()
+    scaler.unscale_(strategy.grads())
+    # The norm is computed every step (telemetry) and doubles as the overflow check; it is
+    # global, so every rank takes the same skip decision.
+    grad_norm = strategy.clip_grad_norm(run.cfg.train.grad_clip or float("inf"))
+    stepped = scaler.update(is_finite(grad_norm))
     if stepped:
-        run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
+        strategy.step()
+    strategy.zero_grad()
+    if run.runtime.world_size > 1:  # a logging scalar, not model communication: not in the ledger
+        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.AVG)
     return float(total), grad_norm, stepped
 
 
@@ -136,10 +149,15 @@ def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: flo
     tokens = run.train_loader.global_batch * run.cfg.train.seq_len
     tokens_per_s = tokens / seconds
     mfu = tokens_per_s * run.flops_per_token / (run.peak_flops_per_device * run.runtime.world_size)
-    return {"step": step + 1, "loss": loss, "lr": run.optimizer.param_groups[0]["lr"],
+    ledger = run.strategy.ledger
+    comm = ledger.snapshot()
+    ledger.reset()
+    return {"step": step + 1, "loss": loss, "lr": run.strategy.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
             "step_time_s": seconds, "peak_rss_bytes": peak_rss_bytes(),
-            "loss_scale": run.precision.scaler.scale}
+            "loss_scale": run.precision.scaler.scale,
+            "model_state_bytes": sum(run.strategy.model_state_bytes().values()),
+            "comm_bytes": sum(comm.values()), "comm_bytes_by_op": comm}
 
 
 def train(run: Run) -> TrainResult:
@@ -171,8 +189,9 @@ def train(run: Run) -> TrainResult:
         metrics.close()
     result.tokens_per_s = sum(speeds) / len(speeds)
     result.mfu = sum(mfus) / len(mfus)
-    if main:
-        checkpoint.save_weights(run.run_dir, run.model, cfg, run.dataset.tokenizer)
+    with run.strategy.full_parameters():
+        if main:
+            checkpoint.save_weights(run.run_dir, run.model, cfg, run.dataset.tokenizer)
     return result
 
 
@@ -181,6 +200,6 @@ def sample_text(run: Run, prompt: str, max_new_tokens: int) -> str:
     idx = torch.tensor([tokenizer.encode(prompt).ids], device=run.runtime.device)
     generator = torch.Generator(device=run.runtime.device).manual_seed(run.cfg.train.seed)
     run.model.eval()
-    with run.precision.autocast():
+    with run.precision.autocast(), run.strategy.full_parameters():
         out = generate(run.model, idx, max_new_tokens, generator=generator)
     return tokenizer.decode(out[0].tolist())

@@ -1,0 +1,86 @@
+"""Collectives with a ledger: every call is counted by (operation, group) with its data volume.
+
+Volume is counted as the ZeRO paper counts it (what `zero.partition.comm_bytes_per_step`
+predicts): a reduce-scatter moves its input's bytes, an all-gather its output's, an all-reduce
+twice its tensor's (it is a reduce-scatter plus an all-gather). On a ring each rank actually
+sends (N-1)/N of that.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommLedger:
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, op: str, group_name: str, nbytes: int) -> None:
+        key = f"{op}/{group_name}"
+        self.bytes[key] += nbytes
+        self.calls[key] += 1
+
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.bytes)
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+# torch >= 2.10 names it all_gather_single; older releases all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Done:
+    """The handle of a collective over one rank: nothing to wait for."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class Comm:
+    """The collectives of one process group, asynchronous where the backend allows.
+
+    A group of one rank (group=None) is valid: reductions are identities and gathers copies,
+    and nothing is counted — so the engine runs unchanged on a single process.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, name: str, ledger: CommLedger):
+        self.group = group
+        self.name = name
+        self.ledger = ledger
+        self.size = dist.get_world_size(group) if group is not None else 1
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.AVG, async_op: bool = True):
+        if self.group is None:
+            return _Done()
+        self.ledger.add("all_reduce", self.name, 2 * tensor.numel() * tensor.element_size())
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.AVG,
+                       async_op: bool = True):
+        """input (N * shard,) → output (shard,): the reduced slice this rank owns."""
+        if self.group is None:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _Done()
+        self.ledger.add("reduce_scatter", self.name, input.numel() * input.element_size())
+        return dist.reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = True):
+        """input (shard,) from every rank → output (N * shard,) in rank order."""
+        if self.group is None:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _Done()
+        self.ledger.add("all_gather", self.name, output.numel() * output.element_size())
+        return _all_gather_single(output, input, group=self.group, async_op=async_op)

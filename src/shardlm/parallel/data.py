@@ -1,0 +1,96 @@
+"""Data parallelism: the strategy object the training step talks to, chosen once.
+
+`LocalStrategy` is one process, no engine: torch's fused AdamW on the plain model with autocast
+mixed precision (fp32 parameters). It is the reference every distributed run is tested against.
+`ZeroEngine` (zero/engine.py) is stages 0-3 over any number of ranks. Both expose the same
+step interface, so the loop has no `if distributed` in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Protocol
+
+import torch
+from torch import nn
+
+from shardlm.config import Config
+from shardlm.mesh import Mesh
+from shardlm.optim import build_optimizer
+from shardlm.parallel.comm import CommLedger
+from shardlm.precision import DTYPES
+
+log_name = "shardlm"
+
+
+class Strategy(Protocol):
+    optimizer: torch.optim.Optimizer
+    ledger: CommLedger
+
+    def micro_step(self, sync: bool) -> None: ...
+    def finish_backward(self) -> None: ...
+    def grads(self) -> list[torch.Tensor]: ...
+    def clip_grad_norm(self, max_norm: float) -> float: ...
+    def step(self) -> None: ...
+    def zero_grad(self) -> None: ...
+    def model_state_bytes(self) -> dict[str, int]: ...
+    def full_parameters(self) -> contextlib.AbstractContextManager: ...
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class LocalStrategy:
+    def __init__(self, model: nn.Module, cfg: Config, device: torch.device):
+        self.model = model
+        self.optimizer = build_optimizer(model, cfg.train, device)
+        self.ledger = CommLedger()
+
+    def micro_step(self, sync: bool) -> None:
+        pass
+
+    def finish_backward(self) -> None:
+        pass
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.grad is not None]
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._params()]
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self._params(), max_norm, foreach=True))
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        params = list(self.model.parameters())
+        state = [t for s in self.optimizer.state.values() for t in s.values()
+                 if torch.is_tensor(t) and t.dim() > 0]
+        return {"params": _nbytes(params), "grads": _nbytes(p.grad for p in params if p.grad is not None),
+                "optimizer": _nbytes(state)}
+
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        yield
+
+
+def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
+                        compute: str) -> Strategy:
+    """One process at stage 0 trains locally; anything else goes through the ZeRO engine."""
+    par, prec = cfg.parallel, cfg.precision
+    if mesh.dims.world_size == 1 and par.zero_stage == 0:
+        return LocalStrategy(model, cfg, device)
+    from shardlm.zero.engine import ZeroEngine, ZeroOptions
+
+    opts = ZeroOptions(
+        stage=par.zero_stage, compute_dtype=DTYPES[compute],
+        reduce_dtype=DTYPES[compute if prec.reduce == "auto" else prec.reduce],
+        master_dtype=DTYPES[prec.master], reshard_after_forward=par.reshard_after_forward,
+        prefetch=par.prefetch, unit_classes=par.units)
+    return ZeroEngine(model, mesh, opts, cfg.train, device)

@@ -1,0 +1,294 @@
+"""The ZeRO engine, stages 0-3 (Rajbhandari et al. 2020): one engine, the stage says only what
+is sharded over the dp_shard group.
+
+    stage 0  nothing: gradients all-reduced, every rank steps every parameter
+    stage 1  optimizer states and fp32 master: gradients reduce-scattered (the full gradient
+             buffer stays), each rank steps its shard, updated parameters all-gathered
+    stage 2  + gradients: a unit's full gradient exists only until its reduce-scatter
+    stage 3  + parameters: a unit's parameters are gathered before its forward and its backward
+             and freed after (zero/params.py)
+
+Each unit (a transformer block, or the root: embeddings, final norm, head) keeps its parameters
+in one flat, padded buffer in the compute dtype; the module's parameters are views of it, so
+every collective is one large call. Gradients arrive through post-accumulate-grad hooks and are
+added into the unit's flat gradient; when a unit's last gradient arrives (and this micro-step
+synchronises) its reduction starts at once, overlapping the rest of backward. The optimizer is
+torch's AdamW over this rank's master shards — contiguous fp32 slices, one per (unit, weight-
+decay group) — or over views of the parameters themselves when master and compute dtypes agree.
+With dp_replicate > 1 (hybrid), shards are reduced within the shard group and then averaged
+across replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardlm.config import TrainConfig
+from shardlm.mesh import Mesh
+from shardlm.parallel.comm import Comm, CommLedger
+from shardlm.zero.partition import UnitLayout, layout_for
+from shardlm.zero.units import ParamRef, UnitSpec, collect_units
+
+log = logging.getLogger("shardlm")
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    stage: int
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    master_dtype: torch.dtype
+    reshard_after_forward: bool = True
+    prefetch: bool = True
+    unit_classes: str = ""
+
+
+class Unit:
+    """One unit's flat buffers and its place in this rank's shard."""
+
+    def __init__(self, spec: UnitSpec, shard_world: int, shard_rank: int, opts: ZeroOptions,
+                 device: torch.device):
+        self.name, self.module, self.stage = spec.name, spec.module, opts.stage
+        numels = [r.param.numel() for r in spec.params]
+        decay = [r.param.dim() >= 2 for r in spec.params]
+        self.layout: UnitLayout
+        self.layout, order = layout_for(numels, decay, shard_world)
+        self.refs: list[ParamRef] = [spec.params[i] for i in order]
+        self.lo, self.hi = self.layout.shard_range(shard_rank)
+        self.segments = self.layout.segments(shard_rank)
+        # fp32 copy of the initial values: the master is made from it, not from a rounded cast.
+        initial = torch.zeros(self.layout.padded, dtype=torch.float32, device=device)
+        for ref, offset in zip(self.refs, self.layout.offsets):
+            initial[offset:offset + ref.param.numel()] = ref.param.detach().reshape(-1)
+        self.flat_param = initial.to(opts.compute_dtype)  # (padded,)
+        self.shard_param = (self.flat_param[self.lo:self.hi].clone() if self.stage == 3
+                            else self.flat_param[self.lo:self.hi])  # (shard,)
+        self.initial_shard = initial[self.lo:self.hi]
+        self.full_grad: torch.Tensor | None = None
+        self.shard_grad = (torch.zeros(self.layout.shard_size, dtype=opts.reduce_dtype, device=device)
+                           if self.stage >= 2 else None)
+        if self.stage <= 1:
+            self.full_grad = torch.zeros(self.layout.padded, dtype=opts.reduce_dtype, device=device)
+        self.arrived = 0
+        self.reduced = False
+        self.params: list[nn.Parameter] = []
+
+    def bind_params(self) -> None:
+        """Point every module attribute at a view of the flat buffer (tied places share one)."""
+        self.params = []
+        for ref, offset in zip(self.refs, self.layout.offsets):
+            view = self.flat_param[offset:offset + ref.param.numel()].view(ref.param.shape)
+            param = nn.Parameter(view, requires_grad=True)
+            for module, attr in ref.places:
+                setattr(module, attr, param)
+            self.params.append(param)
+
+    def grad_shard(self) -> torch.Tensor:
+        """This rank's reduced gradient slice (shard,), in the reduce dtype."""
+        return self.shard_grad if self.shard_grad is not None else self.full_grad[self.lo:self.hi]
+
+    def full_grad_buffer(self) -> torch.Tensor:
+        if self.full_grad is None:  # stages 2-3: allocated for one step's backward only
+            self.full_grad = torch.zeros(self.layout.padded, dtype=self.shard_grad.dtype,
+                                         device=self.flat_param.device)
+        return self.full_grad
+
+
+class ZeroEngine:
+    """Owns the units, the hooks, the reductions and the sharded optimizer step."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, opts: ZeroOptions, train: TrainConfig,
+                 device: torch.device, ledger: CommLedger | None = None):
+        self.model, self.opts, self.mesh = model, opts, mesh
+        self.ledger = ledger or CommLedger()
+        sharded = opts.stage >= 1
+        world = dist.group.WORLD if mesh.dims.world_size > 1 else None
+        self.shard_comm = Comm(mesh.dp_shard_group if sharded else world,
+                               "dp_shard" if sharded else "dp", self.ledger)
+        self.replicate_comm = Comm(mesh.dp_replicate_group if sharded else None, "dp_replicate",
+                                   self.ledger)
+        shard_world, shard_rank = (self.shard_comm.size, mesh.shard_rank) if sharded else (1, 0)
+        self.units = [Unit(spec, shard_world, shard_rank, opts, device)
+                      for spec in collect_units(model, opts.unit_classes)]
+        for unit in self.units:
+            unit.bind_params()
+            for param, ref, offset in zip(unit.params, unit.refs, unit.layout.offsets):
+                param.register_post_accumulate_grad_hook(self._grad_hook(unit, ref, offset))
+        self.masters = self._build_masters()
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [m for m, _, _, d in self.masters if d], "weight_decay": train.weight_decay},
+             {"params": [m for m, _, _, d in self.masters if not d], "weight_decay": 0.0}],
+            lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, fused=True)
+        for unit in self.units:
+            del unit.initial_shard
+        self.sync = True
+        self.in_flight: list[tuple[Unit, object]] = []
+        if opts.stage == 3:
+            from shardlm.zero.params import ParamSharding
+
+            self.param_sharding = ParamSharding(self.units, self.shard_comm, opts)
+        log.info("zero: stage %d over %d shard rank(s) x %d replica(s), %d units, %s compute, %s "
+                 "reduce, %s master", opts.stage, shard_world, self.replicate_comm.size,
+                 len(self.units), opts.compute_dtype, opts.reduce_dtype, opts.master_dtype)
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _build_masters(self) -> list[tuple[nn.Parameter, Unit, slice, bool]]:
+        """(master, unit, slice of the unit's shard, decays) per segment of this rank's shard."""
+        masters = []
+        alias = self.opts.master_dtype == self.opts.compute_dtype
+        for unit in self.units:
+            for seg in unit.segments:
+                local = slice(seg.start - unit.lo, seg.end - unit.lo)
+                source = unit.shard_param[local] if alias else unit.initial_shard[local].to(self.opts.master_dtype)
+                masters.append((nn.Parameter(source), unit, local, seg.decay))
+        return masters
+
+    # -- backward ----------------------------------------------------------------------------
+
+    def _grad_hook(self, unit: Unit, ref: ParamRef, offset: int):
+        numel = ref.param.numel()
+
+        def hook(param: torch.Tensor) -> None:
+            grad, param.grad = param.grad, None
+            unit.full_grad_buffer()[offset:offset + numel].view_as(grad).add_(grad)
+            unit.arrived += 1
+            if unit.arrived == len(unit.params):
+                self._unit_done(unit)
+        return hook
+
+    def _unit_done(self, unit: Unit) -> None:
+        unit.arrived = 0
+        if self.sync and not unit.reduced:
+            self._reduce(unit)
+        if self.opts.stage == 3:
+            self.param_sharding.after_backward(unit)
+
+    def _reduce(self, unit: Unit) -> None:
+        unit.reduced = True
+        if self.opts.stage == 0:
+            handle = self.shard_comm.all_reduce(unit.full_grad)
+        else:
+            handle = self.shard_comm.reduce_scatter(unit.grad_shard(), unit.full_grad)
+        self.in_flight.append((unit, handle))
+        if self.opts.stage >= 2:  # bound the transient full gradients alive at once
+            while len(self.in_flight) > 2:
+                self._complete(*self.in_flight.pop(0))
+
+    def _complete(self, unit: Unit, handle) -> None:
+        handle.wait()
+        if self.opts.stage >= 2:
+            unit.full_grad = None
+
+    def micro_step(self, sync: bool) -> None:
+        """Call before each micro-batch's backward: only the last one synchronises gradients
+        (inner micro-steps just accumulate locally — no communication)."""
+        self.sync = sync
+        for unit in self.units:
+            unit.arrived = 0
+
+    def finish_backward(self) -> None:
+        """After the last micro-step: reduce units whose gradients never all arrived (unused
+        parameters), wait for every reduction, then average shards across replicas."""
+        for unit in self.units:
+            if not unit.reduced:
+                unit.full_grad_buffer()
+                self._reduce(unit)
+                if self.opts.stage == 3:
+                    self.param_sharding.after_backward(unit)
+        while self.in_flight:
+            self._complete(*self.in_flight.pop(0))
+        handles = [self.replicate_comm.all_reduce(u.grad_shard()) for u in self.units]
+        for h in handles:
+            h.wait()
+        for unit in self.units:
+            unit.reduced = False
+
+    # -- step --------------------------------------------------------------------------------
+
+    def grads(self) -> list[torch.Tensor]:
+        return [unit.grad_shard() for unit in self.units]
+
+    def _param_grad_slices(self) -> list[torch.Tensor]:
+        """This rank's gradient, cut at parameter boundaries (padding left out)."""
+        slices = []
+        for unit in self.units:
+            shard = unit.grad_shard()
+            for offset, numel in zip(unit.layout.offsets, unit.layout.numels):
+                start, end = max(offset, unit.lo), min(offset + numel, unit.hi)
+                if start < end:
+                    slices.append(shard[start - unit.lo:end - unit.lo])
+        return slices
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 norm, clipped as torch's clip_grad_norm_ does it — norms per parameter, the
+        norm of those, coefficient max_norm / (norm + 1e-6) clamped at 1, all in fp32 tensors —
+        so that with whole gradients on every rank (stage 0, or one rank) the result is bitwise
+        torch's. Sharded, each rank's partial norm is squared and summed over the shard group
+        (replicas hold the same shards). A non-finite norm on any rank is non-finite on all:
+        the fp16 skip decision is the same everywhere."""
+        local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self._param_grad_slices())))
+        if self.opts.stage >= 1 and self.shard_comm.group is not None:
+            local = local.float().pow(2)
+            dist.all_reduce(local, group=self.shard_comm.group)
+            local = local.sqrt()
+        coef = torch.clamp(max_norm / (local + 1e-6), max=1.0)
+        torch._foreach_mul_(self.grads(), coef.to(self.opts.reduce_dtype))
+        return float(local)
+
+    def step(self) -> None:
+        for master, unit, local, _ in self.masters:
+            grad = unit.grad_shard()[local]
+            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+        self.optimizer.step()
+        alias = self.opts.master_dtype == self.opts.compute_dtype
+        for master, unit, local, _ in self.masters:
+            master.grad = None
+            if not alias:
+                unit.shard_param[local].copy_(master.detach())
+        if self.opts.stage in (1, 2):
+            handles = [self.shard_comm.all_gather(u.flat_param, u.shard_param) for u in self.units]
+            for h in handles:
+                h.wait()
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            if self.opts.stage <= 1:
+                unit.full_grad.zero_()
+            else:
+                unit.full_grad = None
+
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Every parameter whole while inside (stage 3 gathers and frees again after)."""
+        if self.opts.stage != 3:
+            yield
+            return
+        with self.param_sharding.all_gathered():
+            yield
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds persistently, by category (transient gathers excluded)."""
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        params = sum(nbytes(u.shard_param if self.opts.stage == 3 else u.flat_param) for u in self.units)
+        grads = sum(nbytes(u.shard_grad if self.opts.stage >= 2 else u.full_grad) for u in self.units)
+        optim = sum(nbytes(t) for state in self.optimizer.state.values() for t in state.values()
+                    if torch.is_tensor(t) and t.dim() > 0)
+        if self.opts.master_dtype != self.opts.compute_dtype:
+            optim += sum(nbytes(m) for m, _, _, _ in self.masters)
+        return {"params": params, "grads": grads, "optimizer": optim}
+
+    @property
+    def numel(self) -> int:
+        """Ψ: parameters without padding."""
+        return sum(u.layout.total for u in self.units)

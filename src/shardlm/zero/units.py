@@ -1,0 +1,89 @@
+"""Which parameters form a sharding unit, for our models and for any nn.Module.
+
+A unit is a module subtree whose parameters share one flat buffer: each transformer block, and
+the "root" unit holding everything else (embeddings, final norm, head). For a model we did not
+write, the units are the instances of the classes the user names, or else the children of the
+model's largest nn.ModuleList (the repeated layers of almost every transformer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from shardlm.config import ConfigError
+
+
+@dataclass
+class ParamRef:
+    """One parameter and every (module, attribute) that holds it — several when weights are
+    tied, as GPT-2's embedding and output head are."""
+
+    param: nn.Parameter
+    name: str
+    places: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+@dataclass
+class UnitSpec:
+    name: str
+    module: nn.Module
+    params: list[ParamRef]
+
+
+def _largest_module_list(model: nn.Module) -> nn.ModuleList | None:
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+
+
+def unit_modules(model: nn.Module, class_names: str = "") -> list[tuple[str, nn.Module]]:
+    """(name, module) of every non-root unit, in forward order (module registration order)."""
+    names = {n.strip() for n in class_names.split(",") if n.strip()}
+    if names:
+        found = [(n, m) for n, m in model.named_modules() if type(m).__name__ in names]
+        if not found:
+            classes = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError(f"parallel.units = {class_names!r} matches no module of "
+                              f"{type(model).__name__}; its classes are: {', '.join(classes)}")
+        # A named class nested in another named one belongs to the outer unit.
+        return [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found)]
+    layers = _largest_module_list(model)
+    if layers is None:
+        return []
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    return [(f"{prefix}.{i}", m) for i, m in enumerate(layers)]
+
+
+def _param_places(model: nn.Module) -> dict[int, ParamRef]:
+    refs: dict[int, ParamRef] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module.named_parameters(recurse=False):
+            if p is None:
+                continue
+            ref = refs.setdefault(id(p), ParamRef(p, f"{mod_name}.{attr}".lstrip(".")))
+            if (module, attr) not in [(m, a) for m, a in ref.places]:
+                ref.places.append((module, attr))
+    return refs
+
+
+def collect_units(model: nn.Module, class_names: str = "") -> list[UnitSpec]:
+    """The root unit first, then the layer units. A parameter belongs to the innermost unit
+    that holds all its places; one tied across units belongs to the root."""
+    refs = _param_places(model)
+    layers = unit_modules(model, class_names)
+    owner_of_module = {}
+    for index, (_, module) in enumerate(layers):
+        for sub in module.modules():
+            owner_of_module[id(sub)] = index
+    assigned: list[list[ParamRef]] = [[] for _ in layers]
+    root: list[ParamRef] = []
+    for ref in refs.values():
+        if not ref.param.requires_grad:
+            continue
+        owners = {owner_of_module.get(id(m)) for m, _ in ref.places}
+        owner = owners.pop() if len(owners) == 1 else None
+        (root if owner is None else assigned[owner]).append(ref)
+    units = [UnitSpec("root", model, root)]
+    units += [UnitSpec(name, module, params) for (name, module), params in zip(layers, assigned)]
+    return [u for u in units if u.params]
