@@ -8,11 +8,24 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 import torch.multiprocessing as mp
 
 from shardlm.launch import backend_for, cpu_cores, pick_device
+
+
+def _to_numpy(x: Any) -> Any:
+    # Tensors cross the queue by value: torch's shared-memory hand-off needs the sender alive.
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().float().numpy() if x.dtype == torch.bfloat16 else x.detach().cpu().numpy()
+    return x
+
+
+def _to_torch(x: Any) -> Any:
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
 
 
 def _entry(fn: Callable, rank: int, world_size: int, init_file: str, queue, args: tuple) -> None:
@@ -25,7 +38,7 @@ def _entry(fn: Callable, rank: int, world_size: int, init_file: str, queue, args
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size)
         try:
-            queue.put((rank, "ok", fn(rank, world_size, *args)))
+            queue.put((rank, "ok", tree_map(_to_numpy, fn(rank, world_size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # report every failure to the parent, which raises it
@@ -47,7 +60,7 @@ def run_ranks(fn: Callable, world_size: int, tmp_dir: Path, *args: Any, timeout:
     for _ in range(world_size):
         rank, status, value = queue.get()
         if status == "ok":
-            results[rank] = value
+            results[rank] = tree_map(_to_torch, value)
         else:
             errors.append(f"rank {rank}:\n{value}")
             break  # the other ranks may be blocked in a collective with the failed one

@@ -115,12 +115,16 @@ def train_step(run: Run, step: int) -> tuple[float, float, bool]:
     strategy, scaler = run.strategy, run.precision.scaler
     set_lr(strategy.optimizer, lr_at(step, run.cfg.train))
     micro_batches = run.train_loader.micro_batches(step)
+    # Every micro-batch's loss is divided by the global number of micro-batches and gradients
+    # are summed across ranks: each rank's backward then computes exactly what one process
+    # would for that micro-batch, so a 2-rank run can match a 1-process run bit for bit.
+    global_micro_batches = len(micro_batches) * run.mesh.dims.dp_size
     total = torch.zeros((), device=run.runtime.device)
     for i, (x, y) in enumerate(micro_batches):
         # Gradients are synchronised on the last micro-batch only (nanoGPT's no_sync reasoning:
         # reducing inner micro-steps would be pure waste).
         strategy.micro_step(sync=i == len(micro_batches) - 1)
-        loss = loss_of(run, x, y) / len(micro_batches)
+        loss = loss_of(run, x, y) / global_micro_batches
         scaler.scale_loss(loss).backward()
         total += loss.detach()
     strategy.finish_backward()
@@ -133,7 +137,7 @@ def train_step(run: Run, step: int) -> tuple[float, float, bool]:
         strategy.step()
     strategy.zero_grad()
     if run.runtime.world_size > 1:  # a logging scalar, not model communication: not in the ledger
-        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.AVG)
+        torch.distributed.all_reduce(total)
     return float(total), grad_norm, stepped
 
 

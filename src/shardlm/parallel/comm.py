@@ -36,8 +36,9 @@ class CommLedger:
         self.calls.clear()
 
 
-# torch >= 2.10 names it all_gather_single; older releases all_gather_into_tensor.
+# Recent torch names them *_single; older releases *_tensor (same semantics).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _Done:
@@ -60,13 +61,13 @@ class Comm:
         self.ledger = ledger
         self.size = dist.get_world_size(group) if group is not None else 1
 
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.AVG, async_op: bool = True):
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = True):
         if self.group is None:
             return _Done()
         self.ledger.add("all_reduce", self.name, 2 * tensor.numel() * tensor.element_size())
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.AVG,
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
                        async_op: bool = True):
         """input (N * shard,) → output (shard,): the reduced slice this rank owns."""
         if self.group is None:
@@ -74,7 +75,7 @@ class Comm:
                 output.copy_(input)
             return _Done()
         self.ledger.add("reduce_scatter", self.name, input.numel() * input.element_size())
-        return dist.reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
+        return _reduce_scatter_single(output, input, op=op, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = True):
         """input (shard,) from every rank → output (N * shard,) in rank order."""

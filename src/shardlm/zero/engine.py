@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from dataclasses import dataclass
 from typing import Iterator
 

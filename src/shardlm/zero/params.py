@@ -57,16 +57,20 @@ class ParamSharding:
             return
         unit = self.units[index]
         self._storage(index).resize_(unit.flat_param.numel() * unit.flat_param.element_size())
-        # Refilling the buffer restores the very values autograd saved: keep the version
-        # counter, or backward would see the parameters as modified in place.
-        with torch.autograd._unsafe_preserve_version_counter(unit.flat_param):
-            self.handles[index] = self.comm.all_gather(unit.flat_param, unit.shard_param)
+        # Refilling the buffer restores the very values autograd saved: the version counter is
+        # captured now and put back once the gather is complete (the backend may write into the
+        # buffer on its own thread), or backward would see the parameters as modified in place.
+        keep_version = torch.autograd._unsafe_preserve_version_counter(unit.flat_param)
+        with keep_version:
+            self.handles[index] = (self.comm.all_gather(unit.flat_param, unit.shard_param), keep_version)
 
     def _gather(self, index: int) -> None:
         self._start_gather(index)
-        handle = self.handles.pop(index, None)
-        if handle is not None:
-            handle.wait()
+        pending = self.handles.pop(index, None)
+        if pending is not None:
+            handle, keep_version = pending
+            with keep_version:
+                handle.wait()
             self.gathered.add(index)
 
     def _free(self, index: int) -> None:
