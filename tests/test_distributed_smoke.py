@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from distributed import run_ranks
+from shardlm.spawn import run_ranks
 from shardlm.launch import init_runtime
 
 

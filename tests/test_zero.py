@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from distributed import run_ranks
+from shardlm.spawn import run_ranks
 from shardlm.launch import cpu_cores
 from shardlm.zero.partition import comm_bytes_per_step, model_state_bytes
 from zero_cases import train_case, train_cases

@@ -1,5 +1,6 @@
-"""Spawn N real processes joined in a gloo (or NCCL) process group through a file-based
-rendezvous — no fixed port, so tests can run side by side. Every distributed test uses this."""
+"""Run a function on N local processes joined in a process group (gloo on CPU, NCCL on GPUs)
+through a file-based rendezvous — no fixed port, so runs can go side by side. The distributed
+tests and the benchmarks use this; training runs use `shardlm train --nproc N` (torchrun)."""
 
 from __future__ import annotations
 
