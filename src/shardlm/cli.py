@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
                     "such as --train.steps=100. See --help-config for every key.")
     train.add_argument("config", nargs="?", help="TOML config file (optional)")
     train.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    train.add_argument("--nproc", type=int, default=0, metavar="N",
+                       help="start N local worker processes (torch's elastic launcher); "
+                            "under torchrun leave this out")
     gen = sub.add_parser("generate", help="sample text from a trained run")
     gen.add_argument("--checkpoint", default="runs/latest", help="run directory (default runs/latest)")
     gen.add_argument("--prompt", default="def ", help="text to continue")
@@ -47,24 +50,49 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.help_config:
         print(describe())
         return 0
-    cfg = load_config(args.config, parse_overrides(overrides)).validate()
+    parsed = parse_overrides(overrides)
+    cfg = load_config(args.config, parsed).validate()
+    if args.nproc > 0:
+        return launch_workers(args, cfg, overrides)
 
     from shardlm.models import count_params
-    from shardlm.trainer import build_run, sample_text, train
+    from shardlm.trainer import build_run, sample_text, state_report, train
 
     run = build_run(cfg)
+    main = run.runtime.is_main
     t = cfg.train
-    print(f"shardlm: {cfg.model.preset} ({count_params(cfg.model) / 1e6:.1f}M params) on "
-          f"{run.runtime.device}, {run.precision.name}, {run.train_loader.global_batch} x {t.seq_len} "
-          f"tokens/step, {t.steps} steps -> {run.run_dir}")
+    if main:
+        print(f"shardlm: {cfg.model.preset} ({count_params(cfg.model) / 1e6:.1f}M params) on "
+              f"{run.runtime.world_size} x {run.runtime.device}, {run.precision.name}, ZeRO stage "
+              f"{cfg.parallel.zero_stage}, {run.train_loader.global_batch} x {t.seq_len} tokens/step, "
+              f"{t.steps} steps -> {run.run_dir}", flush=True)
+    print(state_report(run), flush=True)
     result = train(run)
     val = f", val loss {result.val_loss:.3f}" if result.val_loss is not None else ""
-    print(f"done: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}{val}; "
-          f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%}; "
-          f"log {run.run_dir / 'metrics.jsonl'}")
+    if main:
+        print(f"done: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}{val}; "
+              f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%}; "
+              f"log {run.run_dir / 'metrics.jsonl'}", flush=True)
     if t.sample_tokens > 0:
-        print("sample:\n" + sample_text(run, t.sample_prompt, t.sample_tokens))
+        text = sample_text(run, t.sample_prompt, t.sample_tokens)  # every rank: stage 3 gathers
+        if main:
+            print("sample:\n" + text)
     return 0
+
+
+def launch_workers(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
+    """`--nproc N`: check the layout fits N ranks now (not after spawning), fix one run name
+    for all workers, then hand over to torch's elastic launcher on this machine."""
+    import time
+
+    from shardlm.launch import launch_local
+    from shardlm.mesh import resolve_dims
+
+    resolve_dims(cfg.parallel, args.nproc)
+    argv = ([args.config] if args.config else []) + list(overrides)
+    if not cfg.run.name:
+        argv.append(f"--run.name={time.strftime('%Y%m%d-%H%M%S')}")
+    return launch_local(args.nproc, ["-m", "shardlm", "train", *argv])
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

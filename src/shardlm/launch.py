@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,25 @@ def agree_on_name(name: str, runtime: Runtime) -> str:
     data[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
     dist.broadcast(data, src=0)
     return bytes(data.cpu().tolist()).rstrip(b"\0").decode()
+
+
+def launch_local(nproc: int, worker_argv: list[str]) -> int:
+    """Start `nproc` workers on this machine through torch's elastic launcher (torchrun), which
+    sets RANK / WORLD_SIZE / LOCAL_RANK for each and a free rendezvous port."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    # Each worker sets its own thread count (init_runtime); saying so here silences torchrun's
+    # OMP_NUM_THREADS=1 default and its warning.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_cores() // nproc)))
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
+                                         "--no-python", sys.executable, *worker_argv])
+    try:
+        run(args)
+    except ChildFailedError as e:
+        log.error("a worker failed: %s", e)
+        return 1
+    return 0
 
 
 def shutdown(runtime: Runtime) -> None:

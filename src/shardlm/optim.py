@@ -33,6 +33,20 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
                              fused=fused, foreach=None if fused else True)
 
 
+def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate AdamW's moments now, exactly as torch would at the first step (zeros, and the
+    step counter as a tensor of the dtype the fused kernel uses), so memory is known and
+    reportable before training starts, and a checkpoint can be loaded into it."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                step_dtype = torch.float32 if group.get("fused") else torch.get_default_dtype()
+                optimizer.state[p] = {
+                    "step": torch.zeros((), dtype=step_dtype, device=p.device if group.get("fused") else "cpu"),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup over `warmup_steps` to `lr`, then cosine decay to `lr*min_lr_ratio` at the
     last step. A pure function of the step, so a resumed run follows the same curve."""

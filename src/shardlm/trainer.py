@@ -100,6 +100,17 @@ def build_run(cfg: Config, runtime: Runtime | None = None) -> Run:
     )
 
 
+def state_report(run: Run) -> str:
+    """This rank's model-state bytes by category, next to the ZeRO formula's prediction."""
+    held = run.strategy.model_state_bytes()
+    predicted = getattr(run.strategy, "predicted_state_bytes", lambda: {})()
+    parts = []
+    for key, value in held.items():
+        formula = f" (formula {predicted[key] / 2**20:.2f})" if key in predicted else ""
+        parts.append(f"{key} {value / 2**20:.2f}{formula}")
+    return f"rank {run.runtime.rank}: model states MiB: " + ", ".join(parts)
+
+
 def loss_of(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     device = run.runtime.device
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)

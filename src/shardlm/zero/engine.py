@@ -32,8 +32,9 @@ from torch import nn
 
 from shardlm.config import TrainConfig
 from shardlm.mesh import Mesh
+from shardlm.optim import init_adam_state
 from shardlm.parallel.comm import Comm, CommLedger
-from shardlm.zero.partition import UnitLayout, layout_for
+from shardlm.zero.partition import UnitLayout, layout_for, model_state_bytes
 from shardlm.zero.units import ParamRef, UnitSpec, collect_units
 
 log = logging.getLogger("shardlm")
@@ -126,6 +127,7 @@ class ZeroEngine:
             [{"params": [m for m, _, _, d in self.masters if d], "weight_decay": train.weight_decay},
              {"params": [m for m, _, _, d in self.masters if not d], "weight_decay": 0.0}],
             lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, fused=True)
+        init_adam_state(self.optimizer)
         for unit in self.units:
             del unit.initial_shard
         self.sync = True
@@ -286,6 +288,15 @@ class ZeroEngine:
         if self.opts.master_dtype != self.opts.compute_dtype:
             optim += sum(nbytes(m) for m, _, _, _ in self.masters)
         return {"params": params, "grads": grads, "optimizer": optim}
+
+    def predicted_state_bytes(self) -> dict[str, float]:
+        """The ZeRO formula for this run's dtypes (Ψ without padding): K = 2 Adam moments in
+        the master dtype, plus the master copy itself when it is not the parameters."""
+        o = self.opts
+        size = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
+        k = size(o.master_dtype) * (2 if o.master_dtype == o.compute_dtype else 3)
+        return model_state_bytes(self.numel, self.shard_comm.size if o.stage else 1, o.stage,
+                                 size(o.compute_dtype), size(o.reduce_dtype), k)
 
     @property
     def numel(self) -> int:
