@@ -66,6 +66,9 @@ def two_rank_runs(tmp_path_factory):
     for stage in range(4):
         cases.append(({**_base(tmp), "parallel.zero_stage": stage, "precision.compute": "bf16"},
                       STEPS, -1))
+    cases.append(({**_base(tmp), "parallel.zero_stage": 3, "activation.checkpoint": "full"}, STEPS, -1))
+    cases.append(({**_base(tmp), "parallel.zero_stage": 2, "precision.compute": "bf16",
+                   "precision.master": "bf16"}, STEPS, -1))
     out = run_ranks(train_cases, 2, tmp, cases)
     refs = {
         "llama-tiny": _reference(_base(tmp), 2, 1),
@@ -135,6 +138,25 @@ def test_comm_bytes_match_zero_formula(two_rank_runs, stage):
     assert got["comm"][-1] == comm_bytes_per_step(got["padded"], stage, 2, 2)
     paper = comm_bytes_per_step(got["numel"], stage, 2, 2)  # 2Ψ stages 0-2, 3Ψ stage 3
     assert abs(got["comm"][-1] - paper) <= 0.02 * paper
+
+
+def test_stage3_with_activation_checkpointing_is_bitwise(two_rank_runs):
+    """Recomputation inside backward re-runs a unit's forward while it is gathered; the
+    stage-3 hooks must neither free it then nor change a bit."""
+    (rank0, _), refs = two_rank_runs
+    got, ref = rank0[14], refs["llama-tiny"]
+    assert got["losses"] == ref["losses"]
+    assert all(torch.equal(got["params"][n], v) for n, v in ref["params"].items())
+
+
+def test_pure_bf16_master(two_rank_runs):
+    """FSDP's "pure bf16": no fp32 master, Adam moments in bf16 — K = 4 bytes per parameter."""
+    (rank0, _), refs = two_rank_runs
+    got = rank0[15]
+    exact = model_state_bytes(got["padded"], 2, 2, 2, 2, 4)
+    assert got["state"]["params"] == exact["params"] and got["state"]["grads"] == exact["grads"]
+    assert abs(got["state"]["optimizer"] - exact["optimizer"]) <= 4 * (got["padded"] - got["numel"])
+    assert max(abs(a - b) for a, b in zip(got["losses"], refs["bf16"]["losses"])) <= 2e-2
 
 
 def test_fp16_overflow_on_one_rank_skips_everywhere(tmp_path):

@@ -207,6 +207,8 @@ class ZeroEngine:
                     self.param_sharding.after_backward(unit)
         while self.in_flight:
             self._complete(*self.in_flight.pop(0))
+        if self.opts.stage == 3:
+            self.param_sharding.release_all()
         handles = [self.replicate_comm.all_reduce(u.grad_shard()) for u in self.units]
         for h in handles:
             h.wait()

@@ -80,7 +80,8 @@ class ParamSharding:
     def _pre_forward(self, index: int):
         def hook(module, args):
             self._gather(index)
-            if self.opts.prefetch:
+            # Not during activation-checkpoint recompute: the next unit's backward is done.
+            if self.opts.prefetch and index not in self.in_backward:
                 self._start_gather(index + 1)
         return hook
 
@@ -121,6 +122,17 @@ class ParamSharding:
         finally:
             for index in range(len(self.units)):
                 self._free(index)
+
+    def release_all(self) -> None:
+        """End of backward: nothing stays gathered into the next step, where the shards will
+        have changed (a stale full copy would silently be used)."""
+        for handle, keep_version in list(self.handles.values()):
+            with keep_version:
+                handle.wait()
+        self.handles.clear()
+        self.in_backward.clear()
+        for index in range(len(self.units)):
+            self._free(index)
 
     def after_backward(self, unit) -> None:
         """The unit's gradients are all in: its full parameters are no longer needed."""
