@@ -8,9 +8,10 @@ from shardlm.config import load_config
 from shardlm.trainer import build_run, train_step
 
 
-def train_case(overrides: dict, steps: int, poison_rank: int = -1) -> dict:
-    """Train `steps` steps; return losses, full fp32 parameters, and the ledgers."""
-    run = build_run(load_config(overrides=overrides).validate())
+def train_case(overrides: dict, steps: int, poison_rank: int = -1, model=None) -> dict:
+    """Train `steps` steps (`model`: a user model instead of the config's); return losses,
+    full fp32 parameters, and the ledgers."""
+    run = build_run(load_config(overrides=overrides).validate(), model=model)
     rank = run.runtime.rank
     if rank == poison_rank:  # an fp16 overflow on this rank only, in the first step
         param = run.model.blocks[0].attn.qkv.weight
@@ -31,6 +32,25 @@ def train_case(overrides: dict, steps: int, poison_rank: int = -1) -> dict:
     with run.strategy.full_parameters():
         out["params"] = {n: p.detach().float().cpu().clone() for n, p in run.model.named_parameters()}
     return out
+
+
+def reference_case(overrides: dict, world: int, steps: int, model=None) -> dict:
+    """The single-process run a `world`-rank run must match: the same global batch (the ranks'
+    micro-batches become accumulation steps) and one rank's thread count. The threads are set
+    through LOCAL_WORLD_SIZE, which init_runtime reads (a set_num_threads here would be undone):
+    CPU kernels such as LayerNorm's backward sum per thread, so the count changes the rounding."""
+    import os
+
+    accum = int(overrides.get("train.grad_accum", 1)) * world
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    try:
+        return train_case({**overrides, "train.grad_accum": accum}, steps, model=model)
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_WORLD_SIZE")
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
 
 
 def train_cases(rank: int, world_size: int, cases: list[tuple[dict, int, int]]) -> list[dict]:

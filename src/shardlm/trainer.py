@@ -73,9 +73,11 @@ def make_run_dir(cfg: Config, runtime: Runtime) -> Path:
     return run_dir
 
 
-def build_run(cfg: Config, runtime: Runtime | None = None) -> Run:
+def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | None = None) -> Run:
     """Everything in the documented order: mesh → data → model → activation checkpointing →
-    data parallelism (ZeRO) → compile."""
+    data parallelism (ZeRO) → compile. `model`, if given, replaces the one cfg.model describes
+    (e.g. a transformers model through shardlm.models.hf); it must be built identically on
+    every rank, and its vocabulary must be cfg.model.vocab_size."""
     cfg.validate()
     runtime = runtime or init_runtime(cfg.run.device)
     mesh = build_mesh(resolve_dims(cfg.parallel, runtime.world_size), runtime.device, runtime.rank)
@@ -83,7 +85,11 @@ def build_run(cfg: Config, runtime: Runtime | None = None) -> Run:
     torch.manual_seed(t.seed)
     dataset = build_dataset(cfg.data, cfg.model.vocab_size)
     precision = build_precision(cfg.precision, runtime.device)
-    model = build_model(cfg.model, runtime.device, seed=t.seed)
+    user_model = model is not None
+    if user_model:
+        model = model.to(runtime.device)
+    else:
+        model = build_model(cfg.model, runtime.device, seed=t.seed)
     apply_ac(model, cfg.activation.checkpoint)
     strategy = apply_data_parallel(model, mesh, cfg, runtime.device, precision.name)
     forward = torch.compile(model) if t.compile else model
@@ -96,7 +102,10 @@ def build_run(cfg: Config, runtime: Runtime | None = None) -> Run:
         val_loader=Loader(dataset.val, grad_accum=1, **common),
         run_dir=make_run_dir(cfg, runtime),
         peak_flops_per_device=peak_flops(runtime.device, precision.name),
-        flops_per_token=flops_per_token(cfg.model, t.seq_len),
+        # A model we did not build: 6 × parameters, the approximation used for those (attention
+        # FLOPs left out). Ours: the exact count from its config.
+        flops_per_token=(6.0 * sum(p.numel() for p in model.parameters()) if user_model
+                         else flops_per_token(cfg.model, t.seq_len)),
     )
 
 

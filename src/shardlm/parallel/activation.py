@@ -20,6 +20,8 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from shardlm.zero.units import unit_modules
+
 logger = logging.getLogger("shardlm")
 
 AC_MODES = ("none", "full", "selective")
@@ -47,7 +49,8 @@ def _selective_context():
 
 
 def apply_ac(model: nn.Module, mode: str) -> nn.Module:
-    """Checkpoint every element of `model.blocks` in place ("none" | "full" | "selective").
+    """Checkpoint every layer in place ("none" | "full" | "selective"): the blocks of our
+    models, the children of the largest nn.ModuleList of any other.
 
     Returns the same model object; with "none" nothing is touched.
     """
@@ -56,8 +59,9 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
     if mode == "none":
         return model
     kwargs = {"context_fn": _selective_context} if mode == "selective" else {}
-    for block in model.blocks:
+    blocks = [m for _, m in unit_modules(model)]  # our blocks, or any model's repeated layers
+    for block in blocks:
         checkpoint(block, use_reentrant=False, **kwargs)
-    logger.info("activation checkpointing: %s on %d blocks%s", mode, len(model.blocks),
+    logger.info("activation checkpointing: %s on %d blocks%s", mode, len(blocks),
                 " (saving matmul and attention outputs)" if mode == "selective" else "")
     return model
