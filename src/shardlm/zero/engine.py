@@ -89,6 +89,7 @@ class Unit:
             param = nn.Parameter(view, requires_grad=True)
             for module, attr in ref.places:
                 setattr(module, attr, param)
+            ref.param = param  # drop the pre-flatten tensor, or every rank keeps 4Ψ bytes alive
             self.params.append(param)
 
     def grad_shard(self) -> torch.Tensor:
