@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from test_models import counted_flops
 
 from shardlm.config import ModelConfig
 from shardlm.models import build_model, flops_per_token
@@ -79,15 +79,8 @@ def test_recompute_flops_match_flop_counter(mode):
     """Full recompute redoes each block's forward except its last linear; selective no matmul."""
     model = apply_ac(tiny("llama-tiny"), mode)
     cfg, batch, seq_len = model.cfg, 2, 32
-    aten = torch.ops.aten
-    mapping = {
-        aten._scaled_dot_product_flash_attention_for_cpu:
-            lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
-        aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            lambda g, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(g, q, k, v),
-    }
-    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
-        model(torch.randint(0, cfg.vocab_size, (batch, seq_len))).square().mean().backward()
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq_len))
+    counted = counted_flops(model, idx)
     scores_recompute = 2 * cfg.n_layers * cfg.d_model * seq_len  # inside the attention backward kernel
     expected = (flops_per_token(cfg, seq_len, recompute=mode) + scores_recompute) * batch * seq_len
-    assert counter.get_total_flops() == expected
+    assert counted == expected

@@ -20,14 +20,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def fused_available(device: torch.device) -> bool:
-    """torch's fused AdamW kernel (one kernel over all tensors) exists for CUDA and, since 2.4,
-    for CPU; it beats the foreach path on both."""
-    return device.type in ("cuda", "cpu")
-
-
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    fused = fused_available(device)
+    # torch's fused AdamW (one kernel over all tensors) exists for CUDA and, since 2.4, for CPU;
+    # it beats the foreach path on both (on gpt2-124m it is most of our lead over a plain loop).
+    fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
                              betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              fused=fused, foreach=None if fused else True)

@@ -20,9 +20,6 @@ from shardlm.optim import build_optimizer
 from shardlm.parallel.comm import CommLedger
 from shardlm.precision import DTYPES
 
-log_name = "shardlm"
-
-
 class Strategy(Protocol):
     optimizer: torch.optim.Optimizer
     ledger: CommLedger
