@@ -39,6 +39,10 @@ from shardlm.zero.units import ParamRef, UnitSpec, collect_units
 
 log = logging.getLogger("shardlm")
 
+# Stages 2-3: how many units' reductions may run while backward continues. Each holds a transient
+# full gradient (and, on gloo, the backend's own copy of it), so this bounds peak memory.
+MAX_REDUCTIONS_IN_FLIGHT = 1
+
 
 @dataclass(frozen=True)
 class ZeroOptions:
@@ -182,7 +186,7 @@ class ZeroEngine:
             handle = self.shard_comm.reduce_scatter(unit.grad_shard(), unit.full_grad)
         self.in_flight.append((unit, handle))
         if self.opts.stage >= 2:  # bound the transient full gradients alive at once
-            while len(self.in_flight) > 2:
+            while len(self.in_flight) > MAX_REDUCTIONS_IN_FLIGHT:
                 self._complete(*self.in_flight.pop(0))
 
     def _complete(self, unit: Unit, handle) -> None:
