@@ -121,20 +121,24 @@ class ZeroEngine:
         self.replicate_comm = Comm(mesh.dp_replicate_group if sharded else None, "dp_replicate",
                                    self.ledger)
         shard_world, shard_rank = (self.shard_comm.size, mesh.shard_rank) if sharded else (1, 0)
-        self.units = [Unit(spec, shard_world, shard_rank, opts, device)
-                      for spec in collect_units(model, opts.unit_classes)]
-        for unit in self.units:
+        # One unit at a time, so setup never holds more than one unit's temporary fp32 copy.
+        self.units: list[Unit] = []
+        self.masters: list[tuple[nn.Parameter, Unit, slice, bool]] = []
+        for spec in collect_units(model, opts.unit_classes):
+            unit = Unit(spec, shard_world, shard_rank, opts, device)
             unit.bind_params()
             for param, ref, offset in zip(unit.params, unit.refs, unit.layout.offsets):
                 param.register_post_accumulate_grad_hook(self._grad_hook(unit, ref, offset))
-        self.masters = self._build_masters()
+            self.masters += self._masters_of(unit)
+            del unit.initial_shard
+            if opts.stage == 3:  # only the shard stays; zero/params.py gathers on demand
+                unit.flat_param.untyped_storage().resize_(0)
+            self.units.append(unit)
         self.optimizer = torch.optim.AdamW(
             [{"params": [m for m, _, _, d in self.masters if d], "weight_decay": train.weight_decay},
              {"params": [m for m, _, _, d in self.masters if not d], "weight_decay": 0.0}],
             lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, fused=True)
         init_adam_state(self.optimizer)
-        for unit in self.units:
-            del unit.initial_shard
         self.sync = True
         self.in_flight: list[tuple[Unit, object]] = []
         if opts.stage == 3:
@@ -147,15 +151,17 @@ class ZeroEngine:
 
     # -- construction ------------------------------------------------------------------------
 
-    def _build_masters(self) -> list[tuple[nn.Parameter, Unit, slice, bool]]:
-        """(master, unit, slice of the unit's shard, decays) per segment of this rank's shard."""
+    def _masters_of(self, unit: Unit) -> list[tuple[nn.Parameter, Unit, slice, bool]]:
+        """(master, unit, slice of the unit's shard, decays) per segment of this rank's shard:
+        views of the parameters when master and compute dtypes agree, else own copies made
+        from the fp32 initial values (not from a rounded cast)."""
         masters = []
         alias = self.opts.master_dtype == self.opts.compute_dtype
-        for unit in self.units:
-            for seg in unit.segments:
-                local = slice(seg.start - unit.lo, seg.end - unit.lo)
-                source = unit.shard_param[local] if alias else unit.initial_shard[local].to(self.opts.master_dtype)
-                masters.append((nn.Parameter(source), unit, local, seg.decay))
+        for seg in unit.segments:
+            local = slice(seg.start - unit.lo, seg.end - unit.lo)
+            source = (unit.shard_param[local] if alias
+                      else unit.initial_shard[local].to(self.opts.master_dtype, copy=True))
+            masters.append((nn.Parameter(source), unit, local, seg.decay))
         return masters
 
     # -- backward ----------------------------------------------------------------------------
