@@ -15,6 +15,7 @@ examples:
   shardlm train --model.preset=llama-tiny --precision.compute=bf16
   shardlm train --help-config                     every config key, its default and meaning
   shardlm generate --checkpoint runs/latest --prompt "def fib("
+  shardlm export --checkpoint runs/latest --format hf --out hf-model/
   shardlm presets                                 the named model shapes
 """
 
@@ -41,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
     sub.add_parser("presets", help="list the named model shapes with parameter counts")
+    exp = sub.add_parser("export", help="write a trained run in another library's format")
+    exp.add_argument("--checkpoint", default="runs/latest", help="run directory (default runs/latest)")
+    exp.add_argument("--format", choices=["hf"], default="hf",
+                     help="hf: a transformers directory (GPT2LMHeadModel or LlamaForCausalLM)")
+    exp.add_argument("--out", required=True, help="output directory")
     return parser
 
 
@@ -112,6 +118,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from shardlm.export import export_hf
+
+    out = export_hf(args.checkpoint, args.out)
+    print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0
+
+
 def cmd_presets() -> int:
     from shardlm.config import ModelConfig
     from shardlm.models import count_params
@@ -138,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "export":
+            return cmd_export(args)
         if args.command == "presets":
             return cmd_presets()
         parser.print_help()

@@ -102,8 +102,9 @@ class Unit:
 
     def full_grad_buffer(self) -> torch.Tensor:
         if self.full_grad is None:  # stages 2-3: allocated for one step's backward only
-            self.full_grad = torch.zeros(self.layout.padded, dtype=self.shard_grad.dtype,
+            self.full_grad = torch.empty(self.layout.padded, dtype=self.shard_grad.dtype,
                                          device=self.flat_param.device)
+            self.full_grad[self.layout.total:].zero_()  # the slots are all written by the flatten
         return self.full_grad
 
 
@@ -127,8 +128,8 @@ class ZeroEngine:
         for spec in collect_units(model, opts.unit_classes):
             unit = Unit(spec, shard_world, shard_rank, opts, device)
             unit.bind_params()
-            for param, ref, offset in zip(unit.params, unit.refs, unit.layout.offsets):
-                param.register_post_accumulate_grad_hook(self._grad_hook(unit, ref, offset))
+            for param in unit.params:
+                param.register_post_accumulate_grad_hook(self._grad_hook(unit))
             self.masters += self._masters_of(unit)
             del unit.initial_shard
             if opts.stage == 3:  # only the shard stays; zero/params.py gathers on demand
@@ -166,12 +167,11 @@ class ZeroEngine:
 
     # -- backward ----------------------------------------------------------------------------
 
-    def _grad_hook(self, unit: Unit, ref: ParamRef, offset: int):
-        numel = ref.param.numel()
-
+    def _grad_hook(self, unit: Unit):
+        # Gradients accumulate in param.grad, autograd's own way (across micro-steps too, as the
+        # local strategy does); the hook only counts arrivals, so that a unit's full gradient
+        # buffer exists from its last gradient until its reduction — not through all of backward.
         def hook(param: torch.Tensor) -> None:
-            grad, param.grad = param.grad, None
-            unit.full_grad_buffer()[offset:offset + numel].view_as(grad).add_(grad)
             unit.arrived += 1
             if unit.arrived == len(unit.params):
                 self._unit_done(unit)
@@ -179,17 +179,31 @@ class ZeroEngine:
 
     def _unit_done(self, unit: Unit) -> None:
         unit.arrived = 0
+        if self.opts.stage == 3:  # free the gathered parameters before the reduction allocates
+            self.param_sharding.after_backward(unit)
         if self.sync and not unit.reduced:
             self._reduce(unit)
-        if self.opts.stage == 3:
-            self.param_sharding.after_backward(unit)
+
+    def _flatten_grads(self, unit: Unit) -> torch.Tensor:
+        """Copy the unit's gradients into its flat buffer (a parameter without one, unused in
+        this step, contributes zeros) and release them."""
+        buffer = unit.full_grad_buffer()
+        for param, offset in zip(unit.params, unit.layout.offsets):
+            target = buffer[offset:offset + param.numel()]
+            if param.grad is None:
+                target.zero_()
+            else:
+                target.copy_(param.grad.view(-1))
+                param.grad = None
+        return buffer
 
     def _reduce(self, unit: Unit) -> None:
         unit.reduced = True
+        full_grad = self._flatten_grads(unit)
         if self.opts.stage == 0:
-            handle = self.shard_comm.all_reduce(unit.full_grad)
+            handle = self.shard_comm.all_reduce(full_grad)
         else:
-            handle = self.shard_comm.reduce_scatter(unit.grad_shard(), unit.full_grad)
+            handle = self.shard_comm.reduce_scatter(unit.grad_shard(), full_grad)
         self.in_flight.append((unit, handle))
         if self.opts.stage >= 2:  # bound the transient full gradients alive at once
             while len(self.in_flight) > MAX_REDUCTIONS_IN_FLIGHT:
@@ -212,10 +226,9 @@ class ZeroEngine:
         parameters), wait for every reduction, then average shards across replicas."""
         for unit in self.units:
             if not unit.reduced:
-                unit.full_grad_buffer()
-                self._reduce(unit)
                 if self.opts.stage == 3:
                     self.param_sharding.after_backward(unit)
+                self._reduce(unit)
         while self.in_flight:
             self._complete(*self.in_flight.pop(0))
         if self.opts.stage == 3:
@@ -274,11 +287,8 @@ class ZeroEngine:
                 h.wait()
 
     def zero_grad(self) -> None:
-        for unit in self.units:
-            if self.opts.stage <= 1:
-                unit.full_grad.zero_()
-            else:
-                unit.full_grad = None
+        """Nothing to clear: every step's flatten overwrites each gradient slot (the padding
+        was zeroed once); stages 2-3 dropped their transient full gradients already."""
 
     @contextlib.contextmanager
     def full_parameters(self) -> Iterator[None]:

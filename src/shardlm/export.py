@@ -1,0 +1,169 @@
+"""Export a trained run to a Hugging Face `transformers` directory (`shardlm export --format hf`).
+
+A GPT-2-style config (LayerNorm, learned positions, GELU) becomes a `GPT2LMHeadModel`, a
+LLaMA-style one (RMSNorm, RoPE, SwiGLU) a `LlamaForCausalLM`; both reproduce our logits (the
+model code already computes exactly what those classes compute: GELU tanh, rotate-half RoPE with
+HF's frequency table). Mixed configs that neither class can express are a ConfigError.
+
+The output directory holds `model.safetensors`, `config.json`, `generation_config.json` (written
+by `save_pretrained`), our `tokenizer.json` and a `tokenizer_config.json`, so
+`AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)` both work.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from shardlm.checkpoint import TOKENIZER, load_for_inference, resolve_run_dir
+from shardlm.config import ConfigError, ModelConfig
+from shardlm.data.tokenizer import EOT
+from shardlm.models.flops import resolved_d_ff
+
+GPT2_STYLE = {"norm": "layernorm", "position": "learned", "mlp": "gelu"}
+LLAMA_STYLE = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
+
+
+def hf_family(m: ModelConfig) -> str:
+    """'gpt2' or 'llama', or a ConfigError naming the fields that match neither class."""
+    chosen = {k: getattr(m, k) for k in GPT2_STYLE}
+    if chosen == GPT2_STYLE:
+        kv = m.n_kv_heads or m.n_heads
+        if kv != m.n_heads:
+            raise ConfigError(f"cannot export to GPT2LMHeadModel: model.n_kv_heads = {m.n_kv_heads} "
+                              f"(grouped-query attention) has no GPT-2 equivalent; only "
+                              f"n_kv_heads = 0 or n_heads = {m.n_heads} maps")
+        return "gpt2"
+    if chosen == LLAMA_STYLE:
+        return "llama"
+
+    def describe(style: dict[str, str]) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in style.items())
+
+    off_gpt2 = [f"model.{k} = {chosen[k]!r}" for k in GPT2_STYLE if chosen[k] != GPT2_STYLE[k]]
+    off_llama = [f"model.{k} = {chosen[k]!r}" for k in LLAMA_STYLE if chosen[k] != LLAMA_STYLE[k]]
+    raise ConfigError(f"cannot export this model to transformers: GPT2LMHeadModel needs "
+                      f"{describe(GPT2_STYLE)} (not {', '.join(off_gpt2)}) and LlamaForCausalLM "
+                      f"needs {describe(LLAMA_STYLE)} (not {', '.join(off_llama)})")
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError('exporting to Hugging Face format needs transformers: '
+                          'pip install -e ".[hf]"') from None
+    return transformers
+
+
+def hf_config(m: ModelConfig, eot: int | None):
+    """The GPT2Config or LlamaConfig describing exactly our model."""
+    tf = _import_transformers()
+    tokens = {"bos_token_id": eot, "eos_token_id": eot, "vocab_size": m.vocab_size,
+              "tie_word_embeddings": m.tie_embeddings}
+    if hf_family(m) == "gpt2":
+        # No dropout: ours has none, and a fine-tune of the export should train the same network.
+        return tf.GPT2Config(n_embd=m.d_model, n_layer=m.n_layers, n_head=m.n_heads,
+                             n_inner=resolved_d_ff(m), n_positions=m.max_seq_len,
+                             layer_norm_epsilon=m.norm_eps, activation_function="gelu_new",
+                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **tokens)
+    # Our RMSNorm has no bias, so model.bias means biases on the linears only: exactly HF's
+    # attention_bias (q/k/v/o) and mlp_bias (gate/up/down).
+    return tf.LlamaConfig(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
+                          num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                          num_key_value_heads=m.n_kv_heads or m.n_heads,
+                          max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                          rope_theta=m.rope_theta, attention_bias=m.bias, mlp_bias=m.bias,
+                          **tokens)
+
+
+def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our parameter names and layouts -> the HF class's. `sd` is `Decoder.state_dict()`."""
+    out: dict[str, torch.Tensor] = {}
+    head_dim = m.d_model // m.n_heads
+    q_size, kv_size = m.n_heads * head_dim, (m.n_kv_heads or m.n_heads) * head_dim
+    if hf_family(m) == "gpt2":
+        def norm(dst: str, src: str) -> None:
+            out[f"{dst}.weight"] = sd[f"{src}.weight"]
+            # bias=False is a LayerNorm/Linear whose bias is zero: GPT-2 always has one.
+            out[f"{dst}.bias"] = sd.get(f"{src}.bias", torch.zeros(m.d_model))
+
+        def conv1d(dst: str, src: str) -> None:  # HF Conv1D: weight (in, out), i.e. ours transposed
+            w = sd[f"{src}.weight"]
+            out[f"{dst}.weight"] = w.t().contiguous()
+            out[f"{dst}.bias"] = sd.get(f"{src}.bias", torch.zeros(w.shape[0]))
+
+        out["transformer.wte.weight"] = sd["tok_emb.weight"]
+        out["transformer.wpe.weight"] = sd["pos_emb.weight"]
+        for i in range(m.n_layers):
+            h, b = f"transformer.h.{i}", f"blocks.{i}"
+            norm(f"{h}.ln_1", f"{b}.attn_norm")
+            conv1d(f"{h}.attn.c_attn", f"{b}.attn.qkv")  # [q | k | v] columns, as GPT-2's
+            conv1d(f"{h}.attn.c_proj", f"{b}.attn.proj")
+            norm(f"{h}.ln_2", f"{b}.mlp_norm")
+            conv1d(f"{h}.mlp.c_fc", f"{b}.mlp.fc")
+            conv1d(f"{h}.mlp.c_proj", f"{b}.mlp.proj")
+        norm("transformer.ln_f", "norm_f")
+    else:
+        hidden = resolved_d_ff(m)
+        out["model.embed_tokens.weight"] = sd["tok_emb.weight"]
+        for i in range(m.n_layers):
+            h, b = f"model.layers.{i}", f"blocks.{i}"
+            out[f"{h}.input_layernorm.weight"] = sd[f"{b}.attn_norm.weight"]
+            out[f"{h}.post_attention_layernorm.weight"] = sd[f"{b}.mlp_norm.weight"]
+            for kind in ("weight", "bias") if m.bias else ("weight",):
+                q, k, v = sd[f"{b}.attn.qkv.{kind}"].split([q_size, kv_size, kv_size])
+                gate, up = sd[f"{b}.mlp.gate_up.{kind}"].split([hidden, hidden])
+                parts = {"self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v,
+                         "self_attn.o_proj": sd[f"{b}.attn.proj.{kind}"], "mlp.gate_proj": gate,
+                         "mlp.up_proj": up, "mlp.down_proj": sd[f"{b}.mlp.down.{kind}"]}
+                out.update({f"{h}.{name}.{kind}": t.contiguous() for name, t in parts.items()})
+        out["model.norm.weight"] = sd["norm_f.weight"]
+    out["lm_head.weight"] = sd["head.weight"]  # the embedding itself when tied
+    return out
+
+
+def _tokenizer_config(eot: int | None, max_len: int) -> dict:
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+              # Byte-level BPE decodes to the exact text; HF's clean-up would drop spaces.
+              "clean_up_tokenization_spaces": False}
+    if eot is not None:  # GPT-2's convention: <|endoftext|> both starts and ends a text
+        config.update(bos_token=EOT, eos_token=EOT)
+    return config
+
+
+def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write `run_dir`'s model and tokenizer as a transformers directory; returns `out_dir`."""
+    tf = _import_transformers()
+    src = resolve_run_dir(run_dir)
+    out = Path(out_dir)
+    if out.resolve() == src:
+        raise ConfigError(f"--out {str(out_dir)!r} is the run directory itself; exporting there "
+                          f"would overwrite its model.safetensors and config.json")
+    model, tokenizer, cfg = load_for_inference(src, torch.device("cpu"))
+    m = cfg.model
+    eot = tokenizer.token_to_id(EOT)
+    config = hf_config(m, eot)
+    sd = hf_state_dict(model.state_dict(), m)
+    del model
+    cls = tf.GPT2LMHeadModel if hf_family(m) == "gpt2" else tf.LlamaForCausalLM
+    with torch.device("meta"):  # no memory and no random init: every tensor comes from `sd`
+        hf_model = cls(config)
+    missing, unexpected = hf_model.load_state_dict(sd, strict=False, assign=True)
+    if missing or unexpected:
+        raise ConfigError(f"internal error mapping to {cls.__name__}: missing {sorted(missing)}, "
+                          f"unexpected {sorted(unexpected)}")
+    if m.tie_embeddings:
+        hf_model.tie_weights()
+    leftover = [n for n, p in hf_model.named_parameters() if p.is_meta]
+    if leftover:
+        raise ConfigError(f"internal error mapping to {cls.__name__}: no values for {leftover}")
+    out.mkdir(parents=True, exist_ok=True)
+    hf_model.save_pretrained(out)
+    shutil.copyfile(src / TOKENIZER, out / TOKENIZER)
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(_tokenizer_config(eot, m.max_seq_len), indent=2) + "\n")
+    return out
