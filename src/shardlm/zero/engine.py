@@ -10,9 +10,10 @@ is sharded over the dp_shard group.
 
 Each unit (a transformer block, or the root: embeddings, final norm, head) keeps its parameters
 in one flat, padded buffer in the compute dtype; the module's parameters are views of it, so
-every collective is one large call. Gradients arrive through post-accumulate-grad hooks and are
-added into the unit's flat gradient; when a unit's last gradient arrives (and this micro-step
-synchronises) its reduction starts at once, overlapping the rest of backward. The optimizer is
+every collective is one large call. Gradients accumulate in param.grad as autograd does it;
+post-accumulate-grad hooks count arrivals, and when a unit's last gradient arrives (and this
+micro-step synchronises) its gradients are copied into the unit's flat gradient and its
+reduction starts at once, overlapping the rest of backward. The optimizer is
 torch's AdamW over this rank's master shards — contiguous fp32 slices, one per (unit, weight-
 decay group) — or over views of the parameters themselves when master and compute dtypes agree.
 With dp_replicate > 1 (hybrid), shards are reduced within the shard group and then averaged
