@@ -62,6 +62,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         return launch_workers(args, cfg, overrides)
 
     from shardlm.models import count_params
+    from shardlm.launch import shutdown
     from shardlm.trainer import build_run, sample_text, state_report, train
 
     run = build_run(cfg)
@@ -83,6 +84,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         text = sample_text(run, t.sample_prompt, t.sample_tokens)  # every rank: stage 3 gathers
         if main:
             print("sample:\n" + text)
+    shutdown(run.runtime)
     return 0
 
 

@@ -92,13 +92,6 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def peak_device_bytes(device: torch.device) -> int:
-    """Peak bytes allocated by torch on a GPU; on the CPU the process RSS is the measure."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return peak_rss_bytes()
-
-
 class MetricsLog:
     """One JSON object per line; flushed per write so a crashed run keeps its log."""
 

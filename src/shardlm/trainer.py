@@ -173,9 +173,7 @@ def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: flo
     tokens = run.train_loader.global_batch * run.cfg.train.seq_len
     tokens_per_s = tokens / seconds
     mfu = tokens_per_s * run.flops_per_token / (run.peak_flops_per_device * run.runtime.world_size)
-    ledger = run.strategy.ledger
-    comm = ledger.snapshot()
-    ledger.reset()
+    comm = run.strategy.ledger.snapshot()  # this step's collectives (reset before it began)
     return {"step": step + 1, "loss": loss, "lr": run.strategy.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
             "step_time_s": seconds, "peak_rss_bytes": peak_rss_bytes(),
@@ -192,6 +190,7 @@ def train(run: Run) -> TrainResult:
     speeds, mfus = [], []
     try:
         for step in range(cfg.train.steps):
+            run.strategy.ledger.reset()  # evaluation's gathers are not a training step's
             start = time.perf_counter()
             loss, grad_norm, stepped = train_step(run, step)
             record = step_record(run, step, loss, grad_norm, time.perf_counter() - start)
