@@ -16,7 +16,7 @@ from torch import nn
 
 from shardlm.config import Config
 from shardlm.mesh import Mesh
-from shardlm.optim import build_optimizer
+from shardlm.optim import build_optimizer, init_adam_state
 from shardlm.parallel.comm import CommLedger
 from shardlm.precision import DTYPES
 
@@ -42,6 +42,7 @@ class LocalStrategy:
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device):
         self.model = model
         self.optimizer = build_optimizer(model, cfg.train, device)
+        init_adam_state(self.optimizer)  # allocated now, so start-up reports what will be held
         self.ledger = CommLedger()
 
     def micro_step(self, sync: bool) -> None:
