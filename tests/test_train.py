@@ -89,3 +89,35 @@ def test_cli_reports_config_errors_before_work(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "unknown config key 'train.stesp'" in err and "train.steps" in err
     assert not any(tmp_path.iterdir()), "nothing may be created for a bad config"
+
+
+def _poisoned_run(tmp_path, mode: str):
+    cfg = load_config(overrides=tiny_overrides(tmp_path, train__on_nonfinite=mode))
+    run = build_run(cfg.validate())
+    run.model.blocks[0].mlp.fc.weight.register_hook(lambda g: g * float("nan"))
+    return run
+
+
+def test_nonfinite_gradient_stops_by_default(tmp_path):
+    run = _poisoned_run(tmp_path, "stop")
+    try:
+        train_step(run, 0)
+    except FloatingPointError as e:
+        assert "not finite" in str(e) and "train.on_nonfinite" in str(e)
+    else:
+        raise AssertionError("a NaN gradient must stop the run")
+
+
+def test_nonfinite_gradient_skip_leaves_parameters(tmp_path):
+    run = _poisoned_run(tmp_path, "skip")
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    assert train_step(run, 0)[2] is False
+    assert all(torch.equal(p, before[n]) for n, p in run.model.named_parameters())
+    assert run.precision.scaler.skipped_steps == 1
+
+
+def test_cli_diverged_run_exits_nonzero(tmp_path, capsys):
+    args = ["train"] + [f"--{k}={v}" for k, v in tiny_overrides(tmp_path, train__lr=1e38,
+                                                                    train__warmup_steps=0).items()]
+    assert main(args) == 3
+    assert "stopped: the gradient norm is not finite" in capsys.readouterr().err

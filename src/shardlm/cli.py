@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"shardlm: error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # the non-finite guard: a clear stop, not a traceback
+        print(f"shardlm: stopped: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -110,6 +110,10 @@ class TrainConfig:
     """Write a JSONL line every this many steps."""
     compile: bool = False
     """Wrap the model in torch.compile."""
+    on_nonfinite: str = "stop"
+    """fp32/bf16: a NaN/inf gradient norm (a diverged run) 'stop's the run with an error, or
+    'skip's that step and goes on (counted in the log's `skipped`). fp16 always skips and backs
+    off its loss scale."""
     sample_tokens: int = 120
     """After training, generate this many tokens from `sample_prompt` (0 = skip)."""
     sample_prompt: str = "def "
@@ -352,6 +356,7 @@ _CHOICES = {
     "precision.master": ("fp32", "bf16"),
     "parallel.zero_stage": (0, 1, 2, 3),
     "run.progress": ("auto", "on", "off"),
+    "train.on_nonfinite": ("stop", "skip"),
 }
 
 _POSITIVE = ("model.vocab_size", "model.n_layers", "model.n_heads", "model.d_model",

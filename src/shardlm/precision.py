@@ -23,6 +23,10 @@ class NoLossScaler:
 
     scale = 1.0
 
+    def __init__(self, stop_on_nonfinite: bool = True):
+        self.stop_on_nonfinite = stop_on_nonfinite
+        self.skipped_steps = 0
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
@@ -32,11 +36,14 @@ class NoLossScaler:
     def update(self, grads_finite: bool) -> bool:
         """Returns whether the optimizer may step. Outside fp16 a non-finite gradient is not an
         expected event to skip silently but a diverged run."""
-        if not grads_finite:
+        if grads_finite:
+            return True
+        if self.stop_on_nonfinite:
             raise FloatingPointError(
-                "the gradient norm is not finite (NaN/inf): the run diverged. Lower train.lr, "
-                "keep train.grad_clip > 0, or use precision.compute = 'fp32' / 'bf16' instead of fp16")
-        return True
+                "the gradient norm is not finite (NaN/inf): the run diverged. Lower train.lr, keep "
+                "train.grad_clip > 0, or set train.on_nonfinite = 'skip' to skip such steps")
+        self.skipped_steps += 1
+        return False
 
     def state_dict(self) -> dict:
         return {}
@@ -110,7 +117,8 @@ def resolve_compute(name: str, device: torch.device) -> str:
     return "bf16" if peak_flops(device, "bf16") > 1.1 * peak_flops(device, "fp32") else "fp32"
 
 
-def build_precision(cfg: PrecisionConfig, device: torch.device) -> Precision:
+def build_precision(cfg: PrecisionConfig, device: torch.device,
+                    stop_on_nonfinite: bool = True) -> Precision:
     name = resolve_compute(cfg.compute, device)
     if name == "fp32":
         autocast: Callable[[], ContextManager] = contextlib.nullcontext
@@ -121,7 +129,7 @@ def build_precision(cfg: PrecisionConfig, device: torch.device) -> Precision:
         scaler: NoLossScaler | DynamicLossScaler = DynamicLossScaler(
             cfg.loss_scale_init, cfg.loss_scale_growth_interval, cfg.loss_scale_backoff)
     else:
-        scaler = NoLossScaler()
+        scaler = NoLossScaler(stop_on_nonfinite)
     return Precision(name, autocast, scaler)
 
 

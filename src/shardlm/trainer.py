@@ -84,7 +84,7 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     t = cfg.train
     torch.manual_seed(t.seed)
     dataset = build_dataset(cfg.data, cfg.model.vocab_size)
-    precision = build_precision(cfg.precision, runtime.device)
+    precision = build_precision(cfg.precision, runtime.device, t.on_nonfinite == "stop")
     user_model = model is not None
     if user_model:
         model = model.to(runtime.device)
