@@ -159,6 +159,9 @@ class ParallelConfig:
     backward (memory), or keep them until its backward (one all-gather less per step)."""
     prefetch: bool = True
     """Stage 3: start gathering the next unit's parameters while the current one computes."""
+    collective_timeout_s: float = 600.0
+    """A collective not finished after this many seconds (a peer hung or died) is reported —
+    rank, group, operation, bytes — and the process exits non-zero; 0 disables the watchdog."""
     units: str = ""
     """Sharding units for a model that is not ours: comma-separated class names (e.g.
     'GPT2Block'); '' = the children of the largest nn.ModuleList."""
@@ -406,6 +409,9 @@ def _validation_errors(cfg: Config) -> list[str]:
     if par.dp_replicate < 1 or (par.dp_shard < 1 and par.dp_shard != -1):
         errors.append(f"parallel.dp_replicate = {par.dp_replicate} must be >= 1 and parallel.dp_shard "
                       f"= {par.dp_shard} must be >= 1 or -1 (all remaining ranks)")
+    if par.collective_timeout_s < 0:
+        errors.append(f"parallel.collective_timeout_s = {par.collective_timeout_s} must be >= 0 "
+                      f"(0 disables the watchdog)")
     for name in ("tp", "pp", "ep"):
         if getattr(par, name) != 1:
             errors.append(f"parallel.{name} = {getattr(par, name)}: this version has data parallelism "

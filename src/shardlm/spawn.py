@@ -5,6 +5,7 @@ tests and the benchmarks use this; training runs use `shardlm train --nproc N` (
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -58,13 +59,25 @@ def run_ranks(fn: Callable, world_size: int, tmp_dir: Path, *args: Any, timeout:
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
-    for _ in range(world_size):
-        rank, status, value = queue.get()
-        if status == "ok":
-            results[rank] = tree_map(_to_torch, value)
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size and not errors:
+        if not queue.empty():
+            rank, status, value = queue.get()
+            if status == "ok":
+                results[rank] = tree_map(_to_torch, value)
+            else:  # the other ranks may be blocked in a collective with the failed one
+                errors.append(f"rank {rank}:\n{value}")
+            continue
+        # A rank that died without a word (os._exit, a signal) would otherwise be waited for.
+        dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                if p.exitcode is not None and r not in results]
+        if dead and queue.empty():
+            errors += [f"rank {r} exited with code {code} without a result" for r, code in dead]
+        elif time.monotonic() > deadline:
+            errors.append(f"no result from ranks {sorted(set(range(world_size)) - set(results))} "
+                          f"within {timeout:g} s")
         else:
-            errors.append(f"rank {rank}:\n{value}")
-            break  # the other ranks may be blocked in a collective with the failed one
+            time.sleep(0.05)
     for p in procs:
         p.join(timeout=timeout if not errors else 5)
         if p.is_alive():

@@ -7,6 +7,7 @@ of this file; strategies are applied to the plain model in `build_run`, in a fix
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from shardlm.models import build_model, flops_per_token, generate
 from shardlm.optim import lr_at, set_lr
 from shardlm.parallel.activation import apply_ac
 from shardlm.parallel.data import Strategy, apply_data_parallel
+from shardlm.parallel.watchdog import CollectiveWatchdog
 from shardlm.precision import Precision, build_precision, is_finite
 from shardlm.telemetry import MetricsLog, ProgressDisplay, peak_flops, peak_rss_bytes
 
@@ -91,7 +93,9 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     else:
         model = build_model(cfg.model, runtime.device, seed=t.seed)
     apply_ac(model, cfg.activation.checkpoint)
-    strategy = apply_data_parallel(model, mesh, cfg, runtime.device, precision.name)
+    timeout = cfg.parallel.collective_timeout_s
+    watchdog = CollectiveWatchdog(timeout, runtime.rank) if runtime.world_size > 1 and timeout else None
+    strategy = apply_data_parallel(model, mesh, cfg, runtime.device, precision.name, watchdog)
     forward = torch.compile(model) if t.compile else model
     common = dict(seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
                   dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp_size)
@@ -157,7 +161,9 @@ def train_step(run: Run, step: int) -> tuple[float, float, bool]:
         strategy.step()
     strategy.zero_grad()
     if run.runtime.world_size > 1:  # a logging scalar, not model communication: not in the ledger
-        torch.distributed.all_reduce(total)
+        watchdog = getattr(run.strategy, "watchdog", None)
+        with watchdog.watch("all_reduce(loss)", "dp", 4) if watchdog else contextlib.nullcontext():
+            torch.distributed.all_reduce(total)
     return float(total), grad_norm, stepped
 
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from shardlm.parallel.watchdog import CollectiveWatchdog, Tracked
 
 
 @dataclass
@@ -49,39 +52,51 @@ class _Done:
 
 
 class Comm:
-    """The collectives of one process group, asynchronous where the backend allows.
+    """The collectives of one process group; each is launched asynchronously and returns a
+    handle to wait on.
 
     A group of one rank (group=None) is valid: reductions are identities and gathers copies,
-    and nothing is counted — so the engine runs unchanged on a single process.
+    and nothing is counted — so the engine runs unchanged on a single process. With a watchdog,
+    every collective is tracked from launch until its handle is waited on.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, name: str, ledger: CommLedger):
+    def __init__(self, group: dist.ProcessGroup | None, name: str, ledger: CommLedger,
+                 watchdog: CollectiveWatchdog | None = None):
         self.group = group
         self.name = name
         self.ledger = ledger
+        self.watchdog = watchdog
         self.size = dist.get_world_size(group) if group is not None else 1
 
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = True):
+    def _launch(self, op: str, nbytes: int, collective: Callable[[], object]):
+        self.ledger.add(op, self.name, nbytes)
+        if self.watchdog is None:
+            return collective()
+        token = self.watchdog.track(op, self.name, nbytes)
+        return Tracked(collective(), self.watchdog, token)
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM):
         if self.group is None:
             return _Done()
-        self.ledger.add("all_reduce", self.name, 2 * tensor.numel() * tensor.element_size())
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        return self._launch("all_reduce", 2 * tensor.numel() * tensor.element_size(),
+                            lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
-                       async_op: bool = True):
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM):
         """input (N * shard,) → output (shard,): the reduced slice this rank owns."""
         if self.group is None:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
-        self.ledger.add("reduce_scatter", self.name, input.numel() * input.element_size())
-        return _reduce_scatter_single(output, input, op=op, group=self.group, async_op=async_op)
+        return self._launch("reduce_scatter", input.numel() * input.element_size(),
+                            lambda: _reduce_scatter_single(output, input, op=op, group=self.group,
+                                                           async_op=True))
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = True):
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor):
         """input (shard,) from every rank → output (N * shard,) in rank order."""
         if self.group is None:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
-        self.ledger.add("all_gather", self.name, output.numel() * output.element_size())
-        return _all_gather_single(output, input, group=self.group, async_op=async_op)
+        return self._launch("all_gather", output.numel() * output.element_size(),
+                            lambda: _all_gather_single(output, input, group=self.group,
+                                                       async_op=True))

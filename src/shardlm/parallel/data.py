@@ -18,6 +18,7 @@ from shardlm.config import Config
 from shardlm.mesh import Mesh
 from shardlm.optim import build_optimizer, init_adam_state
 from shardlm.parallel.comm import CommLedger
+from shardlm.parallel.watchdog import CollectiveWatchdog
 from shardlm.precision import DTYPES
 
 class Strategy(Protocol):
@@ -79,7 +80,7 @@ class LocalStrategy:
 
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
-                        compute: str) -> Strategy:
+                        compute: str, watchdog: CollectiveWatchdog | None = None) -> Strategy:
     """One process at stage 0 trains locally; anything else goes through the ZeRO engine."""
     par, prec = cfg.parallel, cfg.precision
     if mesh.dims.world_size == 1 and par.zero_stage == 0:
@@ -91,4 +92,4 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch
         reduce_dtype=DTYPES[compute if prec.reduce == "auto" else prec.reduce],
         master_dtype=DTYPES[prec.master], reshard_after_forward=par.reshard_after_forward,
         prefetch=par.prefetch, unit_classes=par.units)
-    return ZeroEngine(model, mesh, opts, cfg.train, device)
+    return ZeroEngine(model, mesh, opts, cfg.train, device, watchdog)

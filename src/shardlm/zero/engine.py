@@ -35,6 +35,7 @@ from shardlm.config import TrainConfig
 from shardlm.mesh import Mesh
 from shardlm.optim import init_adam_state
 from shardlm.parallel.comm import Comm, CommLedger
+from shardlm.parallel.watchdog import CollectiveWatchdog
 from shardlm.zero.partition import UnitLayout, layout_for, model_state_bytes
 from shardlm.zero.units import ParamRef, UnitSpec, collect_units
 
@@ -113,15 +114,16 @@ class ZeroEngine:
     """Owns the units, the hooks, the reductions and the sharded optimizer step."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, opts: ZeroOptions, train: TrainConfig,
-                 device: torch.device, ledger: CommLedger | None = None):
+                 device: torch.device, watchdog: CollectiveWatchdog | None = None):
         self.model, self.opts, self.mesh = model, opts, mesh
-        self.ledger = ledger or CommLedger()
+        self.ledger = CommLedger()
+        self.watchdog = watchdog
         sharded = opts.stage >= 1
         world = dist.group.WORLD if mesh.dims.world_size > 1 else None
         self.shard_comm = Comm(mesh.dp_shard_group if sharded else world,
-                               "dp_shard" if sharded else "dp", self.ledger)
+                               "dp_shard" if sharded else "dp", self.ledger, watchdog)
         self.replicate_comm = Comm(mesh.dp_replicate_group if sharded else None, "dp_replicate",
-                                   self.ledger)
+                                   self.ledger, watchdog)
         shard_world, shard_rank = (self.shard_comm.size, mesh.shard_rank) if sharded else (1, 0)
         # One unit at a time, so setup never holds more than one unit's temporary fp32 copy.
         self.units: list[Unit] = []
@@ -266,7 +268,9 @@ class ZeroEngine:
         local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self._param_grad_slices())))
         if self.opts.stage >= 1 and self.shard_comm.group is not None:
             local = local.float().pow(2)
-            dist.all_reduce(local, group=self.shard_comm.group)
+            with self.watchdog.watch("all_reduce(grad norm)", "dp_shard", 4) if self.watchdog \
+                    else contextlib.nullcontext():
+                dist.all_reduce(local, group=self.shard_comm.group)
             local = local.sqrt()
         coef = torch.clamp(max_norm / (local + 1e-6), max=1.0)
         torch._foreach_mul_(self.grads(), coef.to(self.opts.reduce_dtype))
