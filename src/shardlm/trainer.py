@@ -7,7 +7,6 @@ of this file; strategies are applied to the plain model in `build_run`, in a fix
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from shardlm.models import build_model, flops_per_token, generate
 from shardlm.optim import lr_at, set_lr
 from shardlm.parallel.activation import apply_ac
 from shardlm.parallel.data import Strategy, apply_data_parallel
-from shardlm.parallel.watchdog import CollectiveWatchdog
+from shardlm.parallel.watchdog import CollectiveWatchdog, watched
 from shardlm.precision import Precision, build_precision, is_finite
 from shardlm.telemetry import MetricsLog, ProgressDisplay, peak_flops, peak_rss_bytes
 
@@ -47,6 +46,8 @@ class Run:
     """What is called in the step: the model, possibly compiled."""
     strategy: Strategy
     """Gradient synchronisation, clipping and the optimizer step (local or ZeRO)."""
+    watchdog: CollectiveWatchdog | None
+    """Reports a collective that outlives parallel.collective_timeout_s (several ranks only)."""
     precision: Precision
     train_loader: Loader
     val_loader: Loader
@@ -101,7 +102,7 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
                   dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp_size)
     return Run(
         cfg=cfg, runtime=runtime, mesh=mesh, dataset=dataset, model=model, forward=forward,
-        strategy=strategy, precision=precision,
+        strategy=strategy, watchdog=watchdog, precision=precision,
         train_loader=Loader(dataset.train, grad_accum=t.grad_accum, **common),
         val_loader=Loader(dataset.val, grad_accum=1, **common),
         run_dir=make_run_dir(cfg, runtime),
@@ -161,8 +162,7 @@ def train_step(run: Run, step: int) -> tuple[float, float, bool]:
         strategy.step()
     strategy.zero_grad()
     if run.runtime.world_size > 1:  # a logging scalar, not model communication: not in the ledger
-        watchdog = getattr(run.strategy, "watchdog", None)
-        with watchdog.watch("all_reduce(loss)", "dp", 4) if watchdog else contextlib.nullcontext():
+        with watched(run.watchdog, "all_reduce(loss)", "dp", 4):
             torch.distributed.all_reduce(total)
     return float(total), grad_norm, stepped
 

@@ -64,6 +64,11 @@ class CollectiveWatchdog:
                 os._exit(EXIT_CODE)
 
 
+def watched(watchdog: CollectiveWatchdog | None, op: str, group: str, nbytes: int):
+    """Context for a blocking collective outside Comm: tracked if there is a watchdog."""
+    return watchdog.watch(op, group, nbytes) if watchdog is not None else contextlib.nullcontext()
+
+
 class Tracked:
     """A collective's handle whose wait() also tells the watchdog it finished."""
 

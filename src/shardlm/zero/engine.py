@@ -35,7 +35,7 @@ from shardlm.config import TrainConfig
 from shardlm.mesh import Mesh
 from shardlm.optim import init_adam_state
 from shardlm.parallel.comm import Comm, CommLedger
-from shardlm.parallel.watchdog import CollectiveWatchdog
+from shardlm.parallel.watchdog import CollectiveWatchdog, watched
 from shardlm.zero.partition import UnitLayout, layout_for, model_state_bytes
 from shardlm.zero.units import ParamRef, UnitSpec, collect_units
 
@@ -268,8 +268,7 @@ class ZeroEngine:
         local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self._param_grad_slices())))
         if self.opts.stage >= 1 and self.shard_comm.group is not None:
             local = local.float().pow(2)
-            with self.watchdog.watch("all_reduce(grad norm)", "dp_shard", 4) if self.watchdog \
-                    else contextlib.nullcontext():
+            with watched(self.watchdog, "all_reduce(grad norm)", "dp_shard", 4):
                 dist.all_reduce(local, group=self.shard_comm.group)
             local = local.sqrt()
         coef = torch.clamp(max_norm / (local + 1e-6), max=1.0)
