@@ -41,7 +41,7 @@ def test_fp16_overflow_skips_the_step_and_backs_off(tmp_path):
         tmp_path, precision__compute="fp16", precision__loss_scale_init=2.0**40))
     run = build_run(cfg.validate())
     before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
-    loss, grad_norm, stepped = train_step(run, 0)
+    loss, grad_norm, stepped, _ = train_step(run, 0)
     assert not stepped and not math.isfinite(grad_norm) and math.isfinite(loss)
     assert run.precision.scaler.scale == 2.0**39
     for n, p in run.model.named_parameters():

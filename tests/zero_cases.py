@@ -18,7 +18,7 @@ def train_case(overrides: dict, steps: int, poison_rank: int = -1, model=None) -
         handle = param.register_hook(lambda g: g * float("inf"))
     out = {"losses": [], "stepped": [], "scale": [], "comm": [], "state": None}
     for step in range(steps):
-        loss, _, stepped = train_step(run, step)
+        loss, _, stepped, _ = train_step(run, step)
         if step == 0 and rank == poison_rank:
             handle.remove()
         out["losses"].append(loss)

@@ -13,6 +13,10 @@ examples:
   shardlm train                                   train the default small GPT on the built-in corpus
   shardlm train configs/gpt2-124m.toml --train.steps=100
   shardlm train --model.preset=llama-tiny --precision.compute=bf16
+  shardlm train --nproc 2 --checkpoint.every=100 --max-restarts 2
+                                                  2 workers; a dead worker restarts the gang from
+                                                  the latest checkpoint
+  shardlm train --resume                          continue the newest run that has a checkpoint
   shardlm train --help-config                     every config key, its default and meaning
   shardlm generate --checkpoint runs/latest --prompt "def fib("
   shardlm export --checkpoint runs/latest --format hf --out hf-model/
@@ -34,6 +38,14 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, default=0, metavar="N",
                        help="start N local worker processes (torch's elastic launcher); "
                             "under torchrun leave this out")
+    train.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                       help="with --nproc: when a worker dies, restart all of them (up to K "
+                            "times); they resume from the run's latest checkpoint")
+    train.add_argument("--resume", nargs="?", const="", default=None, metavar="PATH",
+                       help="continue from a checkpoint: a run directory (its latest), a "
+                            "checkpoint directory, or nothing for the newest run under run.dir "
+                            "that has one. The run continues in that run's directory unless "
+                            "run.name is given")
     gen = sub.add_parser("generate", help="sample text from a trained run")
     gen.add_argument("--checkpoint", default="runs/latest", help="run directory (default runs/latest)")
     gen.add_argument("--prompt", default="def ", help="text to continue")
@@ -58,6 +70,15 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     parsed = parse_overrides(overrides)
     cfg = load_config(args.config, parsed).validate()
+    if args.resume is not None:
+        overrides = overrides + resume_overrides(args.resume, cfg)
+        cfg = load_config(args.config, parse_overrides(overrides)).validate()
+    if args.max_restarts and not args.nproc:
+        raise ConfigError("--max-restarts needs --nproc N (under your own torchrun, pass "
+                          "--max-restarts to torchrun)")
+    if args.max_restarts and not cfg.checkpoint.every:
+        raise ConfigError("--max-restarts restarts workers from the latest checkpoint, but "
+                          "checkpoint.every = 0 saves none: add --checkpoint.every=N")
     if args.nproc > 0:
         return launch_workers(args, cfg, overrides)
 
@@ -76,10 +97,18 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     print(state_report(run), flush=True)
     result = train(run)
     val = f", val loss {result.val_loss:.3f}" if result.val_loss is not None else ""
-    if main:
-        print(f"done: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}{val}; "
-              f"{result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%}; "
-              f"log {run.run_dir / 'metrics.jsonl'}", flush=True)
+    if main and not result.losses:
+        print(f"nothing to do: the checkpoint is at step {run.start_step} of {t.steps}")
+    elif main:
+        print(f"{'stopped' if result.stopped_by else 'done'}: loss {result.losses[0]:.3f} -> "
+              f"{result.losses[-1]:.3f}{val}; {result.tokens_per_s:,.0f} tokens/s, MFU "
+              f"{result.mfu:.1%}; log {run.run_dir / 'metrics.jsonl'}", flush=True)
+    if result.stopped_by:
+        if main:
+            print(f"stopped by {result.stopped_by} after step {run.start_step + len(result.losses)}; "
+                  f"checkpoint saved. Continue with: shardlm train --resume {run.run_dir}", flush=True)
+        shutdown(run.runtime)
+        return 0
     if t.sample_tokens > 0:
         text = sample_text(run, t.sample_prompt, t.sample_tokens)  # every rank: stage 3 gathers
         if main:
@@ -98,9 +127,35 @@ def launch_workers(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
 
     resolve_dims(cfg.parallel, args.nproc)
     argv = ([args.config] if args.config else []) + list(overrides)
-    if not cfg.run.name:
+    if not cfg.run.name:  # also what lets restarted workers find the run's checkpoints
         argv.append(f"--run.name={time.strftime('%Y%m%d-%H%M%S')}")
-    return launch_local(args.nproc, ["-m", "shardlm", "train", *argv])
+    return launch_local(args.nproc, ["-m", "shardlm", "train", *argv], args.max_restarts)
+
+
+def resume_overrides(path: str, cfg) -> list[str]:
+    """`--resume [PATH]` as config overrides, checked now (before any worker starts): the
+    checkpoint to load, and — unless run.name is given — that run's directory to continue in."""
+    from pathlib import Path
+
+    from shardlm.checkpoint.sharded import CHECKPOINTS, CheckpointError, find_checkpoint, latest_in
+
+    if path:
+        ckpt = find_checkpoint(path)
+    else:
+        runs = Path(cfg.run.dir)
+        candidates = ([runs / cfg.run.name] if cfg.run.name else
+                      sorted((d for d in runs.iterdir() if d.is_dir() and not d.is_symlink()),
+                             key=lambda d: d.stat().st_mtime) if runs.is_dir() else [])
+        found = [c for c in (latest_in(d) for d in candidates) if c is not None]
+        if not found:
+            raise CheckpointError(f"--resume: no run under {str(runs)!r} has a checkpoint; pass "
+                                  f"--resume PATH or train with --checkpoint.every=N")
+        ckpt = found[-1]
+    out = [f"--checkpoint.resume={ckpt}"]
+    if not cfg.run.name and ckpt.parent.name == CHECKPOINTS:
+        run_dir = ckpt.parent.parent
+        out += [f"--run.dir={run_dir.parent}", f"--run.name={run_dir.name}"]
+    return out
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

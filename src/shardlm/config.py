@@ -175,6 +175,25 @@ class ActivationConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save a resumable checkpoint every N steps and at the last step (0 = none, but for the
+    one SIGTERM/SIGINT always writes). Each is a directory <run>/checkpoints/step-N."""
+    keep: int = 3
+    """Checkpoints kept; older ones are deleted once a newer one is complete."""
+    async_: bool = False
+    """(key: checkpoint.async) Write in a background thread: training stalls only for the copy
+    of this rank's state, not for the disk."""
+    resume: str = "auto"
+    """'auto': continue from the run directory's latest checkpoint if there is one (what a
+    restarted worker does); 'never'; or a path: a checkpoint, a run's checkpoints/ or a run
+    directory (`shardlm train --resume PATH`)."""
+    readers: str = "all"
+    """'all': every rank reads the slices it needs; 'one': rank 0 reads, broadcasts to the
+    others (for file systems that suffer many readers)."""
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs"
     """Parent directory of run directories."""
@@ -200,11 +219,15 @@ class Config:
     """Data parallelism and ZeRO sharding."""
     activation: ActivationConfig = field(default_factory=ActivationConfig)
     """Activation memory."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Resumable, sharded checkpoints."""
     run: RunConfig = field(default_factory=RunConfig)
     """Where outputs go, which device."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Nested plain values under their config keys (what load_config reads back)."""
+        return {name: {key_of(f): getattr(getattr(self, name), f.name) for f in fields(section)}
+                for name, section in ((f.name, getattr(self, f.name)) for f in fields(self))}
 
     def validate(self) -> "Config":
         """Every cross-field check, all errors at once. Returns self for chaining."""
@@ -238,8 +261,18 @@ def sections() -> dict[str, type]:
     return {f.name: hints[f.name] for f in fields(Config)}
 
 
+def key_of(f: dataclasses.Field) -> str:
+    """A field's config key: its name, without the trailing underscore that lets a Python
+    keyword be a field (checkpoint.async is the field async_)."""
+    return f.name.rstrip("_")
+
+
+def _field_named(cls: type, key: str) -> dataclasses.Field | None:
+    return next((f for f in fields(cls) if key_of(f) == key), None)
+
+
 def valid_keys() -> list[str]:
-    return [f"{name}.{f.name}" for name, cls in sections().items() for f in fields(cls)]
+    return [f"{name}.{key_of(f)}" for name, cls in sections().items() for f in fields(cls)]
 
 
 def describe() -> str:
@@ -251,7 +284,7 @@ def describe() -> str:
         docs = field_docs(cls)
         for f in fields(cls):
             value = getattr(getattr(default, name), f.name)
-            lines.append(f"  {f.name} = {value!r}")
+            lines.append(f"  {key_of(f)} = {value!r}")
             if f.name in docs:
                 lines.append(f"      {docs[f.name]}")
     return "\n".join(lines)
@@ -336,7 +369,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     secs = sections()
     for key in values:
         section, _, name = key.partition(".")
-        if section not in secs or name not in {f.name for f in fields(secs[section])}:
+        if section not in secs or _field_named(secs[section], name) is None:
             raise _unknown_key(key)
     preset = values.get("model.preset", cfg.model.preset)
     ordered = {f"model.{k}": v for k, v in get_preset(str(preset)).items()}
@@ -344,8 +377,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     ordered.update(values)
     for key, value in ordered.items():
         section, _, name = key.partition(".")
-        typ = get_type_hints(secs[section])[name]
-        setattr(getattr(cfg, section), name, _coerce(key, value, typ))
+        attr = _field_named(secs[section], name).name
+        typ = get_type_hints(secs[section])[attr]
+        setattr(getattr(cfg, section), attr, _coerce(key, value, typ))
     return cfg
 
 
@@ -360,6 +394,7 @@ _CHOICES = {
     "parallel.zero_stage": (0, 1, 2, 3),
     "run.progress": ("auto", "on", "off"),
     "train.on_nonfinite": ("stop", "skip"),
+    "checkpoint.readers": ("all", "one"),
 }
 
 _POSITIVE = ("model.vocab_size", "model.n_layers", "model.n_heads", "model.d_model",
@@ -409,6 +444,10 @@ def _validation_errors(cfg: Config) -> list[str]:
     if par.dp_replicate < 1 or (par.dp_shard < 1 and par.dp_shard != -1):
         errors.append(f"parallel.dp_replicate = {par.dp_replicate} must be >= 1 and parallel.dp_shard "
                       f"= {par.dp_shard} must be >= 1 or -1 (all remaining ranks)")
+    c = cfg.checkpoint
+    if c.every < 0 or c.keep < 1:
+        errors.append(f"checkpoint.every = {c.every} must be >= 0 (0 = no periodic saves) and "
+                      f"checkpoint.keep = {c.keep} >= 1")
     if par.collective_timeout_s < 0:
         errors.append(f"parallel.collective_timeout_s = {par.collective_timeout_s} must be >= 0 "
                       f"(0 disables the watchdog)")

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,9 +104,10 @@ def agree_on_name(name: str, runtime: Runtime) -> str:
     return bytes(data.cpu().tolist()).rstrip(b"\0").decode()
 
 
-def launch_local(nproc: int, worker_argv: list[str]) -> int:
+def launch_local(nproc: int, worker_argv: list[str], max_restarts: int = 0) -> int:
     """Start `nproc` workers on this machine through torch's elastic launcher (torchrun), which
-    sets RANK / WORLD_SIZE / LOCAL_RANK for each and a free rendezvous port."""
+    sets RANK / WORLD_SIZE / LOCAL_RANK for each and a free rendezvous port. When a worker dies
+    the launcher stops the others and starts the gang again, up to `max_restarts` times."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -112,6 +115,7 @@ def launch_local(nproc: int, worker_argv: list[str]) -> int:
     # OMP_NUM_THREADS=1 default and its warning.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_cores() // nproc)))
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
+                                         f"--max-restarts={max_restarts}",
                                          "--no-python", sys.executable, *worker_argv])
     try:
         run(args)
@@ -124,3 +128,36 @@ def launch_local(nproc: int, worker_argv: list[str]) -> int:
 def shutdown(runtime: Runtime) -> None:
     if runtime.backend is not None and dist.is_initialized():
         dist.destroy_process_group()
+
+
+class StopSignals:
+    """While inside: SIGTERM and SIGINT (a scheduler's preemption, Ctrl-C, torchrun shutting
+    down) only set `requested`, so the loop can finish its step, save, and exit cleanly. A
+    second SIGINT interrupts at once. Outside the main thread it does nothing."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        log.warning("shardlm: %s received: finishing this step, then a checkpoint and exit "
+                    "(Ctrl-C again to interrupt now)", self.requested)
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def is_restart() -> bool:
+    """Whether torchrun restarted this worker's gang after a failure (--max-restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0

@@ -43,6 +43,17 @@ def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
+def adam_steps(optimizer: torch.optim.Optimizer) -> float:
+    """Steps the optimizer has taken (AdamW's bias-correction counter, the same for every
+    parameter; skipped fp16 steps are not counted)."""
+    return float(next(iter(optimizer.state.values()))["step"])
+
+
+def set_adam_steps(optimizer: torch.optim.Optimizer, steps: float) -> None:
+    for state in optimizer.state.values():
+        state["step"].fill_(steps)
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup over `warmup_steps` to `lr`, then cosine decay to `lr*min_lr_ratio` at the
     last step. A pure function of the step, so a resumed run follows the same curve."""

@@ -8,21 +8,25 @@ of this file; strategies are applied to the plain model in `build_run`, in a fix
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardlm import checkpoint
+from shardlm.checkpoint.sharded import (CHECKPOINTS, CheckpointWriter, SaveReport, find_checkpoint,
+                                        latest_in, load_slices)
 from shardlm.config import Config
 from shardlm.data import Dataset, Loader, build_dataset
-from shardlm.launch import Runtime, agree_on_name, init_runtime
+from shardlm.launch import Runtime, StopSignals, agree_on_name, init_runtime, is_restart
 from shardlm.mesh import Mesh, build_mesh, resolve_dims
 from shardlm.models import build_model, flops_per_token, generate
-from shardlm.optim import lr_at, set_lr
+from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
 from shardlm.parallel.activation import apply_ac
 from shardlm.parallel.data import Strategy, apply_data_parallel
 from shardlm.parallel.watchdog import CollectiveWatchdog, watched
@@ -54,6 +58,9 @@ class Run:
     run_dir: Path
     peak_flops_per_device: float
     flops_per_token: float
+    checkpoints: CheckpointWriter
+    start_step: int = 0
+    """The first step to run: 0, or where the checkpoint resumed from left off."""
 
 
 @dataclass
@@ -65,6 +72,9 @@ class TrainResult:
     """Mean over the steps after the first (which pays one-off warm-up costs)."""
     mfu: float = 0.0
     skipped_steps: int = 0
+    stopped_by: str | None = None
+    """The signal that ended the run early (after a final checkpoint), if one did."""
+    saves: list[SaveReport] = field(default_factory=list)
 
 
 def make_run_dir(cfg: Config, runtime: Runtime) -> Path:
@@ -100,18 +110,94 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     forward = torch.compile(model) if t.compile else model
     common = dict(seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
                   dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp_size)
-    return Run(
+    run_dir = make_run_dir(cfg, runtime)
+    writer = CheckpointWriter(
+        run_dir / CHECKPOINTS, runtime.rank, runtime.world_size, cfg.checkpoint.keep,
+        cfg.checkpoint.async_, session=agree_on_name(f"{os.getpid()}-{time.time_ns()}", runtime),
+        timeout_s=cfg.parallel.collective_timeout_s or 3600.0)
+    run = Run(
         cfg=cfg, runtime=runtime, mesh=mesh, dataset=dataset, model=model, forward=forward,
         strategy=strategy, watchdog=watchdog, precision=precision,
         train_loader=Loader(dataset.train, grad_accum=t.grad_accum, **common),
         val_loader=Loader(dataset.val, grad_accum=1, **common),
-        run_dir=make_run_dir(cfg, runtime),
+        run_dir=run_dir, checkpoints=writer,
         peak_flops_per_device=peak_flops(runtime.device, precision.name),
         # A model we did not build: 6 × parameters, the approximation used for those (attention
         # FLOPs left out). Ours: the exact count from its config.
         flops_per_token=(6.0 * sum(p.numel() for p in model.parameters()) if user_model
                          else flops_per_token(cfg.model, t.seq_len)),
     )
+    source = resume_source(cfg, run_dir)
+    if source is not None:
+        run.start_step = load_checkpoint(run, source)
+    return run
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+
+def resume_source(cfg: Config, run_dir: Path) -> Path | None:
+    """Which checkpoint the run continues from. A restarted worker (torchrun --max-restarts)
+    always takes its run's newest; otherwise an explicit checkpoint.resume path comes first,
+    and 'auto' takes the run directory's latest if there is one."""
+    choice = cfg.checkpoint.resume
+    if choice == "never":
+        return None
+    own = latest_in(run_dir)
+    if own is not None and (is_restart() or choice == "auto"):
+        return own
+    return None if choice == "auto" else find_checkpoint(choice)
+
+
+def _layout(run: Run) -> dict:
+    dims = run.mesh.dims
+    return {"world_size": dims.world_size, "zero_stage": run.cfg.parallel.zero_stage,
+            "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp}
+
+
+def save_checkpoint(run: Run, step: int) -> SaveReport:
+    """Checkpoint `step` (the number of steps done): this rank's slices of the model and
+    optimizer, and everything else a resume needs — the loss scaler, the optimizer's step count,
+    the data position (the step: the sampler is a pure function of it), this rank's RNG. The LR
+    is a pure function of the step."""
+    rng = {"cpu": torch.get_rng_state().numpy().tobytes().hex(),
+           "cuda": (torch.cuda.get_rng_state(run.runtime.device).numpy().tobytes().hex()
+                    if run.runtime.device.type == "cuda" else None)}
+    t = run.cfg.train
+    state = {"step": step, "optimizer_steps": adam_steps(run.strategy.optimizer),
+             "scaler": run.precision.scaler.state_dict(),
+             "data": {"seed": t.seed, "global_batch": run.train_loader.global_batch, "seq_len": t.seq_len}}
+    meta = {"config": run.cfg.to_dict(), "layout": _layout(run)}
+    return run.checkpoints.save(step, run.strategy.state_slices(), run.strategy.writes_checkpoint,
+                                state, {"rng": rng}, meta)
+
+
+def load_checkpoint(run: Run, path: Path) -> int:
+    """Load a checkpoint saved at any layout into this run; returns the step to continue from."""
+    manifest = load_slices(path, run.strategy.state_slices(), run.runtime, run.cfg.checkpoint.readers)
+    run.strategy.after_load()
+    state = manifest["state"]
+    set_adam_steps(run.strategy.optimizer, state["optimizer_steps"])
+    run.precision.scaler.load_state_dict(state["scaler"])
+    ranks = manifest["ranks"]
+    if len(ranks) == run.runtime.world_size:
+        rng = ranks[run.runtime.rank]["rng"]
+        torch.set_rng_state(torch.frombuffer(bytearray.fromhex(rng["cpu"]), dtype=torch.uint8))
+        if rng["cuda"] and run.runtime.device.type == "cuda":
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray.fromhex(rng["cuda"]), dtype=torch.uint8),
+                                     run.runtime.device)
+    else:  # another world size: no rank's stream carries over; a fresh one per (seed, step)
+        torch.manual_seed(run.cfg.train.seed + state["step"])
+    data = state["data"]
+    if data["global_batch"] != run.train_loader.global_batch or data["seq_len"] != run.cfg.train.seq_len:
+        log.warning("resuming with %d x %d tokens per step where the checkpoint had %d x %d: the "
+                    "data order differs from the uninterrupted run's", run.train_loader.global_batch,
+                    run.cfg.train.seq_len, data["global_batch"], data["seq_len"])
+    saved = manifest["layout"]
+    if run.runtime.is_main:
+        log.info("resumed from %s (step %d, saved on %d rank(s) at ZeRO stage %d)", path,
+                 state["step"], saved["world_size"], saved["zero_stage"])
+    return int(state["step"])
 
 
 def state_report(run: Run) -> str:
@@ -134,9 +220,18 @@ def loss_of(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-def train_step(run: Run, step: int) -> tuple[float, float, bool]:
-    """One optimizer step over grad_accum micro-batches. Returns (loss averaged over all
-    data-parallel ranks, global grad norm, stepped)."""
+class StepResult(NamedTuple):
+    loss: float
+    """Averaged over all data-parallel ranks."""
+    grad_norm: float
+    stepped: bool
+    """False when the step was skipped (fp16 overflow, or a non-finite step under 'skip')."""
+    stop: bool
+    """Some rank was asked to stop (SIGTERM/SIGINT): every rank sees the same answer."""
+
+
+def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
+    """One optimizer step over grad_accum micro-batches."""
     strategy, scaler = run.strategy, run.precision.scaler
     set_lr(strategy.optimizer, lr_at(step, run.cfg.train))
     micro_batches = run.train_loader.micro_batches(step)
@@ -161,10 +256,13 @@ def train_step(run: Run, step: int) -> tuple[float, float, bool]:
     if stepped:
         strategy.step()
     strategy.zero_grad()
-    if run.runtime.world_size > 1:  # a logging scalar, not model communication: not in the ledger
-        with watched(run.watchdog, "all_reduce(loss)", "dp", 4):
-            torch.distributed.all_reduce(total)
-    return float(total), grad_norm, stepped
+    # The loss and the stop flag in one tensor: the logging scalar every step sums anyway
+    # carries the agreement to stop (a signal may reach only some ranks, or at different steps).
+    summed = torch.stack([total, torch.tensor(float(stop_requested), device=total.device)])
+    if run.runtime.world_size > 1:  # not model communication: not in the ledger
+        with watched(run.watchdog, "all_reduce(loss)", "dp", 8):
+            torch.distributed.all_reduce(summed)
+    return StepResult(float(summed[0]), grad_norm, stepped, bool(summed[1] > 0))
 
 
 @torch.no_grad()
@@ -191,36 +289,51 @@ def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: flo
 def train(run: Run) -> TrainResult:
     cfg, main = run.cfg, run.runtime.is_main
     metrics = MetricsLog(run.run_dir / "metrics.jsonl" if main else None)
-    progress = ProgressDisplay(cfg.train.steps, cfg.run.progress, enabled=main)
+    steps, every = cfg.train.steps, cfg.checkpoint.every
+    progress = ProgressDisplay(steps - run.start_step, cfg.run.progress, enabled=main)
     result = TrainResult(run.run_dir)
     speeds, mfus = [], []
     try:
-        for step in range(cfg.train.steps):
-            run.strategy.ledger.reset()  # evaluation's gathers are not a training step's
-            start = time.perf_counter()
-            loss, grad_norm, stepped = train_step(run, step)
-            record = step_record(run, step, loss, grad_norm, time.perf_counter() - start)
-            record["skipped"] = not stepped
-            result.losses.append(loss)
-            result.skipped_steps += not stepped
-            if step > 0 or cfg.train.steps == 1:
-                speeds.append(record["tokens_per_s"])
-                mfus.append(record["mfu"])
-            last = step + 1 == cfg.train.steps
-            if last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0):
-                result.val_loss = record["val_loss"] = evaluate(run)
-            if last or (step + 1) % cfg.train.log_every == 0:
-                metrics.write(record)
-            progress.update(step, f"loss {loss:.3f}  {record['tokens_per_s']:,.0f} tok/s  "
-                                  f"MFU {record['mfu']:.1%}")
+        with StopSignals() as signals:
+            for step in range(run.start_step, steps):
+                run.strategy.ledger.reset()  # evaluation's gathers are not a training step's
+                start = time.perf_counter()
+                out = train_step(run, step, stop_requested=signals.requested is not None)
+                record = step_record(run, step, out.loss, out.grad_norm, time.perf_counter() - start)
+                record["skipped"] = not out.stepped
+                result.losses.append(out.loss)
+                result.skipped_steps += not out.stepped
+                if step > run.start_step or steps - run.start_step == 1:
+                    speeds.append(record["tokens_per_s"])
+                    mfus.append(record["mfu"])
+                last = step + 1 == steps
+                if last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0):
+                    result.val_loss = record["val_loss"] = evaluate(run)
+                if out.stop or (every and (last or (step + 1) % every == 0)):
+                    if out.stop:  # the last checkpoint before exiting: written in full
+                        run.checkpoints.asynchronous = False
+                    report = save_checkpoint(run, step + 1)
+                    result.saves.append(report)
+                    record.update(checkpoint_step=step + 1, checkpoint_stall_s=report.stall_s,
+                                  checkpoint_bytes=report.bytes)
+                if out.stop or last or (step + 1) % cfg.train.log_every == 0:
+                    metrics.write(record)
+                progress.update(step - run.start_step, f"loss {out.loss:.3f}  "
+                                f"{record['tokens_per_s']:,.0f} tok/s  MFU {record['mfu']:.1%}")
+                if out.stop:
+                    result.stopped_by = signals.requested or "a signal to another rank"
+                    break
+            run.checkpoints.wait()  # an asynchronous save still writing
     finally:
         progress.close()
         metrics.close()
-    result.tokens_per_s = sum(speeds) / len(speeds)
-    result.mfu = sum(mfus) / len(mfus)
-    with run.strategy.full_parameters():
-        if main:
-            checkpoint.save_weights(run.run_dir, run.model, cfg, run.dataset.tokenizer)
+    if speeds:
+        result.tokens_per_s = sum(speeds) / len(speeds)
+        result.mfu = sum(mfus) / len(mfus)
+    if result.stopped_by is None:
+        with run.strategy.full_parameters():
+            if main:
+                checkpoint.save_weights(run.run_dir, run.model, cfg, run.dataset.tokenizer)
     return result
 
 

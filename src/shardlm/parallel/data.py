@@ -14,6 +14,7 @@ from typing import Iterator, Protocol
 import torch
 from torch import nn
 
+from shardlm.checkpoint.sharded import StateSlice, param_state
 from shardlm.config import Config
 from shardlm.mesh import Mesh
 from shardlm.optim import build_optimizer, init_adam_state
@@ -33,6 +34,13 @@ class Strategy(Protocol):
     def zero_grad(self) -> None: ...
     def model_state_bytes(self) -> dict[str, int]: ...
     def full_parameters(self) -> contextlib.AbstractContextManager: ...
+
+    # checkpoints (checkpoint/sharded.py): the state this rank holds, by global tensor name
+    writes_checkpoint: bool
+    """Whether this rank's slices go to disk (a replica of the same shard writes once)."""
+    def state_slices(self) -> list[StateSlice]: ...
+    def after_load(self) -> None:
+        """The slices were overwritten: rebuild what derives from them."""
 
 
 def _nbytes(tensors) -> int:
@@ -77,6 +85,15 @@ class LocalStrategy:
     @contextlib.contextmanager
     def full_parameters(self) -> Iterator[None]:
         yield
+
+    writes_checkpoint = True
+
+    def state_slices(self) -> list[StateSlice]:
+        return [s for name, p in self.model.named_parameters()
+                for s in param_state(name, tuple(p.shape), 0, p.numel(), p, self.optimizer.state[p])]
+
+    def after_load(self) -> None:
+        pass
 
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,

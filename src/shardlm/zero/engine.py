@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlm.checkpoint.sharded import StateSlice, param_state
 from shardlm.config import TrainConfig
 from shardlm.mesh import Mesh
 from shardlm.optim import init_adam_state
@@ -280,10 +281,15 @@ class ZeroEngine:
             grad = unit.grad_shard()[local]
             master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
         self.optimizer.step()
-        alias = self.opts.master_dtype == self.opts.compute_dtype
-        for master, unit, local, _ in self.masters:
+        for master, _, _, _ in self.masters:
             master.grad = None
-            if not alias:
+        self._masters_to_params()
+
+    def _masters_to_params(self) -> None:
+        """The compute-dtype parameters from the masters: this rank's shard, then (stages 1-2,
+        where every rank keeps whole parameters) everyone's."""
+        if self.opts.master_dtype != self.opts.compute_dtype:
+            for master, unit, local, _ in self.masters:
                 unit.shard_param[local].copy_(master.detach())
         if self.opts.stage in (1, 2):
             handles = [self.shard_comm.all_gather(u.flat_param, u.shard_param) for u in self.units]
@@ -302,6 +308,32 @@ class ZeroEngine:
             return
         with self.param_sharding.all_gathered():
             yield
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    @property
+    def writes_checkpoint(self) -> bool:
+        """Stage 0: every rank holds everything and rank 0 writes it; sharded: the first
+        replica group writes its shards."""
+        dims = self.mesh.dims
+        return self.mesh.rank == 0 if self.opts.stage == 0 else self.mesh.rank < dims.dp_shard
+
+    def state_slices(self) -> list[StateSlice]:
+        """Per master segment, the parameters it overlaps, cut to the overlap."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = []
+        for master, unit, local, _ in self.masters:
+            lo, hi = unit.lo + local.start, unit.lo + local.stop  # in the unit's flat buffer
+            for param, offset, numel in zip(unit.params, unit.layout.offsets, unit.layout.numels):
+                start, end = max(offset, lo), min(offset + numel, hi)
+                if start < end:
+                    out += param_state(names[id(param)], tuple(param.shape), start - offset,
+                                       end - offset, master, self.optimizer.state[master],
+                                       slice(start - lo, end - lo))
+        return out
+
+    def after_load(self) -> None:
+        self._masters_to_params()
 
     # -- accounting --------------------------------------------------------------------------
 

@@ -1,0 +1,10 @@
+"""Checkpoints. weights.py: a finished run's weights (model.safetensors + config + tokenizer),
+what `generate` and `export` read. sharded.py: resumable sharded checkpoints of the whole
+training state, written by every rank and loadable at any layout."""
+
+from shardlm.checkpoint.weights import (CONFIG, LATEST, TOKENIZER, WEIGHTS, load_config_json,
+                                        load_for_inference, point_latest, resolve_run_dir,
+                                        save_weights)
+
+__all__ = ["CONFIG", "LATEST", "TOKENIZER", "WEIGHTS", "load_config_json", "load_for_inference",
+           "point_latest", "resolve_run_dir", "save_weights"]

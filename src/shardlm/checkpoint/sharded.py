@@ -1,0 +1,408 @@
+"""Resumable, sharded checkpoints: every rank writes what it owns, any layout loads any layout.
+
+On disk, `<run>/checkpoints/`:
+
+    step-00000500/
+      manifest.json            format, version, step, config, layout, the run's scalar state, each
+                               rank's RNG, every file's size and SHA-256, and every tensor's
+                               global shape, dtype and which file holds which slice of it
+      rank-00000.safetensors   the slices rank 0 owns, one flat tensor per slice
+      rank-00001.safetensors
+    latest -> step-00000500
+
+A slice is the elements [start, end) of a tensor flattened in row-major order — what a ZeRO
+shard is. Tensor and pipeline parallelism will shard a tensor into a box first; the manifest
+already records each slice's box (today always the whole tensor), and the reader refuses boxes
+it cannot yet combine rather than misreading them.
+
+Writing is crash-safe: each rank writes its file under a temporary name, fsyncs it and renames it
+inside a temporary directory, then a small JSON note of what it wrote. Rank 0 waits for every
+rank's note, writes the manifest, renames the directory to step-N, and only then moves `latest`
+and deletes checkpoints beyond `keep`. A crash at any point leaves the previous checkpoint
+whole and `latest` pointing at it. No collective is involved, so a save can run on a background
+thread while training continues (asynchronous save).
+
+Reading never unpickles: tensors come from safetensors (a JSON header and raw bytes), metadata
+from JSON. Every file a rank reads from is checked against its SHA-256 first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from shardlm.checkpoint.weights import LATEST, point_latest
+from shardlm.config import ConfigError
+
+log = logging.getLogger("shardlm")
+
+FORMAT, VERSION = "shardlm-checkpoint", 1
+MANIFEST = "manifest.json"
+CHECKPOINTS = "checkpoints"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used: missing, corrupt, or not matching this model."""
+
+
+@dataclass(frozen=True)
+class StateSlice:
+    """The part of one global tensor that this rank holds (or must fill, when loading)."""
+
+    name: str
+    """Global name, e.g. 'model/blocks.0.attn.qkv.weight' or 'optim/exp_avg/...'."""
+    shape: tuple[int, ...]
+    """The whole tensor's shape."""
+    start: int
+    end: int
+    """Elements [start, end) of the tensor flattened row-major."""
+    tensor: torch.Tensor
+    """This rank's live 1-D view of those elements (end - start of them)."""
+
+
+def param_state(name: str, shape: tuple[int, ...], start: int, end: int, master: torch.Tensor,
+                optim_state: dict, local: slice = slice(None)) -> list[StateSlice]:
+    """A parameter's checkpointed state — its master value and AdamW's two moments — for the
+    elements [start, end) that `master.view(-1)[local]` (and the moments' same slice) hold."""
+    views = [("model", master)] + [(f"optim/{k}", optim_state[k]) for k in ("exp_avg", "exp_avg_sq")]
+    return [StateSlice(f"{kind}/{name}", shape, start, end, t.detach().view(-1)[local])
+            for kind, t in views]
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Write under a temporary name, fsync, rename: the file is whole or absent."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def _note_file(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+@dataclass
+class SaveReport:
+    step: int
+    stall_s: float
+    """Time the training loop waited: the previous save's finish (if still running) plus, for
+    a synchronous save, all of it, or for an asynchronous one, the copy of this rank's state."""
+    bytes: int
+    """Bytes this rank writes."""
+    write_s: float | None = None
+    """Wall time of the write itself (known when it has finished)."""
+
+
+class CheckpointWriter:
+    """One per rank. `save` snapshots this rank's slices and writes them (in the background when
+    asynchronous); rank 0 also assembles the manifest and publishes the checkpoint."""
+
+    def __init__(self, root: Path, rank: int, world_size: int, keep: int, asynchronous: bool,
+                 session: str, timeout_s: float):
+        self.root, self.rank, self.world_size, self.keep = root, rank, world_size, keep
+        self.asynchronous, self.session, self.timeout_s = asynchronous, session, timeout_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last: SaveReport | None = None
+        self.root.mkdir(parents=True, exist_ok=True)
+        if rank == 0:  # a crashed attempt's unfinished directories (no other attempt runs now)
+            for stale in self.root.glob(".step-*.tmp"):
+                if not stale.name.endswith(f".{session}.tmp"):
+                    shutil.rmtree(stale, ignore_errors=True)
+
+    def _tmp_dir(self, step: int) -> Path:
+        return self.root / f".{step_dir_name(step)}.{self.session}.tmp"
+
+    def save(self, step: int, slices: list[StateSlice], writes: bool, state: dict[str, Any],
+             rank_state: dict[str, Any], meta: dict[str, Any]) -> SaveReport:
+        """Save this rank's part of checkpoint `step`. `writes`: whether this rank's slices go
+        to disk (replicas of the same shard write once). `state` and `meta` (rank 0's are used)
+        go to the manifest as they are; `rank_state` (JSON) is kept per rank."""
+        start = time.perf_counter()
+        self.wait()
+        # The snapshot: contiguous copies (also what safetensors needs: views of one buffer
+        # would be refused as shared memory), on the CPU.
+        tensors = {s.name: s.tensor.detach().to("cpu", copy=True) for s in slices} if writes else {}
+        entries = {s.name: {"shape": list(s.shape), "start": s.start, "end": s.end,
+                            "dtype": _dtype_name(s.tensor.dtype)} for s in slices} if writes else {}
+        report = SaveReport(step, 0.0, sum(t.numel() * t.element_size() for t in tensors.values()))
+
+        def job() -> None:
+            began = time.perf_counter()
+            self._write(step, tensors, entries, state, rank_state, meta)
+            report.write_s = time.perf_counter() - began
+
+        if self.asynchronous:
+            self._error = None
+            self._thread = threading.Thread(target=self._guarded, args=(job,), daemon=True,
+                                            name=f"checkpoint-{step}")
+            self._thread.start()
+        else:
+            job()
+        report.stall_s = time.perf_counter() - start
+        self.last = report
+        return report
+
+    def _guarded(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as e:  # raised in the training thread by the next wait()
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until this rank's previous save (and, on rank 0, its publication) is done."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"writing a checkpoint failed: {error}") from error
+
+    def _write(self, step: int, tensors: dict[str, torch.Tensor], entries: dict, state: dict,
+               rank_state: dict, meta: dict) -> None:
+        from safetensors.torch import save
+
+        tmp = self._tmp_dir(step)
+        tmp.mkdir(parents=True, exist_ok=True)
+        note: dict[str, Any] = {"rank": self.rank, "file": None, "tensors": entries, "rank_state": rank_state}
+        if tensors:
+            data = save(tensors)
+            tensors.clear()
+            write_durable(tmp / _rank_file(self.rank), data)
+            note.update(file=_rank_file(self.rank), bytes=len(data),
+                        sha256=hashlib.sha256(data).hexdigest())
+            del data
+        write_durable(tmp / _note_file(self.rank), json.dumps(note).encode())
+        if self.rank == 0:
+            self._publish(step, tmp, state, meta)
+
+    def _publish(self, step: int, tmp: Path, state: dict, meta: dict) -> None:
+        """Rank 0: when every rank's note is there, write the manifest, rename, move latest."""
+        notes = self._await_notes(tmp)
+        manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "step": step,
+                                    **meta, "state": state, "files": {}, "tensors": {},
+                                    "ranks": [n["rank_state"] for n in notes]}
+        for note in notes:
+            if note["file"] is not None:
+                manifest["files"][note["file"]] = {"bytes": note["bytes"], "sha256": note["sha256"]}
+            for name, e in note["tensors"].items():
+                tensor = manifest["tensors"].setdefault(
+                    name, {"shape": e["shape"], "dtype": e["dtype"], "slices": []})
+                tensor["slices"].append({"file": note["file"], "key": name, "start": e["start"],
+                                         "end": e["end"], "box": None})
+        write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        for note in notes:
+            (tmp / _note_file(note["rank"])).unlink()
+        _fsync_dir(tmp)
+        final = self.root / step_dir_name(step)
+        if final.exists():  # a previous attempt's complete save of the same step
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        point_latest(final)
+        _fsync_dir(self.root)
+        self._rotate(final)
+
+    def _await_notes(self, tmp: Path) -> list[dict]:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            missing = [r for r in range(self.world_size) if not (tmp / _note_file(r)).exists()]
+            if not missing:
+                return [json.loads((tmp / _note_file(r)).read_text()) for r in range(self.world_size)]
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"ranks {missing} did not finish writing {tmp} within "
+                                      f"{self.timeout_s:g} s")
+            time.sleep(0.02)
+
+    def _rotate(self, newest: Path) -> None:
+        done = sorted(p for p in self.root.iterdir() if _STEP_DIR.match(p.name))
+        for old in done[:-self.keep]:
+            if old != newest:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, from itself, a checkpoints/ directory (its latest) or a run
+    directory (its checkpoints/latest)."""
+    p = Path(path)
+    for candidate in (p, p / LATEST, p / CHECKPOINTS / LATEST):
+        if (candidate / MANIFEST).is_file():
+            return candidate.resolve()
+    raise CheckpointError(f"no checkpoint at {str(path)!r}: expected a directory holding "
+                          f"{MANIFEST}, or a run directory with {CHECKPOINTS}/{LATEST}")
+
+
+def latest_in(run_dir: Path) -> Path | None:
+    """The run directory's latest complete checkpoint, or None."""
+    link = run_dir / CHECKPOINTS / LATEST
+    return link.resolve() if (link / MANIFEST).is_file() else None
+
+
+def parse_manifest(ckpt: Path, text: str) -> dict:
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{ckpt / MANIFEST} is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{ckpt / MANIFEST} is not a shardlm checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{ckpt / MANIFEST} has format version {manifest.get('version')}; "
+                              f"this shardlm reads version {VERSION}")
+    return manifest
+
+
+class CheckpointReader:
+    """Fills StateSlices from a checkpoint, reading only the ranges they cover."""
+
+    def __init__(self, ckpt: Path, manifest: dict):
+        self.ckpt, self.manifest = ckpt, manifest
+        self._open: dict[str, Any] = {}
+
+    def _file(self, name: str):
+        """The safetensors file, after checking its size and SHA-256 against the manifest."""
+        if name not in self._open:
+            from safetensors import safe_open
+
+            path = self.ckpt / name
+            expected = self.manifest["files"].get(name)
+            if expected is None or not path.is_file():
+                raise CheckpointError(f"{path} is missing (the manifest lists {sorted(self.manifest['files'])})")
+            actual = _sha256(path)
+            if actual != expected["sha256"]:
+                raise CheckpointError(
+                    f"{path} is corrupt: its SHA-256 is {actual} but the manifest records "
+                    f"{expected['sha256']} ({expected['bytes']} bytes expected, {path.stat().st_size} "
+                    f"found). Resume from an earlier checkpoint in {self.ckpt.parent}")
+            try:
+                self._open[name] = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as e:  # a file that matches its checksum yet is not safetensors
+                raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+        return self._open[name]
+
+    def entry(self, name: str, shape: tuple[int, ...]) -> dict:
+        entry = self.manifest["tensors"].get(name)
+        if entry is None:
+            raise CheckpointError(f"checkpoint {self.ckpt} has no tensor {name!r}: it was saved "
+                                  f"from a different model")
+        if tuple(entry["shape"]) != tuple(shape):
+            raise CheckpointError(f"checkpoint {self.ckpt}: {name!r} has shape {tuple(entry['shape'])}, "
+                                  f"this model's is {tuple(shape)}: it was saved from a different model")
+        for piece in entry["slices"]:
+            if piece.get("box") is not None:
+                raise CheckpointError(f"{name!r} in {self.ckpt} is sharded by tensor/pipeline "
+                                      f"parallelism, which this version cannot read")
+        return entry
+
+    def read_range(self, name: str, shape: tuple[int, ...], start: int, end: int,
+                   out: torch.Tensor) -> None:
+        """Copy elements [start, end) of the flattened tensor `name` into `out` (1-D)."""
+        covered = 0
+        for piece in self.entry(name, shape)["slices"]:
+            lo, hi = max(start, piece["start"]), min(end, piece["end"])
+            if lo >= hi:
+                continue
+            source = self._file(piece["file"]).get_slice(piece["key"])
+            out[lo - start:hi - start].copy_(source[lo - piece["start"]:hi - piece["start"]])
+            covered += hi - lo
+        if covered != end - start:
+            raise CheckpointError(f"checkpoint {self.ckpt} covers {covered} of the {end - start} "
+                                  f"elements [{start}, {end}) of {name!r}")
+
+    def read(self, slices: list[StateSlice]) -> None:
+        for s in slices:
+            self.read_range(s.name, s.shape, s.start, s.end, s.tensor)
+
+    def verify_all(self) -> None:
+        for name in self.manifest["files"]:
+            self._file(name)
+
+
+def _broadcast_text(text: str | None, device: torch.device) -> str:
+    import torch.distributed as dist
+
+    size = torch.tensor([len(text.encode()) if text is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    data = (torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).to(device) if text is not None
+            else torch.empty(int(size), dtype=torch.uint8, device=device))
+    dist.broadcast(data, src=0)
+    return bytes(data.cpu().numpy()).decode()
+
+
+def load_slices(path: Path, slices: list[StateSlice], runtime, readers: str = "all") -> dict:
+    """Fill this rank's slices from the checkpoint at `path`; returns its manifest. 'all': each
+    rank reads (and checks) only the files holding what it needs. 'one': rank 0 reads each
+    tensor whole and broadcasts it; the others touch no file."""
+    ckpt = Path(path)
+    if readers == "all" or runtime.world_size == 1:
+        manifest = parse_manifest(ckpt, (ckpt / MANIFEST).read_text())
+        CheckpointReader(ckpt, manifest).read(slices)
+        return manifest
+    import torch.distributed as dist
+
+    main = runtime.rank == 0
+    manifest = parse_manifest(ckpt, _broadcast_text((ckpt / MANIFEST).read_text() if main else None,
+                                                    runtime.device))
+    reader = CheckpointReader(ckpt, manifest)
+    wanted: dict[str, list[StateSlice]] = {}
+    for s in slices:  # every rank checks names and shapes before the first broadcast
+        reader.entry(s.name, s.shape)
+        wanted.setdefault(s.name, []).append(s)
+    for name in sorted(manifest["tensors"]):
+        entry = manifest["tensors"][name]
+        numel = 1
+        for n in entry["shape"]:
+            numel *= n
+        whole = torch.empty(numel, dtype=getattr(torch, entry["dtype"]), device=runtime.device)
+        if main:
+            reader.read_range(name, tuple(entry["shape"]), 0, numel, whole)
+        dist.broadcast(whole, src=0)
+        for s in wanted.get(name, []):
+            s.tensor.copy_(whole[s.start:s.end])
+    return manifest
