@@ -114,6 +114,11 @@ def launch_local(nproc: int, worker_argv: list[str], max_restarts: int = 0) -> i
     # Each worker sets its own thread count (init_runtime); saying so here silences torchrun's
     # OMP_NUM_THREADS=1 default and its warning.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_cores() // nproc)))
+    # The agent's shared rendezvous store outlives a restart, and with it the previous gang's
+    # process-group keys: a restarted worker can read a dead peer's address and fail to connect
+    # (seen here: one of two restarts wasted that way). Unshared, each round's rank 0 hosts a
+    # fresh store.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
                                          f"--max-restarts={max_restarts}",
                                          "--no-python", sys.executable, *worker_argv])

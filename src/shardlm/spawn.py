@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,7 +53,7 @@ def run_ranks(fn: Callable, world_size: int, tmp_dir: Path, *args: Any, timeout:
     by rank. `fn` must be importable (module level). Raises with the failing ranks' tracebacks."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    init_file = str(Path(tmp_dir) / f"rendezvous-{os.getpid()}-{id(fn)}")
+    init_file = str(Path(tmp_dir) / f"rendezvous-{uuid.uuid4().hex}")  # fresh: a used one is stale
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, queue, args))
              for r in range(world_size)]
     for p in procs:
