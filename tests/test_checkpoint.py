@@ -81,6 +81,21 @@ def test_reshard_stage3_on_4_ranks_to_2_ranks_stage1_and_1_rank(tmp_path):
             torch.testing.assert_close(result["params"][name], value, rtol=1e-4, atol=1e-6)
 
 
+def test_hybrid_layout_loads_in_one_process(tmp_path):
+    """2 replicas x 2 shards at stage 2: only the first replica group writes, and its shards
+    are the whole state."""
+    base = _base(tmp_path, train__micro_batch=2, train__steps=2 * N)
+    saved = run_ranks(train_ranks, 4, tmp_path, {
+        **base, "parallel.zero_stage": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 2,
+        "checkpoint.every": N, "run.name": "hybrid"}, timeout=300)[0]
+    ckpt = Path(checkpoint_of(saved["run_dir"], N))
+    assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["rank-00000.safetensors",
+                                                                  "rank-00001.safetensors"]
+    one = train_run({**base, "train.grad_accum": 4, "run.name": "one", "checkpoint.resume": str(ckpt)})
+    torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(saved["losses"][N:]),
+                               rtol=1e-5, atol=0)
+
+
 def _saved_run(tmp_path, **extra):
     run = build_run(load_config(overrides=_base(tmp_path, run__name="src", **extra)).validate())
     save_checkpoint(run, 1)

@@ -174,6 +174,9 @@ class CheckpointWriter:
             began = time.perf_counter()
             self._write(step, tensors, entries, state, rank_state, meta)
             report.write_s = time.perf_counter() - began
+            if self.rank == 0:
+                log.info("checkpoint %s: published (rank 0 wrote %.1f MB in %.2f s)",
+                         self.root / step_dir_name(step), report.bytes / 1e6, report.write_s)
 
         if self.asynchronous:
             self._error = None
