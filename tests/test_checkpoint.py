@@ -161,22 +161,23 @@ _DIE_MID_SAVE = textwrap.dedent("""
     from shardlm.trainer import build_run, train
 
     overrides, point = json.loads(sys.argv[1]), sys.argv[2]
-    write, publish = sharded.write_durable, sharded.point_latest
+    write, publish = sharded.write_safetensors, sharded.point_latest
 
-    def write_then_die(path, data):
-        if point == "data" and path.suffix == ".safetensors" and "step-00000003" in path.parent.name:
+    def write_then_die(path, tensors):
+        if point == "data" and "step-00000003" in path.parent.name:
+            data = b"".join(bytes(p) for p in sharded._safetensors_pieces(tensors))
             with open(path.with_name(path.name + ".part"), "wb") as f:  # half, then the kill
                 f.write(data[:len(data) // 2])
                 f.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-        write(path, data)
+        return write(path, tensors)
 
     def publish_then_die(path):
         if point == "latest" and path.name == "step-00000003":
             os.kill(os.getpid(), signal.SIGKILL)
         publish(path)
 
-    sharded.write_durable, sharded.point_latest = write_then_die, publish_then_die
+    sharded.write_safetensors, sharded.point_latest = write_then_die, publish_then_die
     train(build_run(load_config(overrides=overrides).validate()))
 """)
 

@@ -34,11 +34,12 @@ import logging
 import os
 import re
 import shutil
+import struct
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -103,6 +104,50 @@ def write_durable(path: Path, data: bytes) -> None:
     os.replace(part, path)
 
 
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+                       torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+_PIECE_BYTES = 1 << 26
+
+
+def _safetensors_pieces(tensors: dict[str, torch.Tensor]) -> Iterator[memoryview]:
+    """The bytes of a safetensors file: an 8-byte little-endian header length, a JSON header
+    (dtype, shape and byte range of every tensor), the raw data — yielded in pieces."""
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data then starts 8-byte aligned
+    yield memoryview(struct.pack("<Q", len(head)) + head)
+    for t in tensors.values():
+        flat = t.detach().reshape(-1)
+        step = max(1, _PIECE_BYTES // t.element_size())
+        for a in range(0, flat.numel(), step):
+            piece = flat[a:a + step].to("cpu").contiguous().view(torch.uint8)
+            yield memoryview(piece.numpy())
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
+    """Write a safetensors file piece by piece, straight from `tensors` (the library's save()
+    first builds the whole file in memory: a second copy of everything a rank saves). Hashes
+    while writing; fsync, then rename into place. Returns (bytes, SHA-256). Reading stays with
+    the safetensors library, which also checks what this writes."""
+    digest, size = hashlib.sha256(), 0
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        for piece in _safetensors_pieces(tensors):
+            f.write(piece)
+            digest.update(piece)
+            size += piece.nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+    return size, digest.hexdigest()
+
+
 def _rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"
 
@@ -163,9 +208,10 @@ class CheckpointWriter:
         go to the manifest as they are; `rank_state` (JSON) is kept per rank."""
         start = time.perf_counter()
         self.wait()
-        # The snapshot: contiguous copies (also what safetensors needs: views of one buffer
-        # would be refused as shared memory), on the CPU.
-        tensors = {s.name: s.tensor.detach().to("cpu", copy=True) for s in slices} if writes else {}
+        # Asynchronous: a snapshot on the CPU, since training goes on changing the originals.
+        # Synchronous: written straight from the live tensors, no copy.
+        tensors = ({s.name: s.tensor.detach().to("cpu", copy=self.asynchronous) for s in slices}
+                   if writes else {})
         entries = {s.name: {"shape": list(s.shape), "start": s.start, "end": s.end,
                             "dtype": _dtype_name(s.tensor.dtype)} for s in slices} if writes else {}
         report = SaveReport(step, 0.0, sum(t.numel() * t.element_size() for t in tensors.values()))
@@ -206,18 +252,13 @@ class CheckpointWriter:
 
     def _write(self, step: int, tensors: dict[str, torch.Tensor], entries: dict, state: dict,
                rank_state: dict, meta: dict) -> None:
-        from safetensors.torch import save
-
         tmp = self._tmp_dir(step)
         tmp.mkdir(parents=True, exist_ok=True)
         note: dict[str, Any] = {"rank": self.rank, "file": None, "tensors": entries, "rank_state": rank_state}
         if tensors:
-            data = save(tensors)
+            size, sha256 = write_safetensors(tmp / _rank_file(self.rank), tensors)
             tensors.clear()
-            write_durable(tmp / _rank_file(self.rank), data)
-            note.update(file=_rank_file(self.rank), bytes=len(data),
-                        sha256=hashlib.sha256(data).hexdigest())
-            del data
+            note.update(file=_rank_file(self.rank), bytes=size, sha256=sha256)
         write_durable(tmp / _note_file(self.rank), json.dumps(note).encode())
         if self.rank == 0:
             self._publish(step, tmp, state, meta)
