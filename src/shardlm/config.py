@@ -175,6 +175,21 @@ class ActivationConfig:
 
 
 @dataclass
+class ZeroConfig:
+    offload_optimizer: str = "none"
+    """Where fp32 master weights and AdamW moments live (ZeRO-Offload / ZeRO-Infinity):
+    'none' (the device), 'cpu' (host memory), 'nvme' (files under nvme_path, streamed through
+    the step in chunks). Needs parallel.zero_stage >= 1 (one process may use stage 1)."""
+    nvme_path: str = ""
+    """Directory for the nvme tier's files ('' = <run dir>/offload). A fast local disk."""
+    nvme_chunk_mb: int = 64
+    """Elements streamed per chunk, in MB of one state tensor (each buffer holds 3 of them)."""
+    nvme_buffers: int = 4
+    """Chunks in flight (>= 3: one read ahead, one computing, one writing behind). Host memory
+    for the stream = nvme_buffers x 4 x nvme_chunk_mb."""
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 0
     """Save a resumable checkpoint every N steps and at the last step (0 = none, but for the
@@ -219,6 +234,8 @@ class Config:
     """Data parallelism and ZeRO sharding."""
     activation: ActivationConfig = field(default_factory=ActivationConfig)
     """Activation memory."""
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    """Offload tiers for the ZeRO engine."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Resumable, sharded checkpoints."""
     run: RunConfig = field(default_factory=RunConfig)
@@ -395,6 +412,7 @@ _CHOICES = {
     "run.progress": ("auto", "on", "off"),
     "train.on_nonfinite": ("stop", "skip"),
     "checkpoint.readers": ("all", "one"),
+    "zero.offload_optimizer": ("none", "cpu", "nvme"),
 }
 
 _POSITIVE = ("model.vocab_size", "model.n_layers", "model.n_heads", "model.d_model",
@@ -444,7 +462,16 @@ def _validation_errors(cfg: Config) -> list[str]:
     if par.dp_replicate < 1 or (par.dp_shard < 1 and par.dp_shard != -1):
         errors.append(f"parallel.dp_replicate = {par.dp_replicate} must be >= 1 and parallel.dp_shard "
                       f"= {par.dp_shard} must be >= 1 or -1 (all remaining ranks)")
-    c = cfg.checkpoint
+    z, c = cfg.zero, cfg.checkpoint
+    if z.offload_optimizer != "none" and par.zero_stage == 0:
+        errors.append(f"zero.offload_optimizer = {z.offload_optimizer!r} needs parallel.zero_stage "
+                      f">= 1 (stage 1 shards, and offloads, the optimizer state; one process may use it)")
+    if z.nvme_chunk_mb < 1 or z.nvme_buffers < 3:
+        errors.append(f"zero.nvme_chunk_mb = {z.nvme_chunk_mb} must be >= 1 and zero.nvme_buffers = "
+                      f"{z.nvme_buffers} >= 3")
+    if z.offload_optimizer == "nvme" and c.async_:
+        errors.append("checkpoint.async = true with zero.offload_optimizer = 'nvme' would copy the "
+                      "on-disk optimizer state into memory; use synchronous checkpoints")
     if c.every < 0 or c.keep < 1:
         errors.append(f"checkpoint.every = {c.every} must be >= 0 (0 = no periodic saves) and "
                       f"checkpoint.keep = {c.keep} >= 1")

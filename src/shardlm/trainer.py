@@ -106,11 +106,11 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     apply_ac(model, cfg.activation.checkpoint)
     timeout = cfg.parallel.collective_timeout_s
     watchdog = CollectiveWatchdog(timeout, runtime.rank) if runtime.world_size > 1 and timeout else None
-    strategy = apply_data_parallel(model, mesh, cfg, runtime.device, precision.name, watchdog)
+    run_dir = make_run_dir(cfg, runtime)
+    strategy = apply_data_parallel(model, mesh, cfg, runtime.device, precision.name, watchdog, run_dir)
     forward = torch.compile(model) if t.compile else model
     common = dict(seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
                   dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp_size)
-    run_dir = make_run_dir(cfg, runtime)
     writer = CheckpointWriter(
         run_dir / CHECKPOINTS, runtime.rank, runtime.world_size, cfg.checkpoint.keep,
         cfg.checkpoint.async_, session=agree_on_name(f"{os.getpid()}-{time.time_ns()}", runtime),
@@ -283,7 +283,8 @@ def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: flo
             "step_time_s": seconds, "peak_rss_bytes": peak_rss_bytes(),
             "loss_scale": run.precision.scaler.scale,
             "model_state_bytes": sum(run.strategy.model_state_bytes().values()),
-            "comm_bytes": sum(comm.values()), "comm_bytes_by_op": comm}
+            "comm_bytes": sum(comm.values()), "comm_bytes_by_op": comm,
+            **run.strategy.offload_report()}
 
 
 def train(run: Run) -> TrainResult:

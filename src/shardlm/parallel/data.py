@@ -9,6 +9,7 @@ step interface, so the loop has no `if distributed` in it.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Iterator, Protocol
 
 import torch
@@ -33,6 +34,8 @@ class Strategy(Protocol):
     def step(self) -> None: ...
     def zero_grad(self) -> None: ...
     def model_state_bytes(self) -> dict[str, int]: ...
+    def offload_report(self) -> dict:
+        """Offload tiers' bytes and the last step's disk traffic ({} without offload)."""
     def full_parameters(self) -> contextlib.AbstractContextManager: ...
 
     # checkpoints (checkpoint/sharded.py): the state this rank holds, by global tensor name
@@ -88,6 +91,9 @@ class LocalStrategy:
 
     writes_checkpoint = True
 
+    def offload_report(self) -> dict:
+        return {}
+
     def state_slices(self) -> list[StateSlice]:
         return [s for name, p in self.model.named_parameters()
                 for s in param_state(name, tuple(p.shape), 0, p.numel(), p, self.optimizer.state[p])]
@@ -97,7 +103,8 @@ class LocalStrategy:
 
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
-                        compute: str, watchdog: CollectiveWatchdog | None = None) -> Strategy:
+                        compute: str, watchdog: CollectiveWatchdog | None = None,
+                        run_dir: Path = Path("runs")) -> Strategy:
     """One process at stage 0 trains locally; anything else goes through the ZeRO engine."""
     par, prec = cfg.parallel, cfg.precision
     if mesh.dims.world_size == 1 and par.zero_stage == 0:
@@ -108,5 +115,7 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch
         stage=par.zero_stage, compute_dtype=DTYPES[compute],
         reduce_dtype=DTYPES[compute if prec.reduce == "auto" else prec.reduce],
         master_dtype=DTYPES[prec.master], reshard_after_forward=par.reshard_after_forward,
-        prefetch=par.prefetch, unit_classes=par.units)
+        prefetch=par.prefetch, unit_classes=par.units, offload_optimizer=cfg.zero.offload_optimizer,
+        nvme_dir=Path(cfg.zero.nvme_path or run_dir / "offload") / f"rank-{mesh.rank:05d}",
+        nvme_chunk_bytes=cfg.zero.nvme_chunk_mb << 20, nvme_buffers=cfg.zero.nvme_buffers)
     return ZeroEngine(model, mesh, opts, cfg.train, device, watchdog)

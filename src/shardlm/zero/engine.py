@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -34,9 +35,9 @@ from torch import nn
 from shardlm.checkpoint.sharded import StateSlice, param_state
 from shardlm.config import TrainConfig
 from shardlm.mesh import Mesh
-from shardlm.optim import init_adam_state
 from shardlm.parallel.comm import Comm, CommLedger
 from shardlm.parallel.watchdog import CollectiveWatchdog, watched
+from shardlm.zero.offload import build_tier
 from shardlm.zero.partition import UnitLayout, layout_for, model_state_bytes
 from shardlm.zero.units import ParamRef, UnitSpec, collect_units
 
@@ -56,6 +57,11 @@ class ZeroOptions:
     reshard_after_forward: bool = True
     prefetch: bool = True
     unit_classes: str = ""
+    offload_optimizer: str = "none"
+    """Where masters and AdamW moments live: 'none' (the device), 'cpu', 'nvme' (zero/offload.py)."""
+    nvme_dir: Path | None = None
+    nvme_chunk_bytes: int = 64 << 20
+    nvme_buffers: int = 4
 
 
 class Unit:
@@ -128,22 +134,25 @@ class ZeroEngine:
         shard_world, shard_rank = (self.shard_comm.size, mesh.shard_rank) if sharded else (1, 0)
         # One unit at a time, so setup never holds more than one unit's temporary fp32 copy.
         self.units: list[Unit] = []
-        self.masters: list[tuple[nn.Parameter, Unit, slice, bool]] = []
+        # The optimizer's segments: pieces of this rank's shard, one per (unit, decay group).
+        self.segments: list[tuple[Unit, slice]] = []
+        self.tier = build_tier(opts.offload_optimizer, device, opts.master_dtype,
+                               opts.nvme_dir or Path("offload"), opts.nvme_chunk_bytes, opts.nvme_buffers)
         for spec in collect_units(model, opts.unit_classes):
             unit = Unit(spec, shard_world, shard_rank, opts, device)
             unit.bind_params()
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(self._grad_hook(unit))
-            self.masters += self._masters_of(unit)
+            for seg in unit.segments:  # the master starts from the fp32 values, not a rounded cast
+                local = slice(seg.start - unit.lo, seg.end - unit.lo)
+                self.tier.add(unit.shard_param[local], unit.initial_shard[local], seg.decay)
+                self.segments.append((unit, local))
             del unit.initial_shard
             if opts.stage == 3:  # only the shard stays; zero/params.py gathers on demand
                 unit.flat_param.untyped_storage().resize_(0)
             self.units.append(unit)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": [m for m, _, _, d in self.masters if d], "weight_decay": train.weight_decay},
-             {"params": [m for m, _, _, d in self.masters if not d], "weight_decay": 0.0}],
-            lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, fused=True)
-        init_adam_state(self.optimizer)
+        self.tier.build_optimizer(train)
+        self.optimizer = self.tier.optimizer
         self.sync = True
         self.in_flight: list[tuple[Unit, object]] = []
         if opts.stage == 3:
@@ -155,19 +164,6 @@ class ZeroEngine:
                  len(self.units), opts.compute_dtype, opts.reduce_dtype, opts.master_dtype)
 
     # -- construction ------------------------------------------------------------------------
-
-    def _masters_of(self, unit: Unit) -> list[tuple[nn.Parameter, Unit, slice, bool]]:
-        """(master, unit, slice of the unit's shard, decays) per segment of this rank's shard:
-        views of the parameters when master and compute dtypes agree, else own copies made
-        from the fp32 initial values (not from a rounded cast)."""
-        masters = []
-        alias = self.opts.master_dtype == self.opts.compute_dtype
-        for seg in unit.segments:
-            local = slice(seg.start - unit.lo, seg.end - unit.lo)
-            source = (unit.shard_param[local] if alias
-                      else unit.initial_shard[local].to(self.opts.master_dtype, copy=True))
-            masters.append((nn.Parameter(source), unit, local, seg.decay))
-        return masters
 
     # -- backward ----------------------------------------------------------------------------
 
@@ -277,20 +273,13 @@ class ZeroEngine:
         return float(local)
 
     def step(self) -> None:
-        for master, unit, local, _ in self.masters:
-            grad = unit.grad_shard()[local]
-            master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
-        self.optimizer.step()
-        for master, _, _, _ in self.masters:
-            master.grad = None
-        self._masters_to_params()
+        """The tier updates the masters and this rank's parameter shard from the gradient
+        shard; stages 1-2 then gather everyone's updated shards (every rank keeps whole
+        parameters there)."""
+        self.tier.step([unit.grad_shard()[local] for unit, local in self.segments])
+        self._gather_params()
 
-    def _masters_to_params(self) -> None:
-        """The compute-dtype parameters from the masters: this rank's shard, then (stages 1-2,
-        where every rank keeps whole parameters) everyone's."""
-        if self.opts.master_dtype != self.opts.compute_dtype:
-            for master, unit, local, _ in self.masters:
-                unit.shard_param[local].copy_(master.detach())
+    def _gather_params(self) -> None:
         if self.opts.stage in (1, 2):
             handles = [self.shard_comm.all_gather(u.flat_param, u.shard_param) for u in self.units]
             for h in handles:
@@ -322,18 +311,20 @@ class ZeroEngine:
         """Per master segment, the parameters it overlaps, cut to the overlap."""
         names = {id(p): n for n, p in self.model.named_parameters()}
         out = []
-        for master, unit, local, _ in self.masters:
+        for i, (unit, local) in enumerate(self.segments):
+            master, exp_avg, exp_avg_sq = self.tier.segment_state(i)
             lo, hi = unit.lo + local.start, unit.lo + local.stop  # in the unit's flat buffer
             for param, offset, numel in zip(unit.params, unit.layout.offsets, unit.layout.numels):
                 start, end = max(offset, lo), min(offset + numel, hi)
                 if start < end:
                     out += param_state(names[id(param)], tuple(param.shape), start - offset,
-                                       end - offset, master, self.optimizer.state[master],
+                                       end - offset, master, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
                                        slice(start - lo, end - lo))
         return out
 
     def after_load(self) -> None:
-        self._masters_to_params()
+        self.tier.refresh_targets()
+        self._gather_params()
 
     # -- accounting --------------------------------------------------------------------------
 
@@ -342,11 +333,18 @@ class ZeroEngine:
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
         params = sum(nbytes(u.shard_param if self.opts.stage == 3 else u.flat_param) for u in self.units)
         grads = sum(nbytes(u.shard_grad if self.opts.stage >= 2 else u.full_grad) for u in self.units)
-        optim = sum(nbytes(t) for state in self.optimizer.state.values() for t in state.values()
-                    if torch.is_tensor(t) and t.dim() > 0)
-        if self.opts.master_dtype != self.opts.compute_dtype:
-            optim += sum(nbytes(m) for m, _, _, _ in self.masters)
+        optim = sum(v for k, v in self.tier.held_bytes().items() if k != "nvme")
         return {"params": params, "grads": grads, "optimizer": optim}
+
+    def offload_report(self) -> dict:
+        """Bytes per tier and what the last optimizer step moved (JSONL)."""
+        stats = self.tier.stats
+        report = {"optimizer_bytes_by_tier": self.tier.held_bytes(), "optimizer_step_s": stats.step_s}
+        if stats.read_bytes or stats.write_bytes:
+            report.update(disk_read_bytes=stats.read_bytes, disk_write_bytes=stats.write_bytes,
+                          disk_bytes_per_s=(stats.read_bytes + stats.write_bytes) / max(stats.step_s, 1e-9),
+                          optimizer_io_wait_s=stats.io_wait_s)
+        return report
 
     def predicted_state_bytes(self) -> dict[str, float]:
         """The ZeRO formula for this run's dtypes (Ψ without padding): K = 2 Adam moments in
@@ -354,6 +352,8 @@ class ZeroEngine:
         o = self.opts
         size = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
         k = size(o.master_dtype) * (2 if o.master_dtype == o.compute_dtype else 3)
+        if o.offload_optimizer == "nvme":  # none of it in memory
+            k = 0
         return model_state_bytes(self.numel, self.shard_comm.size if o.stage else 1, o.stage,
                                  size(o.compute_dtype), size(o.reduce_dtype), k)
 
