@@ -219,21 +219,21 @@ class NvmeTier:
         return self.slots[i % self.n_buffers]
 
     def add(self, target: torch.Tensor, initial: torch.Tensor, decay: bool) -> None:
-        """Write the segment's initial master (moments: zeros) to the files, chunk by chunk."""
+        """Write the segment's initial master to its file, chunk by chunk (the moments start
+        as zeros: the files' holes, see build_optimizer)."""
         segment = _Segment(target, decay, self.size, target.numel())
         self.segments.append(segment)
         self.size += _aligned(segment.numel * self.itemsize) // self.itemsize
-        zeros = self._slot(0)
-        zeros.exp_avg.tensor.zero_()
+        slot = self._slot(0)
         for start in range(0, segment.numel, self.chunk):
             n = min(self.chunk, segment.numel - start)
-            zeros.master.tensor[:n].copy_(initial[start:start + n])
-            at = (segment.offset + start) * self.itemsize
-            self.files["master"].write(at, zeros.master, n * self.itemsize)
-            self.files["exp_avg"].write(at, zeros.exp_avg, n * self.itemsize)
-            self.files["exp_avg_sq"].write(at, zeros.exp_avg, n * self.itemsize)
+            slot.master.tensor[:n].copy_(initial[start:start + n])
+            self.files["master"].write((segment.offset + start) * self.itemsize, slot.master,
+                                       n * self.itemsize)
 
     def build_optimizer(self, train: TrainConfig) -> None:
+        for f in self.files.values():  # sparse: unwritten ranges read as zeros
+            os.ftruncate(f.fd, self.size * self.itemsize)
         self.optimizer = StreamedAdamW(train)
         log.info("nvme offload: %.1f MB of optimizer state in %s (%s I/O), %d buffers of %.1f MB",
                  3 * self.size * self.itemsize / 1e6, self.directory,

@@ -1,0 +1,161 @@
+"""Train a model whose model states do not fit in this machine's RAM, in one process, by
+streaming the optimizer state (fp32 masters + AdamW moments) from disk: the NVMe tier.
+
+Method. One process, ZeRO stage 1 on one rank (the engine with a shard of everything), bf16
+compute, fp32 masters, `zero.offload_optimizer = "nvme"` under --dir. Before training, the disk
+under --dir is measured with the same I/O the step does (O_DIRECT, 64 MiB aligned blocks):
+sequential write, sequential read, and both at once (one reader and one writer thread, the
+step's read-ahead/write-behind pattern) — the last is the bound the optimizer step can reach.
+Then a few steps: per step the wall time, the optimizer step's time (streaming included), the
+bytes it read and wrote, and peak RSS (ru_maxrss). MALLOC_MMAP_THRESHOLD_=65536 is set (the
+script re-executes itself with it) so freed blocks leave RSS. Compute = step - optimizer.
+
+Reproduce:  PYTHONPATH=src python bench/bench_offload.py                      (gpt2-2.7b, ~10 min)
+            PYTHONPATH=src python bench/bench_offload.py --preset gpt2-1.5b --steps 2
+Needs ~12 bytes per parameter free under --dir (33 GB for gpt2-2.7b).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+GiB = 2**30
+BLOCK = 64 << 20
+
+
+def measure_disk(directory: Path, nbytes: int) -> dict[str, float]:
+    """Sequential O_DIRECT write, read, and read+write at once, in bytes/s."""
+    directory.mkdir(parents=True, exist_ok=True)
+    buf = mmap.mmap(-1, BLOCK)
+    buf.write(os.urandom(1 << 20) * (BLOCK >> 20))
+    a, b = directory / "disk-a.bin", directory / "disk-b.bin"
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
+
+    def write(path: Path) -> None:
+        fd = os.open(path, flags | os.O_TRUNC)
+        for off in range(0, nbytes, BLOCK):
+            os.pwritev(fd, [buf], off)
+        os.fsync(fd)
+        os.close(fd)
+
+    def read(path: Path, into: mmap.mmap) -> None:
+        fd = os.open(path, flags)
+        for off in range(0, nbytes, BLOCK):
+            os.preadv(fd, [into], off)
+        os.close(fd)
+
+    out = {}
+    start = time.perf_counter()
+    write(a)
+    out["write"] = nbytes / (time.perf_counter() - start)
+    start = time.perf_counter()
+    read(a, mmap.mmap(-1, BLOCK))
+    out["read"] = nbytes / (time.perf_counter() - start)
+    start = time.perf_counter()
+    threads = [threading.Thread(target=read, args=(a, mmap.mmap(-1, BLOCK))),
+               threading.Thread(target=write, args=(b,))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out["read+write"] = 2 * nbytes / (time.perf_counter() - start)
+    a.unlink()
+    b.unlink()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="gpt2-2.7b")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--dir", default="runs/bench-offload", help="where the nvme tier's files go")
+    parser.add_argument("--disk-probe-gib", type=float, default=4.0)
+    parser.add_argument("--json", default="", help="also write the results here")
+    args = parser.parse_args()
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
+        os.execve(sys.executable, [sys.executable, *sys.argv],
+                  {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+
+    import torch
+
+    from shardlm.config import load_config
+    from shardlm.models import count_params
+    from shardlm.telemetry import peak_rss_bytes
+    from shardlm.trainer import build_run, train_step
+
+    root = Path(args.dir)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    disk = measure_disk(root / "probe", int(args.disk_probe_gib * GiB) // BLOCK * BLOCK)
+    print("disk (O_DIRECT, 64 MiB blocks): " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in disk.items()),
+          flush=True)
+
+    cfg = load_config(overrides={
+        "model.preset": args.preset, "train.seq_len": args.seq, "train.micro_batch": args.micro_batch,
+        "train.steps": args.steps, "train.warmup_steps": 1, "train.eval_every": 0, "train.sample_tokens": 0,
+        "precision.compute": "bf16", "parallel.zero_stage": 1, "zero.offload_optimizer": "nvme",
+        "zero.nvme_path": str(root / "nvme"), "run.dir": str(root / "runs"), "run.progress": "off",
+        "run.device": "cpu"}).validate()
+    psi = count_params(cfg.model)
+    print(f"{args.preset}: {psi / 1e9:.2f}B parameters; full model states 16 x Ψ = "
+          f"{16 * psi / GiB:.1f} GiB = {16 * psi / ram:.2f} x this machine's RAM ({ram / GiB:.1f} GiB)",
+          flush=True)
+    start = time.perf_counter()
+    run = build_run(cfg)
+    build_s = time.perf_counter() - start
+    print(f"built in {build_s:.0f} s; in memory: " + ", ".join(
+        f"{k} {v / GiB:.2f} GiB" for k, v in run.strategy.model_state_bytes().items())
+          + f"; on disk: {run.strategy.offload_report()['optimizer_bytes_by_tier']['nvme'] / GiB:.1f} GiB; "
+          f"peak RSS so far {peak_rss_bytes() / GiB:.2f} GiB", flush=True)
+    rows = []
+    for step in range(args.steps):
+        begin = time.perf_counter()
+        out = train_step(run, step)
+        seconds = time.perf_counter() - begin
+        report = run.strategy.offload_report()
+        moved = report["disk_read_bytes"] + report["disk_write_bytes"]
+        rows.append({"step": step + 1, "loss": out.loss, "step_s": seconds,
+                     "optimizer_s": report["optimizer_step_s"], "compute_s": seconds - report["optimizer_step_s"],
+                     "io_wait_s": report["optimizer_io_wait_s"], "disk_read_bytes": report["disk_read_bytes"],
+                     "disk_write_bytes": report["disk_write_bytes"],
+                     "optimizer_bytes_per_s": moved / report["optimizer_step_s"], "peak_rss_bytes": peak_rss_bytes()})
+        r = rows[-1]
+        print(f"step {r['step']}: loss {r['loss']:.3f}, {r['step_s']:.1f} s (compute {r['compute_s']:.1f} s, "
+              f"optimizer {r['optimizer_s']:.1f} s of which waiting on disk {r['io_wait_s']:.1f} s), "
+              f"disk {moved / 1e9:.1f} GB at {r['optimizer_bytes_per_s'] / 1e9:.2f} GB/s, "
+              f"peak RSS {r['peak_rss_bytes'] / GiB:.2f} GiB", flush=True)
+
+    achieved = statistics.median(r["optimizer_bytes_per_s"] for r in rows)
+    peak = max(r["peak_rss_bytes"] for r in rows)
+    print()
+    print("| preset | params | 16Ψ / RAM | peak RSS | disk per step (read + write) | step s | compute s | "
+          "optimizer s | optimizer disk GB/s | disk read+write GB/s | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    last = rows[-1]
+    print(f"| {args.preset} | {psi / 1e9:.2f}B | {16 * psi / GiB:.1f} / {ram / GiB:.1f} GiB = "
+          f"{16 * psi / ram:.2f}x | {peak / GiB:.2f} GiB | {last['disk_read_bytes'] / 1e9:.1f} + "
+          f"{last['disk_write_bytes'] / 1e9:.1f} GB | {statistics.median(r['step_s'] for r in rows):.1f} | "
+          f"{statistics.median(r['compute_s'] for r in rows):.1f} | "
+          f"{statistics.median(r['optimizer_s'] for r in rows):.1f} | {achieved / 1e9:.2f} | "
+          f"{disk['read+write'] / 1e9:.2f} | {achieved / disk['read+write']:.0%} |")
+    print(f"\ndisk alone: write {disk['write'] / 1e9:.2f} GB/s, read {disk['read'] / 1e9:.2f} GB/s; "
+          f"build {build_s:.0f} s. Reproduce: PYTHONPATH=src python bench/bench_offload.py --preset {args.preset} "
+          f"--steps {args.steps}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"disk": disk, "rows": rows, "params": psi, "ram": ram}, indent=1))
+    del run
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
