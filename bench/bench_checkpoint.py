@@ -344,6 +344,7 @@ def summarize_save(ranks: list[dict]) -> dict:
         "gb_s": total / sync_s / 1e9,
         "async_stall": max(a["stall"] for a in asyn), "async_write": max(a["write_s"] for a in asyn),
         "base": base, "overlap": overlap, "steps": steps,
+        "steps_base": [max(r["base"][i] for r in ranks) for i in range(len(ranks[0]["base"]))],
         "extra": sum(s - base for s in overlap) + max(a["waited"] for a in asyn),
         "waited": max(a["waited"] for a in asyn),
         "phases": [(mode, rank, r[mode]) for mode in ("sync", "async") for rank, r in enumerate(ranks)],
@@ -388,6 +389,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
           f"({count_params(cfg.model) / 1e6:.1f}M params), fp32, batch {WORLD}x{args.micro_batch}x"
           f"{args.seq}; directory {root}", flush=True)
+    load_before = os.getloadavg()[0]
+    if load_before > 0.5:
+        print(f"warning: load average {load_before:.2f} before starting: other processes share the "
+              f"{os.cpu_count()} cores, the figures will be noisy", flush=True)
     began = time.monotonic()
     try:
         disk = disk_limits(root, args.disk_mib)
@@ -439,6 +444,10 @@ def main() -> None:
               f"{s['async_write']:.2f} | {s['base']:.2f} | {len(s['overlap'])}: {during}{waited} | "
               f"{s['extra']:+.2f} |")
 
+    print("\nStep times without a save (s, slower rank; min / median / max): " + "; ".join(
+        f"stage {stage}: {min(s['steps_base']):.2f} / {s['base']:.2f} / {max(s['steps_base']):.2f}"
+        for stage, s in saves.items()) + ". During the async write, every step: " + "; ".join(
+        f"stage {stage}: " + ", ".join(f"{x:.2f}" for x in s["steps"]) for stage, s in saves.items()))
     print("\n**Where a save's time goes**, per rank (seconds; snapshot = the async copy of the "
           "rank's state; pieces = slicing the tensors into the file's pieces; write = write() of the "
           "rank file into the page cache; SHA-256 and fsync of it; publish = the rest of write_s: "
@@ -467,6 +476,7 @@ def main() -> None:
             print(f"| stage {saved}, {WORLD} ranks | stage {stage}, {world} rank{'s' if world > 1 else ''} | "
                   f"{mode['readers']} | {'cold' if mode['cold'] else 'warm'} | {seconds:.2f} | "
                   f"{verify:.2f} | {verify / seconds:.0%} | {files} | {total / seconds / 1e9:.2f} |")
+    print(f"\nLoad average (1 min) before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}")
     print(f"\nTotal {time.monotonic() - began:.0f} s. Reproduce: PYTHONPATH=src python "
           f"bench/bench_checkpoint.py {' '.join(sys.argv[1:])}")
 

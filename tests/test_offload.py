@@ -48,6 +48,18 @@ def test_one_process_every_stage_and_tier(tmp_path, prec):
             assert offloaded["state"]["optimizer"] == (0 if tier == "nvme" else reference["state"]["optimizer"])
 
 
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_stage3_parameter_offload(tmp_path, prec):
+    base = _base(tmp_path, **{"parallel.zero_stage": 3, "precision.compute": prec})
+    reference = train_case(base, STEPS)
+    for params, optimizer in (("cpu", "none"), ("nvme", "none"), ("nvme", "nvme")):
+        offloaded = train_case({**base, "zero.offload_params": params,
+                                "zero.offload_optimizer": optimizer}, STEPS)
+        _assert_equal(reference, offloaded, f"params {params}, optimizer {optimizer}")
+        if params == "nvme":
+            assert offloaded["state"]["params"] == 0
+
+
 def test_nvme_streams_many_chunks_with_accumulation_and_fp16(tmp_path):
     """gpt-mini's 8 MB embedding crosses eight 1 MB chunks; fp16 adds the loss scaler."""
     base = _base(tmp_path, **{"model.preset": "gpt-mini", "train.seq_len": 32, "train.micro_batch": 2,
@@ -61,7 +73,9 @@ def test_two_ranks_every_stage(tmp_path):
     cases = []
     for stage in (1, 2, 3):
         for tier in ("none", "cpu", "nvme"):
+            params = "nvme" if stage == 3 and tier == "nvme" else "none"
             cases.append((_base(tmp_path, **{"parallel.zero_stage": stage, "zero.offload_optimizer": tier,
+                                              "zero.offload_params": params,
                                               "precision.compute": "bf16" if stage == 2 else "fp32"}),
                           STEPS, -1))
     for rank_results in run_ranks(train_cases, 2, tmp_path, cases, timeout=600):
@@ -70,9 +84,11 @@ def test_two_ranks_every_stage(tmp_path):
             _assert_equal(rank_results[i], rank_results[i + 2], f"case {i} nvme")
 
 
-def test_checkpoint_round_trip_with_nvme(tmp_path):
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_round_trip_with_nvme(tmp_path, stage):
     """Offloaded state is saved and restored like any other: resume is bitwise."""
-    overrides = _base(tmp_path, **{"parallel.zero_stage": 1, "zero.offload_optimizer": "nvme"})
+    overrides = _base(tmp_path, **{"parallel.zero_stage": stage, "zero.offload_optimizer": "nvme",
+                                   "zero.offload_params": "nvme" if stage == 3 else "none"})
     (straight, resumed), = straight_and_resumed(0, 1, [("nvme", overrides, 2)])
     assert resumed["start"] == 2 and resumed["losses"] == straight["losses"][2:]
     _assert_equal({"losses": [], "params": straight["params"]}, {"losses": [], "params": resumed["params"]}, "nvme")
@@ -81,6 +97,8 @@ def test_checkpoint_round_trip_with_nvme(tmp_path):
 def test_offload_needs_a_sharding_stage():
     with pytest.raises(ConfigError, match="needs parallel.zero_stage >= 1"):
         load_config(overrides={"zero.offload_optimizer": "nvme"}).validate()
+    with pytest.raises(ConfigError, match="needs parallel.zero_stage = 3"):
+        load_config(overrides={"zero.offload_params": "nvme", "parallel.zero_stage": 2}).validate()
 
 
 def test_peak_rss_falls_by_the_bytes_moved_to_disk(tmp_path):

@@ -180,6 +180,9 @@ class ZeroConfig:
     """Where fp32 master weights and AdamW moments live (ZeRO-Offload / ZeRO-Infinity):
     'none' (the device), 'cpu' (host memory), 'nvme' (files under nvme_path, streamed through
     the step in chunks). Needs parallel.zero_stage >= 1 (one process may use stage 1)."""
+    offload_params: str = "none"
+    """Stage 3: where each unit's parameter shard lives between its gathers: 'none', 'cpu'
+    (host memory; on a CPU-only machine that is where it already is), 'nvme'."""
     nvme_path: str = ""
     """Directory for the nvme tier's files ('' = <run dir>/offload). A fast local disk."""
     nvme_chunk_mb: int = 64
@@ -413,6 +416,7 @@ _CHOICES = {
     "train.on_nonfinite": ("stop", "skip"),
     "checkpoint.readers": ("all", "one"),
     "zero.offload_optimizer": ("none", "cpu", "nvme"),
+    "zero.offload_params": ("none", "cpu", "nvme"),
 }
 
 _POSITIVE = ("model.vocab_size", "model.n_layers", "model.n_heads", "model.d_model",
@@ -466,6 +470,9 @@ def _validation_errors(cfg: Config) -> list[str]:
     if z.offload_optimizer != "none" and par.zero_stage == 0:
         errors.append(f"zero.offload_optimizer = {z.offload_optimizer!r} needs parallel.zero_stage "
                       f">= 1 (stage 1 shards, and offloads, the optimizer state; one process may use it)")
+    if z.offload_params != "none" and par.zero_stage != 3:
+        errors.append(f"zero.offload_params = {z.offload_params!r} needs parallel.zero_stage = 3 (only "
+                      f"stage 3 shards the parameters), got {par.zero_stage}")
     if z.nvme_chunk_mb < 1 or z.nvme_buffers < 3:
         errors.append(f"zero.nvme_chunk_mb = {z.nvme_chunk_mb} must be >= 1 and zero.nvme_buffers = "
                       f"{z.nvme_buffers} >= 3")

@@ -37,7 +37,7 @@ from shardlm.config import TrainConfig
 from shardlm.mesh import Mesh
 from shardlm.parallel.comm import Comm, CommLedger
 from shardlm.parallel.watchdog import CollectiveWatchdog, watched
-from shardlm.zero.offload import build_tier
+from shardlm.zero.offload import build_param_store, build_tier
 from shardlm.zero.partition import UnitLayout, layout_for, model_state_bytes
 from shardlm.zero.units import ParamRef, UnitSpec, collect_units
 
@@ -59,6 +59,8 @@ class ZeroOptions:
     unit_classes: str = ""
     offload_optimizer: str = "none"
     """Where masters and AdamW moments live: 'none' (the device), 'cpu', 'nvme' (zero/offload.py)."""
+    offload_params: str = "none"
+    """Stage 3: where each unit's parameter shard lives between uses: 'none', 'cpu', 'nvme'."""
     nvme_dir: Path | None = None
     nvme_chunk_bytes: int = 64 << 20
     nvme_buffers: int = 4
@@ -136,8 +138,9 @@ class ZeroEngine:
         self.units: list[Unit] = []
         # The optimizer's segments: pieces of this rank's shard, one per (unit, decay group).
         self.segments: list[tuple[Unit, slice]] = []
-        self.tier = build_tier(opts.offload_optimizer, device, opts.master_dtype,
-                               opts.nvme_dir or Path("offload"), opts.nvme_chunk_bytes, opts.nvme_buffers)
+        nvme_dir = opts.nvme_dir or Path("offload")
+        self.tier = build_tier(opts.offload_optimizer, device, opts.master_dtype, nvme_dir,
+                               opts.nvme_chunk_bytes, opts.nvme_buffers, opts.offload_params == "nvme")
         for spec in collect_units(model, opts.unit_classes):
             unit = Unit(spec, shard_world, shard_rank, opts, device)
             unit.bind_params()
@@ -153,12 +156,13 @@ class ZeroEngine:
             self.units.append(unit)
         self.tier.build_optimizer(train)
         self.optimizer = self.tier.optimizer
+        self.param_store = build_param_store(opts.offload_params, self.units, device, nvme_dir)
         self.sync = True
         self.in_flight: list[tuple[Unit, object]] = []
         if opts.stage == 3:
             from shardlm.zero.params import ParamSharding
 
-            self.param_sharding = ParamSharding(self.units, self.shard_comm, opts)
+            self.param_sharding = ParamSharding(self.units, self.shard_comm, opts, self.param_store)
         log.info("zero: stage %d over %d shard rank(s) x %d replica(s), %d units, %s compute, %s "
                  "reduce, %s master", opts.stage, shard_world, self.replicate_comm.size,
                  len(self.units), opts.compute_dtype, opts.reduce_dtype, opts.master_dtype)
@@ -276,7 +280,9 @@ class ZeroEngine:
         """The tier updates the masters and this rank's parameter shard from the gradient
         shard; stages 1-2 then gather everyone's updated shards (every rank keeps whole
         parameters there)."""
+        self.param_store.materialize_all()
         self.tier.step([unit.grad_shard()[local] for unit, local in self.segments])
+        self.param_store.store_all()
         self._gather_params()
 
     def _gather_params(self) -> None:
@@ -323,7 +329,9 @@ class ZeroEngine:
         return out
 
     def after_load(self) -> None:
+        self.param_store.materialize_all()
         self.tier.refresh_targets()
+        self.param_store.store_all()
         self._gather_params()
 
     # -- accounting --------------------------------------------------------------------------
@@ -333,6 +341,8 @@ class ZeroEngine:
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
         params = sum(nbytes(u.shard_param if self.opts.stage == 3 else u.flat_param) for u in self.units)
         grads = sum(nbytes(u.shard_grad if self.opts.stage >= 2 else u.full_grad) for u in self.units)
+        if self.opts.offload_params == "nvme":
+            params = 0
         optim = sum(v for k, v in self.tier.held_bytes().items() if k != "nvme")
         return {"params": params, "grads": grads, "optimizer": optim}
 
@@ -340,6 +350,8 @@ class ZeroEngine:
         """Bytes per tier and what the last optimizer step moved (JSONL)."""
         stats = self.tier.stats
         report = {"optimizer_bytes_by_tier": self.tier.held_bytes(), "optimizer_step_s": stats.step_s}
+        if self.opts.offload_params != "none":
+            report["params_bytes_by_tier"] = self.param_store.held_bytes()
         if stats.read_bytes or stats.write_bytes:
             report.update(disk_read_bytes=stats.read_bytes, disk_write_bytes=stats.write_bytes,
                           disk_bytes_per_s=(stats.read_bytes + stats.write_bytes) / max(stats.step_s, 1e-9),

@@ -17,6 +17,7 @@ parameter slice it must refresh after the step — and its fp32 initial values.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -54,8 +55,8 @@ class InMemoryTier:
     When the master would be an exact copy of its target (same dtype, same device) the target
     itself is the master (no second copy)."""
 
-    def __init__(self, home: torch.device, master_dtype: torch.dtype):
-        self.home, self.master_dtype = home, master_dtype
+    def __init__(self, home: torch.device, master_dtype: torch.dtype, may_alias: bool = True):
+        self.home, self.master_dtype, self.may_alias = home, master_dtype, may_alias
         self.masters: list[nn.Parameter] = []
         self.targets: list[torch.Tensor] = []
         self.decay: list[bool] = []
@@ -63,7 +64,7 @@ class InMemoryTier:
         self.stats = TierStats()
 
     def add(self, target: torch.Tensor, initial: torch.Tensor, decay: bool) -> None:
-        alias = target.dtype == self.master_dtype and target.device == self.home
+        alias = self.may_alias and target.dtype == self.master_dtype and target.device == self.home
         if alias:
             master = target
         else:
@@ -322,8 +323,122 @@ def _close_files(files: list[_File], *pools: ThreadPoolExecutor) -> None:
 
 
 def build_tier(kind: str, device: torch.device, master_dtype: torch.dtype, directory: Path,
-               chunk_bytes: int, buffers: int):
-    """The tier `zero.offload_optimizer` names."""
+               chunk_bytes: int, buffers: int, params_offloaded: bool = False):
+    """The tier `zero.offload_optimizer` names. When the parameter shards themselves leave
+    memory (offload_params = 'nvme') a master can no longer be the parameter it updates."""
     if kind == "nvme":
         return NvmeTier(directory, master_dtype, chunk_bytes, buffers)
-    return InMemoryTier(torch.device("cpu") if kind == "cpu" else device, master_dtype)
+    return InMemoryTier(torch.device("cpu") if kind == "cpu" else device, master_dtype,
+                        may_alias=not params_offloaded)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter shards (stage 3): `zero.offload_params`
+
+
+class ResidentParams:
+    """'none': each unit's parameter shard stays where it is."""
+
+    def fetch(self, unit) -> torch.Tensor:
+        """The shard, ready to be the source of the unit's all-gather."""
+        return unit.shard_param
+
+    def release(self, unit) -> None:
+        """The gather that needed the shard is complete."""
+
+    def materialize_all(self) -> None:
+        """Every shard in memory (the optimizer step writes them)."""
+
+    def store_all(self) -> None:
+        """The step is done: shards back to their tier."""
+
+    def held_bytes(self) -> dict[str, int]:
+        return {}
+
+
+class HostParams(ResidentParams):
+    """'cpu': shards in host memory (pinned where CUDA exists), copied to the device for each
+    gather. On a CPU-only machine host memory is the device's: nothing moves."""
+
+    def __init__(self, units: list, device: torch.device):
+        self.device = device
+        if device.type != "cpu":
+            for unit in units:
+                unit.shard_param = unit.shard_param.to("cpu").pin_memory()
+
+    def fetch(self, unit) -> torch.Tensor:
+        return unit.shard_param.to(self.device, non_blocking=True)
+
+    def held_bytes(self) -> dict[str, int]:
+        return {"cpu": 0} if self.device.type == "cpu" else {}
+
+
+class FileParams(ResidentParams):
+    """'nvme': each shard in a file, in memory only from a gather's start to its end and
+    during the optimizer step. Freeing resizes the shard's storage to zero bytes, so the views
+    the optimizer tier holds stay valid and see the values again after a read."""
+
+    def __init__(self, units: list, directory: Path):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / "params.bin"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        weakref.finalize(self, _close_params, self.fd, self.path)
+        self.units, self.offsets, at = units, {}, 0
+        for unit in units:
+            self.offsets[id(unit)] = at
+            at += _aligned(self._nbytes(unit))
+            self._write(unit)
+            self._free(unit)
+        self.total = at
+
+    @staticmethod
+    def _nbytes(unit) -> int:
+        return unit.shard_param.numel() * unit.shard_param.element_size()
+
+    @classmethod
+    def _bytes_of(cls, unit) -> memoryview:
+        # A raw view of the storage (not .numpy(), which would pin the storage's size).
+        return memoryview((ctypes.c_char * cls._nbytes(unit)).from_address(unit.shard_param.data_ptr())).cast("B")
+
+    def _write(self, unit) -> None:
+        os.pwritev(self.fd, [self._bytes_of(unit)], self.offsets[id(unit)])
+
+    def _free(self, unit) -> None:
+        unit.shard_param.untyped_storage().resize_(0)
+
+    def _read(self, unit) -> None:
+        unit.shard_param.untyped_storage().resize_(self._nbytes(unit))
+        os.preadv(self.fd, [self._bytes_of(unit)], self.offsets[id(unit)])
+
+    def fetch(self, unit) -> torch.Tensor:
+        self._read(unit)
+        return unit.shard_param
+
+    def release(self, unit) -> None:
+        self._free(unit)
+
+    def materialize_all(self) -> None:
+        for unit in self.units:
+            self._read(unit)
+
+    def store_all(self) -> None:
+        for unit in self.units:
+            self._write(unit)
+            self._free(unit)
+
+    def held_bytes(self) -> dict[str, int]:
+        return {"nvme": self.total}
+
+
+def _close_params(fd: int, path: Path) -> None:
+    os.close(fd)
+    path.unlink(missing_ok=True)
+
+
+def build_param_store(kind: str, units: list, device: torch.device, directory: Path):
+    """The store `zero.offload_params` names (stage 3)."""
+    if kind == "nvme":
+        return FileParams(units, directory)
+    if kind == "cpu":
+        return HostParams(units, device)
+    return ResidentParams()

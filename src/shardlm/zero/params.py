@@ -39,8 +39,10 @@ class _GatherBeforeBackward(torch.autograd.Function):
 
 
 class ParamSharding:
-    def __init__(self, units: list, comm: Comm, opts):
+    def __init__(self, units: list, comm: Comm, opts, store):
         self.units, self.comm, self.opts = units, comm, opts
+        self.store = store
+        """Where shards live between gathers (zero/offload.py: resident, cpu or nvme)."""
         self.handles: dict[int, object] = {}  # unit index -> pending all-gather
         self.gathered: set[int] = set()
         self.in_backward: set[int] = set()
@@ -62,7 +64,7 @@ class ParamSharding:
         # buffer on its own thread), or backward would see the parameters as modified in place.
         keep_version = torch.autograd._unsafe_preserve_version_counter(unit.flat_param)
         with keep_version:
-            self.handles[index] = (self.comm.all_gather(unit.flat_param, unit.shard_param), keep_version)
+            self.handles[index] = (self.comm.all_gather(unit.flat_param, self.store.fetch(unit)), keep_version)
 
     def _gather(self, index: int) -> None:
         self._start_gather(index)
@@ -71,6 +73,7 @@ class ParamSharding:
             handle, keep_version = pending
             with keep_version:
                 handle.wait()
+            self.store.release(self.units[index])
             self.gathered.add(index)
 
     def _free(self, index: int) -> None:
@@ -126,9 +129,10 @@ class ParamSharding:
     def release_all(self) -> None:
         """End of backward: nothing stays gathered into the next step, where the shards will
         have changed (a stale full copy would silently be used)."""
-        for handle, keep_version in list(self.handles.values()):
+        for index, (handle, keep_version) in list(self.handles.items()):
             with keep_version:
                 handle.wait()
+            self.store.release(self.units[index])
         self.handles.clear()
         self.in_backward.clear()
         for index in range(len(self.units)):
