@@ -350,8 +350,9 @@ class ZeroEngine:
         """Bytes per tier and what the last optimizer step moved (JSONL)."""
         stats = self.tier.stats
         report = {"optimizer_bytes_by_tier": self.tier.held_bytes(), "optimizer_step_s": stats.step_s}
-        if self.opts.offload_params != "none":
+        if self.opts.offload_params != "none":  # the gathers' reads and the step's writes
             report["params_bytes_by_tier"] = self.param_store.held_bytes()
+            report["params_disk_read_bytes"], report["params_disk_write_bytes"] = self.param_store.take_io_bytes()
         if stats.read_bytes or stats.write_bytes:
             report.update(disk_read_bytes=stats.read_bytes, disk_write_bytes=stats.write_bytes,
                           disk_bytes_per_s=(stats.read_bytes + stats.write_bytes) / max(stats.step_s, 1e-9),

@@ -355,6 +355,10 @@ class ResidentParams:
     def held_bytes(self) -> dict[str, int]:
         return {}
 
+    def take_io_bytes(self) -> tuple[int, int]:
+        """(read, written) bytes since the last call."""
+        return 0, 0
+
 
 class HostParams(ResidentParams):
     """'cpu': shards in host memory (pinned where CUDA exists), copied to the device for each
@@ -384,6 +388,7 @@ class FileParams(ResidentParams):
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
         weakref.finalize(self, _close_params, self.fd, self.path)
         self.units, self.offsets, at = units, {}, 0
+        self.read_bytes = self.write_bytes = 0
         for unit in units:
             self.offsets[id(unit)] = at
             at += _aligned(self._nbytes(unit))
@@ -401,14 +406,14 @@ class FileParams(ResidentParams):
         return memoryview((ctypes.c_char * cls._nbytes(unit)).from_address(unit.shard_param.data_ptr())).cast("B")
 
     def _write(self, unit) -> None:
-        os.pwritev(self.fd, [self._bytes_of(unit)], self.offsets[id(unit)])
+        self.write_bytes += os.pwritev(self.fd, [self._bytes_of(unit)], self.offsets[id(unit)])
 
     def _free(self, unit) -> None:
         unit.shard_param.untyped_storage().resize_(0)
 
     def _read(self, unit) -> None:
         unit.shard_param.untyped_storage().resize_(self._nbytes(unit))
-        os.preadv(self.fd, [self._bytes_of(unit)], self.offsets[id(unit)])
+        self.read_bytes += os.preadv(self.fd, [self._bytes_of(unit)], self.offsets[id(unit)])
 
     def fetch(self, unit) -> torch.Tensor:
         self._read(unit)
@@ -428,6 +433,11 @@ class FileParams(ResidentParams):
 
     def held_bytes(self) -> dict[str, int]:
         return {"nvme": self.total}
+
+    def take_io_bytes(self) -> tuple[int, int]:
+        out = self.read_bytes, self.write_bytes
+        self.read_bytes = self.write_bytes = 0
+        return out
 
 
 def _close_params(fd: int, path: Path) -> None:

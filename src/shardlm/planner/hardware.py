@@ -1,0 +1,425 @@
+"""The hardware catalog: devices, links, nodes, and the cluster syntax `[NODES x] COUNT x DEVICE`.
+
+Every number is a published nominal value with its source, or an assumption said to be one.
+Units: bytes, bytes/s (1 GB/s = 1e9 B/s; network Gb/s are divided by 8), FLOP/s, seconds.
+Peak FLOP/s are *dense* (no 2:4 sparsity). "fp32" is true fp32, not TF32: PyTorch keeps TF32
+off for matmuls by default (`torch.backends.cuda.matmul.allow_tf32 = False` since 1.12).
+
+"This CPU" is not in the table: `local_cpu(n_ranks)` measures it (matmul peak per precision at
+the per-rank thread count, memory bandwidth, gloo latency and bandwidth between two local ranks,
+a worker's baseline RSS) once per machine, caches it, and runs only when a user asks for it.
+Nothing here imports torch at module level.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import dataclass, replace
+
+from shardlm.config import ConfigError
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point or switched connection, per endpoint and direction."""
+
+    name: str
+    bandwidth: float
+    """Nominal bytes/s one endpoint can send (one direction)."""
+    latency: float
+    """Seconds per message step (the alpha of the alpha-beta model), software included."""
+    efficiency: float
+    """Fraction of `bandwidth` collectives reach (NCCL's "bus bandwidth" / nominal)."""
+    source: str
+
+    @property
+    def effective(self) -> float:
+        return self.bandwidth * self.efficiency
+
+
+def _gbit(gbit_per_s: float) -> float:
+    return gbit_per_s * 1e9 / 8
+
+
+# Efficiencies: nccl-tests all_reduce bus bandwidth over nominal — NVLink ~0.75-0.8 (A100 DGX
+# ~230 of 300 GB/s), InfiniBand ~0.9 (HDR ~23 of 25 GB/s), PCIe ~0.8 (~12-13 of 15.75 GB/s on
+# gen3), TCP Ethernet ~0.7. Latencies are NCCL-level assumptions, not wire latencies; they
+# matter only for small messages.
+LINKS: dict[str, Link] = {l.name: l for l in (
+    Link("pcie3", 15.75e9, 5e-6, 0.8, "PCIe 3.0 x16: 8 GT/s x 16 lanes, 128b/130b"),
+    Link("pcie4", 31.5e9, 5e-6, 0.8, "PCIe 4.0 x16: 16 GT/s x 16 lanes"),
+    Link("pcie5", 63.0e9, 5e-6, 0.8, "PCIe 5.0 x16: 32 GT/s x 16 lanes"),
+    Link("nvlink2", 150e9, 3e-6, 0.75, "V100 SXM2: 6 NVLink2 links x 25 GB/s per direction "
+         "(300 GB/s bidirectional; V100 datasheet)"),
+    Link("nvlink3", 300e9, 3e-6, 0.75, "A100 SXM4: 12 NVLink3 links x 25 GB/s per direction "
+         "(600 GB/s bidirectional; A100 datasheet)"),
+    Link("nvlink4", 450e9, 3e-6, 0.75, "H100/H200 SXM: 18 NVLink4 links x 25 GB/s per direction "
+         "(900 GB/s bidirectional; H100 datasheet)"),
+    Link("infinity-fabric", 100e9, 3e-6, 0.7, "MI250X GCD-to-GCD Infinity Fabric: 50 GB/s per "
+         "link per direction, 2 links assumed on a ring path (AMD CDNA2 white paper)"),
+    Link("ici-v4", 100e9, 3e-6, 0.8, "TPU v4 inter-chip interconnect, one torus dimension "
+         "(Jouppi et al. 2023); approximate"),
+    Link("ib-edr", _gbit(100), 5e-6, 0.9, "InfiniBand EDR 100 Gb/s per adapter"),
+    Link("ib-hdr", _gbit(200), 5e-6, 0.9, "InfiniBand HDR 200 Gb/s per adapter"),
+    Link("ib-ndr", _gbit(400), 5e-6, 0.9, "InfiniBand NDR 400 Gb/s per adapter"),
+    Link("roce-100", _gbit(100), 8e-6, 0.85, "RoCE v2 100 GbE per adapter"),
+    Link("roce-200", _gbit(200), 8e-6, 0.85, "RoCE v2 200 GbE per adapter"),
+    Link("roce-400", _gbit(400), 8e-6, 0.85, "RoCE v2 400 GbE per adapter"),
+    Link("slingshot-200", _gbit(200), 5e-6, 0.85, "HPE Slingshot-11 200 Gb/s per adapter (Frontier)"),
+    Link("eth-10", _gbit(10), 30e-6, 0.7, "10 GbE, TCP"),
+    Link("eth-25", _gbit(25), 30e-6, 0.7, "25 GbE, TCP"),
+    Link("eth-100", _gbit(100), 30e-6, 0.7, "100 GbE, TCP"),
+)}
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    kind: str
+    """'cuda', 'rocm', 'tpu' or 'cpu': decides runtime reserve, autocast policy, calibration."""
+    memory: float
+    """Bytes the device reports (nvidia-smi's total), before the runtime's own reserve."""
+    peak: dict[str, float]
+    """Dense FLOP/s per compute dtype; a missing dtype is not supported by the hardware."""
+    memory_bandwidth: float
+    efficiency: float
+    """Fraction of `peak` our transformer matmuls reach (docs/planner.md, "Efficiency")."""
+    source: str
+
+
+@dataclass(frozen=True)
+class Node:
+    """What surrounds the devices of one machine (defaults: the vendor's reference system)."""
+
+    per_node: int
+    intra: Link
+    inter: Link
+    nics: int
+    """Network adapters per node; rail-optimised clusters have one per device."""
+    pcie: Link
+    """Device-to-host link (offload traffic)."""
+    host_memory: float
+    host_bandwidth: float
+    nvme_bandwidth: float
+    """Aggregate NVMe bytes/s per node (read and write assumed alike): an assumption."""
+    source: str
+
+
+def _device(name, kind, memory_mib, peak, bw, eff, source):
+    return Device(name, kind, memory_mib * MIB, peak, bw, eff, source)
+
+
+# Efficiency (matmul FLOP/s reached / peak, before communication, bubble and optimizer, which the
+# cost model adds itself): 0.5 on NVIDIA data-centre GPUs in bf16/fp16 (end-to-end MFU of tuned
+# dense training is 40-55%: Megatron-LM 52% on A100 (Narayanan et al. 2021), PaLM 46% on TPU v4;
+# our blocks are unfused apart from SDPA), 0.45 on H100/H200 (harder to saturate: torchtitan
+# reports ~35-40% end-to-end MFU for Llama 3 8B in bf16), 0.35 on MI250X (Frontier studies
+# report ~30% end-to-end MFU). Calibrated against our measurements by bench/bench_planner.py.
+DEVICES: dict[str, Device] = {d.name: d for d in (
+    _device("V100-16GB", "cuda", 16160, {"fp16": 125e12, "fp32": 15.7e12}, 900e9, 0.5,
+            "NVIDIA Tesla V100 SXM2 datasheet: fp16 tensor 125 TF, fp32 15.7 TF, HBM2 900 GB/s; "
+            "no bf16"),
+    _device("V100-32GB", "cuda", 32510, {"fp16": 125e12, "fp32": 15.7e12}, 900e9, 0.5,
+            "NVIDIA Tesla V100 SXM2 32GB datasheet"),
+    _device("A100-40GB", "cuda", 40536, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+            1555e9, 0.5, "NVIDIA A100 SXM4 datasheet: bf16/fp16 312 TF dense, fp32 19.5 TF, "
+            "HBM2 1,555 GB/s"),
+    _device("A100-80GB", "cuda", 81920, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+            2039e9, 0.5, "NVIDIA A100 SXM4 80GB datasheet: HBM2e 2,039 GB/s"),
+    _device("H100-80GB", "cuda", 81559, {"bf16": 989e12, "fp16": 989e12, "fp32": 66.9e12},
+            3350e9, 0.45, "NVIDIA H100 SXM5 datasheet: bf16/fp16 989 TF dense (1,979 with "
+            "sparsity), fp32 66.9 TF, HBM3 3.35 TB/s"),
+    _device("H200-141GB", "cuda", 143771, {"bf16": 989e12, "fp16": 989e12, "fp32": 66.9e12},
+            4800e9, 0.45, "NVIDIA H200 SXM datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s"),
+    _device("MI250X", "rocm", 65536, {"bf16": 191.5e12, "fp16": 191.5e12, "fp32": 47.9e12},
+            1600e9, 0.35, "AMD Instinct MI250X datasheet (383 TF bf16, 95.7 TF fp32 matrix, "
+            "128 GB, 3.2 TB/s per package) halved: PyTorch sees each of its two GCDs as a device"),
+    _device("TPU-v4", "tpu", 32768, {"bf16": 275e12}, 1200e9, 0.5,
+            "Google Cloud TPU v4 documentation: 275 TF bf16, 32 GiB HBM2 at 1,200 GB/s "
+            "(modelled only: the runtime does not drive TPUs)"),
+)}
+
+# Reference systems: DGX-1 (V100), DGX A100, DGX H100/H200 (NVIDIA DGX user guides), HPE Cray
+# EX235a (Frontier: 4 MI250X = 8 GCDs, 4 Slingshot NICs, 512 GB DDR4), a TPU v4 host (4 chips).
+# Host memory bandwidth = sockets x channels x DDR rate x 8 B. NVMe: 12 GB/s (4 Gen4 U.2 drives)
+# or 25 GB/s (8 drives, DGX H100) per node, an assumption.
+NODES: dict[str, Node] = {
+    "V100": Node(8, LINKS["nvlink2"], LINKS["ib-edr"], 4, LINKS["pcie3"], 512e9, 153.6e9, 6e9,
+                 "DGX-1: 8 V100 SXM2, NVLink2 hybrid cube-mesh, 4 x EDR, 512 GB, 2 x 4-ch DDR4-2400"),
+    "A100": Node(8, LINKS["nvlink3"], LINKS["ib-hdr"], 8, LINKS["pcie4"], 1024e9, 409.6e9, 12e9,
+                 "DGX A100: NVSwitch, 8 x HDR 200 Gb/s, 1 TB, 2 x 8-ch DDR4-3200"),
+    "H100": Node(8, LINKS["nvlink4"], LINKS["ib-ndr"], 8, LINKS["pcie5"], 2048e9, 614e9, 25e9,
+                 "DGX H100: NVSwitch, 8 x NDR 400 Gb/s, 2 TB, 2 x 8-ch DDR5-4800"),
+    "MI250X": Node(8, LINKS["infinity-fabric"], LINKS["slingshot-200"], 4, LINKS["pcie4"], 512e9,
+                   204.8e9, 12e9, "HPE Cray EX235a (Frontier): 8 GCDs, 4 x Slingshot-11, 512 GB"),
+    "TPU": Node(4, LINKS["ici-v4"], LINKS["ici-v4"], 4, LINKS["pcie4"], 400e9, 200e9, 6e9,
+                "TPU v4 host: 4 chips on ICI (pods are ICI tori); host figures approximate"),
+}
+
+
+def node_for(device: Device) -> Node:
+    key = {"H200-141GB": "H100", "TPU-v4": "TPU"}.get(device.name, device.name.split("-")[0])
+    return NODES[key]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per device kind: what the allocator cannot see and how well communication overlaps."""
+
+    runtime_reserve: float
+    """Bytes outside tensors: CUDA/HIP context, cuBLAS workspace, NCCL buffers (assumed
+    1 GB), or for the CPU a worker's measured baseline RSS."""
+    overlap: float
+    """Fraction of a compute window that hides asynchronous communication."""
+    norms_in_fp32: bool
+    """Autocast runs layer_norm in fp32 (CUDA's policy; CPU autocast keeps the input dtype)."""
+
+
+CALIBRATION = {
+    "cuda": Calibration(1.0e9, 0.8, True),
+    "rocm": Calibration(1.0e9, 0.7, True),
+    "tpu": Calibration(0.5e9, 0.8, True),
+    # gloo's threads share the cores with compute on a CPU: little of the window is usable.
+    "cpu": Calibration(0.4e9, 0.3, False),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    per_node: int
+    device: Device
+    node: Node
+    measured: Calibration | None = None
+    """This CPU: the calibration with the measured baseline RSS as its runtime reserve."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+    @property
+    def calibration(self) -> Calibration:
+        return self.measured or CALIBRATION[self.device.kind]
+
+    def describe(self) -> str:
+        layout = (f"{self.per_node} x {self.device.name}" if self.nodes == 1
+                  else f"{self.nodes} nodes x {self.per_node} x {self.device.name}")
+        inter = f", {self.node.nics} x {self.node.inter.name} per node" if self.nodes > 1 else ""
+        return f"{layout} ({self.node.intra.name}{inter})"
+
+
+def _closest_device(name: str) -> str:
+    known = list(DEVICES)
+    close = difflib.get_close_matches(name.upper(), [k.upper() for k in known], n=2, cutoff=0.4)
+    prefix = [k for k in known if k.upper().startswith(name.upper())]
+    hint = prefix or [next(k for k in known if k.upper() == c) for c in close]
+    did_you = f" Did you mean {' or '.join(hint)}?" if hint else ""
+    return (f"unknown device {name!r}.{did_you} Known devices: {', '.join(known)}, and 'cpu' "
+            f"(this machine, measured)")
+
+
+def find_device(name: str) -> Device:
+    """A catalog device by name, case-insensitive; an error lists the known ones."""
+    for key, device in DEVICES.items():
+        if key.upper() == name.upper():
+            return device
+    raise ConfigError(_closest_device(name))
+
+
+def find_link(name: str) -> Link:
+    if name not in LINKS:
+        close = difflib.get_close_matches(name, list(LINKS), n=1, cutoff=0.4)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown link {name!r}.{hint} Known links: {', '.join(LINKS)}")
+    return LINKS[name]
+
+
+_SPEC = re.compile(r"^(?:(\d+)\s*[xX*]\s*)?(?:(\d+)\s*[xX*]\s*)?([A-Za-z][\w.\-]*)$")
+
+
+def parse_cluster(spec: str, intra: str | None = None, inter: str | None = None,
+                  nics: int | None = None) -> Cluster:
+    """`DEVICE`, `COUNTxDEVICE` or `NODESxPER_NODExDEVICE` (e.g. 8xV100-16GB, 2x8xA100-80GB).
+
+    COUNT alone fills reference nodes (8 GPUs each, 4 TPU chips): 16xA100-80GB is 2 nodes of 8.
+    `Nxcpu` is N ranks on this machine, measured (the probe runs on first use, then is cached).
+    """
+    match = _SPEC.match(spec.strip())
+    if not match:
+        raise ConfigError(f"cannot read the cluster {spec!r}: write COUNTxDEVICE or "
+                          f"NODESxPER_NODExDEVICE, e.g. 8xV100-16GB or 2x8xA100-80GB")
+    first, second, name = match.groups()
+    if name.lower() == "cpu":
+        if second is not None:
+            raise ConfigError(f"{spec!r}: 'cpu' means ranks on this one machine; write Nxcpu")
+        return local_cpu(int(first or 1))
+    device = find_device(name)
+    node = node_for(device)
+    if second is not None:
+        nodes, per_node = int(first), int(second)
+    else:
+        count = int(first or 1)
+        if count > node.per_node and count % node.per_node:
+            raise ConfigError(
+                f"{spec!r}: {count} devices do not fill {device.name} nodes of {node.per_node}; "
+                f"say the layout, e.g. {-(-count // node.per_node)}x{count // -(-count // node.per_node)}"
+                f"x{device.name} or {count}x1x{device.name}")
+        nodes, per_node = (count // node.per_node, node.per_node) if count > node.per_node else (1, count)
+    if nodes < 1 or per_node < 1:
+        raise ConfigError(f"{spec!r}: node and device counts must be >= 1")
+    node = replace(node, per_node=per_node,
+                   intra=find_link(intra) if intra else node.intra,
+                   inter=find_link(inter) if inter else node.inter,
+                   nics=nics if nics else node.nics)
+    return Cluster(nodes, per_node, device, node)
+
+
+# ---------------------------------------------------------------------------------------------
+# This CPU, measured
+
+
+def _meminfo(key: str) -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def available_memory() -> float:
+    """Bytes the OS can give processes now (MemAvailable), read at every call, never cached."""
+    value = _meminfo("MemAvailable")
+    if value is None:
+        value = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return value
+
+
+def local_cpu(n_ranks: int) -> Cluster:
+    """This machine as `n_ranks` local gloo ranks: every number measured (cached per machine)."""
+    if n_ranks < 1:
+        raise ConfigError(f"cpu rank count {n_ranks} must be >= 1")
+    measured = measure_cpu(n_ranks)
+    # Each rank gets cores // n_ranks threads (launch.init_runtime); the ranks share the
+    # machine's memory bandwidth and RAM. Efficiency 0.65: docs/benchmarks.md measures 51-77%
+    # MFU end to end (optimizer included) against this same probe's peak.
+    device = Device(
+        name=f"cpu ({measured['cpu']}, {measured['threads']} thread(s)/rank)", kind="cpu",
+        memory=available_memory() / n_ranks, peak=measured["peak"],
+        memory_bandwidth=measured["memory_bandwidth"] / n_ranks, efficiency=0.65,
+        source="measured by shardlm.planner.hardware.measure_cpu (cached)")
+    gloo = Link("gloo-local", measured["gloo_bandwidth"], measured["gloo_latency"], 1.0,
+                "measured: all-reduce between two local gloo ranks")
+    node = Node(n_ranks, gloo, LINKS["eth-10"], 1, gloo, available_memory(),
+                measured["memory_bandwidth"], 2e9,
+                "this machine (NVMe: one drive at 2 GB/s, assumed)")
+    calibration = replace(CALIBRATION["cpu"], runtime_reserve=measured["baseline_rss"])
+    return Cluster(1, n_ranks, device, node, calibration)
+
+
+_PROBE_VERSION = 1
+
+
+def measure_cpu(n_ranks: int) -> dict:
+    """The CPU's numbers for `n_ranks` local ranks. Matmul peak per precision at
+    cores // n_ranks threads comes from telemetry.peak_flops (cached there per thread count);
+    the rest is measured once per machine and cached in the shardlm cache
+    (cpu_planner_probe.json): a 256 MiB copy's memory bandwidth, gloo all-reduce latency and
+    bandwidth between two spawned ranks, and those ranks' baseline RSS (a few seconds)."""
+    import json
+
+    import torch
+
+    from shardlm.launch import cache_root, cpu_cores
+    from shardlm.telemetry import _cpu_name
+
+    path = cache_root() / "cpu_planner_probe.json"
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    key = f"v{_PROBE_VERSION}|{_cpu_name()}|torch {torch.__version__}|cores={cpu_cores()}"
+    if key not in table:
+        table[key] = {"memory_bandwidth": _memory_bandwidth(), **_gloo_probe()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+    threads = max(1, cpu_cores() // n_ranks)
+    return {**table[key], "cpu": _cpu_name(), "threads": threads, "peak": _matmul_peaks(threads)}
+
+
+def _matmul_peaks(threads: int) -> dict[str, float]:
+    import torch
+
+    from shardlm.telemetry import peak_flops
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return {p: peak_flops(torch.device("cpu"), p) for p in ("fp32", "bf16", "fp16")}
+    finally:
+        torch.set_num_threads(before)
+
+
+def _memory_bandwidth(nbytes: int = 256 * MIB, repeats: int = 5) -> float:
+    """Best copy rate (read + write bytes / s) of a buffer far larger than the caches."""
+    import time
+
+    import torch
+
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def _gloo_rank(rank: int, world_size: int) -> tuple[float, float, float]:
+    """On a spawned rank: all-reduce latency (one float, median of 50, per ring step) and
+    bus bandwidth (32 MiB, best of 5), and this rank's RSS with torch, gloo and the trainer
+    imported — the floor of any worker's memory."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import shardlm.trainer  # noqa: F401  (its imports are part of a worker's baseline)
+    from shardlm.telemetry import peak_rss_bytes
+
+    small, large = torch.zeros(1), torch.zeros(8 * MIB)
+    for _ in range(5):
+        dist.all_reduce(small)
+    times = []
+    for _ in range(50):
+        start = time.perf_counter()
+        dist.all_reduce(small)
+        times.append(time.perf_counter() - start)
+    steps = 2 * (world_size - 1)  # a ring all-reduce is 2(N-1) message steps
+    latency = statistics.median(times) / steps
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dist.all_reduce(large)
+        best = min(best, time.perf_counter() - start)
+    bus_bandwidth = steps / world_size * large.numel() * 4 / best
+    return latency, bus_bandwidth, float(peak_rss_bytes())
+
+
+def _gloo_probe() -> dict[str, float]:
+    import tempfile
+
+    from shardlm.spawn import run_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_gloo_rank, 2, tmp)
+    return {"gloo_latency": max(r[0] for r in results),
+            "gloo_bandwidth": min(r[1] for r in results),
+            "baseline_rss": max(r[2] for r in results)}
