@@ -361,20 +361,43 @@ class ResidentParams:
 
 
 class HostParams(ResidentParams):
-    """'cpu': shards in host memory (pinned where CUDA exists), copied to the device for each
-    gather. On a CPU-only machine host memory is the device's: nothing moves."""
+    """'cpu': each shard in (pinned) host memory, on the device only from a gather's start to
+    its end and during the optimizer step — the same lifecycle as FileParams, with host memory
+    for the file. On a CPU-only machine the host memory is the device's: nothing moves."""
 
     def __init__(self, units: list, device: torch.device):
-        self.device = device
-        if device.type != "cpu":
+        self.units, self.moves = units, device.type != "cpu"
+        self.host: dict[int, torch.Tensor] = {}
+        if self.moves:
             for unit in units:
-                unit.shard_param = unit.shard_param.to("cpu").pin_memory()
+                self.host[id(unit)] = unit.shard_param.detach().to("cpu").pin_memory()
+                unit.shard_param.untyped_storage().resize_(0)
+
+    def _read(self, unit) -> None:
+        param = unit.shard_param
+        param.untyped_storage().resize_(param.numel() * param.element_size())
+        param.copy_(self.host[id(unit)], non_blocking=True)
 
     def fetch(self, unit) -> torch.Tensor:
-        return unit.shard_param.to(self.device, non_blocking=True)
+        if self.moves:
+            self._read(unit)
+        return unit.shard_param
+
+    def release(self, unit) -> None:
+        if self.moves:
+            unit.shard_param.untyped_storage().resize_(0)
+
+    def materialize_all(self) -> None:
+        for unit in self.units if self.moves else ():
+            self._read(unit)
+
+    def store_all(self) -> None:
+        for unit in self.units if self.moves else ():
+            self.host[id(unit)].copy_(unit.shard_param)
+            unit.shard_param.untyped_storage().resize_(0)
 
     def held_bytes(self) -> dict[str, int]:
-        return {"cpu": 0} if self.device.type == "cpu" else {}
+        return {"cpu": sum(t.numel() * t.element_size() for t in self.host.values())}
 
 
 class FileParams(ResidentParams):
