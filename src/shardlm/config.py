@@ -141,6 +141,11 @@ class PrecisionConfig:
 
 @dataclass
 class ParallelConfig:
+    strategy: str = "manual"
+    """'manual': the keys below as given. 'auto': the planner (`shardlm plan`) picks, for this
+    machine's ranks and the configured global batch, the fastest layout that fits — ZeRO stage,
+    dp_replicate x dp_shard, activation.checkpoint, the micro_batch x grad_accum split and
+    offload — logs why, and the run uses it."""
     zero_stage: int = 0
     """What is sharded over dp_shard (ZeRO, Rajbhandari et al. 2020): 0 nothing (plain data
     parallel), 1 optimizer states + fp32 master, 2 + gradients, 3 + parameters."""
@@ -412,6 +417,7 @@ _CHOICES = {
     "precision.reduce": ("auto", "fp32", "bf16", "fp16"),
     "precision.master": ("fp32", "bf16"),
     "parallel.zero_stage": (0, 1, 2, 3),
+    "parallel.strategy": ("manual", "auto"),
     "run.progress": ("auto", "on", "off"),
     "train.on_nonfinite": ("stop", "skip"),
     "checkpoint.readers": ("all", "one"),

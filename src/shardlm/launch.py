@@ -93,15 +93,23 @@ def init_runtime(device_preference: str = "auto") -> Runtime:
     return Runtime(rank, world_size, local_rank, local_world, device, backend)
 
 
+def broadcast_text(text: str | None, runtime: Runtime) -> str:
+    """Rank 0's `text` on every rank (the others pass None). Bytes in a tensor, not a pickled
+    object: nothing from another process is ever unpickled."""
+    if runtime.world_size == 1:
+        return text or ""
+    data = (text or "").encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=runtime.device)
+    dist.broadcast(size, src=0)
+    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(runtime.device) if runtime.is_main
+              else torch.empty(int(size), dtype=torch.uint8, device=runtime.device))
+    dist.broadcast(buffer, src=0)
+    return bytes(buffer.cpu().numpy()).decode()
+
+
 def agree_on_name(name: str, runtime: Runtime) -> str:
     """Rank 0's `name` on every rank (e.g. a timestamped run directory)."""
-    if runtime.world_size == 1:
-        return name
-    data = torch.zeros(256, dtype=torch.uint8, device=runtime.device)
-    encoded = name.encode()[:256]
-    data[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-    dist.broadcast(data, src=0)
-    return bytes(data.cpu().tolist()).rstrip(b"\0").decode()
+    return broadcast_text(name if runtime.is_main else None, runtime)
 
 
 def launch_local(nproc: int, worker_argv: list[str], max_restarts: int = 0) -> int:

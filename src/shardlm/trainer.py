@@ -7,6 +7,7 @@ of this file; strategies are applied to the plain model in `build_run`, in a fix
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -21,9 +22,10 @@ from torch import nn
 from shardlm import checkpoint
 from shardlm.checkpoint.sharded import (CHECKPOINTS, CheckpointWriter, SaveReport, find_checkpoint,
                                         latest_in, load_slices)
-from shardlm.config import Config
+from shardlm.config import Config, ConfigError, flatten, load_config
 from shardlm.data import Dataset, Loader, build_dataset
-from shardlm.launch import Runtime, StopSignals, agree_on_name, init_runtime, is_restart
+from shardlm.launch import (Runtime, StopSignals, agree_on_name, broadcast_text, init_runtime,
+                            is_restart)
 from shardlm.mesh import Mesh, build_mesh, resolve_dims
 from shardlm.models import build_model, flops_per_token, generate
 from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
@@ -93,6 +95,8 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     every rank, and its vocabulary must be cfg.model.vocab_size."""
     cfg.validate()
     runtime = runtime or init_runtime(cfg.run.device)
+    if cfg.parallel.strategy == "auto":
+        cfg = auto_strategy(cfg, runtime)
     mesh = build_mesh(resolve_dims(cfg.parallel, runtime.world_size), runtime.device, runtime.rank)
     t = cfg.train
     torch.manual_seed(t.seed)
@@ -131,6 +135,34 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     if source is not None:
         run.start_step = load_checkpoint(run, source)
     return run
+
+
+def auto_strategy(cfg: Config, runtime: Runtime) -> Config:
+    """parallel.strategy = 'auto': rank 0 asks the planner for the fastest plan that fits these
+    ranks and this global batch (precision as configured); every rank applies its keys."""
+    choice = None
+    if runtime.is_main:
+        from shardlm.planner.search import default_dtypes, describe, plan_for_run
+        from shardlm.planner.hardware import local_cpu, parse_cluster
+
+        n, t, p = runtime.world_size, cfg.train, cfg.precision
+        if runtime.device.type == "cpu":
+            hardware = local_cpu(n)
+        else:  # the catalog's entry for this GPU; an unknown one says which names exist
+            hardware = parse_cluster(f"{n}x{torch.cuda.get_device_name(runtime.device)}")
+        plans = plan_for_run(cfg.model, n, hardware, (t.micro_batch, t.grad_accum, t.seq_len),
+                             dtypes=default_dtypes(hardware, p.compute, p.master, p.reduce))
+        if not plans:
+            raise ConfigError(f"parallel.strategy = 'auto': no strategy fits {cfg.model.preset} with "
+                              f"{t.micro_batch * t.grad_accum * n} x {t.seq_len} tokens per step on "
+                              f"{n} rank(s); `shardlm estimate` shows where the memory goes")
+        best = plans[0]
+        log.info("strategy auto: %s — predicted %.0f tokens/s, peak %.2f GiB per rank (%d plans fit)",
+                 describe(best.strategy), best.timing.tokens_per_s, best.memory.peak / 2**30, len(plans))
+        choice = json.dumps(best.overrides())
+    overrides = json.loads(broadcast_text(choice, runtime))
+    return load_config(overrides={**flatten(cfg.to_dict()), **overrides,
+                                  "parallel.strategy": "manual"}).validate()
 
 
 # -- checkpoints ------------------------------------------------------------------------------

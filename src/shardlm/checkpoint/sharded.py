@@ -408,17 +408,6 @@ class CheckpointReader:
             self._file(name)
 
 
-def _broadcast_text(text: str | None, device: torch.device) -> str:
-    import torch.distributed as dist
-
-    size = torch.tensor([len(text.encode()) if text is not None else 0], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=0)
-    data = (torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).to(device) if text is not None
-            else torch.empty(int(size), dtype=torch.uint8, device=device))
-    dist.broadcast(data, src=0)
-    return bytes(data.cpu().numpy()).decode()
-
-
 def load_slices(path: Path, slices: list[StateSlice], runtime, readers: str = "all") -> dict:
     """Fill this rank's slices from the checkpoint at `path`; returns its manifest. 'all': each
     rank reads (and checks) only the files holding what it needs. 'one': rank 0 reads each
@@ -430,9 +419,11 @@ def load_slices(path: Path, slices: list[StateSlice], runtime, readers: str = "a
         return manifest
     import torch.distributed as dist
 
+    from shardlm.launch import broadcast_text
+
     main = runtime.rank == 0
-    manifest = parse_manifest(ckpt, _broadcast_text((ckpt / MANIFEST).read_text() if main else None,
-                                                    runtime.device))
+    manifest = parse_manifest(ckpt, broadcast_text((ckpt / MANIFEST).read_text() if main else None,
+                                                   runtime))
     reader = CheckpointReader(ckpt, manifest)
     wanted: dict[str, list[StateSlice]] = {}
     for s in slices:  # every rank checks names and shapes before the first broadcast

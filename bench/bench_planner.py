@@ -1,0 +1,128 @@
+"""The planner's predictions against real training on this machine.
+
+For each case — 1, 2 and 4 ranks; ZeRO stages 0-3; activation checkpointing none/full; the
+nvme offload tier — a fresh set of gloo ranks trains a few steps and reports, from rank 0:
+the model-state byte ledger (params + grads + optimizer, what the engine holds), the process's
+peak RSS (ru_maxrss) and the median step time after the first. The planner's
+`predict_local(cfg, ranks)` predicts the same three from the config alone (its CPU figures come
+from the cached matmul probe: that is the calibration). MALLOC_MMAP_THRESHOLD_=65536 is set for
+the ranks so RSS follows what is alive.
+
+Targets: model-state bytes within 2%, peak process memory within 10%, step time within 25%.
+
+Reproduce:  PYTHONPATH=src python bench/bench_planner.py                    (gpt2-124m, ~10 min)
+            PYTHONPATH=src python bench/bench_planner.py --preset gpt-mini --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MiB = 2**20
+
+
+def cases(max_ranks: int) -> list[tuple[int, int, str, str]]:
+    """(ranks, stage, activation checkpoint, offload) to run."""
+    out = [(1, 0, "none", "none"), (1, 0, "full", "none"), (1, 1, "none", "nvme")]
+    for ranks in (2, 4):
+        if ranks > max_ranks:
+            continue
+        out += [(ranks, stage, "none", "none") for stage in range(4)]
+        out += [(ranks, 3, "full", "none"), (ranks, 2, "none", "nvme")]
+    return out
+
+
+def overrides_for(args, ranks: int, stage: int, ac: str, offload: str, run_dir: str) -> dict:
+    return {"model.preset": args.preset, "train.micro_batch": args.micro_batch,
+            "train.seq_len": args.seq, "train.steps": args.steps, "train.eval_every": 0,
+            "train.sample_tokens": 0, "precision.compute": args.precision, "parallel.zero_stage": stage,
+            "activation.checkpoint": ac, "zero.offload_optimizer": offload, "run.device": "cpu",
+            "run.dir": run_dir, "run.progress": "off"}
+
+
+def measure(rank: int, world_size: int, overrides: dict, steps: int) -> dict:
+    """Rank side: train `steps` steps; the ledger, peak RSS and step times."""
+    from shardlm.config import load_config
+    from shardlm.telemetry import peak_rss_bytes
+    from shardlm.trainer import build_run, train_step
+
+    run = build_run(load_config(overrides=overrides).validate())
+    seconds = []
+    for step in range(steps):
+        start = time.perf_counter()
+        train_step(run, step)
+        seconds.append(time.perf_counter() - start)
+    return {"state": run.strategy.model_state_bytes(), "peak_rss": peak_rss_bytes(),
+            "step_s": statistics.median(seconds[1:] or seconds)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="gpt2-124m")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--max-ranks", type=int, default=4)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
+
+    from shardlm.config import load_config
+    from shardlm.planner.search import predict_local
+    from shardlm.spawn import run_ranks
+
+    rows = []
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        for ranks, stage, ac, offload in cases(args.max_ranks):
+            overrides = overrides_for(args, ranks, stage, ac, offload, str(Path(tmp) / "runs"))
+            cfg = load_config(overrides=overrides).validate()
+            predicted = predict_local(cfg, ranks)
+            measured = run_ranks(measure, ranks, Path(tmp), overrides, args.steps, timeout=1800)[0]
+            state_m = sum(measured["state"].values())
+            state_p = sum(predicted.model_state_bytes.values())
+            row = {"ranks": ranks, "stage": stage, "ac": ac, "offload": offload,
+                   "state_measured": state_m, "state_predicted": state_p,
+                   "peak_measured": measured["peak_rss"], "peak_predicted": predicted.peak_process_bytes,
+                   "step_measured": measured["step_s"], "step_predicted": predicted.step_time_s}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    def err(p: float, m: float) -> float:
+        return (p - m) / m
+
+    print(f"\n{args.preset}, {args.precision}, batch {args.micro_batch}x{args.seq} per rank, "
+          f"{args.steps} steps (median after the first)\n")
+    print("| ranks | stage | AC | offload | state MiB meas / pred | err | peak RSS MiB meas / pred | err "
+          "| step s meas / pred | err |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    misses = []
+    for r in rows:
+        e = (err(r["state_predicted"], r["state_measured"]), err(r["peak_predicted"], r["peak_measured"]),
+             err(r["step_predicted"], r["step_measured"]))
+        for name, value, limit in zip(("state", "peak", "step"), e, (0.02, 0.10, 0.25)):
+            if abs(value) > limit:
+                misses.append(f"{r['ranks']} ranks stage {r['stage']} AC {r['ac']} offload {r['offload']}: "
+                              f"{name} off by {value:+.0%} (target ±{limit:.0%})")
+        print(f"| {r['ranks']} | {r['stage']} | {r['ac']} | {r['offload']} | "
+              f"{r['state_measured'] / MiB:,.1f} / {r['state_predicted'] / MiB:,.1f} | {e[0]:+.1%} | "
+              f"{r['peak_measured'] / MiB:,.0f} / {r['peak_predicted'] / MiB:,.0f} | {e[1]:+.1%} | "
+              f"{r['step_measured']:.3f} / {r['step_predicted']:.3f} | {e[2]:+.1%} |")
+    print("\nmisses:" if misses else "\nevery case within its target")
+    for m in misses:
+        print("  " + m)
+    print(f"\nReproduce: PYTHONPATH=src python bench/bench_planner.py --preset {args.preset} "
+          f"--steps {args.steps} --micro-batch {args.micro_batch} --seq {args.seq}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
