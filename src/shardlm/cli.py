@@ -1,4 +1,4 @@
-"""The `shardlm` command: train, generate, presets."""
+"""The `shardlm` command: train, generate, export, presets, estimate, plan."""
 
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ examples:
   shardlm generate --checkpoint runs/latest --prompt "def fib("
   shardlm export --checkpoint runs/latest --format hf --out hf-model/
   shardlm presets                                 the named model shapes
+  shardlm estimate --model gpt2-1.5b --gpus 8xV100-16GB --zero-stage 3 --micro-batch 4 --seq 1024
+                                                  per-rank memory by category, with formulas, and
+                                                  whether it fits (exit status 1 if it does not)
+  shardlm estimate --params 7.5e9 --gpus 64xV100-32GB --zero-stage 1 --precision fp16
+  shardlm plan --model llama-7b --gpus 2x8xA100-80GB
+                                                  ranked strategies that fit, and why the best wins
+  shardlm plan --model gpt-mini --gpus 2xcpu --runtime-only --json
 """
 
 
@@ -59,7 +66,66 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--format", choices=["hf"], default="hf",
                      help="hf: a transformers directory (GPT2LMHeadModel or LlamaForCausalLM)")
     exp.add_argument("--out", required=True, help="output directory")
+    est = sub.add_parser(
+        "estimate", help="per-rank memory and step time of one configuration, before running it",
+        description="Predict per-rank memory by category (with the formula behind each line), "
+                    "whether it fits, and the step time. Pure arithmetic: no GPU, no processes. "
+                    "Exit status 0 if it fits, 1 if it does not.")
+    _planner_args(est)
+    est.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
+    est.add_argument("--micro-batch", type=int, default=1, metavar="B", help="sequences per rank per pass")
+    est.add_argument("--grad-accum", type=int, default=1, metavar="M", help="micro-batches per step")
+    est.add_argument("--dp-replicate", type=int, default=1, metavar="R")
+    est.add_argument("--dp-shard", type=int, default=-1, metavar="N", help="-1: every rank left")
+    for name in ("tp", "pp", "ep"):
+        est.add_argument(f"--{name}", type=int, default=1, metavar="D",
+                         help=f"{name} degree (modelled; the runtime has data parallelism only)")
+    est.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                     help="activation checkpointing (the config's activation.checkpoint)")
+    est.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"])
+    est.add_argument("--offload-params", default="none", choices=["none", "cpu", "nvme"],
+                     help="stage 3 only")
+    plan = sub.add_parser(
+        "plan", help="rank the strategies that fit by predicted throughput, and say why",
+        description="Search data/tensor/pipeline/expert parallel degrees, ZeRO stage, offload, "
+                    "activation checkpointing and the micro-batch split of a fixed global batch; "
+                    "list what fits, fastest first, and explain the choice.")
+    _planner_args(plan)
+    plan.add_argument("--global-batch", type=int, metavar="SEQS",
+                      help="sequences per optimizer step (default: --batch-tokens / --seq)")
+    plan.add_argument("--batch-tokens", type=int, default=2**20, metavar="TOKENS",
+                      help="tokens per optimizer step when --global-batch is not given (1Mi)")
+    plan.add_argument("--runtime-only", action="store_true",
+                      help="only what `shardlm train` runs today (no tp/pp/ep)")
+    plan.add_argument("--top", type=int, default=8, help="plans to list")
     return parser
+
+
+def _planner_args(p: argparse.ArgumentParser) -> None:
+    """Model, hardware and precision options shared by `estimate` and `plan`."""
+    model = p.add_argument_group("model: a preset, or a parameter count")
+    model.add_argument("--model", metavar="PRESET", help="a named shape (see `shardlm presets`)")
+    model.add_argument("--params", type=float, metavar="N",
+                       help="parameter count such as 7.5e9: model states use exactly N; a "
+                            "GPT-2-style shape (h = 128 x layers unless given) sizes the rest")
+    model.add_argument("--layers", type=int, help="with --params: layers")
+    model.add_argument("--hidden", type=int, help="with --params: d_model")
+    model.add_argument("--heads", type=int, help="with --params: attention heads")
+    model.add_argument("--vocab", type=int, default=50257, help="with --params: vocabulary")
+    model.add_argument("--experts", type=int, default=0, help="mixture of experts per MLP (modelled)")
+    model.add_argument("--top-k", type=int, default=1, help="experts per token")
+    p.add_argument("--gpus", required=True, metavar="CLUSTER",
+                   help="COUNTxDEVICE or NODESxPER_NODExDEVICE (8xV100-16GB, 2x8xA100-80GB), or "
+                        "Nxcpu for N ranks on this machine (measured once, cached)")
+    p.add_argument("--intra", metavar="LINK", help="link inside a node (default: the device's)")
+    p.add_argument("--inter", metavar="LINK", help="network between nodes, e.g. ib-hdr, roce-200")
+    p.add_argument("--nics", type=int, help="network adapters per node")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: the model's context)")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="compute dtype; auto: bf16, fp16 on GPUs without bf16, the faster on a CPU")
+    p.add_argument("--master", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--reduce", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -198,6 +264,77 @@ def cmd_presets() -> int:
     return 0
 
 
+def _planner_inputs(args: argparse.Namespace):
+    """(model, Ψ given by --params or None, cluster, dtypes, seq) from the shared options."""
+    from shardlm.planner.hardware import parse_cluster
+    from shardlm.planner.search import default_dtypes, model_from_params, preset_model
+
+    if (args.model is None) == (args.params is None):
+        raise ConfigError("give either --model PRESET or --params N (e.g. --params 7.5e9)")
+    if args.model is not None and (args.layers or args.hidden or args.heads):
+        raise ConfigError("--layers/--hidden/--heads go with --params; a preset has its shape")
+    if args.model is not None:
+        model = preset_model(args.model)
+    else:
+        model = model_from_params(args.params, args.layers, args.hidden, args.heads, args.vocab,
+                                  max(args.seq or 0, 2048))
+    seq = args.seq or model.max_seq_len
+    if seq <= 0:
+        raise ConfigError(f"--seq {seq} must be > 0")
+    if args.experts < 0 or not 1 <= args.top_k <= max(args.experts, 1):
+        raise ConfigError(f"--experts {args.experts} must be >= 0 and --top-k {args.top_k} between 1 "
+                          f"and the experts")
+    cluster = parse_cluster(args.gpus, args.intra, args.inter, args.nics)
+    return model, args.params, cluster, default_dtypes(cluster, args.precision, args.master, args.reduce), seq
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from shardlm.planner import report
+    from shardlm.planner.cost import Layout, Strategy, Workload, estimate_memory, estimate_time
+    from shardlm.planner.search import alternatives
+
+    model, params, cluster, dtypes, seq = _planner_inputs(args)
+    world = cluster.world_size
+    if args.micro_batch < 1 or args.grad_accum < 1 or min(args.tp, args.pp, args.ep, args.dp_replicate) < 1:
+        raise ConfigError("--micro-batch, --grad-accum, --tp, --pp, --ep and --dp-replicate must be >= 1")
+    if world % (args.tp * args.pp):
+        raise ConfigError(f"tp ({args.tp}) x pp ({args.pp}) = {args.tp * args.pp} does not divide "
+                          f"the {world} devices of {cluster.describe()}")
+    dp = world // (args.tp * args.pp)
+    if dp % args.dp_replicate:
+        raise ConfigError(f"--dp-replicate {args.dp_replicate} does not divide the {dp} data-parallel "
+                          f"ranks ({world} devices / tp {args.tp} / pp {args.pp})")
+    shard = dp // args.dp_replicate if args.dp_shard == -1 else args.dp_shard
+    if args.dp_replicate * shard != dp:
+        raise ConfigError(f"dp_replicate ({args.dp_replicate}) x dp_shard ({args.dp_shard}) must be "
+                          f"the {dp} data-parallel ranks ({world} devices / tp {args.tp} / pp "
+                          f"{args.pp}); use --dp-shard -1 to take every rank left")
+    layout = Layout(args.dp_replicate, shard, args.tp, args.pp, args.ep)
+    workload = Workload(model, seq, args.micro_batch * args.grad_accum * dp, params,
+                        args.experts, args.top_k)
+    strategy = Strategy(layout, args.zero_stage, args.micro_batch, args.grad_accum, args.recompute,
+                        args.offload_optimizer, args.offload_params, dtypes)
+    memory = estimate_memory(workload, strategy, cluster)
+    timing = estimate_time(workload, strategy, cluster)
+    suggestions = [] if memory.fits else alternatives(workload, strategy, cluster)
+    render = report.estimate_json if args.json else report.render_estimate
+    print(render(workload, strategy, cluster, memory, timing, suggestions))
+    return 0 if memory.fits else 1
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from shardlm.planner import report
+    from shardlm.planner.cost import Workload
+    from shardlm.planner.search import EVERYTHING, RUNTIME, search
+
+    model, params, cluster, dtypes, seq = _planner_inputs(args)
+    sequences = args.global_batch or max(1, args.batch_tokens // seq)
+    workload = Workload(model, seq, sequences, params, args.experts, args.top_k)
+    result = search(workload, cluster, dtypes, RUNTIME if args.runtime_only else EVERYTHING)
+    print(report.plan_result_json(result, args.top) if args.json else report.render_plan(result, args.top))
+    return 0 if result.plans else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = _parser()
@@ -213,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export(args)
         if args.command == "presets":
             return cmd_presets()
+        if args.command == "estimate":
+            return cmd_estimate(args)
+        if args.command == "plan":
+            return cmd_plan(args)
         parser.print_help()
         return 0
     except ConfigError as e:

@@ -177,14 +177,23 @@ class Calibration:
     """Fraction of a compute window that hides asynchronous communication."""
     norms_in_fp32: bool
     """Autocast runs layer_norm in fp32 (CUDA's policy; CPU autocast keeps the input dtype)."""
+    half_width: float
+    """Matmul efficiency scales by h / (h + half_width): small matrices fill less of the chip."""
+    collective_factors: tuple[tuple[str, float], ...] = ()
+    """Measured time / ring-model time per collective (gloo's all-gather and reduce-scatter
+    are not rings); 1 for what is not listed."""
+
+    def factor(self, op: str) -> float:
+        return dict(self.collective_factors).get(op, 1.0)
 
 
 CALIBRATION = {
-    "cuda": Calibration(1.0e9, 0.8, True),
-    "rocm": Calibration(1.0e9, 0.7, True),
-    "tpu": Calibration(0.5e9, 0.8, True),
-    # gloo's threads share the cores with compute on a CPU: little of the window is usable.
-    "cpu": Calibration(0.4e9, 0.3, False),
+    "cuda": Calibration(1.0e9, 0.8, True, 256),
+    "rocm": Calibration(1.0e9, 0.7, True, 256),
+    "tpu": Calibration(0.5e9, 0.8, True, 256),
+    # On a CPU gloo's threads need the cores compute is using: no overlap. Efficiency
+    # 0.73 x h/(h+112) fits docs/benchmarks.md's single-process MFU (gpt-mini 51%, gpt2-124m 64%).
+    "cpu": Calibration(0.4e9, 0.0, False, 112),
 }
 
 
@@ -307,23 +316,26 @@ def local_cpu(n_ranks: int) -> Cluster:
         raise ConfigError(f"cpu rank count {n_ranks} must be >= 1")
     measured = measure_cpu(n_ranks)
     # Each rank gets cores // n_ranks threads (launch.init_runtime); the ranks share the
-    # machine's memory bandwidth and RAM. Efficiency 0.65: docs/benchmarks.md measures 51-77%
-    # MFU end to end (optimizer included) against this same probe's peak.
+    # machine's memory bandwidth and RAM. Efficiency: see CALIBRATION["cpu"].
     device = Device(
         name=f"cpu ({measured['cpu']}, {measured['threads']} thread(s)/rank)", kind="cpu",
         memory=available_memory() / n_ranks, peak=measured["peak"],
-        memory_bandwidth=measured["memory_bandwidth"] / n_ranks, efficiency=0.65,
+        memory_bandwidth=measured["memory_bandwidth"] / n_ranks, efficiency=0.73,
         source="measured by shardlm.planner.hardware.measure_cpu (cached)")
     gloo = Link("gloo-local", measured["gloo_bandwidth"], measured["gloo_latency"], 1.0,
                 "measured: all-reduce between two local gloo ranks")
     node = Node(n_ranks, gloo, LINKS["eth-10"], 1, gloo, available_memory(),
                 measured["memory_bandwidth"], 2e9,
                 "this machine (NVMe: one drive at 2 GB/s, assumed)")
-    calibration = replace(CALIBRATION["cpu"], runtime_reserve=measured["baseline_rss"])
+    # A worker also holds its tokenizer, data loader and threads: +100 MB over the probe's
+    # imports and gloo (measured: a gpt-tiny training rank at 324 MiB, the probe's at 228).
+    calibration = replace(CALIBRATION["cpu"], runtime_reserve=measured["baseline_rss"] + 1e8,
+                          collective_factors=(("all_gather", measured["gloo_all_gather_factor"]),
+                                              ("reduce_scatter", measured["gloo_reduce_scatter_factor"])))
     return Cluster(1, n_ranks, device, node, calibration)
 
 
-_PROBE_VERSION = 1
+_PROBE_VERSION = 3
 
 
 def measure_cpu(n_ranks: int) -> dict:
@@ -342,8 +354,9 @@ def measure_cpu(n_ranks: int) -> dict:
     path = cache_root() / "cpu_planner_probe.json"
     table = json.loads(path.read_text()) if path.is_file() else {}
     key = f"v{_PROBE_VERSION}|{_cpu_name()}|torch {torch.__version__}|cores={cpu_cores()}"
-    if key not in table:
-        table[key] = {"memory_bandwidth": _memory_bandwidth(), **_gloo_probe()}
+    if key not in table:  # ranks first: they must not start from this process's big buffers
+        gloo = _gloo_probe()
+        table[key] = {"memory_bandwidth": _memory_bandwidth(), **gloo}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(table, indent=1))
@@ -381,45 +394,54 @@ def _memory_bandwidth(nbytes: int = 256 * MIB, repeats: int = 5) -> float:
     return 2 * nbytes / best
 
 
-def _gloo_rank(rank: int, world_size: int) -> tuple[float, float, float]:
-    """On a spawned rank: all-reduce latency (one float, median of 50, per ring step) and
-    bus bandwidth (32 MiB, best of 5), and this rank's RSS with torch, gloo and the trainer
-    imported — the floor of any worker's memory."""
-    import statistics
+def _gloo_rank(rank: int, world_size: int) -> dict[str, float]:
+    """On a spawned rank: the best of five timings of a one-float all-reduce (latency) and of
+    an 8 MiB all-reduce, all-gather (4 MiB shards) and reduce-scatter (8 MiB input), and this
+    rank's RSS with torch, gloo and the trainer imported — the floor of any worker's memory."""
     import time
 
     import torch
     import torch.distributed as dist
 
     import shardlm.trainer  # noqa: F401  (its imports are part of a worker's baseline)
-    from shardlm.telemetry import peak_rss_bytes
+    from shardlm.parallel.comm import _all_gather_single, _reduce_scatter_single
 
-    small, large = torch.zeros(1), torch.zeros(8 * MIB)
-    for _ in range(5):
-        dist.all_reduce(small)
-    times = []
-    for _ in range(50):
-        start = time.perf_counter()
-        dist.all_reduce(small)
-        times.append(time.perf_counter() - start)
-    steps = 2 * (world_size - 1)  # a ring all-reduce is 2(N-1) message steps
-    latency = statistics.median(times) / steps
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        dist.all_reduce(large)
-        best = min(best, time.perf_counter() - start)
-    bus_bandwidth = steps / world_size * large.numel() * 4 / best
-    return latency, bus_bandwidth, float(peak_rss_bytes())
+    # Resident now, not ru_maxrss: a spawned child's high-water mark can start at its parent's.
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    n = 8 * MIB // 4
+    small, full, shard = torch.zeros(1), torch.zeros(n), torch.zeros(n // world_size)
+    ops = {"latency": lambda: dist.all_reduce(small), "all_reduce": lambda: dist.all_reduce(full),
+           "all_gather": lambda: _all_gather_single(full, shard),
+           "reduce_scatter": lambda: _reduce_scatter_single(shard, full)}
+    out = {}
+    for name, op in ops.items():
+        op()  # warm up
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - start)
+        out[name] = min(times)
+    return {**out, "rss": float(rss), "bytes": float(n * 4)}
 
 
 def _gloo_probe() -> dict[str, float]:
+    """Ring-model latency and bus bandwidth from the all-reduces (2(N-1) steps, 2(N-1)/N of
+    the bytes each way), and how much slower gloo's all-gather and reduce-scatter are than a
+    ring of that bandwidth would be."""
     import tempfile
 
     from shardlm.spawn import run_ranks
 
+    world = 2
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_ranks(_gloo_rank, 2, tmp)
-    return {"gloo_latency": max(r[0] for r in results),
-            "gloo_bandwidth": min(r[1] for r in results),
-            "baseline_rss": max(r[2] for r in results)}
+        results = run_ranks(_gloo_rank, world, tmp)
+    worst = {k: max(r[k] for r in results) for k in results[0]}
+    steps = 2 * (world - 1)
+    latency = worst["latency"] / steps
+    bandwidth = steps / world * worst["bytes"] / max(worst["all_reduce"] - steps * latency, 1e-9)
+    ring = (world - 1) * latency + (world - 1) / world * worst["bytes"] / bandwidth
+    return {"gloo_latency": latency, "gloo_bandwidth": bandwidth, "baseline_rss": worst["rss"],
+            "gloo_all_gather_factor": max(1.0, worst["all_gather"] / ring),
+            "gloo_reduce_scatter_factor": max(1.0, worst["reduce_scatter"] / ring)}

@@ -1,0 +1,23 @@
+"""The planner: predict memory and speed before a run, choose the strategy, explain why.
+
+hardware.py  the device / link / node catalog, the cluster syntax, and "this CPU" measured
+cost.py      per-rank memory by category (ZeRO formulas, Korthikanti activations, buffers) and
+             time per step (compute, communication with overlap, pipeline bubble, optimizer)
+search.py    the strategy search, its explanation, plan_for_run (the trainer) and
+             predict_local (the validation benchmark)
+report.py    text tables and JSON for `shardlm estimate` and `shardlm plan`
+
+(`search` is the module; its function is shardlm.planner.search.search.)
+Pure functions: no torch import (except for measuring this CPU), no process group, no
+allocation. Formulas and sources: docs/planner.md.
+"""
+
+from shardlm.planner.cost import (Dtypes, Layout, Memory, Strategy, Timing, Workload,
+                                  estimate_memory, estimate_time)
+from shardlm.planner.hardware import Cluster, local_cpu, parse_cluster
+from shardlm.planner.search import (EVERYTHING, RUNTIME, LocalPrediction, Plan, Supported,
+                                    plan_for_run, predict_local)
+
+__all__ = ["Cluster", "Dtypes", "EVERYTHING", "Layout", "LocalPrediction", "Memory", "Plan",
+           "RUNTIME", "Strategy", "Supported", "Timing", "Workload", "estimate_memory",
+           "estimate_time", "local_cpu", "parse_cluster", "plan_for_run", "predict_local"]

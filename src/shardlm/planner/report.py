@@ -1,0 +1,177 @@
+"""Text tables for people and JSON for machines: `shardlm estimate` and `shardlm plan`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from shardlm.planner.cost import (Item, Memory, Strategy, Timing, Workload, describe_dtypes,
+                                  shape_of)
+from shardlm.planner.hardware import Cluster
+from shardlm.planner.search import Plan, SearchResult, describe, explain, step_parts
+
+GB = 1e9
+
+
+def describe_model(w: Workload) -> str:
+    m = w.model
+    psi = shape_of(w).total
+    heads = f"{m.n_heads}" + (f"/{m.n_kv_heads} kv" if m.n_kv_heads and m.n_kv_heads != m.n_heads else "")
+    experts = f", {w.experts} experts top-{w.top_k}" if w.experts else ""
+    return (f"{m.preset} ({psi / 1e9:.3f}e9 params: {m.n_layers} layers, d_model {m.d_model}, "
+            f"{heads} heads, vocab {m.vocab_size}, {m.mlp}/{m.norm}/{m.position}{experts})")
+
+
+def describe_run(w: Workload, s: Strategy) -> str:
+    lay = s.layout
+    dims = [f"dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard}"]
+    dims += [f"{k} {getattr(lay, k)}" for k in ("tp", "pp", "ep") if getattr(lay, k) > 1]
+    sp = " (sequence parallel)" if lay.tp > 1 and s.sequence_parallel else ""
+    offload = "".join(f", {what} on {tier}" for what, tier in
+                      (("optimizer", s.offload_optimizer), ("params", s.offload_params)) if tier != "none")
+    return (f"ZeRO stage {s.zero_stage} over {', '.join(dims)}{sp}; micro-batch {s.micro_batch} x "
+            f"seq {w.seq_len}, grad-accum {s.grad_accum} ({w.global_batch} sequences/step){offload}\n"
+            f"  {describe_dtypes(s.dtypes, s.local)}; activation checkpoint: {s.recompute}")
+
+
+def _rows(items: list[Item], depth: int = 0) -> list[str]:
+    out = []
+    for item in items:
+        name = "  " * depth + item.name
+        out.append(f"  {name:<30s} {item.bytes / GB:9.3f}  {item.formula}")
+        out += _rows(item.parts, depth + 1)
+    return out
+
+
+def render_estimate(w: Workload, s: Strategy, cluster: Cluster, memory: Memory, timing: Timing,
+                    suggestions: list[Plan]) -> str:
+    lines = [f"model:   {describe_model(w)}",
+             f"devices: {cluster.describe()}",
+             f"run:     {describe_run(w, s)}",
+             "",
+             f"per-rank memory, {memory.stage} (GB = 1e9 bytes; Ψ_r = {memory.params_on_rank:,.0f} "
+             f"parameters on this rank before ZeRO sharding, N = ranks sharding them)",
+             f"  {'category':<30s} {'GB':>9s}  formula"]
+    lines += _rows(memory.items)
+    lines.append(f"  {'-' * 30} {'-' * 9}")
+    lines.append(f"  {'peak, training step':<30s} {memory.train_peak / GB:9.3f}")
+    if memory.step_peak > memory.train_peak:
+        lines.append(f"  {'peak, optimizer step':<30s} {memory.step_peak / GB:9.3f}")
+    if memory.setup_peak > memory.train_peak:
+        lines.append(f"  {'peak, setup':<30s} {memory.setup_peak / GB:9.3f}")
+    lines.append(f"  {'device memory':<30s} {memory.capacity / GB:9.3f}  {cluster.device.name}")
+    if memory.host:
+        lines.append(f"  host memory per node (offload): {memory.host_per_node / GB:.1f} of "
+                     f"{memory.host_capacity / GB:.0f} GB usable "
+                     f"(90% of {cluster.node.host_memory / GB:.0f})")
+        lines += ["  " + line for line in _rows(memory.host)]
+    lines.append("")
+    lines.append(_verdict(memory))
+    for note in memory.notes:
+        lines.append(f"  note: {note}")
+    if suggestions:
+        lines.append("  fits instead (same ranks, same global batch):")
+        for plan in suggestions:
+            lines.append(f"    {describe(plan.strategy)}: peak {plan.memory.peak / GB:.1f} GB, "
+                         f"{plan.timing.tokens_per_s:,.0f} tokens/s")
+    lines += ["", _time_line(timing)]
+    for comm in timing.comms:
+        lines.append(f"  {comm.name:<34s} {comm.bytes / GB:8.3f} GB over {comm.group}: "
+                     f"{comm.seconds * 1e3:.1f} ms, {comm.exposed * 1e3:.1f} ms exposed")
+    return "\n".join(lines)
+
+
+def _verdict(memory: Memory) -> str:
+    if memory.fits:
+        return (f"fits: peak {memory.peak / GB:.2f} GB of {memory.capacity / GB:.2f} GB "
+                f"({memory.capacity / memory.peak - 1:.0%} headroom)")
+    if memory.peak > memory.capacity:
+        return (f"DOES NOT FIT: peak {memory.peak / GB:.2f} GB > {memory.capacity / GB:.2f} GB "
+                f"({(memory.peak - memory.capacity) / GB:.2f} GB over)")
+    return (f"DOES NOT FIT: host memory {memory.host_per_node / GB:.0f} GB per node > "
+            f"{memory.host_capacity / GB:.0f} GB usable")
+
+
+def _time_line(t: Timing) -> str:
+    parts = ", ".join(f"{k} {v:.3g} s" for k, v in step_parts(t).items() if v > 0)
+    return (f"step: {t.step:.3g} s ({parts}); {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%} "
+            f"({t.model_flops_per_token / 1e9:.3g} GFLOP/token, PaLM 6N + 12·L·h·s)")
+
+
+def render_plan(result: SearchResult, top: int) -> str:
+    w = result.workload
+    lines = [f"model:   {describe_model(w)}",
+             f"devices: {result.cluster.describe()}",
+             f"batch:   {w.global_batch} sequences x {w.seq_len} tokens per step; "
+             f"{result.evaluated} candidates evaluated, {len(result.plans)} distinct ones fit",
+             ""]
+    if result.plans:
+        lines.append(f"  {'#':>2s} {'tokens/s':>12s} {'MFU':>6s} {'peak GB':>8s} {'step s':>8s}  "
+                     f"{'runs today':<10s} strategy")
+        for i, plan in enumerate(result.plans[:top], 1):
+            t = plan.timing
+            lines.append(f"  {i:>2d} {t.tokens_per_s:>12,.0f} {t.mfu:>6.1%} "
+                         f"{plan.memory.peak / GB:>8.1f} {t.step:>8.3g}  "
+                         f"{'yes' if plan.runtime_supported else 'no (tp/pp/ep)':<10s} "
+                         f"{describe(plan.strategy)}")
+        lines.append("")
+    lines += explain(result)
+    if result.plans:
+        best = result.plans[0]
+        flags = " ".join(f"--{k}={v}" for k, v in best.overrides().items())
+        lines += ["", f"config for #1: {flags}"]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def memory_json(memory: Memory) -> dict:
+    out = _plain(memory)
+    out.update(peak=memory.peak, fits=memory.fits, unit="bytes")
+    return out
+
+
+def timing_json(timing: Timing) -> dict:
+    return {**_plain(timing), "exposed_comm": timing.exposed_comm, "parts": step_parts(timing),
+            "unit": "seconds"}
+
+
+def estimate_json(w: Workload, s: Strategy, cluster: Cluster, memory: Memory, timing: Timing,
+                  suggestions: list[Plan]) -> str:
+    return json.dumps({
+        "model": {**_plain(w.model), "params": shape_of(w).total},
+        "workload": {"seq_len": w.seq_len, "global_batch": w.global_batch, "experts": w.experts},
+        "cluster": {"description": cluster.describe(), "nodes": cluster.nodes,
+                    "per_node": cluster.per_node, "device": cluster.device.name},
+        "strategy": _plain(s), "memory": memory_json(memory), "time": timing_json(timing),
+        "suggestions": [plan_json(p) for p in suggestions]}, indent=1)
+
+
+def plan_json(plan: Plan) -> dict:
+    return {"strategy": _plain(plan.strategy), "description": describe(plan.strategy),
+            "runtime_supported": plan.runtime_supported, "overrides": plan.overrides(),
+            "tokens_per_s": plan.timing.tokens_per_s, "mfu": plan.timing.mfu,
+            "step_s": plan.timing.step, "peak_bytes": plan.memory.peak,
+            "capacity_bytes": plan.memory.capacity}
+
+
+def plan_result_json(result: SearchResult, top: int) -> str:
+    return json.dumps({
+        "model": {**_plain(result.workload.model), "params": shape_of(result.workload).total},
+        "cluster": result.cluster.describe(), "seq_len": result.workload.seq_len,
+        "global_batch": result.workload.global_batch, "evaluated": result.evaluated,
+        "plans": [plan_json(p) for p in result.plans[:top]], "explanation": explain(result)},
+        indent=1)

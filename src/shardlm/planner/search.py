@@ -1,0 +1,402 @@
+"""Search the strategy space, keep what fits, rank by predicted throughput, say why.
+
+The space: tensor-parallel degree (within a node), pipeline stages, data parallelism as
+dp_replicate x dp_shard (full sharding, or sharding within a node and replicating across),
+ZeRO stage, offload tiers, activation recomputation, and the micro-batch / gradient-accumulation
+split of a fixed global batch. Offload and recomputation are tried only when the cheaper choice
+does not fit (they never make a step faster). `plan_for_run` is what the trainer calls;
+`predict_local` is what bench/bench_planner.py compares with measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardlm.config import Config, ConfigError, ModelConfig
+from shardlm.planner.cost import (Dtypes, Layout, Memory, Strategy, Timing, Workload,
+                                  estimate_memory, estimate_time, models_module)
+from shardlm.planner.hardware import Cluster, local_cpu, parse_cluster
+
+
+@dataclass(frozen=True)
+class Supported:
+    """What the search may choose."""
+
+    tp: bool = True
+    pp: bool = True
+    ep: bool = True
+    hybrid: bool = True
+    """dp_replicate > 1: shard within a node, replicate across nodes (HSDP)."""
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    offload_optimizer: tuple[str, ...] = ("none", "cpu", "nvme")
+    offload_params: tuple[str, ...] = ("none", "cpu", "nvme")
+
+
+EVERYTHING = Supported()
+"""Every strategy the planner models."""
+RUNTIME = Supported(tp=False, pp=False, ep=False)
+"""What `shardlm train` runs today: dp_replicate x dp_shard, ZeRO 0-3, recompute, offload."""
+
+
+@dataclass
+class Plan:
+    strategy: Strategy
+    memory: Memory
+    timing: Timing | None = None
+    """None for a plan that does not fit (its time is not computed)."""
+
+    @property
+    def runtime_supported(self) -> bool:
+        lay = self.strategy.layout
+        return lay.tp == lay.pp == lay.ep == 1
+
+    def overrides(self) -> dict[str, object]:
+        """The config keys that run this plan (zero.* are the offload keys of issue 6)."""
+        s, lay = self.strategy, self.strategy.layout
+        out: dict[str, object] = {
+            "parallel.zero_stage": s.zero_stage, "parallel.dp_replicate": lay.dp_replicate,
+            "parallel.dp_shard": lay.dp_shard, "train.micro_batch": s.micro_batch,
+            "train.grad_accum": s.grad_accum, "activation.checkpoint": s.recompute,
+            "precision.compute": s.dtypes.compute, "precision.master": s.dtypes.master}
+        if s.dtypes.reduce != "auto":
+            out["precision.reduce"] = s.dtypes.reduce
+        for key in ("tp", "pp", "ep"):
+            if getattr(lay, key) > 1:
+                out[f"parallel.{key}"] = getattr(lay, key)
+        if s.offload_optimizer != "none":
+            out["zero.offload_optimizer"] = s.offload_optimizer
+        if s.offload_params != "none":
+            out["zero.offload_params"] = s.offload_params
+        return out
+
+
+@dataclass
+class SearchResult:
+    workload: Workload
+    cluster: Cluster
+    plans: list[Plan]
+    """What fits, best first, the best micro-batch split per structural choice."""
+    evaluated: int
+    unfit: list[Plan] = field(default_factory=list)
+    """What does not fit, least over capacity first (for the explanation)."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layouts(w: Workload, cluster: Cluster, supported: Supported):
+    m, world, per_node = w.model, cluster.world_size, cluster.per_node
+    for tp in (divisors(per_node) if supported.tp else [1]):
+        if m.n_heads % tp or world % tp:
+            continue
+        for pp in (divisors(world // tp) if supported.pp else [1]):
+            dp = world // (tp * pp)
+            if pp > m.n_layers or w.global_batch % dp:
+                continue
+            shards = {dp}
+            if supported.hybrid and dp > 1:  # shard inside a node, replicate across nodes
+                inside = max(1, per_node // tp)
+                if inside < dp and dp % inside == 0:
+                    shards.add(inside)
+            for shard in sorted(shards):
+                eps = [1]
+                if w.experts and supported.ep:
+                    eps = [e for e in divisors(shard) if w.experts % e == 0]
+                for ep in eps:
+                    yield Layout(dp // shard, shard, tp, pp, ep)
+
+
+def _offloads(stage: int, cluster: Cluster, supported: Supported) -> list[tuple[str, str]]:
+    """Cheapest first: none, then optimizer states, then parameters too (stage 3)."""
+    tiers = [t for t in ("cpu", "nvme") if cluster.device.kind != "cpu" or t == "nvme"]
+    out = [("none", "none")]
+    if stage >= 1:
+        out += [(t, "none") for t in tiers if t in supported.offload_optimizer]
+    if stage == 3:
+        out += [(t, t) for t in tiers if t in supported.offload_optimizer and t in supported.offload_params]
+    return out
+
+
+def _first_fit(w: Workload, cluster: Cluster, strategies: list[Strategy]) -> tuple[Plan | None, list[Plan]]:
+    """The first strategy that fits (they come cheapest first: offloading or recomputing more
+    only slows a plan that already fits), and the ones before it that did not."""
+    unfit = []
+    for s in strategies:
+        memory = estimate_memory(w, s, cluster)
+        if memory.fits:
+            return Plan(s, memory, estimate_time(w, s, cluster)), unfit
+        unfit.append(Plan(s, memory))
+    return None, unfit
+
+
+def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported = EVERYTHING,
+           layouts: list[Layout] | None = None) -> SearchResult:
+    """Every candidate's memory; the time of those that fit; ranked by tokens/s. `layouts`
+    restricts the rank layouts (estimate's suggestions keep the user's)."""
+    best: dict[tuple, Plan] = {}
+    unfit: dict[tuple, Plan] = {}
+    evaluated = 0
+    key = lambda s: (s.layout, s.zero_stage, s.recompute, s.offload_optimizer, s.offload_params)  # noqa: E731
+    over = lambda p: p.memory.peak / p.memory.capacity  # noqa: E731
+    for lay in layouts or _layouts(w, cluster, supported):
+        per_rank = w.global_batch // lay.dp
+        for stage in supported.stages:
+            if stage == 0 and lay.dp_replicate > 1:
+                continue  # stage 0 reduces over all data-parallel ranks: the split is moot
+            offloads = _offloads(stage, cluster, supported)
+            if lay.dp == 1 and stage:  # sharding over one rank only pays with offload
+                offloads = offloads[1:]
+            for micro in divisors(per_rank):
+                for recompute in supported.recompute:
+                    tries = [Strategy(lay, stage, micro, per_rank // micro, recompute, opt, params, dtypes)
+                             for opt, params in offloads]
+                    plan, misses = _first_fit(w, cluster, tries)
+                    evaluated += len(misses) + (plan is not None)
+                    for miss in misses:
+                        if key(miss.strategy) not in unfit or over(miss) < over(unfit[key(miss.strategy)]):
+                            unfit[key(miss.strategy)] = miss
+                    if plan is None:
+                        continue
+                    # Micro-batches ascend: a tie (within 0.1%) goes to the larger one, with
+                    # fewer micro-steps of the fixed overhead the model does not price.
+                    held = best.get(key(plan.strategy))
+                    if held is None or plan.timing.tokens_per_s > 0.999 * held.timing.tokens_per_s:
+                        best[key(plan.strategy)] = plan
+                    break  # more recomputation only slows a micro-batch that already fits
+    plans = sorted(best.values(), key=lambda p: (-p.timing.tokens_per_s, not p.runtime_supported,
+                                                 p.memory.peak))
+    closest = sorted((p for k, p in unfit.items() if k not in best), key=over)
+    return SearchResult(w, cluster, plans, evaluated, closest)
+
+
+# ---------------------------------------------------------------------------------------------
+# Why the winner wins
+
+
+def step_parts(t: Timing) -> dict[str, float]:
+    bubble = t.compute * t.bubble
+    return {"compute": t.compute - bubble, "pipeline bubble": bubble,
+            "exposed communication": t.exposed_comm, "optimizer step": t.optimizer}
+
+
+def describe(s: Strategy) -> str:
+    lay = s.layout
+    parts = [f"ZeRO-{s.zero_stage}" if s.zero_stage else "plain DP"]
+    if lay.dp > 1:
+        parts.append(f"dp {lay.dp_replicate}x{lay.dp_shard}" if lay.dp_replicate > 1 else f"dp {lay.dp}")
+    parts += [f"{k} {getattr(lay, k)}" for k in ("tp", "pp", "ep") if getattr(lay, k) > 1]
+    parts.append(f"micro-batch {s.micro_batch} x accum {s.grad_accum}")
+    if s.recompute != "none":
+        parts.append(f"{s.recompute} recompute")
+    if s.offload_optimizer != "none":
+        parts.append(f"optimizer on {s.offload_optimizer}")
+    if s.offload_params != "none":
+        parts.append(f"params on {s.offload_params}")
+    return ", ".join(parts)
+
+
+def explain(result: SearchResult) -> list[str]:
+    """Sentences: the winner and why, what the runner-up costs, what did not fit."""
+    lines = []
+    if not result.plans:
+        lines.append(f"Nothing fits on {result.cluster.describe()}.")
+        if result.unfit:
+            near = result.unfit[0]
+            lines.append(f"Closest: {describe(near.strategy)} needs {near.memory.peak / 1e9:.1f} GB "
+                         f"per device, {near.memory.capacity / 1e9:.1f} GB available; the peak is in "
+                         f"{near.memory.limit}.")
+        return lines
+    win = result.plans[0]
+    t = win.timing
+    lines.append(f"Best: {describe(win.strategy)} — {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%}, "
+                 f"{win.memory.peak / 1e9:.1f} of {win.memory.capacity / 1e9:.1f} GB per device.")
+    parts = step_parts(t)
+    main = max(parts, key=parts.get)
+    comm = parts["exposed communication"] / t.step
+    lines.append(f"Its {t.step:.3g} s step is {parts[main] / t.step:.0%} {main}" +
+                 (f"; exposed communication {comm:.1%}" if main != "exposed communication" else "")
+                 + (f"; pipeline bubble {t.bubble:.0%}" if t.bubble else "") + ".")
+    if len(result.plans) > 1:
+        lines.append(_versus(win, result.plans[1], "The runner-up"))
+    lay = win.strategy.layout
+    contrasts = [
+        ("ZeRO stage 0 (nothing sharded)", lambda s: s.zero_stage == 0, win.strategy.zero_stage != 0),
+        ("tensor or pipeline parallelism", lambda s: s.layout.tp * s.layout.pp > 1, lay.tp * lay.pp == 1),
+        ("no activation recompute", lambda s: s.recompute == "none", win.strategy.recompute != "none"),
+    ]
+    for label, wanted, relevant in contrasts:
+        if not relevant:
+            continue
+        other = next((p for p in result.plans[1:] if wanted(p.strategy)), None)
+        if other is not None and other is not result.plans[1]:
+            lines.append(_versus(win, other, f"With {label}, the best"))
+        elif other is None:
+            near = next((p for p in result.unfit if wanted(p.strategy)), None)
+            if near is not None:
+                lines.append(f"With {label} nothing fits: the closest ({describe(near.strategy)}) "
+                             f"needs {near.memory.peak / 1e9:.1f} GB per device.")
+    if not win.runtime_supported:
+        ours = next((p for p in result.plans if p.runtime_supported), None)
+        near = next((p for p in result.unfit if p.runtime_supported), None)
+        lines.append("tp/pp/ep are modelled but `shardlm train` does not run them yet; " + (
+            f"the best plan it runs today: {describe(ours.strategy)} "
+            f"({ours.timing.tokens_per_s:,.0f} tokens/s)." if ours else
+            f"no plan it runs fits (closest: {describe(near.strategy)}, "
+            f"{near.memory.peak / 1e9:.1f} GB, peak in {near.memory.limit})." if near else
+            "no plan it runs fits."))
+    return lines
+
+
+def _versus(win: Plan, other: Plan, label: str) -> str:
+    slower = other.timing.step / win.timing.step - 1
+    if slower < 0.01:
+        return (f"{label} ({describe(other.strategy)}) is within 1% — a tie within the model's "
+                f"error; the winner uses less memory." if win.memory.peak <= other.memory.peak
+                else f"{label} ({describe(other.strategy)}) is within 1%: a tie within the model's error.")
+    a, b = step_parts(win.timing), step_parts(other.timing)
+    why = max(a, key=lambda k: b[k] - a[k])
+    return (f"{label} ({describe(other.strategy)}) is {slower:.0%} slower: "
+            f"+{b[why] - a[why]:.3g} s of {why} per step.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points for the trainer and the validation benchmark
+
+
+def default_dtypes(cluster: Cluster, compute: str = "auto", master: str = "fp32",
+                   reduce: str = "auto") -> Dtypes:
+    """'auto': bf16 where the device has it, else fp16 on GPUs (V100: 8x fp32's tensor-core
+    rate; `shardlm train`'s own auto picks fp32 there, so plans name it explicitly); on a CPU
+    the faster of fp32 and bf16 by the measured peak, as precision.resolve_compute does."""
+    peak = cluster.device.peak
+    if compute == "auto":
+        if cluster.device.kind == "cpu":
+            compute = "bf16" if peak.get("bf16", 0) > 1.1 * peak["fp32"] else "fp32"
+        else:
+            compute = "bf16" if "bf16" in peak else "fp16"
+    if master == "bf16" and compute != "bf16":
+        raise ConfigError(f"master bf16 (pure bf16) needs compute bf16, got {compute!r}")
+    return Dtypes(compute, reduce, master)
+
+
+def plan_for_run(model: ModelConfig, world_size: int, hardware: Cluster | str,
+                 batch: int | tuple[int, int, int], supported: Supported = RUNTIME,
+                 dtypes: Dtypes | None = None, seq_len: int | None = None) -> list[Plan]:
+    """Ranked plans (best first) that fit, for `strategy = "auto"`.
+
+    `hardware`: a Cluster or a spec ('8xA100-80GB', 'cpu' = this machine's world_size ranks).
+    `batch`: global tokens per step (with `seq_len`, default the model's max_seq_len), or
+    (micro_batch, grad_accum, seq_len) of a run with world_size data-parallel ranks, whose
+    global batch is kept while the split may change. Each plan's `overrides()` are the config
+    keys to set. Raises ConfigError if the cluster's size is not world_size.
+    """
+    if isinstance(hardware, str):
+        hardware = local_cpu(world_size) if hardware == "cpu" else parse_cluster(hardware)
+    if hardware.world_size != world_size:
+        raise ConfigError(f"{hardware.describe()} has {hardware.world_size} devices, the run "
+                          f"{world_size} ranks")
+    if isinstance(batch, tuple):
+        micro, accum, seq = batch
+        sequences = micro * accum * world_size
+    else:
+        seq = seq_len or model.max_seq_len
+        sequences = max(1, batch // seq)
+    workload = Workload(model, seq, sequences)
+    result = search(workload, hardware, dtypes or default_dtypes(hardware), supported)
+    return result.plans
+
+
+@dataclass
+class LocalPrediction:
+    """What bench/bench_planner.py compares with a measured run on this CPU."""
+
+    model_state_bytes: dict[str, float]
+    """Per rank: params, grads, optimizer held between steps in this process's memory — what
+    `run.strategy.model_state_bytes()` reports after a step (on a CPU the cpu tier is this
+    memory, nvme is not; one process has no gradients between steps)."""
+    activation_bytes: float
+    peak_process_bytes: float
+    step_time_s: float
+    tokens_per_s: float
+    memory: Memory
+    timing: Timing
+
+
+def predict_local(cfg: Config, n_ranks: int) -> LocalPrediction:
+    """Predict one concrete configuration on this CPU with `n_ranks` local ranks (measures
+    the CPU once, cached). Assumes the defaults parallel.reshard_after_forward and prefetch."""
+    from shardlm.mesh import resolve_dims
+
+    cluster = local_cpu(n_ranks)
+    dims = resolve_dims(cfg.parallel, n_ranks)
+    zero = getattr(cfg, "zero", None)
+    dtypes = default_dtypes(cluster, cfg.precision.compute, cfg.precision.master, cfg.precision.reduce)
+    t = cfg.train
+    strategy = Strategy(Layout(dims.dp_replicate, dims.dp_shard), cfg.parallel.zero_stage,
+                        t.micro_batch, t.grad_accum, cfg.activation.checkpoint,
+                        getattr(zero, "offload_optimizer", "none"),
+                        getattr(zero, "offload_params", "none"), dtypes)
+    workload = Workload(cfg.model, t.seq_len, t.micro_batch * t.grad_accum * dims.dp_size)
+    memory = estimate_memory(workload, strategy, cluster)
+    timing = estimate_time(workload, strategy, cluster)
+    # As the strategies' ledgers count between steps: one process sets param.grad to None
+    # after each step (its gradients are transient, counted in the peak only).
+    states = {"params": memory.category("parameters"),
+              "grads": 0.0 if strategy.local else memory.category("gradients"),
+              "optimizer": memory.category("optimizer states")}
+    return LocalPrediction(states, memory.activations, memory.peak, timing.step,
+                           timing.tokens_per_s, memory, timing)
+
+
+def alternatives(w: Workload, s: Strategy, cluster: Cluster, count: int = 3) -> list[Plan]:
+    """For an estimate that does not fit: the fastest plans on the same rank layout (any
+    stage, recomputation, offload, micro-batch split of the same global batch)."""
+    found = search(w, cluster, s.dtypes, layouts=[s.layout])
+    return found.plans[:count]
+
+
+# ---------------------------------------------------------------------------------------------
+# Models from the command line
+
+
+def preset_model(name: str) -> ModelConfig:
+    """A named preset as a ModelConfig, without importing torch (ConfigError lists the names)."""
+    presets = models_module("presets")
+    return ModelConfig(preset=presets.ALIASES.get(name, name), **presets.get_preset(name))
+
+
+def model_from_params(params: float, layers: int | None = None, hidden: int | None = None,
+                      heads: int | None = None, vocab: int = 50257, max_seq_len: int = 2048) -> ModelConfig:
+    """A GPT-2-style shape with about `params` parameters, for `--params`.
+
+    A block has 12h² + 13h parameters, the embeddings (V + max_seq_len)h. Unless given, the
+    width is about 128 x the depth (GPT-3 6.7B-175B and LLaMA 7B have h/L = 128; Kaplan et al.
+    2020 find the loss flat over a wide range of aspect ratios), rounded so that heads of 128
+    split evenly for tensor parallelism (1.3e9 gives GPT-3 XL's 24 x 2048, 175e9 GPT-3's
+    96 x 12288), and the depth is then refitted to the count unless given. The
+    model states use `params` exactly (Workload.params); the shape sizes activations and FLOPs.
+    """
+    if params <= 0:
+        raise ConfigError(f"--params {params:g} must be > 0")
+    embed = vocab + max_seq_len
+    fit_layers = layers is None
+    if hidden is None:  # solve 12·L·h² + (embed + 13L)·h = params for h
+        guess = layers or max(1, round((params / (12 * 128**2)) ** (1 / 3)))
+        a, b = 12 * guess, embed + 13 * guess
+        exact = (-b + (b * b + 4 * a * params) ** 0.5) / (2 * a)
+        step = 1024 if exact >= 8192 else 512 if exact >= 2048 else 128  # heads of 128 split by 4-8
+        hidden = max(128, step * round(exact / step))
+    if fit_layers:
+        layers = max(1, round((params - embed * hidden) / (12 * hidden**2 + 13 * hidden)))
+    heads = heads or max(1, hidden // 128 if hidden % 128 == 0 else hidden // 64)
+    if hidden % heads:
+        raise ConfigError(f"--hidden {hidden} is not divisible by --heads {heads}")
+    return ModelConfig(preset=f"--params {params:.3g}", vocab_size=vocab, n_layers=layers,
+                       n_heads=heads, d_model=hidden, max_seq_len=max_seq_len)
+
+
+__all__ = ["EVERYTHING", "RUNTIME", "LocalPrediction", "Plan", "SearchResult", "Supported",
+           "alternatives", "default_dtypes", "explain", "model_from_params", "plan_for_run",
+           "predict_local", "preset_model", "search"]

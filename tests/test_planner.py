@@ -1,0 +1,434 @@
+"""The planner: published numbers reproduced, formulas checked against what autograd really
+keeps, the cluster syntax and its errors, and the commands (fast, JSON, no torch import)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from decimal import ROUND_HALF_UP, Decimal
+
+import pytest
+
+from shardlm.cli import main
+from shardlm.config import ConfigError, load_config
+from shardlm.planner.cost import (ActivationDtypes, Dtypes, Layout, Strategy, Workload,
+                                  block_activation, estimate_memory, estimate_time, group_link,
+                                  shape_of, stage_params)
+from shardlm.planner.hardware import (CALIBRATION, DEVICES, LINKS, Cluster, Device, Node,
+                                      parse_cluster)
+from shardlm.planner.search import (EVERYTHING, RUNTIME, model_from_params, plan_for_run,
+                                    predict_local, preset_model, search)
+from shardlm.zero.partition import comm_bytes_per_step
+
+MIXED = Dtypes("fp16", "auto", "fp32")  # the ZeRO paper's mixed-precision Adam
+
+
+def states(memory) -> float:
+    return sum(memory.category(c) for c in ("parameters", "gradients", "optimizer states"))
+
+
+def paper_round(x: float) -> float:
+    """One decimal, halves up, as the ZeRO paper's figure prints them (1.875 -> 1.9)."""
+    return float(Decimal(repr(x)).quantize(Decimal("0.1"), rounding=ROUND_HALF_UP))
+
+
+# ---------------------------------------------------------------------------------------------
+# Published numbers
+
+
+def test_zero_paper_figure_1_exactly():
+    # Rajbhandari et al. 2020, figure 1: Ψ = 7.5B, N_d = 64, K = 12 -> 120, 31.4, 16.6, 1.9 GB
+    # per device for baseline, P_os, P_os+g, P_os+g+p. GB = 1e9 bytes. Through the planner:
+    # `--params 7.5e9` keeps Ψ exact whatever shape is synthesised around it.
+    cluster = parse_cluster("64xV100-32GB")
+    w = Workload(model_from_params(7.5e9), seq_len=1024, global_batch=64, params=7.5e9)
+    assert MIXED.optimizer_bytes == 12
+    got = [paper_round(states(estimate_memory(w, Strategy(Layout(1, 64), stage, dtypes=MIXED),
+                                              cluster)) / 1e9) for stage in range(4)]
+    assert got == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_optimizer_bytes_follow_the_precision_policy():
+    assert Dtypes("bf16", "auto", "fp32").optimizer_bytes == 12  # fp32 master + m + v
+    assert Dtypes("fp32", "auto", "fp32").optimizer_bytes == 8  # the master is the parameter
+    assert Dtypes("bf16", "auto", "bf16").optimizer_bytes == 4  # FSDP "pure bf16"
+    assert Dtypes("bf16", "fp32", "fp32").grad_bytes == 4
+
+
+@pytest.mark.parametrize("name", ["gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "llama-1b",
+                                  "llama-7b", "llama-13b"])
+def test_planner_parameter_counts_equal_published(name):
+    from shardlm.models.presets import PUBLISHED_PARAMS
+
+    w = Workload(preset_model(name), 1024, 8)
+    assert shape_of(w).total == PUBLISHED_PARAMS[name]
+    whole, = stage_params(w, Layout(1, 8))
+    assert whole.dense == pytest.approx(PUBLISHED_PARAMS[name], rel=1e-12)
+    # Two pipeline stages hold every parameter once, plus the tied head's copy of the embedding.
+    first, last = stage_params(w, Layout(1, 4, pp=2))
+    tied = w.model.vocab_size * w.model.d_model if w.model.tie_embeddings else 0
+    assert first.dense + last.dense == pytest.approx(PUBLISHED_PARAMS[name] + tied, rel=1e-12)
+
+
+def test_params_synthesises_a_shape_near_the_count():
+    model = model_from_params(7.5e9)
+    w = Workload(model, 1024, 8)
+    assert shape_of(w).total == pytest.approx(7.5e9, rel=0.03)
+    assert model.d_model % model.n_heads == 0 and model.d_model % 64 == 0
+    assert model_from_params(1.3e9, layers=24).n_layers == 24
+    with pytest.raises(ConfigError, match="not divisible"):
+        model_from_params(1e9, hidden=1000, heads=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations: Korthikanti et al. 2022, and what autograd keeps in our decoder
+
+
+def korthikanti_layer(s, b, h, a, t=1, sp=False, mode="none") -> float:
+    """Table 2 of the paper, bytes per layer (16-bit activations, 1-byte dropout masks)."""
+    if mode == "full":
+        return s * b * h * 2
+    if mode == "selective":
+        return s * b * h * (34 / t if sp else 10 + 24 / t)
+    return s * b * h * ((34 + 5 * a * s / h) / t if sp else 10 + 24 / t + 5 * a * s / (h * t))
+
+
+def test_korthikanti_table_2_and_the_gpt3_example():
+    # GPT-3 175B: a = 96, s = 2048, h = 12288: 5as/h = 80, so selective recomputation removes
+    # 80 / 114 = 70% of a layer's activations (section 4.2), and sequence parallelism divides
+    # the rest by t.
+    s, h, a = 2048, 12288, 96
+    assert 5 * a * s / h == 80
+    assert 1 - korthikanti_layer(s, 1, h, a, mode="selective") / korthikanti_layer(s, 1, h, a) == \
+        pytest.approx(0.70, abs=0.005)
+    assert korthikanti_layer(s, 1, h, a, 8, sp=True, mode="selective") == s * h * 34 / 8
+
+
+def test_our_block_is_korthikanti_without_dropout_with_flash_attention():
+    # A 16-bit GPT-2 block: Korthikanti's 34sbh + 5as²b, minus two 1-byte dropout masks (2sbh)
+    # and the s x s terms (flash attention keeps none), plus the fp32 logsumexp (4as b) and the
+    # two LayerNorms' mean/rstd (in the 16-bit input dtype on CPU: 2 x 2 x 2 sb).
+    m = preset_model("gpt2-1.5b")
+    s, b, h, a = 1024, 4, m.d_model, m.n_heads
+    for t, sp in ((1, False), (4, False), (4, True)):
+        ours, _ = block_activation(m, ActivationDtypes(2, 2, False), "none", t, sp)
+        split = t if sp else 1  # what sequence parallelism divides: the paper's replicated 10sbh
+        expected = (korthikanti_layer(s, b, h, a, t, sp) - 2 * s * b * h / split
+                    - 5 * a * s * s * b / t + 4 * a * s * b / t + 8 * s * b / split)
+        assert ours * s * b == pytest.approx(expected, rel=1e-12)
+
+
+def _measure(preset: str, param_dtype: str, mode: str, b: int = 2, s: int = 32):
+    """Bytes alive after forward (saved for backward, plus logits) and the peak during backward
+    of everything but parameters and their gradients, tracked op by op."""
+    import torch
+    import torch.nn.functional as F
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from shardlm.models import build_model
+    from shardlm.parallel.activation import apply_ac
+
+    class Live(TorchDispatchMode):
+        def __init__(self, exclude):
+            super().__init__()
+            self.exclude, self.live, self.peak = exclude, {}, 0
+
+        def current(self):
+            self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+            return sum(n for _, n in self.live.values())
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    st, key = t.untyped_storage(), t.untyped_storage().data_ptr()
+                    known = self.live.get(key)  # a freed storage's address may be reused
+                    if key not in self.exclude and (known is None or known[0].expired()):
+                        self.live[key] = (StorageWeakRef(st), st.nbytes())
+            self.peak = max(self.peak, self.current())
+            return out
+
+    cfg = preset_model(preset)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[param_dtype]
+    model = apply_ac(build_model(cfg).to(dtype), mode)
+    idx = torch.randint(0, cfg.vocab_size, (b, s))
+    with torch.no_grad():
+        x0 = model.tok_emb(idx) + (model.pos_emb(torch.arange(s)) if cfg.position == "learned" else 0)
+    x0 = x0.clone().requires_grad_()
+    rope = (model.rope_cos[:s], model.rope_sin[:s]) if cfg.position == "rope" else None
+    exclude = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), x0]}
+    tracker = Live(exclude)
+    with tracker, torch.autocast("cpu", torch.bfloat16, enabled=param_dtype == "bf16"):
+        x = x0
+        for block in model.blocks:
+            x = block(x, rope)
+        logits = model.head(model.norm_f(x))
+        del x
+        after_forward = tracker.current()
+        loss = F.cross_entropy(logits.float().flatten(0, 1), idx.flatten())
+        del logits
+        torch.autograd.grad(loss, [x0])
+    return cfg, after_forward, tracker.peak
+
+
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_activation_formula_matches_what_autograd_keeps(preset, dtype, mode):
+    from shardlm.planner.cost import activation_peak
+
+    b, s = 2, 32
+    cfg, after_forward, peak = _measure(preset, dtype, mode, b, s)
+    e = 4 if dtype == "fp32" else 2
+    dt = ActivationDtypes(e, e, norms_in_fp32=False)  # CPU autocast keeps LayerNorm's dtype
+    per_layer, _ = block_activation(cfg, dt, mode)
+    norm = (8 * cfg.d_model + 4) if cfg.norm == "rmsnorm" else e * cfg.d_model + 2 * e
+    saved = cfg.n_layers * per_layer + norm + e * cfg.d_model + e * cfg.vocab_size
+    # The first block's input x0 is made outside the tracker: it is missing from the count
+    # wherever the formula has the input itself (not an fp32 copy made by RMSNorm's autocast).
+    fresh_copy = cfg.norm == "rmsnorm" and mode == "none" and e != 4
+    x0 = 0 if fresh_copy else e * cfg.d_model
+    assert after_forward + x0 * b * s == pytest.approx(saved * b * s, abs=64)
+    predicted = activation_peak(cfg, s, b, cfg.n_layers, 1, dt, mode, 1, False, True, (0, 1, 1.0))
+    measured_peak = peak + x0 * b * s
+    assert measured_peak <= predicted.bytes <= 1.15 * measured_peak
+
+
+# ---------------------------------------------------------------------------------------------
+# Time: pipeline bubble, communication volumes, links
+
+
+def test_pipeline_bubble_and_compute_time():
+    cluster = parse_cluster("8xA100-80GB")
+    w = Workload(preset_model("llama-7b"), 2048, 64)
+    t1 = estimate_time(w, Strategy(Layout(1, 1, 1, 8), 0, 1, 64), cluster)
+    assert t1.bubble == pytest.approx(7 / (64 + 7))  # (p - 1) / (m + p - 1)
+    t2 = estimate_time(w, Strategy(Layout(1, 1, 1, 8), 0, 2, 32), cluster)
+    assert t2.bubble == pytest.approx(7 / (32 + 7))
+    # Same work per micro-batch pair: compute scales with (m + p - 1) micro-batch slots.
+    assert t1.compute / t2.compute == pytest.approx((64 + 7) / (2 * (32 + 7)), rel=1e-9)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_collective_volumes_are_the_zero_formula(stage, replicas):
+    cluster = parse_cluster("2x8xA100-80GB")
+    w = Workload(preset_model("gpt2-1.5b"), 1024, 64)
+    if stage == 0 and replicas > 1:
+        return
+    s = Strategy(Layout(replicas, 16 // replicas), stage, 2, 2, dtypes=Dtypes("bf16"))
+    t = estimate_time(w, s, cluster)
+    expected = comm_bytes_per_step(int(shape_of(w).total), stage, 2, 2, True, 2, 16 // replicas, replicas)
+    assert sum(c.bytes for c in t.comms) == pytest.approx(expected, rel=1e-9)
+
+
+def test_groups_inside_a_node_use_nvlink_and_across_nodes_their_adapter_share():
+    cluster = parse_cluster("2x8xA100-80GB")
+    nvlink, ib = LINKS["nvlink3"], LINKS["ib-hdr"]
+    assert group_link(cluster, 8, 1)[0] == nvlink.effective
+    assert group_link(cluster, 16, 1)[0] == 8 * ib.effective  # all 8 rails carry the ring
+    assert group_link(cluster, 2, 8)[0] == ib.effective  # one member per node: one rail
+    v100 = parse_cluster("2x8xV100-32GB")  # DGX-1: 4 EDR adapters for 8 GPUs
+    assert group_link(v100, 2, 8)[0] == pytest.approx(LINKS["ib-edr"].effective / 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cluster syntax
+
+
+def test_cluster_syntax():
+    c = parse_cluster("8xV100-16GB")
+    assert (c.nodes, c.per_node, c.device.name, c.node.intra.name) == (1, 8, "V100-16GB", "nvlink2")
+    c = parse_cluster("2x8xA100-80GB")
+    assert (c.nodes, c.per_node, c.world_size) == (2, 8, 16)
+    c = parse_cluster("16xa100-80gb", inter="roce-200", nics=4)
+    assert (c.nodes, c.per_node, c.node.inter.name, c.node.nics) == (2, 8, "roce-200", 4)
+    assert parse_cluster("4xH100-80GB").nodes == 1
+    assert parse_cluster("H200-141GB").world_size == 1
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("8xA100", r"unknown device 'A100'. Did you mean A100-40GB or A100-80GB\?"),
+    ("8xV100-17GB", r"Did you mean V100-16GB"),
+    ("8xB200", r"Known devices: V100-16GB, .*TPU-v4, and 'cpu'"),
+    ("12xA100-80GB", r"12 devices do not fill A100-80GB nodes of 8.*2x6xA100-80GB"),
+    ("2x3xcpu", r"write Nxcpu"),
+    ("eight A100s", r"write COUNTxDEVICE or NODESxPER_NODExDEVICE"),
+    ("0xA100-80GB", r"must be >= 1"),
+])
+def test_cluster_syntax_errors_name_the_fix(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_cluster(spec)
+
+
+def test_unknown_link_is_named():
+    with pytest.raises(ConfigError, match=r"unknown link 'ib-hdrr'. Did you mean 'ib-hdr'"):
+        parse_cluster("16xA100-80GB", inter="ib-hdrr")
+
+
+def test_bad_degrees_are_reported_all_at_once():
+    cluster = parse_cluster("8xA100-80GB")
+    w = Workload(preset_model("gpt2-1.5b"), 1024, 8)
+    with pytest.raises(ConfigError) as info:
+        estimate_memory(w, Strategy(Layout(1, 2, 2, 2), 2, 1, 2, offload_params="cpu"), cluster)
+    text = str(info.value)
+    assert "tp = 2 does not divide the 25 attention heads" in text
+    assert "offload_params = 'cpu' needs ZeRO stage 3" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Fits or not
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str]:
+    code = main(args)
+    return code, capsys.readouterr().out
+
+
+def test_gpt2_xl_plain_data_parallel_does_not_fit_a_v100(capsys):
+    code, out = run_cli(["estimate", "--model", "gpt2-1.5b", "--gpus", "8xV100-16GB",
+                         "--zero-stage", "0", "--micro-batch", "4", "--seq", "1024", "--json"], capsys)
+    report = json.loads(out)
+    assert code == 1 and report["memory"]["fits"] is False
+    # 16Ψ of model states alone (24.9 GB) exceed the 16 GB card.
+    held = sum(i["bytes"] for i in report["memory"]["items"][:3])
+    assert held == pytest.approx(16 * 1_557_611_200)
+    assert report["suggestions"]
+    assert all(s["peak_bytes"] <= s["capacity_bytes"] for s in report["suggestions"])
+
+
+def test_gpt2_xl_zero3_with_selective_recompute_fits(capsys):
+    code, out = run_cli(["estimate", "--model", "gpt2-1.5b", "--gpus", "8xV100-16GB",
+                         "--zero-stage", "3", "--micro-batch", "4", "--seq", "1024",
+                         "--recompute", "selective"], capsys)
+    assert code == 0 and "fits: peak" in out
+    for category in ("parameters", "gradients", "optimizer states", "activations", "buffers",
+                     "fragmentation allowance"):
+        assert category in out
+    assert "K=12 B x Ψ_r / N=8" in out
+
+
+def test_peak_is_held_memory_plus_the_worst_phase():
+    cluster = parse_cluster("8xA100-80GB")
+    w = Workload(preset_model("gpt2-1.5b"), 1024, 32)
+    memory = estimate_memory(w, Strategy(Layout(1, 8), 3, 4, 1, dtypes=Dtypes("bf16")), cluster)
+    parts = memory.items[:4] + memory.items[4].parts  # states, activations, each buffer
+    held = sum(i.bytes for i in parts if not i.phases)
+    phases = {p: sum(i.phases.get(p, 0) for i in parts) for p in ("loss", "blocks", "embedding", "root")}
+    assert memory.train_peak == pytest.approx(held + 1.1 * max(phases.values()))
+    # ... which is less than adding every row: transients of different phases never coexist.
+    rows = sum(i.bytes for i in memory.items)
+    assert memory.train_peak < rows
+
+
+def test_gradient_accumulation_keeps_whole_gradients_even_at_stage_3():
+    # The engine reduces on the last micro-step only: param.grad of every parameter lives
+    # across the micro-steps, unsharded (zero/engine.py); the planner must say so.
+    cluster = parse_cluster("8xA100-80GB")
+    w = Workload(preset_model("llama-7b"), 1024, 16)
+    one = estimate_memory(w, Strategy(Layout(1, 8), 3, 2, 1, dtypes=Dtypes("bf16")), cluster)
+    two = estimate_memory(replace(w, global_batch=32),
+                          Strategy(Layout(1, 8), 3, 2, 2, dtypes=Dtypes("bf16")), cluster)
+    accumulated = next(i for i in two.items[4].parts if i.name == "accumulated gradients")
+    assert accumulated.bytes == pytest.approx(2 * 6_738_415_616) and not accumulated.phases
+    assert two.peak > one.peak + 10e9
+
+
+def test_setup_is_the_limit_for_a_large_model_at_stage_3():
+    # trainer.build_run materialises the whole fp32 model on every rank before sharding it.
+    cluster = parse_cluster("64x8xH100-80GB")
+    w = Workload(model_from_params(70e9), 2048, 512, params=70e9)
+    memory = estimate_memory(w, Strategy(Layout(1, 512), 3, 1, 1, "full", dtypes=Dtypes("bf16")), cluster)
+    assert memory.setup_peak == memory.peak > memory.capacity
+    assert memory.setup_peak > 4 * 70e9 and "fp32 on every rank" in memory.limit
+    assert not plan_for_run(w.model, 512, cluster, 2**20)
+
+
+def test_estimate_degree_error_is_clear(capsys):
+    assert main(["estimate", "--model", "gpt2-124m", "--gpus", "8xA100-80GB", "--tp", "3"]) == 2
+    assert "tp (3) x pp (1) = 3 does not divide the 8 devices" in capsys.readouterr().err
+
+
+def test_plan_ranks_what_fits_and_explains(capsys):
+    code, out = run_cli(["plan", "--model", "llama-7b", "--gpus", "2x8xA100-80GB", "--json"], capsys)
+    result = json.loads(out)
+    assert code == 0
+    speeds = [p["tokens_per_s"] for p in result["plans"]]
+    assert speeds == sorted(speeds, reverse=True) and len(speeds) > 1
+    assert all(p["peak_bytes"] <= p["capacity_bytes"] for p in result["plans"])
+    assert result["explanation"][0].startswith("Best:")
+    assert any("slower" in line or "within 1%" in line for line in result["explanation"])
+
+
+def test_plan_runtime_only_and_plan_for_run():
+    model = preset_model("gpt2-1.5b")
+    plans = plan_for_run(model, 8, "8xV100-16GB", (4, 1, 1024))
+    assert plans and all(p.runtime_supported for p in plans)
+    best = plans[0]
+    o = best.overrides()
+    assert o["train.micro_batch"] * o["train.grad_accum"] * o["parallel.dp_shard"] * \
+        o["parallel.dp_replicate"] == 4 * 8  # the global batch is kept
+    assert o["precision.compute"] == "fp16"  # V100: no bf16
+    everything = search(Workload(model, 1024, 32), parse_cluster("8xV100-16GB"), Dtypes("fp16"), EVERYTHING)
+    assert len(everything.plans) >= len(search(Workload(model, 1024, 32), parse_cluster("8xV100-16GB"),
+                                               Dtypes("fp16"), RUNTIME).plans)
+    with pytest.raises(ConfigError, match="has 8 devices, the run 4 ranks"):
+        plan_for_run(model, 4, "8xV100-16GB", 2**20)
+
+
+def test_offload_appears_only_when_needed():
+    model = preset_model("llama-13b")
+    cluster = parse_cluster("1xA100-80GB")
+    result = search(Workload(model, 2048, 8), cluster, Dtypes("bf16"), RUNTIME)
+    assert result.plans, "13B on one 80 GB GPU fits only by offloading its optimizer states"
+    assert all(p.strategy.offload_optimizer != "none" for p in result.plans)
+
+
+# ---------------------------------------------------------------------------------------------
+# The commands: fast, JSON, no torch
+
+
+def test_commands_are_fast_and_do_not_import_torch():
+    code = (
+        "import json, sys, time\n"
+        "from shardlm.cli import main\n"
+        "start = time.perf_counter()\n"
+        "main(['estimate', '--model', 'gpt2-1.5b', '--gpus', '8xV100-16GB', '--zero-stage', '3',"
+        " '--micro-batch', '4', '--seq', '1024', '--json'])\n"
+        "main(['plan', '--model', 'llama-7b', '--gpus', '2x8xA100-80GB', '--json'])\n"
+        "print(json.dumps({'seconds': time.perf_counter() - start, 'torch': 'torch' in sys.modules}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["torch"] is False
+    assert last["seconds"] < 1.0
+
+
+def test_predict_local_maps_the_config(monkeypatch):
+    # A stand-in for this CPU (the real one is measured by spawning ranks): what matters here
+    # is that a Config becomes the strategy the runtime would build.
+    cpu = Device("cpu (test)", "cpu", 8e9, {"fp32": 1e11, "bf16": 5e10}, 1e10, 0.65, "test")
+    node = Node(2, LINKS["eth-10"], LINKS["eth-10"], 1, LINKS["eth-10"], 16e9, 1e10, 2e9, "test")
+    monkeypatch.setattr("shardlm.planner.search.local_cpu",
+                        lambda n: Cluster(1, n, cpu, replace(node, per_node=n), CALIBRATION["cpu"]))
+    cfg = load_config(overrides={"model.preset": "gpt-mini", "parallel.zero_stage": "2",
+                                 "train.micro_batch": "4", "train.seq_len": "128"})
+    pred = predict_local(cfg, 2)
+    psi = shape_of(Workload(cfg.model, 128, 8)).total
+    assert pred.model_state_bytes["params"] == pytest.approx(4 * psi)  # auto -> fp32 here
+    assert pred.model_state_bytes["grads"] == pytest.approx(4 * psi / 2)
+    assert pred.model_state_bytes["optimizer"] == pytest.approx(8 * psi / 2)
+    assert pred.peak_process_bytes > sum(pred.model_state_bytes.values()) + pred.activation_bytes
+    assert pred.step_time_s > 0 and pred.tokens_per_s == pytest.approx(8 * 128 / pred.step_time_s)
+
+
+def test_catalog_has_the_devices_the_issue_names():
+    for name in ("V100-16GB", "V100-32GB", "A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB",
+                 "MI250X", "TPU-v4"):
+        assert name in DEVICES and DEVICES[name].source
+    for name in ("pcie3", "pcie4", "pcie5", "nvlink2", "nvlink3", "nvlink4", "ib-edr", "ib-hdr",
+                 "ib-ndr", "roce-200", "eth-100"):
+        assert name in LINKS
