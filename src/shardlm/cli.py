@@ -153,6 +153,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardlm.trainer import build_run, sample_text, state_report, train
 
     run = build_run(cfg)
+    cfg = run.cfg  # parallel.strategy = 'auto' has filled in the plan
     main = run.runtime.is_main
     t = cfg.train
     if main:
