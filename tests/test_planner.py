@@ -4,6 +4,7 @@ keeps, the cluster syntax and its errors, and the commands (fast, JSON, no torch
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -13,13 +14,13 @@ import pytest
 
 from shardlm.cli import main
 from shardlm.config import ConfigError, load_config
-from shardlm.planner.cost import (ActivationDtypes, Dtypes, Layout, Strategy, Workload,
-                                  block_activation, estimate_memory, estimate_time, group_link,
-                                  shape_of, stage_params)
 from shardlm.planner.hardware import (CALIBRATION, DEVICES, LINKS, Cluster, Device, Node,
-                                      parse_cluster)
+                                      device_for_gpu_name, parse_cluster)
+from shardlm.planner.memory import ActivationDtypes, block_activation, estimate_memory
 from shardlm.planner.search import (EVERYTHING, RUNTIME, model_from_params, plan_for_run,
                                     predict_local, preset_model, search)
+from shardlm.planner.timing import estimate_time, group_link
+from shardlm.planner.workload import Dtypes, Layout, Strategy, Workload, shape_of, stage_params
 from shardlm.zero.partition import comm_bytes_per_step
 
 MIXED = Dtypes("fp16", "auto", "fp32")  # the ZeRO paper's mixed-precision Adam
@@ -179,7 +180,7 @@ def _measure(preset: str, param_dtype: str, mode: str, b: int = 2, s: int = 32):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 def test_activation_formula_matches_what_autograd_keeps(preset, dtype, mode):
-    from shardlm.planner.cost import activation_peak
+    from shardlm.planner.memory import activation_peak
 
     b, s = 2, 32
     cfg, after_forward, peak = _measure(preset, dtype, mode, b, s)
@@ -432,3 +433,27 @@ def test_catalog_has_the_devices_the_issue_names():
     for name in ("pcie3", "pcie4", "pcie5", "nvlink2", "nvlink3", "nvlink4", "ib-edr", "ib-hdr",
                  "ib-ndr", "roce-200", "eth-100"):
         assert name in LINKS
+
+
+@pytest.mark.parametrize("torch_name, entry", [
+    ("Tesla V100-SXM2-16GB", "V100-16GB"), ("Tesla V100-PCIE-32GB", "V100-32GB"),
+    ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A100 80GB PCIe", "A100-80GB"),
+    ("NVIDIA H100 80GB HBM3", "H100-80GB"), ("NVIDIA H200", "H200-141GB"),
+    ("AMD Instinct MI250X / MI250", "MI250X"),
+    ("Quadro GV100", None), ("NVIDIA A10", None), ("NVIDIA GeForce RTX 4090", None)])
+def test_torch_device_names_map_to_the_catalog(torch_name, entry):
+    device = device_for_gpu_name(torch_name)
+    assert (device.name if device else None) == entry
+
+
+def test_telemetry_takes_gpu_peaks_from_the_catalog():
+    from shardlm.telemetry import gpu_peak_flops
+
+    # True fp32 (torch leaves TF32 off for matmuls), and each MI250X GCD is a device.
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", "fp32") == DEVICES["A100-80GB"].peak["fp32"] == 19.5e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert gpu_peak_flops("AMD Instinct MI250X", "bf16") == 383e12 / 2
+    with pytest.warns(UserWarning, match="no bf16 hardware"):
+        assert math.isnan(gpu_peak_flops("Tesla V100-SXM2-16GB", "bf16"))
+    with pytest.warns(UserWarning, match="not in the hardware catalog"):
+        assert math.isnan(gpu_peak_flops("NVIDIA GeForce RTX 4090", "bf16"))

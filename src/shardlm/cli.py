@@ -291,7 +291,7 @@ def _planner_inputs(args: argparse.Namespace):
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from shardlm.planner import report
-    from shardlm.planner.cost import Layout, Strategy, Workload, estimate_memory, estimate_time
+    from shardlm.planner import Layout, Strategy, Workload, estimate_memory, estimate_time
     from shardlm.planner.search import alternatives
 
     model, params, cluster, dtypes, seq = _planner_inputs(args)
@@ -325,7 +325,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardlm.planner import report
-    from shardlm.planner.cost import Workload
+    from shardlm.planner import Workload
     from shardlm.planner.search import EVERYTHING, RUNTIME, search
 
     model, params, cluster, dtypes, seq = _planner_inputs(args)

@@ -2,8 +2,9 @@
 progress display for people.
 
 MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per second / the device's dense peak.
-For GPUs the peak comes from the vendor's published dense (non-sparse) numbers; for a CPU it is
-measured by a short matmul probe in the run's precision, once per machine, and cached.
+For GPUs the peak comes from the planner's hardware catalog (planner/hardware.py DEVICES: the
+vendors' published dense numbers, sources cited there); for a CPU it is measured by a short
+matmul probe in the run's precision, once per machine, and cached.
 """
 
 from __future__ import annotations
@@ -15,24 +16,13 @@ import platform
 import resource
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
 from shardlm.launch import cache_root
-
-# Published dense peak FLOP/s (no sparsity) by device name substring, per compute dtype.
-# Sources: NVIDIA V100 datasheet (fp16 tensor core 125 TF, fp32 15.7 TF), A100 datasheet
-# (bf16 312 TF, tf32 156 TF, fp32 19.5 TF), H100 SXM datasheet (bf16 989 TF, tf32 494 TF),
-# H200 (same compute as H100 SXM), AMD MI250X datasheet (bf16 383 TF, fp32 47.9 TF).
-GPU_PEAKS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
-    "V100": {"bf16": 15.7e12, "fp16": 125e12, "fp32": 15.7e12},
-    "MI250X": {"bf16": 383e12, "fp16": 383e12, "fp32": 47.9e12},
-}
 
 _PROBE_SIZE = 2048
 
@@ -50,7 +40,8 @@ def _probe_matmul(dtype: torch.dtype, seconds: float = 0.5) -> float:
     return best
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), a key of the per-machine probe caches."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -62,17 +53,13 @@ def _cpu_name() -> str:
 
 def _cpu_key(precision: str) -> str:
     """The probe's result depends on the CPU, torch's kernels and the thread count."""
-    return f"{_cpu_name()}|{torch.__version__}|threads={torch.get_num_threads()}|{precision}"
+    return f"{cpu_name()}|{torch.__version__}|threads={torch.get_num_threads()}|{precision}"
 
 
 def peak_flops(device: torch.device, precision: str) -> float:
     """Dense peak FLOP/s of one device in `precision` ('fp32', 'bf16', 'fp16')."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peaks in GPU_PEAKS.items():
-            if key in name:
-                return peaks[precision]
-        raise KeyError(f"no published peak for GPU {name!r}; add it to telemetry.GPU_PEAKS")
+        return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
     path = cache_root() / "cpu_peak_flops.json"
     table: dict[str, float] = json.loads(path.read_text()) if path.is_file() else {}
     key = _cpu_key(precision)
@@ -84,6 +71,26 @@ def peak_flops(device: torch.device, precision: str) -> float:
         tmp.write_text(json.dumps(table, indent=1))
         os.replace(tmp, path)
     return table[key]
+
+
+def gpu_peak_flops(name: str, precision: str) -> float:
+    """The catalog's dense peak for the GPU torch calls `name`. NaN, with a warning, when the
+    catalog has no such GPU or the GPU has no hardware for `precision` (V100 bf16 is emulated):
+    MFU is then not reported rather than reported against a wrong peak."""
+    # Imported on use: it loads the whole planner package, which only GPU runs need here.
+    from shardlm.planner.hardware import DEVICES, device_for_gpu_name
+
+    device = device_for_gpu_name(name)
+    if device is None:
+        gpus = ", ".join(d.name for d in DEVICES.values() if d.kind in ("cuda", "rocm"))
+        warnings.warn(f"GPU {name!r} is not in the hardware catalog ({gpus}): MFU is not "
+                      f"reported; add it to shardlm.planner.hardware.DEVICES", stacklevel=2)
+        return math.nan
+    if precision not in device.peak:
+        warnings.warn(f"GPU {name!r} ({device.name}) has no {precision} hardware (it has "
+                      f"{', '.join(device.peak)}): MFU is not reported", stacklevel=2)
+        return math.nan
+    return device.peak[precision]
 
 
 def peak_rss_bytes() -> int:

@@ -1,8 +1,10 @@
 """The planner: predict memory and speed before a run, choose the strategy, explain why.
 
 hardware.py  the device / link / node catalog, the cluster syntax, and "this CPU" measured
-cost.py      per-rank memory by category (ZeRO formulas, Korthikanti activations, buffers) and
-             time per step (compute, communication with overlap, pipeline bubble, optimizer)
+workload.py  what is planned (Workload, Strategy, Layout, Dtypes), its validation, and the
+             parameters each rank holds (shared by memory.py and timing.py)
+memory.py    per-rank memory by category (ZeRO formulas, Korthikanti activations, buffers)
+timing.py    time per step (compute, communication with overlap, pipeline bubble, optimizer)
 search.py    the strategy search, its explanation, plan_for_run (the trainer) and
              predict_local (the validation benchmark)
 report.py    text tables and JSON for `shardlm estimate` and `shardlm plan`
@@ -12,11 +14,12 @@ Pure functions: no torch import (except for measuring this CPU), no process grou
 allocation. Formulas and sources: docs/planner.md.
 """
 
-from shardlm.planner.cost import (Dtypes, Layout, Memory, Strategy, Timing, Workload,
-                                  estimate_memory, estimate_time)
 from shardlm.planner.hardware import Cluster, local_cpu, parse_cluster
+from shardlm.planner.memory import Memory, estimate_memory
 from shardlm.planner.search import (EVERYTHING, RUNTIME, LocalPrediction, Plan, Supported,
                                     plan_for_run, predict_local)
+from shardlm.planner.timing import Timing, estimate_time
+from shardlm.planner.workload import Dtypes, Layout, Strategy, Workload
 
 __all__ = ["Cluster", "Dtypes", "EVERYTHING", "Layout", "LocalPrediction", "Memory", "Plan",
            "RUNTIME", "Strategy", "Supported", "Timing", "Workload", "estimate_memory",

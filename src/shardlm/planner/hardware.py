@@ -239,6 +239,20 @@ def find_device(name: str) -> Device:
     raise ConfigError(_closest_device(name))
 
 
+def device_for_gpu_name(name: str) -> Device | None:
+    """The catalog device that torch.cuda.get_device_name() reports as `name` ('Tesla
+    V100-SXM2-16GB', 'NVIDIA A100-SXM4-80GB', 'NVIDIA H100 80GB HBM3', 'AMD Instinct MI250X'),
+    or None. Matched by family (the catalog name before its memory size), preferring the
+    entry whose memory size the name contains; peaks do not differ within a family here.
+    Best effort: PCIe and NVL cards are matched to the SXM part, which is clocked higher (H100
+    PCIe: 756 TF bf16), so their MFU reads low."""
+    upper = name.upper()
+    family = [d for d in DEVICES.values() if d.kind in ("cuda", "rocm") and re.search(
+        rf"(?<![A-Z0-9]){re.escape(d.name.split('-')[0].upper())}(?![0-9])", upper)]
+    sized = [d for d in family if d.name.split("-")[-1].upper() in upper]
+    return (sized or family or [None])[0]
+
+
 def find_link(name: str) -> Link:
     if name not in LINKS:
         close = difflib.get_close_matches(name, list(LINKS), n=1, cutoff=0.4)
@@ -349,11 +363,11 @@ def measure_cpu(n_ranks: int) -> dict:
     import torch
 
     from shardlm.launch import cache_root, cpu_cores
-    from shardlm.telemetry import _cpu_name
+    from shardlm.telemetry import cpu_name
 
     path = cache_root() / "cpu_planner_probe.json"
     table = json.loads(path.read_text()) if path.is_file() else {}
-    key = f"v{_PROBE_VERSION}|{_cpu_name()}|torch {torch.__version__}|cores={cpu_cores()}"
+    key = f"v{_PROBE_VERSION}|{cpu_name()}|torch {torch.__version__}|cores={cpu_cores()}"
     if key not in table:  # ranks first: they must not start from this process's big buffers
         gloo = _gloo_probe()
         table[key] = {"memory_bandwidth": _memory_bandwidth(), **gloo}
@@ -362,7 +376,7 @@ def measure_cpu(n_ranks: int) -> dict:
         tmp.write_text(json.dumps(table, indent=1))
         os.replace(tmp, path)
     threads = max(1, cpu_cores() // n_ranks)
-    return {**table[key], "cpu": _cpu_name(), "threads": threads, "peak": _matmul_peaks(threads)}
+    return {**table[key], "cpu": cpu_name(), "threads": threads, "peak": _matmul_peaks(threads)}
 
 
 def _matmul_peaks(threads: int) -> dict[str, float]:

@@ -6,10 +6,11 @@ import dataclasses
 import json
 from typing import Any
 
-from shardlm.planner.cost import (Item, Memory, Strategy, Timing, Workload, describe_dtypes,
-                                  shape_of)
 from shardlm.planner.hardware import Cluster
+from shardlm.planner.memory import Item, Memory
 from shardlm.planner.search import Plan, SearchResult, describe, explain, step_parts
+from shardlm.planner.timing import Timing
+from shardlm.planner.workload import Strategy, Workload, describe_dtypes, shape_of
 
 GB = 1e9
 

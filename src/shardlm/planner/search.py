@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardlm.config import Config, ConfigError, ModelConfig
-from shardlm.planner.cost import (Dtypes, Layout, Memory, Strategy, Timing, Workload,
-                                  estimate_memory, estimate_time, models_module)
+from shardlm.models.presets import ALIASES, get_preset
 from shardlm.planner.hardware import Cluster, local_cpu, parse_cluster
+from shardlm.planner.memory import Memory, estimate_memory
+from shardlm.planner.timing import Timing, estimate_time
+from shardlm.planner.workload import Dtypes, Layout, Strategy, Workload
 
 
 @dataclass(frozen=True)
@@ -363,8 +365,7 @@ def alternatives(w: Workload, s: Strategy, cluster: Cluster, count: int = 3) -> 
 
 def preset_model(name: str) -> ModelConfig:
     """A named preset as a ModelConfig, without importing torch (ConfigError lists the names)."""
-    presets = models_module("presets")
-    return ModelConfig(preset=presets.ALIASES.get(name, name), **presets.get_preset(name))
+    return ModelConfig(preset=ALIASES.get(name, name), **get_preset(name))
 
 
 def model_from_params(params: float, layers: int | None = None, hidden: int | None = None,

@@ -1,0 +1,393 @@
+"""Per-rank memory by category for one strategy: ZeRO model states, activations (Korthikanti
+et al. 2022), the engine's transient buffers by phase of backward, fragmentation, and host
+memory for offloaded states.
+
+Pure functions; no torch, no process group, no allocation. Formulas and sources:
+docs/planner.md; notation: workload.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardlm.config import ModelConfig
+from shardlm.models import flops
+from shardlm.planner.hardware import Cluster
+from shardlm.planner.workload import (DTYPE_BYTES, Layout, StageParams, Strategy, Workload,
+                                      effective_tier, stage_params, validate)
+from shardlm.zero.partition import model_state_bytes
+
+FRAGMENTATION = 0.10
+"""Allocator slack on memory allocated and freed every step (activations, transient buffers):
+the caching allocator's block rounding and splitting; an assumption to calibrate."""
+HOST_PROCESS_BYTES = 3e9
+"""Host RSS of one GPU worker (torch, CUDA libraries, data loader): an assumption."""
+
+
+@dataclass
+class Item:
+    name: str
+    bytes: float
+    formula: str
+    parts: list["Item"] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+    """Transient memory: its bytes in each phase of backward it lives in (PHASES); empty =
+    held throughout. `bytes` is the largest."""
+
+
+PHASES = {"loss": "the loss's backward", "blocks": "a block's backward",
+          "embedding": "the embedding's backward", "root": "the root unit's reduction"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations (Korthikanti et al. 2022, section 4, adapted to our decoder and checked against
+# what autograd saves: tests/test_planner.py measures it)
+
+
+@dataclass(frozen=True)
+class ActivationDtypes:
+    compute: int
+    """e: bytes of matmul inputs and outputs (autocast's dtype, or fp32)."""
+    residual: int
+    """r: bytes of the residual stream: the parameters' dtype (fp32 in the one-process run)."""
+    norms_in_fp32: bool
+    """CUDA autocast runs layer_norm in fp32, so it saves an fp32 copy of its input."""
+
+
+def activation_dtypes(s: Strategy, cluster: Cluster) -> ActivationDtypes:
+    compute = DTYPE_BYTES[s.dtypes.compute]
+    return ActivationDtypes(compute, 4 if s.local else compute,
+                            cluster.calibration.norms_in_fp32 and s.dtypes.compute != "fp32")
+
+
+def _norm_saved(m: ModelConfig, dt: ActivationDtypes) -> tuple[float, str]:
+    """Bytes per token one norm saves. LayerNorm: its input and mean/rstd (in the input dtype,
+    or fp32 under CUDA autocast). torch's RMSNorm is decomposed and runs in fp32 under
+    autocast: it saves an fp32 input, the fp32 normalised x (for the weight's gradient) and
+    rstd."""
+    h = m.d_model
+    if m.norm == "rmsnorm":
+        return 8 * h + 4, "(8h+4)"
+    r = 4 if dt.norms_in_fp32 else dt.residual
+    return r * h + 2 * r, f"({r}h+{2 * r})"
+
+
+def block_activation(m: ModelConfig, dt: ActivationDtypes, mode: str, tp: int = 1,
+                     sp: bool = False, experts: tuple[int, int, float] = (0, 1, 1.0)) -> tuple[float, str]:
+    """Bytes per token one block keeps for backward, and the formula.
+
+    Korthikanti eq. (1): sbh(34 + 5as/h) in 16-bit for Megatron's GPT. Ours differs in two
+    stated ways: no dropout (its 3 masks: 2sbh + as²b) and torch's scaled_dot_product_attention
+    (flash / memory-efficient kernels keep Q, K, V, the output and a logsumexp, never the s x s
+    scores: the 5as²b term becomes 4as bytes), so a 16-bit GPT-2 block keeps 32sbh + 4asb.
+    tp divides what lives between the column- and row-parallel linears; sequence parallelism
+    (sp) divides the rest (eq. 3-4). 'selective' is our runtime's policy (keep matmul and
+    attention outputs, recompute element-wise ops), 'full' keeps the block input only.
+    """
+    h, a, e, r = m.d_model, m.n_heads, dt.compute, dt.residual
+    hd = h // a
+    kv = (m.n_kv_heads or a) * hd
+    f = flops.resolved_d_ff(m)
+    n_exp, top_k, capacity = experts
+    mlp_scale = top_k * capacity if n_exp else 1.0  # each token visits top_k experts
+    rope = m.position == "rope"
+    mlp_mult = 4 if m.mlp == "swiglu" else 2
+    if mode == "full":
+        value = r * h / (tp if sp else 1)
+        return value, f"{r}h{'/t' if sp and tp > 1 else ''} (block input only)"
+    if mode == "selective":
+        sharded = e * (h + 2 * kv) + 4 * a + e * h + mlp_scale * e * f * (mlp_mult // 2)
+        replicated = r * h + 2 * e * h  # block input, attention and MLP output-projection outputs
+        text = (f"{r}h + 2·{e}h + ({e}(h+2kv) + 4a + {e}h + {e}·{mlp_mult // 2}f)/t "
+                "(matmul and attention outputs)")
+    else:
+        norm, norm_text = _norm_saved(m, dt)
+        replicated = 2 * norm + 2 * e * h  # two norms' saved tensors, their outputs (linear inputs)
+        sharded = (e * (h + 2 * kv) + 4 * a + e * h + mlp_scale * mlp_mult * e * f
+                   + (e * (h + kv) + e * h if rope else 0))  # rotated q, k; proj-input copy
+        text = (f"2·{norm_text} + 2·{e}h + ({e}(h+2kv) + 4a + {e}h + {mlp_mult}·{e}f"
+                + (f" + {e}(2h+kv) rope" if rope else "") + ")/t")
+    if tp > 1:
+        replicated = replicated / tp if sp else replicated
+    return replicated + sharded / tp, text
+
+
+def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight: int,
+                    dt: ActivationDtypes, mode: str, tp: int, sp: bool, with_loss: bool,
+                    experts: tuple[int, int, float]) -> Item:
+    """Saved activations of `in_flight` micro-batches (1F1B: the first stage holds p of them)
+    plus the worst transient of backward: the loss, or one block's recomputation.
+
+    The loss (trainer.loss_of): logits in e, an fp32 copy, fp32 log-probabilities saved; its
+    backward holds the saved log-probs, their gradient and the logits' gradient in fp32:
+    12V bytes per token (vocabulary-parallel with tp). A block's backward recomputes what its
+    mode dropped and holds gradients: e(h + 2f) bytes per token (measured).
+    """
+    tokens = micro * seq
+    per_layer, text = block_activation(m, dt, mode, tp, sp, experts)
+    full, _ = block_activation(m, dt, "none", tp, sp, experts)
+    saved = layers * in_flight * tokens * per_layer
+    norm, _ = _norm_saved(m, dt)
+    final = (norm + dt.compute * m.d_model) / (tp if sp else 1)
+    # A block's backward holds the gradient of its output and, at the MLP, two f-wide
+    # gradients at once (measured: silu/gelu backward), on top of what it recomputes; torch's
+    # decomposed RMSNorm backward holds four fp32 h-vectors (worst at the final norm).
+    mlp_scale = experts[1] * experts[2] if experts[0] else 1.0
+    working = dt.compute * (m.d_model + 2 * mlp_scale * flops.resolved_d_ff(m) / tp)
+    if m.norm == "rmsnorm":
+        working = max(working, 16 * m.d_model)
+    recompute = tokens * (full - per_layer + working)
+    if m.norm == "rmsnorm" and with_loss:  # the final norm's backward, its inputs still saved
+        recompute = max(recompute, tokens * (final + 16 * m.d_model))
+    loss = tokens * (final + 12 * m.vocab_size / tp) if with_loss else 0.0
+    ids = 16 * tokens * in_flight  # int64 inputs and targets
+    parts = [Item("saved by blocks", saved,
+                  f"L={layers} x {in_flight} micro-batch(es) x b·s={tokens} x {per_layer:,.0f} B"
+                  f" = {text}"),
+             Item("backward peak", max(loss, recompute),
+                  f"max(loss: b·s x (final norm + 12V/t) = {loss / 1e9:.3g} GB, "
+                  f"one block's {'recompute + ' if mode != 'none' else ''}gradients "
+                  f"e(h+2f) = {recompute / 1e9:.3g} GB)"),
+             Item("token ids", ids, "16 B x b·s (int64 inputs, targets)")]
+    phases = {"loss": saved + loss + ids, "blocks": saved + recompute + ids}
+    return Item("activations", max(phases.values()), f"{mode} recompute; flash attention "
+                f"(no s² term)", parts, phases)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+
+@dataclass
+class Memory:
+    stage: str
+    params_on_rank: float
+    """Ψ_r: parameters this rank holds before ZeRO sharding (its tp/pp share)."""
+    items: list[Item]
+    """parameters, gradients, optimizer states, activations, buffers, fragmentation."""
+    train_peak: float
+    step_peak: float
+    """During the optimizer step (activations are gone; the fp32 gradient copy exists)."""
+    setup_peak: float
+    """While building: the runtime materialises the whole model in fp32 before sharding."""
+    capacity: float
+    host: list[Item]
+    host_per_node: float
+    host_capacity: float
+    notes: list[str]
+
+    @property
+    def peak(self) -> float:
+        return max(self.train_peak, self.step_peak, self.setup_peak)
+
+    @property
+    def limit(self) -> str:
+        """Which phase sets the peak, in words (for explanations)."""
+        if self.setup_peak >= max(self.train_peak, self.step_peak):
+            return ("setup: the runtime builds the whole model in fp32 on every rank before "
+                    "sharding it (4 B x Ψ_r)")
+        if self.step_peak > self.train_peak:
+            return "the optimizer step (fp32 copy of the gradient shard)"
+        big = max(self.items, key=lambda i: i.bytes)
+        return f"the training step, mostly {big.name}"
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.capacity and self.host_per_node <= self.host_capacity
+
+    @property
+    def activations(self) -> float:
+        return next(i.bytes for i in self.items if i.name == "activations")
+
+    def category(self, name: str) -> float:
+        return next(i.bytes for i in self.items if i.name == name)
+
+
+def _g(x: float) -> str:
+    return f"{x / 1e9:.3g} GB"
+
+
+def _n(x: float) -> str:
+    return f"{x / 1e9:.3g}B" if x >= 1e9 else f"{x / 1e6:.3g}M"
+
+
+def _state_items(sp: StageParams, lay: Layout, s: Strategy, cluster: Cluster) -> tuple[list[Item], dict]:
+    """Parameters, gradients, optimizer states: zero.partition.model_state_bytes (the ZeRO
+    paper's table, section 5.1) for dense and expert parameters, minus what is offloaded."""
+    d, local = s.dtypes, s.local
+    p, g, k = (4, 4, 8) if local else (d.param_bytes, d.grad_bytes, d.optimizer_bytes)
+    n_dense = lay.dp_shard if s.zero_stage else 1
+    n_expert = max(1, lay.dp_shard // lay.ep) if s.zero_stage else 1
+    dense = model_state_bytes(sp.dense, n_dense, s.zero_stage, p, g, k)
+    expert = model_state_bytes(sp.experts, n_expert, s.zero_stage, p, g, k)
+    total = {key: dense[key] + expert[key] for key in dense}
+    opt_tier = effective_tier(s.offload_optimizer, cluster)
+    param_tier = effective_tier(s.offload_params, cluster)
+    shard = lambda on: f" / N={n_dense}" if on else ""  # noqa: E731
+    why_local = " (one process: fp32 parameters and gradients, fp32 master is the parameter)" if local else ""
+    master = "" if local else f" (Adam m, v in {d.master}" + (
+        f" + {d.master} master" if k > 2 * DTYPE_BYTES[d.master] else "") + ")"
+    items = [
+        Item("parameters", 0.0 if param_tier != "none" else total["params"],
+             f"{p} B x Ψ_r{shard(s.zero_stage >= 3)}" + (f", held on {param_tier}" if param_tier != "none"
+                                                         else "") + why_local),
+        Item("gradients", total["grads"], f"{g} B x Ψ_r{shard(s.zero_stage >= 2)} " + (
+             "(fp32 param.grad, backward to step: counted against activations, the larger wins)"
+             if local else f"(persistent, {d.compute if d.reduce == 'auto' else d.reduce})")),
+        Item("optimizer states", 0.0 if opt_tier != "none" else total["optimizer"],
+             f"K={k} B x Ψ_r{shard(s.zero_stage >= 1)}{master}"
+             + (f", held on {opt_tier}" if opt_tier != "none" else "")),
+    ]
+    return items, {**total, "p": p, "g": g, "k": k, "n": n_dense, "opt_tier": opt_tier,
+                   "param_tier": param_tier}
+
+
+def _buffer_items(w: Workload, sp: StageParams, s: Strategy, cluster: Cluster,
+                  states: dict) -> list[Item]:
+    """Transient buffers of the engine (zero/engine.py, zero/params.py), one line each, with
+    the phases of backward they live in. Measured on CPU (tests, docs/planner.md)."""
+    d, m, items = s.dtypes, w.model, []
+    e, g = (4, 4) if s.local else (d.param_bytes, d.grad_bytes)
+    root, block, psi = sp.root_unit, sp.block_unit, sp.dense + sp.experts
+    units = f"root unit {_n(root)} + block {_n(block)}"
+    if s.local and d.compute != "fp32":
+        matmul = flops.matmul_params(m) / m.n_layers * sp.layers
+        items.append(Item("autocast weight copies", d.param_bytes * matmul,
+                          f"{d.param_bytes} B x {_n(matmul)} matmul weights cast for forward, kept "
+                          f"for backward", phases={"loss": d.param_bytes * matmul,
+                                                   "blocks": d.param_bytes * matmul}))
+    if m.tie_embeddings and s.layout.pp == 1:
+        # autograd adds the embedding's dense gradient to the head's out of place: 3 copies.
+        tied = 2 * e * m.vocab_size * m.d_model / s.layout.tp
+        items.append(Item("tied embedding gradient", tied, f"2 x {e} B x V·h: the embedding's "
+                          f"gradient and its sum with the head's", phases={"embedding": tied}))
+    if s.local:
+        return items
+    if s.grad_accum > 1:
+        items.append(Item("accumulated gradients", e * psi, f"{e} B x Ψ_r: param.grad of every "
+                          f"parameter across {s.grad_accum} micro-steps (the engine reduces on the "
+                          f"last only), unsharded"))
+    else:
+        items.append(Item("unit gradients", e * (root + block), f"{e} B x ({units}): param.grad "
+                          f"until a unit's last gradient (the root's lives through all of backward)",
+                          phases={"blocks": e * (root + block), "embedding": e * root, "root": e * root}))
+    if s.zero_stage >= 2:
+        items.append(Item("gradient reduction buffers", g * (root + block), f"{g} B x flat "
+                          f"gradients: a block's being filled + one reducing; then the root's",
+                          phases={"blocks": 2 * g * block, "embedding": 2 * g * block,
+                                  "root": g * (root + block)}))
+    if cluster.device.kind == "cpu" and s.zero_stage >= 1:
+        # gloo's reduce-scatter copies its input (measured); stage 1 does not bound the
+        # reductions in flight, so every unit's copy may be waiting at once.
+        if s.zero_stage == 1:
+            copies, text = {p: g * psi for p in ("blocks", "embedding", "root")}, "Ψ_r: all units in flight"
+        else:
+            copies = {"blocks": g * block, "embedding": g * block, "root": g * root}
+            text = "the unit in flight"
+        items.append(Item("gloo reduce-scatter copies", max(copies.values()), f"{g} B x {text}",
+                          phases=copies))
+    if s.zero_stage == 3:
+        gathered = e * (root + 2 * block)
+        gloo = cluster.device.kind == "cpu"  # gloo's all-gather allocates its output again
+        phases = {"loss": gathered + (e * root if gloo else 0),
+                  "blocks": gathered + (e * block if gloo else 0), "embedding": e * root}
+        items.append(Item("gathered parameters", max(phases.values()), f"{e} B x ({units} x 2): the "
+                          f"root stays gathered until its backward; the current block and the "
+                          f"prefetched next" + (" (+ gloo's copy of the one gathering)" if gloo else ""),
+                          phases=phases))
+    if states["param_tier"] != "none":
+        shard = states["p"] * max(root, block) / states["n"]
+        items.append(Item("fetched parameter shard", shard, f"{states['p']} B x {_n(max(root, block))}"
+                          f" / N: a unit's shard, brought from {states['param_tier']} for its gather"))
+    return items
+
+
+def estimate_memory(w: Workload, s: Strategy, cluster: Cluster) -> Memory:
+    """The worst pipeline stage's per-rank memory, by category, for the run as the runtime
+    builds it (or would, for tp/pp/ep, which it does not have yet)."""
+    validate(w, s, cluster)
+    results = [_stage_memory(w, s, cluster, sp) for sp in stage_params(w, s.layout)]
+    return max(results, key=lambda m: m.peak)
+
+
+def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> Memory:
+    lay, calib = s.layout, cluster.calibration
+    items, states = _state_items(sp, lay, s, cluster)
+    in_flight = min(lay.pp, s.grad_accum) if sp.name == "first stage" else 1
+    items.append(activation_peak(w.model, w.seq_len, s.micro_batch, sp.layers, in_flight,
+                                 activation_dtypes(s, cluster), s.recompute, lay.tp,
+                                 s.sequence_parallel and lay.tp > 1, sp.name != "first stage",
+                                 (w.experts, w.top_k, w.capacity_factor)))
+    buffers = _buffer_items(w, sp, s, cluster, states)
+    host = _host_memory(s, states, cluster)
+    if cluster.device.kind == "cpu":  # the host is the device: offload buffers count here
+        buffers, host = buffers + host, []
+    buffers.append(Item("runtime reserve", calib.runtime_reserve,
+                        "measured RSS of a worker after imports and gloo, + 100 MB for its data"
+                        if cluster.device.kind == "cpu"
+                        else "CUDA/HIP context, cuBLAS workspace, NCCL buffers (assumed)"))
+    items.append(Item("buffers", sum(b.bytes for b in buffers), "below", buffers))
+    # Transients of different phases do not coexist: the peak is what is held throughout plus
+    # the worst phase. One process: param.grad appears as backward frees the activations.
+    parts = [i for i in items if i.name != "buffers"] + buffers
+    if s.local:  # param.grad of everything by the end, fp32
+        items[1].phases = {"blocks": 4 * sp.root_unit, "embedding": states["grads"],
+                           "root": states["grads"]}
+    held = sum(i.bytes for i in parts if not i.phases)
+    phase = {p: sum(i.phases.get(p, 0.0) for i in parts) for p in PHASES}
+    worst = max(phase, key=phase.get)
+    frag = FRAGMENTATION * phase[worst]
+    items.append(Item("fragmentation allowance", frag, f"{FRAGMENTATION:.0%} x the worst phase's "
+                      f"transients ({PHASES[worst]})"))
+    train_peak = held + phase[worst] + frag
+    grad_copy = 0.0
+    if not s.local and states["opt_tier"] == "none" and states["g"] != DTYPE_BYTES[s.dtypes.master]:
+        shard = (sp.dense + sp.experts) / (states["n"] if s.zero_stage else 1)
+        grad_copy = DTYPE_BYTES[s.dtypes.master] * shard
+    if states["param_tier"] == "nvme":  # the step reads every shard back (materialize_all)
+        grad_copy += states["params"]
+    if cluster.device.kind == "cpu" and s.zero_stage in (1, 2):  # gloo all-gather's copy
+        grad_copy += states["p"] * max(sp.root_unit, sp.block_unit)
+    step_peak = sum(i.bytes for i in items[:3]) + grad_copy + calib.runtime_reserve
+    setup_peak = 0.0 if s.local else (4 * (sp.dense + sp.experts) + (states["p"] + 4) *
+                                      max(sp.root_unit, sp.block_unit) + calib.runtime_reserve)
+    if host:
+        host.append(Item("worker process", HOST_PROCESS_BYTES, "torch + CUDA libraries (assumed)"))
+    notes = [f"held throughout {_g(held)} + the worst phase, {PHASES[worst]}, {_g(phase[worst])}"
+             f" (+{FRAGMENTATION:.0%}); transients of other phases are not added"]
+    if step_peak > train_peak:
+        notes.append(f"the optimizer step peaks higher ({_g(step_peak)}): +{_g(grad_copy)} for the "
+                     f"gradient shard cast to {s.dtypes.master}"
+                     + (" and the parameter shards read back from nvme"
+                        if states["param_tier"] == "nvme" else ""))
+    if setup_peak > max(train_peak, step_peak):
+        notes.append(f"setup peaks highest ({_g(setup_peak)}): the runtime builds the whole model in "
+                     f"fp32 on every rank (4 B x Ψ_r) before sharding it (trainer.build_run)")
+    return Memory(sp.name, sp.dense + sp.experts, items, train_peak, step_peak, setup_peak,
+                  cluster.device.memory, host, sum(i.bytes for i in host) * cluster.per_node,
+                  0.9 * cluster.node.host_memory, notes)
+
+
+def _host_memory(s: Strategy, states: dict, cluster: Cluster) -> list[Item]:
+    """Host RAM per rank for offloaded states (zero/offload.py; ZeRO-Offload, Ren et al. 2021;
+    ZeRO-Infinity, Rajbhandari et al. 2021). The cpu tier holds fp32 masters and moments (a
+    master cannot alias a parameter on another device) and receives the gradient shard in
+    fp32 for the step; the nvme tier keeps 3 state files on disk and streams them through
+    nvme_buffers x (3 state chunks + 1 gradient chunk) of host memory."""
+    from shardlm.config import ZeroConfig
+
+    d, n, items = s.dtypes, states["n"], []
+    psi_n = states["optimizer"] / states["k"]  # Ψ_r / N
+    master = DTYPE_BYTES[d.master]
+    if states["opt_tier"] == "cpu":
+        items.append(Item("optimizer states (cpu tier)", (3 * master + 4) * psi_n,
+                          f"(3 x {master} B master, m, v + 4 B fp32 gradient) x Ψ_r / N"))
+    if "nvme" in (states["opt_tier"], states["param_tier"]):
+        z = ZeroConfig()
+        items.append(Item("nvme stream buffers", z.nvme_buffers * 4 * z.nvme_chunk_mb * 2**20,
+                          f"zero.nvme_buffers {z.nvme_buffers} x 4 x zero.nvme_chunk_mb "
+                          f"{z.nvme_chunk_mb} MiB (defaults); the states are on disk"))
+    if states["param_tier"] == "cpu":
+        items.append(Item("parameter shards (cpu tier)", states["p"] * states["params"] / states["p"],
+                          f"{states['p']} B x Ψ_r / N"))
+    return items

@@ -1,0 +1,242 @@
+"""Time per optimizer step for one strategy: compute (with recomputation and the pipeline
+bubble), each collective on the link its group spans and what of it overlap hides, the
+optimizer step, offload traffic.
+
+Pure functions; no torch, no process group, no allocation. Formulas and sources:
+docs/planner.md; notation: workload.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from shardlm.models import flops
+from shardlm.planner.hardware import Cluster
+from shardlm.planner.memory import activation_dtypes, block_activation
+from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier,
+                                      shape_of, stage_params, validate)
+
+ADAM_BYTES_PER_PARAM = 36
+"""Memory traffic of one fused AdamW update per parameter: read master, gradient, m, v (4 B
+each, the gradient converted), write master, m, v, and the compute-dtype copy (~9 x 4 B)."""
+
+
+@dataclass
+class Comm:
+    name: str
+    group: str
+    """Which group and over what link: 'dp_shard (8, intra-node nvlink3)'."""
+    bytes: float
+    """Per rank per step, counted as the ZeRO paper counts (all-reduce = 2x its tensor)."""
+    seconds: float
+    exposed: float
+    """What is left on the critical path after overlap with compute."""
+
+
+@dataclass
+class Timing:
+    compute: float
+    """Seconds of compute per step, recomputation and pipeline bubble included."""
+    bubble: float
+    comms: list[Comm]
+    optimizer: float
+    step: float
+    tokens_per_s: float
+    mfu: float
+    model_flops_per_token: float
+
+    @property
+    def exposed_comm(self) -> float:
+        return sum(c.exposed for c in self.comms)
+
+
+def group_link(cluster: Cluster, size: int, stride: int) -> tuple[float, float, str]:
+    """(bytes/s, latency, description) of a ring over `size` ranks `stride` apart.
+
+    Ranks are laid out pp, dp_replicate, dp_shard, tp from outer to inner (mesh.py: dp_shard
+    inside dp_replicate; tp innermost as in torchtitan). A group inside one node runs on the
+    intra-node link. One that spans nodes is limited by its share of the node's network
+    adapters (every such group runs at once, each rail-optimised adapter carrying one):
+    adapters x bandwidth x (its members on the node / devices per node).
+    """
+    node, per_node = cluster.node, cluster.per_node
+    members = min(size, max(1, per_node // stride)) if stride < per_node else 1
+    nodes = ceil_div(size, members)
+    if nodes == 1:
+        return node.intra.effective, node.intra.latency, f"intra-node {node.intra.name}"
+    inter = node.inter.effective * node.nics * members / per_node
+    bandwidth = min(inter, node.intra.effective) if members > 1 else inter
+    return bandwidth, node.inter.latency, f"{nodes} nodes, {node.inter.name}"
+
+
+def collective_seconds(op: str, nbytes: float, size: int, bandwidth: float, latency: float,
+                       calls: int = 1) -> float:
+    """Alpha-beta cost of `calls` equal collectives moving `nbytes` in total (Thakur et al.
+    2005; NCCL's ring and tree): a ring all-gather or reduce-scatter takes (N-1) steps of
+    S/N bytes; an all-reduce is both, or a double binary tree (2 log2 N steps, full bandwidth)
+    when latency dominates."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    each = nbytes / calls
+    ring = (size - 1) * latency + (size - 1) / size * each / bandwidth
+    if op == "all_reduce":
+        one = min(2 * ring, 2 * log2_ceil(size) * latency + 2 * each / bandwidth)
+    elif op == "p2p":
+        one = latency + each / bandwidth
+    else:  # all_gather, reduce_scatter, all_to_all
+        one = ring
+    return calls * one
+
+
+def _hidden(seconds: float, window: float, overlap: float, fixed: float = 0.0) -> float:
+    """Exposed part of asynchronous communication: `fixed` cannot overlap (nothing computes
+    beside it); the rest hides in `overlap` x the compute window."""
+    rest = max(0.0, seconds - fixed)
+    return fixed + max(0.0, rest - overlap * window)
+
+
+def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
+              windows: tuple[float, float]) -> list[Comm]:
+    """The data-parallel collectives of the ZeRO engine, per unit, as zero/engine.py issues
+    them (volumes sum to zero.partition.comm_bytes_per_step)."""
+    lay, d, calib = s.layout, s.dtypes, cluster.calibration
+    overlap = calib.overlap
+    e, g = d.param_bytes, d.grad_bytes
+    backward, everything = windows
+    units = sp.layers + 1
+    psi, root = sp.dense + sp.experts, sp.root_unit
+    out = []
+
+    def add(name, op, nbytes, size, stride, window=0.0, fixed_fraction=1.0, calls=units, repeat=1):
+        if size <= 1 or nbytes <= 0:
+            return
+        bw, lat, where = group_link(cluster, size, stride)
+        seconds = repeat * collective_seconds(op, nbytes, size, bw, lat, calls) * calib.factor(op)
+        volume = (2 if op == "all_reduce" else 1) * nbytes * repeat
+        out.append(Comm(name, f"{size} ranks, {where}", volume, seconds,
+                        _hidden(seconds, window, overlap, fixed_fraction * seconds)))
+
+    root_share = root / psi
+    if s.zero_stage == 0:  # the root unit's gradients complete last: its reduction is exposed
+        add("all-reduce gradients", "all_reduce", g * psi, lay.dp, lay.tp, backward, root_share)
+        return out
+    shard, replicas = lay.dp_shard, lay.dp_replicate
+    add("reduce-scatter gradients", "reduce_scatter", g * psi, shard, lay.tp, backward, root_share)
+    if s.zero_stage in (1, 2):  # after the step, before the next forward: nothing to hide in
+        add("all-gather updated parameters", "all_gather", e * psi, shard, lay.tp)
+    else:  # gathered before forward and (reshard_after_forward) again before backward, every
+        # micro-step; the root is gathered first each time, with nothing to overlap
+        passes = 2 * s.grad_accum
+        add("all-gather parameters", "all_gather", e * psi, shard, lay.tp, everything,
+            root_share, repeat=passes)
+    add("all-reduce shards across replicas", "all_reduce", g * psi / shard, replicas,
+        lay.tp * shard)
+    return out
+
+
+def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> list[Comm]:
+    """Tensor, pipeline and expert parallel traffic, all on the critical path."""
+    lay, e, m = s.layout, s.dtypes.param_bytes, w.model
+    tokens = s.micro_batch * w.seq_len
+    micro = s.grad_accum
+    out = []
+    if lay.tp > 1:  # Megatron's f/g: 2 all-reduces forward, 2 backward per layer (+2 recompute);
+        # with sequence parallelism the same volume as all-gathers + reduce-scatters
+        calls = (6 if s.recompute == "full" else 4) * sp.layers * micro
+        bw, lat, where = group_link(cluster, lay.tp, 1)
+        sec = collective_seconds("all_reduce", e * tokens * m.d_model * calls, lay.tp, bw, lat, calls)
+        out.append(Comm("tensor-parallel all-reduces", f"{lay.tp} ranks, {where}",
+                        2 * e * tokens * m.d_model * calls, sec, sec))
+    if lay.pp > 1:  # one activation forward, one gradient back, per micro-batch and boundary
+        size = e * tokens * m.d_model / (lay.tp if s.sequence_parallel else 1)
+        bw, lat, where = group_link(cluster, 2, lay.tp * lay.dp)
+        sec = collective_seconds("p2p", 2 * micro * size, 2, bw, lat, 2 * micro)
+        out.append(Comm("pipeline send/recv", f"stage boundary, {where}", 2 * micro * size, sec, sec))
+    if lay.ep > 1:  # dispatch + combine, forward and backward, per MoE layer
+        calls = 4 * sp.layers * micro
+        size = e * tokens * m.d_model * w.top_k * w.capacity_factor
+        bw, lat, where = group_link(cluster, lay.ep, lay.tp)
+        sec = collective_seconds("all_to_all", size * calls, lay.ep, bw, lat, calls)
+        out.append(Comm("expert all-to-all", f"{lay.ep} ranks, {where}", size * calls, sec, sec))
+    return out
+
+
+def model_flops_per_token(w: Workload, recompute: str = "none") -> float:
+    """models.flops.flops_per_token (PaLM appendix B: 6N + 12·L·h·s), with top_k experts'
+    MLPs and the router for a mixture of experts."""
+    m = w.model
+    value = flops.flops_per_token(m, w.seq_len, recompute)
+    if w.experts:
+        mlp = (3 if m.mlp == "swiglu" else 2) * m.d_model * flops.resolved_d_ff(m)
+        value += 6 * m.n_layers * ((w.top_k - 1) * mlp + m.d_model * w.experts)
+    if w.params:
+        value *= w.params / shape_of(replace(w, params=None)).total
+    return value
+
+
+def _optimizer_seconds(s: Strategy, cluster: Cluster, psi_opt: float) -> float:
+    """Fused AdamW is memory-bound: ADAM_BYTES_PER_PARAM of traffic per parameter at the
+    device's bandwidth; offloaded (ZeRO-Offload), at the host's share per device, plus the
+    gradient down and the parameters up over PCIe; on NVMe (ZeRO-Infinity) also reading and
+    writing the states."""
+    d, node, per_node = s.dtypes, cluster.node, cluster.per_node
+    tier = effective_tier(s.offload_optimizer, cluster)
+    if tier == "none":
+        return psi_opt * ADAM_BYTES_PER_PARAM / cluster.device.memory_bandwidth
+    seconds = psi_opt * ADAM_BYTES_PER_PARAM / (node.host_bandwidth / per_node)
+    if cluster.device.kind != "cpu":  # the gradient shard down, the parameters back up
+        seconds += (d.grad_bytes + d.param_bytes) * psi_opt / node.pcie.effective
+    if tier == "nvme":  # read and write master, m, v
+        seconds += 2 * 3 * DTYPE_BYTES[d.master] * psi_opt / (node.nvme_bandwidth / per_node)
+    return seconds
+
+
+def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
+    """Seconds per optimizer step on the slowest (first) pipeline stage."""
+    validate(w, s, cluster)
+    lay, m, dev = s.layout, w.model, cluster.device
+    sp = stage_params(w, lay)[0]
+    model_flops = model_flops_per_token(w)
+    run_flops = model_flops_per_token(w, s.recompute)
+    # Small matrices fill less of the chip: efficiency x h/(h + half_width) (docs/planner.md).
+    size_factor = m.d_model / (m.d_model + cluster.calibration.half_width)
+    rate = dev.peak[s.dtypes.compute] * dev.efficiency * size_factor
+    stage_share = sp.layers / m.n_layers  # the first stage has the most layers
+    tokens = s.micro_batch * w.seq_len
+    per_micro = run_flops * tokens * stage_share / lay.tp / rate
+    if s.recompute == "selective":  # element-wise ops redone: memory-bound, write + read
+        sp_on = s.sequence_parallel and lay.tp > 1
+        dt = activation_dtypes(s, cluster)
+        redone = (block_activation(m, dt, "none", lay.tp, sp_on)[0]
+                  - block_activation(m, dt, "selective", lay.tp, sp_on)[0])
+        per_micro += 2 * redone * tokens * sp.layers / dev.memory_bandwidth
+    micro = s.grad_accum
+    compute = per_micro * (micro + lay.pp - 1)  # 1F1B: bubble (p-1)/(m+p-1) of the pipeline time
+    backward = per_micro * (run_flops - model_flops / 3) / run_flops
+    comms = _model_parallel_comms(w, s, cluster, sp)
+    if not s.local:
+        comms += _dp_comms(w, s, cluster, sp, (backward, compute))
+    n_opt = lay.dp_shard if s.zero_stage else 1
+    psi_opt = sp.dense / n_opt + sp.experts / (max(1, lay.dp_shard // lay.ep) if s.zero_stage else 1)
+    optimizer = _optimizer_seconds(s, cluster, psi_opt)
+    if effective_tier(s.offload_params, cluster) != "none":  # each gather fetches the shard
+        up = 2 * micro * s.dtypes.param_bytes * sp.dense / lay.dp_shard
+        seconds = 0.0 if dev.kind == "cpu" else up / cluster.node.pcie.effective
+        if s.offload_params == "nvme":
+            seconds += up / (cluster.node.nvme_bandwidth / cluster.per_node)
+        comms.append(Comm("parameter shards from host", s.offload_params, up, seconds,
+                          _hidden(seconds, compute, cluster.calibration.overlap)))
+    step = compute + sum(c.exposed for c in comms) + optimizer
+    tokens_per_s = w.global_batch * w.seq_len / step
+    mfu = model_flops * tokens_per_s / (lay.world_size * dev.peak[s.dtypes.compute])
+    return Timing(compute, (lay.pp - 1) / (micro + lay.pp - 1), comms, optimizer, step,
+                  tokens_per_s, mfu, model_flops)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def log2_ceil(n: int) -> int:
+    return max(1, math.ceil(math.log2(n))) if n > 1 else 0

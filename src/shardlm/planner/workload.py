@@ -1,0 +1,245 @@
+"""What is planned: the workload, the strategy, and the parameters each rank holds.
+
+Shared by memory.py (per-rank memory) and timing.py (time per step). Pure functions of
+(workload, strategy, cluster); no torch, no process group, no allocation. Every formula, its
+source and the assumptions are in docs/planner.md; the comments here say which term is which.
+Notation (all of the planner): Ψ parameters, N ranks a state is sharded over, L layers, h
+width, a heads, V vocabulary, f MLP width, s sequence length, b micro-batch, t tensor-parallel
+degree, p pipeline stages, m micro-batches per step; e / g / r bytes per element of the
+compute dtype, the gradient (reduce) dtype and the residual stream.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+from shardlm.config import ConfigError, ModelConfig
+from shardlm.models import flops
+from shardlm.planner.hardware import Cluster
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+OFFLOAD_TIERS = ("none", "cpu", "nvme")
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+# ---------------------------------------------------------------------------------------------
+# What is being planned
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """The mixed-precision policy (config [precision]): compute, gradient reduction, master."""
+
+    compute: str = "bf16"
+    reduce: str = "auto"
+    """'auto' = the compute dtype (what DeepSpeed, FSDP and the ZeRO formulas assume)."""
+    master: str = "fp32"
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.compute]
+
+    @property
+    def grad_bytes(self) -> int:
+        return DTYPE_BYTES[self.compute if self.reduce == "auto" else self.reduce]
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """K: Adam's two moments in the master dtype, plus the master copy when it is not the
+        parameters themselves (fp32 master + bf16 compute: 4 + 4 + 4 = 12, the paper's K)."""
+        master = DTYPE_BYTES[self.master]
+        return 2 * master + (master if self.master != self.compute else 0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """dp_replicate x dp_shard x tp x pp ranks (ep experts' ranks come out of dp_shard)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class Strategy:
+    layout: Layout
+    zero_stage: int = 0
+    micro_batch: int = 1
+    grad_accum: int = 1
+    recompute: str = "none"
+    """Activation checkpointing: 'none', 'selective' (keep matmul/attention outputs), 'full'."""
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    dtypes: Dtypes = Dtypes()
+    sequence_parallel: bool = True
+    """With tp > 1: shard norms and residuals along the sequence (Korthikanti et al. 2022)."""
+
+    @property
+    def local(self) -> bool:
+        """One process at stage 0 trains without the engine (parallel/data.LocalStrategy):
+        fp32 parameters, fp32 gradients, autocast casts weights on the fly."""
+        return self.layout.world_size == 1 and self.zero_stage == 0
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: ModelConfig
+    seq_len: int
+    global_batch: int
+    """Sequences per optimizer step (= micro_batch x grad_accum x dp)."""
+    params: float | None = None
+    """Ψ as the user gave it (--params): model states use it exactly, the shape only scales."""
+    experts: int = 0
+    """Mixture of experts: experts per MLP (0 = dense); modelled, not yet in the runtime."""
+    top_k: int = 1
+    capacity_factor: float = 1.25
+
+
+def validate(w: Workload, s: Strategy, cluster: Cluster) -> None:
+    """User mistakes, all at once, before any arithmetic."""
+    lay, m, errors = s.layout, w.model, []
+    if lay.world_size != cluster.world_size:
+        errors.append(f"dp_replicate ({lay.dp_replicate}) x dp_shard ({lay.dp_shard}) x tp ({lay.tp}) "
+                      f"x pp ({lay.pp}) = {lay.world_size}, but {cluster.describe()} has "
+                      f"{cluster.world_size} devices")
+    if m.n_heads % lay.tp:
+        errors.append(f"tp = {lay.tp} does not divide the {m.n_heads} attention heads")
+    if lay.pp > m.n_layers:
+        errors.append(f"pp = {lay.pp} exceeds the {m.n_layers} layers")
+    if lay.ep > 1 and (not w.experts or w.experts % lay.ep or lay.dp_shard % lay.ep):
+        errors.append(f"ep = {lay.ep} must divide the experts ({w.experts}) and dp_shard "
+                      f"({lay.dp_shard})")
+    if s.zero_stage not in (0, 1, 2, 3):
+        errors.append(f"zero stage {s.zero_stage}: choose 0, 1, 2 or 3")
+    if s.recompute not in RECOMPUTE_MODES:
+        errors.append(f"activation checkpoint {s.recompute!r}: choose {', '.join(RECOMPUTE_MODES)}")
+    for name, tier in (("offload_optimizer", s.offload_optimizer), ("offload_params", s.offload_params)):
+        if tier not in OFFLOAD_TIERS:
+            errors.append(f"{name} = {tier!r}: choose {', '.join(OFFLOAD_TIERS)}")
+    if s.offload_params != "none" and s.zero_stage != 3:
+        errors.append(f"offload_params = {s.offload_params!r} needs ZeRO stage 3 (stage {s.zero_stage} "
+                      f"keeps whole parameters on every rank)")
+    if s.offload_optimizer != "none" and s.zero_stage == 0:
+        errors.append("offload_optimizer needs ZeRO stage >= 1 (the offloaded states are the shard)")
+    if s.dtypes.compute not in cluster.device.peak:
+        have = ", ".join(cluster.device.peak)
+        errors.append(f"{cluster.device.name} has no {s.dtypes.compute} (it has {have})")
+    if w.seq_len > m.max_seq_len and m.position == "learned":
+        errors.append(f"seq {w.seq_len} exceeds the model's {m.max_seq_len} learned positions")
+    if s.micro_batch * s.grad_accum * lay.dp != w.global_batch:
+        errors.append(f"micro_batch {s.micro_batch} x grad_accum {s.grad_accum} x dp {lay.dp} != "
+                      f"global batch {w.global_batch} sequences")
+    if errors:
+        raise ConfigError("this plan cannot run:\n  - " + "\n  - ".join(errors))
+
+
+def describe_dtypes(d: Dtypes, local: bool) -> str:
+    if local:
+        return f"{d.compute} autocast over fp32 parameters and gradients, fp32 Adam (K = 8)"
+    return (f"{d.compute} compute / {d.compute if d.reduce == 'auto' else d.reduce} gradients / "
+            f"{d.master} master (K = {d.optimizer_bytes})")
+
+
+def effective_tier(tier: str, cluster: Cluster) -> str:
+    """On a CPU machine the 'cpu' tier is where the states already are (zero/offload.py
+    aliases them): nothing moves."""
+    return "none" if tier == "cpu" and cluster.device.kind == "cpu" else tier
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the parameters are
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Parameter counts by part, from models.flops.count_params (never re-derived here)."""
+
+    total: float
+    block: float
+    """One transformer block, all its experts included."""
+    block_replicated: float
+    """Norms and row-parallel biases: not split by tensor parallelism."""
+    expert: float
+    """One expert's MLP (0 for a dense model)."""
+    embedding: float
+    positions: float
+    final_norm: float
+    head: float
+    """Untied output head (0 when tied to the embedding)."""
+
+
+def shape_of(w: Workload) -> Shape:
+    # Memoised: the search asks for the same workload's shape thousands of times.
+    return _shape(tuple(vars(w.model).items()), w.params, w.experts)
+
+
+@functools.lru_cache(maxsize=64)
+def _shape(model_fields: tuple, params: float | None, experts: int) -> Shape:
+    m = ModelConfig(**dict(model_fields))
+    w = Workload(m, 1, 1, params, experts)
+    root = flops.count_params(replace(m, n_layers=0))
+    block = flops.count_params(replace(m, n_layers=1)) - root
+    embedding = m.vocab_size * m.d_model
+    positions = m.max_seq_len * m.d_model if m.position == "learned" else 0
+    head = 0 if m.tie_embeddings else embedding
+    final_norm = root - embedding - positions - head
+    mlp = (3 if m.mlp == "swiglu" else 2) * m.d_model * flops.resolved_d_ff(m)
+    if m.bias:
+        mlp += flops.resolved_d_ff(m) * (2 if m.mlp == "swiglu" else 1) + m.d_model
+    expert = mlp if w.experts else 0
+    if w.experts:  # E expert MLPs and a router (h x E) instead of one MLP
+        block += (w.experts - 1) * mlp + m.d_model * w.experts
+    replicated = 2 * final_norm + (2 * m.d_model if m.bias else 0)
+    shape = Shape(m.n_layers * block + root, block, replicated, expert, embedding, positions,
+                  final_norm, head)
+    if w.params:  # the user's Ψ is the truth; the synthesised shape only apportions it
+        k = w.params / shape.total
+        shape = Shape(w.params, *(getattr(shape, f) * k for f in
+                                  ("block", "block_replicated", "expert", "embedding",
+                                   "positions", "final_norm", "head")))
+    return shape
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one rank of a pipeline stage holds before ZeRO sharding."""
+
+    name: str
+    layers: int
+    dense: float
+    """Ψ_r: this rank's non-expert parameters (sharded over dp_shard)."""
+    experts: float
+    """This rank's expert parameters (sharded over dp_shard / ep)."""
+    root_unit: float
+    block_unit: float
+
+
+def stage_params(w: Workload, lay: Layout) -> list[StageParams]:
+    """The first and (if pp > 1) the last pipeline stage: the first holds the embeddings and
+    the most layers, the last the head. Tensor parallelism splits every matrix (the
+    embedding and head vocabulary-parallel) and replicates norms (Shoeybi et al. 2019)."""
+    sh, t = shape_of(w), lay.tp
+    experts_local = (w.experts // lay.ep) * sh.expert if w.experts else 0
+    dense_block = sh.block_replicated + (sh.block - sh.block_replicated - w.experts * sh.expert) / t
+    first_layers = -(-w.model.n_layers // lay.pp)
+    last_layers = w.model.n_layers - (lay.pp - 1) * (w.model.n_layers // lay.pp)
+    inputs = sh.embedding / t + sh.positions
+    # A tied head on its own last stage keeps a copy of the embedding (as Megatron-LM does).
+    outputs = sh.final_norm + (sh.head or sh.embedding) / t
+    if lay.pp == 1:
+        roots = [("all layers", first_layers, sh.embedding / t + sh.positions + sh.final_norm + sh.head / t)]
+    else:
+        roots = [("first stage", first_layers, inputs), ("last stage", last_layers, outputs)]
+    return [StageParams(name, n, n * dense_block + root, n * experts_local, root,
+                        dense_block + experts_local) for name, n, root in roots]
