@@ -125,3 +125,12 @@ def test_peak_rss_falls_by_the_bytes_moved_to_disk(tmp_path):
           f"fall {fall / 2**20:.0f} MiB, moved to disk {moved / 2**20:.0f} MiB")
     assert moved > 300 * 2**20
     assert fall >= 0.8 * moved
+
+
+def test_hybrid_sharding_with_nvme(tmp_path):
+    """2 replicas x 2 shards: each shard's optimizer state streamed from disk."""
+    base = _base(tmp_path, **{"parallel.zero_stage": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 2,
+                              "train.micro_batch": 2})
+    cases = [(base, STEPS, -1), ({**base, "zero.offload_optimizer": "nvme"}, STEPS, -1)]
+    for reference, offloaded in run_ranks(train_cases, 4, tmp_path, cases, timeout=600):
+        _assert_equal(reference, offloaded, "hybrid nvme")
