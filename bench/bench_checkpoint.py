@@ -10,7 +10,9 @@ file system checkpoints normally go to), removed at the end.
    figure is measured 3 times (first / best): on this VM the first touch of memory the guest
    has not used lately (page cache included) is slow, so a repeat is faster. Also: cold read
    (the file's pages dropped with posix_fadvise(DONTNEED)), SHA-256 in memory, and a 1 GiB
-   memory copy into new memory (what the asynchronous snapshot does) and into touched memory.
+   memory copy into new memory (what the asynchronous snapshot does: right after freeing as
+   much, and after 5 s idle, when a guest with free page reporting has handed it back to its
+   host) and into touched memory.
 2. Per stage (ZeRO 1: each rank writes half; ZeRO 0: rank 0 writes everything), one pair of
    fresh processes: build the run (gpt2-124m, fp32), --warmup steps, --steps timed steps (the
    median is the step time without a save), then a synchronous save (both ranks start it after a
@@ -34,7 +36,11 @@ file system checkpoints normally go to), removed at the end.
    (stage 1: the all-gather of the parameters). Then the stage-1 checkpoint loaded into 1
    process at stage 0. Load time = the slowest rank's.
 
-Reproduce:  PYTHONPATH=src SHARDLM_CACHE=/tmp/shc python bench/bench_checkpoint.py   (~6 min)
+The machine may be shared: the CPU seconds other processes took during each phase (machine busy
+time from /proc/stat minus this benchmark's own) are printed; figures from a phase where they
+are large are contaminated.
+
+Reproduce:  PYTHONPATH=src SHARDLM_CACHE=/tmp/shc python bench/bench_checkpoint.py   (~5 min)
             PYTHONPATH=src python bench/bench_checkpoint.py --preset gpt-mini --stages 1
 """
 
@@ -74,6 +80,29 @@ def overrides_for(args, stage: int, run_dir: str, name: str) -> dict:
             "checkpoint.resume": "never"}
 
 
+class OtherCpu:
+    """CPU seconds other processes took since the last call (what contaminates a phase)."""
+
+    def __init__(self):
+        self.last = cpu_seconds()
+
+    def __call__(self) -> str:
+        now = cpu_seconds()
+        machine, own = (a - b for a, b in zip(now, self.last))
+        self.last = now
+        return f"other processes used {machine - own:.0f} CPU s"
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process and its finished
+    children): their difference over the run is what other processes took from it."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    busy = sum(fields[i] for i in (0, 1, 2, 5, 6)) / os.sysconf("SC_CLK_TCK")  # user nice system irq softirq
+    t = os.times()
+    return busy, t.user + t.system + t.children_user + t.children_system
+
+
 # -- the disk ---------------------------------------------------------------------------------
 
 
@@ -89,8 +118,7 @@ def drop_cache(path: Path) -> None:
 def _write_fsync(path: Path, chunk: bytes, nbytes: int, start: threading.Barrier) -> None:
     start.wait()
     with open(path, "wb") as f:
-        for _ in range(nbytes // len(chunk)):
-            f.write(chunk)
+        f.writelines(chunk for _ in range(nbytes // len(chunk)))
         f.flush()
         os.fsync(f.fileno())
 
@@ -134,6 +162,7 @@ def disk_limits(directory: Path, mib: int) -> dict:
     began = time.perf_counter()
     hashlib.sha256(data).hexdigest()
     out["sha256"] = nbytes / (time.perf_counter() - began) / MB
+    del data
     source = torch.ones(nbytes // 4)
     began = time.perf_counter()
     copied = source.clone()  # new memory, first touched by the copy: what the async snapshot does
@@ -141,7 +170,15 @@ def disk_limits(directory: Path, mib: int) -> dict:
     began = time.perf_counter()
     copied.copy_(source)  # the same copy into memory already touched
     out["touched_copy"] = nbytes / (time.perf_counter() - began) / MB
-    del copied, data
+    del copied
+    # A guest kernel with free page reporting (virtio-balloon) hands freed memory back to the
+    # host after ~2 s; touching it again then costs a host fault per page. A training process
+    # allocates its snapshot long after it last freed that much.
+    time.sleep(5)
+    began = time.perf_counter()
+    copied = source.clone()
+    out["idle_copy"] = nbytes / (time.perf_counter() - began) / MB
+    del copied
     return out
 
 
@@ -219,8 +256,16 @@ class Probe:
                 if getattr(inside, "on", False):
                     record(("fsync", "", time.perf_counter() - began, 0))
 
+        real_read_range = sharded.CheckpointReader.read_range
+
+        def read_range(reader, *args, **kwargs):  # includes the first use's verification
+            began = time.perf_counter()
+            real_read_range(reader, *args, **kwargs)
+            record(("read", "", time.perf_counter() - began, 0))
+
         sharded.write_safetensors, sharded._safetensors_pieces, sharded._sha256 = (
             write_safetensors, pieces, sha_file)
+        sharded.CheckpointReader.read_range = read_range
         sharded.hashlib, sharded.os = TimedHashlib(), TimedOs()
 
     def reset(self) -> None:
@@ -309,6 +354,14 @@ def load_rank(rank: int, world: int, overrides: dict, ckpt: str, modes: list) ->
 
     run = build_run(load_config(overrides=overrides).validate())
     probe = Probe()
+    real_after_load = run.strategy.after_load
+
+    def after_load():  # stage 1-2: all-gather the parameters from the loaded masters
+        began = time.perf_counter()
+        real_after_load()
+        probe.events.append(("after_load", "", time.perf_counter() - began, 0))
+
+    run.strategy.after_load = after_load
     out = []
     for readers, cold in modes:
         run.cfg.checkpoint.readers = readers
@@ -321,7 +374,8 @@ def load_rank(rank: int, world: int, overrides: dict, ckpt: str, modes: list) ->
         step = load_checkpoint(run, Path(ckpt))
         seconds = time.perf_counter() - began
         out.append({"readers": readers, "cold": cold, "s": seconds, "verify": probe.total("verify"),
-                    "files": probe.files("verify"), "step": step})
+                    "read": probe.total("read") - probe.total("verify"),
+                    "after_load": probe.total("after_load"), "files": probe.files("verify"), "step": step})
     return out
 
 
@@ -389,10 +443,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
           f"({count_params(cfg.model) / 1e6:.1f}M params), fp32, batch {WORLD}x{args.micro_batch}x"
           f"{args.seq}; directory {root}", flush=True)
-    load_before = os.getloadavg()[0]
-    if load_before > 0.5:
-        print(f"warning: load average {load_before:.2f} before starting: other processes share the "
-              f"{os.cpu_count()} cores, the figures will be noisy", flush=True)
+    cpu_before = cpu_seconds()
+    other = OtherCpu()
     began = time.monotonic()
     try:
         disk = disk_limits(root, args.disk_mib)
@@ -401,8 +453,8 @@ def main() -> None:
               f"1 writer {w1[0]:,.0f} / {w1[1]:,.0f} MB/s, 2 writers {w2[0]:,.0f} / {w2[1]:,.0f} MB/s; "
               f"read cold {disk['read_cold']:,.0f} MB/s, warm {disk['read_warm']:,.0f} MB/s; "
               f"SHA-256 in memory {disk['sha256']:,.0f} MB/s; memory copy into new memory "
-              f"{disk['fresh_copy']:,.0f} MB/s, into touched memory {disk['touched_copy']:,.0f} MB/s",
-              flush=True)
+              f"{disk['fresh_copy']:,.0f} MB/s (after 5 s idle: {disk['idle_copy']:,.0f} MB/s), into "
+              f"touched memory {disk['touched_copy']:,.0f} MB/s ({other()})", flush=True)
 
         saves, loads = {}, {}
         for stage in stages:
@@ -411,38 +463,42 @@ def main() -> None:
             saves[stage] = summarize_save(run_ranks(save_rank, WORLD, case, overrides, args.warmup,
                                                     args.steps, args.async_steps, timeout=1800))
             saves[stage]["ckpt"] = str(root / f"s{stage}" / "checkpoints" / "latest")
-            print(f"stage {stage}: saves done ({time.monotonic() - began:.0f} s)", flush=True)
+            print(f"stage {stage}: saves done ({time.monotonic() - began:.0f} s; {other()})", flush=True)
             modes = [("all", True), ("all", False), ("one", True), ("one", False)]
             ckpt = str(Path(saves[stage]["ckpt"]).resolve())
             results = run_ranks(load_rank, WORLD, case, overrides_for(args, stage, str(root), f"l{stage}"),
                                 ckpt, modes, timeout=1800)
             loads[(stage, WORLD, stage)] = results
-            print(f"stage {stage}: loads done ({time.monotonic() - began:.0f} s)", flush=True)
+            print(f"stage {stage}: loads done ({time.monotonic() - began:.0f} s; {other()})", flush=True)
         if not args.no_one_process:
             source = 1 if 1 in stages else stages[0]
             ckpt = str(Path(saves[source]["ckpt"]).resolve())
             case = Path(tempfile.mkdtemp(dir=root))
             loads[(source, 1, 0)] = run_ranks(load_rank, 1, case, overrides_for(args, 0, str(root), "l1p"),
                                               ckpt, [("all", True), ("all", False)], timeout=1800)
-            print(f"1-process load done ({time.monotonic() - began:.0f} s)", flush=True)
+            print(f"1-process load done ({time.monotonic() - began:.0f} s; {other()})", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    print("\n**Save** (total bytes = model fp32 + AdamW exp_avg + exp_avg_sq; effective GB/s = total "
-          "/ slowest rank's synchronous save; the disk column is the matching writer count's best)\n")
+    print("\n**Save** (total bytes = model fp32 + AdamW exp_avg + exp_avg_sq; sync GB/s = total / "
+          "the slowest rank's synchronous save; disk = the same writer count's write + fsync, first "
+          "/ best of 3; async lost = its stall + the extra time of the steps run during its write)\n")
     header = ("stage", "writers", "MB per rank", "total MB", "sync save s (per rank)",
-              "sync GB/s", "disk MB/s", "of disk", "async stall s", "async write s",
-              "step s no save", "steps during write", "extra train s")
+              "sync MB/s", "disk MB/s first / best", "sync of disk first / best", "async stall s",
+              "async write s", "step s no save", "steps during async write", "extra train s",
+              "async lost s (sync: stall)")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for stage, s in saves.items():
-        disk_bw = disk["write2"][1] if s["writers"] == 2 else disk["write1"][1]
+        first, best = disk["write2"] if s["writers"] == 2 else disk["write1"]
         during = ", ".join(f"{x:.2f}" for x in s["overlap"]) or "none"
         waited = f" + {s['waited']:.2f} wait" if s["waited"] > 0.005 else ""
+        rate = s["gb_s"] * 1e3
         print(f"| {stage} | {s['writers']} | {' / '.join(f'{b / MB:,.0f}' for b in s['bytes'])} | "
               f"{s['total'] / MB:,.0f} | {s['sync_s']:.2f} ({' / '.join(f'{x:.2f}' for x in s['sync_ranks'])}) | "
-              f"{s['gb_s']:.2f} | {disk_bw:,.0f} | {s['gb_s'] * 1e3 / disk_bw:.0%} | {s['async_stall']:.2f} | "
-              f"{s['async_write']:.2f} | {s['base']:.2f} | {len(s['overlap'])}: {during}{waited} | "
-              f"{s['extra']:+.2f} |")
+              f"{rate:,.0f} | {first:,.0f} / {best:,.0f} | {rate / first:.0%} / {rate / best:.0%} | "
+              f"{s['async_stall']:.2f} | {s['async_write']:.2f} | {s['base']:.2f} | "
+              f"{len(s['overlap'])}: {during}{waited} | {s['extra']:+.2f} | "
+              f"{s['async_stall'] + s['extra']:.2f} ({s['sync_s']:.2f}) |")
 
     print("\nStep times without a save (s, slower rank; min / median / max): " + "; ".join(
         f"stage {stage}: {min(s['steps_base']):.2f} / {s['base']:.2f} / {max(s['steps_base']):.2f}"
@@ -461,22 +517,32 @@ def main() -> None:
           "; ".join(f"stage {stage}: " + ", ".join(" / ".join(f"{x / MiB:,.0f}" for x in r) for r in s["rss"])
                     for stage, s in saves.items()))
 
-    print("\n**Load** (load_checkpoint into a freshly built run; slowest rank; SHA-256 = the "
-          "verification inside it, the slowest rank's; cold = checkpoint pages dropped first)\n")
+    print("\n**Load** (load_checkpoint into a freshly built run; cold = the checkpoint's pages "
+          "dropped from the page cache first; load s = the slowest rank's; the parts are the "
+          "busiest rank's: SHA-256 = verification, read = reading slices and copying them into "
+          "the run's tensors, after_load = rebuilding parameters from the masters (stage 1: an "
+          "all-gather), rest = load s - those (manifest, broadcasts with readers one, waiting for "
+          "the other rank); GB/s = checkpoint bytes / "
+          "load s)\n")
     header = ("saved at", "loaded into", "readers", "cache", "load s", "SHA-256 s", "SHA share",
-              "files verified (per rank)", "GB/s")
+              "read s", "after_load s", "rest s", "files verified (per rank)", "GB/s")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for (saved, world, stage), ranks in loads.items():
         total = saves[saved]["total"]
         for i, mode in enumerate(ranks[0]):
             seconds = max(r[i]["s"] for r in ranks)
-            verify = max(r[i]["verify"] for r in ranks)
+            busiest = max((r[i] for r in ranks), key=lambda m: m["verify"] + m["read"] + m["after_load"])
+            verify, read, after = busiest["verify"], busiest["read"], busiest["after_load"]
+            rest = seconds - verify - read - after
             files = " / ".join("+".join(f.removeprefix("rank-").removesuffix(".safetensors")
                                         for f, _ in r[i]["files"]) or "-" for r in ranks)
             print(f"| stage {saved}, {WORLD} ranks | stage {stage}, {world} rank{'s' if world > 1 else ''} | "
                   f"{mode['readers']} | {'cold' if mode['cold'] else 'warm'} | {seconds:.2f} | "
-                  f"{verify:.2f} | {verify / seconds:.0%} | {files} | {total / seconds / 1e9:.2f} |")
-    print(f"\nLoad average (1 min) before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}")
+                  f"{verify:.2f} | {verify / seconds:.0%} | {read:.2f} | {after:.2f} | {rest:.2f} | "
+                  f"{files} | {total / seconds / 1e9:.2f} |")
+    machine, own = (after - before for after, before in zip(cpu_seconds(), cpu_before))
+    print(f"\nCPU time used by other processes while this ran: {machine - own:.0f} s "
+          f"(this benchmark: {own:.0f} s, over {time.monotonic() - began:.0f} s x {os.cpu_count()} cores)")
     print(f"\nTotal {time.monotonic() - began:.0f} s. Reproduce: PYTHONPATH=src python "
           f"bench/bench_checkpoint.py {' '.join(sys.argv[1:])}")
 
