@@ -192,6 +192,7 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last: SaveReport | None = None
+        self._snapshots: dict[str, torch.Tensor] = {}
         self.root.mkdir(parents=True, exist_ok=True)
         if rank == 0:  # a crashed attempt's unfinished directories (no other attempt runs now)
             for stale in self.root.glob(".step-*.tmp"):
@@ -208,10 +209,16 @@ class CheckpointWriter:
         go to the manifest as they are; `rank_state` (JSON) is kept per rank."""
         start = time.perf_counter()
         self.wait()
-        # Asynchronous: a snapshot on the CPU, since training goes on changing the originals.
-        # Synchronous: written straight from the live tensors, no copy.
-        tensors = ({s.name: s.tensor.detach().to("cpu", copy=self.asynchronous) for s in slices}
-                   if writes else {})
+        # Asynchronous: a snapshot on the CPU, since training goes on changing the originals —
+        # into buffers kept from the last save (fresh memory is slow to fault in, and a save
+        # would otherwise allocate the rank's whole state each time). Synchronous: written
+        # straight from the live tensors, no copy.
+        if not writes:
+            tensors = {}
+        elif self.asynchronous:
+            tensors = {s.name: self._snapshot_buffer(s.name, s.tensor).copy_(s.tensor) for s in slices}
+        else:
+            tensors = {s.name: s.tensor.detach().to("cpu") for s in slices}
         entries = {s.name: {"shape": list(s.shape), "start": s.start, "end": s.end,
                             "dtype": _dtype_name(s.tensor.dtype)} for s in slices} if writes else {}
         report = SaveReport(step, 0.0, sum(t.numel() * t.element_size() for t in tensors.values()))
@@ -234,6 +241,14 @@ class CheckpointWriter:
         report.stall_s = time.perf_counter() - start
         self.last = report
         return report
+
+    def _snapshot_buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        buffer = self._snapshots.get(name)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu",
+                                 pin_memory=like.device.type == "cuda")
+            self._snapshots[name] = buffer
+        return buffer
 
     def _guarded(self, job: Callable[[], None]) -> None:
         try:
