@@ -12,6 +12,7 @@ Targets: model-state bytes within 2%, peak process memory within 10%, step time 
 
 Reproduce:  PYTHONPATH=src python bench/bench_planner.py                    (gpt2-124m, ~10 min)
             PYTHONPATH=src python bench/bench_planner.py --preset gpt-mini --steps 4
+            PYTHONPATH=src python bench/bench_planner.py --only 4,2,none,none   (one case; repeatable)
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--max-ranks", type=int, default=4)
     parser.add_argument("--json", default="")
+    parser.add_argument("--only", action="append", default=[], metavar="RANKS,STAGE,AC,OFFLOAD",
+                        help="run only this case (repeatable), e.g. 4,2,none,none")
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
 
@@ -81,7 +84,11 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory(dir=".") as tmp:
-        for ranks, stage, ac, offload in cases(args.max_ranks):
+        selected = cases(args.max_ranks)
+        if args.only:
+            wanted = [tuple(int(v) if i < 2 else v for i, v in enumerate(o.split(","))) for o in args.only]
+            selected = wanted
+        for ranks, stage, ac, offload in selected:
             overrides = overrides_for(args, ranks, stage, ac, offload, str(Path(tmp) / "runs"))
             cfg = load_config(overrides=overrides).validate()
             predicted = predict_local(cfg, ranks)

@@ -457,3 +457,26 @@ def test_telemetry_takes_gpu_peaks_from_the_catalog():
         assert math.isnan(gpu_peak_flops("Tesla V100-SXM2-16GB", "bf16"))
     with pytest.warns(UserWarning, match="not in the hardware catalog"):
         assert math.isnan(gpu_peak_flops("NVIDIA GeForce RTX 4090", "bf16"))
+
+
+def test_cpu_share_time_shares_oversubscribed_cores():
+    from shardlm.planner.hardware import cpu_share
+
+    assert cpu_share(1, 2) == 1.0 and cpu_share(2, 2) == 1.0
+    assert cpu_share(4, 2) == 0.5 and cpu_share(3, 8) == 1.0
+
+
+def test_nvme_stream_buffers_count_what_the_slots_touch():
+    # gpt2-124m's units: root 39.4M (wte + wpe + ln_f), blocks 7.09M. 64 MiB chunks (16.8M
+    # fp32 elements), 4 slots. One rank: root chunks 64, 64, 22.8 MiB in slots 0-2, its tiny
+    # no-decay segment in slot 3, then each block's decay chunk (27 MiB) in slots 0 and 2.
+    from shardlm.planner.memory import nvme_stream_resident
+
+    MiB, root, block = 2**20, 38_597_376 + 786_432 + 1536, 7_087_872
+    sp = type("SP", (), {"root_unit": root, "block_unit": block, "layers": 12})()
+    one, chunks = nvme_stream_resident(sp, 1, 64 * MiB, 4, 4)
+    assert chunks == 3 + 1 + 12 * 2
+    assert one == pytest.approx(4 * (64 + 64 + block * 4 / MiB) * MiB, rel=1e-3)
+    two, _ = nvme_stream_resident(sp, 2, 64 * MiB, 4, 4)  # root shard 64 + 11 MiB, blocks 13.5
+    assert two == pytest.approx(4 * (64 * MiB + 3 * 4 * block / 2), rel=1e-3)
+    assert two < one < 4 * 4 * 64 * MiB

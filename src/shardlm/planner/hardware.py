@@ -329,18 +329,22 @@ def local_cpu(n_ranks: int) -> Cluster:
     if n_ranks < 1:
         raise ConfigError(f"cpu rank count {n_ranks} must be >= 1")
     measured = measure_cpu(n_ranks)
-    # Each rank gets cores // n_ranks threads (launch.init_runtime); the ranks share the
-    # machine's memory bandwidth and RAM. Efficiency: see CALIBRATION["cpu"].
+    # Each rank gets max(1, cores // n_ranks) threads (launch.init_runtime); the ranks share the
+    # machine's memory bandwidth and RAM. Efficiency: see CALIBRATION["cpu"]. With more ranks
+    # than cores the ranks time-share the cores: each gets cores / n_ranks of the thread the
+    # probe timed alone, for its matmuls and for gloo's copies alike (oversubscription).
+    share = cpu_share(n_ranks, measured["cores"])
     device = Device(
-        name=f"cpu ({measured['cpu']}, {measured['threads']} thread(s)/rank)", kind="cpu",
-        memory=available_memory() / n_ranks, peak=measured["peak"],
+        name=f"cpu ({measured['cpu']}, {measured['threads']} thread(s)/rank"
+             + (f", {share:.2g} of a core each" if share < 1 else "") + ")", kind="cpu",
+        memory=available_memory() / n_ranks, peak={k: v * share for k, v in measured["peak"].items()},
         memory_bandwidth=measured["memory_bandwidth"] / n_ranks, efficiency=0.73,
         source="measured by shardlm.planner.hardware.measure_cpu (cached)")
-    gloo = Link("gloo-local", measured["gloo_bandwidth"], measured["gloo_latency"], 1.0,
+    gloo = Link("gloo-local", measured["gloo_bandwidth"] * share, measured["gloo_latency"] / share, 1.0,
                 "measured: all-reduce between two local gloo ranks")
     node = Node(n_ranks, gloo, LINKS["eth-10"], 1, gloo, available_memory(),
-                measured["memory_bandwidth"], 2e9,
-                "this machine (NVMe: one drive at 2 GB/s, assumed)")
+                measured["memory_bandwidth"], LOCAL_DISK_BANDWIDTH,
+                f"this machine (disk: one drive, {LOCAL_DISK_BANDWIDTH / 1e9:.2g} GB/s read + write)")
     # A worker also holds its tokenizer, data loader and threads: +100 MB over the probe's
     # imports and gloo (measured: a gpt-tiny training rank at 324 MiB, the probe's at 228).
     calibration = replace(CALIBRATION["cpu"], runtime_reserve=measured["baseline_rss"] + 1e8,
@@ -348,6 +352,12 @@ def local_cpu(n_ranks: int) -> Cluster:
                                               ("reduce_scatter", measured["gloo_reduce_scatter_factor"])))
     return Cluster(1, n_ranks, device, node, calibration)
 
+
+LOCAL_DISK_BANDWIDTH = 1.2e9
+"""Read + write bytes/s of the disk the nvme tier streams through, not probed (a disk probe
+writes GBs): bench/bench_offload.py measured this machine's at 0.95-1.37 GB/s with O_DIRECT
+64 MiB blocks reading and writing at once, and the tier's own optimizer stream at 1.17-1.19
+GB/s (runs/bench_offload.log); it was an assumed 2 GB/s before."""
 
 _PROBE_VERSION = 3
 
@@ -376,7 +386,15 @@ def measure_cpu(n_ranks: int) -> dict:
         tmp.write_text(json.dumps(table, indent=1))
         os.replace(tmp, path)
     threads = max(1, cpu_cores() // n_ranks)
-    return {**table[key], "cpu": cpu_name(), "threads": threads, "peak": _matmul_peaks(threads)}
+    return {**table[key], "cpu": cpu_name(), "cores": cpu_cores(), "threads": threads,
+            "peak": _matmul_peaks(threads)}
+
+
+def cpu_share(n_ranks: int, cores: int) -> float:
+    """Fraction of a probe-timed thread each of `n_ranks` local ranks gets: min(1, cores / n).
+    The probe times matmuls at max(1, cores // n) threads on an idle machine; with more ranks
+    than cores the processes time-share the cores (and gloo's copies run on them too)."""
+    return min(1.0, cores / max(1, n_ranks))
 
 
 def _matmul_peaks(threads: int) -> dict[str, float]:

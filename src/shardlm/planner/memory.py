@@ -276,7 +276,7 @@ def _buffer_items(w: Workload, sp: StageParams, s: Strategy, cluster: Cluster,
                           f"gradients: a block's being filled + one reducing; then the root's",
                           phases={"blocks": 2 * g * block, "embedding": 2 * g * block,
                                   "root": g * (root + block)}))
-    if cluster.device.kind == "cpu" and s.zero_stage >= 1:
+    if cluster.device.kind == "cpu" and s.zero_stage >= 1 and s.layout.dp_shard > 1:
         # gloo's reduce-scatter copies its input (measured); stage 1 does not bound the
         # reductions in flight, so every unit's copy may be waiting at once.
         if s.zero_stage == 1:
@@ -319,7 +319,7 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
                                  s.sequence_parallel and lay.tp > 1, sp.name != "first stage",
                                  (w.experts, w.top_k, w.capacity_factor)))
     buffers = _buffer_items(w, sp, s, cluster, states)
-    host = _host_memory(s, states, cluster)
+    host = _host_memory(s, states, cluster, sp)
     if cluster.device.kind == "cpu":  # the host is the device: offload buffers count here
         buffers, host = buffers + host, []
     buffers.append(Item("runtime reserve", calib.runtime_reserve,
@@ -368,7 +368,37 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
                   0.9 * cluster.node.host_memory, notes)
 
 
-def _host_memory(s: Strategy, states: dict, cluster: Cluster) -> list[Item]:
+def nvme_stream_resident(sp: StageParams, n: int, chunk_bytes: int, buffers: int,
+                         itemsize: int) -> tuple[float, int]:
+    """Host bytes the nvme tier's stream buffers really hold (zero/offload.py NvmeTier), and
+    the number of chunks. Its slots (max(3, buffers) of them, 3 page-aligned state buffers +
+    1 gradient buffer of one chunk each) are anonymous mappings touched lazily: a slot holds
+    only as much as the largest chunk it has carried. Chunks never cross a segment, one per
+    (unit, decay group) of this rank's shard, root unit first; chunk k goes to slot k mod
+    slots, and setup writes every initial master through slot 0's master buffer. Rank 0's
+    shard, the first ceil(unit / N) elements of a unit (decay parameters first), is all decay
+    when N > 1; with N = 1 each unit adds a small no-decay segment (biases, norms) that takes
+    a slot turn but next to no memory."""
+    chunk = max(4096, chunk_bytes // 4096 * 4096) // itemsize
+    slots = max(3, buffers)
+    sizes = []
+    for unit in [sp.root_unit] + [sp.block_unit] * sp.layers:
+        if unit <= 0:
+            continue
+        numel = -(-int(unit) // n)
+        sizes += [min(chunk, numel - a) for a in range(0, numel, chunk)]
+        if n == 1:
+            sizes.append(0)
+    page = lambda x: -(-x * itemsize // 4096) * 4096  # noqa: E731
+    largest = [0] * slots
+    for k, size in enumerate(sizes):
+        largest[k % slots] = max(largest[k % slots], size)
+    resident = sum(4 * page(x) for x in largest)
+    resident += page(max(sizes, default=0)) - page(largest[0])  # slot 0's master at setup
+    return float(resident), len(sizes)
+
+
+def _host_memory(s: Strategy, states: dict, cluster: Cluster, sp: StageParams) -> list[Item]:
     """Host RAM per rank for offloaded states (zero/offload.py; ZeRO-Offload, Ren et al. 2021;
     ZeRO-Infinity, Rajbhandari et al. 2021). The cpu tier holds fp32 masters and moments (a
     master cannot alias a parameter on another device) and receives the gradient shard in
@@ -384,9 +414,12 @@ def _host_memory(s: Strategy, states: dict, cluster: Cluster) -> list[Item]:
                           f"(3 x {master} B master, m, v + 4 B fp32 gradient) x Ψ_r / N"))
     if "nvme" in (states["opt_tier"], states["param_tier"]):
         z = ZeroConfig()
-        items.append(Item("nvme stream buffers", z.nvme_buffers * 4 * z.nvme_chunk_mb * 2**20,
-                          f"zero.nvme_buffers {z.nvme_buffers} x 4 x zero.nvme_chunk_mb "
-                          f"{z.nvme_chunk_mb} MiB (defaults); the states are on disk"))
+        resident, chunks = nvme_stream_resident(sp, n, z.nvme_chunk_mb * 2**20, z.nvme_buffers, master)
+        items.append(Item("nvme stream buffers", resident,
+                          f"at most zero.nvme_buffers {z.nvme_buffers} x 4 x zero.nvme_chunk_mb "
+                          f"{z.nvme_chunk_mb} MiB (defaults), touched lazily: each slot holds its "
+                          f"largest chunk of the {chunks} (one segment per unit and decay group of "
+                          f"the shard); the states are on disk"))
     if states["param_tier"] == "cpu":
         items.append(Item("parameter shards (cpu tier)", states["p"] * states["params"] / states["p"],
                           f"{states['p']} B x Ψ_r / N"))
