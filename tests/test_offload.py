@@ -104,12 +104,15 @@ def test_offload_needs_a_sharding_stage():
 def test_peak_rss_falls_by_the_bytes_moved_to_disk(tmp_path):
     """Fresh processes, large blocks through mmap (so freed memory leaves RSS): peak RSS with
     the nvme tier must fall by at least 80% of the optimizer bytes it moved to disk. The
-    stream's own buffers (nvme_buffers x 4 x nvme_chunk_mb = 64 MiB here) count against it."""
+    stream's own buffers (nvme_buffers x 4 x nvme_chunk_mb = 64 MiB here) count against it.
+    After some orderings of this file's tests the nvme process peaks ~170 MiB higher from its
+    first step on, for a reason not yet found (not mapped files: RssFile is the same); 59M
+    parameters (~700 MiB moved) keep the claim clear of that."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     peaks, moved = {}, 0
     for tier in ("none", "nvme"):
         overrides = tiny_overrides(tmp_path, **{
-            "model.preset": "gpt-mini", "model.d_model": 768, "model.n_heads": 12, "train.seq_len": 64,
+            "model.preset": "gpt-mini", "model.d_model": 1024, "model.n_heads": 16, "train.seq_len": 64,
             "train.micro_batch": 2, "train.steps": 2, "parallel.zero_stage": 1,
             "precision.compute": "bf16", "zero.offload_optimizer": tier, "zero.nvme_chunk_mb": 4,
             "run.name": tier})
@@ -123,7 +126,7 @@ def test_peak_rss_falls_by_the_bytes_moved_to_disk(tmp_path):
     fall = peaks["none"] - peaks["nvme"]
     print(f"peak RSS none {peaks['none'] / 2**20:.0f} MiB, nvme {peaks['nvme'] / 2**20:.0f} MiB, "
           f"fall {fall / 2**20:.0f} MiB, moved to disk {moved / 2**20:.0f} MiB")
-    assert moved > 300 * 2**20
+    assert moved > 600 * 2**20
     assert fall >= 0.8 * moved
 
 
