@@ -193,7 +193,6 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self.last: SaveReport | None = None
         self._snapshots: dict[str, torch.Tensor] = {}
-        self.root.mkdir(parents=True, exist_ok=True)
         if rank == 0:  # a crashed attempt's unfinished directories (no other attempt runs now)
             for stale in self.root.glob(".step-*.tmp"):
                 if not stale.name.endswith(f".{session}.tmp"):
