@@ -84,8 +84,6 @@ def main() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv],
                   {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
 
-    import torch
-
     from shardlm.config import load_config
     from shardlm.models import count_params
     from shardlm.telemetry import peak_rss_bytes
