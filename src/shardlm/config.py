@@ -17,8 +17,14 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 
-class ConfigError(ValueError):
-    """A user's configuration mistake; the message says what is wrong and how to fix it."""
+from shardlm.errors import ConfigError
+
+OFFLOAD_TIERS = ("none", "cpu", "nvme")
+"""Where the ZeRO engine keeps optimizer state or parameter shards (zero.offload_*)."""
+RECOMPUTE_MODES = ("none", "selective", "full")
+"""Activation checkpointing per block (activation.checkpoint)."""
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
+"""Resolved compute dtypes; precision.compute may also be 'auto' (resolved once per run)."""
 
 
 @dataclass
@@ -414,17 +420,17 @@ _CHOICES = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.position": ("learned", "rope"),
     "model.mlp": ("gelu", "swiglu"),
-    "precision.compute": ("auto", "fp32", "bf16", "fp16"),
-    "activation.checkpoint": ("none", "full", "selective"),
-    "precision.reduce": ("auto", "fp32", "bf16", "fp16"),
+    "precision.compute": ("auto",) + COMPUTE_DTYPES,
+    "activation.checkpoint": RECOMPUTE_MODES,
+    "precision.reduce": ("auto",) + COMPUTE_DTYPES,
     "precision.master": ("fp32", "bf16"),
     "parallel.zero_stage": (0, 1, 2, 3),
     "parallel.strategy": ("manual", "auto"),
     "run.progress": ("auto", "on", "off"),
     "train.on_nonfinite": ("stop", "skip"),
     "checkpoint.readers": ("all", "one"),
-    "zero.offload_optimizer": ("none", "cpu", "nvme"),
-    "zero.offload_params": ("none", "cpu", "nvme"),
+    "zero.offload_optimizer": OFFLOAD_TIERS,
+    "zero.offload_params": OFFLOAD_TIERS,
 }
 
 _POSITIVE = ("model.vocab_size", "model.n_layers", "model.n_heads", "model.d_model",
