@@ -6,7 +6,7 @@ from __future__ import annotations
 from conftest import tiny_overrides
 from shardlm.config import flatten, load_config
 from shardlm.planner.search import default_dtypes, plan_for_run
-from shardlm.planner.hardware import local_cpu
+from shardlm.hardware.catalog import local_cpu
 from shardlm.spawn import run_ranks
 from shardlm.trainer import build_run, train_step
 
@@ -32,3 +32,50 @@ def test_auto_takes_the_best_plan_on_every_rank(tmp_path):
     for key, value in best.overrides().items():
         assert chosen[key] == value, key
     assert chosen["parallel.strategy"] == "manual"  # the saved config is the resolved plan
+
+
+def _probe_says(faster: str):
+    """A stand-in for the matmul probe on which `faster` wins by 2x."""
+    return lambda precision, threads=None: 2e9 if precision == faster else 1e9
+
+
+def _auto_compute_run(rank: int, world_size: int, overrides: dict, faster: list[str]) -> dict:
+    import shardlm.hardware.probe as probe
+
+    probe.cpu_peak_flops = _probe_says(faster[rank])  # each rank's probe disagrees
+    run = build_run(load_config(overrides=overrides).validate())
+    train_step(run, 0)
+    return {"compute": run.cfg.precision.compute, "precision": run.precision.name}
+
+
+def test_auto_compute_is_decided_once_on_rank_0_and_shared(tmp_path):
+    """precision.compute = 'auto' follows rank 0's probe on every rank, even when another
+    rank's probe would decide otherwise (a loaded machine, a different core)."""
+    overrides = tiny_overrides(tmp_path, **{"precision.compute": "auto", "parallel.zero_stage": 1,
+                                            "train.steps": 1})
+    for faster in (["bf16", "fp32"], ["fp32", "bf16"]):
+        ranks = run_ranks(_auto_compute_run, 2, tmp_path, overrides, faster, timeout=300)
+        assert [r["compute"] for r in ranks] == [faster[0]] * 2
+        assert [r["precision"] for r in ranks] == [faster[0]] * 2
+
+
+def test_auto_compute_is_recorded_and_kept_on_resume(tmp_path, monkeypatch):
+    import json
+
+    import shardlm.hardware.probe as probe
+    from shardlm.trainer import train
+
+    overrides = tiny_overrides(tmp_path, **{"precision.compute": "auto", "train.steps": 2,
+                                            "checkpoint.every": 1, "run.name": "r"})
+    monkeypatch.setattr(probe, "cpu_peak_flops", _probe_says("bf16"))
+    train(build_run(load_config(overrides=overrides).validate()))
+    run_dir = tmp_path / "runs" / "r"
+    assert json.loads((run_dir / "config.json").read_text())["precision"]["compute"] == "bf16"
+    manifest = json.loads((run_dir / "checkpoints" / "step-00000002" / "manifest.json").read_text())
+    assert manifest["config"]["precision"]["compute"] == "bf16"
+    # The probe now prefers fp32; the resumed run keeps what it was trained in.
+    monkeypatch.setattr(probe, "cpu_peak_flops", _probe_says("fp32"))
+    resumed = build_run(load_config(overrides={**overrides, "train.steps": 3}).validate())
+    assert resumed.start_step == 2 and resumed.precision.name == "bf16"
+    fresh = build_run(load_config(overrides={**overrides, "run.name": "s"}).validate())
+    assert fresh.precision.name == "fp32"

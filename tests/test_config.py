@@ -2,7 +2,8 @@
 
 import pytest
 
-from shardlm.config import Config, ConfigError, describe, load_config, parse_overrides, valid_keys
+from shardlm.config import Config, describe, load_config, parse_overrides, valid_keys
+from shardlm.errors import ConfigError
 
 
 def test_defaults_validate():

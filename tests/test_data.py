@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from shardlm.config import ConfigError, DataConfig
+from shardlm.config import DataConfig
+from shardlm.errors import ConfigError
 from shardlm.data import EOT, Loader, build_dataset, corpus_files, eval_batches, iter_documents
 from shardlm.data.corpus import fingerprint
 

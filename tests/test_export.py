@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from shardlm import checkpoint
-from shardlm.config import ConfigError, load_config
+from shardlm.config import load_config
+from shardlm.errors import ConfigError
 from shardlm.data.tokenizer import train_tokenizer
 from shardlm.export import export_hf
 from shardlm.models import build_model

@@ -19,7 +19,8 @@ import torch
 
 from ckpt_cases import straight_and_resumed
 from conftest import tiny_overrides
-from shardlm.config import ConfigError, load_config
+from shardlm.config import load_config
+from shardlm.errors import ConfigError
 from shardlm.spawn import run_ranks
 from zero_cases import train_case, train_cases
 

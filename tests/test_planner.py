@@ -13,8 +13,9 @@ from decimal import ROUND_HALF_UP, Decimal
 import pytest
 
 from shardlm.cli import main
-from shardlm.config import ConfigError, load_config
-from shardlm.planner.hardware import (CALIBRATION, DEVICES, LINKS, Cluster, Device, Node,
+from shardlm.config import load_config
+from shardlm.errors import ConfigError
+from shardlm.hardware.catalog import (CALIBRATION, DEVICES, LINKS, Cluster, Device, Node,
                                       device_for_gpu_name, parse_cluster)
 from shardlm.planner.memory import ActivationDtypes, block_activation, estimate_memory
 from shardlm.planner.search import (EVERYTHING, RUNTIME, model_from_params, plan_for_run,
@@ -61,7 +62,7 @@ def test_optimizer_bytes_follow_the_precision_policy():
 @pytest.mark.parametrize("name", ["gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "llama-1b",
                                   "llama-7b", "llama-13b"])
 def test_planner_parameter_counts_equal_published(name):
-    from shardlm.models.presets import PUBLISHED_PARAMS
+    from shardlm.presets import PUBLISHED_PARAMS
 
     w = Workload(preset_model(name), 1024, 8)
     assert shape_of(w).total == PUBLISHED_PARAMS[name]
@@ -351,7 +352,7 @@ def test_setup_is_the_limit_for_a_large_model_at_stage_3():
 
 def test_estimate_degree_error_is_clear(capsys):
     assert main(["estimate", "--model", "gpt2-124m", "--gpus", "8xA100-80GB", "--tp", "3"]) == 2
-    assert "tp (3) x pp (1) = 3 does not divide the 8 devices" in capsys.readouterr().err
+    assert "world size 8 is not divisible by dp_replicate (1) × cp (1) × tp (3) × pp (1) = 3" in capsys.readouterr().err
 
 
 def test_plan_ranks_what_fits_and_explains(capsys):
@@ -460,7 +461,7 @@ def test_telemetry_takes_gpu_peaks_from_the_catalog():
 
 
 def test_cpu_share_time_shares_oversubscribed_cores():
-    from shardlm.planner.hardware import cpu_share
+    from shardlm.hardware.catalog import cpu_share
 
     assert cpu_share(1, 2) == 1.0 and cpu_share(2, 2) == 1.0
     assert cpu_share(4, 2) == 0.5 and cpu_share(3, 8) == 1.0

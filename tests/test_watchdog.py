@@ -6,7 +6,7 @@ import pytest
 
 from conftest import tiny_overrides
 from shardlm.config import load_config
-from shardlm.parallel.watchdog import EXIT_CODE
+from shardlm.comm.watchdog import EXIT_CODE
 from shardlm.spawn import run_ranks
 from shardlm.trainer import build_run, train_step
 

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from shardlm.config import ConfigError
+from shardlm.errors import ConfigError
 
 EPILOG = """\
 examples:
@@ -190,7 +190,7 @@ def launch_workers(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
     import time
 
     from shardlm.launch import launch_local
-    from shardlm.mesh import resolve_dims
+    from shardlm.dims import resolve_dims
 
     resolve_dims(cfg.parallel, args.nproc)
     argv = ([args.config] if args.config else []) + list(overrides)
@@ -253,7 +253,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_presets() -> int:
     from shardlm.config import ModelConfig
     from shardlm.models import count_params
-    from shardlm.models.presets import ALIASES, PRESETS
+    from shardlm.presets import ALIASES, PRESETS
 
     aliases = {v: k for k, v in ALIASES.items()}
     for name, shape in PRESETS.items():
@@ -267,7 +267,7 @@ def cmd_presets() -> int:
 
 def _planner_inputs(args: argparse.Namespace):
     """(model, Ψ given by --params or None, cluster, dtypes, seq) from the shared options."""
-    from shardlm.planner.hardware import parse_cluster
+    from shardlm.hardware.catalog import parse_cluster
     from shardlm.planner.search import default_dtypes, model_from_params, preset_model
 
     if (args.model is None) == (args.params is None):
@@ -298,19 +298,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     world = cluster.world_size
     if args.micro_batch < 1 or args.grad_accum < 1 or min(args.tp, args.pp, args.ep, args.dp_replicate) < 1:
         raise ConfigError("--micro-batch, --grad-accum, --tp, --pp, --ep and --dp-replicate must be >= 1")
-    if world % (args.tp * args.pp):
-        raise ConfigError(f"tp ({args.tp}) x pp ({args.pp}) = {args.tp * args.pp} does not divide "
-                          f"the {world} devices of {cluster.describe()}")
-    dp = world // (args.tp * args.pp)
-    if dp % args.dp_replicate:
-        raise ConfigError(f"--dp-replicate {args.dp_replicate} does not divide the {dp} data-parallel "
-                          f"ranks ({world} devices / tp {args.tp} / pp {args.pp})")
-    shard = dp // args.dp_replicate if args.dp_shard == -1 else args.dp_shard
-    if args.dp_replicate * shard != dp:
-        raise ConfigError(f"dp_replicate ({args.dp_replicate}) x dp_shard ({args.dp_shard}) must be "
-                          f"the {dp} data-parallel ranks ({world} devices / tp {args.tp} / pp "
-                          f"{args.pp}); use --dp-shard -1 to take every rank left")
-    layout = Layout(args.dp_replicate, shard, args.tp, args.pp, args.ep)
+    from shardlm.dims import ParallelDims
+
+    dims = ParallelDims.resolve(world, args.dp_replicate, args.dp_shard, 1, args.tp, args.pp, args.ep)
+    dp = dims.dp_size
+    layout = Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.ep)
     workload = Workload(model, seq, args.micro_batch * args.grad_accum * dp, params,
                         args.experts, args.top_k)
     strategy = Strategy(layout, args.zero_stage, args.micro_batch, args.grad_accum, args.recompute,

@@ -385,7 +385,7 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Build the Config: defaults < model preset < TOML file < overrides. Does not validate."""
-    from shardlm.models.presets import get_preset
+    from shardlm.presets import get_preset
 
     values: dict[str, Any] = {}
     if path is not None:
@@ -398,17 +398,34 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"{p}: not valid TOML: {e}") from None
     values.update(overrides or {})
 
-    cfg = Config()
+    _check_keys(values)
+    preset = values.get("model.preset", Config().model.preset)
+    ordered = {f"model.{k}": v for k, v in get_preset(str(preset)).items()}
+    ordered["model.preset"] = preset
+    ordered.update(values)
+    return _build(ordered)
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    """The inverse of Config.to_dict (a saved run's config.json, a checkpoint's manifest, the
+    resolved config rank 0 shares): every key checked and typed; no preset is re-applied, the
+    tree holds the values. Does not validate."""
+    values = flatten(tree)
+    _check_keys(values)
+    return _build(values)
+
+
+def _check_keys(values: dict[str, Any]) -> None:
     secs = sections()
     for key in values:
         section, _, name = key.partition(".")
         if section not in secs or _field_named(secs[section], name) is None:
             raise _unknown_key(key)
-    preset = values.get("model.preset", cfg.model.preset)
-    ordered = {f"model.{k}": v for k, v in get_preset(str(preset)).items()}
-    ordered["model.preset"] = preset
-    ordered.update(values)
-    for key, value in ordered.items():
+
+
+def _build(values: dict[str, Any]) -> Config:
+    cfg, secs = Config(), sections()
+    for key, value in values.items():
         section, _, name = key.partition(".")
         attr = _field_named(secs[section], name).name
         typ = get_type_hints(secs[section])[attr]

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from shardlm.checkpoint import TOKENIZER, load_for_inference, resolve_run_dir
-from shardlm.config import ConfigError, ModelConfig
+from shardlm.config import ModelConfig
+from shardlm.errors import ConfigError
 from shardlm.data.tokenizer import EOT
 from shardlm.models.flops import resolved_d_ff
 

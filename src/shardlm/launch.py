@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardlm.config import ConfigError
+from shardlm.errors import ConfigError
 
 log = logging.getLogger("shardlm")
 

@@ -1,4 +1,4 @@
-"""The rank grid: dp_replicate × dp_shard × tp × pp × ep = world size, as a named device mesh.
+"""The rank grid (dims.py ParallelDims) as a named device mesh and its process groups.
 
 Ranks are laid out with dp_shard innermost (rank = replica * dp_shard + shard), so a sharding
 group is a run of consecutive ranks — on a cluster, the GPUs of one node, where the
@@ -13,45 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardlm.config import ConfigError, ParallelConfig
+from shardlm.dims import ParallelDims, resolve_dims
 
-
-@dataclass(frozen=True)
-class ParallelDims:
-    dp_replicate: int
-    dp_shard: int
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
-
-    @property
-    def dp_size(self) -> int:
-        """Ranks that see different data: every replica and every shard."""
-        return self.dp_replicate * self.dp_shard
-
-
-def resolve_dims(cfg: ParallelConfig, world_size: int) -> ParallelDims:
-    """Fill dp_shard = -1 with what the other factors leave, and check the product. The error
-    prints every factor, so the fix is arithmetic a user can do at a glance."""
-    others = cfg.dp_replicate * cfg.tp * cfg.pp
-    dp_shard = cfg.dp_shard
-    if dp_shard == -1:
-        if world_size % others:
-            raise ConfigError(
-                f"world size {world_size} is not divisible by dp_replicate ({cfg.dp_replicate}) × "
-                f"tp ({cfg.tp}) × pp ({cfg.pp}) = {others}, so dp_shard = -1 cannot fill the rest")
-        dp_shard = world_size // others
-    dims = ParallelDims(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.ep)
-    if dims.world_size != world_size:
-        raise ConfigError(
-            f"dp_replicate ({dims.dp_replicate}) × dp_shard ({dims.dp_shard}) × tp ({dims.tp}) × "
-            f"pp ({dims.pp}) = {dims.world_size}, but the world size is {world_size}; set "
-            f"parallel.dp_shard = -1 to use every rank, or change --nproc")
-    return dims
+__all__ = ["Mesh", "ParallelDims", "build_mesh", "resolve_dims"]
 
 
 @dataclass

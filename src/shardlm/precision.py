@@ -105,21 +105,12 @@ class Precision:
         return DTYPES[self.name]
 
 
-def resolve_compute(name: str, device: torch.device) -> str:
-    """'auto' → bf16 on a GPU that has it; on a CPU the faster of fp32 and bf16 by the measured
-    matmul peak (bf16 is only fast on CPUs with AMX; with AVX-512 alone it is slower than fp32)."""
-    if name != "auto":
-        return name
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    from shardlm.telemetry import peak_flops
-
-    return "bf16" if peak_flops(device, "bf16") > 1.1 * peak_flops(device, "fp32") else "fp32"
-
-
 def build_precision(cfg: PrecisionConfig, device: torch.device,
                     stop_on_nonfinite: bool = True) -> Precision:
-    name = resolve_compute(cfg.compute, device)
+    name = cfg.compute
+    if name not in DTYPES:  # 'auto' is decided once per run, on one rank: resolve.resolve_config
+        raise ValueError(f"precision.compute = {name!r} must be resolved (resolve.resolve_config) "
+                         f"before the precision is built")
     if name == "fp32":
         autocast: Callable[[], ContextManager] = contextlib.nullcontext
     else:

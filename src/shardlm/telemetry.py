@@ -2,7 +2,7 @@
 progress display for people.
 
 MFU (PaLM, Chowdhery et al. 2022, appendix B) = model FLOPs per second / the device's dense peak.
-For GPUs the peak comes from the planner's hardware catalog (planner/hardware.py DEVICES: the
+For GPUs the peak comes from the hardware catalog (hardware/catalog.py DEVICES: the
 vendors' published dense numbers, sources cited there); for a CPU it is measured by a short
 matmul probe in the run's precision, once per machine, and cached.
 """
@@ -11,80 +11,35 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import platform
 import resource
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
-from shardlm.launch import cache_root
-
-_PROBE_SIZE = 2048
-
-
-def _probe_matmul(dtype: torch.dtype, seconds: float = 0.5) -> float:
-    """Best sustained FLOP/s of a square matmul on the CPU with the current thread count."""
-    a = torch.randn(_PROBE_SIZE, _PROBE_SIZE).to(dtype)
-    b = torch.randn(_PROBE_SIZE, _PROBE_SIZE).to(dtype)
-    a @ b  # warm up kernels and caches
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        a @ b
-        best = max(best, 2 * _PROBE_SIZE**3 / (time.perf_counter() - start))
-    return best
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), a key of the per-machine probe caches."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cpu_key(precision: str) -> str:
-    """The probe's result depends on the CPU, torch's kernels and the thread count."""
-    return f"{cpu_name()}|{torch.__version__}|threads={torch.get_num_threads()}|{precision}"
+from shardlm.hardware.probe import cpu_peak_flops
 
 
 def peak_flops(device: torch.device, precision: str) -> float:
     """Dense peak FLOP/s of one device in `precision` ('fp32', 'bf16', 'fp16')."""
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
-    path = cache_root() / "cpu_peak_flops.json"
-    table: dict[str, float] = json.loads(path.read_text()) if path.is_file() else {}
-    key = _cpu_key(precision)
-    if key not in table:
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-        table[key] = _probe_matmul(dtype)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, path)
-    return table[key]
+    return cpu_peak_flops(precision)
 
 
 def gpu_peak_flops(name: str, precision: str) -> float:
     """The catalog's dense peak for the GPU torch calls `name`. NaN, with a warning, when the
     catalog has no such GPU or the GPU has no hardware for `precision` (V100 bf16 is emulated):
     MFU is then not reported rather than reported against a wrong peak."""
-    # Imported on use: it loads the whole planner package, which only GPU runs need here.
-    from shardlm.planner.hardware import DEVICES, device_for_gpu_name
+    from shardlm.hardware.catalog import DEVICES, device_for_gpu_name
 
     device = device_for_gpu_name(name)
     if device is None:
         gpus = ", ".join(d.name for d in DEVICES.values() if d.kind in ("cuda", "rocm"))
         warnings.warn(f"GPU {name!r} is not in the hardware catalog ({gpus}): MFU is not "
-                      f"reported; add it to shardlm.planner.hardware.DEVICES", stacklevel=2)
+                      f"reported; add it to shardlm.hardware.catalog.DEVICES", stacklevel=2)
         return math.nan
     if precision not in device.peak:
         warnings.warn(f"GPU {name!r} ({device.name}) has no {precision} hardware (it has "

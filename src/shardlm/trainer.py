@@ -7,7 +7,6 @@ of this file; strategies are applied to the plain model in `build_run`, in a fix
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -19,20 +18,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm import checkpoint
+from shardlm.checkpoint.weights import save_weights
 from shardlm.checkpoint.sharded import (CHECKPOINTS, CheckpointWriter, SaveReport, find_checkpoint,
                                         latest_in, load_slices)
-from shardlm.config import Config, ConfigError, flatten, load_config
+from shardlm.config import Config
 from shardlm.data import Dataset, Loader, build_dataset
-from shardlm.launch import (Runtime, StopSignals, agree_on_name, broadcast_text, init_runtime,
-                            is_restart)
-from shardlm.mesh import Mesh, build_mesh, resolve_dims
+from shardlm.launch import Runtime, StopSignals, agree_on_name, init_runtime, is_restart
+from shardlm.dims import resolve_dims
+from shardlm.mesh import Mesh, build_mesh
 from shardlm.models import build_model, flops_per_token, generate
 from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
 from shardlm.parallel.activation import apply_ac
 from shardlm.parallel.data import Strategy, apply_data_parallel
-from shardlm.parallel.watchdog import CollectiveWatchdog, watched
+from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.precision import Precision, build_precision, is_finite
+from shardlm.resolve import resolve_config
 from shardlm.telemetry import MetricsLog, ProgressDisplay, peak_flops, peak_rss_bytes
 
 log = logging.getLogger("shardlm")
@@ -89,14 +89,16 @@ def make_run_dir(cfg: Config, runtime: Runtime) -> Path:
 
 
 def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | None = None) -> Run:
-    """Everything in the documented order: mesh → data → model → activation checkpointing →
-    data parallelism (ZeRO) → compile. `model`, if given, replaces the one cfg.model describes
+    """Everything in the documented order: run directory → resolved config (every 'auto'
+    decided once, on rank 0) → mesh → data → model → parallelize (activation checkpointing,
+    data parallelism / ZeRO, compile). `model`, if given, replaces the one cfg.model describes
     (e.g. a transformers model through shardlm.models.hf); it must be built identically on
     every rank, and its vocabulary must be cfg.model.vocab_size."""
     cfg.validate()
     runtime = runtime or init_runtime(cfg.run.device)
-    if cfg.parallel.strategy == "auto":
-        cfg = auto_strategy(cfg, runtime)
+    run_dir = make_run_dir(cfg, runtime)
+    source = resume_source(cfg, run_dir)
+    cfg = resolve_config(cfg, runtime, source)
     mesh = build_mesh(resolve_dims(cfg.parallel, runtime.world_size), runtime.device, runtime.rank)
     t = cfg.train
     torch.manual_seed(t.seed)
@@ -110,7 +112,6 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     apply_ac(model, cfg.activation.checkpoint)
     timeout = cfg.parallel.collective_timeout_s
     watchdog = CollectiveWatchdog(timeout, runtime.rank) if runtime.world_size > 1 and timeout else None
-    run_dir = make_run_dir(cfg, runtime)
     strategy = apply_data_parallel(model, mesh, cfg, runtime.device, precision.name, watchdog, run_dir)
     forward = torch.compile(model) if t.compile else model
     common = dict(seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
@@ -131,38 +132,9 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
         flops_per_token=(6.0 * sum(p.numel() for p in model.parameters()) if user_model
                          else flops_per_token(cfg.model, t.seq_len)),
     )
-    source = resume_source(cfg, run_dir)
     if source is not None:
         run.start_step = load_checkpoint(run, source)
     return run
-
-
-def auto_strategy(cfg: Config, runtime: Runtime) -> Config:
-    """parallel.strategy = 'auto': rank 0 asks the planner for the fastest plan that fits these
-    ranks and this global batch (precision as configured); every rank applies its keys."""
-    choice = None
-    if runtime.is_main:
-        from shardlm.planner.search import default_dtypes, describe, plan_for_run
-        from shardlm.planner.hardware import local_cpu, parse_cluster
-
-        n, t, p = runtime.world_size, cfg.train, cfg.precision
-        if runtime.device.type == "cpu":
-            hardware = local_cpu(n)
-        else:  # the catalog's entry for this GPU; an unknown one says which names exist
-            hardware = parse_cluster(f"{n}x{torch.cuda.get_device_name(runtime.device)}")
-        plans = plan_for_run(cfg.model, n, hardware, (t.micro_batch, t.grad_accum, t.seq_len),
-                             dtypes=default_dtypes(hardware, p.compute, p.master, p.reduce))
-        if not plans:
-            raise ConfigError(f"parallel.strategy = 'auto': no strategy fits {cfg.model.preset} with "
-                              f"{t.micro_batch * t.grad_accum * n} x {t.seq_len} tokens per step on "
-                              f"{n} rank(s); `shardlm estimate` shows where the memory goes")
-        best = plans[0]
-        log.info("strategy auto: %s — predicted %.0f tokens/s, peak %.2f GiB per rank (%d plans fit)",
-                 describe(best.strategy), best.timing.tokens_per_s, best.memory.peak / 2**30, len(plans))
-        choice = json.dumps(best.overrides())
-    overrides = json.loads(broadcast_text(choice, runtime))
-    return load_config(overrides={**flatten(cfg.to_dict()), **overrides,
-                                  "parallel.strategy": "manual"}).validate()
 
 
 # -- checkpoints ------------------------------------------------------------------------------
@@ -366,7 +338,7 @@ def train(run: Run) -> TrainResult:
     if result.stopped_by is None:
         with run.strategy.full_parameters():
             if main:
-                checkpoint.save_weights(run.run_dir, run.model, cfg, run.dataset.tokenizer)
+                save_weights(run.run_dir, run.model, cfg, run.dataset.tokenizer)
     return result
 
 

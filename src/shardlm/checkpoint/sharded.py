@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from shardlm.checkpoint.weights import LATEST, point_latest
-from shardlm.config import ConfigError
+from shardlm.errors import ConfigError
 
 log = logging.getLogger("shardlm")
 

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from shardlm.config import Config, ConfigError, flatten, load_config
+from shardlm.config import Config, config_from_dict
+from shardlm.errors import ConfigError
 
 WEIGHTS, CONFIG, TOKENIZER, LATEST = "model.safetensors", "config.json", "tokenizer.json", "latest"
 
@@ -62,7 +63,7 @@ def resolve_run_dir(path: str | Path) -> Path:
 
 
 def load_config_json(run_dir: Path) -> Config:
-    return load_config(overrides=flatten(json.loads((run_dir / CONFIG).read_text())))
+    return config_from_dict(json.loads((run_dir / CONFIG).read_text()))
 
 
 def load_for_inference(path: str | Path, device: torch.device):

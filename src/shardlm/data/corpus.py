@@ -16,7 +16,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from shardlm.config import ConfigError, DataConfig
+from shardlm.config import DataConfig
+from shardlm.errors import ConfigError
 
 TEXT_SUFFIXES = (".txt", ".py", ".md")
 JSONL_SUFFIXES = (".jsonl",)

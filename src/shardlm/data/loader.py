@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from shardlm.config import ConfigError, DataConfig
+from shardlm.config import DataConfig
+from shardlm.errors import ConfigError
 from shardlm.launch import cache_root
 from shardlm.data.corpus import corpus_files, fingerprint, iter_documents
 from shardlm.data.tokenizer import (encode_to_file, eot_id, load_tokenizer, save_tokenizer,

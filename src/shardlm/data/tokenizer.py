@@ -16,7 +16,7 @@ from typing import TypeVar
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from shardlm.config import ConfigError
+from shardlm.errors import ConfigError
 
 EOT = "<|endoftext|>"
 # 256 byte tokens + <|endoftext|>: below this the alphabet itself does not fit.

@@ -1,7 +1,7 @@
 """Models: the GPT-2 / LLaMA decoder family, named presets, parameter and FLOP counts.
 
 The names below are imported on first use (PEP 562), so importing a light submodule
-(`shardlm.models.presets`, `shardlm.models.flops`: config and the planner) does not import the
+(`shardlm.presets`, `shardlm.models.flops`: config and the planner) does not import the
 decoder and with it torch (~2 s).
 """
 
@@ -13,7 +13,6 @@ from typing import Any
 _EXPORTS = {
     "Decoder": "decoder", "build_model": "decoder", "generate": "decoder",
     "count_params": "flops", "flops_per_token": "flops",
-    "PRESETS": "presets", "get_preset": "presets",
     "CausalLMAdapter": "hf", "Seq2SeqAdapter": "hf",
 }
 """Public name -> the submodule that defines it."""

@@ -19,8 +19,8 @@ from shardlm.checkpoint.sharded import StateSlice, param_state
 from shardlm.config import Config
 from shardlm.mesh import Mesh
 from shardlm.optim import build_optimizer, init_adam_state
-from shardlm.parallel.comm import CommLedger
-from shardlm.parallel.watchdog import CollectiveWatchdog
+from shardlm.comm.collectives import CommLedger
+from shardlm.comm.watchdog import CollectiveWatchdog
 from shardlm.precision import DTYPES
 
 class Strategy(Protocol):

@@ -14,7 +14,7 @@ Pure functions: no torch import (except for measuring this CPU), no process grou
 allocation. Formulas and sources: docs/planner.md.
 """
 
-from shardlm.planner.hardware import Cluster, local_cpu, parse_cluster
+from shardlm.hardware.catalog import Cluster, local_cpu, parse_cluster
 from shardlm.planner.memory import Memory, estimate_memory
 from shardlm.planner.search import (EVERYTHING, RUNTIME, LocalPrediction, Plan, Supported,
                                     plan_for_run, predict_local)

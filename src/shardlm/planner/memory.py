@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from shardlm.config import ModelConfig
 from shardlm.models import flops
-from shardlm.planner.hardware import Cluster
+from shardlm.hardware.catalog import Cluster
 from shardlm.planner.workload import (DTYPE_BYTES, Layout, StageParams, Strategy, Workload,
                                       effective_tier, stage_params, validate)
 from shardlm.zero.partition import model_state_bytes

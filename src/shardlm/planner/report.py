@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-from shardlm.planner.hardware import Cluster
+from shardlm.hardware.catalog import Cluster
 from shardlm.planner.memory import Item, Memory
 from shardlm.planner.search import Plan, SearchResult, describe, explain, step_parts
 from shardlm.planner.timing import Timing

@@ -10,11 +10,13 @@ does not fit (they never make a step faster). `plan_for_run` is what the trainer
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
-from shardlm.config import Config, ConfigError, ModelConfig
-from shardlm.models.presets import ALIASES, get_preset
-from shardlm.planner.hardware import Cluster, local_cpu, parse_cluster
+from shardlm.config import Config, ModelConfig
+from shardlm.errors import ConfigError
+from shardlm.presets import ALIASES, get_preset
+from shardlm.hardware.catalog import Cluster, choose_compute, local_cpu, parse_cluster
 from shardlm.planner.memory import Memory, estimate_memory
 from shardlm.planner.timing import Timing, estimate_time
 from shardlm.planner.workload import Dtypes, Layout, Strategy, Workload
@@ -54,7 +56,8 @@ class Plan:
         return lay.tp == lay.pp == lay.ep == 1
 
     def overrides(self) -> dict[str, object]:
-        """The config keys that run this plan (zero.* are the offload keys of issue 6)."""
+        """The config keys (and typed values) that run this plan: what `apply` sets, and what
+        `shardlm plan` prints as command-line flags."""
         s, lay = self.strategy, self.strategy.layout
         out: dict[str, object] = {
             "parallel.zero_stage": s.zero_stage, "parallel.dp_replicate": lay.dp_replicate,
@@ -71,6 +74,15 @@ class Plan:
         if s.offload_params != "none":
             out["zero.offload_params"] = s.offload_params
         return out
+
+    def apply(self, cfg: Config) -> Config:
+        """A new Config: `cfg` with this plan's keys set (typed values, no parsing), strategy
+        'manual', validated."""
+        new = copy.deepcopy(cfg)
+        for key, value in {**self.overrides(), "parallel.strategy": "manual"}.items():
+            section, _, name = key.partition(".")
+            setattr(getattr(new, section), name, value)
+        return new.validate()
 
 
 @dataclass
@@ -269,15 +281,10 @@ def _versus(win: Plan, other: Plan, label: str) -> str:
 
 def default_dtypes(cluster: Cluster, compute: str = "auto", master: str = "fp32",
                    reduce: str = "auto") -> Dtypes:
-    """'auto': bf16 where the device has it, else fp16 on GPUs (V100: 8x fp32's tensor-core
-    rate; `shardlm train`'s own auto picks fp32 there, so plans name it explicitly); on a CPU
-    the faster of fp32 and bf16 by the measured peak, as precision.resolve_compute does."""
+    """'auto' as a run resolves it (hardware.catalog.choose_compute)."""
     peak = cluster.device.peak
     if compute == "auto":
-        if cluster.device.kind == "cpu":
-            compute = "bf16" if peak.get("bf16", 0) > 1.1 * peak["fp32"] else "fp32"
-        else:
-            compute = "bf16" if "bf16" in peak else "fp16"
+        compute = choose_compute(cluster.device.kind, peak)
     if master == "bf16" and compute != "bf16":
         raise ConfigError(f"master bf16 (pure bf16) needs compute bf16, got {compute!r}")
     return Dtypes(compute, reduce, master)
@@ -329,7 +336,7 @@ class LocalPrediction:
 def predict_local(cfg: Config, n_ranks: int) -> LocalPrediction:
     """Predict one concrete configuration on this CPU with `n_ranks` local ranks (measures
     the CPU once, cached). Assumes the defaults parallel.reshard_after_forward and prefetch."""
-    from shardlm.mesh import resolve_dims
+    from shardlm.dims import resolve_dims
 
     cluster = local_cpu(n_ranks)
     dims = resolve_dims(cfg.parallel, n_ranks)

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, replace
 
 from shardlm.models import flops
-from shardlm.planner.hardware import Cluster
+from shardlm.hardware.catalog import Cluster
 from shardlm.planner.memory import activation_dtypes, block_activation
 from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier,
                                       shape_of, stage_params, validate)

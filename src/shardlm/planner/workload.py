@@ -14,9 +14,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from shardlm.config import ConfigError, ModelConfig
+from shardlm.config import ModelConfig
+from shardlm.errors import ConfigError
 from shardlm.models import flops
-from shardlm.planner.hardware import Cluster
+from shardlm.hardware.catalog import Cluster
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OFFLOAD_TIERS = ("none", "cpu", "nvme")

@@ -35,8 +35,8 @@ from torch import nn
 from shardlm.checkpoint.sharded import StateSlice, param_state
 from shardlm.config import TrainConfig
 from shardlm.mesh import Mesh
-from shardlm.parallel.comm import Comm, CommLedger
-from shardlm.parallel.watchdog import CollectiveWatchdog, watched
+from shardlm.comm.collectives import Comm, CommLedger
+from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.zero.offload import build_param_store, build_tier
 from shardlm.zero.partition import UnitLayout, layout_for, model_state_bytes
 from shardlm.zero.units import ParamRef, UnitSpec, collect_units

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 from torch.utils._pytree import tree_map
 
-from shardlm.parallel.comm import Comm
+from shardlm.comm.collectives import Comm
 
 
 class _GatherBeforeBackward(torch.autograd.Function):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from shardlm.config import ConfigError
+from shardlm.errors import ConfigError
 
 
 @dataclass

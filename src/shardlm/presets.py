@@ -1,9 +1,12 @@
-"""Named model shapes. Published ones carry their real shapes (and the parameter count the source
+"""Named model shapes (plain data: the config layer fills [model] from them, the planner
+reads them without torch). Published ones carry their real shapes (and the parameter count the source
 reports, checked by tests/test_models.py); tiny ones exist for tests and the default run."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from shardlm.errors import ConfigError
 
 
 def _gpt2(n_layers: int, n_heads: int, d_model: int, vocab_size: int = 50257,
@@ -70,7 +73,7 @@ def get_preset(name: str) -> dict[str, Any]:
     """The [model] field values of a named preset (a copy)."""
     key = ALIASES.get(name, name)
     if key not in PRESETS:
-        from shardlm.config import ConfigError
+        from shardlm.errors import ConfigError
 
         names = ", ".join(list(PRESETS) + list(ALIASES))
         raise ConfigError(f"unknown model preset {name!r}; choose one of: {names}")

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from shardlm.parallel.watchdog import CollectiveWatchdog, Tracked
+from shardlm.comm.watchdog import CollectiveWatchdog, Tracked
 
 
 @dataclass

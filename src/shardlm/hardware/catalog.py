@@ -5,10 +5,10 @@ Units: bytes, bytes/s (1 GB/s = 1e9 B/s; network Gb/s are divided by 8), FLOP/s,
 Peak FLOP/s are *dense* (no 2:4 sparsity). "fp32" is true fp32, not TF32: PyTorch keeps TF32
 off for matmuls by default (`torch.backends.cuda.matmul.allow_tf32 = False` since 1.12).
 
-"This CPU" is not in the table: `local_cpu(n_ranks)` measures it (matmul peak per precision at
-the per-rank thread count, memory bandwidth, gloo latency and bandwidth between two local ranks,
-a worker's baseline RSS) once per machine, caches it, and runs only when a user asks for it.
-Nothing here imports torch at module level.
+"This CPU" is not in the table: `local_cpu(n_ranks)` describes it from hardware/probe.py's
+measurements (matmul peak per precision at the per-rank thread count, memory bandwidth, gloo
+latency and bandwidth between two local ranks, a worker's baseline RSS), taken once per machine,
+cached, and only when a user asks for them. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass, replace
 
-from shardlm.config import ConfigError
+from shardlm.errors import ConfigError
 
 MIB = 2**20
 
@@ -328,6 +328,8 @@ def local_cpu(n_ranks: int) -> Cluster:
     """This machine as `n_ranks` local gloo ranks: every number measured (cached per machine)."""
     if n_ranks < 1:
         raise ConfigError(f"cpu rank count {n_ranks} must be >= 1")
+    from shardlm.hardware.probe import measure_cpu
+
     measured = measure_cpu(n_ranks)
     # Each rank gets max(1, cores // n_ranks) threads (launch.init_runtime); the ranks share the
     # machine's memory bandwidth and RAM. Efficiency: see CALIBRATION["cpu"]. With more ranks
@@ -339,7 +341,7 @@ def local_cpu(n_ranks: int) -> Cluster:
              + (f", {share:.2g} of a core each" if share < 1 else "") + ")", kind="cpu",
         memory=available_memory() / n_ranks, peak={k: v * share for k, v in measured["peak"].items()},
         memory_bandwidth=measured["memory_bandwidth"] / n_ranks, efficiency=0.73,
-        source="measured by shardlm.planner.hardware.measure_cpu (cached)")
+        source="measured by shardlm.hardware.probe.measure_cpu (cached)")
     gloo = Link("gloo-local", measured["gloo_bandwidth"] * share, measured["gloo_latency"] / share, 1.0,
                 "measured: all-reduce between two local gloo ranks")
     node = Node(n_ranks, gloo, LINKS["eth-10"], 1, gloo, available_memory(),
@@ -359,36 +361,6 @@ writes GBs): bench/bench_offload.py measured this machine's at 0.95-1.37 GB/s wi
 64 MiB blocks reading and writing at once, and the tier's own optimizer stream at 1.17-1.19
 GB/s (runs/bench_offload.log); it was an assumed 2 GB/s before."""
 
-_PROBE_VERSION = 3
-
-
-def measure_cpu(n_ranks: int) -> dict:
-    """The CPU's numbers for `n_ranks` local ranks. Matmul peak per precision at
-    cores // n_ranks threads comes from telemetry.peak_flops (cached there per thread count);
-    the rest is measured once per machine and cached in the shardlm cache
-    (cpu_planner_probe.json): a 256 MiB copy's memory bandwidth, gloo all-reduce latency and
-    bandwidth between two spawned ranks, and those ranks' baseline RSS (a few seconds)."""
-    import json
-
-    import torch
-
-    from shardlm.launch import cache_root, cpu_cores
-    from shardlm.telemetry import cpu_name
-
-    path = cache_root() / "cpu_planner_probe.json"
-    table = json.loads(path.read_text()) if path.is_file() else {}
-    key = f"v{_PROBE_VERSION}|{cpu_name()}|torch {torch.__version__}|cores={cpu_cores()}"
-    if key not in table:  # ranks first: they must not start from this process's big buffers
-        gloo = _gloo_probe()
-        table[key] = {"memory_bandwidth": _memory_bandwidth(), **gloo}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, path)
-    threads = max(1, cpu_cores() // n_ranks)
-    return {**table[key], "cpu": cpu_name(), "cores": cpu_cores(), "threads": threads,
-            "peak": _matmul_peaks(threads)}
-
 
 def cpu_share(n_ranks: int, cores: int) -> float:
     """Fraction of a probe-timed thread each of `n_ranks` local ranks gets: min(1, cores / n).
@@ -397,83 +369,12 @@ def cpu_share(n_ranks: int, cores: int) -> float:
     return min(1.0, cores / max(1, n_ranks))
 
 
-def _matmul_peaks(threads: int) -> dict[str, float]:
-    import torch
-
-    from shardlm.telemetry import peak_flops
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return {p: peak_flops(torch.device("cpu"), p) for p in ("fp32", "bf16", "fp16")}
-    finally:
-        torch.set_num_threads(before)
-
-
-def _memory_bandwidth(nbytes: int = 256 * MIB, repeats: int = 5) -> float:
-    """Best copy rate (read + write bytes / s) of a buffer far larger than the caches."""
-    import time
-
-    import torch
-
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
-
-
-def _gloo_rank(rank: int, world_size: int) -> dict[str, float]:
-    """On a spawned rank: the best of five timings of a one-float all-reduce (latency) and of
-    an 8 MiB all-reduce, all-gather (4 MiB shards) and reduce-scatter (8 MiB input), and this
-    rank's RSS with torch, gloo and the trainer imported — the floor of any worker's memory."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    import shardlm.trainer  # noqa: F401  (its imports are part of a worker's baseline)
-    from shardlm.parallel.comm import _all_gather_single, _reduce_scatter_single
-
-    # Resident now, not ru_maxrss: a spawned child's high-water mark can start at its parent's.
-    with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    n = 8 * MIB // 4
-    small, full, shard = torch.zeros(1), torch.zeros(n), torch.zeros(n // world_size)
-    ops = {"latency": lambda: dist.all_reduce(small), "all_reduce": lambda: dist.all_reduce(full),
-           "all_gather": lambda: _all_gather_single(full, shard),
-           "reduce_scatter": lambda: _reduce_scatter_single(shard, full)}
-    out = {}
-    for name, op in ops.items():
-        op()  # warm up
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            op()
-            times.append(time.perf_counter() - start)
-        out[name] = min(times)
-    return {**out, "rss": float(rss), "bytes": float(n * 4)}
-
-
-def _gloo_probe() -> dict[str, float]:
-    """Ring-model latency and bus bandwidth from the all-reduces (2(N-1) steps, 2(N-1)/N of
-    the bytes each way), and how much slower gloo's all-gather and reduce-scatter are than a
-    ring of that bandwidth would be."""
-    import tempfile
-
-    from shardlm.spawn import run_ranks
-
-    world = 2
-    with tempfile.TemporaryDirectory() as tmp:
-        results = run_ranks(_gloo_rank, world, tmp)
-    worst = {k: max(r[k] for r in results) for k in results[0]}
-    steps = 2 * (world - 1)
-    latency = worst["latency"] / steps
-    bandwidth = steps / world * worst["bytes"] / max(worst["all_reduce"] - steps * latency, 1e-9)
-    ring = (world - 1) * latency + (world - 1) / world * worst["bytes"] / bandwidth
-    return {"gloo_latency": latency, "gloo_bandwidth": bandwidth, "baseline_rss": worst["rss"],
-            "gloo_all_gather_factor": max(1.0, worst["all_gather"] / ring),
-            "gloo_reduce_scatter_factor": max(1.0, worst["reduce_scatter"] / ring)}
+def choose_compute(kind: str, peak: dict[str, float]) -> str:
+    """What precision.compute = 'auto' means on a device: on a CPU the faster of fp32 and bf16
+    by the measured matmul peak (bf16 is fast only on some CPUs: AMX, or AMD's AVX-512-BF16;
+    the CPU flags alone do not tell), elsewhere bf16 where the hardware has it, else fp16 (V100:
+    tensor cores at 8x fp32's rate, with the loss scaler). The one home of this rule: the
+    trainer resolves 'auto' once per run with it, the planner predicts with it."""
+    if kind == "cpu":
+        return "bf16" if peak.get("bf16", 0.0) > 1.1 * peak["fp32"] else "fp32"
+    return "bf16" if "bf16" in peak else "fp16"

@@ -1,0 +1,95 @@
+"""A run's config with every 'auto' decided — once, on one rank, the same for every rank and
+every restart.
+
+Two settings are decided from the machine: `parallel.strategy = "auto"` (the planner's best
+plan, `Plan.apply`) and `precision.compute = "auto"` (hardware.catalog.choose_compute: on a CPU
+by the measured matmul peaks, which no two processes measure identically). A decision taken on
+every rank could differ between ranks or between a run and its restart, so rank 0 decides and
+shares the resolved config; it is what config.json and every checkpoint record. A resumed run
+keeps the compute dtype its checkpoint was trained in.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from shardlm.checkpoint.sharded import MANIFEST, parse_manifest
+from shardlm.config import Config, config_from_dict
+from shardlm.errors import ConfigError
+from shardlm.hardware.catalog import Cluster, choose_compute, device_for_gpu_name, local_cpu, parse_cluster
+from shardlm.launch import Runtime, broadcast_text
+
+log = logging.getLogger("shardlm")
+
+
+def local_hardware(device: torch.device, world_size: int) -> Cluster:
+    """The planner's view of this machine: the measured CPU, or the catalog's entry for this GPU
+    (an unknown one is an error that lists the names the catalog has)."""
+    if device.type == "cpu":
+        return local_cpu(world_size)
+    return parse_cluster(f"{world_size}x{torch.cuda.get_device_name(device)}")
+
+
+def _auto_compute(device: torch.device) -> str:
+    if device.type == "cpu":
+        from shardlm.hardware.probe import cpu_peak_flops
+
+        return choose_compute("cpu", {p: cpu_peak_flops(p) for p in ("fp32", "bf16")})
+    known = device_for_gpu_name(torch.cuda.get_device_name(device))
+    if known is not None:
+        return choose_compute(known.kind, known.peak)
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+def _saved_compute(checkpoint: Path | None) -> str | None:
+    """The compute dtype a checkpoint's run was trained in (resolved), if it says."""
+    if checkpoint is None or not (checkpoint / MANIFEST).is_file():
+        return None
+    manifest = parse_manifest(checkpoint, (checkpoint / MANIFEST).read_text())
+    compute = manifest.get("config", {}).get("precision", {}).get("compute")
+    return compute if compute not in (None, "auto") else None
+
+
+def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path | None = None) -> Config:
+    """`cfg` with its 'auto' settings decided for `world_size` ranks on `device` (one process's
+    decision: `resolve_config` shares it). `checkpoint`: the one the run resumes from."""
+    from shardlm.planner.search import default_dtypes, describe, plan_for_run
+
+    cfg.validate()
+    saved = _saved_compute(checkpoint) if cfg.precision.compute == "auto" else None
+    if saved is not None:
+        cfg = copy.deepcopy(cfg)
+        cfg.precision.compute = saved
+        log.info("precision.compute = auto: %s, as the checkpoint it resumes was trained", saved)
+    if cfg.parallel.strategy == "auto":
+        t, p = cfg.train, cfg.precision
+        hardware = local_hardware(device, world_size)
+        plans = plan_for_run(cfg.model, world_size, hardware, (t.micro_batch, t.grad_accum, t.seq_len),
+                             dtypes=default_dtypes(hardware, p.compute, p.master, p.reduce))
+        if not plans:
+            raise ConfigError(f"parallel.strategy = 'auto': no strategy fits {cfg.model.preset} with "
+                              f"{t.micro_batch * t.grad_accum * world_size} x {t.seq_len} tokens per "
+                              f"step on {world_size} rank(s); `shardlm estimate` shows where the memory goes")
+        best = plans[0]
+        log.info("strategy auto: %s — predicted %.0f tokens/s, peak %.2f GiB per rank (%d plans fit)",
+                 describe(best.strategy), best.timing.tokens_per_s, best.memory.peak / 2**30, len(plans))
+        cfg = best.apply(cfg)
+    if cfg.precision.compute == "auto":
+        compute = _auto_compute(device)
+        cfg = copy.deepcopy(cfg)
+        cfg.precision.compute = compute
+        log.info("precision.compute = auto: %s on this %s (decided once, recorded in the run's config)",
+                 compute, device.type)
+    return cfg.validate()
+
+
+def resolve_config(cfg: Config, runtime: Runtime, checkpoint: Path | None = None) -> Config:
+    """`decide` on rank 0, shared with every rank: all ranks train with one resolved config."""
+    text = json.dumps(decide(cfg, runtime.world_size, runtime.device, checkpoint).to_dict()) \
+        if runtime.is_main else None
+    return config_from_dict(json.loads(broadcast_text(text, runtime))).validate()
