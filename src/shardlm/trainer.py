@@ -28,8 +28,8 @@ from shardlm.dims import resolve_dims
 from shardlm.mesh import Mesh, build_mesh
 from shardlm.models import build_model, flops_per_token, generate
 from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
-from shardlm.parallel.activation import apply_ac
-from shardlm.parallel.data import Strategy, apply_data_parallel
+from shardlm.parallel.build import parallelize
+from shardlm.parallel.data import Strategy
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.precision import Precision, build_precision, is_finite
 from shardlm.resolve import resolve_config
@@ -90,8 +90,9 @@ def make_run_dir(cfg: Config, runtime: Runtime) -> Path:
 
 def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | None = None) -> Run:
     """Everything in the documented order: run directory → resolved config (every 'auto'
-    decided once, on rank 0) → mesh → data → model → parallelize (activation checkpointing,
-    data parallelism / ZeRO, compile). `model`, if given, replaces the one cfg.model describes
+    decided once, on rank 0) → mesh → data → model on the meta device → parallelize
+    (parallel/build.py: the strategies in order; the model is materialised there, a ZeRO unit
+    at a time). `model`, if given, replaces the one cfg.model describes
     (e.g. a transformers model through shardlm.models.hf); it must be built identically on
     every rank, and its vocabulary must be cfg.model.vocab_size."""
     cfg.validate()
@@ -108,12 +109,10 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     if user_model:
         model = model.to(runtime.device)
     else:
-        model = build_model(cfg.model, runtime.device, seed=t.seed)
-    apply_ac(model, cfg.activation.checkpoint)
+        model = build_model(cfg.model, "meta")  # materialised by parallelize, unit by unit
     timeout = cfg.parallel.collective_timeout_s
     watchdog = CollectiveWatchdog(timeout, runtime.rank) if runtime.world_size > 1 and timeout else None
-    strategy = apply_data_parallel(model, mesh, cfg, runtime.device, precision.name, watchdog, run_dir)
-    forward = torch.compile(model) if t.compile else model
+    built = parallelize(model, mesh, cfg, runtime.device, watchdog, run_dir)
     common = dict(seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
                   dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp_size)
     writer = CheckpointWriter(
@@ -121,8 +120,8 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
         cfg.checkpoint.async_, session=agree_on_name(f"{os.getpid()}-{time.time_ns()}", runtime),
         timeout_s=cfg.parallel.collective_timeout_s or 3600.0)
     run = Run(
-        cfg=cfg, runtime=runtime, mesh=mesh, dataset=dataset, model=model, forward=forward,
-        strategy=strategy, watchdog=watchdog, precision=precision,
+        cfg=cfg, runtime=runtime, mesh=mesh, dataset=dataset, model=model, forward=built.forward,
+        strategy=built.strategy, watchdog=watchdog, precision=precision,
         train_loader=Loader(dataset.train, grad_accum=t.grad_accum, **common),
         val_loader=Loader(dataset.val, grad_accum=1, **common),
         run_dir=run_dir, checkpoints=writer,

@@ -3,8 +3,9 @@
 GPT-2 (Radford et al. 2019): LayerNorm, learned positions, GELU MLP, biases, tied head.
 LLaMA (Touvron et al. 2023): RMSNorm, rotary positions, SwiGLU MLP, no biases, GQA from LLaMA 2.
 
-The model is built on the meta device and materialised by `init_weights`, so a 7B model costs
-nothing to construct and memory is allocated once, on the target device (torchtitan's pattern).
+The model is built on the meta device and initialised per parameter from (seed, name)
+(models/init.py), so a 7B model costs nothing to construct and is materialised once, whole on
+one process or a ZeRO unit at a time on each rank (torchtitan's pattern, made order-free).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from shardlm.config import ModelConfig
 from shardlm.models.flops import resolved_d_ff
+from shardlm.models.init import materialize, parameter_generator
 
 # Linears that write into the residual stream: GPT-2 scales their init by 1/sqrt(2*n_layers) so
 # the residual's variance does not grow with depth (Radford et al. 2019, section 2.3).
@@ -145,36 +147,29 @@ class Decoder(nn.Module):
             half = cfg.d_model // cfg.n_heads // 2
             self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
             self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Make the head use the embedding's Parameter (GPT-2). `to_empty` breaks the tie."""
-        if self.cfg.tie_embeddings:
+        if cfg.tie_embeddings:  # GPT-2: the head is the embedding's Parameter
             self.head.weight = self.tok_emb.weight
 
-    @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """Deterministic initialisation: the same seed gives the same weights on any device.
-
-        Values are drawn on CPU from one generator in `named_parameters` order (a tied Parameter
-        is drawn once) and copied in. normal(0, init_std) for matrices, init_std/sqrt(2*n_layers)
-        for residual projections, zeros for biases, ones for norm weights.
-        """
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+    def initial_value(self, name: str, seed: int) -> torch.Tensor:
+        """The initial values of parameter `name` (fp32, CPU), a function of (seed, name) only:
+        normal(0, init_std) for matrices and embeddings, init_std/sqrt(2*n_layers) for the
+        residual projections, zeros for biases, ones for norm weights. Any subset of the
+        parameters can be initialised, in any order, on any rank (models/init.py)."""
+        shape = self.get_parameter(name).shape
+        module_name, _, attr = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and attr == "weight":
+            return torch.ones(shape)
+        if attr == "bias":
+            return torch.zeros(shape)
         std = self.cfg.init_std
-        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
-        norm_types = (nn.LayerNorm, nn.RMSNorm)
-        norm_weights = {id(m.weight) for m in self.modules() if isinstance(m, norm_types)}
-        for name, param in self.named_parameters():
-            if id(param) in norm_weights:
-                value = torch.ones(param.shape)
-            elif name.endswith(".bias"):
-                value = torch.zeros(param.shape)
-            else:
-                module_name = name.rsplit(".", 1)[0]
-                s = residual_std if module_name.endswith(RESIDUAL_PROJECTIONS) else std
-                value = torch.empty(param.shape).normal_(0.0, s, generator=gen)
-            param.copy_(value)
+        if module_name.endswith(RESIDUAL_PROJECTIONS):
+            std /= math.sqrt(2 * self.cfg.n_layers)
+        return torch.empty(shape).normal_(0.0, std, generator=parameter_generator(seed, name))
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Buffers derived from the config (not saved): the RoPE tables."""
         if self.cfg.position == "rope":
             cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_heads, self.cfg.max_seq_len,
                                    self.cfg.rope_theta)
@@ -198,17 +193,14 @@ class Decoder(nn.Module):
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> Decoder:
     """Construct on the meta device (free), then allocate once on `device` and initialise.
-
-    `device="meta"` stops after construction: shapes and parameter counts of any size, no memory.
+    `device="meta"` stops after construction: shapes and parameter counts of any size, no
+    memory; the trainer builds that way and lets parallelize() materialise it piece by piece.
     """
     with torch.device("meta"):
         model = Decoder(cfg)
     if torch.device(device).type == "meta":
         return model
-    model.to_empty(device=device)
-    model.tie_weights()  # to_empty replaces each Parameter separately, which unties them
-    model.init_weights(seed)
-    return model
+    return materialize(model, device, seed)
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from torch import nn
 from shardlm.checkpoint.sharded import StateSlice, param_state
 from shardlm.config import Config
 from shardlm.mesh import Mesh
+from shardlm.models.init import initializer_for, materialize
 from shardlm.optim import build_optimizer, init_adam_state
 from shardlm.comm.collectives import CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog
@@ -103,11 +104,15 @@ class LocalStrategy:
 
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
-                        compute: str, watchdog: CollectiveWatchdog | None = None,
+                        watchdog: CollectiveWatchdog | None = None,
                         run_dir: Path = Path("runs")) -> Strategy:
     """One process at stage 0 trains locally; anything else goes through the ZeRO engine."""
     par, prec = cfg.parallel, cfg.precision
+    compute = prec.compute  # resolved: resolve.resolve_config decided 'auto'
+    initializer = initializer_for(model, cfg.train.seed) if _on_meta(model) else None
     if mesh.dims.world_size == 1 and par.zero_stage == 0:
+        if initializer is not None:  # one process, nothing sharded: the whole model, once
+            materialize(model, device, cfg.train.seed)
         return LocalStrategy(model, cfg, device)
     from shardlm.zero.engine import ZeroEngine, ZeroOptions
 
@@ -119,4 +124,8 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch
         offload_params=cfg.zero.offload_params,
         nvme_dir=Path(cfg.zero.nvme_path or run_dir / "offload") / f"rank-{mesh.rank:05d}",
         nvme_chunk_bytes=cfg.zero.nvme_chunk_mb << 20, nvme_buffers=cfg.zero.nvme_buffers)
-    return ZeroEngine(model, mesh, opts, cfg.train, device, watchdog)
+    return ZeroEngine(model, mesh, opts, cfg.train, device, watchdog, initializer)
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())

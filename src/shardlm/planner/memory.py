@@ -169,7 +169,7 @@ class Memory:
     step_peak: float
     """During the optimizer step (activations are gone; the fp32 gradient copy exists)."""
     setup_peak: float
-    """While building: the runtime materialises the whole model in fp32 before sharding."""
+    """While building: the shards built so far and one unit materialised in full."""
     capacity: float
     host: list[Item]
     host_per_node: float
@@ -184,8 +184,7 @@ class Memory:
     def limit(self) -> str:
         """Which phase sets the peak, in words (for explanations)."""
         if self.setup_peak >= max(self.train_peak, self.step_peak):
-            return ("setup: the runtime builds the whole model in fp32 on every rank before "
-                    "sharding it (4 B x Ψ_r)")
+            return "setup: the shards plus one unit materialised in full (the sharded build)"
         if self.step_peak > self.train_peak:
             return "the optimizer step (fp32 copy of the gradient shard)"
         big = max(self.items, key=lambda i: i.bytes)
@@ -349,8 +348,12 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
     if cluster.device.kind == "cpu" and s.zero_stage in (1, 2):  # gloo all-gather's copy
         grad_copy += states["p"] * max(sp.root_unit, sp.block_unit)
     step_peak = sum(i.bytes for i in items[:3]) + grad_copy + calib.runtime_reserve
-    setup_peak = 0.0 if s.local else (4 * (sp.dense + sp.experts) + (states["p"] + 4) *
-                                      max(sp.root_unit, sp.block_unit) + calib.runtime_reserve)
+    # The sharded build (zero/engine.py Unit): a unit at a time, its fp32 initial values, one
+    # parameter's freshly drawn values, the unit in the compute dtype and this rank's shard of
+    # it, beside the shards already built (the states held at the end of setup).
+    unit = max(sp.root_unit, sp.block_unit)
+    setup_peak = 0.0 if s.local else (sum(i.bytes for i in items[:3]) + calib.runtime_reserve
+                                      + (8 + 2 * states["p"]) * unit)
     if host:
         host.append(Item("worker process", HOST_PROCESS_BYTES, "torch + CUDA libraries (assumed)"))
     notes = [f"held throughout {_g(held)} + the worst phase, {PHASES[worst]}, {_g(phase[worst])}"
@@ -361,8 +364,8 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
                      + (" and the parameter shards read back from nvme"
                         if states["param_tier"] == "nvme" else ""))
     if setup_peak > max(train_peak, step_peak):
-        notes.append(f"setup peaks highest ({_g(setup_peak)}): the runtime builds the whole model in "
-                     f"fp32 on every rank (4 B x Ψ_r) before sharding it (trainer.build_run)")
+        notes.append(f"setup peaks highest ({_g(setup_peak)}): the shards plus one unit "
+                     f"materialised in full (zero/engine.py, the sharded build)")
     return Memory(sp.name, sp.dense + sp.experts, items, train_peak, step_peak, setup_peak,
                   cluster.device.memory, host, sum(i.bytes for i in host) * cluster.per_node,
                   0.9 * cluster.node.host_memory, notes)
@@ -370,7 +373,7 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
 
 def nvme_stream_resident(sp: StageParams, n: int, chunk_bytes: int, buffers: int,
                          itemsize: int) -> tuple[float, int]:
-    """Host bytes the nvme tier's stream buffers really hold (zero/offload.py NvmeTier), and
+    """Host bytes the nvme tier's stream buffers really hold (zero/tiers/nvme.py NvmeTier), and
     the number of chunks. Its slots (max(3, buffers) of them, 3 page-aligned state buffers +
     1 gradient buffer of one chunk each) are anonymous mappings touched lazily: a slot holds
     only as much as the largest chunk it has carried. Chunks never cross a segment, one per
@@ -399,7 +402,7 @@ def nvme_stream_resident(sp: StageParams, n: int, chunk_bytes: int, buffers: int
 
 
 def _host_memory(s: Strategy, states: dict, cluster: Cluster, sp: StageParams) -> list[Item]:
-    """Host RAM per rank for offloaded states (zero/offload.py; ZeRO-Offload, Ren et al. 2021;
+    """Host RAM per rank for offloaded states (zero/tiers/; ZeRO-Offload, Ren et al. 2021;
     ZeRO-Infinity, Rajbhandari et al. 2021). The cpu tier holds fp32 masters and moments (a
     master cannot alias a parameter on another device) and receives the gradient shard in
     fp32 for the step; the nvme tier keeps 3 state files on disk and streams them through

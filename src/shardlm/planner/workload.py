@@ -153,7 +153,7 @@ def describe_dtypes(d: Dtypes, local: bool) -> str:
 
 
 def effective_tier(tier: str, cluster: Cluster) -> str:
-    """On a CPU machine the 'cpu' tier is where the states already are (zero/offload.py
+    """On a CPU machine the 'cpu' tier is where the states already are (zero/tiers/
     aliases them): nothing moves."""
     return "none" if tier == "cpu" and cluster.device.kind == "cpu" else tier
 

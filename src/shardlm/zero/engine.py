@@ -35,9 +35,10 @@ from torch import nn
 from shardlm.checkpoint.sharded import StateSlice, param_state
 from shardlm.config import TrainConfig
 from shardlm.mesh import Mesh
+from shardlm.models.init import Initializer, materialize_buffers
 from shardlm.comm.collectives import Comm, CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
-from shardlm.zero.offload import build_param_store, build_tier
+from shardlm.zero.tiers import build_param_store, build_tier
 from shardlm.zero.partition import UnitLayout, layout_for, model_state_bytes
 from shardlm.zero.units import ParamRef, UnitSpec, collect_units
 
@@ -58,7 +59,7 @@ class ZeroOptions:
     prefetch: bool = True
     unit_classes: str = ""
     offload_optimizer: str = "none"
-    """Where masters and AdamW moments live: 'none' (the device), 'cpu', 'nvme' (zero/offload.py)."""
+    """Where masters and AdamW moments live: 'none' (the device), 'cpu', 'nvme' (zero/tiers/)."""
     offload_params: str = "none"
     """Stage 3: where each unit's parameter shard lives between uses: 'none', 'cpu', 'nvme'."""
     nvme_dir: Path | None = None
@@ -70,7 +71,7 @@ class Unit:
     """One unit's flat buffers and its place in this rank's shard."""
 
     def __init__(self, spec: UnitSpec, shard_world: int, shard_rank: int, opts: ZeroOptions,
-                 device: torch.device):
+                 device: torch.device, initializer: Initializer | None = None):
         self.name, self.module, self.stage = spec.name, spec.module, opts.stage
         numels = [r.param.numel() for r in spec.params]
         decay = [r.param.dim() >= 2 for r in spec.params]
@@ -80,9 +81,19 @@ class Unit:
         self.lo, self.hi = self.layout.shard_range(shard_rank)
         self.segments = self.layout.segments(shard_rank)
         # fp32 copy of the initial values: the master is made from it, not from a rounded cast.
+        # A parameter still on the meta device is initialised here, for this unit only (the
+        # sharded build: a rank never holds more than its shards and one unit in full).
         initial = torch.zeros(self.layout.padded, dtype=torch.float32, device=device)
         for ref, offset in zip(self.refs, self.layout.offsets):
-            initial[offset:offset + ref.param.numel()] = ref.param.detach().reshape(-1)
+            if ref.param.is_meta:
+                if initializer is None:
+                    raise TypeError(f"parameter {ref.name} is on the meta device and the model has "
+                                    f"no initializer (models/init.py)")
+                values = initializer(ref.name)
+            else:
+                values = ref.param.detach()
+            initial[offset:offset + ref.param.numel()] = values.reshape(-1)
+            del values
         self.flat_param = initial.to(opts.compute_dtype)  # (padded,)
         self.shard_param = (self.flat_param[self.lo:self.hi].clone() if self.stage == 3
                             else self.flat_param[self.lo:self.hi])  # (shard,)
@@ -123,7 +134,8 @@ class ZeroEngine:
     """Owns the units, the hooks, the reductions and the sharded optimizer step."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, opts: ZeroOptions, train: TrainConfig,
-                 device: torch.device, watchdog: CollectiveWatchdog | None = None):
+                 device: torch.device, watchdog: CollectiveWatchdog | None = None,
+                 initializer: Initializer | None = None):
         self.model, self.opts, self.mesh = model, opts, mesh
         self.ledger = CommLedger()
         self.watchdog = watchdog
@@ -142,7 +154,7 @@ class ZeroEngine:
         self.tier = build_tier(opts.offload_optimizer, device, opts.master_dtype, nvme_dir,
                                opts.nvme_chunk_bytes, opts.nvme_buffers, opts.offload_params == "nvme")
         for spec in collect_units(model, opts.unit_classes):
-            unit = Unit(spec, shard_world, shard_rank, opts, device)
+            unit = Unit(spec, shard_world, shard_rank, opts, device, initializer)
             unit.bind_params()
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(self._grad_hook(unit))
@@ -154,6 +166,9 @@ class ZeroEngine:
             if opts.stage == 3:  # only the shard stays; zero/params.py gathers on demand
                 unit.flat_param.untyped_storage().resize_(0)
             self.units.append(unit)
+        materialize_buffers(model, device)
+        spans = {id(p): (u, off, p.numel()) for u in self.units for p, off in zip(u.params, u.layout.offsets)}
+        self._param_spans = [spans[id(p)] for p in model.parameters() if id(p) in spans]
         self.tier.build_optimizer(train)
         self.optimizer = self.tier.optimizer
         self.param_store = build_param_store(opts.offload_params, self.units, device, nvme_dir)
@@ -249,14 +264,14 @@ class ZeroEngine:
         return [unit.grad_shard() for unit in self.units]
 
     def _param_grad_slices(self) -> list[torch.Tensor]:
-        """This rank's gradient, cut at parameter boundaries (padding left out)."""
+        """This rank's gradient, cut at parameter boundaries (padding left out), in the model's
+        parameter order: torch's clip_grad_norm_ stacks the per-parameter norms in that order,
+        and the order of that sum shows in the norm's last bit."""
         slices = []
-        for unit in self.units:
-            shard = unit.grad_shard()
-            for offset, numel in zip(unit.layout.offsets, unit.layout.numels):
-                start, end = max(offset, unit.lo), min(offset + numel, unit.hi)
-                if start < end:
-                    slices.append(shard[start - unit.lo:end - unit.lo])
+        for unit, offset, numel in self._param_spans:
+            start, end = max(offset, unit.lo), min(offset + numel, unit.hi)
+            if start < end:
+                slices.append(unit.grad_shard()[start - unit.lo:end - unit.lo])
         return slices
 
     def clip_grad_norm(self, max_norm: float) -> float:

@@ -42,7 +42,7 @@ class ParamSharding:
     def __init__(self, units: list, comm: Comm, opts, store):
         self.units, self.comm, self.opts = units, comm, opts
         self.store = store
-        """Where shards live between gathers (zero/offload.py: resident, cpu or nvme)."""
+        """Where shards live between gathers (zero/tiers/: resident, cpu or nvme)."""
         self.handles: dict[int, object] = {}  # unit index -> pending all-gather
         self.gathered: set[int] = set()
         self.in_backward: set[int] = set()

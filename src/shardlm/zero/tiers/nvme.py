@@ -1,18 +1,11 @@
-"""Where the optimizer's state lives: the offload tiers of ZeRO-Offload (Ren et al. 2021) and
-ZeRO-Infinity (Rajbhandari et al. 2021), chosen once when the engine is built.
+"""The nvme tier (ZeRO-Infinity, Rajbhandari et al. 2021): optimizer state and stage-3
+parameter shards in files under zero.nvme_path.
 
-    device  fp32 masters and AdamW moments next to the parameters (no offload)
-    cpu     in host memory (pinned where CUDA exists): the gradient shard comes over, torch's
-            fused AdamW runs on the CPU, the updated parameters go back
-    nvme    in files under zero.nvme_path. The step streams them in chunks through a fixed ring
-            of aligned buffers: read chunk k+1 while updating chunk k while writing chunk k-1,
-            so host memory stays `nvme_buffers` chunks whatever the model's size, and the
-            disk is busy in both directions while the CPU computes
-
-Every tier runs the same kernel (torch's fused AdamW; it is element-wise, so a chunked step is
-bitwise the whole-tensor step) over the same segments: contiguous pieces of this rank's shard,
-one per (unit, weight-decay group). A tier is given each segment's target — the compute-dtype
-parameter slice it must refresh after the step — and its fp32 initial values.
+    NvmeTier    fp32 masters and AdamW moments in three files, the step streamed in chunks
+                through a fixed ring of aligned buffers: read chunk k+1 while updating chunk k
+                while writing chunk k-1, so host memory stays `nvme_buffers` chunks whatever the
+                model's size, and the disk is busy in both directions while the CPU computes
+    FileParams  each stage-3 parameter shard in a file, in memory only while it is needed
 """
 
 from __future__ import annotations
@@ -28,92 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from shardlm.config import TrainConfig
-from shardlm.optim import init_adam_state
+from shardlm.zero.tiers.memory import ResidentParams, TierStats
 
 log = logging.getLogger("shardlm")
 
 ALIGN = 4096
 """O_DIRECT needs buffer addresses, file offsets and lengths aligned to the logical block."""
-
-
-@dataclass
-class TierStats:
-    """What the last step moved and how long it took (telemetry)."""
-
-    read_bytes: int = 0
-    write_bytes: int = 0
-    step_s: float = 0.0
-    io_wait_s: float = 0.0
-    """Time the step waited for reads or writes (the part the pipeline did not hide)."""
-
-
-class InMemoryTier:
-    """Device or cpu: masters and moments as tensors on `home`, stepped by torch's AdamW.
-    When the master would be an exact copy of its target (same dtype, same device) the target
-    itself is the master (no second copy)."""
-
-    def __init__(self, home: torch.device, master_dtype: torch.dtype, may_alias: bool = True):
-        self.home, self.master_dtype, self.may_alias = home, master_dtype, may_alias
-        self.masters: list[nn.Parameter] = []
-        self.targets: list[torch.Tensor] = []
-        self.decay: list[bool] = []
-        self.aliased: list[bool] = []
-        self.stats = TierStats()
-
-    def add(self, target: torch.Tensor, initial: torch.Tensor, decay: bool) -> None:
-        alias = self.may_alias and target.dtype == self.master_dtype and target.device == self.home
-        if alias:
-            master = target
-        else:
-            master = torch.empty(target.shape, dtype=self.master_dtype, device=self.home,
-                                 pin_memory=self.home.type == "cpu" and torch.cuda.is_available())
-            master.copy_(initial)
-        self.masters.append(nn.Parameter(master))
-        self.targets.append(target)
-        self.decay.append(decay)
-        self.aliased.append(alias)
-
-    def build_optimizer(self, train: TrainConfig) -> None:
-        groups = [{"params": [m for m, d in zip(self.masters, self.decay) if d], "weight_decay": train.weight_decay},
-                  {"params": [m for m, d in zip(self.masters, self.decay) if not d], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2),
-                                           eps=train.eps, fused=True)
-        init_adam_state(self.optimizer)
-
-    def step(self, grads: list[torch.Tensor]) -> None:
-        start = time.perf_counter()
-        for master, grad in zip(self.masters, grads):
-            master.grad = grad.to(master.device, master.dtype, non_blocking=True)
-        self.optimizer.step()
-        for master, target, alias in zip(self.masters, self.targets, self.aliased):
-            master.grad = None
-            if not alias:
-                target.copy_(master.detach(), non_blocking=True)
-        self.stats = TierStats(step_s=time.perf_counter() - start)
-
-    def segment_state(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        state = self.optimizer.state[self.masters[i]]
-        return self.masters[i].detach(), state["exp_avg"], state["exp_avg_sq"]
-
-    def refresh_targets(self) -> None:
-        """After a checkpoint load wrote the masters: the targets from them."""
-        for master, target, alias in zip(self.masters, self.targets, self.aliased):
-            if not alias:
-                target.copy_(master.detach())
-
-    def held_bytes(self) -> dict[str, int]:
-        """Optimizer-state bytes by where they live (aliased masters are the parameters')."""
-        nbytes = sum(m.numel() * m.element_size() for m, a in zip(self.masters, self.aliased) if not a)
-        nbytes += sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                      for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-        return {("cpu" if self.home.type == "cpu" else "device"): nbytes}
-
-
-# ---------------------------------------------------------------------------------------------
-# NVMe
 
 
 def _aligned(n: int) -> int:
@@ -314,7 +229,6 @@ class NvmeTier:
         return {"nvme": 3 * self.size * self.itemsize}
 
 
-
 def _close_files(files: list[_File], *pools: ThreadPoolExecutor) -> None:
     for pool in pools:
         pool.shutdown()
@@ -322,82 +236,8 @@ def _close_files(files: list[_File], *pools: ThreadPoolExecutor) -> None:
         f.close()
 
 
-def build_tier(kind: str, device: torch.device, master_dtype: torch.dtype, directory: Path,
-               chunk_bytes: int, buffers: int, params_offloaded: bool = False):
-    """The tier `zero.offload_optimizer` names. When the parameter shards themselves leave
-    memory (offload_params = 'nvme') a master can no longer be the parameter it updates."""
-    if kind == "nvme":
-        return NvmeTier(directory, master_dtype, chunk_bytes, buffers)
-    return InMemoryTier(torch.device("cpu") if kind == "cpu" else device, master_dtype,
-                        may_alias=not params_offloaded)
-
-
 # ---------------------------------------------------------------------------------------------
-# Parameter shards (stage 3): `zero.offload_params`
-
-
-class ResidentParams:
-    """'none': each unit's parameter shard stays where it is."""
-
-    def fetch(self, unit) -> torch.Tensor:
-        """The shard, ready to be the source of the unit's all-gather."""
-        return unit.shard_param
-
-    def release(self, unit) -> None:
-        """The gather that needed the shard is complete."""
-
-    def materialize_all(self) -> None:
-        """Every shard in memory (the optimizer step writes them)."""
-
-    def store_all(self) -> None:
-        """The step is done: shards back to their tier."""
-
-    def held_bytes(self) -> dict[str, int]:
-        return {}
-
-    def take_io_bytes(self) -> tuple[int, int]:
-        """(read, written) bytes since the last call."""
-        return 0, 0
-
-
-class HostParams(ResidentParams):
-    """'cpu': each shard in (pinned) host memory, on the device only from a gather's start to
-    its end and during the optimizer step — the same lifecycle as FileParams, with host memory
-    for the file. On a CPU-only machine the host memory is the device's: nothing moves."""
-
-    def __init__(self, units: list, device: torch.device):
-        self.units, self.moves = units, device.type != "cpu"
-        self.host: dict[int, torch.Tensor] = {}
-        if self.moves:
-            for unit in units:
-                self.host[id(unit)] = unit.shard_param.detach().to("cpu").pin_memory()
-                unit.shard_param.untyped_storage().resize_(0)
-
-    def _read(self, unit) -> None:
-        param = unit.shard_param
-        param.untyped_storage().resize_(param.numel() * param.element_size())
-        param.copy_(self.host[id(unit)], non_blocking=True)
-
-    def fetch(self, unit) -> torch.Tensor:
-        if self.moves:
-            self._read(unit)
-        return unit.shard_param
-
-    def release(self, unit) -> None:
-        if self.moves:
-            unit.shard_param.untyped_storage().resize_(0)
-
-    def materialize_all(self) -> None:
-        for unit in self.units if self.moves else ():
-            self._read(unit)
-
-    def store_all(self) -> None:
-        for unit in self.units if self.moves else ():
-            self.host[id(unit)].copy_(unit.shard_param)
-            unit.shard_param.untyped_storage().resize_(0)
-
-    def held_bytes(self) -> dict[str, int]:
-        return {"cpu": sum(t.numel() * t.element_size() for t in self.host.values())}
+# Parameter shards (stage 3): `zero.offload_params` = 'nvme'
 
 
 class FileParams(ResidentParams):
@@ -466,12 +306,3 @@ class FileParams(ResidentParams):
 def _close_params(fd: int, path: Path) -> None:
     os.close(fd)
     path.unlink(missing_ok=True)
-
-
-def build_param_store(kind: str, units: list, device: torch.device, directory: Path):
-    """The store `zero.offload_params` names (stage 3)."""
-    if kind == "nvme":
-        return FileParams(units, directory)
-    if kind == "cpu":
-        return HostParams(units, device)
-    return ResidentParams()
