@@ -12,9 +12,15 @@ VOCAB = 512  # tests/conftest.py: tiny_overrides uses gpt-tiny's vocabulary
 ATTN = "sdpa"  # the same attention kernel in every process, whatever the library would pick
 
 
-def hf_model(name: str) -> torch.nn.Module:
-    """The adapted model, built under a fixed seed. Dropout is 0: each process would draw its
-    own masks, and the comparison is between processes."""
+def hf_model(name: str, device: str = "cpu") -> torch.nn.Module:
+    """The adapted model, built under a fixed seed (on the CPU) or on the meta device for the
+    sharded build. Dropout is 0: each process would draw its own masks, and the comparison is
+    between processes."""
+    with torch.device(device):
+        return _hf_model(name)
+
+
+def _hf_model(name: str) -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(0)
@@ -38,3 +44,18 @@ def hf_model(name: str) -> torch.nn.Module:
 
 def hf_train_cases(rank: int, world_size: int, cases: list[tuple[str, dict, int]]) -> list[dict]:
     return [train_case(overrides, steps, model=hf_model(name)) for name, overrides, steps in cases]
+
+
+def hf_built(rank: int, world_size: int, cases: list[tuple[str, dict]]) -> list[dict]:
+    """Each model built on the meta device, parallelized (the sharded build); its full
+    parameters and buffers."""
+    from shardlm.config import load_config
+    from shardlm.trainer import build_run
+
+    out = []
+    for name, overrides in cases:
+        run = build_run(load_config(overrides=overrides).validate(), model=hf_model(name, "meta"))
+        with run.strategy.full_parameters():
+            out.append({n: t.detach().float().clone() for n, t in
+                        [*run.model.named_parameters(), *run.model.named_buffers()]})
+    return out

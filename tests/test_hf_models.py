@@ -131,3 +131,25 @@ def test_build_run_takes_a_user_model(tmp_path):
     run = build_run(load_config(overrides=_base(tmp_path)).validate(), model=model)
     assert run.model is model
     assert run.flops_per_token == 6 * sum(p.numel() for p in model.parameters())
+
+
+def test_meta_built_models_shard_to_the_one_process_model(tmp_path):
+    """transformers models built on the meta device: each rank materialises only its units,
+    initialised by the model's own _init_weights seeded per (seed, module), and the result is
+    the model one process materialises whole — at stage 3 (units sharded) and stage 1."""
+    from hf_cases import hf_built
+    from shardlm.models.init import materialize
+
+    cases = [(name, {**_base(tmp_path), **(T5_UNITS if name == "t5" else {}),
+                     "parallel.zero_stage": stage, "run.name": f"{name}{stage}"})
+             for name in ("llama", "gpt2", "t5") for stage in (1, 3)]
+    ranks = run_ranks(hf_built, WORLD, tmp_path, cases, timeout=300)
+    for index, (name, overrides) in enumerate(cases):
+        whole = materialize(hf_model(name, "meta"), "cpu", overrides.get("train.seed", 1337))
+        cpu_built = hf_model(name)  # the library's own init, for scale
+        for key, value in [*whole.named_parameters(), *whole.named_buffers()]:
+            for rank in ranks:
+                assert torch.equal(rank[index][key], value.detach().float()), (name, key)
+            if value.dim() == 2:  # initialised like the library does, not left at zero or garbage
+                expected = cpu_built.get_parameter(key).std()
+                assert 0.5 * expected < value.std() < 2 * expected, (name, key)

@@ -12,7 +12,7 @@ def atomic_write(path: Path, data: bytes | str, fsync: bool = False) -> None:
     makes the contents durable before the rename (checkpoints); caches skip it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.part")  # this writer's own: never shared
     payload = data.encode() if isinstance(data, str) else data
     with open(tmp, "wb") as f:
         f.write(payload)

@@ -73,8 +73,6 @@ def get_preset(name: str) -> dict[str, Any]:
     """The [model] field values of a named preset (a copy)."""
     key = ALIASES.get(name, name)
     if key not in PRESETS:
-        from shardlm.errors import ConfigError
-
         names = ", ".join(list(PRESETS) + list(ALIASES))
         raise ConfigError(f"unknown model preset {name!r}; choose one of: {names}")
     return dict(PRESETS[key])

@@ -29,7 +29,7 @@ from shardlm.mesh import Mesh, build_mesh
 from shardlm.models import build_model, flops_per_token, generate
 from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
 from shardlm.parallel.build import parallelize
-from shardlm.parallel.data import Strategy
+from shardlm.parallel.data import DataParallelEngine
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.precision import Precision, build_precision, is_finite
 from shardlm.resolve import resolve_config
@@ -50,7 +50,7 @@ class Run:
     """The plain model (parameters, state_dict) — what is saved."""
     forward: nn.Module
     """What is called in the step: the model, possibly compiled."""
-    strategy: Strategy
+    strategy: DataParallelEngine
     """Gradient synchronisation, clipping and the optimizer step (local or ZeRO)."""
     watchdog: CollectiveWatchdog | None
     """Reports a collective that outlives parallel.collective_timeout_s (several ranks only)."""
@@ -106,8 +106,9 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     dataset = build_dataset(cfg.data, cfg.model.vocab_size)
     precision = build_precision(cfg.precision, runtime.device, t.on_nonfinite == "stop")
     user_model = model is not None
-    if user_model:
-        model = model.to(runtime.device)
+    if user_model:  # on the meta device it stays there: parallelize materialises it
+        if not any(p.is_meta for p in model.parameters()):
+            model = model.to(runtime.device)
     else:
         model = build_model(cfg.model, "meta")  # materialised by parallelize, unit by unit
     timeout = cfg.parallel.collective_timeout_s

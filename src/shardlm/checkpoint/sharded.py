@@ -45,6 +45,7 @@ import torch
 
 from shardlm.checkpoint.weights import LATEST, point_latest
 from shardlm.errors import ConfigError
+from shardlm.files import atomic_write
 
 log = logging.getLogger("shardlm")
 
@@ -92,16 +93,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def write_durable(path: Path, data: bytes) -> None:
-    """Write under a temporary name, fsync, rename: the file is whole or absent."""
-    part = path.with_name(path.name + ".part")
-    with open(part, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
@@ -273,7 +264,7 @@ class CheckpointWriter:
             size, sha256 = write_safetensors(tmp / _rank_file(self.rank), tensors)
             tensors.clear()
             note.update(file=_rank_file(self.rank), bytes=size, sha256=sha256)
-        write_durable(tmp / _note_file(self.rank), json.dumps(note).encode())
+        atomic_write(tmp / _note_file(self.rank), fsync=True, data=json.dumps(note).encode())
         if self.rank == 0:
             self._publish(step, tmp, state, meta)
 
@@ -291,7 +282,7 @@ class CheckpointWriter:
                     name, {"shape": e["shape"], "dtype": e["dtype"], "slices": []})
                 tensor["slices"].append({"file": note["file"], "key": name, "start": e["start"],
                                          "end": e["end"], "box": None})
-        write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        atomic_write(tmp / MANIFEST, fsync=True, data=json.dumps(manifest, indent=1).encode())
         for note in notes:
             (tmp / _note_file(note["rank"])).unlink()
         _fsync_dir(tmp)

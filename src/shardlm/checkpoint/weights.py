@@ -18,14 +18,9 @@ from torch import nn
 
 from shardlm.config import Config, config_from_dict
 from shardlm.errors import ConfigError
+from shardlm.files import atomic_write
 
 WEIGHTS, CONFIG, TOKENIZER, LATEST = "model.safetensors", "config.json", "tokenizer.json", "latest"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def point_latest(run_dir: Path) -> None:
@@ -45,7 +40,7 @@ def save_weights(run_dir: Path, model: nn.Module, cfg: Config, tokenizer) -> Pat
     tensors = {n: p.detach().cpu().contiguous().clone() for n, p in model.named_parameters()}
     save_file(tensors, str(tmp))
     os.replace(tmp, run_dir / WEIGHTS)
-    _write_atomic(run_dir / CONFIG, json.dumps(cfg.to_dict(), indent=2))
+    atomic_write(run_dir / CONFIG, json.dumps(cfg.to_dict(), indent=2))
     tokenizer.save(str(run_dir / TOKENIZER))
     point_latest(run_dir)
     return run_dir / WEIGHTS

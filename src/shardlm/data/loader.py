@@ -15,7 +15,6 @@ import contextlib
 import fcntl
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from tokenizers import Tokenizer
 
 from shardlm.config import DataConfig
 from shardlm.errors import ConfigError
+from shardlm.files import atomic_write
 from shardlm.launch import cache_root
 from shardlm.data.corpus import corpus_files, fingerprint, iter_documents
 from shardlm.data.tokenizer import (encode_to_file, eot_id, load_tokenizer, save_tokenizer,
@@ -111,22 +111,13 @@ def _build(cfg: DataConfig, files: list[Path], vocab_size: int, cache_dir: Path)
     counts = encode_to_file(tok, _documents(cfg, files), cache_dir / "tokens.bin", dtype)
     meta = {"dtype": dtype.name, "vocab_size": vocab_size, "source": cfg.source,
             "max_bytes": cfg.max_bytes, "n_files": len(files), **counts}
-    _write_atomic(cache_dir / "meta.json", json.dumps(meta, indent=2))
-    _write_atomic(cache_dir / "done", "")
+    atomic_write(cache_dir / "meta.json", json.dumps(meta, indent=2), fsync=True)
+    atomic_write(cache_dir / "done", "", fsync=True)
     done = time.perf_counter()
     log.info("data: built %s: %d files, %d documents, %.1f MB text -> %d tokens (vocab %d, "
              "%.2f bytes/token); tokenizer %.1fs, encode %.1fs", cache_dir, len(files),
              counts["n_documents"], counts["n_bytes"] / 1e6, counts["n_tokens"], vocab_size,
              counts["n_bytes"] / max(counts["n_tokens"], 1), trained - start, done - trained)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _require_windows(n_tokens: int, seq_len: int, needed: int, split: str, what: str) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from shardlm.errors import ConfigError
+from shardlm.files import atomic_write
 
 EOT = "<|endoftext|>"
 # 256 byte tokens + <|endoftext|>: below this the alphabet itself does not fit.
@@ -81,10 +82,7 @@ def _pad_vocab(tok: Tokenizer, vocab_size: int) -> None:
 
 def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
     """Write atomically: a reader never sees a half-written tokenizer.json."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
-    tok.save(str(tmp))
-    os.replace(tmp, path)
+    atomic_write(Path(path), tok.to_str())
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -11,16 +11,24 @@ engine keeps tied.
     model = CausalLMAdapter(LlamaForCausalLM(LlamaConfig(vocab_size=cfg.model.vocab_size, ...)))
     run = build_run(cfg, model=model)
 
-Build the model identically on every rank (seed torch first, set `attn_implementation`
-explicitly) and set its dropout to 0 if runs are to be compared: each rank draws its own masks.
+Build the model on the meta device (`with torch.device("meta"): LlamaForCausalLM(config)`) and
+the sharded build materialises it a unit at a time on each rank: every leaf module is
+initialised by the model's own `_init_weights`, seeded from (train.seed, module name), so any
+layout builds the same weights (models/init.py). Or build it on the CPU, identically on every
+rank (seed torch first). Set `attn_implementation` explicitly, and dropout to 0 if runs are to
+be compared: each rank draws its own masks.
 transformers is an optional extra (`pip install shardlm[hf]`): nothing here imports it, the
 adapters only call the model they are given.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
+
+from shardlm.models.init import parameter_seed
 
 
 def _check_vocab(model: nn.Module, vocab_size: int | None) -> None:
@@ -30,7 +38,53 @@ def _check_vocab(model: nn.Module, vocab_size: int | None) -> None:
                          "build it with the config's model.vocab_size")
 
 
-class CausalLMAdapter(nn.Module):
+class _PieceByPieceInit(nn.Module):
+    """initial_value / init_buffers (models/init.py) for a transformers model built on meta."""
+
+    model: nn.Module
+
+    @torch.no_grad()
+    def initial_value(self, name: str, seed: int) -> torch.Tensor:
+        """Parameter `name`'s initial values, as the library initialises it: in a copy of the
+        model still on the meta device, its leaf module is given CPU memory, then the model's
+        own `_init_weights` runs on the leaf and on every module above it, leaf first (GPT-2
+        re-scales c_proj from its parent block), under a seed of (seed, module name). On the
+        other, meta, modules it computes nothing."""
+        module_name, _, attr = name.rpartition(".")
+        twin = copy.deepcopy(self)
+        leaf = twin.get_submodule(module_name).to_empty(device="cpu")
+        for param in leaf.parameters(recurse=False):
+            param.fill_(float("nan"))  # what _init_weights leaves alone shows up below
+        parts = module_name.split(".")
+        chain = [twin.get_submodule(".".join(parts[:i])) for i in range(len(parts), -1, -1)]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(parameter_seed(seed, module_name))
+            for module in chain:
+                twin.model._init_weights(module)
+        value = getattr(leaf, attr).detach().float()
+        if torch.isnan(value).any():
+            raise TypeError(f"{type(self.model).__name__}._init_weights does not initialise "
+                            f"{type(leaf).__name__} ({name}): build this model on the CPU instead")
+        return value
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Buffers computed in a module's constructor (LLaMA's rotary inv_freq): the module
+        rebuilt on the CPU from its config, its buffers copied in."""
+        for name, module in self.named_modules():
+            own = dict(module.named_buffers(recurse=False))
+            if not own:
+                continue
+            if not hasattr(module, "config"):
+                raise TypeError(f"cannot rebuild the buffers of {name} ({type(module).__name__}) "
+                                f"built on the meta device: build this model on the CPU instead")
+            with torch.device("cpu"):
+                fresh = type(module)(module.config)
+            for key, value in fresh.named_buffers(recurse=False):
+                own[key].copy_(value)
+
+
+class CausalLMAdapter(_PieceByPieceInit):
     """Any `*ForCausalLM` (GPT2LMHeadModel, LlamaForCausalLM, ...): logits of `input_ids`."""
 
     def __init__(self, model: nn.Module, vocab_size: int | None = None):
@@ -45,7 +99,7 @@ class CausalLMAdapter(nn.Module):
         return self.model(input_ids=idx, use_cache=False).logits
 
 
-class Seq2SeqAdapter(nn.Module):
+class Seq2SeqAdapter(_PieceByPieceInit):
     """A T5-style encoder-decoder (T5ForConditionalGeneration, ...) as `idx -> logits`.
 
     The encoder reads idx; the decoder reads idx shifted right by one, starting with the

@@ -9,6 +9,7 @@ tables). Our Decoder does; `build_model` and `materialize` use the same function
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from typing import Callable
 
@@ -19,12 +20,17 @@ Initializer = Callable[[str], torch.Tensor]
 """A parameter's name (as named_parameters gives it) -> its initial values, fp32, on the CPU."""
 
 
-def parameter_generator(seed: int, name: str) -> torch.Generator:
-    """A CPU generator for one parameter, seeded from (seed, name) through SHA-256: stable across
+def parameter_seed(seed: int, name: str) -> int:
+    """A seed for one parameter (or module), from (seed, name) through SHA-256: stable across
     processes, platforms and runs (Python's hash() is salted per process), and independent of
     the order in which parameters are initialised."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def parameter_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator seeded with parameter_seed(seed, name)."""
+    return torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
 
 
 def initializer_for(model: nn.Module, seed: int) -> Initializer:
@@ -34,7 +40,11 @@ def initializer_for(model: nn.Module, seed: int) -> Initializer:
             f"{type(model).__name__} is on the meta device but has no initial_value(name, seed): "
             f"shardlm cannot initialise it piece by piece. Build it on the CPU (every rank "
             f"identically) and pass that, or give it initial_value and init_buffers")
-    return lambda name: model.initial_value(name, seed)
+    # A copy taken now, while every parameter is still on the meta device (free): the engine
+    # rebinds the live model's parameters unit by unit as it builds them (at stage 3 to freed
+    # storage), and an initialiser may copy modules around the one it initialises.
+    pristine = copy.deepcopy(model)
+    return lambda name: pristine.initial_value(name, seed)
 
 
 def materialize_buffers(model: nn.Module, device: torch.device) -> None:

@@ -24,7 +24,7 @@ from shardlm.comm.watchdog import CollectiveWatchdog
 from shardlm.config import Config
 from shardlm.mesh import Mesh
 from shardlm.parallel.activation import apply_ac
-from shardlm.parallel.data import Strategy, apply_data_parallel
+from shardlm.parallel.data import DataParallelEngine, apply_data_parallel
 
 log = logging.getLogger("shardlm")
 
@@ -35,7 +35,7 @@ class Parallelized:
     """The plain model, transformed in place: what is saved and exported."""
     forward: nn.Module
     """What the training step calls: the model, or its compiled wrapper."""
-    strategy: Strategy
+    strategy: DataParallelEngine
     """Gradient synchronisation, clipping and the optimizer step (local or ZeRO)."""
 
 

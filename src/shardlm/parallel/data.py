@@ -1,7 +1,7 @@
-"""Data parallelism: the strategy object the training step talks to, chosen once.
+"""Data parallelism: the engine the training step talks to, chosen once.
 
-`LocalStrategy` is one process, no engine: torch's fused AdamW on the plain model with autocast
-mixed precision (fp32 parameters). It is the reference every distributed run is tested against.
+`LocalEngine` is one process and nothing sharded: torch's fused AdamW on the plain model with
+autocast mixed precision (fp32 parameters). It is the reference every distributed run is tested against.
 `ZeroEngine` (zero/engine.py) is stages 0-3 over any number of ranks. Both expose the same
 step interface, so the loop has no `if distributed` in it.
 """
@@ -24,7 +24,11 @@ from shardlm.comm.collectives import CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog
 from shardlm.precision import DTYPES
 
-class Strategy(Protocol):
+
+class DataParallelEngine(Protocol):
+    """What the loop calls, whatever the layout (the planner's `Strategy` is a different
+    thing: a layout it evaluates)."""
+
     optimizer: torch.optim.Optimizer
     ledger: CommLedger
 
@@ -51,7 +55,7 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class LocalStrategy:
+class LocalEngine:
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device):
         self.model = model
         self.optimizer = build_optimizer(model, cfg.train, device)
@@ -105,7 +109,7 @@ class LocalStrategy:
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
                         watchdog: CollectiveWatchdog | None = None,
-                        run_dir: Path = Path("runs")) -> Strategy:
+                        run_dir: Path = Path("runs")) -> DataParallelEngine:
     """One process at stage 0 trains locally; anything else goes through the ZeRO engine."""
     par, prec = cfg.parallel, cfg.precision
     compute = prec.compute  # resolved: resolve.resolve_config decided 'auto'
@@ -113,7 +117,7 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch
     if mesh.dims.world_size == 1 and par.zero_stage == 0:
         if initializer is not None:  # one process, nothing sharded: the whole model, once
             materialize(model, device, cfg.train.seed)
-        return LocalStrategy(model, cfg, device)
+        return LocalEngine(model, cfg, device)
     from shardlm.zero.engine import ZeroEngine, ZeroOptions
 
     opts = ZeroOptions(

@@ -23,7 +23,10 @@ each, the gradient converted), write master, m, v, and the compute-dtype copy (~
 
 
 @dataclass
-class Comm:
+class CommTime:
+    """One collective of the predicted step: its volume and time (the runtime's own
+    collectives are comm/collectives.py Comm)."""
+
     name: str
     group: str
     """Which group and over what link: 'dp_shard (8, intra-node nvlink3)'."""
@@ -39,7 +42,7 @@ class Timing:
     compute: float
     """Seconds of compute per step, recomputation and pipeline bubble included."""
     bubble: float
-    comms: list[Comm]
+    comms: list[CommTime]
     optimizer: float
     step: float
     tokens_per_s: float
@@ -97,7 +100,7 @@ def _hidden(seconds: float, window: float, overlap: float, fixed: float = 0.0) -
 
 
 def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
-              windows: tuple[float, float]) -> list[Comm]:
+              windows: tuple[float, float]) -> list[CommTime]:
     """The data-parallel collectives of the ZeRO engine, per unit, as zero/engine.py issues
     them (volumes sum to zero.partition.comm_bytes_per_step)."""
     lay, d, calib = s.layout, s.dtypes, cluster.calibration
@@ -114,7 +117,7 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
         bw, lat, where = group_link(cluster, size, stride)
         seconds = repeat * collective_seconds(op, nbytes, size, bw, lat, calls) * calib.factor(op)
         volume = (2 if op == "all_reduce" else 1) * nbytes * repeat
-        out.append(Comm(name, f"{size} ranks, {where}", volume, seconds,
+        out.append(CommTime(name, f"{size} ranks, {where}", volume, seconds,
                         _hidden(seconds, window, overlap, fixed_fraction * seconds)))
 
     root_share = root / psi
@@ -135,7 +138,7 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
     return out
 
 
-def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> list[Comm]:
+def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> list[CommTime]:
     """Tensor, pipeline and expert parallel traffic, all on the critical path."""
     lay, e, m = s.layout, s.dtypes.param_bytes, w.model
     tokens = s.micro_batch * w.seq_len
@@ -146,19 +149,19 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
         calls = (6 if s.recompute == "full" else 4) * sp.layers * micro
         bw, lat, where = group_link(cluster, lay.tp, 1)
         sec = collective_seconds("all_reduce", e * tokens * m.d_model * calls, lay.tp, bw, lat, calls)
-        out.append(Comm("tensor-parallel all-reduces", f"{lay.tp} ranks, {where}",
+        out.append(CommTime("tensor-parallel all-reduces", f"{lay.tp} ranks, {where}",
                         2 * e * tokens * m.d_model * calls, sec, sec))
     if lay.pp > 1:  # one activation forward, one gradient back, per micro-batch and boundary
         size = e * tokens * m.d_model / (lay.tp if s.sequence_parallel else 1)
         bw, lat, where = group_link(cluster, 2, lay.tp * lay.dp)
         sec = collective_seconds("p2p", 2 * micro * size, 2, bw, lat, 2 * micro)
-        out.append(Comm("pipeline send/recv", f"stage boundary, {where}", 2 * micro * size, sec, sec))
+        out.append(CommTime("pipeline send/recv", f"stage boundary, {where}", 2 * micro * size, sec, sec))
     if lay.ep > 1:  # dispatch + combine, forward and backward, per MoE layer
         calls = 4 * sp.layers * micro
         size = e * tokens * m.d_model * w.top_k * w.capacity_factor
         bw, lat, where = group_link(cluster, lay.ep, lay.tp)
         sec = collective_seconds("all_to_all", size * calls, lay.ep, bw, lat, calls)
-        out.append(Comm("expert all-to-all", f"{lay.ep} ranks, {where}", size * calls, sec, sec))
+        out.append(CommTime("expert all-to-all", f"{lay.ep} ranks, {where}", size * calls, sec, sec))
     return out
 
 
@@ -225,7 +228,7 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
         seconds = 0.0 if dev.kind == "cpu" else up / cluster.node.pcie.effective
         if s.offload_params == "nvme":
             seconds += up / (cluster.node.nvme_bandwidth / cluster.per_node)
-        comms.append(Comm("parameter shards from host", s.offload_params, up, seconds,
+        comms.append(CommTime("parameter shards from host", s.offload_params, up, seconds,
                           _hidden(seconds, compute, cluster.calibration.overlap)))
     step = compute + sum(c.exposed for c in comms) + optimizer
     tokens_per_s = w.global_batch * w.seq_len / step
