@@ -1,8 +1,14 @@
 """`shardlm train --nproc N`: real workers through torch's elastic launcher."""
 
+import ipaddress
 import json
+import os
+import socket
+import struct
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from conftest import tiny_overrides
 from shardlm.zero.partition import comm_bytes_per_step
@@ -31,3 +37,128 @@ def test_bad_layout_fails_before_spawning(tmp_path):
     assert result.returncode == 2
     assert "world size 3 is not divisible by dp_replicate (2)" in result.stderr
     assert not any(tmp_path.iterdir())
+
+
+# -- network: a single-node run listens on loopback only ---------------------------------------
+
+LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp{,6}
+
+
+def _process_tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited while we looked
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def _socket_inodes(pids: list[int]) -> dict[int, int]:
+    """{socket inode: pid} over the processes' open file descriptors."""
+    owners = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                owners[int(target[8:-1])] = pid
+    return owners
+
+
+def _address(hex_addr: str) -> str:
+    """/proc/net/tcp's 'HEXIP:HEXPORT' (IPv4 and IPv6: 32-bit words in host byte order)."""
+    ip, port = hex_addr.split(":")
+    raw = b"".join(struct.pack("=I", int(ip[i:i + 8], 16)) for i in range(0, len(ip), 8))
+    family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+    return f"[{socket.inet_ntop(family, raw)}]:{int(port, 16)}"
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[int, str]]:
+    """(pid, '[address]:port') of every listening TCP socket the processes hold."""
+    owners = _socket_inodes(pids)
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == LISTEN and int(fields[9]) in owners:
+                found.append((owners[int(fields[9])], _address(fields[1])))
+    return found
+
+
+def _is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address[1:address.index("]")]).is_loopback
+
+
+def test_address_decoding():
+    assert _address("0100007F:1F90") == "[127.0.0.1]:8080"
+    assert _address("00000000:0050") == "[0.0.0.0]:80"
+    assert _address("00000000000000000000000000000000:A27B") == "[::]:41595"
+    assert _address("00000000000000000000000001000000:0016") == "[::1]:22"
+    assert _is_loopback("[::1]:22") and _is_loopback("[127.0.0.1]:1")
+    assert not _is_loopback("[::]:1") and not _is_loopback("[0.0.0.0]:1")
+
+
+def test_local_run_listens_on_loopback_only(tmp_path):
+    """`shardlm train --nproc 2`: every listening socket of the launcher and its workers, sampled
+    while they run, is on loopback. (Before: the launcher's rendezvous store and rank 0's
+    MASTER_PORT store listened on every interface, `[::]:PORT`.)"""
+    overrides = tiny_overrides(tmp_path, train__steps=40, run__name="net")
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm", "train", "--nproc", "2",
+                             *[f"--{k}={v}" for k, v in overrides.items()]],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: set[tuple[int, str]] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen.update(listening_sockets(_process_tree(proc.pid)))
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out = proc.communicate()[0]
+    assert proc.returncode == 0, out[-3000:]
+    workers = {pid for pid, _ in seen if pid != proc.pid}
+    assert len(workers) == 2, f"the probe saw no worker's sockets (too slow?): {seen}"
+    exposed = sorted(s for s in seen if not _is_loopback(s[1]))
+    assert not exposed, f"listening beyond loopback: {exposed}"
+
+
+def _own_listening_sockets(rank: int, world_size: int) -> list[str]:
+    return [address for _, address in listening_sockets([os.getpid()])]
+
+
+def test_spawned_ranks_listen_on_loopback_only(tmp_path):
+    """The tests' launcher (file rendezvous): the process group's own sockets are on loopback."""
+    from shardlm.spawn import run_ranks
+
+    for addresses in run_ranks(_own_listening_sockets, 2, tmp_path):
+        assert addresses, "gloo listens for its peers: the probe should see it"
+        assert all(_is_loopback(a) for a in addresses), addresses
+
+
+def test_launcher_refuses_impossible_counts():
+    import pytest
+
+    from shardlm.errors import ConfigError
+    from shardlm.launch import launch_local
+
+    for nproc, restarts in ((0, 0), (-1, 0), (2, -1)):
+        with pytest.raises(ConfigError, match="must be >= 1 and --max-restarts"):
+            launch_local(nproc, ["-c", "pass"], restarts)

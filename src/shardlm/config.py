@@ -2,7 +2,8 @@
 
 Every field has a docstring (the string literal under it), which `shardlm train --help-config`
 prints. Parsing is strict: an unknown key is an error naming the closest valid key. `validate()`
-holds every cross-field check and runs before any work starts (and before any process is spawned).
+holds every check — each value's type, finiteness and range, then those across fields — reports
+them all at once, and runs before any work starts (and before any process is spawned).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Callable, get_type_hints
 
 
 from shardlm.errors import ConfigError
@@ -229,7 +232,8 @@ class RunConfig:
     dir: str = "runs"
     """Parent directory of run directories."""
     name: str = ""
-    """Run directory name under `dir`; '' = a timestamp."""
+    """Run directory name under `dir`; '' = a new directory (time and a random suffix). A named
+    directory may exist (that is how a run continues), but one live run at a time holds it."""
     device: str = "auto"
     """'auto' (CUDA if present, else CPU), 'cpu', 'cuda', 'cuda:N'."""
     progress: str = "auto"
@@ -340,8 +344,13 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
                 if text.lower() in ("false", "0", "no", "off"):
                     return False
                 raise ValueError
-            return typ(float(text)) if typ is int and ("e" in text.lower()) else typ(text)
-        except ValueError:
+            if typ is int and "e" in text.lower():  # 1e6 is an int; 1.5e0 and 1e400 are not
+                number = float(text)
+                if not number.is_integer():
+                    raise ValueError
+                return int(number)
+            return typ(text)
+        except (ValueError, OverflowError):
             raise ConfigError(f"{key} must be a {typ.__name__}, got {value!r}") from None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -393,7 +402,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            values.update(flatten(tomllib.loads(p.read_text())))
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                              f"TOML files are UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror or e}") from None
+        try:
+            values.update(flatten(tomllib.loads(text)))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from None
     values.update(overrides or {})
@@ -450,81 +466,233 @@ _CHOICES = {
     "zero.offload_params": OFFLOAD_TIERS,
 }
 
-_POSITIVE = ("model.vocab_size", "model.n_layers", "model.n_heads", "model.d_model",
-             "model.max_seq_len", "train.steps", "train.micro_batch", "train.grad_accum",
-             "train.seq_len", "train.eval_batches", "train.log_every")
+NVME_CHUNK_MB_MAX = 64 * 1024
+"""zero.nvme_chunk_mb's bound: 64 GiB per chunk. The stream holds nvme_buffers x 4 chunks in host
+memory, so at the smallest ring (3 buffers) a larger chunk needs more than 768 GiB of RAM — more
+than a host has; the measured runs use 64 MiB (docs/benchmarks.md). A value above it is a unit
+mistake (bytes or KiB written as MB), caught before any memory is asked for."""
+NVME_RING_MAX_MB = 1024 * 1024
+"""The stream's whole ring (nvme_buffers x 4 x nvme_chunk_mb) is bounded at 1 TiB of host memory
+for the same reason (with the default 4 buffers that is exactly the chunk bound)."""
+SEED_LIMIT = 2**63
+"""train.seed is in [0, 2**63): numpy's SeedSequence (the data order) refuses negative seeds and
+torch.manual_seed a seed beyond 64 bits."""
+DEVICE_SYNTAX = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
-def _get(cfg: Config, key: str) -> Any:
-    section, _, name = key.partition(".")
-    return getattr(getattr(cfg, section), name)
+def _rule(test: Callable[[Any], bool], requirement: str) -> tuple[Callable[[Any], bool], str]:
+    return test, requirement
+
+
+def _positive(meaning: str = "") -> tuple[Callable[[Any], bool], str]:
+    return _rule(lambda v: v > 0, "must be > 0" + meaning)
+
+
+def _non_negative(meaning: str = "") -> tuple[Callable[[Any], bool], str]:
+    return _rule(lambda v: v >= 0, "must be >= 0" + meaning)
+
+
+def _only_one(name: str) -> tuple[Callable[[Any], bool], str]:
+    return _rule(lambda v: v == 1, f"is not supported: this version has data parallelism and ZeRO "
+                                   f"only; set parallel.{name} = 1")
+
+
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # Each field's own range, checked after its type (and, for floats, finiteness). Every int and
+    # float field has a rule here or a list in _CHOICES: tests/test_config.py holds that, so a new
+    # numeric field cannot go unchecked.
+    "model.vocab_size": _positive(),
+    "model.n_layers": _positive(),
+    "model.n_heads": _positive(),
+    "model.n_kv_heads": _non_negative(" (0 = model.n_heads)"),
+    "model.d_model": _positive(),
+    "model.d_ff": _non_negative(" (0 = the default width for model.mlp)"),
+    "model.max_seq_len": _positive(),
+    "model.rope_theta": _positive(),
+    "model.norm_eps": _positive(),
+    "model.ffn_multiple_of": _positive(),
+    "model.init_std": _positive(),
+    "data.source": _rule(lambda v: bool(v.strip()), "must name 'stdlib' or files / directories"),
+    "data.val_fraction": _rule(lambda v: 0.0 < v < 0.5, "must be in (0, 0.5)"),
+    "data.max_bytes": _non_negative(" (0 = whole corpus)"),
+    "train.steps": _positive(),
+    "train.micro_batch": _positive(),
+    "train.grad_accum": _positive(),
+    "train.seq_len": _positive(),
+    "train.lr": _positive(),
+    "train.min_lr_ratio": _rule(lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
+    "train.warmup_steps": _non_negative(),
+    "train.weight_decay": _non_negative(),
+    "train.beta1": _rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
+    "train.beta2": _rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
+    "train.eps": _positive(),
+    "train.grad_clip": _non_negative(" (0 disables clipping)"),
+    "train.seed": _rule(lambda v: 0 <= v < SEED_LIMIT, "must be in [0, 2**63)"),
+    "train.eval_every": _non_negative(" (0 = only at the end)"),
+    "train.eval_batches": _positive(),
+    "train.log_every": _positive(),
+    "train.sample_tokens": _non_negative(" (0 = no sample)"),
+    "precision.loss_scale_init": _positive(),
+    "precision.loss_scale_growth_interval": _positive(),
+    "precision.loss_scale_backoff": _rule(lambda v: 0.0 < v < 1.0, "must be in (0, 1)"),
+    "parallel.dp_replicate": _rule(lambda v: v >= 1, "must be >= 1"),
+    "parallel.dp_shard": _rule(lambda v: v >= 1 or v == -1, "must be >= 1 or -1 (all remaining ranks)"),
+    "parallel.tp": _only_one("tp"),
+    "parallel.pp": _only_one("pp"),
+    "parallel.ep": _only_one("ep"),
+    "parallel.collective_timeout_s": _non_negative(" (0 disables the watchdog)"),
+    "zero.nvme_chunk_mb": _rule(lambda v: 1 <= v <= NVME_CHUNK_MB_MAX,
+                                f"must be in [1, {NVME_CHUNK_MB_MAX}] (MB per chunk; the stream "
+                                f"holds nvme_buffers x 4 chunks in host memory)"),
+    "zero.nvme_buffers": _rule(lambda v: v >= 3, "must be >= 3"),
+    "checkpoint.every": _non_negative(" (0 = no periodic saves)"),
+    "checkpoint.keep": _rule(lambda v: v >= 1, "must be >= 1"),
+    "checkpoint.resume": _rule(lambda v: bool(v.strip()), "must be 'auto', 'never' or a path"),
+    "run.name": _rule(lambda v: v not in ("latest", ".", ".."),
+                      "is reserved (run.dir/latest links to the newest run); choose another name"),
+    "run.device": _rule(lambda v: DEVICE_SYNTAX.fullmatch(v) is not None,
+                        "is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+}
+
+
+def _type_problem(value: Any, typ: type) -> str | None:
+    """Why `value` cannot be a `typ` field's value (a Config built in Python is not parsed), or
+    None. Floats must also be finite: a NaN passes every comparison's negation unseen."""
+    if typ is bool:
+        ok = isinstance(value, bool)
+    elif typ is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif typ is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, typ)
+    if not ok:
+        return f"must be a {typ.__name__}, not {type(value).__name__}"
+    if typ is float and not math.isfinite(value):
+        return "must be a finite number"
+    return None
+
+
+_CROSS: list[tuple[tuple[str, ...], Callable[[Config], list[str]]]] = []
+
+
+def _cross(*keys: str) -> Callable:
+    """Register a check across fields: it runs only when each of `keys` passed its own checks
+    (so it may compare them freely), and whatever it raises becomes an error line."""
+    def register(check: Callable[[Config], list[str]]) -> Callable[[Config], list[str]]:
+        _CROSS.append((keys, check))
+        return check
+    return register
+
+
+@_cross("model.d_model", "model.n_heads")
+def _heads_divide_width(cfg: Config) -> list[str]:
+    m = cfg.model
+    return ([f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}"]
+            if m.d_model % m.n_heads else [])
+
+
+@_cross("model.n_kv_heads", "model.n_heads")
+def _kv_heads_divide_heads(cfg: Config) -> list[str]:
+    m = cfg.model
+    return ([f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}"]
+            if m.n_kv_heads and m.n_heads % m.n_kv_heads else [])
+
+
+@_cross("model.position", "model.d_model", "model.n_heads")
+def _rope_head_dim(cfg: Config) -> list[str]:
+    m = cfg.model
+    return ([f"RoPE needs an even head dim; d_model/n_heads = {m.d_model // m.n_heads}"]
+            if m.position == "rope" and (m.d_model // m.n_heads) % 2 else [])
+
+
+@_cross("train.seq_len", "model.max_seq_len")
+def _sequence_fits(cfg: Config) -> list[str]:
+    t, m = cfg.train, cfg.model
+    return ([f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}; "
+             f"lower train.seq_len or raise model.max_seq_len"] if t.seq_len > m.max_seq_len else [])
+
+
+@_cross("train.sample_tokens", "train.sample_prompt")
+def _sample_has_prompt(cfg: Config) -> list[str]:
+    t = cfg.train
+    return (["train.sample_prompt = '' gives the sample nothing to continue; write a prompt or set "
+             "train.sample_tokens = 0"] if t.sample_tokens > 0 and not t.sample_prompt else [])
+
+
+@_cross("zero.offload_optimizer", "parallel.zero_stage")
+def _optimizer_offload_stage(cfg: Config) -> list[str]:
+    z, par = cfg.zero, cfg.parallel
+    return ([f"zero.offload_optimizer = {z.offload_optimizer!r} needs parallel.zero_stage >= 1 "
+             f"(stage 1 shards, and offloads, the optimizer state; one process may use it)"]
+            if z.offload_optimizer != "none" and par.zero_stage == 0 else [])
+
+
+@_cross("zero.offload_params", "parallel.zero_stage")
+def _param_offload_stage(cfg: Config) -> list[str]:
+    z, par = cfg.zero, cfg.parallel
+    return ([f"zero.offload_params = {z.offload_params!r} needs parallel.zero_stage = 3 (only "
+             f"stage 3 shards the parameters), got {par.zero_stage}"]
+            if z.offload_params != "none" and par.zero_stage != 3 else [])
+
+
+@_cross("zero.nvme_chunk_mb", "zero.nvme_buffers")
+def _nvme_ring_fits(cfg: Config) -> list[str]:
+    z = cfg.zero
+    ring = z.nvme_buffers * 4 * z.nvme_chunk_mb
+    return ([f"zero.nvme_buffers x 4 x zero.nvme_chunk_mb = {z.nvme_buffers} x 4 x {z.nvme_chunk_mb}"
+             f" MB of host memory for the nvme stream exceeds {NVME_RING_MAX_MB} MB (1 TiB)"]
+            if ring > NVME_RING_MAX_MB else [])
+
+
+@_cross("zero.offload_optimizer", "checkpoint.async")
+def _nvme_sync_checkpoints(cfg: Config) -> list[str]:
+    return (["checkpoint.async = true with zero.offload_optimizer = 'nvme' would copy the "
+             "on-disk optimizer state into memory; use synchronous checkpoints"]
+            if cfg.zero.offload_optimizer == "nvme" and cfg.checkpoint.async_ else [])
+
+
+@_cross("precision.master", "precision.compute")
+def _pure_bf16(cfg: Config) -> list[str]:
+    p = cfg.precision
+    return ([f"precision.master = 'bf16' (pure bf16) needs precision.compute = 'bf16', "
+             f"got {p.compute!r}"] if p.master == "bf16" and p.compute != "bf16" else [])
 
 
 def _validation_errors(cfg: Config) -> list[str]:
-    errors = []
-    for key, choices in _CHOICES.items():
-        if _get(cfg, key) not in choices:
-            errors.append(f"{key} = {_get(cfg, key)!r}; choose one of {', '.join(choices)}")
-    for key in _POSITIVE:
-        if _get(cfg, key) <= 0:
-            errors.append(f"{key} = {_get(cfg, key)} must be > 0")
-    m, t = cfg.model, cfg.train
-    if m.n_heads > 0 and m.d_model % m.n_heads:
-        errors.append(f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}")
-    kv = m.n_kv_heads or m.n_heads
-    if kv < 0 or (m.n_heads > 0 and kv > 0 and m.n_heads % kv):
-        errors.append(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}")
-    if m.position == "rope" and m.n_heads > 0 and (m.d_model // m.n_heads) % 2:
-        errors.append(f"RoPE needs an even head dim; d_model/n_heads = {m.d_model // max(m.n_heads, 1)}")
-    if t.seq_len > m.max_seq_len:
-        errors.append(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}; "
-                      f"lower train.seq_len or raise model.max_seq_len")
-    if t.warmup_steps < 0:
-        errors.append(f"train.warmup_steps = {t.warmup_steps} must be >= 0")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        errors.append(f"train.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1]")
-    if t.lr <= 0:
-        errors.append(f"train.lr = {t.lr} must be > 0")
-    if t.grad_clip < 0:
-        errors.append(f"train.grad_clip = {t.grad_clip} must be >= 0 (0 disables clipping)")
-    if not 0.0 <= t.beta1 < 1.0 or not 0.0 <= t.beta2 < 1.0:
-        errors.append(f"train.beta1 = {t.beta1}, train.beta2 = {t.beta2} must be in [0, 1)")
-    if not 0.0 < cfg.data.val_fraction < 0.5:
-        errors.append(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 0.5)")
-    if cfg.data.max_bytes < 0:
-        errors.append(f"data.max_bytes = {cfg.data.max_bytes} must be >= 0 (0 = whole corpus)")
-    par = cfg.parallel
-    if par.dp_replicate < 1 or (par.dp_shard < 1 and par.dp_shard != -1):
-        errors.append(f"parallel.dp_replicate = {par.dp_replicate} must be >= 1 and parallel.dp_shard "
-                      f"= {par.dp_shard} must be >= 1 or -1 (all remaining ranks)")
-    z, c = cfg.zero, cfg.checkpoint
-    if z.offload_optimizer != "none" and par.zero_stage == 0:
-        errors.append(f"zero.offload_optimizer = {z.offload_optimizer!r} needs parallel.zero_stage "
-                      f">= 1 (stage 1 shards, and offloads, the optimizer state; one process may use it)")
-    if z.offload_params != "none" and par.zero_stage != 3:
-        errors.append(f"zero.offload_params = {z.offload_params!r} needs parallel.zero_stage = 3 (only "
-                      f"stage 3 shards the parameters), got {par.zero_stage}")
-    if z.nvme_chunk_mb < 1 or z.nvme_buffers < 3:
-        errors.append(f"zero.nvme_chunk_mb = {z.nvme_chunk_mb} must be >= 1 and zero.nvme_buffers = "
-                      f"{z.nvme_buffers} >= 3")
-    if z.offload_optimizer == "nvme" and c.async_:
-        errors.append("checkpoint.async = true with zero.offload_optimizer = 'nvme' would copy the "
-                      "on-disk optimizer state into memory; use synchronous checkpoints")
-    if c.every < 0 or c.keep < 1:
-        errors.append(f"checkpoint.every = {c.every} must be >= 0 (0 = no periodic saves) and "
-                      f"checkpoint.keep = {c.keep} >= 1")
-    if par.collective_timeout_s < 0:
-        errors.append(f"parallel.collective_timeout_s = {par.collective_timeout_s} must be >= 0 "
-                      f"(0 disables the watchdog)")
-    for name in ("tp", "pp", "ep"):
-        if getattr(par, name) != 1:
-            errors.append(f"parallel.{name} = {getattr(par, name)}: this version has data parallelism "
-                          f"and ZeRO only; set parallel.{name} = 1")
-    p = cfg.precision
-    if p.master == "bf16" and p.compute != "bf16":
-        errors.append(f"precision.master = 'bf16' (pure bf16) needs precision.compute = 'bf16', "
-                      f"got {p.compute!r}")
-    if p.loss_scale_init <= 0 or not 0 < p.loss_scale_backoff < 1 or p.loss_scale_growth_interval <= 0:
-        errors.append("precision.loss_scale_init must be > 0, loss_scale_backoff in (0, 1), "
-                      "loss_scale_growth_interval > 0")
+    """Every problem with `cfg`, one line each; never raises. Each field: its type (and
+    finiteness), then its choices or range; then the checks across fields whose fields passed."""
+    errors: list[str] = []
+    bad: set[str] = set()
+
+    def report(key: str, message: str) -> None:
+        errors.append(message)
+        bad.add(key)
+
+    for name, cls in sections().items():
+        section, hints = getattr(cfg, name, None), get_type_hints(cls)
+        if not isinstance(section, cls):
+            report(name, f"[{name}] must be a {cls.__name__}, not {type(section).__name__}")
+            bad.update(f"{name}.{key_of(f)}" for f in fields(cls))
+            continue
+        for f in fields(cls):
+            key, value = f"{name}.{key_of(f)}", getattr(section, f.name)
+            problem = _type_problem(value, hints[f.name])
+            if problem:
+                report(key, f"{key} = {value!r} {problem}")
+                continue
+            choices = _CHOICES.get(key)
+            if choices is not None and value not in choices:
+                report(key, f"{key} = {value!r}; choose one of {', '.join(map(str, choices))}")
+                continue
+            rule = _RULES.get(key)
+            if rule is not None and not rule[0](value):
+                report(key, f"{key} = {value!r} {rule[1]}")
+    for keys, check in _CROSS:
+        if bad.intersection(keys):
+            continue  # a field it reads is already reported
+        try:
+            errors += check(cfg)
+        except Exception as e:  # a check must not hide the others' errors
+            errors.append(f"could not check {', '.join(keys)}: {type(e).__name__}: {e}")
     return errors

@@ -1,6 +1,7 @@
 """Run a function on N local processes joined in a process group (gloo on CPU, NCCL on GPUs)
-through a file-based rendezvous — no fixed port, so runs can go side by side. The distributed
-tests and the benchmarks use this; training runs use `shardlm train --nproc N` (torchrun)."""
+through a file-based rendezvous — no fixed port, so runs can go side by side, and nothing listens
+beyond loopback. The distributed tests and the benchmarks use this; training runs use
+`shardlm train --nproc N` (torchrun)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 import torch.multiprocessing as mp
 
-from shardlm.launch import backend_for, cpu_cores, pick_device
+from shardlm.launch import backend_for, cpu_cores, loopback_interface, pick_device
 
 
 def _to_numpy(x: Any) -> Any:
@@ -35,6 +36,10 @@ def _entry(fn: Callable, rank: int, world_size: int, init_file: str, queue, args
     # The launcher's variables, as torchrun would set them, so code under test reads them as usual.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
+    # The store is a file; the collectives' own sockets (gloo pairs, NCCL's bootstrap) go on the
+    # loopback interface, not on whatever address the host name resolves to.
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(name, loopback_interface())
     torch.set_num_threads(max(1, cpu_cores() // world_size))
     try:
         backend = backend_for(pick_device("auto", rank))

@@ -23,7 +23,8 @@ from shardlm.checkpoint.sharded import (CHECKPOINTS, CheckpointWriter, SaveRepor
                                         latest_in, load_slices)
 from shardlm.config import Config
 from shardlm.data import Dataset, Loader, build_dataset
-from shardlm.launch import Runtime, StopSignals, agree_on_name, init_runtime, is_restart
+from shardlm.launch import (Runtime, StopSignals, agree_on_name, claim_run_dir, init_runtime,
+                            is_restart)
 from shardlm.dims import resolve_dims
 from shardlm.mesh import Mesh, build_mesh
 from shardlm.models import build_model, flops_per_token, generate
@@ -80,12 +81,9 @@ class TrainResult:
 
 
 def make_run_dir(cfg: Config, runtime: Runtime) -> Path:
-    # Every rank must write to the same directory: rank 0's timestamp is the name.
-    name = cfg.run.name or agree_on_name(time.strftime("%Y%m%d-%H%M%S"), runtime)
-    run_dir = Path(cfg.run.dir) / name
-    if runtime.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+    # The run owns its directory: rank 0 creates it (a new, unique name unless run.name is given)
+    # and holds its lock for the run's life; every rank gets rank 0's directory, or its error.
+    return claim_run_dir(cfg.run.dir, cfg.run.name, runtime)
 
 
 def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | None = None) -> Run:
