@@ -17,6 +17,9 @@ examples:
                                                   2 workers; a dead worker restarts the gang from
                                                   the latest checkpoint
   shardlm train --resume                          continue the newest run that has a checkpoint
+  shardlm train --nproc 2 --parallel.zero_stage=3 --dry-run
+                                                  resolve and check the config, print the layout
+                                                  and the predicted memory per rank; no training
   shardlm train --help-config                     every config key, its default and meaning
   shardlm generate --checkpoint runs/latest --prompt "def fib("
   shardlm export --checkpoint runs/latest --format hf --out hf-model/
@@ -48,6 +51,13 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--max-restarts", type=int, default=0, metavar="K",
                        help="with --nproc: when a worker dies, restart all of them (up to K "
                             "times); they resume from the run's latest checkpoint")
+    train.add_argument("--dry-run", action="store_true",
+                       help="resolve and validate the whole config (the auto plan too), print the "
+                            "resolved layout and the predicted memory per rank, and exit without "
+                            "training (status 0 if it is valid, whether or not it fits)")
+    train.add_argument("--gpus", metavar="CLUSTER",
+                       help="with --dry-run: predict for this cluster (8xA100-80GB, "
+                            "2x8xH100-80GB) instead of this machine; its size is the world size")
     train.add_argument("--resume", nargs="?", const="", default=None, metavar="PATH",
                        help="continue from a checkpoint: a run directory (its latest), a "
                             "checkpoint directory, or nothing for the newest run under run.dir "
@@ -139,6 +149,13 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.resume is not None:
         overrides = overrides + resume_overrides(args.resume, cfg)
         cfg = load_config(args.config, parse_overrides(overrides)).validate()
+    if args.nproc < 0 or args.max_restarts < 0:
+        raise ConfigError(f"--nproc {args.nproc} and --max-restarts {args.max_restarts} must be >= 0 "
+                          f"(--nproc 0: no local workers, e.g. under your own torchrun)")
+    if args.gpus and not args.dry_run:
+        raise ConfigError("--gpus goes with --dry-run (training runs on the devices it is given)")
+    if args.dry_run:
+        return dry_run(args, cfg)
     if args.max_restarts and not args.nproc:
         raise ConfigError("--max-restarts needs --nproc N (under your own torchrun, pass "
                           "--max-restarts to torchrun)")
@@ -187,16 +204,50 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 def launch_workers(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
     """`--nproc N`: check the layout fits N ranks now (not after spawning), fix one run name
     for all workers, then hand over to torch's elastic launcher on this machine."""
-    import time
-
-    from shardlm.launch import launch_local
+    from shardlm.launch import launch_local, unique_run_name
     from shardlm.dims import resolve_dims
 
     resolve_dims(cfg.parallel, args.nproc)
     argv = ([args.config] if args.config else []) + list(overrides)
     if not cfg.run.name:  # also what lets restarted workers find the run's checkpoints
-        argv.append(f"--run.name={time.strftime('%Y%m%d-%H%M%S')}")
+        argv.append(f"--run.name={unique_run_name()}")
     return launch_local(args.nproc, ["-m", "shardlm", "train", *argv], args.max_restarts)
+
+
+def dry_run(args: argparse.Namespace, cfg) -> int:
+    """`train --dry-run`: everything a run decides before its first step, decided the same way
+    (resolve.decide: the auto plan, the auto compute dtype, the checkpoint's dtype on resume) for
+    --nproc ranks (or the launcher's WORLD_SIZE, or 1) on this machine, or on --gpus; then the
+    planner's memory per rank for the result. Nothing is created, spawned or trained."""
+    import os
+
+    from shardlm.checkpoint.sharded import find_checkpoint
+    from shardlm.hardware.catalog import parse_cluster
+    from shardlm.launch import pick_device
+    from shardlm.planner import estimate_memory, estimate_time, report
+    from shardlm.planner.search import config_strategy
+    from shardlm.resolve import decide, local_hardware
+
+    target = parse_cluster(args.gpus) if args.gpus else None
+    world = target.world_size if target else (args.nproc or int(os.environ.get("WORLD_SIZE", "1")))
+    if target and args.nproc and args.nproc != world:
+        raise ConfigError(f"--nproc {args.nproc} but --gpus {args.gpus} has {world} devices")
+    device = pick_device(cfg.run.device, 0)
+    choice = cfg.checkpoint.resume
+    checkpoint = find_checkpoint(choice) if choice not in ("auto", "never") else None
+    resolved = decide(cfg, world, device, checkpoint, target)
+    cluster = target or local_hardware(device, world)
+    workload, strategy = config_strategy(resolved, cluster)
+    memory = estimate_memory(workload, strategy, cluster)
+    print(report.render_estimate(workload, strategy, cluster, memory,
+                                 estimate_time(workload, strategy, cluster), []))
+    where = "" if target else f" on {world} x {device.type}"
+    print(f"\ndry run: the config is valid{where}; "
+          + ("it fits" if memory.fits else "the planner predicts it does NOT fit (see above)")
+          + f". Resolved: ZeRO stage {resolved.parallel.zero_stage}, precision "
+          f"{resolved.precision.compute}, micro-batch {resolved.train.micro_batch} x grad-accum "
+          f"{resolved.train.grad_accum}. Nothing was trained.")
+    return 0
 
 
 def resume_overrides(path: str, cfg) -> list[str]:

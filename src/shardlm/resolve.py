@@ -55,9 +55,11 @@ def _saved_compute(checkpoint: Path | None) -> str | None:
     return compute if compute not in (None, "auto") else None
 
 
-def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path | None = None) -> Config:
+def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path | None = None,
+           hardware: Cluster | None = None) -> Config:
     """`cfg` with its 'auto' settings decided for `world_size` ranks on `device` (one process's
-    decision: `resolve_config` shares it). `checkpoint`: the one the run resumes from."""
+    decision: `resolve_config` shares it). `checkpoint`: the one the run resumes from.
+    `hardware`: decide for this cluster instead of this machine (`train --dry-run --gpus`)."""
     from shardlm.planner.search import default_dtypes, describe, plan_for_run
 
     cfg.validate()
@@ -68,9 +70,9 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
         log.info("precision.compute = auto: %s, as the checkpoint it resumes was trained", saved)
     if cfg.parallel.strategy == "auto":
         t, p = cfg.train, cfg.precision
-        hardware = local_hardware(device, world_size)
-        plans = plan_for_run(cfg.model, world_size, hardware, (t.micro_batch, t.grad_accum, t.seq_len),
-                             dtypes=default_dtypes(hardware, p.compute, p.master, p.reduce))
+        where = hardware or local_hardware(device, world_size)
+        plans = plan_for_run(cfg.model, world_size, where, (t.micro_batch, t.grad_accum, t.seq_len),
+                             dtypes=default_dtypes(where, p.compute, p.master, p.reduce))
         if not plans:
             raise ConfigError(f"parallel.strategy = 'auto': no strategy fits {cfg.model.preset} with "
                               f"{t.micro_batch * t.grad_accum * world_size} x {t.seq_len} tokens per "
@@ -80,7 +82,8 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
                  describe(best.strategy), best.timing.tokens_per_s, best.memory.peak / 2**30, len(plans))
         cfg = best.apply(cfg)
     if cfg.precision.compute == "auto":
-        compute = _auto_compute(device)
+        compute = (choose_compute(hardware.device.kind, hardware.device.peak) if hardware
+                   else _auto_compute(device))
         cfg = copy.deepcopy(cfg)
         cfg.precision.compute = compute
         log.info("precision.compute = auto: %s on this %s (decided once, recorded in the run's config)",

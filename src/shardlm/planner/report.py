@@ -6,7 +6,9 @@ import dataclasses
 import json
 from typing import Any
 
+from shardlm.config import ModelConfig
 from shardlm.hardware.catalog import Cluster
+from shardlm.presets import ALIASES, PRESETS, get_preset
 from shardlm.planner.memory import Item, Memory
 from shardlm.planner.search import Plan, SearchResult, describe, explain, step_parts
 from shardlm.planner.timing import Timing
@@ -119,10 +121,42 @@ def render_plan(result: SearchResult, top: int) -> str:
         lines.append("")
     lines += explain(result)
     if result.plans:
-        best = result.plans[0]
-        flags = " ".join(f"--{k}={v}" for k, v in best.overrides().items())
-        lines += ["", f"config for #1: {flags}"]
+        lines += ["", "commands (each passes `shardlm train --dry-run`; add it to check one):"]
+        for i, plan in enumerate(result.plans[:top], 1):
+            command = train_command(plan, w, result.cluster)
+            lines.append(f"  {i:>2d} {command}" if command else
+                         f"  {i:>2d} not runnable yet: shardlm train has no "
+                         f"{'/'.join(k for k in ('tp', 'pp', 'ep') if getattr(plan.strategy.layout, k) > 1)}"
+                         f" parallelism (config keys: {_flags(plan.overrides())})")
     return "\n".join(lines)
+
+
+def _flags(overrides: dict[str, object]) -> str:
+    return " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items())
+
+
+def model_overrides(m: ModelConfig) -> dict[str, object]:
+    """The [model] keys that make `m` in a train config: its preset, plus every key that differs
+    from the preset (a model given by --params starts from the default shape)."""
+    name = m.preset if m.preset in PRESETS or m.preset in ALIASES else ModelConfig().preset
+    base = ModelConfig(preset=name, **get_preset(name))
+    out: dict[str, object] = {"model.preset": base.preset}
+    for f in dataclasses.fields(m):
+        if f.name != "preset" and getattr(m, f.name) != getattr(base, f.name):
+            out[f"model.{f.name}"] = getattr(m, f.name)
+    return out
+
+
+def train_command(plan: Plan, w: Workload, cluster: Cluster) -> str | None:
+    """The command line that trains `plan` on `cluster` (None when shardlm train cannot run its
+    layout yet): `shardlm train --nproc N` on one node, torchrun on several."""
+    if not plan.runtime_supported:
+        return None
+    flags = _flags({**model_overrides(w.model), "train.seq_len": w.seq_len, **plan.overrides()})
+    if cluster.nodes == 1:
+        return f"shardlm train --nproc {cluster.per_node} {flags}"
+    return (f"torchrun --nnodes={cluster.nodes} --nproc-per-node={cluster.per_node} "
+            f"--rdzv-backend=c10d --rdzv-endpoint=HEAD_NODE:29500 -m shardlm train {flags}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,12 +192,13 @@ def estimate_json(w: Workload, s: Strategy, cluster: Cluster, memory: Memory, ti
         "cluster": {"description": cluster.describe(), "nodes": cluster.nodes,
                     "per_node": cluster.per_node, "device": cluster.device.name},
         "strategy": _plain(s), "memory": memory_json(memory), "time": timing_json(timing),
-        "suggestions": [plan_json(p) for p in suggestions]}, indent=1)
+        "suggestions": [plan_json(p, w, cluster) for p in suggestions]}, indent=1)
 
 
-def plan_json(plan: Plan) -> dict:
+def plan_json(plan: Plan, workload: Workload, cluster: Cluster) -> dict:
     return {"strategy": _plain(plan.strategy), "description": describe(plan.strategy),
             "runtime_supported": plan.runtime_supported, "overrides": plan.overrides(),
+            "command": train_command(plan, workload, cluster),
             "tokens_per_s": plan.timing.tokens_per_s, "mfu": plan.timing.mfu,
             "step_s": plan.timing.step, "peak_bytes": plan.memory.peak,
             "capacity_bytes": plan.memory.capacity}
@@ -174,5 +209,5 @@ def plan_result_json(result: SearchResult, top: int) -> str:
         "model": {**_plain(result.workload.model), "params": shape_of(result.workload).total},
         "cluster": result.cluster.describe(), "seq_len": result.workload.seq_len,
         "global_batch": result.workload.global_batch, "evaluated": result.evaluated,
-        "plans": [plan_json(p) for p in result.plans[:top]], "explanation": explain(result)},
+        "plans": [plan_json(p, result.workload, result.cluster) for p in result.plans[:top]], "explanation": explain(result)},
         indent=1)

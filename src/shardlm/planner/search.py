@@ -333,21 +333,26 @@ class LocalPrediction:
     timing: Timing
 
 
-def predict_local(cfg: Config, n_ranks: int) -> LocalPrediction:
-    """Predict one concrete configuration on this CPU with `n_ranks` local ranks (measures
-    the CPU once, cached). Assumes the defaults parallel.reshard_after_forward and prefetch."""
+def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
+    """The planner's view of one concrete (resolved) configuration on `cluster`: what
+    `shardlm train --dry-run` predicts and `predict_local` checks against measurement. Assumes
+    the defaults parallel.reshard_after_forward and prefetch."""
     from shardlm.dims import resolve_dims
 
-    cluster = local_cpu(n_ranks)
-    dims = resolve_dims(cfg.parallel, n_ranks)
-    zero = getattr(cfg, "zero", None)
+    dims = resolve_dims(cfg.parallel, cluster.world_size)
     dtypes = default_dtypes(cluster, cfg.precision.compute, cfg.precision.master, cfg.precision.reduce)
-    t = cfg.train
+    t, zero = cfg.train, cfg.zero
     strategy = Strategy(Layout(dims.dp_replicate, dims.dp_shard), cfg.parallel.zero_stage,
                         t.micro_batch, t.grad_accum, cfg.activation.checkpoint,
-                        getattr(zero, "offload_optimizer", "none"),
-                        getattr(zero, "offload_params", "none"), dtypes)
-    workload = Workload(cfg.model, t.seq_len, t.micro_batch * t.grad_accum * dims.dp_size)
+                        zero.offload_optimizer, zero.offload_params, dtypes)
+    return Workload(cfg.model, t.seq_len, t.micro_batch * t.grad_accum * dims.dp_size), strategy
+
+
+def predict_local(cfg: Config, n_ranks: int) -> LocalPrediction:
+    """Predict one concrete configuration on this CPU with `n_ranks` local ranks (measures
+    the CPU once, cached)."""
+    cluster = local_cpu(n_ranks)
+    workload, strategy = config_strategy(cfg, cluster)
     memory = estimate_memory(workload, strategy, cluster)
     timing = estimate_time(workload, strategy, cluster)
     # As the strategies' ledgers count between steps: one process sets param.grad to None
@@ -406,5 +411,5 @@ def model_from_params(params: float, layers: int | None = None, hidden: int | No
 
 
 __all__ = ["EVERYTHING", "RUNTIME", "LocalPrediction", "Plan", "SearchResult", "Supported",
-           "alternatives", "default_dtypes", "explain", "model_from_params", "plan_for_run",
+           "alternatives", "config_strategy", "default_dtypes", "explain", "model_from_params", "plan_for_run",
            "predict_local", "preset_model", "search"]

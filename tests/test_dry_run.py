@@ -1,0 +1,73 @@
+"""`shardlm train --dry-run`: the whole config resolved and checked, nothing trained; and every
+command `shardlm plan` prints for a layout train can run passes it."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from shardlm.cli import main
+
+
+def plan_lines(capsys, *argv: str) -> tuple[list[str], list[str]]:
+    """(commands, not-runnable lines) that `shardlm plan argv` printed."""
+    assert main(["plan", *argv]) == 0
+    out = capsys.readouterr().out
+    listed = out[out.index("commands (each passes"):].splitlines()[1:]
+    commands = [line.split(None, 1)[1] for line in listed if line.strip() and "not runnable" not in line]
+    blocked = [line for line in listed if "not runnable" in line]
+    return commands, blocked
+
+
+def train_argv(command: str) -> list[str]:
+    words = shlex.split(command)
+    if words[0] == "torchrun":  # the workers' own command, after `-m shardlm train`
+        words = words[words.index("-m") + 1:]
+    assert words[:2] == ["shardlm", "train"], command
+    return words[1:]
+
+
+@pytest.mark.parametrize("model, cluster", [("--model=gpt2-350m", "8xA100-80GB"),
+                                            ("--params=2e9", "2x8xA100-80GB"),
+                                            ("--model=llama-7b", "2x8xA100-80GB")])
+def test_every_plan_command_passes_dry_run(capsys, tmp_path, model, cluster):
+    commands, blocked = plan_lines(capsys, *model.split("="), "--gpus", cluster, "--top", "12")
+    assert commands, "no runnable plan printed"
+    for command in commands:
+        code = main([*train_argv(command), "--dry-run", "--gpus", cluster, f"--run.dir={tmp_path}"])
+        out = capsys.readouterr().out
+        assert code == 0, command
+        assert "dry run: the config is valid" in out
+    assert not list(tmp_path.iterdir()), "a dry run created files"
+    for line in blocked:  # printed as such, never as a command
+        assert "shardlm train --" not in line and ("tp" in line or "pp" in line or "ep" in line)
+
+
+def test_plan_marks_layouts_train_cannot_run(capsys):
+    _, blocked = plan_lines(capsys, "--model", "llama-7b", "--gpus", "2x8xA100-80GB", "--top", "40")
+    assert blocked, "expected tensor/pipeline layouts among the top plans for llama-7b on 16 GPUs"
+
+
+def test_dry_run_resolves_auto_and_reports_memory(capsys, tmp_path):
+    code = main(["train", "--dry-run", "--nproc", "2", "--parallel.strategy=auto",
+                 "--precision.compute=fp32", f"--run.dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "per-rank memory" in out and "peak, training step" in out
+    assert "Resolved: ZeRO stage" in out
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--dry-run", "--nproc", "2", "--parallel.dp_shard=3"], ["dp_shard", "3"]),
+    (["--dry-run", "--nproc", "-1"], ["--nproc", ">= 0"]),
+    (["--gpus", "8xA100-80GB"], ["--gpus", "--dry-run"]),
+    (["--dry-run", "--gpus", "8xA100-80GB", "--nproc", "4"], ["--nproc 4", "8 devices"]),
+    (["--dry-run", "--gpus", "8xB999"], ["unknown device"]),
+])
+def test_dry_run_errors_early(capsys, argv, words):
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err, err
