@@ -1,9 +1,16 @@
 """ZeRO stages 0-3 on 2 CPU ranks (gloo): shardlm's engine against torch's own implementations.
 
-    shardlm zero_stage=0  <->  torch DistributedDataParallel
-    shardlm zero_stage=1  <->  torch ZeroRedundancyOptimizer(AdamW) + DDP
-    shardlm zero_stage=2  <->  torch FSDP2 fully_shard(reshard_after_forward=False)
-    shardlm zero_stage=3  <->  torch FSDP2 fully_shard(reshard_after_forward=True)
+    case 0   shardlm zero_stage=0  <->  torch DistributedDataParallel
+    case 1   shardlm zero_stage=1  <->  torch ZeroRedundancyOptimizer(AdamW) + DDP
+    case 2   shardlm zero_stage=2  <->  torch FSDP2 fully_shard(reshard_after_forward=False)
+    case 2f  shardlm zero_stage=3 + reshard_after_forward=false
+                                   <->  torch FSDP2 fully_shard(reshard_after_forward=False)
+    case 3   shardlm zero_stage=3  <->  torch FSDP2 fully_shard(reshard_after_forward=True)
+
+Case 2f is FSDP2's own ZeRO-2: a unit's parameters are gathered for its forward and kept until
+its backward is done, so they are sharded between steps (stage 2 keeps them whole); the
+communication is stage 2's (one all-gather and one reduce-scatter per step). Cases 2 and 2f share
+one torch run.
 
 Both sides train the same Decoder (shardlm.models.build_model, same seed, so the same initial
 weights) on the same batches (shardlm's Loader, rank r's slice of each global batch), in fp32 —
@@ -14,10 +21,10 @@ AdamW alike), gradient clipping at 1.0 and loss = cross entropy of logits.float(
 The torch side applies fully_shard to every block and then to the root, as torchtitan does.
 
 Every case runs in fresh processes (peak RSS is a per-process high-water mark, so cases cannot
-share a process). MALLOC_MMAP_THRESHOLD_=65536 is set before spawning (the ranks inherit it):
-glibc then serves blocks >= 64 KiB with mmap and returns them to the OS on free, so RSS follows
-what is actually alive — without it freed shards and gathers stay in the heap and RSS hides
-sharding. Peak RSS includes the interpreter, torch and the tokenizer (a baseline shared by both
+share a process). MALLOC_MMAP_THRESHOLD_=65536 is set before spawning unless the environment
+sets it (the ranks inherit it): glibc then serves blocks >= 64 KiB with mmap and returns them to
+the OS on free, so RSS follows what is actually alive — without it freed shards and gathers stay
+in the heap and RSS hides sharding. Peak RSS includes the interpreter, torch and the tokenizer (a baseline shared by both
 sides). Step time is the median of the timed steps after warm-up (slowest rank); tokens/s is
 global (micro_batch * seq_len * 2 ranks per step). "state" is the bytes of parameters, gradients
 and optimizer states the rank holds (shardlm: run.strategy.model_state_bytes(); torch: local
@@ -25,8 +32,10 @@ shards of the same three, counted after optimizer.step while gradients exist; DD
 buckets and FSDP2's transient unsharded buffers are not counted).
 Step-1 losses must agree (same weights, same batches): |Δ first| is against DDP's.
 
-Reproduce:  PYTHONPATH=src python bench/bench_zero.py                       (gpt2-124m, ~10 min)
+Reproduce:  PYTHONPATH=src python bench/bench_zero.py                       (gpt2-124m, ~15 min)
             PYTHONPATH=src python bench/bench_zero.py --preset gpt-mini --steps 6
+            PYTHONPATH=src python bench/bench_zero.py --stages 3 --set model.d_model=512 \
+                --set model.n_heads=8                                     (a 64M-parameter GPT-2)
 """
 
 from __future__ import annotations
@@ -53,18 +62,34 @@ from shardlm.telemetry import peak_flops, peak_rss_bytes
 from shardlm.trainer import build_run, train_step
 
 WORLD = 2
-# (stage, torch reference) pairs; the reference names are what torch_rank dispatches on.
-CASES = [(0, "DDP"), (1, "ZeRO-1 (ZeroRedundancyOptimizer + DDP)"),
-         (2, "FSDP2 reshard_after_forward=False"), (3, "FSDP2 reshard_after_forward=True")]
+# (case, shardlm's overrides, torch reference); the reference names are what torch_rank
+# dispatches on (and what the reference's run is cached under: cases 2 and 2f share one).
+FSDP2_ZERO2, FSDP2_ZERO3 = "FSDP2 reshard_after_forward=False", "FSDP2 reshard_after_forward=True"
+CASES = [("0", {"parallel.zero_stage": 0}, "DDP"),
+         ("1", {"parallel.zero_stage": 1}, "ZeRO-1 (ZeroRedundancyOptimizer + DDP)"),
+         ("2", {"parallel.zero_stage": 2}, FSDP2_ZERO2),
+         ("2f", {"parallel.zero_stage": 3, "parallel.reshard_after_forward": False}, FSDP2_ZERO2),
+         ("3", {"parallel.zero_stage": 3}, FSDP2_ZERO3)]
 MiB = 2**20
 
 
-def overrides_for(args, stage: int, run_dir: str) -> dict:
+def parse_value(text: str):
+    """--set values: int, float, true/false, else the string."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def overrides_for(args, case: dict, run_dir: str) -> dict:
+    extra = dict((k, parse_value(v)) for k, v in (kv.split("=", 1) for kv in args.set))
     return {"model.preset": args.preset, "train.micro_batch": args.micro_batch,
             "train.seq_len": args.seq, "train.steps": args.warmup + args.steps,
-            "precision.compute": "fp32", "parallel.zero_stage": stage, "run.device": "cpu",
+            "precision.compute": "fp32", "run.device": "cpu",
             "run.dir": run_dir, "run.progress": "off", "train.eval_every": 0,
-            "train.sample_tokens": 0}
+            "train.sample_tokens": 0, **case, **extra}
 
 
 def timed_steps(step_fn, warmup: int, steps: int) -> tuple[list[float], list[float]]:
@@ -176,8 +201,8 @@ def run_case(fn, tmp: str, *args) -> list[dict]:
     return run_ranks(fn, WORLD, Path(case_dir), *args, timeout=1800)
 
 
-def row_text(stage: int, reference: str, ref: dict, ours: dict, ddp_first: float) -> str:
-    return (f"| {stage} | {reference} | {ref['tok_s']:,.0f} | {ours['tok_s']:,.0f} | "
+def row_text(case: str, reference: str, ref: dict, ours: dict, ddp_first: float) -> str:
+    return (f"| {case} | {reference} | {ref['tok_s']:,.0f} | {ours['tok_s']:,.0f} | "
             f"{ours['tok_s'] / ref['tok_s']:.2f} | {ref['rss'] / MiB:,.0f} | {ours['rss'] / MiB:,.0f} | "
             f"{ours['rss'] / ref['rss']:.2f} | {ref['setup_rss'] / MiB:,.0f} / {ours['setup_rss'] / MiB:,.0f} | "
             f"{ref['state'] / MiB:,.1f} | {ours['state'] / MiB:,.1f} | "
@@ -192,11 +217,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per case")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per case")
-    parser.add_argument("--stages", default="0,1,2,3")
+    parser.add_argument("--stages", default="0,1,2,2f,3",
+                        help="cases to run (0, 1, 2, 2f, 3: see the docstring)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for both sides (repeatable), e.g. model.d_model=512")
     args = parser.parse_args()
     # Inherited by the spawned ranks: large freed blocks go back to the OS (see the docstring).
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    cfg = load_config(overrides=overrides_for(args, 0, "")).validate()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    cfg = load_config(overrides=overrides_for(args, {}, "")).validate()
     build_dataset(cfg.data, cfg.model.vocab_size)  # tokenizer + token stream built once, here
     # build_run looks up the CPU's matmul peak (for MFU), probing with 3 matrices of 16 MiB on a
     # cache miss. Probed here at the ranks' thread count, so no rank's peak RSS includes it.
@@ -206,23 +234,27 @@ def main() -> None:
     tokens_per_step = args.micro_batch * args.seq * WORLD
     print(f"torch {torch.__version__}, {WORLD} gloo ranks x {threads} "
           f"thread(s), {args.preset} ({count_params(cfg.model) / 1e6:.1f}M params), fp32, "
-          f"batch {WORLD}x{args.micro_batch}x{args.seq}, {args.warmup} warm-up + {args.steps} timed steps")
-    header = ("stage", "torch reference", "torch tok/s", "shardlm tok/s", "tok/s ratio",
+          f"batch {WORLD}x{args.micro_batch}x{args.seq}, {args.warmup} warm-up + {args.steps} timed steps, "
+          f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}")
+    header = ("case", "torch reference", "torch tok/s", "shardlm tok/s", "tok/s ratio",
               "torch peak RSS MiB", "shardlm peak RSS MiB", "RSS ratio", "setup RSS MiB t / s",
               "torch state MiB", "shardlm state MiB", "|Δ first loss| t / s", "final loss t / s")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
-    ddp_first = None
+    ddp_first, refs = None, {}
+    wanted = args.stages.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        for stage, reference in CASES:
-            if str(stage) not in args.stages.split(","):
+        for name, case, reference in CASES:
+            if name not in wanted:
                 continue
-            overrides = overrides_for(args, stage, tmp)
-            ref = summarize(run_case(torch_rank, tmp, overrides, reference, args.warmup, args.steps),
-                            tokens_per_step)
+            overrides = overrides_for(args, case, tmp)
+            if reference not in refs:
+                refs[reference] = summarize(run_case(torch_rank, tmp, overrides, reference,
+                                                     args.warmup, args.steps), tokens_per_step)
+            ref = refs[reference]
             ours = summarize(run_case(shardlm_rank, tmp, overrides, args.warmup, args.steps),
                              tokens_per_step)
             ddp_first = ref["first"] if ddp_first is None else ddp_first
-            print(row_text(stage, reference, ref, ours, ddp_first), flush=True)
+            print(row_text(name, reference, ref, ours, ddp_first), flush=True)
     print(f"\nReproduce: PYTHONPATH=src python bench/bench_zero.py {' '.join(sys.argv[1:])}")
 
 

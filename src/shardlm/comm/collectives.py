@@ -4,6 +4,12 @@ Volume is counted as the ZeRO paper counts it (what `zero.partition.comm_bytes_p
 predicts): a reduce-scatter moves its input's bytes, an all-gather its output's, an all-reduce
 twice its tensor's (it is a reduce-scatter plus an all-gather). On a ring each rank actually
 sends (N-1)/N of that.
+
+On gloo (CPU tensors), `reduce_scatter(..., scratch_input=True)` runs as an all-reduce in place
+followed by a copy of this rank's chunk: gloo's own reduce-scatter is exactly that, but on a
+clone of the input that it allocates at launch and frees only when the handle is dropped — a
+second full-size buffer per reduction in flight. Same algorithm on the same values, so the same
+bits; it is still counted as a reduce-scatter.
 """
 
 from __future__ import annotations
@@ -51,6 +57,23 @@ class _Done:
         return True
 
 
+class _ChunkOfAllReduce:
+    """The handle of a reduce-scatter run as an all-reduce in place: waiting copies this rank's
+    chunk of the reduced input into the output (nothing to copy when the output is that chunk,
+    as at stage 1, where the gradient shard is a view of the full gradient)."""
+
+    def __init__(self, work, output: torch.Tensor, chunk: torch.Tensor):
+        self.work, self.output, self.chunk = work, output, chunk
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            if self.output.data_ptr() != self.chunk.data_ptr():
+                self.output.copy_(self.chunk)
+            self.work = self.output = self.chunk = None
+        return True
+
+
 class Comm:
     """The collectives of one process group; each is launched asynchronously and returns a
     handle to wait on.
@@ -67,6 +90,8 @@ class Comm:
         self.ledger = ledger
         self.watchdog = watchdog
         self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.backend = str(dist.get_backend(group)) if group is not None else ""
 
     def _launch(self, op: str, nbytes: int, collective: Callable[[], object]):
         self.ledger.add(op, self.name, nbytes)
@@ -81,13 +106,21 @@ class Comm:
         return self._launch("all_reduce", 2 * tensor.numel() * tensor.element_size(),
                             lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM):
-        """input (N * shard,) → output (shard,): the reduced slice this rank owns."""
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
+                       scratch_input: bool = False):
+        """input (N * shard,) → output (shard,): the reduced slice this rank owns. With
+        `scratch_input` the caller gives up the input until wait(): on gloo it then holds the
+        whole reduction (see the module docstring), elsewhere it is left as it was."""
         if self.group is None:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
-        return self._launch("reduce_scatter", input.numel() * input.element_size(),
+        nbytes = input.numel() * input.element_size()
+        if scratch_input and input.device.type == "cpu" and "gloo" in self.backend:
+            chunk = input.view(self.size, -1)[self.rank]
+            return self._launch("reduce_scatter", nbytes, lambda: _ChunkOfAllReduce(
+                dist.all_reduce(input, op=op, group=self.group, async_op=True), output, chunk))
+        return self._launch("reduce_scatter", nbytes,
                             lambda: _reduce_scatter_single(output, input, op=op, group=self.group,
                                                            async_op=True))
 

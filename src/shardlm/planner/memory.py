@@ -271,20 +271,12 @@ def _buffer_items(w: Workload, sp: StageParams, s: Strategy, cluster: Cluster,
                           f"until a unit's last gradient (the root's lives through all of backward)",
                           phases={"blocks": e * (root + block), "embedding": e * root, "root": e * root}))
     if s.zero_stage >= 2:
-        items.append(Item("gradient reduction buffers", g * (root + block), f"{g} B x flat "
-                          f"gradients: a block's being filled + one reducing; then the root's",
-                          phases={"blocks": 2 * g * block, "embedding": 2 * g * block,
-                                  "root": g * (root + block)}))
-    if cluster.device.kind == "cpu" and s.zero_stage >= 1 and s.layout.dp_shard > 1:
-        # gloo's reduce-scatter copies its input (measured); stage 1 does not bound the
-        # reductions in flight, so every unit's copy may be waiting at once.
-        if s.zero_stage == 1:
-            copies, text = {p: g * psi for p in ("blocks", "embedding", "root")}, "Ψ_r: all units in flight"
-        else:
-            copies = {"blocks": g * block, "embedding": g * block, "root": g * root}
-            text = "the unit in flight"
-        items.append(Item("gloo reduce-scatter copies", max(copies.values()), f"{g} B x {text}",
-                          phases=copies))
+        # The engine completes a unit's reduction before it flattens the next unit's gradient,
+        # and on gloo reduces the flat gradient in place (comm/collectives.py): one alive.
+        items.append(Item("gradient reduction buffer", g * max(root, block), f"{g} B x one unit's "
+                          f"flat gradient: the previous reduction completes before the next unit "
+                          f"is flattened", phases={"blocks": g * block, "embedding": g * block,
+                                                   "root": g * root}))
     if s.zero_stage == 3:
         gathered = e * (root + 2 * block)
         gloo = cluster.device.kind == "cpu"  # gloo's all-gather allocates its output again

@@ -6,14 +6,21 @@ is sharded over the dp_shard group.
              buffer stays), each rank steps its shard, updated parameters all-gathered
     stage 2  + gradients: a unit's full gradient exists only until its reduce-scatter
     stage 3  + parameters: a unit's parameters are gathered before its forward and its backward
-             and freed after (zero/params.py)
+             and freed after (zero/params.py). With parallel.reshard_after_forward = false they
+             stay from the forward's gather until the unit's backward is done: stage 2's
+             communication (one all-gather and one reduce-scatter of Ψ per step) with the
+             parameters sharded between steps — FSDP2's fully_shard(reshard_after_forward=
+             False), FSDP1's SHARD_GRAD_OP
 
 Each unit (a transformer block, or the root: embeddings, final norm, head) keeps its parameters
 in one flat, padded buffer in the compute dtype; the module's parameters are views of it, so
 every collective is one large call. Gradients accumulate in param.grad as autograd does it;
 post-accumulate-grad hooks count arrivals, and when a unit's last gradient arrives (and this
 micro-step synchronises) its gradients are copied into the unit's flat gradient and its
-reduction starts at once, overlapping the rest of backward. The optimizer is
+reduction starts at once, overlapping the rest of backward. At stages 2-3 the gradient shards
+exist from a unit's reduction to the end of the step (as FSDP2's sharded gradients do): the
+root unit's is not allocated yet when the tied embedding's gradient peaks at the end of
+backward. The optimizer is
 torch's AdamW over this rank's master shards — contiguous fp32 slices, one per (unit, weight-
 decay group) — or over views of the parameters themselves when master and compute dtypes agree.
 With dp_replicate > 1 (hybrid), shards are reduced within the shard group and then averaged
@@ -45,7 +52,8 @@ from shardlm.zero.units import ParamRef, UnitSpec, collect_units
 log = logging.getLogger("shardlm")
 
 # Stages 2-3: how many units' reductions may run while backward continues. Each holds a transient
-# full gradient (and, on gloo, the backend's own copy of it), so this bounds peak memory.
+# full gradient, so this bounds peak memory; the oldest completes before the next unit's full
+# gradient is allocated.
 MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
@@ -99,8 +107,8 @@ class Unit:
                             else self.flat_param[self.lo:self.hi])  # (shard,)
         self.initial_shard = initial[self.lo:self.hi]
         self.full_grad: torch.Tensor | None = None
-        self.shard_grad = (torch.zeros(self.layout.shard_size, dtype=opts.reduce_dtype, device=device)
-                           if self.stage >= 2 else None)
+        self.grad_dtype = opts.reduce_dtype
+        self.shard_grad: torch.Tensor | None = None  # stages 2-3: from the reduction to the step
         if self.stage <= 1:
             self.full_grad = torch.zeros(self.layout.padded, dtype=opts.reduce_dtype, device=device)
         self.arrived = 0
@@ -120,11 +128,16 @@ class Unit:
 
     def grad_shard(self) -> torch.Tensor:
         """This rank's reduced gradient slice (shard,), in the reduce dtype."""
-        return self.shard_grad if self.shard_grad is not None else self.full_grad[self.lo:self.hi]
+        if self.stage <= 1:
+            return self.full_grad[self.lo:self.hi]
+        if self.shard_grad is None:  # stages 2-3: the reduction's output, written in full
+            self.shard_grad = torch.empty(self.layout.shard_size, dtype=self.grad_dtype,
+                                          device=self.flat_param.device)
+        return self.shard_grad
 
     def full_grad_buffer(self) -> torch.Tensor:
         if self.full_grad is None:  # stages 2-3: allocated for one step's backward only
-            self.full_grad = torch.empty(self.layout.padded, dtype=self.shard_grad.dtype,
+            self.full_grad = torch.empty(self.layout.padded, dtype=self.grad_dtype,
                                          device=self.flat_param.device)
             self.full_grad[self.layout.total:].zero_()  # the slots are all written by the flatten
         return self.full_grad
@@ -218,15 +231,15 @@ class ZeroEngine:
 
     def _reduce(self, unit: Unit) -> None:
         unit.reduced = True
+        if self.opts.stage >= 2:  # bound the transient full gradients alive at once
+            while len(self.in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:
+                self._complete(*self.in_flight.pop(0))
         full_grad = self._flatten_grads(unit)
         if self.opts.stage == 0:
             handle = self.shard_comm.all_reduce(full_grad)
-        else:
-            handle = self.shard_comm.reduce_scatter(unit.grad_shard(), full_grad)
+        else:  # the flat gradient is scratch: gloo then reduces it in place, with no copy
+            handle = self.shard_comm.reduce_scatter(unit.grad_shard(), full_grad, scratch_input=True)
         self.in_flight.append((unit, handle))
-        if self.opts.stage >= 2:  # bound the transient full gradients alive at once
-            while len(self.in_flight) > MAX_REDUCTIONS_IN_FLIGHT:
-                self._complete(*self.in_flight.pop(0))
 
     def _complete(self, unit: Unit, handle) -> None:
         handle.wait()
@@ -280,7 +293,14 @@ class ZeroEngine:
         so that with whole gradients on every rank (stage 0, or one rank) the result is bitwise
         torch's. Sharded, each rank's partial norm is squared and summed over the shard group
         (replicas hold the same shards). A non-finite norm on any rank is non-finite on all:
-        the fp16 skip decision is the same everywhere."""
+        the fp16 skip decision and train.on_nonfinite's stop / skip are the same everywhere.
+
+        The norm is computed (and all-reduced) every step even with clipping off
+        (max_norm = inf): it is the non-finite check of every precision, the same on every
+        rank, and the logged grad_norm. What is skipped is the multiplication by a coefficient
+        of exactly 1 (clipping off, or a norm within max_norm): the norm is then finite, so
+        every gradient is, and x * 1 is x — one pass over the gradient shard saved, no bit
+        changed."""
         local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self._param_grad_slices())))
         if self.opts.stage >= 1 and self.shard_comm.group is not None:
             local = local.float().pow(2)
@@ -288,7 +308,8 @@ class ZeroEngine:
                 dist.all_reduce(local, group=self.shard_comm.group)
             local = local.sqrt()
         coef = torch.clamp(max_norm / (local + 1e-6), max=1.0)
-        torch._foreach_mul_(self.grads(), coef.to(self.opts.reduce_dtype))
+        if float(coef) != 1.0:  # NaN included: the gradients become NaN, as torch's do
+            torch._foreach_mul_(self.grads(), coef.to(self.opts.reduce_dtype))
         return float(local)
 
     def step(self) -> None:
@@ -307,8 +328,12 @@ class ZeroEngine:
                 h.wait()
 
     def zero_grad(self) -> None:
-        """Nothing to clear: every step's flatten overwrites each gradient slot (the padding
-        was zeroed once); stages 2-3 dropped their transient full gradients already."""
+        """Stages 0-1: nothing to clear, every step's flatten overwrites each gradient slot (the
+        padding was zeroed once). Stages 2-3 dropped their transient full gradients already and
+        drop the gradient shards now (FSDP2's zero_grad(set_to_none=True)): until the next
+        step's reductions, no gradient exists."""
+        for unit in self.units:
+            unit.shard_grad = None
 
     @contextlib.contextmanager
     def full_parameters(self) -> Iterator[None]:
@@ -352,10 +377,12 @@ class ZeroEngine:
     # -- accounting --------------------------------------------------------------------------
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds persistently, by category (transient gathers excluded)."""
+        """Bytes this rank holds at the optimizer step, by category (transient gathers and full
+        gradients excluded; stages 2-3 hold their gradient shards from backward to the step)."""
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
         params = sum(nbytes(u.shard_param if self.opts.stage == 3 else u.flat_param) for u in self.units)
-        grads = sum(nbytes(u.shard_grad if self.opts.stage >= 2 else u.full_grad) for u in self.units)
+        grads = sum(u.layout.shard_size * u.grad_dtype.itemsize if self.opts.stage >= 2
+                    else nbytes(u.full_grad) for u in self.units)
         if self.opts.offload_params == "nvme":
             params = 0
         optim = sum(v for k, v in self.tier.held_bytes().items() if k != "nvme")
