@@ -7,7 +7,6 @@ import hashlib
 import json
 import multiprocessing as mp
 import random
-import time
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +33,7 @@ def small_cfg(cache_dir) -> DataConfig:
 
 @pytest.fixture(scope="session")
 def built(small_cfg):
-    start = time.perf_counter()
-    ds = build_dataset(small_cfg, VOCAB)
-    return ds, time.perf_counter() - start
+    return build_dataset(small_cfg, VOCAB)
 
 
 def _ids(n: int) -> np.ndarray:
@@ -95,7 +92,7 @@ def test_fingerprint_changes_with_content_and_max_bytes(tmp_path):
 
 
 def test_tokenizer_round_trips_arbitrary_text(built):
-    tok = built[0].tokenizer
+    tok = built.tokenizer
     rng = random.Random(0)
     samples = [
         "def f(x):\n\treturn x ** 2  # 平方\n",
@@ -112,7 +109,7 @@ def test_tokenizer_round_trips_arbitrary_text(built):
 
 
 def test_vocab_size_exact_and_stream_decodes_to_corpus(built, small_cfg):
-    ds, _ = built
+    ds = built
     assert ds.vocab_size == VOCAB
     assert ds.tokenizer.id_to_token(ds.eot_id) == EOT
     assert ds.train.dtype == np.uint16
@@ -125,15 +122,14 @@ def test_vocab_size_exact_and_stream_decodes_to_corpus(built, small_cfg):
 
 
 def test_cache_is_reused(built, small_cfg):
-    ds, first_build_s = built
+    # Reused, not rebuilt: no file of the entry is written again (nothing is timed: a loaded
+    # machine would make a timing fail for nothing).
+    ds = built
     stamps = {p.name: p.stat().st_mtime_ns for p in ds.cache_dir.iterdir()}
-    start = time.perf_counter()
     again = build_dataset(small_cfg, VOCAB)
-    elapsed = time.perf_counter() - start
     assert again.cache_dir == ds.cache_dir
     assert {p.name: p.stat().st_mtime_ns for p in again.cache_dir.iterdir()} == stamps
     assert np.array_equal(again.train, ds.train)
-    assert elapsed < max(first_build_s / 3, 0.5)
     # A different vocab is a different entry next to it.
     assert ds.cache_dir.name.endswith(f"-v{VOCAB}")
 
@@ -218,7 +214,7 @@ def test_x_y_shift_and_window_layout(built):
         assert x.shape == y.shape == (3, 16) and x.dtype == y.dtype == torch.long
         assert torch.equal(y, x + 1)
         assert x[:, 0].tolist() == (ids * 16).tolist()  # windows start at multiples of seq_len
-    x, y = Loader(built[0].train, 64, 2, 1, seed=0).micro_batches(0)[0]
+    x, y = Loader(built.train, 64, 2, 1, seed=0).micro_batches(0)[0]
     assert torch.equal(x[:, 1:], y[:, :-1])
 
 
@@ -227,7 +223,7 @@ def test_eval_batches_are_the_first_windows_in_order(built):
     assert len(batches) == 3
     assert batches[1][0][0, 0].item() == 4 * 16
     assert len(list(eval_batches(_ids(200), 16, 4, 100))) == 3  # capped by the 12 windows there
-    val = built[0].val
+    val = built.val
     first = [x for x, _ in eval_batches(val, 32, 2, 2)]
     assert all(torch.equal(a, b) for a, b in zip(first, [x for x, _ in eval_batches(val, 32, 2, 2)]))
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -105,9 +104,7 @@ def test_tied_head_stays_tied_and_untied_does_not():
 
 
 def test_llama_7b_builds_on_meta_without_allocating():
-    start = time.perf_counter()
     model = build_model(preset("llama-7b"), device="meta")
-    assert time.perf_counter() - start < 10.0
     assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
     assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMS["llama-7b"]
 

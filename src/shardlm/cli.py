@@ -342,7 +342,7 @@ def _planner_inputs(args: argparse.Namespace):
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from shardlm.planner import report
-    from shardlm.planner import Layout, Strategy, Workload, estimate_memory, estimate_time
+    from shardlm.planner import Strategy, Workload, estimate_memory, estimate_time
     from shardlm.planner.search import alternatives
 
     model, params, cluster, dtypes, seq = _planner_inputs(args)
@@ -353,7 +353,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     dims = ParallelDims.resolve(world, args.dp_replicate, args.dp_shard, 1, args.tp, args.pp, args.ep)
     dp = dims.dp_size
-    layout = Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.ep)
+    layout = dims
     workload = Workload(model, seq, args.micro_batch * args.grad_accum * dp, params,
                         args.experts, args.top_k)
     strategy = Strategy(layout, args.zero_stage, args.micro_batch, args.grad_accum, args.recompute,

@@ -1,8 +1,7 @@
 """The planner: predict memory and speed before a run, choose the strategy, explain why.
 
-hardware.py  the device / link / node catalog, the cluster syntax, and "this CPU" measured
-workload.py  what is planned (Workload, Strategy, Layout, Dtypes), its validation, and the
-             parameters each rank holds (shared by memory.py and timing.py)
+workload.py  what is planned (Workload, Strategy on a dims.ParallelDims, Dtypes), its
+             validation, and the parameters each rank holds (shared by memory.py and timing.py)
 memory.py    per-rank memory by category (ZeRO formulas, Korthikanti activations, buffers)
 timing.py    time per step (compute, communication with overlap, pipeline bubble, optimizer)
 search.py    the strategy search, its explanation, plan_for_run (the trainer) and
@@ -19,8 +18,8 @@ from shardlm.planner.memory import Memory, estimate_memory
 from shardlm.planner.search import (EVERYTHING, RUNTIME, LocalPrediction, Plan, Supported,
                                     plan_for_run, predict_local)
 from shardlm.planner.timing import Timing, estimate_time
-from shardlm.planner.workload import Dtypes, Layout, Strategy, Workload
+from shardlm.planner.workload import Dtypes, Strategy, Workload
 
-__all__ = ["Cluster", "Dtypes", "EVERYTHING", "Layout", "LocalPrediction", "Memory", "Plan",
+__all__ = ["Cluster", "Dtypes", "EVERYTHING", "LocalPrediction", "Memory", "Plan",
            "RUNTIME", "Strategy", "Supported", "Timing", "Workload", "estimate_memory",
            "estimate_time", "local_cpu", "parse_cluster", "plan_for_run", "predict_local"]

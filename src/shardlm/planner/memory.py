@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardlm.config import ModelConfig
+from shardlm.dims import ParallelDims
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
-from shardlm.planner.workload import (DTYPE_BYTES, Layout, StageParams, Strategy, Workload,
+from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload,
                                       effective_tier, stage_params, validate)
 from shardlm.zero.partition import model_state_bytes
 
@@ -210,7 +211,7 @@ def _n(x: float) -> str:
     return f"{x / 1e9:.3g}B" if x >= 1e9 else f"{x / 1e6:.3g}M"
 
 
-def _state_items(sp: StageParams, lay: Layout, s: Strategy, cluster: Cluster) -> tuple[list[Item], dict]:
+def _state_items(sp: StageParams, lay: ParallelDims, s: Strategy, cluster: Cluster) -> tuple[list[Item], dict]:
     """Parameters, gradients, optimizer states: zero.partition.model_state_bytes (the ZeRO
     paper's table, section 5.1) for dense and expert parameters, minus what is offloaded."""
     d, local = s.dtypes, s.local

@@ -19,7 +19,8 @@ from shardlm.presets import ALIASES, get_preset
 from shardlm.hardware.catalog import Cluster, choose_compute, local_cpu, parse_cluster
 from shardlm.planner.memory import Memory, estimate_memory
 from shardlm.planner.timing import Timing, estimate_time
-from shardlm.planner.workload import Dtypes, Layout, Strategy, Workload
+from shardlm.dims import ParallelDims
+from shardlm.planner.workload import Dtypes, Strategy, Workload
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def _layouts(w: Workload, cluster: Cluster, supported: Supported):
                 if w.experts and supported.ep:
                     eps = [e for e in divisors(shard) if w.experts % e == 0]
                 for ep in eps:
-                    yield Layout(dp // shard, shard, tp, pp, ep)
+                    yield ParallelDims(dp // shard, shard, tp=tp, pp=pp, ep=ep)
 
 
 def _offloads(stage: int, cluster: Cluster, supported: Supported) -> list[tuple[str, str]]:
@@ -146,7 +147,7 @@ def _first_fit(w: Workload, cluster: Cluster, strategies: list[Strategy]) -> tup
 
 
 def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported = EVERYTHING,
-           layouts: list[Layout] | None = None) -> SearchResult:
+           layouts: list[ParallelDims] | None = None) -> SearchResult:
     """Every candidate's memory; the time of those that fit; ranked by tokens/s. `layouts`
     restricts the rank layouts (estimate's suggestions keep the user's)."""
     best: dict[tuple, Plan] = {}
@@ -155,12 +156,12 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
     key = lambda s: (s.layout, s.zero_stage, s.recompute, s.offload_optimizer, s.offload_params)  # noqa: E731
     over = lambda p: p.memory.peak / p.memory.capacity  # noqa: E731
     for lay in layouts or _layouts(w, cluster, supported):
-        per_rank = w.global_batch // lay.dp
+        per_rank = w.global_batch // lay.dp_size
         for stage in supported.stages:
             if stage == 0 and lay.dp_replicate > 1:
                 continue  # stage 0 reduces over all data-parallel ranks: the split is moot
             offloads = _offloads(stage, cluster, supported)
-            if lay.dp == 1 and stage:  # sharding over one rank only pays with offload
+            if lay.dp_size == 1 and stage:  # sharding over one rank only pays with offload
                 offloads = offloads[1:]
             for micro in divisors(per_rank):
                 for recompute in supported.recompute:
@@ -198,8 +199,8 @@ def step_parts(t: Timing) -> dict[str, float]:
 def describe(s: Strategy) -> str:
     lay = s.layout
     parts = [f"ZeRO-{s.zero_stage}" if s.zero_stage else "plain DP"]
-    if lay.dp > 1:
-        parts.append(f"dp {lay.dp_replicate}x{lay.dp_shard}" if lay.dp_replicate > 1 else f"dp {lay.dp}")
+    if lay.dp_size > 1:
+        parts.append(f"dp {lay.dp_replicate}x{lay.dp_shard}" if lay.dp_replicate > 1 else f"dp {lay.dp_size}")
     parts += [f"{k} {getattr(lay, k)}" for k in ("tp", "pp", "ep") if getattr(lay, k) > 1]
     parts.append(f"micro-batch {s.micro_batch} x accum {s.grad_accum}")
     if s.recompute != "none":
@@ -342,7 +343,7 @@ def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
     dims = resolve_dims(cfg.parallel, cluster.world_size)
     dtypes = default_dtypes(cluster, cfg.precision.compute, cfg.precision.master, cfg.precision.reduce)
     t, zero = cfg.train, cfg.zero
-    strategy = Strategy(Layout(dims.dp_replicate, dims.dp_shard), cfg.parallel.zero_stage,
+    strategy = Strategy(dims, cfg.parallel.zero_stage,
                         t.micro_batch, t.grad_accum, cfg.activation.checkpoint,
                         zero.offload_optimizer, zero.offload_params, dtypes)
     return Workload(cfg.model, t.seq_len, t.micro_batch * t.grad_accum * dims.dp_size), strategy

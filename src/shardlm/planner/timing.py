@@ -122,7 +122,7 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
 
     root_share = root / psi
     if s.zero_stage == 0:  # the root unit's gradients complete last: its reduction is exposed
-        add("all-reduce gradients", "all_reduce", g * psi, lay.dp, lay.tp, backward, root_share)
+        add("all-reduce gradients", "all_reduce", g * psi, lay.dp_size, lay.tp, backward, root_share)
         return out
     shard, replicas = lay.dp_shard, lay.dp_replicate
     add("reduce-scatter gradients", "reduce_scatter", g * psi, shard, lay.tp, backward, root_share)
@@ -153,7 +153,7 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
                         2 * e * tokens * m.d_model * calls, sec, sec))
     if lay.pp > 1:  # one activation forward, one gradient back, per micro-batch and boundary
         size = e * tokens * m.d_model / (lay.tp if s.sequence_parallel else 1)
-        bw, lat, where = group_link(cluster, 2, lay.tp * lay.dp)
+        bw, lat, where = group_link(cluster, 2, lay.tp * lay.dp_size)
         sec = collective_seconds("p2p", 2 * micro * size, 2, bw, lat, 2 * micro)
         out.append(CommTime("pipeline send/recv", f"stage boundary, {where}", 2 * micro * size, sec, sec))
     if lay.ep > 1:  # dispatch + combine, forward and backward, per MoE layer

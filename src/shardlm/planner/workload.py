@@ -15,6 +15,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from shardlm.config import ModelConfig
+from shardlm.dims import ParallelDims
 from shardlm.errors import ConfigError
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
@@ -54,27 +55,10 @@ class Dtypes:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """dp_replicate x dp_shard x tp x pp ranks (ep experts' ranks come out of dp_shard)."""
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-
-@dataclass(frozen=True)
 class Strategy:
-    layout: Layout
+    layout: ParallelDims
+    """The ranks: dp_replicate x dp_shard x cp x tp x pp (ep experts' ranks come out of the
+    data-parallel ones): the one ParallelDims a run resolves (shardlm.dims)."""
     zero_stage: int = 0
     micro_batch: int = 1
     grad_accum: int = 1
@@ -138,8 +122,8 @@ def validate(w: Workload, s: Strategy, cluster: Cluster) -> None:
         errors.append(f"{cluster.device.name} has no {s.dtypes.compute} (it has {have})")
     if w.seq_len > m.max_seq_len and m.position == "learned":
         errors.append(f"seq {w.seq_len} exceeds the model's {m.max_seq_len} learned positions")
-    if s.micro_batch * s.grad_accum * lay.dp != w.global_batch:
-        errors.append(f"micro_batch {s.micro_batch} x grad_accum {s.grad_accum} x dp {lay.dp} != "
+    if s.micro_batch * s.grad_accum * lay.dp_size != w.global_batch:
+        errors.append(f"micro_batch {s.micro_batch} x grad_accum {s.grad_accum} x dp {lay.dp_size} != "
                       f"global batch {w.global_batch} sequences")
     if errors:
         raise ConfigError("this plan cannot run:\n  - " + "\n  - ".join(errors))
@@ -226,7 +210,7 @@ class StageParams:
     block_unit: float
 
 
-def stage_params(w: Workload, lay: Layout) -> list[StageParams]:
+def stage_params(w: Workload, lay: ParallelDims) -> list[StageParams]:
     """The first and (if pp > 1) the last pipeline stage: the first holds the embeddings and
     the most layers, the last the head. Tensor parallelism splits every matrix (the
     embedding and head vocabulary-parallel) and replicates norms (Shoeybi et al. 2019)."""
