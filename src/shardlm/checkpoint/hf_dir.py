@@ -1,0 +1,113 @@
+"""Read slices of tensors from a local Hugging Face model directory (safetensors), reading only
+the rows a rank needs — the same `read_range` / `read(slices)` as a shardlm checkpoint's reader
+(checkpoint/sharded.py), so the sharded build can fill a rank's ZeRO shards from either.
+
+A directory holds `model.safetensors`, or shards listed by `model.safetensors.index.json`
+(`{"weight_map": {tensor name: file name}}`). Tensors are addressed by their names in the files;
+mapping them onto a model's parameter names (GPT-2's `transformer.h.0.attn.c_attn.weight` and
+its transposed Conv1D layout, say) is the caller's business. A flat range [start, end) of a
+row-major tensor is read as the rows it touches (safetensors slices the first dimension
+without reading the rest), then cut. Nothing is downloaded; names are confined to the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardlm.errors import ConfigError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class HFDirError(ConfigError):
+    """The directory is not a usable local transformers checkpoint; the message says why."""
+
+
+def _confined(root: Path, name: str) -> Path:
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise HFDirError(f"{root / INDEX} names the file {name!r}: only plain file names inside "
+                         f"the directory are read")
+    path = root / name
+    if path.is_symlink() and path.resolve().parent != root.resolve():
+        raise HFDirError(f"{path} is a symlink out of {root}; copy the file in instead")
+    return path
+
+
+class HFDirReader:
+    """Tensors of one local transformers directory, read slice by slice."""
+
+    def __init__(self, directory: str | Path):
+        self.root = Path(directory)
+        self._handles: dict[Path, Any] = {}
+        if not self.root.is_dir():
+            raise HFDirError(f"{str(directory)!r} is not a directory (expected a local transformers "
+                             f"checkpoint: config.json and {SINGLE} or {INDEX} with its shards)")
+        if (self.root / INDEX).is_file():
+            try:
+                weight_map = json.loads((self.root / INDEX).read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise HFDirError(f"{self.root / INDEX} is not a safetensors index ({e!r})") from None
+            self.files = {tensor: _confined(self.root, name) for tensor, name in weight_map.items()}
+        elif (self.root / SINGLE).is_file():
+            self.files = {name: self.root / SINGLE for name in self._open(self.root / SINGLE).keys()}
+        else:
+            raise HFDirError(f"{self.root} has neither {SINGLE} nor {INDEX}: not a safetensors "
+                             f"checkpoint (a .bin checkpoint must be converted to safetensors first)")
+        self._handles: dict[Path, Any] = {}
+
+    def _open(self, path: Path):
+        if path not in self._handles:
+            from safetensors import safe_open
+
+            if not path.is_file():
+                raise HFDirError(f"{path} is missing: {self.root / INDEX} lists it")
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as e:
+                raise HFDirError(f"{path} is not a readable safetensors file: {e}") from None
+        return self._handles[path]
+
+    def names(self) -> list[str]:
+        return sorted(self.files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def _slice(self, name: str):
+        path = self.files.get(name)
+        if path is None:
+            raise HFDirError(f"{self.root} has no tensor {name!r} (it has {len(self.files)}, e.g. "
+                             f"{', '.join(self.names()[:4])})")
+        return self._open(path).get_slice(name)
+
+    def read_range(self, name: str, shape: tuple[int, ...], start: int, end: int,
+                   out: torch.Tensor) -> None:
+        """Copy elements [start, end) of the flattened tensor `name` into `out` (1-D), converting
+        to out's dtype; `shape` is what the model expects (checked)."""
+        source = self._slice(name)
+        found = tuple(source.get_shape())
+        if found != tuple(shape):
+            raise HFDirError(f"{self.root}: {name!r} has shape {found}, the model expects "
+                             f"{tuple(shape)}: the directory holds a different model")
+        if not 0 <= start <= end <= math.prod(shape):
+            raise ValueError(f"range [{start}, {end}) outside {name!r} of shape {shape}")
+        if start == end:
+            return
+        if len(shape) <= 1:
+            out.copy_(source[start:end])
+            return
+        row = math.prod(shape[1:])
+        first, last = start // row, -(-end // row)
+        rows = source[first:last].reshape(-1)
+        out.copy_(rows[start - first * row:end - first * row])
+
+    def read(self, slices) -> None:
+        """Fill StateSlices (name, shape, start, end, tensor)."""
+        for s in slices:
+            self.read_range(s.name, s.shape, s.start, s.end, s.tensor)
