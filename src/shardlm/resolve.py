@@ -60,7 +60,7 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
     """`cfg` with its 'auto' settings decided for `world_size` ranks on `device` (one process's
     decision: `resolve_config` shares it). `checkpoint`: the one the run resumes from.
     `hardware`: decide for this cluster instead of this machine (`train --dry-run --gpus`)."""
-    from shardlm.planner.search import default_dtypes, describe, plan_for_run
+    from shardlm.planner.search import default_dtypes, describe_strategy, plan_for_run
 
     cfg.validate()
     saved = _saved_compute(checkpoint) if cfg.precision.compute == "auto" else None
@@ -79,7 +79,7 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
                               f"step on {world_size} rank(s); `shardlm estimate` shows where the memory goes")
         best = plans[0]
         log.info("strategy auto: %s — predicted %.0f tokens/s, peak %.2f GiB per rank (%d plans fit)",
-                 describe(best.strategy), best.timing.tokens_per_s, best.memory.peak / 2**30, len(plans))
+                 describe_strategy(best.strategy), best.timing.tokens_per_s, best.memory.peak / 2**30, len(plans))
         cfg = best.apply(cfg)
     if cfg.precision.compute == "auto":
         compute = (choose_compute(hardware.device.kind, hardware.device.peak) if hardware

@@ -10,7 +10,7 @@ from shardlm.config import ModelConfig
 from shardlm.hardware.catalog import Cluster
 from shardlm.presets import ALIASES, PRESETS, get_preset
 from shardlm.planner.memory import Item, Memory
-from shardlm.planner.search import Plan, SearchResult, describe, explain, step_parts
+from shardlm.planner.search import Plan, SearchResult, describe_strategy, explain, step_parts
 from shardlm.planner.timing import Timing
 from shardlm.planner.workload import Strategy, Workload, describe_dtypes, shape_of
 
@@ -76,7 +76,7 @@ def render_estimate(w: Workload, s: Strategy, cluster: Cluster, memory: Memory, 
     if suggestions:
         lines.append("  fits instead (same ranks, same global batch):")
         for plan in suggestions:
-            lines.append(f"    {describe(plan.strategy)}: peak {plan.memory.peak / GB:.1f} GB, "
+            lines.append(f"    {describe_strategy(plan.strategy)}: peak {plan.memory.peak / GB:.1f} GB, "
                          f"{plan.timing.tokens_per_s:,.0f} tokens/s")
     lines += ["", _time_line(timing)]
     for comm in timing.comms:
@@ -117,7 +117,7 @@ def render_plan(result: SearchResult, top: int) -> str:
             lines.append(f"  {i:>2d} {t.tokens_per_s:>12,.0f} {t.mfu:>6.1%} "
                          f"{plan.memory.peak / GB:>8.1f} {t.step:>8.3g}  "
                          f"{'yes' if plan.runtime_supported else 'no (tp/pp/ep)':<10s} "
-                         f"{describe(plan.strategy)}")
+                         f"{describe_strategy(plan.strategy)}")
         lines.append("")
     lines += explain(result)
     if result.plans:
@@ -196,7 +196,7 @@ def estimate_json(w: Workload, s: Strategy, cluster: Cluster, memory: Memory, ti
 
 
 def plan_json(plan: Plan, workload: Workload, cluster: Cluster) -> dict:
-    return {"strategy": _plain(plan.strategy), "description": describe(plan.strategy),
+    return {"strategy": _plain(plan.strategy), "description": describe_strategy(plan.strategy),
             "runtime_supported": plan.runtime_supported, "overrides": plan.overrides(),
             "command": train_command(plan, workload, cluster),
             "tokens_per_s": plan.timing.tokens_per_s, "mfu": plan.timing.mfu,

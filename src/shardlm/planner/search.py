@@ -196,7 +196,7 @@ def step_parts(t: Timing) -> dict[str, float]:
             "exposed communication": t.exposed_comm, "optimizer step": t.optimizer}
 
 
-def describe(s: Strategy) -> str:
+def describe_strategy(s: Strategy) -> str:
     lay = s.layout
     parts = [f"ZeRO-{s.zero_stage}" if s.zero_stage else "plain DP"]
     if lay.dp_size > 1:
@@ -219,13 +219,13 @@ def explain(result: SearchResult) -> list[str]:
         lines.append(f"Nothing fits on {result.cluster.describe()}.")
         if result.unfit:
             near = result.unfit[0]
-            lines.append(f"Closest: {describe(near.strategy)} needs {near.memory.peak / 1e9:.1f} GB "
+            lines.append(f"Closest: {describe_strategy(near.strategy)} needs {near.memory.peak / 1e9:.1f} GB "
                          f"per device, {near.memory.capacity / 1e9:.1f} GB available; the peak is in "
                          f"{near.memory.limit}.")
         return lines
     win = result.plans[0]
     t = win.timing
-    lines.append(f"Best: {describe(win.strategy)} — {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%}, "
+    lines.append(f"Best: {describe_strategy(win.strategy)} — {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%}, "
                  f"{win.memory.peak / 1e9:.1f} of {win.memory.capacity / 1e9:.1f} GB per device.")
     parts = step_parts(t)
     main = max(parts, key=parts.get)
@@ -250,15 +250,15 @@ def explain(result: SearchResult) -> list[str]:
         elif other is None:
             near = next((p for p in result.unfit if wanted(p.strategy)), None)
             if near is not None:
-                lines.append(f"With {label} nothing fits: the closest ({describe(near.strategy)}) "
+                lines.append(f"With {label} nothing fits: the closest ({describe_strategy(near.strategy)}) "
                              f"needs {near.memory.peak / 1e9:.1f} GB per device.")
     if not win.runtime_supported:
         ours = next((p for p in result.plans if p.runtime_supported), None)
         near = next((p for p in result.unfit if p.runtime_supported), None)
         lines.append("tp/pp/ep are modelled but `shardlm train` does not run them yet; " + (
-            f"the best plan it runs today: {describe(ours.strategy)} "
+            f"the best plan it runs today: {describe_strategy(ours.strategy)} "
             f"({ours.timing.tokens_per_s:,.0f} tokens/s)." if ours else
-            f"no plan it runs fits (closest: {describe(near.strategy)}, "
+            f"no plan it runs fits (closest: {describe_strategy(near.strategy)}, "
             f"{near.memory.peak / 1e9:.1f} GB, peak in {near.memory.limit})." if near else
             "no plan it runs fits."))
     return lines
@@ -267,12 +267,12 @@ def explain(result: SearchResult) -> list[str]:
 def _versus(win: Plan, other: Plan, label: str) -> str:
     slower = other.timing.step / win.timing.step - 1
     if slower < 0.01:
-        return (f"{label} ({describe(other.strategy)}) is within 1% — a tie within the model's "
+        return (f"{label} ({describe_strategy(other.strategy)}) is within 1% — a tie within the model's "
                 f"error; the winner uses less memory." if win.memory.peak <= other.memory.peak
-                else f"{label} ({describe(other.strategy)}) is within 1%: a tie within the model's error.")
+                else f"{label} ({describe_strategy(other.strategy)}) is within 1%: a tie within the model's error.")
     a, b = step_parts(win.timing), step_parts(other.timing)
     why = max(a, key=lambda k: b[k] - a[k])
-    return (f"{label} ({describe(other.strategy)}) is {slower:.0%} slower: "
+    return (f"{label} ({describe_strategy(other.strategy)}) is {slower:.0%} slower: "
             f"+{b[why] - a[why]:.3g} s of {why} per step.")
 
 
