@@ -1,0 +1,306 @@
+"""The sharded build's memory: setup and training peak RSS per rank, next to one fp32 copy of
+the model (4 bytes x parameters, what every rank held at setup before models were built on the
+meta device and materialised a ZeRO unit at a time).
+
+Method. One invocation = one row = one fresh pair of ranks (shardlm.spawn.run_ranks, gloo,
+1 thread each): ZeRO stage 3, bf16 compute (fp32 masters), zero.offload_optimizer = "nvme" and
+zero.offload_params = "nvme" under a fresh temporary directory on the local disk (--dir; the
+script refuses tmpfs), micro-batch 1 x seq_len 128, --steps training steps on the default stdlib
+corpus cut to data.max_bytes, vocabulary as the preset has it. The tokenizer/token stream and
+the CPU's bf16 matmul peak (build_run looks it up for MFU) are built in the parent first, so no
+rank's peak includes them. MALLOC_MMAP_THRESHOLD_=131072 is set in the ranks' environment:
+glibc then serves blocks >= 128 KiB with mmap and returns them on free, so RSS follows what is
+alive.
+
+Per rank, RSS is read from /proc/self/status: VmRSS of the bare interpreter and just after
+`import torch` (the rank's baseline, at the import of this module in the spawned process), and
+the high-water mark VmHWM over phases. The mark is reset at every phase boundary by writing "5"
+to /proc/self/clear_refs, and each segment's peak is charged to the phase running in it, so
+  setup peak    = max VmHWM from just before build_run until it returns,
+  training peak = max VmHWM over the training steps (it starts from the RSS setup left),
+  peak          = the larger of the two (the process's high-water mark after the reset).
+(ru_maxrss cannot be used after such a reset: the kernel resets it too.) The phases inside
+setup and the steps are timed-free wrappers around shardlm's functions (build_dataset,
+parallelize, Unit.__init__, NvmeTier.add, FileParams.__init__, the forward, backward,
+finish_backward, the optimizer step and its parameter reads/writes, ...), patched in the rank
+processes only; the phase table lists each one's peak. "ledger" is
+run.strategy.model_state_bytes() (persistent params / grads / optimizer state in memory),
+"formula" run.strategy.predicted_state_bytes() (the ZeRO paper's per-rank bytes for this run's
+dtypes; it counts the bf16 parameter shard, which offload_params = nvme keeps on disk).
+
+Reproduce (one row per invocation; the 1.5B row takes ~10+ minutes):
+    PYTHONPATH=src python bench/bench_sharded_build.py --preset gpt2-774m
+    PYTHONPATH=src python bench/bench_sharded_build.py --preset gpt2-1.5b
+Needs ~14 bytes per parameter free under --dir (nvme tier: fp32 master + 2 moments, bf16 shards).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _status() -> dict[str, int]:
+    """/proc/self/status's memory lines, in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.startswith(("Vm", "Rss")) and value.strip().endswith("kB"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+# The rank's baseline: measured when a spawned rank imports this module (before it unpickles
+# the rank function, i.e. before shardlm or the process group exist).
+_BARE_RSS = _status()["VmRSS"]
+import torch  # noqa: E402
+
+_TORCH_RSS = _status()["VmRSS"]
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+GiB = 2**30
+MiB = 2**20
+WORLD = 2
+MMAP_THRESHOLD = "131072"
+
+
+def reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class Phases:
+    """Peak RSS per phase: at every boundary the high-water mark since the last boundary is
+    charged to the innermost running phase, then reset."""
+
+    def __init__(self):
+        self.stack: list[str] = []
+        self.peak: dict[str, int] = {}
+        self.rss_after: dict[str, int] = {}
+        self.anon_after: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+        self.resets = True
+
+    def _boundary(self) -> dict[str, int]:
+        status = _status()
+        if self.stack:
+            name = "/".join(self.stack)
+            self.peak[name] = max(self.peak.get(name, 0), status["VmHWM"])
+        self.resets = reset_hwm() and self.resets
+        return status
+
+    def enter(self, name: str) -> None:
+        self._boundary()
+        self.stack.append(name)
+        path = "/".join(self.stack)
+        self.calls[path] = self.calls.get(path, 0) + 1
+
+    def exit(self) -> None:
+        status = self._boundary()
+        path = "/".join(self.stack)
+        self.rss_after[path], self.anon_after[path] = status["VmRSS"], status.get("RssAnon", 0)
+        self.stack.pop()
+
+    def within(self, prefix: str) -> int:
+        """Peak over the phase `prefix` and everything nested in it."""
+        return max(v for k, v in self.peak.items() if k == prefix or k.startswith(prefix + "/"))
+
+    def wrap(self, owner, attr: str, label: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            self.enter(label)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.exit()
+        setattr(owner, attr, wrapper)
+
+
+def instrument(phases: Phases) -> None:
+    """Phase wrappers around shardlm's setup and step, in this (rank) process only."""
+    import shardlm.trainer as trainer
+    from shardlm.zero import engine
+    from shardlm.zero.params import ParamSharding
+    from shardlm.zero.tiers.nvme import FileParams, NvmeTier
+
+    for attr, label in [("resolve_config", "resolve config"), ("build_mesh", "mesh"),
+                        ("build_dataset", "dataset (tokenizer + token memmap)"),
+                        ("build_model", "model on meta"), ("parallelize", "parallelize"),
+                        ("CheckpointWriter", "checkpoint writer"), ("Loader", "loaders"),
+                        ("peak_flops", "peak_flops (cached)"), ("loss_of", "forward + loss")]:
+        phases.wrap(trainer, attr, label)
+    for attr, label in [("build_tier", "nvme tier (ring allocated)"),
+                        ("build_param_store", "param store: every shard -> disk"),
+                        ("materialize_buffers", "buffers")]:
+        phases.wrap(engine, attr, label)
+    phases.wrap(engine.Unit, "__init__", "unit: fp32 init -> bf16 flat + shard")
+    phases.wrap(NvmeTier, "add", "master -> disk")
+    phases.wrap(NvmeTier, "build_optimizer", "optimizer files")
+    phases.wrap(ParamSharding, "__init__", "stage-3 hooks")
+    phases.wrap(torch.Tensor, "backward", "backward")
+    phases.wrap(engine.ZeroEngine, "finish_backward", "finish_backward (last reductions)")
+    phases.wrap(engine.ZeroEngine, "clip_grad_norm", "clip")
+    phases.wrap(engine.ZeroEngine, "step", "optimizer step")
+    phases.wrap(FileParams, "materialize_all", "param shards <- disk")
+    phases.wrap(NvmeTier, "step", "streamed AdamW (nvme ring)")
+    phases.wrap(FileParams, "store_all", "param shards -> disk")
+
+
+def rank_main(rank: int, world: int, overrides: dict, steps: int) -> dict:
+    from shardlm.config import load_config
+    from shardlm.trainer import build_run, train_step
+
+    entry = _status()
+    phases = Phases()
+    instrument(phases)
+    cfg = load_config(overrides=overrides).validate()
+    phases.enter("setup")
+    run = build_run(cfg)
+    phases.exit()
+    held = run.strategy.model_state_bytes()
+    predicted = run.strategy.predicted_state_bytes()
+    losses = []
+    for step in range(steps):
+        phases.enter(f"step {step + 1}")
+        losses.append(train_step(run, step).loss)
+        phases.exit()
+    strategy = run.strategy
+    return {
+        "bare": _BARE_RSS, "after_torch": _TORCH_RSS, "entry": entry["VmRSS"],
+        "setup_peak": phases.within("setup"), "setup_rss": phases.rss_after["setup"],
+        "setup_anon": phases.anon_after["setup"],
+        "train_peak": max(phases.within(f"step {s + 1}") for s in range(steps)),
+        "end_rss": _status()["VmRSS"], "hwm_reset": phases.resets,
+        "held": held, "predicted": predicted, "losses": losses,
+        "offload": {k: v for k, v in strategy.offload_report().items() if "bytes_by_tier" in k},
+        "direct_io": strategy.tier.direct_io, "n_units": len(strategy.units),
+        "largest_unit": max(u.layout.padded for u in strategy.units),
+        "phases": [(k, v, phases.rss_after.get(k, 0), phases.calls.get(k, 0)) for k, v in phases.peak.items()],
+    }
+
+
+def fs_type(path: Path) -> str:
+    """The file system type of the mount holding `path` (longest matching mount point)."""
+    best, kind = "", "?"
+    resolved = str(path.resolve())
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, mount, fstype, *_ = line.split()
+            if (resolved == mount or resolved.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+                best, kind = mount, fstype
+    return kind
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="gpt2-774m")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--max-bytes", type=int, default=2_000_000, help="data.max_bytes")
+    parser.add_argument("--chunk-mb", type=int, default=64, help="zero.nvme_chunk_mb (config default 64)")
+    parser.add_argument("--buffers", type=int, default=4, help="zero.nvme_buffers (config default 4)")
+    parser.add_argument("--dir", default=tempfile.gettempdir(),
+                        help="a temporary directory for the nvme files and the run is made in here")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds for the ranks")
+    args = parser.parse_args()
+    # Inherited by the spawned ranks (glibc reads it at start-up): freed blocks >= 128 KiB go back
+    # to the OS, so RSS follows what is alive.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
+
+    from shardlm.config import load_config
+    from shardlm.data import build_dataset
+    from shardlm.launch import cpu_cores
+    from shardlm.models import count_params
+    from shardlm.spawn import run_ranks
+    from shardlm.telemetry import peak_flops
+
+    base = Path(args.dir)
+    fstype = fs_type(base)
+    if fstype in ("tmpfs", "ramfs"):
+        sys.exit(f"--dir {base} is on {fstype}: the nvme tier's files would live in RAM; pick a disk")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-sharded-build-", dir=base))
+    overrides = {
+        "model.preset": args.preset, "train.micro_batch": args.micro_batch, "train.seq_len": args.seq,
+        "train.steps": args.steps, "train.grad_accum": 1, "train.eval_every": 0, "train.sample_tokens": 0,
+        "data.max_bytes": args.max_bytes, "precision.compute": "bf16", "parallel.zero_stage": 3,
+        "zero.offload_optimizer": "nvme", "zero.offload_params": "nvme", "zero.nvme_path": str(tmp / "nvme"),
+        "zero.nvme_chunk_mb": args.chunk_mb, "zero.nvme_buffers": args.buffers,
+        "run.dir": str(tmp / "runs"), "run.progress": "off", "run.device": "cpu"}
+    cfg = load_config(overrides=overrides).validate()
+    psi = count_params(cfg.model)
+    fp32_copy = 4 * psi
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    build_dataset(cfg.data, cfg.model.vocab_size)  # tokenizer + token stream, once, here
+    threads = max(1, cpu_cores() // WORLD)
+    torch.set_num_threads(threads)
+    peak_flops(torch.device("cpu"), "bf16")  # build_run's MFU lookup: probed (once) here, not in a rank
+    ring = args.buffers * 4 * args.chunk_mb * MiB
+    print(f"torch {torch.__version__}, {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
+          f"({psi / 1e6:.1f}M params; one fp32 copy 4 x Ψ = {gib(fp32_copy)} GiB), ZeRO-3, bf16 compute, "
+          f"offload optimizer + params = nvme under {tmp} ({fstype}), batch {WORLD}x{args.micro_batch}x"
+          f"{args.seq}, {args.steps} steps, data.max_bytes {args.max_bytes:,}, vocab {cfg.model.vocab_size}, "
+          f"nvme ring {args.buffers} buffers x 4 x {args.chunk_mb} MiB = {ring / MiB:,.0f} MiB; "
+          f"ranks run with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}; RAM {ram / GiB:.1f} GiB", flush=True)
+    start = time.perf_counter()
+    try:
+        ranks = run_ranks(rank_main, WORLD, tmp, overrides, args.steps, timeout=args.timeout)
+    except Exception:
+        print(f"\nFAILED after {time.perf_counter() - start:.0f} s:\n{traceback.format_exc()}", flush=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        sys.exit(1)
+    wall = time.perf_counter() - start
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    print("\n| preset | params | rank | baseline RSS (after import torch) GiB | setup peak RSS GiB | "
+          "training peak RSS GiB | peak / (4 B x Ψ) | 4 B x Ψ GiB | ledger params / grads / optimizer GiB | "
+          "formula params / grads / optimizer GiB | peak < 4 B x Ψ |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for rank, r in enumerate(ranks):
+        peak = max(r["setup_peak"], r["train_peak"])
+        held, pred = r["held"], r["predicted"]
+        print(f"| {args.preset} | {psi / 1e6:.0f}M | {rank} | {gib(r['after_torch'])} | {gib(r['setup_peak'])} | "
+              f"{gib(r['train_peak'])} | {peak / fp32_copy:.2f} | {gib(fp32_copy)} | "
+              f"{' / '.join(gib(held[k]) for k in ('params', 'grads', 'optimizer'))} | "
+              f"{' / '.join(gib(pred[k]) for k in ('params', 'grads', 'optimizer'))} | "
+              f"{'yes' if peak < fp32_copy else 'NO'} |")
+    print()
+    for rank, r in enumerate(ranks):
+        print(f"rank {rank}: bare interpreter {r['bare'] / MiB:,.0f} MiB, after import torch "
+              f"{r['after_torch'] / MiB:,.0f} MiB, at rank entry (shardlm + gloo group) {r['entry'] / MiB:,.0f} MiB; "
+              f"RSS after setup {r['setup_rss'] / MiB:,.0f} MiB (anonymous {r['setup_anon'] / MiB:,.0f}), at the end "
+              f"{r['end_rss'] / MiB:,.0f} MiB; on disk {r['offload']}; direct I/O {r['direct_io']}; "
+              f"{r['n_units']} units, largest {r['largest_unit'] / 1e6:.1f}M elements; losses "
+              f"{', '.join(f'{x:.3f}' for x in r['losses'])}; HWM reset {'ok' if r['hwm_reset'] else 'FAILED'}")
+    print("\nPeak RSS per phase, MiB (each phase's own segments; a parent's row excludes its children):")
+    print("| phase | calls | rank 0 peak | rank 1 peak | rank 0 RSS after (last call) | rank 1 RSS after |")
+    print("|---|---|---|---|---|---|")
+    other = {name: (peak, after) for name, peak, after, _ in ranks[1]["phases"]}
+    for name, peak, after, calls in ranks[0]["phases"]:
+        p1, a1 = other.get(name, (0, 0))
+        label = "› " * name.count("/") + name.rsplit("/", 1)[-1]
+        print(f"| {label} | {calls} | {peak / MiB:,.0f} | {p1 / MiB:,.0f} | {after / MiB:,.0f} | {a1 / MiB:,.0f} |")
+    print(f"\n{wall:.0f} s for the pair of ranks (setup + {args.steps} steps; shared machine, not a speed figure). "
+          f"Reproduce: PYTHONPATH=src python bench/bench_sharded_build.py {' '.join(sys.argv[1:])}".rstrip())
+
+
+if __name__ == "__main__":
+    main()
