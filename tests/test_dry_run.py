@@ -41,12 +41,12 @@ def test_every_plan_command_passes_dry_run(capsys, tmp_path, model, cluster):
         assert "dry run: the config is valid" in out
     assert not list(tmp_path.iterdir()), "a dry run created files"
     for line in blocked:  # printed as such, never as a command
-        assert "shardlm train --" not in line and ("tp" in line or "pp" in line or "ep" in line)
+        assert "shardlm train --" not in line and ("pp" in line or "ep" in line)
 
 
 def test_plan_marks_layouts_train_cannot_run(capsys):
     _, blocked = plan_lines(capsys, "--model", "llama-7b", "--gpus", "2x8xA100-80GB", "--top", "40")
-    assert blocked, "expected tensor/pipeline layouts among the top plans for llama-7b on 16 GPUs"
+    assert blocked, "expected pipeline layouts among the top plans for llama-7b on 16 GPUs"
 
 
 def test_dry_run_resolves_auto_and_reports_memory(capsys, tmp_path):

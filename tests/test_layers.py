@@ -14,7 +14,7 @@ LAYERS = [  # bottom first
     {"errors", "files"},
     {"presets"},
     {"config"},
-    {"dims"},
+    {"dims", "placement"},
     {"launch"},
     {"spawn"},
     {"hardware"},

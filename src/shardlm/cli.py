@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch-tokens", type=int, default=2**20, metavar="TOKENS",
                       help="tokens per optimizer step when --global-batch is not given (1Mi)")
     plan.add_argument("--runtime-only", action="store_true",
-                      help="only what `shardlm train` runs today (no tp/pp/ep)")
+                      help="only what `shardlm train` runs today (no pp/ep)")
     plan.add_argument("--top", type=int, default=8, help="plans to list")
     return parser
 

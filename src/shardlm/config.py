@@ -163,7 +163,11 @@ class ParallelConfig:
     dp_shard: int = -1
     """Ranks a model state is sharded over; -1 = every rank the other degrees leave."""
     tp: int = 1
-    """Tensor-parallel degree (reserved: 1 until tensor parallelism lands)."""
+    """Tensor-parallel degree (Megatron-LM): attention heads, MLP width and vocabulary split over
+    tp consecutive ranks; must divide n_heads and n_kv_heads (parallel/tensor.py)."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms and residuals on 1/tp of the sequence each, all-gather/reduce-scatter
+    in place of the all-reduces (Korthikanti et al. 2022); same results, less activation memory."""
     pp: int = 1
     """Pipeline-parallel degree (reserved: 1 until pipeline parallelism lands)."""
     ep: int = 1
@@ -493,7 +497,7 @@ def _non_negative(meaning: str = "") -> tuple[Callable[[Any], bool], str]:
 
 
 def _only_one(name: str) -> tuple[Callable[[Any], bool], str]:
-    return _rule(lambda v: v == 1, f"is not supported: this version has data parallelism and ZeRO "
+    return _rule(lambda v: v == 1, f"is not supported: this version has data parallelism, ZeRO and tensor parallelism "
                                    f"only; set parallel.{name} = 1")
 
 
@@ -537,7 +541,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "precision.loss_scale_backoff": _rule(lambda v: 0.0 < v < 1.0, "must be in (0, 1)"),
     "parallel.dp_replicate": _rule(lambda v: v >= 1, "must be >= 1"),
     "parallel.dp_shard": _rule(lambda v: v >= 1 or v == -1, "must be >= 1 or -1 (all remaining ranks)"),
-    "parallel.tp": _only_one("tp"),
+    "parallel.tp": _positive(),
     "parallel.pp": _only_one("pp"),
     "parallel.ep": _only_one("ep"),
     "parallel.collective_timeout_s": _non_negative(" (0 disables the watchdog)"),
@@ -604,6 +608,22 @@ def _rope_head_dim(cfg: Config) -> list[str]:
     m = cfg.model
     return ([f"RoPE needs an even head dim; d_model/n_heads = {m.d_model // m.n_heads}"]
             if m.position == "rope" and (m.d_model // m.n_heads) % 2 else [])
+
+
+@_cross("parallel.tp", "model.n_heads", "model.n_kv_heads")
+def _tp_divides_heads(cfg: Config) -> list[str]:
+    tp, m = cfg.parallel.tp, cfg.model
+    kv = m.n_kv_heads or m.n_heads
+    return ([f"parallel.tp = {tp} must divide model.n_heads = {m.n_heads} and the key/value heads "
+             f"({kv}): each rank computes whole heads (replicating key/value heads when tp > "
+             f"n_kv_heads is not supported yet)"] if tp > 1 and (m.n_heads % tp or kv % tp) else [])
+
+
+@_cross("parallel.sequence_parallel", "parallel.tp")
+def _sequence_parallel_needs_tp(cfg: Config) -> list[str]:
+    par = cfg.parallel
+    return (["parallel.sequence_parallel = true splits the sequence inside the tensor-parallel group: "
+             "it needs parallel.tp > 1"] if par.sequence_parallel and par.tp == 1 else [])
 
 
 @_cross("train.seq_len", "model.max_seq_len")

@@ -12,10 +12,9 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardlm.checkpoint.weights import save_weights
@@ -62,6 +61,9 @@ class Run:
     peak_flops_per_device: float
     flops_per_token: float
     checkpoints: CheckpointWriter
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = None
+    """(logits, targets) -> mean cross-entropy in fp32 (vocabulary-parallel under tensor
+    parallelism): parallel.build.Parallelized.loss."""
     start_step: int = 0
     """The first step to run: 0, or where the checkpoint resumed from left off."""
 
@@ -123,7 +125,7 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
         strategy=built.strategy, watchdog=watchdog, precision=precision,
         train_loader=Loader(dataset.train, grad_accum=t.grad_accum, **common),
         val_loader=Loader(dataset.val, grad_accum=1, **common),
-        run_dir=run_dir, checkpoints=writer,
+        run_dir=run_dir, checkpoints=writer, loss=built.loss,
         peak_flops_per_device=peak_flops(runtime.device, precision.name),
         # A model we did not build: 6 × parameters, the approximation used for those (attention
         # FLOPs left out). Ours: the exact count from its config.
@@ -217,9 +219,8 @@ def loss_of(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     device = run.runtime.device
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     with run.precision.autocast():
-        logits = run.forward(x)  # (B, T, vocab)
-    # Cross-entropy in fp32: a bf16/fp16 softmax over 50k classes loses the small probabilities.
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        logits = run.forward(x)  # (B, T, vocab), or this rank's vocabulary under tensor parallelism
+    return run.loss(logits, y)
 
 
 class StepResult(NamedTuple):
@@ -260,7 +261,8 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     strategy.zero_grad()
     # The loss and the stop flag in one tensor: the logging scalar every step sums anyway
     # carries the agreement to stop (a signal may reach only some ranks, or at different steps).
-    summed = torch.stack([total, torch.tensor(float(stop_requested), device=total.device)])
+    # Every rank of a tensor-parallel group holds the same loss: counted once.
+    summed = torch.stack([total / run.mesh.dims.tp, torch.tensor(float(stop_requested), device=total.device)])
     if run.runtime.world_size > 1:  # not model communication: not in the ledger
         with watched(run.watchdog, "all_reduce(loss)", "dp", 8):
             torch.distributed.all_reduce(summed)

@@ -70,9 +70,10 @@ class Attention(nn.Module):
         self.proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, rope: Rope | None) -> torch.Tensor:
-        B, T, _ = x.shape
+        qkv = self.qkv(x)  # (B, T, …): T the whole sequence, also when x is a sequence-parallel chunk
+        B, T, _ = qkv.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
@@ -213,7 +214,9 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     """
     max_len = model.cfg.max_seq_len
     for _ in range(max_new_tokens):
-        logits = model(idx[:, -max_len:])[:, -1, :]  # (B, vocab)
+        logits = model(idx[:, -max_len:])[:, -1, :]  # (B, vocab), or this rank's part of it
+        if hasattr(model.head, "gather"):  # a vocabulary-parallel head (parallel/tensor.py)
+            logits = model.head.gather(logits)
         if temperature == 0:
             next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
         else:

@@ -3,12 +3,14 @@
 A plain model — ours built on the meta device, or any nn.Module — goes through the steps in a
 fixed order, each a function that logs what it applied:
 
-    activation checkpointing (apply_ac)  →  data parallelism / ZeRO (apply_data_parallel: the
-    sharded build materialises the model here, one unit at a time)  →  compile
+    tensor parallelism (apply_tp: layers replaced by their tensor-parallel versions, still on
+    the meta device)  →  activation checkpointing (apply_ac)  →  data parallelism / ZeRO
+    (apply_data_parallel: the sharded build materialises the model here, one unit at a time,
+    each parameter initialised whole and cut to this rank's piece)  →  compile
 
-Tensor, context, expert and pipeline parallelism take their places before activation
-checkpointing (tensor → context → expert → activation checkpointing → pipeline split → ZeRO →
-compile) as they land; until then config validation refuses their degrees above 1.
+Context, expert and pipeline parallelism take their places (tensor → context → expert →
+activation checkpointing → pipeline split → ZeRO → compile) as they land; until then config
+validation refuses their degrees above 1.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shardlm.comm.collectives import Comm, CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog
 from shardlm.config import Config
 from shardlm.mesh import Mesh
 from shardlm.parallel.activation import apply_ac
+from shardlm.models.init import initializer_for
 from shardlm.parallel.data import DataParallelEngine, apply_data_parallel
+from shardlm.parallel.tensor import TPState, apply_tp, sliced, vocab_parallel_cross_entropy
 
 log = logging.getLogger("shardlm")
 
@@ -37,6 +42,15 @@ class Parallelized:
     """What the training step calls: the model, or its compiled wrapper."""
     strategy: DataParallelEngine
     """Gradient synchronisation, clipping and the optimizer step (local or ZeRO)."""
+    tp: TPState | None = None
+    """The tensor-parallel group, when there is one."""
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy in fp32 (a bf16/fp16 softmax over 50k classes loses the small
+        probabilities); vocabulary-parallel when the head is."""
+        if self.tp is not None:
+            return vocab_parallel_cross_entropy(logits, targets, self.model.head)
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
@@ -50,6 +64,15 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
                 watchdog: CollectiveWatchdog | None = None, run_dir: Path = Path("runs")) -> Parallelized:
     """Apply every configured strategy to `model` in the documented order. `cfg` is resolved
     (resolve.resolve_config: no 'auto' left); `mesh` holds the process groups."""
+    ledger = CommLedger()
+    # Taken before any step replaces a layer: initial values are those of the whole model.
+    initializer = (initializer_for(model, cfg.train.seed)
+                   if any(p.is_meta for p in model.parameters()) else None)
+    tp = apply_tp(model, Comm(mesh.tp_group, "tp", ledger, watchdog), cfg.parallel.sequence_parallel) \
+        if mesh.dims.tp > 1 else None
+    if tp is not None:
+        initializer = sliced(initializer, tp.splits)
     apply_ac(model, cfg.activation.checkpoint)
-    strategy = apply_data_parallel(model, mesh, cfg, device, watchdog, run_dir)
-    return Parallelized(model, apply_compile(model, cfg.train.compile), strategy)
+    strategy = apply_data_parallel(model, mesh, cfg, device, watchdog, run_dir, initializer, ledger,
+                                   tp.splits if tp else None)
+    return Parallelized(model, apply_compile(model, cfg.train.compile), strategy, tp)

@@ -18,10 +18,11 @@ from torch import nn
 from shardlm.checkpoint.sharded import StateSlice, param_state
 from shardlm.config import Config
 from shardlm.mesh import Mesh
-from shardlm.models.init import initializer_for, materialize
+from shardlm.models.init import Initializer, initializer_for, materialize
 from shardlm.optim import build_optimizer, init_adam_state
 from shardlm.comm.collectives import CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog
+from shardlm.placement import Split
 from shardlm.precision import DTYPES
 
 
@@ -46,7 +47,7 @@ class DataParallelEngine(Protocol):
     # checkpoints (checkpoint/sharded.py): the state this rank holds, by global tensor name
     writes_checkpoint: bool
     """Whether this rank's slices go to disk (a replica of the same shard writes once)."""
-    def state_slices(self) -> list[StateSlice]: ...
+    def state_slices(self, saving: bool = False) -> list[StateSlice]: ...
     def after_load(self) -> None:
         """The slices were overwritten: rebuild what derives from them."""
 
@@ -99,7 +100,7 @@ class LocalEngine:
     def offload_report(self) -> dict:
         return {}
 
-    def state_slices(self) -> list[StateSlice]:
+    def state_slices(self, saving: bool = False) -> list[StateSlice]:
         return [s for name, p in self.model.named_parameters()
                 for s in param_state(name, tuple(p.shape), 0, p.numel(), p, self.optimizer.state[p])]
 
@@ -109,11 +110,17 @@ class LocalEngine:
 
 def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
                         watchdog: CollectiveWatchdog | None = None,
-                        run_dir: Path = Path("runs")) -> DataParallelEngine:
-    """One process at stage 0 trains locally; anything else goes through the ZeRO engine."""
+                        run_dir: Path = Path("runs"), initializer: Initializer | None = None,
+                        ledger: CommLedger | None = None,
+                        splits: dict[str, Split] | None = None) -> DataParallelEngine:
+    """One process at stage 0 trains locally; anything else goes through the ZeRO engine.
+    `initializer`: for a meta-device model whose layers an earlier step replaced (tensor
+    parallelism: it initialises whole parameters and cuts this rank's piece); `ledger`, the
+    run's byte ledger; `splits`, the parameters tensor parallelism cut."""
     par, prec = cfg.parallel, cfg.precision
     compute = prec.compute  # resolved: resolve.resolve_config decided 'auto'
-    initializer = initializer_for(model, cfg.train.seed) if _on_meta(model) else None
+    if initializer is None and _on_meta(model):
+        initializer = initializer_for(model, cfg.train.seed)
     if mesh.dims.world_size == 1 and par.zero_stage == 0:
         if initializer is not None:  # one process, nothing sharded: the whole model, once
             materialize(model, device, cfg.train.seed)
@@ -128,7 +135,7 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch
         offload_params=cfg.zero.offload_params,
         nvme_dir=Path(cfg.zero.nvme_path or run_dir / "offload") / f"rank-{mesh.rank:05d}",
         nvme_chunk_bytes=cfg.zero.nvme_chunk_mb << 20, nvme_buffers=cfg.zero.nvme_buffers)
-    return ZeroEngine(model, mesh, opts, cfg.train, device, watchdog, initializer)
+    return ZeroEngine(model, mesh, opts, cfg.train, device, watchdog, initializer, ledger, splits)
 
 
 def _on_meta(model: nn.Module) -> bool:

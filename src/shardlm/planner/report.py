@@ -116,7 +116,7 @@ def render_plan(result: SearchResult, top: int) -> str:
             t = plan.timing
             lines.append(f"  {i:>2d} {t.tokens_per_s:>12,.0f} {t.mfu:>6.1%} "
                          f"{plan.memory.peak / GB:>8.1f} {t.step:>8.3g}  "
-                         f"{'yes' if plan.runtime_supported else 'no (tp/pp/ep)':<10s} "
+                         f"{'yes' if plan.runtime_supported else 'no (pp/ep)':<10s} "
                          f"{describe_strategy(plan.strategy)}")
         lines.append("")
     lines += explain(result)
@@ -126,7 +126,7 @@ def render_plan(result: SearchResult, top: int) -> str:
             command = train_command(plan, w, result.cluster)
             lines.append(f"  {i:>2d} {command}" if command else
                          f"  {i:>2d} not runnable yet: shardlm train has no "
-                         f"{'/'.join(k for k in ('tp', 'pp', 'ep') if getattr(plan.strategy.layout, k) > 1)}"
+                         f"{'/'.join(k for k in ('pp', 'ep') if getattr(plan.strategy.layout, k) > 1)}"
                          f" parallelism (config keys: {_flags(plan.overrides())})")
     return "\n".join(lines)
 

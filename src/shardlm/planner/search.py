@@ -40,8 +40,11 @@ class Supported:
 
 EVERYTHING = Supported()
 """Every strategy the planner models."""
-RUNTIME = Supported(tp=False, pp=False, ep=False)
-"""What `shardlm train` runs today: dp_replicate x dp_shard, ZeRO 0-3, recompute, offload."""
+RUNTIME = Supported(pp=False, ep=False)
+"""What `shardlm train` runs today: dp_replicate x dp_shard x tp, ZeRO 0-3, recompute, offload."""
+AUTO = Supported(tp=False, pp=False, ep=False)
+"""What `parallel.strategy = "auto"` chooses from: data parallelism, until the planner's tensor-
+parallel model has been checked against our own measurements on this machine."""
 
 
 @dataclass
@@ -54,7 +57,7 @@ class Plan:
     @property
     def runtime_supported(self) -> bool:
         lay = self.strategy.layout
-        return lay.tp == lay.pp == lay.ep == 1
+        return lay.pp == lay.ep == 1
 
     def overrides(self) -> dict[str, object]:
         """The config keys (and typed values) that run this plan: what `apply` sets, and what
@@ -70,6 +73,8 @@ class Plan:
         for key in ("tp", "pp", "ep"):
             if getattr(lay, key) > 1:
                 out[f"parallel.{key}"] = getattr(lay, key)
+        if lay.tp > 1:
+            out["parallel.sequence_parallel"] = s.sequence_parallel
         if s.offload_optimizer != "none":
             out["zero.offload_optimizer"] = s.offload_optimizer
         if s.offload_params != "none":
@@ -104,7 +109,7 @@ def divisors(n: int) -> list[int]:
 def _layouts(w: Workload, cluster: Cluster, supported: Supported):
     m, world, per_node = w.model, cluster.world_size, cluster.per_node
     for tp in (divisors(per_node) if supported.tp else [1]):
-        if m.n_heads % tp or world % tp:
+        if m.n_heads % tp or (m.n_kv_heads or m.n_heads) % tp or world % tp:
             continue
         for pp in (divisors(world // tp) if supported.pp else [1]):
             dp = world // (tp * pp)
@@ -255,7 +260,7 @@ def explain(result: SearchResult) -> list[str]:
     if not win.runtime_supported:
         ours = next((p for p in result.plans if p.runtime_supported), None)
         near = next((p for p in result.unfit if p.runtime_supported), None)
-        lines.append("tp/pp/ep are modelled but `shardlm train` does not run them yet; " + (
+        lines.append("pp/ep are modelled but `shardlm train` does not run them yet; " + (
             f"the best plan it runs today: {describe_strategy(ours.strategy)} "
             f"({ours.timing.tokens_per_s:,.0f} tokens/s)." if ours else
             f"no plan it runs fits (closest: {describe_strategy(near.strategy)}, "
@@ -292,7 +297,7 @@ def default_dtypes(cluster: Cluster, compute: str = "auto", master: str = "fp32"
 
 
 def plan_for_run(model: ModelConfig, world_size: int, hardware: Cluster | str,
-                 batch: int | tuple[int, int, int], supported: Supported = RUNTIME,
+                 batch: int | tuple[int, int, int], supported: Supported = AUTO,
                  dtypes: Dtypes | None = None, seq_len: int | None = None) -> list[Plan]:
     """Ranked plans (best first) that fit, for `strategy = "auto"`.
 

@@ -43,6 +43,7 @@ from shardlm.checkpoint.sharded import StateSlice, param_state
 from shardlm.config import TrainConfig
 from shardlm.mesh import Mesh
 from shardlm.models.init import Initializer, materialize_buffers
+from shardlm.placement import Split
 from shardlm.comm.collectives import Comm, CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.zero.tiers import build_param_store, build_tier
@@ -148,14 +149,22 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, mesh: Mesh, opts: ZeroOptions, train: TrainConfig,
                  device: torch.device, watchdog: CollectiveWatchdog | None = None,
-                 initializer: Initializer | None = None):
+                 initializer: Initializer | None = None, ledger: CommLedger | None = None,
+                 splits: dict[str, Split] | None = None):
+        """`splits`: the parameters tensor parallelism cut (placement.Split: where this rank's
+        piece sits in the whole), for the global gradient norm and the checkpoint's slices;
+        every other parameter is replicated across the tensor-parallel group."""
         self.model, self.opts, self.mesh = model, opts, mesh
-        self.ledger = CommLedger()
+        self.ledger = ledger if ledger is not None else CommLedger()
         self.watchdog = watchdog
+        self.splits = splits or {}
         sharded = opts.stage >= 1
-        world = dist.group.WORLD if mesh.dims.world_size > 1 else None
-        self.shard_comm = Comm(mesh.dp_shard_group if sharded else world,
+        # Stage 0 all-reduces over every data-parallel rank: the world, unless tensor
+        # parallelism takes a factor of it.
+        everyone = (mesh.dp_group if mesh.dims.tp > 1 else dist.group.WORLD) if mesh.dims.world_size > 1 else None
+        self.shard_comm = Comm(mesh.dp_shard_group if sharded else everyone,
                                "dp_shard" if sharded else "dp", self.ledger, watchdog)
+        self.tp_comm = Comm(mesh.tp_group, "tp", self.ledger, watchdog)
         self.replicate_comm = Comm(mesh.dp_replicate_group if sharded else None, "dp_replicate",
                                    self.ledger, watchdog)
         shard_world, shard_rank = (self.shard_comm.size, mesh.shard_rank) if sharded else (1, 0)
@@ -182,6 +191,11 @@ class ZeroEngine:
         materialize_buffers(model, device)
         spans = {id(p): (u, off, p.numel()) for u in self.units for p, off in zip(u.params, u.layout.offsets)}
         self._param_spans = [spans[id(p)] for p in model.parameters() if id(p) in spans]
+        # In the global norm, a parameter replicated across the tensor-parallel group counts once
+        # (on its tp rank 0); a cut one counts on every rank (each holds a different piece).
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._norm_counted = [names[id(p)] in self.splits or mesh.tp_rank == 0
+                              for p in model.parameters() if id(p) in spans]
         self.tier.build_optimizer(train)
         self.optimizer = self.tier.optimizer
         self.param_store = build_param_store(opts.offload_params, self.units, device, nvme_dir)
@@ -276,12 +290,14 @@ class ZeroEngine:
     def grads(self) -> list[torch.Tensor]:
         return [unit.grad_shard() for unit in self.units]
 
-    def _param_grad_slices(self) -> list[torch.Tensor]:
+    def _param_grad_slices(self, for_norm: bool = False) -> list[torch.Tensor]:
         """This rank's gradient, cut at parameter boundaries (padding left out), in the model's
         parameter order: torch's clip_grad_norm_ stacks the per-parameter norms in that order,
         and the order of that sum shows in the norm's last bit."""
         slices = []
-        for unit, offset, numel in self._param_spans:
+        for (unit, offset, numel), counted in zip(self._param_spans, self._norm_counted):
+            if for_norm and not counted:
+                continue
             start, end = max(offset, unit.lo), min(offset + numel, unit.hi)
             if start < end:
                 slices.append(unit.grad_shard()[start - unit.lo:end - unit.lo])
@@ -301,11 +317,16 @@ class ZeroEngine:
         of exactly 1 (clipping off, or a norm within max_norm): the norm is then finite, so
         every gradient is, and x * 1 is x — one pass over the gradient shard saved, no bit
         changed."""
-        local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(self._param_grad_slices())))
-        if self.opts.stage >= 1 and self.shard_comm.group is not None:
+        norms = torch._foreach_norm(self._param_grad_slices(for_norm=True))
+        local = (torch.linalg.vector_norm(torch.stack(norms)) if norms
+                 else torch.zeros((), device=self.units[0].flat_param.device))
+        groups = [(g, name) for g, name in ((self.shard_comm.group if self.opts.stage >= 1 else None, "dp_shard"),
+                                            (self.tp_comm.group, "tp")) if g is not None]
+        if groups:  # partial norms -> squares summed over the ranks holding different pieces
             local = local.float().pow(2)
-            with watched(self.watchdog, "all_reduce(grad norm)", "dp_shard", 4):
-                dist.all_reduce(local, group=self.shard_comm.group)
+            for group, name in groups:
+                with watched(self.watchdog, "all_reduce(grad norm)", name, 4):
+                    dist.all_reduce(local, group=group)
             local = local.sqrt()
         coef = torch.clamp(max_norm / (local + 1e-6), max=1.0)
         if float(coef) != 1.0:  # NaN included: the gradients become NaN, as torch's do
@@ -351,21 +372,35 @@ class ZeroEngine:
         """Stage 0: every rank holds everything and rank 0 writes it; sharded: the first
         replica group writes its shards."""
         dims = self.mesh.dims
-        return self.mesh.rank == 0 if self.opts.stage == 0 else self.mesh.rank < dims.dp_shard
+        return self.mesh.dp_rank == 0 if self.opts.stage == 0 else self.mesh.dp_rank < dims.dp_shard
 
-    def state_slices(self) -> list[StateSlice]:
-        """Per master segment, the parameters it overlaps, cut to the overlap."""
+    def state_slices(self, saving: bool = False) -> list[StateSlice]:
+        """Per master segment, the parameters it overlaps, cut to the overlap, in the whole
+        tensors' coordinates: a tensor-parallel piece's elements as the runs they make in the
+        whole tensor (placement.Split.runs), so a checkpoint is the same at any layout.
+        `saving`: leave out what another tensor-parallel rank writes (replicated parameters are
+        written by tp rank 0 only)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
         out = []
         for i, (unit, local) in enumerate(self.segments):
             master, exp_avg, exp_avg_sq = self.tier.segment_state(i)
+            states = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
             lo, hi = unit.lo + local.start, unit.lo + local.stop  # in the unit's flat buffer
             for param, offset, numel in zip(unit.params, unit.layout.offsets, unit.layout.numels):
                 start, end = max(offset, lo), min(offset + numel, hi)
-                if start < end:
-                    out += param_state(names[id(param)], tuple(param.shape), start - offset,
-                                       end - offset, master, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
-                                       slice(start - lo, end - lo))
+                if start >= end:
+                    continue
+                name = names[id(param)]
+                split = self.splits.get(name)
+                if split is None:
+                    if not (saving and self.mesh.tp_rank != 0):
+                        out += param_state(name, tuple(param.shape), start - offset, end - offset,
+                                           master, states, slice(start - lo, end - lo))
+                    continue
+                for whole_start, whole_end, piece_start in split.runs(start - offset, end - offset):
+                    at = offset + piece_start - lo  # in this segment
+                    out += param_state(name, split.shape, whole_start, whole_end, master, states,
+                                       slice(at, at + whole_end - whole_start))
         return out
 
     def after_load(self) -> None:

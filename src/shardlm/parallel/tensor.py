@@ -1,0 +1,427 @@
+"""Tensor parallelism (Megatron-LM: Shoeybi et al. 2019) and sequence parallelism (Korthikanti
+et al. 2022) for our Decoder, with our own autograd functions over plain tensors.
+
+Per block, with T ranks in the tensor-parallel group:
+
+    attention  q/k/v projection column-parallel (this rank's heads: n_heads/T query heads and
+               n_kv_heads/T key/value heads), attention on those heads, output projection
+               row-parallel; MLP: fc (or SwiGLU's fused gate/up) column-parallel, proj (down)
+               row-parallel; the token embedding and the head vocabulary-parallel, and the loss
+               a vocabulary-parallel cross-entropy that never gathers the logits.
+
+Without sequence parallelism each half-block costs one all-reduce of the activations forward
+(after the row-parallel projection: `g`) and one backward (before the column-parallel one: `f`).
+With it, norms, dropout and residuals run on this rank's 1/T of the sequence; the all-reduces
+become an all-gather before the column-parallel projection and a reduce-scatter after the
+row-parallel one (same bytes, 1/T of those activations held), and the norm weights' gradients,
+now computed from different tokens on each rank, are summed over the group.
+
+Why our own functions and not DTensor's parallel styles: the ZeRO engine flattens each unit's
+parameters into one flat buffer of plain tensors and shards it over the data-parallel ranks. A
+tensor-parallel parameter is then just a smaller plain tensor (its `placement.Split` says where
+it sits in the whole), ZeRO-sharded like any other — the 2-D sharding of FSDP2 + TP without a
+tensor subclass to dispatch through on every op. Every collective goes through `comm.Comm`, so
+it is in the byte ledger and under the watchdog. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.comm.collectives import Comm
+from shardlm.errors import ConfigError
+from shardlm.placement import Split, even_range
+
+log = logging.getLogger("shardlm")
+
+
+@dataclass
+class TPState:
+    """The tensor-parallel group of one model, and whether this forward runs sequence-parallel
+    (decided per forward by the embedding: only when the sequence divides by the group)."""
+
+    comm: Comm
+    sequence_parallel: bool
+    sharded: bool = False
+    """True while this forward's activations outside attention and MLP are sequence-sharded."""
+    splits: dict[str, Split] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives as autograd functions
+
+
+def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    out = x.contiguous().clone()
+    comm.all_reduce(out).wait()
+    return out
+
+
+def _gather_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """(B, t, C) on each rank -> (B, N·t, C), ranks' chunks in order."""
+    chunk = x.transpose(0, 1).contiguous()  # (t, B, C): the sequence outermost
+    out = torch.empty((comm.size * chunk.shape[0], *chunk.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(out.view(-1), chunk.view(-1)).wait()
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """(B, T, C) partial sums on each rank -> this rank's (B, T/N, C) of their sum."""
+    whole = x.transpose(0, 1).contiguous()  # (T, B, C)
+    out = torch.empty((whole.shape[0] // comm.size, *whole.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out.view(-1), whole.view(-1), scratch_input=True).wait()
+    return out.transpose(0, 1)
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward, all-reduce backward (Megatron's f): before a column-parallel matmul,
+    and on a replicated parameter whose gradient each rank computes from different tokens."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.comm), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """All-reduce forward, identity backward (Megatron's g): after a row-parallel matmul."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return _all_reduce(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence forward, reduce-scatter backward (sequence parallelism's
+    replacement for f)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _gather_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.comm), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Reduce-scatter along the sequence forward, all-gather backward (the replacement for g)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _reduce_scatter_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.comm), None
+
+
+def into_parallel_region(x: torch.Tensor, tp: TPState) -> torch.Tensor:
+    """Before a column-parallel matmul: the whole sequence on every rank."""
+    if tp.sharded:
+        return _GatherSequence.apply(x, tp.comm)
+    return _CopyToGroup.apply(x, tp.comm)
+
+
+def out_of_parallel_region(x: torch.Tensor, tp: TPState) -> torch.Tensor:
+    """After a row-parallel matmul (or the vocabulary-parallel embedding): partial sums summed,
+    whole (plain TP) or this rank's sequence chunk (sequence parallel)."""
+    if tp.sharded:
+        return _ReduceScatterSequence.apply(x, tp.comm)
+    return _ReduceFromGroup.apply(x, tp.comm)
+
+
+def synced(param: torch.Tensor, tp: TPState) -> torch.Tensor:
+    """A replicated parameter used on sequence-sharded activations: its gradient summed over
+    the group (each rank saw different tokens). Plain TP: every rank's gradient is the same."""
+    return _CopyToGroup.apply(param, tp.comm) if tp.sharded else param
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers (built on the meta device by apply_tp; the ZeRO engine materialises them)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_localᵀ + b_local: this rank's output features; the input whole."""
+
+    def __init__(self, in_features: int, out_local: int, bias: bool, tp: TPState):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_local, in_features))
+        self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(into_parallel_region(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = Σ_ranks x_local W_localᵀ + b: this rank's input features; the bias, replicated, is
+    added once, after the sum."""
+
+    def __init__(self, in_local: int, out_features: int, bias: bool, tp: TPState):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_local))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = out_of_parallel_region(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + synced(self.bias, self.tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows [lo, hi) of the vocabulary; ids outside give zeros, and the sum over
+    ranks is the embedding (reduce-scattered along the sequence when sequence-parallel)."""
+
+    def __init__(self, lo: int, hi: int, dim: int, tp: TPState):
+        super().__init__()
+        self.lo, self.hi = lo, hi
+        self.weight = nn.Parameter(torch.empty(hi - lo, dim))
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        tp.sharded = tp.sequence_parallel and ids.shape[1] % tp.size == 0  # this forward's mode
+        outside = (ids < self.lo) | (ids >= self.hi)
+        x = F.embedding((ids - self.lo).masked_fill(outside, 0), self.weight)
+        return out_of_parallel_region(x.masked_fill(outside.unsqueeze(-1), 0.0), tp)
+
+
+class VocabParallelHead(nn.Module):
+    """Logits for this rank's vocabulary rows only (B, T, hi - lo); `vocab_parallel_cross_
+    entropy` takes them as they are, and `gather` assembles the whole vocabulary (sampling)."""
+
+    def __init__(self, embedding: VocabParallelEmbedding | None, lo: int, hi: int, dim: int,
+                 vocab: int, tp: TPState):
+        super().__init__()
+        self.vocab = vocab
+        if embedding is not None:  # tied: the same rows of the same Parameter
+            self.weight = embedding.weight
+        else:
+            self.weight = nn.Parameter(torch.empty(hi - lo, dim))
+        self.lo, self.hi, self.tp = lo, hi, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(into_parallel_region(x, self.tp), self.weight)
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """(…, hi - lo) per rank -> (…, vocab), no gradient (sampling, evaluation output)."""
+        sizes = [hi - lo for lo, hi in (even_range(self.vocab, self.tp.size, r) for r in range(self.tp.size))]
+        width = max(sizes)
+        padded = F.pad(logits, (0, width - logits.shape[-1])).contiguous()
+        out = torch.empty((self.tp.size, *padded.shape), dtype=padded.dtype, device=padded.device)
+        self.tp.comm.all_gather(out.view(-1), padded.view(-1)).wait()
+        return torch.cat([out[r, ..., :sizes[r]] for r in range(self.tp.size)], dim=-1)
+
+
+class SyncedNorm(nn.Module):
+    """LayerNorm / RMSNorm whose weights' gradients are summed over the group when the
+    activations are sequence-sharded (same parameters, same names, as the module it replaces)."""
+
+    def __init__(self, norm: nn.Module, tp: TPState):
+        super().__init__()
+        self.kind = "rms" if isinstance(norm, nn.RMSNorm) else "layer"
+        self.shape, self.eps = tuple(norm.normalized_shape), norm.eps
+        self.weight = norm.weight
+        self.bias = getattr(norm, "bias", None)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = synced(self.weight, self.tp)
+        if self.kind == "rms":
+            return F.rms_norm(x, self.shape, w, self.eps)
+        b = synced(self.bias, self.tp) if self.bias is not None else None
+        return F.layer_norm(x, self.shape, w, b, self.eps)
+
+
+class SyncedEmbedding(nn.Module):
+    """Learned positions added to sequence-sharded activations: this rank's chunk of positions,
+    the gradient summed over the group."""
+
+    def __init__(self, embedding: nn.Embedding, tp: TPState):
+        super().__init__()
+        self.weight = embedding.weight
+        self.tp = tp
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        if tp.sharded:
+            lo, hi = even_range(positions.shape[0], tp.size, tp.rank)
+            positions = positions[lo:hi]
+        return F.embedding(positions, synced(self.weight, tp))
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean over tokens of -log softmax(logits)[target], logits split over the vocabulary:
+    three all-reduces of one number per token (the max, the sum of exponentials, the target's
+    logit), never the logits themselves."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, lo, hi, comm):
+        import torch.distributed as dist
+
+        ctx.dtype = logits.dtype
+        logits = logits.float()  # (N, V_local): the softmax in fp32, as the unsplit loss does
+        top = logits.max(dim=-1).values
+        if comm.group is not None:
+            comm.all_reduce(top, op=dist.ReduceOp.MAX).wait()
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        outside = (targets < lo) | (targets >= hi)
+        local_target = (targets - lo).masked_fill(outside, 0)
+        picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        both = torch.stack([sum_exp, picked])
+        comm.all_reduce(both).wait()
+        sum_exp, picked = both[0], both[1]
+        ctx.save_for_backward(exp, sum_exp, local_target, outside)
+        return (sum_exp.log() - picked).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        exp, sum_exp, local_target, outside = ctx.saved_tensors
+        softmax = exp / sum_exp.unsqueeze(-1)
+        rows = torch.arange(softmax.shape[0], device=softmax.device)
+        softmax[rows, local_target] -= (~outside).to(softmax.dtype)
+        return (softmax * (grad / softmax.shape[0])).to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, head: VocabParallelHead) -> torch.Tensor:
+    """Cross-entropy of (B, T, V_local) logits against (B, T) targets; equals
+    F.cross_entropy of the gathered logits (tests/test_tensor_parallel.py)."""
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), head.lo, head.hi,
+                                            head.tp.comm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying it to a Decoder
+
+
+def _check(cfg, tp: int) -> None:
+    kv = cfg.n_kv_heads or cfg.n_heads
+    problems = [f"{what} ({n})" for what, n in (("model.n_heads", cfg.n_heads), ("model.n_kv_heads", kv))
+                if n % tp]
+    if problems:
+        raise ConfigError(f"parallel.tp = {tp} must divide {' and '.join(problems)}: each rank "
+                          f"computes whole heads (key/value heads replicated across ranks when "
+                          f"tp > n_kv_heads are not supported yet)")
+
+
+def sliced(initializer, splits: dict[str, Split]):
+    """An initialiser of whole parameters (models/init.py) -> one of this rank's pieces: the
+    whole tensor's initial values, cut, so every layout starts from the same model."""
+    return lambda name: splits[name].take(initializer(name)) if name in splits else initializer(name)
+
+
+def apply_tp(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPState | None:
+    """Replace a meta-device Decoder's layers by their tensor-parallel versions over `comm`'s
+    group, in place; parameter names stay. Returns the TPState (its `splits`: each cut
+    parameter's place in the whole), or None for a group of one."""
+    from shardlm.models.decoder import Decoder
+
+    if comm.size == 1:
+        return None
+    if not isinstance(model, Decoder):
+        raise ConfigError(f"parallel.tp > 1 needs shardlm's Decoder (got {type(model).__name__}): "
+                          f"tensor parallelism of transformers models is not supported yet")
+    if any(not p.is_meta for p in model.parameters()):
+        raise ConfigError("tensor parallelism is applied to a model on the meta device (the trainer "
+                          "builds it so); this one is already materialised")
+    cfg, n, r = model.cfg, comm.size, comm.rank
+    _check(cfg, n)
+    with torch.device("meta"):  # the new layers stay unallocated: the ZeRO engine builds them
+        tp = _replace_layers(model, cfg, comm, n, r, sequence_parallel)
+    log.info("tensor parallel: %d ranks, %s; %d parameters cut (heads %d/%d per rank)", n,
+             "sequence parallel" if sequence_parallel else "no sequence parallelism",
+             len(tp.splits), cfg.n_heads // n, cfg.n_heads)
+    return tp
+
+
+def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: bool) -> TPState:
+    from shardlm.models.decoder import GeluMLP, SwiGLU
+
+    tp = TPState(comm, sequence_parallel)
+    d, hd = cfg.d_model, cfg.d_model // cfg.n_heads
+    kv = cfg.n_kv_heads or cfg.n_heads
+
+    def cut(name: str, shape: tuple[int, ...], dim: int, ranges) -> None:
+        tp.splits[name] = Split(tuple(shape), dim, tuple(ranges))
+
+    for i, block in enumerate(model.blocks):
+        pre = f"blocks.{i}"
+        attn = block.attn
+        q_lo, q_hi = (x * hd for x in even_range(cfg.n_heads, n, r))
+        k_lo, k_hi = (x * hd for x in even_range(kv, n, r))
+        nq, nkv = cfg.n_heads * hd, kv * hd
+        qkv_ranges = [(q_lo, q_hi), (nq + k_lo, nq + k_hi), (nq + nkv + k_lo, nq + nkv + k_hi)]
+        local = sum(hi - lo for lo, hi in qkv_ranges)
+        whole = tuple(attn.qkv.weight.shape)
+        attn.qkv = ColumnParallelLinear(d, local, attn.qkv.bias is not None, tp)
+        cut(f"{pre}.attn.qkv.weight", whole, 0, qkv_ranges)
+        if attn.qkv.bias is not None:
+            cut(f"{pre}.attn.qkv.bias", (whole[0],), 0, qkv_ranges)
+        attn.proj = RowParallelLinear(q_hi - q_lo, d, attn.proj.bias is not None, tp)
+        cut(f"{pre}.attn.proj.weight", (d, nq), 1, [(q_lo, q_hi)])
+        attn.n_heads, attn.n_kv_heads = cfg.n_heads // n, kv // n
+        mlp = block.mlp
+        if isinstance(mlp, SwiGLU):
+            h_lo, h_hi = even_range(mlp.hidden, n, r)
+            ranges = [(h_lo, h_hi), (mlp.hidden + h_lo, mlp.hidden + h_hi)]
+            bias = mlp.gate_up.bias is not None
+            mlp.gate_up = ColumnParallelLinear(d, 2 * (h_hi - h_lo), bias, tp)
+            cut(f"{pre}.mlp.gate_up.weight", (2 * mlp.hidden, d), 0, ranges)
+            if bias:
+                cut(f"{pre}.mlp.gate_up.bias", (2 * mlp.hidden,), 0, ranges)
+            mlp.down = RowParallelLinear(h_hi - h_lo, d, mlp.down.bias is not None, tp)
+            cut(f"{pre}.mlp.down.weight", (d, mlp.hidden), 1, [(h_lo, h_hi)])
+            mlp.hidden = h_hi - h_lo
+        elif isinstance(mlp, GeluMLP):
+            hidden = mlp.fc.out_features
+            h_lo, h_hi = even_range(hidden, n, r)
+            bias = mlp.fc.bias is not None
+            mlp.fc = ColumnParallelLinear(d, h_hi - h_lo, bias, tp)
+            cut(f"{pre}.mlp.fc.weight", (hidden, d), 0, [(h_lo, h_hi)])
+            if bias:
+                cut(f"{pre}.mlp.fc.bias", (hidden,), 0, [(h_lo, h_hi)])
+            mlp.proj = RowParallelLinear(h_hi - h_lo, d, mlp.proj.bias is not None, tp)
+            cut(f"{pre}.mlp.proj.weight", (d, hidden), 1, [(h_lo, h_hi)])
+        block.attn_norm, block.mlp_norm = SyncedNorm(block.attn_norm, tp), SyncedNorm(block.mlp_norm, tp)
+    v_lo, v_hi = even_range(cfg.vocab_size, n, r)
+    model.tok_emb = VocabParallelEmbedding(v_lo, v_hi, d, tp)
+    cut("tok_emb.weight", (cfg.vocab_size, d), 0, [(v_lo, v_hi)])
+    if cfg.position == "learned":
+        model.pos_emb = SyncedEmbedding(model.pos_emb, tp)
+    model.norm_f = SyncedNorm(model.norm_f, tp)
+    model.head = VocabParallelHead(model.tok_emb if cfg.tie_embeddings else None, v_lo, v_hi, d,
+                                   cfg.vocab_size, tp)
+    if not cfg.tie_embeddings:
+        cut("head.weight", (cfg.vocab_size, d), 0, [(v_lo, v_hi)])
+    model.tp = tp
+    return tp

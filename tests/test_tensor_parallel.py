@@ -1,0 +1,111 @@
+"""Tensor (and sequence) parallelism on real gloo ranks against one process: same seed, same
+global batch, every precision pinned to fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_overrides
+from shardlm.placement import Split
+from shardlm.spawn import run_ranks
+from tp_cases import cross_entropy_case
+from zero_cases import reference_case, train_cases
+
+STEPS = 3
+
+
+def whole_params(results: list[dict]) -> dict[str, torch.Tensor]:
+    """The whole parameters, put together from every tensor-parallel rank's pieces."""
+    whole: dict[str, torch.Tensor] = {}
+    for result in results:
+        for name, piece in result["params"].items():
+            split: Split | None = result["splits"].get(name)
+            if split is None:
+                whole.setdefault(name, piece)
+                continue
+            target = whole.setdefault(name, torch.full(split.shape, float("nan")))
+            at = 0
+            for lo, hi in split.ranges:
+                target.narrow(split.dim, lo, hi - lo).copy_(piece.narrow(split.dim, at, hi - lo))
+                at += hi - lo
+    return whole
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("vocab", [16, 17])  # 17: the ranks hold 9 and 8 rows
+def test_vocab_parallel_cross_entropy_equals_the_full_one(tmp_path, vocab):
+    out = run_ranks(cross_entropy_case, 2, tmp_path, vocab)
+    logits, targets = out[0]["logits"], out[0]["targets"]
+    full = logits.clone().requires_grad_()
+    loss = F.cross_entropy(full.flatten(0, 1), targets.flatten())
+    loss.backward()
+    for r in out:
+        assert r["loss"] == pytest.approx(float(loss.detach()), rel=1e-6)
+        torch.testing.assert_close(r["grad"], full.grad[..., r["lo"]:r["hi"]], rtol=1e-5, atol=1e-7)
+        assert torch.equal(r["gathered"], logits)
+        # Never the logits: all-reduces of 3 fp32 numbers per token (the max, the sum of
+        # exponentials, the target's logit), counted x2 as all-reduces are; the all-gather is
+        # the explicit gather() for sampling.
+        tokens = targets.numel()
+        assert r["bytes"] == {"all_reduce/tp": 2 * 3 * tokens * 4, "all_gather/tp": 2 * 15 * ((vocab + 1) // 2) * 4}
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp")
+    base = tiny_overrides(tmp)
+    cases = [({**base, "parallel.tp": 2}, STEPS, -1),
+             ({**base, "parallel.tp": 2, "parallel.sequence_parallel": True}, STEPS, -1),
+             ({**tiny_overrides(tmp, model__preset="llama-tiny"), "parallel.tp": 2}, STEPS, -1)]
+    out = run_ranks(train_cases, 2, tmp, cases)
+    refs = [reference_case(base, 1, STEPS), reference_case(base, 1, STEPS),
+            reference_case(tiny_overrides(tmp, model__preset="llama-tiny"), 1, STEPS)]
+    return out, refs
+
+
+# fp32 throughout. Tensor parallelism changes the order of the sums: a row-parallel matmul adds
+# two half-width partial products, the vocabulary-parallel softmax two partial sums of
+# exponentials; the losses agree to 1e-5 relative, the parameters after 3 AdamW steps to 1e-5.
+# Except the key bias (GPT's qkv.bias rows [d, 2d)): its true gradient is 0 (a softmax is
+# unchanged by adding one number to every key a query sees), so what it gets is rounding noise,
+# and AdamW's first updates are ±lr whatever the gradient's size: compared apart, loosely, as
+# tests/test_zero.py does.
+@pytest.mark.parametrize("case, what", [(0, "tp=2 gpt"), (1, "tp=2 gpt, sequence parallel"), (2, "tp=2 llama (GQA, SwiGLU, RoPE)")])
+def test_tp_matches_one_process(tp_runs, case, what):
+    out, refs = tp_runs
+    ref = refs[case]
+    ranks = [out[r][case] for r in range(2)]
+    for got in ranks:
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+    whole = whole_params(ranks)
+    assert whole.keys() == ref["params"].keys()
+    d = 64  # gpt-tiny's and llama-tiny's d_model
+    key_bias = {n: (whole[n][d:2 * d], v[d:2 * d]) for n, v in ref["params"].items() if n.endswith("qkv.bias")}
+    strict = {n: (torch.cat([whole[n][:d], whole[n][2 * d:]]), torch.cat([v[:d], v[2 * d:]]))
+              if n in key_bias else (whole[n], v) for n, v in ref["params"].items()}
+    worst = max((_rel(a, b), n) for n, (a, b) in strict.items())
+    assert worst[0] <= 1e-5, (what, worst)
+    for name, (a, b) in key_bias.items():  # within STEPS updates of lr (1e-3) of the reference
+        assert float((a - b).abs().max()) <= STEPS * 1e-3, name
+
+
+def test_zero3_over_dp2_with_tp2_on_4_ranks(tmp_path):
+    """dp_shard 2 x tp 2: each tensor-parallel piece is itself ZeRO-3-sharded over the two
+    data-parallel ranks that hold it (FSDP2 + TP's 2-D layout); against one process with the
+    same global batch (2 data-parallel ranks' micro-batches as 2 accumulation steps)."""
+    base = tiny_overrides(tmp_path, model__preset="llama-tiny", train__micro_batch=4)
+    out = run_ranks(train_cases, 4, tmp_path,
+                    [({**base, "parallel.tp": 2, "parallel.zero_stage": 3,
+                       "parallel.sequence_parallel": True}, STEPS, -1)])
+    ref = reference_case(base, 2, STEPS)
+    for r in range(4):
+        assert out[r][0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    for dp in range(2):  # ranks (dp, tp): 2·dp + tp; both data-parallel ranks hold every piece
+        whole = whole_params([out[2 * dp][0], out[2 * dp + 1][0]])
+        worst = max((_rel(whole[n], v), n) for n, v in ref["params"].items())
+        assert worst[0] <= 1e-5, worst

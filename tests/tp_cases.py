@@ -1,0 +1,31 @@
+"""Rank-side functions for the tensor-parallel tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def cross_entropy_case(rank: int, world_size: int, vocab: int) -> dict:
+    """The vocabulary-parallel cross-entropy and its gradient on this rank's vocabulary rows,
+    for the same random logits on every rank."""
+    import torch.distributed as dist
+
+    from shardlm.comm.collectives import Comm, CommLedger
+    from shardlm.parallel.tensor import TPState, VocabParallelHead, vocab_parallel_cross_entropy
+    from shardlm.placement import even_range
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, vocab, generator=g) * 4
+    targets = torch.randint(0, vocab, (3, 5), generator=g)
+    lo, hi = even_range(vocab, world_size, rank)
+    ledger = CommLedger()
+    tp = TPState(Comm(dist.group.WORLD, "tp", ledger), sequence_parallel=False)
+    head = VocabParallelHead(None, lo, hi, 4, vocab, tp)
+    mine = logits[..., lo:hi].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(mine, targets, head)
+    loss.backward()
+    gathered = head.gather(mine.detach())
+    return {"loss": float(loss.detach()), "grad": mine.grad, "lo": lo, "hi": hi, "gathered": gathered,
+            "bytes": dict(ledger.bytes), "logits": logits, "targets": targets}
+
