@@ -71,3 +71,28 @@ def test_dry_run_errors_early(capsys, argv, words):
     err = capsys.readouterr().err
     for word in words:
         assert word in err, err
+
+
+def test_a_transformers_config_json_is_planned_and_its_commands_run(capsys, tmp_path):
+    """`--model config.json`: a LLaMA-family shape (GQA, SwiGLU width, untied head, vocabulary)
+    read from the file, planned, and every runnable command passes --dry-run."""
+    import json
+
+    config = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 16,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 5632,
+              "max_position_embeddings": 2048, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["estimate", "--model", str(path), "--gpus", "8xA100-80GB", "--zero-stage", "3",
+                 "--micro-batch", "2", "--seq", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "32/8 kv heads" in out and "swiglu/rmsnorm/rope" in out and "vocab 32000" in out
+    commands, _ = plan_lines(capsys, "--model", str(path), "--gpus", "8xA100-80GB", "--top", "6")
+    assert commands
+    for command in commands:
+        assert main([*train_argv(command), "--dry-run", "--gpus", "8xA100-80GB",
+                     f"--run.dir={tmp_path / 'runs'}"]) == 0, command
+        assert "dry run: the config is valid" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 3}))
+    assert main(["estimate", "--model", str(tmp_path / "bad.json"), "--gpus", "8xA100-80GB"]) == 2
+    assert "not one the planner maps" in capsys.readouterr().err

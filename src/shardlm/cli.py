@@ -114,10 +114,13 @@ def _parser() -> argparse.ArgumentParser:
 def _planner_args(p: argparse.ArgumentParser) -> None:
     """Model, hardware and precision options shared by `estimate` and `plan`."""
     model = p.add_argument_group("model: a preset, or a parameter count")
-    model.add_argument("--model", metavar="PRESET", help="a named shape (see `shardlm presets`)")
+    model.add_argument("--model", metavar="PRESET",
+                       help="a named shape (see `shardlm presets`), or a transformers config.json "
+                            "(GPT-2 or LLaMA-family: GQA, SwiGLU, untied head)")
     model.add_argument("--params", type=float, metavar="N",
-                       help="parameter count such as 7.5e9: model states use exactly N; a "
-                            "GPT-2-style shape (h = 128 x layers unless given) sizes the rest")
+                       help="parameter count such as 7.5e9: model states use exactly N; the "
+                            "rest is sized by a GPT-2-family shape (LayerNorm, learned positions, "
+                            "GELU MLP of 4h, tied head; h = 128 x layers unless given)")
     model.add_argument("--layers", type=int, help="with --params: layers")
     model.add_argument("--hidden", type=int, help="with --params: d_model")
     model.add_argument("--heads", type=int, help="with --params: attention heads")
@@ -319,14 +322,15 @@ def cmd_presets() -> int:
 def _planner_inputs(args: argparse.Namespace):
     """(model, Ψ given by --params or None, cluster, dtypes, seq) from the shared options."""
     from shardlm.hardware.catalog import parse_cluster
-    from shardlm.planner.search import default_dtypes, model_from_params, preset_model
+    from shardlm.planner.search import default_dtypes, model_from_hf_config, model_from_params, preset_model
 
     if (args.model is None) == (args.params is None):
         raise ConfigError("give either --model PRESET or --params N (e.g. --params 7.5e9)")
     if args.model is not None and (args.layers or args.hidden or args.heads):
         raise ConfigError("--layers/--hidden/--heads go with --params; a preset has its shape")
     if args.model is not None:
-        model = preset_model(args.model)
+        model = (model_from_hf_config(args.model) if args.model.endswith(".json") or "/" in args.model
+                 else preset_model(args.model))
     else:
         model = model_from_params(args.params, args.layers, args.hidden, args.heads, args.vocab,
                                   max(args.seq or 0, 2048))
