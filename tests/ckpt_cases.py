@@ -41,3 +41,58 @@ def straight_and_resumed(rank: int, world_size: int, cases: list[tuple[str, dict
 
 def train_ranks(rank: int, world_size: int, overrides: dict) -> dict:
     return train_run(overrides)
+
+
+# -- synthetic checkpoints: the real writer and reader on a few small tensors, no model -----------
+
+SHAPES = {"model/emb": (8, 6), "model/norm": (6,), "model/head": (5, 6),
+          "optim/exp_avg/emb": (8, 6), "optim/exp_avg_sq/emb": (8, 6)}
+
+
+def synthetic_state(step: int) -> dict[str, torch.Tensor]:
+    """The tensors a synthetic checkpoint of `step` holds (distinct per step and tensor)."""
+    gen = torch.Generator().manual_seed(step)
+    return {name: torch.randn(shape, generator=gen) for name, shape in SHAPES.items()}
+
+
+def synthetic_save(root: Path, step: int, world_size: int = 2, keep: int = 3, session: str = "s",
+                   values: dict[str, torch.Tensor] | None = None):
+    """Save `step` as `world_size` ranks would (each its ZeRO-like contiguous share of every
+    flattened tensor), synchronously; the rank writers are returned (rank 0 last)."""
+    from shardlm.checkpoint.sharded import CheckpointWriter, StateSlice
+
+    values = synthetic_state(step) if values is None else values
+    writers = []
+    for rank in reversed(range(world_size)):  # rank 0 last: it publishes once every note is there
+        writer = CheckpointWriter(root, rank, world_size, keep, False, session, timeout_s=5.0)
+        slices = []
+        for name, t in values.items():
+            flat = t.reshape(-1)
+            share = -(-flat.numel() // world_size)
+            lo, hi = min(rank * share, flat.numel()), min((rank + 1) * share, flat.numel())
+            if lo < hi:
+                slices.append(StateSlice(name, tuple(t.shape), lo, hi, flat[lo:hi]))
+        writer.save(step, slices, True, {"step": step, "marker": f"state of {step}"},
+                    {"rng": f"rank {rank}"}, {"config": {"seed": step}, "layout": {"world_size": world_size}})
+        writers.append(writer)
+    return writers
+
+
+def load_synthetic(ckpt: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(manifest, every tensor of SHAPES read whole) through the real reader."""
+    from shardlm.checkpoint.sharded import CheckpointReader, read_manifest
+
+    manifest = read_manifest(ckpt)
+    reader = CheckpointReader(ckpt, manifest)
+    out = {}
+    for name, shape in SHAPES.items():
+        numel = torch.Size(shape).numel()
+        flat = torch.full((numel,), float("nan"))
+        reader.read_range(name, shape, 0, numel, flat)
+        out[name] = flat.view(shape)
+    return manifest, out
+
+
+def same_state(loaded: dict[str, torch.Tensor], step: int) -> bool:
+    expected = synthetic_state(step)
+    return all(torch.equal(loaded[n], expected[n]) for n in SHAPES)

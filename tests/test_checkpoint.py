@@ -11,8 +11,10 @@ Tolerances, stated:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,10 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_cases import checkpoint_of, straight_and_resumed, train_ranks, train_run
+from ckpt_cases import (checkpoint_of, load_synthetic, same_state, straight_and_resumed,
+                        synthetic_save, synthetic_state, train_ranks, train_run)
 from conftest import tiny_overrides
+from shardlm.checkpoint.manifest import (LATEST, check_checkpoint, newest_usable, read_latest,
+                                         sealed, step_dirs)
 from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, CheckpointReader,
-                                        find_checkpoint, parse_manifest)
+                                        find_checkpoint, parse_manifest, read_manifest)
 from shardlm.config import load_config
 from shardlm.spawn import run_ranks
 from shardlm.trainer import build_run, load_checkpoint, save_checkpoint
@@ -133,7 +138,7 @@ def test_crafted_pickle_executes_nothing(tmp_path):
     import hashlib
     manifest["files"]["rank-00000.safetensors"] = {"bytes": len(evil),
                                                    "sha256": hashlib.sha256(evil).hexdigest()}
-    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    (ckpt / MANIFEST).write_text(json.dumps(sealed(manifest)))  # a consistent, sealed manifest
     run = build_run(load_config(overrides=_base(tmp_path, run__name="dst")).validate())
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
         load_checkpoint(run, ckpt)
@@ -161,7 +166,7 @@ _DIE_MID_SAVE = textwrap.dedent("""
     from shardlm.trainer import build_run, train
 
     overrides, point = json.loads(sys.argv[1]), sys.argv[2]
-    write, publish = sharded.write_safetensors, sharded.point_latest
+    write, publish = sharded.write_safetensors, sharded.write_latest
 
     def write_then_die(path, tensors):
         if point == "data" and "step-00000003" in path.parent.name:
@@ -172,12 +177,12 @@ _DIE_MID_SAVE = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         return write(path, tensors)
 
-    def publish_then_die(path):
+    def publish_then_die(root, path, digest):
         if point == "latest" and path.name == "step-00000003":
             os.kill(os.getpid(), signal.SIGKILL)
-        publish(path)
+        publish(root, path, digest)
 
-    sharded.write_safetensors, sharded.point_latest = write_then_die, publish_then_die
+    sharded.write_safetensors, sharded.write_latest = write_then_die, publish_then_die
     train(build_run(load_config(overrides=overrides).validate()))
 """)
 
@@ -200,3 +205,278 @@ def test_sigkill_mid_save_leaves_latest_loadable(tmp_path, point):
     resumed = train_run({**overrides, "checkpoint.every": 0})
     assert resumed["start"] == 2 and len(resumed["losses"]) == 2
     assert not list((run_dir / CHECKPOINTS).glob(".*.tmp"))
+
+
+# -- checkpoints you can trust (issue 12) -------------------------------------------------------
+# On synthetic checkpoints (tests/ckpt_cases.py): the real writer and reader, two ranks' files,
+# five small tensors, no model: milliseconds each.
+
+
+def _manifest_of(ckpt: Path) -> dict:
+    return json.loads((ckpt / MANIFEST).read_text())
+
+
+def _rewrite(ckpt: Path, manifest: dict) -> None:
+    """Write a manifest as a consistent writer would have: sealed with its own digest."""
+    (ckpt / MANIFEST).write_text(json.dumps(sealed(manifest), indent=1))
+
+
+def test_edited_step_is_refused_by_the_manifest_digest(tmp_path, caplog):
+    root = tmp_path / CHECKPOINTS
+    for step in (4, 6):
+        synthetic_save(root, step)
+    ckpt = root / "step-00000006"
+    text = (ckpt / MANIFEST).read_text()
+    assert '"step": 6' in text and '"digest": "' in text
+    (ckpt / MANIFEST).write_text(text.replace('"step": 6', '"step": 4', 1))
+    with pytest.raises(CheckpointError, match=r"step-00000006/manifest\.json does not match its own digest"):
+        read_manifest(ckpt)
+    with pytest.raises(CheckpointError, match="does not match its own digest"):
+        find_checkpoint(ckpt)  # named explicitly: refused, no fallback
+    # Through the run directory: reported, and the newest usable checkpoint is taken instead.
+    assert find_checkpoint(tmp_path) == root.resolve() / "step-00000004"
+    assert "step-00000006/manifest.json does not match its own digest" in caplog.text
+    assert "resuming from" in caplog.text and "step-00000004" in caplog.text
+
+
+def test_latest_is_a_file_naming_step_and_digest_and_stays_in_its_directory(tmp_path, caplog):
+    root, other = tmp_path / "run" / CHECKPOINTS, tmp_path / "other" / CHECKPOINTS
+    for step in (1, 2):
+        synthetic_save(root, step)
+    synthetic_save(other, 7)
+    latest = root / LATEST
+    assert latest.is_file() and not latest.is_symlink()
+    pointer = json.loads(latest.read_text())
+    assert pointer == {"step_dir": "step-00000002",
+                       "manifest_digest": _manifest_of(root / "step-00000002")["digest"]}
+    assert read_latest(root) == root / "step-00000002"
+
+    hostile = ["../../other/checkpoints/step-00000007", str(other / "step-00000007"), "step-00000002/..",
+               "..", ""]
+    for name in hostile:
+        latest.write_text(json.dumps({"step_dir": name, "manifest_digest": pointer["manifest_digest"]}))
+        with pytest.raises(CheckpointError, match="not a pointer to a step directory beside it"):
+            read_latest(root)
+        assert find_checkpoint(tmp_path / "run") == root.resolve() / "step-00000002"
+    latest.write_text(json.dumps({**pointer, "manifest_digest": "0" * 64}))
+    with pytest.raises(CheckpointError, match="replaced or edited after it was published"):
+        read_latest(root)
+
+    # Old-style links: followed inside the same checkpoints/ only.
+    latest.unlink()
+    latest.symlink_to("step-00000001")
+    assert read_latest(root) == root / "step-00000001"
+    assert find_checkpoint(tmp_path / "run") == root.resolve() / "step-00000001"
+    latest.unlink()
+    latest.symlink_to(other / "step-00000007")
+    caplog.clear()
+    with pytest.raises(CheckpointError, match="outside"):
+        read_latest(root)
+    assert find_checkpoint(tmp_path / "run") == root.resolve() / "step-00000002"  # never other's
+    assert "outside" in caplog.text
+    # The next save replaces the link with a file naming the new checkpoint.
+    synthetic_save(root, 3, session="t")
+    assert not latest.is_symlink() and read_latest(root) == root / "step-00000003"
+
+
+def test_slices_must_tile_every_tensor_before_any_data_is_read(tmp_path):
+    root = tmp_path / CHECKPOINTS
+    synthetic_save(root, 1)
+    ckpt = root / "step-00000001"
+    good = _manifest_of(ckpt)
+    for f in good["files"]:  # no data at all: the manifest alone must be refused
+        (ckpt / f).unlink()
+    head = good["tensors"]["model/head"]["slices"]  # 30 elements: [0, 15) rank 0, [15, 30) rank 1
+    assert [(s["start"], s["end"]) for s in head] == [(0, 15), (15, 30)]
+    cases = {
+        "overlap on elements \\[10, 15\\)": [dict(head[0]), {**head[1], "start": 10}],
+        "no slice holds elements \\[15, 30\\)": [dict(head[0])],
+        "no slice holds elements \\[12, 15\\)": [{**head[0], "end": 12}, dict(head[1])],
+        "no slice holds elements \\[0, 3\\)": [{**head[0], "start": 3}, dict(head[1])],
+        "not a range inside its 30 elements": [dict(head[0]), {**head[1], "end": 31}],
+        "reuses the key": [dict(head[0]), {**head[1], "key": head[0]["key"], "file": head[0]["file"]}],
+    }
+    for message, slices in cases.items():
+        manifest = json.loads(json.dumps(good))
+        manifest["tensors"]["model/head"]["slices"] = slices
+        _rewrite(ckpt, manifest)
+        with pytest.raises(CheckpointError, match=message):
+            read_manifest(ckpt)
+
+
+def test_file_names_are_confined_and_links_are_not_followed(tmp_path):
+    root = tmp_path / CHECKPOINTS
+    synthetic_save(root, 1)
+    ckpt = root / "step-00000001"
+    good = _manifest_of(ckpt)
+    shard = "rank-00001.safetensors"
+    outside = tmp_path / "x.safetensors"
+    outside.write_bytes((ckpt / shard).read_bytes())  # identical bytes: its SHA-256 matches
+    for hostile in ["../x.safetensors", str(outside), "sub/x", "..", ".hidden"]:
+        manifest = json.loads(json.dumps(good).replace(shard, hostile.replace("\\", "\\\\")))
+        _rewrite(ckpt, manifest)
+        with pytest.raises(CheckpointError, match="plain names inside its directory"):
+            read_manifest(ckpt)
+    _rewrite(ckpt, good)
+    assert same_state(load_synthetic(ckpt)[1], 1)
+    (ckpt / shard).unlink()
+    (ckpt / shard).symlink_to(outside)
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        check_checkpoint(ckpt)
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        load_synthetic(ckpt)
+    (ckpt / shard).unlink()
+    (ckpt / shard).write_bytes(outside.read_bytes())
+    moved = tmp_path / "manifest.json"
+    (ckpt / MANIFEST).rename(moved)
+    (ckpt / MANIFEST).symlink_to(moved)
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        read_manifest(ckpt)
+
+
+class _Crash(BaseException):
+    """A simulated crash: not an Exception, so no handler on the way swallows it."""
+
+
+_FS_OPS = [(os, "replace"), (os, "rename"), (os, "unlink"), (os, "rmdir"), (os, "mkdir"),
+           (os, "fsync"), (os, "symlink")]
+
+
+def _crash_at(monkeypatch, k: int) -> list[str]:
+    """Make the k-th filesystem operation from now raise _Crash (before it happens: the state
+    is then exactly "after operation k - 1"); returns the log of operations seen."""
+    seen: list[str] = []
+    for module, name in _FS_OPS:
+        real = getattr(module, name)
+
+        def op(*args, _real=real, _name=name, **kwargs):
+            seen.append(f"{_name}{args[:2]}")
+            if len(seen) == k:
+                raise _Crash(seen[-1])
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, op)
+    return seen
+
+
+def _assert_recoverable(root: Path, allowed: dict[int, list[int]]) -> Path:
+    """`latest`, if there, names a complete checkpoint; every visible step directory is usable
+    and holds exactly what was saved; the checkpoint a resume takes is the newest published."""
+    if os.path.lexists(root / LATEST):
+        assert read_latest(root) is not None
+    for ckpt in step_dirs(root):
+        manifest, values = load_synthetic(ckpt)
+        assert any(same_state(values, v) for v in allowed[manifest["step"]]), ckpt
+        CheckpointReader(ckpt, manifest).verify_all()
+    chosen = newest_usable(root)
+    assert chosen is not None
+    return chosen
+
+
+@pytest.mark.parametrize("scenario", ["next step", "same step again"])
+def test_publish_survives_a_crash_after_every_operation(tmp_path, monkeypatch, scenario):
+    """Step 4 after steps 1-3 (keep 3: step 1 is rotated out), or step 3 saved again with new
+    values (the older save of the same step is swapped out while `latest` names it). The
+    writer is stopped before each of its filesystem operations in turn; after every one, the
+    newest published checkpoint is loadable and `latest` does not dangle; a new writer then
+    saves again and everything is clean."""
+    base = tmp_path / "base"
+    for step in (1, 2, 3):
+        synthetic_save(base, step, keep=3)
+    step, seed = (4, 4) if scenario == "next step" else (3, 33)
+    allowed = {1: [1], 2: [2], 3: [3, 33], 4: [4]}
+    values = synthetic_state(seed)
+    k, finished = 0, False
+    while not finished:
+        k += 1
+        root = tmp_path / f"crash-{k}"
+        shutil.copytree(base, root, symlinks=True)
+        with monkeypatch.context() as patch:
+            seen = _crash_at(patch, k)
+            try:
+                synthetic_save(root, step, world_size=2, keep=3, session=f"crash{k}", values=values)
+                finished = True
+            except _Crash:
+                pass
+        chosen = _assert_recoverable(root, allowed)
+        published = read_latest(root)
+        if finished:
+            assert published.name == f"step-{step:08d}" and same_state(load_synthetic(published)[1], seed)
+            kept = (2, 3, 4) if step == 4 else (1, 2, 3)
+            assert sorted(p.name for p in root.iterdir()) == [LATEST] + [f"step-{s:08d}" for s in kept]
+        else:  # the previous checkpoint or the new one (while step 3 is swapped: step 2)
+            assert chosen.name in {"next step": ("step-00000003", "step-00000004"),
+                                   "same step again": ("step-00000002", "step-00000003")}[scenario]
+        # What a restarted run would do: a new writer clears the debris and saves again.
+        synthetic_save(root, step, keep=3, session=f"again{k}", values=values)
+        assert not [p.name for p in root.iterdir() if p.name.startswith(".")], (seen, k)
+        assert same_state(load_synthetic(find_checkpoint(root))[1], seed)
+    assert k > 20, seen  # every rank file, note, the manifest, renames, latest, the rotation
+    print(f"{scenario}: crashed before each of {k - 1} filesystem operations")
+
+
+def _damage(ckpt: Path, how: str) -> str:
+    """Damage checkpoint `ckpt`; returns what the warning must say."""
+    shard = ckpt / "rank-00000.safetensors"
+    if how == "digest":
+        text = (ckpt / MANIFEST).read_text()
+        (ckpt / MANIFEST).write_text(text.replace('"step": 3', '"step": 2', 1))
+        return "step-00000003/manifest.json does not match its own digest"
+    if how == "manifest":
+        (ckpt / MANIFEST).unlink()
+        return "step-00000003 has no manifest.json"
+    if how == "missing shard":
+        shard.unlink()
+        return "step-00000003/rank-00000.safetensors is missing"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-100])
+    return f"rank-00000.safetensors has {len(data) - 100} bytes where the manifest records {len(data)}"
+
+
+@pytest.fixture(scope="module")
+def three_checkpoints(tmp_path_factory):
+    """A run that saved steps 1, 2 and 3."""
+    tmp_path = tmp_path_factory.mktemp("three")
+    result = train_run(_base(tmp_path, run__name="src", train__steps=3, checkpoint__every=1))
+    return Path(result["run_dir"])
+
+
+def _build(tmp_path, run_dir: Path, **extra):
+    return build_run(load_config(overrides=_base(tmp_path, run__dir=str(run_dir.parent),
+                                                 run__name=run_dir.name, train__steps=3,
+                                                 **extra)).validate())
+
+
+@pytest.mark.parametrize("how", ["digest", "manifest", "missing shard", "short shard"])
+def test_resume_falls_back_to_the_newest_usable_checkpoint(tmp_path, three_checkpoints, caplog,
+                                                           monkeypatch, how):
+    run_dir = tmp_path / "runs" / "damaged"
+    shutil.copytree(three_checkpoints, run_dir, symlinks=True)
+    message = _damage(run_dir / CHECKPOINTS / "step-00000003", how)
+    caplog.set_level(logging.INFO, logger="shardlm")
+    # checkpoint.resume = "auto" (the run's own directory)
+    assert _build(tmp_path, run_dir).start_step == 2
+    assert message in caplog.text and "resuming from" in caplog.text
+    assert f"resumed from {run_dir.resolve() / CHECKPOINTS / 'step-00000002'}" in caplog.text
+    # an explicit run directory, resumed into another run
+    caplog.clear()
+    assert _build(tmp_path, tmp_path / "runs" / "other", checkpoint__resume=str(run_dir)).start_step == 2
+    assert message in caplog.text
+    # a restarted worker (torchrun --max-restarts): its run's newest usable, not the explicit path
+    caplog.clear()
+    monkeypatch.setattr("shardlm.trainer.is_restart", lambda: True)
+    run = _build(tmp_path, run_dir, checkpoint__resume=checkpoint_of(str(run_dir), 1))
+    assert run.start_step == 2 and message in caplog.text
+
+
+def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, three_checkpoints):
+    run_dir = tmp_path / "runs" / "broken"
+    shutil.copytree(three_checkpoints, run_dir, symlinks=True)
+    for ckpt in step_dirs(run_dir / CHECKPOINTS):
+        (ckpt / MANIFEST).unlink()
+    before = sorted(p.name for p in (run_dir / CHECKPOINTS).iterdir())
+    with pytest.raises(CheckpointError, match=r"none is usable(.|\n)*has no manifest\.json(.|\n)*"
+                                              r"checkpoint\.resume = 'never'(.|\n)*new run\.name"):
+        _build(tmp_path, run_dir)
+    assert sorted(p.name for p in (run_dir / CHECKPOINTS).iterdir()) == before
+    assert _build(tmp_path, run_dir, checkpoint__resume="never").start_step == 0  # when told to

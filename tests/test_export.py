@@ -83,3 +83,35 @@ def test_missing_transformers_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
     with pytest.raises(ConfigError, match=r'pip install -e "\.\[hf\]"'):
         export_hf(tmp_path, tmp_path / "hf")
+
+
+def test_export_refuses_a_non_empty_out_without_force(tmp_path, tokenizer):
+    run, _ = make_run(tmp_path, tokenizer, **{"model.preset": "gpt-tiny"})
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="is not empty(.|\n)*--force"):
+        export_hf(run, out)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    export_hf(run, out, force=True)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no staging left
+    transformers.AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_export_never_writes_through_links(tmp_path, tokenizer):
+    run, _ = make_run(tmp_path, tokenizer, **{"model.preset": "gpt-tiny"})
+    victim = tmp_path / "victim.json"
+    victim.write_text("untouched")
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").symlink_to(victim)  # planted where the export writes
+    with pytest.raises(ConfigError, match=r"\['config.json'\] as links or directories"):
+        export_hf(run, out, force=True)
+    assert victim.read_text() == "untouched"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]  # nothing else written
+    linked = tmp_path / "linked"
+    linked.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        export_hf(run, linked, force=True)
+    assert not (tmp_path / "elsewhere").exists()

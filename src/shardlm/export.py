@@ -8,12 +8,19 @@ HF's frequency table). Mixed configs that neither class can express are a Config
 The output directory holds `model.safetensors`, `config.json`, `generation_config.json` (written
 by `save_pretrained`), our `tokenizer.json` and a `tokenizer_config.json`, so
 `AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)` both work.
+
+Nothing is written through a link: the files are written into a fresh private directory inside
+`out` (mkdtemp: created exclusively, mode 0700), then renamed into `out` — a rename replaces a
+name, it never follows it — after checking that no destination is a link. `out` must be empty
+or new unless `force`; `out` itself may not be a link.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -136,14 +143,41 @@ def _tokenizer_config(eot: int | None, max_len: int) -> dict:
     return config
 
 
-def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write `run_dir`'s model and tokenizer as a transformers directory; returns `out_dir`."""
+def _check_out(out: Path, force: bool) -> None:
+    """`out` may be new, or an empty directory, or (force) a directory: never a link."""
+    if out.is_symlink():
+        raise ConfigError(f"--out {str(out)!r} is a symbolic link: not written through; name a "
+                          f"real directory")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ConfigError(f"--out {str(out)!r} is not empty: export into a new or empty "
+                          f"directory, or pass --force (force=True) to replace files of the same "
+                          f"names in it")
+
+
+def _move_into(staging: Path, out: Path) -> None:
+    """Rename every file of `staging` into `out`, after checking no destination is a link or a
+    directory (a rename would replace a link, not follow it; refusing says what was there)."""
+    names = sorted(p.name for p in staging.iterdir())
+    planted = [n for n in names if (out / n).is_symlink() or (out / n).is_dir()]
+    if planted:
+        raise ConfigError(f"--out {str(out)!r} already holds {planted} as links or directories: "
+                          f"not written through; remove them or export elsewhere")
+    for name in names:
+        os.replace(staging / name, out / name)
+
+
+def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
+    """Write `run_dir`'s model and tokenizer as a transformers directory; returns `out_dir`.
+    `force`: write into a non-empty `out_dir` (files of the same names are replaced)."""
     tf = _import_transformers()
     src = resolve_run_dir(run_dir)
     out = Path(out_dir)
     if out.resolve() == src:
         raise ConfigError(f"--out {str(out_dir)!r} is the run directory itself; exporting there "
                           f"would overwrite its model.safetensors and config.json")
+    _check_out(out, force)
     model, tokenizer, cfg = load_for_inference(src, torch.device("cpu"))
     m = cfg.model
     eot = tokenizer.token_to_id(EOT)
@@ -163,8 +197,14 @@ def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
     if leftover:
         raise ConfigError(f"internal error mapping to {cls.__name__}: no values for {leftover}")
     out.mkdir(parents=True, exist_ok=True)
-    hf_model.save_pretrained(out)
-    shutil.copyfile(src / TOKENIZER, out / TOKENIZER)
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(_tokenizer_config(eot, m.max_seq_len), indent=2) + "\n")
+    _check_out(out, force=True)  # not replaced by a link meanwhile
+    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
+    try:
+        hf_model.save_pretrained(staging)
+        shutil.copyfile(src / TOKENIZER, staging / TOKENIZER)
+        (staging / "tokenizer_config.json").write_text(
+            json.dumps(_tokenizer_config(eot, m.max_seq_len), indent=2) + "\n")
+        _move_into(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from shardlm.checkpoint.weights import save_weights
-from shardlm.checkpoint.sharded import (CHECKPOINTS, CheckpointWriter, SaveReport, find_checkpoint,
-                                        latest_in, load_slices)
+from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, CheckpointWriter,
+                                        SaveReport, find_checkpoint, load_slices, newest_usable)
 from shardlm.config import Config
 from shardlm.data import Dataset, Loader, build_dataset
 from shardlm.launch import (Runtime, StopSignals, agree_on_name, claim_run_dir, init_runtime,
@@ -142,15 +142,20 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
 
 def resume_source(cfg: Config, run_dir: Path) -> Path | None:
     """Which checkpoint the run continues from. A restarted worker (torchrun --max-restarts)
-    always takes its run's newest; otherwise an explicit checkpoint.resume path comes first,
-    and 'auto' takes the run directory's latest if there is one."""
+    always takes its run's newest usable one; otherwise an explicit checkpoint.resume path
+    comes first (a run directory: its newest usable one), and 'auto' takes the run directory's
+    newest usable one if there is one. An unusable newer checkpoint is logged with its reason
+    and skipped; a run directory holding checkpoints of which none is usable is a
+    CheckpointError, never a silent start from step 0 over them (checkpoint.resume = 'never'
+    is how to ask for that)."""
     choice = cfg.checkpoint.resume
     if choice == "never":
         return None
-    own = latest_in(run_dir)
-    if own is not None and (is_restart() or choice == "auto"):
-        return own
-    return None if choice == "auto" else find_checkpoint(choice)
+    if is_restart() or choice == "auto":
+        own = newest_usable(run_dir / CHECKPOINTS)
+        if own is not None or choice == "auto":
+            return own
+    return find_checkpoint(choice)
 
 
 def _layout(run: Run) -> dict:
@@ -172,7 +177,7 @@ def save_checkpoint(run: Run, step: int) -> SaveReport:
              "scaler": run.precision.scaler.state_dict(),
              "data": {"seed": t.seed, "global_batch": run.train_loader.global_batch, "seq_len": t.seq_len}}
     meta = {"config": run.cfg.to_dict(), "layout": _layout(run)}
-    return run.checkpoints.save(step, run.strategy.state_slices(), run.strategy.writes_checkpoint,
+    return run.checkpoints.save(step, run.strategy.state_slices(saving=True), run.strategy.writes_checkpoint,
                                 state, {"rng": rng}, meta)
 
 
@@ -180,6 +185,15 @@ def load_checkpoint(run: Run, path: Path) -> int:
     """Load a checkpoint saved at any layout into this run; returns the step to continue from."""
     manifest = load_slices(path, run.strategy.state_slices(), run.runtime, run.cfg.checkpoint.readers)
     run.strategy.after_load()
+    try:
+        return _restore_state(run, path, manifest)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:  # verified, yet malformed
+        raise CheckpointError(f"{Path(path) / MANIFEST}: its run state cannot be restored "
+                              f"({type(e).__name__}: {e})") from None
+
+
+def _restore_state(run: Run, path: Path, manifest: dict) -> int:
+    """Everything but the tensors: optimizer step count, scaler, RNG, data position."""
     state = manifest["state"]
     set_adam_steps(run.strategy.optimizer, state["optimizer_steps"])
     run.precision.scaler.load_state_dict(state["scaler"])

@@ -1,6 +1,8 @@
 """Checkpoints. weights.py: a finished run's weights (model.safetensors + config + tokenizer),
 what `generate` and `export` read. sharded.py: resumable sharded checkpoints of the whole
-training state, written by every rank and loadable at any layout."""
+training state, written by every rank and loadable at any layout. manifest.py: what makes one
+trustworthy before it is read (the manifest's own digest, confined file names, slices that tile
+every tensor, `latest`, and the choice of the newest usable checkpoint)."""
 
 from shardlm.checkpoint.weights import (CONFIG, LATEST, TOKENIZER, WEIGHTS, load_config_json,
                                         load_for_inference, point_latest, resolve_run_dir,

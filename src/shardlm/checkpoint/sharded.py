@@ -4,11 +4,12 @@ On disk, `<run>/checkpoints/`:
 
     step-00000500/
       manifest.json            format, version, step, config, layout, the run's scalar state, each
-                               rank's RNG, every file's size and SHA-256, and every tensor's
-                               global shape, dtype and which file holds which slice of it
+                               rank's RNG, every file's size and SHA-256, every tensor's global
+                               shape, dtype and which file holds which slice of it; and the
+                               SHA-256 of all that (its digest: manifest.py)
       rank-00000.safetensors   the slices rank 0 owns, one flat tensor per slice
       rank-00001.safetensors
-    latest -> step-00000500
+    latest                     {"step_dir": "step-00000500", "manifest_digest": "..."}
 
 A slice is the elements [start, end) of a tensor flattened in row-major order — what a ZeRO
 shard is. Tensor and pipeline parallelism will shard a tensor into a box first; the manifest
@@ -17,13 +18,18 @@ it cannot yet combine rather than misreading them.
 
 Writing is crash-safe: each rank writes its file under a temporary name, fsyncs it and renames it
 inside a temporary directory, then a small JSON note of what it wrote. Rank 0 waits for every
-rank's note, writes the manifest, renames the directory to step-N, and only then moves `latest`
-and deletes checkpoints beyond `keep`. A crash at any point leaves the previous checkpoint
-whole and `latest` pointing at it. No collective is involved, so a save can run on a background
-thread while training continues (asynchronous save).
+rank's note, writes the sealed manifest, renames the directory to step-N, and only then moves
+`latest` and deletes checkpoints beyond `keep`. Nothing complete is ever deleted in place: a
+directory to remove (an older save of the same step, one beyond `keep`) is first renamed to a
+hidden name, then deleted; `latest` is moved off a directory before it is renamed aside. A crash
+after any single filesystem operation thus leaves the newest published checkpoint whole and
+`latest` naming a complete one (tests/test_checkpoint.py crashes the writer after each).
+No collective is involved, so a save can run on a background thread while training continues
+(asynchronous save).
 
 Reading never unpickles: tensors come from safetensors (a JSON header and raw bytes), metadata
-from JSON. Every file a rank reads from is checked against its SHA-256 first.
+from JSON. The manifest is verified (digest, confined names, exact tiling: manifest.py) before
+anything is read, and every file a rank reads from is checked against its SHA-256 first.
 """
 
 from __future__ import annotations
@@ -32,7 +38,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import struct
 import threading
@@ -43,20 +48,19 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from shardlm.checkpoint.weights import LATEST, point_latest
-from shardlm.errors import ConfigError
+from shardlm.checkpoint.manifest import (CHECKPOINTS, FORMAT, LATEST, MANIFEST, VERSION,
+                                         CheckpointError, check_checkpoint, find_checkpoint,
+                                         latest_in, latest_name, newest_usable, open_no_follow,
+                                         parse_manifest, read_manifest, sealed, step_dir_name,
+                                         step_dirs, write_latest)
 from shardlm.files import atomic_write
 
 log = logging.getLogger("shardlm")
 
-FORMAT, VERSION = "shardlm-checkpoint", 1
-MANIFEST = "manifest.json"
-CHECKPOINTS = "checkpoints"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be used: missing, corrupt, or not matching this model."""
+__all__ = ["CHECKPOINTS", "FORMAT", "LATEST", "MANIFEST", "VERSION", "CheckpointError",
+           "CheckpointReader", "CheckpointWriter", "SaveReport", "StateSlice", "find_checkpoint",
+           "latest_in", "load_slices", "newest_usable", "param_state", "parse_manifest",
+           "read_manifest", "step_dir_name"]
 
 
 @dataclass(frozen=True)
@@ -81,10 +85,6 @@ def param_state(name: str, shape: tuple[int, ...], start: int, end: int, master:
     views = [("model", master)] + [(f"optim/{k}", optim_state[k]) for k in ("exp_avg", "exp_avg_sq")]
     return [StateSlice(f"{kind}/{name}", shape, start, end, t.detach().view(-1)[local])
             for kind, t in views]
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -152,8 +152,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
+    """The file's SHA-256, read without following a link (CheckpointError if it is one)."""
+    with os.fdopen(open_no_follow(path), "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _remove(path: Path) -> None:
+    """Delete a file, link or directory tree (a link itself, never what it points to)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,10 +193,11 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self.last: SaveReport | None = None
         self._snapshots: dict[str, torch.Tensor] = {}
-        if rank == 0:  # a crashed attempt's unfinished directories (no other attempt runs now)
-            for stale in self.root.glob(".step-*.tmp"):
-                if not stale.name.endswith(f".{session}.tmp"):
-                    shutil.rmtree(stale, ignore_errors=True)
+        if rank == 0:  # a crashed attempt's unfinished or half-deleted directories (the run
+            # directory is locked: no other attempt runs now)
+            for stale in [*self.root.glob(".step-*.tmp"), *self.root.glob(".step-*.old")]:
+                if f".{session}." not in stale.name:
+                    _remove(stale)
 
     def _tmp_dir(self, step: int) -> Path:
         return self.root / f".{step_dir_name(step)}.{self.session}.tmp"
@@ -203,14 +213,20 @@ class CheckpointWriter:
         # into buffers kept from the last save (fresh memory is slow to fault in, and a save
         # would otherwise allocate the rank's whole state each time). Synchronous: written
         # straight from the live tensors, no copy.
+        # A rank usually holds one slice per tensor, keyed by the tensor's name; a tensor-parallel
+        # piece can make several runs of one tensor (placement.Split.runs): keyed name#start.
+        counts: dict[str, int] = {}
+        for s in slices:
+            counts[s.name] = counts.get(s.name, 0) + 1
+        keyed = {(s.name if counts[s.name] == 1 else f"{s.name}#{s.start}"): s for s in slices}
         if not writes:
             tensors = {}
         elif self.asynchronous:
-            tensors = {s.name: self._snapshot_buffer(s.name, s.tensor).copy_(s.tensor) for s in slices}
+            tensors = {k: self._snapshot_buffer(k, s.tensor).copy_(s.tensor) for k, s in keyed.items()}
         else:
-            tensors = {s.name: s.tensor.detach().to("cpu") for s in slices}
-        entries = {s.name: {"shape": list(s.shape), "start": s.start, "end": s.end,
-                            "dtype": _dtype_name(s.tensor.dtype)} for s in slices} if writes else {}
+            tensors = {k: s.tensor.detach().to("cpu") for k, s in keyed.items()}
+        entries = {k: {"name": s.name, "shape": list(s.shape), "start": s.start, "end": s.end,
+                       "dtype": _dtype_name(s.tensor.dtype)} for k, s in keyed.items()} if writes else {}
         report = SaveReport(step, 0.0, sum(t.numel() * t.element_size() for t in tensors.values()))
 
         def job() -> None:
@@ -277,23 +293,49 @@ class CheckpointWriter:
         for note in notes:
             if note["file"] is not None:
                 manifest["files"][note["file"]] = {"bytes": note["bytes"], "sha256": note["sha256"]}
-            for name, e in note["tensors"].items():
+            for key, e in note["tensors"].items():
                 tensor = manifest["tensors"].setdefault(
-                    name, {"shape": e["shape"], "dtype": e["dtype"], "slices": []})
-                tensor["slices"].append({"file": note["file"], "key": name, "start": e["start"],
+                    e.get("name", key), {"shape": e["shape"], "dtype": e["dtype"], "slices": []})
+                tensor["slices"].append({"file": note["file"], "key": key, "start": e["start"],
                                          "end": e["end"], "box": None})
+        manifest = sealed(manifest)
         atomic_write(tmp / MANIFEST, fsync=True, data=json.dumps(manifest, indent=1).encode())
         for note in notes:
             (tmp / _note_file(note["rank"])).unlink()
         _fsync_dir(tmp)
         final = self.root / step_dir_name(step)
-        if final.exists():  # a previous attempt's complete save of the same step
-            shutil.rmtree(final)
+        aside = self._aside(final)
+        if os.path.lexists(final):  # a previous attempt's save of the same step (maybe damaged)
+            self._move_latest_off(final)
+            _remove(aside)
+            os.replace(final, aside)  # aside, not deleted: a crash now leaves it recoverable
         os.replace(tmp, final)
         _fsync_dir(self.root)
-        point_latest(final)
+        write_latest(self.root, final, manifest["digest"])
         _fsync_dir(self.root)
+        _remove(aside)
         self._rotate(final)
+
+    def _aside(self, ckpt: Path) -> Path:
+        """A hidden name for a directory on its way out (the constructor clears leftovers)."""
+        return self.root / f".{ckpt.name}.{self.session}.old"
+
+    def _move_latest_off(self, ckpt: Path) -> None:
+        """Before `ckpt` is renamed aside: if `latest` names it, point it at the newest usable
+        older checkpoint, or remove it (no `latest` is a fresh start, never a dangling one)."""
+        if latest_name(self.root)[0] != ckpt.name:
+            return
+        for older in step_dirs(self.root):
+            if older.name < ckpt.name:
+                try:
+                    manifest = check_checkpoint(older)
+                except CheckpointError:
+                    continue
+                write_latest(self.root, older, manifest["digest"])
+                _fsync_dir(self.root)
+                return
+        (self.root / LATEST).unlink()
+        _fsync_dir(self.root)
 
     def _await_notes(self, tmp: Path) -> list[dict]:
         deadline = time.monotonic() + self.timeout_s
@@ -307,44 +349,18 @@ class CheckpointWriter:
             time.sleep(0.02)
 
     def _rotate(self, newest: Path) -> None:
-        done = sorted(p for p in self.root.iterdir() if _STEP_DIR.match(p.name))
-        for old in done[:-self.keep]:
+        """Delete checkpoints beyond `keep` (by step; never the newest): renamed aside first, so
+        a crash mid-delete never leaves a half-deleted step directory."""
+        for old in step_dirs(self.root)[self.keep:]:
             if old != newest:
-                shutil.rmtree(old, ignore_errors=True)
+                aside = self._aside(old)
+                _remove(aside)
+                os.replace(old, aside)
+                _remove(aside)
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, from itself, a checkpoints/ directory (its latest) or a run
-    directory (its checkpoints/latest)."""
-    p = Path(path)
-    for candidate in (p, p / LATEST, p / CHECKPOINTS / LATEST):
-        if (candidate / MANIFEST).is_file():
-            return candidate.resolve()
-    raise CheckpointError(f"no checkpoint at {str(path)!r}: expected a directory holding "
-                          f"{MANIFEST}, or a run directory with {CHECKPOINTS}/{LATEST}")
-
-
-def latest_in(run_dir: Path) -> Path | None:
-    """The run directory's latest complete checkpoint, or None."""
-    link = run_dir / CHECKPOINTS / LATEST
-    return link.resolve() if (link / MANIFEST).is_file() else None
-
-
-def parse_manifest(ckpt: Path, text: str) -> dict:
-    try:
-        manifest = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{ckpt / MANIFEST} is not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{ckpt / MANIFEST} is not a shardlm checkpoint manifest")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{ckpt / MANIFEST} has format version {manifest.get('version')}; "
-                              f"this shardlm reads version {VERSION}")
-    return manifest
 
 
 class CheckpointReader:
@@ -359,11 +375,12 @@ class CheckpointReader:
         if name not in self._open:
             from safetensors import safe_open
 
-            path = self.ckpt / name
+            path = self.ckpt / name  # a plain name: parse_manifest confined it to the directory
             expected = self.manifest["files"].get(name)
-            if expected is None or not path.is_file():
-                raise CheckpointError(f"{path} is missing (the manifest lists {sorted(self.manifest['files'])})")
-            actual = _sha256(path)
+            if expected is None:
+                raise CheckpointError(f"{path} is not among the files the manifest lists "
+                                      f"({sorted(self.manifest['files'])})")
+            actual = _sha256(path)  # never through a link
             if actual != expected["sha256"]:
                 raise CheckpointError(
                     f"{path} is corrupt: its SHA-256 is {actual} but the manifest records "
@@ -397,12 +414,29 @@ class CheckpointReader:
             lo, hi = max(start, piece["start"]), min(end, piece["end"])
             if lo >= hi:
                 continue
-            source = self._file(piece["file"]).get_slice(piece["key"])
+            source = self._slice(name, piece)
             out[lo - start:hi - start].copy_(source[lo - piece["start"]:hi - piece["start"]])
             covered += hi - lo
         if covered != end - start:
             raise CheckpointError(f"checkpoint {self.ckpt} covers {covered} of the {end - start} "
                                   f"elements [{start}, {end}) of {name!r}")
+
+    def _slice(self, name: str, piece: dict):
+        """The safetensors slice holding `piece` of tensor `name`, checked to be what the
+        manifest says: 1-D, end - start elements, the tensor's dtype."""
+        path = self.ckpt / piece["file"]
+        try:
+            source = self._file(piece["file"]).get_slice(piece["key"])
+            shape, dtype = source.get_shape(), source.get_dtype()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{path} has no readable tensor {piece['key']!r} ({e})") from None
+        wanted = _SAFETENSORS_DTYPES[getattr(torch, self.manifest["tensors"][name]["dtype"])]
+        if list(shape) != [piece["end"] - piece["start"]] or dtype != wanted:
+            raise CheckpointError(f"{path}: {piece['key']!r} is {dtype} {list(shape)}, but the "
+                                  f"manifest records {wanted} [{piece['end'] - piece['start']}]")
+        return source
 
     def read(self, slices: list[StateSlice]) -> None:
         for s in slices:
@@ -419,7 +453,7 @@ def load_slices(path: Path, slices: list[StateSlice], runtime, readers: str = "a
     tensor whole and broadcasts it; the others touch no file."""
     ckpt = Path(path)
     if readers == "all" or runtime.world_size == 1:
-        manifest = parse_manifest(ckpt, (ckpt / MANIFEST).read_text())
+        manifest = read_manifest(ckpt)
         CheckpointReader(ckpt, manifest).read(slices)
         return manifest
     import torch.distributed as dist
@@ -427,7 +461,8 @@ def load_slices(path: Path, slices: list[StateSlice], runtime, readers: str = "a
     from shardlm.launch import broadcast_text
 
     main = runtime.rank == 0
-    manifest = parse_manifest(ckpt, broadcast_text((ckpt / MANIFEST).read_text() if main else None,
+    # Rank 0 reads and verifies the manifest; every rank verifies what it receives.
+    manifest = parse_manifest(ckpt, broadcast_text(json.dumps(read_manifest(ckpt)) if main else None,
                                                    runtime))
     reader = CheckpointReader(ckpt, manifest)
     wanted: dict[str, list[StateSlice]] = {}

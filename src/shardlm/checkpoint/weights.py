@@ -50,7 +50,11 @@ def resolve_run_dir(path: str | Path) -> Path:
     """A run directory, its `latest` link, or its parent (then `latest` inside it)."""
     p = Path(path)
     if (p / LATEST).exists() and not (p / WEIGHTS).exists():
-        p = p / LATEST
+        target = (p / LATEST).resolve()
+        if target.parent != p.resolve():  # `latest` names a run beside it, nothing elsewhere
+            raise ConfigError(f"{p / LATEST} points to {str(target)!r}, outside {str(p)!r}: not "
+                              f"followed; name the run directory itself")
+        p = target
     if not (p / WEIGHTS).is_file():
         raise ConfigError(f"no trained weights at {str(path)!r}: expected a run directory holding "
                           f"{WEIGHTS} (e.g. runs/latest after `shardlm train`)")
