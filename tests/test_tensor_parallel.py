@@ -109,3 +109,53 @@ def test_zero3_over_dp2_with_tp2_on_4_ranks(tmp_path):
         whole = whole_params([out[2 * dp][0], out[2 * dp + 1][0]])
         worst = max((_rel(whole[n], v), n) for n, v in ref["params"].items())
         assert worst[0] <= 1e-5, worst
+
+
+def test_checkpoints_load_across_tensor_parallel_layouts(tmp_path):
+    """Saved at dp 2 x tp 2 (ZeRO-3, 4 ranks), resumed at tp 2 alone (ZeRO-1, 2 ranks) and in
+    one process: the same loss curve continues. And back: saved in one process, resumed at tp 2."""
+    from ckpt_cases import checkpoint_of, train_ranks, train_run
+
+    n = 2
+    base = tiny_overrides(tmp_path, model__preset="llama-tiny", train__micro_batch=4, train__steps=2 * n)
+    saved = run_ranks(train_ranks, 4, tmp_path, {**base, "parallel.tp": 2, "parallel.zero_stage": 3,
+                                                 "checkpoint.every": n, "run.name": "dp2tp2"},
+                      timeout=300)[0]
+    ckpt = checkpoint_of(saved["run_dir"], n)
+    tp2 = run_ranks(train_ranks, 2, tmp_path, {**base, "parallel.tp": 2, "parallel.zero_stage": 1,
+                                               "train.grad_accum": 2, "run.name": "tp2",
+                                               "checkpoint.resume": ckpt}, timeout=300)[0]
+    one = train_run({**base, "train.grad_accum": 2, "run.name": "one", "checkpoint.resume": ckpt,
+                     "checkpoint.every": n})
+    for result in (tp2, one):
+        assert result["start"] == n
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(saved["losses"][n:]),
+                                   rtol=1e-5, atol=0)
+    back = run_ranks(train_ranks, 2, tmp_path, {**base, "parallel.tp": 2, "train.grad_accum": 2,
+                                                "run.name": "back", "checkpoint.resume":
+                                                    checkpoint_of(one["run_dir"], 2 * n),
+                                                "train.steps": 3 * n}, timeout=300)[0]
+    alone = train_run({**base, "train.grad_accum": 2, "run.name": "alone", "train.steps": 3 * n,
+                       "checkpoint.resume": checkpoint_of(one["run_dir"], 2 * n)})
+    assert back["start"] == alone["start"] == 2 * n
+    torch.testing.assert_close(torch.tensor(back["losses"]), torch.tensor(alone["losses"]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("preset, sp, recompute", [("gpt-tiny", False, "none"), ("gpt-tiny", True, "full"),
+                                                   ("gpt-tiny", False, "selective"),
+                                                   ("llama-tiny", True, "none")])
+def test_ledger_bytes_match_the_formula(tmp_path, preset, sp, recompute):
+    """The tensor-parallel group's bytes per step in the ledger are exactly the planner's
+    formula (planner/timing.py tp_comm_bytes): Megatron's four all-reduces of b·s·h per block,
+    the same bytes as all-gathers + reduce-scatters with sequence parallelism, plus the
+    embedding, head, loss and (SP) replicated-parameter gradient terms."""
+    from shardlm.config import load_config
+    from shardlm.planner.timing import tp_comm_bytes
+
+    over = {**tiny_overrides(tmp_path, model__preset=preset, train__micro_batch=4, train__grad_accum=2),
+            "parallel.tp": 2, "parallel.sequence_parallel": sp, "activation.checkpoint": recompute}
+    out = run_ranks(train_cases, 2, tmp_path, [(over, 2, -1)])
+    model = load_config(overrides=over).validate().model
+    expected = 2 * tp_comm_bytes(model, 4 * 64, 2, sp, 4, recompute)  # 2 micro-batches of 4 x 64
+    for r in range(2):
+        assert out[r][0]["comm_by_op"][-1]["tp"] == expected

@@ -16,7 +16,7 @@ def train_case(overrides: dict, steps: int, poison_rank: int = -1, model=None) -
     if rank == poison_rank:  # an fp16 overflow on this rank only, in the first step
         param = run.model.blocks[0].attn.qkv.weight
         handle = param.register_hook(lambda g: g * float("inf"))
-    out = {"losses": [], "stepped": [], "scale": [], "comm": [], "state": None}
+    out = {"losses": [], "stepped": [], "scale": [], "comm": [], "comm_by_op": [], "state": None}
     for step in range(steps):
         loss, _, stepped, _ = train_step(run, step)
         if step == 0 and rank == poison_rank:
@@ -25,6 +25,11 @@ def train_case(overrides: dict, steps: int, poison_rank: int = -1, model=None) -
         out["stepped"].append(stepped)
         out["scale"].append(run.precision.scaler.scale)
         out["comm"].append(run.strategy.ledger.total())
+        by_group: dict[str, int] = {}  # "op/group" -> bytes, summed per group
+        for key, nbytes in run.strategy.ledger.bytes.items():
+            group = key.split("/", 1)[1]
+            by_group[group] = by_group.get(group, 0) + nbytes
+        out["comm_by_op"].append(by_group)
         run.strategy.ledger.reset()
     out["state"] = run.strategy.model_state_bytes()
     out["numel"] = getattr(run.strategy, "numel", None)

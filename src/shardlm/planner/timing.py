@@ -138,6 +138,47 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
     return out
 
 
+def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, recompute: str = "none",
+                  layers: int | None = None, embedding: bool = True, head: bool = True) -> int:
+    """Bytes the tensor-parallel group moves per micro-batch of `tokens` tokens, counted as the
+    byte ledger counts them (comm/collectives.py: an all-reduce 2x its tensor, an all-gather its
+    output, a reduce-scatter its input), for parallel/tensor.py's layers; `e` bytes per
+    activation element (the compute dtype).
+
+    Per block, Megatron's 2 all-reduces of tokens·h forward (after the row-parallel
+    projections) and 2 backward (before the column-parallel ones): 8·tokens·h·e as counted.
+    Sequence parallelism turns each into an all-gather + reduce-scatter pair of the same bytes
+    (Korthikanti et al. 2022), and adds the gradient all-reduces of the parameters applied to
+    sequence-sharded activations: norms, row-parallel biases, learned positions. The embedding
+    adds one all-reduce forward (reduce-scatter forward, all-gather backward under SP), the head
+    one backward (all-gather forward, reduce-scatter backward under SP), the vocabulary-parallel
+    loss three fp32 numbers per token. Recomputation ("full", and "selective" too: its policy
+    saves matmul and attention outputs, not a collective's) repeats each block's forward
+    collectives in backward but the last: torch's non-reentrant checkpoint stops recomputing
+    once every tensor backward needs is back (early stop), and the block's last collective
+    (the MLP's all-reduce, or its reduce-scatter under SP) only feeds the residual add, whose
+    backward saves nothing (measured: tests/test_tensor_parallel.py)."""
+    if tp == 1:
+        return 0
+    h, layers = m.d_model, m.n_layers if layers is None else layers
+    act = tokens * h * e
+    per_block = 8 * act + ((3 if sequence_parallel else 2) * act if recompute != "none" else 0)
+    total = layers * per_block
+    if embedding:
+        total += 2 * act
+    if head:
+        total += 2 * act + 2 * 3 * tokens * 4
+    if sequence_parallel:  # gradients of replicated parameters that saw different tokens
+        norm = h * (2 if m.norm == "layernorm" and m.bias else 1)
+        row_bias = 2 * h if m.bias else 0
+        per_block_params = 2 * norm + row_bias
+        params = layers * per_block_params + (norm if head else 0)
+        if m.position == "learned" and embedding:
+            params += m.max_seq_len * h
+        total += 2 * params * e
+    return total
+
+
 def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> list[CommTime]:
     """Tensor, pipeline and expert parallel traffic, all on the critical path."""
     lay, e, m = s.layout, s.dtypes.param_bytes, w.model
@@ -146,11 +187,14 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
     out = []
     if lay.tp > 1:  # Megatron's f/g: 2 all-reduces forward, 2 backward per layer (+2 recompute);
         # with sequence parallelism the same volume as all-gathers + reduce-scatters
-        calls = (6 if s.recompute == "full" else 4) * sp.layers * micro
+        calls = (4 if s.recompute == "none" else 6) * sp.layers * micro + 3 * micro
+        counted = micro * tp_comm_bytes(m, tokens, lay.tp, s.sequence_parallel, e, s.recompute,
+                                        sp.layers, embedding=sp.name != "last stage",
+                                        head=sp.name != "first stage")
         bw, lat, where = group_link(cluster, lay.tp, 1)
-        sec = collective_seconds("all_reduce", e * tokens * m.d_model * calls, lay.tp, bw, lat, calls)
+        sec = collective_seconds("all_reduce", counted / 2, lay.tp, bw, lat, calls)
         out.append(CommTime("tensor-parallel all-reduces", f"{lay.tp} ranks, {where}",
-                        2 * e * tokens * m.d_model * calls, sec, sec))
+                            counted, sec, sec))
     if lay.pp > 1:  # one activation forward, one gradient back, per micro-batch and boundary
         size = e * tokens * m.d_model / (lay.tp if s.sequence_parallel else 1)
         bw, lat, where = group_link(cluster, 2, lay.tp * lay.dp_size)
