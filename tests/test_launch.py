@@ -162,3 +162,86 @@ def test_launcher_refuses_impossible_counts():
     for nproc, restarts in ((0, 0), (-1, 0), (2, -1)):
         with pytest.raises(ConfigError, match="must be >= 1 and --max-restarts"):
             launch_local(nproc, ["-c", "pass"], restarts)
+
+
+# -- processes: workers die with their launcher; a signalled stop is clean (issue 12) ----------
+
+
+def _start_long_run(tmp_path, name: str, **env) -> tuple[subprocess.Popen, Path]:
+    """`shardlm train --nproc 2` for far more steps than a test waits for, logging each step;
+    its own TMPDIR (returned) so that what it leaves there can be seen."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    overrides = tiny_overrides(tmp_path, train__steps=100_000, train__log_every=1, run__name=name)
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm", "train", "--nproc", "2",
+                             *[f"--{k}={v}" for k, v in overrides.items()]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp), **env})
+    return proc, tmp
+
+
+def _wait_for_first_step(proc: subprocess.Popen, metrics: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and metrics.read_text().strip()):
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early: {proc.communicate()[1][-3000:]}")
+        assert time.monotonic() < deadline, "no step logged in time"
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie is dead for our purposes: it holds no sockets, files or CPU
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    """SIGKILL of `shardlm train --nproc 2` (torch's elastic agent runs in that process and is
+    the workers' parent): both workers are gone within seconds. Before, they trained on as
+    orphans, sockets listening."""
+    import signal
+
+    proc, _ = _start_long_run(tmp_path, "orphans")
+    workers: list[int] = []
+    try:
+        _wait_for_first_step(proc, tmp_path / "runs" / "orphans" / "metrics.jsonl")
+        workers = [pid for pid in _process_tree(proc.pid) if pid != proc.pid]
+        assert len(workers) == 2, workers
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = [pid for pid in workers if _alive(pid)]
+        assert not survivors, f"workers {survivors} outlived their launcher"
+    finally:
+        for pid in [proc.pid, *workers]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def test_sigterm_stops_a_local_run_cleanly(tmp_path):
+    """SIGTERM to `shardlm train --nproc 2` after its first step: the workers finish the step,
+    save a checkpoint and exit; the launcher exits 0 without a traceback and leaves nothing in
+    its TMPDIR. Before: exit 1, SignalException's traceback, a `torchelastic_*` directory."""
+    import signal
+
+    proc, tmp = _start_long_run(tmp_path, "term")
+    run_dir = tmp_path / "runs" / "term"
+    try:
+        _wait_for_first_step(proc, run_dir / "metrics.jsonl")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert (run_dir / "checkpoints" / "latest").exists()
+    assert "checkpoint saved" in out
+    # torchinductor_<user> is inductor's compile cache (made at import, meant to be kept)
+    left = sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == [], f"left in TMPDIR: {left}"

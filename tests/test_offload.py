@@ -138,3 +138,108 @@ def test_hybrid_sharding_with_nvme(tmp_path):
     cases = [(base, STEPS, -1), ({**base, "zero.offload_optimizer": "nvme"}, STEPS, -1)]
     for reference, offloaded in run_ranks(train_cases, 4, tmp_path, cases, timeout=600):
         _assert_equal(reference, offloaded, "hybrid nvme")
+
+
+# -- isolation and disk faults (issue 12) ------------------------------------------------------
+
+
+def _tier(directory, values: torch.Tensor):
+    from shardlm.config import TrainConfig
+    from shardlm.zero.tiers.nvme import NvmeTier
+
+    tier = NvmeTier(directory, torch.float32, chunk_bytes=4096, buffers=3)
+    target = torch.empty_like(values)
+    tier.add(target, values, decay=True)
+    tier.build_optimizer(TrainConfig(lr=0.1, weight_decay=0.0))
+    return tier, target
+
+
+def test_two_tiers_sharing_an_nvme_path_keep_their_own_files(tmp_path):
+    """Two runs on one zero.nvme_path: each in its own locked subdirectory. Before, the second
+    opened the first's files with O_TRUNC (its masters read back as zeros) and the first to
+    finish deleted the other's."""
+    shared = tmp_path / "nvme" / "rank-00000"
+    a_init, b_init = torch.arange(3000, dtype=torch.float32), -torch.arange(3000, dtype=torch.float32)
+    tier_a, target_a = _tier(shared, a_init)
+    tier_b, target_b = _tier(shared, b_init)
+    assert tier_a.directory != tier_b.directory and tier_a.directory.parent == shared
+    assert torch.equal(tier_a.segment_state(0)[0], a_init)  # not truncated by b
+    grad = torch.ones(3000)
+    tier_a.step([grad])
+    tier_b.step([grad])
+    a_dir, b_files = tier_a.directory, [f.path for f in tier_b.files.values()]
+    tier_a.close()  # a's run ends: only its own directory goes
+    assert not a_dir.exists() and all(p.exists() for p in b_files)
+    tier_b.step([grad])
+    # Adam's first steps move each element by ~lr against the gradient's sign.
+    assert torch.allclose(tier_b.segment_state(0)[0], b_init - 0.2, atol=1e-3)
+    assert torch.allclose(target_a, a_init - 0.1, atol=1e-3)
+    tier_b.close()
+    assert sorted(p.name for p in shared.iterdir()) == []
+
+
+def test_a_dead_runs_nvme_directory_is_cleaned_by_the_next(tmp_path):
+    """A run killed mid-training leaves its directory with an unheld lock: the next run on the
+    path removes it; a live run's directory (its lock held) is kept."""
+    shared = tmp_path / "rank-00000"
+    code = ("import sys, os, torch; from pathlib import Path\n"
+            "from shardlm.zero.tiers.nvme import PrivateDir\n"
+            "d = PrivateDir(Path(sys.argv[1]), 'optimizer'); (d.path / 'master.bin').write_bytes(b'x')\n"
+            "os._exit(0)\n")  # dies without cleaning up, as a SIGKILL would
+    subprocess.run([sys.executable, "-c", code, str(shared)], check=True, timeout=120)
+    (dead,) = [p for p in shared.iterdir() if p.is_dir()]
+    live, _ = _tier(shared, torch.zeros(10))
+    assert not dead.exists() and not dead.with_suffix(".lock").exists()
+    later, _ = _tier(shared, torch.zeros(10))
+    assert live.directory.exists() and later.directory.exists()  # a live owner's lock holds
+    live.close()
+    later.close()
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EROFS"])
+def test_a_disk_error_in_the_nvme_step_is_one_clear_error(tmp_path, monkeypatch, code):
+    import errno as errnos
+
+    from shardlm.preflight import DiskError
+
+    tier, _ = _tier(tmp_path / "nvme", torch.ones(5000))
+
+    def fail(*args, **kwargs):
+        raise OSError(getattr(errnos, code), os.strerror(getattr(errnos, code)))
+
+    monkeypatch.setattr(os, "pwritev", fail)
+    with pytest.raises(DiskError) as caught:
+        tier.step([torch.ones(5000)])
+    text = str(caught.value)
+    assert f"({code})" in text and "nvme offload: writing" in text and str(tier.directory) in text
+    assert "resume" in text
+    monkeypatch.undo()
+    tier.close()
+
+
+def test_disk_full_during_an_nvme_run_stops_with_one_message(tmp_path, monkeypatch, capsys):
+    """ENOSPC at the offload files' write during training: `shardlm train` exits 4 with one
+    message naming the file and the command to resume from the last checkpoint (before: a raw
+    OSError traceback out of the writer thread)."""
+    import errno as errnos
+
+    from shardlm import cli
+
+    overrides = _base(tmp_path, **{"parallel.zero_stage": 1, "zero.offload_optimizer": "nvme",
+                                   "zero.nvme_path": str(tmp_path / "nvme"), "run.name": "full",
+                                   "train.steps": 6, "checkpoint.every": 2})
+    real, latest = os.pwritev, tmp_path / "runs" / "full" / "checkpoints" / "latest"
+
+    def fill_up(fd, buffers, offset):
+        if latest.exists():  # the disk fills up after the first checkpoint (step 2)
+            raise OSError(errnos.ENOSPC, os.strerror(errnos.ENOSPC))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", fill_up)
+    code = cli.main(["train", *[f"--{k}={v}" for k, v in overrides.items()]])
+    err = capsys.readouterr().err
+    assert code == 4, err
+    assert "No space left on device (ENOSPC)" in err and "Traceback" not in err
+    assert "nvme offload: writing" in err and ".bin' failed" in err
+    assert "Last checkpoint:" in err and "step-00000002" in err
+    assert f"shardlm train --resume {tmp_path / 'runs' / 'full'}" in err

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from shardlm.errors import ConfigError
+from shardlm.preflight import DiskError, check_run_disks, nvme_bytes
 
 EPILOG = """\
 examples:
@@ -76,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--format", choices=["hf"], default="hf",
                      help="hf: a transformers directory (GPT2LMHeadModel or LlamaForCausalLM)")
     exp.add_argument("--out", required=True, help="output directory")
+    exp.add_argument("--force", action="store_true",
+                     help="write into a non-empty output directory (files of the same names are "
+                          "replaced)")
     est = sub.add_parser(
         "estimate", help="per-rank memory and step time of one configuration, before running it",
         description="Predict per-rank memory by category (with the formula behind each line), "
@@ -165,11 +169,72 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.max_restarts and not cfg.checkpoint.every:
         raise ConfigError("--max-restarts restarts workers from the latest checkpoint, but "
                           "checkpoint.every = 0 saves none: add --checkpoint.every=N")
+    from shardlm.launch import die_with_launcher
+
+    die_with_launcher()  # a worker of `--nproc N`: it must not outlive its launcher
+    preflight(cfg, args.nproc)
     if args.nproc > 0:
         return launch_workers(args, cfg, overrides)
+    try:
+        return train_here(cfg)
+    except DiskError as e:
+        print(f"shardlm: stopped: {e}\n{resume_hint(cfg)}", file=sys.stderr)
+        return 4
 
+
+def preflight(cfg, nproc: int) -> None:
+    """Before anything is spawned or trained: the run directory, its checkpoints/ and the
+    NVMe offload path are writable, and the NVMe path has room for this machine's offload
+    files (preflight.nvme_bytes for each local rank). A ConfigError says what, where, the bytes
+    needed and free. Under your own torchrun every rank checks (cheap)."""
+    from pathlib import Path
+
+    from shardlm.checkpoint.sharded import CHECKPOINTS
+    from shardlm.dims import resolve_dims
+    from shardlm.launch import launcher_sizes
     from shardlm.models import count_params
-    from shardlm.launch import shutdown
+
+    run_dir = Path(cfg.run.dir) / cfg.run.name if cfg.run.name else Path(cfg.run.dir)
+    z = cfg.zero
+    nvme_dir, needed = None, 0
+    if "nvme" in (z.offload_optimizer, z.offload_params):
+        nvme_dir = Path(z.nvme_path) if z.nvme_path else run_dir / "offload"
+        world, local = (nproc, nproc) if nproc else launcher_sizes()
+        try:
+            dims = resolve_dims(cfg.parallel, world)
+            per_rank = -(-count_params(cfg.model) // (dims.dp_shard * dims.tp))
+        except (ConfigError, ValueError, TypeError, AttributeError):  # e.g. a model not ours
+            per_rank = 0
+        itemsize = {"fp32": 4, "bf16": 2, "fp16": 2}
+        optimizer_bytes = (nvme_bytes(per_rank, itemsize[cfg.precision.master], 0, False)
+                           if z.offload_optimizer == "nvme" else 0)
+        param_bytes = (per_rank * itemsize.get(cfg.precision.compute, 4)
+                       if z.offload_params == "nvme" else 0)
+        needed = local * (optimizer_bytes + param_bytes)
+    check_run_disks(run_dir, run_dir / CHECKPOINTS, nvme_dir, needed)
+
+
+def resume_hint(cfg) -> str:
+    """What was saved last and the command that continues from it (after a disk fault)."""
+    from pathlib import Path
+
+    from shardlm.checkpoint.sharded import CheckpointError, latest_in
+
+    if not cfg.run.name:
+        return "Resume from the run's last checkpoint with: shardlm train --resume <run directory>"
+    run_dir = Path(cfg.run.dir) / cfg.run.name
+    try:
+        last = latest_in(run_dir)
+    except (CheckpointError, OSError):
+        last = None
+    saved = f"Last checkpoint: {last}." if last else "No checkpoint was saved yet."
+    return f"{saved} Resume with: shardlm train --resume {run_dir}"
+
+
+def train_here(cfg) -> int:
+    """Train in this process (one rank of it, under a launcher)."""
+    from shardlm.models import count_params
+    from shardlm.launch import note_clean_stop, shutdown
     from shardlm.trainer import build_run, sample_text, state_report, train
 
     run = build_run(cfg)
@@ -195,6 +260,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"stopped by {result.stopped_by} after step {run.start_step + len(result.losses)}; "
                   f"checkpoint saved. Continue with: shardlm train --resume {run.run_dir}", flush=True)
         shutdown(run.runtime)
+        note_clean_stop(run.runtime)
         return 0
     if t.sample_tokens > 0:
         text = sample_text(run, t.sample_prompt, t.sample_tokens)  # every rank: stage 3 gathers
@@ -299,7 +365,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from shardlm.export import export_hf
 
-    out = export_hf(args.checkpoint, args.out)
+    out = export_hf(args.checkpoint, args.out, force=args.force)
     print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
 

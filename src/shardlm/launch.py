@@ -10,29 +10,40 @@ docs/reliability.md).
 
 from __future__ import annotations
 
+import ctypes
+import datetime
 import fcntl
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from shardlm.errors import ConfigError
+from shardlm.preflight import pid_alive, remove_stale_parts
 
 log = logging.getLogger("shardlm")
 
 LOCAL_RENDEZVOUS_ENV = "SHARDLM_LOCAL_RENDEZVOUS"
 """Set by `launch_local` for its workers: the private directory in which they form their
 process group (a FileStore), instead of a TCP store on MASTER_PORT."""
+LAUNCHER_PID_ENV = "SHARDLM_LAUNCHER_PID"
+"""Set by `launch_local` for its workers: the launcher's pid. A worker asks the kernel to kill
+it when that process dies (`die_with_launcher`)."""
+RENDEZVOUS_PREFIX = "shardlm-rendezvous-"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,13 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def launcher_sizes() -> tuple[int, int]:
+    """(world size, ranks on this machine) as the launcher set them, before any group exists:
+    (1, 1) without a launcher."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+
 def pick_device(preference: str, local_rank: int = 0) -> torch.device:
     """'auto' = this rank's GPU if CUDA exists, else the CPU; an explicit choice is checked."""
     if preference == "auto":
@@ -83,9 +101,12 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_runtime(device_preference: str = "auto") -> Runtime:
+def init_runtime(device_preference: str = "auto", timeout_s: float = 0.0) -> Runtime:
     """Read the launcher's environment, pick device and backend, set the per-rank thread count,
-    and join the process group when there is more than one rank."""
+    and join the process group when there is more than one rank. `timeout_s` (the config's
+    parallel.collective_timeout_s; 0: torch's default) bounds the group's every wait on another
+    rank, so a dead rank ends the others' waits with an error instead of a hang."""
+    die_with_launcher()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -105,6 +126,8 @@ def init_runtime(device_preference: str = "auto") -> Runtime:
             local = os.environ.get(LOCAL_RENDEZVOUS_ENV)
             where = (dict(init_method=f"file://{Path(local) / f'group-{restart_count()}'}",
                           rank=rank, world_size=world_size) if local else {})
+            if timeout_s > 0:
+                where["timeout"] = datetime.timedelta(seconds=timeout_s)
             dist.init_process_group(backend=backend, **where,
                                     device_id=device if device.type == "cuda" else None)
     return Runtime(rank, world_size, local_rank, local_world, device, backend)
@@ -219,6 +242,9 @@ def create_run_dir(parent: Path, name: str = "", wait_s: float = 0.0) -> Path:
         raise ConfigError(f"cannot create the run directory under {str(parent)!r} "
                           f"(run.dir): {e.strerror or e}") from None
     lock_run_dir(run_dir, wait_s)
+    # Ours now, and no rank of this run has written yet: what killed writers left goes.
+    for part in remove_stale_parts(run_dir):
+        log.info("removed %s (left by a writer that died)", part)
     return run_dir
 
 
@@ -265,20 +291,24 @@ def local_launch_args(nproc: int, rendezvous_dir: Path, max_restarts: int = 0) -
             "--local-addr=127.0.0.1"]
 
 
-def launch_local(nproc: int, worker_argv: list[str], max_restarts: int = 0) -> int:
+def launch_local(nproc: int, worker_argv: list[str], max_restarts: int = 0,
+                 shutdown_timeout_s: int = 120) -> int:
     """Start `nproc` workers on this machine through torch's elastic launcher (torchrun), which
     sets RANK / WORLD_SIZE / LOCAL_RANK for each. When a worker dies the launcher stops the
-    others and starts the gang again, up to `max_restarts` times.
+    others and starts the gang again, up to `max_restarts` times. Returns the exit status: 0
+    when the workers finished, or stopped cleanly on a SIGTERM / SIGINT sent here (forwarded to
+    them; they save a checkpoint and exit within `shutdown_timeout_s`, else they are killed).
 
     Nothing listens beyond loopback: the launcher's rendezvous and the workers' process-group
     store are files in a private temporary directory (no socket), and the collectives' own
     sockets (gloo pairs, NCCL's bootstrap) are put on the loopback interface unless
-    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise."""
-    import shutil
-    import tempfile
-
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise. Everything torchrun writes (its
+    rendezvous, its per-worker log directory) goes in that directory, removed on exit; the
+    directory of a launcher that was killed is removed by the next one. The workers die with
+    this process (`die_with_launcher`): a launcher killed with SIGKILL leaves no orphans."""
     if nproc < 1 or max_restarts < 0:
         raise ConfigError(f"--nproc {nproc} must be >= 1 and --max-restarts {max_restarts} >= 0")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -294,19 +324,81 @@ def launch_local(nproc: int, worker_argv: list[str], max_restarts: int = 0) -> i
     loopback = loopback_interface()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
     os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
-    rendezvous_dir = Path(tempfile.mkdtemp(prefix="shardlm-rendezvous-"))  # mode 0700: ours only
+    remove_dead_rendezvous_dirs(Path(tempfile.gettempdir()))
+    # mode 0700: ours only; our pid in the name says when its owner is gone
+    rendezvous_dir = Path(tempfile.mkdtemp(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}-"))
     os.environ[LOCAL_RENDEZVOUS_ENV] = str(rendezvous_dir)
-    args = get_args_parser().parse_args([*local_launch_args(nproc, rendezvous_dir, max_restarts),
-                                         "--no-python", sys.executable, *worker_argv])
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    args = get_args_parser().parse_args([
+        *local_launch_args(nproc, rendezvous_dir, max_restarts),
+        # torchrun's default is a `torchelastic_*` directory in $TMPDIR that nobody removes
+        f"--log-dir={rendezvous_dir / 'logs'}", f"--shutdown-timeout={shutdown_timeout_s}",
+        "--no-python", sys.executable, *worker_argv])
     try:
         run(args)
     except ChildFailedError as e:
         log.error("a worker failed: %s", e)
         return 1
+    except SignalException as e:
+        # torchrun has forwarded the signal to the workers and waited for them to exit.
+        stopped = [r for r in range(nproc) if (rendezvous_dir / f"stopped-{r}").exists()]
+        if len(stopped) == nproc:
+            log.warning("shardlm: %s: the workers saved a checkpoint and stopped", e.sigval.name)
+            return 0
+        log.error("shardlm: %s: workers %s did not stop cleanly (no checkpoint saved by them)",
+                  e.sigval.name, sorted(set(range(nproc)) - set(stopped)))
+        return 128 + int(e.sigval)
     finally:
-        os.environ.pop(LOCAL_RENDEZVOUS_ENV, None)
+        for name in (LOCAL_RENDEZVOUS_ENV, LAUNCHER_PID_ENV):
+            os.environ.pop(name, None)
         shutil.rmtree(rendezvous_dir, ignore_errors=True)
     return 0
+
+
+def remove_dead_rendezvous_dirs(tmp: Path) -> None:
+    """Remove the rendezvous directories of launchers that died without cleaning up (SIGKILL):
+    `shardlm-rendezvous-<pid>-*` whose pid is gone. A live launcher's is kept."""
+    for path in tmp.glob(f"{RENDEZVOUS_PREFIX}*-*"):
+        pid = path.name[len(RENDEZVOUS_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)) and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def die_with_launcher() -> None:
+    """In a worker `launch_local` started: die with the launcher (`die_with_parent`). torchrun's
+    agent runs inside `shardlm train --nproc` and starts the workers from its main thread, so
+    the workers' parent is the launcher itself. A killed launcher would otherwise leave its
+    workers training as orphans, holding their sockets and files; the run resumes from its last
+    checkpoint."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV, "")
+    if launcher.isdigit():
+        die_with_parent(int(launcher))
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent (`parent_pid`) dies, however it
+    dies (PR_SET_PDEATHSIG; strictly: when the parent's thread that started us ends). If the
+    parent is gone already (we were re-parented before asking), exit now. Linux only; elsewhere
+    nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def note_clean_stop(runtime: Runtime) -> None:
+    """In a worker `launch_local` started: this rank stopped on a signal after saving its
+    checkpoint. The launcher, stopping on that signal, counts these notes to exit 0."""
+    directory = os.environ.get(LOCAL_RENDEZVOUS_ENV)
+    if directory and Path(directory).is_dir():
+        (Path(directory) / f"stopped-{runtime.rank}").write_text(str(os.getpid()))
 
 
 def shutdown(runtime: Runtime) -> None:
@@ -321,9 +413,20 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.requested: str | None = None
+        self.received = 0
+        """Signals received so far (see `watch`)."""
         self._previous: dict[int, object] = {}
 
+    def watch(self) -> Callable[[], bool]:
+        """For a wait on other ranks (a checkpoint's notes): a test that turns True when a
+        signal arrives after this call. A stop already requested is what the wait serves (the
+        last save); a signal during it means a peer died (torchrun then signals the rest) or
+        the user insists: give up the wait, the previous checkpoint being whole."""
+        mark = self.received
+        return lambda: self.received > mark
+
     def _handle(self, signum: int, frame) -> None:
+        self.received += 1
         if signum == signal.SIGINT and self.requested:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name

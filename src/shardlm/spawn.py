@@ -5,6 +5,7 @@ beyond loopback. The distributed tests and the benchmarks use this; training run
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 import traceback
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 import torch.multiprocessing as mp
 
-from shardlm.launch import backend_for, cpu_cores, loopback_interface, pick_device
+from shardlm.launch import backend_for, cpu_cores, die_with_parent, loopback_interface, pick_device
 
 
 def _to_numpy(x: Any) -> Any:
@@ -32,7 +33,9 @@ def _to_torch(x: Any) -> Any:
     return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
 
 
-def _entry(fn: Callable, rank: int, world_size: int, init_file: str, queue, args: tuple) -> None:
+def _entry(fn: Callable, rank: int, world_size: int, init_file: str, queue, args: tuple,
+           parent: int = 0, timeout: float = 180) -> None:
+    die_with_parent(parent)  # a killed test run leaves no ranks behind
     # The launcher's variables, as torchrun would set them, so code under test reads them as usual.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
@@ -43,8 +46,9 @@ def _entry(fn: Callable, rank: int, world_size: int, init_file: str, queue, args
     torch.set_num_threads(max(1, cpu_cores() // world_size))
     try:
         backend = backend_for(pick_device("auto", rank))
+        # Every wait on another rank ends within `timeout`: a dead peer is an error, not a hang.
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size)
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
         try:
             queue.put((rank, "ok", tree_map(_to_numpy, fn(rank, world_size, *args))))
         finally:
@@ -53,16 +57,32 @@ def _entry(fn: Callable, rank: int, world_size: int, init_file: str, queue, args
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn: Callable, world_size: int, tmp_dir: Path, *args: Any, timeout: float = 180) -> list:
+def run_ranks(fn: Callable, world_size: int, tmp_dir: Path, *args: Any, timeout: float = 180,
+              collective_timeout: float | None = None) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return their results
-    by rank. `fn` must be importable (module level). Raises with the failing ranks' tracebacks."""
+    by rank. `fn` must be importable (module level). Raises with the failing ranks' tracebacks.
+    The ranks never outlive this call: however it ends (a result, an error, a signal such as
+    Ctrl-C's KeyboardInterrupt), those still running are killed; and they die with this process
+    (PR_SET_PDEATHSIG) if it is killed outright. Each collective's wait on another rank ends
+    with an error after `collective_timeout` (default: `timeout`), a dead peer's too."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     init_file = str(Path(tmp_dir) / f"rendezvous-{uuid.uuid4().hex}")  # fresh: a used one is stale
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, queue, args))
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, queue, args,
+                                              os.getpid(), collective_timeout or timeout))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    try:
+        for p in procs:
+            p.start()
+        return _collect(procs, queue, world_size, timeout)
+    finally:
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _collect(procs: list, queue, world_size: int, timeout: float) -> list:
     results: dict[int, Any] = {}
     errors: list[str] = []
     deadline = time.monotonic() + timeout

@@ -6,14 +6,24 @@ parameter shards in files under zero.nvme_path.
                 while writing chunk k-1, so host memory stays `nvme_buffers` chunks whatever the
                 model's size, and the disk is busy in both directions while the CPU computes
     FileParams  each stage-3 parameter shard in a file, in memory only while it is needed
+
+Both keep their files in a PrivateDir: a subdirectory of the rank's directory under
+zero.nvme_path that one tier of one run creates exclusively and holds locked for its life, so
+runs sharing zero.nvme_path never touch each other's files; a dead run's is removed by the next.
+A failed read or write is a DiskError naming the file (ENOSPC, EROFS, ...), not a raw OSError.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import logging
 import mmap
 import os
+import secrets
+import shutil
+import socket
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,6 +33,7 @@ from pathlib import Path
 import torch
 
 from shardlm.config import TrainConfig
+from shardlm.preflight import disk_error
 from shardlm.zero.tiers.memory import ResidentParams, TierStats
 
 log = logging.getLogger("shardlm")
@@ -49,25 +60,124 @@ class _File:
 
     def __init__(self, path: Path):
         self.path = path
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC  # new, in our private directory
         try:
-            self.fd = os.open(path, flags | getattr(os, "O_DIRECT", 0))
-            self.direct = hasattr(os, "O_DIRECT")
-        except OSError:  # e.g. tmpfs: buffered I/O, the page cache then holds what we wrote
-            self.fd = os.open(path, flags)
-            self.direct = False
+            try:
+                self.fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+                self.direct = hasattr(os, "O_DIRECT")
+            except OSError as e:  # e.g. tmpfs: buffered I/O, the page cache then holds what we wrote
+                if e.errno != errno.EINVAL:
+                    raise
+                self.fd = os.open(path, flags, 0o600)
+                self.direct = False
+        except OSError as e:
+            raise disk_error("nvme offload: creating", path, e) from None
 
     def read(self, offset: int, buffer: _AlignedBuffer, nbytes: int) -> int:
         view = memoryview(buffer._map)[:_aligned(nbytes)]
-        return os.preadv(self.fd, [view], offset)
+        try:
+            return os.preadv(self.fd, [view], offset)
+        except OSError as e:
+            raise disk_error("nvme offload: reading", self.path, e) from None
 
     def write(self, offset: int, buffer: _AlignedBuffer, nbytes: int) -> int:
         view = memoryview(buffer._map)[:_aligned(nbytes)]
-        return os.pwritev(self.fd, [view], offset)
+        try:
+            written = os.pwritev(self.fd, [view], offset)
+        except OSError as e:
+            raise disk_error("nvme offload: writing", self.path, e) from None
+        if written != len(view):
+            raise disk_error("nvme offload: writing", self.path, _short_write())
+        return written
+
+    def truncate(self, nbytes: int) -> None:
+        try:
+            os.ftruncate(self.fd, nbytes)
+        except OSError as e:
+            raise disk_error("nvme offload: sizing", self.path, e) from None
 
     def close(self) -> None:
         os.close(self.fd)
         self.path.unlink(missing_ok=True)
+
+
+class PrivateDir:
+    """A subdirectory of `parent` that belongs to this object alone, for its life.
+
+    `<parent>/<kind>-<pid>-<random>/` is created exclusively (mkdir without exist_ok) after its
+    lock file `<parent>/<kind>-<pid>-<random>.lock` was created exclusively and flock'ed; the
+    lock is held until `remove()` (or the process's exit, however it exits). Before claiming,
+    the directories of dead owners (a lock nobody holds) are removed: what a killed run left.
+    The lock file sits beside the directory, not in it, so that a cleaner can take the lock of
+    a directory it is about to delete, and the owner checks after locking that its lock file is
+    still the one on disk (a cleaner may have taken and removed it in between)."""
+
+    def __init__(self, parent: Path, kind: str):
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            remove_dead_dirs(parent)
+            self.lock_path, self._fd = self._claim(parent, kind)
+            self.path = self.lock_path.with_suffix("")
+            self.path.mkdir(mode=0o700)  # exclusive: never an existing directory
+        except OSError as e:
+            raise disk_error("nvme offload: creating a private directory in", parent, e) from None
+
+    @staticmethod
+    def _claim(parent: Path, kind: str) -> tuple[Path, int]:
+        while True:
+            lock = parent / f"{kind}-{os.getpid()}-{secrets.token_hex(4)}.lock"
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except FileExistsError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+                    return lock, fd
+            except (BlockingIOError, FileNotFoundError):  # a cleaner took it: draw another
+                pass
+            os.close(fd)
+
+    def remove(self) -> None:
+        """The owner's exit: the directory, then its lock file, then the lock."""
+        if self._fd is None:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.lock_path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = None
+
+
+def remove_dead_dirs(parent: Path) -> list[Path]:
+    """Remove every PrivateDir under `parent` whose lock nobody holds (its owner died without
+    cleaning up); a live owner's lock keeps its directory. Returns the directories removed."""
+    removed = []
+    for lock in parent.glob("*.lock"):
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:  # gone meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.stat(lock).st_ino != os.fstat(fd).st_ino:
+                continue  # another cleaner removed it and someone made a new one
+            directory = lock.with_suffix("")
+            shutil.rmtree(directory, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+            removed.append(directory)
+        except (BlockingIOError, FileNotFoundError):  # alive, or already cleaned
+            pass
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("nvme offload: removed %d directories of dead runs under %s", len(removed), parent)
+    return removed
+
+
+def _short_write() -> OSError:
+    # A write that stops short of its length is how some file systems say "full".
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 @dataclass
@@ -107,11 +217,11 @@ class NvmeTier:
     name = "nvme"
 
     def __init__(self, directory: Path, master_dtype: torch.dtype, chunk_bytes: int, buffers: int):
-        directory.mkdir(parents=True, exist_ok=True)
-        self.directory, self.master_dtype = directory, master_dtype
+        self.private = PrivateDir(directory, "optimizer")
+        self.directory, self.master_dtype = self.private.path, master_dtype
         self.itemsize = torch.empty((), dtype=master_dtype).element_size()
         self.chunk = max(ALIGN, chunk_bytes // ALIGN * ALIGN) // self.itemsize  # elements
-        self.files = {k: _File(directory / f"{k}.bin") for k in ("master", "exp_avg", "exp_avg_sq")}
+        self.files = {k: _File(self.directory / f"{k}.bin") for k in ("master", "exp_avg", "exp_avg_sq")}
         self.segments: list[_Segment] = []
         self.size = 0  # elements per file, with alignment padding
         self.n_buffers = max(3, buffers)
@@ -120,7 +230,10 @@ class NvmeTier:
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-write")
         self.stats = TierStats()
         # The files are scratch space: gone when the tier is (or the process ends normally).
-        weakref.finalize(self, _close_files, list(self.files.values()), self.reader, self.writer)
+        self.close = weakref.finalize(self, _close_files, self.private, list(self.files.values()),
+                                      self.reader, self.writer)
+        """Stop the I/O threads, delete the files and this tier's directory (once; also when
+        the tier is collected or the process exits)."""
 
     @property
     def direct_io(self) -> bool:
@@ -149,7 +262,7 @@ class NvmeTier:
 
     def build_optimizer(self, train: TrainConfig) -> None:
         for f in self.files.values():  # sparse: unwritten ranges read as zeros
-            os.ftruncate(f.fd, self.size * self.itemsize)
+            f.truncate(self.size * self.itemsize)
         self.optimizer = StreamedAdamW(train)
         log.info("nvme offload: %.1f MB of optimizer state in %s (%s I/O), %d buffers of %.1f MB",
                  3 * self.size * self.itemsize / 1e6, self.directory,
@@ -229,11 +342,12 @@ class NvmeTier:
         return {"nvme": 3 * self.size * self.itemsize}
 
 
-def _close_files(files: list[_File], *pools: ThreadPoolExecutor) -> None:
+def _close_files(private: PrivateDir, files: list[_File], *pools: ThreadPoolExecutor) -> None:
     for pool in pools:
         pool.shutdown()
     for f in files:
         f.close()
+    private.remove()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,10 +360,14 @@ class FileParams(ResidentParams):
     the optimizer tier holds stay valid and see the values again after a read."""
 
     def __init__(self, units: list, directory: Path):
-        directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / "params.bin"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-        weakref.finalize(self, _close_params, self.fd, self.path)
+        self.private = PrivateDir(directory, "params")
+        self.path = self.private.path / "params.bin"
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            self.private.remove()
+            raise disk_error("nvme offload: creating", self.path, e) from None
+        weakref.finalize(self, _close_params, self.fd, self.path, self.private)
         self.units, self.offsets, at = units, {}, 0
         self.read_bytes = self.write_bytes = 0
         for unit in units:
@@ -269,14 +387,24 @@ class FileParams(ResidentParams):
         return memoryview((ctypes.c_char * cls._nbytes(unit)).from_address(unit.shard_param.data_ptr())).cast("B")
 
     def _write(self, unit) -> None:
-        self.write_bytes += os.pwritev(self.fd, [self._bytes_of(unit)], self.offsets[id(unit)])
+        data = self._bytes_of(unit)
+        try:
+            written = os.pwritev(self.fd, [data], self.offsets[id(unit)])
+        except OSError as e:
+            raise disk_error("nvme offload: writing", self.path, e) from None
+        if written != len(data):
+            raise disk_error("nvme offload: writing", self.path, _short_write())
+        self.write_bytes += written
 
     def _free(self, unit) -> None:
         unit.shard_param.untyped_storage().resize_(0)
 
     def _read(self, unit) -> None:
         unit.shard_param.untyped_storage().resize_(self._nbytes(unit))
-        self.read_bytes += os.preadv(self.fd, [self._bytes_of(unit)], self.offsets[id(unit)])
+        try:
+            self.read_bytes += os.preadv(self.fd, [self._bytes_of(unit)], self.offsets[id(unit)])
+        except OSError as e:
+            raise disk_error("nvme offload: reading", self.path, e) from None
 
     def fetch(self, unit) -> torch.Tensor:
         self._read(unit)
@@ -303,6 +431,7 @@ class FileParams(ResidentParams):
         return out
 
 
-def _close_params(fd: int, path: Path) -> None:
+def _close_params(fd: int, path: Path, private: PrivateDir) -> None:
     os.close(fd)
     path.unlink(missing_ok=True)
+    private.remove()

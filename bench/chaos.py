@@ -1,0 +1,280 @@
+"""Chaos: random SIGKILLs of a rank or of the launcher on a tiny 2-rank run, each run to the end
+(torchrun's --max-restarts, or a rerun with --resume) and checked against an uninterrupted
+reference: every step's loss in metrics.jsonl must be the reference's, bit for bit.
+
+Method. One reference run (`shardlm train --nproc 2`, gpt-tiny in fp32, a checkpoint every
+--every steps, every step logged). Then --trials trials, each from its own random generator
+(--seed + trial number, so any trial can be rerun alone with --only): a fresh run of the same
+config with --max-restarts 3; a victim — rank 0, rank 1 or the launcher — and a moment:
+'random' (a uniform delay after the first logged step, within 70% of the reference's training time)
+or 'save' (the moment a checkpoint's temporary directory appears: inside the writer). The
+victim gets SIGKILL. A killed rank: torchrun restarts the gang, which resumes from `latest`. A
+killed launcher: its workers must be gone within 15 s (they die with it), then the same command
+is run again with --resume (or without, when no checkpoint was saved yet). The trial survives
+when the run completes (exit 0, last step logged), no worker outlived a killed launcher, and
+every logged step's loss (for a step logged twice, the later record) equals the reference's,
+bit for bit. A step never logged is counted apart, as a log gap: a kill after a checkpoint
+was published but before that step's metrics record was written loses the record, not state.
+
+    python bench/chaos.py --trials 20            # the long form (minutes; not in CI)
+    python bench/chaos.py --trials 1 --only 7    # trial 7 again, alone
+
+tests/test_faults.py runs a fast subset (two kills) in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VICTIMS = ("rank0", "rank1", "launcher")
+MOMENTS = ("random", "save")
+
+
+def overrides(root: Path, name: str, steps: int, every: int) -> list[str]:
+    """The run's config: tiny, fp32 (bitwise resume), every step logged."""
+    values = {"model.preset": "gpt-tiny", "precision.compute": "fp32", "train.seq_len": 64,
+              "train.micro_batch": 8, "train.steps": steps, "train.warmup_steps": 2,
+              "train.eval_every": 0, "train.eval_batches": 2, "train.sample_tokens": 0,
+              "train.log_every": 1, "data.max_bytes": 1_000_000, "checkpoint.every": every,
+              "run.dir": str(root / "runs"), "run.name": name, "run.progress": "off"}
+    return [f"--{k}={v}" for k, v in values.items()]
+
+
+def command(root: Path, name: str, steps: int, every: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "shardlm", "train", "--nproc", "2", "--max-restarts", "3",
+            *overrides(root, name, steps, every), *extra]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss, the later record winning (a resumed run logs its steps again)."""
+    out = {}
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line torn by the kill
+                continue
+            if "loss" in record:
+                out[record["step"]] = record["loss"]
+    return out
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@dataclass
+class Trial:
+    number: int
+    victim: str
+    moment: str
+    delay_s: float
+    killed_at_step: int | None = None
+    killed: bool = False
+    workers_gone: bool | None = None
+    resumed_by: str = ""
+    exit_code: int | None = None
+    steps_checked: int = 0
+    mismatches: list[int] = field(default_factory=list)
+    """Steps logged with another loss than the reference's."""
+    missing: list[int] = field(default_factory=list)
+    """Steps never logged (a kill between a checkpoint's publication and the step's record)."""
+    seconds: float = 0.0
+    note: str = ""
+
+    @property
+    def survived(self) -> bool:
+        return (self.exit_code == 0 and not self.mismatches and self.workers_gone is not False
+                and self.steps_checked > 0 and max(self.logged, default=0) == self.last_step)
+
+    logged: list[int] = field(default_factory=list)
+    last_step: int = 0
+
+
+def reference(root: Path, steps: int, every: int) -> tuple[dict[int, float], float]:
+    """The uninterrupted run's losses and its training time (first logged step to exit)."""
+    run_dir = root / "runs" / "reference"
+    with open(root / "reference.log", "w") as log:
+        proc = subprocess.Popen(command(root, "reference", steps, every), stdout=log,
+                                stderr=subprocess.STDOUT)
+        _wait_for(lambda: bool(losses(run_dir)), proc, 600, poll=0.05)
+        first = time.monotonic()
+        proc.wait(900)
+    if proc.returncode != 0:
+        raise SystemExit(f"the reference run failed: see {root / 'reference.log'}")
+    records = losses(run_dir)
+    assert sorted(records) == list(range(1, steps + 1)), sorted(records)
+    return records, max(0.5, time.monotonic() - first)
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float, poll: float = 0.002) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(poll)
+    return False
+
+
+def run_trial(root: Path, number: int, seed: int, ref: dict[int, float], train_s: float,
+              steps: int, every: int) -> Trial:
+    rng = random.Random(seed + number)
+    # within the first 70% of the reference's training time, so that the kill lands before the
+    # run ends even when this machine is busier than it was for the reference
+    trial = Trial(number, rng.choice(VICTIMS), rng.choice(MOMENTS), rng.uniform(0, 0.7 * train_s))
+    name = f"trial-{number:03d}"
+    run_dir = root / "runs" / name
+    ckpts = run_dir / "checkpoints"
+    start = time.monotonic()
+    log = open(root / f"{name}.log", "w")
+    proc = subprocess.Popen(command(root, name, steps, every), stdout=log, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        first = _wait_for(lambda: bool(losses(run_dir)), proc, 600, poll=0.05)
+        if first and trial.moment == "random":
+            _wait_for(lambda: False, proc, trial.delay_s)
+        elif first:
+            _wait_for(lambda: ckpts.is_dir() and any(p.name.endswith(".tmp") for p in ckpts.iterdir()),
+                      proc, 600)
+        workers = children(proc.pid)
+        if proc.poll() is not None or not workers:
+            trial.note = "the run ended before the kill"
+        else:
+            trial.killed_at_step = max(losses(run_dir), default=0)
+            if trial.victim == "launcher":
+                os.kill(proc.pid, signal.SIGKILL)
+                trial.killed = True
+                proc.wait(30)
+                deadline = time.monotonic() + 15
+                while any(alive(w) for w in workers) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                trial.workers_gone = not any(alive(w) for w in workers)
+                for w in workers:  # never leave one behind, whatever the verdict
+                    if alive(w):
+                        os.kill(w, signal.SIGKILL)
+            else:
+                target = [w for w in workers if rank_of(w) == int(trial.victim[-1])]
+                if target:
+                    os.kill(target[0], signal.SIGKILL)
+                    trial.killed = True
+                    trial.resumed_by = "--max-restarts"
+                else:
+                    trial.note = "no such rank found"
+        if trial.victim != "launcher" or not trial.killed:
+            proc.wait(900)
+            trial.exit_code = proc.returncode
+        else:
+            saved = (ckpts / "latest").exists()
+            trial.resumed_by = "--resume" if saved else "rerun (no checkpoint yet)"
+            again = subprocess.run(command(root, name, steps, every, *(["--resume"] if saved else [])),
+                                   stdout=log, stderr=subprocess.STDOUT, text=True, timeout=900)
+            trial.exit_code = again.returncode
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    got = losses(run_dir)
+    trial.logged, trial.last_step = sorted(got), steps
+    trial.steps_checked = len([s for s in ref if s in got])
+    trial.mismatches = [s for s in ref if s in got and got[s] != ref[s]]
+    trial.missing = [s for s in ref if s not in got]
+    trial.seconds = time.monotonic() - start
+    return trial
+
+
+def table(trials: list[Trial]) -> str:
+    head = (f"{'trial':>5}  {'victim':8}  {'moment':6}  {'killed at step':>14}  {'workers gone':12}  "
+            f"{'resumed by':26}  {'exit':>4}  {'steps equal':>11}  {'s':>5}  verdict")
+    rows = [head, "-" * len(head)]
+    for t in trials:
+        gone = "-" if t.workers_gone is None else ("yes" if t.workers_gone else "NO")
+        verdict = (f"no kill: {t.note}" if not t.killed else
+                   "survived" if t.survived else f"FAILED {t.note}".strip())
+        if t.mismatches:
+            verdict += f" (steps {t.mismatches[:5]} differ)"
+        if t.missing:
+            verdict += f"; steps {t.missing[:5]} not logged"
+        rows.append(f"{t.number:>5}  {t.victim:8}  {t.moment:6}  "
+                    f"{'-' if t.killed_at_step is None else t.killed_at_step:>14}  {gone:12}  "
+                    f"{t.resumed_by or '-':26}  {t.exit_code if t.exit_code is not None else '-':>4}  "
+                    f"{t.steps_checked - len(t.mismatches):>11}  {t.seconds:5.0f}  {verdict}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", type=int, help="run only this trial number")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--every", type=int, default=3, help="checkpoint.every")
+    parser.add_argument("--dir", help="work directory (default: a fresh temporary one, kept)")
+    args = parser.parse_args(argv)
+    root = Path(args.dir or tempfile.mkdtemp(prefix="shardlm-chaos-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"chaos: work directory {root}", flush=True)
+    ref, train_s = reference(root, args.steps, args.every)
+    print(f"reference: {args.steps} steps, ~{train_s:.0f} s of training", flush=True)
+    numbers = [args.only] if args.only is not None else list(range(args.trials))
+    trials = []
+    for n in numbers:
+        t = run_trial(root, n, args.seed, ref, train_s, args.steps, args.every)
+        trials.append(t)
+        print(table([t]).splitlines()[-1], flush=True)
+    print()
+    print(table(trials))
+    killed = [t for t in trials if t.killed]
+    survived = sum(t.survived for t in killed)
+    mismatched = sum(bool(t.mismatches) for t in killed)
+    print(f"\ntrials {len(trials)}, kills {len(killed)}, survived {survived}, mismatches "
+          f"{mismatched} (steps logged with another loss), log gaps "
+          f"{sum(bool(t.missing) for t in killed)} (steps never logged), orphaned workers "
+          f"{sum(t.workers_gone is False for t in trials)}")
+    print(f"reproduce: python bench/chaos.py --trials {args.trials} --seed {args.seed} "
+          f"--steps {args.steps} --every {args.every}")
+    return 0 if survived == len(killed) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
