@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+from shardlm.checkpoint.sharded import find_checkpoint
 from shardlm.config import load_config
 from shardlm.data import build_dataset
 from shardlm.launch import cpu_cores
@@ -462,7 +463,7 @@ def main() -> None:
             case = Path(tempfile.mkdtemp(dir=root))
             saves[stage] = summarize_save(run_ranks(save_rank, WORLD, case, overrides, args.warmup,
                                                     args.steps, args.async_steps, timeout=1800))
-            saves[stage]["ckpt"] = str(root / f"s{stage}" / "checkpoints" / "latest")
+            saves[stage]["ckpt"] = str(find_checkpoint(root / f"s{stage}"))  # latest is a file
             print(f"stage {stage}: saves done ({time.monotonic() - began:.0f} s; {other()})", flush=True)
             modes = [("all", True), ("all", False), ("one", True), ("one", False)]
             ckpt = str(Path(saves[stage]["ckpt"]).resolve())

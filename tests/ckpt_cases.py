@@ -55,23 +55,31 @@ def synthetic_state(step: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=gen) for name, shape in SHAPES.items()}
 
 
+def synthetic_slices(values: dict[str, torch.Tensor], rank: int, world_size: int) -> list:
+    """`rank`'s ZeRO-like contiguous share of every flattened tensor (views of `values`)."""
+    from shardlm.checkpoint.sharded import StateSlice
+
+    slices = []
+    for name, t in values.items():
+        flat = t.reshape(-1)
+        share = -(-flat.numel() // world_size)
+        lo, hi = min(rank * share, flat.numel()), min((rank + 1) * share, flat.numel())
+        if lo < hi:
+            slices.append(StateSlice(name, tuple(t.shape), lo, hi, flat[lo:hi]))
+    return slices
+
+
 def synthetic_save(root: Path, step: int, world_size: int = 2, keep: int = 3, session: str = "s",
                    values: dict[str, torch.Tensor] | None = None):
     """Save `step` as `world_size` ranks would (each its ZeRO-like contiguous share of every
     flattened tensor), synchronously; the rank writers are returned (rank 0 last)."""
-    from shardlm.checkpoint.sharded import CheckpointWriter, StateSlice
+    from shardlm.checkpoint.sharded import CheckpointWriter
 
     values = synthetic_state(step) if values is None else values
     writers = []
     for rank in reversed(range(world_size)):  # rank 0 last: it publishes once every note is there
         writer = CheckpointWriter(root, rank, world_size, keep, False, session, timeout_s=5.0)
-        slices = []
-        for name, t in values.items():
-            flat = t.reshape(-1)
-            share = -(-flat.numel() // world_size)
-            lo, hi = min(rank * share, flat.numel()), min((rank + 1) * share, flat.numel())
-            if lo < hi:
-                slices.append(StateSlice(name, tuple(t.shape), lo, hi, flat[lo:hi]))
+        slices = synthetic_slices(values, rank, world_size)
         writer.save(step, slices, True, {"step": step, "marker": f"state of {step}"},
                     {"rng": f"rank {rank}"}, {"config": {"seed": step}, "layout": {"world_size": world_size}})
         writers.append(writer)
@@ -96,3 +104,47 @@ def load_synthetic(ckpt: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 def same_state(loaded: dict[str, torch.Tensor], step: int) -> bool:
     expected = synthetic_state(step)
     return all(torch.equal(loaded[n], expected[n]) for n in SHAPES)
+
+
+def ranks_agree_on_resume(rank: int, world_size: int, run_dir: str) -> dict:
+    """On each of 2 ranks, over `run_dir`'s synthetic checkpoints (steps 1-3 saved by 2 ranks;
+    step 3's rank-00001 file corrupt, its size unchanged): what resume_source chooses — rank 1
+    is made to see no usable checkpoint, which must not matter: rank 0 chooses — and what
+    load_slices does with steps 3 and 2 in each reader mode (a rank's failure to read must be
+    every rank's error; a load that succeeds must hold exactly what was saved)."""
+    import contextlib
+    from unittest import mock
+
+    from shardlm.checkpoint.sharded import CheckpointError, load_slices
+    from shardlm.launch import Runtime
+    from shardlm.trainer import resume_source
+
+    runtime = Runtime(rank, world_size, rank, world_size, torch.device("cpu"), "gloo")
+    out = {}
+
+    def unusable(*args, **kwargs):
+        raise CheckpointError(f"rank {rank} sees no usable checkpoint")
+
+    blind = mock.patch("shardlm.trainer.newest_usable", unusable)
+    with blind if rank == 1 else contextlib.nullcontext():
+        try:
+            choice = resume_source(load_config(overrides={"checkpoint.resume": "auto"}),
+                                   Path(run_dir), runtime)
+            out["choice"] = str(choice)
+        except CheckpointError as e:
+            out["choice"] = f"error: {e}"
+    for readers in ("all", "one"):
+        for step in (3, 2):
+            unset = {n: torch.full(shape, float("nan")) for n, shape in SHAPES.items()}
+            slices = synthetic_slices(unset, rank, world_size)
+            ckpt = Path(run_dir) / CHECKPOINTS / step_dir_name(step)
+            try:
+                load_slices(ckpt, slices, runtime, readers)
+            except CheckpointError as e:
+                out[f"{readers} {step}"] = f"error: {e}"
+                continue
+            expected = synthetic_state(step)
+            exact = all(torch.equal(s.tensor, expected[s.name].reshape(-1)[s.start:s.end])
+                        for s in slices)
+            out[f"{readers} {step}"] = "loaded" if exact else "loaded wrong"
+    return out

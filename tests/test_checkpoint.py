@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -24,8 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_cases import (checkpoint_of, load_synthetic, same_state, straight_and_resumed,
-                        synthetic_save, synthetic_state, train_ranks, train_run)
+from ckpt_cases import (checkpoint_of, load_synthetic, ranks_agree_on_resume, same_state,
+                        straight_and_resumed, synthetic_save, synthetic_state, train_ranks,
+                        train_run)
 from conftest import tiny_overrides
 from shardlm.checkpoint.manifest import (LATEST, check_checkpoint, newest_usable, read_latest,
                                          sealed, step_dirs)
@@ -250,6 +252,11 @@ def test_latest_is_a_file_naming_step_and_digest_and_stays_in_its_directory(tmp_
     assert pointer == {"step_dir": "step-00000002",
                        "manifest_digest": _manifest_of(root / "step-00000002")["digest"]}
     assert read_latest(root) == root / "step-00000002"
+    # `checkpoints/latest` itself names a checkpoint (as when it was a link), and a runs-level
+    # `latest` link to a run directory still leads to that run's checkpoints.
+    assert find_checkpoint(latest) == root.resolve() / "step-00000002"
+    (tmp_path / LATEST).symlink_to("run")
+    assert find_checkpoint(tmp_path / LATEST) == root.resolve() / "step-00000002"
 
     hostile = ["../../other/checkpoints/step-00000007", str(other / "step-00000007"), "step-00000002/..",
                "..", ""]
@@ -267,12 +274,14 @@ def test_latest_is_a_file_naming_step_and_digest_and_stays_in_its_directory(tmp_
     latest.symlink_to("step-00000001")
     assert read_latest(root) == root / "step-00000001"
     assert find_checkpoint(tmp_path / "run") == root.resolve() / "step-00000001"
+    assert find_checkpoint(latest) == root.resolve() / "step-00000001"
     latest.unlink()
     latest.symlink_to(other / "step-00000007")
     caplog.clear()
     with pytest.raises(CheckpointError, match="outside"):
         read_latest(root)
     assert find_checkpoint(tmp_path / "run") == root.resolve() / "step-00000002"  # never other's
+    assert find_checkpoint(latest) == root.resolve() / "step-00000002"
     assert "outside" in caplog.text
     # The next save replaces the link with a file naming the new checkpoint.
     synthetic_save(root, 3, session="t")
@@ -428,6 +437,11 @@ def _damage(ckpt: Path, how: str) -> str:
     if how == "missing shard":
         shard.unlink()
         return "step-00000003/rank-00000.safetensors is missing"
+    if how == "flipped shard":  # its size intact: found only when loaded, by its SHA-256
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+        return "step-00000003/rank-00000.safetensors is corrupt: its SHA-256 is"
     data = shard.read_bytes()
     shard.write_bytes(data[:-100])
     return f"rank-00000.safetensors has {len(data) - 100} bytes where the manifest records {len(data)}"
@@ -447,7 +461,7 @@ def _build(tmp_path, run_dir: Path, **extra):
                                                  **extra)).validate())
 
 
-@pytest.mark.parametrize("how", ["digest", "manifest", "missing shard", "short shard"])
+@pytest.mark.parametrize("how", ["digest", "manifest", "missing shard", "short shard", "flipped shard"])
 def test_resume_falls_back_to_the_newest_usable_checkpoint(tmp_path, three_checkpoints, caplog,
                                                            monkeypatch, how):
     run_dir = tmp_path / "runs" / "damaged"
@@ -480,3 +494,34 @@ def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, three_chec
         _build(tmp_path, run_dir)
     assert sorted(p.name for p in (run_dir / CHECKPOINTS).iterdir()) == before
     assert _build(tmp_path, run_dir, checkpoint__resume="never").start_step == 0  # when told to
+
+
+def test_another_models_checkpoints_are_each_refused_with_the_reason(tmp_path, three_checkpoints):
+    """A checkpoint lacking a tensor of this model fails at load, and the older ones are tried
+    (a damaged manifest looks the same); when none fits, the error lists why for each."""
+    with pytest.raises(CheckpointError, match=r"none is usable(.|\n)*step-00000003: .* has shape"
+                                              r"(.|\n)*step-00000001: .* different model"):
+        _build(tmp_path, tmp_path / "runs" / "wider", checkpoint__resume=str(three_checkpoints),
+               model__d_model=96, model__n_heads=3, model__n_kv_heads=3)
+
+
+def test_ranks_agree_on_the_checkpoint_and_on_a_failed_load(tmp_path):
+    """2 ranks: rank 0 chooses the checkpoint for all (rank 1, made to see none usable, still
+    takes rank 0's); a shard only rank 1 reads (readers = all) or only rank 0 (one) is corrupt:
+    both ranks raise, naming the file, instead of one training on (or waiting in a collective);
+    the older checkpoint then loads exactly on both."""
+    run_dir = tmp_path / "run"
+    for step in (1, 2, 3):
+        synthetic_save(run_dir / CHECKPOINTS, step)
+    shard = run_dir / CHECKPOINTS / "step-00000003" / "rank-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # the last byte of tensor data: the size and header intact
+    shard.write_bytes(bytes(data))
+    results = run_ranks(ranks_agree_on_resume, 2, tmp_path, str(run_dir), timeout=180)
+    step3 = str((run_dir / CHECKPOINTS / "step-00000003").resolve())
+    for rank, out in enumerate(results):
+        assert out["choice"] == step3, (rank, out)  # the cheap check passes: its size is intact
+        for readers in ("all", "one"):
+            assert re.match(r"error: .*rank-00001\.safetensors is corrupt: its SHA-256",
+                            out[f"{readers} 3"]), (rank, readers, out)
+            assert out[f"{readers} 2"] == "loaded", (rank, readers, out)

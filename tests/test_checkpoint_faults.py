@@ -4,15 +4,16 @@ the older good one — never loaded silently wrong.
 One tiny run directory is saved once per module (two ranks' files, five tensors, steps 1 and
 2: tests/ckpt_cases.py, the real writer); each case copies it, damages step 2 (or `latest`) in
 one seeded way, then does what a resume does: choose the checkpoint (newest_usable: `latest`,
-else the newest usable older one) and read every tensor whole with the real reader. A load that
-succeeds must return exactly the tensors and step of the checkpoint it chose. The counts are
-printed (pytest -s) for docs/reliability.md.
+else the newest usable older one), read every tensor whole with the real reader, and if that
+fails, reject it and load the next usable one (load_with_fallback, as trainer.build_run does).
+A load that succeeds must return exactly the tensors and step of the checkpoint it chose; while
+step 1 is whole, nothing may be refused (step 1 must be recovered). The counts are printed
+(pytest -s) for docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import time
@@ -22,7 +23,7 @@ import pytest
 
 from ckpt_cases import load_synthetic, same_state, synthetic_save, synthetic_state
 from shardlm.checkpoint.manifest import CHECKPOINTS, LATEST, MANIFEST, CheckpointError, sealed
-from shardlm.checkpoint.sharded import newest_usable
+from shardlm.checkpoint.sharded import load_with_fallback, newest_usable
 
 SEED = 20240612
 STEP = "step-00000002"
@@ -207,9 +208,10 @@ def damage_latest(ckpt, scratch, rng):
 
 
 def older_also_broken(ckpt, scratch, rng):
-    """Both checkpoints damaged: nothing to recover from, so it must be refused."""
-    (ckpt.parent / "step-00000001" / MANIFEST).unlink()
-    rng.choice([flip_shard, flip_manifest, truncate_shard, delete_file])(ckpt, scratch, rng)
+    """Both checkpoints damaged, each in its own way: nothing to recover from, so refused."""
+    for damaged in (ckpt.parent / "step-00000001", ckpt):
+        rng.choice([flip_shard, flip_manifest, truncate_shard, truncate_manifest, delete_file])(
+            damaged, scratch, rng)
 
 
 DAMAGES = {  # name: (function, cases)
@@ -219,15 +221,16 @@ DAMAGES = {  # name: (function, cases)
     "edited step": (edit_step, 1), "overlapping slices": (overlap_slices, 8),
     "missing slice": (missing_slice, 8), "hostile file name": (hostile_name, 8),
     "symlink out of the directory": (symlink_out, 8), "deleted file": (delete_file, 4),
-    "damaged latest": (damage_latest, 7), "older one broken too": (older_also_broken, 4),
+    "damaged latest": (damage_latest, 7), "older one broken too": (older_also_broken, 24),
 }
 
 
 def _outcome(run_dir: Path) -> tuple[str, str]:
     """('refused' | 'recovered' | 'intact' | 'silent', detail) of resuming from `run_dir`."""
+    root = run_dir / CHECKPOINTS
     try:
-        ckpt = newest_usable(run_dir / CHECKPOINTS)
-        manifest, values = load_synthetic(ckpt)
+        ckpt, (manifest, values) = load_with_fallback(
+            newest_usable(root), load_synthetic, lambda rejected: newest_usable(root, rejected))
     except CheckpointError as e:
         return "refused", str(e).splitlines()[0]
     step = int(ckpt.name.removeprefix("step-"))
@@ -241,7 +244,7 @@ def _outcome(run_dir: Path) -> tuple[str, str]:
 def test_fuzzed_checkpoints_are_refused_or_recovered_never_loaded_wrong(saved, tmp_path, seed=SEED):
     rng = random.Random(seed)
     counts = {"refused": 0, "recovered": 0, "intact": 0, "silent": 0}
-    silent, began, n = [], time.perf_counter(), 0
+    silent, refused_needlessly, began, n = [], [], time.perf_counter(), 0
     by_damage = {}
     for what, (damage, cases) in DAMAGES.items():
         by_damage[what] = {}
@@ -258,6 +261,8 @@ def test_fuzzed_checkpoints_are_refused_or_recovered_never_loaded_wrong(saved, t
             by_damage[what][outcome] = by_damage[what].get(outcome, 0) + 1
             if outcome == "silent":
                 silent.append(f"{what} #{i}: {detail}")
+            if outcome == "refused" and damage is not older_also_broken:  # step 1 was there, whole
+                refused_needlessly.append(f"{what} #{i}: {detail}")
             n += 1
     seconds = time.perf_counter() - began
     print(f"\n{n} fuzzed checkpoints (seed {seed}) in {seconds:.1f} s: {counts['refused']} refused, "
@@ -268,5 +273,6 @@ def test_fuzzed_checkpoints_are_refused_or_recovered_never_loaded_wrong(saved, t
         print(f"  {what}: " + ", ".join(f"{v} {k}" for k, v in sorted(outcomes.items())))
     assert n >= 100
     assert not silent, "\n".join(silent)
+    assert not refused_needlessly, "\n".join(refused_needlessly)  # the older one was usable
     assert counts["refused"] >= 20 and counts["recovered"] >= 50  # the suite exercises both paths
     assert seconds < 60

@@ -19,11 +19,12 @@ from torch import nn
 
 from shardlm.checkpoint.weights import save_weights
 from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, CheckpointWriter,
-                                        SaveReport, find_checkpoint, load_slices, newest_usable)
+                                        SaveReport, find_checkpoint, load_slices,
+                                        load_with_fallback, newest_usable, raise_on_every_rank)
 from shardlm.config import Config
 from shardlm.data import Dataset, Loader, build_dataset
-from shardlm.launch import (Runtime, StopSignals, agree_on_name, claim_run_dir, init_runtime,
-                            is_restart)
+from shardlm.launch import (Runtime, StopSignals, agree_on_name, broadcast_text, claim_run_dir,
+                            init_runtime, is_restart)
 from shardlm.dims import resolve_dims
 from shardlm.mesh import Mesh, build_mesh
 from shardlm.models import build_model, flops_per_token, generate
@@ -98,7 +99,7 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     cfg.validate()
     runtime = runtime or init_runtime(cfg.run.device)
     run_dir = make_run_dir(cfg, runtime)
-    source = resume_source(cfg, run_dir)
+    source = resume_source(cfg, run_dir, runtime)
     cfg = resolve_config(cfg, runtime, source)
     mesh = build_mesh(resolve_dims(cfg.parallel, runtime.world_size), runtime.device, runtime.rank)
     t = cfg.train
@@ -132,30 +133,53 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
         flops_per_token=(6.0 * sum(p.numel() for p in model.parameters()) if user_model
                          else flops_per_token(cfg.model, t.seq_len)),
     )
-    if source is not None:
-        run.start_step = load_checkpoint(run, source)
+    if source is not None:  # a checkpoint that fails to load: the next usable one, if allowed
+        _, run.start_step = load_with_fallback(
+            source, lambda path: load_checkpoint(run, path),
+            lambda rejected: resume_source(cfg, run_dir, runtime, rejected))
     return run
 
 
 # -- checkpoints ------------------------------------------------------------------------------
 
 
-def resume_source(cfg: Config, run_dir: Path) -> Path | None:
+def resume_source(cfg: Config, run_dir: Path, runtime: Runtime | None = None,
+                  rejected: dict[Path, str] | None = None) -> Path | None:
     """Which checkpoint the run continues from. A restarted worker (torchrun --max-restarts)
     always takes its run's newest usable one; otherwise an explicit checkpoint.resume path
     comes first (a run directory: its newest usable one), and 'auto' takes the run directory's
     newest usable one if there is one. An unusable newer checkpoint is logged with its reason
-    and skipped; a run directory holding checkpoints of which none is usable is a
-    CheckpointError, never a silent start from step 0 over them (checkpoint.resume = 'never'
-    is how to ask for that)."""
+    and skipped; so are the `rejected` ones (they failed to load: load_with_fallback). A run
+    directory holding checkpoints of which none is usable is a CheckpointError, never a silent
+    start from step 0 over them (checkpoint.resume = 'never' is how to ask for that).
+    Rank 0 chooses and every rank receives its choice, or its error: all ranks load the same
+    checkpoint, and one log says what was skipped."""
+    if runtime is None or runtime.world_size == 1:
+        return _choose_source(cfg, run_dir, rejected)
+    outcome, failure = None, None
+    if runtime.is_main:
+        try:
+            source = _choose_source(cfg, run_dir, rejected)
+            outcome = "none:" if source is None else f"path:{source}"
+        except Exception as e:  # whatever it is, the other ranks must hear of it
+            outcome, failure = f"error:{e}", e
+    kind, _, text = broadcast_text(outcome, runtime).partition(":")
+    if failure is not None:
+        raise failure
+    if kind == "error":
+        raise CheckpointError(f"rank 0 could not choose a checkpoint to resume from: {text}")
+    return Path(text) if kind == "path" else None
+
+
+def _choose_source(cfg: Config, run_dir: Path, rejected: dict[Path, str] | None) -> Path | None:
     choice = cfg.checkpoint.resume
     if choice == "never":
         return None
     if is_restart() or choice == "auto":
-        own = newest_usable(run_dir / CHECKPOINTS)
+        own = newest_usable(run_dir / CHECKPOINTS, rejected)
         if own is not None or choice == "auto":
             return own
-    return find_checkpoint(choice)
+    return find_checkpoint(choice, rejected)
 
 
 def _layout(run: Run) -> dict:
@@ -182,17 +206,26 @@ def save_checkpoint(run: Run, step: int) -> SaveReport:
 
 
 def load_checkpoint(run: Run, path: Path) -> int:
-    """Load a checkpoint saved at any layout into this run; returns the step to continue from."""
+    """Load a checkpoint saved at any layout into this run; returns the step to continue from.
+    A CheckpointError is raised on every rank or on none (so load_with_fallback can try another
+    checkpoint on all ranks at once)."""
     manifest = load_slices(path, run.strategy.state_slices(), run.runtime, run.cfg.checkpoint.readers)
     run.strategy.after_load()
+    step, error = 0, None
     try:
-        return _restore_state(run, path, manifest)
+        step = _restore_state(run, manifest)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:  # verified, yet malformed
-        raise CheckpointError(f"{Path(path) / MANIFEST}: its run state cannot be restored "
-                              f"({type(e).__name__}: {e})") from None
+        error = CheckpointError(f"{Path(path) / MANIFEST}: its run state cannot be restored "
+                                f"({type(e).__name__}: {e})")
+    raise_on_every_rank(error, run.runtime)
+    if run.runtime.is_main:
+        saved = manifest["layout"]
+        log.info("resumed from %s (step %d, saved on %s rank(s) at ZeRO stage %s)", path, step,
+                 saved.get("world_size"), saved.get("zero_stage"))
+    return step
 
 
-def _restore_state(run: Run, path: Path, manifest: dict) -> int:
+def _restore_state(run: Run, manifest: dict) -> int:
     """Everything but the tensors: optimizer step count, scaler, RNG, data position."""
     state = manifest["state"]
     set_adam_steps(run.strategy.optimizer, state["optimizer_steps"])
@@ -211,10 +244,6 @@ def _restore_state(run: Run, path: Path, manifest: dict) -> int:
         log.warning("resuming with %d x %d tokens per step where the checkpoint had %d x %d: the "
                     "data order differs from the uninterrupted run's", run.train_loader.global_batch,
                     run.cfg.train.seq_len, data["global_batch"], data["seq_len"])
-    saved = manifest["layout"]
-    if run.runtime.is_main:
-        log.info("resumed from %s (step %d, saved on %d rank(s) at ZeRO stage %d)", path,
-                 state["step"], saved["world_size"], saved["zero_stage"])
     return int(state["step"])
 
 

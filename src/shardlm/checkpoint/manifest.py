@@ -14,7 +14,9 @@
 - `newest_usable` chooses the checkpoint to resume: `latest`'s, or if that one is unusable, the
   newest older step directory that is. "Usable" is cheap to check — the manifest verifies and
   every file it lists is there at its recorded size; each file's SHA-256 is checked when it is
-  read (sharded.CheckpointReader), and a mismatch names the file.
+  read (sharded.CheckpointReader), and a mismatch names the file. `load_with_fallback` closes
+  the gap: a checkpoint that fails at load (a shard whose bytes changed but not its size) is
+  rejected with its reason and the next usable one is loaded instead.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 import re
 import stat
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from shardlm.errors import ConfigError
 from shardlm.files import atomic_write
@@ -283,17 +286,29 @@ def step_dirs(root: Path) -> list[Path]:
     return [root / n for n in sorted(names, reverse=True)]
 
 
-def newest_usable(root: Path) -> Path | None:
+def _check_unrejected(ckpt: Path, rejected: dict[Path, str]) -> None:
+    """check_checkpoint, and refused if a load already found it unusable."""
+    reason = rejected.get(ckpt.resolve())
+    if reason is not None:
+        raise CheckpointError(reason)
+    check_checkpoint(ckpt)
+
+
+def newest_usable(root: Path, rejected: dict[Path, str] | None = None) -> Path | None:
     """The checkpoint to resume from in `root` (a run's checkpoints/): `latest`'s if usable,
     else the newest usable one no newer than the one `latest` names, each one skipped logged
-    with its reason. None if `root` holds no checkpoint at all; CheckpointError if it holds
-    some but none is usable — a run must not start from step 0 on top of them unasked."""
+    with its reason. `rejected`: checkpoints (resolved) that failed when loaded, with why.
+    None if `root` holds no checkpoint at all; CheckpointError if it holds some but none is
+    usable — a run must not start from step 0 on top of them unasked."""
+    rejected = rejected or {}
     candidates = step_dirs(root)
     if not candidates and not os.path.lexists(root / LATEST):
         return None
     problems = []
     try:
         chosen = read_latest(root)
+        if chosen is not None:
+            _check_unrejected(chosen, rejected)
     except CheckpointError as e:
         problems.append(str(e))
         chosen = None
@@ -303,7 +318,7 @@ def newest_usable(root: Path) -> Path | None:
             if named is not None and ckpt.name > named:
                 continue  # newer than what was last published: not this run's history
             try:
-                check_checkpoint(ckpt)
+                _check_unrejected(ckpt, rejected)
             except CheckpointError as e:
                 problems.append(str(e))
                 continue
@@ -328,16 +343,19 @@ def _looks_like_checkpoints(root: Path) -> bool:
                               or os.path.lexists(root / LATEST) and not os.path.islink(root / LATEST))
 
 
-def find_checkpoint(path: str | Path) -> Path:
+def find_checkpoint(path: str | Path, rejected: dict[Path, str] | None = None) -> Path:
     """A usable checkpoint directory, from itself (checked, no fallback: it was named), a
-    checkpoints/ directory or a run directory (their newest usable one, see newest_usable)."""
+    checkpoints/ directory, its `latest`, or a run directory (their newest usable one, see
+    newest_usable; `rejected` as there)."""
     p = Path(path)
+    if p.name == LATEST and os.path.lexists(p) and _looks_like_checkpoints(p.parent):
+        return newest_usable(p.parent, rejected)  # not None: `latest` is there
     if os.path.lexists(p / MANIFEST):
-        check_checkpoint(p)
+        _check_unrejected(p, rejected or {})
         return p.resolve()
     for root in (p, p / CHECKPOINTS):
         if _looks_like_checkpoints(root):
-            found = newest_usable(root)
+            found = newest_usable(root, rejected)
             if found is not None:
                 return found
     raise CheckpointError(f"no checkpoint at {str(path)!r}: expected a directory holding "
@@ -352,3 +370,29 @@ def latest_in(run_dir: Path) -> Path | None:
     except CheckpointError as e:
         log.warning("%s", e)
         return None
+
+
+Loaded = TypeVar("Loaded")
+
+
+def load_with_fallback(first: Path, load: Callable[[Path], Loaded],
+                       choose: Callable[[dict[Path, str]], Path | None]) -> tuple[Path, Loaded]:
+    """(the checkpoint loaded, what `load` returned): `load(first)`; if that fails with a
+    CheckpointError (a shard whose SHA-256 does not match: choosing checks only the manifest and
+    file sizes; or a tensor this model has that the checkpoint lacks, which a damaged manifest
+    and another model's checkpoint both look like), `first` is rejected with its reason and
+    `choose(rejected)` names the next checkpoint to try (newest_usable / find_checkpoint with
+    `rejected`: CheckpointError listing every reason when none is left, or when the one that
+    failed was named explicitly). `load` must fail on every rank or on none
+    (sharded.load_slices does), and must fill everything it fills on success, so a failed
+    attempt leaves nothing behind."""
+    rejected: dict[Path, str] = {}
+    source = first
+    while True:
+        try:
+            return source, load(source)
+        except CheckpointError as e:
+            rejected[Path(source).resolve()] = str(e)  # choose's warning will report it
+        source = choose(rejected)
+        if source is None or Path(source).resolve() in rejected:  # choose honours rejected: a guard
+            raise CheckpointError(f"no usable checkpoint left after {sorted(map(str, rejected))}")

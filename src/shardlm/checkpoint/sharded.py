@@ -29,7 +29,9 @@ No collective is involved, so a save can run on a background thread while traini
 
 Reading never unpickles: tensors come from safetensors (a JSON header and raw bytes), metadata
 from JSON. The manifest is verified (digest, confined names, exact tiling: manifest.py) before
-anything is read, and every file a rank reads from is checked against its SHA-256 first.
+anything is read, and every file a rank reads from is checked against its SHA-256 first. A
+rank that cannot read makes every rank raise (raise_on_every_rank), so a resume can try an older
+checkpoint on all ranks at once (manifest.load_with_fallback).
 """
 
 from __future__ import annotations
@@ -50,17 +52,18 @@ import torch
 
 from shardlm.checkpoint.manifest import (CHECKPOINTS, FORMAT, LATEST, MANIFEST, VERSION,
                                          CheckpointError, check_checkpoint, find_checkpoint,
-                                         latest_in, latest_name, newest_usable, open_no_follow,
-                                         parse_manifest, read_manifest, sealed, step_dir_name,
-                                         step_dirs, write_latest)
+                                         latest_in, latest_name, load_with_fallback,
+                                         newest_usable, open_no_follow, parse_manifest,
+                                         read_manifest, sealed, step_dir_name, step_dirs,
+                                         write_latest)
 from shardlm.files import atomic_write
 
 log = logging.getLogger("shardlm")
 
 __all__ = ["CHECKPOINTS", "FORMAT", "LATEST", "MANIFEST", "VERSION", "CheckpointError",
            "CheckpointReader", "CheckpointWriter", "SaveReport", "StateSlice", "find_checkpoint",
-           "latest_in", "load_slices", "newest_usable", "param_state", "parse_manifest",
-           "read_manifest", "step_dir_name"]
+           "latest_in", "load_slices", "load_with_fallback", "newest_usable", "param_state",
+           "parse_manifest", "raise_on_every_rank", "read_manifest", "step_dir_name"]
 
 
 @dataclass(frozen=True)
@@ -443,32 +446,97 @@ class CheckpointReader:
             self.read_range(s.name, s.shape, s.start, s.end, s.tensor)
 
     def verify_all(self) -> None:
+        """Everything a read can fail on, checked: every file's SHA-256 and every slice's key,
+        length and dtype (the files stay open for the reads that follow)."""
         for name in self.manifest["files"]:
             self._file(name)
+        for name, entry in self.manifest["tensors"].items():
+            for piece in entry["slices"]:
+                self._slice(name, piece)
+
+
+def _as_checkpoint_error(ckpt: Path, e: Exception) -> CheckpointError:
+    """A failed read as a CheckpointError (an I/O error too: the checkpoint cannot be read)."""
+    return e if isinstance(e, CheckpointError) else CheckpointError(f"{ckpt} cannot be read: {e}")
+
+
+def raise_on_every_rank(error: CheckpointError | None, runtime) -> None:
+    """Every rank raises if any rank failed (`error`), with the first failing rank's message —
+    so no rank trains on, or waits in a collective for, a rank that gave up, and a caller can
+    try another checkpoint on all ranks at once. Two small collectives (a MIN, a broadcast)."""
+    if runtime.world_size == 1:
+        if error is not None:
+            raise error
+        return
+    import torch.distributed as dist
+
+    first = torch.tensor([runtime.rank if error is not None else runtime.world_size],
+                         dtype=torch.int64, device=runtime.device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    src = int(first.item())
+    if src == runtime.world_size:
+        return
+    # Its message as bytes in a tensor: nothing from another process is unpickled.
+    data = str(error).encode() if runtime.rank == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=runtime.device)
+    dist.broadcast(size, src=src)
+    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(runtime.device)
+              if runtime.rank == src else torch.empty(int(size.item()), dtype=torch.uint8,
+                                                      device=runtime.device))
+    dist.broadcast(buffer, src=src)
+    if error is not None:  # a failing rank raises its own error, the others the first one's
+        raise error
+    raise CheckpointError(f"rank {src}: {bytes(buffer.cpu().numpy()).decode()}")
 
 
 def load_slices(path: Path, slices: list[StateSlice], runtime, readers: str = "all") -> dict:
     """Fill this rank's slices from the checkpoint at `path`; returns its manifest. 'all': each
     rank reads (and checks) only the files holding what it needs. 'one': rank 0 reads each
-    tensor whole and broadcasts it; the others touch no file."""
+    tensor whole and broadcasts it; the others touch no file. A CheckpointError on any rank (a
+    missing or corrupt file, a tensor this model does not have) is raised on every rank
+    (raise_on_every_rank), so the caller may try another checkpoint: a successful load fills
+    every slice, so nothing of a failed attempt survives it."""
     ckpt = Path(path)
     if readers == "all" or runtime.world_size == 1:
-        manifest = read_manifest(ckpt)
-        CheckpointReader(ckpt, manifest).read(slices)
+        manifest, error = None, None
+        try:
+            manifest = read_manifest(ckpt)
+            CheckpointReader(ckpt, manifest).read(slices)
+        except (CheckpointError, OSError) as e:
+            error = _as_checkpoint_error(ckpt, e)
+        raise_on_every_rank(error, runtime)
         return manifest
     import torch.distributed as dist
 
     from shardlm.launch import broadcast_text
 
     main = runtime.rank == 0
-    # Rank 0 reads and verifies the manifest; every rank verifies what it receives.
-    manifest = parse_manifest(ckpt, broadcast_text(json.dumps(read_manifest(ckpt)) if main else None,
+    # Rank 0 reads and verifies the manifest and every file before the first broadcast (a file
+    # found corrupt later would leave the other ranks waiting in one) — after its own slices'
+    # names and shapes, which fail fast for another model's checkpoint; every rank verifies the
+    # manifest it receives, and checks its own slices.
+    reader, error = None, None
+    if main:
+        try:
+            reader = CheckpointReader(ckpt, read_manifest(ckpt))
+            for s in slices:
+                reader.entry(s.name, s.shape)
+            reader.verify_all()
+        except (CheckpointError, OSError) as e:
+            error = _as_checkpoint_error(ckpt, e)
+    raise_on_every_rank(error, runtime)
+    manifest = parse_manifest(ckpt, broadcast_text(json.dumps(reader.manifest) if main else None,
                                                    runtime))
-    reader = CheckpointReader(ckpt, manifest)
+    reader = reader or CheckpointReader(ckpt, manifest)
     wanted: dict[str, list[StateSlice]] = {}
-    for s in slices:  # every rank checks names and shapes before the first broadcast
-        reader.entry(s.name, s.shape)
-        wanted.setdefault(s.name, []).append(s)
+    error = None
+    try:
+        for s in slices:
+            reader.entry(s.name, s.shape)
+            wanted.setdefault(s.name, []).append(s)
+    except CheckpointError as e:
+        error = e
+    raise_on_every_rank(error, runtime)
     for name in sorted(manifest["tensors"]):
         entry = manifest["tensors"][name]
         numel = 1
