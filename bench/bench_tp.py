@@ -1,0 +1,415 @@
+"""Tensor parallelism on 2 CPU ranks (gloo): shardlm's tp=2 against data parallelism and against
+torch's own tensor parallelism (DTensor parallel styles) on the same model.
+
+    dp=2 ZeRO-0      shardlm, parallel.zero_stage=0, micro-batch B/2 per rank
+    dp=2 ZeRO-3      shardlm, parallel.zero_stage=3, micro-batch B/2 per rank
+    tp=2             shardlm, parallel.tp=2 (dp=1), micro-batch B
+    tp=2 SP          shardlm, parallel.tp=2 + parallel.sequence_parallel=true
+    torch TP         torch.distributed.tensor.parallel.parallelize_module on shardlm's Decoder:
+                     ColwiseParallel on attn.qkv and mlp.fc (gate_up), RowwiseParallel on
+                     attn.proj and mlp.proj (down); token embedding, positions, norms and head
+                     plain replicated tensors (torch's vocabulary-parallel embedding and
+                     loss_parallel are not used); loss F.cross_entropy of the whole logits
+    torch TP SP      the same + SequenceParallel on every norm: the residual stream sharded
+                     along the sequence between blocks (chunked before block 0, gathered before
+                     the head), all-gather / reduce-scatter around the column / row linears
+
+Every case trains the same global batch B (default 4 sequences of 128 tokens) in fp32 from the
+same weights (shardlm.models.build_model / the trainer's per-parameter init: a function of
+(seed, name)) on the same batches (shardlm's Loader: dp ranks take consecutive slices of each
+global batch, so dp=2 x B/2 and dp=1 x B see the same sequences), with AdamW(fused=True, lr
+schedule lr_at, weight decay on matrices), clipping at 1.0. The step-1 losses must agree.
+
+torch's ColwiseParallel cuts a weight into contiguous row blocks, but our q/k/v (and SwiGLU's
+gate/up) projection is one fused Linear: its rows are regrouped before parallelize_module so
+rank r's block holds its own heads' q, k and v rows (the three ranges shardlm's Split cuts), and
+each Attention's n_heads / n_kv_heads are set to the local counts. Same function, same values.
+
+Every case runs in fresh processes (peak RSS is a per-process high-water mark) with
+MALLOC_MMAP_THRESHOLD_=65536 unless the environment sets it, so RSS follows what is alive (see
+bench_zero.py). Peak RSS is the max over ranks and includes setup: torch's side builds the whole
+model on each rank before parallelize_module cuts it (as asked of it); shardlm builds on the
+meta device and materialises only its pieces. Step time is the median of the timed steps
+(slowest rank); tokens/s is global (B * seq per step). On a machine other jobs share, --repeat
+runs the case list round-robin and reports the median and range. "CPU s/step" (this process's
+CPU time per timed step, all its threads, median, the busier rank) moves much less with other
+jobs' load than wall time does: it is the work a case does, gloo's copies and reductions
+included (whether a wait for the other rank counts depends on how gloo waits; not separated).
+The ledger is shardlm's byte ledger (comm/collectives.py) for one timed step, by process group;
+for tp cases it is set beside planner.timing.tp_comm_bytes * grad_accum. The planner columns
+are planner.search.predict_local(cfg, 2) for each shardlm case.
+
+Reproduce:  PYTHONPATH=src python bench/bench_tp.py --repeat 2          (gpt2-124m, ~9 min idle)
+            PYTHONPATH=src python bench/bench_tp.py --preset gpt-mini --steps 6
+            PYTHONPATH=src python bench/bench_tp.py --cases tp,torch-tp
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardlm.config import load_config
+from shardlm.data import Loader, build_dataset
+from shardlm.launch import cpu_cores
+from shardlm.models import build_model, count_params
+from shardlm.optim import lr_at, param_groups, set_lr
+from shardlm.spawn import run_ranks
+from shardlm.telemetry import peak_flops, peak_rss_bytes
+from shardlm.trainer import build_run, train_step
+
+WORLD = 2
+MiB = 2**20
+# (name, runner, data-parallel degree, shardlm's overrides or torch's sequence_parallel)
+CASES = [("dp=2 ZeRO-0", "shardlm", 2, {"parallel.zero_stage": 0}),
+         ("dp=2 ZeRO-3", "shardlm", 2, {"parallel.zero_stage": 3}),
+         ("tp=2", "shardlm", 1, {"parallel.tp": 2}),
+         ("tp=2 SP", "shardlm", 1, {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+         ("torch TP", "torch", 1, False),
+         ("torch TP SP", "torch", 1, True)]
+KEYS = {"dp0": "dp=2 ZeRO-0", "dp3": "dp=2 ZeRO-3", "tp": "tp=2", "tp-sp": "tp=2 SP",
+        "torch-tp": "torch TP", "torch-tp-sp": "torch TP SP"}
+
+
+def parse_value(text: str):
+    """--set values: int, float, true/false, else the string."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def overrides_for(args, dp: int, case: dict, run_dir: str) -> dict:
+    extra = dict((k, parse_value(v)) for k, v in (kv.split("=", 1) for kv in args.set))
+    return {"model.preset": args.preset, "train.micro_batch": args.global_batch // dp,
+            "train.seq_len": args.seq, "train.steps": args.warmup + args.steps,
+            "precision.compute": "fp32", "run.device": "cpu",
+            "run.dir": run_dir, "run.progress": "off", "train.eval_every": 0,
+            "train.sample_tokens": 0, **case, **extra}
+
+
+def timed_steps(step_fn, warmup: int, steps: int) -> dict:
+    """Losses of every step; wall and process CPU seconds (all threads) of each timed step."""
+    losses, seconds, cpu = [], [], []
+    for step in range(warmup + steps):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        losses.append(step_fn(step))
+        if step >= warmup:
+            seconds.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+    return {"losses": losses, "seconds": seconds, "cpu": cpu}
+
+
+# ---------------------------------------------------------------------------------------------
+# shardlm
+
+
+def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
+    run = build_run(load_config(overrides=overrides).validate())
+    setup_rss, ledgers = peak_rss_bytes(), []
+
+    def step(s: int) -> float:
+        run.strategy.ledger.reset()  # this step's collectives only (setup's are not a step's)
+        loss = train_step(run, s)[0]
+        ledgers.append(run.strategy.ledger.snapshot())
+        return loss
+
+    return {**timed_steps(step, warmup, steps), "setup_rss": setup_rss, "rss": peak_rss_bytes(),
+            "ledgers": ledgers[warmup:]}
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's tensor parallelism on the same Decoder
+
+
+@torch.no_grad()
+def regroup_rows(linear, segments: list[int], n: int) -> None:
+    """Reorder a fused Linear's output features [seg_0 | seg_1 | …] so the n contiguous blocks
+    ColwiseParallel cuts are [seg_0 part r | seg_1 part r | …] for r = 0..n-1."""
+    index, offset = [[] for _ in range(n)], 0
+    for size in segments:
+        part = size // n
+        for r in range(n):
+            index[r].append(torch.arange(offset + r * part, offset + (r + 1) * part))
+        offset += size
+    order = torch.cat([i for parts in index for i in parts])
+    linear.weight.copy_(linear.weight[order])
+    if linear.bias is not None:
+        linear.bias.copy_(linear.bias[order])
+
+
+def apply_torch_tp(model, mesh, sequence_parallel: bool) -> None:
+    """torch's parallel styles on a materialised Decoder, a plan in the manner of torchtitan's
+    apply_tp, with the embedding and head left replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    from shardlm.models.decoder import SwiGLU
+
+    n = mesh.size()
+    sharded = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+    colwise = ColwiseParallel(input_layouts=sharded)
+    rowwise = RowwiseParallel(output_layouts=sharded)
+    plan = {}
+    for i, block in enumerate(model.blocks):
+        attn, mlp = block.attn, block.mlp
+        regroup_rows(attn.qkv, [attn.n_heads * attn.head_dim] + 2 * [attn.n_kv_heads * attn.head_dim], n)
+        attn.n_heads, attn.n_kv_heads = attn.n_heads // n, attn.n_kv_heads // n
+        up, down = ("gate_up", "down") if isinstance(mlp, SwiGLU) else ("fc", "proj")
+        if isinstance(mlp, SwiGLU):
+            regroup_rows(mlp.gate_up, [mlp.hidden, mlp.hidden], n)
+            mlp.hidden //= n
+        plan.update({f"blocks.{i}.attn.qkv": colwise, f"blocks.{i}.attn.proj": rowwise,
+                     f"blocks.{i}.mlp.{up}": colwise, f"blocks.{i}.mlp.{down}": rowwise})
+        if sequence_parallel:
+            plan.update({f"blocks.{i}.attn_norm": SequenceParallel(),
+                         f"blocks.{i}.mlp_norm": SequenceParallel()})
+    if sequence_parallel:  # replicated embedding output -> this rank's chunk; gathered for the head
+        plan.update({"blocks.0": PrepareModuleInput(input_layouts=(Replicate(), None),
+                                                    desired_input_layouts=(Shard(1), None),
+                                                    use_local_output=True),
+                     "norm_f": SequenceParallel(),
+                     "head": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                desired_input_layouts=(Replicate(),),
+                                                use_local_output=True)})
+    parallelize_module(model, mesh, plan)
+
+
+def split_groups(model, weight_decay: float) -> list[dict]:
+    """param_groups with DTensors and plain tensors in separate groups: fused AdamW runs one
+    kernel per group and refuses a mix of the two."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for group in param_groups(model, weight_decay):
+        for is_dtensor in (True, False):
+            params = [p for p in group["params"] if isinstance(p, DTensor) == is_dtensor]
+            if params:
+                out.append({**group, "params": params})
+    return out
+
+
+def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over DTensor and plain gradients: each kind's norm on its
+    own (torch's foreach norm refuses a mix), the DTensor one completed over the group."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    squares = []
+    for kind in kinds:
+        if kind:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in kind])
+            squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum().sqrt()
+    for kind in kinds:
+        if kind:  # takes the parameters and scales their .grad
+            torch.nn.utils.clip_grads_with_norm_(kind, max_norm, total)
+    return total
+
+
+def torch_rank(rank: int, world: int, overrides: dict, sequence_parallel: bool, warmup: int,
+               steps: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = load_config(overrides=overrides).validate()
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    dataset = build_dataset(cfg.data, cfg.model.vocab_size)
+    loader = Loader(dataset.train, t.seq_len, t.micro_batch, grad_accum=1, seed=t.seed,
+                    dp_rank=0, dp_size=1)  # every tensor-parallel rank sees the whole batch
+    model = build_model(cfg.model, "cpu", seed=t.seed)
+    apply_torch_tp(model, init_device_mesh("cpu", (world,)), sequence_parallel)
+    optimizer = torch.optim.AdamW(split_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                                  eps=t.eps, fused=True)
+    setup_rss = peak_rss_bytes()
+
+    def step(s: int) -> float:
+        set_lr(optimizer, lr_at(s, t))
+        (x, y), = loader.micro_batches(s)
+        logits = model(x)  # (B, T, vocab), whole on every rank
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        clip_grad_norm(model, t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = loss.detach() / world  # the same on both ranks; one scalar all-reduce as shardlm's
+        dist.all_reduce(total)
+        return float(total)
+
+    return {**timed_steps(step, warmup, steps), "setup_rss": setup_rss, "rss": peak_rss_bytes(),
+            "ledgers": []}
+
+
+# ---------------------------------------------------------------------------------------------
+# Predictions and the table
+
+
+def predictions(cfg) -> dict:
+    """predict_local for a shardlm case, the tp formula for tp cases, and (for the report) the
+    same prediction with parallel.sequence_parallel passed through (config_strategy leaves the
+    Strategy's default, True)."""
+    from shardlm.hardware.catalog import local_cpu
+    from shardlm.planner.memory import estimate_memory
+    from shardlm.planner.search import config_strategy, predict_local
+    from shardlm.planner.timing import estimate_time, tp_comm_bytes
+
+    p = predict_local(cfg, WORLD)
+    out = {"tok_s": p.tokens_per_s, "peak": p.peak_process_bytes, "formula": None}
+    par, t = cfg.parallel, cfg.train
+    workload, strategy = config_strategy(cfg, local_cpu(WORLD))
+    out["strategy_sp"] = strategy.sequence_parallel
+    if par.tp > 1:
+        out["formula"] = t.grad_accum * tp_comm_bytes(cfg.model, t.micro_batch * t.seq_len, par.tp,
+                                                      par.sequence_parallel, 4, cfg.activation.checkpoint)
+    if strategy.layout.tp > 1 and strategy.sequence_parallel != par.sequence_parallel:
+        fixed = dataclasses.replace(strategy, sequence_parallel=par.sequence_parallel)
+        cluster = local_cpu(WORLD)
+        out["fixed"] = (estimate_time(workload, fixed, cluster).tokens_per_s,
+                        estimate_memory(workload, fixed, cluster).peak)
+    return out
+
+
+def by_group(ledger: dict[str, int]) -> dict[str, int]:
+    groups: dict[str, int] = defaultdict(int)
+    for key, nbytes in ledger.items():
+        groups[key.split("/", 1)[1]] += nbytes
+    return dict(groups)
+
+
+def summarize(ranks: list[dict], tokens_per_step: int) -> dict:
+    """Ranks wait for each other in every collective: the slowest rank's median is the step."""
+    step_s = max(statistics.median(r["seconds"]) for r in ranks)
+    ledgers = ranks[0]["ledgers"]
+    return {"tok_s": tokens_per_step / step_s, "cpu_s": max(statistics.median(r["cpu"]) for r in ranks),
+            "rss": max(r["rss"] for r in ranks),
+            "setup_rss": max(r["setup_rss"] for r in ranks), "first": ranks[0]["losses"][0],
+            "last": ranks[0]["losses"][-1], "ledger": ledgers[-1] if ledgers else None,
+            "ledger_steady": all(led == ledgers[-1] for led in ledgers)}
+
+
+def combine(runs: list[dict]) -> dict:
+    """Repeats of one case: the median tokens/s (and the range), the highest peak RSS; losses
+    and ledgers are the same every time (checked)."""
+    first = runs[0]
+    speeds = sorted(r["tok_s"] for r in runs)
+    same = all(r["first"] == first["first"] and r["ledger"] == first["ledger"] for r in runs)
+    return {**first, "tok_s": statistics.median(speeds), "tok_s_range": (speeds[0], speeds[-1]),
+            "cpu_s": statistics.median(r["cpu_s"] for r in runs),
+            "rss": max(r["rss"] for r in runs), "setup_rss": max(r["setup_rss"] for r in runs),
+            "repeatable": same}
+
+
+def row_text(name: str, m: dict, pred: dict | None, first_ref: float) -> str:
+    def err(p, x):
+        return f"{p:,.0f} ({(p - x) / x:+.0%})"
+
+    if m["ledger"] is None:
+        ledger = "– (not shardlm)"
+    else:
+        ledger = ", ".join(f"{g} {b / MiB:,.2f}" for g, b in sorted(by_group(m["ledger"]).items())) or "0"
+        ledger += "" if m["ledger_steady"] else " (varies by step)"
+    formula = "–"
+    if pred and pred["formula"] is not None:
+        tp_bytes = by_group(m["ledger"]).get("tp", 0)
+        formula = f"{pred['formula'] / MiB:,.2f} ({tp_bytes / pred['formula']:.4f})"
+    low, high = m["tok_s_range"]
+    speed = f"{m['tok_s']:,.0f}" + (f" ({low:,.0f}-{high:,.0f})" if high > low else "")
+    loss = f"{m['first']:.4f} ({abs(m['first'] - first_ref):.0e})"
+    loss += "" if m["repeatable"] else " (differs by run)"
+    return (f"| {name} | {speed} | {m['cpu_s']:.2f} | {err(pred['tok_s'], m['tok_s']) if pred else '–'} | "
+            f"{m['rss'] / MiB:,.0f} | {err(pred['peak'] / MiB, m['rss'] / MiB) if pred else '–'} | "
+            f"{m['setup_rss'] / MiB:,.0f} | {loss} | {m['last']:.4f} | {ledger} | {formula} |")
+
+
+def run_case(fn, tmp: str, *args) -> list[dict]:
+    return run_ranks(fn, WORLD, Path(tempfile.mkdtemp(dir=tmp)), *args, timeout=3600)
+
+
+def measure(args, runner: str, dp: int, case, tmp: str, tokens_per_step: int) -> dict:
+    """One case in fresh processes."""
+    if runner == "shardlm":
+        ranks = run_case(shardlm_rank, tmp, overrides_for(args, dp, case, tmp), args.warmup, args.steps)
+    else:
+        ranks = run_case(torch_rank, tmp, overrides_for(args, dp, {}, tmp), case, args.warmup, args.steps)
+    return summarize(ranks, tokens_per_step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="gpt2-124m")
+    parser.add_argument("--global-batch", type=int, default=4, help="sequences per step, every case")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per case")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the case list this many times, round-robin (on a shared machine: "
+                             "the median tokens/s and its range are reported)")
+    parser.add_argument("--cases", default=",".join(KEYS), help=f"comma-separated: {', '.join(KEYS)}")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every case (repeatable), e.g. model.d_model=512")
+    args = parser.parse_args()
+    if args.global_batch % WORLD:
+        parser.error(f"--global-batch {args.global_batch} must divide by the {WORLD} data-parallel ranks")
+    wanted = {KEYS[k] for k in args.cases.split(",")}
+    cases = [c for c in CASES if c[0] in wanted]
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the ranks
+    cfg = load_config(overrides=overrides_for(args, 1, {}, "")).validate()
+    build_dataset(cfg.data, cfg.model.vocab_size)  # tokenizer + token stream built once, here
+    threads = max(1, cpu_cores() // WORLD)  # probe the matmul peak here, not inside a rank
+    torch.set_num_threads(threads)
+    peak_flops(torch.device("cpu"), "fp32")
+    tokens_per_step = args.global_batch * args.seq
+    print(f"torch {torch.__version__}, {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
+          f"({count_params(cfg.model) / 1e6:.1f}M params), fp32, global batch {args.global_batch}x"
+          f"{args.seq}, {args.warmup} warm-up + {args.steps} timed steps, {args.repeat} run(s) per case, "
+          f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}, load average "
+          f"{os.getloadavg()[0]:.1f} at start (other jobs share the machine)", flush=True)
+    preds, notes = {}, []
+    for name, runner, dp, case in cases:
+        if runner == "shardlm":
+            preds[name] = predictions(load_config(overrides=overrides_for(args, dp, case, "")).validate())
+            if "fixed" in preds[name]:
+                fixed = preds[name]["fixed"]
+                notes.append(f"{name}: predict_local models sequence_parallel={preds[name]['strategy_sp']} "
+                             f"(config_strategy does not pass parallel.sequence_parallel); passed "
+                             f"through: {fixed[0]:,.0f} tok/s, {fixed[1] / MiB:,.0f} MiB")
+    runs = defaultdict(list)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeat):
+            for name, runner, dp, case in cases:
+                runs[name].append(measure(args, runner, dp, case, tmp, tokens_per_step))
+                print(f"run {i + 1} {name}: {runs[name][-1]['tok_s']:,.1f} tok/s, "
+                      f"{runs[name][-1]['cpu_s']:.2f} CPU s/step, load average "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
+    header = ("case", "tok/s" + (" median (range)" if args.repeat > 1 else ""),
+              "CPU s/step (max rank)", "planner tok/s (err)",
+              "peak RSS MiB (max rank)", "planner peak MiB (err)", "setup RSS MiB",
+              "step-1 loss (|Δ| vs first row)", "final loss", "ledger MiB/step by group",
+              "tp formula MiB/step (ledger / formula)")
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    first_ref = None
+    for name, *_ in cases:
+        m = combine(runs[name])
+        first_ref = m["first"] if first_ref is None else first_ref
+        print(row_text(name, m, preds.get(name), first_ref))
+    for note in notes:
+        print(f"- {note}")
+    print(f"\nReproduce: PYTHONPATH=src python bench/bench_tp.py {' '.join(sys.argv[1:])}")
+
+
+if __name__ == "__main__":
+    main()
