@@ -350,7 +350,8 @@ def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
     t, zero = cfg.train, cfg.zero
     strategy = Strategy(dims, cfg.parallel.zero_stage,
                         t.micro_batch, t.grad_accum, cfg.activation.checkpoint,
-                        zero.offload_optimizer, zero.offload_params, dtypes)
+                        zero.offload_optimizer, zero.offload_params, dtypes,
+                        sequence_parallel=cfg.parallel.sequence_parallel)
     return Workload(cfg.model, t.seq_len, t.micro_batch * t.grad_accum * dims.dp_size), strategy
 
 
