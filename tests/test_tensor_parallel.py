@@ -8,29 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_overrides
-from shardlm.placement import Split
 from shardlm.spawn import run_ranks
-from tp_cases import cross_entropy_case
+from tp_cases import cross_entropy_case, whole_params
 from zero_cases import reference_case, train_cases
 
 STEPS = 3
-
-
-def whole_params(results: list[dict]) -> dict[str, torch.Tensor]:
-    """The whole parameters, put together from every tensor-parallel rank's pieces."""
-    whole: dict[str, torch.Tensor] = {}
-    for result in results:
-        for name, piece in result["params"].items():
-            split: Split | None = result["splits"].get(name)
-            if split is None:
-                whole.setdefault(name, piece)
-                continue
-            target = whole.setdefault(name, torch.full(split.shape, float("nan")))
-            at = 0
-            for lo, hi in split.ranges:
-                target.narrow(split.dim, lo, hi - lo).copy_(piece.narrow(split.dim, at, hi - lo))
-                at += hi - lo
-    return whole
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shardlm.placement import Split
+
 
 def cross_entropy_case(rank: int, world_size: int, vocab: int) -> dict:
     """The vocabulary-parallel cross-entropy and its gradient on this rank's vocabulary rows,
@@ -29,3 +31,20 @@ def cross_entropy_case(rank: int, world_size: int, vocab: int) -> dict:
     return {"loss": float(loss.detach()), "grad": mine.grad, "lo": lo, "hi": hi, "gathered": gathered,
             "bytes": dict(ledger.bytes), "logits": logits, "targets": targets}
 
+
+
+def whole_params(results: list[dict]) -> dict[str, torch.Tensor]:
+    """The whole parameters, put together from every tensor-parallel rank's pieces."""
+    whole: dict[str, torch.Tensor] = {}
+    for result in results:
+        for name, piece in result["params"].items():
+            split: Split | None = result["splits"].get(name)
+            if split is None:
+                whole.setdefault(name, piece)
+                continue
+            target = whole.setdefault(name, torch.full(split.shape, float("nan")))
+            at = 0
+            for lo, hi in split.ranges:
+                target.narrow(split.dim, lo, hi - lo).copy_(piece.narrow(split.dim, at, hi - lo))
+                at += hi - lo
+    return whole

@@ -145,6 +145,13 @@ def _planner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
+def _model_axes(dims, par) -> str:
+    """', tp 2 (sequence parallel), cp 2' for the axes beyond data parallelism ('' if none)."""
+    axes = [f"tp {dims.tp}" + (" (sequence parallel)" if par.sequence_parallel else "")] if dims.tp > 1 else []
+    axes += [f"cp {dims.cp}"] if dims.cp > 1 else []
+    return "".join(", " + a for a in axes)
+
+
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from shardlm.config import describe, load_config, parse_overrides
 
@@ -244,7 +251,8 @@ def train_here(cfg) -> int:
     if main:
         print(f"shardlm: {cfg.model.preset} ({count_params(cfg.model) / 1e6:.1f}M params) on "
               f"{run.runtime.world_size} x {run.runtime.device}, {run.precision.name}, ZeRO stage "
-              f"{cfg.parallel.zero_stage}, {run.train_loader.global_batch} x {t.seq_len} tokens/step, "
+              f"{cfg.parallel.zero_stage}{_model_axes(run.mesh.dims, cfg.parallel)}, "
+              f"{run.train_loader.global_batch} x {t.seq_len} tokens/step, "
               f"{t.steps} steps -> {run.run_dir}", flush=True)
     print(state_report(run), flush=True)
     result = train(run)

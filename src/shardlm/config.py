@@ -168,6 +168,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """With tp > 1: norms and residuals on 1/tp of the sequence each, all-gather/reduce-scatter
     in place of the all-reduces (Korthikanti et al. 2022); same results, less activation memory."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks (2·cp load-balanced chunks),
+    attention by passing key/value blocks around a ring (parallel/context.py); activations
+    1/cp per rank. train.seq_len must divide by 2·cp."""
     pp: int = 1
     """Pipeline-parallel degree (reserved: 1 until pipeline parallelism lands)."""
     ep: int = 1
@@ -542,6 +546,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "parallel.dp_replicate": _rule(lambda v: v >= 1, "must be >= 1"),
     "parallel.dp_shard": _rule(lambda v: v >= 1 or v == -1, "must be >= 1 or -1 (all remaining ranks)"),
     "parallel.tp": _positive(),
+    "parallel.cp": _positive(),
     "parallel.pp": _only_one("pp"),
     "parallel.ep": _only_one("ep"),
     "parallel.collective_timeout_s": _non_negative(" (0 disables the watchdog)"),
@@ -624,6 +629,15 @@ def _sequence_parallel_needs_tp(cfg: Config) -> list[str]:
     par = cfg.parallel
     return (["parallel.sequence_parallel = true splits the sequence inside the tensor-parallel group: "
              "it needs parallel.tp > 1"] if par.sequence_parallel and par.tp == 1 else [])
+
+
+@_cross("parallel.cp", "train.seq_len")
+def _cp_divides_sequence(cfg: Config) -> list[str]:
+    cp, t = cfg.parallel.cp, cfg.train.seq_len
+    return ([f"parallel.cp = {cp} cuts each sequence into 2·cp = {2 * cp} chunks (one from the front "
+             f"and one from the back per rank, for load balance), so train.seq_len = {t} must divide "
+             f"by {2 * cp}; try train.seq_len = {max(2 * cp, t // (2 * cp) * 2 * cp)}"]
+            if cp > 1 and t % (2 * cp) else [])
 
 
 @_cross("train.seq_len", "model.max_seq_len")

@@ -1,9 +1,14 @@
 """The rank grid (dims.py ParallelDims) as a named device mesh and its process groups.
 
-Ranks are laid out as (dp_replicate, dp_shard, tp) with tp innermost (rank = (replica *
-dp_shard + shard) * tp + t): a tensor-parallel group is a run of consecutive ranks — on a
-cluster, GPUs of one node, where its per-layer all-reduces are cheapest — then a sharding group,
-the next cheapest (ZeRO-3's gathers once per unit), and replicas span nodes (HSDP).
+Ranks are laid out as (dp_replicate, dp_shard, cp, tp) with tp innermost (rank = ((replica ·
+dp_shard + shard) · cp + c) · tp + t): a tensor-parallel group is a run of consecutive ranks —
+on a cluster, GPUs of one node, where its per-layer all-reduces are cheapest — then the
+context-parallel ring (a K/V block per layer per hop), then a sharding group (ZeRO-3's gathers
+once per unit), and replicas span nodes (HSDP).
+
+Context-parallel ranks hold the same parameters and see the same sequences (each a different
+part of them), so for ZeRO they are data-parallel ranks: model states are sharded over
+dp_shard × cp (FSDP2's "dp_shard_cp" in torchtitan), and gradients reduced over it.
 """
 
 from __future__ import annotations
@@ -27,43 +32,65 @@ class Mesh:
     rank: int
     device_mesh: DeviceMesh | None
     dp_shard_group: dist.ProcessGroup | None
+    """What ZeRO shards over: dp_shard × cp ranks of one replica and tensor-parallel position."""
     dp_replicate_group: dist.ProcessGroup | None
     tp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
-    """Every data-parallel rank of this rank's tensor-parallel position (replicas × shards); the
-    whole world when tp = 1 (None: use the default group)."""
+    """Every data- and context-parallel rank of this rank's tensor-parallel position; the whole
+    world when tp = 1 (None: use the default group)."""
+    cp_group: dist.ProcessGroup | None = None
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.dims.tp
 
     @property
+    def cp_rank(self) -> int:
+        return self.rank // self.dims.tp % self.dims.cp
+
+    @property
     def dp_rank(self) -> int:
-        """This rank's position among all data-parallel ranks (what the sampler needs): the
-        ranks of one tensor-parallel group see the same data."""
-        return self.rank // self.dims.tp
+        """This rank's position among the ranks that see different data (what the sampler
+        needs): the ranks of one tensor- and context-parallel group see the same sequences."""
+        return self.rank // (self.dims.tp * self.dims.cp)
 
     @property
     def shard_rank(self) -> int:
-        return self.dp_rank % self.dims.dp_shard
+        """Position in the ZeRO sharding group (dp_shard × cp)."""
+        return self.dp_rank % self.dims.dp_shard * self.dims.cp + self.cp_rank
+
+    @property
+    def replica_rank(self) -> int:
+        return self.dp_rank // self.dims.dp_shard
+
+
+def _my_group(rank: int, groups: list[list[int]]) -> dist.ProcessGroup:
+    """Create every group (all ranks must, in the same order) and return the one holding `rank`."""
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def build_mesh(dims: ParallelDims, device: torch.device, rank: int) -> Mesh:
     if dims.world_size == 1:
         return Mesh(dims, 0, None, None, None)
-    if dims.tp == 1:
-        mesh = init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard),
-                                mesh_dim_names=("dp_replicate", "dp_shard"))
-    else:
-        mesh = init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard, dims.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    shard = mesh.get_group("dp_shard") if dims.dp_shard > 1 else None
-    replicate = mesh.get_group("dp_replicate") if dims.dp_replicate > 1 else None
-    tp = mesh.get_group("tp") if dims.tp > 1 else None
+    names = ("dp_replicate", "dp_shard", "cp", "tp")
+    shape = (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+    keep = [i for i, n in enumerate(shape) if n > 1 or names[i].startswith("dp")]
+    mesh = init_device_mesh(device.type, tuple(shape[i] for i in keep),
+                            mesh_dim_names=tuple(names[i] for i in keep))
+    group = lambda name: mesh.get_group(name) if name in mesh.mesh_dim_names and \
+        shape[names.index(name)] > 1 else None  # noqa: E731
+    shard = group("dp_shard")
+    inner = dims.cp * dims.tp
+    if dims.cp > 1 and dims.dp_shard * dims.cp > 1:  # shard over dp_shard × cp together
+        shard = _my_group(rank, [[(r * dims.dp_shard + s) * inner + c * dims.tp + t
+                                  for s in range(dims.dp_shard) for c in range(dims.cp)]
+                                 for r in range(dims.dp_replicate) for t in range(dims.tp)])
     dp = None
-    if dims.tp > 1 and dims.dp_size > 1:  # every rank creates every group, in the same order
-        for t in range(dims.tp):
-            group = dist.new_group(list(range(t, dims.world_size, dims.tp)))
-            if t == rank % dims.tp:
-                dp = group
-    return Mesh(dims, rank, mesh, shard, replicate, tp, dp)
+    if dims.tp > 1 and dims.dp_size * dims.cp > 1:
+        dp = _my_group(rank, [list(range(t, dims.world_size, dims.tp)) for t in range(dims.tp)])
+    return Mesh(dims, rank, mesh, shard, group("dp_replicate"), group("tp"), dp, group("cp"))

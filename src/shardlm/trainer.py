@@ -185,7 +185,7 @@ def _choose_source(cfg: Config, run_dir: Path, rejected: dict[Path, str] | None)
 def _layout(run: Run) -> dict:
     dims = run.mesh.dims
     return {"world_size": dims.world_size, "zero_stage": run.cfg.parallel.zero_stage,
-            "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp}
+            "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp}
 
 
 def save_checkpoint(run: Run, step: int) -> SaveReport:
@@ -284,7 +284,8 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     # Every micro-batch's loss is divided by the global number of micro-batches and gradients
     # are summed across ranks: each rank's backward then computes exactly what one process
     # would for that micro-batch, so a 2-rank run can match a 1-process run bit for bit.
-    global_micro_batches = len(micro_batches) * run.mesh.dims.dp_size
+    # Context parallelism: each rank's loss is the mean over its 1/cp of the tokens.
+    global_micro_batches = len(micro_batches) * run.mesh.dims.dp_size * run.mesh.dims.cp
     total = torch.zeros((), device=run.runtime.device)
     for i, (x, y) in enumerate(micro_batches):
         # Gradients are synchronised on the last micro-batch only (nanoGPT's no_sync reasoning:
@@ -315,9 +316,12 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
 @torch.no_grad()
 def evaluate(run: Run) -> float:
     run.model.eval()
-    losses = [float(loss_of(run, x, y)) for x, y in run.val_loader.eval_batches(run.cfg.train.eval_batches)]
+    losses = torch.stack([loss_of(run, x, y).float() for x, y in run.val_loader.eval_batches(run.cfg.train.eval_batches)])
     run.model.train()
-    return sum(losses) / len(losses)
+    if run.mesh.cp_group is not None:  # each rank scored its part of the sequences: their mean
+        torch.distributed.all_reduce(losses, group=run.mesh.cp_group)
+        losses /= run.mesh.dims.cp
+    return float(losses.mean())
 
 
 def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: float) -> dict:

@@ -133,3 +133,29 @@ class Comm:
         return self._launch("all_gather", output.numel() * output.element_size(),
                             lambda: _all_gather_single(output, input, group=self.group,
                                                        async_op=True))
+
+    def shift(self, send: torch.Tensor, recv: torch.Tensor):
+        """Send `send` to the next rank of the group (ring order) and receive the previous
+        rank's into `recv` (same shape), both at once: one hop of a ring. Counted as the bytes
+        this rank sends ("send_recv")."""
+        if self.group is None:
+            recv.copy_(send)
+            return _Done()
+        to = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        frm = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+        ops = [dist.P2POp(dist.isend, send, to, self.group), dist.P2POp(dist.irecv, recv, frm, self.group)]
+        return self._launch("send_recv", send.numel() * send.element_size(),
+                            lambda: _AllOf(dist.batch_isend_irecv(ops)))
+
+
+class _AllOf:
+    """One handle for several point-to-point requests."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return True

@@ -4,11 +4,12 @@ A plain model — ours built on the meta device, or any nn.Module — goes throu
 fixed order, each a function that logs what it applied:
 
     tensor parallelism (apply_tp: layers replaced by their tensor-parallel versions, still on
-    the meta device)  →  activation checkpointing (apply_ac)  →  data parallelism / ZeRO
+    the meta device)  →  context parallelism (apply_cp: the sequence split, attention by ring)
+    →  activation checkpointing (apply_ac)  →  data parallelism / ZeRO
     (apply_data_parallel: the sharded build materialises the model here, one unit at a time,
     each parameter initialised whole and cut to this rank's piece)  →  compile
 
-Context, expert and pipeline parallelism take their places (tensor → context → expert →
+Expert and pipeline parallelism take their places (tensor → context → expert →
 activation checkpointing → pipeline split → ZeRO → compile) as they land; until then config
 validation refuses their degrees above 1.
 """
@@ -27,9 +28,10 @@ from shardlm.comm.watchdog import CollectiveWatchdog
 from shardlm.config import Config
 from shardlm.mesh import Mesh
 from shardlm.parallel.activation import apply_ac
+from shardlm.parallel.context import CPState, apply_cp
 from shardlm.models.init import initializer_for
 from shardlm.parallel.data import DataParallelEngine, apply_data_parallel
-from shardlm.parallel.tensor import TPState, apply_tp, sliced, vocab_parallel_cross_entropy
+from shardlm.parallel.tensor import TPState, VocabParallelHead, apply_tp, sliced, vocab_parallel_cross_entropy
 
 log = logging.getLogger("shardlm")
 
@@ -44,12 +46,18 @@ class Parallelized:
     """Gradient synchronisation, clipping and the optimizer step (local or ZeRO)."""
     tp: TPState | None = None
     """The tensor-parallel group, when there is one."""
+    cp: CPState | None = None
+    """The context-parallel group, when there is one."""
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy in fp32 (a bf16/fp16 softmax over 50k classes loses the small
-        probabilities); vocabulary-parallel when the head is."""
-        if self.tp is not None:
-            return vocab_parallel_cross_entropy(logits, targets, self.model.head)
+        probabilities); vocabulary-parallel when the head is. Under context parallelism, the
+        mean over this rank's tokens (the targets cut as the forward cut the inputs)."""
+        if self.cp is not None:
+            targets = self.cp.local(targets)
+        head = getattr(self.model, "head", None)
+        if isinstance(head, VocabParallelHead):  # a transformers model's head stays whole
+            return vocab_parallel_cross_entropy(logits, targets, head)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
@@ -72,7 +80,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
         if mesh.dims.tp > 1 else None
     if tp is not None:
         initializer = sliced(initializer, tp.splits)
+    cp = apply_cp(model, Comm(mesh.cp_group, "cp", ledger, watchdog)) if mesh.dims.cp > 1 else None
     apply_ac(model, cfg.activation.checkpoint)
     strategy = apply_data_parallel(model, mesh, cfg, device, watchdog, run_dir, initializer, ledger,
                                    tp.splits if tp else None)
-    return Parallelized(model, apply_compile(model, cfg.train.compile), strategy, tp)
+    return Parallelized(model, apply_compile(model, cfg.train.compile), strategy, tp, cp)

@@ -179,6 +179,23 @@ def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, reco
     return total
 
 
+def cp_comm_bytes(m, tokens: int, cp: int, tp: int, e: int, recompute: str = "none",
+                  layers: int | None = None) -> int:
+    """Bytes a context-parallel rank sends per micro-batch of `tokens` tokens (the whole
+    sequence's, before the split), as the ledger counts them (send_recv: bytes sent), for
+    parallel/context.py's ring: per block, forward cp-1 hops of this rank's keys and values
+    (2·tokens/cp·h_kv/tp·e: its tensor-parallel share of the key/value heads); backward cp-1
+    hops again plus cp hops of their fp32 gradients; recomputation ("full" or "selective")
+    runs the forward ring again."""
+    if cp == 1:
+        return 0
+    layers = m.n_layers if layers is None else layers
+    kv_heads = (m.n_kv_heads or m.n_heads) // tp
+    elems = 2 * tokens // cp * kv_heads * (m.d_model // m.n_heads)  # k and v of one rank
+    hops = (cp - 1) * (3 if recompute != "none" else 2)
+    return layers * (hops * elems * e + cp * elems * 4)
+
+
 def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> list[CommTime]:
     """Tensor, pipeline and expert parallel traffic, all on the critical path."""
     lay, e, m = s.layout, s.dtypes.param_bytes, w.model

@@ -159,8 +159,8 @@ class ZeroEngine:
         self.watchdog = watchdog
         self.splits = splits or {}
         sharded = opts.stage >= 1
-        # Stage 0 all-reduces over every data-parallel rank: the world, unless tensor
-        # parallelism takes a factor of it.
+        # Stage 0 all-reduces over every data- and context-parallel rank: the world, unless
+        # tensor parallelism takes a factor of it.
         everyone = (mesh.dp_group if mesh.dims.tp > 1 else dist.group.WORLD) if mesh.dims.world_size > 1 else None
         self.shard_comm = Comm(mesh.dp_shard_group if sharded else everyone,
                                "dp_shard" if sharded else "dp", self.ledger, watchdog)
@@ -371,8 +371,8 @@ class ZeroEngine:
     def writes_checkpoint(self) -> bool:
         """Stage 0: every rank holds everything and rank 0 writes it; sharded: the first
         replica group writes its shards."""
-        dims = self.mesh.dims
-        return self.mesh.dp_rank == 0 if self.opts.stage == 0 else self.mesh.dp_rank < dims.dp_shard
+        mesh = self.mesh
+        return mesh.replica_rank == 0 and (self.opts.stage > 0 or mesh.shard_rank == 0)
 
     def state_slices(self, saving: bool = False) -> list[StateSlice]:
         """Per master segment, the parameters it overlaps, cut to the overlap, in the whole

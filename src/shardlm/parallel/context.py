@@ -1,0 +1,282 @@
+"""Context parallelism: one sequence split over the C ranks of a context-parallel group, with
+attention by ring (ring attention: Liu et al. 2023; the load-balanced layout of Megatron-LM's
+and torchtitan's context parallelism).
+
+Everything in a block but attention works token by token, so each rank runs it on its own
+tokens only: activations are 1/C per rank. Attention needs every earlier key and value: the
+ranks pass their key/value blocks around the ring, C - 1 hops, each rank merging the partial
+attention of its queries over each block it receives (the log-sum-exp merge of flash
+attention), while the next block is already in flight.
+
+Load balance. With the causal mask, a rank holding the sequence's last chunk does C times the
+attention work of the one holding the first. So the sequence is cut into 2C chunks and rank r
+holds chunks r and 2C-1-r, one from the front and one from the back: at every hop but the
+first, each rank computes exactly half a block, the same work on every rank: from an earlier
+rank, all its queries against that rank's front chunk (its back chunk comes after both of
+ours); from a later one, only our back chunk's queries, against both its chunks (our front
+chunk comes before both).
+
+Why a ring and not DeepSpeed-Ulysses' all-to-all over heads: Ulysses needs the heads (and the
+key/value heads, for GQA) to divide by C, and each rank then holds the whole sequence for its
+heads inside attention; the ring works for any head count, composes with tensor parallelism
+(which already splits the heads), keeps every activation at 1/C, and hides its hops behind
+the block computations. docs/architecture.md has the comparison.
+
+The backward passes the key/value blocks around the ring again, recomputing each block's
+partial gradients from the saved output and log-sum-exp, and the blocks' key/value gradients
+travel with them (fp32, so C partial sums do not round at each hop), arriving home after C hops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.comm.collectives import Comm
+from shardlm.errors import ConfigError
+
+log = logging.getLogger("shardlm")
+
+
+@dataclass
+class CPState:
+    """The context-parallel group of one model. A forward splits the sequence when its length
+    divides into 2C chunks and splitting is on (generation turns it off: every rank then
+    computes the whole, short, sequence)."""
+
+    comm: Comm
+    enabled: bool = True
+    sharded: bool = False
+    """True while this forward runs on this rank's chunks."""
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def positions(self, length: int, device: torch.device | None = None) -> torch.Tensor:
+        """This rank's token positions in a sequence of `length`: chunks r and 2C-1-r of 2C."""
+        chunk = length // (2 * self.size)
+        front, back = self.rank * chunk, (2 * self.size - 1 - self.rank) * chunk
+        return torch.cat([torch.arange(front, front + chunk, device=device),
+                          torch.arange(back, back + chunk, device=device)])
+
+    def split(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T) token ids -> this rank's (B, T/C) and their positions; or, when this forward
+        does not split, the ids unchanged and None."""
+        length = idx.shape[1]
+        self.sharded = self.enabled and length % (2 * self.size) == 0
+        if not self.sharded:
+            return idx, None
+        positions = self.positions(length, idx.device)
+        return idx[:, positions], positions
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """The same cut of another (B, T, ...) tensor of this forward (the targets)."""
+        return x[:, self.positions(x.shape[1], x.device)] if self.sharded else x
+
+    @contextlib.contextmanager
+    def whole_sequences(self) -> Iterator[None]:
+        """Forwards inside compute the whole sequence on every rank (generation)."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention over one key/value block: output and log-sum-exp, and the gradients given the final
+# output and log-sum-exp (flash attention's backward needs nothing else).
+
+
+def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of an expanded key/value head back onto the shared head."""
+    if groups == 1:
+        return grad
+    b, h, t, d = grad.shape
+    return grad.view(b, h // groups, groups, t, d).sum(2)
+
+
+def _has_cpu_flash(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q kᵀ·scale) v and the log-sum-exp of each query's scores (fp32). Causal: the
+    diagonal block (queries and keys the same positions). Keys/values already expanded to the
+    query heads."""
+    if _has_cpu_flash(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.float()
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, h, tq, tk): any device
+    if causal:
+        scores = scores.masked_fill(_future(scores), float("-inf"))
+    lse = scores.logsumexp(-1)
+    return ((scores - lse.unsqueeze(-1)).exp() @ v.float()).to(q.dtype), lse
+
+
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """dq, dk, dv of one block's share of the attention whose final output and log-sum-exp
+    are `out` and `lse`."""
+    if _has_cpu_flash(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.to(torch.float32), 0.0, causal, scale=scale)
+    qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
+    scores = (qf @ kf.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(_future(scores), float("-inf"))
+    p = (scores - lse.unsqueeze(-1)).exp()  # this block's probabilities under the whole softmax
+    delta = (df * out.float()).sum(-1, keepdim=True)
+    ds = p * (df @ vf.transpose(-1, -2) - delta) * scale
+    return (ds @ kf).to(q.dtype), (ds.transpose(-1, -2) @ qf).to(k.dtype), (p.transpose(-1, -2) @ df).to(v.dtype)
+
+
+def _future(scores: torch.Tensor) -> torch.Tensor:
+    tq, tk = scores.shape[-2:]
+    return torch.ones(tq, tk, dtype=torch.bool, device=scores.device).triu(1)
+
+
+def _merge(out, lse, block_out, block_lse, rows: slice):
+    """Fold a block's partial attention into the running output (fp32) for query rows `rows`."""
+    o, l = out[:, :, rows], lse[:, :, rows]
+    new = torch.logaddexp(l, block_lse)
+    o.mul_((l - new).exp().unsqueeze(-1)).add_(block_out.float() * (block_lse - new).exp().unsqueeze(-1))
+    l.copy_(new)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring
+
+
+def _hop(step: int, cp: CPState) -> tuple[str, int]:
+    """Which part of the work hop `step` does: the source rank of the block held, and
+    'diagonal' (own block, causal), 'front' (every query against the block's front chunk:
+    the source is an earlier rank) or 'back' (the back chunk's queries against both chunks)."""
+    src = (cp.rank - step) % cp.size
+    return ("diagonal" if step == 0 else "front" if src < cp.rank else "back"), src
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp: CPState, scale: float):
+        groups = q.shape[1] // k.shape[1]
+        half = q.shape[2] // 2
+        kv = torch.stack([k, v]).contiguous()  # one buffer per hop
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        for step in range(cp.size):
+            if step < cp.size - 1:
+                incoming = torch.empty_like(kv)
+                pending = cp.comm.shift(kv, incoming)
+            kind, _ = _hop(step, cp)
+            kb, vb = _expand(kv[0], groups), _expand(kv[1], groups)
+            if kind == "diagonal":
+                rows, o, lse_b = slice(None), *block_forward(q, kb, vb, True, scale)
+            elif kind == "front":
+                rows, o, lse_b = slice(None), *block_forward(q, kb[:, :, :half].contiguous(), vb[:, :, :half].contiguous(), False, scale)
+            else:
+                rows, o, lse_b = slice(half, None), *block_forward(q[:, :, half:].contiguous(), kb, vb, False, scale)
+            _merge(out, lse, o, lse_b, rows)
+            if step < cp.size - 1:
+                pending.wait()
+                kv = incoming
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.scale = cp, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, scale = ctx.cp, ctx.scale
+        groups, half = q.shape[1] // k.shape[1], q.shape[2] // 2
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its block
+        for step in range(cp.size):
+            if step < cp.size - 1:
+                incoming = torch.empty_like(kv)
+                pending = cp.comm.shift(kv, incoming)
+            kind, _ = _hop(step, cp)
+            kb, vb = _expand(kv[0], groups), _expand(kv[1], groups)
+            if kind == "diagonal":
+                gq, gk, gv = block_backward(dout, q, kb, vb, out, lse, True, scale)
+                dq += gq
+                dkv[0] += _fold(gk, groups)
+                dkv[1] += _fold(gv, groups)
+            elif kind == "front":
+                gq, gk, gv = block_backward(dout, q, kb[:, :, :half].contiguous(), vb[:, :, :half].contiguous(),
+                                            out, lse, False, scale)
+                dq += gq
+                dkv[0, :, :, :half] += _fold(gk, groups)
+                dkv[1, :, :, :half] += _fold(gv, groups)
+            else:
+                back = slice(half, None)
+                gq, gk, gv = block_backward(dout[:, :, back].contiguous(), q[:, :, back].contiguous(), kb, vb,
+                                            out[:, :, back].contiguous(), lse[:, :, back].contiguous(),
+                                            False, scale)
+                dq[:, :, back] += gq
+                dkv[0] += _fold(gk, groups)
+                dkv[1] += _fold(gv, groups)
+            # The block's gradient moves on with it; after the last hop it reaches its owner.
+            arriving = torch.empty_like(dkv)
+            cp.comm.shift(dkv, arriving).wait()
+            dkv = arriving
+            if step < cp.size - 1:
+                pending.wait()
+                kv = incoming
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPState) -> torch.Tensor:
+    """Causal attention of this rank's queries (B, h, T/C, d) over the whole sequence, whose
+    keys/values (B, h_kv, T/C, d) are spread over the group in the load-balanced layout."""
+    return _RingAttention.apply(q, k, v, cp, q.shape[-1] ** -0.5)
+
+
+class RingAttention(nn.Module):
+    """Replaces a Decoder block's core attention (models/decoder.py CausalAttention): the ring
+    when this forward is split, the plain kernel otherwise."""
+
+    def __init__(self, cp: CPState):
+        super().__init__()
+        self.cp = cp
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.cp.sharded:
+            return ring_attention(q, k, v, self.cp)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def apply_cp(model: nn.Module, comm: Comm) -> CPState | None:
+    """Give a meta-device Decoder its context-parallel group: the forward splits the sequence
+    (Decoder.forward asks `model.context`), and every block's attention runs the ring."""
+    from shardlm.models.decoder import Decoder
+
+    if comm.size == 1:
+        return None
+    if not isinstance(model, Decoder):
+        raise ConfigError(f"parallel.cp > 1 needs shardlm's Decoder (got {type(model).__name__}): "
+                          f"context parallelism of transformers models is not supported yet; use cp = 1")
+    cp = CPState(comm)
+    for block in model.blocks:
+        block.attn.core = RingAttention(cp)
+    model.context = cp
+    log.info("context parallel: %d ranks, ring attention, sequence in %d load-balanced chunks",
+             comm.size, 2 * comm.size)
+    return cp
