@@ -3,6 +3,8 @@ global batch, every precision pinned to fp32."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -141,3 +143,43 @@ def test_ledger_bytes_match_the_formula(tmp_path, preset, sp, recompute):
     expected = 2 * tp_comm_bytes(model, 4 * 64, 2, sp, 4, recompute)  # 2 micro-batches of 4 x 64
     for r in range(2):
         assert out[r][0]["comm_by_op"][-1]["tp"] == expected
+
+
+def test_tp_beyond_the_key_value_heads(tmp_path):
+    """tp = 2 > n_kv_heads = 1 (multi-query attention): each rank keeps every key/value row and
+    uses the one head, the rows' gradients summed over the group. Against one process (1e-5,
+    as above); the ledger's tensor-parallel bytes are the formula's (with the shared rows'
+    all-reduce); and a checkpoint saved at tp = 2 resumes in one process on the same curve
+    (the shared rows written once: the manifest's tiling check would refuse them twice)."""
+    from ckpt_cases import checkpoint_of, train_ranks, train_run
+    from shardlm.config import load_config
+    from shardlm.planner.timing import tp_comm_bytes
+
+    base = tiny_overrides(tmp_path, model__preset="llama-tiny", model__n_kv_heads=1, train__steps=2 * STEPS)
+    out = run_ranks(train_cases, 2, tmp_path, [({**base, "parallel.tp": 2}, STEPS, -1)])
+    ref = reference_case(base, 1, STEPS)
+    for r in range(2):
+        assert out[r][0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    whole = whole_params([out[0][0], out[1][0]])
+    worst = max((_rel(whole[n], v), n) for n, v in ref["params"].items())
+    assert worst[0] <= 1e-5, worst
+    model = load_config(overrides=base).validate().model
+    assert out[0][0]["comm_by_op"][-1]["tp"] == tp_comm_bytes(model, 8 * 64, 2, False, 4)
+    saved = run_ranks(train_ranks, 2, tmp_path, {**base, "parallel.tp": 2, "parallel.zero_stage": 2,
+                                                 "checkpoint.every": STEPS, "run.name": "mqa"})[0]
+    one = train_run({**base, "run.name": "one", "checkpoint.resume": checkpoint_of(saved["run_dir"], STEPS)})
+    assert one["start"] == STEPS
+    torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(saved["losses"][STEPS:]),
+                               rtol=1e-5, atol=0)
+    # The run's final weights (and so its HF export) are whole tensors, the one-process run's.
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(saved["run_dir"]) / "model.safetensors"))
+    assert weights.keys() == one["params"].keys()
+    worst = max((_rel(weights[n], v), n) for n, v in one["params"].items())
+    assert worst[0] <= 1e-5, worst
+    transformers = pytest.importorskip("transformers")
+    from shardlm.export import export_hf
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(saved["run_dir"], tmp_path / "hf"))
+    assert hf.model.layers[0].self_attn.k_proj.weight.shape == (16, 64)  # 1 kv head of 16, whole

@@ -164,7 +164,8 @@ class ParallelConfig:
     """Ranks a model state is sharded over; -1 = every rank the other degrees leave."""
     tp: int = 1
     """Tensor-parallel degree (Megatron-LM): attention heads, MLP width and vocabulary split over
-    tp consecutive ranks; must divide n_heads and n_kv_heads (parallel/tensor.py)."""
+    tp consecutive ranks; must divide n_heads, and divide n_kv_heads or be a multiple of it
+    (key/value heads replicated: parallel/tensor.py)."""
     sequence_parallel: bool = False
     """With tp > 1: norms and residuals on 1/tp of the sequence each, all-gather/reduce-scatter
     in place of the all-reduces (Korthikanti et al. 2022); same results, less activation memory."""
@@ -619,9 +620,10 @@ def _rope_head_dim(cfg: Config) -> list[str]:
 def _tp_divides_heads(cfg: Config) -> list[str]:
     tp, m = cfg.parallel.tp, cfg.model
     kv = m.n_kv_heads or m.n_heads
-    return ([f"parallel.tp = {tp} must divide model.n_heads = {m.n_heads} and the key/value heads "
-             f"({kv}): each rank computes whole heads (replicating key/value heads when tp > "
-             f"n_kv_heads is not supported yet)"] if tp > 1 and (m.n_heads % tp or kv % tp) else [])
+    return ([f"parallel.tp = {tp} must divide model.n_heads = {m.n_heads}, and either divide the "
+             f"key/value heads ({kv}) or be a multiple of them (each key/value head is then "
+             f"replicated on tp / n_kv_heads ranks): each rank computes whole heads"]
+            if tp > 1 and (m.n_heads % tp or (kv % tp and tp % kv)) else [])
 
 
 @_cross("parallel.sequence_parallel", "parallel.tp")

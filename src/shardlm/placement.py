@@ -31,6 +31,10 @@ class Split:
     shape: tuple[int, ...]
     dim: int
     ranges: tuple[tuple[int, int], ...]
+    copies: tuple[int, ...] = ()
+    """Indices of `ranges` every rank of the group holds the same values of (key/value heads
+    replicated when tp > n_kv_heads): like a replicated parameter, tp rank 0 alone saves them and
+    counts them in the gradient norm."""
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -61,6 +65,20 @@ class Split:
         rest = local_flat % inner
         return (outer * self.shape[self.dim] + global_along) * inner + rest
 
+    def owned(self, tp_rank: int) -> list[tuple[int, int]]:
+        """[start, end) spans of this piece, flattened, that this rank saves and counts: all of
+        it on tp rank 0, else all but the copies (a cut along dim 0: each range is one span)."""
+        if tp_rank == 0 or not self.copies:
+            return [(0, math.prod(self.local_shape))]
+        if self.dim != 0:
+            raise ValueError("replicated ranges are supported along dim 0 only")
+        inner, out, at = math.prod(self.shape[1:]), [], 0
+        for i, (lo, hi) in enumerate(self.ranges):
+            if i not in self.copies:
+                out.append((at * inner, (at + hi - lo) * inner))
+            at += hi - lo
+        return out
+
     def runs(self, start: int, end: int) -> list[tuple[int, int, int]]:
         """Elements [start, end) of this piece flattened, as runs contiguous in the whole
         tensor flattened: (whole_start, whole_end, piece_start) each. A cut along dim 0 gives
@@ -68,6 +86,13 @@ class Split:
         if start >= end:
             return []
         index = self.global_index(torch.arange(start, end, dtype=torch.int64))
-        breaks = (torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1).tolist()
+        jumps = index[1:] - index[:-1] != 1
+        if self.copies:  # a copy never shares a run with what is owned, even where they touch
+            inner, at = math.prod(self.shape[1:]), 0
+            for lo, hi in self.ranges[:-1]:
+                at += (hi - lo) * inner
+                if start < at < end:
+                    jumps[at - start - 1] = True
+        breaks = (torch.nonzero(jumps).flatten() + 1).tolist()
         bounds = [0, *breaks, end - start]
         return [(int(index[a]), int(index[b - 1]) + 1, start + a) for a, b in zip(bounds, bounds[1:])]

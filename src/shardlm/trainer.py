@@ -31,6 +31,7 @@ from shardlm.models import build_model, flops_per_token, generate
 from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
 from shardlm.parallel.build import parallelize
 from shardlm.parallel.data import DataParallelEngine
+from shardlm.parallel.tensor import whole_parameters
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.precision import Precision, build_precision, is_finite
 from shardlm.resolve import resolve_config
@@ -384,8 +385,9 @@ def train(run: Run) -> TrainResult:
         result.mfu = sum(mfus) / len(mfus)
     if result.stopped_by is None:
         with run.strategy.full_parameters():
+            weights = whole_parameters(run.model) if run.mesh.dims.tp > 1 else run.model
             if main:
-                save_weights(run.run_dir, run.model, cfg, run.dataset.tokenizer)
+                save_weights(run.run_dir, weights, cfg, run.dataset.tokenizer)
     return result
 
 

@@ -32,12 +32,15 @@ def point_latest(run_dir: Path) -> None:
     os.replace(tmp, link)
 
 
-def save_weights(run_dir: Path, model: nn.Module, cfg: Config, tokenizer) -> Path:
+def save_weights(run_dir: Path, model: nn.Module | dict[str, torch.Tensor], cfg: Config, tokenizer) -> Path:
+    """The model's weights (or the given whole tensors by name: a tensor-parallel run's, put
+    together by parallel.tensor.whole_parameters), its config and tokenizer, in `run_dir`."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / (WEIGHTS + ".tmp")
     # named_parameters() lists a tied parameter once (the embedding, not the head); contiguous
     # copies, because parameters may be views of one flat buffer (the ZeRO engine's).
-    tensors = {n: p.detach().cpu().contiguous().clone() for n, p in model.named_parameters()}
+    tensors = model if isinstance(model, dict) else {
+        n: p.detach().cpu().contiguous().clone() for n, p in model.named_parameters()}
     save_file(tensors, str(tmp))
     os.replace(tmp, run_dir / WEIGHTS)
     atomic_write(run_dir / CONFIG, json.dumps(cfg.to_dict(), indent=2))

@@ -3,11 +3,12 @@
 A plain model — ours built on the meta device, or any nn.Module — goes through the steps in a
 fixed order, each a function that logs what it applied:
 
-    tensor parallelism (apply_tp: layers replaced by their tensor-parallel versions, still on
-    the meta device)  →  context parallelism (apply_cp: the sequence split, attention by ring)
-    →  activation checkpointing (apply_ac)  →  data parallelism / ZeRO
-    (apply_data_parallel: the sharded build materialises the model here, one unit at a time,
-    each parameter initialised whole and cut to this rank's piece)  →  compile
+    tensor parallelism (apply_tp, or apply_tp_plan for a transformers model: layers replaced
+    by their tensor-parallel versions, still on the meta device)  →  context parallelism
+    (apply_cp: the sequence split, attention by ring)  →  activation checkpointing (apply_ac)
+    →  data parallelism / ZeRO (apply_data_parallel: the sharded build materialises the model
+    here, one unit at a time, each parameter initialised whole and cut to this rank's piece)
+    →  compile
 
 Expert and pipeline parallelism take their places (tensor → context → expert →
 activation checkpointing → pipeline split → ZeRO → compile) as they land; until then config
@@ -31,7 +32,9 @@ from shardlm.parallel.activation import apply_ac
 from shardlm.parallel.context import CPState, apply_cp
 from shardlm.models.init import initializer_for
 from shardlm.parallel.data import DataParallelEngine, apply_data_parallel
+from shardlm.models.decoder import Decoder
 from shardlm.parallel.tensor import TPState, VocabParallelHead, apply_tp, sliced, vocab_parallel_cross_entropy
+from shardlm.parallel.tensor_plan import apply_tp_plan
 
 log = logging.getLogger("shardlm")
 
@@ -61,6 +64,15 @@ class Parallelized:
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPState | None:
+    """Our Decoder's layers by apply_tp; any other model (a transformers one) by its config's
+    base_model_tp_plan, or a clear error. Chosen here: tensor_plan builds on tensor's layers,
+    so tensor cannot call it."""
+    if isinstance(model, Decoder):
+        return apply_tp(model, comm, sequence_parallel)
+    return apply_tp_plan(model, comm, sequence_parallel)
+
+
 def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
     if not enabled:
         return model
@@ -76,8 +88,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     # Taken before any step replaces a layer: initial values are those of the whole model.
     initializer = (initializer_for(model, cfg.train.seed)
                    if any(p.is_meta for p in model.parameters()) else None)
-    tp = apply_tp(model, Comm(mesh.tp_group, "tp", ledger, watchdog), cfg.parallel.sequence_parallel) \
-        if mesh.dims.tp > 1 else None
+    tp = apply_tensor_parallel(model, Comm(mesh.tp_group, "tp", ledger, watchdog),
+                               cfg.parallel.sequence_parallel) if mesh.dims.tp > 1 else None
     if tp is not None:
         initializer = sliced(initializer, tp.splits)
     cp = apply_cp(model, Comm(mesh.cp_group, "cp", ledger, watchdog)) if mesh.dims.cp > 1 else None

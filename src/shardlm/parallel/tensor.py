@@ -165,16 +165,53 @@ def synced(param: torch.Tensor, tp: TPState) -> torch.Tensor:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_local = x W_localᵀ + b_local: this rank's output features; the input whole."""
+    """y_local = x W_localᵀ + b_local: this rank's output features; the input whole.
 
-    def __init__(self, in_features: int, out_local: int, bias: bool, tp: TPState):
+    `gather_input=False` when the caller has already brought the input into the parallel
+    region: several projections of one input (a transformers model's separate q, k and v) then
+    share one backward all-reduce instead of each doing its own (parallel/tensor_plan.py)."""
+
+    def __init__(self, in_features: int, out_local: int, bias: bool, tp: TPState,
+                 gather_input: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_local, in_features))
         self.bias = nn.Parameter(torch.empty(out_local)) if bias else None
         self.tp = tp
+        self.gather_input = gather_input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(into_parallel_region(x, self.tp), self.weight, self.bias)
+        if self.gather_input:
+            x = into_parallel_region(x, self.tp)
+        return F.linear(x, self.weight, self.bias)
+
+
+class SharedKVLinear(nn.Module):
+    """The fused q/k/v projection when tp > n_kv_heads (each key/value head then serves the
+    query heads of tp / n_kv_heads ranks): this rank's query rows, and every key/value row,
+    replicated across the group (placement.Split.copies: tp rank 0 saves them). The forward
+    uses only the one key/value head its query heads read; each rank's gradient of the shared
+    rows is its queries' share, summed over the group (Megatron's f on those rows) — one small
+    all-reduce of 2·n_kv_heads·head_dim·d_model per block."""
+
+    def __init__(self, in_features: int, q_rows: int, kv_heads: int, head_dim: int, used: int,
+                 bias: bool, tp: TPState):
+        super().__init__()
+        out = q_rows + 2 * kv_heads * head_dim
+        self.weight = nn.Parameter(torch.empty(out, in_features))
+        self.bias = nn.Parameter(torch.empty(out)) if bias else None
+        self.q_rows, self.kv_rows, self.tp = q_rows, kv_heads * head_dim, tp
+        self.used = slice(used * head_dim, (used + 1) * head_dim)  # in the k (and the v) rows
+
+    def _pick(self, t: torch.Tensor) -> torch.Tensor:
+        """[q rows | k rows of the used head | v rows of the used head], the k/v rows' gradient
+        summed over the group."""
+        shared = _CopyToGroup.apply(t[self.q_rows:], self.tp.comm)
+        k, v = shared[:self.kv_rows], shared[self.kv_rows:]
+        return torch.cat([t[:self.q_rows], k[self.used], v[self.used]])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self._pick(self.bias) if self.bias is not None else None
+        return F.linear(into_parallel_region(x, self.tp), self._pick(self.weight), bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -326,12 +363,35 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, he
 
 def _check(cfg, tp: int) -> None:
     kv = cfg.n_kv_heads or cfg.n_heads
-    problems = [f"{what} ({n})" for what, n in (("model.n_heads", cfg.n_heads), ("model.n_kv_heads", kv))
-                if n % tp]
-    if problems:
-        raise ConfigError(f"parallel.tp = {tp} must divide {' and '.join(problems)}: each rank "
-                          f"computes whole heads (key/value heads replicated across ranks when "
-                          f"tp > n_kv_heads are not supported yet)")
+    if cfg.n_heads % tp or (kv % tp and tp % kv):
+        raise ConfigError(f"parallel.tp = {tp} must divide model.n_heads ({cfg.n_heads}), and either "
+                          f"divide the key/value heads ({kv}) or be a multiple of them (each key/value "
+                          f"head then replicated on tp / n_kv_heads ranks): each rank computes whole heads")
+
+
+@torch.no_grad()
+def whole_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (CPU, contiguous), by name: a tensor-parallel piece put together
+    from the group's pieces (each rank places its owned ranges in a zero tensor of the whole
+    shape, and the group sums them: each element has one non-zero addend, so the sum is exact),
+    a replicated one as it is. A collective over the tensor-parallel group: every rank of it
+    calls. Parameters must be materialised (stage 3: inside full_parameters())."""
+    tp: TPState | None = getattr(model, "tp", None)
+    out = {}
+    for name, param in model.named_parameters():
+        split = tp.splits.get(name) if tp is not None else None
+        if split is None:
+            out[name] = param.detach().cpu().contiguous().clone()
+            continue
+        whole = torch.zeros(split.shape, dtype=param.dtype, device=param.device)
+        piece, at = param.detach(), 0
+        for i, (lo, hi) in enumerate(split.ranges):
+            if tp.rank == 0 or i not in split.copies:
+                whole.narrow(split.dim, lo, hi - lo).copy_(piece.narrow(split.dim, at, hi - lo))
+            at += hi - lo
+        tp.comm.all_reduce(whole).wait()
+        out[name] = whole.cpu()
+    return out
 
 
 def sliced(initializer, splits: dict[str, Split]):
@@ -343,14 +403,16 @@ def sliced(initializer, splits: dict[str, Split]):
 def apply_tp(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPState | None:
     """Replace a meta-device Decoder's layers by their tensor-parallel versions over `comm`'s
     group, in place; parameter names stay. Returns the TPState (its `splits`: each cut
-    parameter's place in the whole), or None for a group of one."""
+    parameter's place in the whole), or None for a group of one. A transformers model is cut
+    by its config's base_model_tp_plan instead (parallel/tensor_plan.py)."""
     from shardlm.models.decoder import Decoder
 
     if comm.size == 1:
         return None
     if not isinstance(model, Decoder):
-        raise ConfigError(f"parallel.tp > 1 needs shardlm's Decoder (got {type(model).__name__}): "
-                          f"tensor parallelism of transformers models is not supported yet")
+        raise ConfigError(f"apply_tp cuts shardlm's Decoder (got {type(model).__name__}): a "
+                          f"transformers model is cut by its config's base_model_tp_plan "
+                          f"(parallel/tensor_plan.py; parallelize chooses)")
     if any(not p.is_meta for p in model.parameters()):
         raise ConfigError("tensor parallelism is applied to a model on the meta device (the trainer "
                           "builds it so); this one is already materialised")
@@ -378,18 +440,22 @@ def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: b
         pre = f"blocks.{i}"
         attn = block.attn
         q_lo, q_hi = (x * hd for x in even_range(cfg.n_heads, n, r))
-        k_lo, k_hi = (x * hd for x in even_range(kv, n, r))
         nq, nkv = cfg.n_heads * hd, kv * hd
-        qkv_ranges = [(q_lo, q_hi), (nq + k_lo, nq + k_hi), (nq + nkv + k_lo, nq + nkv + k_hi)]
-        local = sum(hi - lo for lo, hi in qkv_ranges)
-        whole = tuple(attn.qkv.weight.shape)
-        attn.qkv = ColumnParallelLinear(d, local, attn.qkv.bias is not None, tp)
-        cut(f"{pre}.attn.qkv.weight", whole, 0, qkv_ranges)
-        if attn.qkv.bias is not None:
-            cut(f"{pre}.attn.qkv.bias", (whole[0],), 0, qkv_ranges)
+        whole, bias = tuple(attn.qkv.weight.shape), attn.qkv.bias is not None
+        copies = ()
+        if kv % n == 0:  # this rank's key/value heads
+            k_lo, k_hi = (x * hd for x in even_range(kv, n, r))
+            qkv_ranges = [(q_lo, q_hi), (nq + k_lo, nq + k_hi), (nq + nkv + k_lo, nq + nkv + k_hi)]
+            attn.qkv = ColumnParallelLinear(d, sum(hi - lo for lo, hi in qkv_ranges), bias, tp)
+        else:  # tp > n_kv_heads: every key/value row on every rank, one head used
+            qkv_ranges, copies = [(q_lo, q_hi), (nq, nq + nkv), (nq + nkv, nq + 2 * nkv)], (1, 2)
+            attn.qkv = SharedKVLinear(d, q_hi - q_lo, kv, hd, r // (n // kv), bias, tp)
+        tp.splits[f"{pre}.attn.qkv.weight"] = Split(whole, 0, tuple(qkv_ranges), copies)
+        if bias:
+            tp.splits[f"{pre}.attn.qkv.bias"] = Split((whole[0],), 0, tuple(qkv_ranges), copies)
         attn.proj = RowParallelLinear(q_hi - q_lo, d, attn.proj.bias is not None, tp)
         cut(f"{pre}.attn.proj.weight", (d, nq), 1, [(q_lo, q_hi)])
-        attn.n_heads, attn.n_kv_heads = cfg.n_heads // n, kv // n
+        attn.n_heads, attn.n_kv_heads = cfg.n_heads // n, max(1, kv // n)
         mlp = block.mlp
         if isinstance(mlp, SwiGLU):
             h_lo, h_hi = even_range(mlp.hidden, n, r)

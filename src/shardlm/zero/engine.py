@@ -192,10 +192,12 @@ class ZeroEngine:
         spans = {id(p): (u, off, p.numel()) for u in self.units for p, off in zip(u.params, u.layout.offsets)}
         self._param_spans = [spans[id(p)] for p in model.parameters() if id(p) in spans]
         # In the global norm, a parameter replicated across the tensor-parallel group counts once
-        # (on its tp rank 0); a cut one counts on every rank (each holds a different piece).
+        # (on its tp rank 0); a cut one counts on every rank (each holds a different piece), but
+        # for the ranges of it every rank holds (placement.Split.copies), counted on tp rank 0.
         names = {id(p): n for n, p in model.named_parameters()}
-        self._norm_counted = [names[id(p)] in self.splits or mesh.tp_rank == 0
-                              for p in model.parameters() if id(p) in spans]
+        self._norm_spans = [self.splits[names[id(p)]].owned(mesh.tp_rank) if names[id(p)] in self.splits
+                            else [(0, p.numel())] if mesh.tp_rank == 0 else []
+                            for p in model.parameters() if id(p) in spans]
         self.tier.build_optimizer(train)
         self.optimizer = self.tier.optimizer
         self.param_store = build_param_store(opts.offload_params, self.units, device, nvme_dir)
@@ -295,12 +297,11 @@ class ZeroEngine:
         parameter order: torch's clip_grad_norm_ stacks the per-parameter norms in that order,
         and the order of that sum shows in the norm's last bit."""
         slices = []
-        for (unit, offset, numel), counted in zip(self._param_spans, self._norm_counted):
-            if for_norm and not counted:
-                continue
-            start, end = max(offset, unit.lo), min(offset + numel, unit.hi)
-            if start < end:
-                slices.append(unit.grad_shard()[start - unit.lo:end - unit.lo])
+        for (unit, offset, numel), counted in zip(self._param_spans, self._norm_spans):
+            for lo, hi in (counted if for_norm else [(0, numel)]):
+                start, end = max(offset + lo, unit.lo), min(offset + hi, unit.hi)
+                if start < end:
+                    slices.append(unit.grad_shard()[start - unit.lo:end - unit.lo])
         return slices
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -398,6 +399,8 @@ class ZeroEngine:
                                            master, states, slice(start - lo, end - lo))
                     continue
                 for whole_start, whole_end, piece_start in split.runs(start - offset, end - offset):
+                    if saving and not any(a <= piece_start < b for a, b in split.owned(self.mesh.tp_rank)):
+                        continue  # a copy another tensor-parallel rank writes
                     at = offset + piece_start - lo  # in this segment
                     out += param_state(name, split.shape, whole_start, whole_end, master, states,
                                        slice(at, at + whole_end - whole_start))
