@@ -44,6 +44,32 @@ def test_every_plan_command_passes_dry_run(capsys, tmp_path, model, cluster):
         assert "shardlm train --" not in line and ("pp" in line or "ep" in line)
 
 
+def test_a_long_sequence_plans_context_parallelism_and_its_commands_run(capsys, tmp_path):
+    """llama-1b at 32k tokens: one sequence's activations fill most of an A100, so the plan
+    splits sequences over ranks (parallel.cp), and those commands pass --dry-run."""
+    commands, _ = plan_lines(capsys, "--model", "llama-1b", "--seq", "32768", "--gpus", "8xA100-80GB",
+                             "--top", "6")
+    with_cp = [c for c in commands if "--parallel.cp=" in c]
+    assert with_cp, commands
+    for command in with_cp[:3]:
+        assert main([*train_argv(command), "--dry-run", "--gpus", "8xA100-80GB", f"--run.dir={tmp_path}"]) == 0
+        out = capsys.readouterr().out
+        cp = command.split("--parallel.cp=")[1].split()[0]
+        assert f", cp {cp};" in out and "context-parallel ring" in out and "cp ring buffers" in out
+        assert "dry run: the config is valid" in out
+    assert not list(tmp_path.iterdir())
+
+
+def test_dry_run_predicts_a_context_parallel_layout(capsys, tmp_path):
+    code = main(["train", "--dry-run", "--nproc", "2", "--parallel.cp=2", "--precision.compute=fp32",
+                 f"--run.dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "dp_shard 1, cp 2;" in out and "tokens per rank" in out
+    assert "context-parallel ring" in out and "b·s/cp" in out
+    assert "dry run: the config is valid" in out
+
+
 def test_plan_marks_layouts_train_cannot_run(capsys):
     _, blocked = plan_lines(capsys, "--model", "llama-7b", "--gpus", "2x8xA100-80GB", "--top", "40")
     assert blocked, "expected pipeline layouts among the top plans for llama-7b on 16 GPUs"

@@ -18,8 +18,8 @@ from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import (CALIBRATION, DEVICES, LINKS, Cluster, Device, Node,
                                       device_for_gpu_name, parse_cluster)
 from shardlm.planner.memory import ActivationDtypes, block_activation, estimate_memory
-from shardlm.planner.search import (EVERYTHING, RUNTIME, model_from_params, plan_for_run,
-                                    predict_local, preset_model, search)
+from shardlm.planner.search import (EVERYTHING, RUNTIME, describe_strategy, model_from_params,
+                                    plan_for_run, predict_local, preset_model, search)
 from shardlm.planner.timing import estimate_time, group_link
 from shardlm.dims import ParallelDims
 from shardlm.planner.workload import Dtypes, Strategy, Workload, shape_of, stage_params
@@ -237,6 +237,121 @@ def test_groups_inside_a_node_use_nvlink_and_across_nodes_their_adapter_share():
     assert group_link(cluster, 2, 8)[0] == ib.effective  # one member per node: one rail
     v100 = parse_cluster("2x8xV100-32GB")  # DGX-1: 4 EDR adapters for 8 GPUs
     assert group_link(v100, 2, 8)[0] == pytest.approx(LINKS["ib-edr"].effective / 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism: activations 1/cp, model states over dp_shard x cp, the ring's bytes
+
+LONG = Workload(preset_model("llama-1b"), 32768, 8)
+"""A sequence whose activations dominate: llama-1b (V = 128k) at 32k tokens."""
+A100 = parse_cluster("8xA100-80GB")
+
+
+def _cp_strategy(lay: ParallelDims, stage: int = 3, recompute: str = "none", micro: int = 1,
+                 w: Workload = LONG) -> Strategy:
+    return Strategy(lay, stage, micro, w.global_batch // (micro * lay.dp_size), recompute,
+                    dtypes=Dtypes("bf16"))
+
+
+def _part(memory, name: str) -> float:
+    return next(p.bytes for p in memory.items[3].parts if p.name == name)
+
+
+def test_context_parallel_halves_the_activations_of_a_long_sequence():
+    one = estimate_memory(LONG, _cp_strategy(ParallelDims(1, 8)), A100)
+    two = estimate_memory(LONG, _cp_strategy(ParallelDims(1, 4, cp=2)), A100)
+    # every rank runs every layer, the loss included, on its half of the tokens
+    assert _part(two, "saved by blocks") == pytest.approx(_part(one, "saved by blocks") / 2, rel=1e-12)
+    assert _part(two, "backward peak") == pytest.approx(_part(one, "backward peak") / 2, rel=1e-12)
+    # ... plus the ring's key/value blocks and fp32 gradients in flight: small
+    ring = _part(two, "cp ring buffers")
+    assert 0 < ring < 0.02 * two.activations
+    assert two.activations == pytest.approx(one.activations / 2, rel=0.02)
+    assert "cp ring buffers" not in [p.name for p in one.items[3].parts]
+    # tp x cp: both divide
+    four = estimate_memory(LONG, _cp_strategy(ParallelDims(1, 2, cp=2, tp=2)), A100)
+    assert _part(four, "saved by blocks") < _part(two, "saved by blocks") / 1.9
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_shards_model_states_over_dp_shard_times_cp(stage):
+    w = replace(LONG, seq_len=4096)
+    four = estimate_memory(w, _cp_strategy(ParallelDims(1, 4, cp=1, tp=2), stage, w=w), A100)
+    two_by_two = estimate_memory(w, _cp_strategy(ParallelDims(1, 2, cp=2, tp=2), stage, w=w), A100)
+    for category in ("parameters", "gradients", "optimizer states"):
+        assert two_by_two.category(category) == pytest.approx(four.category(category), rel=1e-12)
+    # and the engine's collectives run over those 4 ranks, moving the same bytes
+    comms = lambda lay: {c.name: c for c in  # noqa: E731
+                         estimate_time(w, _cp_strategy(lay, stage, w=w), A100).comms}
+    t4, t22 = comms(ParallelDims(1, 4, tp=2)), comms(ParallelDims(1, 2, cp=2, tp=2))
+    assert t22["reduce-scatter gradients"].group.startswith("4 ranks")
+    assert t22["reduce-scatter gradients"].bytes == pytest.approx(t4["reduce-scatter gradients"].bytes)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_context_parallel_ring_is_cp_comm_bytes_and_compute_is_split(recompute):
+    from shardlm.planner.timing import cp_comm_bytes, tp_comm_bytes
+
+    m, seq = LONG.model, LONG.seq_len
+    s = _cp_strategy(ParallelDims(1, 2, cp=2, tp=2), 3, recompute)  # micro 1 x accum 4
+    t = estimate_time(LONG, s, A100)
+    comms = {c.name: c for c in t.comms}
+    ring = comms["context-parallel ring"]
+    assert ring.bytes == s.grad_accum * cp_comm_bytes(m, seq, 2, 2, 2, recompute, m.n_layers)
+    assert ring.group.startswith("2 ranks, intra-node")
+    assert 0 < ring.exposed <= ring.seconds
+    # tensor-parallel collectives move this rank's half of the tokens
+    tp_bytes = s.grad_accum * tp_comm_bytes(m, seq // 2, 2, True, 2, recompute, m.n_layers)
+    assert comms["tensor-parallel all-reduces"].bytes == pytest.approx(tp_bytes)
+    # the same global batch on 8 data-parallel ranks: the same compute per step, split differently
+    dp = estimate_time(LONG, _cp_strategy(ParallelDims(1, 8), 3, recompute), A100)
+    tp_only = estimate_time(LONG, _cp_strategy(ParallelDims(1, 4, tp=2), 3, recompute), A100)
+    assert t.compute == pytest.approx(dp.compute, rel=1e-9) == pytest.approx(tp_only.compute, rel=1e-9)
+    assert "context-parallel ring" not in [c.name for c in dp.comms]
+
+
+def test_context_parallel_validation_names_every_factor():
+    w = replace(LONG, seq_len=1000)
+    with pytest.raises(ConfigError) as info:
+        estimate_memory(w, _cp_strategy(ParallelDims(1, 2, cp=3), w=replace(w, global_batch=2)), A100)
+    text = str(info.value)
+    assert "dp_replicate (1) x dp_shard (2) x cp (3) x tp (1) x pp (1) = 6, but" in text
+    assert "seq 1000 must divide by 6" in text
+
+
+def test_search_tries_context_parallelism_only_where_activations_matter():
+    from dataclasses import replace as with_
+    from shardlm.planner.search import AUTO, _layouts
+
+    long = list(_layouts(LONG, A100, EVERYTHING, Dtypes("bf16")))
+    assert {lay.cp for lay in long} == {1, 2, 4, 8}
+    assert all(lay.cp * lay.tp <= 8 for lay in long)  # the ring stays inside a node
+    assert {lay.cp for lay in _layouts(LONG, A100, with_(EVERYTHING, cp=False), Dtypes("bf16"))} == {1}
+    assert {lay.cp for lay in _layouts(LONG, A100, AUTO, Dtypes("bf16"))} == {1}
+    short = Workload(preset_model("gpt2-350m"), 1024, 64)  # activations a small share: no cp
+    assert {lay.cp for lay in _layouts(short, A100, EVERYTHING, Dtypes("bf16"))} == {1}
+    result = search(LONG, A100, Dtypes("bf16"), RUNTIME)
+    best = result.plans[0]
+    assert best.strategy.layout.cp > 1 and best.runtime_supported
+    overrides = best.overrides()
+    assert overrides["parallel.cp"] == best.strategy.layout.cp
+    assert "cp " in describe_strategy(best.strategy)
+    cfg = best.apply(load_config(overrides={"model.preset": "llama-1b", "train.seq_len": "32768"}))
+    assert cfg.parallel.cp == best.strategy.layout.cp and cfg.parallel.tp == best.strategy.layout.tp
+    no_cp = next(p for p in result.plans if p.strategy.layout.cp == 1)
+    assert "cp" not in no_cp.overrides() and no_cp.apply(cfg).parallel.cp == 1  # the layout is whole
+
+
+def test_auto_keeps_the_runs_own_tp_and_cp():
+    model = preset_model("gpt2-350m")
+    plans = plan_for_run(model, 8, "8xA100-80GB", (2, 1, 1024), cp=2)
+    assert plans and all(p.strategy.layout.cp == 2 and p.strategy.layout.tp == 1 for p in plans)
+    for p in plans:  # the configured global batch: 2 x 1 x (8 / cp) sequences
+        assert p.strategy.micro_batch * p.strategy.grad_accum * p.strategy.layout.dp_size == 2 * 4
+    both = plan_for_run(model, 8, "8xA100-80GB", (2, 1, 1024), tp=2, cp=2)
+    assert both and all((p.strategy.layout.tp, p.strategy.layout.cp) == (2, 2) for p in both)
+    with pytest.raises(ConfigError, match="does not divide the 8 ranks"):
+        plan_for_run(model, 8, "8xA100-80GB", (2, 1, 1024), cp=3)
 
 
 # ---------------------------------------------------------------------------------------------

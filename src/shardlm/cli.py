@@ -91,9 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--grad-accum", type=int, default=1, metavar="M", help="micro-batches per step")
     est.add_argument("--dp-replicate", type=int, default=1, metavar="R")
     est.add_argument("--dp-shard", type=int, default=-1, metavar="N", help="-1: every rank left")
-    for name in ("tp", "pp", "ep"):
-        est.add_argument(f"--{name}", type=int, default=1, metavar="D",
-                         help=f"{name} degree (modelled; the runtime has data parallelism only)")
+    for name, what in (("tp", "tensor-parallel degree"), ("cp", "context-parallel degree"),
+                       ("pp", "pipeline-parallel degree (modelled; not in the runtime yet)"),
+                       ("ep", "expert-parallel degree (modelled; not in the runtime yet)")):
+        est.add_argument(f"--{name}", type=int, default=1, metavar="D", help=what)
+    est.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                     help="with --tp > 1: model plain tensor parallelism (default: sequence parallel)")
     est.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                      help="activation checkpointing (the config's activation.checkpoint)")
     est.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"])
@@ -209,7 +212,7 @@ def preflight(cfg, nproc: int) -> None:
         world, local = (nproc, nproc) if nproc else launcher_sizes()
         try:
             dims = resolve_dims(cfg.parallel, world)
-            per_rank = -(-count_params(cfg.model) // (dims.dp_shard * dims.tp))
+            per_rank = -(-count_params(cfg.model) // (dims.dp_shard * dims.cp * dims.tp))
         except (ConfigError, ValueError, TypeError, AttributeError):  # e.g. a model not ours
             per_rank = 0
         itemsize = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -299,6 +302,7 @@ def dry_run(args: argparse.Namespace, cfg) -> int:
     import os
 
     from shardlm.checkpoint.sharded import find_checkpoint
+    from shardlm.dims import resolve_dims
     from shardlm.hardware.catalog import parse_cluster
     from shardlm.launch import pick_device
     from shardlm.planner import estimate_memory, estimate_time, report
@@ -321,7 +325,8 @@ def dry_run(args: argparse.Namespace, cfg) -> int:
     where = "" if target else f" on {world} x {device.type}"
     print(f"\ndry run: the config is valid{where}; "
           + ("it fits" if memory.fits else "the planner predicts it does NOT fit (see above)")
-          + f". Resolved: ZeRO stage {resolved.parallel.zero_stage}, precision "
+          + f". Resolved: ZeRO stage {resolved.parallel.zero_stage}"
+          f"{_model_axes(resolve_dims(resolved.parallel, world), resolved.parallel)}, precision "
           f"{resolved.precision.compute}, micro-batch {resolved.train.micro_batch} x grad-accum "
           f"{resolved.train.grad_accum}. Nothing was trained.")
     return 0
@@ -425,17 +430,17 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     model, params, cluster, dtypes, seq = _planner_inputs(args)
     world = cluster.world_size
-    if args.micro_batch < 1 or args.grad_accum < 1 or min(args.tp, args.pp, args.ep, args.dp_replicate) < 1:
-        raise ConfigError("--micro-batch, --grad-accum, --tp, --pp, --ep and --dp-replicate must be >= 1")
+    if args.micro_batch < 1 or args.grad_accum < 1 or min(args.tp, args.cp, args.pp, args.ep, args.dp_replicate) < 1:
+        raise ConfigError("--micro-batch, --grad-accum, --tp, --cp, --pp, --ep and --dp-replicate must be >= 1")
     from shardlm.dims import ParallelDims
 
-    dims = ParallelDims.resolve(world, args.dp_replicate, args.dp_shard, 1, args.tp, args.pp, args.ep)
+    dims = ParallelDims.resolve(world, args.dp_replicate, args.dp_shard, args.cp, args.tp, args.pp, args.ep)
     dp = dims.dp_size
     layout = dims
     workload = Workload(model, seq, args.micro_batch * args.grad_accum * dp, params,
                         args.experts, args.top_k)
     strategy = Strategy(layout, args.zero_stage, args.micro_batch, args.grad_accum, args.recompute,
-                        args.offload_optimizer, args.offload_params, dtypes)
+                        args.offload_optimizer, args.offload_params, dtypes, args.sequence_parallel)
     memory = estimate_memory(workload, strategy, cluster)
     timing = estimate_time(workload, strategy, cluster)
     suggestions = [] if memory.fits else alternatives(workload, strategy, cluster)

@@ -15,7 +15,7 @@ from shardlm.dims import ParallelDims
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
 from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload,
-                                      effective_tier, stage_params, validate)
+                                      effective_tier, stage_params, validate, zero_ranks)
 from shardlm.zero.partition import model_state_bytes
 
 FRAGMENTATION = 0.10
@@ -113,9 +113,27 @@ def block_activation(m: ModelConfig, dt: ActivationDtypes, mode: str, tp: int = 
     return replicated + sharded / tp, text
 
 
+def cp_ring_buffers(m: ModelConfig, dt: ActivationDtypes, tp: int = 1) -> tuple[float, str]:
+    """Bytes per local token of the context-parallel ring's transients inside one block's
+    attention (parallel/context.py _RingAttention), the larger of its two passes; tp splits
+    the heads. Forward: the key/value block held and the one arriving (2 x 2·kv·e), the fp32
+    running output (4h) and log-sum-exp (4a), a block's partial output (e·h). Backward: the two
+    key/value blocks (2 x 2·kv·e), the fp32 key/value gradient travelling with its block and
+    the one arriving (2 x 2·kv·4), the fp32 query gradient (4h). With GQA each block is also
+    expanded to the query heads (2·e·h)."""
+    h, a, e = m.d_model, m.n_heads, dt.compute
+    kv = (m.n_kv_heads or a) * (h // a)
+    expand = 2 * e * h if kv != h else 0
+    forward = 4 * e * kv + 4 * h + 4 * a + e * h + expand
+    backward = 4 * e * kv + 16 * kv + 4 * h + expand
+    text = (f"max(forward 4·{e}kv + 4h + 4a + {e}h, backward 4·{e}kv + 16kv + 4h)"
+            + (f" + 2·{e}h (GQA expansion)" if expand else "") + ("/t" if tp > 1 else ""))
+    return max(forward, backward) / tp, text
+
+
 def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight: int,
                     dt: ActivationDtypes, mode: str, tp: int, sp: bool, with_loss: bool,
-                    experts: tuple[int, int, float]) -> Item:
+                    experts: tuple[int, int, float], cp: int = 1) -> Item:
     """Saved activations of `in_flight` micro-batches (1F1B: the first stage holds p of them)
     plus the worst transient of backward: the loss, or one block's recomputation.
 
@@ -123,8 +141,12 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
     backward holds the saved log-probs, their gradient and the logits' gradient in fp32:
     12V bytes per token (vocabulary-parallel with tp). A block's backward recomputes what its
     mode dropped and holds gradients: e(h + 2f) bytes per token (measured).
+
+    Context parallelism (cp > 1) gives each rank b·s/cp of the tokens for everything (the
+    embedding, every block, the loss: parallel/context.py), so every per-token term above is
+    per local token; the ring's buffers (cp_ring_buffers) join a block's backward.
     """
-    tokens = micro * seq
+    tokens = micro * seq / cp
     per_layer, text = block_activation(m, dt, mode, tp, sp, experts)
     full, _ = block_activation(m, dt, "none", tp, sp, experts)
     saved = layers * in_flight * tokens * per_layer
@@ -141,16 +163,26 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
     if m.norm == "rmsnorm" and with_loss:  # the final norm's backward, its inputs still saved
         recompute = max(recompute, tokens * (final + 16 * m.d_model))
     loss = tokens * (final + 12 * m.vocab_size / tp) if with_loss else 0.0
-    ids = 16 * tokens * in_flight  # int64 inputs and targets
+    # int64 inputs and targets: whole sequences (every rank of a context-parallel group loads
+    # them), plus this rank's cut of both
+    ids = 16 * micro * seq * in_flight * (1 + 1 / cp if cp > 1 else 1)
+    bs = "b·s/cp" if cp > 1 else "b·s"
     parts = [Item("saved by blocks", saved,
-                  f"L={layers} x {in_flight} micro-batch(es) x b·s={tokens} x {per_layer:,.0f} B"
+                  f"L={layers} x {in_flight} micro-batch(es) x {bs}={tokens:,.0f} x {per_layer:,.0f} B"
                   f" = {text}"),
              Item("backward peak", max(loss, recompute),
-                  f"max(loss: b·s x (final norm + 12V/t) = {loss / 1e9:.3g} GB, "
+                  f"max(loss: {bs} x (final norm + 12V/t) = {loss / 1e9:.3g} GB, "
                   f"one block's {'recompute + ' if mode != 'none' else ''}gradients "
                   f"e(h+2f) = {recompute / 1e9:.3g} GB)"),
-             Item("token ids", ids, "16 B x b·s (int64 inputs, targets)")]
-    phases = {"loss": saved + loss + ids, "blocks": saved + recompute + ids}
+             Item("token ids", ids, "16 B x b·s (int64 inputs, targets)"
+                  + (" x (1 + 1/cp): whole sequences and this rank's cut" if cp > 1 else ""))]
+    ring = 0.0
+    if cp > 1:
+        per_token, ring_text = cp_ring_buffers(m, dt, tp)
+        ring = tokens * per_token
+        parts.append(Item("cp ring buffers", ring, f"{bs} x {per_token:,.0f} B = {ring_text}: "
+                          f"one block's attention at a time (a block's backward)"))
+    phases = {"loss": saved + loss + ids, "blocks": saved + recompute + ring + ids}
     return Item("activations", max(phases.values()), f"{mode} recompute; flash attention "
                 f"(no s² term)", parts, phases)
 
@@ -213,11 +245,12 @@ def _n(x: float) -> str:
 
 def _state_items(sp: StageParams, lay: ParallelDims, s: Strategy, cluster: Cluster) -> tuple[list[Item], dict]:
     """Parameters, gradients, optimizer states: zero.partition.model_state_bytes (the ZeRO
-    paper's table, section 5.1) for dense and expert parameters, minus what is offloaded."""
+    paper's table, section 5.1) for dense and expert parameters, minus what is offloaded.
+    N = dp_shard x cp: context-parallel ranks are data-parallel ranks for ZeRO."""
     d, local = s.dtypes, s.local
     p, g, k = (4, 4, 8) if local else (d.param_bytes, d.grad_bytes, d.optimizer_bytes)
-    n_dense = lay.dp_shard if s.zero_stage else 1
-    n_expert = max(1, lay.dp_shard // lay.ep) if s.zero_stage else 1
+    n_dense = zero_ranks(lay) if s.zero_stage else 1  # dp_shard x cp
+    n_expert = max(1, zero_ranks(lay) // lay.ep) if s.zero_stage else 1
     dense = model_state_bytes(sp.dense, n_dense, s.zero_stage, p, g, k)
     expert = model_state_bytes(sp.experts, n_expert, s.zero_stage, p, g, k)
     total = {key: dense[key] + expert[key] for key in dense}
@@ -309,7 +342,7 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
     items.append(activation_peak(w.model, w.seq_len, s.micro_batch, sp.layers, in_flight,
                                  activation_dtypes(s, cluster), s.recompute, lay.tp,
                                  s.sequence_parallel and lay.tp > 1, sp.name != "first stage",
-                                 (w.experts, w.top_k, w.capacity_factor)))
+                                 (w.experts, w.top_k, w.capacity_factor), lay.cp))
     buffers = _buffer_items(w, sp, s, cluster, states)
     host = _host_memory(s, states, cluster, sp)
     if cluster.device.kind == "cpu":  # the host is the device: offload buffers count here

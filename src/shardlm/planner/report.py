@@ -29,12 +29,15 @@ def describe_model(w: Workload) -> str:
 def describe_run(w: Workload, s: Strategy) -> str:
     lay = s.layout
     dims = [f"dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard}"]
-    dims += [f"{k} {getattr(lay, k)}" for k in ("tp", "pp", "ep") if getattr(lay, k) > 1]
-    sp = " (sequence parallel)" if lay.tp > 1 and s.sequence_parallel else ""
+    sp = " (sequence parallel)" if s.sequence_parallel else ""
+    dims += [f"tp {lay.tp}{sp}"] if lay.tp > 1 else []
+    dims += [f"{k} {getattr(lay, k)}" for k in ("cp", "pp", "ep") if getattr(lay, k) > 1]
     offload = "".join(f", {what} on {tier}" for what, tier in
                       (("optimizer", s.offload_optimizer), ("params", s.offload_params)) if tier != "none")
-    return (f"ZeRO stage {s.zero_stage} over {', '.join(dims)}{sp}; micro-batch {s.micro_batch} x "
-            f"seq {w.seq_len}, grad-accum {s.grad_accum} ({w.global_batch} sequences/step){offload}\n"
+    per_rank = f" ({w.seq_len // lay.cp} tokens per rank)" if lay.cp > 1 else ""
+    return (f"ZeRO stage {s.zero_stage} over {', '.join(dims)}; micro-batch {s.micro_batch} x "
+            f"seq {w.seq_len}{per_rank}, grad-accum {s.grad_accum} ({w.global_batch} sequences/step)"
+            f"{offload}\n"
             f"  {describe_dtypes(s.dtypes, s.local)}; activation checkpoint: {s.recompute}")
 
 

@@ -1,6 +1,7 @@
 """Search the strategy space, keep what fits, rank by predicted throughput, say why.
 
-The space: tensor-parallel degree (within a node), pipeline stages, data parallelism as
+The space: tensor-parallel degree (within a node), context-parallel degree (within a node, for
+sequences whose activations matter), pipeline stages, data parallelism as
 dp_replicate x dp_shard (full sharding, or sharding within a node and replicating across),
 ZeRO stage, offload tiers, activation recomputation, and the micro-batch / gradient-accumulation
 split of a fixed global batch. Offload and recomputation are tried only when the cheaper choice
@@ -17,10 +18,10 @@ from shardlm.config import Config, ModelConfig
 from shardlm.errors import ConfigError
 from shardlm.presets import ALIASES, get_preset
 from shardlm.hardware.catalog import Cluster, choose_compute, local_cpu, parse_cluster
-from shardlm.planner.memory import Memory, estimate_memory
+from shardlm.planner.memory import ActivationDtypes, Memory, activation_peak, estimate_memory
 from shardlm.planner.timing import Timing, estimate_time
 from shardlm.dims import ParallelDims
-from shardlm.planner.workload import Dtypes, Strategy, Workload
+from shardlm.planner.workload import DTYPE_BYTES, Dtypes, Strategy, Workload, zero_ranks
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class Supported:
     """What the search may choose."""
 
     tp: bool = True
+    cp: bool = True
+    """Context parallelism: each sequence split over a ring of ranks (parallel/context.py)."""
     pp: bool = True
     ep: bool = True
     hybrid: bool = True
@@ -41,10 +44,12 @@ class Supported:
 EVERYTHING = Supported()
 """Every strategy the planner models."""
 RUNTIME = Supported(pp=False, ep=False)
-"""What `shardlm train` runs today: dp_replicate x dp_shard x tp, ZeRO 0-3, recompute, offload."""
-AUTO = Supported(tp=False, pp=False, ep=False)
+"""What `shardlm train` runs today: dp_replicate x dp_shard x cp x tp, ZeRO 0-3, recompute,
+offload."""
+AUTO = Supported(tp=False, cp=False, pp=False, ep=False)
 """What `parallel.strategy = "auto"` chooses from: data parallelism, until the planner's tensor-
-parallel model has been checked against our own measurements on this machine."""
+and context-parallel models have been checked against our own measurements on this machine
+(a run's own parallel.tp and parallel.cp are kept: plan_for_run)."""
 
 
 @dataclass
@@ -70,7 +75,7 @@ class Plan:
             "precision.compute": s.dtypes.compute, "precision.master": s.dtypes.master}
         if s.dtypes.reduce != "auto":
             out["precision.reduce"] = s.dtypes.reduce
-        for key in ("tp", "pp", "ep"):
+        for key in ("tp", "cp", "pp", "ep"):
             if getattr(lay, key) > 1:
                 out[f"parallel.{key}"] = getattr(lay, key)
         if lay.tp > 1:
@@ -83,9 +88,12 @@ class Plan:
 
     def apply(self, cfg: Config) -> Config:
         """A new Config: `cfg` with this plan's keys set (typed values, no parsing), strategy
-        'manual', validated."""
+        'manual', validated. The plan's layout replaces the config's whole: tp and cp are set
+        even at 1 (overrides() leaves out degrees of 1, as command-line flags)."""
         new = copy.deepcopy(cfg)
-        for key, value in {**self.overrides(), "parallel.strategy": "manual"}.items():
+        lay = self.strategy.layout
+        for key, value in {**self.overrides(), "parallel.tp": lay.tp, "parallel.cp": lay.cp,
+                           "parallel.strategy": "manual"}.items():
             section, _, name = key.partition(".")
             setattr(getattr(new, section), name, value)
         return new.validate()
@@ -106,26 +114,58 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _layouts(w: Workload, cluster: Cluster, supported: Supported):
+CP_ACTIVATION_SHARE = 0.25
+"""cp > 1 is searched only when one sequence's activations (micro-batch 1, no recomputation,
+on the tensor-parallel layout) take at least this share of a device's memory."""
+
+
+def _sequence_activations(w: Workload, cluster: Cluster, dtypes: Dtypes, tp: int) -> float:
+    """Peak activation bytes of one whole sequence on a rank of `tp` (no recomputation)."""
+    dt = ActivationDtypes(DTYPE_BYTES[dtypes.compute], DTYPE_BYTES[dtypes.compute],
+                          cluster.calibration.norms_in_fp32 and dtypes.compute != "fp32")
+    return activation_peak(w.model, w.seq_len, 1, w.model.n_layers, 1, dt, "none", tp, tp > 1,
+                           True, (w.experts, w.top_k, w.capacity_factor)).bytes
+
+
+def _layouts(w: Workload, cluster: Cluster, supported: Supported, dtypes: Dtypes,
+             pinned: tuple[int, int] | None = None):
+    """Rank layouts to search. `pinned` = (tp, cp): only those degrees (a run's own, under
+    strategy = 'auto'), whatever `supported` says."""
     m, world, per_node = w.model, cluster.world_size, cluster.per_node
-    for tp in (divisors(per_node) if supported.tp else [1]):
+    tps = [pinned[0]] if pinned else divisors(per_node) if supported.tp else [1]
+    for tp in tps:
         if m.n_heads % tp or (m.n_kv_heads or m.n_heads) % tp or world % tp:
             continue
-        for pp in (divisors(world // tp) if supported.pp else [1]):
-            dp = world // (tp * pp)
-            if pp > m.n_layers or w.global_batch % dp:
+        # Context parallelism, kept from multiplying the space: its ring passes a key/value
+        # block per layer per hop, so it stays inside a node (cp <= devices per node / tp, on
+        # the fast link); and it only pays where activations do — it moves data-parallel
+        # work onto a ring and saves nothing else — so it is searched only when one sequence's
+        # activations fill a good share of a device (CP_ACTIVATION_SHARE). A shorter sequence
+        # fits without it at no ring traffic.
+        cps = [1]
+        if pinned:
+            cps = [pinned[1]]
+        elif supported.cp and per_node // tp > 1 and _sequence_activations(w, cluster, dtypes, tp) \
+                >= CP_ACTIVATION_SHARE * cluster.device.memory:
+            cps = divisors(per_node // tp)
+        for cp in cps:
+            if w.seq_len % (2 * cp) or world % (tp * cp):
                 continue
-            shards = {dp}
-            if supported.hybrid and dp > 1:  # shard inside a node, replicate across nodes
-                inside = max(1, per_node // tp)
-                if inside < dp and dp % inside == 0:
-                    shards.add(inside)
-            for shard in sorted(shards):
-                eps = [1]
-                if w.experts and supported.ep:
-                    eps = [e for e in divisors(shard) if w.experts % e == 0]
-                for ep in eps:
-                    yield ParallelDims(dp // shard, shard, tp=tp, pp=pp, ep=ep)
+            for pp in (divisors(world // (tp * cp)) if supported.pp else [1]):
+                dp = world // (tp * cp * pp)
+                if pp > m.n_layers or w.global_batch % dp:
+                    continue
+                shards = {dp}
+                if supported.hybrid and dp > 1:  # shard inside a node, replicate across nodes
+                    inside = max(1, per_node // (tp * cp))
+                    if inside < dp and dp % inside == 0:
+                        shards.add(inside)
+                for shard in sorted(shards):
+                    eps = [1]
+                    if w.experts and supported.ep:
+                        eps = [e for e in divisors(shard) if w.experts % e == 0]
+                    for ep in eps:
+                        yield ParallelDims(dp // shard, shard, cp=cp, tp=tp, pp=pp, ep=ep)
 
 
 def _offloads(stage: int, cluster: Cluster, supported: Supported) -> list[tuple[str, str]]:
@@ -152,25 +192,27 @@ def _first_fit(w: Workload, cluster: Cluster, strategies: list[Strategy]) -> tup
 
 
 def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported = EVERYTHING,
-           layouts: list[ParallelDims] | None = None) -> SearchResult:
+           layouts: list[ParallelDims] | None = None, sequence_parallel: bool = True) -> SearchResult:
     """Every candidate's memory; the time of those that fit; ranked by tokens/s. `layouts`
-    restricts the rank layouts (estimate's suggestions keep the user's)."""
+    restricts the rank layouts (estimate's suggestions keep the user's); `sequence_parallel`,
+    for layouts with tp > 1 (a run's own setting, which auto keeps)."""
     best: dict[tuple, Plan] = {}
     unfit: dict[tuple, Plan] = {}
     evaluated = 0
     key = lambda s: (s.layout, s.zero_stage, s.recompute, s.offload_optimizer, s.offload_params)  # noqa: E731
     over = lambda p: p.memory.peak / p.memory.capacity  # noqa: E731
-    for lay in layouts or _layouts(w, cluster, supported):
+    for lay in layouts or _layouts(w, cluster, supported, dtypes):
         per_rank = w.global_batch // lay.dp_size
         for stage in supported.stages:
             if stage == 0 and lay.dp_replicate > 1:
                 continue  # stage 0 reduces over all data-parallel ranks: the split is moot
             offloads = _offloads(stage, cluster, supported)
-            if lay.dp_size == 1 and stage:  # sharding over one rank only pays with offload
+            if zero_ranks(lay) == 1 and stage:  # sharding over one rank only pays with offload
                 offloads = offloads[1:]
             for micro in divisors(per_rank):
                 for recompute in supported.recompute:
-                    tries = [Strategy(lay, stage, micro, per_rank // micro, recompute, opt, params, dtypes)
+                    tries = [Strategy(lay, stage, micro, per_rank // micro, recompute, opt, params, dtypes,
+                                      sequence_parallel)
                              for opt, params in offloads]
                     plan, misses = _first_fit(w, cluster, tries)
                     evaluated += len(misses) + (plan is not None)
@@ -206,7 +248,7 @@ def describe_strategy(s: Strategy) -> str:
     parts = [f"ZeRO-{s.zero_stage}" if s.zero_stage else "plain DP"]
     if lay.dp_size > 1:
         parts.append(f"dp {lay.dp_replicate}x{lay.dp_shard}" if lay.dp_replicate > 1 else f"dp {lay.dp_size}")
-    parts += [f"{k} {getattr(lay, k)}" for k in ("tp", "pp", "ep") if getattr(lay, k) > 1]
+    parts += [f"{k} {getattr(lay, k)}" for k in ("tp", "cp", "pp", "ep") if getattr(lay, k) > 1]
     parts.append(f"micro-batch {s.micro_batch} x accum {s.grad_accum}")
     if s.recompute != "none":
         parts.append(f"{s.recompute} recompute")
@@ -244,14 +286,17 @@ def explain(result: SearchResult) -> list[str]:
     contrasts = [
         ("ZeRO stage 0 (nothing sharded)", lambda s: s.zero_stage == 0, win.strategy.zero_stage != 0),
         ("tensor or pipeline parallelism", lambda s: s.layout.tp * s.layout.pp > 1, lay.tp * lay.pp == 1),
+        ("no context parallelism", lambda s: s.layout.cp == 1, lay.cp > 1),
         ("no activation recompute", lambda s: s.recompute == "none", win.strategy.recompute != "none"),
     ]
+    named = [result.plans[1]] if len(result.plans) > 1 else []  # each plan compared once
     for label, wanted, relevant in contrasts:
         if not relevant:
             continue
         other = next((p for p in result.plans[1:] if wanted(p.strategy)), None)
-        if other is not None and other is not result.plans[1]:
+        if other is not None and all(other is not p for p in named):
             lines.append(_versus(win, other, f"With {label}, the best"))
+            named.append(other)
         elif other is None:
             near = next((p for p in result.unfit if wanted(p.strategy)), None)
             if near is not None:
@@ -298,28 +343,41 @@ def default_dtypes(cluster: Cluster, compute: str = "auto", master: str = "fp32"
 
 def plan_for_run(model: ModelConfig, world_size: int, hardware: Cluster | str,
                  batch: int | tuple[int, int, int], supported: Supported = AUTO,
-                 dtypes: Dtypes | None = None, seq_len: int | None = None) -> list[Plan]:
+                 dtypes: Dtypes | None = None, seq_len: int | None = None,
+                 tp: int = 1, cp: int = 1, sequence_parallel: bool = True) -> list[Plan]:
     """Ranked plans (best first) that fit, for `strategy = "auto"`.
 
     `hardware`: a Cluster or a spec ('8xA100-80GB', 'cpu' = this machine's world_size ranks).
     `batch`: global tokens per step (with `seq_len`, default the model's max_seq_len), or
-    (micro_batch, grad_accum, seq_len) of a run with world_size data-parallel ranks, whose
-    global batch is kept while the split may change. Each plan's `overrides()` are the config
-    keys to set. Raises ConfigError if the cluster's size is not world_size.
+    (micro_batch, grad_accum, seq_len) of a run with world_size / (tp x cp) data-parallel
+    ranks, whose global batch is kept while the split may change. `tp`, `cp`: degrees the run
+    fixes (its parallel.tp and parallel.cp): every plan keeps them, the search chooses the
+    rest, keeping `sequence_parallel` too. Each plan's `overrides()` are the config keys to set. Raises ConfigError if the
+    cluster's size is not world_size, or tp x cp does not divide it.
     """
     if isinstance(hardware, str):
         hardware = local_cpu(world_size) if hardware == "cpu" else parse_cluster(hardware)
     if hardware.world_size != world_size:
         raise ConfigError(f"{hardware.describe()} has {hardware.world_size} devices, the run "
                           f"{world_size} ranks")
+    if world_size % (tp * cp):
+        raise ConfigError(f"tp ({tp}) x cp ({cp}) = {tp * cp} does not divide the {world_size} ranks")
     if isinstance(batch, tuple):
         micro, accum, seq = batch
-        sequences = micro * accum * world_size
+        sequences = micro * accum * world_size // (tp * cp)
     else:
         seq = seq_len or model.max_seq_len
         sequences = max(1, batch // seq)
     workload = Workload(model, seq, sequences)
-    result = search(workload, hardware, dtypes or default_dtypes(hardware), supported)
+    dtypes = dtypes or default_dtypes(hardware)
+    layouts = None
+    if tp > 1 or cp > 1:
+        layouts = list(_layouts(workload, hardware, supported, dtypes, pinned=(tp, cp)))
+        if not layouts:
+            raise ConfigError(f"no rank layout keeps tp = {tp} and cp = {cp} on {world_size} ranks "
+                              f"with {sequences} sequences of {seq} tokens per step (tp must divide "
+                              f"the heads, 2·cp the sequence)")
+    result = search(workload, hardware, dtypes, supported, layouts, sequence_parallel)
     return result.plans
 
 

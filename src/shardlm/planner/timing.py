@@ -15,7 +15,7 @@ from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
 from shardlm.planner.memory import activation_dtypes, block_activation
 from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier,
-                                      shape_of, stage_params, validate)
+                                      shape_of, stage_params, validate, zero_ranks)
 
 ADAM_BYTES_PER_PARAM = 36
 """Memory traffic of one fused AdamW update per parameter: read master, gradient, m, v (4 B
@@ -57,11 +57,11 @@ class Timing:
 def group_link(cluster: Cluster, size: int, stride: int) -> tuple[float, float, str]:
     """(bytes/s, latency, description) of a ring over `size` ranks `stride` apart.
 
-    Ranks are laid out pp, dp_replicate, dp_shard, tp from outer to inner (mesh.py: dp_shard
-    inside dp_replicate; tp innermost as in torchtitan). A group inside one node runs on the
-    intra-node link. One that spans nodes is limited by its share of the node's network
-    adapters (every such group runs at once, each rail-optimised adapter carrying one):
-    adapters x bandwidth x (its members on the node / devices per node).
+    Ranks are laid out pp, dp_replicate, dp_shard, cp, tp from outer to inner (mesh.py: dp_shard
+    inside dp_replicate; tp innermost as in torchtitan, the context-parallel ring next). A group
+    inside one node runs on the intra-node link. One that spans nodes is limited by its share of
+    the node's network adapters (every such group runs at once, each rail-optimised adapter
+    carrying one): adapters x bandwidth x (its members on the node / devices per node).
     """
     node, per_node = cluster.node, cluster.per_node
     members = min(size, max(1, per_node // stride)) if stride < per_node else 1
@@ -102,7 +102,9 @@ def _hidden(seconds: float, window: float, overlap: float, fixed: float = 0.0) -
 def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
               windows: tuple[float, float]) -> list[CommTime]:
     """The data-parallel collectives of the ZeRO engine, per unit, as zero/engine.py issues
-    them (volumes sum to zero.partition.comm_bytes_per_step)."""
+    them (volumes sum to zero.partition.comm_bytes_per_step). Context-parallel ranks are
+    data-parallel ranks here: ZeRO shards over dp_shard x cp, stage 0 all-reduces over
+    dp_replicate x dp_shard x cp (mesh.py); both groups are tp apart."""
     lay, d, calib = s.layout, s.dtypes, cluster.calibration
     overlap = calib.overlap
     e, g = d.param_bytes, d.grad_bytes
@@ -122,9 +124,10 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
 
     root_share = root / psi
     if s.zero_stage == 0:  # the root unit's gradients complete last: its reduction is exposed
-        add("all-reduce gradients", "all_reduce", g * psi, lay.dp_size, lay.tp, backward, root_share)
+        add("all-reduce gradients", "all_reduce", g * psi, lay.dp_size * lay.cp, lay.tp, backward,
+            root_share)
         return out
-    shard, replicas = lay.dp_shard, lay.dp_replicate
+    shard, replicas = zero_ranks(lay), lay.dp_replicate
     add("reduce-scatter gradients", "reduce_scatter", g * psi, shard, lay.tp, backward, root_share)
     if s.zero_stage in (1, 2):  # after the step, before the next forward: nothing to hide in
         add("all-gather updated parameters", "all_gather", e * psi, shard, lay.tp)
@@ -152,7 +155,8 @@ def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, reco
     sequence-sharded activations: norms, row-parallel biases, learned positions. The embedding
     adds one all-reduce forward (reduce-scatter forward, all-gather backward under SP), the head
     one backward (all-gather forward, reduce-scatter backward under SP), the vocabulary-parallel
-    loss three fp32 numbers per token. Recomputation ("full", and "selective" too: its policy
+    loss three fp32 numbers per token; with tp > n_kv_heads, the all-reduce of the shared
+    key/value rows' gradients per block. Recomputation ("full", and "selective" too: its policy
     saves matmul and attention outputs, not a collective's) repeats each block's forward
     collectives in backward but the last: torch's non-reentrant checkpoint stops recomputing
     once every tensor backward needs is back (early stop), and the block's last collective
@@ -168,6 +172,9 @@ def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, reco
         total += 2 * act
     if head:
         total += 2 * act + 2 * 3 * tokens * 4
+    kv = m.n_kv_heads or m.n_heads
+    if kv % tp:  # tp > n_kv_heads: the shared key/value rows' gradients summed (SharedKVLinear)
+        total += layers * 2 * 2 * kv * (m.d_model // m.n_heads) * (m.d_model + (1 if m.bias else 0)) * e
     if sequence_parallel:  # gradients of replicated parameters that saw different tokens
         norm = h * (2 if m.norm == "layernorm" and m.bias else 1)
         row_bias = 2 * h if m.bias else 0
@@ -190,7 +197,7 @@ def cp_comm_bytes(m, tokens: int, cp: int, tp: int, e: int, recompute: str = "no
     if cp == 1:
         return 0
     layers = m.n_layers if layers is None else layers
-    kv_heads = (m.n_kv_heads or m.n_heads) // tp
+    kv_heads = max(1, (m.n_kv_heads or m.n_heads) // tp)  # tp > n_kv_heads: the one it uses
     elems = 2 * tokens // cp * kv_heads * (m.d_model // m.n_heads)  # k and v of one rank
     hops = (cp - 1) * (3 if recompute != "none" else 2)
     return layers * (hops * elems * e + cp * elems * 4)
@@ -199,7 +206,7 @@ def cp_comm_bytes(m, tokens: int, cp: int, tp: int, e: int, recompute: str = "no
 def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> list[CommTime]:
     """Tensor, pipeline and expert parallel traffic, all on the critical path."""
     lay, e, m = s.layout, s.dtypes.param_bytes, w.model
-    tokens = s.micro_batch * w.seq_len
+    tokens = s.micro_batch * w.seq_len // lay.cp  # this rank's: context parallelism splits them
     micro = s.grad_accum
     out = []
     if lay.tp > 1:  # Megatron's f/g: 2 all-reduces forward, 2 backward per layer (+2 recompute);
@@ -214,16 +221,45 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
                             counted, sec, sec))
     if lay.pp > 1:  # one activation forward, one gradient back, per micro-batch and boundary
         size = e * tokens * m.d_model / (lay.tp if s.sequence_parallel else 1)
-        bw, lat, where = group_link(cluster, 2, lay.tp * lay.dp_size)
+        bw, lat, where = group_link(cluster, 2, lay.tp * lay.cp * lay.dp_size)
         sec = collective_seconds("p2p", 2 * micro * size, 2, bw, lat, 2 * micro)
         out.append(CommTime("pipeline send/recv", f"stage boundary, {where}", 2 * micro * size, sec, sec))
     if lay.ep > 1:  # dispatch + combine, forward and backward, per MoE layer
         calls = 4 * sp.layers * micro
         size = e * tokens * m.d_model * w.top_k * w.capacity_factor
-        bw, lat, where = group_link(cluster, lay.ep, lay.tp)
+        bw, lat, where = group_link(cluster, lay.ep, lay.tp * lay.cp)
         sec = collective_seconds("all_to_all", size * calls, lay.ep, bw, lat, calls)
         out.append(CommTime("expert all-to-all", f"{lay.ep} ranks, {where}", size * calls, sec, sec))
     return out
+
+
+def _cp_ring(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float) -> CommTime:
+    """The context-parallel ring (parallel/context.py) over the cp group, tp ranks apart: per
+    block and micro-batch, cp-1 hops of this rank's key/value block forward (again with
+    recomputation) and backward, and cp hops of its fp32 gradient; each hop is a send to the
+    next rank and a receive from the previous one, all ranks at once (one block on each link).
+    Volume: exactly cp_comm_bytes (the ledger's send_recv bytes).
+
+    Overlap, as the implementation does it: a key/value hop is started before the attention of
+    the block in hand and waited for after it, so the key/value hops hide behind the layer's
+    attention compute (causal: half the dense 4·h·s FLOPs per token forward, twice that
+    backward, per rank 1/(t·c) of it), up to the device's overlap fraction (none on a CPU:
+    gloo's threads need the compute cores); the gradient hops are waited for at once (the block's
+    gradient must arrive before the next block is computed on): on the critical path."""
+    lay, m, e = s.layout, w.model, s.dtypes.param_bytes
+    cp, micro, layers = lay.cp, s.grad_accum, sp.layers
+    tokens = s.micro_batch * w.seq_len
+    total = micro * cp_comm_bytes(m, tokens, cp, lay.tp, e, s.recompute, layers)
+    block = 2 * tokens // cp * ((m.n_kv_heads or m.n_heads) // lay.tp) * (m.d_model // m.n_heads)
+    kv_hops = (cp - 1) * (3 if s.recompute != "none" else 2) * layers * micro
+    grad_hops = cp * layers * micro
+    bw, lat, where = group_link(cluster, cp, lay.tp)
+    kv = collective_seconds("p2p", kv_hops * block * e, cp, bw, lat, kv_hops)
+    grads = collective_seconds("p2p", grad_hops * block * 4, cp, bw, lat, grad_hops)
+    forward = 2 * m.d_model * w.seq_len * tokens * layers / (lay.tp * cp) / rate  # per micro-batch
+    window = micro * forward * (2 + (2 if s.recompute != "none" else 1))  # + backward (2x)
+    return CommTime("context-parallel ring", f"{cp} ranks, {where}", total, kv + grads,
+                    _hidden(kv + grads, window, cluster.calibration.overlap, grads))
 
 
 def model_flops_per_token(w: Workload, recompute: str = "none") -> float:
@@ -268,24 +304,28 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     rate = dev.peak[s.dtypes.compute] * dev.efficiency * size_factor
     stage_share = sp.layers / m.n_layers  # the first stage has the most layers
     tokens = s.micro_batch * w.seq_len
-    per_micro = run_flops * tokens * stage_share / lay.tp / rate
+    # tp splits every matmul, cp the tokens (and, load-balanced, the causal attention): each
+    # rank does 1/(t·c) of a micro-batch's FLOPs
+    per_micro = run_flops * tokens * stage_share / (lay.tp * lay.cp) / rate
     if s.recompute == "selective":  # element-wise ops redone: memory-bound, write + read
         sp_on = s.sequence_parallel and lay.tp > 1
         dt = activation_dtypes(s, cluster)
         redone = (block_activation(m, dt, "none", lay.tp, sp_on)[0]
                   - block_activation(m, dt, "selective", lay.tp, sp_on)[0])
-        per_micro += 2 * redone * tokens * sp.layers / dev.memory_bandwidth
+        per_micro += 2 * redone * tokens / lay.cp * sp.layers / dev.memory_bandwidth
     micro = s.grad_accum
     compute = per_micro * (micro + lay.pp - 1)  # 1F1B: bubble (p-1)/(m+p-1) of the pipeline time
     backward = per_micro * (run_flops - model_flops / 3) / run_flops
     comms = _model_parallel_comms(w, s, cluster, sp)
+    if lay.cp > 1:
+        comms.append(_cp_ring(w, s, cluster, sp, rate))
     if not s.local:
         comms += _dp_comms(w, s, cluster, sp, (backward, compute))
-    n_opt = lay.dp_shard if s.zero_stage else 1
-    psi_opt = sp.dense / n_opt + sp.experts / (max(1, lay.dp_shard // lay.ep) if s.zero_stage else 1)
+    n_opt = zero_ranks(lay) if s.zero_stage else 1
+    psi_opt = sp.dense / n_opt + sp.experts / (max(1, zero_ranks(lay) // lay.ep) if s.zero_stage else 1)
     optimizer = _optimizer_seconds(s, cluster, psi_opt)
     if effective_tier(s.offload_params, cluster) != "none":  # each gather fetches the shard
-        up = 2 * micro * s.dtypes.param_bytes * sp.dense / lay.dp_shard
+        up = 2 * micro * s.dtypes.param_bytes * sp.dense / zero_ranks(lay)
         seconds = 0.0 if dev.kind == "cpu" else up / cluster.node.pcie.effective
         if s.offload_params == "nvme":
             seconds += up / (cluster.node.nvme_bandwidth / cluster.per_node)

@@ -5,8 +5,8 @@ Shared by memory.py (per-rank memory) and timing.py (time per step). Pure functi
 source and the assumptions are in docs/planner.md; the comments here say which term is which.
 Notation (all of the planner): Ψ parameters, N ranks a state is sharded over, L layers, h
 width, a heads, V vocabulary, f MLP width, s sequence length, b micro-batch, t tensor-parallel
-degree, p pipeline stages, m micro-batches per step; e / g / r bytes per element of the
-compute dtype, the gradient (reduce) dtype and the residual stream.
+degree, c context-parallel degree, p pipeline stages, m micro-batches per step; e / g / r bytes
+per element of the compute dtype, the gradient (reduce) dtype and the residual stream.
 """
 
 from __future__ import annotations
@@ -95,9 +95,12 @@ def validate(w: Workload, s: Strategy, cluster: Cluster) -> None:
     """User mistakes, all at once, before any arithmetic."""
     lay, m, errors = s.layout, w.model, []
     if lay.world_size != cluster.world_size:
-        errors.append(f"dp_replicate ({lay.dp_replicate}) x dp_shard ({lay.dp_shard}) x tp ({lay.tp}) "
-                      f"x pp ({lay.pp}) = {lay.world_size}, but {cluster.describe()} has "
+        errors.append(f"dp_replicate ({lay.dp_replicate}) x dp_shard ({lay.dp_shard}) x cp ({lay.cp}) "
+                      f"x tp ({lay.tp}) x pp ({lay.pp}) = {lay.world_size}, but {cluster.describe()} has "
                       f"{cluster.world_size} devices")
+    if lay.cp > 1 and w.seq_len % (2 * lay.cp):
+        errors.append(f"cp = {lay.cp} cuts each sequence into 2·cp = {2 * lay.cp} load-balanced chunks: "
+                      f"seq {w.seq_len} must divide by {2 * lay.cp}")
     if m.n_heads % lay.tp:
         errors.append(f"tp = {lay.tp} does not divide the {m.n_heads} attention heads")
     if lay.pp > m.n_layers:
@@ -127,6 +130,12 @@ def validate(w: Workload, s: Strategy, cluster: Cluster) -> None:
                       f"global batch {w.global_batch} sequences")
     if errors:
         raise ConfigError("this plan cannot run:\n  - " + "\n  - ".join(errors))
+
+
+def zero_ranks(lay: ParallelDims) -> int:
+    """N for ZeRO: the ranks model states are sharded over, dp_shard x cp (context-parallel ranks
+    hold the same parameters and reduce their gradients together: mesh.py)."""
+    return lay.dp_shard * lay.cp
 
 
 def describe_dtypes(d: Dtypes, local: bool) -> str:
@@ -203,9 +212,9 @@ class StageParams:
     name: str
     layers: int
     dense: float
-    """Ψ_r: this rank's non-expert parameters (sharded over dp_shard)."""
+    """Ψ_r: this rank's non-expert parameters (sharded over dp_shard x cp)."""
     experts: float
-    """This rank's expert parameters (sharded over dp_shard / ep)."""
+    """This rank's expert parameters (sharded over dp_shard x cp / ep)."""
     root_unit: float
     block_unit: float
 
