@@ -1,7 +1,8 @@
 """The planner's predictions against real training on this machine.
 
 For each case — 1, 2 and 4 ranks; ZeRO stages 0-3; activation checkpointing none/full; the
-nvme offload tier — a fresh set of gloo ranks trains a few steps and reports, from rank 0:
+nvme offload tier; the model axes: tensor parallelism (tp=2, with and without sequence
+parallelism), context parallelism (cp=2), both (cp=2 x tp=2) — a fresh set of gloo ranks trains a few steps and reports, from rank 0:
 the model-state byte ledger (params + grads + optimizer, what the engine holds), the process's
 peak RSS (ru_maxrss) and the median step time after the first. The planner's
 `predict_local(cfg, ranks)` predicts the same three from the config alone (its CPU figures come
@@ -13,6 +14,7 @@ Targets: model-state bytes within 2%, peak process memory within 10%, step time 
 Reproduce:  PYTHONPATH=src python bench/bench_planner.py                    (gpt2-124m, ~10 min)
             PYTHONPATH=src python bench/bench_planner.py --preset gpt-mini --steps 4
             PYTHONPATH=src python bench/bench_planner.py --only 4,2,none,none   (one case; repeatable)
+            PYTHONPATH=src python bench/bench_planner.py --only 2,0,none,none,tp2sp --only 2,1,none,none,cp2
 """
 
 from __future__ import annotations
@@ -29,19 +31,28 @@ from pathlib import Path
 MiB = 2**20
 
 
-def cases(max_ranks: int) -> list[tuple[int, int, str, str]]:
-    """(ranks, stage, activation checkpoint, offload) to run."""
-    out = [(1, 0, "none", "none"), (1, 0, "full", "none"), (1, 1, "none", "nvme")]
+AXES = {"": {}, "tp2": {"parallel.tp": 2}, "tp2sp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
+        "cp2": {"parallel.cp": 2}, "cp2tp2": {"parallel.cp": 2, "parallel.tp": 2}}
+"""Model axes a case can add (the last field of --only)."""
+
+
+def cases(max_ranks: int) -> list[tuple[int, int, str, str, str]]:
+    """(ranks, stage, activation checkpoint, offload, model axes) to run."""
+    out = [(1, 0, "none", "none", ""), (1, 0, "full", "none", ""), (1, 1, "none", "nvme", "")]
     for ranks in (2, 4):
         if ranks > max_ranks:
             continue
-        out += [(ranks, stage, "none", "none") for stage in range(4)]
-        out += [(ranks, 3, "full", "none"), (ranks, 2, "none", "nvme")]
+        out += [(ranks, stage, "none", "none", "") for stage in range(4)]
+        out += [(ranks, 3, "full", "none", ""), (ranks, 2, "none", "nvme", "")]
+    out += [(2, 0, "none", "none", "tp2"), (2, 0, "none", "none", "tp2sp"), (2, 0, "none", "none", "cp2"),
+            (2, 3, "full", "none", "cp2")]
+    if max_ranks >= 4:
+        out += [(4, 1, "none", "none", "cp2tp2")]
     return out
 
 
-def overrides_for(args, ranks: int, stage: int, ac: str, offload: str, run_dir: str) -> dict:
-    return {"model.preset": args.preset, "train.micro_batch": args.micro_batch,
+def overrides_for(args, ranks: int, stage: int, ac: str, offload: str, axes: str, run_dir: str) -> dict:
+    return {**AXES[axes], "model.preset": args.preset, "train.micro_batch": args.micro_batch,
             "train.seq_len": args.seq, "train.steps": args.steps, "train.eval_every": 0,
             "train.sample_tokens": 0, "precision.compute": args.precision, "parallel.zero_stage": stage,
             "activation.checkpoint": ac, "zero.offload_optimizer": offload, "run.device": "cpu",
@@ -73,8 +84,9 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--max-ranks", type=int, default=4)
     parser.add_argument("--json", default="")
-    parser.add_argument("--only", action="append", default=[], metavar="RANKS,STAGE,AC,OFFLOAD",
-                        help="run only this case (repeatable), e.g. 4,2,none,none")
+    parser.add_argument("--only", action="append", default=[], metavar="RANKS,STAGE,AC,OFFLOAD[,AXES]",
+                        help=f"run only this case (repeatable), e.g. 4,2,none,none; AXES one of "
+                             f"{', '.join(a for a in AXES if a)}")
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
 
@@ -86,16 +98,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         selected = cases(args.max_ranks)
         if args.only:
-            wanted = [tuple(int(v) if i < 2 else v for i, v in enumerate(o.split(","))) for o in args.only]
+            wanted = [tuple(int(v) if i < 2 else v for i, v in enumerate((o + ",").split(",")[:5]))
+                      for o in args.only]
             selected = wanted
-        for ranks, stage, ac, offload in selected:
-            overrides = overrides_for(args, ranks, stage, ac, offload, str(Path(tmp) / "runs"))
+        for ranks, stage, ac, offload, axes in selected:
+            overrides = overrides_for(args, ranks, stage, ac, offload, axes, str(Path(tmp) / "runs"))
             cfg = load_config(overrides=overrides).validate()
             predicted = predict_local(cfg, ranks)
             measured = run_ranks(measure, ranks, Path(tmp), overrides, args.steps, timeout=1800)[0]
             state_m = sum(measured["state"].values())
             state_p = sum(predicted.model_state_bytes.values())
-            row = {"ranks": ranks, "stage": stage, "ac": ac, "offload": offload,
+            row = {"ranks": ranks, "stage": stage, "ac": ac, "offload": offload, "axes": axes or "dp",
                    "state_measured": state_m, "state_predicted": state_p,
                    "peak_measured": measured["peak_rss"], "peak_predicted": predicted.peak_process_bytes,
                    "step_measured": measured["step_s"], "step_predicted": predicted.step_time_s}
@@ -107,18 +120,18 @@ def main() -> None:
 
     print(f"\n{args.preset}, {args.precision}, batch {args.micro_batch}x{args.seq} per rank, "
           f"{args.steps} steps (median after the first)\n")
-    print("| ranks | stage | AC | offload | state MiB meas / pred | err | peak RSS MiB meas / pred | err "
+    print("| ranks | axes | stage | AC | offload | state MiB meas / pred | err | peak RSS MiB meas / pred | err "
           "| step s meas / pred | err |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     misses = []
     for r in rows:
         e = (err(r["state_predicted"], r["state_measured"]), err(r["peak_predicted"], r["peak_measured"]),
              err(r["step_predicted"], r["step_measured"]))
         for name, value, limit in zip(("state", "peak", "step"), e, (0.02, 0.10, 0.25)):
             if abs(value) > limit:
-                misses.append(f"{r['ranks']} ranks stage {r['stage']} AC {r['ac']} offload {r['offload']}: "
+                misses.append(f"{r['ranks']} ranks {r['axes']} stage {r['stage']} AC {r['ac']} offload {r['offload']}: "
                               f"{name} off by {value:+.0%} (target ±{limit:.0%})")
-        print(f"| {r['ranks']} | {r['stage']} | {r['ac']} | {r['offload']} | "
+        print(f"| {r['ranks']} | {r['axes']} | {r['stage']} | {r['ac']} | {r['offload']} | "
               f"{r['state_measured'] / MiB:,.1f} / {r['state_predicted'] / MiB:,.1f} | {e[0]:+.1%} | "
               f"{r['peak_measured'] / MiB:,.0f} / {r['peak_predicted'] / MiB:,.0f} | {e[1]:+.1%} | "
               f"{r['step_measured']:.3f} / {r['step_predicted']:.3f} | {e[2]:+.1%} |")

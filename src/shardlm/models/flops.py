@@ -87,11 +87,32 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none") -> 
     more: torch's CPU/flash attention backward recomputes QK^T (another 2*T*d per token and
     layer), which FlopCounterMode counts and this function, as PaLM, does not.
     """
+    return _flops(cfg, seq_len, recompute, attention_forward=4, attention_backward=8)
+
+
+def kernel_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none") -> float:
+    """The FLOPs the kernels execute per token (what the planner's time model divides by the
+    device's rate): the matmuls as in flops_per_token, attention as a causal flash kernel does
+    it — every product over the unmasked half only, and the backward recomputing the scores:
+    forward QKᵀ and PV (2·T·d per token and layer, half of 4·T·d), backward the scores again,
+    dP, dV, dQ and dK (5·T·d). 7·L·d·s against PaLM's 12·L·d·s: at long sequences, where
+    attention dominates, the model-FLOP count overstates the step's work by up to 12/7."""
+    return _flops(cfg, seq_len, recompute, attention_forward=2, attention_backward=5)
+
+
+def _flops(cfg: ModelConfig, seq_len: int, recompute: str, attention_forward: int,
+           attention_backward: int) -> float:
+    """6N + (forward + backward)·L·d·s, and a second forward of the blocks for 'full'."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute = {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
-    attention_forward = 4 * cfg.n_layers * cfg.d_model * seq_len
-    flops = 6 * matmul_params(cfg) + 3 * attention_forward
+    per_token = cfg.n_layers * cfg.d_model * seq_len
+    flops = 6 * matmul_params(cfg) + (attention_forward + attention_backward) * per_token
     if recompute == "full":
         recomputed = _block_matmul_params(cfg) - cfg.d_model * resolved_d_ff(cfg)
-        flops += 2 * cfg.n_layers * recomputed + attention_forward
+        flops += 2 * cfg.n_layers * recomputed + attention_forward * per_token
     return float(flops)
+
+
+def kernel_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The forward's share of kernel_flops_per_token (2N + 2·L·d·s)."""
+    return float(2 * matmul_params(cfg) + 2 * cfg.n_layers * cfg.d_model * seq_len)

@@ -262,14 +262,18 @@ def _cp_ring(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: 
                     _hidden(kv + grads, window, cluster.calibration.overlap, grads))
 
 
-def model_flops_per_token(w: Workload, recompute: str = "none") -> float:
-    """models.flops.flops_per_token (PaLM appendix B: 6N + 12·L·h·s), with top_k experts'
-    MLPs and the router for a mixture of experts."""
+def model_flops_per_token(w: Workload, recompute: str = "none", count: str = "model") -> float:
+    """models.flops.flops_per_token (PaLM appendix B: 6N + 12·L·h·s; count='model', for MFU)
+    or what the kernels execute (count='kernel': causal flash attention, 6N + 7·L·h·s; for
+    time; 'kernel-forward': its forward share), with top_k experts' MLPs and the router for a
+    mixture of experts."""
     m = w.model
-    value = flops.flops_per_token(m, w.seq_len, recompute)
+    value = {"model": lambda: flops.flops_per_token(m, w.seq_len, recompute),
+             "kernel": lambda: flops.kernel_flops_per_token(m, w.seq_len, recompute),
+             "kernel-forward": lambda: flops.kernel_forward_flops_per_token(m, w.seq_len)}[count]()
     if w.experts:
         mlp = (3 if m.mlp == "swiglu" else 2) * m.d_model * flops.resolved_d_ff(m)
-        value += 6 * m.n_layers * ((w.top_k - 1) * mlp + m.d_model * w.experts)
+        value += (2 if count == "kernel-forward" else 6) * m.n_layers * ((w.top_k - 1) * mlp + m.d_model * w.experts)
     if w.params:
         value *= w.params / shape_of(replace(w, params=None)).total
     return value
@@ -298,7 +302,7 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     lay, m, dev = s.layout, w.model, cluster.device
     sp = stage_params(w, lay)[0]
     model_flops = model_flops_per_token(w)
-    run_flops = model_flops_per_token(w, s.recompute)
+    run_flops = model_flops_per_token(w, s.recompute, "kernel")  # what the step executes
     # Small matrices fill less of the chip: efficiency x h/(h + half_width) (docs/planner.md).
     size_factor = m.d_model / (m.d_model + cluster.calibration.half_width)
     rate = dev.peak[s.dtypes.compute] * dev.efficiency * size_factor
@@ -315,7 +319,7 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
         per_micro += 2 * redone * tokens / lay.cp * sp.layers / dev.memory_bandwidth
     micro = s.grad_accum
     compute = per_micro * (micro + lay.pp - 1)  # 1F1B: bubble (p-1)/(m+p-1) of the pipeline time
-    backward = per_micro * (run_flops - model_flops / 3) / run_flops
+    backward = per_micro * (run_flops - model_flops_per_token(w, count="kernel-forward")) / run_flops
     comms = _model_parallel_comms(w, s, cluster, sp)
     if lay.cp > 1:
         comms.append(_cp_ring(w, s, cluster, sp, rate))
