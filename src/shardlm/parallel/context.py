@@ -59,14 +59,11 @@ class CPState:
     def size(self) -> int:
         return self.comm.size
 
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
-
     def positions(self, length: int, device: torch.device | None = None) -> torch.Tensor:
         """This rank's token positions in a sequence of `length`: chunks r and 2C-1-r of 2C."""
         chunk = length // (2 * self.size)
-        front, back = self.rank * chunk, (2 * self.size - 1 - self.rank) * chunk
+        r = self.comm.rank
+        front, back = r * chunk, (2 * self.size - 1 - r) * chunk
         return torch.cat([torch.arange(front, front + chunk, device=device),
                           torch.arange(back, back + chunk, device=device)])
 
@@ -162,38 +159,44 @@ def _merge(out, lse, block_out, block_lse, rows: slice):
 # The ring
 
 
-def _hop(step: int, cp: CPState) -> tuple[str, int]:
-    """Which part of the work hop `step` does: the source rank of the block held, and
-    'diagonal' (own block, causal), 'front' (every query against the block's front chunk:
-    the source is an earlier rank) or 'back' (the back chunk's queries against both chunks)."""
-    src = (cp.rank - step) % cp.size
-    return ("diagonal" if step == 0 else "front" if src < cp.rank else "back"), src
+def _ring(kv: torch.Tensor, cp: CPState):
+    """(kind, block) for each hop of the ring: this rank's key/value block first, then each
+    one received, the next already in flight while the caller computes on the one in hand.
+    kind: 'diagonal' (own block, causal), 'front' (a block from an earlier rank: every query
+    against its front chunk) or 'back' (from a later rank: our back chunk's queries against
+    both its chunks)."""
+    for step in range(cp.size):
+        if step < cp.size - 1:
+            incoming = torch.empty_like(kv)
+            pending = cp.comm.shift(kv, incoming)
+        src = (cp.comm.rank - step) % cp.size
+        yield ("diagonal" if step == 0 else "front" if src < cp.comm.rank else "back"), kv
+        if step < cp.size - 1:
+            pending.wait()
+            kv = incoming
+
+
+def _parts(kind: str, half: int) -> tuple[slice, slice]:
+    """(query rows, key rows) a hop computes."""
+    return {"diagonal": (slice(None), slice(None)), "front": (slice(None), slice(None, half)),
+            "back": (slice(half, None), slice(None))}[kind]
+
+
+def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    return t[:, :, rows].contiguous()  # the whole tensor itself when rows is everything
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: CPState, scale: float):
-        groups = q.shape[1] // k.shape[1]
-        half = q.shape[2] // 2
-        kv = torch.stack([k, v]).contiguous()  # one buffer per hop
+        groups, half = q.shape[1] // k.shape[1], q.shape[2] // 2
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        for step in range(cp.size):
-            if step < cp.size - 1:
-                incoming = torch.empty_like(kv)
-                pending = cp.comm.shift(kv, incoming)
-            kind, _ = _hop(step, cp)
-            kb, vb = _expand(kv[0], groups), _expand(kv[1], groups)
-            if kind == "diagonal":
-                rows, o, lse_b = slice(None), *block_forward(q, kb, vb, True, scale)
-            elif kind == "front":
-                rows, o, lse_b = slice(None), *block_forward(q, kb[:, :, :half].contiguous(), vb[:, :, :half].contiguous(), False, scale)
-            else:
-                rows, o, lse_b = slice(half, None), *block_forward(q[:, :, half:].contiguous(), kb, vb, False, scale)
-            _merge(out, lse, o, lse_b, rows)
-            if step < cp.size - 1:
-                pending.wait()
-                kv = incoming
+        for kind, block in _ring(torch.stack([k, v]), cp):  # one buffer per hop
+            rows, keys = _parts(kind, half)
+            o, block_lse = block_forward(_rows(q, rows), _expand(_rows(block[0], keys), groups),
+                                         _expand(_rows(block[1], keys), groups), kind == "diagonal", scale)
+            _merge(out, lse, o, block_lse, rows)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.scale = cp, scale
@@ -204,42 +207,20 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp, scale = ctx.cp, ctx.scale
         groups, half = q.shape[1] // k.shape[1], q.shape[2] // 2
-        dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its block
-        for step in range(cp.size):
-            if step < cp.size - 1:
-                incoming = torch.empty_like(kv)
-                pending = cp.comm.shift(kv, incoming)
-            kind, _ = _hop(step, cp)
-            kb, vb = _expand(kv[0], groups), _expand(kv[1], groups)
-            if kind == "diagonal":
-                gq, gk, gv = block_backward(dout, q, kb, vb, out, lse, True, scale)
-                dq += gq
-                dkv[0] += _fold(gk, groups)
-                dkv[1] += _fold(gv, groups)
-            elif kind == "front":
-                gq, gk, gv = block_backward(dout, q, kb[:, :, :half].contiguous(), vb[:, :, :half].contiguous(),
-                                            out, lse, False, scale)
-                dq += gq
-                dkv[0, :, :, :half] += _fold(gk, groups)
-                dkv[1, :, :, :half] += _fold(gv, groups)
-            else:
-                back = slice(half, None)
-                gq, gk, gv = block_backward(dout[:, :, back].contiguous(), q[:, :, back].contiguous(), kb, vb,
-                                            out[:, :, back].contiguous(), lse[:, :, back].contiguous(),
-                                            False, scale)
-                dq[:, :, back] += gq
-                dkv[0] += _fold(gk, groups)
-                dkv[1] += _fold(gv, groups)
+        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # travels with its block
+        for kind, block in _ring(torch.stack([k, v]), cp):
+            rows, keys = _parts(kind, half)
+            gq, gk, gv = block_backward(_rows(dout, rows), _rows(q, rows), _expand(_rows(block[0], keys), groups),
+                                        _expand(_rows(block[1], keys), groups), _rows(out, rows),
+                                        _rows(lse, rows), kind == "diagonal", scale)
+            dq[:, :, rows] += gq
+            dkv[0, :, :, keys] += _fold(gk, groups)
+            dkv[1, :, :, keys] += _fold(gv, groups)
             # The block's gradient moves on with it; after the last hop it reaches its owner.
             arriving = torch.empty_like(dkv)
             cp.comm.shift(dkv, arriving).wait()
             dkv = arriving
-            if step < cp.size - 1:
-                pending.wait()
-                kv = incoming
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
