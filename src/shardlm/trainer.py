@@ -98,7 +98,7 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     (e.g. a transformers model through shardlm.models.hf); it must be built identically on
     every rank, and its vocabulary must be cfg.model.vocab_size."""
     cfg.validate()
-    runtime = runtime or init_runtime(cfg.run.device)
+    runtime = runtime or init_runtime(cfg.run.device, cfg.parallel.collective_timeout_s)
     run_dir = make_run_dir(cfg, runtime)
     source = resume_source(cfg, run_dir, runtime)
     cfg = resolve_config(cfg, runtime, source)
