@@ -13,9 +13,9 @@ import shardlm
 LAYERS = [  # bottom first
     {"errors", "files"},
     {"preflight"},
-    {"presets"},
+    {"presets", "dims"},
     {"config"},
-    {"dims", "placement"},
+    {"placement"},
     {"launch"},
     {"spawn"},
     {"hardware"},

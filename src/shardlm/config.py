@@ -174,7 +174,15 @@ class ParallelConfig:
     attention by passing key/value blocks around a ring (parallel/context.py); activations
     1/cp per rank. train.seq_len must divide by 2·cp."""
     pp: int = 1
-    """Pipeline-parallel degree (reserved: 1 until pipeline parallelism lands)."""
+    """Pipeline-parallel degree: the blocks in pp contiguous stages, one per rank of a pipeline
+    (parallel/pipeline.py); micro-batches are train.grad_accum's."""
+    pp_schedule: str = "1f1b"
+    """With pp > 1: 'gpipe' (all forwards, then all backwards) or '1f1b' (one forward, one
+    backward: at most pp micro-batches of activations held per stage). Both idle
+    (pp-1)/(grad_accum+pp-1) of a step."""
+    pp_layers: str = ""
+    """With pp > 1: blocks per stage, e.g. '4,4,3,5' ('' = balanced by FLOPs, the head's
+    counted on the last stage)."""
     ep: int = 1
     """Expert-parallel degree (reserved: 1 until mixture-of-experts lands)."""
     reshard_after_forward: bool = True
@@ -548,7 +556,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "parallel.dp_shard": _rule(lambda v: v >= 1 or v == -1, "must be >= 1 or -1 (all remaining ranks)"),
     "parallel.tp": _positive(),
     "parallel.cp": _positive(),
-    "parallel.pp": _only_one("pp"),
+    "parallel.pp": _positive(),
+    "parallel.pp_schedule": _rule(lambda v: v in ("gpipe", "1f1b"), "must be 'gpipe' or '1f1b'"),
     "parallel.ep": _only_one("ep"),
     "parallel.collective_timeout_s": _non_negative(" (0 disables the watchdog)"),
     "zero.nvme_chunk_mb": _rule(lambda v: 1 <= v <= NVME_CHUNK_MB_MAX,
@@ -631,6 +640,31 @@ def _sequence_parallel_needs_tp(cfg: Config) -> list[str]:
     par = cfg.parallel
     return (["parallel.sequence_parallel = true splits the sequence inside the tensor-parallel group: "
              "it needs parallel.tp > 1"] if par.sequence_parallel and par.tp == 1 else [])
+
+
+@_cross("parallel.pp", "parallel.pp_layers", "model.n_layers", "parallel.zero_stage")
+def _pipeline_fits(cfg: Config) -> list[str]:
+    from shardlm.dims import parse_layers
+
+    par, n = cfg.parallel, cfg.model.n_layers
+    if par.pp == 1:
+        return ["parallel.pp_layers is set but parallel.pp = 1: set parallel.pp to the number of "
+                "stages, or leave pp_layers empty"] if par.pp_layers else []
+    problems = []
+    if par.pp > n:
+        problems.append(f"parallel.pp = {par.pp} exceeds the model's {n} layers (model.n_layers): "
+                        f"every stage needs at least one block")
+    elif par.pp_layers:
+        try:
+            parse_layers(par.pp_layers, n, par.pp)
+        except ConfigError as e:
+            problems.append(str(e))
+    if par.zero_stage == 3:
+        problems.append("parallel.zero_stage = 3 with parallel.pp > 1: ZeRO-3 gathers a unit's "
+                        "parameters for each forward and backward, and a pipeline stage runs many "
+                        "micro-batches' forwards and backwards interleaved; not supported yet: use "
+                        "zero_stage <= 2 (stage 2 shards gradients after the last micro-batch)")
+    return problems
 
 
 @_cross("parallel.cp", "train.seq_len")

@@ -61,3 +61,43 @@ def resolve_dims(parallel, world_size: int) -> ParallelDims:
     """The dims a [parallel] config section describes on `world_size` ranks."""
     return ParallelDims.resolve(world_size, parallel.dp_replicate, parallel.dp_shard,
                                 getattr(parallel, "cp", 1), parallel.tp, parallel.pp, parallel.ep)
+
+
+def split_layers(n_layers: int, pp: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
+    """Blocks per pipeline stage: contiguous, each >= 1, summing to `n_layers`, balancing each
+    stage's cost — its blocks, plus the embedding's cost on the first stage and the head's (and
+    loss's) on the last, in units of one block. The most loaded stage is made as light as it can
+    be; where stages tie, the earlier one gets fewer blocks (1F1B's first stage holds the most
+    micro-batches of activations)."""
+    if pp < 1 or n_layers < pp:
+        raise ConfigError(f"parallel.pp = {pp} needs at least one of the model's {n_layers} layers "
+                          f"per stage: choose pp <= {n_layers}")
+    if pp == 1:
+        return [n_layers]
+    extra = [first_extra] + [0.0] * (pp - 2) + [last_extra]
+    def capacity(limit: float) -> list[int]:  # noqa: E306
+        return [max(1, int(limit - e + 1e-9)) for e in extra]
+    limits = sorted({k + e for e in extra for k in range(1, n_layers + 1)})
+    lo, hi = 0, len(limits) - 1  # the smallest limit whose capacities hold every layer
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if sum(capacity(limits[mid])) >= n_layers else (mid + 1, hi)
+    counts = capacity(limits[lo])
+    for _ in range(sum(counts) - n_layers):  # trim: the heaviest stage, the earliest of ties
+        i = max((c + e, -i, i) for i, (c, e) in enumerate(zip(counts, extra)) if c > 1)[2]
+        counts[i] -= 1
+    return counts
+
+
+def parse_layers(text: str, n_layers: int, pp: int) -> list[int]:
+    """An explicit split ('4,4,3,5'): one positive count per stage, summing to the layers."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"parallel.pp_layers = {text!r}: write one layer count per stage, "
+                          f"comma-separated, e.g. '4,4,3,5'") from None
+    if len(counts) != pp or min(counts) < 1 or sum(counts) != n_layers:
+        raise ConfigError(f"parallel.pp_layers = {text!r} must give {pp} positive counts (one per "
+                          f"stage, parallel.pp = {pp}) summing to the model's {n_layers} layers "
+                          f"(it gives {len(counts)} summing to {sum(counts)})")
+    return counts

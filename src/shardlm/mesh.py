@@ -1,10 +1,12 @@
 """The rank grid (dims.py ParallelDims) as a named device mesh and its process groups.
 
-Ranks are laid out as (dp_replicate, dp_shard, cp, tp) with tp innermost (rank = ((replica ·
-dp_shard + shard) · cp + c) · tp + t): a tensor-parallel group is a run of consecutive ranks —
+Ranks are laid out as (pp, dp_replicate, dp_shard, cp, tp) with tp innermost (rank = (((stage ·
+dp_replicate + replica) · dp_shard + shard) · cp + c) · tp + t): a tensor-parallel group is a
+run of consecutive ranks —
 on a cluster, GPUs of one node, where its per-layer all-reduces are cheapest — then the
 context-parallel ring (a K/V block per layer per hop), then a sharding group (ZeRO-3's gathers
-once per unit), and replicas span nodes (HSDP).
+once per unit), replicas span nodes (HSDP), and pipeline stages, which send one activation
+per micro-batch to the next, are outermost (across nodes, where links are slowest).
 
 Context-parallel ranks hold the same parameters and see the same sequences (each a different
 part of them), so for ZeRO they are data-parallel ranks: model states are sharded over
@@ -36,9 +38,17 @@ class Mesh:
     dp_replicate_group: dist.ProcessGroup | None
     tp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
-    """Every data- and context-parallel rank of this rank's tensor-parallel position; the whole
-    world when tp = 1 (None: use the default group)."""
+    """Every data- and context-parallel rank of this rank's stage and tensor-parallel position
+    (the world when there is no other axis; None when there is no data parallelism)."""
     cp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+    """The pipeline: the ranks of every stage at this rank's position in the rest of the grid."""
+    pp_ends_group: dist.ProcessGroup | None = None
+    """The first and the last stage of this rank's pipeline (a tied embedding's two copies)."""
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.dims.world_size // self.dims.pp)
 
     @property
     def tp_rank(self) -> int:
@@ -52,7 +62,7 @@ class Mesh:
     def dp_rank(self) -> int:
         """This rank's position among the ranks that see different data (what the sampler
         needs): the ranks of one tensor- and context-parallel group see the same sequences."""
-        return self.rank // (self.dims.tp * self.dims.cp)
+        return self.rank // (self.dims.tp * self.dims.cp) % self.dims.dp_size
 
     @property
     def shard_rank(self) -> int:
@@ -77,20 +87,27 @@ def _my_group(rank: int, groups: list[list[int]]) -> dist.ProcessGroup:
 def build_mesh(dims: ParallelDims, device: torch.device, rank: int) -> Mesh:
     if dims.world_size == 1:
         return Mesh(dims, 0, None, None, None)
-    names = ("dp_replicate", "dp_shard", "cp", "tp")
-    shape = (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+    names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    shape = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
     keep = [i for i, n in enumerate(shape) if n > 1 or names[i].startswith("dp")]
     mesh = init_device_mesh(device.type, tuple(shape[i] for i in keep),
                             mesh_dim_names=tuple(names[i] for i in keep))
     group = lambda name: mesh.get_group(name) if name in mesh.mesh_dim_names and \
         shape[names.index(name)] > 1 else None  # noqa: E731
     shard = group("dp_shard")
-    inner = dims.cp * dims.tp
+    inner, stage = dims.cp * dims.tp, dims.world_size // dims.pp
     if dims.cp > 1 and dims.dp_shard * dims.cp > 1:  # shard over dp_shard × cp together
-        shard = _my_group(rank, [[(r * dims.dp_shard + s) * inner + c * dims.tp + t
+        shard = _my_group(rank, [[q * stage + (r * dims.dp_shard + s) * inner + c * dims.tp + t
                                   for s in range(dims.dp_shard) for c in range(dims.cp)]
-                                 for r in range(dims.dp_replicate) for t in range(dims.tp)])
+                                 for q in range(dims.pp) for r in range(dims.dp_replicate)
+                                 for t in range(dims.tp)])
     dp = None
-    if dims.tp > 1 and dims.dp_size * dims.cp > 1:
-        dp = _my_group(rank, [list(range(t, dims.world_size, dims.tp)) for t in range(dims.tp)])
-    return Mesh(dims, rank, mesh, shard, group("dp_replicate"), group("tp"), dp, group("cp"))
+    if dims.dp_size * dims.cp > 1:
+        dp = dist.group.WORLD if dims.tp == dims.pp == 1 else _my_group(
+            rank, [list(range(q * stage + t, (q + 1) * stage, dims.tp)) for q in range(dims.pp)
+                   for t in range(dims.tp)])
+    ends = None
+    if dims.pp > 1:
+        ends = _my_group(rank, [[i, (dims.pp - 1) * stage + i] for i in range(stage)])
+    return Mesh(dims, rank, mesh, shard, group("dp_replicate"), group("tp"), dp, group("cp"),
+                group("pp"), ends)

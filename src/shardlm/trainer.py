@@ -31,6 +31,7 @@ from shardlm.models import build_model, flops_per_token, generate
 from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
 from shardlm.parallel.build import parallelize
 from shardlm.parallel.data import DataParallelEngine
+from shardlm.parallel.pipeline import Schedule, StepIO, gather_stages
 from shardlm.parallel.tensor import whole_parameters
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.precision import Precision, build_precision, is_finite
@@ -68,6 +69,8 @@ class Run:
     parallelism): parallel.build.Parallelized.loss."""
     start_step: int = 0
     """The first step to run: 0, or where the checkpoint resumed from left off."""
+    schedule: Schedule | None = None
+    """The pipeline schedule of this rank's stage (parallel.pp > 1)."""
 
 
 @dataclass
@@ -127,7 +130,7 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
         strategy=built.strategy, watchdog=watchdog, precision=precision,
         train_loader=Loader(dataset.train, grad_accum=t.grad_accum, **common),
         val_loader=Loader(dataset.val, grad_accum=1, **common),
-        run_dir=run_dir, checkpoints=writer, loss=built.loss,
+        run_dir=run_dir, checkpoints=writer, loss=built.loss, schedule=built.schedule,
         peak_flops_per_device=peak_flops(runtime.device, precision.name),
         # A model we did not build: 6 × parameters, the approximation used for those (attention
         # FLOPs left out). Ours: the exact count from its config.
@@ -259,6 +262,17 @@ def state_report(run: Run) -> str:
     return f"rank {run.runtime.rank}: model states MiB: " + ", ".join(parts)
 
 
+def pipeline_io(run: Run, divisor: int = 1) -> StepIO:
+    """What a pipeline schedule needs from the run: each micro-batch's loss divided by
+    `divisor`; gradients reduced after the step's last backward (finish_backward)."""
+    device = run.runtime.device
+    return StepIO(model=lambda x, hidden: run.forward(x.to(device, non_blocking=True), hidden),
+                  loss=lambda logits, y: run.loss(logits, y.to(device, non_blocking=True)) / divisor,
+                  backward=lambda loss: run.precision.scaler.scale_loss(loss).backward(),
+                  before_backward=lambda i: run.strategy.micro_step(sync=False),
+                  autocast=run.precision.autocast, device=device)
+
+
 def loss_of(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     device = run.runtime.device
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -288,6 +302,10 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     # Context parallelism: each rank's loss is the mean over its 1/cp of the tokens.
     global_micro_batches = len(micro_batches) * run.mesh.dims.dp_size * run.mesh.dims.cp
     total = torch.zeros((), device=run.runtime.device)
+    if run.schedule is not None:  # the pipeline's order of forwards and backwards
+        total = run.schedule.run(pipeline_io(run, global_micro_batches), micro_batches)
+        run.schedule.stage.sync_tied(run.model)
+        micro_batches = []
     for i, (x, y) in enumerate(micro_batches):
         # Gradients are synchronised on the last micro-batch only (nanoGPT's no_sync reasoning:
         # reducing inner micro-steps would be pure waste).
@@ -317,7 +335,11 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
 @torch.no_grad()
 def evaluate(run: Run) -> float:
     run.model.eval()
-    losses = torch.stack([loss_of(run, x, y).float() for x, y in run.val_loader.eval_batches(run.cfg.train.eval_batches)])
+    batches = run.val_loader.eval_batches(run.cfg.train.eval_batches)
+    if run.schedule is not None:
+        losses = torch.stack(run.schedule.forward_only(pipeline_io(run), list(batches)))
+    else:
+        losses = torch.stack([loss_of(run, x, y).float() for x, y in batches])
     run.model.train()
     if run.mesh.cp_group is not None:  # each rank scored its part of the sequences: their mean
         torch.distributed.all_reduce(losses, group=run.mesh.cp_group)
@@ -330,13 +352,18 @@ def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: flo
     tokens_per_s = tokens / seconds
     mfu = tokens_per_s * run.flops_per_token / (run.peak_flops_per_device * run.runtime.world_size)
     comm = run.strategy.ledger.snapshot()  # this step's collectives (reset before it began)
+    pipeline = {}
+    if run.schedule is not None:  # measured idle time per stage, next to the schedule's formula
+        by_stage = run.schedule.bubble(seconds, run.runtime.device)
+        pipeline = {"pp_bubble": sum(by_stage) / len(by_stage), "pp_bubble_by_stage": by_stage,
+                    "pp_bubble_formula": run.schedule.bubble_formula(run.cfg.train.grad_accum)}
     return {"step": step + 1, "loss": loss, "lr": run.strategy.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
             "step_time_s": seconds, "peak_rss_bytes": peak_rss_bytes(),
             "loss_scale": run.precision.scaler.scale,
             "model_state_bytes": sum(run.strategy.model_state_bytes().values()),
             "comm_bytes": sum(comm.values()), "comm_bytes_by_op": comm,
-            **run.strategy.offload_report()}
+            **run.strategy.offload_report(), **pipeline}
 
 
 def train(run: Run) -> TrainResult:
@@ -386,6 +413,11 @@ def train(run: Run) -> TrainResult:
     if result.stopped_by is None:
         with run.strategy.full_parameters():
             weights = whole_parameters(run.model) if run.mesh.dims.tp > 1 else run.model
+            if run.schedule is not None:  # every stage's parameters, gathered
+                whole = weights if isinstance(weights, dict) else whole_parameters(weights)
+                shapes = {n: tuple(p.shape) for n, p in build_model(cfg.model, "meta").named_parameters()}
+                weights = gather_stages(whole, shapes, next(iter(whole.values())).dtype,
+                                        run.schedule.stage, run.runtime.device)
             if main:
                 save_weights(run.run_dir, weights, cfg, run.dataset.tokenizer)
     return result

@@ -134,6 +134,23 @@ class Comm:
                             lambda: _all_gather_single(output, input, group=self.group,
                                                        async_op=True))
 
+    def send(self, tensor: torch.Tensor, to: int):
+        """Send to group rank `to` (a pipeline stage's activation or gradient); counted as its
+        bytes ("send"). The tensor must stay alive and unchanged until the handle is waited on."""
+        dst = dist.get_global_rank(self.group, to)
+        return self._launch("send", tensor.numel() * tensor.element_size(),
+                            lambda: dist.isend(tensor, dst, group=self.group))
+
+    def recv(self, tensor: torch.Tensor, frm: int):
+        """Receive from group rank `frm` into `tensor` (its shape and dtype agreed in advance);
+        not counted (the sender counted the bytes)."""
+        src = dist.get_global_rank(self.group, frm)
+        work = dist.irecv(tensor, src, group=self.group)
+        if self.watchdog is None:
+            return work
+        return Tracked(work, self.watchdog, self.watchdog.track("recv", self.name,
+                                                                 tensor.numel() * tensor.element_size()))
+
     def shift(self, send: torch.Tensor, recv: torch.Tensor):
         """Send `send` to the next rank of the group (ring order) and receive the previous
         rank's into `recv` (same shape), both at once: one hop of a ring. Counted as the bytes

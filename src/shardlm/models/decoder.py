@@ -161,6 +161,8 @@ class Decoder(nn.Module):
             self.head.weight = self.tok_emb.weight
         self.context = None
         """Context parallelism's CPState (parallel/context.py), when the sequence is split."""
+        self.layers = range(cfg.n_layers)
+        """The blocks this model runs: all, or a pipeline stage's (parallel/pipeline.py)."""
 
     def initial_value(self, name: str, seed: int) -> torch.Tensor:
         """The initial values of parameter `name` (fp32, CPU), a function of (seed, name) only:
@@ -188,8 +190,12 @@ class Decoder(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx (B, T) token ids -> logits (B, T, vocab_size)."""
+    def forward(self, idx: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """idx (B, T) token ids -> logits (B, T, vocab_size).
+
+        A pipeline stage (parallel/pipeline.py) runs its own blocks only: a later stage takes
+        the previous stage's output as `hidden` (idx still gives the positions), and every
+        stage but the last returns its hidden states (B, T, C) instead of logits."""
         B, T = idx.shape
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len = {self.cfg.max_seq_len}; "
@@ -199,12 +205,19 @@ class Decoder(nn.Module):
             idx, positions = self.context.split(idx)  # (B, T/cp), their positions
         if positions is None:
             positions = torch.arange(T, device=idx.device)
-        x = self.tok_emb(idx)  # (B, T, C)
-        if self.cfg.position == "learned":
-            x = x + self.pos_emb(positions)  # (B, T, C)
+        if hidden is None:
+            x = self.tok_emb(idx)  # (B, T, C)
+            if self.cfg.position == "learned":
+                x = x + self.pos_emb(positions)  # (B, T, C)
+        else:
+            x = hidden
+            if getattr(self, "tp", None) is not None:  # the embedding decides it on the first stage
+                self.tp.decide(idx)
         rope = (self.rope_cos[positions], self.rope_sin[positions]) if self.cfg.position == "rope" else None
-        for block in self.blocks:
-            x = block(x, rope)  # (B, T, C)
+        for i in self.layers:
+            x = self.blocks[i](x, rope)  # (B, T, C)
+        if self.head is None:  # an earlier pipeline stage
+            return x
         return self.head(self.norm_f(x))  # (B, T, vocab)
 
 

@@ -116,3 +116,26 @@ def _flops(cfg: ModelConfig, seq_len: int, recompute: str, attention_forward: in
 def kernel_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """The forward's share of kernel_flops_per_token (2N + 2·L·d·s)."""
     return float(2 * matmul_params(cfg) + 2 * cfg.n_layers * cfg.d_model * seq_len)
+
+
+def pipeline_split(cfg: ModelConfig, seq_len: int, pp: int, explicit: str = "") -> list[int]:
+    """Blocks per pipeline stage: `explicit` ('4,4,3,5', parallel.pp_layers) checked, or the
+    balanced split (dims.split_layers) by forward FLOPs per token as the kernels execute them:
+    a block 2·N_block + 2·d·s (causal attention), the head 2·d·V on the last stage, the
+    embedding (a lookup) nothing. The runtime and the planner both split with this."""
+    from shardlm.dims import parse_layers, split_layers
+
+    if explicit:
+        return parse_layers(explicit, cfg.n_layers, pp)
+    return split_layers(cfg.n_layers, pp, 0.0, _head_in_blocks(cfg, seq_len))
+
+
+def _head_in_blocks(cfg: ModelConfig, seq_len: int) -> float:
+    return 2 * cfg.d_model * cfg.vocab_size / (2 * _block_matmul_params(cfg) + 2 * cfg.d_model * seq_len)
+
+
+def stage_shares(cfg: ModelConfig, seq_len: int, split: list[int]) -> list[float]:
+    """Each stage's share of the model's forward FLOPs for a split (the head on the last)."""
+    costs = [float(n) for n in split]
+    costs[-1] += _head_in_blocks(cfg, seq_len)
+    return [c / sum(costs) for c in costs]

@@ -5,14 +5,14 @@ fixed order, each a function that logs what it applied:
 
     tensor parallelism (apply_tp, or apply_tp_plan for a transformers model: layers replaced
     by their tensor-parallel versions, still on the meta device)  →  context parallelism
-    (apply_cp: the sequence split, attention by ring)  →  activation checkpointing (apply_ac)
+    (apply_cp: the sequence split, attention by ring)  →  pipeline stages (apply_pp: the
+    blocks outside this rank's stage dropped, still on meta)  →  activation checkpointing (apply_ac)
     →  data parallelism / ZeRO (apply_data_parallel: the sharded build materialises the model
     here, one unit at a time, each parameter initialised whole and cut to this rank's piece)
     →  compile
 
-Expert and pipeline parallelism take their places (tensor → context → expert →
-activation checkpointing → pipeline split → ZeRO → compile) as they land; until then config
-validation refuses their degrees above 1.
+Expert parallelism takes its place (tensor → context → expert → pipeline → activation
+checkpointing → ZeRO → compile) when it lands; until then config validation refuses ep > 1.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from shardlm.config import Config
 from shardlm.mesh import Mesh
 from shardlm.parallel.activation import apply_ac
 from shardlm.parallel.context import CPState, apply_cp
+from shardlm.parallel.pipeline import SCHEDULES, Schedule, Stage, apply_pp
+from shardlm.models.flops import pipeline_split
 from shardlm.models.init import initializer_for
 from shardlm.parallel.data import DataParallelEngine, apply_data_parallel
 from shardlm.models.decoder import Decoder
@@ -51,6 +53,10 @@ class Parallelized:
     """The tensor-parallel group, when there is one."""
     cp: CPState | None = None
     """The context-parallel group, when there is one."""
+    pipeline: Stage | None = None
+    """This rank's pipeline stage, when there is a pipeline."""
+    schedule: Schedule | None = None
+    """The pipeline's schedule (parallel.pp_schedule)."""
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy in fp32 (a bf16/fp16 softmax over 50k classes loses the small
@@ -93,7 +99,12 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     if tp is not None:
         initializer = sliced(initializer, tp.splits)
     cp = apply_cp(model, Comm(mesh.cp_group, "cp", ledger, watchdog)) if mesh.dims.cp > 1 else None
+    stage = None
+    if mesh.dims.pp > 1:
+        split = pipeline_split(cfg.model, cfg.train.seq_len, mesh.dims.pp, cfg.parallel.pp_layers)
+        stage = apply_pp(model, Comm(mesh.pp_group, "pp", ledger, watchdog), split, mesh.pp_ends_group)
     apply_ac(model, cfg.activation.checkpoint)
     strategy = apply_data_parallel(model, mesh, cfg, device, watchdog, run_dir, initializer, ledger,
-                                   tp.splits if tp else None)
-    return Parallelized(model, apply_compile(model, cfg.train.compile), strategy, tp, cp)
+                                   tp.splits if tp else None, stage.copies if stage else frozenset())
+    schedule = SCHEDULES[cfg.parallel.pp_schedule](stage) if stage else None
+    return Parallelized(model, apply_compile(model, cfg.train.compile), strategy, tp, cp, stage, schedule)

@@ -59,6 +59,11 @@ class TPState:
     def rank(self) -> int:
         return self.comm.rank
 
+    def decide(self, ids: torch.Tensor) -> None:
+        """This forward's mode, from its (B, T) token ids: sequence-sharded only when the
+        sequence divides by the group."""
+        self.sharded = self.sequence_parallel and ids.shape[1] % self.size == 0
+
 
 # ---------------------------------------------------------------------------------------------
 # Collectives as autograd functions
@@ -241,7 +246,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         tp = self.tp
-        tp.sharded = tp.sequence_parallel and ids.shape[1] % tp.size == 0  # this forward's mode
+        tp.decide(ids)  # this forward's mode
         outside = (ids < self.lo) | (ids >= self.hi)
         x = F.embedding((ids - self.lo).masked_fill(outside, 0), self.weight)
         return out_of_parallel_region(x.masked_fill(outside.unsqueeze(-1), 0.0), tp)

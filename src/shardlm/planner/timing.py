@@ -306,7 +306,8 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     # Small matrices fill less of the chip: efficiency x h/(h + half_width) (docs/planner.md).
     size_factor = m.d_model / (m.d_model + cluster.calibration.half_width)
     rate = dev.peak[s.dtypes.compute] * dev.efficiency * size_factor
-    stage_share = sp.layers / m.n_layers  # the first stage has the most layers
+    # The pipeline moves at its slowest stage's pace: the largest share of the FLOPs.
+    stage_share = max(flops.stage_shares(m, w.seq_len, flops.pipeline_split(m, w.seq_len, lay.pp)))
     tokens = s.micro_batch * w.seq_len
     # tp splits every matmul, cp the tokens (and, load-balanced, the causal attention): each
     # rank does 1/(t·c) of a micro-batch's FLOPs

@@ -220,14 +220,15 @@ class StageParams:
 
 
 def stage_params(w: Workload, lay: ParallelDims) -> list[StageParams]:
-    """The first and (if pp > 1) the last pipeline stage: the first holds the embeddings and
-    the most layers, the last the head. Tensor parallelism splits every matrix (the
+    """The first and (if pp > 1) the last pipeline stage, split as the runtime splits
+    (models.flops.pipeline_split: balanced by FLOPs, the head's counted on the last stage): the
+    first holds the embeddings, the last the head. Tensor parallelism splits every matrix (the
     embedding and head vocabulary-parallel) and replicates norms (Shoeybi et al. 2019)."""
     sh, t = shape_of(w), lay.tp
     experts_local = (w.experts // lay.ep) * sh.expert if w.experts else 0
     dense_block = sh.block_replicated + (sh.block - sh.block_replicated - w.experts * sh.expert) / t
-    first_layers = -(-w.model.n_layers // lay.pp)
-    last_layers = w.model.n_layers - (lay.pp - 1) * (w.model.n_layers // lay.pp)
+    split = flops.pipeline_split(w.model, w.seq_len, lay.pp)  # the runtime's split, summing to n_layers
+    first_layers, last_layers = split[0], split[-1]
     inputs = sh.embedding / t + sh.positions
     # A tied head on its own last stage keeps a copy of the embedding (as Megatron-LM does).
     outputs = sh.final_norm + (sh.head or sh.embedding) / t

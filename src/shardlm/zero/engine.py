@@ -150,18 +150,21 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, mesh: Mesh, opts: ZeroOptions, train: TrainConfig,
                  device: torch.device, watchdog: CollectiveWatchdog | None = None,
                  initializer: Initializer | None = None, ledger: CommLedger | None = None,
-                 splits: dict[str, Split] | None = None):
+                 splits: dict[str, Split] | None = None, copies: frozenset[str] = frozenset()):
         """`splits`: the parameters tensor parallelism cut (placement.Split: where this rank's
         piece sits in the whole), for the global gradient norm and the checkpoint's slices;
-        every other parameter is replicated across the tensor-parallel group."""
+        every other parameter is replicated across the tensor-parallel group. `copies`: names
+        of parameters another pipeline stage owns (a tied embedding's copy on the last stage):
+        neither saved nor counted in the norm here."""
         self.model, self.opts, self.mesh = model, opts, mesh
+        self.copies = copies
         self.ledger = ledger if ledger is not None else CommLedger()
         self.watchdog = watchdog
         self.splits = splits or {}
         sharded = opts.stage >= 1
         # Stage 0 all-reduces over every data- and context-parallel rank: the world, unless
         # tensor parallelism takes a factor of it.
-        everyone = (mesh.dp_group if mesh.dims.tp > 1 else dist.group.WORLD) if mesh.dims.world_size > 1 else None
+        everyone = mesh.dp_group
         self.shard_comm = Comm(mesh.dp_shard_group if sharded else everyone,
                                "dp_shard" if sharded else "dp", self.ledger, watchdog)
         self.tp_comm = Comm(mesh.tp_group, "tp", self.ledger, watchdog)
@@ -195,7 +198,8 @@ class ZeroEngine:
         # (on its tp rank 0); a cut one counts on every rank (each holds a different piece), but
         # for the ranges of it every rank holds (placement.Split.copies), counted on tp rank 0.
         names = {id(p): n for n, p in model.named_parameters()}
-        self._norm_spans = [self.splits[names[id(p)]].owned(mesh.tp_rank) if names[id(p)] in self.splits
+        self._norm_spans = [[] if names[id(p)] in copies
+                            else self.splits[names[id(p)]].owned(mesh.tp_rank) if names[id(p)] in self.splits
                             else [(0, p.numel())] if mesh.tp_rank == 0 else []
                             for p in model.parameters() if id(p) in spans]
         self.tier.build_optimizer(train)
@@ -322,7 +326,8 @@ class ZeroEngine:
         local = (torch.linalg.vector_norm(torch.stack(norms)) if norms
                  else torch.zeros((), device=self.units[0].flat_param.device))
         groups = [(g, name) for g, name in ((self.shard_comm.group if self.opts.stage >= 1 else None, "dp_shard"),
-                                            (self.tp_comm.group, "tp")) if g is not None]
+                                            (self.tp_comm.group, "tp"), (self.mesh.pp_group, "pp"))
+                  if g is not None]
         if groups:  # partial norms -> squares summed over the ranks holding different pieces
             local = local.float().pow(2)
             for group, name in groups:
@@ -392,6 +397,8 @@ class ZeroEngine:
                 if start >= end:
                     continue
                 name = names[id(param)]
+                if saving and name in self.copies:
+                    continue
                 split = self.splits.get(name)
                 if split is None:
                     if not (saving and self.mesh.tp_rank != 0):

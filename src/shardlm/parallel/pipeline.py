@@ -1,0 +1,324 @@
+"""Pipeline parallelism: the model's blocks in contiguous stages, one stage per rank of the
+pipeline group, micro-batches flowing through them (GPipe: Huang et al. 2019; 1F1B: Narayanan
+et al. 2019, PipeDream-Flush / Megatron-LM's non-interleaved schedule).
+
+A stage is the Decoder itself, built on the meta device and cut before anything is allocated:
+the blocks outside this stage's range become placeholders without parameters, the embedding
+stays on the first stage, the final norm and the head on the last (a tied head keeps its copy
+of the embedding on the last stage, as Megatron-LM does: its gradient is summed with the first
+stage's after backward, and the first stage alone saves and counts it). Parameter names are the
+whole model's, so checkpoints load at any other pipeline layout. Every stage reads the same
+micro-batches (token ids give positions and context-parallel cuts everywhere; the last stage
+needs the targets); a stage after the first receives the previous stage's hidden states, and
+every stage but the first sends back the gradient of what it received.
+
+The split (models.flops.pipeline_split) balances forward FLOPs per token — the head's 2·d·V
+counted on the last stage — or follows parallel.pp_layers.
+
+Schedules are objects chosen when the run is built (`SCHEDULES`); each runs one step's
+micro-batches on this stage and says how long it waited for its neighbours (the bubble, as
+measured: time blocked in receives over the step's time). With M micro-batches and P stages
+both leave (P-1)/(M+P-1) of the step idle; 1F1B holds at most P - s micro-batches of
+activations on stage s (GPipe holds all M).
+
+Gradients are reduced over the data-parallel ranks after the last micro-batch's backward (the
+engine's finish_backward), not overlapped with it: a stage's backward interleaves with its
+neighbours', and a reduction inside it could wait on ranks still sending.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from shardlm.comm.collectives import Comm
+from shardlm.errors import ConfigError
+
+log = logging.getLogger("shardlm")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Elsewhere(nn.Module):
+    """A block another pipeline stage holds: no parameters, never called."""
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - a bug if reached
+        raise RuntimeError("this block lives on another pipeline stage")
+
+
+@dataclass
+class Stage:
+    """This rank's pipeline stage."""
+
+    comm: Comm
+    """The pipeline group (stage i = group rank i)."""
+    layers: list[int]
+    """Blocks per stage, for every stage."""
+    tied: bool
+    """The head is the embedding's weight: both ends hold it (tok_emb.weight)."""
+    ends: object | None = None
+    """The process group of the first and last stage at this rank's position (tied weights)."""
+    wait_s: float = 0.0
+    """Seconds this step spent blocked on a neighbour."""
+    pending: list = field(default_factory=list)
+    hidden: tuple | None = None
+    """(shape, dtype) of the hidden states between stages: the first stage's first output says
+    (a header sent once ahead of it), as autocast decides the residual stream's dtype."""
+    announced: bool = False
+
+    @property
+    def index(self) -> int:
+        return self.comm.rank
+
+    @property
+    def count(self) -> int:
+        return self.comm.size
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    @property
+    def copies(self) -> frozenset[str]:
+        """Parameters held here that another stage saves and counts (the tied head's copy)."""
+        return frozenset({"tok_emb.weight"}) if self.tied and self.last and not self.first else frozenset()
+
+    # -- point to point ----------------------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, to: int) -> None:
+        tensor = tensor.contiguous()  # kept alive with its handle until settle()
+        self.pending.append((self.comm.send(tensor, to), tensor))
+
+    def recv(self, like: tuple, frm: int) -> torch.Tensor:
+        shape, dtype, device = like
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        start = time.perf_counter()
+        self.comm.recv(buffer, frm).wait()
+        self.wait_s += time.perf_counter() - start
+        return buffer
+
+    def send_hidden(self, t: torch.Tensor) -> None:
+        if not self.announced:
+            code = DTYPES.index(t.dtype)
+            self.send(torch.tensor([code, *t.shape], dtype=torch.int64, device=t.device), self.index + 1)
+            self.announced = True
+        self.send(t, self.index + 1)
+
+    def recv_hidden(self, device: torch.device) -> torch.Tensor:
+        if self.hidden is None:
+            header = self.recv(((4,), torch.int64, device), self.index - 1).tolist()
+            self.hidden = (tuple(header[1:]), DTYPES[header[0]])
+        return self.recv((*self.hidden, device), self.index - 1)
+
+    def settle(self) -> None:
+        """Wait for this step's sends (their buffers may then be freed)."""
+        start = time.perf_counter()
+        for handle, _ in self.pending:
+            handle.wait()
+        self.wait_s += time.perf_counter() - start
+        self.pending.clear()
+
+    def sync_tied(self, model: nn.Module) -> None:
+        """Sum the tied embedding's gradient over the first and last stage (each computed its
+        share: the lookup and the head)."""
+        if not self.tied or self.ends is None:
+            return
+        import torch.distributed as dist
+
+        param = model.tok_emb.weight
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        self.comm.ledger.add("all_reduce", "pp_ends", 2 * grad.numel() * grad.element_size())
+        dist.all_reduce(grad, group=self.ends)
+        param.grad = grad
+
+
+def apply_pp(model: nn.Module, comm: Comm, layers: list[int], ends) -> Stage | None:
+    """Cut a meta-device Decoder to this rank's stage, in place. `layers`: blocks per stage
+    (summing to the model's); `ends`: the first-and-last-stage group (tied weights)."""
+    from shardlm.models.decoder import Decoder
+
+    if comm.size == 1:
+        return None
+    if not isinstance(model, Decoder):
+        raise ConfigError(f"parallel.pp > 1 needs shardlm's Decoder (got {type(model).__name__}): "
+                          f"pipeline stages of transformers models are not supported yet; use pp = 1")
+    stage = Stage(comm, list(layers), model.cfg.tie_embeddings, ends)
+    lo = sum(layers[:stage.index])
+    hi = lo + layers[stage.index]
+    for i in range(len(model.blocks)):
+        if not lo <= i < hi:
+            model.blocks[i] = Elsewhere()
+    model.layers = range(lo, hi)
+    if not stage.first:
+        if model.cfg.position == "learned":
+            model.pos_emb = None
+        if not (stage.tied and stage.last):  # the last stage's head keeps the tied weight
+            model.tok_emb = None
+    if not stage.last:
+        model.norm_f = None
+        model.head = None
+    model.pipeline = stage
+    log.info("pipeline parallel: stage %d of %d, blocks %d-%d (split %s)%s", stage.index, stage.count,
+             lo, hi - 1, "/".join(map(str, layers)),
+             "; tied head: the embedding also on the last stage" if stage.tied and stage.last else "")
+    return stage
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules
+
+
+@dataclass
+class StepIO:
+    """What a schedule needs from the run, for one step."""
+
+    model: Callable
+    """forward(idx, hidden=None) -> hidden states, or logits on the last stage."""
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """(logits, targets) -> the micro-batch's loss, already divided as the step requires."""
+    backward: Callable[[torch.Tensor], None]
+    """loss -> its backward (the loss scaler's scaling applied)."""
+    before_backward: Callable[[int], None]
+    """Called with the micro-batch index before each backward (the engine's micro_step)."""
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    device: torch.device
+
+
+class Schedule:
+    """One step's forwards and backwards on this stage, in some order."""
+
+    name = ""
+
+    def __init__(self, stage: Stage):
+        self.stage = stage
+
+    def order(self, micro: int) -> list[tuple[str, int]]:
+        raise NotImplementedError
+
+    def bubble_formula(self, micro: int) -> float:
+        """The idle fraction of a step the schedule leaves, for equal stage times."""
+        p = self.stage.count
+        return (p - 1) / (micro + p - 1)
+
+    def run(self, io: StepIO, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Every micro-batch's forward and backward on this stage; the summed loss (on the last
+        stage; 0 elsewhere)."""
+        stage = self.stage
+        stage.wait_s = 0.0
+        total = torch.zeros((), device=io.device)
+        inputs: dict[int, torch.Tensor | None] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        for kind, i in self.order(len(batches)):
+            x, y = batches[i]
+            if kind == "F":
+                hidden = None
+                if not stage.first:
+                    hidden = stage.recv_hidden(io.device).requires_grad_()
+                with io.autocast():
+                    out = io.model(x, hidden)
+                    if stage.last:
+                        out = io.loss(out, y)
+                        total += out.detach()
+                if not stage.last:
+                    stage.send_hidden(out.detach())
+                inputs[i], outputs[i] = hidden, out
+            else:
+                io.before_backward(i)
+                out, hidden = outputs.pop(i), inputs.pop(i)
+                if stage.last:
+                    io.backward(out)
+                else:
+                    grad = stage.recv((out.shape, out.dtype, out.device), stage.index + 1)
+                    torch.autograd.backward(out, grad)
+                if hidden is not None:
+                    stage.send(hidden.grad, stage.index - 1)
+        stage.settle()
+        return total
+
+    @torch.no_grad()
+    def forward_only(self, io: StepIO, batches) -> list[torch.Tensor]:
+        """Losses of `batches` (evaluation), on every stage: the last stage's, shared."""
+        import torch.distributed as dist
+
+        stage, losses = self.stage, []
+        for x, y in batches:
+            hidden = None if stage.first else stage.recv_hidden(io.device)
+            with io.autocast():
+                out = io.model(x, hidden)
+                loss = io.loss(out, y).float() if stage.last else torch.zeros((), device=io.device)
+            if not stage.last:
+                stage.send_hidden(out)
+            losses.append(loss)
+        stage.settle()
+        summed = torch.stack(losses)
+        dist.all_reduce(summed, group=stage.comm.group)  # only the last stage's are non-zero
+        return list(summed)
+
+
+    def bubble(self, step_s: float, device: torch.device) -> list[float]:
+        """Every stage's measured idle fraction of the last step (its time blocked on a
+        neighbour over the step's time), gathered over the pipeline."""
+        import torch.distributed as dist
+
+        mine = torch.tensor([self.stage.wait_s / step_s], device=device)
+        every = torch.empty(self.stage.count, device=device)
+        dist.all_gather_into_tensor(every, mine, group=self.stage.comm.group)
+        return every.tolist()
+
+
+class GPipe(Schedule):
+    """Every micro-batch's forward, then every backward (in reverse): M micro-batches of
+    activations held on every stage."""
+
+    name = "gpipe"
+
+    def order(self, micro: int) -> list[tuple[str, int]]:
+        return [("F", i) for i in range(micro)] + [("B", i) for i in reversed(range(micro))]
+
+
+class OneFOneB(Schedule):
+    """Warm up with P - s - 1 forwards, then alternate one forward and one backward, then drain
+    the backwards: the same bubble as GPipe, at most P - s micro-batches held on stage s."""
+
+    name = "1f1b"
+
+    def order(self, micro: int) -> list[tuple[str, int]]:
+        warmup = min(micro, self.stage.count - self.stage.index - 1)
+        out = [("F", i) for i in range(warmup)]
+        forward, backward = warmup, 0
+        while forward < micro:
+            out += [("F", forward), ("B", backward)]
+            forward, backward = forward + 1, backward + 1
+        out += [("B", i) for i in range(backward, micro)]
+        return out
+
+
+SCHEDULES = {cls.name: cls for cls in (GPipe, OneFOneB)}
+
+
+def gather_stages(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], dtype: torch.dtype,
+                  stage: Stage, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every parameter of the whole model (names and shapes: `shapes`, in model order), on
+    every stage (CPU): each sent by the stage that holds it (the first stage for a tied copy)."""
+    import torch.distributed as dist
+
+    owners = torch.tensor([stage.index if n in tensors and n not in stage.copies else -1 for n in shapes],
+                          device=device)
+    dist.all_reduce(owners, op=dist.ReduceOp.MAX, group=stage.comm.group)
+    out = {}
+    for (name, shape), owner in zip(shapes.items(), owners.tolist()):
+        value = (tensors[name].to(device) if owner == stage.index
+                 else torch.empty(shape, dtype=dtype, device=device)).contiguous()
+        dist.broadcast(value, dist.get_global_rank(stage.comm.group, owner), group=stage.comm.group)
+        out[name] = value.cpu()
+    return out

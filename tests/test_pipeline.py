@@ -1,0 +1,156 @@
+"""Pipeline parallelism on real gloo ranks against one process with the same global batch,
+every precision pinned to fp32; and the layer split's arithmetic."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import tiny_overrides
+from parity import assert_matches as _matches
+from shardlm.dims import split_layers
+from shardlm.errors import ConfigError
+from shardlm.spawn import run_ranks
+from zero_cases import reference_case, train_cases
+
+STEPS, MICRO = 3, 4
+
+
+def stages_whole(results: list[dict]) -> dict[str, torch.Tensor]:
+    """The whole model from every stage's parameters (names are the whole model's)."""
+    whole: dict[str, torch.Tensor] = {}
+    for result in results:
+        whole.update(result["params"])
+    return whole
+
+
+# fp32. A pipeline runs each micro-batch's forward and backward as one process does, on the same
+# values; only the gradients' accumulation order over micro-batches can differ (1F1B and GPipe
+# both accumulate in micro-batch order on each stage except GPipe's reversed backward), and the
+# tied embedding's two shares are summed across stages instead of inside one backward: 1e-5
+# (the key bias apart: tests/parity.py).
+@pytest.fixture(scope="module")
+def pp_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp")
+    gpt = tiny_overrides(tmp, train__grad_accum=MICRO, train__micro_batch=2)
+    llama = tiny_overrides(tmp, model__preset="llama-tiny", train__grad_accum=MICRO, train__micro_batch=2)
+    uneven = {**gpt, "model.n_layers": 5}
+    cases = [({**gpt, "parallel.pp": 2, "parallel.pp_schedule": "1f1b"}, STEPS, -1),
+             ({**gpt, "parallel.pp": 2, "parallel.pp_schedule": "gpipe"}, STEPS, -1),
+             ({**llama, "parallel.pp": 2, "parallel.zero_stage": 1}, STEPS, -1),
+             ({**uneven, "parallel.pp": 2, "parallel.pp_layers": "1,4"}, STEPS, -1)]
+    out = run_ranks(train_cases, 2, tmp, cases)
+    refs = [reference_case(gpt, 1, STEPS), None, reference_case(llama, 1, STEPS), reference_case(uneven, 1, STEPS)]
+    refs[1] = refs[0]
+    return out, refs
+
+
+@pytest.mark.parametrize("case, what", [(0, "pp=2 1f1b gpt (tied head)"), (1, "pp=2 gpipe gpt"),
+                                        (2, "pp=2 1f1b llama, ZeRO-1"), (3, "pp=2, 5 layers as 1 + 4")])
+def test_pp_matches_one_process(pp_runs, case, what):
+    out, refs = pp_runs
+    ranks = [out[r][case] for r in range(2)]
+    for got in ranks:  # every stage logs the same loss (the last stage's, summed)
+        assert got["losses"] == ranks[0]["losses"]
+    _matches(ranks[0]["losses"], stages_whole(ranks), refs[case], what)
+
+
+def test_pp_with_data_and_tensor_parallelism_on_4_ranks(tmp_path):
+    """pp 2 × dp 2 at ZeRO-1 (each stage's states sharded over its two data-parallel ranks), and
+    pp 2 × tp 2 with sequence parallelism, each against one process with the same global batch."""
+    from tp_cases import whole_params
+
+    base = tiny_overrides(tmp_path, model__preset="llama-tiny", train__grad_accum=MICRO, train__micro_batch=2)
+    out = run_ranks(train_cases, 4, tmp_path,
+                    [({**base, "parallel.pp": 2, "parallel.zero_stage": 1}, STEPS, -1),
+                     ({**base, "parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
+                       "train.grad_accum": 2 * MICRO}, STEPS, -1)], timeout=300)
+    two = reference_case(base, 2, STEPS)
+    for dp in range(2):  # ranks (stage, dp) = 2·stage + dp
+        _matches(out[dp][0]["losses"], stages_whole([out[dp][0], out[2 + dp][0]]), two, f"pp2 x dp2, dp {dp}")
+    # ranks (stage, tp) = 2·stage + t: each stage's pieces put together, then the stages
+    whole = {**whole_params([out[0][1], out[1][1]]), **whole_params([out[2][1], out[3][1]])}
+    _matches(out[0][1]["losses"], whole, two, "pp2 x tp2 SP")
+
+
+def test_checkpoints_load_across_pipeline_layouts(tmp_path):
+    """pp 2 → 1 process → pp 2: the same loss curve continues."""
+    from ckpt_cases import checkpoint_of, train_ranks, train_run
+
+    n = 2
+    base = tiny_overrides(tmp_path, train__grad_accum=MICRO, train__micro_batch=2, train__steps=2 * n)
+    saved = run_ranks(train_ranks, 2, tmp_path, {**base, "parallel.pp": 2, "parallel.zero_stage": 1,
+                                                 "checkpoint.every": n, "run.name": "pp2"})[0]
+    one = train_run({**base, "run.name": "one", "checkpoint.every": n,
+                     "checkpoint.resume": checkpoint_of(saved["run_dir"], n)})
+    assert one["start"] == n
+    torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(saved["losses"][n:]), rtol=1e-5, atol=0)
+    back = run_ranks(train_ranks, 2, tmp_path, {**base, "parallel.pp": 2, "run.name": "back",
+                                                "train.steps": 3 * n,
+                                                "checkpoint.resume": checkpoint_of(one["run_dir"], 2 * n)})[0]
+    alone = train_run({**base, "run.name": "alone", "train.steps": 3 * n,
+                       "checkpoint.resume": checkpoint_of(one["run_dir"], 2 * n)})
+    assert back["start"] == alone["start"] == 2 * n
+    torch.testing.assert_close(torch.tensor(back["losses"]), torch.tensor(alone["losses"]), rtol=1e-5, atol=0)
+
+
+def test_ledger_and_bubble(tmp_path):
+    """Per step, each stage sends one activation (first stage) or one gradient (last stage) of
+    micro_batch × seq × d_model per micro-batch, and the tied embedding's gradient is summed
+    across the two ends; the JSONL carries the measured bubble next to (P-1)/(M+P-1)."""
+    import json
+    from pathlib import Path
+
+    from ckpt_cases import train_ranks
+
+    over = {**tiny_overrides(tmp_path, train__grad_accum=MICRO, train__micro_batch=2, train__steps=2),
+            "parallel.pp": 2, "run.name": "ledger"}
+    result = run_ranks(train_ranks, 2, tmp_path, over)[0]
+    lines = [json.loads(x) for x in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    last = lines[-1]
+    act = 2 * 64 * 64 * 4  # micro-batch 2 × seq 64 × d_model 64, fp32
+    assert last["comm_bytes_by_op"] == {"send/pp": MICRO * act, "all_reduce/pp_ends": 2 * 512 * 64 * 4}
+    assert last["pp_bubble_formula"] == pytest.approx(1 / (MICRO + 1))
+    assert len(last["pp_bubble_by_stage"]) == 2 and all(0 <= b < 1 for b in last["pp_bubble_by_stage"])
+
+
+@pytest.mark.parametrize("n_layers, pp", [(126, 16), (5, 2), (7, 7), (48, 5)])
+def test_split_sums_to_the_layers_and_is_balanced(n_layers, pp):
+    """The split always sums to the model's layers (the planner's old split put 127 on 16
+    stages of a 126-layer model, 21 on the last), each stage >= 1, and no other split of the
+    same layers makes the most loaded stage lighter (checked exhaustively where small)."""
+    for first, last in [(0.0, 0.0), (0.0, 2.5), (1.0, 6.0)]:
+        split = split_layers(n_layers, pp, first, last)
+        assert sum(split) == n_layers and min(split) >= 1 and len(split) == pp
+        cost = lambda s: max(c + e for c, e in zip(s, [first] + [0] * (pp - 2) + [last]))  # noqa: E731
+        if n_layers <= 12:
+            best = min(cost(s) for s in itertools.product(range(1, n_layers + 1), repeat=pp)
+                       if sum(s) == n_layers)
+            assert cost(split) == best
+        else:
+            assert cost(split) <= (n_layers + first + last) / pp + 1
+    assert split_layers(126, 16) == [7, 7] + [8] * 14
+
+
+def test_split_property_over_many_shapes():
+    for n_layers, pp in itertools.product(range(1, 40), range(1, 12)):
+        if pp > n_layers:
+            with pytest.raises(ConfigError):
+                split_layers(n_layers, pp)
+            continue
+        split = split_layers(n_layers, pp, 0.5, 3.0)
+        assert sum(split) == n_layers and min(split) >= 1 and len(split) == pp
+
+
+def test_pipeline_config_errors(tmp_path):
+    from shardlm.config import load_config
+
+    base = tiny_overrides(tmp_path)
+    with pytest.raises(ConfigError, match="zero_stage = 3"):
+        load_config(overrides={**base, "parallel.pp": 2, "parallel.zero_stage": 3}).validate()
+    with pytest.raises(ConfigError, match="summing to the model's 2 layers"):
+        load_config(overrides={**base, "parallel.pp": 2, "parallel.pp_layers": "2,1"}).validate()
+    with pytest.raises(ConfigError, match="exceeds the model's 2 layers"):
+        load_config(overrides={**base, "parallel.pp": 3}).validate()
