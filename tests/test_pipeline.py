@@ -114,6 +114,7 @@ def test_ledger_and_bubble(tmp_path):
     assert last["comm_bytes_by_op"] == {"send/pp": MICRO * act, "all_reduce/pp_ends": 2 * 512 * 64 * 4}
     assert last["pp_bubble_formula"] == pytest.approx(1 / (MICRO + 1))
     assert len(last["pp_bubble_by_stage"]) == 2 and all(0 <= b < 1 for b in last["pp_bubble_by_stage"])
+    assert len(last["pp_peak_rss_bytes_by_stage"]) == 2 and min(last["pp_peak_rss_bytes_by_stage"]) > 2**20
 
 
 @pytest.mark.parametrize("n_layers, pp", [(126, 16), (5, 2), (7, 7), (48, 5)])

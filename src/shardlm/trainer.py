@@ -353,10 +353,12 @@ def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: flo
     mfu = tokens_per_s * run.flops_per_token / (run.peak_flops_per_device * run.runtime.world_size)
     comm = run.strategy.ledger.snapshot()  # this step's collectives (reset before it began)
     pipeline = {}
-    if run.schedule is not None:  # measured idle time per stage, next to the schedule's formula
-        by_stage = run.schedule.bubble(seconds, run.runtime.device)
-        pipeline = {"pp_bubble": sum(by_stage) / len(by_stage), "pp_bubble_by_stage": by_stage,
-                    "pp_bubble_formula": run.schedule.bubble_formula(run.cfg.train.grad_accum)}
+    if run.schedule is not None:  # per stage: idle fraction (blocked on a neighbour), peak RSS
+        idle, rss = run.schedule.by_stage([run.schedule.stage.wait_s / seconds, peak_rss_bytes()],
+                                          run.runtime.device)
+        pipeline = {"pp_bubble": sum(idle) / len(idle), "pp_bubble_by_stage": idle,
+                    "pp_bubble_formula": run.schedule.bubble_formula(run.cfg.train.grad_accum),
+                    "pp_peak_rss_bytes_by_stage": [int(b) for b in rss]}
     return {"step": step + 1, "loss": loss, "lr": run.strategy.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
             "step_time_s": seconds, "peak_rss_bytes": peak_rss_bytes(),

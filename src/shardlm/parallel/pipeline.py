@@ -265,15 +265,14 @@ class Schedule:
         return list(summed)
 
 
-    def bubble(self, step_s: float, device: torch.device) -> list[float]:
-        """Every stage's measured idle fraction of the last step (its time blocked on a
-        neighbour over the step's time), gathered over the pipeline."""
+    def by_stage(self, values: list[float], device: torch.device) -> list[list[float]]:
+        """`values` of every stage, gathered over the pipeline: one list per value, by stage."""
         import torch.distributed as dist
 
-        mine = torch.tensor([self.stage.wait_s / step_s], device=device)
-        every = torch.empty(self.stage.count, device=device)
+        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        every = torch.empty(self.stage.count * len(values), dtype=torch.float64, device=device)
         dist.all_gather_into_tensor(every, mine, group=self.stage.comm.group)
-        return every.tolist()
+        return every.view(self.stage.count, len(values)).t().tolist()
 
 
 class GPipe(Schedule):
