@@ -37,18 +37,23 @@ def pp_runs(tmp_path_factory):
     gpt = tiny_overrides(tmp, train__grad_accum=MICRO, train__micro_batch=2)
     llama = tiny_overrides(tmp, model__preset="llama-tiny", train__grad_accum=MICRO, train__micro_batch=2)
     uneven = {**gpt, "model.n_layers": 5}
+    deep = {**llama, "model.n_layers": 4}
     cases = [({**gpt, "parallel.pp": 2, "parallel.pp_schedule": "1f1b"}, STEPS, -1),
              ({**gpt, "parallel.pp": 2, "parallel.pp_schedule": "gpipe"}, STEPS, -1),
              ({**llama, "parallel.pp": 2, "parallel.zero_stage": 1}, STEPS, -1),
-             ({**uneven, "parallel.pp": 2, "parallel.pp_layers": "1,4"}, STEPS, -1)]
+             ({**uneven, "parallel.pp": 2, "parallel.pp_layers": "1,4"}, STEPS, -1),
+             ({**deep, "parallel.pp": 2, "parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2,
+               "parallel.zero_stage": 2}, STEPS, -1)]
     out = run_ranks(train_cases, 2, tmp, cases)
-    refs = [reference_case(gpt, 1, STEPS), None, reference_case(llama, 1, STEPS), reference_case(uneven, 1, STEPS)]
+    refs = [reference_case(gpt, 1, STEPS), None, reference_case(llama, 1, STEPS),
+            reference_case(uneven, 1, STEPS), reference_case(deep, 1, STEPS)]
     refs[1] = refs[0]
     return out, refs
 
 
 @pytest.mark.parametrize("case, what", [(0, "pp=2 1f1b gpt (tied head)"), (1, "pp=2 gpipe gpt"),
-                                        (2, "pp=2 1f1b llama, ZeRO-1"), (3, "pp=2, 5 layers as 1 + 4")])
+                                        (2, "pp=2 1f1b llama, ZeRO-1"), (3, "pp=2, 5 layers as 1 + 4"),
+                                        (4, "pp=2 interleaved, 2 chunks per rank, ZeRO-2")])
 def test_pp_matches_one_process(pp_runs, case, what):
     out, refs = pp_runs
     ranks = [out[r][case] for r in range(2)]
@@ -73,6 +78,22 @@ def test_pp_with_data_and_tensor_parallelism_on_4_ranks(tmp_path):
     # ranks (stage, tp) = 2·stage + t: each stage's pieces put together, then the stages
     whole = {**whole_params([out[0][1], out[1][1]]), **whole_params([out[2][1], out[3][1]])}
     _matches(out[0][1]["losses"], whole, two, "pp2 x tp2 SP")
+
+
+def test_3d_pp2_tp2_dp2_on_8_ranks(tmp_path):
+    """pipeline × tensor × data parallelism at once (8 ranks, ZeRO-1, sequence parallel):
+    against one process with the same global batch."""
+    from tp_cases import whole_params
+
+    base = tiny_overrides(tmp_path, model__preset="llama-tiny", train__grad_accum=2, train__micro_batch=2)
+    out = run_ranks(train_cases, 8, tmp_path,
+                    [({**base, "parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
+                       "parallel.zero_stage": 1}, 2, -1)], timeout=600)
+    ref = reference_case(base, 2, 2)
+    for dp in range(2):  # rank = stage·4 + dp·2 + t
+        whole = {**whole_params([out[2 * dp][0], out[2 * dp + 1][0]]),
+                 **whole_params([out[4 + 2 * dp][0], out[5 + 2 * dp][0]])}
+        _matches(out[2 * dp][0]["losses"], whole, ref, f"pp2 x tp2 x dp2, dp {dp}")
 
 
 def test_checkpoints_load_across_pipeline_layouts(tmp_path):
@@ -153,5 +174,5 @@ def test_pipeline_config_errors(tmp_path):
         load_config(overrides={**base, "parallel.pp": 2, "parallel.zero_stage": 3}).validate()
     with pytest.raises(ConfigError, match="summing to the model's 2 layers"):
         load_config(overrides={**base, "parallel.pp": 2, "parallel.pp_layers": "2,1"}).validate()
-    with pytest.raises(ConfigError, match="exceeds the model's 2 layers"):
+    with pytest.raises(ConfigError, match="exceed the model.s 2 layers"):
         load_config(overrides={**base, "parallel.pp": 3}).validate()

@@ -178,11 +178,15 @@ class ParallelConfig:
     (parallel/pipeline.py); micro-batches are train.grad_accum's."""
     pp_schedule: str = "1f1b"
     """With pp > 1: 'gpipe' (all forwards, then all backwards) or '1f1b' (one forward, one
-    backward: at most pp micro-batches of activations held per stage). Both idle
-    (pp-1)/(grad_accum+pp-1) of a step."""
+    backward: at most pp micro-batches of activations held per stage), both idle
+    (pp-1)/(grad_accum+pp-1) of a step; or 'interleaved' (1F1B over pp_virtual chunks per rank:
+    the idle share about 1/pp_virtual of that, for pp_virtual times the point-to-point traffic)."""
+    pp_virtual: int = 1
+    """With pp_schedule = 'interleaved': model chunks per rank (>= 2); pp × pp_virtual stages in
+    all, so the model needs that many layers, and grad_accum must divide by pp."""
     pp_layers: str = ""
-    """With pp > 1: blocks per stage, e.g. '4,4,3,5' ('' = balanced by FLOPs, the head's
-    counted on the last stage)."""
+    """With pp > 1: blocks per stage (pp × pp_virtual counts), e.g. '4,4,3,5' ('' = balanced by
+    FLOPs, the head's counted on the last stage)."""
     ep: int = 1
     """Expert-parallel degree (reserved: 1 until mixture-of-experts lands)."""
     reshard_after_forward: bool = True
@@ -557,7 +561,9 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "parallel.tp": _positive(),
     "parallel.cp": _positive(),
     "parallel.pp": _positive(),
-    "parallel.pp_schedule": _rule(lambda v: v in ("gpipe", "1f1b"), "must be 'gpipe' or '1f1b'"),
+    "parallel.pp_schedule": _rule(lambda v: v in ("gpipe", "1f1b", "interleaved"),
+                                  "must be 'gpipe', '1f1b' or 'interleaved'"),
+    "parallel.pp_virtual": _positive(),
     "parallel.ep": _only_one("ep"),
     "parallel.collective_timeout_s": _non_negative(" (0 disables the watchdog)"),
     "zero.nvme_chunk_mb": _rule(lambda v: 1 <= v <= NVME_CHUNK_MB_MAX,
@@ -642,7 +648,8 @@ def _sequence_parallel_needs_tp(cfg: Config) -> list[str]:
              "it needs parallel.tp > 1"] if par.sequence_parallel and par.tp == 1 else [])
 
 
-@_cross("parallel.pp", "parallel.pp_layers", "model.n_layers", "parallel.zero_stage")
+@_cross("parallel.pp", "parallel.pp_layers", "parallel.pp_schedule", "parallel.pp_virtual",
+        "model.n_layers", "parallel.zero_stage", "train.grad_accum")
 def _pipeline_fits(cfg: Config) -> list[str]:
     from shardlm.dims import parse_layers
 
@@ -651,12 +658,21 @@ def _pipeline_fits(cfg: Config) -> list[str]:
         return ["parallel.pp_layers is set but parallel.pp = 1: set parallel.pp to the number of "
                 "stages, or leave pp_layers empty"] if par.pp_layers else []
     problems = []
-    if par.pp > n:
-        problems.append(f"parallel.pp = {par.pp} exceeds the model's {n} layers (model.n_layers): "
-                        f"every stage needs at least one block")
+    stages = par.pp * par.pp_virtual
+    if (par.pp_schedule == "interleaved") != (par.pp_virtual > 1):
+        problems.append(f"parallel.pp_schedule = '{par.pp_schedule}' with parallel.pp_virtual = "
+                        f"{par.pp_virtual}: the 'interleaved' schedule runs pp_virtual >= 2 chunks per "
+                        f"rank, the others one (pp_virtual = 1)")
+    elif par.pp_virtual > 1 and cfg.train.grad_accum % par.pp:
+        problems.append(f"parallel.pp_schedule = 'interleaved' sends micro-batches through each chunk "
+                        f"in groups of pp = {par.pp}: train.grad_accum = {cfg.train.grad_accum} must "
+                        f"divide by it")
+    if stages > n:
+        problems.append(f"parallel.pp × pp_virtual = {stages} stages exceed the model's {n} layers "
+                        f"(model.n_layers): every stage needs at least one block")
     elif par.pp_layers:
         try:
-            parse_layers(par.pp_layers, n, par.pp)
+            parse_layers(par.pp_layers, n, stages)
         except ConfigError as e:
             problems.append(str(e))
     if par.zero_stage == 3:

@@ -266,7 +266,7 @@ def pipeline_io(run: Run, divisor: int = 1) -> StepIO:
     """What a pipeline schedule needs from the run: each micro-batch's loss divided by
     `divisor`; gradients reduced after the step's last backward (finish_backward)."""
     device = run.runtime.device
-    return StepIO(model=lambda x, hidden: run.forward(x.to(device, non_blocking=True), hidden),
+    return StepIO(model=run.model, forward=lambda x, hidden: run.forward(x.to(device, non_blocking=True), hidden),
                   loss=lambda logits, y: run.loss(logits, y.to(device, non_blocking=True)) / divisor,
                   backward=lambda loss: run.precision.scaler.scale_loss(loss).backward(),
                   before_backward=lambda i: run.strategy.micro_step(sync=False),

@@ -134,18 +134,18 @@ class Comm:
                             lambda: _all_gather_single(output, input, group=self.group,
                                                        async_op=True))
 
-    def send(self, tensor: torch.Tensor, to: int):
+    def send(self, tensor: torch.Tensor, to: int, tag: int = 0):
         """Send to group rank `to` (a pipeline stage's activation or gradient); counted as its
         bytes ("send"). The tensor must stay alive and unchanged until the handle is waited on."""
         dst = dist.get_global_rank(self.group, to)
         return self._launch("send", tensor.numel() * tensor.element_size(),
-                            lambda: dist.isend(tensor, dst, group=self.group))
+                            lambda: dist.isend(tensor, dst, group=self.group, tag=tag))
 
-    def recv(self, tensor: torch.Tensor, frm: int):
+    def recv(self, tensor: torch.Tensor, frm: int, tag: int = 0):
         """Receive from group rank `frm` into `tensor` (its shape and dtype agreed in advance);
         not counted (the sender counted the bytes)."""
         src = dist.get_global_rank(self.group, frm)
-        work = dist.irecv(tensor, src, group=self.group)
+        work = dist.irecv(tensor, src, group=self.group, tag=tag)
         if self.watchdog is None:
             return work
         return Tracked(work, self.watchdog, self.watchdog.track("recv", self.name,

@@ -216,7 +216,7 @@ class Decoder(nn.Module):
         rope = (self.rope_cos[positions], self.rope_sin[positions]) if self.cfg.position == "rope" else None
         for i in self.layers:
             x = self.blocks[i](x, rope)  # (B, T, C)
-        if self.head is None:  # an earlier pipeline stage
+        if self.layers.stop < self.cfg.n_layers:  # a pipeline stage before the last
             return x
         return self.head(self.norm_f(x))  # (B, T, vocab)
 

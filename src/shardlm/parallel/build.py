@@ -101,8 +101,10 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     cp = apply_cp(model, Comm(mesh.cp_group, "cp", ledger, watchdog)) if mesh.dims.cp > 1 else None
     stage = None
     if mesh.dims.pp > 1:
-        split = pipeline_split(cfg.model, cfg.train.seq_len, mesh.dims.pp, cfg.parallel.pp_layers)
-        stage = apply_pp(model, Comm(mesh.pp_group, "pp", ledger, watchdog), split, mesh.pp_ends_group)
+        par = cfg.parallel
+        split = pipeline_split(cfg.model, cfg.train.seq_len, mesh.dims.pp * par.pp_virtual, par.pp_layers)
+        stage = apply_pp(model, Comm(mesh.pp_group, "pp", ledger, watchdog), split, mesh.pp_ends_group,
+                         par.pp_virtual)
     apply_ac(model, cfg.activation.checkpoint)
     strategy = apply_data_parallel(model, mesh, cfg, device, watchdog, run_dir, initializer, ledger,
                                    tp.splits if tp else None, stage.copies if stage else frozenset())

@@ -52,16 +52,22 @@ class Elsewhere(nn.Module):
         raise RuntimeError("this block lives on another pipeline stage")
 
 
+ACTIVATIONS, GRADIENTS = 0, 1
+"""Message tags: the two streams between neighbours (with virtual stages both run each way)."""
+
+
 @dataclass
 class Stage:
-    """This rank's pipeline stage."""
+    """This rank's pipeline stage: one chunk of consecutive blocks, or with virtual stages
+    (interleaved schedule) V chunks, chunk v being global stage v·P + rank."""
 
     comm: Comm
-    """The pipeline group (stage i = group rank i)."""
-    layers: list[int]
-    """Blocks per stage, for every stage."""
+    """The pipeline group (rank r holds global stages r, P + r, ...)."""
+    chunks: list[range]
+    """The blocks of each of this rank's chunks."""
     tied: bool
     """The head is the embedding's weight: both ends hold it (tok_emb.weight)."""
+    n_layers: int
     ends: object | None = None
     """The process group of the first and last stage at this rank's position (tied weights)."""
     wait_s: float = 0.0
@@ -88,6 +94,14 @@ class Stage:
     def last(self) -> bool:
         return self.index == self.count - 1
 
+    def starts(self, chunk: int) -> bool:
+        """Whether this chunk is the model's first global stage (the embedding)."""
+        return self.chunks[chunk].start == 0
+
+    def ends_model(self, chunk: int) -> bool:
+        """Whether this chunk is the model's last global stage (the head and the loss)."""
+        return self.chunks[chunk].stop == self.n_layers
+
     @property
     def copies(self) -> frozenset[str]:
         """Parameters held here that another stage saves and counts (the tied head's copy)."""
@@ -95,30 +109,32 @@ class Stage:
 
     # -- point to point ----------------------------------------------------------------------
 
-    def send(self, tensor: torch.Tensor, to: int) -> None:
+    def send(self, tensor: torch.Tensor, to: int, tag: int) -> None:
         tensor = tensor.contiguous()  # kept alive with its handle until settle()
-        self.pending.append((self.comm.send(tensor, to), tensor))
+        self.pending.append((self.comm.send(tensor, to, tag), tensor))
 
-    def recv(self, like: tuple, frm: int) -> torch.Tensor:
+    def recv(self, like: tuple, frm: int, tag: int) -> torch.Tensor:
         shape, dtype, device = like
         buffer = torch.empty(shape, dtype=dtype, device=device)
         start = time.perf_counter()
-        self.comm.recv(buffer, frm).wait()
+        self.comm.recv(buffer, frm, tag).wait()
         self.wait_s += time.perf_counter() - start
         return buffer
 
     def send_hidden(self, t: torch.Tensor) -> None:
+        to = (self.index + 1) % self.count
         if not self.announced:
             code = DTYPES.index(t.dtype)
-            self.send(torch.tensor([code, *t.shape], dtype=torch.int64, device=t.device), self.index + 1)
+            self.send(torch.tensor([code, *t.shape], dtype=torch.int64, device=t.device), to, ACTIVATIONS)
             self.announced = True
-        self.send(t, self.index + 1)
+        self.send(t, to, ACTIVATIONS)
 
     def recv_hidden(self, device: torch.device) -> torch.Tensor:
+        frm = (self.index - 1) % self.count
         if self.hidden is None:
-            header = self.recv(((4,), torch.int64, device), self.index - 1).tolist()
+            header = self.recv(((4,), torch.int64, device), frm, ACTIVATIONS).tolist()
             self.hidden = (tuple(header[1:]), DTYPES[header[0]])
-        return self.recv((*self.hidden, device), self.index - 1)
+        return self.recv((*self.hidden, device), frm, ACTIVATIONS)
 
     def settle(self) -> None:
         """Wait for this step's sends (their buffers may then be freed)."""
@@ -142,9 +158,10 @@ class Stage:
         param.grad = grad
 
 
-def apply_pp(model: nn.Module, comm: Comm, layers: list[int], ends) -> Stage | None:
-    """Cut a meta-device Decoder to this rank's stage, in place. `layers`: blocks per stage
-    (summing to the model's); `ends`: the first-and-last-stage group (tied weights)."""
+def apply_pp(model: nn.Module, comm: Comm, layers: list[int], ends, virtual: int = 1) -> Stage | None:
+    """Cut a meta-device Decoder to this rank's stage, in place. `layers`: blocks per global
+    stage (pp × virtual of them, summing to the model's); rank r keeps global stages r, P + r,
+    ...; `ends`: the first-and-last-stage group (tied weights)."""
     from shardlm.models.decoder import Decoder
 
     if comm.size == 1:
@@ -152,13 +169,14 @@ def apply_pp(model: nn.Module, comm: Comm, layers: list[int], ends) -> Stage | N
     if not isinstance(model, Decoder):
         raise ConfigError(f"parallel.pp > 1 needs shardlm's Decoder (got {type(model).__name__}): "
                           f"pipeline stages of transformers models are not supported yet; use pp = 1")
-    stage = Stage(comm, list(layers), model.cfg.tie_embeddings, ends)
-    lo = sum(layers[:stage.index])
-    hi = lo + layers[stage.index]
+    bounds = [sum(layers[:g]) for g in range(len(layers) + 1)]
+    mine = [range(bounds[g], bounds[g + 1]) for g in range(comm.rank, len(layers), comm.size)]
+    stage = Stage(comm, mine, model.cfg.tie_embeddings, model.cfg.n_layers, ends)
+    kept = {i for chunk in mine for i in chunk}
     for i in range(len(model.blocks)):
-        if not lo <= i < hi:
+        if i not in kept:
             model.blocks[i] = Elsewhere()
-    model.layers = range(lo, hi)
+    model.layers = mine[0]
     if not stage.first:
         if model.cfg.position == "learned":
             model.pos_emb = None
@@ -168,8 +186,8 @@ def apply_pp(model: nn.Module, comm: Comm, layers: list[int], ends) -> Stage | N
         model.norm_f = None
         model.head = None
     model.pipeline = stage
-    log.info("pipeline parallel: stage %d of %d, blocks %d-%d (split %s)%s", stage.index, stage.count,
-             lo, hi - 1, "/".join(map(str, layers)),
+    log.info("pipeline parallel: rank %d of %d, blocks %s (split %s)%s", stage.index, stage.count,
+             ", ".join(f"{c.start}-{c.stop - 1}" for c in mine), "/".join(map(str, layers)),
              "; tied head: the embedding also on the last stage" if stage.tied and stage.last else "")
     return stage
 
@@ -182,8 +200,10 @@ def apply_pp(model: nn.Module, comm: Comm, layers: list[int], ends) -> Stage | N
 class StepIO:
     """What a schedule needs from the run, for one step."""
 
-    model: Callable
-    """forward(idx, hidden=None) -> hidden states, or logits on the last stage."""
+    model: nn.Module
+    """The stage's Decoder: forward(idx, hidden=None) over `model.layers`."""
+    forward: Callable
+    """What runs it (the model, or its compiled wrapper)."""
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """(logits, targets) -> the micro-batch's loss, already divided as the step requires."""
     backward: Callable[[torch.Tensor], None]
@@ -195,75 +215,92 @@ class StepIO:
 
 
 class Schedule:
-    """One step's forwards and backwards on this stage, in some order."""
+    """One step's forwards and backwards on this rank, in an order (`order`) of ("F" | "B",
+    chunk, micro-batch) that a global timeline of the whole pipeline respects, so receives
+    never wait on a send that waits on them."""
 
     name = ""
 
     def __init__(self, stage: Stage):
         self.stage = stage
 
-    def order(self, micro: int) -> list[tuple[str, int]]:
+    @property
+    def virtual(self) -> int:
+        return len(self.stage.chunks)
+
+    def order(self, micro: int) -> list[tuple[str, int, int]]:
         raise NotImplementedError
 
     def bubble_formula(self, micro: int) -> float:
-        """The idle fraction of a step the schedule leaves, for equal stage times."""
-        p = self.stage.count
-        return (p - 1) / (micro + p - 1)
+        """The idle fraction of a step the schedule leaves, for equal stage times: P - 1 stage
+        times of fill and drain in M·V + P - 1 (V chunks of 1/V each)."""
+        p, v = self.stage.count, self.virtual
+        return (p - 1) / (v * micro + p - 1)
+
+    def _forward_steps(self, micro: int) -> list[tuple[int, int]]:
+        """(chunk, micro-batch) of forward step k (Megatron-LM's order): P micro-batches through
+        chunk 0, the same P through chunk 1, ..., then the next P micro-batches."""
+        p, v = self.stage.count, self.virtual
+        return [((k % (p * v)) // p, (k // (p * v)) * p + k % p) for k in range(micro * v)]
 
     def run(self, io: StepIO, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Every micro-batch's forward and backward on this stage; the summed loss (on the last
-        stage; 0 elsewhere)."""
+        """Every micro-batch's forward and backward on this rank; the summed loss (on the rank
+        holding the head; 0 elsewhere)."""
         stage = self.stage
         stage.wait_s = 0.0
         total = torch.zeros((), device=io.device)
-        inputs: dict[int, torch.Tensor | None] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        for kind, i in self.order(len(batches)):
+        inputs: dict[tuple[int, int], torch.Tensor | None] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        prev, nxt = (stage.index - 1) % stage.count, (stage.index + 1) % stage.count
+        for kind, chunk, i in self.order(len(batches)):
             x, y = batches[i]
+            key = (chunk, i)
             if kind == "F":
-                hidden = None
-                if not stage.first:
-                    hidden = stage.recv_hidden(io.device).requires_grad_()
+                hidden = None if stage.starts(chunk) else stage.recv_hidden(io.device).requires_grad_()
+                io.model.layers = stage.chunks[chunk]
                 with io.autocast():
-                    out = io.model(x, hidden)
-                    if stage.last:
+                    out = io.forward(x, hidden)
+                    if stage.ends_model(chunk):
                         out = io.loss(out, y)
                         total += out.detach()
-                if not stage.last:
+                if not stage.ends_model(chunk):
                     stage.send_hidden(out.detach())
-                inputs[i], outputs[i] = hidden, out
+                inputs[key], outputs[key] = hidden, out
             else:
                 io.before_backward(i)
-                out, hidden = outputs.pop(i), inputs.pop(i)
-                if stage.last:
+                out, hidden = outputs.pop(key), inputs.pop(key)
+                if stage.ends_model(chunk):
                     io.backward(out)
                 else:
-                    grad = stage.recv((out.shape, out.dtype, out.device), stage.index + 1)
+                    grad = stage.recv((out.shape, out.dtype, out.device), nxt, GRADIENTS)
                     torch.autograd.backward(out, grad)
                 if hidden is not None:
-                    stage.send(hidden.grad, stage.index - 1)
+                    stage.send(hidden.grad, prev, GRADIENTS)
         stage.settle()
         return total
 
     @torch.no_grad()
     def forward_only(self, io: StepIO, batches) -> list[torch.Tensor]:
-        """Losses of `batches` (evaluation), on every stage: the last stage's, shared."""
+        """Losses of `batches` (evaluation), on every rank: the head's rank's, shared."""
         import torch.distributed as dist
 
         stage, losses = self.stage, []
         for x, y in batches:
-            hidden = None if stage.first else stage.recv_hidden(io.device)
-            with io.autocast():
-                out = io.model(x, hidden)
-                loss = io.loss(out, y).float() if stage.last else torch.zeros((), device=io.device)
-            if not stage.last:
-                stage.send_hidden(out)
+            loss = torch.zeros((), device=io.device)
+            for chunk in range(self.virtual):
+                hidden = None if stage.starts(chunk) else stage.recv_hidden(io.device)
+                io.model.layers = stage.chunks[chunk]
+                with io.autocast():
+                    out = io.forward(x, hidden)
+                    if stage.ends_model(chunk):
+                        loss = io.loss(out, y).float()
+                if not stage.ends_model(chunk):
+                    stage.send_hidden(out)
             losses.append(loss)
         stage.settle()
         summed = torch.stack(losses)
-        dist.all_reduce(summed, group=stage.comm.group)  # only the last stage's are non-zero
+        dist.all_reduce(summed, group=stage.comm.group)  # only the head's rank's are non-zero
         return list(summed)
-
 
     def by_stage(self, values: list[float], device: torch.device) -> list[list[float]]:
         """`values` of every stage, gathered over the pipeline: one list per value, by stage."""
@@ -276,33 +313,43 @@ class Schedule:
 
 
 class GPipe(Schedule):
-    """Every micro-batch's forward, then every backward (in reverse): M micro-batches of
-    activations held on every stage."""
+    """Every micro-batch's forward, then every backward: M micro-batches of activations held on
+    every stage."""
 
     name = "gpipe"
 
-    def order(self, micro: int) -> list[tuple[str, int]]:
-        return [("F", i) for i in range(micro)] + [("B", i) for i in reversed(range(micro))]
+    def order(self, micro: int) -> list[tuple[str, int, int]]:
+        steps = self._forward_steps(micro)
+        return [("F", c, i) for c, i in steps] + [("B", c, i) for c, i in reversed(steps)]
 
 
 class OneFOneB(Schedule):
-    """Warm up with P - s - 1 forwards, then alternate one forward and one backward, then drain
-    the backwards: the same bubble as GPipe, at most P - s micro-batches held on stage s."""
+    """Warm up with a few forwards, then alternate one forward and one backward, then drain
+    the backwards (PipeDream-Flush). One chunk per rank: P - r - 1 warm-up forwards, at most
+    P - r micro-batches held on rank r, the bubble GPipe's. With V chunks per rank
+    ('interleaved', Narayanan et al. 2021, Megatron-LM's order): 2·(P - r - 1) + (V - 1)·P
+    warm-up forwards, and the bubble divided by about V."""
 
     name = "1f1b"
 
-    def order(self, micro: int) -> list[tuple[str, int]]:
-        warmup = min(micro, self.stage.count - self.stage.index - 1)
-        out = [("F", i) for i in range(warmup)]
-        forward, backward = warmup, 0
-        while forward < micro:
-            out += [("F", forward), ("B", backward)]
-            forward, backward = forward + 1, backward + 1
-        out += [("B", i) for i in range(backward, micro)]
+    def order(self, micro: int) -> list[tuple[str, int, int]]:
+        p, v, r = self.stage.count, self.virtual, self.stage.index
+        forwards = self._forward_steps(micro)
+        backwards = [(v - 1 - c, i) for c, i in forwards]  # chunks in reverse
+        total = len(forwards)
+        warmup = min(total, p - r - 1 if v == 1 else 2 * (p - r - 1) + (v - 1) * p)
+        out = [("F", *forwards[k]) for k in range(warmup)]
+        for k in range(total - warmup):
+            out += [("F", *forwards[warmup + k]), ("B", *backwards[k])]
+        out += [("B", *backwards[k]) for k in range(total - warmup, total)]
         return out
 
 
-SCHEDULES = {cls.name: cls for cls in (GPipe, OneFOneB)}
+class Interleaved(OneFOneB):
+    name = "interleaved"
+
+
+SCHEDULES = {cls.name: cls for cls in (GPipe, OneFOneB, Interleaved)}
 
 
 def gather_stages(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], dtype: torch.dtype,
