@@ -43,17 +43,23 @@ def pp_runs(tmp_path_factory):
              ({**llama, "parallel.pp": 2, "parallel.zero_stage": 1}, STEPS, -1),
              ({**uneven, "parallel.pp": 2, "parallel.pp_layers": "1,4"}, STEPS, -1),
              ({**deep, "parallel.pp": 2, "parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2,
-               "parallel.zero_stage": 2}, STEPS, -1)]
+               "parallel.zero_stage": 2}, STEPS, -1),
+             ({**gpt, "parallel.pp": 2, "parallel.pp_schedule": "zb"}, STEPS, -1),
+             ({**deep, "parallel.pp": 2, "parallel.pp_schedule": "zb", "parallel.zero_stage": 1,
+               "activation.checkpoint": "full"}, STEPS, -1)]
     out = run_ranks(train_cases, 2, tmp, cases)
     refs = [reference_case(gpt, 1, STEPS), None, reference_case(llama, 1, STEPS),
-            reference_case(uneven, 1, STEPS), reference_case(deep, 1, STEPS)]
-    refs[1] = refs[0]
+            reference_case(uneven, 1, STEPS), reference_case(deep, 1, STEPS), None,
+            reference_case({**deep, "activation.checkpoint": "full"}, 1, STEPS)]
+    refs[1] = refs[5] = refs[0]
     return out, refs
 
 
 @pytest.mark.parametrize("case, what", [(0, "pp=2 1f1b gpt (tied head)"), (1, "pp=2 gpipe gpt"),
                                         (2, "pp=2 1f1b llama, ZeRO-1"), (3, "pp=2, 5 layers as 1 + 4"),
-                                        (4, "pp=2 interleaved, 2 chunks per rank, ZeRO-2")])
+                                        (4, "pp=2 interleaved, 2 chunks per rank, ZeRO-2"),
+                                        (5, "pp=2 zero bubble gpt"),
+                                        (6, "pp=2 zero bubble llama, ZeRO-1, full recompute")])
 def test_pp_matches_one_process(pp_runs, case, what):
     out, refs = pp_runs
     ranks = [out[r][case] for r in range(2)]

@@ -180,7 +180,9 @@ class ParallelConfig:
     """With pp > 1: 'gpipe' (all forwards, then all backwards) or '1f1b' (one forward, one
     backward: at most pp micro-batches of activations held per stage), both idle
     (pp-1)/(grad_accum+pp-1) of a step; or 'interleaved' (1F1B over pp_virtual chunks per rank:
-    the idle share about 1/pp_virtual of that, for pp_virtual times the point-to-point traffic)."""
+    the idle share about 1/pp_virtual of that, for pp_virtual times the point-to-point traffic);
+    or 'zb' (zero bubble: each backward split into the gradient sent back and the weight
+    gradients, which fill the idle time; the Decoder's linear layers, not tensor-parallel ones)."""
     pp_virtual: int = 1
     """With pp_schedule = 'interleaved': model chunks per rank (>= 2); pp × pp_virtual stages in
     all, so the model needs that many layers, and grad_accum must divide by pp."""
@@ -561,8 +563,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "parallel.tp": _positive(),
     "parallel.cp": _positive(),
     "parallel.pp": _positive(),
-    "parallel.pp_schedule": _rule(lambda v: v in ("gpipe", "1f1b", "interleaved"),
-                                  "must be 'gpipe', '1f1b' or 'interleaved'"),
+    "parallel.pp_schedule": _rule(lambda v: v in ("gpipe", "1f1b", "interleaved", "zb"),
+                                  "must be 'gpipe', '1f1b', 'interleaved' or 'zb'"),
     "parallel.pp_virtual": _positive(),
     "parallel.ep": _only_one("ep"),
     "parallel.collective_timeout_s": _non_negative(" (0 disables the watchdog)"),

@@ -30,7 +30,7 @@ from shardlm.config import Config
 from shardlm.mesh import Mesh
 from shardlm.parallel.activation import apply_ac
 from shardlm.parallel.context import CPState, apply_cp
-from shardlm.parallel.pipeline import SCHEDULES, Schedule, Stage, apply_pp
+from shardlm.parallel.pipeline import SCHEDULES, Schedule, Stage, apply_pp, make_deferrable
 from shardlm.models.flops import pipeline_split
 from shardlm.models.init import initializer_for
 from shardlm.parallel.data import DataParallelEngine, apply_data_parallel
@@ -109,4 +109,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     strategy = apply_data_parallel(model, mesh, cfg, device, watchdog, run_dir, initializer, ledger,
                                    tp.splits if tp else None, stage.copies if stage else frozenset())
     schedule = SCHEDULES[cfg.parallel.pp_schedule](stage) if stage else None
+    if schedule is not None and schedule.splits_backward:  # weight gradients computed apart
+        log.info("zero-bubble: %d linear layers with deferrable weight gradients",
+                 make_deferrable(model, stage.weight_grads))
     return Parallelized(model, apply_compile(model, cfg.train.compile), strategy, tp, cp, stage, schedule)

@@ -29,6 +29,7 @@ neighbours', and a reduction inside it could wait on ranks still sending.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -77,6 +78,8 @@ class Stage:
     """(shape, dtype) of the hidden states between stages: the first stage's first output says
     (a header sent once ahead of it), as autocast decides the residual stream's dtype."""
     announced: bool = False
+    weight_grads: WeightGrads = field(default_factory=lambda: WeightGrads())
+    """Weight gradients a split backward set aside (the zero-bubble schedule)."""
 
     @property
     def index(self) -> int:
@@ -215,11 +218,13 @@ class StepIO:
 
 
 class Schedule:
-    """One step's forwards and backwards on this rank, in an order (`order`) of ("F" | "B",
-    chunk, micro-batch) that a global timeline of the whole pipeline respects, so receives
-    never wait on a send that waits on them."""
+    """One step's forwards and backwards on this rank, in an order (`order`) of ("F" | "B" |
+    "W", chunk, micro-batch) that a global timeline of the whole pipeline respects, so receives
+    never wait on a send that waits on them. "W" (schedules that split the backward): the
+    weight gradients of a micro-batch whose "B" computed only the gradients to send back."""
 
     name = ""
+    splits_backward = False
 
     def __init__(self, stage: Stage):
         self.stage = stage
@@ -266,14 +271,17 @@ class Schedule:
                 if not stage.ends_model(chunk):
                     stage.send_hidden(out.detach())
                 inputs[key], outputs[key] = hidden, out
+            elif kind == "W":  # the weight gradients a split backward left for later
+                stage.weight_grads.apply(key)
             else:
                 io.before_backward(i)
                 out, hidden = outputs.pop(key), inputs.pop(key)
-                if stage.ends_model(chunk):
-                    io.backward(out)
-                else:
-                    grad = stage.recv((out.shape, out.dtype, out.device), nxt, GRADIENTS)
-                    torch.autograd.backward(out, grad)
+                with stage.weight_grads.deferred(key if self.splits_backward else None):
+                    if stage.ends_model(chunk):
+                        io.backward(out)
+                    else:
+                        grad = stage.recv((out.shape, out.dtype, out.device), nxt, GRADIENTS)
+                        torch.autograd.backward(out, grad)
                 if hidden is not None:
                     stage.send(hidden.grad, prev, GRADIENTS)
         stage.settle()
@@ -349,7 +357,144 @@ class Interleaved(OneFOneB):
     name = "interleaved"
 
 
-SCHEDULES = {cls.name: cls for cls in (GPipe, OneFOneB, Interleaved)}
+class ZeroBubble(Schedule):
+    """The backward split in two (Qi et al. 2023): "B" computes only the gradient a stage
+    sends back (the critical path), "W" its weight gradients, which wait to fill the time a
+    stage would otherwise spend idle. The order is a list schedule of the whole pipeline in
+    unit time steps (F, B and W one unit each): every rank runs, at each step, a ready B
+    first, else a ready F if it holds fewer than P - r micro-batches (1F1B's memory bound) and
+    fewer than P - r deferred W, else its oldest W. The bubble left is what that timeline
+    leaves idle."""
+
+    name = "zb"
+    splits_backward = True
+
+    def order(self, micro: int) -> list[tuple[str, int, int]]:
+        return _list_schedule(self.stage.count, micro)[0][self.stage.index]
+
+    def bubble_formula(self, micro: int) -> float:
+        """The idle share of the unit-time timeline: 1 - 3M / its length."""
+        return 1 - 3 * micro / _list_schedule(self.stage.count, micro)[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _list_schedule(p: int, micro: int) -> tuple[list[list[tuple[str, int, int]]], int]:
+    """Every rank's order and the timeline's length in steps (ZeroBubble's docstring)."""
+    done: dict[tuple[str, int, int], int] = {}  # (kind, rank, micro-batch) -> finishing step
+    orders: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
+    nxt_f, nxt_b, pending_w = [0] * p, [0] * p, [[] for _ in range(p)]
+    t = 0
+    while any(len(o) < 3 * micro for o in orders):
+        picks = []
+        for r in range(p):
+            f, b = nxt_f[r], nxt_b[r]
+            b_ready = b < f and done.get(("F", r, b), t) < t and (r == p - 1 or done.get(("B", r + 1, b), t) < t)
+            f_ready = f < micro and (r == 0 or done.get(("F", r - 1, f), t) < t) and f - b < p - r
+            if b_ready:
+                picks.append((r, "B", b))
+            elif f_ready and len(pending_w[r]) < p - r:  # at most P - r sets of deferred gradients
+                picks.append((r, "F", f))
+            elif pending_w[r]:
+                picks.append((r, "W", pending_w[r][0]))
+            elif f_ready:
+                picks.append((r, "F", f))
+            elif pending_w[r]:
+                picks.append((r, "W", pending_w[r][0]))
+        for r, kind, m in picks:
+            done[(kind, r, m)] = t
+            orders[r].append((kind, 0, m))
+            if kind == "F":
+                nxt_f[r] += 1
+            elif kind == "B":
+                nxt_b[r] += 1
+                pending_w[r].append(m)
+            else:
+                pending_w[r].pop(0)
+        t += 1
+    return orders, t
+
+
+SCHEDULES = {cls.name: cls for cls in (GPipe, OneFOneB, Interleaved, ZeroBubble)}
+
+
+class WeightGrads:
+    """Weight gradients set aside during a split backward ("B") and computed later ("W"):
+    the Decoder's linear layers (`DeferrableLinear`) put (weight, bias, input, output
+    gradient) here instead of computing dW = gᵀx and db = Σg while deferring is on."""
+
+    def __init__(self):
+        self.collecting: tuple | None = None
+        self.waiting: dict[tuple, list] = {}
+
+    @contextlib.contextmanager
+    def deferred(self, key: tuple | None):
+        self.collecting = key
+        try:
+            yield
+        finally:
+            self.collecting = None
+
+    def put(self, item: tuple) -> None:
+        self.waiting.setdefault(self.collecting, []).append(item)
+
+    @torch.no_grad()
+    def apply(self, key: tuple) -> None:
+        for weight, bias, x, g in self.waiting.pop(key, []):
+            _accumulate(weight, (g.flatten(0, -2).t() @ x.flatten(0, -2)).to(weight.dtype))
+            if bias is not None:
+                _accumulate(bias, g.flatten(0, -2).sum(0).to(bias.dtype))
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+
+class _DeferrableLinearFunction(torch.autograd.Function):
+    """y = x Wᵀ + b, whose backward leaves dW and db to `stash` while it is collecting."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stash: WeightGrads):
+        ctx.stash, ctx.weight, ctx.bias, ctx.x_dtype = stash, weight, bias, x.dtype
+        if torch.is_autocast_enabled(x.device.type):  # autocast's cast, made here, saved as used
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        ctx.save_for_backward(x, weight)
+        with torch.autocast(x.device.type, enabled=False):
+            return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        dx = (g @ weight).to(ctx.x_dtype)
+        if ctx.stash.collecting is not None:
+            ctx.stash.put((ctx.weight, ctx.bias, x, g))
+            return dx, None, None, None
+        dw = (g.flatten(0, -2).t() @ x.flatten(0, -2)).to(ctx.weight.dtype)
+        db = g.flatten(0, -2).sum(0).to(ctx.bias.dtype) if ctx.bias is not None else None
+        return dx, dw, db, None
+
+
+class DeferrableLinear(nn.Linear):
+    """nn.Linear whose weight gradients a split backward can defer (WeightGrads): what the
+    zero-bubble schedule turns a stage's linear layers into (same parameters, same names)."""
+
+    stash: WeightGrads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DeferrableLinearFunction.apply(x, self.weight, self.bias, self.stash)
+
+
+def make_deferrable(model: nn.Module, stash: WeightGrads) -> int:
+    """Turn the model's nn.Linear layers into DeferrableLinear in place (the same objects and
+    parameters, a subclass that only changes forward); returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = DeferrableLinear
+            module.stash = stash
+            count += 1
+    return count
 
 
 def gather_stages(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], dtype: torch.dtype,
