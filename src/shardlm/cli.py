@@ -273,11 +273,7 @@ def train_here(cfg) -> int:
         shutdown(run.runtime)
         note_clean_stop(run.runtime)
         return 0
-    if t.sample_tokens > 0 and run.schedule is not None:
-        if main:
-            print("sample: none (generation across pipeline stages is not supported yet; export the "
-                  "run and sample with `shardlm generate`)")
-    elif t.sample_tokens > 0:
+    if t.sample_tokens > 0:
         text = sample_text(run, t.sample_prompt, t.sample_tokens)  # every rank: stage 3 gathers
         if main:
             print("sample:\n" + text)

@@ -431,5 +431,8 @@ def sample_text(run: Run, prompt: str, max_new_tokens: int) -> str:
     generator = torch.Generator(device=run.runtime.device).manual_seed(run.cfg.train.seed)
     run.model.eval()
     with run.precision.autocast(), run.strategy.full_parameters():
-        out = generate(run.model, idx, max_new_tokens, generator=generator)
+        if run.schedule is not None:  # through the pipeline's stages
+            out = run.schedule.generate(pipeline_io(run), idx, max_new_tokens, generator=generator)
+        else:
+            out = generate(run.model, idx, max_new_tokens, generator=generator)
     return tokenizer.decode(out[0].tolist())

@@ -250,16 +250,21 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
 def _sample(model, idx, max_new_tokens, max_len, temperature, top_k, generator) -> torch.Tensor:
     for _ in range(max_new_tokens):
         logits = model(idx[:, -max_len:])[:, -1, :]  # (B, vocab), or this rank's part of it
-        if hasattr(model.head, "gather"):  # a vocabulary-parallel head (parallel/tensor.py)
-            logits = model.head.gather(logits)
-        if temperature == 0:
-            next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = F.softmax(logits, dim=-1)
-            next_id = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
-        idx = torch.cat((idx, next_id), dim=1)
+        idx = torch.cat((idx, next_token(model, logits, temperature, top_k, generator)), dim=1)
     return idx
+
+
+def next_token(model: nn.Module, logits: torch.Tensor, temperature: float, top_k: int | None,
+               generator: torch.Generator | None) -> torch.Tensor:
+    """The next token (B, 1) from the last position's logits (B, vocab), or this rank's
+    vocabulary part of them (gathered first)."""
+    if hasattr(model.head, "gather"):  # a vocabulary-parallel head (parallel/tensor.py)
+        logits = model.head.gather(logits)
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)  # (B, 1)

@@ -124,17 +124,19 @@ class Stage:
         self.wait_s += time.perf_counter() - start
         return buffer
 
-    def send_hidden(self, t: torch.Tensor) -> None:
+    def send_hidden(self, t: torch.Tensor, header: bool = False) -> None:
+        """The hidden states to the next stage; a (dtype, shape) header ahead of the first
+        (or of every one, `header`: shapes that change, as in generation)."""
         to = (self.index + 1) % self.count
-        if not self.announced:
+        if header or not self.announced:
             code = DTYPES.index(t.dtype)
             self.send(torch.tensor([code, *t.shape], dtype=torch.int64, device=t.device), to, ACTIVATIONS)
             self.announced = True
         self.send(t, to, ACTIVATIONS)
 
-    def recv_hidden(self, device: torch.device) -> torch.Tensor:
+    def recv_hidden(self, device: torch.device, header: bool = False) -> torch.Tensor:
         frm = (self.index - 1) % self.count
-        if self.hidden is None:
+        if header or self.hidden is None:
             header = self.recv(((4,), torch.int64, device), frm, ACTIVATIONS).tolist()
             self.hidden = (tuple(header[1:]), DTYPES[header[0]])
         return self.recv((*self.hidden, device), frm, ACTIVATIONS)
@@ -309,6 +311,36 @@ class Schedule:
         summed = torch.stack(losses)
         dist.all_reduce(summed, group=stage.comm.group)  # only the head's rank's are non-zero
         return list(summed)
+
+    @torch.no_grad()
+    def generate(self, io: StepIO, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = 50, generator: torch.Generator | None = None) -> torch.Tensor:
+        """models.generate through the stages: each new token's forward passes every stage,
+        the last samples it (models.decoder.next_token) and broadcasts it to the pipeline."""
+        import torch.distributed as dist
+
+        from shardlm.models.decoder import next_token
+
+        stage, model = self.stage, io.model
+        context = getattr(model, "context", None)
+        with context.whole_sequences() if context is not None else contextlib.nullcontext():
+            for _ in range(max_new_tokens):
+                x = idx[:, -model.cfg.max_seq_len:]
+                new = torch.zeros((idx.shape[0], 1), dtype=idx.dtype, device=idx.device)
+                for chunk in range(self.virtual):
+                    hidden = None if stage.starts(chunk) else stage.recv_hidden(io.device, header=True)
+                    model.layers = stage.chunks[chunk]
+                    with io.autocast():
+                        out = io.forward(x, hidden)
+                    if stage.ends_model(chunk):
+                        new = next_token(model, out[:, -1, :], temperature, top_k, generator)
+                    else:
+                        stage.send_hidden(out, header=True)
+                stage.settle()
+                head = dist.get_global_rank(stage.comm.group, stage.count - 1)
+                dist.broadcast(new, head, group=stage.comm.group)
+                idx = torch.cat((idx, new), dim=1)
+        return idx
 
     def by_stage(self, values: list[float], device: torch.device) -> list[list[float]]:
         """`values` of every stage, gathered over the pipeline: one list per value, by stage."""
