@@ -13,7 +13,7 @@ from decimal import ROUND_HALF_UP, Decimal
 import pytest
 
 from shardlm.cli import main
-from shardlm.config import load_config
+from shardlm.config import ParallelConfig, load_config
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import (CALIBRATION, DEVICES, LINKS, Cluster, Device, Node,
                                       device_for_gpu_name, parse_cluster)
@@ -344,14 +344,14 @@ def test_search_tries_context_parallelism_only_where_activations_matter():
 
 def test_auto_keeps_the_runs_own_tp_and_cp():
     model = preset_model("gpt2-350m")
-    plans = plan_for_run(model, 8, "8xA100-80GB", (2, 1, 1024), cp=2)
+    plans = plan_for_run(model, 8, "8xA100-80GB", (2, 1, 1024), parallel=ParallelConfig(cp=2))
     assert plans and all(p.strategy.layout.cp == 2 and p.strategy.layout.tp == 1 for p in plans)
     for p in plans:  # the configured global batch: 2 x 1 x (8 / cp) sequences
         assert p.strategy.micro_batch * p.strategy.grad_accum * p.strategy.layout.dp_size == 2 * 4
-    both = plan_for_run(model, 8, "8xA100-80GB", (2, 1, 1024), tp=2, cp=2)
+    both = plan_for_run(model, 8, "8xA100-80GB", (2, 1, 1024), parallel=ParallelConfig(tp=2, cp=2))
     assert both and all((p.strategy.layout.tp, p.strategy.layout.cp) == (2, 2) for p in both)
     with pytest.raises(ConfigError, match="does not divide the 8 ranks"):
-        plan_for_run(model, 8, "8xA100-80GB", (2, 1, 1024), cp=3)
+        plan_for_run(model, 8, "8xA100-80GB", (2, 1, 1024), parallel=ParallelConfig(cp=3))
 
 
 # ---------------------------------------------------------------------------------------------

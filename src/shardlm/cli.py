@@ -149,9 +149,11 @@ def _planner_args(p: argparse.ArgumentParser) -> None:
 
 
 def _model_axes(dims, par) -> str:
-    """', tp 2 (sequence parallel), cp 2' for the axes beyond data parallelism ('' if none)."""
+    """', tp 2 (sequence parallel), cp 2, pp 2 (1f1b)' for the axes beyond data parallelism."""
     axes = [f"tp {dims.tp}" + (" (sequence parallel)" if par.sequence_parallel else "")] if dims.tp > 1 else []
     axes += [f"cp {dims.cp}"] if dims.cp > 1 else []
+    axes += [f"pp {dims.pp} ({par.pp_schedule}" + (f", {par.pp_virtual} chunks per rank" if par.pp_virtual > 1 else "")
+             + ")"] if dims.pp > 1 else []
     return "".join(", " + a for a in axes)
 
 

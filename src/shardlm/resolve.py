@@ -71,16 +71,15 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
     if cfg.parallel.strategy == "auto":
         t, p = cfg.train, cfg.precision
         where = hardware or local_hardware(device, world_size)
-        # The run's own tensor- and context-parallel degrees (and sequence parallelism) are
-        # kept; the plan chooses the data-parallel split, ZeRO stage, micro-batch,
-        # recomputation and offload around them.
+        # The run's own tensor-, context- and pipeline-parallel degrees (and sequence
+        # parallelism, the pipeline schedule) are kept; the plan chooses the data-parallel
+        # split, ZeRO stage, micro-batch, recomputation and offload around them.
         par = cfg.parallel
         plans = plan_for_run(cfg.model, world_size, where, (t.micro_batch, t.grad_accum, t.seq_len),
-                             dtypes=default_dtypes(where, p.compute, p.master, p.reduce),
-                             tp=par.tp, cp=par.cp, sequence_parallel=par.sequence_parallel)
+                             dtypes=default_dtypes(where, p.compute, p.master, p.reduce), parallel=par)
         if not plans:
             raise ConfigError(f"parallel.strategy = 'auto': no strategy fits {cfg.model.preset} with "
-                              f"{t.micro_batch * t.grad_accum * world_size // (par.tp * par.cp)} x "
+                              f"{t.micro_batch * t.grad_accum * world_size // (par.tp * par.cp * par.pp)} x "
                               f"{t.seq_len} tokens per step on {world_size} rank(s); `shardlm "
                               f"estimate` shows where the memory goes")
         best = plans[0]

@@ -15,7 +15,8 @@ from shardlm.dims import ParallelDims
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
 from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload,
-                                      effective_tier, stage_params, validate, zero_ranks)
+                                      effective_tier, pipeline_layers, pp_hidden_bytes,
+                                      pp_in_flight, pp_sends, stage_params, validate, zero_ranks)
 from shardlm.zero.partition import model_state_bytes
 
 FRAGMENTATION = 0.10
@@ -131,11 +132,12 @@ def cp_ring_buffers(m: ModelConfig, dt: ActivationDtypes, tp: int = 1) -> tuple[
     return max(forward, backward) / tp, text
 
 
-def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight: int,
+def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight: float,
                     dt: ActivationDtypes, mode: str, tp: int, sp: bool, with_loss: bool,
                     experts: tuple[int, int, float], cp: int = 1) -> Item:
-    """Saved activations of `in_flight` micro-batches (1F1B: the first stage holds p of them)
-    plus the worst transient of backward: the loss, or one block's recomputation.
+    """Saved activations of `in_flight` micro-batches (workload.pp_in_flight: 1F1B's first
+    stage holds p of them, GPipe's every stage all m) plus the worst transient of backward: the
+    loss, or one block's recomputation.
 
     The loss (trainer.loss_of): logits in e, an fp32 copy, fp32 log-probabilities saved; its
     backward holds the saved log-probs, their gradient and the logits' gradient in fp32:
@@ -168,7 +170,7 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
     ids = 16 * micro * seq * in_flight * (1 + 1 / cp if cp > 1 else 1)
     bs = "b·s/cp" if cp > 1 else "b·s"
     parts = [Item("saved by blocks", saved,
-                  f"L={layers} x {in_flight} micro-batch(es) x {bs}={tokens:,.0f} x {per_layer:,.0f} B"
+                  f"L={layers} x {in_flight:g} micro-batch(es) x {bs}={tokens:,.0f} x {per_layer:,.0f} B"
                   f" = {text}"),
              Item("backward peak", max(loss, recompute),
                   f"max(loss: {bs} x (final norm + 12V/t) = {loss / 1e9:.3g} GB, "
@@ -296,10 +298,11 @@ def _buffer_items(w: Workload, sp: StageParams, s: Strategy, cluster: Cluster,
                           f"gradient and its sum with the head's", phases={"embedding": tied}))
     if s.local:
         return items
-    if s.grad_accum > 1:
+    if s.grad_accum > 1 or s.layout.pp > 1:
         items.append(Item("accumulated gradients", e * psi, f"{e} B x Ψ_r: param.grad of every "
-                          f"parameter across {s.grad_accum} micro-steps (the engine reduces on the "
-                          f"last only), unsharded"))
+                          f"parameter across {s.grad_accum} micro-steps (the engine reduces "
+                          + ("after the pipeline's last backward" if s.layout.pp > 1 else "on the last only")
+                          + "), unsharded"))
     else:
         items.append(Item("unit gradients", e * (root + block), f"{e} B x ({units}): param.grad "
                           f"until a unit's last gradient (the root's lives through all of backward)",
@@ -329,21 +332,40 @@ def _buffer_items(w: Workload, sp: StageParams, s: Strategy, cluster: Cluster,
 
 def estimate_memory(w: Workload, s: Strategy, cluster: Cluster) -> Memory:
     """The worst pipeline stage's per-rank memory, by category, for the run as the runtime
-    builds it (or would, for tp/pp/ep, which it does not have yet)."""
+    builds it (or would, for ep, which it does not have yet)."""
     validate(w, s, cluster)
-    results = [_stage_memory(w, s, cluster, sp) for sp in stage_params(w, s.layout)]
-    return max(results, key=lambda m: m.peak)
+    stages = peak_candidates(stage_params(w, s.layout, pipeline_layers(w, s)))
+    return max((_stage_memory(w, s, cluster, sp) for sp in stages), key=lambda m: m.peak)
+
+
+def stage_memories(w: Workload, s: Strategy, cluster: Cluster) -> list[Memory]:
+    """Every pipeline rank's memory, first stage first (one entry when pp = 1)."""
+    validate(w, s, cluster)
+    return [_stage_memory(w, s, cluster, sp) for sp in stage_params(w, s.layout, pipeline_layers(w, s))]
+
+
+def peak_candidates(stages: list[StageParams]) -> list[StageParams]:
+    """The stages that can hold the most: the two ends (embedding, head and loss) and, of the
+    stages between, the earliest with each number of blocks — every schedule holds at least as
+    many micro-batches on an earlier stage (pp_in_flight), and a middle stage's memory grows
+    with its blocks and its micro-batches only."""
+    middle: dict[int, StageParams] = {}
+    for sp in stages[1:-1]:
+        middle.setdefault(sp.layers, sp)
+    return stages[:1] + list(middle.values()) + stages[1:][-1:]
 
 
 def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> Memory:
     lay, calib = s.layout, cluster.calibration
     items, states = _state_items(sp, lay, s, cluster)
-    in_flight = min(lay.pp, s.grad_accum) if sp.name == "first stage" else 1
-    items.append(activation_peak(w.model, w.seq_len, s.micro_batch, sp.layers, in_flight,
+    items.append(activation_peak(w.model, w.seq_len, s.micro_batch, sp.layers, pp_in_flight(s, sp.index),
                                  activation_dtypes(s, cluster), s.recompute, lay.tp,
-                                 s.sequence_parallel and lay.tp > 1, sp.name != "first stage",
+                                 s.sequence_parallel and lay.tp > 1, sp.index == lay.pp - 1,
                                  (w.experts, w.top_k, w.capacity_factor), lay.cp))
-    buffers = _buffer_items(w, sp, s, cluster, states)
+    if s.pp_schedule == "zb" and lay.pp > 1 and lay.tp == 1:
+        items.append(deferred_weight_grads(w.model, s.micro_batch * w.seq_len // lay.cp, sp.layers,
+                                           sp.index == lay.pp - 1, s.dtypes.param_bytes, s.recompute))
+    buffers = _buffer_items(w, sp, s, cluster, states) + _pipeline_buffers(w, sp, s)
     host = _host_memory(s, states, cluster, sp)
     if cluster.device.kind == "cpu":  # the host is the device: offload buffers count here
         buffers, host = buffers + host, []
@@ -395,6 +417,55 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
     return Memory(sp.name, sp.dense + sp.experts, items, train_peak, step_peak, setup_peak,
                   cluster.device.memory, host, sum(i.bytes for i in host) * cluster.per_node,
                   0.9 * cluster.node.host_memory, notes)
+
+
+def deferred_weight_grads(m: ModelConfig, tokens: int, layers: int, head: bool, e: int,
+                          mode: str) -> Item:
+    """The zero-bubble schedule's stash (parallel/pipeline.py WeightGrads): a split backward
+    ("B") leaves every linear layer's input x and output gradient g for its weight gradients
+    ("W"), one micro-batch's until its W runs (the runtime's order never holds two). Per token
+    and block, in e bytes: x of qkv, the attention projection, the MLP's two linears (3h + f)
+    and g of their outputs (h + 2kv + h + f or 2f + h); the head on the last stage adds x (h)
+    and g (V). Without recomputation the inputs are tensors the blocks saved anyway (counted
+    there): only the gradients are extra. It grows through B and is consumed by W: counted in
+    a block's backward and the embedding's, on top of the saved activations (an upper bound:
+    B frees its micro-batch's activations as the stash grows)."""
+    h, a, f = m.d_model, m.n_heads, flops.resolved_d_ff(m)
+    kv = (m.n_kv_heads or a) * (h // a)
+    up = 2 * f if m.mlp == "swiglu" else f
+    inputs = 3 * h + f
+    grads = (h + 2 * kv) + h + up + h
+    per_token = layers * (grads + (inputs if mode != "none" else 0)) + (h + m.vocab_size if head else 0)
+    stash = tokens * e * per_token
+    return Item("deferred weight gradients", stash,
+                f"zb: one micro-batch's b·s={tokens:,} x {e} B x (L={layers} x ("
+                f"{'' if mode == 'none' else '3h+f inputs + '}h+2kv+2h+{'2f' if up > f else 'f'} output "
+                f"gradients){' + h+V (head)' if head else ''}), until its W",
+                phases={"blocks": stash, "embedding": stash})
+
+
+def _pipeline_buffers(w: Workload, sp: StageParams, s: Strategy) -> list[Item]:
+    """What a pipeline stage sends stays alive until the step's end: parallel/pipeline.py keeps
+    every send's tensor with its handle until Stage.settle() after the last micro-batch, so the
+    outputs sent forward (their storage outlives the saved activations once backward frees
+    them) and the input gradients sent back (workload.pp_sends) all coexist by the end of
+    backward: an upper bound (a stage's first gradients are sent after some activations
+    are freed)."""
+    lay = s.layout
+    if lay.pp == 1:
+        return []
+    e = 4 if s.local else s.dtypes.param_bytes
+    hidden = pp_hidden_bytes(w.model, s.micro_batch * w.seq_len, lay.tp, lay.cp,
+                             s.sequence_parallel, e)
+    activations, gradients = pp_sends(sp.index, lay.pp, s.grad_accum, s.pp_virtual)
+    held = (activations + gradients) * hidden
+    if not held:
+        return []
+    return [Item("pipeline send buffers", held, f"({activations} activations + {gradients} gradients "
+                 f"sent) x {e} B x b·s{'/cp' if lay.cp > 1 else ''}"
+                 f"{'/t' if s.sequence_parallel and lay.tp > 1 else ''}·h: held until the step's "
+                 f"last send completes (Stage.settle)",
+                 phases={"loss": held, "blocks": held, "embedding": held})]
 
 
 def nvme_stream_resident(sp: StageParams, n: int, chunk_bytes: int, buffers: int,

@@ -9,10 +9,11 @@ from typing import Any
 from shardlm.config import ModelConfig
 from shardlm.hardware.catalog import Cluster
 from shardlm.presets import ALIASES, PRESETS, get_preset
-from shardlm.planner.memory import Item, Memory
+from shardlm.planner.memory import Item, Memory, stage_memories
 from shardlm.planner.search import Plan, SearchResult, describe_strategy, explain, step_parts
 from shardlm.planner.timing import Timing
-from shardlm.planner.workload import Strategy, Workload, describe_dtypes, shape_of
+from shardlm.planner.workload import (Strategy, Workload, describe_dtypes, pipeline_layers,
+                                      pp_in_flight, shape_of)
 
 GB = 1e9
 
@@ -31,7 +32,12 @@ def describe_run(w: Workload, s: Strategy) -> str:
     dims = [f"dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard}"]
     sp = " (sequence parallel)" if s.sequence_parallel else ""
     dims += [f"tp {lay.tp}{sp}"] if lay.tp > 1 else []
-    dims += [f"{k} {getattr(lay, k)}" for k in ("cp", "pp", "ep") if getattr(lay, k) > 1]
+    dims += [f"cp {lay.cp}"] if lay.cp > 1 else []
+    if lay.pp > 1:
+        split = "/".join(map(str, pipeline_layers(w, s)))
+        dims.append(f"pp {lay.pp} ({s.pp_schedule}" + (f", {s.pp_virtual} chunks per rank" if s.pp_virtual > 1
+                                                      else "") + f", blocks {split})")
+    dims += [f"ep {lay.ep}"] if lay.ep > 1 else []
     offload = "".join(f", {what} on {tier}" for what, tier in
                       (("optimizer", s.offload_optimizer), ("params", s.offload_params)) if tier != "none")
     per_rank = f" ({w.seq_len // lay.cp} tokens per rank)" if lay.cp > 1 else ""
@@ -72,6 +78,8 @@ def render_estimate(w: Workload, s: Strategy, cluster: Cluster, memory: Memory, 
                      f"{memory.host_capacity / GB:.0f} GB usable "
                      f"(90% of {cluster.node.host_memory / GB:.0f})")
         lines += ["  " + line for line in _rows(memory.host)]
+    if s.layout.pp > 1:
+        lines += _stage_rows(w, s, cluster)
     lines.append("")
     lines.append(_verdict(memory))
     for note in memory.notes:
@@ -86,6 +94,18 @@ def render_estimate(w: Workload, s: Strategy, cluster: Cluster, memory: Memory, 
         lines.append(f"  {comm.name:<34s} {comm.bytes / GB:8.3f} GB over {comm.group}: "
                      f"{comm.seconds * 1e3:.1f} ms, {comm.exposed * 1e3:.1f} ms exposed")
     return "\n".join(lines)
+
+
+def _stage_rows(w: Workload, s: Strategy, cluster: Cluster) -> list[str]:
+    """Every pipeline stage's peak, next to its blocks and micro-batches held (the table above
+    is the worst stage's)."""
+    lines = ["", f"  per pipeline stage ({s.pp_schedule}, {s.grad_accum} micro-batches):",
+             f"  {'stage':<12s} {'blocks':>6s} {'in flight':>9s} {'activations':>11s} {'peak GB':>8s}"]
+    for index, m in enumerate(stage_memories(w, s, cluster)):
+        blocks = next(p for p in m.items if p.name == "activations").parts[0].formula.split()[0]
+        lines.append(f"  {index:<3d}{m.stage:<9s} {blocks[2:]:>6s} {pp_in_flight(s, index):>9g} "
+                     f"{m.activations / GB:>11.3f} {m.peak / GB:>8.3f}")
+    return lines
 
 
 def _verdict(memory: Memory) -> str:
@@ -119,7 +139,7 @@ def render_plan(result: SearchResult, top: int) -> str:
             t = plan.timing
             lines.append(f"  {i:>2d} {t.tokens_per_s:>12,.0f} {t.mfu:>6.1%} "
                          f"{plan.memory.peak / GB:>8.1f} {t.step:>8.3g}  "
-                         f"{'yes' if plan.runtime_supported else 'no (pp/ep)':<10s} "
+                         f"{'yes' if plan.runtime_supported else 'no':<10s} "
                          f"{describe_strategy(plan.strategy)}")
         lines.append("")
     lines += explain(result)
@@ -128,9 +148,8 @@ def render_plan(result: SearchResult, top: int) -> str:
         for i, plan in enumerate(result.plans[:top], 1):
             command = train_command(plan, w, result.cluster)
             lines.append(f"  {i:>2d} {command}" if command else
-                         f"  {i:>2d} not runnable yet: shardlm train has no "
-                         f"{'/'.join(k for k in ('pp', 'ep') if getattr(plan.strategy.layout, k) > 1)}"
-                         f" parallelism (config keys: {_flags(plan.overrides())})")
+                         f"  {i:>2d} not runnable yet: shardlm train has {plan.not_runnable} "
+                         f"(config keys: {_flags(plan.overrides())})")
     return "\n".join(lines)
 
 

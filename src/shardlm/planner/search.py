@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from shardlm.config import Config, ModelConfig
+from shardlm.config import Config, ModelConfig, ParallelConfig
 from shardlm.errors import ConfigError
 from shardlm.presets import ALIASES, get_preset
 from shardlm.hardware.catalog import Cluster, choose_compute, local_cpu, parse_cluster
@@ -32,10 +32,14 @@ class Supported:
     cp: bool = True
     """Context parallelism: each sequence split over a ring of ranks (parallel/context.py)."""
     pp: bool = True
+    """Pipeline parallelism: the blocks in stages over ranks (parallel/pipeline.py), 1F1B."""
     ep: bool = True
     hybrid: bool = True
     """dp_replicate > 1: shard within a node, replicate across nodes (HSDP)."""
     stages: tuple[int, ...] = (0, 1, 2, 3)
+    zero3_with_pp: bool = True
+    """ZeRO stage 3 on a pipeline (pp > 1). The runtime refuses it (config validation: stage 3
+    gathers a unit per forward and backward, and a pipeline interleaves micro-batches')."""
     recompute: tuple[str, ...] = ("none", "selective", "full")
     offload_optimizer: tuple[str, ...] = ("none", "cpu", "nvme")
     offload_params: tuple[str, ...] = ("none", "cpu", "nvme")
@@ -43,13 +47,13 @@ class Supported:
 
 EVERYTHING = Supported()
 """Every strategy the planner models."""
-RUNTIME = Supported(pp=False, ep=False)
-"""What `shardlm train` runs today: dp_replicate x dp_shard x cp x tp, ZeRO 0-3, recompute,
-offload."""
-AUTO = Supported(tp=False, cp=False, pp=False, ep=False)
-"""What `parallel.strategy = "auto"` chooses from: data parallelism, until the planner's tensor-
-and context-parallel models have been checked against our own measurements on this machine
-(a run's own parallel.tp and parallel.cp are kept: plan_for_run)."""
+RUNTIME = Supported(ep=False, zero3_with_pp=False)
+"""What `shardlm train` runs today: pp x dp_replicate x dp_shard x cp x tp, ZeRO 0-3 (0-2 with
+pp > 1), recompute, offload."""
+AUTO = Supported(tp=False, cp=False, pp=False, ep=False, zero3_with_pp=False)
+"""What `parallel.strategy = "auto"` chooses from: data parallelism, until the planner's tensor-,
+context- and pipeline-parallel models have been checked against our own measurements on this
+machine (a run's own parallel.tp, cp and pp are kept: plan_for_run)."""
 
 
 @dataclass
@@ -61,8 +65,17 @@ class Plan:
 
     @property
     def runtime_supported(self) -> bool:
-        lay = self.strategy.layout
-        return lay.pp == lay.ep == 1
+        return self.not_runnable is None
+
+    @property
+    def not_runnable(self) -> str | None:
+        """Why `shardlm train` cannot run this plan (None: it can)."""
+        s = self.strategy
+        if s.layout.ep > 1:
+            return "no expert parallelism (ep)"
+        if s.layout.pp > 1 and s.zero_stage == 3:
+            return "ZeRO-3 with pp > 1 is refused (use stage 0-2 on a pipeline)"
+        return None
 
     def overrides(self) -> dict[str, object]:
         """The config keys (and typed values) that run this plan: what `apply` sets, and what
@@ -80,6 +93,12 @@ class Plan:
                 out[f"parallel.{key}"] = getattr(lay, key)
         if lay.tp > 1:
             out["parallel.sequence_parallel"] = s.sequence_parallel
+        if lay.pp > 1:
+            out["parallel.pp_schedule"] = s.pp_schedule
+            if s.pp_virtual > 1:
+                out["parallel.pp_virtual"] = s.pp_virtual
+            if s.pp_layers:
+                out["parallel.pp_layers"] = s.pp_layers
         if s.offload_optimizer != "none":
             out["zero.offload_optimizer"] = s.offload_optimizer
         if s.offload_params != "none":
@@ -88,12 +107,15 @@ class Plan:
 
     def apply(self, cfg: Config) -> Config:
         """A new Config: `cfg` with this plan's keys set (typed values, no parsing), strategy
-        'manual', validated. The plan's layout replaces the config's whole: tp and cp are set
-        even at 1 (overrides() leaves out degrees of 1, as command-line flags)."""
+        'manual', validated. The plan's layout replaces the config's whole: tp, cp, pp and the
+        pipeline keys are set even at 1 (overrides() leaves out degrees of 1, as command-line
+        flags)."""
         new = copy.deepcopy(cfg)
-        lay = self.strategy.layout
-        for key, value in {**self.overrides(), "parallel.tp": lay.tp, "parallel.cp": lay.cp,
-                           "parallel.strategy": "manual"}.items():
+        s, lay = self.strategy, self.strategy.layout
+        whole = {"parallel.tp": lay.tp, "parallel.cp": lay.cp, "parallel.pp": lay.pp,
+                 "parallel.pp_schedule": s.pp_schedule, "parallel.pp_virtual": s.pp_virtual,
+                 "parallel.pp_layers": s.pp_layers}
+        for key, value in {**self.overrides(), **whole, "parallel.strategy": "manual"}.items():
             section, _, name = key.partition(".")
             setattr(getattr(new, section), name, value)
         return new.validate()
@@ -128,8 +150,8 @@ def _sequence_activations(w: Workload, cluster: Cluster, dtypes: Dtypes, tp: int
 
 
 def _layouts(w: Workload, cluster: Cluster, supported: Supported, dtypes: Dtypes,
-             pinned: tuple[int, int] | None = None):
-    """Rank layouts to search. `pinned` = (tp, cp): only those degrees (a run's own, under
+             pinned: tuple[int, int, int] | None = None):
+    """Rank layouts to search. `pinned` = (tp, cp, pp): only those degrees (a run's own, under
     strategy = 'auto'), whatever `supported` says."""
     m, world, per_node = w.model, cluster.world_size, cluster.per_node
     tps = [pinned[0]] if pinned else divisors(per_node) if supported.tp else [1]
@@ -151,7 +173,10 @@ def _layouts(w: Workload, cluster: Cluster, supported: Supported, dtypes: Dtypes
         for cp in cps:
             if w.seq_len % (2 * cp) or world % (tp * cp):
                 continue
-            for pp in (divisors(world // (tp * cp)) if supported.pp else [1]):
+            pps = [pinned[2]] if pinned else divisors(world // (tp * cp)) if supported.pp else [1]
+            for pp in pps:
+                if world % (tp * cp * pp):
+                    continue
                 dp = world // (tp * cp * pp)
                 if pp > m.n_layers or w.global_batch % dp:
                     continue
@@ -192,10 +217,13 @@ def _first_fit(w: Workload, cluster: Cluster, strategies: list[Strategy]) -> tup
 
 
 def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported = EVERYTHING,
-           layouts: list[ParallelDims] | None = None, sequence_parallel: bool = True) -> SearchResult:
+           layouts: list[ParallelDims] | None = None, sequence_parallel: bool = True,
+           pipeline: Strategy | ParallelConfig | None = None) -> SearchResult:
     """Every candidate's memory; the time of those that fit; ranked by tokens/s. `layouts`
     restricts the rank layouts (estimate's suggestions keep the user's); `sequence_parallel`,
-    for layouts with tp > 1 (a run's own setting, which auto keeps)."""
+    for layouts with tp > 1 (a run's own setting, which auto keeps); `pipeline`, for layouts
+    with pp > 1, a strategy whose pp_schedule, pp_virtual and pp_layers are kept (a run's own;
+    default 1F1B, balanced)."""
     best: dict[tuple, Plan] = {}
     unfit: dict[tuple, Plan] = {}
     evaluated = 0
@@ -203,16 +231,24 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
     over = lambda p: p.memory.peak / p.memory.capacity  # noqa: E731
     for lay in layouts or _layouts(w, cluster, supported, dtypes):
         per_rank = w.global_batch // lay.dp_size
+        piped = {}
+        if lay.pp > 1 and pipeline is not None:
+            piped = dict(pp_schedule=pipeline.pp_schedule, pp_virtual=pipeline.pp_virtual,
+                         pp_layers=pipeline.pp_layers)
         for stage in supported.stages:
             if stage == 0 and lay.dp_replicate > 1:
                 continue  # stage 0 reduces over all data-parallel ranks: the split is moot
+            if stage == 3 and lay.pp > 1 and not supported.zero3_with_pp:
+                continue
             offloads = _offloads(stage, cluster, supported)
             if zero_ranks(lay) == 1 and stage:  # sharding over one rank only pays with offload
                 offloads = offloads[1:]
             for micro in divisors(per_rank):
+                if piped.get("pp_virtual", 1) > 1 and (per_rank // micro) % lay.pp:
+                    continue  # the interleaved schedule takes micro-batches in groups of pp
                 for recompute in supported.recompute:
                     tries = [Strategy(lay, stage, micro, per_rank // micro, recompute, opt, params, dtypes,
-                                      sequence_parallel)
+                                      sequence_parallel, **piped)
                              for opt, params in offloads]
                     plan, misses = _first_fit(w, cluster, tries)
                     evaluated += len(misses) + (plan is not None)
@@ -248,7 +284,11 @@ def describe_strategy(s: Strategy) -> str:
     parts = [f"ZeRO-{s.zero_stage}" if s.zero_stage else "plain DP"]
     if lay.dp_size > 1:
         parts.append(f"dp {lay.dp_replicate}x{lay.dp_shard}" if lay.dp_replicate > 1 else f"dp {lay.dp_size}")
-    parts += [f"{k} {getattr(lay, k)}" for k in ("tp", "cp", "pp", "ep") if getattr(lay, k) > 1]
+    parts += [f"{k} {getattr(lay, k)}" for k in ("tp", "cp") if getattr(lay, k) > 1]
+    if lay.pp > 1:
+        parts.append(f"pp {lay.pp} {s.pp_schedule}" + (f" x{s.pp_virtual}" if s.pp_virtual > 1 else "")
+                     + (f" [{s.pp_layers}]" if s.pp_layers else ""))
+    parts += [f"ep {lay.ep}"] if lay.ep > 1 else []
     parts.append(f"micro-batch {s.micro_batch} x accum {s.grad_accum}")
     if s.recompute != "none":
         parts.append(f"{s.recompute} recompute")
@@ -305,7 +345,7 @@ def explain(result: SearchResult) -> list[str]:
     if not win.runtime_supported:
         ours = next((p for p in result.plans if p.runtime_supported), None)
         near = next((p for p in result.unfit if p.runtime_supported), None)
-        lines.append("pp/ep are modelled but `shardlm train` does not run them yet; " + (
+        lines.append(f"`shardlm train` cannot run it ({win.not_runnable}); " + (
             f"the best plan it runs today: {describe_strategy(ours.strategy)} "
             f"({ours.timing.tokens_per_s:,.0f} tokens/s)." if ours else
             f"no plan it runs fits (closest: {describe_strategy(near.strategy)}, "
@@ -344,40 +384,44 @@ def default_dtypes(cluster: Cluster, compute: str = "auto", master: str = "fp32"
 def plan_for_run(model: ModelConfig, world_size: int, hardware: Cluster | str,
                  batch: int | tuple[int, int, int], supported: Supported = AUTO,
                  dtypes: Dtypes | None = None, seq_len: int | None = None,
-                 tp: int = 1, cp: int = 1, sequence_parallel: bool = True) -> list[Plan]:
+                 parallel: ParallelConfig | None = None) -> list[Plan]:
     """Ranked plans (best first) that fit, for `strategy = "auto"`.
 
     `hardware`: a Cluster or a spec ('8xA100-80GB', 'cpu' = this machine's world_size ranks).
     `batch`: global tokens per step (with `seq_len`, default the model's max_seq_len), or
-    (micro_batch, grad_accum, seq_len) of a run with world_size / (tp x cp) data-parallel
-    ranks, whose global batch is kept while the split may change. `tp`, `cp`: degrees the run
-    fixes (its parallel.tp and parallel.cp): every plan keeps them, the search chooses the
-    rest, keeping `sequence_parallel` too. Each plan's `overrides()` are the config keys to set. Raises ConfigError if the
-    cluster's size is not world_size, or tp x cp does not divide it.
+    (micro_batch, grad_accum, seq_len) of a run with world_size / (tp x cp x pp) data-parallel
+    ranks, whose global batch is kept while the split may change. `parallel`: the run's own
+    [parallel] section, whose tp, cp and pp degrees every plan keeps (with its sequence
+    parallelism and pipeline schedule, pp_virtual and pp_layers); the search chooses the rest.
+    Each plan's `overrides()` are the config keys to set. Raises ConfigError if the cluster's
+    size is not world_size, or tp x cp x pp does not divide it.
     """
+    par = parallel or ParallelConfig(sequence_parallel=True)
+    tp, cp, pp = par.tp, par.cp, par.pp
     if isinstance(hardware, str):
         hardware = local_cpu(world_size) if hardware == "cpu" else parse_cluster(hardware)
     if hardware.world_size != world_size:
         raise ConfigError(f"{hardware.describe()} has {hardware.world_size} devices, the run "
                           f"{world_size} ranks")
-    if world_size % (tp * cp):
-        raise ConfigError(f"tp ({tp}) x cp ({cp}) = {tp * cp} does not divide the {world_size} ranks")
+    if world_size % (tp * cp * pp):
+        raise ConfigError(f"tp ({tp}) x cp ({cp}) x pp ({pp}) = {tp * cp * pp} does not divide the "
+                          f"{world_size} ranks")
     if isinstance(batch, tuple):
         micro, accum, seq = batch
-        sequences = micro * accum * world_size // (tp * cp)
+        sequences = micro * accum * world_size // (tp * cp * pp)
     else:
         seq = seq_len or model.max_seq_len
         sequences = max(1, batch // seq)
     workload = Workload(model, seq, sequences)
     dtypes = dtypes or default_dtypes(hardware)
     layouts = None
-    if tp > 1 or cp > 1:
-        layouts = list(_layouts(workload, hardware, supported, dtypes, pinned=(tp, cp)))
+    if tp > 1 or cp > 1 or pp > 1:
+        layouts = list(_layouts(workload, hardware, supported, dtypes, pinned=(tp, cp, pp)))
         if not layouts:
-            raise ConfigError(f"no rank layout keeps tp = {tp} and cp = {cp} on {world_size} ranks "
-                              f"with {sequences} sequences of {seq} tokens per step (tp must divide "
-                              f"the heads, 2·cp the sequence)")
-    result = search(workload, hardware, dtypes, supported, layouts, sequence_parallel)
+            raise ConfigError(f"no rank layout keeps tp = {tp}, cp = {cp} and pp = {pp} on {world_size} "
+                              f"ranks with {sequences} sequences of {seq} tokens per step (tp must "
+                              f"divide the heads, 2·cp the sequence, pp at most the layers)")
+    result = search(workload, hardware, dtypes, supported, layouts, par.sequence_parallel, par)
     return result.plans
 
 
@@ -399,17 +443,20 @@ class LocalPrediction:
 
 def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
     """The planner's view of one concrete (resolved) configuration on `cluster`: what
-    `shardlm train --dry-run` predicts and `predict_local` checks against measurement. Assumes
-    the defaults parallel.reshard_after_forward and prefetch."""
+    `shardlm train --dry-run` predicts and `predict_local` checks against measurement: its
+    layout (pp included), ZeRO stage, batch split, recomputation, offload, precision, sequence
+    parallelism and pipeline schedule (pp_schedule, pp_virtual, pp_layers). Assumes the
+    defaults parallel.reshard_after_forward and prefetch."""
     from shardlm.dims import resolve_dims
 
     dims = resolve_dims(cfg.parallel, cluster.world_size)
     dtypes = default_dtypes(cluster, cfg.precision.compute, cfg.precision.master, cfg.precision.reduce)
     t, zero = cfg.train, cfg.zero
-    strategy = Strategy(dims, cfg.parallel.zero_stage,
-                        t.micro_batch, t.grad_accum, cfg.activation.checkpoint,
+    par = cfg.parallel
+    strategy = Strategy(dims, par.zero_stage, t.micro_batch, t.grad_accum, cfg.activation.checkpoint,
                         zero.offload_optimizer, zero.offload_params, dtypes,
-                        sequence_parallel=cfg.parallel.sequence_parallel)
+                        sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
+                        pp_virtual=par.pp_virtual, pp_layers=par.pp_layers)
     return Workload(cfg.model, t.seq_len, t.micro_batch * t.grad_accum * dims.dp_size), strategy
 
 
@@ -432,7 +479,8 @@ def predict_local(cfg: Config, n_ranks: int) -> LocalPrediction:
 def alternatives(w: Workload, s: Strategy, cluster: Cluster, count: int = 3) -> list[Plan]:
     """For an estimate that does not fit: the fastest plans on the same rank layout (any
     stage, recomputation, offload, micro-batch split of the same global batch)."""
-    found = search(w, cluster, s.dtypes, layouts=[s.layout])
+    found = search(w, cluster, s.dtypes, layouts=[s.layout], sequence_parallel=s.sequence_parallel,
+                   pipeline=s)
     return found.plans[:count]
 
 

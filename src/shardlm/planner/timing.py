@@ -14,7 +14,9 @@ from dataclasses import dataclass, replace
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
 from shardlm.planner.memory import activation_dtypes, block_activation
+from shardlm.planner.memory import peak_candidates
 from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier,
+                                      pipeline_layers, pp_bubble, pp_hidden_bytes, pp_sends,
                                       shape_of, stage_params, validate, zero_ranks)
 
 ADAM_BYTES_PER_PARAM = 36
@@ -48,6 +50,9 @@ class Timing:
     tokens_per_s: float
     mfu: float
     model_flops_per_token: float
+    stage: str = "all layers"
+    """The pipeline stage whose communication and optimizer step are shown: the one that
+    finishes last after the pipeline drains."""
 
     @property
     def exposed_comm(self) -> float:
@@ -104,7 +109,9 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
     """The data-parallel collectives of the ZeRO engine, per unit, as zero/engine.py issues
     them (volumes sum to zero.partition.comm_bytes_per_step). Context-parallel ranks are
     data-parallel ranks here: ZeRO shards over dp_shard x cp, stage 0 all-reduces over
-    dp_replicate x dp_shard x cp (mesh.py); both groups are tp apart."""
+    dp_replicate x dp_shard x cp (mesh.py); both groups are tp apart. With pp > 1 the gradients
+    are reduced after the pipeline's last backward (the engine's finish_backward), not during
+    it: those reductions are all exposed."""
     lay, d, calib = s.layout, s.dtypes, cluster.calibration
     overlap = calib.overlap
     e, g = d.param_bytes, d.grad_bytes
@@ -123,6 +130,8 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
                         _hidden(seconds, window, overlap, fixed_fraction * seconds)))
 
     root_share = root / psi
+    if lay.pp > 1:  # nothing computes beside the reductions
+        backward, root_share = 0.0, 1.0
     if s.zero_stage == 0:  # the root unit's gradients complete last: its reduction is exposed
         add("all-reduce gradients", "all_reduce", g * psi, lay.dp_size * lay.cp, lay.tp, backward,
             root_share)
@@ -203,6 +212,49 @@ def cp_comm_bytes(m, tokens: int, cp: int, tp: int, e: int, recompute: str = "no
     return layers * (hops * elems * e + cp * elems * 4)
 
 
+def pp_comm_bytes(m, tokens_per_micro: int, micro: int, stage_index: int, pp: int, tp: int, cp: int,
+                  sequence_parallel: bool, e: int, tied: bool, virtual: int = 1) -> int:
+    """Bytes pipeline rank `stage_index` sends per step as the ledger counts them (parallel/
+    pipeline.py): `send/pp`, each micro-batch's hidden states forward from every chunk but the
+    model's last and the gradient of its input back from every chunk but the model's first
+    (pp_hidden_bytes: b·s/cp x h x e, /t under sequence parallelism; `tokens_per_micro` = b·s,
+    `micro` = M micro-batches, `virtual` chunks per rank); and with a tied head, on the first
+    and the last rank, `all_reduce/pp_ends` of the embedding's gradient (its vocabulary-parallel
+    rows: ceil(V/t) x h), counted 2x its tensor. The 4-int64 header the first step sends ahead
+    of the first activation is left out (not in a steady-state step)."""
+    if pp == 1:
+        return 0
+    activations, gradients = pp_sends(stage_index, pp, micro, virtual)
+    total = (activations + gradients) * pp_hidden_bytes(m, tokens_per_micro, tp, cp, sequence_parallel, e)
+    if tied and stage_index in (0, pp - 1):
+        total += 2 * -(-m.vocab_size // tp) * m.d_model * e
+    return total
+
+
+def _pipeline_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> list[CommTime]:
+    """The pipeline's point-to-point traffic and the tied embedding's all-reduce (bytes:
+    pp_comm_bytes, this rank's). Time on the critical path: each of the M·V + P - 1 slots of
+    the schedule (pp_bubble) waits for one activation and one gradient across a boundary (a
+    receive blocks; between neighbours, world/pp ranks apart); after the last backward the two
+    ends sum the tied embedding's gradient, with nothing to overlap."""
+    lay, e, m, calib = s.layout, s.dtypes.param_bytes, w.model, cluster.calibration
+    tokens, micro, sp_on = s.micro_batch * w.seq_len, s.grad_accum, s.sequence_parallel
+    stride = lay.world_size // lay.pp
+    hidden = pp_hidden_bytes(m, tokens, lay.tp, lay.cp, sp_on, e)
+    sent = pp_comm_bytes(m, tokens, micro, sp.index, lay.pp, lay.tp, lay.cp, sp_on, e, False, s.pp_virtual)
+    hops = 2 * ({"interleaved": s.pp_virtual * micro}.get(s.pp_schedule, micro) + lay.pp - 1)
+    bw, lat, where = group_link(cluster, 2, stride)
+    sec = collective_seconds("p2p", hops * hidden, 2, bw, lat, hops)
+    out = [CommTime("pipeline send/recv", f"stage boundary, {where}", sent, sec, sec)]
+    if m.tie_embeddings and sp.index in (0, lay.pp - 1):
+        rows = -(-m.vocab_size // lay.tp) * m.d_model * e
+        bw, lat, where = group_link(cluster, 2, stride * (lay.pp - 1))
+        sec = collective_seconds("all_reduce", rows, 2, bw, lat) * calib.factor("all_reduce")
+        out.append(CommTime("tied embedding all-reduce", f"first and last stage, {where}", 2 * rows,
+                            sec, sec))
+    return out
+
+
 def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> list[CommTime]:
     """Tensor, pipeline and expert parallel traffic, all on the critical path."""
     lay, e, m = s.layout, s.dtypes.param_bytes, w.model
@@ -213,17 +265,14 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
         # with sequence parallelism the same volume as all-gathers + reduce-scatters
         calls = (4 if s.recompute == "none" else 6) * sp.layers * micro + 3 * micro
         counted = micro * tp_comm_bytes(m, tokens, lay.tp, s.sequence_parallel, e, s.recompute,
-                                        sp.layers, embedding=sp.name != "last stage",
-                                        head=sp.name != "first stage")
+                                        sp.layers, embedding=sp.index == 0,
+                                        head=sp.index == lay.pp - 1)
         bw, lat, where = group_link(cluster, lay.tp, 1)
         sec = collective_seconds("all_reduce", counted / 2, lay.tp, bw, lat, calls)
         out.append(CommTime("tensor-parallel all-reduces", f"{lay.tp} ranks, {where}",
                             counted, sec, sec))
-    if lay.pp > 1:  # one activation forward, one gradient back, per micro-batch and boundary
-        size = e * tokens * m.d_model / (lay.tp if s.sequence_parallel else 1)
-        bw, lat, where = group_link(cluster, 2, lay.tp * lay.cp * lay.dp_size)
-        sec = collective_seconds("p2p", 2 * micro * size, 2, bw, lat, 2 * micro)
-        out.append(CommTime("pipeline send/recv", f"stage boundary, {where}", 2 * micro * size, sec, sec))
+    if lay.pp > 1:
+        out += _pipeline_comms(w, s, cluster, sp)
     if lay.ep > 1:  # dispatch + combine, forward and backward, per MoE layer
         calls = 4 * sp.layers * micro
         size = e * tokens * m.d_model * w.top_k * w.capacity_factor
@@ -297,17 +346,22 @@ def _optimizer_seconds(s: Strategy, cluster: Cluster, psi_opt: float) -> float:
 
 
 def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
-    """Seconds per optimizer step on the slowest (first) pipeline stage."""
+    """Seconds per optimizer step. A pipeline moves at its slowest stage's pace (the largest
+    share of the FLOPs); after it drains, each stage reduces its gradients and steps its
+    optimizer on its own: the step ends with the stage that takes longest over that."""
     validate(w, s, cluster)
     lay, m, dev = s.layout, w.model, cluster.device
-    sp = stage_params(w, lay)[0]
+    split = pipeline_layers(w, s)
+    stages = stage_params(w, lay, split)
     model_flops = model_flops_per_token(w)
     run_flops = model_flops_per_token(w, s.recompute, "kernel")  # what the step executes
     # Small matrices fill less of the chip: efficiency x h/(h + half_width) (docs/planner.md).
     size_factor = m.d_model / (m.d_model + cluster.calibration.half_width)
     rate = dev.peak[s.dtypes.compute] * dev.efficiency * size_factor
-    # The pipeline moves at its slowest stage's pace: the largest share of the FLOPs.
-    stage_share = max(flops.stage_shares(m, w.seq_len, flops.pipeline_split(m, w.seq_len, lay.pp)))
+    # The pipeline moves at its slowest rank's pace: the largest share of the FLOPs (a rank's
+    # chunks summed under the interleaved schedule).
+    shares = flops.stage_shares(m, w.seq_len, split)
+    stage_share = max(sum(shares[r::lay.pp]) for r in range(lay.pp))
     tokens = s.micro_batch * w.seq_len
     # tp splits every matmul, cp the tokens (and, load-balanced, the causal attention): each
     # rank does 1/(t·c) of a micro-batch's FLOPs
@@ -317,30 +371,39 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
         dt = activation_dtypes(s, cluster)
         redone = (block_activation(m, dt, "none", lay.tp, sp_on)[0]
                   - block_activation(m, dt, "selective", lay.tp, sp_on)[0])
-        per_micro += 2 * redone * tokens / lay.cp * sp.layers / dev.memory_bandwidth
+        per_micro += 2 * redone * tokens / lay.cp * max(sp.layers for sp in stages) / dev.memory_bandwidth
     micro = s.grad_accum
-    compute = per_micro * (micro + lay.pp - 1)  # 1F1B: bubble (p-1)/(m+p-1) of the pipeline time
+    bubble = pp_bubble(s) if lay.pp > 1 else 0.0
+    compute = per_micro * micro / (1 - bubble)  # 1F1B: bubble (p-1)/(m+p-1) of the pipeline time
     backward = per_micro * (run_flops - model_flops_per_token(w, count="kernel-forward")) / run_flops
+    after = [_stage_comms(w, s, cluster, sp, rate, (backward, compute)) for sp in peak_candidates(stages)]
+    sp, comms, optimizer = max(after, key=lambda a: sum(c.exposed for c in a[1]) + a[2])
+    step = compute + sum(c.exposed for c in comms) + optimizer
+    tokens_per_s = w.global_batch * w.seq_len / step
+    mfu = model_flops * tokens_per_s / (lay.world_size * dev.peak[s.dtypes.compute])
+    return Timing(compute, bubble, comms, optimizer, step, tokens_per_s, mfu, model_flops, sp.name)
+
+
+def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float,
+                 windows: tuple[float, float]) -> tuple[StageParams, list[CommTime], float]:
+    """One pipeline rank's communication (what of it is exposed) and optimizer seconds."""
+    lay, dev = s.layout, cluster.device
     comms = _model_parallel_comms(w, s, cluster, sp)
     if lay.cp > 1:
         comms.append(_cp_ring(w, s, cluster, sp, rate))
     if not s.local:
-        comms += _dp_comms(w, s, cluster, sp, (backward, compute))
+        comms += _dp_comms(w, s, cluster, sp, windows)
     n_opt = zero_ranks(lay) if s.zero_stage else 1
     psi_opt = sp.dense / n_opt + sp.experts / (max(1, zero_ranks(lay) // lay.ep) if s.zero_stage else 1)
     optimizer = _optimizer_seconds(s, cluster, psi_opt)
     if effective_tier(s.offload_params, cluster) != "none":  # each gather fetches the shard
-        up = 2 * micro * s.dtypes.param_bytes * sp.dense / zero_ranks(lay)
+        up = 2 * s.grad_accum * s.dtypes.param_bytes * sp.dense / zero_ranks(lay)
         seconds = 0.0 if dev.kind == "cpu" else up / cluster.node.pcie.effective
         if s.offload_params == "nvme":
             seconds += up / (cluster.node.nvme_bandwidth / cluster.per_node)
         comms.append(CommTime("parameter shards from host", s.offload_params, up, seconds,
-                          _hidden(seconds, compute, cluster.calibration.overlap)))
-    step = compute + sum(c.exposed for c in comms) + optimizer
-    tokens_per_s = w.global_batch * w.seq_len / step
-    mfu = model_flops * tokens_per_s / (lay.world_size * dev.peak[s.dtypes.compute])
-    return Timing(compute, (lay.pp - 1) / (micro + lay.pp - 1), comms, optimizer, step,
-                  tokens_per_s, mfu, model_flops)
+                              _hidden(seconds, windows[1], cluster.calibration.overlap)))
+    return sp, comms, optimizer
 
 
 def ceil_div(a: int, b: int) -> int:

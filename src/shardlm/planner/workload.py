@@ -23,6 +23,9 @@ from shardlm.hardware.catalog import Cluster
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OFFLOAD_TIERS = ("none", "cpu", "nvme")
 RECOMPUTE_MODES = ("none", "selective", "full")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+"""parallel.pp_schedule's values (parallel/pipeline.py SCHEDULES); pp_in_flight and pp_bubble
+model each."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,6 +72,12 @@ class Strategy:
     dtypes: Dtypes = Dtypes()
     sequence_parallel: bool = True
     """With tp > 1: shard norms and residuals along the sequence (Korthikanti et al. 2022)."""
+    pp_schedule: str = "1f1b"
+    """With pp > 1 (parallel.pp_schedule): 'gpipe', '1f1b', 'interleaved' or 'zb'."""
+    pp_virtual: int = 1
+    """Model chunks per pipeline rank ('interleaved': >= 2; parallel.pp_virtual)."""
+    pp_layers: str = ""
+    """Blocks per pipeline stage, '4,4,3,5' (parallel.pp_layers); '' = the balanced split."""
 
     @property
     def local(self) -> bool:
@@ -103,8 +112,7 @@ def validate(w: Workload, s: Strategy, cluster: Cluster) -> None:
                       f"seq {w.seq_len} must divide by {2 * lay.cp}")
     if m.n_heads % lay.tp:
         errors.append(f"tp = {lay.tp} does not divide the {m.n_heads} attention heads")
-    if lay.pp > m.n_layers:
-        errors.append(f"pp = {lay.pp} exceeds the {m.n_layers} layers")
+    errors += _pipeline_errors(w, s)
     if lay.ep > 1 and (not w.experts or w.experts % lay.ep or lay.dp_shard % lay.ep):
         errors.append(f"ep = {lay.ep} must divide the experts ({w.experts}) and dp_shard "
                       f"({lay.dp_shard})")
@@ -130,6 +138,33 @@ def validate(w: Workload, s: Strategy, cluster: Cluster) -> None:
                       f"global batch {w.global_batch} sequences")
     if errors:
         raise ConfigError("this plan cannot run:\n  - " + "\n  - ".join(errors))
+
+
+def _pipeline_errors(w: Workload, s: Strategy) -> list[str]:
+    """The pipeline keys' mistakes (as config.py's validation words them for a run)."""
+    lay, n = s.layout, w.model.n_layers
+    stages = lay.pp * s.pp_virtual
+    if s.pp_schedule not in PP_SCHEDULES:
+        return [f"pp_schedule {s.pp_schedule!r}: choose {', '.join(PP_SCHEDULES)}"]
+    if (s.pp_schedule == "interleaved") != (s.pp_virtual > 1):
+        return [f"pp_schedule {s.pp_schedule!r} with pp_virtual = {s.pp_virtual}: 'interleaved' runs "
+                f"pp_virtual >= 2 chunks per rank, the others one"]
+    if stages > n:
+        return [f"pp = {lay.pp}" + (f" x pp_virtual {s.pp_virtual}" if s.pp_virtual > 1 else "")
+                + f" = {stages} stages exceed the {n} layers"]
+    errors = []
+    if s.pp_virtual > 1 and s.grad_accum % lay.pp:
+        errors.append(f"the interleaved schedule sends micro-batches in groups of pp = {lay.pp}: "
+                      f"grad_accum {s.grad_accum} must divide by it")
+    if s.pp_layers:
+        if lay.pp == 1:
+            errors.append(f"pp_layers {s.pp_layers!r} with pp = 1")
+        else:
+            try:
+                flops.pipeline_split(w.model, w.seq_len, stages, s.pp_layers)
+            except ConfigError as e:
+                errors.append(str(e))
+    return errors
 
 
 def zero_ranks(lay: ParallelDims) -> int:
@@ -217,24 +252,97 @@ class StageParams:
     """This rank's expert parameters (sharded over dp_shard x cp / ep)."""
     root_unit: float
     block_unit: float
+    index: int = 0
+    """The rank's position in the pipeline group (0 = the embedding's, pp - 1 = the head's)."""
 
 
-def stage_params(w: Workload, lay: ParallelDims) -> list[StageParams]:
-    """The first and (if pp > 1) the last pipeline stage, split as the runtime splits
-    (models.flops.pipeline_split: balanced by FLOPs, the head's counted on the last stage): the
-    first holds the embeddings, the last the head. Tensor parallelism splits every matrix (the
-    embedding and head vocabulary-parallel) and replicates norms (Shoeybi et al. 2019)."""
-    sh, t = shape_of(w), lay.tp
+def pipeline_layers(w: Workload, s: Strategy) -> list[int]:
+    """Blocks per global pipeline stage (pp x pp_virtual of them), split as the runtime splits
+    (models.flops.pipeline_split: parallel.pp_layers, or balanced by forward FLOPs with the
+    head's counted on the last stage); always sums to n_layers."""
+    return list(_split(tuple(vars(w.model).items()), w.seq_len, s.layout.pp * s.pp_virtual, s.pp_layers))
+
+
+@functools.lru_cache(maxsize=256)
+def _split(model_fields: tuple, seq_len: int, stages: int, explicit: str) -> tuple[int, ...]:
+    return tuple(flops.pipeline_split(ModelConfig(**dict(model_fields)), seq_len, stages, explicit))
+
+
+def stage_params(w: Workload, lay: ParallelDims, split: list[int] | None = None) -> list[StageParams]:
+    """Every pipeline rank's parameters (one entry when pp = 1). `split`: blocks per global stage
+    (pipeline_layers; None = the balanced split, one chunk per rank); rank r holds global stages
+    r, pp + r, ... (the interleaved schedule's chunks). The first rank holds the embeddings, the
+    last the final norm and the head: a tied head keeps a copy of the embedding there (as
+    Megatron-LM does). Tensor parallelism splits every matrix (the embedding and head
+    vocabulary-parallel) and replicates norms (Shoeybi et al. 2019)."""
+    sh, t, p = shape_of(w), lay.tp, lay.pp
     experts_local = (w.experts // lay.ep) * sh.expert if w.experts else 0
     dense_block = sh.block_replicated + (sh.block - sh.block_replicated - w.experts * sh.expert) / t
-    split = flops.pipeline_split(w.model, w.seq_len, lay.pp)  # the runtime's split, summing to n_layers
-    first_layers, last_layers = split[0], split[-1]
-    inputs = sh.embedding / t + sh.positions
-    # A tied head on its own last stage keeps a copy of the embedding (as Megatron-LM does).
-    outputs = sh.final_norm + (sh.head or sh.embedding) / t
-    if lay.pp == 1:
-        roots = [("all layers", first_layers, sh.embedding / t + sh.positions + sh.final_norm + sh.head / t)]
+    if split is None:
+        split = list(_split(tuple(vars(w.model).items()), w.seq_len, p, ""))
+    assert sum(split) == w.model.n_layers and len(split) % p == 0, (split, p)
+    if p == 1:
+        roots = [("all layers", sh.embedding / t + sh.positions + sh.final_norm + sh.head / t)]
     else:
-        roots = [("first stage", first_layers, inputs), ("last stage", last_layers, outputs)]
-    return [StageParams(name, n, n * dense_block + root, n * experts_local, root,
-                        dense_block + experts_local) for name, n, root in roots]
+        inputs = sh.embedding / t + sh.positions
+        outputs = sh.final_norm + (sh.head or sh.embedding) / t
+        roots = ([("first stage", inputs)] + [(f"stage {r}", 0.0) for r in range(1, p - 1)]
+                 + [("last stage", outputs)])
+    out = []
+    for r, (name, root) in enumerate(roots):
+        n = sum(split[r::p])
+        out.append(StageParams(name, n, n * dense_block + root, n * experts_local, root,
+                               dense_block + experts_local, r))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline schedules (parallel/pipeline.py), as the memory and time models need them
+
+
+def pp_in_flight(s: Strategy, index: int) -> float:
+    """Micro-batches of this rank's blocks whose activations stage `index` holds at its peak,
+    with M = grad_accum micro-batches over P stages (parallel/pipeline.py's orders). GPipe: all
+    M (every forward before any backward). 1F1B (PipeDream-Flush): P - index, at most M; the
+    zero-bubble schedule keeps 1F1B's bound (its deferred weight gradients are
+    memory.deferred_weight_grads). Interleaved (Megatron-LM's order, V chunks per rank):
+    2(P - index - 1) + (V - 1)P + 1 chunk-micro-batches, at most M·V, each 1/V of the rank's
+    blocks."""
+    p, m, v = s.layout.pp, s.grad_accum, s.pp_virtual
+    if p == 1:
+        return 1
+    if s.pp_schedule == "gpipe":
+        return m
+    if s.pp_schedule == "interleaved":
+        return min(m * v, 2 * (p - index - 1) + (v - 1) * p + 1) / v
+    return min(p - index, m)
+
+
+def pp_bubble(s: Strategy) -> float:
+    """The idle fraction of a step for equal stage times (parallel/pipeline.py
+    Schedule.bubble_formula): P - 1 slots of fill and drain in M·V + P - 1 (GPipe, 1F1B, and
+    interleaved with V chunks: Narayanan et al. 2021). Zero-bubble: the runtime's unit-time
+    list schedule (F, B and W one unit each) is 3M + 2(P - 1) units long for every P and M
+    (tests/test_planner.py checks it against the runtime's), so 2(P-1)/(3M + 2(P-1)); with
+    tp > 1 nothing is deferred (the tensor-parallel linears compute their weight gradients in
+    B), so 1F1B's."""
+    p, m = s.layout.pp, s.grad_accum
+    if s.pp_schedule == "zb" and s.layout.tp == 1:
+        return 2 * (p - 1) / (3 * m + 2 * (p - 1))
+    return (p - 1) / (s.pp_virtual * m + p - 1)
+
+
+def pp_sends(index: int, pp: int, micro: int, virtual: int = 1) -> tuple[int, int]:
+    """(activations, gradients) pipeline rank `index` sends per step (parallel/pipeline.py
+    Schedule.run): each of its V chunks sends every micro-batch's output forward unless it is
+    the model's last, and the gradient of its input back unless it is the model's first."""
+    if pp == 1:
+        return 0, 0
+    return micro * (virtual - (index == pp - 1)), micro * (virtual - (index == 0))
+
+
+def pp_hidden_bytes(m: ModelConfig, tokens: int, tp: int, cp: int, sequence_parallel: bool,
+                    e: int) -> int:
+    """Bytes of one micro-batch's hidden states between stages (B, T/cp[/t], h) in e bytes: a
+    context-parallel rank's cut of the tokens; sequence parallelism cuts them over tp too."""
+    return tokens // (cp * (tp if sequence_parallel and tp > 1 else 1)) * m.d_model * e
