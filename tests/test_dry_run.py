@@ -71,8 +71,44 @@ def test_dry_run_predicts_a_context_parallel_layout(capsys, tmp_path):
 
 
 def test_plan_marks_layouts_train_cannot_run(capsys):
-    _, blocked = plan_lines(capsys, "--model", "llama-7b", "--gpus", "2x8xA100-80GB", "--top", "40")
-    assert blocked, "expected pipeline layouts among the top plans for llama-7b on 16 GPUs"
+    """Pipelines run, but not at ZeRO-3 (the runtime refuses it), nor expert parallelism."""
+    commands, blocked = plan_lines(capsys, "--model", "llama-7b", "--gpus", "4xA100-40GB", "--top", "20")
+    assert blocked, "expected ZeRO-3 pipeline layouts among the top plans for llama-7b on 4 GPUs"
+    assert all("ZeRO-3 with pp > 1" in line and "--parallel.zero_stage=3" in line for line in blocked)
+    assert not [c for c in commands if "--parallel.pp=" in c and "--parallel.zero_stage=3" in c]
+    _, experts = plan_lines(capsys, "--model", "llama-7b", "--gpus", "2x8xA100-80GB", "--experts", "8",
+                            "--top", "40")
+    assert any("expert parallelism" in line for line in experts)
+
+
+def test_pipeline_plans_print_commands_that_pass_dry_run(capsys, tmp_path):
+    """llama-7b (32 blocks) on 4 A100-40GB: pipeline layouts are among the best plans, printed as
+    `shardlm train --parallel.pp=P --parallel.pp_schedule=1f1b` commands that pass --dry-run,
+    which shows every stage's memory and the pipeline's traffic."""
+    commands, _ = plan_lines(capsys, "--model", "llama-7b", "--gpus", "4xA100-40GB", "--top", "8")
+    piped = [c for c in commands if "--parallel.pp=" in c]
+    assert piped, commands
+    for command in piped:
+        assert "--parallel.pp_schedule=1f1b" in command and "--parallel.zero_stage=3" not in command
+        assert main([*train_argv(command), "--dry-run", "--gpus", "4xA100-40GB", f"--run.dir={tmp_path}"]) == 0
+        out = capsys.readouterr().out
+        pp = command.split("--parallel.pp=")[1].split()[0]
+        assert f"pp {pp} (1f1b, blocks " in out and "per pipeline stage (1f1b" in out
+        assert "pipeline send/recv" in out and "dry run: the config is valid" in out
+    assert not list(tmp_path.iterdir())
+
+
+def test_dry_run_shows_every_pipeline_stage(capsys, tmp_path):
+    for schedule, held in (("1f1b", "2"), ("gpipe", "4")):
+        code = main(["train", "--dry-run", "--nproc", "2", "--parallel.pp=2", f"--parallel.pp_schedule={schedule}",
+                     "--train.grad_accum=4", "--precision.compute=fp32", f"--run.dir={tmp_path}"])
+        out = capsys.readouterr().out
+        assert code == 0 and "dry run: the config is valid" in out
+        rows = out[out.index(f"per pipeline stage ({schedule}, 4 micro-batches)"):].splitlines()[2:4]
+        assert rows[0].split()[:2] == ["0", "first"] and rows[1].split()[:2] == ["1", "last"]
+        assert rows[0].split()[4] == held  # micro-batches the first stage holds
+        assert "pipeline send buffers" in out and "Resolved: ZeRO stage 0, pp 2" in out
+    assert not list(tmp_path.iterdir())
 
 
 def test_dry_run_resolves_auto_and_reports_memory(capsys, tmp_path):

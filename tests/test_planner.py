@@ -319,6 +319,142 @@ def test_context_parallel_validation_names_every_factor():
     assert "seq 1000 must divide by 6" in text
 
 
+# ---------------------------------------------------------------------------------------------
+# Pipeline parallelism: the runtime's bytes, the schedules' memory, what train runs
+
+TINY = replace(preset_model("gpt-tiny"), n_layers=4)
+"""tests/test_pipeline.py's model (vocab 512, d_model 64, a tied head), 4 blocks."""
+
+
+def test_pp_comm_bytes_are_the_ledgers():
+    """Per step: M activations forward from every chunk but the model's last, M gradients back
+    from every chunk but its first, b·s/cp(/t with SP)·h·e each; the tied embedding's gradient
+    all-reduced by the two ends (2x its tensor). The ledger's numbers on 2-4 gloo ranks
+    (micro-batch 2 x seq 64, M = 4, fp32), as tests/test_pipeline.py's ledger test and a
+    manual run of each layout measured them."""
+    from shardlm.planner.timing import pp_comm_bytes
+
+    act, tied = 2 * 64 * 64 * 4, 2 * 512 * 64 * 4
+    llama = replace(preset_model("llama-tiny"), n_layers=4)  # untied
+    assert pp_comm_bytes(TINY, 128, 4, 0, 2, 1, 1, False, 4, True) == 4 * act + tied
+    assert pp_comm_bytes(TINY, 128, 4, 1, 2, 1, 1, False, 4, True) == 4 * act + tied
+    # pp 4: the middle stages send both ways, no tied copy
+    assert [pp_comm_bytes(TINY, 128, 4, r, 4, 1, 1, False, 4, True) for r in range(4)] == \
+        [4 * act + tied, 8 * act, 8 * act, 4 * act + tied]
+    # pp 2 x tp 2 with sequence parallelism: hidden states of half the tokens, half the vocabulary
+    assert pp_comm_bytes(TINY, 128, 4, 0, 2, 2, 1, True, 4, True) == 4 * act // 2 + tied // 2
+    assert pp_comm_bytes(TINY, 128, 4, 0, 2, 2, 1, False, 4, True) == 4 * act + tied // 2
+    # interleaved, 2 chunks per rank: 3 of the 4 chunks send forward, 3 back
+    assert pp_comm_bytes(TINY, 128, 4, 0, 2, 1, 1, False, 4, True, virtual=2) == 12 * act + tied
+    # pp 2 x cp 2, llama (untied): this rank's half of the sequence
+    assert pp_comm_bytes(llama, 128, 4, 1, 2, 1, 2, False, 4, False) == 4 * act // 2
+    assert pp_comm_bytes(TINY, 128, 4, 0, 1, 1, 1, False, 4, True) == 0
+
+
+def test_pipeline_timing_counts_the_ledgers_bytes_and_exposes_the_reduction():
+    """The step's p2p volume is pp_comm_bytes of the stage shown; the data-parallel reduction
+    after the pipeline's last backward (finish_backward) has no backward to hide in."""
+    from shardlm.planner.timing import pp_comm_bytes
+
+    w = Workload(preset_model("gpt2-350m"), 1024, 32)
+    s = Strategy(ParallelDims(1, 4, pp=2), 2, 1, 8, dtypes=Dtypes("bf16"))
+    t = estimate_time(w, s, A100)
+    comms = {c.name: c for c in t.comms}
+    index = 0 if t.stage == "first stage" else 1
+    assert comms["pipeline send/recv"].bytes == pp_comm_bytes(w.model, 1024, 8, index, 2, 1, 1, True, 2, False)
+    assert comms["tied embedding all-reduce"].bytes == 2 * w.model.vocab_size * w.model.d_model * 2
+    reduce = comms["reduce-scatter gradients"]
+    assert reduce.exposed == pytest.approx(reduce.seconds)
+    flat = estimate_time(w, Strategy(ParallelDims(1, 8), 2, 1, 4, dtypes=Dtypes("bf16")), A100)
+    flat_reduce = next(c for c in flat.comms if c.name == "reduce-scatter gradients")
+    assert flat_reduce.exposed < flat_reduce.seconds  # without a pipeline, it hides in backward
+
+
+@pytest.mark.parametrize("model", ["gpt2-350m", "llama-1b"])
+def test_gpipe_holds_every_micro_batch_and_1f1b_peaks_on_the_first_stage(model):
+    from shardlm.planner.memory import stage_memories
+    from shardlm.planner.workload import pp_in_flight
+
+    w = Workload(preset_model(model), 1024, 32)
+    one_f = Strategy(ParallelDims(1, 2, pp=4), 1, 1, 16, dtypes=Dtypes("bf16"))  # M = 16 > P = 4
+    gpipe = replace(one_f, pp_schedule="gpipe")
+    assert [pp_in_flight(one_f, r) for r in range(4)] == [4, 3, 2, 1]
+    assert [pp_in_flight(gpipe, r) for r in range(4)] == [16] * 4
+    assert pp_in_flight(replace(one_f, grad_accum=2), 0) == 2  # never more than M
+    ones, gpipes = stage_memories(w, one_f, A100), stage_memories(w, gpipe, A100)
+    for a, b in zip(ones, gpipes):
+        assert b.activations > a.activations and b.peak > a.peak
+    # 1F1B: of the stages with the same blocks, the earliest holds the most; the first is the peak
+    stages = stage_params(w, one_f.layout)
+    same = [m.activations for m, sp in zip(ones, stages) if sp.layers == stages[0].layers]
+    assert len(same) > 1 and same == sorted(same, reverse=True)
+    assert estimate_memory(w, one_f, A100).stage == "first stage" == max(ones, key=lambda m: m.peak).stage
+    # GPipe's last stage also keeps what the loss saved for every micro-batch
+    assert any(p.name == "saved for the loss" for p in gpipes[-1].items[3].parts)
+    assert not any(p.name == "saved for the loss" for p in ones[-1].items[3].parts)
+
+
+def test_interleaved_and_zero_bubble_follow_the_runtimes_orders():
+    """The planner's interleaved activation peak replays OneFOneB.order with V chunks; its
+    zero-bubble idle share is the runtime's list schedule's (3M + 2(P-1) units long)."""
+    from types import SimpleNamespace
+
+    from shardlm.parallel.pipeline import OneFOneB, _list_schedule
+    from shardlm.planner.workload import interleaved_peak, pp_bubble
+
+    for p, v, m in [(2, 2, 4), (4, 2, 8), (4, 3, 4), (3, 2, 6)]:
+        split = [(i * 7) % 3 + 1 for i in range(p * v)]
+        for r in range(p):
+            order = OneFOneB(SimpleNamespace(index=r, count=p, chunks=[range(0)] * v)).order(m)
+            held = peak = 0
+            for kind, chunk, _ in order:
+                held += split[chunk * p + r] if kind == "F" else -split[chunk * p + r]
+                peak = max(peak, held)
+            assert interleaved_peak(split, p, v, r, m) == peak
+    for p, m in [(2, 4), (2, 8), (4, 4), (4, 16), (8, 8)]:
+        s = Strategy(ParallelDims(1, 1, pp=p), 1, 1, m, pp_schedule="zb")
+        assert pp_bubble(s) == pytest.approx(1 - 3 * m / _list_schedule(p, m)[1])
+        assert pp_bubble(replace(s, pp_schedule="1f1b")) == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_runtime_plans_run_pipelines_without_zero3():
+    w = Workload(preset_model("llama-7b"), 4096, 64)
+    cluster = parse_cluster("4xA100-40GB")
+    runtime = search(w, cluster, Dtypes("bf16"), RUNTIME)
+    piped = [p for p in runtime.plans if p.strategy.layout.pp > 1]
+    assert piped and all(p.strategy.zero_stage < 3 and p.runtime_supported for p in piped)
+    everything = search(w, cluster, Dtypes("bf16"), EVERYTHING)
+    blocked = [p for p in everything.plans if p.strategy.layout.pp > 1 and p.strategy.zero_stage == 3]
+    assert blocked and not any(p.runtime_supported for p in blocked)
+    assert "ZeRO-3 with pp > 1" in blocked[0].not_runnable
+    best = piped[0]
+    o = best.overrides()
+    assert o["parallel.pp"] == best.strategy.layout.pp and o["parallel.pp_schedule"] == "1f1b"
+    assert f"pp {best.strategy.layout.pp} 1f1b" in describe_strategy(best.strategy)
+    cfg = best.apply(load_config(overrides={"model.preset": "llama-7b", "train.seq_len": "4096"}))
+    assert cfg.parallel.pp == best.strategy.layout.pp and cfg.parallel.zero_stage < 3
+    flat = next(p for p in runtime.plans if p.strategy.layout.pp == 1)
+    assert flat.apply(cfg).parallel.pp == 1  # the layout is whole
+
+
+def test_config_strategy_and_auto_keep_the_runs_pipeline():
+    from shardlm.planner.search import config_strategy
+
+    cfg = load_config(overrides={"model.preset": "gpt-mini", "parallel.pp": "2", "parallel.pp_schedule": "gpipe",
+                                 "parallel.pp_layers": "1,3", "train.grad_accum": "4",
+                                 "precision.compute": "fp32"}).validate()
+    w, s = config_strategy(cfg, parse_cluster("4xA100-80GB"))
+    assert (s.layout.pp, s.layout.dp_shard, s.pp_schedule, s.pp_layers) == (2, 2, "gpipe", "1,3")
+    assert [sp.layers for sp in stage_params(w, s.layout, [1, 3])] == [1, 3]
+    assert w.global_batch == cfg.train.micro_batch * 4 * 2
+    plans = plan_for_run(cfg.model, 4, "4xA100-80GB", (cfg.train.micro_batch, 4, cfg.train.seq_len),
+                         parallel=cfg.parallel)
+    assert plans and all(p.strategy.layout.pp == 2 and p.strategy.zero_stage < 3 for p in plans)
+    assert all((p.strategy.pp_schedule, p.strategy.pp_layers) == ("gpipe", "1,3") for p in plans)
+    resolved = plans[0].apply(cfg)
+    assert (resolved.parallel.pp, resolved.parallel.pp_schedule, resolved.parallel.pp_layers) == (2, "gpipe", "1,3")
+
+
 def test_search_tries_context_parallelism_only_where_activations_matter():
     from dataclasses import replace as with_
     from shardlm.planner.search import AUTO, _layouts

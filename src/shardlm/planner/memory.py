@@ -134,7 +134,7 @@ def cp_ring_buffers(m: ModelConfig, dt: ActivationDtypes, tp: int = 1) -> tuple[
 
 def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight: float,
                     dt: ActivationDtypes, mode: str, tp: int, sp: bool, with_loss: bool,
-                    experts: tuple[int, int, float], cp: int = 1) -> Item:
+                    experts: tuple[int, int, float], cp: int = 1, loss_in_flight: float = 1) -> Item:
     """Saved activations of `in_flight` micro-batches (workload.pp_in_flight: 1F1B's first
     stage holds p of them, GPipe's every stage all m) plus the worst transient of backward: the
     loss, or one block's recomputation.
@@ -165,6 +165,10 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
     if m.norm == "rmsnorm" and with_loss:  # the final norm's backward, its inputs still saved
         recompute = max(recompute, tokens * (final + 16 * m.d_model))
     loss = tokens * (final + 12 * m.vocab_size / tp) if with_loss else 0.0
+    # The loss's micro-batches in flight (`loss_in_flight`: GPipe's last stage holds all m)
+    # keep what it saved in forward: the final norm's tensors, the head's input and the fp32
+    # log-probabilities (4V/t per token); the one being backwarded is in `loss`.
+    waiting = (loss_in_flight - 1) * tokens * (final + 4 * m.vocab_size / tp) if with_loss else 0.0
     # int64 inputs and targets: whole sequences (every rank of a context-parallel group loads
     # them), plus this rank's cut of both
     ids = 16 * micro * seq * in_flight * (1 + 1 / cp if cp > 1 else 1)
@@ -176,6 +180,8 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
                   f"max(loss: {bs} x (final norm + 12V/t) = {loss / 1e9:.3g} GB, "
                   f"one block's {'recompute + ' if mode != 'none' else ''}gradients "
                   f"e(h+2f) = {recompute / 1e9:.3g} GB)"),
+             *([Item("saved for the loss", waiting, f"{loss_in_flight - 1:g} more micro-batch(es) in flight x "
+                     f"{bs} x (final norm + 4V/t fp32 log-probabilities)")] if waiting else []),
              Item("token ids", ids, "16 B x b·s (int64 inputs, targets)"
                   + (" x (1 + 1/cp): whole sequences and this rank's cut" if cp > 1 else ""))]
     ring = 0.0
@@ -184,7 +190,7 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
         ring = tokens * per_token
         parts.append(Item("cp ring buffers", ring, f"{bs} x {per_token:,.0f} B = {ring_text}: "
                           f"one block's attention at a time (a block's backward)"))
-    phases = {"loss": saved + loss + ids, "blocks": saved + recompute + ring + ids}
+    phases = {"loss": saved + waiting + loss + ids, "blocks": saved + waiting + recompute + ring + ids}
     return Item("activations", max(phases.values()), f"{mode} recompute; flash attention "
                 f"(no s² term)", parts, phases)
 
@@ -348,7 +354,8 @@ def peak_candidates(stages: list[StageParams]) -> list[StageParams]:
     """The stages that can hold the most: the two ends (embedding, head and loss) and, of the
     stages between, the earliest with each number of blocks — every schedule holds at least as
     many micro-batches on an earlier stage (pp_in_flight), and a middle stage's memory grows
-    with its blocks and its micro-batches only."""
+    with its blocks and its micro-batches only. Also every distinct stage after the pipeline
+    drains (timing: middle stages with the same blocks reduce and step the same parameters)."""
     middle: dict[int, StageParams] = {}
     for sp in stages[1:-1]:
         middle.setdefault(sp.layers, sp)
@@ -358,10 +365,14 @@ def peak_candidates(stages: list[StageParams]) -> list[StageParams]:
 def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> Memory:
     lay, calib = s.layout, cluster.calibration
     items, states = _state_items(sp, lay, s, cluster)
-    items.append(activation_peak(w.model, w.seq_len, s.micro_batch, sp.layers, pp_in_flight(s, sp.index),
+    # The loss is on the last chunk, whose every forward is followed by its backward but in
+    # GPipe (all forwards first).
+    loss_in_flight = s.grad_accum if lay.pp > 1 and s.pp_schedule == "gpipe" else 1
+    items.append(activation_peak(w.model, w.seq_len, s.micro_batch, sp.layers,
+                                 pp_in_flight(s, sp.index, pipeline_layers(w, s)),
                                  activation_dtypes(s, cluster), s.recompute, lay.tp,
                                  s.sequence_parallel and lay.tp > 1, sp.index == lay.pp - 1,
-                                 (w.experts, w.top_k, w.capacity_factor), lay.cp))
+                                 (w.experts, w.top_k, w.capacity_factor), lay.cp, loss_in_flight))
     if s.pp_schedule == "zb" and lay.pp > 1 and lay.tp == 1:
         items.append(deferred_weight_grads(w.model, s.micro_batch * w.seq_len // lay.cp, sp.layers,
                                            sp.index == lay.pp - 1, s.dtypes.param_bytes, s.recompute))

@@ -13,7 +13,7 @@ from shardlm.planner.memory import Item, Memory, stage_memories
 from shardlm.planner.search import Plan, SearchResult, describe_strategy, explain, step_parts
 from shardlm.planner.timing import Timing
 from shardlm.planner.workload import (Strategy, Workload, describe_dtypes, pipeline_layers,
-                                      pp_in_flight, shape_of)
+                                      pp_in_flight, shape_of, stage_params)
 
 GB = 1e9
 
@@ -90,6 +90,9 @@ def render_estimate(w: Workload, s: Strategy, cluster: Cluster, memory: Memory, 
             lines.append(f"    {describe_strategy(plan.strategy)}: peak {plan.memory.peak / GB:.1f} GB, "
                          f"{plan.timing.tokens_per_s:,.0f} tokens/s")
     lines += ["", _time_line(timing)]
+    if s.layout.pp > 1:
+        lines.append(f"  (the pipeline paced by its heaviest stage; below, the {timing.stage}'s "
+                     f"communication, the stage that finishes last after the pipeline drains)")
     for comm in timing.comms:
         lines.append(f"  {comm.name:<34s} {comm.bytes / GB:8.3f} GB over {comm.group}: "
                      f"{comm.seconds * 1e3:.1f} ms, {comm.exposed * 1e3:.1f} ms exposed")
@@ -100,11 +103,11 @@ def _stage_rows(w: Workload, s: Strategy, cluster: Cluster) -> list[str]:
     """Every pipeline stage's peak, next to its blocks and micro-batches held (the table above
     is the worst stage's)."""
     lines = ["", f"  per pipeline stage ({s.pp_schedule}, {s.grad_accum} micro-batches):",
-             f"  {'stage':<12s} {'blocks':>6s} {'in flight':>9s} {'activations':>11s} {'peak GB':>8s}"]
-    for index, m in enumerate(stage_memories(w, s, cluster)):
-        blocks = next(p for p in m.items if p.name == "activations").parts[0].formula.split()[0]
-        lines.append(f"  {index:<3d}{m.stage:<9s} {blocks[2:]:>6s} {pp_in_flight(s, index):>9g} "
-                     f"{m.activations / GB:>11.3f} {m.peak / GB:>8.3f}")
+             f"  {'stage':<14s} {'blocks':>6s} {'in flight':>9s} {'activations GB':>14s} {'peak GB':>8s}"]
+    split = pipeline_layers(w, s)
+    for sp, m in zip(stage_params(w, s.layout, split), stage_memories(w, s, cluster)):
+        lines.append(f"  {sp.index:<3d}{sp.name:<11s} {sp.layers:>6d} {pp_in_flight(s, sp.index, split):>9.3g} "
+                     f"{m.activations / GB:>14.3f} {m.peak / GB:>8.3f}")
     return lines
 
 
@@ -148,8 +151,8 @@ def render_plan(result: SearchResult, top: int) -> str:
         for i, plan in enumerate(result.plans[:top], 1):
             command = train_command(plan, w, result.cluster)
             lines.append(f"  {i:>2d} {command}" if command else
-                         f"  {i:>2d} not runnable yet: shardlm train has {plan.not_runnable} "
-                         f"(config keys: {_flags(plan.overrides())})")
+                         f"  {i:>2d} not runnable yet: {plan.not_runnable} (config keys: "
+                         f"{_flags(plan.overrides())})")
     return "\n".join(lines)
 
 
@@ -219,7 +222,8 @@ def estimate_json(w: Workload, s: Strategy, cluster: Cluster, memory: Memory, ti
 
 def plan_json(plan: Plan, workload: Workload, cluster: Cluster) -> dict:
     return {"strategy": _plain(plan.strategy), "description": describe_strategy(plan.strategy),
-            "runtime_supported": plan.runtime_supported, "overrides": plan.overrides(),
+            "runtime_supported": plan.runtime_supported, "not_runnable": plan.not_runnable,
+            "overrides": plan.overrides(),
             "command": train_command(plan, workload, cluster),
             "tokens_per_s": plan.timing.tokens_per_s, "mfu": plan.timing.mfu,
             "step_s": plan.timing.step, "peak_bytes": plan.memory.peak,

@@ -72,9 +72,9 @@ class Plan:
         """Why `shardlm train` cannot run this plan (None: it can)."""
         s = self.strategy
         if s.layout.ep > 1:
-            return "no expert parallelism (ep)"
+            return "shardlm train has no expert parallelism (ep)"
         if s.layout.pp > 1 and s.zero_stage == 3:
-            return "ZeRO-3 with pp > 1 is refused (use stage 0-2 on a pipeline)"
+            return "shardlm train refuses ZeRO-3 with pp > 1 (stages 0-2 run on a pipeline)"
         return None
 
     def overrides(self) -> dict[str, object]:
@@ -107,12 +107,13 @@ class Plan:
 
     def apply(self, cfg: Config) -> Config:
         """A new Config: `cfg` with this plan's keys set (typed values, no parsing), strategy
-        'manual', validated. The plan's layout replaces the config's whole: tp, cp, pp and the
-        pipeline keys are set even at 1 (overrides() leaves out degrees of 1, as command-line
-        flags)."""
+        'manual', validated. The plan's layout replaces the config's whole: tp, cp, pp, sequence
+        parallelism and the pipeline keys are set even at 1 (overrides() leaves out degrees of 1,
+        as command-line flags)."""
         new = copy.deepcopy(cfg)
         s, lay = self.strategy, self.strategy.layout
         whole = {"parallel.tp": lay.tp, "parallel.cp": lay.cp, "parallel.pp": lay.pp,
+                 "parallel.sequence_parallel": s.sequence_parallel and lay.tp > 1,
                  "parallel.pp_schedule": s.pp_schedule, "parallel.pp_virtual": s.pp_virtual,
                  "parallel.pp_layers": s.pp_layers}
         for key, value in {**self.overrides(), **whole, "parallel.strategy": "manual"}.items():
@@ -345,7 +346,7 @@ def explain(result: SearchResult) -> list[str]:
     if not win.runtime_supported:
         ours = next((p for p in result.plans if p.runtime_supported), None)
         near = next((p for p in result.unfit if p.runtime_supported), None)
-        lines.append(f"`shardlm train` cannot run it ({win.not_runnable}); " + (
+        lines.append(f"Not runnable: {win.not_runnable}; " + (
             f"the best plan it runs today: {describe_strategy(ours.strategy)} "
             f"({ours.timing.tokens_per_s:,.0f} tokens/s)." if ours else
             f"no plan it runs fits (closest: {describe_strategy(near.strategy)}, "

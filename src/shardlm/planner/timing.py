@@ -13,8 +13,7 @@ from dataclasses import dataclass, replace
 
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
-from shardlm.planner.memory import activation_dtypes, block_activation
-from shardlm.planner.memory import peak_candidates
+from shardlm.planner.memory import activation_dtypes, block_activation, peak_candidates
 from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier,
                                       pipeline_layers, pp_bubble, pp_hidden_bytes, pp_sends,
                                       shape_of, stage_params, validate, zero_ranks)
@@ -374,7 +373,7 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
         per_micro += 2 * redone * tokens / lay.cp * max(sp.layers for sp in stages) / dev.memory_bandwidth
     micro = s.grad_accum
     bubble = pp_bubble(s) if lay.pp > 1 else 0.0
-    compute = per_micro * micro / (1 - bubble)  # 1F1B: bubble (p-1)/(m+p-1) of the pipeline time
+    compute = per_micro * micro / (1 - bubble)  # the schedule idles `bubble` of the pipeline time
     backward = per_micro * (run_flops - model_flops_per_token(w, count="kernel-forward")) / run_flops
     after = [_stage_comms(w, s, cluster, sp, rate, (backward, compute)) for sp in peak_candidates(stages)]
     sp, comms, optimizer = max(after, key=lambda a: sum(c.exposed for c in a[1]) + a[2])

@@ -300,22 +300,40 @@ def stage_params(w: Workload, lay: ParallelDims, split: list[int] | None = None)
 # The pipeline schedules (parallel/pipeline.py), as the memory and time models need them
 
 
-def pp_in_flight(s: Strategy, index: int) -> float:
+def pp_in_flight(s: Strategy, index: int, split: list[int] | None = None) -> float:
     """Micro-batches of this rank's blocks whose activations stage `index` holds at its peak,
     with M = grad_accum micro-batches over P stages (parallel/pipeline.py's orders). GPipe: all
     M (every forward before any backward). 1F1B (PipeDream-Flush): P - index, at most M; the
     zero-bubble schedule keeps 1F1B's bound (its deferred weight gradients are
-    memory.deferred_weight_grads). Interleaved (Megatron-LM's order, V chunks per rank):
-    2(P - index - 1) + (V - 1)P + 1 chunk-micro-batches, at most M·V, each 1/V of the rank's
-    blocks."""
+    memory.deferred_weight_grads). Interleaved: the most blocks' worth of chunk-micro-batches
+    its order holds at once (interleaved_peak), over the rank's blocks; `split` = blocks per
+    global stage (pipeline_layers; None = equal chunks)."""
     p, m, v = s.layout.pp, s.grad_accum, s.pp_virtual
     if p == 1:
         return 1
     if s.pp_schedule == "gpipe":
         return m
     if s.pp_schedule == "interleaved":
-        return min(m * v, 2 * (p - index - 1) + (v - 1) * p + 1) / v
+        split = split or [1] * (p * v)
+        return interleaved_peak(split, p, v, index, m) / sum(split[index::p])
     return min(p - index, m)
+
+
+def interleaved_peak(split: list[int], p: int, v: int, rank: int, micro: int) -> int:
+    """The most blocks x micro-batches rank `rank` holds activations for under the interleaved
+    order (parallel/pipeline.py OneFOneB.order with V chunks, Megatron-LM's): forward step k
+    runs chunk (k mod PV) // P, 2(P - rank - 1) + (V - 1)P warm-up forwards, then one forward
+    and one backward (chunks in reverse), then the remaining backwards."""
+    forwards = [(k % (p * v)) // p for k in range(micro * v)]
+    backwards = [v - 1 - c for c in forwards]
+    blocks = [split[c * p + rank] for c in range(v)]
+    warmup = min(len(forwards), 2 * (p - rank - 1) + (v - 1) * p)
+    held = peak = sum(blocks[c] for c in forwards[:warmup])
+    for k in range(len(forwards) - warmup):
+        held += blocks[forwards[warmup + k]]
+        peak = max(peak, held)
+        held -= blocks[backwards[k]]
+    return peak
 
 
 def pp_bubble(s: Strategy) -> float:
