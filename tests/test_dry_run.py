@@ -107,7 +107,7 @@ def test_dry_run_shows_every_pipeline_stage(capsys, tmp_path):
         rows = out[out.index(f"per pipeline stage ({schedule}, 4 micro-batches)"):].splitlines()[2:4]
         assert rows[0].split()[:2] == ["0", "first"] and rows[1].split()[:2] == ["1", "last"]
         assert rows[0].split()[4] == held  # micro-batches the first stage holds
-        assert "pipeline send buffers" in out and "Resolved: ZeRO stage 0, pp 2" in out
+        assert "Resolved: ZeRO stage 0, pp 2" in out
     assert not list(tmp_path.iterdir())
 
 

@@ -112,9 +112,19 @@ class Stage:
 
     # -- point to point ----------------------------------------------------------------------
 
-    def send(self, tensor: torch.Tensor, to: int, tag: int) -> None:
-        tensor = tensor.contiguous()  # kept alive with its handle until settle()
+    def send(self, tensor: torch.Tensor, to: int, tag: int) -> tuple:
+        """Start sending; the tensor stays alive with its handle until `release` or settle()."""
+        tensor = tensor.contiguous()
         self.pending.append((self.comm.send(tensor, to, tag), tensor))
+        return self.pending[-1]
+
+    def release(self, sent: tuple) -> None:
+        """Free a send the receiver has provably consumed (an activation whose gradient came
+        back): its wait returns at once. (gloo reports a send complete only when waited on, and
+        waiting on one not yet consumed could wait on a neighbour that first needs something
+        this rank sends later.)"""
+        sent[0].wait()
+        self.pending = [entry for entry in self.pending if entry is not sent]
 
     def recv(self, like: tuple, frm: int, tag: int) -> torch.Tensor:
         shape, dtype, device = like
@@ -124,7 +134,7 @@ class Stage:
         self.wait_s += time.perf_counter() - start
         return buffer
 
-    def send_hidden(self, t: torch.Tensor, header: bool = False) -> None:
+    def send_hidden(self, t: torch.Tensor, header: bool = False) -> tuple:
         """The hidden states to the next stage; a (dtype, shape) header ahead of the first
         (or of every one, `header`: shapes that change, as in generation)."""
         to = (self.index + 1) % self.count
@@ -132,7 +142,7 @@ class Stage:
             code = DTYPES.index(t.dtype)
             self.send(torch.tensor([code, *t.shape], dtype=torch.int64, device=t.device), to, ACTIVATIONS)
             self.announced = True
-        self.send(t, to, ACTIVATIONS)
+        return self.send(t, to, ACTIVATIONS)
 
     def recv_hidden(self, device: torch.device, header: bool = False) -> torch.Tensor:
         frm = (self.index - 1) % self.count
@@ -258,6 +268,7 @@ class Schedule:
         total = torch.zeros((), device=io.device)
         inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
+        sent: dict[tuple[int, int], tuple] = {}  # activation sends, freed when their gradient returns
         prev, nxt = (stage.index - 1) % stage.count, (stage.index + 1) % stage.count
         for kind, chunk, i in self.order(len(batches)):
             x, y = batches[i]
@@ -271,7 +282,7 @@ class Schedule:
                         out = io.loss(out, y)
                         total += out.detach()
                 if not stage.ends_model(chunk):
-                    stage.send_hidden(out.detach())
+                    sent[key] = stage.send_hidden(out.detach())
                 inputs[key], outputs[key] = hidden, out
             elif kind == "W":  # the weight gradients a split backward left for later
                 stage.weight_grads.apply(key)
@@ -283,6 +294,7 @@ class Schedule:
                         io.backward(out)
                     else:
                         grad = stage.recv((out.shape, out.dtype, out.device), nxt, GRADIENTS)
+                        stage.release(sent.pop(key))
                         torch.autograd.backward(out, grad)
                 if hidden is not None:
                     stage.send(hidden.grad, prev, GRADIENTS)

@@ -456,26 +456,24 @@ def deferred_weight_grads(m: ModelConfig, tokens: int, layers: int, head: bool, 
 
 
 def _pipeline_buffers(w: Workload, sp: StageParams, s: Strategy) -> list[Item]:
-    """What a pipeline stage sends stays alive until the step's end: parallel/pipeline.py keeps
-    every send's tensor with its handle until Stage.settle() after the last micro-batch, so the
-    outputs sent forward (their storage outlives the saved activations once backward frees
-    them) and the input gradients sent back (workload.pp_sends) all coexist by the end of
-    backward: an upper bound (a stage's first gradients are sent after some activations
-    are freed)."""
+    """The input gradients a pipeline stage sends back stay alive until the step's end
+    (parallel/pipeline.py: gloo completes a send only when waited on, and nothing tells a stage
+    its gradient was consumed before Stage.settle()). Activations sent forward are freed as
+    their gradient returns (Stage.release) and share storage with the outputs the backward
+    keeps anyway: nothing extra."""
     lay = s.layout
     if lay.pp == 1:
         return []
     e = 4 if s.local else s.dtypes.param_bytes
     hidden = pp_hidden_bytes(w.model, s.micro_batch * w.seq_len, lay.tp, lay.cp,
                              s.sequence_parallel, e)
-    activations, gradients = pp_sends(sp.index, lay.pp, s.grad_accum, s.pp_virtual)
-    held = (activations + gradients) * hidden
+    _, gradients = pp_sends(sp.index, lay.pp, s.grad_accum, s.pp_virtual)
+    held = gradients * hidden
     if not held:
         return []
-    return [Item("pipeline send buffers", held, f"({activations} activations + {gradients} gradients "
-                 f"sent) x {e} B x b·s{'/cp' if lay.cp > 1 else ''}"
-                 f"{'/t' if s.sequence_parallel and lay.tp > 1 else ''}·h: held until the step's "
-                 f"last send completes (Stage.settle)",
+    return [Item("pipeline send buffers", held, f"{gradients} gradients sent back x {e} B x "
+                 f"b·s{'/cp' if lay.cp > 1 else ''}{'/t' if s.sequence_parallel and lay.tp > 1 else ''}·h: "
+                 f"held until the step's end (Stage.settle)",
                  phases={"loss": held, "blocks": held, "embedding": held})]
 
 
