@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--dp-replicate", type=int, default=1, metavar="R")
     est.add_argument("--dp-shard", type=int, default=-1, metavar="N", help="-1: every rank left")
     for name, what in (("tp", "tensor-parallel degree"), ("cp", "context-parallel degree"),
-                       ("pp", "pipeline-parallel degree (modelled; not in the runtime yet)"),
+                       ("pp", "pipeline-parallel degree (1f1b schedule, balanced split)"),
                        ("ep", "expert-parallel degree (modelled; not in the runtime yet)")):
         est.add_argument(f"--{name}", type=int, default=1, metavar="D", help=what)
     est.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch-tokens", type=int, default=2**20, metavar="TOKENS",
                       help="tokens per optimizer step when --global-batch is not given (1Mi)")
     plan.add_argument("--runtime-only", action="store_true",
-                      help="only what `shardlm train` runs today (no pp/ep)")
+                      help="only what `shardlm train` runs today (no ep, no ZeRO-3 with pp)")
     plan.add_argument("--top", type=int, default=8, help="plans to list")
     return parser
 
