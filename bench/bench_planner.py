@@ -2,7 +2,8 @@
 
 For each case — 1, 2 and 4 ranks; ZeRO stages 0-3; activation checkpointing none/full; the
 nvme offload tier; the model axes: tensor parallelism (tp=2, with and without sequence
-parallelism), context parallelism (cp=2), both (cp=2 x tp=2) — a fresh set of gloo ranks trains a few steps and reports, from rank 0:
+parallelism), context parallelism (cp=2), both (cp=2 x tp=2), pipelines (pp=2: 1f1b, gpipe, zb;
+4 micro-batches) — a fresh set of gloo ranks trains a few steps and reports, from rank 0:
 the model-state byte ledger (params + grads + optimizer, what the engine holds), the process's
 peak RSS (ru_maxrss) and the median step time after the first. The planner's
 `predict_local(cfg, ranks)` predicts the same three from the config alone (its CPU figures come
@@ -32,7 +33,10 @@ MiB = 2**20
 
 
 AXES = {"": {}, "tp2": {"parallel.tp": 2}, "tp2sp": {"parallel.tp": 2, "parallel.sequence_parallel": True},
-        "cp2": {"parallel.cp": 2}, "cp2tp2": {"parallel.cp": 2, "parallel.tp": 2}}
+        "cp2": {"parallel.cp": 2}, "cp2tp2": {"parallel.cp": 2, "parallel.tp": 2},
+        "pp2": {"parallel.pp": 2, "train.grad_accum": 4},
+        "pp2gpipe": {"parallel.pp": 2, "parallel.pp_schedule": "gpipe", "train.grad_accum": 4},
+        "pp2zb": {"parallel.pp": 2, "parallel.pp_schedule": "zb", "train.grad_accum": 4}}
 """Model axes a case can add (the last field of --only)."""
 
 
@@ -46,6 +50,7 @@ def cases(max_ranks: int) -> list[tuple[int, int, str, str, str]]:
         out += [(ranks, 3, "full", "none", ""), (ranks, 2, "none", "nvme", "")]
     out += [(2, 0, "none", "none", "tp2"), (2, 0, "none", "none", "tp2sp"), (2, 0, "none", "none", "cp2"),
             (2, 3, "full", "none", "cp2")]
+    out += [(2, 0, "none", "none", "pp2"), (2, 1, "none", "none", "pp2gpipe"), (2, 0, "none", "none", "pp2zb")]
     if max_ranks >= 4:
         out += [(4, 1, "none", "none", "cp2tp2")]
     return out
