@@ -1,0 +1,561 @@
+"""Pipeline parallelism on CPU ranks (gloo): shardlm's schedules against tensor parallelism,
+ZeRO-3 and torch's own torch.distributed.pipelining schedules, on the same model and batches.
+
+    2 ranks   pp=2 GPipe           parallel.pp=2, pp_schedule=gpipe, micro-batch b x M = G/b
+              pp=2 1F1B            pp_schedule=1f1b
+              pp=2 interleaved     pp_schedule=interleaved, pp_virtual=2 (4 stages of the model)
+              pp=2 zero-bubble     pp_schedule=zb (the fourth schedule; not in the issue's list)
+              pp=2 1F1B ZeRO-2     1F1B at parallel.zero_stage=2 (the others run the default 0);
+                                   with dp=1 nothing is sharded, but the engine's flat gradient
+                                   buffer is then transient (the memory comparison with torch)
+              tp=2                 parallel.tp=2, the whole global batch G in one micro-batch
+              dp=2 ZeRO-3          parallel.zero_stage=3, G/2 per rank in one micro-batch
+              torch GPipe          torch.distributed.pipelining.ScheduleGPipe, the same stages
+              torch 1F1B           Schedule1F1B
+              torch interleaved    ScheduleInterleaved1F1B, 2 stages per rank (the same 4 stages)
+    4 ranks   pp=4 1F1B            (--four; 4 processes on this machine's cores: oversubscribed)
+              pp=2 x dp=2 1F1B     G/2 per pipeline: b x G/(2b)
+              torch 1F1B pp=4
+
+Every case trains the same global batch (G sequences of --seq tokens, default 8 x 128) in fp32
+from the same weights (models.build_model / the trainer's per-parameter init: a function of
+(seed, name)) on the same batches (shardlm's Loader: micro-batches and data-parallel ranks are
+consecutive slices of each global batch), with AdamW(fused=True, lr schedule lr_at, weight
+decay on matrices), clipping at 1.0. Step-1 and final losses must agree.
+
+GPT-2 ties its head to the token embedding. torch's stages would hold two independent copies
+(the first stage's embedding, the last stage's head) and train them apart, so every case here
+sets model.tie_embeddings=false (163M parameters instead of 124M): the same model everywhere,
+and shardlm's tied-weight path (Stage.sync_tied, all_reduce/pp_ends) is not exercised.
+
+torch's side: shardlm's Decoder built whole on each rank (build_model, same seed), cut into the
+split shardlm uses (models.flops.pipeline_split over pp x virtual stages; the embedding and
+positions on the first stage, the final norm and head on the last; global stage s on rank
+s mod pp, as both libraries place interleaved stages), each stage an nn.Module whose forward
+takes the previous stage's tensor (stage 0: the token ids), wrapped in a PipelineStage
+(shapes inferred at the first step); loss_fn = cross-entropy of logits.float(), mean per
+micro-batch, scale_grads=True (the gradients of the mean over the global batch, as shardlm's);
+schedule.step(..., return_outputs=False) so the last stage keeps no logits; gradient norm over
+the whole model (squared norms all-reduced over the pipeline), clip_grads_with_norm_.
+
+Memory: peak RSS is a per-process high-water mark, so every case runs in fresh processes with
+MALLOC_MMAP_THRESHOLD_=65536 unless the environment sets it (RSS then follows what is alive; see
+bench_zero.py). torch's side builds the whole model on each rank before cutting it (the brief
+it was asked under), shardlm builds on the meta device and materialises only its stage; so the
+mark is read at the end of setup ("setup"), reset (Linux: "5" written to /proc/self/clear_refs
+resets VmHWM, and getrusage's ru_maxrss with it) and read again after the timed steps
+("steps": what training holds at its worst, setup excluded). "peak" = max of the two = what
+the process's ru_maxrss would be without the reset. Per stage (max over a stage's data-parallel
+ranks), or per rank for tp / ZeRO-3. Note the reset also applies to the trainer's own
+pp_peak_rss_bytes_by_stage (read through step_record), which then equals "steps".
+
+Speed: step time = median of the timed steps, slowest rank; tokens/s global (G x seq per
+step). "CPU s/step" is this process's CPU time per timed step (all threads; median; busiest
+rank): the work a case does, much less sensitive than wall time to other jobs' load. Bubble
+(shardlm only): trainer.step_record's pp_bubble (mean over stages of seconds blocked on a
+neighbour / step seconds) and pp_bubble_by_stage, median over the timed steps, beside the
+schedule's formula (P-1)/(V*M+P-1) (zb: its list schedule's idle share) and the planner's
+(planner.timing's bubble). It counts time blocked in the schedule's receives and sends only: a
+later stage that finishes its last backward before the first stage does waits in the step's
+next collective (the gradient norm's all-reduce), which it does not count. torch's schedules
+have no such counter (it would need hooks into their P2P waits); for every case, torch's
+included, "off-CPU share" = 1 - process CPU seconds / wall seconds of a timed step (median; max
+over a stage's ranks): gloo blocks rather than spins while waiting, so on 2 ranks with a core
+each it is the share of the step a rank did not compute — all its waits, the drain's
+included, plus whatever other jobs on the machine took from it (with 4 ranks on 2 cores it
+mostly measures waiting for a core). Ledger: rank 0's run.strategy.ledger for one timed step, by
+process group. Planner: planner.search.predict_local(cfg, ranks): tokens/s and the peak of the
+worst stage, and planner.memory.stage_memories for each stage's peak.
+
+Reproduce:  PYTHONPATH=src python bench/bench_pp.py                 (gpt2-124m untied, 2 rounds, ~11 min idle)
+            PYTHONPATH=src python bench/bench_pp.py --preset gpt-mini --steps 4 --no-four
+            PYTHONPATH=src python bench/bench_pp.py --cases 1f1b,torch-1f1b --repeat 3
+            PYTHONPATH=src python bench/bench_pp.py --cases interleaved,torch-interleaved \
+                --set parallel.pp_layers=4,2,5,1                     (a split of your own)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.config import load_config
+from shardlm.data import Loader, build_dataset
+from shardlm.launch import cpu_cores
+from shardlm.models import build_model, count_params
+from shardlm.models.flops import pipeline_split
+from shardlm.optim import lr_at, param_groups, set_lr
+from shardlm.spawn import run_ranks
+from shardlm.telemetry import peak_flops, peak_rss_bytes
+
+MiB = 2**20
+# key: (name, ranks, runner, spec). shardlm's spec: its overrides and the data-parallel degree
+# (for the micro-batch); torch's: (schedule, pp, virtual).
+CASES = {
+    "gpipe": ("pp=2 GPipe", 2, "shardlm", ({"parallel.pp": 2, "parallel.pp_schedule": "gpipe"}, 1)),
+    "1f1b": ("pp=2 1F1B", 2, "shardlm", ({"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}, 1)),
+    "interleaved": ("pp=2 interleaved V=2", 2, "shardlm",
+                    ({"parallel.pp": 2, "parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2}, 1)),
+    "zb": ("pp=2 zero-bubble", 2, "shardlm", ({"parallel.pp": 2, "parallel.pp_schedule": "zb"}, 1)),
+    "1f1b-z2": ("pp=2 1F1B ZeRO-2", 2, "shardlm",
+                ({"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "parallel.zero_stage": 2}, 1)),
+    "tp": ("tp=2", 2, "shardlm", ({"parallel.tp": 2}, 1)),
+    "zero3": ("dp=2 ZeRO-3", 2, "shardlm", ({"parallel.zero_stage": 3}, 2)),
+    "torch-gpipe": ("torch GPipe pp=2", 2, "torch", ("gpipe", 2, 1)),
+    "torch-1f1b": ("torch 1F1B pp=2", 2, "torch", ("1f1b", 2, 1)),
+    "torch-interleaved": ("torch interleaved pp=2 V=2", 2, "torch", ("interleaved", 2, 2)),
+    "pp4": ("pp=4 1F1B", 4, "shardlm", ({"parallel.pp": 4, "parallel.pp_schedule": "1f1b"}, 1)),
+    "pp2dp2": ("pp=2 x dp=2 1F1B", 4, "shardlm", ({"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}, 2)),
+    "torch-pp4": ("torch 1F1B pp=4", 4, "torch", ("1f1b", 4, 1)),
+}
+DEFAULT = ["gpipe", "1f1b", "interleaved", "zb", "1f1b-z2", "tp", "zero3", "torch-gpipe", "torch-1f1b",
+           "torch-interleaved", "pp4", "pp2dp2", "torch-pp4"]
+# ours beside torch's: (shardlm case, torch case)
+PAIRS = [("gpipe", "torch-gpipe"), ("1f1b", "torch-1f1b"), ("1f1b-z2", "torch-1f1b"), ("interleaved", "torch-interleaved"),
+         ("pp4", "torch-pp4")]
+
+
+def parse_value(text: str):
+    """--set values: int, float, true/false, else the string."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def batch_shape(args, key: str) -> tuple[int, int]:
+    """(micro-batch, micro-batches per step) of a case, per data-parallel rank: pipelines run
+    --micro-batch sequences at a time; tp and ZeRO-3 their whole share in one micro-batch."""
+    _, ranks, runner, spec = CASES[key]
+    if runner == "torch":
+        return args.micro_batch, args.global_batch // args.micro_batch
+    overrides, dp = spec
+    if overrides.get("parallel.pp", 1) == 1:
+        return args.global_batch // dp, 1
+    return args.micro_batch, args.global_batch // (dp * args.micro_batch)
+
+
+def overrides_for(args, key: str, run_dir: str) -> dict:
+    extra = dict((k, parse_value(v)) for k, v in (kv.split("=", 1) for kv in args.set))
+    _, _, runner, spec = CASES[key]
+    micro, accum = batch_shape(args, key)
+    return {"model.preset": args.preset, "model.tie_embeddings": False, "train.micro_batch": micro,
+            "train.grad_accum": accum, "train.seq_len": args.seq,
+            "train.steps": args.warmup + args.steps, "precision.compute": "fp32", "run.device": "cpu",
+            "run.dir": run_dir, "run.progress": "off", "train.eval_every": 0, "train.sample_tokens": 0,
+            **(spec[0] if runner == "shardlm" else torch_layout(spec)), **extra}
+
+
+def torch_layout(spec: tuple) -> dict:
+    """torch's case as shardlm's config would say it (validates parallel.pp_layers, if set; the
+    split torch's stages take is the one shardlm takes for it)."""
+    name, pp, virtual = spec
+    return {"parallel.pp": pp, "parallel.pp_schedule": name, "parallel.pp_virtual": virtual}
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory marks and timing
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's high-water mark (VmHWM and ru_maxrss) to its current RSS (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def hwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def timed_steps(step_fn, warmup: int, steps: int, after=None) -> dict:
+    """Losses of every step; wall and process CPU seconds (all threads) of each timed step;
+    `after(step, seconds)`, if given, runs after each step, outside the timing."""
+    losses, seconds, cpu = [], [], []
+    for step in range(warmup + steps):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        losses.append(step_fn(step))
+        wall, used = time.perf_counter() - start, time.process_time() - start_cpu
+        if step >= warmup:
+            seconds.append(wall)
+            cpu.append(used)
+        if after is not None:
+            after(step, wall)
+    return {"losses": losses, "seconds": seconds, "cpu": cpu}
+
+
+# ---------------------------------------------------------------------------------------------
+# shardlm
+
+
+def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
+    import warnings
+
+    from shardlm.trainer import build_run, step_record, train_step
+
+    # torch 2.13 deprecates all_gather_into_tensor (Schedule.by_stage calls it): once per rank
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+
+    run = build_run(load_config(overrides=overrides).validate())
+    setup_rss = peak_rss_bytes()
+    reset = reset_peak_rss()
+    ledgers, records, results = [], [], []
+
+    def step(s: int) -> float:
+        run.strategy.ledger.reset()  # this step's collectives only
+        results.append(train_step(run, s))
+        return results[-1].loss
+
+    def after(s: int, seconds: float) -> None:  # not timed
+        ledgers.append(run.strategy.ledger.snapshot())
+        # every rank calls it (it gathers per-stage values over the pipeline)
+        records.append(step_record(run, s, results[-1].loss, results[-1].grad_norm, seconds))
+
+    out = timed_steps(step, warmup, steps, after)
+    stage = run.schedule.stage.index if run.schedule is not None else rank
+    return {**out, "setup_rss": setup_rss, "steps_rss": hwm_bytes() if reset else peak_rss_bytes(),
+            "stage": stage, "ledgers": ledgers[warmup:],
+            "records": [{k: v for k, v in r.items() if k.startswith("pp_")} for r in records[warmup:]]}
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.distributed.pipelining on the same Decoder
+
+
+class TorchStage(nn.Module):
+    """One pipeline stage of shardlm's Decoder for torch's PipelineStage: its blocks; the token
+    embedding and positions on the first stage (forward takes token ids), the final norm and
+    head on the last (forward returns logits); otherwise hidden states in and out."""
+
+    def __init__(self, model, blocks: range, first: bool, last: bool):
+        super().__init__()
+        cfg = model.cfg
+        self.tok_emb = model.tok_emb if first else None
+        self.pos_emb = model.pos_emb if first and cfg.position == "learned" else None
+        self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
+        self.norm_f = model.norm_f if last else None
+        self.head = model.head if last else None
+        self.rope = cfg.position == "rope"
+        if self.rope:
+            self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+            self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        if self.tok_emb is not None:  # x: token ids (B, T)
+            h = self.tok_emb(x)
+            if self.pos_emb is not None:
+                h = h + self.pos_emb(torch.arange(T, device=x.device))
+        else:  # x: the previous stage's hidden states (B, T, C)
+            h = x
+        rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.rope else None
+        for block in self.blocks:
+            h = block(h, rope)
+        if self.head is not None:
+            return self.head(self.norm_f(h))  # (B, T, vocab)
+        return h
+
+
+def torch_rank(rank: int, world: int, overrides: dict, spec: tuple, warmup: int, steps: int) -> dict:
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
+
+    schedule_name, pp, virtual = spec
+    if pp != world:
+        raise ValueError("torch's cases here are pure pipelines (pp = ranks)")
+    cfg = load_config(overrides=overrides).validate()
+    if cfg.model.tie_embeddings:
+        raise ValueError("torch's stages would train two copies of a tied embedding: untie it")
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    dataset = build_dataset(cfg.data, cfg.model.vocab_size)
+    micro = t.grad_accum  # micro-batches per step
+    loader = Loader(dataset.train, t.seq_len, t.micro_batch, grad_accum=micro, seed=t.seed,
+                    dp_rank=0, dp_size=1)  # the same micro-batches as shardlm's pipeline
+    n_stages = pp * virtual
+    split = pipeline_split(cfg.model, t.seq_len, n_stages, cfg.parallel.pp_layers)
+    bounds = [sum(split[:g]) for g in range(n_stages + 1)]
+    model = build_model(cfg.model, "cpu", seed=t.seed)  # whole, on every rank
+    ids = list(range(rank, n_stages, pp))  # global stage s on rank s mod pp
+    modules = [TorchStage(model, range(bounds[s], bounds[s + 1]), s == 0, s == n_stages - 1) for s in ids]
+    del model  # the other stages' blocks are freed with it
+    device = torch.device("cpu")
+    stages = [PipelineStage(m, s, n_stages, device) for m, s in zip(modules, ids)]
+
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    if schedule_name == "gpipe":
+        schedule = ScheduleGPipe(stages[0], n_microbatches=micro, loss_fn=loss_fn)
+    elif schedule_name == "1f1b":
+        schedule = Schedule1F1B(stages[0], n_microbatches=micro, loss_fn=loss_fn)
+    else:
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=micro, loss_fn=loss_fn)
+    holder = nn.ModuleList(modules)
+    params = [p for p in holder.parameters()]
+    optimizer = torch.optim.AdamW(param_groups(holder, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                                  eps=t.eps, fused=True)
+    first, last = 0 in ids, n_stages - 1 in ids
+    setup_rss = peak_rss_bytes()
+    reset = reset_peak_rss()
+
+    def step(s: int) -> float:
+        set_lr(optimizer, lr_at(s, t))
+        batches = loader.micro_batches(s)
+        x = torch.cat([b[0] for b in batches])  # chunked back into the same micro-batches
+        y = torch.cat([b[1] for b in batches])
+        losses: list[torch.Tensor] = []
+        schedule.step(*((x,) if first else ()), target=y if last else None,
+                      losses=losses if last else None, return_outputs=False)
+        grads = [p.grad for p in params if p.grad is not None]
+        squares = (torch.nn.utils.get_total_norm(grads) ** 2 if grads else torch.zeros(())).reshape(1)
+        dist.all_reduce(squares)  # the whole model's squared norm, over the pipeline
+        torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, squares.sqrt()[0])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = (torch.stack(losses).mean().detach() if last else torch.zeros(())).reshape(1)
+        dist.all_reduce(total)  # the last stage's; zero elsewhere
+        return float(total[0])
+
+    out = timed_steps(step, warmup, steps)
+    return {**out, "setup_rss": setup_rss, "steps_rss": hwm_bytes() if reset else peak_rss_bytes(),
+            "stage": rank, "ledgers": [], "records": []}
+
+
+# ---------------------------------------------------------------------------------------------
+# Predictions and the tables
+
+
+def predictions(cfg, ranks: int) -> dict:
+    """predict_local, and every stage's peak (planner.memory.stage_memories)."""
+    from shardlm.hardware.catalog import local_cpu
+    from shardlm.planner.memory import stage_memories
+    from shardlm.planner.search import config_strategy, predict_local
+
+    p = predict_local(cfg, ranks)
+    workload, strategy = config_strategy(cfg, local_cpu(ranks))
+    stages = [m.peak for m in stage_memories(workload, strategy, local_cpu(ranks))]
+    return {"tok_s": p.tokens_per_s, "peak": p.peak_process_bytes, "bubble": p.timing.bubble,
+            "stage_peaks": stages}
+
+
+def by_group(ledger: dict[str, int]) -> dict[str, int]:
+    groups: dict[str, int] = defaultdict(int)
+    for key, nbytes in ledger.items():
+        groups[key.split("/", 1)[1]] += nbytes
+    return dict(groups)
+
+
+def per_stage(ranks: list[dict], key: str) -> list[float]:
+    """Max of `key` over each stage's ranks (each rank for cases without a pipeline)."""
+    out: dict[int, float] = {}
+    for r in ranks:
+        out[r["stage"]] = max(out.get(r["stage"], 0), r[key])
+    return [out[s] for s in sorted(out)]
+
+
+def summarize(ranks: list[dict], tokens_per_step: int) -> dict:
+    """Ranks wait for each other every step: the slowest rank's median is the step."""
+    step_s = max(statistics.median(r["seconds"]) for r in ranks)
+    for r in ranks:
+        r["peak"] = max(r["setup_rss"], r["steps_rss"])
+        r["off_cpu"] = statistics.median(1 - c / w for c, w in zip(r["cpu"], r["seconds"]))
+    ledgers, records = ranks[0]["ledgers"], ranks[0]["records"]
+    out = {"tok_s": tokens_per_step / step_s, "cpu_s": max(statistics.median(r["cpu"]) for r in ranks),
+           "peak": per_stage(ranks, "peak"), "setup": per_stage(ranks, "setup_rss"),
+           "steps": per_stage(ranks, "steps_rss"), "off_cpu": per_stage(ranks, "off_cpu"),
+           "first": ranks[0]["losses"][0],
+           "last": ranks[0]["losses"][-1], "ledger": ledgers[-1] if ledgers else None,
+           "ledger_steady": all(led == ledgers[-1] for led in ledgers), "bubble": None}
+    if records and "pp_bubble" in records[0]:
+        out["bubble"] = statistics.median(r["pp_bubble"] for r in records)
+        out["bubble_by_stage"] = [statistics.median(r["pp_bubble_by_stage"][i] for r in records)
+                                  for i in range(len(records[0]["pp_bubble_by_stage"]))]
+        out["formula"] = records[0]["pp_bubble_formula"]
+        out["record_rss"] = [max(r["pp_peak_rss_bytes_by_stage"][i] for r in records)
+                             for i in range(len(records[0]["pp_peak_rss_bytes_by_stage"]))]
+    return out
+
+
+def combine(runs: list[dict]) -> dict:
+    """Repeats of one case: median tokens/s, CPU s and bubble (and the tokens/s range), the
+    highest memory marks; losses must repeat."""
+    first = runs[0]
+    speeds = sorted(r["tok_s"] for r in runs)
+    out = {**first, "tok_s": statistics.median(speeds), "tok_s_range": (speeds[0], speeds[-1]),
+           "cpu_s": statistics.median(r["cpu_s"] for r in runs),
+           "off_cpu": [statistics.median(v) for v in zip(*(r["off_cpu"] for r in runs))],
+           "repeatable": all(r["first"] == first["first"] and r["last"] == first["last"] for r in runs)}
+    for key in ("peak", "setup", "steps"):
+        out[key] = [max(v) for v in zip(*(r[key] for r in runs))]
+    if first["bubble"] is not None:
+        out["bubble"] = statistics.median(r["bubble"] for r in runs)
+        out["bubble_by_stage"] = [statistics.median(v) for v in zip(*(r["bubble_by_stage"] for r in runs))]
+    return out
+
+
+def mib_list(values: list[float]) -> str:
+    return " / ".join(f"{v / MiB:,.0f}" for v in values)
+
+
+def err(p: float, x: float) -> str:
+    return f"{p:,.0f} ({(p - x) / x:+.0%})"
+
+
+def speed_row(name: str, key: str, args, m: dict, pred: dict | None, ranks: int) -> str:
+    micro, accum = batch_shape(args, key)
+    low, high = m["tok_s_range"]
+    speed = f"{m['tok_s']:,.1f}" + (f" ({low:,.1f}-{high:,.1f})" if high > low else "")
+    if m["bubble"] is not None:
+        bubble = f"{m['bubble']:.3f} ({' / '.join(f'{b:.3f}' for b in m['bubble_by_stage'])})"
+        formula = f"{m['formula']:.3f}"
+    else:
+        bubble = formula = "–"
+    if m["ledger"] is None:
+        ledger = "– (not shardlm)"
+    else:
+        ledger = ", ".join(f"{g} {b / MiB:,.2f}" for g, b in sorted(by_group(m["ledger"]).items())) or "0"
+        ledger += "" if m["ledger_steady"] else " (varies by step)"
+    planner = err(pred["tok_s"], m["tok_s"]) if pred else "–"
+    planner_bubble = f"{pred['bubble']:.3f}" if pred and m["bubble"] is not None else "–"
+    off_cpu = " / ".join(f"{v:.2f}" for v in m["off_cpu"])
+    return (f"| {name} | {ranks} | {micro} x {accum} | {speed} | {m['cpu_s']:.2f} | {planner} | {bubble} | "
+            f"{formula} | {planner_bubble} | {off_cpu} | {ledger} |")
+
+
+def memory_row(name: str, m: dict, pred: dict | None, first_ref: float) -> str:
+    planner = "–"
+    if pred:
+        stages = pred["stage_peaks"] if len(pred["stage_peaks"]) == len(m["peak"]) else [pred["peak"]]
+        planner = f"{mib_list(stages)} ({(pred['peak'] - max(m['peak'])) / max(m['peak']):+.0%} on the max)"
+    loss = f"{m['first']:.4f} ({abs(m['first'] - first_ref):.0e})"
+    loss += "" if m["repeatable"] else " (differs by run)"
+    return (f"| {name} | {mib_list(m['peak'])} | {mib_list(m['setup'])} | {mib_list(m['steps'])} | "
+            f"{planner} | {loss} | {m['last']:.4f} |")
+
+
+def run_case(fn, ranks: int, tmp: str, *args) -> list[dict]:
+    return run_ranks(fn, ranks, Path(tempfile.mkdtemp(dir=tmp)), *args, timeout=3600)
+
+
+def measure(args, key: str, tmp: str, tokens_per_step: int) -> dict:
+    """One case in fresh processes."""
+    _, ranks, runner, spec = CASES[key]
+    over = overrides_for(args, key, tmp)
+    if runner == "shardlm":
+        out = run_case(shardlm_rank, ranks, tmp, over, args.warmup, args.steps)
+    else:
+        out = run_case(torch_rank, ranks, tmp, over, spec, args.warmup, args.steps)
+    return summarize(out, tokens_per_step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="gpt2-124m")
+    parser.add_argument("--global-batch", type=int, default=8, help="sequences per step, every case")
+    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per pipeline micro-batch")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per case")
+    parser.add_argument("--repeat", type=int, default=2,
+                        help="run the case list this many times, round-robin (median tokens/s, range)")
+    parser.add_argument("--four", action=argparse.BooleanOptionalAction, default=True,
+                        help="the 4-rank cases (pp=4, pp=2 x dp=2, torch pp=4)")
+    parser.add_argument("--cases", default="", help=f"comma-separated, from: {', '.join(CASES)} "
+                                                    f"(default: {', '.join(DEFAULT)})")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every case (repeatable)")
+    args = parser.parse_args()
+    keys = args.cases.split(",") if args.cases else [k for k in DEFAULT if args.four or CASES[k][1] == 2]
+    unknown = [k for k in keys if k not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
+    if args.global_batch % (2 * args.micro_batch):
+        parser.error("--global-batch must divide by 2 x --micro-batch (pp=2 x dp=2 runs b x G/(2b))")
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the ranks
+    cfg = load_config(overrides=overrides_for(args, keys[0], "")).validate()
+    build_dataset(cfg.data, cfg.model.vocab_size)  # tokenizer + token stream built once, here
+    torch.set_num_threads(max(1, cpu_cores() // 2))  # probe the matmul peak here, not in a rank
+    peak_flops(torch.device("cpu"), "fp32")
+    tokens_per_step = args.global_batch * args.seq
+    print(f"torch {torch.__version__}, {cpu_cores()} cores, {args.preset} untied "
+          f"({count_params(cfg.model) / 1e6:.1f}M params), fp32, global batch {args.global_batch}x{args.seq}, "
+          f"pipeline micro-batch {args.micro_batch}, {args.warmup} warm-up + {args.steps} timed steps, "
+          f"{args.repeat} run(s) per case, MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}, "
+          f"load average {os.getloadavg()[0]:.1f} at start (other jobs share the machine)", flush=True)
+    splits = {}
+    for k in keys:
+        par = load_config(overrides=overrides_for(args, k, "")).validate().parallel
+        if par.pp > 1:
+            n = par.pp * par.pp_virtual
+            splits.setdefault((n, par.pp_layers), pipeline_split(cfg.model, args.seq, n, par.pp_layers))
+    for (n, explicit), split in sorted(splits.items()):
+        print(f"split over {n} stages ({'parallel.pp_layers' if explicit else 'models.flops.pipeline_split'}): "
+              f"{split} blocks", flush=True)
+    preds = {k: predictions(load_config(overrides=overrides_for(args, k, "")).validate(), CASES[k][1])
+             for k in keys if CASES[k][2] == "shardlm"}
+    runs = defaultdict(list)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeat):
+            for k in keys:
+                runs[k].append(measure(args, k, tmp, tokens_per_step))
+                m = runs[k][-1]
+                print(f"run {i + 1} {CASES[k][0]}: {m['tok_s']:,.1f} tok/s, {m['cpu_s']:.2f} CPU s/step, "
+                      f"peak RSS by stage {mib_list(m['peak'])} MiB, loss {m['first']:.4f} -> {m['last']:.4f}, "
+                      f"load average {os.getloadavg()[0]:.1f}, {time.perf_counter() - start:.0f} s so far",
+                      flush=True)
+    results = {k: combine(runs[k]) for k in keys}
+    header = ("case", "ranks", "micro-batch x M (per pipeline)",
+              "tok/s" + (" median (range)" if args.repeat > 1 else ""), "CPU s/step (max rank)",
+              "planner tok/s (err)", "bubble measured: mean (by stage)", "bubble formula",
+              "planner bubble", "off-CPU share by stage (1 - CPU/wall)", "ledger MiB/step by group")
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for k in keys:
+        print(speed_row(CASES[k][0], k, args, results[k], preds.get(k), CASES[k][1]))
+    header = ("case", "peak RSS MiB by stage (or rank)", "setup RSS MiB", "steps' peak RSS MiB (after setup)",
+              "planner peak MiB by stage (err)", "step-1 loss (\\|Δ\\| vs first row)",
+              f"final loss (step {args.warmup + args.steps})")
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    first_ref = results[keys[0]]["first"]
+    for k in keys:
+        print(memory_row(CASES[k][0], results[k], preds.get(k), first_ref))
+    print()
+    for ours, theirs in PAIRS:
+        if ours in results and theirs in results:
+            a, b = results[ours], results[theirs]
+            print(f"- {CASES[ours][0]} vs {CASES[theirs][0]}: {a['tok_s'] / b['tok_s']:.2f}x the tokens/s, "
+                  f"{a['cpu_s'] / b['cpu_s']:.2f}x the CPU s/step, peak RSS by stage "
+                  + ", ".join(f"{(x - y) / MiB:+,.0f}" for x, y in zip(a["peak"], b["peak"]))
+                  + " MiB, steps' peak by stage "
+                  + ", ".join(f"{(x - y) / MiB:+,.0f}" for x, y in zip(a["steps"], b["steps"])) + " MiB")
+    for k in keys:
+        m = results[k]
+        if "record_rss" in m:
+            same = all(abs(x - y) <= 1 * MiB for x, y in zip(m["record_rss"], m["steps"]))
+            if not same:
+                print(f"- {CASES[k][0]}: step_record's pp_peak_rss_bytes_by_stage {mib_list(m['record_rss'])} "
+                      f"MiB differs from the steps' peak {mib_list(m['steps'])} MiB")
+    print(f"\nReproduce: PYTHONPATH=src python bench/bench_pp.py {' '.join(sys.argv[1:])}")
+
+
+if __name__ == "__main__":
+    main()
