@@ -304,7 +304,9 @@ def _buffer_items(w: Workload, sp: StageParams, s: Strategy, cluster: Cluster,
                           f"gradient and its sum with the head's", phases={"embedding": tied}))
     if s.local:
         return items
-    if s.grad_accum > 1 or s.layout.pp > 1:
+    if s.zero_stage <= 1 and d.reduce in ("auto", d.compute):
+        pass  # param.grad views the flat gradient buffer (Unit.attach_grads): counted in states
+    elif s.grad_accum > 1 or s.layout.pp > 1:
         items.append(Item("accumulated gradients", e * psi, f"{e} B x Ψ_r: param.grad of every "
                           f"parameter across {s.grad_accum} micro-steps (the engine reduces "
                           + ("after the pipeline's last backward" if s.layout.pp > 1 else "on the last only")

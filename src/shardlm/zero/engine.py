@@ -127,6 +127,16 @@ class Unit:
             ref.param = param  # drop the pre-flatten tensor, or every rank keeps 4Ψ bytes alive
             self.params.append(param)
 
+    def attach_grads(self) -> None:
+        """Stages 0-1, gradients in the parameters' dtype: each param.grad a view of the flat
+        gradient buffer, zeroed, so autograd accumulates in place there (DDP's gradient as
+        bucket view): no second copy of the gradients exists, the flatten copies nothing."""
+        if self.full_grad is None or self.full_grad.dtype != self.flat_param.dtype:
+            return
+        self.full_grad.zero_()
+        for param, offset in zip(self.params, self.layout.offsets):
+            param.grad = self.full_grad[offset:offset + param.numel()].view(param.shape)
+
     def grad_shard(self) -> torch.Tensor:
         """This rank's reduced gradient slice (shard,), in the reduce dtype."""
         if self.stage <= 1:
@@ -191,6 +201,8 @@ class ZeroEngine:
             if opts.stage == 3:  # only the shard stays; zero/params.py gathers on demand
                 unit.flat_param.untyped_storage().resize_(0)
             self.units.append(unit)
+        for unit in self.units:
+            unit.attach_grads()
         materialize_buffers(model, device)
         spans = {id(p): (u, off, p.numel()) for u in self.units for p, off in zip(u.params, u.layout.offsets)}
         self._param_spans = [spans[id(p)] for p in model.parameters() if id(p) in spans]
@@ -244,7 +256,7 @@ class ZeroEngine:
             target = buffer[offset:offset + param.numel()]
             if param.grad is None:
                 target.zero_()
-            else:
+            elif param.grad.data_ptr() != target.data_ptr():  # not already a view of it
                 target.copy_(param.grad.view(-1))
                 param.grad = None
         return buffer
@@ -355,12 +367,14 @@ class ZeroEngine:
                 h.wait()
 
     def zero_grad(self) -> None:
-        """Stages 0-1: nothing to clear, every step's flatten overwrites each gradient slot (the
-        padding was zeroed once). Stages 2-3 dropped their transient full gradients already and
+        """Stages 0-1: the flat gradient buffers zeroed and the parameters' gradients viewing
+        them again (Unit.attach_grads; else every step's flatten overwrites each slot, the
+        padding zeroed once). Stages 2-3 dropped their transient full gradients already and
         drop the gradient shards now (FSDP2's zero_grad(set_to_none=True)): until the next
         step's reductions, no gradient exists."""
         for unit in self.units:
             unit.shard_grad = None
+            unit.attach_grads()
 
     @contextlib.contextmanager
     def full_parameters(self) -> Iterator[None]:
