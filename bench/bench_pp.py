@@ -291,7 +291,7 @@ def torch_rank(rank: int, world: int, overrides: dict, spec: tuple, warmup: int,
     loader = Loader(dataset.train, t.seq_len, t.micro_batch, grad_accum=micro, seed=t.seed,
                     dp_rank=0, dp_size=1)  # the same micro-batches as shardlm's pipeline
     n_stages = pp * virtual
-    split = pipeline_split(cfg.model, t.seq_len, n_stages, cfg.parallel.pp_layers)
+    split = pipeline_split(cfg.model, t.seq_len, n_stages, cfg.parallel.pp_layers, virtual)
     bounds = [sum(split[:g]) for g in range(n_stages + 1)]
     model = build_model(cfg.model, "cpu", seed=t.seed)  # whole, on every rank
     ids = list(range(rank, n_stages, pp))  # global stage s on rank s mod pp
@@ -506,7 +506,8 @@ def main() -> None:
         par = load_config(overrides=overrides_for(args, k, "")).validate().parallel
         if par.pp > 1:
             n = par.pp * par.pp_virtual
-            splits.setdefault((n, par.pp_layers), pipeline_split(cfg.model, args.seq, n, par.pp_layers))
+            splits.setdefault((n, par.pp_layers), pipeline_split(cfg.model, args.seq, n, par.pp_layers,
+                                                                 par.pp_virtual))
     for (n, explicit), split in sorted(splits.items()):
         print(f"split over {n} stages ({'parallel.pp_layers' if explicit else 'models.flops.pipeline_split'}): "
               f"{split} blocks", flush=True)

@@ -118,16 +118,27 @@ def kernel_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return float(2 * matmul_params(cfg) + 2 * cfg.n_layers * cfg.d_model * seq_len)
 
 
-def pipeline_split(cfg: ModelConfig, seq_len: int, pp: int, explicit: str = "") -> list[int]:
-    """Blocks per pipeline stage: `explicit` ('4,4,3,5', parallel.pp_layers) checked, or the
-    balanced split (dims.split_layers) by forward FLOPs per token as the kernels execute them:
-    a block 2·N_block + 2·d·s (causal attention), the head 2·d·V on the last stage, the
-    embedding (a lookup) nothing. The runtime and the planner both split with this."""
+def pipeline_split(cfg: ModelConfig, seq_len: int, pp: int, explicit: str = "", virtual: int = 1) -> list[int]:
+    """Blocks per global pipeline stage (`pp` of them): `explicit` ('4,4,3,5',
+    parallel.pp_layers) checked, or the balanced split (dims.split_layers) by forward FLOPs per
+    token as the kernels execute them: a block 2·N_block + 2·d·s (causal attention), the head
+    2·d·V on the last stage, the embedding (a lookup) nothing. With `virtual` chunks per rank
+    (stage g on rank g mod pp/virtual, the interleaved schedule) what is balanced is each
+    rank's sum: ranks' totals split as for pp/virtual stages, each total shared evenly by its
+    chunks (when every rank has a block per chunk). The runtime and the planner both split
+    with this."""
     from shardlm.dims import parse_layers, split_layers
 
     if explicit:
         return parse_layers(explicit, cfg.n_layers, pp)
-    return split_layers(cfg.n_layers, pp, 0.0, _head_in_blocks(cfg, seq_len))
+    head = _head_in_blocks(cfg, seq_len)
+    ranks = pp // virtual
+    if virtual > 1 and ranks > 1:
+        totals = split_layers(cfg.n_layers, ranks, 0.0, head)
+        if min(totals) >= virtual:
+            per = [[n // virtual + (v < n % virtual) for v in range(virtual)] for n in totals]
+            return [per[g % ranks][g // ranks] for g in range(pp)]
+    return split_layers(cfg.n_layers, pp, 0.0, head)
 
 
 def _head_in_blocks(cfg: ModelConfig, seq_len: int) -> float:

@@ -102,7 +102,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     stage = None
     if mesh.dims.pp > 1:
         par = cfg.parallel
-        split = pipeline_split(cfg.model, cfg.train.seq_len, mesh.dims.pp * par.pp_virtual, par.pp_layers)
+        split = pipeline_split(cfg.model, cfg.train.seq_len, mesh.dims.pp * par.pp_virtual, par.pp_layers,
+                               par.pp_virtual)
         stage = apply_pp(model, Comm(mesh.pp_group, "pp", ledger, watchdog), split, mesh.pp_ends_group,
                          par.pp_virtual)
     apply_ac(model, cfg.activation.checkpoint)

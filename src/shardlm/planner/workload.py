@@ -260,12 +260,13 @@ def pipeline_layers(w: Workload, s: Strategy) -> list[int]:
     """Blocks per global pipeline stage (pp x pp_virtual of them), split as the runtime splits
     (models.flops.pipeline_split: parallel.pp_layers, or balanced by forward FLOPs with the
     head's counted on the last stage); always sums to n_layers."""
-    return list(_split(tuple(vars(w.model).items()), w.seq_len, s.layout.pp * s.pp_virtual, s.pp_layers))
+    return list(_split(tuple(vars(w.model).items()), w.seq_len, s.layout.pp * s.pp_virtual, s.pp_layers,
+                       s.pp_virtual))
 
 
 @functools.lru_cache(maxsize=256)
-def _split(model_fields: tuple, seq_len: int, stages: int, explicit: str) -> tuple[int, ...]:
-    return tuple(flops.pipeline_split(ModelConfig(**dict(model_fields)), seq_len, stages, explicit))
+def _split(model_fields: tuple, seq_len: int, stages: int, explicit: str, virtual: int) -> tuple[int, ...]:
+    return tuple(flops.pipeline_split(ModelConfig(**dict(model_fields)), seq_len, stages, explicit, virtual))
 
 
 def stage_params(w: Workload, lay: ParallelDims, split: list[int] | None = None) -> list[StageParams]:
@@ -279,7 +280,7 @@ def stage_params(w: Workload, lay: ParallelDims, split: list[int] | None = None)
     experts_local = (w.experts // lay.ep) * sh.expert if w.experts else 0
     dense_block = sh.block_replicated + (sh.block - sh.block_replicated - w.experts * sh.expert) / t
     if split is None:
-        split = list(_split(tuple(vars(w.model).items()), w.seq_len, p, ""))
+        split = list(_split(tuple(vars(w.model).items()), w.seq_len, p, "", 1))
     assert sum(split) == w.model.n_layers and len(split) % p == 0, (split, p)
     if p == 1:
         roots = [("all layers", sh.embedding / t + sh.positions + sh.final_norm + sh.head / t)]
