@@ -14,6 +14,7 @@ LAYERS = [  # bottom first
     {"errors", "files"},
     {"preflight"},
     {"presets", "dims"},
+    {"config_rules"},
     {"config"},
     {"placement"},
     {"launch"},

@@ -30,7 +30,8 @@ from shardlm.config import Config
 from shardlm.mesh import Mesh
 from shardlm.parallel.activation import apply_ac
 from shardlm.parallel.context import CPState, apply_cp
-from shardlm.parallel.pipeline import SCHEDULES, Schedule, Stage, apply_pp, make_deferrable
+from shardlm.parallel.pipeline import SCHEDULES, Schedule, Stage, apply_pp
+from shardlm.parallel.weight_grads import make_deferrable
 from shardlm.models.flops import pipeline_split
 from shardlm.models.init import initializer_for
 from shardlm.parallel.data import DataParallelEngine, apply_data_parallel
