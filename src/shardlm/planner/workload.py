@@ -342,7 +342,7 @@ def pp_bubble(s: Strategy) -> float:
     Schedule.bubble_formula): P - 1 slots of fill and drain in M·V + P - 1 (GPipe, 1F1B, and
     interleaved with V chunks: Narayanan et al. 2021). Zero-bubble: the runtime's unit-time
     list schedule (F, B and W one unit each) is 3M + 2(P - 1) units long for every P and M
-    (tests/test_planner.py checks it against the runtime's), so 2(P-1)/(3M + 2(P-1)); with
+    (tests/test_planner_axes.py checks it against the runtime's), so 2(P-1)/(3M + 2(P-1)); with
     tp > 1 nothing is deferred (the tensor-parallel linears compute their weight gradients in
     B), so 1F1B's."""
     p, m = s.layout.pp, s.grad_accum
