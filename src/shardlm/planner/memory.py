@@ -409,12 +409,18 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
     if cluster.device.kind == "cpu" and s.zero_stage in (1, 2):  # gloo all-gather's copy
         grad_copy += states["p"] * max(sp.root_unit, sp.block_unit)
     step_peak = sum(i.bytes for i in items[:3]) + grad_copy + calib.runtime_reserve
-    # The sharded build (zero/engine.py Unit): a unit at a time, its fp32 initial values, one
-    # parameter's freshly drawn values, the unit in the compute dtype and this rank's shard of
-    # it, beside the shards already built (the states held at the end of setup).
+    # The sharded build (zero/engine.py ZeroEngine.__init__), in its order: unit by unit its
+    # parameters, gradient buffer and master join what is held, while the unit's transients
+    # live — one parameter's freshly drawn fp32 values (<= the unit), the fp32 initial values
+    # unless they are the compute-dtype flat parameter itself (fp32 compute), and at stage 3
+    # the unit in full beside its shard; Adam's moments are allocated after the last unit.
     unit = max(sp.root_unit, sp.block_unit)
+    p = states["p"]
+    transient = (4 + (4 if p != 4 else 0) + (p if s.zero_stage == 3 else 0)) * unit
+    moments = 0.0 if states["opt_tier"] != "none" else (
+        2 * DTYPE_BYTES[s.dtypes.master] * (sp.dense + sp.experts) / (states["n"] if s.zero_stage else 1))
     setup_peak = 0.0 if s.local else (sum(i.bytes for i in items[:3]) + calib.runtime_reserve
-                                      + (8 + 2 * states["p"]) * unit)
+                                      + max(0.0, transient - moments))
     if host:
         host.append(Item("worker process", HOST_PROCESS_BYTES, "torch + CUDA libraries (assumed)"))
     notes = [f"held throughout {_g(held)} + the worst phase, {PHASES[worst]}, {_g(phase[worst])}"
