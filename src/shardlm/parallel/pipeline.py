@@ -160,6 +160,17 @@ class Stage:
         self.wait_s += time.perf_counter() - start
         self.pending.clear()
 
+    def drain(self, device: torch.device) -> None:
+        """Wait for every stage to finish its step: a stage that ends early idles until the
+        pipeline drains (the last stage, whose last backward is the step's first to finish).
+        Waited here, timed as bubble, instead of unseen in the gradient norm's all-reduce that
+        follows. A 4-byte all-reduce: telemetry, not model communication (not in the ledger)."""
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        dist.all_reduce(torch.zeros(1, device=device), group=self.comm.group)
+        self.wait_s += time.perf_counter() - start
+
     def sync_tied(self, model: nn.Module) -> None:
         """Sum the tied embedding's gradient over the first and last stage (each computed its
         share: the lookup and the head)."""
@@ -300,6 +311,7 @@ class Schedule:
                 if hidden is not None:
                     stage.send(hidden.grad, prev, GRADIENTS)
         stage.settle()
+        stage.drain(io.device)
         return total
 
     @torch.no_grad()
