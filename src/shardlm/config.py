@@ -60,6 +60,31 @@ class ModelConfig:
     """SwiGLU hidden width is rounded up to a multiple of this (LLaMA's convention)."""
     init_std: float = 0.02
     """Standard deviation of the weight initialisation (residual projections get /sqrt(2*n_layers))."""
+    experts: int = 0
+    """Mixture of experts (models/moe.py): routed experts per MoE block (0 = a dense model)."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    expert_d_ff: int = 0
+    """One expert's hidden width (0 = the dense MLP's width, d_ff)."""
+    shared_experts: int = 0
+    """Experts every token also goes through (DeepSeek), fused into one MLP of that many widths."""
+    moe_every: int = 1
+    """Every moe_every-th block has experts (1 = all; 2 = blocks 1, 3, 5, ...), the rest dense."""
+    capacity_factor: float = 0.0
+    """0 = dropless; else an expert takes at most ceil(factor · top_k · tokens / experts) choices
+    of a micro-batch's tokens, the rest dropped (they pass by the residual; counted in the log)."""
+    router: str = "softmax"
+    """'softmax' (Mixtral: top-k of softmax, renormalised) or 'sigmoid' (DeepSeek-V3: top-k of
+    sigmoid scores, normalised)."""
+    balance: str = "aux"
+    """Load balancing: 'aux' (Switch's E·Σ f_i·P_i loss × aux_loss_coef), 'bias' (DeepSeek-V3's
+    auxiliary-loss-free per-expert bias, moved by bias_update_rate after each step) or 'none'."""
+    aux_loss_coef: float = 0.01
+    """Coefficient of the load-balancing loss (balance = 'aux')."""
+    z_loss_coef: float = 0.001
+    """Coefficient of the router z-loss, mean(logsumexp(logits)²) (ST-MoE); 0 = off."""
+    bias_update_rate: float = 0.001
+    """balance = 'bias': how far each expert's bias moves per step toward the mean load."""
 
 
 @dataclass
@@ -184,7 +209,11 @@ class ParallelConfig:
     """With pp > 1: blocks per stage (pp × pp_virtual counts), e.g. '4,4,3,5' ('' = balanced by
     FLOPs, the head's counted on the last stage)."""
     ep: int = 1
-    """Expert-parallel degree (reserved: 1 until mixture-of-experts lands)."""
+    """Expert-parallel degree: each rank holds model.experts / ep of every MoE block's experts,
+    tokens sent to their experts' ranks and back by all-to-all (parallel/expert.py). The ep
+    ranks come out of dp_shard (ep must divide it); the dense part stays data-parallel, the
+    experts are ZeRO-sharded over the dp_shard / ep ranks that hold the same ones. With tp > 1
+    the experts are spread over the tensor-parallel ranks instead (ep stays 1)."""
     reshard_after_forward: bool = True
     """Stage 3: free a unit's gathered parameters after its forward and gather again for its
     backward (memory), or keep them until its backward (one all-gather less per step)."""

@@ -36,6 +36,8 @@ _CHOICES = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.position": ("learned", "rope"),
     "model.mlp": ("gelu", "swiglu"),
+    "model.router": ("softmax", "sigmoid"),
+    "model.balance": ("aux", "bias", "none"),
     "precision.compute": ("auto",) + COMPUTE_DTYPES,
     "activation.checkpoint": RECOMPUTE_MODES,
     "precision.reduce": ("auto",) + COMPUTE_DTYPES,
@@ -75,11 +77,6 @@ def _non_negative(meaning: str = "") -> tuple[Callable[[Any], bool], str]:
     return _rule(lambda v: v >= 0, "must be >= 0" + meaning)
 
 
-def _only_one(name: str) -> tuple[Callable[[Any], bool], str]:
-    return _rule(lambda v: v == 1, f"is not supported: this version has data parallelism, ZeRO and tensor parallelism "
-                                   f"only; set parallel.{name} = 1")
-
-
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     # Each field's own range, checked after its type (and, for floats, finiteness). Every int and
     # float field has a rule here or a list in _CHOICES: tests/test_config.py holds that, so a new
@@ -95,6 +92,15 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.norm_eps": _positive(),
     "model.ffn_multiple_of": _positive(),
     "model.init_std": _positive(),
+    "model.experts": _non_negative(" (0 = a dense model)"),
+    "model.top_k": _positive(),
+    "model.expert_d_ff": _non_negative(" (0 = model.d_ff)"),
+    "model.shared_experts": _non_negative(),
+    "model.moe_every": _positive(),
+    "model.capacity_factor": _non_negative(" (0 = dropless)"),
+    "model.aux_loss_coef": _non_negative(),
+    "model.z_loss_coef": _non_negative(),
+    "model.bias_update_rate": _non_negative(),
     "data.source": _rule(lambda v: bool(v.strip()), "must name 'stdlib' or files / directories"),
     "data.val_fraction": _rule(lambda v: 0.0 < v < 0.5, "must be in (0, 0.5)"),
     "data.max_bytes": _non_negative(" (0 = whole corpus)"),
@@ -126,7 +132,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "parallel.pp_schedule": _rule(lambda v: v in ("gpipe", "1f1b", "interleaved", "zb"),
                                   "must be 'gpipe', '1f1b', 'interleaved' or 'zb'"),
     "parallel.pp_virtual": _positive(),
-    "parallel.ep": _only_one("ep"),
+    "parallel.ep": _positive(),
     "parallel.collective_timeout_s": _non_negative(" (0 disables the watchdog)"),
     "zero.nvme_chunk_mb": _rule(lambda v: 1 <= v <= NVME_CHUNK_MB_MAX,
                                 f"must be in [1, {NVME_CHUNK_MB_MAX}] (MB per chunk; the stream "
@@ -242,6 +248,33 @@ def _pipeline_fits(cfg: Config) -> list[str]:
                         "parameters for each forward and backward, and a pipeline stage runs many "
                         "micro-batches' forwards and backwards interleaved; not supported yet: use "
                         "zero_stage <= 2 (stage 2 shards gradients after the last micro-batch)")
+    return problems
+
+
+@_cross("model.experts", "model.top_k", "parallel.ep", "parallel.tp", "parallel.cp", "parallel.dp_shard")
+def _experts_fit(cfg: Config) -> list[str]:
+    m, par, problems = cfg.model, cfg.parallel, []
+    if m.experts and m.top_k > m.experts:
+        problems.append(f"model.top_k = {m.top_k} exceeds model.experts = {m.experts}: a token "
+                        f"cannot choose more experts than there are")
+    if par.ep > 1:
+        if not m.experts or m.experts % par.ep:
+            problems.append(f"parallel.ep = {par.ep} must divide model.experts = {m.experts}: each "
+                            f"expert-parallel rank holds experts / ep of them"
+                            + ("" if m.experts else " (this model has none: set model.experts)"))
+        if par.dp_shard > 0 and par.dp_shard % par.ep:
+            problems.append(f"parallel.ep = {par.ep} must divide parallel.dp_shard = {par.dp_shard}: "
+                            f"expert-parallel ranks are data-parallel ranks")
+        if par.tp > 1:
+            problems.append(f"parallel.ep = {par.ep} with parallel.tp = {par.tp}: under tensor "
+                            f"parallelism the experts are spread over the tp ranks already; set "
+                            f"parallel.ep = 1")
+        if par.cp > 1:
+            problems.append(f"parallel.ep = {par.ep} with parallel.cp = {par.cp} is not supported yet: "
+                            f"use one of them")
+    if m.experts and par.tp > 1 and m.experts % par.tp:
+        problems.append(f"parallel.tp = {par.tp} must divide model.experts = {m.experts}: with tensor "
+                        f"parallelism each tp rank holds experts / tp of them")
     return problems
 
 

@@ -45,6 +45,12 @@ class Mesh:
     """The pipeline: the ranks of every stage at this rank's position in the rest of the grid."""
     pp_ends_group: dist.ProcessGroup | None = None
     """The first and the last stage of this rank's pipeline (a tied embedding's two copies)."""
+    ep_group: dist.ProcessGroup | None = None
+    """Expert parallelism: ep consecutive ranks of a shard group, each holding different experts."""
+    ep_shard_group: dist.ProcessGroup | None = None
+    """The dp_shard / ep ranks of a shard group that hold the same experts (ZeRO shards them)."""
+    ep_dp_group: dist.ProcessGroup | None = None
+    """Every rank holding the same experts, replicas included (stage 0 all-reduces over it)."""
 
     @property
     def pp_rank(self) -> int:
@@ -72,6 +78,16 @@ class Mesh:
     @property
     def replica_rank(self) -> int:
         return self.dp_rank // self.dims.dp_shard
+
+    @property
+    def ep_rank(self) -> int:
+        """Which of the ep slices of the experts this rank holds."""
+        return self.dp_rank % self.dims.dp_shard % self.dims.ep
+
+    @property
+    def ep_shard_rank(self) -> int:
+        """Position among the ranks of the shard group holding the same experts."""
+        return self.dp_rank % self.dims.dp_shard // self.dims.ep
 
 
 def _my_group(rank: int, groups: list[list[int]]) -> dist.ProcessGroup:
@@ -109,5 +125,16 @@ def build_mesh(dims: ParallelDims, device: torch.device, rank: int) -> Mesh:
     ends = None
     if dims.pp > 1:
         ends = _my_group(rank, [[i, (dims.pp - 1) * stage + i] for i in range(stage)])
+    ep = ep_shard = ep_dp = None
+    if dims.ep > 1:  # (validated: cp = tp = 1) rank = (q·R + r)·S + b·ep + j
+        e, per = dims.ep, dims.dp_shard // dims.ep
+        at = lambda q, r, b, j: ((q * dims.dp_replicate + r) * dims.dp_shard + b * e + j) * inner  # noqa: E731
+        blocks = [(q, r) for q in range(dims.pp) for r in range(dims.dp_replicate)]
+        ep = _my_group(rank, [[at(q, r, b, j) for j in range(e)] for q, r in blocks for b in range(per)])
+        if per > 1:
+            ep_shard = _my_group(rank, [[at(q, r, b, j) for b in range(per)] for q, r in blocks for j in range(e)])
+        if per * dims.dp_replicate > 1:
+            ep_dp = _my_group(rank, [[at(q, r, b, j) for r in range(dims.dp_replicate) for b in range(per)]
+                                     for q in range(dims.pp) for j in range(e)])
     return Mesh(dims, rank, mesh, shard, group("dp_replicate"), group("tp"), dp, group("cp"),
-                group("pp"), ends)
+                group("pp"), ends, ep, ep_shard, ep_dp)

@@ -29,11 +29,20 @@ def _llama(n_layers: int, n_heads: int, n_kv_heads: int, d_model: int, d_ff: int
                 rope_theta=rope_theta, norm_eps=norm_eps, ffn_multiple_of=ffn_multiple_of)
 
 
+def _moe(base: dict[str, Any], experts: int, top_k: int, expert_d_ff: int, shared: int = 0,
+         router: str = "softmax") -> dict[str, Any]:
+    # A mixture of experts on a dense shape: every block's MLP routed (models/moe.py).
+    return dict(base, experts=experts, top_k=top_k, expert_d_ff=expert_d_ff, shared_experts=shared,
+                router=router)
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Tiny shapes for tests: seconds on a CPU.
     "gpt-tiny": _gpt2(n_layers=2, n_heads=2, d_model=64, vocab_size=512, max_seq_len=64),
     "llama-tiny": _llama(n_layers=2, n_heads=4, n_kv_heads=2, d_model=64, d_ff=0, vocab_size=512,
                          max_seq_len=64, ffn_multiple_of=32),
+    "moe-tiny": _moe(_llama(n_layers=2, n_heads=4, n_kv_heads=2, d_model=64, d_ff=0, vocab_size=512,
+                            max_seq_len=64, ffn_multiple_of=32), experts=4, top_k=2, expert_d_ff=96),
     # The default run: a small GPT that learns visibly on the stdlib corpus in a few CPU minutes.
     "gpt-mini": _gpt2(n_layers=4, n_heads=4, d_model=256, vocab_size=8192, max_seq_len=256),
     # GPT-2 family (124M, 355M, 774M, 1.558B parameters as published with 50257 tokens).
@@ -52,6 +61,20 @@ PRESETS: dict[str, dict[str, Any]] = {
                        vocab_size=32000, max_seq_len=4096),
     "llama-13b": _llama(n_layers=40, n_heads=40, n_kv_heads=40, d_model=5120, d_ff=13824,
                         vocab_size=32000, max_seq_len=4096),
+    # Mixtures of experts at published shapes (for the planner; trainable where they fit).
+    # Mixtral 8x7B (Jiang et al. 2024): Mistral 7B's attention, 8 SwiGLU experts of 14336, top 2.
+    "mixtral-8x7b": _moe(_llama(n_layers=32, n_heads=32, n_kv_heads=8, d_model=4096, d_ff=14336,
+                                vocab_size=32000, max_seq_len=32768, rope_theta=1e6),
+                         experts=8, top_k=2, expert_d_ff=14336),
+    # OLMoE-1B-7B-like (Muennighoff et al. 2024): 64 experts of 1024, top 8 (without its q/k norm).
+    "olmoe-like": _moe(_llama(n_layers=16, n_heads=16, n_kv_heads=16, d_model=2048, d_ff=1024,
+                              vocab_size=50304, max_seq_len=4096), experts=64, top_k=8, expert_d_ff=1024),
+    # DeepSeek-V2-Lite-like (DeepSeek-AI 2024): 64 routed experts of 1408, top 6, 2 shared; with
+    # grouped-query attention in place of its multi-head latent attention, and every block MoE
+    # (the original's first is dense).
+    "deepseek-v2-lite-like": _moe(_llama(n_layers=27, n_heads=16, n_kv_heads=16, d_model=2048, d_ff=1408,
+                                         vocab_size=102400, max_seq_len=4096),
+                                  experts=64, top_k=6, expert_d_ff=1408, shared=2),
 }
 
 ALIASES = {"gpt2": "gpt2-124m", "gpt2-medium": "gpt2-350m", "gpt2-large": "gpt2-774m",
@@ -66,6 +89,7 @@ PUBLISHED_PARAMS = {
     "llama-1b": 1_235_814_400,
     "llama-7b": 6_738_415_616,
     "llama-13b": 13_015_864_320,
+    "mixtral-8x7b": 46_702_792_704,
 }
 
 

@@ -31,6 +31,7 @@ from shardlm.models import build_model, flops_per_token, generate
 from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
 from shardlm.parallel.build import parallelize
 from shardlm.parallel.data import DataParallelEngine
+from shardlm.parallel.expert import finish_moe_step, moe_record
 from shardlm.parallel.pipeline import Schedule, StepIO, gather_stages
 from shardlm.parallel.tensor import whole_parameters
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
@@ -71,6 +72,8 @@ class Run:
     """The first step to run: 0, or where the checkpoint resumed from left off."""
     schedule: Schedule | None = None
     """The pipeline schedule of this rank's stage (parallel.pp > 1)."""
+    moe_sums: torch.Tensor | None = None
+    """The last step's mixture-of-experts figures summed over the ranks (parallel/expert.py)."""
 
 
 @dataclass
@@ -204,6 +207,9 @@ def save_checkpoint(run: Run, step: int) -> SaveReport:
     state = {"step": step, "optimizer_steps": adam_steps(run.strategy.optimizer),
              "scaler": run.precision.scaler.state_dict(),
              "data": {"seed": t.seed, "global_batch": run.train_loader.global_batch, "seq_len": t.seq_len}}
+    moe = getattr(run.model, "moe_stats", None)
+    if moe is not None and moe.biases:  # balance = 'bias': the routers' biases (the same everywhere)
+        state["moe_biases"] = {str(k): v.tolist() for k, v in moe.biases.items()}
     meta = {"config": run.cfg.to_dict(), "layout": _layout(run)}
     return run.checkpoints.save(step, run.strategy.state_slices(saving=True), run.strategy.writes_checkpoint,
                                 state, {"rng": rng}, meta)
@@ -233,6 +239,10 @@ def _restore_state(run: Run, manifest: dict) -> int:
     """Everything but the tensors: optimizer step count, scaler, RNG, data position."""
     state = manifest["state"]
     set_adam_steps(run.strategy.optimizer, state["optimizer_steps"])
+    moe = getattr(run.model, "moe_stats", None)
+    for layer, values in state.get("moe_biases", {}).items():
+        if moe is not None and int(layer) in moe.biases:
+            moe.biases[int(layer)].copy_(torch.tensor(values))
     run.precision.scaler.load_state_dict(state["scaler"])
     ranks = manifest["ranks"]
     if len(ranks) == run.runtime.world_size:
@@ -302,6 +312,10 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     # Context parallelism: each rank's loss is the mean over its 1/cp of the tokens.
     global_micro_batches = len(micro_batches) * run.mesh.dims.dp_size * run.mesh.dims.cp
     total = torch.zeros((), device=run.runtime.device)
+    moe = getattr(run.model, "moe_stats", None)
+    if moe is not None:  # the MoE layers' balancing losses get the language-model loss's scale
+        moe.reset()
+        moe.grad_scale = scaler.scale / global_micro_batches
     if run.schedule is not None:  # the pipeline's order of forwards and backwards
         total = run.schedule.run(pipeline_io(run, global_micro_batches), micro_batches)
         run.schedule.stage.sync_tied(run.model)
@@ -322,6 +336,9 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     if stepped:
         strategy.step()
     strategy.zero_grad()
+    if moe is not None:  # the step's routing summed over the ranks; the balancing biases moved
+        m = run.cfg.model
+        run.moe_sums = finish_moe_step(moe, m.balance if stepped else "none", m.bias_update_rate)
     # The loss and the stop flag in one tensor: the logging scalar every step sums anyway
     # carries the agreement to stop (a signal may reach only some ranks, or at different steps).
     # Every rank of a tensor-parallel group holds the same loss: counted once.
@@ -359,6 +376,8 @@ def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: flo
         pipeline = {"pp_bubble": sum(idle) / len(idle), "pp_bubble_by_stage": idle,
                     "pp_bubble_formula": run.schedule.bubble_formula(run.cfg.train.grad_accum),
                     "pp_peak_rss_bytes_by_stage": [int(b) for b in rss]}
+    if run.moe_sums is not None:  # mixture of experts: balance, drops, traffic
+        pipeline.update(moe_record(run.model.moe_stats, run.moe_sums, comm))
     return {"step": step + 1, "loss": loss, "lr": run.strategy.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
             "step_time_s": seconds, "peak_rss_bytes": peak_rss_bytes(),
@@ -414,7 +433,8 @@ def train(run: Run) -> TrainResult:
         result.mfu = sum(mfus) / len(mfus)
     if result.stopped_by is None:
         with run.strategy.full_parameters():
-            weights = whole_parameters(run.model) if run.mesh.dims.tp > 1 else run.model
+            cut = run.mesh.dims.tp > 1 or run.mesh.dims.ep > 1
+            weights = whole_parameters(run.model) if cut else run.model
             if run.schedule is not None:  # every stage's parameters, gathered
                 whole = weights if isinstance(weights, dict) else whole_parameters(weights)
                 shapes = {n: tuple(p.shape) for n, p in build_model(cfg.model, "meta").named_parameters()}

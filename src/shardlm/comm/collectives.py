@@ -134,6 +134,19 @@ class Comm:
                             lambda: _all_gather_single(output, input, group=self.group,
                                                        async_op=True))
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int], op: str = "all_to_all"):
+        """Rows input[sum(input_splits[:j]) ...] to group rank j; output holds what each rank
+        sent here, in rank order (uneven splits: expert parallelism's token exchange). Counted
+        as the bytes this rank sends to the others (its own rows stay), under `op`."""
+        if self.group is None:
+            output.copy_(input)
+            return _Done()
+        row = input[0].numel() * input.element_size() if input.shape[0] else 0
+        sent = (sum(input_splits) - input_splits[self.rank]) * row
+        return self._launch(op, sent, lambda: dist.all_to_all_single(
+            output, input, output_splits, input_splits, group=self.group, async_op=True))
+
     def send(self, tensor: torch.Tensor, to: int, tag: int = 0):
         """Send to group rank `to` (a pipeline stage's activation or gradient); counted as its
         bytes ("send"). The tensor must stay alive and unchanged until the handle is waited on."""

@@ -18,12 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.config import ModelConfig
-from shardlm.models.flops import resolved_d_ff
+from shardlm.models.flops import is_moe_block, moe_layers, resolved_d_ff
 from shardlm.models.init import materialize, parameter_generator
+from shardlm.models.moe import MoE, MoEStats
 
 # Linears that write into the residual stream: GPT-2 scales their init by 1/sqrt(2*n_layers) so
 # the residual's variance does not grow with depth (Radford et al. 2019, section 2.3).
-RESIDUAL_PROJECTIONS = ("attn.proj", "mlp.proj", "mlp.down")
+RESIDUAL_PROJECTIONS = ("attn.proj", "mlp.proj", "mlp.down", "shared.proj", "shared.down",
+                        "experts.proj", "experts.down")
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (T, head_dim // 2)
 
@@ -125,15 +127,20 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
-class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+def dense_mlp(cfg: ModelConfig) -> nn.Module:
+    return SwiGLU(cfg) if cfg.mlp == "swiglu" else GeluMLP(cfg)
 
-    def __init__(self, cfg: ModelConfig) -> None:
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a mixture of
+    experts (models/moe.py) in the blocks `model.moe_every` picks when model.experts > 0."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0, stats: MoEStats | None = None) -> None:
         super().__init__()
         self.attn_norm = _norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = _norm(cfg)
-        self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else GeluMLP(cfg)
+        self.mlp = MoE(cfg, index, stats, dense_mlp) if is_moe_block(cfg, index) else dense_mlp(cfg)
 
     def forward(self, x: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)  # (B, T, C)
@@ -149,7 +156,9 @@ class Decoder(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         if cfg.position == "learned":
             self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.moe_stats = MoEStats(moe_layers(cfg), cfg.experts) if cfg.experts else None
+        """What the mixture-of-experts layers did this step (models/moe.py), when there are any."""
+        self.blocks = nn.ModuleList(Block(cfg, i, self.moe_stats) for i in range(cfg.n_layers))
         self.norm_f = _norm(cfg)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.position == "rope":
@@ -174,10 +183,10 @@ class Decoder(nn.Module):
         module = self.get_submodule(module_name)
         if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and attr == "weight":
             return torch.ones(shape)
-        if attr == "bias":
+        if attr.endswith("bias"):
             return torch.zeros(shape)
         std = self.cfg.init_std
-        if module_name.endswith(RESIDUAL_PROJECTIONS):
+        if name.removesuffix(".weight").endswith(RESIDUAL_PROJECTIONS):
             std /= math.sqrt(2 * self.cfg.n_layers)
         return torch.empty(shape).normal_(0.0, std, generator=parameter_generator(seed, name))
 

@@ -26,13 +26,50 @@ def resolved_d_ff(cfg: ModelConfig) -> int:
     return m * ((hidden + m - 1) // m)
 
 
-def _block_matmul_params(cfg: ModelConfig) -> int:
-    """Weight elements of one block's linears: fused qkv, attention proj, the MLP's matrices."""
+def expert_d_ff(cfg: ModelConfig) -> int:
+    """One routed expert's hidden width: `expert_d_ff`, else the dense MLP's."""
+    return cfg.expert_d_ff or resolved_d_ff(cfg)
+
+
+def is_moe_block(cfg: ModelConfig, index: int) -> bool:
+    """Block `index` has a mixture of experts (models/moe.py): every `moe_every`-th block, the
+    last of each run (moe_every 2: blocks 1, 3, 5, ... as GShard's every other layer)."""
+    return cfg.experts > 0 and (index + 1) % max(1, cfg.moe_every) == 0
+
+
+def moe_layers(cfg: ModelConfig) -> list[int]:
+    return [i for i in range(cfg.n_layers) if is_moe_block(cfg, i)]
+
+
+def _mlp_matmul(cfg: ModelConfig, width: int) -> int:
+    return (3 if cfg.mlp == "swiglu" else 2) * cfg.d_model * width
+
+
+def _mlp_biases(cfg: ModelConfig, width: int) -> int:
+    return (width * (2 if cfg.mlp == "swiglu" else 1) + cfg.d_model) if cfg.bias else 0
+
+
+def _attention_matmul(cfg: ModelConfig) -> int:
     d, head_dim = cfg.d_model, cfg.d_model // cfg.n_heads
     n_kv = cfg.n_kv_heads or cfg.n_heads
-    attn = d * (cfg.n_heads + 2 * n_kv) * head_dim + cfg.n_heads * head_dim * d
-    mlp_matrices = 3 if cfg.mlp == "swiglu" else 2
-    return attn + mlp_matrices * d * resolved_d_ff(cfg)
+    return d * (cfg.n_heads + 2 * n_kv) * head_dim + cfg.n_heads * head_dim * d
+
+
+def _mlp_widths(cfg: ModelConfig, moe: bool, active: bool) -> list[int]:
+    """The hidden widths of the MLPs a token goes through (active) or that exist: the dense
+    MLP's; or the routed experts' (top_k of them, or all) and the shared experts' one MLP."""
+    if not moe:
+        return [resolved_d_ff(cfg)]
+    f = expert_d_ff(cfg)
+    shared = [cfg.shared_experts * f] if cfg.shared_experts else []
+    return [f] * (cfg.top_k if active else cfg.experts) + shared
+
+
+def _block_matmul_params(cfg: ModelConfig, moe: bool = False, active: bool = True) -> int:
+    """Weight elements of one block's linears: fused qkv, attention proj, the MLPs' matrices
+    (a MoE block's router and the experts a token visits, or all of them with active=False)."""
+    router = cfg.d_model * cfg.experts if moe else 0
+    return _attention_matmul(cfg) + router + sum(_mlp_matmul(cfg, w) for w in _mlp_widths(cfg, moe, active))
 
 
 def _norm_params(cfg: ModelConfig) -> int:
@@ -40,30 +77,44 @@ def _norm_params(cfg: ModelConfig) -> int:
     return cfg.d_model * (2 if has_bias else 1)
 
 
-def _block_params(cfg: ModelConfig) -> int:
+def _block_params(cfg: ModelConfig, moe: bool = False, active: bool = False) -> int:
     biases = 0
     if cfg.bias:
         head_dim, n_kv = cfg.d_model // cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
-        mlp_out = 2 * resolved_d_ff(cfg) if cfg.mlp == "swiglu" else resolved_d_ff(cfg)
-        biases = (cfg.n_heads + 2 * n_kv) * head_dim + cfg.d_model + mlp_out + cfg.d_model
-    return _block_matmul_params(cfg) + biases + 2 * _norm_params(cfg)
+        biases = (cfg.n_heads + 2 * n_kv) * head_dim + cfg.d_model
+        biases += sum(_mlp_biases(cfg, w) for w in _mlp_widths(cfg, moe, active))
+    return _block_matmul_params(cfg, moe, active) + biases + 2 * _norm_params(cfg)
 
 
-def count_params(cfg: ModelConfig) -> int:
-    """Unique parameters of the built model; a tied head shares the embedding and counts once."""
+def _root_params(cfg: ModelConfig) -> int:
     embeddings = cfg.vocab_size * cfg.d_model
     if cfg.position == "learned":
         embeddings += cfg.max_seq_len * cfg.d_model
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
-    return cfg.n_layers * _block_params(cfg) + embeddings + _norm_params(cfg) + head
+    return embeddings + _norm_params(cfg) + head
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Unique parameters of the built model; a tied head shares the embedding and counts once.
+    A mixture of experts counts every expert (active_params: those a token uses)."""
+    return sum(_block_params(cfg, is_moe_block(cfg, i)) for i in range(cfg.n_layers)) + _root_params(cfg)
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters one token's forward uses: count_params with top_k of each MoE block's routed
+    experts instead of all (equal to count_params for a dense model)."""
+    return sum(_block_params(cfg, is_moe_block(cfg, i), active=True) for i in range(cfg.n_layers)) \
+        + _root_params(cfg)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Weight elements multiplied per token: every block linear, plus the head (tied or not).
+    """Weight elements multiplied per token: every block linear (a MoE block's router, its top_k
+    routed experts and its shared ones), plus the head (tied or not).
 
     Embedding lookups do no multiply-adds and are excluded; biases and norms are not matmuls.
     """
-    return cfg.n_layers * _block_matmul_params(cfg) + cfg.d_model * cfg.vocab_size
+    return sum(_block_matmul_params(cfg, is_moe_block(cfg, i)) for i in range(cfg.n_layers)) \
+        + cfg.d_model * cfg.vocab_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none") -> float:
@@ -107,9 +158,10 @@ def _flops(cfg: ModelConfig, seq_len: int, recompute: str, attention_forward: in
         raise ValueError(f"recompute = {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
     per_token = cfg.n_layers * cfg.d_model * seq_len
     flops = 6 * matmul_params(cfg) + (attention_forward + attention_backward) * per_token
-    if recompute == "full":
-        recomputed = _block_matmul_params(cfg) - cfg.d_model * resolved_d_ff(cfg)
-        flops += 2 * cfg.n_layers * recomputed + attention_forward * per_token
+    if recompute == "full":  # every block again but its MLPs' last linears
+        recomputed = sum(_block_matmul_params(cfg, moe) - cfg.d_model * sum(_mlp_widths(cfg, moe, True))
+                         for moe in map(lambda i: is_moe_block(cfg, i), range(cfg.n_layers)))
+        flops += 2 * recomputed + attention_forward * per_token
     return float(flops)
 
 
@@ -142,7 +194,8 @@ def pipeline_split(cfg: ModelConfig, seq_len: int, pp: int, explicit: str = "", 
 
 
 def _head_in_blocks(cfg: ModelConfig, seq_len: int) -> float:
-    return 2 * cfg.d_model * cfg.vocab_size / (2 * _block_matmul_params(cfg) + 2 * cfg.d_model * seq_len)
+    block = (matmul_params(cfg) - cfg.d_model * cfg.vocab_size) / cfg.n_layers  # the mean block
+    return 2 * cfg.d_model * cfg.vocab_size / (2 * block + 2 * cfg.d_model * seq_len)
 
 
 def stage_shares(cfg: ModelConfig, seq_len: int, split: list[int]) -> list[float]:

@@ -5,14 +5,15 @@ fixed order, each a function that logs what it applied:
 
     tensor parallelism (apply_tp, or apply_tp_plan for a transformers model: layers replaced
     by their tensor-parallel versions, still on the meta device)  →  context parallelism
-    (apply_cp: the sequence split, attention by ring)  →  pipeline stages (apply_pp: the
+    (apply_cp: the sequence split, attention by ring)  →  expert parallelism (apply_ep)  →  pipeline stages (apply_pp: the
     blocks outside this rank's stage dropped, still on meta)  →  activation checkpointing (apply_ac)
     →  data parallelism / ZeRO (apply_data_parallel: the sharded build materialises the model
     here, one unit at a time, each parameter initialised whole and cut to this rank's piece)
     →  compile
 
-Expert parallelism takes its place (tensor → context → expert → pipeline → activation
-checkpointing → ZeRO → compile) when it lands; until then config validation refuses ep > 1.
+Expert parallelism (apply_ep: each MoE block's experts cut to this rank's E / ep, tokens
+exchanged by all-to-all) goes between context parallelism and the pipeline; under tensor
+parallelism apply_tp spreads the experts over the tp ranks instead.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from shardlm.config import Config
 from shardlm.mesh import Mesh
 from shardlm.parallel.activation import apply_ac
 from shardlm.parallel.context import CPState, apply_cp
+from shardlm.parallel.expert import apply_ep
 from shardlm.parallel.pipeline import SCHEDULES, Schedule, Stage, apply_pp
 from shardlm.parallel.weight_grads import make_deferrable
 from shardlm.models.flops import pipeline_split
@@ -100,6 +102,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     if tp is not None:
         initializer = sliced(initializer, tp.splits)
     cp = apply_cp(model, Comm(mesh.cp_group, "cp", ledger, watchdog)) if mesh.dims.cp > 1 else None
+    experts = apply_ep(model, Comm(mesh.ep_group, "ep", ledger, watchdog)) if mesh.dims.ep > 1 else {}
+    if experts:
+        initializer = sliced(initializer, experts)
     stage = None
     if mesh.dims.pp > 1:
         par = cfg.parallel
@@ -109,7 +114,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
                          par.pp_virtual)
     apply_ac(model, cfg.activation.checkpoint)
     strategy = apply_data_parallel(model, mesh, cfg, device, watchdog, run_dir, initializer, ledger,
-                                   tp.splits if tp else None, stage.copies if stage else frozenset())
+                                   tp.splits if tp else None, stage.copies if stage else frozenset(),
+                                   experts)
     schedule = SCHEDULES[cfg.parallel.pp_schedule](stage) if stage else None
     if schedule is not None and schedule.splits_backward:  # weight gradients computed apart
         log.info("zero-bubble: %d linear layers with deferrable weight gradients",

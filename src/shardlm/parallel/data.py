@@ -113,12 +113,13 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch
                         run_dir: Path = Path("runs"), initializer: Initializer | None = None,
                         ledger: CommLedger | None = None,
                         splits: dict[str, Split] | None = None,
-                        copies: frozenset[str] = frozenset()) -> DataParallelEngine:
+                        copies: frozenset[str] = frozenset(),
+                        experts: dict[str, Split] | None = None) -> DataParallelEngine:
     """One process at stage 0 trains locally; anything else goes through the ZeRO engine.
     `initializer`: for a meta-device model whose layers an earlier step replaced (tensor
     parallelism: it initialises whole parameters and cuts this rank's piece); `ledger`, the
     run's byte ledger; `splits`, the parameters tensor parallelism cut; `copies`, those another
-    pipeline stage owns."""
+    pipeline stage owns; `experts`, the expert weights expert parallelism cut."""
     par, prec = cfg.parallel, cfg.precision
     compute = prec.compute  # resolved: resolve.resolve_config decided 'auto'
     if initializer is None and _on_meta(model):
@@ -137,7 +138,8 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch
         offload_params=cfg.zero.offload_params,
         nvme_dir=Path(cfg.zero.nvme_path or run_dir / "offload") / f"rank-{mesh.rank:05d}",
         nvme_chunk_bytes=cfg.zero.nvme_chunk_mb << 20, nvme_buffers=cfg.zero.nvme_buffers)
-    return ZeroEngine(model, mesh, opts, cfg.train, device, watchdog, initializer, ledger, splits, copies)
+    return ZeroEngine(model, mesh, opts, cfg.train, device, watchdog, initializer, ledger, splits, copies,
+                      experts)
 
 
 def _on_meta(model: nn.Module) -> bool:

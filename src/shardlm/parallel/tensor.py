@@ -376,25 +376,27 @@ def _check(cfg, tp: int) -> None:
 
 @torch.no_grad()
 def whole_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter whole (CPU, contiguous), by name: a tensor-parallel piece put together
-    from the group's pieces (each rank places its owned ranges in a zero tensor of the whole
-    shape, and the group sums them: each element has one non-zero addend, so the sum is exact),
-    a replicated one as it is. A collective over the tensor-parallel group: every rank of it
-    calls. Parameters must be materialised (stage 3: inside full_parameters())."""
-    tp: TPState | None = getattr(model, "tp", None)
+    """Every parameter whole (CPU, contiguous), by name: a piece cut by tensor or expert
+    parallelism (model.tp / model.ep: their `splits`, `comm`, `rank`) put together from its
+    group's pieces (each rank places its owned ranges in a zero tensor of the whole shape, and
+    the group sums them: each element has one non-zero addend, so the sum is exact), a
+    replicated one as it is. A collective over those groups: every rank of them calls.
+    Parameters must be materialised (stage 3: inside full_parameters())."""
+    owners = [o for o in (getattr(model, "tp", None), getattr(model, "ep", None)) if o is not None]
     out = {}
     for name, param in model.named_parameters():
-        split = tp.splits.get(name) if tp is not None else None
-        if split is None:
+        owner = next((o for o in owners if name in o.splits), None)
+        if owner is None:
             out[name] = param.detach().cpu().contiguous().clone()
             continue
+        split = owner.splits[name]
         whole = torch.zeros(split.shape, dtype=param.dtype, device=param.device)
         piece, at = param.detach(), 0
         for i, (lo, hi) in enumerate(split.ranges):
-            if tp.rank == 0 or i not in split.copies:
+            if owner.rank == 0 or i not in split.copies:
                 whole.narrow(split.dim, lo, hi - lo).copy_(piece.narrow(split.dim, at, hi - lo))
             at += hi - lo
-        tp.comm.all_reduce(whole).wait()
+        owner.comm.all_reduce(whole).wait()
         out[name] = whole.cpu()
     return out
 
@@ -432,7 +434,7 @@ def apply_tp(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPState |
 
 
 def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: bool) -> TPState:
-    from shardlm.models.decoder import GeluMLP, SwiGLU
+    from shardlm.models.moe import MoE
 
     tp = TPState(comm, sequence_parallel)
     d, hd = cfg.d_model, cfg.d_model // cfg.n_heads
@@ -461,28 +463,10 @@ def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: b
         attn.proj = RowParallelLinear(q_hi - q_lo, d, attn.proj.bias is not None, tp)
         cut(f"{pre}.attn.proj.weight", (d, nq), 1, [(q_lo, q_hi)])
         attn.n_heads, attn.n_kv_heads = cfg.n_heads // n, max(1, kv // n)
-        mlp = block.mlp
-        if isinstance(mlp, SwiGLU):
-            h_lo, h_hi = even_range(mlp.hidden, n, r)
-            ranges = [(h_lo, h_hi), (mlp.hidden + h_lo, mlp.hidden + h_hi)]
-            bias = mlp.gate_up.bias is not None
-            mlp.gate_up = ColumnParallelLinear(d, 2 * (h_hi - h_lo), bias, tp)
-            cut(f"{pre}.mlp.gate_up.weight", (2 * mlp.hidden, d), 0, ranges)
-            if bias:
-                cut(f"{pre}.mlp.gate_up.bias", (2 * mlp.hidden,), 0, ranges)
-            mlp.down = RowParallelLinear(h_hi - h_lo, d, mlp.down.bias is not None, tp)
-            cut(f"{pre}.mlp.down.weight", (d, mlp.hidden), 1, [(h_lo, h_hi)])
-            mlp.hidden = h_hi - h_lo
-        elif isinstance(mlp, GeluMLP):
-            hidden = mlp.fc.out_features
-            h_lo, h_hi = even_range(hidden, n, r)
-            bias = mlp.fc.bias is not None
-            mlp.fc = ColumnParallelLinear(d, h_hi - h_lo, bias, tp)
-            cut(f"{pre}.mlp.fc.weight", (hidden, d), 0, [(h_lo, h_hi)])
-            if bias:
-                cut(f"{pre}.mlp.fc.bias", (hidden,), 0, [(h_lo, h_hi)])
-            mlp.proj = RowParallelLinear(h_hi - h_lo, d, mlp.proj.bias is not None, tp)
-            cut(f"{pre}.mlp.proj.weight", (d, hidden), 1, [(h_lo, h_hi)])
+        if isinstance(block.mlp, MoE):  # experts spread over the group, the shared ones cut
+            _cut_moe(block.mlp, f"{pre}.mlp", model, tp, cut)
+        else:
+            _cut_mlp(block.mlp, f"{pre}.mlp", d, n, r, tp, cut)
         block.attn_norm, block.mlp_norm = SyncedNorm(block.attn_norm, tp), SyncedNorm(block.mlp_norm, tp)
     v_lo, v_hi = even_range(cfg.vocab_size, n, r)
     model.tok_emb = VocabParallelEmbedding(v_lo, v_hi, d, tp)
@@ -496,3 +480,43 @@ def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: b
         cut("head.weight", (cfg.vocab_size, d), 0, [(v_lo, v_hi)])
     model.tp = tp
     return tp
+
+
+def _cut_mlp(mlp: nn.Module, pre: str, d: int, n: int, r: int, tp: TPState, cut) -> None:
+    """A dense MLP column- then row-parallel: this rank's 1/n of its hidden width."""
+    from shardlm.models.decoder import GeluMLP, SwiGLU
+
+    if isinstance(mlp, SwiGLU):
+        h_lo, h_hi = even_range(mlp.hidden, n, r)
+        ranges = [(h_lo, h_hi), (mlp.hidden + h_lo, mlp.hidden + h_hi)]
+        bias = mlp.gate_up.bias is not None
+        mlp.gate_up = ColumnParallelLinear(d, 2 * (h_hi - h_lo), bias, tp)
+        cut(f"{pre}.gate_up.weight", (2 * mlp.hidden, d), 0, ranges)
+        if bias:
+            cut(f"{pre}.gate_up.bias", (2 * mlp.hidden,), 0, ranges)
+        mlp.down = RowParallelLinear(h_hi - h_lo, d, mlp.down.bias is not None, tp)
+        cut(f"{pre}.down.weight", (d, mlp.hidden), 1, [(h_lo, h_hi)])
+        mlp.hidden = h_hi - h_lo
+    elif isinstance(mlp, GeluMLP):
+        hidden = mlp.fc.out_features
+        h_lo, h_hi = even_range(hidden, n, r)
+        bias = mlp.fc.bias is not None
+        mlp.fc = ColumnParallelLinear(d, h_hi - h_lo, bias, tp)
+        cut(f"{pre}.fc.weight", (hidden, d), 0, [(h_lo, h_hi)])
+        if bias:
+            cut(f"{pre}.fc.bias", (hidden,), 0, [(h_lo, h_hi)])
+        mlp.proj = RowParallelLinear(h_hi - h_lo, d, mlp.proj.bias is not None, tp)
+        cut(f"{pre}.proj.weight", (d, hidden), 1, [(h_lo, h_hi)])
+
+
+def _cut_moe(moe: nn.Module, pre: str, model: nn.Module, tp: TPState, cut) -> None:
+    """A MoE block under tensor parallelism (parallel/expert.py): the experts spread over the
+    group, each rank routing its share of the tokens; the router's gradient summed over the
+    group (each rank routed different tokens); the shared experts cut as a dense MLP."""
+    from shardlm.parallel.expert import TokenShare, spread_experts
+
+    tp.splits.update(spread_experts(moe, pre, model.cfg, tp.comm, model.moe_stats))
+    moe.tokens = TokenShare(tp)
+    moe.router.sync_weight = lambda w: _CopyToGroup.apply(w, tp.comm)
+    if moe.shared is not None:
+        _cut_mlp(moe.shared, f"{pre}.shared", model.cfg.d_model, tp.size, tp.rank, tp, cut)

@@ -79,9 +79,14 @@ class ZeroOptions:
 class Unit:
     """One unit's flat buffers and its place in this rank's shard."""
 
-    def __init__(self, spec: UnitSpec, shard_world: int, shard_rank: int, opts: ZeroOptions,
-                 device: torch.device, initializer: Initializer | None = None):
+    def __init__(self, spec: UnitSpec, comm: Comm, shard_rank: int, opts: ZeroOptions,
+                 device: torch.device, initializer: Initializer | None = None, expert: bool = False):
+        """`comm`: the group this unit's gradients are reduced over and (stage >= 1) its states
+        sharded over, this rank at `shard_rank` in it; `expert`: an expert-parallel unit (its
+        group the ranks holding the same experts)."""
         self.name, self.module, self.stage = spec.name, spec.module, opts.stage
+        self.comm, self.expert = comm, expert
+        shard_world = comm.size if opts.stage >= 1 else 1
         numels = [r.param.numel() for r in spec.params]
         decay = [r.param.dim() >= 2 for r in spec.params]
         self.layout: UnitLayout
@@ -160,12 +165,16 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, mesh: Mesh, opts: ZeroOptions, train: TrainConfig,
                  device: torch.device, watchdog: CollectiveWatchdog | None = None,
                  initializer: Initializer | None = None, ledger: CommLedger | None = None,
-                 splits: dict[str, Split] | None = None, copies: frozenset[str] = frozenset()):
+                 splits: dict[str, Split] | None = None, copies: frozenset[str] = frozenset(),
+                 expert_splits: dict[str, Split] | None = None):
         """`splits`: the parameters tensor parallelism cut (placement.Split: where this rank's
         piece sits in the whole), for the global gradient norm and the checkpoint's slices;
         every other parameter is replicated across the tensor-parallel group. `copies`: names
         of parameters another pipeline stage owns (a tied embedding's copy on the last stage):
-        neither saved nor counted in the norm here."""
+        neither saved nor counted in the norm here. `expert_splits`: the expert weights expert
+        parallelism cut (parallel/expert.py): each MoE block's experts form a unit of their own,
+        reduced and sharded over the ranks holding the same experts (mesh.ep_shard_group /
+        ep_dp_group) instead of the shard group."""
         self.model, self.opts, self.mesh = model, opts, mesh
         self.copies = copies
         self.ledger = ledger if ledger is not None else CommLedger()
@@ -181,6 +190,11 @@ class ZeroEngine:
         self.replicate_comm = Comm(mesh.dp_replicate_group if sharded else None, "dp_replicate",
                                    self.ledger, watchdog)
         shard_world, shard_rank = (self.shard_comm.size, mesh.shard_rank) if sharded else (1, 0)
+        self.expert_splits = expert_splits or {}
+        self.expert_comm = Comm(mesh.ep_shard_group if sharded else mesh.ep_dp_group,
+                                "ep_shard" if sharded else "ep_dp", self.ledger, watchdog)
+        self.ep_comm = Comm(mesh.ep_group, "ep", self.ledger, watchdog)
+        expert_shard_rank = mesh.ep_shard_rank if sharded else 0
         # One unit at a time, so setup never holds more than one unit's temporary fp32 copy.
         self.units: list[Unit] = []
         # The optimizer's segments: pieces of this rank's shard, one per (unit, decay group).
@@ -188,8 +202,11 @@ class ZeroEngine:
         nvme_dir = opts.nvme_dir or Path("offload")
         self.tier = build_tier(opts.offload_optimizer, device, opts.master_dtype, nvme_dir,
                                opts.nvme_chunk_bytes, opts.nvme_buffers, opts.offload_params == "nvme")
-        for spec in collect_units(model, opts.unit_classes):
-            unit = Unit(spec, shard_world, shard_rank, opts, device, initializer)
+        expert_modules = {n.rsplit(".", 1)[0] for n in self.expert_splits}
+        for spec in collect_units(model, opts.unit_classes, sorted(expert_modules)):
+            expert = spec.name in expert_modules
+            unit = (Unit(spec, self.expert_comm, expert_shard_rank, opts, device, initializer, True) if expert
+                    else Unit(spec, self.shard_comm, shard_rank, opts, device, initializer))
             unit.bind_params()
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(self._grad_hook(unit))
@@ -222,7 +239,7 @@ class ZeroEngine:
         if opts.stage == 3:
             from shardlm.zero.params import ParamSharding
 
-            self.param_sharding = ParamSharding(self.units, self.shard_comm, opts, self.param_store)
+            self.param_sharding = ParamSharding(self.units, opts, self.param_store)
         log.info("zero: stage %d over %d shard rank(s) x %d replica(s), %d units, %s compute, %s "
                  "reduce, %s master", opts.stage, shard_world, self.replicate_comm.size,
                  len(self.units), opts.compute_dtype, opts.reduce_dtype, opts.master_dtype)
@@ -268,9 +285,9 @@ class ZeroEngine:
                 self._complete(*self.in_flight.pop(0))
         full_grad = self._flatten_grads(unit)
         if self.opts.stage == 0:
-            handle = self.shard_comm.all_reduce(full_grad)
+            handle = unit.comm.all_reduce(full_grad)
         else:  # the flat gradient is scratch: gloo then reduces it in place, with no copy
-            handle = self.shard_comm.reduce_scatter(unit.grad_shard(), full_grad, scratch_input=True)
+            handle = unit.comm.reduce_scatter(unit.grad_shard(), full_grad, scratch_input=True)
         self.in_flight.append((unit, handle))
 
     def _complete(self, unit: Unit, handle) -> None:
@@ -308,12 +325,15 @@ class ZeroEngine:
     def grads(self) -> list[torch.Tensor]:
         return [unit.grad_shard() for unit in self.units]
 
-    def _param_grad_slices(self, for_norm: bool = False) -> list[torch.Tensor]:
+    def _param_grad_slices(self, for_norm: bool = False, experts: bool | None = None) -> list[torch.Tensor]:
         """This rank's gradient, cut at parameter boundaries (padding left out), in the model's
         parameter order: torch's clip_grad_norm_ stacks the per-parameter norms in that order,
-        and the order of that sum shows in the norm's last bit."""
+        and the order of that sum shows in the norm's last bit. `experts`: only the expert
+        units' (True), only the others' (False), all (None)."""
         slices = []
         for (unit, offset, numel), counted in zip(self._param_spans, self._norm_spans):
+            if experts is not None and unit.expert != experts:
+                continue
             for lo, hi in (counted if for_norm else [(0, numel)]):
                 start, end = max(offset + lo, unit.lo), min(offset + hi, unit.hi)
                 if start < end:
@@ -334,9 +354,18 @@ class ZeroEngine:
         of exactly 1 (clipping off, or a norm within max_norm): the norm is then finite, so
         every gradient is, and x * 1 is x — one pass over the gradient shard saved, no bit
         changed."""
-        norms = torch._foreach_norm(self._param_grad_slices(for_norm=True))
+        # Stage 0 with expert parallelism: each rank holds whole gradients of the dense part but
+        # only its slice of the experts': the experts' squares are summed over the ep group.
+        apart = self.opts.stage == 0 and self.ep_comm.group is not None
+        norms = torch._foreach_norm(self._param_grad_slices(for_norm=True, experts=False if apart else None))
         local = (torch.linalg.vector_norm(torch.stack(norms)) if norms
                  else torch.zeros((), device=self.units[0].flat_param.device))
+        if apart:
+            expert_norms = torch._foreach_norm(self._param_grad_slices(for_norm=True, experts=True))
+            squares = torch.stack(expert_norms).float().pow(2).sum() if expert_norms else torch.zeros_like(local, dtype=torch.float32)
+            with watched(self.watchdog, "all_reduce(grad norm)", "ep", 4):
+                dist.all_reduce(squares, group=self.ep_comm.group)
+            local = (local.float().pow(2) + squares).sqrt()
         groups = [(g, name) for g, name in ((self.shard_comm.group if self.opts.stage >= 1 else None, "dp_shard"),
                                             (self.tp_comm.group, "tp"), (self.mesh.pp_group, "pp"))
                   if g is not None]
@@ -362,7 +391,7 @@ class ZeroEngine:
 
     def _gather_params(self) -> None:
         if self.opts.stage in (1, 2):
-            handles = [self.shard_comm.all_gather(u.flat_param, u.shard_param) for u in self.units]
+            handles = [u.comm.all_gather(u.flat_param, u.shard_param) for u in self.units]
             for h in handles:
                 h.wait()
 
@@ -392,7 +421,8 @@ class ZeroEngine:
         """Stage 0: every rank holds everything and rank 0 writes it; sharded: the first
         replica group writes its shards."""
         mesh = self.mesh
-        return mesh.replica_rank == 0 and (self.opts.stage > 0 or mesh.shard_rank == 0)
+        return mesh.replica_rank == 0 and (self.opts.stage > 0 or mesh.shard_rank == 0
+                                           or (bool(self.expert_splits) and mesh.ep_shard_rank == 0))
 
     def state_slices(self, saving: bool = False) -> list[StateSlice]:
         """Per master segment, the parameters it overlaps, cut to the overlap, in the whole
@@ -413,7 +443,10 @@ class ZeroEngine:
                 name = names[id(param)]
                 if saving and name in self.copies:
                     continue
-                split = self.splits.get(name)
+                if saving and self.opts.stage == 0 and self.expert_splits and (
+                        self.mesh.ep_shard_rank if unit.expert else self.mesh.shard_rank):
+                    continue  # stage 0: another rank holding the same values writes them
+                split = self.splits.get(name) or self.expert_splits.get(name)
                 if split is None:
                     if not (saving and self.mesh.tp_rank != 0):
                         out += param_state(name, tuple(param.shape), start - offset, end - offset,
@@ -468,8 +501,13 @@ class ZeroEngine:
         k = size(o.master_dtype) * (2 if o.master_dtype == o.compute_dtype else 3)
         if o.offload_optimizer == "nvme":  # none of it in memory
             k = 0
-        return model_state_bytes(self.numel, self.shard_comm.size if o.stage else 1, o.stage,
-                                 size(o.compute_dtype), size(o.reduce_dtype), k)
+        out: dict[str, float] = {}
+        for expert, comm in ((False, self.shard_comm), (True, self.expert_comm)):
+            numel = sum(u.layout.total for u in self.units if u.expert == expert)
+            part = model_state_bytes(numel, comm.size if o.stage else 1, o.stage,
+                                     size(o.compute_dtype), size(o.reduce_dtype), k)
+            out = {key: out.get(key, 0.0) + value for key, value in part.items()}
+        return out
 
     @property
     def numel(self) -> int:

@@ -21,7 +21,6 @@ from typing import Iterator
 import torch
 from torch.utils._pytree import tree_map
 
-from shardlm.comm.collectives import Comm
 
 
 class _GatherBeforeBackward(torch.autograd.Function):
@@ -39,8 +38,10 @@ class _GatherBeforeBackward(torch.autograd.Function):
 
 
 class ParamSharding:
-    def __init__(self, units: list, comm: Comm, opts, store):
-        self.units, self.comm, self.opts = units, comm, opts
+    def __init__(self, units: list, opts, store):
+        """Each unit gathers over its own group (unit.comm: the shard group, or for an expert
+        unit the ranks holding the same experts)."""
+        self.units, self.opts = units, opts
         self.store = store
         """Where shards live between gathers (zero/tiers/: resident, cpu or nvme)."""
         self.handles: dict[int, object] = {}  # unit index -> pending all-gather
@@ -64,7 +65,7 @@ class ParamSharding:
         # buffer on its own thread), or backward would see the parameters as modified in place.
         keep_version = torch.autograd._unsafe_preserve_version_counter(unit.flat_param)
         with keep_version:
-            self.handles[index] = (self.comm.all_gather(unit.flat_param, self.store.fetch(unit)), keep_version)
+            self.handles[index] = (unit.comm.all_gather(unit.flat_param, self.store.fetch(unit)), keep_version)
 
     def _gather(self, index: int) -> None:
         self._start_gather(index)

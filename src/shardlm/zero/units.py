@@ -67,11 +67,16 @@ def _param_places(model: nn.Module) -> dict[int, ParamRef]:
     return refs
 
 
-def collect_units(model: nn.Module, class_names: str = "") -> list[UnitSpec]:
+def collect_units(model: nn.Module, class_names: str = "", inner: list[str] = ()) -> list[UnitSpec]:
     """The root unit first, then the layer units. A parameter belongs to the innermost unit
-    that holds all its places; one tied across units belongs to the root."""
+    that holds all its places; one tied across units belongs to the root. `inner`: names of
+    modules inside a layer that are units of their own (expert parallelism's experts), placed
+    right after their layer (forward order)."""
     refs = _param_places(model)
     layers = unit_modules(model, class_names)
+    if inner:
+        order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+        layers = sorted(layers + [(n, model.get_submodule(n)) for n in inner], key=lambda nm: order[nm[0]])
     owner_of_module = {}
     for index, (_, module) in enumerate(layers):
         for sub in module.modules():

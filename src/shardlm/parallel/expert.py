@@ -1,0 +1,260 @@
+"""Expert parallelism: each rank of a group holds experts / G of every MoE block's experts, and
+tokens travel to their experts' ranks and back by all-to-all with uneven splits (GShard,
+Lepikhin et al. 2020; DeepSpeed-MoE; Megatron-LM's token dispatcher).
+
+Per MoE block and micro-batch, on each rank of the group (models/moe.py routes first):
+
+    1. the chosen (token, expert) pairs, grouped by expert (models.moe.route), are counted per
+       expert; one small all-to-all tells every rank how many rows it will receive for each of
+       its experts from each rank ("all_to_all_splits" in the ledger: E int64 per rank)
+    2. the rows go to the ranks owning their experts (an all-to-all, "all_to_all");
+       received grouped by source rank, they are regrouped by local expert, each expert runs on
+       its rows, and the outputs are put back in arrival order
+    3. the outputs return by the reverse all-to-all; the source rank weights them by their
+       gates and adds them into its tokens (so the router's gradient stays local)
+Backward runs the same exchanges in reverse (an all-to-all's gradient is the all-to-all back).
+
+Two groups can hold the experts:
+    parallel.ep = E   E data-parallel ranks of one shard group (ep divides dp_shard): the dense
+                      part stays data-parallel; the experts' gradients are reduced over the
+                      dp_shard / ep ranks (× replicas) that hold the same experts, and ZeRO
+                      shards them over those (the engine's expert units, zero/engine.py)
+    parallel.tp = T   the tensor-parallel ranks (their tokens are the same, so each takes 1/T of
+                      them first: `TokenShare`; with sequence parallelism they already differ),
+                      so a MoE block under tp splits its experts, not each expert's width: no
+                      expert matmul gets narrower, and the exchange replaces tp's all-reduce.
+                      The shared experts are cut like a dense MLP (parallel/tensor.py).
+Either way an expert weight is this rank's slice of the stacked (E, ...) tensor along dim 0,
+described by a placement.Split: checkpoints and exports see whole tensors at any layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardlm.comm.collectives import Comm
+from shardlm.models.moe import Experts, MoE, MoEStats, Routing, update_biases
+from shardlm.placement import Split, even_range
+
+log = logging.getLogger("shardlm")
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to ranks by `send` splits, received by `recv` splits; backward the reverse."""
+
+    @staticmethod
+    def forward(ctx, x, recv, send, comm, stats):
+        ctx.recv, ctx.send, ctx.comm, ctx.stats = recv, send, comm, stats
+        return _exchange(x, recv, send, comm, stats)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.send, ctx.recv, ctx.comm, ctx.stats), None, None, None, None
+
+
+def _exchange(x: torch.Tensor, recv: list[int], send: list[int], comm: Comm, stats: MoEStats) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    handle = comm.all_to_all(out, x.contiguous(), recv, send)
+    start = time.perf_counter()
+    handle.wait()
+    stats.a2a_wait_s += time.perf_counter() - start
+    return out
+
+
+class AllToAllDispatcher:
+    """Sends each expert's rows to the rank holding it (rank j holds experts [j·E/G, (j+1)·E/G))
+    and brings their outputs back (steps 1-3 of the module docstring)."""
+
+    def __init__(self, comm: Comm, n_experts: int, stats: MoEStats):
+        self.comm, self.n_experts, self.stats = comm, n_experts, stats
+        self.local = n_experts // comm.size
+
+    def __call__(self, x: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
+        g, e_l = self.comm.size, self.local
+        counts = routing.counts.to(torch.int64)
+        arriving = torch.empty_like(counts)  # (G·E_l): from rank s, for my expert e: [s·E_l + e]
+        self.comm.all_to_all(arriving, counts, [e_l] * g, [e_l] * g, op="all_to_all_splits").wait()
+        send = counts.view(g, e_l).sum(1).tolist()
+        per = arriving.view(g, e_l).tolist()  # per[s][e]: rows from rank s for local expert e
+        recv = [sum(row) for row in per]
+        y = _AllToAll.apply(x, recv, send, self.comm, self.stats)  # by source, then local expert
+        # Regroup by local expert (expert-major), run the experts, restore arrival order.
+        starts, at = [], 0
+        for row in per:
+            starts.append([])
+            for n in row:
+                starts[-1].append(at)
+                at += n
+        order = [i for e in range(e_l) for s in range(g) for i in range(starts[s][e], starts[s][e] + per[s][e])]
+        order_t = torch.tensor(order, dtype=torch.int64, device=x.device)
+        outs = experts(y[order_t], [sum(per[s][e] for s in range(g)) for e in range(e_l)])
+        back = torch.empty_like(order_t)
+        back[order_t] = torch.arange(len(order), device=x.device)
+        return _AllToAll.apply(outs[back], send, recv, self.comm, self.stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-parallel ranks as the expert group: each takes its share of the (same) tokens
+
+
+def _all_gather_rows(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    out = x.new_empty((comm.size * x.shape[0], *x.shape[1:]))
+    comm.all_gather(out.view(-1), x.contiguous().view(-1)).wait()
+    return out
+
+
+class _SplitRows(torch.autograd.Function):
+    """This rank's 1/G of the rows forward; backward all-gathers the shares' gradients (every
+    rank's upstream holds all the rows: Megatron's scatter-to-model-parallel-region)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        n = x.shape[0] // comm.size
+        return x[comm.rank * n:(comm.rank + 1) * n]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_rows(grad, ctx.comm), None
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather the shares forward; backward keeps this rank's share of the gradient (every
+    rank's downstream gradient is the same whole one)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _all_gather_rows(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = grad.shape[0] // ctx.comm.size
+        return grad[ctx.comm.rank * n:(ctx.comm.rank + 1) * n], None
+
+
+class _SumForward(torch.autograd.Function):
+    """All-reduce forward, identity backward: a sum over the group's shares whose gradient
+    each rank takes for its own share."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        out = x.contiguous().clone()
+        comm.all_reduce(out).wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class TokenShare:
+    """A MoE block's tokens under tensor parallelism: replicated across the group (each rank
+    routes 1/T of them, the outputs gathered back), or, under sequence parallelism, already
+    this rank's own (nothing to split or gather)."""
+
+    def __init__(self, tp):
+        self.tp = tp
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.sharded:
+            return x
+        if x.shape[0] % self.tp.size:
+            raise ValueError(f"a MoE block under tensor parallelism splits its {x.shape[0]} tokens "
+                             f"over {self.tp.size} ranks: micro_batch × seq_len must divide by tp")
+        return _SplitRows.apply(x, self.tp.comm)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp.sharded else _GatherRows.apply(x, self.tp.comm)
+
+    def total(self, n: int) -> int:
+        return n * self.tp.size
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """A count summed over the group (no gradient)."""
+        out = x.detach().clone()
+        self.tp.comm.all_reduce(out).wait()
+        return out
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return _SumForward.apply(x, self.tp.comm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying it (parallelize: tensor → context → expert → pipeline → ...)
+
+
+def spread_experts(moe: MoE, name: str, cfg, comm: Comm, stats: MoEStats) -> dict[str, Split]:
+    """Replace block `name`'s experts (meta device) by this rank's E / G of them over `comm`'s
+    group with an all-to-all dispatcher; the Splits of the new weights (dim 0 of the whole)."""
+    lo, hi = even_range(moe.n_experts, comm.size, comm.rank)
+    splits = {f"{name}.experts.{attr}": Split(tuple(p.shape), 0, ((lo, hi),))
+              for attr, p in moe.experts.named_parameters()}
+    moe.experts = Experts(cfg, hi - lo, lo)
+    moe.dispatcher = AllToAllDispatcher(comm, moe.n_experts, stats)
+    return splits
+
+
+@dataclass
+class EPState:
+    """The expert-parallel group of a model (model.ep) and the expert weights it cut."""
+
+    comm: Comm
+    splits: dict[str, Split]
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+
+def apply_ep(model: nn.Module, comm: Comm) -> dict[str, Split]:
+    """parallel.ep > 1: the experts spread over the expert-parallel group (data-parallel ranks);
+    model.ep records it (whole_parameters puts the experts back together from it)."""
+    stats: MoEStats | None = getattr(model, "moe_stats", None)
+    if stats is None:
+        raise ValueError("parallel.ep > 1 needs a mixture-of-experts model (model.experts > 0)")
+    splits: dict[str, Split] = {}
+    with torch.device("meta"):
+        for name, module in model.named_modules():
+            if isinstance(module, MoE):
+                splits.update(spread_experts(module, name, model.cfg, comm, stats))
+    log.info("expert parallel: %d ranks, %d of %d experts per MoE block on each", comm.size,
+             stats.experts // comm.size, stats.experts)
+    model.ep = EPState(comm, splits)
+    return splits
+
+
+def finish_moe_step(stats: MoEStats, balance: str, rate: float) -> torch.Tensor | None:
+    """After a step: this step's figures summed over every rank (telemetry, not in the ledger:
+    every pipeline stage's layers, every rank's tokens), and the balancing biases moved by them.
+    Returns the (layers, E + 4) sums (models.moe.MoEStats.sums), or None before any forward."""
+    sums = stats.sums
+    if sums is None:
+        return None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+    if balance == "bias":
+        update_biases(stats, sums[:, :stats.experts], rate)
+    return sums
+
+
+def moe_record(stats: MoEStats, sums: torch.Tensor, comm_bytes: dict[str, int]) -> dict:
+    """The JSONL figures of a step (telemetry, docs/moe.md)."""
+    e = stats.experts
+    routed = sums[:, :e]
+    dropped, aux_w, lse2, tokens = (sums[:, e + i] for i in range(4))
+    mean = routed.mean(1).clamp(min=1e-12)
+    imbalance = (routed.max(1).values / mean).tolist()
+    a2a = sum(v for k, v in comm_bytes.items() if k.startswith("all_to_all"))
+    return {"moe_aux_loss": float(aux_w.sum() / tokens.sum()),
+            "moe_z_loss": float(lse2.sum() / tokens.sum()),
+            "moe_tokens_per_expert": [[int(v) for v in row] for row in routed.tolist()],
+            "moe_imbalance": max(imbalance), "moe_imbalance_by_layer": imbalance,
+            "moe_dropped_fraction": float(dropped.sum() / routed.sum().clamp(min=1)),
+            "moe_a2a_bytes": int(a2a), "moe_a2a_wait_s": stats.a2a_wait_s}
