@@ -36,8 +36,9 @@ def train_case(overrides: dict, steps: int, poison_rank: int = -1, model=None) -
     out["padded"] = sum(u.layout.padded for u in getattr(run.strategy, "units", []))
     with run.strategy.full_parameters():
         out["params"] = {n: p.detach().float().cpu().clone() for n, p in run.model.named_parameters()}
-    tp = getattr(run.model, "tp", None)  # tensor parallel: where each piece sits in the whole
-    out["splits"] = dict(tp.splits) if tp is not None else {}
+    # tensor / expert parallel: where each piece sits in the whole
+    out["splits"] = {name: split for state in (getattr(run.model, "tp", None), getattr(run.model, "ep", None))
+                     if state is not None for name, split in state.splits.items()}
     return out
 
 

@@ -212,7 +212,7 @@ class MoE(nn.Module):
         self.aux_coef, self.z_coef = cfg.aux_loss_coef, cfg.z_loss_coef
         self.router = Router(cfg)
         if cfg.balance == "bias":
-            self.router.bias = stats.biases.setdefault(index, torch.zeros(cfg.experts))
+            self.router.bias = stats.biases.setdefault(index, torch.zeros(cfg.experts, device="cpu"))
         self.experts = Experts(cfg, cfg.experts)
         self.shared = None
         if cfg.shared_experts:

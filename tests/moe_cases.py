@@ -1,0 +1,32 @@
+"""Rank-side functions for the mixture-of-experts tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+
+from shardlm.config import load_config
+from shardlm.models.moe import MoE
+from shardlm.trainer import build_run, train_step
+
+
+def ledger_case(rank: int, world_size: int, overrides: dict) -> dict:
+    """One step under expert parallelism, recording every MoE call's routing (the choices kept
+    per expert, as models.moe.route decided them) beside the ledger's all-to-all bytes."""
+    import torch.distributed as dist
+
+    run = build_run(load_config(overrides=overrides).validate())
+    routed: list[list[int]] = []
+    for module in run.model.modules():
+        if isinstance(module, MoE):
+            dispatch = module.dispatcher
+
+            def record(x, routing, experts, dispatch=dispatch):
+                routed.append(routing.counts.tolist())
+                return dispatch(x, routing, experts)
+            module.dispatcher = record
+    run.strategy.ledger.reset()
+    train_step(run, 0)
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, routed)
+    return {"bytes": dict(run.strategy.ledger.bytes), "routed": everyone,
+            "d_model": run.cfg.model.d_model, "experts": run.cfg.model.experts}

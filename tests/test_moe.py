@@ -1,0 +1,185 @@
+"""Mixture of experts: the layer's routing, capacity and balancing in one process, and expert
+parallelism on real gloo ranks against one process with the same global batch (fp32 pinned)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_overrides
+from parity import assert_matches
+from shardlm.config import load_config
+from shardlm.errors import ConfigError
+from shardlm.models import build_model
+from shardlm.models.moe import MoEStats, update_biases
+from shardlm.parallel.expert import moe_record
+from shardlm.spawn import run_ranks
+from zero_cases import reference_case, train_cases
+
+STEPS = 3
+
+
+def _model(**model):
+    cfg = load_config(overrides={"model.preset": "moe-tiny", **{f"model.{k}": v for k, v in model.items()}})
+    return build_model(cfg.model, "cpu", seed=0)
+
+
+def _step(model, idx):
+    model.moe_stats.reset()
+    logits = model(idx)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.roll(-1, 1).flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_capacity_without_overflow_is_dropless():
+    """capacity_factor = experts / top_k makes every expert's capacity all the tokens: the
+    same bits as dropless; a tight capacity drops choices and changes the result."""
+    idx = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    dropless = _step(_model(capacity_factor=0.0), idx)
+    roomy = _model(capacity_factor=2.0)
+    assert _step(roomy, idx)[0] == dropless[0]
+    for name, grad in dropless[1].items():
+        assert torch.equal(roomy.get_parameter(name).grad, grad), name
+    assert roomy.moe_stats.sums[:, 4].sum() == 0  # nothing dropped
+    tight = _model(capacity_factor=0.5)
+    loss, _ = _step(tight, idx)
+    assert loss != dropless[0] and tight.moe_stats.sums[:, 4].sum() > 0
+
+
+def test_a_router_forced_to_one_expert_gives_the_expected_imbalance_and_drops():
+    """Every token to expert 0 (top-1, a bias the choice is made on): imbalance max/mean = E,
+    and with capacity factor 1 expert 0 keeps ceil(N / E) of the N choices."""
+    model = _model(top_k=1, capacity_factor=1.0)
+    for block in model.blocks:
+        block.mlp.router.bias = torch.tensor([100.0, 0.0, 0.0, 0.0])
+    idx = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    _step(model, idx)
+    n, e = idx.numel(), 4
+    record = moe_record(model.moe_stats, model.moe_stats.sums, {})
+    assert record["moe_tokens_per_expert"] == [[n, 0, 0, 0]] * 2
+    assert record["moe_imbalance"] == pytest.approx(e)
+    assert record["moe_dropped_fraction"] == pytest.approx((n - math.ceil(n / e)) / n)
+
+
+def test_bias_balancing_moves_toward_the_mean_load():
+    stats = MoEStats([0, 1], 4, biases={0: torch.zeros(4), 1: torch.zeros(4)})
+    update_biases(stats, torch.tensor([[10.0, 0.0, 5.0, 5.0], [1.0, 1.0, 1.0, 1.0]]), 0.01)
+    assert stats.biases[0].tolist() == pytest.approx([-0.01, 0.01, 0.0, 0.0])
+    assert stats.biases[1].tolist() == [0.0] * 4
+
+
+def test_the_balancing_loss_reaches_the_router():
+    """The Switch loss is attached to the layer output: with only it (and no language-model
+    gradient), the router still gets a gradient; with coefficients 0 it gets none from it."""
+    idx = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
+    for coef, expect in ((1.0, True), (0.0, False)):
+        model = _model(aux_loss_coef=coef, z_loss_coef=0.0)
+        model.moe_stats.reset()
+        (model(idx) * 0).sum().backward()
+        grad = model.blocks[0].mlp.router.weight.grad
+        assert (grad is not None and bool(grad.abs().sum() > 0)) == expect
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"parallel.ep": 2, "model.preset": "gpt-tiny"}, "must divide model.experts = 0"),
+    ({"parallel.ep": 3}, "must divide model.experts = 4"),
+    ({"parallel.ep": 2, "parallel.tp": 2}, "spread over the tp ranks"),
+    ({"model.top_k": 5}, "exceeds model.experts"),
+    ({"model.router": "argmax"}, "choose one of softmax, sigmoid"),
+])
+def test_bad_moe_configs_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides={"model.preset": "moe-tiny", **overrides}).validate()
+
+
+# fp32. The experts' rows and matmuls are the same under expert parallelism, grouped
+# differently (an expert's rows from both ranks in one matmul, where one process runs each
+# micro-batch's apart): 1e-5 relative on the losses and every parameter.
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe")
+    base = tiny_overrides(tmp, model__preset="moe-tiny", train__micro_batch=4, train__seq_len=32)
+    varied = {**base, "model.balance": "bias", "model.router": "sigmoid", "model.shared_experts": 1,
+              "model.capacity_factor": 1.25, "model.bias_update_rate": 0.01}
+    two = {**base, "train.grad_accum": 2}
+    cases = [({**base, "parallel.ep": 2}, STEPS, -1),
+             ({**varied, "parallel.ep": 2, "parallel.zero_stage": 2}, STEPS, -1),
+             ({**base, "parallel.zero_stage": 3}, STEPS, -1),
+             ({**base, "parallel.tp": 2}, STEPS, -1),
+             ({**base, "parallel.tp": 2, "parallel.sequence_parallel": True, "model.shared_experts": 1}, STEPS, -1),
+             ({**two, "parallel.pp": 2}, STEPS, -1)]
+    out = run_ranks(train_cases, 2, tmp, cases, timeout=300)
+    refs = [reference_case(base, 2, STEPS), reference_case(varied, 2, STEPS), None,
+            reference_case(base, 1, STEPS), reference_case({**base, "model.shared_experts": 1}, 1, STEPS),
+            reference_case(two, 1, STEPS)]
+    refs[2] = refs[0]
+    return out, refs
+
+
+@pytest.mark.parametrize("case, what", [
+    (0, "ep=2, ZeRO-0, aux loss"), (1, "ep=2, ZeRO-2, sigmoid router, bias balancing, shared expert, capacity 1.25"),
+    (2, "dp=2 ZeRO-3 (experts sharded as any unit)"), (3, "tp=2: experts spread over the tp ranks"),
+    (4, "tp=2 + sequence parallel, shared expert cut by tp"), (5, "pp=2")])
+def test_moe_matches_one_process(moe_runs, case, what):
+    from tp_cases import whole_params
+
+    out, refs = moe_runs
+    ranks = [out[r][case] for r in range(2)]
+    whole = whole_params(ranks) if case in (0, 1, 3, 4) else (
+        {**ranks[0]["params"], **ranks[1]["params"]} if case == 5 else ranks[0]["params"])
+    assert_matches(ranks[0]["losses"], whole, refs[case], what)
+
+
+def test_ep2_with_zero3_and_replicas_on_4_ranks(tmp_path):
+    """ep=2 inside a shard group of 4 at ZeRO-3 (the experts sharded over the 2 ranks holding
+    the same ones, the dense part over all 4), and ep=2 × dp_replicate=2 at ZeRO-1."""
+    from tp_cases import whole_params
+
+    base = tiny_overrides(tmp_path, model__preset="moe-tiny", train__micro_batch=2, train__seq_len=32)
+    out = run_ranks(train_cases, 4, tmp_path,
+                    [({**base, "parallel.ep": 2, "parallel.zero_stage": 3}, STEPS, -1),
+                     ({**base, "parallel.ep": 2, "parallel.dp_replicate": 2, "parallel.zero_stage": 1}, STEPS, -1)],
+                    timeout=400)
+    ref = reference_case(base, 4, STEPS)
+    for case, what in ((0, "ep=2 in dp_shard=4, ZeRO-3"), (1, "ep=2 x dp_replicate=2, ZeRO-1")):
+        assert_matches(out[0][case]["losses"], whole_params([out[r][case] for r in range(4)]), ref, what)
+
+
+def test_all_to_all_ledger_counts_the_tokens_routed(tmp_path):
+    """Each rank's all-to-all bytes = (rows it sends to the other rank's experts + rows it
+    returns to the other rank) × d_model × 4 B, twice (backward sends the gradients the same
+    way), from the routing every rank recorded; plus E int64 split counts per MoE call."""
+    from moe_cases import ledger_case
+
+    overrides = tiny_overrides(tmp_path, model__preset="moe-tiny", train__micro_batch=4, train__seq_len=32,
+                               parallel__ep=2)
+    out = run_ranks(ledger_case, 2, tmp_path, overrides)
+    e = out[0]["experts"]
+    mine = [range(0, e // 2), range(e // 2, e)]
+    for rank in range(2):
+        other = 1 - rank
+        rows = 0
+        for call, counts in enumerate(out[rank]["routed"][rank]):
+            sent = sum(counts[i] for i in mine[other])
+            returned = sum(out[rank]["routed"][other][call][i] for i in mine[rank])
+            rows += sent + returned
+        assert out[rank]["bytes"]["all_to_all/ep"] == 2 * rows * out[0]["d_model"] * 4
+        assert out[rank]["bytes"]["all_to_all_splits/ep"] == len(out[rank]["routed"][rank]) * (e // 2) * 8
+
+
+def test_checkpoints_load_across_expert_layouts(tmp_path):
+    """ep=2 → 1 process: the same loss curve continues (the bias balancing's state included)."""
+    from ckpt_cases import checkpoint_of, train_ranks, train_run
+
+    n = 2
+    base = tiny_overrides(tmp_path, model__preset="moe-tiny", train__micro_batch=4, train__seq_len=32,
+                          train__steps=2 * n, model__balance="bias", model__bias_update_rate=0.05)
+    saved = run_ranks(train_ranks, 2, tmp_path, {**base, "parallel.ep": 2, "checkpoint.every": n,
+                                                 "run.name": "ep2"})[0]
+    one = train_run({**base, "run.name": "one", "train.grad_accum": 2,
+                     "checkpoint.resume": checkpoint_of(saved["run_dir"], n)})
+    assert one["start"] == n
+    torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(saved["losses"][n:]), rtol=1e-5, atol=0)
