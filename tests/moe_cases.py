@@ -30,3 +30,24 @@ def ledger_case(rank: int, world_size: int, overrides: dict) -> dict:
     dist.all_gather_object(everyone, routed)
     return {"bytes": dict(run.strategy.ledger.bytes), "routed": everyone,
             "d_model": run.cfg.model.d_model, "experts": run.cfg.model.experts}
+
+
+def rebalance_case(rank: int, world_size: int, overrides: dict, steps: int) -> dict:
+    """train_case's figures, plus how many MoE blocks each step re-placed and the placements."""
+    from zero_cases import train_case
+
+    moved: list[int] = []
+    original = train_step
+
+    def counting(run, step, *args, **kwargs):
+        out = original(run, step, *args, **kwargs)
+        moved.append(run.moe_placement.get("moe_replaced_blocks", 0))
+        return out
+    import zero_cases
+    zero_cases.train_step = counting
+    try:
+        out = train_case(overrides, steps)
+    finally:
+        zero_cases.train_step = original
+    out["moved"] = moved
+    return out

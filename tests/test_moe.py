@@ -183,3 +183,28 @@ def test_checkpoints_load_across_expert_layouts(tmp_path):
                      "checkpoint.resume": checkpoint_of(saved["run_dir"], n)})
     assert one["start"] == n
     torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(saved["losses"][n:]), rtol=1e-5, atol=0)
+
+
+def test_balanced_placement_lowers_the_busiest_rank():
+    from shardlm.parallel.expert import balanced_placement, rank_loads
+
+    loads = [10.0, 9.0, 1.0, 1.0]
+    placement = balanced_placement(loads, 2)
+    assert placement == [[0, 3], [1, 2]] and max(rank_loads(loads, placement)) == 11
+    assert max(rank_loads(loads, [[0, 1], [2, 3]])) == 19
+    assert sorted(e for p in balanced_placement([3.0] * 8, 4) for e in p) == list(range(8))
+
+
+def test_re_placing_experts_by_load_changes_nothing_but_where_they_run(tmp_path):
+    """ep = 2 with parallel.ep_rebalance_every = 1 (top-1 routing: uneven loads): experts move
+    between the ranks with their Adam states, and the run still equals one process."""
+    from moe_cases import rebalance_case
+    from tp_cases import whole_params
+
+    base = tiny_overrides(tmp_path, model__preset="moe-tiny", train__micro_batch=4, train__seq_len=32,
+                          model__top_k=1, model__experts=8)
+    out = run_ranks(rebalance_case, 2, tmp_path, {**base, "parallel.ep": 2, "parallel.ep_rebalance_every": 1,
+                                                  "parallel.zero_stage": 1}, 4)
+    assert sum(out[0]["moved"]) > 0, out[0]["moved"]
+    assert any(len(s.ranges) > 1 or s.ranges[0][0] % 4 for s in out[0]["splits"].values())  # moved
+    assert_matches(out[0]["losses"], whole_params(out), reference_case(base, 2, 4), "ep=2, re-placed by load")

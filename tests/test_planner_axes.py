@@ -269,3 +269,28 @@ def test_auto_keeps_the_runs_own_tp_and_cp():
 
 # ---------------------------------------------------------------------------------------------
 # The cluster syntax
+
+
+def test_moe_parameters_follow_the_model_and_expert_parallelism():
+    """A mixture of experts' parameters come from models.flops (Mixtral 8x7B: the published
+    46.7B total); ep = 8 leaves each rank 1/8 of every block's routed experts and the dense
+    part whole, and the states of the experts are sharded over dp_shard / ep ranks only."""
+    from shardlm.models.flops import count_params
+
+    w = Workload(preset_model("mixtral-8x7b"), 4096, 64)
+    assert sum(sp.dense + sp.experts for sp in stage_params(w, ParallelDims(1, 16))) == count_params(w.model)
+    one, ep8 = stage_params(w, ParallelDims(1, 16))[0], stage_params(w, ParallelDims(1, 16, ep=8))[0]
+    assert ep8.dense == one.dense and ep8.experts == pytest.approx(one.experts / 8)
+    s = Strategy(ParallelDims(1, 16, ep=8), 3, 1, 4, "full", dtypes=Dtypes("bf16"))
+    memory = estimate_memory(w, s, parse_cluster("2x8xH100-80GB"))
+    params = next(i for i in memory.items if i.name == "parameters").bytes
+    assert params == pytest.approx(2 * (ep8.dense / 16 + ep8.experts / 2))
+
+
+def test_plans_with_experts_run_ep_without_tp():
+    """The runtime's expert parallelism lives inside dp_shard with tp = cp = 1: plans with ep
+    print parallel.ep, and a plan with ep and tp is not runnable."""
+    result = search(Workload(preset_model("moe-tiny"), 64, 16), parse_cluster("4xcpu"), Dtypes("fp32"), RUNTIME)
+    ep = [p for p in result.plans if p.strategy.layout.ep > 1]
+    assert ep and all(p.strategy.layout.tp == p.strategy.layout.cp == 1 for p in ep)
+    assert all(p.overrides()["parallel.ep"] == p.strategy.layout.ep for p in ep)

@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export", help="write a trained run in another library's format")
     exp.add_argument("--checkpoint", default="runs/latest", help="run directory (default runs/latest)")
     exp.add_argument("--format", choices=["hf"], default="hf",
-                     help="hf: a transformers directory (GPT2LMHeadModel or LlamaForCausalLM)")
+                     help="hf: a transformers directory (GPT2LMHeadModel, LlamaForCausalLM or "
+                          "MixtralForCausalLM)")
     exp.add_argument("--out", required=True, help="output directory")
     exp.add_argument("--force", action="store_true",
                      help="write into a non-empty output directory (files of the same names are "
@@ -132,8 +133,8 @@ def _planner_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--hidden", type=int, help="with --params: d_model")
     model.add_argument("--heads", type=int, help="with --params: attention heads")
     model.add_argument("--vocab", type=int, default=50257, help="with --params: vocabulary")
-    model.add_argument("--experts", type=int, default=0, help="mixture of experts per MLP (modelled)")
-    model.add_argument("--top-k", type=int, default=1, help="experts per token")
+    model.add_argument("--experts", type=int, help="routed experts per MoE block (overrides the model's)")
+    model.add_argument("--top-k", type=int, help="experts per token (overrides the model's)")
     p.add_argument("--gpus", required=True, metavar="CLUSTER",
                    help="COUNTxDEVICE or NODESxPER_NODExDEVICE (8xV100-16GB, 2x8xA100-80GB), or "
                         "Nxcpu for N ranks on this machine (measured once, cached)")
@@ -149,11 +150,12 @@ def _planner_args(p: argparse.ArgumentParser) -> None:
 
 
 def _model_axes(dims, par) -> str:
-    """', tp 2 (sequence parallel), cp 2, pp 2 (1f1b)' for the axes beyond data parallelism."""
+    """', tp 2 (sequence parallel), cp 2, pp 2 (1f1b), ep 2' for the axes beyond data parallelism."""
     axes = [f"tp {dims.tp}" + (" (sequence parallel)" if par.sequence_parallel else "")] if dims.tp > 1 else []
     axes += [f"cp {dims.cp}"] if dims.cp > 1 else []
     axes += [f"pp {dims.pp} ({par.pp_schedule}" + (f", {par.pp_virtual} chunks per rank" if par.pp_virtual > 1 else "")
              + ")"] if dims.pp > 1 else []
+    axes += [f"ep {dims.ep}"] if dims.ep > 1 else []
     return "".join(", " + a for a in axes)
 
 
@@ -246,6 +248,7 @@ def resume_hint(cfg) -> str:
 def train_here(cfg) -> int:
     """Train in this process (one rank of it, under a launcher)."""
     from shardlm.models import count_params
+    from shardlm.models.flops import active_params
     from shardlm.launch import note_clean_stop, shutdown
     from shardlm.trainer import build_run, sample_text, state_report, train
 
@@ -254,7 +257,10 @@ def train_here(cfg) -> int:
     main = run.runtime.is_main
     t = cfg.train
     if main:
-        print(f"shardlm: {cfg.model.preset} ({count_params(cfg.model) / 1e6:.1f}M params) on "
+        active = active_params(cfg.model)
+        size = f"{count_params(cfg.model) / 1e6:.1f}M params" + (
+            f", {active / 1e6:.1f}M active" if cfg.model.experts else "")
+        print(f"shardlm: {cfg.model.preset} ({size}) on "
               f"{run.runtime.world_size} x {run.runtime.device}, {run.precision.name}, ZeRO stage "
               f"{cfg.parallel.zero_stage}{_model_axes(run.mesh.dims, cfg.parallel)}, "
               f"{run.train_loader.global_batch} x {t.seq_len} tokens/step, "
@@ -418,8 +424,12 @@ def _planner_inputs(args: argparse.Namespace):
     seq = args.seq or model.max_seq_len
     if seq <= 0:
         raise ConfigError(f"--seq {seq} must be > 0")
-    if args.experts < 0 or not 1 <= args.top_k <= max(args.experts, 1):
-        raise ConfigError(f"--experts {args.experts} must be >= 0 and --top-k {args.top_k} between 1 "
+    from dataclasses import replace
+
+    model = replace(model, experts=model.experts if args.experts is None else args.experts,
+                    top_k=model.top_k if args.top_k is None else args.top_k)
+    if model.experts < 0 or (model.experts and not 1 <= model.top_k <= model.experts):
+        raise ConfigError(f"experts {model.experts} must be >= 0 and top-k {model.top_k} between 1 "
                           f"and the experts")
     cluster = parse_cluster(args.gpus, args.intra, args.inter, args.nics)
     return model, args.params, cluster, default_dtypes(cluster, args.precision, args.master, args.reduce), seq
@@ -439,8 +449,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     dims = ParallelDims.resolve(world, args.dp_replicate, args.dp_shard, args.cp, args.tp, args.pp, args.ep)
     dp = dims.dp_size
     layout = dims
-    workload = Workload(model, seq, args.micro_batch * args.grad_accum * dp, params,
-                        args.experts, args.top_k)
+    workload = Workload(model, seq, args.micro_batch * args.grad_accum * dp, params)
     strategy = Strategy(layout, args.zero_stage, args.micro_batch, args.grad_accum, args.recompute,
                         args.offload_optimizer, args.offload_params, dtypes, args.sequence_parallel)
     memory = estimate_memory(workload, strategy, cluster)
@@ -458,7 +467,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     model, params, cluster, dtypes, seq = _planner_inputs(args)
     sequences = args.global_batch or max(1, args.batch_tokens // seq)
-    workload = Workload(model, seq, sequences, params, args.experts, args.top_k)
+    workload = Workload(model, seq, sequences, params)
     result = search(workload, cluster, dtypes, RUNTIME if args.runtime_only else EVERYTHING)
     print(report.plan_result_json(result, args.top) if args.json else report.render_plan(result, args.top))
     return 0 if result.plans else 1

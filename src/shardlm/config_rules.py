@@ -133,6 +133,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                   "must be 'gpipe', '1f1b', 'interleaved' or 'zb'"),
     "parallel.pp_virtual": _positive(),
     "parallel.ep": _positive(),
+    "parallel.ep_rebalance_every": _non_negative(" (0 = never)"),
     "parallel.collective_timeout_s": _non_negative(" (0 disables the watchdog)"),
     "zero.nvme_chunk_mb": _rule(lambda v: 1 <= v <= NVME_CHUNK_MB_MAX,
                                 f"must be in [1, {NVME_CHUNK_MB_MAX}] (MB per chunk; the stream "

@@ -1,9 +1,12 @@
 """Export a trained run to a Hugging Face `transformers` directory (`shardlm export --format hf`).
 
 A GPT-2-style config (LayerNorm, learned positions, GELU) becomes a `GPT2LMHeadModel`, a
-LLaMA-style one (RMSNorm, RoPE, SwiGLU) a `LlamaForCausalLM`; both reproduce our logits (the
-model code already computes exactly what those classes compute: GELU tanh, rotate-half RoPE with
-HF's frequency table). Mixed configs that neither class can express are a ConfigError.
+LLaMA-style one (RMSNorm, RoPE, SwiGLU) a `LlamaForCausalLM`, and a LLaMA-style mixture of
+experts (model.experts > 0) a `MixtralForCausalLM`; all reproduce our logits (the model code
+already computes exactly what those classes compute: GELU tanh, rotate-half RoPE with HF's
+frequency table, Mixtral's softmax router renormalised over the top k). Configs that no class
+can express — mixed styles, or experts Mixtral cannot hold (sigmoid routers, shared experts,
+dense blocks between the sparse ones, capacity dropping) — are a ConfigError naming each field.
 
 The output directory holds `model.safetensors`, `config.json`, `generation_config.json` (written
 by `save_pretrained`), our `tokenizer.json` and a `tokenizer_config.json`, so
@@ -29,15 +32,17 @@ from shardlm.checkpoint import TOKENIZER, load_for_inference, resolve_run_dir
 from shardlm.config import ModelConfig
 from shardlm.errors import ConfigError
 from shardlm.data.tokenizer import EOT
-from shardlm.models.flops import resolved_d_ff
+from shardlm.models.flops import expert_d_ff, moe_layers, resolved_d_ff
 
 GPT2_STYLE = {"norm": "layernorm", "position": "learned", "mlp": "gelu"}
 LLAMA_STYLE = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
 
 
 def hf_family(m: ModelConfig) -> str:
-    """'gpt2' or 'llama', or a ConfigError naming the fields that match neither class."""
+    """'gpt2', 'llama' or 'mixtral', or a ConfigError naming the fields that match no class."""
     chosen = {k: getattr(m, k) for k in GPT2_STYLE}
+    if m.experts:
+        return _mixtral_family(m, chosen)
     if chosen == GPT2_STYLE:
         kv = m.n_kv_heads or m.n_heads
         if kv != m.n_heads:
@@ -58,6 +63,37 @@ def hf_family(m: ModelConfig) -> str:
                       f"needs {describe(LLAMA_STYLE)} (not {', '.join(off_llama)})")
 
 
+def _mixtral_family(m: ModelConfig, chosen: dict[str, str]) -> str:
+    """'mixtral', or a ConfigError listing every field of this mixture of experts that
+    MixtralForCausalLM (the transformers class for a LLaMA-style MoE) cannot express, and why.
+    The router's z-loss and the balancing loss only shape training: they need no counterpart
+    (router_aux_loss_coef is recorded for a fine-tune of the export)."""
+    problems = [f"model.{k} = {chosen[k]!r} (Mixtral is LLaMA-style: {k}={v!r})"
+                for k, v in LLAMA_STYLE.items() if chosen[k] != v]
+    if m.bias:
+        problems.append("model.bias = True (Mixtral's linears have no biases)")
+    if m.router != "softmax":
+        problems.append(f"model.router = {m.router!r} (Mixtral's router is a softmax over all "
+                        f"experts, renormalised over the top k)")
+    if m.balance == "bias":
+        problems.append("model.balance = 'bias' (the balancing bias changes which experts are "
+                        "chosen; Mixtral chooses on the router's probabilities alone)")
+    if m.shared_experts:
+        problems.append(f"model.shared_experts = {m.shared_experts} (Mixtral has no shared "
+                        f"experts: every token goes through its top k only)")
+    dense = sorted(set(range(m.n_layers)) - set(moe_layers(m)))
+    if dense:
+        problems.append(f"model.moe_every = {m.moe_every} (blocks {dense} are dense; every "
+                        f"Mixtral block is a mixture of experts)")
+    if m.capacity_factor > 0:
+        problems.append(f"model.capacity_factor = {m.capacity_factor:g} (Mixtral is dropless: an "
+                        f"expert takes every token routed to it; 0 maps)")
+    if problems:
+        raise ConfigError("cannot export this mixture-of-experts model to transformers' "
+                          "MixtralForCausalLM: " + "; ".join(problems))
+    return "mixtral"
+
+
 def _import_transformers():
     try:
         import transformers
@@ -68,16 +104,30 @@ def _import_transformers():
 
 
 def hf_config(m: ModelConfig, eot: int | None):
-    """The GPT2Config or LlamaConfig describing exactly our model."""
+    """The GPT2Config, LlamaConfig or MixtralConfig describing exactly our model."""
     tf = _import_transformers()
     tokens = {"bos_token_id": eot, "eos_token_id": eot, "vocab_size": m.vocab_size,
               "tie_word_embeddings": m.tie_embeddings}
-    if hf_family(m) == "gpt2":
+    family = hf_family(m)
+    if family == "gpt2":
         # No dropout: ours has none, and a fine-tune of the export should train the same network.
         return tf.GPT2Config(n_embd=m.d_model, n_layer=m.n_layers, n_head=m.n_heads,
                              n_inner=resolved_d_ff(m), n_positions=m.max_seq_len,
                              layer_norm_epsilon=m.norm_eps, activation_function="gelu_new",
                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **tokens)
+    if family == "mixtral":
+        # Every block sparse (hf_family checked), so intermediate_size is the experts' width.
+        # No sliding window and no router jitter: ours attends to the whole context and routes
+        # deterministically. The router logits are not returned by default (they are for the
+        # balancing loss of a fine-tune, output_router_logits=True).
+        return tf.MixtralConfig(hidden_size=m.d_model, intermediate_size=expert_d_ff(m),
+                                num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                                num_key_value_heads=m.n_kv_heads or m.n_heads,
+                                max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                                rope_theta=m.rope_theta, sliding_window=None, hidden_act="silu",
+                                num_local_experts=m.experts, num_experts_per_tok=m.top_k,
+                                router_aux_loss_coef=m.aux_loss_coef if m.balance == "aux" else 0.0,
+                                output_router_logits=False, router_jitter_noise=0.0, **tokens)
     # Our RMSNorm has no bias, so model.bias means biases on the linears only: exactly HF's
     # attention_bias (q/k/v/o) and mlp_bias (gate/up/down).
     return tf.LlamaConfig(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
@@ -88,12 +138,16 @@ def hf_config(m: ModelConfig, eot: int | None):
                           **tokens)
 
 
-def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our parameter names and layouts -> the HF class's. `sd` is `Decoder.state_dict()`."""
+def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig,
+                  stacked_experts: bool = True) -> dict[str, torch.Tensor]:
+    """Our parameter names and layouts -> the HF class's. `sd` is `Decoder.state_dict()`.
+    `stacked_experts`: the Mixtral class holds its experts stacked (transformers >= 5), not
+    one module per expert (transformers 4); see _mixtral_experts."""
     out: dict[str, torch.Tensor] = {}
     head_dim = m.d_model // m.n_heads
     q_size, kv_size = m.n_heads * head_dim, (m.n_kv_heads or m.n_heads) * head_dim
-    if hf_family(m) == "gpt2":
+    family = hf_family(m)
+    if family == "gpt2":
         def norm(dst: str, src: str) -> None:
             out[f"{dst}.weight"] = sd[f"{src}.weight"]
             # bias=False is a LayerNorm/Linear whose bias is zero: GPT-2 always has one.
@@ -124,13 +178,42 @@ def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torc
             out[f"{h}.post_attention_layernorm.weight"] = sd[f"{b}.mlp_norm.weight"]
             for kind in ("weight", "bias") if m.bias else ("weight",):
                 q, k, v = sd[f"{b}.attn.qkv.{kind}"].split([q_size, kv_size, kv_size])
-                gate, up = sd[f"{b}.mlp.gate_up.{kind}"].split([hidden, hidden])
                 parts = {"self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v,
-                         "self_attn.o_proj": sd[f"{b}.attn.proj.{kind}"], "mlp.gate_proj": gate,
-                         "mlp.up_proj": up, "mlp.down_proj": sd[f"{b}.mlp.down.{kind}"]}
+                         "self_attn.o_proj": sd[f"{b}.attn.proj.{kind}"]}
+                if family == "llama":
+                    gate, up = sd[f"{b}.mlp.gate_up.{kind}"].split([hidden, hidden])
+                    parts.update({"mlp.gate_proj": gate, "mlp.up_proj": up,
+                                  "mlp.down_proj": sd[f"{b}.mlp.down.{kind}"]})
                 out.update({f"{h}.{name}.{kind}": t.contiguous() for name, t in parts.items()})
+            if family == "mixtral":
+                out.update(_mixtral_experts(sd, m, b, h, stacked_experts))
         out["model.norm.weight"] = sd["norm_f.weight"]
     out["lm_head.weight"] = sd["head.weight"]  # the embedding itself when tied
+    return out
+
+
+def _mixtral_experts(sd: dict[str, torch.Tensor], m: ModelConfig, b: str, h: str,
+                     stacked: bool) -> dict[str, torch.Tensor]:
+    """Block `b`'s mixture of experts as Mixtral layer `h`'s: the router is its `gate`, and
+    expert e's w1 (the gate projection), w3 (up) and w2 (down) are rows [0, f) and [f, 2f) of
+    our gate_up[e], and down[e].
+
+    transformers >= 5 stores the experts stacked exactly as ours (`mlp.experts.gate_up_proj`
+    (E, 2f, d), gate rows first, and `down_proj` (E, d, f)); its save_pretrained writes them
+    per expert, as Mixtral's published checkpoints are. transformers 4 holds that per-expert
+    layout in memory (`block_sparse_moe.experts.{e}.w1`). Either way the files hold
+    `block_sparse_moe.gate.weight` and `block_sparse_moe.experts.{e}.w1/w2/w3.weight`."""
+    router = sd[f"{b}.mlp.router.weight"]
+    gate_up, down = sd[f"{b}.mlp.experts.gate_up"], sd[f"{b}.mlp.experts.down"]
+    if stacked:
+        return {f"{h}.mlp.gate.weight": router, f"{h}.mlp.experts.gate_up_proj": gate_up,
+                f"{h}.mlp.experts.down_proj": down}
+    f = expert_d_ff(m)
+    out = {f"{h}.block_sparse_moe.gate.weight": router}
+    for e in range(m.experts):
+        w1, w3 = gate_up[e].split([f, f])
+        for name, t in (("w1", w1), ("w3", w3), ("w2", down[e])):
+            out[f"{h}.block_sparse_moe.experts.{e}.{name}.weight"] = t.contiguous()
     return out
 
 
@@ -182,11 +265,13 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> 
     m = cfg.model
     eot = tokenizer.token_to_id(EOT)
     config = hf_config(m, eot)
-    sd = hf_state_dict(model.state_dict(), m)
-    del model
-    cls = tf.GPT2LMHeadModel if hf_family(m) == "gpt2" else tf.LlamaForCausalLM
+    cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM,
+           "mixtral": tf.MixtralForCausalLM}[hf_family(m)]
     with torch.device("meta"):  # no memory and no random init: every tensor comes from `sd`
         hf_model = cls(config)
+    stacked = any(n.endswith(".experts.gate_up_proj") for n, _ in hf_model.named_parameters())
+    sd = hf_state_dict(model.state_dict(), m, stacked_experts=stacked)
+    del model
     missing, unexpected = hf_model.load_state_dict(sd, strict=False, assign=True)
     if missing or unexpected:
         raise ConfigError(f"internal error mapping to {cls.__name__}: missing {sorted(missing)}, "

@@ -31,7 +31,7 @@ from shardlm.models import build_model, flops_per_token, generate
 from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
 from shardlm.parallel.build import parallelize
 from shardlm.parallel.data import DataParallelEngine
-from shardlm.parallel.expert import finish_moe_step, moe_record
+from shardlm.parallel.expert import ExpertBalancer, finish_moe_step, moe_record
 from shardlm.parallel.pipeline import Schedule, StepIO, gather_stages
 from shardlm.parallel.tensor import whole_parameters
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
@@ -74,6 +74,10 @@ class Run:
     """The pipeline schedule of this rank's stage (parallel.pp > 1)."""
     moe_sums: torch.Tensor | None = None
     """The last step's mixture-of-experts figures summed over the ranks (parallel/expert.py)."""
+    moe_placement: dict = field(default_factory=dict)
+    """The last step's expert-parallel rank loads and re-placements (ExpertBalancer)."""
+    balancer: ExpertBalancer | None = None
+    """parallel.ep_rebalance_every > 0: moves experts between ep ranks by measured load."""
 
 
 @dataclass
@@ -139,6 +143,8 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
         # FLOPs left out). Ours: the exact count from its config.
         flops_per_token=(6.0 * sum(p.numel() for p in model.parameters()) if user_model
                          else flops_per_token(cfg.model, t.seq_len)),
+        balancer=(ExpertBalancer(model, cfg.parallel.ep_rebalance_every)
+                  if mesh.dims.ep > 1 and cfg.parallel.ep_rebalance_every else None),
     )
     if source is not None:  # a checkpoint that fails to load: the next usable one, if allowed
         _, run.start_step = load_with_fallback(
@@ -339,6 +345,10 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     if moe is not None:  # the step's routing summed over the ranks; the balancing biases moved
         m = run.cfg.model
         run.moe_sums = finish_moe_step(moe, m.balance if stepped else "none", m.bias_update_rate)
+        if run.balancer is not None and run.moe_sums is not None:
+            run.moe_placement = {"moe_rank_imbalance_by_layer": run.balancer.rank_imbalance(run.moe_sums),
+                                 "moe_replaced_blocks": run.balancer.step(step, run.moe_sums, strategy,
+                                                                          run.mesh.dp_shard_group)}
     # The loss and the stop flag in one tensor: the logging scalar every step sums anyway
     # carries the agreement to stop (a signal may reach only some ranks, or at different steps).
     # Every rank of a tensor-parallel group holds the same loss: counted once.
@@ -377,7 +387,7 @@ def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: flo
                     "pp_bubble_formula": run.schedule.bubble_formula(run.cfg.train.grad_accum),
                     "pp_peak_rss_bytes_by_stage": [int(b) for b in rss]}
     if run.moe_sums is not None:  # mixture of experts: balance, drops, traffic
-        pipeline.update(moe_record(run.model.moe_stats, run.moe_sums, comm))
+        pipeline.update(moe_record(run.model.moe_stats, run.moe_sums, comm), **run.moe_placement)
     return {"step": step + 1, "loss": loss, "lr": run.strategy.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
             "step_time_s": seconds, "peak_rss_bytes": peak_rss_bytes(),

@@ -31,6 +31,7 @@ described by a placement.Split: checkpoints and exports see whole tensors at any
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -68,16 +69,31 @@ def _exchange(x: torch.Tensor, recv: list[int], send: list[int], comm: Comm, sta
 
 
 class AllToAllDispatcher:
-    """Sends each expert's rows to the rank holding it (rank j holds experts [j·E/G, (j+1)·E/G))
-    and brings their outputs back (steps 1-3 of the module docstring)."""
+    """Sends each expert's rows to the rank holding it and brings their outputs back (steps 1-3
+    of the module docstring). `placement[j]`: the experts rank j holds, ascending (contiguous
+    blocks [j·E/G, (j+1)·E/G) until a re-placement by load moves them: place_experts)."""
 
     def __init__(self, comm: Comm, n_experts: int, stats: MoEStats):
         self.comm, self.n_experts, self.stats = comm, n_experts, stats
         self.local = n_experts // comm.size
+        self.placement = [list(range(j * self.local, (j + 1) * self.local)) for j in range(comm.size)]
+        self._order: torch.Tensor | None = None  # the experts in rank-major order, when moved
+
+    def set_placement(self, placement: list[list[int]]) -> None:
+        self.placement = [sorted(p) for p in placement]
+        order = [e for p in self.placement for e in p]
+        self._order = None if order == list(range(self.n_experts)) else torch.tensor(order)
 
     def __call__(self, x: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
         g, e_l = self.comm.size, self.local
         counts = routing.counts.to(torch.int64)
+        rows = None
+        if self._order is not None:  # rows grouped by expert id -> by (owning rank, expert id)
+            starts = torch.cumsum(counts, 0) - counts
+            order = self._order.to(counts.device)
+            rows = torch.cat([torch.arange(int(starts[e]), int(starts[e] + counts[e]), device=x.device)
+                              for e in order.tolist()])
+            x, counts = x[rows], counts[order]
         arriving = torch.empty_like(counts)  # (G·E_l): from rank s, for my expert e: [s·E_l + e]
         self.comm.all_to_all(arriving, counts, [e_l] * g, [e_l] * g, op="all_to_all_splits").wait()
         send = counts.view(g, e_l).sum(1).tolist()
@@ -96,7 +112,12 @@ class AllToAllDispatcher:
         outs = experts(y[order_t], [sum(per[s][e] for s in range(g)) for e in range(e_l)])
         back = torch.empty_like(order_t)
         back[order_t] = torch.arange(len(order), device=x.device)
-        return _AllToAll.apply(outs[back], send, recv, self.comm, self.stats)
+        out = _AllToAll.apply(outs[back], send, recv, self.comm, self.stats)
+        if rows is not None:  # back to grouped by expert id
+            undo = torch.empty_like(rows)
+            undo[rows] = torch.arange(rows.numel(), device=rows.device)
+            out = out[undo]
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,3 +279,121 @@ def moe_record(stats: MoEStats, sums: torch.Tensor, comm_bytes: dict[str, int]) 
             "moe_imbalance": max(imbalance), "moe_imbalance_by_layer": imbalance,
             "moe_dropped_fraction": float(dropped.sum() / routed.sum().clamp(min=1)),
             "moe_a2a_bytes": int(a2a), "moe_a2a_wait_s": stats.a2a_wait_s}
+
+
+# ---------------------------------------------------------------------------------------------
+# Re-placing experts by measured load (parallel.ep_rebalance_every)
+
+
+def balanced_placement(loads: list[float], ranks: int) -> list[list[int]]:
+    """Experts to ranks, E / ranks each, the heaviest first onto the rank with the least load
+    so far (longest-processing-time first; ties to the lower rank, then the lower expert id):
+    the busiest rank's load, which sets an expert-parallel step's time, as low as LPT makes it."""
+    per = len(loads) // ranks
+    placement: list[list[int]] = [[] for _ in range(ranks)]
+    totals = [0.0] * ranks
+    for e in sorted(range(len(loads)), key=lambda i: (-loads[i], i)):
+        j = min((r for r in range(ranks) if len(placement[r]) < per), key=lambda r: (totals[r], r))
+        placement[j].append(e)
+        totals[j] += loads[e]
+    return [sorted(p) for p in placement]
+
+
+def rank_loads(loads: list[float], placement: list[list[int]]) -> list[float]:
+    return [sum(loads[e] for e in p) for p in placement]
+
+
+def _runs(ids: list[int]) -> tuple[tuple[int, int], ...]:
+    """Sorted expert ids as [lo, hi) ranges of consecutive ones."""
+    out: list[list[int]] = []
+    for e in ids:
+        if out and out[-1][1] == e:
+            out[-1][1] = e + 1
+        else:
+            out.append([e, e + 1])
+    return tuple((lo, hi) for lo, hi in out)
+
+
+@torch.no_grad()
+def place_experts(model: nn.Module, strategy, shard_group, placements: dict[str, list[list[int]]]) -> int:
+    """Move experts between the expert-parallel ranks: block name -> its new placement (every
+    rank calls with the same). Every expert state (parameters, masters, Adam moments) is put
+    together whole on each rank of the shard group by a summed all-reduce of what each rank
+    holds (the checkpoint slices: their coordinates are the whole tensors'), the expert
+    weights' Splits are changed, and every rank copies its new slices out of the whole; the
+    dispatchers learn the new owners. Transient memory: the whole expert states of the moved
+    blocks (a production version would send only the moved experts). Returns the bytes
+    all-reduced (in the ledger as all_reduce/ep_rebalance)."""
+    ep: EPState = model.ep
+    names = {f"{block}.experts.{attr}" for block in placements
+             for attr, _ in model.get_submodule(f"{block}.experts").named_parameters()}
+    keyed = lambda slices: [sl for sl in slices if sl.name.rsplit("/", 1)[-1] in names]  # noqa: E731
+    whole: dict[str, torch.Tensor] = {}
+    for sl in keyed(strategy.state_slices(saving=True)):
+        buf = whole.setdefault(sl.name, torch.zeros(math.prod(sl.shape), dtype=torch.float32, device=sl.tensor.device))
+        buf[sl.start:sl.end] = sl.tensor.float()
+    comm = Comm(shard_group, "ep_rebalance", strategy.ledger)
+    # Every rank must hold every tensor's buffer (a rank may hold no slice of one): by name.
+    for name in sorted(names):
+        for kind in ("model", "optim/exp_avg", "optim/exp_avg_sq"):
+            key = f"{kind}/{name}"
+            if key not in whole:
+                whole[key] = torch.zeros(math.prod(ep.splits[name].shape), dtype=torch.float32,
+                                         device=next(model.parameters()).device)
+    moved = 0
+    for key in sorted(whole):
+        comm.all_reduce(whole[key]).wait()
+        moved += 2 * whole[key].numel() * whole[key].element_size()
+    for block, placement in placements.items():
+        moe = model.get_submodule(block)
+        for attr, _ in moe.experts.named_parameters():
+            name = f"{block}.experts.{attr}"
+            split = ep.splits[name]
+            ep.splits[name] = Split(split.shape, 0, _runs(placement[ep.rank]))
+        moe.dispatcher.set_placement(placement)
+    for sl in keyed(strategy.state_slices()):
+        sl.tensor.copy_(whole[sl.name][sl.start:sl.end].to(sl.tensor.dtype))
+    strategy.after_load()
+    return moved
+
+
+class ExpertBalancer:
+    """parallel.ep_rebalance_every = N: every N steps, each MoE block whose busiest
+    expert-parallel rank (by the loads routed over those N steps) would carry less under
+    balanced_placement gets its experts moved (place_experts). The loads are the steps'
+    choices per expert summed over every rank (finish_moe_step), so every rank decides alike."""
+
+    def __init__(self, model: nn.Module, every: int):
+        self.model, self.every = model, every
+        self.blocks = [n for n, m in model.named_modules() if isinstance(m, MoE)]
+        self.rows = {n: model.moe_stats.layers.index(model.get_submodule(n).index) for n in self.blocks}
+        self.loads: torch.Tensor | None = None
+
+    def rank_imbalance(self, sums: torch.Tensor) -> list[float]:
+        """Per MoE block here: the busiest ep rank's load over the mean rank's, this step."""
+        out = []
+        for block in self.blocks:
+            loads = sums[self.rows[block], :self.model.moe_stats.experts].tolist()
+            per_rank = rank_loads(loads, self.model.get_submodule(block).dispatcher.placement)
+            out.append(max(per_rank) / max(sum(per_rank) / len(per_rank), 1e-12))
+        return out
+
+    def step(self, step: int, sums: torch.Tensor, strategy, shard_group) -> int:
+        """After step `step` (0-based) with its summed figures: maybe move experts; returns
+        how many blocks were re-placed."""
+        e = self.model.moe_stats.experts
+        self.loads = sums[:, :e].clone() if self.loads is None else self.loads + sums[:, :e]
+        if (step + 1) % self.every:
+            return 0
+        moves = {}
+        for block in self.blocks:
+            loads = self.loads[self.rows[block]].tolist()
+            now = self.model.get_submodule(block).dispatcher.placement
+            new = balanced_placement(loads, len(now))
+            if max(rank_loads(loads, new)) < max(rank_loads(loads, now)):
+                moves[block] = new
+        self.loads = None
+        if moves:
+            place_experts(self.model, strategy, shard_group, moves)
+            log.info("experts re-placed by load in %d MoE block(s) after step %d", len(moves), step + 1)
+        return len(moves)

@@ -74,6 +74,15 @@ def _norm_saved(m: ModelConfig, dt: ActivationDtypes) -> tuple[float, str]:
     return r * h + 2 * r, f"({r}h+{2 * r})"
 
 
+def visited_width(m: ModelConfig, experts: tuple[int, int, float]) -> float:
+    """The MLP hidden width one token's activations span: the dense MLP's, or for a MoE block
+    its top_k routed experts' (× the capacity factor: the busiest expert's rows) and the shared
+    experts' (models.flops.expert_d_ff)."""
+    if not experts[0]:
+        return flops.resolved_d_ff(m)
+    return flops.expert_d_ff(m) * (experts[1] * experts[2] + m.shared_experts)
+
+
 def block_activation(m: ModelConfig, dt: ActivationDtypes, mode: str, tp: int = 1,
                      sp: bool = False, experts: tuple[int, int, float] = (0, 1, 1.0)) -> tuple[float, str]:
     """Bytes per token one block keeps for backward, and the formula.
@@ -89,23 +98,24 @@ def block_activation(m: ModelConfig, dt: ActivationDtypes, mode: str, tp: int = 
     h, a, e, r = m.d_model, m.n_heads, dt.compute, dt.residual
     hd = h // a
     kv = (m.n_kv_heads or a) * hd
-    f = flops.resolved_d_ff(m)
-    n_exp, top_k, capacity = experts
-    mlp_scale = top_k * capacity if n_exp else 1.0  # each token visits top_k experts
+    f, moe = visited_width(m, experts), 0.0
+    if experts[0]:  # a MoE block also keeps each choice's input row and output row (gathered
+        # for the expert, weighted by the gate) and the router's fp32 logits and probabilities
+        moe = experts[1] * experts[2] * 2 * e * h + 8 * experts[0]
     rope = m.position == "rope"
     mlp_mult = 4 if m.mlp == "swiglu" else 2
     if mode == "full":
         value = r * h / (tp if sp else 1)
         return value, f"{r}h{'/t' if sp and tp > 1 else ''} (block input only)"
     if mode == "selective":
-        sharded = e * (h + 2 * kv) + 4 * a + e * h + mlp_scale * e * f * (mlp_mult // 2)
+        sharded = e * (h + 2 * kv) + 4 * a + e * h + e * f * (mlp_mult // 2) + moe
         replicated = r * h + 2 * e * h  # block input, attention and MLP output-projection outputs
         text = (f"{r}h + 2·{e}h + ({e}(h+2kv) + 4a + {e}h + {e}·{mlp_mult // 2}f)/t "
                 "(matmul and attention outputs)")
     else:
         norm, norm_text = _norm_saved(m, dt)
         replicated = 2 * norm + 2 * e * h  # two norms' saved tensors, their outputs (linear inputs)
-        sharded = (e * (h + 2 * kv) + 4 * a + e * h + mlp_scale * mlp_mult * e * f
+        sharded = (e * (h + 2 * kv) + 4 * a + e * h + mlp_mult * e * f + moe
                    + (e * (h + kv) + e * h if rope else 0))  # rotated q, k; proj-input copy
         text = (f"2·{norm_text} + 2·{e}h + ({e}(h+2kv) + 4a + {e}h + {mlp_mult}·{e}f"
                 + (f" + {e}(2h+kv) rope" if rope else "") + ")/t")
@@ -157,8 +167,7 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
     # A block's backward holds the gradient of its output and, at the MLP, two f-wide
     # gradients at once (measured: silu/gelu backward), on top of what it recomputes; torch's
     # decomposed RMSNorm backward holds four fp32 h-vectors (worst at the final norm).
-    mlp_scale = experts[1] * experts[2] if experts[0] else 1.0
-    working = dt.compute * (m.d_model + 2 * mlp_scale * flops.resolved_d_ff(m) / tp)
+    working = dt.compute * (m.d_model + 2 * visited_width(m, experts) / tp)
     if m.norm == "rmsnorm":
         working = max(working, 16 * m.d_model)
     recompute = tokens * (full - per_layer + working)

@@ -47,9 +47,9 @@ class Supported:
 
 EVERYTHING = Supported()
 """Every strategy the planner models."""
-RUNTIME = Supported(ep=False, zero3_with_pp=False)
-"""What `shardlm train` runs today: pp x dp_replicate x dp_shard x cp x tp, ZeRO 0-3 (0-2 with
-pp > 1), recompute, offload."""
+RUNTIME = Supported(zero3_with_pp=False)
+"""What `shardlm train` runs today: pp x dp_replicate x dp_shard x cp x tp (x ep inside dp_shard,
+with tp = cp = 1), ZeRO 0-3 (0-2 with pp > 1), recompute, offload."""
 AUTO = Supported(tp=False, cp=False, pp=False, ep=False, zero3_with_pp=False)
 """What `parallel.strategy = "auto"` chooses from: data parallelism, until the planner's tensor-,
 context- and pipeline-parallel models have been checked against our own measurements on this
@@ -71,8 +71,8 @@ class Plan:
     def not_runnable(self) -> str | None:
         """Why `shardlm train` cannot run this plan (None: it can)."""
         s = self.strategy
-        if s.layout.ep > 1:
-            return "shardlm train has no expert parallelism (ep)"
+        if s.layout.ep > 1 and (s.layout.tp > 1 or s.layout.cp > 1):
+            return "shardlm train runs ep with tp = cp = 1 (under tp the experts spread over the tp ranks)"
         if s.layout.pp > 1 and s.zero_stage == 3:
             return "shardlm train refuses ZeRO-3 with pp > 1 (stages 0-2 run on a pipeline)"
         return None
@@ -112,7 +112,7 @@ class Plan:
         as command-line flags)."""
         new = copy.deepcopy(cfg)
         s, lay = self.strategy, self.strategy.layout
-        whole = {"parallel.tp": lay.tp, "parallel.cp": lay.cp, "parallel.pp": lay.pp,
+        whole = {"parallel.tp": lay.tp, "parallel.cp": lay.cp, "parallel.pp": lay.pp, "parallel.ep": lay.ep,
                  "parallel.sequence_parallel": s.sequence_parallel and lay.tp > 1,
                  "parallel.pp_schedule": s.pp_schedule, "parallel.pp_virtual": s.pp_virtual,
                  "parallel.pp_layers": s.pp_layers}
@@ -157,7 +157,7 @@ def _layouts(w: Workload, cluster: Cluster, supported: Supported, dtypes: Dtypes
     m, world, per_node = w.model, cluster.world_size, cluster.per_node
     tps = [pinned[0]] if pinned else divisors(per_node) if supported.tp else [1]
     for tp in tps:
-        if m.n_heads % tp or (m.n_kv_heads or m.n_heads) % tp or world % tp:
+        if m.n_heads % tp or (m.n_kv_heads or m.n_heads) % tp or world % tp or (m.experts and m.experts % tp):
             continue
         # Context parallelism, kept from multiplying the space: its ring passes a key/value
         # block per layer per hop, so it stays inside a node (cp <= devices per node / tp, on
@@ -188,7 +188,7 @@ def _layouts(w: Workload, cluster: Cluster, supported: Supported, dtypes: Dtypes
                         shards.add(inside)
                 for shard in sorted(shards):
                     eps = [1]
-                    if w.experts and supported.ep:
+                    if w.experts and supported.ep and tp == cp == 1:
                         eps = [e for e in divisors(shard) if w.experts % e == 0]
                     for ep in eps:
                         yield ParallelDims(dp // shard, shard, cp=cp, tp=tp, pp=pp, ep=ep)

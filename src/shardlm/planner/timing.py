@@ -211,6 +211,15 @@ def cp_comm_bytes(m, tokens: int, cp: int, tp: int, e: int, recompute: str = "no
     return layers * (hops * elems * e + cp * elems * 4)
 
 
+def ep_comm_bytes(m, tokens: int, ep: int, e: int) -> float:
+    """Bytes an expert-parallel rank sends in one all-to-all of a MoE block (parallel/expert.py),
+    as the ledger counts them (`all_to_all/ep`: rows sent to the other ranks), for balanced
+    routing: its tokens' top_k choices, (ep-1)/ep of them to other ranks' experts, d_model x e
+    each (the activations' dtype; the runtime sends rows, never pads to a capacity). Four per
+    MoE block and micro-batch: dispatch and combine forward, their gradients backward."""
+    return tokens * m.top_k * (ep - 1) / ep * m.d_model * e
+
+
 def pp_comm_bytes(m, tokens_per_micro: int, micro: int, stage_index: int, pp: int, tp: int, cp: int,
                   sequence_parallel: bool, e: int, tied: bool, virtual: int = 1) -> int:
     """Bytes pipeline rank `stage_index` sends per step as the ledger counts them (parallel/
@@ -273,8 +282,9 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
     if lay.pp > 1:
         out += _pipeline_comms(w, s, cluster, sp)
     if lay.ep > 1:  # dispatch + combine, forward and backward, per MoE layer
-        calls = 4 * sp.layers * micro
-        size = e * tokens * m.d_model * w.top_k * w.capacity_factor
+        moe = sp.layers * len(flops.moe_layers(m)) / m.n_layers
+        calls = 4 * moe * micro
+        size = ep_comm_bytes(m, tokens, lay.ep, e)
         bw, lat, where = group_link(cluster, lay.ep, lay.tp * lay.cp)
         sec = collective_seconds("all_to_all", size * calls, lay.ep, bw, lat, calls)
         out.append(CommTime("expert all-to-all", f"{lay.ep} ranks, {where}", size * calls, sec, sec))
@@ -313,15 +323,12 @@ def _cp_ring(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: 
 def model_flops_per_token(w: Workload, recompute: str = "none", count: str = "model") -> float:
     """models.flops.flops_per_token (PaLM appendix B: 6N + 12·L·h·s; count='model', for MFU)
     or what the kernels execute (count='kernel': causal flash attention, 6N + 7·L·h·s; for
-    time; 'kernel-forward': its forward share), with top_k experts' MLPs and the router for a
-    mixture of experts."""
+    time; 'kernel-forward': its forward share); a mixture of experts counts its active
+    parameters (the router, top_k routed experts and the shared ones: models.flops)."""
     m = w.model
     value = {"model": lambda: flops.flops_per_token(m, w.seq_len, recompute),
              "kernel": lambda: flops.kernel_flops_per_token(m, w.seq_len, recompute),
              "kernel-forward": lambda: flops.kernel_forward_flops_per_token(m, w.seq_len)}[count]()
-    if w.experts:
-        mlp = (3 if m.mlp == "swiglu" else 2) * m.d_model * flops.resolved_d_ff(m)
-        value += (2 if count == "kernel-forward" else 6) * m.n_layers * ((w.top_k - 1) * mlp + m.d_model * w.experts)
     if w.params:
         value *= w.params / shape_of(replace(w, params=None)).total
     return value

@@ -94,10 +94,21 @@ class Workload:
     """Sequences per optimizer step (= micro_batch x grad_accum x dp)."""
     params: float | None = None
     """Ψ as the user gave it (--params): model states use it exactly, the shape only scales."""
-    experts: int = 0
-    """Mixture of experts: experts per MLP (0 = dense); modelled, not yet in the runtime."""
-    top_k: int = 1
-    capacity_factor: float = 1.25
+
+    # A mixture of experts is the model's (ModelConfig.experts, top_k, capacity_factor).
+    @property
+    def experts(self) -> int:
+        return self.model.experts
+
+    @property
+    def top_k(self) -> int:
+        return self.model.top_k
+
+    @property
+    def capacity_factor(self) -> float:
+        """Rows per token-choice the busiest expert computes at most: the capacity factor; 1
+        when dropless (balanced routing assumed: an imbalanced router makes it more)."""
+        return self.model.capacity_factor or 1.0
 
 
 def validate(w: Workload, s: Strategy, cluster: Cluster) -> None:
@@ -200,7 +211,10 @@ class Shape:
     block_replicated: float
     """Norms and row-parallel biases: not split by tensor parallelism."""
     expert: float
-    """One expert's MLP (0 for a dense model)."""
+    """One routed expert's MLP (0 for a dense model)."""
+    routed: float
+    """The routed experts' parameters of the mean block (all of a MoE block's, times the share
+    of blocks that are MoE)."""
     embedding: float
     positions: float
     final_norm: float
@@ -210,32 +224,30 @@ class Shape:
 
 def shape_of(w: Workload) -> Shape:
     # Memoised: the search asks for the same workload's shape thousands of times.
-    return _shape(tuple(vars(w.model).items()), w.params, w.experts)
+    return _shape(tuple(vars(w.model).items()), w.params)
 
 
 @functools.lru_cache(maxsize=64)
-def _shape(model_fields: tuple, params: float | None, experts: int) -> Shape:
+def _shape(model_fields: tuple, params: float | None) -> Shape:
     m = ModelConfig(**dict(model_fields))
-    w = Workload(m, 1, 1, params, experts)
     root = flops.count_params(replace(m, n_layers=0))
-    block = flops.count_params(replace(m, n_layers=1)) - root
+    block = (flops.count_params(m) - root) / m.n_layers  # the mean block (MoE ones and dense ones)
     embedding = m.vocab_size * m.d_model
     positions = m.max_seq_len * m.d_model if m.position == "learned" else 0
     head = 0 if m.tie_embeddings else embedding
     final_norm = root - embedding - positions - head
-    mlp = (3 if m.mlp == "swiglu" else 2) * m.d_model * flops.resolved_d_ff(m)
-    if m.bias:
-        mlp += flops.resolved_d_ff(m) * (2 if m.mlp == "swiglu" else 1) + m.d_model
-    expert = mlp if w.experts else 0
-    if w.experts:  # E expert MLPs and a router (h x E) instead of one MLP
-        block += (w.experts - 1) * mlp + m.d_model * w.experts
+    f = flops.expert_d_ff(m)
+    expert = (3 if m.mlp == "swiglu" else 2) * m.d_model * f if m.experts else 0
+    if m.experts and m.bias:
+        expert += f * (2 if m.mlp == "swiglu" else 1) + m.d_model
+    routed = m.experts * expert * len(flops.moe_layers(m)) / m.n_layers  # per mean block
     replicated = 2 * final_norm + (2 * m.d_model if m.bias else 0)
-    shape = Shape(m.n_layers * block + root, block, replicated, expert, embedding, positions,
+    shape = Shape(m.n_layers * block + root, block, replicated, expert, routed, embedding, positions,
                   final_norm, head)
-    if w.params:  # the user's Ψ is the truth; the synthesised shape only apportions it
-        k = w.params / shape.total
-        shape = Shape(w.params, *(getattr(shape, f) * k for f in
-                                  ("block", "block_replicated", "expert", "embedding",
+    if params:  # the user's Ψ is the truth; the synthesised shape only apportions it
+        k = params / shape.total
+        shape = Shape(params, *(getattr(shape, f) * k for f in
+                                  ("block", "block_replicated", "expert", "routed", "embedding",
                                    "positions", "final_norm", "head")))
     return shape
 
@@ -277,8 +289,9 @@ def stage_params(w: Workload, lay: ParallelDims, split: list[int] | None = None)
     Megatron-LM does). Tensor parallelism splits every matrix (the embedding and head
     vocabulary-parallel) and replicates norms (Shoeybi et al. 2019)."""
     sh, t, p = shape_of(w), lay.tp, lay.pp
-    experts_local = (w.experts // lay.ep) * sh.expert if w.experts else 0
-    dense_block = sh.block_replicated + (sh.block - sh.block_replicated - w.experts * sh.expert) / t
+    # Experts are spread (not cut) over ep ranks, or over the tp ranks under tensor parallelism.
+    experts_local = sh.routed / (lay.ep * t)
+    dense_block = sh.block_replicated + (sh.block - sh.block_replicated - sh.routed) / t
     if split is None:
         split = list(_split(tuple(vars(w.model).items()), w.seq_len, p, "", 1))
     assert sum(split) == w.model.n_layers and len(split) % p == 0, (split, p)

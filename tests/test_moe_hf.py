@@ -1,0 +1,186 @@
+"""Mixtures of experts and transformers, both ways.
+
+Export: a LLaMA-style MoE (moe-tiny) becomes a `MixtralForCausalLM` (shardlm.export) with our
+logits, its files in Mixtral's published layout (`block_sparse_moe.experts.{e}.w1/w2/w3`); an
+MoE Mixtral cannot express is a ConfigError naming each field.
+
+Training: tiny Mixtral, Qwen2-MoE and OLMoE models built from transformers configs train
+unmodified through CausalLMAdapter on the ZeRO engine, stage 3 on 2 gloo ranks, against one
+process with the same global batch and one rank's thread count (zero_cases.reference_case), as
+tests/test_hf_models.py does for GPT-2, LLaMA and T5; and, built on the meta device, each rank
+materialises its units to the weights one process materialises whole. Units: the decoder
+layers, the children of the largest ModuleList (`model.model.layers`), without naming a class.
+
+Tolerance, measured (fp32, 3 steps, grad_clip 1.0), experts 'eager': losses bitwise for all
+three; parameters bitwise for Mixtral and Qwen2-MoE, 1.3e-8 relative for OLMoE (its router):
+the clip coefficient's ulp (test_hf_models.py says why: the sharded gradient norm is summed
+from per-shard partial norms). With the library's own experts kernel (grouped_mm on
+transformers 5.23 / torch 2.13) the same at stages 2 and 3: losses bitwise, parameters
+<= 5e-8. Asserted: 1e-6 relative, as test_hf_models.py asserts everything not bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import tiny_overrides
+from moe_hf_cases import MOE_MODELS, moe_hf_built, moe_hf_model, moe_hf_train_cases
+from parity import rel
+from shardlm import checkpoint
+from shardlm.config import load_config
+from shardlm.data.tokenizer import train_tokenizer
+from shardlm.errors import ConfigError
+from shardlm.export import export_hf, hf_family, hf_state_dict
+from shardlm.models import build_model
+from shardlm.spawn import run_ranks
+from shardlm.zero.units import collect_units
+from zero_cases import reference_case
+
+transformers = pytest.importorskip("transformers")
+
+STEPS, WORLD = 3, 2
+
+
+# --- export ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(["def add(a, b):\n    return a + b\n"] * 50, 512)  # moe-tiny: 512
+
+
+def _moe_run(tmp_path, tokenizer, **model):
+    """moe-tiny (with `model` overrides) saved as a run directory; norms start at 1 and the
+    router near uniform: perturbed so that every tensor, and which experts win, matters."""
+    cfg = load_config(overrides={"model.preset": "moe-tiny", **{f"model.{k}": v for k, v in model.items()}})
+    model = build_model(cfg.model, "cpu", seed=0)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(2)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    run = tmp_path / "runs" / "run"
+    checkpoint.save_weights(run, model, cfg, tokenizer)
+    return run, model.eval()
+
+
+@pytest.mark.parametrize("model", [{}, {"tie_embeddings": True, "rope_theta": 500000.0, "top_k": 1}],
+                         ids=["moe-tiny", "tied-top1"])
+def test_moe_exports_as_mixtral_with_our_logits(tmp_path, tokenizer, model):
+    run, ours = _moe_run(tmp_path, tokenizer, **model)
+    out = export_hf(run, tmp_path / "hf")
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert config.model_type == "mixtral"
+    assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == \
+        (4, ours.cfg.top_k, 96)
+    assert config.output_router_logits is False and config.router_aux_loss_coef == 0.01
+    hf = transformers.MixtralForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (hf(ids).logits - ours(ids)).abs().max().item()
+    print(f"Mixtral {model}: max |logits diff| = {diff:.3g}")
+    assert diff <= 1e-5
+
+    # The files hold Mixtral's published per-expert layout, whatever the class keeps in memory.
+    sd = ours.state_dict()
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        for i in range(2):
+            h, b = f"model.layers.{i}.block_sparse_moe", f"blocks.{i}.mlp"
+            assert torch.equal(f.get_tensor(f"{h}.gate.weight"), sd[f"{b}.router.weight"])
+            for e in range(4):
+                gate_up, down = sd[f"{b}.experts.gate_up"][e], sd[f"{b}.experts.down"][e]
+                assert torch.equal(f.get_tensor(f"{h}.experts.{e}.w1.weight"), gate_up[:96])
+                assert torch.equal(f.get_tensor(f"{h}.experts.{e}.w3.weight"), gate_up[96:])
+                assert torch.equal(f.get_tensor(f"{h}.experts.{e}.w2.weight"), down)
+        # transformers 4's in-memory layout is that one: the per-expert mapping names the same
+        # tensors (the tied head is one tensor in memory, absent from the file).
+        per_expert = hf_state_dict(sd, ours.cfg, stacked_experts=False)
+        assert set(per_expert) - {"lm_head.weight"} <= names
+        assert names <= set(per_expert)
+        for name in names:
+            assert torch.equal(f.get_tensor(name), per_expert[name]), name
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"router": "sigmoid"}, r"model.router = 'sigmoid' \(Mixtral's router is a softmax"),
+    ({"shared_experts": 1}, r"model.shared_experts = 1 \(Mixtral has no shared experts"),
+    ({"moe_every": 2}, r"model.moe_every = 2 \(blocks \[0\] are dense"),
+    ({"capacity_factor": 1.25}, r"model.capacity_factor = 1.25 \(Mixtral is dropless"),
+    ({"balance": "bias"}, r"model.balance = 'bias' \(the balancing bias changes which experts"),
+    ({"bias": True}, r"model.bias = True \(Mixtral's linears have no biases"),
+    ({"mlp": "gelu"}, r"model.mlp = 'gelu' \(Mixtral is LLaMA-style"),
+])
+def test_moe_mixtral_cannot_express_is_config_error(model, message):
+    cfg = load_config(overrides={"model.preset": "moe-tiny", **{f"model.{k}": v for k, v in model.items()}})
+    with pytest.raises(ConfigError, match="cannot export this mixture-of-experts model to "
+                                          "transformers' MixtralForCausalLM: " + message):
+        hf_family(cfg.model)
+
+
+def test_unexportable_moe_run_writes_nothing(tmp_path, tokenizer):
+    run, _ = _moe_run(tmp_path, tokenizer, router="sigmoid", shared_experts=1)
+    with pytest.raises(ConfigError, match="model.router = 'sigmoid'.*; model.shared_experts = 1"):
+        export_hf(run, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+# --- transformers MoE models under ZeRO --------------------------------------------------------
+
+def _base(tmp_path, **extra):
+    return tiny_overrides(tmp_path, train__micro_batch=4, **extra)
+
+
+CASES = [(name, "eager") for name in MOE_MODELS] + [("mixtral", None)]  # (model, experts kernel)
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe-hf")
+    overrides = {**_base(tmp), "parallel.zero_stage": 3}
+    ranks = run_ranks(moe_hf_train_cases, WORLD, tmp,
+                      [(name, experts, overrides, STEPS) for name, experts in CASES], timeout=300)
+    refs = [reference_case(_base(tmp), WORLD, STEPS, model=moe_hf_model(name, experts=experts))
+            for name, experts in CASES]
+    return ranks, refs
+
+
+@pytest.mark.parametrize("index", range(len(CASES)),
+                         ids=[f"{name}-{experts or 'default-experts'}" for name, experts in CASES])
+def test_moe_models_at_zero3_match_one_process(zero3_runs, index):
+    (rank0, rank1), refs = zero3_runs
+    got, ref = rank0[index], refs[index]
+    for p in ref["params"]:  # the ranks hold the same model
+        assert torch.equal(rank1[index]["params"][p], got["params"][p]), p
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    assert got["params"].keys() == ref["params"].keys()
+    worst = max((rel(got["params"][p], value), p) for p, value in ref["params"].items())
+    print(f"{CASES[index]}: losses {got['losses']}, worst parameter {worst}")
+    assert worst[0] <= 1e-6, worst
+
+
+def test_moe_model_units_are_the_decoder_layers():
+    for name in MOE_MODELS:
+        units = [(u.name, type(u.module).__name__) for u in collect_units(moe_hf_model(name))]
+        assert [u for u, _ in units] == ["root", "model.model.layers.0", "model.model.layers.1"], name
+        assert units[1][1].endswith("DecoderLayer"), units
+
+
+def test_meta_built_moe_models_shard_to_the_one_process_model(tmp_path):
+    """Built on the meta device, each rank materialises only its units at stage 3, every leaf
+    (the stacked experts, the routers, Qwen2-MoE's shared expert and its gate) initialised by
+    the model's own _init_weights: the result is the model one process materialises whole."""
+    from shardlm.models.init import materialize
+
+    cases = [(name, {**_base(tmp_path), "parallel.zero_stage": 3, "run.name": name})
+             for name in MOE_MODELS]
+    ranks = run_ranks(moe_hf_built, WORLD, tmp_path, cases, timeout=300)
+    for index, (name, overrides) in enumerate(cases):
+        whole = materialize(moe_hf_model(name, "meta"), "cpu", overrides.get("train.seed", 1337))
+        cpu_built = moe_hf_model(name)  # the library's own init, for scale
+        for key, value in [*whole.named_parameters(), *whole.named_buffers()]:
+            for rank in ranks:
+                assert torch.equal(rank[index][key], value.detach().float()), (name, key)
+            if value.dim() >= 2:  # initialised like the library does, not left at zero or garbage
+                expected = cpu_built.get_parameter(key).std()
+                assert 0.5 * expected < value.std() < 2 * expected, (name, key)
