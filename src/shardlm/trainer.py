@@ -77,7 +77,7 @@ class Run:
     moe_placement: dict = field(default_factory=dict)
     """The last step's expert-parallel rank loads and re-placements (ExpertBalancer)."""
     balancer: ExpertBalancer | None = None
-    """parallel.ep_rebalance_every > 0: moves experts between ep ranks by measured load."""
+    """With ep > 1: the ranks' loads per step, and (parallel.ep_rebalance_every) moving experts."""
 
 
 @dataclass
@@ -143,8 +143,7 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
         # FLOPs left out). Ours: the exact count from its config.
         flops_per_token=(6.0 * sum(p.numel() for p in model.parameters()) if user_model
                          else flops_per_token(cfg.model, t.seq_len)),
-        balancer=(ExpertBalancer(model, cfg.parallel.ep_rebalance_every)
-                  if mesh.dims.ep > 1 and cfg.parallel.ep_rebalance_every else None),
+        balancer=ExpertBalancer(model, cfg.parallel.ep_rebalance_every) if mesh.dims.ep > 1 else None,
     )
     if source is not None:  # a checkpoint that fails to load: the next usable one, if allowed
         _, run.start_step = load_with_fallback(
@@ -346,7 +345,8 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
         m = run.cfg.model
         run.moe_sums = finish_moe_step(moe, m.balance if stepped else "none", m.bias_update_rate)
         if run.balancer is not None and run.moe_sums is not None:
-            run.moe_placement = {"moe_rank_imbalance_by_layer": run.balancer.rank_imbalance(run.moe_sums),
+            ranks = run.balancer.rank_imbalance(run.moe_sums)  # this step's placement, before a move
+            run.moe_placement = {"moe_rank_imbalance": max(ranks, default=1.0), "moe_rank_imbalance_by_layer": ranks,
                                  "moe_replaced_blocks": run.balancer.step(step, run.moe_sums, strategy,
                                                                           run.mesh.dp_shard_group)}
     # The loss and the stop flag in one tensor: the logging scalar every step sums anyway

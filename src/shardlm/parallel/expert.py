@@ -358,7 +358,8 @@ def place_experts(model: nn.Module, strategy, shard_group, placements: dict[str,
 
 
 class ExpertBalancer:
-    """parallel.ep_rebalance_every = N: every N steps, each MoE block whose busiest
+    """The expert-parallel ranks' loads (rank_imbalance, logged every step) and, with
+    parallel.ep_rebalance_every = N: every N steps, each MoE block whose busiest
     expert-parallel rank (by the loads routed over those N steps) would carry less under
     balanced_placement gets its experts moved (place_experts). The loads are the steps'
     choices per expert summed over every rank (finish_moe_step), so every rank decides alike."""
@@ -382,6 +383,8 @@ class ExpertBalancer:
         """After step `step` (0-based) with its summed figures: maybe move experts; returns
         how many blocks were re-placed."""
         e = self.model.moe_stats.experts
+        if not self.every:
+            return 0
         self.loads = sums[:, :e].clone() if self.loads is None else self.loads + sums[:, :e]
         if (step + 1) % self.every:
             return 0

@@ -1,0 +1,197 @@
+"""Mixture of experts on CPU ranks (gloo): expert parallelism under balanced and skewed routing,
+the hot-expert remedy, and load balance over a run.
+
+Part 1, expert parallelism on 2 ranks (each case in fresh processes):
+
+    ep=2 balanced        parallel.ep=2, model.balance=aux (the router as trained)
+    ep=2 skewed          model.balance=none and a skewed router: every MoE block's router gets
+                         +SKEW on experts 0 .. k-1 (all on rank 0 under the contiguous placement)
+                         for the choice, so each token's k choices go to rank 0's experts
+    ep=2 skewed+replace  the same, with parallel.ep_rebalance_every=2: after steps 2, 4, ... the
+                         experts are re-placed by the loads measured (the hot ones spread)
+    dp=2 balanced/skewed parallel.ep=1: every rank holds every expert (no all-to-all)
+
+Per case: tokens/s (median of the timed steps, slowest rank), the all-to-all wait per step on each
+rank (moe_a2a_wait_s: a rank with no tokens for its experts waits there for the busy one),
+expert imbalance (max/mean expert load, worst block) and the ep ranks' imbalance (max/mean rank
+load), peak RSS per rank, the ledger's all-to-all bytes next to the planner's balanced-routing
+formula (planner.timing.ep_comm_bytes), and the step-1 losses (the same in every balanced and
+every skewed case: where experts run does not change the arithmetic).
+
+Part 2, balance over a run (one process, --balance-steps steps of moe-tiny with 8 experts, top 2):
+model.balance = none / aux / bias, the JSONL's moe_imbalance (worst block's max/mean) per step,
+plotted to --plot (PNG, matplotlib).
+
+Reproduce:  PYTHONPATH=src python bench/bench_moe.py
+            PYTHONPATH=src python bench/bench_moe.py --preset moe-tiny --skip-balance
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from shardlm.config import load_config
+from shardlm.data import build_dataset
+from shardlm.launch import cpu_cores
+from shardlm.models import count_params
+from shardlm.models.flops import active_params
+from shardlm.spawn import run_ranks
+from shardlm.telemetry import peak_rss_bytes
+
+MiB = 2**20
+SKEW = 10.0
+"""Added to the hot experts' router scores for the choice (probabilities are <= 1: decisive)."""
+SMALL = {"model.preset": "moe-tiny", "model.n_layers": 4, "model.d_model": 256, "model.n_heads": 8,
+         "model.n_kv_heads": 4, "model.vocab_size": 8192, "model.max_seq_len": 256,
+         "model.experts": 8, "model.top_k": 2, "model.expert_d_ff": 1024}
+"""'moe-small': a MoE big enough for the experts' matmuls to dominate a CPU step (llama-style,
+4 blocks, d 256, 8 experts of 1024, top 2)."""
+CASES = [("ep=2 balanced", 2, {"parallel.ep": 2}, False),
+         ("ep=2 skewed", 2, {"parallel.ep": 2, "model.balance": "none"}, True),
+         ("ep=2 skewed+replace", 2, {"parallel.ep": 2, "model.balance": "none",
+                                     "parallel.ep_rebalance_every": 2}, True),
+         ("dp=2 balanced", 2, {}, False),
+         ("dp=2 skewed", 2, {"model.balance": "none"}, True)]
+
+
+def overrides_for(args, case: dict, run_dir: str) -> dict:
+    base = SMALL if args.preset == "moe-small" else {"model.preset": args.preset}
+    return {**base, "train.seq_len": args.seq, "train.micro_batch": args.micro_batch,
+            "train.steps": args.warmup + args.steps, "precision.compute": "fp32", "run.device": "cpu",
+            "run.dir": run_dir, "run.progress": "off", "train.eval_every": 0, "train.sample_tokens": 0,
+            **case}
+
+
+def rank_case(rank: int, world: int, overrides: dict, warmup: int, steps: int, skewed: bool) -> dict:
+    import time
+
+    from shardlm.models.moe import MoE
+    from shardlm.trainer import build_run, step_record, train_step
+
+    run = build_run(load_config(overrides=overrides).validate())
+    if skewed:
+        k = run.cfg.model.top_k
+        for module in run.model.modules():
+            if isinstance(module, MoE):
+                module.router.bias = torch.tensor([SKEW if e < k else 0.0 for e in range(module.n_experts)])
+    records = []
+    for step in range(warmup + steps):
+        run.strategy.ledger.reset()
+        start = time.perf_counter()
+        out = train_step(run, step)
+        seconds = time.perf_counter() - start
+        if step >= warmup:
+            records.append({**step_record(run, step, out.loss, out.grad_norm, seconds), "seconds": seconds})
+        else:
+            records.append({"loss": out.loss})
+    return {"records": records, "rss": peak_rss_bytes()}
+
+
+def part_one(args, tmp: str) -> None:
+    from shardlm.planner.timing import ep_comm_bytes
+
+    wanted = set(args.cases.split(",")) if args.cases else None
+    print("\n| case | tok/s | step s (median) | a2a wait s/step by rank | expert imbalance (worst block) "
+          "| ep rank imbalance (worst block) | blocks re-placed | peak RSS MiB by rank | a2a MiB/step rank 0 "
+          "(planner, balanced) | step-1 loss |\n|" + "---|" * 10)
+    for name, world, case, skewed in CASES:
+        if wanted and name not in wanted:
+            continue
+        over = overrides_for(args, case, tmp)
+        ranks = run_ranks(rank_case, world, Path(tempfile.mkdtemp(dir=tmp)), over, args.warmup, args.steps,
+                          skewed, timeout=3600)
+        timed = [r["records"][args.warmup:] for r in ranks]
+        step_s = max(statistics.median(t["seconds"] for t in recs) for recs in timed)
+        tokens = args.micro_batch * args.seq * world
+        wait = " / ".join(f"{statistics.median(t['moe_a2a_wait_s'] for t in recs):.3f}" for recs in timed)
+        last = timed[0][-1]
+        rank_imb = last.get("moe_rank_imbalance", float("nan"))
+        moved = sum(t.get("moe_replaced_blocks", 0) for t in timed[0])
+        a2a = statistics.median(t["moe_a2a_bytes"] for t in timed[0]) / MiB
+        cfg = load_config(overrides=over).validate()
+        ep = case.get("parallel.ep", 1)
+        blocks = cfg.model.n_layers  # moe_every = 1
+        rss = " / ".join(f"{r['rss'] / MiB:,.0f}" for r in ranks)
+        want = (4 * blocks * ep_comm_bytes(cfg.model, args.micro_batch * args.seq, ep, 4) / MiB) if ep > 1 else 0
+        print(f"| {name} | {tokens / step_s:,.0f} | {step_s:.3f} | {wait} | {last['moe_imbalance']:.2f} | "
+              f"{rank_imb:.2f} | {moved} | {rss} | "
+              f"{a2a:.2f} ({want:.2f}) | {ranks[0]['records'][0]['loss']:.4f} |", flush=True)
+
+
+def part_two(args, tmp: str) -> None:
+    from shardlm.trainer import build_run, train
+
+    curves = {}
+    for balance in ("none", "aux", "bias"):
+        over = {"model.preset": "moe-tiny", "model.experts": 8, "model.top_k": 2, "model.balance": balance,
+                "model.bias_update_rate": 0.01, "train.steps": args.balance_steps, "train.micro_batch": 8,
+                "train.seq_len": 64, "train.lr": 3e-3, "train.warmup_steps": 10,
+                "precision.compute": "fp32", "run.dir": tmp, "run.name": f"balance-{balance}",
+                "run.progress": "off", "train.eval_every": 0, "train.sample_tokens": 0}
+        run = build_run(load_config(overrides=over).validate())
+        train(run)
+        rows = [json.loads(line) for line in open(run.run_dir / "metrics.jsonl")]
+        curves[balance] = [(r["step"], r["moe_imbalance"], r["loss"]) for r in rows]
+        tail = curves[balance][-10:]
+        print(f"balance={balance}: imbalance step 1 {curves[balance][0][1]:.2f}, mean of the last 10 steps "
+              f"{statistics.mean(x[1] for x in tail):.2f}, max {max(x[1] for x in curves[balance]):.2f}; "
+              f"loss {curves[balance][0][2]:.3f} -> {statistics.mean(x[2] for x in tail):.3f}", flush=True)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for balance, curve in curves.items():
+            ax.plot([c[0] for c in curve], [c[1] for c in curve], label=f"balance = {balance}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("imbalance: busiest expert / mean (worst block)")
+        ax.set_title("moe-tiny, 8 experts, top 2: load balance over a run")
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.legend()
+        fig.tight_layout()
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.plot, dpi=100)
+        print(f"plot: {args.plot}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="moe-small", help="'moe-small' (see SMALL) or a preset")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    parser.add_argument("--balance-steps", type=int, default=200)
+    parser.add_argument("--skip-balance", action="store_true")
+    parser.add_argument("--skip-parallel", action="store_true")
+    parser.add_argument("--plot", default="docs/img/moe_imbalance.png")
+    args = parser.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    cfg = load_config(overrides=overrides_for(args, {}, "")).validate()
+    build_dataset(cfg.data, cfg.model.vocab_size)
+    torch.set_num_threads(max(1, cpu_cores() // 2))
+    print(f"torch {torch.__version__}, {cpu_cores()} cores, {args.preset}: {count_params(cfg.model) / 1e6:.1f}M "
+          f"params ({active_params(cfg.model) / 1e6:.1f}M active), {cfg.model.experts} experts top-"
+          f"{cfg.model.top_k}, fp32, {args.micro_batch} x {args.seq} tokens per rank per step, "
+          f"{args.warmup} warm-up + {args.steps} timed steps, load average {os.getloadavg()[0]:.1f}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.skip_parallel:
+            part_one(args, tmp)
+        if not args.skip_balance:
+            part_two(args, tmp)
+    print(f"\nReproduce: PYTHONPATH=src python bench/bench_moe.py {' '.join(sys.argv[1:])}")
+
+
+if __name__ == "__main__":
+    main()
