@@ -16,14 +16,20 @@ def ledger_case(rank: int, world_size: int, overrides: dict) -> dict:
 
     run = build_run(load_config(overrides=overrides).validate())
     routed: list[list[int]] = []
+
+    class Recording:  # the dispatcher, noting each call's routing first
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __call__(self, x, routing, experts):
+            routed.append(routing.counts.tolist())
+            return self.inner(x, routing, experts)
     for module in run.model.modules():
         if isinstance(module, MoE):
-            dispatch = module.dispatcher
-
-            def record(x, routing, experts, dispatch=dispatch):
-                routed.append(routing.counts.tolist())
-                return dispatch(x, routing, experts)
-            module.dispatcher = record
+            module.dispatcher = Recording(module.dispatcher)
     run.strategy.ledger.reset()
     train_step(run, 0)
     everyone: list = [None] * world_size
