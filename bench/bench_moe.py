@@ -11,7 +11,9 @@ Part 1, expert parallelism on 2 ranks (each case in fresh processes):
                          experts are re-placed by the loads measured (the hot ones spread)
     dp=2 balanced/skewed parallel.ep=1: every rank holds every expert (no all-to-all)
 
-Per case: tokens/s (median of the timed steps, slowest rank), the all-to-all wait per step on each
+Part 1 trains at lr 1e-5, so that the routing stays as initialised (near balanced) or as the
+skew makes it over the few steps measured (at a normal lr a fresh router collapses onto a few
+experts within ~10 steps: part 2). Per case: tokens/s (median of the timed steps, slowest rank), the all-to-all wait per step on each
 rank (moe_a2a_wait_s: a rank with no tokens for its experts waits there for the busy one),
 expert imbalance (max/mean expert load, worst block) and the ep ranks' imbalance (max/mean rank
 load), peak RSS per rank, the ledger's all-to-all bytes next to the planner's balanced-routing
@@ -65,7 +67,7 @@ CASES = [("ep=2 balanced", 2, {"parallel.ep": 2}, False),
 def overrides_for(args, case: dict, run_dir: str) -> dict:
     base = SMALL if args.preset == "moe-small" else {"model.preset": args.preset}
     return {**base, "train.seq_len": args.seq, "train.micro_batch": args.micro_batch,
-            "train.steps": args.warmup + args.steps, "precision.compute": "fp32", "run.device": "cpu",
+            "train.steps": args.warmup + args.steps, "train.lr": 1e-5, "precision.compute": "fp32", "run.device": "cpu",
             "run.dir": run_dir, "run.progress": "off", "train.eval_every": 0, "train.sample_tokens": 0,
             **case}
 

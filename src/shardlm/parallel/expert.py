@@ -68,6 +68,18 @@ def _exchange(x: torch.Tensor, recv: list[int], send: list[int], comm: Comm, sta
     return out
 
 
+def _expert_major(counts: torch.Tensor) -> torch.Tensor:
+    """counts (G, E_l): rows from each source rank for each local expert, arrived source-major
+    (rank 0's rows for experts 0..E_l-1, then rank 1's, ...). The arrival indices of the rows in
+    expert-major order (expert 0's rows from every rank, then expert 1's, ...)."""
+    flat = counts.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view_as(counts)  # where segment (s, e) arrived
+    lengths = counts.t().reshape(-1)  # segments in expert-major order
+    offsets = torch.cumsum(lengths, 0) - lengths
+    first = starts.t().reshape(-1)
+    return torch.repeat_interleave(first - offsets, lengths) + torch.arange(int(lengths.sum()), device=counts.device)
+
+
 class AllToAllDispatcher:
     """Sends each expert's rows to the rank holding it and brings their outputs back (steps 1-3
     of the module docstring). `placement[j]`: the experts rank j holds, ascending (contiguous
@@ -97,21 +109,13 @@ class AllToAllDispatcher:
         arriving = torch.empty_like(counts)  # (G·E_l): from rank s, for my expert e: [s·E_l + e]
         self.comm.all_to_all(arriving, counts, [e_l] * g, [e_l] * g, op="all_to_all_splits").wait()
         send = counts.view(g, e_l).sum(1).tolist()
-        per = arriving.view(g, e_l).tolist()  # per[s][e]: rows from rank s for local expert e
-        recv = [sum(row) for row in per]
+        recv = arriving.view(g, e_l).sum(1).tolist()  # rows from each rank
         y = _AllToAll.apply(x, recv, send, self.comm, self.stats)  # by source, then local expert
         # Regroup by local expert (expert-major), run the experts, restore arrival order.
-        starts, at = [], 0
-        for row in per:
-            starts.append([])
-            for n in row:
-                starts[-1].append(at)
-                at += n
-        order = [i for e in range(e_l) for s in range(g) for i in range(starts[s][e], starts[s][e] + per[s][e])]
-        order_t = torch.tensor(order, dtype=torch.int64, device=x.device)
-        outs = experts(y[order_t], [sum(per[s][e] for s in range(g)) for e in range(e_l)])
-        back = torch.empty_like(order_t)
-        back[order_t] = torch.arange(len(order), device=x.device)
+        order = _expert_major(arriving.view(g, e_l).to(x.device))
+        outs = experts(y[order], arriving.view(g, e_l).sum(0).tolist())
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=x.device)
         out = _AllToAll.apply(outs[back], send, recv, self.comm, self.stats)
         if rows is not None:  # back to grouped by expert id
             undo = torch.empty_like(rows)
