@@ -208,3 +208,20 @@ def test_re_placing_experts_by_load_changes_nothing_but_where_they_run(tmp_path)
     assert sum(out[0]["moved"]) > 0, out[0]["moved"]
     assert any(len(s.ranges) > 1 or s.ranges[0][0] % 4 for s in out[0]["splits"].values())  # moved
     assert_matches(out[0]["losses"], whole_params(out), reference_case(base, 2, 4), "ep=2, re-placed by load")
+
+
+def test_bias_balanced_weights_route_at_inference_as_in_training(tmp_path):
+    """The routers' balancing biases are run state the routing depends on: saved with the final
+    weights and restored by load_for_inference (else generation would route differently)."""
+    from shardlm.checkpoint.weights import load_for_inference
+    from shardlm.trainer import build_run, train
+
+    over = tiny_overrides(tmp_path, model__preset="moe-tiny", train__micro_batch=4, train__seq_len=32,
+                          train__steps=3, model__balance="bias", model__bias_update_rate=0.05)
+    run = build_run(load_config(overrides=over).validate())
+    train(run)
+    trained = {i: b.clone() for i, b in run.model.moe_stats.biases.items()}
+    assert any(b.abs().sum() > 0 for b in trained.values())
+    model, _, _ = load_for_inference(run.run_dir, torch.device("cpu"))
+    for i, b in trained.items():
+        assert torch.equal(model.moe_stats.biases[i], b)

@@ -31,6 +31,7 @@ from shardlm.models import build_model, flops_per_token, generate
 from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
 from shardlm.parallel.build import parallelize
 from shardlm.parallel.data import DataParallelEngine
+from shardlm.models.moe import bias_tensors
 from shardlm.parallel.expert import ExpertBalancer, finish_moe_step, moe_record
 from shardlm.parallel.pipeline import Schedule, StepIO, gather_stages
 from shardlm.parallel.tensor import whole_parameters
@@ -451,6 +452,8 @@ def train(run: Run) -> TrainResult:
                 weights = gather_stages(whole, shapes, next(iter(whole.values())).dtype,
                                         run.schedule.stage, run.runtime.device)
             if main:
+                if isinstance(weights, dict):  # put together from pieces: the MoE routing state too
+                    weights = {**weights, **bias_tensors(getattr(run.model, "moe_stats", None))}
                 save_weights(run.run_dir, weights, cfg, run.dataset.tokenizer)
     return result
 

@@ -19,6 +19,7 @@ from torch import nn
 from shardlm.config import Config, config_from_dict
 from shardlm.errors import ConfigError
 from shardlm.files import atomic_write
+from shardlm.models.moe import bias_tensors, take_bias_tensors
 
 WEIGHTS, CONFIG, TOKENIZER, LATEST = "model.safetensors", "config.json", "tokenizer.json", "latest"
 
@@ -34,13 +35,15 @@ def point_latest(run_dir: Path) -> None:
 
 def save_weights(run_dir: Path, model: nn.Module | dict[str, torch.Tensor], cfg: Config, tokenizer) -> Path:
     """The model's weights (or the given whole tensors by name: a tensor-parallel run's, put
-    together by parallel.tensor.whole_parameters), its config and tokenizer, in `run_dir`."""
+    together by parallel.tensor.whole_parameters), its config and tokenizer, in `run_dir`. A
+    mixture of experts balanced by bias also saves its routers' biases (models.moe.bias_tensors)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / (WEIGHTS + ".tmp")
     # named_parameters() lists a tied parameter once (the embedding, not the head); contiguous
     # copies, because parameters may be views of one flat buffer (the ZeRO engine's).
     tensors = model if isinstance(model, dict) else {
         n: p.detach().cpu().contiguous().clone() for n, p in model.named_parameters()}
+    tensors = {**tensors, **bias_tensors(getattr(model, "moe_stats", None))}  # MoE routing state
     save_file(tensors, str(tmp))
     os.replace(tmp, run_dir / WEIGHTS)
     atomic_write(run_dir / CONFIG, json.dumps(cfg.to_dict(), indent=2))
@@ -77,8 +80,8 @@ def load_for_inference(path: str | Path, device: torch.device):
     run_dir = resolve_run_dir(path)
     cfg = load_config_json(run_dir)
     model = build_model(cfg.model, device, seed=0)
-    missing, unexpected = model.load_state_dict(load_file(str(run_dir / WEIGHTS), device=str(device)),
-                                                strict=False)
+    state = take_bias_tensors(getattr(model, "moe_stats", None), load_file(str(run_dir / WEIGHTS), device=str(device)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
     if unexpected or set(missing) - tied:
         raise ConfigError(f"{run_dir / WEIGHTS} does not match its config.json: missing "

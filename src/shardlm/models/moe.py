@@ -262,6 +262,29 @@ class MoE(nn.Module):
         return out
 
 
+BIAS_SUFFIX = ".mlp.router.bias"
+"""The balancing biases' names in saved weights: blocks.{i}.mlp.router.bias (not parameters:
+run state that routing depends on, so inference routes as training did)."""
+
+
+def bias_tensors(stats: MoEStats | None) -> dict[str, torch.Tensor]:
+    """The routers' balancing biases by weight name (empty unless balance = 'bias')."""
+    if stats is None:
+        return {}
+    return {f"blocks.{i}{BIAS_SUFFIX}": b.detach().cpu().clone() for i, b in stats.biases.items()}
+
+
+def take_bias_tensors(stats: MoEStats | None, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Load the biases bias_tensors saved into `stats`; `state` without them."""
+    rest = {k: v for k, v in state.items() if not k.endswith(BIAS_SUFFIX)}
+    for key in state.keys() - rest.keys():
+        index = int(key.split(".")[1])
+        if stats is None or index not in stats.biases:
+            raise KeyError(f"{key}: the weights carry a router bias this model has no place for")
+        stats.biases[index].copy_(state[key])
+    return rest
+
+
 @torch.no_grad()
 def update_biases(stats: MoEStats, routed: torch.Tensor, rate: float) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing, after a step: each expert's bias moves by
