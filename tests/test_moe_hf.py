@@ -11,6 +11,14 @@ tests/test_hf_models.py does for GPT-2, LLaMA and T5; and, built on the meta dev
 materialises its units to the weights one process materialises whole. Units: the decoder
 layers, the children of the largest ModuleList (`model.model.layers`), without naming a class.
 
+Load balancing: transformers adds `router_aux_loss_coef × aux_loss` only to the loss it computes
+from labels; the adapter attaches it to the logits (models/hf.py), so the loop's own loss trains
+with it: the gradients equal transformers' own loss's, the router learns from the term alone
+(logits × 0), scaled by MoEStats.grad_scale as our layers' terms are. The parity runs below
+train with it (Mixtral 0.001, Qwen2-MoE 0.001, OLMoE 0.01): the term is per micro-batch (one
+forward's router logits), so a rank's micro-batch gets what one process's accumulation step
+gets, and the tolerances are unchanged.
+
 Tolerance, measured (fp32, 3 steps, grad_clip 1.0), experts 'eager': losses bitwise for all
 three; parameters bitwise for Mixtral and Qwen2-MoE, 1.3e-8 relative for OLMoE (its router):
 the clip coefficient's ulp (test_hf_models.py says why: the sharded gradient norm is summed
@@ -157,6 +165,50 @@ def test_moe_models_at_zero3_match_one_process(zero3_runs, index):
     worst = max((rel(got["params"][p], value), p) for p, value in ref["params"].items())
     print(f"{CASES[index]}: losses {got['losses']}, worst parameter {worst}")
     assert worst[0] <= 1e-6, worst
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_adapter_trains_with_the_models_balancing_loss(name):
+    """Our loss on the adapter's logits = transformers' own loss with labels (language model +
+    router_aux_loss_coef × aux_loss): the same gradients on every parameter."""
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours, theirs = moe_hf_model(name), moe_hf_model(name)
+    assert ours.aux_coef == theirs.model.config.router_aux_loss_coef > 0
+    logits = ours(ids)  # grad_scale 1: one micro-batch is the whole objective
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    out = theirs.model(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
+    out.loss.backward()
+    assert out.aux_loss > 0
+    for (n, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-9), n
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_router_learns_from_the_balancing_loss_alone(name):
+    """Logits × 0: the language-model loss gives no gradient, the attached term does — to the
+    routers (and what feeds them), not to the head; twice the grad_scale, twice the gradient.
+    Evaluation (no grad) and a zero coefficient attach nothing."""
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for scale in (1.0, 2.0):
+        model = moe_hf_model(name)
+        model.moe_stats.grad_scale = scale
+        (model(ids) * 0).sum().backward()
+        routers = {n: p.grad for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
+        assert len(routers) == 2 and all(g.abs().max() > 0 for g in routers.values()), name
+        assert model.model.lm_head.weight.grad.abs().max() == 0
+        grads.append(routers)
+    for n, g in grads[0].items():
+        assert torch.allclose(2 * g, grads[1][n], rtol=1e-6, atol=0), n
+    with torch.no_grad():
+        assert not model(ids).requires_grad
+    model = moe_hf_model(name)
+    model.model.config.router_aux_loss_coef = 0.0
+    from shardlm.models.hf import CausalLMAdapter
+    plain = CausalLMAdapter(model.model)
+    assert plain.moe_stats is None
+    (plain(ids) * 0).sum().backward()
+    assert all(p.grad.abs().max() == 0 for p in plain.parameters() if p.grad is not None)
 
 
 def test_moe_model_units_are_the_decoder_layers():

@@ -41,8 +41,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt-tiny": _gpt2(n_layers=2, n_heads=2, d_model=64, vocab_size=512, max_seq_len=64),
     "llama-tiny": _llama(n_layers=2, n_heads=4, n_kv_heads=2, d_model=64, d_ff=0, vocab_size=512,
                          max_seq_len=64, ffn_multiple_of=32),
+    # max_seq_len 256: `shardlm train --model.preset=moe-tiny` runs with the default seq_len.
     "moe-tiny": _moe(_llama(n_layers=2, n_heads=4, n_kv_heads=2, d_model=64, d_ff=0, vocab_size=512,
-                            max_seq_len=64, ffn_multiple_of=32), experts=4, top_k=2, expert_d_ff=96),
+                            max_seq_len=256, ffn_multiple_of=32), experts=4, top_k=2, expert_d_ff=96),
     # The default run: a small GPT that learns visibly on the stdlib corpus in a few CPU minutes.
     "gpt-mini": _gpt2(n_layers=4, n_heads=4, d_model=256, vocab_size=8192, max_seq_len=256),
     # GPT-2 family (124M, 355M, 774M, 1.558B parameters as published with 50257 tokens).

@@ -19,6 +19,18 @@ rank (seed torch first). Set `attn_implementation` explicitly, and dropout to 0 
 be compared: each rank draws its own masks.
 transformers is an optional extra (`pip install shardlm[hf]`): nothing here imports it, the
 adapters only call the model they are given.
+
+Mixtures of experts (Mixtral, Qwen2-MoE, OLMoE, ...): transformers adds a model's load-balancing
+loss (`router_aux_loss_coef` × `aux_loss`, Switch's loss over the forward's tokens) only to the
+loss it computes itself from `labels`, and only with `output_router_logits`. Our loop computes
+the loss from the logits, so CausalLMAdapter asks for the router logits while training and
+attaches `coef × aux_loss` to the logits the way our own MoE layers attach theirs
+(models.moe._AttachAuxLoss: identity forward, backward gives the term the language-model loss's
+gradient scale). That scale is `MoEStats.grad_scale`, which the trainer already sets on any model
+with a `moe_stats` before each step; the adapter's MoEStats has no layers of its own (transformers'
+layers record nothing: `sums` stays None, so no per-expert telemetry is logged) and no biases.
+transformers computes the loss from one forward's router logits, i.e. per micro-batch, as our
+layers do: a rank's micro-batch gets the term one process with gradient accumulation gives it.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import torch
 from torch import nn
 
 from shardlm.models.init import parameter_seed
+from shardlm.models.moe import MoEStats, _AttachAuxLoss
 
 
 def _check_vocab(model: nn.Module, vocab_size: int | None) -> None:
@@ -84,8 +97,29 @@ class _PieceByPieceInit(nn.Module):
                 own[key].copy_(value)
 
 
+def router_aux_coef(config) -> float:
+    """A transformers MoE config's load-balancing coefficient, or 0 when the model has no such
+    loss (a config without `output_router_logits` / `router_aux_loss_coef`: a dense model)."""
+    if not hasattr(config, "output_router_logits"):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def num_experts(config) -> int:
+    """Routed experts per MoE layer in a transformers config (Mixtral: num_local_experts;
+    Qwen2-MoE, OLMoE, ...: num_experts)."""
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
 class CausalLMAdapter(_PieceByPieceInit):
-    """Any `*ForCausalLM` (GPT2LMHeadModel, LlamaForCausalLM, ...): logits of `input_ids`."""
+    """Any `*ForCausalLM` (GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM, ...): logits
+    of `input_ids`; for a mixture of experts with a `router_aux_loss_coef`, the model's
+    load-balancing loss attached to them while training (the module docstring). Set the
+    config's router_aux_loss_coef to 0 to train without it."""
 
     def __init__(self, model: nn.Module, vocab_size: int | None = None):
         super().__init__()
@@ -94,9 +128,18 @@ class CausalLMAdapter(_PieceByPieceInit):
         # No KV cache in training: it would only allocate (and, under ZeRO-3, the cache object
         # is not a tensor output, so nothing is lost by turning it off).
         self.model.config.use_cache = False
+        self.aux_coef = router_aux_coef(model.config)
+        self.moe_stats = MoEStats([], num_experts(model.config)) if self.aux_coef else None
+        """Only its grad_scale is used (set by the trainer): a plain attribute, not a submodule."""
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=idx, use_cache=False).logits
+        if self.moe_stats is None or not torch.is_grad_enabled():  # evaluation, generation
+            return self.model(input_ids=idx, use_cache=False).logits
+        out = self.model(input_ids=idx, use_cache=False, output_router_logits=True)
+        logits, aux = out.logits, out.aux_loss
+        if isinstance(aux, torch.Tensor) and aux.requires_grad and logits.requires_grad:
+            logits = _AttachAuxLoss.apply(logits, self.aux_coef * aux.float(), self.moe_stats.grad_scale)
+        return logits
 
 
 class Seq2SeqAdapter(_PieceByPieceInit):
