@@ -136,8 +136,11 @@ class CausalLMAdapter(_PieceByPieceInit):
         if self.moe_stats is None or not torch.is_grad_enabled():  # evaluation, generation
             return self.model(input_ids=idx, use_cache=False).logits
         out = self.model(input_ids=idx, use_cache=False, output_router_logits=True)
-        logits, aux = out.logits, out.aux_loss
-        if isinstance(aux, torch.Tensor) and aux.requires_grad and logits.requires_grad:
+        logits, aux = out.logits, getattr(out, "aux_loss", None)
+        if not isinstance(aux, torch.Tensor):  # never silently train without the term
+            raise TypeError(f"{type(self.model).__name__} has router_aux_loss_coef {self.aux_coef} but "
+                            f"returned no aux_loss with output_router_logits=True (got {aux!r})")
+        if aux.requires_grad and logits.requires_grad:
             logits = _AttachAuxLoss.apply(logits, self.aux_coef * aux.float(), self.moe_stats.grad_scale)
         return logits
 
