@@ -133,19 +133,25 @@ def test_moe_matches_one_process(moe_runs, case, what):
     assert_matches(ranks[0]["losses"], whole, refs[case], what)
 
 
-def test_ep2_with_zero3_and_replicas_on_4_ranks(tmp_path):
+def test_ep2_with_zero3_replicas_and_pipelines_on_4_ranks(tmp_path):
     """ep=2 inside a shard group of 4 at ZeRO-3 (the experts sharded over the 2 ranks holding
-    the same ones, the dense part over all 4), and ep=2 × dp_replicate=2 at ZeRO-1."""
+    the same ones, the dense part over all 4), ep=2 × dp_replicate=2 at ZeRO-1, and pp=2 × ep=2
+    (each stage's experts over its 2 data-parallel ranks)."""
     from tp_cases import whole_params
 
     base = tiny_overrides(tmp_path, model__preset="moe-tiny", train__micro_batch=2, train__seq_len=32)
+    piped = {**base, "train.grad_accum": 2}
     out = run_ranks(train_cases, 4, tmp_path,
                     [({**base, "parallel.ep": 2, "parallel.zero_stage": 3}, STEPS, -1),
-                     ({**base, "parallel.ep": 2, "parallel.dp_replicate": 2, "parallel.zero_stage": 1}, STEPS, -1)],
+                     ({**base, "parallel.ep": 2, "parallel.dp_replicate": 2, "parallel.zero_stage": 1}, STEPS, -1),
+                     ({**piped, "parallel.ep": 2, "parallel.pp": 2, "parallel.zero_stage": 1}, STEPS, -1)],
                     timeout=400)
     ref = reference_case(base, 4, STEPS)
     for case, what in ((0, "ep=2 in dp_shard=4, ZeRO-3"), (1, "ep=2 x dp_replicate=2, ZeRO-1")):
         assert_matches(out[0][case]["losses"], whole_params([out[r][case] for r in range(4)]), ref, what)
+    # ranks (stage, shard) = 2·stage + shard: each stage's experts from its two ranks, then the stages
+    whole = {**whole_params([out[0][2], out[1][2]]), **whole_params([out[2][2], out[3][2]])}
+    assert_matches(out[0][2]["losses"], whole, reference_case(piped, 2, STEPS), "pp=2 x ep=2, ZeRO-1")
 
 
 def test_all_to_all_ledger_counts_the_tokens_routed(tmp_path):

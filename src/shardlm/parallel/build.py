@@ -112,6 +112,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
                                par.pp_virtual)
         stage = apply_pp(model, Comm(mesh.pp_group, "pp", ledger, watchdog), split, mesh.pp_ends_group,
                          par.pp_virtual)
+        kept = {name for name, _ in model.named_parameters()}
+        for name in [n for n in experts if n not in kept]:  # other stages' experts (one dict: model.ep's)
+            del experts[name]
     apply_ac(model, cfg.activation.checkpoint)
     strategy = apply_data_parallel(model, mesh, cfg, device, watchdog, run_dir, initializer, ledger,
                                    tp.splits if tp else None, stage.copies if stage else frozenset(),
