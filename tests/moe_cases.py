@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 from shardlm.config import load_config
 from shardlm.models.moe import MoE

@@ -22,12 +22,22 @@ EXPERTS = "eager"  # one expert at a time: the reference implementation, in ever
 MOE_MODELS = ("mixtral", "qwen2_moe", "olmoe")
 
 
-def moe_hf_model(name: str, device: str = "cpu", experts: str | None = EXPERTS) -> torch.nn.Module:
+def moe_hf_model(name: str, device: str = "cpu", experts: str | None = EXPERTS,
+                 stacked: bool = False) -> torch.nn.Module:
     """The adapted model, built under a fixed seed (on the CPU) or on the meta device, its
-    experts run by the `experts` implementation (None: the library's choice). No router jitter
-    and no dropout: each process would draw its own noise."""
+    experts run by the `experts` implementation (None: the library's choice), or with `stacked`
+    by parallel.expert.StackedExperts holding every expert (what expert parallelism runs, on one
+    rank). No router jitter and no dropout: each process would draw its own noise."""
     with torch.device(device):
-        return _moe_hf_model(name, experts)
+        model = _moe_hf_model(name, experts)
+    if stacked:
+        from shardlm.models.moe import LocalDispatcher
+        from shardlm.parallel.expert import StackedExperts
+
+        for layer in model.model.model.layers:
+            layer.mlp.experts = StackedExperts(layer.mlp.experts, 0, layer.mlp.experts.num_experts,
+                                               LocalDispatcher())
+    return model
 
 
 def _moe_hf_model(name: str, experts: str | None) -> torch.nn.Module:
@@ -75,3 +85,10 @@ def moe_hf_built(rank: int, world_size: int, cases: list[tuple[str, dict]]) -> l
             out.append({n: t.detach().float().clone() for n, t in
                         [*run.model.named_parameters(), *run.model.named_buffers()]})
     return out
+
+
+def moe_hf_ep_cases(rank: int, world_size: int, cases: list[tuple[str, str, dict, int]]) -> list[dict]:
+    """(model, device it is built on, overrides, steps) -> train_case's results (with `splits`:
+    where this rank's expert rows sit in the stacked whole, from model.ep)."""
+    return [train_case(overrides, steps, model=moe_hf_model(name, device))
+            for name, device, overrides, steps in cases]

@@ -192,7 +192,7 @@ def test_checkpoints_load_across_expert_layouts(tmp_path):
 
 
 def test_balanced_placement_lowers_the_busiest_rank():
-    from shardlm.parallel.expert import balanced_placement, rank_loads
+    from shardlm.parallel.expert_balance import balanced_placement, rank_loads
 
     loads = [10.0, 9.0, 1.0, 1.0]
     placement = balanced_placement(loads, 2)

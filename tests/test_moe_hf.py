@@ -19,6 +19,30 @@ train with it (Mixtral 0.001, Qwen2-MoE 0.001, OLMoE 0.01): the term is per micr
 forward's router logits), so a rank's micro-batch gets what one process's accumulation step
 gets, and the tolerances are unchanged.
 
+Expert parallelism (parallel.ep = 2 on 2 ranks): each experts module (stacked gate_up_proj /
+down_proj, forward taking the routing decision) becomes StackedExperts (parallel/expert.py),
+this rank's 2 of 4 experts, tokens exchanged by all-to-all; the run matches one process with
+grad_accum 2 at ZeRO stages 0 and 3 (Mixtral), 3 (Qwen2-MoE: a shared expert beside) and 2
+(OLMoE). Built on the meta device, each rank materialises its experts' rows of the weights one
+process materialises whole. A layout StackedExperts cannot run is a ConfigError naming the
+module and what differs.
+
+The reference: Mixtral unmodified (transformers' eager experts: StackedExperts' gradients are
+bitwise its, in one process). Qwen2-MoE and OLMoE against one process running StackedExperts
+over all experts: in one process their gradients differ from the eager module's by ~1e-7
+relative (measured: 9e-8 .. 4e-7 per parameter, Qwen2-MoE), because the block input's gradient
+sums its paths (one gather of the routed rows here, one per expert there, the shared expert,
+the router) in another order; Adam turns that into ~1e-4 relative on its tiny-gradient,
+zero-initialised q/k biases within 3 steps. test_stacked_experts_compute_the_eager_experts
+checks StackedExperts against the eager module directly.
+
+Measured at ep 2 (fp32, 3 steps): losses bitwise; parameters <= 2.5e-7 relative (the experts':
+each expert's matmuls run over both ranks' rows at once, not one micro-batch's at a time, so
+the kernels round differently), except Qwen2-MoE's key biases, 2.1e-5 relative but 1.7e-7
+absolute: their gradient is nearly zero (under rotary embeddings a key bias shifts the scores
+only through position), so Adam's normalised steps make a small-norm tensor of rounding-level
+gradient differences. Asserted: 1e-6 relative; those biases 1e-6 absolute.
+
 Tolerance, measured (fp32, 3 steps, grad_clip 1.0), experts 'eager': losses bitwise for all
 three; parameters bitwise for Mixtral and Qwen2-MoE, 2.0e-8 relative for OLMoE (its router):
 the clip coefficient's ulp (test_hf_models.py says why: the sharded gradient norm is summed
@@ -34,8 +58,9 @@ import torch
 from safetensors import safe_open
 
 from conftest import tiny_overrides
-from moe_hf_cases import MOE_MODELS, moe_hf_built, moe_hf_model, moe_hf_train_cases
+from moe_hf_cases import MOE_MODELS, moe_hf_built, moe_hf_ep_cases, moe_hf_model, moe_hf_train_cases
 from parity import rel
+from tp_cases import whole_params
 from shardlm import checkpoint
 from shardlm.config import load_config
 from shardlm.data.tokenizer import train_tokenizer
@@ -206,7 +231,7 @@ def test_router_learns_from_the_balancing_loss_alone(name):
     model.model.config.router_aux_loss_coef = 0.0
     from shardlm.models.hf import CausalLMAdapter
     plain = CausalLMAdapter(model.model)
-    assert plain.moe_stats is None
+    assert plain.aux_coef == 0 and plain.moe_stats.experts == 4  # still a mixture (parallel.ep)
     (plain(ids) * 0).sum().backward()
     assert all(p.grad.abs().max() == 0 for p in plain.parameters() if p.grad is not None)
 
@@ -236,3 +261,113 @@ def test_meta_built_moe_models_shard_to_the_one_process_model(tmp_path):
             if value.dim() >= 2:  # initialised like the library does, not left at zero or garbage
                 expected = cpu_built.get_parameter(key).std()
                 assert 0.5 * expected < value.std() < 2 * expected, (name, key)
+
+
+# --- expert parallelism ------------------------------------------------------------------------
+
+EP_CASES = [("mixtral", 3), ("mixtral", 0), ("qwen2_moe", 3), ("olmoe", 2)]  # (model, ZeRO stage)
+EP_REF_STACKED = {"mixtral": False, "qwen2_moe": True, "olmoe": True}  # the reference's experts
+
+
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory):
+    """ep = 2 (model.experts names the experts for the config's checks: cfg.model describes
+    the transformers model for nothing else), and the meta-built Mixtral before any step."""
+    tmp = tmp_path_factory.mktemp("moe-hf-ep")
+    ep = {"parallel.ep": 2, "model.experts": 4, "model.top_k": 2}
+    cases = [(name, "cpu", {**_base(tmp), **ep, "parallel.zero_stage": stage, "run.name": f"{name}-{stage}"}, STEPS)
+             for name, stage in EP_CASES]
+    cases.append(("mixtral", "meta", {**_base(tmp), **ep, "parallel.zero_stage": 3, "run.name": "meta"}, 0))
+    ranks = run_ranks(moe_hf_ep_cases, WORLD, tmp, cases, timeout=300)
+    refs = {name: reference_case({**_base(tmp), "run.name": f"ref-{name}"}, WORLD, STEPS,
+                                 model=moe_hf_model(name, stacked=EP_REF_STACKED[name]))
+            for name in sorted({name for name, _ in EP_CASES})}
+    return ranks, refs
+
+
+@pytest.mark.parametrize("index", range(len(EP_CASES)), ids=[f"{n}-zero{s}" for n, s in EP_CASES])
+def test_moe_models_at_ep2_match_one_process(ep_runs, index):
+    (rank0, rank1), refs = ep_runs
+    name = EP_CASES[index][0]
+    ref = refs[name]
+    got = [rank0[index], rank1[index]]
+    experts = {n for n in ref["params"] if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert set(got[0]["splits"]) == experts and len(experts) == 4
+    for n in experts:  # each rank holds its 2 of the 4 experts
+        assert got[0]["params"][n].shape[0] == got[1]["params"][n].shape[0] == 2, n
+    assert got[0]["losses"] == got[1]["losses"]
+    assert got[0]["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    whole = whole_params(got)
+    assert whole.keys() == ref["params"].keys()
+    key_bias = {p for p in ref["params"] if p.endswith("k_proj.bias")}  # Qwen2-MoE's: see the docstring
+    worst = max((rel(whole[p], value), p) for p, value in ref["params"].items() if p not in key_bias)
+    print(f"{EP_CASES[index]} at ep 2: losses {got[0]['losses']}, worst parameter {worst}")
+    assert worst[0] <= 1e-6, worst
+    for p in key_bias:
+        assert float((whole[p] - ref["params"][p]).abs().max()) <= 1e-6, p
+    a2a = [k for k in got[0]["comm_by_op"][0] if k.startswith("ep")]
+    assert a2a, got[0]["comm_by_op"][0]  # the all-to-alls ran over the ep group
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_stacked_experts_compute_the_eager_experts(name):
+    """One process, every expert local: the loss bitwise, every gradient within 1e-6 relative
+    (Mixtral's bitwise; the module docstring says why the others' are not)."""
+    ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
+    out = []
+    for stacked in (False, True):
+        model = moe_hf_model(name, stacked=stacked)
+        logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        out.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
+    assert out[0][0] == out[1][0]
+    assert out[0][1].keys() == out[1][1].keys()
+    for n, g in out[0][1].items():
+        if name == "mixtral":
+            assert torch.equal(g, out[1][1][n]), n
+        assert rel(out[1][1][n], g) <= 1e-6, n
+
+
+def test_meta_built_moe_model_at_ep2_materialises_its_experts(ep_runs):
+    from shardlm.models.init import materialize
+
+    (rank0, rank1), _ = ep_runs
+    whole = materialize(moe_hf_model("mixtral", "meta"), "cpu", 1337)
+    got = whole_params([rank0[-1], rank1[-1]])
+    for key, value in whole.named_parameters():
+        assert torch.equal(got[key], value.detach().float()), key
+
+
+def test_experts_layouts_stacked_experts_cannot_run_are_refused():
+    from shardlm.parallel.expert import hf_experts_problem, spread_hf_experts
+    from shardlm.models.moe import MoEStats
+
+    experts = moe_hf_model("mixtral").model.model.layers[0].mlp.experts
+    assert hf_experts_problem(experts) is None
+    experts.has_bias = True
+    assert "has_bias = True" in hf_experts_problem(experts)
+    experts.has_bias = False
+    experts.register_parameter("down_proj_bias", torch.nn.Parameter(torch.zeros(4, 64)))
+    assert "down_proj_bias" in hf_experts_problem(experts)
+
+    class Comm1:
+        size, rank = 2, 0
+
+    model = moe_hf_model("olmoe")
+    model.model.model.layers[1].mlp.experts.is_transposed = True
+    with pytest.raises(ConfigError, match=r"parallel.ep = 2 cannot spread the experts of CausalLMAdapter: "
+                                          r"model.model.layers.1.mlp.experts: OlmoeExperts has is_transposed = True"):
+        spread_hf_experts(model, Comm1(), MoEStats([], 4))
+    from hf_cases import hf_model
+    with pytest.raises(ConfigError, match="has no experts module with stacked gate_up_proj"):
+        spread_hf_experts(hf_model("llama"), Comm1(), MoEStats([], 4))
+
+
+def test_rebalancing_a_transformers_model_is_refused():
+    """Re-placement needs the per-expert loads our MoE layers record; transformers' record none."""
+    from shardlm.parallel.expert_balance import ExpertBalancer
+
+    assert ExpertBalancer(moe_hf_model("mixtral"), 0).blocks == []
+    with pytest.raises(ConfigError, match="parallel.ep_rebalance_every = 1 moves experts by the loads"):
+        ExpertBalancer(moe_hf_model("mixtral"), 1)

@@ -217,7 +217,7 @@ class ParallelConfig:
     ep_rebalance_every: int = 0
     """With ep > 1: every this many steps, move experts between the expert-parallel ranks so
     that the busiest rank's load (measured over those steps) is as low as a greedy placement
-    makes it (parallel/expert.py ExpertBalancer); 0 = never."""
+    makes it (parallel/expert_balance.py ExpertBalancer); 0 = never."""
     reshard_after_forward: bool = True
     """Stage 3: free a unit's gathered parameters after its forward and gather again for its
     backward (memory), or keep them until its backward (one all-gather less per step)."""

@@ -32,7 +32,8 @@ from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
 from shardlm.parallel.build import parallelize
 from shardlm.parallel.data import DataParallelEngine
 from shardlm.models.moe import bias_tensors
-from shardlm.parallel.expert import ExpertBalancer, finish_moe_step, moe_record
+from shardlm.parallel.expert import finish_moe_step, moe_record
+from shardlm.parallel.expert_balance import ExpertBalancer
 from shardlm.parallel.pipeline import Schedule, StepIO, gather_stages
 from shardlm.parallel.tensor import whole_parameters
 from shardlm.comm.watchdog import CollectiveWatchdog, watched

@@ -29,6 +29,8 @@ attaches `coef × aux_loss` to the logits the way our own MoE layers attach thei
 gradient scale). That scale is `MoEStats.grad_scale`, which the trainer already sets on any model
 with a `moe_stats` before each step; the adapter's MoEStats has no layers of its own (transformers'
 layers record nothing: `sums` stays None, so no per-expert telemetry is logged) and no biases.
+Expert parallelism (parallel.ep) replaces the model's experts modules where their layout allows
+(parallel/expert.py: StackedExperts).
 transformers computes the loss from one forward's router logits, i.e. per micro-batch, as our
 layers do: a rank's micro-batch gets the term one process with gradient accumulation gives it.
 """
@@ -129,11 +131,14 @@ class CausalLMAdapter(_PieceByPieceInit):
         # is not a tensor output, so nothing is lost by turning it off).
         self.model.config.use_cache = False
         self.aux_coef = router_aux_coef(model.config)
-        self.moe_stats = MoEStats([], num_experts(model.config)) if self.aux_coef else None
-        """Only its grad_scale is used (set by the trainer): a plain attribute, not a submodule."""
+        experts = num_experts(model.config)
+        self.moe_stats = MoEStats([], experts) if experts else None
+        """A mixture of experts: the balancing loss's grad_scale (set by the trainer) and, under
+        expert parallelism, the all-to-all wait time (parallel/expert.StackedExperts). A plain
+        attribute, not a submodule."""
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        if self.moe_stats is None or not torch.is_grad_enabled():  # evaluation, generation
+        if not self.aux_coef or not torch.is_grad_enabled():  # no term; evaluation, generation
             return self.model(input_ids=idx, use_cache=False).logits
         out = self.model(input_ids=idx, use_cache=False, output_router_logits=True)
         logits, aux = out.logits, getattr(out, "aux_loss", None)

@@ -26,21 +26,34 @@ Two groups can hold the experts:
                       The shared experts are cut like a dense MLP (parallel/tensor.py).
 Either way an expert weight is this rank's slice of the stacked (E, ...) tensor along dim 0,
 described by a placement.Split: checkpoints and exports see whole tensors at any layout.
+
+A transformers mixture of experts (through models.hf.CausalLMAdapter) gets the same exchange
+where its experts module allows it: transformers >= 5 keeps a block's experts as one module with
+stacked `gate_up_proj` (E, 2f, d) / `down_proj` (E, d, f) whose forward takes the routing decision,
+`forward(hidden_states, top_k_index, top_k_weights)` (MixtralExperts, Qwen2MoeExperts,
+OlmoeExperts). That module is replaced by `StackedExperts`: this rank's E / ep rows of the same
+two parameters (same names), the (token, choice) pairs grouped by models.moe.route, sent through
+AllToAllDispatcher, run with transformers' expert math, and combined with the gates as
+transformers does. The router, the shared experts and the balancing loss stay the model's own.
+Other layouts (biases, transposed or interleaved weights, custom gating, a post-expert norm,
+per-expert ModuleLists as in transformers 4) are refused with the reason (`hf_experts_problem`).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-import math
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from shardlm.comm.collectives import Comm
-from shardlm.models.moe import Experts, MoE, MoEStats, Routing, update_biases
+from shardlm.errors import ConfigError
+from shardlm.models.moe import Experts, MoE, MoEStats, Routing, route, update_biases
 from shardlm.placement import Split, even_range
 
 log = logging.getLogger("shardlm")
@@ -83,7 +96,7 @@ def _expert_major(counts: torch.Tensor) -> torch.Tensor:
 class AllToAllDispatcher:
     """Sends each expert's rows to the rank holding it and brings their outputs back (steps 1-3
     of the module docstring). `placement[j]`: the experts rank j holds, ascending (contiguous
-    blocks [j·E/G, (j+1)·E/G) until a re-placement by load moves them: place_experts)."""
+    blocks [j·E/G, (j+1)·E/G) until a re-placement by load moves them: expert_balance.place_experts)."""
 
     def __init__(self, comm: Comm, n_experts: int, stats: MoEStats):
         self.comm, self.n_experts, self.stats = comm, n_experts, stats
@@ -238,13 +251,112 @@ class EPState:
         return self.comm.rank
 
 
+# --- transformers' experts modules ---------------------------------------------------------
+
+_HF_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def hf_experts_problem(module: nn.Module) -> str | None:
+    """Why a transformers experts module (one holding a stacked `gate_up_proj` or `down_proj`)
+    cannot be spread by StackedExperts, or None when it can."""
+    kind = type(module).__name__
+    params = dict(module.named_parameters())
+    if set(params) != set(_HF_EXPERT_WEIGHTS):
+        return f"{kind} holds {sorted(params)}, StackedExperts exactly gate_up_proj and down_proj (no biases)"
+    if list(module.buffers()):
+        return f"{kind} has buffers"
+    flags = {"has_gate": True, "has_bias": False, "has_post_expert_norm": False, "is_transposed": False,
+             "is_concatenated": True}
+    odd = [f"{k} = {getattr(module, k)}" for k, want in flags.items() if getattr(module, k, want) != want]
+    if odd:
+        return f"{kind} has {', '.join(odd)} (StackedExperts: concatenated [gate; up] rows, (E, out, in), no bias, no norm)"
+    gate = getattr(type(module), "_apply_gate", None)
+    if gate is not None and getattr(gate, "__name__", "") != "_default_apply_gate":
+        return f"{kind} has its own gating ({gate.__qualname__}), StackedExperts the default act(gate) * up"
+    if not callable(getattr(module, "act_fn", None)) or not isinstance(getattr(module, "num_experts", None), int):
+        return f"{kind} has no act_fn or num_experts"
+    args = list(inspect.signature(type(module).forward).parameters)[1:]
+    if args != ["hidden_states", "top_k_index", "top_k_weights"]:
+        return f"{kind}.forward takes {args}, not the routing decision (hidden_states, top_k_index, top_k_weights)"
+    e, gu, down = module.num_experts, params["gate_up_proj"], params["down_proj"]
+    if gu.dim() != 3 or down.dim() != 3 or gu.shape[0] != e or down.shape[0] != e or \
+            gu.shape[1] != 2 * down.shape[2] or gu.shape[2] != down.shape[1]:
+        return (f"{kind} weights gate_up_proj {tuple(gu.shape)}, down_proj {tuple(down.shape)} are not "
+                f"(E={e}, 2f, d) and (E, d, f)")
+    return None
+
+
+class StackedExperts(nn.Module):
+    """This rank's experts of a transformers experts module (hf_experts_problem says which ones
+    qualify), its tokens exchanged by all-to-all: the same parameter names, each its E / ep rows
+    [first, first + count) of the stacked whole; forward(hidden_states, top_k_index,
+    top_k_weights) like the module it replaces. Each local expert computes transformers' eager
+    math, down(act(gate) * up); each output is weighted by its gate in the output's dtype
+    promoted with the gate's, then added into its token in the hidden dtype, as transformers does."""
+
+    def __init__(self, source: nn.Module, first: int, count: int, dispatcher: AllToAllDispatcher):
+        super().__init__()
+        self.num_experts, self.first, self.count = source.num_experts, first, count
+        self.act_fn, self.dispatcher = source.act_fn, dispatcher
+        for attr in _HF_EXPERT_WEIGHTS:
+            whole = getattr(source, attr)
+            piece = whole.detach().narrow(0, first, count)
+            # On the meta device it stays there (the ZeRO engine materialises it from the
+            # sliced initializer); a model built on the CPU keeps its values.
+            setattr(self, attr, nn.Parameter(piece if whole.is_meta else piece.clone(),
+                                             requires_grad=whole.requires_grad))
+
+    def _local(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs = []
+        for e, xe in enumerate(x.split(counts)):
+            gate, up = F.linear(xe, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+        return torch.cat(outs) if outs else x[:0]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        routing = route(top_k_index, top_k_weights, self.num_experts, 0)  # dropless
+        out = self.dispatcher(hidden_states[routing.token], routing, self._local)
+        weighted = (out * routing.gate.unsqueeze(-1)).to(hidden_states.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, routing.token, weighted)
+
+
+def spread_hf_experts(model: nn.Module, comm: Comm, stats: MoEStats) -> dict[str, Split]:
+    """Every transformers experts module of `model` replaced by this rank's StackedExperts; the
+    Splits of their weights by parameter name. A ConfigError naming the module and the reason
+    when there is none, or one cannot be spread."""
+    found = [(n, m) for n, m in model.named_modules()
+             if any(a in dict(m.named_parameters(recurse=False)) for a in _HF_EXPERT_WEIGHTS)]
+    if not found:
+        raise ConfigError(f"parallel.ep = {comm.size}: {type(model).__name__} has no experts module with "
+                          f"stacked gate_up_proj / down_proj weights (transformers >= 5's layout) to spread")
+    problems = [f"{n}: {why}" for n, m in found if (why := hf_experts_problem(m))]
+    problems += [f"{n}: {m.num_experts} experts do not divide over parallel.ep = {comm.size} ranks"
+                 for n, m in found if not problems and m.num_experts % comm.size]
+    if problems:
+        raise ConfigError(f"parallel.ep = {comm.size} cannot spread the experts of {type(model).__name__}: "
+                          + "; ".join(problems))
+    splits: dict[str, Split] = {}
+    for name, module in found:
+        lo, hi = even_range(module.num_experts, comm.size, comm.rank)
+        for attr in _HF_EXPERT_WEIGHTS:
+            splits[f"{name}.{attr}"] = Split(tuple(getattr(module, attr).shape), 0, ((lo, hi),))
+        parent, _, child = name.rpartition(".")
+        new = StackedExperts(module, lo, hi - lo, AllToAllDispatcher(comm, module.num_experts, stats))
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return splits
+
+
 def apply_ep(model: nn.Module, comm: Comm) -> dict[str, Split]:
     """parallel.ep > 1: the experts spread over the expert-parallel group (data-parallel ranks);
-    model.ep records it (whole_parameters puts the experts back together from it)."""
+    model.ep records it (whole_parameters puts the experts back together from it). Our Decoder's
+    MoE blocks, or a transformers model's experts modules (StackedExperts)."""
     stats: MoEStats | None = getattr(model, "moe_stats", None)
     if stats is None:
         raise ValueError("parallel.ep > 1 needs a mixture-of-experts model (model.experts > 0)")
     splits: dict[str, Split] = {}
+    if not any(isinstance(m, MoE) for m in model.modules()):  # a transformers model
+        splits = spread_hf_experts(model, comm, stats)
     with torch.device("meta"):
         for name, module in model.named_modules():
             if isinstance(module, MoE):
@@ -283,124 +395,3 @@ def moe_record(stats: MoEStats, sums: torch.Tensor, comm_bytes: dict[str, int]) 
             "moe_imbalance": max(imbalance), "moe_imbalance_by_layer": imbalance,
             "moe_dropped_fraction": float(dropped.sum() / routed.sum().clamp(min=1)),
             "moe_a2a_bytes": int(a2a), "moe_a2a_wait_s": stats.a2a_wait_s}
-
-
-# ---------------------------------------------------------------------------------------------
-# Re-placing experts by measured load (parallel.ep_rebalance_every)
-
-
-def balanced_placement(loads: list[float], ranks: int) -> list[list[int]]:
-    """Experts to ranks, E / ranks each, the heaviest first onto the rank with the least load
-    so far (longest-processing-time first; ties to the lower rank, then the lower expert id):
-    the busiest rank's load, which sets an expert-parallel step's time, as low as LPT makes it."""
-    per = len(loads) // ranks
-    placement: list[list[int]] = [[] for _ in range(ranks)]
-    totals = [0.0] * ranks
-    for e in sorted(range(len(loads)), key=lambda i: (-loads[i], i)):
-        j = min((r for r in range(ranks) if len(placement[r]) < per), key=lambda r: (totals[r], r))
-        placement[j].append(e)
-        totals[j] += loads[e]
-    return [sorted(p) for p in placement]
-
-
-def rank_loads(loads: list[float], placement: list[list[int]]) -> list[float]:
-    return [sum(loads[e] for e in p) for p in placement]
-
-
-def _runs(ids: list[int]) -> tuple[tuple[int, int], ...]:
-    """Sorted expert ids as [lo, hi) ranges of consecutive ones."""
-    out: list[list[int]] = []
-    for e in ids:
-        if out and out[-1][1] == e:
-            out[-1][1] = e + 1
-        else:
-            out.append([e, e + 1])
-    return tuple((lo, hi) for lo, hi in out)
-
-
-@torch.no_grad()
-def place_experts(model: nn.Module, strategy, shard_group, placements: dict[str, list[list[int]]]) -> int:
-    """Move experts between the expert-parallel ranks: block name -> its new placement (every
-    rank calls with the same). Every expert state (parameters, masters, Adam moments) is put
-    together whole on each rank of the shard group by a summed all-reduce of what each rank
-    holds (the checkpoint slices: their coordinates are the whole tensors'), the expert
-    weights' Splits are changed, and every rank copies its new slices out of the whole; the
-    dispatchers learn the new owners. Transient memory: the whole expert states of the moved
-    blocks (a production version would send only the moved experts). Returns the bytes
-    all-reduced (in the ledger as all_reduce/ep_rebalance)."""
-    ep: EPState = model.ep
-    names = {f"{block}.experts.{attr}" for block in placements
-             for attr, _ in model.get_submodule(f"{block}.experts").named_parameters()}
-    keyed = lambda slices: [sl for sl in slices if sl.name.rsplit("/", 1)[-1] in names]  # noqa: E731
-    whole: dict[str, torch.Tensor] = {}
-    for sl in keyed(strategy.state_slices(saving=True)):
-        buf = whole.setdefault(sl.name, torch.zeros(math.prod(sl.shape), dtype=torch.float32, device=sl.tensor.device))
-        buf[sl.start:sl.end] = sl.tensor.float()
-    comm = Comm(shard_group, "ep_rebalance", strategy.ledger)
-    # Every rank must hold every tensor's buffer (a rank may hold no slice of one): by name.
-    for name in sorted(names):
-        for kind in ("model", "optim/exp_avg", "optim/exp_avg_sq"):
-            key = f"{kind}/{name}"
-            if key not in whole:
-                whole[key] = torch.zeros(math.prod(ep.splits[name].shape), dtype=torch.float32,
-                                         device=next(model.parameters()).device)
-    moved = 0
-    for key in sorted(whole):
-        comm.all_reduce(whole[key]).wait()
-        moved += 2 * whole[key].numel() * whole[key].element_size()
-    for block, placement in placements.items():
-        moe = model.get_submodule(block)
-        for attr, _ in moe.experts.named_parameters():
-            name = f"{block}.experts.{attr}"
-            split = ep.splits[name]
-            ep.splits[name] = Split(split.shape, 0, _runs(placement[ep.rank]))
-        moe.dispatcher.set_placement(placement)
-    for sl in keyed(strategy.state_slices()):
-        sl.tensor.copy_(whole[sl.name][sl.start:sl.end].to(sl.tensor.dtype))
-    strategy.after_load()
-    return moved
-
-
-class ExpertBalancer:
-    """The expert-parallel ranks' loads (rank_imbalance, logged every step) and, with
-    parallel.ep_rebalance_every = N: every N steps, each MoE block whose busiest
-    expert-parallel rank (by the loads routed over those N steps) would carry less under
-    balanced_placement gets its experts moved (place_experts). The loads are the steps'
-    choices per expert summed over every rank (finish_moe_step), so every rank decides alike."""
-
-    def __init__(self, model: nn.Module, every: int):
-        self.model, self.every = model, every
-        self.blocks = [n for n, m in model.named_modules() if isinstance(m, MoE)]
-        self.rows = {n: model.moe_stats.layers.index(model.get_submodule(n).index) for n in self.blocks}
-        self.loads: torch.Tensor | None = None
-
-    def rank_imbalance(self, sums: torch.Tensor) -> list[float]:
-        """Per MoE block here: the busiest ep rank's load over the mean rank's, this step."""
-        out = []
-        for block in self.blocks:
-            loads = sums[self.rows[block], :self.model.moe_stats.experts].tolist()
-            per_rank = rank_loads(loads, self.model.get_submodule(block).dispatcher.placement)
-            out.append(max(per_rank) / max(sum(per_rank) / len(per_rank), 1e-12))
-        return out
-
-    def step(self, step: int, sums: torch.Tensor, strategy, shard_group) -> int:
-        """After step `step` (0-based) with its summed figures: maybe move experts; returns
-        how many blocks were re-placed."""
-        e = self.model.moe_stats.experts
-        if not self.every:
-            return 0
-        self.loads = sums[:, :e].clone() if self.loads is None else self.loads + sums[:, :e]
-        if (step + 1) % self.every:
-            return 0
-        moves = {}
-        for block in self.blocks:
-            loads = self.loads[self.rows[block]].tolist()
-            now = self.model.get_submodule(block).dispatcher.placement
-            new = balanced_placement(loads, len(now))
-            if max(rank_loads(loads, new)) < max(rank_loads(loads, now)):
-                moves[block] = new
-        self.loads = None
-        if moves:
-            place_experts(self.model, strategy, shard_group, moves)
-            log.info("experts re-placed by load in %d MoE block(s) after step %d", len(moves), step + 1)
-        return len(moves)
