@@ -70,15 +70,20 @@ def test_dry_run_predicts_a_context_parallel_layout(capsys, tmp_path):
     assert "dry run: the config is valid" in out
 
 
-def test_plan_marks_layouts_train_cannot_run(capsys):
-    """Pipelines run, but not at ZeRO-3 (the runtime refuses it), nor expert parallelism."""
+def test_plan_marks_layouts_train_cannot_run(capsys, tmp_path):
+    """Pipelines run, but not at ZeRO-3 (the runtime refuses it); expert parallelism runs with
+    tp = cp = 1, its commands carrying the experts and passing --dry-run."""
     commands, blocked = plan_lines(capsys, "--model", "llama-7b", "--gpus", "4xA100-40GB", "--top", "20")
     assert blocked, "expected ZeRO-3 pipeline layouts among the top plans for llama-7b on 4 GPUs"
     assert all("ZeRO-3 with pp > 1" in line and "--parallel.zero_stage=3" in line for line in blocked)
     assert not [c for c in commands if "--parallel.pp=" in c and "--parallel.zero_stage=3" in c]
-    _, experts = plan_lines(capsys, "--model", "llama-7b", "--gpus", "2x8xA100-80GB", "--experts", "8",
-                            "--top", "40")
-    assert any("expert parallelism" in line for line in experts)
+    commands, blocked = plan_lines(capsys, "--model", "llama-7b", "--gpus", "2x8xA100-80GB", "--experts", "8",
+                                   "--top", "40")
+    ep = [c for c in commands if "--parallel.ep=" in c]
+    assert ep and all("--model.experts=8" in c and "--parallel.tp=" not in c for c in ep)
+    assert all("ep with tp = cp = 1" in line for line in blocked if "--parallel.ep=" in line and "pp > 1" not in line)
+    assert main([*train_argv(ep[0]), "--dry-run", "--gpus", "2x8xA100-80GB", f"--run.dir={tmp_path}"]) == 0
+    assert "dry run: the config is valid" in capsys.readouterr().out
 
 
 def test_pipeline_plans_print_commands_that_pass_dry_run(capsys, tmp_path):
