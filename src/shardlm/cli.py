@@ -394,15 +394,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_presets() -> int:
     from shardlm.config import ModelConfig
     from shardlm.models import count_params
+    from shardlm.models.flops import active_params
     from shardlm.presets import ALIASES, PRESETS
 
     aliases = {v: k for k, v in ALIASES.items()}
     for name, shape in PRESETS.items():
         cfg = ModelConfig(preset=name, **shape)
         alias = f" (alias {aliases[name]})" if name in aliases else ""
-        print(f"{name:12s} {count_params(cfg) / 1e6:10.1f}M  layers={cfg.n_layers:<3d} "
+        experts = (f" experts={cfg.experts} top-{cfg.top_k} ({active_params(cfg) / 1e6:.1f}M active)"
+                   if cfg.experts else "")
+        print(f"{name:21s} {count_params(cfg) / 1e6:10.1f}M  layers={cfg.n_layers:<3d} "
               f"d_model={cfg.d_model:<5d} heads={cfg.n_heads}/{cfg.n_kv_heads or cfg.n_heads} "
-              f"vocab={cfg.vocab_size}{alias}")
+              f"vocab={cfg.vocab_size}{experts}{alias}")
     return 0
 
 
