@@ -162,4 +162,4 @@ def test_a_transformers_config_json_is_planned_and_its_commands_run(capsys, tmp_
         assert "dry run: the config is valid" in capsys.readouterr().out
     (tmp_path / "bad.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 3}))
     assert main(["estimate", "--model", str(tmp_path / "bad.json"), "--gpus", "8xA100-80GB"]) == 2
-    assert "not one the planner maps" in capsys.readouterr().err
+    assert "is not one that maps onto our decoder" in capsys.readouterr().err

@@ -85,6 +85,10 @@ class ModelConfig:
     """Coefficient of the router z-loss, mean(logsumexp(logits)²) (ST-MoE); 0 = off."""
     bias_update_rate: float = 0.001
     """balance = 'bias': how far each expert's bias moves per step toward the mean load."""
+    hf_path: str = ""
+    """A local transformers directory (config.json, safetensors, tokenizer.json) to start from:
+    its config.json gives the shape (in place of the preset), its weights the initial values,
+    its tokenizer the tokens (docs/finetuning.md). GPT-2, Llama and Mistral. '' = train from scratch."""
 
 
 @dataclass
@@ -459,11 +463,35 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     values.update(overrides or {})
 
     _check_keys(values)
-    preset = values.get("model.preset", Config().model.preset)
-    ordered = {f"model.{k}": v for k, v in get_preset(str(preset)).items()}
-    ordered["model.preset"] = preset
+    if values.get("model.hf_path"):
+        ordered = _hf_shape_layer(values)
+    else:
+        preset = values.get("model.preset", Config().model.preset)
+        ordered = {f"model.{k}": v for k, v in get_preset(str(preset)).items()}
+        ordered["model.preset"] = preset
     ordered.update(values)
     return _build(ordered)
+
+
+def _hf_shape_layer(values: dict[str, Any]) -> dict[str, Any]:
+    """model.hf_path's config.json in the preset's place. A [model] shape key the user also set
+    must agree with it: the checkpoint's weights have that shape, so a different value could
+    only fail later (or, for a value like norm_eps, silently train another network)."""
+    from shardlm.presets import hf_shape
+
+    path = str(values["model.hf_path"])
+    shape = {f"model.{k}": v for k, v in hf_shape(path, "model.hf_path", exact=True).items()}
+    if "model.preset" in values:
+        raise ConfigError(f"model.preset = {values['model.preset']!r} and model.hf_path = {path!r} "
+                          f"both give the model's shape: drop model.preset (the shape comes from "
+                          f"{path}/config.json)")
+    hints = get_type_hints(ModelConfig)
+    conflicts = [f"{k} = {values[k]!r} (config.json: {v!r})" for k, v in shape.items()
+                 if k in values and _coerce(k, values[k], hints[k.partition('.')[2]]) != v]
+    if conflicts:
+        raise ConfigError(f"model.hf_path = {path!r}: these [model] keys disagree with its "
+                          f"config.json, whose weights are loaded: {'; '.join(conflicts)}; drop them")
+    return {**shape, "model.preset": f"{Path(path).name} (transformers)"}
 
 
 def config_from_dict(tree: dict[str, Any]) -> Config:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from pathlib import Path
 from dataclasses import fields
 from typing import Any, Callable, get_type_hints
 
@@ -101,6 +102,9 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.aux_loss_coef": _non_negative(),
     "model.z_loss_coef": _non_negative(),
     "model.bias_update_rate": _non_negative(),
+    "model.hf_path": _rule(lambda v: not v or Path(v).is_dir(),
+                           "must be '' or a local transformers directory (config.json, safetensors, "
+                           "tokenizer.json); nothing is downloaded"),
     "data.source": _rule(lambda v: bool(v.strip()), "must name 'stdlib' or files / directories"),
     "data.val_fraction": _rule(lambda v: 0.0 < v < 0.5, "must be in (0, 0.5)"),
     "data.max_bytes": _non_negative(" (0 = whole corpus)"),

@@ -101,3 +101,106 @@ def get_preset(name: str) -> dict[str, Any]:
         names = ", ".join(list(PRESETS) + list(ALIASES))
         raise ConfigError(f"unknown model preset {name!r}; choose one of: {names}")
     return dict(PRESETS[key])
+
+
+# -- transformers config.json as a shape ------------------------------------------------------
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2")
+"""model_type values with LLaMA's shape (RMSNorm, RoPE, SwiGLU): what the planner can size."""
+LOADABLE = ("gpt2", "llama", "mistral")
+"""model_type values whose weights our decoder computes exactly (model.hf_path)."""
+TRAIN_ANY_MODEL = ("a transformers model can still be trained as it is through the Python API: "
+                   "build_run(cfg, model=AutoModelForCausalLM.from_pretrained(DIR))")
+
+
+def _read_hf_config(path: str, option: str) -> tuple[dict[str, Any], str]:
+    import json
+    from pathlib import Path
+
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"{option} {path}: no config.json there ({file} is missing); point it at "
+                          f"a local transformers directory (config.json + safetensors)")
+    try:
+        return json.loads(file.read_text()), file.parent.name or file.name
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{option} {path}: cannot read {file} as a transformers config ({e})") from None
+
+
+def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[str, Any]:
+    """A transformers config.json (or its directory) as [model] field values: GPT-2's and the
+    LLaMA family's key names (GQA, SwiGLU width, tied head, vocabulary, context, epsilons, RoPE
+    base). The planner sizes any LLAMA_FAMILY shape; `exact` (loading weights, model.hf_path)
+    also refuses what our decoder would compute differently, naming the key, so a checkpoint
+    never loads into a network that only resembles it."""
+    hf, name = _read_hf_config(path, option)
+    kind = str(hf.get("model_type", ""))
+    mapped = LOADABLE if exact else ("gpt2",) + LLAMA_FAMILY
+    if kind not in mapped:
+        why = (" (Qwen2 has biases on q/k/v but none on the output and MLP projections; our "
+               "decoder's model.bias is all or none)" if kind == "qwen2" and exact else "")
+        raise ConfigError(f"{option} {path}: model_type {kind!r} is not one that maps onto our "
+                          f"decoder{why}; supported: {', '.join(mapped)}. "
+                          + (TRAIN_ANY_MODEL if exact else
+                             "give --params N with --layers/--hidden/--heads"))
+
+    def key(*names: str, default: Any = None) -> Any:
+        for n in names:
+            if hf.get(n) is not None:
+                return hf[n]
+        if default is None:
+            raise ConfigError(f"{option} {path}: config.json has none of {', '.join(names)} "
+                              f"(model_type {kind!r})")
+        return default
+
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4
+    shape: dict[str, Any] = dict(
+        vocab_size=int(key("vocab_size")), n_layers=int(key("num_hidden_layers", "n_layer")),
+        n_heads=int(key("num_attention_heads", "n_head")),
+        d_model=int(key("hidden_size", "n_embd", "d_model")),
+        max_seq_len=int(key("max_position_embeddings", "n_positions", "n_ctx")))
+    problems: list[str] = []
+    if kind == "gpt2":
+        shape.update(_gpt2(shape["n_layers"], shape["n_heads"], shape["d_model"],
+                           shape["vocab_size"], shape["max_seq_len"]),
+                     d_ff=int(key("n_inner", default=0) or 0),
+                     tie_embeddings=bool(key("tie_word_embeddings", default=True)),
+                     norm_eps=float(key("layer_norm_epsilon", default=1e-5)))
+        act = key("activation_function", default="gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):  # ours is GELU's tanh form
+            problems.append(f"activation_function = {act!r} (ours is 'gelu_new')")
+        for flag, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
+            if key(flag, default=want) != want:
+                problems.append(f"{flag} = {hf[flag]!r} (ours: {want})")
+    else:
+        heads = shape["n_heads"]
+        attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
+        if attention_bias != mlp_bias:
+            problems.append(f"attention_bias = {attention_bias} with mlp_bias = {mlp_bias} (our "
+                            f"model.bias puts biases on every linear or none)")
+        shape.update(n_kv_heads=int(key("num_key_value_heads", default=heads)),
+                     d_ff=int(key("intermediate_size")), norm="rmsnorm", position="rope",
+                     mlp="swiglu", bias=attention_bias,
+                     tie_embeddings=bool(key("tie_word_embeddings", default=False)),
+                     norm_eps=float(key("rms_norm_eps", default=1e-6)),
+                     rope_theta=float(key("rope_theta", default=rope.get("rope_theta", 10000.0))))
+        window = hf.get("sliding_window")
+        if exact and window and hf.get("use_sliding_window", True):
+            # Mistral attends to the last `window` tokens only: identical to full attention on
+            # sequences no longer than the window, so the context is capped there.
+            shape["max_seq_len"] = min(shape["max_seq_len"], int(window))
+        if hf.get("hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act = {hf['hidden_act']!r} (ours is 'silu')")
+        head_dim = hf.get("head_dim")
+        if head_dim and head_dim != shape["d_model"] // heads:
+            problems.append(f"head_dim = {head_dim} (ours is hidden_size / num_attention_heads = "
+                            f"{shape['d_model'] // heads})")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            problems.append(f"rope scaling {rope_type!r} (ours is plain RoPE)")
+    if exact and problems:
+        raise ConfigError(f"{option} {path}: {name}/config.json describes a {kind} our decoder "
+                          f"does not compute exactly: {'; '.join(problems)}. {TRAIN_ANY_MODEL}")
+    return shape

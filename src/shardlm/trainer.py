@@ -22,7 +22,9 @@ from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, 
                                         SaveReport, find_checkpoint, load_slices,
                                         load_with_fallback, newest_usable, raise_on_every_rank)
 from shardlm.config import Config
+from shardlm.errors import ConfigError
 from shardlm.data import Dataset, Loader, build_dataset
+from shardlm.data.tokenizer import hf_tokenizer
 from shardlm.launch import (Runtime, StopSignals, agree_on_name, broadcast_text, claim_run_dir,
                             init_runtime, is_restart)
 from shardlm.dims import resolve_dims
@@ -110,6 +112,10 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     (e.g. a transformers model through shardlm.models.hf); it must be built identically on
     every rank, and its vocabulary must be cfg.model.vocab_size."""
     cfg.validate()
+    if model is not None and cfg.model.hf_path:
+        raise ConfigError(f"model.hf_path loads a checkpoint into our decoder, but build_run was "
+                          f"also given a {type(model).__name__}: drop one (a transformers model "
+                          f"loads its own weights with from_pretrained)")
     runtime = runtime or init_runtime(cfg.run.device, cfg.parallel.collective_timeout_s)
     run_dir = make_run_dir(cfg, runtime)
     source = resume_source(cfg, run_dir, runtime)
@@ -117,7 +123,8 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     mesh = build_mesh(resolve_dims(cfg.parallel, runtime.world_size), runtime.device, runtime.rank)
     t = cfg.train
     torch.manual_seed(t.seed)
-    dataset = build_dataset(cfg.data, cfg.model.vocab_size)
+    given = hf_tokenizer(cfg.model.hf_path, cfg.model.vocab_size) if cfg.model.hf_path else None
+    dataset = build_dataset(cfg.data, cfg.model.vocab_size, given)
     precision = build_precision(cfg.precision, runtime.device, t.on_nonfinite == "stop")
     user_model = model is not None
     if user_model:  # on the meta device it stays there: parallelize materialises it

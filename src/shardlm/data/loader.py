@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import time
@@ -67,16 +68,23 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def build_dataset(cfg: DataConfig, vocab_size: int) -> Dataset:
-    """Train the tokenizer and write the token stream once; later calls (and other ranks) load."""
+def build_dataset(cfg: DataConfig, vocab_size: int,
+                  given: tuple[Tokenizer, int] | None = None) -> Dataset:
+    """Train the tokenizer and write the token stream once; later calls (and other ranks) load.
+    `given`: a tokenizer to use instead of training one (a checkpoint's: model.hf_path) and the
+    id that separates documents; the cache entry is then keyed by the tokenizer's content too."""
     files = corpus_files(cfg)
-    cache_dir = cache_root(cfg.cache_dir) / f"{fingerprint(cfg, files)}-v{vocab_size}"
+    name = f"{fingerprint(cfg, files)}-v{vocab_size}"
+    if given is not None:
+        digest = hashlib.sha256(f"{given[1]}\0{given[0].to_str()}".encode()).hexdigest()[:12]
+        name += f"-t{digest}"
+    cache_dir = cache_root(cfg.cache_dir) / name
     if not (cache_dir / "done").exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         with _file_lock(cache_dir / "lock"):
             # Checked again under the lock: another rank may have finished while we waited.
             if not (cache_dir / "done").exists():
-                _build(cfg, files, vocab_size, cache_dir)
+                _build(cfg, files, vocab_size, cache_dir, given)
     return load_dataset(cache_dir, cfg.val_fraction)
 
 
@@ -86,8 +94,9 @@ def load_dataset(cache_dir: Path, val_fraction: float) -> Dataset:
     tokens = np.memmap(cache_dir / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(n_tokens,))
     split = n_tokens - int(round(n_tokens * val_fraction))
     tok = load_tokenizer(cache_dir / "tokenizer.json")
-    return Dataset(train=tokens[:split], val=tokens[split:], tokenizer=tok,
-                   cache_dir=cache_dir, eot_id=eot_id(tok))
+    separator = meta.get("separator")
+    return Dataset(train=tokens[:split], val=tokens[split:], tokenizer=tok, cache_dir=cache_dir,
+                   eot_id=eot_id(tok) if separator is None else separator)
 
 
 def _documents(cfg: DataConfig, files: list[Path]) -> Iterator[str]:
@@ -100,17 +109,18 @@ def _documents(cfg: DataConfig, files: list[Path]) -> Iterator[str]:
     return chain([first], docs)
 
 
-def _build(cfg: DataConfig, files: list[Path], vocab_size: int, cache_dir: Path) -> None:
+def _build(cfg: DataConfig, files: list[Path], vocab_size: int, cache_dir: Path,
+           given: tuple[Tokenizer, int] | None) -> None:
     start = time.perf_counter()
     for stale in cache_dir.glob("*.tmp.*"):  # left by a build that crashed; we hold the lock
         stale.unlink()
-    tok = train_tokenizer(_documents(cfg, files), vocab_size)
+    tok, separator = given if given is not None else (train_tokenizer(_documents(cfg, files), vocab_size), None)
     save_tokenizer(tok, cache_dir / "tokenizer.json")
     trained = time.perf_counter()
     dtype = token_dtype(vocab_size)
-    counts = encode_to_file(tok, _documents(cfg, files), cache_dir / "tokens.bin", dtype)
+    counts = encode_to_file(tok, _documents(cfg, files), cache_dir / "tokens.bin", dtype, separator)
     meta = {"dtype": dtype.name, "vocab_size": vocab_size, "source": cfg.source,
-            "max_bytes": cfg.max_bytes, "n_files": len(files), **counts}
+            "max_bytes": cfg.max_bytes, "n_files": len(files), "separator": separator, **counts}
     atomic_write(cache_dir / "meta.json", json.dumps(meta, indent=2), fsync=True)
     atomic_write(cache_dir / "done", "", fsync=True)
     done = time.perf_counter()

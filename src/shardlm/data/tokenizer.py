@@ -95,6 +95,37 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
+def hf_tokenizer(directory: str | Path, vocab_size: int) -> tuple[Tokenizer, int]:
+    """model.hf_path's tokenizer.json and the token that separates documents (config.json's
+    eos_token_id, else <|endoftext|>). Its ids must all have a row in the model's embedding:
+    more tokens than model.vocab_size is an error, fewer is fine (checkpoints pad their
+    embeddings). A missing tokenizer.json is an error, never our BPE in its place: a new
+    tokenizer's ids would mean nothing to the checkpoint's embeddings."""
+    import json
+
+    root = Path(directory)
+    path = root / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"model.hf_path {str(directory)!r} has no tokenizer.json ({path} is "
+                          f"missing): the checkpoint's own tokenizer is needed (only the fast "
+                          f"tokenizers' tokenizer.json is read; save it with "
+                          f"AutoTokenizer.from_pretrained(...).save_pretrained(DIR))")
+    tok = Tokenizer.from_file(str(path))
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise ConfigError(f"model.hf_path {str(directory)!r}: tokenizer.json has {size} tokens but "
+                          f"the model's vocab_size is {vocab_size}: ids past it have no embedding")
+    eos = json.loads((root / "config.json").read_text()).get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    if eos is None:
+        eos = tok.token_to_id(EOT)
+    if eos is None or not 0 <= eos < size:
+        raise ConfigError(f"model.hf_path {str(directory)!r}: no token to separate documents "
+                          f"(config.json has no eos_token_id within the tokenizer's {size} "
+                          f"tokens, and tokenizer.json no {EOT}); set eos_token_id in config.json")
+    return tok, int(eos)
+
+
 def eot_id(tok: Tokenizer) -> int:
     token_id = tok.token_to_id(EOT)
     assert token_id is not None, f"tokenizer has no {EOT} token"
@@ -112,10 +143,12 @@ def _pieces(documents: Iterable[str]) -> Iterator[tuple[str, bool]]:
         yield doc[start:], start == 0
 
 
-def encode_to_file(tok: Tokenizer, documents: Iterable[str], path: Path, dtype: np.dtype) -> dict:
+def encode_to_file(tok: Tokenizer, documents: Iterable[str], path: Path, dtype: np.dtype,
+                   separator: int | None = None) -> dict:
     """Encode with encode_batch (parallel in Rust) a few MB at a time, appending each batch to the
-    file, so memory stays bounded whatever the corpus size. Writes to a temporary name first."""
-    eot = np.array([eot_id(tok)], dtype=dtype)
+    file, so memory stays bounded whatever the corpus size. Writes to a temporary name first.
+    Documents are joined by `separator` (default: the tokenizer's <|endoftext|>)."""
+    eot = np.array([eot_id(tok) if separator is None else separator], dtype=dtype)
     counts = {"n_tokens": 0, "n_documents": 0, "n_bytes": 0}
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
     # encode_batch_fast (tokenizers >= 0.20) skips the character offsets we never use.

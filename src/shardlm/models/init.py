@@ -57,9 +57,11 @@ def materialize_buffers(model: nn.Module, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.Module:
-    """Allocate a meta model whole on `device` and initialise it (one process: no sharding)."""
-    init = initializer_for(model, seed)
+def materialize(model: nn.Module, device: torch.device | str, seed: int,
+                initializer: Initializer | None = None) -> nn.Module:
+    """Allocate a meta model whole on `device` and initialise it (one process: no sharding)
+    from `initializer` (e.g. a checkpoint's values), or else the model's own at `seed`."""
+    init = initializer or initializer_for(model, seed)
     names = {id(p): n for n, p in model.named_parameters()}  # a tied parameter: its first name
     tied = [(m, a, names[id(p)]) for m in model.modules() for a, p in m.named_parameters(recurse=False)]
     values = {}

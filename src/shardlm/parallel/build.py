@@ -35,7 +35,8 @@ from shardlm.parallel.expert import apply_ep
 from shardlm.parallel.pipeline import SCHEDULES, Schedule, Stage, apply_pp
 from shardlm.parallel.weight_grads import make_deferrable
 from shardlm.models.flops import pipeline_split
-from shardlm.models.init import initializer_for
+from shardlm.checkpoint.hf_names import hf_initializer
+from shardlm.models.init import Initializer, initializer_for
 from shardlm.parallel.data import DataParallelEngine, apply_data_parallel
 from shardlm.models.decoder import Decoder
 from shardlm.parallel.tensor import TPState, VocabParallelHead, apply_tp, sliced, vocab_parallel_cross_entropy
@@ -89,14 +90,22 @@ def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
     return torch.compile(model)
 
 
+def initial_values(model: nn.Module, cfg: Config) -> Initializer:
+    """Where the parameters' first values come from: model.hf_path's checkpoint (our decoder,
+    read from safetensors), or the model's own initialisation at train.seed."""
+    if cfg.model.hf_path and isinstance(model, Decoder):  # build_run refuses any other model
+        return hf_initializer(cfg.model.hf_path, model, cfg.model)
+    return initializer_for(model, cfg.train.seed)
+
+
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
                 watchdog: CollectiveWatchdog | None = None, run_dir: Path = Path("runs")) -> Parallelized:
     """Apply every configured strategy to `model` in the documented order. `cfg` is resolved
     (resolve.resolve_config: no 'auto' left); `mesh` holds the process groups."""
     ledger = CommLedger()
     # Taken before any step replaces a layer: initial values are those of the whole model.
-    initializer = (initializer_for(model, cfg.train.seed)
-                   if any(p.is_meta for p in model.parameters()) else None)
+    initializer = (initial_values(model, cfg) if any(p.is_meta for p in model.parameters())
+                   else None)
     tp = apply_tensor_parallel(model, Comm(mesh.tp_group, "tp", ledger, watchdog),
                                cfg.parallel.sequence_parallel) if mesh.dims.tp > 1 else None
     if tp is not None:

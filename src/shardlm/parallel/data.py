@@ -126,7 +126,7 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch
         initializer = initializer_for(model, cfg.train.seed)
     if mesh.dims.world_size == 1 and par.zero_stage == 0:
         if initializer is not None:  # one process, nothing sharded: the whole model, once
-            materialize(model, device, cfg.train.seed)
+            materialize(model, device, cfg.train.seed, initializer)
         return LocalEngine(model, cfg, device)
     from shardlm.zero.engine import ZeroEngine, ZeroOptions
 

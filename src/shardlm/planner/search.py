@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from shardlm.config import Config, ModelConfig, ParallelConfig
 from shardlm.errors import ConfigError
-from shardlm.presets import ALIASES, get_preset
+from shardlm.presets import ALIASES, get_preset, hf_shape
 from shardlm.hardware.catalog import Cluster, choose_compute, local_cpu, parse_cluster
 from shardlm.planner.memory import ActivationDtypes, Memory, activation_peak, estimate_memory
 from shardlm.planner.timing import Timing, estimate_time
@@ -494,50 +494,12 @@ def preset_model(name: str) -> ModelConfig:
     return ModelConfig(preset=ALIASES.get(name, name), **get_preset(name))
 
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2")
-"""transformers model_type values with LLaMA's block: RMSNorm, RoPE, SwiGLU, no biases (Qwen2
-has q/k/v biases, a rounding error in the model states, not modelled)."""
-
-
 def model_from_hf_config(path: str) -> ModelConfig:
-    """A transformers config.json as a ModelConfig: GPT-2's and LLaMA-family key names (GQA,
-    SwiGLU width, untied head, vocabulary, context), for `--model path/config.json`."""
-    import json
+    """A transformers config.json as a ModelConfig (presets.hf_shape: GPT-2's and LLaMA-family
+    key names), for `--model path/config.json`."""
     from pathlib import Path
 
-    file = Path(path)
-    if file.is_dir():
-        file = file / "config.json"
-    try:
-        hf = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--model {path}: cannot read a transformers config.json ({e})") from None
-    kind = str(hf.get("model_type", ""))
-    if kind != "gpt2" and kind not in LLAMA_FAMILY:
-        raise ConfigError(f"--model {path}: model_type {kind!r} is not one the planner maps (gpt2, "
-                          f"{', '.join(LLAMA_FAMILY)}); give --params N with --layers/--hidden/--heads")
-
-    def key(*names, default=None):
-        for name in names:
-            if hf.get(name) is not None:
-                return hf[name]
-        if default is None:
-            raise ConfigError(f"--model {path}: {file.name} has none of {', '.join(names)} "
-                              f"(model_type {kind!r})")
-        return default
-
-    common = dict(preset=f"{file.parent.name or file.name} ({kind or 'transformers'})",
-                  vocab_size=int(key("vocab_size")), n_layers=int(key("num_hidden_layers", "n_layer")),
-                  n_heads=int(key("num_attention_heads", "n_head")),
-                  d_model=int(key("hidden_size", "n_embd", "d_model")),
-                  max_seq_len=int(key("max_position_embeddings", "n_positions", "n_ctx")))
-    if kind == "gpt2":
-        return ModelConfig(**common, d_ff=int(key("n_inner", default=0) or 0),
-                           tie_embeddings=bool(key("tie_word_embeddings", default=True)))
-    return ModelConfig(**common, n_kv_heads=int(key("num_key_value_heads", default=common["n_heads"])),
-                       d_ff=int(key("intermediate_size")), norm="rmsnorm", position="rope",
-                       mlp="swiglu", bias=False,
-                       tie_embeddings=bool(key("tie_word_embeddings", default=False)))
+    return ModelConfig(preset=f"{Path(path).name} (transformers)", **hf_shape(path))
 
 
 def model_from_params(params: float, layers: int | None = None, hidden: int | None = None,

@@ -1,0 +1,122 @@
+"""Our decoder's parameters <-> a transformers checkpoint's tensors, as a table: `hf_initializer`
+reads a local HF directory into our initial values (model.hf_path). `export.hf_state_dict` (ours
+-> HF) still spells the same mapping out in code; it should move onto this table.
+
+Each of our parameters is one or more HF tensors concatenated along our first dimension:
+`attn.qkv` is q_proj, k_proj, v_proj (rows q, then k, then v — GPT-2's c_attn is already fused);
+SwiGLU's `mlp.gate_up` is gate_proj then up_proj. GPT-2's Conv1D stores its weight as (in, out),
+the transpose of nn.Linear's. The experts of a mixture (Mixtral) are export's own business.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardlm.checkpoint.hf_dir import HFDirError, HFDirReader
+from shardlm.config import ModelConfig
+from shardlm.models.flops import resolved_d_ff
+from shardlm.models.init import Initializer
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """Where one of our parameters lives in a transformers checkpoint."""
+
+    names: tuple[str, ...]
+    """The HF tensors, concatenated along our dimension 0 in this order."""
+    rows: tuple[int, ...]
+    """How many of our rows (dimension 0) each one gives."""
+    transposed: bool = False
+    """GPT-2's Conv1D: the HF weight is (in, out), ours (out, in)."""
+
+
+def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
+    """Our parameter name -> its HF source, for every dense parameter of a 'gpt2', 'llama' or
+    'mixtral' (everything but the experts) model of shape `m`. Biases are listed only where
+    ours has them; GPT-2's, always present there, are export's to fill with zeros."""
+    head_dim = m.d_model // m.n_heads
+    q, kv, d = m.n_heads * head_dim, (m.n_kv_heads or m.n_heads) * head_dim, m.d_model
+    out: dict[str, HFSource] = {}
+
+    def add(ours: str, names: list[str], rows: list[int], transposed: bool = False,
+            biases: bool = True) -> None:
+        out[f"{ours}.weight"] = HFSource(tuple(f"{n}.weight" for n in names), tuple(rows), transposed)
+        if biases:
+            out[f"{ours}.bias"] = HFSource(tuple(f"{n}.bias" for n in names), tuple(rows))
+
+    if family == "gpt2":
+        out["tok_emb.weight"] = HFSource(("transformer.wte.weight",), (m.vocab_size,))
+        out["pos_emb.weight"] = HFSource(("transformer.wpe.weight",), (m.max_seq_len,))
+        ff = resolved_d_ff(m)
+        for i in range(m.n_layers):
+            h, b = f"transformer.h.{i}", f"blocks.{i}"
+            add(f"{b}.attn_norm", [f"{h}.ln_1"], [d], biases=m.bias)
+            add(f"{b}.attn.qkv", [f"{h}.attn.c_attn"], [q + 2 * kv], True, m.bias)
+            add(f"{b}.attn.proj", [f"{h}.attn.c_proj"], [d], True, m.bias)
+            add(f"{b}.mlp_norm", [f"{h}.ln_2"], [d], biases=m.bias)
+            add(f"{b}.mlp.fc", [f"{h}.mlp.c_fc"], [ff], True, m.bias)
+            add(f"{b}.mlp.proj", [f"{h}.mlp.c_proj"], [d], True, m.bias)
+        add("norm_f", ["transformer.ln_f"], [d], biases=m.bias)
+    else:
+        out["tok_emb.weight"] = HFSource(("model.embed_tokens.weight",), (m.vocab_size,))
+        ff = resolved_d_ff(m)
+        for i in range(m.n_layers):
+            h, b = f"model.layers.{i}", f"blocks.{i}"
+            add(f"{b}.attn_norm", [f"{h}.input_layernorm"], [d], biases=False)
+            add(f"{b}.mlp_norm", [f"{h}.post_attention_layernorm"], [d], biases=False)
+            attn = f"{h}.self_attn"
+            add(f"{b}.attn.qkv", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"],
+                [q, kv, kv], biases=m.bias)
+            add(f"{b}.attn.proj", [f"{attn}.o_proj"], [d], biases=m.bias)
+            if family == "llama":
+                add(f"{b}.mlp.gate_up", [f"{h}.mlp.gate_proj", f"{h}.mlp.up_proj"], [ff, ff],
+                    biases=m.bias)
+                add(f"{b}.mlp.down", [f"{h}.mlp.down_proj"], [d], biases=m.bias)
+        out["norm_f.weight"] = HFSource(("model.norm.weight",), (d,))
+    # Tied: the head is the embedding and is never asked for by its own name. A tied HF
+    # checkpoint holds no lm_head.weight; export writes one anyway (from_pretrained ties it).
+    out["head.weight"] = HFSource(("lm_head.weight",), (m.vocab_size,))
+    return out
+
+
+def loaded_family(m: ModelConfig) -> str:
+    """'gpt2' or 'llama': the table to load with (presets.hf_shape already refused the rest)."""
+    return "llama" if m.mlp == "swiglu" else "gpt2"
+
+
+def hf_initializer(directory: str | Path, model: nn.Module, m: ModelConfig) -> Initializer:
+    """model.hf_path as an Initializer for `model` (our Decoder of shape `m`, still whole): our
+    parameter `name` -> its values read from the directory's safetensors (renamed, fused,
+    transposed; fp32), so every layout the sharded build supports (ZeRO-3, tensor and pipeline
+    parallelism) loads a checkpoint unchanged. A tensor the table names and the files lack, or
+    one of another shape, is a ConfigError naming it and the directory."""
+    reader = HFDirReader(directory)
+    sources = hf_sources(m, loaded_family(m))
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}  # before any split
+
+    def read(hf_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if hf_name not in reader.files:
+            raise HFDirError(f"model.hf_path {str(directory)!r} has no tensor {hf_name!r}, which "
+                             f"our decoder needs: the checkpoint is incomplete, or not the "
+                             f"architecture its config.json names")
+        flat = torch.empty(math.prod(shape), dtype=torch.float32)
+        reader.read_range(hf_name, shape, 0, flat.numel(), flat)
+        return flat.view(shape)
+
+    def initial_value(name: str) -> torch.Tensor:
+        assert name in sources, f"{name} has no HF source (hf_shape admitted an unmapped model)"
+        source, inner = sources[name], shapes[name][1:]
+        parts = []
+        for hf_name, rows in zip(source.names, source.rows):
+            if source.transposed:
+                parts.append(read(hf_name, (*inner, rows)).t())
+            else:
+                parts.append(read(hf_name, (rows, *inner)))
+        return torch.cat(parts).contiguous()
+
+    return initial_value
