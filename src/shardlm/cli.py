@@ -265,6 +265,9 @@ def train_here(cfg) -> int:
               f"{cfg.parallel.zero_stage}{_model_axes(run.mesh.dims, cfg.parallel)}, "
               f"{run.train_loader.global_batch} x {t.seq_len} tokens/step, "
               f"{t.steps} steps -> {run.run_dir}", flush=True)
+    lora = getattr(run.model, "lora", None)
+    if main and lora is not None:
+        print(f"shardlm: {lora.summary()}", flush=True)
     print(state_report(run), flush=True)
     result = train(run)
     val = f", val loss {result.val_loss:.3f}" if result.val_loss is not None else ""

@@ -92,6 +92,22 @@ class ModelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    rank: int = 0
+    """LoRA adapters' rank r (Hu et al. 2021; docs/finetuning.md): only the adapters train, the
+    rest of the model is frozen. 0 = off (every parameter trains)."""
+    alpha: float = 16.0
+    """The adapters' update is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input, in [0, 1)."""
+    targets: str = ""
+    """Linear layers that get adapters: comma-separated module-name patterns, each matching a
+    whole name or its dotted suffix, fnmatch wildcards allowed (e.g. 'attn.qkv,mlp.down').
+    '' = attention and MLP linears by model.mlp: 'attn.qkv,attn.proj,mlp.fc,mlp.proj' (gelu),
+    'attn.qkv,attn.proj,mlp.gate_up,mlp.down' (swiglu)."""
+
+
+@dataclass
 class DataConfig:
     source: str = "stdlib"
     """'stdlib' = the Python standard library's own .py files (always present), or a path to a
@@ -141,7 +157,9 @@ class TrainConfig:
     log_every: int = 1
     """Write a JSONL line every this many steps."""
     compile: bool = False
-    """Wrap the model in torch.compile."""
+    """torch.compile each transformer block (regional: compile time does not grow with depth;
+    the ZeRO and checkpointing hooks stay eager around it). Composes with ZeRO stages 0-3,
+    offload and activation.checkpoint = 'full'; other strategies are refused by validate()."""
     on_nonfinite: str = "stop"
     """fp32/bf16: a NaN/inf gradient norm (a diverged run) 'stop's the run with an error, or
     'skip's that step and goes on (counted in the log's `skipped`). fp16 always skips and backs
@@ -310,6 +328,8 @@ class Config:
     """Activation memory."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     """Offload tiers for the ZeRO engine."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters: fine-tune a frozen model."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Resumable, sharded checkpoints."""
     run: RunConfig = field(default_factory=RunConfig)

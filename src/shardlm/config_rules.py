@@ -143,6 +143,9 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                 f"must be in [1, {NVME_CHUNK_MB_MAX}] (MB per chunk; the stream "
                                 f"holds nvme_buffers x 4 chunks in host memory)"),
     "zero.nvme_buffers": _rule(lambda v: v >= 3, "must be >= 3"),
+    "lora.rank": _non_negative(" (0 = off)"),
+    "lora.alpha": _positive(),
+    "lora.dropout": _rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
     "checkpoint.every": _non_negative(" (0 = no periodic saves)"),
     "checkpoint.keep": _rule(lambda v: v >= 1, "must be >= 1"),
     "checkpoint.resume": _rule(lambda v: bool(v.strip()), "must be 'auto', 'never' or a path"),
@@ -320,6 +323,44 @@ def _param_offload_stage(cfg: Config) -> list[str]:
     return ([f"zero.offload_params = {z.offload_params!r} needs parallel.zero_stage = 3 (only "
              f"stage 3 shards the parameters), got {par.zero_stage}"]
             if z.offload_params != "none" and par.zero_stage != 3 else [])
+
+
+@_cross("lora.rank", "parallel.tp", "zero.offload_params")
+def _lora_layout(cfg: Config) -> list[str]:
+    if not cfg.lora.rank:
+        return []
+    out = []
+    if cfg.parallel.tp > 1:
+        out.append(f"lora.rank = {cfg.lora.rank} with parallel.tp = {cfg.parallel.tp}: tensor "
+                   f"parallelism does not split LoRA layers yet; use ZeRO (parallel.zero_stage = 3 "
+                   f"shards the frozen base)")
+    if cfg.zero.offload_params != "none":
+        out.append(f"lora.rank = {cfg.lora.rank} with zero.offload_params = "
+                   f"{cfg.zero.offload_params!r}: frozen parameters are not offloaded yet; "
+                   f"zero.offload_optimizer works")
+    return out
+
+
+@_cross("train.compile", "parallel.tp", "parallel.cp", "parallel.pp", "parallel.ep", "model.experts",
+        "activation.checkpoint")
+def _compile_composes(cfg: Config) -> list[str]:
+    """train.compile compiles each block (parallel/compile.py) with fullgraph: what runs a
+    collective or a data-dependent shape inside a block cannot be one graph yet."""
+    if not cfg.train.compile:
+        return []
+    par, m = cfg.parallel, cfg.model
+    blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
+        ("parallel.tp", par.tp, "collectives inside each block", par.tp > 1),
+        ("parallel.cp", par.cp, "ring attention's exchanges inside each block", par.cp > 1),
+        ("parallel.pp", par.pp, "not verified with the pipeline schedules yet", par.pp > 1),
+        ("parallel.ep", par.ep, "all-to-all inside each MoE block", par.ep > 1),
+        ("model.experts", m.experts, "the router's data-dependent token counts break the graph", m.experts > 0),
+        ("activation.checkpoint", cfg.activation.checkpoint, "its op policy sees aten ops, a compiled "
+         "block runs fused kernels; 'full' composes", cfg.activation.checkpoint == "selective"),
+    ) if on]
+    return ([f"train.compile = true does not compose yet with: {'; '.join(blocking)}. It works with "
+             f"ZeRO stages 0-3, offload and activation.checkpoint = 'full'; set train.compile = false "
+             f"or change those keys"] if blocking else [])
 
 
 @_cross("zero.nvme_chunk_mb", "zero.nvme_buffers")

@@ -32,6 +32,7 @@ from shardlm.mesh import Mesh, build_mesh
 from shardlm.models import build_model, flops_per_token, generate
 from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
 from shardlm.parallel.build import parallelize
+from shardlm.parallel.compile import compile_seconds
 from shardlm.parallel.data import DataParallelEngine
 from shardlm.models.moe import bias_tensors
 from shardlm.parallel.expert import finish_moe_step, moe_record
@@ -417,9 +418,15 @@ def train(run: Run) -> TrainResult:
         with StopSignals() as signals:
             for step in range(run.start_step, steps):
                 run.strategy.ledger.reset()  # evaluation's gathers are not a training step's
+                compiling = cfg.train.compile and step == run.start_step  # the blocks compile now
+                compiled_before = compile_seconds() if compiling else 0.0
                 start = time.perf_counter()
                 out = train_step(run, step, stop_requested=signals.requested is not None)
                 record = step_record(run, step, out.loss, out.grad_norm, time.perf_counter() - start)
+                if compiling:
+                    record["compile_s"] = compile_seconds() - compiled_before
+                    log.info("compile: %.1f s of the first step's %.1f s", record["compile_s"],
+                             record["step_time_s"])
                 record["skipped"] = not out.stepped
                 result.losses.append(out.loss)
                 result.skipped_steps += not out.stepped

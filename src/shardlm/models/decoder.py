@@ -20,6 +20,7 @@ from torch import nn
 from shardlm.config import ModelConfig
 from shardlm.models.flops import is_moe_block, moe_layers, resolved_d_ff
 from shardlm.models.init import materialize, parameter_generator
+from shardlm.models.lora import adapter_initial_value, is_adapter
 from shardlm.models.moe import MoE, MoEStats
 
 # Linears that write into the residual stream: GPT-2 scales their init by 1/sqrt(2*n_layers) so
@@ -176,9 +177,12 @@ class Decoder(nn.Module):
     def initial_value(self, name: str, seed: int) -> torch.Tensor:
         """The initial values of parameter `name` (fp32, CPU), a function of (seed, name) only:
         normal(0, init_std) for matrices and embeddings, init_std/sqrt(2*n_layers) for the
-        residual projections, zeros for biases, ones for norm weights. Any subset of the
-        parameters can be initialised, in any order, on any rank (models/init.py)."""
+        residual projections, zeros for biases, ones for norm weights; LoRA adapters as
+        models/lora.py says. Any subset of the parameters can be initialised, in any order, on
+        any rank (models/init.py)."""
         shape = self.get_parameter(name).shape
+        if is_adapter(name):
+            return adapter_initial_value(name, tuple(shape), seed)
         module_name, _, attr = name.rpartition(".")
         module = self.get_submodule(module_name)
         if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and attr == "weight":

@@ -3,13 +3,15 @@
 A plain model — ours built on the meta device, or any nn.Module — goes through the steps in a
 fixed order, each a function that logs what it applied:
 
+    LoRA (apply_lora: adapters beside the chosen linears, everything else frozen)  →
     tensor parallelism (apply_tp, or apply_tp_plan for a transformers model: layers replaced
     by their tensor-parallel versions, still on the meta device)  →  context parallelism
     (apply_cp: the sequence split, attention by ring)  →  expert parallelism (apply_ep)  →  pipeline stages (apply_pp: the
     blocks outside this rank's stage dropped, still on meta)  →  activation checkpointing (apply_ac)
     →  data parallelism / ZeRO (apply_data_parallel: the sharded build materialises the model
     here, one unit at a time, each parameter initialised whole and cut to this rank's piece)
-    →  compile
+    →  compile (apply_compile: each block's forward, regionally, the strategies' hooks left
+    eager around it)
 
 Expert parallelism (apply_ep: each MoE block's experts cut to this rank's E / ep, tokens
 exchanged by all-to-all) goes between context parallelism and the pipeline; under tensor
@@ -30,6 +32,7 @@ from shardlm.comm.watchdog import CollectiveWatchdog
 from shardlm.config import Config
 from shardlm.mesh import Mesh
 from shardlm.parallel.activation import apply_ac
+from shardlm.parallel.compile import apply_compile
 from shardlm.parallel.context import CPState, apply_cp
 from shardlm.parallel.expert import apply_ep
 from shardlm.parallel.pipeline import SCHEDULES, Schedule, Stage, apply_pp
@@ -37,6 +40,8 @@ from shardlm.parallel.weight_grads import make_deferrable
 from shardlm.models.flops import pipeline_split
 from shardlm.checkpoint.hf_names import hf_initializer
 from shardlm.models.init import Initializer, initializer_for
+from shardlm.models.lora import apply_lora, with_adapters
+from shardlm.errors import ConfigError
 from shardlm.parallel.data import DataParallelEngine, apply_data_parallel
 from shardlm.models.decoder import Decoder
 from shardlm.parallel.tensor import TPState, VocabParallelHead, apply_tp, sliced, vocab_parallel_cross_entropy
@@ -83,19 +88,14 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool)
     return apply_tp_plan(model, comm, sequence_parallel)
 
 
-def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
-    if not enabled:
-        return model
-    log.info("compile: torch.compile over the whole model")
-    return torch.compile(model)
-
-
 def initial_values(model: nn.Module, cfg: Config) -> Initializer:
     """Where the parameters' first values come from: model.hf_path's checkpoint (our decoder,
     read from safetensors), or the model's own initialisation at train.seed."""
+    own = initializer_for(model, cfg.train.seed)
     if cfg.model.hf_path and isinstance(model, Decoder):  # build_run refuses any other model
-        return hf_initializer(cfg.model.hf_path, model, cfg.model)
-    return initializer_for(model, cfg.train.seed)
+        # The checkpoint for its tensors; LoRA adapters are new: the model's own initial values.
+        return with_adapters(hf_initializer(cfg.model.hf_path, model, cfg.model), own)
+    return own
 
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
@@ -103,6 +103,12 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     """Apply every configured strategy to `model` in the documented order. `cfg` is resolved
     (resolve.resolve_config: no 'auto' left); `mesh` holds the process groups."""
     ledger = CommLedger()
+    if cfg.lora.rank:  # first: adapters are parameters like any other for every later step
+        if not isinstance(model, Decoder):
+            raise ConfigError(f"lora.rank = {cfg.lora.rank}: LoRA applies to our decoder, not to a "
+                              f"{type(model).__name__} (use model.hf_path or model.preset)")
+        lora = cfg.lora
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets, cfg.model.mlp, cfg.train.seed)
     # Taken before any step replaces a layer: initial values are those of the whole model.
     initializer = (initial_values(model, cfg) if any(p.is_meta for p in model.parameters())
                    else None)

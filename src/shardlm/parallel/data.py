@@ -1,7 +1,8 @@
 """Data parallelism: the engine the training step talks to, chosen once.
 
 `LocalEngine` is one process and nothing sharded: torch's fused AdamW on the plain model with
-autocast mixed precision (fp32 parameters). It is the reference every distributed run is tested against.
+autocast mixed precision (fp32 parameters), over the parameters that train (requires_grad: a
+LoRA run's adapters); frozen ones are materialised and checkpointed, never stepped. It is the reference every distributed run is tested against.
 `ZeroEngine` (zero/engine.py) is stages 0-3 over any number of ranks. Both expose the same
 step interface, so the loop has no `if distributed` in it.
 """
@@ -102,7 +103,7 @@ class LocalEngine:
 
     def state_slices(self, saving: bool = False) -> list[StateSlice]:
         return [s for name, p in self.model.named_parameters()
-                for s in param_state(name, tuple(p.shape), 0, p.numel(), p, self.optimizer.state[p])]
+                for s in param_state(name, tuple(p.shape), 0, p.numel(), p, self.optimizer.state.get(p, {}))]
 
     def after_load(self) -> None:
         pass

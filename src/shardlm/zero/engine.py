@@ -83,9 +83,10 @@ class Unit:
                  device: torch.device, initializer: Initializer | None = None, expert: bool = False):
         """`comm`: the group this unit's gradients are reduced over and (stage >= 1) its states
         sharded over, this rank at `shard_rank` in it; `expert`: an expert-parallel unit (its
-        group the ranks holding the same experts)."""
+        group the ranks holding the same experts). A frozen unit (spec.frozen) has no gradient
+        buffer: only its parameters, whole at stages 0-2, sharded at stage 3."""
         self.name, self.module, self.stage = spec.name, spec.module, opts.stage
-        self.comm, self.expert = comm, expert
+        self.comm, self.expert, self.frozen = comm, expert, spec.frozen
         shard_world = comm.size if opts.stage >= 1 else 1
         numels = [r.param.numel() for r in spec.params]
         decay = [r.param.dim() >= 2 for r in spec.params]
@@ -115,7 +116,7 @@ class Unit:
         self.full_grad: torch.Tensor | None = None
         self.grad_dtype = opts.reduce_dtype
         self.shard_grad: torch.Tensor | None = None  # stages 2-3: from the reduction to the step
-        if self.stage <= 1:
+        if self.stage <= 1 and not self.frozen:
             self.full_grad = torch.zeros(self.layout.padded, dtype=opts.reduce_dtype, device=device)
         self.arrived = 0
         self.reduced = False
@@ -126,7 +127,7 @@ class Unit:
         self.params = []
         for ref, offset in zip(self.refs, self.layout.offsets):
             view = self.flat_param[offset:offset + ref.param.numel()].view(ref.param.shape)
-            param = nn.Parameter(view, requires_grad=True)
+            param = nn.Parameter(view, requires_grad=not self.frozen)
             for module, attr in ref.places:
                 setattr(module, attr, param)
             ref.param = param  # drop the pre-flatten tensor, or every rank keeps 4Ψ bytes alive
@@ -197,6 +198,10 @@ class ZeroEngine:
         expert_shard_rank = mesh.ep_shard_rank if sharded else 0
         # One unit at a time, so setup never holds more than one unit's temporary fp32 copy.
         self.units: list[Unit] = []
+        self.frozen: list[Unit] = []
+        """Units of parameters that do not train (a LoRA run's base): no hooks, gradients,
+        reductions or optimizer segments; at stage 3 gathered like the others."""
+        in_order: list[Unit] = []  # every unit, in forward order (stage 3 gathers them so)
         # The optimizer's segments: pieces of this rank's shard, one per (unit, decay group).
         self.segments: list[tuple[Unit, slice]] = []
         nvme_dir = opts.nvme_dir or Path("offload")
@@ -208,6 +213,13 @@ class ZeroEngine:
             unit = (Unit(spec, self.expert_comm, expert_shard_rank, opts, device, initializer, True) if expert
                     else Unit(spec, self.shard_comm, shard_rank, opts, device, initializer))
             unit.bind_params()
+            in_order.append(unit)
+            if unit.frozen:
+                del unit.initial_shard
+                if opts.stage == 3:
+                    unit.flat_param.untyped_storage().resize_(0)
+                self.frozen.append(unit)
+                continue
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(self._grad_hook(unit))
             for seg in unit.segments:  # the master starts from the fp32 values, not a rounded cast
@@ -233,16 +245,17 @@ class ZeroEngine:
                             for p in model.parameters() if id(p) in spans]
         self.tier.build_optimizer(train)
         self.optimizer = self.tier.optimizer
-        self.param_store = build_param_store(opts.offload_params, self.units, device, nvme_dir)
+        self.param_store = build_param_store(opts.offload_params, in_order, device, nvme_dir)
         self.sync = True
         self.in_flight: list[tuple[Unit, object]] = []
         if opts.stage == 3:
             from shardlm.zero.params import ParamSharding
 
-            self.param_sharding = ParamSharding(self.units, opts, self.param_store)
-        log.info("zero: stage %d over %d shard rank(s) x %d replica(s), %d units, %s compute, %s "
-                 "reduce, %s master", opts.stage, shard_world, self.replicate_comm.size,
-                 len(self.units), opts.compute_dtype, opts.reduce_dtype, opts.master_dtype)
+            self.param_sharding = ParamSharding(in_order, opts, self.param_store)
+        log.info("zero: stage %d over %d shard rank(s) x %d replica(s), %d units (+%d frozen), %s "
+                 "compute, %s reduce, %s master", opts.stage, shard_world, self.replicate_comm.size,
+                 len(self.units), len(self.frozen), opts.compute_dtype, opts.reduce_dtype,
+                 opts.master_dtype)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -436,28 +449,46 @@ class ZeroEngine:
             master, exp_avg, exp_avg_sq = self.tier.segment_state(i)
             states = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
             lo, hi = unit.lo + local.start, unit.lo + local.stop  # in the unit's flat buffer
-            for param, offset, numel in zip(unit.params, unit.layout.offsets, unit.layout.numels):
-                start, end = max(offset, lo), min(offset + numel, hi)
-                if start >= end:
-                    continue
-                name = names[id(param)]
-                if saving and name in self.copies:
-                    continue
-                if saving and self.opts.stage == 0 and self.expert_splits and (
-                        self.mesh.ep_shard_rank if unit.expert else self.mesh.shard_rank):
-                    continue  # stage 0: another rank holding the same values writes them
-                split = self.splits.get(name) or self.expert_splits.get(name)
-                if split is None:
-                    if not (saving and self.mesh.tp_rank != 0):
-                        out += param_state(name, tuple(param.shape), start - offset, end - offset,
-                                           master, states, slice(start - lo, end - lo))
-                    continue
-                for whole_start, whole_end, piece_start in split.runs(start - offset, end - offset):
-                    if saving and not any(a <= piece_start < b for a, b in split.owned(self.mesh.tp_rank)):
-                        continue  # a copy another tensor-parallel rank writes
-                    at = offset + piece_start - lo  # in this segment
-                    out += param_state(name, split.shape, whole_start, whole_end, master, states,
-                                       slice(at, at + whole_end - whole_start))
+            out += self._slices(unit, lo, hi, master, states, names, saving)
+        # Frozen parameters are saved too (a checkpoint is self-contained: it loads without the
+        # model it was fine-tuned from), as the values in use, with no optimizer state.
+        for unit in self.frozen:
+            if self.opts.stage == 3:
+                out += self._slices(unit, unit.lo, unit.hi, unit.shard_param, {}, names, saving)
+            elif not (saving and (self.mesh.ep_shard_rank if unit.expert else self.mesh.shard_rank)):
+                # whole on every rank: the first shard rank writes it
+                out += self._slices(unit, 0, unit.layout.total, unit.flat_param, {}, names, saving,
+                                    whole=True)
+        return out
+
+    def _slices(self, unit: Unit, lo: int, hi: int, master: torch.Tensor, states: dict,
+                names: dict[int, str], saving: bool, whole: bool = False) -> list[StateSlice]:
+        """The state slices of `unit`'s parameters within [lo, hi) of its flat buffer, whose
+        values `master` (and the moments in `states`) hold from lo on. `whole`: every rank of
+        the shard group holds these values (a frozen unit below stage 3)."""
+        out = []
+        for param, offset, numel in zip(unit.params, unit.layout.offsets, unit.layout.numels):
+            start, end = max(offset, lo), min(offset + numel, hi)
+            if start >= end:
+                continue
+            name = names[id(param)]
+            if saving and name in self.copies:
+                continue
+            if saving and not whole and self.opts.stage == 0 and self.expert_splits and (
+                    self.mesh.ep_shard_rank if unit.expert else self.mesh.shard_rank):
+                continue  # stage 0: another rank holding the same values writes them
+            split = self.splits.get(name) or self.expert_splits.get(name)
+            if split is None:
+                if not (saving and self.mesh.tp_rank != 0):
+                    out += param_state(name, tuple(param.shape), start - offset, end - offset,
+                                       master, states, slice(start - lo, end - lo))
+                continue
+            for whole_start, whole_end, piece_start in split.runs(start - offset, end - offset):
+                if saving and not any(a <= piece_start < b for a, b in split.owned(self.mesh.tp_rank)):
+                    continue  # a copy another tensor-parallel rank writes
+                at = offset + piece_start - lo  # in this segment
+                out += param_state(name, split.shape, whole_start, whole_end, master, states,
+                                   slice(at, at + whole_end - whole_start))
         return out
 
     def after_load(self) -> None:
@@ -472,7 +503,8 @@ class ZeroEngine:
         """Bytes this rank holds at the optimizer step, by category (transient gathers and full
         gradients excluded; stages 2-3 hold their gradient shards from backward to the step)."""
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-        params = sum(nbytes(u.shard_param if self.opts.stage == 3 else u.flat_param) for u in self.units)
+        params = sum(nbytes(u.shard_param if self.opts.stage == 3 else u.flat_param)
+                     for u in self.units + self.frozen)
         grads = sum(u.layout.shard_size * u.grad_dtype.itemsize if self.opts.stage >= 2
                     else nbytes(u.full_grad) for u in self.units)
         if self.opts.offload_params == "nvme":
@@ -507,6 +539,10 @@ class ZeroEngine:
             part = model_state_bytes(numel, comm.size if o.stage else 1, o.stage,
                                      size(o.compute_dtype), size(o.reduce_dtype), k)
             out = {key: out.get(key, 0.0) + value for key, value in part.items()}
+        frozen = sum(u.layout.total for u in self.frozen)  # parameters only, sharded at stage 3
+        if frozen:
+            out["params"] = out.get("params", 0.0) + frozen * size(o.compute_dtype) / (
+                self.shard_comm.size if o.stage == 3 else 1)
         return out
 
     @property

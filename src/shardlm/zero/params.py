@@ -39,93 +39,134 @@ class _GatherBeforeBackward(torch.autograd.Function):
 
 class ParamSharding:
     def __init__(self, units: list, opts, store):
-        """Each unit gathers over its own group (unit.comm: the shard group, or for an expert
-        unit the ranks holding the same experts)."""
+        """`units`: every unit in forward order, a frozen unit right after the trainable unit of
+        the same module (zero/units.py); the hooks work per module ("slot"), gathering all of
+        its units. Each unit gathers over its own group (unit.comm: the shard group, or for an
+        expert unit the ranks holding the same experts)."""
         self.units, self.opts = units, opts
         self.store = store
         """Where shards live between gathers (zero/tiers/: resident, cpu or nvme)."""
+        self.slots: list[list[int]] = []  # per module, its units' indices
+        for i, unit in enumerate(units):
+            if self.slots and units[self.slots[-1][0]].module is unit.module:
+                self.slots[-1].append(i)
+            else:
+                self.slots.append([i])
+        self.index = {id(u): i for i, u in enumerate(units)}
+        self.slot_of = {i: s for s, members in enumerate(self.slots) for i in members}
+        inner = [{id(m) for m in units[members[0]].module.modules()} for members in self.slots]
+        # ancestors[s]: the slots whose module holds slot s's (s itself included)
+        self.ancestors = [{t for t in range(len(self.slots)) if id(units[self.slots[s][0]].module) in inner[t]}
+                          for s in range(len(self.slots))]
         self.handles: dict[int, object] = {}  # unit index -> pending all-gather
-        self.gathered: set[int] = set()
-        self.in_backward: set[int] = set()
-        for index, unit in enumerate(units):
-            self._free(index)
-            unit.module.register_forward_pre_hook(self._pre_forward(index))
-            unit.module.register_forward_hook(self._post_forward(index))
+        self.gathered: set[int] = set()  # unit indices
+        self.in_backward: set[int] = set()  # slots
+        self.frozen_held: set[int] = set()  # slots whose frozen units stay gathered for backward
+        for index in range(len(units)):
+            self._free_unit(index)
+        for slot, members in enumerate(self.slots):
+            module = units[members[0]].module
+            module.register_forward_pre_hook(self._pre_forward(slot))
+            module.register_forward_hook(self._post_forward(slot))
 
     def _storage(self, index: int):
         return self.units[index].flat_param.untyped_storage()
 
-    def _start_gather(self, index: int) -> None:
-        if index in self.gathered or index in self.handles or not 0 <= index < len(self.units):
+    def _start_gather(self, slot: int) -> None:
+        if not 0 <= slot < len(self.slots):
             return
-        unit = self.units[index]
-        self._storage(index).resize_(unit.flat_param.numel() * unit.flat_param.element_size())
-        # Refilling the buffer restores the very values autograd saved: the version counter is
-        # captured now and put back once the gather is complete (the backend may write into the
-        # buffer on its own thread), or backward would see the parameters as modified in place.
-        keep_version = torch.autograd._unsafe_preserve_version_counter(unit.flat_param)
-        with keep_version:
-            self.handles[index] = (unit.comm.all_gather(unit.flat_param, self.store.fetch(unit)), keep_version)
-
-    def _gather(self, index: int) -> None:
-        self._start_gather(index)
-        pending = self.handles.pop(index, None)
-        if pending is not None:
-            handle, keep_version = pending
+        for index in self.slots[slot]:
+            if index in self.gathered or index in self.handles:
+                continue
+            unit = self.units[index]
+            self._storage(index).resize_(unit.flat_param.numel() * unit.flat_param.element_size())
+            # Refilling the buffer restores the very values autograd saved: the version counter
+            # is captured now and put back once the gather is complete (the backend may write
+            # into the buffer on its own thread), or backward would see the parameters as
+            # modified in place.
+            keep_version = torch.autograd._unsafe_preserve_version_counter(unit.flat_param)
             with keep_version:
-                handle.wait()
-            self.store.release(self.units[index])
-            self.gathered.add(index)
+                self.handles[index] = (unit.comm.all_gather(unit.flat_param, self.store.fetch(unit)), keep_version)
 
-    def _free(self, index: int) -> None:
+    def _gather(self, slot: int) -> None:
+        self._start_gather(slot)
+        for index in self.slots[slot]:
+            pending = self.handles.pop(index, None)
+            if pending is not None:
+                handle, keep_version = pending
+                with keep_version:
+                    handle.wait()
+                self.store.release(self.units[index])
+                self.gathered.add(index)
+
+    def _free_unit(self, index: int) -> None:
         self._storage(index).resize_(0)
         self.gathered.discard(index)
 
-    def _pre_forward(self, index: int):
+    def _free(self, slot: int) -> None:
+        for index in self.slots[slot]:
+            self._free_unit(index)
+
+    def _pre_forward(self, slot: int):
         def hook(module, args):
-            self._gather(index)
+            self._gather(slot)
             # Not during activation-checkpoint recompute: the next unit's backward is done.
-            if self.opts.prefetch and index not in self.in_backward:
-                self._start_gather(index + 1)
+            if self.opts.prefetch and slot not in self.in_backward:
+                self._start_gather(slot + 1)
         return hook
 
-    def _post_forward(self, index: int):
+    def _post_forward(self, slot: int):
         def hook(module, args, output):
-            if index in self.in_backward:  # activation-checkpoint recompute inside backward
+            if slot in self.in_backward:  # activation-checkpoint recompute inside backward
                 return output
             if not torch.is_grad_enabled():
-                self._free(index)
+                self._free(slot)
                 return output
             if self.opts.reshard_after_forward:
-                self._free(index)
+                self._free(slot)
 
             def gather_for_backward():
-                self.in_backward.add(index)
-                self._gather(index)
+                self._release_frozen(slot)
+                self.in_backward.add(slot)
+                self._gather(slot)
+                if any(self.units[i].frozen for i in self.slots[slot]):
+                    self.frozen_held.add(slot)
                 if self.opts.prefetch:
-                    self._start_gather(self._next_in_backward(index))
+                    self._start_gather(self._next_in_backward(slot))
 
             wrap = lambda t: (_GatherBeforeBackward.apply(gather_for_backward, t)  # noqa: E731
                               if isinstance(t, torch.Tensor) and t.requires_grad else t)
             return tree_map(wrap, output)
         return hook
 
-    def _next_in_backward(self, index: int) -> int:
+    def _release_frozen(self, slot: int) -> None:
+        """Backward reached `slot`'s output: every module whose backward began before and that
+        does not hold `slot`'s is done, frozen parameters included (a frozen weight is used
+        only on the way to its module's input gradient, which this output's gradient needs).
+        Trainable units are freed as soon as their gradients are in (after_backward); a frozen
+        one has no gradient to say so, so it is freed here."""
+        for held in [h for h in self.frozen_held if h not in self.ancestors[slot]]:
+            self.frozen_held.discard(held)
+            for index in self.slots[held]:
+                if self.units[index].frozen and index not in self.handles:
+                    self._free_unit(index)
+
+    def _next_in_backward(self, slot: int) -> int:
         """Backward meets the root (0) first, at the head, then the blocks last to first; the
         root stays gathered until the embedding's gradient at the very end."""
-        if index == 0:
-            return len(self.units) - 1
-        return index - 1 if index > 1 else -1
+        if slot == 0:
+            return len(self.slots) - 1
+        return slot - 1 if slot > 1 else -1
 
     @contextlib.contextmanager
     def all_gathered(self) -> Iterator[None]:
-        for index in range(len(self.units)):
-            self._gather(index)
+        for slot in range(len(self.slots)):
+            self._gather(slot)
         try:
             yield
         finally:
-            for index in range(len(self.units)):
-                self._free(index)
+            for slot in range(len(self.slots)):
+                self._free(slot)
 
     def release_all(self) -> None:
         """End of backward: nothing stays gathered into the next step, where the shards will
@@ -136,12 +177,13 @@ class ParamSharding:
             self.store.release(self.units[index])
         self.handles.clear()
         self.in_backward.clear()
+        self.frozen_held.clear()
         for index in range(len(self.units)):
-            self._free(index)
+            self._free_unit(index)
 
     def after_backward(self, unit) -> None:
         """The unit's gradients are all in: its full parameters are no longer needed."""
-        index = self.units.index(unit)
-        self.in_backward.discard(index)
+        index = self.index[id(unit)]
+        self.in_backward.discard(self.slot_of[index])
         if index not in self.handles:
-            self._free(index)
+            self._free_unit(index)

@@ -30,6 +30,9 @@ class UnitSpec:
     name: str
     module: nn.Module
     params: list[ParamRef]
+    frozen: bool = False
+    """Parameters with requires_grad = False (a LoRA run's base): materialised and, at stage 3,
+    sharded and gathered like the others, but with no gradient, reduction or optimizer state."""
 
 
 def _largest_module_list(model: nn.Module) -> nn.ModuleList | None:
@@ -68,7 +71,8 @@ def _param_places(model: nn.Module) -> dict[int, ParamRef]:
 
 
 def collect_units(model: nn.Module, class_names: str = "", inner: list[str] = ()) -> list[UnitSpec]:
-    """The root unit first, then the layer units. A parameter belongs to the innermost unit
+    """The root unit first, then the layer units, each followed by its frozen unit (its
+    parameters with requires_grad = False), when it has them. A parameter belongs to the innermost unit
     that holds all its places; one tied across units belongs to the root. `inner`: names of
     modules inside a layer that are units of their own (expert parallelism's experts), placed
     right after their layer (forward order)."""
@@ -81,14 +85,15 @@ def collect_units(model: nn.Module, class_names: str = "", inner: list[str] = ()
     for index, (_, module) in enumerate(layers):
         for sub in module.modules():
             owner_of_module[id(sub)] = index
-    assigned: list[list[ParamRef]] = [[] for _ in layers]
-    root: list[ParamRef] = []
+    # Per unit, its trainable parameters and its frozen ones (each its own flat buffer).
+    assigned: list[tuple[list[ParamRef], list[ParamRef]]] = [([], []) for _ in layers]
+    root: tuple[list[ParamRef], list[ParamRef]] = ([], [])
     for ref in refs.values():
-        if not ref.param.requires_grad:
-            continue
         owners = {owner_of_module.get(id(m)) for m, _ in ref.places}
         owner = owners.pop() if len(owners) == 1 else None
-        (root if owner is None else assigned[owner]).append(ref)
-    units = [UnitSpec("root", model, root)]
-    units += [UnitSpec(name, module, params) for (name, module), params in zip(layers, assigned)]
+        (root if owner is None else assigned[owner])[0 if ref.param.requires_grad else 1].append(ref)
+    units = []
+    for name, module, (trained, frozen) in [("root", model, root)] + [
+            (name, module, params) for (name, module), params in zip(layers, assigned)]:
+        units += [UnitSpec(name, module, trained), UnitSpec(f"{name}[frozen]", module, frozen, True)]
     return [u for u in units if u.params]

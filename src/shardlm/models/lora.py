@@ -1,0 +1,132 @@
+"""LoRA (Hu et al. 2021): low-rank adapters beside frozen linear layers.
+
+    y = W x + b + (alpha / r) · B (A (dropout(x)))      A (r, in), B (out, r)
+
+A starts as PEFT starts it (kaiming-uniform, a = sqrt(5): uniform(±1/sqrt(in))), B at zero, so
+the adapted model begins exactly as the base model. The wrapped layer keeps its parameters under
+their own names (`blocks.0.attn.qkv.weight` stays), so a checkpoint of the base, or model.hf_path,
+maps unchanged; the adapters are `<layer>.lora_A.weight` and `<layer>.lora_B.weight`.
+
+apply_lora runs on the meta device (parallel/build.py, before anything else): adapters are
+parameters like every other one, initialised from (seed, name) by Decoder.initial_value, and
+only they keep requires_grad — the ZeRO engine (zero/engine.py) holds the rest as frozen units.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.errors import ConfigError
+from shardlm.models.init import Initializer, parameter_generator
+
+log = logging.getLogger("shardlm")
+
+DEFAULT_TARGETS = {"gelu": "attn.qkv,attn.proj,mlp.fc,mlp.proj",
+                   "swiglu": "attn.qkv,attn.proj,mlp.gate_up,mlp.down"}
+"""lora.targets = '' means every dense linear of attention and the MLP, by model.mlp."""
+ADAPTER_NAMES = ("lora_A", "lora_B")
+
+
+class LoRALinear(nn.Module):
+    """A linear layer's own weight and bias (frozen) plus a trainable low-rank update."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight  # the same Parameter objects, under the same names
+        self.bias = base.bias
+        device = base.weight.device
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=device)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=device)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.rank, self.alpha = rank, alpha
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        update = self.lora_B(self.lora_A(self.dropout(x)))  # (…, out) through (…, rank)
+        return F.linear(x, self.weight, self.bias) + self.scaling * update
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha}"
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter `name` is a LoRA adapter's (lora_A / lora_B weight)."""
+    return any(f"{a}." in name for a in ADAPTER_NAMES)
+
+
+def adapter_initial_value(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A: kaiming-uniform(a=sqrt(5)) from (seed, name), PEFT's and nn.Linear's own; B: zeros."""
+    if ".lora_B." in name:
+        return torch.zeros(shape)
+    value = torch.empty(shape)
+    nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=parameter_generator(seed, name))
+    return value
+
+
+def with_adapters(base: Initializer, own: Initializer) -> Initializer:
+    """`base` (e.g. a checkpoint's values) for the model's parameters, `own` for the adapters."""
+    return lambda name: own(name) if is_adapter(name) else base(name)
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+
+
+@dataclass
+class LoRAState:
+    rank: int
+    alpha: float
+    targets: list[str]
+    """The wrapped layers' names."""
+    trainable: int
+    """Adapter parameters (elements), in the whole model."""
+    total: int
+
+    def summary(self) -> str:
+        return (f"lora: rank {self.rank}, alpha {self.alpha:g} on {len(self.targets)} linear layers: "
+                f"{self.trainable:,} trainable of {self.total:,} parameters "
+                f"({self.trainable / max(self.total, 1):.2%})")
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets: str,
+               mlp: str, seed: int = 0) -> LoRAState:
+    """Wrap every nn.Linear whose name matches a pattern of `targets` (comma-separated; a pattern
+    matches a whole name or its dotted suffix, fnmatch wildcards allowed; '' = DEFAULT_TARGETS
+    by model.mlp) in LoRALinear, and freeze every parameter but the adapters. A pattern given
+    by the user that matches no linear layer is a ConfigError. Stored as `model.lora`."""
+    given = bool(targets.strip())
+    patterns = [p.strip() for p in (targets if given else DEFAULT_TARGETS[mlp]).split(",") if p.strip()]
+    linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear and n}
+    chosen = [n for n in linears if any(_matches(n, p) for p in patterns)]
+    unmatched = [p for p in patterns if not any(_matches(n, p) for n in linears)]
+    if (given and unmatched) or not chosen:
+        names = sorted({n.split(".", 2)[-1] if n.startswith("blocks.") else n for n in linears})
+        raise ConfigError(f"lora.targets: {', '.join(unmatched or patterns)} match no linear layer; "
+                          f"the model's are: {', '.join(names)}")
+    for name in chosen:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        wrapped = LoRALinear(linears[name], rank, alpha, dropout)
+        if not wrapped.weight.is_meta:  # a materialised model: the adapters' values now
+            with torch.no_grad():
+                for a in ADAPTER_NAMES:
+                    p = getattr(wrapped, a).weight
+                    p.copy_(adapter_initial_value(f"{name}.{a}.weight", tuple(p.shape), seed))
+        setattr(parent, attr, wrapped)
+    total = trainable = 0
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    state = LoRAState(rank, alpha, chosen, trainable, total)
+    model.lora = state
+    log.info("%s", state.summary())
+    return state
