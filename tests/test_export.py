@@ -115,3 +115,118 @@ def test_export_never_writes_through_links(tmp_path, tokenizer):
     with pytest.raises(ConfigError, match="is a symbolic link"):
         export_hf(run, linked, force=True)
     assert not (tmp_path / "elsewhere").exists()
+
+
+# ---- LoRA: the PEFT adapter format (checkpoint/peft_adapter.py) and --merge ----
+
+def make_lora_run(tmp_path, tokenizer, preset, rank=4, alpha=8.0):
+    """A run holding a LoRA model whose adapters all matter: the base perturbed as make_run's,
+    B (zero at the start) set by hand."""
+    from shardlm.models.lora import apply_lora
+
+    cfg = load_config(overrides={"model.preset": preset, "lora.rank": rank, "lora.alpha": alpha})
+    model = build_model(cfg.model, "cpu", seed=1)
+    apply_lora(model, rank, alpha, 0.0, "", cfg.model.mlp, seed=1)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(2)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    run = tmp_path / "runs" / "lora"
+    checkpoint.save_weights(run, model, cfg, tokenizer)
+    return run, model.eval()
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+    return out if torch.is_tensor(out) else out.logits
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "gpt-tiny"])  # GQA 4/2 + SwiGLU; Conv1D
+def test_peft_adapter_and_merge_give_our_logits(tmp_path, tokenizer, preset):
+    import peft
+
+    from shardlm.export import export_peft
+
+    run, model = make_lora_run(tmp_path, tokenizer, preset)
+    base_dir = export_hf(run, tmp_path / "base")
+    adapter_dir = export_peft(run, tmp_path / "adapter")
+    merged_dir = export_hf(run, tmp_path / "merged", merge=True)
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    ours = _logits(model, ids)
+    loaded, _, _ = checkpoint.load_for_inference(run, torch.device("cpu"))  # adapters included
+    assert torch.equal(_logits(loaded, ids), ours)
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    plain = _logits(base, ids)
+    assert (plain - ours).abs().max() > 1e-2  # the adapters change the outputs
+    for directory in (adapter_dir, run / "adapter"):  # export's, and the run's own
+        adapted = peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(base_dir), directory).eval()
+        torch.testing.assert_close(_logits(adapted, ids), ours, atol=1e-5, rtol=0)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    torch.testing.assert_close(_logits(merged, ids), ours, atol=1e-5, rtol=0)
+
+
+def test_peft_layout(tmp_path, tokenizer):
+    """The files as PEFT writes them (checked without peft): `base_model.model.` + the
+    transformers module name + `.lora_A.weight`; our fused qkv's A shared by q/k/v, B split."""
+    import json
+
+    from safetensors.torch import load_file
+
+    run, model = make_lora_run(tmp_path, tokenizer, "llama-tiny")
+    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+    assert (config["r"], config["lora_alpha"], config["bias"]) == (4, 8.0, "none")
+    assert config["target_modules"] == sorted(f"{p}_proj" for p in (
+        "mlp.down", "mlp.gate", "mlp.up", "self_attn.k", "self_attn.o", "self_attn.q", "self_attn.v"))
+    assert config["fan_in_fan_out"] is False
+    tensors = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    m = model.blocks[1].attn.qkv
+    pre = "base_model.model.model.layers.1.self_attn"
+    q, kv = 4 * 16, 2 * 16  # llama-tiny: d_model 64, 4 heads, 2 kv heads
+    for name, rows in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)),
+                       ("v_proj", slice(q + kv, q + 2 * kv))):
+        assert torch.equal(tensors[f"{pre}.{name}.lora_A.weight"], m.lora_A.weight)
+        assert torch.equal(tensors[f"{pre}.{name}.lora_B.weight"], m.lora_B.weight[rows])
+    n_layers = len(model.blocks)
+    assert len(tensors) == n_layers * 7 * 2
+
+
+def test_lora_export_refusals(tmp_path, tokenizer):
+    from shardlm.export import export_peft
+
+    run, _ = make_run(tmp_path, tokenizer, **{"model.preset": "gpt-tiny"})
+    with pytest.raises(ConfigError, match="no LoRA adapters"):
+        export_peft(run, tmp_path / "adapter")
+    with pytest.raises(ConfigError, match="not a LoRA run"):
+        export_hf(run, tmp_path / "merged", merge=True)
+    assert not (tmp_path / "adapter").exists() and not (tmp_path / "merged").exists()
+    assert not (run / "adapter").exists()
+
+
+def test_trained_lora_run_loads_in_peft(tmp_path):
+    """A few steps of a llama-tiny LoRA run through the trainer: run_dir/adapter/ loads in peft
+    onto the exported base and gives the run's logits; the merged export too."""
+    import peft
+
+    from conftest import tiny_overrides
+    from shardlm.trainer import build_run, train
+
+    overrides = tiny_overrides(tmp_path, model__preset="llama-tiny", lora__rank=4,
+                               train__steps=3, train__lr=1e-2, train__micro_batch=2,
+                               run__name="lora")
+    train(build_run(load_config(overrides=overrides).validate()))
+    run = tmp_path / "runs" / "lora"
+    model, _, _ = checkpoint.load_for_inference(run, torch.device("cpu"))
+    assert any(p.abs().max() > 0 for n, p in model.named_parameters() if "lora_B" in n)
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    ours = _logits(model, ids)
+    base_dir = export_hf(run, tmp_path / "base")
+    adapted = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base_dir), run / "adapter").eval()
+    torch.testing.assert_close(_logits(adapted, ids), ours, atol=1e-5, rtol=0)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        export_hf(run, tmp_path / "merged", merge=True)).eval()
+    torch.testing.assert_close(_logits(merged, ids), ours, atol=1e-5, rtol=0)

@@ -24,6 +24,9 @@ examples:
   shardlm train --help-config                     every config key, its default and meaning
   shardlm generate --checkpoint runs/latest --prompt "def fib("
   shardlm export --checkpoint runs/latest --format hf --out hf-model/
+  shardlm export --checkpoint runs/latest --format peft --out adapter/
+                                                  a LoRA run's adapters for peft (--format hf
+                                                  --merge: folded into the weights)
   shardlm presets                                 the named model shapes
   shardlm estimate --model gpt2-1.5b --gpus 8xV100-16GB --zero-stage 3 --micro-batch 4 --seq 1024
                                                   per-rank memory by category, with formulas, and
@@ -74,9 +77,14 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("presets", help="list the named model shapes with parameter counts")
     exp = sub.add_parser("export", help="write a trained run in another library's format")
     exp.add_argument("--checkpoint", default="runs/latest", help="run directory (default runs/latest)")
-    exp.add_argument("--format", choices=["hf"], default="hf",
+    exp.add_argument("--format", choices=["hf", "peft"], default="hf",
                      help="hf: a transformers directory (GPT2LMHeadModel, LlamaForCausalLM or "
-                          "MixtralForCausalLM)")
+                          "MixtralForCausalLM; a LoRA run's base, or merged with --merge); "
+                          "peft: a LoRA run's adapters (adapter_config.json + "
+                          "adapter_model.safetensors) for that base")
+    exp.add_argument("--merge", action="store_true",
+                     help="with --format hf, a LoRA run: fold the adapters into the weights, "
+                          "W + (alpha/r) B A")
     exp.add_argument("--out", required=True, help="output directory")
     exp.add_argument("--force", action="store_true",
                      help="write into a non-empty output directory (files of the same names are "
@@ -387,9 +395,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from shardlm.export import export_hf
+    from shardlm.export import export_hf, export_peft
 
-    out = export_hf(args.checkpoint, args.out, force=args.force)
+    if args.format == "peft":
+        if args.merge:
+            raise ConfigError("--merge goes with --format hf (a merged transformers model); "
+                              "--format peft writes the adapters alone")
+        out = export_peft(args.checkpoint, args.out, force=args.force)
+        print(f"wrote {out} (load with peft.PeftModel.from_pretrained(base, {str(out)!r}), base: "
+              f"`shardlm export --format hf` of the same run)")
+        return 0
+    out = export_hf(args.checkpoint, args.out, force=args.force, merge=args.merge)
     print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
 

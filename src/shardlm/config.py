@@ -120,6 +120,11 @@ class DataConfig:
     """Read at most this many bytes of text (0 = all): small values make quick experiments."""
     jsonl_field: str = "text"
     """For JSONL sources: the field holding the document text."""
+    format: str = "text"
+    """'text' = documents joined into one token stream (pre-training); 'chat' = JSONL of
+    {"messages": [{"role", "content"}, ...]}, loss on assistant tokens only; 'prompt_completion' =
+    JSONL of {"prompt", "completion"}, loss on the completion only. Both packed into rows of
+    train.seq_len + 1 tokens (docs/finetuning.md)."""
 
 
 @dataclass

@@ -25,6 +25,8 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 """Activation checkpointing per block (activation.checkpoint)."""
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 """Resolved compute dtypes; precision.compute may also be 'auto' (resolved once per run)."""
+DATA_FORMATS = ("text", "chat", "prompt_completion")
+"""What data.source holds (shardlm.data.sft for the supervised fine-tuning formats)."""
 
 
 def key_of(f: dataclasses.Field) -> str:
@@ -35,6 +37,7 @@ def key_of(f: dataclasses.Field) -> str:
 
 _CHOICES = {
     "model.norm": ("layernorm", "rmsnorm"),
+    "data.format": DATA_FORMATS,
     "model.position": ("learned", "rope"),
     "model.mlp": ("gelu", "swiglu"),
     "model.router": ("softmax", "sigmoid"),
@@ -339,6 +342,18 @@ def _lora_layout(cfg: Config) -> list[str]:
                    f"{cfg.zero.offload_params!r}: frozen parameters are not offloaded yet; "
                    f"zero.offload_optimizer works")
     return out
+
+
+@_cross("data.format", "parallel.tp", "parallel.cp")
+def _sft_layout(cfg: Config) -> list[str]:
+    fmt, par = cfg.data.format, cfg.parallel
+    if fmt == "text":
+        return []
+    return ([f"data.format = {fmt!r} with parallel.{key} = {value}: the loss-masked targets (-100) "
+             f"are not supported by the {what} yet; use data or pipeline parallelism / ZeRO"
+             for key, value, what in (("tp", par.tp, "vocabulary-parallel cross-entropy"),
+                                      ("cp", par.cp, "context-parallel loss (a mean per rank's tokens)"))
+             if value > 1])
 
 
 @_cross("train.compile", "parallel.tp", "parallel.cp", "parallel.pp", "parallel.ep", "model.experts",

@@ -11,6 +11,9 @@ dense blocks between the sparse ones, capacity dropping) — are a ConfigError n
 The output directory holds `model.safetensors`, `config.json`, `generation_config.json` (written
 by `save_pretrained`), our `tokenizer.json` and a `tokenizer_config.json`, so
 `AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)` both work.
+A LoRA run exports its base (its adapters go to PEFT's format: `export_peft`, `--format peft`;
+checkpoint/peft_adapter.py),
+or with `--merge` the base with the adapters folded into the weights.
 
 Nothing is written through a link: the files are written into a fresh private directory inside
 `out` (mkdtemp: created exclusively, mode 0700), then renamed into `out` — a rename replaces a
@@ -28,70 +31,14 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint import TOKENIZER, load_for_inference, resolve_run_dir
+from shardlm.checkpoint import (TOKENIZER, WEIGHTS, load_config_json, load_for_inference,
+                               resolve_run_dir)
+from shardlm.checkpoint.hf_names import hf_family
+from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, merged_state_dict, peft_adapter, write_adapter
 from shardlm.config import ModelConfig
 from shardlm.errors import ConfigError
 from shardlm.data.tokenizer import EOT
-from shardlm.models.flops import expert_d_ff, moe_layers, resolved_d_ff
-
-GPT2_STYLE = {"norm": "layernorm", "position": "learned", "mlp": "gelu"}
-LLAMA_STYLE = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
-
-
-def hf_family(m: ModelConfig) -> str:
-    """'gpt2', 'llama' or 'mixtral', or a ConfigError naming the fields that match no class."""
-    chosen = {k: getattr(m, k) for k in GPT2_STYLE}
-    if m.experts:
-        return _mixtral_family(m, chosen)
-    if chosen == GPT2_STYLE:
-        kv = m.n_kv_heads or m.n_heads
-        if kv != m.n_heads:
-            raise ConfigError(f"cannot export to GPT2LMHeadModel: model.n_kv_heads = {m.n_kv_heads} "
-                              f"(grouped-query attention) has no GPT-2 equivalent; only "
-                              f"n_kv_heads = 0 or n_heads = {m.n_heads} maps")
-        return "gpt2"
-    if chosen == LLAMA_STYLE:
-        return "llama"
-
-    def describe(style: dict[str, str]) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in style.items())
-
-    off_gpt2 = [f"model.{k} = {chosen[k]!r}" for k in GPT2_STYLE if chosen[k] != GPT2_STYLE[k]]
-    off_llama = [f"model.{k} = {chosen[k]!r}" for k in LLAMA_STYLE if chosen[k] != LLAMA_STYLE[k]]
-    raise ConfigError(f"cannot export this model to transformers: GPT2LMHeadModel needs "
-                      f"{describe(GPT2_STYLE)} (not {', '.join(off_gpt2)}) and LlamaForCausalLM "
-                      f"needs {describe(LLAMA_STYLE)} (not {', '.join(off_llama)})")
-
-
-def _mixtral_family(m: ModelConfig, chosen: dict[str, str]) -> str:
-    """'mixtral', or a ConfigError listing every field of this mixture of experts that
-    MixtralForCausalLM (the transformers class for a LLaMA-style MoE) cannot express, and why.
-    The router's z-loss and the balancing loss only shape training: they need no counterpart
-    (router_aux_loss_coef is recorded for a fine-tune of the export)."""
-    problems = [f"model.{k} = {chosen[k]!r} (Mixtral is LLaMA-style: {k}={v!r})"
-                for k, v in LLAMA_STYLE.items() if chosen[k] != v]
-    if m.bias:
-        problems.append("model.bias = True (Mixtral's linears have no biases)")
-    if m.router != "softmax":
-        problems.append(f"model.router = {m.router!r} (Mixtral's router is a softmax over all "
-                        f"experts, renormalised over the top k)")
-    if m.balance == "bias":
-        problems.append("model.balance = 'bias' (the balancing bias changes which experts are "
-                        "chosen; Mixtral chooses on the router's probabilities alone)")
-    if m.shared_experts:
-        problems.append(f"model.shared_experts = {m.shared_experts} (Mixtral has no shared "
-                        f"experts: every token goes through its top k only)")
-    dense = sorted(set(range(m.n_layers)) - set(moe_layers(m)))
-    if dense:
-        problems.append(f"model.moe_every = {m.moe_every} (blocks {dense} are dense; every "
-                        f"Mixtral block is a mixture of experts)")
-    if m.capacity_factor > 0:
-        problems.append(f"model.capacity_factor = {m.capacity_factor:g} (Mixtral is dropless: an "
-                        f"expert takes every token routed to it; 0 maps)")
-    if problems:
-        raise ConfigError("cannot export this mixture-of-experts model to transformers' "
-                          "MixtralForCausalLM: " + "; ".join(problems))
-    return "mixtral"
+from shardlm.models.flops import expert_d_ff, resolved_d_ff
 
 
 def _import_transformers():
@@ -251,9 +198,12 @@ def _move_into(staging: Path, out: Path) -> None:
         os.replace(staging / name, out / name)
 
 
-def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
+def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
+              merge: bool = False) -> Path:
     """Write `run_dir`'s model and tokenizer as a transformers directory; returns `out_dir`.
-    `force`: write into a non-empty `out_dir` (files of the same names are replaced)."""
+    `force`: write into a non-empty `out_dir` (files of the same names are replaced).
+    A LoRA run exports its frozen base (the model its PEFT adapter applies to), or with `merge`
+    the base with the adapters folded in (checkpoint/peft_adapter.py merged_state_dict)."""
     tf = _import_transformers()
     src = resolve_run_dir(run_dir)
     out = Path(out_dir)
@@ -261,6 +211,9 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> 
         raise ConfigError(f"--out {str(out_dir)!r} is the run directory itself; exporting there "
                           f"would overwrite its model.safetensors and config.json")
     _check_out(out, force)
+    if merge and not load_config_json(src).lora.rank:
+        raise ConfigError(f"--merge: {str(run_dir)!r} is not a LoRA run (lora.rank = 0): there "
+                          f"are no adapters to merge; export it without --merge")
     model, tokenizer, cfg = load_for_inference(src, torch.device("cpu"))
     m = cfg.model
     eot = tokenizer.token_to_id(EOT)
@@ -270,7 +223,10 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> 
     with torch.device("meta"):  # no memory and no random init: every tensor comes from `sd`
         hf_model = cls(config)
     stacked = any(n.endswith(".experts.gate_up_proj") for n, _ in hf_model.named_parameters())
-    sd = hf_state_dict(model.state_dict(), m, stacked_experts=stacked)
+    ours = model.state_dict()
+    if merge:
+        ours = merged_state_dict(ours, cfg)
+    sd = hf_state_dict(ours, m, stacked_experts=stacked)
     del model
     missing, unexpected = hf_model.load_state_dict(sd, strict=False, assign=True)
     if missing or unexpected:
@@ -289,6 +245,32 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> 
         shutil.copyfile(src / TOKENIZER, staging / TOKENIZER)
         (staging / "tokenizer_config.json").write_text(
             json.dumps(_tokenizer_config(eot, m.max_seq_len), indent=2) + "\n")
+        _move_into(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def export_peft(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
+    """Write a LoRA run's adapters as a PEFT adapter directory (adapter_config.json +
+    adapter_model.safetensors; checkpoint/peft_adapter.py); returns `out_dir`. Their base is
+    `export_hf` of the same run (or the run's model.hf_path, unchanged)."""
+    from safetensors.torch import load_file
+
+    src = resolve_run_dir(run_dir)
+    out = Path(out_dir)
+    if out.resolve() == src:
+        raise ConfigError(f"--out {str(out_dir)!r} is the run directory itself; export the "
+                          f"adapters elsewhere (the run already holds them in {ADAPTER_DIR}/)")
+    _check_out(out, force)
+    cfg = load_config_json(src)
+    sd = load_file(str(src / WEIGHTS))
+    peft_adapter(sd, cfg)  # refused before anything is written
+    out.mkdir(parents=True, exist_ok=True)
+    _check_out(out, force=True)  # not replaced by a link meanwhile
+    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
+    try:
+        write_adapter(staging, sd, cfg)
         _move_into(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

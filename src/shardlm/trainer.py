@@ -24,6 +24,7 @@ from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, 
 from shardlm.config import Config
 from shardlm.errors import ConfigError
 from shardlm.data import Dataset, Loader, build_dataset
+from shardlm.data.sft import IGNORE
 from shardlm.data.tokenizer import hf_tokenizer
 from shardlm.launch import (Runtime, StopSignals, agree_on_name, broadcast_text, claim_run_dir,
                             init_runtime, is_restart)
@@ -83,6 +84,9 @@ class Run:
     """The last step's expert-parallel rank loads and re-placements (ExpertBalancer)."""
     balancer: ExpertBalancer | None = None
     """With ep > 1: the ranks' loads per step, and (parallel.ep_rebalance_every) moving experts."""
+    loss_token_fraction: float | None = None
+    """data.format chat / prompt_completion: the last step's fraction of targets that carry loss
+    (not -100), over the whole global batch; logged as `loss_token_fraction`."""
 
 
 @dataclass
@@ -125,7 +129,7 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     t = cfg.train
     torch.manual_seed(t.seed)
     given = hf_tokenizer(cfg.model.hf_path, cfg.model.vocab_size) if cfg.model.hf_path else None
-    dataset = build_dataset(cfg.data, cfg.model.vocab_size, given)
+    dataset = build_dataset(cfg.data, cfg.model.vocab_size, given, t.seq_len)
     precision = build_precision(cfg.precision, runtime.device, t.on_nonfinite == "stop")
     user_model = model is not None
     if user_model:  # on the meta device it stays there: parallelize materialises it
@@ -145,8 +149,8 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     run = Run(
         cfg=cfg, runtime=runtime, mesh=mesh, dataset=dataset, model=model, forward=built.forward,
         strategy=built.strategy, watchdog=watchdog, precision=precision,
-        train_loader=Loader(dataset.train, grad_accum=t.grad_accum, **common),
-        val_loader=Loader(dataset.val, grad_accum=1, **common),
+        train_loader=Loader(dataset.train, grad_accum=t.grad_accum, mask=dataset.train_mask, **common),
+        val_loader=Loader(dataset.val, grad_accum=1, mask=dataset.val_mask, **common),
         run_dir=run_dir, checkpoints=writer, loss=built.loss, schedule=built.schedule,
         peak_flops_per_device=peak_flops(runtime.device, precision.name),
         # A model we did not build: 6 × parameters, the approximation used for those (attention
@@ -321,6 +325,11 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     strategy, scaler = run.strategy, run.precision.scaler
     set_lr(strategy.optimizer, lr_at(step, run.cfg.train))
     micro_batches = run.train_loader.micro_batches(step)
+    # SFT formats: targets with loss / all targets of this rank's micro-batches (summed over the
+    # ranks below; every copy of a batch across tp/pp/cp ranks counts in both, so the ratio holds).
+    masked = run.train_loader.mask is not None
+    counts = [float(sum(int((y != IGNORE).sum()) for _, y in micro_batches)),
+              float(sum(y.numel() for _, y in micro_batches))] if masked else []
     # Every micro-batch's loss is divided by the global number of micro-batches and gradients
     # are summed across ranks: each rank's backward then computes exactly what one process
     # would for that micro-batch, so a 2-rank run can match a 1-process run bit for bit.
@@ -362,10 +371,13 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     # The loss and the stop flag in one tensor: the logging scalar every step sums anyway
     # carries the agreement to stop (a signal may reach only some ranks, or at different steps).
     # Every rank of a tensor-parallel group holds the same loss: counted once.
-    summed = torch.stack([total / run.mesh.dims.tp, torch.tensor(float(stop_requested), device=total.device)])
+    summed = torch.stack([total / run.mesh.dims.tp,
+                          *torch.tensor([float(stop_requested), *counts], device=total.device)])
     if run.runtime.world_size > 1:  # not model communication: not in the ledger
-        with watched(run.watchdog, "all_reduce(loss)", "dp", 8):
+        with watched(run.watchdog, "all_reduce(loss)", "dp", 4 * len(summed)):
             torch.distributed.all_reduce(summed)
+    if masked:
+        run.loss_token_fraction = float(summed[2] / summed[3])
     return StepResult(float(summed[0]), grad_norm, stepped, bool(summed[1] > 0))
 
 
@@ -404,7 +416,8 @@ def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: flo
             "loss_scale": run.precision.scaler.scale,
             "model_state_bytes": sum(run.strategy.model_state_bytes().values()),
             "comm_bytes": sum(comm.values()), "comm_bytes_by_op": comm,
-            **run.strategy.offload_report(), **pipeline}
+            **run.strategy.offload_report(), **pipeline,
+            **({} if run.loss_token_fraction is None else {"loss_token_fraction": run.loss_token_fraction})}
 
 
 def train(run: Run) -> TrainResult:

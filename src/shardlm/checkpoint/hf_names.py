@@ -1,6 +1,8 @@
 """Our decoder's parameters <-> a transformers checkpoint's tensors, as a table: `hf_initializer`
 reads a local HF directory into our initial values (model.hf_path). `export.hf_state_dict` (ours
--> HF) still spells the same mapping out in code; it should move onto this table.
+-> HF) still spells the same mapping out in code; it should move onto this table. `hf_family`
+says which transformers class (if any) expresses a model of ours; export and the PEFT adapter
+format (peft_adapter.py) both ask it.
 
 Each of our parameters is one or more HF tensors concatenated along our first dimension:
 `attn.qkv` is q_proj, k_proj, v_proj (rows q, then k, then v — GPT-2's c_attn is already fused);
@@ -19,8 +21,69 @@ from torch import nn
 
 from shardlm.checkpoint.hf_dir import HFDirError, HFDirReader
 from shardlm.config import ModelConfig
-from shardlm.models.flops import resolved_d_ff
+from shardlm.errors import ConfigError
+from shardlm.models.flops import moe_layers, resolved_d_ff
 from shardlm.models.init import Initializer
+
+
+GPT2_STYLE = {"norm": "layernorm", "position": "learned", "mlp": "gelu"}
+LLAMA_STYLE = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
+
+
+def hf_family(m: ModelConfig) -> str:
+    """'gpt2', 'llama' or 'mixtral', or a ConfigError naming the fields that match no class."""
+    chosen = {k: getattr(m, k) for k in GPT2_STYLE}
+    if m.experts:
+        return _mixtral_family(m, chosen)
+    if chosen == GPT2_STYLE:
+        kv = m.n_kv_heads or m.n_heads
+        if kv != m.n_heads:
+            raise ConfigError(f"cannot export to GPT2LMHeadModel: model.n_kv_heads = {m.n_kv_heads} "
+                              f"(grouped-query attention) has no GPT-2 equivalent; only "
+                              f"n_kv_heads = 0 or n_heads = {m.n_heads} maps")
+        return "gpt2"
+    if chosen == LLAMA_STYLE:
+        return "llama"
+
+    def describe(style: dict[str, str]) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in style.items())
+
+    off_gpt2 = [f"model.{k} = {chosen[k]!r}" for k in GPT2_STYLE if chosen[k] != GPT2_STYLE[k]]
+    off_llama = [f"model.{k} = {chosen[k]!r}" for k in LLAMA_STYLE if chosen[k] != LLAMA_STYLE[k]]
+    raise ConfigError(f"cannot export this model to transformers: GPT2LMHeadModel needs "
+                      f"{describe(GPT2_STYLE)} (not {', '.join(off_gpt2)}) and LlamaForCausalLM "
+                      f"needs {describe(LLAMA_STYLE)} (not {', '.join(off_llama)})")
+
+
+def _mixtral_family(m: ModelConfig, chosen: dict[str, str]) -> str:
+    """'mixtral', or a ConfigError listing every field of this mixture of experts that
+    MixtralForCausalLM (the transformers class for a LLaMA-style MoE) cannot express, and why.
+    The router's z-loss and the balancing loss only shape training: they need no counterpart
+    (router_aux_loss_coef is recorded for a fine-tune of the export)."""
+    problems = [f"model.{k} = {chosen[k]!r} (Mixtral is LLaMA-style: {k}={v!r})"
+                for k, v in LLAMA_STYLE.items() if chosen[k] != v]
+    if m.bias:
+        problems.append("model.bias = True (Mixtral's linears have no biases)")
+    if m.router != "softmax":
+        problems.append(f"model.router = {m.router!r} (Mixtral's router is a softmax over all "
+                        f"experts, renormalised over the top k)")
+    if m.balance == "bias":
+        problems.append("model.balance = 'bias' (the balancing bias changes which experts are "
+                        "chosen; Mixtral chooses on the router's probabilities alone)")
+    if m.shared_experts:
+        problems.append(f"model.shared_experts = {m.shared_experts} (Mixtral has no shared "
+                        f"experts: every token goes through its top k only)")
+    dense = sorted(set(range(m.n_layers)) - set(moe_layers(m)))
+    if dense:
+        problems.append(f"model.moe_every = {m.moe_every} (blocks {dense} are dense; every "
+                        f"Mixtral block is a mixture of experts)")
+    if m.capacity_factor > 0:
+        problems.append(f"model.capacity_factor = {m.capacity_factor:g} (Mixtral is dropless: an "
+                        f"expert takes every token routed to it; 0 maps)")
+    if problems:
+        raise ConfigError("cannot export this mixture-of-experts model to transformers' "
+                          "MixtralForCausalLM: " + "; ".join(problems))
+    return "mixtral"
 
 
 @dataclass(frozen=True)

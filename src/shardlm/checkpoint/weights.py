@@ -1,7 +1,8 @@
 """Saving and loading trained weights: safetensors for tensors, JSON for metadata — nothing is
 ever unpickled.
 
-A run directory holds `model.safetensors`, `config.json` and `tokenizer.json`; the run's parent
+A run directory holds `model.safetensors`, `config.json` and `tokenizer.json` (and a LoRA run its
+adapters in the PEFT format, `adapter/`: peft_adapter.py); the run's parent
 directory holds a `latest` link to the newest finished run. (Sharded, resumable checkpoints with
 optimizer state extend this format; they live here too.)
 """
@@ -48,6 +49,10 @@ def save_weights(run_dir: Path, model: nn.Module | dict[str, torch.Tensor], cfg:
     os.replace(tmp, run_dir / WEIGHTS)
     atomic_write(run_dir / CONFIG, json.dumps(cfg.to_dict(), indent=2))
     tokenizer.save(str(run_dir / TOKENIZER))
+    if cfg.lora.rank:  # the adapters also in the PEFT format, in run_dir/adapter/
+        from shardlm.checkpoint.peft_adapter import save_run_adapter
+
+        save_run_adapter(run_dir, tensors, cfg)
     point_latest(run_dir)
     return run_dir / WEIGHTS
 
@@ -80,6 +85,11 @@ def load_for_inference(path: str | Path, device: torch.device):
     run_dir = resolve_run_dir(path)
     cfg = load_config_json(run_dir)
     model = build_model(cfg.model, device, seed=0)
+    if cfg.lora.rank:  # the adapters under their own names (models/lora.py), then loaded below
+        from shardlm.models.lora import apply_lora
+
+        lora = cfg.lora
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets, cfg.model.mlp)
     state = take_bias_tensors(getattr(model, "moe_stats", None), load_file(str(run_dir / WEIGHTS), device=str(device)))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()

@@ -94,21 +94,27 @@ def _read_text(path: Path, limit: int | None) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
-def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
+def jsonl_records(path: Path) -> Iterator[tuple[int, bytes, object]]:
+    """(line number, raw line, parsed JSON) of every non-blank line of a JSONL file; a line that
+    is not JSON is a ConfigError naming file:line."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             line = raw.decode("utf-8", errors="replace").strip()
             if not line:
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, raw, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or field not in record:
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ConfigError(f"{path}:{lineno}: no field {field!r} (found {keys}); "
-                                  f"set data.jsonl_field to the field holding the text")
-            yield str(record[field])
+
+
+def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
+    for lineno, _, record in jsonl_records(path):
+        if not isinstance(record, dict) or field not in record:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ConfigError(f"{path}:{lineno}: no field {field!r} (found {keys}); "
+                              f"set data.jsonl_field to the field holding the text")
+        yield str(record[field])
 
 
 def _documents_of(path: Path, cfg: DataConfig, budget: int | None) -> Iterator[str]:

@@ -7,6 +7,10 @@ Layout of one cache entry, `<cache root>/<corpus fingerprint>-v<vocab_size>/`:
                    by <|endoftext|>; train/val are views of it, so val_fraction needs no rebuild
   meta.json        dtype, token/document/byte counts
   done             written last: its presence means every other file is complete
+
+data.format 'chat' / 'prompt_completion' (shardlm.data.sft) key the entry by the format and
+train.seq_len too: tokens.bin then holds packed rows of seq_len + 1 tokens and mask.bin (uint8,
+one per token) says which tokens are targets that carry loss; the split is by whole rows.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,10 +36,13 @@ from shardlm.errors import ConfigError
 from shardlm.files import atomic_write
 from shardlm.launch import cache_root
 from shardlm.data.corpus import corpus_files, fingerprint, iter_documents
+import shardlm.data.sft as sft
 from shardlm.data.tokenizer import (encode_to_file, eot_id, load_tokenizer, save_tokenizer,
                                     train_tokenizer)
 
 log = logging.getLogger("shardlm")
+_SFT_VERSION = 1
+"""Bump when the packing or the chat rendering changes, so SFT caches rebuild."""
 
 
 @dataclass
@@ -47,6 +55,11 @@ class Dataset:
     tokenizer: Tokenizer
     cache_dir: Path
     eot_id: int
+    train_mask: np.memmap | None = None
+    """data.format chat / prompt_completion: 1 where a training token is a target with loss."""
+    val_mask: np.memmap | None = None
+    meta: dict | None = None
+    """meta.json: the build's counts (for SFT formats: examples, truncated, loss_token_fraction)."""
 
     @property
     def vocab_size(self) -> int:
@@ -69,12 +82,17 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def build_dataset(cfg: DataConfig, vocab_size: int,
-                  given: tuple[Tokenizer, int] | None = None) -> Dataset:
+                  given: tuple[Tokenizer, int] | None = None, seq_len: int | None = None) -> Dataset:
     """Train the tokenizer and write the token stream once; later calls (and other ranks) load.
     `given`: a tokenizer to use instead of training one (a checkpoint's: model.hf_path) and the
-    id that separates documents; the cache entry is then keyed by the tokenizer's content too."""
+    id that separates documents; the cache entry is then keyed by the tokenizer's content too.
+    `seq_len`: the row length - 1 of the packed SFT formats (needed for those only)."""
     files = corpus_files(cfg)
     name = f"{fingerprint(cfg, files)}-v{vocab_size}"
+    if cfg.format != "text":
+        if not seq_len:
+            raise ValueError(f"data.format = {cfg.format!r} packs rows of seq_len + 1 tokens: pass seq_len")
+        name += f"-{cfg.format}-s{seq_len}-p{_SFT_VERSION}"
     if given is not None:
         digest = hashlib.sha256(f"{given[1]}\0{given[0].to_str()}".encode()).hexdigest()[:12]
         name += f"-t{digest}"
@@ -84,7 +102,10 @@ def build_dataset(cfg: DataConfig, vocab_size: int,
         with _file_lock(cache_dir / "lock"):
             # Checked again under the lock: another rank may have finished while we waited.
             if not (cache_dir / "done").exists():
-                _build(cfg, files, vocab_size, cache_dir, given)
+                if cfg.format == "text":
+                    _build(cfg, files, vocab_size, cache_dir, given)
+                else:
+                    _build_sft(cfg, files, vocab_size, cache_dir, given, seq_len + 1)
     return load_dataset(cache_dir, cfg.val_fraction)
 
 
@@ -95,8 +116,14 @@ def load_dataset(cache_dir: Path, val_fraction: float) -> Dataset:
     split = n_tokens - int(round(n_tokens * val_fraction))
     tok = load_tokenizer(cache_dir / "tokenizer.json")
     separator = meta.get("separator")
+    masks: dict = {}
+    if "row_len" in meta:  # packed SFT rows: split by whole rows, the mask alongside
+        row_len, n_rows = meta["row_len"], meta["n_rows"]
+        split = (n_rows - int(round(n_rows * val_fraction))) * row_len
+        mask = np.memmap(cache_dir / "mask.bin", dtype=np.uint8, mode="r", shape=(n_tokens,))
+        masks = {"train_mask": mask[:split], "val_mask": mask[split:]}
     return Dataset(train=tokens[:split], val=tokens[split:], tokenizer=tok, cache_dir=cache_dir,
-                   eot_id=eot_id(tok) if separator is None else separator)
+                   eot_id=eot_id(tok) if separator is None else separator, meta=meta, **masks)
 
 
 def _documents(cfg: DataConfig, files: list[Path]) -> Iterator[str]:
@@ -130,8 +157,49 @@ def _build(cfg: DataConfig, files: list[Path], vocab_size: int, cache_dir: Path,
              counts["n_bytes"] / max(counts["n_tokens"], 1), trained - start, done - trained)
 
 
-def _require_windows(n_tokens: int, seq_len: int, needed: int, split: str, what: str) -> int:
-    n_windows = max(n_tokens - 1, 0) // seq_len
+def _build_sft(cfg: DataConfig, files: list[Path], vocab_size: int, cache_dir: Path,
+               given: tuple[Tokenizer, int] | None, row_len: int) -> None:
+    """Chat / prompt-completion examples -> packed rows of row_len tokens and their loss mask."""
+    start = time.perf_counter()
+    for stale in cache_dir.glob("*.tmp.*"):
+        stale.unlink()
+    if given is not None:
+        tok, end_id = given
+    else:  # our BPE, trained on the rendered examples; <|endoftext|> ends a turn
+        from shardlm.data.tokenizer import EOT
+        texts = (sft.render(r, cfg.format, EOT) for r in sft.iter_examples(cfg, files))
+        tok = train_tokenizer(texts, vocab_size)
+        end_id = eot_id(tok)
+    save_tokenizer(tok, cache_dir / "tokenizer.json")
+    dtype = token_dtype(vocab_size)
+    tmp = {name: cache_dir / f"{name}.bin.tmp.{os.getpid()}" for name in ("tokens", "mask")}
+    counts = sft.pack_to_files(tok, sft.iter_examples(cfg, files), cfg.format, end_id, row_len,
+                               tmp["tokens"], tmp["mask"], dtype)
+    if not counts["n_rows"]:
+        raise ConfigError(f"data.source = {cfg.source!r}: no example has a token that carries loss "
+                          f"({counts['n_dropped']} dropped: no assistant message / empty completion, "
+                          f"or cut away at train.seq_len + 1 = {row_len} tokens)")
+    for name, path in tmp.items():
+        os.replace(path, cache_dir / f"{name}.bin")
+    meta = {"dtype": dtype.name, "vocab_size": vocab_size, "source": cfg.source, "format": cfg.format,
+            "max_bytes": cfg.max_bytes, "n_files": len(files), "separator": end_id,
+            "row_len": row_len, "n_tokens": counts["n_rows"] * row_len, **counts}
+    atomic_write(cache_dir / "meta.json", json.dumps(meta, indent=2), fsync=True)
+    atomic_write(cache_dir / "done", "", fsync=True)
+    log.info("data: built %s (%s): %d examples packed into %d rows of %d tokens, %d truncated, "
+             "%d dropped (no loss token); loss_token_fraction %.3f; %.1fs", cache_dir, cfg.format,
+             counts["n_examples"], counts["n_rows"], row_len, counts["n_truncated"],
+             counts["n_dropped"], counts["loss_token_fraction"], time.perf_counter() - start)
+
+
+def _require_windows(n_tokens: int, seq_len: int, needed: int, split: str, what: str,
+                     rows: bool = False) -> int:
+    n_windows = n_tokens // (seq_len + 1) if rows else max(n_tokens - 1, 0) // seq_len
+    if n_windows < needed and rows:
+        raise ConfigError(
+            f"the {split} split has {n_windows} packed rows of seq_len+1 = {seq_len + 1} tokens, "
+            f"but {what} needs {needed} rows; add examples, or lower the batch size"
+            + (", or raise data.val_fraction" if split == "val" else ""))
     if n_windows < needed:
         raise ConfigError(
             f"the {split} split has {n_tokens} tokens = {n_windows} windows of seq_len+1 = "
@@ -144,20 +212,29 @@ def _require_windows(n_tokens: int, seq_len: int, needed: int, split: str, what:
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def _windows(tokens: np.ndarray, window_ids: np.ndarray, seq_len: int) -> Batch:
-    """Inputs and targets of the given windows: x = tokens[w*T : w*T+T], y = x shifted by one."""
-    index = window_ids[:, None] * seq_len + np.arange(seq_len + 1)  # (B, T+1)
+def _windows(tokens: np.ndarray, window_ids: np.ndarray, seq_len: int,
+             mask: np.ndarray | None = None) -> Batch:
+    """Inputs and targets of the given windows: x = tokens[w*T : w*T+T], y = x shifted by one.
+    With a loss mask (packed SFT rows of T+1 tokens, stride T+1): targets without loss are -100."""
+    stride = seq_len if mask is None else seq_len + 1
+    index = window_ids[:, None] * stride + np.arange(seq_len + 1)  # (B, T+1)
     w = torch.from_numpy(tokens[index].astype(np.int64))  # fancy index reads only these rows
-    return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (B, T), (B, T)
+    x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (B, T), (B, T)
+    if mask is not None:  # a copy of its own: with one row, contiguous() left x and y views of w
+        y = y.clone()
+        y[torch.from_numpy(mask[index[:, 1:]] == 0)] = sft.IGNORE
+    return x, y
 
 
-def eval_batches(tokens: np.ndarray, seq_len: int, micro_batch: int, n: int) -> Iterator[Batch]:
+def eval_batches(tokens: np.ndarray, seq_len: int, micro_batch: int, n: int,
+                 mask: np.ndarray | None = None) -> Iterator[Batch]:
     """The first n*micro_batch windows in order, (x, y) per micro-batch: the same on every call,
     every rank and every step, so validation losses are comparable across a run and across runs.
     Fewer batches when the split is smaller than n batches."""
-    n_windows = _require_windows(len(tokens), seq_len, micro_batch, "val", "one validation batch")
+    n_windows = _require_windows(len(tokens), seq_len, micro_batch, "val", "one validation batch",
+                                 rows=mask is not None)
     for b in range(min(n, n_windows // micro_batch)):
-        yield _windows(tokens, np.arange(b * micro_batch, (b + 1) * micro_batch), seq_len)
+        yield _windows(tokens, np.arange(b * micro_batch, (b + 1) * micro_batch), seq_len, mask)
 
 
 class Loader:
@@ -173,10 +250,11 @@ class Loader:
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch: int, grad_accum: int,
-                 seed: int, dp_rank: int = 0, dp_size: int = 1, split: str = "train"):
+                 seed: int, dp_rank: int = 0, dp_size: int = 1, split: str = "train",
+                 mask: np.ndarray | None = None):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank = {dp_rank} must be in [0, dp_size = {dp_size})")
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.tokens, self.seq_len, self.seed, self.mask = tokens, seq_len, seed, mask
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.local_batch = micro_batch * grad_accum
@@ -184,7 +262,8 @@ class Loader:
         what = (f"one global batch (micro_batch {micro_batch} * grad_accum {grad_accum} * "
                 f"dp_size {dp_size})")
         # At least one global batch of windows: then a step spans at most two epochs.
-        self.n_windows = _require_windows(len(tokens), seq_len, self.global_batch, split, what)
+        self.n_windows = _require_windows(len(tokens), seq_len, self.global_batch, split, what,
+                                          rows=mask is not None)
         self._perms: dict[int, np.ndarray] = {}
 
     def permutation(self, epoch: int) -> np.ndarray:
@@ -207,7 +286,7 @@ class Loader:
 
     def micro_batches(self, step: int) -> list[Batch]:
         """grad_accum pairs (x, y) of LongTensors (micro_batch, seq_len), y = x shifted by one."""
-        return [_windows(self.tokens, ids, self.seq_len) for ids in self.window_ids(step)]
+        return [_windows(self.tokens, ids, self.seq_len, self.mask) for ids in self.window_ids(step)]
 
     def eval_batches(self, n: int) -> Iterator[Batch]:
-        return eval_batches(self.tokens, self.seq_len, self.micro_batch, n)
+        return eval_batches(self.tokens, self.seq_len, self.micro_batch, n, self.mask)

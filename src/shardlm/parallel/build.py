@@ -70,7 +70,9 @@ class Parallelized:
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy in fp32 (a bf16/fp16 softmax over 50k classes loses the small
         probabilities); vocabulary-parallel when the head is. Under context parallelism, the
-        mean over this rank's tokens (the targets cut as the forward cut the inputs)."""
+        mean over this rank's tokens (the targets cut as the forward cut the inputs). Targets
+        of -100 (data.format chat / prompt_completion) are ignored: the mean is over the others
+        (F.cross_entropy's ignore_index; validation refuses those formats with tp or cp > 1)."""
         if self.cp is not None:
             targets = self.cp.local(targets)
         head = getattr(self.model, "head", None)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardlm.checkpoint.sharded import StateSlice, param_state
+from shardlm.checkpoint.sharded import StateSlice
 from shardlm.config import TrainConfig
 from shardlm.mesh import Mesh
 from shardlm.models.init import Initializer, materialize_buffers
@@ -48,6 +48,7 @@ from shardlm.comm.collectives import Comm, CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.zero.tiers import build_param_store, build_tier
 from shardlm.zero.partition import UnitLayout, layout_for, model_state_bytes
+from shardlm.zero.slices import engine_state_slices
 from shardlm.zero.units import ParamRef, UnitSpec, collect_units
 
 log = logging.getLogger("shardlm")
@@ -438,58 +439,8 @@ class ZeroEngine:
                                            or (bool(self.expert_splits) and mesh.ep_shard_rank == 0))
 
     def state_slices(self, saving: bool = False) -> list[StateSlice]:
-        """Per master segment, the parameters it overlaps, cut to the overlap, in the whole
-        tensors' coordinates: a tensor-parallel piece's elements as the runs they make in the
-        whole tensor (placement.Split.runs), so a checkpoint is the same at any layout.
-        `saving`: leave out what another tensor-parallel rank writes (replicated parameters are
-        written by tp rank 0 only)."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        out = []
-        for i, (unit, local) in enumerate(self.segments):
-            master, exp_avg, exp_avg_sq = self.tier.segment_state(i)
-            states = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-            lo, hi = unit.lo + local.start, unit.lo + local.stop  # in the unit's flat buffer
-            out += self._slices(unit, lo, hi, master, states, names, saving)
-        # Frozen parameters are saved too (a checkpoint is self-contained: it loads without the
-        # model it was fine-tuned from), as the values in use, with no optimizer state.
-        for unit in self.frozen:
-            if self.opts.stage == 3:
-                out += self._slices(unit, unit.lo, unit.hi, unit.shard_param, {}, names, saving)
-            elif not (saving and (self.mesh.ep_shard_rank if unit.expert else self.mesh.shard_rank)):
-                # whole on every rank: the first shard rank writes it
-                out += self._slices(unit, 0, unit.layout.total, unit.flat_param, {}, names, saving,
-                                    whole=True)
-        return out
-
-    def _slices(self, unit: Unit, lo: int, hi: int, master: torch.Tensor, states: dict,
-                names: dict[int, str], saving: bool, whole: bool = False) -> list[StateSlice]:
-        """The state slices of `unit`'s parameters within [lo, hi) of its flat buffer, whose
-        values `master` (and the moments in `states`) hold from lo on. `whole`: every rank of
-        the shard group holds these values (a frozen unit below stage 3)."""
-        out = []
-        for param, offset, numel in zip(unit.params, unit.layout.offsets, unit.layout.numels):
-            start, end = max(offset, lo), min(offset + numel, hi)
-            if start >= end:
-                continue
-            name = names[id(param)]
-            if saving and name in self.copies:
-                continue
-            if saving and not whole and self.opts.stage == 0 and self.expert_splits and (
-                    self.mesh.ep_shard_rank if unit.expert else self.mesh.shard_rank):
-                continue  # stage 0: another rank holding the same values writes them
-            split = self.splits.get(name) or self.expert_splits.get(name)
-            if split is None:
-                if not (saving and self.mesh.tp_rank != 0):
-                    out += param_state(name, tuple(param.shape), start - offset, end - offset,
-                                       master, states, slice(start - lo, end - lo))
-                continue
-            for whole_start, whole_end, piece_start in split.runs(start - offset, end - offset):
-                if saving and not any(a <= piece_start < b for a, b in split.owned(self.mesh.tp_rank)):
-                    continue  # a copy another tensor-parallel rank writes
-                at = offset + piece_start - lo  # in this segment
-                out += param_state(name, split.shape, whole_start, whole_end, master, states,
-                                   slice(at, at + whole_end - whole_start))
-        return out
+        """This rank's checkpoint slices in the whole tensors' coordinates (zero/slices.py)."""
+        return engine_state_slices(self, saving)
 
     def after_load(self) -> None:
         self.param_store.materialize_all()
