@@ -35,6 +35,9 @@ examples:
   shardlm plan --model llama-7b --gpus 2x8xA100-80GB
                                                   ranked strategies that fit, and why the best wins
   shardlm plan --model gpt-mini --gpus 2xcpu --runtime-only --json
+  shardlm plan --model llama-7b --gpus 8xA100-80GB --tokens 1e10 --cloud aws
+                                                  with time to train, cost, energy and CO2 for
+                                                  1e10 tokens (list price, --price-per-hour USD)
 """
 
 
@@ -124,11 +127,16 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--runtime-only", action="store_true",
                       help="only what `shardlm train` runs today (no ep, no ZeRO-3 with pp)")
     plan.add_argument("--top", type=int, default=8, help="plans to list")
+    plan.add_argument("--rank-by", choices=["speed", "cost"], default="speed",
+                      help="order plans by time to train (speed) or by cost for --tokens (on one "
+                           "cluster the two agree: same devices, same price)")
     return parser
 
 
 def _planner_args(p: argparse.ArgumentParser) -> None:
     """Model, hardware and precision options shared by `estimate` and `plan`."""
+    from shardlm.hardware.catalog import GRID_DEFAULT, PUE_DEFAULT
+
     model = p.add_argument_group("model: a preset, or a parameter count")
     model.add_argument("--model", metavar="PRESET",
                        help="a named shape (see `shardlm presets`), or a transformers config.json "
@@ -155,6 +163,19 @@ def _planner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--reduce", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    cost = p.add_argument_group("cost and energy of a training budget (docs/planner.md, \"Cost and energy\")")
+    cost.add_argument("--tokens", type=float, metavar="N",
+                      help="training budget in tokens (e.g. 1e10): report time to train, cost, "
+                           "energy and CO2")
+    cost.add_argument("--price-per-hour", type=float, metavar="USD",
+                      help="price per device-hour (default: the catalog's lowest on-demand list "
+                           "price for the device, or --cloud's; none for a CPU or an unlisted device)")
+    cost.add_argument("--cloud", choices=["aws", "gcp", "azure"],
+                      help="take the list price from this cloud's catalog entry")
+    cost.add_argument("--pue", type=float, default=PUE_DEFAULT,
+                      help=f"datacenter overhead, power usage effectiveness (default {PUE_DEFAULT:g})")
+    cost.add_argument("--grid-gco2-per-kwh", type=float, default=GRID_DEFAULT, metavar="G",
+                      help=f"grid carbon intensity (default {GRID_DEFAULT:g}: world average 2023, Ember)")
 
 
 def _model_axes(dims, par) -> str:
@@ -457,12 +478,30 @@ def _planner_inputs(args: argparse.Namespace):
     return model, args.params, cluster, default_dtypes(cluster, args.precision, args.master, args.reduce), seq
 
 
+def _cost_basis(args: argparse.Namespace, cluster):
+    """The CostBasis of --tokens (None without it); the other cost options need --tokens."""
+    from shardlm.hardware.catalog import GRID_DEFAULT, PUE_DEFAULT
+    from shardlm.planner.cost import cost_basis
+
+    if args.tokens is None:
+        given = [f for f, v in (("--price-per-hour", args.price_per_hour), ("--cloud", args.cloud),
+                                ("--pue", args.pue != PUE_DEFAULT),
+                                ("--grid-gco2-per-kwh", args.grid_gco2_per_kwh != GRID_DEFAULT),
+                                ("--rank-by cost", getattr(args, "rank_by", "speed") == "cost")) if v]
+        if given:
+            raise ConfigError(f"{', '.join(given)} need(s) --tokens N (the training budget to price)")
+        return None
+    return cost_basis(cluster, args.tokens, args.price_per_hour, args.cloud, args.pue,
+                      args.grid_gco2_per_kwh)
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     from shardlm.planner import report
     from shardlm.planner import Strategy, Workload, estimate_memory, estimate_time
     from shardlm.planner.search import alternatives
 
     model, params, cluster, dtypes, seq = _planner_inputs(args)
+    basis = _cost_basis(args, cluster)
     world = cluster.world_size
     if args.micro_batch < 1 or args.grad_accum < 1 or min(args.tp, args.cp, args.pp, args.ep, args.dp_replicate) < 1:
         raise ConfigError("--micro-batch, --grad-accum, --tp, --cp, --pp, --ep and --dp-replicate must be >= 1")
@@ -478,7 +517,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     timing = estimate_time(workload, strategy, cluster)
     suggestions = [] if memory.fits else alternatives(workload, strategy, cluster)
     render = report.estimate_json if args.json else report.render_estimate
-    print(render(workload, strategy, cluster, memory, timing, suggestions))
+    print(render(workload, strategy, cluster, memory, timing, suggestions, basis))
     return 0 if memory.fits else 1
 
 
@@ -487,11 +526,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from shardlm.planner import Workload
     from shardlm.planner.search import EVERYTHING, RUNTIME, search
 
+    from shardlm.planner.cost import rank, training_cost
+
     model, params, cluster, dtypes, seq = _planner_inputs(args)
+    basis = _cost_basis(args, cluster)
     sequences = args.global_batch or max(1, args.batch_tokens // seq)
     workload = Workload(model, seq, sequences, params)
     result = search(workload, cluster, dtypes, RUNTIME if args.runtime_only else EVERYTHING)
-    print(report.plan_result_json(result, args.top) if args.json else report.render_plan(result, args.top))
+    if basis is not None:
+        result.plans = rank(result.plans, [training_cost(p.timing.tokens_per_s, cluster.world_size, basis)
+                                           for p in result.plans], args.rank_by)
+    print(report.plan_result_json(result, args.top, basis, args.rank_by) if args.json
+          else report.render_plan(result, args.top, basis, args.rank_by))
     return 0 if result.plans else 1
 
 

@@ -263,6 +263,13 @@ class ActivationConfig:
     checkpoint: str = "none"
     """Activation checkpointing per block: 'none', 'full' (recompute the whole block in backward),
     or 'selective' (keep matmul and attention outputs, recompute the cheap element-wise ops)."""
+    offload: str = "none"
+    """Activation offload: 'none', or 'cpu' (what autograd saves inside the chosen blocks' forward
+    goes to host memory and is brought back before their backward; parameters stay). Needs
+    activation.checkpoint = 'none'. On a CPU device the host is the device: nothing moves."""
+    offload_blocks: int = 0
+    """With activation.offload = 'cpu': offload the first N blocks (their activations wait
+    longest); 0 = every block."""
 
 
 @dataclass

@@ -23,6 +23,8 @@ OFFLOAD_TIERS = ("none", "cpu", "nvme")
 """Where the ZeRO engine keeps optimizer state or parameter shards (zero.offload_*)."""
 RECOMPUTE_MODES = ("none", "selective", "full")
 """Activation checkpointing per block (activation.checkpoint)."""
+ACTIVATION_OFFLOAD_MODES = ("none", "cpu")
+"""Where the chosen blocks' saved activations wait for backward (activation.offload)."""
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 """Resolved compute dtypes; precision.compute may also be 'auto' (resolved once per run)."""
 DATA_FORMATS = ("text", "chat", "prompt_completion")
@@ -44,6 +46,7 @@ _CHOICES = {
     "model.balance": ("aux", "bias", "none"),
     "precision.compute": ("auto",) + COMPUTE_DTYPES,
     "activation.checkpoint": RECOMPUTE_MODES,
+    "activation.offload": ACTIVATION_OFFLOAD_MODES,
     "precision.reduce": ("auto",) + COMPUTE_DTYPES,
     "precision.master": ("fp32", "bf16"),
     "parallel.zero_stage": (0, 1, 2, 3),
@@ -146,6 +149,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                 f"must be in [1, {NVME_CHUNK_MB_MAX}] (MB per chunk; the stream "
                                 f"holds nvme_buffers x 4 chunks in host memory)"),
     "zero.nvme_buffers": _rule(lambda v: v >= 3, "must be >= 3"),
+    "activation.offload_blocks": _non_negative(" (0 = every block)"),
     "lora.rank": _non_negative(" (0 = off)"),
     "lora.alpha": _positive(),
     "lora.dropout": _rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
@@ -356,8 +360,27 @@ def _sft_layout(cfg: Config) -> list[str]:
              if value > 1])
 
 
+@_cross("activation.offload", "activation.offload_blocks", "activation.checkpoint", "model.n_layers")
+def _activation_offload_composes(cfg: Config) -> list[str]:
+    a, n = cfg.activation, cfg.model.n_layers
+    if a.offload == "none":
+        return ([f"activation.offload_blocks = {a.offload_blocks} has no effect with activation.offload "
+                 f"= 'none'; set activation.offload = 'cpu' or leave offload_blocks at 0"]
+                if a.offload_blocks else [])
+    problems = []
+    if a.checkpoint != "none":
+        problems.append(f"activation.offload = {a.offload!r} with activation.checkpoint = "
+                        f"{a.checkpoint!r}: offload moves the activations a block keeps, recomputation "
+                        f"keeps fewer and rebuilds them inside backward (outside the offload hooks); "
+                        f"choose one: activation.checkpoint = 'none' or activation.offload = 'none'")
+    if a.offload_blocks > n:
+        problems.append(f"activation.offload_blocks = {a.offload_blocks} exceeds the model's {n} "
+                        f"blocks (model.n_layers); 0 offloads every block")
+    return problems
+
+
 @_cross("train.compile", "parallel.tp", "parallel.cp", "parallel.pp", "parallel.ep", "model.experts",
-        "activation.checkpoint")
+        "activation.checkpoint", "activation.offload")
 def _compile_composes(cfg: Config) -> list[str]:
     """train.compile compiles each block (parallel/compile.py) with fullgraph: what runs a
     collective or a data-dependent shape inside a block cannot be one graph yet."""
@@ -372,6 +395,8 @@ def _compile_composes(cfg: Config) -> list[str]:
         ("model.experts", m.experts, "the router's data-dependent token counts break the graph", m.experts > 0),
         ("activation.checkpoint", cfg.activation.checkpoint, "its op policy sees aten ops, a compiled "
          "block runs fused kernels; 'full' composes", cfg.activation.checkpoint == "selective"),
+        ("activation.offload", cfg.activation.offload, "saved-tensor hooks around a compiled block "
+         "are not verified", cfg.activation.offload != "none"),
     ) if on]
     return ([f"train.compile = true does not compose yet with: {'; '.join(blocking)}. It works with "
              f"ZeRO stages 0-3, offload and activation.checkpoint = 'full'; set train.compile = false "

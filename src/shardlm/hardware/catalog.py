@@ -89,6 +89,8 @@ class Device:
     efficiency: float
     """Fraction of `peak` our transformer matmuls reach (docs/planner.md, "Efficiency")."""
     source: str
+    power: float | None = None
+    """Board power in W (the vendor's TDP / max power), for energy estimates; None: unknown."""
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,8 @@ class Node:
     source: str
 
 
-def _device(name, kind, memory_mib, peak, bw, eff, source):
-    return Device(name, kind, memory_mib * MIB, peak, bw, eff, source)
+def _device(name, kind, memory_mib, peak, bw, eff, source, power=None):
+    return Device(name, kind, memory_mib * MIB, peak, bw, eff, source, power)
 
 
 # Efficiency (matmul FLOP/s reached / peak, before communication, bubble and optimizer, which the
@@ -122,25 +124,27 @@ def _device(name, kind, memory_mib, peak, bw, eff, source):
 DEVICES: dict[str, Device] = {d.name: d for d in (
     _device("V100-16GB", "cuda", 16160, {"fp16": 125e12, "fp32": 15.7e12}, 900e9, 0.5,
             "NVIDIA Tesla V100 SXM2 datasheet: fp16 tensor 125 TF, fp32 15.7 TF, HBM2 900 GB/s; "
-            "no bf16"),
+            "no bf16", 300),  # 300 W: V100 SXM2 datasheet, "max power consumption"
     _device("V100-32GB", "cuda", 32510, {"fp16": 125e12, "fp32": 15.7e12}, 900e9, 0.5,
-            "NVIDIA Tesla V100 SXM2 32GB datasheet"),
+            "NVIDIA Tesla V100 SXM2 32GB datasheet", 300),  # 300 W: V100 SXM2 datasheet
     _device("A100-40GB", "cuda", 40536, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
             1555e9, 0.5, "NVIDIA A100 SXM4 datasheet: bf16/fp16 312 TF dense, fp32 19.5 TF, "
-            "HBM2 1,555 GB/s"),
+            "HBM2 1,555 GB/s", 400),  # 400 W: A100 SXM4 datasheet, "max TDP power"
     _device("A100-80GB", "cuda", 81920, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-            2039e9, 0.5, "NVIDIA A100 SXM4 80GB datasheet: HBM2e 2,039 GB/s"),
+            2039e9, 0.5, "NVIDIA A100 SXM4 80GB datasheet: HBM2e 2,039 GB/s", 400),  # 400 W: A100 datasheet
     _device("H100-80GB", "cuda", 81559, {"bf16": 989e12, "fp16": 989e12, "fp32": 66.9e12},
             3350e9, 0.45, "NVIDIA H100 SXM5 datasheet: bf16/fp16 989 TF dense (1,979 with "
-            "sparsity), fp32 66.9 TF, HBM3 3.35 TB/s"),
+            "sparsity), fp32 66.9 TF, HBM3 3.35 TB/s", 700),  # "up to 700 W": H100 SXM datasheet
     _device("H200-141GB", "cuda", 143771, {"bf16": 989e12, "fp16": 989e12, "fp32": 66.9e12},
-            4800e9, 0.45, "NVIDIA H200 SXM datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s"),
+            4800e9, 0.45, "NVIDIA H200 SXM datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s", 700),  # up to 700 W: H200 datasheet
     _device("MI250X", "rocm", 65536, {"bf16": 191.5e12, "fp16": 191.5e12, "fp32": 47.9e12},
             1600e9, 0.35, "AMD Instinct MI250X datasheet (383 TF bf16, 95.7 TF fp32 matrix, "
-            "128 GB, 3.2 TB/s per package) halved: PyTorch sees each of its two GCDs as a device"),
+            "128 GB, 3.2 TB/s per package) halved: PyTorch sees each of its two GCDs as a device", 280),
+    # 280 W per GCD: the MI250X OAM package's 560 W peak board power (AMD datasheet) halved
     _device("TPU-v4", "tpu", 32768, {"bf16": 275e12}, 1200e9, 0.5,
             "Google Cloud TPU v4 documentation: 275 TF bf16, 32 GiB HBM2 at 1,200 GB/s "
             "(modelled only: the runtime does not drive TPUs)"),
+    # TPU v4: no power figure (Google's documentation gives no per-chip TDP): energy unknown.
 )}
 
 # Reference systems: DGX-1 (V100), DGX A100, DGX H100/H200 (NVIDIA DGX user guides), HPE Cray
@@ -164,6 +168,95 @@ NODES: dict[str, Node] = {
 def node_for(device: Device) -> Node:
     key = {"H200-141GB": "H100", "TPU-v4": "TPU"}.get(device.name, device.name.split("-")[0])
     return NODES[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Prices: on-demand list prices per device-hour
+
+
+@dataclass(frozen=True)
+class Price:
+    """One public cloud's on-demand list price for one device, per device-hour (USD)."""
+
+    cloud: str
+    instance: str
+    usd_per_device_hour: float
+    """The instance's hourly price divided by its devices (host CPU, RAM, disk and network
+    included, as the instance is sold)."""
+    as_of: str
+    source: str
+
+    def describe(self) -> str:
+        return (f"${self.usd_per_device_hour:.2f}/device-hour: {self.cloud} {self.instance}, "
+                f"on-demand list price as of {self.as_of} ({self.source})")
+
+
+_AWS = "AWS EC2 On-Demand pricing page, aws.amazon.com/ec2/pricing/on-demand/, us-east-1, Linux"
+_GCP = "Google Cloud Compute Engine GPU pricing page, cloud.google.com/compute/gpus-pricing, us-central1"
+_AZURE = ("Azure Linux Virtual Machines pricing page, azure.microsoft.com/pricing/details/"
+          "virtual-machines/linux/, East US")
+
+PRICES: dict[str, tuple[Price, ...]] = {
+    # Figures recalled, not fetched (no web access when written): each as it stood on the
+    # provider's page around early 2024, rounded to the cent. List prices move (AWS announced
+    # cuts of up to ~45% to P4 and P5 on-demand prices in June 2025, not applied here); check the
+    # page, or pass --price-per-hour. Reserved, spot and committed-use prices are far lower.
+    # Only whole-instance prices (GCP's GPU-only prices, which leave the VM out, are not listed).
+    "V100-16GB": (
+        Price("aws", "p3.16xlarge (8 x V100-16GB, $24.48/h)", 3.06, "early 2024", _AWS),
+        Price("azure", "NC6s_v3 (1 x V100-16GB PCIe, $3.06/h)", 3.06, "early 2024", _AZURE),
+    ),
+    "V100-32GB": (
+        Price("aws", "p3dn.24xlarge (8 x V100-32GB, $31.21/h)", 3.90, "early 2024", _AWS),
+    ),
+    "A100-40GB": (
+        Price("aws", "p4d.24xlarge (8 x A100-40GB, $32.77/h)", 4.10, "early 2024", _AWS),
+        Price("gcp", "a2-highgpu-1g (1 x A100-40GB with its VM, about $3.67/h; approximate)",
+              3.67, "early 2024", _GCP),
+        Price("azure", "ND96asr_v4 (8 x A100-40GB, $27.20/h)", 3.40, "early 2024", _AZURE),
+    ),
+    "A100-80GB": (
+        Price("aws", "p4de.24xlarge (8 x A100-80GB, $40.97/h)", 5.12, "early 2024", _AWS),
+        Price("gcp", "a2-ultragpu-1g (1 x A100-80GB with its VM, about $5.07/h; approximate)",
+              5.07, "early 2024", _GCP),
+        Price("azure", "ND96amsr_A100_v4 (8 x A100-80GB, $32.77/h)", 4.10, "early 2024", _AZURE),
+    ),
+    "H100-80GB": (
+        Price("aws", "p5.48xlarge (8 x H100-80GB, $98.32/h)", 12.29, "early 2024", _AWS),
+        Price("gcp", "a3-highgpu-8g (8 x H100-80GB, about $88.25/h; approximate)", 11.03,
+              "early 2024", _GCP),
+        Price("azure", "ND96isr_H100_v5 (8 x H100-80GB, $98.32/h)", 12.29, "early 2024", _AZURE),
+    ),
+}
+"""Device name -> its list prices. Devices absent (H200, MI250X, TPU v4, a CPU) have no price
+here: pass --price-per-hour."""
+
+
+def find_price(device: Device, cloud: str | None = None) -> Price | None:
+    """The catalog's price for `device`: the named cloud's, or the lowest list price of those
+    known. None: no price in the catalog (ConfigError: the named cloud has none)."""
+    prices = PRICES.get(device.name, ())
+    if cloud is None:
+        return min(prices, key=lambda p: p.usd_per_device_hour, default=None)
+    match = [p for p in prices if p.cloud == cloud.lower()]
+    if not match:
+        known = ", ".join(p.cloud for p in prices) or "none"
+        raise ConfigError(f"no {cloud!r} price for {device.name} in the catalog (known: {known}); "
+                          f"pass --price-per-hour USD")
+    return match[0]
+
+
+PUE_DEFAULT = 1.2
+"""Datacenter overhead (power usage effectiveness), an assumption between the hyperscalers' and
+the industry's: Google reports a fleet-wide trailing-twelve-month PUE of 1.10 (2023
+Environmental Report), the Uptime Institute's Global Data Center Survey 2023 an industry
+average of 1.58. Override with --pue. (Here, not in planner/cost.py, so the
+command line reads the defaults without importing the planner.)"""
+
+GRID_DEFAULT = 480.0
+"""gCO2 per kWh: the world average carbon intensity of electricity in 2023, 480 g/kWh (Ember,
+Global Electricity Review 2024). Regions differ tenfold (hydro/nuclear grids under 50, coal-heavy
+ones over 700); override with --grid-gco2-per-kwh."""
 
 
 @dataclass(frozen=True)

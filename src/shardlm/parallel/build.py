@@ -8,7 +8,7 @@ fixed order, each a function that logs what it applied:
     by their tensor-parallel versions, still on the meta device)  →  context parallelism
     (apply_cp: the sequence split, attention by ring)  →  expert parallelism (apply_ep)  →  pipeline stages (apply_pp: the
     blocks outside this rank's stage dropped, still on meta)  →  activation checkpointing (apply_ac)
-    →  data parallelism / ZeRO (apply_data_parallel: the sharded build materialises the model
+    →  activation offload (apply_offload: saved-tensor hooks per chosen block)  →  data parallelism / ZeRO (apply_data_parallel: the sharded build materialises the model
     here, one unit at a time, each parameter initialised whole and cut to this rank's piece)
     →  compile (apply_compile: each block's forward, regionally, the strategies' hooks left
     eager around it)
@@ -31,7 +31,7 @@ from shardlm.comm.collectives import Comm, CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog
 from shardlm.config import Config
 from shardlm.mesh import Mesh
-from shardlm.parallel.activation import apply_ac
+from shardlm.parallel.activation import apply_ac, apply_offload
 from shardlm.parallel.compile import apply_compile
 from shardlm.parallel.context import CPState, apply_cp
 from shardlm.parallel.expert import apply_ep
@@ -133,6 +133,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
         for name in [n for n in experts if n not in kept]:  # other stages' experts (one dict: model.ep's)
             del experts[name]
     apply_ac(model, cfg.activation.checkpoint)
+    # Before the engine: its ZeRO-3 gather hooks then run inside the offload hooks' scope, so the
+    # gathered parameters are recognised (and never copied) at pack time.
+    apply_offload(model, cfg.activation.offload, cfg.activation.offload_blocks)
     strategy = apply_data_parallel(model, mesh, cfg, device, watchdog, run_dir, initializer, ledger,
                                    tp.splits if tp else None, stage.copies if stage else frozenset(),
                                    experts)

@@ -7,6 +7,7 @@ timing.py    time per step (compute, communication with overlap, pipeline bubble
 search.py    the strategy search, its explanation, plan_for_run (the trainer) and
              predict_local (the validation benchmark)
 report.py    text tables and JSON for `shardlm estimate` and `shardlm plan`
+cost.py      time to train, cost, energy and CO2 of a token budget; ranking by cost
 
 (`search` is the module; its function is shardlm.planner.search.search.)
 Pure functions: no torch import (except for measuring this CPU), no process group, no

@@ -9,6 +9,8 @@ from typing import Any
 from shardlm.config import ModelConfig
 from shardlm.hardware.catalog import Cluster
 from shardlm.presets import ALIASES, PRESETS, get_preset
+from shardlm.planner.cost import (CostBasis, basis_json, cost_json, duration, money, number, tokens,
+                                  training_cost)
 from shardlm.planner.memory import Item, Memory, stage_memories
 from shardlm.planner.search import Plan, SearchResult, describe_strategy, explain, step_parts
 from shardlm.planner.timing import Timing
@@ -57,7 +59,7 @@ def _rows(items: list[Item], depth: int = 0) -> list[str]:
 
 
 def render_estimate(w: Workload, s: Strategy, cluster: Cluster, memory: Memory, timing: Timing,
-                    suggestions: list[Plan]) -> str:
+                    suggestions: list[Plan], basis: CostBasis | None = None) -> str:
     lines = [f"model:   {describe_model(w)}",
              f"devices: {cluster.describe()}",
              f"run:     {describe_run(w, s)}",
@@ -96,7 +98,17 @@ def render_estimate(w: Workload, s: Strategy, cluster: Cluster, memory: Memory, 
     for comm in timing.comms:
         lines.append(f"  {comm.name:<34s} {comm.bytes / GB:8.3f} GB over {comm.group}: "
                      f"{comm.seconds * 1e3:.1f} ms, {comm.exposed * 1e3:.1f} ms exposed")
+    if basis is not None:
+        lines += ["", *_cost_lines(training_cost(timing.tokens_per_s, cluster.world_size, basis), basis,
+                                   cluster.world_size)]
     return "\n".join(lines)
+
+
+def _cost_lines(c, basis: CostBasis, devices: int) -> list[str]:
+    return [f"to train {tokens(basis.tokens)} tokens: {duration(c.seconds)} on {devices} "
+            f"devices ({number(c.device_hours)} device-hours), cost {money(c.usd)}, energy "
+            f"{number(c.kwh)} kWh, CO2 {number(c.co2_kg)} kg",
+            *(f"  {line}" for line in basis.describe())]
 
 
 def _stage_rows(w: Workload, s: Strategy, cluster: Cluster) -> list[str]:
@@ -128,7 +140,8 @@ def _time_line(t: Timing) -> str:
             f"({t.model_flops_per_token / 1e9:.3g} GFLOP/token, PaLM 6N + 12·L·h·s)")
 
 
-def render_plan(result: SearchResult, top: int) -> str:
+def render_plan(result: SearchResult, top: int, basis: CostBasis | None = None,
+                rank_by: str = "speed") -> str:
     w = result.workload
     lines = [f"model:   {describe_model(w)}",
              f"devices: {result.cluster.describe()}",
@@ -136,14 +149,26 @@ def render_plan(result: SearchResult, top: int) -> str:
              f"{result.evaluated} candidates evaluated, {len(result.plans)} distinct ones fit",
              ""]
     if result.plans:
-        lines.append(f"  {'#':>2s} {'tokens/s':>12s} {'MFU':>6s} {'peak GB':>8s} {'step s':>8s}  "
+        priced = f" {'to train':>9s} {'cost':>10s} {'kWh':>10s} {'kg CO2':>10s}" if basis else ""
+        lines.append(f"  {'#':>2s} {'tokens/s':>12s} {'MFU':>6s} {'peak GB':>8s} {'step s':>8s}{priced}  "
                      f"{'runs today':<10s} strategy")
         for i, plan in enumerate(result.plans[:top], 1):
             t = plan.timing
+            priced = ""
+            if basis:
+                c = training_cost(t.tokens_per_s, result.cluster.world_size, basis)
+                priced = (f" {duration(c.seconds):>9s} {money(c.usd):>10s} {number(c.kwh):>10s} "
+                          f"{number(c.co2_kg):>10s}")
             lines.append(f"  {i:>2d} {t.tokens_per_s:>12,.0f} {t.mfu:>6.1%} "
-                         f"{plan.memory.peak / GB:>8.1f} {t.step:>8.3g}  "
+                         f"{plan.memory.peak / GB:>8.1f} {t.step:>8.3g}{priced}  "
                          f"{'yes' if plan.runtime_supported else 'no':<10s} "
                          f"{describe_strategy(plan.strategy)}")
+        if basis:
+            lines.append(f"  to train {tokens(basis.tokens)} tokens, ranked by {rank_by}")
+            lines += [f"  {line}" for line in basis.describe()]
+            if rank_by == "cost":
+                lines.append("  (one cluster: every plan uses the same devices at the same price, so "
+                             "the cheapest is the fastest; cost ranks differently across clusters)")
         lines.append("")
     lines += explain(result)
     if result.plans:
@@ -210,30 +235,37 @@ def timing_json(timing: Timing) -> dict:
 
 
 def estimate_json(w: Workload, s: Strategy, cluster: Cluster, memory: Memory, timing: Timing,
-                  suggestions: list[Plan]) -> str:
+                  suggestions: list[Plan], basis: CostBasis | None = None) -> str:
+    extra = {} if basis is None else {
+        "cost_basis": basis_json(basis),
+        "cost": cost_json(training_cost(timing.tokens_per_s, cluster.world_size, basis))}
     return json.dumps({
         "model": {**_plain(w.model), "params": shape_of(w).total},
         "workload": {"seq_len": w.seq_len, "global_batch": w.global_batch, "experts": w.experts},
         "cluster": {"description": cluster.describe(), "nodes": cluster.nodes,
                     "per_node": cluster.per_node, "device": cluster.device.name},
         "strategy": _plain(s), "memory": memory_json(memory), "time": timing_json(timing),
-        "suggestions": [plan_json(p, w, cluster) for p in suggestions]}, indent=1)
+        "suggestions": [plan_json(p, w, cluster, basis) for p in suggestions], **extra}, indent=1)
 
 
-def plan_json(plan: Plan, workload: Workload, cluster: Cluster) -> dict:
+def plan_json(plan: Plan, workload: Workload, cluster: Cluster, basis: CostBasis | None = None) -> dict:
+    extra = {} if basis is None else {
+        "cost": cost_json(training_cost(plan.timing.tokens_per_s, cluster.world_size, basis))}
     return {"strategy": _plain(plan.strategy), "description": describe_strategy(plan.strategy),
             "runtime_supported": plan.runtime_supported, "not_runnable": plan.not_runnable,
             "overrides": plan.overrides(),
             "command": train_command(plan, workload, cluster),
             "tokens_per_s": plan.timing.tokens_per_s, "mfu": plan.timing.mfu,
             "step_s": plan.timing.step, "peak_bytes": plan.memory.peak,
-            "capacity_bytes": plan.memory.capacity}
+            "capacity_bytes": plan.memory.capacity, **extra}
 
 
-def plan_result_json(result: SearchResult, top: int) -> str:
+def plan_result_json(result: SearchResult, top: int, basis: CostBasis | None = None,
+                     rank_by: str = "speed") -> str:
+    extra = {} if basis is None else {"cost_basis": basis_json(basis), "rank_by": rank_by}
     return json.dumps({
         "model": {**_plain(result.workload.model), "params": shape_of(result.workload).total},
         "cluster": result.cluster.describe(), "seq_len": result.workload.seq_len,
         "global_batch": result.workload.global_batch, "evaluated": result.evaluated,
-        "plans": [plan_json(p, result.workload, result.cluster) for p in result.plans[:top]], "explanation": explain(result)},
-        indent=1)
+        "plans": [plan_json(p, result.workload, result.cluster, basis) for p in result.plans[:top]],
+        "explanation": explain(result), **extra}, indent=1)
