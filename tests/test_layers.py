@@ -28,7 +28,7 @@ LAYERS = [  # bottom first
     {"parallel"},
     {"planner"},
     {"resolve"},
-    {"trainer", "export"},
+    {"trainer", "export", "launch_targets"},
     {"cli"},
     {"__main__"},
 ]

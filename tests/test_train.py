@@ -12,7 +12,7 @@ from shardlm.optim import lr_at
 from shardlm.precision import DynamicLossScaler
 from shardlm.trainer import build_run, train, train_step
 
-JSONL_KEYS = {"step", "loss", "lr", "tokens_per_s", "mfu", "peak_rss_bytes", "grad_norm"}
+JSONL_KEYS = {"step", "loss", "lr", "tokens_per_s", "mfu", "hfu", "peak_rss_bytes", "grad_norm"}
 
 
 def test_loss_falls_on_default_corpus(tmp_path):
@@ -28,6 +28,24 @@ def test_loss_falls_on_default_corpus(tmp_path):
     assert [r["step"] for r in records] == list(range(1, 61))
     assert sum("val_loss" in r for r in records) == 2  # eval_every=30 of 60 steps
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1.5 and r["peak_rss_bytes"] > 0 for r in records)
+
+
+def test_hfu_counts_recomputation_mfu_does_not(tmp_path):
+    """MFU: model FLOPs (PaLM appendix B); HFU adds what activation checkpointing recomputes:
+    equal without it, larger by exactly flops_per_token's recompute ratio with 'full'."""
+    from shardlm.models import flops_per_token
+
+    for mode in ("none", "full", "selective"):
+        cfg = load_config(overrides=tiny_overrides(tmp_path / mode, train__steps=2,
+                                                   activation__checkpoint=mode))
+        result = train(build_run(cfg.validate()))
+        records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+        ratio = (flops_per_token(cfg.model, cfg.train.seq_len, mode)
+                 / flops_per_token(cfg.model, cfg.train.seq_len))
+        assert ratio > 1 if mode == "full" else ratio == 1  # selective: no matmul FLOPs redone
+        for r in records:
+            assert math.isclose(r["hfu"], r["mfu"] * ratio, rel_tol=1e-12)
+        assert math.isclose(result.hfu, result.mfu * ratio, rel_tol=1e-12)
 
 
 def test_same_seed_same_run(tmp_path):

@@ -1,4 +1,4 @@
-"""The `shardlm` command: train, generate, export, presets, estimate, plan."""
+"""The `shardlm` command: train, launch, generate, export, presets, estimate, plan."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ examples:
                                                   resolve and check the config, print the layout
                                                   and the predicted memory per rank; no training
   shardlm train --help-config                     every config key, its default and meaning
+  shardlm launch --target slurm --nodes 2 --gpus-per-node 8 configs/gpt2-124m.toml --train.steps=100
+                                                  an sbatch script for 2 x 8 ranks (also torchrun,
+                                                  k8s, vertex; --out FILE, --submit)
   shardlm generate --checkpoint runs/latest --prompt "def fib("
   shardlm export --checkpoint runs/latest --format hf --out hf-model/
   shardlm export --checkpoint runs/latest --format peft --out adapter/
@@ -70,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                             "checkpoint directory, or nothing for the newest run under run.dir "
                             "that has one. The run continues in that run's directory unless "
                             "run.name is given")
+    _launch_args(sub)
     gen = sub.add_parser("generate", help="sample text from a trained run")
     gen.add_argument("--checkpoint", default="runs/latest", help="run directory (default runs/latest)")
     gen.add_argument("--prompt", default="def ", help="text to continue")
@@ -131,6 +135,50 @@ def _parser() -> argparse.ArgumentParser:
                       help="order plans by time to train (speed) or by cost for --tokens (on one "
                            "cluster the two agree: same devices, same price)")
     return parser
+
+
+def _launch_args(sub) -> None:
+    """`shardlm launch`: the options of the cluster-launch subcommand (docs/launch.md)."""
+    from shardlm.launch_targets import RDZV_PLACEHOLDER, TARGETS, VERTEX_ACCELERATOR
+
+    p = sub.add_parser(
+        "launch", help="write (and --submit) a multi-node job for torchrun, SLURM, Kubernetes or "
+                       "Vertex AI from a train config",
+        description="The same CONFIG and --section.key=value overrides as `shardlm train`, checked "
+                    "the same way for NODES x GPUS_PER_NODE ranks, written as TARGET's job: "
+                    "torchrun lines per node, an sbatch script, a Kubeflow PyTorchJob or a Vertex AI "
+                    "CustomJob. The config path is passed as given: it must exist on the workers "
+                    "too (in the image, or a shared file system), or use --inline. See docs/launch.md.")
+    p.add_argument("config", nargs="?", help="TOML config file (optional)")
+    p.add_argument("--target", required=True, choices=TARGETS)
+    p.add_argument("--nodes", type=int, required=True, metavar="N", help="machines (one torchrun agent each)")
+    p.add_argument("--gpus-per-node", type=int, required=True, metavar="G",
+                   help="worker processes per machine; world size = N x G")
+    p.add_argument("--image", default="", help="container image with shardlm (k8s, vertex: required)")
+    p.add_argument("--out", metavar="FILE", help="also write the spec to FILE (stdout gets it either way)")
+    p.add_argument("--submit", action="store_true",
+                   help="submit it: sbatch (slurm), kubectl create (k8s), the Vertex AI SDK (vertex, "
+                        "pip install 'shardlm[vertex]')")
+    p.add_argument("--job-name", default="", metavar="NAME",
+                   help="job name, also run.name unless the config sets one (default shardlm-<time>)")
+    p.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
+                   help=f"torchrun target: the c10d rendezvous, on node 0 (default {RDZV_PLACEHOLDER}, "
+                        f"a placeholder to replace)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="torchrun's --max-restarts for every agent (workers resume from the latest checkpoint)")
+    p.add_argument("--inline", action="store_true",
+                   help="pass the config file's settings as overrides, so the workers need no copy of it")
+    p.add_argument("--gpu-type", metavar="DEVICE",
+                   help="also run `train --dry-run --gpus NxGxDEVICE` (e.g. A100-80GB) before writing: "
+                        "the auto plan and memory per rank for that cluster (report on stderr)")
+    p.add_argument("--json", action="store_true", help="k8s: JSON instead of YAML")
+    vertex = p.add_argument_group("vertex")
+    vertex.add_argument("--machine-type", default="",
+                        help="default a2-highgpu-{G}g (a2-megagpu-16g for 16) with the default accelerator")
+    vertex.add_argument("--accelerator", default=VERTEX_ACCELERATOR,
+                        help=f"Vertex accelerator type (default {VERTEX_ACCELERATOR})")
+    vertex.add_argument("--project", help="with --submit: Google Cloud project (default: the SDK's)")
+    vertex.add_argument("--region", default="us-central1", help="with --submit (default us-central1)")
 
 
 def _planner_args(p: argparse.ArgumentParser) -> None:
@@ -305,7 +353,7 @@ def train_here(cfg) -> int:
     elif main:
         print(f"{'stopped' if result.stopped_by else 'done'}: loss {result.losses[0]:.3f} -> "
               f"{result.losses[-1]:.3f}{val}; {result.tokens_per_s:,.0f} tokens/s, MFU "
-              f"{result.mfu:.1%}; log {run.run_dir / 'metrics.jsonl'}", flush=True)
+              f"{result.mfu:.1%} (HFU {result.hfu:.1%}); log {run.run_dir / 'metrics.jsonl'}", flush=True)
     if result.stopped_by:
         if main:
             print(f"stopped by {result.stopped_by} after step {run.start_step + len(result.losses)}; "
@@ -396,6 +444,58 @@ def resume_overrides(path: str, cfg) -> list[str]:
         run_dir = ckpt.parent.parent
         out += [f"--run.dir={run_dir.parent}", f"--run.name={run_dir.name}"]
     return out
+
+
+def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
+    """`shardlm launch`: validate the config as `train` does for N x G ranks, then render, check,
+    print, write (--out) and submit (--submit) the target's job. Nothing is written or submitted
+    unless every check passed."""
+    import contextlib
+    import tempfile
+    from pathlib import Path
+
+    import shardlm.launch_targets as lt
+    from shardlm.config import load_config, parse_overrides
+    from shardlm.dims import resolve_dims
+    from shardlm.launch import unique_run_name
+
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        raise ConfigError(f"--nodes {args.nodes} and --gpus-per-node {args.gpus_per_node} must be >= 1")
+    world = args.nodes * args.gpus_per_node
+    cfg = load_config(args.config, parse_overrides(overrides)).validate()
+    resolve_dims(cfg.parallel, world)  # the layout fits N x G ranks, as `train --nproc` checks
+    if args.gpu_type:  # the dry run's report is not part of the spec: it goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            dry_run(argparse.Namespace(gpus=f"{args.nodes}x{args.gpus_per_node}x{args.gpu_type}",
+                                       nproc=0), cfg)
+    name = args.job_name or f"shardlm-{unique_run_name()}"
+    train_args = (lt.inline_args(args.config, overrides) if args.inline
+                  else ([args.config] if args.config else []) + list(overrides))
+    if not cfg.run.name:  # every node's rank 0 and every restart find the same run directory
+        train_args.append(f"--run.name={name}")
+    spec = lt.LaunchSpec(args.target, args.nodes, args.gpus_per_node, train_args, name, args.image,
+                         args.rdzv_endpoint, args.max_restarts, args.machine_type, args.accelerator)
+    lt.check_spec(spec)
+    if args.submit:
+        lt.check_submit(args.target)
+    text = lt.render(spec, args.json)
+    lt.validate_text(spec, text)
+    sys.stdout.write(text)
+    path = Path(args.out) if args.out else None
+    if path is not None:
+        try:
+            path.write_text(text)
+        except OSError as e:
+            raise ConfigError(f"cannot write --out {str(path)!r}: {e.strerror or e}") from None
+        print(f"shardlm: wrote {path}", file=sys.stderr)
+    if args.submit:
+        if path is None:
+            suffix = {"slurm": ".sbatch", "k8s": ".json" if text.startswith("{") else ".yaml"}.get(args.target, ".json")
+            with tempfile.NamedTemporaryFile("w", suffix=suffix, prefix=f"{name}-", delete=False) as f:
+                f.write(text)
+            path = Path(f.name)
+        print(f"shardlm: {lt.submit(spec, path, args.project, args.region)}", file=sys.stderr)
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -548,6 +648,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args, rest)
+        if args.command == "launch":
+            return cmd_launch(args, rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "generate":

@@ -70,6 +70,7 @@ class Run:
     run_dir: Path
     peak_flops_per_device: float
     flops_per_token: float
+    """Model FLOPs per token (PaLM appendix B, no recomputation): MFU's numerator."""
     checkpoints: CheckpointWriter
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = None
     """(logits, targets) -> mean cross-entropy in fp32 (vocabulary-parallel under tensor
@@ -84,6 +85,10 @@ class Run:
     """The last step's expert-parallel rank loads and re-placements (ExpertBalancer)."""
     balancer: ExpertBalancer | None = None
     """With ep > 1: the ranks' loads per step, and (parallel.ep_rebalance_every) moving experts."""
+    hardware_flops_per_token: float | None = None
+    """FLOPs per token the step executes, recomputation included (activation.checkpoint 'full'
+    redoes each block's forward; 'selective' only element-wise ops, 0 matmul FLOPs): HFU's
+    numerator. None = flops_per_token (nothing recomputed)."""
     loss_token_fraction: float | None = None
     """data.format chat / prompt_completion: the last step's fraction of targets that carry loss
     (not -100), over the whole global batch; logged as `loss_token_fraction`."""
@@ -97,6 +102,9 @@ class TrainResult:
     tokens_per_s: float = 0.0
     """Mean over the steps after the first (which pays one-off warm-up costs)."""
     mfu: float = 0.0
+    """Model FLOPs utilisation (PaLM appendix B: recomputation is not model work)."""
+    hfu: float = 0.0
+    """Hardware FLOPs utilisation: MFU's FLOPs plus what activation checkpointing recomputes."""
     skipped_steps: int = 0
     stopped_by: str | None = None
     """The signal that ended the run early (after a final checkpoint), if one did."""
@@ -157,6 +165,11 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
         # FLOPs left out). Ours: the exact count from its config.
         flops_per_token=(6.0 * sum(p.numel() for p in model.parameters()) if user_model
                          else flops_per_token(cfg.model, t.seq_len)),
+        # Recomputation counted: ours exactly (models.flops); a model we did not build, 8N with
+        # 'full' (a second forward of everything, the usual approximation).
+        hardware_flops_per_token=((8.0 if cfg.activation.checkpoint == "full" else 6.0)
+                                  * sum(p.numel() for p in model.parameters()) if user_model
+                                  else flops_per_token(cfg.model, t.seq_len, cfg.activation.checkpoint)),
         balancer=ExpertBalancer(model, cfg.parallel.ep_rebalance_every) if mesh.dims.ep > 1 else None,
     )
     if source is not None:  # a checkpoint that fails to load: the next usable one, if allowed
@@ -399,7 +412,10 @@ def evaluate(run: Run) -> float:
 def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: float) -> dict:
     tokens = run.train_loader.global_batch * run.cfg.train.seq_len
     tokens_per_s = tokens / seconds
-    mfu = tokens_per_s * run.flops_per_token / (run.peak_flops_per_device * run.runtime.world_size)
+    peak = run.peak_flops_per_device * run.runtime.world_size
+    mfu = tokens_per_s * run.flops_per_token / peak  # model FLOPs only (PaLM appendix B)
+    hardware = run.flops_per_token if run.hardware_flops_per_token is None else run.hardware_flops_per_token
+    hfu = tokens_per_s * hardware / peak  # + recomputation: what the hardware executed
     comm = run.strategy.ledger.snapshot()  # this step's collectives (reset before it began)
     pipeline = {}
     if run.schedule is not None:  # per stage: idle fraction (blocked on a neighbour), peak RSS
@@ -412,7 +428,7 @@ def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: flo
         pipeline.update(moe_record(run.model.moe_stats, run.moe_sums, comm), **run.moe_placement)
     return {"step": step + 1, "loss": loss, "lr": run.strategy.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
-            "step_time_s": seconds, "peak_rss_bytes": peak_rss_bytes(),
+            "hfu": hfu, "step_time_s": seconds, "peak_rss_bytes": peak_rss_bytes(),
             "loss_scale": run.precision.scaler.scale,
             "model_state_bytes": sum(run.strategy.model_state_bytes().values()),
             "comm_bytes": sum(comm.values()), "comm_bytes_by_op": comm,
@@ -426,7 +442,7 @@ def train(run: Run) -> TrainResult:
     steps, every = cfg.train.steps, cfg.checkpoint.every
     progress = ProgressDisplay(steps - run.start_step, cfg.run.progress, enabled=main)
     result = TrainResult(run.run_dir)
-    speeds, mfus = [], []
+    speeds, mfus, hfus = [], [], []
     try:
         with StopSignals() as signals:
             for step in range(run.start_step, steps):
@@ -446,6 +462,7 @@ def train(run: Run) -> TrainResult:
                 if step > run.start_step or steps - run.start_step == 1:
                     speeds.append(record["tokens_per_s"])
                     mfus.append(record["mfu"])
+                    hfus.append(record["hfu"])
                 last = step + 1 == steps
                 if last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0):
                     result.val_loss = record["val_loss"] = evaluate(run)
@@ -459,7 +476,8 @@ def train(run: Run) -> TrainResult:
                 if out.stop or last or (step + 1) % cfg.train.log_every == 0:
                     metrics.write(record)
                 progress.update(step - run.start_step, f"loss {out.loss:.3f}  "
-                                f"{record['tokens_per_s']:,.0f} tok/s  MFU {record['mfu']:.1%}")
+                                f"{record['tokens_per_s']:,.0f} tok/s  MFU {record['mfu']:.1%} "
+                                f"(HFU {record['hfu']:.1%})")
                 if out.stop:
                     result.stopped_by = signals.requested or "a signal to another rank"
                     break
@@ -470,6 +488,7 @@ def train(run: Run) -> TrainResult:
     if speeds:
         result.tokens_per_s = sum(speeds) / len(speeds)
         result.mfu = sum(mfus) / len(mfus)
+        result.hfu = sum(hfus) / len(hfus)
     if result.stopped_by is None:
         with run.strategy.full_parameters():
             cut = run.mesh.dims.tp > 1 or run.mesh.dims.ep > 1

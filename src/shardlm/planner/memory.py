@@ -15,7 +15,7 @@ from shardlm.dims import ParallelDims
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
 from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload,
-                                      effective_tier, pipeline_layers, pp_hidden_bytes,
+                                      effective_tier, offloaded_blocks, pipeline_layers, pp_hidden_bytes,
                                       pp_in_flight, pp_sends, stage_params, validate, zero_ranks)
 from shardlm.zero.partition import model_state_bytes
 
@@ -144,7 +144,8 @@ def cp_ring_buffers(m: ModelConfig, dt: ActivationDtypes, tp: int = 1) -> tuple[
 
 def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight: float,
                     dt: ActivationDtypes, mode: str, tp: int, sp: bool, with_loss: bool,
-                    experts: tuple[int, int, float], cp: int = 1, loss_in_flight: float = 1) -> Item:
+                    experts: tuple[int, int, float], cp: int = 1, loss_in_flight: float = 1,
+                    offloaded: int = 0) -> Item:
     """Saved activations of `in_flight` micro-batches (workload.pp_in_flight: 1F1B's first
     stage holds p of them, GPipe's every stage all m) plus the worst transient of backward: the
     loss, or one block's recomputation.
@@ -157,11 +158,17 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
     Context parallelism (cp > 1) gives each rank b·s/cp of the tokens for everything (the
     embedding, every block, the loss: parallel/context.py), so every per-token term above is
     per local token; the ring's buffers (cp_ring_buffers) join a block's backward.
+
+    Activation offload (`offloaded` of the `layers` blocks, workload.offloaded_blocks): their
+    saved activations live in host memory (counted there: _stage_memory), except ~2 blocks'
+    worth of one micro-batch kept on the device — an assumption: the block whose copy to host
+    is in flight at the end of forward, and in backward the block in use plus the one prefetched
+    (parallel/activation.py: block b's backward fetches block b-1's).
     """
     tokens = micro * seq / cp
     per_layer, text = block_activation(m, dt, mode, tp, sp, experts)
     full, _ = block_activation(m, dt, "none", tp, sp, experts)
-    saved = layers * in_flight * tokens * per_layer
+    saved = (layers - offloaded) * in_flight * tokens * per_layer + min(2, offloaded) * tokens * per_layer
     norm, _ = _norm_saved(m, dt)
     final = (norm + dt.compute * m.d_model) / (tp if sp else 1)
     # A block's backward holds the gradient of its output and, at the MLP, two f-wide
@@ -182,9 +189,11 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
     # them), plus this rank's cut of both
     ids = 16 * micro * seq * in_flight * (1 + 1 / cp if cp > 1 else 1)
     bs = "b·s/cp" if cp > 1 else "b·s"
+    kept = f"(L={layers} - {offloaded} offloaded)" if offloaded else f"L={layers}"
     parts = [Item("saved by blocks", saved,
-                  f"L={layers} x {in_flight:g} micro-batch(es) x {bs}={tokens:,.0f} x {per_layer:,.0f} B"
-                  f" = {text}"),
+                  f"{kept} x {in_flight:g} micro-batch(es) x {bs}={tokens:,.0f} x {per_layer:,.0f} B"
+                  f" = {text}" + (f"; + {min(2, offloaded)} offloaded block(s) of one micro-batch on the "
+                                  f"device (the copy in flight / the prefetched block)" if offloaded else "")),
              Item("backward peak", max(loss, recompute),
                   f"max(loss: {bs} x (final norm + 12V/t) = {loss / 1e9:.3g} GB, "
                   f"one block's {'recompute + ' if mode != 'none' else ''}gradients "
@@ -379,16 +388,22 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
     # The loss is on the last chunk, whose every forward is followed by its backward but in
     # GPipe (all forwards first).
     loss_in_flight = s.grad_accum if lay.pp > 1 and s.pp_schedule == "gpipe" else 1
-    items.append(activation_peak(w.model, w.seq_len, s.micro_batch, sp.layers,
-                                 pp_in_flight(s, sp.index, pipeline_layers(w, s)),
+    in_flight = pp_in_flight(s, sp.index, pipeline_layers(w, s))
+    offloaded, per_micro = offloaded_activations(w, s, cluster, sp)
+    items.append(activation_peak(w.model, w.seq_len, s.micro_batch, sp.layers, in_flight,
                                  activation_dtypes(s, cluster), s.recompute, lay.tp,
                                  s.sequence_parallel and lay.tp > 1, sp.index == lay.pp - 1,
-                                 (w.experts, w.top_k, w.capacity_factor), lay.cp, loss_in_flight))
+                                 (w.experts, w.top_k, w.capacity_factor), lay.cp, loss_in_flight,
+                                 offloaded))
     if s.pp_schedule == "zb" and lay.pp > 1 and lay.tp == 1:
         items.append(deferred_weight_grads(w.model, s.micro_batch * w.seq_len // lay.cp, sp.layers,
                                            sp.index == lay.pp - 1, s.dtypes.param_bytes, s.recompute))
     buffers = _buffer_items(w, sp, s, cluster, states) + _pipeline_buffers(w, sp, s)
     host = _host_memory(s, states, cluster, sp)
+    if offloaded:  # never on a CPU device (offloaded_blocks: the host is the device)
+        host.append(Item("offloaded activations", in_flight * per_micro,
+                         f"{offloaded} block(s) x {in_flight:g} micro-batch(es) x their saved "
+                         f"activations (pinned host memory; activation.offload)"))
     if cluster.device.kind == "cpu":  # the host is the device: offload buffers count here
         buffers, host = buffers + host, []
     buffers.append(Item("runtime reserve", calib.runtime_reserve,
@@ -445,6 +460,21 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
     return Memory(sp.name, sp.dense + sp.experts, items, train_peak, step_peak, setup_peak,
                   cluster.device.memory, host, sum(i.bytes for i in host) * cluster.per_node,
                   0.9 * cluster.node.host_memory, notes)
+
+
+def offloaded_activations(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> tuple[int, float]:
+    """(blocks, bytes): how many of the stage's blocks offload their saved activations
+    (workload.offloaded_blocks: 0 on a CPU device) and what those blocks save per micro-batch
+    (block_activation x this rank's b·s/cp tokens): what goes to host memory in forward and
+    comes back in backward, per micro-batch."""
+    lay = s.layout
+    blocks = offloaded_blocks(s, sp.layers, cluster)
+    if not blocks:
+        return 0, 0.0
+    per_layer, _ = block_activation(w.model, activation_dtypes(s, cluster), s.recompute, lay.tp,
+                                    s.sequence_parallel and lay.tp > 1,
+                                    (w.experts, w.top_k, w.capacity_factor))
+    return blocks, blocks * s.micro_batch * w.seq_len / lay.cp * per_layer
 
 
 def deferred_weight_grads(m: ModelConfig, tokens: int, layers: int, head: bool, e: int,

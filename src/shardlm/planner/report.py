@@ -137,7 +137,8 @@ def _verdict(memory: Memory) -> str:
 def _time_line(t: Timing) -> str:
     parts = ", ".join(f"{k} {v:.3g} s" for k, v in step_parts(t).items() if v > 0)
     return (f"step: {t.step:.3g} s ({parts}); {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%} "
-            f"({t.model_flops_per_token / 1e9:.3g} GFLOP/token, PaLM 6N + 12·L·h·s)")
+            f"(HFU {t.hfu:.1%}; {t.model_flops_per_token / 1e9:.3g} model GFLOP/token, PaLM 6N + "
+            f"12·L·h·s; HFU adds recomputation)")
 
 
 def render_plan(result: SearchResult, top: int, basis: CostBasis | None = None,
@@ -150,7 +151,8 @@ def render_plan(result: SearchResult, top: int, basis: CostBasis | None = None,
              ""]
     if result.plans:
         priced = f" {'to train':>9s} {'cost':>10s} {'kWh':>10s} {'kg CO2':>10s}" if basis else ""
-        lines.append(f"  {'#':>2s} {'tokens/s':>12s} {'MFU':>6s} {'peak GB':>8s} {'step s':>8s}{priced}  "
+        lines.append(f"  {'#':>2s} {'tokens/s':>12s} {'MFU':>6s} {'HFU':>6s} {'peak GB':>8s} "
+                     f"{'step s':>8s}{priced}  "
                      f"{'runs today':<10s} strategy")
         for i, plan in enumerate(result.plans[:top], 1):
             t = plan.timing
@@ -159,7 +161,7 @@ def render_plan(result: SearchResult, top: int, basis: CostBasis | None = None,
                 c = training_cost(t.tokens_per_s, result.cluster.world_size, basis)
                 priced = (f" {duration(c.seconds):>9s} {money(c.usd):>10s} {number(c.kwh):>10s} "
                           f"{number(c.co2_kg):>10s}")
-            lines.append(f"  {i:>2d} {t.tokens_per_s:>12,.0f} {t.mfu:>6.1%} "
+            lines.append(f"  {i:>2d} {t.tokens_per_s:>12,.0f} {t.mfu:>6.1%} {t.hfu:>6.1%} "
                          f"{plan.memory.peak / GB:>8.1f} {t.step:>8.3g}{priced}  "
                          f"{'yes' if plan.runtime_supported else 'no':<10s} "
                          f"{describe_strategy(plan.strategy)}")
@@ -255,7 +257,7 @@ def plan_json(plan: Plan, workload: Workload, cluster: Cluster, basis: CostBasis
             "runtime_supported": plan.runtime_supported, "not_runnable": plan.not_runnable,
             "overrides": plan.overrides(),
             "command": train_command(plan, workload, cluster),
-            "tokens_per_s": plan.timing.tokens_per_s, "mfu": plan.timing.mfu,
+            "tokens_per_s": plan.timing.tokens_per_s, "mfu": plan.timing.mfu, "hfu": plan.timing.hfu,
             "step_s": plan.timing.step, "peak_bytes": plan.memory.peak,
             "capacity_bytes": plan.memory.capacity, **extra}
 

@@ -103,6 +103,9 @@ class Plan:
             out["zero.offload_optimizer"] = s.offload_optimizer
         if s.offload_params != "none":
             out["zero.offload_params"] = s.offload_params
+        if s.activation_offload != "none":
+            out["activation.offload"] = s.activation_offload
+            out["activation.offload_blocks"] = s.activation_offload_blocks
         return out
 
     def apply(self, cfg: Config) -> Config:
@@ -297,6 +300,9 @@ def describe_strategy(s: Strategy) -> str:
         parts.append(f"optimizer on {s.offload_optimizer}")
     if s.offload_params != "none":
         parts.append(f"params on {s.offload_params}")
+    if s.activation_offload != "none":
+        parts.append(f"activations of {s.activation_offload_blocks or 'all'} blocks on "
+                     f"{s.activation_offload}")
     return ", ".join(parts)
 
 
@@ -313,7 +319,8 @@ def explain(result: SearchResult) -> list[str]:
         return lines
     win = result.plans[0]
     t = win.timing
-    lines.append(f"Best: {describe_strategy(win.strategy)} — {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.0%}, "
+    lines.append(f"Best: {describe_strategy(win.strategy)} — {t.tokens_per_s:,.0f} tokens/s, "
+                 f"MFU {t.mfu:.0%} (HFU {t.hfu:.0%}), "
                  f"{win.memory.peak / 1e9:.1f} of {win.memory.capacity / 1e9:.1f} GB per device.")
     parts = step_parts(t)
     main = max(parts, key=parts.get)
@@ -457,7 +464,9 @@ def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
     strategy = Strategy(dims, par.zero_stage, t.micro_batch, t.grad_accum, cfg.activation.checkpoint,
                         zero.offload_optimizer, zero.offload_params, dtypes,
                         sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
-                        pp_virtual=par.pp_virtual, pp_layers=par.pp_layers)
+                        pp_virtual=par.pp_virtual, pp_layers=par.pp_layers,
+                        activation_offload=cfg.activation.offload,
+                        activation_offload_blocks=cfg.activation.offload_blocks)
     return Workload(cfg.model, t.seq_len, t.micro_batch * t.grad_accum * dims.dp_size), strategy
 
 

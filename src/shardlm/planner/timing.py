@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
-from shardlm.planner.memory import activation_dtypes, block_activation, peak_candidates
+from shardlm.planner.memory import (activation_dtypes, block_activation, offloaded_activations,
+                                    peak_candidates)
 from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier,
                                       pipeline_layers, pp_bubble, pp_hidden_bytes, pp_sends,
                                       shape_of, stage_params, validate, zero_ranks)
@@ -48,10 +49,16 @@ class Timing:
     step: float
     tokens_per_s: float
     mfu: float
+    """Model FLOPs utilisation: model FLOPs (PaLM appendix B, no recomputation) per second over
+    the devices' dense peak."""
     model_flops_per_token: float
     stage: str = "all layers"
     """The pipeline stage whose communication and optimizer step are shown: the one that
     finishes last after the pipeline drains."""
+    hfu: float = 0.0
+    """Hardware FLOPs utilisation: as mfu, with the recomputation's FLOPs counted (activation
+    checkpointing 'full' redoes each block's forward; 'selective' redoes element-wise ops only,
+    0 matmul FLOPs, so its HFU is its MFU). Both count attention as PaLM does (dense)."""
 
     @property
     def exposed_comm(self) -> float:
@@ -386,8 +393,10 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     sp, comms, optimizer = max(after, key=lambda a: sum(c.exposed for c in a[1]) + a[2])
     step = compute + sum(c.exposed for c in comms) + optimizer
     tokens_per_s = w.global_batch * w.seq_len / step
-    mfu = model_flops * tokens_per_s / (lay.world_size * dev.peak[s.dtypes.compute])
-    return Timing(compute, bubble, comms, optimizer, step, tokens_per_s, mfu, model_flops, sp.name)
+    peak = lay.world_size * dev.peak[s.dtypes.compute]
+    mfu = model_flops * tokens_per_s / peak
+    hfu = model_flops_per_token(w, s.recompute) * tokens_per_s / peak  # + recomputation
+    return Timing(compute, bubble, comms, optimizer, step, tokens_per_s, mfu, model_flops, sp.name, hfu)
 
 
 def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float,
@@ -408,6 +417,13 @@ def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, ra
         if s.offload_params == "nvme":
             seconds += up / (cluster.node.nvme_bandwidth / cluster.per_node)
         comms.append(CommTime("parameter shards from host", s.offload_params, up, seconds,
+                              _hidden(seconds, windows[1], cluster.calibration.overlap)))
+    blocks, per_micro = offloaded_activations(w, s, cluster, sp)  # 0 on a CPU device
+    if blocks:  # down in forward, back up in backward, every micro-batch, on the side stream
+        moved = 2 * s.grad_accum * per_micro
+        seconds = moved / cluster.node.pcie.effective
+        comms.append(CommTime("activation offload", f"{blocks} block(s), host <-> device over "
+                              f"{cluster.node.pcie.name}", moved, seconds,
                               _hidden(seconds, windows[1], cluster.calibration.overlap)))
     return sp, comms, optimizer
 

@@ -78,6 +78,11 @@ class Strategy:
     """Model chunks per pipeline rank ('interleaved': >= 2; parallel.pp_virtual)."""
     pp_layers: str = ""
     """Blocks per pipeline stage, '4,4,3,5' (parallel.pp_layers); '' = the balanced split."""
+    activation_offload: str = "none"
+    """activation.offload: 'none' or 'cpu' (the chosen blocks' saved activations go to host
+    memory in forward and come back for their backward; parallel/activation.py)."""
+    activation_offload_blocks: int = 0
+    """activation.offload_blocks: the first N blocks of each rank's stage; 0 = every block."""
 
     @property
     def local(self) -> bool:
@@ -134,6 +139,13 @@ def validate(w: Workload, s: Strategy, cluster: Cluster) -> None:
     for name, tier in (("offload_optimizer", s.offload_optimizer), ("offload_params", s.offload_params)):
         if tier not in OFFLOAD_TIERS:
             errors.append(f"{name} = {tier!r}: choose {', '.join(OFFLOAD_TIERS)}")
+    if s.activation_offload not in ("none", "cpu"):
+        errors.append(f"activation_offload = {s.activation_offload!r}: choose none, cpu")
+    elif s.activation_offload != "none" and s.recompute != "none":
+        errors.append(f"activation offload with {s.recompute} recompute: recomputation rebuilds "
+                      f"activations outside the offload hooks; choose one (as config.py does)")
+    if s.activation_offload_blocks < 0:
+        errors.append(f"activation_offload_blocks = {s.activation_offload_blocks}: 0 (every block) or more")
     if s.offload_params != "none" and s.zero_stage != 3:
         errors.append(f"offload_params = {s.offload_params!r} needs ZeRO stage 3 (stage {s.zero_stage} "
                       f"keeps whole parameters on every rank)")
@@ -189,6 +201,17 @@ def describe_dtypes(d: Dtypes, local: bool) -> str:
         return f"{d.compute} autocast over fp32 parameters and gradients, fp32 Adam (K = 8)"
     return (f"{d.compute} compute / {d.compute if d.reduce == 'auto' else d.reduce} gradients / "
             f"{d.master} master (K = {d.optimizer_bytes})")
+
+
+def offloaded_blocks(s: Strategy, layers: int, cluster: Cluster) -> int:
+    """Blocks of a stage with `layers` blocks whose saved activations go to host memory
+    (parallel/activation.py apply_offload: the first activation_offload_blocks of the rank's
+    blocks, 0 = all). None on a CPU device: the host is the device, the runtime keeps every
+    saved tensor where it is (nothing moves, nothing changes)."""
+    if s.activation_offload == "none" or cluster.device.kind == "cpu":
+        return 0
+    n = s.activation_offload_blocks
+    return min(n, layers) if n else layers
 
 
 def effective_tier(tier: str, cluster: Cluster) -> str:
