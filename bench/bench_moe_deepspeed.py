@@ -103,6 +103,7 @@ import torch.distributed as dist
 
 from shardlm.config import load_config
 from shardlm.spawn import run_ranks
+from shardlm.telemetry import reset_peak_rss
 
 WORLD = 2
 MiB = 2**20
@@ -115,12 +116,6 @@ PAIRS = [("shardlm", "deepspeed"), ("shardlm-dropless", "deepspeed-dropless")]
 
 # ---------------------------------------------------------------------------------------------
 # Memory marks (Linux)
-
-
-def reset_peak_rss() -> None:
-    """Reset this process's high-water mark (VmHWM) to its current RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _status(field: str) -> int:
@@ -284,7 +279,8 @@ def case_rank(rank: int, world: int, key: str, shape: dict) -> dict:
         x.grad = None
         if s == shape["warmup"]:
             before = _status("VmRSS")
-            reset_peak_rss()
+            if not reset_peak_rss():
+                raise RuntimeError("the step peak needs Linux's /proc/self/clear_refs to reset VmHWM")
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
         out = step(x, grad)

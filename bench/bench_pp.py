@@ -91,14 +91,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.config import load_config
+from shardlm.config import load_config, typed_overrides
 from shardlm.data import Loader, build_dataset
 from shardlm.launch import cpu_cores
 from shardlm.models import build_model, count_params
 from shardlm.models.flops import pipeline_split
 from shardlm.optim import lr_at, param_groups, set_lr
 from shardlm.spawn import run_ranks
-from shardlm.telemetry import peak_flops, peak_rss_bytes
+from shardlm.telemetry import peak_flops, peak_rss_bytes, reset_peak_rss
 
 MiB = 2**20
 # key: (name, ranks, runner, spec). shardlm's spec: its overrides and the data-parallel degree
@@ -127,16 +127,6 @@ PAIRS = [("gpipe", "torch-gpipe"), ("1f1b", "torch-1f1b"), ("1f1b-z2", "torch-1f
          ("pp4", "torch-pp4")]
 
 
-def parse_value(text: str):
-    """--set values: int, float, true/false, else the string."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
-
-
 def batch_shape(args, key: str) -> tuple[int, int]:
     """(micro-batch, micro-batches per step) of a case, per data-parallel rank: pipelines run
     --micro-batch sequences at a time; tp and ZeRO-3 their whole share in one micro-batch."""
@@ -150,7 +140,7 @@ def batch_shape(args, key: str) -> tuple[int, int]:
 
 
 def overrides_for(args, key: str, run_dir: str) -> dict:
-    extra = dict((k, parse_value(v)) for k, v in (kv.split("=", 1) for kv in args.set))
+    extra = typed_overrides(dict(kv.split("=", 1) for kv in args.set))
     _, _, runner, spec = CASES[key]
     micro, accum = batch_shape(args, key)
     return {"model.preset": args.preset, "model.tie_embeddings": False, "train.micro_batch": micro,
@@ -169,16 +159,6 @@ def torch_layout(spec: tuple) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Memory marks and timing
-
-
-def reset_peak_rss() -> bool:
-    """Reset this process's high-water mark (VmHWM and ru_maxrss) to its current RSS (Linux)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def hwm_bytes() -> int:

@@ -66,19 +66,12 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from shardlm.telemetry import reset_peak_rss  # noqa: E402
+
 GiB = 2**30
 MiB = 2**20
 WORLD = 2
 MMAP_THRESHOLD = "131072"
-
-
-def reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 class Phases:
@@ -98,7 +91,7 @@ class Phases:
         if self.stack:
             name = "/".join(self.stack)
             self.peak[name] = max(self.peak.get(name, 0), status["VmHWM"])
-        self.resets = reset_hwm() and self.resets
+        self.resets = reset_peak_rss() and self.resets
         return status
 
     def enter(self, name: str) -> None:

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardlm.config import load_config
+from shardlm.config import load_config, typed_overrides
 from shardlm.data import Loader, build_dataset
 from shardlm.launch import cpu_cores
 from shardlm.models import build_model, count_params
@@ -82,18 +82,8 @@ KEYS = {"dp0": "dp=2 ZeRO-0", "dp3": "dp=2 ZeRO-3", "tp": "tp=2", "tp-sp": "tp=2
         "torch-tp": "torch TP", "torch-tp-sp": "torch TP SP"}
 
 
-def parse_value(text: str):
-    """--set values: int, float, true/false, else the string."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
-
-
 def overrides_for(args, dp: int, case: dict, run_dir: str) -> dict:
-    extra = dict((k, parse_value(v)) for k, v in (kv.split("=", 1) for kv in args.set))
+    extra = typed_overrides(dict(kv.split("=", 1) for kv in args.set))
     return {"model.preset": args.preset, "train.micro_batch": args.global_batch // dp,
             "train.seq_len": args.seq, "train.steps": args.warmup + args.steps,
             "precision.compute": "fp32", "run.device": "cpu",

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardlm.config import load_config
+from shardlm.config import load_config, typed_overrides
 from shardlm.data import Loader, build_dataset
 from shardlm.launch import cpu_cores
 from shardlm.models import build_model, count_params
@@ -73,18 +73,8 @@ CASES = [("0", {"parallel.zero_stage": 0}, "DDP"),
 MiB = 2**20
 
 
-def parse_value(text: str):
-    """--set values: int, float, true/false, else the string."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
-
-
 def overrides_for(args, case: dict, run_dir: str) -> dict:
-    extra = dict((k, parse_value(v)) for k, v in (kv.split("=", 1) for kv in args.set))
+    extra = typed_overrides(dict(kv.split("=", 1) for kv in args.set))
     return {"model.preset": args.preset, "train.micro_batch": args.micro_batch,
             "train.seq_len": args.seq, "train.steps": args.warmup + args.steps,
             "precision.compute": "fp32", "run.device": "cpu",

@@ -29,6 +29,7 @@ LAYERS = [  # bottom first
     {"planner"},
     {"resolve"},
     {"trainer", "export", "launch_targets"},
+    {"cli_planner"},
     {"cli"},
     {"__main__"},
 ]

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from shardlm.cli_planner import cmd_estimate, cmd_plan, planner_args
 from shardlm.errors import ConfigError
 from shardlm.preflight import DiskError, check_run_disks, nvme_bytes
 
@@ -101,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Predict per-rank memory by category (with the formula behind each line), "
                     "whether it fits, and the step time. Pure arithmetic: no GPU, no processes. "
                     "Exit status 0 if it fits, 1 if it does not.")
-    _planner_args(est)
+    planner_args(est)
     est.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
     est.add_argument("--micro-batch", type=int, default=1, metavar="B", help="sequences per rank per pass")
     est.add_argument("--grad-accum", type=int, default=1, metavar="M", help="micro-batches per step")
@@ -123,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Search data/tensor/pipeline/expert parallel degrees, ZeRO stage, offload, "
                     "activation checkpointing and the micro-batch split of a fixed global batch; "
                     "list what fits, fastest first, and explain the choice.")
-    _planner_args(plan)
+    planner_args(plan)
     plan.add_argument("--global-batch", type=int, metavar="SEQS",
                       help="sequences per optimizer step (default: --batch-tokens / --seq)")
     plan.add_argument("--batch-tokens", type=int, default=2**20, metavar="TOKENS",
@@ -179,51 +180,6 @@ def _launch_args(sub) -> None:
                         help=f"Vertex accelerator type (default {VERTEX_ACCELERATOR})")
     vertex.add_argument("--project", help="with --submit: Google Cloud project (default: the SDK's)")
     vertex.add_argument("--region", default="us-central1", help="with --submit (default us-central1)")
-
-
-def _planner_args(p: argparse.ArgumentParser) -> None:
-    """Model, hardware and precision options shared by `estimate` and `plan`."""
-    from shardlm.hardware.catalog import GRID_DEFAULT, PUE_DEFAULT
-
-    model = p.add_argument_group("model: a preset, or a parameter count")
-    model.add_argument("--model", metavar="PRESET",
-                       help="a named shape (see `shardlm presets`), or a transformers config.json "
-                            "(GPT-2 or LLaMA-family: GQA, SwiGLU, untied head)")
-    model.add_argument("--params", type=float, metavar="N",
-                       help="parameter count such as 7.5e9: model states use exactly N; the "
-                            "rest is sized by a GPT-2-family shape (LayerNorm, learned positions, "
-                            "GELU MLP of 4h, tied head; h = 128 x layers unless given)")
-    model.add_argument("--layers", type=int, help="with --params: layers")
-    model.add_argument("--hidden", type=int, help="with --params: d_model")
-    model.add_argument("--heads", type=int, help="with --params: attention heads")
-    model.add_argument("--vocab", type=int, default=50257, help="with --params: vocabulary")
-    model.add_argument("--experts", type=int, help="routed experts per MoE block (overrides the model's)")
-    model.add_argument("--top-k", type=int, help="experts per token (overrides the model's)")
-    p.add_argument("--gpus", required=True, metavar="CLUSTER",
-                   help="COUNTxDEVICE or NODESxPER_NODExDEVICE (8xV100-16GB, 2x8xA100-80GB), or "
-                        "Nxcpu for N ranks on this machine (measured once, cached)")
-    p.add_argument("--intra", metavar="LINK", help="link inside a node (default: the device's)")
-    p.add_argument("--inter", metavar="LINK", help="network between nodes, e.g. ib-hdr, roce-200")
-    p.add_argument("--nics", type=int, help="network adapters per node")
-    p.add_argument("--seq", type=int, help="tokens per sequence (default: the model's context)")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="compute dtype; auto: bf16, fp16 on GPUs without bf16, the faster on a CPU")
-    p.add_argument("--master", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--reduce", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    cost = p.add_argument_group("cost and energy of a training budget (docs/planner.md, \"Cost and energy\")")
-    cost.add_argument("--tokens", type=float, metavar="N",
-                      help="training budget in tokens (e.g. 1e10): report time to train, cost, "
-                           "energy and CO2")
-    cost.add_argument("--price-per-hour", type=float, metavar="USD",
-                      help="price per device-hour (default: the catalog's lowest on-demand list "
-                           "price for the device, or --cloud's; none for a CPU or an unlisted device)")
-    cost.add_argument("--cloud", choices=["aws", "gcp", "azure"],
-                      help="take the list price from this cloud's catalog entry")
-    cost.add_argument("--pue", type=float, default=PUE_DEFAULT,
-                      help=f"datacenter overhead, power usage effectiveness (default {PUE_DEFAULT:g})")
-    cost.add_argument("--grid-gco2-per-kwh", type=float, default=GRID_DEFAULT, metavar="G",
-                      help=f"grid carbon intensity (default {GRID_DEFAULT:g}: world average 2023, Ember)")
 
 
 def _model_axes(dims, par) -> str:
@@ -547,98 +503,6 @@ def cmd_presets() -> int:
               f"d_model={cfg.d_model:<5d} heads={cfg.n_heads}/{cfg.n_kv_heads or cfg.n_heads} "
               f"vocab={cfg.vocab_size}{experts}{alias}")
     return 0
-
-
-def _planner_inputs(args: argparse.Namespace):
-    """(model, Ψ given by --params or None, cluster, dtypes, seq) from the shared options."""
-    from shardlm.hardware.catalog import parse_cluster
-    from shardlm.planner.search import default_dtypes, model_from_hf_config, model_from_params, preset_model
-
-    if (args.model is None) == (args.params is None):
-        raise ConfigError("give either --model PRESET or --params N (e.g. --params 7.5e9)")
-    if args.model is not None and (args.layers or args.hidden or args.heads):
-        raise ConfigError("--layers/--hidden/--heads go with --params; a preset has its shape")
-    if args.model is not None:
-        model = (model_from_hf_config(args.model) if args.model.endswith(".json") or "/" in args.model
-                 else preset_model(args.model))
-    else:
-        model = model_from_params(args.params, args.layers, args.hidden, args.heads, args.vocab,
-                                  max(args.seq or 0, 2048))
-    seq = args.seq or model.max_seq_len
-    if seq <= 0:
-        raise ConfigError(f"--seq {seq} must be > 0")
-    from dataclasses import replace
-
-    model = replace(model, experts=model.experts if args.experts is None else args.experts,
-                    top_k=model.top_k if args.top_k is None else args.top_k)
-    if model.experts < 0 or (model.experts and not 1 <= model.top_k <= model.experts):
-        raise ConfigError(f"experts {model.experts} must be >= 0 and top-k {model.top_k} between 1 "
-                          f"and the experts")
-    cluster = parse_cluster(args.gpus, args.intra, args.inter, args.nics)
-    return model, args.params, cluster, default_dtypes(cluster, args.precision, args.master, args.reduce), seq
-
-
-def _cost_basis(args: argparse.Namespace, cluster):
-    """The CostBasis of --tokens (None without it); the other cost options need --tokens."""
-    from shardlm.hardware.catalog import GRID_DEFAULT, PUE_DEFAULT
-    from shardlm.planner.cost import cost_basis
-
-    if args.tokens is None:
-        given = [f for f, v in (("--price-per-hour", args.price_per_hour), ("--cloud", args.cloud),
-                                ("--pue", args.pue != PUE_DEFAULT),
-                                ("--grid-gco2-per-kwh", args.grid_gco2_per_kwh != GRID_DEFAULT),
-                                ("--rank-by cost", getattr(args, "rank_by", "speed") == "cost")) if v]
-        if given:
-            raise ConfigError(f"{', '.join(given)} need(s) --tokens N (the training budget to price)")
-        return None
-    return cost_basis(cluster, args.tokens, args.price_per_hour, args.cloud, args.pue,
-                      args.grid_gco2_per_kwh)
-
-
-def cmd_estimate(args: argparse.Namespace) -> int:
-    from shardlm.planner import report
-    from shardlm.planner import Strategy, Workload, estimate_memory, estimate_time
-    from shardlm.planner.search import alternatives
-
-    model, params, cluster, dtypes, seq = _planner_inputs(args)
-    basis = _cost_basis(args, cluster)
-    world = cluster.world_size
-    if args.micro_batch < 1 or args.grad_accum < 1 or min(args.tp, args.cp, args.pp, args.ep, args.dp_replicate) < 1:
-        raise ConfigError("--micro-batch, --grad-accum, --tp, --cp, --pp, --ep and --dp-replicate must be >= 1")
-    from shardlm.dims import ParallelDims
-
-    dims = ParallelDims.resolve(world, args.dp_replicate, args.dp_shard, args.cp, args.tp, args.pp, args.ep)
-    dp = dims.dp_size
-    layout = dims
-    workload = Workload(model, seq, args.micro_batch * args.grad_accum * dp, params)
-    strategy = Strategy(layout, args.zero_stage, args.micro_batch, args.grad_accum, args.recompute,
-                        args.offload_optimizer, args.offload_params, dtypes, args.sequence_parallel)
-    memory = estimate_memory(workload, strategy, cluster)
-    timing = estimate_time(workload, strategy, cluster)
-    suggestions = [] if memory.fits else alternatives(workload, strategy, cluster)
-    render = report.estimate_json if args.json else report.render_estimate
-    print(render(workload, strategy, cluster, memory, timing, suggestions, basis))
-    return 0 if memory.fits else 1
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    from shardlm.planner import report
-    from shardlm.planner import Workload
-    from shardlm.planner.search import EVERYTHING, RUNTIME, search
-
-    from shardlm.planner.cost import rank, training_cost
-
-    model, params, cluster, dtypes, seq = _planner_inputs(args)
-    basis = _cost_basis(args, cluster)
-    sequences = args.global_batch or max(1, args.batch_tokens // seq)
-    workload = Workload(model, seq, sequences, params)
-    result = search(workload, cluster, dtypes, RUNTIME if args.runtime_only else EVERYTHING)
-    if basis is not None:
-        result.plans = rank(result.plans, [training_cost(p.timing.tokens_per_s, cluster.world_size, basis)
-                                           for p in result.plans], args.rank_by)
-    print(report.plan_result_json(result, args.top, basis, args.rank_by) if args.json
-          else report.render_plan(result, args.top, basis, args.rank_by))
-    return 0 if result.plans else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -543,11 +543,21 @@ def _check_keys(values: dict[str, Any]) -> None:
             raise _unknown_key(key)
 
 
-def _build(values: dict[str, Any]) -> Config:
-    cfg, secs = Config(), sections()
+def typed_overrides(values: dict[str, Any]) -> dict[str, Any]:
+    """{'section.key': value} with each value in its field's type (strings from a command line
+    parsed as load_config parses them); an unknown key or a bad value is a ConfigError."""
+    _check_keys(values)
+    secs, out = sections(), {}
     for key, value in values.items():
         section, _, name = key.partition(".")
         attr = _field_named(secs[section], name).name
-        typ = get_type_hints(secs[section])[attr]
-        setattr(getattr(cfg, section), attr, _coerce(key, value, typ))
+        out[key] = _coerce(key, value, get_type_hints(secs[section])[attr])
+    return out
+
+
+def _build(values: dict[str, Any]) -> Config:
+    cfg = Config()
+    for key, value in typed_overrides(values).items():
+        section, _, name = key.partition(".")
+        setattr(getattr(cfg, section), _field_named(sections()[section], name).name, value)
     return cfg

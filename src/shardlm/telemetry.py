@@ -48,6 +48,17 @@ def gpu_peak_flops(name: str, precision: str) -> float:
     return device.peak[precision]
 
 
+def reset_peak_rss() -> bool:
+    """Reset this process's high-water mark (VmHWM and ru_maxrss) to its current RSS, so the next
+    peak_rss_bytes is what follows (Linux: "5" to /proc/self/clear_refs); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -39,7 +39,7 @@ from shardlm.models.moe import bias_tensors
 from shardlm.parallel.expert import finish_moe_step, moe_record
 from shardlm.parallel.expert_balance import ExpertBalancer
 from shardlm.parallel.pipeline import Schedule, StepIO, gather_stages
-from shardlm.parallel.tensor import whole_parameters
+from shardlm.parallel.pieces import whole_parameters
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.precision import Precision, build_precision, is_finite
 from shardlm.resolve import resolve_config

@@ -36,7 +36,7 @@ def point_latest(run_dir: Path) -> None:
 
 def save_weights(run_dir: Path, model: nn.Module | dict[str, torch.Tensor], cfg: Config, tokenizer) -> Path:
     """The model's weights (or the given whole tensors by name: a tensor-parallel run's, put
-    together by parallel.tensor.whole_parameters), its config and tokenizer, in `run_dir`. A
+    together by parallel.pieces.whole_parameters), its config and tokenizer, in `run_dir`. A
     mixture of experts balanced by bias also saves its routers' biases (models.moe.bias_tensors)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / (WEIGHTS + ".tmp")

@@ -34,7 +34,7 @@ from shardlm.mesh import Mesh
 from shardlm.parallel.activation import apply_ac, apply_offload
 from shardlm.parallel.compile import apply_compile
 from shardlm.parallel.context import CPState, apply_cp
-from shardlm.parallel.expert import apply_ep
+from shardlm.parallel.expert import apply_ep, spread_over_tp
 from shardlm.parallel.pipeline import SCHEDULES, Schedule, Stage, apply_pp
 from shardlm.parallel.weight_grads import make_deferrable
 from shardlm.models.flops import pipeline_split
@@ -44,7 +44,8 @@ from shardlm.models.lora import apply_lora, with_adapters
 from shardlm.errors import ConfigError
 from shardlm.parallel.data import DataParallelEngine, apply_data_parallel
 from shardlm.models.decoder import Decoder
-from shardlm.parallel.tensor import TPState, VocabParallelHead, apply_tp, sliced, vocab_parallel_cross_entropy
+from shardlm.parallel.pieces import sliced
+from shardlm.parallel.tensor import TPState, VocabParallelHead, apply_tp, vocab_parallel_cross_entropy
 from shardlm.parallel.tensor_plan import apply_tp_plan
 
 log = logging.getLogger("shardlm")
@@ -83,10 +84,14 @@ class Parallelized:
 
 def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPState | None:
     """Our Decoder's layers by apply_tp; any other model (a transformers one) by its config's
-    base_model_tp_plan, or a clear error. Chosen here: tensor_plan builds on tensor's layers,
-    so tensor cannot call it."""
+    base_model_tp_plan, or a clear error; a MoE block's experts spread over the tp ranks
+    (expert.spread_over_tp). Chosen here: tensor_plan and expert build on tensor's layers, so
+    tensor cannot call them."""
     if isinstance(model, Decoder):
-        return apply_tp(model, comm, sequence_parallel)
+        tp = apply_tp(model, comm, sequence_parallel)
+        if tp is not None:
+            spread_over_tp(model, tp)
+        return tp
     return apply_tp_plan(model, comm, sequence_parallel)
 
 

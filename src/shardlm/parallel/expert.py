@@ -54,6 +54,7 @@ from torch import nn
 from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
 from shardlm.models.moe import Experts, MoE, MoEStats, Routing, route, update_biases
+from shardlm.parallel.tensor import TPState, copy_to_group, cut_mlp, reduce_from_group, summed
 from shardlm.placement import Split, even_range
 
 log = logging.getLogger("shardlm")
@@ -177,21 +178,6 @@ class _GatherRows(torch.autograd.Function):
         return grad[ctx.comm.rank * n:(ctx.comm.rank + 1) * n], None
 
 
-class _SumForward(torch.autograd.Function):
-    """All-reduce forward, identity backward: a sum over the group's shares whose gradient
-    each rank takes for its own share."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        out = x.contiguous().clone()
-        comm.all_reduce(out).wait()
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 class TokenShare:
     """A MoE block's tokens under tensor parallelism: replicated across the group (each rank
     routes 1/T of them, the outputs gathered back), or, under sequence parallelism, already
@@ -216,12 +202,11 @@ class TokenShare:
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """A count summed over the group (no gradient)."""
-        out = x.detach().clone()
-        self.tp.comm.all_reduce(out).wait()
-        return out
+        return summed(x, self.tp.comm)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return _SumForward.apply(x, self.tp.comm)
+        """Summed over the group forward, each rank's gradient to its own share."""
+        return reduce_from_group(x, self.tp.comm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,6 +330,21 @@ def spread_hf_experts(model: nn.Module, comm: Comm, stats: MoEStats) -> dict[str
         new = StackedExperts(module, lo, hi - lo, AllToAllDispatcher(comm, module.num_experts, stats))
         setattr(model.get_submodule(parent) if parent else model, child, new)
     return splits
+
+
+def spread_over_tp(model: nn.Module, tp: TPState) -> None:
+    """Our Decoder under tensor parallelism (after apply_tp, still on the meta device): each MoE
+    block's experts spread over the tp group (their Splits into tp.splits), each rank routing
+    its share of the tokens (TokenShare); the router's gradient summed over the group (each
+    rank routed different tokens); the shared experts cut as a dense MLP."""
+    with torch.device("meta"):
+        for name, moe in model.named_modules():
+            if isinstance(moe, MoE):
+                tp.splits.update(spread_experts(moe, name, model.cfg, tp.comm, model.moe_stats))
+                moe.tokens = TokenShare(tp)
+                moe.router.sync_weight = lambda w, comm=tp.comm: copy_to_group(w, comm)
+                if moe.shared is not None:
+                    cut_mlp(moe.shared, f"{name}.shared", model.cfg.d_model, tp)
 
 
 def apply_ep(model: nn.Module, comm: Comm) -> dict[str, Split]:

@@ -159,6 +159,22 @@ def out_of_parallel_region(x: torch.Tensor, tp: TPState) -> torch.Tensor:
     return _ReduceFromGroup.apply(x, tp.comm)
 
 
+def copy_to_group(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Identity forward, the group's sum of the gradient backward (Megatron's f)."""
+    return _CopyToGroup.apply(x, comm)
+
+
+def reduce_from_group(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """The group's sum of x forward, identity backward (Megatron's g): each rank's gradient
+    goes to its own addend (also a MoE block's router statistics over the ranks' token shares)."""
+    return _ReduceFromGroup.apply(x, comm)
+
+
+def summed(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """The group's sum of x, outside autograd (a copy; x is unchanged)."""
+    return _all_reduce(x.detach(), comm)
+
+
 def synced(param: torch.Tensor, tp: TPState) -> torch.Tensor:
     """A replicated parameter used on sequence-sharded activations: its gradient summed over
     the group (each rank saw different tokens). Plain TP: every rank's gradient is the same."""
@@ -374,39 +390,6 @@ def _check(cfg, tp: int) -> None:
                           f"head then replicated on tp / n_kv_heads ranks): each rank computes whole heads")
 
 
-@torch.no_grad()
-def whole_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter whole (CPU, contiguous), by name: a piece cut by tensor or expert
-    parallelism (model.tp / model.ep: their `splits`, `comm`, `rank`) put together from its
-    group's pieces (each rank places its owned ranges in a zero tensor of the whole shape, and
-    the group sums them: each element has one non-zero addend, so the sum is exact), a
-    replicated one as it is. A collective over those groups: every rank of them calls.
-    Parameters must be materialised (stage 3: inside full_parameters())."""
-    owners = [o for o in (getattr(model, "tp", None), getattr(model, "ep", None)) if o is not None]
-    out = {}
-    for name, param in model.named_parameters():
-        owner = next((o for o in owners if name in o.splits), None)
-        if owner is None:
-            out[name] = param.detach().cpu().contiguous().clone()
-            continue
-        split = owner.splits[name]
-        whole = torch.zeros(split.shape, dtype=param.dtype, device=param.device)
-        piece, at = param.detach(), 0
-        for i, (lo, hi) in enumerate(split.ranges):
-            if owner.rank == 0 or i not in split.copies:
-                whole.narrow(split.dim, lo, hi - lo).copy_(piece.narrow(split.dim, at, hi - lo))
-            at += hi - lo
-        owner.comm.all_reduce(whole).wait()
-        out[name] = whole.cpu()
-    return out
-
-
-def sliced(initializer, splits: dict[str, Split]):
-    """An initialiser of whole parameters (models/init.py) -> one of this rank's pieces: the
-    whole tensor's initial values, cut, so every layout starts from the same model."""
-    return lambda name: splits[name].take(initializer(name)) if name in splits else initializer(name)
-
-
 def apply_tp(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPState | None:
     """Replace a meta-device Decoder's layers by their tensor-parallel versions over `comm`'s
     group, in place; parameter names stay. Returns the TPState (its `splits`: each cut
@@ -463,10 +446,8 @@ def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: b
         attn.proj = RowParallelLinear(q_hi - q_lo, d, attn.proj.bias is not None, tp)
         cut(f"{pre}.attn.proj.weight", (d, nq), 1, [(q_lo, q_hi)])
         attn.n_heads, attn.n_kv_heads = cfg.n_heads // n, max(1, kv // n)
-        if isinstance(block.mlp, MoE):  # experts spread over the group, the shared ones cut
-            _cut_moe(block.mlp, f"{pre}.mlp", model, tp, cut)
-        else:
-            _cut_mlp(block.mlp, f"{pre}.mlp", d, n, r, tp, cut)
+        if not isinstance(block.mlp, MoE):  # a MoE block: parallel/expert.py spread_over_tp
+            cut_mlp(block.mlp, f"{pre}.mlp", d, tp)
         block.attn_norm, block.mlp_norm = SyncedNorm(block.attn_norm, tp), SyncedNorm(block.mlp_norm, tp)
     v_lo, v_hi = even_range(cfg.vocab_size, n, r)
     model.tok_emb = VocabParallelEmbedding(v_lo, v_hi, d, tp)
@@ -482,9 +463,15 @@ def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: b
     return tp
 
 
-def _cut_mlp(mlp: nn.Module, pre: str, d: int, n: int, r: int, tp: TPState, cut) -> None:
-    """A dense MLP column- then row-parallel: this rank's 1/n of its hidden width."""
+def cut_mlp(mlp: nn.Module, pre: str, d: int, tp: TPState) -> None:
+    """A dense MLP (named `pre`, width d in and out) column- then row-parallel: this rank's 1/T
+    of its hidden width; the cut parameters' Splits recorded in tp.splits."""
     from shardlm.models.decoder import GeluMLP, SwiGLU
+
+    n, r = tp.size, tp.rank
+
+    def cut(name: str, shape: tuple[int, ...], dim: int, ranges) -> None:
+        tp.splits[name] = Split(tuple(shape), dim, tuple(ranges))
 
     if isinstance(mlp, SwiGLU):
         h_lo, h_hi = even_range(mlp.hidden, n, r)
@@ -507,16 +494,3 @@ def _cut_mlp(mlp: nn.Module, pre: str, d: int, n: int, r: int, tp: TPState, cut)
             cut(f"{pre}.fc.bias", (hidden,), 0, [(h_lo, h_hi)])
         mlp.proj = RowParallelLinear(h_hi - h_lo, d, mlp.proj.bias is not None, tp)
         cut(f"{pre}.proj.weight", (d, hidden), 1, [(h_lo, h_hi)])
-
-
-def _cut_moe(moe: nn.Module, pre: str, model: nn.Module, tp: TPState, cut) -> None:
-    """A MoE block under tensor parallelism (parallel/expert.py): the experts spread over the
-    group, each rank routing its share of the tokens; the router's gradient summed over the
-    group (each rank routed different tokens); the shared experts cut as a dense MLP."""
-    from shardlm.parallel.expert import TokenShare, spread_experts
-
-    tp.splits.update(spread_experts(moe, pre, model.cfg, tp.comm, model.moe_stats))
-    moe.tokens = TokenShare(tp)
-    moe.router.sync_weight = lambda w: _CopyToGroup.apply(w, tp.comm)
-    if moe.shared is not None:
-        _cut_mlp(moe.shared, f"{pre}.shared", model.cfg.d_model, tp.size, tp.rank, tp, cut)
