@@ -11,7 +11,7 @@ from pathlib import Path
 import shardlm
 
 LAYERS = [  # bottom first
-    {"errors", "files"},
+    {"errors", "files", "torchrun"},
     {"preflight"},
     {"presets", "dims"},
     {"config_rules"},

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardlm.errors import ConfigError
+from shardlm.torchrun import torchrun_argv
 
 TARGETS = ("torchrun", "slurm", "k8s", "vertex")
 RDZV_PORT = 29500
@@ -54,18 +55,6 @@ class LaunchSpec:
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
-
-
-def torchrun_argv(nodes: int, per_node: int, endpoint: str, train_args: list[str],
-                  rdzv_id: str = "", max_restarts: int = 0) -> list[str]:
-    """The one multi-node command line: a torchrun agent on a node, `per_node` workers, meeting
-    the other `nodes - 1` agents at the c10d rendezvous `endpoint` (HOST:PORT; the agent on HOST
-    hosts it), each worker running `shardlm train train_args`. The same line on every node."""
-    argv = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"]
-    argv += [f"--rdzv-id={rdzv_id}"] if rdzv_id else []
-    argv += [f"--max-restarts={max_restarts}"] if max_restarts else []
-    return argv + ["-m", "shardlm", "train", *train_args]
 
 
 def _shell(argv: list[str], raw: tuple[str, ...] = ()) -> str:

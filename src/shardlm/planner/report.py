@@ -9,6 +9,7 @@ from typing import Any
 from shardlm.config import ModelConfig
 from shardlm.hardware.catalog import Cluster
 from shardlm.presets import ALIASES, PRESETS, get_preset
+from shardlm.torchrun import torchrun_argv
 from shardlm.planner.cost import (CostBasis, basis_json, cost_json, duration, money, number, tokens,
                                   training_cost)
 from shardlm.planner.memory import Item, Memory, stage_memories
@@ -207,8 +208,7 @@ def train_command(plan: Plan, w: Workload, cluster: Cluster) -> str | None:
     flags = _flags({**model_overrides(w.model), "train.seq_len": w.seq_len, **plan.overrides()})
     if cluster.nodes == 1:
         return f"shardlm train --nproc {cluster.per_node} {flags}"
-    return (f"torchrun --nnodes={cluster.nodes} --nproc-per-node={cluster.per_node} "
-            f"--rdzv-backend=c10d --rdzv-endpoint=HEAD_NODE:29500 -m shardlm train {flags}")
+    return " ".join(torchrun_argv(cluster.nodes, cluster.per_node, "HEAD_NODE:29500", flags.split()))
 
 
 # ---------------------------------------------------------------------------------------------
