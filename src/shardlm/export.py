@@ -33,7 +33,7 @@ import torch
 
 from shardlm.checkpoint import (TOKENIZER, WEIGHTS, load_config_json, load_for_inference,
                                resolve_run_dir)
-from shardlm.checkpoint.hf_names import hf_family
+from shardlm.checkpoint.hf_names import hf_family, hf_sources
 from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, merged_state_dict, peft_adapter, write_adapter
 from shardlm.config import ModelConfig
 from shardlm.errors import ConfigError
@@ -87,55 +87,25 @@ def hf_config(m: ModelConfig, eot: int | None):
 
 def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig,
                   stacked_experts: bool = True) -> dict[str, torch.Tensor]:
-    """Our parameter names and layouts -> the HF class's. `sd` is `Decoder.state_dict()`.
-    `stacked_experts`: the Mixtral class holds its experts stacked (transformers >= 5), not
-    one module per expert (transformers 4); see _mixtral_experts."""
-    out: dict[str, torch.Tensor] = {}
-    head_dim = m.d_model // m.n_heads
-    q_size, kv_size = m.n_heads * head_dim, (m.n_kv_heads or m.n_heads) * head_dim
+    """Our parameter names and layouts -> the HF class's, by the table model.hf_path loads with
+    (hf_names.hf_sources): each of ours cut into its HF tensors along dimension 0, transposed
+    for GPT-2's Conv1D. `sd` is `Decoder.state_dict()`. GPT-2 always has biases: where ours
+    has none (model.bias = false) the HF bias is zero. `stacked_experts`: the Mixtral class
+    holds its experts stacked (transformers >= 5), not one module per expert (transformers 4);
+    see _mixtral_experts."""
     family = hf_family(m)
-    if family == "gpt2":
-        def norm(dst: str, src: str) -> None:
-            out[f"{dst}.weight"] = sd[f"{src}.weight"]
-            # bias=False is a LayerNorm/Linear whose bias is zero: GPT-2 always has one.
-            out[f"{dst}.bias"] = sd.get(f"{src}.bias", torch.zeros(m.d_model))
-
-        def conv1d(dst: str, src: str) -> None:  # HF Conv1D: weight (in, out), i.e. ours transposed
-            w = sd[f"{src}.weight"]
-            out[f"{dst}.weight"] = w.t().contiguous()
-            out[f"{dst}.bias"] = sd.get(f"{src}.bias", torch.zeros(w.shape[0]))
-
-        out["transformer.wte.weight"] = sd["tok_emb.weight"]
-        out["transformer.wpe.weight"] = sd["pos_emb.weight"]
+    sources = hf_sources(m, family)
+    out: dict[str, torch.Tensor] = {}
+    for ours, source in sources.items():
+        for name, part in zip(source.names, sd[ours].split(list(source.rows))):
+            out[name] = (part.t() if source.transposed else part).contiguous()
+        bias = f"{ours.removesuffix('.weight')}.bias"
+        if family == "gpt2" and ours.startswith(("blocks.", "norm_f.")) and ours.endswith(".weight") \
+                and bias not in sources:
+            out[f"{source.names[0].removesuffix('.weight')}.bias"] = torch.zeros(sum(source.rows))
+    if family == "mixtral":
         for i in range(m.n_layers):
-            h, b = f"transformer.h.{i}", f"blocks.{i}"
-            norm(f"{h}.ln_1", f"{b}.attn_norm")
-            conv1d(f"{h}.attn.c_attn", f"{b}.attn.qkv")  # [q | k | v] columns, as GPT-2's
-            conv1d(f"{h}.attn.c_proj", f"{b}.attn.proj")
-            norm(f"{h}.ln_2", f"{b}.mlp_norm")
-            conv1d(f"{h}.mlp.c_fc", f"{b}.mlp.fc")
-            conv1d(f"{h}.mlp.c_proj", f"{b}.mlp.proj")
-        norm("transformer.ln_f", "norm_f")
-    else:
-        hidden = resolved_d_ff(m)
-        out["model.embed_tokens.weight"] = sd["tok_emb.weight"]
-        for i in range(m.n_layers):
-            h, b = f"model.layers.{i}", f"blocks.{i}"
-            out[f"{h}.input_layernorm.weight"] = sd[f"{b}.attn_norm.weight"]
-            out[f"{h}.post_attention_layernorm.weight"] = sd[f"{b}.mlp_norm.weight"]
-            for kind in ("weight", "bias") if m.bias else ("weight",):
-                q, k, v = sd[f"{b}.attn.qkv.{kind}"].split([q_size, kv_size, kv_size])
-                parts = {"self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v,
-                         "self_attn.o_proj": sd[f"{b}.attn.proj.{kind}"]}
-                if family == "llama":
-                    gate, up = sd[f"{b}.mlp.gate_up.{kind}"].split([hidden, hidden])
-                    parts.update({"mlp.gate_proj": gate, "mlp.up_proj": up,
-                                  "mlp.down_proj": sd[f"{b}.mlp.down.{kind}"]})
-                out.update({f"{h}.{name}.{kind}": t.contiguous() for name, t in parts.items()})
-            if family == "mixtral":
-                out.update(_mixtral_experts(sd, m, b, h, stacked_experts))
-        out["model.norm.weight"] = sd["norm_f.weight"]
-    out["lm_head.weight"] = sd["head.weight"]  # the embedding itself when tied
+            out.update(_mixtral_experts(sd, m, f"blocks.{i}", f"model.layers.{i}", stacked_experts))
     return out
 
 

@@ -1,6 +1,6 @@
 """Our decoder's parameters <-> a transformers checkpoint's tensors, as a table: `hf_initializer`
-reads a local HF directory into our initial values (model.hf_path). `export.hf_state_dict` (ours
--> HF) still spells the same mapping out in code; it should move onto this table. `hf_family`
+reads a local HF directory into our initial values (model.hf_path); `export.hf_state_dict` writes
+ours out through the same table (the experts of a mixture are its own business). `hf_family`
 says which transformers class (if any) expresses a model of ours; export and the PEFT adapter
 format (peft_adapter.py) both ask it.
 
