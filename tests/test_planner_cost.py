@@ -159,3 +159,24 @@ def test_cpu_cluster_price_unknown_prints_a_dash(capsys, monkeypatch):
     c = json.loads(out)["plans"][0]["cost"]
     assert c["cost_usd"] == pytest.approx(c["device_hours"] * 0.05) and c["energy_kwh"] is None
     assert math.isfinite(c["time_to_train_s"])
+
+
+def test_plan_compares_several_clusters_by_speed_or_cost(capsys):
+    """One workload on three clusters: the ranking follows the best plan of each, by tokens/s,
+    or by the priced cost when --rank-by cost (the same price per device-hour for the same
+    number of devices: cost order = speed order)."""
+    clusters = "8xA100-80GB,8xH100-80GB,8xV100-32GB"
+    base = ["plan", "--model", "gpt2-350m", "--gpus", clusters, "--top", "1", "--json"]
+    assert main(base) == 0
+    out = json.loads(capsys.readouterr().out)
+    best = {c["cluster"]: c["plans"][0]["tokens_per_s"] for c in out["clusters"]}
+    assert len(best) == 3 and out["ranking"] == sorted(best, key=lambda c: -best[c])
+    assert out["ranking"][0].startswith("8 x H100")
+    # Price every cluster the same per device-hour: cost order = speed order.
+    assert main(base + ["--tokens", "1e9", "--price-per-hour", "1", "--rank-by", "cost"]) == 0
+    assert json.loads(capsys.readouterr().out)["ranking"] == out["ranking"]
+    assert main(["plan", "--model", "gpt2-350m", "--gpus", clusters, "--top", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "3 clusters, the best plan of each, fastest first" in text
+    assert main(["estimate", "--model", "gpt2-350m", "--gpus", clusters]) == 2
+    assert "compared by `shardlm plan`" in capsys.readouterr().err

@@ -29,7 +29,8 @@ def planner_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--top-k", type=int, help="experts per token (overrides the model's)")
     p.add_argument("--gpus", required=True, metavar="CLUSTER",
                    help="COUNTxDEVICE or NODESxPER_NODExDEVICE (8xV100-16GB, 2x8xA100-80GB), or "
-                        "Nxcpu for N ranks on this machine (measured once, cached)")
+                        "Nxcpu for N ranks on this machine (measured once, cached); `plan` "
+                        "compares several, comma-separated (8xA100-80GB,16xV100-32GB)")
     p.add_argument("--intra", metavar="LINK", help="link inside a node (default: the device's)")
     p.add_argument("--inter", metavar="LINK", help="network between nodes, e.g. ib-hdr, roce-200")
     p.add_argument("--nics", type=int, help="network adapters per node")
@@ -55,9 +56,10 @@ def planner_args(p: argparse.ArgumentParser) -> None:
 
 
 def planner_inputs(args: argparse.Namespace):
-    """(model, Ψ given by --params or None, cluster, dtypes, seq) from the shared options."""
+    """(model, Ψ given by --params or None, clusters, seq) from the shared options: --gpus may
+    name several clusters, comma-separated, for `plan` to compare."""
     from shardlm.hardware.catalog import parse_cluster
-    from shardlm.planner.search import default_dtypes, model_from_hf_config, model_from_params, preset_model
+    from shardlm.planner.search import model_from_hf_config, model_from_params, preset_model
 
     if (args.model is None) == (args.params is None):
         raise ConfigError("give either --model PRESET or --params N (e.g. --params 7.5e9)")
@@ -79,8 +81,18 @@ def planner_inputs(args: argparse.Namespace):
     if model.experts < 0 or (model.experts and not 1 <= model.top_k <= model.experts):
         raise ConfigError(f"experts {model.experts} must be >= 0 and top-k {model.top_k} between 1 "
                           f"and the experts")
-    cluster = parse_cluster(args.gpus, args.intra, args.inter, args.nics)
-    return model, args.params, cluster, default_dtypes(cluster, args.precision, args.master, args.reduce), seq
+    clusters = [parse_cluster(spec.strip(), args.intra, args.inter, args.nics)
+                for spec in args.gpus.split(",")]
+    if len(clusters) > 1 and args.command != "plan":
+        raise ConfigError(f"--gpus {args.gpus!r}: several clusters (comma-separated) are compared "
+                          f"by `shardlm plan`; `shardlm {args.command}` takes one")
+    return model, args.params, clusters, seq
+
+
+def cluster_dtypes(args: argparse.Namespace, cluster):
+    from shardlm.planner.search import default_dtypes
+
+    return default_dtypes(cluster, args.precision, args.master, args.reduce)
 
 
 def cost_basis(args: argparse.Namespace, cluster):
@@ -105,7 +117,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from shardlm.planner import Strategy, Workload, estimate_memory, estimate_time
     from shardlm.planner.search import alternatives
 
-    model, params, cluster, dtypes, seq = planner_inputs(args)
+    model, params, (cluster,), seq = planner_inputs(args)
+    dtypes = cluster_dtypes(args, cluster)
     basis = cost_basis(args, cluster)
     world = cluster.world_size
     if args.micro_batch < 1 or args.grad_accum < 1 or min(args.tp, args.cp, args.pp, args.ep, args.dp_replicate) < 1:
@@ -127,20 +140,30 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """The search on each --gpus cluster; with several, the best plan of each compared (ranked
+    by --rank-by: time to train, or cost when --tokens prices them), then each cluster's plans."""
     from shardlm.planner import report
     from shardlm.planner import Workload
+    from shardlm.planner.cost import rank, training_cost
     from shardlm.planner.search import EVERYTHING, RUNTIME, search
 
-    from shardlm.planner.cost import rank, training_cost
-
-    model, params, cluster, dtypes, seq = planner_inputs(args)
-    basis = cost_basis(args, cluster)
+    model, params, clusters, seq = planner_inputs(args)
     sequences = args.global_batch or max(1, args.batch_tokens // seq)
     workload = Workload(model, seq, sequences, params)
-    result = search(workload, cluster, dtypes, RUNTIME if args.runtime_only else EVERYTHING)
-    if basis is not None:
-        result.plans = rank(result.plans, [training_cost(p.timing.tokens_per_s, cluster.world_size, basis)
-                                           for p in result.plans], args.rank_by)
-    print(report.plan_result_json(result, args.top, basis, args.rank_by) if args.json
-          else report.render_plan(result, args.top, basis, args.rank_by))
-    return 0 if result.plans else 1
+    results, bases = [], []
+    for cluster in clusters:
+        basis = cost_basis(args, cluster)
+        result = search(workload, cluster, cluster_dtypes(args, cluster),
+                        RUNTIME if args.runtime_only else EVERYTHING)
+        if basis is not None:
+            result.plans = rank(result.plans, [training_cost(p.timing.tokens_per_s, cluster.world_size, basis)
+                                               for p in result.plans], args.rank_by)
+        results.append(result)
+        bases.append(basis)
+    if len(results) == 1:
+        print(report.plan_result_json(results[0], args.top, bases[0], args.rank_by) if args.json
+              else report.render_plan(results[0], args.top, bases[0], args.rank_by))
+    else:
+        print(report.clusters_json(results, bases, args.top, args.rank_by) if args.json
+              else report.render_clusters(results, bases, args.top, args.rank_by))
+    return 0 if any(r.plans for r in results) else 1

@@ -10,7 +10,7 @@ from shardlm.config import ModelConfig
 from shardlm.hardware.catalog import Cluster
 from shardlm.presets import ALIASES, PRESETS, get_preset
 from shardlm.torchrun import torchrun_argv
-from shardlm.planner.cost import (CostBasis, basis_json, cost_json, duration, money, number, tokens,
+from shardlm.planner.cost import (CostBasis, basis_json, cost_json, duration, money, number, rank, tokens,
                                   training_cost)
 from shardlm.planner.memory import Item, Memory, stage_memories
 from shardlm.planner.search import Plan, SearchResult, describe_strategy, explain, step_parts
@@ -182,6 +182,63 @@ def render_plan(result: SearchResult, top: int, basis: CostBasis | None = None,
                          f"  {i:>2d} not runnable yet: {plan.not_runnable} (config keys: "
                          f"{_flags(plan.overrides())})")
     return "\n".join(lines)
+
+
+def _best_of_each(results: list[SearchResult], bases: list[CostBasis | None],
+                  rank_by: str) -> list[tuple[SearchResult, CostBasis | None]]:
+    """Each cluster's best plan (its search's first), clusters in `rank_by` order: by time to
+    train and cost when priced (--tokens), else by tokens/s; clusters where nothing fits last."""
+    fitting = [(r, b) for r, b in zip(results, bases) if r.plans]
+    if all(b is not None for _, b in fitting):
+        fitting = rank(fitting, [training_cost(r.plans[0].timing.tokens_per_s, r.cluster.world_size, b)
+                                 for r, b in fitting], rank_by)
+    else:
+        fitting.sort(key=lambda rb: -rb[0].plans[0].timing.tokens_per_s)
+    return fitting + [(r, b) for r, b in zip(results, bases) if not r.plans]
+
+
+def render_clusters(results: list[SearchResult], bases: list[CostBasis | None], top: int,
+                    rank_by: str = "speed") -> str:
+    """Several clusters for one workload: the best plan of each side by side, then each
+    cluster's own plan table."""
+    w = results[0].workload
+    priced = bases[0] is not None
+    width = max(len(r.cluster.describe()) for r in results)
+    lines = [f"model:   {describe_model(w)}",
+             f"batch:   {w.global_batch} sequences x {w.seq_len} tokens per step",
+             "", f"{len(results)} clusters, the best plan of each"
+             + (f", ranked by {rank_by} to train {tokens(bases[0].tokens)} tokens:" if priced else
+                ", fastest first:"),
+             f"  {'cluster':<{width}s} {'tokens/s':>12s} {'MFU':>6s} {'peak GB':>8s}"
+             + (f" {'to train':>9s} {'cost':>10s} {'kWh':>10s} {'kg CO2':>10s}" if priced else "")
+             + "  strategy"]
+    for result, basis in _best_of_each(results, bases, rank_by):
+        name = result.cluster.describe()
+        if not result.plans:
+            lines.append(f"  {name:<{width}s} nothing fits")
+            continue
+        plan = result.plans[0]
+        t = plan.timing
+        cost = ""
+        if basis is not None:
+            c = training_cost(t.tokens_per_s, result.cluster.world_size, basis)
+            cost = (f" {duration(c.seconds):>9s} {money(c.usd):>10s} {number(c.kwh):>10s} "
+                    f"{number(c.co2_kg):>10s}")
+        lines.append(f"  {name:<{width}s} {t.tokens_per_s:>12,.0f} {t.mfu:>6.1%} "
+                     f"{plan.memory.peak / GB:>8.1f}{cost}  {describe_strategy(plan.strategy)}")
+    for result, basis in zip(results, bases):
+        lines += ["", "=" * 100, render_plan(result, top, basis, rank_by)]
+    return "\n".join(lines)
+
+
+def clusters_json(results: list[SearchResult], bases: list[CostBasis | None], top: int,
+                  rank_by: str = "speed") -> str:
+    """render_clusters as JSON: `ranking` (cluster names, best first) and each cluster's plan
+    result as plan_result_json writes it."""
+    ranking = [r.cluster.describe() for r, _ in _best_of_each(results, bases, rank_by)]
+    return json.dumps({"ranking": ranking, "rank_by": rank_by,
+                       "clusters": [json.loads(plan_result_json(r, top, b, rank_by))
+                                    for r, b in zip(results, bases)]}, indent=1)
 
 
 def _flags(overrides: dict[str, object]) -> str:
