@@ -85,3 +85,31 @@ def test_timing_reports_mfu_and_hfu():
     assert ratio > 1 and math.isclose(full.hfu, full.mfu * ratio, rel_tol=1e-12)
     selective = estimate_time(LLAMA, replace(BASE, recompute="selective"), A100)
     assert selective.hfu == selective.mfu  # element-wise ops only: no matmul FLOPs redone
+
+
+def test_search_proposes_activation_offload_where_it_pays():
+    """llama-13b, 4k tokens on 8 x A100-40GB: the search tries offloading a quarter, half or all
+    of each stage's blocks' activations (fewest first) beside recomputation; the offloaded plans
+    fit, the first is runnable, and the best plan is at least as fast as the best without offload. On a
+    CPU cluster (the host is the device) nothing is offloaded."""
+    from shardlm.planner.search import EVERYTHING, default_dtypes, search
+
+    model = preset_model("llama-13b")
+    cluster = parse_cluster("8xA100-40GB")
+    w = Workload(model, 4096, 256)
+    dtypes = default_dtypes(cluster, "auto", "fp32", "auto")
+    with_offload = search(w, cluster, dtypes)
+    without = search(w, cluster, dtypes, replace(EVERYTHING, activation_offload=("none",)))
+    offloaded = [p for p in with_offload.plans if p.strategy.activation_offload == "cpu"]
+    assert offloaded and all(p.memory.fits for p in offloaded) and offloaded[0].runtime_supported
+    for p in offloaded:
+        per_stage = model.n_layers // p.strategy.layout.pp
+        assert p.strategy.activation_offload_blocks in (0, per_stage // 4, per_stage // 2)
+    assert not any(p.strategy.activation_offload != "none" for p in without.plans)
+    assert with_offload.plans[0].timing.tokens_per_s >= without.plans[0].timing.tokens_per_s
+    overrides = offloaded[0].overrides()
+    assert overrides["activation.offload"] == "cpu" and overrides["activation.checkpoint"] == "none"
+    load_config(overrides={**{k: str(v) for k, v in overrides.items()}, "model.preset": "llama-13b"}).validate()
+    cpu = search(Workload(preset_model("gpt-mini"), 256, 8), parse_cluster("2xcpu"),
+                 default_dtypes(parse_cluster("2xcpu"), "fp32", "fp32", "auto"))
+    assert cpu.plans and not any(p.strategy.activation_offload != "none" for p in cpu.plans)

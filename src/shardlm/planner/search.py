@@ -43,6 +43,9 @@ class Supported:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     offload_optimizer: tuple[str, ...] = ("none", "cpu", "nvme")
     offload_params: tuple[str, ...] = ("none", "cpu", "nvme")
+    activation_offload: tuple[str, ...] = ("none", "cpu")
+    """activation.offload: every block's saved activations to host memory instead of recomputing
+    them (tried on devices with their own memory; on a CPU the host is the device)."""
 
 
 EVERYTHING = Supported()
@@ -111,14 +114,15 @@ class Plan:
     def apply(self, cfg: Config) -> Config:
         """A new Config: `cfg` with this plan's keys set (typed values, no parsing), strategy
         'manual', validated. The plan's layout replaces the config's whole: tp, cp, pp, sequence
-        parallelism and the pipeline keys are set even at 1 (overrides() leaves out degrees of 1,
-        as command-line flags)."""
+        parallelism, the pipeline keys and activation offload are set even at 1 / 'none'
+        (overrides() leaves them out there, as command-line flags)."""
         new = copy.deepcopy(cfg)
         s, lay = self.strategy, self.strategy.layout
         whole = {"parallel.tp": lay.tp, "parallel.cp": lay.cp, "parallel.pp": lay.pp, "parallel.ep": lay.ep,
                  "parallel.sequence_parallel": s.sequence_parallel and lay.tp > 1,
                  "parallel.pp_schedule": s.pp_schedule, "parallel.pp_virtual": s.pp_virtual,
-                 "parallel.pp_layers": s.pp_layers}
+                 "parallel.pp_layers": s.pp_layers, "activation.offload": s.activation_offload,
+                 "activation.offload_blocks": s.activation_offload_blocks}
         for key, value in {**self.overrides(), **whole, "parallel.strategy": "manual"}.items():
             section, _, name = key.partition(".")
             setattr(getattr(new, section), name, value)
@@ -208,6 +212,22 @@ def _offloads(stage: int, cluster: Cluster, supported: Supported) -> list[tuple[
     return out
 
 
+def _activation_choices(cluster: Cluster, supported: Supported) -> list[tuple[str, str]]:
+    """(recompute, activation offload), least memory saved first: keep everything; offload every
+    block's activations to the host (a device with its own memory only); then recompute."""
+    choices = [(r, "none") for r in supported.recompute]
+    if cluster.device.kind != "cpu" and "cpu" in supported.activation_offload and "none" in supported.recompute:
+        choices.insert(1, ("none", "cpu"))
+    return choices
+
+
+def _offload_blocks(w: Workload, lay: ParallelDims) -> list[int]:
+    """activation.offload_blocks to try, fewest first: a quarter, half, then every block (0) of a
+    pipeline stage's; the fewest that fit move the fewest bytes over PCIe."""
+    per_stage = w.model.n_layers // lay.pp
+    return sorted({n for n in (per_stage // 4, per_stage // 2) if 0 < n < per_stage}) + [0]
+
+
 def _first_fit(w: Workload, cluster: Cluster, strategies: list[Strategy]) -> tuple[Plan | None, list[Plan]]:
     """The first strategy that fits (they come cheapest first: offloading or recomputing more
     only slows a plan that already fits), and the ones before it that did not."""
@@ -231,7 +251,8 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
     best: dict[tuple, Plan] = {}
     unfit: dict[tuple, Plan] = {}
     evaluated = 0
-    key = lambda s: (s.layout, s.zero_stage, s.recompute, s.offload_optimizer, s.offload_params)  # noqa: E731
+    key = lambda s: (s.layout, s.zero_stage, s.recompute, s.offload_optimizer, s.offload_params,  # noqa: E731
+                     s.activation_offload)
     over = lambda p: p.memory.peak / p.memory.capacity  # noqa: E731
     for lay in layouts or _layouts(w, cluster, supported, dtypes):
         per_rank = w.global_batch // lay.dp_size
@@ -250,9 +271,11 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
             for micro in divisors(per_rank):
                 if piped.get("pp_virtual", 1) > 1 and (per_rank // micro) % lay.pp:
                     continue  # the interleaved schedule takes micro-batches in groups of pp
-                for recompute in supported.recompute:
+                for recompute, act in _activation_choices(cluster, supported):
                     tries = [Strategy(lay, stage, micro, per_rank // micro, recompute, opt, params, dtypes,
-                                      sequence_parallel, **piped)
+                                      sequence_parallel, **piped, activation_offload=act,
+                                      activation_offload_blocks=blocks)
+                             for blocks in (_offload_blocks(w, lay) if act != "none" else (0,))
                              for opt, params in offloads]
                     plan, misses = _first_fit(w, cluster, tries)
                     evaluated += len(misses) + (plan is not None)
@@ -266,7 +289,10 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
                     held = best.get(key(plan.strategy))
                     if held is None or plan.timing.tokens_per_s > 0.999 * held.timing.tokens_per_s:
                         best[key(plan.strategy)] = plan
-                    break  # more recomputation only slows a micro-batch that already fits
+                    if act == "none":
+                        break  # more recomputation only slows a micro-batch that already fits
+                    # offloaded activations fit: recomputing instead may still be faster (when
+                    # the copies are not hidden behind compute), so that is tried too
     plans = sorted(best.values(), key=lambda p: (-p.timing.tokens_per_s, not p.runtime_supported,
                                                  p.memory.peak))
     closest = sorted((p for k, p in unfit.items() if k not in best), key=over)
@@ -380,8 +406,12 @@ def _versus(win: Plan, other: Plan, label: str) -> str:
 
 def default_dtypes(cluster: Cluster, compute: str = "auto", master: str = "fp32",
                    reduce: str = "auto") -> Dtypes:
-    """'auto' as a run resolves it (hardware.catalog.choose_compute)."""
+    """'auto' as a run resolves it (hardware.catalog.choose_compute). 'fp8' is planned as bf16:
+    its parameters, gradients and activations are bf16, and the catalog has no FP8 peaks, so its
+    matmul time is bf16's (an upper bound where FP8 hardware is faster)."""
     peak = cluster.device.peak
+    if compute == "fp8":
+        compute = "bf16"
     if compute == "auto":
         compute = choose_compute(cluster.device.kind, peak)
     if master == "bf16" and compute != "bf16":
