@@ -72,11 +72,11 @@ def test_compiles_each_block_and_keeps_hooks_eager(caplog):
 
 def test_compile_refuses_what_does_not_compose():
     with pytest.raises(ConfigError) as err:
-        load_config(overrides={"train.compile": "true", "parallel.tp": "2", "activation.checkpoint": "selective",
+        load_config(overrides={"train.compile": "true", "parallel.cp": "2", "activation.checkpoint": "selective",
                                "model.preset": "llama-tiny"}).validate()
     text = str(err.value)
-    assert "train.compile = true does not compose yet with" in text
-    assert "parallel.tp = 2" in text and "activation.checkpoint = 'selective'" in text
+    assert "train.compile = true does not compose yet with" in text and "parallel.pp" not in text
+    assert "parallel.cp = 2" in text and "activation.checkpoint = 'selective'" in text
     assert "set train.compile = false" in text
     load_config(overrides={"train.compile": "true", "parallel.zero_stage": "3",
                            "activation.checkpoint": "full"}).validate()  # what composes passes
@@ -88,16 +88,30 @@ def compiled_runs(tmp_path_factory):
     base = tiny_overrides(tmp, train__micro_batch=4, train__seq_len=32)
     cases = [{**base, "model.preset": "llama-tiny", "parallel.zero_stage": 0},
              {**base, "model.preset": "gpt-tiny", "parallel.zero_stage": 3},
-             {**base, "model.preset": "llama-tiny", "parallel.zero_stage": 3, "activation.checkpoint": "full"}]
+             {**base, "model.preset": "llama-tiny", "parallel.zero_stage": 3, "activation.checkpoint": "full"},
+             {**base, "model.preset": "gpt-tiny", "parallel.pp": 2, "train.grad_accum": 2},
+             {**base, "model.preset": "llama-tiny", "parallel.zero_stage": 3, "activation.offload": "cpu"},
+             {**base, "model.preset": "gpt-tiny", "parallel.tp": 2, "parallel.sequence_parallel": True}]
     runs = cases + [{**case, "train.compile": True} for case in cases]
     logged = {**cases[1], "train.compile": True, "train.steps": 2}
     from compile_cases import first_record_then_cases
     return cases, run_ranks(first_record_then_cases, 2, tmp, logged, runs, STEPS, timeout=600)
 
 
-@pytest.mark.parametrize("index, what", [(0, "zero-0 llama"), (1, "zero-3 gpt"), (2, "zero-3 llama, full AC")])
+@pytest.mark.parametrize("index, what", [(0, "zero-0 llama"), (1, "zero-3 gpt"), (2, "zero-3 llama, full AC"),
+                                         (3, "pp 2 gpt"), (4, "zero-3 llama, activation offload"),
+                                         (5, "tp 2 + sequence parallel gpt")])
 def test_compiled_matches_eager_on_two_ranks(compiled_runs, index, what):
-    cases, (rank0, rank1) = compiled_runs
+    cases, ranks = compiled_runs
+    if cases[index].get("parallel.pp", 1) > 1 or cases[index].get("parallel.tp", 1) > 1:
+        # each rank holds its own stage / its own pieces: rank against rank (a tp piece of
+        # qkv is [this rank's q | k | v] rows, so its key bias starts at d_model / tp)
+        d_model = 64 // cases[index].get("parallel.tp", 1)
+        for rank in ranks:
+            eager, compiled = rank["cases"][index], rank["cases"][len(cases) + index]
+            assert_matches(compiled["losses"], compiled["params"], eager, what, tol=1e-5, d_model=d_model)
+        return
+    (rank0, rank1) = ranks
     eager, compiled = rank0["cases"][index], rank0["cases"][len(cases) + index]
     assert_matches(compiled["losses"], compiled["params"], eager, what, tol=1e-5)
     other = rank1["cases"][len(cases) + index]

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.comm.collectives import Comm
+from shardlm.parallel.collective_ops import all_reduce, gather_seq, op_group, reduce_scatter_seq
 from shardlm.errors import ConfigError
 from shardlm.placement import Split, even_range
 
@@ -50,6 +51,11 @@ class TPState:
     sharded: bool = False
     """True while this forward's activations outside attention and MLP are sequence-sharded."""
     splits: dict[str, Split] = field(default_factory=dict)
+    group: str = ""
+    """The group's key for the collective ops (collective_ops.op_group), set from `comm`."""
+
+    def __post_init__(self) -> None:
+        self.group = op_group(self.comm)
 
     @property
     def size(self) -> int:
@@ -69,48 +75,27 @@ class TPState:
 # Collectives as autograd functions
 
 
-def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    out = x.contiguous().clone()
-    comm.all_reduce(out).wait()
-    return out
-
-
-def _gather_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """(B, t, C) on each rank -> (B, N·t, C), ranks' chunks in order."""
-    chunk = x.transpose(0, 1).contiguous()  # (t, B, C): the sequence outermost
-    out = torch.empty((comm.size * chunk.shape[0], *chunk.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.all_gather(out.view(-1), chunk.view(-1)).wait()
-    return out.transpose(0, 1)
-
-
-def _reduce_scatter_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """(B, T, C) partial sums on each rank -> this rank's (B, T/N, C) of their sum."""
-    whole = x.transpose(0, 1).contiguous()  # (T, B, C)
-    out = torch.empty((whole.shape[0] // comm.size, *whole.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.reduce_scatter(out.view(-1), whole.view(-1), scratch_input=True).wait()
-    return out.transpose(0, 1)
-
-
 class _CopyToGroup(torch.autograd.Function):
     """Identity forward, all-reduce backward (Megatron's f): before a column-parallel matmul,
-    and on a replicated parameter whose gradient each rank computes from different tokens."""
+    and on a replicated parameter whose gradient each rank computes from different tokens.
+    `group`: the group's key (collective_ops.op_group), so a compiled block traces it."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
+    def forward(ctx, x, group):
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.comm), None
+        return all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
     """All-reduce forward, identity backward (Megatron's g): after a row-parallel matmul."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        return _all_reduce(x, comm)
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -122,63 +107,63 @@ class _GatherSequence(torch.autograd.Function):
     replacement for f)."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _gather_seq(x, comm)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.comm), None
+        return reduce_scatter_seq(grad, ctx.group), None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
     """Reduce-scatter along the sequence forward, all-gather backward (the replacement for g)."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _reduce_scatter_seq(x, comm)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.comm), None
+        return gather_seq(grad, ctx.group), None
 
 
 def into_parallel_region(x: torch.Tensor, tp: TPState) -> torch.Tensor:
     """Before a column-parallel matmul: the whole sequence on every rank."""
     if tp.sharded:
-        return _GatherSequence.apply(x, tp.comm)
-    return _CopyToGroup.apply(x, tp.comm)
+        return _GatherSequence.apply(x, tp.group)
+    return _CopyToGroup.apply(x, tp.group)
 
 
 def out_of_parallel_region(x: torch.Tensor, tp: TPState) -> torch.Tensor:
     """After a row-parallel matmul (or the vocabulary-parallel embedding): partial sums summed,
     whole (plain TP) or this rank's sequence chunk (sequence parallel)."""
     if tp.sharded:
-        return _ReduceScatterSequence.apply(x, tp.comm)
-    return _ReduceFromGroup.apply(x, tp.comm)
+        return _ReduceScatterSequence.apply(x, tp.group)
+    return _ReduceFromGroup.apply(x, tp.group)
 
 
 def copy_to_group(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Identity forward, the group's sum of the gradient backward (Megatron's f)."""
-    return _CopyToGroup.apply(x, comm)
+    return _CopyToGroup.apply(x, op_group(comm))
 
 
 def reduce_from_group(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """The group's sum of x forward, identity backward (Megatron's g): each rank's gradient
     goes to its own addend (also a MoE block's router statistics over the ranks' token shares)."""
-    return _ReduceFromGroup.apply(x, comm)
+    return _ReduceFromGroup.apply(x, op_group(comm))
 
 
 def summed(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """The group's sum of x, outside autograd (a copy; x is unchanged)."""
-    return _all_reduce(x.detach(), comm)
+    return all_reduce(x.detach(), op_group(comm))
 
 
 def synced(param: torch.Tensor, tp: TPState) -> torch.Tensor:
     """A replicated parameter used on sequence-sharded activations: its gradient summed over
     the group (each rank saw different tokens). Plain TP: every rank's gradient is the same."""
-    return _CopyToGroup.apply(param, tp.comm) if tp.sharded else param
+    return _CopyToGroup.apply(param, tp.group) if tp.sharded else param
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +211,7 @@ class SharedKVLinear(nn.Module):
     def _pick(self, t: torch.Tensor) -> torch.Tensor:
         """[q rows | k rows of the used head | v rows of the used head], the k/v rows' gradient
         summed over the group."""
-        shared = _CopyToGroup.apply(t[self.q_rows:], self.tp.comm)
+        shared = _CopyToGroup.apply(t[self.q_rows:], self.tp.group)
         k, v = shared[:self.kv_rows], shared[self.kv_rows:]
         return torch.cat([t[:self.q_rows], k[self.used], v[self.used]])
 
