@@ -3,6 +3,10 @@ models built from configs (no weights are downloaded), identically on every rank
 
 from __future__ import annotations
 
+import json
+import random
+from pathlib import Path
+
 import torch
 
 from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter
@@ -40,6 +44,16 @@ def _hf_model(name: str) -> torch.nn.Module:
                              num_heads=4, dropout_rate=0.0, attn_implementation=ATTN)
         return Seq2SeqAdapter(tf.T5ForConditionalGeneration(config), VOCAB)
     raise ValueError(name)
+
+
+def reverse_jsonl(path: Path, n: int = 240) -> Path:
+    """A data.format = 'seq2seq' file: short strings of a-f and their reversals."""
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(n):
+            word = "".join(rng.choice("abcdef") for _ in range(rng.randint(3, 6)))
+            f.write(json.dumps({"source": word, "target": word[::-1]}) + "\n")
+    return path
 
 
 def hf_train_cases(rank: int, world_size: int, cases: list[tuple[str, dict, int]]) -> list[dict]:

@@ -17,10 +17,13 @@ from torch.utils._pytree import tree_flatten
 
 
 class StorageLedger(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, exclude: tuple[torch.Tensor, ...] = ()):
+        """`exclude`: tensors whose storage is never counted (parameters, inputs made before),
+        however many views of it the ops return."""
         super().__init__()
         self.tracked: list[weakref.ref] = []
         self.peak = 0
+        self.excluded = {t.untyped_storage().data_ptr() for t in exclude}
 
     def track(self, *tensors: torch.Tensor) -> None:
         """Count tensors made outside an aten op (an nn.Parameter wraps its data in a new
@@ -34,7 +37,8 @@ class StorageLedger(TorchDispatchMode):
         storages = {}
         for t in alive:
             storage = t.untyped_storage()
-            storages[storage._cdata] = storage.nbytes()
+            if storage.data_ptr() not in self.excluded:
+                storages[storage._cdata] = storage.nbytes()
         return sum(storages.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -45,3 +49,26 @@ class StorageLedger(TorchDispatchMode):
             self.tracked += [weakref.ref(t) for t in fresh]
             self.peak = max(self.peak, self.live_bytes())
         return out
+
+
+def decoder_peak_bytes(model, batch: int, seq: int) -> int:
+    """Peak bytes of live tensors (parameters excluded) during one forward, loss and backward of
+    a shardlm Decoder's blocks, final norm and head, from the first block's input (which counts:
+    made outside, added here), without document masks."""
+    import torch.nn.functional as F
+
+    d = model.cfg.d_model
+    idx = torch.randint(0, model.cfg.vocab_size, (batch, seq))
+    x0 = torch.randn(batch, seq, d, dtype=torch.float32, requires_grad=True)
+    rope = (model.rope_cos[:seq], model.rope_sin[:seq]) if model.cfg.position == "rope" else None
+    with StorageLedger(exclude=(*model.parameters(), *model.buffers(), x0)) as ledger:
+        mask = model._attention_mask(None, seq, x0)  # math's causal mask: once per forward
+        x = x0
+        for block in model.blocks:
+            x = block(x, rope) if mask is None else block(x, rope, mask=mask)
+        logits = model.head(model.norm_f(x))
+        del x
+        loss = F.cross_entropy(logits.float().flatten(0, 1), idx.flatten())
+        del logits
+        torch.autograd.grad(loss, [x0])
+    return ledger.peak + x0.numel() * x0.element_size()

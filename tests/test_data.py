@@ -219,9 +219,16 @@ def test_x_y_shift_and_window_layout(built):
 
 
 def test_eval_batches_are_the_first_windows_in_order(built):
-    batches = list(Loader(_ids(3000), 16, 4, 1, seed=9, dp_rank=1, dp_size=2).eval_batches(3))
+    batches = list(Loader(_ids(3000), 16, 4, 1, seed=9).eval_batches(3))
     assert len(batches) == 3
     assert batches[1][0][0, 0].item() == 4 * 16
+    # dp = 2: the same 12 windows, 6 per rank; each rank's second batch padded with -100 rows.
+    shares = [list(Loader(_ids(3000), 16, 4, 1, seed=9, dp_rank=r, dp_size=2).eval_batches(3))
+              for r in range(2)]
+    assert [len(s) for s in shares] == [2, 2]
+    kept = [x[(y != -100).all(1), 0] // 16 for s in shares for x, y in s]
+    assert torch.cat(kept).tolist() == list(range(12))
+    assert all(((y == -100).all(1) | (y != -100).all(1)).all() for s in shares for _, y in s)
     assert len(list(eval_batches(_ids(200), 16, 4, 100))) == 3  # capped by the 12 windows there
     val = built.val
     first = [x for x, _ in eval_batches(val, 32, 2, 2)]

@@ -14,8 +14,9 @@ Tolerances, measured (fp32, 3 steps, grad_clip 1.0 unless said):
   c_attn.bias), ~4e-5: its gradient is zero in exact arithmetic (softmax ignores a shift shared
   by a whole row), what Adam sees there is rounding noise normalised into full-size steps.
   It is left out of the comparison, as in test_zero.py.
-- T5 (no biases), stage 3 with T5Block units: losses ≤ 1e-7, parameters ≤ 3e-8 relative (the
-  same clip-coefficient ulp). Asserted: 1e-6 relative for everything not bitwise.
+- T5 (no biases), stage 3 with T5Block units, trained on its real objective (data.format =
+  'seq2seq': source -> target with teacher forcing, tests/test_seq2seq.py): losses and parameters
+  within the same clip-coefficient ulp. Asserted: 1e-6 relative for everything not bitwise.
 
 Units: GPT2Block ×2 and LlamaDecoderLayer ×2 are the largest ModuleList's children. T5 has two
 ModuleLists of T5Block; the larger is decoder.block (cross-attention), so by default the encoder
@@ -30,13 +31,14 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from hf_cases import hf_model, hf_train_cases
+from hf_cases import hf_model, hf_train_cases, reverse_jsonl
 from shardlm.spawn import run_ranks
 from shardlm.zero.units import collect_units
 from zero_cases import reference_case
 
 STEPS, WORLD = 3, 2
 T5_UNITS = {"parallel.units": "T5Block"}
+SEQ2SEQ = {"data.format": "seq2seq", "train.seq_len": 8, "data.source_len": 8, "data.val_fraction": 0.1}
 
 
 def _base(tmp_path, **extra):
@@ -62,21 +64,26 @@ CASES = [  # (model, stage, extra overrides)
     ("gpt2", 3, {}),
     ("gpt2", 2, {}),
     ("gpt2", 3, {"train.grad_clip": 0.0}),
-    ("t5", 3, T5_UNITS),
+    ("t5", 3, {**T5_UNITS, **SEQ2SEQ}),
 ]
+
+
+def _data(extra: dict, tmp) -> dict:
+    """The seq2seq cases' source -> target file."""
+    return {"data.source": str(reverse_jsonl(tmp / "rev.jsonl"))} if "data.format" in extra else {}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf")
-    cases = [(name, {**_base(tmp), **extra, "parallel.zero_stage": stage}, STEPS)
+    cases = [(name, {**_base(tmp), **extra, **_data(extra, tmp), "parallel.zero_stage": stage}, STEPS)
              for name, stage, extra in CASES]
     ranks = run_ranks(hf_train_cases, WORLD, tmp, cases)
     refs = {}
     for name, _, extra in CASES:
         key = (name, extra.get("train.grad_clip"))
         if key not in refs:
-            refs[key] = _reference(name, {**_base(tmp), **extra})
+            refs[key] = _reference(name, {**_base(tmp), **extra, **_data(extra, tmp)})
     return ranks, [refs[(name, extra.get("train.grad_clip"))] for name, _, extra in CASES]
 
 
@@ -140,7 +147,8 @@ def test_meta_built_models_shard_to_the_one_process_model(tmp_path):
     from hf_cases import hf_built
     from shardlm.models.init import materialize
 
-    cases = [(name, {**_base(tmp_path), **(T5_UNITS if name == "t5" else {}),
+    t5 = {**T5_UNITS, **SEQ2SEQ, **_data(SEQ2SEQ, tmp_path)}
+    cases = [(name, {**_base(tmp_path), **(t5 if name == "t5" else {}),
                      "parallel.zero_stage": stage, "run.name": f"{name}{stage}"})
              for name in ("llama", "gpt2", "t5") for stage in (1, 3)]
     ranks = run_ranks(hf_built, WORLD, tmp_path, cases, timeout=300)

@@ -1,7 +1,7 @@
 """`shardlm launch --target T`: every target's spec parses and carries the world size, the
 rendezvous and the train command with its overrides; an invalid config is refused before anything
 is written; --submit without the tool is a clear error (docs/launch.md). Nothing here starts a
-process group: the specs are text (the real 2-agent torchrun test is later work)."""
+process group: the specs are text (the 2-agent torchrun runs: tests/test_multinode.py)."""
 
 import json
 import os

@@ -11,7 +11,7 @@ from pathlib import Path
 import shardlm
 
 LAYERS = [  # bottom first
-    {"errors", "files", "torchrun"},
+    {"errors", "files", "torchrun", "packed"},
     {"preflight"},
     {"presets", "dims"},
     {"config_rules"},
@@ -22,13 +22,14 @@ LAYERS = [  # bottom first
     {"hardware"},
     {"mesh"},
     {"comm"},
-    {"models", "data", "optim", "precision", "telemetry"},
+    {"models", "data", "optim", "precision", "telemetry", "tracking"},
     {"checkpoint"},
     {"zero"},
     {"parallel"},
     {"planner"},
     {"resolve"},
-    {"trainer", "export", "launch_targets"},
+    {"trainer", "export", "launch_targets", "eval_checkpoint"},
+    {"studies"},
     {"cli_planner"},
     {"cli"},
     {"__main__"},

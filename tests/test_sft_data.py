@@ -15,7 +15,7 @@ from conftest import tiny_overrides
 from shardlm.config import DataConfig, load_config
 from shardlm.data import EOT, build_dataset
 from shardlm.data.loader import _windows
-from shardlm.data.sft import IGNORE, encode_example, pack_to_files
+from shardlm.data.sft import IGNORE, LOSS, START, encode_example, pack_to_files
 from shardlm.errors import ConfigError
 from shardlm.trainer import build_run, train
 
@@ -89,16 +89,19 @@ def test_packing_keeps_examples_whole_and_in_order(tmp_path):
     counts = pack_to_files(tok, iter(records), "chat", end, row_len, tmp_path / "t.bin",
                            tmp_path / "m.bin", np.dtype(np.uint16))
     tokens = np.fromfile(tmp_path / "t.bin", dtype=np.uint16).reshape(-1, row_len)
-    mask = np.fromfile(tmp_path / "m.bin", dtype=np.uint8).reshape(-1, row_len)
+    bits_read = np.fromfile(tmp_path / "m.bin", dtype=np.uint8).reshape(-1, row_len)
+    mask, starts = bits_read & LOSS, bits_read & START  # loss bits; example (and padding) starts
     assert counts["n_rows"] == len(tokens) and counts["n_truncated"] == 1
     row, at = 0, 0
     for ids, bits in encoded:  # greedy: each example where the last one ended, or on a new row
         ids, bits = ids[:row_len], bits[:row_len]
         if at + len(ids) > row_len:
             assert (tokens[row, at:] == end).all() and not mask[row, at:].any()  # padding
+            assert starts[row, at:].tolist() == [START] + [0] * (row_len - at - 1)  # its own document
             row, at = row + 1, 0
         assert tokens[row, at:at + len(ids)].tolist() == ids
         assert mask[row, at:at + len(ids)].tolist() == bits
+        assert starts[row, at:at + len(ids)].tolist() == [START] + [0] * (len(ids) - 1)
         at += len(ids)
     assert row == len(tokens) - 1
     assert len(encoded[-1][0]) > row_len  # the long example was cut, and counted

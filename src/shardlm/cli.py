@@ -1,4 +1,4 @@
-"""The `shardlm` command: train, launch, generate, export, presets, estimate, plan."""
+"""The `shardlm` command: train, launch, generate, export, presets, estimate, plan, study."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from shardlm.cli_planner import cmd_estimate, cmd_plan, planner_args
 from shardlm.errors import ConfigError
+from shardlm.studies import cmd_study, study_args
 from shardlm.preflight import DiskError, check_run_disks, nvme_bytes
 
 EPILOG = """\
@@ -27,6 +28,8 @@ examples:
                                                   an sbatch script for 2 x 8 ranks (also torchrun,
                                                   k8s, vertex; --out FILE, --submit)
   shardlm generate --checkpoint runs/latest --prompt "def fib("
+  shardlm eval --checkpoint runs/latest --data.val_source=test.parquet
+                                                  val_loss, val_perplexity, val_token_accuracy
   shardlm export --checkpoint runs/latest --format hf --out hf-model/
   shardlm export --checkpoint runs/latest --format peft --out adapter/
                                                   a LoRA run's adapters for peft (--format hf
@@ -39,6 +42,10 @@ examples:
   shardlm plan --model llama-7b --gpus 2x8xA100-80GB
                                                   ranked strategies that fit, and why the best wins
   shardlm plan --model gpt-mini --gpus 2xcpu --runtime-only --json
+  shardlm study max-batch --gpus 8xV100-16GB      a study measured here (each point a train run) and
+                                                  predicted on the cluster: report.md, PNGs, JSONL
+                                                  (also offload-rescue, zero-sweep, strategies,
+                                                  scaling; --quick: seconds)
   shardlm plan --model llama-7b --gpus 8xA100-80GB --tokens 1e10 --cloud aws
                                                   with time to train, cost, energy and CO2 for
                                                   1e10 tokens (list price, --price-per-hour USD)
@@ -75,13 +82,23 @@ def _parser() -> argparse.ArgumentParser:
                             "that has one. The run continues in that run's directory unless "
                             "run.name is given")
     _launch_args(sub)
-    gen = sub.add_parser("generate", help="sample text from a trained run")
+    gen = sub.add_parser("generate", help="sample text from a trained run (a KV cache: the prompt "
+                                          "runs once, then one token per step)")
     gen.add_argument("--checkpoint", default="runs/latest", help="run directory (default runs/latest)")
-    gen.add_argument("--prompt", default="def ", help="text to continue")
+    gen.add_argument("--prompt", default="def ", help="text to continue; for an encoder-decoder "
+                                                      "(seq2seq) run, the source to transform")
     gen.add_argument("--tokens", type=int, default=200, help="tokens to generate")
-    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=50)
+    gen.add_argument("--beams", type=int, default=1,
+                     help="beam search with this many beams (encoder-decoder runs, --temperature 0)")
+    gen.add_argument("--no-cache", action="store_true",
+                     help="recompute the whole context for every token (decoder-only; for comparison)")
     gen.add_argument("--seed", type=int, default=0)
+    ev = sub.add_parser("eval", help="a trained run's val_loss, val_perplexity and "
+                                     "val_token_accuracy on its held-out split (or --data.* "
+                                     "overrides: e.g. --data.val_source=test.parquet), one JSON line")
+    ev.add_argument("--checkpoint", default="runs/latest", help="run directory (default runs/latest)")
     sub.add_parser("presets", help="list the named model shapes with parameter counts")
     exp = sub.add_parser("export", help="write a trained run in another library's format")
     exp.add_argument("--checkpoint", default="runs/latest", help="run directory (default runs/latest)")
@@ -135,6 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--rank-by", choices=["speed", "cost"], default="speed",
                       help="order plans by time to train (speed) or by cost for --tokens (on one "
                            "cluster the two agree: same devices, same price)")
+    study_args(sub)
     return parser
 
 
@@ -167,6 +185,9 @@ def _launch_args(sub) -> None:
                         f"a placeholder to replace)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="torchrun's --max-restarts for every agent (workers resume from the latest checkpoint)")
+    p.add_argument("--min-nodes", type=int, default=0, metavar="M",
+                   help="torchrun target: an elastic job of M to N nodes (--nnodes=M:N); the gang "
+                        "restarts at each change of members, resharded from the latest checkpoint")
     p.add_argument("--inline", action="store_true",
                    help="pass the config file's settings as overrides, so the workers need no copy of it")
     p.add_argument("--gpu-type", metavar="DEVICE",
@@ -240,6 +261,7 @@ def preflight(cfg, nproc: int) -> None:
     from shardlm.dims import resolve_dims
     from shardlm.launch import launcher_sizes
     from shardlm.models import count_params
+    from shardlm.precision import carrier
 
     run_dir = Path(cfg.run.dir) / cfg.run.name if cfg.run.name else Path(cfg.run.dir)
     z = cfg.zero
@@ -255,10 +277,15 @@ def preflight(cfg, nproc: int) -> None:
         itemsize = {"fp32": 4, "bf16": 2, "fp16": 2}
         optimizer_bytes = (nvme_bytes(per_rank, itemsize[cfg.precision.master], 0, False)
                            if z.offload_optimizer == "nvme" else 0)
-        param_bytes = (per_rank * itemsize.get(cfg.precision.compute, 4)
+        param_bytes = (per_rank * itemsize.get(carrier(cfg.precision.compute), 4)
                        if z.offload_params == "nvme" else 0)
         needed = local * (optimizer_bytes + param_bytes)
     check_run_disks(run_dir, run_dir / CHECKPOINTS, nvme_dir, needed)
+    if cfg.precision.compute == "fp8":  # FP8 hardware, or the emulation asked for: known here
+        from shardlm.launch import pick_device
+        from shardlm.models.fp8 import check_fp8_device
+
+        check_fp8_device(cfg.precision, pick_device(cfg.run.device))
 
 
 def resume_hint(cfg) -> str:
@@ -291,7 +318,9 @@ def train_here(cfg) -> int:
     t = cfg.train
     if main:
         active = active_params(cfg.model)
-        size = f"{count_params(cfg.model) / 1e6:.1f}M params" + (
+        total = (count_params(cfg.model) if not run.dataset.source_len  # an encoder-decoder: its own
+                 else sum(p.numel() for p in run.model.parameters()))
+        size = f"{total / 1e6:.1f}M params" + (
             f", {active / 1e6:.1f}M active" if cfg.model.experts else "")
         print(f"shardlm: {cfg.model.preset} ({size}) on "
               f"{run.runtime.world_size} x {run.runtime.device}, {run.precision.name}, ZeRO stage "
@@ -303,7 +332,8 @@ def train_here(cfg) -> int:
         print(f"shardlm: {lora.summary()}", flush=True)
     print(state_report(run), flush=True)
     result = train(run)
-    val = f", val loss {result.val_loss:.3f}" if result.val_loss is not None else ""
+    val = (f", val loss {result.val_loss:.3f} (perplexity {result.val_perplexity:.2f}, token "
+           f"accuracy {result.val_token_accuracy:.1%})" if result.val_loss is not None else "")
     if main and not result.losses:
         print(f"nothing to do: the checkpoint is at step {run.start_step} of {t.steps}")
     elif main:
@@ -412,14 +442,16 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
 
     import shardlm.launch_targets as lt
     from shardlm.config import load_config, parse_overrides
-    from shardlm.dims import resolve_dims
+    from shardlm.dims import grad_accum_for
     from shardlm.launch import unique_run_name
 
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise ConfigError(f"--nodes {args.nodes} and --gpus-per-node {args.gpus_per_node} must be >= 1")
-    world = args.nodes * args.gpus_per_node
     cfg = load_config(args.config, parse_overrides(overrides)).validate()
-    resolve_dims(cfg.parallel, world)  # the layout fits N x G ranks, as `train --nproc` checks
+    # The layout (and train.global_batch) fits N x G ranks, as `train --nproc` checks; an
+    # elastic job, every size it may run at.
+    for nodes in range(max(1, args.min_nodes or args.nodes), args.nodes + 1):
+        grad_accum_for(cfg.train, cfg.parallel, nodes * args.gpus_per_node)
     if args.gpu_type:  # the dry run's report is not part of the spec: it goes to stderr
         with contextlib.redirect_stdout(sys.stderr):
             dry_run(argparse.Namespace(gpus=f"{args.nodes}x{args.gpus_per_node}x{args.gpu_type}",
@@ -430,7 +462,8 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     if not cfg.run.name:  # every node's rank 0 and every restart find the same run directory
         train_args.append(f"--run.name={name}")
     spec = lt.LaunchSpec(args.target, args.nodes, args.gpus_per_node, train_args, name, args.image,
-                         args.rdzv_endpoint, args.max_restarts, args.machine_type, args.accelerator)
+                         args.rdzv_endpoint, args.max_restarts, args.machine_type, args.accelerator,
+                         min_nodes=args.min_nodes)
     lt.check_spec(spec)
     if args.submit:
         lt.check_submit(args.target)
@@ -459,14 +492,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from shardlm.checkpoint import load_for_inference
     from shardlm.launch import pick_device
+    from shardlm.data.tokenizer import eot_id
     from shardlm.models import generate
+    from shardlm.models.hf import Seq2SeqAdapter
+    from shardlm.models.seq2seq import generate_seq2seq
 
     device = pick_device("auto")
-    model, tokenizer, _ = load_for_inference(args.checkpoint, device)
+    model, tokenizer, cfg = load_for_inference(args.checkpoint, device)
     idx = torch.tensor([tokenizer.encode(args.prompt).ids], device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    out = generate(model, idx, args.tokens, temperature=args.temperature, top_k=args.top_k,
-                   generator=generator)
+    if isinstance(model, Seq2SeqAdapter):  # the prompt is the source; the target is printed
+        if args.no_cache:
+            raise ConfigError("--no-cache is for decoder-only runs; an encoder-decoder generates "
+                              "with transformers' own cache")
+        # The end token the targets were trained with (data/seq2seq.py): the checkpoint's eos,
+        # or our BPE's <|endoftext|>.
+        end = model.model.config.eos_token_id if cfg.model.hf_path else eot_id(tokenizer)
+        out = generate_seq2seq(model, idx, torch.ones_like(idx), args.tokens, end,
+                               temperature=args.temperature, top_k=args.top_k,
+                               num_beams=args.beams, generator=generator)
+    else:
+        if args.beams != 1:
+            raise ConfigError(f"--beams {args.beams}: beam search is for encoder-decoder runs; "
+                              f"drop --beams (decoder-only runs sample or decode greedily)")
+        out = generate(model, idx, args.tokens, temperature=args.temperature, top_k=args.top_k,
+                       generator=generator, use_cache=not args.no_cache)
     print(tokenizer.decode(out[0].tolist()))
     return 0
 
@@ -484,6 +534,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 0
     out = export_hf(args.checkpoint, args.out, force=args.force, merge=args.merge)
     print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from shardlm.config import parse_overrides
+    from shardlm.eval_checkpoint import evaluate_checkpoint
+
+    print(json.dumps(evaluate_checkpoint(args.checkpoint, parse_overrides(overrides))))
     return 0
 
 
@@ -514,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args, rest)
         if args.command == "launch":
             return cmd_launch(args, rest)
+        if args.command == "eval":
+            return cmd_eval(args, rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "generate":
@@ -526,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_estimate(args)
         if args.command == "plan":
             return cmd_plan(args)
+        if args.command == "study":
+            return cmd_study(args)
         parser.print_help()
         return 0
     except ConfigError as e:

@@ -85,10 +85,22 @@ class ModelConfig:
     """Coefficient of the router z-loss, mean(logsumexp(logits)²) (ST-MoE); 0 = off."""
     bias_update_rate: float = 0.001
     """balance = 'bias': how far each expert's bias moves per step toward the mean load."""
+    attention: str = "auto"
+    """Attention kernel (models/attention.py, docs/computation.md): 'sdpa' (torch's fused
+    scaled_dot_product_attention), 'per_document' (SDPA on each packed document alone), 'flex'
+    (FlexAttention with a block mask; no backward on CPU in torch 2.13), 'math' (plain
+    matmul-softmax, the reference: keeps the s x s probabilities), or 'auto': 'sdpa', and with
+    document masks 'flex' on CUDA, 'per_document' on CPU ('sdpa' under train.compile)."""
     hf_path: str = ""
     """A local transformers directory (config.json, safetensors, tokenizer.json) to start from:
     its config.json gives the shape (in place of the preset), its weights the initial values,
-    its tokenizer the tokens (docs/finetuning.md). GPT-2, Llama and Mistral. '' = train from scratch."""
+    its tokenizer the tokens (docs/finetuning.md). GPT-2, Llama and Mistral. '' = train from scratch.
+    An encoder-decoder (config.json's is_encoder_decoder: T5, BART, ...) loads into the
+    transformers model itself (data.format = 'seq2seq')."""
+    hf_config: str = ""
+    """A transformers encoder-decoder config.json (T5, BART families), or a directory holding one,
+    built with fresh weights: training a seq2seq model from scratch (data.format = 'seq2seq';
+    configs/hf/ has tiny ones). Its vocab_size sets model.vocab_size. '' = none."""
 
 
 @dataclass
@@ -105,26 +117,51 @@ class LoRAConfig:
     whole name or its dotted suffix, fnmatch wildcards allowed (e.g. 'attn.qkv,mlp.down').
     '' = attention and MLP linears by model.mlp: 'attn.qkv,attn.proj,mlp.fc,mlp.proj' (gelu),
     'attn.qkv,attn.proj,mlp.gate_up,mlp.down' (swiglu)."""
+    quantize: str = "none"
+    """QLoRA (Dettmers et al. 2023; docs/finetuning.md): the frozen base linears of the blocks
+    (those with adapters and the other attention / MLP ones) stored quantised and dequantised
+    per layer in the compute dtype in forward: 'nf4' (4-bit NormalFloat, blocks of 64, double
+    quantisation: ~0.52 B/param), 'int8' (per-row absmax, LLM.int8's weights: ~1 B/param),
+    'none'. Needs lora.rank > 0."""
 
 
 @dataclass
 class DataConfig:
     source: str = "stdlib"
     """'stdlib' = the Python standard library's own .py files (always present), or a path to a
-    text/JSONL file or a directory of them (comma-separated for several)."""
+    text/JSONL file or a directory of them (comma-separated for several); also Arrow / Parquet,
+    streamed: a datasets save_to_disk directory (a DatasetDict: its 'train' split), or .parquet
+    files, a directory of them or a glob (pip install 'shardlm[data]'; docs/finetuning.md)."""
     cache_dir: str = ""
     """Where the tokenizer and token shards are cached; '' = ~/.cache/shardlm (or $SHARDLM_CACHE)."""
     val_fraction: float = 0.01
-    """Fraction of the token stream held out for validation."""
+    """Fraction of the token stream held out for validation (unused with data.val_source)."""
     max_bytes: int = 0
     """Read at most this many bytes of text (0 = all): small values make quick experiments."""
     jsonl_field: str = "text"
-    """For JSONL sources: the field holding the document text."""
+    """For JSONL sources: the field holding the document text (Arrow / Parquet: the column)."""
+    val_source: str = ""
+    """Held-out data for evaluation, in data.source's forms and data.format (a DatasetDict: its
+    'validation', else 'test' split), tokenized with the training data's tokenizer; then all of
+    data.source trains. '' = the last data.val_fraction of data.source."""
+    columns: str = ""
+    """data.format chat / prompt_completion / seq2seq: the fields (JSONL) or columns (Arrow /
+    Parquet) holding 'messages', 'prompt' and 'completion' ('source' and 'target') when named
+    otherwise, e.g. 'prompt=question,completion=answer'. '' = those names."""
+    document_mask: str = "auto"
+    """Attention only within each document of a row, positions restarting at 0 per document
+    (docs/finetuning.md): 'on', 'off', or 'auto' = on for the packed formats (chat,
+    prompt_completion: a row holds several examples), else off (for 'text', 'on' cuts the
+    pre-training windows at each end-of-text token)."""
     format: str = "text"
     """'text' = documents joined into one token stream (pre-training); 'chat' = JSONL of
     {"messages": [{"role", "content"}, ...]}, loss on assistant tokens only; 'prompt_completion' =
     JSONL of {"prompt", "completion"}, loss on the completion only. Both packed into rows of
-    train.seq_len + 1 tokens (docs/finetuning.md)."""
+    train.seq_len + 1 tokens (docs/finetuning.md). 'seq2seq' = JSONL of {"source", "target"} for
+    an encoder-decoder (model.hf_config / model.hf_path): the source padded or cut to
+    data.source_len tokens, the target (+ end token) to train.seq_len, loss on the target."""
+    source_len: int = 0
+    """data.format = 'seq2seq': encoder tokens per example (padded / cut); 0 = train.seq_len."""
 
 
 @dataclass
@@ -135,6 +172,11 @@ class TrainConfig:
     """Sequences per forward/backward pass on each data-parallel rank."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step (global batch = micro_batch*grad_accum*dp)."""
+    global_batch: int = 0
+    """Sequences per optimizer step over all data-parallel ranks, kept whatever the world size:
+    grad_accum is then derived at start, global_batch / (micro_batch * dp), replacing the one
+    given. 0 = micro_batch * grad_accum * dp. Set it for elastic jobs, so that a gang restarted
+    at another size takes the same steps through the same data (docs/launch.md)."""
     seq_len: int = 256
     """Tokens per training sequence (<= model.max_seq_len)."""
     lr: float = 1e-3
@@ -158,7 +200,8 @@ class TrainConfig:
     eval_every: int = 100
     """Compute validation loss every this many steps (0 = only at the end)."""
     eval_batches: int = 8
-    """Micro-batches averaged for one validation loss."""
+    """Validation micro-batches (of train.micro_batch rows) per evaluation, shared out among the
+    data-parallel ranks; scored as val_loss, val_perplexity, val_token_accuracy."""
     log_every: int = 1
     """Write a JSONL line every this many steps."""
     compile: bool = False
@@ -179,7 +222,20 @@ class TrainConfig:
 class PrecisionConfig:
     compute: str = "auto"
     """'fp32', 'bf16' (autocast), 'fp16' (autocast + dynamic loss scaling), or 'auto': bf16 on GPUs
-    that support it; on CPU the faster of fp32/bf16 by the machine's measured matmul peak."""
+    that support it; on CPU the faster of fp32/bf16 by the machine's measured matmul peak.
+    'fp8': the blocks' linear layers multiply in FP8 (E4M3 forward, E5M2 backward; the rest in
+    bf16): torchao's float8 training on a GPU with FP8 (compute capability >= 8.9), else only
+    with precision.fp8_emulate (docs/computation.md, FP8)."""
+    fp8_recipe: str = "tensorwise"
+    """compute = 'fp8': how each tensor is scaled into FP8's range: 'tensorwise' (current scaling:
+    by this tensor's amax), 'delayed' (by the amax history of the last 16 steps) or 'blockwise'
+    (one scale per 1 x fp8_block tile of activations and gradients, fp8_block x fp8_block of
+    weights, as DeepSeek-V3). On FP8 hardware only 'tensorwise' (torchao's)."""
+    fp8_emulate: bool = False
+    """compute = 'fp8' without FP8 hardware (this CPU): emulate it — round through torch's float8
+    dtypes, multiply in bf16. For numerics (loss, overflow / underflow counts), not speed."""
+    fp8_block: int = 128
+    """fp8_recipe = 'blockwise': the tile width (DeepSeek-V3: 128)."""
     reduce: str = "auto"
     """dtype gradients are kept and reduced in: 'auto' = the compute dtype (as DeepSpeed and
     FSDP do; what the ZeRO memory formulas assume), or 'fp32' for exact reductions."""
@@ -322,6 +378,18 @@ class RunConfig:
     """'auto' (CUDA if present, else CPU), 'cpu', 'cuda', 'cuda:N'."""
     progress: str = "auto"
     """Progress bar: 'auto' (only on a terminal), 'on', 'off'."""
+    tracker: str = "none"
+    """Experiment trackers that receive the JSONL's scalars and the resolved config (rank 0):
+    'none', or a comma list of 'tensorboard' (run_dir/tensorboard), 'wandb' (offline in the run
+    directory unless WANDB_MODE or WANDB_API_KEY is set), 'mlflow' (a file store in
+    run_dir/mlruns unless MLFLOW_TRACKING_URI is set). Each is an optional extra (docs/tracking.md)."""
+    profile_steps: str = ""
+    """Steps to trace with torch.profiler, numbered as the JSONL's `step` (from 1): '5-7', '5,6',
+    '' = none. One Chrome trace per run of consecutive steps in run_dir/profile/, per rank."""
+    time_split: str = "auto"
+    """Per-step time split in the JSONL (time_forward_s, time_backward_s, time_comm_wait_s,
+    time_optimizer_s, time_other_s): 'on', 'off', or 'auto' (on where the device computes
+    synchronously, the CPU; elsewhere it needs a device synchronize at every phase: ask with 'on')."""
 
 
 @dataclass
@@ -495,7 +563,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     values.update(overrides or {})
 
     _check_keys(values)
-    if values.get("model.hf_path"):
+    if values.get("model.hf_path") or values.get("model.hf_config"):
         ordered = _hf_shape_layer(values)
     else:
         preset = values.get("model.preset", Config().model.preset)
@@ -509,21 +577,29 @@ def _hf_shape_layer(values: dict[str, Any]) -> dict[str, Any]:
     """model.hf_path's config.json in the preset's place. A [model] shape key the user also set
     must agree with it: the checkpoint's weights have that shape, so a different value could
     only fail later (or, for a value like norm_eps, silently train another network)."""
-    from shardlm.presets import hf_shape
+    from shardlm.presets import encoder_decoder_config, hf_shape, seq2seq_shape
 
-    path = str(values["model.hf_path"])
-    shape = {f"model.{k}": v for k, v in hf_shape(path, "model.hf_path", exact=True).items()}
+    option = "model.hf_config" if values.get("model.hf_config") else "model.hf_path"
+    path = str(values[option])
+    if values.get("model.hf_config") and values.get("model.hf_path"):
+        raise ConfigError(f"model.hf_config = {path!r} and model.hf_path = "
+                          f"{values['model.hf_path']!r}: choose one (a checkpoint's directory "
+                          f"holds its config.json)")
+    seq2seq = encoder_decoder_config(str(values.get("model.hf_path", "")), str(values.get("model.hf_config", "")))
+    named = (seq2seq_shape(seq2seq or path, option) if seq2seq or option == "model.hf_config"
+             else {**hf_shape(path, option, exact=True), "preset": f"{Path(path).name} (transformers)"})
+    shape = {f"model.{k}": v for k, v in named.items()}
     if "model.preset" in values:
-        raise ConfigError(f"model.preset = {values['model.preset']!r} and model.hf_path = {path!r} "
+        raise ConfigError(f"model.preset = {values['model.preset']!r} and {option} = {path!r} "
                           f"both give the model's shape: drop model.preset (the shape comes from "
                           f"{path}/config.json)")
     hints = get_type_hints(ModelConfig)
     conflicts = [f"{k} = {values[k]!r} (config.json: {v!r})" for k, v in shape.items()
                  if k in values and _coerce(k, values[k], hints[k.partition('.')[2]]) != v]
     if conflicts:
-        raise ConfigError(f"model.hf_path = {path!r}: these [model] keys disagree with its "
-                          f"config.json, whose weights are loaded: {'; '.join(conflicts)}; drop them")
-    return {**shape, "model.preset": f"{Path(path).name} (transformers)"}
+        raise ConfigError(f"{option} = {path!r}: these [model] keys disagree with its "
+                          f"config.json, which gives the model's shape: {'; '.join(conflicts)}; drop them")
+    return shape
 
 
 def config_from_dict(tree: dict[str, Any]) -> Config:

@@ -27,8 +27,50 @@ ACTIVATION_OFFLOAD_MODES = ("none", "cpu")
 """Where the chosen blocks' saved activations wait for backward (activation.offload)."""
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 """Resolved compute dtypes; precision.compute may also be 'auto' (resolved once per run)."""
-DATA_FORMATS = ("text", "chat", "prompt_completion")
-"""What data.source holds (shardlm.data.sft for the supervised fine-tuning formats)."""
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
+"""How precision.compute = 'fp8' scales each tensor into FP8's range (precision.fp8_recipe)."""
+DATA_FORMATS = ("text", "chat", "prompt_completion", "seq2seq")
+"""What data.source holds (shardlm.data.sft for the supervised fine-tuning formats,
+shardlm.data.seq2seq for source -> target pairs of an encoder-decoder)."""
+ATTENTION_BACKENDS = ("auto", "sdpa", "per_document", "flex", "math")
+"""model.attention's kernels (shardlm.models.attention)."""
+PACKED_FORMATS = ("chat", "prompt_completion")
+"""data.format values whose rows pack several examples (data.document_mask 'auto' = on)."""
+
+
+def document_mask_on(data: Any) -> bool:
+    """data.document_mask resolved: 'on', 'off', or 'auto' = on for the packed formats."""
+    return data.document_mask == "on" or (data.document_mask == "auto" and data.format in PACKED_FORMATS)
+
+
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+"""run.tracker's names -> the module each imports; each is installed by the shardlm extra of
+its name (pyproject.toml; shardlm.tracking writes to them)."""
+
+
+def tracker_install_hint(name: str) -> str:
+    return f'pip install "shardlm[{name}]"'
+
+
+def tracker_names(text: str) -> list[str]:
+    """run.tracker as a list: 'none' (or '') -> []; 'tensorboard,wandb' -> both, in order."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    return [] if names == ["none"] else list(dict.fromkeys(names))
+
+
+def profile_step_numbers(text: str) -> list[int]:
+    """run.profile_steps '5-7' -> [5, 6, 7], '5,6' -> [5, 6], '2,5-6' -> [2, 5, 6], '' -> [];
+    sorted, from 1. A ValueError says what is wrong."""
+    steps: set[int] = set()
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        first, dash, last = part.partition("-")
+        if not (first.strip().isdigit() and (not dash or last.strip().isdigit())):
+            raise ValueError(f"{part!r} is not a step number or a range a-b")
+        lo, hi = int(first), int(last) if dash else int(first)
+        if lo < 1 or hi < lo:
+            raise ValueError(f"{part!r}: steps count from 1 and a range a-b needs a <= b")
+        steps.update(range(lo, hi + 1))
+    return sorted(steps)
 
 
 def key_of(f: dataclasses.Field) -> str:
@@ -40,11 +82,14 @@ def key_of(f: dataclasses.Field) -> str:
 _CHOICES = {
     "model.norm": ("layernorm", "rmsnorm"),
     "data.format": DATA_FORMATS,
+    "data.document_mask": ("auto", "on", "off"),
+    "model.attention": ATTENTION_BACKENDS,
     "model.position": ("learned", "rope"),
     "model.mlp": ("gelu", "swiglu"),
     "model.router": ("softmax", "sigmoid"),
     "model.balance": ("aux", "bias", "none"),
-    "precision.compute": ("auto",) + COMPUTE_DTYPES,
+    "precision.compute": ("auto",) + COMPUTE_DTYPES + ("fp8",),
+    "precision.fp8_recipe": FP8_RECIPES,
     "activation.checkpoint": RECOMPUTE_MODES,
     "activation.offload": ACTIVATION_OFFLOAD_MODES,
     "precision.reduce": ("auto",) + COMPUTE_DTYPES,
@@ -52,10 +97,12 @@ _CHOICES = {
     "parallel.zero_stage": (0, 1, 2, 3),
     "parallel.strategy": ("manual", "auto"),
     "run.progress": ("auto", "on", "off"),
+    "run.time_split": ("auto", "on", "off"),
     "train.on_nonfinite": ("stop", "skip"),
     "checkpoint.readers": ("all", "one"),
     "zero.offload_optimizer": OFFLOAD_TIERS,
     "zero.offload_params": OFFLOAD_TIERS,
+    "lora.quantize": ("none", "nf4", "int8"),
 }
 
 NVME_CHUNK_MB_MAX = 64 * 1024
@@ -70,6 +117,31 @@ SEED_LIMIT = 2**63
 """train.seed is in [0, 2**63): numpy's SeedSequence (the data order) refuses negative seeds and
 torch.manual_seed a seed beyond 64 bits."""
 DEVICE_SYNTAX = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+SFT_COLUMNS = ("messages", "prompt", "completion", "source", "target")
+"""The fields data.columns may rename (data.format chat: messages; prompt_completion: prompt and
+completion; seq2seq: source and target)."""
+
+
+def parse_columns(text: str) -> dict[str, str]:
+    """data.columns, e.g. 'prompt=question,completion=answer' -> {'prompt': 'question', ...}.
+    ValueError for anything else (checked by validate(), so the data code sees it well-formed)."""
+    names: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, eq, column = (s.strip() for s in part.partition("="))
+        if not eq or name not in SFT_COLUMNS or not column or name in names:
+            raise ValueError(part)
+        names[name] = column
+    return names
+
+
+def _columns_ok(text: str) -> bool:
+    try:
+        parse_columns(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _rule(test: Callable[[Any], bool], requirement: str) -> tuple[Callable[[Any], bool], str]:
@@ -111,12 +183,20 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.hf_path": _rule(lambda v: not v or Path(v).is_dir(),
                            "must be '' or a local transformers directory (config.json, safetensors, "
                            "tokenizer.json); nothing is downloaded"),
+    "model.hf_config": _rule(lambda v: not v or Path(v).is_file() or (Path(v) / "config.json").is_file(),
+                             "must be '' or a local transformers config.json (or a directory "
+                             "holding one); nothing is downloaded"),
     "data.source": _rule(lambda v: bool(v.strip()), "must name 'stdlib' or files / directories"),
+    "data.source_len": _non_negative(" (0 = train.seq_len)"),
     "data.val_fraction": _rule(lambda v: 0.0 < v < 0.5, "must be in (0, 0.5)"),
     "data.max_bytes": _non_negative(" (0 = whole corpus)"),
+    "data.columns": _rule(_columns_ok, f"must be '' or comma-separated name=column pairs, each name "
+                                       f"once, from {', '.join(SFT_COLUMNS)} (e.g. "
+                                       f"'prompt=question,completion=answer')"),
     "train.steps": _positive(),
     "train.micro_batch": _positive(),
     "train.grad_accum": _positive(),
+    "train.global_batch": _non_negative(" (0 = micro_batch x grad_accum x data-parallel ranks)"),
     "train.seq_len": _positive(),
     "train.lr": _positive(),
     "train.min_lr_ratio": _rule(lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
@@ -134,6 +214,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "precision.loss_scale_init": _positive(),
     "precision.loss_scale_growth_interval": _positive(),
     "precision.loss_scale_backoff": _rule(lambda v: 0.0 < v < 1.0, "must be in (0, 1)"),
+    "precision.fp8_block": _positive(" (elements per tile side)"),
     "parallel.dp_replicate": _rule(lambda v: v >= 1, "must be >= 1"),
     "parallel.dp_shard": _rule(lambda v: v >= 1 or v == -1, "must be >= 1 or -1 (all remaining ranks)"),
     "parallel.tp": _positive(),
@@ -191,6 +272,14 @@ def _cross(*keys: str) -> Callable:
         _CROSS.append((keys, check))
         return check
     return register
+
+
+@_cross("train.global_batch", "train.micro_batch")
+def _global_batch_in_micro_batches(cfg: Config) -> list[str]:
+    t = cfg.train
+    return ([f"train.global_batch = {t.global_batch} is not a multiple of train.micro_batch = "
+             f"{t.micro_batch}: each data-parallel rank runs whole micro-batches"]
+            if t.global_batch and t.global_batch % t.micro_batch else [])
 
 
 @_cross("model.d_model", "model.n_heads")
@@ -348,6 +437,26 @@ def _lora_layout(cfg: Config) -> list[str]:
     return out
 
 
+@_cross("lora.quantize", "lora.rank", "model.experts", "model.hf_config", "train.compile")
+def _qlora_composes(cfg: Config) -> list[str]:
+    """lora.quantize stores our decoder's frozen block linears as packed bytes (models/quant.py)."""
+    q = cfg.lora.quantize
+    if q == "none":
+        return []
+    blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
+        ("lora.rank", cfg.lora.rank, "the quantised base is frozen: without adapters nothing "
+         "trains; set lora.rank > 0", cfg.lora.rank == 0),
+        ("model.hf_config", cfg.model.hf_config, "a transformers model's layers are not ours to "
+         "quantise; use model.hf_path or model.preset", bool(cfg.model.hf_config)),
+        ("model.experts", cfg.model.experts, "the experts' batched weights are not linear layers; "
+         "not quantised yet", cfg.model.experts > 0),
+        ("train.compile", cfg.train.compile, "not verified with the dequantising linear yet",
+         cfg.train.compile),
+    ) if on]
+    return ([f"lora.quantize = {q!r} does not compose with: {'; '.join(blocking)}"]
+            if blocking else [])
+
+
 @_cross("data.format", "parallel.tp", "parallel.cp")
 def _sft_layout(cfg: Config) -> list[str]:
     fmt, par = cfg.data.format, cfg.parallel
@@ -358,6 +467,59 @@ def _sft_layout(cfg: Config) -> list[str]:
              for key, value, what in (("tp", par.tp, "vocabulary-parallel cross-entropy"),
                                       ("cp", par.cp, "context-parallel loss (a mean per rank's tokens)"))
              if value > 1])
+
+
+@_cross("data.format", "model.hf_path", "model.hf_config", "parallel.pp", "lora.rank")
+def _seq2seq_model(cfg: Config) -> list[str]:
+    """data.format = 'seq2seq' and an encoder-decoder model go together; the pipeline (stages of
+    our decoder's blocks) and LoRA (our decoder's linears) do not apply to one yet."""
+    from shardlm.presets import encoder_decoder_config
+
+    m, fmt = cfg.model, cfg.data.format
+    enc_dec = bool(encoder_decoder_config(m.hf_path, m.hf_config))
+    if fmt != "seq2seq":
+        return ([f"model.hf_config / model.hf_path name an encoder-decoder, which trains on "
+                 f"data.format = 'seq2seq' (source -> target pairs), not {fmt!r}"] if enc_dec else [])
+    # Neither key: perhaps a model given through the Python API (build_run(cfg, model=...)),
+    # which build_run checks; a decoder-only checkpoint is certainly wrong.
+    out = [] if enc_dec or not m.hf_path else [
+        "data.format = 'seq2seq' needs an encoder-decoder model: model.hf_config = a T5 / BART "
+        "config.json (from scratch; configs/hf/) or model.hf_path = a saved "
+        "T5ForConditionalGeneration / BartForConditionalGeneration directory"]
+    if cfg.parallel.pp > 1:
+        out.append(f"data.format = 'seq2seq' with parallel.pp = {cfg.parallel.pp}: pipeline stages "
+                   f"cut our decoder's blocks, not an encoder-decoder; use ZeRO (parallel.zero_stage)")
+    if cfg.lora.rank:
+        out.append(f"data.format = 'seq2seq' with lora.rank = {cfg.lora.rank}: LoRA applies to our "
+                   f"decoder only; set lora.rank = 0 (full fine-tuning, ZeRO-3 shards it)")
+    return out
+
+
+@_cross("data.document_mask", "data.format", "model.attention", "parallel.tp", "parallel.cp",
+        "train.compile")
+def _attention_composes(cfg: Config) -> list[str]:
+    """Document masks ride on the input ids (PackedTokens: shardlm/packed.py) into Decoder.forward,
+    every pipeline stage included; what splits the sequence cannot carry them yet."""
+    par, attention, problems = cfg.parallel, cfg.model.attention, []
+    if document_mask_on(cfg.data):
+        why = f"data.document_mask = {cfg.data.document_mask!r} (on for data.format = {cfg.data.format!r})"
+        if cfg.data.format == "seq2seq":
+            problems.append(f"{why}: seq2seq examples are not packed; set data.document_mask = 'off' or 'auto'")
+        for key, value, reason in (
+                ("cp", par.cp, "the ring splits each sequence over ranks and has no per-document mask"),
+                ("tp", par.tp, "not verified with tensor parallelism yet")):
+            if value > 1:
+                problems.append(f"{why} with parallel.{key} = {value}: {reason}; set "
+                                f"data.document_mask = 'off' (examples then see the earlier ones in "
+                                f"their row) or parallel.{key} = 1")
+    if attention == "per_document" and cfg.train.compile:
+        problems.append("model.attention = 'per_document' with train.compile = true: its document "
+                        "lengths are data-dependent and cannot be one graph; use 'auto' (sdpa with "
+                        "a mask when compiled) or 'sdpa'")
+    if attention not in ("auto", "sdpa") and par.cp > 1:
+        problems.append(f"model.attention = {attention!r} with parallel.cp = {par.cp}: context "
+                        f"parallelism runs its own ring attention; use 'auto' or 'sdpa'")
+    return problems
 
 
 @_cross("activation.offload", "activation.offload_blocks", "activation.checkpoint", "model.n_layers")
@@ -379,8 +541,7 @@ def _activation_offload_composes(cfg: Config) -> list[str]:
     return problems
 
 
-@_cross("train.compile", "parallel.tp", "parallel.cp", "parallel.pp", "parallel.ep", "model.experts",
-        "activation.checkpoint", "activation.offload")
+@_cross("train.compile", "parallel.cp", "parallel.ep", "model.experts", "activation.checkpoint")
 def _compile_composes(cfg: Config) -> list[str]:
     """train.compile compiles each block (parallel/compile.py) with fullgraph: what runs a
     collective or a data-dependent shape inside a block cannot be one graph yet."""
@@ -388,18 +549,15 @@ def _compile_composes(cfg: Config) -> list[str]:
         return []
     par, m = cfg.parallel, cfg.model
     blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
-        ("parallel.tp", par.tp, "collectives inside each block", par.tp > 1),
         ("parallel.cp", par.cp, "ring attention's exchanges inside each block", par.cp > 1),
-        ("parallel.pp", par.pp, "not verified with the pipeline schedules yet", par.pp > 1),
         ("parallel.ep", par.ep, "all-to-all inside each MoE block", par.ep > 1),
         ("model.experts", m.experts, "the router's data-dependent token counts break the graph", m.experts > 0),
         ("activation.checkpoint", cfg.activation.checkpoint, "its op policy sees aten ops, a compiled "
          "block runs fused kernels; 'full' composes", cfg.activation.checkpoint == "selective"),
-        ("activation.offload", cfg.activation.offload, "saved-tensor hooks around a compiled block "
-         "are not verified", cfg.activation.offload != "none"),
     ) if on]
     return ([f"train.compile = true does not compose yet with: {'; '.join(blocking)}. It works with "
-             f"ZeRO stages 0-3, offload and activation.checkpoint = 'full'; set train.compile = false "
+             f"ZeRO stages 0-3, offload, tensor and pipeline parallelism, activation.checkpoint = "
+             f"'full' and activation.offload; set train.compile = false "
              f"or change those keys"] if blocking else [])
 
 
@@ -419,11 +577,82 @@ def _nvme_sync_checkpoints(cfg: Config) -> list[str]:
             if cfg.zero.offload_optimizer == "nvme" and cfg.checkpoint.async_ else [])
 
 
+@_cross("run.tracker")
+def _trackers_installed(cfg: Config) -> list[str]:
+    """Each tracker named is known and its package importable: found now, before any rank starts
+    (shardlm.tracking imports it on rank 0 only)."""
+    import importlib.util
+
+    errors = []
+    for name in tracker_names(cfg.run.tracker):
+        if name not in TRACKERS:
+            errors.append(f"run.tracker = {cfg.run.tracker!r}: unknown tracker {name!r}; use 'none' or "
+                          f"a comma list of {', '.join(TRACKERS)}")
+        elif importlib.util.find_spec(TRACKERS[name]) is None:
+            errors.append(f"run.tracker = {cfg.run.tracker!r} needs the {TRACKERS[name]} package, which "
+                          f"is not installed: {tracker_install_hint(name)}")
+    return errors
+
+
+@_cross("run.profile_steps", "train.steps")
+def _profile_steps_run(cfg: Config) -> list[str]:
+    try:
+        steps = profile_step_numbers(cfg.run.profile_steps)
+    except ValueError as e:
+        return [f"run.profile_steps = {cfg.run.profile_steps!r}: {e} (e.g. '5-7' or '5,6')"]
+    late = [s for s in steps if s > cfg.train.steps]
+    return ([f"run.profile_steps = {cfg.run.profile_steps!r} names step(s) {late} beyond train.steps = "
+             f"{cfg.train.steps}: they would never run"] if late else [])
+
+
 @_cross("precision.master", "precision.compute")
 def _pure_bf16(cfg: Config) -> list[str]:
     p = cfg.precision
-    return ([f"precision.master = 'bf16' (pure bf16) needs precision.compute = 'bf16', "
-             f"got {p.compute!r}"] if p.master == "bf16" and p.compute != "bf16" else [])
+    return ([f"precision.master = 'bf16' (pure bf16) needs precision.compute = 'bf16' (or 'fp8', "
+             f"whose parameters are bf16), got {p.compute!r}"]
+            if p.master == "bf16" and p.compute not in ("bf16", "fp8") else [])
+
+
+@_cross("precision.compute", "precision.fp8_recipe", "precision.fp8_emulate", "precision.fp8_block",
+        "run.device", "parallel.strategy", "parallel.tp", "parallel.cp", "parallel.pp", "model.experts",
+        "lora.rank", "train.compile", "activation.offload")
+def _fp8_composes(cfg: Config) -> list[str]:
+    """precision.compute = 'fp8' swaps the blocks' nn.Linear layers (models/fp8.py): what replaces
+    or wraps those layers, or was not verified with them, is refused by name. Whether the device
+    has FP8 is checked where the device is known (models.fp8.check_fp8_device, before spawning)."""
+    p, par = cfg.precision, cfg.parallel
+    if p.compute != "fp8":
+        unused = [f"{key} = {value!r}" for key, value, default in (
+            ("precision.fp8_recipe", p.fp8_recipe, "tensorwise"), ("precision.fp8_emulate", p.fp8_emulate, False),
+            ("precision.fp8_block", p.fp8_block, 128)) if value != default]
+        return ([f"{', '.join(unused)} has no effect with precision.compute = {p.compute!r}; set "
+                 f"precision.compute = 'fp8' or drop them"] if unused else [])
+    problems = []
+    if cfg.run.device == "cpu" and not p.fp8_emulate:
+        problems.append("precision.compute = 'fp8' with run.device = 'cpu': a CPU has no FP8 matmuls. "
+                        "Set precision.fp8_emulate = true to emulate the FP8 rounding with bf16 matmuls "
+                        "(for numerics, not speed), or use precision.compute = 'bf16'")
+    if p.fp8_block != 128 and p.fp8_recipe != "blockwise":
+        problems.append(f"precision.fp8_block = {p.fp8_block} has no effect with precision.fp8_recipe = "
+                        f"{p.fp8_recipe!r}; set fp8_recipe = 'blockwise' or drop fp8_block")
+    blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
+        ("parallel.strategy", par.strategy, "the planner does not model fp8 and would choose the "
+         "compute dtype itself", par.strategy == "auto"),
+        ("parallel.tp", par.tp, "tensor-parallel linears are not converted to fp8", par.tp > 1),
+        ("parallel.cp", par.cp, "not verified with fp8 yet", par.cp > 1),
+        ("parallel.pp", par.pp, "not verified with fp8 yet", par.pp > 1),
+        ("model.experts", cfg.model.experts, "the experts' batched matmuls are not fp8 linears",
+         cfg.model.experts > 0),
+        ("lora.rank", cfg.lora.rank, "LoRA layers wrap the linears fp8 would replace", cfg.lora.rank > 0),
+        ("train.compile", cfg.train.compile, "not verified with the fp8 emulation yet", cfg.train.compile),
+        ("activation.offload", cfg.activation.offload, "not verified with fp8 yet",
+         cfg.activation.offload != "none"),
+    ) if on]
+    if blocking:
+        problems.append(f"precision.compute = 'fp8' does not compose yet with: {'; '.join(blocking)}. "
+                        f"It works with data parallelism, ZeRO stages 0-3 and "
+                        f"activation checkpointing; change those keys or use precision.compute = 'bf16'")
+    return problems
 
 
 def validation_errors(cfg: Config, sections: dict[str, type]) -> list[str]:

@@ -63,6 +63,23 @@ def resolve_dims(parallel, world_size: int) -> ParallelDims:
                                 getattr(parallel, "cp", 1), parallel.tp, parallel.pp, parallel.ep)
 
 
+def grad_accum_for(train, parallel, world_size: int) -> int:
+    """The grad_accum a [train] section asks for on `world_size` ranks: train.global_batch /
+    (micro_batch x dp) when global_batch is set (the global batch kept whatever the world size),
+    else train.grad_accum. Also checks the layout fits `world_size`."""
+    dp = resolve_dims(parallel, world_size).dp_size
+    if not train.global_batch:
+        return train.grad_accum
+    per_pass = train.micro_batch * dp
+    if train.global_batch % per_pass:
+        raise ConfigError(
+            f"train.global_batch = {train.global_batch} is not divisible by train.micro_batch "
+            f"({train.micro_batch}) x {dp} data-parallel rank(s) = {per_pass} at world size "
+            f"{world_size}; choose a global batch that micro_batch x dp divides at every world "
+            f"size the job may run at, or a smaller micro_batch")
+    return train.global_batch // per_pass
+
+
 def split_layers(n_layers: int, pp: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
     """Blocks per pipeline stage: contiguous, each >= 1, summing to `n_layers`, balancing each
     stage's cost — its blocks, plus the embedding's cost on the first stage and the head's (and

@@ -13,8 +13,10 @@ from __future__ import annotations
 import ctypes
 import datetime
 import fcntl
+import ipaddress
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -65,6 +67,16 @@ def cache_root(configured: str = "") -> Path:
     """Per-user cache (tokenizers, token shards, the CPU FLOP probe): the configured path, else
     $SHARDLM_CACHE, else ~/.cache/shardlm."""
     return Path(configured or os.environ.get("SHARDLM_CACHE") or "~/.cache/shardlm").expanduser()
+
+
+def tracker_environment() -> dict[str, str | bool]:
+    """What the experiment trackers' own variables say (shardlm.tracking): whether W&B was told a
+    mode or given a key (if not, it runs offline), its project, MLflow's tracking URI ('' = a file
+    store in the run directory) and experiment name. The key itself is never read."""
+    return {"wandb_configured": "WANDB_MODE" in os.environ or "WANDB_API_KEY" in os.environ,
+            "wandb_project": os.environ.get("WANDB_PROJECT") or "shardlm",
+            "mlflow_uri": os.environ.get("MLFLOW_TRACKING_URI", ""),
+            "mlflow_experiment": os.environ.get("MLFLOW_EXPERIMENT_NAME") or "shardlm"}
 
 
 def cpu_cores() -> int:
@@ -128,9 +140,47 @@ def init_runtime(device_preference: str = "auto", timeout_s: float = 0.0) -> Run
                           rank=rank, world_size=world_size) if local else {})
             if timeout_s > 0:
                 where["timeout"] = datetime.timedelta(seconds=timeout_s)
+            master = os.environ.get("MASTER_ADDR", "")
+            if (not local and is_loopback(master)
+                    and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") != "True"):
+                # A job on one machine (agents with --local-addr=127.0.0.1): rank 0's store
+                # listens on loopback only, where torch's own would listen on every interface.
+                store = loopback_store(master, int(os.environ["MASTER_PORT"]), rank == 0,
+                                       where.get("timeout", dist.default_pg_timeout))
+                where.update(store=store, rank=rank, world_size=world_size)
             dist.init_process_group(backend=backend, **where,
                                     device_id=device if device.type == "cuda" else None)
     return Runtime(rank, world_size, local_rank, local_world, device, backend)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address literal (127.0.0.0/8, ::1)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_store(host: str, port: int, is_server: bool,
+                   timeout: datetime.timedelta) -> dist.TCPStore:
+    """A TCPStore at `host`:`port` whose server (`is_server`) listens on `host` only.
+
+    torch's TCPStore server (2.13, either backend) binds every interface whatever host it is
+    given (`*:PORT`); given a socket we bound ourselves (master_listen_fd) it listens there. Used
+    for the workers' process group when the job's master address is loopback, and by the
+    multi-node tests to host the agents' c10d rendezvous (docs/launch.md)."""
+    if not is_server:
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(host, sock.getsockname()[1], is_master=True, timeout=timeout,
+                         wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 def broadcast_text(text: str | None, runtime: Runtime) -> str:
@@ -443,6 +493,47 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+FAULT_ENV = "SHARDLM_FAULT"
+"""Fault injection for the fault tests (tests/test_multinode.py): `ACTION@STEP[/ROUND]`."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What $SHARDLM_FAULT asks a worker to suffer once step `step` is done (and logged), in
+    the gang's `round` (torchrun's restart count, TORCHELASTIC_RESTART_COUNT): 'kill' = SIGKILL
+    itself (a crashed worker), 'leave' = SIGKILL its parent, the torchrun agent, then itself (a
+    lost machine), 'stop' = SIGSTOP itself (frozen until SIGCONT: a test's deterministic pause).
+    The round makes it fire once: a restarted gang that redoes the step is in another round."""
+
+    action: str
+    step: int
+    round: int = 0
+
+    def due(self, steps_done: int) -> bool:
+        return steps_done == self.step and restart_count() == self.round
+
+    def strike(self) -> None:
+        log.warning("shardlm: %s=%s@%d/%d: %s now", FAULT_ENV, self.action, self.step, self.round,
+                    self.action)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if self.action == "leave":
+            os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if self.action == "stop" else signal.SIGKILL)
+
+
+def planned_fault() -> Fault | None:
+    """The fault $SHARDLM_FAULT plans for this worker, if any (tests only)."""
+    text = os.environ.get(FAULT_ENV, "").strip()
+    if not text:
+        return None
+    match = re.fullmatch(r"(kill|leave|stop)@(\d+)(?:/(\d+))?", text)
+    if match is None:
+        raise ConfigError(f"{FAULT_ENV}={text!r}: write ACTION@STEP[/ROUND] with ACTION kill, leave "
+                          f"or stop (e.g. kill@3), or unset it")
+    return Fault(match[1], int(match[2]), int(match[3] or 0))
 
 
 def restart_count() -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardlm.errors import ConfigError
-from shardlm.torchrun import torchrun_argv
+from shardlm.torchrun import nnodes_arg, torchrun_argv
 
 TARGETS = ("torchrun", "slurm", "k8s", "vertex")
 RDZV_PORT = 29500
@@ -51,6 +51,12 @@ class LaunchSpec:
     machine_type: str = ""
     accelerator: str = VERTEX_ACCELERATOR
     extra: dict = field(default_factory=dict)
+    min_nodes: int = 0
+    """torchrun only: an elastic job of min_nodes to `nodes` machines (--nnodes=MIN:MAX); 0 = fixed."""
+
+    @property
+    def nnodes(self) -> str:
+        return nnodes_arg(self.nodes, self.min_nodes)
 
     @property
     def world_size(self) -> int:
@@ -81,6 +87,15 @@ def check_spec(spec: LaunchSpec) -> None:
         raise ConfigError(f"--nodes {spec.nodes} and --gpus-per-node {spec.gpus_per_node} must be >= 1")
     if spec.max_restarts < 0:
         raise ConfigError(f"--max-restarts {spec.max_restarts} must be >= 0")
+    if spec.min_nodes and spec.target != "torchrun":
+        raise ConfigError(f"--min-nodes (an elastic job) is for --target torchrun; {spec.target} "
+                          f"runs a fixed number of nodes")
+    if not 0 <= spec.min_nodes <= spec.nodes:
+        raise ConfigError(f"--min-nodes {spec.min_nodes} must be in [1, --nodes {spec.nodes}]")
+    if spec.min_nodes and spec.min_nodes < spec.nodes and not spec.max_restarts:
+        raise ConfigError(f"--min-nodes {spec.min_nodes} < --nodes {spec.nodes}: a node that leaves "
+                          f"fails the other nodes' workers, which go on only by a restart; give "
+                          f"--max-restarts K (at least the departures to survive)")
     if not _DNS_LABEL.match(spec.job_name):
         raise ConfigError(f"--job-name {spec.job_name!r}: use lowercase letters, digits and '-' "
                           f"(at most 63, starting and ending with a letter or digit: a Kubernetes "
@@ -104,10 +119,13 @@ def check_spec(spec: LaunchSpec) -> None:
 def render_torchrun(spec: LaunchSpec) -> str:
     endpoint = spec.rdzv_endpoint or RDZV_PLACEHOLDER
     line = _shell(torchrun_argv(spec.nodes, spec.gpus_per_node, endpoint, spec.train_args,
-                                spec.job_name, spec.max_restarts))
+                                spec.job_name, spec.max_restarts, spec.min_nodes))
     host = endpoint.rsplit(":", 1)[0]
+    elastic = (f" (elastic: {spec.min_nodes} to {spec.nodes} nodes, world size "
+               f"{spec.min_nodes * spec.gpus_per_node} to {spec.world_size})"
+               if spec.nnodes != str(spec.nodes) else "")
     out = [f"# shardlm launch --target torchrun: {spec.nodes} node(s) x {spec.gpus_per_node} "
-           f"processes = world size {spec.world_size}",
+           f"processes = world size {spec.world_size}{elastic}",
            f"# c10d rendezvous at {endpoint}: the agent on {host} hosts it, the others join; start "
            f"one line on each node (any order)."]
     if endpoint == RDZV_PLACEHOLDER:
@@ -213,7 +231,7 @@ def validate_text(spec: LaunchSpec, text: str) -> None:
 
 def _problems(spec: LaunchSpec, text: str) -> list[str]:
     out: list[str] = []
-    want = [f"--nnodes={spec.nodes}", f"--nproc-per-node={spec.gpus_per_node}", "--rdzv-backend=c10d"]
+    want = [f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.gpus_per_node}", "--rdzv-backend=c10d"]
     if spec.target in ("torchrun", "slurm"):
         lines = text.splitlines()
         runs = [ln for ln in lines if ln.startswith(("torchrun ", "srun torchrun "))]

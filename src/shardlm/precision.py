@@ -18,6 +18,13 @@ from shardlm.config import PrecisionConfig
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def carrier(compute: str) -> str:
+    """The dtype (a DTYPES key) a resolved precision.compute runs everything but its FP8 matmuls
+    in, and keeps its compute-dtype parameters and gradients in: 'fp8' is bf16 there (as torchao
+    does; models/fp8.py swaps the blocks' linears), any other value is itself."""
+    return "bf16" if compute == "fp8" else compute
+
+
 class NoLossScaler:
     """fp32 and bf16: bf16 has fp32's exponent range, so gradients need no scaling."""
 
@@ -96,25 +103,30 @@ class DynamicLossScaler:
 @dataclass
 class Precision:
     name: str
-    """'fp32', 'bf16' or 'fp16' (resolved; never 'auto')."""
+    """'fp32', 'bf16', 'fp16' or 'fp8' (resolved; never 'auto')."""
     autocast: Callable[[], ContextManager]
     scaler: NoLossScaler | DynamicLossScaler
 
     @property
+    def carrier(self) -> str:
+        """The DTYPES key autocast runs in (bf16 for fp8): also the peak MFU is measured against."""
+        return carrier(self.name)
+
+    @property
     def dtype(self) -> torch.dtype:
-        return DTYPES[self.name]
+        return DTYPES[self.carrier]
 
 
 def build_precision(cfg: PrecisionConfig, device: torch.device,
                     stop_on_nonfinite: bool = True) -> Precision:
     name = cfg.compute
-    if name not in DTYPES:  # 'auto' is decided once per run, on one rank: resolve.resolve_config
+    if carrier(name) not in DTYPES:  # 'auto' is decided once per run, on one rank: resolve.resolve_config
         raise ValueError(f"precision.compute = {name!r} must be resolved (resolve.resolve_config) "
                          f"before the precision is built")
     if name == "fp32":
         autocast: Callable[[], ContextManager] = contextlib.nullcontext
     else:
-        dtype = DTYPES[name]
+        dtype = DTYPES[carrier(name)]
         autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
     if name == "fp16":
         scaler: NoLossScaler | DynamicLossScaler = DynamicLossScaler(

@@ -204,3 +204,65 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
         raise ConfigError(f"{option} {path}: {name}/config.json describes a {kind} our decoder "
                           f"does not compute exactly: {'; '.join(problems)}. {TRAIN_ANY_MODEL}")
     return shape
+
+
+# -- encoder-decoder transformers models (data.format = 'seq2seq') -----------------------------
+
+
+def encoder_decoder_config(hf_path: str, hf_config: str) -> str:
+    """The config.json of the encoder-decoder transformers model a [model] section names, or ''.
+    model.hf_config (fresh weights) always names one (load_config refuses anything else);
+    model.hf_path names one when its config.json says `is_encoder_decoder` (T5, BART, ...),
+    otherwise it loads into our decoder. Reads one small JSON file, no transformers import."""
+    import json
+    from pathlib import Path
+
+    if hf_config:
+        path = Path(hf_config)
+        return str(path / "config.json" if path.is_dir() else path)
+    if hf_path:
+        file = Path(hf_path) / "config.json"
+        try:
+            if json.loads(file.read_text()).get("is_encoder_decoder"):
+                return str(file)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return ""  # hf_shape reports the unreadable file
+    return ""
+
+
+def seq2seq_shape(path: str, option: str) -> dict[str, Any]:
+    """An encoder-decoder config.json (T5, BART families) as [model] values: what our config
+    keeps of a model it does not build (vocabulary for the tokenizer, width and depth for the
+    log); the transformers model itself is built from the file (models/hf.build_seq2seq)."""
+    from pathlib import Path
+
+    hf, name = _read_hf_config(path, option)
+    name = Path(path).stem if Path(path).is_file() and Path(path).name != "config.json" else name
+    kind = str(hf.get("model_type", ""))
+    if not hf.get("is_encoder_decoder"):
+        raise ConfigError(f"{option} {path}: model_type {kind!r} is not an encoder-decoder "
+                          f"(config.json has no is_encoder_decoder = true); model.hf_config builds "
+                          f"T5 / BART-family models for data.format = 'seq2seq'. A decoder-only "
+                          f"checkpoint: model.hf_path; from scratch: model.preset")
+    if not hf.get("architectures"):
+        raise ConfigError(f"{option} {path}: config.json names no 'architectures' (e.g. "
+                          f"[\"T5ForConditionalGeneration\"]): the class to build is unknown")
+
+    def first(*names: str, default: Any = None) -> Any:
+        for n in names:
+            if hf.get(n) is not None:
+                return hf[n]
+        if default is None:
+            raise ConfigError(f"{option} {path}: config.json has none of {', '.join(names)}")
+        return default
+
+    d_model = int(first("d_model", "hidden_size"))
+    heads = int(first("num_heads", "encoder_attention_heads", default=1))
+    layers = int(first("num_layers", "encoder_layers")) + int(
+        first("num_decoder_layers", "decoder_layers", "num_layers", "encoder_layers"))
+    return {"vocab_size": int(first("vocab_size")), "d_model": d_model, "n_layers": layers,
+            "n_heads": heads if d_model % heads == 0 else 1, "n_kv_heads": 0,
+            "d_ff": int(first("d_ff", "encoder_ffn_dim", default=0)),
+            # T5's relative positions have no limit; BART's learned table does.
+            "max_seq_len": int(first("max_position_embeddings", default=1 << 20)),
+            "preset": f"{name} ({hf['architectures'][0]})"}

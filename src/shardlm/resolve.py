@@ -20,9 +20,11 @@ import torch
 
 from shardlm.checkpoint.sharded import MANIFEST, parse_manifest
 from shardlm.config import Config, config_from_dict
+from shardlm.dims import grad_accum_for
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import Cluster, choose_compute, device_for_gpu_name, local_cpu, parse_cluster
 from shardlm.launch import Runtime, broadcast_text
+from shardlm.models.fp8 import check_fp8_device
 
 log = logging.getLogger("shardlm")
 
@@ -55,6 +57,19 @@ def _saved_compute(checkpoint: Path | None) -> str | None:
     return compute if compute not in (None, "auto") else None
 
 
+def with_global_batch(cfg: Config, world_size: int) -> Config:
+    """With train.global_batch set: `cfg` with grad_accum = global_batch / (micro_batch x dp) at
+    `world_size` ranks (a copy), so that a gang restarted at another size keeps the global batch,
+    and with it the data each step reads and the step's meaning; else `cfg` itself."""
+    grad_accum = grad_accum_for(cfg.train, cfg.parallel, world_size)
+    if grad_accum != cfg.train.grad_accum:
+        cfg = copy.deepcopy(cfg)
+        cfg.train.grad_accum = grad_accum
+        log.info("train.global_batch = %d on %d rank(s): grad_accum = %d", cfg.train.global_batch,
+                 world_size, grad_accum)
+    return cfg
+
+
 def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path | None = None,
            hardware: Cluster | None = None) -> Config:
     """`cfg` with its 'auto' settings decided for `world_size` ranks on `device` (one process's
@@ -62,7 +77,9 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
     `hardware`: decide for this cluster instead of this machine (`train --dry-run --gpus`)."""
     from shardlm.planner.search import default_dtypes, describe_strategy, plan_for_run
 
-    cfg.validate()
+    cfg = with_global_batch(cfg.validate(), world_size)
+    if hardware is None:  # fp8 needs FP8 hardware or precision.fp8_emulate: ConfigError otherwise
+        check_fp8_device(cfg.precision, device)
     saved = _saved_compute(checkpoint) if cfg.precision.compute == "auto" else None
     if saved is not None:
         cfg = copy.deepcopy(cfg)

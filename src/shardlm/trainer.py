@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -22,20 +22,28 @@ from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, 
                                         SaveReport, find_checkpoint, load_slices,
                                         load_with_fallback, newest_usable, raise_on_every_rank)
 from shardlm.config import Config
+from shardlm.config_rules import document_mask_on
 from shardlm.errors import ConfigError
 from shardlm.data import Dataset, Loader, build_dataset
+from shardlm.data.seq2seq import Seq2SeqInputs
 from shardlm.data.sft import IGNORE
 from shardlm.data.tokenizer import hf_tokenizer
 from shardlm.launch import (Runtime, StopSignals, agree_on_name, broadcast_text, claim_run_dir,
-                            init_runtime, is_restart)
+                            init_runtime, is_restart, planned_fault)
 from shardlm.dims import resolve_dims
 from shardlm.mesh import Mesh, build_mesh
 from shardlm.models import build_model, flops_per_token, generate
+from shardlm.models.attention import configure as configure_attention
+from shardlm.models.hf import Seq2SeqAdapter
+from shardlm.models.seq2seq import build_seq2seq, generate_seq2seq, user_model_flops_per_token
+from shardlm.presets import encoder_decoder_config
 from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
 from shardlm.parallel.build import parallelize
 from shardlm.parallel.compile import compile_seconds
 from shardlm.parallel.data import DataParallelEngine
+from shardlm.parallel.evaluation import metrics_of
 from shardlm.models.moe import bias_tensors
+from shardlm.models.fp8 import Fp8State
 from shardlm.parallel.expert import finish_moe_step, moe_record
 from shardlm.parallel.expert_balance import ExpertBalancer
 from shardlm.parallel.pipeline import Schedule, StepIO, gather_stages
@@ -44,6 +52,7 @@ from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.precision import Precision, build_precision, is_finite
 from shardlm.resolve import resolve_config
 from shardlm.telemetry import MetricsLog, ProgressDisplay, peak_flops, peak_rss_bytes
+from shardlm.tracking import StepProfiler, StepTimes, device_synchronize, open_trackers, time_split_on
 
 log = logging.getLogger("shardlm")
 
@@ -75,6 +84,9 @@ class Run:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = None
     """(logits, targets) -> mean cross-entropy in fp32 (vocabulary-parallel under tensor
     parallelism): parallel.build.Parallelized.loss."""
+    token_sums: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = None
+    """(logits, targets) -> float64 [summed cross-entropy, correct argmax, targets] over the
+    targets that carry loss (evaluation): parallel.build.Parallelized.token_sums."""
     start_step: int = 0
     """The first step to run: 0, or where the checkpoint resumed from left off."""
     schedule: Schedule | None = None
@@ -92,6 +104,13 @@ class Run:
     loss_token_fraction: float | None = None
     """data.format chat / prompt_completion: the last step's fraction of targets that carry loss
     (not -100), over the whole global batch; logged as `loss_token_fraction`."""
+    fp8: Fp8State | None = None
+    """precision.compute = 'fp8': the swapped linears' state (parallel.build.Parallelized.fp8)."""
+    fp8_record: dict = field(default_factory=dict)
+    times: StepTimes = field(default_factory=lambda: StepTimes(None, enabled=False))
+    """The step's time split by phase (run.time_split; shardlm.tracking.StepTimes)."""
+    """The last step's fp8_overflow / fp8_underflow (fractions of every rank's quantised
+    elements, and by tensor): models.fp8.Fp8Stats.record; empty without the fp8 emulation."""
 
 
 @dataclass
@@ -99,6 +118,11 @@ class TrainResult:
     run_dir: Path
     losses: list[float] = field(default_factory=list)
     val_loss: float | None = None
+    """The last evaluation's mean loss per validation target that carries loss."""
+    val_perplexity: float | None = None
+    """exp(val_loss)."""
+    val_token_accuracy: float | None = None
+    """The last evaluation's fraction of those targets that the logits' argmax predicts."""
     tokens_per_s: float = 0.0
     """Mean over the steps after the first (which pays one-off warm-up costs)."""
     mfu: float = 0.0
@@ -140,16 +164,32 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     dataset = build_dataset(cfg.data, cfg.model.vocab_size, given, t.seq_len)
     precision = build_precision(cfg.precision, runtime.device, t.on_nonfinite == "stop")
     user_model = model is not None
+    seq2seq_config = encoder_decoder_config(cfg.model.hf_path, cfg.model.hf_config)
     if user_model:  # on the meta device it stays there: parallelize materialises it
         if not any(p.is_meta for p in model.parameters()):
             model = model.to(runtime.device)
+    elif seq2seq_config:  # a transformers encoder-decoder (T5, BART): fresh, or hf_path's weights
+        model, user_model = build_seq2seq(seq2seq_config, cfg.model.vocab_size, "meta"), True
     else:
         model = build_model(cfg.model, "meta")  # materialised by parallelize, unit by unit
+    if (dataset.source_len > 0) != isinstance(model, Seq2SeqAdapter):
+        raise ConfigError(f"data.format = {cfg.data.format!r} with a {type(model).__name__}: "
+                          f"data.format = 'seq2seq' goes with an encoder-decoder (model.hf_config, "
+                          f"an encoder-decoder model.hf_path, or a models.hf.Seq2SeqAdapter), and "
+                          f"an encoder-decoder with data.format = 'seq2seq' only")
+    # Counted while the model is whole (on meta, or as given): ZeRO-3 rebinds its parameters.
+    source_len = dataset.source_len
+    user_flops = [user_model_flops_per_token(model, t.seq_len, source_len, mode) if user_model else 0.0
+                  for mode in ("none", cfg.activation.checkpoint)]
     timeout = cfg.parallel.collective_timeout_s
     watchdog = CollectiveWatchdog(timeout, runtime.rank) if runtime.world_size > 1 and timeout else None
+    # data.document_mask: batches of PackedTokens, and the attention backend that runs them
+    documents = document_mask_on(cfg.data)
+    log.info(configure_attention(model, cfg.model.attention, runtime.device, documents, t.compile))
     built = parallelize(model, mesh, cfg, runtime.device, watchdog, run_dir)
-    common = dict(seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
-                  dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp_size)
+    common = dict(seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed, source_len=source_len,
+                  dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp_size,
+                  document_end=dataset.eot_id if documents else None)
     writer = CheckpointWriter(
         run_dir / CHECKPOINTS, runtime.rank, runtime.world_size, cfg.checkpoint.keep,
         cfg.checkpoint.async_, session=agree_on_name(f"{os.getpid()}-{time.time_ns()}", runtime),
@@ -159,18 +199,20 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
         strategy=built.strategy, watchdog=watchdog, precision=precision,
         train_loader=Loader(dataset.train, grad_accum=t.grad_accum, mask=dataset.train_mask, **common),
         val_loader=Loader(dataset.val, grad_accum=1, mask=dataset.val_mask, **common),
-        run_dir=run_dir, checkpoints=writer, loss=built.loss, schedule=built.schedule,
-        peak_flops_per_device=peak_flops(runtime.device, precision.name),
-        # A model we did not build: 6 × parameters, the approximation used for those (attention
-        # FLOPs left out). Ours: the exact count from its config.
-        flops_per_token=(6.0 * sum(p.numel() for p in model.parameters()) if user_model
-                         else flops_per_token(cfg.model, t.seq_len)),
-        # Recomputation counted: ours exactly (models.flops); a model we did not build, 8N with
-        # 'full' (a second forward of everything, the usual approximation).
-        hardware_flops_per_token=((8.0 if cfg.activation.checkpoint == "full" else 6.0)
-                                  * sum(p.numel() for p in model.parameters()) if user_model
+        run_dir=run_dir, checkpoints=writer, loss=built.loss, token_sums=built.token_sums,
+        schedule=built.schedule,
+        peak_flops_per_device=peak_flops(runtime.device, precision.carrier),  # fp8: bf16's peak
+        # A model we did not build: models.seq2seq.user_model_flops_per_token (an encoder-decoder
+        # by its parts, else 6N). Ours: the exact count from its config.
+        flops_per_token=(user_flops[0] if user_model else flops_per_token(cfg.model, t.seq_len)),
+        # Recomputation counted: ours exactly (models.flops); a model we did not build, 8/6 of it
+        # with 'full' (a second forward of everything, the usual approximation).
+        hardware_flops_per_token=(user_flops[1] if user_model
                                   else flops_per_token(cfg.model, t.seq_len, cfg.activation.checkpoint)),
         balancer=ExpertBalancer(model, cfg.parallel.ep_rebalance_every) if mesh.dims.ep > 1 else None,
+        fp8=built.fp8,
+        times=StepTimes(built.strategy.ledger, time_split_on(cfg.run.time_split, runtime.device),
+                        device_synchronize(runtime.device)),
     )
     if source is not None:  # a checkpoint that fails to load: the next usable one, if allowed
         _, run.start_step = load_with_fallback(
@@ -238,7 +280,8 @@ def save_checkpoint(run: Run, step: int) -> SaveReport:
     t = run.cfg.train
     state = {"step": step, "optimizer_steps": adam_steps(run.strategy.optimizer),
              "scaler": run.precision.scaler.state_dict(),
-             "data": {"seed": t.seed, "global_batch": run.train_loader.global_batch, "seq_len": t.seq_len}}
+             "data": {"seed": t.seed, "global_batch": run.train_loader.global_batch, "seq_len": t.seq_len,
+                      "samples": run.train_loader.samples_done(step)}}
     moe = getattr(run.model, "moe_stats", None)
     if moe is not None and moe.biases:  # balance = 'bias': the routers' biases (the same everywhere)
         state["moe_biases"] = {str(k): v.tolist() for k, v in moe.biases.items()}
@@ -286,10 +329,16 @@ def _restore_state(run: Run, manifest: dict) -> int:
     else:  # another world size: no rank's stream carries over; a fresh one per (seed, step)
         torch.manual_seed(run.cfg.train.seed + state["step"])
     data = state["data"]
+    # The data position is the sequences consumed, not the step: it carries across a change of
+    # global batch (older checkpoints: step x their global batch).
+    samples = int(data.get("samples", state["step"] * data["global_batch"]))
+    run.train_loader.resume_at(int(state["step"]), samples)
     if data["global_batch"] != run.train_loader.global_batch or data["seq_len"] != run.cfg.train.seq_len:
-        log.warning("resuming with %d x %d tokens per step where the checkpoint had %d x %d: the "
-                    "data order differs from the uninterrupted run's", run.train_loader.global_batch,
-                    run.cfg.train.seq_len, data["global_batch"], data["seq_len"])
+        log.warning("resuming with %d x %d tokens per step where the checkpoint had %d x %d: the data "
+                    "continues after the %d sequences consumed, but the steps left differ from the "
+                    "uninterrupted run's (train.global_batch keeps a global batch across world sizes)",
+                    run.train_loader.global_batch, run.cfg.train.seq_len, data["global_batch"],
+                    data["seq_len"], samples)
     return int(state["step"])
 
 
@@ -308,19 +357,26 @@ def pipeline_io(run: Run, divisor: int = 1) -> StepIO:
     """What a pipeline schedule needs from the run: each micro-batch's loss divided by
     `divisor`; gradients reduced after the step's last backward (finish_backward)."""
     device = run.runtime.device
-    return StepIO(model=run.model, forward=lambda x, hidden: run.forward(x.to(device, non_blocking=True), hidden),
-                  loss=lambda logits, y: run.loss(logits, y.to(device, non_blocking=True)) / divisor,
+    forward = run.times.timed("forward", lambda x, hidden: run.forward(x.to(device, non_blocking=True), hidden))
+    return StepIO(model=run.model, forward=forward,
+                  loss=run.times.timed("forward", lambda logits, y: run.loss(logits, y.to(device, non_blocking=True))
+                                       / divisor),
                   backward=lambda loss: run.precision.scaler.scale_loss(loss).backward(),
                   before_backward=lambda i: run.strategy.micro_step(sync=False),
                   autocast=run.precision.autocast, device=device)
 
 
-def loss_of(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def loss_of(run: Run, x: torch.Tensor, y: torch.Tensor,
+            score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """run.loss (or `score`: run.token_sums) of the forward of one micro-batch."""
     device = run.runtime.device
-    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    y = y.to(device, non_blocking=True)
     with run.precision.autocast():
-        logits = run.forward(x)  # (B, T, vocab), or this rank's vocabulary under tensor parallelism
-    return run.loss(logits, y)
+        if isinstance(x, Seq2SeqInputs):  # an encoder-decoder's (source, source_mask, labels)
+            logits = run.forward(*(part.to(device, non_blocking=True) for part in x))  # (B, T, vocab)
+        else:  # (B, T, vocab), or this rank's vocabulary under tensor parallelism
+            logits = run.forward(x.to(device, non_blocking=True))
+    return (score or run.loss)(logits, y)
 
 
 class StepResult(NamedTuple):
@@ -336,6 +392,7 @@ class StepResult(NamedTuple):
 def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     """One optimizer step over grad_accum micro-batches."""
     strategy, scaler = run.strategy, run.precision.scaler
+    run.times.start()
     set_lr(strategy.optimizer, lr_at(step, run.cfg.train))
     micro_batches = run.train_loader.micro_batches(step)
     # SFT formats: targets with loss / all targets of this rank's micro-batches (summed over the
@@ -353,26 +410,33 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     if moe is not None:  # the MoE layers' balancing losses get the language-model loss's scale
         moe.reset()
         moe.grad_scale = scaler.scale / global_micro_batches
+    if run.fp8 is not None:  # delayed scaling's histories advance; the step's counts restart
+        run.fp8.begin_step()
     if run.schedule is not None:  # the pipeline's order of forwards and backwards
-        total = run.schedule.run(pipeline_io(run, global_micro_batches), micro_batches)
+        with run.times.phase("backward"):  # less its forwards (timed in pipeline_io) and waits
+            total = run.schedule.run(pipeline_io(run, global_micro_batches), micro_batches)
         run.schedule.stage.sync_tied(run.model)
         micro_batches = []
     for i, (x, y) in enumerate(micro_batches):
         # Gradients are synchronised on the last micro-batch only (nanoGPT's no_sync reasoning:
         # reducing inner micro-steps would be pure waste).
         strategy.micro_step(sync=i == len(micro_batches) - 1)
-        loss = loss_of(run, x, y) / global_micro_batches
-        scaler.scale_loss(loss).backward()
+        with run.times.phase("forward"):
+            loss = loss_of(run, x, y) / global_micro_batches
+        with run.times.phase("backward"):
+            scaler.scale_loss(loss).backward()
         total += loss.detach()
-    strategy.finish_backward()
-    scaler.unscale_(strategy.grads())
-    # The norm is computed every step (telemetry) and doubles as the overflow check; it is
-    # global, so every rank takes the same skip decision.
-    grad_norm = strategy.clip_grad_norm(run.cfg.train.grad_clip or float("inf"))
-    stepped = scaler.update(is_finite(grad_norm))
-    if stepped:
-        strategy.step()
-    strategy.zero_grad()
+    with run.times.phase("backward"):
+        strategy.finish_backward()
+    with run.times.phase("optimizer"):
+        scaler.unscale_(strategy.grads())
+        # The norm is computed every step (telemetry) and doubles as the overflow check; it is
+        # global, so every rank takes the same skip decision.
+        grad_norm = strategy.clip_grad_norm(run.cfg.train.grad_clip or float("inf"))
+        stepped = scaler.update(is_finite(grad_norm))
+        if stepped:
+            strategy.step()
+        strategy.zero_grad()
     if moe is not None:  # the step's routing summed over the ranks; the balancing biases moved
         m = run.cfg.model
         run.moe_sums = finish_moe_step(moe, m.balance if stepped else "none", m.bias_update_rate)
@@ -386,27 +450,46 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     # Every rank of a tensor-parallel group holds the same loss: counted once.
     summed = torch.stack([total / run.mesh.dims.tp,
                           *torch.tensor([float(stop_requested), *counts], device=total.device)])
+    fp8_stats = run.fp8.stats if run.fp8 is not None else None
+    if fp8_stats is not None:  # the step's overflow / underflow counts ride on the same sum
+        fp8_counts = fp8_stats.totals(total.device)
+        summed = torch.cat([summed, fp8_counts])
     if run.runtime.world_size > 1:  # not model communication: not in the ledger
         with watched(run.watchdog, "all_reduce(loss)", "dp", 4 * len(summed)):
             torch.distributed.all_reduce(summed)
     if masked:
         run.loss_token_fraction = float(summed[2] / summed[3])
+    if fp8_stats is not None:
+        run.fp8_record = fp8_stats.record(summed[-len(fp8_counts):])
+    run.times.stop()
     return StepResult(float(summed[0]), grad_norm, stepped, bool(summed[1] > 0))
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> float:
+def evaluate(run: Run) -> dict[str, float]:
+    """val_loss, val_perplexity, val_token_accuracy over the first train.eval_batches
+    micro-batches of validation windows, dealt to the data-parallel ranks (Loader.eval_batches).
+    Each rank sums [cross-entropy, correct, targets] over its targets that carry loss, and the
+    sums (not the ranks' means) are added over all ranks: every target weighs the same whatever
+    rank or batch it fell in (parallel/evaluation.py)."""
     run.model.eval()
     batches = run.val_loader.eval_batches(run.cfg.train.eval_batches)
-    if run.schedule is not None:
-        losses = torch.stack(run.schedule.forward_only(pipeline_io(run), list(batches)))
+    device = run.runtime.device
+    if run.schedule is not None:  # the head's stage's sums, shared with the whole pipeline
+        io = replace(pipeline_io(run), loss=lambda logits, y: run.token_sums(
+            logits, y.to(device, non_blocking=True)))
+        sums = torch.stack(run.schedule.forward_only(io, list(batches), (3,), torch.float64)).sum(0)
     else:
-        losses = torch.stack([loss_of(run, x, y).float() for x, y in batches])
+        sums = sum((loss_of(run, x, y, run.token_sums) for x, y in batches),
+                   torch.zeros(3, dtype=torch.float64, device=device))
     run.model.train()
-    if run.mesh.cp_group is not None:  # each rank scored its part of the sequences: their mean
-        torch.distributed.all_reduce(losses, group=run.mesh.cp_group)
-        losses /= run.mesh.dims.cp
-    return float(losses.mean())
+    if run.runtime.world_size > 1:
+        # dp ranks hold different windows and cp ranks different tokens of them: both add up.
+        # tp ranks hold the same sums, and so do pp ranks after forward_only: counted once.
+        with watched(run.watchdog, "all_reduce(eval)", "world", 8 * len(sums)):
+            torch.distributed.all_reduce(sums)
+        sums /= run.mesh.dims.tp * run.mesh.dims.pp
+    return metrics_of(sums.tolist())
 
 
 def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: float) -> dict:
@@ -426,32 +509,41 @@ def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: flo
                     "pp_peak_rss_bytes_by_stage": [int(b) for b in rss]}
     if run.moe_sums is not None:  # mixture of experts: balance, drops, traffic
         pipeline.update(moe_record(run.model.moe_stats, run.moe_sums, comm), **run.moe_placement)
-    return {"step": step + 1, "loss": loss, "lr": run.strategy.optimizer.param_groups[0]["lr"],
+    return {"step": step + 1, "world_size": run.runtime.world_size, "loss": loss,
+            "lr": run.strategy.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
             "hfu": hfu, "step_time_s": seconds, "peak_rss_bytes": peak_rss_bytes(),
             "loss_scale": run.precision.scaler.scale,
             "model_state_bytes": sum(run.strategy.model_state_bytes().values()),
             "comm_bytes": sum(comm.values()), "comm_bytes_by_op": comm,
             **run.strategy.offload_report(), **pipeline,
-            **({} if run.loss_token_fraction is None else {"loss_token_fraction": run.loss_token_fraction})}
+            **({} if run.loss_token_fraction is None else {"loss_token_fraction": run.loss_token_fraction}),
+            **run.fp8_record, **run.times.record(seconds)}
 
 
 def train(run: Run) -> TrainResult:
     cfg, main = run.cfg, run.runtime.is_main
+    tracker = open_trackers(cfg.run.tracker, run.run_dir, enabled=main)  # first: closed in finally
+    profiler = StepProfiler(cfg.run.profile_steps, run.run_dir, run.runtime.rank, run.runtime.device)
+    completed = False
     metrics = MetricsLog(run.run_dir / "metrics.jsonl" if main else None)
     steps, every = cfg.train.steps, cfg.checkpoint.every
     progress = ProgressDisplay(steps - run.start_step, cfg.run.progress, enabled=main)
     result = TrainResult(run.run_dir)
+    fault = planned_fault()  # $SHARDLM_FAULT: the fault tests' injected crash, leave or pause
     speeds, mfus, hfus = [], [], []
     try:
+        tracker.log_config(cfg.to_dict())  # resolved: every 'auto' decided
         with StopSignals() as signals:
             for step in range(run.start_step, steps):
                 run.strategy.ledger.reset()  # evaluation's gathers are not a training step's
                 compiling = cfg.train.compile and step == run.start_step  # the blocks compile now
                 compiled_before = compile_seconds() if compiling else 0.0
+                profiler.begin(step + 1)
                 start = time.perf_counter()
                 out = train_step(run, step, stop_requested=signals.requested is not None)
                 record = step_record(run, step, out.loss, out.grad_norm, time.perf_counter() - start)
+                profiler.end(step + 1)
                 if compiling:
                     record["compile_s"] = compile_seconds() - compiled_before
                     log.info("compile: %.1f s of the first step's %.1f s", record["compile_s"],
@@ -465,7 +557,11 @@ def train(run: Run) -> TrainResult:
                     hfus.append(record["hfu"])
                 last = step + 1 == steps
                 if last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0):
-                    result.val_loss = record["val_loss"] = evaluate(run)
+                    scores = evaluate(run)
+                    record.update(scores)
+                    result.val_loss = scores["val_loss"]
+                    result.val_perplexity = scores["val_perplexity"]
+                    result.val_token_accuracy = scores["val_token_accuracy"]
                 if out.stop or (every and (last or (step + 1) % every == 0)):
                     if out.stop:  # the last checkpoint before exiting: written in full
                         run.checkpoints.asynchronous = False
@@ -475,15 +571,21 @@ def train(run: Run) -> TrainResult:
                                   checkpoint_bytes=report.bytes)
                 if out.stop or last or (step + 1) % cfg.train.log_every == 0:
                     metrics.write(record)
+                    tracker.log_scalars(record["step"], record)
                 progress.update(step - run.start_step, f"loss {out.loss:.3f}  "
                                 f"{record['tokens_per_s']:,.0f} tok/s  MFU {record['mfu']:.1%} "
                                 f"(HFU {record['hfu']:.1%})")
+                if fault is not None and fault.due(step + 1):
+                    fault.strike()
                 if out.stop:
                     result.stopped_by = signals.requested or "a signal to another rank"
                     break
             run.checkpoints.wait()  # an asynchronous save still writing
+        completed = True
     finally:
         progress.close()
+        profiler.close()  # a crash keeps what was traced and tracked
+        tracker.close(failed=not completed)
         metrics.close()
     if speeds:
         result.tokens_per_s = sum(speeds) / len(speeds)
@@ -506,12 +608,16 @@ def train(run: Run) -> TrainResult:
 
 
 def sample_text(run: Run, prompt: str, max_new_tokens: int) -> str:
+    """The prompt continued (an encoder-decoder: the prompt is the source, the target printed)."""
     tokenizer = run.dataset.tokenizer
     idx = torch.tensor([tokenizer.encode(prompt).ids], device=run.runtime.device)
     generator = torch.Generator(device=run.runtime.device).manual_seed(run.cfg.train.seed)
     run.model.eval()
     with run.precision.autocast(), run.strategy.full_parameters():
-        if run.schedule is not None:  # through the pipeline's stages
+        if run.dataset.source_len:  # the library's generate (its KV cache), sampling as below
+            out = generate_seq2seq(run.model, idx, torch.ones_like(idx), max_new_tokens,
+                                   run.dataset.eot_id, temperature=0.8, generator=generator)
+        elif run.schedule is not None:  # through the pipeline's stages
             out = run.schedule.generate(pipeline_io(run), idx, max_new_tokens, generator=generator)
         else:
             out = generate(run.model, idx, max_new_tokens, generator=generator)

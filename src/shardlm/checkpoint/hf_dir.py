@@ -111,3 +111,30 @@ class HFDirReader:
         """Fill StateSlices (name, shape, start, end, tensor)."""
         for s in slices:
             self.read_range(s.name, s.shape, s.start, s.end, s.tensor)
+
+
+def module_initializer(directory: str | Path, model: torch.nn.Module, prefix: str = "model."):
+    """model.hf_path for a transformers model trained as it is (an encoder-decoder wrapped by
+    models/hf.Seq2SeqAdapter: its parameter `model.X` is the directory's tensor `X`) as an
+    Initializer: name -> fp32 values, read whole (the sharded build cuts this rank's piece). A
+    tied parameter (T5's shared embedding = encoder/decoder embed_tokens = lm_head) is found
+    under whichever of its names the checkpoint saved. A tensor the model has and the directory
+    lacks, or one of another shape, is an HFDirError naming it."""
+    reader = HFDirReader(directory)
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name.removeprefix(prefix))
+    names = {name: aliases[id(param)] for name, param in model.named_parameters()}
+    shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
+
+    def initial_value(name: str) -> torch.Tensor:
+        found = [n for n in names[name] if n in reader.files]
+        if not found:
+            raise HFDirError(f"model.hf_path {str(directory)!r} has no tensor {names[name][0]!r} "
+                             f"(nor {', '.join(names[name][1:]) or 'another name for it'}): the "
+                             f"checkpoint is incomplete, or not the architecture its config.json names")
+        flat = torch.empty(math.prod(shapes[name]), dtype=torch.float32)
+        reader.read_range(found[0], shapes[name], 0, flat.numel(), flat)
+        return flat.view(shapes[name])
+
+    return initial_value

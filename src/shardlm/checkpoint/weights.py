@@ -23,6 +23,9 @@ from shardlm.files import atomic_write
 from shardlm.models.moe import bias_tensors, take_bias_tensors
 
 WEIGHTS, CONFIG, TOKENIZER, LATEST = "model.safetensors", "config.json", "tokenizer.json", "latest"
+HF_CONFIG = "transformers_config.json"
+"""An encoder-decoder run (a transformers model, models/seq2seq.py): the model's own config, so
+the run directory rebuilds it without the model.hf_config / hf_path it started from."""
 
 
 def point_latest(run_dir: Path) -> None:
@@ -49,6 +52,9 @@ def save_weights(run_dir: Path, model: nn.Module | dict[str, torch.Tensor], cfg:
     os.replace(tmp, run_dir / WEIGHTS)
     atomic_write(run_dir / CONFIG, json.dumps(cfg.to_dict(), indent=2))
     tokenizer.save(str(run_dir / TOKENIZER))
+    hf_config = getattr(getattr(model, "model", None), "config", None)
+    if getattr(hf_config, "is_encoder_decoder", False):
+        atomic_write(run_dir / HF_CONFIG, hf_config.to_json_string())
     if cfg.lora.rank:  # the adapters also in the PEFT format, in run_dir/adapter/
         from shardlm.checkpoint.peft_adapter import save_run_adapter
 
@@ -76,6 +82,25 @@ def load_config_json(run_dir: Path) -> Config:
     return config_from_dict(json.loads((run_dir / CONFIG).read_text()))
 
 
+def _load_seq2seq(run_dir: Path, cfg: Config, device: torch.device) -> nn.Module:
+    """An encoder-decoder run's transformers model from its HF_CONFIG, its parameters from
+    WEIGHTS (materialize keeps tied ones tied; buffers such as BART's final_logits_bias are
+    rebuilt from the config, as training built them), in eval mode."""
+    from shardlm.models.init import materialize
+    from shardlm.models.seq2seq import build_seq2seq
+
+    saved = load_file(str(run_dir / WEIGHTS))
+
+    def value(name: str) -> torch.Tensor:
+        if name not in saved:
+            raise ConfigError(f"{run_dir / WEIGHTS} has no tensor {name!r}, which "
+                              f"{run_dir / HF_CONFIG} describes: the run directory is incomplete")
+        return saved[name]
+
+    model = build_seq2seq(run_dir / HF_CONFIG, cfg.model.vocab_size, "meta")
+    return materialize(model, device, 0, value).eval()
+
+
 def load_for_inference(path: str | Path, device: torch.device):
     """(model, tokenizer, config) of a saved run, model in eval mode on `device`."""
     from tokenizers import Tokenizer
@@ -84,17 +109,30 @@ def load_for_inference(path: str | Path, device: torch.device):
 
     run_dir = resolve_run_dir(path)
     cfg = load_config_json(run_dir)
+    if (run_dir / HF_CONFIG).is_file():  # an encoder-decoder: the transformers model (no LoRA)
+        return _load_seq2seq(run_dir, cfg, device), Tokenizer.from_file(str(run_dir / TOKENIZER)), cfg
     model = build_model(cfg.model, device, seed=0)
     if cfg.lora.rank:  # the adapters under their own names (models/lora.py), then loaded below
         from shardlm.models.lora import apply_lora
 
         lora = cfg.lora
         apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets, cfg.model.mlp)
+    quantized = cfg.lora.quantize != "none"
+    if quantized:  # QLoRA: the base's packed bytes load as saved, then become plain weights
+        from shardlm.models.lora import DEFAULT_TARGETS
+        from shardlm.models.quant import quantizable, quantize_base
+
+        dense = DEFAULT_TARGETS[cfg.model.mlp].split(",")
+        quantize_base(model, cfg.lora.quantize, quantizable(model, dense))
     state = take_bias_tensors(getattr(model, "moe_stats", None), load_file(str(run_dir / WEIGHTS), device=str(device)))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
     if unexpected or set(missing) - tied:
         raise ConfigError(f"{run_dir / WEIGHTS} does not match its config.json: missing "
                           f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+    if quantized:  # the dequantised base: what the adapters were trained against
+        from shardlm.models.quant import dequantize_base
+
+        dequantize_base(model)
     model.eval()
     return model, Tokenizer.from_file(str(run_dir / TOKENIZER)), cfg

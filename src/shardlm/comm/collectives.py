@@ -14,6 +14,7 @@ bits; it is still counted as a reduce-scatter.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -28,6 +29,12 @@ from shardlm.comm.watchdog import CollectiveWatchdog, Tracked
 class CommLedger:
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    wait_s: float = 0.0
+    """Seconds spent blocked in the handles' wait() (collectives and point-to-point): the
+    communication a step did not hide behind computation (the JSONL's time_comm_wait_s)."""
+    synchronize: Callable[[], None] | None = None
+    """Set where the device runs asynchronously and a time split is asked for (run.time_split =
+    'on'): each wait is bracketed by it, so it times the device's wait, not the host's."""
 
     def add(self, op: str, group_name: str, nbytes: int) -> None:
         key = f"{op}/{group_name}"
@@ -43,6 +50,18 @@ class CommLedger:
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.wait_s = 0.0
+
+    def timed_wait(self, handle) -> bool:
+        """handle.wait(), its blocked time added to wait_s."""
+        if self.synchronize is not None:  # the work queued before it is not communication
+            self.synchronize()
+        start = time.perf_counter()
+        result = handle.wait()
+        if self.synchronize is not None:
+            self.synchronize()
+        self.wait_s += time.perf_counter() - start
+        return result
 
 
 # Recent torch names them *_single; older releases *_tensor (same semantics).
@@ -55,6 +74,16 @@ class _Done:
 
     def wait(self) -> bool:
         return True
+
+
+class _Timed:
+    """A launched collective's handle whose wait() is timed into the ledger (CommLedger.wait_s)."""
+
+    def __init__(self, handle, ledger: CommLedger):
+        self.handle, self.ledger = handle, ledger
+
+    def wait(self) -> bool:
+        return self.ledger.timed_wait(self.handle)
 
 
 class _ChunkOfAllReduce:
@@ -96,9 +125,9 @@ class Comm:
     def _launch(self, op: str, nbytes: int, collective: Callable[[], object]):
         self.ledger.add(op, self.name, nbytes)
         if self.watchdog is None:
-            return collective()
+            return _Timed(collective(), self.ledger)
         token = self.watchdog.track(op, self.name, nbytes)
-        return Tracked(collective(), self.watchdog, token)
+        return _Timed(Tracked(collective(), self.watchdog, token), self.ledger)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM):
         if self.group is None:
@@ -160,9 +189,9 @@ class Comm:
         src = dist.get_global_rank(self.group, frm)
         work = dist.irecv(tensor, src, group=self.group, tag=tag)
         if self.watchdog is None:
-            return work
-        return Tracked(work, self.watchdog, self.watchdog.track("recv", self.name,
-                                                                 tensor.numel() * tensor.element_size()))
+            return _Timed(work, self.ledger)
+        return _Timed(Tracked(work, self.watchdog, self.watchdog.track(
+            "recv", self.name, tensor.numel() * tensor.element_size())), self.ledger)
 
     def shift(self, send: torch.Tensor, recv: torch.Tensor):
         """Send `send` to the next rank of the group (ring order) and receive the previous

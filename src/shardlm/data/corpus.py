@@ -2,13 +2,16 @@
 
 `source = "stdlib"` is the Python standard library's own `.py` files (present wherever Python is,
 so the default run needs no download); anything else is a comma-separated list of `.txt`, `.py`,
-`.md` or `.jsonl` files or directories of them. One text file is one document; one JSONL line is
-one document. Everything is read in a fixed (sorted) order so every rank and every rerun sees the
-same text, which the tokenizer cache and the sampler's determinism both depend on.
+`.md` or `.jsonl` files or directories of them, or Arrow / Parquet tables (data/tables.py: a
+datasets save_to_disk directory, .parquet files, a directory of them or a glob). One text file
+is one document; one JSONL line, or one table row, is one document. Everything is read in a
+fixed (sorted) order so every rank and every rerun sees the same text, which the tokenizer cache
+and the sampler's determinism both depend on.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -17,11 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from shardlm.config import DataConfig
+from shardlm.data.tables import TABLE_SUFFIXES, dataset_dir_files, is_dataset_dir, iter_rows
 from shardlm.errors import ConfigError
 
 TEXT_SUFFIXES = (".txt", ".py", ".md")
 JSONL_SUFFIXES = (".jsonl",)
-ACCEPTED = TEXT_SUFFIXES + JSONL_SUFFIXES
+ACCEPTED = TEXT_SUFFIXES + JSONL_SUFFIXES + (".parquet",)
+"""What a directory walk picks up; an explicit .arrow file, or a save_to_disk directory, also reads."""
 
 # Directories never part of the stdlib corpus: third-party packages, bytecode, the test suites
 # (large, repetitive, and full of deliberately odd code that is not "the library"), and generated
@@ -53,8 +58,9 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def corpus_files(cfg: DataConfig) -> list[Path]:
-    """The files of the corpus, in the order they are read. Raises ConfigError for a bad source."""
+def corpus_files(cfg: DataConfig, split: str = "train") -> list[Path]:
+    """The files of the corpus, in the order they are read. Raises ConfigError for a bad source.
+    `split`: which split of a DatasetDict directory ('train', or 'val' for data.val_source)."""
     if cfg.source.strip() == "stdlib":
         files = _walk(stdlib_root(), (".py",), _STDLIB_SKIP)
         if not files:
@@ -67,23 +73,35 @@ def corpus_files(cfg: DataConfig) -> list[Path]:
                           f"{'/'.join(ACCEPTED)} files or directories (comma-separated for several)")
     files: list[Path] = []
     for part in parts:
-        files.extend(_files_of(Path(part).expanduser()))
+        part = os.path.expanduser(part)
+        if any(c in part for c in "*?["):  # a glob, 'shards/*.parquet': its matches, sorted
+            matches = sorted(glob.glob(part))
+            if not matches:
+                raise ConfigError(f"data.source pattern {part!r} matches no file")
+            for match in matches:
+                files.extend(_files_of(Path(match), split))
+        else:
+            files.extend(_files_of(Path(part), split))
     return files
 
 
-def _files_of(path: Path) -> list[Path]:
+def _files_of(path: Path, split: str = "train") -> list[Path]:
     accepted = "/".join(ACCEPTED)
     if not path.exists():
         raise ConfigError(f"data.source path {str(path)!r} does not exist; data.source accepts "
-                          f"'stdlib' or {accepted} files or directories (comma-separated for several)")
+                          f"'stdlib', {accepted} files or directories, a glob, or a datasets "
+                          f"save_to_disk directory (comma-separated for several)")
+    if path.is_dir() and is_dataset_dir(path):
+        return dataset_dir_files(path, split)
     if path.is_dir():
         files = _walk(path, ACCEPTED)
         if not files:
             raise ConfigError(f"data.source directory {str(path)!r} holds no {accepted} files")
         return files
-    if not path.name.endswith(ACCEPTED):
+    if not path.name.endswith(ACCEPTED + TABLE_SUFFIXES):
         raise ConfigError(f"data.source file {str(path)!r} has an unsupported type; "
-                          f"accepted: {accepted} (or a directory of them)")
+                          f"accepted: {accepted}/.arrow (or a directory of them, or a datasets "
+                          f"save_to_disk directory)")
     return [path]
 
 
@@ -120,6 +138,11 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
 def _documents_of(path: Path, cfg: DataConfig, budget: int | None) -> Iterator[str]:
     if path.name.endswith(JSONL_SUFFIXES):
         yield from _jsonl_documents(path, cfg.jsonl_field)
+    elif path.name.endswith(TABLE_SUFFIXES):
+        field = cfg.jsonl_field
+        for row in iter_rows(path, [field], "set data.jsonl_field to the column holding the text"):
+            if row[field] is not None:  # a null cell: no document
+                yield str(row[field])
     else:
         yield _read_text(path, budget)
 
@@ -146,10 +169,11 @@ def iter_documents(cfg: DataConfig, files: list[Path] | None = None) -> Iterator
 
 
 def fingerprint(cfg: DataConfig, files: list[Path] | None = None) -> str:
-    """Hash of everything that decides the text: each file's path, size and mtime, max_bytes and
-    the JSONL field. Editing, adding or removing a file changes it, so the cache rebuilds."""
+    """Hash of everything that decides the text: each file's path, size and mtime, max_bytes, the
+    JSONL field and data.columns. Editing, adding or removing a file changes it, so the cache rebuilds."""
     h = hashlib.sha256()
-    h.update(f"format={_CORPUS_FORMAT};max_bytes={cfg.max_bytes};field={cfg.jsonl_field}\n".encode())
+    columns = f";columns={cfg.columns}" if cfg.columns else ""  # so older caches keep their names
+    h.update(f"format={_CORPUS_FORMAT};max_bytes={cfg.max_bytes};field={cfg.jsonl_field}{columns}\n".encode())
     for path in files if files is not None else corpus_files(cfg):
         st = path.stat()
         h.update(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())

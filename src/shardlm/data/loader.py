@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
 
@@ -36,12 +36,14 @@ from shardlm.errors import ConfigError
 from shardlm.files import atomic_write
 from shardlm.launch import cache_root
 from shardlm.data.corpus import corpus_files, fingerprint, iter_documents
+import shardlm.data.seq2seq as seq2seq
 import shardlm.data.sft as sft
+from shardlm.packed import PackedTokens, positions_from_starts
 from shardlm.data.tokenizer import (encode_to_file, eot_id, load_tokenizer, save_tokenizer,
                                     train_tokenizer)
 
 log = logging.getLogger("shardlm")
-_SFT_VERSION = 1
+_SFT_VERSION = 2
 """Bump when the packing or the chat rendering changes, so SFT caches rebuild."""
 
 
@@ -60,6 +62,8 @@ class Dataset:
     val_mask: np.memmap | None = None
     meta: dict | None = None
     """meta.json: the build's counts (for SFT formats: examples, truncated, loss_token_fraction)."""
+    source_len: int = 0
+    """data.format seq2seq: encoder tokens per row (rows of source_len + seq_len: data/seq2seq.py)."""
 
     @property
     def vocab_size(self) -> int:
@@ -86,13 +90,31 @@ def build_dataset(cfg: DataConfig, vocab_size: int,
     """Train the tokenizer and write the token stream once; later calls (and other ranks) load.
     `given`: a tokenizer to use instead of training one (a checkpoint's: model.hf_path) and the
     id that separates documents; the cache entry is then keyed by the tokenizer's content too.
-    `seq_len`: the row length - 1 of the packed SFT formats (needed for those only)."""
-    files = corpus_files(cfg)
+    `seq_len`: the row length - 1 of the packed SFT formats (needed for those only).
+    data.val_source: a second entry, tokenized by the first's tokenizer, is the validation split
+    (all of it), and all of data.source trains; else the last val_fraction of data.source."""
+    cache_dir = _build_entry(cfg, vocab_size, given, seq_len)
+    if not cfg.val_source:
+        return load_dataset(cache_dir, cfg.val_fraction)
+    train = load_dataset(cache_dir, 0.0)
+    held_out = replace(cfg, source=cfg.val_source)
+    val = load_dataset(_build_entry(held_out, vocab_size, (train.tokenizer, train.eot_id), seq_len,
+                                    "val"), 1.0)
+    return replace(train, val=val.val, val_mask=val.val_mask)
+
+
+def _build_entry(cfg: DataConfig, vocab_size: int, given: tuple[Tokenizer, int] | None,
+                 seq_len: int | None, split: str = "train") -> Path:
+    """The cache entry of cfg.source (`split`: a DatasetDict's 'train' or 'val' split), built
+    under a lock by the first rank to get there."""
+    files = corpus_files(cfg, split)
     name = f"{fingerprint(cfg, files)}-v{vocab_size}"
     if cfg.format != "text":
         if not seq_len:
             raise ValueError(f"data.format = {cfg.format!r} packs rows of seq_len + 1 tokens: pass seq_len")
         name += f"-{cfg.format}-s{seq_len}-p{_SFT_VERSION}"
+    if cfg.format == "seq2seq":  # the encoder's length decides the rows too
+        name += f"-e{cfg.source_len or seq_len}"
     if given is not None:
         digest = hashlib.sha256(f"{given[1]}\0{given[0].to_str()}".encode()).hexdigest()[:12]
         name += f"-t{digest}"
@@ -104,9 +126,11 @@ def build_dataset(cfg: DataConfig, vocab_size: int,
             if not (cache_dir / "done").exists():
                 if cfg.format == "text":
                     _build(cfg, files, vocab_size, cache_dir, given)
+                elif cfg.format == "seq2seq":
+                    _build_seq2seq(cfg, files, vocab_size, cache_dir, given, seq_len)
                 else:
                     _build_sft(cfg, files, vocab_size, cache_dir, given, seq_len + 1)
-    return load_dataset(cache_dir, cfg.val_fraction)
+    return cache_dir
 
 
 def load_dataset(cache_dir: Path, val_fraction: float) -> Dataset:
@@ -123,7 +147,8 @@ def load_dataset(cache_dir: Path, val_fraction: float) -> Dataset:
         mask = np.memmap(cache_dir / "mask.bin", dtype=np.uint8, mode="r", shape=(n_tokens,))
         masks = {"train_mask": mask[:split], "val_mask": mask[split:]}
     return Dataset(train=tokens[:split], val=tokens[split:], tokenizer=tok, cache_dir=cache_dir,
-                   eot_id=eot_id(tok) if separator is None else separator, meta=meta, **masks)
+                   eot_id=eot_id(tok) if separator is None else separator, meta=meta,
+                   source_len=meta.get("source_len", 0), **masks)
 
 
 def _documents(cfg: DataConfig, files: list[Path]) -> Iterator[str]:
@@ -192,12 +217,42 @@ def _build_sft(cfg: DataConfig, files: list[Path], vocab_size: int, cache_dir: P
              counts["n_dropped"], counts["loss_token_fraction"], time.perf_counter() - start)
 
 
+def _build_seq2seq(cfg: DataConfig, files: list[Path], vocab_size: int, cache_dir: Path,
+                   given: tuple[Tokenizer, int] | None, seq_len: int) -> None:
+    """Source -> target pairs -> one row of source_len + seq_len tokens each, and its mask."""
+    start = time.perf_counter()
+    for stale in cache_dir.glob("*.tmp.*"):
+        stale.unlink()
+    if given is not None:
+        tok, end_id = given
+    else:  # our BPE, trained on sources and targets; <|endoftext|> ends a target
+        tok = train_tokenizer(chain.from_iterable(seq2seq.iter_pairs(cfg, files)), vocab_size)
+        end_id = eot_id(tok)
+    save_tokenizer(tok, cache_dir / "tokenizer.json")
+    source_len, dtype = cfg.source_len or seq_len, token_dtype(vocab_size)
+    tmp = {name: cache_dir / f"{name}.bin.tmp.{os.getpid()}" for name in ("tokens", "mask")}
+    counts = seq2seq.write_rows(tok, seq2seq.iter_pairs(cfg, files), end_id, source_len, seq_len,
+                                tmp["tokens"], tmp["mask"], dtype)
+    for name, path in tmp.items():
+        os.replace(path, cache_dir / f"{name}.bin")
+    row_len = source_len + seq_len
+    meta = {"dtype": dtype.name, "vocab_size": vocab_size, "source": cfg.source, "format": cfg.format,
+            "max_bytes": cfg.max_bytes, "n_files": len(files), "separator": end_id,
+            "row_len": row_len, "source_len": source_len, "n_tokens": counts["n_rows"] * row_len, **counts}
+    atomic_write(cache_dir / "meta.json", json.dumps(meta, indent=2), fsync=True)
+    atomic_write(cache_dir / "done", "", fsync=True)
+    log.info("data: built %s (seq2seq): %d examples as rows of %d source + %d target tokens, %d cut; "
+             "loss_token_fraction %.3f; %.1fs", cache_dir, counts["n_examples"], source_len, seq_len,
+             counts["n_truncated"], counts["loss_token_fraction"], time.perf_counter() - start)
+
+
 def _require_windows(n_tokens: int, seq_len: int, needed: int, split: str, what: str,
-                     rows: bool = False) -> int:
-    n_windows = n_tokens // (seq_len + 1) if rows else max(n_tokens - 1, 0) // seq_len
+                     rows: bool = False, source_len: int = 0) -> int:
+    row_len = source_len + seq_len if source_len else seq_len + 1  # seq2seq rows: source + target
+    n_windows = n_tokens // row_len if rows else max(n_tokens - 1, 0) // seq_len
     if n_windows < needed and rows:
         raise ConfigError(
-            f"the {split} split has {n_windows} packed rows of seq_len+1 = {seq_len + 1} tokens, "
+            f"the {split} split has {n_windows} rows of {row_len} tokens, "
             f"but {what} needs {needed} rows; add examples, or lower the batch size"
             + (", or raise data.val_fraction" if split == "val" else ""))
     if n_windows < needed:
@@ -213,28 +268,59 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def _windows(tokens: np.ndarray, window_ids: np.ndarray, seq_len: int,
-             mask: np.ndarray | None = None) -> Batch:
+             mask: np.ndarray | None = None, source_len: int = 0,
+             document_end: int | None = None) -> Batch:
     """Inputs and targets of the given windows: x = tokens[w*T : w*T+T], y = x shifted by one.
-    With a loss mask (packed SFT rows of T+1 tokens, stride T+1): targets without loss are -100."""
+    With a loss mask (packed SFT rows of T+1 tokens, stride T+1): targets without loss are -100.
+    With a source_len (seq2seq rows): x = (source, source_mask, labels), y = labels.
+    With document_end (data.document_mask on): x is PackedTokens, the ids and each token's
+    position in its document — for packed rows, from the packer's START bits; for text windows,
+    a document starts after each `document_end` token (a window's first token starts one too:
+    the part of a document cut by the window's start is a document of its own)."""
+    if source_len:
+        return seq2seq.rows(tokens, window_ids, source_len, seq_len, mask)
     stride = seq_len if mask is None else seq_len + 1
     index = window_ids[:, None] * stride + np.arange(seq_len + 1)  # (B, T+1)
     w = torch.from_numpy(tokens[index].astype(np.int64))  # fancy index reads only these rows
     x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (B, T), (B, T)
     if mask is not None:  # a copy of its own: with one row, contiguous() left x and y views of w
         y = y.clone()
-        y[torch.from_numpy(mask[index[:, 1:]] == 0)] = sft.IGNORE
+        y[torch.from_numpy(mask[index[:, 1:]] & sft.LOSS == 0)] = sft.IGNORE
+    if document_end is not None:
+        if mask is not None:
+            starts = torch.from_numpy(mask[index[:, :-1]] & sft.START != 0)
+        else:
+            starts = torch.zeros_like(x, dtype=torch.bool)
+            starts[:, 1:] = x[:, :-1] == document_end
+        x = PackedTokens(x, positions_from_starts(starts))
     return x, y
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, micro_batch: int, n: int,
-                 mask: np.ndarray | None = None) -> Iterator[Batch]:
-    """The first n*micro_batch windows in order, (x, y) per micro-batch: the same on every call,
-    every rank and every step, so validation losses are comparable across a run and across runs.
-    Fewer batches when the split is smaller than n batches."""
+                 mask: np.ndarray | None = None, dp_rank: int = 0, dp_size: int = 1,
+                 source_len: int = 0, document_end: int | None = None) -> Iterator[Batch]:
+    """Validation: the first n*micro_batch windows in order (fewer, in whole micro-batches, when
+    the split is smaller), the same on every call and every step, so validation figures are
+    comparable across a run and across runs. They are dealt to the data-parallel ranks in
+    contiguous shares (sizes differing by at most one window), so the windows evaluated do not
+    depend on dp_size. Every rank yields the same number of (x, y) micro-batches of micro_batch
+    rows (ZeRO-3 gathers and expert all-to-alls need every rank in every forward): a share's
+    last batch is filled with copies of its windows whose targets are all -100 (no loss)."""
     n_windows = _require_windows(len(tokens), seq_len, micro_batch, "val", "one validation batch",
-                                 rows=mask is not None)
-    for b in range(min(n, n_windows // micro_batch)):
-        yield _windows(tokens, np.arange(b * micro_batch, (b + 1) * micro_batch), seq_len, mask)
+                                 rows=mask is not None, source_len=source_len)
+    total = min(n, n_windows // micro_batch) * micro_batch
+    share = np.array_split(np.arange(total), dp_size)[dp_rank]
+    largest_share = -(-total // dp_size)  # ceil
+    n_batches = -(-largest_share // micro_batch)
+    filled = np.resize(share if len(share) else np.arange(1), n_batches * micro_batch)
+    for b in range(n_batches):
+        x, y = _windows(tokens, filled[b * micro_batch:(b + 1) * micro_batch], seq_len, mask, source_len,
+                        document_end)
+        padding = np.arange(b * micro_batch, (b + 1) * micro_batch) >= len(share)
+        if padding.any():  # a copy of its own: y may be a view of the same rows as x
+            y = y.clone()
+            y[torch.from_numpy(padding)] = sft.IGNORE
+        yield x, y
 
 
 class Loader:
@@ -246,15 +332,20 @@ class Loader:
     r takes the contiguous slice [r*L, (r+1)*L), L = micro_batch*grad_accum, of its step's global
     batch and cuts it into grad_accum micro-batches: ranks and micro-steps in order concatenate to
     the global batch, which is the same for every dp_size with the same global batch size. So a
-    resume, or a resume at another world size, neither repeats nor skips a sample.
+    resume, or a resume at another world size, neither repeats nor skips a sample. A resume with
+    another global batch continues after the sequences consumed (`resume_at`: g is offset).
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch: int, grad_accum: int,
                  seed: int, dp_rank: int = 0, dp_size: int = 1, split: str = "train",
-                 mask: np.ndarray | None = None):
+                 mask: np.ndarray | None = None, source_len: int = 0, document_end: int | None = None):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank = {dp_rank} must be in [0, dp_size = {dp_size})")
         self.tokens, self.seq_len, self.seed, self.mask = tokens, seq_len, seed, mask
+        self.source_len = source_len
+        """seq2seq rows (Dataset.source_len): batches are ((source, mask, labels), labels)."""
+        self.document_end = document_end
+        """data.document_mask on: the end-of-document token id; x is then PackedTokens (_windows)."""
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.local_batch = micro_batch * grad_accum
@@ -263,8 +354,20 @@ class Loader:
                 f"dp_size {dp_size})")
         # At least one global batch of windows: then a step spans at most two epochs.
         self.n_windows = _require_windows(len(tokens), seq_len, self.global_batch, split, what,
-                                          rows=mask is not None)
+                                          rows=mask is not None, source_len=source_len)
         self._perms: dict[int, np.ndarray] = {}
+        self.sample_offset = 0
+        """Added to every global sample index: set on a resume with another global batch (a gang
+        restarted at another size without train.global_batch) so that the samples already
+        consumed are neither repeated nor skipped: `samples_done` carries across."""
+
+    def samples_done(self, step: int) -> int:
+        """Sequences consumed by the steps before `step` (what a checkpoint at `step` records)."""
+        return self.sample_offset + step * self.global_batch
+
+    def resume_at(self, step: int, samples_done: int) -> None:
+        """Continue at `step` with `samples_done` sequences consumed, whatever the global batch was."""
+        self.sample_offset = samples_done - step * self.global_batch
 
     def permutation(self, epoch: int) -> np.ndarray:
         if epoch not in self._perms:
@@ -276,7 +379,7 @@ class Loader:
 
     def window_ids(self, step: int) -> np.ndarray:
         """This rank's window ids for `step`, shape (grad_accum, micro_batch)."""
-        g = step * self.global_batch + self.dp_rank * self.local_batch + np.arange(self.local_batch)
+        g = self.samples_done(step) + self.dp_rank * self.local_batch + np.arange(self.local_batch)
         epochs = g // self.n_windows
         ids = np.empty(self.local_batch, dtype=np.int64)
         for epoch in np.unique(epochs):
@@ -286,7 +389,10 @@ class Loader:
 
     def micro_batches(self, step: int) -> list[Batch]:
         """grad_accum pairs (x, y) of LongTensors (micro_batch, seq_len), y = x shifted by one."""
-        return [_windows(self.tokens, ids, self.seq_len, self.mask) for ids in self.window_ids(step)]
+        return [_windows(self.tokens, ids, self.seq_len, self.mask, self.source_len, self.document_end)
+                for ids in self.window_ids(step)]
 
     def eval_batches(self, n: int) -> Iterator[Batch]:
-        return eval_batches(self.tokens, self.seq_len, self.micro_batch, n, self.mask)
+        """This rank's share of the validation windows (module-level eval_batches)."""
+        return eval_batches(self.tokens, self.seq_len, self.micro_batch, n, self.mask,
+                            self.dp_rank, self.dp_size, self.source_len, self.document_end)

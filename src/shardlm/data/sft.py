@@ -1,4 +1,5 @@
 """Supervised fine-tuning data: chat and prompt/completion JSONL -> token rows with a loss mask.
+(Arrow / Parquet rows too, field for field: data/tables.py; data.columns renames the fields.)
 
 `data.format = 'chat'`: one JSON object per line, `{"messages": [{"role": "system" | "user" |
 "assistant", "content": "..."}, ...]}`, rendered with the default template (DEFAULT_TEMPLATE):
@@ -20,10 +21,16 @@ with `<end>`, no loss); an example longer than a row is cut to it (counted). A t
 says whether it is a target that carries loss; an example's first token never does (it would be
 predicted from the previous example's last token), and an example left without any loss token is
 dropped (counted). So every row, and every micro-batch, has at least one loss token.
+
+mask.bin holds two bits per token: LOSS (a target that carries loss) and START (an example's
+first token, and the padding's: the padding is a document of its own). The chat template ends
+every turn with `<end>`, so example boundaries cannot be read off the token ids: START is what
+data.document_mask's positions restart at (data/loader.py).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,8 +38,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from shardlm.config import DataConfig
-from shardlm.config_rules import DATA_FORMATS
+from shardlm.config_rules import DATA_FORMATS, parse_columns
 from shardlm.data.corpus import jsonl_records
+from shardlm.data.tables import TABLE_SUFFIXES, iter_rows
 from shardlm.errors import ConfigError
 
 FORMATS = DATA_FORMATS
@@ -41,6 +49,8 @@ DEFAULT_TEMPLATE = "<|{role}|>\n{content}<end>"
 """The chat rendering, per message (documentation: the code builds it segment by segment)."""
 IGNORE = -100
 """The target of a token that carries no loss (torch's cross_entropy ignore_index)."""
+LOSS, START = 1, 2
+"""mask.bin's bits: the token is a target with loss; the token starts an example (or the padding)."""
 
 
 def _fail(path: Path, lineno: int, message: str) -> ConfigError:
@@ -76,25 +86,55 @@ def _check(record: object, fmt: str, path: Path, lineno: int) -> dict:
     return record
 
 
+FIELDS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion"),
+          "seq2seq": ("source", "target")}
+"""Each format's fields, by their default names (data.columns renames them; data/seq2seq.py
+reads its pairs through _records too)."""
+
+
+def _records(path: Path, fmt: str, columns: str) -> Iterator[tuple[int, int, object]]:
+    """(line or row number, size in bytes, record under our field names) of a JSONL file or an
+    Arrow / Parquet table (streamed: data/tables.py); data.columns says where each field is."""
+    names = {key: key for key in FIELDS[fmt]}
+    names.update((k, v) for k, v in parse_columns(columns).items() if k in names)
+    if path.name.endswith(TABLE_SUFFIXES):
+        hint = "set data.columns to the columns holding " + ", ".join(names) + \
+               f" (e.g. '{next(iter(names))}=<column>')"
+        for row_number, row in enumerate(iter_rows(path, list(names.values()), hint), start=1):
+            # Sized as the JSONL line it would be, so data.max_bytes means the same for both.
+            yield row_number, len(json.dumps(row, default=str).encode()), {k: row[v] for k, v in names.items()}
+        return
+    if not path.name.endswith(".jsonl"):
+        raise ConfigError(f"data.format = {fmt!r} reads JSONL, Arrow or Parquet files; "
+                          f"{str(path)!r} is none of them")
+    renamed = any(k != v for k, v in names.items())
+    for lineno, raw, record in jsonl_records(path):
+        if renamed and isinstance(record, dict):
+            missing = [v for v in names.values() if v not in record]
+            if missing:
+                raise _fail(path, lineno, f"no field {missing[0]!r} (found {sorted(record)}); "
+                                          f"data.columns = {columns!r} names it")
+            record = {k: record[v] for k, v in names.items()}
+        yield lineno, len(raw), record
+
+
 def iter_examples(cfg: DataConfig, files: list[Path]) -> Iterator[dict]:
-    """The validated records of every JSONL file in order; at most data.max_bytes bytes of lines
-    (whole lines) when it is set. A file with no example is an error naming it."""
+    """The validated records of every file (JSONL, Arrow, Parquet) in order; at most
+    data.max_bytes bytes of lines (whole lines) when it is set. A file with no example is an
+    error naming it."""
     budget = cfg.max_bytes if cfg.max_bytes > 0 else None
     for path in files:
-        if not path.name.endswith(".jsonl"):
-            raise ConfigError(f"data.format = {cfg.format!r} reads JSONL files only; {str(path)!r} "
-                              f"is not one")
         found = 0
-        for lineno, raw, record in jsonl_records(path):
+        for lineno, size, record in _records(path, cfg.format, cfg.columns):
             found += 1
             yield _check(record, cfg.format, path, lineno)
             if budget is not None:
-                budget -= len(raw)
+                budget -= size
                 if budget <= 0:
                     return
         if not found:
             raise ConfigError(f"{path}: no examples (the file is empty); data.format = "
-                              f"{cfg.format!r} needs one JSON object per line")
+                              f"{cfg.format!r} needs one example per line or row")
 
 
 def segments(record: dict, fmt: str) -> list[tuple[str | None, bool]]:
@@ -147,7 +187,7 @@ def pack_to_files(tok: Tokenizer, examples: Iterator[dict], fmt: str, end_id: in
         def flush() -> None:
             pad = row_len - len(row_ids)
             np.asarray(row_ids + [end_id] * pad, dtype=dtype).tofile(ft)
-            np.asarray(row_mask + [0] * pad, dtype=np.uint8).tofile(fm)
+            np.asarray(row_mask + [START] * min(pad, 1) + [0] * (pad - 1), dtype=np.uint8).tofile(fm)
             row_ids.clear()
             row_mask.clear()
             counts["n_rows"] += 1
@@ -163,7 +203,7 @@ def pack_to_files(tok: Tokenizer, examples: Iterator[dict], fmt: str, end_id: in
             if len(row_ids) + len(ids) > row_len:
                 flush()
             row_ids += ids
-            row_mask += mask
+            row_mask += [mask[0] | START] + mask[1:]
             counts["n_examples"] += 1
             counts["n_loss_tokens"] += sum(mask)
             counts["n_example_tokens"] += len(ids)

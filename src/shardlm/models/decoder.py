@@ -10,7 +10,6 @@ one process or a ZeRO unit at a time on each rank (torchtitan's pattern, made or
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -18,17 +17,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.config import ModelConfig
+from shardlm.models.attention import AttentionMask, attend, choose_backend, prepare
 from shardlm.models.flops import is_moe_block, moe_layers, resolved_d_ff
 from shardlm.models.init import materialize, parameter_generator
+from shardlm.models.kv_cache import KVCache, LayerCache, cached_attention
 from shardlm.models.lora import adapter_initial_value, is_adapter
 from shardlm.models.moe import MoE, MoEStats
+from shardlm.packed import PackedTokens
 
 # Linears that write into the residual stream: GPT-2 scales their init by 1/sqrt(2*n_layers) so
 # the residual's variance does not grow with depth (Radford et al. 2019, section 2.3).
 RESIDUAL_PROJECTIONS = ("attn.proj", "mlp.proj", "mlp.down", "shared.proj", "shared.down",
                         "experts.proj", "experts.down")
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (T, head_dim // 2)
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (T, hs/2), or (B, 1, T, hs/2) per document
 
 
 def _norm(cfg: ModelConfig) -> nn.Module:
@@ -57,7 +59,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     export to `q_proj`/`k_proj` unchanged.
     """
     x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (T, hs/2), broadcast over B and heads
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (T, hs/2) or (B, 1, T, hs/2): broadcast
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
@@ -65,10 +67,11 @@ class CausalAttention(nn.Module):
     """softmax(q kᵀ/√d + causal mask) v: the part of attention that mixes positions, a module of
     its own so context parallelism can replace it (parallel/context.py: the ring)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # enable_gqa lets the kernel broadcast kv heads itself: measured 10-20% faster than
-        # repeat_interleave on torch 2.13 CPU (forward+backward), with identical outputs.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: AttentionMask | None = None) -> torch.Tensor:
+        """`mask`: the backend and document mask of this forward (models/attention.py); None =
+        plain causal SDPA."""
+        return attend(q, k, v, mask)
 
 
 class Attention(nn.Module):
@@ -84,7 +87,10 @@ class Attention(nn.Module):
         self.proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.core = CausalAttention()
 
-    def forward(self, x: torch.Tensor, rope: Rope | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope | None, cache: LayerCache | None = None,
+                mask: AttentionMask | None = None) -> torch.Tensor:
+        """`cache` (generation, models/kv_cache.py): x holds only the new tokens; their keys and
+        values join the cache's and the queries attend to all of them."""
         qkv = self.qkv(x)  # (B, T, …): T the whole sequence, also when x is a sequence-parallel chunk
         B, T, _ = qkv.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -94,7 +100,10 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        y = self.core(q, k, v)  # (B, nh, T, hs)
+        if cache is not None:  # incremental decoding: the past tokens' k, v from the cache
+            y = cached_attention(q, *cache.append(k, v))  # (B, nh, T, hs)
+        else:
+            y = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, q_size)  # (B, T, nh*hs)
         return self.proj(y)
 
@@ -143,8 +152,9 @@ class Block(nn.Module):
         self.mlp_norm = _norm(cfg)
         self.mlp = MoE(cfg, index, stats, dense_mlp) if is_moe_block(cfg, index) else dense_mlp(cfg)
 
-    def forward(self, x: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)  # (B, T, C)
+    def forward(self, x: torch.Tensor, rope: Rope | None = None, cache: LayerCache | None = None,
+                mask: AttentionMask | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cache=cache, mask=mask)  # (B, T, C)
         return x + self.mlp(self.mlp_norm(x))  # (B, T, C)
 
 
@@ -169,6 +179,9 @@ class Decoder(nn.Module):
             self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
         if cfg.tie_embeddings:  # GPT-2: the head is the embedding's Parameter
             self.head.weight = self.tok_emb.weight
+        self.attention_backend = cfg.attention
+        """model.attention; 'auto' is fixed per run by models.attention.configure (the trainer),
+        or else chosen at each forward for the input's device."""
         self.context = None
         """Context parallelism's CPState (parallel/context.py), when the sequence is split."""
         self.layers = range(cfg.n_layers)
@@ -203,21 +216,37 @@ class Decoder(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, idx: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor | PackedTokens, hidden: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab_size).
+
+        idx may be PackedTokens (data.document_mask, shardlm/packed.py): rows of several
+        documents, each token's position counted from its document's start (learned positions
+        and RoPE angles restart at 0), and attention kept inside each document.
+
+        With a `cache` (generation, models/kv_cache.py) idx holds only the tokens after the
+        cache's `length` ones: their positions start there, and every block reads and extends
+        its layer's keys and values.
 
         A pipeline stage (parallel/pipeline.py) runs its own blocks only: a later stage takes
         the previous stage's output as `hidden` (idx still gives the positions), and every
         stage but the last returns its hidden states (B, T, C) instead of logits."""
+        documents = None
+        if isinstance(idx, PackedTokens):
+            if self.context is not None or cache is not None:
+                raise ValueError("packed documents (PackedTokens) cannot be split by context "
+                                 "parallelism or decoded with a KV cache")
+            idx, documents = idx.ids, idx.positions  # (B, T) each
         B, T = idx.shape
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.max_seq_len = {self.cfg.max_seq_len}; "
+        past = cache.length if cache is not None else 0
+        if past + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {past + T} exceeds model.max_seq_len = {self.cfg.max_seq_len}; "
                              f"crop the input or raise model.max_seq_len")
         positions = None
         if self.context is not None:  # context parallelism: this rank's part of the sequence
             idx, positions = self.context.split(idx)  # (B, T/cp), their positions
         if positions is None:
-            positions = torch.arange(T, device=idx.device)
+            positions = torch.arange(past, past + T, device=idx.device) if documents is None else documents
         if hidden is None:
             x = self.tok_emb(idx)  # (B, T, C)
             if self.cfg.position == "learned":
@@ -227,11 +256,26 @@ class Decoder(nn.Module):
             if getattr(self, "tp", None) is not None:  # the embedding decides it on the first stage
                 self.tp.decide(idx)
         rope = (self.rope_cos[positions], self.rope_sin[positions]) if self.cfg.position == "rope" else None
+        if rope is not None and positions.dim() == 2:  # per-row positions: (B, 1, T, hs/2) for the heads
+            rope = (rope[0].unsqueeze(1), rope[1].unsqueeze(1))
+        # once per forward, shared by every block (a KV cache's decoding runs its own attention)
+        mask = self._attention_mask(documents, T, x) if cache is None else None
         for i in self.layers:
-            x = self.blocks[i](x, rope)  # (B, T, C)
+            if cache is None:
+                x = self.blocks[i](x, rope) if mask is None else self.blocks[i](x, rope, mask=mask)  # (B, T, C)
+            else:
+                x = self.blocks[i](x, rope, cache=cache.layers[i])  # (B, T, C)
         if self.layers.stop < self.cfg.n_layers:  # a pipeline stage before the last
             return x
         return self.head(self.norm_f(x))  # (B, T, vocab)
+
+
+    def _attention_mask(self, documents: torch.Tensor | None, T: int, x: torch.Tensor) -> AttentionMask | None:
+        """The backend's mask for this forward (models/attention.py), in the dtype q will have."""
+        device = x.device
+        backend = choose_backend(self.attention_backend, device.type, documents is not None, compiled=False)
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else x.dtype
+        return prepare(backend, documents, T, device, dtype)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> Decoder:
@@ -248,21 +292,32 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int 
 
 @torch.no_grad()
 def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
-             top_k: int | None = 50, generator: torch.Generator | None = None) -> torch.Tensor:
+             top_k: int | None = 50, generator: torch.Generator | None = None,
+             use_cache: bool = True) -> torch.Tensor:
     """Append `max_new_tokens` sampled tokens to idx (B, T); returns (B, T + max_new_tokens).
 
-    Recomputes the whole (cropped) context for every token: simple, and fine at our sizes.
-    temperature 0 picks the most likely token; top_k None or 0 samples from the full distribution.
+    With `use_cache` (models/kv_cache.py) the prompt runs once and each later step only the new
+    token; once the sequence outgrows model.max_seq_len every step recomputes its last
+    max_seq_len tokens (the window's positions shift, so nothing cached stays valid). Without,
+    the whole (cropped) context every step. Context parallelism runs without the cache (every
+    rank the whole sequence). temperature 0 picks the most likely token; top_k None or 0
+    samples from the full distribution.
     """
     max_len = model.cfg.max_seq_len
     context = getattr(model, "context", None)  # context parallel: every rank the whole sequence
-    with context.whole_sequences() if context is not None else contextlib.nullcontext():
-        return _sample(model, idx, max_new_tokens, max_len, temperature, top_k, generator)
+    if context is not None:
+        with context.whole_sequences():
+            return _sample(model, idx, max_new_tokens, max_len, temperature, top_k, generator, False)
+    return _sample(model, idx, max_new_tokens, max_len, temperature, top_k, generator, use_cache)
 
 
-def _sample(model, idx, max_new_tokens, max_len, temperature, top_k, generator) -> torch.Tensor:
+def _sample(model, idx, max_new_tokens, max_len, temperature, top_k, generator, use_cache) -> torch.Tensor:
+    cache = KVCache(model.cfg.n_layers) if use_cache else None
     for _ in range(max_new_tokens):
-        logits = model(idx[:, -max_len:])[:, -1, :]  # (B, vocab), or this rank's part of it
+        if cache is not None and idx.shape[1] <= max_len:  # the tokens the cache has not seen
+            logits = model(idx[:, cache.length:], cache=cache)[:, -1, :]
+        else:
+            logits = model(idx[:, -max_len:])[:, -1, :]  # (B, vocab), or this rank's part of it
         idx = torch.cat((idx, next_token(model, logits, temperature, top_k, generator)), dim=1)
     return idx
 

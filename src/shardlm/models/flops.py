@@ -203,3 +203,23 @@ def stage_shares(cfg: ModelConfig, seq_len: int, split: list[int]) -> list[float
     costs = [float(n) for n in split]
     costs[-1] += _head_in_blocks(cfg, seq_len)
     return [c / sum(costs) for c in costs]
+
+
+def encoder_decoder_flops_per_token(encoder_matmul: int, decoder_matmul: int, cross_kv_matmul: int,
+                                    head_matmul: int, encoder_layers: int, decoder_layers: int,
+                                    attention_width: int, source_len: int, target_len: int) -> float:
+    """Training FLOPs of an encoder-decoder (T5, BART) per *target* token, the unit the loop's
+    tokens/s counts (train.seq_len per row; the source_len encoder tokens come with it).
+
+    6·N·tokens per weight element, each linear counted over the tokens it actually multiplies:
+    the encoder's over the S source tokens, the decoder's over the T target tokens — except the
+    cross-attention's key/value projections, which read the encoder's S outputs — and the head
+    over T. Attention as PaLM counts it (flops_per_token: 12·width per query-key pair and layer,
+    dense, forward + backward): encoder self-attention S², decoder self-attention T², cross
+    attention T·S. `*_matmul` are weight elements (embedding lookups excluded), `attention_width`
+    the heads × head size (T5's inner_dim, BART's d_model). Per example, divided by T."""
+    S, T, width = source_len, target_len, attention_width
+    matmuls = 6 * (encoder_matmul * S + (decoder_matmul - cross_kv_matmul) * T
+                   + cross_kv_matmul * S + head_matmul * T)
+    attention = 12 * width * (encoder_layers * S * S + decoder_layers * (T * T + T * S))
+    return float(matmuls + attention) / T

@@ -151,30 +151,34 @@ class CausalLMAdapter(_PieceByPieceInit):
 
 
 class Seq2SeqAdapter(_PieceByPieceInit):
-    """A T5-style encoder-decoder (T5ForConditionalGeneration, ...) as `idx -> logits`.
-
-    The encoder reads idx; the decoder reads idx shifted right by one, starting with the
-    model's `decoder_start_token_id`, so the logits at position t are aligned with the loop's
-    next-token targets y[t] = idx[t + 1]. THIS IS A TEST OBJECTIVE, not how one trains T5: the
-    encoder sees the whole sequence, targets included, so the task is copying. It exercises
-    every parameter (encoder, cross-attention, decoder, tied head) with the loop's loss, which
-    is what parity tests of the distributed engine need.
+    """An encoder-decoder (T5ForConditionalGeneration, BartForConditionalGeneration, ...) as
+    `(source, source_mask, labels) -> logits (B, T, vocab)`, the batch of data.format = 'seq2seq'
+    (data/seq2seq.py). Teacher forcing as transformers does it from `labels`: the decoder reads
+    the labels shifted right behind the model's decoder_start_token_id, -100 replaced by its
+    pad_token_id (T5's _shift_right, BART's shift_tokens_right), so the loop's cross-entropy of
+    these logits against the labels (ignoring -100) is the library's own `.loss`.
     """
 
     def __init__(self, model: nn.Module, vocab_size: int | None = None):
         super().__init__()
         _check_vocab(model, vocab_size)
         self.model = model
-        self.model.config.use_cache = False
+        self.model.config.use_cache = False  # training; generation asks for the cache itself
         config = model.config
-        # transformers >= 5 T5Config no longer defaults decoder_start_token_id; T5 convention
-        # (and the library's own error message) is to start with the pad token.
+        # transformers >= 5 T5Config has no decoder_start_token_id unless config.json sets one;
+        # T5's convention (and the library's own error message) is to start with the pad token.
         start = getattr(config, "decoder_start_token_id", None)
         self.start = start if start is not None else config.pad_token_id
+        self.pad = config.pad_token_id if config.pad_token_id is not None else self.start
         if self.start is None:
             raise ValueError("the model config has neither decoder_start_token_id nor pad_token_id")
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        start = idx.new_full((idx.shape[0], 1), self.start)
-        decoder_ids = torch.cat([start, idx[:, :-1]], dim=1)
-        return self.model(input_ids=idx, decoder_input_ids=decoder_ids, use_cache=False).logits
+    def decoder_inputs(self, labels: torch.Tensor) -> torch.Tensor:
+        """labels (B, T) shifted right behind the start token, -100 (no loss) as padding."""
+        start = labels.new_full((labels.shape[0], 1), self.start)
+        shifted = torch.cat([start, labels[:, :-1]], dim=1)  # (B, T)
+        return shifted.masked_fill(shifted == -100, self.pad)
+
+    def forward(self, source: torch.Tensor, source_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=source, attention_mask=source_mask,
+                          decoder_input_ids=self.decoder_inputs(labels), use_cache=False).logits

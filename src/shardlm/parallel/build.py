@@ -3,7 +3,9 @@
 A plain model — ours built on the meta device, or any nn.Module — goes through the steps in a
 fixed order, each a function that logs what it applied:
 
-    LoRA (apply_lora: adapters beside the chosen linears, everything else frozen)  →
+    LoRA (apply_lora: adapters beside the chosen linears, everything else frozen; with
+    lora.quantize the frozen block linears stored as packed bytes, models/quant.py)  →
+    FP8 (apply_fp8, precision.compute = 'fp8': the blocks' linears swapped, same parameters)  →
     tensor parallelism (apply_tp, or apply_tp_plan for a transformers model: layers replaced
     by their tensor-parallel versions, still on the meta device)  →  context parallelism
     (apply_cp: the sequence split, attention by ring)  →  expert parallelism (apply_ep)  →  pipeline stages (apply_pp: the
@@ -34,13 +36,17 @@ from shardlm.mesh import Mesh
 from shardlm.parallel.activation import apply_ac, apply_offload
 from shardlm.parallel.compile import apply_compile
 from shardlm.parallel.context import CPState, apply_cp
+from shardlm.parallel.evaluation import token_sums
 from shardlm.parallel.expert import apply_ep, spread_over_tp
 from shardlm.parallel.pipeline import SCHEDULES, Schedule, Stage, apply_pp
 from shardlm.parallel.weight_grads import make_deferrable
 from shardlm.models.flops import pipeline_split
+from shardlm.checkpoint.hf_dir import module_initializer
 from shardlm.checkpoint.hf_names import hf_initializer
 from shardlm.models.init import Initializer, initializer_for
-from shardlm.models.lora import apply_lora, with_adapters
+from shardlm.models.lora import DEFAULT_TARGETS, apply_lora, with_adapters
+from shardlm.models.quant import quantizable, quantize_base
+from shardlm.models.fp8 import Fp8State, apply_fp8
 from shardlm.errors import ConfigError
 from shardlm.parallel.data import DataParallelEngine, apply_data_parallel
 from shardlm.models.decoder import Decoder
@@ -67,6 +73,8 @@ class Parallelized:
     """This rank's pipeline stage, when there is a pipeline."""
     schedule: Schedule | None = None
     """The pipeline's schedule (parallel.pp_schedule)."""
+    fp8: Fp8State | None = None
+    """precision.compute = 'fp8': the swapped layers, delayed scaling's state, the step's counts."""
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy in fp32 (a bf16/fp16 softmax over 50k classes loses the small
@@ -80,6 +88,18 @@ class Parallelized:
         if isinstance(head, VocabParallelHead):  # a transformers model's head stays whole
             return vocab_parallel_cross_entropy(logits, targets, head)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def token_sums(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Evaluation: [summed cross-entropy, correct argmax, targets] over this rank's targets
+        that carry loss (parallel/evaluation.py), cut as `loss` cuts them under context
+        parallelism. A vocabulary-parallel head's logits are gathered whole first (no gradient:
+        one (B, T, vocab) fp32 tensor per evaluation micro-batch), so argmax sees every id."""
+        if self.cp is not None:
+            targets = self.cp.local(targets)
+        head = getattr(self.model, "head", None)
+        if isinstance(head, VocabParallelHead):
+            logits = head.gather(logits)
+        return token_sums(logits, targets)
 
 
 def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPState | None:
@@ -97,7 +117,10 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool)
 
 def initial_values(model: nn.Module, cfg: Config) -> Initializer:
     """Where the parameters' first values come from: model.hf_path's checkpoint (our decoder,
-    read from safetensors), or the model's own initialisation at train.seed."""
+    read from safetensors, or the encoder-decoder build_run built from it: its tensors by
+    name), or the model's own initialisation at train.seed."""
+    if cfg.model.hf_path and not isinstance(model, Decoder):  # build_run's encoder-decoder
+        return module_initializer(cfg.model.hf_path, model)
     own = initializer_for(model, cfg.train.seed)
     if cfg.model.hf_path and isinstance(model, Decoder):  # build_run refuses any other model
         # The checkpoint for its tensors; LoRA adapters are new: the model's own initial values.
@@ -119,6 +142,11 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     # Taken before any step replaces a layer: initial values are those of the whole model.
     initializer = (initial_values(model, cfg) if any(p.is_meta for p in model.parameters())
                    else None)
+    if cfg.lora.quantize != "none":  # QLoRA: the frozen linears' bytes, made from those values
+        dense = DEFAULT_TARGETS[cfg.model.mlp].split(",")
+        _, initializer = quantize_base(model, cfg.lora.quantize, quantizable(model, dense), initializer)
+    # The same Parameter objects under the same names: every later step sees a plain model.
+    fp8 = apply_fp8(model, cfg.precision, device) if cfg.precision.compute == "fp8" else None
     tp = apply_tensor_parallel(model, Comm(mesh.tp_group, "tp", ledger, watchdog),
                                cfg.parallel.sequence_parallel) if mesh.dims.tp > 1 else None
     if tp is not None:
@@ -148,4 +176,5 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     if schedule is not None and schedule.splits_backward:  # weight gradients computed apart
         log.info("zero-bubble: %d linear layers with deferrable weight gradients",
                  make_deferrable(model, stage.weight_grads))
-    return Parallelized(model, apply_compile(model, cfg.train.compile), strategy, tp, cp, stage, schedule)
+    return Parallelized(model, apply_compile(model, cfg.train.compile), strategy, tp, cp, stage, schedule,
+                        fp8)

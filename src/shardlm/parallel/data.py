@@ -24,7 +24,7 @@ from shardlm.optim import build_optimizer, init_adam_state
 from shardlm.comm.collectives import CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog
 from shardlm.placement import Split
-from shardlm.precision import DTYPES
+from shardlm.precision import DTYPES, carrier
 
 
 class DataParallelEngine(Protocol):
@@ -122,7 +122,7 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch
     run's byte ledger; `splits`, the parameters tensor parallelism cut; `copies`, those another
     pipeline stage owns; `experts`, the expert weights expert parallelism cut."""
     par, prec = cfg.parallel, cfg.precision
-    compute = prec.compute  # resolved: resolve.resolve_config decided 'auto'
+    compute = carrier(prec.compute)  # resolved: resolve.resolve_config decided 'auto'; fp8's is bf16
     if initializer is None and _on_meta(model):
         initializer = initializer_for(model, cfg.train.seed)
     if mesh.dims.world_size == 1 and par.zero_stage == 0:

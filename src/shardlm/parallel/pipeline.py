@@ -164,12 +164,15 @@ class Stage:
         """Wait for every stage to finish its step: a stage that ends early idles until the
         pipeline drains (the last stage, whose last backward is the step's first to finish).
         Waited here, timed as bubble, instead of unseen in the gradient norm's all-reduce that
-        follows. A 4-byte all-reduce: telemetry, not model communication (not in the ledger)."""
+        follows. A 4-byte all-reduce: telemetry, not model communication (not in the ledger's
+        bytes; its time is blocked on other ranks: in the ledger's wait_s)."""
         import torch.distributed as dist
 
         start = time.perf_counter()
         dist.all_reduce(torch.zeros(1, device=device), group=self.comm.group)
-        self.wait_s += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.wait_s += waited
+        self.comm.ledger.wait_s += waited
 
     def sync_tied(self, model: nn.Module) -> None:
         """Sum the tied embedding's gradient over the first and last stage (each computed its
@@ -315,20 +318,22 @@ class Schedule:
         return total
 
     @torch.no_grad()
-    def forward_only(self, io: StepIO, batches) -> list[torch.Tensor]:
-        """Losses of `batches` (evaluation), on every rank: the head's rank's, shared."""
+    def forward_only(self, io: StepIO, batches, shape: tuple[int, ...] = (),
+                     dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+        """io.loss of each of `batches` (evaluation: a tensor of `shape` and `dtype`, e.g. the
+        token sums of parallel/evaluation.py), on every rank: the head's rank's, shared."""
         import torch.distributed as dist
 
         stage, losses = self.stage, []
         for x, y in batches:
-            loss = torch.zeros((), device=io.device)
+            loss = torch.zeros(shape, dtype=dtype, device=io.device)
             for chunk in range(self.virtual):
                 hidden = None if stage.starts(chunk) else stage.recv_hidden(io.device)
                 io.model.layers = stage.chunks[chunk]
                 with io.autocast():
                     out = io.forward(x, hidden)
                     if stage.ends_model(chunk):
-                        loss = io.loss(out, y).float()
+                        loss = io.loss(out, y).to(dtype)
                 if not stage.ends_model(chunk):
                     stage.send_hidden(out)
             losses.append(loss)

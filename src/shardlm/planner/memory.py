@@ -84,7 +84,8 @@ def visited_width(m: ModelConfig, experts: tuple[int, int, float]) -> float:
 
 
 def block_activation(m: ModelConfig, dt: ActivationDtypes, mode: str, tp: int = 1,
-                     sp: bool = False, experts: tuple[int, int, float] = (0, 1, 1.0)) -> tuple[float, str]:
+                     sp: bool = False, experts: tuple[int, int, float] = (0, 1, 1.0),
+                     seq: int = 0) -> tuple[float, str]:
     """Bytes per token one block keeps for backward, and the formula.
 
     Korthikanti eq. (1): sbh(34 + 5as/h) in 16-bit for Megatron's GPT. Ours differs in two
@@ -94,6 +95,12 @@ def block_activation(m: ModelConfig, dt: ActivationDtypes, mode: str, tp: int = 
     tp divides what lives between the column- and row-parallel linears; sequence parallelism
     (sp) divides the rest (eq. 3-4). 'selective' is our runtime's policy (keep matmul and
     attention outputs, recompute element-wise ops), 'full' keeps the block input only.
+
+    model.attention = 'math' (models/attention.py, the unfused reference) keeps the s x s
+    probabilities instead of the logsumexp: e·a·s bytes per token in place of 4a (`seq` = s is
+    then needed); with GQA its attention keeps e·a·s + 4·e·h (q, k and v expanded to every query
+    head, the output's copy). Every other backend (sdpa, per_document, flex) stores no s² term.
+    Measured: tests/test_attention.py.
     """
     h, a, e, r = m.d_model, m.n_heads, dt.compute, dt.residual
     hd = h // a
@@ -104,20 +111,29 @@ def block_activation(m: ModelConfig, dt: ActivationDtypes, mode: str, tp: int = 
         moe = experts[1] * experts[2] * 2 * e * h + 8 * experts[0]
     rope = m.position == "rope"
     mlp_mult = 4 if m.mlp == "swiglu" else 2
+    math = m.attention == "math"
+    if math and seq <= 0:
+        raise ValueError("model.attention = 'math' keeps s x s probabilities: block_activation needs seq")
+    scores = e * a * seq if math else 4 * a  # probabilities, or the fused kernels' fp32 logsumexp
+    scores_text = f"{e}as" if math else "4a"
     if mode == "full":
         value = r * h / (tp if sp else 1)
         return value, f"{r}h{'/t' if sp and tp > 1 else ''} (block input only)"
     if mode == "selective":
-        sharded = e * (h + 2 * kv) + 4 * a + e * h + e * f * (mlp_mult // 2) + moe
+        sharded = e * (h + 2 * kv) + scores + e * h + e * f * (mlp_mult // 2) + moe
         replicated = r * h + 2 * e * h  # block input, attention and MLP output-projection outputs
-        text = (f"{r}h + 2·{e}h + ({e}(h+2kv) + 4a + {e}h + {e}·{mlp_mult // 2}f)/t "
+        text = (f"{r}h + 2·{e}h + ({e}(h+2kv) + {scores_text} + {e}h + {e}·{mlp_mult // 2}f)/t "
                 "(matmul and attention outputs)")
     else:
         norm, norm_text = _norm_saved(m, dt)
         replicated = 2 * norm + 2 * e * h  # two norms' saved tensors, their outputs (linear inputs)
-        sharded = (e * (h + 2 * kv) + 4 * a + e * h + mlp_mult * e * f + moe
-                   + (e * (h + kv) + e * h if rope else 0))  # rotated q, k; proj-input copy
-        text = (f"2·{norm_text} + 2·{e}h + ({e}(h+2kv) + 4a + {e}h + {mlp_mult}·{e}f"
+        attention = (e * (h + 2 * kv) + scores + e * h
+                     + (e * (h + kv) + e * h if rope else 0))  # rotated q, k; proj-input copy
+        if math and kv != h:  # GQA: q, k and v as per-head copies for the matmuls, the output's
+            # copy for the projection; the projection's own output is no longer kept (measured)
+            attention = scores + 4 * e * h
+        sharded = attention + mlp_mult * e * f + moe
+        text = (f"2·{norm_text} + 2·{e}h + ({e}(h+2kv) + {scores_text} + {e}h + {mlp_mult}·{e}f"
                 + (f" + {e}(2h+kv) rope" if rope else "") + ")/t")
     if tp > 1:
         replicated = replicated / tp if sp else replicated
@@ -166,8 +182,8 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
     (parallel/activation.py: block b's backward fetches block b-1's).
     """
     tokens = micro * seq / cp
-    per_layer, text = block_activation(m, dt, mode, tp, sp, experts)
-    full, _ = block_activation(m, dt, "none", tp, sp, experts)
+    per_layer, text = block_activation(m, dt, mode, tp, sp, experts, seq)
+    full, _ = block_activation(m, dt, "none", tp, sp, experts, seq)
     saved = (layers - offloaded) * in_flight * tokens * per_layer + min(2, offloaded) * tokens * per_layer
     norm, _ = _norm_saved(m, dt)
     final = (norm + dt.compute * m.d_model) / (tp if sp else 1)
@@ -175,6 +191,9 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
     # gradients at once (measured: silu/gelu backward), on top of what it recomputes; torch's
     # decomposed RMSNorm backward holds four fp32 h-vectors (worst at the final norm).
     working = dt.compute * (m.d_model + 2 * visited_width(m, experts) / tp)
+    if m.attention == "math":  # its backward holds the s x s gradients of the probabilities and
+        # of the scores at once, per head, after the MLP's have gone: the larger of the two (measured)
+        working = max(working, dt.compute * (m.d_model + 2 * m.n_heads * seq / tp))
     if m.norm == "rmsnorm":
         working = max(working, 16 * m.d_model)
     recompute = tokens * (full - per_layer + working)
@@ -208,9 +227,15 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
         ring = tokens * per_token
         parts.append(Item("cp ring buffers", ring, f"{bs} x {per_token:,.0f} B = {ring_text}: "
                           f"one block's attention at a time (a block's backward)"))
+    fused = m.attention != "math"
+    if not fused:  # math's boolean mask, built once per forward, shared by the blocks: b·s² bytes
+        mask = micro * seq * seq * in_flight
+        ids += mask
+        parts.append(Item("attention mask", mask, "b·s² bytes (model.attention = 'math': one boolean "
+                          "mask per forward)"))
     phases = {"loss": saved + waiting + loss + ids, "blocks": saved + waiting + recompute + ring + ids}
-    return Item("activations", max(phases.values()), f"{mode} recompute; flash attention "
-                f"(no s² term)", parts, phases)
+    return Item("activations", max(phases.values()), f"{mode} recompute; " + (
+        "fused attention (no s² term)" if fused else "math attention (s² probabilities kept)"), parts, phases)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,7 +498,7 @@ def offloaded_activations(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
         return 0, 0.0
     per_layer, _ = block_activation(w.model, activation_dtypes(s, cluster), s.recompute, lay.tp,
                                     s.sequence_parallel and lay.tp > 1,
-                                    (w.experts, w.top_k, w.capacity_factor))
+                                    (w.experts, w.top_k, w.capacity_factor), w.seq_len)
     return blocks, blocks * s.micro_batch * w.seq_len / lay.cp * per_layer
 
 

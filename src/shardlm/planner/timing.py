@@ -382,8 +382,8 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     if s.recompute == "selective":  # element-wise ops redone: memory-bound, write + read
         sp_on = s.sequence_parallel and lay.tp > 1
         dt = activation_dtypes(s, cluster)
-        redone = (block_activation(m, dt, "none", lay.tp, sp_on)[0]
-                  - block_activation(m, dt, "selective", lay.tp, sp_on)[0])
+        redone = (block_activation(m, dt, "none", lay.tp, sp_on, seq=w.seq_len)[0]
+                  - block_activation(m, dt, "selective", lay.tp, sp_on, seq=w.seq_len)[0])
         per_micro += 2 * redone * tokens / lay.cp * max(sp.layers for sp in stages) / dev.memory_bandwidth
     micro = s.grad_accum
     bubble = pp_bubble(s) if lay.pp > 1 else 0.0

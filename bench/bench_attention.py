@@ -1,0 +1,120 @@
+"""Attention backends on this machine (models/attention.py): which kernel is fastest with
+document masks, and what a forward + backward keeps, next to the planner's formula.
+
+1. Kernels. q, k, v of (B=4, H=8, T, D=64) fp32; rows cut into documents of random lengths
+   (mean `--doc`); forward + backward (and forward alone for FlexAttention, which has no CPU
+   backward in torch 2.13) of each backend through the same `prepare` + `attend` the model
+   runs, the mask built inside the timed call as the model builds it once per forward. 'sdpa,
+   one document' is plain causal attention over whole rows: the speed without document masks.
+   Median of --reps after one warm-up.
+2. Memory. A 2-layer decoder (d_model 256, 4 heads), b = 1, fp32: the peak bytes of live
+   tensors (parameters excluded; tests/memory_ledger.StorageLedger) during forward + loss +
+   backward from the first block's input, at two sequence lengths, against
+   planner.memory.activation_peak for that backend.
+
+Reproduce:  PYTHONPATH=src python bench/bench_attention.py            (~3 min, 1 thread)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from memory_ledger import decoder_peak_bytes  # noqa: E402
+
+from shardlm.config import ModelConfig  # noqa: E402
+from shardlm.models import build_model  # noqa: E402
+from shardlm.models.attention import attend, prepare  # noqa: E402
+from shardlm.packed import positions_from_starts  # noqa: E402
+from shardlm.planner.memory import ActivationDtypes, activation_peak  # noqa: E402
+
+
+def document_positions(B: int, T: int, mean: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.zeros(B, T, dtype=torch.bool)
+    for b in range(B):
+        at = 0
+        while at < T:
+            starts[b, at] = True
+            at += int(torch.randint(mean // 2, mean * 3 // 2 + 1, (1,), generator=g))
+    return positions_from_starts(starts)
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def kernels(T: int, mean: int, reps: int) -> dict[str, float]:
+    B, H, D = 4, 8, 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, D, generator=g).requires_grad_() for _ in range(3))
+    positions = document_positions(B, T, mean)
+
+    def train(backend: str, docs: torch.Tensor | None):
+        def run():
+            out = attend(q, k, v, prepare(backend, docs, T, q.device, q.dtype))
+            out.backward(torch.ones_like(out))
+        return run
+
+    def infer(backend: str):
+        def run():
+            with torch.no_grad():
+                attend(q.detach(), k.detach(), v.detach(), prepare(backend, positions, T, q.device, q.dtype))
+        return run
+
+    return {"sdpa, one document": timed(train("sdpa", None), reps),
+            "sdpa + mask": timed(train("sdpa", positions), reps),
+            "per_document": timed(train("per_document", positions), reps),
+            "math + mask": timed(train("math", positions), reps),
+            "forward: sdpa + mask": timed(infer("sdpa"), reps),
+            "forward: per_document": timed(infer("per_document"), reps),
+            "forward: flex": timed(infer("flex"), reps)}
+
+
+def peak_memory(attention: str, s: int) -> tuple[int, float]:
+    cfg = ModelConfig(vocab_size=512, n_layers=2, n_heads=4, d_model=256, max_seq_len=2048,
+                      attention=attention)
+    torch.manual_seed(0)
+    measured = decoder_peak_bytes(build_model(cfg).float(), 1, s)
+    predicted = activation_peak(cfg, s, 1, cfg.n_layers, 1, ActivationDtypes(4, 4, False), "none", 1,
+                                False, True, (0, 1, 1.0))
+    return measured, predicted.bytes
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} thread(s); ms, median of {args.reps}\n")
+    cases = [(512, 128), (2048, 128), (2048, 16)]
+    results = {case: kernels(*case, args.reps) for case in cases}
+    names = list(results[cases[0]])
+    print("| kernel (B=4, H=8, D=64, fp32) | " + " | ".join(f"T={T}, docs ~{m}" for T, m in cases) + " |")
+    print("|---|" + "---|" * len(cases))
+    for name in names:
+        print(f"| {name} | " + " | ".join(f"{results[c][name]:.1f}" for c in cases) + " |")
+    print("\n| backend | s | measured peak MiB | formula MiB | formula / measured |")
+    print("|---|---|---|---|---|")
+    for attention in ("sdpa", "math"):
+        for s in (256, 1024):
+            measured, predicted = peak_memory(attention, s)
+            print(f"| {attention} | {s} | {measured / 2**20:.2f} | {predicted / 2**20:.2f} | "
+                  f"{predicted / measured:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""FP8 numerics on this CPU (precision.compute = 'fp8', precision.fp8_emulate = true): each
+scaling recipe's loss curve against bf16's, and its overflow / underflow fractions.
+
+The same run (model, data order, seed, learning rate) in bf16 and in emulated fp8 with each
+recipe. Per case:
+
+    loss           the mean of the last 20 training losses
+    vs bf16        that mean minus bf16's (nats); max |diff| is the largest gap at any one step
+    val            validation loss after the last step (20 batches; fp8: the forward in fp8)
+    fp32           the same run (same seed) in fp32: how far a change of precision alone, with
+                   no FP8 in it, moves the curve — the scale against which to read the gaps
+                   (a small model trained at this learning rate is chaotic: any change of
+                   rounding moves the trajectory; --seed repeats the comparison elsewhere)
+    overflow       the mean over steps of fp8_overflow (the JSONL key): the fraction of every
+                   quantised element clamped at the format's max
+    underflow      the same for fp8_underflow (nonzero values rounded to zero), overall and by
+                   tensor (input and weight in E4M3, the output gradient in E5M2)
+    s/step         mean step time: the emulation rounds through float8 and multiplies in bf16,
+                   so it is *slower* than bf16 — for numerics, not speed
+
+Reproduce:  PYTHONPATH=src python bench/bench_fp8.py                  (gpt-tiny, 300 steps, lr 1e-3)
+            PYTHONPATH=src python bench/bench_fp8.py --lr 3e-3 --seed 1       (a chaotic regime)
+            PYTHONPATH=src python bench/bench_fp8.py --seed 1                     (another seed)
+            PYTHONPATH=src python bench/bench_fp8.py --steps 100 --recipes tensorwise
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+from shardlm.config import load_config
+from shardlm.launch import cpu_cores
+from shardlm.trainer import build_run, evaluate, train_step
+
+RECIPES = ("tensorwise", "delayed", "blockwise")
+
+
+def overrides_for(args, compute: str, recipe: str, run_dir: str, seed: int = 0) -> dict:
+    fp8 = ({"precision.fp8_emulate": True, "precision.fp8_recipe": recipe} if compute == "fp8" else {})
+    if recipe == "blockwise":
+        fp8["precision.fp8_block"] = args.block
+    return {"model.preset": args.preset, "precision.compute": compute, "train.seq_len": args.seq,
+            "train.micro_batch": args.micro_batch, "train.steps": args.steps, "train.lr": args.lr,
+            "train.warmup_steps": 20, "train.eval_every": 0, "train.sample_tokens": 0,
+            "train.eval_batches": 20, "train.seed": seed,
+            "data.max_bytes": 2_000_000, "run.dir": run_dir, "run.progress": "off", **fp8}
+
+
+def run_case(args, compute: str, recipe: str = "", seed: int = 0) -> dict:
+    with tempfile.TemporaryDirectory() as run_dir:
+        run = build_run(load_config(overrides=overrides_for(args, compute, recipe, run_dir, seed)).validate())
+        losses, records, seconds = [], [], []
+        for step in range(args.steps):
+            start = time.perf_counter()
+            losses.append(train_step(run, step).loss)
+            seconds.append(time.perf_counter() - start)
+            records.append(dict(run.fp8_record))
+        val = evaluate(run)["val_loss"]
+    return {"losses": losses, "records": records, "s_per_step": statistics.mean(seconds[1:]), "val": val}
+
+
+def mean_of(records: list[dict], key: str, role: str | None = None) -> float:
+    return statistics.mean((r[key][role] if role else r[key]) for r in records)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="gpt-tiny")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--block", type=int, default=32, help="blockwise tile width")
+    parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--seed", type=int, default=0, help="train.seed of every case")
+    args = parser.parse_args()
+    # One thread per process: a tiny model only loses time to thread synchronisation.
+    os.environ["LOCAL_WORLD_SIZE"] = str(cpu_cores())
+    tail = 20
+    base = run_case(args, "bf16", seed=args.seed)
+    base_tail = statistics.mean(base["losses"][-tail:])
+
+    def row(name: str, got: dict, counts: str = "— | —") -> str:
+        mean = statistics.mean(got["losses"][-tail:])
+        gap = max(abs(a - b) for a, b in zip(got["losses"], base["losses"]))
+        versus = "— | —" if got is base else f"{mean - base_tail:+.4f} | {gap:.3f}"
+        return f"| {name} | {mean:.4f} | {versus} | {got['val']:.4f} | {counts} | {got['s_per_step']:.3f} |"
+
+    print(f"{args.preset}, seed {args.seed}, {args.steps} steps of {args.micro_batch} x {args.seq} "
+          f"tokens, lr {args.lr}; loss = mean of the last {tail} steps\n")
+    print("| case | loss | vs bf16 | max \\|diff\\| | val | overflow | underflow (input / weight / grad) "
+          "| s/step |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(row("bf16", base))
+    print(row("fp32", run_case(args, "fp32", seed=args.seed)), flush=True)
+    for recipe in args.recipes.split(","):
+        got = run_case(args, "fp8", recipe, args.seed)
+        recs = got["records"]
+        roles = " / ".join(f"{mean_of(recs, 'fp8_underflow_by_tensor', r):.2e}"
+                           for r in ("input", "weight", "grad_output"))
+        name = f"fp8 {recipe}" + (f" ({args.block}-wide tiles)" if recipe == "blockwise" else "")
+        counts = f"{mean_of(recs, 'fp8_overflow'):.2e} | {mean_of(recs, 'fp8_underflow'):.2e} ({roles})"
+        print(row(name, got, counts), flush=True)
+
+if __name__ == "__main__":
+    main()

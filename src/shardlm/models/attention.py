@@ -1,0 +1,194 @@
+"""The attention kernels (model.attention) and document masking for packed sequences.
+
+softmax(q kᵀ/√d + mask) v, causal, and — when the batch comes with per-token positions that
+restart at 0 at each document (data.document_mask) — blocked between documents, so a packed row
+computes what each of its documents would alone (docs/finetuning.md, docs/computation.md).
+
+Backends (model.attention):
+  'sdpa'          F.scaled_dot_product_attention: torch picks the fused kernel the device has
+                  (flash / memory-efficient / cuDNN on CUDA, the fused flash kernel on CPU).
+                  Documents: an additive float mask (B, 1, T, T) built once per forward and
+                  shared by every layer (a boolean mask would be converted to a float copy in
+                  each layer, and kept for backward: b·s²·4 bytes per layer, measured).
+  'per_document'  SDPA on each document of each row on its own (is_causal): no mask, and no
+                  work across documents (Σ len² instead of s²: measured 3-6x faster than the
+                  masked kernel on this CPU at 2048 tokens); its lengths are data-dependent,
+                  so it cannot be compiled.
+  'flex'          FlexAttention (torch.nn.attention.flex_attention) with a block mask, compiled:
+                  fully masked blocks are skipped. torch 2.13 has no FlexAttention backward on
+                  CPU, so on CPU it serves inference only.
+  'math'          plain matmul-softmax-matmul: the reference the others are tested against; it
+                  keeps the s x s probabilities for backward (the planner charges them).
+  'auto'          CUDA: 'flex' with documents, else 'sdpa'. CPU: 'per_document' with documents
+                  ('sdpa' when train.compile), else 'sdpa' — the fastest measured
+                  (bench/bench_attention.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.config_rules import ATTENTION_BACKENDS
+from shardlm.errors import ConfigError
+
+BACKENDS = ATTENTION_BACKENDS
+
+
+def choose_backend(name: str, device_type: str, documents: bool, compiled: bool) -> str:
+    """The backend model.attention = `name` runs: itself, or what 'auto' picks for the device,
+    whether batches carry documents, and whether the blocks are compiled."""
+    if name != "auto":
+        return name
+    if not documents:
+        return "sdpa"
+    if device_type == "cuda":
+        return "flex"
+    return "sdpa" if compiled else "per_document"
+
+
+def configure(model: nn.Module, attention: str, device: torch.device, documents: bool,
+              compiled: bool) -> str:
+    """Fix the backend a training run's model runs and say which, for the log. Our Decoder has
+    `attention_backend`; a model we did not build runs its own attention and cannot take
+    document positions."""
+    if not hasattr(model, "attention_backend"):
+        if documents or attention != "auto":
+            raise ConfigError(f"{type(model).__name__} is not shardlm's Decoder: it runs its own "
+                              f"attention and takes no per-document positions; set "
+                              f"model.attention = 'auto' and data.document_mask = 'off'")
+        return f"attention: {type(model).__name__}'s own"
+    backend = choose_backend(attention, device.type, documents, compiled)
+    if backend == "flex" and device.type == "cpu":
+        raise ConfigError("model.attention = 'flex' on CPU: torch 2.13's FlexAttention has no CPU "
+                          "backward, so it cannot train here; use 'auto' (per_document / sdpa) or "
+                          "'sdpa', and keep 'flex' for CUDA")
+    model.attention_backend = backend
+    return (f"attention: model.attention = {attention!r} -> {backend!r} on {device.type}, document "
+            f"masks {'on' if documents else 'off'}" + (", blocks compiled" if compiled else ""))
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """What every layer's attention needs for one forward, built once (Decoder.forward)."""
+
+    backend: str
+    """A concrete backend (never 'auto')."""
+    data: Any = None
+    """sdpa: the additive float mask (B, 1, T, T); math: the boolean mask of blocked pairs
+    (B or 1, 1, T, T), negated once here, not in every layer; per_document: each row's document lengths (a tuple of tuples of ints);
+    flex: the BlockMask."""
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """(B, T) document index of each token: a document starts where its position is 0."""
+    return (positions == 0).cumsum(dim=-1)
+
+
+def _allowed(positions: torch.Tensor | None, T: int, device: torch.device) -> torch.Tensor:
+    """Boolean (B or 1, 1, T, T): query i may see key j (causal, and the same document)."""
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    if positions is None:
+        return causal[None, None]
+    docs = document_ids(positions)  # (B, T)
+    return (docs[:, None, :, None] == docs[:, None, None, :]) & causal  # (B, 1, T, T)
+
+
+def _block_mask(positions: torch.Tensor | None, B: int, T: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if positions is None:
+        def causal(b, h, q, kv):
+            return q >= kv
+        return create_block_mask(causal, None, None, T, T, device=device)
+    docs = document_ids(positions)
+
+    def same_document(b, h, q, kv):
+        return (q >= kv) & (docs[b, q] == docs[b, kv])
+    return create_block_mask(same_document, B, None, T, T, device=device)
+
+
+def prepare(backend: str, positions: torch.Tensor | None, T: int, device: torch.device,
+            dtype: torch.dtype) -> AttentionMask | None:
+    """The per-forward mask for `backend` (concrete); None = plain causal SDPA. `positions`
+    (B, T): each token's position in its document, or None (one document per row). `dtype`:
+    the dtype q will have (the compute dtype), for sdpa's additive mask."""
+    if backend in ("sdpa", "per_document") and positions is None:
+        return None
+    if backend == "sdpa":
+        blocked = ~_allowed(positions, T, device)
+        return AttentionMask(backend, torch.zeros(blocked.shape, dtype=dtype, device=device)
+                             .masked_fill_(blocked, float("-inf")))
+    if backend == "per_document":
+        starts = positions == 0
+        starts[:, 0] = True
+        begins: list[list[int]] = [[] for _ in range(positions.shape[0])]
+        for row, col in starts.nonzero().tolist():  # one host sync per forward
+            begins[row].append(col)
+        return AttentionMask(backend, tuple(tuple(b - a for a, b in zip(row, row[1:] + [T]))
+                                            for row in begins))
+    if backend == "math":
+        return AttentionMask(backend, ~_allowed(positions, T, device))
+    if backend == "flex":
+        B = 1 if positions is None else positions.shape[0]
+        return AttentionMask(backend, _block_mask(positions, B, T, device))
+    raise ValueError(f"model.attention = {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           mask: AttentionMask | None = None) -> torch.Tensor:
+    """Causal attention of q (B, nh, T, hs) over k, v (B, nkv, T, hs) -> (B, nh, T, hs), masked
+    as `mask` says (None: plain causal SDPA)."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        # enable_gqa lets the kernel broadcast kv heads itself: measured 10-20% faster than
+        # repeat_interleave on torch 2.13 CPU (forward+backward), with identical outputs.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if mask.backend == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.data, enable_gqa=gqa)
+    if mask.backend == "per_document":
+        return _per_document(q, k, v, mask.data, gqa)
+    if mask.backend == "flex":
+        return _flex()(q, k, v, block_mask=mask.data, enable_gqa=gqa)
+    return _math(q, k, v, mask.data)
+
+
+def _per_document(q, k, v, lengths: tuple[tuple[int, ...], ...], gqa: bool) -> torch.Tensor:
+    if all(len(row) == 1 for row in lengths):  # one document per row: one call
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    rows = []
+    for b, row in enumerate(lengths):
+        pieces = zip(*(t[b:b + 1].split(row, dim=2) for t in (q, k, v)))  # (1, h, len, hs) each
+        rows.append(torch.cat([F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa)
+                               for qd, kd, vd in pieces], dim=2))
+    return torch.cat(rows, dim=0)  # (B, nh, T, hs)
+
+
+def _math(q, k, v, blocked: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ/√d, masked) v written out: autograd keeps q, k, v and the (B, nh, T, T)
+    probabilities (the s² term of Korthikanti et al.'s activation formula)."""
+    if q.shape[1] != k.shape[1]:  # GQA: each key/value head serves n_heads / n_kv_heads queries
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, nh, T, T)
+    return scores.masked_fill(blocked, float("-inf")).softmax(dim=-1) @ v
+
+
+_compiled_flex = None
+
+
+def _flex():
+    """flex_attention, compiled once per process (uncompiled it runs an unfused reference);
+    inside a compiled block Dynamo traces it directly."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling():
+        return flex_attention
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex

@@ -1,0 +1,363 @@
+"""FP8 training (precision.compute = 'fp8'): the blocks' linear layers multiply in float8.
+
+Forward: input and weight in E4M3 (3 mantissa bits, max 448); backward: the output gradient in
+E5M2 (2 mantissa bits, max 57344: gradients need range more than precision) — the recipe of
+Micikevicius et al. 2022 ("FP8 Formats for Deep Learning") that torchao's float8 training uses.
+Embeddings, norms, attention's softmax and the LM head stay in bf16 / fp32, as in torchao.
+
+Each tensor is scaled into the format's range before the cast, then unscaled after it:
+
+    q = clamp(x * s, -max, max).to(fp8)        dequantised: q / s
+    'tensorwise' (current scaling): s = max / amax(x) of this very tensor
+    'delayed':  s = max / max(amax history): the last FP8_HISTORY steps' amaxes of this tensor
+                (the scale stays fixed within a step, so a recomputed forward rounds the same)
+    'blockwise': one s per tile — 1 x B for activations and gradients, B x B for weights
+                (precision.fp8_block = B; DeepSeek-V3's 1x128 / 128x128)
+
+Where FP8 hardware exists (CUDA, compute capability >= 8.9) and fp8_emulate is off, torchao's
+Float8Linear does this with real FP8 GEMMs ('tensorwise'). Elsewhere, and whenever
+precision.fp8_emulate is set, Fp8Linear *emulates* it: the same rounding through torch's float8
+dtypes, then a bf16 matmul of the dequantised values. The emulation is for numerics, not speed:
+it is slower than plain bf16. Tiles are where the emulation and a GPU kernel differ in cost, not
+in the rounding model: each tensor is rounded once with its tiles (a kernel re-tiles along the
+reduction dimension for the weight-gradient GEMM, as DeepSeek-V3 does).
+
+Every quantisation counts the elements clamped at the format's max (overflow) and the nonzero
+ones that round to zero (underflow): Fp8Stats, reported per step in the JSONL.
+
+The swapped layer holds the same Parameter objects under the same names (Fp8Linear is an
+nn.Linear), so checkpoints, initialisation by name and the ZeRO engine's flat buffers are
+unchanged; the weight is saved for backward and re-quantised there (ZeRO-3 gathers it again),
+like torchao's force_recompute_fp8_weight_in_bwd.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardlm.config import PrecisionConfig
+from shardlm.errors import ConfigError
+from shardlm.models.decoder import Decoder
+
+log = logging.getLogger("shardlm")
+
+FP8_HISTORY = 16
+"""'delayed': steps of amax history per tensor (torchao's delayed scaling default)."""
+EPS = 1e-12
+"""Floor of an amax (torchao's): an all-zero tensor gets a finite scale."""
+ROLES = ("input", "weight", "grad_output")
+"""The three tensors a linear layer quantises; Fp8Stats counts each apart."""
+MIN_CAPABILITY = (8, 9)
+"""CUDA compute capability with FP8 tensor cores (Ada, Hopper and later)."""
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    name: str
+    dtype: torch.dtype
+    mantissa_bits: int
+
+    @property
+    def max(self) -> float:
+        return float(torch.finfo(self.dtype).max)
+
+    @property
+    def overflow_at(self) -> float:
+        """Magnitudes from here on are clamped (overflow): the max plus half its ulp. Below it a
+        value rounds to the max on its own — as the amax of a tensor, scaled to the max with an
+        fp32 scale, may land a rounding error above it."""
+        return self.max + 2.0 ** (math.floor(math.log2(self.max)) - self.mantissa_bits - 1)
+
+
+E4M3 = Fp8Format("e4m3", torch.float8_e4m3fn, 3)
+"""Forward: input and weight (max 448, smallest subnormal 2^-9)."""
+E5M2 = Fp8Format("e5m2", torch.float8_e5m2, 2)
+"""Backward: the output gradient (max 57344, smallest subnormal 2^-16)."""
+FORMAT_OF = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
+
+
+def _tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """(R, C) zero-padded to multiples of (rows, cols), viewed as (R/rows, rows, C/cols, cols)."""
+    r, c = x.shape
+    padded = nn.functional.pad(x, (0, -c % cols, 0, -r % rows))
+    return padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
+
+
+def amax(x: torch.Tensor, tile: tuple[int, int] | None) -> torch.Tensor:
+    """max |x| of the whole 2-D tensor (tile None), or of each (rows, cols) tile, in fp32."""
+    if tile is None:
+        return x.detach().abs().amax().float()
+    return _tiles(x.detach().abs().float(), *tile).amax(dim=(1, 3), keepdim=True)
+
+
+def quantise(x: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor, tile: tuple[int, int] | None = None,
+             out_dtype: torch.dtype = torch.bfloat16, fixed_scale: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round the 2-D `x` through `fmt` at `scale` (a scalar, or one per `tile` as `amax` gives):
+    returns (dequantised x in `out_dtype`, [overflow, underflow] counts). A value beyond the
+    format's max is clamped to it (overflow: counted from Fp8Format.overflow_at); a nonzero
+    value that becomes 0 is an underflow. A non-finite value stays non-finite (a diverging run
+    must stay visible): a scale from x's own amax makes it NaN; a `fixed_scale` (delayed) would
+    clamp an infinity to the max, so it is made NaN here."""
+    r, c = x.shape
+    scaled = x.float() * scale if tile is None else _tiles(x.float(), *tile) * scale
+    clamped = scaled.clamp(-fmt.max, fmt.max)
+    if fixed_scale:
+        clamped = torch.where(torch.isinf(scaled), torch.full_like(scaled, float("nan")), clamped)
+    q = clamped.to(fmt.dtype).float()
+    counts = torch.stack([(scaled.abs() >= fmt.overflow_at).sum(), ((q == 0) & (scaled != 0)).sum()])
+    dequantised = q / scale
+    if tile is not None:  # back from tiles, the padding dropped
+        dequantised = dequantised.view(dequantised.shape[0] * tile[0], -1)[:r, :c]
+    return dequantised.to(out_dtype), counts
+
+
+class Fp8Stats:
+    """Overflow and underflow counts of every quantisation since `reset`, per role (input,
+    weight, grad_output), kept on the device (one read per step), and the elements quantised."""
+
+    def __init__(self) -> None:
+        self.counts: torch.Tensor | None = None  # (3 roles, [overflow, underflow])
+        self.elements = [0] * len(ROLES)
+
+    def reset(self) -> None:
+        self.counts, self.elements = None, [0] * len(ROLES)
+
+    def add(self, role: str, counts: torch.Tensor, elements: int) -> None:
+        if self.counts is None:
+            self.counts = torch.zeros(len(ROLES), 2, dtype=counts.dtype, device=counts.device)
+        self.counts[ROLES.index(role)] += counts
+        self.elements[ROLES.index(role)] += elements
+
+    def totals(self, device: torch.device) -> torch.Tensor:
+        """(3 roles x [overflow, underflow, elements]) flat, in fp32: what the trainer sums over
+        the ranks with the loss (exact below 2^24 elements per role and step; beyond, the
+        fractions keep fp32's 7 digits)."""
+        counts = self.counts if self.counts is not None else torch.zeros(len(ROLES), 2, device=device)
+        elements = torch.tensor(self.elements, dtype=torch.float32, device=counts.device)
+        return torch.cat([counts.float(), elements[:, None]], dim=1).flatten()
+
+    @staticmethod
+    def record(totals: torch.Tensor) -> dict:
+        """JSONL keys from (summed) `totals`: fp8_overflow and fp8_underflow, the fractions of
+        all quantised elements, and the same per role."""
+        by_role = totals.view(len(ROLES), 3).double()
+        whole = by_role.sum(0)
+        frac = lambda n, d: float(n / d) if d > 0 else 0.0  # noqa: E731
+        return {"fp8_overflow": frac(whole[0], whole[2]), "fp8_underflow": frac(whole[1], whole[2]),
+                "fp8_overflow_by_tensor": {r: frac(v[0], v[2]) for r, v in zip(ROLES, by_role)},
+                "fp8_underflow_by_tensor": {r: frac(v[1], v[2]) for r, v in zip(ROLES, by_role)}}
+
+
+class DelayedScale:
+    """One tensor's amax history ('delayed' scaling, Micikevicius et al. 2022): the scale comes
+    from past steps' amaxes and is fixed within a step; this step's amax joins the history at
+    the next `roll`. Before any history exists the tensor is scaled by its own amax. The step's
+    amaxes are only listed until then: the ops a forward runs must not depend on this state
+    (selective recomputation replays the forward's ops and checks they are the same)."""
+
+    def __init__(self) -> None:
+        self.history: torch.Tensor | None = None  # (FP8_HISTORY,), newest first
+        self.scale: torch.Tensor | None = None
+        self.step_amaxes: list[torch.Tensor] = []
+
+    def scale_for(self, x: torch.Tensor, fmt: Fp8Format, record: bool) -> torch.Tensor:
+        current = amax(x, None)
+        if record:
+            self.step_amaxes.append(current)
+        if self.scale is None:
+            return fmt.max / current.clamp_min(EPS)
+        return self.scale
+
+    def roll(self, fmt: Fp8Format) -> None:
+        if not self.step_amaxes:
+            return
+        step_amax = torch.stack(self.step_amaxes).max()
+        history = torch.zeros(FP8_HISTORY, device=step_amax.device) if self.history is None else self.history
+        self.history = torch.cat([step_amax.view(1), history[:-1]])
+        self.scale = fmt.max / self.history.max().clamp_min(EPS)
+        self.step_amaxes = []
+
+
+class Fp8Quantiser:
+    """One recipe, applied to one linear layer's three tensors; shares the run's Fp8Stats."""
+
+    def __init__(self, recipe: str, block: int, stats: Fp8Stats) -> None:
+        self.recipe, self.block, self.stats = recipe, block, stats
+        self.delayed = {role: DelayedScale() for role in ROLES} if recipe == "delayed" else {}
+
+    def cast(self, x: torch.Tensor, role: str, record: bool) -> torch.Tensor:
+        """The 2-D `x` rounded through its role's format, dequantised to bf16."""
+        fmt = FORMAT_OF[role]
+        tile = None
+        if self.recipe == "blockwise":
+            tile = (self.block, self.block) if role == "weight" else (1, self.block)
+            scale = fmt.max / amax(x, tile).clamp_min(EPS)
+        elif self.recipe == "delayed":
+            scale = self.delayed[role].scale_for(x, fmt, record)
+        else:
+            scale = fmt.max / amax(x, None).clamp_min(EPS)
+        out, counts = quantise(x, fmt, scale, tile, fixed_scale=self.recipe == "delayed")
+        if record:
+            self.stats.add(role, counts, x.numel())
+        return out
+
+    def roll(self) -> None:
+        for role, delayed in self.delayed.items():
+            delayed.roll(FORMAT_OF[role])
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """y = x W^T + b with x, W in E4M3 and, in backward, dy in E5M2; the matmuls in bf16 over
+    the dequantised values (fp32 accumulation inside the bf16 kernel)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, quantiser: Fp8Quantiser, record: bool):
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1])  # (B*T, in)
+            xq = quantiser.cast(x2, "input", record)
+            wq = quantiser.cast(weight, "weight", record)  # (out, in)
+            out = xq @ wq.t()  # (B*T, out) bf16
+            if bias is not None:
+                out = out + bias.to(out.dtype)
+        ctx.save_for_backward(xq, weight)
+        ctx.quantiser, ctx.x_shape, ctx.x_dtype, ctx.has_bias = quantiser, x.shape, x.dtype, bias is not None
+        return out.view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xq, weight = ctx.saved_tensors
+        q = ctx.quantiser
+        with torch.autocast(grad_out.device.type, enabled=False):
+            g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (B*T, out)
+            gq = q.cast(g2, "grad_output", True)
+            # The weight again (ZeRO-3 has gathered it for backward): it rounds as in forward.
+            wq = q.cast(weight, "weight", False)
+            grad_x = (gq @ wq).view(ctx.x_shape).to(ctx.x_dtype)  # (B*T, in)
+            grad_w = (gq.t() @ xq).to(weight.dtype)  # (out, in)
+            grad_b = g2.float().sum(0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+class Fp8Linear(nn.Linear):
+    """An nn.Linear whose matmuls round through FP8 (emulated); same parameters, same names."""
+
+    quantiser: Fp8Quantiser
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, quantiser: Fp8Quantiser) -> "Fp8Linear":
+        new = cls(linear.in_features, linear.out_features, bias=False, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias  # the same Parameter objects
+        new.quantiser = quantiser
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Counted and recorded only where gradients flow (training; a recomputed forward
+        # counts again, in the same proportion); evaluation leaves the statistics alone.
+        return _Fp8Matmul.apply(x, self.weight, self.bias, self.quantiser, torch.is_grad_enabled())
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.quantiser.recipe} (emulated)"
+
+
+@dataclass
+class Fp8State:
+    """What apply_fp8 did: the trainer calls `begin_step` before each step and reads `stats`."""
+
+    recipe: str
+    emulated: bool
+    layers: list[str]
+    quantisers: list[Fp8Quantiser]
+    stats: Fp8Stats | None
+    """Overflow / underflow counts (the emulation only: torchao does not count them)."""
+
+    def begin_step(self) -> None:
+        """Delayed scaling takes the last step's amaxes into its history; the counts restart."""
+        for q in self.quantisers:
+            q.roll()
+        if self.stats is not None:
+            self.stats.reset()
+
+
+def fp8_hardware(device: torch.device) -> bool:
+    """Whether `device` has FP8 matmul units (CUDA compute capability >= 8.9)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= MIN_CAPABILITY
+
+
+def fp8_problem(recipe: str, emulate: bool, device: torch.device) -> str | None:
+    """Why precision.compute = 'fp8' cannot run on `device` as configured, or None."""
+    if emulate:
+        return None
+    if not fp8_hardware(device):
+        what = (f"CUDA compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
+                if device.type == "cuda" else device.type)
+        return (f"precision.compute = 'fp8' needs FP8 hardware (CUDA compute capability >= 8.9: Ada, "
+                f"Hopper or later), and this device is {what}. Set precision.fp8_emulate = true to "
+                f"emulate the FP8 rounding with bf16 matmuls (for numerics, not speed), or use "
+                f"precision.compute = 'bf16'")
+    if recipe != "tensorwise":
+        return (f"precision.fp8_recipe = {recipe!r} on FP8 hardware: torchao's float8 training (what "
+                f"runs there) scales per tensor dynamically ('tensorwise'); use fp8_recipe = "
+                f"'tensorwise', or precision.fp8_emulate = true to study {recipe!r} numerically")
+    if importlib.util.find_spec("torchao") is None:
+        return ("precision.compute = 'fp8' on FP8 hardware runs torchao's float8 training, and "
+                "torchao is not installed: pip install 'shardlm[fp8]' (torchao>=0.10)")
+    return None
+
+
+def check_fp8_device(precision: PrecisionConfig, device: torch.device) -> None:
+    """ConfigError if `precision` asks for fp8 that `device` cannot run."""
+    if precision.compute == "fp8":
+        problem = fp8_problem(precision.fp8_recipe, precision.fp8_emulate, device)
+        if problem:
+            raise ConfigError(problem)
+
+
+def block_linears(model: Decoder) -> dict[str, nn.Linear]:
+    """name -> every plain nn.Linear inside the blocks (the LM head and embeddings are outside)."""
+    return {f"blocks.{n}": m for n, m in model.blocks.named_modules() if type(m) is nn.Linear}
+
+
+def apply_fp8(model: nn.Module, precision: PrecisionConfig, device: torch.device) -> Fp8State:
+    """Swap the nn.Linear layers inside our decoder's blocks for FP8 ones, in place (on the meta
+    device or materialised), as `precision` (compute = 'fp8') says: torchao's
+    Float8Linear on FP8 hardware, else (fp8_emulate) Fp8Linear."""
+    check_fp8_device(precision, device)
+    if not isinstance(model, Decoder):
+        raise ConfigError(f"precision.compute = 'fp8' converts our decoder's block linears; a "
+                          f"{type(model).__name__} is not converted yet: use precision.compute = 'bf16'")
+    linears = block_linears(model)
+    recipe, block = precision.fp8_recipe, precision.fp8_block
+    if not precision.fp8_emulate:
+        return _apply_torchao(model, linears)
+    stats = Fp8Stats()
+    quantisers = []
+    for name, linear in linears.items():
+        parent, _, attr = name.rpartition(".")
+        quantisers.append(Fp8Quantiser(recipe, block, stats))
+        setattr(model.get_submodule(parent), attr, Fp8Linear.from_linear(linear, quantisers[-1]))
+    log.info("fp8: EMULATED on %s, recipe %s%s, %d linear layers (E4M3 forward, E5M2 backward; "
+             "embeddings, norms and the head under bf16 autocast): for numerics, not speed — the "
+             "FP8 rounding is emulated and the matmuls run in bf16, slower than bf16 alone",
+             device.type, recipe, f" ({block}-wide tiles)" if recipe == "blockwise" else "", len(linears))
+    return Fp8State(recipe, True, list(linears), quantisers, stats)
+
+
+def _apply_torchao(model: nn.Module, linears: dict[str, nn.Linear]) -> Fp8State:
+    """torchao's float8 training, tensorwise; its FP8 GEMMs need both dimensions divisible by 16,
+    so a layer that is not stays in bf16 (logged)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    chosen = {n for n, m in linears.items() if m.in_features % 16 == 0 and m.out_features % 16 == 0}
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                               module_filter_fn=lambda module, fqn: fqn in chosen)
+    log.info("fp8: torchao float8 training (tensorwise) on %d linear layers%s", len(chosen),
+             f"; {len(linears) - len(chosen)} left in bf16 (dimensions not divisible by 16)"
+             if len(chosen) < len(linears) else "")
+    return Fp8State("tensorwise", False, sorted(chosen), [], None)
