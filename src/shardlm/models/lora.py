@@ -25,6 +25,7 @@ from torch import nn
 
 from shardlm.errors import ConfigError
 from shardlm.models.init import Initializer, parameter_generator
+from shardlm.models.quant import QuantFormat, quantized_linear
 
 log = logging.getLogger("shardlm")
 
@@ -49,9 +50,15 @@ class LoRALinear(nn.Module):
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
 
+    quant: QuantFormat | None = None
+    """Set by models/quant.py quantize_base (lora.quantize): the base weight is then stored as
+    `weight_q` bytes and dequantised in forward."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = self.lora_B(self.lora_A(self.dropout(x)))  # (…, out) through (…, rank)
-        return F.linear(x, self.weight, self.bias) + self.scaling * update
+        base = (F.linear(x, self.weight, self.bias) if self.quant is None
+                else quantized_linear(x, self.weight_q, self.bias, self.quant))
+        return base + self.scaling * update
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha}"

@@ -110,7 +110,7 @@ class Unit:
                 values = ref.param.detach()
             initial[offset:offset + ref.param.numel()] = values.reshape(-1)
             del values
-        self.flat_param = initial.to(opts.compute_dtype)  # (padded,)
+        self.flat_param = initial.to(spec.dtype or opts.compute_dtype)  # (padded,)
         self.shard_param = (self.flat_param[self.lo:self.hi].clone() if self.stage == 3
                             else self.flat_param[self.lo:self.hi])  # (shard,)
         self.initial_shard = initial[self.lo:self.hi]
@@ -490,9 +490,10 @@ class ZeroEngine:
             part = model_state_bytes(numel, comm.size if o.stage else 1, o.stage,
                                      size(o.compute_dtype), size(o.reduce_dtype), k)
             out = {key: out.get(key, 0.0) + value for key, value in part.items()}
-        frozen = sum(u.layout.total for u in self.frozen)  # parameters only, sharded at stage 3
+        # Parameters only, sharded at stage 3; a quantised base (lora.quantize) as its bytes.
+        frozen = sum(u.layout.total * u.flat_param.element_size() for u in self.frozen)
         if frozen:
-            out["params"] = out.get("params", 0.0) + frozen * size(o.compute_dtype) / (
+            out["params"] = out.get("params", 0.0) + frozen / (
                 self.shard_comm.size if o.stage == 3 else 1)
         return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from shardlm.errors import ConfigError
@@ -33,6 +34,9 @@ class UnitSpec:
     frozen: bool = False
     """Parameters with requires_grad = False (a LoRA run's base): materialised and, at stage 3,
     sharded and gathered like the others, but with no gradient, reduction or optimizer state."""
+    dtype: torch.dtype | None = None
+    """The flat buffer's dtype when it is not the compute dtype: a frozen unit of integer
+    parameters (lora.quantize's packed bytes, models/quant.py), held and gathered as bytes."""
 
 
 def _largest_module_list(model: nn.Module) -> nn.ModuleList | None:
@@ -95,5 +99,9 @@ def collect_units(model: nn.Module, class_names: str = "", inner: list[str] = ()
     units = []
     for name, module, (trained, frozen) in [("root", model, root)] + [
             (name, module, params) for (name, module), params in zip(layers, assigned)]:
-        units += [UnitSpec(name, module, trained), UnitSpec(f"{name}[frozen]", module, frozen, True)]
+        floating = [r for r in frozen if r.param.is_floating_point()]
+        units += [UnitSpec(name, module, trained), UnitSpec(f"{name}[frozen]", module, floating, True)]
+        for dtype in sorted({r.param.dtype for r in frozen} - {r.param.dtype for r in floating}, key=str):
+            units.append(UnitSpec(f"{name}[{str(dtype).removeprefix('torch.')}]", module,
+                                  [r for r in frozen if r.param.dtype == dtype], True, dtype))
     return [u for u in units if u.params]

@@ -1,0 +1,200 @@
+"""Memory and speed of full fine-tuning vs LoRA vs QLoRA (lora.quantize = nf4), one process.
+
+Method. Each mode runs in its own fresh subprocess (this script with --child), so each peak is
+its own: the ZeRO engine at stage 1 on one rank (parameters in the compute dtype, bf16; fp32
+masters and AdamW moments for what trains), micro-batch --micro-batch x --seq tokens, --steps
+steps on the stdlib corpus cut to data.max_bytes (tokenizer and token stream built once, in the
+parent, as is the CPU's matmul-peak probe). MALLOC_MMAP_THRESHOLD_=131072 in the children: freed
+blocks >= 128 KiB go back to the OS, so RSS follows what is alive.
+  peak RSS    ru_maxrss of the child after the last step (build included: the sharded build
+              materialises one unit at a time, with an fp32 copy of that unit)
+  ledger      run.strategy.model_state_bytes(): params + grads + optimizer state held
+  formula     bytes per parameter (Ψ all parameters, Ψq those stored quantised, Ψa adapters):
+                full   16 Ψ            (bf16 params 2 + bf16 grads 2 + fp32 master 4 + moments 8)
+                lora    2 Ψ + 16 Ψa    (the base in bf16, the adapters as full fine-tuning)
+                qlora   2 (Ψ - Ψq) + 0.516 Ψq + 16 Ψa   (nf4: 4 bits + 8-bit absmax per 64 +
+                                                         fp32 per 256 absmaxes)
+                peft    2 Ψ + 12 Ψa    (fp32 adapters and moments, no separate master)
+  tokens/s    over the steps after the first (the first includes one-time allocation)
+"peft" is what a user does today: transformers' LlamaForCausalLM of the same shape built in
+bf16, peft's LoRA on the same linears, torch's AdamW, a plain loop (peft_child).
+Results and discussion: docs/finetuning.md (QLoRA).
+
+Reproduce:
+    PYTHONPATH=src python bench/bench_finetune.py --modes qlora,lora,peft          # llama-1b
+    PYTHONPATH=src python bench/bench_finetune.py --modes qlora,lora,full,peft \
+        --set model.n_layers=4 --set model.vocab_size=32000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+GiB = 2**30
+MMAP_THRESHOLD = "131072"
+
+
+def child(overrides: dict, steps: int) -> dict:
+    import torch
+
+    from shardlm.config import load_config
+    from shardlm.telemetry import peak_rss_bytes
+    from shardlm.trainer import build_run, train_step
+
+    start = time.perf_counter()
+    run = build_run(load_config(overrides=overrides).validate())
+    build_s, build_rss = time.perf_counter() - start, peak_rss_bytes()
+    losses, times = [], []
+    for step in range(steps):
+        t = time.perf_counter()
+        losses.append(train_step(run, step).loss)
+        times.append(time.perf_counter() - t)
+    tokens = run.cfg.train.micro_batch * run.cfg.train.seq_len * run.cfg.train.grad_accum
+    quant = getattr(run.model, "quant", None)
+    lora = getattr(run.model, "lora", None)
+    return {"build_s": build_s, "build_rss": build_rss, "peak_rss": peak_rss_bytes(),
+            "losses": losses, "step_s": times,
+            "tokens_per_s": tokens * max(len(times) - 1, 1) / sum(times[1:] or times),
+            "ledger": run.strategy.model_state_bytes(), "predicted": run.strategy.predicted_state_bytes(),
+            "params": sum(p.numel() for p in run.model.parameters() if p.is_floating_point())
+            + (quant.numel if quant else 0),
+            "trainable": lora.trainable if lora else sum(p.numel() for p in run.model.parameters()),
+            "quantized": quant.numel if quant else 0, "quantized_bytes": quant.nbytes if quant else 0,
+            "threads": torch.get_num_threads()}
+
+
+def peft_child(overrides: dict, steps: int, rank: int) -> dict:
+    """What a user does today: transformers' LlamaForCausalLM of the same shape in bf16 (random
+    weights), peft's LoRA on q/k/v/o/gate/up/down (ours fuses qkv and gate_up: the same
+    adapted linears), torch's AdamW over the adapters, a plain loop, the same batch shape."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    import transformers
+
+    from shardlm.config import load_config
+    from shardlm.export import hf_config
+    from shardlm.telemetry import peak_rss_bytes
+
+    cfg = load_config(overrides=overrides).validate()
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16, as from_pretrained(dtype=bf16) loads
+    model = transformers.LlamaForCausalLM(hf_config(cfg.model, None))
+    torch.set_default_dtype(torch.float32)
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=16, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    for p in model.parameters():  # adapters in fp32, as our master copies (peft's autocast_adapter_dtype)
+        if p.requires_grad:
+            p.data = p.data.float()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    build_s, build_rss = time.perf_counter() - start, peak_rss_bytes()
+    t = cfg.train
+    ids = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    losses, times = [], []
+    for _ in range(steps):
+        begin = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        times.append(time.perf_counter() - begin)
+    tokens = t.micro_batch * t.seq_len
+    return {"build_s": build_s, "build_rss": build_rss, "peak_rss": peak_rss_bytes(), "losses": losses,
+            "step_s": times, "tokens_per_s": tokens * max(len(times) - 1, 1) / sum(times[1:] or times),
+            "ledger": {"params": sum(p.numel() * p.element_size() for p in model.parameters()),
+                       "optimizer": sum(v.numel() * v.element_size() for s in optimizer.state.values()
+                                        for v in s.values() if torch.is_tensor(v))},
+            "predicted": {}, "params": sum(p.numel() for p in model.parameters()),
+            "trainable": sum(p.numel() for p in trainable), "quantized": 0, "quantized_bytes": 0,
+            "threads": torch.get_num_threads()}
+
+
+def formula(mode: str, r: dict) -> float:
+    psi, psi_a, psi_q = r["params"], r["trainable"], r["quantized"]
+    if mode == "full":
+        return 16 * psi
+    if mode == "peft":  # bf16 base, fp32 adapters and AdamW moments (no separate master)
+        return 2 * (psi - psi_a) + 12 * psi_a
+    base = 2 * (psi - psi_a)
+    if mode == "qlora":
+        base = 2 * (psi - psi_a - psi_q) + r["quantized_bytes"]
+    return base + 16 * psi_a
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="llama-1b")
+    parser.add_argument("--modes", default="qlora,lora,peft",
+                        help="comma-separated: full, lora, qlora, peft (transformers + peft, a plain loop)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=16, help="lora.rank")
+    parser.add_argument("--max-bytes", type=int, default=2_000_000, help="data.max_bytes")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="another config override, e.g. model.n_layers=4 (repeatable)")
+    parser.add_argument("--dir", default="/tmp/bench-finetune")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    from shardlm.config import load_config, typed_overrides
+
+    overrides = {
+        "model.preset": args.preset, "train.micro_batch": args.micro_batch, "train.seq_len": args.seq,
+        "train.steps": args.steps, "train.eval_every": 0, "train.sample_tokens": 0, "train.lr": 1e-4,
+        "data.max_bytes": args.max_bytes, "precision.compute": "bf16", "parallel.zero_stage": 1,
+        "run.dir": os.path.join(args.dir, "runs"), "run.progress": "off", "run.device": "cpu",
+        "checkpoint.every": 0, **typed_overrides(dict(kv.split("=", 1) for kv in args.set))}
+    modes = {"full": {}, "lora": {"lora.rank": args.rank},
+             "qlora": {"lora.rank": args.rank, "lora.quantize": "nf4"}}
+    if args.child == "peft":
+        print("RESULT " + json.dumps(peft_child(overrides, args.steps, args.rank)), flush=True)
+        return
+    if args.child:
+        print("RESULT " + json.dumps(child({**overrides, **modes[args.child]}, args.steps)), flush=True)
+        return
+    import torch
+
+    from shardlm.data import build_dataset
+    from shardlm.telemetry import peak_flops
+
+    cfg = load_config(overrides=overrides).validate()
+    build_dataset(cfg.data, cfg.model.vocab_size)  # tokenizer + token stream, once, here
+    peak_flops(torch.device("cpu"), "bf16")  # build_run's MFU lookup, probed once, here
+    print(f"torch {torch.__version__}, {args.preset} {' '.join(args.set)}, bf16 compute, ZeRO stage 1 "
+          f"on one process, batch {args.micro_batch}x{args.seq}, {args.steps} steps, lora.rank "
+          f"{args.rank}", flush=True)
+    rows = []
+    for mode in args.modes.split(","):
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
+        proc = subprocess.run([sys.executable, __file__, "--child", mode, *sys.argv[1:]], env=env,
+                              capture_output=True, text=True)
+        found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not found:
+            print(f"{mode}: FAILED (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        r = json.loads(found[-1][len("RESULT "):])
+        rows.append((mode, r))
+        ledger = sum(r["ledger"].values())
+        print(f"{mode}: peak RSS {r['peak_rss'] / GiB:.2f} GiB (after build {r['build_rss'] / GiB:.2f}), "
+              f"ledger {ledger / GiB:.2f} GiB, formula {formula(mode, r) / GiB:.2f} GiB, "
+              f"{r['tokens_per_s']:.1f} tokens/s (steps {[round(x, 2) for x in r['step_s']]} s), "
+              f"build {r['build_s']:.0f} s, losses "
+              f"{[round(x, 3) for x in r['losses']]}", flush=True)
+    print("\n| mode | trainable | formula GiB | ledger GiB | peak RSS GiB | tokens/s |\n|---|---|---|---|---|---|")
+    for mode, r in rows:
+        print(f"| {mode} | {r['trainable'] / 1e6:,.1f}M of {r['params'] / 1e6:,.1f}M | "
+              f"{formula(mode, r) / GiB:.2f} | {sum(r['ledger'].values()) / GiB:.2f} | "
+              f"{r['peak_rss'] / GiB:.2f} | {r['tokens_per_s']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

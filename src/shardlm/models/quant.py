@@ -1,0 +1,349 @@
+"""A frozen base stored quantised (QLoRA, Dettmers et al. 2023), dequantised per layer in forward.
+
+Formats (lora.quantize), each weight packed into ONE plain uint8 tensor, so that the ZeRO engine
+holds it in a flat byte buffer like any frozen parameter — sharded by bytes at stage 3 and
+all-gathered per unit (a tensor subclass such as torchao's NF4Tensor, or bitsandbytes'
+Params4bit with its QuantState object, does not survive being a view of a flat buffer):
+
+    nf4   4-bit NormalFloat in blocks of 64 with an absmax each; double quantisation: the
+          absmaxes minus their mean ("offset") quantised to 8 bits with bitsandbytes' dynamic
+          map in blocks of 256, each with an fp32 absmax. Bytes, in order:
+          offset (fp32) | absmax2 (fp32 x ceil(nb/256)) | absmax codes (u8 x nb) | codes (u8 x ceil(n/2))
+          with nb = ceil(n/64) blocks and two codes per byte, the first in the high nibble:
+          0.5 + 1/64 + 4/(64*256) bytes per parameter (~0.516; 4.127 bits).
+    int8  LLM.int8's weight format (Dettmers et al. 2022): per output row, an fp32 absmax and
+          round(127 w / absmax) as int8. Bytes: row absmaxes (fp32 x rows) | codes (int8 x n).
+
+The codes, scales and dequantised values equal bitsandbytes' quantize_4bit(quant_type='nf4',
+blocksize=64, compress_statistics=True) / dequantize_4bit and int8_vectorwise_quant / _dequant
+on the same weights (tests/test_qlora.py), but for the 8-bit absmax codes: ours is always the
+nearest level (bitsandbytes' torch and CUDA rule), its CPU C kernel's search sometimes the next.
+Quantising is torch ops (once, at build); dequantising uses bitsandbytes' dequantize_4bit kernel
+(C on CPU, CUDA on GPU) when the package is installed, else torch ops: the same values.
+
+Gradients: QuantizedLinearFn keeps only the packed bytes for backward (not the dequantised
+weight, which would be the compute-dtype base again) and dequantises a second time there; the
+weight has no gradient, the input has one (the adapters below need it).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlm.models.init import Initializer
+
+log = logging.getLogger("shardlm")
+
+QUANTIZE_KINDS = ("none", "nf4", "int8")
+BLOCK = 64
+"""NF4: elements per absmax."""
+ABSMAX_BLOCK = 256
+"""Double quantisation: absmaxes per second-level (fp32) absmax."""
+CHUNK = 1 << 20
+"""quantize works on this many elements at a time (a multiple of BLOCK)."""
+INT8_STEP = 7.874015718698502e-3
+"""1 / 127 as bitsandbytes' int8_vectorwise_dequant multiplies by it."""
+NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+            -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+            0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+            0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+"""The 16 NormalFloat levels: quantiles of N(0, 1) scaled to [-1, 1], zero exact (QLoRA's
+appendix; bitsandbytes' and torchao's table)."""
+
+
+def dynamic_map() -> torch.Tensor:
+    """bitsandbytes' signed 8-bit dynamic map (create_dynamic_map(signed=True)), 256 values in
+    [-1, 1]: a dynamic exponent (powers of ten) and a linear fraction, finer near zero."""
+    data: list[float] = []
+    for i in range(7):  # max_exponent_bits = 7, total_bits = 8; fp32 products, as theirs
+        bounds = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        data += ((10 ** (-6 + i)) * means).tolist() + ((-(10 ** (-6 + i))) * means).tolist()
+    return torch.tensor(sorted(data + [0.0, 1.0]), dtype=torch.float32)
+
+
+def _nearest(values: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """Index into `code` of the nearest level to each value (fp32), by bucketize on the midpoints
+    of the sorted levels (bitsandbytes' own rule)."""
+    levels, order = torch.sort(code)
+    midpoints = (levels[:-1] + levels[1:]) / 2
+    index = torch.bucketize(values, midpoints, out_int32=True)
+    return index if torch.equal(order, torch.arange(len(code), device=code.device)) else order[index]
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How one weight of `shape` (out, in) is packed (module doc)."""
+
+    kind: str
+    shape: tuple[int, int]
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.numel // BLOCK)
+
+    @property
+    def blocks2(self) -> int:
+        return -(-self.blocks // ABSMAX_BLOCK)
+
+    @property
+    def nbytes(self) -> int:
+        if self.kind == "int8":
+            return 4 * self.shape[0] + self.numel
+        return 4 + 4 * self.blocks2 + self.blocks + -(-self.numel // 2)
+
+
+def _fp32_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _fp32_from(packed: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    # A copy: a slice of a byte buffer need not sit at a 4-byte boundary for .view(float32).
+    return packed[start:start + 4 * count].clone().view(torch.float32)
+
+
+@torch.no_grad()
+def quantize(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """`weight` (out, in), any float dtype -> its packed bytes (uint8, (QuantFormat.nbytes,)).
+    Worked in pieces of CHUNK elements, so the fp32 temporaries stay a few MiB whatever the
+    weight's size (the build's peak is the weight itself, not five copies of it)."""
+    fmt = QuantFormat(kind, tuple(weight.shape))
+    w = weight.detach()
+    if kind == "int8":
+        absmax = torch.empty(fmt.shape[0], device=w.device)
+        codes = torch.empty(fmt.shape, dtype=torch.int8, device=w.device)
+        step = max(1, CHUNK // fmt.shape[1])
+        for lo in range(0, fmt.shape[0], step):
+            rows = w[lo:lo + step].float()
+            absmax[lo:lo + step] = part = rows.abs().amax(dim=1)  # (rows,)
+            codes[lo:lo + step] = torch.round(rows * (127.0 / part.clamp(min=1e-38)).unsqueeze(1))
+        return torch.cat([_fp32_bytes(absmax), codes.reshape(-1).view(torch.uint8)])
+    flat, nf4 = w.reshape(-1), torch.tensor(NF4_CODE, device=w.device)
+    absmax = torch.empty(fmt.blocks, device=w.device)
+    codes = torch.empty(fmt.blocks * BLOCK, dtype=torch.uint8, device=w.device)
+    step = CHUNK // BLOCK
+    for lo in range(0, fmt.blocks, step):
+        hi = min(lo + step, fmt.blocks)
+        part = flat[lo * BLOCK:hi * BLOCK].float()
+        part = F.pad(part, (0, (hi - lo) * BLOCK - part.numel())).view(hi - lo, BLOCK)
+        absmax[lo:hi] = block_max = part.abs().amax(dim=1)  # (blocks,)
+        scaled = torch.clamp(part * (1.0 / block_max.clamp(min=1e-38)).unsqueeze(1), -1, 1)
+        codes[lo * BLOCK:hi * BLOCK] = _nearest(scaled.reshape(-1), nf4)
+    codes = codes[:2 * -(-fmt.numel // 2)]
+    packed = (codes[0::2] << 4) | codes[1::2]  # (ceil(n/2),)
+    # Double quantisation of the absmaxes: centred, then 8-bit dynamic codes in blocks of 256.
+    offset = absmax.mean()
+    centred = F.pad(absmax - offset, (0, fmt.blocks2 * ABSMAX_BLOCK - fmt.blocks)).view(fmt.blocks2, ABSMAX_BLOCK)
+    absmax2 = centred.abs().amax(dim=1)  # (blocks2,)
+    scaled2 = torch.clamp(centred * (1.0 / absmax2.clamp(min=1e-38)).unsqueeze(1), -1, 1)
+    absmax_codes = _nearest(scaled2.reshape(-1), dynamic_map().to(w.device)).to(torch.uint8)[:fmt.blocks]
+    return torch.cat([_fp32_bytes(offset.reshape(1)), _fp32_bytes(absmax2), absmax_codes, packed])
+
+
+def dequantize(packed: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
+    """The weight (out, in) in `dtype` from its packed bytes: the arithmetic in fp32, then cast.
+    NF4 goes through bitsandbytes' dequantize_4bit kernel (C on CPU, CUDA on GPU) when it is
+    installed, else through torch ops (dequantize_torch): the same values, ~2x slower on CPU."""
+    if fmt.kind == "int8":
+        rows = fmt.shape[0]
+        absmax = _fp32_from(packed, 0, rows)
+        codes = packed[4 * rows:].view(torch.int8).view(fmt.shape).float()
+        return (codes * absmax.unsqueeze(1) * INT8_STEP).to(dtype)
+    absmax, codes = _nf4_absmax(packed, fmt), packed[4 + 4 * fmt.blocks2 + fmt.blocks:]
+    kernel = _bnb_kernel()
+    if kernel is not None and fmt.shape[1] % 2 == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return kernel(codes, absmax, BLOCK, "nf4", list(fmt.shape), dtype)
+    return _nf4_values(codes, absmax, fmt).to(dtype)
+
+
+def dequantize_torch(packed: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize in torch ops only (no bitsandbytes)."""
+    if fmt.kind == "int8":
+        return dequantize(packed, fmt, dtype)
+    codes = packed[4 + 4 * fmt.blocks2 + fmt.blocks:]
+    return _nf4_values(codes, _nf4_absmax(packed, fmt), fmt).to(dtype)
+
+
+def _nf4_absmax(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """The blocks' absmaxes (fp32, (blocks,)) undone from their double quantisation."""
+    at = 4 + 4 * fmt.blocks2
+    offset, absmax2 = _fp32_from(packed, 0, 1), _fp32_from(packed, 4, fmt.blocks2)
+    levels = dynamic_map().to(packed.device)[packed[at:at + fmt.blocks].int()]
+    return levels * absmax2.repeat_interleave(ABSMAX_BLOCK)[:fmt.blocks] + offset
+
+
+def _nf4_values(codes: torch.Tensor, absmax: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """fp32 (out, in): each byte's two levels by one lookup in a (256, 2) table, times the
+    block's absmax."""
+    table = torch.tensor(NF4_CODE, device=codes.device)
+    pairs = torch.stack([table.repeat_interleave(16), table.repeat(16)], dim=1)  # byte -> (high, low)
+    values = F.embedding(codes.int(), pairs).reshape(-1)  # (2 ceil(n/2),)
+    values = F.pad(values, (0, fmt.blocks * BLOCK - values.numel())).view(fmt.blocks, BLOCK)
+    values.mul_(absmax.unsqueeze(1))
+    return values.reshape(-1)[:fmt.numel].view(fmt.shape)
+
+
+_BNB: object = None
+
+
+def _bnb_kernel():
+    """bitsandbytes' dequantize_4bit operator when the package is installed, else None."""
+    global _BNB
+    if _BNB is None:
+        try:
+            import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
+
+            _BNB = torch.ops.bitsandbytes.dequantize_4bit.default
+        except ImportError:
+            _BNB = False
+    return _BNB or None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+class QuantizedLinearFn(torch.autograd.Function):
+    """y = x W^T + b with W dequantised from its bytes in forward and again in backward: the
+    bytes are what autograd keeps. W and b are frozen (no gradient); x gets one."""
+
+    @staticmethod
+    def forward(ctx, x, packed, bias, fmt):
+        ctx.save_for_backward(packed)
+        ctx.fmt = fmt
+        return F.linear(x, dequantize(packed, fmt, _compute_dtype(x)), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (packed,) = ctx.saved_tensors
+        grad_x = grad @ dequantize(packed, ctx.fmt, grad.dtype)  # (…, out) @ (out, in)
+        return grad_x, None, None, None
+
+
+def quantized_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                     fmt: QuantFormat) -> torch.Tensor:
+    if bias is not None and bias.requires_grad:
+        raise ValueError("a quantised linear layer's bias is frozen (lora.quantize)")
+    return QuantizedLinearFn.apply(x, packed, bias, fmt)
+
+
+class QuantizedLinear(nn.Module):
+    """A frozen nn.Linear whose weight is stored as `weight_q` (packed bytes, QuantFormat)."""
+
+    def __init__(self, base: nn.Linear, kind: str) -> None:
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.bias = base.bias
+        self.quant = QuantFormat(kind, (base.out_features, base.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quantized_linear(x, self.weight_q, self.bias, self.quant)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.quant.kind}"
+
+
+@dataclass
+class QuantState:
+    kind: str
+    layers: int
+    numel: int
+    """Parameters of the quantised weights, in the whole model."""
+    nbytes: int
+    """Their bytes as stored (codes and scales)."""
+
+    def summary(self, compute_bytes: int = 2) -> str:
+        return (f"lora.quantize = {self.kind}: {self.layers} frozen linear weights, {self.numel:,} "
+                f"parameters in {self.nbytes:,} bytes ({8 * self.nbytes / max(self.numel, 1):.3f} "
+                f"bits each; {compute_bytes * self.numel:,} bytes at {compute_bytes} B/param)")
+
+
+def quantize_base(model: nn.Module, kind: str, names: list[str],
+                  initializer: Initializer | None = None) -> tuple[QuantState, Initializer | None]:
+    """Store the weight of each linear layer in `names` (a LoRALinear or a frozen nn.Linear) as
+    `<layer>.weight_q` bytes in format `kind`. On the meta device the bytes are made later, by
+    the returned initializer, from `initializer`'s values of `<layer>.weight` (one weight at a
+    time: the sharded build); a materialised model's weights are quantised now. Stored as
+    `model.quant`."""
+    if kind not in QUANTIZE_KINDS[1:]:
+        raise ValueError(f"quantize kind {kind!r}: expected one of {', '.join(QUANTIZE_KINDS[1:])}")
+    formats: dict[str, QuantFormat] = {}
+    for name in names:
+        module = model.get_submodule(name)
+        weight = module.weight
+        fmt = QuantFormat(kind, (module.out_features, module.in_features))
+        if type(module) is nn.Linear:
+            quantized = QuantizedLinear(module, kind)
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, quantized)
+            module = quantized
+        else:  # LoRALinear: its base forward reads `quant` and `weight_q`
+            del module.weight
+            module.quant = fmt
+        data = (torch.empty(fmt.nbytes, dtype=torch.uint8, device="meta") if weight.is_meta
+                else quantize(weight, kind))
+        module.weight_q = nn.Parameter(data, requires_grad=False)
+        formats[f"{name}.weight_q"] = fmt
+    state = QuantState(kind, len(formats), sum(f.numel for f in formats.values()),
+                       sum(f.nbytes for f in formats.values()))
+    model.quant = state
+    log.info("%s", state.summary())
+    if initializer is None:
+        return state, None
+
+    def init(name: str) -> torch.Tensor:
+        fmt = formats.get(name)
+        return initializer(name) if fmt is None else quantize(initializer(name[:-len("_q")]), fmt.kind)
+    return state, init
+
+
+@torch.no_grad()
+def dequantize_base(model: nn.Module) -> None:
+    """Back to plain `weight` parameters holding the dequantised values (fp32), for inference
+    and export of a quantised run: the model the adapters were trained against."""
+    for name, module in list(model.named_modules()):
+        fmt = getattr(module, "quant", None)
+        if not isinstance(fmt, QuantFormat):
+            continue
+        weight = nn.Parameter(dequantize(module.weight_q, fmt, torch.float32), requires_grad=False)
+        del module.weight_q
+        if isinstance(module, QuantizedLinear):
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                              device=weight.device)
+            plain.weight, plain.bias = weight, module.bias
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, plain)
+        else:
+            module.quant = None
+            module.weight = weight
+
+
+def quantizable(model: nn.Module, patterns: list[str]) -> list[str]:
+    """The linear layers of the blocks to quantise: every LoRA-wrapped one and every dense
+    attention / MLP linear matching `patterns` (a name or its dotted suffix)."""
+    out = []
+    for name, module in model.named_modules():
+        lora = hasattr(module, "lora_A")
+        dense = type(module) is nn.Linear and any(name == p or name.endswith("." + p) for p in patterns)
+        if lora or dense:
+            out.append(name)
+    return out
+
+
+def format_bound(kind: str) -> float:
+    """The largest round-trip error per unit of a block's (or row's) absmax, before double
+    quantisation: half the widest gap between adjacent levels."""
+    if kind == "int8":
+        return 0.5 / 127
+    return max(b - a for a, b in zip(NF4_CODE, NF4_CODE[1:])) / 2
+

@@ -1,0 +1,228 @@
+"""QLoRA (lora.quantize, models/quant.py): the packed formats against bitsandbytes on the same
+weights, the round-trip error within each format's bound, the quantised run starting as the
+dequantised base model, training only the adapters, and ZeRO-3 on two ranks (the quantised base
+sharded as bytes) matching one process; a checkpoint resumes.
+
+Tolerance of the two-rank comparison: fp32, as tests/test_lora.py (1e-6 relative: the sharded
+grad norm may differ in the last bit). Everything else is exact (torch.equal) or a stated bound.
+"""
+
+from __future__ import annotations
+
+import bitsandbytes.functional as bnb  # the `test` extra installs it: the reference formats
+import pytest
+import torch
+
+from ckpt_cases import straight_and_resumed
+from conftest import tiny_overrides
+from lora_cases import lora_case
+from parity import assert_matches
+from qlora_cases import qlora_cases
+from shardlm.config import load_config
+from shardlm.errors import ConfigError
+from shardlm.models.lora import is_adapter
+from shardlm.models.quant import (ABSMAX_BLOCK, BLOCK, QuantFormat, QuantizedLinearFn,
+                                  dequantize, dequantize_torch, dynamic_map, format_bound, quantize)
+from shardlm.spawn import run_ranks
+from shardlm.trainer import build_run
+from zero_cases import reference_case
+
+SHAPES = [(7, 5), (96, 33), (128, 64), (1100, 1000)]  # odd sizes, partial blocks, > 256 blocks, > CHUNK
+STEPS = 4
+FP32_SLACK = 2.0 ** -20
+"""The fp32 arithmetic of scaling and of the product: a few ulps (2^-23) of the absmax."""
+
+
+def _weight(shape, dtype=torch.float32):
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))) * 0.02).to(dtype)
+
+
+def _parts(packed: torch.Tensor, fmt: QuantFormat):
+    """(offset, absmax2, absmax codes, 4-bit codes) of an nf4 weight's bytes."""
+    at = 4 + 4 * fmt.blocks2
+    return (packed[:4].clone().view(torch.float32), packed[4:at].clone().view(torch.float32),
+            packed[at:at + fmt.blocks], packed[at + fmt.blocks:])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_nf4_equals_bitsandbytes(shape):
+    """Their codes, scales and dequantised values. The 8-bit absmax codes are the nearest
+    levels of the dynamic map (bitsandbytes' torch and CUDA rule: bucketize on midpoints);
+    its CPU C kernel's binary search sometimes lands one level off, never nearer."""
+    w = _weight(shape)
+    fmt = QuantFormat("nf4", shape)
+    packed = quantize(w, "nf4")
+    assert packed.dtype == torch.uint8 and packed.numel() == fmt.nbytes
+    codes, state = bnb.quantize_4bit(w, blocksize=BLOCK, compress_statistics=True, quant_type="nf4")
+    offset, absmax2, absmax_codes, nibbles = _parts(packed, fmt)
+    assert torch.equal(nibbles, codes.view(-1))
+    assert torch.equal(offset, state.offset.reshape(1))
+    assert torch.equal(absmax2, state.state2.absmax)
+    assert torch.equal(dynamic_map(), state.state2.code)
+    absmax = w.reshape(-1)
+    absmax = torch.nn.functional.pad(absmax, (0, fmt.blocks * BLOCK - absmax.numel())).view(-1, BLOCK).abs().amax(1)
+    scaled = (absmax - offset) * (1.0 / absmax2.clamp(min=1e-38).repeat_interleave(ABSMAX_BLOCK)[:fmt.blocks])
+    ours = (scaled - dynamic_map()[absmax_codes.long()]).abs()
+    theirs = (scaled - dynamic_map()[state.absmax.long()]).abs()
+    assert torch.all(ours <= theirs)
+    assert torch.equal(ours, (scaled.unsqueeze(1) - dynamic_map()).abs().amin(1))  # the nearest
+    scaled_blocks = absmax2.repeat_interleave(ABSMAX_BLOCK)[:fmt.blocks] > 0  # else every code decodes to 0
+    assert ((absmax_codes != state.absmax) & scaled_blocks).sum() <= 0.05 * scaled_blocks.sum()
+    state.absmax = absmax_codes.clone()  # their dequantisation of our codes: bit for bit ours
+    assert torch.equal(dequantize(packed, fmt, torch.float32), bnb.dequantize_4bit(codes, state))
+    for dtype in (torch.float32, torch.bfloat16):  # their kernel (when installed) = our torch ops
+        assert torch.equal(dequantize(packed, fmt, dtype), dequantize_torch(packed, fmt, dtype))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_equals_bitsandbytes(shape):
+    w = _weight(shape)
+    fmt = QuantFormat("int8", shape)
+    packed = quantize(w, "int8")
+    codes, scales, _ = bnb.int8_vectorwise_quant(w)
+    assert torch.equal(packed[4 * shape[0]:].view(torch.int8).view(shape), codes)
+    assert torch.equal(packed[:4 * shape[0]].clone().view(torch.float32), scales)
+    assert torch.equal(dequantize(packed, fmt, torch.float32), bnb.int8_vectorwise_dequant(codes, scales))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_round_trip_within_the_format_bound(kind, dtype):
+    """Per element |w - deq| <= absmax x (half the widest gap between levels); for nf4 plus the
+    double quantisation's error on that absmax: absmax2 x (half the widest gap of the dynamic
+    map), times the largest level (1); plus the fp32 arithmetic's rounding (FP32_SLACK x absmax).
+    From a `dtype` weight."""
+    shape = (1100, 1000)  # > CHUNK: quantised in two pieces
+    w = _weight(shape, dtype)
+    fmt = QuantFormat(kind, shape)
+    packed = quantize(w, kind)
+    error = (w.float() - dequantize(packed, fmt, torch.float32)).abs()
+    if kind == "int8":
+        bound = w.float().abs().amax(1, keepdim=True) * (format_bound(kind) + FP32_SLACK)
+        ratio = error / bound
+    else:
+        flat = torch.nn.functional.pad(w.float().reshape(-1), (0, fmt.blocks * BLOCK - fmt.numel))
+        absmax = flat.view(-1, BLOCK).abs().amax(1)
+        levels = dynamic_map()
+        dq_half_gap = float((levels[1:] - levels[:-1]).max()) / 2
+        absmax2 = _parts(packed, fmt)[1].repeat_interleave(ABSMAX_BLOCK)[:fmt.blocks]
+        bound = absmax * (format_bound(kind) + FP32_SLACK) + absmax2 * dq_half_gap
+        padded = torch.nn.functional.pad(error.reshape(-1), (0, fmt.blocks * BLOCK - fmt.numel))
+        ratio = padded.view(-1, BLOCK) / bound.unsqueeze(1)
+    assert float(ratio.max()) <= 1
+    assert float(ratio.max()) > 0.5  # a bound some elements come near, not a loose one
+
+
+def test_input_gradient_is_the_dequantised_layer_s():
+    """Backward dequantises again: x's gradient equals a dense layer's on the dequantised weight."""
+    shape = (48, 32)
+    packed = quantize(_weight(shape), "nf4")
+    dense = dequantize(packed, QuantFormat("nf4", shape), torch.float32).requires_grad_(True)
+    x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    y = QuantizedLinearFn.apply(x, packed, None, QuantFormat("nf4", shape))
+    (y * y).sum().backward()
+    grad, x.grad = x.grad, None
+    y_ref = torch.nn.functional.linear(x, dense)
+    (y_ref * y_ref).sum().backward()
+    assert torch.equal(y, y_ref)
+    torch.testing.assert_close(grad, x.grad, rtol=0, atol=0)
+
+
+def _base(tmp_path, kind="nf4", **extra):
+    return tiny_overrides(tmp_path, model__preset="llama-tiny", train__micro_batch=4, lora__rank=4,
+                          lora__quantize=kind, train__lr=1e-2, train__seq_len=32, **extra)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_starts_as_the_dequantised_base(tmp_path, kind):
+    """B = 0: the quantised run's logits are, bit for bit, those of the plain model whose block
+    linears hold the dequantised weights."""
+    o = _base(tmp_path, kind)
+    run = build_run(load_config(overrides={**o, "run.name": "q"}).validate())
+    plain = build_run(load_config(overrides={**o, "lora.rank": 0, "lora.quantize": "none",
+                                             "run.name": "p"}).validate())
+    names = {n for n, _ in run.model.named_parameters() if n.endswith(".weight_q")}
+    assert len(names) == 4 * 2  # qkv, proj, gate_up, down in each of llama-tiny's 2 blocks
+    assert run.model.quant.layers == len(names)
+    with torch.no_grad():
+        for name, p in plain.model.named_parameters():
+            if f"{name}_q" in names:
+                p.copy_(dequantize(quantize(p, kind), QuantFormat(kind, tuple(p.shape)), torch.float32))
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(run.model(idx), plain.model(idx))
+
+
+def test_trains_only_the_adapters(tmp_path):
+    out = lora_case(_base(tmp_path, train__steps=20), 20)
+    changed = {n for n in out["params"] if not torch.equal(out["params"][n], out["before"][n])}
+    assert changed and all(is_adapter(n) for n in changed)
+    assert any(n.endswith(".weight_q") for n in out["params"])
+    losses = out["losses"]  # a random base: LoRA alone falls ~0.08 in these 20 steps
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.03, losses
+    assert out["optim_elements"] == out["adapter_elements"] == out["trainable"]
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="lora.quantize"):
+        load_config(overrides={**_base(tmp_path), "lora.quantize": "nf3"}).validate()
+    with pytest.raises(ConfigError, match="lora.rank"):
+        load_config(overrides={**_base(tmp_path), "lora.rank": 0}).validate()
+    with pytest.raises(ConfigError, match="model.experts"):
+        load_config(overrides={**_base(tmp_path), "model.experts": 4}).validate()
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("qlora2")
+    cases = [({**_base(tmp), "parallel.zero_stage": stage}, STEPS) for stage in (0, 3)]
+    out = run_ranks(qlora_cases, 2, tmp, cases)
+    return out, reference_case(_base(tmp), 2, STEPS)
+
+
+@pytest.mark.parametrize("case", [0, 1])
+def test_two_ranks_match_one_process(two_rank_runs, case):
+    """ZeRO stage 0 (base replicated) and 3 (base sharded as bytes, gathered per unit)."""
+    out, ref = two_rank_runs
+    for rank in (0, 1):
+        got = out[rank][case]
+        assert_matches(got["losses"], got["params"], ref, f"case {case} rank {rank}", tol=1e-6, lr=1e-2)
+        assert all(torch.equal(got["params"][n], got["before"][n]) for n in got["params"] if not is_adapter(n))
+        # each block's packed weights: one byte unit, whole (stage 0) or half per rank (stage 3)
+        units = got["byte_units"]
+        assert [name for name, *_ in units] == ["blocks.0[uint8]", "blocks.1[uint8]"]
+        assert all(dtype == "torch.uint8" for _, dtype, _, _ in units)
+        assert all(shard == (-(-total // 2) if case == 1 else total) for _, _, shard, total in units)
+        # the ledger counts them as bytes, as the formula does
+        assert got["state_bytes"]["params"] == pytest.approx(got["predicted"]["params"], rel=0.01)
+
+
+def test_checkpoint_resumes_at_stage_3(tmp_path):
+    o = {**_base(tmp_path), "parallel.zero_stage": 3}
+    (straight, resumed), = run_ranks(straight_and_resumed, 2, tmp_path, [("qlora3", o, 2)])[0]
+    assert resumed["start"] == 2
+    assert resumed["losses"] == straight["losses"][2:]
+    for name, value in straight["params"].items():
+        assert torch.equal(resumed["params"][name], value), name
+    _inference_uses_the_dequantised_base(straight["run_dir"])
+
+
+def _inference_uses_the_dequantised_base(run_dir: str) -> None:
+    """generate / export load a QLoRA run (checkpoint/weights.py load_for_inference) as plain
+    weights holding the dequantised values: the same logits as the quantised layers give."""
+    from safetensors.torch import load_file
+
+    from shardlm.checkpoint.weights import WEIGHTS, load_for_inference, resolve_run_dir
+    from shardlm.models import build_model
+    from shardlm.models.lora import DEFAULT_TARGETS, apply_lora
+    from shardlm.models.quant import quantizable, quantize_base
+
+    model, _, cfg = load_for_inference(run_dir, torch.device("cpu"))
+    assert not any(n.endswith(".weight_q") for n, _ in model.named_parameters())
+    quantized = build_model(cfg.model, "cpu", seed=0)
+    apply_lora(quantized, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets, cfg.model.mlp)
+    quantize_base(quantized, cfg.lora.quantize, quantizable(quantized, DEFAULT_TARGETS[cfg.model.mlp].split(",")))
+    quantized.load_state_dict(load_file(str(resolve_run_dir(run_dir) / WEIGHTS)))
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(idx), quantized(idx))
