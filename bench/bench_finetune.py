@@ -24,6 +24,7 @@ Reproduce:
     PYTHONPATH=src python bench/bench_finetune.py --modes qlora,lora,peft          # llama-1b
     PYTHONPATH=src python bench/bench_finetune.py --modes qlora,lora,full,peft \
         --set model.n_layers=4 --set model.vocab_size=32000
+    PYTHONPATH=src python bench/bench_finetune.py --modes lora@2,qlora@2      # ZeRO-3, 2 ranks
 """
 
 from __future__ import annotations
@@ -66,6 +67,27 @@ def child(overrides: dict, steps: int) -> dict:
             "trainable": lora.trainable if lora else sum(p.numel() for p in run.model.parameters()),
             "quantized": quant.numel if quant else 0, "quantized_bytes": quant.nbytes if quant else 0,
             "threads": torch.get_num_threads()}
+
+
+def rank_child(rank: int, world_size: int, overrides: dict, steps: int) -> dict:
+    """`child` on one of `world_size` spawned ranks (a mode "lora@2": ZeRO-3 over 2 ranks)."""
+    return child(overrides, steps)
+
+
+def ranks_child(overrides: dict, steps: int, ranks: int, directory: str) -> dict:
+    """`child` on `ranks` ranks, ZeRO-3: the largest peak RSS of a rank, rank 0's ledger (every
+    rank holds the same share), tokens/s of the whole group."""
+    from shardlm.spawn import run_ranks
+
+    os.makedirs(directory, exist_ok=True)
+    results = run_ranks(rank_child, ranks, directory, {**overrides, "parallel.zero_stage": 3}, steps,
+                        timeout=3600)
+    out = dict(results[0])
+    out["peak_rss"] = max(r["peak_rss"] for r in results)
+    out["build_rss"] = max(r["build_rss"] for r in results)
+    out["tokens_per_s"] = sum(r["tokens_per_s"] for r in results)
+    out["ranks"] = ranks
+    return out
 
 
 def peft_child(overrides: dict, steps: int, rank: int) -> dict:
@@ -119,6 +141,11 @@ def peft_child(overrides: dict, steps: int, rank: int) -> dict:
 
 
 def formula(mode: str, r: dict) -> float:
+    """Model-state bytes per rank; a mode "X@N" is X's ZeRO-3 over N ranks: everything / N (the
+    ledger counts this rank's shard; an adapter too small to split is padded, so a few bytes more)."""
+    mode, _, ranks = mode.partition("@")
+    if ranks:
+        return formula(mode, r) / int(ranks)
     psi, psi_a, psi_q = r["params"], r["trainable"], r["quantized"]
     if mode == "full":
         return 16 * psi
@@ -134,7 +161,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama-1b")
     parser.add_argument("--modes", default="qlora,lora,peft",
-                        help="comma-separated: full, lora, qlora, peft (transformers + peft, a plain loop)")
+                        help="comma-separated: full, lora, qlora, peft (transformers + peft, a plain "
+                             "loop); MODE@N: that mode with ZeRO-3 over N spawned ranks (lora@2)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=1)
@@ -159,7 +187,10 @@ def main() -> None:
         print("RESULT " + json.dumps(peft_child(overrides, args.steps, args.rank)), flush=True)
         return
     if args.child:
-        print("RESULT " + json.dumps(child({**overrides, **modes[args.child]}, args.steps)), flush=True)
+        mode, _, ranks = args.child.partition("@")
+        result = (ranks_child({**overrides, **modes[mode]}, args.steps, int(ranks), args.dir) if ranks
+                  else child({**overrides, **modes[mode]}, args.steps))
+        print("RESULT " + json.dumps(result), flush=True)
         return
     import torch
 

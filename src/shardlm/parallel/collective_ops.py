@@ -20,7 +20,7 @@ _COMMS: dict[str, Comm] = {}
 
 def op_group(comm: Comm) -> str:
     """`comm`'s key for the ops below (registered on first use)."""
-    key = f"{comm.name}@{id(comm):x}"
+    key = f"{getattr(comm, 'name', 'group')}@{id(comm):x}"
     _COMMS[key] = comm
     return key
 

@@ -1,0 +1,174 @@
+"""Which computation lever is worth it on this machine: each one switched on alone against the
+same baseline run, and what the planner says the same levers do on a GPU.
+
+Measured here (one process, `shardlm train` in a subprocess per case so each starts cold and its
+peak RSS is its own): tokens/s as the median of the steps after the first `--skip` (the compile,
+the first allocations), MFU and HFU from the run's JSONL, the process's peak RSS
+(`peak_rss_bytes`: VmHWM, the whole process — Python, torch, the data — not only activations),
+and the last loss (the same data and seed in every case, so a lever that changes the maths shows
+here). Levers:
+
+    baseline          precision.compute as given (--precision), eager, SDPA, activations kept
+    compile           train.compile = true (regional: each block; compile_s reported apart)
+    attention=math    model.attention = 'math': the plain matmul-softmax (stores the s^2 scores)
+    ckpt=selective    activation.checkpoint = 'selective'
+    ckpt=full         activation.checkpoint = 'full'
+    offload=cpu       activation.offload = 'cpu' (on a CPU the host *is* the device: bookkeeping only)
+    fp32 / bf16       the other precision
+    fp8 (emulated)    precision.compute = 'fp8', fp8_emulate: numerics, not speed (bench_fp8.py)
+
+The packed-sequence attention kernels (document masks) are ranked by bench/bench_attention.py,
+FP8's loss curve against bf16 by bench/bench_fp8.py; this script ranks whole training steps.
+
+Predicted (the planner, --gpu): the same model and batch on one GPU with recomputation none /
+selective / full and activation offload, bf16 — the levers the planner models. It does not model
+compilation or attention kernels (it assumes a fused kernel that stores no s^2 scores).
+
+Every lever runs --rounds times, the rounds interleaved in rotated orders, and its row is the
+median round: a shared machine's load comes and goes, and a lever run only once while the
+machine is busy would look slow.
+
+Reproduce:  PYTHONPATH=src python bench/bench_levers.py                      (gpt-mini, ~15 min)
+            PYTHONPATH=src python bench/bench_levers.py --preset gpt2-124m --steps 8 --micro-batch 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from shardlm.config import ModelConfig
+from shardlm.dims import ParallelDims
+from shardlm.hardware.catalog import parse_cluster
+from shardlm.planner import Strategy, Workload, estimate_memory, estimate_time
+from shardlm.planner.workload import Dtypes
+from shardlm.presets import get_preset
+
+LEVERS = {  # name -> the overrides that switch it on (precision-dependent ones filled in main)
+    "baseline": {},
+    "compile": {"train.compile": "true"},
+    "attention=math": {"model.attention": "math"},
+    "ckpt=selective": {"activation.checkpoint": "selective"},
+    "ckpt=full": {"activation.checkpoint": "full"},
+    "offload=cpu": {"activation.offload": "cpu"},
+}
+
+
+def run_case(name: str, overrides: dict[str, str], common: dict[str, str], root: Path) -> dict:
+    """One `shardlm train` in its own process; its JSONL records."""
+    run_name = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
+    flags = [f"--{k}={v}" for k, v in {**common, **overrides, "run.name": run_name}.items()]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    done = subprocess.run([sys.executable, "-m", "shardlm", "train", *flags], env=env,
+                          capture_output=True, text=True)
+    if done.returncode:
+        return {"error": (done.stderr or done.stdout).strip().splitlines()[-1]}
+    log = root / run_name / "metrics.jsonl"
+    return {"records": [json.loads(line) for line in log.read_text().splitlines()]}
+
+
+def summarise(records: list[dict], skip: int) -> dict:
+    steps = [r for r in records if "tokens_per_s" in r]
+    timed = steps[skip:] or steps
+    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+            "mfu": statistics.median(r["mfu"] for r in timed),
+            "hfu": statistics.median(r["hfu"] for r in timed),
+            "peak_rss_mib": max(r["peak_rss_bytes"] for r in steps) / 2**20,
+            "loss": steps[-1]["loss"],
+            "compile_s": next((r["compile_s"] for r in steps if "compile_s" in r), None)}
+
+
+def combine(runs: list[dict]) -> dict:
+    """A lever's rounds as one row: the median round (by tokens/s), with the rounds' spread."""
+    if any("error" in r for r in runs):
+        return next(r for r in runs if "error" in r)
+    ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
+    row = dict(ordered[len(ordered) // 2])
+    row["spread"] = (ordered[0]["tokens_per_s"], ordered[-1]["tokens_per_s"])
+    return row
+
+
+def predicted(preset: str, micro: int, seq: int, gpu: str) -> list[tuple[str, float, float]]:
+    """(lever, tokens/s, peak GB) on one `gpu` for the levers the planner models, in bf16."""
+    model = ModelConfig(preset=preset, **get_preset(preset))
+    cluster = parse_cluster(f"1x{gpu}")
+    w = Workload(model, seq, micro)
+    lay = ParallelDims.resolve(1)
+    out = []
+    for name, recompute, offload in (("baseline", "none", "none"), ("ckpt=selective", "selective", "none"),
+                                     ("ckpt=full", "full", "none"), ("offload=cpu", "none", "cpu")):
+        s = Strategy(lay, 0, micro, 1, recompute, dtypes=Dtypes("bf16"), activation_offload=offload)
+        t, m = estimate_time(w, s, cluster), estimate_memory(w, s, cluster)
+        out.append((name, t.tokens_per_s, m.peak / 1e9))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="gpt-mini")
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--skip", type=int, default=3, help="steps left out of the median")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every lever, interleaved")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--gpu", default="A100-80GB", help="the device of the planner's prediction")
+    ap.add_argument("--only", default="", help="comma-separated lever names")
+    args = ap.parse_args()
+
+    other = "fp32" if args.precision == "bf16" else "bf16"
+    levers = {**LEVERS, other: {"precision.compute": other},
+              "fp8 (emulated)": {"precision.compute": "fp8", "precision.fp8_emulate": "true"}}
+    if args.only:
+        levers = {k: v for k, v in levers.items() if k in args.only.split(",") or k == "baseline"}
+    with tempfile.TemporaryDirectory(prefix="bench-levers-") as tmp:
+        root = Path(tmp)
+        common = {"model.preset": args.preset, "precision.compute": args.precision,
+                  "train.steps": str(args.steps), "train.micro_batch": str(args.micro_batch),
+                  "train.seq_len": str(args.seq), "train.eval_every": "0", "train.sample_tokens": "0",
+                  "run.dir": str(root), "run.progress": "off", "data.max_bytes": "2000000"}
+        # Rounds, each in a rotated order: a load that comes and goes on a shared machine hits
+        # every lever alike; each lever's figure is the median of its rounds.
+        rounds: dict[str, list[dict]] = {name: [] for name in levers}
+        names = list(levers)
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                print(f"... round {r + 1}: {name}", file=sys.stderr, flush=True)
+                out = run_case(name, levers[name], common, root)
+                rounds[name].append(out if "error" in out else summarise(out["records"], args.skip))
+        results = {name: combine(runs) for name, runs in rounds.items()}
+
+    base = results["baseline"]
+    print(f"\n{args.preset}, {args.micro_batch} x {args.seq} tokens, {args.precision} baseline, one process, "
+          f"{os.cpu_count()} cores; median of steps {args.skip + 1}-{args.steps}, median of "
+          f"{args.rounds} interleaved rounds (min-max over rounds)")
+    print(f"| lever | tokens/s | rounds | x baseline | MFU | HFU | peak RSS MiB | loss at step {args.steps} | note |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"| {name} | – | – | – | – | – | – | – | refused: {r['error']} |")
+            continue
+        note = f"compile {r['compile_s']:.1f} s in step 1" if r["compile_s"] else ""
+        lo, hi = r["spread"]
+        print(f"| {name} | {r['tokens_per_s']:,.0f} | {lo:,.0f}-{hi:,.0f} | "
+              f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | "
+              f"{r['mfu']:.1%} | {r['hfu']:.1%} | {r['peak_rss_mib']:,.0f} | {r['loss']:.4f} | {note} |")
+    print(f"\npredicted on 1 x {args.gpu} (planner, bf16, same model and batch):")
+    print("| lever | tokens/s | x baseline | peak GB |\n|---|---|---|---|")
+    rows = predicted(args.preset, args.micro_batch, args.seq, args.gpu)
+    for name, tps, peak in rows:
+        print(f"| {name} | {tps:,.0f} | {tps / rows[0][1]:.2f} | {peak:.2f} |")
+    print(f"\nreproduce: PYTHONPATH=src python bench/bench_levers.py --preset {args.preset} "
+          f"--precision {args.precision} --steps {args.steps} --micro-batch {args.micro_batch} --seq {args.seq} "
+          f"--rounds {args.rounds}")
+
+
+if __name__ == "__main__":
+    main()
