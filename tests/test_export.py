@@ -41,6 +41,8 @@ def make_run(tmp_path, tokenizer, **overrides):
     ({"model.preset": "llama-tiny"}, "LlamaForCausalLM"),  # GQA 4/2, untied
     ({"model.preset": "llama-tiny", "model.bias": True, "model.tie_embeddings": True,
       "model.rope_theta": 500000.0}, "LlamaForCausalLM"),
+    ({"model.preset": "llama-tiny", "model.qkv_bias": True, "model.tie_embeddings": True},
+     "Qwen2ForCausalLM"),  # biases on q/k/v only
 ])
 def test_export_matches_logits(tmp_path, tokenizer, overrides, cls):
     run, model = make_run(tmp_path, tokenizer, **overrides)
@@ -53,7 +55,11 @@ def test_export_matches_logits(tmp_path, tokenizer, overrides, cls):
     print(f"{cls} {overrides}: max |logits diff| = {diff:.3g}")
     assert diff <= 1e-4
 
-    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    # transformers 5's AutoTokenizer maps model_type qwen2 to Qwen2Tokenizer whatever
+    # tokenizer_config.json names, and that class pre-tokenizes with Qwen2's own rules; our
+    # tokenizer.json is exact through PreTrainedTokenizerFast (docs/finetuning.md says so).
+    loader = transformers.PreTrainedTokenizerFast if cls == "Qwen2ForCausalLM" else transformers.AutoTokenizer
+    hf_tok = loader.from_pretrained(out)
     ids = hf_tok(TEXT + " \tnew  words")["input_ids"]
     assert ids == tokenizer.encode(TEXT + " \tnew  words").ids
     assert hf_tok.decode(ids) == TEXT + " \tnew  words"

@@ -28,12 +28,14 @@ def _config(family: str):
                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, **common)
     if family == "mistral":
         return transformers.MistralConfig(sliding_window=64, **llama)
+    if family == "qwen2":  # biases on q/k/v only (model.qkv_bias), a tied head as Qwen2-0.5B's
+        return transformers.Qwen2Config(tie_word_embeddings=True, **llama)
     return transformers.LlamaConfig(rope_theta=500000.0, **llama)
 
 
 def _model_class(family: str):
     return {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
-            "mistral": transformers.MistralForCausalLM}[family]
+            "mistral": transformers.MistralForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[family]
 
 
 def make_hf_dir(root, family: str, shard: bool = False):
@@ -66,7 +68,7 @@ def overrides(tmp_path, hf_dir, **extra):
     return values
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2"])
 def test_loaded_model_has_transformers_logits_and_loss(tmp_path, family):
     hf_dir, hf = make_hf_dir(tmp_path, family, shard=family == "llama")
     run = build_run(load_config(overrides=overrides(tmp_path, hf_dir)).validate())
@@ -82,6 +84,9 @@ def test_loaded_model_has_transformers_logits_and_loss(tmp_path, family):
     assert loss == pytest.approx(theirs.loss.item(), abs=1e-5)
     if family == "mistral":  # the sliding window caps the context: full attention within it
         assert run.cfg.model.max_seq_len == 64
+    if family == "qwen2":
+        assert run.cfg.model.qkv_bias and not run.cfg.model.bias
+        assert run.model.blocks[0].attn.qkv.bias is not None and run.model.blocks[0].attn.proj.bias is None
 
 
 def loaded_parameters(rank: int, world_size: int, values: dict) -> dict:
@@ -129,8 +134,7 @@ def test_missing_files_tensors_and_conflicts_are_named(tmp_path):
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"model_type": "bert"}, r"model_type 'bert'.*supported: gpt2, llama, mistral.*build_run\(cfg, model="),
-    ({"model_type": "qwen2"}, r"Qwen2 has biases on q/k/v"),
+    ({"model_type": "bert"}, r"model_type 'bert'.*supported: gpt2, llama, mistral, qwen2.*build_run\(cfg, model="),
     ({"model_type": "llama", "vocab_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
       "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 64,
       "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope scaling 'llama3'"),

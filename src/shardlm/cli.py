@@ -565,10 +565,27 @@ def cmd_presets() -> int:
     return 0
 
 
+def joined_overrides(argv: list[str]) -> list[str]:
+    """`--section.key value` as `--section.key=value`, so that argparse never takes the value for
+    the optional CONFIG positional (`shardlm train --model.hf_path DIR` names no TOML file)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if (arg.startswith("--") and "=" not in arg and "." in arg and i + 1 < len(argv)
+                and not argv[i + 1].startswith("--")):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = _parser()
-    args, rest = parser.parse_known_args(argv)
+    args, rest = parser.parse_known_args(joined_overrides(sys.argv[1:] if argv is None else argv))
     try:
         if args.command == "train":
             return cmd_train(args, rest)

@@ -50,6 +50,8 @@ class ModelConfig:
     """'gelu' two-layer MLP (GPT-2) or 'swiglu' gated MLP (LLaMA)."""
     bias: bool = True
     """Biases in linear layers and norms (GPT-2 has them, LLaMA does not)."""
+    qkv_bias: bool = False
+    """Biases on the query/key/value projection only (Qwen2); model.bias puts them everywhere."""
     tie_embeddings: bool = True
     """Share the token embedding matrix with the output head (GPT-2 does, LLaMA does not)."""
     rope_theta: float = 10000.0

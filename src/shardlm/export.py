@@ -75,6 +75,12 @@ def hf_config(m: ModelConfig, eot: int | None):
                                 num_local_experts=m.experts, num_experts_per_tok=m.top_k,
                                 router_aux_loss_coef=m.aux_loss_coef if m.balance == "aux" else 0.0,
                                 output_router_logits=False, router_jitter_noise=0.0, **tokens)
+    if family == "qwen2":  # LLaMA with biases on q, k and v only, full attention
+        return tf.Qwen2Config(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
+                              num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                              num_key_value_heads=m.n_kv_heads or m.n_heads,
+                              max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                              rope_theta=m.rope_theta, use_sliding_window=False, **tokens)
     # Our RMSNorm has no bias, so model.bias means biases on the linears only: exactly HF's
     # attention_bias (q/k/v/o) and mlp_bias (gate/up/down).
     return tf.LlamaConfig(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
@@ -188,7 +194,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
     m = cfg.model
     eot = tokenizer.token_to_id(EOT)
     config = hf_config(m, eot)
-    cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM,
+    cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
            "mixtral": tf.MixtralForCausalLM}[hf_family(m)]
     with torch.device("meta"):  # no memory and no random init: every tensor comes from `sd`
         hf_model = cls(config)

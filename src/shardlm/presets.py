@@ -107,7 +107,7 @@ def get_preset(name: str) -> dict[str, Any]:
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2")
 """model_type values with LLaMA's shape (RMSNorm, RoPE, SwiGLU): what the planner can size."""
-LOADABLE = ("gpt2", "llama", "mistral")
+LOADABLE = ("gpt2", "llama", "mistral", "qwen2")
 """model_type values whose weights our decoder computes exactly (model.hf_path)."""
 TRAIN_ANY_MODEL = ("a transformers model can still be trained as it is through the Python API: "
                    "build_run(cfg, model=AutoModelForCausalLM.from_pretrained(DIR))")
@@ -139,10 +139,8 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
     kind = str(hf.get("model_type", ""))
     mapped = LOADABLE if exact else ("gpt2",) + LLAMA_FAMILY
     if kind not in mapped:
-        why = (" (Qwen2 has biases on q/k/v but none on the output and MLP projections; our "
-               "decoder's model.bias is all or none)" if kind == "qwen2" and exact else "")
         raise ConfigError(f"{option} {path}: model_type {kind!r} is not one that maps onto our "
-                          f"decoder{why}; supported: {', '.join(mapped)}. "
+                          f"decoder; supported: {', '.join(mapped)}. "
                           + (TRAIN_ANY_MODEL if exact else
                              "give --params N with --layers/--hidden/--heads"))
 
@@ -177,7 +175,9 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
     else:
         heads = shape["n_heads"]
         attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
-        if attention_bias != mlp_bias:
+        if kind == "qwen2":  # biases on q, k and v, none on the output and MLP projections
+            shape["qkv_bias"] = True
+        elif attention_bias != mlp_bias:
             problems.append(f"attention_bias = {attention_bias} with mlp_bias = {mlp_bias} (our "
                             f"model.bias puts biases on every linear or none)")
         shape.update(n_kv_heads=int(key("num_key_value_heads", default=heads)),

@@ -198,7 +198,7 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
         cfg=cfg, runtime=runtime, mesh=mesh, dataset=dataset, model=model, forward=built.forward,
         strategy=built.strategy, watchdog=watchdog, precision=precision,
         train_loader=Loader(dataset.train, grad_accum=t.grad_accum, mask=dataset.train_mask, **common),
-        val_loader=Loader(dataset.val, grad_accum=1, mask=dataset.val_mask, **common),
+        val_loader=Loader(dataset.val, grad_accum=1, mask=dataset.val_mask, split="val", **common),
         run_dir=run_dir, checkpoints=writer, loss=built.loss, token_sums=built.token_sums,
         schedule=built.schedule,
         peak_flops_per_device=peak_flops(runtime.device, precision.carrier),  # fp8: bf16's peak

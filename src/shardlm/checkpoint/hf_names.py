@@ -31,11 +31,16 @@ LLAMA_STYLE = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
 
 
 def hf_family(m: ModelConfig) -> str:
-    """'gpt2', 'llama' or 'mixtral', or a ConfigError naming the fields that match no class."""
+    """'gpt2', 'llama', 'qwen2' (LLaMA with biases on q/k/v only) or 'mixtral', or a ConfigError
+    naming the fields that match no class."""
     chosen = {k: getattr(m, k) for k in GPT2_STYLE}
     if m.experts:
         return _mixtral_family(m, chosen)
     if chosen == GPT2_STYLE:
+        if m.qkv_bias and not m.bias:
+            raise ConfigError("cannot export to GPT2LMHeadModel: model.qkv_bias = true with model.bias "
+                              "= false (biases on q/k/v only) has no GPT-2 equivalent; GPT-2 has "
+                              "biases everywhere (model.bias = true)")
         kv = m.n_kv_heads or m.n_heads
         if kv != m.n_heads:
             raise ConfigError(f"cannot export to GPT2LMHeadModel: model.n_kv_heads = {m.n_kv_heads} "
@@ -43,7 +48,7 @@ def hf_family(m: ModelConfig) -> str:
                               f"n_kv_heads = 0 or n_heads = {m.n_heads} maps")
         return "gpt2"
     if chosen == LLAMA_STYLE:
-        return "llama"
+        return "qwen2" if m.qkv_bias and not m.bias else "llama"
 
     def describe(style: dict[str, str]) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in style.items())
@@ -134,9 +139,9 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
             add(f"{b}.mlp_norm", [f"{h}.post_attention_layernorm"], [d], biases=False)
             attn = f"{h}.self_attn"
             add(f"{b}.attn.qkv", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"],
-                [q, kv, kv], biases=m.bias)
+                [q, kv, kv], biases=m.bias or m.qkv_bias)
             add(f"{b}.attn.proj", [f"{attn}.o_proj"], [d], biases=m.bias)
-            if family == "llama":
+            if family in ("llama", "qwen2"):
                 add(f"{b}.mlp.gate_up", [f"{h}.mlp.gate_proj", f"{h}.mlp.up_proj"], [ff, ff],
                     biases=m.bias)
                 add(f"{b}.mlp.down", [f"{h}.mlp.down_proj"], [d], biases=m.bias)
@@ -148,8 +153,8 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
 
 
 def loaded_family(m: ModelConfig) -> str:
-    """'gpt2' or 'llama': the table to load with (presets.hf_shape already refused the rest)."""
-    return "llama" if m.mlp == "swiglu" else "gpt2"
+    """'gpt2', 'llama' or 'qwen2': the table to load with (presets.hf_shape refused the rest)."""
+    return "gpt2" if m.mlp != "swiglu" else "qwen2" if m.qkv_bias and not m.bias else "llama"
 
 
 def hf_initializer(directory: str | Path, model: nn.Module, m: ModelConfig) -> Initializer:

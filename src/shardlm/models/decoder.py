@@ -83,7 +83,7 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         qkv_out = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-        self.qkv = nn.Linear(cfg.d_model, qkv_out, bias=cfg.bias)
+        self.qkv = nn.Linear(cfg.d_model, qkv_out, bias=cfg.bias or cfg.qkv_bias)
         self.proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.core = CausalAttention()
 

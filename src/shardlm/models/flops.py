@@ -79,10 +79,11 @@ def _norm_params(cfg: ModelConfig) -> int:
 
 def _block_params(cfg: ModelConfig, moe: bool = False, active: bool = False) -> int:
     biases = 0
+    head_dim, n_kv = cfg.d_model // cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
+    if cfg.bias or cfg.qkv_bias:
+        biases = (cfg.n_heads + 2 * n_kv) * head_dim
     if cfg.bias:
-        head_dim, n_kv = cfg.d_model // cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
-        biases = (cfg.n_heads + 2 * n_kv) * head_dim + cfg.d_model
-        biases += sum(_mlp_biases(cfg, w) for w in _mlp_widths(cfg, moe, active))
+        biases += cfg.d_model + sum(_mlp_biases(cfg, w) for w in _mlp_widths(cfg, moe, active))
     return _block_matmul_params(cfg, moe, active) + biases + 2 * _norm_params(cfg)
 
 
