@@ -221,3 +221,14 @@ def test_numbers_that_are_not_ints():
         with pytest.raises(ConfigError, match=r"train\.steps must be a int"):
             load_config(overrides={"train.steps": text})
     assert load_config(overrides={"train.steps": "1e3"}).train.steps == 1000
+
+
+def test_space_separated_overrides_are_not_taken_for_the_config_file():
+    """`shardlm train --model.hf_path DIR` (the issue's form): DIR is the key's value, not the
+    optional TOML positional; a positional after a complete override stays the config file."""
+    from shardlm.cli import joined_overrides
+
+    assert joined_overrides(["--model.hf_path", "llama", "--lora.rank=8", "--nproc", "2"]) == [
+        "--model.hf_path=llama", "--lora.rank=8", "--nproc", "2"]
+    assert joined_overrides(["--train.steps=5", "run.toml"]) == ["--train.steps=5", "run.toml"]
+    assert joined_overrides(["--train.compile", "--dry-run"]) == ["--train.compile", "--dry-run"]
