@@ -91,7 +91,9 @@ def compiled_runs(tmp_path_factory):
              {**base, "model.preset": "llama-tiny", "parallel.zero_stage": 3, "activation.checkpoint": "full"},
              {**base, "model.preset": "gpt-tiny", "parallel.pp": 2, "train.grad_accum": 2},
              {**base, "model.preset": "llama-tiny", "parallel.zero_stage": 3, "activation.offload": "cpu"},
-             {**base, "model.preset": "gpt-tiny", "parallel.tp": 2, "parallel.sequence_parallel": True}]
+             {**base, "model.preset": "gpt-tiny", "parallel.tp": 2, "parallel.sequence_parallel": True},
+             {**base, "model.preset": "gpt-tiny", "parallel.zero_stage": 1},
+             {**base, "model.preset": "llama-tiny", "parallel.zero_stage": 2}]
     runs = cases + [{**case, "train.compile": True} for case in cases]
     logged = {**cases[1], "train.compile": True, "train.steps": 2}
     from compile_cases import first_record_then_cases
@@ -100,7 +102,8 @@ def compiled_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("index, what", [(0, "zero-0 llama"), (1, "zero-3 gpt"), (2, "zero-3 llama, full AC"),
                                          (3, "pp 2 gpt"), (4, "zero-3 llama, activation offload"),
-                                         (5, "tp 2 + sequence parallel gpt")])
+                                         (5, "tp 2 + sequence parallel gpt"), (6, "zero-1 gpt"),
+                                         (7, "zero-2 llama")])
 def test_compiled_matches_eager_on_two_ranks(compiled_runs, index, what):
     cases, ranks = compiled_runs
     if cases[index].get("parallel.pp", 1) > 1 or cases[index].get("parallel.tp", 1) > 1:
