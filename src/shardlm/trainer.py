@@ -107,10 +107,10 @@ class Run:
     fp8: Fp8State | None = None
     """precision.compute = 'fp8': the swapped linears' state (parallel.build.Parallelized.fp8)."""
     fp8_record: dict = field(default_factory=dict)
-    times: StepTimes = field(default_factory=lambda: StepTimes(None, enabled=False))
-    """The step's time split by phase (run.time_split; shardlm.tracking.StepTimes)."""
     """The last step's fp8_overflow / fp8_underflow (fractions of every rank's quantised
     elements, and by tensor): models.fp8.Fp8Stats.record; empty without the fp8 emulation."""
+    times: StepTimes = field(default_factory=lambda: StepTimes(None, enabled=False))
+    """The step's time split by phase (run.time_split; shardlm.tracking.StepTimes)."""
 
 
 @dataclass
