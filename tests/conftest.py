@@ -3,12 +3,39 @@
 import os
 
 import pytest
+import torch
 
 # oneDNN picks bf16 kernels by ISA, and on AMX CPUs its blocking (and so the rounding of a
 # reduction) can follow the thread count: the parity tests compare a 2-rank run (1 thread
 # each) with a 1-process reference, so every process takes the same non-AMX path. Set before
 # torch loads oneDNN; spawned ranks inherit it. A no-op on CPUs without AMX.
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+
+
+# Read before any test hides the GPUs below: whether this machine can run the `cuda` lane.
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped with 'no CUDA device' "
+                                       "where there is none; bench/gpu_check.py runs them)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason="no CUDA device"))
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_cuda(request, monkeypatch):
+    """Every test not marked `cuda` runs on the CPU on every machine: it and the ranks it spawns
+    see no GPU (run.device = 'auto' means the CPU; two spawned ranks are never mapped to one
+    GPU), so the CPU suite means the same on a GPU machine as in CI."""
+    if request.node.get_closest_marker("cuda") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -23,10 +50,11 @@ def session_cache(tmp_path_factory):
 
 
 def tiny_overrides(tmp_path, **extra) -> dict:
-    """A seconds-long run on a slice of the default stdlib corpus, in fp32 unless a test says
-    otherwise: 'auto' would follow the CPU (bf16 where it is faster), and a test pins what it
-    claims."""
-    overrides = {"model.preset": "gpt-tiny", "precision.compute": "fp32", "train.seq_len": 64,
+    """A seconds-long run on a slice of the default stdlib corpus, on the CPU, in fp32 unless a
+    test says otherwise: 'auto' would follow the machine (bf16 where it is faster, a GPU where
+    there is one), and a test pins what it claims."""
+    overrides = {"model.preset": "gpt-tiny", "precision.compute": "fp32", "run.device": "cpu",
+                 "train.seq_len": 64,
                  "train.micro_batch": 8,
                  "train.steps": 10, "train.warmup_steps": 2, "train.eval_every": 0,
                  "train.eval_batches": 2, "train.sample_tokens": 0, "data.max_bytes": 1_000_000,

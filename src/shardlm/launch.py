@@ -94,19 +94,35 @@ def launcher_sizes() -> tuple[int, int]:
     return world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
 
 
-def pick_device(preference: str, local_rank: int = 0) -> torch.device:
-    """'auto' = this rank's GPU if CUDA exists, else the CPU; an explicit choice is checked."""
-    if preference == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", local_rank % torch.cuda.device_count())
+def pick_device(preference: str, local_rank: int = 0, local_world: int = 1) -> torch.device:
+    """'auto' = this rank's GPU if CUDA exists, else the CPU; an explicit choice is checked.
+    On CUDA, rank `local_rank` of the `local_world` ranks on this machine takes GPU
+    `local_rank` ('auto' or 'cuda'; 'cuda:N' is taken as given, by one rank only): NCCL refuses
+    two ranks on one GPU, so more ranks than GPUs is an error here, before any group forms."""
+    if preference == "auto" and not torch.cuda.is_available():
         return torch.device("cpu")
-    device = torch.device(preference)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"run.device = {preference!r} but this machine has no CUDA device; "
-                          f"use run.device = 'auto' or 'cpu'")
+    device = torch.device("cuda" if preference == "auto" else preference)
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(f"run.device = {preference!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
-    return device
+    if device.type == "cpu":
+        return device
+    if not torch.cuda.is_available():
+        raise ConfigError(f"run.device = {preference!r} but this machine has no CUDA device; "
+                          f"use run.device = 'auto' or 'cpu'")
+    count = torch.cuda.device_count()
+    if device.index is not None:
+        if local_world > 1:
+            raise ConfigError(f"run.device = {preference!r} names one GPU for {local_world} ranks "
+                              f"on this machine: use run.device = 'cuda' (rank i takes GPU i)")
+        if device.index >= count:
+            raise ConfigError(f"run.device = {preference!r} but this machine has {count} GPU(s)")
+        return device
+    if local_world > count:
+        raise ConfigError(f"{local_world} ranks on this machine but {count} GPU(s): each rank needs "
+                          f"its own GPU (NCCL refuses two ranks on one). Start at most {count} "
+                          f"rank(s) per machine (--nproc {count}, torchrun --nproc-per-node {count}), "
+                          f"or train on the CPU with run.device = 'cpu'")
+    return torch.device("cuda", local_rank)
 
 
 def backend_for(device: torch.device) -> str:
@@ -123,7 +139,7 @@ def init_runtime(device_preference: str = "auto", timeout_s: float = 0.0) -> Run
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    device = pick_device(device_preference, local_rank)
+    device = pick_device(device_preference, local_rank, local_world)
     if device.type == "cpu":
         # Ranks on one machine share its cores: oversubscription makes every rank slower.
         torch.set_num_threads(max(1, cpu_cores() // max(1, local_world)))

@@ -45,7 +45,7 @@ def _entry(fn: Callable, rank: int, world_size: int, init_file: str, queue, args
         os.environ.setdefault(name, loopback_interface())
     torch.set_num_threads(max(1, cpu_cores() // world_size))
     try:
-        backend = backend_for(pick_device("auto", rank))
+        backend = backend_for(pick_device("auto", rank, world_size))
         # Every wait on another rank ends within `timeout`: a dead peer is an error, not a hang.
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))

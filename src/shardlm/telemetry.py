@@ -65,6 +65,14 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def device_memory_record(device: torch.device) -> dict:
+    """On CUDA: {'peak_device_bytes': the most torch's allocator has held on `device` since the
+    process started (torch.cuda.max_memory_allocated)}; on the CPU nothing (peak_rss_bytes is it)."""
+    if device.type != "cuda":
+        return {}
+    return {"peak_device_bytes": torch.cuda.max_memory_allocated(device)}
+
+
 class MetricsLog:
     """One JSON object per line; flushed per write so a crashed run keeps its log."""
 

@@ -51,7 +51,8 @@ from shardlm.parallel.pieces import whole_parameters
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.precision import Precision, build_precision, is_finite
 from shardlm.resolve import resolve_config
-from shardlm.telemetry import MetricsLog, ProgressDisplay, peak_flops, peak_rss_bytes
+from shardlm.telemetry import (MetricsLog, ProgressDisplay, device_memory_record, peak_flops,
+                               peak_rss_bytes)
 from shardlm.tracking import StepProfiler, StepTimes, device_synchronize, open_trackers, time_split_on
 
 log = logging.getLogger("shardlm")
@@ -513,7 +514,7 @@ def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: flo
             "lr": run.strategy.optimizer.param_groups[0]["lr"],
             "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
             "hfu": hfu, "step_time_s": seconds, "peak_rss_bytes": peak_rss_bytes(),
-            "loss_scale": run.precision.scaler.scale,
+            **device_memory_record(run.runtime.device), "loss_scale": run.precision.scaler.scale,
             "model_state_bytes": sum(run.strategy.model_state_bytes().values()),
             "comm_bytes": sum(comm.values()), "comm_bytes_by_op": comm,
             **run.strategy.offload_report(), **pipeline,

@@ -46,6 +46,8 @@ class InMemoryTier:
         self.decay: list[bool] = []
         self.aliased: list[bool] = []
         self.stats = TierStats()
+        self._uploaded: torch.cuda.Event | None = None
+        """Recorded after the step's host -> device copies of the masters (offload to 'cpu')."""
 
     def add(self, target: torch.Tensor, initial: torch.Tensor, decay: bool) -> None:
         alias = self.may_alias and target.dtype == self.master_dtype and target.device == self.home
@@ -69,13 +71,25 @@ class InMemoryTier:
 
     def step(self, grads: list[torch.Tensor]) -> None:
         start = time.perf_counter()
+        host = self.home.type == "cpu"
+        if self._uploaded is not None:  # the last step's device copies still read the masters
+            self._uploaded.synchronize()
+            self._uploaded = None
         for master, grad in zip(self.masters, grads):
             master.grad = grad.to(master.device, master.dtype, non_blocking=True)
+        if host and any(g.is_cuda for g in grads):
+            # Device -> host copies run on the stream, not the host: the host AdamW below must
+            # not read a gradient still being copied.
+            torch.cuda.current_stream().synchronize()
         self.optimizer.step()
         for master, target, alias in zip(self.masters, self.targets, self.aliased):
             master.grad = None
             if not alias:
                 target.copy_(master.detach(), non_blocking=True)
+        if host and any(t.is_cuda for t, a in zip(self.targets, self.aliased) if not a):
+            # ... and host -> device copies from the pinned masters: the next step writes them.
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
         self.stats = TierStats(step_s=time.perf_counter() - start)
 
     def segment_state(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
