@@ -49,6 +49,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "recompute-full": ("shardlm", {"activation.checkpoint": "full"}),
     "recompute-selective": ("shardlm", {"activation.checkpoint": "selective"}),
     "fp8": ("shardlm", {"precision.compute": "fp8"}),
+    "fp8+compile": ("shardlm", {"precision.compute": "fp8", "train.compile": True}),
 }
 SLOW = {"zero3+cpu-optimizer"}
 """Configurations whose step is seconds (a host AdamW over 1B parameters): fewer timed steps."""

@@ -239,8 +239,8 @@ def test_fp8_is_checked_before_ranks_spawn(tmp_path, monkeypatch):
     from shardlm import launch
     from shardlm.cli import preflight
 
-    monkeypatch.setattr(launch, "pick_device", lambda preference, local_rank=0: torch.device("cpu"))
-    cfg = load_config(overrides=_tiny(tmp_path, **{"precision.fp8_emulate": False})).validate()
+    monkeypatch.setattr(launch, "pick_device", lambda preference, local_rank=0, local_world=1: torch.device("cpu"))
+    cfg = load_config(overrides=_tiny(tmp_path, **{"precision.fp8_emulate": False, "run.device": "auto"})).validate()
     with pytest.raises(ConfigError, match="needs FP8 hardware"):
         preflight(cfg, 2)
 
@@ -254,6 +254,13 @@ def test_unsupported_compositions_are_refused_by_name(tmp_path, key, value, name
     with pytest.raises(ConfigError, match="does not compose yet with") as caught:
         load_config(overrides=_tiny(tmp_path, **{key: value})).validate()
     assert named in str(caught.value)
+
+
+def test_torchao_fp8_composes_with_compile(tmp_path):
+    """On FP8 hardware (torchao's float8, fp8_emulate off) train.compile is allowed: torchao
+    recommends it, and tests/test_cuda.py checks compiled = eager there."""
+    load_config(overrides=_tiny(tmp_path, **{"precision.fp8_emulate": False, "train.compile": True,
+                                             "run.device": "cuda"})).validate()
 
 
 def test_fp8_keys_without_fp8_are_refused(tmp_path):

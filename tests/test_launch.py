@@ -245,3 +245,26 @@ def test_sigterm_stops_a_local_run_cleanly(tmp_path):
     # torchinductor_<user> is inductor's compile cache (made at import, meant to be kept)
     left = sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
     assert left == [], f"left in TMPDIR: {left}"
+
+
+def test_one_gpu_per_local_rank(monkeypatch):
+    """On a machine with one GPU: rank i of the local ranks takes GPU i; two local ranks are
+    refused before any group forms (NCCL would refuse two ranks on one device later, less
+    clearly), and 'cuda:N' cannot serve several ranks. CUDA is faked: the rule is host logic."""
+    import pytest
+    import torch
+
+    from shardlm.errors import ConfigError
+    from shardlm.launch import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert pick_device("auto", 0, 1) == torch.device("cuda", 0)
+    assert pick_device("cuda", 0, 1) == torch.device("cuda", 0)
+    assert pick_device("cpu", 1, 2) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="2 ranks on this machine but 1 GPU"):
+        pick_device("auto", 1, 2)
+    with pytest.raises(ConfigError, match="names one GPU for 2 ranks"):
+        pick_device("cuda:0", 0, 2)
+    with pytest.raises(ConfigError, match="has 1 GPU"):
+        pick_device("cuda:1", 0, 1)

@@ -644,7 +644,8 @@ def _fp8_composes(cfg: Config) -> list[str]:
         ("model.experts", cfg.model.experts, "the experts' batched matmuls are not fp8 linears",
          cfg.model.experts > 0),
         ("lora.rank", cfg.lora.rank, "LoRA layers wrap the linears fp8 would replace", cfg.lora.rank > 0),
-        ("train.compile", cfg.train.compile, "not verified with the fp8 emulation yet", cfg.train.compile),
+        ("train.compile", cfg.train.compile, "not verified with the fp8 emulation yet (torchao's "
+         "float8 on FP8 hardware compiles)", cfg.train.compile and p.fp8_emulate),
         ("activation.offload", cfg.activation.offload, "not verified with fp8 yet",
          cfg.activation.offload != "none"),
     ) if on]
