@@ -116,6 +116,11 @@ class ActivationOffload:
       is not reused before the copy ends). The first unpack of block b queues block b-1's host
       -> device copies on the side stream (prefetch: its tensors arrive while block b's backward
       computes); each unpack makes the compute stream wait for its tensor's event only.
+      At the end of block b's forward the host waits for block b-1's copies (they ran beside
+      block b's compute): a device tensor is reusable only once its copy is done, and a host
+      that ran ahead of copies slower than the compute would allocate every block's activations
+      anyway (measured on an H200 with a small model: the peak fell by 0.41 of the bytes moved
+      without this bound).
     - A tensor saved by several ops of the block (a norm's output read by the q/k/v and the
       gate/up projections, an input kept by two ops) is copied once: a pack finds the record of
       the same storage, offset, shape, strides, dtype and version while the first tensor lives
@@ -143,6 +148,7 @@ class ActivationOffload:
         self._groups: dict[int, list] = {}  # block index -> weak references to its records
         self._seen: dict[tuple, tuple] = {}  # this block's packs: key -> (weakref(tensor), record)
         self._stream = None
+        self._in_flight = None  # the event after the previous block's device -> host copies
         self._handles = []
         for index, block in enumerate(blocks):
             self._handles.append(block.register_forward_pre_hook(self._enter(index)))
@@ -165,6 +171,12 @@ class ActivationOffload:
                 ctx.__exit__(None, None, None)
             self._active, self._own = None, None
             self._seen.clear()
+            if self._stream is not None:  # CUDA: this block's copies queued; bound those in flight
+                done = torch.cuda.Event()
+                done.record(self._stream)
+                if self._in_flight is not None:
+                    self._in_flight.synchronize()
+                self._in_flight = done
         return hook
 
     def _own_storage(self) -> set[int]:

@@ -370,6 +370,11 @@ class FileParams(ResidentParams):
         weakref.finalize(self, _close_params, self.fd, self.path, self.private)
         self.units, self.offsets, at = units, {}, 0
         self.read_bytes = self.write_bytes = 0
+        # On a GPU the file I/O goes through one pinned host buffer (a device pointer is no
+        # address the kernel can read or write: EFAULT, seen on an H200); on the CPU, none.
+        on_device = [u for u in units if u.shard_param.device.type != "cpu"]
+        self.staging = (torch.empty(max(self._nbytes(u) for u in on_device), dtype=torch.uint8,
+                                    pin_memory=True) if on_device else None)
         for unit in units:
             self.offsets[id(unit)] = at
             at += _aligned(self._nbytes(unit))
@@ -386,8 +391,17 @@ class FileParams(ResidentParams):
         # A raw view of the storage (not .numpy(), which would pin the storage's size).
         return memoryview((ctypes.c_char * cls._nbytes(unit)).from_address(unit.shard_param.data_ptr())).cast("B")
 
+    def _staged(self, unit) -> torch.Tensor | None:
+        """The pinned host bytes a device shard goes through, or None for a host shard."""
+        if unit.shard_param.device.type == "cpu":
+            return None
+        return self.staging[:self._nbytes(unit)]
+
     def _write(self, unit) -> None:
-        data = self._bytes_of(unit)
+        staged = self._staged(unit)
+        if staged is not None:  # device -> pinned host, complete before the write reads it
+            staged.copy_(unit.shard_param.detach().reshape(-1).view(torch.uint8))
+        data = self._bytes_of(unit) if staged is None else memoryview(staged.numpy())
         try:
             written = os.pwritev(self.fd, [data], self.offsets[id(unit)])
         except OSError as e:
@@ -401,10 +415,14 @@ class FileParams(ResidentParams):
 
     def _read(self, unit) -> None:
         unit.shard_param.untyped_storage().resize_(self._nbytes(unit))
+        staged = self._staged(unit)
         try:
-            self.read_bytes += os.preadv(self.fd, [self._bytes_of(unit)], self.offsets[id(unit)])
+            self.read_bytes += os.preadv(self.fd, [self._bytes_of(unit) if staged is None
+                                                   else memoryview(staged.numpy())], self.offsets[id(unit)])
         except OSError as e:
             raise disk_error("nvme offload: reading", self.path, e) from None
+        if staged is not None:  # a blocking copy: the buffer is the next read's
+            unit.shard_param.detach().reshape(-1).view(torch.uint8).copy_(staged)
 
     def fetch(self, unit) -> torch.Tensor:
         self._read(unit)
