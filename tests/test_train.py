@@ -132,6 +132,9 @@ def test_nonfinite_gradient_skip_leaves_parameters(tmp_path):
     assert train_step(run, 0)[2] is False
     assert all(torch.equal(p, before[n]) for n, p in run.model.named_parameters())
     assert run.precision.scaler.skipped_steps == 1
+    # skipped on the device (fused AdamW's found_inf): neither moments nor step counts moved
+    state = run.strategy.optimizer.state.values()
+    assert all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in state)
 
 
 def test_cli_diverged_run_exits_nonzero(tmp_path, capsys):

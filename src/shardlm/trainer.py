@@ -429,14 +429,21 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
         total += loss.detach()
     with run.times.phase("backward"):
         strategy.finish_backward()
+    # One process without ZeRO: the optimizer is queued without a host sync, the step skipped on
+    # the device if the norm is not finite; the norm is read with the loss below.
+    on_device = getattr(strategy, "clip_and_step_on_device", None) if moe is None else None
+    norm = None
     with run.times.phase("optimizer"):
         scaler.unscale_(strategy.grads())
         # The norm is computed every step (telemetry) and doubles as the overflow check; it is
         # global, so every rank takes the same skip decision.
-        grad_norm = strategy.clip_grad_norm(run.cfg.train.grad_clip or float("inf"))
-        stepped = scaler.update(is_finite(grad_norm))
-        if stepped:
-            strategy.step()
+        if on_device is not None:
+            norm = on_device(run.cfg.train.grad_clip or float("inf"))
+        else:
+            grad_norm = strategy.clip_grad_norm(run.cfg.train.grad_clip or float("inf"))
+            stepped = scaler.update(is_finite(grad_norm))
+            if stepped:
+                strategy.step()
         strategy.zero_grad()
     if moe is not None:  # the step's routing summed over the ranks; the balancing biases moved
         m = run.cfg.model
@@ -450,7 +457,8 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     # carries the agreement to stop (a signal may reach only some ranks, or at different steps).
     # Every rank of a tensor-parallel group holds the same loss: counted once.
     summed = torch.stack([total / run.mesh.dims.tp,
-                          *torch.tensor([float(stop_requested), *counts], device=total.device)])
+                          *torch.tensor([float(stop_requested), *counts], device=total.device),
+                          *([] if norm is None else [norm.to(total.dtype)])])
     fp8_stats = run.fp8.stats if run.fp8 is not None else None
     if fp8_stats is not None:  # the step's overflow / underflow counts ride on the same sum
         fp8_counts = fp8_stats.totals(total.device)
@@ -458,6 +466,9 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     if run.runtime.world_size > 1:  # not model communication: not in the ledger
         with watched(run.watchdog, "all_reduce(loss)", "dp", 4 * len(summed)):
             torch.distributed.all_reduce(summed)
+    if norm is not None:  # (one process: nothing was summed over ranks)
+        grad_norm = float(summed[2 + len(counts)])
+        stepped = scaler.update(is_finite(grad_norm))
     if masked:
         run.loss_token_fraction = float(summed[2] / summed[3])
     if fp8_stats is not None:

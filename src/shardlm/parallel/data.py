@@ -39,6 +39,8 @@ class DataParallelEngine(Protocol):
     def grads(self) -> list[torch.Tensor]: ...
     def clip_grad_norm(self, max_norm: float) -> float: ...
     def step(self) -> None: ...
+    # Optional: clip_and_step_on_device(max_norm) -> the norm as a device scalar, the step
+    # skipped on the device if it is not finite (LocalEngine: no host sync before the step).
     def zero_grad(self) -> None: ...
     def model_state_bytes(self) -> dict[str, int]: ...
     def offload_report(self) -> dict:
@@ -81,6 +83,21 @@ class LocalEngine:
 
     def step(self) -> None:
         self.optimizer.step()
+
+    def clip_and_step_on_device(self, max_norm: float) -> torch.Tensor:
+        """clip_grad_norm, then step unless the norm is not finite, decided on the device: torch's
+        fused AdamW skips its update and its step count where `found_inf` is set. So the host
+        queues the optimizer without waiting for backward to finish (on a GPU, waiting left it
+        idle while the host prepared the step: measured 1-2% of a 1B model's step on an H200),
+        and reads the norm with the loss, in the step's one host sync. Returns the norm (a
+        device scalar); the caller decides `stepped` from it afterwards."""
+        norm = torch.nn.utils.clip_grad_norm_(self._params(), max_norm, foreach=True)
+        self.optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32)
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        return norm
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
