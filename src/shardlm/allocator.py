@@ -9,13 +9,13 @@ of any mmapped block that is freed (up to 32 MiB), with the trim threshold at tw
 first large free, the multi-MiB temporaries of training (a unit's gathered parameters and
 gradients, the NVMe tier's staging chunks, the optimizer's pieces) come from heaps, where
 fragmentation keeps freed memory resident: gpt2-774m at ZeRO-3 with parameters and optimizer on
-NVMe peaked at 3.38 GiB per rank this way, 2.55 GiB with the threshold fixed (docs/benchmarks.md).
+NVMe peaked at 3.42 GiB per rank this way, 2.58 GiB with the threshold fixed (docs/benchmarks.md).
 A fixed threshold (mallopt(M_MMAP_THRESHOLD), which also stops the dynamic rise), with the trim
 threshold back at glibc's default, serves every block of at least that size by mmap and returns it
 to the OS when freed: resident memory follows the bytes alive. It is the same as starting the
 process with MALLOC_MMAP_THRESHOLD_ set, which glibc reads at start-up.
 
-Precedence (docs/launch.md): the user's environment first. If MALLOC_MMAP_THRESHOLD_ (or
+Precedence (docs/allocator.md): the user's environment first. If MALLOC_MMAP_THRESHOLD_ (or
 glibc.malloc.mmap_threshold in GLIBC_TUNABLES) is set, glibc applied it at start-up and nothing is
 changed. Otherwise run.malloc_mmap_threshold (bytes; default 131072; 0 = leave glibc's dynamic
 default alone). Off glibc (macOS, musl) it is a no-op, and the returned policy says why.
