@@ -56,3 +56,16 @@ def test_every_rank_of_shardlm_train_applies_it(tmp_path):
                 and f"rank {rank}: malloc:" in result.stdout), result.stdout[-3000:]
     lines = [line for line in result.stdout.splitlines() if ": malloc:" in line]
     assert len(lines) == 2 and all(line.endswith("read back: in effect") for line in lines), lines
+
+
+def test_off_glibc_it_is_a_no_op_that_says_why():
+    script = ("import json; from shardlm import allocator; allocator.glibc_version = lambda: None; "
+              "allocator._libc = None; p = allocator.apply_malloc_policy(); "
+              "print(json.dumps([p.source, p.threshold, p.report(), allocator.threshold_in_effect()]))")
+    clean = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", script], env=clean, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    source, threshold, report, probe = json.loads(out)  # _libc = None: any call into libc would fail
+    assert (source, threshold, probe) == ("unsupported", None, None)
+    assert report == ("malloc: not glibc: run.malloc_mmap_threshold has no effect here "
+                      "(mallopt(M_MMAP_THRESHOLD) is glibc's); the allocator is left as it is")
