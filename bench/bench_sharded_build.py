@@ -8,9 +8,18 @@ zero.offload_params = "nvme" under a fresh temporary directory on the local disk
 script refuses tmpfs), micro-batch 1 x seq_len 128, --steps training steps on the default stdlib
 corpus cut to data.max_bytes, vocabulary as the preset has it. The tokenizer/token stream and
 the CPU's bf16 matmul peak (build_run looks it up for MFU) are built in the parent first, so no
-rank's peak includes them. MALLOC_MMAP_THRESHOLD_=131072 is set in the ranks' environment:
-glibc then serves blocks >= 128 KiB with mmap and returns them on free, so RSS follows what is
-alive.
+rank's peak includes them. Each rank applies the allocator policy `shardlm train` applies in its
+workers (shardlm.allocator.apply_malloc_policy with run.malloc_mmap_threshold, 131072 by default,
+before build_run; the user's MALLOC_MMAP_THRESHOLD_ takes precedence as there): glibc then serves
+blocks >= 128 KiB with mmap and returns them on free, so RSS follows what is alive.
+
+--via-cli runs the same configuration as the command users run instead, `shardlm train --nproc 2
+--model.preset=... (the same overrides)`, in fresh workers started by torch's elastic launcher,
+and reports per rank the worker process's high-water mark (VmHWM read from /proc/<pid>/status
+every 0.1 s while it lives: the whole process, the end-of-run evaluation included) and rank 0's
+metrics.jsonl peak_rss_bytes (ru_maxrss at the end of the last training step), beside the byte
+ledger (model_state_bytes in the JSONL). The two invocations' peaks are the table in
+docs/benchmarks.md.
 
 Per rank, RSS is read from /proc/self/status: VmRSS of the bare interpreter and just after
 `import torch` (the rank's baseline, at the import of this module in the spawned process), and
@@ -30,6 +39,7 @@ dtypes; it counts the bf16 parameter shard, which offload_params = nvme keeps on
 
 Reproduce (one row per invocation; the 1.5B row takes ~10+ minutes):
     PYTHONPATH=src python bench/bench_sharded_build.py --preset gpt2-774m
+    PYTHONPATH=src python bench/bench_sharded_build.py --preset gpt2-774m --via-cli
     PYTHONPATH=src python bench/bench_sharded_build.py --preset gpt2-1.5b
 Needs ~14 bytes per parameter free under --dir (nvme tier: fp32 master + 2 moments, bf16 shards).
 """
@@ -59,19 +69,22 @@ _TORCH_RSS = _status()["VmRSS"]
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from shardlm.allocator import DEFAULT_THRESHOLD  # noqa: E402
 from shardlm.telemetry import reset_peak_rss  # noqa: E402
 
 GiB = 2**30
 MiB = 2**20
 WORLD = 2
-MMAP_THRESHOLD = "131072"
 
 
 class Phases:
@@ -154,13 +167,15 @@ def instrument(phases: Phases) -> None:
 
 
 def rank_main(rank: int, world: int, overrides: dict, steps: int) -> dict:
+    from shardlm.allocator import apply_malloc_policy
     from shardlm.config import load_config
     from shardlm.trainer import build_run, train_step
 
+    cfg = load_config(overrides=overrides).validate()
+    malloc = apply_malloc_policy(cfg.run.malloc_mmap_threshold)  # as shardlm.cli.train_here does
     entry = _status()
     phases = Phases()
     instrument(phases)
-    cfg = load_config(overrides=overrides).validate()
     phases.enter("setup")
     run = build_run(cfg)
     phases.exit()
@@ -178,7 +193,7 @@ def rank_main(rank: int, world: int, overrides: dict, steps: int) -> dict:
         "setup_anon": phases.anon_after["setup"],
         "train_peak": max(phases.within(f"step {s + 1}") for s in range(steps)),
         "end_rss": _status()["VmRSS"], "hwm_reset": phases.resets,
-        "held": held, "predicted": predicted, "losses": losses,
+        "held": held, "predicted": predicted, "losses": losses, "malloc": malloc.report(),
         "offload": {k: v for k, v in strategy.offload_report().items() if "bytes_by_tier" in k},
         "direct_io": strategy.tier.direct_io, "n_units": len(strategy.units),
         "largest_unit": max(u.layout.padded for u in strategy.units),
@@ -198,6 +213,76 @@ def fs_type(path: Path) -> str:
     return kind
 
 
+def worker_peaks(launcher: subprocess.Popen, peaks: dict[int, int], metrics: Path, steps: int,
+                 at_last_step: dict[int, int]) -> None:
+    """Until the launcher exits: the VmHWM of each of its child processes that is a rank (RANK in
+    its environment), the largest seen per rank (the mark only grows while a process lives); and
+    in `at_last_step` each rank's mark when rank 0 had written the last step's JSONL line (after
+    the steps and the end-of-run evaluation, before the run's weights are saved; to within a
+    0.1 s poll)."""
+    while launcher.poll() is None:
+        done = not at_last_step and metrics.exists() and f'"step": {steps},' in metrics.read_text()
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    status = dict(line.split(":", 1) for line in f if ":" in line)
+                if int(status["PPid"]) != launcher.pid or "VmHWM" not in status:
+                    continue
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+                rank = int(env[b"RANK"])
+                peaks[rank] = max(peaks.get(rank, 0), int(status["VmHWM"].split()[0]) * 1024)
+                if done:
+                    at_last_step[rank] = peaks[rank]
+            except (OSError, KeyError, ValueError):  # gone, or not a worker
+                continue
+        time.sleep(0.1)
+
+
+def via_cli(args, overrides: dict, tmp: Path, psi: int) -> None:
+    """The same run through `shardlm train --nproc 2` (fresh workers, torch's elastic launcher)."""
+    overrides = {**overrides, "run.name": "cli"}
+    cmd = [sys.executable, "-m", "shardlm", "train", "--nproc", str(WORLD),
+           *(f"--{k}={v}" for k, v in overrides.items())]
+    print("$ " + " ".join(cmd[1:]), flush=True)
+    start = time.perf_counter()
+    peaks: dict[int, int] = {}
+    at_last_step: dict[int, int] = {}
+    metrics = tmp / "runs" / "cli" / "metrics.jsonl"
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watcher = threading.Thread(target=worker_peaks, args=(launcher, peaks, metrics, args.steps, at_last_step),
+                               daemon=True)
+    watcher.start()
+    out = launcher.communicate(timeout=args.timeout)[0]
+    watcher.join()
+    wall = time.perf_counter() - start
+    records = []
+    if metrics.exists():
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    shutil.rmtree(tmp, ignore_errors=True)
+    print("\n".join(line for line in out.splitlines() if line.startswith(("shardlm", "done", "rank"))))
+    if launcher.returncode != 0 or not records:
+        print(f"\nFAILED (exit {launcher.returncode}) after {wall:.0f} s:\n{out}", flush=True)
+        sys.exit(1)
+    jsonl_peak = max(r["peak_rss_bytes"] for r in records)
+    ledger = records[-1]["model_state_bytes"]
+    fp32_copy = 4 * psi
+    print("\n| preset | via | rank | JSONL peak_rss_bytes GiB (through the last step; rank 0 writes it) | "
+          "VmHWM GiB at the last step's JSONL line (+ final evaluation) | VmHWM GiB, whole process (+ weights "
+          "saved at the end) | training peak / (4 B x Ψ) | ledger model_state_bytes GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for rank in sorted(peaks):
+        train_peak = jsonl_peak if rank == 0 else at_last_step.get(rank, 0)
+        print(f"| {args.preset} | shardlm train --nproc {WORLD} | {rank} | "
+              f"{gib(jsonl_peak) if rank == 0 else '-'} | {gib(at_last_step.get(rank, 0))} | "
+              f"{gib(peaks[rank])} | "
+              f"{train_peak / fp32_copy:.2f} | {gib(ledger) if rank == 0 else '-'} |")
+    print(f"\n{wall:.0f} s for the launcher and its workers (shared machine, not a speed figure). "
+          f"Reproduce: PYTHONPATH=src python bench/bench_sharded_build.py {' '.join(sys.argv[1:])}".rstrip())
+
+
 def gib(n: float) -> str:
     return f"{n / GiB:.2f}"
 
@@ -214,10 +299,12 @@ def main() -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir(),
                         help="a temporary directory for the nvme files and the run is made in here")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds for the ranks")
+    parser.add_argument("--malloc-mmap-threshold", type=int, default=DEFAULT_THRESHOLD,
+                        help="run.malloc_mmap_threshold (config default 131072; 0 = glibc's dynamic default)")
+    parser.add_argument("--via-cli", action="store_true",
+                        help="run the same configuration through `shardlm train --nproc 2` (the command "
+                             "users run) and report its workers' peaks")
     args = parser.parse_args()
-    # Inherited by the spawned ranks (glibc reads it at start-up): freed blocks >= 128 KiB go back
-    # to the OS, so RSS follows what is alive.
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
 
     from shardlm.config import load_config
     from shardlm.data import build_dataset
@@ -238,6 +325,8 @@ def main() -> None:
         "zero.offload_optimizer": "nvme", "zero.offload_params": "nvme", "zero.nvme_path": str(tmp / "nvme"),
         "zero.nvme_chunk_mb": args.chunk_mb, "zero.nvme_buffers": args.buffers,
         "run.dir": str(tmp / "runs"), "run.progress": "off", "run.device": "cpu"}
+    if args.malloc_mmap_threshold != DEFAULT_THRESHOLD:  # else the default, as users get it
+        overrides["run.malloc_mmap_threshold"] = args.malloc_mmap_threshold
     cfg = load_config(overrides=overrides).validate()
     psi = count_params(cfg.model)
     fp32_copy = 4 * psi
@@ -252,7 +341,12 @@ def main() -> None:
           f"offload optimizer + params = nvme under {tmp} ({fstype}), batch {WORLD}x{args.micro_batch}x"
           f"{args.seq}, {args.steps} steps, data.max_bytes {args.max_bytes:,}, vocab {cfg.model.vocab_size}, "
           f"nvme ring {args.buffers} buffers x 4 x {args.chunk_mb} MiB = {ring / MiB:,.0f} MiB; "
-          f"ranks run with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}; RAM {ram / GiB:.1f} GiB", flush=True)
+          f"RAM {ram / GiB:.1f} GiB; "
+          f"{'through `shardlm train --nproc 2`' if args.via_cli else 'ranks of run_ranks'}",
+          flush=True)
+    if args.via_cli:
+        via_cli(args, overrides, tmp, psi)
+        return
     start = time.perf_counter()
     try:
         ranks = run_ranks(rank_main, WORLD, tmp, overrides, args.steps, timeout=args.timeout)
@@ -275,7 +369,7 @@ def main() -> None:
               f"{' / '.join(gib(held[k]) for k in ('params', 'grads', 'optimizer'))} | "
               f"{' / '.join(gib(pred[k]) for k in ('params', 'grads', 'optimizer'))} | "
               f"{'yes' if peak < fp32_copy else 'NO'} |")
-    print()
+    print(f"\nrank 0 {ranks[0]['malloc']}")
     for rank, r in enumerate(ranks):
         print(f"rank {rank}: bare interpreter {r['bare'] / MiB:,.0f} MiB, after import torch "
               f"{r['after_torch'] / MiB:,.0f} MiB, at rank entry (shardlm + gloo group) {r['entry'] / MiB:,.0f} MiB; "

@@ -11,7 +11,7 @@ from pathlib import Path
 import shardlm
 
 LAYERS = [  # bottom first
-    {"errors", "files", "torchrun", "packed"},
+    {"errors", "files", "torchrun", "packed", "allocator"},
     {"preflight"},
     {"presets", "dims"},
     {"config_rules"},

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +164,54 @@ def test_chat_run_learns_and_logs_the_loss_fraction(tmp_path):
     assert result.val_loss is not None and math.isfinite(result.val_loss)
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < r["loss_token_fraction"] < 1 for r in records)
+
+
+def test_small_data_keeps_one_micro_batch_to_validate():
+    """data.val_fraction's 1% of a few dozen packed rows is a row or two: the split gives one
+    micro-batch to validation while one global batch is left to train; else what it can."""
+    from shardlm.data.loader import eval_batches, split_point
+
+    assert split_point(65, 0.01) == 64  # no minimums: the fraction alone, as before
+    assert split_point(65, 0.01, train_min=8, val_min=8) == 57  # raised to one micro-batch
+    assert split_point(2000, 0.01, train_min=8, val_min=8) == 1980  # the fraction gives enough
+    assert split_point(12, 0.01, train_min=8, val_min=8) == 8  # what the data can spare: 4 rows
+    assert split_point(8, 0.01, train_min=8, val_min=8) == 8  # nothing to spare
+    # Fewer validation rows than a micro-batch are scored, in one batch padded with no-loss rows.
+    tokens = np.arange(3 * (SEQ + 1)) % VOCAB
+    mask = np.full(len(tokens), LOSS, dtype=np.uint8)
+    (x, y), = list(eval_batches(tokens, SEQ, 8, 8, mask))
+    assert x.shape == (8, SEQ) and (y[:3] != IGNORE).all() and (y[3:] == IGNORE).all()
+
+
+def test_first_lora_chat_command_runs_with_defaults_on_400_examples(tmp_path):
+    """The first fine-tuning command a user tries, `shardlm train --model.hf_path DIR
+    --lora.rank=8 --data.format=chat --data.source=chat.jsonl`, on 400 short chats and a tiny
+    random Llama (transformers save_pretrained + a tokenizer.json): every default but the steps.
+    Packed, 400 chats are a few dozen rows, of which data.val_fraction = 0.01 is one."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(254)]
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, bos_token_id=1, eos_token_id=1, hidden_size=32,
+                                      intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=512)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    vocab = {t: i for i, t in enumerate(["<unk>", "</s>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "llama" / "tokenizer.json"))
+    gen = np.random.default_rng(0)
+    chats = [{"messages": [{"role": "user", "content": " ".join(gen.choice(words, gen.integers(4, 16)))},
+                           {"role": "assistant", "content": " ".join(gen.choice(words, gen.integers(4, 24)))}]}
+             for _ in range(400)]
+    _write(tmp_path / "chat.jsonl", chats)
+    result = subprocess.run([sys.executable, "-m", "shardlm", "train", "--model.hf_path", "llama",
+                             "--lora.rank=8", "--data.format=chat", "--data.source=chat.jsonl",
+                             "--train.steps=2"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data: the validation split is 8 rows (one micro-batch): data.val_fraction = 0.01 would give" \
+        in result.stderr, result.stderr[-3000:]
+    assert "done: loss" in result.stdout and "val loss" in result.stdout
+    records = [json.loads(line) for line in (tmp_path / "runs" / "latest" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == [1, 2] and math.isfinite(records[-1]["val_loss"])

@@ -311,6 +311,9 @@ def resume_hint(cfg) -> str:
 
 def train_here(cfg) -> int:
     """Train in this process (one rank of it, under a launcher)."""
+    from shardlm.allocator import apply_malloc_policy
+
+    malloc = apply_malloc_policy(cfg.run.malloc_mmap_threshold)  # before any large allocation
     from shardlm.models import count_params
     from shardlm.models.flops import active_params
     from shardlm.launch import note_clean_stop, shutdown
@@ -331,6 +334,7 @@ def train_here(cfg) -> int:
               f"{cfg.parallel.zero_stage}{_model_axes(run.mesh.dims, cfg.parallel)}, "
               f"{run.train_loader.global_batch} x {t.seq_len} tokens/step, "
               f"{t.steps} steps -> {run.run_dir}", flush=True)
+    print(f"rank {run.runtime.rank}: {malloc.report()}", flush=True)  # a per-process setting
     lora = getattr(run.model, "lora", None)
     if main and lora is not None:
         print(f"shardlm: {lora.summary()}", flush=True)

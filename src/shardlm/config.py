@@ -378,6 +378,11 @@ class RunConfig:
     directory may exist (that is how a run continues), but one live run at a time holds it."""
     device: str = "auto"
     """'auto' (CUDA if present, else CPU), 'cpu', 'cuda', 'cuda:N'."""
+    malloc_mmap_threshold: int = 131072
+    """Bytes from which glibc malloc serves a block by mmap and returns it to the OS when freed,
+    fixed at start-up of every training process (mallopt; shardlm/allocator.py), so resident
+    memory follows the bytes alive; 0 = glibc's dynamic default. MALLOC_MMAP_THRESHOLD_ (or
+    GLIBC_TUNABLES) in the environment takes precedence. No effect off glibc (docs/allocator.md)."""
     progress: str = "auto"
     """Progress bar: 'auto' (only on a terminal), 'on', 'off'."""
     tracker: str = "none"

@@ -239,6 +239,9 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint.resume": _rule(lambda v: bool(v.strip()), "must be 'auto', 'never' or a path"),
     "run.name": _rule(lambda v: v not in ("latest", ".", ".."),
                       "is reserved (run.dir/latest links to the newest run); choose another name"),
+    "run.malloc_mmap_threshold": _rule(lambda v: 0 <= v <= 32 * 2**20,
+                                       "must be in [0, 33554432] bytes (glibc's largest mmap "
+                                       "threshold; 0 = its dynamic default)"),
     "run.device": _rule(lambda v: DEVICE_SYNTAX.fullmatch(v) is not None,
                         "is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'"),
 }

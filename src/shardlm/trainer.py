@@ -162,7 +162,9 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     t = cfg.train
     torch.manual_seed(t.seed)
     given = hf_tokenizer(cfg.model.hf_path, cfg.model.vocab_size) if cfg.model.hf_path else None
-    dataset = build_dataset(cfg.data, cfg.model.vocab_size, given, t.seq_len)
+    # small data: the validation split holds at least a micro-batch, if a global batch is left
+    dataset = build_dataset(cfg.data, cfg.model.vocab_size, given, t.seq_len,
+                            (t.micro_batch * t.grad_accum * mesh.dims.dp_size, t.micro_batch))
     precision = build_precision(cfg.precision, runtime.device, t.on_nonfinite == "stop")
     user_model = model is not None
     seq2seq_config = encoder_decoder_config(cfg.model.hf_path, cfg.model.hf_config)

@@ -86,16 +86,20 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def build_dataset(cfg: DataConfig, vocab_size: int,
-                  given: tuple[Tokenizer, int] | None = None, seq_len: int | None = None) -> Dataset:
+                  given: tuple[Tokenizer, int] | None = None, seq_len: int | None = None,
+                  batches: tuple[int, int] = (0, 0)) -> Dataset:
     """Train the tokenizer and write the token stream once; later calls (and other ranks) load.
     `given`: a tokenizer to use instead of training one (a checkpoint's: model.hf_path) and the
     id that separates documents; the cache entry is then keyed by the tokenizer's content too.
-    `seq_len`: the row length - 1 of the packed SFT formats (needed for those only).
+    `seq_len`: the row length - 1 of the packed SFT formats (needed for those only; with
+    `batches`, the window length of the text format too).
     data.val_source: a second entry, tokenized by the first's tokenizer, is the validation split
-    (all of it), and all of data.source trains; else the last val_fraction of data.source."""
+    (all of it), and all of data.source trains; else the last val_fraction of data.source, but at
+    least batches[1] windows (one validation micro-batch) while batches[0] (one global batch)
+    stay to train: see split_point."""
     cache_dir = _build_entry(cfg, vocab_size, given, seq_len)
     if not cfg.val_source:
-        return load_dataset(cache_dir, cfg.val_fraction)
+        return load_dataset(cache_dir, cfg.val_fraction, seq_len or 0, batches)
     train = load_dataset(cache_dir, 0.0)
     held_out = replace(cfg, source=cfg.val_source)
     val = load_dataset(_build_entry(held_out, vocab_size, (train.tokenizer, train.eot_id), seq_len,
@@ -133,22 +137,62 @@ def _build_entry(cfg: DataConfig, vocab_size: int, given: tuple[Tokenizer, int] 
     return cache_dir
 
 
-def load_dataset(cache_dir: Path, val_fraction: float) -> Dataset:
+def split_point(n: int, val_fraction: float, train_min: int = 0, val_min: int = 0) -> int:
+    """Of n units (packed rows, or tokens), how many train; the rest validate. The last
+    val_fraction validate, but at least val_min (one validation micro-batch, so that evaluation
+    scores a whole batch) when that leaves train_min (one training global batch) to train: with
+    small data, 1% is a row or two (400 chat examples pack into a few dozen rows). When the data
+    cannot spare val_min, the rest of it validates, as much as val_fraction gives at least
+    (evaluation then scores the rows there are: eval_batches). Without minimums, or where
+    val_fraction gives enough, exactly the val_fraction split."""
+    val = int(round(n * val_fraction))
+    if val < val_min:
+        val = max(val, min(val_min, n - train_min))
+    return n - val
+
+
+def load_dataset(cache_dir: Path, val_fraction: float, seq_len: int = 0,
+                 batches: tuple[int, int] = (0, 0)) -> Dataset:
+    """The cache entry as train/val views; `batches` = (windows one training global batch takes,
+    windows one validation micro-batch takes), `seq_len` the text format's window: split_point."""
     meta = json.loads((cache_dir / "meta.json").read_text())
     n_tokens = meta["n_tokens"]
     tokens = np.memmap(cache_dir / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(n_tokens,))
+    train_min, val_min = batches
     split = n_tokens - int(round(n_tokens * val_fraction))
+    if seq_len and val_min and "row_len" not in meta and 0 < val_fraction < 1:
+        # a token stream: k windows of seq_len + 1 tokens (each sharing one with the next) take
+        # k * seq_len + 1 tokens
+        split = split_point(n_tokens, val_fraction, train_min * seq_len + 1, val_min * seq_len + 1)
+        _note_split(max(n_tokens - split - 1, 0) // seq_len, "windows of train.seq_len + 1 tokens",
+                    val_min, val_fraction, max(int(round(n_tokens * val_fraction)) - 1, 0) // seq_len)
     tok = load_tokenizer(cache_dir / "tokenizer.json")
     separator = meta.get("separator")
     masks: dict = {}
     if "row_len" in meta:  # packed SFT rows: split by whole rows, the mask alongside
         row_len, n_rows = meta["row_len"], meta["n_rows"]
-        split = (n_rows - int(round(n_rows * val_fraction))) * row_len
+        train_rows = (split_point(n_rows, val_fraction, train_min, val_min) if 0 < val_fraction < 1
+                      else n_rows - int(round(n_rows * val_fraction)))
+        split = train_rows * row_len
+        if val_min and 0 < val_fraction < 1:
+            _note_split(n_rows - train_rows, "rows", val_min, val_fraction, int(round(n_rows * val_fraction)))
         mask = np.memmap(cache_dir / "mask.bin", dtype=np.uint8, mode="r", shape=(n_tokens,))
         masks = {"train_mask": mask[:split], "val_mask": mask[split:]}
     return Dataset(train=tokens[:split], val=tokens[split:], tokenizer=tok, cache_dir=cache_dir,
                    eot_id=eot_id(tok) if separator is None else separator, meta=meta,
                    source_len=meta.get("source_len", 0), **masks)
+
+
+def _note_split(units: int, what: str, val_min: int, val_fraction: float, by_fraction: int) -> None:
+    """Say so where small data moved the split from data.val_fraction, or left evaluation fewer
+    than one micro-batch of validation rows."""
+    if units < val_min:
+        log.warning("data: the validation split has %d %s, fewer than one micro-batch of %d: "
+                    "evaluation scores those %d (data.val_fraction = %g; more data or a smaller "
+                    "train.micro_batch gives a whole batch)", units, what, val_min, units, val_fraction)
+    elif units > by_fraction:
+        log.info("data: the validation split is %d %s (one micro-batch): data.val_fraction = %g "
+                 "would give %d", units, what, val_fraction, by_fraction)
 
 
 def _documents(cfg: DataConfig, files: list[Path]) -> Iterator[str]:
@@ -300,15 +344,16 @@ def eval_batches(tokens: np.ndarray, seq_len: int, micro_batch: int, n: int,
                  mask: np.ndarray | None = None, dp_rank: int = 0, dp_size: int = 1,
                  source_len: int = 0, document_end: int | None = None) -> Iterator[Batch]:
     """Validation: the first n*micro_batch windows in order (fewer, in whole micro-batches, when
-    the split is smaller), the same on every call and every step, so validation figures are
-    comparable across a run and across runs. They are dealt to the data-parallel ranks in
+    the split is smaller; all of them when it holds less than one micro-batch: data too small
+    for split_point to raise it to one), the same on every call and every step, so validation
+    figures are comparable across a run and across runs. They are dealt to the data-parallel ranks in
     contiguous shares (sizes differing by at most one window), so the windows evaluated do not
     depend on dp_size. Every rank yields the same number of (x, y) micro-batches of micro_batch
     rows (ZeRO-3 gathers and expert all-to-alls need every rank in every forward): a share's
     last batch is filled with copies of its windows whose targets are all -100 (no loss)."""
-    n_windows = _require_windows(len(tokens), seq_len, micro_batch, "val", "one validation batch",
+    n_windows = _require_windows(len(tokens), seq_len, 1, "val", "evaluation",
                                  rows=mask is not None, source_len=source_len)
-    total = min(n, n_windows // micro_batch) * micro_batch
+    total = min(n, n_windows // micro_batch) * micro_batch if n_windows >= micro_batch else n_windows
     share = np.array_split(np.arange(total), dp_size)[dp_rank]
     largest_share = -(-total // dp_size)  # ceil
     n_batches = -(-largest_share // micro_batch)
@@ -352,8 +397,10 @@ class Loader:
         self.global_batch = self.local_batch * dp_size
         what = (f"one global batch (micro_batch {micro_batch} * grad_accum {grad_accum} * "
                 f"dp_size {dp_size})")
-        # At least one global batch of windows: then a step spans at most two epochs.
-        self.n_windows = _require_windows(len(tokens), seq_len, self.global_batch, split, what,
+        # At least one global batch of windows: then a step spans at most two epochs. Validation
+        # (eval_batches) deals what there is, at least one window.
+        needed, what = (self.global_batch, what) if split != "val" else (1, "evaluation")
+        self.n_windows = _require_windows(len(tokens), seq_len, needed, split, what,
                                           rows=mask is not None, source_len=source_len)
         self._perms: dict[int, np.ndarray] = {}
         self.sample_offset = 0

@@ -1,0 +1,71 @@
+"""The allocator policy (shardlm/allocator.py): every rank `shardlm train` starts fixes glibc's
+mmap threshold, read back in the rank; the user's MALLOC_MMAP_THRESHOLD_ takes precedence and
+run.malloc_mmap_threshold = 0 leaves glibc's default. Read-backs, not sizes or timings."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import tiny_overrides
+from shardlm.allocator import glibc_version
+
+PROBE = """
+import json
+from shardlm import allocator
+before = allocator.threshold_in_effect()
+policy = allocator.apply_malloc_policy({threshold})
+print(json.dumps([before, policy.source, policy.threshold, allocator.threshold_in_effect(), policy.report()]))
+"""
+
+
+def _fresh_process(threshold: int, **env: str) -> list:
+    clean = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", PROBE.format(threshold=threshold)], env={**clean, **env},
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    return json.loads(out)
+
+
+def test_policy_precedence_and_read_back_in_fresh_processes():
+    assert glibc_version(), "these tests (and the CI machines) run on glibc"
+    # glibc's dynamic default: a 16 MiB block comes from the heap once a larger one was freed
+    before, source, threshold, after, report = _fresh_process(131072)
+    assert (before, source, threshold, after) == (False, "config", 131072, True), report
+    assert "mallopt" in report and "read back: in effect" in report
+    # run.malloc_mmap_threshold = 0: nothing called, the default stays
+    before, source, threshold, after, report = _fresh_process(0)
+    assert (before, source, threshold, after) == (False, "off", None, False), report
+    # the user's variable wins over the config (glibc applied it at start-up; no mallopt here)
+    before, source, threshold, after, report = _fresh_process(0, MALLOC_MMAP_THRESHOLD_="262144")
+    assert (before, source, threshold, after) == (True, "environment", 262144, True), report
+    assert "MALLOC_MMAP_THRESHOLD_=262144 from the environment" in report
+    _, source, _, _, report = _fresh_process(131072, GLIBC_TUNABLES="glibc.malloc.mmap_threshold=65536")
+    assert source == "environment" and "glibc.malloc.mmap_threshold=65536" in report
+
+
+def test_every_rank_of_shardlm_train_applies_it(tmp_path):
+    overrides = tiny_overrides(tmp_path, train__steps=1, train__seq_len=32, train__micro_batch=2,
+                               train__eval_batches=1, data__max_bytes=200_000, run__name="malloc")
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    result = subprocess.run([sys.executable, "-m", "shardlm", "train", "--nproc", "2",
+                             *[f"--{k}={v}" for k, v in overrides.items()]],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert (f"rank {rank}: malloc: mmap threshold fixed at 131,072 bytes (mallopt" in result.stdout
+                and f"rank {rank}: malloc:" in result.stdout), result.stdout[-3000:]
+    lines = [line for line in result.stdout.splitlines() if ": malloc:" in line]
+    assert len(lines) == 2 and all(line.endswith("read back: in effect") for line in lines), lines
+
+
+def test_off_glibc_it_is_a_no_op_that_says_why():
+    script = ("import json; from shardlm import allocator; allocator.glibc_version = lambda: None; "
+              "allocator._libc = None; p = allocator.apply_malloc_policy(); "
+              "print(json.dumps([p.source, p.threshold, p.report(), allocator.threshold_in_effect()]))")
+    clean = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", script], env=clean, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    source, threshold, report, probe = json.loads(out)  # _libc = None: any call into libc would fail
+    assert (source, threshold, probe) == ("unsupported", None, None)
+    assert report == ("malloc: not glibc: run.malloc_mmap_threshold has no effect here "
+                      "(mallopt(M_MMAP_THRESHOLD) is glibc's); the allocator is left as it is")
