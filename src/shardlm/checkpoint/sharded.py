@@ -36,6 +36,7 @@ checkpoint on all ranks at once (manifest.load_with_fallback).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -122,8 +123,13 @@ def _safetensors_pieces(tensors: dict[str, torch.Tensor]) -> Iterator[memoryview
         flat = t.detach().reshape(-1)
         step = max(1, _PIECE_BYTES // t.element_size())
         for a in range(0, flat.numel(), step):
-            piece = flat[a:a + step].to("cpu").contiguous().view(torch.uint8)
-            yield memoryview(piece.numpy())
+            piece = flat[a:a + step]
+            piece = piece.to("cpu") if piece.device.type != "cpu" else piece.contiguous()
+            # The bytes in place, by address: .numpy() would make the storage unresizable for
+            # good, and ZeRO-3 frees a gathered buffer by resizing it (weights saved inside
+            # full_parameters). `piece` stays alive here while the consumer writes it.
+            yield memoryview((ctypes.c_char * (piece.numel() * piece.element_size()))
+                             .from_address(piece.data_ptr())).cast("B")
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
