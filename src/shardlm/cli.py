@@ -9,7 +9,7 @@ import sys
 from shardlm.cli_planner import cmd_estimate, cmd_plan, planner_args
 from shardlm.errors import ConfigError
 from shardlm.studies import cmd_study, study_args
-from shardlm.preflight import DiskError, check_run_disks, nvme_bytes
+from shardlm.preflight import DISK_EXIT, DiskError, check_run_disks, nvme_bytes
 
 EPILOG = """\
 examples:
@@ -247,7 +247,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         return train_here(cfg)
     except DiskError as e:
         print(f"shardlm: stopped: {e}\n{resume_hint(cfg)}", file=sys.stderr)
-        return 4
+        return DISK_EXIT
 
 
 def preflight(cfg, nproc: int) -> None:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from shardlm.errors import ConfigError
-from shardlm.preflight import pid_alive, remove_stale_parts
+from shardlm.preflight import DISK_EXIT, pid_alive, remove_stale_parts
 
 log = logging.getLogger("shardlm")
 
@@ -387,6 +387,10 @@ def launch_local(nproc: int, worker_argv: list[str], max_restarts: int = 0,
     try:
         run(args)
     except ChildFailedError as e:
+        if any(f.exitcode == DISK_EXIT for f in e.failures.values()):  # it said why (DiskError)
+            log.error("shardlm: a worker stopped on a disk error (exit %d): see its message above",
+                      DISK_EXIT)
+            return DISK_EXIT
         log.error("a worker failed: %s", e)
         return 1
     except SignalException as e:
