@@ -123,3 +123,55 @@ def test_disk_full_during_a_two_rank_checkpoint_write_exits_4(tmp_path, monkeypa
     assert not [p for p in run_dir.rglob("*") if p.name.endswith(".part")]
     assert json.loads((checkpoints / LATEST).read_text())["step_dir"] == "step-00000002"
     assert not (checkpoints / "step-00000004").exists()
+
+
+# -- --resume RUN_DIR falls back past a corrupted shard ------------------------------------------
+
+
+def _flip_a_byte(path: Path) -> None:
+    """One bit of the file's last byte flipped: same size, so only its SHA-256 tells."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path) -> tuple[dict, Path]:
+    """A finished 4-step run with checkpoints at steps 2 and 4, step 4's shard corrupted."""
+    overrides = tiny_overrides(tmp_path, train__steps=4, checkpoint__every=2, run__name="bad")
+    assert cli.main(_args(overrides)) == 0
+    run_dir = tmp_path / "runs" / "bad"
+    _flip_a_byte(run_dir / CHECKPOINTS / "step-00000004" / "rank-00000.safetensors")
+    return overrides, run_dir
+
+
+@pytest.mark.parametrize("how", ["run_dir", "checkpoints", "latest", "no_path"])
+def test_resume_run_dir_with_a_corrupted_shard_falls_back(two_checkpoints, capsys, caplog, how):
+    """Before: `--resume RUN_DIR` pinned the checkpoint `latest` named, and its bad shard ended the
+    run with an error; auto-resume fell back. Now both fall back, saying which was rejected and why."""
+    overrides, run_dir = two_checkpoints
+    capsys.readouterr()
+    given = {"run_dir": [str(run_dir)], "checkpoints": [str(run_dir / CHECKPOINTS)],
+             "latest": [str(run_dir / CHECKPOINTS / LATEST)], "no_path": []}[how]
+    args = ["train", "--resume", *given,
+            *[f"--{k}={v}" for k, v in overrides.items() if k not in ("run.name", "train.steps")],
+            "--train.steps=5"]
+    with caplog.at_level("INFO", logger="shardlm"):
+        assert cli.main(args) == 0, capsys.readouterr().err
+    text = caplog.text
+    assert "step-00000004" in text and "rank-00000.safetensors is corrupt" in text, text
+    assert f"resuming from {run_dir / CHECKPOINTS / 'step-00000002'}" in text, text
+    assert f"resumed from {run_dir / CHECKPOINTS / 'step-00000002'} (step 2" in text, text
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r][-3:] == [3, 4, 5]
+
+
+def test_resume_of_a_named_checkpoint_with_a_corrupted_shard_is_refused(two_checkpoints, capsys):
+    """A checkpoint directory named explicitly is the one asked for: refused, no fallback."""
+    overrides, run_dir = two_checkpoints
+    bad = run_dir / CHECKPOINTS / "step-00000004"
+    args = ["train", "--resume", str(bad),
+            *[f"--{k}={v}" for k, v in overrides.items() if k != "train.steps"], "--train.steps=5"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "rank-00000.safetensors is corrupt" in err and "Traceback" not in err

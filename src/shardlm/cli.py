@@ -407,25 +407,32 @@ def dry_run(args: argparse.Namespace, cfg) -> int:
 
 
 def resume_overrides(path: str, cfg) -> list[str]:
-    """`--resume [PATH]` as config overrides, checked now (before any worker starts): the
-    checkpoint to load, and — unless run.name is given — that run's directory to continue in."""
+    """`--resume [PATH]` as config overrides, checked now (before any worker starts): where to
+    resume from, and — unless run.name is given — that run's directory to continue in. A run
+    directory (its checkpoints/, its `latest`, or no PATH: the newest run that has a checkpoint)
+    stays that directory in checkpoint.resume, so the run takes its newest usable checkpoint when
+    it loads and falls back past one that fails to load (a corrupted shard: its SHA-256 is only
+    checked then), as auto-resume does; a checkpoint directory named explicitly is pinned
+    (refused if it fails, no fallback)."""
     from pathlib import Path
 
-    from shardlm.checkpoint.sharded import CHECKPOINTS, CheckpointError, find_checkpoint, latest_in
+    from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError,
+                                            find_checkpoint, latest_in)
 
     if path:
         ckpt = find_checkpoint(path)
+        source = ckpt if (Path(path) / MANIFEST).exists() else Path(path).absolute()
     else:
         runs = Path(cfg.run.dir)
         candidates = ([runs / cfg.run.name] if cfg.run.name else
                       sorted((d for d in runs.iterdir() if d.is_dir() and not d.is_symlink()),
                              key=lambda d: d.stat().st_mtime) if runs.is_dir() else [])
-        found = [c for c in (latest_in(d) for d in candidates) if c is not None]
+        found = [(d, c) for d, c in ((d, latest_in(d)) for d in candidates) if c is not None]
         if not found:
             raise CheckpointError(f"--resume: no run under {str(runs)!r} has a checkpoint; pass "
                                   f"--resume PATH or train with --checkpoint.every=N")
-        ckpt = found[-1]
-    out = [f"--checkpoint.resume={ckpt}"]
+        source, ckpt = found[-1][0].absolute(), found[-1][1]
+    out = [f"--checkpoint.resume={source}"]
     if not cfg.run.name and ckpt.parent.name == CHECKPOINTS:
         run_dir = ckpt.parent.parent
         out += [f"--run.dir={run_dir.parent}", f"--run.name={run_dir.name}"]
