@@ -175,3 +175,106 @@ def test_resume_of_a_named_checkpoint_with_a_corrupted_shard_is_refused(two_chec
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert "rank-00000.safetensors is corrupt" in err and "Traceback" not in err
+
+
+# -- inputs refused before the run directory exists --------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "not_a_tokenizer"])
+def test_invalid_hf_tokenizer_is_named_before_the_run_dir(tmp_path, capsys, damage):
+    """Before: a bare `Exception: expected value at line 1 column 1` from the tokenizers library,
+    after the run directory was made."""
+    pytest.importorskip("transformers")
+    from test_hf_path import make_hf_dir, overrides
+
+    hf_dir, _ = make_hf_dir(tmp_path, "gpt2")
+    path = hf_dir / "tokenizer.json"
+    good = path.read_text()
+    path.write_text({"garbage": "\x00\x01 not json", "truncated": good[:len(good) // 2],
+                     "not_a_tokenizer": json.dumps({"hello": "world"})}[damage])
+    values = overrides(tmp_path, hf_dir, run__name="tok")
+    assert cli.main(_args(values)) == 2
+    err = capsys.readouterr().err
+    assert f"its tokenizer {str(path)!r}" in err and "is not a tokenizer" in err, err
+    assert "Traceback" not in err and err.count("shardlm: error:") == 1
+    assert not (tmp_path / "runs" / "tok").exists()
+
+
+def test_lora_rank_larger_than_its_layers_is_refused_before_the_run_dir(tmp_path, capsys):
+    """gpt-tiny's d_model is 64: rank 65 was accepted (adapters of rank 65 on 64-wide layers)."""
+    base = tiny_overrides(tmp_path, run__name="lora", train__steps=1)
+    assert cli.main(_args({**base, "lora.rank": 65})) == 2
+    err = capsys.readouterr().err
+    assert "lora.rank = 65 is larger than the layers it adapts" in err, err
+    assert "blocks.*.attn.qkv (64 -> 192, so at most rank 64)" in err
+    assert "blocks.*.mlp.fc (64 -> 256, so at most rank 64)" in err
+    assert "set lora.rank <= 64" in err and "Traceback" not in err
+    assert not (tmp_path / "runs" / "lora").exists()
+    # only the layers it adapts count: on the MLP's 256-wide side alone ... still 64 in; and
+    # rank 64 (the full rank of a 64-wide layer) is allowed
+    assert cli.main(_args({**base, "lora.rank": 64})) == 0
+    capsys.readouterr()
+
+
+def test_lora_rank_check_in_apply_lora_names_the_layer():
+    """The same check where adapters are made (a model given through the Python API)."""
+    from torch import nn
+
+    from shardlm.errors import ConfigError
+    from shardlm.models.lora import apply_lora
+
+    model = nn.Sequential()
+    model.add_module("wide", nn.Linear(32, 48))
+    model.add_module("narrow", nn.Linear(48, 8))
+    with pytest.raises(ConfigError, match=r"narrow \(48 -> 8, so at most rank 8\). .* lora.rank <= 8"):
+        apply_lora(model, 16, 16.0, 0.0, "wide,narrow", "gelu")
+    assert apply_lora(model, 8, 16.0, 0.0, "wide,narrow", "gelu").rank == 8
+
+
+def test_binary_files_named_txt_are_refused_before_the_run_dir(tmp_path, capsys):
+    """Before: files of random bytes named .txt trained without a word (as U+FFFD soup)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("def f(x):\n    return x + 1\n" * 4000)
+    (corpus / "b.txt").write_bytes(os.urandom(50_000))
+    base = tiny_overrides(tmp_path, run__name="bin", train__steps=1, data__source=str(corpus),
+                          data__cache_dir=str(tmp_path / "cache"))
+    assert cli.main(_args(base)) == 2
+    err = capsys.readouterr().err
+    assert f"data.source file {str(corpus / 'b.txt')!r} is not UTF-8 text" in err, err
+    assert "of its first 50,000 bytes are invalid UTF-8 or control characters" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "runs" / "bin").exists()
+    # UTF-16 text is not UTF-8 text either
+    (corpus / "b.txt").write_text("hello world, " * 2000, encoding="utf-16")
+    assert cli.main(_args(base)) == 2
+    assert "b.txt' is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_text_with_a_few_odd_bytes_still_trains(tmp_path, capsys):
+    """UTF-8 text with stray bytes (a Latin-1 é, a NUL, a cut multi-byte character, a BOM) and a
+    Latin-1 file with many accents are text: they train, as before."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = "def café(x):\n    return x + 1  # naïve, ünïcode: ✓ → λ\n" * 3000
+    odd = bytearray(("\ufeff" + text).encode())
+    for at in range(500, len(odd), 20_000):  # a stray byte every 20 KB
+        odd[at:at] = b"\xe9" if at % 3 else b"\x00"
+    (corpus / "odd.txt").write_bytes(bytes(odd[:-2]))  # ends inside the "λ"
+    (corpus / "latin1.md").write_bytes(("Crème brûlée à la française, déjà vu. " * 2000).encode("latin-1"))
+    base = tiny_overrides(tmp_path, run__name="odd", train__steps=1, data__source=str(corpus),
+                          data__cache_dir=str(tmp_path / "cache"))
+    assert cli.main(_args(base)) == 0, capsys.readouterr().err
+    assert (tmp_path / "runs" / "odd").is_dir()
+
+
+def test_the_stdlib_corpus_reads_as_text():
+    """The default corpus, every file, scores far below the limit (all 0 on CPython 3.11)."""
+    from shardlm.data.corpus import (NOT_TEXT_LIMIT, SNIFF_BYTES, _STDLIB_SKIP, _walk,
+                                     not_text_fraction, stdlib_root)
+
+    files = _walk(stdlib_root(), (".py",), _STDLIB_SKIP)
+    assert len(files) > 100
+    worst = max(not_text_fraction(p.read_bytes()[:SNIFF_BYTES])[0] for p in files)
+    assert worst < NOT_TEXT_LIMIT / 10, worst
+    assert not_text_fraction(os.urandom(SNIFF_BYTES))[0] > 1.5 * NOT_TEXT_LIMIT

@@ -253,8 +253,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 def preflight(cfg, nproc: int) -> None:
     """Before anything is spawned or trained: the run directory, its checkpoints/ and the
     NVMe offload path are writable, and the NVMe path has room for this machine's offload
-    files (preflight.nvme_bytes for each local rank). A ConfigError says what, where, the bytes
-    needed and free. Under your own torchrun every rank checks (cheap)."""
+    files (preflight.nvme_bytes for each local rank); the inputs are usable (trainer.check_inputs).
+    A ConfigError says what, where, the bytes needed and free. Under your own torchrun every
+    rank checks (cheap)."""
     from pathlib import Path
 
     from shardlm.checkpoint.sharded import CHECKPOINTS
@@ -281,6 +282,9 @@ def preflight(cfg, nproc: int) -> None:
                        if z.offload_params == "nvme" else 0)
         needed = local * (optimizer_bytes + param_bytes)
     check_run_disks(run_dir, run_dir / CHECKPOINTS, nvme_dir, needed)
+    from shardlm.trainer import check_inputs
+
+    check_inputs(cfg)  # a bad tokenizer, LoRA rank or data file: once, before any worker starts
     if cfg.precision.compute == "fp8":  # FP8 hardware, or the emulation asked for: known here
         from shardlm.launch import pick_device
         from shardlm.models.fp8 import check_fp8_device
