@@ -25,15 +25,15 @@ def _args(overrides: dict) -> list[str]:
 class _FillingFile:
     """A file whose writes stop with ENOSPC after `room` bytes: the disk fills mid-write."""
 
-    def __init__(self, f, room: int):
-        self._f, self._room = f, room
+    def __init__(self, f, room: int, code: int):
+        self._f, self._room, self._code = f, room, code
 
     def write(self, data) -> int:
         n = memoryview(data).nbytes
         if n > self._room:
             self._f.write(memoryview(data)[:self._room])  # what fitted is on disk
             self._f.flush()
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise OSError(self._code, os.strerror(self._code))
         self._room -= n
         return self._f.write(data)
 
@@ -54,30 +54,29 @@ def _disk_fills_after_first_checkpoint(monkeypatch, checkpoints: Path, code: int
     def filling_open(path, mode="r", *args, **kwargs):
         f = real(path, mode, *args, **kwargs)
         if "w" in mode and (checkpoints / LATEST).exists():
-            f = _FillingFile(f, room=1000)
-            if code != errno.ENOSPC:
-                f.write = lambda data: (_ for _ in ()).throw(OSError(code, os.strerror(code)))
+            f = _FillingFile(f, room=1000, code=code)
         return f
 
     monkeypatch.setattr(sharded, "open", filling_open, raising=False)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_disk_full_during_a_checkpoint_write_is_one_message_exit_4(tmp_path, monkeypatch, capsys, mode):
+@pytest.mark.parametrize("mode, code", [("sync", "ENOSPC"), ("async", "ENOSPC"), ("sync", "EDQUOT")])
+def test_disk_full_during_a_checkpoint_write_is_one_message_exit_4(tmp_path, monkeypatch, capsys,
+                                                                    mode, code):
     """Before: an `OSError: [Errno 28]` traceback, exit 1, a `.part` file left behind."""
     overrides = tiny_overrides(tmp_path, train__steps=4, checkpoint__every=2, run__name="full",
                                checkpoint__async=str(mode == "async").lower())
     run_dir = tmp_path / "runs" / "full"
     checkpoints = run_dir / CHECKPOINTS
-    _disk_fills_after_first_checkpoint(monkeypatch, checkpoints)
-    code = cli.main(_args(overrides))
+    _disk_fills_after_first_checkpoint(monkeypatch, checkpoints, getattr(errno, code))
+    status = cli.main(_args(overrides))
     err = capsys.readouterr().err
-    assert code == 4, err
+    assert status == 4, err
     assert "Traceback" not in err and err.count("shardlm: stopped:") == 1, err
     assert "checkpoint step-00000004: writing" in err and "rank-00000.safetensors" in err
-    assert "No space left on device (ENOSPC)" in err
+    assert f"{os.strerror(getattr(errno, code))} ({code})" in err
     assert " MB free there" in err and "this rank's part of checkpoint step-00000004 is" in err
-    assert "free space on that disk" in err  # what to do
+    assert ("free space within your quota" if code == "EDQUOT" else "free space on that disk") in err
     assert "Last checkpoint:" in err and "step-00000002" in err
     assert f"shardlm train --resume {run_dir}" in err
     assert not [p for p in run_dir.rglob("*") if p.name.endswith(".part")]
