@@ -9,7 +9,7 @@ import sys
 from shardlm.cli_planner import cmd_estimate, cmd_plan, planner_args
 from shardlm.errors import ConfigError
 from shardlm.studies import cmd_study, study_args
-from shardlm.preflight import DiskError, check_run_disks, nvme_bytes
+from shardlm.preflight import DISK_EXIT, DiskError, check_run_disks, nvme_bytes
 
 EPILOG = """\
 examples:
@@ -247,15 +247,15 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         return train_here(cfg)
     except DiskError as e:
         print(f"shardlm: stopped: {e}\n{resume_hint(cfg)}", file=sys.stderr)
-        return 4
+        return DISK_EXIT
 
 
 def preflight(cfg, nproc: int) -> None:
     """Before anything is spawned or trained: the run directory, its checkpoints/ and the
     NVMe offload path are writable, and the NVMe path has room for this machine's offload
     files (preflight.nvme_bytes for each local rank); on CUDA, that each local rank has a GPU of
-    its own. A ConfigError says what, where, the bytes needed and free. Under your own torchrun
-    every rank checks (cheap)."""
+    its own; the inputs are usable (trainer.check_inputs). A ConfigError says what, where, the
+    bytes needed and free. Under your own torchrun every rank checks (cheap)."""
     from pathlib import Path
 
     from shardlm.checkpoint.sharded import CHECKPOINTS
@@ -284,8 +284,10 @@ def preflight(cfg, nproc: int) -> None:
     check_run_disks(run_dir, run_dir / CHECKPOINTS, nvme_dir, needed)
     # One GPU per rank (launch.pick_device): more local ranks than GPUs is refused before spawning.
     from shardlm.launch import pick_device
+    from shardlm.trainer import check_inputs
 
     device = pick_device(cfg.run.device, 0, nproc or launcher_sizes()[1])
+    check_inputs(cfg)  # a bad tokenizer, LoRA rank or data file: once, before any worker starts
     if cfg.precision.compute == "fp8":  # FP8 hardware, or the emulation asked for: known here
         from shardlm.models.fp8 import check_fp8_device
 
@@ -415,25 +417,32 @@ def dry_run(args: argparse.Namespace, cfg) -> int:
 
 
 def resume_overrides(path: str, cfg) -> list[str]:
-    """`--resume [PATH]` as config overrides, checked now (before any worker starts): the
-    checkpoint to load, and — unless run.name is given — that run's directory to continue in."""
+    """`--resume [PATH]` as config overrides, checked now (before any worker starts): where to
+    resume from, and — unless run.name is given — that run's directory to continue in. A run
+    directory (its checkpoints/, its `latest`, or no PATH: the newest run that has a checkpoint)
+    stays that directory in checkpoint.resume, so the run takes its newest usable checkpoint when
+    it loads and falls back past one that fails to load (a corrupted shard: its SHA-256 is only
+    checked then), as auto-resume does; a checkpoint directory named explicitly is pinned
+    (refused if it fails, no fallback)."""
     from pathlib import Path
 
-    from shardlm.checkpoint.sharded import CHECKPOINTS, CheckpointError, find_checkpoint, latest_in
+    from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError,
+                                            find_checkpoint, latest_in)
 
     if path:
         ckpt = find_checkpoint(path)
+        source = ckpt if (Path(path) / MANIFEST).exists() else Path(path).absolute()
     else:
         runs = Path(cfg.run.dir)
         candidates = ([runs / cfg.run.name] if cfg.run.name else
                       sorted((d for d in runs.iterdir() if d.is_dir() and not d.is_symlink()),
                              key=lambda d: d.stat().st_mtime) if runs.is_dir() else [])
-        found = [c for c in (latest_in(d) for d in candidates) if c is not None]
+        found = [(d, c) for d, c in ((d, latest_in(d)) for d in candidates) if c is not None]
         if not found:
             raise CheckpointError(f"--resume: no run under {str(runs)!r} has a checkpoint; pass "
                                   f"--resume PATH or train with --checkpoint.every=N")
-        ckpt = found[-1]
-    out = [f"--checkpoint.resume={ckpt}"]
+        source, ckpt = found[-1][0].absolute(), found[-1][1]
+    out = [f"--checkpoint.resume={source}"]
     if not cfg.run.name and ckpt.parent.name == CHECKPOINTS:
         run_dir = ckpt.parent.parent
         out += [f"--run.dir={run_dir.parent}", f"--run.name={run_dir.name}"]

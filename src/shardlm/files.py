@@ -14,9 +14,13 @@ def atomic_write(path: Path, data: bytes | str, fsync: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.part")  # this writer's own: never shared
     payload = data.encode() if isinstance(data, str) else data
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, say: no half-written temporary file left behind
+        tmp.unlink(missing_ok=True)
+        raise

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from shardlm.errors import ConfigError
-from shardlm.preflight import pid_alive, remove_stale_parts
+from shardlm.preflight import DISK_EXIT, pid_alive, remove_stale_parts
 
 log = logging.getLogger("shardlm")
 
@@ -403,6 +403,15 @@ def launch_local(nproc: int, worker_argv: list[str], max_restarts: int = 0,
     try:
         run(args)
     except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        if DISK_EXIT in codes:  # the worker printed its DiskError: the one message to read
+            log.error("shardlm: a worker stopped on a disk error (exit %d): see its message above",
+                      DISK_EXIT)
+            return DISK_EXIT
+        if e.get_first_failure()[1].exitcode == 2:  # a ConfigError (a checkpoint refused, say),
+            # printed by the worker; the others may have been stopped by torchrun meanwhile
+            log.error("shardlm: the workers stopped on the error above (exit 2)")
+            return 2
         log.error("a worker failed: %s", e)
         return 1
     except SignalException as e:

@@ -21,6 +21,10 @@ PART = re.compile(r"\.(\d+)\.part$")
 """files.atomic_write's temporary name: `<name>.<writer pid>.part`."""
 
 
+DISK_EXIT = 4
+"""The exit status of a run stopped by a DiskError (`shardlm train`, and its launcher)."""
+
+
 class DiskError(OSError):
     """A write or read of the run's files failed on the disk (ENOSPC, EROFS, EIO, ...): what
     failed and where, in one message. The run stops; its last checkpoint is intact. An
@@ -30,16 +34,17 @@ class DiskError(OSError):
         return self.strerror or super().__str__()
 
 
-def disk_error(what: str, path: Path | str, error: OSError) -> DiskError:
+def disk_error(what: str, path: Path | str, error: OSError, detail: str = "") -> DiskError:
     """`error` (raised by `what` on `path`) as the one message a user sees, e.g. "nvme offload:
-    writing '/x/master.bin' failed: No space left on device (ENOSPC). ..."."""
+    writing '/x/master.bin' failed: No space left on device (ENOSPC). ...". `detail`, if
+    given, follows the error (e.g. the bytes needed and free)."""
     code = error.errno or errno.EIO
     name = errno.errorcode.get(code, str(code))
     hint = {errno.ENOSPC: "free space on that disk or point the run elsewhere",
             errno.EDQUOT: "free space within your quota or point the run elsewhere",
             errno.EROFS: "the file system is read-only: remount it or point the run elsewhere"}
     return DiskError(code, f"{what} {str(path)!r} failed: {error.strerror or os.strerror(code)} "
-                           f"({name}). The run stops here; its last checkpoint is intact and the "
+                           f"({name}){'; ' + detail if detail else ''}. The run stops here; its last checkpoint is intact and the "
                            f"run can resume from it once the disk is fixed "
                            f"({hint.get(code, 'check the disk')})")
 

@@ -27,6 +27,7 @@ from shardlm.errors import ConfigError
 from shardlm.data import Dataset, Loader, build_dataset
 from shardlm.data.seq2seq import Seq2SeqInputs
 from shardlm.data.sft import IGNORE
+from shardlm.data.corpus import check_text_files
 from shardlm.data.tokenizer import hf_tokenizer
 from shardlm.launch import (Runtime, StopSignals, agree_on_name, broadcast_text, claim_run_dir,
                             init_runtime, is_restart, planned_fault)
@@ -35,6 +36,7 @@ from shardlm.mesh import Mesh, build_mesh
 from shardlm.models import build_model, flops_per_token, generate
 from shardlm.models.attention import configure as configure_attention
 from shardlm.models.hf import Seq2SeqAdapter
+from shardlm.models.lora import check_rank, lora_layers
 from shardlm.models.seq2seq import build_seq2seq, generate_seq2seq, user_model_flops_per_token
 from shardlm.presets import encoder_decoder_config
 from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
@@ -142,6 +144,22 @@ def make_run_dir(cfg: Config, runtime: Runtime) -> Path:
     return claim_run_dir(cfg.run.dir, cfg.run.name, runtime)
 
 
+def check_inputs(cfg: Config, user_model: bool = False) -> None:
+    """What a run reads that config validation cannot see, checked before anything is created
+    (a mistake leaves no run directory behind; `shardlm train` also calls it before spawning):
+    model.hf_path's tokenizer.json (readable, its vocabulary within the model's), the layers
+    lora.targets picks and lora.rank against each one's dims (our decoder, built on the meta
+    device; a `user_model` is checked by apply_lora), and data.source's text files (text, not
+    binary bytes). A ConfigError names the file or the layer."""
+    if cfg.model.hf_path:
+        hf_tokenizer(cfg.model.hf_path, cfg.model.vocab_size)
+    if cfg.lora.rank and not user_model and not encoder_decoder_config(cfg.model.hf_path,
+                                                                       cfg.model.hf_config):
+        check_rank(cfg.lora.rank, lora_layers(build_model(cfg.model, "meta"), cfg.lora.targets,
+                                              cfg.model.mlp))
+    check_text_files(cfg.data)
+
+
 def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | None = None) -> Run:
     """Everything in the documented order: run directory → resolved config (every 'auto'
     decided once, on rank 0) → mesh → data → model on the meta device → parallelize
@@ -154,6 +172,7 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
         raise ConfigError(f"model.hf_path loads a checkpoint into our decoder, but build_run was "
                           f"also given a {type(model).__name__}: drop one (a transformers model "
                           f"loads its own weights with from_pretrained)")
+    check_inputs(cfg, user_model=model is not None)  # before the run directory exists
     runtime = runtime or init_runtime(cfg.run.device, cfg.parallel.collective_timeout_s)
     run_dir = make_run_dir(cfg, runtime)
     source = resume_source(cfg, run_dir, runtime)

@@ -37,6 +37,7 @@ checkpoint on all ranks at once (manifest.load_with_fallback).
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -58,6 +59,7 @@ from shardlm.checkpoint.manifest import (CHECKPOINTS, FORMAT, LATEST, MANIFEST, 
                                          read_manifest, sealed, step_dir_name, step_dirs,
                                          write_latest)
 from shardlm.files import atomic_write
+from shardlm.preflight import DiskError, disk_error
 
 log = logging.getLogger("shardlm")
 
@@ -105,6 +107,8 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float
                        torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
                        torch.uint8: "U8", torch.bool: "BOOL"}
 _PIECE_BYTES = 1 << 26
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
+"""A checkpoint write failing with one of these is the disk's fault: a DiskError (exit 4)."""
 
 
 def _safetensors_pieces(tensors: dict[str, torch.Tensor]) -> Iterator[memoryview]:
@@ -139,14 +143,18 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int
     the safetensors library, which also checks what this writes."""
     digest, size = hashlib.sha256(), 0
     part = path.with_name(path.name + ".part")
-    with open(part, "wb") as f:
-        for piece in _safetensors_pieces(tensors):
-            f.write(piece)
-            digest.update(piece)
-            size += piece.nbytes
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
+    try:
+        with open(part, "wb") as f:
+            for piece in _safetensors_pieces(tensors):
+                f.write(piece)
+                digest.update(piece)
+                size += piece.nbytes
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)
+    except BaseException:  # a full disk, say: the partial file goes, and its space with it
+        part.unlink(missing_ok=True)
+        raise
     return size, digest.hexdigest()
 
 
@@ -280,20 +288,53 @@ class CheckpointWriter:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, DiskError):  # already the one message a user should see
+                raise error
             raise CheckpointError(f"writing a checkpoint failed: {error}") from error
 
     def _write(self, step: int, tensors: dict[str, torch.Tensor], entries: dict, state: dict,
                rank_state: dict, meta: dict) -> None:
         tmp = self._tmp_dir(step)
-        tmp.mkdir(parents=True, exist_ok=True)
-        note: dict[str, Any] = {"rank": self.rank, "file": None, "tensors": entries, "rank_state": rank_state}
-        if tensors:
-            size, sha256 = write_safetensors(tmp / _rank_file(self.rank), tensors)
-            tensors.clear()
-            note.update(file=_rank_file(self.rank), bytes=size, sha256=sha256)
-        atomic_write(tmp / _note_file(self.rank), fsync=True, data=json.dumps(note).encode())
-        if self.rank == 0:
-            self._publish(step, tmp, state, meta)
+        needed = sum(t.numel() * t.element_size() for t in tensors.values())
+        target = tmp
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            note: dict[str, Any] = {"rank": self.rank, "file": None, "tensors": entries,
+                                    "rank_state": rank_state}
+            if tensors:
+                target = tmp / _rank_file(self.rank)
+                size, sha256 = write_safetensors(target, tensors)
+                tensors.clear()
+                note.update(file=_rank_file(self.rank), bytes=size, sha256=sha256)
+            target = tmp / _note_file(self.rank)
+            atomic_write(target, fsync=True, data=json.dumps(note).encode())
+            if self.rank == 0:
+                target = self.root
+                self._publish(step, tmp, state, meta)
+        except OSError as e:
+            if e.errno not in DISK_ERRNOS:
+                raise
+            raise self._disk_error(step, tmp, Path(e.filename or target), e, needed) from None
+
+    def _disk_error(self, step: int, tmp: Path, path: Path, error: OSError, needed: int):
+        """A checkpoint write the disk refused (ENOSPC, EDQUOT, EROFS, EIO) as one DiskError:
+        the file, the bytes this rank was writing and those free, what to do. This rank's
+        files of the unfinished checkpoint are removed first (no `.part`, and their space back);
+        `latest` still names the previous checkpoint, which is whole."""
+        for mine in (tmp / _rank_file(self.rank), tmp / _note_file(self.rank)):
+            mine.unlink(missing_ok=True)
+        if self.rank == 0:  # the directory, if no other rank's file is in it (else: the next run)
+            try:
+                tmp.rmdir()
+            except OSError:
+                pass
+        try:
+            free = f"{shutil.disk_usage(self.root).free / 1e6:,.1f} MB free there"
+        except OSError:
+            free = "the free space unknown"
+        detail = (f"this rank's part of checkpoint {step_dir_name(step)} is {needed / 1e6:,.1f} MB, "
+                  f"{free}; this rank's files of the unfinished checkpoint were removed")
+        return disk_error(f"checkpoint {step_dir_name(step)}: writing", path, error, detail)
 
     def _publish(self, step: int, tmp: Path, state: dict, meta: dict) -> None:
         """Rank 0: when every rank's note is there, write the manifest, rename, move latest."""

@@ -15,6 +15,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,6 +111,61 @@ def _read_text(path: Path, limit: int | None) -> str:
     with open(path, "rb") as f:
         raw = f.read() if limit is None else f.read(limit)
     return raw.decode("utf-8", errors="replace")
+
+
+SNIFF_BYTES = 1 << 16
+"""How much of each text file check_text_files reads."""
+NOT_TEXT_LIMIT = 0.3
+"""The fraction of a text file's first SNIFF_BYTES that may be bytes no text has. Random bytes
+score ~0.6 (half of them are >= 0x80 and rarely form valid UTF-8; a tenth are control
+characters), UTF-16 text ~0.5 (a NUL in every other byte), UTF-8 text 0, a Latin-1 / cp1252
+file a few hundredths (its accented letters)."""
+_NOT_TEXT = re.compile("[\x00-\x08\x0e-\x1a\x1c-\x1f\x7f\udc80-\udcff]")
+"""With errors='surrogateescape' each byte outside valid UTF-8 decodes to U+DC80..U+DCFF; the
+control characters text does not use (all but \\t \\n \\v \\f \\r and ESC) count too."""
+
+
+def not_text_fraction(raw: bytes) -> tuple[float, int]:
+    """(the fraction of `raw` that is bytes no text has: invalid UTF-8, or a control character
+    other than whitespace and ESC; the offset of the first such byte, -1 if none)."""
+    text = raw.decode("utf-8", errors="surrogateescape")
+    found = _NOT_TEXT.findall(text)
+    if not found:
+        return 0.0, -1
+    first = _NOT_TEXT.search(text)
+    offset = len(text[:first.start()].encode("utf-8", errors="surrogateescape"))
+    return len(found) / max(len(raw), 1), offset
+
+
+def check_text_files(cfg: DataConfig) -> None:
+    """data.source's (and data.val_source's) .txt / .py / .md files are text: one whose first
+    SNIFF_BYTES are more than NOT_TEXT_LIMIT bytes no text has (binary data, another encoding
+    than UTF-8 such as UTF-16) is a ConfigError naming it; a few odd bytes in text pass (they
+    read as U+FFFD). Only the files a run reads are looked at (data.max_bytes), and the default
+    'stdlib' source not at all (Python's own sources). Cheap: run before the run starts."""
+    from dataclasses import replace
+
+    for source, split in ((cfg.source, "train"), (cfg.val_source, "val")):
+        if not source.strip() or source.strip() == "stdlib":
+            continue
+        budget = cfg.max_bytes if cfg.max_bytes > 0 else None
+        for path in corpus_files(replace(cfg, source=source), split):
+            if not path.name.endswith(TEXT_SUFFIXES):
+                continue
+            with open(path, "rb") as f:
+                raw = f.read(SNIFF_BYTES if budget is None else min(SNIFF_BYTES, budget))
+            fraction, first = not_text_fraction(raw)
+            if fraction > NOT_TEXT_LIMIT:
+                raise ConfigError(
+                    f"data.{'source' if split == 'train' else 'val_source'} file {str(path)!r} is "
+                    f"not UTF-8 text: {fraction:.0%} of its first {len(raw):,} bytes are invalid "
+                    f"UTF-8 or control characters (the first at byte {first}); a binary file, or "
+                    f"text in another encoding (convert it: iconv -t UTF-8). Remove it from "
+                    f"data.source or convert it")
+            if budget is not None:
+                budget -= path.stat().st_size
+                if budget <= 0:
+                    break
 
 
 def jsonl_records(path: Path) -> Iterator[tuple[int, bytes, object]]:

@@ -92,7 +92,20 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if not path.is_file():
         raise ConfigError(f"no tokenizer at {str(path)!r} (expected a tokenizer.json file or a "
                           f"directory holding one)")
-    return Tokenizer.from_file(str(path))
+    return read_tokenizer_file(path)
+
+
+def read_tokenizer_file(path: Path, what: str = "the tokenizer file") -> Tokenizer:
+    """Tokenizer.from_file, with a file the tokenizers library cannot read (not JSON, not its
+    schema, cut short) as a ConfigError naming the file, not the library's bare exception."""
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises a plain Exception: "expected value at line 1 ..."
+        size = path.stat().st_size if path.exists() else 0
+        raise ConfigError(f"{what} {str(path)!r} ({size:,} bytes) is not a tokenizer the "
+                          f"`tokenizers` library can read: {e}. Save it again with "
+                          f"AutoTokenizer.from_pretrained(...).save_pretrained(DIR) (a fast "
+                          f"tokenizer's tokenizer.json)") from None
 
 
 def hf_tokenizer(directory: str | Path, vocab_size: int) -> tuple[Tokenizer, int]:
@@ -110,7 +123,7 @@ def hf_tokenizer(directory: str | Path, vocab_size: int) -> tuple[Tokenizer, int
                           f"missing): the checkpoint's own tokenizer is needed (only the fast "
                           f"tokenizers' tokenizer.json is read; save it with "
                           f"AutoTokenizer.from_pretrained(...).save_pretrained(DIR))")
-    tok = Tokenizer.from_file(str(path))
+    tok = read_tokenizer_file(path, f"model.hf_path {str(directory)!r}: its tokenizer")
     size = tok.get_vocab_size(with_added_tokens=True)
     if size > vocab_size:
         raise ConfigError(f"model.hf_path {str(directory)!r}: tokenizer.json has {size} tokens but "

@@ -103,12 +103,9 @@ class LoRAState:
                 f"({self.trainable / max(self.total, 1):.2%})")
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets: str,
-               mlp: str, seed: int = 0) -> LoRAState:
-    """Wrap every nn.Linear whose name matches a pattern of `targets` (comma-separated; a pattern
-    matches a whole name or its dotted suffix, fnmatch wildcards allowed; '' = DEFAULT_TARGETS
-    by model.mlp) in LoRALinear, and freeze every parameter but the adapters. A pattern given
-    by the user that matches no linear layer is a ConfigError. Stored as `model.lora`."""
+def lora_layers(model: nn.Module, targets: str, mlp: str) -> dict[str, nn.Linear]:
+    """The nn.Linear layers lora.targets picks (see apply_lora), by name. A pattern given by the
+    user that matches no linear layer, or none matching at all, is a ConfigError."""
     given = bool(targets.strip())
     patterns = [p.strip() for p in (targets if given else DEFAULT_TARGETS[mlp]).split(",") if p.strip()]
     linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear and n}
@@ -118,6 +115,37 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
         names = sorted({n.split(".", 2)[-1] if n.startswith("blocks.") else n for n in linears})
         raise ConfigError(f"lora.targets: {', '.join(unmatched or patterns)} match no linear layer; "
                           f"the model's are: {', '.join(names)}")
+    return {n: linears[n] for n in chosen}
+
+
+def check_rank(rank: int, layers: dict[str, nn.Linear]) -> None:
+    """A rank above min(in_features, out_features) of a layer it adapts is a ConfigError naming
+    the layers and their dims: B·A of such a layer cannot have more than that rank, so the excess
+    is parameters, memory and compute that add nothing (and scale alpha / rank shrinks)."""
+    over: dict[str, tuple[int, int]] = {}
+    for name, m in layers.items():
+        if rank > min(m.in_features, m.out_features):  # blocks.3.attn.qkv -> blocks.*.attn.qkv
+            parts = name.split(".")
+            key = ".".join("*" if i == 1 and parts[0] == "blocks" else p for i, p in enumerate(parts))
+            over.setdefault(key, (m.in_features, m.out_features))
+    if over:
+        limit = min(min(dims) for n, dims in over.items())
+        listed = ", ".join(f"{n} ({i} -> {o}, so at most rank {min(i, o)})" for n, (i, o) in over.items())
+        raise ConfigError(f"lora.rank = {rank} is larger than the layers it adapts: {listed}. A "
+                          f"layer's update B·A has rank at most min(in_features, out_features): set "
+                          f"lora.rank <= {limit}, or leave those layers out of lora.targets")
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets: str,
+               mlp: str, seed: int = 0) -> LoRAState:
+    """Wrap every nn.Linear whose name matches a pattern of `targets` (comma-separated; a pattern
+    matches a whole name or its dotted suffix, fnmatch wildcards allowed; '' = DEFAULT_TARGETS
+    by model.mlp) in LoRALinear, and freeze every parameter but the adapters. A pattern given
+    by the user that matches no linear layer, or a rank above a chosen layer's smaller dimension
+    (check_rank), is a ConfigError. Stored as `model.lora`."""
+    linears = lora_layers(model, targets, mlp)
+    check_rank(rank, linears)
+    chosen = list(linears)
     for name in chosen:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
