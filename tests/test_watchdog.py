@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import tiny_overrides
 from shardlm.config import load_config
@@ -91,6 +92,23 @@ def test_a_waited_handle_that_never_completes_is_reported_with_rank_op_and_group
     assert f"code {EXIT_CODE}" in message
     stuck.completed = True  # it finishes after all: nothing left to report
     assert watchdog.overdue(now=later) is None and not watchdog._pending
+
+
+def test_finished_collectives_are_let_go_at_the_next_hand_over_not_a_second_later():
+    """A probe holds what it needs until polled: the finished ones at the front go at each
+    hand-over, so only the collectives still in flight stay tracked (between two polls of the
+    thread, a GPU run would otherwise hold thousands)."""
+    from shardlm.comm.watchdog import CollectiveWatchdog, Tracked
+
+    watchdog = CollectiveWatchdog(60.0, rank=0, start=False)
+    previous = None
+    for _ in range(1000):
+        work = FakeWork()
+        Tracked(work, watchdog, watchdog.track("all_gather", "dp_shard", 8), lambda h: h).wait()
+        if previous is not None:
+            previous.completed = True  # the device finishes them in order, one behind the host
+        previous = work
+        assert len(watchdog._pending) <= 2 and len(watchdog._polled) <= 2
 
 
 def test_a_blocking_collective_on_an_asynchronous_device_is_polled_after_it_returns():
@@ -186,3 +204,85 @@ def test_a_stopped_rank_is_named_by_the_watchdog_before_the_backends_timeout(tmp
     assert chaos.BACKEND_TIMEOUT not in text, text[-3000:]
     assert f"(exitcode: {EXIT_CODE}) local_rank: 0" in text and launcher.returncode != 0, text[-3000:]
     assert named_after < TIMEOUT + 3, named_after  # the report's own deadline, with slack for load
+
+
+# -- NCCL: wait() returns when queued; the watchdog polls completion (GPU only) -----------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def _busy_stream(seconds: float) -> None:
+    """Keep the current CUDA stream busy for about `seconds` (a collective queued after it waits)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    torch.cuda._sleep(int(20_000_000 * seconds / (start.elapsed_time(end) / 1e3)))
+
+
+def _nccl_wait_is_not_completion(rank: int, world_size: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from shardlm.comm.collectives import Comm, CommLedger, DeviceDone
+    from shardlm.comm.watchdog import CollectiveWatchdog
+
+    watchdog = CollectiveWatchdog(1.0, rank, DeviceDone, start=False)
+    comm = Comm(dist.group.WORLD, "dp", CommLedger(), watchdog)  # a group of one: every code path
+    x = torch.ones(1 << 20, device="cuda")
+    _busy_stream(4.0)
+    began = time.monotonic()
+    raw = dist.all_reduce(x, async_op=True)  # torch's own handle, measured
+    raw.wait()
+    raw_completed = raw.is_completed()
+    comm.all_reduce(x).wait()
+    waited = time.monotonic() - began
+    pending = len(watchdog._pending)
+    time.sleep(1.5)
+    late = watchdog.overdue()
+    message = watchdog.message(late) if late is not None else ""
+    torch.cuda.synchronize()
+    return {"backend": comm.backend, "wait_s": waited, "raw_completed_after_wait": raw_completed,
+            "pending_after_wait": pending, "message": message,
+            "cleared_when_done": watchdog.overdue() is None and not watchdog._pending}
+
+
+@needs_cuda
+def test_nccl_a_waited_collective_is_tracked_until_the_device_has_done_it(tmp_path):
+    from shardlm.spawn import run_ranks
+
+    (out,) = run_ranks(_nccl_wait_is_not_completion, 1, tmp_path, timeout=120)
+    print(out)
+    assert out["backend"] == "nccl"
+    assert out["wait_s"] < 1.0 and not out["raw_completed_after_wait"]  # what the issue said
+    assert out["pending_after_wait"] == 1
+    assert out["message"].startswith("shardlm watchdog: rank 0: all_reduce on group dp"), out
+    assert out["cleared_when_done"]
+
+
+def _nccl_hang(rank: int, world_size: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from shardlm.comm.collectives import Comm, CommLedger, DeviceDone
+    from shardlm.comm.watchdog import CollectiveWatchdog
+
+    comm = Comm(dist.group.WORLD, "tp", CommLedger(), CollectiveWatchdog(1.0, rank, DeviceDone))
+    x = torch.ones(1 << 20, device="cuda")
+    _busy_stream(30.0)  # a peer that never comes, as the device sees it
+    comm.all_gather(torch.empty(1 << 20, device="cuda"), x).wait()
+    torch.cuda.synchronize()  # the host would block here, silently, without the watchdog
+
+
+@needs_cuda
+def test_nccl_a_stalled_collective_is_reported_and_the_rank_exits(tmp_path, capfd):
+    from shardlm.spawn import run_ranks
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"rank 0 exited with code {EXIT_CODE}"):
+        run_ranks(_nccl_hang, 1, tmp_path, timeout=120)
+    assert time.monotonic() - start < 25
+    assert "shardlm watchdog: rank 0: all_gather on group tp" in capfd.readouterr().err

@@ -17,12 +17,15 @@ the wait is its completion. On NCCL (and any device-asynchronous backend) `wait(
 the device's stream is ordered after the collective, long before it is done: a hung peer would
 show up later, in some unrelated host synchronisation, silently. There a handle's wait hands the
 watchdog a *probe* — an object with `is_completed()` — and the collective stays tracked until the
-probe says done; the watchdog thread polls the probes every period (`overdue`). Nothing is
-polled, and no synchronisation added, on the gloo path: its waits complete the entry at once.
+probe says done. The probes are kept in hand-over order: each hand-over first drops the
+finished ones at the front (a query or two, never a wait), so only the collectives still in
+flight stay held; the watchdog thread polls them all every period (`overdue`). Nothing is polled,
+and no synchronisation added, on the gloo path: its waits complete the entry at once.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import os
@@ -69,8 +72,8 @@ class CollectiveWatchdog:
         self.rank = rank
         self.completion = completion
         self._pending: dict[int, Pending] = {}
-        self._polled = 0
-        """Entries with a probe: the thread polls only when there are some."""
+        self._polled: collections.deque[int] = collections.deque()
+        """Tokens of the entries with a probe, in hand-over order (some may be gone)."""
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -87,9 +90,7 @@ class CollectiveWatchdog:
 
     def done(self, token: int) -> None:
         with self._lock:
-            entry = self._pending.pop(token, None)
-            if entry is not None and entry.probe is not None:
-                self._polled -= 1
+            self._pending.pop(token, None)
 
     def until_complete(self, token: int, probe: Probe) -> None:
         """The collective `token` was waited on but may still run (NCCL): tracked until
@@ -98,7 +99,18 @@ class CollectiveWatchdog:
             entry = self._pending.get(token)
             if entry is not None and entry.probe is None:
                 entry.probe = probe
-                self._polled += 1
+                self._polled.append(token)
+            self._drop_finished_front()
+
+    def _drop_finished_front(self) -> None:
+        """Drop the finished entries at the front of the hand-over order (under the lock)."""
+        while self._polled:
+            entry = self._pending.get(self._polled[0])
+            if entry is not None and not entry.probe.is_completed():
+                return
+            if entry is not None:
+                del self._pending[self._polled[0]]
+            self._polled.popleft()
 
     @contextlib.contextmanager
     def watch(self, op: str, group: str, nbytes: int) -> Iterator[None]:
@@ -120,11 +132,13 @@ class CollectiveWatchdog:
         the timeout, or None."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            if self._polled:
-                for token, entry in list(self._pending.items()):
-                    if entry.probe is not None and entry.probe.is_completed():
+            self._drop_finished_front()
+            if self._polled:  # the rest too: streams may finish out of order
+                for token in list(self._polled):
+                    entry = self._pending.get(token)
+                    if entry is not None and entry.probe.is_completed():
                         del self._pending[token]
-                        self._polled -= 1
+                self._polled = collections.deque(t for t in self._polled if t in self._pending)
             late = [e for e in self._pending.values() if now - e.start > self.timeout_s]
         return max(late, key=lambda e: now - e.start) if late else None
 
