@@ -1,4 +1,7 @@
-"""A hung rank is reported by the collective watchdog and the run exits non-zero in time."""
+"""A hung rank is reported by the collective watchdog and the run exits with its code in time:
+before the process group's own timeout (a frozen rank under `shardlm train --nproc 2`), and on
+NCCL, where a wait returns before the collective is done (the polling logic with fake handles on
+CPU; the real thing on a GPU, skipped without one)."""
 
 import contextlib
 import importlib.util
