@@ -289,3 +289,22 @@ def test_nccl_a_stalled_collective_is_reported_and_the_rank_exits(tmp_path, capf
         run_ranks(_nccl_hang, 1, tmp_path, timeout=120)
     assert time.monotonic() - start < 25
     assert "shardlm watchdog: rank 0: all_gather on group tp" in capfd.readouterr().err
+
+
+def test_the_watchdog_thread_ends_when_closed_and_at_exit():
+    import threading
+
+    from shardlm.comm.watchdog import CollectiveWatchdog
+
+    watchdog = CollectiveWatchdog(600.0, rank=0)
+    assert any(t.name == "shardlm-watchdog" for t in threading.enumerate())
+    watchdog.close()
+    assert watchdog._thread is None
+    code = ("import atexit, threading; from shardlm.comm.watchdog import CollectiveWatchdog\n"
+            "atexit.register(lambda: print('left:', [t.name for t in threading.enumerate()"
+            " if t.name == 'shardlm-watchdog']))\n"  # registered first: runs after the watchdog's
+            "w = CollectiveWatchdog(600.0, rank=0)\n"
+            "print('running:', [t.name for t in threading.enumerate() if t.name == 'shardlm-watchdog'])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done
+    assert "running: ['shardlm-watchdog']" in done.stdout and "left: []" in done.stdout, done.stdout

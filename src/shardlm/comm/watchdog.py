@@ -25,6 +25,7 @@ and no synchronisation added, on the gloo path: its waits complete the entry at 
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import itertools
@@ -81,6 +82,8 @@ class CollectiveWatchdog:
         if start:
             self._thread = threading.Thread(target=self._watch, name="shardlm-watchdog", daemon=True)
             self._thread.start()
+            # ended before the interpreter finalises: no thread of ours left to wake into it
+            atexit.register(self.close)
 
     def track(self, op: str, group: str, nbytes: int) -> int:
         token = next(self._ids)
@@ -150,10 +153,12 @@ class CollectiveWatchdog:
                 f"hung or dead. Exiting with code {EXIT_CODE}.")
 
     def close(self) -> None:
-        """End the thread (at the end of a run); nothing is reported after this."""
+        """End the thread (at the end of a run, at the latest at exit); nothing is reported
+        after this."""
         self._closed.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+            atexit.unregister(self.close)
         self._thread = None
 
     def _watch(self) -> None:
