@@ -9,14 +9,15 @@ config with --max-restarts 3; a victim — rank 0, rank 1 or the launcher — an
 'random' (a uniform delay after the first logged step, within 70% of the reference's training time)
 or 'save' (the moment a checkpoint's temporary directory appears: inside the writer). The
 victim gets SIGKILL — or, for a rank with probability --stop-fraction, SIGSTOP (a frozen rank:
-the others' collective watchdog must name rank, op and group, never gloo's own timeout, and the
-run goes on once torchrun has killed the frozen rank). A killed rank: torchrun restarts the
+the others' collective watchdog must name rank, op and group — or, frozen inside a save, rank
+0's wait for its note the missing rank — never gloo's own timeout, and the run goes on once
+torchrun has killed the frozen rank, 30 s after its SIGTERM). A killed rank: torchrun restarts the
 gang, which resumes from `latest`; its recovery time is from the signal to the next gang's first
 worker (a rank killed inside a save: seconds; before the save notes' wait gave up on a signal,
 30 s). A killed launcher: its workers must be gone within 15 s (they die with it), then the same
 command is run again with --resume (or without, when no checkpoint was saved yet). The trial
 survives when the run completes (exit 0, last step logged), no worker outlived a killed
-launcher, a stop was named by the watchdog, and every logged step's loss (for a step logged
+launcher, a stop was named (watchdog or save), and every logged step's loss (for a step logged
 twice, the later record) equals the reference's, bit for bit. A step never logged is counted
 apart, as a log gap: a kill after a checkpoint was published but before that step's metrics
 record was written loses the record, not state.
@@ -47,6 +48,9 @@ VICTIMS = ("rank0", "rank1", "launcher")
 MOMENTS = ("random", "save")
 WATCHDOG_SAYS = "shardlm watchdog: rank "
 """How the collective watchdog's report begins (comm/watchdog.py)."""
+NOTES_SAY = "did not finish writing"
+"""How rank 0 names ranks whose part of a checkpoint never came (a rank frozen inside a save:
+the wait for its note ends first, at the same timeout)."""
 BACKEND_TIMEOUT = "Timed out waiting"
 """gloo's own timeout: must never be what ends a frozen rank's peers."""
 
@@ -134,8 +138,8 @@ class Trial:
     recovery_s: float | None = None
     """A rank's fault: seconds from the signal to the next gang's first worker."""
     watchdog_named: bool | None = None
-    """A stopped rank: whether the watchdog named the stalled collective (and gloo's own
-    timeout never ended it)."""
+    """A stopped rank: whether the watchdog named the stalled collective, or the checkpoint's
+    wait the rank that froze inside a save (and gloo's own timeout never ended either)."""
     note: str = ""
 
     @property
@@ -173,6 +177,12 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float, poll: float = 0
             return False
         time.sleep(poll)
     return False
+
+
+def _timeout_of(extra: tuple[str, ...]) -> float:
+    """The trials' parallel.collective_timeout_s (the config's default, 600, if not given)."""
+    given = [a.split("=", 1)[1] for a in extra if a.startswith("--parallel.collective_timeout_s=")]
+    return float(given[-1]) if given else 600.0
 
 
 def run_trial(root: Path, number: int, seed: int, ref: dict[int, float], train_s: float,
@@ -220,9 +230,16 @@ def run_trial(root: Path, number: int, seed: int, ref: dict[int, float], train_s
                     struck = time.monotonic()
                     trial.killed = True
                     trial.resumed_by = "--max-restarts"
-                    if _wait_for(lambda: bool(set(children(proc.pid)) - set(workers)), proc, 600,
+                    # a frozen rank: its peers' watchdog reports within the collective timeout,
+                    # and torchrun kills it 30 s later; one frozen after its peers finished
+                    # training has no peer left to notice: thawed, and said so
+                    limit = 600 if trial.signal == "SIGKILL" else _timeout_of(extra) + 60
+                    if _wait_for(lambda: bool(set(children(proc.pid)) - set(workers)), proc, limit,
                                  poll=0.05):
                         trial.recovery_s = time.monotonic() - struck
+                    elif trial.signal == "SIGSTOP" and alive(target[0]):
+                        os.kill(target[0], signal.SIGCONT)
+                        trial.note = "no peer was waiting on the frozen rank (training was over)"
                 else:
                     trial.note = "no such rank found"
         if trial.victim != "launcher" or not trial.killed:
@@ -240,9 +257,9 @@ def run_trial(root: Path, number: int, seed: int, ref: dict[int, float], train_s
             proc.kill()
             proc.wait()
         log.close()
-    if trial.signal == "SIGSTOP" and trial.killed:
+    if trial.signal == "SIGSTOP" and trial.killed and not trial.note:
         text = (root / f"{name}.log").read_text(errors="replace")
-        trial.watchdog_named = WATCHDOG_SAYS in text and BACKEND_TIMEOUT not in text
+        trial.watchdog_named = (WATCHDOG_SAYS in text or NOTES_SAY in text) and BACKEND_TIMEOUT not in text
     got = losses(run_dir)
     trial.logged, trial.last_step = sorted(got), steps
     trial.steps_checked = len([s for s in ref if s in got])
@@ -260,9 +277,9 @@ def table(trials: list[Trial]) -> str:
     for t in trials:
         gone = "-" if t.workers_gone is None else ("yes" if t.workers_gone else "NO")
         verdict = (f"no kill: {t.note}" if not t.killed else
-                   "survived" if t.survived else f"FAILED {t.note}".strip())
+                   f"survived {t.note}".strip() if t.survived else f"FAILED {t.note}".strip())
         if t.watchdog_named is False:
-            verdict += " (the watchdog did not name the stalled collective)"
+            verdict += " (neither the watchdog nor the save named the stalled rank)"
         if t.mismatches:
             verdict += f" (steps {t.mismatches[:5]} differ)"
         if t.missing:
@@ -313,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     stopped = [t for t in killed if t.signal == "SIGSTOP"]
     saves = [t.recovery_s for t in killed
              if t.signal == "SIGKILL" and t.moment == "save" and t.recovery_s is not None]
-    print(f"stops {len(stopped)}, named by the watchdog {sum(bool(t.watchdog_named) for t in stopped)}; "
+    print(f"stops {len(stopped)}, named (watchdog or save) {sum(bool(t.watchdog_named) for t in stopped)}; "
           f"recovery after a rank killed in a save: "
           f"{', '.join(f'{s:.1f}' for s in saves) or '-'} s")
     print(f"reproduce: python bench/chaos.py --trials {args.trials} --seed {args.seed} "
