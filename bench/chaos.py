@@ -8,18 +8,26 @@ Method. One reference run (`shardlm train --nproc 2`, gpt-tiny in fp32, a checkp
 config with --max-restarts 3; a victim — rank 0, rank 1 or the launcher — and a moment:
 'random' (a uniform delay after the first logged step, within 70% of the reference's training time)
 or 'save' (the moment a checkpoint's temporary directory appears: inside the writer). The
-victim gets SIGKILL. A killed rank: torchrun restarts the gang, which resumes from `latest`. A
-killed launcher: its workers must be gone within 15 s (they die with it), then the same command
-is run again with --resume (or without, when no checkpoint was saved yet). The trial survives
-when the run completes (exit 0, last step logged), no worker outlived a killed launcher, and
-every logged step's loss (for a step logged twice, the later record) equals the reference's,
-bit for bit. A step never logged is counted apart, as a log gap: a kill after a checkpoint
-was published but before that step's metrics record was written loses the record, not state.
+victim gets SIGKILL — or, for a rank with probability --stop-fraction, SIGSTOP (a frozen rank:
+the others' collective watchdog must name rank, op and group — or, frozen inside a save, rank
+0's wait for its note the missing rank — never gloo's own timeout, and the run goes on once
+torchrun has killed the frozen rank, 30 s after its SIGTERM). A killed rank: torchrun restarts the
+gang, which resumes from `latest`; its recovery time is from the signal to the next gang's first
+worker (a rank killed inside a save: seconds; before the save notes' wait gave up on a signal,
+30 s). A killed launcher: its workers must be gone within 15 s (they die with it), then the same
+command is run again with --resume (or without, when no checkpoint was saved yet). The trial
+survives when the run completes (exit 0, last step logged), no worker outlived a killed
+launcher, a stop was named (watchdog or save), and every logged step's loss (for a step logged
+twice, the later record) equals the reference's, bit for bit. A step never logged is counted
+apart, as a log gap: a kill after a checkpoint was published but before that step's metrics
+record was written loses the record, not state.
 
     python bench/chaos.py --trials 20            # the long form (minutes; not in CI)
     python bench/chaos.py --trials 1 --only 7    # trial 7 again, alone
+    python bench/chaos.py --trials 6 --stop-fraction 0.5 --timeout 10   # frozen ranks too
 
-tests/test_faults.py runs a fast subset (two kills) in CI.
+tests/test_faults.py runs a fast subset (two kills) in CI; tests/test_watchdog.py a frozen rank
+and tests/test_faults.py a rank killed inside a save, each timed.
 """
 
 from __future__ import annotations
@@ -38,6 +46,13 @@ from pathlib import Path
 
 VICTIMS = ("rank0", "rank1", "launcher")
 MOMENTS = ("random", "save")
+WATCHDOG_SAYS = "shardlm watchdog: rank "
+"""How the collective watchdog's report begins (comm/watchdog.py)."""
+NOTES_SAY = "did not finish writing"
+"""How rank 0 names ranks whose part of a checkpoint never came (a rank frozen inside a save:
+the wait for its note ends first, at the same timeout)."""
+BACKEND_TIMEOUT = "Timed out waiting"
+"""gloo's own timeout: must never be what ends a frozen rank's peers."""
 
 
 def overrides(root: Path, name: str, steps: int, every: int) -> list[str]:
@@ -50,8 +65,9 @@ def overrides(root: Path, name: str, steps: int, every: int) -> list[str]:
     return [f"--{k}={v}" for k, v in values.items()]
 
 
-def command(root: Path, name: str, steps: int, every: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "shardlm", "train", "--nproc", "2", "--max-restarts", "3",
+def command(root: Path, name: str, steps: int, every: int, *extra: str,
+            restarts: int = 3) -> list[str]:
+    return [sys.executable, "-m", "shardlm", "train", "--nproc", "2", "--max-restarts", str(restarts),
             *overrides(root, name, steps, every), *extra]
 
 
@@ -107,6 +123,7 @@ class Trial:
     victim: str
     moment: str
     delay_s: float
+    signal: str = "SIGKILL"
     killed_at_step: int | None = None
     killed: bool = False
     workers_gone: bool | None = None
@@ -118,11 +135,17 @@ class Trial:
     missing: list[int] = field(default_factory=list)
     """Steps never logged (a kill between a checkpoint's publication and the step's record)."""
     seconds: float = 0.0
+    recovery_s: float | None = None
+    """A rank's fault: seconds from the signal to the next gang's first worker."""
+    watchdog_named: bool | None = None
+    """A stopped rank: whether the watchdog named the stalled collective, or the checkpoint's
+    wait the rank that froze inside a save (and gloo's own timeout never ended either)."""
     note: str = ""
 
     @property
     def survived(self) -> bool:
         return (self.exit_code == 0 and not self.mismatches and self.workers_gone is not False
+                and self.watchdog_named is not False
                 and self.steps_checked > 0 and max(self.logged, default=0) == self.last_step)
 
     logged: list[int] = field(default_factory=list)
@@ -156,19 +179,27 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float, poll: float = 0
     return False
 
 
+def _timeout_of(extra: tuple[str, ...]) -> float:
+    """The trials' parallel.collective_timeout_s (the config's default, 600, if not given)."""
+    given = [a.split("=", 1)[1] for a in extra if a.startswith("--parallel.collective_timeout_s=")]
+    return float(given[-1]) if given else 600.0
+
+
 def run_trial(root: Path, number: int, seed: int, ref: dict[int, float], train_s: float,
-              steps: int, every: int) -> Trial:
+              steps: int, every: int, stop_fraction: float = 0.0, *extra: str) -> Trial:
     rng = random.Random(seed + number)
     # within the first 70% of the reference's training time, so that the kill lands before the
     # run ends even when this machine is busier than it was for the reference
     trial = Trial(number, rng.choice(VICTIMS), rng.choice(MOMENTS), rng.uniform(0, 0.7 * train_s))
+    if stop_fraction and trial.victim != "launcher" and rng.random() < stop_fraction:
+        trial.signal = "SIGSTOP"  # drawn last: the trials without stops draw as they always did
     name = f"trial-{number:03d}"
     run_dir = root / "runs" / name
     ckpts = run_dir / "checkpoints"
     start = time.monotonic()
     log = open(root / f"{name}.log", "w")
-    proc = subprocess.Popen(command(root, name, steps, every), stdout=log, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(command(root, name, steps, every, *extra), stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         first = _wait_for(lambda: bool(losses(run_dir)), proc, 600, poll=0.05)
         if first and trial.moment == "random":
@@ -195,9 +226,20 @@ def run_trial(root: Path, number: int, seed: int, ref: dict[int, float], train_s
             else:
                 target = [w for w in workers if rank_of(w) == int(trial.victim[-1])]
                 if target:
-                    os.kill(target[0], signal.SIGKILL)
+                    os.kill(target[0], getattr(signal, trial.signal))
+                    struck = time.monotonic()
                     trial.killed = True
                     trial.resumed_by = "--max-restarts"
+                    # a frozen rank: its peers' watchdog reports within the collective timeout,
+                    # and torchrun kills it 30 s later; one frozen after its peers finished
+                    # training has no peer left to notice: thawed, and said so
+                    limit = 600 if trial.signal == "SIGKILL" else _timeout_of(extra) + 60
+                    if _wait_for(lambda: bool(set(children(proc.pid)) - set(workers)), proc, limit,
+                                 poll=0.05):
+                        trial.recovery_s = time.monotonic() - struck
+                    elif trial.signal == "SIGSTOP" and alive(target[0]):
+                        os.kill(target[0], signal.SIGCONT)
+                        trial.note = "no peer was waiting on the frozen rank (training was over)"
                 else:
                     trial.note = "no such rank found"
         if trial.victim != "launcher" or not trial.killed:
@@ -206,7 +248,8 @@ def run_trial(root: Path, number: int, seed: int, ref: dict[int, float], train_s
         else:
             saved = (ckpts / "latest").exists()
             trial.resumed_by = "--resume" if saved else "rerun (no checkpoint yet)"
-            again = subprocess.run(command(root, name, steps, every, *(["--resume"] if saved else [])),
+            again = subprocess.run(command(root, name, steps, every, *extra,
+                                           *(["--resume"] if saved else [])),
                                    stdout=log, stderr=subprocess.STDOUT, text=True, timeout=900)
             trial.exit_code = again.returncode
     finally:
@@ -214,6 +257,9 @@ def run_trial(root: Path, number: int, seed: int, ref: dict[int, float], train_s
             proc.kill()
             proc.wait()
         log.close()
+    if trial.signal == "SIGSTOP" and trial.killed and not trial.note:
+        text = (root / f"{name}.log").read_text(errors="replace")
+        trial.watchdog_named = (WATCHDOG_SAYS in text or NOTES_SAY in text) and BACKEND_TIMEOUT not in text
     got = losses(run_dir)
     trial.logged, trial.last_step = sorted(got), steps
     trial.steps_checked = len([s for s in ref if s in got])
@@ -224,20 +270,25 @@ def run_trial(root: Path, number: int, seed: int, ref: dict[int, float], train_s
 
 
 def table(trials: list[Trial]) -> str:
-    head = (f"{'trial':>5}  {'victim':8}  {'moment':6}  {'killed at step':>14}  {'workers gone':12}  "
-            f"{'resumed by':26}  {'exit':>4}  {'steps equal':>11}  {'s':>5}  verdict")
+    head = (f"{'trial':>5}  {'victim':8}  {'signal':7}  {'moment':6}  {'killed at step':>14}  "
+            f"{'workers gone':12}  {'resumed by':26}  {'recovery s':>10}  {'exit':>4}  "
+            f"{'steps equal':>11}  {'s':>5}  verdict")
     rows = [head, "-" * len(head)]
     for t in trials:
         gone = "-" if t.workers_gone is None else ("yes" if t.workers_gone else "NO")
         verdict = (f"no kill: {t.note}" if not t.killed else
-                   "survived" if t.survived else f"FAILED {t.note}".strip())
+                   f"survived {t.note}".strip() if t.survived else f"FAILED {t.note}".strip())
+        if t.watchdog_named is False:
+            verdict += " (neither the watchdog nor the save named the stalled rank)"
         if t.mismatches:
             verdict += f" (steps {t.mismatches[:5]} differ)"
         if t.missing:
             verdict += f"; steps {t.missing[:5]} not logged"
-        rows.append(f"{t.number:>5}  {t.victim:8}  {t.moment:6}  "
+        recovery = "-" if t.recovery_s is None else f"{t.recovery_s:.1f}"
+        rows.append(f"{t.number:>5}  {t.victim:8}  {t.signal:7}  {t.moment:6}  "
                     f"{'-' if t.killed_at_step is None else t.killed_at_step:>14}  {gone:12}  "
-                    f"{t.resumed_by or '-':26}  {t.exit_code if t.exit_code is not None else '-':>4}  "
+                    f"{t.resumed_by or '-':26}  {recovery:>10}  "
+                    f"{t.exit_code if t.exit_code is not None else '-':>4}  "
                     f"{t.steps_checked - len(t.mismatches):>11}  {t.seconds:5.0f}  {verdict}")
     return "\n".join(rows)
 
@@ -249,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", type=int, help="run only this trial number")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=3, help="checkpoint.every")
+    parser.add_argument("--stop-fraction", type=float, default=0.0,
+                        help="a rank victim gets SIGSTOP instead of SIGKILL with this probability")
+    parser.add_argument("--timeout", type=float, default=0.0,
+                        help="parallel.collective_timeout_s of the trials (0: the default)")
     parser.add_argument("--dir", help="work directory (default: a fresh temporary one, kept)")
     args = parser.parse_args(argv)
     root = Path(args.dir or tempfile.mkdtemp(prefix="shardlm-chaos-"))
@@ -259,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     numbers = [args.only] if args.only is not None else list(range(args.trials))
     trials = []
     for n in numbers:
-        t = run_trial(root, n, args.seed, ref, train_s, args.steps, args.every)
+        t = run_trial(root, n, args.seed, ref, train_s, args.steps, args.every, args.stop_fraction,
+                      *([f"--parallel.collective_timeout_s={args.timeout:g}"] if args.timeout else []))
         trials.append(t)
         print(table([t]).splitlines()[-1], flush=True)
     print()
@@ -271,8 +327,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{mismatched} (steps logged with another loss), log gaps "
           f"{sum(bool(t.missing) for t in killed)} (steps never logged), orphaned workers "
           f"{sum(t.workers_gone is False for t in trials)}")
+    stopped = [t for t in killed if t.signal == "SIGSTOP"]
+    saves = [t.recovery_s for t in killed
+             if t.signal == "SIGKILL" and t.moment == "save" and t.recovery_s is not None]
+    print(f"stops {len(stopped)}, named (watchdog or save) {sum(bool(t.watchdog_named) for t in stopped)}; "
+          f"recovery after a rank killed in a save: "
+          f"{', '.join(f'{s:.1f}' for s in saves) or '-'} s")
     print(f"reproduce: python bench/chaos.py --trials {args.trials} --seed {args.seed} "
-          f"--steps {args.steps} --every {args.every}")
+          f"--steps {args.steps} --every {args.every}"
+          + (f" --stop-fraction {args.stop_fraction:g}" if args.stop_fraction else "")
+          + (f" --timeout {args.timeout:g}" if args.timeout else ""))
     return 0 if survived == len(killed) else 1
 
 

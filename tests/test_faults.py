@@ -8,6 +8,7 @@ mode 0o555 does not stop a write.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.util
 import os
@@ -247,3 +248,92 @@ def test_killed_runs_resume_to_the_reference_losses(tmp_path, victim, moment):
     assert trial.exit_code == 0, log
     assert not trial.mismatches and trial.survived, (trial, log)
     assert trial.steps_checked >= steps - 1  # at most the record of the step at the kill is lost
+
+
+# -- a rank killed inside a checkpoint save: the job ends in seconds ----------------------------
+
+
+def test_a_rank_killed_inside_a_save_ends_the_job_in_seconds(tmp_path):
+    """Rank 1 dies before its part of a checkpoint is written: rank 0, waiting for its note, gives
+    up on torchrun's SIGTERM once nothing changes in the save's directory (before: it ignored the
+    signal and waited for torch's SIGKILL, 30 s; measured 31.3 s). The previous checkpoint stays
+    `latest`. The kill lands inside the save deterministically: rank 1 is frozen when the save's
+    directory appears, and killed only if its note is not there yet."""
+    from shardlm.checkpoint.sharded import _note_file
+
+    chaos = _chaos()
+    run_dir = tmp_path / "runs" / "killed"
+    ckpts = run_dir / "checkpoints"
+    command = chaos.command(tmp_path, "killed", 1000, 2, "--parallel.zero_stage=3", restarts=0)
+    log_path = tmp_path / "killed.log"
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    victim, killed = None, None
+    try:
+        for _ in range(20):  # saves until one is caught before rank 1's note
+            saving = lambda: [d for d in ckpts.glob(".step-*.tmp")] if ckpts.is_dir() else []
+            assert chaos._wait_for(lambda: bool(saving()), launcher, 120), log_path.read_text()[-3000:]
+            victim = victim or next(w for w in chaos.children(launcher.pid) if chaos.rank_of(w) == 1)
+            os.kill(victim, signal.SIGSTOP)
+            tmp = saving()
+            if tmp and not (tmp[0] / _note_file(1)).exists():
+                os.kill(victim, signal.SIGKILL)
+                killed = time.monotonic()
+                break
+            os.kill(victim, signal.SIGCONT)
+            chaos._wait_for(lambda: not saving(), launcher, 60)
+        assert killed is not None, "no save caught before rank 1's note"
+        launcher.wait(120)
+        ended_after = time.monotonic() - killed
+    finally:
+        for pid in [*([victim] if victim else []), launcher.pid]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
+    text = log_path.read_text(errors="replace")
+    assert ended_after < 15, (ended_after, text[-3000:])  # generous: 5 s of quiet after the signal
+    assert launcher.returncode != 0
+    assert "did not finish writing" in text and "the previous one stays latest" in text, text[-3000:]
+
+
+def test_the_notes_wait_gives_up_on_a_signal_only_when_the_save_stands_still(tmp_path, monkeypatch):
+    """After a signal, rank 0 waits for a missing note while the save's directory changes (a live
+    rank writing: a user's stop reaches every rank at once) and gives up once it stands still
+    (a dead rank)."""
+    import threading
+
+    from shardlm.checkpoint import sharded
+
+    monkeypatch.setattr(sharded, "NOTE_QUIET_S", 0.5)
+    writer = sharded.CheckpointWriter(tmp_path, 0, 2, keep=2, asynchronous=False, session="s",
+                                      timeout_s=60)
+    signals = [0]
+    writer.interrupted = lambda: signals[0] > 0
+    tmp = tmp_path / "save.tmp"
+    tmp.mkdir()
+    (tmp / sharded._note_file(0)).write_text("{}")
+
+    def live_rank() -> None:
+        with open(tmp / "rank-00001.safetensors.part", "wb") as f:
+            for _ in range(15):  # 1.5 s of writing: longer than the quiet limit
+                f.write(b"x" * 1000)
+                f.flush()
+                time.sleep(0.1)
+        (tmp / sharded._note_file(1)).write_text("{}")
+
+    signals[0] = 1
+    thread = threading.Thread(target=live_rank)
+    thread.start()
+    assert len(writer._await_notes(tmp)) == 2  # waited for the live writer
+    thread.join()
+    (tmp / sharded._note_file(1)).unlink()  # now rank 1 is dead: nothing moves
+    start = time.monotonic()
+    with pytest.raises(sharded.CheckpointError, match=r"ranks \[1\] did not finish writing"):
+        writer._await_notes(tmp)
+    assert time.monotonic() - start < 5
+    writer.interrupted = lambda: False  # no signal: the wait is the timeout's (not given up)
+    writer.timeout_s = 1.5
+    start = time.monotonic()
+    with pytest.raises(sharded.CheckpointError, match="within 1.5 s"):
+        writer._await_notes(tmp)
+    assert time.monotonic() - start >= 1.5

@@ -310,7 +310,8 @@ class ParallelConfig:
     """Stage 3: start gathering the next unit's parameters while the current one computes."""
     collective_timeout_s: float = 600.0
     """A collective not finished after this many seconds (a peer hung or died) is reported —
-    rank, group, operation, bytes — and the process exits non-zero; 0 disables the watchdog."""
+    rank, group, operation, bytes — and the process exits with code 4; 0 disables the watchdog.
+    The process group's own timeout is this plus max(5 s, a tenth), so the report comes first."""
     units: str = ""
     """Sharding units for a model that is not ours: comma-separated class names (e.g.
     'GPT2Block'); '' = the children of the largest nn.ModuleList."""

@@ -129,11 +129,23 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def process_group_timeout_s(timeout_s: float) -> float:
+    """The process group's own timeout for a collective watchdog timeout of `timeout_s`
+    (parallel.collective_timeout_s; 0: none, torch's default): longer by a margin, max(5 s, a
+    tenth), so that the watchdog, which looks at least once a second, reports a stalled
+    collective — rank, op, group — before gloo or NCCL end the wait with their own traceback
+    (comm/watchdog.py)."""
+    return timeout_s + max(5.0, timeout_s / 10) if timeout_s > 0 else 0.0
+
+
 def init_runtime(device_preference: str = "auto", timeout_s: float = 0.0) -> Runtime:
     """Read the launcher's environment, pick device and backend, set the per-rank thread count,
     and join the process group when there is more than one rank. `timeout_s` (the config's
     parallel.collective_timeout_s; 0: torch's default) bounds the group's every wait on another
-    rank, so a dead rank ends the others' waits with an error instead of a hang."""
+    rank, so a dead rank ends the others' waits with an error instead of a hang: the group's
+    timeout is `process_group_timeout_s(timeout_s)`, a margin longer, so that the collective
+    watchdog names the rank, op and group of a stalled collective before the backend's own
+    timeout ends it with a bare traceback (comm/watchdog.py)."""
     die_with_launcher()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -155,7 +167,7 @@ def init_runtime(device_preference: str = "auto", timeout_s: float = 0.0) -> Run
             where = (dict(init_method=f"file://{Path(local) / f'group-{restart_count()}'}",
                           rank=rank, world_size=world_size) if local else {})
             if timeout_s > 0:
-                where["timeout"] = datetime.timedelta(seconds=timeout_s)
+                where["timeout"] = datetime.timedelta(seconds=process_group_timeout_s(timeout_s))
             master = os.environ.get("MASTER_ADDR", "")
             if (not local and is_loopback(master)
                     and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") != "True"):

@@ -50,6 +50,7 @@ from shardlm.parallel.expert import finish_moe_step, moe_record
 from shardlm.parallel.expert_balance import ExpertBalancer
 from shardlm.parallel.pipeline import Schedule, StepIO, gather_stages
 from shardlm.parallel.pieces import whole_parameters
+from shardlm.comm.collectives import DeviceDone
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.precision import Precision, build_precision, is_finite
 from shardlm.resolve import resolve_config
@@ -204,7 +205,8 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     user_flops = [user_model_flops_per_token(model, t.seq_len, source_len, mode) if user_model else 0.0
                   for mode in ("none", cfg.activation.checkpoint)]
     timeout = cfg.parallel.collective_timeout_s
-    watchdog = CollectiveWatchdog(timeout, runtime.rank) if runtime.world_size > 1 and timeout else None
+    watchdog = (CollectiveWatchdog(timeout, runtime.rank, DeviceDone if runtime.device.type == "cuda" else None)
+                if runtime.world_size > 1 and timeout else None)
     # data.document_mask: batches of PackedTokens, and the attention backend that runs them
     documents = document_mask_on(cfg.data)
     log.info(configure_attention(model, cfg.model.attention, runtime.device, documents, t.compile))
@@ -598,6 +600,7 @@ def train(run: Run) -> TrainResult:
                 if out.stop or (every and (last or (step + 1) % every == 0)):
                     if out.stop:  # the last checkpoint before exiting: written in full
                         run.checkpoints.asynchronous = False
+                    run.checkpoints.interrupted = signals.watch()  # a signal during it: a rank died
                     report = save_checkpoint(run, step + 1)
                     result.saves.append(report)
                     record.update(checkpoint_step=step + 1, checkpoint_stall_s=report.stall_s,

@@ -166,6 +166,20 @@ def _note_file(rank: int) -> str:
     return f"rank-{rank:05d}.json"
 
 
+NOTE_QUIET_S = 5.0
+"""After a signal during a save, how long rank 0 waits for missing notes with no change in the
+save's directory before it gives up (CheckpointWriter._await_notes)."""
+
+
+def _dir_state(path: Path) -> frozenset:
+    """What changes in a directory while a rank writes there: names, sizes, times."""
+    try:
+        with os.scandir(path) as entries:
+            return frozenset((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries)
+    except FileNotFoundError:  # an entry renamed (a .part) between listing and stat
+        return frozenset()
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -212,6 +226,9 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self.last: SaveReport | None = None
         self._snapshots: dict[str, torch.Tensor] = {}
+        self.interrupted: Callable[[], bool] = lambda: False
+        """Set before a save by the trainer (launch.StopSignals.watch): True once a signal came
+        during it, which bounds rank 0's wait for the other ranks' notes (_await_notes)."""
         if rank == 0:  # a crashed attempt's unfinished or half-deleted directories (the run
             # directory is locked: no other attempt runs now)
             for stale in [*self.root.glob(".step-*.tmp"), *self.root.glob(".step-*.old")]:
@@ -390,14 +407,32 @@ class CheckpointWriter:
         _fsync_dir(self.root)
 
     def _await_notes(self, tmp: Path) -> list[dict]:
+        """Every rank's note, by rank. Bounded by timeout_s and, once a signal came during the
+        save (`interrupted`: torchrun signals the survivors when a rank died), by NOTE_QUIET_S
+        without any change in `tmp`: a rank still writing changes its files there, a dead one
+        never will. So a rank killed mid-save ends the job in seconds (before: rank 0 waited
+        here, ignoring the SIGTERM, until torch's SIGKILL 30 s later), while ranks all stopped
+        by the user's signal still finish the save they were writing."""
         deadline = time.monotonic() + self.timeout_s
+        seen, quiet_since = None, 0.0
         while True:
             missing = [r for r in range(self.world_size) if not (tmp / _note_file(r)).exists()]
             if not missing:
                 return [json.loads((tmp / _note_file(r)).read_text()) for r in range(self.world_size)]
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise CheckpointError(f"ranks {missing} did not finish writing {tmp} within "
                                       f"{self.timeout_s:g} s")
+            if self.interrupted():
+                state = _dir_state(tmp)
+                if state != seen:
+                    seen, quiet_since = state, now
+                elif now - quiet_since > NOTE_QUIET_S:
+                    raise CheckpointError(
+                        f"ranks {missing} did not finish writing {tmp}: a signal came during the "
+                        f"save (a rank died, or the job is being stopped) and nothing there changed "
+                        f"for {NOTE_QUIET_S:g} s; this checkpoint is not published, the previous "
+                        f"one stays latest")
             time.sleep(0.02)
 
     def _rotate(self, newest: Path) -> None:

@@ -10,6 +10,11 @@ followed by a copy of this rank's chunk: gloo's own reduce-scatter is exactly th
 clone of the input that it allocates at launch and frees only when the handle is dropped — a
 second full-size buffer per reduction in flight. Same algorithm on the same values, so the same
 bits; it is still counted as a reduce-scatter.
+
+Under a watchdog (comm/watchdog.py) every handle is tracked until the collective is done: on gloo
+its wait() is that moment; on NCCL, where wait() returns once the device's stream is ordered
+after the collective, until a CUDA event recorded right after the wait has completed
+(`DeviceDone`, polled by the watchdog's thread, never by the training thread).
 """
 
 from __future__ import annotations
@@ -69,6 +74,28 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class DeviceDone:
+    """The watchdog's probe on a device-asynchronous backend (NCCL): a CUDA event recorded on the
+    current stream just after a handle's wait() — which made that stream wait for the collective
+    — so `is_completed()` turns True when the collective has really finished. An event, not the
+    torch Work itself: a Work keeps its tensors alive, and the watchdog would then hold, e.g., a
+    ZeRO-3 unit's gathered parameters until its next poll instead of letting them be freed."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, handle: object = None):
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+
+def asynchronous_backend(backend: str) -> bool:
+    """Whether a handle's wait() on this backend returns before the collective is done."""
+    return "nccl" in backend
+
+
 class _Done:
     """The handle of a collective over one rank: nothing to wait for."""
 
@@ -121,13 +148,15 @@ class Comm:
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.backend = str(dist.get_backend(group)) if group is not None else ""
+        self.completion = DeviceDone if asynchronous_backend(self.backend) else None
+        """The watchdog's probe maker where a wait is not completion (NCCL); None on gloo."""
 
     def _launch(self, op: str, nbytes: int, collective: Callable[[], object]):
         self.ledger.add(op, self.name, nbytes)
         if self.watchdog is None:
             return _Timed(collective(), self.ledger)
         token = self.watchdog.track(op, self.name, nbytes)
-        return _Timed(Tracked(collective(), self.watchdog, token), self.ledger)
+        return _Timed(Tracked(collective(), self.watchdog, token, self.completion), self.ledger)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM):
         if self.group is None:
@@ -191,7 +220,7 @@ class Comm:
         if self.watchdog is None:
             return _Timed(work, self.ledger)
         return _Timed(Tracked(work, self.watchdog, self.watchdog.track(
-            "recv", self.name, tensor.numel() * tensor.element_size())), self.ledger)
+            "recv", self.name, tensor.numel() * tensor.element_size()), self.completion), self.ledger)
 
     def shift(self, send: torch.Tensor, recv: torch.Tensor):
         """Send `send` to the next rank of the group (ring order) and receive the previous
