@@ -192,11 +192,12 @@ def environment() -> dict:
 
 
 def run_tests(out: Path, timeout: int) -> dict:
-    """pytest -m cuda over tests/test_cuda.py: counts and each test's outcome."""
+    """pytest -m cuda over the suite (tests/test_cuda.py and the cuda-marked tests elsewhere):
+    counts and each test's outcome."""
     import xml.etree.ElementTree as ET
 
     xml = out / "cuda-tests.xml"
-    command = [sys.executable, "-m", "pytest", "-m", "cuda", "tests/test_cuda.py", "-q", "-rA",
+    command = [sys.executable, "-m", "pytest", "-m", "cuda", "tests", "-q", "-rA",
                "-p", "no:cacheprovider", f"--junitxml={xml}", "-s"]
     start = time.perf_counter()
     try:
