@@ -197,7 +197,10 @@ def run_tests(out: Path, timeout: int) -> dict:
     import xml.etree.ElementTree as ET
 
     xml = out / "cuda-tests.xml"
+    # --continue-on-collection-errors: a CPU test module whose optional import is missing on the
+    # GPU machine (datasets, ...) must not stop the lane (it did, on an H200).
     command = [sys.executable, "-m", "pytest", "-m", "cuda", "tests", "-q", "-rA",
+               "--continue-on-collection-errors",
                "-p", "no:cacheprovider", f"--junitxml={xml}", "-s"]
     start = time.perf_counter()
     try:
