@@ -69,3 +69,26 @@ def test_off_glibc_it_is_a_no_op_that_says_why():
     assert (source, threshold, probe) == ("unsupported", None, None)
     assert report == ("malloc: not glibc: run.malloc_mmap_threshold has no effect here "
                       "(mallopt(M_MMAP_THRESHOLD) is glibc's); the allocator is left as it is")
+
+
+def test_page_locked_memory_refused_falls_back_to_pageable(caplog):
+    """On this machine without a GPU, page-locked memory is refused (no accelerator to lock it
+    for): host_tensor gives pageable memory instead, with one warning naming the fix — what a
+    memlock limit or an exhausted host does to a GPU run's offload buffers."""
+    import logging
+
+    import torch
+
+    from shardlm import allocator
+
+    allocator._PINNED_REFUSED.clear()
+    with caplog.at_level(logging.WARNING, logger="shardlm"):
+        a = allocator.host_tensor((3, 4), torch.bfloat16, pinned=True)
+        b = allocator.host_tensor((2, 5), torch.float32, pinned=True, stride=(1, 2))
+    assert a.shape == (3, 4) and a.dtype == torch.bfloat16 and not a.is_pinned()
+    assert b.stride() == (1, 2) and b.device.type == "cpu"
+    warnings = [r for r in caplog.records if "page-locked host memory refused" in r.message]
+    assert len(warnings) == 1 and "ulimit -l" in warnings[0].message
+    assert allocator._PINNED_REFUSED
+    plain = allocator.host_tensor((2,), torch.float32, pinned=False)
+    assert not plain.is_pinned()

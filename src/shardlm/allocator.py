@@ -168,3 +168,36 @@ def threshold_in_effect(probe: int = PROBE_BYTES) -> bool | None:
         return mmapped_block_count() == before + 1
     finally:
         libc.free(block)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host memory for copies to and from a GPU
+
+
+_PINNED_REFUSED: list[str] = []
+"""Why page-locked memory was last refused in this process (empty: never)."""
+
+
+def host_tensor(shape, dtype, pinned: bool, stride=None):
+    """An uninitialised host tensor for device copies: page-locked where `pinned` (what makes a
+    copy asynchronous and fast), else pageable. If the OS refuses page-locked memory (ulimit -l,
+    a container's memlock limit, the host out of it) the tensor is pageable instead, said once per
+    process: copies are then synchronous, so slower, never wrong — every reader of a
+    non-blocking copy synchronises first."""
+    import logging
+
+    import torch
+
+    make = (lambda pin: torch.empty_strided(shape, stride, dtype=dtype, device="cpu", pin_memory=pin)) \
+        if stride is not None else (lambda pin: torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin))
+    if pinned:
+        try:
+            return make(True)
+        except RuntimeError as e:
+            if not _PINNED_REFUSED:
+                logging.getLogger("shardlm").warning(
+                    "shardlm: page-locked host memory refused (%s): using pageable memory, so host "
+                    "<-> device copies are synchronous and slower. Raise the memlock limit "
+                    "(ulimit -l) or offload less.", str(e).splitlines()[0])
+            _PINNED_REFUSED[:] = [str(e).splitlines()[0]]
+    return make(False)

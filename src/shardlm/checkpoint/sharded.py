@@ -58,6 +58,7 @@ from shardlm.checkpoint.manifest import (CHECKPOINTS, FORMAT, LATEST, MANIFEST, 
                                          newest_usable, open_no_follow, parse_manifest,
                                          read_manifest, sealed, step_dir_name, step_dirs,
                                          write_latest)
+from shardlm.allocator import host_tensor
 from shardlm.files import atomic_write
 from shardlm.preflight import DiskError, disk_error
 
@@ -287,8 +288,7 @@ class CheckpointWriter:
     def _snapshot_buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
         buffer = self._snapshots.get(name)
         if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu",
-                                 pin_memory=like.device.type == "cuda")
+            buffer = host_tensor(like.shape, like.dtype, pinned=like.device.type == "cuda")
             self._snapshots[name] = buffer
         return buffer
 

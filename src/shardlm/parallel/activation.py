@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from shardlm.allocator import host_tensor
 from shardlm.zero.units import unit_modules
 
 logger = logging.getLogger("shardlm")
@@ -202,7 +203,7 @@ class ActivationOffload:
         if seen is not None and seen[0]() is not None:  # alive: the address is still its own
             self.deduplicated += 1
             return seen[1]
-        host = torch.empty_strided(t.size(), _dense_strides(t), dtype=t.dtype, device="cpu", pin_memory=cuda)
+        host = host_tensor(t.size(), t.dtype, pinned=cuda, stride=_dense_strides(t))
         event = None
         if cuda:
             stream = self._side_stream(t.device)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardlm.allocator import host_tensor
 from shardlm.config import TrainConfig
 from shardlm.optim import init_adam_state
 
@@ -54,8 +55,9 @@ class InMemoryTier:
         if alias:
             master = target
         else:
-            master = torch.empty(target.shape, dtype=self.master_dtype, device=self.home,
-                                 pin_memory=self.home.type == "cpu" and torch.cuda.is_available())
+            master = (host_tensor(target.shape, self.master_dtype, pinned=target.is_cuda)
+                      if self.home.type == "cpu" else
+                      torch.empty(target.shape, dtype=self.master_dtype, device=self.home))
             master.copy_(initial)
         self.masters.append(nn.Parameter(master))
         self.targets.append(target)
@@ -148,7 +150,8 @@ class HostParams(ResidentParams):
         self.host: dict[int, torch.Tensor] = {}
         if self.moves:
             for unit in units:
-                self.host[id(unit)] = unit.shard_param.detach().to("cpu").pin_memory()
+                shard = unit.shard_param.detach()
+                self.host[id(unit)] = host_tensor(shard.shape, shard.dtype, pinned=True).copy_(shard)
                 unit.shard_param.untyped_storage().resize_(0)
 
     def _read(self, unit) -> None:

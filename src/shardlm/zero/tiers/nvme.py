@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from shardlm.allocator import host_tensor
 from shardlm.config import TrainConfig
 from shardlm.preflight import disk_error
 from shardlm.zero.tiers.memory import ResidentParams, TierStats
@@ -373,8 +374,8 @@ class FileParams(ResidentParams):
         # On a GPU the file I/O goes through one pinned host buffer (a device pointer is no
         # address the kernel can read or write: EFAULT, seen on an H200); on the CPU, none.
         on_device = [u for u in units if u.shard_param.device.type != "cpu"]
-        self.staging = (torch.empty(max(self._nbytes(u) for u in on_device), dtype=torch.uint8,
-                                    pin_memory=True) if on_device else None)
+        self.staging = (host_tensor((max(self._nbytes(u) for u in on_device),), torch.uint8, pinned=True)
+                        if on_device else None)
         for unit in units:
             self.offsets[id(unit)] = at
             at += _aligned(self._nbytes(unit))
