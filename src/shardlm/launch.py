@@ -10,6 +10,7 @@ docs/reliability.md).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import datetime
 import fcntl
@@ -488,9 +489,64 @@ def note_clean_stop(runtime: Runtime) -> None:
         (Path(directory) / f"stopped-{runtime.rank}").write_text(str(os.getpid()))
 
 
+_groups_destroyed = False
+"""Whether `shutdown` destroyed this process's process groups (their threads still run)."""
+
+
 def shutdown(runtime: Runtime) -> None:
+    """The end of a rank's distributed work, once every collective it issued has been waited on
+    (and its asynchronous checkpoint written: trainer.train): destroy every process group. The
+    process then ends through `end_process`."""
+    global _groups_destroyed
     if runtime.backend is not None and dist.is_initialized():
         dist.destroy_process_group()
+        _groups_destroyed = True
+
+
+def joined_group() -> bool:
+    """Whether this process joined a process group (now or before `shutdown`)."""
+    return _groups_destroyed or (dist.is_available() and dist.is_initialized())
+
+
+def end_process(code: int | str | None) -> None:
+    """End a process that joined a process group with exit status `code` (as sys.exit takes it),
+    in order: its non-daemon threads joined and its exit handlers run (logging, finalizers, the
+    trackers') while the interpreter is whole, its output flushed, then `os._exit`, without the
+    interpreter's finalisation. A process that never joined a group returns here (and exits as
+    usual). `python -m shardlm` ends this way.
+
+    Why not finalise (issue 25, the SIGABRT after "done"): gloo's worker threads cannot be
+    stopped. `destroy_process_group` only unregisters the groups (gloo's shutdown is a no-op);
+    their threads end with the group's C++ object, which outlives the run (torch itself keeps
+    the world group: it is a default argument of torch.distributed.nn.functional's collectives,
+    which torch imports lazily, after the group exists). A worker thread that has completed a
+    collective releases the work — and so the work's tensors — after the waiting thread has
+    moved on, and releasing a tensor that has a Python object takes the GIL (torch 2.13 keeps
+    the object alive while C++ holds the tensor). If the main thread has begun finalising by
+    then, the interpreter ends that thread (pthread_exit) inside the work's noexcept
+    destructor: `terminate called without an active exception`, SIGABRT, exit -6, a finished
+    run reported as failed. Every collective was complete (no handle pending); only this
+    release was late. Until finalisation begins any thread may take the GIL, so everything
+    that must run runs first, here."""
+    if not joined_group():
+        return
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # sys.exit("message"): printed, status 1
+        print(code, file=sys.stderr)
+        status = 1
+    join_threads = getattr(threading, "_shutdown", None)  # what finalisation calls first
+    if join_threads is not None:
+        join_threads()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said
+            pass
+    os._exit(status & 0xFF)
 
 
 class StopSignals:
