@@ -16,7 +16,15 @@ def _main() -> int | str | None:
         return 1
 
 
-code = _main()
-if "shardlm.launch" in sys.modules:  # a rank that joined a process group ends there (issue 25)
-    sys.modules["shardlm.launch"].end_process(code)
-sys.exit(code)
+def run() -> None:
+    """The `shardlm` command and `python -m shardlm`: a rank that joined a process group ends
+    through launch.end_process (issue 25: no interpreter finalisation racing gloo's threads),
+    whichever way it was started (torchrun running either, `shardlm train --nproc N`)."""
+    code = _main()
+    if "shardlm.launch" in sys.modules:
+        sys.modules["shardlm.launch"].end_process(code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()
