@@ -203,7 +203,11 @@ def run_trial(root: Path, number: int, seed: int, ref: dict[int, float], train_s
     try:
         first = _wait_for(lambda: bool(losses(run_dir)), proc, 600, poll=0.05)
         if first and trial.moment == "random":
-            _wait_for(lambda: False, proc, trial.delay_s)
+            # the delay, or the second-to-last step logged if that comes first: the reference's
+            # time runs to its exit, and a fast machine can be past the last step (ranks gone,
+            # nothing to kill) within 70% of it (seen in CI: every step logged after 0.17 s)
+            _wait_for(lambda: max(losses(run_dir), default=0) >= steps - 1, proc, trial.delay_s,
+                      poll=0.01)
         elif first:
             _wait_for(lambda: ckpts.is_dir() and any(p.name.endswith(".tmp") for p in ckpts.iterdir()),
                       proc, 600)
