@@ -54,8 +54,10 @@ def test_every_rank_of_shardlm_train_applies_it(tmp_path):
     for rank in (0, 1):
         assert (f"rank {rank}: malloc: mmap threshold fixed at 131,072 bytes (mallopt" in result.stdout
                 and f"rank {rank}: malloc:" in result.stdout), result.stdout[-3000:]
-    lines = [line for line in result.stdout.splitlines() if ": malloc:" in line]
-    assert len(lines) == 2 and all(line.endswith("read back: in effect") for line in lines), lines
+    # counted over the whole output: the launcher relays both ranks' output, and two lines
+    # written at once can arrive joined (seen in CI)
+    assert result.stdout.count(": malloc:") == 2, result.stdout[-3000:]
+    assert result.stdout.count("read back: in effect") == 2, result.stdout[-3000:]
 
 
 def test_off_glibc_it_is_a_no_op_that_says_why():
