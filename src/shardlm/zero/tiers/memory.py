@@ -49,6 +49,8 @@ class InMemoryTier:
         self.stats = TierStats()
         self._uploaded: torch.cuda.Event | None = None
         """Recorded after the step's host -> device copies of the masters (offload to 'cpu')."""
+        self._crosses_device = False
+        """Masters on the host for targets on a GPU: each step's copies need synchronising."""
 
     def add(self, target: torch.Tensor, initial: torch.Tensor, decay: bool) -> None:
         alias = self.may_alias and target.dtype == self.master_dtype and target.device == self.home
@@ -59,6 +61,7 @@ class InMemoryTier:
                       if self.home.type == "cpu" else
                       torch.empty(target.shape, dtype=self.master_dtype, device=self.home))
             master.copy_(initial)
+        self._crosses_device |= self.home.type == "cpu" and target.is_cuda
         self.masters.append(nn.Parameter(master))
         self.targets.append(target)
         self.decay.append(decay)
@@ -73,13 +76,12 @@ class InMemoryTier:
 
     def step(self, grads: list[torch.Tensor]) -> None:
         start = time.perf_counter()
-        host = self.home.type == "cpu"
         if self._uploaded is not None:  # the last step's device copies still read the masters
             self._uploaded.synchronize()
             self._uploaded = None
         for master, grad in zip(self.masters, grads):
             master.grad = grad.to(master.device, master.dtype, non_blocking=True)
-        if host and any(g.is_cuda for g in grads):
+        if self._crosses_device:
             # Device -> host copies run on the stream, not the host: the host AdamW below must
             # not read a gradient still being copied.
             torch.cuda.current_stream().synchronize()
@@ -88,7 +90,7 @@ class InMemoryTier:
             master.grad = None
             if not alias:
                 target.copy_(master.detach(), non_blocking=True)
-        if host and any(t.is_cuda for t, a in zip(self.targets, self.aliased) if not a):
+        if self._crosses_device:
             # ... and host -> device copies from the pinned masters: the next step writes them.
             self._uploaded = torch.cuda.Event()
             self._uploaded.record()
