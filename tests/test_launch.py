@@ -268,3 +268,15 @@ def test_one_gpu_per_local_rank(monkeypatch):
         pick_device("cuda:0", 0, 2)
     with pytest.raises(ConfigError, match="has 1 GPU"):
         pick_device("cuda:1", 0, 1)
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`shardlm presets | head -1`: the reader stops reading; the command ends with a shell's
+    SIGPIPE status (141) and no traceback (it was a BrokenPipeError traceback, exit 1)."""
+    proc = subprocess.Popen([sys.executable, "-m", "shardlm", "presets"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` does once it has its line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141, err
+    assert first.split()[0] == "gpt-tiny" and "Traceback" not in err, err

@@ -1,6 +1,10 @@
+import os
 import sys
 
 from shardlm.cli import main
+
+SIGPIPE_STATUS = 141
+"""What a shell reports for a command its reader stopped reading (128 + SIGPIPE)."""
 
 
 def _main() -> int | str | None:
@@ -8,6 +12,10 @@ def _main() -> int | str | None:
         return main()
     except SystemExit as stop:
         return stop.code
+    except BrokenPipeError:  # `shardlm presets | head`: the reader has what it wanted
+        # Later writes (the interpreter's final flush) go nowhere instead of failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_STATUS
     except Exception:
         launch = sys.modules.get("shardlm.launch")
         if launch is None or not launch.joined_group():
