@@ -6,6 +6,7 @@ where the directory has none; a template that cannot be split is a clear error."
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -192,16 +193,41 @@ def test_a_template_that_cannot_be_split_is_a_clear_error(tmp_path, tokenizer):
         check_chat_template(cfg, str(_tokenizer_dir(tmp_path / "chatml", tokenizer, CHATML)), tokenizer)
 
 
-def test_cli_trains_with_the_checkpoints_template_and_records_it(tmp_path, tokenizer):
-    """`shardlm train --model.hf_path DIR --data.format=chat` on a tiny Llama whose directory has
-    Llama 3's template: the run trains and says, in its log and first JSONL record, which one."""
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, tokenizer) -> Path:
+    """A tiny random Llama saved by transformers, with the tokenizer and Llama 3's template."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=VOCAB, bos_token_id=3, eos_token_id=EOS, hidden_size=32,
                                       intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                       num_key_value_heads=1, max_position_embeddings=256)
-    directory = tmp_path / "llama"
+    directory = tmp_path_factory.mktemp("hf") / "llama"
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    _tokenizer_dir(directory, tokenizer, LLAMA3)
+    return _tokenizer_dir(directory, tokenizer, LLAMA3)
+
+
+def test_cli_refuses_a_template_that_cannot_be_split_before_spawning(tmp_path, llama_dir, capsys):
+    from shardlm.cli import main
+
+    directory = shutil.copytree(llama_dir, tmp_path / "qwen3ish")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": DROPS_REASONING}))
+    two_turns = {"messages": [{"role": "user", "content": "Hi?"},
+                              {"role": "assistant", "content": "<think>greet</think>Hello."},
+                              {"role": "user", "content": "Bye?"},
+                              {"role": "assistant", "content": "<think>part</think>Bye."}]}
+    (tmp_path / "chat.jsonl").write_text(json.dumps(two_turns) + "\n")
+    code = main(["train", "--nproc", "2", "--model.hf_path", str(directory), "--data.format=chat",
+                 f"--data.source={tmp_path / 'chat.jsonl'}", f"--run.dir={tmp_path / 'runs'}",
+                 "--precision.compute=fp32", "--run.device=cpu"])
+    assert code == 2
+    assert "data.source's first conversation: the chat template" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_cli_trains_with_the_checkpoints_template_and_records_it(tmp_path, llama_dir):
+    """`shardlm train --model.hf_path DIR --data.format=chat` on a tiny Llama whose directory has
+    Llama 3's template: the run trains and says, in its log and first JSONL record, which one."""
+    directory = shutil.copytree(llama_dir, tmp_path / "llama")
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for _ in range(30) for c in CHATS))
     result = subprocess.run(
         [sys.executable, "-m", "shardlm", "train", "--model.hf_path", "llama", "--data.format=chat",
