@@ -207,8 +207,10 @@ def compare_args(sub) -> None:
                     "different steps), 2 if a path is not a run's log.")
     p.add_argument("run_a", metavar="RUN_A", help="a run directory (its metrics.jsonl), or a .jsonl file")
     p.add_argument("run_b", metavar="RUN_B", help="the run to compare with (the reference: rtol scales its loss)")
-    p.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help=f"relative loss tolerance (default {DEFAULT_RTOL:g})")
-    p.add_argument("--atol", type=float, default=DEFAULT_ATOL, help=f"absolute loss tolerance (default {DEFAULT_ATOL:g})")
+    p.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
+                   help=f"relative loss tolerance (default {DEFAULT_RTOL:g})")
+    p.add_argument("--atol", type=float, default=DEFAULT_ATOL,
+                   help=f"absolute loss tolerance (default {DEFAULT_ATOL:g})")
     p.add_argument("--diverging-only", action="store_true", help="list only the steps beyond the tolerance")
 
 

@@ -597,5 +597,6 @@ def model_from_params(params: float, layers: int | None = None, hidden: int | No
 
 
 __all__ = ["EVERYTHING", "RUNTIME", "LocalPrediction", "Plan", "SearchResult", "Supported",
-           "alternatives", "config_strategy", "default_dtypes", "model_from_hf_config", "explain", "model_from_params", "plan_for_run",
+           "alternatives", "config_strategy", "default_dtypes", "kept_settings", "model_from_hf_config", "explain",
+           "model_from_params", "plan_for_run",
            "predict_local", "preset_model", "search"]
