@@ -3,6 +3,8 @@ rank, and keeps the configured global batch."""
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import tiny_overrides
 from shardlm.config import flatten, load_config
 from shardlm.planner.search import default_dtypes, plan_for_run
@@ -79,3 +81,68 @@ def test_auto_compute_is_recorded_and_kept_on_resume(tmp_path, monkeypatch):
     assert resumed.start_step == 2 and resumed.precision.name == "bf16"
     fresh = build_run(load_config(overrides={**overrides, "run.name": "s"}).validate())
     assert fresh.precision.name == "fp32"
+
+
+# -- auto keeps what the run set ------------------------------------------------------------------
+
+KEPT_CASES = [{"ep": 2}, {"zero_stage": 3}, {"tp": 2, "sequence_parallel": True}, {"cp": 2}, {"pp": 2},
+              {"dp_replicate": 2}, {"ep": 2, "zero_stage": 2}]
+
+
+def _decide(caplog, **parallel):
+    """Resolution only (no processes): moe-tiny, 4 x A100 from the catalog (no probe)."""
+    import logging
+
+    import torch
+
+    from shardlm.hardware.catalog import parse_cluster
+    from shardlm.resolve import decide
+
+    cfg = load_config(overrides={"model.preset": "moe-tiny", "parallel.strategy": "auto",
+                                 "train.micro_batch": 4, "train.seq_len": 64, "precision.compute": "bf16",
+                                 **{f"parallel.{k}": v for k, v in parallel.items()}})
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="shardlm"):
+        resolved = decide(cfg, 4, torch.device("cpu"), hardware=parse_cluster("4xA100-80GB"))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("strategy auto:")]
+    assert len(said) == 1, said
+    return resolved.parallel, said[0]
+
+
+@pytest.mark.parametrize("kept", KEPT_CASES, ids=lambda kept: ",".join(f"{k}={v}" for k, v in kept.items()))
+def test_auto_keeps_every_degree_the_run_set(caplog, kept):
+    chosen, said = _decide(caplog, **kept)
+    assert chosen.strategy == "manual"
+    assert {key: getattr(chosen, key) for key in kept} == kept
+    assert said.startswith("strategy auto: kept " + ", ".join(f"{k}={v}" for k, v in kept.items())
+                           + " (set by you), chose "), said
+
+
+def test_what_auto_keeps_is_not_what_it_would_choose(caplog):
+    """Without them, auto's own choice here is ep 1 and plain data parallelism (so the kept
+    cases above do test the keeping), and the log line says it kept nothing."""
+    chosen, said = _decide(caplog)
+    assert (chosen.ep, chosen.zero_stage, chosen.tp, chosen.cp, chosen.pp, chosen.dp_replicate) == (1, 0, 1, 1, 1, 1)
+    assert said.startswith("strategy auto: chose plain DP"), said
+
+
+def _auto_ep_run(rank: int, world_size: int, overrides: dict) -> dict:
+    import shardlm.resolve as resolve
+    from shardlm.hardware.catalog import parse_cluster
+
+    # The planner's view of the machine from the catalog, not the CPU probe (seconds of
+    # measuring): what is tested is that the kept ep reaches the run, not which plan wins here.
+    resolve.local_hardware = lambda device, world_size: parse_cluster(f"{world_size}xA100-80GB")
+    run = build_run(load_config(overrides=overrides).validate())
+    train_step(run, 0)
+    return {"ep": run.cfg.parallel.ep, "mesh_ep": run.mesh.dims.ep,
+            "all_to_all_ep": run.strategy.ledger.snapshot().get("all_to_all/ep", 0)}
+
+
+def test_auto_with_ep_2_trains_expert_parallel_on_2_ranks(tmp_path):
+    overrides = tiny_overrides(tmp_path, **{"model.preset": "moe-tiny", "parallel.strategy": "auto",
+                                            "parallel.ep": 2, "train.micro_batch": 2, "train.seq_len": 32,
+                                            "train.steps": 1})
+    for rank in run_ranks(_auto_ep_run, 2, tmp_path, overrides, timeout=300):
+        assert rank["ep"] == rank["mesh_ep"] == 2
+        assert rank["all_to_all_ep"] > 0  # tokens really went to the other rank's experts

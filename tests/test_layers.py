@@ -28,7 +28,7 @@ LAYERS = [  # bottom first
     {"parallel"},
     {"planner"},
     {"resolve"},
-    {"trainer", "export", "launch_targets", "eval_checkpoint"},
+    {"trainer", "export", "launch_targets", "eval_checkpoint", "compare"},
     {"studies"},
     {"cli_planner"},
     {"cli"},

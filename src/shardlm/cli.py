@@ -1,4 +1,4 @@
-"""The `shardlm` command: train, launch, generate, export, presets, estimate, plan, study."""
+"""The `shardlm` command: train, launch, generate, export, presets, estimate, plan, study, compare."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import sys
 
 from shardlm.cli_planner import cmd_estimate, cmd_plan, planner_args
+from shardlm.compare import cmd_compare, compare_args
 from shardlm.errors import ConfigError
 from shardlm.studies import cmd_study, study_args
 from shardlm.preflight import DISK_EXIT, DiskError, check_run_disks, nvme_bytes
@@ -34,6 +35,10 @@ examples:
   shardlm export --checkpoint runs/latest --format peft --out adapter/
                                                   a LoRA run's adapters for peft (--format hf
                                                   --merge: folded into the weights)
+  shardlm compare runs/candidate runs/reference --rtol 1e-4
+                                                  two runs' loss, grad norm, tokens/s, memory per
+                                                  step; exit status 1 from the first step whose
+                                                  loss differs beyond the tolerance
   shardlm presets                                 the named model shapes
   shardlm estimate --model gpt2-1.5b --gpus 8xV100-16GB --zero-stage 3 --micro-batch 4 --seq 1024
                                                   per-rank memory by category, with formulas, and
@@ -153,6 +158,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="order plans by time to train (speed) or by cost for --tokens (on one "
                            "cluster the two agree: same devices, same price)")
     study_args(sub)
+    compare_args(sub)
     return parser
 
 
@@ -624,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_plan(args)
         if args.command == "study":
             return cmd_study(args)
+        if args.command == "compare":
+            return cmd_compare(args)
         parser.print_help()
         return 0
     except ConfigError as e:

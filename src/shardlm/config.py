@@ -258,7 +258,8 @@ class ParallelConfig:
     """'manual': the keys below as given. 'auto': the planner (`shardlm plan`) picks, for this
     machine's ranks and the configured global batch, the fastest layout that fits — ZeRO stage,
     dp_replicate x dp_shard, activation.checkpoint, the micro_batch x grad_accum split and
-    offload — logs why, and the run uses it."""
+    offload — logs why, and the run uses it. What you set (tp, cp, pp, ep, dp_replicate,
+    sequence_parallel, a zero_stage other than 0) is kept, and the rest planned around it."""
     zero_stage: int = 0
     """What is sharded over dp_shard (ZeRO, Rajbhandari et al. 2020): 0 nothing (plain data
     parallel), 1 optimizer states + fp32 master, 2 + gradients, 3 + parameters."""

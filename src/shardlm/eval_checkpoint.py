@@ -26,6 +26,7 @@ def evaluate_checkpoint(path: str | Path, overrides: dict[str, str]) -> dict:
     from shardlm.checkpoint import load_for_inference
     from shardlm.config_rules import document_mask_on
     from shardlm.data import build_dataset, eval_batches
+    from shardlm.data.sft import template_for
     from shardlm.data.tokenizer import eot_id, hf_tokenizer
     from shardlm.launch import pick_device
     from shardlm.models.attention import choose_backend
@@ -45,7 +46,8 @@ def evaluate_checkpoint(path: str | Path, overrides: dict[str, str]) -> dict:
     given = (hf_tokenizer(cfg.model.hf_path, cfg.model.vocab_size) if cfg.model.hf_path
              else (tokenizer, eot_id(tokenizer)))
     t = cfg.train
-    dataset = build_dataset(cfg.data, cfg.model.vocab_size, given, t.seq_len)
+    dataset = build_dataset(cfg.data, cfg.model.vocab_size, given, t.seq_len,  # chats as the run rendered them
+                            chat_template=template_for(cfg.data.format, cfg.model.hf_path))
     documents = document_mask_on(cfg.data)  # the batches and attention the run trained with
     if hasattr(model, "attention_backend"):  # our Decoder (a transformers model runs its own)
         model.attention_backend = choose_backend(cfg.model.attention, device.type, documents, False)

@@ -75,7 +75,7 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
     """`cfg` with its 'auto' settings decided for `world_size` ranks on `device` (one process's
     decision: `resolve_config` shares it). `checkpoint`: the one the run resumes from.
     `hardware`: decide for this cluster instead of this machine (`train --dry-run --gpus`)."""
-    from shardlm.planner.search import default_dtypes, describe_strategy, plan_for_run
+    from shardlm.planner.search import default_dtypes, describe_strategy, kept_settings, plan_for_run
 
     cfg = with_global_batch(cfg.validate(), world_size)
     if hardware is None:  # fp8 needs FP8 hardware or precision.fp8_emulate: ConfigError otherwise
@@ -88,10 +88,11 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
     if cfg.parallel.strategy == "auto":
         t, p = cfg.train, cfg.precision
         where = hardware or local_hardware(device, world_size)
-        # The run's own tensor-, context- and pipeline-parallel degrees (and sequence
-        # parallelism, the pipeline schedule) are kept; the plan chooses the data-parallel
-        # split, ZeRO stage, micro-batch, recomputation and offload around them.
+        # What the run set itself (tp, cp, pp, ep, dp_replicate, sequence parallelism, the ZeRO
+        # stage; the pipeline schedule) is kept; the plan chooses the rest around it: the
+        # data-parallel split, ZeRO stage, micro-batch, recomputation and offload.
         par = cfg.parallel
+        kept = kept_settings(par)
         plans = plan_for_run(cfg.model, world_size, where, (t.micro_batch, t.grad_accum, t.seq_len),
                              dtypes=default_dtypes(where, p.compute, p.master, p.reduce), parallel=par)
         if not plans:
@@ -100,9 +101,12 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
                               f"{t.seq_len} tokens per step on {world_size} rank(s); `shardlm "
                               f"estimate` shows where the memory goes")
         best = plans[0]
-        log.info("strategy auto: %s — predicted %.0f tokens/s, peak %.2f GiB per rank (%d plans fit)",
-                 describe_strategy(best.strategy), best.timing.tokens_per_s, best.memory.peak / 2**30, len(plans))
         cfg = best.apply(cfg)
+        assert all(getattr(cfg.parallel, key) == value for key, value in kept.items()), (kept, cfg.parallel)
+        said = ", ".join(f"{key}={value}" for key, value in kept.items())
+        log.info("strategy auto: %schose %s — predicted %.0f tokens/s, peak %.2f GiB per rank (%d plans fit)",
+                 f"kept {said} (set by you), " if kept else "", describe_strategy(best.strategy),
+                 best.timing.tokens_per_s, best.memory.peak / 2**30, len(plans))
     if cfg.precision.compute == "auto":
         compute = (choose_compute(hardware.device.kind, hardware.device.peak) if hardware
                    else _auto_compute(device))

@@ -26,7 +26,7 @@ from shardlm.config_rules import document_mask_on
 from shardlm.errors import ConfigError
 from shardlm.data import Dataset, Loader, build_dataset
 from shardlm.data.seq2seq import Seq2SeqInputs
-from shardlm.data.sft import IGNORE
+from shardlm.data.sft import IGNORE, check_chat_template, template_for
 from shardlm.data.corpus import check_text_files
 from shardlm.data.tokenizer import hf_tokenizer
 from shardlm.launch import (Runtime, StopSignals, agree_on_name, broadcast_text, claim_run_dir,
@@ -151,9 +151,11 @@ def check_inputs(cfg: Config, user_model: bool = False) -> None:
     model.hf_path's tokenizer.json (readable, its vocabulary within the model's), the layers
     lora.targets picks and lora.rank against each one's dims (our decoder, built on the meta
     device; a `user_model` is checked by apply_lora), and data.source's text files (text, not
-    binary bytes). A ConfigError names the file or the layer."""
+    binary bytes); with data.format chat, model.hf_path's chat template on the data's first
+    conversation (data/sft.py check_chat_template). A ConfigError names the file or the layer."""
     if cfg.model.hf_path:
-        hf_tokenizer(cfg.model.hf_path, cfg.model.vocab_size)
+        tok, _ = hf_tokenizer(cfg.model.hf_path, cfg.model.vocab_size)
+        check_chat_template(cfg.data, cfg.model.hf_path, tok)  # chat data: the checkpoint's template
     if cfg.lora.rank and not user_model and not encoder_decoder_config(cfg.model.hf_path,
                                                                        cfg.model.hf_config):
         check_rank(cfg.lora.rank, lora_layers(build_model(cfg.model, "meta"), cfg.lora.targets,
@@ -184,7 +186,12 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     given = hf_tokenizer(cfg.model.hf_path, cfg.model.vocab_size) if cfg.model.hf_path else None
     # small data: the validation split holds at least a micro-batch, if a global batch is left
     dataset = build_dataset(cfg.data, cfg.model.vocab_size, given, t.seq_len,
-                            (t.micro_batch * t.grad_accum * mesh.dims.dp_size, t.micro_batch))
+                            (t.micro_batch * t.grad_accum * mesh.dims.dp_size, t.micro_batch),
+                            template_for(cfg.data.format, cfg.model.hf_path))
+    if "chat_template" in (dataset.meta or {}):
+        used = dataset.meta["chat_template"]
+        log.info("data: chats rendered with the chat template %s ('%s', sha256 %s; assistant turns by %s)",
+                 used["source"], used["name"], used["sha256"][:16], used["assistant"])
     precision = build_precision(cfg.precision, runtime.device, t.on_nonfinite == "stop")
     user_model = model is not None
     seq2seq_config = encoder_decoder_config(cfg.model.hf_path, cfg.model.hf_config)
@@ -567,6 +574,9 @@ def train(run: Run) -> TrainResult:
     result = TrainResult(run.run_dir)
     fault = planned_fault()  # $SHARDLM_FAULT: the fault tests' injected crash, leave or pause
     speeds, mfus, hfus = [], [], []
+    # Said once, in the first record written: the chat template the data was rendered with.
+    meta = run.dataset.meta or {}
+    first_record = {"chat_template": meta["chat_template"]} if "chat_template" in meta else {}
     try:
         tracker.log_config(cfg.to_dict())  # resolved: every 'auto' decided
         with StopSignals() as signals:
@@ -606,7 +616,8 @@ def train(run: Run) -> TrainResult:
                     record.update(checkpoint_step=step + 1, checkpoint_stall_s=report.stall_s,
                                   checkpoint_bytes=report.bytes)
                 if out.stop or last or (step + 1) % cfg.train.log_every == 0:
-                    metrics.write(record)
+                    metrics.write({**record, **first_record})
+                    first_record = {}
                     tracker.log_scalars(record["step"], record)
                 progress.update(step - run.start_step, f"loss {out.loss:.3f}  "
                                 f"{record['tokens_per_s']:,.0f} tok/s  MFU {record['mfu']:.1%} "

@@ -43,7 +43,7 @@ from shardlm.data.tokenizer import (encode_to_file, eot_id, load_tokenizer, save
                                     train_tokenizer)
 
 log = logging.getLogger("shardlm")
-_SFT_VERSION = 2
+_SFT_VERSION = 3
 """Bump when the packing or the chat rendering changes, so SFT caches rebuild."""
 
 
@@ -87,7 +87,7 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 def build_dataset(cfg: DataConfig, vocab_size: int,
                   given: tuple[Tokenizer, int] | None = None, seq_len: int | None = None,
-                  batches: tuple[int, int] = (0, 0)) -> Dataset:
+                  batches: tuple[int, int] = (0, 0), chat_template: sft.ChatTemplate | None = None) -> Dataset:
     """Train the tokenizer and write the token stream once; later calls (and other ranks) load.
     `given`: a tokenizer to use instead of training one (a checkpoint's: model.hf_path) and the
     id that separates documents; the cache entry is then keyed by the tokenizer's content too.
@@ -96,19 +96,21 @@ def build_dataset(cfg: DataConfig, vocab_size: int,
     data.val_source: a second entry, tokenized by the first's tokenizer, is the validation split
     (all of it), and all of data.source trains; else the last val_fraction of data.source, but at
     least batches[1] windows (one validation micro-batch) while batches[0] (one global batch)
-    stay to train: see split_point."""
-    cache_dir = _build_entry(cfg, vocab_size, given, seq_len)
+    stay to train: see split_point.
+    `chat_template`: data.format chat rendered with a model's own template (sft.template_for)."""
+    cache_dir = _build_entry(cfg, vocab_size, given, seq_len, chat_template=chat_template)
     if not cfg.val_source:
         return load_dataset(cache_dir, cfg.val_fraction, seq_len or 0, batches)
     train = load_dataset(cache_dir, 0.0)
     held_out = replace(cfg, source=cfg.val_source)
     val = load_dataset(_build_entry(held_out, vocab_size, (train.tokenizer, train.eot_id), seq_len,
-                                    "val"), 1.0)
+                                    "val", chat_template), 1.0)
     return replace(train, val=val.val, val_mask=val.val_mask)
 
 
 def _build_entry(cfg: DataConfig, vocab_size: int, given: tuple[Tokenizer, int] | None,
-                 seq_len: int | None, split: str = "train") -> Path:
+                 seq_len: int | None, split: str = "train",
+                 chat_template: sft.ChatTemplate | None = None) -> Path:
     """The cache entry of cfg.source (`split`: a DatasetDict's 'train' or 'val' split), built
     under a lock by the first rank to get there."""
     files = corpus_files(cfg, split)
@@ -122,6 +124,8 @@ def _build_entry(cfg: DataConfig, vocab_size: int, given: tuple[Tokenizer, int] 
     if given is not None:
         digest = hashlib.sha256(f"{given[1]}\0{given[0].to_str()}".encode()).hexdigest()[:12]
         name += f"-t{digest}"
+    if chat_template is not None and cfg.format == "chat":
+        name += f"-c{chat_template.sha256[:12]}"
     cache_dir = cache_root(cfg.cache_dir) / name
     if not (cache_dir / "done").exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -133,7 +137,7 @@ def _build_entry(cfg: DataConfig, vocab_size: int, given: tuple[Tokenizer, int] 
                 elif cfg.format == "seq2seq":
                     _build_seq2seq(cfg, files, vocab_size, cache_dir, given, seq_len)
                 else:
-                    _build_sft(cfg, files, vocab_size, cache_dir, given, seq_len + 1)
+                    _build_sft(cfg, files, vocab_size, cache_dir, given, seq_len + 1, chat_template)
     return cache_dir
 
 
@@ -227,7 +231,8 @@ def _build(cfg: DataConfig, files: list[Path], vocab_size: int, cache_dir: Path,
 
 
 def _build_sft(cfg: DataConfig, files: list[Path], vocab_size: int, cache_dir: Path,
-               given: tuple[Tokenizer, int] | None, row_len: int) -> None:
+               given: tuple[Tokenizer, int] | None, row_len: int,
+               chat_template: sft.ChatTemplate | None = None) -> None:
     """Chat / prompt-completion examples -> packed rows of row_len tokens and their loss mask."""
     start = time.perf_counter()
     for stale in cache_dir.glob("*.tmp.*"):
@@ -243,7 +248,7 @@ def _build_sft(cfg: DataConfig, files: list[Path], vocab_size: int, cache_dir: P
     dtype = token_dtype(vocab_size)
     tmp = {name: cache_dir / f"{name}.bin.tmp.{os.getpid()}" for name in ("tokens", "mask")}
     counts = sft.pack_to_files(tok, sft.iter_examples(cfg, files), cfg.format, end_id, row_len,
-                               tmp["tokens"], tmp["mask"], dtype)
+                               tmp["tokens"], tmp["mask"], dtype, chat_template)
     if not counts["n_rows"]:
         raise ConfigError(f"data.source = {cfg.source!r}: no example has a token that carries loss "
                           f"({counts['n_dropped']} dropped: no assistant message / empty completion, "

@@ -2,7 +2,10 @@
 (Arrow / Parquet rows too, field for field: data/tables.py; data.columns renames the fields.)
 
 `data.format = 'chat'`: one JSON object per line, `{"messages": [{"role": "system" | "user" |
-"assistant", "content": "..."}, ...]}`, rendered with the default template (DEFAULT_TEMPLATE):
+"assistant", "content": "..."}, ...]}`. With model.hf_path, a directory that has its own chat template
+(chat_template.jinja, or tokenizer_config.json's `chat_template`: a string or a list of named
+templates) renders each conversation with it, through transformers' apply_chat_template
+(ChatTemplate, below); otherwise the default template (DEFAULT_TEMPLATE):
 
     <|role|>\\n{content}<end>          per message, in order
 
@@ -30,8 +33,11 @@ data.document_mask's positions restart at (data/loader.py).
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +45,7 @@ from tokenizers import Tokenizer
 
 from shardlm.config import DataConfig
 from shardlm.config_rules import DATA_FORMATS, parse_columns
-from shardlm.data.corpus import jsonl_records
+from shardlm.data.corpus import corpus_files, jsonl_records
 from shardlm.data.tables import TABLE_SUFFIXES, iter_rows
 from shardlm.errors import ConfigError
 
@@ -174,10 +180,200 @@ def encode_example(tok: Tokenizer, record: dict, fmt: str, end_id: int) -> tuple
     return ids, mask
 
 
+# -- the checkpoint's own chat template -------------------------------------------------------
+
+DEFAULT_RECORD = {"source": "shardlm DEFAULT_TEMPLATE", "name": "default",
+                  "sha256": hashlib.sha256(DEFAULT_TEMPLATE.encode()).hexdigest(), "assistant": "segments"}
+"""What a run records (meta.json, the first JSONL record) when chats are rendered with ours."""
+_GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A model directory's own Jinja chat template (transformers' format) and the special tokens
+    its text refers to (`bos_token`, `eos_token`, ... from tokenizer_config.json)."""
+
+    text: str
+    source: str
+    """The file it came from (and the key inside it)."""
+    name: str = "default"
+    """Of several named templates, the one used: transformers' 'default' (no tools are passed)."""
+    special_tokens: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+    @property
+    def generation_markers(self) -> bool:
+        """The template marks the assistant's tokens itself ({% generation %} ... {% endgeneration %})."""
+        return bool(_GENERATION.search(self.text))
+
+    def record(self) -> dict:
+        return {"source": self.source, "name": self.name, "sha256": self.sha256,
+                "assistant": "generation markers" if self.generation_markers else "prefixes"}
+
+
+def _token_text(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken's dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def find_chat_template(directory: str | Path) -> ChatTemplate | None:
+    """The chat template a transformers tokenizer directory carries, found as transformers finds
+    it: chat_template.jinja (and additional_chat_templates/*.jinja) first, else
+    tokenizer_config.json's `chat_template`, a string or a list of {"name", "template"}. Of named
+    templates, 'default'. None when the directory has none. Reads files only (no transformers)."""
+    root = Path(directory)
+    config_path = root / "tokenizer_config.json"
+    try:
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"model.hf_path {str(directory)!r}: {config_path} is not JSON ({e})") from None
+    named: dict[str, tuple[str, str]] = {}  # name -> (template text, where it came from)
+    if (root / "chat_template.jinja").is_file():
+        named["default"] = ((root / "chat_template.jinja").read_text(), str(root / "chat_template.jinja"))
+    for path in sorted((root / "additional_chat_templates").glob("*.jinja")):
+        named[path.name.removesuffix(".jinja")] = (path.read_text(), str(path))
+    value = config.get("chat_template") if not named else None
+    if isinstance(value, str):
+        named["default"] = (value, f"{config_path} chat_template")
+    elif isinstance(value, list):
+        for i, entry in enumerate(value):
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):
+                raise ConfigError(f"model.hf_path {str(directory)!r}: {config_path} chat_template[{i}] "
+                                  f"must be {{\"name\": ..., \"template\": ...}} (strings)")
+            named[entry["name"]] = (entry["template"], f"{config_path} chat_template[{i}]")
+    elif value is not None:
+        raise ConfigError(f"model.hf_path {str(directory)!r}: {config_path} chat_template must be a "
+                          f"string or a list of named templates, found {type(value).__name__}")
+    if not named:
+        return None
+    if "default" not in named:
+        raise ConfigError(f"model.hf_path {str(directory)!r} has named chat templates "
+                          f"{', '.join(sorted(named))} but none named 'default', the one a "
+                          f"conversation without tools renders with; name one of them 'default'")
+    text, source = named["default"]
+    specials = {key: _token_text(config.get(key)) for key in _SPECIAL_KEYS}
+    return ChatTemplate(text, source, "default", {k: v for k, v in specials.items() if v is not None})
+
+
+def template_for(fmt: str, hf_path: str) -> ChatTemplate | None:
+    """The template chat data is rendered with: model.hf_path's own, if it has one (None: ours)."""
+    return find_chat_template(hf_path) if fmt == "chat" and hf_path else None
+
+
+class _Renderer:
+    """A ChatTemplate applied through transformers' apply_chat_template, to the tokenizer the
+    run uses (a copy of it: the ids are exactly the ones our `tokenizers` object gives)."""
+
+    def __init__(self, template: ChatTemplate, tok: Tokenizer):
+        try:
+            from transformers import PreTrainedTokenizerFast
+        except ImportError:
+            raise ConfigError(f"the chat template {template.source} is rendered by transformers' "
+                              f"apply_chat_template, and transformers is not installed: pip install "
+                              f"'shardlm[hf]' (or remove the template to use shardlm's default)") from None
+        self.template, self.tok = template, tok
+        # No special tokens passed to the constructor: one missing from the vocabulary would be
+        # added to it. The template sees them as variables instead (bos_token, ...).
+        self.hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tok.to_str()))
+
+    def _apply(self, messages: list[dict], **kwargs):
+        try:
+            return self.hf.apply_chat_template(messages, chat_template=self.template.text,
+                                               **self.template.special_tokens, **kwargs)
+        except Exception as e:  # jinja2's TemplateError, raise_exception(...) in the template
+            raise ConfigError(f"the chat template {self.template.source} fails on this conversation "
+                              f"({type(e).__name__}: {e})") from None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self._apply(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The whole conversation's text and each assistant turn's (start, end) in it, by
+        rendering prefixes: the turn is what rendering messages[:i+1] adds to messages[:i] with
+        the generation prompt (the assistant's header), less the whitespace before the next turn.
+        A template whose prefixes are not stable (a turn renders differently once later ones
+        follow) cannot be split so: a ConfigError says so."""
+        whole = self.render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            if i == 0:
+                raise ConfigError(f"the chat template {self.template.source} has no {{% generation %}} "
+                                  f"markers, so each assistant turn is found by rendering the messages "
+                                  f"before it; this conversation starts with one: put its prompt (a "
+                                  f"system or user message) first, or mark the template's assistant "
+                                  f"output with {{% generation %}} ... {{% endgeneration %}}")
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            upto = whole if i == len(messages) - 1 else self.render(messages[:i + 1])
+            if not upto.startswith(prompt) or not whole.startswith(upto):
+                what = ("messages[:{i}] with the generation prompt is not the start of "
+                        "messages[:{j}]" if not upto.startswith(prompt) else
+                        "messages[:{j}] renders differently once the later messages follow")
+                raise ConfigError(f"the chat template {self.template.source} cannot be split into "
+                                  f"turns: rendered, " + what.format(i=i, j=i + 1) + " (its prefixes are "
+                                  f"not stable, e.g. it rewrites earlier assistant turns), so which tokens "
+                                  f"are the assistant's is unknown; mark the assistant's output in the "
+                                  f"template with {{% generation %}} ... {{% endgeneration %}}, or drop "
+                                  f"the template from model.hf_path to use shardlm's default")
+            end = len(upto.rstrip())
+            if end > len(prompt):
+                spans.append((len(prompt), end))
+        return whole, spans
+
+    def __call__(self, record: dict) -> tuple[list[int], list[int]]:
+        messages = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+        if self.template.generation_markers:  # the template says which tokens are the assistant's
+            out = self._apply(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            ids, mask = list(out["input_ids"]), [int(b) for b in out["assistant_masks"]]
+        else:
+            text, spans = self.assistant_spans(messages)
+            encoding = self.tok.encode(text, add_special_tokens=False)
+            ids = encoding.ids
+            # A token carries loss when its characters overlap a span (transformers' rule for
+            # {% generation %} spans too).
+            mask = [int(any(s < b and e > a for a, b in spans)) for s, e in encoding.offsets]
+        if mask:
+            mask[0] = 0  # predicted from the previous example's last token: never a target
+        return ids, mask
+
+
+def example_encoder(tok: Tokenizer, fmt: str, end_id: int,
+                    template: ChatTemplate | None = None) -> Callable[[dict], tuple[list[int], list[int]]]:
+    """record -> (token ids, loss bits): the model's chat template where it has one, else ours."""
+    if template is not None and fmt == "chat":
+        return _Renderer(template, tok)
+    return lambda record: encode_example(tok, record, fmt, end_id)
+
+
+def check_chat_template(cfg: DataConfig, hf_path: str, tok: Tokenizer) -> ChatTemplate | None:
+    """model.hf_path's chat template (None: ours), tried on data.source's first conversation:
+    rendered and split into turns, so a template that cannot be used (no transformers, a Jinja
+    error, prefixes that are not stable) is a ConfigError before anything starts."""
+    template = template_for(cfg.format, hf_path)
+    if template is not None:
+        first = next(iter_examples(cfg, corpus_files(cfg, "train")), None)
+        if first is not None:
+            try:
+                _Renderer(template, tok)(first)
+            except ConfigError as e:
+                raise ConfigError(f"data.source's first conversation: {e}") from None
+    return template
+
+
 def pack_to_files(tok: Tokenizer, examples: Iterator[dict], fmt: str, end_id: int, row_len: int,
-                  tokens_path: Path, mask_path: Path, dtype: np.dtype) -> dict:
-    """Greedy packing (next fit, file order) into rows of `row_len` tokens, written as they fill.
-    Returns the counts for meta.json."""
+                  tokens_path: Path, mask_path: Path, dtype: np.dtype,
+                  template: ChatTemplate | None = None) -> dict:
+    """Greedy packing (next fit, file order) into rows of `row_len` tokens, written as they fill;
+    chats rendered with `template` where given (example_encoder). Returns the counts for meta.json."""
+    encode = example_encoder(tok, fmt, end_id, template)
     counts = {"n_examples": 0, "n_truncated": 0, "n_dropped": 0, "n_rows": 0,
               "n_loss_tokens": 0, "n_example_tokens": 0}
     row_ids: list[int] = []
@@ -192,8 +388,11 @@ def pack_to_files(tok: Tokenizer, examples: Iterator[dict], fmt: str, end_id: in
             row_mask.clear()
             counts["n_rows"] += 1
 
-        for record in examples:
-            ids, mask = encode_example(tok, record, fmt, end_id)
+        for number, record in enumerate(examples, start=1):
+            try:
+                ids, mask = encode(record)
+            except ConfigError as e:
+                raise ConfigError(f"data.source example {number} (in file order): {e}") from None
             if len(ids) > row_len:
                 ids, mask = ids[:row_len], mask[:row_len]
                 counts["n_truncated"] += 1
@@ -209,6 +408,8 @@ def pack_to_files(tok: Tokenizer, examples: Iterator[dict], fmt: str, end_id: in
             counts["n_example_tokens"] += len(ids)
         if row_ids:
             flush()
+    if fmt == "chat":  # which template rendered the chats (meta.json; the run's first JSONL record)
+        counts["chat_template"] = template.record() if template is not None else DEFAULT_RECORD
     # Targets per row: row_len - 1 (the first token is only an input).
     counts["loss_token_fraction"] = counts["n_loss_tokens"] / max(counts["n_rows"] * (row_len - 1), 1)
     return counts

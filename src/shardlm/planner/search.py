@@ -12,7 +12,7 @@ does not fit (they never make a step faster). `plan_for_run` is what the trainer
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardlm.config import Config, ModelConfig, ParallelConfig
 from shardlm.errors import ConfigError
@@ -56,7 +56,17 @@ with tp = cp = 1), ZeRO 0-3 (0-2 with pp > 1), recompute, offload."""
 AUTO = Supported(tp=False, cp=False, pp=False, ep=False, zero3_with_pp=False)
 """What `parallel.strategy = "auto"` chooses from: data parallelism, until the planner's tensor-,
 context- and pipeline-parallel models have been checked against our own measurements on this
-machine (a run's own parallel.tp, cp and pp are kept: plan_for_run)."""
+machine (what a run set itself is kept: kept_settings, plan_for_run)."""
+KEPT = ("tp", "cp", "pp", "ep", "dp_replicate", "sequence_parallel", "zero_stage")
+"""The [parallel] settings `strategy = "auto"` keeps where the run sets them (kept_settings)."""
+
+
+def kept_settings(par: ParallelConfig) -> dict[str, int | bool]:
+    """The KEPT settings of a run's [parallel] section that differ from their defaults: those the
+    user set, which `auto` keeps and plans around. (A setting equal to its default, such as an
+    explicit zero_stage = 0, cannot be told from an unset one: auto chooses it.)"""
+    default = ParallelConfig()
+    return {key: getattr(par, key) for key in KEPT if getattr(par, key) != getattr(default, key)}
 
 
 @dataclass
@@ -158,11 +168,12 @@ def _sequence_activations(w: Workload, cluster: Cluster, dtypes: Dtypes, tp: int
 
 
 def _layouts(w: Workload, cluster: Cluster, supported: Supported, dtypes: Dtypes,
-             pinned: tuple[int, int, int] | None = None):
-    """Rank layouts to search. `pinned` = (tp, cp, pp): only those degrees (a run's own, under
-    strategy = 'auto'), whatever `supported` says."""
+             pinned: dict[str, int] | None = None):
+    """Rank layouts to search. `pinned`: degrees by name (tp, cp, pp, ep, dp_replicate) that
+    every layout has (a run's own, under strategy = 'auto'), whatever `supported` says."""
     m, world, per_node = w.model, cluster.world_size, cluster.per_node
-    tps = [pinned[0]] if pinned else divisors(per_node) if supported.tp else [1]
+    pinned = pinned or {}
+    tps = [pinned["tp"]] if "tp" in pinned else divisors(per_node) if supported.tp else [1]
     for tp in tps:
         if m.n_heads % tp or (m.n_kv_heads or m.n_heads) % tp or world % tp or (m.experts and m.experts % tp):
             continue
@@ -173,15 +184,15 @@ def _layouts(w: Workload, cluster: Cluster, supported: Supported, dtypes: Dtypes
         # activations fill a good share of a device (CP_ACTIVATION_SHARE). A shorter sequence
         # fits without it at no ring traffic.
         cps = [1]
-        if pinned:
-            cps = [pinned[1]]
+        if "cp" in pinned:
+            cps = [pinned["cp"]]
         elif supported.cp and per_node // tp > 1 and _sequence_activations(w, cluster, dtypes, tp) \
                 >= CP_ACTIVATION_SHARE * cluster.device.memory:
             cps = divisors(per_node // tp)
         for cp in cps:
             if w.seq_len % (2 * cp) or world % (tp * cp):
                 continue
-            pps = [pinned[2]] if pinned else divisors(world // (tp * cp)) if supported.pp else [1]
+            pps = [pinned["pp"]] if "pp" in pinned else divisors(world // (tp * cp)) if supported.pp else [1]
             for pp in pps:
                 if world % (tp * cp * pp):
                     continue
@@ -189,13 +200,18 @@ def _layouts(w: Workload, cluster: Cluster, supported: Supported, dtypes: Dtypes
                 if pp > m.n_layers or w.global_batch % dp:
                     continue
                 shards = {dp}
-                if supported.hybrid and dp > 1:  # shard inside a node, replicate across nodes
+                if "dp_replicate" in pinned:
+                    shards = {dp // pinned["dp_replicate"]} if dp % pinned["dp_replicate"] == 0 else set()
+                elif supported.hybrid and dp > 1:  # shard inside a node, replicate across nodes
                     inside = max(1, per_node // (tp * cp))
                     if inside < dp and dp % inside == 0:
                         shards.add(inside)
                 for shard in sorted(shards):
                     eps = [1]
-                    if w.experts and supported.ep and tp == cp == 1:
+                    if "ep" in pinned:  # experts' ranks come out of dp_shard (with tp = cp = 1)
+                        ep = pinned["ep"]
+                        eps = [ep] if w.experts and not w.experts % ep and not shard % ep and tp == cp == 1 else []
+                    elif w.experts and supported.ep and tp == cp == 1:
                         eps = [e for e in divisors(shard) if w.experts % e == 0]
                     for ep in eps:
                         yield ParallelDims(dp // shard, shard, cp=cp, tp=tp, pp=pp, ep=ep)
@@ -266,8 +282,9 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
             if stage == 3 and lay.pp > 1 and not supported.zero3_with_pp:
                 continue
             offloads = _offloads(stage, cluster, supported)
-            if zero_ranks(lay) == 1 and stage:  # sharding over one rank only pays with offload
-                offloads = offloads[1:]
+            if zero_ranks(lay) == 1 and stage and len(supported.stages) > 1:
+                offloads = offloads[1:]  # sharding over one rank only pays with offload (unless
+                # the stage is the run's own: then it is kept, offloaded or not)
             for micro in divisors(per_rank):
                 if piped.get("pp_virtual", 1) > 1 and (per_rank // micro) % lay.pp:
                     continue  # the interleaved schedule takes micro-batches in groups of pp
@@ -429,13 +446,15 @@ def plan_for_run(model: ModelConfig, world_size: int, hardware: Cluster | str,
     `batch`: global tokens per step (with `seq_len`, default the model's max_seq_len), or
     (micro_batch, grad_accum, seq_len) of a run with world_size / (tp x cp x pp) data-parallel
     ranks, whose global batch is kept while the split may change. `parallel`: the run's own
-    [parallel] section, whose tp, cp and pp degrees every plan keeps (with its sequence
-    parallelism and pipeline schedule, pp_virtual and pp_layers); the search chooses the rest.
+    [parallel] section; what it sets (kept_settings: tp, cp, pp, ep, dp_replicate, sequence
+    parallelism, the ZeRO stage) every plan keeps, with its pipeline schedule, pp_virtual and
+    pp_layers; the search chooses the rest.
     Each plan's `overrides()` are the config keys to set. Raises ConfigError if the cluster's
-    size is not world_size, or tp x cp x pp does not divide it.
+    size is not world_size, or no layout keeps what the run set.
     """
     par = parallel or ParallelConfig(sequence_parallel=True)
     tp, cp, pp = par.tp, par.cp, par.pp
+    kept = kept_settings(par) if parallel is not None else {}
     if isinstance(hardware, str):
         hardware = local_cpu(world_size) if hardware == "cpu" else parse_cluster(hardware)
     if hardware.world_size != world_size:
@@ -452,13 +471,19 @@ def plan_for_run(model: ModelConfig, world_size: int, hardware: Cluster | str,
         sequences = max(1, batch // seq)
     workload = Workload(model, seq, sequences)
     dtypes = dtypes or default_dtypes(hardware)
+    if "zero_stage" in kept:
+        supported = replace(supported, stages=(par.zero_stage,))
     layouts = None
-    if tp > 1 or cp > 1 or pp > 1:
-        layouts = list(_layouts(workload, hardware, supported, dtypes, pinned=(tp, cp, pp)))
+    degrees = {key: value for key, value in kept.items() if key in ("tp", "cp", "pp", "ep", "dp_replicate")}
+    if tp > 1 or cp > 1 or pp > 1 or degrees:
+        pinned = {"tp": tp, "cp": cp, "pp": pp, **degrees}
+        layouts = list(_layouts(workload, hardware, supported, dtypes, pinned=pinned))
         if not layouts:
-            raise ConfigError(f"no rank layout keeps tp = {tp}, cp = {cp} and pp = {pp} on {world_size} "
-                              f"ranks with {sequences} sequences of {seq} tokens per step (tp must "
-                              f"divide the heads, 2·cp the sequence, pp at most the layers)")
+            named = ", ".join(f"{key} = {value}" for key, value in pinned.items())
+            raise ConfigError(f"no rank layout keeps {named} on {world_size} ranks with {sequences} "
+                              f"sequences of {seq} tokens per step (tp must divide the heads, 2·cp "
+                              f"the sequence, pp at most the layers; ep must divide the experts and "
+                              f"dp_shard, with tp = cp = 1; dp_replicate the data-parallel ranks)")
     result = search(workload, hardware, dtypes, supported, layouts, par.sequence_parallel, par)
     return result.plans
 
@@ -572,5 +597,6 @@ def model_from_params(params: float, layers: int | None = None, hidden: int | No
 
 
 __all__ = ["EVERYTHING", "RUNTIME", "LocalPrediction", "Plan", "SearchResult", "Supported",
-           "alternatives", "config_strategy", "default_dtypes", "model_from_hf_config", "explain", "model_from_params", "plan_for_run",
+           "alternatives", "config_strategy", "default_dtypes", "kept_settings", "model_from_hf_config", "explain",
+           "model_from_params", "plan_for_run",
            "predict_local", "preset_model", "search"]
