@@ -288,6 +288,11 @@ def preflight(cfg, nproc: int) -> None:
 
     device = pick_device(cfg.run.device, 0, nproc or launcher_sizes()[1])
     check_inputs(cfg)  # a bad tokenizer, LoRA rank or data file: once, before any worker starts
+    from shardlm.models.hf_build import route_line
+
+    line = route_line(cfg)  # which way a model.hf_path trains, said once before any worker starts
+    if line and (nproc or launcher_sizes()[0] == 1):
+        print(f"shardlm: {line}", flush=True)
     if cfg.precision.compute == "fp8":  # FP8 hardware, or the emulation asked for: known here
         from shardlm.models.fp8 import check_fp8_device
 
@@ -327,7 +332,8 @@ def train_here(cfg) -> int:
     t = cfg.train
     if main:
         active = active_params(cfg.model)
-        total = (count_params(cfg.model) if not run.dataset.source_len  # an encoder-decoder: its own
+        module = hasattr(getattr(run.model, "model", None), "config")  # a transformers module
+        total = (count_params(cfg.model) if not module  # an encoder-decoder, a causal LM: its own
                  else sum(p.numel() for p in run.model.parameters()))
         size = f"{total / 1e6:.1f}M params" + (
             f", {active / 1e6:.1f}M active" if cfg.model.experts else "")

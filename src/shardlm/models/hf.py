@@ -43,7 +43,13 @@ import torch
 from torch import nn
 
 from shardlm.models.init import parameter_seed
+from shardlm.models.lora import adapter_initial_value, is_adapter
 from shardlm.models.moe import MoEStats, _AttachAuxLoss
+
+
+WRAPPED = "model."
+"""The prefix an adapter puts on the wrapped model's parameter and module names (`self.model`):
+`model.transformer.h.0.attn.q_proj.weight` is the library's `transformer.h.0.attn.q_proj.weight`."""
 
 
 def _check_vocab(model: nn.Module, vocab_size: int | None) -> None:
@@ -64,7 +70,10 @@ class _PieceByPieceInit(nn.Module):
         model still on the meta device, its leaf module is given CPU memory, then the model's
         own `_init_weights` runs on the leaf and on every module above it, leaf first (GPT-2
         re-scales c_proj from its parent block), under a seed of (seed, module name). On the
-        other, meta, modules it computes nothing."""
+        other, meta, modules it computes nothing. A LoRA adapter (models/lora.py) starts as
+        PEFT starts it, as on our Decoder."""
+        if is_adapter(name):
+            return adapter_initial_value(name, tuple(self.get_parameter(name).shape), seed)
         module_name, _, attr = name.rpartition(".")
         twin = copy.deepcopy(self)
         leaf = twin.get_submodule(module_name).to_empty(device="cpu")
@@ -85,18 +94,26 @@ class _PieceByPieceInit(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         """Buffers computed in a module's constructor (LLaMA's rotary inv_freq): the module
-        rebuilt on the CPU from its config, its buffers copied in."""
+        rebuilt on the CPU from its config, its buffers copied in; a module without a config
+        (GPT-J's sinusoid table) by the model's own `_init_weights`, which in transformers 5
+        fills the buffers a meta-device build left empty."""
         for name, module in self.named_modules():
             own = dict(module.named_buffers(recurse=False))
             if not own:
                 continue
-            if not hasattr(module, "config"):
+            if hasattr(module, "config"):
+                with torch.device("cpu"):
+                    fresh = type(module)(module.config)
+                for key, value in fresh.named_buffers(recurse=False):
+                    own[key].copy_(value)
+                continue
+            floats = [b for b in own.values() if b.is_floating_point()]
+            for buffer in floats:
+                buffer.fill_(float("nan"))  # what _init_weights leaves alone shows up below
+            self.model._init_weights(module)
+            if len(floats) != len(own) or any(torch.isnan(b).any() for b in floats):
                 raise TypeError(f"cannot rebuild the buffers of {name} ({type(module).__name__}) "
                                 f"built on the meta device: build this model on the CPU instead")
-            with torch.device("cpu"):
-                fresh = type(module)(module.config)
-            for key, value in fresh.named_buffers(recurse=False):
-                own[key].copy_(value)
 
 
 def router_aux_coef(config) -> float:

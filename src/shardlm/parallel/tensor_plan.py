@@ -43,7 +43,7 @@ def apply_tp_plan(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPSt
     one: `model.model`) over `comm`'s group, in place; parameter names stay. Returns the
     TPState, its `splits` keyed by the names `model.named_parameters()` gives."""
     hf = _transformers_model(model)
-    plan = _plan_of(hf)
+    plan = check_tp_plan(hf, comm.size)
     if sequence_parallel:
         raise ConfigError(f"parallel.sequence_parallel needs shardlm's Decoder: {type(hf).__name__} "
                           f"is tensor-parallel through its base_model_tp_plan, whose norms and "
@@ -53,7 +53,6 @@ def apply_tp_plan(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPSt
         raise ConfigError("tensor parallelism is applied to a model on the meta device (the trainer "
                           "builds it so); this one is already materialised: build it under "
                           "torch.device('meta')")
-    _check_heads(hf, comm.size)
     base = hf.base_model
     prefix = {id(m): n for n, m in model.named_modules()}[id(base)]
     targets = _matched(base, plan)
@@ -69,6 +68,18 @@ def apply_tp_plan(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPSt
              "parameters; embedding and head replicated", type(hf).__name__, comm.size, len(targets),
              len(tp.splits))
     return tp
+
+
+def check_tp_plan(model: nn.Module, tp: int) -> dict[str, str]:
+    """The plan apply_tp_plan will cut `model` (a transformers model, or our adapter around one,
+    on any device) by at tensor-parallel size `tp`, or the ConfigError apply_tp_plan would
+    raise: no plan, styles we do not apply, heads tp does not divide, keys matching no nn.Linear.
+    Cheap: `shardlm train` calls it before spawning (trainer.check_inputs)."""
+    hf = _transformers_model(model)
+    plan = _plan_of(hf)
+    _check_heads(hf, tp)
+    _matched(hf.base_model, plan)
+    return plan
 
 
 def _transformers_model(model: nn.Module) -> nn.Module:
@@ -87,6 +98,9 @@ def _plan_of(hf: nn.Module) -> dict[str, str]:
                           f"does not know which of its layers to cut: use parallel.tp = 1 (and "
                           f"data parallelism / ZeRO for scale), or a model whose config carries a "
                           f"plan (Llama, Qwen2, Mistral, ...)")
+    # An embedding's style (GPT-J's 'wte': 'embedding_rowwise'): the embedding stays replicated,
+    # as for every model here (the module docstring); the layers it feeds are cut as planned.
+    plan = {k: v for k, v in plan.items() if not v.startswith("embedding")}
     unsupported = {k: v for k, v in plan.items() if v not in STYLES}
     if unsupported:
         raise ConfigError(f"{type(hf).__name__}'s base_model_tp_plan uses styles shardlm does not "
