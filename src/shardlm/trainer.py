@@ -37,7 +37,7 @@ from shardlm.models import build_model, flops_per_token, generate
 from shardlm.models.attention import configure as configure_attention
 from shardlm.models.hf import Seq2SeqAdapter
 from shardlm.models.lora import check_rank, lora_layers
-from shardlm.models.hf_build import build_hf_model, check_route, route_line
+from shardlm.models.hf_build import build_hf_model, check_route
 from shardlm.models.seq2seq import generate_seq2seq, user_model_flops_per_token
 from shardlm.presets import causal_lm_config, encoder_decoder_config, transformers_config
 from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
@@ -206,8 +206,6 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     elif module_config:  # transformers' own module (an encoder-decoder, or a causal LM our
         # decoder does not map): fresh, or hf_path's weights (models/hf_build.py)
         model, user_model = build_hf_model(module_config, cfg.model.vocab_size, "meta"), True
-        if runtime.is_main and route_line(cfg):
-            log.info("%s", route_line(cfg))
     else:
         model = build_model(cfg.model, "meta")  # materialised by parallelize, unit by unit
     if (dataset.source_len > 0) != isinstance(model, Seq2SeqAdapter):
