@@ -9,7 +9,7 @@ checkpoint with a WordLevel tokenizer.
   process within 1e-5 relative, the tolerance of tests/test_tp_hf.py (the sums' order changes);
 - a LoRA run from the CLI: its adapters (PEFT's format) load in peft.PeftModel with our logits;
 - a full fine-tune from the CLI exported by save_pretrained loads with from_pretrained, every
-  tensor equal to the trained one;
+  tensor equal to the trained one; a LoRA checkpoint resumes bitwise;
 - what the path cannot do (pp, cp, fp8, document masks, a tp its heads refuse) is a ConfigError
   before anything is spawned or created; the path is said before spawning.
 """
@@ -148,15 +148,41 @@ def test_lora_adapters_load_in_peft_with_our_logits(tmp_path, gptj, capsys):
     assert (theirs - plain).abs().max() > 1e-3  # the adapters changed the model
 
 
-def test_export_loads_with_from_pretrained_with_equal_tensors(tmp_path, gptj):
+def test_a_lora_checkpoint_resumes_bitwise(tmp_path, gptj):
+    """3 steps straight, or 2 then a resume from the step-2 checkpoint (adapters, their AdamW
+    state, the frozen base) in a new run: the third loss and every parameter identical."""
+    from shardlm.checkpoint.sharded import CHECKPOINTS
+    from shardlm.trainer import build_run, train
+
+    base = overrides(tmp_path, gptj, train__steps=3, train__lr=1e-2, lora__rank=4,
+                     parallel__zero_stage=1, checkpoint__every=2)
+    straight = build_run(load_config(overrides={**base, "run.name": "straight"}).validate())
+    losses = train(straight).losses
+    resumed = build_run(load_config(overrides={
+        **base, "run.name": "resumed", "checkpoint.every": 0,
+        "checkpoint.resume": str(straight.run_dir / CHECKPOINTS / "step-00000002")}).validate())
+    assert resumed.start_step == 2
+    assert train(resumed).losses == losses[2:]
+    for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_export_loads_with_from_pretrained_with_equal_tensors(tmp_path, gptj, capsys):
+    """A full fine-tune at ZeRO-3 with its parameters offloaded to the CPU and full
+    recomputation; the run's sample and `shardlm generate` go through the library's generate."""
     from safetensors.torch import load_file
 
     from shardlm.cli import main
 
     values = overrides(tmp_path, gptj, train__steps=2, train__lr=1e-3, parallel__zero_stage=3,
-                       zero__offload_params="cpu", activation__checkpoint="full")
+                       zero__offload_params="cpu", activation__checkpoint="full",
+                       train__sample_tokens=4, train__sample_prompt="w1")
     assert main(_cli(values)) == 0
     run_dir = (tmp_path / "runs" / "latest").resolve()
+    assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "w1 w2", "--tokens", "3",
+                 "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "sample:\nw1 " in printed and len(printed.strip().splitlines()[-1].split()) == 5, printed
     out = tmp_path / "exported"
     assert main(["export", "--checkpoint", str(run_dir), "--format", "hf", "--out", str(out)]) == 0
     exported = transformers.AutoModelForCausalLM.from_pretrained(out)

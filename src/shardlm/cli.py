@@ -517,7 +517,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from shardlm.launch import pick_device
     from shardlm.data.tokenizer import eot_id
     from shardlm.models import generate
-    from shardlm.models.hf import Seq2SeqAdapter
+    from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter
+    from shardlm.models.hf_build import generate_causal
     from shardlm.models.seq2seq import generate_seq2seq
 
     device = pick_device("auto")
@@ -538,8 +539,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.beams != 1:
             raise ConfigError(f"--beams {args.beams}: beam search is for encoder-decoder runs; "
                               f"drop --beams (decoder-only runs sample or decode greedily)")
-        out = generate(model, idx, args.tokens, temperature=args.temperature, top_k=args.top_k,
-                       generator=generator, use_cache=not args.no_cache)
+        if isinstance(model, CausalLMAdapter):  # the transformers path: the library's generate
+            out = generate_causal(model, idx, args.tokens, temperature=args.temperature,
+                                  top_k=args.top_k, generator=generator)
+        else:
+            out = generate(model, idx, args.tokens, temperature=args.temperature, top_k=args.top_k,
+                           generator=generator, use_cache=not args.no_cache)
     print(tokenizer.decode(out[0].tolist()))
     return 0
 

@@ -35,9 +35,9 @@ from shardlm.dims import resolve_dims
 from shardlm.mesh import Mesh, build_mesh
 from shardlm.models import build_model, flops_per_token, generate
 from shardlm.models.attention import configure as configure_attention
-from shardlm.models.hf import Seq2SeqAdapter
+from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter
 from shardlm.models.lora import check_rank, lora_layers
-from shardlm.models.hf_build import build_hf_model, check_route
+from shardlm.models.hf_build import build_hf_model, check_route, generate_causal
 from shardlm.models.seq2seq import generate_seq2seq, user_model_flops_per_token
 from shardlm.presets import causal_lm_config, encoder_decoder_config, transformers_config
 from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
@@ -669,6 +669,9 @@ def sample_text(run: Run, prompt: str, max_new_tokens: int) -> str:
                                    run.dataset.eot_id, temperature=0.8, generator=generator)
         elif run.schedule is not None:  # through the pipeline's stages
             out = run.schedule.generate(pipeline_io(run), idx, max_new_tokens, generator=generator)
+        elif isinstance(run.model, CausalLMAdapter):  # the library's generate, as for seq2seq
+            out = generate_causal(run.model, idx, max_new_tokens, run.dataset.eot_id, 0.8,
+                                  generator=generator)
         else:
             out = generate(run.model, idx, max_new_tokens, generator=generator)
     return tokenizer.decode(out[0].tolist())

@@ -132,3 +132,27 @@ def check_route(cfg: Config) -> None:
                           f"(its model_type does not map onto shardlm's decoder), which supports "
                           f"{SUPPORTED}, not: " + "; ".join(problems))
 
+
+
+@torch.no_grad()
+def generate_causal(model: CausalLMAdapter, idx: torch.Tensor, max_new_tokens: int,
+                    end_id: int | None = None, temperature: float = 0.0, top_k: int | None = 50,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """The prompt (B, T) continued by the library's own `generate` (its KV cache), as models.
+    generate returns it: (B, T + up to max_new_tokens). temperature 0 is greedy, otherwise
+    sampling from the top_k; stops at `end_id` when given. Sampling draws from torch's global
+    generator, seeded from `generator`'s seed when one is given (every rank alike)."""
+    sample = temperature > 0
+    if sample and generator is not None:
+        torch.manual_seed(generator.initial_seed())
+    pad = end_id if end_id is not None else getattr(model.model.config, "pad_token_id", None)
+    kwargs = dict(do_sample=sample, max_new_tokens=max_new_tokens, use_cache=True,
+                  eos_token_id=end_id, pad_token_id=pad if pad is not None else 0)
+    if sample:
+        kwargs.update(temperature=temperature, top_k=top_k or None)
+    was_training = model.training
+    model.eval()
+    try:
+        return model.model.generate(input_ids=idx, attention_mask=torch.ones_like(idx), **kwargs)
+    finally:
+        model.train(was_training)
