@@ -9,7 +9,8 @@ checkpoint with a WordLevel tokenizer.
   process within 1e-5 relative, the tolerance of tests/test_tp_hf.py (the sums' order changes);
 - a LoRA run from the CLI: its adapters (PEFT's format) load in peft.PeftModel with our logits;
 - a full fine-tune from the CLI exported by save_pretrained loads with from_pretrained, every
-  tensor equal to the trained one; a LoRA checkpoint resumes bitwise;
+  tensor equal to the trained one; a LoRA checkpoint resumes bitwise; LoRA also on a
+  CausalLMAdapter given to build_run;
 - what the path cannot do (pp, cp, fp8, document masks, a tp its heads refuse) is a ConfigError
   before anything is spawned or created; the path is said before spawning.
 """
@@ -195,6 +196,29 @@ def test_export_loads_with_from_pretrained_with_equal_tensors(tmp_path, gptj, ca
         assert torch.equal(value, trained[f"model.{name}"]), name
     assert not torch.equal(state["transformer.h.0.attn.q_proj.weight"],
                            start["transformer.h.0.attn.q_proj.weight"])  # it trained
+
+
+def test_lora_on_a_model_given_to_build_run(tmp_path, gptj):
+    """The Python API's CausalLMAdapter (built on meta) takes LoRA too: the adapted model starts
+    as the base (B = 0) with the base's own initial values, and a step moves only adapters."""
+    from hf_cases import hf_model
+    from shardlm.models.init import materialize
+    from shardlm.trainer import build_run, train_step
+
+    values = {**overrides(tmp_path, gptj, lora__rank=4, lora__targets="self_attn.q_proj,mlp.down_proj"),
+              "model.preset": "gpt-tiny"}  # its vocabulary (512) is hf_cases' llama's
+    del values["model.hf_path"]
+    run = build_run(load_config(overrides=values).validate(), model=hf_model("llama", "meta"))
+    base = materialize(hf_model("llama", "meta"), "cpu", run.cfg.train.seed)
+    assert run.model.lora.targets == [f"model.model.layers.{i}.{n}" for i in range(2)
+                                      for n in ("self_attn.q_proj", "mlp.down_proj")]
+    x, _ = run.train_loader.micro_batches(0)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(run.model(x), base(x), atol=0, rtol=0)
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    train_step(run, 0)
+    moved = {n for n, p in run.model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(".lora_" in n for n in moved), moved
 
 
 def _bloom_config_dir(root: Path, gptj: Path) -> Path:

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from shardlm.models.init import parameter_seed
-from shardlm.models.lora import adapter_initial_value, is_adapter
+from shardlm.models.lora import adapter_initial_value, is_adapter, remove_lora
 from shardlm.models.moe import MoEStats, _AttachAuxLoss
 
 
@@ -76,6 +76,7 @@ class _PieceByPieceInit(nn.Module):
             return adapter_initial_value(name, tuple(self.get_parameter(name).shape), seed)
         module_name, _, attr = name.rpartition(".")
         twin = copy.deepcopy(self)
+        remove_lora(twin)  # a LoRA-wrapped layer's own weight: initialised as the nn.Linear it was
         leaf = twin.get_submodule(module_name).to_empty(device="cpu")
         for param in leaf.parameters(recurse=False):
             param.fill_(float("nan"))  # what _init_weights leaves alone shows up below
