@@ -99,21 +99,22 @@ def route_problems(cfg: Config) -> list[str]:
     """The settings a causal LM on the transformers path cannot honour, each with its fix."""
     if not causal_lm_config(cfg.model.hf_path):
         return []
-    par, why = cfg.parallel, "replaces or feeds parts of shardlm's own Decoder"
-    problems = [f"parallel.{axis} = {value} ({what} {why}); use parallel.{axis} = 1 with ZeRO "
+    par = cfg.parallel
+    problems = [f"parallel.{axis} = {value} ({what}); use parallel.{axis} = 1 with ZeRO "
                 f"(parallel.zero_stage) or tensor parallelism by the model's base_model_tp_plan"
-                for axis, value, what in (("pp", par.pp, "pipeline stages"),
-                                          ("cp", par.cp, "ring attention"),
-                                          ("ep", par.ep, "expert parallelism"))
+                for axis, value, what in (("pp", par.pp, "pipeline stages cut our Decoder's blocks"),
+                                          ("cp", par.cp, "ring attention replaces our Decoder's"),
+                                          ("ep", par.ep, "expert parallelism cuts our MoE layers"))
                 if value > 1]
     if par.sequence_parallel:
         problems.append("parallel.sequence_parallel = true (the model's norms and residuals are "
                         "the library's modules); set it false")
     if cfg.precision.compute == "fp8":
-        problems.append(f"precision.compute = 'fp8' (FP8 layers {why}); use bf16 or fp32")
+        problems.append(f"precision.compute = 'fp8' (FP8 swaps our Decoder's linears); use bf16 "
+                        f"or fp32")
     if document_mask_on(cfg.data):
         problems.append(f"data.document_mask = {cfg.data.document_mask!r} (on for data.format = "
-                        f"{cfg.data.format!r}: per-document attention {why}); set "
+                        f"{cfg.data.format!r}: per-document attention is our Decoder's); set "
                         f"data.document_mask = 'off'")
     if cfg.lora.quantize != "none":
         problems.append(f"lora.quantize = {cfg.lora.quantize!r} (QLoRA quantises shardlm's Decoder "
