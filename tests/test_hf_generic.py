@@ -147,6 +147,11 @@ def test_lora_adapters_load_in_peft_with_our_logits(tmp_path, gptj, capsys):
     theirs = _logits(loaded, ids)
     torch.testing.assert_close(theirs, _logits(ours.model, ids), atol=1e-5, rtol=1e-5)
     assert (theirs - plain).abs().max() > 1e-3  # the adapters changed the model
+    # --merge: the adapters folded into the weights, a plain GPTJForCausalLM computing the same
+    assert main(["export", "--checkpoint", str(run_dir), "--format", "hf", "--merge", "--out",
+                 str(tmp_path / "merged")]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    torch.testing.assert_close(_logits(merged, ids), theirs, atol=1e-5, rtol=1e-5)
 
 
 def test_a_lora_checkpoint_resumes_bitwise(tmp_path, gptj):

@@ -187,10 +187,10 @@ def remove_lora(model: nn.Module, merge: bool = False) -> int:
     and bias (the frozen base), or with `merge` W + (alpha / r) · B A (in fp32, then W's dtype):
     the model a library's own class saves (export). A weight shared with another parameter
     (a tied head) cannot take the merge alone: a ConfigError. Returns the layers unwrapped."""
-    shared = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        shared[id(p)] = shared.get(id(p), 0) + 1
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    shared: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False) if merge else ():
+        shared[id(p)] = shared.get(id(p), 0) + 1
     for name, layer in layers:
         if layer.quant is not None:
             raise ConfigError(f"{name}: a quantised base (lora.quantize) is not unwrapped here")
