@@ -11,6 +11,9 @@ engine keeps tied.
     model = CausalLMAdapter(LlamaForCausalLM(LlamaConfig(vocab_size=cfg.model.vocab_size, ...)))
     run = build_run(cfg, model=model)
 
+From the CLI, a model.hf_path our decoder does not map is built into these adapters by
+models/hf_build.py (the transformers path: docs/finetuning.md).
+
 Build the model on the meta device (`with torch.device("meta"): LlamaForCausalLM(config)`) and
 the sharded build materialises it a unit at a time on each rank: every leaf module is
 initialised by the model's own `_init_weights`, seeded from (train.seed, module name), so any
