@@ -11,8 +11,9 @@ checkpoint with a WordLevel tokenizer.
 - a full fine-tune from the CLI exported by save_pretrained loads with from_pretrained, every
   tensor equal to the trained one; a LoRA checkpoint resumes bitwise; LoRA also on a
   CausalLMAdapter given to build_run;
-- what the path cannot do (pp, cp, fp8, document masks, a tp its heads refuse) is a ConfigError
-  before anything is spawned or created; the path is said before spawning.
+- what the path cannot do (pp, cp, fp8, document masks, tp for a model without a
+  base_model_tp_plan) is a ConfigError before anything is spawned or created; the path is said
+  before spawning, by the CLI.
 """
 
 from __future__ import annotations

@@ -230,7 +230,6 @@ def encoder_decoder_config(hf_path: str, hf_config: str) -> str:
     return ""
 
 
-
 def causal_lm_config(hf_path: str) -> str:
     """The config.json of a model.hf_path that trains through transformers as a causal LM (its
     own module in models/hf.CausalLMAdapter: models/hf_build.py), or '': a decoder-only
@@ -290,6 +289,7 @@ def causal_lm_shape(path: str, option: str) -> dict[str, Any]:
             "max_seq_len": first("max_position_embeddings", "n_positions", "seq_length",
                                  "max_seq_len", default=1 << 20),
             "preset": f"{Path(path).name or name} ({arch}, transformers)"}
+
 
 def seq2seq_shape(path: str, option: str) -> dict[str, Any]:
     """An encoder-decoder config.json (T5, BART families) as [model] values: what our config

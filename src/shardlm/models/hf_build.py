@@ -24,13 +24,12 @@ import json
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from shardlm.config import Config
 from shardlm.config_rules import document_mask_on
 from shardlm.errors import ConfigError
 from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter
-from shardlm.presets import causal_lm_config, encoder_decoder_config
+from shardlm.presets import causal_lm_config
 
 SUPPORTED = "ZeRO 0-3, offload, recomputation, LoRA, tp by base_model_tp_plan"
 UNSUPPORTED = "pp/cp/ep/fp8/document masks"
