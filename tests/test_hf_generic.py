@@ -12,7 +12,7 @@ checkpoint with a WordLevel tokenizer.
   tensor equal to the trained one; a LoRA checkpoint resumes bitwise; LoRA also on a
   CausalLMAdapter given to build_run;
 - what the path cannot do (pp, cp, fp8, document masks, tp for a model without a
-  base_model_tp_plan) is a ConfigError before anything is spawned or created; the path is said
+  base_model_tp_plan or one whose plan cuts a fused q/k/v) is a ConfigError before anything is spawned or created; the path is said
   before spawning, by the CLI.
 """
 
@@ -227,11 +227,14 @@ def test_lora_on_a_model_given_to_build_run(tmp_path, gptj):
     assert moved and all(".lora_" in n for n in moved), moved
 
 
-def _bloom_config_dir(root: Path, gptj: Path) -> Path:
-    """A BLOOM config.json (no base_model_tp_plan) and the tokenizer: all a check before
-    spawning reads."""
-    out = root / "bloom"
-    transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4).save_pretrained(out)
+def _config_dir(root: Path, gptj: Path, family: str) -> Path:
+    """A config.json and the tokenizer, all a check before spawning reads: BLOOM (no
+    base_model_tp_plan), CodeGen (a plan cutting its fused, interleaved qkv_proj)."""
+    out = root / family
+    ids = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=1)
+    config = (transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, **ids) if family == "bloom"
+              else transformers.CodeGenConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, **ids))
+    config.save_pretrained(out)
     (out / "tokenizer.json").write_bytes((gptj / "tokenizer.json").read_bytes())
     return out
 
@@ -242,12 +245,13 @@ def _bloom_config_dir(root: Path, gptj: Path) -> Path:
     ({"precision.compute": "fp8"}, r"trains through transformers .*precision.compute = 'fp8'"),
     ({"data.document_mask": "on"}, r"trains through transformers .*set data.document_mask = 'off'"),
     ({"parallel.tp": 2, "model.hf_path": "bloom"}, r"BloomForCausalLM has no base_model_tp_plan"),
-], ids=["pp", "cp", "fp8", "document-mask", "tp-without-plan"])
+    ({"parallel.tp": 2, "model.hf_path": "codegen"}, r"h.0.attn.qkv_proj colwise.*a fused projection"),
+], ids=["pp", "cp", "fp8", "document-mask", "tp-without-plan", "tp-fused-qkv"])
 def test_what_the_path_cannot_do_is_refused_before_spawning(tmp_path, gptj, capsys, extra, message):
     from shardlm.cli import main
 
-    if extra.get("model.hf_path") == "bloom":
-        extra = {**extra, "model.hf_path": str(_bloom_config_dir(tmp_path, gptj))}
+    if extra.get("model.hf_path") in ("bloom", "codegen"):
+        extra = {**extra, "model.hf_path": str(_config_dir(tmp_path, gptj, extra["model.hf_path"]))}
     values = {**overrides(tmp_path, gptj), **extra}
     assert main(["train", "--nproc", "2"] + _cli(values)[1:]) != 0
     err = capsys.readouterr().err

@@ -15,7 +15,10 @@ parallel region (f) and the others reuse that tensor (`_SharedInput`), so their 
 before the one all-reduce.
 
 Plain tensor parallelism only: the embedding and the LM head stay replicated (their gradients
-are the same on every rank, the loss the ordinary one). A vocabulary-parallel embedding and
+are the same on every rank, the loss the ordinary one; a plan's 'embedding_rowwise', GPT-J's,
+is left out). A fused projection the plan cuts (CodeGen's qkv_proj, interleaved in its own
+layout) is refused: contiguous heads of it are not heads of q, k and v. The checks run before
+spawning too (check_tp_plan, from trainer.check_inputs). A vocabulary-parallel embedding and
 head for these models, and sequence parallelism (the norms and residuals live inside the
 library's modules), are follow-ups.
 """
@@ -78,8 +81,28 @@ def check_tp_plan(model: nn.Module, tp: int) -> dict[str, str]:
     hf = _transformers_model(model)
     plan = _plan_of(hf)
     _check_heads(hf, tp)
-    _matched(hf.base_model, plan)
+    _check_unfused(hf, _matched(hf.base_model, plan))
     return plan
+
+
+def _check_unfused(hf: nn.Module, targets: list[tuple[str, str]]) -> None:
+    """In an attention module (one with a head_dim) a cut layer must be one projection: its
+    heads (outputs of a 'colwise', inputs of a 'rowwise' one) the query or the key/value heads.
+    A fused one (CodeGen's qkv_proj, q, k and v interleaved in its own layout) would be cut by
+    contiguous heads into pieces that are not whole heads of q, k and v: refused."""
+    config = hf.config
+    heads = config.num_attention_heads
+    allowed = {heads, getattr(config, "num_key_value_heads", None) or heads}
+    for name, style in targets:
+        parent = hf.base_model.get_submodule(name.rpartition(".")[0])
+        head_dim = getattr(parent, "head_dim", None)
+        linear = hf.base_model.get_submodule(name)
+        features = linear.out_features if style == "colwise" else linear.in_features
+        if isinstance(head_dim, int) and (features % head_dim or features // head_dim not in allowed):
+            raise ConfigError(f"{type(hf).__name__}'s base_model_tp_plan makes {name} {style}, but "
+                              f"its {features} features are not the query or key/value heads "
+                              f"({sorted(allowed)} of {head_dim}): a fused projection shardlm cannot "
+                              f"cut by heads; use parallel.tp = 1")
 
 
 def _transformers_model(model: nn.Module) -> nn.Module:
