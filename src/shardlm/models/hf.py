@@ -111,13 +111,22 @@ class _PieceByPieceInit(nn.Module):
                 for key, value in fresh.named_buffers(recurse=False):
                     own[key].copy_(value)
                 continue
-            floats = [b for b in own.values() if b.is_floating_point()]
-            for buffer in floats:
-                buffer.fill_(float("nan"))  # what _init_weights leaves alone shows up below
+            unset = {key: _unset(b.dtype) for key, b in own.items()}
+            for key, buffer in own.items():  # what _init_weights leaves alone shows up below
+                if unset[key] is not None:
+                    buffer.fill_(unset[key])
             self.model._init_weights(module)
-            if len(floats) != len(own) or any(torch.isnan(b).any() for b in floats):
+            if any(u is None or (own[k] == u).any() or own[k].isnan().any() for k, u in unset.items()):
                 raise TypeError(f"cannot rebuild the buffers of {name} ({type(module).__name__}) "
                                 f"built on the meta device: build this model on the CPU instead")
+
+
+def _unset(dtype: torch.dtype) -> float | int | None:
+    """A value no initialised buffer of `dtype` holds: NaN, or an integer type's minimum (a
+    position table never does); None for bool, where every value is meaningful."""
+    if dtype.is_floating_point:
+        return float("nan")
+    return None if dtype == torch.bool else torch.iinfo(dtype).min
 
 
 def router_aux_coef(config) -> float:
