@@ -294,6 +294,11 @@ def preflight(cfg, nproc: int) -> None:
 
     device = pick_device(cfg.run.device, 0, nproc or launcher_sizes()[1])
     check_inputs(cfg)  # a bad tokenizer, LoRA rank or data file: once, before any worker starts
+    from shardlm.models.hf_build import route_line
+
+    line = route_line(cfg)  # which way a model.hf_path trains, said once before any worker starts
+    if line and (nproc or launcher_sizes()[0] == 1):
+        print(f"shardlm: {line}", flush=True)
     if cfg.precision.compute == "fp8":  # FP8 hardware, or the emulation asked for: known here
         from shardlm.models.fp8 import check_fp8_device
 
@@ -333,7 +338,8 @@ def train_here(cfg) -> int:
     t = cfg.train
     if main:
         active = active_params(cfg.model)
-        total = (count_params(cfg.model) if not run.dataset.source_len  # an encoder-decoder: its own
+        module = hasattr(getattr(run.model, "model", None), "config")  # a transformers module
+        total = (count_params(cfg.model) if not module  # an encoder-decoder, a causal LM: its own
                  else sum(p.numel() for p in run.model.parameters()))
         size = f"{total / 1e6:.1f}M params" + (
             f", {active / 1e6:.1f}M active" if cfg.model.experts else "")
@@ -517,7 +523,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from shardlm.launch import pick_device
     from shardlm.data.tokenizer import eot_id
     from shardlm.models import generate
-    from shardlm.models.hf import Seq2SeqAdapter
+    from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter
+    from shardlm.models.hf_build import generate_causal
     from shardlm.models.seq2seq import generate_seq2seq
 
     device = pick_device("auto")
@@ -538,8 +545,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.beams != 1:
             raise ConfigError(f"--beams {args.beams}: beam search is for encoder-decoder runs; "
                               f"drop --beams (decoder-only runs sample or decode greedily)")
-        out = generate(model, idx, args.tokens, temperature=args.temperature, top_k=args.top_k,
-                       generator=generator, use_cache=not args.no_cache)
+        if isinstance(model, CausalLMAdapter):  # the transformers path: the library's generate
+            out = generate_causal(model, idx, args.tokens, temperature=args.temperature,
+                                  top_k=args.top_k, generator=generator)
+        else:
+            out = generate(model, idx, args.tokens, temperature=args.temperature, top_k=args.top_k,
+                           generator=generator, use_cache=not args.no_cache)
     print(tokenizer.decode(out[0].tolist()))
     return 0
 

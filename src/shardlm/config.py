@@ -98,7 +98,8 @@ class ModelConfig:
     its config.json gives the shape (in place of the preset), its weights the initial values,
     its tokenizer the tokens (docs/finetuning.md). GPT-2, Llama and Mistral. '' = train from scratch.
     An encoder-decoder (config.json's is_encoder_decoder: T5, BART, ...) loads into the
-    transformers model itself (data.format = 'seq2seq')."""
+    transformers model itself (data.format = 'seq2seq'); so does a decoder-only model_type our
+    decoder does not map (Falcon, BLOOM, OPT, GPT-J, ...: docs/finetuning.md)."""
     hf_config: str = ""
     """A transformers encoder-decoder config.json (T5, BART families), or a directory holding one,
     built with fresh weights: training a seq2seq model from scratch (data.format = 'seq2seq';
@@ -583,10 +584,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 
 def _hf_shape_layer(values: dict[str, Any]) -> dict[str, Any]:
-    """model.hf_path's config.json in the preset's place. A [model] shape key the user also set
+    """model.hf_path's config.json in the preset's place (our decoder's shape, or what our config
+    keeps of a transformers module's: an encoder-decoder, or a causal LM our decoder does not
+    map, models/hf_build.py). A [model] shape key the user also set
     must agree with it: the checkpoint's weights have that shape, so a different value could
     only fail later (or, for a value like norm_eps, silently train another network)."""
-    from shardlm.presets import encoder_decoder_config, hf_shape, seq2seq_shape
+    from shardlm.presets import causal_lm_config, causal_lm_shape, encoder_decoder_config, hf_shape, seq2seq_shape
 
     option = "model.hf_config" if values.get("model.hf_config") else "model.hf_path"
     path = str(values[option])
@@ -595,7 +598,10 @@ def _hf_shape_layer(values: dict[str, Any]) -> dict[str, Any]:
                           f"{values['model.hf_path']!r}: choose one (a checkpoint's directory "
                           f"holds its config.json)")
     seq2seq = encoder_decoder_config(str(values.get("model.hf_path", "")), str(values.get("model.hf_config", "")))
+    # A decoder-only model_type our decoder does not map trains as transformers' own module.
+    causal = causal_lm_config(path) if option == "model.hf_path" and not seq2seq else ""
     named = (seq2seq_shape(seq2seq or path, option) if seq2seq or option == "model.hf_config"
+             else causal_lm_shape(path, option) if causal
              else {**hf_shape(path, option, exact=True), "preset": f"{Path(path).name} (transformers)"})
     shape = {f"model.{k}": v for k, v in named.items()}
     if "model.preset" in values:

@@ -13,7 +13,9 @@ by `save_pretrained`), our `tokenizer.json` and a `tokenizer_config.json`, so
 `AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)` both work.
 A LoRA run exports its base (its adapters go to PEFT's format: `export_peft`, `--format peft`;
 checkpoint/peft_adapter.py),
-or with `--merge` the base with the adapters folded into the weights.
+or with `--merge` the base with the adapters folded into the weights. A run of a transformers
+module (models/hf_build.py: Falcon, GPT-J, T5, ...) is saved by the library's own class
+(`export_module`).
 
 Nothing is written through a link: the files are written into a fresh private directory inside
 `out` (mkdtemp: created exclusively, mode 0700), then renamed into `out` — a rename replaces a
@@ -34,6 +36,7 @@ import torch
 from shardlm.checkpoint import (TOKENIZER, WEIGHTS, load_config_json, load_for_inference,
                                resolve_run_dir)
 from shardlm.checkpoint.hf_names import hf_family, hf_sources
+from shardlm.checkpoint.weights import HF_CONFIG
 from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, merged_state_dict, peft_adapter, write_adapter
 from shardlm.config import ModelConfig
 from shardlm.errors import ConfigError
@@ -190,6 +193,8 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
     if merge and not load_config_json(src).lora.rank:
         raise ConfigError(f"--merge: {str(run_dir)!r} is not a LoRA run (lora.rank = 0): there "
                           f"are no adapters to merge; export it without --merge")
+    if (src / HF_CONFIG).is_file():  # a transformers module: its own class saves it
+        return export_module(src, out, force, merge)
     model, tokenizer, cfg = load_for_inference(src, torch.device("cpu"))
     m = cfg.model
     eot = tokenizer.token_to_id(EOT)
@@ -247,6 +252,41 @@ def export_peft(run_dir: str | Path, out_dir: str | Path, force: bool = False) -
     staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
     try:
         write_adapter(staging, sd, cfg)
+        _move_into(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def export_module(run_dir: str | Path, out_dir: str | Path, force: bool = False,
+                  merge: bool = False) -> Path:
+    """A run of a transformers module (models/hf_build.py: a causal LM our decoder does not map,
+    or an encoder-decoder) written by the library's own `save_pretrained`, with the run's
+    tokenizer: every tensor is the trained one, as saved (a LoRA run: its frozen base, or with
+    `merge` the adapters folded in, models.lora.remove_lora). The KV cache, off for training,
+    is on again in its config.json for generation."""
+    from shardlm.models.lora import remove_lora
+
+    src, out = resolve_run_dir(run_dir), Path(out_dir)
+    _check_out(out, force)
+    model, tokenizer, cfg = load_for_inference(src, torch.device("cpu"))
+    if cfg.lora.rank:
+        remove_lora(model, merge)
+    inner = model.model
+    inner.config.use_cache = True
+    eos = getattr(inner.config, "eos_token_id", None)
+    special = tokenizer.id_to_token(eos) if isinstance(eos, int) else None
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                        "model_max_length": cfg.model.max_seq_len}
+    if special is not None:
+        tokenizer_config["eos_token"] = special
+    out.mkdir(parents=True, exist_ok=True)
+    _check_out(out, force=True)  # not replaced by a link meanwhile
+    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
+    try:
+        inner.save_pretrained(staging)
+        shutil.copyfile(src / TOKENIZER, staging / TOKENIZER)
+        (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
         _move_into(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -230,6 +230,67 @@ def encoder_decoder_config(hf_path: str, hf_config: str) -> str:
     return ""
 
 
+def causal_lm_config(hf_path: str) -> str:
+    """The config.json of a model.hf_path that trains through transformers as a causal LM (its
+    own module in models/hf.CausalLMAdapter: models/hf_build.py), or '': a decoder-only
+    checkpoint whose model_type does not map onto our decoder (not in LOADABLE). Mapped ones
+    load into our decoder, encoder-decoders go the seq2seq way (encoder_decoder_config). Reads
+    one small JSON file, no transformers import; an unreadable one is hf_shape's to report."""
+    import json
+    from pathlib import Path
+
+    if not hf_path:
+        return ""
+    file = Path(hf_path) / "config.json"
+    try:
+        hf = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return ""
+    if not isinstance(hf, dict) or hf.get("is_encoder_decoder") or hf.get("model_type", "") in LOADABLE:
+        return ""
+    return str(file) if hf.get("model_type") else ""
+
+
+def transformers_config(hf_path: str, hf_config: str) -> str:
+    """The config.json of the transformers module a [model] section trains as it is (an
+    encoder-decoder, or a causal LM our decoder does not map), or '' for our decoder."""
+    return encoder_decoder_config(hf_path, hf_config) or causal_lm_config(hf_path)
+
+
+def causal_lm_shape(path: str, option: str) -> dict[str, Any]:
+    """A causal LM's config.json (one causal_lm_config admits) as [model] values: what our config
+    keeps of a model it does not build (the vocabulary for the tokenizer, the context for
+    train.seq_len, width and depth for the log and the planner's rough size); the class and its
+    arithmetic are the library's (models/hf_build.py)."""
+    from pathlib import Path
+
+    hf, name = _read_hf_config(path, option)
+    kind = str(hf.get("model_type", ""))
+
+    def first(*names: str, default: Any = None) -> Any:
+        for n in names:
+            if isinstance(hf.get(n), int):
+                return hf[n]
+        if default is None:
+            raise ConfigError(f"{option} {path}: config.json has none of {', '.join(names)} "
+                              f"(model_type {kind!r})")
+        return default
+
+    d_model = first("hidden_size", "n_embd", "d_model", "n_embed", "model_dim")
+    heads = first("num_attention_heads", "n_head", "n_heads", "num_heads", default=1)
+    heads = heads if d_model % heads == 0 else 1
+    kv = first("num_key_value_heads", "num_kv_heads", "n_head_kv", default=heads)
+    arch = (hf.get("architectures") or [kind])[0]
+    return {"vocab_size": first("vocab_size"), "d_model": d_model,
+            "n_layers": first("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+            "n_heads": heads, "n_kv_heads": kv if kv and heads % kv == 0 else 0,
+            "d_ff": first("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", default=0),
+            # ALiBi (BLOOM) or rotary positions with no table have no length limit of their own.
+            "max_seq_len": first("max_position_embeddings", "n_positions", "seq_length",
+                                 "max_seq_len", default=1 << 20),
+            "preset": f"{Path(path).name or name} ({arch}, transformers)"}
+
+
 def seq2seq_shape(path: str, option: str) -> dict[str, Any]:
     """An encoder-decoder config.json (T5, BART families) as [model] values: what our config
     keeps of a model it does not build (vocabulary for the tokenizer, width and depth for the

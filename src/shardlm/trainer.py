@@ -35,10 +35,11 @@ from shardlm.dims import resolve_dims
 from shardlm.mesh import Mesh, build_mesh
 from shardlm.models import build_model, flops_per_token, generate
 from shardlm.models.attention import configure as configure_attention
-from shardlm.models.hf import Seq2SeqAdapter
+from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter
 from shardlm.models.lora import check_rank, lora_layers
-from shardlm.models.seq2seq import build_seq2seq, generate_seq2seq, user_model_flops_per_token
-from shardlm.presets import encoder_decoder_config
+from shardlm.models.hf_build import build_hf_model, check_route, generate_causal
+from shardlm.models.seq2seq import generate_seq2seq, user_model_flops_per_token
+from shardlm.presets import causal_lm_config, encoder_decoder_config, transformers_config
 from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
 from shardlm.parallel.build import parallelize
 from shardlm.parallel.compile import compile_seconds
@@ -50,6 +51,7 @@ from shardlm.parallel.expert import finish_moe_step, moe_record
 from shardlm.parallel.expert_balance import ExpertBalancer
 from shardlm.parallel.pipeline import Schedule, StepIO, gather_stages
 from shardlm.parallel.pieces import whole_parameters
+from shardlm.parallel.tensor_plan import check_tp_plan
 from shardlm.comm.collectives import DeviceDone
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.precision import Precision, build_precision, is_finite
@@ -152,12 +154,22 @@ def check_inputs(cfg: Config, user_model: bool = False) -> None:
     lora.targets picks and lora.rank against each one's dims (our decoder, built on the meta
     device; a `user_model` is checked by apply_lora), and data.source's text files (text, not
     binary bytes); with data.format chat, model.hf_path's chat template on the data's first
-    conversation (data/sft.py check_chat_template). A ConfigError names the file or the layer."""
+    conversation (data/sft.py check_chat_template); a model.hf_path that trains through
+    transformers (models/hf_build.py): the axes that path cannot do, its base_model_tp_plan for
+    parallel.tp, its LoRA layers. A ConfigError names the file, the layer or the setting."""
     if cfg.model.hf_path:
         tok, _ = hf_tokenizer(cfg.model.hf_path, cfg.model.vocab_size)
         check_chat_template(cfg.data, cfg.model.hf_path, tok)  # chat data: the checkpoint's template
-    if cfg.lora.rank and not user_model and not encoder_decoder_config(cfg.model.hf_path,
-                                                                       cfg.model.hf_config):
+    causal = causal_lm_config(cfg.model.hf_path) if not user_model else ""
+    if causal:  # a causal LM through transformers: what it cannot do, then the model on meta
+        check_route(cfg)
+        hf = build_hf_model(causal, cfg.model.vocab_size, "meta")
+        if cfg.parallel.tp > 1:
+            check_tp_plan(hf, cfg.parallel.tp)
+        if cfg.lora.rank:
+            check_rank(cfg.lora.rank, lora_layers(hf, cfg.lora.targets, ""))
+    elif cfg.lora.rank and not user_model and not encoder_decoder_config(cfg.model.hf_path,
+                                                                         cfg.model.hf_config):
         check_rank(cfg.lora.rank, lora_layers(build_model(cfg.model, "meta"), cfg.lora.targets,
                                               cfg.model.mlp))
     check_text_files(cfg.data)
@@ -194,12 +206,13 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
                  used["source"], used["name"], used["sha256"][:16], used["assistant"])
     precision = build_precision(cfg.precision, runtime.device, t.on_nonfinite == "stop")
     user_model = model is not None
-    seq2seq_config = encoder_decoder_config(cfg.model.hf_path, cfg.model.hf_config)
+    module_config = transformers_config(cfg.model.hf_path, cfg.model.hf_config)
     if user_model:  # on the meta device it stays there: parallelize materialises it
         if not any(p.is_meta for p in model.parameters()):
             model = model.to(runtime.device)
-    elif seq2seq_config:  # a transformers encoder-decoder (T5, BART): fresh, or hf_path's weights
-        model, user_model = build_seq2seq(seq2seq_config, cfg.model.vocab_size, "meta"), True
+    elif module_config:  # transformers' own module (an encoder-decoder, or a causal LM our
+        # decoder does not map): fresh, or hf_path's weights (models/hf_build.py)
+        model, user_model = build_hf_model(module_config, cfg.model.vocab_size, "meta"), True
     else:
         model = build_model(cfg.model, "meta")  # materialised by parallelize, unit by unit
     if (dataset.source_len > 0) != isinstance(model, Seq2SeqAdapter):
@@ -650,7 +663,8 @@ def train(run: Run) -> TrainResult:
             if main:
                 if isinstance(weights, dict):  # put together from pieces: the MoE routing state too
                     weights = {**weights, **bias_tensors(getattr(run.model, "moe_stats", None))}
-                save_weights(run.run_dir, weights, cfg, run.dataset.tokenizer)
+                save_weights(run.run_dir, weights, cfg, run.dataset.tokenizer,
+                             getattr(getattr(run.model, "model", None), "config", None))
     return result
 
 
@@ -666,6 +680,9 @@ def sample_text(run: Run, prompt: str, max_new_tokens: int) -> str:
                                    run.dataset.eot_id, temperature=0.8, generator=generator)
         elif run.schedule is not None:  # through the pipeline's stages
             out = run.schedule.generate(pipeline_io(run), idx, max_new_tokens, generator=generator)
+        elif isinstance(run.model, CausalLMAdapter):  # the library's generate, as for seq2seq
+            out = generate_causal(run.model, idx, max_new_tokens, run.dataset.eot_id, 0.8,
+                                  generator=generator)
         else:
             out = generate(run.model, idx, max_new_tokens, generator=generator)
     return tokenizer.decode(out[0].tolist())

@@ -114,8 +114,9 @@ class HFDirReader:
 
 
 def module_initializer(directory: str | Path, model: torch.nn.Module, prefix: str = "model."):
-    """model.hf_path for a transformers model trained as it is (an encoder-decoder wrapped by
-    models/hf.Seq2SeqAdapter: its parameter `model.X` is the directory's tensor `X`) as an
+    """model.hf_path for a transformers model trained as it is (models/hf_build.py: an
+    encoder-decoder or a causal LM our decoder does not map, in its adapter: its parameter
+    `model.X` is the directory's tensor `X`) as an
     Initializer: name -> fp32 values, read whole (the sharded build cuts this rank's piece). A
     tied parameter (T5's shared embedding = encoder/decoder embed_tokens = lm_head) is found
     under whichever of its names the checkpoint saved. A tensor the model has and the directory

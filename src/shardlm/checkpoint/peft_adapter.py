@@ -12,6 +12,10 @@ GPT-2's c_attn is fused in transformers too, and PEFT's LoRA on a Conv1D keeps n
 layouts for A and B (only the merge transposes: fan_in_fan_out = true), so GPT-2's adapters are
 ours unchanged. The row split is `checkpoint/hf_names.py`'s table, the one that loads HF weights.
 
+A transformers module trained as it is (models/hf_build.py: model.hf_path of a model_type our
+decoder does not map) carries its adapters on the library's own nn.Linear layers already: each
+keeps its name, less the adapter's `model.` (models.hf.WRAPPED), and its A and B unchanged.
+
 What is exact: with the adapters' dropout off (inference), the PEFT model's outputs are ours.
 Training the exported adapters further in PEFT is not the same optimisation problem: the copies
 of A on q/k/v (gate/up) become independent parameters there.
@@ -31,6 +35,7 @@ from shardlm.checkpoint.hf_names import hf_family, hf_sources
 from shardlm.config import Config
 from shardlm.errors import ConfigError
 from shardlm.files import atomic_write
+from shardlm.models.hf import WRAPPED
 
 log = logging.getLogger("shardlm")
 
@@ -88,7 +93,11 @@ def peft_adapter(sd: dict[str, torch.Tensor], cfg: Config,
     if not modules:
         raise ConfigError("this run has no LoRA adapters (lora.rank = 0): nothing to write in the "
                           "PEFT format; export the model itself with --format hf")
-    targets, fan_in_fan_out = _hf_targets(cfg, modules)
+    if all(m.startswith(WRAPPED) for m in modules):  # transformers' own modules, by their names
+        targets = {m: [(m.removeprefix(WRAPPED), sd[f"{m}.lora_B.weight"].shape[0])] for m in modules}
+        fan_in_fan_out = False  # nn.Linear only (models/lora.py adapts nothing else)
+    else:
+        targets, fan_in_fan_out = _hf_targets(cfg, modules)
     tensors: dict[str, torch.Tensor] = {}
     for module, parts in targets.items():
         a, b = sd[f"{module}.lora_A.weight"], sd[f"{module}.lora_B.weight"]

@@ -24,8 +24,9 @@ from shardlm.models.moe import bias_tensors, take_bias_tensors
 
 WEIGHTS, CONFIG, TOKENIZER, LATEST = "model.safetensors", "config.json", "tokenizer.json", "latest"
 HF_CONFIG = "transformers_config.json"
-"""An encoder-decoder run (a transformers model, models/seq2seq.py): the model's own config, so
-the run directory rebuilds it without the model.hf_config / hf_path it started from."""
+"""A run of a transformers module (an encoder-decoder or a causal LM, models/hf_build.py): the
+model's own config, so the run directory rebuilds it without the model.hf_config / hf_path it
+started from."""
 
 
 def point_latest(run_dir: Path) -> None:
@@ -37,10 +38,12 @@ def point_latest(run_dir: Path) -> None:
     os.replace(tmp, link)
 
 
-def save_weights(run_dir: Path, model: nn.Module | dict[str, torch.Tensor], cfg: Config, tokenizer) -> Path:
+def save_weights(run_dir: Path, model: nn.Module | dict[str, torch.Tensor], cfg: Config, tokenizer,
+                 hf_config=None) -> Path:
     """The model's weights (or the given whole tensors by name: a tensor-parallel run's, put
     together by parallel.pieces.whole_parameters), its config and tokenizer, in `run_dir`. A
-    mixture of experts balanced by bias also saves its routers' biases (models.moe.bias_tensors)."""
+    mixture of experts balanced by bias also saves its routers' biases (models.moe.bias_tensors).
+    A transformers module's config (`hf_config`, else the adapted model's) goes to HF_CONFIG."""
     from shardlm.checkpoint.sharded import write_safetensors
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -53,8 +56,8 @@ def save_weights(run_dir: Path, model: nn.Module | dict[str, torch.Tensor], cfg:
     write_safetensors(run_dir / WEIGHTS, tensors)
     atomic_write(run_dir / CONFIG, json.dumps(cfg.to_dict(), indent=2))
     tokenizer.save(str(run_dir / TOKENIZER))
-    hf_config = getattr(getattr(model, "model", None), "config", None)
-    if getattr(hf_config, "is_encoder_decoder", False):
+    hf_config = hf_config or getattr(getattr(model, "model", None), "config", None)
+    if hasattr(hf_config, "to_json_string"):  # a transformers module (models/hf_build.py)
         atomic_write(run_dir / HF_CONFIG, hf_config.to_json_string())
     if cfg.lora.rank:  # the adapters also in the PEFT format, in run_dir/adapter/
         from shardlm.checkpoint.peft_adapter import save_run_adapter
@@ -83,12 +86,13 @@ def load_config_json(run_dir: Path) -> Config:
     return config_from_dict(json.loads((run_dir / CONFIG).read_text()))
 
 
-def _load_seq2seq(run_dir: Path, cfg: Config, device: torch.device) -> nn.Module:
-    """An encoder-decoder run's transformers model from its HF_CONFIG, its parameters from
+def _load_transformers(run_dir: Path, cfg: Config, device: torch.device) -> nn.Module:
+    """A transformers module's run from its HF_CONFIG (models/hf_build.build_hf_model: the
+    adapter its kind needs; a LoRA run's adapters under their names), its parameters from
     WEIGHTS (materialize keeps tied ones tied; buffers such as BART's final_logits_bias are
     rebuilt from the config, as training built them), in eval mode."""
+    from shardlm.models.hf_build import build_hf_model
     from shardlm.models.init import materialize
-    from shardlm.models.seq2seq import build_seq2seq
 
     saved = load_file(str(run_dir / WEIGHTS))
 
@@ -98,7 +102,12 @@ def _load_seq2seq(run_dir: Path, cfg: Config, device: torch.device) -> nn.Module
                               f"{run_dir / HF_CONFIG} describes: the run directory is incomplete")
         return saved[name]
 
-    model = build_seq2seq(run_dir / HF_CONFIG, cfg.model.vocab_size, "meta")
+    model = build_hf_model(run_dir / HF_CONFIG, cfg.model.vocab_size, "meta")
+    if cfg.lora.rank:
+        from shardlm.models.lora import apply_lora
+
+        lora = cfg.lora
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets, "")
     return materialize(model, device, 0, value).eval()
 
 
@@ -110,8 +119,8 @@ def load_for_inference(path: str | Path, device: torch.device):
 
     run_dir = resolve_run_dir(path)
     cfg = load_config_json(run_dir)
-    if (run_dir / HF_CONFIG).is_file():  # an encoder-decoder: the transformers model (no LoRA)
-        return _load_seq2seq(run_dir, cfg, device), Tokenizer.from_file(str(run_dir / TOKENIZER)), cfg
+    if (run_dir / HF_CONFIG).is_file():  # a transformers module: the library's own class
+        return _load_transformers(run_dir, cfg, device), Tokenizer.from_file(str(run_dir / TOKENIZER)), cfg
     model = build_model(cfg.model, device, seed=0)
     if cfg.lora.rank:  # the adapters under their own names (models/lora.py), then loaded below
         from shardlm.models.lora import apply_lora

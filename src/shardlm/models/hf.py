@@ -11,6 +11,9 @@ engine keeps tied.
     model = CausalLMAdapter(LlamaForCausalLM(LlamaConfig(vocab_size=cfg.model.vocab_size, ...)))
     run = build_run(cfg, model=model)
 
+From the CLI, a model.hf_path our decoder does not map is built into these adapters by
+models/hf_build.py (the transformers path: docs/finetuning.md).
+
 Build the model on the meta device (`with torch.device("meta"): LlamaForCausalLM(config)`) and
 the sharded build materialises it a unit at a time on each rank: every leaf module is
 initialised by the model's own `_init_weights`, seeded from (train.seed, module name), so any
@@ -43,7 +46,13 @@ import torch
 from torch import nn
 
 from shardlm.models.init import parameter_seed
+from shardlm.models.lora import adapter_initial_value, is_adapter, remove_lora
 from shardlm.models.moe import MoEStats, _AttachAuxLoss
+
+
+WRAPPED = "model."
+"""The prefix an adapter puts on the wrapped model's parameter and module names (`self.model`):
+`model.transformer.h.0.attn.q_proj.weight` is the library's `transformer.h.0.attn.q_proj.weight`."""
 
 
 def _check_vocab(model: nn.Module, vocab_size: int | None) -> None:
@@ -64,9 +73,13 @@ class _PieceByPieceInit(nn.Module):
         model still on the meta device, its leaf module is given CPU memory, then the model's
         own `_init_weights` runs on the leaf and on every module above it, leaf first (GPT-2
         re-scales c_proj from its parent block), under a seed of (seed, module name). On the
-        other, meta, modules it computes nothing."""
+        other, meta, modules it computes nothing. A LoRA adapter (models/lora.py) starts as
+        PEFT starts it, as on our Decoder."""
+        if is_adapter(name):
+            return adapter_initial_value(name, tuple(self.get_parameter(name).shape), seed)
         module_name, _, attr = name.rpartition(".")
         twin = copy.deepcopy(self)
+        remove_lora(twin)  # a LoRA-wrapped layer's own weight: initialised as the nn.Linear it was
         leaf = twin.get_submodule(module_name).to_empty(device="cpu")
         for param in leaf.parameters(recurse=False):
             param.fill_(float("nan"))  # what _init_weights leaves alone shows up below
@@ -85,18 +98,35 @@ class _PieceByPieceInit(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         """Buffers computed in a module's constructor (LLaMA's rotary inv_freq): the module
-        rebuilt on the CPU from its config, its buffers copied in."""
+        rebuilt on the CPU from its config, its buffers copied in; a module without a config
+        (GPT-J's sinusoid table) by the model's own `_init_weights`, which in transformers 5
+        fills the buffers a meta-device build left empty."""
         for name, module in self.named_modules():
             own = dict(module.named_buffers(recurse=False))
             if not own:
                 continue
-            if not hasattr(module, "config"):
+            if hasattr(module, "config"):
+                with torch.device("cpu"):
+                    fresh = type(module)(module.config)
+                for key, value in fresh.named_buffers(recurse=False):
+                    own[key].copy_(value)
+                continue
+            unset = {key: _unset(b.dtype) for key, b in own.items()}
+            for key, buffer in own.items():  # what _init_weights leaves alone shows up below
+                if unset[key] is not None:
+                    buffer.fill_(unset[key])
+            self.model._init_weights(module)
+            if any(u is None or (own[k] == u).any() or own[k].isnan().any() for k, u in unset.items()):
                 raise TypeError(f"cannot rebuild the buffers of {name} ({type(module).__name__}) "
                                 f"built on the meta device: build this model on the CPU instead")
-            with torch.device("cpu"):
-                fresh = type(module)(module.config)
-            for key, value in fresh.named_buffers(recurse=False):
-                own[key].copy_(value)
+
+
+def _unset(dtype: torch.dtype) -> float | int | None:
+    """A value no initialised buffer of `dtype` holds: NaN, or an integer type's minimum (a
+    position table never does); None for bool, where every value is meaningful."""
+    if dtype.is_floating_point:
+        return float("nan")
+    return None if dtype == torch.bool else torch.iinfo(dtype).min
 
 
 def router_aux_coef(config) -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -103,16 +104,29 @@ class LoRAState:
                 f"({self.trainable / max(self.total, 1):.2%})")
 
 
+def _output_head(model: nn.Module) -> nn.Module | None:
+    """A transformers model's output head (lm_head), in our adapter or not; None for others."""
+    inner = getattr(model, "model", model)
+    find = getattr(inner, "get_output_embeddings", None)
+    return find() if callable(find) else None
+
+
 def lora_layers(model: nn.Module, targets: str, mlp: str) -> dict[str, nn.Linear]:
-    """The nn.Linear layers lora.targets picks (see apply_lora), by name. A pattern given by the
-    user that matches no linear layer, or none matching at all, is a ConfigError."""
+    """The nn.Linear layers lora.targets picks (see apply_lora), by name; with no targets and
+    `mlp` = '' (a transformers model: no model.mlp of ours describes it), every nn.Linear but the
+    output head, as PEFT's 'all-linear'. A pattern given by the user that matches no linear
+    layer, or none matching at all, is a ConfigError."""
     given = bool(targets.strip())
-    patterns = [p.strip() for p in (targets if given else DEFAULT_TARGETS[mlp]).split(",") if p.strip()]
     linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear and n}
+    if not given and not mlp:  # a transformers model: PEFT's 'all-linear'
+        head = _output_head(model)
+        return {n: m for n, m in linears.items() if m is not head}
+    patterns = [p.strip() for p in (targets if given else DEFAULT_TARGETS[mlp]).split(",") if p.strip()]
     chosen = [n for n in linears if any(_matches(n, p) for p in patterns)]
     unmatched = [p for p in patterns if not any(_matches(n, p) for n in linears)]
     if (given and unmatched) or not chosen:
-        names = sorted({n.split(".", 2)[-1] if n.startswith("blocks.") else n for n in linears})
+        names = sorted({n.split(".", 2)[-1] if n.startswith("blocks.") else re.sub(r"\.\d+\.", ".*.", n)
+                        for n in linears})  # a transformers model's layer index as *
         raise ConfigError(f"lora.targets: {', '.join(unmatched or patterns)} match no linear layer; "
                           f"the model's are: {', '.join(names)}")
     return {n: linears[n] for n in chosen}
@@ -126,7 +140,7 @@ def check_rank(rank: int, layers: dict[str, nn.Linear]) -> None:
     for name, m in layers.items():
         if rank > min(m.in_features, m.out_features):  # blocks.3.attn.qkv -> blocks.*.attn.qkv
             parts = name.split(".")
-            key = ".".join("*" if i == 1 and parts[0] == "blocks" else p for i, p in enumerate(parts))
+            key = ".".join("*" if p.isdigit() else p for p in parts)
             over.setdefault(key, (m.in_features, m.out_features))
     if over:
         limit = min(min(dims) for n, dims in over.items())
@@ -140,7 +154,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
                mlp: str, seed: int = 0) -> LoRAState:
     """Wrap every nn.Linear whose name matches a pattern of `targets` (comma-separated; a pattern
     matches a whole name or its dotted suffix, fnmatch wildcards allowed; '' = DEFAULT_TARGETS
-    by model.mlp) in LoRALinear, and freeze every parameter but the adapters. A pattern given
+    by model.mlp, or with `mlp` = '' every linear but the output head) in LoRALinear, and freeze every parameter but the adapters. A pattern given
     by the user that matches no linear layer, or a rank above a chosen layer's smaller dimension
     (check_rank), is a ConfigError. Stored as `model.lora`."""
     linears = lora_layers(model, targets, mlp)
@@ -165,3 +179,33 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
     model.lora = state
     log.info("%s", state.summary())
     return state
+
+
+@torch.no_grad()
+def remove_lora(model: nn.Module, merge: bool = False) -> int:
+    """Every LoRALinear of a materialised model back to a plain nn.Linear holding its weight
+    and bias (the frozen base), or with `merge` W + (alpha / r) · B A (in fp32, then W's dtype):
+    the model a library's own class saves (export). A weight shared with another parameter
+    (a tied head) cannot take the merge alone: a ConfigError. Returns the layers unwrapped."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    shared: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False) if merge else ():
+        shared[id(p)] = shared.get(id(p), 0) + 1
+    for name, layer in layers:
+        if layer.quant is not None:
+            raise ConfigError(f"{name}: a quantised base (lora.quantize) is not unwrapped here")
+        weight = layer.weight
+        if merge:
+            if shared[id(weight)] > 1:
+                raise ConfigError(f"--merge: the adapters on {name} would untie its weight from the "
+                                  f"parameter it shares (a tied head); export with --format peft instead")
+            update = layer.scaling * (layer.lora_B.weight.float() @ layer.lora_A.weight.float())
+            weight = nn.Parameter((weight.float() + update).to(weight.dtype), requires_grad=False)
+        plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                          device="meta")
+        plain.weight, plain.bias = weight, layer.bias
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, plain)
+    if hasattr(model, "lora"):
+        del model.lora
+    return len(layers)

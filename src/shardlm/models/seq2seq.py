@@ -2,7 +2,7 @@
 FLOPs, and generation through the library's own KV cache.
 
     model = build_seq2seq("configs/hf/t5-tiny.json", vocab_size=512, device="meta")
-    run = build_run(cfg, ...)            # trainer.py builds it so from model.hf_config / hf_path
+    run = build_run(cfg, ...)            # trainer.py builds it (hf_build) from model.hf_config / hf_path
     ids = generate_seq2seq(model, source, source_mask, 32, temperature=0)   # greedy
 
 transformers is imported inside the functions (the optional extra `shardlm[hf]`).
@@ -18,6 +18,7 @@ from torch import nn
 
 from shardlm.models.flops import encoder_decoder_flops_per_token
 from shardlm.models.hf import Seq2SeqAdapter
+from shardlm.models.hf_build import build_hf_model
 
 CROSS_KV = ("EncDecAttention.k", "EncDecAttention.v", "encoder_attn.k_proj", "encoder_attn.v_proj")
 """Cross-attention key/value projections (T5, BART): they multiply the encoder's outputs."""
@@ -27,21 +28,12 @@ def build_seq2seq(config_file: str | Path, vocab_size: int | None = None,
                   device: torch.device | str = "meta") -> Seq2SeqAdapter:
     """The `architectures[0]` class of a transformers config.json (T5ForConditionalGeneration,
     BartForConditionalGeneration, ...), built with fresh weights on `device` (meta: the sharded
-    build materialises it), wrapped for the loop. A class transformers does not have, or one
-    that is not an encoder-decoder, is an error naming it."""
-    import transformers
-
-    raw = json.loads(Path(config_file).read_text())
-    name = (raw.get("architectures") or [""])[0]
-    cls = getattr(transformers, name, None)
-    if cls is None or not hasattr(cls, "config_class"):
-        raise ValueError(f"{config_file}: architectures[0] = {name!r} is not a transformers model "
-                         f"class (transformers {transformers.__version__})")
-    config = cls.config_class.from_dict(raw)
-    if not getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{config_file}: {name} is not an encoder-decoder")
-    with torch.device(device):
-        return Seq2SeqAdapter(cls(config), vocab_size)
+    build materialises it), wrapped for the loop (models/hf_build.build_hf_model: the one
+    transformers route). A class transformers does not have, or one that is not an
+    encoder-decoder, is an error naming it."""
+    if not json.loads(Path(config_file).read_text()).get("is_encoder_decoder"):
+        raise ValueError(f"{config_file}: not an encoder-decoder (no is_encoder_decoder = true)")
+    return build_hf_model(config_file, vocab_size, device)
 
 
 def _matmul_elements(module: nn.Module, skip: tuple[str, ...] = ()) -> int:

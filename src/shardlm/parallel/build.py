@@ -50,6 +50,7 @@ from shardlm.models.fp8 import Fp8State, apply_fp8
 from shardlm.errors import ConfigError
 from shardlm.parallel.data import DataParallelEngine, apply_data_parallel
 from shardlm.models.decoder import Decoder
+from shardlm.models.hf import CausalLMAdapter
 from shardlm.parallel.pieces import sliced
 from shardlm.parallel.tensor import TPState, VocabParallelHead, apply_tp, vocab_parallel_cross_entropy
 from shardlm.parallel.tensor_plan import apply_tp_plan
@@ -117,11 +118,11 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool)
 
 def initial_values(model: nn.Module, cfg: Config) -> Initializer:
     """Where the parameters' first values come from: model.hf_path's checkpoint (our decoder,
-    read from safetensors, or the encoder-decoder build_run built from it: its tensors by
-    name), or the model's own initialisation at train.seed."""
-    if cfg.model.hf_path and not isinstance(model, Decoder):  # build_run's encoder-decoder
-        return module_initializer(cfg.model.hf_path, model)
+    read from safetensors, or the transformers module build_run built from it: its tensors by
+    name; LoRA adapters are new), or the model's own initialisation at train.seed."""
     own = initializer_for(model, cfg.train.seed)
+    if cfg.model.hf_path and not isinstance(model, Decoder):  # build_run's transformers module
+        return with_adapters(module_initializer(cfg.model.hf_path, model), own)
     if cfg.model.hf_path and isinstance(model, Decoder):  # build_run refuses any other model
         # The checkpoint for its tensors; LoRA adapters are new: the model's own initial values.
         return with_adapters(hf_initializer(cfg.model.hf_path, model, cfg.model), own)
@@ -134,11 +135,13 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     (resolve.resolve_config: no 'auto' left); `mesh` holds the process groups."""
     ledger = CommLedger()
     if cfg.lora.rank:  # first: adapters are parameters like any other for every later step
-        if not isinstance(model, Decoder):
-            raise ConfigError(f"lora.rank = {cfg.lora.rank}: LoRA applies to our decoder, not to a "
+        if not isinstance(model, (Decoder, CausalLMAdapter)):
+            raise ConfigError(f"lora.rank = {cfg.lora.rank}: LoRA applies to our decoder and to a "
+                              f"causal LM in models.hf.CausalLMAdapter, not to a "
                               f"{type(model).__name__} (use model.hf_path or model.preset)")
         lora = cfg.lora
-        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets, cfg.model.mlp, cfg.train.seed)
+        mlp = cfg.model.mlp if isinstance(model, Decoder) else ""  # '': every linear but the head
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets, mlp, cfg.train.seed)
     # Taken before any step replaces a layer: initial values are those of the whole model.
     initializer = (initial_values(model, cfg) if any(p.is_meta for p in model.parameters())
                    else None)

@@ -15,7 +15,10 @@ parallel region (f) and the others reuse that tensor (`_SharedInput`), so their 
 before the one all-reduce.
 
 Plain tensor parallelism only: the embedding and the LM head stay replicated (their gradients
-are the same on every rank, the loss the ordinary one). A vocabulary-parallel embedding and
+are the same on every rank, the loss the ordinary one; a plan's 'embedding_rowwise', GPT-J's,
+is left out). A fused projection the plan cuts (CodeGen's qkv_proj, interleaved in its own
+layout) is refused: contiguous heads of it are not heads of q, k and v. The checks run before
+spawning too (check_tp_plan, from trainer.check_inputs). A vocabulary-parallel embedding and
 head for these models, and sequence parallelism (the norms and residuals live inside the
 library's modules), are follow-ups.
 """
@@ -43,7 +46,7 @@ def apply_tp_plan(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPSt
     one: `model.model`) over `comm`'s group, in place; parameter names stay. Returns the
     TPState, its `splits` keyed by the names `model.named_parameters()` gives."""
     hf = _transformers_model(model)
-    plan = _plan_of(hf)
+    plan = check_tp_plan(hf, comm.size)
     if sequence_parallel:
         raise ConfigError(f"parallel.sequence_parallel needs shardlm's Decoder: {type(hf).__name__} "
                           f"is tensor-parallel through its base_model_tp_plan, whose norms and "
@@ -53,7 +56,6 @@ def apply_tp_plan(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPSt
         raise ConfigError("tensor parallelism is applied to a model on the meta device (the trainer "
                           "builds it so); this one is already materialised: build it under "
                           "torch.device('meta')")
-    _check_heads(hf, comm.size)
     base = hf.base_model
     prefix = {id(m): n for n, m in model.named_modules()}[id(base)]
     targets = _matched(base, plan)
@@ -69,6 +71,38 @@ def apply_tp_plan(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPSt
              "parameters; embedding and head replicated", type(hf).__name__, comm.size, len(targets),
              len(tp.splits))
     return tp
+
+
+def check_tp_plan(model: nn.Module, tp: int) -> dict[str, str]:
+    """The plan apply_tp_plan will cut `model` (a transformers model, or our adapter around one,
+    on any device) by at tensor-parallel size `tp`, or the ConfigError apply_tp_plan would
+    raise: no plan, styles we do not apply, heads tp does not divide, keys matching no nn.Linear.
+    Cheap: `shardlm train` calls it before spawning (trainer.check_inputs)."""
+    hf = _transformers_model(model)
+    plan = _plan_of(hf)
+    _check_heads(hf, tp)
+    _check_unfused(hf, _matched(hf.base_model, plan))
+    return plan
+
+
+def _check_unfused(hf: nn.Module, targets: list[tuple[str, str]]) -> None:
+    """In an attention module (one with a head_dim) a cut layer must be one projection: its
+    heads (outputs of a 'colwise', inputs of a 'rowwise' one) the query or the key/value heads.
+    A fused one (CodeGen's qkv_proj, q, k and v interleaved in its own layout) would be cut by
+    contiguous heads into pieces that are not whole heads of q, k and v: refused."""
+    config = hf.config
+    heads = config.num_attention_heads
+    allowed = {heads, getattr(config, "num_key_value_heads", None) or heads}
+    for name, style in targets:
+        parent = hf.base_model.get_submodule(name.rpartition(".")[0])
+        head_dim = getattr(parent, "head_dim", None)
+        linear = hf.base_model.get_submodule(name)
+        features = linear.out_features if style == "colwise" else linear.in_features
+        if isinstance(head_dim, int) and (features % head_dim or features // head_dim not in allowed):
+            raise ConfigError(f"{type(hf).__name__}'s base_model_tp_plan makes {name} {style}, but "
+                              f"its {features} features are not the query or key/value heads "
+                              f"({sorted(allowed)} of {head_dim}): a fused projection shardlm cannot "
+                              f"cut by heads; use parallel.tp = 1")
 
 
 def _transformers_model(model: nn.Module) -> nn.Module:
@@ -87,6 +121,9 @@ def _plan_of(hf: nn.Module) -> dict[str, str]:
                           f"does not know which of its layers to cut: use parallel.tp = 1 (and "
                           f"data parallelism / ZeRO for scale), or a model whose config carries a "
                           f"plan (Llama, Qwen2, Mistral, ...)")
+    # An embedding's style (GPT-J's 'wte': 'embedding_rowwise'): the embedding stays replicated,
+    # as for every model here (the module docstring); the layers it feeds are cut as planned.
+    plan = {k: v for k, v in plan.items() if not v.startswith("embedding")}
     unsupported = {k: v for k, v in plan.items() if v not in STYLES}
     if unsupported:
         raise ConfigError(f"{type(hf).__name__}'s base_model_tp_plan uses styles shardlm does not "
