@@ -281,7 +281,7 @@ class Calibration:
 
 
 CALIBRATION = {
-    "cuda": Calibration(1.0e9, 0.8, True, 256),
+    "cuda": Calibration(1.0e9, 0.5, True, 256),
     "rocm": Calibration(1.0e9, 0.7, True, 256),
     "tpu": Calibration(0.5e9, 0.8, True, 256),
     # On a CPU gloo's threads need the cores compute is using: no overlap. Efficiency
