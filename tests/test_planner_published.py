@@ -1,0 +1,139 @@
+"""Published training runs, each with its exact configuration and source, against the planner's
+prediction for it (pure arithmetic, no processes; docs/planner.md, "Published runs").
+
+One model for every row: no constant is set per row. A row the planner cannot hold within
+TOLERANCE stays in the table as a known miss, with the reason; the test asserts the pass
+fraction and that every miss is listed (and that nothing listed as a miss has started to pass
+unnoticed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from shardlm.config import ModelConfig
+from shardlm.dims import ParallelDims
+from shardlm.hardware.catalog import parse_cluster
+from shardlm.planner import Strategy, Workload, estimate_time
+from shardlm.planner.workload import Dtypes
+
+TOLERANCE = 0.20
+PASS_FRACTION = 11 / 15
+"""Rows within TOLERANCE today, 11 of 15 (the issue's target is 0.9: not reached; the four
+misses and why are KNOWN_MISSES)."""
+
+MEGATRON = "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters"
+TITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+
+
+def gpt3_shape(layers: int, hidden: int, heads: int) -> ModelConfig:
+    """Megatron-LM's GPT models of the paper: GPT-2 blocks, vocabulary 51,200, sequence 2048."""
+    return ModelConfig(preset=f"gpt {layers}x{hidden}", vocab_size=51200, n_layers=layers, n_heads=heads,
+                       d_model=hidden, max_seq_len=2048)
+
+
+LLAMA31_8B = ModelConfig(preset="llama-3.1-8b", vocab_size=128256, n_layers=32, n_heads=32, n_kv_heads=8,
+                         d_model=4096, d_ff=14336, max_seq_len=8192, mlp="swiglu", norm="rmsnorm",
+                         position="rope", bias=False, tie_embeddings=False)
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    source: str
+    model: ModelConfig
+    cluster: str
+    tp: int
+    pp: int
+    zero: int
+    micro_batch: int
+    global_batch: int
+    recompute: str
+    compute: str
+    published: float
+    metric: str
+    """'megatron_tflops': model FLOP/s per GPU by Megatron's formula (recomputation counted,
+    eq. 3 of the paper: 96·B·s·l·h²·(1 + s/6h + V/16lh) per step); 'tokens_per_gpu'."""
+
+
+ZERO3 = [Row(f"megatron-zero3-175b-{n}", f"{MEGATRON}, Table 2 (ZeRO-3 without model parallelism)",
+             gpt3_shape(96, 12288, 96), f"{n}xA100-80GB", 1, 1, 3, mb, 1536, "full", "fp16", tf,
+             "megatron_tflops")
+         for n, mb, tf in ((384, 4, 144), (768, 2, 88), (1536, 1, 44))]
+
+# Table 1 (weak scaling): size, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU.
+# Micro-batch 1 and the plain 1F1B schedule: the table gives neither (an assumption).
+WEAK_SCALING = [Row(f"megatron-weak-{size}b", f"{MEGATRON}, Table 1", gpt3_shape(layers, h, heads),
+                    f"{gpus}xA100-80GB", tp, pp, 1, 1, batch, "full", "fp16", tf, "megatron_tflops")
+                for size, heads, h, layers, tp, pp, gpus, batch, tf in (
+                    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+                    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+                    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+                    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+                    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+                    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163))]
+
+TORCHTITAN = [Row(f"torchtitan-llama3.1-8b-fsdp-{n}", f"{TITAN}, Table {table} (FSDP, no compile, no Float8)",
+                  LLAMA31_8B, f"{n}xH100-80GB", 1, 1, 3, 2, 2 * n, "selective", "bf16", tps, "tokens_per_gpu")
+              for n, table, tps in ((8, 1, 5762), (128, 3, 5605))]
+
+ROWS = ZERO3 + WEAK_SCALING + TORCHTITAN
+
+KNOWN_MISSES = {
+    "megatron-weak-529.6b": "-21%: Megatron's fused kernels at h = 20,480 run above the planner's "
+                            "one GPU efficiency (0.5 x h/(h+256)); its scatter/gather pipeline sends "
+                            "(1/t of each activation across nodes) are not our runtime's",
+    "megatron-weak-1008.0b": "-21%: as the 529.6B row (h = 25,600, pp 64: the pipeline's full-width "
+                             "sends cost 5.4 s of the step in the model)",
+    "torchtitan-llama3.1-8b-fsdp-8": "+34%: the Grand Teton H100s run at a 500 W power limit with "
+                                     "HBM2e (peak below the SXM datasheet's 989 TF, unpublished), and "
+                                     "torchtitan's 'selective' (op) recomputes every second matmul, "
+                                     "which our 'selective' does not",
+    "torchtitan-llama3.1-8b-fsdp-128": "+33%: as the 8-GPU row",
+}
+
+
+def megatron_flops_per_step(m: ModelConfig, batch: int, seq: int) -> float:
+    l, h, v = m.n_layers, m.d_model, m.vocab_size
+    return 96 * batch * seq * l * h * h * (1 + seq / (6 * h) + v / (16 * l * h))
+
+
+def predict(row: Row) -> float:
+    cluster = parse_cluster(row.cluster)
+    n = cluster.world_size
+    dp = n // (row.tp * row.pp)
+    dims = ParallelDims.resolve(n, 1, dp, 1, row.tp, row.pp, 1)
+    accum = row.global_batch // (row.micro_batch * dp)
+    assert accum * row.micro_batch * dp == row.global_batch, row.name
+    strategy = Strategy(dims, row.zero, row.micro_batch, accum, row.recompute, dtypes=Dtypes(row.compute),
+                        sequence_parallel=False)
+    timing = estimate_time(Workload(row.model, row.model.max_seq_len, row.global_batch), strategy, cluster)
+    if row.metric == "megatron_tflops":
+        return megatron_flops_per_step(row.model, row.global_batch, row.model.max_seq_len) / timing.step / n / 1e12
+    return timing.tokens_per_s / n
+
+
+@pytest.fixture(scope="module")
+def predictions() -> dict[str, float]:
+    return {row.name: predict(row) for row in ROWS}
+
+
+def test_published_rows_within_tolerance_or_listed(predictions):
+    errors = {row.name: predictions[row.name] / row.published - 1 for row in ROWS}
+    misses = {name for name, err in errors.items() if abs(err) > TOLERANCE}
+    table = "\n".join(f"{name}: {predictions[name]:.1f} vs {row.published:g} ({errors[name]:+.0%})"
+                      for name, row in ((r.name, r) for r in ROWS))
+    assert misses <= set(KNOWN_MISSES), f"unlisted misses {misses - set(KNOWN_MISSES)}:\n{table}"
+    assert set(KNOWN_MISSES) <= misses, f"listed misses now pass {set(KNOWN_MISSES) - misses}: update\n{table}"
+    assert 1 - len(misses) / len(ROWS) >= PASS_FRACTION, table
+
+
+def test_zero3_rows_fall_as_megatron_measured(predictions):
+    """Megatron-LM's ZeRO-3 rows (a fixed global batch over 2x and 4x the GPUs: each GPU's compute
+    halves, its gathers do not) all within tolerance, and falling with the GPU count."""
+    zero3 = [predictions[row.name] for row in ZERO3]
+    for row, value in zip(ZERO3, zero3):
+        assert value == pytest.approx(row.published, rel=TOLERANCE), row.name
+    assert zero3[0] > 1.4 * zero3[1] > 1.4 * 1.4 * zero3[2]
