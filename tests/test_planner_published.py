@@ -137,3 +137,46 @@ def test_zero3_rows_fall_as_megatron_measured(predictions):
     for row, value in zip(ZERO3, zero3):
         assert value == pytest.approx(row.published, rel=TOLERANCE), row.name
     assert zero3[0] > 1.4 * zero3[1] > 1.4 * 1.4 * zero3[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Family shapes: a published run stated exactly (--params N --family ...)
+
+
+def test_llama_405b_is_expressible_exactly():
+    """Llama 3.1 405B (Meta's model card / config.json): 126 layers, h 16384, 128 heads with 8
+    key/value heads, SwiGLU width 53,248, vocabulary 128,256, untied head; parameters counted
+    here by hand: embeddings and head 2·V·h, per block attention h·(h + 2·kv·d) + h·h, the MLP
+    3·h·f, two RMSNorms, and the final norm."""
+    from shardlm.models.flops import count_params
+    from shardlm.planner.search import model_from_params
+
+    m = model_from_params(405e9, 126, 16384, 128, 128256, 8192, "llama", kv_heads=8, ffn=53248)
+    assert (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size) == (
+        126, 16384, 128, 8, 53248, 128256)
+    assert (m.mlp, m.norm, m.position, m.bias, m.tie_embeddings) == ("swiglu", "rmsnorm", "rope", False, False)
+    h, kv_width, f, v = 16384, 8 * 128, 53248, 128256
+    block = h * (h + 2 * kv_width) + h * h + 3 * h * f + 2 * h
+    assert count_params(m) == 2 * v * h + 126 * block + h == 405_853_388_800
+
+
+def test_params_names_its_family_and_fits_the_count(capsys):
+    from shardlm.cli import main
+    from shardlm.models.flops import count_params
+    from shardlm.planner.search import model_from_params
+
+    for family, kv in (("gpt2", None), ("llama", 8), ("moe", 8)):
+        m = model_from_params(70e9, family=family, kv_heads=kv)
+        assert count_params(m) == pytest.approx(70e9, rel=0.03), family
+    assert model_from_params(1.3e9).n_layers == 24 and model_from_params(1.3e9).d_model == 2048  # GPT-3 XL
+    assert model_from_params(47e9, family="moe").experts == 8
+    main(["estimate", "--params", "7e9", "--gpus", "8xA100-80GB", "--zero-stage", "3"])
+    assert "(GPT-2-family shape)" in capsys.readouterr().out
+    main(["estimate", "--params", "8e9", "--family", "llama", "--kv-heads", "8", "--gpus", "8xA100-80GB",
+          "--zero-stage", "3"])
+    out = capsys.readouterr().out
+    assert "(LLaMA-family shape)" in out and "32/8 kv heads" in out and "swiglu/rmsnorm/rope" in out
+    assert main(["estimate", "--model", "llama-7b", "--family", "llama", "--gpus", "8xA100-80GB"]) == 2
+    assert "--family go(es) with --params" in capsys.readouterr().err
+    assert main(["estimate", "--params", "7e9", "--kv-heads", "8", "--gpus", "8xA100-80GB"]) == 2
+    assert "--family llama" in capsys.readouterr().err

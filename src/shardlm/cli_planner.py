@@ -19,11 +19,18 @@ def planner_args(p: argparse.ArgumentParser) -> None:
                             "(GPT-2 or LLaMA-family: GQA, SwiGLU, untied head)")
     model.add_argument("--params", type=float, metavar="N",
                        help="parameter count such as 7.5e9: model states use exactly N; the "
-                            "rest is sized by a GPT-2-family shape (LayerNorm, learned positions, "
-                            "GELU MLP of 4h, tied head; h = 128 x layers unless given)")
+                            "rest is sized by a --family shape (h = 128 x layers unless given; "
+                            "the family is named in the output)")
+    model.add_argument("--family", choices=["gpt2", "llama", "moe"],
+                       help="with --params (default gpt2): gpt2 = LayerNorm, learned positions, "
+                            "GELU MLP of 4h, tied head; llama = RMSNorm, RoPE, SwiGLU MLP of 8h/3 "
+                            "(up to 256), untied head, --kv-heads for GQA; moe = llama blocks "
+                            "with --experts routed experts (8) and --top-k (2)")
     model.add_argument("--layers", type=int, help="with --params: layers")
     model.add_argument("--hidden", type=int, help="with --params: d_model")
     model.add_argument("--heads", type=int, help="with --params: attention heads")
+    model.add_argument("--kv-heads", type=int, help="with --params --family llama|moe: key/value heads (GQA)")
+    model.add_argument("--ffn", type=int, help="with --params: MLP hidden width (e.g. 53248 for Llama 3.1 405B)")
     model.add_argument("--vocab", type=int, default=50257, help="with --params: vocabulary")
     model.add_argument("--experts", type=int, help="routed experts per MoE block (overrides the model's)")
     model.add_argument("--top-k", type=int, help="experts per token (overrides the model's)")
@@ -63,14 +70,18 @@ def planner_inputs(args: argparse.Namespace):
 
     if (args.model is None) == (args.params is None):
         raise ConfigError("give either --model PRESET or --params N (e.g. --params 7.5e9)")
-    if args.model is not None and (args.layers or args.hidden or args.heads):
-        raise ConfigError("--layers/--hidden/--heads go with --params; a preset has its shape")
+    shape_flags = [f for f, v in (("--layers", args.layers), ("--hidden", args.hidden), ("--heads", args.heads),
+                                  ("--kv-heads", args.kv_heads), ("--ffn", args.ffn), ("--family", args.family)) if v]
+    if args.model is not None and shape_flags:
+        raise ConfigError(f"{'/'.join(shape_flags)} go(es) with --params; a preset has its shape")
     if args.model is not None:
         model = (model_from_hf_config(args.model) if args.model.endswith(".json") or "/" in args.model
                  else preset_model(args.model))
     else:
+        family = args.family or "gpt2"
+        moe = dict(experts=args.experts, top_k=args.top_k) if family == "moe" else {}
         model = model_from_params(args.params, args.layers, args.hidden, args.heads, args.vocab,
-                                  max(args.seq or 0, 2048))
+                                  max(args.seq or 0, 2048), family, args.kv_heads, args.ffn, **moe)
     seq = args.seq or model.max_seq_len
     if seq <= 0:
         raise ConfigError(f"--seq {seq} must be > 0")
