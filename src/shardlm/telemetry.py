@@ -74,14 +74,17 @@ def device_memory_record(device: torch.device) -> dict:
 
 
 class MetricsLog:
-    """One JSON object per line; flushed per write so a crashed run keeps its log."""
+    """One JSON object per line; flushed per write so a crashed run keeps its log. `first`'s
+    keys join the first record written (the planner's "predicted" for the run)."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, first: dict[str, Any] | None = None):
         self.path = path
         self._file: TextIO | None = open(path, "a", buffering=1) if path else None
+        self._first = first or {}
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
+            record, self._first = {**record, **self._first}, {}
             # NaN/inf are not JSON: a non-finite value (an fp16 overflow step) is written as null.
             clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
                      for k, v in record.items()}
@@ -91,6 +94,20 @@ class MetricsLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def prediction_summary(predicted: dict[str, Any], step_times: list[float], device: torch.device) -> str:
+    """The end-of-run line: measured / predicted step time (the median of the steps after the
+    first) and peak memory per rank (on a GPU the allocator's peak, on a CPU the process's peak
+    RSS), against the planner's prediction in the run's first JSONL record."""
+    if "unavailable" in predicted:
+        return f"planner: no prediction for this run ({predicted['unavailable']})"
+    step = sorted(step_times)[len(step_times) // 2]
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes())
+    return (f"measured / predicted (planner, {predicted['hardware']}): step "
+            f"{step:.3g} / {predicted['step_time_s']:.3g} s = {step / predicted['step_time_s']:.2f}, "
+            f"peak per rank {peak / 2**20:,.0f} / {predicted['peak_bytes_per_rank'] / 2**20:,.0f} MiB = "
+            f"{peak / predicted['peak_bytes_per_rank']:.2f}")
 
 
 class ProgressDisplay:

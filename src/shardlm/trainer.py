@@ -53,9 +53,10 @@ from shardlm.parallel.pieces import whole_parameters
 from shardlm.comm.collectives import DeviceDone
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.precision import Precision, build_precision, is_finite
-from shardlm.resolve import resolve_config
+from shardlm.planner.search import run_prediction
+from shardlm.resolve import local_hardware, resolve_config
 from shardlm.telemetry import (MetricsLog, ProgressDisplay, device_memory_record, peak_flops,
-                               peak_rss_bytes)
+                               peak_rss_bytes, prediction_summary)
 from shardlm.tracking import StepProfiler, StepTimes, device_synchronize, open_trackers, time_split_on
 
 log = logging.getLogger("shardlm")
@@ -561,12 +562,13 @@ def train(run: Run) -> TrainResult:
     tracker = open_trackers(cfg.run.tracker, run.run_dir, enabled=main)  # first: closed in finally
     profiler = StepProfiler(cfg.run.profile_steps, run.run_dir, run.runtime.rank, run.runtime.device)
     completed = False
-    metrics = MetricsLog(run.run_dir / "metrics.jsonl" if main else None)
+    predicted = run_prediction(cfg, lambda: local_hardware(run.runtime.device, run.runtime.world_size)) if main else {}
+    metrics = MetricsLog(run.run_dir / "metrics.jsonl" if main else None, {"predicted": predicted})
     steps, every = cfg.train.steps, cfg.checkpoint.every
     progress = ProgressDisplay(steps - run.start_step, cfg.run.progress, enabled=main)
     result = TrainResult(run.run_dir)
     fault = planned_fault()  # $SHARDLM_FAULT: the fault tests' injected crash, leave or pause
-    speeds, mfus, hfus = [], [], []
+    speeds, mfus, hfus, step_times = [], [], [], []
     try:
         tracker.log_config(cfg.to_dict())  # resolved: every 'auto' decided
         with StopSignals() as signals:
@@ -588,6 +590,7 @@ def train(run: Run) -> TrainResult:
                 result.skipped_steps += not out.stepped
                 if step > run.start_step or steps - run.start_step == 1:
                     speeds.append(record["tokens_per_s"])
+                    step_times.append(record["step_time_s"])
                     mfus.append(record["mfu"])
                     hfus.append(record["hfu"])
                 last = step + 1 == steps
@@ -627,6 +630,8 @@ def train(run: Run) -> TrainResult:
         result.tokens_per_s = sum(speeds) / len(speeds)
         result.mfu = sum(mfus) / len(mfus)
         result.hfu = sum(hfus) / len(hfus)
+        if main:
+            print(prediction_summary(predicted, step_times, run.runtime.device), flush=True)
     if result.stopped_by is None:
         with run.strategy.full_parameters():
             cut = run.mesh.dims.tp > 1 or run.mesh.dims.ep > 1

@@ -516,6 +516,29 @@ def predict_local(cfg: Config, n_ranks: int) -> LocalPrediction:
                            timing.tokens_per_s, memory, timing)
 
 
+def run_prediction(cfg: Config, hardware) -> dict:
+    """The planner's prediction for one resolved run on the Cluster `hardware()` returns, as the
+    trainer writes it in its first JSONL record under "predicted" (telemetry.MetricsLog) and
+    compares at the end (telemetry.prediction_summary): step time, tokens/s, peak bytes per rank
+    (the worst pipeline stage's) and communication bytes per rank and step (as the engine's
+    ledger counts them). Advisory: a run the planner cannot describe (a GPU not in the catalog,
+    a model it has no shape for) gets {"unavailable": why} and a warning, and trains on."""
+    import logging
+
+    try:
+        cluster = hardware()
+        workload, strategy = config_strategy(cfg, cluster)
+        memory = estimate_memory(workload, strategy, cluster)
+        timing = estimate_time(workload, strategy, cluster)
+    except Exception as err:  # noqa: BLE001 - a prediction never stops a run; its reason is kept
+        logging.getLogger("shardlm").warning("planner: no prediction for this run: %s: %s",
+                                             type(err).__name__, err)
+        return {"unavailable": f"{type(err).__name__}: {err}"}
+    return {"step_time_s": timing.step, "tokens_per_s": timing.tokens_per_s,
+            "peak_bytes_per_rank": memory.peak, "comm_bytes": sum(c.bytes for c in timing.comms),
+            "exposed_comm_s": timing.exposed_comm, "mfu": timing.mfu, "hardware": cluster.describe()}
+
+
 def alternatives(w: Workload, s: Strategy, cluster: Cluster, count: int = 3) -> list[Plan]:
     """For an estimate that does not fit: the fastest plans on the same rank layout (any
     stage, recomputation, offload, micro-batch split of the same global batch)."""
@@ -621,4 +644,4 @@ def model_from_params(params: float, layers: int | None = None, hidden: int | No
 
 __all__ = ["EVERYTHING", "RUNTIME", "LocalPrediction", "Plan", "SearchResult", "Supported",
            "alternatives", "config_strategy", "default_dtypes", "model_from_hf_config", "explain", "model_from_params", "plan_for_run",
-           "predict_local", "preset_model", "search"]
+           "predict_local", "preset_model", "run_prediction", "search"]
