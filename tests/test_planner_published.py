@@ -66,7 +66,7 @@ ZERO3 = [Row(f"megatron-zero3-175b-{n}", f"{MEGATRON}, Table 2 (ZeRO-3 without m
 # Table 1 (weak scaling): size, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU.
 # Micro-batch 1 and the plain 1F1B schedule: the table gives neither (an assumption).
 WEAK_SCALING = [Row(f"megatron-weak-{size}b", f"{MEGATRON}, Table 1", gpt3_shape(layers, h, heads),
-                    f"{gpus}xA100-80GB", tp, pp, 1, 1, batch, "full", "fp16", tf, "megatron_tflops")
+                    f"{gpus}xA100-80GB", tp, pp, 0, 1, batch, "full", "fp16", tf, "megatron_tflops")
                 for size, heads, h, layers, tp, pp, gpus, batch, tf in (
                     (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
                     (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
