@@ -20,8 +20,8 @@ from shardlm.planner import Strategy, Workload, estimate_time
 from shardlm.planner.workload import Dtypes
 
 TOLERANCE = 0.20
-PASS_FRACTION = 11 / 15
-"""Rows within TOLERANCE today, 11 of 15 (the issue's target is 0.9: not reached; the four
+PASS_FRACTION = 20 / 24
+"""Rows within TOLERANCE today, 20 of 24 (the issue's target is 0.9: not reached; the four
 misses and why are KNOWN_MISSES)."""
 
 MEGATRON = "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters"
@@ -58,10 +58,29 @@ class Row:
     eq. 3 of the paper: 96·B·s·l·h²·(1 + s/6h + V/16lh) per step); 'tokens_per_gpu'."""
 
 
-ZERO3 = [Row(f"megatron-zero3-175b-{n}", f"{MEGATRON}, Table 2 (ZeRO-3 without model parallelism)",
-             gpt3_shape(96, 12288, 96), f"{n}xA100-80GB", 1, 1, 3, mb, 1536, "full", "fp16", tf,
-             "megatron_tflops")
-         for n, mb, tf in ((384, 4, 144), (768, 2, 88), (1536, 1, 44))]
+# Table 2: ZeRO-3 without model parallelism against PTD-P (t 8 x p 12 for 175B, t 8 x p 35 for
+# 530B, micro-batch 1), for 175B (96 x 12288, 96 heads) and 530B (105 x 20480, 128 heads).
+# The planner's GPU overlap (0.5) was chosen with the 175B ZeRO-3 rows in view; the 530B ones
+# were not looked at until after: they are the out-of-sample check.
+ZERO3 = [Row(f"megatron-zero3-{size}-{n}", f"{MEGATRON}, Table 2 (ZeRO-3 without model parallelism)",
+             shape, f"{n}xA100-80GB", 1, 1, 3, mb, batch, "full", "fp16", tf, "megatron_tflops")
+         for size, shape, n, mb, batch, tf in (
+             ("175b", gpt3_shape(96, 12288, 96), 384, 4, 1536, 144),
+             ("175b", gpt3_shape(96, 12288, 96), 768, 2, 1536, 88),
+             ("175b", gpt3_shape(96, 12288, 96), 1536, 1, 1536, 44),
+             ("530b", gpt3_shape(105, 20480, 128), 640, 4, 2560, 138),
+             ("530b", gpt3_shape(105, 20480, 128), 1120, 2, 2240, 98),
+             ("530b", gpt3_shape(105, 20480, 128), 2240, 1, 2240, 48))]
+
+PTDP = [Row(f"megatron-ptdp-{size}-{n}", f"{MEGATRON}, Table 2 (PTD-P)", shape, f"{n}xA100-80GB", 8, pp, 0, 1,
+            batch, "full", "fp16", tf, "megatron_tflops")
+        for size, shape, pp, n, batch, tf in (
+            ("175b", gpt3_shape(96, 12288, 96), 12, 384, 1536, 153),
+            ("175b", gpt3_shape(96, 12288, 96), 12, 768, 1536, 149),
+            ("175b", gpt3_shape(96, 12288, 96), 12, 1536, 1536, 141),
+            ("530b", gpt3_shape(105, 20480, 128), 35, 560, 2240, 171),
+            ("530b", gpt3_shape(105, 20480, 128), 35, 1120, 2240, 167),
+            ("530b", gpt3_shape(105, 20480, 128), 35, 2240, 2240, 159))]
 
 # Table 1 (weak scaling): size, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU.
 # Micro-batch 1 and the plain 1F1B schedule: the table gives neither (an assumption).
@@ -79,7 +98,7 @@ TORCHTITAN = [Row(f"torchtitan-llama3.1-8b-fsdp-{n}", f"{TITAN}, Table {table} (
                   LLAMA31_8B, f"{n}xH100-80GB", 1, 1, 3, 2, 2 * n, "selective", "bf16", tps, "tokens_per_gpu")
               for n, table, tps in ((8, 1, 5762), (128, 3, 5605))]
 
-ROWS = ZERO3 + WEAK_SCALING + TORCHTITAN
+ROWS = ZERO3 + PTDP + WEAK_SCALING + TORCHTITAN
 
 KNOWN_MISSES = {
     "megatron-weak-529.6b": "-21%: Megatron's fused kernels at h = 20,480 run above the planner's "
@@ -133,10 +152,11 @@ def test_published_rows_within_tolerance_or_listed(predictions):
 def test_zero3_rows_fall_as_megatron_measured(predictions):
     """Megatron-LM's ZeRO-3 rows (a fixed global batch over 2x and 4x the GPUs: each GPU's compute
     halves, its gathers do not) all within tolerance, and falling with the GPU count."""
-    zero3 = [predictions[row.name] for row in ZERO3]
-    for row, value in zip(ZERO3, zero3):
-        assert value == pytest.approx(row.published, rel=TOLERANCE), row.name
-    assert zero3[0] > 1.4 * zero3[1] > 1.4 * 1.4 * zero3[2]
+    for row in ZERO3:
+        assert predictions[row.name] == pytest.approx(row.published, rel=TOLERANCE), row.name
+    for size in ("175b", "530b"):
+        falling = [predictions[row.name] for row in ZERO3 if f"-{size}-" in row.name]
+        assert falling[0] > 1.4 * falling[1] > 1.4 * 1.4 * falling[2], size
 
 
 # ---------------------------------------------------------------------------------------------
