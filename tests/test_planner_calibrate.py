@@ -4,7 +4,7 @@ a decision (no test depends on this machine's speed)."""
 
 from shardlm.cli import main
 from shardlm.hardware import probe
-from shardlm.planner.search import preset_model
+from shardlm.planner.shapes import preset_model
 from shardlm.planner.workload import matmul_shapes
 
 

@@ -193,7 +193,7 @@ def test_llama_405b_is_expressible_exactly():
     here by hand: embeddings and head 2·V·h, per block attention h·(h + 2·kv·d) + h·h, the MLP
     3·h·f, two RMSNorms, and the final norm."""
     from shardlm.models.flops import count_params
-    from shardlm.planner.search import model_from_params
+    from shardlm.planner.shapes import model_from_params
 
     m = model_from_params(405e9, 126, 16384, 128, 128256, 8192, "llama", kv_heads=8, ffn=53248)
     assert (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size) == (
@@ -207,7 +207,7 @@ def test_llama_405b_is_expressible_exactly():
 def test_params_names_its_family_and_fits_the_count(capsys):
     from shardlm.cli import main
     from shardlm.models.flops import count_params
-    from shardlm.planner.search import model_from_params
+    from shardlm.planner.shapes import model_from_params
 
     for family, kv in (("gpt2", None), ("llama", 8), ("moe", 8)):
         m = model_from_params(70e9, family=family, kv_heads=kv)

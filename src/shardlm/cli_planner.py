@@ -83,7 +83,7 @@ def planner_inputs(args: argparse.Namespace):
 
 def model_input(args: argparse.Namespace):
     """(model, seq) from model_args' options and --seq."""
-    from shardlm.planner.search import model_from_hf_config, model_from_params, preset_model
+    from shardlm.planner.shapes import model_from_hf_config, model_from_params, preset_model
 
     if (args.model is None) == (args.params is None):
         raise ConfigError("give either --model PRESET or --params N (e.g. --params 7.5e9)")
