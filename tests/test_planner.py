@@ -229,6 +229,41 @@ def test_collective_volumes_are_the_zero_formula(stage, replicas):
     assert sum(c.bytes for c in t.comms) == pytest.approx(expected, rel=1e-9)
 
 
+def test_zero3_exposure_is_charged_unit_by_unit(capsys):
+    """Stage 3 across nodes: each term's exposure is what the compute beside it cannot hide.
+    The root's gather (starts the pass), the first block's (behind the embedding lookup) and the
+    root's reduce-scatter (last, after the embedding's gradient) are exposed whole at any batch;
+    a block's gather or reduce-scatter hides behind one block's compute, so a larger micro-batch
+    hides more; the terms sum to the collective; `estimate` prints them."""
+    cluster = parse_cluster("32x8xA100-80GB")
+    w = Workload(model_from_params(13e9), 2048, 256 * 4)
+
+    def comms(micro):
+        s = Strategy(ParallelDims(1, 256), 3, micro, 4 // micro, "full", dtypes=Dtypes("bf16"))
+        return {c.name: c for c in estimate_time(w, s, cluster).comms}
+
+    small, large = comms(1), comms(4)
+    for c in (*small.values(), *large.values()):
+        assert sum(t.exposed for t in c.terms) == pytest.approx(c.exposed)
+        assert sum(t.seconds for t in c.terms) == pytest.approx(c.seconds)
+        assert 0 < c.latency < c.seconds
+    for c in (small, large):
+        term = {t.name.split(" x ")[0]: t for t in (*c["all-gather parameters"].terms,
+                                                    *c["reduce-scatter gradients"].terms)}
+        for whole in ("root unit, forward: starts the pass", "first block, forward: behind the embedding lookup",
+                      "root unit, last: nothing left to compute"):
+            assert term[whole].exposed == term[whole].seconds > 0
+        assert term["block, forward: behind the block before it"].exposed < term[
+            "block, forward: behind the block before it"].seconds
+    # 4 micro-batches of 1 gather 4 times per step, one of 4 once: the per-gather compute grows 4x
+    assert large["all-gather parameters"].exposed < small["all-gather parameters"].exposed / 3
+    main(["estimate", "--params", "13e9", "--gpus", "32x8xA100-80GB", "--zero-stage", "3",
+          "--micro-batch", "1", "--grad-accum", "4", "--recompute", "full", "--seq", "2048",
+          "--precision", "bf16"])
+    out = capsys.readouterr().out
+    assert "root unit, last: nothing left to compute" in out and "ms of it latency" in out
+
+
 def test_groups_inside_a_node_use_nvlink_and_across_nodes_their_adapter_share():
     cluster = parse_cluster("2x8xA100-80GB")
     nvlink, ib = LINKS["nvlink3"], LINKS["ib-hdr"]

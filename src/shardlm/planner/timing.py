@@ -172,7 +172,8 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: 
       backward the root is still gathered; a block's gather and the previous block's
       reduce-scatter share the link during one block's backward;
     - stages 1-2 all-gather the updated parameters after the optimizer step, before the next
-      forward: nothing to hide behind; replicas all-reduce their shards after the reduction.
+      forward: nothing to hide behind; replicas all-reduce their shards after every reduction
+      has completed (the engine's finish_backward): nothing to hide behind either.
 
     Context-parallel ranks are data-parallel ranks here: ZeRO shards over dp_shard x cp, stage
     0 all-reduces over dp_replicate x dp_shard x cp (mesh.py); both groups are tp apart. With
@@ -236,9 +237,10 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: 
             ("root unit, last: nothing left to compute", rs(g * root), 1, 0.0)])
     if replicas > 1:
         arr = lambda n: _unit_collective(cluster, "all_reduce", n, replicas, lay.tp * shard)  # noqa: E731
+        # finish_backward: after every reduction, all units at once: nothing computes beside them
         comm("all-reduce shards across replicas", "all_reduce", replicas, lay.tp * shard, 2 * g * psi / shard, [
-            ("block shard, behind the next block's backward", arr(g * block / shard), sp.layers, bwd_unit),
-            ("root unit shard, last", arr(g * root / shard), 1, 0.0)])
+            ("block shard, after the backward", arr(g * block / shard), sp.layers, 0.0),
+            ("root unit shard, after the backward", arr(g * root / shard), 1, 0.0)])
     return out
 
 
