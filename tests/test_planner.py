@@ -257,6 +257,21 @@ def test_zero3_exposure_is_charged_unit_by_unit(capsys):
             "block, forward: behind the block before it"].seconds
     # 4 micro-batches of 1 gather 4 times per step, one of 4 once: the per-gather compute grows 4x
     assert large["all-gather parameters"].exposed < small["all-gather parameters"].exposed / 3
+    # parallel.prefetch = false: every gather waits whole (one block fewer held at a time)
+    s = Strategy(ParallelDims(1, 256), 3, 4, 1, "full", dtypes=Dtypes("bf16"))
+    waited = {c.name: c for c in estimate_time(w, replace(s, prefetch=False), cluster).comms}
+    assert waited["all-gather parameters"].exposed == pytest.approx(waited["all-gather parameters"].seconds)
+    both = ("all-gather parameters", "reduce-scatter gradients")  # the same collectives, regrouped
+    assert sum(waited[n].seconds for n in both) == pytest.approx(sum(large[n].seconds for n in both))
+    assert sum(waited[n].exposed for n in both) > sum(large[n].exposed for n in both)
+    def buffers(strategy):
+        return {b.name: b.bytes for i in estimate_memory(w, strategy, cluster).items if i.name == "buffers"
+                for b in i.parts}
+
+    held, held_off = buffers(s), buffers(replace(s, prefetch=False))
+    block = model_from_params(13e9)
+    assert held["gathered parameters"] - held_off["gathered parameters"] == pytest.approx(
+        2 * (shape_of(w).total - stage_params(w, ParallelDims(1, 256))[0].root_unit) / block.n_layers, rel=1e-6)
     main(["estimate", "--params", "13e9", "--gpus", "32x8xA100-80GB", "--zero-stage", "3",
           "--micro-batch", "1", "--grad-accum", "4", "--recompute", "full", "--seq", "2048",
           "--precision", "bf16"])

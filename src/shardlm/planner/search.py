@@ -483,8 +483,8 @@ def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
     """The planner's view of one concrete (resolved) configuration on `cluster`: what
     `shardlm train --dry-run` predicts and `predict_local` checks against measurement: its
     layout (pp included), ZeRO stage, batch split, recomputation, offload, precision, sequence
-    parallelism and pipeline schedule (pp_schedule, pp_virtual, pp_layers). Assumes the
-    defaults parallel.reshard_after_forward and prefetch."""
+    parallelism and pipeline schedule (pp_schedule, pp_virtual, pp_layers), prefetch. Assumes
+    the default parallel.reshard_after_forward = true."""
     from shardlm.dims import resolve_dims
 
     dims = resolve_dims(cfg.parallel, cluster.world_size)
@@ -496,7 +496,7 @@ def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
                         sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
                         pp_virtual=par.pp_virtual, pp_layers=par.pp_layers,
                         activation_offload=cfg.activation.offload,
-                        activation_offload_blocks=cfg.activation.offload_blocks)
+                        activation_offload_blocks=cfg.activation.offload_blocks, prefetch=par.prefetch)
     return Workload(cfg.model, t.seq_len, t.micro_batch * t.grad_accum * dims.dp_size), strategy
 
 

@@ -222,19 +222,28 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: 
             ("root unit, after the step", ag(e * root), 1, 0.0)])
     else:
         ag_block, rs_block = ag(e * block), rs(g * block)
-        # backward: a block's gather and the reduce-scatter before it share the link and the
-        # block's backward; the reduction runs on the last micro-step only (accumulation)
-        together = tuple(a + b for a, b in zip(ag_block, rs_block))
-        behind_fwd = fwd_unit if lay.pp == 1 else 0.0
-        comm("all-gather parameters", "all_gather", shard, lay.tp, 2 * micro * e * psi, [
-            ("root unit, forward: starts the pass", ag(e * root), micro, 0.0),
-            ("first block, forward: behind the embedding lookup", ag_block, micro if sp.layers else 0, 0.0),
-            ("block, forward: behind the block before it", ag_block, micro * (sp.layers - 1), behind_fwd),
-            ("block, backward: behind the block after it", ag_block, micro - 1 if sp.layers else 0, bwd_unit)])
+        # prefetch (depth 1) starts a block's gather while the unit before it computes; without
+        # it a gather starts when its unit is reached, with nothing beside it
+        behind_fwd = fwd_unit if lay.pp == 1 and s.prefetch else 0.0
+        behind_bwd = bwd_unit if s.prefetch else 0.0
+        blocks_after_first = micro * (sp.layers - 1)
+        gathers = [("root unit, forward: starts the pass", ag(e * root), micro, 0.0),
+                   ("first block, forward: behind the embedding lookup", ag_block, micro if sp.layers else 0, 0.0),
+                   ("block, forward: behind the block before it" if s.prefetch else
+                    "block, forward: no prefetch, waited for", ag_block, blocks_after_first, behind_fwd)]
+        if s.prefetch:  # backward: the root is still gathered; the last micro-step's gathers
+            # share the link with the reduce-scatters (below)
+            gathers.append(("block, backward: behind the block after it", ag_block,
+                            (micro - 1) * sp.layers, behind_bwd))
+            last = ("block, with the last micro-step's backward gather, behind one block's backward",
+                    tuple(a + b for a, b in zip(ag_block, rs_block)), sp.layers, bwd_unit)
+        else:
+            gathers.append(("block, backward: no prefetch, waited for", ag_block, micro * sp.layers, 0.0))
+            last = ("block, behind the next block's backward", rs_block, sp.layers, bwd_unit)
+        comm("all-gather parameters", "all_gather", shard, lay.tp, 2 * micro * e * psi, gathers)
+        # the reduction runs on the last micro-step only (accumulation)
         comm("reduce-scatter gradients", "reduce_scatter", shard, lay.tp, g * psi, [
-            ("block, with the last micro-step's backward gather, behind one block's backward",
-             together, sp.layers, bwd_unit),
-            ("root unit, last: nothing left to compute", rs(g * root), 1, 0.0)])
+            last, ("root unit, last: nothing left to compute", rs(g * root), 1, 0.0)])
     if replicas > 1:
         arr = lambda n: _unit_collective(cluster, "all_reduce", n, replicas, lay.tp * shard)  # noqa: E731
         # finish_backward: after every reduction, all units at once: nothing computes beside them

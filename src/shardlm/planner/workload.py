@@ -83,6 +83,10 @@ class Strategy:
     memory in forward and come back for their backward; parallel/activation.py)."""
     activation_offload_blocks: int = 0
     """activation.offload_blocks: the first N blocks of each rank's stage; 0 = every block."""
+    prefetch: bool = True
+    """parallel.prefetch (stage 3): gather the next unit while this one computes (prefetch depth
+    1, zero/params.py), or only when it is reached (nothing hides a gather; one block fewer
+    gathered at a time)."""
 
     @property
     def local(self) -> bool:
