@@ -240,9 +240,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                               f"no peak to compare with")
         peak, kind = gpu.peak[args.precision], gpu.kind
     load, cores = machine_load()
+
+    def weighted(shapes, curve) -> float:
+        """The step's matmul FLOPs over their summed time: the rate the model's matmuls run at."""
+        return (sum(2 * m * k * n * count for _, m, k, n, count in shapes)
+                / sum(2 * m * k * n * count / c["flops_per_s"] for (_, m, k, n, count), c in zip(shapes, curve)))
+
     total_flops = sum(2 * m * k * n * count for _, m, k, n, count in shapes)
-    seconds = sum(2 * m * k * n * count / c["flops_per_s"] for (_, m, k, n, count), c in zip(shapes, curve))
-    measured = total_flops / seconds
+    measured = weighted(shapes, curve)
+    sizes = sorted({max(16, tokens // 2**i) for i in range(1, 4)})  # the curve below this batch
+    points = []
+    for size in sizes:
+        smaller = matmul_shapes(model, size, args.tp)
+        points.append((size, weighted(smaller, matmul_curve([x[1:4] for x in smaller], args.precision, threads,
+                                                            args.device, args.repeats, args.again))))
     calib = CALIBRATION[kind]
     efficiency = (0.73 if cpu else gpu.efficiency) * model.d_model / (model.d_model + calib.half_width)
     lines = [f"calibrate: {model.preset} on {device_name(args.device)}"
@@ -261,6 +272,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
               f"of the peak; the planner assumes {efficiency:.0%} for the whole step (efficiency x "
               f"h/(h + {calib.half_width:g}), docs/planner.md section 4: attention, norms and the "
               f"optimizer run below the matmuls' rate)"]
+    lines.append("  the curve, tokens per micro-batch -> FLOP-weighted GFLOP/s (of peak): " + ", ".join(
+        f"{size} -> {rate / 1e9:,.1f} ({rate / peak:.0%})" for size, rate in [*points, (tokens, measured)]))
     loaded = [c for c in curve if c["loaded"]]
     if loaded or load > cores:
         lines.append(f"  LOAD: {len(loaded)} of {len(curve)} shapes timed beside other work (median more "
