@@ -100,8 +100,8 @@ def prediction_summary(predicted: dict[str, Any], step_times: list[float], devic
     """The end-of-run line: measured / predicted step time (the median of the steps after the
     first) and peak memory per rank (on a GPU the allocator's peak, on a CPU the process's peak
     RSS), against the planner's prediction in the run's first JSONL record."""
-    if "unavailable" in predicted:
-        return f"planner: no prediction for this run ({predicted['unavailable']})"
+    if "unavailable" in predicted or not predicted.get("step_time_s") or not predicted.get("peak_bytes_per_rank"):
+        return f"planner: no prediction for this run ({predicted.get('unavailable', 'no step time or peak')})"
     step = sorted(step_times)[len(step_times) // 2]
     peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes())
     return (f"measured / predicted (planner, {predicted['hardware']}): step "

@@ -12,6 +12,7 @@ does not fit (they never make a step faster). `plan_for_run` is what the trainer
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 from shardlm.config import Config, ModelConfig, ParallelConfig
@@ -534,9 +535,11 @@ def run_prediction(cfg: Config, hardware) -> dict:
         logging.getLogger("shardlm").warning("planner: no prediction for this run: %s: %s",
                                              type(err).__name__, err)
         return {"unavailable": f"{type(err).__name__}: {err}"}
-    return {"step_time_s": timing.step, "tokens_per_s": timing.tokens_per_s,
-            "peak_bytes_per_rank": memory.peak, "comm_bytes": sum(c.bytes for c in timing.comms),
-            "exposed_comm_s": timing.exposed_comm, "mfu": timing.mfu, "hardware": cluster.describe()}
+    out = {"step_time_s": timing.step, "tokens_per_s": timing.tokens_per_s,
+           "peak_bytes_per_rank": memory.peak, "comm_bytes": sum(c.bytes for c in timing.comms),
+           "exposed_comm_s": timing.exposed_comm, "mfu": timing.mfu}
+    # JSON has no NaN or infinity (the metrics log refuses them): an undefined figure is null
+    return {**{k: v if math.isfinite(v) else None for k, v in out.items()}, "hardware": cluster.describe()}
 
 
 def alternatives(w: Workload, s: Strategy, cluster: Cluster, count: int = 3) -> list[Plan]:
