@@ -34,3 +34,22 @@ def test_a_run_the_planner_cannot_describe_still_trains(tmp_path):
 
     assert run_prediction(load_config(overrides=tiny_overrides(tmp_path)), unknown) == {
         "unavailable": "ValueError: no such hardware"}
+
+
+def test_the_summary_compares_like_with_like(monkeypatch):
+    """A CPU's process RSS against the whole predicted peak; a GPU's allocator reserve against
+    the peak less the runtime reserve (the CUDA context the allocator does not see); the median
+    step after the first against the predicted step."""
+    import torch
+
+    from shardlm import telemetry
+
+    predicted = {"step_time_s": 2.0, "peak_bytes_per_rank": 11 * 2**30, "runtime_reserve_bytes": 2**30,
+                 "hardware": "8 x H100-80GB"}
+    monkeypatch.setattr(telemetry, "peak_rss_bytes", lambda: 11 * 2**30)
+    line = telemetry.prediction_summary(predicted, [3.0, 1.0, 5.0], torch.device("cpu"))
+    assert "step 3 / 2 s = 1.50" in line and "(process RSS) 11,264 / 11,264 MiB = 1.00" in line
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 5 * 2**30)
+    line = telemetry.prediction_summary(predicted, [3.0], torch.device("cuda"))
+    assert "(allocator reserved) 5,120 / 10,240 MiB = 0.50" in line
+    assert "no prediction" in telemetry.prediction_summary({"unavailable": "x"}, [1.0], torch.device("cpu"))

@@ -98,16 +98,22 @@ class MetricsLog:
 
 def prediction_summary(predicted: dict[str, Any], step_times: list[float], device: torch.device) -> str:
     """The end-of-run line: measured / predicted step time (the median of the steps after the
-    first) and peak memory per rank (on a GPU the allocator's peak, on a CPU the process's peak
-    RSS), against the planner's prediction in the run's first JSONL record."""
+    first) and peak memory per rank against the planner's prediction in the run's first JSONL
+    record. On a CPU: the process's peak RSS against the whole predicted peak. On a GPU: what
+    torch's allocator reserved at most (torch.cuda.max_memory_reserved: blocks cached and
+    fragmented included) against the predicted peak less the runtime reserve (the CUDA context
+    and library workspaces, which the allocator does not see)."""
     if "unavailable" in predicted or not predicted.get("step_time_s") or not predicted.get("peak_bytes_per_rank"):
         return f"planner: no prediction for this run ({predicted.get('unavailable', 'no step time or peak')})"
     step = sorted(step_times)[len(step_times) // 2]
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes())
+    if device.type == "cuda":
+        peak, what = torch.cuda.max_memory_reserved(device), "allocator reserved"
+        expected = predicted["peak_bytes_per_rank"] - (predicted.get("runtime_reserve_bytes") or 0)
+    else:
+        peak, what, expected = peak_rss_bytes(), "process RSS", predicted["peak_bytes_per_rank"]
     return (f"measured / predicted (planner, {predicted['hardware']}): step "
             f"{step:.3g} / {predicted['step_time_s']:.3g} s = {step / predicted['step_time_s']:.2f}, "
-            f"peak per rank {peak / 2**20:,.0f} / {predicted['peak_bytes_per_rank'] / 2**20:,.0f} MiB = "
-            f"{peak / predicted['peak_bytes_per_rank']:.2f}")
+            f"peak per rank ({what}) {peak / 2**20:,.0f} / {expected / 2**20:,.0f} MiB = {peak / expected:.2f}")
 
 
 class ProgressDisplay:

@@ -521,8 +521,9 @@ def run_prediction(cfg: Config, hardware) -> dict:
     """The planner's prediction for one resolved run on the Cluster `hardware()` returns, as the
     trainer writes it in its first JSONL record under "predicted" (telemetry.MetricsLog) and
     compares at the end (telemetry.prediction_summary): step time, tokens/s, peak bytes per rank
-    (the worst pipeline stage's) and communication bytes per rank and step (as the engine's
-    ledger counts them). Advisory: a run the planner cannot describe (a GPU not in the catalog,
+    (the worst pipeline stage's; of it, runtime_reserve_bytes is outside torch's allocator: the
+    CUDA context, or on a CPU the worker's baseline) and communication bytes per rank and step
+    (as the engine's ledger counts them). Advisory: a run the planner cannot describe (a GPU not in the catalog,
     a model it has no shape for) gets {"unavailable": why} and a warning, and trains on."""
     import logging
 
@@ -537,7 +538,8 @@ def run_prediction(cfg: Config, hardware) -> dict:
         return {"unavailable": f"{type(err).__name__}: {err}"}
     out = {"step_time_s": timing.step, "tokens_per_s": timing.tokens_per_s,
            "peak_bytes_per_rank": memory.peak, "comm_bytes": sum(c.bytes for c in timing.comms),
-           "exposed_comm_s": timing.exposed_comm, "mfu": timing.mfu}
+           "exposed_comm_s": timing.exposed_comm, "mfu": timing.mfu,
+           "runtime_reserve_bytes": cluster.calibration.runtime_reserve}
     # JSON has no NaN or infinity (the metrics log refuses them): an undefined figure is null
     return {**{k: v if math.isfinite(v) else None for k, v in out.items()}, "hardware": cluster.describe()}
 
