@@ -77,7 +77,10 @@ def model_from_params(params: float, layers: int | None = None, hidden: int | No
         return max(1, round((params - root) / block))
 
     if hidden is None:  # solve c·L·h² + root·h = params for h, c and root from the family's count
-        guess = layers or max(1, round((params / (12 * 128**2)) ** (1 / 3)))
+        # the depth at which h = 128·L holds, with the family's parameters per block per h²
+        # (12 for GPT-2; ~12 for LLaMA; ~4 + 8·experts for the mixture of experts)
+        per_h2 = (count_params(shape(4096, 2)) - count_params(shape(4096, 1))) / 4096**2
+        guess = layers or max(1, round((params / (per_h2 * 128**2)) ** (1 / 3)))
         h0 = 128 * guess
         block = count_params(shape(h0, 2)) - count_params(shape(h0, 1))
         root = count_params(shape(h0, 1)) - block
