@@ -216,6 +216,7 @@ def test_params_names_its_family_and_fits_the_count(capsys):
     for family, kv in (("gpt2", None), ("llama", 8), ("moe", 8)):
         m = model_from_params(70e9, family=family, kv_heads=kv)
         assert count_params(m) == pytest.approx(70e9, rel=0.03), family
+        assert 90 <= m.d_model / m.n_layers <= 160, family  # h ~ 128 x L in every family
     assert model_from_params(1.3e9).n_layers == 24 and model_from_params(1.3e9).d_model == 2048  # GPT-3 XL
     assert model_from_params(47e9, family="moe").experts == 8
     main(["estimate", "--params", "7e9", "--gpus", "8xA100-80GB", "--zero-stage", "3"])
