@@ -75,7 +75,8 @@ def device_memory_record(device: torch.device) -> dict:
 
 class MetricsLog:
     """One JSON object per line; flushed per write so a crashed run keeps its log. `first`'s
-    keys join the first record written (the planner's "predicted" for the run)."""
+    keys join the first record written (the planner's "predicted" for the run), in place: the
+    trackers that log the same record next hold them too."""
 
     def __init__(self, path: Path | None, first: dict[str, Any] | None = None):
         self.path = path
@@ -84,7 +85,8 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
-            record, self._first = {**record, **self._first}, {}
+            record.update(self._first)
+            self._first = {}
             # NaN/inf are not JSON: a non-finite value (an fp16 overflow step) is written as null.
             clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
                      for k, v in record.items()}
