@@ -229,11 +229,62 @@ def test_collective_volumes_are_the_zero_formula(stage, replicas):
     assert sum(c.bytes for c in t.comms) == pytest.approx(expected, rel=1e-9)
 
 
+def test_zero3_exposure_is_charged_unit_by_unit(capsys):
+    """Stage 3 across nodes: each term's exposure is what the compute beside it cannot hide.
+    The root's gather (starts the pass), the first block's (behind the embedding lookup) and the
+    root's reduce-scatter (last, after the embedding's gradient) are exposed whole at any batch;
+    a block's gather or reduce-scatter hides behind one block's compute, so a larger micro-batch
+    hides more; the terms sum to the collective; `estimate` prints them."""
+    cluster = parse_cluster("32x8xA100-80GB")
+    w = Workload(model_from_params(13e9), 2048, 256 * 4)
+
+    def comms(micro):
+        s = Strategy(ParallelDims(1, 256), 3, micro, 4 // micro, "full", dtypes=Dtypes("bf16"))
+        return {c.name: c for c in estimate_time(w, s, cluster).comms}
+
+    small, large = comms(1), comms(4)
+    for c in (*small.values(), *large.values()):
+        assert sum(t.exposed for t in c.terms) == pytest.approx(c.exposed)
+        assert sum(t.seconds for t in c.terms) == pytest.approx(c.seconds)
+        assert 0 < c.latency < c.seconds
+    for c in (small, large):
+        term = {t.name.split(" x ")[0]: t for t in (*c["all-gather parameters"].terms,
+                                                    *c["reduce-scatter gradients"].terms)}
+        for whole in ("root unit, forward: starts the pass", "first block, forward: behind the embedding lookup",
+                      "root unit, last: nothing left to compute"):
+            assert term[whole].exposed == term[whole].seconds > 0
+        assert term["block, forward: behind the block before it"].exposed < term[
+            "block, forward: behind the block before it"].seconds
+    # 4 micro-batches of 1 gather 4 times per step, one of 4 once: the per-gather compute grows 4x
+    assert large["all-gather parameters"].exposed < small["all-gather parameters"].exposed / 3
+    # parallel.prefetch = false: every gather waits whole (one block fewer held at a time)
+    s = Strategy(ParallelDims(1, 256), 3, 4, 1, "full", dtypes=Dtypes("bf16"))
+    waited = {c.name: c for c in estimate_time(w, replace(s, prefetch=False), cluster).comms}
+    assert waited["all-gather parameters"].exposed == pytest.approx(waited["all-gather parameters"].seconds)
+    both = ("all-gather parameters", "reduce-scatter gradients")  # the same collectives, regrouped
+    assert sum(waited[n].seconds for n in both) == pytest.approx(sum(large[n].seconds for n in both))
+    assert sum(waited[n].exposed for n in both) > sum(large[n].exposed for n in both)
+    def buffers(strategy):
+        return {b.name: b.bytes for i in estimate_memory(w, strategy, cluster).items if i.name == "buffers"
+                for b in i.parts}
+
+    held, held_off = buffers(s), buffers(replace(s, prefetch=False))
+    block = model_from_params(13e9)
+    assert held["gathered parameters"] - held_off["gathered parameters"] == pytest.approx(
+        2 * (shape_of(w).total - stage_params(w, ParallelDims(1, 256))[0].root_unit) / block.n_layers, rel=1e-6)
+    main(["estimate", "--params", "13e9", "--gpus", "32x8xA100-80GB", "--zero-stage", "3",
+          "--micro-batch", "1", "--grad-accum", "4", "--recompute", "full", "--seq", "2048",
+          "--precision", "bf16"])
+    out = capsys.readouterr().out
+    assert "root unit, last: nothing left to compute" in out and "ms of it latency" in out
+
+
 def test_groups_inside_a_node_use_nvlink_and_across_nodes_their_adapter_share():
     cluster = parse_cluster("2x8xA100-80GB")
     nvlink, ib = LINKS["nvlink3"], LINKS["ib-hdr"]
     assert group_link(cluster, 8, 1)[0] == nvlink.effective
-    assert group_link(cluster, 16, 1)[0] == 8 * ib.effective  # all 8 rails carry the ring
+    # the slowest link: each rank's own adapter share, whether 8 members share the node or 1
+    assert group_link(cluster, 16, 1)[0] == ib.effective
     assert group_link(cluster, 2, 8)[0] == ib.effective  # one member per node: one rail
     v100 = parse_cluster("2x8xV100-32GB")  # DGX-1: 4 EDR adapters for 8 GPUs
     assert group_link(v100, 2, 8)[0] == pytest.approx(LINKS["ib-edr"].effective / 2)

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from shardlm.cli_planner import cmd_estimate, cmd_plan, planner_args
+from shardlm.cli_planner import calibrate_args, cmd_calibrate, cmd_estimate, cmd_plan, planner_args
 from shardlm.compare import cmd_compare, compare_args
 from shardlm.errors import ConfigError
 from shardlm.studies import cmd_study, study_args
@@ -157,6 +157,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--rank-by", choices=["speed", "cost"], default="speed",
                       help="order plans by time to train (speed) or by cost for --tokens (on one "
                            "cluster the two agree: same devices, same price)")
+    calibrate_args(sub.add_parser(
+        "calibrate", help="time the model's own matmuls on this machine (best of N, cached) against "
+                          "the peak and the planner's assumption"))
     study_args(sub)
     compare_args(sub)
     return parser
@@ -639,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_estimate(args)
         if args.command == "plan":
             return cmd_plan(args)
+        if args.command == "calibrate":
+            return cmd_calibrate(args)
         if args.command == "study":
             return cmd_study(args)
         if args.command == "compare":

@@ -9,24 +9,36 @@ import argparse
 from shardlm.errors import ConfigError
 
 
-def planner_args(p: argparse.ArgumentParser) -> None:
-    """Model, hardware and precision options shared by `estimate` and `plan`."""
-    from shardlm.hardware.catalog import GRID_DEFAULT, PUE_DEFAULT
-
+def model_args(p: argparse.ArgumentParser) -> None:
+    """The model options of `estimate`, `plan` and `calibrate`: a preset or a parameter count."""
     model = p.add_argument_group("model: a preset, or a parameter count")
     model.add_argument("--model", metavar="PRESET",
                        help="a named shape (see `shardlm presets`), or a transformers config.json "
                             "(GPT-2 or LLaMA-family: GQA, SwiGLU, untied head)")
     model.add_argument("--params", type=float, metavar="N",
                        help="parameter count such as 7.5e9: model states use exactly N; the "
-                            "rest is sized by a GPT-2-family shape (LayerNorm, learned positions, "
-                            "GELU MLP of 4h, tied head; h = 128 x layers unless given)")
+                            "rest is sized by a --family shape (h = 128 x layers unless given; "
+                            "the family is named in the output)")
+    model.add_argument("--family", choices=["gpt2", "llama", "moe"],
+                       help="with --params (default gpt2): gpt2 = LayerNorm, learned positions, "
+                            "GELU MLP of 4h, tied head; llama = RMSNorm, RoPE, SwiGLU MLP of 8h/3 "
+                            "(up to 256), untied head, --kv-heads for GQA; moe = llama blocks "
+                            "with --experts routed experts (8) and --top-k (2)")
     model.add_argument("--layers", type=int, help="with --params: layers")
     model.add_argument("--hidden", type=int, help="with --params: d_model")
     model.add_argument("--heads", type=int, help="with --params: attention heads")
-    model.add_argument("--vocab", type=int, default=50257, help="with --params: vocabulary")
     model.add_argument("--experts", type=int, help="routed experts per MoE block (overrides the model's)")
     model.add_argument("--top-k", type=int, help="experts per token (overrides the model's)")
+    model.add_argument("--kv-heads", type=int, help="with --params --family llama|moe: key/value heads (GQA)")
+    model.add_argument("--ffn", type=int, help="with --params: MLP hidden width (e.g. 53248 for Llama 3.1 405B)")
+    model.add_argument("--vocab", type=int, default=50257, help="with --params: vocabulary")
+
+
+def planner_args(p: argparse.ArgumentParser) -> None:
+    """Model, hardware and precision options shared by `estimate` and `plan`."""
+    from shardlm.hardware.catalog import GRID_DEFAULT, PUE_DEFAULT
+
+    model_args(p)
     p.add_argument("--gpus", required=True, metavar="CLUSTER",
                    help="COUNTxDEVICE or NODESxPER_NODExDEVICE (8xV100-16GB, 2x8xA100-80GB), or "
                         "Nxcpu for N ranks on this machine (measured once, cached); `plan` "
@@ -59,18 +71,34 @@ def planner_inputs(args: argparse.Namespace):
     """(model, Ψ given by --params or None, clusters, seq) from the shared options: --gpus may
     name several clusters, comma-separated, for `plan` to compare."""
     from shardlm.hardware.catalog import parse_cluster
-    from shardlm.planner.search import model_from_hf_config, model_from_params, preset_model
+
+    model, seq = model_input(args)
+    clusters = [parse_cluster(spec.strip(), args.intra, args.inter, args.nics)
+                for spec in args.gpus.split(",")]
+    if len(clusters) > 1 and args.command != "plan":
+        raise ConfigError(f"--gpus {args.gpus!r}: several clusters (comma-separated) are compared "
+                          f"by `shardlm plan`; `shardlm {args.command}` takes one")
+    return model, args.params, clusters, seq
+
+
+def model_input(args: argparse.Namespace):
+    """(model, seq) from model_args' options and --seq."""
+    from shardlm.planner.shapes import model_from_hf_config, model_from_params, preset_model
 
     if (args.model is None) == (args.params is None):
         raise ConfigError("give either --model PRESET or --params N (e.g. --params 7.5e9)")
-    if args.model is not None and (args.layers or args.hidden or args.heads):
-        raise ConfigError("--layers/--hidden/--heads go with --params; a preset has its shape")
+    shape_flags = [f for f, v in (("--layers", args.layers), ("--hidden", args.hidden), ("--heads", args.heads),
+                                  ("--kv-heads", args.kv_heads), ("--ffn", args.ffn), ("--family", args.family)) if v]
+    if args.model is not None and shape_flags:
+        raise ConfigError(f"{'/'.join(shape_flags)} go(es) with --params; a preset has its shape")
     if args.model is not None:
         model = (model_from_hf_config(args.model) if args.model.endswith(".json") or "/" in args.model
                  else preset_model(args.model))
     else:
+        family = args.family or "gpt2"
+        moe = dict(experts=args.experts, top_k=args.top_k) if family == "moe" else {}
         model = model_from_params(args.params, args.layers, args.hidden, args.heads, args.vocab,
-                                  max(args.seq or 0, 2048))
+                                  max(args.seq or 0, 2048), family, args.kv_heads, args.ffn, **moe)
     seq = args.seq or model.max_seq_len
     if seq <= 0:
         raise ConfigError(f"--seq {seq} must be > 0")
@@ -81,12 +109,7 @@ def planner_inputs(args: argparse.Namespace):
     if model.experts < 0 or (model.experts and not 1 <= model.top_k <= model.experts):
         raise ConfigError(f"experts {model.experts} must be >= 0 and top-k {model.top_k} between 1 "
                           f"and the experts")
-    clusters = [parse_cluster(spec.strip(), args.intra, args.inter, args.nics)
-                for spec in args.gpus.split(",")]
-    if len(clusters) > 1 and args.command != "plan":
-        raise ConfigError(f"--gpus {args.gpus!r}: several clusters (comma-separated) are compared "
-                          f"by `shardlm plan`; `shardlm {args.command}` takes one")
-    return model, args.params, clusters, seq
+    return model, seq
 
 
 def cluster_dtypes(args: argparse.Namespace, cluster):
@@ -167,3 +190,94 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(report.clusters_json(results, bases, args.top, args.rank_by) if args.json
               else report.render_clusters(results, bases, args.top, args.rank_by))
     return 0 if any(r.plans for r in results) else 1
+
+
+def calibrate_args(p: argparse.ArgumentParser) -> None:
+    """`shardlm calibrate`: time the model's own matmuls on this machine."""
+    model_args(p)
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: the model's context)")
+    p.add_argument("--micro-batch", type=int, default=1, metavar="B", help="sequences per rank per pass")
+    p.add_argument("--tp", type=int, default=1, metavar="D", help="tensor-parallel degree (the shards' shapes)")
+    p.add_argument("--ranks", type=int, default=1, metavar="N",
+                   help="ranks sharing this machine: a CPU rank gets cores // N threads, as in training")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:i] (timed with synchronisation)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--repeats", type=int, default=5, help="timings per shape; the best is kept")
+    p.add_argument("--again", action="store_true", help="measure anew instead of reading the cache")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """The model's forward matmuls on this machine at the run's per-rank threads: best-of-N
+    FLOP/s per shape (cached per CPU/GPU model, torch, threads, precision, shape), the curve
+    against the square matmul peak MFU uses, and what the planner assumes instead."""
+    from shardlm.hardware.catalog import CALIBRATION, device_for_gpu_name
+    from shardlm.hardware.probe import cpu_peak_flops, device_name, machine_load, matmul_curve
+    from shardlm.launch import cpu_cores
+    from shardlm.planner.workload import matmul_shapes
+
+    if min(args.micro_batch, args.tp, args.ranks, args.repeats) < 1:
+        raise ConfigError("--micro-batch, --tp, --ranks and --repeats must be >= 1")
+    model, seq = model_input(args)
+    if model.n_heads % args.tp:
+        raise ConfigError(f"--tp {args.tp} does not divide the {model.n_heads} attention heads")
+    cpu = args.device == "cpu"
+    if not cpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {args.device}: no CUDA device here; use --device cpu")
+    threads = max(1, cpu_cores() // args.ranks) if cpu else 1
+    tokens = args.micro_batch * seq
+    shapes = matmul_shapes(model, tokens, args.tp)
+    curve = matmul_curve([s[1:4] for s in shapes], args.precision, threads, args.device, args.repeats,
+                         args.again)
+    if cpu:
+        peak, kind = cpu_peak_flops(args.precision, threads), "cpu"
+    else:
+        gpu = device_for_gpu_name(device_name(args.device))
+        if gpu is None or args.precision not in gpu.peak:
+            raise ConfigError(f"{device_name(args.device)}: not in the catalog with {args.precision}; "
+                              f"no peak to compare with")
+        peak, kind = gpu.peak[args.precision], gpu.kind
+    load, cores = machine_load()
+
+    def weighted(shapes, curve) -> float:
+        """The step's matmul FLOPs over their summed time: the rate the model's matmuls run at."""
+        return (sum(2 * m * k * n * count for _, m, k, n, count in shapes)
+                / sum(2 * m * k * n * count / c["flops_per_s"] for (_, m, k, n, count), c in zip(shapes, curve)))
+
+    total_flops = sum(2 * m * k * n * count for _, m, k, n, count in shapes)
+    measured = weighted(shapes, curve)
+    sizes = sorted({max(16, tokens // 2**i) for i in range(1, 4)})  # the curve below this batch
+    points = []
+    for size in sizes:
+        smaller = matmul_shapes(model, size, args.tp)
+        points.append((size, weighted(smaller, matmul_curve([x[1:4] for x in smaller], args.precision, threads,
+                                                            args.device, args.repeats, args.again))))
+    calib = CALIBRATION[kind]
+    efficiency = (0.73 if cpu else gpu.efficiency) * model.d_model / (model.d_model + calib.half_width)
+    lines = [f"calibrate: {model.preset} on {device_name(args.device)}"
+             + (f", {threads} thread(s) per rank ({args.ranks} rank(s) on {cores} cores)" if cpu else "")
+             + f", {args.precision}, micro-batch {args.micro_batch} x seq {seq} = {tokens} tokens"
+             + (f", tp {args.tp}" if args.tp > 1 else ""),
+             f"  {'matmul':<20s} {'m x k x n':>22s} {'GFLOP/s':>10s} {'of peak':>8s} {'spread':>7s} "
+             f"{'step FLOPs':>10s}"]
+    for (name, m, k, n, count), c in zip(shapes, curve):
+        flagged = "  (under load)" if c["loaded"] else ""
+        lines.append(f"  {name:<20s} {f'{m} x {k} x {n}':>22s} {c['flops_per_s'] / 1e9:>10,.1f} "
+                     f"{c['flops_per_s'] / peak:>8.0%} {c['spread']:>7.0%} "
+                     f"{2 * m * k * n * count / total_flops:>10.0%}{flagged}")
+    lines += [f"  peak ({'the square matmul MFU uses' if cpu else 'the catalog'}): {peak / 1e9:,.1f} GFLOP/s",
+              f"  the model's matmuls, FLOP-weighted: {measured / 1e9:,.1f} GFLOP/s = {measured / peak:.0%} "
+              f"of the peak; the planner assumes {efficiency:.0%} for the whole step (efficiency x "
+              f"h/(h + {calib.half_width:g}), docs/planner.md section 4: attention, norms and the "
+              f"optimizer run below the matmuls' rate)"]
+    lines.append("  the curve, tokens per micro-batch -> FLOP-weighted GFLOP/s (of peak): " + ", ".join(
+        f"{size} -> {rate / 1e9:,.1f} ({rate / peak:.0%})" for size, rate in [*points, (tokens, measured)]))
+    loaded = [c for c in curve if c["loaded"]]
+    if loaded or load > cores:
+        lines.append(f"  LOAD: {len(loaded)} of {len(curve)} shapes timed beside other work (median more "
+                     f"than 25% over the best, or the load average over the cores; now {load:.1f} on "
+                     f"{cores} cores): best of {args.repeats} kept; rerun with --again on an idle machine")
+    print("\n".join(lines))
+    return 0

@@ -74,14 +74,19 @@ def device_memory_record(device: torch.device) -> dict:
 
 
 class MetricsLog:
-    """One JSON object per line; flushed per write so a crashed run keeps its log."""
+    """One JSON object per line; flushed per write so a crashed run keeps its log. `first`'s
+    keys join the first record written (the planner's "predicted" for the run), in place: the
+    trackers that log the same record next hold them too."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, first: dict[str, Any] | None = None):
         self.path = path
         self._file: TextIO | None = open(path, "a", buffering=1) if path else None
+        self._first = first or {}
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
+            record.update(self._first)
+            self._first = {}
             # NaN/inf are not JSON: a non-finite value (an fp16 overflow step) is written as null.
             clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
                      for k, v in record.items()}
@@ -91,6 +96,26 @@ class MetricsLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def prediction_summary(predicted: dict[str, Any], step_times: list[float], device: torch.device) -> str:
+    """The end-of-run line: measured / predicted step time (the median of the steps after the
+    first) and peak memory per rank against the planner's prediction in the run's first JSONL
+    record. On a CPU: the process's peak RSS against the whole predicted peak. On a GPU: what
+    torch's allocator reserved at most (torch.cuda.max_memory_reserved: blocks cached and
+    fragmented included) against the predicted peak less the runtime reserve (the CUDA context
+    and library workspaces, which the allocator does not see)."""
+    if "unavailable" in predicted or not predicted.get("step_time_s") or not predicted.get("peak_bytes_per_rank"):
+        return f"planner: no prediction for this run ({predicted.get('unavailable', 'no step time or peak')})"
+    step = sorted(step_times)[len(step_times) // 2]
+    if device.type == "cuda":
+        peak, what = torch.cuda.max_memory_reserved(device), "allocator reserved"
+        expected = predicted["peak_bytes_per_rank"] - (predicted.get("runtime_reserve_bytes") or 0)
+    else:
+        peak, what, expected = peak_rss_bytes(), "process RSS", predicted["peak_bytes_per_rank"]
+    return (f"measured / predicted (planner, {predicted['hardware']}): step "
+            f"{step:.3g} / {predicted['step_time_s']:.3g} s = {step / predicted['step_time_s']:.2f}, "
+            f"peak per rank ({what}) {peak / 2**20:,.0f} / {expected / 2**20:,.0f} MiB = {peak / expected:.2f}")
 
 
 class ProgressDisplay:

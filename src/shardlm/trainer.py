@@ -55,9 +55,10 @@ from shardlm.parallel.tensor_plan import check_tp_plan
 from shardlm.comm.collectives import DeviceDone
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.precision import Precision, build_precision, is_finite
-from shardlm.resolve import resolve_config
+from shardlm.planner.search import run_prediction
+from shardlm.resolve import local_hardware, resolve_config
 from shardlm.telemetry import (MetricsLog, ProgressDisplay, device_memory_record, peak_flops,
-                               peak_rss_bytes)
+                               peak_rss_bytes, prediction_summary)
 from shardlm.tracking import StepProfiler, StepTimes, device_synchronize, open_trackers, time_split_on
 
 log = logging.getLogger("shardlm")
@@ -581,15 +582,18 @@ def train(run: Run) -> TrainResult:
     tracker = open_trackers(cfg.run.tracker, run.run_dir, enabled=main)  # first: closed in finally
     profiler = StepProfiler(cfg.run.profile_steps, run.run_dir, run.runtime.rank, run.runtime.device)
     completed = False
-    metrics = MetricsLog(run.run_dir / "metrics.jsonl" if main else None)
+    predicted = run_prediction(cfg, lambda: local_hardware(run.runtime.device, run.runtime.world_size)) if main else {}
+    # Said once, in the first record written: the planner's prediction for this run, and the chat
+    # template the data was rendered with.
+    first = {"predicted": predicted}
+    if "chat_template" in (run.dataset.meta or {}):
+        first["chat_template"] = run.dataset.meta["chat_template"]
+    metrics = MetricsLog(run.run_dir / "metrics.jsonl" if main else None, first)
     steps, every = cfg.train.steps, cfg.checkpoint.every
     progress = ProgressDisplay(steps - run.start_step, cfg.run.progress, enabled=main)
     result = TrainResult(run.run_dir)
     fault = planned_fault()  # $SHARDLM_FAULT: the fault tests' injected crash, leave or pause
-    speeds, mfus, hfus = [], [], []
-    # Said once, in the first record written: the chat template the data was rendered with.
-    meta = run.dataset.meta or {}
-    first_record = {"chat_template": meta["chat_template"]} if "chat_template" in meta else {}
+    speeds, mfus, hfus, step_times = [], [], [], []
     try:
         tracker.log_config(cfg.to_dict())  # resolved: every 'auto' decided
         with StopSignals() as signals:
@@ -611,6 +615,7 @@ def train(run: Run) -> TrainResult:
                 result.skipped_steps += not out.stepped
                 if step > run.start_step or steps - run.start_step == 1:
                     speeds.append(record["tokens_per_s"])
+                    step_times.append(record["step_time_s"])
                     mfus.append(record["mfu"])
                     hfus.append(record["hfu"])
                 last = step + 1 == steps
@@ -629,8 +634,7 @@ def train(run: Run) -> TrainResult:
                     record.update(checkpoint_step=step + 1, checkpoint_stall_s=report.stall_s,
                                   checkpoint_bytes=report.bytes)
                 if out.stop or last or (step + 1) % cfg.train.log_every == 0:
-                    metrics.write({**record, **first_record})
-                    first_record = {}
+                    metrics.write(record)
                     tracker.log_scalars(record["step"], record)
                 progress.update(step - run.start_step, f"loss {out.loss:.3f}  "
                                 f"{record['tokens_per_s']:,.0f} tok/s  MFU {record['mfu']:.1%} "
@@ -651,6 +655,8 @@ def train(run: Run) -> TrainResult:
         result.tokens_per_s = sum(speeds) / len(speeds)
         result.mfu = sum(mfus) / len(mfus)
         result.hfu = sum(hfus) / len(hfus)
+        if main:
+            print(prediction_summary(predicted, step_times, run.runtime.device), flush=True)
     if result.stopped_by is None:
         with run.strategy.full_parameters():
             cut = run.mesh.dims.tp > 1 or run.mesh.dims.ep > 1

@@ -281,7 +281,11 @@ class Calibration:
 
 
 CALIBRATION = {
-    "cuda": Calibration(1.0e9, 0.8, True, 256),
+    # overlap 0.5 on GPUs: a collective beside compute takes SMs and memory bandwidth from the
+    # matmuls (and they from it), so half a unit's compute window hides communication. 0.8 (the
+    # earlier assumption) predicted Megatron-LM 2021's ZeRO-3 rows +16/+22/+28%; 0.5 gives
+    # 0/+3/+16% (docs/planner.md section 5). One constant for every row, not per row.
+    "cuda": Calibration(1.0e9, 0.5, True, 256),
     "rocm": Calibration(1.0e9, 0.7, True, 256),
     "tpu": Calibration(0.5e9, 0.8, True, 256),
     # On a CPU gloo's threads need the cores compute is using: no overlap. Efficiency

@@ -1,8 +1,9 @@
 """This machine, measured: the CPU's matmul peak per precision, memory bandwidth, gloo between
 two local ranks, a worker's baseline RSS. One module, one cache file
 (`<shardlm cache>/hardware_probe.json`), used by telemetry (MFU's denominator), by the trainer
-(what precision.compute = 'auto' resolves to, decided once per run on rank 0) and by the planner
-(hardware/catalog.py local_cpu).
+(what precision.compute = 'auto' resolves to, decided once per run on rank 0), by the planner
+(hardware/catalog.py local_cpu), and by `shardlm calibrate` (matmul_curve: the model's own
+matmul shapes, best of N, load reported; on a CPU or a GPU).
 
 A timing never decides arithmetic on its own: the trainer reads the probe on one rank, records
 the decision in the run's resolved config and its checkpoints, and a resume keeps it.
@@ -43,13 +44,14 @@ def _cache_path() -> Path:
     return cache_root() / "hardware_probe.json"
 
 
-def _cached(key: str, measure) -> dict | float:
-    """The cache's entry for `key`, measured (and written) on first use. Concurrent ranks may
-    both measure; the file is replaced atomically, so a reader never sees a torn table."""
+def _cached(key: str, measure, machine: str | None = None, again: bool = False) -> dict | float:
+    """The cache's entry for `key` on `machine` (default: this CPU's model), measured (and
+    written) on first use, or anew with `again`. Concurrent ranks may both measure; the file is
+    replaced atomically, so a reader never sees a torn table."""
     path = _cache_path()
-    full_key = f"v{_VERSION}|{cpu_name()}|torch {torch.__version__}|{key}"
+    full_key = f"v{_VERSION}|{machine or cpu_name()}|torch {torch.__version__}|{key}"
     table = json.loads(path.read_text()) if path.is_file() else {}
-    if full_key not in table:
+    if full_key not in table or again:
         value = measure()
         table = json.loads(path.read_text()) if path.is_file() else {}
         table[full_key] = value
@@ -169,3 +171,73 @@ def _gloo_probe() -> dict[str, float]:
     return {"gloo_latency": latency, "gloo_bandwidth": bandwidth, "baseline_rss": worst["rss"],
             "gloo_all_gather_factor": max(1.0, worst["all_gather"] / ring),
             "gloo_reduce_scatter_factor": max(1.0, worst["reduce_scatter"] / ring)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-machine calibration: the model's own matmuls (`shardlm calibrate`)
+
+SPREAD_LOADED = 0.25
+"""A shape whose median timing is this much slower than its best was measured beside other
+work (another process on the cores, or the GPU shared): its best is kept, and the load reported."""
+
+
+def device_name(device: str) -> str:
+    """What a calibration's cache key names: the CPU's model, or the GPU's."""
+    return cpu_name() if device == "cpu" else torch.cuda.get_device_name(torch.device(device))
+
+
+def machine_load() -> tuple[float, int]:
+    """(1-minute load average, cores): more runnable processes than cores means another job
+    shares them (ours included in the average)."""
+    try:
+        return os.getloadavg()[0], cpu_cores()
+    except OSError:
+        return 0.0, cpu_cores()
+
+
+def _time_product(m: int, k: int, n: int, dtype: torch.dtype, device: str, repeats: int) -> dict:
+    """Best and median seconds of `repeats` (m x k) @ (k x n) products after a warm-up; a GPU
+    is synchronised around each timing."""
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    a @ b  # warm up kernels and caches
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        sync()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return {"best_s": times[0], "median_s": times[len(times) // 2]}
+
+
+def matmul_curve(shapes: list[tuple[int, int, int]], precision: str, threads: int | None = None,
+                 device: str = "cpu", repeats: int = 5, again: bool = False) -> list[dict]:
+    """FLOP/s of each (m, k, n) product (the model's own shapes: planner.workload.matmul_shapes),
+    the best of `repeats` timings, each cached per (CPU or GPU model, torch version, threads,
+    precision, shape); `again` measures anew. Every entry says whether it was measured under
+    load: its median more than SPREAD_LOADED slower than its best, or the machine's load
+    average above its cores when it was taken (entries: m, k, n, flops_per_s, spread, load
+    average, cores, loaded, measured_at: the time it was taken)."""
+    threads = threads or torch.get_num_threads()
+    out = []
+    for m, k, n in shapes:
+        def measure(m=m, k=k, n=n) -> dict:
+            load_before, cores = machine_load()
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                timed = _time_product(m, k, n, DTYPES[precision], device, repeats)
+            finally:
+                torch.set_num_threads(before)
+            load = max(load_before, machine_load()[0])
+            spread = timed["median_s"] / timed["best_s"] - 1
+            return {"m": m, "k": k, "n": n, "flops_per_s": 2 * m * k * n / timed["best_s"],
+                    "spread": spread, "load_average": load, "cores": cores,
+                    "loaded": spread > SPREAD_LOADED or load > cores, "measured_at": time.time()}
+
+        entry = _cached(f"threads={threads}|{precision}|mm {m}x{k}x{n}", measure, device_name(device), again)
+        out.append(entry)
+    return out

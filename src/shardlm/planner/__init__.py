@@ -8,6 +8,7 @@ search.py    the strategy search, its explanation, plan_for_run (the trainer) an
              predict_local (the validation benchmark)
 report.py    text tables and JSON for `shardlm estimate` and `shardlm plan`
 cost.py      time to train, cost, energy and CO2 of a token budget; ranking by cost
+shapes.py    models from the command line: presets, config.json, --params N in a --family
 
 (`search` is the module; its function is shardlm.planner.search.search.)
 Pure functions: no torch import (except for measuring this CPU), no process group, no

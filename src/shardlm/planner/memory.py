@@ -366,13 +366,15 @@ def _buffer_items(w: Workload, sp: StageParams, s: Strategy, cluster: Cluster,
                           f"is flattened", phases={"blocks": g * block, "embedding": g * block,
                                                    "root": g * root}))
     if s.zero_stage == 3:
-        gathered = e * (root + 2 * block)
+        gathered = e * (root + (2 if s.prefetch else 1) * block)
         gloo = cluster.device.kind == "cpu"  # gloo's all-gather allocates its output again
         phases = {"loss": gathered + (e * root if gloo else 0),
                   "blocks": gathered + (e * block if gloo else 0), "embedding": e * root}
-        items.append(Item("gathered parameters", max(phases.values()), f"{e} B x ({units} x 2): the "
-                          f"root stays gathered until its backward; the current block and the "
-                          f"prefetched next" + (" (+ gloo's copy of the one gathering)" if gloo else ""),
+        items.append(Item("gathered parameters", max(phases.values()), f"{e} B x ({units}"
+                          + (" x 2): the " if s.prefetch else "): the ")
+                          + "root stays gathered until its backward; the current block"
+                          + (" and the prefetched next" if s.prefetch else " (no prefetch)")
+                          + (" (+ gloo's copy of the one gathering)" if gloo else ""),
                           phases=phases))
     if states["param_tier"] != "none":
         shard = states["p"] * max(root, block) / states["n"]

@@ -97,8 +97,11 @@ def render_estimate(w: Workload, s: Strategy, cluster: Cluster, memory: Memory, 
         lines.append(f"  (the pipeline paced by its heaviest stage; below, the {timing.stage}'s "
                      f"communication, the stage that finishes last after the pipeline drains)")
     for comm in timing.comms:
+        latency = f" ({comm.latency * 1e3:.1f} ms of it latency)" if comm.latency else ""
         lines.append(f"  {comm.name:<34s} {comm.bytes / GB:8.3f} GB over {comm.group}: "
-                     f"{comm.seconds * 1e3:.1f} ms, {comm.exposed * 1e3:.1f} ms exposed")
+                     f"{comm.seconds * 1e3:.1f} ms{latency}, {comm.exposed * 1e3:.1f} ms exposed")
+        for term in comm.terms:
+            lines.append(f"      {term.name}: {term.seconds * 1e3:.1f} ms, {term.exposed * 1e3:.1f} ms exposed")
     if basis is not None:
         lines += ["", *_cost_lines(training_cost(timing.tokens_per_s, cluster.world_size, basis), basis,
                                    cluster.world_size)]

@@ -12,13 +12,14 @@ does not fit (they never make a step faster). `plan_for_run` is what the trainer
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field, replace
 
 from shardlm.config import Config, ModelConfig, ParallelConfig
 from shardlm.errors import ConfigError
-from shardlm.presets import ALIASES, get_preset, hf_shape
 from shardlm.hardware.catalog import Cluster, choose_compute, local_cpu, parse_cluster
 from shardlm.planner.memory import ActivationDtypes, Memory, activation_peak, estimate_memory
+from shardlm.planner.shapes import model_from_hf_config, model_from_params, preset_model  # noqa: F401 (re-exported)
 from shardlm.planner.timing import Timing, estimate_time
 from shardlm.dims import ParallelDims
 from shardlm.planner.workload import DTYPE_BYTES, Dtypes, Strategy, Workload, zero_ranks
@@ -508,8 +509,8 @@ def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
     """The planner's view of one concrete (resolved) configuration on `cluster`: what
     `shardlm train --dry-run` predicts and `predict_local` checks against measurement: its
     layout (pp included), ZeRO stage, batch split, recomputation, offload, precision, sequence
-    parallelism and pipeline schedule (pp_schedule, pp_virtual, pp_layers). Assumes the
-    defaults parallel.reshard_after_forward and prefetch."""
+    parallelism and pipeline schedule (pp_schedule, pp_virtual, pp_layers), prefetch. Assumes
+    the default parallel.reshard_after_forward = true."""
     from shardlm.dims import resolve_dims
 
     dims = resolve_dims(cfg.parallel, cluster.world_size)
@@ -521,7 +522,7 @@ def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
                         sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
                         pp_virtual=par.pp_virtual, pp_layers=par.pp_layers,
                         activation_offload=cfg.activation.offload,
-                        activation_offload_blocks=cfg.activation.offload_blocks)
+                        activation_offload_blocks=cfg.activation.offload_blocks, prefetch=par.prefetch)
     return Workload(cfg.model, t.seq_len, t.micro_batch * t.grad_accum * dims.dp_size), strategy
 
 
@@ -541,6 +542,33 @@ def predict_local(cfg: Config, n_ranks: int) -> LocalPrediction:
                            timing.tokens_per_s, memory, timing)
 
 
+def run_prediction(cfg: Config, hardware) -> dict:
+    """The planner's prediction for one resolved run on the Cluster `hardware()` returns, as the
+    trainer writes it in its first JSONL record under "predicted" (telemetry.MetricsLog) and
+    compares at the end (telemetry.prediction_summary): step time, tokens/s, peak bytes per rank
+    (the worst pipeline stage's; of it, runtime_reserve_bytes is outside torch's allocator: the
+    CUDA context, or on a CPU the worker's baseline) and communication bytes per rank and step
+    (as the engine's ledger counts them). Advisory: a run the planner cannot describe (a GPU not in the catalog,
+    a model it has no shape for) gets {"unavailable": why} and a warning, and trains on."""
+    import logging
+
+    try:
+        cluster = hardware()
+        workload, strategy = config_strategy(cfg, cluster)
+        memory = estimate_memory(workload, strategy, cluster)
+        timing = estimate_time(workload, strategy, cluster)
+    except Exception as err:  # noqa: BLE001 - a prediction never stops a run; its reason is kept
+        logging.getLogger("shardlm").warning("planner: no prediction for this run: %s: %s",
+                                             type(err).__name__, err)
+        return {"unavailable": f"{type(err).__name__}: {err}"}
+    out = {"step_time_s": timing.step, "tokens_per_s": timing.tokens_per_s,
+           "peak_bytes_per_rank": memory.peak, "comm_bytes": sum(c.bytes for c in timing.comms),
+           "exposed_comm_s": timing.exposed_comm, "mfu": timing.mfu,
+           "runtime_reserve_bytes": cluster.calibration.runtime_reserve}
+    # JSON has no NaN or infinity (the metrics log refuses them): an undefined figure is null
+    return {**{k: v if math.isfinite(v) else None for k, v in out.items()}, "hardware": cluster.describe()}
+
+
 def alternatives(w: Workload, s: Strategy, cluster: Cluster, count: int = 3) -> list[Plan]:
     """For an estimate that does not fit: the fastest plans on the same rank layout (any
     stage, recomputation, offload, micro-batch split of the same global batch)."""
@@ -549,54 +577,6 @@ def alternatives(w: Workload, s: Strategy, cluster: Cluster, count: int = 3) -> 
     return found.plans[:count]
 
 
-# ---------------------------------------------------------------------------------------------
-# Models from the command line
-
-
-def preset_model(name: str) -> ModelConfig:
-    """A named preset as a ModelConfig, without importing torch (ConfigError lists the names)."""
-    return ModelConfig(preset=ALIASES.get(name, name), **get_preset(name))
-
-
-def model_from_hf_config(path: str) -> ModelConfig:
-    """A transformers config.json as a ModelConfig (presets.hf_shape: GPT-2's and LLaMA-family
-    key names), for `--model path/config.json`."""
-    from pathlib import Path
-
-    return ModelConfig(preset=f"{Path(path).name} (transformers)", **hf_shape(path))
-
-
-def model_from_params(params: float, layers: int | None = None, hidden: int | None = None,
-                      heads: int | None = None, vocab: int = 50257, max_seq_len: int = 2048) -> ModelConfig:
-    """A GPT-2-style shape with about `params` parameters, for `--params`.
-
-    A block has 12h² + 13h parameters, the embeddings (V + max_seq_len)h. Unless given, the
-    width is about 128 x the depth (GPT-3 6.7B-175B and LLaMA 7B have h/L = 128; Kaplan et al.
-    2020 find the loss flat over a wide range of aspect ratios), rounded so that heads of 128
-    split evenly for tensor parallelism (1.3e9 gives GPT-3 XL's 24 x 2048, 175e9 GPT-3's
-    96 x 12288), and the depth is then refitted to the count unless given. The
-    model states use `params` exactly (Workload.params); the shape sizes activations and FLOPs.
-    """
-    if params <= 0:
-        raise ConfigError(f"--params {params:g} must be > 0")
-    embed = vocab + max_seq_len
-    fit_layers = layers is None
-    if hidden is None:  # solve 12·L·h² + (embed + 13L)·h = params for h
-        guess = layers or max(1, round((params / (12 * 128**2)) ** (1 / 3)))
-        a, b = 12 * guess, embed + 13 * guess
-        exact = (-b + (b * b + 4 * a * params) ** 0.5) / (2 * a)
-        step = 1024 if exact >= 8192 else 512 if exact >= 2048 else 128  # heads of 128 split by 4-8
-        hidden = max(128, step * round(exact / step))
-    if fit_layers:
-        layers = max(1, round((params - embed * hidden) / (12 * hidden**2 + 13 * hidden)))
-    heads = heads or max(1, hidden // 128 if hidden % 128 == 0 else hidden // 64)
-    if hidden % heads:
-        raise ConfigError(f"--hidden {hidden} is not divisible by --heads {heads}")
-    return ModelConfig(preset=f"--params {params:.3g} (GPT-2-family shape)", vocab_size=vocab, n_layers=layers,
-                       n_heads=heads, d_model=hidden, max_seq_len=max_seq_len)
-
-
 __all__ = ["EVERYTHING", "RUNTIME", "LocalPrediction", "Plan", "SearchResult", "Supported",
            "alternatives", "config_strategy", "default_dtypes", "kept_settings", "model_from_hf_config", "explain",
-           "model_from_params", "plan_for_run",
-           "predict_local", "preset_model", "search"]
+           "model_from_params", "plan_for_run", "predict_local", "preset_model", "run_prediction", "search"]

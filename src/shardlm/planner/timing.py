@@ -9,7 +9,7 @@ docs/planner.md; notation: workload.py.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
@@ -25,6 +25,15 @@ each, the gradient converted), write master, m, v, and the compute-dtype copy (~
 
 
 @dataclass
+class CommTerm:
+    """One term of a collective's time: what it is, its seconds, and what of it is exposed."""
+
+    name: str
+    seconds: float
+    exposed: float
+
+
+@dataclass
 class CommTime:
     """One collective of the predicted step: its volume and time (the runtime's own
     collectives are comm/collectives.py Comm)."""
@@ -37,6 +46,11 @@ class CommTime:
     seconds: float
     exposed: float
     """What is left on the critical path after overlap with compute."""
+    latency: float = 0.0
+    """The alpha part of `seconds`: steps x link latency (the rest moves bytes)."""
+    terms: list[CommTerm] = field(default_factory=list)
+    """The exposure, term by term (which collective hides behind which compute, which has
+    nothing to hide behind), as `shardlm estimate` prints it; they sum to `exposed`."""
 
 
 @dataclass
@@ -70,37 +84,46 @@ def group_link(cluster: Cluster, size: int, stride: int) -> tuple[float, float, 
 
     Ranks are laid out pp, dp_replicate, dp_shard, cp, tp from outer to inner (mesh.py: dp_shard
     inside dp_replicate; tp innermost as in torchtitan, the context-parallel ring next). A group
-    inside one node runs on the intra-node link. One that spans nodes is limited by its share of
-    the node's network adapters (every such group runs at once, each rail-optimised adapter
-    carrying one): adapters x bandwidth x (its members on the node / devices per node).
+    inside one node runs on the intra-node link. One that spans nodes runs at its slowest link:
+    a rank's own share of the node's network adapters, adapters x bandwidth / devices per node
+    (every rank of the node sends through them at once: each group's ring passes through every
+    member's path into the network). Pooling a node's adapters for one group (NCCL's multi-rail
+    rings) would allow up to `members` times that; the published large-scale ZeRO-3 runs did not
+    reach it (docs/planner.md section 5, tests/test_planner_published.py).
     """
     node, per_node = cluster.node, cluster.per_node
     members = min(size, max(1, per_node // stride)) if stride < per_node else 1
     nodes = ceil_div(size, members)
     if nodes == 1:
         return node.intra.effective, node.intra.latency, f"intra-node {node.intra.name}"
-    inter = node.inter.effective * node.nics * members / per_node
-    bandwidth = min(inter, node.intra.effective) if members > 1 else inter
+    bandwidth = min(node.inter.effective * node.nics / per_node, node.intra.effective)
     return bandwidth, node.inter.latency, f"{nodes} nodes, {node.inter.name}"
+
+
+def collective_parts(op: str, nbytes: float, size: int, bandwidth: float, latency: float,
+                     calls: int = 1) -> tuple[float, float]:
+    """(seconds, the latency part of them) of `calls` equal collectives moving `nbytes` in
+    total: the alpha-beta model (Thakur et al. 2005; NCCL's ring and tree). A ring all-gather
+    or reduce-scatter takes N-1 steps of S/N bytes; an all-reduce is both, or a double binary
+    tree (2 log2 N steps, full bandwidth) when latency dominates; a point-to-point one step."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0, 0.0
+    each = nbytes / calls
+    if op == "p2p":
+        steps, moved = 1, each
+    elif op == "all_reduce":
+        ring = (2 * (size - 1), 2 * (size - 1) / size * each)
+        tree = (2 * log2_ceil(size), 2 * each)
+        steps, moved = min(ring, tree, key=lambda sm: sm[0] * latency + sm[1] / bandwidth)
+    else:  # all_gather, reduce_scatter, all_to_all
+        steps, moved = size - 1, (size - 1) / size * each
+    return calls * (steps * latency + moved / bandwidth), calls * steps * latency
 
 
 def collective_seconds(op: str, nbytes: float, size: int, bandwidth: float, latency: float,
                        calls: int = 1) -> float:
-    """Alpha-beta cost of `calls` equal collectives moving `nbytes` in total (Thakur et al.
-    2005; NCCL's ring and tree): a ring all-gather or reduce-scatter takes (N-1) steps of
-    S/N bytes; an all-reduce is both, or a double binary tree (2 log2 N steps, full bandwidth)
-    when latency dominates."""
-    if size <= 1 or nbytes <= 0:
-        return 0.0
-    each = nbytes / calls
-    ring = (size - 1) * latency + (size - 1) / size * each / bandwidth
-    if op == "all_reduce":
-        one = min(2 * ring, 2 * log2_ceil(size) * latency + 2 * each / bandwidth)
-    elif op == "p2p":
-        one = latency + each / bandwidth
-    else:  # all_gather, reduce_scatter, all_to_all
-        one = ring
-    return calls * one
+    """Seconds of `calls` equal collectives moving `nbytes` in total (collective_parts)."""
+    return collective_parts(op, nbytes, size, bandwidth, latency, calls)[0]
 
 
 def _hidden(seconds: float, window: float, overlap: float, fixed: float = 0.0) -> float:
@@ -110,49 +133,123 @@ def _hidden(seconds: float, window: float, overlap: float, fixed: float = 0.0) -
     return fixed + max(0.0, rest - overlap * window)
 
 
-def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
-              windows: tuple[float, float]) -> list[CommTime]:
-    """The data-parallel collectives of the ZeRO engine, per unit, as zero/engine.py issues
-    them (volumes sum to zero.partition.comm_bytes_per_step). Context-parallel ranks are
-    data-parallel ranks here: ZeRO shards over dp_shard x cp, stage 0 all-reduces over
-    dp_replicate x dp_shard x cp (mesh.py); both groups are tp apart. With pp > 1 the gradients
-    are reduced after the pipeline's last backward (the engine's finish_backward), not during
-    it: those reductions are all exposed."""
-    lay, d, calib = s.layout, s.dtypes, cluster.calibration
-    overlap = calib.overlap
+@dataclass(frozen=True)
+class Windows:
+    """The compute that asynchronous communication can hide behind, seconds on one rank."""
+
+    forward: float
+    """One micro-batch's forward through this rank's blocks."""
+    backward: float
+    """One micro-batch's backward through them (a recomputed forward included)."""
+    step: float
+    """The whole step's compute (bubble included)."""
+    blocks: int
+    """Blocks on this rank: a unit's compute is forward / blocks, backward / blocks."""
+
+
+def _unit_collective(cluster: Cluster, op: str, nbytes: float, size: int, stride: int) -> tuple[float, float]:
+    """(seconds, latency part) of one collective of `nbytes` over the group's link, with the
+    device's measured factor for that collective (gloo's all-gather is not a ring)."""
+    bw, lat, _ = group_link(cluster, size, stride)
+    seconds, latency = collective_parts(op, nbytes, size, bw, lat)
+    factor = cluster.calibration.factor(op)
+    return seconds * factor, latency * factor
+
+
+def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: Windows) -> list[CommTime]:
+    """The data-parallel collectives of the ZeRO engine, unit by unit as zero/engine.py and
+    zero/params.py issue them (volumes sum to zero.partition.comm_bytes_per_step), and what of
+    each the compute beside it cannot hide (overlap x that compute; docs/planner.md section 5):
+
+    - a block's gradient reduction starts when its backward ends and runs during the next
+      block's backward; the root unit's (embeddings, head) completes last, at the embedding's
+      gradient, with nothing left to compute: exposed whole;
+    - stage 3 gathers every unit before its forward and again before its backward
+      (reshard_after_forward; a recomputed forward inside backward uses the backward's gather),
+      every micro-step, prefetching one unit ahead (`prefetch`): the root's gather starts each
+      forward with nothing to hide behind, and so does the first block's (the root's forward is
+      an embedding lookup); each later block's gather hides behind the block before it. In
+      backward the root is still gathered; a block's gather and the previous block's
+      reduce-scatter share the link during one block's backward;
+    - stages 1-2 all-gather the updated parameters after the optimizer step, before the next
+      forward: nothing to hide behind; replicas all-reduce their shards after every reduction
+      has completed (the engine's finish_backward): nothing to hide behind either.
+
+    Context-parallel ranks are data-parallel ranks here: ZeRO shards over dp_shard x cp, stage
+    0 all-reduces over dp_replicate x dp_shard x cp (mesh.py); both groups are tp apart. With
+    pp > 1 the gradients are reduced after the pipeline's last backward (the engine's
+    finish_backward), not during it: those reductions are all exposed."""
+    lay, d, overlap = s.layout, s.dtypes, cluster.calibration.overlap
     e, g = d.param_bytes, d.grad_bytes
-    backward, everything = windows
-    units = sp.layers + 1
+    blocks = max(1, sp.layers)
     psi, root = sp.dense + sp.experts, sp.root_unit
-    out = []
+    block = (psi - root) / blocks if sp.layers else 0.0
+    fwd_unit = win.forward / blocks
+    bwd_unit = 0.0 if lay.pp > 1 else win.backward / blocks  # pp: nothing computes beside them
+    micro, out = s.grad_accum, []
 
-    def add(name, op, nbytes, size, stride, window=0.0, fixed_fraction=1.0, calls=units, repeat=1):
-        if size <= 1 or nbytes <= 0:
+    def comm(name, op, size, stride, volume, terms):
+        """terms: (what, one call's (seconds, latency), calls, compute window per call)."""
+        if size <= 1 or volume <= 0:
             return
-        bw, lat, where = group_link(cluster, size, stride)
-        seconds = repeat * collective_seconds(op, nbytes, size, bw, lat, calls) * calib.factor(op)
-        volume = (2 if op == "all_reduce" else 1) * nbytes * repeat
-        out.append(CommTime(name, f"{size} ranks, {where}", volume, seconds,
-                        _hidden(seconds, window, overlap, fixed_fraction * seconds)))
+        _, _, where = group_link(cluster, size, stride)
+        listed, total, latency = [], 0.0, 0.0
+        for what, (sec, lat), calls, window in terms:
+            if calls <= 0 or sec <= 0:
+                continue
+            exposed = calls * max(0.0, sec - overlap * window)
+            listed.append(CommTerm(f"{what}" + (f" x {calls:g}" if calls != 1 else ""), calls * sec, exposed))
+            total, latency = total + calls * sec, latency + calls * lat
+        out.append(CommTime(name, f"{size} ranks, {where}", volume, total,
+                            sum(t.exposed for t in listed), latency, listed))
 
-    root_share = root / psi
-    if lay.pp > 1:  # nothing computes beside the reductions
-        backward, root_share = 0.0, 1.0
-    if s.zero_stage == 0:  # the root unit's gradients complete last: its reduction is exposed
-        add("all-reduce gradients", "all_reduce", g * psi, lay.dp_size * lay.cp, lay.tp, backward,
-            root_share)
+    if s.zero_stage == 0:
+        size = lay.dp_size * lay.cp
+        ar = lambda n: _unit_collective(cluster, "all_reduce", n, size, lay.tp)  # noqa: E731
+        comm("all-reduce gradients", "all_reduce", size, lay.tp, 2 * g * psi, [
+            ("block, behind the next block's backward", ar(g * block), sp.layers, bwd_unit),
+            ("root unit, last: nothing left to compute", ar(g * root), 1, 0.0)])
         return out
     shard, replicas = zero_ranks(lay), lay.dp_replicate
-    add("reduce-scatter gradients", "reduce_scatter", g * psi, shard, lay.tp, backward, root_share)
-    if s.zero_stage in (1, 2):  # after the step, before the next forward: nothing to hide in
-        add("all-gather updated parameters", "all_gather", e * psi, shard, lay.tp)
-    else:  # gathered before forward and (reshard_after_forward) again before backward, every
-        # micro-step; the root is gathered first each time, with nothing to overlap
-        passes = 2 * s.grad_accum
-        add("all-gather parameters", "all_gather", e * psi, shard, lay.tp, everything,
-            root_share, repeat=passes)
-    add("all-reduce shards across replicas", "all_reduce", g * psi / shard, replicas,
-        lay.tp * shard)
+    rs = lambda n: _unit_collective(cluster, "reduce_scatter", n, shard, lay.tp)  # noqa: E731
+    ag = lambda n: _unit_collective(cluster, "all_gather", n, shard, lay.tp)  # noqa: E731
+    if s.zero_stage in (1, 2):
+        comm("reduce-scatter gradients", "reduce_scatter", shard, lay.tp, g * psi, [
+            ("block, behind the next block's backward", rs(g * block), sp.layers, bwd_unit),
+            ("root unit, last: nothing left to compute", rs(g * root), 1, 0.0)])
+        comm("all-gather updated parameters", "all_gather", shard, lay.tp, e * psi, [
+            ("block, after the step: nothing to hide behind", ag(e * block), sp.layers, 0.0),
+            ("root unit, after the step", ag(e * root), 1, 0.0)])
+    else:
+        ag_block, rs_block = ag(e * block), rs(g * block)
+        # prefetch (depth 1) starts a block's gather while the unit before it computes; without
+        # it a gather starts when its unit is reached, with nothing beside it
+        behind_fwd = fwd_unit if lay.pp == 1 and s.prefetch else 0.0
+        behind_bwd = bwd_unit if s.prefetch else 0.0
+        blocks_after_first = micro * (sp.layers - 1)
+        gathers = [("root unit, forward: starts the pass", ag(e * root), micro, 0.0),
+                   ("first block, forward: behind the embedding lookup", ag_block, micro if sp.layers else 0, 0.0),
+                   ("block, forward: behind the block before it" if s.prefetch else
+                    "block, forward: no prefetch, waited for", ag_block, blocks_after_first, behind_fwd)]
+        if s.prefetch:  # backward: the root is still gathered; the last micro-step's gathers
+            # share the link with the reduce-scatters (below)
+            gathers.append(("block, backward: behind the block after it", ag_block,
+                            (micro - 1) * sp.layers, behind_bwd))
+            last = ("block, with the last micro-step's backward gather, behind one block's backward",
+                    tuple(a + b for a, b in zip(ag_block, rs_block)), sp.layers, bwd_unit)
+        else:
+            gathers.append(("block, backward: no prefetch, waited for", ag_block, micro * sp.layers, 0.0))
+            last = ("block, behind the next block's backward", rs_block, sp.layers, bwd_unit)
+        comm("all-gather parameters", "all_gather", shard, lay.tp, 2 * micro * e * psi, gathers)
+        # the reduction runs on the last micro-step only (accumulation)
+        comm("reduce-scatter gradients", "reduce_scatter", shard, lay.tp, g * psi, [
+            last, ("root unit, last: nothing left to compute", rs(g * root), 1, 0.0)])
+    if replicas > 1:
+        arr = lambda n: _unit_collective(cluster, "all_reduce", n, replicas, lay.tp * shard)  # noqa: E731
+        # finish_backward: after every reduction, all units at once: nothing computes beside them
+        comm("all-reduce shards across replicas", "all_reduce", replicas, lay.tp * shard, 2 * g * psi / shard, [
+            ("block shard, after the backward", arr(g * block / shard), sp.layers, 0.0),
+            ("root unit shard, after the backward", arr(g * root / shard), 1, 0.0)])
     return out
 
 
@@ -259,8 +356,10 @@ def _pipeline_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams)
     sent = pp_comm_bytes(m, tokens, micro, sp.index, lay.pp, lay.tp, lay.cp, sp_on, e, False, s.pp_virtual)
     hops = 2 * ({"interleaved": s.pp_virtual * micro}.get(s.pp_schedule, micro) + lay.pp - 1)
     bw, lat, where = group_link(cluster, 2, stride)
-    sec = collective_seconds("p2p", hops * hidden, 2, bw, lat, hops)
-    out = [CommTime("pipeline send/recv", f"stage boundary, {where}", sent, sec, sec)]
+    sec, latency = collective_parts("p2p", hops * hidden, 2, bw, lat, hops)
+    out = [CommTime("pipeline send/recv", f"stage boundary, {where}", sent, sec, sec, latency,
+                    [CommTerm(f"{hops} transfers, one per schedule slot and direction: a receive blocks",
+                              sec, sec)])]
     if m.tie_embeddings and sp.index in (0, lay.pp - 1):
         rows = -(-m.vocab_size // lay.tp) * m.d_model * e
         bw, lat, where = group_link(cluster, 2, stride * (lay.pp - 1))
@@ -283,9 +382,10 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
                                         sp.layers, embedding=sp.index == 0,
                                         head=sp.index == lay.pp - 1)
         bw, lat, where = group_link(cluster, lay.tp, 1)
-        sec = collective_seconds("all_reduce", counted / 2, lay.tp, bw, lat, calls)
-        out.append(CommTime("tensor-parallel all-reduces", f"{lay.tp} ranks, {where}",
-                            counted, sec, sec))
+        sec, latency = collective_parts("all_reduce", counted / 2, lay.tp, bw, lat, calls)
+        out.append(CommTime("tensor-parallel all-reduces", f"{lay.tp} ranks, {where}", counted, sec, sec,
+                            latency, [CommTerm(f"{calls:g} calls inside the blocks: the next matmul "
+                                               f"needs each result, nothing to hide behind", sec, sec)]))
     if lay.pp > 1:
         out += _pipeline_comms(w, s, cluster, sp)
     if lay.ep > 1:  # dispatch + combine, forward and backward, per MoE layer
@@ -293,8 +393,10 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
         calls = 4 * moe * micro
         size = ep_comm_bytes(m, tokens, lay.ep, e)
         bw, lat, where = group_link(cluster, lay.ep, lay.tp * lay.cp)
-        sec = collective_seconds("all_to_all", size * calls, lay.ep, bw, lat, calls)
-        out.append(CommTime("expert all-to-all", f"{lay.ep} ranks, {where}", size * calls, sec, sec))
+        sec, latency = collective_parts("all_to_all", size * calls, lay.ep, bw, lat, calls)
+        out.append(CommTime("expert all-to-all", f"{lay.ep} ranks, {where}", size * calls, sec, sec, latency,
+                            [CommTerm(f"{calls:g} dispatches and combines: the experts wait for their "
+                                      f"rows, nothing to hide behind", sec, sec)]))
     return out
 
 
@@ -319,12 +421,15 @@ def _cp_ring(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: 
     kv_hops = (cp - 1) * (3 if s.recompute != "none" else 2) * layers * micro
     grad_hops = cp * layers * micro
     bw, lat, where = group_link(cluster, cp, lay.tp)
-    kv = collective_seconds("p2p", kv_hops * block * e, cp, bw, lat, kv_hops)
-    grads = collective_seconds("p2p", grad_hops * block * 4, cp, bw, lat, grad_hops)
+    kv, kv_latency = collective_parts("p2p", kv_hops * block * e, cp, bw, lat, kv_hops)
+    grads, grads_latency = collective_parts("p2p", grad_hops * block * 4, cp, bw, lat, grad_hops)
     forward = 2 * m.d_model * w.seq_len * tokens * layers / (lay.tp * cp) / rate  # per micro-batch
     window = micro * forward * (2 + (2 if s.recompute != "none" else 1))  # + backward (2x)
-    return CommTime("context-parallel ring", f"{cp} ranks, {where}", total, kv + grads,
-                    _hidden(kv + grads, window, cluster.calibration.overlap, grads))
+    kv_exposed = _hidden(kv, window, cluster.calibration.overlap)
+    return CommTime("context-parallel ring", f"{cp} ranks, {where}", total, kv + grads, kv_exposed + grads,
+                    kv_latency + grads_latency,
+                    [CommTerm(f"{kv_hops:g} key/value hops, behind the attention", kv, kv_exposed),
+                     CommTerm(f"{grad_hops:g} gradient hops, waited for at once", grads, grads)])
 
 
 def model_flops_per_token(w: Workload, recompute: str = "none", count: str = "model") -> float:
@@ -388,8 +493,9 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     micro = s.grad_accum
     bubble = pp_bubble(s) if lay.pp > 1 else 0.0
     compute = per_micro * micro / (1 - bubble)  # the schedule idles `bubble` of the pipeline time
-    backward = per_micro * (run_flops - model_flops_per_token(w, count="kernel-forward")) / run_flops
-    after = [_stage_comms(w, s, cluster, sp, rate, (backward, compute)) for sp in peak_candidates(stages)]
+    forward = per_micro * model_flops_per_token(w, count="kernel-forward") / run_flops
+    after = [_stage_comms(w, s, cluster, sp, rate, Windows(forward, per_micro - forward, compute, sp.layers))
+             for sp in peak_candidates(stages)]
     sp, comms, optimizer = max(after, key=lambda a: sum(c.exposed for c in a[1]) + a[2])
     step = compute + sum(c.exposed for c in comms) + optimizer
     tokens_per_s = w.global_batch * w.seq_len / step
@@ -400,7 +506,7 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
 
 
 def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float,
-                 windows: tuple[float, float]) -> tuple[StageParams, list[CommTime], float]:
+                 windows: Windows) -> tuple[StageParams, list[CommTime], float]:
     """One pipeline rank's communication (what of it is exposed) and optimizer seconds."""
     lay, dev = s.layout, cluster.device
     comms = _model_parallel_comms(w, s, cluster, sp)
@@ -417,14 +523,14 @@ def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, ra
         if s.offload_params == "nvme":
             seconds += up / (cluster.node.nvme_bandwidth / cluster.per_node)
         comms.append(CommTime("parameter shards from host", s.offload_params, up, seconds,
-                              _hidden(seconds, windows[1], cluster.calibration.overlap)))
+                              _hidden(seconds, windows.step, cluster.calibration.overlap)))
     blocks, per_micro = offloaded_activations(w, s, cluster, sp)  # 0 on a CPU device
     if blocks:  # down in forward, back up in backward, every micro-batch, on the side stream
         moved = 2 * s.grad_accum * per_micro
         seconds = moved / cluster.node.pcie.effective
         comms.append(CommTime("activation offload", f"{blocks} block(s), host <-> device over "
                               f"{cluster.node.pcie.name}", moved, seconds,
-                              _hidden(seconds, windows[1], cluster.calibration.overlap)))
+                              _hidden(seconds, windows.step, cluster.calibration.overlap)))
     return sp, comms, optimizer
 
 

@@ -83,6 +83,10 @@ class Strategy:
     memory in forward and come back for their backward; parallel/activation.py)."""
     activation_offload_blocks: int = 0
     """activation.offload_blocks: the first N blocks of each rank's stage; 0 = every block."""
+    prefetch: bool = True
+    """parallel.prefetch (stage 3): gather the next unit while this one computes (prefetch depth
+    1, zero/params.py), or only when it is reached (nothing hides a gather; one block fewer
+    gathered at a time)."""
 
     @property
     def local(self) -> bool:
@@ -401,3 +405,21 @@ def pp_hidden_bytes(m: ModelConfig, tokens: int, tp: int, cp: int, sequence_para
     """Bytes of one micro-batch's hidden states between stages (B, T/cp[/t], h) in e bytes: a
     context-parallel rank's cut of the tokens; sequence parallelism cuts them over tp too."""
     return tokens // (cp * (tp if sequence_parallel and tp > 1 else 1)) * m.d_model * e
+
+
+def matmul_shapes(m: ModelConfig, tokens: int, tp: int = 1) -> list[tuple[str, int, int, int, int]]:
+    """The forward matmuls of one micro-batch of `tokens` tokens, as models/decoder.py runs them
+    on one tensor-parallel rank (column-parallel outputs and row-parallel inputs / tp): (name, m,
+    k, n, how many per step's forward: per block x L, the head once). What `shardlm calibrate`
+    times (hardware/probe.py matmul_curve); a backward runs each twice more, with the same three
+    sizes in other orders (dX = dY·Wᵀ: m x n x k; dW = Xᵀ·dY: k x m x n). A mixture of experts'
+    expert matmuls (fewer rows each) are not listed: its dense MLP width stands for them."""
+    h, layers = m.d_model, m.n_layers
+    head_dim = h // m.n_heads
+    kv = (m.n_kv_heads or m.n_heads) * head_dim
+    f = flops.resolved_d_ff(m)
+    up = 2 * f if m.mlp == "swiglu" else f
+    shapes = [("qkv", tokens, h, (h + 2 * kv) // tp, layers), ("attention out", tokens, h // tp, h, layers),
+              ("mlp up" + (" (gate|up)" if m.mlp == "swiglu" else ""), tokens, h, up // tp, layers),
+              ("mlp down", tokens, f // tp, h, layers), ("head", tokens, h, -(-m.vocab_size // tp), 1)]
+    return shapes
