@@ -56,6 +56,37 @@ class ModelConfig:
     """Share the token embedding matrix with the output head (GPT-2 does, LLaMA does not)."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_type: str = "default"
+    """RoPE frequency scaling, as transformers' ROPE_INIT_FUNCTIONS computes it (checkpoints
+    load it from config.json's rope_parameters / rope_scaling): 'default' (plain RoPE),
+    'linear' (frequencies / rope_factor), 'dynamic' (NTK: the base scaled for sequences past
+    max_seq_len; within it, plain RoPE), 'yarn' (Peng et al. 2023: per-frequency blend of
+    interpolation and extrapolation, cos/sin times an attention factor), 'llama3' (Llama 3.1's
+    low/high-frequency wavelength rule)."""
+    rope_factor: float = 1.0
+    """The scaling factor of rope_type 'linear', 'dynamic', 'yarn' and 'llama3' (1 = none)."""
+    rope_original_max_seq_len: int = 0
+    """'llama3' and 'yarn': the context the model was pre-trained with before scaling
+    (original_max_position_embeddings); 0 = max_seq_len."""
+    rope_low_freq_factor: float = 1.0
+    """'llama3': wavelengths above rope_original_max_seq_len / this are divided by rope_factor."""
+    rope_high_freq_factor: float = 4.0
+    """'llama3': wavelengths below rope_original_max_seq_len / this are kept; between the two
+    bounds they are interpolated smoothly."""
+    rope_beta_fast: float = 32.0
+    """'yarn': rotations below which a frequency is extrapolated (kept)."""
+    rope_beta_slow: float = 1.0
+    """'yarn': rotations above which a frequency is interpolated (divided by rope_factor)."""
+    rope_attention_factor: float = 0.0
+    """'yarn': cos and sin are multiplied by this; 0 = YaRN's 0.1·ln(rope_factor) + 1."""
+    rope_truncate: bool = True
+    """'yarn': round the correction range to whole dimensions (transformers' `truncate`)."""
+    head_dim: int = 0
+    """Width of one attention head; 0 = d_model / n_heads. Llama 3.2 3B-style, Qwen3 and Gemma
+    checkpoints set another (then d_model need not be a multiple of n_heads)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head (weights of head_dim, shared by the heads) before
+    RoPE, as Qwen3 (epsilon model.norm_eps)."""
     norm_eps: float = 1e-5
     """Epsilon of the normalisation layers."""
     ffn_multiple_of: int = 256
@@ -96,7 +127,8 @@ class ModelConfig:
     hf_path: str = ""
     """A local transformers directory (config.json, safetensors, tokenizer.json) to start from:
     its config.json gives the shape (in place of the preset), its weights the initial values,
-    its tokenizer the tokens (docs/finetuning.md). GPT-2, Llama and Mistral. '' = train from scratch.
+    its tokenizer the tokens (docs/finetuning.md, 'Checkpoint families': GPT-2, Llama
+    1 to 3.3, Mistral, Qwen2, Qwen3). '' = train from scratch.
     An encoder-decoder (config.json's is_encoder_decoder: T5, BART, ...) loads into the
     transformers model itself (data.format = 'seq2seq')."""
     hf_config: str = ""

@@ -33,6 +33,9 @@ DATA_FORMATS = ("text", "chat", "prompt_completion", "seq2seq")
 """What data.source holds (shardlm.data.sft for the supervised fine-tuning formats,
 shardlm.data.seq2seq for source -> target pairs of an encoder-decoder)."""
 ATTENTION_BACKENDS = ("auto", "sdpa", "per_document", "flex", "math")
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+"""model.rope_type: transformers' ROPE_INIT_FUNCTIONS our decoder computes (models/decoder.py)."""
 """model.attention's kernels (shardlm.models.attention)."""
 PACKED_FORMATS = ("chat", "prompt_completion")
 """data.format values whose rows pack several examples (data.document_mask 'auto' = on)."""
@@ -85,6 +88,7 @@ _CHOICES = {
     "data.document_mask": ("auto", "on", "off"),
     "model.attention": ATTENTION_BACKENDS,
     "model.position": ("learned", "rope"),
+    "model.rope_type": ROPE_TYPES,
     "model.mlp": ("gelu", "swiglu"),
     "model.router": ("softmax", "sigmoid"),
     "model.balance": ("aux", "bias", "none"),
@@ -168,6 +172,14 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.d_ff": _non_negative(" (0 = the default width for model.mlp)"),
     "model.max_seq_len": _positive(),
     "model.rope_theta": _positive(),
+    "model.rope_factor": _positive(" (1 = no scaling)"),
+    "model.rope_original_max_seq_len": _non_negative(" (0 = model.max_seq_len)"),
+    "model.rope_low_freq_factor": _positive(),
+    "model.rope_high_freq_factor": _positive(),
+    "model.rope_beta_fast": _positive(),
+    "model.rope_beta_slow": _positive(),
+    "model.rope_attention_factor": _non_negative(" (0 = YaRN's 0.1 ln(rope_factor) + 1)"),
+    "model.head_dim": _non_negative(" (0 = model.d_model / model.n_heads)"),
     "model.norm_eps": _positive(),
     "model.ffn_multiple_of": _positive(),
     "model.init_std": _positive(),
@@ -285,11 +297,12 @@ def _global_batch_in_micro_batches(cfg: Config) -> list[str]:
             if t.global_batch and t.global_batch % t.micro_batch else [])
 
 
-@_cross("model.d_model", "model.n_heads")
+@_cross("model.d_model", "model.n_heads", "model.head_dim")
 def _heads_divide_width(cfg: Config) -> list[str]:
     m = cfg.model
-    return ([f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}"]
-            if m.d_model % m.n_heads else [])
+    return ([f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}; "
+             f"make it so, or set model.head_dim"]
+            if not m.head_dim and m.d_model % m.n_heads else [])
 
 
 @_cross("model.n_kv_heads", "model.n_heads")
@@ -299,11 +312,26 @@ def _kv_heads_divide_heads(cfg: Config) -> list[str]:
             if m.n_kv_heads and m.n_heads % m.n_kv_heads else [])
 
 
-@_cross("model.position", "model.d_model", "model.n_heads")
+@_cross("model.position", "model.d_model", "model.n_heads", "model.head_dim")
 def _rope_head_dim(cfg: Config) -> list[str]:
     m = cfg.model
-    return ([f"RoPE needs an even head dim; d_model/n_heads = {m.d_model // m.n_heads}"]
-            if m.position == "rope" and (m.d_model // m.n_heads) % 2 else [])
+    head_dim = m.head_dim or m.d_model // m.n_heads
+    return ([f"RoPE needs an even head dim; model.head_dim (or d_model/n_heads) = {head_dim}"]
+            if m.position == "rope" and head_dim % 2 else [])
+
+
+@_cross("model.position", "model.rope_type", "model.rope_factor", "model.rope_low_freq_factor",
+        "model.rope_high_freq_factor", "model.rope_beta_fast", "model.rope_beta_slow")
+def _rope_scaling(cfg: Config) -> list[str]:
+    m, problems = cfg.model, []
+    if m.rope_type != "default" and m.position != "rope":
+        problems.append(f"model.rope_type = {m.rope_type!r} scales rotary positions: it needs "
+                        f"model.position = 'rope' (not {m.position!r}); or rope_type = 'default'")
+    if m.rope_type == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        problems.append(f"model.rope_type = 'llama3': model.rope_high_freq_factor "
+                        f"({m.rope_high_freq_factor:g}) must exceed model.rope_low_freq_factor "
+                        f"({m.rope_low_freq_factor:g})")
+    return problems
 
 
 @_cross("parallel.tp", "model.n_heads", "model.n_kv_heads")

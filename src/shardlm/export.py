@@ -1,7 +1,9 @@
 """Export a trained run to a Hugging Face `transformers` directory (`shardlm export --format hf`).
 
 A GPT-2-style config (LayerNorm, learned positions, GELU) becomes a `GPT2LMHeadModel`, a
-LLaMA-style one (RMSNorm, RoPE, SwiGLU) a `LlamaForCausalLM`, and a LLaMA-style mixture of
+LLaMA-style one (RMSNorm, RoPE, SwiGLU) a `LlamaForCausalLM` (its RoPE scaling and head width
+in the config: Llama 3.1-3.3), with q/k/v-only biases a `Qwen2ForCausalLM`, with per-head q/k
+norms a `Qwen3ForCausalLM`, and a LLaMA-style mixture of
 experts (model.experts > 0) a `MixtralForCausalLM`; all reproduce our logits (the model code
 already computes exactly what those classes compute: GELU tanh, rotate-half RoPE with HF's
 frequency table, Mixtral's softmax router renormalised over the top k). Configs that no class
@@ -38,7 +40,7 @@ from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, merged_state_dict, peft
 from shardlm.config import ModelConfig
 from shardlm.errors import ConfigError
 from shardlm.data.tokenizer import EOT
-from shardlm.models.flops import expert_d_ff, resolved_d_ff
+from shardlm.models.flops import expert_d_ff, head_dim, resolved_d_ff
 
 
 def _import_transformers():
@@ -50,8 +52,28 @@ def _import_transformers():
     return transformers
 
 
+def rope_parameters(m: ModelConfig) -> dict:
+    """model.rope_* as transformers' rope_parameters (the keys its ROPE_INIT_FUNCTIONS read):
+    what presets.hf_shape reads back."""
+    params: dict = {"rope_type": m.rope_type, "rope_theta": m.rope_theta}
+    if m.rope_type != "default":
+        params["factor"] = m.rope_factor
+    original = {"original_max_position_embeddings": m.rope_original_max_seq_len or m.max_seq_len}
+    if m.rope_type == "llama3":
+        params.update(low_freq_factor=m.rope_low_freq_factor,
+                      high_freq_factor=m.rope_high_freq_factor, **original)
+    if m.rope_type == "yarn":
+        params.update(beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow, **original)
+        if not m.rope_truncate:  # transformers' default is True
+            params["truncate"] = False
+        if m.rope_attention_factor:
+            params["attention_factor"] = m.rope_attention_factor
+    return params
+
+
 def hf_config(m: ModelConfig, eot: int | None):
-    """The GPT2Config, LlamaConfig or MixtralConfig describing exactly our model."""
+    """The GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config or MixtralConfig describing exactly
+    our model (hf_family chooses)."""
     tf = _import_transformers()
     tokens = {"bos_token_id": eot, "eos_token_id": eot, "vocab_size": m.vocab_size,
               "tie_word_embeddings": m.tie_embeddings}
@@ -71,7 +93,8 @@ def hf_config(m: ModelConfig, eot: int | None):
                                 num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
                                 num_key_value_heads=m.n_kv_heads or m.n_heads,
                                 max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                                rope_theta=m.rope_theta, sliding_window=None, hidden_act="silu",
+                                head_dim=head_dim(m), rope_parameters=rope_parameters(m),
+                                sliding_window=None, hidden_act="silu",
                                 num_local_experts=m.experts, num_experts_per_tok=m.top_k,
                                 router_aux_loss_coef=m.aux_loss_coef if m.balance == "aux" else 0.0,
                                 output_router_logits=False, router_jitter_noise=0.0, **tokens)
@@ -80,15 +103,22 @@ def hf_config(m: ModelConfig, eot: int | None):
                               num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
                               num_key_value_heads=m.n_kv_heads or m.n_heads,
                               max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                              rope_theta=m.rope_theta, use_sliding_window=False, **tokens)
+                              rope_parameters=rope_parameters(m), use_sliding_window=False, **tokens)
+    if family == "qwen3":  # LLaMA with an RMSNorm on each query and key head, full attention
+        return tf.Qwen3Config(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
+                              num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                              num_key_value_heads=m.n_kv_heads or m.n_heads, head_dim=head_dim(m),
+                              max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                              rope_parameters=rope_parameters(m), attention_bias=False,
+                              use_sliding_window=False, **tokens)
     # Our RMSNorm has no bias, so model.bias means biases on the linears only: exactly HF's
     # attention_bias (q/k/v/o) and mlp_bias (gate/up/down).
     return tf.LlamaConfig(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
                           num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
                           num_key_value_heads=m.n_kv_heads or m.n_heads,
                           max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                          rope_theta=m.rope_theta, attention_bias=m.bias, mlp_bias=m.bias,
-                          **tokens)
+                          head_dim=head_dim(m), rope_parameters=rope_parameters(m),
+                          attention_bias=m.bias, mlp_bias=m.bias, **tokens)
 
 
 def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig,
@@ -195,7 +225,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
     eot = tokenizer.token_to_id(EOT)
     config = hf_config(m, eot)
     cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
-           "mixtral": tf.MixtralForCausalLM}[hf_family(m)]
+           "qwen3": tf.Qwen3ForCausalLM, "mixtral": tf.MixtralForCausalLM}[hf_family(m)]
     with torch.device("meta"):  # no memory and no random init: every tensor comes from `sd`
         hf_model = cls(config)
     stacked = any(n.endswith(".experts.gate_up_proj") for n, _ in hf_model.named_parameters())

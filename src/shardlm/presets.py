@@ -4,6 +4,7 @@ reports, checked by tests/test_models.py); tiny ones exist for tests and the def
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from shardlm.errors import ConfigError
@@ -107,8 +108,11 @@ def get_preset(name: str) -> dict[str, Any]:
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2")
 """model_type values with LLaMA's shape (RMSNorm, RoPE, SwiGLU): what the planner can size."""
-LOADABLE = ("gpt2", "llama", "mistral", "qwen2")
-"""model_type values whose weights our decoder computes exactly (model.hf_path)."""
+LOADABLE = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+"""model_type values whose weights our decoder computes exactly (model.hf_path); which of each
+family's options it computes, hf_shape says (docs/finetuning.md, "Checkpoint families")."""
+SCALED_ROPE = ("linear", "dynamic", "yarn", "llama3")
+"""transformers rope types (ROPE_INIT_FUNCTIONS) our decoder computes: model.rope_type."""
 TRAIN_ANY_MODEL = ("a transformers model can still be trained as it is through the Python API: "
                    "build_run(cfg, model=AutoModelForCausalLM.from_pretrained(DIR))")
 
@@ -177,6 +181,12 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
         attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
         if kind == "qwen2":  # biases on q, k and v, none on the output and MLP projections
             shape["qkv_bias"] = True
+        elif kind == "qwen3":  # an RMSNorm on each query and key head; attention_bias: on q/k/v/o
+            shape["qk_norm"] = True
+            if attention_bias:
+                problems.append("attention_bias = True (Qwen3's biases on q/k/v/o only; our "
+                                "model.bias also puts them on the MLP)")
+            attention_bias = False
         elif attention_bias != mlp_bias:
             problems.append(f"attention_bias = {attention_bias} with mlp_bias = {mlp_bias} (our "
                             f"model.bias puts biases on every linear or none)")
@@ -195,15 +205,70 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
             problems.append(f"hidden_act = {hf['hidden_act']!r} (ours is 'silu')")
         head_dim = hf.get("head_dim")
         if head_dim and head_dim != shape["d_model"] // heads:
-            problems.append(f"head_dim = {head_dim} (ours is hidden_size / num_attention_heads = "
-                            f"{shape['d_model'] // heads})")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            problems.append(f"rope scaling {rope_type!r} (ours is plain RoPE)")
+            if kind == "qwen2":  # Qwen2Config has no head_dim: export could not write it back
+                problems.append(f"head_dim = {head_dim} (Qwen2's is hidden_size / "
+                                f"num_attention_heads = {shape['d_model'] // heads})")
+            shape["head_dim"] = int(head_dim)
+        max_positions = int(key("max_position_embeddings"))
+        shape.update(_rope_shape(hf, rope, max_positions, problems))
+        if shape.get("rope_type") == "dynamic" and shape["max_seq_len"] != max_positions:
+            problems.append(f"rope scaling 'dynamic' with the context capped at the sliding window "
+                            f"({shape['max_seq_len']}): its base depends on max_position_embeddings "
+                            f"({max_positions})")
     if exact and problems:
         raise ConfigError(f"{option} {path}: {name}/config.json describes a {kind} our decoder "
                           f"does not compute exactly: {'; '.join(problems)}. {TRAIN_ANY_MODEL}")
     return shape
+
+
+def _rope_shape(hf: dict[str, Any], rope: dict[str, Any], max_positions: int,
+                problems: list[str]) -> dict[str, Any]:
+    """config.json's RoPE scaling (transformers 5's rope_parameters or 4's rope_scaling) as
+    model.rope_* values, read as transformers' ROPE_INIT_FUNCTIONS read them (their defaults
+    included); what our decoder cannot compute goes to `problems`, naming the key."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        problems.append(f"partial_rotary_factor = {partial} (ours rotates the whole head)")
+    if rope_type == "default":
+        return {}
+    if rope_type not in SCALED_ROPE:
+        problems.append(f"rope scaling {rope_type!r} (ours: default, {', '.join(SCALED_ROPE)})")
+        return {}
+    # transformers prefers a top-level original_max_position_embeddings (Phi-3's), then the
+    # rope dict's, then max_position_embeddings
+    original = int(hf.get("original_max_position_embeddings")
+                   or rope.get("original_max_position_embeddings") or max_positions)
+    factor = rope.get("factor")
+    if factor is None and rope_type == "yarn":  # DeepSeek-V3's convention
+        factor = max_positions / original
+    if factor is None:
+        problems.append(f"rope scaling {rope_type!r} without a 'factor'")
+        return {}
+    out: dict[str, Any] = {"rope_type": rope_type, "rope_factor": float(factor)}
+    if rope_type == "llama3":
+        missing = [k for k in ("low_freq_factor", "high_freq_factor") if rope.get(k) is None]
+        if missing:
+            problems.append(f"rope scaling 'llama3' without {' and '.join(missing)}")
+            return {}
+        out.update(rope_original_max_seq_len=original,
+                   rope_low_freq_factor=float(rope["low_freq_factor"]),
+                   rope_high_freq_factor=float(rope["high_freq_factor"]))
+    if rope_type == "yarn":
+        out.update(rope_original_max_seq_len=original,
+                   rope_beta_fast=float(rope.get("beta_fast") or 32),
+                   rope_beta_slow=float(rope.get("beta_slow") or 1),
+                   rope_truncate=bool(rope.get("truncate", True)))
+        attention_factor = rope.get("attention_factor")
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if attention_factor is None and mscale and mscale_all_dim:  # DeepSeek's ratio of scales
+
+            def scale(m: float) -> float:
+                return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+            attention_factor = float(scale(mscale) / scale(mscale_all_dim))
+        if attention_factor is not None:
+            out["rope_attention_factor"] = float(attention_factor)
+    return out
 
 
 # -- encoder-decoder transformers models (data.format = 'seq2seq') -----------------------------

@@ -22,7 +22,7 @@ from torch import nn
 from shardlm.checkpoint.hf_dir import HFDirError, HFDirReader
 from shardlm.config import ModelConfig
 from shardlm.errors import ConfigError
-from shardlm.models.flops import moe_layers, resolved_d_ff
+from shardlm.models.flops import head_dim, moe_layers, resolved_d_ff
 from shardlm.models.init import Initializer
 
 
@@ -31,7 +31,8 @@ LLAMA_STYLE = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
 
 
 def hf_family(m: ModelConfig) -> str:
-    """'gpt2', 'llama', 'qwen2' (LLaMA with biases on q/k/v only) or 'mixtral', or a ConfigError
+    """'gpt2', 'llama' (Llama 1-3.3: any model.rope_type, model.head_dim), 'qwen2' (LLaMA with
+    biases on q/k/v only), 'qwen3' (LLaMA with model.qk_norm) or 'mixtral', or a ConfigError
     naming the fields that match no class."""
     chosen = {k: getattr(m, k) for k in GPT2_STYLE}
     if m.experts:
@@ -48,7 +49,19 @@ def hf_family(m: ModelConfig) -> str:
                               f"n_kv_heads = 0 or n_heads = {m.n_heads} maps")
         return "gpt2"
     if chosen == LLAMA_STYLE:
-        return "qwen2" if m.qkv_bias and not m.bias else "llama"
+        if m.qk_norm:
+            if m.bias or m.qkv_bias:
+                raise ConfigError("cannot export to transformers: model.qk_norm = true (Qwen3) with "
+                                  "model.bias / model.qkv_bias: Qwen3ForCausalLM has no MLP biases "
+                                  "and no q/k/v-only biases; set both false")
+            return "qwen3"
+        if m.qkv_bias and not m.bias:
+            if head_dim(m) != m.d_model // m.n_heads:
+                raise ConfigError(f"cannot export to Qwen2ForCausalLM: model.head_dim = {m.head_dim} "
+                                  f"(Qwen2Config has no head_dim: d_model / n_heads = "
+                                  f"{m.d_model // m.n_heads} only); set model.head_dim = 0")
+            return "qwen2"
+        return "llama"
 
     def describe(style: dict[str, str]) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in style.items())
@@ -107,8 +120,8 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
     """Our parameter name -> its HF source, for every dense parameter of a 'gpt2', 'llama' or
     'mixtral' (everything but the experts) model of shape `m`. Biases are listed only where
     ours has them; GPT-2's, always present there, are export's to fill with zeros."""
-    head_dim = m.d_model // m.n_heads
-    q, kv, d = m.n_heads * head_dim, (m.n_kv_heads or m.n_heads) * head_dim, m.d_model
+    hd = head_dim(m)
+    q, kv, d = m.n_heads * hd, (m.n_kv_heads or m.n_heads) * hd, m.d_model
     out: dict[str, HFSource] = {}
 
     def add(ours: str, names: list[str], rows: list[int], transposed: bool = False,
@@ -141,7 +154,10 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
             add(f"{b}.attn.qkv", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"],
                 [q, kv, kv], biases=m.bias or m.qkv_bias)
             add(f"{b}.attn.proj", [f"{attn}.o_proj"], [d], biases=m.bias)
-            if family in ("llama", "qwen2"):
+            if m.qk_norm:  # Qwen3: one RMSNorm weight of head_dim each, shared by the heads
+                add(f"{b}.attn.q_norm", [f"{attn}.q_norm"], [hd], biases=False)
+                add(f"{b}.attn.k_norm", [f"{attn}.k_norm"], [hd], biases=False)
+            if family in ("llama", "qwen2", "qwen3"):
                 add(f"{b}.mlp.gate_up", [f"{h}.mlp.gate_proj", f"{h}.mlp.up_proj"], [ff, ff],
                     biases=m.bias)
                 add(f"{b}.mlp.down", [f"{h}.mlp.down_proj"], [d], biases=m.bias)
@@ -153,8 +169,11 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
 
 
 def loaded_family(m: ModelConfig) -> str:
-    """'gpt2', 'llama' or 'qwen2': the table to load with (presets.hf_shape refused the rest)."""
-    return "gpt2" if m.mlp != "swiglu" else "qwen2" if m.qkv_bias and not m.bias else "llama"
+    """'gpt2', 'llama', 'qwen2' or 'qwen3': the table to load with (presets.hf_shape refused the
+    rest)."""
+    if m.mlp != "swiglu":
+        return "gpt2"
+    return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias and not m.bias else "llama"
 
 
 def hf_initializer(directory: str | Path, model: nn.Module, m: ModelConfig) -> Initializer:

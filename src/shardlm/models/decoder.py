@@ -18,7 +18,7 @@ from torch import nn
 
 from shardlm.config import ModelConfig
 from shardlm.models.attention import AttentionMask, attend, choose_backend, prepare
-from shardlm.models.flops import is_moe_block, moe_layers, resolved_d_ff
+from shardlm.models.flops import head_dim, is_moe_block, moe_layers, resolved_d_ff
 from shardlm.models.init import materialize, parameter_generator
 from shardlm.models.kv_cache import KVCache, LayerCache, cached_attention
 from shardlm.models.lora import adapter_initial_value, is_adapter
@@ -39,15 +39,81 @@ def _norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position * frequency, each (max_seq_len, head_dim // 2), float32 on CPU.
+def _plain_inv_freq(dim: int, theta: float) -> torch.Tensor:
+    """theta^(-2i/dim) for i < dim/2: RoPE's frequencies (Su et al. 2021), float32."""
+    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (head_dim/2,), attention factor) for model.rope_type: the arithmetic
+    of transformers' ROPE_INIT_FUNCTIONS (modeling_rope_utils.py), step for step, so a scaled
+    checkpoint (Llama 3.1-3.3's 'llama3', YaRN, ...) gives its own logits. The factor multiplies
+    cos and sin (YaRN's; 1 for the others)."""
+    dim, theta, factor = head_dim(cfg), cfg.rope_theta, cfg.rope_factor
+    original = cfg.rope_original_max_seq_len or cfg.max_seq_len
+    if cfg.rope_type == "linear":
+        return _plain_inv_freq(dim, theta) / factor, 1.0
+    if cfg.rope_type == "dynamic":
+        # NTK-aware base at the longest sequence seen; transformers starts at (and never goes
+        # below) max_position_embeddings, and ours never exceeds max_seq_len: this one base.
+        seq_len = cfg.max_seq_len
+        base = theta * ((factor * seq_len / cfg.max_seq_len) - (factor - 1)) ** (dim / (dim - 2))
+        return _plain_inv_freq(dim, base), 1.0
+    if cfg.rope_type == "llama3":
+        inv_freq = _plain_inv_freq(dim, theta)
+        low_wavelen = original / cfg.rope_low_freq_factor
+        high_wavelen = original / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths (low frequencies) divided by factor, short ones kept, smooth between
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - cfg.rope_low_freq_factor) / (
+            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if cfg.rope_type == "yarn":
+        return _yarn_frequencies(cfg, dim, original)
+    return _plain_inv_freq(dim, theta), 1.0
+
+
+def _yarn_frequencies(cfg: ModelConfig, dim: int, original: int) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): frequencies rotating fewer than beta_slow times over the original
+    context are interpolated (/factor), more than beta_fast times kept, a linear ramp between;
+    the attention factor 0.1·ln(factor) + 1 unless given."""
+    theta, factor = cfg.rope_theta, cfg.rope_factor
+    attention_factor = cfg.rope_attention_factor or (
+        1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    kept = 1 - ramp  # the share of each frequency extrapolated
+    return interpolation * (1 - kept) + extrapolation * kept, float(attention_factor)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, inv_freq: torch.Tensor | None = None,
+                attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * frequency, each (max_seq_len, head_dim // 2), float32 on CPU;
+    `inv_freq` (rope_frequencies) in place of plain RoPE's, cos and sin times `attention_factor`.
 
     Computed exactly as Hugging Face's LlamaRotaryEmbedding (int64 arange cast to float32), so an
     exported checkpoint reproduces our logits.
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if inv_freq is None:
+        inv_freq = _plain_inv_freq(head_dim, theta)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.int64).float(), inv_freq)  # (T, hs/2)
-    return angles.cos(), angles.sin()
+    if attention_factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -75,16 +141,20 @@ class CausalAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention with one fused q/k/v projection; n_kv_heads < n_heads is GQA/MQA."""
+    """Causal self-attention with one fused q/k/v projection; n_kv_heads < n_heads is GQA/MQA.
+    model.qk_norm: an RMSNorm over each query and key head before RoPE (Qwen3)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
-        self.head_dim = cfg.d_model // cfg.n_heads
+        self.head_dim = head_dim(cfg)
         qkv_out = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         self.qkv = nn.Linear(cfg.d_model, qkv_out, bias=cfg.bias or cfg.qkv_bias)
         self.proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
+        if cfg.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
         self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, rope: Rope | None, cache: LayerCache | None = None,
@@ -98,6 +168,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        if hasattr(self, "q_norm"):  # per head, over hs
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:  # incremental decoding: the past tokens' k, v from the cache
@@ -174,7 +246,7 @@ class Decoder(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.position == "rope":
             # Non-persistent: derived from the config, so checkpoints do not carry them.
-            half = cfg.d_model // cfg.n_heads // 2
+            half = head_dim(cfg) // 2
             self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
             self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
         if cfg.tie_embeddings:  # GPT-2: the head is the embedding's Parameter
@@ -211,8 +283,8 @@ class Decoder(nn.Module):
     def init_buffers(self) -> None:
         """Buffers derived from the config (not saved): the RoPE tables."""
         if self.cfg.position == "rope":
-            cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_heads, self.cfg.max_seq_len,
-                                   self.cfg.rope_theta)
+            cos, sin = rope_tables(head_dim(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta,
+                                   *rope_frequencies(self.cfg))
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 

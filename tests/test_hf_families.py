@@ -1,0 +1,171 @@
+"""Checkpoint families mapped onto our Decoder (model.hf_path; docs/finetuning.md, "Checkpoint
+families"): each loads with transformers' own logits, a 1-step run with a negligible learning
+rate exports (`shardlm export --format hf`) the checkpoint's tensors bit for bit, and the mapped
+model trains under the parallel axes as one process does.
+
+Each family is a tiny random model written with save_pretrained (2 layers, hidden 64, vocabulary
+512, every tensor perturbed so that each one matters), fp32 throughout."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from shardlm.cli import main as shardlm_main
+from shardlm.config import load_config
+from shardlm.errors import ConfigError
+from shardlm.spawn import run_ranks
+from shardlm.trainer import build_run, train
+from test_hf_path import SPECIAL, WORDS, overrides
+from tp_cases import whole_params
+from zero_cases import reference_case, train_cases
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+
+LLAMA = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=1)
+# original_max_position_embeddings 32 puts the tiny head's frequencies in all three of llama3's
+# regimes (kept, smoothed, divided by the factor) and YaRN's ramp inside the head.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def _family(name: str):
+    """(transformers class, its config) of each tiny family."""
+    tf = transformers
+    if name == "llama3":  # Llama 3.2-style: llama3 scaling, tied head, GQA, head_dim * heads != hidden
+        return tf.LlamaForCausalLM, tf.LlamaConfig(head_dim=32, tie_word_embeddings=True,
+                                                   rope_parameters=LLAMA3_ROPE, **LLAMA)
+    if name == "llama-yarn":
+        return tf.LlamaForCausalLM, tf.LlamaConfig(rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 32, "beta_fast": 16.0, "beta_slow": 2.0}, **LLAMA)
+    if name == "llama-linear":
+        return tf.LlamaForCausalLM, tf.LlamaConfig(rope_parameters={
+            "rope_type": "linear", "rope_theta": 10000.0, "factor": 3.0}, **LLAMA)
+    if name == "llama-dynamic":
+        return tf.LlamaForCausalLM, tf.LlamaConfig(rope_parameters={
+            "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.7}, **LLAMA)
+    if name == "qwen3":  # q/k RMSNorm per head, a head_dim of its own
+        return tf.Qwen3ForCausalLM, tf.Qwen3Config(head_dim=32, tie_word_embeddings=False, **LLAMA)
+    raise KeyError(name)
+
+
+def make_family_dir(root, name: str):
+    """A tiny random checkpoint of family `name` saved with a WordLevel tokenizer of 512 tokens."""
+    cls, config = _family(name)
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():  # norms start at 1 and biases at 0: perturb so every tensor matters
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    out = root / name
+    model.save_pretrained(out)
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL + WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(out / "tokenizer.json"))
+    return out, model
+
+
+def _hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("name", ["llama3", "llama-yarn", "llama-linear", "llama-dynamic", "qwen3"])
+def test_family_loads_trains_and_exports_bit_for_bit(tmp_path, name):
+    """transformers' logits on the first batch (1e-5); then one step with lr 1e-30 (AdamW moves
+    no fp32 weight by so little) and `shardlm export --format hf` (the CLI): every tensor of the
+    checkpoint comes back equal bit for bit, with the same model_type and RoPE, and the export
+    loads in AutoModelForCausalLM with the original's logits."""
+    hf_dir, hf = make_family_dir(tmp_path, name)
+    cfg = load_config(overrides=overrides(tmp_path, hf_dir, train__lr=1e-30, run__name=name)).validate()
+    run = build_run(cfg)
+    x, y = run.train_loader.micro_batches(0)[0]
+    with torch.no_grad():
+        ours = run.model(x)
+    torch.testing.assert_close(ours, _hf_logits(hf, x), atol=1e-5, rtol=1e-5)
+    train(run)
+    out = tmp_path / "export"
+    assert shardlm_main(["export", "--checkpoint", str(run.run_dir), "--format", "hf", "--out", str(out)]) == 0
+    original, exported = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert exported.keys() - {"lm_head.weight"} == original.keys() - {"lm_head.weight"}
+    for key, value in original.items():
+        assert torch.equal(exported[key], value), key
+    written, source = (json.loads((d / "config.json").read_text()) for d in (out, hf_dir))
+    for key in ("model_type", "head_dim", "rope_parameters", "tie_word_embeddings", "num_key_value_heads"):
+        assert written.get(key) == source.get(key), key
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(again) is type(hf)
+    torch.testing.assert_close(_hf_logits(again, x), _hf_logits(hf, x), atol=0, rtol=0)
+
+
+def test_llama3_trains_with_tp_and_zero3_as_one_process(tmp_path):
+    """Llama 3.2-style (llama3 RoPE scaling, tied head, GQA 4/2, head_dim 32 with hidden 64)
+    with parallel.tp = 2 and with ZeRO-3 on 2 ranks, and Qwen3 (its per-head q/k norms summed
+    over the tensor-parallel group) with tp = 2: losses and every parameter after 2 steps
+    within 1e-5 relative of one process with the same global batch (fp32; tensor parallelism
+    reorders sums)."""
+    steps = 2
+    llama, _ = make_family_dir(tmp_path, "llama3")
+    qwen, _ = make_family_dir(tmp_path, "qwen3")
+    base = overrides(tmp_path, llama, train__steps=steps, train__lr=1e-3, run__device="cpu")
+    qwen_base = overrides(tmp_path, qwen, train__steps=steps, train__lr=1e-3, run__device="cpu")
+    cases = [({**base, "parallel.tp": 2, "run.name": "tp"}, steps, -1),
+             ({**base, "parallel.zero_stage": 3, "run.name": "z3"}, steps, -1),
+             ({**qwen_base, "parallel.tp": 2, "run.name": "qtp"}, steps, -1)]
+    out = run_ranks(train_cases, 2, tmp_path, cases)
+    # the global batch: tp's one data-parallel rank, ZeRO-3's two (accumulated in one process)
+    refs = [reference_case({**base, "run.name": "ref1"}, 1, steps),
+            reference_case({**base, "run.name": "ref2"}, 2, steps),
+            reference_case({**qwen_base, "run.name": "qref"}, 1, steps)]
+    for case, what in enumerate(["tp=2 llama3", "zero3 llama3", "tp=2 qwen3"]):
+        ref, ranks = refs[case], [out[r][case] for r in range(2)]
+        for got in ranks:
+            assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+        whole = whole_params(ranks) if case != 1 else ranks[0]["params"]
+        assert whole.keys() == ref["params"].keys(), what
+        for n, v in ref["params"].items():
+            rel = float((whole[n] - v).norm() / v.norm().clamp_min(1e-12))
+            assert rel <= 1e-5, (what, n, rel)
+        assert ref["losses"][1] != ref["losses"][0]  # it trained
+
+
+@pytest.mark.parametrize("rope, message", [
+    ({"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [1.0]},
+     r"rope scaling 'longrope'"),
+    ({"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}, r"'llama3' without low_freq_factor"),
+    ({"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.5},
+     r"partial_rotary_factor = 0.5"),
+])
+def test_rope_the_decoder_cannot_compute_is_refused(tmp_path, rope, message):
+    config = {"model_type": "llama", "vocab_size": 512, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "hidden_size": 64, "intermediate_size": 128,
+              "max_position_embeddings": 64, "rope_parameters": rope}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides={"model.hf_path": str(tmp_path)})
+
+
+def test_transformers_4_rope_scaling_spelling_maps_the_same(tmp_path):
+    """transformers 4 wrote rope_scaling (and rope_theta beside it); 5 writes rope_parameters."""
+    common = {"model_type": "llama", "vocab_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 64, "head_dim": 32}
+    old = dict(common, rope_theta=500000.0, rope_scaling={"type": "llama3", **{
+        k: v for k, v in LLAMA3_ROPE.items() if k not in ("rope_type", "rope_theta")}})
+    new = dict(common, rope_parameters=LLAMA3_ROPE)
+    shapes = []
+    for i, config in enumerate((old, new)):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "config.json").write_text(json.dumps(config))
+        shapes.append(load_config(overrides={"model.hf_path": str(tmp_path / str(i))}).model)
+    same = ("preset", "hf_path")  # the directories' names
+    assert replace(shapes[0], **{k: "" for k in same}) == replace(shapes[1], **{k: "" for k in same})
+    m = shapes[0]
+    assert (m.rope_type, m.rope_factor, m.rope_original_max_seq_len, m.head_dim) == ("llama3", 8.0, 32, 32)
