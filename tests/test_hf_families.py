@@ -54,6 +54,21 @@ def _family(name: str):
             "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.7}, **LLAMA)
     if name == "qwen3":  # q/k RMSNorm per head, a head_dim of its own
         return tf.Qwen3ForCausalLM, tf.Qwen3Config(head_dim=32, tie_word_embeddings=False, **LLAMA)
+    # Gemma: a head_dim of its own, (1 + w) norms, sqrt(hidden)-scaled embeddings, GeGLU, tied
+    gemma = dict(LLAMA, head_dim=32)
+    # Gemma 2 and 3: a query_pre_attn_scalar that is not head_dim, and a window of 16 that the
+    # 32-token rows overrun (caps small enough to bend these tiny models' scores and logits)
+    sliding = dict(gemma, query_pre_attn_scalar=24, sliding_window=16)
+    if name == "gemma":
+        return tf.GemmaForCausalLM, tf.GemmaConfig(hidden_act="gelu_pytorch_tanh", **gemma)
+    if name == "gemma2":  # layer_types: sliding, full
+        return tf.Gemma2ForCausalLM, tf.Gemma2Config(attn_logit_softcapping=2.0,
+                                                     final_logit_softcapping=3.0, **sliding)
+    if name == "gemma3":  # q/k norms; linear-scaled global RoPE, the sliding blocks' own base
+        return tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(
+            layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **sliding)
     raise KeyError(name)
 
 
@@ -78,7 +93,8 @@ def _hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
-@pytest.mark.parametrize("name", ["llama3", "llama-yarn", "llama-linear", "llama-dynamic", "qwen3"])
+@pytest.mark.parametrize("name", ["llama3", "llama-yarn", "llama-linear", "llama-dynamic", "qwen3",
+                                  "gemma", "gemma2", "gemma3"])
 def test_family_loads_trains_and_exports_bit_for_bit(tmp_path, name):
     """transformers' logits on the first batch (1e-5); then one step with lr 1e-30 (AdamW moves
     no fp32 weight by so little) and `shardlm export --format hf` (the CLI): every tensor of the
@@ -99,7 +115,9 @@ def test_family_loads_trains_and_exports_bit_for_bit(tmp_path, name):
     for key, value in original.items():
         assert torch.equal(exported[key], value), key
     written, source = (json.loads((d / "config.json").read_text()) for d in (out, hf_dir))
-    for key in ("model_type", "head_dim", "rope_parameters", "tie_word_embeddings", "num_key_value_heads"):
+    for key in ("model_type", "head_dim", "rope_parameters", "tie_word_embeddings", "num_key_value_heads",
+                "query_pre_attn_scalar", "sliding_window", "layer_types", "attn_logit_softcapping",
+                "final_logit_softcapping"):
         assert written.get(key) == source.get(key), key
     again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(again) is type(hf)

@@ -47,7 +47,11 @@ class ModelConfig:
     position: str = "learned"
     """'learned' absolute positions (GPT-2) or 'rope' rotary embeddings (LLaMA)."""
     mlp: str = "gelu"
-    """'gelu' two-layer MLP (GPT-2) or 'swiglu' gated MLP (LLaMA)."""
+    """'gelu' two-layer MLP (GPT-2) or 'swiglu' gated MLP (LLaMA; its gate's activation is
+    model.gate_activation)."""
+    gate_activation: str = "silu"
+    """The gated MLP's (model.mlp = 'swiglu') gate: 'silu' (LLaMA's SwiGLU) or 'gelu_tanh'
+    (GELU's tanh form: Gemma's GeGLU)."""
     bias: bool = True
     """Biases in linear layers and norms (GPT-2 has them, LLaMA does not)."""
     qkv_bias: bool = False
@@ -84,6 +88,31 @@ class ModelConfig:
     head_dim: int = 0
     """Width of one attention head; 0 = d_model / n_heads. Llama 3.2 3B-style, Qwen3 and Gemma
     checkpoints set another (then d_model need not be a multiple of n_heads)."""
+    norm_offset: bool = False
+    """Gemma's RMSNorm: the weight w is stored as the checkpoint has it and applied as (1 + w),
+    in fp32 (initialised at 0); every RMSNorm of the model, q/k norms included."""
+    norm_placement: str = "pre"
+    """'pre' (GPT-2, LLaMA: x + f(norm(x))) or 'sandwich' (Gemma 2 and 3: x + norm(f(norm(x))),
+    a second norm on the attention's and the MLP's outputs)."""
+    embedding_multiplier: float = 1.0
+    """The token embeddings are multiplied by this (Gemma: sqrt(d_model))."""
+    attention_scale: float = 0.0
+    """The softmax's scale of q·k; 0 = 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-1/2)."""
+    attn_softcap: float = 0.0
+    """Attention logit soft-capping (Gemma 2): scores -> c·tanh(scores/c) before the mask; 0 =
+    off. Needs the 'math' attention backend (model.attention 'auto' picks it)."""
+    logit_softcap: float = 0.0
+    """Final-logit soft-capping (Gemma 2): logits -> c·tanh(logits/c); 0 = off."""
+    sliding_window: int = 0
+    """Blocks that attend only to the last sliding_window tokens (themselves included; Mistral,
+    Gemma 2 and 3): a mask, so sequences no longer than it attend fully. 0 = none."""
+    global_every: int = 0
+    """With model.sliding_window: every global_every-th block (index i with (i + 1) %
+    global_every == 0) attends to the whole sequence, the others within the window (Gemma 2: 2,
+    Gemma 3: 6). 0 = every block slides."""
+    rope_local_theta: float = 0.0
+    """The sliding-window blocks' own RoPE base (plain RoPE; Gemma 3's 10000 beside its global
+    1e6); 0 = the same RoPE as the others."""
     qk_norm: bool = False
     """RMSNorm over each query and key head (weights of head_dim, shared by the heads) before
     RoPE, as Qwen3 (epsilon model.norm_eps)."""

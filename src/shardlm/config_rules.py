@@ -90,6 +90,8 @@ _CHOICES = {
     "model.position": ("learned", "rope"),
     "model.rope_type": ROPE_TYPES,
     "model.mlp": ("gelu", "swiglu"),
+    "model.gate_activation": ("silu", "gelu_tanh"),
+    "model.norm_placement": ("pre", "sandwich"),
     "model.router": ("softmax", "sigmoid"),
     "model.balance": ("aux", "bias", "none"),
     "precision.compute": ("auto",) + COMPUTE_DTYPES + ("fp8",),
@@ -180,6 +182,13 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.rope_beta_slow": _positive(),
     "model.rope_attention_factor": _non_negative(" (0 = YaRN's 0.1 ln(rope_factor) + 1)"),
     "model.head_dim": _non_negative(" (0 = model.d_model / model.n_heads)"),
+    "model.embedding_multiplier": _positive(),
+    "model.attention_scale": _non_negative(" (0 = 1/sqrt(head_dim))"),
+    "model.attn_softcap": _non_negative(" (0 = off)"),
+    "model.logit_softcap": _non_negative(" (0 = off)"),
+    "model.sliding_window": _non_negative(" (0 = full attention)"),
+    "model.global_every": _non_negative(" (0 = every block slides)"),
+    "model.rope_local_theta": _non_negative(" (0 = model.rope_theta's RoPE)"),
     "model.norm_eps": _positive(),
     "model.ffn_multiple_of": _positive(),
     "model.init_std": _positive(),
@@ -331,6 +340,39 @@ def _rope_scaling(cfg: Config) -> list[str]:
         problems.append(f"model.rope_type = 'llama3': model.rope_high_freq_factor "
                         f"({m.rope_high_freq_factor:g}) must exceed model.rope_low_freq_factor "
                         f"({m.rope_low_freq_factor:g})")
+    return problems
+
+
+@_cross("model.attention", "model.attn_softcap", "model.sliding_window", "model.rope_local_theta",
+        "model.norm_offset", "model.norm", "model.gate_activation", "model.mlp", "model.experts",
+        "parallel.cp", "train.seq_len")
+def _family_features(cfg: Config) -> list[str]:
+    """The checkpoint families' features (docs/finetuning.md): each where it is computed."""
+    m, cp, problems = cfg.model, cfg.parallel.cp, []
+    if m.attn_softcap and m.attention not in ("auto", "math"):
+        problems.append(f"model.attn_softcap = {m.attn_softcap:g} with model.attention = "
+                        f"{m.attention!r}: only 'math' writes the scores out to cap them; use "
+                        f"'auto' (picks 'math') or 'math'")
+    if m.sliding_window and m.attention in ("per_document", "flex"):
+        problems.append(f"model.sliding_window = {m.sliding_window} with model.attention = "
+                        f"{m.attention!r}: it has no window mask yet; use 'auto', 'sdpa' or 'math'")
+    if cp > 1:
+        if m.attn_softcap:
+            problems.append(f"model.attn_softcap = {m.attn_softcap:g} with parallel.cp = {cp}: the "
+                            f"ring's softmax is not soft-capped; use parallel.cp = 1")
+        if m.sliding_window and m.sliding_window < cfg.train.seq_len:
+            problems.append(f"model.sliding_window = {m.sliding_window} < train.seq_len = "
+                            f"{cfg.train.seq_len} with parallel.cp = {cp}: the ring has no window "
+                            f"mask; use parallel.cp = 1 or train.seq_len <= the window")
+    if m.rope_local_theta and not m.sliding_window:
+        problems.append(f"model.rope_local_theta = {m.rope_local_theta:g} is the sliding blocks' "
+                        f"RoPE base, and model.sliding_window = 0 (no block slides); set both or neither")
+    if m.norm_offset and m.norm != "rmsnorm":
+        problems.append(f"model.norm_offset = true is Gemma's RMSNorm: it needs model.norm = "
+                        f"'rmsnorm' (not {m.norm!r})")
+    if m.gate_activation != "silu" and (m.mlp != "swiglu" or m.experts):
+        problems.append(f"model.gate_activation = {m.gate_activation!r} is the dense gated MLP's: "
+                        f"it needs model.mlp = 'swiglu' and model.experts = 0 (experts gate with silu)")
     return problems
 
 

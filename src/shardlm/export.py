@@ -3,7 +3,9 @@
 A GPT-2-style config (LayerNorm, learned positions, GELU) becomes a `GPT2LMHeadModel`, a
 LLaMA-style one (RMSNorm, RoPE, SwiGLU) a `LlamaForCausalLM` (its RoPE scaling and head width
 in the config: Llama 3.1-3.3), with q/k/v-only biases a `Qwen2ForCausalLM`, with per-head q/k
-norms a `Qwen3ForCausalLM`, and a LLaMA-style mixture of
+norms a `Qwen3ForCausalLM`, with Gemma's (1 + w) norms a `GemmaForCausalLM`,
+`Gemma2ForCausalLM` (sandwich norms, soft-capping, sliding blocks) or `Gemma3ForCausalLM` (and
+q/k norms, two RoPE bases), and a LLaMA-style mixture of
 experts (model.experts > 0) a `MixtralForCausalLM`; all reproduce our logits (the model code
 already computes exactly what those classes compute: GELU tanh, rotate-half RoPE with HF's
 frequency table, Mixtral's softmax router renormalised over the top k). Configs that no class
@@ -35,7 +37,7 @@ import torch
 
 from shardlm.checkpoint import (TOKENIZER, WEIGHTS, load_config_json, load_for_inference,
                                resolve_run_dir)
-from shardlm.checkpoint.hf_names import hf_family, hf_sources
+from shardlm.checkpoint.hf_names import GEMMA_FAMILIES, hf_family, hf_sources, query_pre_attn_scalar
 from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, merged_state_dict, peft_adapter, write_adapter
 from shardlm.config import ModelConfig
 from shardlm.errors import ConfigError
@@ -111,6 +113,8 @@ def hf_config(m: ModelConfig, eot: int | None):
                               max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
                               rope_parameters=rope_parameters(m), attention_bias=False,
                               use_sliding_window=False, **tokens)
+    if family in GEMMA_FAMILIES:
+        return _gemma_config(tf, m, family, tokens)
     # Our RMSNorm has no bias, so model.bias means biases on the linears only: exactly HF's
     # attention_bias (q/k/v/o) and mlp_bias (gate/up/down).
     return tf.LlamaConfig(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
@@ -119,6 +123,34 @@ def hf_config(m: ModelConfig, eot: int | None):
                           max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
                           head_dim=head_dim(m), rope_parameters=rope_parameters(m),
                           attention_bias=m.bias, mlp_bias=m.bias, **tokens)
+
+
+def _gemma_config(tf, m: ModelConfig, family: str, tokens: dict):
+    """GemmaConfig, Gemma2Config or Gemma3TextConfig (hf_family checked what they express):
+    the sliding blocks as layer_types, Gemma 3's two RoPE tables as its per-layer-type
+    rope_parameters."""
+    from shardlm.models.decoder import is_sliding
+
+    common = dict(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
+                  num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                  num_key_value_heads=m.n_kv_heads or m.n_heads, head_dim=head_dim(m),
+                  max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                  attention_bias=False, pad_token_id=None, **tokens)
+    if family == "gemma":
+        return tf.GemmaConfig(hidden_act="gelu_pytorch_tanh", rope_parameters=rope_parameters(m),
+                              **common)
+    types = ["sliding_attention" if is_sliding(m, i) else "full_attention" for i in range(m.n_layers)]
+    gemma2 = dict(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=query_pre_attn_scalar(m),
+                  sliding_window=m.sliding_window or None, layer_types=types,
+                  attn_logit_softcapping=m.attn_softcap or None,
+                  final_logit_softcapping=m.logit_softcap or None, **common)
+    if family == "gemma2":
+        return tf.Gemma2Config(rope_parameters=rope_parameters(m), **gemma2)
+    local = {"rope_type": "default", "rope_theta": m.rope_local_theta or m.rope_theta}
+    if not m.rope_local_theta:  # the sliding blocks share the global RoPE
+        local = rope_parameters(m)
+    return tf.Gemma3TextConfig(rope_parameters={"full_attention": rope_parameters(m),
+                                                "sliding_attention": local}, **gemma2)
 
 
 def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig,
@@ -225,7 +257,8 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
     eot = tokenizer.token_to_id(EOT)
     config = hf_config(m, eot)
     cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
-           "qwen3": tf.Qwen3ForCausalLM, "mixtral": tf.MixtralForCausalLM}[hf_family(m)]
+           "qwen3": tf.Qwen3ForCausalLM, "mixtral": tf.MixtralForCausalLM, "gemma": tf.GemmaForCausalLM,
+           "gemma2": tf.Gemma2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM}[hf_family(m)]
     with torch.device("meta"):  # no memory and no random init: every tensor comes from `sd`
         hf_model = cls(config)
     stacked = any(n.endswith(".experts.gate_up_proj") for n, _ in hf_model.named_parameters())

@@ -106,9 +106,12 @@ def get_preset(name: str) -> dict[str, Any]:
 
 # -- transformers config.json as a shape ------------------------------------------------------
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2")
 """model_type values with LLaMA's shape (RMSNorm, RoPE, SwiGLU): what the planner can size."""
-LOADABLE = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+GEMMA = ("gemma", "gemma2", "gemma3_text")
+"""Gemma 1, 2 and 3 (text): (1 + w) norms, sqrt(d)-scaled embeddings, GeGLU (hf_shape's
+_gemma_shape)."""
+LOADABLE = ("gpt2", "llama", "mistral", "qwen2", "qwen3") + GEMMA
 """model_type values whose weights our decoder computes exactly (model.hf_path); which of each
 family's options it computes, hf_shape says (docs/finetuning.md, "Checkpoint families")."""
 SCALED_ROPE = ("linear", "dynamic", "yarn", "llama3")
@@ -187,21 +190,27 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
                 problems.append("attention_bias = True (Qwen3's biases on q/k/v/o only; our "
                                 "model.bias also puts them on the MLP)")
             attention_bias = False
+        elif kind in GEMMA:
+            rope = _gemma_shape(hf, kind, shape, rope, problems)
+            if attention_bias:
+                problems.append("attention_bias = True (Gemma's biases on q/k/v/o only; our "
+                                "model.bias also puts them on the MLP)")
+            attention_bias = False
         elif attention_bias != mlp_bias:
             problems.append(f"attention_bias = {attention_bias} with mlp_bias = {mlp_bias} (our "
                             f"model.bias puts biases on every linear or none)")
         shape.update(n_kv_heads=int(key("num_key_value_heads", default=heads)),
                      d_ff=int(key("intermediate_size")), norm="rmsnorm", position="rope",
                      mlp="swiglu", bias=attention_bias,
-                     tie_embeddings=bool(key("tie_word_embeddings", default=False)),
+                     tie_embeddings=bool(key("tie_word_embeddings", default=kind in GEMMA)),
                      norm_eps=float(key("rms_norm_eps", default=1e-6)),
                      rope_theta=float(key("rope_theta", default=rope.get("rope_theta", 10000.0))))
         window = hf.get("sliding_window")
-        if exact and window and hf.get("use_sliding_window", True):
+        if exact and window and hf.get("use_sliding_window", True) and kind not in GEMMA:
             # Mistral attends to the last `window` tokens only: identical to full attention on
             # sequences no longer than the window, so the context is capped there.
             shape["max_seq_len"] = min(shape["max_seq_len"], int(window))
-        if hf.get("hidden_act", "silu") != "silu":
+        if hf.get("hidden_act", "silu") != "silu" and kind not in GEMMA:
             problems.append(f"hidden_act = {hf['hidden_act']!r} (ours is 'silu')")
         head_dim = hf.get("head_dim")
         if head_dim and head_dim != shape["d_model"] // heads:
@@ -219,6 +228,65 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
         raise ConfigError(f"{option} {path}: {name}/config.json describes a {kind} our decoder "
                           f"does not compute exactly: {'; '.join(problems)}. {TRAIN_ANY_MODEL}")
     return shape
+
+
+def _gemma_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope: dict[str, Any],
+                 problems: list[str]) -> dict[str, Any]:
+    """Gemma 1/2/3's fields into `shape`: (1 + w) RMSNorms, embeddings times sqrt(hidden_size),
+    GeGLU; Gemma 2 and 3 also sandwich norms, query_pre_attn_scalar, soft-capping (2) and the
+    sliding-window blocks of layer_types; Gemma 3 its q/k norms and the sliding blocks' own
+    RoPE base. Returns the global blocks' rope parameters (Gemma 3 keeps one dict per layer
+    type in transformers 5)."""
+    act_key = "hidden_act" if kind == "gemma" else "hidden_activation"
+    act = hf.get(act_key) or "gelu_pytorch_tanh"
+    # transformers reads Gemma 1's legacy 'gelu' as the tanh form (GemmaConfig says so)
+    if act not in (("gelu_pytorch_tanh", "gelu") if kind == "gemma" else ("gelu_pytorch_tanh",)):
+        problems.append(f"{act_key} = {act!r} (ours is GELU's tanh form, 'gelu_pytorch_tanh')")
+    shape.update(norm_offset=True, gate_activation="gelu_tanh",
+                 embedding_multiplier=float(shape["d_model"] ** 0.5))
+    if kind == "gemma":
+        return rope
+    if hf.get("use_bidirectional_attention"):
+        problems.append("use_bidirectional_attention = True (ours is causal)")
+    shape.update(norm_placement="sandwich",
+                 attention_scale=float(hf.get("query_pre_attn_scalar", 256) ** -0.5))
+    capping = (50.0, 30.0) if kind == "gemma2" else (None, None)  # the configs' defaults
+    shape["attn_softcap"] = float(hf.get("attn_logit_softcapping", capping[0]) or 0.0)
+    shape["logit_softcap"] = float(hf.get("final_logit_softcapping", capping[1]) or 0.0)
+    every = 2 if kind == "gemma2" else int(hf.get("sliding_window_pattern") or 6)
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
+                                      for i in range(shape["n_layers"])]
+    sliding = [t == "sliding_attention" for t in types]
+    unknown = sorted({t for t in types} - {"sliding_attention", "full_attention"})
+    global_every = _global_every(sliding)
+    if unknown or global_every is None:
+        problems.append(f"layer_types = {types} (ours: every block slides, or all but each "
+                        f"n-th: model.global_every)")
+    elif any(sliding) and hf.get("sliding_window"):
+        shape.update(sliding_window=int(hf["sliding_window"]), global_every=global_every)
+    if kind == "gemma3_text":
+        shape["qk_norm"] = True
+        params = hf.get("rope_parameters") or {}
+        if "full_attention" in params:  # transformers 5: one dict per layer type
+            rope, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        else:  # transformers 4: rope_theta and rope_scaling global, rope_local_base_freq local
+            rope = dict(hf.get("rope_scaling") or {}, rope_theta=hf.get("rope_theta", 1e6))
+            local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+        local_type = local.get("rope_type", local.get("type", "default"))
+        if local_type != "default":
+            problems.append(f"rope scaling {local_type!r} on the sliding blocks (ours: plain RoPE there)")
+        if shape.get("sliding_window"):
+            shape["rope_local_theta"] = float(local.get("rope_theta", 10000.0))
+    return rope
+
+
+def _global_every(sliding: list[bool]) -> int | None:
+    """n with block i global exactly when (i + 1) % n == 0 (0: every block slides; all global
+    is 1), or None when no n describes `sliding`."""
+    for n in range(len(sliding) + 1):
+        if all(s == (n == 0 or (i + 1) % n != 0) for i, s in enumerate(sliding)):
+            return n
+    return None
 
 
 def _rope_shape(hf: dict[str, Any], rope: dict[str, Any], max_positions: int,

@@ -30,10 +30,15 @@ GPT2_STYLE = {"norm": "layernorm", "position": "learned", "mlp": "gelu"}
 LLAMA_STYLE = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
 
 
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
+
+
 def hf_family(m: ModelConfig) -> str:
-    """'gpt2', 'llama' (Llama 1-3.3: any model.rope_type, model.head_dim), 'qwen2' (LLaMA with
-    biases on q/k/v only), 'qwen3' (LLaMA with model.qk_norm) or 'mixtral', or a ConfigError
-    naming the fields that match no class."""
+    """The transformers model_type that computes exactly our model: 'gpt2', 'llama' (Llama
+    1-3.3: any model.rope_type, model.head_dim), 'qwen2' (LLaMA with biases on q/k/v only),
+    'qwen3' (LLaMA with model.qk_norm), 'gemma' / 'gemma2' / 'gemma3_text' (model.norm_offset:
+    plain, sandwich norms, and q/k norms) or 'mixtral'; or a ConfigError naming the fields that
+    match no class."""
     chosen = {k: getattr(m, k) for k in GPT2_STYLE}
     if m.experts:
         return _mixtral_family(m, chosen)
@@ -48,7 +53,12 @@ def hf_family(m: ModelConfig) -> str:
                               f"(grouped-query attention) has no GPT-2 equivalent; only "
                               f"n_kv_heads = 0 or n_heads = {m.n_heads} maps")
         return "gpt2"
+    if chosen == LLAMA_STYLE and m.norm_offset:
+        family = "gemma3_text" if m.qk_norm else "gemma2" if m.norm_placement == "sandwich" else "gemma"
+        _check_gemma(m, family)
+        return family
     if chosen == LLAMA_STYLE:
+        _check_not_gemma(m)
         if m.qk_norm:
             if m.bias or m.qkv_bias:
                 raise ConfigError("cannot export to transformers: model.qk_norm = true (Qwen3) with "
@@ -71,6 +81,58 @@ def hf_family(m: ModelConfig) -> str:
     raise ConfigError(f"cannot export this model to transformers: GPT2LMHeadModel needs "
                       f"{describe(GPT2_STYLE)} (not {', '.join(off_gpt2)}) and LlamaForCausalLM "
                       f"needs {describe(LLAMA_STYLE)} (not {', '.join(off_llama)})")
+
+
+def query_pre_attn_scalar(m: ModelConfig) -> int | None:
+    """Gemma's query_pre_attn_scalar q with q^-1/2 exactly model.attention_scale (head_dim when
+    that is 0), or None where no whole number gives it."""
+    if not m.attention_scale:
+        return head_dim(m)
+    q = round(m.attention_scale ** -2)
+    return q if q > 0 and q ** -0.5 == m.attention_scale else None
+
+
+def _check_gemma(m: ModelConfig, family: str) -> None:
+    """A ConfigError naming each field of this (1 + w)-norm model that `family`'s class cannot
+    express."""
+    problems = []
+    if m.gate_activation != "gelu_tanh":
+        problems.append(f"model.gate_activation = {m.gate_activation!r} (Gemma's is 'gelu_tanh')")
+    if m.embedding_multiplier != m.d_model ** 0.5:
+        problems.append(f"model.embedding_multiplier = {m.embedding_multiplier:g} (Gemma's is "
+                        f"sqrt(d_model) = {m.d_model ** 0.5:g})")
+    if m.bias or m.qkv_bias:
+        problems.append("model.bias / model.qkv_bias (Gemma's linears have no biases)")
+    if m.experts:
+        problems.append(f"model.experts = {m.experts} (Gemma is dense)")
+    if family == "gemma":
+        gemma1 = {"model.attention_scale": m.attention_scale, "model.attn_softcap": m.attn_softcap,
+                  "model.logit_softcap": m.logit_softcap, "model.sliding_window": m.sliding_window}
+        problems += [f"{k} = {v:g} (Gemma 1 has none; Gemma 2 and 3 have sandwich norms)"
+                     for k, v in gemma1.items() if v]
+    elif query_pre_attn_scalar(m) is None:
+        problems.append(f"model.attention_scale = {m.attention_scale!r} (Gemma's is "
+                        f"query_pre_attn_scalar^-1/2 for a whole number)")
+    if m.rope_local_theta and family != "gemma3_text":
+        problems.append(f"model.rope_local_theta = {m.rope_local_theta:g} (only Gemma 3 has a "
+                        f"second RoPE base)")
+    if problems:
+        raise ConfigError(f"cannot export this model to transformers' {family} class: "
+                          + "; ".join(problems))
+
+
+def _check_not_gemma(m: ModelConfig) -> None:
+    """The Gemma-only fields LLaMA-style classes have no key for: a ConfigError naming each."""
+    off = {"model.gate_activation": (m.gate_activation, "silu"),
+           "model.norm_placement": (m.norm_placement, "pre"),
+           "model.embedding_multiplier": (m.embedding_multiplier, 1.0),
+           "model.attention_scale": (m.attention_scale, 0.0),
+           "model.attn_softcap": (m.attn_softcap, 0.0), "model.logit_softcap": (m.logit_softcap, 0.0),
+           "model.sliding_window": (m.sliding_window, 0), "model.rope_local_theta": (m.rope_local_theta, 0.0)}
+    problems = [f"{k} = {v!r} (LLaMA-style classes: {want!r})" for k, (v, want) in off.items() if v != want]
+    if problems:
+        raise ConfigError("cannot export this model to transformers: " + "; ".join(problems)
+                          + ". Gemma's classes have these with model.norm_offset = true")
 
 
 def _mixtral_family(m: ModelConfig, chosen: dict[str, str]) -> str:
@@ -149,7 +211,12 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
         for i in range(m.n_layers):
             h, b = f"model.layers.{i}", f"blocks.{i}"
             add(f"{b}.attn_norm", [f"{h}.input_layernorm"], [d], biases=False)
-            add(f"{b}.mlp_norm", [f"{h}.post_attention_layernorm"], [d], biases=False)
+            if m.norm_placement == "sandwich":  # Gemma 2/3: post_attention_layernorm is a post-norm
+                add(f"{b}.attn_post_norm", [f"{h}.post_attention_layernorm"], [d], biases=False)
+                add(f"{b}.mlp_norm", [f"{h}.pre_feedforward_layernorm"], [d], biases=False)
+                add(f"{b}.mlp_post_norm", [f"{h}.post_feedforward_layernorm"], [d], biases=False)
+            else:
+                add(f"{b}.mlp_norm", [f"{h}.post_attention_layernorm"], [d], biases=False)
             attn = f"{h}.self_attn"
             add(f"{b}.attn.qkv", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"],
                 [q, kv, kv], biases=m.bias or m.qkv_bias)
@@ -157,7 +224,7 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
             if m.qk_norm:  # Qwen3: one RMSNorm weight of head_dim each, shared by the heads
                 add(f"{b}.attn.q_norm", [f"{attn}.q_norm"], [hd], biases=False)
                 add(f"{b}.attn.k_norm", [f"{attn}.k_norm"], [hd], biases=False)
-            if family in ("llama", "qwen2", "qwen3"):
+            if family in ("llama", "qwen2", "qwen3") + GEMMA_FAMILIES:
                 add(f"{b}.mlp.gate_up", [f"{h}.mlp.gate_proj", f"{h}.mlp.up_proj"], [ff, ff],
                     biases=m.bias)
                 add(f"{b}.mlp.down", [f"{h}.mlp.down_proj"], [d], biases=m.bias)
@@ -169,8 +236,8 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
 
 
 def loaded_family(m: ModelConfig) -> str:
-    """'gpt2', 'llama', 'qwen2' or 'qwen3': the table to load with (presets.hf_shape refused the
-    rest)."""
+    """'gpt2' or a LLaMA-style family: the table to load with (presets.hf_shape refused what
+    none computes). The table's names depend only on the fields (q/k norms, sandwich norms)."""
     if m.mlp != "swiglu":
         return "gpt2"
     return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias and not m.bias else "llama"

@@ -2,6 +2,9 @@
 
 GPT-2 (Radford et al. 2019): LayerNorm, learned positions, GELU MLP, biases, tied head.
 LLaMA (Touvron et al. 2023): RMSNorm, rotary positions, SwiGLU MLP, no biases, GQA from LLaMA 2.
+The mapped checkpoint families' variations (docs/finetuning.md, "Checkpoint families") are
+fields too: RoPE scaling and head width (Llama 3.1-3.3), q/k norms (Qwen3), Gemma's (1 + w)
+norms, scaled embeddings, GeGLU, sandwich norms, soft-capping and sliding-window blocks.
 
 The model is built on the meta device and initialised per parameter from (seed, name)
 (models/init.py), so a 7B model costs nothing to construct and is materialised once, whole on
@@ -33,10 +36,33 @@ RESIDUAL_PROJECTIONS = ("attn.proj", "mlp.proj", "mlp.down", "shared.proj", "sha
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (T, hs/2), or (B, 1, T, hs/2) per document
 
 
-def _norm(cfg: ModelConfig) -> nn.Module:
+def _norm(cfg: ModelConfig, dim: int = 0) -> nn.Module:
+    """The model's norm over `dim` features (0 = d_model)."""
+    dim = dim or cfg.d_model
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+        return OffsetRMSNorm(dim, cfg.norm_eps) if cfg.norm_offset else nn.RMSNorm(dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: x/rms(x)·(1 + w) in fp32, then x's dtype (its transformers arithmetic:
+    the weight is added to 1 before the product, which is rounded once)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).type_as(x)
+
+
+class OffsetRMSNorm(nn.Module):
+    """model.norm_offset: RMSNorm whose weight is stored as the offset from 1 (Gemma), so it
+    starts at 0; same `weight` / `normalized_shape` / `eps` attributes as nn.RMSNorm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.normalized_shape, self.eps = (dim,), eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return offset_rms_norm(x, self.weight, self.eps)
 
 
 def _plain_inv_freq(dim: int, theta: float) -> torch.Tensor:
@@ -130,14 +156,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CausalAttention(nn.Module):
-    """softmax(q kᵀ/√d + causal mask) v: the part of attention that mixes positions, a module of
-    its own so context parallelism can replace it (parallel/context.py: the ring)."""
+    """softmax(q kᵀ·scale + causal mask) v: the part of attention that mixes positions, a module
+    of its own so context parallelism can replace it (parallel/context.py: the ring). `scale`
+    None = 1/√d; `softcap` > 0: Gemma 2's c·tanh(scores/c)."""
+
+    def __init__(self, scale: float | None = None, softcap: float = 0.0) -> None:
+        super().__init__()
+        self.scale, self.softcap = scale, softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: AttentionMask | None = None) -> torch.Tensor:
-        """`mask`: the backend and document mask of this forward (models/attention.py); None =
-        plain causal SDPA."""
-        return attend(q, k, v, mask)
+        """`mask`: the backend, document and window mask of this forward (models/attention.py);
+        None = plain causal SDPA."""
+        return attend(q, k, v, mask, self.scale, self.softcap)
 
 
 class Attention(nn.Module):
@@ -153,9 +184,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, qkv_out, bias=cfg.bias or cfg.qkv_bias)
         self.proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
         if cfg.qk_norm:
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
-        self.core = CausalAttention()
+            self.q_norm, self.k_norm = _norm(cfg, self.head_dim), _norm(cfg, self.head_dim)
+        self.core = CausalAttention(cfg.attention_scale or None, cfg.attn_softcap)
 
     def forward(self, x: torch.Tensor, rope: Rope | None, cache: LayerCache | None = None,
                 mask: AttentionMask | None = None) -> torch.Tensor:
@@ -173,7 +203,7 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:  # incremental decoding: the past tokens' k, v from the cache
-            y = cached_attention(q, *cache.append(k, v))  # (B, nh, T, hs)
+            y = cached_attention(q, *cache.append(k, v), scale=self.core.scale)  # (B, nh, T, hs)
         else:
             y = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, q_size)  # (B, T, nh*hs)
@@ -196,17 +226,31 @@ class SwiGLU(nn.Module):
     """LLaMA's gated MLP (Shazeer 2020): down(silu(gate(x)) * up(x)), gate and up fused.
 
     `gate_up.weight` rows [0, hidden) are HF's gate_proj, rows [hidden, 2*hidden) its up_proj.
+    model.gate_activation 'gelu_tanh' makes it GeGLU (Gemma).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.activation = F.silu if cfg.gate_activation == "silu" else _gelu_tanh
         self.hidden = resolved_d_ff(cfg)
         self.gate_up = nn.Linear(cfg.d_model, 2 * self.hidden, bias=cfg.bias)
         self.down = nn.Linear(self.hidden, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, hidden) each
-        return self.down(F.silu(gate) * up)
+        return self.down(self.activation(gate) * up)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def is_sliding(cfg: ModelConfig, index: int) -> bool:
+    """Whether block `index` attends within model.sliding_window only (every block, or all but
+    each global_every-th)."""
+    if not cfg.sliding_window:
+        return False
+    return not cfg.global_every or (index + 1) % cfg.global_every != 0
 
 
 def dense_mlp(cfg: ModelConfig) -> nn.Module:
@@ -215,7 +259,9 @@ def dense_mlp(cfg: ModelConfig) -> nn.Module:
 
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a mixture of
-    experts (models/moe.py) in the blocks `model.moe_every` picks when model.experts > 0."""
+    experts (models/moe.py) in the blocks `model.moe_every` picks when model.experts > 0.
+    model.norm_placement 'sandwich' (Gemma 2, 3) also normalises each output before it joins
+    the residual: x + post_norm(attn(norm(x)))."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0, stats: MoEStats | None = None) -> None:
         super().__init__()
@@ -223,11 +269,21 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = _norm(cfg)
         self.mlp = MoE(cfg, index, stats, dense_mlp) if is_moe_block(cfg, index) else dense_mlp(cfg)
+        if cfg.norm_placement == "sandwich":
+            self.attn_post_norm, self.mlp_post_norm = _norm(cfg), _norm(cfg)
+        self.sliding = is_sliding(cfg, index)
+        """Whether this block attends within model.sliding_window only (its mask and RoPE)."""
 
     def forward(self, x: torch.Tensor, rope: Rope | None = None, cache: LayerCache | None = None,
                 mask: AttentionMask | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, cache=cache, mask=mask)  # (B, T, C)
-        return x + self.mlp(self.mlp_norm(x))  # (B, T, C)
+        h = self.attn(self.attn_norm(x), rope, cache=cache, mask=mask)  # (B, T, C)
+        if hasattr(self, "attn_post_norm"):
+            h = self.attn_post_norm(h)
+        x = x + h
+        h = self.mlp(self.mlp_norm(x))  # (B, T, C)
+        if hasattr(self, "mlp_post_norm"):
+            h = self.mlp_post_norm(h)
+        return x + h
 
 
 class Decoder(nn.Module):
@@ -249,6 +305,9 @@ class Decoder(nn.Module):
             half = head_dim(cfg) // 2
             self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
             self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
+            if cfg.rope_local_theta:  # the sliding blocks' own plain RoPE (Gemma 3)
+                self.register_buffer("rope_local_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
+                self.register_buffer("rope_local_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
         if cfg.tie_embeddings:  # GPT-2: the head is the embedding's Parameter
             self.head.weight = self.tok_emb.weight
         self.attention_backend = cfg.attention
@@ -270,6 +329,8 @@ class Decoder(nn.Module):
             return adapter_initial_value(name, tuple(shape), seed)
         module_name, _, attr = name.rpartition(".")
         module = self.get_submodule(module_name)
+        if isinstance(module, OffsetRMSNorm):  # weight 0 scales by 1
+            return torch.zeros(shape)
         if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and attr == "weight":
             return torch.ones(shape)
         if attr.endswith("bias"):
@@ -287,6 +348,10 @@ class Decoder(nn.Module):
                                    *rope_frequencies(self.cfg))
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
+            if self.cfg.rope_local_theta:
+                cos, sin = rope_tables(head_dim(self.cfg), self.cfg.max_seq_len, self.cfg.rope_local_theta)
+                self.rope_local_cos.copy_(cos)
+                self.rope_local_sin.copy_(sin)
 
     def forward(self, idx: torch.Tensor | PackedTokens, hidden: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
@@ -321,33 +386,52 @@ class Decoder(nn.Module):
             positions = torch.arange(past, past + T, device=idx.device) if documents is None else documents
         if hidden is None:
             x = self.tok_emb(idx)  # (B, T, C)
+            if self.cfg.embedding_multiplier != 1.0:  # Gemma: sqrt(d_model)
+                x = x * self.cfg.embedding_multiplier
             if self.cfg.position == "learned":
                 x = x + self.pos_emb(positions)  # (B, T, C)
         else:
             x = hidden
             if getattr(self, "tp", None) is not None:  # the embedding decides it on the first stage
                 self.tp.decide(idx)
-        rope = (self.rope_cos[positions], self.rope_sin[positions]) if self.cfg.position == "rope" else None
-        if rope is not None and positions.dim() == 2:  # per-row positions: (B, 1, T, hs/2) for the heads
-            rope = (rope[0].unsqueeze(1), rope[1].unsqueeze(1))
+        ropes = {False: self._rope("rope", positions)}  # per block: whether it slides
+        ropes[True] = self._rope("rope_local", positions) if self.cfg.rope_local_theta else ropes[False]
         # once per forward, shared by every block (a KV cache's decoding runs its own attention)
-        mask = self._attention_mask(documents, T, x) if cache is None else None
+        masks = {False: self._attention_mask(documents, T, x) if cache is None else None}
+        masks[True] = (self._attention_mask(documents, T, x, self.cfg.sliding_window)
+                       if cache is None and self.cfg.sliding_window else masks[False])
         for i in self.layers:
+            block = self.blocks[i]
+            rope, mask = ropes[block.sliding], masks[block.sliding]
             if cache is None:
-                x = self.blocks[i](x, rope) if mask is None else self.blocks[i](x, rope, mask=mask)  # (B, T, C)
+                x = block(x, rope) if mask is None else block(x, rope, mask=mask)  # (B, T, C)
             else:
-                x = self.blocks[i](x, rope, cache=cache.layers[i])  # (B, T, C)
+                x = block(x, rope, cache=cache.layers[i])  # (B, T, C)
         if self.layers.stop < self.cfg.n_layers:  # a pipeline stage before the last
             return x
-        return self.head(self.norm_f(x))  # (B, T, vocab)
+        logits = self.head(self.norm_f(x))  # (B, T, vocab)
+        if self.cfg.logit_softcap:  # Gemma 2: c·tanh(logits/c)
+            logits = torch.tanh(logits / self.cfg.logit_softcap) * self.cfg.logit_softcap
+        return logits
 
+    def _rope(self, prefix: str, positions: torch.Tensor) -> Rope | None:
+        """The (cos, sin) rows of `positions` from the tables `prefix`_cos/_sin; None without RoPE."""
+        if self.cfg.position != "rope":
+            return None
+        cos, sin = getattr(self, f"{prefix}_cos")[positions], getattr(self, f"{prefix}_sin")[positions]
+        if positions.dim() == 2:  # per-row positions: (B, 1, T, hs/2) for the heads
+            return cos.unsqueeze(1), sin.unsqueeze(1)
+        return cos, sin
 
-    def _attention_mask(self, documents: torch.Tensor | None, T: int, x: torch.Tensor) -> AttentionMask | None:
-        """The backend's mask for this forward (models/attention.py), in the dtype q will have."""
-        device = x.device
-        backend = choose_backend(self.attention_backend, device.type, documents is not None, compiled=False)
+    def _attention_mask(self, documents: torch.Tensor | None, T: int, x: torch.Tensor,
+                        window: int = 0) -> AttentionMask | None:
+        """The backend's mask for this forward (models/attention.py), in the dtype q will have;
+        `window`: the sliding blocks' mask."""
+        device, cfg = x.device, self.cfg
+        backend = choose_backend(self.attention_backend, device.type, documents is not None, compiled=False,
+                                 softcap=cfg.attn_softcap > 0, window=cfg.sliding_window > 0)
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else x.dtype
-        return prepare(backend, documents, T, device, dtype)
+        return prepare(backend, documents, T, device, dtype, window)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> Decoder:
@@ -372,10 +456,12 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     token; once the sequence outgrows model.max_seq_len every step recomputes its last
     max_seq_len tokens (the window's positions shift, so nothing cached stays valid). Without,
     the whole (cropped) context every step. Context parallelism runs without the cache (every
-    rank the whole sequence). temperature 0 picks the most likely token; top_k None or 0
+    rank the whole sequence), and so do soft-capped and sliding-window models. temperature 0 picks the most likely token; top_k None or 0
     samples from the full distribution.
     """
     max_len = model.cfg.max_seq_len
+    if model.cfg.attn_softcap or model.cfg.sliding_window:
+        use_cache = False  # the cache's kernel has neither soft-capping nor a window
     context = getattr(model, "context", None)  # context parallel: every rank the whole sequence
     if context is not None:
         with context.whole_sequences():

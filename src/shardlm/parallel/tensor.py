@@ -286,15 +286,22 @@ class SyncedNorm(nn.Module):
     activations are sequence-sharded (same parameters, same names, as the module it replaces)."""
 
     def __init__(self, norm: nn.Module, tp: TPState):
+        from shardlm.models.decoder import OffsetRMSNorm
+
         super().__init__()
-        self.kind = "rms" if isinstance(norm, nn.RMSNorm) else "layer"
+        self.kind = ("offset" if isinstance(norm, OffsetRMSNorm) else
+                     "rms" if isinstance(norm, nn.RMSNorm) else "layer")
         self.shape, self.eps = tuple(norm.normalized_shape), norm.eps
         self.weight = norm.weight
         self.bias = getattr(norm, "bias", None)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from shardlm.models.decoder import offset_rms_norm
+
         w = synced(self.weight, self.tp)
+        if self.kind == "offset":  # Gemma's (1 + w)
+            return offset_rms_norm(x, w, self.eps)
         if self.kind == "rms":
             return F.rms_norm(x, self.shape, w, self.eps)
         b = synced(self.bias, self.tp) if self.bias is not None else None
@@ -306,14 +313,20 @@ class HeadNorm(nn.Module):
     head, get a gradient from this rank's heads only, so it is summed over the group (Megatron's
     f on the weights), with or without sequence parallelism."""
 
-    def __init__(self, norm: nn.RMSNorm, tp: TPState):
+    def __init__(self, norm: nn.Module, tp: TPState):
+        from shardlm.models.decoder import OffsetRMSNorm
+
         super().__init__()
+        self.offset = isinstance(norm, OffsetRMSNorm)  # Gemma 3's (1 + w)
         self.shape, self.eps = tuple(norm.normalized_shape), norm.eps
         self.weight = norm.weight
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.shape, _CopyToGroup.apply(self.weight, self.tp.group), self.eps)
+        from shardlm.models.decoder import offset_rms_norm
+
+        w = _CopyToGroup.apply(self.weight, self.tp.group)
+        return offset_rms_norm(x, w, self.eps) if self.offset else F.rms_norm(x, self.shape, w, self.eps)
 
 
 class SyncedEmbedding(nn.Module):
@@ -452,6 +465,9 @@ def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: b
         if not isinstance(block.mlp, MoE):  # a MoE block: parallel/expert.py spread_over_tp
             cut_mlp(block.mlp, f"{pre}.mlp", d, tp)
         block.attn_norm, block.mlp_norm = SyncedNorm(block.attn_norm, tp), SyncedNorm(block.mlp_norm, tp)
+        if hasattr(block, "attn_post_norm"):  # sandwich norms (Gemma 2, 3)
+            block.attn_post_norm = SyncedNorm(block.attn_post_norm, tp)
+            block.mlp_post_norm = SyncedNorm(block.mlp_post_norm, tp)
     v_lo, v_hi = even_range(cfg.vocab_size, n, r)
     model.tok_emb = VocabParallelEmbedding(v_lo, v_hi, d, tp)
     cut("tok_emb.weight", (cfg.vocab_size, d), 0, [(v_lo, v_hi)])
