@@ -124,26 +124,31 @@ def test_family_loads_trains_and_exports_bit_for_bit(tmp_path, name):
     torch.testing.assert_close(_hf_logits(again, x), _hf_logits(hf, x), atol=0, rtol=0)
 
 
-def test_llama3_trains_with_tp_and_zero3_as_one_process(tmp_path):
+def test_families_train_with_tp_and_zero3_as_one_process(tmp_path):
     """Llama 3.2-style (llama3 RoPE scaling, tied head, GQA 4/2, head_dim 32 with hidden 64)
-    with parallel.tp = 2 and with ZeRO-3 on 2 ranks, and Qwen3 (its per-head q/k norms summed
-    over the tensor-parallel group) with tp = 2: losses and every parameter after 2 steps
-    within 1e-5 relative of one process with the same global batch (fp32; tensor parallelism
-    reorders sums)."""
+    with parallel.tp = 2 and with ZeRO-3 on 2 ranks; Qwen3 (its per-head q/k norms summed over
+    the tensor-parallel group) with tp = 2; Gemma-2-style (soft-capping, sliding window, sandwich
+    (1 + w) norms) with tp = 2 and sequence parallelism: losses and every parameter after 2
+    steps within 1e-5 relative of one process with the same global batch (fp32; tensor
+    parallelism reorders sums)."""
     steps = 2
     llama, _ = make_family_dir(tmp_path, "llama3")
     qwen, _ = make_family_dir(tmp_path, "qwen3")
     base = overrides(tmp_path, llama, train__steps=steps, train__lr=1e-3, run__device="cpu")
+    gemma, _ = make_family_dir(tmp_path, "gemma2")
     qwen_base = overrides(tmp_path, qwen, train__steps=steps, train__lr=1e-3, run__device="cpu")
+    gemma_base = overrides(tmp_path, gemma, train__steps=steps, train__lr=1e-3, run__device="cpu")
     cases = [({**base, "parallel.tp": 2, "run.name": "tp"}, steps, -1),
              ({**base, "parallel.zero_stage": 3, "run.name": "z3"}, steps, -1),
-             ({**qwen_base, "parallel.tp": 2, "run.name": "qtp"}, steps, -1)]
+             ({**qwen_base, "parallel.tp": 2, "run.name": "qtp"}, steps, -1),
+             ({**gemma_base, "parallel.tp": 2, "parallel.sequence_parallel": True, "run.name": "gtp"}, steps, -1)]
     out = run_ranks(train_cases, 2, tmp_path, cases)
     # the global batch: tp's one data-parallel rank, ZeRO-3's two (accumulated in one process)
     refs = [reference_case({**base, "run.name": "ref1"}, 1, steps),
             reference_case({**base, "run.name": "ref2"}, 2, steps),
-            reference_case({**qwen_base, "run.name": "qref"}, 1, steps)]
-    for case, what in enumerate(["tp=2 llama3", "zero3 llama3", "tp=2 qwen3"]):
+            reference_case({**qwen_base, "run.name": "qref"}, 1, steps),
+            reference_case({**gemma_base, "run.name": "gref"}, 1, steps)]
+    for case, what in enumerate(["tp=2 llama3", "zero3 llama3", "tp=2 qwen3", "tp=2 + SP gemma2"]):
         ref, ranks = refs[case], [out[r][case] for r in range(2)]
         for got in ranks:
             assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
