@@ -153,6 +153,10 @@ class ModelConfig:
     (FlexAttention with a block mask; no backward on CPU in torch 2.13), 'math' (plain
     matmul-softmax, the reference: keeps the s x s probabilities), or 'auto': 'sdpa', and with
     document masks 'flex' on CUDA, 'per_document' on CPU ('sdpa' under train.compile)."""
+    family: str = ""
+    """The transformers model_type whose tensor names and config export writes (model.hf_path
+    sets it from config.json: a Phi-3 checkpoint exports as Phi-3, not as the Llama it computes
+    like); '' = the class the other fields imply (checkpoint/hf_names.py hf_family)."""
     hf_path: str = ""
     """A local transformers directory (config.json, safetensors, tokenizer.json) to start from:
     its config.json gives the shape (in place of the preset), its weights the initial values,

@@ -35,6 +35,10 @@ shardlm.data.seq2seq for source -> target pairs of an encoder-decoder)."""
 ATTENTION_BACKENDS = ("auto", "sdpa", "per_document", "flex", "math")
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+CHECKPOINT_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
+                       "gemma3_text", "phi3", "mixtral")
+"""model.family: the transformers model_types checkpoint/hf_names.py has a name table for."""
 """model.rope_type: transformers' ROPE_INIT_FUNCTIONS our decoder computes (models/decoder.py)."""
 """model.attention's kernels (shardlm.models.attention)."""
 PACKED_FORMATS = ("chat", "prompt_completion")
@@ -89,6 +93,7 @@ _CHOICES = {
     "model.attention": ATTENTION_BACKENDS,
     "model.position": ("learned", "rope"),
     "model.rope_type": ROPE_TYPES,
+    "model.family": ("",) + CHECKPOINT_FAMILIES,
     "model.mlp": ("gelu", "swiglu"),
     "model.gate_activation": ("silu", "gelu_tanh"),
     "model.norm_placement": ("pre", "sandwich"),

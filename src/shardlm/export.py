@@ -115,6 +115,18 @@ def hf_config(m: ModelConfig, eot: int | None):
                               use_sliding_window=False, **tokens)
     if family in GEMMA_FAMILIES:
         return _gemma_config(tf, m, family, tokens)
+    llama_shaped = dict(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
+                        num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                        num_key_value_heads=m.n_kv_heads or m.n_heads, head_dim=head_dim(m),
+                        max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                        rope_parameters=rope_parameters(m), sliding_window=m.sliding_window or None,
+                        hidden_act="silu", **tokens)
+    if family == "mistral":  # a window on every block (a mask, or the context capped at it)
+        return tf.MistralConfig(**llama_shaped)
+    if family == "phi3":  # fused qkv_proj / gate_up_proj; no pad token in our vocabulary
+        del llama_shaped["head_dim"]  # Phi3Config has none: hidden_size / heads (hf_family checked)
+        return tf.Phi3Config(pad_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                             **llama_shaped)
     # Our RMSNorm has no bias, so model.bias means biases on the linears only: exactly HF's
     # attention_bias (q/k/v/o) and mlp_bias (gate/up/down).
     return tf.LlamaConfig(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
@@ -258,7 +270,8 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
     config = hf_config(m, eot)
     cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
            "qwen3": tf.Qwen3ForCausalLM, "mixtral": tf.MixtralForCausalLM, "gemma": tf.GemmaForCausalLM,
-           "gemma2": tf.Gemma2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM}[hf_family(m)]
+           "gemma2": tf.Gemma2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
+           "mistral": tf.MistralForCausalLM, "phi3": tf.Phi3ForCausalLM}[hf_family(m)]
     with torch.device("meta"):  # no memory and no random init: every tensor comes from `sd`
         hf_model = cls(config)
     stacked = any(n.endswith(".experts.gate_up_proj") for n, _ in hf_model.named_parameters())

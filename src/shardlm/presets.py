@@ -106,12 +106,13 @@ def get_preset(name: str) -> dict[str, Any]:
 
 # -- transformers config.json as a shape ------------------------------------------------------
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo",
+                "olmo2")
 """model_type values with LLaMA's shape (RMSNorm, RoPE, SwiGLU): what the planner can size."""
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 """Gemma 1, 2 and 3 (text): (1 + w) norms, sqrt(d)-scaled embeddings, GeGLU (hf_shape's
 _gemma_shape)."""
-LOADABLE = ("gpt2", "llama", "mistral", "qwen2", "qwen3") + GEMMA
+LOADABLE = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3") + GEMMA
 """model_type values whose weights our decoder computes exactly (model.hf_path); which of each
 family's options it computes, hf_shape says (docs/finetuning.md, "Checkpoint families")."""
 SCALED_ROPE = ("linear", "dynamic", "yarn", "llama3")
@@ -167,6 +168,8 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
         d_model=int(key("hidden_size", "n_embd", "d_model")),
         max_seq_len=int(key("max_position_embeddings", "n_positions", "n_ctx")))
     problems: list[str] = []
+    if kind in LOADABLE:
+        shape["family"] = kind
     if kind == "gpt2":
         shape.update(_gpt2(shape["n_layers"], shape["n_heads"], shape["d_model"],
                            shape["vocab_size"], shape["max_seq_len"]),
@@ -206,7 +209,9 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
                      norm_eps=float(key("rms_norm_eps", default=1e-6)),
                      rope_theta=float(key("rope_theta", default=rope.get("rope_theta", 10000.0))))
         window = hf.get("sliding_window")
-        if exact and window and hf.get("use_sliding_window", True) and kind not in GEMMA:
+        if kind == "phi3" and window:  # every block slides: the window as a mask
+            shape.update(sliding_window=int(window), global_every=0)
+        elif exact and window and hf.get("use_sliding_window", True) and kind not in GEMMA:
             # Mistral attends to the last `window` tokens only: identical to full attention on
             # sequences no longer than the window, so the context is capped there.
             shape["max_seq_len"] = min(shape["max_seq_len"], int(window))
@@ -214,8 +219,8 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
             problems.append(f"hidden_act = {hf['hidden_act']!r} (ours is 'silu')")
         head_dim = hf.get("head_dim")
         if head_dim and head_dim != shape["d_model"] // heads:
-            if kind == "qwen2":  # Qwen2Config has no head_dim: export could not write it back
-                problems.append(f"head_dim = {head_dim} (Qwen2's is hidden_size / "
+            if kind in ("qwen2", "phi3"):  # their configs have no head_dim: export could not write it
+                problems.append(f"head_dim = {head_dim} ({kind}'s is hidden_size / "
                                 f"num_attention_heads = {shape['d_model'] // heads})")
             shape["head_dim"] = int(head_dim)
         max_positions = int(key("max_position_embeddings"))

@@ -31,9 +31,31 @@ LLAMA_STYLE = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
 
 
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
+LLAMA_SHAPED = ("mistral", "phi3")
+"""model.family values that compute as 'llama' does (their own names and config keys)."""
 
 
 def hf_family(m: ModelConfig) -> str:
+    """model.family when the fields are what its class computes (a checkpoint's own family,
+    so export writes its model_type back), else the class the fields imply (_implied_family);
+    a ConfigError naming the disagreement or the fields no class expresses."""
+    implied = _implied_family(m)
+    if not m.family or m.family == implied:
+        return implied
+    if implied == "llama" and m.family in LLAMA_SHAPED:
+        if m.sliding_window and m.global_every:
+            raise ConfigError(f"cannot export to {m.family}: model.global_every = {m.global_every} "
+                              f"(its every block slides: 0)")
+        if m.family == "phi3" and head_dim(m) != m.d_model // m.n_heads:
+            raise ConfigError(f"cannot export to phi3: model.head_dim = {m.head_dim} (Phi3Config "
+                              f"has none: d_model / n_heads = {m.d_model // m.n_heads}); set 0")
+        return m.family
+    raise ConfigError(f"model.family = {m.family!r}, but the other [model] fields describe a "
+                      f"{implied!r} model (transformers' {implied} class computes them); set "
+                      f"model.family = '' or {implied!r}")
+
+
+def _implied_family(m: ModelConfig) -> str:
     """The transformers model_type that computes exactly our model: 'gpt2', 'llama' (Llama
     1-3.3: any model.rope_type, model.head_dim), 'qwen2' (LLaMA with biases on q/k/v only),
     'qwen3' (LLaMA with model.qk_norm), 'gemma' / 'gemma2' / 'gemma3_text' (model.norm_offset:
@@ -122,13 +144,16 @@ def _check_gemma(m: ModelConfig, family: str) -> None:
 
 
 def _check_not_gemma(m: ModelConfig) -> None:
-    """The Gemma-only fields LLaMA-style classes have no key for: a ConfigError naming each."""
+    """The Gemma-only fields LLaMA-style classes have no key for: a ConfigError naming each
+    (Mistral and Phi-3 have a sliding window on every block)."""
+    window = m.family in LLAMA_SHAPED and not m.global_every and not m.rope_local_theta
     off = {"model.gate_activation": (m.gate_activation, "silu"),
            "model.norm_placement": (m.norm_placement, "pre"),
            "model.embedding_multiplier": (m.embedding_multiplier, 1.0),
            "model.attention_scale": (m.attention_scale, 0.0),
            "model.attn_softcap": (m.attn_softcap, 0.0), "model.logit_softcap": (m.logit_softcap, 0.0),
-           "model.sliding_window": (m.sliding_window, 0), "model.rope_local_theta": (m.rope_local_theta, 0.0)}
+           "model.sliding_window": (0 if window else m.sliding_window, 0),
+           "model.rope_local_theta": (m.rope_local_theta, 0.0)}
     problems = [f"{k} = {v!r} (LLaMA-style classes: {want!r})" for k, (v, want) in off.items() if v != want]
     if problems:
         raise ConfigError("cannot export this model to transformers: " + "; ".join(problems)
@@ -218,13 +243,19 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
             else:
                 add(f"{b}.mlp_norm", [f"{h}.post_attention_layernorm"], [d], biases=False)
             attn = f"{h}.self_attn"
-            add(f"{b}.attn.qkv", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"],
-                [q, kv, kv], biases=m.bias or m.qkv_bias)
+            if family == "phi3":  # already fused as ours: rows q, k, v
+                add(f"{b}.attn.qkv", [f"{attn}.qkv_proj"], [q + 2 * kv], biases=m.bias or m.qkv_bias)
+            else:
+                add(f"{b}.attn.qkv", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"],
+                    [q, kv, kv], biases=m.bias or m.qkv_bias)
             add(f"{b}.attn.proj", [f"{attn}.o_proj"], [d], biases=m.bias)
             if m.qk_norm:  # Qwen3: one RMSNorm weight of head_dim each, shared by the heads
                 add(f"{b}.attn.q_norm", [f"{attn}.q_norm"], [hd], biases=False)
                 add(f"{b}.attn.k_norm", [f"{attn}.k_norm"], [hd], biases=False)
-            if family in ("llama", "qwen2", "qwen3") + GEMMA_FAMILIES:
+            if family == "phi3":  # gate_up_proj: rows gate, then up, as ours
+                add(f"{b}.mlp.gate_up", [f"{h}.mlp.gate_up_proj"], [2 * ff], biases=m.bias)
+                add(f"{b}.mlp.down", [f"{h}.mlp.down_proj"], [d], biases=m.bias)
+            elif family in ("llama", "mistral", "qwen2", "qwen3") + GEMMA_FAMILIES:
                 add(f"{b}.mlp.gate_up", [f"{h}.mlp.gate_proj", f"{h}.mlp.up_proj"], [ff, ff],
                     biases=m.bias)
                 add(f"{b}.mlp.down", [f"{h}.mlp.down_proj"], [d], biases=m.bias)
@@ -237,7 +268,10 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
 
 def loaded_family(m: ModelConfig) -> str:
     """'gpt2' or a LLaMA-style family: the table to load with (presets.hf_shape refused what
-    none computes). The table's names depend only on the fields (q/k norms, sandwich norms)."""
+    none computes): model.family, else what the fields imply (the names depend on them: q/k
+    norms, sandwich norms)."""
+    if m.family:
+        return m.family
     if m.mlp != "swiglu":
         return "gpt2"
     return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias and not m.bias else "llama"
