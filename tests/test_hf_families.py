@@ -71,6 +71,17 @@ def _family(name: str):
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **sliding)
     if name == "phi3":  # fused qkv_proj and gate_up_proj; a window of 16 on every block
         return tf.Phi3ForCausalLM, tf.Phi3Config(sliding_window=16, pad_token_id=None, **LLAMA)
+    if name == "olmo2":  # norms after attention and the MLP, q/k norms over whole projections
+        return tf.Olmo2ForCausalLM, tf.Olmo2Config(**LLAMA)
+    if name == "granite":  # its four multipliers
+        return tf.GraniteForCausalLM, tf.GraniteConfig(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                       attention_multiplier=0.0625, logits_scaling=8.0,
+                                                       **LLAMA)
+    if name == "smollm3":  # NoPE in every 2nd block
+        return tf.SmolLM3ForCausalLM, tf.SmolLM3Config(no_rope_layer_interval=2, pad_token_id=None, **LLAMA)
+    if name == "starcoder2":  # LayerNorm + biases, GELU c_fc/c_proj, RoPE, GQA, a window of 16
+        return tf.Starcoder2ForCausalLM, tf.Starcoder2Config(sliding_window=16, pad_token_id=None, **{
+            k: v for k, v in LLAMA.items() if k != "rms_norm_eps"})
     raise KeyError(name)
 
 
@@ -96,7 +107,8 @@ def _hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["llama3", "llama-yarn", "llama-linear", "llama-dynamic", "qwen3",
-                                  "gemma", "gemma2", "gemma3", "phi3"])
+                                  "gemma", "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3",
+                                  "starcoder2"])
 def test_family_loads_trains_and_exports_bit_for_bit(tmp_path, name):
     """transformers' logits on the first batch (1e-5); then one step with lr 1e-30 (AdamW moves
     no fp32 weight by so little) and `shardlm export --format hf` (the CLI): every tensor of the
@@ -119,7 +131,8 @@ def test_family_loads_trains_and_exports_bit_for_bit(tmp_path, name):
     written, source = (json.loads((d / "config.json").read_text()) for d in (out, hf_dir))
     for key in ("model_type", "head_dim", "rope_parameters", "tie_word_embeddings", "num_key_value_heads",
                 "query_pre_attn_scalar", "sliding_window", "layer_types", "attn_logit_softcapping",
-                "final_logit_softcapping"):
+                "final_logit_softcapping", "no_rope_layers", "embedding_multiplier", "residual_multiplier",
+                "attention_multiplier", "logits_scaling"):
         assert written.get(key) == source.get(key), key
     again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(again) is type(hf)

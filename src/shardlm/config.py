@@ -92,8 +92,13 @@ class ModelConfig:
     """Gemma's RMSNorm: the weight w is stored as the checkpoint has it and applied as (1 + w),
     in fp32 (initialised at 0); every RMSNorm of the model, q/k norms included."""
     norm_placement: str = "pre"
-    """'pre' (GPT-2, LLaMA: x + f(norm(x))) or 'sandwich' (Gemma 2 and 3: x + norm(f(norm(x))),
-    a second norm on the attention's and the MLP's outputs)."""
+    """'pre' (GPT-2, LLaMA: x + f(norm(x))), 'sandwich' (Gemma 2 and 3: x + norm(f(norm(x))),
+    a second norm on the attention's and the MLP's outputs) or 'post' (OLMo-2: x + norm(f(x)))."""
+    residual_multiplier: float = 1.0
+    """Each block's attention and MLP outputs are multiplied by this before they join the
+    residual stream (Granite)."""
+    logits_divisor: float = 1.0
+    """The logits are divided by this (Granite's logits_scaling)."""
     embedding_multiplier: float = 1.0
     """The token embeddings are multiplied by this (Gemma: sqrt(d_model))."""
     attention_scale: float = 0.0
@@ -116,6 +121,12 @@ class ModelConfig:
     qk_norm: bool = False
     """RMSNorm over each query and key head (weights of head_dim, shared by the heads) before
     RoPE, as Qwen3 (epsilon model.norm_eps)."""
+    qk_norm_width: str = "head"
+    """With model.qk_norm: 'head' (each head's features: Qwen3, Gemma 3) or 'all' (the whole
+    projection, all heads at once, weights n_heads·head_dim and n_kv_heads·head_dim: OLMo-2)."""
+    nope_every: int = 0
+    """Every nope_every-th block (index i with (i + 1) % nope_every == 0) uses no positional
+    encoding at all (NoPE: SmolLM3's no_rope_layers); 0 = every block rotates."""
     norm_eps: float = 1e-5
     """Epsilon of the normalisation layers."""
     ffn_multiple_of: int = 256

@@ -37,7 +37,7 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "per_document", "flex", "math")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 CHECKPOINT_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
-                       "gemma3_text", "phi3", "mixtral")
+                       "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "starcoder2", "mixtral")
 """model.family: the transformers model_types checkpoint/hf_names.py has a name table for."""
 """model.rope_type: transformers' ROPE_INIT_FUNCTIONS our decoder computes (models/decoder.py)."""
 """model.attention's kernels (shardlm.models.attention)."""
@@ -96,7 +96,8 @@ _CHOICES = {
     "model.family": ("",) + CHECKPOINT_FAMILIES,
     "model.mlp": ("gelu", "swiglu"),
     "model.gate_activation": ("silu", "gelu_tanh"),
-    "model.norm_placement": ("pre", "sandwich"),
+    "model.norm_placement": ("pre", "sandwich", "post"),
+    "model.qk_norm_width": ("head", "all"),
     "model.router": ("softmax", "sigmoid"),
     "model.balance": ("aux", "bias", "none"),
     "precision.compute": ("auto",) + COMPUTE_DTYPES + ("fp8",),
@@ -188,6 +189,9 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.rope_attention_factor": _non_negative(" (0 = YaRN's 0.1 ln(rope_factor) + 1)"),
     "model.head_dim": _non_negative(" (0 = model.d_model / model.n_heads)"),
     "model.embedding_multiplier": _positive(),
+    "model.residual_multiplier": _positive(),
+    "model.logits_divisor": _positive(),
+    "model.nope_every": _non_negative(" (0 = RoPE in every block)"),
     "model.attention_scale": _non_negative(" (0 = 1/sqrt(head_dim))"),
     "model.attn_softcap": _non_negative(" (0 = off)"),
     "model.logit_softcap": _non_negative(" (0 = off)"),
@@ -350,7 +354,7 @@ def _rope_scaling(cfg: Config) -> list[str]:
 
 @_cross("model.attention", "model.attn_softcap", "model.sliding_window", "model.rope_local_theta",
         "model.norm_offset", "model.norm", "model.gate_activation", "model.mlp", "model.experts",
-        "parallel.cp", "train.seq_len")
+        "parallel.cp", "parallel.tp", "train.seq_len")
 def _family_features(cfg: Config) -> list[str]:
     """The checkpoint families' features (docs/finetuning.md): each where it is computed."""
     m, cp, problems = cfg.model, cfg.parallel.cp, []
@@ -372,6 +376,10 @@ def _family_features(cfg: Config) -> list[str]:
     if m.rope_local_theta and not m.sliding_window:
         problems.append(f"model.rope_local_theta = {m.rope_local_theta:g} is the sliding blocks' "
                         f"RoPE base, and model.sliding_window = 0 (no block slides); set both or neither")
+    if m.qk_norm and m.qk_norm_width == "all" and cfg.parallel.tp > 1:
+        problems.append(f"model.qk_norm_width = 'all' (OLMo-2) with parallel.tp = "
+                        f"{cfg.parallel.tp}: the norm spans every head, which tensor parallelism "
+                        f"splits over ranks; use parallel.tp = 1")
     if m.norm_offset and m.norm != "rmsnorm":
         problems.append(f"model.norm_offset = true is Gemma's RMSNorm: it needs model.norm = "
                         f"'rmsnorm' (not {m.norm!r})")

@@ -121,6 +121,25 @@ def hf_config(m: ModelConfig, eot: int | None):
                         max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
                         rope_parameters=rope_parameters(m), sliding_window=m.sliding_window or None,
                         hidden_act="silu", **tokens)
+    no_head_dim = {k: v for k, v in llama_shaped.items() if k not in ("head_dim", "sliding_window")}
+    if family == "starcoder2":  # LayerNorm (with biases), GELU MLP, RoPE, GQA, a window on every block
+        return tf.Starcoder2Config(use_bias=True, hidden_act="gelu_pytorch_tanh", norm_epsilon=m.norm_eps,
+                                   residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0,
+                                   pad_token_id=None,
+                                   **{k: v for k, v in llama_shaped.items() if k not in ("head_dim", "rms_norm_eps", "hidden_act")})
+    if family == "olmo2":  # post-norms, q/k norms over the whole projections
+        return tf.Olmo2Config(attention_bias=False, pad_token_id=None, **no_head_dim)
+    if family == "granite":
+        return tf.GraniteConfig(attention_bias=m.bias, mlp_bias=m.bias,
+                                embedding_multiplier=m.embedding_multiplier,
+                                residual_multiplier=m.residual_multiplier,
+                                attention_multiplier=m.attention_scale or head_dim(m) ** -0.5,
+                                logits_scaling=m.logits_divisor, pad_token_id=None, **no_head_dim)
+    if family == "smollm3":  # RoPE in every block but each nope_every-th
+        return tf.SmolLM3Config(attention_bias=m.bias, mlp_bias=m.bias, use_sliding_window=False,
+                                no_rope_layers=[int(not m.nope_every or (i + 1) % m.nope_every != 0)
+                                                for i in range(m.n_layers)],
+                                pad_token_id=None, **no_head_dim)
     if family == "mistral":  # a window on every block (a mask, or the context capped at it)
         return tf.MistralConfig(**llama_shaped)
     if family == "phi3":  # fused qkv_proj / gate_up_proj; no pad token in our vocabulary
@@ -271,7 +290,9 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
     cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
            "qwen3": tf.Qwen3ForCausalLM, "mixtral": tf.MixtralForCausalLM, "gemma": tf.GemmaForCausalLM,
            "gemma2": tf.Gemma2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
-           "mistral": tf.MistralForCausalLM, "phi3": tf.Phi3ForCausalLM}[hf_family(m)]
+           "mistral": tf.MistralForCausalLM, "phi3": tf.Phi3ForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
+           "granite": tf.GraniteForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
+           "starcoder2": tf.Starcoder2ForCausalLM}[hf_family(m)]
     with torch.device("meta"):  # no memory and no random init: every tensor comes from `sd`
         hf_model = cls(config)
     stacked = any(n.endswith(".experts.gate_up_proj") for n, _ in hf_model.named_parameters())

@@ -107,12 +107,13 @@ def get_preset(name: str) -> dict[str, Any]:
 # -- transformers config.json as a shape ------------------------------------------------------
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo",
-                "olmo2")
+                "olmo2", "granite", "smollm3")
 """model_type values with LLaMA's shape (RMSNorm, RoPE, SwiGLU): what the planner can size."""
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 """Gemma 1, 2 and 3 (text): (1 + w) norms, sqrt(d)-scaled embeddings, GeGLU (hf_shape's
 _gemma_shape)."""
-LOADABLE = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3") + GEMMA
+LOADABLE = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "granite", "smollm3",
+            "starcoder2") + GEMMA
 """model_type values whose weights our decoder computes exactly (model.hf_path); which of each
 family's options it computes, hf_shape says (docs/finetuning.md, "Checkpoint families")."""
 SCALED_ROPE = ("linear", "dynamic", "yarn", "llama3")
@@ -182,6 +183,8 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
         for flag, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
             if key(flag, default=want) != want:
                 problems.append(f"{flag} = {hf[flag]!r} (ours: {want})")
+    elif kind == "starcoder2":
+        _starcoder2_shape(hf, shape, rope, problems)
     else:
         heads = shape["n_heads"]
         attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
@@ -191,6 +194,12 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
             shape["qk_norm"] = True
             if attention_bias:
                 problems.append("attention_bias = True (Qwen3's biases on q/k/v/o only; our "
+                                "model.bias also puts them on the MLP)")
+            attention_bias = False
+        elif kind == "olmo2":  # norms after attention and the MLP; q/k norms over whole projections
+            shape.update(norm_placement="post", qk_norm=True, qk_norm_width="all")
+            if attention_bias:
+                problems.append("attention_bias = True (OLMo-2's biases on q/k/v/o only; our "
                                 "model.bias also puts them on the MLP)")
             attention_bias = False
         elif kind in GEMMA:
@@ -223,6 +232,15 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
                 problems.append(f"head_dim = {head_dim} ({kind}'s is hidden_size / "
                                 f"num_attention_heads = {shape['d_model'] // heads})")
             shape["head_dim"] = int(head_dim)
+        if head_dim and head_dim != shape["d_model"] // heads and kind in ("olmo2", "granite", "smollm3"):
+            problems.append(f"head_dim = {head_dim} ({kind}'s is hidden_size / num_attention_heads)")
+        if kind == "granite":  # its four multipliers
+            shape.update(embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+                         residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+                         attention_scale=float(hf.get("attention_multiplier", 1.0)),
+                         logits_divisor=float(hf.get("logits_scaling", 1.0)))
+        if kind == "smollm3":
+            _smollm3_shape(hf, shape, problems)
         max_positions = int(key("max_position_embeddings"))
         shape.update(_rope_shape(hf, rope, max_positions, problems))
         if shape.get("rope_type") == "dynamic" and shape["max_seq_len"] != max_positions:
@@ -283,6 +301,39 @@ def _gemma_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope: dic
         if shape.get("sliding_window"):
             shape["rope_local_theta"] = float(local.get("rope_theta", 10000.0))
     return rope
+
+
+def _starcoder2_shape(hf: dict[str, Any], shape: dict[str, Any], rope: dict[str, Any],
+                      problems: list[str]) -> None:
+    """StarCoder2: GPT-2's LayerNorm (with biases) and GELU MLP (c_fc, c_proj) with LLaMA's RoPE
+    and grouped-query attention, biases on every linear, a sliding window on every block."""
+    shape.update(n_kv_heads=int(hf.get("num_key_value_heads") or shape["n_heads"]),
+                 d_ff=int(hf["intermediate_size"]), norm="layernorm", position="rope", mlp="gelu",
+                 bias=True, tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                 norm_eps=float(hf.get("norm_epsilon", 1e-5)),
+                 rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta", 10000.0)))
+    if not hf.get("use_bias", True):  # its LayerNorms keep their biases; ours follow model.bias
+        problems.append("use_bias = False (StarCoder2's LayerNorms keep biases; ours would not)")
+    if hf.get("hidden_act", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_new"):
+        problems.append(f"hidden_act = {hf['hidden_act']!r} (ours is GELU's tanh form)")
+    if hf.get("sliding_window"):  # a mask on every block
+        shape.update(sliding_window=int(hf["sliding_window"]), global_every=0)
+    shape.update(_rope_shape(hf, rope, shape["max_seq_len"], problems))
+
+
+def _smollm3_shape(hf: dict[str, Any], shape: dict[str, Any], problems: list[str]) -> None:
+    """SmolLM3's NoPE blocks (no_rope_layers: 1 rotates, 0 does not) as model.nope_every."""
+    interval = int(hf.get("no_rope_layer_interval") or 4)
+    flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(shape["n_layers"])]
+    every = _global_every([bool(f) for f in flags])  # the same pattern: rotating = not every n-th
+    if every is None:
+        problems.append(f"no_rope_layers = {flags} (ours: every block rotates but each n-th: "
+                        f"model.nope_every)")
+    elif every:
+        shape["nope_every"] = every
+    if hf.get("use_sliding_window") and hf.get("sliding_window"):
+        problems.append("use_sliding_window = True (SmolLM3's windows sit on its NoPE blocks; "
+                        "ours on all but each n-th)")
 
 
 def _global_every(sliding: list[bool]) -> int | None:

@@ -27,40 +27,44 @@ from shardlm.models.init import Initializer
 
 
 GPT2_STYLE = {"norm": "layernorm", "position": "learned", "mlp": "gelu"}
+STARCODER2_STYLE = {"norm": "layernorm", "position": "rope", "mlp": "gelu"}
 LLAMA_STYLE = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
 
 
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
-LLAMA_SHAPED = ("mistral", "phi3")
-"""model.family values that compute as 'llama' does (their own names and config keys)."""
+
+# The LLaMA-style fields beyond the common core, with their defaults, and which of them each
+# LLaMA-style family's transformers class has a key for (Gemma's are checked by _gemma_problems).
+EXTRA_FIELDS = {"head_dim": 0, "qkv_bias": False, "qk_norm": False, "qk_norm_width": "head",
+                "norm_placement": "pre", "gate_activation": "silu", "embedding_multiplier": 1.0,
+                "attention_scale": 0.0, "residual_multiplier": 1.0, "logits_divisor": 1.0,
+                "attn_softcap": 0.0, "logit_softcap": 0.0, "sliding_window": 0, "global_every": 0,
+                "rope_local_theta": 0.0, "nope_every": 0}
+EXPRESSES = {
+    "llama": {"head_dim"},
+    "mistral": {"head_dim", "sliding_window"},  # a window on every block
+    "phi3": {"sliding_window"},
+    "qwen2": {"qkv_bias"},
+    "qwen3": {"head_dim", "qk_norm"},
+    "olmo2": {"qk_norm", "qk_norm_width", "norm_placement"},
+    "granite": {"embedding_multiplier", "attention_scale", "residual_multiplier", "logits_divisor"},
+    "smollm3": {"nope_every"},
+    "starcoder2": {"head_dim", "sliding_window"},  # not LLaMA-style in norm and MLP: STARCODER2_STYLE
+}
+REQUIRED = {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True},
+            "olmo2": {"qk_norm": True, "qk_norm_width": "all", "norm_placement": "post"}}
+BIASED = ("llama", "granite", "smollm3", "starcoder2")
+"""Families whose attention and MLP linears may all have biases (model.bias)."""
 
 
 def hf_family(m: ModelConfig) -> str:
-    """model.family when the fields are what its class computes (a checkpoint's own family,
-    so export writes its model_type back), else the class the fields imply (_implied_family);
-    a ConfigError naming the disagreement or the fields no class expresses."""
-    implied = _implied_family(m)
-    if not m.family or m.family == implied:
-        return implied
-    if implied == "llama" and m.family in LLAMA_SHAPED:
-        if m.sliding_window and m.global_every:
-            raise ConfigError(f"cannot export to {m.family}: model.global_every = {m.global_every} "
-                              f"(its every block slides: 0)")
-        if m.family == "phi3" and head_dim(m) != m.d_model // m.n_heads:
-            raise ConfigError(f"cannot export to phi3: model.head_dim = {m.head_dim} (Phi3Config "
-                              f"has none: d_model / n_heads = {m.d_model // m.n_heads}); set 0")
-        return m.family
-    raise ConfigError(f"model.family = {m.family!r}, but the other [model] fields describe a "
-                      f"{implied!r} model (transformers' {implied} class computes them); set "
-                      f"model.family = '' or {implied!r}")
-
-
-def _implied_family(m: ModelConfig) -> str:
-    """The transformers model_type that computes exactly our model: 'gpt2', 'llama' (Llama
-    1-3.3: any model.rope_type, model.head_dim), 'qwen2' (LLaMA with biases on q/k/v only),
-    'qwen3' (LLaMA with model.qk_norm), 'gemma' / 'gemma2' / 'gemma3_text' (model.norm_offset:
-    plain, sandwich norms, and q/k norms) or 'mixtral'; or a ConfigError naming the fields that
-    match no class."""
+    """The transformers model_type that computes exactly our model: model.family (a loaded
+    checkpoint's own, so export writes it back), else the class the fields imply: 'gpt2',
+    'llama' (Llama 1-3.3: any model.rope_type, model.head_dim), 'qwen2' (biases on q/k/v only),
+    'qwen3' (per-head q/k norms), 'olmo2' (post-norms, whole-width q/k norms), 'granite'
+    (multipliers), 'smollm3' (NoPE blocks), 'mistral' (a sliding window), 'gemma' / 'gemma2' /
+    'gemma3_text' (model.norm_offset: plain, sandwich norms, and q/k norms) or 'mixtral'. A
+    ConfigError names every field the class cannot express."""
     chosen = {k: getattr(m, k) for k in GPT2_STYLE}
     if m.experts:
         return _mixtral_family(m, chosen)
@@ -75,25 +79,21 @@ def _implied_family(m: ModelConfig) -> str:
                               f"(grouped-query attention) has no GPT-2 equivalent; only "
                               f"n_kv_heads = 0 or n_heads = {m.n_heads} maps")
         return "gpt2"
-    if chosen == LLAMA_STYLE and m.norm_offset:
-        family = "gemma3_text" if m.qk_norm else "gemma2" if m.norm_placement == "sandwich" else "gemma"
-        _check_gemma(m, family)
-        return family
+    if chosen == STARCODER2_STYLE:
+        problems = _llama_problems(m, "starcoder2")
+        if not m.bias:
+            problems.append("model.bias = false (StarCoder2's LayerNorms have biases: use_bias)")
+        if problems:
+            raise ConfigError("cannot export this model to transformers' starcoder2 class: "
+                              + "; ".join(problems))
+        return "starcoder2"
     if chosen == LLAMA_STYLE:
-        _check_not_gemma(m)
-        if m.qk_norm:
-            if m.bias or m.qkv_bias:
-                raise ConfigError("cannot export to transformers: model.qk_norm = true (Qwen3) with "
-                                  "model.bias / model.qkv_bias: Qwen3ForCausalLM has no MLP biases "
-                                  "and no q/k/v-only biases; set both false")
-            return "qwen3"
-        if m.qkv_bias and not m.bias:
-            if head_dim(m) != m.d_model // m.n_heads:
-                raise ConfigError(f"cannot export to Qwen2ForCausalLM: model.head_dim = {m.head_dim} "
-                                  f"(Qwen2Config has no head_dim: d_model / n_heads = "
-                                  f"{m.d_model // m.n_heads} only); set model.head_dim = 0")
-            return "qwen2"
-        return "llama"
+        family = m.family or _implied_llama_family(m)
+        problems = _gemma_problems(m, family) if family in GEMMA_FAMILIES else _llama_problems(m, family)
+        if problems:
+            raise ConfigError(f"cannot export this model to transformers' {family} class"
+                              f"{' (model.family)' if m.family else ''}: " + "; ".join(problems))
+        return family
 
     def describe(style: dict[str, str]) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in style.items())
@@ -105,6 +105,45 @@ def _implied_family(m: ModelConfig) -> str:
                       f"needs {describe(LLAMA_STYLE)} (not {', '.join(off_llama)})")
 
 
+def _implied_llama_family(m: ModelConfig) -> str:
+    """The LLaMA-style class a model of ours without model.family is most naturally: by its
+    distinguishing fields (a model that mixes them is refused by the family's check)."""
+    if m.norm_offset:
+        return "gemma3_text" if m.qk_norm else "gemma2" if m.norm_placement == "sandwich" else "gemma"
+    if m.qk_norm:
+        return "olmo2" if m.qk_norm_width == "all" else "qwen3"
+    if (m.embedding_multiplier, m.attention_scale, m.residual_multiplier, m.logits_divisor) != (1.0, 0.0, 1.0, 1.0):
+        return "granite"
+    if m.nope_every:
+        return "smollm3"
+    if m.sliding_window:
+        return "mistral"
+    return "qwen2" if m.qkv_bias and not m.bias else "llama"
+
+
+def _llama_problems(m: ModelConfig, family: str) -> list[str]:
+    """What `family`'s class (a LLaMA-style one) cannot express of our model, field by field."""
+    if family not in EXPRESSES:
+        return [f"model.family = {family!r} is not a LLaMA-style class (the fields are "
+                f"LLaMA's: rmsnorm, rope, swiglu)"]
+    problems = []
+    for field, default in EXTRA_FIELDS.items():
+        value, required = getattr(m, field), REQUIRED.get(family, {}).get(field)
+        if required is not None and value != required:
+            problems.append(f"model.{field} = {value!r} ({family}'s is {required!r})")
+        elif required is None and value != default and field not in EXPRESSES[family]:
+            problems.append(f"model.{field} = {value!r} ({family} has none: {default!r})")
+    if m.norm_offset:
+        problems.append(f"model.norm_offset = true ({family}'s RMSNorm multiplies by w itself)")
+    if m.bias and family not in BIASED:
+        problems.append(f"model.bias = true ({family}'s linears have no biases on every one)")
+    if family == "qwen2" and m.bias:
+        problems.append("model.bias = true (Qwen2's biases are on q/k/v only: model.qkv_bias)")
+    if m.sliding_window and m.global_every:
+        problems.append(f"model.global_every = {m.global_every} ({family} slides every block: 0)")
+    return problems
+
+
 def query_pre_attn_scalar(m: ModelConfig) -> int | None:
     """Gemma's query_pre_attn_scalar q with q^-1/2 exactly model.attention_scale (head_dim when
     that is 0), or None where no whole number gives it."""
@@ -114,19 +153,16 @@ def query_pre_attn_scalar(m: ModelConfig) -> int | None:
     return q if q > 0 and q ** -0.5 == m.attention_scale else None
 
 
-def _check_gemma(m: ModelConfig, family: str) -> None:
-    """A ConfigError naming each field of this (1 + w)-norm model that `family`'s class cannot
-    express."""
+def _gemma_problems(m: ModelConfig, family: str) -> list[str]:
+    """What `family`'s class (Gemma 1, 2 or 3) cannot express of our model, field by field."""
     problems = []
-    if m.gate_activation != "gelu_tanh":
-        problems.append(f"model.gate_activation = {m.gate_activation!r} (Gemma's is 'gelu_tanh')")
-    if m.embedding_multiplier != m.d_model ** 0.5:
-        problems.append(f"model.embedding_multiplier = {m.embedding_multiplier:g} (Gemma's is "
-                        f"sqrt(d_model) = {m.d_model ** 0.5:g})")
-    if m.bias or m.qkv_bias:
-        problems.append("model.bias / model.qkv_bias (Gemma's linears have no biases)")
-    if m.experts:
-        problems.append(f"model.experts = {m.experts} (Gemma is dense)")
+    want = {"norm_offset": True, "gate_activation": "gelu_tanh",
+            "embedding_multiplier": m.d_model ** 0.5, "bias": False, "qkv_bias": False,
+            "qk_norm": family == "gemma3_text", "qk_norm_width": "head",
+            "norm_placement": "pre" if family == "gemma" else "sandwich", "residual_multiplier": 1.0,
+            "logits_divisor": 1.0, "nope_every": 0}
+    problems += [f"model.{k} = {getattr(m, k)!r} ({family}'s is {v!r})" for k, v in want.items()
+                 if getattr(m, k) != v]
     if family == "gemma":
         gemma1 = {"model.attention_scale": m.attention_scale, "model.attn_softcap": m.attn_softcap,
                   "model.logit_softcap": m.logit_softcap, "model.sliding_window": m.sliding_window}
@@ -138,26 +174,7 @@ def _check_gemma(m: ModelConfig, family: str) -> None:
     if m.rope_local_theta and family != "gemma3_text":
         problems.append(f"model.rope_local_theta = {m.rope_local_theta:g} (only Gemma 3 has a "
                         f"second RoPE base)")
-    if problems:
-        raise ConfigError(f"cannot export this model to transformers' {family} class: "
-                          + "; ".join(problems))
-
-
-def _check_not_gemma(m: ModelConfig) -> None:
-    """The Gemma-only fields LLaMA-style classes have no key for: a ConfigError naming each
-    (Mistral and Phi-3 have a sliding window on every block)."""
-    window = m.family in LLAMA_SHAPED and not m.global_every and not m.rope_local_theta
-    off = {"model.gate_activation": (m.gate_activation, "silu"),
-           "model.norm_placement": (m.norm_placement, "pre"),
-           "model.embedding_multiplier": (m.embedding_multiplier, 1.0),
-           "model.attention_scale": (m.attention_scale, 0.0),
-           "model.attn_softcap": (m.attn_softcap, 0.0), "model.logit_softcap": (m.logit_softcap, 0.0),
-           "model.sliding_window": (0 if window else m.sliding_window, 0),
-           "model.rope_local_theta": (m.rope_local_theta, 0.0)}
-    problems = [f"{k} = {v!r} (LLaMA-style classes: {want!r})" for k, (v, want) in off.items() if v != want]
-    if problems:
-        raise ConfigError("cannot export this model to transformers: " + "; ".join(problems)
-                          + ". Gemma's classes have these with model.norm_offset = true")
+    return problems
 
 
 def _mixtral_family(m: ModelConfig, chosen: dict[str, str]) -> str:
@@ -217,7 +234,20 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
         if biases:
             out[f"{ours}.bias"] = HFSource(tuple(f"{n}.bias" for n in names), tuple(rows))
 
-    if family == "gpt2":
+    if family == "starcoder2":  # LLaMA's names for attention and norms (LayerNorms: biases too)
+        out["tok_emb.weight"] = HFSource(("model.embed_tokens.weight",), (m.vocab_size,))
+        ff = resolved_d_ff(m)
+        for i in range(m.n_layers):
+            h, b, attn = f"model.layers.{i}", f"blocks.{i}", f"model.layers.{i}.self_attn"
+            add(f"{b}.attn_norm", [f"{h}.input_layernorm"], [d], biases=m.bias)
+            add(f"{b}.mlp_norm", [f"{h}.post_attention_layernorm"], [d], biases=m.bias)
+            add(f"{b}.attn.qkv", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], [q, kv, kv],
+                biases=m.bias)
+            add(f"{b}.attn.proj", [f"{attn}.o_proj"], [d], biases=m.bias)
+            add(f"{b}.mlp.fc", [f"{h}.mlp.c_fc"], [ff], biases=m.bias)
+            add(f"{b}.mlp.proj", [f"{h}.mlp.c_proj"], [d], biases=m.bias)
+        add("norm_f", ["model.norm"], [d], biases=m.bias)
+    elif family == "gpt2":
         out["tok_emb.weight"] = HFSource(("transformer.wte.weight",), (m.vocab_size,))
         out["pos_emb.weight"] = HFSource(("transformer.wpe.weight",), (m.max_seq_len,))
         ff = resolved_d_ff(m)
@@ -235,12 +265,16 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
         ff = resolved_d_ff(m)
         for i in range(m.n_layers):
             h, b = f"model.layers.{i}", f"blocks.{i}"
-            add(f"{b}.attn_norm", [f"{h}.input_layernorm"], [d], biases=False)
+            if m.norm_placement == "post":  # OLMo-2: the norms after attention and the MLP
+                add(f"{b}.attn_norm", [f"{h}.post_attention_layernorm"], [d], biases=False)
+                add(f"{b}.mlp_norm", [f"{h}.post_feedforward_layernorm"], [d], biases=False)
+            else:
+                add(f"{b}.attn_norm", [f"{h}.input_layernorm"], [d], biases=False)
             if m.norm_placement == "sandwich":  # Gemma 2/3: post_attention_layernorm is a post-norm
                 add(f"{b}.attn_post_norm", [f"{h}.post_attention_layernorm"], [d], biases=False)
                 add(f"{b}.mlp_norm", [f"{h}.pre_feedforward_layernorm"], [d], biases=False)
                 add(f"{b}.mlp_post_norm", [f"{h}.post_feedforward_layernorm"], [d], biases=False)
-            else:
+            elif m.norm_placement == "pre":
                 add(f"{b}.mlp_norm", [f"{h}.post_attention_layernorm"], [d], biases=False)
             attn = f"{h}.self_attn"
             if family == "phi3":  # already fused as ours: rows q, k, v
@@ -249,13 +283,14 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
                 add(f"{b}.attn.qkv", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"],
                     [q, kv, kv], biases=m.bias or m.qkv_bias)
             add(f"{b}.attn.proj", [f"{attn}.o_proj"], [d], biases=m.bias)
-            if m.qk_norm:  # Qwen3: one RMSNorm weight of head_dim each, shared by the heads
-                add(f"{b}.attn.q_norm", [f"{attn}.q_norm"], [hd], biases=False)
-                add(f"{b}.attn.k_norm", [f"{attn}.k_norm"], [hd], biases=False)
+            if m.qk_norm:  # per head (Qwen3, Gemma 3: head_dim) or whole (OLMo-2: q, kv widths)
+                whole = m.qk_norm_width == "all"
+                add(f"{b}.attn.q_norm", [f"{attn}.q_norm"], [q if whole else hd], biases=False)
+                add(f"{b}.attn.k_norm", [f"{attn}.k_norm"], [kv if whole else hd], biases=False)
             if family == "phi3":  # gate_up_proj: rows gate, then up, as ours
                 add(f"{b}.mlp.gate_up", [f"{h}.mlp.gate_up_proj"], [2 * ff], biases=m.bias)
                 add(f"{b}.mlp.down", [f"{h}.mlp.down_proj"], [d], biases=m.bias)
-            elif family in ("llama", "mistral", "qwen2", "qwen3") + GEMMA_FAMILIES:
+            elif family != "mixtral":  # a mixture's experts are export's own business
                 add(f"{b}.mlp.gate_up", [f"{h}.mlp.gate_proj", f"{h}.mlp.up_proj"], [ff, ff],
                     biases=m.bias)
                 add(f"{b}.mlp.down", [f"{h}.mlp.down_proj"], [d], biases=m.bias)
@@ -272,8 +307,8 @@ def loaded_family(m: ModelConfig) -> str:
     norms, sandwich norms)."""
     if m.family:
         return m.family
-    if m.mlp != "swiglu":
-        return "gpt2"
+    if m.mlp != "swiglu":  # GPT-2 (learned positions) or StarCoder2 (RoPE)
+        return "gpt2" if m.position == "learned" else "starcoder2"
     return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias and not m.bias else "llama"
 
 

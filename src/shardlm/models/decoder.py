@@ -183,8 +183,11 @@ class Attention(nn.Module):
         qkv_out = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         self.qkv = nn.Linear(cfg.d_model, qkv_out, bias=cfg.bias or cfg.qkv_bias)
         self.proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
-        if cfg.qk_norm:
-            self.q_norm, self.k_norm = _norm(cfg, self.head_dim), _norm(cfg, self.head_dim)
+        self.qk_norm_all = cfg.qk_norm and cfg.qk_norm_width == "all"
+        if cfg.qk_norm:  # OLMo-2's over the whole projection, else over each head
+            q_width, k_width = ((self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim)
+                                if self.qk_norm_all else (self.head_dim, self.head_dim))
+            self.q_norm, self.k_norm = _norm(cfg, q_width), _norm(cfg, k_width)
         self.core = CausalAttention(cfg.attention_scale or None, cfg.attn_softcap)
 
     def forward(self, x: torch.Tensor, rope: Rope | None, cache: LayerCache | None = None,
@@ -195,10 +198,12 @@ class Attention(nn.Module):
         B, T, _ = qkv.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if self.qk_norm_all:  # (B, T, nh*hs), (B, T, nkv*hs)
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        if hasattr(self, "q_norm"):  # per head, over hs
+        if hasattr(self, "q_norm") and not self.qk_norm_all:  # per head, over hs
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -261,7 +266,9 @@ class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a mixture of
     experts (models/moe.py) in the blocks `model.moe_every` picks when model.experts > 0.
     model.norm_placement 'sandwich' (Gemma 2, 3) also normalises each output before it joins
-    the residual: x + post_norm(attn(norm(x)))."""
+    the residual: x + post_norm(attn(norm(x))); 'post' (OLMo-2) normalises the output only, with
+    the same attn_norm / mlp_norm: x + attn_norm(attn(x)). Granite scales each output by
+    model.residual_multiplier."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0, stats: MoEStats | None = None) -> None:
         super().__init__()
@@ -273,17 +280,24 @@ class Block(nn.Module):
             self.attn_post_norm, self.mlp_post_norm = _norm(cfg), _norm(cfg)
         self.sliding = is_sliding(cfg, index)
         """Whether this block attends within model.sliding_window only (its mask and RoPE)."""
+        self.rope = ("" if cfg.nope_every and (index + 1) % cfg.nope_every == 0 else
+                     "rope_local" if self.sliding and cfg.rope_local_theta else "rope")
+        """Which RoPE tables the block rotates with ('' = none: NoPE, model.nope_every)."""
+        self.post, self.residual_multiplier = cfg.norm_placement == "post", cfg.residual_multiplier
 
     def forward(self, x: torch.Tensor, rope: Rope | None = None, cache: LayerCache | None = None,
                 mask: AttentionMask | None = None) -> torch.Tensor:
-        h = self.attn(self.attn_norm(x), rope, cache=cache, mask=mask)  # (B, T, C)
+        if self.post:  # OLMo-2
+            h = self.attn_norm(self.attn(x, rope, cache=cache, mask=mask))  # (B, T, C)
+        else:
+            h = self.attn(self.attn_norm(x), rope, cache=cache, mask=mask)  # (B, T, C)
         if hasattr(self, "attn_post_norm"):
             h = self.attn_post_norm(h)
-        x = x + h
-        h = self.mlp(self.mlp_norm(x))  # (B, T, C)
+        x = x + (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier)
+        h = self.mlp_norm(self.mlp(x)) if self.post else self.mlp(self.mlp_norm(x))  # (B, T, C)
         if hasattr(self, "mlp_post_norm"):
             h = self.mlp_post_norm(h)
-        return x + h
+        return x + (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier)
 
 
 class Decoder(nn.Module):
@@ -394,15 +408,16 @@ class Decoder(nn.Module):
             x = hidden
             if getattr(self, "tp", None) is not None:  # the embedding decides it on the first stage
                 self.tp.decide(idx)
-        ropes = {False: self._rope("rope", positions)}  # per block: whether it slides
-        ropes[True] = self._rope("rope_local", positions) if self.cfg.rope_local_theta else ropes[False]
+        ropes = {"": None, "rope": self._rope("rope", positions)}  # by Block.rope
+        if self.cfg.rope_local_theta:
+            ropes["rope_local"] = self._rope("rope_local", positions)
         # once per forward, shared by every block (a KV cache's decoding runs its own attention)
         masks = {False: self._attention_mask(documents, T, x) if cache is None else None}
         masks[True] = (self._attention_mask(documents, T, x, self.cfg.sliding_window)
                        if cache is None and self.cfg.sliding_window else masks[False])
         for i in self.layers:
             block = self.blocks[i]
-            rope, mask = ropes[block.sliding], masks[block.sliding]
+            rope, mask = ropes[block.rope], masks[block.sliding]
             if cache is None:
                 x = block(x, rope) if mask is None else block(x, rope, mask=mask)  # (B, T, C)
             else:
@@ -410,6 +425,8 @@ class Decoder(nn.Module):
         if self.layers.stop < self.cfg.n_layers:  # a pipeline stage before the last
             return x
         logits = self.head(self.norm_f(x))  # (B, T, vocab)
+        if self.cfg.logits_divisor != 1.0:  # Granite
+            logits = logits / self.cfg.logits_divisor
         if self.cfg.logit_softcap:  # Gemma 2: c·tanh(logits/c)
             logits = torch.tanh(logits / self.cfg.logit_softcap) * self.cfg.logit_softcap
         return logits

@@ -95,8 +95,11 @@ def _block_params(cfg: ModelConfig, moe: bool = False, active: bool = False) -> 
         biases = (cfg.n_heads + 2 * n_kv) * hd
     if cfg.bias:
         biases += cfg.d_model + sum(_mlp_biases(cfg, w) for w in _mlp_widths(cfg, moe, active))
-    qk_norms = 2 * hd if cfg.qk_norm else 0
-    return _block_matmul_params(cfg, moe, active) + biases + 2 * _norm_params(cfg) + qk_norms
+    qk_norms = 0
+    if cfg.qk_norm:  # per head (head_dim weights each), or over the whole q and k projections
+        qk_norms = 2 * hd if cfg.qk_norm_width == "head" else (cfg.n_heads + n_kv) * hd
+    norms = 4 if cfg.norm_placement == "sandwich" else 2
+    return _block_matmul_params(cfg, moe, active) + biases + norms * _norm_params(cfg) + qk_norms
 
 
 def _root_params(cfg: ModelConfig) -> int:
