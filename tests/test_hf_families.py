@@ -82,6 +82,11 @@ def _family(name: str):
     if name == "starcoder2":  # LayerNorm + biases, GELU c_fc/c_proj, RoPE, GQA, a window of 16
         return tf.Starcoder2ForCausalLM, tf.Starcoder2Config(sliding_window=16, pad_token_id=None, **{
             k: v for k, v in LLAMA.items() if k != "rms_norm_eps"})
+    if name == "gpt_neox":  # parallel residual, half the head rotated, exact GELU, qkv fused per head
+        return tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(
+            vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=160,
+            max_position_embeddings=128, bos_token_id=1, eos_token_id=1, pad_token_id=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
     raise KeyError(name)
 
 
@@ -108,7 +113,7 @@ def _hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ["llama3", "llama-yarn", "llama-linear", "llama-dynamic", "qwen3",
                                   "gemma", "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3",
-                                  "starcoder2"])
+                                  "starcoder2", "gpt_neox"])
 def test_family_loads_trains_and_exports_bit_for_bit(tmp_path, name):
     """transformers' logits on the first batch (1e-5); then one step with lr 1e-30 (AdamW moves
     no fp32 weight by so little) and `shardlm export --format hf` (the CLI): every tensor of the
@@ -132,7 +137,7 @@ def test_family_loads_trains_and_exports_bit_for_bit(tmp_path, name):
     for key in ("model_type", "head_dim", "rope_parameters", "tie_word_embeddings", "num_key_value_heads",
                 "query_pre_attn_scalar", "sliding_window", "layer_types", "attn_logit_softcapping",
                 "final_logit_softcapping", "no_rope_layers", "embedding_multiplier", "residual_multiplier",
-                "attention_multiplier", "logits_scaling"):
+                "attention_multiplier", "logits_scaling", "use_parallel_residual", "hidden_act"):
         assert written.get(key) == source.get(key), key
     again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(again) is type(hf)

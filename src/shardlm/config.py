@@ -47,11 +47,12 @@ class ModelConfig:
     position: str = "learned"
     """'learned' absolute positions (GPT-2) or 'rope' rotary embeddings (LLaMA)."""
     mlp: str = "gelu"
-    """'gelu' two-layer MLP (GPT-2) or 'swiglu' gated MLP (LLaMA; its gate's activation is
-    model.gate_activation)."""
-    gate_activation: str = "silu"
-    """The gated MLP's (model.mlp = 'swiglu') gate: 'silu' (LLaMA's SwiGLU) or 'gelu_tanh'
-    (GELU's tanh form: Gemma's GeGLU)."""
+    """'gelu' two-layer MLP (GPT-2) or 'swiglu' gated MLP (LLaMA); its activation is
+    model.activation."""
+    activation: str = "auto"
+    """The MLP's activation: 'auto' = model.mlp's own (GELU's tanh form for 'gelu', as GPT-2;
+    SiLU for 'swiglu'), 'gelu_tanh' (on the gate: Gemma's GeGLU), 'gelu' (exact, erf: GPT-NeoX)
+    or 'silu'."""
     bias: bool = True
     """Biases in linear layers and norms (GPT-2 has them, LLaMA does not)."""
     qkv_bias: bool = False
@@ -91,6 +92,12 @@ class ModelConfig:
     norm_offset: bool = False
     """Gemma's RMSNorm: the weight w is stored as the checkpoint has it and applied as (1 + w),
     in fp32 (initialised at 0); every RMSNorm of the model, q/k norms included."""
+    parallel_residual: bool = False
+    """x + attn(norm1(x)) + mlp(norm2(x)): attention and MLP side by side on the block's input
+    (GPT-NeoX, GPT-J) instead of one after the other."""
+    rope_fraction: float = 1.0
+    """RoPE rotates the first rope_fraction of each head's features, the rest pass unrotated
+    (GPT-NeoX's rotary_pct, partial_rotary_factor); its frequencies are those of that width."""
     norm_placement: str = "pre"
     """'pre' (GPT-2, LLaMA: x + f(norm(x))), 'sandwich' (Gemma 2 and 3: x + norm(f(norm(x))),
     a second norm on the attention's and the MLP's outputs) or 'post' (OLMo-2: x + norm(f(x)))."""

@@ -37,7 +37,8 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "per_document", "flex", "math")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 CHECKPOINT_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
-                       "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "starcoder2", "mixtral")
+                       "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "starcoder2", "gpt_neox",
+                       "mixtral")
 """model.family: the transformers model_types checkpoint/hf_names.py has a name table for."""
 """model.rope_type: transformers' ROPE_INIT_FUNCTIONS our decoder computes (models/decoder.py)."""
 """model.attention's kernels (shardlm.models.attention)."""
@@ -95,7 +96,7 @@ _CHOICES = {
     "model.rope_type": ROPE_TYPES,
     "model.family": ("",) + CHECKPOINT_FAMILIES,
     "model.mlp": ("gelu", "swiglu"),
-    "model.gate_activation": ("silu", "gelu_tanh"),
+    "model.activation": ("auto", "gelu_tanh", "gelu", "silu"),
     "model.norm_placement": ("pre", "sandwich", "post"),
     "model.qk_norm_width": ("head", "all"),
     "model.router": ("softmax", "sigmoid"),
@@ -180,6 +181,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.d_ff": _non_negative(" (0 = the default width for model.mlp)"),
     "model.max_seq_len": _positive(),
     "model.rope_theta": _positive(),
+    "model.rope_fraction": _rule(lambda v: 0.0 < v <= 1.0, "must be in (0, 1] (1 = the whole head)"),
     "model.rope_factor": _positive(" (1 = no scaling)"),
     "model.rope_original_max_seq_len": _non_negative(" (0 = model.max_seq_len)"),
     "model.rope_low_freq_factor": _positive(),
@@ -353,8 +355,10 @@ def _rope_scaling(cfg: Config) -> list[str]:
 
 
 @_cross("model.attention", "model.attn_softcap", "model.sliding_window", "model.rope_local_theta",
-        "model.norm_offset", "model.norm", "model.gate_activation", "model.mlp", "model.experts",
-        "parallel.cp", "parallel.tp", "train.seq_len")
+        "model.norm_offset", "model.norm", "model.activation", "model.mlp", "model.experts",
+        "parallel.cp", "parallel.tp", "train.seq_len", "model.parallel_residual", "model.rope_fraction",
+        "model.norm_placement", "model.residual_multiplier", "model.head_dim", "model.d_model",
+        "model.n_heads", "model.position")
 def _family_features(cfg: Config) -> list[str]:
     """The checkpoint families' features (docs/finetuning.md): each where it is computed."""
     m, cp, problems = cfg.model, cfg.parallel.cp, []
@@ -380,12 +384,20 @@ def _family_features(cfg: Config) -> list[str]:
         problems.append(f"model.qk_norm_width = 'all' (OLMo-2) with parallel.tp = "
                         f"{cfg.parallel.tp}: the norm spans every head, which tensor parallelism "
                         f"splits over ranks; use parallel.tp = 1")
+    if m.parallel_residual and (m.norm_placement != "pre" or m.residual_multiplier != 1.0):
+        problems.append(f"model.parallel_residual = true with model.norm_placement = "
+                        f"{m.norm_placement!r} / residual_multiplier = {m.residual_multiplier:g}: "
+                        f"parallel blocks are pre-norm, unscaled; set 'pre' and 1")
+    rotated = int((m.head_dim or m.d_model // m.n_heads) * m.rope_fraction)
+    if m.rope_fraction != 1.0 and (m.position != "rope" or rotated % 2 or not rotated):
+        problems.append(f"model.rope_fraction = {m.rope_fraction:g} rotates {rotated} features of "
+                        f"each head: it needs model.position = 'rope' and an even, non-zero count")
     if m.norm_offset and m.norm != "rmsnorm":
         problems.append(f"model.norm_offset = true is Gemma's RMSNorm: it needs model.norm = "
                         f"'rmsnorm' (not {m.norm!r})")
-    if m.gate_activation != "silu" and (m.mlp != "swiglu" or m.experts):
-        problems.append(f"model.gate_activation = {m.gate_activation!r} is the dense gated MLP's: "
-                        f"it needs model.mlp = 'swiglu' and model.experts = 0 (experts gate with silu)")
+    if m.activation != "auto" and m.experts:
+        problems.append(f"model.activation = {m.activation!r} with model.experts = {m.experts}: "
+                        f"the experts' activation is model.mlp's own; set model.activation = 'auto'")
     return problems
 
 

@@ -37,7 +37,8 @@ import torch
 
 from shardlm.checkpoint import (TOKENIZER, WEIGHTS, load_config_json, load_for_inference,
                                resolve_run_dir)
-from shardlm.checkpoint.hf_names import GEMMA_FAMILIES, hf_family, hf_sources, query_pre_attn_scalar
+from shardlm.checkpoint.hf_names import (GEMMA_FAMILIES, heads_first, hf_family, hf_sources,
+                                         query_pre_attn_scalar)
 from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, merged_state_dict, peft_adapter, write_adapter
 from shardlm.config import ModelConfig
 from shardlm.errors import ConfigError
@@ -60,6 +61,8 @@ def rope_parameters(m: ModelConfig) -> dict:
     params: dict = {"rope_type": m.rope_type, "rope_theta": m.rope_theta}
     if m.rope_type != "default":
         params["factor"] = m.rope_factor
+    if m.rope_fraction != 1.0:  # partial rotary (GPT-NeoX, Phi-3 family)
+        params["partial_rotary_factor"] = m.rope_fraction
     original = {"original_max_position_embeddings": m.rope_original_max_seq_len or m.max_seq_len}
     if m.rope_type == "llama3":
         params.update(low_freq_factor=m.rope_low_freq_factor,
@@ -122,6 +125,15 @@ def hf_config(m: ModelConfig, eot: int | None):
                         rope_parameters=rope_parameters(m), sliding_window=m.sliding_window or None,
                         hidden_act="silu", **tokens)
     no_head_dim = {k: v for k, v in llama_shaped.items() if k not in ("head_dim", "sliding_window")}
+    if family == "gpt_neox":  # LayerNorms, biases everywhere, parallel residual, partial rotary
+        act = {"auto": "gelu_pytorch_tanh", "gelu_tanh": "gelu_pytorch_tanh"}.get(m.activation, m.activation)
+        return tf.GPTNeoXConfig(hidden_act=act,
+                                layer_norm_eps=m.norm_eps, use_parallel_residual=m.parallel_residual,
+                                attention_bias=True, attention_dropout=0.0, hidden_dropout=0.0,
+                                pad_token_id=None,
+                                **{k: v for k, v in llama_shaped.items()
+                                   if k not in ("head_dim", "rms_norm_eps", "hidden_act", "sliding_window",
+                                                "num_key_value_heads")})
     if family == "starcoder2":  # LayerNorm (with biases), GELU MLP, RoPE, GQA, a window on every block
         return tf.Starcoder2Config(use_bias=True, hidden_act="gelu_pytorch_tanh", norm_epsilon=m.norm_eps,
                                    residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0,
@@ -154,6 +166,11 @@ def hf_config(m: ModelConfig, eot: int | None):
                           max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
                           head_dim=head_dim(m), rope_parameters=rope_parameters(m),
                           attention_bias=m.bias, mlp_bias=m.bias, **tokens)
+
+
+IN_MEMORY_NAMES = {"gpt_neox": {"embed_out.weight": "lm_head.weight"}}
+"""File name -> the module's own, where transformers 5 renames a checkpoint's tensors as it
+loads them and back as it saves (its conversion_mapping.py): the table holds the files' names."""
 
 
 def _gemma_config(tf, m: ModelConfig, family: str, tokens: dict):
@@ -196,7 +213,8 @@ def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig,
     sources = hf_sources(m, family)
     out: dict[str, torch.Tensor] = {}
     for ours, source in sources.items():
-        for name, part in zip(source.names, sd[ours].split(list(source.rows))):
+        tensor = heads_first(sd[ours], source.per_head) if source.per_head else sd[ours]
+        for name, part in zip(source.names, tensor.split(list(source.rows))):
             out[name] = (part.t() if source.transposed else part).contiguous()
         bias = f"{ours.removesuffix('.weight')}.bias"
         if family == "gpt2" and ours.startswith(("blocks.", "norm_f.")) and ours.endswith(".weight") \
@@ -292,7 +310,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
            "gemma2": tf.Gemma2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
            "mistral": tf.MistralForCausalLM, "phi3": tf.Phi3ForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
            "granite": tf.GraniteForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
-           "starcoder2": tf.Starcoder2ForCausalLM}[hf_family(m)]
+           "starcoder2": tf.Starcoder2ForCausalLM, "gpt_neox": tf.GPTNeoXForCausalLM}[hf_family(m)]
     with torch.device("meta"):  # no memory and no random init: every tensor comes from `sd`
         hf_model = cls(config)
     stacked = any(n.endswith(".experts.gate_up_proj") for n, _ in hf_model.named_parameters())
@@ -300,6 +318,8 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
     if merge:
         ours = merged_state_dict(ours, cfg)
     sd = hf_state_dict(ours, m, stacked_experts=stacked)
+    renamed = IN_MEMORY_NAMES.get(hf_family(m), {})
+    sd = {renamed.get(name, name): tensor for name, tensor in sd.items()}
     del model
     missing, unexpected = hf_model.load_state_dict(sd, strict=False, assign=True)
     if missing or unexpected:

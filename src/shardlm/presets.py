@@ -113,7 +113,10 @@ GEMMA = ("gemma", "gemma2", "gemma3_text")
 """Gemma 1, 2 and 3 (text): (1 + w) norms, sqrt(d)-scaled embeddings, GeGLU (hf_shape's
 _gemma_shape)."""
 LOADABLE = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "granite", "smollm3",
-            "starcoder2") + GEMMA
+            "starcoder2", "gpt_neox") + GEMMA
+PARTIAL_ROTARY = ("phi3", "gpt_neox")
+"""Families whose transformers code rotates only partial_rotary_factor of each head (the others
+ignore the key, so a checkpoint that sets it is refused)."""
 """model_type values whose weights our decoder computes exactly (model.hf_path); which of each
 family's options it computes, hf_shape says (docs/finetuning.md, "Checkpoint families")."""
 SCALED_ROPE = ("linear", "dynamic", "yarn", "llama3")
@@ -185,6 +188,8 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
                 problems.append(f"{flag} = {hf[flag]!r} (ours: {want})")
     elif kind == "starcoder2":
         _starcoder2_shape(hf, shape, rope, problems)
+    elif kind == "gpt_neox":
+        _neox_shape(hf, shape, rope, problems)
     else:
         heads = shape["n_heads"]
         attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
@@ -242,7 +247,7 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
         if kind == "smollm3":
             _smollm3_shape(hf, shape, problems)
         max_positions = int(key("max_position_embeddings"))
-        shape.update(_rope_shape(hf, rope, max_positions, problems))
+        shape.update(_rope_shape(hf, rope, max_positions, problems, kind in PARTIAL_ROTARY))
         if shape.get("rope_type") == "dynamic" and shape["max_seq_len"] != max_positions:
             problems.append(f"rope scaling 'dynamic' with the context capped at the sliding window "
                             f"({shape['max_seq_len']}): its base depends on max_position_embeddings "
@@ -265,7 +270,7 @@ def _gemma_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope: dic
     # transformers reads Gemma 1's legacy 'gelu' as the tanh form (GemmaConfig says so)
     if act not in (("gelu_pytorch_tanh", "gelu") if kind == "gemma" else ("gelu_pytorch_tanh",)):
         problems.append(f"{act_key} = {act!r} (ours is GELU's tanh form, 'gelu_pytorch_tanh')")
-    shape.update(norm_offset=True, gate_activation="gelu_tanh",
+    shape.update(norm_offset=True, activation="gelu_tanh",
                  embedding_multiplier=float(shape["d_model"] ** 0.5))
     if kind == "gemma":
         return rope
@@ -321,6 +326,26 @@ def _starcoder2_shape(hf: dict[str, Any], shape: dict[str, Any], rope: dict[str,
     shape.update(_rope_shape(hf, rope, shape["max_seq_len"], problems))
 
 
+def _neox_shape(hf: dict[str, Any], shape: dict[str, Any], rope: dict[str, Any],
+                problems: list[str]) -> None:
+    """GPT-NeoX (Pythia): LayerNorms and linears with biases, exact GELU, a parallel residual,
+    partial rotary (rotary_pct), q/k/v fused per head (the name table reorders them)."""
+    rope = dict(rope)
+    rope.setdefault("rope_theta", hf.get("rotary_emb_base", 10000.0))  # transformers 4's keys
+    rope.setdefault("partial_rotary_factor", hf.get("rotary_pct", 0.25))
+    shape.update(n_kv_heads=0, d_ff=int(hf["intermediate_size"]), norm="layernorm", position="rope",
+                 mlp="gelu", bias=True, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                 norm_eps=float(hf.get("layer_norm_eps", 1e-5)), rope_theta=float(rope["rope_theta"]),
+                 parallel_residual=bool(hf.get("use_parallel_residual", True)))
+    act = hf.get("hidden_act", "gelu")
+    if act not in ("gelu", "gelu_pytorch_tanh"):
+        problems.append(f"hidden_act = {act!r} (ours: 'gelu' or 'gelu_pytorch_tanh')")
+    shape["activation"] = "gelu" if act == "gelu" else "auto"
+    if not hf.get("attention_bias", True):  # its MLP keeps biases; ours would drop them
+        problems.append("attention_bias = False (GPT-NeoX's MLP keeps biases; ours would not)")
+    shape.update(_rope_shape(hf, rope, shape["max_seq_len"], problems, partial_ok=True))
+
+
 def _smollm3_shape(hf: dict[str, Any], shape: dict[str, Any], problems: list[str]) -> None:
     """SmolLM3's NoPE blocks (no_rope_layers: 1 rotates, 0 does not) as model.nope_every."""
     interval = int(hf.get("no_rope_layer_interval") or 4)
@@ -346,16 +371,18 @@ def _global_every(sliding: list[bool]) -> int | None:
 
 
 def _rope_shape(hf: dict[str, Any], rope: dict[str, Any], max_positions: int,
-                problems: list[str]) -> dict[str, Any]:
+                problems: list[str], partial_ok: bool = False) -> dict[str, Any]:
     """config.json's RoPE scaling (transformers 5's rope_parameters or 4's rope_scaling) as
     model.rope_* values, read as transformers' ROPE_INIT_FUNCTIONS read them (their defaults
     included); what our decoder cannot compute goes to `problems`, naming the key."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        problems.append(f"partial_rotary_factor = {partial} (ours rotates the whole head)")
+    partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    fraction = {"rope_fraction": partial} if partial != 1.0 else {}
+    if partial != 1.0 and not partial_ok:  # its transformers class would rotate the whole head
+        problems.append(f"partial_rotary_factor = {partial} (this family's transformers code "
+                        f"rotates the whole head)")
     if rope_type == "default":
-        return {}
+        return fraction
     if rope_type not in SCALED_ROPE:
         problems.append(f"rope scaling {rope_type!r} (ours: default, {', '.join(SCALED_ROPE)})")
         return {}
@@ -369,7 +396,7 @@ def _rope_shape(hf: dict[str, Any], rope: dict[str, Any], max_positions: int,
     if factor is None:
         problems.append(f"rope scaling {rope_type!r} without a 'factor'")
         return {}
-    out: dict[str, Any] = {"rope_type": rope_type, "rope_factor": float(factor)}
+    out: dict[str, Any] = {"rope_type": rope_type, "rope_factor": float(factor), **fraction}
     if rope_type == "llama3":
         missing = [k for k in ("low_freq_factor", "high_freq_factor") if rope.get(k) is None]
         if missing:

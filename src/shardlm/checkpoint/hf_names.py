@@ -28,6 +28,7 @@ from shardlm.models.init import Initializer
 
 GPT2_STYLE = {"norm": "layernorm", "position": "learned", "mlp": "gelu"}
 STARCODER2_STYLE = {"norm": "layernorm", "position": "rope", "mlp": "gelu"}
+"""StarCoder2's and GPT-NeoX's (model.family, or the NeoX-only fields, tells them apart)."""
 LLAMA_STYLE = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
 
 
@@ -36,24 +37,26 @@ GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 # The LLaMA-style fields beyond the common core, with their defaults, and which of them each
 # LLaMA-style family's transformers class has a key for (Gemma's are checked by _gemma_problems).
 EXTRA_FIELDS = {"head_dim": 0, "qkv_bias": False, "qk_norm": False, "qk_norm_width": "head",
-                "norm_placement": "pre", "gate_activation": "silu", "embedding_multiplier": 1.0,
+                "norm_placement": "pre", "activation": "auto", "embedding_multiplier": 1.0,
                 "attention_scale": 0.0, "residual_multiplier": 1.0, "logits_divisor": 1.0,
                 "attn_softcap": 0.0, "logit_softcap": 0.0, "sliding_window": 0, "global_every": 0,
-                "rope_local_theta": 0.0, "nope_every": 0}
+                "rope_local_theta": 0.0, "nope_every": 0, "parallel_residual": False,
+                "rope_fraction": 1.0}
 EXPRESSES = {
     "llama": {"head_dim"},
     "mistral": {"head_dim", "sliding_window"},  # a window on every block
-    "phi3": {"sliding_window"},
     "qwen2": {"qkv_bias"},
     "qwen3": {"head_dim", "qk_norm"},
     "olmo2": {"qk_norm", "qk_norm_width", "norm_placement"},
     "granite": {"embedding_multiplier", "attention_scale", "residual_multiplier", "logits_divisor"},
     "smollm3": {"nope_every"},
     "starcoder2": {"head_dim", "sliding_window"},  # not LLaMA-style in norm and MLP: STARCODER2_STYLE
+    "gpt_neox": {"parallel_residual", "rope_fraction", "activation"},
+    "phi3": {"sliding_window", "rope_fraction"},
 }
 REQUIRED = {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True},
             "olmo2": {"qk_norm": True, "qk_norm_width": "all", "norm_placement": "post"}}
-BIASED = ("llama", "granite", "smollm3", "starcoder2")
+BIASED = ("llama", "granite", "smollm3", "starcoder2", "gpt_neox")
 """Families whose attention and MLP linears may all have biases (model.bias)."""
 
 
@@ -80,13 +83,18 @@ def hf_family(m: ModelConfig) -> str:
                               f"n_kv_heads = 0 or n_heads = {m.n_heads} maps")
         return "gpt2"
     if chosen == STARCODER2_STYLE:
-        problems = _llama_problems(m, "starcoder2")
+        neox = (m.parallel_residual, m.rope_fraction, m.activation) != (False, 1.0, "auto")
+        family = m.family or ("gpt_neox" if neox else "starcoder2")
+        problems = _llama_problems(m, family)
         if not m.bias:
-            problems.append("model.bias = false (StarCoder2's LayerNorms have biases: use_bias)")
+            problems.append(f"model.bias = false ({family}'s LayerNorms and MLP have biases)")
+        if family == "gpt_neox" and (m.n_kv_heads or m.n_heads) != m.n_heads:
+            problems.append(f"model.n_kv_heads = {m.n_kv_heads} (GPT-NeoX has one key/value head "
+                            f"per query head)")
         if problems:
-            raise ConfigError("cannot export this model to transformers' starcoder2 class: "
+            raise ConfigError(f"cannot export this model to transformers' {family} class: "
                               + "; ".join(problems))
-        return "starcoder2"
+        return family
     if chosen == LLAMA_STYLE:
         family = m.family or _implied_llama_family(m)
         problems = _gemma_problems(m, family) if family in GEMMA_FAMILIES else _llama_problems(m, family)
@@ -156,7 +164,7 @@ def query_pre_attn_scalar(m: ModelConfig) -> int | None:
 def _gemma_problems(m: ModelConfig, family: str) -> list[str]:
     """What `family`'s class (Gemma 1, 2 or 3) cannot express of our model, field by field."""
     problems = []
-    want = {"norm_offset": True, "gate_activation": "gelu_tanh",
+    want = {"norm_offset": True, "activation": "gelu_tanh",
             "embedding_multiplier": m.d_model ** 0.5, "bias": False, "qkv_bias": False,
             "qk_norm": family == "gemma3_text", "qk_norm_width": "head",
             "norm_placement": "pre" if family == "gemma" else "sandwich", "residual_multiplier": 1.0,
@@ -218,6 +226,19 @@ class HFSource:
     """How many of our rows (dimension 0) each one gives."""
     transposed: bool = False
     """GPT-2's Conv1D: the HF weight is (in, out), ours (out, in)."""
+    per_head: int = 0
+    """GPT-NeoX's query_key_value: rows grouped by head, [q_h, k_h, v_h] for each of this many
+    heads; ours are [all q, all k, all v] (0 = the same order as ours)."""
+
+
+def heads_first(ours: torch.Tensor, heads: int) -> torch.Tensor:
+    """Our [all q, all k, all v] rows as GPT-NeoX's [q_h, k_h, v_h] per head (export)."""
+    return ours.reshape(3, heads, -1, *ours.shape[1:]).transpose(0, 1).reshape(ours.shape).contiguous()
+
+
+def parts_first(theirs: torch.Tensor, heads: int) -> torch.Tensor:
+    """GPT-NeoX's per-head [q_h, k_h, v_h] rows as ours, [all q, all k, all v] (load)."""
+    return theirs.reshape(heads, 3, -1, *theirs.shape[1:]).transpose(0, 1).reshape(theirs.shape).contiguous()
 
 
 def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
@@ -229,11 +250,26 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
     out: dict[str, HFSource] = {}
 
     def add(ours: str, names: list[str], rows: list[int], transposed: bool = False,
-            biases: bool = True) -> None:
-        out[f"{ours}.weight"] = HFSource(tuple(f"{n}.weight" for n in names), tuple(rows), transposed)
+            biases: bool = True, per_head: int = 0) -> None:
+        out[f"{ours}.weight"] = HFSource(tuple(f"{n}.weight" for n in names), tuple(rows), transposed, per_head)
         if biases:
-            out[f"{ours}.bias"] = HFSource(tuple(f"{n}.bias" for n in names), tuple(rows))
+            out[f"{ours}.bias"] = HFSource(tuple(f"{n}.bias" for n in names), tuple(rows), False, per_head)
 
+    if family == "gpt_neox":  # every linear and LayerNorm with biases; q/k/v fused per head
+        out["tok_emb.weight"] = HFSource(("gpt_neox.embed_in.weight",), (m.vocab_size,))
+        ff = resolved_d_ff(m)
+        for i in range(m.n_layers):
+            h, b = f"gpt_neox.layers.{i}", f"blocks.{i}"
+            add(f"{b}.attn_norm", [f"{h}.input_layernorm"], [d], biases=m.bias)
+            add(f"{b}.mlp_norm", [f"{h}.post_attention_layernorm"], [d], biases=m.bias)
+            add(f"{b}.attn.qkv", [f"{h}.attention.query_key_value"], [q + 2 * kv], biases=m.bias,
+                per_head=m.n_heads)
+            add(f"{b}.attn.proj", [f"{h}.attention.dense"], [d], biases=m.bias)
+            add(f"{b}.mlp.fc", [f"{h}.mlp.dense_h_to_4h"], [ff], biases=m.bias)
+            add(f"{b}.mlp.proj", [f"{h}.mlp.dense_4h_to_h"], [d], biases=m.bias)
+        add("norm_f", ["gpt_neox.final_layer_norm"], [d], biases=m.bias)
+        out["head.weight"] = HFSource(("embed_out.weight",), (m.vocab_size,))
+        return out
     if family == "starcoder2":  # LLaMA's names for attention and norms (LayerNorms: biases too)
         out["tok_emb.weight"] = HFSource(("model.embed_tokens.weight",), (m.vocab_size,))
         ff = resolved_d_ff(m)
@@ -340,6 +376,7 @@ def hf_initializer(directory: str | Path, model: nn.Module, m: ModelConfig) -> I
                 parts.append(read(hf_name, (*inner, rows)).t())
             else:
                 parts.append(read(hf_name, (rows, *inner)))
-        return torch.cat(parts).contiguous()
+        whole = torch.cat(parts)
+        return parts_first(whole, source.per_head) if source.per_head else whole.contiguous()
 
     return initial_value

@@ -75,7 +75,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     of transformers' ROPE_INIT_FUNCTIONS (modeling_rope_utils.py), step for step, so a scaled
     checkpoint (Llama 3.1-3.3's 'llama3', YaRN, ...) gives its own logits. The factor multiplies
     cos and sin (YaRN's; 1 for the others)."""
-    dim, theta, factor = head_dim(cfg), cfg.rope_theta, cfg.rope_factor
+    dim, theta, factor = rotary_dim(cfg), cfg.rope_theta, cfg.rope_factor
     original = cfg.rope_original_max_seq_len or cfg.max_seq_len
     if cfg.rope_type == "linear":
         return _plain_inv_freq(dim, theta) / factor, 1.0
@@ -142,6 +142,12 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, inv_freq: torch.T
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
+def rotary_dim(cfg: ModelConfig) -> int:
+    """The features of each head RoPE rotates: int(head_dim · rope_fraction), as transformers'
+    partial_rotary_factor (GPT-NeoX's rotary_pct)."""
+    return int(head_dim(cfg) * cfg.rope_fraction)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (B, nh, T, hs) by position, in the "rotate-half" convention of HF's LlamaModel.
 
@@ -150,6 +156,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     HF's conversion script permutes Meta's q/k weights into this layout, so our q/k weights
     export to `q_proj`/`k_proj` unchanged.
     """
+    rotated = 2 * cos.shape[-1]
+    if rotated < x.shape[-1]:  # partial rotary (model.rope_fraction): the rest pass as they are
+        return torch.cat((apply_rope(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (T, hs/2) or (B, 1, T, hs/2): broadcast
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -215,28 +224,38 @@ class Attention(nn.Module):
         return self.proj(y)
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"gelu_tanh": _gelu_tanh, "gelu": F.gelu, "silu": F.silu}
+"""model.activation -> the function (models' 'auto' resolved by each MLP)."""
+
+
 class GeluMLP(nn.Module):
-    """GPT-2's MLP: fc, GELU (tanh approximation, as GPT-2 was trained), proj."""
+    """GPT-2's MLP: fc, GELU (tanh approximation, as GPT-2 was trained; model.activation may
+    say otherwise: GPT-NeoX's exact one), proj."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(cfg.d_model, resolved_d_ff(cfg), bias=cfg.bias)
         self.proj = nn.Linear(resolved_d_ff(cfg), cfg.d_model, bias=cfg.bias)
+        self.activation = ACTIVATIONS["gelu_tanh" if cfg.activation == "auto" else cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return self.proj(self.activation(self.fc(x)))
 
 
 class SwiGLU(nn.Module):
     """LLaMA's gated MLP (Shazeer 2020): down(silu(gate(x)) * up(x)), gate and up fused.
 
     `gate_up.weight` rows [0, hidden) are HF's gate_proj, rows [hidden, 2*hidden) its up_proj.
-    model.gate_activation 'gelu_tanh' makes it GeGLU (Gemma).
+    model.activation 'gelu_tanh' makes it GeGLU (Gemma).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.activation = F.silu if cfg.gate_activation == "silu" else _gelu_tanh
+        self.activation = ACTIVATIONS["silu" if cfg.activation == "auto" else cfg.activation]
         self.hidden = resolved_d_ff(cfg)
         self.gate_up = nn.Linear(cfg.d_model, 2 * self.hidden, bias=cfg.bias)
         self.down = nn.Linear(self.hidden, cfg.d_model, bias=cfg.bias)
@@ -246,8 +265,6 @@ class SwiGLU(nn.Module):
         return self.down(self.activation(gate) * up)
 
 
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
 
 
 def is_sliding(cfg: ModelConfig, index: int) -> bool:
@@ -268,7 +285,8 @@ class Block(nn.Module):
     model.norm_placement 'sandwich' (Gemma 2, 3) also normalises each output before it joins
     the residual: x + post_norm(attn(norm(x))); 'post' (OLMo-2) normalises the output only, with
     the same attn_norm / mlp_norm: x + attn_norm(attn(x)). Granite scales each output by
-    model.residual_multiplier."""
+    model.residual_multiplier. model.parallel_residual (GPT-NeoX): x + attn(norm(x)) +
+    mlp(mlp_norm(x))."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0, stats: MoEStats | None = None) -> None:
         super().__init__()
@@ -284,6 +302,7 @@ class Block(nn.Module):
                      "rope_local" if self.sliding and cfg.rope_local_theta else "rope")
         """Which RoPE tables the block rotates with ('' = none: NoPE, model.nope_every)."""
         self.post, self.residual_multiplier = cfg.norm_placement == "post", cfg.residual_multiplier
+        self.parallel_residual = cfg.parallel_residual
 
     def forward(self, x: torch.Tensor, rope: Rope | None = None, cache: LayerCache | None = None,
                 mask: AttentionMask | None = None) -> torch.Tensor:
@@ -293,6 +312,8 @@ class Block(nn.Module):
             h = self.attn(self.attn_norm(x), rope, cache=cache, mask=mask)  # (B, T, C)
         if hasattr(self, "attn_post_norm"):
             h = self.attn_post_norm(h)
+        if self.parallel_residual:  # GPT-NeoX: both on the block's input, summed as it sums them
+            return x + (h + self.mlp(self.mlp_norm(x)))  # (B, T, C)
         x = x + (h if self.residual_multiplier == 1.0 else h * self.residual_multiplier)
         h = self.mlp_norm(self.mlp(x)) if self.post else self.mlp(self.mlp_norm(x))  # (B, T, C)
         if hasattr(self, "mlp_post_norm"):
@@ -316,7 +337,7 @@ class Decoder(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.position == "rope":
             # Non-persistent: derived from the config, so checkpoints do not carry them.
-            half = head_dim(cfg) // 2
+            half = rotary_dim(cfg) // 2
             self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
             self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
             if cfg.rope_local_theta:  # the sliding blocks' own plain RoPE (Gemma 3)
@@ -358,12 +379,12 @@ class Decoder(nn.Module):
     def init_buffers(self) -> None:
         """Buffers derived from the config (not saved): the RoPE tables."""
         if self.cfg.position == "rope":
-            cos, sin = rope_tables(head_dim(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta,
+            cos, sin = rope_tables(rotary_dim(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta,
                                    *rope_frequencies(self.cfg))
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
             if self.cfg.rope_local_theta:
-                cos, sin = rope_tables(head_dim(self.cfg), self.cfg.max_seq_len, self.cfg.rope_local_theta)
+                cos, sin = rope_tables(rotary_dim(self.cfg), self.cfg.max_seq_len, self.cfg.rope_local_theta)
                 self.rope_local_cos.copy_(cos)
                 self.rope_local_sin.copy_(sin)
 
