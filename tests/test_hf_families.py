@@ -87,6 +87,9 @@ def _family(name: str):
             vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=160,
             max_position_embeddings=128, bos_token_id=1, eos_token_id=1, pad_token_id=None,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    if name == "stablelm":  # LayerNorms with biases, q/k/v biases, a quarter of each head rotated
+        return tf.StableLmForCausalLM, tf.StableLmConfig(use_qkv_bias=True, pad_token_id=None, **{
+            k: v for k, v in LLAMA.items() if k != "rms_norm_eps"})
     raise KeyError(name)
 
 
@@ -113,7 +116,7 @@ def _hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ["llama3", "llama-yarn", "llama-linear", "llama-dynamic", "qwen3",
                                   "gemma", "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3",
-                                  "starcoder2", "gpt_neox"])
+                                  "starcoder2", "gpt_neox", "stablelm"])
 def test_family_loads_trains_and_exports_bit_for_bit(tmp_path, name):
     """transformers' logits on the first batch (1e-5); then one step with lr 1e-30 (AdamW moves
     no fp32 weight by so little) and `shardlm export --format hf` (the CLI): every tensor of the

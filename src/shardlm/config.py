@@ -55,6 +55,9 @@ class ModelConfig:
     or 'silu'."""
     bias: bool = True
     """Biases in linear layers and norms (GPT-2 has them, LLaMA does not)."""
+    norm_bias: bool = False
+    """LayerNorms keep their biases even with model.bias = false (StableLM: biases on its norms,
+    none on its MLP)."""
     qkv_bias: bool = False
     """Biases on the query/key/value projection only (Qwen2); model.bias puts them everywhere."""
     tie_embeddings: bool = True

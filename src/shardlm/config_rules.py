@@ -38,7 +38,7 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 CHECKPOINT_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
                        "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "starcoder2", "gpt_neox",
-                       "mixtral")
+                       "stablelm", "mixtral")
 """model.family: the transformers model_types checkpoint/hf_names.py has a name table for."""
 """model.rope_type: transformers' ROPE_INIT_FUNCTIONS our decoder computes (models/decoder.py)."""
 """model.attention's kernels (shardlm.models.attention)."""
@@ -358,7 +358,7 @@ def _rope_scaling(cfg: Config) -> list[str]:
         "model.norm_offset", "model.norm", "model.activation", "model.mlp", "model.experts",
         "parallel.cp", "parallel.tp", "train.seq_len", "model.parallel_residual", "model.rope_fraction",
         "model.norm_placement", "model.residual_multiplier", "model.head_dim", "model.d_model",
-        "model.n_heads", "model.position")
+        "model.n_heads", "model.position", "model.norm_bias")
 def _family_features(cfg: Config) -> list[str]:
     """The checkpoint families' features (docs/finetuning.md): each where it is computed."""
     m, cp, problems = cfg.model, cfg.parallel.cp, []
@@ -392,6 +392,9 @@ def _family_features(cfg: Config) -> list[str]:
     if m.rope_fraction != 1.0 and (m.position != "rope" or rotated % 2 or not rotated):
         problems.append(f"model.rope_fraction = {m.rope_fraction:g} rotates {rotated} features of "
                         f"each head: it needs model.position = 'rope' and an even, non-zero count")
+    if m.norm_bias and m.norm != "layernorm":
+        problems.append(f"model.norm_bias = true gives LayerNorms biases: it needs model.norm = "
+                        f"'layernorm' (not {m.norm!r})")
     if m.norm_offset and m.norm != "rmsnorm":
         problems.append(f"model.norm_offset = true is Gemma's RMSNorm: it needs model.norm = "
                         f"'rmsnorm' (not {m.norm!r})")

@@ -125,6 +125,12 @@ def hf_config(m: ModelConfig, eot: int | None):
                         rope_parameters=rope_parameters(m), sliding_window=m.sliding_window or None,
                         hidden_act="silu", **tokens)
     no_head_dim = {k: v for k, v in llama_shaped.items() if k not in ("head_dim", "sliding_window")}
+    if family == "stablelm":  # LayerNorms with biases, q/k/v biases, partial rotary
+        return tf.StableLmConfig(use_qkv_bias=m.qkv_bias, qk_layernorm=False, use_parallel_residual=False,
+                                 layer_norm_eps=m.norm_eps, hidden_dropout=0.0, attention_dropout=0.0,
+                                 pad_token_id=None,
+                                 **{k: v for k, v in llama_shaped.items()
+                                    if k not in ("head_dim", "rms_norm_eps", "sliding_window")})
     if family == "gpt_neox":  # LayerNorms, biases everywhere, parallel residual, partial rotary
         act = {"auto": "gelu_pytorch_tanh", "gelu_tanh": "gelu_pytorch_tanh"}.get(m.activation, m.activation)
         return tf.GPTNeoXConfig(hidden_act=act,
@@ -310,7 +316,8 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
            "gemma2": tf.Gemma2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
            "mistral": tf.MistralForCausalLM, "phi3": tf.Phi3ForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
            "granite": tf.GraniteForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
-           "starcoder2": tf.Starcoder2ForCausalLM, "gpt_neox": tf.GPTNeoXForCausalLM}[hf_family(m)]
+           "starcoder2": tf.Starcoder2ForCausalLM, "gpt_neox": tf.GPTNeoXForCausalLM,
+           "stablelm": tf.StableLmForCausalLM}[hf_family(m)]
     with torch.device("meta"):  # no memory and no random init: every tensor comes from `sd`
         hf_model = cls(config)
     stacked = any(n.endswith(".experts.gate_up_proj") for n, _ in hf_model.named_parameters())

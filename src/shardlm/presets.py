@@ -113,8 +113,8 @@ GEMMA = ("gemma", "gemma2", "gemma3_text")
 """Gemma 1, 2 and 3 (text): (1 + w) norms, sqrt(d)-scaled embeddings, GeGLU (hf_shape's
 _gemma_shape)."""
 LOADABLE = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "granite", "smollm3",
-            "starcoder2", "gpt_neox") + GEMMA
-PARTIAL_ROTARY = ("phi3", "gpt_neox")
+            "starcoder2", "gpt_neox", "stablelm") + GEMMA
+PARTIAL_ROTARY = ("phi3", "gpt_neox", "stablelm")
 """Families whose transformers code rotates only partial_rotary_factor of each head (the others
 ignore the key, so a checkpoint that sets it is refused)."""
 """model_type values whose weights our decoder computes exactly (model.hf_path); which of each
@@ -190,6 +190,8 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
         _starcoder2_shape(hf, shape, rope, problems)
     elif kind == "gpt_neox":
         _neox_shape(hf, shape, rope, problems)
+    elif kind == "stablelm":
+        _stablelm_shape(hf, shape, rope, problems)
     else:
         heads = shape["n_heads"]
         attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
@@ -343,6 +345,26 @@ def _neox_shape(hf: dict[str, Any], shape: dict[str, Any], rope: dict[str, Any],
     shape["activation"] = "gelu" if act == "gelu" else "auto"
     if not hf.get("attention_bias", True):  # its MLP keeps biases; ours would drop them
         problems.append("attention_bias = False (GPT-NeoX's MLP keeps biases; ours would not)")
+    shape.update(_rope_shape(hf, rope, shape["max_seq_len"], problems, partial_ok=True))
+
+
+def _stablelm_shape(hf: dict[str, Any], shape: dict[str, Any], rope: dict[str, Any],
+                    problems: list[str]) -> None:
+    """StableLM: LLaMA's attention and SwiGLU MLP under LayerNorms with biases, biases on q/k/v
+    (use_qkv_bias), partial rotary."""
+    rope = dict(rope)
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    rope.setdefault("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    shape.update(n_kv_heads=int(hf.get("num_key_value_heads") or shape["n_heads"]),
+                 d_ff=int(hf["intermediate_size"]), norm="layernorm", position="rope", mlp="swiglu",
+                 bias=False, norm_bias=True, qkv_bias=bool(hf.get("use_qkv_bias", False)),
+                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                 norm_eps=float(hf.get("layer_norm_eps", 1e-5)), rope_theta=float(rope["rope_theta"]))
+    for flag in ("qk_layernorm", "use_parallel_residual"):
+        if hf.get(flag):  # per-head LayerNorms of their own; one norm shared by attention and MLP
+            problems.append(f"{flag} = True (not mapped onto our decoder yet)")
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act = {hf['hidden_act']!r} (ours is 'silu')")
     shape.update(_rope_shape(hf, rope, shape["max_seq_len"], problems, partial_ok=True))
 
 

@@ -28,6 +28,7 @@ from shardlm.models.init import Initializer
 
 GPT2_STYLE = {"norm": "layernorm", "position": "learned", "mlp": "gelu"}
 STARCODER2_STYLE = {"norm": "layernorm", "position": "rope", "mlp": "gelu"}
+STABLELM_STYLE = {"norm": "layernorm", "position": "rope", "mlp": "swiglu"}
 """StarCoder2's and GPT-NeoX's (model.family, or the NeoX-only fields, tells them apart)."""
 LLAMA_STYLE = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
 
@@ -41,7 +42,7 @@ EXTRA_FIELDS = {"head_dim": 0, "qkv_bias": False, "qk_norm": False, "qk_norm_wid
                 "attention_scale": 0.0, "residual_multiplier": 1.0, "logits_divisor": 1.0,
                 "attn_softcap": 0.0, "logit_softcap": 0.0, "sliding_window": 0, "global_every": 0,
                 "rope_local_theta": 0.0, "nope_every": 0, "parallel_residual": False,
-                "rope_fraction": 1.0}
+                "rope_fraction": 1.0, "norm_bias": False}
 EXPRESSES = {
     "llama": {"head_dim"},
     "mistral": {"head_dim", "sliding_window"},  # a window on every block
@@ -53,8 +54,9 @@ EXPRESSES = {
     "starcoder2": {"head_dim", "sliding_window"},  # not LLaMA-style in norm and MLP: STARCODER2_STYLE
     "gpt_neox": {"parallel_residual", "rope_fraction", "activation"},
     "phi3": {"sliding_window", "rope_fraction"},
+    "stablelm": {"qkv_bias", "rope_fraction"},  # LayerNorms: STABLELM_STYLE
 }
-REQUIRED = {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True},
+REQUIRED = {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True}, "stablelm": {"norm_bias": True},
             "olmo2": {"qk_norm": True, "qk_norm_width": "all", "norm_placement": "post"}}
 BIASED = ("llama", "granite", "smollm3", "starcoder2", "gpt_neox")
 """Families whose attention and MLP linears may all have biases (model.bias)."""
@@ -95,6 +97,12 @@ def hf_family(m: ModelConfig) -> str:
             raise ConfigError(f"cannot export this model to transformers' {family} class: "
                               + "; ".join(problems))
         return family
+    if chosen == STABLELM_STYLE:  # LayerNorms (with biases) on LLaMA's attention and MLP
+        problems = _llama_problems(m, "stablelm")
+        if problems:
+            raise ConfigError("cannot export this model to transformers' stablelm class: "
+                              + "; ".join(problems))
+        return "stablelm"
     if chosen == LLAMA_STYLE:
         family = m.family or _implied_llama_family(m)
         problems = _gemma_problems(m, family) if family in GEMMA_FAMILIES else _llama_problems(m, family)
@@ -299,19 +307,20 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
     else:
         out["tok_emb.weight"] = HFSource(("model.embed_tokens.weight",), (m.vocab_size,))
         ff = resolved_d_ff(m)
+        norm_biases = m.norm == "layernorm" and (m.bias or m.norm_bias)  # StableLM's LayerNorms
         for i in range(m.n_layers):
             h, b = f"model.layers.{i}", f"blocks.{i}"
             if m.norm_placement == "post":  # OLMo-2: the norms after attention and the MLP
                 add(f"{b}.attn_norm", [f"{h}.post_attention_layernorm"], [d], biases=False)
                 add(f"{b}.mlp_norm", [f"{h}.post_feedforward_layernorm"], [d], biases=False)
             else:
-                add(f"{b}.attn_norm", [f"{h}.input_layernorm"], [d], biases=False)
+                add(f"{b}.attn_norm", [f"{h}.input_layernorm"], [d], biases=norm_biases)
             if m.norm_placement == "sandwich":  # Gemma 2/3: post_attention_layernorm is a post-norm
                 add(f"{b}.attn_post_norm", [f"{h}.post_attention_layernorm"], [d], biases=False)
                 add(f"{b}.mlp_norm", [f"{h}.pre_feedforward_layernorm"], [d], biases=False)
                 add(f"{b}.mlp_post_norm", [f"{h}.post_feedforward_layernorm"], [d], biases=False)
             elif m.norm_placement == "pre":
-                add(f"{b}.mlp_norm", [f"{h}.post_attention_layernorm"], [d], biases=False)
+                add(f"{b}.mlp_norm", [f"{h}.post_attention_layernorm"], [d], biases=norm_biases)
             attn = f"{h}.self_attn"
             if family == "phi3":  # already fused as ours: rows q, k, v
                 add(f"{b}.attn.qkv", [f"{attn}.qkv_proj"], [q + 2 * kv], biases=m.bias or m.qkv_bias)
@@ -330,7 +339,7 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
                 add(f"{b}.mlp.gate_up", [f"{h}.mlp.gate_proj", f"{h}.mlp.up_proj"], [ff, ff],
                     biases=m.bias)
                 add(f"{b}.mlp.down", [f"{h}.mlp.down_proj"], [d], biases=m.bias)
-        out["norm_f.weight"] = HFSource(("model.norm.weight",), (d,))
+        add("norm_f", ["model.norm"], [d], biases=norm_biases)
     # Tied: the head is the embedding and is never asked for by its own name. A tied HF
     # checkpoint holds no lm_head.weight; export writes one anyway (from_pretrained ties it).
     out["head.weight"] = HFSource(("lm_head.weight",), (m.vocab_size,))

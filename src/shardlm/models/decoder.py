@@ -41,7 +41,7 @@ def _norm(cfg: ModelConfig, dim: int = 0) -> nn.Module:
     dim = dim or cfg.d_model
     if cfg.norm == "rmsnorm":
         return OffsetRMSNorm(dim, cfg.norm_eps) if cfg.norm_offset else nn.RMSNorm(dim, eps=cfg.norm_eps)
-    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias or cfg.norm_bias)
 
 
 def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

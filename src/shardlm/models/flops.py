@@ -84,7 +84,7 @@ def _block_matmul_params(cfg: ModelConfig, moe: bool = False, active: bool = Tru
 
 
 def _norm_params(cfg: ModelConfig) -> int:
-    has_bias = cfg.norm == "layernorm" and cfg.bias
+    has_bias = cfg.norm == "layernorm" and (cfg.bias or cfg.norm_bias)
     return cfg.d_model * (2 if has_bias else 1)
 
 
