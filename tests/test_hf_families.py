@@ -215,3 +215,20 @@ def test_transformers_4_rope_scaling_spelling_maps_the_same(tmp_path):
     assert replace(shapes[0], **{k: "" for k in same}) == replace(shapes[1], **{k: "" for k in same})
     m = shapes[0]
     assert (m.rope_type, m.rope_factor, m.rope_original_max_seq_len, m.head_dim) == ("llama3", 8.0, 32, 32)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"model.attn_softcap": 50.0, "model.attention": "sdpa"}, r"only 'math' writes the scores out"),
+    ({"model.sliding_window": 16, "model.attention": "per_document"}, r"has no window mask yet"),
+    ({"model.sliding_window": 16, "parallel.cp": 2}, r"the ring has no window mask"),
+    ({"model.attn_softcap": 50.0, "parallel.cp": 2}, r"the ring's softmax is not soft-capped"),
+    ({"model.qk_norm": True, "model.qk_norm_width": "all", "parallel.tp": 2},
+     r"the norm spans every head"),
+    ({"model.rope_fraction": 0.2}, r"rotates 3 features of each head"),
+    ({"model.rope_type": "llama3", "model.rope_low_freq_factor": 4.0}, r"must exceed"),
+])
+def test_features_a_kernel_or_axis_cannot_compute_are_refused_early(fields, message):
+    """Before any process starts (Config.validate), naming the keys and the way out."""
+    values = {"model.preset": "llama-tiny", "train.seq_len": 32, **fields}
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=values).validate()
