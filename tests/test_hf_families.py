@@ -151,9 +151,10 @@ def test_families_train_with_tp_and_zero3_as_one_process(tmp_path):
     """Llama 3.2-style (llama3 RoPE scaling, tied head, GQA 4/2, head_dim 32 with hidden 64)
     with parallel.tp = 2 and with ZeRO-3 on 2 ranks; Qwen3 (its per-head q/k norms summed over
     the tensor-parallel group) with tp = 2; Gemma-2-style (soft-capping, sliding window, sandwich
-    (1 + w) norms) with tp = 2 and sequence parallelism: losses and every parameter after 2
-    steps within 1e-5 relative of one process with the same global batch (fp32; tensor
-    parallelism reorders sums)."""
+    (1 + w) norms) with tp = 2 and sequence parallelism; the Llama 3.2-style again with pp = 2
+    and cp = 2 (ring attention over its scaled RoPE): losses and every parameter after 2 steps
+    within 1e-5 relative of one process with the same global batch (fp32; tensor parallelism
+    and the ring reorder sums)."""
     steps = 2
     llama, _ = make_family_dir(tmp_path, "llama3")
     qwen, _ = make_family_dir(tmp_path, "qwen3")
@@ -164,18 +165,25 @@ def test_families_train_with_tp_and_zero3_as_one_process(tmp_path):
     cases = [({**base, "parallel.tp": 2, "run.name": "tp"}, steps, -1),
              ({**base, "parallel.zero_stage": 3, "run.name": "z3"}, steps, -1),
              ({**qwen_base, "parallel.tp": 2, "run.name": "qtp"}, steps, -1),
-             ({**gemma_base, "parallel.tp": 2, "parallel.sequence_parallel": True, "run.name": "gtp"}, steps, -1)]
+             ({**gemma_base, "parallel.tp": 2, "parallel.sequence_parallel": True, "run.name": "gtp"}, steps, -1),
+             ({**base, "parallel.pp": 2, "run.name": "pp"}, steps, -1),
+             ({**base, "parallel.cp": 2, "run.name": "cp"}, steps, -1)]
     out = run_ranks(train_cases, 2, tmp_path, cases)
     # the global batch: tp's one data-parallel rank, ZeRO-3's two (accumulated in one process)
     refs = [reference_case({**base, "run.name": "ref1"}, 1, steps),
             reference_case({**base, "run.name": "ref2"}, 2, steps),
             reference_case({**qwen_base, "run.name": "qref"}, 1, steps),
             reference_case({**gemma_base, "run.name": "gref"}, 1, steps)]
-    for case, what in enumerate(["tp=2 llama3", "zero3 llama3", "tp=2 qwen3", "tp=2 + SP gemma2"]):
+    refs += [refs[0], refs[0]]  # pp and cp: one data-parallel rank, as tp
+    whole_of = {0: whole_params, 1: lambda r: r[0]["params"], 2: whole_params, 3: whole_params,
+                4: lambda r: {**r[0]["params"], **r[1]["params"]},  # each stage its blocks
+                5: lambda r: r[0]["params"]}
+    for case, what in enumerate(["tp=2 llama3", "zero3 llama3", "tp=2 qwen3", "tp=2 + SP gemma2",
+                                 "pp=2 llama3", "cp=2 llama3"]):
         ref, ranks = refs[case], [out[r][case] for r in range(2)]
         for got in ranks:
             assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
-        whole = whole_params(ranks) if case != 1 else ranks[0]["params"]
+        whole = whole_of[case](ranks)
         assert whole.keys() == ref["params"].keys(), what
         for n, v in ref["params"].items():
             rel = float((whole[n] - v).norm() / v.norm().clamp_min(1e-12))
