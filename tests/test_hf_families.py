@@ -69,6 +69,8 @@ def _family(name: str):
             layer_types=["sliding_attention", "full_attention"], rope_parameters={
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **sliding)
+    if name == "mistral":  # a window of 16 on every block, a head_dim of its own
+        return tf.MistralForCausalLM, tf.MistralConfig(sliding_window=16, head_dim=32, **LLAMA)
     if name == "phi3":  # fused qkv_proj and gate_up_proj; a window of 16 on every block
         return tf.Phi3ForCausalLM, tf.Phi3Config(sliding_window=16, pad_token_id=None, **LLAMA)
     if name == "olmo2":  # norms after attention and the MLP, q/k norms over whole projections
@@ -115,7 +117,7 @@ def _hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["llama3", "llama-yarn", "llama-linear", "llama-dynamic", "qwen3",
-                                  "gemma", "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3",
+                                  "gemma", "gemma2", "gemma3", "mistral", "phi3", "olmo2", "granite", "smollm3",
                                   "starcoder2", "gpt_neox", "stablelm"])
 def test_family_loads_trains_and_exports_bit_for_bit(tmp_path, name):
     """transformers' logits on the first batch (1e-5); then one step with lr 1e-30 (AdamW moves

@@ -225,11 +225,11 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
                      norm_eps=float(key("rms_norm_eps", default=1e-6)),
                      rope_theta=float(key("rope_theta", default=rope.get("rope_theta", 10000.0))))
         window = hf.get("sliding_window")
-        if kind == "phi3" and window:  # every block slides: the window as a mask
+        if kind in ("mistral", "phi3") and window:  # every block slides: the window as a mask
             shape.update(sliding_window=int(window), global_every=0)
         elif exact and window and hf.get("use_sliding_window", True) and kind not in GEMMA:
-            # Mistral attends to the last `window` tokens only: identical to full attention on
-            # sequences no longer than the window, so the context is capped there.
+            # Qwen2/3's windows sit on the layers past max_window_layers: identical to full
+            # attention on sequences no longer than the window, so the context is capped there.
             shape["max_seq_len"] = min(shape["max_seq_len"], int(window))
         if hf.get("hidden_act", "silu") != "silu" and kind not in GEMMA:
             problems.append(f"hidden_act = {hf['hidden_act']!r} (ours is 'silu')")
