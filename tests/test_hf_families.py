@@ -242,3 +242,24 @@ def test_features_a_kernel_or_axis_cannot_compute_are_refused_early(fields, mess
     values = {"model.preset": "llama-tiny", "train.seq_len": 32, **fields}
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=values).validate()
+
+
+def test_lora_on_gpt_neox_loads_in_peft_onto_the_checkpoint(tmp_path):
+    """A LoRA step on GPT-NeoX (q/k/v fused per head in the checkpoint, ours fused by kind):
+    the run's PEFT adapter, applied by peft to the untouched checkpoint, gives the run's logits
+    (the adapter's query_key_value rows reordered as the weights are)."""
+    import peft
+
+    from shardlm import checkpoint
+
+    hf_dir, _ = make_family_dir(tmp_path, "gpt_neox")
+    values = overrides(tmp_path, hf_dir, lora__rank=4, train__lr=1e-2, run__name="lora")
+    run = build_run(load_config(overrides=values).validate())
+    train(run)
+    model, _, _ = checkpoint.load_for_inference(run.run_dir, torch.device("cpu"))
+    assert all(p.abs().max() > 0 for n, p in model.named_parameters() if "lora_B" in n)
+    x, _ = run.train_loader.micro_batches(0)[0]
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    adapted = peft.PeftModel.from_pretrained(base, run.run_dir / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=x).logits, model(x), atol=1e-5, rtol=1e-5)
