@@ -116,7 +116,30 @@ def _hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
-@pytest.mark.parametrize("name", ["llama3", "llama-yarn", "llama-linear", "llama-dynamic", "qwen3",
+@pytest.mark.parametrize("rope", [
+    LLAMA3_ROPE,
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 3.0},
+    {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.7},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+     "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False, "mscale": 0.8, "mscale_all_dim": 0.5},
+], ids=["llama3", "linear", "dynamic", "yarn", "yarn-mscale-untruncated"])
+def test_rope_frequencies_are_transformers_own(tmp_path, rope):
+    """model.rope_* read from config.json give exactly the inverse frequencies and attention
+    factor of transformers' ROPE_INIT_FUNCTIONS (bit for bit), head_dim 32 of hidden 64."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from shardlm.models.rope import rope_frequencies
+
+    config = transformers.LlamaConfig(head_dim=32, rope_parameters=dict(rope), **LLAMA)
+    config.save_pretrained(tmp_path)
+    ours = load_config(overrides={"model.hf_path": str(tmp_path), "train.seq_len": 32}).validate().model
+    theirs, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, None)
+    inv_freq, attention_factor = rope_frequencies(ours)
+    assert torch.equal(inv_freq, theirs) and attention_factor == factor
+
+
+@pytest.mark.parametrize("name", ["llama3", "llama-yarn", "qwen3",
                                   "gemma", "gemma2", "gemma3", "mistral", "phi3", "olmo2", "granite", "smollm3",
                                   "starcoder2", "gpt_neox", "stablelm"])
 def test_family_loads_trains_and_exports_bit_for_bit(tmp_path, name):
