@@ -193,71 +193,78 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
     elif kind == "stablelm":
         _stablelm_shape(hf, shape, rope, problems)
     else:
-        heads = shape["n_heads"]
-        attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
-        if kind == "qwen2":  # biases on q, k and v, none on the output and MLP projections
-            shape["qkv_bias"] = True
-        elif kind == "qwen3":  # an RMSNorm on each query and key head; attention_bias: on q/k/v/o
-            shape["qk_norm"] = True
-            if attention_bias:
-                problems.append("attention_bias = True (Qwen3's biases on q/k/v/o only; our "
-                                "model.bias also puts them on the MLP)")
-            attention_bias = False
-        elif kind == "olmo2":  # norms after attention and the MLP; q/k norms over whole projections
-            shape.update(norm_placement="post", qk_norm=True, qk_norm_width="all")
-            if attention_bias:
-                problems.append("attention_bias = True (OLMo-2's biases on q/k/v/o only; our "
-                                "model.bias also puts them on the MLP)")
-            attention_bias = False
-        elif kind in GEMMA:
-            rope = _gemma_shape(hf, kind, shape, rope, problems)
-            if attention_bias:
-                problems.append("attention_bias = True (Gemma's biases on q/k/v/o only; our "
-                                "model.bias also puts them on the MLP)")
-            attention_bias = False
-        elif attention_bias != mlp_bias:
-            problems.append(f"attention_bias = {attention_bias} with mlp_bias = {mlp_bias} (our "
-                            f"model.bias puts biases on every linear or none)")
-        shape.update(n_kv_heads=int(key("num_key_value_heads", default=heads)),
-                     d_ff=int(key("intermediate_size")), norm="rmsnorm", position="rope",
-                     mlp="swiglu", bias=attention_bias,
-                     tie_embeddings=bool(key("tie_word_embeddings", default=kind in GEMMA)),
-                     norm_eps=float(key("rms_norm_eps", default=1e-6)),
-                     rope_theta=float(key("rope_theta", default=rope.get("rope_theta", 10000.0))))
-        window = hf.get("sliding_window")
-        if kind in ("mistral", "phi3") and window:  # every block slides: the window as a mask
-            shape.update(sliding_window=int(window), global_every=0)
-        elif exact and window and hf.get("use_sliding_window", True) and kind not in GEMMA:
-            # Qwen2/3's windows sit on the layers past max_window_layers: identical to full
-            # attention on sequences no longer than the window, so the context is capped there.
-            shape["max_seq_len"] = min(shape["max_seq_len"], int(window))
-        if hf.get("hidden_act", "silu") != "silu" and kind not in GEMMA:
-            problems.append(f"hidden_act = {hf['hidden_act']!r} (ours is 'silu')")
-        head_dim = hf.get("head_dim")
-        if head_dim and head_dim != shape["d_model"] // heads:
-            if kind in ("qwen2", "phi3"):  # their configs have no head_dim: export could not write it
-                problems.append(f"head_dim = {head_dim} ({kind}'s is hidden_size / "
-                                f"num_attention_heads = {shape['d_model'] // heads})")
-            shape["head_dim"] = int(head_dim)
-        if head_dim and head_dim != shape["d_model"] // heads and kind in ("olmo2", "granite", "smollm3"):
-            problems.append(f"head_dim = {head_dim} ({kind}'s is hidden_size / num_attention_heads)")
-        if kind == "granite":  # its four multipliers
-            shape.update(embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
-                         residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
-                         attention_scale=float(hf.get("attention_multiplier", 1.0)),
-                         logits_divisor=float(hf.get("logits_scaling", 1.0)))
-        if kind == "smollm3":
-            _smollm3_shape(hf, shape, problems)
-        max_positions = int(key("max_position_embeddings"))
-        shape.update(_rope_shape(hf, rope, max_positions, problems, kind in PARTIAL_ROTARY))
-        if shape.get("rope_type") == "dynamic" and shape["max_seq_len"] != max_positions:
-            problems.append(f"rope scaling 'dynamic' with the context capped at the sliding window "
-                            f"({shape['max_seq_len']}): its base depends on max_position_embeddings "
-                            f"({max_positions})")
+        _llama_like_shape(hf, kind, shape, rope, key, problems, exact)
     if exact and problems:
         raise ConfigError(f"{option} {path}: {name}/config.json describes a {kind} our decoder "
                           f"does not compute exactly: {'; '.join(problems)}. {TRAIN_ANY_MODEL}")
     return shape
+
+
+def _llama_like_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope: dict[str, Any],
+                      key: Any, problems: list[str], exact: bool) -> None:
+    """The RMSNorm + RoPE + gated-MLP families into `shape`: LLaMA's keys, then each family's
+    own (Qwen's biases and norms, OLMo-2's placement, Gemma's, Granite's multipliers, SmolLM3's
+    NoPE blocks, sliding windows, head_dim, RoPE scaling); `key` reads a required key."""
+    heads = shape["n_heads"]
+    attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
+    if kind == "qwen2":  # biases on q, k and v, none on the output and MLP projections
+        shape["qkv_bias"] = True
+    elif kind == "qwen3":  # an RMSNorm on each query and key head; attention_bias: on q/k/v/o
+        shape["qk_norm"] = True
+        if attention_bias:
+            problems.append("attention_bias = True (Qwen3's biases on q/k/v/o only; our "
+                            "model.bias also puts them on the MLP)")
+        attention_bias = False
+    elif kind == "olmo2":  # norms after attention and the MLP; q/k norms over whole projections
+        shape.update(norm_placement="post", qk_norm=True, qk_norm_width="all")
+        if attention_bias:
+            problems.append("attention_bias = True (OLMo-2's biases on q/k/v/o only; our "
+                            "model.bias also puts them on the MLP)")
+        attention_bias = False
+    elif kind in GEMMA:
+        rope = _gemma_shape(hf, kind, shape, rope, problems)
+        if attention_bias:
+            problems.append("attention_bias = True (Gemma's biases on q/k/v/o only; our "
+                            "model.bias also puts them on the MLP)")
+        attention_bias = False
+    elif attention_bias != mlp_bias:
+        problems.append(f"attention_bias = {attention_bias} with mlp_bias = {mlp_bias} (our "
+                        f"model.bias puts biases on every linear or none)")
+    shape.update(n_kv_heads=int(key("num_key_value_heads", default=heads)),
+                 d_ff=int(key("intermediate_size")), norm="rmsnorm", position="rope",
+                 mlp="swiglu", bias=attention_bias,
+                 tie_embeddings=bool(key("tie_word_embeddings", default=kind in GEMMA)),
+                 norm_eps=float(key("rms_norm_eps", default=1e-6)),
+                 rope_theta=float(key("rope_theta", default=rope.get("rope_theta", 10000.0))))
+    window = hf.get("sliding_window")
+    if kind in ("mistral", "phi3") and window:  # every block slides: the window as a mask
+        shape.update(sliding_window=int(window), global_every=0)
+    elif exact and window and hf.get("use_sliding_window", True) and kind not in GEMMA:
+        # Qwen2/3's windows sit on the layers past max_window_layers: identical to full
+        # attention on sequences no longer than the window, so the context is capped there.
+        shape["max_seq_len"] = min(shape["max_seq_len"], int(window))
+    if hf.get("hidden_act", "silu") != "silu" and kind not in GEMMA:
+        problems.append(f"hidden_act = {hf['hidden_act']!r} (ours is 'silu')")
+    head_dim = hf.get("head_dim")
+    if head_dim and head_dim != shape["d_model"] // heads:
+        if kind in ("qwen2", "phi3", "olmo2", "granite", "smollm3"):  # no head_dim in their
+            # configs: an export could not write it back
+            problems.append(f"head_dim = {head_dim} ({kind}'s is hidden_size / "
+                            f"num_attention_heads = {shape['d_model'] // heads})")
+        shape["head_dim"] = int(head_dim)
+    if kind == "granite":  # its four multipliers
+        shape.update(embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+                     residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+                     attention_scale=float(hf.get("attention_multiplier", 1.0)),
+                     logits_divisor=float(hf.get("logits_scaling", 1.0)))
+    if kind == "smollm3":
+        _smollm3_shape(hf, shape, problems)
+    max_positions = int(key("max_position_embeddings"))
+    shape.update(_rope_shape(hf, rope, max_positions, problems, kind in PARTIAL_ROTARY))
+    if shape.get("rope_type") == "dynamic" and shape["max_seq_len"] != max_positions:
+        problems.append(f"rope scaling 'dynamic' with the context capped at the sliding window "
+                        f"({shape['max_seq_len']}): its base depends on max_position_embeddings "
+                        f"({max_positions})")
 
 
 def _gemma_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope: dict[str, Any],
