@@ -200,8 +200,8 @@ class Block(nn.Module):
             self.attn_post_norm, self.mlp_post_norm = _norm(cfg), _norm(cfg)
         self.sliding = is_sliding(cfg, index)
         """Whether this block attends within model.sliding_window only (its mask and RoPE)."""
-        self.rope = ("" if cfg.nope_every and (index + 1) % cfg.nope_every == 0 else
-                     "rope_local" if self.sliding and cfg.rope_local_theta else "rope")
+        self.rope_table = ("" if cfg.nope_every and (index + 1) % cfg.nope_every == 0 else
+                           "rope_local" if self.sliding and cfg.rope_local_theta else "rope")
         """Which RoPE tables the block rotates with ('' = none: NoPE, model.nope_every)."""
         self.post, self.residual_multiplier = cfg.norm_placement == "post", cfg.residual_multiplier
         self.parallel_residual = cfg.parallel_residual
@@ -331,7 +331,7 @@ class Decoder(nn.Module):
             x = hidden
             if getattr(self, "tp", None) is not None:  # the embedding decides it on the first stage
                 self.tp.decide(idx)
-        ropes = {"": None, "rope": self._rope("rope", positions)}  # by Block.rope
+        ropes = {"": None, "rope": self._rope("rope", positions)}  # by Block.rope_table
         if self.cfg.rope_local_theta:
             ropes["rope_local"] = self._rope("rope_local", positions)
         # once per forward, shared by every block (a KV cache's decoding runs its own attention)
@@ -340,7 +340,7 @@ class Decoder(nn.Module):
                        if cache is None and self.cfg.sliding_window else masks[False])
         for i in self.layers:
             block = self.blocks[i]
-            rope, mask = ropes[block.rope], masks[block.sliding]
+            rope, mask = ropes[block.rope_table], masks[block.sliding]
             if cache is None:
                 x = block(x, rope) if mask is None else block(x, rope, mask=mask)  # (B, T, C)
             else:
