@@ -286,3 +286,21 @@ def test_lora_on_gpt_neox_loads_in_peft_onto_the_checkpoint(tmp_path):
     adapted = peft.PeftModel.from_pretrained(base, run.run_dir / "adapter").eval()
     with torch.no_grad():
         torch.testing.assert_close(adapted(input_ids=x).logits, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_parameter_counts_are_the_checkpoints(tmp_path):
+    """models/flops.py count_params (what the planner and MFU use) = our built model's
+    parameters = the transformers model's, for every family's shape (q/k norms, sandwich
+    norms, LayerNorm biases, head_dim included)."""
+    from shardlm.models.decoder import build_model
+    from shardlm.models.flops import count_params
+
+    for name in ["llama3", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3",
+                 "starcoder2", "gpt_neox", "stablelm"]:
+        cls, config = _family(name)
+        config.save_pretrained(tmp_path / name)
+        m = load_config(overrides={"model.hf_path": str(tmp_path / name), "train.seq_len": 32}).model
+        built = sum(p.numel() for p in build_model(m, device="meta").parameters())
+        with torch.device("meta"):
+            theirs = sum(p.numel() for p in cls(config).parameters())
+        assert count_params(m) == built == theirs, name
