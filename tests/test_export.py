@@ -67,8 +67,9 @@ def test_export_matches_logits(tmp_path, tokenizer, overrides, cls):
 
 
 def test_unmappable_config_is_config_error(tmp_path, tokenizer):
-    run, _ = make_run(tmp_path, tokenizer, **{"model.preset": "gpt-tiny", "model.position": "rope"})
-    with pytest.raises(ConfigError, match="model.position = 'rope'"):
+    # (GPT-2 with RoPE is StarCoder2's shape, which exports: RMSNorm with learned positions is no class's)
+    run, _ = make_run(tmp_path, tokenizer, **{"model.preset": "gpt-tiny", "model.norm": "rmsnorm"})
+    with pytest.raises(ConfigError, match="model.norm = 'rmsnorm'"):
         export_hf(run, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 

@@ -27,7 +27,7 @@ def _config(family: str):
     llama = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, **common)
     if family == "mistral":
-        return transformers.MistralConfig(sliding_window=64, **llama)
+        return transformers.MistralConfig(sliding_window=16, **llama)  # the 32-token rows overrun it
     if family == "qwen2":  # biases on q/k/v only (model.qkv_bias), a tied head as Qwen2-0.5B's
         return transformers.Qwen2Config(tie_word_embeddings=True, **llama)
     return transformers.LlamaConfig(rope_theta=500000.0, **llama)
@@ -82,8 +82,8 @@ def test_loaded_model_has_transformers_logits_and_loss(tmp_path, family):
     torch.testing.assert_close(ours, theirs.logits[:, :-1], atol=1e-5, rtol=1e-5)
     loss = train_step(run, 0)[0]
     assert loss == pytest.approx(theirs.loss.item(), abs=1e-5)
-    if family == "mistral":  # the sliding window caps the context: full attention within it
-        assert run.cfg.model.max_seq_len == 64
+    if family == "mistral":  # the sliding window is a mask on every block, the context whole
+        assert (run.cfg.model.sliding_window, run.cfg.model.max_seq_len) == (16, 128)
     if family == "qwen2":
         assert run.cfg.model.qkv_bias and not run.cfg.model.bias
         assert run.model.blocks[0].attn.qkv.bias is not None and run.model.blocks[0].attn.proj.bias is None
@@ -138,7 +138,8 @@ def test_missing_files_tensors_and_conflicts_are_named(tmp_path):
     ({"model_type": "bert"}, r"config.json has none of hidden_size.*\(model_type 'bert'\)"),
     ({"model_type": "llama", "vocab_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
       "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 64,
-      "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope scaling 'llama3'"),
+      "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+     r"rope scaling 'longrope'"),
 ])
 def test_unsupported_architectures_are_refused(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -108,8 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export", help="write a trained run in another library's format")
     exp.add_argument("--checkpoint", default="runs/latest", help="run directory (default runs/latest)")
     exp.add_argument("--format", choices=["hf", "peft"], default="hf",
-                     help="hf: a transformers directory (GPT2LMHeadModel, LlamaForCausalLM or "
-                          "MixtralForCausalLM; a LoRA run's base, or merged with --merge); "
+                     help="hf: a transformers directory (the class of the run's model.family: GPT-2, "
+                          "Llama, Qwen, Gemma, ... docs/finetuning.md; a LoRA run's base, or "
+                          "merged with --merge); "
                           "peft: a LoRA run's adapters (adapter_config.json + "
                           "adapter_model.safetensors) for that base")
     exp.add_argument("--merge", action="store_true",

@@ -33,6 +33,14 @@ DATA_FORMATS = ("text", "chat", "prompt_completion", "seq2seq")
 """What data.source holds (shardlm.data.sft for the supervised fine-tuning formats,
 shardlm.data.seq2seq for source -> target pairs of an encoder-decoder)."""
 ATTENTION_BACKENDS = ("auto", "sdpa", "per_document", "flex", "math")
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+CHECKPOINT_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
+                       "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "starcoder2", "gpt_neox",
+                       "stablelm", "mixtral")
+"""model.family: the transformers model_types checkpoint/hf_names.py has a name table for."""
+"""model.rope_type: transformers' ROPE_INIT_FUNCTIONS our decoder computes (models/decoder.py)."""
 """model.attention's kernels (shardlm.models.attention)."""
 PACKED_FORMATS = ("chat", "prompt_completion")
 """data.format values whose rows pack several examples (data.document_mask 'auto' = on)."""
@@ -85,7 +93,12 @@ _CHOICES = {
     "data.document_mask": ("auto", "on", "off"),
     "model.attention": ATTENTION_BACKENDS,
     "model.position": ("learned", "rope"),
+    "model.rope_type": ROPE_TYPES,
+    "model.family": ("",) + CHECKPOINT_FAMILIES,
     "model.mlp": ("gelu", "swiglu"),
+    "model.activation": ("auto", "gelu_tanh", "gelu", "silu"),
+    "model.norm_placement": ("pre", "sandwich", "post"),
+    "model.qk_norm_width": ("head", "all"),
     "model.router": ("softmax", "sigmoid"),
     "model.balance": ("aux", "bias", "none"),
     "precision.compute": ("auto",) + COMPUTE_DTYPES + ("fp8",),
@@ -168,6 +181,25 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.d_ff": _non_negative(" (0 = the default width for model.mlp)"),
     "model.max_seq_len": _positive(),
     "model.rope_theta": _positive(),
+    "model.rope_fraction": _rule(lambda v: 0.0 < v <= 1.0, "must be in (0, 1] (1 = the whole head)"),
+    "model.rope_factor": _positive(" (1 = no scaling)"),
+    "model.rope_original_max_seq_len": _non_negative(" (0 = model.max_seq_len)"),
+    "model.rope_low_freq_factor": _positive(),
+    "model.rope_high_freq_factor": _positive(),
+    "model.rope_beta_fast": _positive(),
+    "model.rope_beta_slow": _positive(),
+    "model.rope_attention_factor": _non_negative(" (0 = YaRN's 0.1 ln(rope_factor) + 1)"),
+    "model.head_dim": _non_negative(" (0 = model.d_model / model.n_heads)"),
+    "model.embedding_multiplier": _positive(),
+    "model.residual_multiplier": _positive(),
+    "model.logits_divisor": _positive(),
+    "model.nope_every": _non_negative(" (0 = RoPE in every block)"),
+    "model.attention_scale": _non_negative(" (0 = 1/sqrt(head_dim))"),
+    "model.attn_softcap": _non_negative(" (0 = off)"),
+    "model.logit_softcap": _non_negative(" (0 = off)"),
+    "model.sliding_window": _non_negative(" (0 = full attention)"),
+    "model.global_every": _non_negative(" (0 = every block slides)"),
+    "model.rope_local_theta": _non_negative(" (0 = model.rope_theta's RoPE)"),
     "model.norm_eps": _positive(),
     "model.ffn_multiple_of": _positive(),
     "model.init_std": _positive(),
@@ -285,11 +317,12 @@ def _global_batch_in_micro_batches(cfg: Config) -> list[str]:
             if t.global_batch and t.global_batch % t.micro_batch else [])
 
 
-@_cross("model.d_model", "model.n_heads")
+@_cross("model.d_model", "model.n_heads", "model.head_dim")
 def _heads_divide_width(cfg: Config) -> list[str]:
     m = cfg.model
-    return ([f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}"]
-            if m.d_model % m.n_heads else [])
+    return ([f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}; "
+             f"make it so, or set model.head_dim"]
+            if not m.head_dim and m.d_model % m.n_heads else [])
 
 
 @_cross("model.n_kv_heads", "model.n_heads")
@@ -299,11 +332,76 @@ def _kv_heads_divide_heads(cfg: Config) -> list[str]:
             if m.n_kv_heads and m.n_heads % m.n_kv_heads else [])
 
 
-@_cross("model.position", "model.d_model", "model.n_heads")
+@_cross("model.position", "model.d_model", "model.n_heads", "model.head_dim")
 def _rope_head_dim(cfg: Config) -> list[str]:
     m = cfg.model
-    return ([f"RoPE needs an even head dim; d_model/n_heads = {m.d_model // m.n_heads}"]
-            if m.position == "rope" and (m.d_model // m.n_heads) % 2 else [])
+    head_dim = m.head_dim or m.d_model // m.n_heads
+    return ([f"RoPE needs an even head dim; model.head_dim (or d_model/n_heads) = {head_dim}"]
+            if m.position == "rope" and head_dim % 2 else [])
+
+
+@_cross("model.position", "model.rope_type", "model.rope_factor", "model.rope_low_freq_factor",
+        "model.rope_high_freq_factor", "model.rope_beta_fast", "model.rope_beta_slow")
+def _rope_scaling(cfg: Config) -> list[str]:
+    m, problems = cfg.model, []
+    if m.rope_type != "default" and m.position != "rope":
+        problems.append(f"model.rope_type = {m.rope_type!r} scales rotary positions: it needs "
+                        f"model.position = 'rope' (not {m.position!r}); or rope_type = 'default'")
+    if m.rope_type == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        problems.append(f"model.rope_type = 'llama3': model.rope_high_freq_factor "
+                        f"({m.rope_high_freq_factor:g}) must exceed model.rope_low_freq_factor "
+                        f"({m.rope_low_freq_factor:g})")
+    return problems
+
+
+@_cross("model.attention", "model.attn_softcap", "model.sliding_window", "model.rope_local_theta",
+        "model.norm_offset", "model.norm", "model.activation", "model.mlp", "model.experts",
+        "parallel.cp", "parallel.tp", "train.seq_len", "model.parallel_residual", "model.rope_fraction",
+        "model.norm_placement", "model.residual_multiplier", "model.head_dim", "model.d_model",
+        "model.n_heads", "model.position", "model.norm_bias")
+def _family_features(cfg: Config) -> list[str]:
+    """The checkpoint families' features (docs/finetuning.md): each where it is computed."""
+    m, cp, problems = cfg.model, cfg.parallel.cp, []
+    if m.attn_softcap and m.attention not in ("auto", "math"):
+        problems.append(f"model.attn_softcap = {m.attn_softcap:g} with model.attention = "
+                        f"{m.attention!r}: only 'math' writes the scores out to cap them; use "
+                        f"'auto' (picks 'math') or 'math'")
+    if m.sliding_window and m.attention in ("per_document", "flex"):
+        problems.append(f"model.sliding_window = {m.sliding_window} with model.attention = "
+                        f"{m.attention!r}: it has no window mask yet; use 'auto', 'sdpa' or 'math'")
+    if cp > 1:
+        if m.attn_softcap:
+            problems.append(f"model.attn_softcap = {m.attn_softcap:g} with parallel.cp = {cp}: the "
+                            f"ring's softmax is not soft-capped; use parallel.cp = 1")
+        if m.sliding_window and m.sliding_window < cfg.train.seq_len:
+            problems.append(f"model.sliding_window = {m.sliding_window} < train.seq_len = "
+                            f"{cfg.train.seq_len} with parallel.cp = {cp}: the ring has no window "
+                            f"mask; use parallel.cp = 1 or train.seq_len <= the window")
+    if m.rope_local_theta and not m.sliding_window:
+        problems.append(f"model.rope_local_theta = {m.rope_local_theta:g} is the sliding blocks' "
+                        f"RoPE base, and model.sliding_window = 0 (no block slides); set both or neither")
+    if m.qk_norm and m.qk_norm_width == "all" and cfg.parallel.tp > 1:
+        problems.append(f"model.qk_norm_width = 'all' (OLMo-2) with parallel.tp = "
+                        f"{cfg.parallel.tp}: the norm spans every head, which tensor parallelism "
+                        f"splits over ranks; use parallel.tp = 1")
+    if m.parallel_residual and (m.norm_placement != "pre" or m.residual_multiplier != 1.0):
+        problems.append(f"model.parallel_residual = true with model.norm_placement = "
+                        f"{m.norm_placement!r} / residual_multiplier = {m.residual_multiplier:g}: "
+                        f"parallel blocks are pre-norm, unscaled; set 'pre' and 1")
+    rotated = int((m.head_dim or m.d_model // m.n_heads) * m.rope_fraction)
+    if m.rope_fraction != 1.0 and (m.position != "rope" or rotated % 2 or not rotated):
+        problems.append(f"model.rope_fraction = {m.rope_fraction:g} rotates {rotated} features of "
+                        f"each head: it needs model.position = 'rope' and an even, non-zero count")
+    if m.norm_bias and m.norm != "layernorm":
+        problems.append(f"model.norm_bias = true gives LayerNorms biases: it needs model.norm = "
+                        f"'layernorm' (not {m.norm!r})")
+    if m.norm_offset and m.norm != "rmsnorm":
+        problems.append(f"model.norm_offset = true is Gemma's RMSNorm: it needs model.norm = "
+                        f"'rmsnorm' (not {m.norm!r})")
+    if m.activation != "auto" and m.experts:
+        problems.append(f"model.activation = {m.activation!r} with model.experts = {m.experts}: "
+                        f"the experts' activation is model.mlp's own; set model.activation = 'auto'")
+    return problems
 
 
 @_cross("parallel.tp", "model.n_heads", "model.n_kv_heads")

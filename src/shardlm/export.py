@@ -1,7 +1,11 @@
 """Export a trained run to a Hugging Face `transformers` directory (`shardlm export --format hf`).
 
 A GPT-2-style config (LayerNorm, learned positions, GELU) becomes a `GPT2LMHeadModel`, a
-LLaMA-style one (RMSNorm, RoPE, SwiGLU) a `LlamaForCausalLM`, and a LLaMA-style mixture of
+LLaMA-style one (RMSNorm, RoPE, SwiGLU) a `LlamaForCausalLM` (its RoPE scaling and head width
+in the config: Llama 3.1-3.3), with q/k/v-only biases a `Qwen2ForCausalLM`, with per-head q/k
+norms a `Qwen3ForCausalLM`, with Gemma's (1 + w) norms a `GemmaForCausalLM`,
+`Gemma2ForCausalLM` (sandwich norms, soft-capping, sliding blocks) or `Gemma3ForCausalLM` (and
+q/k norms, two RoPE bases), and a LLaMA-style mixture of
 experts (model.experts > 0) a `MixtralForCausalLM`; all reproduce our logits (the model code
 already computes exactly what those classes compute: GELU tanh, rotate-half RoPE with HF's
 frequency table, Mixtral's softmax router renormalised over the top k). Configs that no class
@@ -35,13 +39,14 @@ import torch
 
 from shardlm.checkpoint import (TOKENIZER, WEIGHTS, load_config_json, load_for_inference,
                                resolve_run_dir)
-from shardlm.checkpoint.hf_names import hf_family, hf_sources
+from shardlm.checkpoint.hf_names import (GEMMA_FAMILIES, heads_first, hf_family, hf_sources,
+                                         query_pre_attn_scalar)
 from shardlm.checkpoint.weights import HF_CONFIG
 from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, merged_state_dict, peft_adapter, write_adapter
 from shardlm.config import ModelConfig
 from shardlm.errors import ConfigError
 from shardlm.data.tokenizer import EOT
-from shardlm.models.flops import expert_d_ff, resolved_d_ff
+from shardlm.models.flops import expert_d_ff, head_dim, resolved_d_ff
 
 
 def _import_transformers():
@@ -53,8 +58,30 @@ def _import_transformers():
     return transformers
 
 
+def rope_parameters(m: ModelConfig) -> dict:
+    """model.rope_* as transformers' rope_parameters (the keys its ROPE_INIT_FUNCTIONS read):
+    what presets.hf_shape reads back."""
+    params: dict = {"rope_type": m.rope_type, "rope_theta": m.rope_theta}
+    if m.rope_type != "default":
+        params["factor"] = m.rope_factor
+    if m.rope_fraction != 1.0:  # partial rotary (GPT-NeoX, Phi-3 family)
+        params["partial_rotary_factor"] = m.rope_fraction
+    original = {"original_max_position_embeddings": m.rope_original_max_seq_len or m.max_seq_len}
+    if m.rope_type == "llama3":
+        params.update(low_freq_factor=m.rope_low_freq_factor,
+                      high_freq_factor=m.rope_high_freq_factor, **original)
+    if m.rope_type == "yarn":
+        params.update(beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow, **original)
+        if not m.rope_truncate:  # transformers' default is True
+            params["truncate"] = False
+        if m.rope_attention_factor:
+            params["attention_factor"] = m.rope_attention_factor
+    return params
+
+
 def hf_config(m: ModelConfig, eot: int | None):
-    """The GPT2Config, LlamaConfig or MixtralConfig describing exactly our model."""
+    """The GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config or MixtralConfig describing exactly
+    our model (hf_family chooses)."""
     tf = _import_transformers()
     tokens = {"bos_token_id": eot, "eos_token_id": eot, "vocab_size": m.vocab_size,
               "tie_word_embeddings": m.tie_embeddings}
@@ -74,7 +101,8 @@ def hf_config(m: ModelConfig, eot: int | None):
                                 num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
                                 num_key_value_heads=m.n_kv_heads or m.n_heads,
                                 max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                                rope_theta=m.rope_theta, sliding_window=None, hidden_act="silu",
+                                head_dim=head_dim(m), rope_parameters=rope_parameters(m),
+                                sliding_window=None, hidden_act="silu",
                                 num_local_experts=m.experts, num_experts_per_tok=m.top_k,
                                 router_aux_loss_coef=m.aux_loss_coef if m.balance == "aux" else 0.0,
                                 output_router_logits=False, router_jitter_noise=0.0, **tokens)
@@ -83,15 +111,103 @@ def hf_config(m: ModelConfig, eot: int | None):
                               num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
                               num_key_value_heads=m.n_kv_heads or m.n_heads,
                               max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                              rope_theta=m.rope_theta, use_sliding_window=False, **tokens)
+                              rope_parameters=rope_parameters(m), use_sliding_window=False, **tokens)
+    if family == "qwen3":  # LLaMA with an RMSNorm on each query and key head, full attention
+        return tf.Qwen3Config(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
+                              num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                              num_key_value_heads=m.n_kv_heads or m.n_heads, head_dim=head_dim(m),
+                              max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                              rope_parameters=rope_parameters(m), attention_bias=False,
+                              use_sliding_window=False, **tokens)
+    if family in GEMMA_FAMILIES:
+        return _gemma_config(tf, m, family, tokens)
+    llama_shaped = dict(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
+                        num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                        num_key_value_heads=m.n_kv_heads or m.n_heads, head_dim=head_dim(m),
+                        max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                        rope_parameters=rope_parameters(m), sliding_window=m.sliding_window or None,
+                        hidden_act="silu", **tokens)
+    no_head_dim = {k: v for k, v in llama_shaped.items() if k not in ("head_dim", "sliding_window")}
+    if family == "stablelm":  # LayerNorms with biases, q/k/v biases, partial rotary
+        return tf.StableLmConfig(use_qkv_bias=m.qkv_bias, qk_layernorm=False, use_parallel_residual=False,
+                                 layer_norm_eps=m.norm_eps, hidden_dropout=0.0, attention_dropout=0.0,
+                                 pad_token_id=None,
+                                 **{k: v for k, v in llama_shaped.items()
+                                    if k not in ("head_dim", "rms_norm_eps", "sliding_window")})
+    if family == "gpt_neox":  # LayerNorms, biases everywhere, parallel residual, partial rotary
+        act = {"auto": "gelu_pytorch_tanh", "gelu_tanh": "gelu_pytorch_tanh"}.get(m.activation, m.activation)
+        return tf.GPTNeoXConfig(hidden_act=act,
+                                layer_norm_eps=m.norm_eps, use_parallel_residual=m.parallel_residual,
+                                attention_bias=True, attention_dropout=0.0, hidden_dropout=0.0,
+                                pad_token_id=None,
+                                **{k: v for k, v in llama_shaped.items()
+                                   if k not in ("head_dim", "rms_norm_eps", "hidden_act", "sliding_window",
+                                                "num_key_value_heads")})
+    if family == "starcoder2":  # LayerNorm (with biases), GELU MLP, RoPE, GQA, a window on every block
+        return tf.Starcoder2Config(use_bias=True, hidden_act="gelu_pytorch_tanh", norm_epsilon=m.norm_eps,
+                                   residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0,
+                                   pad_token_id=None,
+                                   **{k: v for k, v in llama_shaped.items() if k not in ("head_dim", "rms_norm_eps", "hidden_act")})
+    if family == "olmo2":  # post-norms, q/k norms over the whole projections
+        return tf.Olmo2Config(attention_bias=False, pad_token_id=None, **no_head_dim)
+    if family == "granite":
+        return tf.GraniteConfig(attention_bias=m.bias, mlp_bias=m.bias,
+                                embedding_multiplier=m.embedding_multiplier,
+                                residual_multiplier=m.residual_multiplier,
+                                attention_multiplier=m.attention_scale or head_dim(m) ** -0.5,
+                                logits_scaling=m.logits_divisor, pad_token_id=None, **no_head_dim)
+    if family == "smollm3":  # RoPE in every block but each nope_every-th
+        return tf.SmolLM3Config(attention_bias=m.bias, mlp_bias=m.bias, use_sliding_window=False,
+                                no_rope_layers=[int(not m.nope_every or (i + 1) % m.nope_every != 0)
+                                                for i in range(m.n_layers)],
+                                pad_token_id=None, **no_head_dim)
+    if family == "mistral":  # a window on every block (a mask, or the context capped at it)
+        return tf.MistralConfig(**llama_shaped)
+    if family == "phi3":  # fused qkv_proj / gate_up_proj; no pad token in our vocabulary
+        del llama_shaped["head_dim"]  # Phi3Config has none: hidden_size / heads (hf_family checked)
+        return tf.Phi3Config(pad_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                             **llama_shaped)
     # Our RMSNorm has no bias, so model.bias means biases on the linears only: exactly HF's
     # attention_bias (q/k/v/o) and mlp_bias (gate/up/down).
     return tf.LlamaConfig(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
                           num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
                           num_key_value_heads=m.n_kv_heads or m.n_heads,
                           max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                          rope_theta=m.rope_theta, attention_bias=m.bias, mlp_bias=m.bias,
-                          **tokens)
+                          head_dim=head_dim(m), rope_parameters=rope_parameters(m),
+                          attention_bias=m.bias, mlp_bias=m.bias, **tokens)
+
+
+IN_MEMORY_NAMES = {"gpt_neox": {"embed_out.weight": "lm_head.weight"}}
+"""File name -> the module's own, where transformers 5 renames a checkpoint's tensors as it
+loads them and back as it saves (its conversion_mapping.py): the table holds the files' names."""
+
+
+def _gemma_config(tf, m: ModelConfig, family: str, tokens: dict):
+    """GemmaConfig, Gemma2Config or Gemma3TextConfig (hf_family checked what they express):
+    the sliding blocks as layer_types, Gemma 3's two RoPE tables as its per-layer-type
+    rope_parameters."""
+    from shardlm.models.decoder import is_sliding
+
+    common = dict(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
+                  num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                  num_key_value_heads=m.n_kv_heads or m.n_heads, head_dim=head_dim(m),
+                  max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                  attention_bias=False, pad_token_id=None, **tokens)
+    if family == "gemma":
+        return tf.GemmaConfig(hidden_act="gelu_pytorch_tanh", rope_parameters=rope_parameters(m),
+                              **common)
+    types = ["sliding_attention" if is_sliding(m, i) else "full_attention" for i in range(m.n_layers)]
+    gemma2 = dict(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=query_pre_attn_scalar(m),
+                  sliding_window=m.sliding_window or None, layer_types=types,
+                  attn_logit_softcapping=m.attn_softcap or None,
+                  final_logit_softcapping=m.logit_softcap or None, **common)
+    if family == "gemma2":
+        return tf.Gemma2Config(rope_parameters=rope_parameters(m), **gemma2)
+    local = {"rope_type": "default", "rope_theta": m.rope_local_theta or m.rope_theta}
+    if not m.rope_local_theta:  # the sliding blocks share the global RoPE
+        local = rope_parameters(m)
+    return tf.Gemma3TextConfig(rope_parameters={"full_attention": rope_parameters(m),
+                                                "sliding_attention": local}, **gemma2)
 
 
 def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig,
@@ -106,7 +222,8 @@ def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig,
     sources = hf_sources(m, family)
     out: dict[str, torch.Tensor] = {}
     for ours, source in sources.items():
-        for name, part in zip(source.names, sd[ours].split(list(source.rows))):
+        tensor = heads_first(sd[ours], source.per_head) if source.per_head else sd[ours]
+        for name, part in zip(source.names, tensor.split(list(source.rows))):
             out[name] = (part.t() if source.transposed else part).contiguous()
         bias = f"{ours.removesuffix('.weight')}.bias"
         if family == "gpt2" and ours.startswith(("blocks.", "norm_f.")) and ours.endswith(".weight") \
@@ -200,7 +317,12 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
     eot = tokenizer.token_to_id(EOT)
     config = hf_config(m, eot)
     cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
-           "mixtral": tf.MixtralForCausalLM}[hf_family(m)]
+           "qwen3": tf.Qwen3ForCausalLM, "mixtral": tf.MixtralForCausalLM, "gemma": tf.GemmaForCausalLM,
+           "gemma2": tf.Gemma2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
+           "mistral": tf.MistralForCausalLM, "phi3": tf.Phi3ForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
+           "granite": tf.GraniteForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
+           "starcoder2": tf.Starcoder2ForCausalLM, "gpt_neox": tf.GPTNeoXForCausalLM,
+           "stablelm": tf.StableLmForCausalLM}[hf_family(m)]
     with torch.device("meta"):  # no memory and no random init: every tensor comes from `sd`
         hf_model = cls(config)
     stacked = any(n.endswith(".experts.gate_up_proj") for n, _ in hf_model.named_parameters())
@@ -208,6 +330,8 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
     if merge:
         ours = merged_state_dict(ours, cfg)
     sd = hf_state_dict(ours, m, stacked_experts=stacked)
+    renamed = IN_MEMORY_NAMES.get(hf_family(m), {})
+    sd = {renamed.get(name, name): tensor for name, tensor in sd.items()}
     del model
     missing, unexpected = hf_model.load_state_dict(sd, strict=False, assign=True)
     if missing or unexpected:

@@ -22,17 +22,54 @@ from torch import nn
 from shardlm.checkpoint.hf_dir import HFDirError, HFDirReader
 from shardlm.config import ModelConfig
 from shardlm.errors import ConfigError
-from shardlm.models.flops import moe_layers, resolved_d_ff
+from shardlm.models.flops import head_dim, moe_layers, resolved_d_ff
 from shardlm.models.init import Initializer
 
 
 GPT2_STYLE = {"norm": "layernorm", "position": "learned", "mlp": "gelu"}
+STARCODER2_STYLE = {"norm": "layernorm", "position": "rope", "mlp": "gelu"}
+STABLELM_STYLE = {"norm": "layernorm", "position": "rope", "mlp": "swiglu"}
+"""StarCoder2's and GPT-NeoX's (model.family, or the NeoX-only fields, tells them apart)."""
 LLAMA_STYLE = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
 
 
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
+
+# The LLaMA-style fields beyond the common core, with their defaults, and which of them each
+# LLaMA-style family's transformers class has a key for (Gemma's are checked by _gemma_problems).
+EXTRA_FIELDS = {"head_dim": 0, "qkv_bias": False, "qk_norm": False, "qk_norm_width": "head",
+                "norm_placement": "pre", "activation": "auto", "embedding_multiplier": 1.0,
+                "attention_scale": 0.0, "residual_multiplier": 1.0, "logits_divisor": 1.0,
+                "attn_softcap": 0.0, "logit_softcap": 0.0, "sliding_window": 0, "global_every": 0,
+                "rope_local_theta": 0.0, "nope_every": 0, "parallel_residual": False,
+                "rope_fraction": 1.0, "norm_bias": False}
+EXPRESSES = {
+    "llama": {"head_dim"},
+    "mistral": {"head_dim", "sliding_window"},  # a window on every block
+    "qwen2": {"qkv_bias"},
+    "qwen3": {"head_dim", "qk_norm"},
+    "olmo2": {"qk_norm", "qk_norm_width", "norm_placement"},
+    "granite": {"embedding_multiplier", "attention_scale", "residual_multiplier", "logits_divisor"},
+    "smollm3": {"nope_every"},
+    "starcoder2": {"head_dim", "sliding_window"},  # not LLaMA-style in norm and MLP: STARCODER2_STYLE
+    "gpt_neox": {"parallel_residual", "rope_fraction", "activation"},
+    "phi3": {"sliding_window", "rope_fraction"},
+    "stablelm": {"qkv_bias", "rope_fraction"},  # LayerNorms: STABLELM_STYLE
+}
+REQUIRED = {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True}, "stablelm": {"norm_bias": True},
+            "olmo2": {"qk_norm": True, "qk_norm_width": "all", "norm_placement": "post"}}
+BIASED = ("llama", "granite", "smollm3", "starcoder2", "gpt_neox")
+"""Families whose attention and MLP linears may all have biases (model.bias)."""
+
+
 def hf_family(m: ModelConfig) -> str:
-    """'gpt2', 'llama', 'qwen2' (LLaMA with biases on q/k/v only) or 'mixtral', or a ConfigError
-    naming the fields that match no class."""
+    """The transformers model_type that computes exactly our model: model.family (a loaded
+    checkpoint's own, so export writes it back), else the class the fields imply: 'gpt2',
+    'llama' (Llama 1-3.3: any model.rope_type, model.head_dim), 'qwen2' (biases on q/k/v only),
+    'qwen3' (per-head q/k norms), 'olmo2' (post-norms, whole-width q/k norms), 'granite'
+    (multipliers), 'smollm3' (NoPE blocks), 'mistral' (a sliding window), 'gemma' / 'gemma2' /
+    'gemma3_text' (model.norm_offset: plain, sandwich norms, and q/k norms) or 'mixtral'. A
+    ConfigError names every field the class cannot express."""
     chosen = {k: getattr(m, k) for k in GPT2_STYLE}
     if m.experts:
         return _mixtral_family(m, chosen)
@@ -47,8 +84,32 @@ def hf_family(m: ModelConfig) -> str:
                               f"(grouped-query attention) has no GPT-2 equivalent; only "
                               f"n_kv_heads = 0 or n_heads = {m.n_heads} maps")
         return "gpt2"
+    if chosen == STARCODER2_STYLE:
+        neox = (m.parallel_residual, m.rope_fraction, m.activation) != (False, 1.0, "auto")
+        family = m.family or ("gpt_neox" if neox else "starcoder2")
+        problems = _llama_problems(m, family)
+        if not m.bias:
+            problems.append(f"model.bias = false ({family}'s LayerNorms and MLP have biases)")
+        if family == "gpt_neox" and (m.n_kv_heads or m.n_heads) != m.n_heads:
+            problems.append(f"model.n_kv_heads = {m.n_kv_heads} (GPT-NeoX has one key/value head "
+                            f"per query head)")
+        if problems:
+            raise ConfigError(f"cannot export this model to transformers' {family} class: "
+                              + "; ".join(problems))
+        return family
+    if chosen == STABLELM_STYLE:  # LayerNorms (with biases) on LLaMA's attention and MLP
+        problems = _llama_problems(m, "stablelm")
+        if problems:
+            raise ConfigError("cannot export this model to transformers' stablelm class: "
+                              + "; ".join(problems))
+        return "stablelm"
     if chosen == LLAMA_STYLE:
-        return "qwen2" if m.qkv_bias and not m.bias else "llama"
+        family = m.family or _implied_llama_family(m)
+        problems = _gemma_problems(m, family) if family in GEMMA_FAMILIES else _llama_problems(m, family)
+        if problems:
+            raise ConfigError(f"cannot export this model to transformers' {family} class"
+                              f"{' (model.family)' if m.family else ''}: " + "; ".join(problems))
+        return family
 
     def describe(style: dict[str, str]) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in style.items())
@@ -58,6 +119,78 @@ def hf_family(m: ModelConfig) -> str:
     raise ConfigError(f"cannot export this model to transformers: GPT2LMHeadModel needs "
                       f"{describe(GPT2_STYLE)} (not {', '.join(off_gpt2)}) and LlamaForCausalLM "
                       f"needs {describe(LLAMA_STYLE)} (not {', '.join(off_llama)})")
+
+
+def _implied_llama_family(m: ModelConfig) -> str:
+    """The LLaMA-style class a model of ours without model.family is most naturally: by its
+    distinguishing fields (a model that mixes them is refused by the family's check)."""
+    if m.norm_offset:
+        return "gemma3_text" if m.qk_norm else "gemma2" if m.norm_placement == "sandwich" else "gemma"
+    if m.qk_norm:
+        return "olmo2" if m.qk_norm_width == "all" else "qwen3"
+    if (m.embedding_multiplier, m.attention_scale, m.residual_multiplier, m.logits_divisor) != (1.0, 0.0, 1.0, 1.0):
+        return "granite"
+    if m.nope_every:
+        return "smollm3"
+    if m.sliding_window:
+        return "mistral"
+    return "qwen2" if m.qkv_bias and not m.bias else "llama"
+
+
+def _llama_problems(m: ModelConfig, family: str) -> list[str]:
+    """What `family`'s class (a LLaMA-style one) cannot express of our model, field by field."""
+    if family not in EXPRESSES:
+        return [f"model.family = {family!r} is not a LLaMA-style class (the fields are "
+                f"LLaMA's: rmsnorm, rope, swiglu)"]
+    problems = []
+    for field, default in EXTRA_FIELDS.items():
+        value, required = getattr(m, field), REQUIRED.get(family, {}).get(field)
+        if required is not None and value != required:
+            problems.append(f"model.{field} = {value!r} ({family}'s is {required!r})")
+        elif required is None and value != default and field not in EXPRESSES[family]:
+            problems.append(f"model.{field} = {value!r} ({family} has none: {default!r})")
+    if m.norm_offset:
+        problems.append(f"model.norm_offset = true ({family}'s RMSNorm multiplies by w itself)")
+    if m.bias and family not in BIASED:
+        problems.append(f"model.bias = true ({family}'s linears have no biases on every one)")
+    if family == "qwen2" and m.bias:
+        problems.append("model.bias = true (Qwen2's biases are on q/k/v only: model.qkv_bias)")
+    if m.sliding_window and m.global_every:
+        problems.append(f"model.global_every = {m.global_every} ({family} slides every block: 0)")
+    return problems
+
+
+def query_pre_attn_scalar(m: ModelConfig) -> int | None:
+    """Gemma's query_pre_attn_scalar q with q^-1/2 exactly model.attention_scale (head_dim when
+    that is 0), or None where no whole number gives it."""
+    if not m.attention_scale:
+        return head_dim(m)
+    q = round(m.attention_scale ** -2)
+    return q if q > 0 and q ** -0.5 == m.attention_scale else None
+
+
+def _gemma_problems(m: ModelConfig, family: str) -> list[str]:
+    """What `family`'s class (Gemma 1, 2 or 3) cannot express of our model, field by field."""
+    problems = []
+    want = {"norm_offset": True, "activation": "gelu_tanh",
+            "embedding_multiplier": m.d_model ** 0.5, "bias": False, "qkv_bias": False,
+            "qk_norm": family == "gemma3_text", "qk_norm_width": "head",
+            "norm_placement": "pre" if family == "gemma" else "sandwich", "residual_multiplier": 1.0,
+            "logits_divisor": 1.0, "nope_every": 0}
+    problems += [f"model.{k} = {getattr(m, k)!r} ({family}'s is {v!r})" for k, v in want.items()
+                 if getattr(m, k) != v]
+    if family == "gemma":
+        gemma1 = {"model.attention_scale": m.attention_scale, "model.attn_softcap": m.attn_softcap,
+                  "model.logit_softcap": m.logit_softcap, "model.sliding_window": m.sliding_window}
+        problems += [f"{k} = {v:g} (Gemma 1 has none; Gemma 2 and 3 have sandwich norms)"
+                     for k, v in gemma1.items() if v]
+    elif query_pre_attn_scalar(m) is None:
+        problems.append(f"model.attention_scale = {m.attention_scale!r} (Gemma's is "
+                        f"query_pre_attn_scalar^-1/2 for a whole number)")
+    if m.rope_local_theta and family != "gemma3_text":
+        problems.append(f"model.rope_local_theta = {m.rope_local_theta:g} (only Gemma 3 has a "
+                        f"second RoPE base)")
+    return problems
 
 
 def _mixtral_family(m: ModelConfig, chosen: dict[str, str]) -> str:
@@ -101,23 +234,64 @@ class HFSource:
     """How many of our rows (dimension 0) each one gives."""
     transposed: bool = False
     """GPT-2's Conv1D: the HF weight is (in, out), ours (out, in)."""
+    per_head: int = 0
+    """GPT-NeoX's query_key_value: rows grouped by head, [q_h, k_h, v_h] for each of this many
+    heads; ours are [all q, all k, all v] (0 = the same order as ours)."""
+
+
+def heads_first(ours: torch.Tensor, heads: int) -> torch.Tensor:
+    """Our [all q, all k, all v] rows as GPT-NeoX's [q_h, k_h, v_h] per head (export)."""
+    return ours.reshape(3, heads, -1, *ours.shape[1:]).transpose(0, 1).reshape(ours.shape).contiguous()
+
+
+def parts_first(theirs: torch.Tensor, heads: int) -> torch.Tensor:
+    """GPT-NeoX's per-head [q_h, k_h, v_h] rows as ours, [all q, all k, all v] (load)."""
+    return theirs.reshape(heads, 3, -1, *theirs.shape[1:]).transpose(0, 1).reshape(theirs.shape).contiguous()
 
 
 def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
     """Our parameter name -> its HF source, for every dense parameter of a 'gpt2', 'llama' or
     'mixtral' (everything but the experts) model of shape `m`. Biases are listed only where
     ours has them; GPT-2's, always present there, are export's to fill with zeros."""
-    head_dim = m.d_model // m.n_heads
-    q, kv, d = m.n_heads * head_dim, (m.n_kv_heads or m.n_heads) * head_dim, m.d_model
+    hd = head_dim(m)
+    q, kv, d = m.n_heads * hd, (m.n_kv_heads or m.n_heads) * hd, m.d_model
     out: dict[str, HFSource] = {}
 
     def add(ours: str, names: list[str], rows: list[int], transposed: bool = False,
-            biases: bool = True) -> None:
-        out[f"{ours}.weight"] = HFSource(tuple(f"{n}.weight" for n in names), tuple(rows), transposed)
+            biases: bool = True, per_head: int = 0) -> None:
+        out[f"{ours}.weight"] = HFSource(tuple(f"{n}.weight" for n in names), tuple(rows), transposed, per_head)
         if biases:
-            out[f"{ours}.bias"] = HFSource(tuple(f"{n}.bias" for n in names), tuple(rows))
+            out[f"{ours}.bias"] = HFSource(tuple(f"{n}.bias" for n in names), tuple(rows), False, per_head)
 
-    if family == "gpt2":
+    if family == "gpt_neox":  # every linear and LayerNorm with biases; q/k/v fused per head
+        out["tok_emb.weight"] = HFSource(("gpt_neox.embed_in.weight",), (m.vocab_size,))
+        ff = resolved_d_ff(m)
+        for i in range(m.n_layers):
+            h, b = f"gpt_neox.layers.{i}", f"blocks.{i}"
+            add(f"{b}.attn_norm", [f"{h}.input_layernorm"], [d], biases=m.bias)
+            add(f"{b}.mlp_norm", [f"{h}.post_attention_layernorm"], [d], biases=m.bias)
+            add(f"{b}.attn.qkv", [f"{h}.attention.query_key_value"], [q + 2 * kv], biases=m.bias,
+                per_head=m.n_heads)
+            add(f"{b}.attn.proj", [f"{h}.attention.dense"], [d], biases=m.bias)
+            add(f"{b}.mlp.fc", [f"{h}.mlp.dense_h_to_4h"], [ff], biases=m.bias)
+            add(f"{b}.mlp.proj", [f"{h}.mlp.dense_4h_to_h"], [d], biases=m.bias)
+        add("norm_f", ["gpt_neox.final_layer_norm"], [d], biases=m.bias)
+        out["head.weight"] = HFSource(("embed_out.weight",), (m.vocab_size,))
+        return out
+    if family == "starcoder2":  # LLaMA's names for attention and norms (LayerNorms: biases too)
+        out["tok_emb.weight"] = HFSource(("model.embed_tokens.weight",), (m.vocab_size,))
+        ff = resolved_d_ff(m)
+        for i in range(m.n_layers):
+            h, b, attn = f"model.layers.{i}", f"blocks.{i}", f"model.layers.{i}.self_attn"
+            add(f"{b}.attn_norm", [f"{h}.input_layernorm"], [d], biases=m.bias)
+            add(f"{b}.mlp_norm", [f"{h}.post_attention_layernorm"], [d], biases=m.bias)
+            add(f"{b}.attn.qkv", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], [q, kv, kv],
+                biases=m.bias)
+            add(f"{b}.attn.proj", [f"{attn}.o_proj"], [d], biases=m.bias)
+            add(f"{b}.mlp.fc", [f"{h}.mlp.c_fc"], [ff], biases=m.bias)
+            add(f"{b}.mlp.proj", [f"{h}.mlp.c_proj"], [d], biases=m.bias)
+        add("norm_f", ["model.norm"], [d], biases=m.bias)
+    elif family == "gpt2":
         out["tok_emb.weight"] = HFSource(("transformer.wte.weight",), (m.vocab_size,))
         out["pos_emb.weight"] = HFSource(("transformer.wpe.weight",), (m.max_seq_len,))
         ff = resolved_d_ff(m)
@@ -133,19 +307,39 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
     else:
         out["tok_emb.weight"] = HFSource(("model.embed_tokens.weight",), (m.vocab_size,))
         ff = resolved_d_ff(m)
+        norm_biases = m.norm == "layernorm" and (m.bias or m.norm_bias)  # StableLM's LayerNorms
         for i in range(m.n_layers):
             h, b = f"model.layers.{i}", f"blocks.{i}"
-            add(f"{b}.attn_norm", [f"{h}.input_layernorm"], [d], biases=False)
-            add(f"{b}.mlp_norm", [f"{h}.post_attention_layernorm"], [d], biases=False)
+            if m.norm_placement == "post":  # OLMo-2: the norms after attention and the MLP
+                add(f"{b}.attn_norm", [f"{h}.post_attention_layernorm"], [d], biases=False)
+                add(f"{b}.mlp_norm", [f"{h}.post_feedforward_layernorm"], [d], biases=False)
+            else:
+                add(f"{b}.attn_norm", [f"{h}.input_layernorm"], [d], biases=norm_biases)
+            if m.norm_placement == "sandwich":  # Gemma 2/3: post_attention_layernorm is a post-norm
+                add(f"{b}.attn_post_norm", [f"{h}.post_attention_layernorm"], [d], biases=False)
+                add(f"{b}.mlp_norm", [f"{h}.pre_feedforward_layernorm"], [d], biases=False)
+                add(f"{b}.mlp_post_norm", [f"{h}.post_feedforward_layernorm"], [d], biases=False)
+            elif m.norm_placement == "pre":
+                add(f"{b}.mlp_norm", [f"{h}.post_attention_layernorm"], [d], biases=norm_biases)
             attn = f"{h}.self_attn"
-            add(f"{b}.attn.qkv", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"],
-                [q, kv, kv], biases=m.bias or m.qkv_bias)
+            if family == "phi3":  # already fused as ours: rows q, k, v
+                add(f"{b}.attn.qkv", [f"{attn}.qkv_proj"], [q + 2 * kv], biases=m.bias or m.qkv_bias)
+            else:
+                add(f"{b}.attn.qkv", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"],
+                    [q, kv, kv], biases=m.bias or m.qkv_bias)
             add(f"{b}.attn.proj", [f"{attn}.o_proj"], [d], biases=m.bias)
-            if family in ("llama", "qwen2"):
+            if m.qk_norm:  # per head (Qwen3, Gemma 3: head_dim) or whole (OLMo-2: q, kv widths)
+                whole = m.qk_norm_width == "all"
+                add(f"{b}.attn.q_norm", [f"{attn}.q_norm"], [q if whole else hd], biases=False)
+                add(f"{b}.attn.k_norm", [f"{attn}.k_norm"], [kv if whole else hd], biases=False)
+            if family == "phi3":  # gate_up_proj: rows gate, then up, as ours
+                add(f"{b}.mlp.gate_up", [f"{h}.mlp.gate_up_proj"], [2 * ff], biases=m.bias)
+                add(f"{b}.mlp.down", [f"{h}.mlp.down_proj"], [d], biases=m.bias)
+            elif family != "mixtral":  # a mixture's experts are export's own business
                 add(f"{b}.mlp.gate_up", [f"{h}.mlp.gate_proj", f"{h}.mlp.up_proj"], [ff, ff],
                     biases=m.bias)
                 add(f"{b}.mlp.down", [f"{h}.mlp.down_proj"], [d], biases=m.bias)
-        out["norm_f.weight"] = HFSource(("model.norm.weight",), (d,))
+        add("norm_f", ["model.norm"], [d], biases=norm_biases)
     # Tied: the head is the embedding and is never asked for by its own name. A tied HF
     # checkpoint holds no lm_head.weight; export writes one anyway (from_pretrained ties it).
     out["head.weight"] = HFSource(("lm_head.weight",), (m.vocab_size,))
@@ -153,8 +347,14 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
 
 
 def loaded_family(m: ModelConfig) -> str:
-    """'gpt2', 'llama' or 'qwen2': the table to load with (presets.hf_shape refused the rest)."""
-    return "gpt2" if m.mlp != "swiglu" else "qwen2" if m.qkv_bias and not m.bias else "llama"
+    """'gpt2' or a LLaMA-style family: the table to load with (presets.hf_shape refused what
+    none computes): model.family, else what the fields imply (the names depend on them: q/k
+    norms, sandwich norms)."""
+    if m.family:
+        return m.family
+    if m.mlp != "swiglu":  # GPT-2 (learned positions) or StarCoder2 (RoPE)
+        return "gpt2" if m.position == "learned" else "starcoder2"
+    return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias and not m.bias else "llama"
 
 
 def hf_initializer(directory: str | Path, model: nn.Module, m: ModelConfig) -> Initializer:
@@ -185,6 +385,7 @@ def hf_initializer(directory: str | Path, model: nn.Module, m: ModelConfig) -> I
                 parts.append(read(hf_name, (*inner, rows)).t())
             else:
                 parts.append(read(hf_name, (rows, *inner)))
-        return torch.cat(parts).contiguous()
+        whole = torch.cat(parts)
+        return parts_first(whole, source.per_head) if source.per_head else whole.contiguous()
 
     return initial_value

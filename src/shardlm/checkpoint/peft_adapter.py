@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from shardlm.checkpoint.hf_names import hf_family, hf_sources
+from shardlm.checkpoint.hf_names import heads_first, hf_family, hf_sources
 from shardlm.config import Config
 from shardlm.errors import ConfigError
 from shardlm.files import atomic_write
@@ -99,8 +99,11 @@ def peft_adapter(sd: dict[str, torch.Tensor], cfg: Config,
     else:
         targets, fan_in_fan_out = _hf_targets(cfg, modules)
     tensors: dict[str, torch.Tensor] = {}
+    sources = hf_sources(cfg.model, hf_family(cfg.model))
     for module, parts in targets.items():
         a, b = sd[f"{module}.lora_A.weight"], sd[f"{module}.lora_B.weight"]
+        heads = sources[f"{module}.weight"].per_head  # GPT-NeoX's per-head q/k/v rows
+        b = heads_first(b, heads) if heads else b
         for (hf_name, _), b_rows in zip(parts, b.split([rows for _, rows in parts])):
             tensors[f"{PEFT_PREFIX}{hf_name}.lora_A.weight"] = a.detach().cpu().contiguous().clone()
             tensors[f"{PEFT_PREFIX}{hf_name}.lora_B.weight"] = b_rows.detach().cpu().contiguous().clone()

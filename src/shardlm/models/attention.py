@@ -21,7 +21,15 @@ Backends (model.attention):
                   keeps the s x s probabilities for backward (the planner charges them).
   'auto'          CUDA: 'flex' with documents, else 'sdpa'. CPU: 'per_document' with documents
                   ('sdpa' when train.compile), else 'sdpa' — the fastest measured
-                  (bench/bench_attention.py).
+                  (bench/bench_attention.py). A model with attention soft-capping (Gemma 2)
+                  runs 'math', the one that writes the scores out; one with sliding-window
+                  blocks runs 'sdpa' where it would run 'flex' or 'per_document'.
+
+Sliding windows (model.sliding_window: Mistral, Gemma 2 and 3) are part of the mask: query i
+sees key j when i - window < j <= i, built once per forward for the blocks that slide (sdpa,
+math; flex and per_document refuse them, config_rules), and nothing at all when the sequence
+is no longer than the window. A scale other than 1/√d (model.attention_scale) reaches every
+kernel; soft-capping (model.attn_softcap: c·tanh(s/c) on the scores, before the mask) only math.
 """
 
 from __future__ import annotations
@@ -39,16 +47,20 @@ from shardlm.errors import ConfigError
 BACKENDS = ATTENTION_BACKENDS
 
 
-def choose_backend(name: str, device_type: str, documents: bool, compiled: bool) -> str:
+def choose_backend(name: str, device_type: str, documents: bool, compiled: bool,
+                   softcap: bool = False, window: bool = False) -> str:
     """The backend model.attention = `name` runs: itself, or what 'auto' picks for the device,
-    whether batches carry documents, and whether the blocks are compiled."""
+    whether batches carry documents, whether the blocks are compiled, whether the scores are
+    soft-capped (only 'math' writes them out) and whether some blocks slide (a mask)."""
     if name != "auto":
         return name
+    if softcap:
+        return "math"
     if not documents:
         return "sdpa"
-    if device_type == "cuda":
+    if device_type == "cuda" and not window:
         return "flex"
-    return "sdpa" if compiled else "per_document"
+    return "sdpa" if compiled or window else "per_document"
 
 
 def configure(model: nn.Module, attention: str, device: torch.device, documents: bool,
@@ -62,7 +74,9 @@ def configure(model: nn.Module, attention: str, device: torch.device, documents:
                               f"attention and takes no per-document positions; set "
                               f"model.attention = 'auto' and data.document_mask = 'off'")
         return f"attention: {type(model).__name__}'s own"
-    backend = choose_backend(attention, device.type, documents, compiled)
+    cfg = model.cfg
+    backend = choose_backend(attention, device.type, documents, compiled, cfg.attn_softcap > 0,
+                             cfg.sliding_window > 0)
     if backend == "flex" and device.type == "cpu":
         raise ConfigError("model.attention = 'flex' on CPU: torch 2.13's FlexAttention has no CPU "
                           "backward, so it cannot train here; use 'auto' (per_document / sdpa) or "
@@ -89,9 +103,13 @@ def document_ids(positions: torch.Tensor) -> torch.Tensor:
     return (positions == 0).cumsum(dim=-1)
 
 
-def _allowed(positions: torch.Tensor | None, T: int, device: torch.device) -> torch.Tensor:
-    """Boolean (B or 1, 1, T, T): query i may see key j (causal, and the same document)."""
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+def _allowed(positions: torch.Tensor | None, T: int, device: torch.device, window: int = 0) -> torch.Tensor:
+    """Boolean (B or 1, 1, T, T): query i may see key j (causal, within the last `window` tokens
+    when window > 0, and the same document)."""
+    ones = torch.ones(T, T, dtype=torch.bool, device=device)
+    causal = ones.tril()
+    if window:  # i - window < j: drop the diagonals at and below -window
+        causal &= ~ones.tril(-window)
     if positions is None:
         return causal[None, None]
     docs = document_ids(positions)  # (B, T)
@@ -113,14 +131,18 @@ def _block_mask(positions: torch.Tensor | None, B: int, T: int, device: torch.de
 
 
 def prepare(backend: str, positions: torch.Tensor | None, T: int, device: torch.device,
-            dtype: torch.dtype) -> AttentionMask | None:
+            dtype: torch.dtype, window: int = 0) -> AttentionMask | None:
     """The per-forward mask for `backend` (concrete); None = plain causal SDPA. `positions`
     (B, T): each token's position in its document, or None (one document per row). `dtype`:
-    the dtype q will have (the compute dtype), for sdpa's additive mask."""
-    if backend in ("sdpa", "per_document") and positions is None:
+    the dtype q will have (the compute dtype), for sdpa's additive mask. `window`: a sliding
+    window's mask (0, or one no shorter than T: none)."""
+    window = window if 0 < window < T else 0
+    if window and backend in ("per_document", "flex"):
+        raise ValueError(f"model.attention = {backend!r} has no sliding-window mask; use 'sdpa' or 'math'")
+    if backend in ("sdpa", "per_document") and positions is None and not window:
         return None
     if backend == "sdpa":
-        blocked = ~_allowed(positions, T, device)
+        blocked = ~_allowed(positions, T, device, window)
         return AttentionMask(backend, torch.zeros(blocked.shape, dtype=dtype, device=device)
                              .masked_fill_(blocked, float("-inf")))
     if backend == "per_document":
@@ -132,49 +154,58 @@ def prepare(backend: str, positions: torch.Tensor | None, T: int, device: torch.
         return AttentionMask(backend, tuple(tuple(b - a for a, b in zip(row, row[1:] + [T]))
                                             for row in begins))
     if backend == "math":
-        return AttentionMask(backend, ~_allowed(positions, T, device))
+        return AttentionMask(backend, ~_allowed(positions, T, device, window))
     if backend == "flex":
         B = 1 if positions is None else positions.shape[0]
         return AttentionMask(backend, _block_mask(positions, B, T, device))
     raise ValueError(f"model.attention = {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           mask: AttentionMask | None = None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None = None,
+           scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of q (B, nh, T, hs) over k, v (B, nkv, T, hs) -> (B, nh, T, hs), masked
-    as `mask` says (None: plain causal SDPA)."""
+    as `mask` says (None: plain causal SDPA). `scale`: of q·k (None = 1/√hs); `softcap` > 0:
+    scores -> softcap·tanh(scores/softcap), which only the math backend computes."""
     gqa = q.shape[1] != k.shape[1]
+    if softcap and (mask is None or mask.backend != "math"):
+        raise ValueError(f"attention soft-capping needs model.attention = 'math' (got "
+                         f"{'sdpa' if mask is None else mask.backend!r})")
     if mask is None:
         # enable_gqa lets the kernel broadcast kv heads itself: measured 10-20% faster than
         # repeat_interleave on torch 2.13 CPU (forward+backward), with identical outputs.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     if mask.backend == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.data, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.data, enable_gqa=gqa, scale=scale)
     if mask.backend == "per_document":
-        return _per_document(q, k, v, mask.data, gqa)
+        return _per_document(q, k, v, mask.data, gqa, scale)
     if mask.backend == "flex":
-        return _flex()(q, k, v, block_mask=mask.data, enable_gqa=gqa)
-    return _math(q, k, v, mask.data)
+        return _flex()(q, k, v, block_mask=mask.data, enable_gqa=gqa, scale=scale)
+    return _math(q, k, v, mask.data, scale, softcap)
 
 
-def _per_document(q, k, v, lengths: tuple[tuple[int, ...], ...], gqa: bool) -> torch.Tensor:
+def _per_document(q, k, v, lengths: tuple[tuple[int, ...], ...], gqa: bool,
+                  scale: float | None = None) -> torch.Tensor:
     if all(len(row) == 1 for row in lengths):  # one document per row: one call
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     rows = []
     for b, row in enumerate(lengths):
         pieces = zip(*(t[b:b + 1].split(row, dim=2) for t in (q, k, v)))  # (1, h, len, hs) each
-        rows.append(torch.cat([F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa)
+        rows.append(torch.cat([F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
+                                                              enable_gqa=gqa, scale=scale)
                                for qd, kd, vd in pieces], dim=2))
     return torch.cat(rows, dim=0)  # (B, nh, T, hs)
 
 
-def _math(q, k, v, blocked: torch.Tensor) -> torch.Tensor:
+def _math(q, k, v, blocked: torch.Tensor, scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
     """softmax(q kᵀ/√d, masked) v written out: autograd keeps q, k, v and the (B, nh, T, T)
-    probabilities (the s² term of Korthikanti et al.'s activation formula)."""
+    probabilities (the s² term of Korthikanti et al.'s activation formula). Soft-capped as
+    Gemma 2: c·tanh(scores/c) before the mask."""
     if q.shape[1] != k.shape[1]:  # GQA: each key/value head serves n_heads / n_kv_heads queries
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, nh, T, T)
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (B, nh, T, T)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     return scores.masked_fill(blocked, float("-inf")).softmax(dim=-1) @ v
 
 

@@ -26,6 +26,17 @@ def resolved_d_ff(cfg: ModelConfig) -> int:
     return m * ((hidden + m - 1) // m)
 
 
+def head_dim(cfg: ModelConfig) -> int:
+    """One attention head's width: model.head_dim, else d_model / n_heads."""
+    return cfg.head_dim or cfg.d_model // cfg.n_heads
+
+
+def attention_width(cfg: ModelConfig) -> int:
+    """The queries' total width, n_heads · head_dim: d_model unless model.head_dim says otherwise
+    (what attention's QKᵀ and AV multiply over, per token and key)."""
+    return cfg.n_heads * head_dim(cfg)
+
+
 def expert_d_ff(cfg: ModelConfig) -> int:
     """One routed expert's hidden width: `expert_d_ff`, else the dense MLP's."""
     return cfg.expert_d_ff or resolved_d_ff(cfg)
@@ -50,9 +61,9 @@ def _mlp_biases(cfg: ModelConfig, width: int) -> int:
 
 
 def _attention_matmul(cfg: ModelConfig) -> int:
-    d, head_dim = cfg.d_model, cfg.d_model // cfg.n_heads
+    d, hd = cfg.d_model, head_dim(cfg)
     n_kv = cfg.n_kv_heads or cfg.n_heads
-    return d * (cfg.n_heads + 2 * n_kv) * head_dim + cfg.n_heads * head_dim * d
+    return d * (cfg.n_heads + 2 * n_kv) * hd + cfg.n_heads * hd * d
 
 
 def _mlp_widths(cfg: ModelConfig, moe: bool, active: bool) -> list[int]:
@@ -73,18 +84,22 @@ def _block_matmul_params(cfg: ModelConfig, moe: bool = False, active: bool = Tru
 
 
 def _norm_params(cfg: ModelConfig) -> int:
-    has_bias = cfg.norm == "layernorm" and cfg.bias
+    has_bias = cfg.norm == "layernorm" and (cfg.bias or cfg.norm_bias)
     return cfg.d_model * (2 if has_bias else 1)
 
 
 def _block_params(cfg: ModelConfig, moe: bool = False, active: bool = False) -> int:
     biases = 0
-    head_dim, n_kv = cfg.d_model // cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
+    hd, n_kv = head_dim(cfg), cfg.n_kv_heads or cfg.n_heads
     if cfg.bias or cfg.qkv_bias:
-        biases = (cfg.n_heads + 2 * n_kv) * head_dim
+        biases = (cfg.n_heads + 2 * n_kv) * hd
     if cfg.bias:
         biases += cfg.d_model + sum(_mlp_biases(cfg, w) for w in _mlp_widths(cfg, moe, active))
-    return _block_matmul_params(cfg, moe, active) + biases + 2 * _norm_params(cfg)
+    qk_norms = 0
+    if cfg.qk_norm:  # per head (head_dim weights each), or over the whole q and k projections
+        qk_norms = 2 * hd if cfg.qk_norm_width == "head" else (cfg.n_heads + n_kv) * hd
+    norms = 4 if cfg.norm_placement == "sandwich" else 2
+    return _block_matmul_params(cfg, moe, active) + biases + norms * _norm_params(cfg) + qk_norms
 
 
 def _root_params(cfg: ModelConfig) -> int:
@@ -122,7 +137,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none") -> 
     """Training FLOPs (forward + backward) per token at sequence length `seq_len`.
 
     PaLM (Chowdhery et al. 2022, appendix B): 6*N for the matmuls (2 forward, 4 backward per
-    weight element) plus 12*n_layers*d_model*seq_len for attention: QK^T and AV are 2*T*d each
+    weight element) plus 12*n_layers*d_model*seq_len for attention (n_heads*head_dim
+    in place of d_model where model.head_dim differs): QK^T and AV are 2*T*d each
     per token and layer forward (4*T*d), twice that backward. Like PaLM and torch's
     FlopCounterMode, attention is counted dense, not halved for the causal mask, so at long
     sequences these "model FLOPs" overstate the useful work.
@@ -157,7 +173,7 @@ def _flops(cfg: ModelConfig, seq_len: int, recompute: str, attention_forward: in
     """6N + (forward + backward)·L·d·s, and a second forward of the blocks for 'full'."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute = {recompute!r}; choose one of {', '.join(RECOMPUTE_MODES)}")
-    per_token = cfg.n_layers * cfg.d_model * seq_len
+    per_token = cfg.n_layers * attention_width(cfg) * seq_len
     flops = 6 * matmul_params(cfg) + (attention_forward + attention_backward) * per_token
     if recompute == "full":  # every block again but its MLPs' last linears
         recomputed = sum(_block_matmul_params(cfg, moe) - cfg.d_model * sum(_mlp_widths(cfg, moe, True))
@@ -168,7 +184,7 @@ def _flops(cfg: ModelConfig, seq_len: int, recompute: str, attention_forward: in
 
 def kernel_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """The forward's share of kernel_flops_per_token (2N + 2·L·d·s)."""
-    return float(2 * matmul_params(cfg) + 2 * cfg.n_layers * cfg.d_model * seq_len)
+    return float(2 * matmul_params(cfg) + 2 * cfg.n_layers * attention_width(cfg) * seq_len)
 
 
 def pipeline_split(cfg: ModelConfig, seq_len: int, pp: int, explicit: str = "", virtual: int = 1) -> list[int]:
@@ -196,7 +212,7 @@ def pipeline_split(cfg: ModelConfig, seq_len: int, pp: int, explicit: str = "", 
 
 def _head_in_blocks(cfg: ModelConfig, seq_len: int) -> float:
     block = (matmul_params(cfg) - cfg.d_model * cfg.vocab_size) / cfg.n_layers  # the mean block
-    return 2 * cfg.d_model * cfg.vocab_size / (2 * block + 2 * cfg.d_model * seq_len)
+    return 2 * cfg.d_model * cfg.vocab_size / (2 * block + 2 * attention_width(cfg) * seq_len)
 
 
 def stage_shares(cfg: ModelConfig, seq_len: int, split: list[int]) -> list[float]:

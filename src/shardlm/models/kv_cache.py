@@ -48,16 +48,17 @@ class KVCache:
         return self.layers[0].length if self.layers else 0
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
     """Causal attention of T_new queries (B, nh, T_new, hs) that are the *last* T_new of the
     keys (B, nkv, T_all, hs): query i sees keys 0 .. T_all - T_new + i. SDPA's is_causal aligns
     the mask top-left, right only without a past; one query sees every key, no mask at all."""
     new, total = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if new == total:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     if new == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=scale)
     past = total - new
     allowed = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(diagonal=past)  # (T_new, T_all)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa, scale=scale)

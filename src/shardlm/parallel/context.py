@@ -224,24 +224,29 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPState) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPState,
+                   scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries (B, h, T/C, d) over the whole sequence, whose
-    keys/values (B, h_kv, T/C, d) are spread over the group in the load-balanced layout."""
-    return _RingAttention.apply(q, k, v, cp, q.shape[-1] ** -0.5)
+    keys/values (B, h_kv, T/C, d) are spread over the group in the load-balanced layout;
+    `scale` of q·k, None = 1/√d."""
+    return _RingAttention.apply(q, k, v, cp, q.shape[-1] ** -0.5 if scale is None else scale)
 
 
 class RingAttention(nn.Module):
     """Replaces a Decoder block's core attention (models/decoder.py CausalAttention): the ring
     when this forward is split, the plain kernel otherwise."""
 
-    def __init__(self, cp: CPState):
+    def __init__(self, cp: CPState, scale: float | None = None):
         super().__init__()
         self.cp = cp
+        self.scale = scale
+        """Of q·k (model.attention_scale); None = 1/√d."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.cp.sharded:
-            return ring_attention(q, k, v, self.cp)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+            return ring_attention(q, k, v, self.cp, self.scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1],
+                                              scale=self.scale)
 
 
 def apply_cp(model: nn.Module, comm: Comm) -> CPState | None:
@@ -256,7 +261,9 @@ def apply_cp(model: nn.Module, comm: Comm) -> CPState | None:
                           f"context parallelism of transformers models is not supported yet; use cp = 1")
     cp = CPState(comm)
     for block in model.blocks:
-        block.attn.core = RingAttention(cp)
+        # soft-capping and sliding windows are refused before (config_rules): the ring's
+        # softmax is plain; its scale is the model's
+        block.attn.core = RingAttention(cp, block.attn.core.scale)
     model.context = cp
     log.info("context parallel: %d ranks, ring attention, sequence in %d load-balanced chunks",
              comm.size, 2 * comm.size)

@@ -36,6 +36,7 @@ from torch import nn
 from shardlm.comm.collectives import Comm
 from shardlm.parallel.collective_ops import all_reduce, gather_seq, op_group, reduce_scatter_seq
 from shardlm.errors import ConfigError
+from shardlm.models.flops import head_dim
 from shardlm.placement import Split, even_range
 
 log = logging.getLogger("shardlm")
@@ -285,19 +286,47 @@ class SyncedNorm(nn.Module):
     activations are sequence-sharded (same parameters, same names, as the module it replaces)."""
 
     def __init__(self, norm: nn.Module, tp: TPState):
+        from shardlm.models.decoder import OffsetRMSNorm
+
         super().__init__()
-        self.kind = "rms" if isinstance(norm, nn.RMSNorm) else "layer"
+        self.kind = ("offset" if isinstance(norm, OffsetRMSNorm) else
+                     "rms" if isinstance(norm, nn.RMSNorm) else "layer")
         self.shape, self.eps = tuple(norm.normalized_shape), norm.eps
         self.weight = norm.weight
         self.bias = getattr(norm, "bias", None)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from shardlm.models.decoder import offset_rms_norm
+
         w = synced(self.weight, self.tp)
+        if self.kind == "offset":  # Gemma's (1 + w)
+            return offset_rms_norm(x, w, self.eps)
         if self.kind == "rms":
             return F.rms_norm(x, self.shape, w, self.eps)
         b = synced(self.bias, self.tp) if self.bias is not None else None
         return F.layer_norm(x, self.shape, w, b, self.eps)
+
+
+class HeadNorm(nn.Module):
+    """A query or key RMSNorm (model.qk_norm) on this rank's heads: its weights, shared by every
+    head, get a gradient from this rank's heads only, so it is summed over the group (Megatron's
+    f on the weights), with or without sequence parallelism."""
+
+    def __init__(self, norm: nn.Module, tp: TPState):
+        from shardlm.models.decoder import OffsetRMSNorm
+
+        super().__init__()
+        self.offset = isinstance(norm, OffsetRMSNorm)  # Gemma 3's (1 + w)
+        self.shape, self.eps = tuple(norm.normalized_shape), norm.eps
+        self.weight = norm.weight
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from shardlm.models.decoder import offset_rms_norm
+
+        w = _CopyToGroup.apply(self.weight, self.tp.group)
+        return offset_rms_norm(x, w, self.eps) if self.offset else F.rms_norm(x, self.shape, w, self.eps)
 
 
 class SyncedEmbedding(nn.Module):
@@ -405,7 +434,7 @@ def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: b
     from shardlm.models.moe import MoE
 
     tp = TPState(comm, sequence_parallel)
-    d, hd = cfg.d_model, cfg.d_model // cfg.n_heads
+    d, hd = cfg.d_model, head_dim(cfg)
     kv = cfg.n_kv_heads or cfg.n_heads
 
     def cut(name: str, shape: tuple[int, ...], dim: int, ranges) -> None:
@@ -431,9 +460,14 @@ def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: b
         attn.proj = RowParallelLinear(q_hi - q_lo, d, attn.proj.bias is not None, tp)
         cut(f"{pre}.attn.proj.weight", (d, nq), 1, [(q_lo, q_hi)])
         attn.n_heads, attn.n_kv_heads = cfg.n_heads // n, max(1, kv // n)
+        if cfg.qk_norm:
+            attn.q_norm, attn.k_norm = HeadNorm(attn.q_norm, tp), HeadNorm(attn.k_norm, tp)
         if not isinstance(block.mlp, MoE):  # a MoE block: parallel/expert.py spread_over_tp
             cut_mlp(block.mlp, f"{pre}.mlp", d, tp)
         block.attn_norm, block.mlp_norm = SyncedNorm(block.attn_norm, tp), SyncedNorm(block.mlp_norm, tp)
+        if hasattr(block, "attn_post_norm"):  # sandwich norms (Gemma 2, 3)
+            block.attn_post_norm = SyncedNorm(block.attn_post_norm, tp)
+            block.mlp_post_norm = SyncedNorm(block.mlp_post_norm, tp)
     v_lo, v_hi = even_range(cfg.vocab_size, n, r)
     model.tok_emb = VocabParallelEmbedding(v_lo, v_hi, d, tp)
     cut("tok_emb.weight", (cfg.vocab_size, d), 0, [(v_lo, v_hi)])

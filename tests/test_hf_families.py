@@ -1,0 +1,306 @@
+"""Checkpoint families mapped onto our Decoder (model.hf_path; docs/finetuning.md, "Checkpoint
+families"): each loads with transformers' own logits, a 1-step run with a negligible learning
+rate exports (`shardlm export --format hf`) the checkpoint's tensors bit for bit, and the mapped
+model trains under the parallel axes as one process does.
+
+Each family is a tiny random model written with save_pretrained (2 layers, hidden 64, vocabulary
+512, every tensor perturbed so that each one matters), fp32 throughout."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from shardlm.cli import main as shardlm_main
+from shardlm.config import load_config
+from shardlm.errors import ConfigError
+from shardlm.spawn import run_ranks
+from shardlm.trainer import build_run, train
+from test_hf_path import SPECIAL, WORDS, overrides
+from tp_cases import whole_params
+from zero_cases import reference_case, train_cases
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+
+LLAMA = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=1)
+# original_max_position_embeddings 32 puts the tiny head's frequencies in all three of llama3's
+# regimes (kept, smoothed, divided by the factor) and YaRN's ramp inside the head.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def _family(name: str):
+    """(transformers class, its config) of each tiny family."""
+    tf = transformers
+    if name == "llama3":  # Llama 3.2-style: llama3 scaling, tied head, GQA, head_dim * heads != hidden
+        return tf.LlamaForCausalLM, tf.LlamaConfig(head_dim=32, tie_word_embeddings=True,
+                                                   rope_parameters=LLAMA3_ROPE, **LLAMA)
+    if name == "llama-yarn":
+        return tf.LlamaForCausalLM, tf.LlamaConfig(rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 32, "beta_fast": 16.0, "beta_slow": 2.0}, **LLAMA)
+    if name == "llama-linear":
+        return tf.LlamaForCausalLM, tf.LlamaConfig(rope_parameters={
+            "rope_type": "linear", "rope_theta": 10000.0, "factor": 3.0}, **LLAMA)
+    if name == "llama-dynamic":
+        return tf.LlamaForCausalLM, tf.LlamaConfig(rope_parameters={
+            "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.7}, **LLAMA)
+    if name == "qwen3":  # q/k RMSNorm per head, a head_dim of its own
+        return tf.Qwen3ForCausalLM, tf.Qwen3Config(head_dim=32, tie_word_embeddings=False, **LLAMA)
+    # Gemma: a head_dim of its own, (1 + w) norms, sqrt(hidden)-scaled embeddings, GeGLU, tied
+    gemma = dict(LLAMA, head_dim=32)
+    # Gemma 2 and 3: a query_pre_attn_scalar that is not head_dim, and a window of 16 that the
+    # 32-token rows overrun (caps small enough to bend these tiny models' scores and logits)
+    sliding = dict(gemma, query_pre_attn_scalar=24, sliding_window=16)
+    if name == "gemma":
+        return tf.GemmaForCausalLM, tf.GemmaConfig(hidden_act="gelu_pytorch_tanh", **gemma)
+    if name == "gemma2":  # layer_types: sliding, full
+        return tf.Gemma2ForCausalLM, tf.Gemma2Config(attn_logit_softcapping=2.0,
+                                                     final_logit_softcapping=3.0, **sliding)
+    if name == "gemma3":  # q/k norms; linear-scaled global RoPE, the sliding blocks' own base
+        return tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(
+            layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **sliding)
+    if name == "mistral":  # a window of 16 on every block, a head_dim of its own
+        return tf.MistralForCausalLM, tf.MistralConfig(sliding_window=16, head_dim=32, **LLAMA)
+    if name == "phi3":  # fused qkv_proj and gate_up_proj; a window of 16 on every block
+        return tf.Phi3ForCausalLM, tf.Phi3Config(sliding_window=16, pad_token_id=None, **LLAMA)
+    if name == "olmo2":  # norms after attention and the MLP, q/k norms over whole projections
+        return tf.Olmo2ForCausalLM, tf.Olmo2Config(**LLAMA)
+    if name == "granite":  # its four multipliers
+        return tf.GraniteForCausalLM, tf.GraniteConfig(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                       attention_multiplier=0.0625, logits_scaling=8.0,
+                                                       **LLAMA)
+    if name == "smollm3":  # NoPE in every 2nd block
+        return tf.SmolLM3ForCausalLM, tf.SmolLM3Config(no_rope_layer_interval=2, pad_token_id=None, **LLAMA)
+    if name == "starcoder2":  # LayerNorm + biases, GELU c_fc/c_proj, RoPE, GQA, a window of 16
+        return tf.Starcoder2ForCausalLM, tf.Starcoder2Config(sliding_window=16, pad_token_id=None, **{
+            k: v for k, v in LLAMA.items() if k != "rms_norm_eps"})
+    if name == "gpt_neox":  # parallel residual, half the head rotated, exact GELU, qkv fused per head
+        return tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(
+            vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=160,
+            max_position_embeddings=128, bos_token_id=1, eos_token_id=1, pad_token_id=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    if name == "stablelm":  # LayerNorms with biases, q/k/v biases, a quarter of each head rotated
+        return tf.StableLmForCausalLM, tf.StableLmConfig(use_qkv_bias=True, pad_token_id=None, **{
+            k: v for k, v in LLAMA.items() if k != "rms_norm_eps"})
+    raise KeyError(name)
+
+
+def make_family_dir(root, name: str):
+    """A tiny random checkpoint of family `name` saved with a WordLevel tokenizer of 512 tokens."""
+    cls, config = _family(name)
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():  # norms start at 1 and biases at 0: perturb so every tensor matters
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    out = root / name
+    model.save_pretrained(out)
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL + WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(out / "tokenizer.json"))
+    return out, model
+
+
+def _hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("rope", [
+    LLAMA3_ROPE,
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 3.0},
+    {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.7},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+     "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False, "mscale": 0.8, "mscale_all_dim": 0.5},
+], ids=["llama3", "linear", "dynamic", "yarn", "yarn-mscale-untruncated"])
+def test_rope_frequencies_are_transformers_own(tmp_path, rope):
+    """model.rope_* read from config.json give exactly the inverse frequencies and attention
+    factor of transformers' ROPE_INIT_FUNCTIONS (bit for bit), head_dim 32 of hidden 64."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from shardlm.models.rope import rope_frequencies
+
+    config = transformers.LlamaConfig(head_dim=32, rope_parameters=dict(rope), **LLAMA)
+    config.save_pretrained(tmp_path)
+    ours = load_config(overrides={"model.hf_path": str(tmp_path), "train.seq_len": 32}).validate().model
+    theirs, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, None)
+    inv_freq, attention_factor = rope_frequencies(ours)
+    assert torch.equal(inv_freq, theirs) and attention_factor == factor
+
+
+@pytest.mark.parametrize("name", ["llama3", "llama-yarn", "qwen3",
+                                  "gemma", "gemma2", "gemma3", "mistral", "phi3", "olmo2", "granite", "smollm3",
+                                  "starcoder2", "gpt_neox", "stablelm"])
+def test_family_loads_trains_and_exports_bit_for_bit(tmp_path, name):
+    """transformers' logits on the first batch (1e-5); then one step with lr 1e-30 (AdamW moves
+    no fp32 weight by so little) and `shardlm export --format hf` (the CLI): every tensor of the
+    checkpoint comes back equal bit for bit, with the same model_type and RoPE, and the export
+    loads in AutoModelForCausalLM with the original's logits."""
+    hf_dir, hf = make_family_dir(tmp_path, name)
+    cfg = load_config(overrides=overrides(tmp_path, hf_dir, train__lr=1e-30, run__name=name)).validate()
+    run = build_run(cfg)
+    x, y = run.train_loader.micro_batches(0)[0]
+    with torch.no_grad():
+        ours = run.model(x)
+    torch.testing.assert_close(ours, _hf_logits(hf, x), atol=1e-5, rtol=1e-5)
+    train(run)
+    out = tmp_path / "export"
+    assert shardlm_main(["export", "--checkpoint", str(run.run_dir), "--format", "hf", "--out", str(out)]) == 0
+    original, exported = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert exported.keys() - {"lm_head.weight"} == original.keys() - {"lm_head.weight"}
+    for key, value in original.items():
+        assert torch.equal(exported[key], value), key
+    written, source = (json.loads((d / "config.json").read_text()) for d in (out, hf_dir))
+    for key in ("model_type", "head_dim", "rope_parameters", "tie_word_embeddings", "num_key_value_heads",
+                "query_pre_attn_scalar", "sliding_window", "layer_types", "attn_logit_softcapping",
+                "final_logit_softcapping", "no_rope_layers", "embedding_multiplier", "residual_multiplier",
+                "attention_multiplier", "logits_scaling", "use_parallel_residual", "hidden_act"):
+        assert written.get(key) == source.get(key), key
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(again) is type(hf)
+    torch.testing.assert_close(_hf_logits(again, x), _hf_logits(hf, x), atol=0, rtol=0)
+
+
+def test_families_train_with_tp_and_zero3_as_one_process(tmp_path):
+    """Llama 3.2-style (llama3 RoPE scaling, tied head, GQA 4/2, head_dim 32 with hidden 64)
+    with parallel.tp = 2 and with ZeRO-3 on 2 ranks; Qwen3 (its per-head q/k norms summed over
+    the tensor-parallel group) with tp = 2; Gemma-2-style (soft-capping, sliding window, sandwich
+    (1 + w) norms) with tp = 2 and sequence parallelism; the Llama 3.2-style again with pp = 2
+    and cp = 2 (ring attention over its scaled RoPE): losses and every parameter after 2 steps
+    within 1e-5 relative of one process with the same global batch (fp32; tensor parallelism
+    and the ring reorder sums)."""
+    steps = 2
+    llama, _ = make_family_dir(tmp_path, "llama3")
+    qwen, _ = make_family_dir(tmp_path, "qwen3")
+    base = overrides(tmp_path, llama, train__steps=steps, train__lr=1e-3, run__device="cpu")
+    gemma, _ = make_family_dir(tmp_path, "gemma2")
+    qwen_base = overrides(tmp_path, qwen, train__steps=steps, train__lr=1e-3, run__device="cpu")
+    gemma_base = overrides(tmp_path, gemma, train__steps=steps, train__lr=1e-3, run__device="cpu")
+    cases = [({**base, "parallel.tp": 2, "run.name": "tp"}, steps, -1),
+             ({**base, "parallel.zero_stage": 3, "run.name": "z3"}, steps, -1),
+             ({**qwen_base, "parallel.tp": 2, "run.name": "qtp"}, steps, -1),
+             ({**gemma_base, "parallel.tp": 2, "parallel.sequence_parallel": True, "run.name": "gtp"}, steps, -1),
+             ({**base, "parallel.pp": 2, "run.name": "pp"}, steps, -1),
+             ({**base, "parallel.cp": 2, "run.name": "cp"}, steps, -1)]
+    out = run_ranks(train_cases, 2, tmp_path, cases)
+    # the global batch: tp's one data-parallel rank, ZeRO-3's two (accumulated in one process)
+    refs = [reference_case({**base, "run.name": "ref1"}, 1, steps),
+            reference_case({**base, "run.name": "ref2"}, 2, steps),
+            reference_case({**qwen_base, "run.name": "qref"}, 1, steps),
+            reference_case({**gemma_base, "run.name": "gref"}, 1, steps)]
+    refs += [refs[0], refs[0]]  # pp and cp: one data-parallel rank, as tp
+    whole_of = {0: whole_params, 1: lambda r: r[0]["params"], 2: whole_params, 3: whole_params,
+                4: lambda r: {**r[0]["params"], **r[1]["params"]},  # each stage its blocks
+                5: lambda r: r[0]["params"]}
+    for case, what in enumerate(["tp=2 llama3", "zero3 llama3", "tp=2 qwen3", "tp=2 + SP gemma2",
+                                 "pp=2 llama3", "cp=2 llama3"]):
+        ref, ranks = refs[case], [out[r][case] for r in range(2)]
+        for got in ranks:
+            assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
+        whole = whole_of[case](ranks)
+        assert whole.keys() == ref["params"].keys(), what
+        for n, v in ref["params"].items():
+            rel = float((whole[n] - v).norm() / v.norm().clamp_min(1e-12))
+            assert rel <= 1e-5, (what, n, rel)
+        assert ref["losses"][1] != ref["losses"][0]  # it trained
+
+
+@pytest.mark.parametrize("rope, message", [
+    ({"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [1.0]},
+     r"rope scaling 'longrope'"),
+    ({"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}, r"'llama3' without low_freq_factor"),
+    ({"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.5},
+     r"partial_rotary_factor = 0.5"),
+])
+def test_rope_the_decoder_cannot_compute_is_refused(tmp_path, rope, message):
+    config = {"model_type": "llama", "vocab_size": 512, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "hidden_size": 64, "intermediate_size": 128,
+              "max_position_embeddings": 64, "rope_parameters": rope}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides={"model.hf_path": str(tmp_path)})
+
+
+def test_transformers_4_rope_scaling_spelling_maps_the_same(tmp_path):
+    """transformers 4 wrote rope_scaling (and rope_theta beside it); 5 writes rope_parameters."""
+    common = {"model_type": "llama", "vocab_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 64, "head_dim": 32}
+    old = dict(common, rope_theta=500000.0, rope_scaling={"type": "llama3", **{
+        k: v for k, v in LLAMA3_ROPE.items() if k not in ("rope_type", "rope_theta")}})
+    new = dict(common, rope_parameters=LLAMA3_ROPE)
+    shapes = []
+    for i, config in enumerate((old, new)):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "config.json").write_text(json.dumps(config))
+        shapes.append(load_config(overrides={"model.hf_path": str(tmp_path / str(i))}).model)
+    same = ("preset", "hf_path")  # the directories' names
+    assert replace(shapes[0], **{k: "" for k in same}) == replace(shapes[1], **{k: "" for k in same})
+    m = shapes[0]
+    assert (m.rope_type, m.rope_factor, m.rope_original_max_seq_len, m.head_dim) == ("llama3", 8.0, 32, 32)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"model.attn_softcap": 50.0, "model.attention": "sdpa"}, r"only 'math' writes the scores out"),
+    ({"model.sliding_window": 16, "model.attention": "per_document"}, r"has no window mask yet"),
+    ({"model.sliding_window": 16, "parallel.cp": 2}, r"the ring has no window mask"),
+    ({"model.attn_softcap": 50.0, "parallel.cp": 2}, r"the ring's softmax is not soft-capped"),
+    ({"model.qk_norm": True, "model.qk_norm_width": "all", "parallel.tp": 2},
+     r"the norm spans every head"),
+    ({"model.rope_fraction": 0.2}, r"rotates 3 features of each head"),
+    ({"model.rope_type": "llama3", "model.rope_low_freq_factor": 4.0}, r"must exceed"),
+])
+def test_features_a_kernel_or_axis_cannot_compute_are_refused_early(fields, message):
+    """Before any process starts (Config.validate), naming the keys and the way out."""
+    values = {"model.preset": "llama-tiny", "train.seq_len": 32, **fields}
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=values).validate()
+
+
+def test_lora_on_gpt_neox_loads_in_peft_onto_the_checkpoint(tmp_path):
+    """A LoRA step on GPT-NeoX (q/k/v fused per head in the checkpoint, ours fused by kind):
+    the run's PEFT adapter, applied by peft to the untouched checkpoint, gives the run's logits
+    (the adapter's query_key_value rows reordered as the weights are)."""
+    import peft
+
+    from shardlm import checkpoint
+
+    hf_dir, _ = make_family_dir(tmp_path, "gpt_neox")
+    values = overrides(tmp_path, hf_dir, lora__rank=4, train__lr=1e-2, run__name="lora")
+    run = build_run(load_config(overrides=values).validate())
+    train(run)
+    model, _, _ = checkpoint.load_for_inference(run.run_dir, torch.device("cpu"))
+    assert all(p.abs().max() > 0 for n, p in model.named_parameters() if "lora_B" in n)
+    x, _ = run.train_loader.micro_batches(0)[0]
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    adapted = peft.PeftModel.from_pretrained(base, run.run_dir / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=x).logits, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_parameter_counts_are_the_checkpoints(tmp_path):
+    """models/flops.py count_params (what the planner and MFU use) = our built model's
+    parameters = the transformers model's, for every family's shape (q/k norms, sandwich
+    norms, LayerNorm biases, head_dim included)."""
+    from shardlm.models.decoder import build_model
+    from shardlm.models.flops import count_params
+
+    for name in ["llama3", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3",
+                 "starcoder2", "gpt_neox", "stablelm"]:
+        cls, config = _family(name)
+        config.save_pretrained(tmp_path / name)
+        m = load_config(overrides={"model.hf_path": str(tmp_path / name), "train.seq_len": 32}).model
+        built = sum(p.numel() for p in build_model(m, device="meta").parameters())
+        with torch.device("meta"):
+            theirs = sum(p.numel() for p in cls(config).parameters())
+        assert count_params(m) == built == theirs, name
