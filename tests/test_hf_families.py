@@ -9,6 +9,7 @@ Each family is a tiny random model written with save_pretrained (2 layers, hidde
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -17,6 +18,8 @@ import torch
 from shardlm.cli import main as shardlm_main
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
+from shardlm.models.hf_build import route_line
+from shardlm.presets import causal_lm_config, hf_shape
 from shardlm.spawn import run_ranks
 from shardlm.trainer import build_run, train
 from test_hf_path import SPECIAL, WORDS, overrides
@@ -216,20 +219,31 @@ def test_families_train_with_tp_and_zero3_as_one_process(tmp_path):
         assert ref["losses"][1] != ref["losses"][0]  # it trained
 
 
-@pytest.mark.parametrize("rope, message", [
+@pytest.mark.parametrize("rope, message, unreadable", [
     ({"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [1.0]},
-     r"rope scaling 'longrope'"),
-    ({"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}, r"'llama3' without low_freq_factor"),
+     r"rope scaling 'longrope'", None),
+    ({"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}, r"'llama3' without low_freq_factor",
+     r"transformers cannot read it as a LlamaConfig: .*Missing required keys"),
     ({"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "partial_rotary_factor": 0.5},
-     r"partial_rotary_factor = 0.5"),
+     r"partial_rotary_factor = 0.5", None),
 ])
-def test_rope_the_decoder_cannot_compute_is_refused(tmp_path, rope, message):
+def test_rope_the_decoder_cannot_compute_goes_the_transformers_way(tmp_path, rope, message, unreadable):
+    """A mapped family with a feature our decoder does not compute is never loaded into a network
+    that only resembles it: it trains as transformers' own module, and the route line says why
+    (or, where transformers cannot read the config either, a ConfigError says what is missing)."""
     config = {"model_type": "llama", "vocab_size": 512, "num_hidden_layers": 2,
               "num_attention_heads": 4, "hidden_size": 64, "intermediate_size": 128,
               "max_position_embeddings": 64, "rope_parameters": rope}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=message):
-        load_config(overrides={"model.hf_path": str(tmp_path)})
+        hf_shape(str(tmp_path), "model.hf_path", exact=True)
+    cfg = load_config(overrides={"model.hf_path": str(tmp_path)})
+    if unreadable:  # said by the route line, before anything is spawned
+        with pytest.raises(ConfigError, match=unreadable):
+            route_line(cfg)
+        return
+    assert causal_lm_config(str(tmp_path)) and "transformers" in cfg.model.preset
+    assert re.search(message, route_line(cfg)), route_line(cfg)
 
 
 def test_transformers_4_rope_scaling_spelling_maps_the_same(tmp_path):

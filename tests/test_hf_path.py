@@ -136,10 +136,6 @@ def test_missing_files_tensors_and_conflicts_are_named(tmp_path):
 @pytest.mark.parametrize("config, message", [
     # an unmapped model_type trains through transformers (tests/test_hf_generic.py): its sizes first
     ({"model_type": "bert"}, r"config.json has none of hidden_size.*\(model_type 'bert'\)"),
-    ({"model_type": "llama", "vocab_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-      "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 64,
-      "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
-     r"rope scaling 'longrope'"),
 ])
 def test_unsupported_architectures_are_refused(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))

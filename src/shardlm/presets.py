@@ -146,7 +146,27 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
     LLaMA family's key names (GQA, SwiGLU width, tied head, vocabulary, context, epsilons, RoPE
     base). The planner sizes any LLAMA_FAMILY shape; `exact` (loading weights, model.hf_path)
     also refuses what our decoder would compute differently, naming the key, so a checkpoint
-    never loads into a network that only resembles it."""
+    never loads into a network that only resembles it (model.hf_path sends such a checkpoint
+    the transformers way instead: decoder_problems, causal_lm_config)."""
+    shape, problems, kind, name = _decoder_shape(path, option, exact)
+    if exact and problems:
+        raise ConfigError(f"{option} {path}: {name}/config.json describes a {kind} our decoder "
+                          f"does not compute exactly: {'; '.join(problems)}. {TRAIN_ANY_MODEL}")
+    return shape
+
+
+def decoder_problems(hf_path: str) -> list[str]:
+    """What our decoder would compute differently from a mapped model_type's config.json (each
+    naming its key; [] when it maps exactly, and for a file hf_shape itself will report)."""
+    try:
+        return _decoder_shape(hf_path, "model.hf_path", True)[1]
+    except ConfigError:
+        return []
+
+
+def _decoder_shape(path: str, option: str, exact: bool) -> tuple[dict[str, Any], list[str], str, str]:
+    """hf_shape's work: (the [model] values, what our decoder would compute differently, the
+    model_type, the directory's name)."""
     hf, name = _read_hf_config(path, option)
     kind = str(hf.get("model_type", ""))
     mapped = LOADABLE if exact else ("gpt2",) + LLAMA_FAMILY
@@ -194,10 +214,7 @@ def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[st
         _stablelm_shape(hf, shape, rope, problems)
     else:
         _llama_like_shape(hf, kind, shape, rope, key, problems, exact)
-    if exact and problems:
-        raise ConfigError(f"{option} {path}: {name}/config.json describes a {kind} our decoder "
-                          f"does not compute exactly: {'; '.join(problems)}. {TRAIN_ANY_MODEL}")
-    return shape
+    return shape, problems, kind, name
 
 
 def _llama_like_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope: dict[str, Any],
@@ -478,8 +495,9 @@ def encoder_decoder_config(hf_path: str, hf_config: str) -> str:
 def causal_lm_config(hf_path: str) -> str:
     """The config.json of a model.hf_path that trains through transformers as a causal LM (its
     own module in models/hf.CausalLMAdapter: models/hf_build.py), or '': a decoder-only
-    checkpoint whose model_type does not map onto our decoder (not in LOADABLE). Mapped ones
-    load into our decoder, encoder-decoders go the seq2seq way (encoder_decoder_config). Reads
+    checkpoint whose model_type does not map onto our decoder (not in LOADABLE), or does but
+    with a feature our decoder does not compute (decoder_problems: Phi-3.5's longrope, say).
+    Exactly mapped ones load into our decoder, encoder-decoders go the seq2seq way (encoder_decoder_config). Reads
     one small JSON file, no transformers import; an unreadable one is hf_shape's to report."""
     import json
     from pathlib import Path
@@ -491,7 +509,9 @@ def causal_lm_config(hf_path: str) -> str:
         hf = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return ""
-    if not isinstance(hf, dict) or hf.get("is_encoder_decoder") or hf.get("model_type", "") in LOADABLE:
+    if not isinstance(hf, dict) or hf.get("is_encoder_decoder"):
+        return ""
+    if hf.get("model_type", "") in LOADABLE and not decoder_problems(hf_path):
         return ""
     return str(file) if hf.get("model_type") else ""
 

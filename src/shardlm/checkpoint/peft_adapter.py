@@ -93,16 +93,18 @@ def peft_adapter(sd: dict[str, torch.Tensor], cfg: Config,
     if not modules:
         raise ConfigError("this run has no LoRA adapters (lora.rank = 0): nothing to write in the "
                           "PEFT format; export the model itself with --format hf")
+    sources = {}  # our decoder's name table; a transformers module's layers are its own
     if all(m.startswith(WRAPPED) for m in modules):  # transformers' own modules, by their names
         targets = {m: [(m.removeprefix(WRAPPED), sd[f"{m}.lora_B.weight"].shape[0])] for m in modules}
         fan_in_fan_out = False  # nn.Linear only (models/lora.py adapts nothing else)
     else:
         targets, fan_in_fan_out = _hf_targets(cfg, modules)
+        sources = hf_sources(cfg.model, hf_family(cfg.model))
     tensors: dict[str, torch.Tensor] = {}
-    sources = hf_sources(cfg.model, hf_family(cfg.model))
     for module, parts in targets.items():
         a, b = sd[f"{module}.lora_A.weight"], sd[f"{module}.lora_B.weight"]
-        heads = sources[f"{module}.weight"].per_head  # GPT-NeoX's per-head q/k/v rows
+        source = sources.get(f"{module}.weight")
+        heads = source.per_head if source else 0  # GPT-NeoX's per-head q/k/v rows
         b = heads_first(b, heads) if heads else b
         for (hf_name, _), b_rows in zip(parts, b.split([rows for _, rows in parts])):
             tensors[f"{PEFT_PREFIX}{hf_name}.lora_A.weight"] = a.detach().cpu().contiguous().clone()

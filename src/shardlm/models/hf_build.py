@@ -29,7 +29,7 @@ from shardlm.config import Config
 from shardlm.config_rules import document_mask_on
 from shardlm.errors import ConfigError
 from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter
-from shardlm.presets import causal_lm_config
+from shardlm.presets import causal_lm_config, decoder_problems
 
 SUPPORTED = "ZeRO 0-3, offload, recomputation, LoRA, tp by base_model_tp_plan"
 UNSUPPORTED = "pp/cp/ep/fp8/document masks"
@@ -57,18 +57,28 @@ def hf_model_class(config_file: str | Path) -> tuple[type, object]:
         if cls is None or not hasattr(cls, "config_class"):
             raise ConfigError(f"{config_file}: architectures[0] = {name!r} is not a transformers "
                               f"model class (transformers {tf.__version__})")
-        return cls, cls.config_class.from_dict(raw)
+        return cls, _config_of(cls.config_class, raw, config_file)
     kind = str(raw.get("model_type", ""))
     if kind not in tf.CONFIG_MAPPING:
         raise ConfigError(f"{config_file}: model_type {kind!r} is not one transformers "
                           f"{tf.__version__} knows (code shipped with a checkpoint, trust_remote_code, "
                           f"is never run): train it through the Python API, build_run(cfg, model=...)")
-    config = tf.CONFIG_MAPPING[kind].from_dict(raw)
+    config = _config_of(tf.CONFIG_MAPPING[kind], raw, config_file)
     cls = tf.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if cls is None:
         raise ConfigError(f"{config_file}: transformers has no causal language model for "
                           f"model_type {kind!r} (AutoModelForCausalLM does not map it)")
     return cls, config
+
+
+def _config_of(config_class: type, raw: dict, config_file: str | Path) -> object:
+    """transformers' config object for a config.json, or a ConfigError naming the file and what
+    transformers found wrong (rope_parameters missing a key, say), not its traceback."""
+    try:
+        return config_class.from_dict(raw)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ConfigError(f"{config_file}: transformers cannot read it as a "
+                          f"{config_class.__name__}: {e}") from None
 
 
 def build_hf_model(config_file: str | Path, vocab_size: int | None = None,
@@ -89,9 +99,11 @@ def route_line(cfg: Config) -> str:
     if not config_file:
         return ""
     cls, config = hf_model_class(config_file)
+    differs = decoder_problems(cfg.model.hf_path)  # a mapped family with a feature ours lacks
+    why = f" (our decoder does not compute its {'; '.join(differs)})" if differs else ""
     return (f"model: {cfg.model.hf_path} ({config.model_type}) through transformers' "
-            f"{cls.__name__}: mapped families get every axis; this path supports {SUPPORTED}; "
-            f"not {UNSUPPORTED}")
+            f"{cls.__name__}{why}: mapped families get every axis; this path supports "
+            f"{SUPPORTED}; not {UNSUPPORTED}")
 
 
 def route_problems(cfg: Config) -> list[str]:
