@@ -141,3 +141,26 @@ def test_unsupported_architectures_are_refused(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=message):
         load_config(overrides={"model.hf_path": str(tmp_path)})
+
+
+def test_a_tensor_parallel_rank_reads_only_its_rows(tmp_path):
+    """Issue 27: with tp a rank reads its own rows (column-parallel) or columns (row-parallel) of
+    each safetensors tensor, not the whole: the piece equals the whole's cut, and the reader
+    copied out exactly the piece's elements (q, k and v ranges from three HF tensors included)."""
+    from shardlm.checkpoint.hf_names import hf_initializer
+    from shardlm.models.decoder import build_model
+    from shardlm.placement import Split
+
+    hf_dir, _ = make_hf_dir(tmp_path, "llama")
+    cfg = load_config(overrides=overrides(tmp_path, hf_dir))
+    init = hf_initializer(hf_dir, build_model(cfg.model, "meta"), cfg.model)
+    qkv, proj = init("blocks.0.attn.qkv.weight"), init("blocks.0.attn.proj.weight")
+    q, kv = 64, 32  # 4 heads, 2 kv heads of 16
+    cuts = [("blocks.0.attn.qkv.weight", Split(tuple(qkv.shape), 0, ((0, 32), (q, q + 16), (q + kv, q + kv + 16)))),
+            ("blocks.0.attn.proj.weight", Split(tuple(proj.shape), 1, ((32, 64),))),
+            ("blocks.1.mlp.gate_up.weight", Split((320, 64), 0, ((80, 160), (240, 320))))]
+    for name, split in cuts:
+        before = init.reader.elements_read
+        piece = init.piece(name, split)
+        assert torch.equal(piece, split.take(init(name))), name
+        assert init.reader.elements_read - before == piece.numel(), name

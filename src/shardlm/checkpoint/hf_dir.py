@@ -45,6 +45,8 @@ class HFDirReader:
     def __init__(self, directory: str | Path):
         self.root = Path(directory)
         self._handles: dict[Path, Any] = {}
+        self.elements_read = 0
+        """Elements read_block has copied out (what a rank's piece reads cost it)."""
         if not self.root.is_dir():
             raise HFDirError(f"{str(directory)!r} is not a directory (expected a local transformers "
                              f"checkpoint: config.json and {SINGLE} or {INDEX} with its shards)")
@@ -106,6 +108,21 @@ class HFDirReader:
         first, last = start // row, -(-end // row)
         rows = source[first:last].reshape(-1)
         out.copy_(rows[start - first * row:end - first * row])
+
+    def read_block(self, name: str, shape: tuple[int, ...], dim: int, lo: int, hi: int) -> torch.Tensor:
+        """Indices [lo, hi) of dimension `dim` (0 or 1) of the tensor `name`, every other
+        dimension whole, as fp32: only those elements are copied out of the file (safetensors
+        slices the mapped file). `shape` is what the model expects (checked)."""
+        source = self._slice(name)
+        found = tuple(source.get_shape())
+        if found != tuple(shape):
+            raise HFDirError(f"{self.root}: {name!r} has shape {found}, the model expects "
+                             f"{tuple(shape)}: the directory holds a different model")
+        if dim not in (0, 1) or not 0 <= lo <= hi <= shape[dim]:
+            raise ValueError(f"block [{lo}, {hi}) of dimension {dim} outside {name!r} of shape {shape}")
+        block = (source[lo:hi] if dim == 0 else source[:, lo:hi]).float()
+        self.elements_read += block.numel()
+        return block
 
     def read(self, slices) -> None:
         """Fill StateSlices (name, shape, start, end, tensor)."""

@@ -367,11 +367,14 @@ def hf_initializer(directory: str | Path, model: nn.Module, m: ModelConfig) -> I
     sources = hf_sources(m, loaded_family(m))
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}  # before any split
 
-    def read(hf_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def present(hf_name: str) -> None:
         if hf_name not in reader.files:
             raise HFDirError(f"model.hf_path {str(directory)!r} has no tensor {hf_name!r}, which "
                              f"our decoder needs: the checkpoint is incomplete, or not the "
                              f"architecture its config.json names")
+
+    def read(hf_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        present(hf_name)
         flat = torch.empty(math.prod(shape), dtype=torch.float32)
         reader.read_range(hf_name, shape, 0, flat.numel(), flat)
         return flat.view(shape)
@@ -388,4 +391,31 @@ def hf_initializer(directory: str | Path, model: nn.Module, m: ModelConfig) -> I
         whole = torch.cat(parts)
         return parts_first(whole, source.per_head) if source.per_head else whole.contiguous()
 
+    def piece(name: str, split) -> torch.Tensor:
+        """A tensor- or expert-parallel rank's part (placement.Split) of parameter `name`, read
+        as blocks of the HF tensors it spans — its own rows of a column-parallel weight, its
+        own columns of a row-parallel one — never the whole tensor (issue 27: a 70B directory
+        does not pass through every rank's memory). GPT-2's transposed Conv1D and GPT-NeoX's
+        per-head rows are read whole and cut."""
+        source, shape = sources[name], shapes[name]
+        if source.transposed or source.per_head or split.dim > 1:
+            return split.take(initial_value(name))
+        for hf_name in source.names:
+            present(hf_name)
+        blocks = []
+        for lo, hi in split.ranges:
+            if split.dim == 1:  # the same columns of every HF tensor, stacked as ours are
+                blocks.append(torch.cat([reader.read_block(n, (rows, *shape[1:]), 1, lo, hi)
+                                         for n, rows in zip(source.names, source.rows)]))
+                continue
+            start = 0  # our rows [lo, hi) from the HF tensors holding them
+            for hf_name, rows in zip(source.names, source.rows):
+                a, b = max(lo, start), min(hi, start + rows)
+                if a < b:
+                    blocks.append(reader.read_block(hf_name, (rows, *shape[1:]), 0, a - start, b - start))
+                start += rows
+        return torch.cat(blocks, dim=split.dim).contiguous()
+
+    initial_value.piece = piece
+    initial_value.reader = reader
     return initial_value

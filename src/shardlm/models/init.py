@@ -17,7 +17,17 @@ import torch
 from torch import nn
 
 Initializer = Callable[[str], torch.Tensor]
-"""A parameter's name (as named_parameters gives it) -> its initial values, fp32, on the CPU."""
+"""A parameter's name (as named_parameters gives it) -> its initial values, fp32, on the CPU.
+One may also have `piece(name, split)`: only a placement.Split's part of them (a tensor- or
+expert-parallel rank's rows), read without the whole (a checkpoint: checkpoint/hf_names.py);
+piece_of asks for it where there is one."""
+
+
+def piece_of(initializer: Initializer, name: str, split) -> torch.Tensor:
+    """`split`'s part of parameter `name`'s initial values: the initializer's own `piece` where
+    it has one (reading only that part), else the whole, cut."""
+    piece = getattr(initializer, "piece", None)
+    return piece(name, split) if piece is not None else split.take(initializer(name))
 
 
 def parameter_seed(seed: int, name: str) -> int:

@@ -80,8 +80,15 @@ def adapter_initial_value(name: str, shape: tuple[int, ...], seed: int) -> torch
 
 
 def with_adapters(base: Initializer, own: Initializer) -> Initializer:
-    """`base` (e.g. a checkpoint's values) for the model's parameters, `own` for the adapters."""
-    return lambda name: own(name) if is_adapter(name) else base(name)
+    """`base` (e.g. a checkpoint's values) for the model's parameters, `own` for the adapters;
+    a piece (models/init.piece_of) read from `base` where it can."""
+    def initial_value(name: str) -> torch.Tensor:
+        return own(name) if is_adapter(name) else base(name)
+
+    if hasattr(base, "piece"):
+        initial_value.piece = lambda name, split: (split.take(own(name)) if is_adapter(name)
+                                                   else base.piece(name, split))
+    return initial_value
 
 
 def _matches(name: str, pattern: str) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardlm.models.init import piece_of
 from shardlm.placement import Split
 
 
@@ -39,5 +40,6 @@ def whole_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def sliced(initializer, splits: dict[str, Split]):
     """An initialiser of whole parameters (models/init.py) -> one of this rank's pieces: the
-    whole tensor's initial values, cut, so every layout starts from the same model."""
-    return lambda name: splits[name].take(initializer(name)) if name in splits else initializer(name)
+    whole tensor's initial values, cut (or only the piece read, where the initializer can:
+    a checkpoint's rows), so every layout starts from the same model."""
+    return lambda name: piece_of(initializer, name, splits[name]) if name in splits else initializer(name)
