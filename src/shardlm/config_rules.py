@@ -453,23 +453,11 @@ def _qlora_composes(cfg: Config) -> list[str]:
          "quantise; use model.hf_path or model.preset", bool(cfg.model.hf_config)),
         ("model.experts", cfg.model.experts, "the experts' batched weights are not linear layers; "
          "not quantised yet", cfg.model.experts > 0),
-        ("train.compile", cfg.train.compile, "not verified with the dequantising linear yet",
-         cfg.train.compile),
+        ("train.compile", cfg.train.compile, "the dequantising linear does not compile into the "
+         "block's graph yet", cfg.train.compile),
     ) if on]
     return ([f"lora.quantize = {q!r} does not compose with: {'; '.join(blocking)}"]
             if blocking else [])
-
-
-@_cross("data.format", "parallel.tp", "parallel.cp")
-def _sft_layout(cfg: Config) -> list[str]:
-    fmt, par = cfg.data.format, cfg.parallel
-    if fmt == "text":
-        return []
-    return ([f"data.format = {fmt!r} with parallel.{key} = {value}: the loss-masked targets (-100) "
-             f"are not supported by the {what} yet; use data or pipeline parallelism / ZeRO"
-             for key, value, what in (("tp", par.tp, "vocabulary-parallel cross-entropy"),
-                                      ("cp", par.cp, "context-parallel loss (a mean per rank's tokens)"))
-             if value > 1])
 
 
 @_cross("data.format", "model.hf_path", "model.hf_config", "parallel.pp", "lora.rank")
@@ -508,13 +496,10 @@ def _attention_composes(cfg: Config) -> list[str]:
         why = f"data.document_mask = {cfg.data.document_mask!r} (on for data.format = {cfg.data.format!r})"
         if cfg.data.format == "seq2seq":
             problems.append(f"{why}: seq2seq examples are not packed; set data.document_mask = 'off' or 'auto'")
-        for key, value, reason in (
-                ("cp", par.cp, "the ring splits each sequence over ranks and has no per-document mask"),
-                ("tp", par.tp, "not verified with tensor parallelism yet")):
-            if value > 1:
-                problems.append(f"{why} with parallel.{key} = {value}: {reason}; set "
-                                f"data.document_mask = 'off' (examples then see the earlier ones in "
-                                f"their row) or parallel.{key} = 1")
+        if par.cp > 1:
+            problems.append(f"{why} with parallel.cp = {par.cp}: the ring splits each sequence over "
+                            f"ranks and has no per-document mask; set data.document_mask = 'off' "
+                            f"(examples then see the earlier ones in their row) or parallel.cp = 1")
     if attention == "per_document" and cfg.train.compile:
         problems.append("model.attention = 'per_document' with train.compile = true: its document "
                         "lengths are data-dependent and cannot be one graph; use 'auto' (sdpa with "
@@ -573,13 +558,6 @@ def _nvme_ring_fits(cfg: Config) -> list[str]:
             if ring > NVME_RING_MAX_MB else [])
 
 
-@_cross("zero.offload_optimizer", "checkpoint.async")
-def _nvme_sync_checkpoints(cfg: Config) -> list[str]:
-    return (["checkpoint.async = true with zero.offload_optimizer = 'nvme' would copy the "
-             "on-disk optimizer state into memory; use synchronous checkpoints"]
-            if cfg.zero.offload_optimizer == "nvme" and cfg.checkpoint.async_ else [])
-
-
 @_cross("run.tracker")
 def _trackers_installed(cfg: Config) -> list[str]:
     """Each tracker named is known and its package importable: found now, before any rank starts
@@ -617,8 +595,7 @@ def _pure_bf16(cfg: Config) -> list[str]:
 
 
 @_cross("precision.compute", "precision.fp8_recipe", "precision.fp8_emulate", "precision.fp8_block",
-        "run.device", "parallel.strategy", "parallel.tp", "parallel.cp", "parallel.pp", "model.experts",
-        "lora.rank", "train.compile", "activation.offload")
+        "run.device", "parallel.strategy", "parallel.tp", "model.experts", "lora.rank", "train.compile")
 def _fp8_composes(cfg: Config) -> list[str]:
     """precision.compute = 'fp8' swaps the blocks' nn.Linear layers (models/fp8.py): what replaces
     or wraps those layers, or was not verified with them, is refused by name. Whether the device
@@ -642,21 +619,30 @@ def _fp8_composes(cfg: Config) -> list[str]:
         ("parallel.strategy", par.strategy, "the planner does not model fp8 and would choose the "
          "compute dtype itself", par.strategy == "auto"),
         ("parallel.tp", par.tp, "tensor-parallel linears are not converted to fp8", par.tp > 1),
-        ("parallel.cp", par.cp, "not verified with fp8 yet", par.cp > 1),
-        ("parallel.pp", par.pp, "not verified with fp8 yet", par.pp > 1),
         ("model.experts", cfg.model.experts, "the experts' batched matmuls are not fp8 linears",
          cfg.model.experts > 0),
         ("lora.rank", cfg.lora.rank, "LoRA layers wrap the linears fp8 would replace", cfg.lora.rank > 0),
-        ("train.compile", cfg.train.compile, "not verified with the fp8 emulation yet (torchao's "
-         "float8 on FP8 hardware compiles)", cfg.train.compile and p.fp8_emulate),
-        ("activation.offload", cfg.activation.offload, "not verified with fp8 yet",
-         cfg.activation.offload != "none"),
+        ("train.compile", cfg.train.compile, "the fp8 emulation does not compile into the block's "
+         "graph yet (torchao's float8 on FP8 hardware compiles)", cfg.train.compile and p.fp8_emulate),
     ) if on]
     if blocking:
         problems.append(f"precision.compute = 'fp8' does not compose yet with: {'; '.join(blocking)}. "
-                        f"It works with data parallelism, ZeRO stages 0-3 and "
-                        f"activation checkpointing; change those keys or use precision.compute = 'bf16'")
+                        f"It works with data, context and pipeline parallelism, ZeRO stages 0-3, "
+                        f"offload, activation checkpointing and activation offload; change those "
+                        f"keys or use precision.compute = 'bf16'")
     return problems
+
+
+def refusing_rules(cfg: Config) -> dict[str, list[str]]:
+    """The checks across fields that object to `cfg`, by the rule's function name (e.g.
+    '_fp8_composes') -> its error lines: which rule refuses a combination (bench/compose.py's
+    composition matrix, tests/test_compose.py). Assumes each field passed its own checks."""
+    found: dict[str, list[str]] = {}
+    for _, check in _CROSS:
+        problems = check(cfg)
+        if problems:
+            found[check.__name__] = problems
+    return found
 
 
 def validation_errors(cfg: Config, sections: dict[str, type]) -> list[str]:

@@ -67,6 +67,11 @@ class OptimizerTier(Protocol):
     def refresh_targets(self) -> None:
         """After a checkpoint load wrote the masters: the targets from them."""
 
+    def snapshot(self) -> Any:
+        """None for state in memory; for state in files, a DiskSnapshot (tiers/nvme.py) whose
+        `view_of(tensor)` gives a segment_state tensor's values as they are now, from a copy
+        on the same disk (an asynchronous checkpoint writes from it)."""
+
     def held_bytes(self) -> dict[str, int]:
         """Optimizer-state bytes by where they live ('device', 'cpu' or 'nvme')."""
 

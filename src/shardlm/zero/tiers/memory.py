@@ -100,6 +100,9 @@ class InMemoryTier:
         state = self.optimizer.state[self.masters[i]]
         return self.masters[i].detach(), state["exp_avg"], state["exp_avg_sq"]
 
+    def snapshot(self) -> None:
+        return None  # in memory: an asynchronous save copies it (checkpoint/sharded.py)
+
     def refresh_targets(self) -> None:
         """After a checkpoint load wrote the masters: the targets from them."""
         for master, target, alias in zip(self.masters, self.targets, self.aliased):

@@ -1,0 +1,371 @@
+"""The composition matrix: every pair of 23 everyday features, validated (no processes) and,
+with --run, trained for a few steps on a tiny model against one process.
+
+Each feature is a row of FEATURES: the config keys that turn it on. A pair is the base config
+plus both features' keys (`parallel.zero_stage` takes the larger of the two: a feature that
+needs stage >= 1 composes with one that needs stage 3). Validation (`Config.validate()`, before
+any process) sorts every pair into accepted or refused, and names the refusing rule
+(`config_rules.refusing_rules`: the function in shardlm/config_rules.py).
+
+--run trains each accepted pair for STEPS steps on the ranks its layout needs (tp, cp, pp and
+hybrid's dp_replicate x dp_shard multiply; a pair with none of them, or one that needs data
+parallelism (ZeRO, ep, offload, async checkpoints), runs 2 data-parallel ranks; 8 at most:
+hybrid with a model axis) with shardlm.spawn.run_ranks (gloo), and compares it with the
+reference: the same config in one process with every execution choice taken out (layout, ZeRO,
+offload, recomputation, activation offload, compile, planner, async checkpoints) and the
+data-parallel ranks' micro-batches as gradient accumulation — the same global batch, seed and
+data. What changes the arithmetic stays in the reference: MoE, fp16, fp8, LoRA, QLoRA, chat SFT,
+document masks. Compared: every step's loss and gradient norm (rank 0's), relative tolerance by
+the pair's precision (TOLERANCE: fp32 1e-4 — sums in another order over 4 Adam steps; fp16 and
+fp8 (emulated) 2e-2 and 5e-2). An async checkpoint is saved after step 2 and the run goes on
+while it writes: read back, it must equal that step's state exactly, on every rank.
+
+Reproduce:  PYTHONPATH=src python bench/compose.py                     (validation only, seconds)
+            PYTHONPATH=src nice python bench/compose.py --run          (every accepted pair)
+            PYTHONPATH=src python bench/compose.py --run --pairs tp+lora,cp+fp16
+            PYTHONPATH=src python bench/compose.py --run --rotate 10 --seed 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import platform
+import random
+import re
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from shardlm.config import load_config
+from shardlm.config_rules import refusing_rules
+from shardlm.errors import ConfigError
+
+STEPS = 4
+SAVE_AFTER = 2  # async checkpoints: saved after this many steps, written while training goes on
+TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "fp8": 5e-2}
+"""Relative tolerance on each step's loss and gradient norm, by the pair's compute precision."""
+MAX_RANKS = 8
+
+CHATS = [
+    {"messages": [{"role": "system", "content": "You are terse."},
+                  {"role": "user", "content": "What is two plus two?"},
+                  {"role": "assistant", "content": "Four."}]},
+    {"messages": [{"role": "user", "content": "Name a colour."},
+                  {"role": "assistant", "content": "Blue."},
+                  {"role": "user", "content": "Another one?"},
+                  {"role": "assistant", "content": "Green, then red."}]},
+    {"messages": [{"role": "user", "content": "Count to three."},
+                  {"role": "assistant", "content": "One, two, three."}]},
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    name: str
+    keys: dict[str, Any]
+    """The config overrides that turn the feature on ('{work}' is the pair's scratch folder)."""
+    needs_dp: bool = False
+    """Means something only over data-parallel ranks (ZeRO shards, ep groups, offloaded shards)."""
+    soft: tuple[str, ...] = ()
+    """Keys whose value yields to the other feature's (chat SFT's document_mask = 'off', so the
+    two features are separate, becomes 'on' with doc_mask)."""
+
+
+FEATURES = [
+    Feature("zero3", {"parallel.zero_stage": 3}, needs_dp=True),
+    Feature("hybrid", {"parallel.zero_stage": 3, "parallel.dp_replicate": 2, "parallel.dp_shard": 2}),
+    Feature("tp", {"parallel.tp": 2}),
+    Feature("tp_sp", {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+    Feature("cp", {"parallel.cp": 2}),
+    Feature("pp", {"parallel.pp": 2}),
+    Feature("moe", {"model.experts": 4, "model.top_k": 2}),
+    Feature("ep", {"model.experts": 4, "model.top_k": 2, "parallel.ep": 2}, needs_dp=True),
+    Feature("fp16", {"precision.compute": "fp16"}),
+    Feature("fp8", {"precision.compute": "fp8", "precision.fp8_emulate": True}),
+    Feature("compile", {"train.compile": True}),
+    Feature("recompute_full", {"activation.checkpoint": "full"}),
+    Feature("recompute_selective", {"activation.checkpoint": "selective"}),
+    Feature("act_offload", {"activation.offload": "cpu"}),
+    Feature("offload_cpu", {"parallel.zero_stage": 1, "zero.offload_optimizer": "cpu"}, needs_dp=True),
+    Feature("offload_nvme", {"parallel.zero_stage": 1, "zero.offload_optimizer": "nvme",
+                             "zero.nvme_path": "{work}/nvme"}, needs_dp=True),
+    Feature("param_offload", {"parallel.zero_stage": 3, "zero.offload_params": "cpu"}, needs_dp=True),
+    Feature("lora", {"lora.rank": 4}),
+    Feature("qlora", {"lora.rank": 4, "lora.quantize": "nf4"}),
+    Feature("chat_sft", {"data.format": "chat", "data.source": "{work}/chat.jsonl", "data.max_bytes": 0,
+                         "data.val_fraction": 0.2, "data.document_mask": "off"},
+            soft=("data.document_mask",)),
+    Feature("doc_mask", {"data.document_mask": "on"}),
+    Feature("auto", {"parallel.strategy": "auto"}),
+    Feature("async_ckpt", {"checkpoint.async": True}, needs_dp=True),
+]
+BY_NAME = {f.name: f for f in FEATURES}
+
+BASE = {"model.preset": "llama-tiny", "precision.compute": "fp32", "run.device": "cpu",
+        "train.seq_len": 32, "train.micro_batch": 2, "train.grad_accum": 2, "train.steps": STEPS,
+        "train.warmup_steps": 1, "train.eval_every": 0, "train.eval_batches": 1,
+        "train.sample_tokens": 0, "data.max_bytes": 300_000, "run.progress": "off",
+        "checkpoint.resume": "never"}
+EXECUTION = ("parallel.", "activation.", "zero.", "train.compile", "checkpoint.async")
+"""Keys that choose how a model trains, not what it computes: the reference leaves them out."""
+LARGEST = ("parallel.zero_stage",)
+"""Keys two features may both set: the pair takes the larger value."""
+
+
+class Exclusive(ValueError):
+    """Two features set one key to different values (full or selective recomputation, fp16 or
+    fp8): one choice, not a pair to compose."""
+
+
+def pair_overrides(a: Feature, b: Feature, work: str | Path = "{work}") -> dict[str, Any]:
+    """The base config with both features on; Exclusive if they set one key differently."""
+    keys, soft, first = dict(BASE), {k for f in (a, b) for k in f.soft}, {}
+    for feature in sorted((a, b), key=lambda f: bool(f.soft), reverse=True):  # soft keys first
+        for key, value in feature.keys.items():
+            value = value.replace("{work}", str(work)) if isinstance(value, str) else value
+            if key in first and first[key] != value:
+                if key in LARGEST:
+                    value = max(keys[key], value)
+                elif key in soft and key in feature.soft:
+                    continue
+                elif key not in soft:
+                    raise Exclusive(f"{a.name} and {b.name} set {key} to different values")
+            keys[key] = first[key] = value
+    return keys
+
+
+def pairs() -> list[tuple[Feature, Feature]]:
+    return list(itertools.combinations(FEATURES, 2))
+
+
+def pair_name(a: Feature, b: Feature) -> str:
+    return f"{a.name}+{b.name}"
+
+
+def validate_pair(a: Feature, b: Feature) -> dict[str, list[str]]:
+    """{} if Config.validate() accepts the pair, else the refusing rules and their messages.
+    Validation reads no files but the nvme and chat paths' syntax: '{work}' stays a placeholder."""
+    cfg = load_config(overrides=pair_overrides(a, b))
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        rules = refusing_rules(cfg)
+        return rules or {"(field check)": [str(e)]}
+    return {}
+
+
+def world_of(overrides: dict[str, Any], features: tuple[Feature, ...]) -> int:
+    """Ranks the pair's layout needs: the model axes times the data-parallel ranks."""
+    model_axes = 1
+    for key in ("parallel.tp", "parallel.cp", "parallel.pp"):
+        model_axes *= int(overrides.get(key, 1))
+    replicate = int(overrides.get("parallel.dp_replicate", 1))
+    shard = int(overrides.get("parallel.dp_shard", -1))
+    if shard > 0:
+        dp = replicate * shard
+    else:
+        dp = 2 * replicate if model_axes == 1 or any(f.needs_dp for f in features) else replicate
+    return model_axes * dp
+
+
+def reference_overrides(overrides: dict[str, Any], world: int) -> dict[str, Any]:
+    """One process: the execution keys out, the data-parallel ranks' micro-batches accumulated."""
+    model_axes = 1
+    for key in ("parallel.tp", "parallel.cp", "parallel.pp"):
+        model_axes *= int(overrides.get(key, 1))
+    ref = {k: v for k, v in overrides.items() if not k.startswith(EXECUTION)}
+    ref["train.grad_accum"] = int(overrides["train.grad_accum"]) * (world // model_axes)
+    ref["parallel.dp_shard"] = 1
+    return ref
+
+
+def precision_of(overrides: dict[str, Any]) -> str:
+    return {"fp16": "fp16", "fp8": "fp8"}.get(overrides["precision.compute"], "fp32")
+
+
+def train_steps(rank: int, world_size: int, overrides: dict, steps: int, save_after: int) -> dict:
+    """A rank's run (or the one-process reference): every step's loss, gradient norm and
+    whether it stepped; with checkpoint.async an asynchronous save after `save_after` steps."""
+    import torch
+
+    from shardlm.trainer import build_run, save_checkpoint, train_step
+
+    torch.manual_seed(0)
+    run = build_run(load_config(overrides=overrides).validate())
+    out: dict[str, Any] = {"losses": [], "norms": [], "stepped": [], "saved_exactly": None}
+    saved: list = []
+    for step in range(steps):
+        result = train_step(run, step)
+        out["losses"].append(float(result.loss))
+        out["norms"].append(float(result.grad_norm))
+        out["stepped"].append(bool(result.stepped))
+        if run.cfg.checkpoint.async_ and step + 1 == save_after:
+            saved = [dataclasses.replace(s, tensor=s.tensor.clone()) for s in run.strategy.state_slices()]
+            save_checkpoint(run, step + 1)  # written in the background while the next steps run
+    run.checkpoints.wait()
+    if saved:  # the checkpoint holds the state of its step, not of the steps run while it wrote
+        from shardlm.checkpoint.sharded import load_slices, step_dir_name
+
+        read = [dataclasses.replace(s, tensor=torch.full_like(s.tensor, float("nan"))) for s in saved]
+        load_slices(run.checkpoints.root / step_dir_name(save_after), read, run.runtime)
+        out["saved_exactly"] = all(torch.equal(a.tensor, b.tensor) for a, b in zip(saved, read))
+    return out
+
+
+def compare(got: dict, ref: dict, tol: float) -> str:
+    """'' when every step's loss and gradient norm agree within `tol` relative, else why not."""
+    for what in ("losses", "norms"):
+        for step, (g, r) in enumerate(zip(got[what], ref[what])):
+            if not abs(g - r) <= tol * max(abs(r), 1e-12):
+                return f"step {step + 1} {what[:-1]} {g:.6g} vs one process {r:.6g} (tol {tol:g})"
+    if got["stepped"] != ref["stepped"]:
+        return f"stepped {got['stepped']} vs one process {ref['stepped']}"
+    return ""
+
+
+def write_chat(work: Path) -> None:
+    (work / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CHATS * 16))
+
+
+def run_pair(a: Feature, b: Feature, root: Path, references: dict) -> tuple[str, str]:
+    """('matched' | 'mismatch' | 'failed', detail) for one accepted pair."""
+    from shardlm.spawn import run_ranks
+
+    work = root / pair_name(a, b)
+    work.mkdir(parents=True, exist_ok=True)
+    write_chat(work)
+    overrides = pair_overrides(a, b, work)
+    overrides["run.dir"] = str(work / "runs")
+    overrides["data.cache_dir"] = str(root / "data-cache")
+    world = world_of(overrides, (a, b))
+    if world > MAX_RANKS:
+        return "failed", f"needs {world} ranks (> {MAX_RANKS})"
+    ref_overrides = reference_overrides(overrides, world)
+    key = json.dumps({k: v for k, v in ref_overrides.items() if k not in ("run.dir", "data.source")},
+                     sort_keys=True) + str(world) + str(ref_overrides.get("data.format"))
+    try:
+        if key not in references:
+            references[key] = _reference(ref_overrides, world, root)
+        ranks = run_ranks(train_steps, world, work, overrides, STEPS, SAVE_AFTER, timeout=900)
+    except Exception as e:  # the matrix records it and goes on
+        return "failed", _last_line(e)
+    if any(r["saved_exactly"] is False for r in ranks):
+        return "mismatch", f"the asynchronous checkpoint of step {SAVE_AFTER} differs from that step's state"
+    why = compare(ranks[0], references[key], TOLERANCE[precision_of(overrides)])
+    return ("mismatch", why) if why else ("matched", f"{world} ranks")
+
+
+def _reference(overrides: dict, world: int, root: Path) -> dict:
+    """The one-process run, spawned alone (its own threads: one rank's share of the cores, as
+    each of the `world` ranks has, so CPU kernels split their reductions the same way)."""
+    from shardlm.spawn import run_ranks
+
+    overrides = {**overrides, "run.dir": str(root / "reference-runs")}
+    return run_ranks(_reference_rank, 1, root, overrides, world, timeout=900)[0]
+
+
+def _reference_rank(rank: int, world_size: int, overrides: dict, world: int) -> dict:
+    import torch
+
+    from shardlm.launch import cpu_cores
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # init_runtime sets threads from it
+    torch.set_num_threads(max(1, cpu_cores() // world))
+    return train_steps(rank, world_size, overrides, STEPS, SAVE_AFTER)
+
+
+def _last_line(e: Exception) -> str:
+    """The exception line of a rank's traceback (`module.SomeError: what`), else the last line."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    raised = [ln for ln in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Unsupported|Failure)\b", ln)]
+    return (raised[-1] if raised else lines[-1] if lines else type(e).__name__)[:300]
+
+
+def choose(names: str, rotate: int, seed: int) -> list[tuple[Feature, Feature]]:
+    everything = pairs()
+    if names:
+        chosen = []
+        for text in names.split(","):
+            a, plus, b = text.strip().partition("+")
+            if not plus or a not in BY_NAME or b not in BY_NAME:
+                raise SystemExit(f"--pairs: {text!r} is not a+b of features {', '.join(BY_NAME)}")
+            chosen.append((BY_NAME[a], BY_NAME[b]))
+        return chosen
+    if rotate:
+        return sorted(random.Random(seed).sample(everything, min(rotate, len(everything))),
+                      key=everything.index)
+    return everything
+
+
+def markdown(results: dict[tuple[str, str], tuple[str, str]], ran: bool) -> str:
+    """The upper triangle: A = accepted (and, with --run, M = matched one process, X = mismatch,
+    F = failed at run time), R<n> = refused by the n-th rule listed below the table."""
+    rules = sorted({d for s, d in results.values() if s == "refused"})
+    code = {"accepted": "A", "matched": "M", "mismatch": "X", "failed": "F"}
+    head = "| | " + " | ".join(f.name for f in FEATURES) + " |"
+    lines = [head, "|" + "---|" * (len(FEATURES) + 1)]
+    for i, a in enumerate(FEATURES):
+        cells = []
+        for j, b in enumerate(FEATURES):
+            status, detail = results.get((a.name, b.name), results.get((b.name, a.name), ("", "")))
+            if j <= i or not status:
+                cells.append("")
+            elif status == "exclusive":
+                cells.append("—")
+            elif status == "refused":
+                cells.append(f"R{rules.index(detail) + 1}")
+            else:
+                cells.append(code[status])
+        lines.append(f"| {a.name} | " + " | ".join(cells) + " |")
+    counts = {s: sum(1 for v in results.values() if v[0] == s) for s in ("accepted", "matched", "mismatch", "failed", "refused", "exclusive")}
+    lines += ["", "Refusing rules: " + "; ".join(f"R{i + 1} {r}" for i, r in enumerate(rules)), "",
+              f"{len(results)} pairs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)]
+    problems = [f"- {a}+{b}: {s}: {d}" for (a, b), (s, d) in results.items() if s in ("mismatch", "failed")]
+    return "\n".join(lines + ([""] + problems if problems else []))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", action="store_true", help="train each accepted pair against one process")
+    parser.add_argument("--pairs", default="", help="only these pairs, e.g. tp+lora,cp+fp16")
+    parser.add_argument("--rotate", type=int, default=0, help="a fixed random subset of this many pairs")
+    parser.add_argument("--seed", type=int, default=0, help="which subset --rotate picks")
+    parser.add_argument("--json", default="", help="also write the results to this file")
+    args = parser.parse_args()
+    chosen = choose(args.pairs, args.rotate, args.seed)
+    results: dict[tuple[str, str], tuple[str, str]] = {}
+    for a, b in chosen:
+        try:
+            rules = validate_pair(a, b)
+        except Exclusive as e:
+            results[(a.name, b.name)] = ("exclusive", str(e))
+            continue
+        results[(a.name, b.name)] = ("refused", " ".join(sorted(rules))) if rules else ("accepted", "")
+    if args.run:
+        root = Path(tempfile.mkdtemp(prefix="shardlm-compose-"))
+        os.environ.setdefault("SHARDLM_CACHE", str(root / "cache"))
+        references: dict = {}
+        for a, b in chosen:
+            if results[(a.name, b.name)][0] == "accepted":
+                start = time.perf_counter()
+                results[(a.name, b.name)] = run_pair(a, b, root, references)
+                print(f"{pair_name(a, b)}: {results[(a.name, b.name)]} ({time.perf_counter() - start:.0f} s)",
+                      file=sys.stderr, flush=True)
+                if args.json:
+                    Path(args.json).write_text(json.dumps({"+".join(k): v for k, v in results.items()}, indent=1))
+    print(f"Composition matrix, {time.strftime('%Y-%m-%d')}, {platform.machine()} "
+          f"{os.cpu_count()} CPUs; command: python bench/compose.py {' '.join(sys.argv[1:])}\n")
+    print(markdown(results, args.run))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"+".join(k): v for k, v in results.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
