@@ -96,7 +96,9 @@ FEATURES = [
     Feature("offload_cpu", {"parallel.zero_stage": 1, "zero.offload_optimizer": "cpu"}, needs_dp=True),
     Feature("offload_nvme", {"parallel.zero_stage": 1, "zero.offload_optimizer": "nvme",
                              "zero.nvme_path": "{work}/nvme"}, needs_dp=True),
-    Feature("param_offload", {"parallel.zero_stage": 3, "zero.offload_params": "cpu"}, needs_dp=True),
+    # 'nvme': on a CPU-only machine the 'cpu' parameter tier is the device's memory and moves nothing
+    Feature("param_offload", {"parallel.zero_stage": 3, "zero.offload_params": "nvme",
+                              "zero.nvme_path": "{work}/nvme"}, needs_dp=True),
     Feature("lora", {"lora.rank": 4}),
     Feature("qlora", {"lora.rank": 4, "lora.quantize": "nf4"}),
     Feature("chat_sft", {"data.format": "chat", "data.source": "{work}/chat.jsonl", "data.max_bytes": 0,
@@ -338,6 +340,9 @@ def main() -> None:
     parser.add_argument("--rotate", type=int, default=0, help="a fixed random subset of this many pairs")
     parser.add_argument("--seed", type=int, default=0, help="which subset --rotate picks")
     parser.add_argument("--json", default="", help="also write the results to this file")
+    parser.add_argument("--results", default="",
+                        help="comma-separated --json files of earlier --run's: their outcomes for the "
+                             "pairs validation accepts now, instead of running them (later files win)")
     args = parser.parse_args()
     chosen = choose(args.pairs, args.rotate, args.seed)
     results: dict[tuple[str, str], tuple[str, str]] = {}
@@ -348,6 +353,11 @@ def main() -> None:
             results[(a.name, b.name)] = ("exclusive", str(e))
             continue
         results[(a.name, b.name)] = ("refused", " ".join(sorted(rules))) if rules else ("accepted", "")
+    for path in filter(None, args.results.split(",")):
+        for name, (status, detail) in json.loads(Path(path).read_text()).items():
+            a, b = name.split("+")
+            if results.get((a, b), ("",))[0] == "accepted" and status in ("matched", "mismatch", "failed"):
+                results[(a, b)] = (status, detail)
     if args.run:
         root = Path(tempfile.mkdtemp(prefix="shardlm-compose-"))
         os.environ.setdefault("SHARDLM_CACHE", str(root / "cache"))

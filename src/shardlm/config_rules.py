@@ -424,20 +424,16 @@ def _param_offload_stage(cfg: Config) -> list[str]:
             if z.offload_params != "none" and par.zero_stage != 3 else [])
 
 
-@_cross("lora.rank", "parallel.tp", "zero.offload_params")
+@_cross("lora.rank", "parallel.tp")
 def _lora_layout(cfg: Config) -> list[str]:
-    if not cfg.lora.rank:
+    """LoRA's frozen base is ZeRO units like any other (zero/engine.py: gathered at stage 3,
+    kept by the parameter store when zero.offload_params is set); tp would have to cut the
+    adapters as it cuts the linears they wrap (models/lora.py)."""
+    if not cfg.lora.rank or cfg.parallel.tp == 1:
         return []
-    out = []
-    if cfg.parallel.tp > 1:
-        out.append(f"lora.rank = {cfg.lora.rank} with parallel.tp = {cfg.parallel.tp}: tensor "
-                   f"parallelism does not split LoRA layers yet; use ZeRO (parallel.zero_stage = 3 "
-                   f"shards the frozen base)")
-    if cfg.zero.offload_params != "none":
-        out.append(f"lora.rank = {cfg.lora.rank} with zero.offload_params = "
-                   f"{cfg.zero.offload_params!r}: frozen parameters are not offloaded yet; "
-                   f"zero.offload_optimizer works")
-    return out
+    return [f"lora.rank = {cfg.lora.rank} with parallel.tp = {cfg.parallel.tp}: tensor "
+            f"parallelism does not split LoRA layers yet; use ZeRO (parallel.zero_stage = 3 "
+            f"shards the frozen base)"]
 
 
 @_cross("lora.quantize", "lora.rank", "model.experts", "model.hf_config", "train.compile")

@@ -131,10 +131,10 @@ class ResidentParams:
     def release(self, unit) -> None:
         """The gather that needed the shard is complete."""
 
-    def materialize_all(self) -> None:
+    def materialize_all(self, frozen: bool = True) -> None:
         """Every shard in memory (the optimizer step writes them)."""
 
-    def store_all(self) -> None:
+    def store_all(self, frozen: bool = True) -> None:
         """The step is done: shards back to their tier."""
 
     def held_bytes(self) -> dict[str, int]:
@@ -173,14 +173,16 @@ class HostParams(ResidentParams):
         if self.moves:
             unit.shard_param.untyped_storage().resize_(0)
 
-    def materialize_all(self) -> None:
+    def materialize_all(self, frozen: bool = True) -> None:
         for unit in self.units if self.moves else ():
-            self._read(unit)
+            if frozen or not unit.frozen:
+                self._read(unit)
 
-    def store_all(self) -> None:
+    def store_all(self, frozen: bool = True) -> None:
         for unit in self.units if self.moves else ():
-            self.host[id(unit)].copy_(unit.shard_param)
-            unit.shard_param.untyped_storage().resize_(0)
+            if frozen or not unit.frozen:
+                self.host[id(unit)].copy_(unit.shard_param)
+                unit.shard_param.untyped_storage().resize_(0)
 
     def held_bytes(self) -> dict[str, int]:
         return {"cpu": sum(t.numel() * t.element_size() for t in self.host.values())}

@@ -485,14 +485,16 @@ class FileParams(ResidentParams):
     def release(self, unit) -> None:
         self._free(unit)
 
-    def materialize_all(self) -> None:
+    def materialize_all(self, frozen: bool = True) -> None:
         for unit in self.units:
-            self._read(unit)
+            if frozen or not unit.frozen:
+                self._read(unit)
 
-    def store_all(self) -> None:
+    def store_all(self, frozen: bool = True) -> None:
         for unit in self.units:
-            self._write(unit)
-            self._free(unit)
+            if frozen or not unit.frozen:
+                self._write(unit)
+                self._free(unit)
 
     def held_bytes(self) -> dict[str, int]:
         return {"nvme": self.total}
