@@ -525,7 +525,7 @@ def _activation_offload_composes(cfg: Config) -> list[str]:
     return problems
 
 
-@_cross("train.compile", "parallel.cp", "parallel.ep", "model.experts", "activation.checkpoint")
+@_cross("train.compile", "parallel.cp", "parallel.ep", "model.experts")
 def _compile_composes(cfg: Config) -> list[str]:
     """train.compile compiles each block (parallel/compile.py) with fullgraph: what runs a
     collective or a data-dependent shape inside a block cannot be one graph yet."""
@@ -536,13 +536,11 @@ def _compile_composes(cfg: Config) -> list[str]:
         ("parallel.cp", par.cp, "ring attention's exchanges inside each block", par.cp > 1),
         ("parallel.ep", par.ep, "all-to-all inside each MoE block", par.ep > 1),
         ("model.experts", m.experts, "the router's data-dependent token counts break the graph", m.experts > 0),
-        ("activation.checkpoint", cfg.activation.checkpoint, "its op policy sees aten ops, a compiled "
-         "block runs fused kernels; 'full' composes", cfg.activation.checkpoint == "selective"),
     ) if on]
     return ([f"train.compile = true does not compose yet with: {'; '.join(blocking)}. It works with "
-             f"ZeRO stages 0-3, offload, tensor and pipeline parallelism, activation.checkpoint = "
-             f"'full' and activation.offload; set train.compile = false "
-             f"or change those keys"] if blocking else [])
+             f"ZeRO stages 0-3, offload, tensor and pipeline parallelism, activation checkpointing "
+             f"('selective' is compiled with the block) and activation.offload; set train.compile = "
+             f"false or change those keys"] if blocking else [])
 
 
 @_cross("zero.nvme_chunk_mb", "zero.nvme_buffers")

@@ -175,7 +175,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
         kept = {name for name, _ in model.named_parameters()}
         for name in [n for n in experts if n not in kept]:  # other stages' experts (one dict: model.ep's)
             del experts[name]
-    apply_ac(model, cfg.activation.checkpoint)
+    apply_ac(model, cfg.activation.checkpoint, compiled=cfg.train.compile)
     # Before the engine: its ZeRO-3 gather hooks then run inside the offload hooks' scope, so the
     # gathered parameters are recognised (and never copied) at pack time.
     apply_offload(model, cfg.activation.offload, cfg.activation.offload_blocks)
