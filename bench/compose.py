@@ -52,6 +52,8 @@ SAVE_AFTER = 2  # async checkpoints: saved after this many steps, written while 
 TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "fp8": 5e-2}
 """Relative tolerance on each step's loss and gradient norm, by the pair's compute precision."""
 MAX_RANKS = 8
+BATCH = 12
+"""Pairs of one world size trained in one spawn (--batch): imports and process start-up once."""
 
 CHATS = [
     {"messages": [{"role": "system", "content": "You are terse."},
@@ -236,32 +238,115 @@ def write_chat(work: Path) -> None:
     (work / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CHATS * 16))
 
 
-def run_pair(a: Feature, b: Feature, root: Path, references: dict) -> tuple[str, str]:
-    """('matched' | 'mismatch' | 'failed', detail) for one accepted pair."""
-    from shardlm.spawn import run_ranks
+@dataclasses.dataclass
+class PairRun:
+    """One accepted pair made ready to run: its config, ranks and one-process reference."""
+    name: str
+    overrides: dict[str, Any]
+    world: int
+    reference: dict[str, Any]
+    key: str
+    """The reference's identity: pairs that differ only in execution share one reference run."""
 
+
+def prepare(a: Feature, b: Feature, root: Path) -> PairRun:
     work = root / pair_name(a, b)
     work.mkdir(parents=True, exist_ok=True)
     write_chat(work)
     overrides = pair_overrides(a, b, work)
     overrides["run.dir"] = str(work / "runs")
     overrides["data.cache_dir"] = str(root / "data-cache")
+    overrides["parallel.collective_timeout_s"] = 120.0  # a rank left waiting fails, not hangs
     world = world_of(overrides, (a, b))
-    if world > MAX_RANKS:
-        return "failed", f"needs {world} ranks (> {MAX_RANKS})"
-    ref_overrides = reference_overrides(overrides, world)
-    key = json.dumps({k: v for k, v in ref_overrides.items() if k not in ("run.dir", "data.source")},
-                     sort_keys=True) + str(world) + str(ref_overrides.get("data.format"))
-    try:
-        if key not in references:
-            references[key] = _reference(ref_overrides, world, root)
-        ranks = run_ranks(train_steps, world, work, overrides, STEPS, SAVE_AFTER, timeout=900)
-    except Exception as e:  # the matrix records it and goes on
-        return "failed", _last_line(e)
+    reference = reference_overrides(overrides, world)
+    reference["run.dir"] = str(root / "reference-runs")
+    key = json.dumps({k: v for k, v in reference.items() if k != "data.source"}, sort_keys=True) + str(world)
+    return PairRun(pair_name(a, b), overrides, world, reference, key)
+
+
+def verdict(pair: PairRun, ranks: list[dict], reference: dict) -> tuple[str, str]:
     if any(r["saved_exactly"] is False for r in ranks):
         return "mismatch", f"the asynchronous checkpoint of step {SAVE_AFTER} differs from that step's state"
-    why = compare(ranks[0], references[key], TOLERANCE[precision_of(overrides)])
-    return ("mismatch", why) if why else ("matched", f"{world} ranks")
+    why = compare(ranks[0], reference, TOLERANCE[precision_of(pair.overrides)])
+    return ("mismatch", why) if why else ("matched", f"{pair.world} ranks")
+
+
+def run_pair(a: Feature, b: Feature, root: Path, references: dict) -> tuple[str, str]:
+    """('matched' | 'mismatch' | 'failed', detail) for one accepted pair, in processes of its own."""
+    from shardlm.spawn import run_ranks
+
+    pair = prepare(a, b, root)
+    if pair.world > MAX_RANKS:
+        return "failed", f"needs {pair.world} ranks (> {MAX_RANKS})"
+    try:
+        if pair.key not in references:
+            references[pair.key] = _reference(pair.reference, pair.world, root)
+        ranks = run_ranks(train_steps, pair.world, root / pair.name, pair.overrides, STEPS, SAVE_AFTER,
+                          timeout=900)
+    except Exception as e:  # the matrix records it and goes on
+        return "failed", _last_line(e)
+    return verdict(pair, ranks, references[pair.key])
+
+
+def train_many(rank: int, world_size: int, cases: list[tuple[str, dict]], steps: int,
+               save_after: int) -> dict[str, Any]:
+    """Several pairs in one set of processes (torch and shardlm imported once), one after the
+    other; at the first failure the rest are left (a rank may have been left mid-collective:
+    the caller runs them in fresh processes)."""
+    out: dict[str, Any] = {}
+    for name, overrides in cases:
+        try:
+            out[name] = train_steps(rank, world_size, overrides, steps, save_after)
+        except Exception:
+            out[name] = traceback.format_exc()
+            break
+    return out
+
+
+def run_batch(chosen: list[tuple[Feature, Feature]], root: Path, references: dict,
+              report) -> None:
+    """Every pair of `chosen`, pairs of one world size together in one spawn (chunks of
+    BATCH); `report(a, b, outcome)` for each. A pair that failed in a batch, and those after
+    it, run again alone (run_pair): a failure is recorded only from a pair's own processes."""
+    from shardlm.spawn import run_ranks
+
+    pairs = {pair_name(a, b): (a, b, prepare(a, b, root)) for a, b in chosen}
+    by_world: dict[int, list[PairRun]] = {}
+    for a, b, pair in pairs.values():
+        if pair.world > MAX_RANKS:
+            report(a, b, ("failed", f"needs {pair.world} ranks (> {MAX_RANKS})"))
+        else:
+            by_world.setdefault(pair.world, []).append(pair)
+    for world, group in sorted(by_world.items()):
+        for start in range(0, len(group), BATCH):
+            chunk = group[start:start + BATCH]
+            todo = {p.key: p.reference for p in chunk if p.key not in references}
+            results: list[dict] = []
+            try:
+                if todo:
+                    made = run_ranks(_reference_many, 1, root, list(todo.items()), world, timeout=3600)[0]
+                    references.update({k: v for k, v in made.items() if isinstance(v, dict)})
+                results = run_ranks(train_many, world, root, [(p.name, p.overrides) for p in chunk],
+                                    STEPS, SAVE_AFTER, timeout=3600)
+            except Exception as e:  # a rank died: what it finished is lost, run the chunk alone
+                print(f"batch of {len(chunk)} on {world} ranks: {_last_line(e)}", file=sys.stderr)
+            for pair in chunk:
+                a, b, _ = pairs[pair.name]
+                ranks = [r.get(pair.name) for r in results]
+                if ranks and all(isinstance(r, dict) for r in ranks) and pair.key in references:
+                    report(a, b, verdict(pair, ranks, references[pair.key]))
+                else:
+                    report(a, b, run_pair(a, b, root, references))
+
+
+def _reference_many(rank: int, world_size: int, cases: list[tuple[str, dict]], world: int) -> dict:
+    import torch
+
+    from shardlm.launch import cpu_cores
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # init_runtime sets threads from it
+    torch.set_num_threads(max(1, cpu_cores() // world))
+    return train_many(rank, world_size, cases, STEPS, SAVE_AFTER)
 
 
 def _reference(overrides: dict, world: int, root: Path) -> dict:
@@ -340,6 +425,9 @@ def main() -> None:
     parser.add_argument("--rotate", type=int, default=0, help="a fixed random subset of this many pairs")
     parser.add_argument("--seed", type=int, default=0, help="which subset --rotate picks")
     parser.add_argument("--json", default="", help="also write the results to this file")
+    parser.add_argument("--batch", action="store_true",
+                        help=f"run the pairs of one world size together, {BATCH} per spawn (faster; a "
+                             f"pair that fails there runs again alone)")
     parser.add_argument("--results", default="",
                         help="comma-separated --json files of earlier --run's: their outcomes for the "
                              "pairs validation accepts now, instead of running them (later files win)")
@@ -362,14 +450,19 @@ def main() -> None:
         root = Path(tempfile.mkdtemp(prefix="shardlm-compose-"))
         os.environ.setdefault("SHARDLM_CACHE", str(root / "cache"))
         references: dict = {}
-        for a, b in chosen:
-            if results[(a.name, b.name)][0] == "accepted":
-                start = time.perf_counter()
-                results[(a.name, b.name)] = run_pair(a, b, root, references)
-                print(f"{pair_name(a, b)}: {results[(a.name, b.name)]} ({time.perf_counter() - start:.0f} s)",
-                      file=sys.stderr, flush=True)
-                if args.json:
-                    Path(args.json).write_text(json.dumps({"+".join(k): v for k, v in results.items()}, indent=1))
+        started = time.perf_counter()
+
+        def report(a: Feature, b: Feature, outcome: tuple[str, str]) -> None:
+            results[(a.name, b.name)] = outcome
+            print(f"{pair_name(a, b)}: {outcome} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"+".join(k): v for k, v in results.items()}, indent=1))
+
+        todo = [(a, b) for a, b in chosen if results[(a.name, b.name)][0] == "accepted"]
+        if args.batch:
+            run_batch(todo, root, references, report)
+        for a, b in todo if not args.batch else ():
+            report(a, b, run_pair(a, b, root, references))
     print(f"Composition matrix, {time.strftime('%Y-%m-%d')}, {platform.machine()} "
           f"{os.cpu_count()} CPUs; command: python bench/compose.py {' '.join(sys.argv[1:])}\n")
     print(markdown(results, args.run))
