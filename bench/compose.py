@@ -21,7 +21,7 @@ fp8 (emulated) 2e-2 and 5e-2). An async checkpoint is saved after step 2 and the
 while it writes: read back, it must equal that step's state exactly, on every rank.
 
 Reproduce:  PYTHONPATH=src python bench/compose.py                     (validation only, seconds)
-            PYTHONPATH=src nice python bench/compose.py --run          (every accepted pair)
+            PYTHONPATH=src nice python bench/compose.py --run --batch  (every accepted pair)
             PYTHONPATH=src python bench/compose.py --run --pairs tp+lora,cp+fp16
             PYTHONPATH=src python bench/compose.py --run --rotate 10 --seed 3
 """
@@ -228,7 +228,8 @@ def compare(got: dict, ref: dict, tol: float) -> str:
     for what in ("losses", "norms"):
         for step, (g, r) in enumerate(zip(got[what], ref[what])):
             if not abs(g - r) <= tol * max(abs(r), 1e-12):
-                return f"step {step + 1} {what[:-1]} {g:.6g} vs one process {r:.6g} (tol {tol:g})"
+                label = {"losses": "loss", "norms": "gradient norm"}[what]
+                return f"step {step + 1} {label} {g:.6g} vs one process {r:.6g} (tol {tol:g})"
     if got["stepped"] != ref["stepped"]:
         return f"stepped {got['stepped']} vs one process {ref['stepped']}"
     return ""

@@ -61,7 +61,7 @@ def test_a_mismatch_is_reported():
     ref = {"losses": [5.0, 4.0], "norms": [1.0, 0.9], "stepped": [True, True]}
     assert compose.compare(dict(ref), ref, 1e-4) == ""
     off = {**ref, "norms": [1.0, 0.9002]}
-    assert "step 2 norm" in compose.compare(off, ref, 1e-4)
+    assert "step 2 gradient norm" in compose.compare(off, ref, 1e-4)
 
 
 def test_nvme_snapshot_keeps_the_state_of_its_save(tmp_path):
