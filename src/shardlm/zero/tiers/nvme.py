@@ -227,6 +227,7 @@ class NvmeTier:
         self.size = 0  # elements per file, with alignment padding
         self.n_buffers = max(3, buffers)
         self.slots: list[_Slot] = []
+        self._mapped: dict[str, torch.Tensor] | None = None
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="nvme-read")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-write")
         self.stats = TierStats()
@@ -332,7 +333,7 @@ class NvmeTier:
         through the page cache, a load writes through it; the step's direct I/O sees both).
         Mapped once, so every segment_state view shares its file's storage (DiskSnapshot finds
         a view's file by it)."""
-        if getattr(self, "_mapped", None) is None:
+        if self._mapped is None:
             self._mapped = {k: torch.from_file(str(f.path), shared=True, size=self.size, dtype=self.master_dtype)
                             for k, f in self.files.items()}
         return self._mapped
