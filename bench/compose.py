@@ -217,7 +217,9 @@ def train_steps(rank: int, world_size: int, overrides: dict, steps: int, save_af
     if saved:  # the checkpoint holds the state of its step, not of the steps run while it wrote
         from shardlm.checkpoint.sharded import load_slices, step_dir_name
 
-        read = [dataclasses.replace(s, tensor=torch.full_like(s.tensor, float("nan"))) for s in saved]
+        # filled with what the state is not (NaN, or an integer's bits inverted: QLoRA's base)
+        read = [dataclasses.replace(s, tensor=torch.full_like(s.tensor, float("nan")) if s.tensor.is_floating_point()
+                                    else s.tensor.bitwise_not()) for s in saved]
         load_slices(run.checkpoints.root / step_dir_name(save_after), read, run.runtime)
         out["saved_exactly"] = all(torch.equal(a.tensor, b.tensor) for a, b in zip(saved, read))
     return out
@@ -261,8 +263,25 @@ def prepare(a: Feature, b: Feature, root: Path) -> PairRun:
     world = world_of(overrides, (a, b))
     reference = reference_overrides(overrides, world)
     reference["run.dir"] = str(root / "reference-runs")
+    if overrides.get("parallel.strategy") == "auto":
+        reference.update(_planned_batches(overrides, world))
     key = json.dumps({k: v for k, v in reference.items() if k != "data.source"}, sort_keys=True) + str(world)
     return PairRun(pair_name(a, b), overrides, world, reference, key)
+
+
+def _planned_batches(overrides: dict[str, Any], world: int) -> dict[str, int]:
+    """parallel.strategy = 'auto' keeps the global batch but may cut it into other micro-batches
+    (e.g. 4 x 1 for 2 x 2), and a loss that is a mean per micro-batch (MoE's balancing loss, the
+    SFT formats' mean over the kept targets) depends on the cut: the reference takes the plan's,
+    as decided here the way rank 0 decides it (shardlm.resolve.decide, the same probe cache)."""
+    import torch
+
+    from shardlm.resolve import decide
+
+    cfg = decide(load_config(overrides=overrides), world, torch.device("cpu"))
+    par = cfg.parallel
+    return {"train.micro_batch": cfg.train.micro_batch,
+            "train.grad_accum": cfg.train.grad_accum * world // (par.tp * par.cp * par.pp)}
 
 
 def verdict(pair: PairRun, ranks: list[dict], reference: dict) -> tuple[str, str]:
