@@ -461,11 +461,12 @@ def main() -> None:
             results[(a.name, b.name)] = ("exclusive", str(e))
             continue
         results[(a.name, b.name)] = ("refused", " ".join(sorted(rules))) if rules else ("accepted", "")
+    accepted = {pair for pair, (status, _) in results.items() if status == "accepted"}
     for path in filter(None, args.results.split(",")):
         for name, (status, detail) in json.loads(Path(path).read_text()).items():
-            a, b = name.split("+")
-            if results.get((a, b), ("",))[0] == "accepted" and status in ("matched", "mismatch", "failed"):
-                results[(a, b)] = (status, detail)
+            pair = tuple(name.split("+"))
+            if pair in accepted and status in ("matched", "mismatch", "failed"):
+                results[pair] = (status, detail)
     if args.run:
         root = Path(tempfile.mkdtemp(prefix="shardlm-compose-"))
         os.environ.setdefault("SHARDLM_CACHE", str(root / "cache"))
