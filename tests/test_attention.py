@@ -174,7 +174,8 @@ def test_refused_compositions_say_why():
 
     assert "context parallelism runs its own ring" in errors(**{"model.attention": "math", "parallel.cp": 2})
     assert "the ring splits each sequence" in errors(**{"data.document_mask": "on", "parallel.cp": 2})
-    assert "not verified with tensor parallelism" in errors(**{"data.document_mask": "on", "parallel.tp": 2})
+    # tensor parallelism keeps whole sequences: the mask rides along (bench/compose.py tp+doc_mask)
+    load_config(overrides={"data.document_mask": "on", "parallel.tp": 2}).validate()
     assert "cannot be one graph" in errors(**{"model.attention": "per_document", "train.compile": "true"})
     assert "choose one of" in errors(**{"model.attention": "flash"})
     load_config(overrides={"data.document_mask": "on", "parallel.pp": 2, "model.n_layers": 4}).validate()

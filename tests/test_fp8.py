@@ -248,7 +248,7 @@ def test_fp8_is_checked_before_ranks_spawn(tmp_path, monkeypatch):
 @pytest.mark.parametrize("key, value, named", [
     ("parallel.tp", 2, "tensor-parallel linears"), ("lora.rank", 4, "LoRA layers"),
     ("model.experts", 4, "experts' batched matmuls"), ("parallel.strategy", "auto", "planner"),
-    ("train.compile", True, "train.compile = True"), ("parallel.pp", 2, "parallel.pp = 2"),
+    ("train.compile", True, "train.compile = True"),
 ])
 def test_unsupported_compositions_are_refused_by_name(tmp_path, key, value, named):
     with pytest.raises(ConfigError, match="does not compose yet with") as caught:

@@ -21,9 +21,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-@pytest.mark.parametrize("vocab", [16, 17])  # 17: the ranks hold 9 and 8 rows
-def test_vocab_parallel_cross_entropy_equals_the_full_one(tmp_path, vocab):
-    out = run_ranks(cross_entropy_case, 2, tmp_path, vocab)
+# 17: the ranks hold 9 and 8 rows; ignored: targets of -100 (SFT), left out as ignore_index does
+@pytest.mark.parametrize("vocab, ignored", [(16, False), (17, False), (17, True)])
+def test_vocab_parallel_cross_entropy_equals_the_full_one(tmp_path, vocab, ignored):
+    out = run_ranks(cross_entropy_case, 2, tmp_path, vocab, ignored)
     logits, targets = out[0]["logits"], out[0]["targets"]
     full = logits.clone().requires_grad_()
     loss = F.cross_entropy(full.flatten(0, 1), targets.flatten())

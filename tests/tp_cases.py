@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from shardlm.placement import Split
 
 
-def cross_entropy_case(rank: int, world_size: int, vocab: int) -> dict:
+def cross_entropy_case(rank: int, world_size: int, vocab: int, ignored: bool = False) -> dict:
     """The vocabulary-parallel cross-entropy and its gradient on this rank's vocabulary rows,
-    for the same random logits on every rank."""
+    for the same random logits on every rank (`ignored`: some targets -100, as SFT's prompts)."""
     import torch.distributed as dist
 
     from shardlm.comm.collectives import Comm, CommLedger
@@ -20,6 +20,8 @@ def cross_entropy_case(rank: int, world_size: int, vocab: int) -> dict:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, vocab, generator=g) * 4
     targets = torch.randint(0, vocab, (3, 5), generator=g)
+    if ignored:
+        targets[0, :4] = targets[2, 1] = -100
     lo, hi = even_range(vocab, world_size, rank)
     ledger = CommLedger()
     tp = TPState(Comm(dist.group.WORLD, "tp", ledger), sequence_parallel=False)

@@ -288,6 +288,7 @@ def preflight(cfg, nproc: int) -> None:
         itemsize = {"fp32": 4, "bf16": 2, "fp16": 2}
         optimizer_bytes = (nvme_bytes(per_rank, itemsize[cfg.precision.master], 0, False)
                            if z.offload_optimizer == "nvme" else 0)
+        optimizer_bytes *= 2 if cfg.checkpoint.async_ else 1  # an async save's on-disk snapshot
         param_bytes = (per_rank * itemsize.get(carrier(cfg.precision.compute), 4)
                        if z.offload_params == "nvme" else 0)
         needed = local * (optimizer_bytes + param_bytes)

@@ -522,20 +522,16 @@ def _param_offload_stage(cfg: Config) -> list[str]:
             if z.offload_params != "none" and par.zero_stage != 3 else [])
 
 
-@_cross("lora.rank", "parallel.tp", "zero.offload_params")
+@_cross("lora.rank", "parallel.tp")
 def _lora_layout(cfg: Config) -> list[str]:
-    if not cfg.lora.rank:
+    """LoRA's frozen base is ZeRO units like any other (zero/engine.py: gathered at stage 3,
+    kept by the parameter store when zero.offload_params is set); tp would have to cut the
+    adapters as it cuts the linears they wrap (models/lora.py)."""
+    if not cfg.lora.rank or cfg.parallel.tp == 1:
         return []
-    out = []
-    if cfg.parallel.tp > 1:
-        out.append(f"lora.rank = {cfg.lora.rank} with parallel.tp = {cfg.parallel.tp}: tensor "
-                   f"parallelism does not split LoRA layers yet; use ZeRO (parallel.zero_stage = 3 "
-                   f"shards the frozen base)")
-    if cfg.zero.offload_params != "none":
-        out.append(f"lora.rank = {cfg.lora.rank} with zero.offload_params = "
-                   f"{cfg.zero.offload_params!r}: frozen parameters are not offloaded yet; "
-                   f"zero.offload_optimizer works")
-    return out
+    return [f"lora.rank = {cfg.lora.rank} with parallel.tp = {cfg.parallel.tp}: tensor "
+            f"parallelism does not split LoRA layers yet; use ZeRO (parallel.zero_stage = 3 "
+            f"shards the frozen base)"]
 
 
 @_cross("lora.quantize", "lora.rank", "model.experts", "model.hf_config", "train.compile")
@@ -551,23 +547,11 @@ def _qlora_composes(cfg: Config) -> list[str]:
          "quantise; use model.hf_path or model.preset", bool(cfg.model.hf_config)),
         ("model.experts", cfg.model.experts, "the experts' batched weights are not linear layers; "
          "not quantised yet", cfg.model.experts > 0),
-        ("train.compile", cfg.train.compile, "not verified with the dequantising linear yet",
-         cfg.train.compile),
+        ("train.compile", cfg.train.compile, "the dequantising linear does not compile into the "
+         "block's graph yet", cfg.train.compile),
     ) if on]
     return ([f"lora.quantize = {q!r} does not compose with: {'; '.join(blocking)}"]
             if blocking else [])
-
-
-@_cross("data.format", "parallel.tp", "parallel.cp")
-def _sft_layout(cfg: Config) -> list[str]:
-    fmt, par = cfg.data.format, cfg.parallel
-    if fmt == "text":
-        return []
-    return ([f"data.format = {fmt!r} with parallel.{key} = {value}: the loss-masked targets (-100) "
-             f"are not supported by the {what} yet; use data or pipeline parallelism / ZeRO"
-             for key, value, what in (("tp", par.tp, "vocabulary-parallel cross-entropy"),
-                                      ("cp", par.cp, "context-parallel loss (a mean per rank's tokens)"))
-             if value > 1])
 
 
 @_cross("data.format", "model.hf_path", "model.hf_config", "parallel.pp", "lora.rank")
@@ -606,13 +590,10 @@ def _attention_composes(cfg: Config) -> list[str]:
         why = f"data.document_mask = {cfg.data.document_mask!r} (on for data.format = {cfg.data.format!r})"
         if cfg.data.format == "seq2seq":
             problems.append(f"{why}: seq2seq examples are not packed; set data.document_mask = 'off' or 'auto'")
-        for key, value, reason in (
-                ("cp", par.cp, "the ring splits each sequence over ranks and has no per-document mask"),
-                ("tp", par.tp, "not verified with tensor parallelism yet")):
-            if value > 1:
-                problems.append(f"{why} with parallel.{key} = {value}: {reason}; set "
-                                f"data.document_mask = 'off' (examples then see the earlier ones in "
-                                f"their row) or parallel.{key} = 1")
+        if par.cp > 1:
+            problems.append(f"{why} with parallel.cp = {par.cp}: the ring splits each sequence over "
+                            f"ranks and has no per-document mask; set data.document_mask = 'off' "
+                            f"(examples then see the earlier ones in their row) or parallel.cp = 1")
     if attention == "per_document" and cfg.train.compile:
         problems.append("model.attention = 'per_document' with train.compile = true: its document "
                         "lengths are data-dependent and cannot be one graph; use 'auto' (sdpa with "
@@ -642,7 +623,7 @@ def _activation_offload_composes(cfg: Config) -> list[str]:
     return problems
 
 
-@_cross("train.compile", "parallel.cp", "parallel.ep", "model.experts", "activation.checkpoint")
+@_cross("train.compile", "parallel.cp", "parallel.ep", "model.experts")
 def _compile_composes(cfg: Config) -> list[str]:
     """train.compile compiles each block (parallel/compile.py) with fullgraph: what runs a
     collective or a data-dependent shape inside a block cannot be one graph yet."""
@@ -653,13 +634,11 @@ def _compile_composes(cfg: Config) -> list[str]:
         ("parallel.cp", par.cp, "ring attention's exchanges inside each block", par.cp > 1),
         ("parallel.ep", par.ep, "all-to-all inside each MoE block", par.ep > 1),
         ("model.experts", m.experts, "the router's data-dependent token counts break the graph", m.experts > 0),
-        ("activation.checkpoint", cfg.activation.checkpoint, "its op policy sees aten ops, a compiled "
-         "block runs fused kernels; 'full' composes", cfg.activation.checkpoint == "selective"),
     ) if on]
     return ([f"train.compile = true does not compose yet with: {'; '.join(blocking)}. It works with "
-             f"ZeRO stages 0-3, offload, tensor and pipeline parallelism, activation.checkpoint = "
-             f"'full' and activation.offload; set train.compile = false "
-             f"or change those keys"] if blocking else [])
+             f"ZeRO stages 0-3, offload, tensor and pipeline parallelism, activation checkpointing "
+             f"('selective' is compiled with the block) and activation.offload; set train.compile = "
+             f"false or change those keys"] if blocking else [])
 
 
 @_cross("zero.nvme_chunk_mb", "zero.nvme_buffers")
@@ -669,13 +648,6 @@ def _nvme_ring_fits(cfg: Config) -> list[str]:
     return ([f"zero.nvme_buffers x 4 x zero.nvme_chunk_mb = {z.nvme_buffers} x 4 x {z.nvme_chunk_mb}"
              f" MB of host memory for the nvme stream exceeds {NVME_RING_MAX_MB} MB (1 TiB)"]
             if ring > NVME_RING_MAX_MB else [])
-
-
-@_cross("zero.offload_optimizer", "checkpoint.async")
-def _nvme_sync_checkpoints(cfg: Config) -> list[str]:
-    return (["checkpoint.async = true with zero.offload_optimizer = 'nvme' would copy the "
-             "on-disk optimizer state into memory; use synchronous checkpoints"]
-            if cfg.zero.offload_optimizer == "nvme" and cfg.checkpoint.async_ else [])
 
 
 @_cross("run.tracker")
@@ -715,8 +687,7 @@ def _pure_bf16(cfg: Config) -> list[str]:
 
 
 @_cross("precision.compute", "precision.fp8_recipe", "precision.fp8_emulate", "precision.fp8_block",
-        "run.device", "parallel.strategy", "parallel.tp", "parallel.cp", "parallel.pp", "model.experts",
-        "lora.rank", "train.compile", "activation.offload")
+        "run.device", "parallel.strategy", "parallel.tp", "model.experts", "lora.rank", "train.compile")
 def _fp8_composes(cfg: Config) -> list[str]:
     """precision.compute = 'fp8' swaps the blocks' nn.Linear layers (models/fp8.py): what replaces
     or wraps those layers, or was not verified with them, is refused by name. Whether the device
@@ -740,21 +711,30 @@ def _fp8_composes(cfg: Config) -> list[str]:
         ("parallel.strategy", par.strategy, "the planner does not model fp8 and would choose the "
          "compute dtype itself", par.strategy == "auto"),
         ("parallel.tp", par.tp, "tensor-parallel linears are not converted to fp8", par.tp > 1),
-        ("parallel.cp", par.cp, "not verified with fp8 yet", par.cp > 1),
-        ("parallel.pp", par.pp, "not verified with fp8 yet", par.pp > 1),
         ("model.experts", cfg.model.experts, "the experts' batched matmuls are not fp8 linears",
          cfg.model.experts > 0),
         ("lora.rank", cfg.lora.rank, "LoRA layers wrap the linears fp8 would replace", cfg.lora.rank > 0),
-        ("train.compile", cfg.train.compile, "not verified with the fp8 emulation yet (torchao's "
-         "float8 on FP8 hardware compiles)", cfg.train.compile and p.fp8_emulate),
-        ("activation.offload", cfg.activation.offload, "not verified with fp8 yet",
-         cfg.activation.offload != "none"),
+        ("train.compile", cfg.train.compile, "the fp8 emulation does not compile into the block's "
+         "graph yet (torchao's float8 on FP8 hardware compiles)", cfg.train.compile and p.fp8_emulate),
     ) if on]
     if blocking:
         problems.append(f"precision.compute = 'fp8' does not compose yet with: {'; '.join(blocking)}. "
-                        f"It works with data parallelism, ZeRO stages 0-3 and "
-                        f"activation checkpointing; change those keys or use precision.compute = 'bf16'")
+                        f"It works with data, context and pipeline parallelism, ZeRO stages 0-3, "
+                        f"offload, activation checkpointing and activation offload; change those "
+                        f"keys or use precision.compute = 'bf16'")
     return problems
+
+
+def refusing_rules(cfg: Config) -> dict[str, list[str]]:
+    """The checks across fields that object to `cfg`, by the rule's function name (e.g.
+    '_fp8_composes') -> its error lines: which rule refuses a combination (bench/compose.py's
+    composition matrix, tests/test_compose.py). Assumes each field passed its own checks."""
+    found: dict[str, list[str]] = {}
+    for _, check in _CROSS:
+        problems = check(cfg)
+        if problems:
+            found[check.__name__] = problems
+    return found
 
 
 def validation_errors(cfg: Config, sections: dict[str, type]) -> list[str]:

@@ -83,6 +83,9 @@ class StateSlice:
     """Elements [start, end) of the tensor flattened row-major."""
     tensor: torch.Tensor
     """This rank's live 1-D view of those elements (end - start of them)."""
+    snapshot: Callable[[], torch.Tensor] | None = None
+    """For state that lives in a file (the nvme tier): a copy of `tensor` the next steps do not
+    change, made on the same disk, so an asynchronous save does not copy it into memory."""
 
 
 def param_state(name: str, shape: tuple[int, ...], start: int, end: int, master: torch.Tensor,
@@ -248,7 +251,8 @@ class CheckpointWriter:
         self.wait()
         # Asynchronous: a snapshot on the CPU, since training goes on changing the originals —
         # into buffers kept from the last save (fresh memory is slow to fault in, and a save
-        # would otherwise allocate the rank's whole state each time). Synchronous: written
+        # would otherwise allocate the rank's whole state each time); state kept in files
+        # (StateSlice.snapshot) is copied on its disk instead. Synchronous: written
         # straight from the live tensors, no copy.
         # A rank usually holds one slice per tensor, keyed by the tensor's name; a tensor-parallel
         # piece can make several runs of one tensor (placement.Split.runs): keyed name#start.
@@ -259,7 +263,8 @@ class CheckpointWriter:
         if not writes:
             tensors = {}
         elif self.asynchronous:
-            tensors = {k: self._snapshot_buffer(k, s.tensor).copy_(s.tensor) for k, s in keyed.items()}
+            tensors = {k: s.snapshot() if s.snapshot is not None
+                       else self._snapshot_buffer(k, s.tensor).copy_(s.tensor) for k, s in keyed.items()}
         else:
             tensors = {k: s.tensor.detach().to("cpu") for k, s in keyed.items()}
         entries = {k: {"name": s.name, "shape": list(s.shape), "start": s.start, "end": s.end,

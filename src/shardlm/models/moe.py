@@ -239,8 +239,9 @@ class MoE(nn.Module):
         chosen, gates, probs, logits = self.router(local)
         routing = route(chosen, gates, self.n_experts, self.capacity(n))
         out = self.dispatcher(local[routing.token], routing, self.experts)  # (M, C)
-        combined = torch.zeros_like(local).index_add(0, routing.token,
-                                                     out * routing.gate.unsqueeze(-1).to(out.dtype))
+        # out is in the autocast dtype (fp16 / bf16), the residual stream `local` may be fp32
+        combined = torch.zeros_like(local).index_add(
+            0, routing.token, (out * routing.gate.unsqueeze(-1).to(out.dtype)).to(local.dtype))
         # Switch's loss with f and P over every token of the micro-batch (a tensor-parallel
         # group's shares summed: the same loss as one process); the z-loss of this rank's tokens
         # over the micro-batch's (the group's shares add up to it).

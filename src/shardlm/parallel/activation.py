@@ -13,12 +13,14 @@ the module tree, parameter names and state_dict keys exactly as they were.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
+import torch.utils.checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from shardlm.allocator import host_tensor
@@ -50,9 +52,10 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_save_matmuls_policy)
 
 
-def apply_ac(model: nn.Module, mode: str) -> nn.Module:
+def apply_ac(model: nn.Module, mode: str, compiled: bool = False) -> nn.Module:
     """Checkpoint every layer in place ("none" | "full" | "selective"): the blocks of our
-    models, the children of the largest nn.ModuleList of any other.
+    models, the children of the largest nn.ModuleList of any other. `compiled`: the blocks'
+    forwards will be compiled (parallel/compile.py).
 
     Returns the same model object; with "none" nothing is touched.
     """
@@ -63,6 +66,14 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
     kwargs = {"context_fn": _selective_context} if mode == "selective" else {}
     blocks = [m for _, m in unit_modules(model)]  # our blocks, or any model's repeated layers
     for block in blocks:
+        if mode == "selective" and compiled:
+            # The policy picks aten ops; a compiled block runs fused kernels, so the hooks'
+            # dispatch mode would see none of them. Inside the forward that is compiled, the
+            # compiler traces the checkpoint and its policy instead (torch's selective
+            # checkpointing under torch.compile) and keeps what the policy keeps.
+            block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
+                                              use_reentrant=False, **kwargs)
+            continue
         checkpoint(block, use_reentrant=False, **kwargs)
     logger.info("activation checkpointing: %s on %d blocks%s", mode, len(blocks),
                 " (saving matmul and attention outputs)" if mode == "selective" else "")

@@ -32,6 +32,7 @@ from torch import nn
 from shardlm.comm.collectives import Comm, CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog
 from shardlm.config import Config
+from shardlm.data.sft import IGNORE
 from shardlm.mesh import Mesh
 from shardlm.parallel.activation import apply_ac, apply_offload
 from shardlm.parallel.compile import apply_compile
@@ -80,15 +81,24 @@ class Parallelized:
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy in fp32 (a bf16/fp16 softmax over 50k classes loses the small
         probabilities); vocabulary-parallel when the head is. Under context parallelism, the
-        mean over this rank's tokens (the targets cut as the forward cut the inputs). Targets
-        of -100 (data.format chat / prompt_completion) are ignored: the mean is over the others
-        (F.cross_entropy's ignore_index; validation refuses those formats with tp or cp > 1)."""
+        sum over this rank's tokens divided by the whole sequence's count over cp (the targets
+        cut as the forward cut the inputs): the trainer divides by cp once more, so the cp
+        ranks' summed gradient is the whole sequence's mean's, as in one process. Targets of
+        -100 (data.format chat / prompt_completion) are ignored: the mean is over the others
+        (F.cross_entropy's ignore_index), however unevenly the cp ranks' shares hold them."""
+        count = None
         if self.cp is not None:
+            # every cp rank holds the whole targets: their count needs no communication. Text:
+            # count = T / cp exactly, this rank's own count, so the loss is its tokens' mean.
+            count = (targets != IGNORE).sum() / (self.cp.size if self.cp.sharded else 1)
             targets = self.cp.local(targets)
         head = getattr(self.model, "head", None)
         if isinstance(head, VocabParallelHead):  # a transformers model's head stays whole
-            return vocab_parallel_cross_entropy(logits, targets, head)
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            return vocab_parallel_cross_entropy(logits, targets, head, count)
+        logits = logits.float().flatten(0, 1)
+        if count is None:
+            return torch.nn.functional.cross_entropy(logits, targets.flatten())
+        return torch.nn.functional.cross_entropy(logits, targets.flatten(), reduction="sum") / count
 
     def token_sums(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Evaluation: [summed cross-entropy, correct argmax, targets] over this rank's targets
@@ -168,7 +178,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
         kept = {name for name, _ in model.named_parameters()}
         for name in [n for n in experts if n not in kept]:  # other stages' experts (one dict: model.ep's)
             del experts[name]
-    apply_ac(model, cfg.activation.checkpoint)
+    apply_ac(model, cfg.activation.checkpoint, compiled=cfg.train.compile)
     # Before the engine: its ZeRO-3 gather hooks then run inside the offload hooks' scope, so the
     # gathered parameters are recognised (and never copied) at pack time.
     apply_offload(model, cfg.activation.offload, cfg.activation.offload_blocks)

@@ -10,6 +10,8 @@ and free of a unit's flat parameters (zero/params.py: a collective and a storage
 Dynamo would not trace) and activation checkpointing's hooks (parallel/activation.py). The
 compiled forward sees ordinary parameters; whether their storage was just refilled is invisible
 to it. (`nn.Module.compile()` compiles `_call_impl`, hooks included, so it is not used.)
+Selective checkpointing is the exception: its policy picks aten ops, so apply_ac puts the
+checkpoint inside the forward compiled here, and the compiler keeps what the policy keeps.
 
 Our blocks are compiled with fullgraph=True: a graph break inside a block is an error at the
 first step, never a silent split into smaller graphs (tests/test_compile.py holds the count at

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.comm.collectives import Comm
+from shardlm.data.sft import IGNORE
 from shardlm.parallel.collective_ops import all_reduce, gather_seq, op_group, reduce_scatter_seq
 from shardlm.errors import ConfigError
 from shardlm.models.flops import head_dim
@@ -353,10 +354,12 @@ class SyncedEmbedding(nn.Module):
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean over tokens of -log softmax(logits)[target], logits split over the vocabulary:
     three all-reduces of one number per token (the max, the sum of exponentials, the target's
-    logit), never the logits themselves."""
+    logit), never the logits themselves. Targets of -100 (the SFT formats' prompt tokens) are
+    ignored, as F.cross_entropy's ignore_index: the mean is over the others, which alone get a
+    gradient. Every tp rank holds every target, so the count needs no communication."""
 
     @staticmethod
-    def forward(ctx, logits, targets, lo, hi, comm):
+    def forward(ctx, logits, targets, lo, hi, comm, count):
         import torch.distributed as dist
 
         ctx.dtype = logits.dtype
@@ -367,29 +370,35 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shifted = logits - top.unsqueeze(-1)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        outside = (targets < lo) | (targets >= hi)
+        outside = (targets < lo) | (targets >= hi)  # -100 too: on no rank
         local_target = (targets - lo).masked_fill(outside, 0)
         picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         both = torch.stack([sum_exp, picked])
         comm.all_reduce(both).wait()
         sum_exp, picked = both[0], both[1]
-        ctx.save_for_backward(exp, sum_exp, local_target, outside)
-        return (sum_exp.log() - picked).mean()
+        kept = targets != IGNORE
+        if count is None:
+            count = kept.sum()  # no kept target: nan, as F.cross_entropy gives
+        ctx.save_for_backward(exp, sum_exp, local_target, outside, kept, count)
+        return torch.where(kept, sum_exp.log() - picked, 0.0).sum() / count
 
     @staticmethod
     def backward(ctx, grad):
-        exp, sum_exp, local_target, outside = ctx.saved_tensors
+        exp, sum_exp, local_target, outside, kept, count = ctx.saved_tensors
         softmax = exp / sum_exp.unsqueeze(-1)
         rows = torch.arange(softmax.shape[0], device=softmax.device)
         softmax[rows, local_target] -= (~outside).to(softmax.dtype)
-        return (softmax * (grad / softmax.shape[0])).to(ctx.dtype), None, None, None, None
+        softmax *= kept.unsqueeze(-1).to(softmax.dtype)  # an ignored target's row: no gradient
+        return (softmax * (grad / count)).to(ctx.dtype), None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, head: VocabParallelHead) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, head: VocabParallelHead,
+                                 count: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of (B, T, V_local) logits against (B, T) targets; equals
-    F.cross_entropy of the gathered logits (tests/test_tensor_parallel.py)."""
+    F.cross_entropy of the gathered logits (tests/test_tensor_parallel.py). `count`: what the
+    summed loss of the kept targets is divided by (default: how many there are)."""
     return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), head.lo, head.hi,
-                                            head.tp.comm)
+                                            head.tp.comm, count)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -125,15 +125,17 @@ class Plan:
     def apply(self, cfg: Config) -> Config:
         """A new Config: `cfg` with this plan's keys set (typed values, no parsing), strategy
         'manual', validated. The plan's layout replaces the config's whole: tp, cp, pp, sequence
-        parallelism, the pipeline keys and activation offload are set even at 1 / 'none'
-        (overrides() leaves them out there, as command-line flags)."""
+        parallelism, the pipeline keys, activation offload and the ZeRO offload tiers are set
+        even at 1 / 'none' (overrides() leaves them out there, as command-line flags): a stage
+        the plan lowers to 0 never meets an optimizer offload it cannot hold."""
         new = copy.deepcopy(cfg)
         s, lay = self.strategy, self.strategy.layout
         whole = {"parallel.tp": lay.tp, "parallel.cp": lay.cp, "parallel.pp": lay.pp, "parallel.ep": lay.ep,
                  "parallel.sequence_parallel": s.sequence_parallel and lay.tp > 1,
                  "parallel.pp_schedule": s.pp_schedule, "parallel.pp_virtual": s.pp_virtual,
                  "parallel.pp_layers": s.pp_layers, "activation.offload": s.activation_offload,
-                 "activation.offload_blocks": s.activation_offload_blocks}
+                 "activation.offload_blocks": s.activation_offload_blocks,
+                 "zero.offload_optimizer": s.offload_optimizer, "zero.offload_params": s.offload_params}
         for key, value in {**self.overrides(), **whole, "parallel.strategy": "manual"}.items():
             section, _, name = key.partition(".")
             setattr(getattr(new, section), name, value)

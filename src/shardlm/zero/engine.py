@@ -398,9 +398,10 @@ class ZeroEngine:
         """The tier updates the masters and this rank's parameter shard from the gradient
         shard; stages 1-2 then gather everyone's updated shards (every rank keeps whole
         parameters there)."""
-        self.param_store.materialize_all()
+        # A frozen unit (LoRA's base) does not step: its offloaded shard stays where it is.
+        self.param_store.materialize_all(frozen=False)
         self.tier.step([unit.grad_shard()[local] for unit, local in self.segments])
-        self.param_store.store_all()
+        self.param_store.store_all(frozen=False)
         self._gather_params()
 
     def _gather_params(self) -> None:

@@ -5,6 +5,9 @@ Kept apart from zero/engine.py, which owns the buffers these slices view."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 
 from shardlm.checkpoint.sharded import StateSlice, param_state
@@ -17,7 +20,7 @@ def engine_state_slices(engine, saving: bool = False) -> list[StateSlice]:
     `saving`: leave out what another tensor-parallel rank writes (replicated parameters are
     written by tp rank 0 only)."""
     names = {id(p): n for n, p in engine.model.named_parameters()}
-    out = []
+    out: list[StateSlice] = []
     for i, (unit, local) in enumerate(engine.segments):
         master, exp_avg, exp_avg_sq = engine.tier.segment_state(i)
         states = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
@@ -32,6 +35,10 @@ def engine_state_slices(engine, saving: bool = False) -> list[StateSlice]:
             # whole on every rank: the first shard rank writes it
             out += _unit_slices(engine, unit, 0, unit.layout.total, unit.flat_param, {}, names, saving,
                                 whole=True)
+    snapshot = engine.tier.snapshot() if saving else None
+    if snapshot is not None:  # state in files: an asynchronous save copies it on its disk
+        out = [dataclasses.replace(s, snapshot=functools.partial(snapshot.view_of, s.tensor))
+               if snapshot.holds(s.tensor) else s for s in out]
     return out
 
 

@@ -67,6 +67,11 @@ class OptimizerTier(Protocol):
     def refresh_targets(self) -> None:
         """After a checkpoint load wrote the masters: the targets from them."""
 
+    def snapshot(self) -> Any:
+        """None for state in memory; for state in files, a DiskSnapshot (tiers/nvme.py) whose
+        `view_of(tensor)` gives a segment_state tensor's values as they are now, from a copy
+        on the same disk (an asynchronous checkpoint writes from it)."""
+
     def held_bytes(self) -> dict[str, int]:
         """Optimizer-state bytes by where they live ('device', 'cpu' or 'nvme')."""
 
@@ -83,11 +88,12 @@ class ParamStore(Protocol):
     def release(self, unit) -> None:
         """The gather that needed the shard is complete."""
 
-    def materialize_all(self) -> None:
-        """Every shard in memory (the optimizer step writes them)."""
+    def materialize_all(self, frozen: bool = True) -> None:
+        """Every shard in memory (the optimizer step writes them; a load writes frozen units'
+        too). `frozen` False: the trainable units' only (a step leaves frozen ones as they are)."""
 
-    def store_all(self) -> None:
-        """The step is done: shards back to their tier."""
+    def store_all(self, frozen: bool = True) -> None:
+        """The step (or load) is done: shards back to their tier (`frozen`: as materialize_all)."""
 
     def held_bytes(self) -> dict[str, int]:
         """Parameter-shard bytes by where they live ('cpu' or 'nvme'; none when resident)."""

@@ -100,6 +100,9 @@ class InMemoryTier:
         state = self.optimizer.state[self.masters[i]]
         return self.masters[i].detach(), state["exp_avg"], state["exp_avg_sq"]
 
+    def snapshot(self) -> None:
+        return None  # in memory: an asynchronous save copies it (checkpoint/sharded.py)
+
     def refresh_targets(self) -> None:
         """After a checkpoint load wrote the masters: the targets from them."""
         for master, target, alias in zip(self.masters, self.targets, self.aliased):
@@ -128,10 +131,10 @@ class ResidentParams:
     def release(self, unit) -> None:
         """The gather that needed the shard is complete."""
 
-    def materialize_all(self) -> None:
+    def materialize_all(self, frozen: bool = True) -> None:
         """Every shard in memory (the optimizer step writes them)."""
 
-    def store_all(self) -> None:
+    def store_all(self, frozen: bool = True) -> None:
         """The step is done: shards back to their tier."""
 
     def held_bytes(self) -> dict[str, int]:
@@ -170,14 +173,16 @@ class HostParams(ResidentParams):
         if self.moves:
             unit.shard_param.untyped_storage().resize_(0)
 
-    def materialize_all(self) -> None:
+    def materialize_all(self, frozen: bool = True) -> None:
         for unit in self.units if self.moves else ():
-            self._read(unit)
+            if frozen or not unit.frozen:
+                self._read(unit)
 
-    def store_all(self) -> None:
+    def store_all(self, frozen: bool = True) -> None:
         for unit in self.units if self.moves else ():
-            self.host[id(unit)].copy_(unit.shard_param)
-            unit.shard_param.untyped_storage().resize_(0)
+            if frozen or not unit.frozen:
+                self.host[id(unit)].copy_(unit.shard_param)
+                unit.shard_param.untyped_storage().resize_(0)
 
     def held_bytes(self) -> dict[str, int]:
         return {"cpu": sum(t.numel() * t.element_size() for t in self.host.values())}

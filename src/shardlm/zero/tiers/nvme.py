@@ -227,6 +227,7 @@ class NvmeTier:
         self.size = 0  # elements per file, with alignment padding
         self.n_buffers = max(3, buffers)
         self.slots: list[_Slot] = []
+        self._mapped: dict[str, torch.Tensor] | None = None
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="nvme-read")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-write")
         self.stats = TierStats()
@@ -327,13 +328,23 @@ class NvmeTier:
         stats.step_s = time.perf_counter() - start
         self.stats = stats
 
+    def mapped(self) -> dict[str, torch.Tensor]:
+        """Each whole file as one file-backed tensor (shared mappings: a checkpoint reads them
+        through the page cache, a load writes through it; the step's direct I/O sees both).
+        Mapped once, so every segment_state view shares its file's storage (DiskSnapshot finds
+        a view's file by it)."""
+        if self._mapped is None:
+            self._mapped = {k: torch.from_file(str(f.path), shared=True, size=self.size, dtype=self.master_dtype)
+                            for k, f in self.files.items()}
+        return self._mapped
+
     def segment_state(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The segment's state as file-backed tensors (shared mappings: a checkpoint reads them
-        through the page cache, a load writes through it; the step's direct I/O sees both)."""
-        seg = self.segments[i]
-        return tuple(torch.from_file(str(self.files[k].path), shared=True, size=self.size,
-                                     dtype=self.master_dtype)[seg.offset:seg.offset + seg.numel]
-                     for k in ("master", "exp_avg", "exp_avg_sq"))
+        """The segment's state as file-backed tensors (views of `mapped`)."""
+        seg, maps = self.segments[i], self.mapped()
+        return tuple(maps[k][seg.offset:seg.offset + seg.numel] for k in ("master", "exp_avg", "exp_avg_sq"))
+
+    def snapshot(self) -> "DiskSnapshot":
+        return DiskSnapshot(self)
 
     def refresh_targets(self) -> None:
         for i, seg in enumerate(self.segments):
@@ -341,6 +352,49 @@ class NvmeTier:
 
     def held_bytes(self) -> dict[str, int]:
         return {"nvme": 3 * self.size * self.itemsize}
+
+
+class DiskSnapshot:
+    """The tier's files as they are at the first `view_of`, copied beside them on the same disk
+    (snapshot-*.bin, replacing the last save's): an asynchronous checkpoint writes from the
+    copy while the next steps change the originals, so this rank's optimizer state never needs
+    room in memory. The training thread pays one file copy (the checkpoint writer calls
+    view_of before it returns; the previous save has finished by then), the disk twice the
+    files' room (cli.py's preflight counts it)."""
+
+    def __init__(self, tier: NvmeTier):
+        self.tier = tier
+        self.copies: dict[str, torch.Tensor] | None = None
+
+    def _copy(self) -> dict[str, torch.Tensor]:
+        copies = {}
+        for key, f in self.tier.files.items():
+            target = self.tier.directory / f"snapshot-{key}.bin"
+            partial = target.with_suffix(".part")
+            try:
+                shutil.copyfile(f.path, partial)  # the kernel's copy (sendfile): not through us
+                os.replace(partial, target)  # a mapping of the last snapshot keeps its own file
+            except OSError as e:
+                raise disk_error("nvme offload: snapshotting the optimizer state for an "
+                                 "asynchronous checkpoint in", self.tier.directory, e) from None
+            copies[key] = torch.from_file(str(target), shared=False, size=self.tier.size,
+                                          dtype=self.tier.master_dtype)
+        return copies
+
+    def view_of(self, live: torch.Tensor) -> torch.Tensor:
+        """`live` (a 1-D view of one of the tier's mapped files) as it is in the snapshot."""
+        if self.copies is None:
+            self.copies = self._copy()
+        for key, whole in self.tier.mapped().items():
+            if live.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():
+                assert live.dim() == 1 and live.stride() == (1,), "a 1-D slice of a tier file"
+                start = live.storage_offset()
+                return self.copies[key][start:start + live.numel()]
+        raise AssertionError("not a view of this tier's files")
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(ptr == whole.untyped_storage().data_ptr() for whole in self.tier.mapped().values())
 
 
 def _close_files(private: PrivateDir, files: list[_File], *pools: ThreadPoolExecutor) -> None:
@@ -432,14 +486,16 @@ class FileParams(ResidentParams):
     def release(self, unit) -> None:
         self._free(unit)
 
-    def materialize_all(self) -> None:
+    def materialize_all(self, frozen: bool = True) -> None:
         for unit in self.units:
-            self._read(unit)
+            if frozen or not unit.frozen:
+                self._read(unit)
 
-    def store_all(self) -> None:
+    def store_all(self, frozen: bool = True) -> None:
         for unit in self.units:
-            self._write(unit)
-            self._free(unit)
+            if frozen or not unit.frozen:
+                self._write(unit)
+                self._free(unit)
 
     def held_bytes(self) -> dict[str, int]:
         return {"nvme": self.total}

@@ -1,0 +1,495 @@
+"""The composition matrix: every pair of 23 everyday features, validated (no processes) and,
+with --run, trained for a few steps on a tiny model against one process.
+
+Each feature is a row of FEATURES: the config keys that turn it on. A pair is the base config
+plus both features' keys (`parallel.zero_stage` takes the larger of the two: a feature that
+needs stage >= 1 composes with one that needs stage 3). Validation (`Config.validate()`, before
+any process) sorts every pair into accepted or refused, and names the refusing rule
+(`config_rules.refusing_rules`: the function in shardlm/config_rules.py).
+
+--run trains each accepted pair for STEPS steps on the ranks its layout needs (tp, cp, pp and
+hybrid's dp_replicate x dp_shard multiply; a pair with none of them, or one that needs data
+parallelism (ZeRO, ep, offload, async checkpoints), runs 2 data-parallel ranks; 8 at most:
+hybrid with a model axis) with shardlm.spawn.run_ranks (gloo), and compares it with the
+reference: the same config in one process with every execution choice taken out (layout, ZeRO,
+offload, recomputation, activation offload, compile, planner, async checkpoints) and the
+data-parallel ranks' micro-batches as gradient accumulation — the same global batch, seed and
+data. What changes the arithmetic stays in the reference: MoE, fp16, fp8, LoRA, QLoRA, chat SFT,
+document masks. Compared: every step's loss and gradient norm (rank 0's), relative tolerance by
+the pair's precision (TOLERANCE: fp32 1e-4 — sums in another order over 4 Adam steps; fp16 and
+fp8 (emulated) 2e-2 and 5e-2). An async checkpoint is saved after step 2 and the run goes on
+while it writes: read back, it must equal that step's state exactly, on every rank.
+
+Reproduce:  PYTHONPATH=src python bench/compose.py                     (validation only, seconds)
+            PYTHONPATH=src nice python bench/compose.py --run --batch  (every accepted pair)
+            PYTHONPATH=src python bench/compose.py --run --pairs tp+lora,cp+fp16
+            PYTHONPATH=src python bench/compose.py --run --rotate 10 --seed 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import platform
+import random
+import re
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from shardlm.config import load_config
+from shardlm.config_rules import refusing_rules
+from shardlm.errors import ConfigError
+
+STEPS = 4
+SAVE_AFTER = 2  # async checkpoints: saved after this many steps, written while training goes on
+TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "fp8": 5e-2}
+"""Relative tolerance on each step's loss and gradient norm, by the pair's compute precision."""
+MAX_RANKS = 8
+BATCH = 12
+"""Pairs of one world size trained in one spawn (--batch): imports and process start-up once."""
+
+CHATS = [
+    {"messages": [{"role": "system", "content": "You are terse."},
+                  {"role": "user", "content": "What is two plus two?"},
+                  {"role": "assistant", "content": "Four."}]},
+    {"messages": [{"role": "user", "content": "Name a colour."},
+                  {"role": "assistant", "content": "Blue."},
+                  {"role": "user", "content": "Another one?"},
+                  {"role": "assistant", "content": "Green, then red."}]},
+    {"messages": [{"role": "user", "content": "Count to three."},
+                  {"role": "assistant", "content": "One, two, three."}]},
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    name: str
+    keys: dict[str, Any]
+    """The config overrides that turn the feature on ('{work}' is the pair's scratch folder)."""
+    needs_dp: bool = False
+    """Means something only over data-parallel ranks (ZeRO shards, ep groups, offloaded shards)."""
+    soft: tuple[str, ...] = ()
+    """Keys whose value yields to the other feature's (chat SFT's document_mask = 'off', so the
+    two features are separate, becomes 'on' with doc_mask)."""
+
+
+FEATURES = [
+    Feature("zero3", {"parallel.zero_stage": 3}, needs_dp=True),
+    Feature("hybrid", {"parallel.zero_stage": 3, "parallel.dp_replicate": 2, "parallel.dp_shard": 2}),
+    Feature("tp", {"parallel.tp": 2}),
+    Feature("tp_sp", {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+    Feature("cp", {"parallel.cp": 2}),
+    Feature("pp", {"parallel.pp": 2}),
+    Feature("moe", {"model.experts": 4, "model.top_k": 2}),
+    Feature("ep", {"model.experts": 4, "model.top_k": 2, "parallel.ep": 2}, needs_dp=True),
+    Feature("fp16", {"precision.compute": "fp16"}),
+    Feature("fp8", {"precision.compute": "fp8", "precision.fp8_emulate": True}),
+    Feature("compile", {"train.compile": True}),
+    Feature("recompute_full", {"activation.checkpoint": "full"}),
+    Feature("recompute_selective", {"activation.checkpoint": "selective"}),
+    Feature("act_offload", {"activation.offload": "cpu"}),
+    Feature("offload_cpu", {"parallel.zero_stage": 1, "zero.offload_optimizer": "cpu"}, needs_dp=True),
+    Feature("offload_nvme", {"parallel.zero_stage": 1, "zero.offload_optimizer": "nvme",
+                             "zero.nvme_path": "{work}/nvme"}, needs_dp=True),
+    # 'nvme': on a CPU-only machine the 'cpu' parameter tier is the device's memory and moves nothing
+    Feature("param_offload", {"parallel.zero_stage": 3, "zero.offload_params": "nvme",
+                              "zero.nvme_path": "{work}/nvme"}, needs_dp=True),
+    Feature("lora", {"lora.rank": 4}),
+    Feature("qlora", {"lora.rank": 4, "lora.quantize": "nf4"}),
+    Feature("chat_sft", {"data.format": "chat", "data.source": "{work}/chat.jsonl", "data.max_bytes": 0,
+                         "data.val_fraction": 0.2, "data.document_mask": "off"},
+            soft=("data.document_mask",)),
+    Feature("doc_mask", {"data.document_mask": "on"}),
+    Feature("auto", {"parallel.strategy": "auto"}),
+    Feature("async_ckpt", {"checkpoint.async": True}, needs_dp=True),
+]
+BY_NAME = {f.name: f for f in FEATURES}
+
+BASE = {"model.preset": "llama-tiny", "precision.compute": "fp32", "run.device": "cpu",
+        "train.seq_len": 32, "train.micro_batch": 2, "train.grad_accum": 2, "train.steps": STEPS,
+        "train.warmup_steps": 1, "train.eval_every": 0, "train.eval_batches": 1,
+        "train.sample_tokens": 0, "data.max_bytes": 300_000, "run.progress": "off",
+        "checkpoint.resume": "never"}
+EXECUTION = ("parallel.", "activation.", "zero.", "train.compile", "checkpoint.async")
+"""Keys that choose how a model trains, not what it computes: the reference leaves them out."""
+LARGEST = ("parallel.zero_stage",)
+"""Keys two features may both set: the pair takes the larger value."""
+
+
+class Exclusive(ValueError):
+    """Two features set one key to different values (full or selective recomputation, fp16 or
+    fp8): one choice, not a pair to compose."""
+
+
+def pair_overrides(a: Feature, b: Feature, work: str | Path = "{work}") -> dict[str, Any]:
+    """The base config with both features on; Exclusive if they set one key differently."""
+    keys, soft, first = dict(BASE), {k for f in (a, b) for k in f.soft}, {}
+    for feature in sorted((a, b), key=lambda f: bool(f.soft), reverse=True):  # soft keys first
+        for key, value in feature.keys.items():
+            value = value.replace("{work}", str(work)) if isinstance(value, str) else value
+            if key in first and first[key] != value:
+                if key in LARGEST:
+                    value = max(keys[key], value)
+                elif key in soft and key in feature.soft:
+                    continue
+                elif key not in soft:
+                    raise Exclusive(f"{a.name} and {b.name} set {key} to different values")
+            keys[key] = first[key] = value
+    return keys
+
+
+def pairs() -> list[tuple[Feature, Feature]]:
+    return list(itertools.combinations(FEATURES, 2))
+
+
+def pair_name(a: Feature, b: Feature) -> str:
+    return f"{a.name}+{b.name}"
+
+
+def validate_pair(a: Feature, b: Feature) -> dict[str, list[str]]:
+    """{} if Config.validate() accepts the pair, else the refusing rules and their messages.
+    Validation reads no files but the nvme and chat paths' syntax: '{work}' stays a placeholder."""
+    cfg = load_config(overrides=pair_overrides(a, b))
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        rules = refusing_rules(cfg)
+        return rules or {"(field check)": [str(e)]}
+    return {}
+
+
+def world_of(overrides: dict[str, Any], features: tuple[Feature, ...]) -> int:
+    """Ranks the pair's layout needs: the model axes times the data-parallel ranks."""
+    model_axes = 1
+    for key in ("parallel.tp", "parallel.cp", "parallel.pp"):
+        model_axes *= int(overrides.get(key, 1))
+    replicate = int(overrides.get("parallel.dp_replicate", 1))
+    shard = int(overrides.get("parallel.dp_shard", -1))
+    if shard > 0:
+        dp = replicate * shard
+    else:
+        dp = 2 * replicate if model_axes == 1 or any(f.needs_dp for f in features) else replicate
+    return model_axes * dp
+
+
+def reference_overrides(overrides: dict[str, Any], world: int) -> dict[str, Any]:
+    """One process: the execution keys out, the data-parallel ranks' micro-batches accumulated."""
+    model_axes = 1
+    for key in ("parallel.tp", "parallel.cp", "parallel.pp"):
+        model_axes *= int(overrides.get(key, 1))
+    ref = {k: v for k, v in overrides.items() if not k.startswith(EXECUTION)}
+    ref["train.grad_accum"] = int(overrides["train.grad_accum"]) * (world // model_axes)
+    ref["parallel.dp_shard"] = 1
+    return ref
+
+
+def precision_of(overrides: dict[str, Any]) -> str:
+    return {"fp16": "fp16", "fp8": "fp8"}.get(overrides["precision.compute"], "fp32")
+
+
+def train_steps(rank: int, world_size: int, overrides: dict, steps: int, save_after: int) -> dict:
+    """A rank's run (or the one-process reference): every step's loss, gradient norm and
+    whether it stepped; with checkpoint.async an asynchronous save after `save_after` steps."""
+    import torch
+
+    from shardlm.trainer import build_run, save_checkpoint, train_step
+
+    torch.manual_seed(0)
+    run = build_run(load_config(overrides=overrides).validate())
+    out: dict[str, Any] = {"losses": [], "norms": [], "stepped": [], "saved_exactly": None}
+    saved: list = []
+    for step in range(steps):
+        result = train_step(run, step)
+        out["losses"].append(float(result.loss))
+        out["norms"].append(float(result.grad_norm))
+        out["stepped"].append(bool(result.stepped))
+        if run.cfg.checkpoint.async_ and step + 1 == save_after:
+            saved = [dataclasses.replace(s, tensor=s.tensor.clone()) for s in run.strategy.state_slices()]
+            save_checkpoint(run, step + 1)  # written in the background while the next steps run
+    run.checkpoints.wait()
+    if saved:  # the checkpoint holds the state of its step, not of the steps run while it wrote
+        from shardlm.checkpoint.sharded import load_slices, step_dir_name
+
+        # filled with what the state is not (NaN, or an integer's bits inverted: QLoRA's base)
+        read = [dataclasses.replace(s, tensor=torch.full_like(s.tensor, float("nan")) if s.tensor.is_floating_point()
+                                    else s.tensor.bitwise_not()) for s in saved]
+        load_slices(run.checkpoints.root / step_dir_name(save_after), read, run.runtime)
+        out["saved_exactly"] = all(torch.equal(a.tensor, b.tensor) for a, b in zip(saved, read))
+    return out
+
+
+def compare(got: dict, ref: dict, tol: float) -> str:
+    """'' when every step's loss and gradient norm agree within `tol` relative, else why not."""
+    for what in ("losses", "norms"):
+        for step, (g, r) in enumerate(zip(got[what], ref[what])):
+            if not abs(g - r) <= tol * max(abs(r), 1e-12):
+                label = {"losses": "loss", "norms": "gradient norm"}[what]
+                return f"step {step + 1} {label} {g:.6g} vs one process {r:.6g} (tol {tol:g})"
+    if got["stepped"] != ref["stepped"]:
+        return f"stepped {got['stepped']} vs one process {ref['stepped']}"
+    return ""
+
+
+def write_chat(work: Path) -> None:
+    (work / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CHATS * 16))
+
+
+@dataclasses.dataclass
+class PairRun:
+    """One accepted pair made ready to run: its config, ranks and one-process reference."""
+    name: str
+    overrides: dict[str, Any]
+    world: int
+    reference: dict[str, Any]
+    key: str
+    """The reference's identity: pairs that differ only in execution share one reference run."""
+
+
+def prepare(a: Feature, b: Feature, root: Path) -> PairRun:
+    work = root / pair_name(a, b)
+    work.mkdir(parents=True, exist_ok=True)
+    write_chat(work)
+    overrides = pair_overrides(a, b, work)
+    overrides["run.dir"] = str(work / "runs")
+    overrides["data.cache_dir"] = str(root / "data-cache")
+    overrides["parallel.collective_timeout_s"] = 120.0  # a rank left waiting fails, not hangs
+    world = world_of(overrides, (a, b))
+    reference = reference_overrides(overrides, world)
+    reference["run.dir"] = str(root / "reference-runs")
+    if overrides.get("parallel.strategy") == "auto":
+        reference.update(_planned_batches(overrides, world))
+    key = json.dumps({k: v for k, v in reference.items() if k != "data.source"}, sort_keys=True) + str(world)
+    return PairRun(pair_name(a, b), overrides, world, reference, key)
+
+
+def _planned_batches(overrides: dict[str, Any], world: int) -> dict[str, int]:
+    """parallel.strategy = 'auto' keeps the global batch but may cut it into other micro-batches
+    (e.g. 4 x 1 for 2 x 2), and a loss that is a mean per micro-batch (MoE's balancing loss, the
+    SFT formats' mean over the kept targets) depends on the cut: the reference takes the plan's,
+    as decided here the way rank 0 decides it (shardlm.resolve.decide, the same probe cache)."""
+    import torch
+
+    from shardlm.resolve import decide
+
+    cfg = decide(load_config(overrides=overrides), world, torch.device("cpu"))
+    par = cfg.parallel
+    return {"train.micro_batch": cfg.train.micro_batch,
+            "train.grad_accum": cfg.train.grad_accum * world // (par.tp * par.cp * par.pp)}
+
+
+def verdict(pair: PairRun, ranks: list[dict], reference: dict) -> tuple[str, str]:
+    if any(r["saved_exactly"] is False for r in ranks):
+        return "mismatch", f"the asynchronous checkpoint of step {SAVE_AFTER} differs from that step's state"
+    why = compare(ranks[0], reference, TOLERANCE[precision_of(pair.overrides)])
+    return ("mismatch", why) if why else ("matched", f"{pair.world} ranks")
+
+
+def run_pair(a: Feature, b: Feature, root: Path, references: dict) -> tuple[str, str]:
+    """('matched' | 'mismatch' | 'failed', detail) for one accepted pair, in processes of its own."""
+    from shardlm.spawn import run_ranks
+
+    pair = prepare(a, b, root)
+    if pair.world > MAX_RANKS:
+        return "failed", f"needs {pair.world} ranks (> {MAX_RANKS})"
+    try:
+        if pair.key not in references:
+            references[pair.key] = _reference(pair.reference, pair.world, root)
+        ranks = run_ranks(train_steps, pair.world, root / pair.name, pair.overrides, STEPS, SAVE_AFTER,
+                          timeout=900)
+    except Exception as e:  # the matrix records it and goes on
+        return "failed", _last_line(e)
+    return verdict(pair, ranks, references[pair.key])
+
+
+def train_many(rank: int, world_size: int, cases: list[tuple[str, dict]], steps: int,
+               save_after: int) -> dict[str, Any]:
+    """Several pairs in one set of processes (torch and shardlm imported once), one after the
+    other; at the first failure the rest are left (a rank may have been left mid-collective:
+    the caller runs them in fresh processes)."""
+    out: dict[str, Any] = {}
+    for name, overrides in cases:
+        try:
+            out[name] = train_steps(rank, world_size, overrides, steps, save_after)
+        except Exception:
+            out[name] = traceback.format_exc()
+            break
+    return out
+
+
+def run_batch(chosen: list[tuple[Feature, Feature]], root: Path, references: dict,
+              report) -> None:
+    """Every pair of `chosen`, pairs of one world size together in one spawn (chunks of
+    BATCH); `report(a, b, outcome)` for each. A pair that failed in a batch, and those after
+    it, run again alone (run_pair): a failure is recorded only from a pair's own processes."""
+    from shardlm.spawn import run_ranks
+
+    pairs = {pair_name(a, b): (a, b, prepare(a, b, root)) for a, b in chosen}
+    by_world: dict[int, list[PairRun]] = {}
+    for a, b, pair in pairs.values():
+        if pair.world > MAX_RANKS:
+            report(a, b, ("failed", f"needs {pair.world} ranks (> {MAX_RANKS})"))
+        else:
+            by_world.setdefault(pair.world, []).append(pair)
+    for world, group in sorted(by_world.items()):
+        for start in range(0, len(group), BATCH):
+            chunk = group[start:start + BATCH]
+            todo = {p.key: p.reference for p in chunk if p.key not in references}
+            results: list[dict] = []
+            try:
+                if todo:
+                    made = run_ranks(_reference_many, 1, root, list(todo.items()), world, timeout=3600)[0]
+                    references.update({k: v for k, v in made.items() if isinstance(v, dict)})
+                results = run_ranks(train_many, world, root, [(p.name, p.overrides) for p in chunk],
+                                    STEPS, SAVE_AFTER, timeout=3600)
+            except Exception as e:  # a rank died: what it finished is lost, run the chunk alone
+                print(f"batch of {len(chunk)} on {world} ranks: {_last_line(e)}", file=sys.stderr)
+            for pair in chunk:
+                a, b, _ = pairs[pair.name]
+                ranks = [r.get(pair.name) for r in results]
+                if ranks and all(isinstance(r, dict) for r in ranks) and pair.key in references:
+                    report(a, b, verdict(pair, ranks, references[pair.key]))
+                else:
+                    report(a, b, run_pair(a, b, root, references))
+
+
+def _reference_many(rank: int, world_size: int, cases: list[tuple[str, dict]], world: int) -> dict:
+    import torch
+
+    from shardlm.launch import cpu_cores
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # init_runtime sets threads from it
+    torch.set_num_threads(max(1, cpu_cores() // world))
+    return train_many(rank, world_size, cases, STEPS, SAVE_AFTER)
+
+
+def _reference(overrides: dict, world: int, root: Path) -> dict:
+    """The one-process run, spawned alone (its own threads: one rank's share of the cores, as
+    each of the `world` ranks has, so CPU kernels split their reductions the same way)."""
+    from shardlm.spawn import run_ranks
+
+    overrides = {**overrides, "run.dir": str(root / "reference-runs")}
+    return run_ranks(_reference_rank, 1, root, overrides, world, timeout=900)[0]
+
+
+def _reference_rank(rank: int, world_size: int, overrides: dict, world: int) -> dict:
+    import torch
+
+    from shardlm.launch import cpu_cores
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # init_runtime sets threads from it
+    torch.set_num_threads(max(1, cpu_cores() // world))
+    return train_steps(rank, world_size, overrides, STEPS, SAVE_AFTER)
+
+
+def _last_line(e: Exception) -> str:
+    """The exception line of a rank's traceback (`module.SomeError: what`), else the last line."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    raised = [ln for ln in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Unsupported|Failure)\b", ln)]
+    return (raised[-1] if raised else lines[-1] if lines else type(e).__name__)[:300]
+
+
+def choose(names: str, rotate: int, seed: int) -> list[tuple[Feature, Feature]]:
+    everything = pairs()
+    if names:
+        chosen = []
+        for text in names.split(","):
+            a, plus, b = text.strip().partition("+")
+            if not plus or a not in BY_NAME or b not in BY_NAME:
+                raise SystemExit(f"--pairs: {text!r} is not a+b of features {', '.join(BY_NAME)}")
+            chosen.append((BY_NAME[a], BY_NAME[b]))
+        return chosen
+    if rotate:
+        return sorted(random.Random(seed).sample(everything, min(rotate, len(everything))),
+                      key=everything.index)
+    return everything
+
+
+def markdown(results: dict[tuple[str, str], tuple[str, str]], ran: bool) -> str:
+    """The upper triangle: A = accepted (and, with --run, M = matched one process, X = mismatch,
+    F = failed at run time), R<n> = refused by the n-th rule listed below the table."""
+    rules = sorted({d for s, d in results.values() if s == "refused"})
+    code = {"accepted": "A", "matched": "M", "mismatch": "X", "failed": "F"}
+    head = "| | " + " | ".join(f.name for f in FEATURES) + " |"
+    lines = [head, "|" + "---|" * (len(FEATURES) + 1)]
+    for i, a in enumerate(FEATURES):
+        cells = []
+        for j, b in enumerate(FEATURES):
+            status, detail = results.get((a.name, b.name), results.get((b.name, a.name), ("", "")))
+            if j <= i or not status:
+                cells.append("")
+            elif status == "exclusive":
+                cells.append("—")
+            elif status == "refused":
+                cells.append(f"R{rules.index(detail) + 1}")
+            else:
+                cells.append(code[status])
+        lines.append(f"| {a.name} | " + " | ".join(cells) + " |")
+    counts = {s: sum(1 for v in results.values() if v[0] == s) for s in ("accepted", "matched", "mismatch", "failed", "refused", "exclusive")}
+    lines += ["", "Refusing rules: " + "; ".join(f"R{i + 1} {r}" for i, r in enumerate(rules)), "",
+              f"{len(results)} pairs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)]
+    problems = [f"- {a}+{b}: {s}: {d}" for (a, b), (s, d) in results.items() if s in ("mismatch", "failed")]
+    return "\n".join(lines + ([""] + problems if problems else []))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", action="store_true", help="train each accepted pair against one process")
+    parser.add_argument("--pairs", default="", help="only these pairs, e.g. tp+lora,cp+fp16")
+    parser.add_argument("--rotate", type=int, default=0, help="a fixed random subset of this many pairs")
+    parser.add_argument("--seed", type=int, default=0, help="which subset --rotate picks")
+    parser.add_argument("--json", default="", help="also write the results to this file")
+    parser.add_argument("--batch", action="store_true",
+                        help=f"run the pairs of one world size together, {BATCH} per spawn (faster; a "
+                             f"pair that fails there runs again alone)")
+    parser.add_argument("--results", default="",
+                        help="comma-separated --json files of earlier --run's: their outcomes for the "
+                             "pairs validation accepts now, instead of running them (later files win)")
+    args = parser.parse_args()
+    chosen = choose(args.pairs, args.rotate, args.seed)
+    results: dict[tuple[str, str], tuple[str, str]] = {}
+    for a, b in chosen:
+        try:
+            rules = validate_pair(a, b)
+        except Exclusive as e:
+            results[(a.name, b.name)] = ("exclusive", str(e))
+            continue
+        results[(a.name, b.name)] = ("refused", " ".join(sorted(rules))) if rules else ("accepted", "")
+    accepted = {pair for pair, (status, _) in results.items() if status == "accepted"}
+    for path in filter(None, args.results.split(",")):
+        for name, (status, detail) in json.loads(Path(path).read_text()).items():
+            pair = tuple(name.split("+"))
+            if pair in accepted and status in ("matched", "mismatch", "failed"):
+                results[pair] = (status, detail)
+    if args.run:
+        root = Path(tempfile.mkdtemp(prefix="shardlm-compose-"))
+        os.environ.setdefault("SHARDLM_CACHE", str(root / "cache"))
+        references: dict = {}
+        started = time.perf_counter()
+
+        def report(a: Feature, b: Feature, outcome: tuple[str, str]) -> None:
+            results[(a.name, b.name)] = outcome
+            print(f"{pair_name(a, b)}: {outcome} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"+".join(k): v for k, v in results.items()}, indent=1))
+
+        todo = [(a, b) for a, b in chosen if results[(a.name, b.name)][0] == "accepted"]
+        if args.batch:
+            run_batch(todo, root, references, report)
+        for a, b in todo if not args.batch else ():
+            report(a, b, run_pair(a, b, root, references))
+    print(f"Composition matrix, {time.strftime('%Y-%m-%d')}, {platform.machine()} "
+          f"{os.cpu_count()} CPUs; command: python bench/compose.py {' '.join(sys.argv[1:])}\n")
+    print(markdown(results, args.run))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"+".join(k): v for k, v in results.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
