@@ -1,0 +1,177 @@
+"""Pipeline schedules as data (shardlm/pipeline_tables.py): every named schedule's table is
+valid and its simulated bubble sits next to its published formula; a user's table is checked
+before the run with an error naming the rank and slot that breaks a rule; and ZB-V, DualPipeV
+and a table from a CSV train on real gloo ranks as one process does (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_overrides
+from parity import assert_matches
+from shardlm.errors import ConfigError
+from shardlm.pipeline_tables import (NAMED, Op, Table, bubble_formula, build_table, check_table, read_table,
+                                     table_for)
+from shardlm.spawn import run_ranks
+from pp_cases import cases_then_sample
+from zero_cases import reference_case
+
+STEPS, MICRO = 3, 4
+
+
+def _grid():
+    for name in NAMED:
+        v = 2 if name in ("interleaved", "zbv", "dualpipev") else 1
+        for p in (2, 3, 4, 8):
+            for m in (1, 2, 3, 4, 6, 8, 16):
+                if (name == "interleaved" and m % p) or (name == "dualpipev" and m < 2 * p):
+                    continue
+                yield name, p, v, m
+
+
+def test_every_named_table_runs_and_meets_its_formula():
+    """Each table passes the checker (each op once, F before B before W, neighbours' messages
+    in order, no deadlock). GPipe, 1F1B and interleaved simulate to exactly their formulas; zb's
+    formula is its table's; ZB-V and DualPipeV leave exactly the P-1 unit warm-up per rank
+    (for M >= 2P-1), (P-1)/(6M+P-1): within DualPipeV's published bound (its F&B not
+    overlapped here) and tending to ZB-V's published 0 as M grows. Memory: ZB-V holds at most
+    2P chunk-micro-batches (1F1B's P stages' worth), DualPipeV 2P + 1 (the README's PP + 1)."""
+    for name, p, v, m in _grid():
+        timeline = check_table(table_for(name, p, v, m), p, p * v, m)
+        formula = bubble_formula(name, p, v, m)
+        if name in ("gpipe", "1f1b", "interleaved", "zb"):
+            assert timeline.idle == pytest.approx(formula), (name, p, m)
+        elif m >= 2 * p - 1:
+            assert timeline.idle == pytest.approx((p - 1) / (6 * m + p - 1)), (name, p, m)
+            assert formula == 0 if name == "zbv" else timeline.idle <= formula, (name, p, m)
+        if name == "zbv":
+            assert max(timeline.peak_in_flight) <= 2 * p, (p, m)
+        if name == "dualpipev":
+            assert max(timeline.peak_in_flight) <= 2 * p + 1, (p, m)
+    assert build_table("zbv", 2, 2, 4).placement == "v" and build_table("interleaved", 2, 2, 4).placement == "loop"
+
+
+def test_a_table_round_trips_through_csv(tmp_path):
+    table = build_table("dualpipev", 3, 2, 6)
+    path = tmp_path / "dualpipev.csv"
+    path.write_text(table.to_csv())
+    read = read_table(path)
+    assert read.rows == table.rows and (read.stages, read.micro, read.placement) == (6, 6, "v")
+    assert table_for(f"file:{path}", 3, 2, 6).rows == table.rows
+
+
+def _rows(text: str) -> Table:
+    """A table from 'rank 0 ops | rank 1 ops', ops space-separated ('.' an idle slot)."""
+    rows = tuple(tuple(None if c == "." else Op(c[1], int(c[0]), int(c[2])) for c in row.split())
+                 for row in text.split("|"))
+    ops = [op for row in rows for op in row if op]
+    return Table("t", rows, max(o.stage for o in ops) + 1, max(o.micro for o in ops) + 1)
+
+
+GOOD = "0F0 0F1 0B0 0B1 | 1F0 1B0 1F1 1B1"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("0F0 0F1 0B0 | 1F0 1B0 1F1 1B1", r"stage 0 micro-batch 1 has \['F'\]; it needs F and B \(or F, I and W\) on rank 0"),
+    ("0F0 0F1 0B0 0B1 0B1 | 1F0 1B0 1F1 1B1", r"rank 0 slot 4 repeats 0B1 \(already at rank 0 slot 3\)"),
+    ("0F0 0B0 0F1 0B1 | 1F0 1W0 1I0 1F1 1B1", r"rank 1 runs 1F0 then 1I0 then 1W0 out of order"),
+    ("0F0 0F1 0B0 0B1 | 1F1 1B1 1F0 1B0", r"rank 1 slot 0 \(1F1\) receives stage 0's activations of micro-batch 1 "
+                                          r"from rank 0, but rank 0 sends stage 0's of micro-batch 0 first"),
+    ("0F0 0B0 0F1 0B1 | 1F1 1F0 1B0 1B1", r"rank 1 slot 0 \(1F1\) receives"),
+    ("0B0 0F0 0F1 0B1 | 1F0 1B0 1F1 1B1", r"rank 0 runs 0F0 then 0B0 out of order"),
+    ("0F0 0F1 1B0 0B1 | 1F0 0B0 1F1 1B1", r"stage 1 runs on rank 0 \(slot 2\) and on rank 1 \(slot 0, 1F0\)"),
+    ("0F0 3F0 3B0 0B0 | 1F0 2F0 1B0 2B0", r"rank 1 slot 2 \(1B0\) needs stage 2's gradient of micro-batch 0, "
+                                          r"which this rank computes later \(slot 3\)"),
+    ("0F0 3F0 3B0 0B0 | 2F0 1F0 1B0 2B0", r"rank 1 slot 0 \(2F0\) needs stage 1's activations of micro-batch 0, "
+                                          r"which this rank computes later \(slot 1\)"),
+])
+def test_broken_tables_name_the_rank_and_slot(text, message):
+    check_table(_rows(GOOD))
+    with pytest.raises(ConfigError, match=message):
+        check_table(_rows(text))
+
+
+def test_deadlock_names_every_stuck_rank():
+    # rank 0 waits for micro-batch 0's gradient before sending micro-batch 1's activations;
+    # rank 1 waits for those before running micro-batch 0's backward
+    with pytest.raises(ConfigError, match=r"deadlocks: rank 0 slot 1 \(0B0\), rank 1 slot 1 \(1F1\)"):
+        check_table(_rows("0F0 0B0 0F1 0B1 | 1F0 1F1 1B0 1B1"))
+
+
+def test_config_checks_the_table_before_any_process(tmp_path):
+    from shardlm.config import load_config
+
+    base = {**tiny_overrides(tmp_path, train__grad_accum=2), "model.n_layers": 4, "parallel.pp": 2}
+    with pytest.raises(ConfigError, match="set parallel.pp_virtual = 2"):
+        load_config(overrides={**base, "parallel.pp_schedule": "zbv"}).validate()
+    with pytest.raises(ConfigError, match=r"needs at least 2·pp = 4 micro-batches"):
+        load_config(overrides={**base, "parallel.pp_schedule": "dualpipev", "parallel.pp_virtual": 2}).validate()
+    with pytest.raises(ConfigError, match="cannot read it"):
+        load_config(overrides={**base, "parallel.pp_schedule": f"file:{tmp_path}/none.csv"}).validate()
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0F0,0F1,0B0,0B1\n1F1,1B1,1F0,1B0\n")
+    with pytest.raises(ConfigError, match=r"file:.*rank 1 slot 0 \(1F1\) receives"):
+        load_config(overrides={**base, "parallel.pp_schedule": f"file:{bad}"}).validate()
+    with pytest.raises(ConfigError, match=r"has 2 micro-batches \(train.grad_accum\); the run has 4"):
+        load_config(overrides={**base, "train.grad_accum": 4, "parallel.pp_schedule": f"file:{bad}"}).validate()
+    with pytest.raises(ConfigError, match="must be one of gpipe"):
+        load_config(overrides={**base, "parallel.pp_schedule": "zbh2"}).validate()
+
+
+# fp32, against one process with the same global batch: each micro-batch's forward and backward
+# compute what one process computes; the weight gradients are summed over micro-batches in
+# another order (W after other micro-batches' I, chunk by chunk), and the tied embedding's two
+# shares inside one backward on rank 0 (a V holds both ends): 1e-5 relative (tests/parity.py).
+@pytest.fixture(scope="module")
+def v_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ppv")
+    gpt = {**tiny_overrides(tmp, train__grad_accum=MICRO, train__micro_batch=2), "model.n_layers": 4}
+    llama = {**tiny_overrides(tmp, model__preset="llama-tiny", train__grad_accum=MICRO, train__micro_batch=2),
+             "model.n_layers": 4}
+    table = tmp / "mine.csv"  # a user's table: ZB-V's with rank 1's weight gradients all at the end
+    zbv = build_table("zbv", 2, 2, MICRO)
+    late = [op for op in zbv.rows[1] if op.kind != "W"] + [op for op in zbv.rows[1] if op.kind == "W"]
+    table.write_text(Table("mine", (zbv.rows[0], tuple(late)), 4, MICRO).to_csv())
+    v = {"parallel.pp": 2, "parallel.pp_virtual": 2}
+    cases = [({**gpt, **v, "parallel.pp_schedule": "zbv"}, STEPS, -1),
+             ({**llama, **v, "parallel.pp_schedule": "dualpipev", "parallel.zero_stage": 1}, STEPS, -1),
+             ({**gpt, **v, "parallel.pp_schedule": f"file:{table}"}, STEPS, -1)]
+    out = run_ranks(cases_then_sample, 2, tmp, cases, (cases[0][0], 2))
+    ref_gpt = reference_case(gpt, 1, STEPS)
+    return out, [ref_gpt, reference_case(llama, 1, STEPS), ref_gpt], gpt
+
+
+@pytest.mark.parametrize("case, what", [(0, "pp=2 ZB-V gpt (tied head, both ends on rank 0)"),
+                                        (1, "pp=2 DualPipeV llama, ZeRO-1"),
+                                        (2, "pp=2 a CSV table (ZB-V, rank 1's W last)")])
+def test_v_schedules_match_one_process(v_runs, case, what):
+    out, refs, _ = v_runs
+    ranks = [out[r][case] for r in range(2)]
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # every stage logs the head's loss
+    whole = {**ranks[0]["params"], **ranks[1]["params"]}
+    assert_matches(ranks[0]["losses"], whole, refs[case], what)
+    assert not set(ranks[0]["params"]) & set(ranks[1]["params"])  # each parameter on one rank
+
+
+def test_generation_through_the_v_equals_one_process(v_runs, tmp_path):
+    """Sampling through ZB-V's stages (rank 0, 1, then the V's turn on rank 1, back to rank 0,
+    which samples) gives the one-process sample, token for token (fp32, the same seeded sampler)."""
+    from pp_cases import sample_case
+
+    out, _, gpt = v_runs
+    assert out[0][-1] == out[1][-1] == sample_case(0, 1, gpt, 2)
+
+
+def test_zbv_checkpoint_loads_in_one_process(tmp_path):
+    """ZB-V pp=2 saves at step n; one process resumes it and continues the same losses."""
+    from ckpt_cases import checkpoint_of, train_ranks, train_run
+
+    n = 2
+    base = {**tiny_overrides(tmp_path, train__grad_accum=MICRO, train__micro_batch=2, train__steps=2 * n),
+            "model.n_layers": 4}
+    v = {"parallel.pp": 2, "parallel.pp_virtual": 2, "parallel.pp_schedule": "zbv"}
+    saved = run_ranks(train_ranks, 2, tmp_path, {**base, **v, "checkpoint.every": n, "run.name": "zbv"})[0]
+    one = train_run({**base, "run.name": "one", "checkpoint.resume": checkpoint_of(saved["run_dir"], n)})
+    assert one["start"] == n
+    torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(saved["losses"][n:]), rtol=1e-5, atol=0)
