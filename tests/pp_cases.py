@@ -14,9 +14,22 @@ def sample_case(rank: int, world_size: int, overrides: dict, steps: int) -> str:
     return sample_text(run, "def ", 20)
 
 
-def cases_then_sample(rank: int, world_size: int, cases: list, sample: tuple[dict, int]) -> list:
-    """zero_cases.train_cases's results of `cases`, then sample_case's text of `sample`
-    (overrides, steps): one spawn for both."""
-    from zero_cases import train_cases
+def train_and_sample(overrides: dict, steps: int) -> dict:
+    """Train `steps` steps: the losses and full fp32 parameters (as zero_cases.train_case), then
+    sample 20 tokens from the same run (every rank takes part)."""
+    run = build_run(load_config(overrides=overrides).validate())
+    losses = [train_step(run, step).loss for step in range(steps)]
+    with run.strategy.full_parameters():
+        params = {n: p.detach().float().cpu().clone() for n, p in run.model.named_parameters()}
+    return {"losses": losses, "params": params, "sample": sample_text(run, "def ", 20)}
 
-    return [*train_cases(rank, world_size, cases), sample_case(rank, world_size, *sample)]
+
+def cases_and_save(rank: int, world_size: int, cases: list[tuple[dict, int]], save: dict) -> list:
+    """In one spawn: train_and_sample of each case, then ckpt_cases.train_run of `save` (a run
+    writing checkpoints)."""
+    import torch
+
+    from ckpt_cases import train_run
+
+    torch.manual_seed(0)
+    return [*(train_and_sample(overrides, steps) for overrides, steps in cases), train_run(save)]

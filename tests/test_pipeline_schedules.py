@@ -14,8 +14,7 @@ from shardlm.errors import ConfigError
 from shardlm.pipeline_tables import (NAMED, Op, Table, bubble_formula, build_table, check_table, read_table,
                                      table_for)
 from shardlm.spawn import run_ranks
-from pp_cases import cases_then_sample
-from zero_cases import reference_case
+from pp_cases import cases_and_save, train_and_sample
 
 STEPS, MICRO = 3, 4
 
@@ -125,6 +124,9 @@ def test_config_checks_the_table_before_any_process(tmp_path):
 # shares inside one backward on rank 0 (a V holds both ends): 1e-5 relative (tests/parity.py).
 @pytest.fixture(scope="module")
 def v_runs(tmp_path_factory):
+    """Each case on 2 ranks (one spawn, which also writes ZB-V's checkpoints) and in one process."""
+    import os
+
     tmp = tmp_path_factory.mktemp("ppv")
     gpt = {**tiny_overrides(tmp, train__grad_accum=MICRO, train__micro_batch=2), "model.n_layers": 4}
     llama = {**tiny_overrides(tmp, model__preset="llama-tiny", train__grad_accum=MICRO, train__micro_batch=2),
@@ -134,12 +136,18 @@ def v_runs(tmp_path_factory):
     late = [op for op in zbv.rows[1] if op.kind != "W"] + [op for op in zbv.rows[1] if op.kind == "W"]
     table.write_text(Table("mine", (zbv.rows[0], tuple(late)), 4, MICRO).to_csv())
     v = {"parallel.pp": 2, "parallel.pp_virtual": 2}
-    cases = [({**gpt, **v, "parallel.pp_schedule": "zbv"}, STEPS, -1),
-             ({**llama, **v, "parallel.pp_schedule": "dualpipev", "parallel.zero_stage": 1}, STEPS, -1),
-             ({**gpt, **v, "parallel.pp_schedule": f"file:{table}"}, STEPS, -1)]
-    out = run_ranks(cases_then_sample, 2, tmp, cases, (cases[0][0], 2))
-    ref_gpt = reference_case(gpt, 1, STEPS)
-    return out, [ref_gpt, reference_case(llama, 1, STEPS), ref_gpt], gpt
+    cases = [({**gpt, **v, "parallel.pp_schedule": "zbv"}, STEPS),
+             ({**llama, **v, "parallel.pp_schedule": "dualpipev", "parallel.zero_stage": 1}, STEPS),
+             ({**gpt, **v, "parallel.pp_schedule": f"file:{table}"}, STEPS)]
+    save = {**cases[0][0], "train.steps": 2, "checkpoint.every": 1, "run.name": "zbv-saved"}
+    out = run_ranks(cases_and_save, 2, tmp, cases, save)
+    saved = os.environ.get("LOCAL_WORLD_SIZE")  # one rank's threads, as zero_cases.reference_case
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    try:
+        refs = [train_and_sample(gpt, STEPS), train_and_sample(llama, STEPS)]
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE") if saved is None else os.environ.__setitem__("LOCAL_WORLD_SIZE", saved)
+    return out, [refs[0], refs[1], refs[0]], gpt
 
 
 @pytest.mark.parametrize("case, what", [(0, "pp=2 ZB-V gpt (tied head, both ends on rank 0)"),
@@ -154,24 +162,23 @@ def test_v_schedules_match_one_process(v_runs, case, what):
     assert not set(ranks[0]["params"]) & set(ranks[1]["params"])  # each parameter on one rank
 
 
-def test_generation_through_the_v_equals_one_process(v_runs, tmp_path):
-    """Sampling through ZB-V's stages (rank 0, 1, then the V's turn on rank 1, back to rank 0,
-    which samples) gives the one-process sample, token for token (fp32, the same seeded sampler)."""
-    from pp_cases import sample_case
+def test_generation_through_the_v_equals_one_process(v_runs):
+    """Sampling after training through the V's stages (rank 0, 1, the turn on rank 1, back to
+    rank 0, which samples) gives the one-process sample, token for token (fp32, the same seeded
+    sampler), for ZB-V and DualPipeV."""
+    out, refs, _ = v_runs
+    for case in (0, 1):
+        assert out[0][case]["sample"] == out[1][case]["sample"] == refs[case]["sample"]
+
+
+def test_zbv_checkpoint_loads_in_one_process(v_runs):
+    """ZB-V pp=2 saved after step 1 (each rank its stages: 0 and 3, 1 and 2); one process
+    resumes it and its step 2 has ZB-V's step-2 loss."""
+    from ckpt_cases import checkpoint_of, train_run
 
     out, _, gpt = v_runs
-    assert out[0][-1] == out[1][-1] == sample_case(0, 1, gpt, 2)
-
-
-def test_zbv_checkpoint_loads_in_one_process(tmp_path):
-    """ZB-V pp=2 saves at step n; one process resumes it and continues the same losses."""
-    from ckpt_cases import checkpoint_of, train_ranks, train_run
-
-    n = 2
-    base = {**tiny_overrides(tmp_path, train__grad_accum=MICRO, train__micro_batch=2, train__steps=2 * n),
-            "model.n_layers": 4}
-    v = {"parallel.pp": 2, "parallel.pp_virtual": 2, "parallel.pp_schedule": "zbv"}
-    saved = run_ranks(train_ranks, 2, tmp_path, {**base, **v, "checkpoint.every": n, "run.name": "zbv"})[0]
-    one = train_run({**base, "run.name": "one", "checkpoint.resume": checkpoint_of(saved["run_dir"], n)})
-    assert one["start"] == n
-    torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(saved["losses"][n:]), rtol=1e-5, atol=0)
+    saved = out[0][3]
+    one = train_run({**gpt, "train.steps": 2, "run.name": "one",
+                     "checkpoint.resume": checkpoint_of(saved["run_dir"], 1)})
+    assert one["start"] == 1 and len(saved["losses"]) == 2
+    torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(saved["losses"][1:]), rtol=1e-5, atol=0)
