@@ -72,7 +72,8 @@ GOOD = "0F0 0F1 0B0 0B1 | 1F0 1B0 1F1 1B1"
 
 
 @pytest.mark.parametrize("text, message", [
-    ("0F0 0F1 0B0 | 1F0 1B0 1F1 1B1", r"stage 0 micro-batch 1 has \['F'\]; it needs F and B \(or F, I and W\) on rank 0"),
+    ("0F0 0F1 0B0 | 1F0 1B0 1F1 1B1",
+     r"stage 0 micro-batch 1 has \['F'\]; it needs F and B \(or F, I and W\) on rank 0"),
     ("0F0 0F1 0B0 0B1 0B1 | 1F0 1B0 1F1 1B1", r"rank 0 slot 4 repeats 0B1 \(already at rank 0 slot 3\)"),
     ("0F0 0B0 0F1 0B1 | 1F0 1W0 1I0 1F1 1B1", r"rank 1 runs 1F0 then 1I0 then 1W0 out of order"),
     ("0F0 0F1 0B0 0B1 | 1F1 1B1 1F0 1B0", r"rank 1 slot 0 \(1F1\) receives stage 0's activations of micro-batch 1 "
@@ -182,3 +183,18 @@ def test_zbv_checkpoint_loads_in_one_process(v_runs):
                      "checkpoint.resume": checkpoint_of(saved["run_dir"], 1)})
     assert one["start"] == 1 and len(saved["losses"]) == 2
     torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(saved["losses"][1:]), rtol=1e-5, atol=0)
+
+
+def test_planner_bubble_and_memory_of_the_v_schedules():
+    """The planner's bubble for ZB-V and DualPipeV is their simulated table's (what the runtime
+    executes), and its activations in flight are the table's peak chunks over two chunks a rank:
+    ZB-V P micro-batches of a rank's blocks (1F1B's first stage), DualPipeV P + 1/2."""
+    from shardlm.dims import ParallelDims
+    from shardlm.planner.workload import Strategy, pp_bubble, pp_in_flight
+
+    for p, m in [(2, 4), (4, 8), (4, 16)]:
+        for name in ("zbv", "dualpipev"):
+            s = Strategy(ParallelDims(1, 1, pp=p), 1, 1, m, pp_schedule=name, pp_virtual=2)
+            assert pp_bubble(s) == pytest.approx((p - 1) / (6 * m + p - 1))
+            assert [pp_in_flight(s, r) for r in range(p)] == [p + (name == "dualpipev") / 2] * p
+
