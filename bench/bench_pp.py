@@ -286,7 +286,7 @@ def torch_rank(rank: int, world: int, overrides: dict, spec: tuple, warmup: int,
                     dp_rank=0, dp_size=1)  # the same micro-batches as shardlm's pipeline
     n_stages = pp * virtual
     v_shaped = schedule_name in V_SHAPED  # rank r holds stages r and 2pp-1-r (both libraries)
-    split = pipeline_split(cfg.model, t.seq_len, n_stages, cfg.parallel.pp_layers, 1 if v_shaped else virtual)
+    split = pipeline_split(cfg.model, t.seq_len, n_stages, cfg.parallel.pp_layers, virtual, "v" if v_shaped else "loop")
     bounds = [sum(split[:g]) for g in range(n_stages + 1)]
     model = build_model(cfg.model, "cpu", seed=t.seed)  # whole, on every rank
     ids = [rank, n_stages - 1 - rank] if v_shaped else list(range(rank, n_stages, pp))  # else s on rank s mod pp
@@ -505,11 +505,11 @@ def main() -> None:
         par = load_config(overrides=overrides_for(args, k, "")).validate().parallel
         if par.pp > 1:
             n = par.pp * par.pp_virtual
-            virtual = 1 if par.pp_schedule in V_SHAPED else par.pp_virtual  # a V: each stage balanced
-            splits.setdefault((n, par.pp_layers, virtual), pipeline_split(cfg.model, args.seq, n, par.pp_layers,
-                                                                          virtual))
-    for (n, explicit, virtual), split in sorted(splits.items()):
-        print(f"split over {n} stages{' (V)' if virtual == 1 and n > 2 else ''} ({'parallel.pp_layers' if explicit else 'models.flops.pipeline_split'}): "
+            where = "v" if par.pp_schedule in V_SHAPED else "loop"
+            splits.setdefault((n, par.pp_layers, where), pipeline_split(cfg.model, args.seq, n, par.pp_layers,
+                                                                        par.pp_virtual, where))
+    for (n, explicit, where), split in sorted(splits.items()):
+        print(f"split over {n} stages{' in a V' if where == 'v' else ''} ({'parallel.pp_layers' if explicit else 'models.flops.pipeline_split'}): "
               f"{split} blocks", flush=True)
     preds = {k: predictions(load_config(overrides=overrides_for(args, k, "")).validate(), CASES[k][1])
              for k in keys if CASES[k][2] == "shardlm"}

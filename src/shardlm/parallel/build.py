@@ -160,9 +160,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     if mesh.dims.pp > 1:
         par = cfg.parallel
         placement = table_for(par.pp_schedule, mesh.dims.pp, par.pp_virtual, cfg.train.grad_accum).placement
-        # a V balances each global stage (its rank holds the first and the last: even totals)
         split = pipeline_split(cfg.model, cfg.train.seq_len, mesh.dims.pp * par.pp_virtual, par.pp_layers,
-                               par.pp_virtual if placement == "loop" else 1)
+                               par.pp_virtual, placement)
         stage = apply_pp(model, Comm(mesh.pp_group, "pp", ledger, watchdog), split, mesh.pp_ends_group,
                          par.pp_virtual, placement)
         kept = {name for name, _ in model.named_parameters()}
