@@ -437,75 +437,87 @@ def simulate(table: Table, cost: dict[str, float] = COST) -> Timeline:
     the gradient from stage g+1; from another rank through a first-in first-out channel per
     (sender, receiver, direction), as the executor's point-to-point messages go. A receive
     whose channel holds another message first, or no rank able to move, is a ScheduleError."""
-    p, last, where = table.ranks, table.stages - 1, table.placement
-    ops = [[(slot, op) for slot, op in enumerate(row) if op is not None] for row in table.rows]
-    channels: dict[tuple[int, int, str], collections.deque] = collections.defaultdict(collections.deque)
-    done: dict[tuple[str, int, int], float] = {}
-    clock, busy, held, peak, nxt = [0.0] * p, [0.0] * p, [0] * p, [0] * p, [0] * p
+    sim = _Simulation(table)
+    moved = True
+    while moved:
+        moved = False
+        for rank in range(table.ranks):
+            while sim.next[rank] < len(sim.ops[rank]):
+                slot, op = sim.ops[rank][sim.next[rank]]
+                at = sim.ready(rank, slot, op)
+                if at is None:
+                    break
+                sim.run(rank, op, at, cost[op.kind])
+                moved = True
+    stuck = [f"rank {r} slot {sim.ops[r][sim.next[r]][0]} ({sim.ops[r][sim.next[r]][1]})"
+             for r in range(table.ranks) if sim.next[r] < len(sim.ops[r])]
+    if stuck:
+        raise ScheduleError(f"pipeline schedule {table.name!r} deadlocks: {', '.join(stuck)} each wait for a "
+                            f"neighbour's message that the neighbour sends only after its own wait")
+    return Timeline(max(sim.clock), sim.busy, sim.peak)
 
-    def ready(rank: int, slot: int, op: Op) -> float | None:
-        """When op's input is there (None: not yet)."""
+
+class _Simulation:
+    """simulate's state: each rank's operations, next index and clock; the messages in flight."""
+
+    def __init__(self, table: Table):
+        p = table.ranks
+        self.table, self.last, self.where = table, table.stages - 1, table.placement
+        self.ops = [[(slot, op) for slot, op in enumerate(row) if op is not None] for row in table.rows]
+        self.channels: dict[tuple[int, int, str], collections.deque] = collections.defaultdict(collections.deque)
+        self.done: dict[tuple[str, int, int], float] = {}
+        self.clock, self.busy, self.held, self.peak, self.next = [0.0] * p, [0.0] * p, [0] * p, [0] * p, [0] * p
+
+    def ready(self, rank: int, slot: int, op: Op) -> float | None:
+        """When op's input is there (None: not yet); takes its message off the channel."""
+        name = self.table.name
         if op.kind == "W":
-            return done[("I", op.stage, op.micro)]
+            return self.done[("I", op.stage, op.micro)]
         if op.kind == "F":
             if op.stage == 0:
                 return 0.0
             source, want, what = op.stage - 1, ("F",), "activations"
         else:
-            if op.stage == last:
-                return done[("F", op.stage, op.micro)]
+            if op.stage == self.last:
+                return self.done[("F", op.stage, op.micro)]
             source, want, what = op.stage + 1, ("B", "I"), "gradient"
-        frm = stage_rank(where, p, source)
+        frm = stage_rank(self.where, self.table.ranks, source)
         if frm == rank:  # the V's turn: the neighbour stage is on this rank
             for kind in want:
-                if (kind, source, op.micro) in done:
-                    return done[(kind, source, op.micro)]
-            later = [s for s, o in ops[rank] if o.stage == source and o.micro == op.micro and o.kind in want]
-            raise ScheduleError(f"pipeline schedule {table.name!r}: rank {rank} slot {slot} ({op}) needs stage "
+                if (kind, source, op.micro) in self.done:
+                    return self.done[(kind, source, op.micro)]
+            later = [s for s, o in self.ops[rank] if o.stage == source and o.micro == op.micro and o.kind in want]
+            raise ScheduleError(f"pipeline schedule {name!r}: rank {rank} slot {slot} ({op}) needs stage "
                                 f"{source}'s {what} of micro-batch {op.micro}, which this rank computes later "
                                 f"(slot {later[0] if later else '?'}): swap them")
-        queue = channels[(frm, rank, what)]
+        queue = self.channels[(frm, rank, what)]
         if not queue:
             return None
         stage, micro, at = queue[0]
         if (stage, micro) != (source, op.micro):
-            raise ScheduleError(f"pipeline schedule {table.name!r}: rank {rank} slot {slot} ({op}) receives "
+            raise ScheduleError(f"pipeline schedule {name!r}: rank {rank} slot {slot} ({op}) receives "
                                 f"stage {source}'s {what} of micro-batch {op.micro} from rank {frm}, but rank "
                                 f"{frm} sends stage {stage}'s of micro-batch {micro} first: messages between "
                                 f"two ranks arrive in the order they were sent")
         queue.popleft()
         return at
 
-    moved = True
-    while moved:
-        moved = False
-        for rank in range(p):
-            while nxt[rank] < len(ops[rank]):
-                slot, op = ops[rank][nxt[rank]]
-                at = ready(rank, slot, op)
-                if at is None:
-                    break
-                start = max(clock[rank], at)
-                clock[rank] = end = start + cost[op.kind]
-                busy[rank] += cost[op.kind]
-                done[(op.kind, op.stage, op.micro)] = end
-                held[rank] += {"F": 1, "B": -1, "I": -1}.get(op.kind, 0)
-                peak[rank] = max(peak[rank], held[rank])
-                if op.kind == "F" and op.stage < last:
-                    to = stage_rank(where, p, op.stage + 1)
-                    if to != rank:
-                        channels[(rank, to, "activations")].append((op.stage, op.micro, end))
-                elif op.kind in "BI" and op.stage > 0:
-                    to = stage_rank(where, p, op.stage - 1)
-                    if to != rank:
-                        channels[(rank, to, "gradient")].append((op.stage, op.micro, end))
-                nxt[rank] += 1
-                moved = True
-    stuck = [f"rank {r} slot {ops[r][nxt[r]][0]} ({ops[r][nxt[r]][1]})" for r in range(p) if nxt[r] < len(ops[r])]
-    if stuck:
-        raise ScheduleError(f"pipeline schedule {table.name!r} deadlocks: {', '.join(stuck)} each wait for a "
-                            f"neighbour's message that the neighbour sends only after its own wait")
-    return Timeline(max(clock), busy, peak)
+    def run(self, rank: int, op: Op, at: float, cost: float) -> None:
+        """Run op on `rank` from max(its clock, `at`); send what it produces to another rank."""
+        end = self.clock[rank] = max(self.clock[rank], at) + cost
+        self.busy[rank] += cost
+        self.done[(op.kind, op.stage, op.micro)] = end
+        self.held[rank] += {"F": 1, "B": -1, "I": -1}.get(op.kind, 0)
+        self.peak[rank] = max(self.peak[rank], self.held[rank])
+        self.next[rank] += 1
+        if op.kind == "F" and op.stage < self.last:
+            to, what = stage_rank(self.where, self.table.ranks, op.stage + 1), "activations"
+        elif op.kind in "BI" and op.stage > 0:
+            to, what = stage_rank(self.where, self.table.ranks, op.stage - 1), "gradient"
+        else:
+            return
+        if to != rank:
+            self.channels[(rank, to, what)].append((op.stage, op.micro, end))
 
 
 # ---------------------------------------------------------------------------------------------
