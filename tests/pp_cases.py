@@ -24,12 +24,22 @@ def train_and_sample(overrides: dict, steps: int) -> dict:
     return {"losses": losses, "params": params, "sample": sample_text(run, "def ", 20)}
 
 
-def cases_and_save(rank: int, world_size: int, cases: list[tuple[dict, int]], save: dict) -> list:
+def cases_and_save(rank: int, world_size: int, cases: list[tuple[dict, int]], save: dict | None) -> list:
     """In one spawn: train_and_sample of each case, then ckpt_cases.train_run of `save` (a run
-    writing checkpoints)."""
+    writing checkpoints), if given."""
     import torch
 
-    from ckpt_cases import train_run
-
     torch.manual_seed(0)
-    return [*(train_and_sample(overrides, steps) for overrides, steps in cases), train_run(save)]
+    return [*(train_and_sample(overrides, steps) for overrides, steps in cases),
+            *([train_run(save)] if save else [])]
+
+
+def train_run(overrides: dict) -> dict:
+    """A whole `train` (its checkpoints, its evaluation at the last step): the losses, where it
+    started, the run directory and the last evaluation's loss."""
+    from shardlm.trainer import train
+
+    run = build_run(load_config(overrides=overrides).validate())
+    result = train(run)
+    return {"losses": result.losses, "start": run.start_step, "run_dir": str(run.run_dir),
+            "val_loss": result.val_loss}

@@ -16,7 +16,7 @@ from shardlm.pipeline_tables import (NAMED, Op, Table, bubble_formula, build_tab
 from shardlm.spawn import run_ranks
 from pp_cases import cases_and_save, train_and_sample
 
-STEPS, MICRO = 3, 4
+STEPS, MICRO = 2, 4
 
 
 def _grid():
@@ -174,8 +174,10 @@ def test_generation_through_the_v_equals_one_process(v_runs):
 
 def test_zbv_checkpoint_loads_in_one_process(v_runs):
     """ZB-V pp=2 saved after step 1 (each rank its stages: 0 and 3, 1 and 2); one process
-    resumes it and its step 2 has ZB-V's step-2 loss."""
-    from ckpt_cases import checkpoint_of, train_run
+    resumes it: its step 2 has ZB-V's step-2 loss, and its evaluation after step 2 ZB-V's
+    (evaluated through the V: Schedule.forward_only)."""
+    from ckpt_cases import checkpoint_of
+    from pp_cases import train_run
 
     out, _, gpt = v_runs
     saved = out[0][3]
@@ -183,6 +185,7 @@ def test_zbv_checkpoint_loads_in_one_process(v_runs):
                      "checkpoint.resume": checkpoint_of(saved["run_dir"], 1)})
     assert one["start"] == 1 and len(saved["losses"]) == 2
     torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(saved["losses"][1:]), rtol=1e-5, atol=0)
+    assert out[1][3]["val_loss"] == saved["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
 
 
 def test_planner_bubble_and_memory_of_the_v_schedules():
@@ -198,3 +201,24 @@ def test_planner_bubble_and_memory_of_the_v_schedules():
             assert pp_bubble(s) == pytest.approx((p - 1) / (6 * m + p - 1))
             assert [pp_in_flight(s, r) for r in range(p)] == [p + (name == "dualpipev") / 2] * p
 
+
+
+def test_dualpipev_on_4_ranks_matches_one_process(tmp_path):
+    """pp = 4: 8 stages in a V, so ranks 1 and 2 receive from both neighbours (chunk 0 from the
+    rank before, chunk 1 from the rank after) and rank 3 turns the V; DualPipeV's whole pattern
+    (M = 2P = 8 micro-batches of one sequence). Losses and parameters after 2 steps within 1e-5
+    of one process, and the same sample."""
+    import os
+
+    gpt = {**tiny_overrides(tmp_path, train__grad_accum=8, train__micro_batch=1), "model.n_layers": 8}
+    piped = {**gpt, "parallel.pp": 4, "parallel.pp_virtual": 2, "parallel.pp_schedule": "dualpipev"}
+    out = run_ranks(cases_and_save, 4, tmp_path, [(piped, 2)], None, timeout=600)
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    try:
+        ref = train_and_sample(gpt, 2)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE") if saved is None else os.environ.__setitem__("LOCAL_WORLD_SIZE", saved)
+    whole = {name: value for rank in out for name, value in rank[0]["params"].items()}
+    assert all(rank[0]["losses"] == out[0][0]["losses"] and rank[0]["sample"] == ref["sample"] for rank in out)
+    assert_matches(out[0][0]["losses"], whole, ref, "pp=4 DualPipeV")
