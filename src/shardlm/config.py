@@ -292,7 +292,7 @@ class ParallelConfig:
     split: near-zero bubble at 1F1B's activation memory; pp_virtual = 2) or 'dualpipev'
     (DeepSeek's DualPipeV: the same V, forwards paired with other micro-batches' backwards;
     pp_virtual = 2, grad_accum >= 2·pp); or 'file:PATH': your own table, a CSV of one row per
-    pipeline rank of operations '<stage><F|B|I|W><micro-batch>' (docs/computation.md), checked
+    pipeline rank of operations '<stage><F|B|I|W><micro-batch>' (docs/architecture.md), checked
     by simulating it before the run."""
     pp_virtual: int = 1
     """Model chunks per rank: 'interleaved' >= 2 (grad_accum must divide by pp); 'zbv' and
