@@ -287,8 +287,9 @@ class Schedule:
         return self.table(self.micro).splits_backward
 
     def order(self, micro: int) -> list[tuple[str, int, int]]:
-        """This rank's (kind, chunk, micro-batch) operations, in order (unchecked)."""
-        table = build_table(self.source, self.stage.count, self.virtual, micro)
+        """This rank's (kind, chunk, micro-batch) operations, in order (a named table unchecked)."""
+        table = (self.table(micro) if self.source.startswith("file:")
+                 else build_table(self.source, self.stage.count, self.virtual, micro))
         chunk = {g: c for c, g in enumerate(table.rank_stages(self.stage.index))}
         return [(op.kind, chunk[op.stage], op.micro) for op in table.rows[self.stage.index] if op is not None]
 
