@@ -188,10 +188,11 @@ def test_zbv_checkpoint_loads_in_one_process(v_runs):
     assert out[1][3]["val_loss"] == saved["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
 
 
-def test_planner_bubble_and_memory_of_the_v_schedules():
+def test_planner_bubble_and_memory_of_the_v_schedules(tmp_path):
     """The planner's bubble for ZB-V and DualPipeV is their simulated table's (what the runtime
     executes), and its activations in flight are the table's peak chunks over two chunks a rank:
-    ZB-V P micro-batches of a rank's blocks (1F1B's first stage), DualPipeV P + 1/2."""
+    ZB-V P micro-batches of a rank's blocks (1F1B's first stage), DualPipeV P + 1/2. A user's
+    table is planned the same way (1F1B's, written to a CSV: 1F1B's bubble and memory)."""
     from shardlm.dims import ParallelDims
     from shardlm.planner.workload import Strategy, pp_bubble, pp_in_flight
 
@@ -200,6 +201,10 @@ def test_planner_bubble_and_memory_of_the_v_schedules():
             s = Strategy(ParallelDims(1, 1, pp=p), 1, 1, m, pp_schedule=name, pp_virtual=2)
             assert pp_bubble(s) == pytest.approx((p - 1) / (6 * m + p - 1))
             assert [pp_in_flight(s, r) for r in range(p)] == [p + (name == "dualpipev") / 2] * p
+    path = tmp_path / "1f1b.csv"
+    path.write_text(build_table("1f1b", 4, 1, 8).to_csv())
+    s = Strategy(ParallelDims(1, 1, pp=4), 1, 1, 8, pp_schedule=f"file:{path}")
+    assert pp_bubble(s) == pytest.approx(3 / 11) and [pp_in_flight(s, r) for r in range(4)] == [4, 3, 2, 1]
 
 
 

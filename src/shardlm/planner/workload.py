@@ -19,7 +19,7 @@ from shardlm.dims import ParallelDims
 from shardlm.errors import ConfigError
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
-from shardlm.pipeline_tables import V_SHAPED, build_table, check_table
+from shardlm.pipeline_tables import V_SHAPED, check_table, table_for
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OFFLOAD_TIERS = ("none", "cpu", "nvme")
@@ -168,9 +168,11 @@ def _pipeline_errors(w: Workload, s: Strategy) -> list[str]:
     """The pipeline keys' mistakes (as config.py's validation words them for a run)."""
     lay, n = s.layout, w.model.n_layers
     stages = lay.pp * s.pp_virtual
-    if s.pp_schedule not in PP_SCHEDULES:
-        return [f"pp_schedule {s.pp_schedule!r}: choose {', '.join(PP_SCHEDULES)}"]
-    if s.pp_schedule in V_SHAPED:
+    if s.pp_schedule not in PP_SCHEDULES and not s.pp_schedule.startswith("file:"):
+        return [f"pp_schedule {s.pp_schedule!r}: choose {', '.join(PP_SCHEDULES)} or 'file:PATH'"]
+    if s.pp_schedule.startswith("file:"):
+        pass  # a user's table: config validation checked it against pp, pp_virtual and grad_accum
+    elif s.pp_schedule in V_SHAPED:
         if s.pp_virtual != 2 or (s.pp_schedule == "dualpipev" and s.grad_accum < 2 * lay.pp):
             return [f"pp_schedule {s.pp_schedule!r} runs pp_virtual = 2 chunks per rank in a V"
                     + (f" and grad_accum >= 2·pp = {2 * lay.pp}" if s.pp_schedule == "dualpipev" else "")]
@@ -355,8 +357,8 @@ def pp_in_flight(s: Strategy, index: int, split: list[int] | None = None) -> flo
         return 1
     if s.pp_schedule == "gpipe":
         return m
-    if s.pp_schedule in V_SHAPED:  # the table's peak chunk-micro-batches, two equal chunks a rank
-        return min(check_table(build_table(s.pp_schedule, p, 2, m)).peak_in_flight[index] / 2, m)
+    if s.pp_schedule in V_SHAPED or s.pp_schedule.startswith("file:"):  # the table's peak chunks, equal chunks
+        return min(check_table(table_for(s.pp_schedule, p, v, m)).peak_in_flight[index] / v, m)
     if s.pp_schedule == "interleaved":
         split = split or [1] * (p * v)
         return interleaved_peak(split, p, v, index, m) / sum(split[index::p])
@@ -391,8 +393,8 @@ def pp_bubble(s: Strategy) -> float:
     p, m = s.layout.pp, s.grad_accum
     if s.pp_schedule == "zb" and s.layout.tp == 1:
         return 2 * (p - 1) / (3 * m + 2 * (p - 1))
-    if s.pp_schedule in V_SHAPED:  # ZB-V, DualPipeV: their table's simulated idle share (pipeline_tables)
-        return check_table(build_table(s.pp_schedule, p, 2, m)).idle
+    if s.pp_schedule in V_SHAPED or s.pp_schedule.startswith("file:"):  # the table's simulated idle share
+        return check_table(table_for(s.pp_schedule, p, s.pp_virtual, m)).idle
     return (p - 1) / (s.pp_virtual * m + p - 1)
 
 
