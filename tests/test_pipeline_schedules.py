@@ -12,7 +12,7 @@ from conftest import tiny_overrides
 from parity import assert_matches
 from shardlm.errors import ConfigError
 from shardlm.pipeline_tables import (NAMED, Op, Table, bubble_formula, build_table, check_table, read_table,
-                                     table_for)
+                                     table_for, untagged_order_problem)
 from shardlm.spawn import run_ranks
 from pp_cases import cases_and_save, train_and_sample
 
@@ -90,6 +90,19 @@ def test_broken_tables_name_the_rank_and_slot(text, message):
     check_table(_rows(GOOD))
     with pytest.raises(ConfigError, match=message):
         check_table(_rows(text))
+
+
+def test_tables_whose_two_streams_need_tags_are_named():
+    """NCCL ignores tags: a pair's activations and gradients must then go in the order the
+    receiver takes them. The loop schedules keep that; ZB-V and DualPipeV (P >= 3) do not, and
+    parallel/build.py refuses them on CUDA with this message."""
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)):
+        for p in (2, 3, 4):
+            assert untagged_order_problem(build_table(name, p, v, 12)) is None, (name, p)
+    assert untagged_order_problem(build_table("zbv", 2, 2, 4)) == (
+        "rank 0's message 2 to rank 1 is 0F2 but rank 1 takes 3B0 as its message 2 from rank 0 "
+        "(<stage>F<micro-batch>: activations, B: gradients)")
+    assert untagged_order_problem(build_table("dualpipev", 3, 2, 8)) is not None
 
 
 def test_deadlock_names_every_stuck_rank():

@@ -520,6 +520,35 @@ class _Simulation:
             self.channels[(rank, to, what)].append((op.stage, op.micro, end))
 
 
+def untagged_order_problem(table: Table) -> str | None:
+    """Where two ranks' messages would be matched wrongly if tags were ignored (NCCL matches a
+    pair's point-to-point messages by order alone; gloo by tag too): the first ordered pair
+    whose sends, activations and gradients together, go in another order than the receiver
+    takes them. None when every pair's orders agree (gpipe, 1f1b, interleaved, zb do; ZB-V's
+    and DualPipeV's interleave the two streams differently at the two ends)."""
+    p, last, where = table.ranks, table.stages - 1, table.placement
+    sent: dict[tuple[int, int], list] = collections.defaultdict(list)
+    taken: dict[tuple[int, int], list] = collections.defaultdict(list)
+    for rank, row in enumerate(table.rows):
+        for op in (op for op in row if op is not None):
+            forward = op.kind == "F"
+            if (op.stage < last) if forward else (op.kind in "BI" and op.stage > 0):
+                to = stage_rank(where, p, op.stage + (1 if forward else -1))
+                if to != rank:
+                    sent[(rank, to)].append(f"{op.stage}{'F' if forward else 'B'}{op.micro}")
+            if (op.stage > 0) if forward else (op.kind in "BI" and op.stage < last):
+                source = op.stage - 1 if forward else op.stage + 1
+                frm = stage_rank(where, p, source)
+                if frm != rank:
+                    taken[(frm, rank)].append(f"{source}{'F' if forward else 'B'}{op.micro}")
+    for (frm, to), order in sorted(sent.items()):
+        for k, (mine, theirs) in enumerate(zip(order, taken[(frm, to)])):
+            if mine != theirs:
+                return (f"rank {frm}'s message {k} to rank {to} is {mine} but rank {to} takes {theirs} as its "
+                        f"message {k} from rank {frm} (<stage>F<micro-batch>: activations, B: gradients)")
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # Published bubbles
 
