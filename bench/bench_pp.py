@@ -5,6 +5,8 @@ ZeRO-3 and torch's own torch.distributed.pipelining schedules, on the same model
               pp=2 1F1B            pp_schedule=1f1b
               pp=2 interleaved     pp_schedule=interleaved, pp_virtual=2 (4 stages of the model)
               pp=2 zero-bubble     pp_schedule=zb (the fourth schedule; not in the issue's list)
+              pp=2 ZB-V            pp_schedule=zbv, pp_virtual=2: 4 stages in a V (rank 0: 0 and 3)
+              pp=2 DualPipeV       pp_schedule=dualpipev, pp_virtual=2 (the same V)
               pp=2 1F1B ZeRO-2     1F1B at parallel.zero_stage=2 (the others run the default 0);
                                    with dp=1 nothing is sharded, but the engine's flat gradient
                                    buffer is then transient (the memory comparison with torch)
@@ -13,6 +15,8 @@ ZeRO-3 and torch's own torch.distributed.pipelining schedules, on the same model
               torch GPipe          torch.distributed.pipelining.ScheduleGPipe, the same stages
               torch 1F1B           Schedule1F1B
               torch interleaved    ScheduleInterleaved1F1B, 2 stages per rank (the same 4 stages)
+              torch ZB-V           ScheduleZBVZeroBubble, the same 4 stages in the same V
+              torch DualPipeV      ScheduleDualPipeV, likewise
     4 ranks   pp=4 1F1B            (--four; 4 processes on this machine's cores: oversubscribed)
               pp=2 x dp=2 1F1B     G/2 per pipeline: b x G/(2b)
               torch 1F1B pp=4
@@ -54,7 +58,10 @@ step). "CPU s/step" is this process's CPU time per timed step (all threads; medi
 rank): the work a case does, much less sensitive than wall time to other jobs' load. Bubble
 (shardlm only): trainer.step_record's pp_bubble (mean over stages of seconds blocked on a
 neighbour / step seconds) and pp_bubble_by_stage, median over the timed steps, beside the
-schedule's formula (P-1)/(V*M+P-1) (zb: its list schedule's idle share) and the planner's
+schedule's table's idle share simulated with unit times (shardlm.pipeline_tables.check_table:
+F = I = W, B = 2; no communication), its published formula (pipeline_tables.bubble_formula:
+(P-1)/(V*M+P-1); ZB-V 0; DualPipeV (P-1)(F&B+B-3W) per rank with F&B = F+B; zb: its table's)
+and the planner's
 (planner.timing's bubble). It counts time blocked in the schedule's receives and sends only: a
 later stage that finishes its last backward before the first stage does waits in the step's
 next collective (the gradient norm's all-reduce), which it does not count. torch's schedules
@@ -92,6 +99,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.config import load_config, typed_overrides
+from shardlm.pipeline_tables import V_SHAPED, check_table, table_for
 from shardlm.data import Loader, build_dataset
 from shardlm.launch import cpu_cores
 from shardlm.models import build_model, count_params
@@ -109,6 +117,10 @@ CASES = {
     "interleaved": ("pp=2 interleaved V=2", 2, "shardlm",
                     ({"parallel.pp": 2, "parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2}, 1)),
     "zb": ("pp=2 zero-bubble", 2, "shardlm", ({"parallel.pp": 2, "parallel.pp_schedule": "zb"}, 1)),
+    "zbv": ("pp=2 ZB-V", 2, "shardlm",
+            ({"parallel.pp": 2, "parallel.pp_schedule": "zbv", "parallel.pp_virtual": 2}, 1)),
+    "dualpipev": ("pp=2 DualPipeV", 2, "shardlm",
+                  ({"parallel.pp": 2, "parallel.pp_schedule": "dualpipev", "parallel.pp_virtual": 2}, 1)),
     "1f1b-z2": ("pp=2 1F1B ZeRO-2", 2, "shardlm",
                 ({"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "parallel.zero_stage": 2}, 1)),
     "tp": ("tp=2", 2, "shardlm", ({"parallel.tp": 2}, 1)),
@@ -116,15 +128,17 @@ CASES = {
     "torch-gpipe": ("torch GPipe pp=2", 2, "torch", ("gpipe", 2, 1)),
     "torch-1f1b": ("torch 1F1B pp=2", 2, "torch", ("1f1b", 2, 1)),
     "torch-interleaved": ("torch interleaved pp=2 V=2", 2, "torch", ("interleaved", 2, 2)),
+    "torch-zbv": ("torch ZB-V pp=2", 2, "torch", ("zbv", 2, 2)),
+    "torch-dualpipev": ("torch DualPipeV pp=2", 2, "torch", ("dualpipev", 2, 2)),
     "pp4": ("pp=4 1F1B", 4, "shardlm", ({"parallel.pp": 4, "parallel.pp_schedule": "1f1b"}, 1)),
     "pp2dp2": ("pp=2 x dp=2 1F1B", 4, "shardlm", ({"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}, 2)),
     "torch-pp4": ("torch 1F1B pp=4", 4, "torch", ("1f1b", 4, 1)),
 }
-DEFAULT = ["gpipe", "1f1b", "interleaved", "zb", "1f1b-z2", "tp", "zero3", "torch-gpipe", "torch-1f1b",
-           "torch-interleaved", "pp4", "pp2dp2", "torch-pp4"]
+DEFAULT = ["gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev", "1f1b-z2", "tp", "zero3", "torch-gpipe",
+           "torch-1f1b", "torch-interleaved", "torch-zbv", "torch-dualpipev", "pp4", "pp2dp2", "torch-pp4"]
 # ours beside torch's: (shardlm case, torch case)
 PAIRS = [("gpipe", "torch-gpipe"), ("1f1b", "torch-1f1b"), ("1f1b-z2", "torch-1f1b"), ("interleaved", "torch-interleaved"),
-         ("pp4", "torch-pp4")]
+         ("zbv", "torch-zbv"), ("dualpipev", "torch-dualpipev"), ("pp4", "torch-pp4")]
 
 
 def batch_shape(args, key: str) -> tuple[int, int]:
@@ -255,8 +269,8 @@ class TorchStage(nn.Module):
 
 
 def torch_rank(rank: int, world: int, overrides: dict, spec: tuple, warmup: int, steps: int) -> dict:
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
     schedule_name, pp, virtual = spec
     if pp != world:
@@ -271,10 +285,11 @@ def torch_rank(rank: int, world: int, overrides: dict, spec: tuple, warmup: int,
     loader = Loader(dataset.train, t.seq_len, t.micro_batch, grad_accum=micro, seed=t.seed,
                     dp_rank=0, dp_size=1)  # the same micro-batches as shardlm's pipeline
     n_stages = pp * virtual
-    split = pipeline_split(cfg.model, t.seq_len, n_stages, cfg.parallel.pp_layers, virtual)
+    v_shaped = schedule_name in V_SHAPED  # rank r holds stages r and 2pp-1-r (both libraries)
+    split = pipeline_split(cfg.model, t.seq_len, n_stages, cfg.parallel.pp_layers, virtual, "v" if v_shaped else "loop")
     bounds = [sum(split[:g]) for g in range(n_stages + 1)]
     model = build_model(cfg.model, "cpu", seed=t.seed)  # whole, on every rank
-    ids = list(range(rank, n_stages, pp))  # global stage s on rank s mod pp
+    ids = [rank, n_stages - 1 - rank] if v_shaped else list(range(rank, n_stages, pp))  # else s on rank s mod pp
     modules = [TorchStage(model, range(bounds[s], bounds[s + 1]), s == 0, s == n_stages - 1) for s in ids]
     del model  # the other stages' blocks are freed with it
     device = torch.device("cpu")
@@ -288,7 +303,8 @@ def torch_rank(rank: int, world: int, overrides: dict, spec: tuple, warmup: int,
     elif schedule_name == "1f1b":
         schedule = Schedule1F1B(stages[0], n_microbatches=micro, loss_fn=loss_fn)
     else:
-        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=micro, loss_fn=loss_fn)
+        multi = {"interleaved": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+        schedule = multi[schedule_name](stages, n_microbatches=micro, loss_fn=loss_fn)
     holder = nn.ModuleList(modules)
     params = [p for p in holder.parameters()]
     optimizer = torch.optim.AdamW(param_groups(holder, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
@@ -406,9 +422,11 @@ def speed_row(name: str, key: str, args, m: dict, pred: dict | None, ranks: int)
     speed = f"{m['tok_s']:,.1f}" + (f" ({low:,.1f}-{high:,.1f})" if high > low else "")
     if m["bubble"] is not None:
         bubble = f"{m['bubble']:.3f} ({' / '.join(f'{b:.3f}' for b in m['bubble_by_stage'])})"
+        par = load_config(overrides=overrides_for(args, key, "")).validate().parallel
+        table = check_table(table_for(par.pp_schedule, par.pp, par.pp_virtual, accum)).idle
         formula = f"{m['formula']:.3f}"
     else:
-        bubble = formula = "–"
+        bubble = formula = table = "–"
     if m["ledger"] is None:
         ledger = "– (not shardlm)"
     else:
@@ -417,8 +435,9 @@ def speed_row(name: str, key: str, args, m: dict, pred: dict | None, ranks: int)
     planner = err(pred["tok_s"], m["tok_s"]) if pred else "–"
     planner_bubble = f"{pred['bubble']:.3f}" if pred and m["bubble"] is not None else "–"
     off_cpu = " / ".join(f"{v:.2f}" for v in m["off_cpu"])
+    table = table if isinstance(table, str) else f"{table:.3f}"
     return (f"| {name} | {ranks} | {micro} x {accum} | {speed} | {m['cpu_s']:.2f} | {planner} | {bubble} | "
-            f"{formula} | {planner_bubble} | {off_cpu} | {ledger} |")
+            f"{table} | {formula} | {planner_bubble} | {off_cpu} | {ledger} |")
 
 
 def memory_row(name: str, m: dict, pred: dict | None, first_ref: float) -> str:
@@ -486,10 +505,11 @@ def main() -> None:
         par = load_config(overrides=overrides_for(args, k, "")).validate().parallel
         if par.pp > 1:
             n = par.pp * par.pp_virtual
-            splits.setdefault((n, par.pp_layers), pipeline_split(cfg.model, args.seq, n, par.pp_layers,
-                                                                 par.pp_virtual))
-    for (n, explicit), split in sorted(splits.items()):
-        print(f"split over {n} stages ({'parallel.pp_layers' if explicit else 'models.flops.pipeline_split'}): "
+            where = "v" if par.pp_schedule in V_SHAPED else "loop"
+            splits.setdefault((n, par.pp_layers, where), pipeline_split(cfg.model, args.seq, n, par.pp_layers,
+                                                                        par.pp_virtual, where))
+    for (n, explicit, where), split in sorted(splits.items()):
+        print(f"split over {n} stages{' in a V' if where == 'v' else ''} ({'parallel.pp_layers' if explicit else 'models.flops.pipeline_split'}): "
               f"{split} blocks", flush=True)
     preds = {k: predictions(load_config(overrides=overrides_for(args, k, "")).validate(), CASES[k][1])
              for k in keys if CASES[k][2] == "shardlm"}
@@ -507,7 +527,8 @@ def main() -> None:
     results = {k: combine(runs[k]) for k in keys}
     header = ("case", "ranks", "micro-batch x M (per pipeline)",
               "tok/s" + (" median (range)" if args.repeat > 1 else ""), "CPU s/step (max rank)",
-              "planner tok/s (err)", "bubble measured: mean (by stage)", "bubble formula",
+              "planner tok/s (err)", "bubble measured: mean (by stage)", "bubble of the table (simulated, F=I=W)",
+              "bubble formula (published)",
               "planner bubble", "off-CPU share by stage (1 - CPU/wall)", "ledger MiB/step by group")
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for k in keys:

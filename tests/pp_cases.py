@@ -12,3 +12,34 @@ def sample_case(rank: int, world_size: int, overrides: dict, steps: int) -> str:
     for step in range(steps):
         train_step(run, step)
     return sample_text(run, "def ", 20)
+
+
+def train_and_sample(overrides: dict, steps: int) -> dict:
+    """Train `steps` steps: the losses and full fp32 parameters (as zero_cases.train_case), then
+    sample 20 tokens from the same run (every rank takes part)."""
+    run = build_run(load_config(overrides=overrides).validate())
+    losses = [train_step(run, step).loss for step in range(steps)]
+    with run.strategy.full_parameters():
+        params = {n: p.detach().float().cpu().clone() for n, p in run.model.named_parameters()}
+    return {"losses": losses, "params": params, "sample": sample_text(run, "def ", 20)}
+
+
+def cases_and_save(rank: int, world_size: int, cases: list[tuple[dict, int]], save: dict | None) -> list:
+    """In one spawn: train_and_sample of each case, then ckpt_cases.train_run of `save` (a run
+    writing checkpoints), if given."""
+    import torch
+
+    torch.manual_seed(0)
+    return [*(train_and_sample(overrides, steps) for overrides, steps in cases),
+            *([train_run(save)] if save else [])]
+
+
+def train_run(overrides: dict) -> dict:
+    """A whole `train` (its checkpoints, its evaluation at the last step): the losses, where it
+    started, the run directory and the last evaluation's loss."""
+    from shardlm.trainer import train
+
+    run = build_run(load_config(overrides=overrides).validate())
+    result = train(run)
+    return {"losses": result.losses, "start": run.start_step, "run_dir": str(run.run_dir),
+            "val_loss": result.val_loss}

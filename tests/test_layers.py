@@ -13,7 +13,7 @@ import shardlm
 LAYERS = [  # bottom first
     {"errors", "files", "torchrun", "packed", "allocator"},
     {"preflight"},
-    {"presets", "dims"},
+    {"presets", "dims", "pipeline_tables"},
     {"config_rules"},
     {"config"},
     {"placement"},

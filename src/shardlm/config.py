@@ -371,13 +371,20 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     """With pp > 1: 'gpipe' (all forwards, then all backwards) or '1f1b' (one forward, one
     backward: at most pp micro-batches of activations held per stage), both idle
-    (pp-1)/(grad_accum+pp-1) of a step; or 'interleaved' (1F1B over pp_virtual chunks per rank:
+    (pp-1)/(grad_accum+pp-1) of a step; 'interleaved' (1F1B over pp_virtual chunks per rank:
     the idle share about 1/pp_virtual of that, for pp_virtual times the point-to-point traffic);
-    or 'zb' (zero bubble: each backward split into the gradient sent back and the weight
-    gradients, which fill the idle time; the Decoder's linear layers, not tensor-parallel ones)."""
+    'zb' (zero bubble: each backward split into the gradient sent back and the weight
+    gradients, which fill the idle time; the Decoder's linear layers, not tensor-parallel ones);
+    'zbv' (ZB-V: two chunks per rank in a V, rank r holding stages r and 2·pp-1-r, the backward
+    split: near-zero bubble at 1F1B's activation memory; pp_virtual = 2) or 'dualpipev'
+    (DeepSeek's DualPipeV: the same V, forwards paired with other micro-batches' backwards;
+    pp_virtual = 2, grad_accum >= 2·pp); or 'file:PATH': your own table, a CSV of one row per
+    pipeline rank of operations '<stage><F|B|I|W><micro-batch>' (docs/architecture.md), checked
+    by simulating it before the run."""
     pp_virtual: int = 1
-    """With pp_schedule = 'interleaved': model chunks per rank (>= 2); pp × pp_virtual stages in
-    all, so the model needs that many layers, and grad_accum must divide by pp."""
+    """Model chunks per rank: 'interleaved' >= 2 (grad_accum must divide by pp); 'zbv' and
+    'dualpipev' 2; a 'file:' table, its stages / pp. pp × pp_virtual stages in all, so the model
+    needs that many layers."""
     pp_layers: str = ""
     """With pp > 1: blocks per stage (pp × pp_virtual counts), e.g. '4,4,3,5' ('' = balanced by
     FLOPs, the head's counted on the last stage)."""

@@ -15,6 +15,7 @@ from dataclasses import fields
 from typing import Any, Callable, get_type_hints
 
 from shardlm.errors import ConfigError
+from shardlm.pipeline_tables import NAMED
 
 Config = Any
 """A shardlm.config.Config (not imported: that module imports this one)."""
@@ -252,8 +253,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "parallel.tp": _positive(),
     "parallel.cp": _positive(),
     "parallel.pp": _positive(),
-    "parallel.pp_schedule": _rule(lambda v: v in ("gpipe", "1f1b", "interleaved", "zb"),
-                                  "must be 'gpipe', '1f1b', 'interleaved' or 'zb'"),
+    "parallel.pp_schedule": _rule(lambda v: v in NAMED or v.startswith("file:"),
+                                  f"must be one of {', '.join(NAMED)}, or 'file:PATH' (a CSV table)"),
     "parallel.pp_virtual": _positive(),
     "parallel.ep": _positive(),
     "parallel.ep_rebalance_every": _non_negative(" (0 = never)"),
@@ -425,6 +426,7 @@ def _sequence_parallel_needs_tp(cfg: Config) -> list[str]:
         "model.n_layers", "parallel.zero_stage", "train.grad_accum")
 def _pipeline_fits(cfg: Config) -> list[str]:
     from shardlm.dims import parse_layers
+    from shardlm.pipeline_tables import V_SHAPED, table_for
 
     par, n = cfg.parallel, cfg.model.n_layers
     if par.pp == 1:
@@ -432,14 +434,28 @@ def _pipeline_fits(cfg: Config) -> list[str]:
                 "stages, or leave pp_layers empty"] if par.pp_layers else []
     problems = []
     stages = par.pp * par.pp_virtual
-    if (par.pp_schedule == "interleaved") != (par.pp_virtual > 1):
-        problems.append(f"parallel.pp_schedule = '{par.pp_schedule}' with parallel.pp_virtual = "
-                        f"{par.pp_virtual}: the 'interleaved' schedule runs pp_virtual >= 2 chunks per "
-                        f"rank, the others one (pp_virtual = 1)")
-    elif par.pp_virtual > 1 and cfg.train.grad_accum % par.pp:
+    schedule, virtual, micro = par.pp_schedule, par.pp_virtual, cfg.train.grad_accum
+    if schedule in V_SHAPED and virtual != 2:
+        problems.append(f"parallel.pp_schedule = '{schedule}' places two chunks per rank in a V (rank r "
+                        f"holds stages r and 2·pp-1-r): set parallel.pp_virtual = 2 (got {virtual})")
+    elif schedule in ("gpipe", "1f1b", "zb") and virtual > 1:
+        problems.append(f"parallel.pp_schedule = '{schedule}' with parallel.pp_virtual = {virtual}: "
+                        f"'{schedule}' runs one chunk per rank (pp_virtual = 1); several: 'interleaved', "
+                        f"or two in a V: 'zbv', 'dualpipev'")
+    elif schedule == "interleaved" and virtual == 1:
+        problems.append("parallel.pp_schedule = 'interleaved' with parallel.pp_virtual = 1: the "
+                        "'interleaved' schedule runs pp_virtual >= 2 chunks per rank")
+    elif schedule == "interleaved" and micro % par.pp:
         problems.append(f"parallel.pp_schedule = 'interleaved' sends micro-batches through each chunk "
-                        f"in groups of pp = {par.pp}: train.grad_accum = {cfg.train.grad_accum} must "
-                        f"divide by it")
+                        f"in groups of pp = {par.pp}: train.grad_accum = {micro} must divide by it")
+    elif schedule == "dualpipev" and micro < 2 * par.pp:
+        problems.append(f"parallel.pp_schedule = 'dualpipev' needs at least 2·pp = {2 * par.pp} "
+                        f"micro-batches (train.grad_accum = {micro}): raise grad_accum or use 'zbv'")
+    elif schedule in NAMED or schedule.startswith("file:"):
+        try:  # the table itself: built (or read) and simulated, as the run will execute it
+            table_for(schedule, par.pp, virtual, micro)
+        except ConfigError as e:
+            problems.append(f"parallel.pp_schedule = '{schedule}': {e}")
     if stages > n:
         problems.append(f"parallel.pp × pp_virtual = {stages} stages exceed the model's {n} layers "
                         f"(model.n_layers): every stage needs at least one block")

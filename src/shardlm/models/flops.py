@@ -187,21 +187,29 @@ def kernel_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return float(2 * matmul_params(cfg) + 2 * cfg.n_layers * attention_width(cfg) * seq_len)
 
 
-def pipeline_split(cfg: ModelConfig, seq_len: int, pp: int, explicit: str = "", virtual: int = 1) -> list[int]:
+def pipeline_split(cfg: ModelConfig, seq_len: int, pp: int, explicit: str = "", virtual: int = 1,
+                   placement: str = "loop") -> list[int]:
     """Blocks per global pipeline stage (`pp` of them): `explicit` ('4,4,3,5',
     parallel.pp_layers) checked, or the balanced split (dims.split_layers) by forward FLOPs per
     token as the kernels execute them: a block 2·N_block + 2·d·s (causal attention), the head
     2·d·V on the last stage, the embedding (a lookup) nothing. With `virtual` chunks per rank
     (stage g on rank g mod pp/virtual, the interleaved schedule) what is balanced is each
     rank's sum: ranks' totals split as for pp/virtual stages, each total shared evenly by its
-    chunks (when every rank has a block per chunk). The runtime and the planner both split
-    with this."""
+    chunks (when every rank has a block per chunk). With `placement` 'v' (two chunks a rank,
+    rank r holding stages r and pp-1-r: the head on rank 0) likewise, the head's cost on the
+    first rank. The runtime and the planner both split with this."""
     from shardlm.dims import parse_layers, split_layers
 
     if explicit:
         return parse_layers(explicit, cfg.n_layers, pp)
     head = _head_in_blocks(cfg, seq_len)
     ranks = pp // virtual
+    if placement == "v" and ranks > 1:  # rank r holds stages r and pp-1-r; the head is rank 0's
+        totals = split_layers(cfg.n_layers, ranks, head, 0.0)
+        if min(totals) >= 2:
+            down = [(n + 1) // 2 for n in totals]
+            return down + [n - d for n, d in zip(reversed(totals), reversed(down))]
+        return split_layers(cfg.n_layers, pp, 0.0, head)
     if virtual > 1 and ranks > 1:
         totals = split_layers(cfg.n_layers, ranks, 0.0, head)
         if min(totals) >= virtual:

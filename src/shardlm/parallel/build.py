@@ -39,7 +39,8 @@ from shardlm.parallel.compile import apply_compile
 from shardlm.parallel.context import CPState, apply_cp
 from shardlm.parallel.evaluation import token_sums
 from shardlm.parallel.expert import apply_ep, spread_over_tp
-from shardlm.parallel.pipeline import SCHEDULES, Schedule, Stage, apply_pp
+from shardlm.parallel.pipeline import Schedule, Stage, apply_pp, schedule_for
+from shardlm.pipeline_tables import table_for, untagged_order_problem
 from shardlm.parallel.weight_grads import make_deferrable
 from shardlm.models.flops import pipeline_split
 from shardlm.checkpoint.hf_dir import module_initializer
@@ -171,10 +172,16 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     stage = None
     if mesh.dims.pp > 1:
         par = cfg.parallel
+        table = table_for(par.pp_schedule, mesh.dims.pp, par.pp_virtual, cfg.train.grad_accum)
+        mixed = untagged_order_problem(table) if device.type == "cuda" else None
+        if mixed:  # NCCL ignores the two streams' tags: a mismatched order would pair wrong messages
+            raise ConfigError(f"parallel.pp_schedule = '{par.pp_schedule}' cannot run over NCCL yet: {mixed}; "
+                              f"NCCL matches messages by order only. Use 1f1b, interleaved or zb on GPUs")
+        placement = table.placement
         split = pipeline_split(cfg.model, cfg.train.seq_len, mesh.dims.pp * par.pp_virtual, par.pp_layers,
-                               par.pp_virtual)
+                               par.pp_virtual, placement)
         stage = apply_pp(model, Comm(mesh.pp_group, "pp", ledger, watchdog), split, mesh.pp_ends_group,
-                         par.pp_virtual)
+                         par.pp_virtual, placement)
         kept = {name for name, _ in model.named_parameters()}
         for name in [n for n in experts if n not in kept]:  # other stages' experts (one dict: model.ep's)
             del experts[name]
@@ -185,9 +192,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     strategy = apply_data_parallel(model, mesh, cfg, device, watchdog, run_dir, initializer, ledger,
                                    tp.splits if tp else None, stage.copies if stage else frozenset(),
                                    experts)
-    schedule = SCHEDULES[cfg.parallel.pp_schedule](stage) if stage else None
+    schedule = schedule_for(cfg.parallel.pp_schedule, stage, cfg.train.grad_accum) if stage else None
     if schedule is not None and schedule.splits_backward:  # weight gradients computed apart
-        log.info("zero-bubble: %d linear layers with deferrable weight gradients",
+        log.info("split backward (I, W): %d linear layers with deferrable weight gradients",
                  make_deferrable(model, stage.weight_grads))
     return Parallelized(model, apply_compile(model, cfg.train.compile), strategy, tp, cp, stage, schedule,
                         fp8)

@@ -15,11 +15,14 @@ every stage but the first sends back the gradient of what it received.
 The split (models.flops.pipeline_split) balances forward FLOPs per token — the head's 2·d·V
 counted on the last stage — or follows parallel.pp_layers.
 
-Schedules are objects chosen when the run is built (`SCHEDULES`); each runs one step's
-micro-batches on this stage and says how long it waited for its neighbours (the bubble, as
-measured: time blocked in receives over the step's time). With M micro-batches and P stages
-both leave (P-1)/(M+P-1) of the step idle; 1F1B holds at most P - s micro-batches of
-activations on stage s (GPipe holds all M).
+A schedule is data (shardlm/pipeline_tables.py): a table of operations per rank (F, B, or
+the split backward's I and W, of a global stage and a micro-batch), built for the named ones
+(gpipe, 1f1b, interleaved, zb, zbv, dualpipev) or read from a user's CSV, checked by
+simulating it before the run, and run by the one executor here (`Schedule.run`), which says how
+long the step waited for its neighbours (the bubble, as measured: time blocked in receives over
+the step's time). Stages sit on ranks in a loop (stage g on rank g mod P) or in a V (rank r holds
+stages r and 2P-1-r: the embedding and the head both on rank 0, and the turn at rank P-1 passes
+its activations and gradients without communication).
 
 Gradients are reduced over the data-parallel ranks after the last micro-batch's backward (the
 engine's finish_backward), not overlapped with it: a stage's backward interleaves with its
@@ -40,6 +43,8 @@ from torch import nn
 
 from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
+from shardlm.pipeline_tables import _list_schedule  # noqa: F401 (the planner's tests replay it)
+from shardlm.pipeline_tables import Table, bubble_formula, build_table, stage_rank, table_for
 from shardlm.parallel.weight_grads import WeightGrads
 
 log = logging.getLogger("shardlm")
@@ -60,27 +65,35 @@ ACTIVATIONS, GRADIENTS = 0, 1
 
 @dataclass
 class Stage:
-    """This rank's pipeline stage: one chunk of consecutive blocks, or with virtual stages
-    (interleaved schedule) V chunks, chunk v being global stage v·P + rank."""
+    """This rank's pipeline stage: one chunk of consecutive blocks, or several (interleaved: V
+    chunks, chunk v being global stage v·P + rank; V-shaped: stages rank and 2P-1-rank)."""
 
     comm: Comm
-    """The pipeline group (rank r holds global stages r, P + r, ...)."""
+    """The pipeline group."""
     chunks: list[range]
     """The blocks of each of this rank's chunks."""
     tied: bool
     """The head is the embedding's weight: both ends hold it (tok_emb.weight)."""
     n_layers: int
     ends: object | None = None
-    """The process group of the first and last stage at this rank's position (tied weights)."""
+    """The process group of the first and last stage at this rank's position (tied weights held
+    on two ranks; None when one rank holds both ends, as in a V)."""
+    stages: list[int] = field(default_factory=lambda: [0])
+    """The global stage of each chunk."""
+    placement: str = "loop"
+    """'loop' or 'v' (pipeline_tables.stage_rank)."""
+    n_stages: int = 1
+    """Global stages in all."""
     wait_s: float = 0.0
     """Seconds this step spent blocked on a neighbour."""
     pending: list = field(default_factory=list)
-    hidden: tuple | None = None
-    """(shape, dtype) of the hidden states between stages: the first stage's first output says
+    hidden: dict = field(default_factory=dict)
+    """Per sending rank: (shape, dtype) of the hidden states it sends: its first message says
     (a header sent once ahead of it), as autocast decides the residual stream's dtype."""
-    announced: bool = False
+    announced: set = field(default_factory=set)
+    """The ranks this one has sent its header to."""
     weight_grads: WeightGrads = field(default_factory=lambda: WeightGrads())
-    """Weight gradients a split backward set aside (the zero-bubble schedule)."""
+    """Weight gradients a split backward set aside (I now, W later)."""
 
     @property
     def index(self) -> int:
@@ -90,21 +103,22 @@ class Stage:
     def count(self) -> int:
         return self.comm.size
 
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank holding global stage `stage`."""
+        return stage_rank(self.placement, self.count, stage)
+
+    def holds(self, stage: int) -> bool:
+        return stage in self.stages
+
     @property
     def first(self) -> bool:
-        return self.index == 0
+        """Holds the model's first stage (the embedding)."""
+        return self.holds(0)
 
     @property
     def last(self) -> bool:
-        return self.index == self.count - 1
-
-    def starts(self, chunk: int) -> bool:
-        """Whether this chunk is the model's first global stage (the embedding)."""
-        return self.chunks[chunk].start == 0
-
-    def ends_model(self, chunk: int) -> bool:
-        """Whether this chunk is the model's last global stage (the head and the loss)."""
-        return self.chunks[chunk].stop == self.n_layers
+        """Holds the model's last stage (the head and the loss)."""
+        return self.holds(self.n_stages - 1)
 
     @property
     def copies(self) -> frozenset[str]:
@@ -135,22 +149,20 @@ class Stage:
         self.wait_s += time.perf_counter() - start
         return buffer
 
-    def send_hidden(self, t: torch.Tensor, header: bool = False) -> tuple:
-        """The hidden states to the next stage; a (dtype, shape) header ahead of the first
-        (or of every one, `header`: shapes that change, as in generation)."""
-        to = (self.index + 1) % self.count
-        if header or not self.announced:
+    def send_hidden(self, t: torch.Tensor, to: int, header: bool = False) -> tuple:
+        """Hidden states to rank `to`; a (dtype, shape) header ahead of the first sent there (or
+        of every one, `header`: shapes that change, as in generation)."""
+        if header or to not in self.announced:
             code = DTYPES.index(t.dtype)
             self.send(torch.tensor([code, *t.shape], dtype=torch.int64, device=t.device), to, ACTIVATIONS)
-            self.announced = True
+            self.announced.add(to)
         return self.send(t, to, ACTIVATIONS)
 
-    def recv_hidden(self, device: torch.device, header: bool = False) -> torch.Tensor:
-        frm = (self.index - 1) % self.count
-        if header or self.hidden is None:
+    def recv_hidden(self, device: torch.device, frm: int, header: bool = False) -> torch.Tensor:
+        if header or frm not in self.hidden:
             header = self.recv(((4,), torch.int64, device), frm, ACTIVATIONS).tolist()
-            self.hidden = (tuple(header[1:]), DTYPES[header[0]])
-        return self.recv((*self.hidden, device), frm, ACTIVATIONS)
+            self.hidden[frm] = (tuple(header[1:]), DTYPES[header[0]])
+        return self.recv((*self.hidden[frm], device), frm, ACTIVATIONS)
 
     def settle(self) -> None:
         """Wait for this step's sends (their buffers may then be freed)."""
@@ -188,10 +200,12 @@ class Stage:
         param.grad = grad
 
 
-def apply_pp(model: nn.Module, comm: Comm, layers: list[int], ends, virtual: int = 1) -> Stage | None:
+def apply_pp(model: nn.Module, comm: Comm, layers: list[int], ends, virtual: int = 1,
+             placement: str = "loop") -> Stage | None:
     """Cut a meta-device Decoder to this rank's stage, in place. `layers`: blocks per global
-    stage (pp × virtual of them, summing to the model's); rank r keeps global stages r, P + r,
-    ...; `ends`: the first-and-last-stage group (tied weights)."""
+    stage (pp × virtual of them, summing to the model's); `placement`: 'loop' (rank r keeps
+    global stages r, P + r, ...) or 'v' (stages r and 2P-1-r); `ends`: the first-and-last-stage
+    group (tied weights; unused in a V, whose rank 0 holds both)."""
     from shardlm.models.decoder import Decoder
 
     if comm.size == 1:
@@ -200,8 +214,10 @@ def apply_pp(model: nn.Module, comm: Comm, layers: list[int], ends, virtual: int
         raise ConfigError(f"parallel.pp > 1 needs shardlm's Decoder (got {type(model).__name__}): "
                           f"pipeline stages of transformers models are not supported yet; use pp = 1")
     bounds = [sum(layers[:g]) for g in range(len(layers) + 1)]
-    mine = [range(bounds[g], bounds[g + 1]) for g in range(comm.rank, len(layers), comm.size)]
-    stage = Stage(comm, mine, model.cfg.tie_embeddings, model.cfg.n_layers, ends)
+    stages = [g for g in range(len(layers)) if stage_rank(placement, comm.size, g) == comm.rank]
+    mine = [range(bounds[g], bounds[g + 1]) for g in stages]
+    stage = Stage(comm, mine, model.cfg.tie_embeddings, model.cfg.n_layers,
+                  ends if placement == "loop" else None, stages, placement, len(layers))
     kept = {i for chunk in mine for i in chunk}
     for i in range(len(model.blocks)):
         if i not in kept:
@@ -216,14 +232,14 @@ def apply_pp(model: nn.Module, comm: Comm, layers: list[int], ends, virtual: int
         model.norm_f = None
         model.head = None
     model.pipeline = stage
-    log.info("pipeline parallel: rank %d of %d, blocks %s (split %s)%s", stage.index, stage.count,
-             ", ".join(f"{c.start}-{c.stop - 1}" for c in mine), "/".join(map(str, layers)),
-             "; tied head: the embedding also on the last stage" if stage.tied and stage.last else "")
+    log.info("pipeline parallel: rank %d of %d, stages %s, blocks %s (split %s, %s placement)%s", stage.index,
+             stage.count, stages, ", ".join(f"{c.start}-{c.stop - 1}" for c in mine), "/".join(map(str, layers)),
+             placement, "; tied head: the embedding also on the last stage" if stage.copies else "")
     return stage
 
 
 # ---------------------------------------------------------------------------------------------
-# Schedules
+# The executor
 
 
 @dataclass
@@ -245,77 +261,123 @@ class StepIO:
 
 
 class Schedule:
-    """One step's forwards and backwards on this rank, in an order (`order`) of ("F" | "B" |
-    "W", chunk, micro-batch) that a global timeline of the whole pipeline respects, so receives
-    never wait on a send that waits on them. "W" (schedules that split the backward): the
-    weight gradients of a micro-batch whose "B" computed only the gradients to send back."""
+    """Runs a schedule's table (pipeline_tables.Table) on this rank: `source` is
+    parallel.pp_schedule (a name, or 'file:PATH'), `micro` the step's micro-batches (tables are
+    built, checked and cached per count). Every named schedule is a subclass that only names
+    itself; the table says everything else."""
 
     name = ""
-    splits_backward = False
 
-    def __init__(self, stage: Stage):
+    def __init__(self, stage: Stage, source: str | None = None, micro: int | None = None):
         self.stage = stage
+        self.source = source or self.name
+        self.micro = micro
 
     @property
     def virtual(self) -> int:
         return len(self.stage.chunks)
 
+    def table(self, micro: int) -> Table:
+        """The checked table for `micro` micro-batches (a file's: its own count, which must be)."""
+        return _checked(self.source, self.stage.count, self.virtual, micro)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Some backward is split (I then W): the linear layers must defer weight gradients."""
+        return self.table(self.micro).splits_backward
+
     def order(self, micro: int) -> list[tuple[str, int, int]]:
-        raise NotImplementedError
+        """This rank's (kind, chunk, micro-batch) operations, in order (a named table unchecked)."""
+        table = (self.table(micro) if self.source.startswith("file:")
+                 else build_table(self.source, self.stage.count, self.virtual, micro))
+        chunk = {g: c for c, g in enumerate(table.rank_stages(self.stage.index))}
+        return [(op.kind, chunk[op.stage], op.micro) for op in table.rows[self.stage.index] if op is not None]
 
     def bubble_formula(self, micro: int) -> float:
-        """The idle fraction of a step the schedule leaves, for equal stage times: P - 1 stage
-        times of fill and drain in M·V + P - 1 (V chunks of 1/V each)."""
-        p, v = self.stage.count, self.virtual
-        return (p - 1) / (v * micro + p - 1)
-
-    def _forward_steps(self, micro: int) -> list[tuple[int, int]]:
-        """(chunk, micro-batch) of forward step k (Megatron-LM's order): P micro-batches through
-        chunk 0, the same P through chunk 1, ..., then the next P micro-batches."""
-        p, v = self.stage.count, self.virtual
-        return [((k % (p * v)) // p, (k // (p * v)) * p + k % p) for k in range(micro * v)]
+        """The published idle fraction of a step (pipeline_tables.bubble_formula)."""
+        return bubble_formula(self.source, self.stage.count, self.virtual, micro)
 
     def run(self, io: StepIO, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Every micro-batch's forward and backward on this rank; the summed loss (on the rank
-        holding the head; 0 elsewhere)."""
+        """This rank's row of the table: every micro-batch's forward and backward on this
+        rank's stages; the summed loss (on the rank holding the head; 0 elsewhere).
+        Activations go to the rank of the next stage, gradients back to the previous stage's;
+        between two stages on this rank (a V's turn) they are handed over in `local`."""
         stage = self.stage
         stage.wait_s = 0.0
+        last = stage.n_stages - 1
         total = torch.zeros((), device=io.device)
         inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         sent: dict[tuple[int, int], tuple] = {}  # activation sends, freed when their gradient returns
-        prev, nxt = (stage.index - 1) % stage.count, (stage.index + 1) % stage.count
-        for kind, chunk, i in self.order(len(batches)):
-            x, y = batches[i]
-            key = (chunk, i)
-            if kind == "F":
-                hidden = None if stage.starts(chunk) else stage.recv_hidden(io.device).requires_grad_()
-                io.model.layers = stage.chunks[chunk]
+        local: dict[tuple[str, int, int], torch.Tensor] = {}  # ("act" | "grad", from stage, micro-batch)
+        for op in self.table(len(batches)).rows[stage.index]:
+            if op is None:  # an idle slot
+                continue
+            g, i = op.stage, op.micro
+            key = (g, i)
+            if op.kind == "F":
+                x, y = batches[i]
+                hidden = None
+                if g > 0:
+                    hidden = (local.pop(("act", g - 1, i)) if stage.holds(g - 1)
+                              else stage.recv_hidden(io.device, stage.rank_of(g - 1))).requires_grad_()
+                io.model.layers = stage.chunks[stage.stages.index(g)]
                 with io.autocast():
                     out = io.forward(x, hidden)
-                    if stage.ends_model(chunk):
+                    if g == last:
                         out = io.loss(out, y)
                         total += out.detach()
-                if not stage.ends_model(chunk):
-                    sent[key] = stage.send_hidden(out.detach())
+                if g < last and stage.holds(g + 1):
+                    local[("act", g, i)] = out.detach()
+                elif g < last:
+                    sent[key] = stage.send_hidden(out.detach(), stage.rank_of(g + 1))
                 inputs[key], outputs[key] = hidden, out
-            elif kind == "W":  # the weight gradients a split backward left for later
+            elif op.kind == "W":  # the weight gradients its I set aside
                 stage.weight_grads.apply(key)
-            else:
+            else:  # B, or I: the gradient to send back now, the weights' at its W
                 io.before_backward(i)
                 out, hidden = outputs.pop(key), inputs.pop(key)
-                with stage.weight_grads.deferred(key if self.splits_backward else None):
-                    if stage.ends_model(chunk):
+                with stage.weight_grads.deferred(key if op.kind == "I" else None):
+                    if g == last:
                         io.backward(out)
                     else:
-                        grad = stage.recv((out.shape, out.dtype, out.device), nxt, GRADIENTS)
-                        stage.release(sent.pop(key))
+                        if stage.holds(g + 1):
+                            grad = local.pop(("grad", g + 1, i))
+                        else:
+                            grad = stage.recv((out.shape, out.dtype, out.device), stage.rank_of(g + 1), GRADIENTS)
+                            stage.release(sent.pop(key))
                         torch.autograd.backward(out, grad)
-                if hidden is not None:
-                    stage.send(hidden.grad, prev, GRADIENTS)
+                if hidden is not None and stage.holds(g - 1):
+                    local[("grad", g, i)] = hidden.grad
+                elif hidden is not None:
+                    stage.send(hidden.grad, stage.rank_of(g - 1), GRADIENTS)
+        assert not local and not outputs, "a checked table leaves nothing behind"
         stage.settle()
         stage.drain(io.device)
         return total
+
+    def _forward_stages(self, io: StepIO, x: torch.Tensor, on_head: Callable, header: bool = False) -> None:
+        """One forward of `x` through this rank's stages in order (evaluation, generation):
+        `on_head(output)` on the model's last stage."""
+        stage, local = self.stage, {}
+        for chunk, g in enumerate(stage.stages):
+            if g == 0:
+                hidden = None
+            elif stage.holds(g - 1):
+                hidden = local.pop(g - 1)
+            else:
+                hidden = stage.recv_hidden(io.device, stage.rank_of(g - 1), header=header)
+            io.model.layers = stage.chunks[chunk]
+            with io.autocast():
+                out = io.forward(x, hidden)
+                if g == stage.n_stages - 1:
+                    on_head(out)
+            if g == stage.n_stages - 1:
+                continue
+            if stage.holds(g + 1):
+                local[g] = out
+            else:
+                stage.send_hidden(out, stage.rank_of(g + 1), header=header)
 
     @torch.no_grad()
     def forward_only(self, io: StepIO, batches, shape: tuple[int, ...] = (),
@@ -324,52 +386,39 @@ class Schedule:
         token sums of parallel/evaluation.py), on every rank: the head's rank's, shared."""
         import torch.distributed as dist
 
-        stage, losses = self.stage, []
+        losses = []
         for x, y in batches:
-            loss = torch.zeros(shape, dtype=dtype, device=io.device)
-            for chunk in range(self.virtual):
-                hidden = None if stage.starts(chunk) else stage.recv_hidden(io.device)
-                io.model.layers = stage.chunks[chunk]
-                with io.autocast():
-                    out = io.forward(x, hidden)
-                    if stage.ends_model(chunk):
-                        loss = io.loss(out, y).to(dtype)
-                if not stage.ends_model(chunk):
-                    stage.send_hidden(out)
-            losses.append(loss)
-        stage.settle()
+            losses.append(torch.zeros(shape, dtype=dtype, device=io.device))
+            self._forward_stages(io, x, lambda out: losses.__setitem__(-1, io.loss(out, y).to(dtype)))
+        self.stage.settle()
         summed = torch.stack(losses)
-        dist.all_reduce(summed, group=stage.comm.group)  # only the head's rank's are non-zero
+        dist.all_reduce(summed, group=self.stage.comm.group)  # only the head's rank's are non-zero
         return list(summed)
 
     @torch.no_grad()
     def generate(self, io: StepIO, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
                  top_k: int | None = 50, generator: torch.Generator | None = None) -> torch.Tensor:
         """models.generate through the stages: each new token's forward passes every stage,
-        the last samples it (models.decoder.next_token) and broadcasts it to the pipeline."""
+        the head's rank samples it (models.decoder.next_token) and broadcasts it to the pipeline."""
         import torch.distributed as dist
 
         from shardlm.models.decoder import next_token
 
         stage, model = self.stage, io.model
+        head = dist.get_global_rank(stage.comm.group, stage.rank_of(stage.n_stages - 1))
         context = getattr(model, "context", None)
         with context.whole_sequences() if context is not None else contextlib.nullcontext():
             for _ in range(max_new_tokens):
                 x = idx[:, -model.cfg.max_seq_len:]
-                new = torch.zeros((idx.shape[0], 1), dtype=idx.dtype, device=idx.device)
-                for chunk in range(self.virtual):
-                    hidden = None if stage.starts(chunk) else stage.recv_hidden(io.device, header=True)
-                    model.layers = stage.chunks[chunk]
-                    with io.autocast():
-                        out = io.forward(x, hidden)
-                    if stage.ends_model(chunk):
-                        new = next_token(model, out[:, -1, :], temperature, top_k, generator)
-                    else:
-                        stage.send_hidden(out, header=True)
+                new = [torch.zeros((idx.shape[0], 1), dtype=idx.dtype, device=idx.device)]
+
+                def sample(out: torch.Tensor) -> None:
+                    new[0] = next_token(model, out[:, -1, :], temperature, top_k, generator)
+
+                self._forward_stages(io, x, sample, header=True)
                 stage.settle()
-                head = dist.get_global_rank(stage.comm.group, stage.count - 1)
-                dist.broadcast(new, head, group=stage.comm.group)
-                idx = torch.cat((idx, new), dim=1)
+                dist.broadcast(new[0], head, group=stage.comm.group)
+                idx = torch.cat((idx, new[0]), dim=1)
         return idx
 
     def by_stage(self, values: list[float], device: torch.device) -> list[list[float]]:
@@ -382,101 +431,53 @@ class Schedule:
         return every.view(self.stage.count, len(values)).t().tolist()
 
 
+@functools.lru_cache(maxsize=32)
+def _checked(source: str, ranks: int, virtual: int, micro: int) -> Table:
+    return table_for(source, ranks, virtual, micro)
+
+
 class GPipe(Schedule):
-    """Every micro-batch's forward, then every backward: M micro-batches of activations held on
-    every stage."""
+    """Every micro-batch's forward, then every backward: M micro-batches held on every stage."""
 
     name = "gpipe"
 
-    def order(self, micro: int) -> list[tuple[str, int, int]]:
-        steps = self._forward_steps(micro)
-        return [("F", c, i) for c, i in steps] + [("B", c, i) for c, i in reversed(steps)]
-
 
 class OneFOneB(Schedule):
-    """Warm up with a few forwards, then alternate one forward and one backward, then drain
-    the backwards (PipeDream-Flush). One chunk per rank: P - r - 1 warm-up forwards, at most
-    P - r micro-batches held on rank r, the bubble GPipe's. With V chunks per rank
-    ('interleaved', Narayanan et al. 2021, Megatron-LM's order): 2·(P - r - 1) + (V - 1)·P
-    warm-up forwards, and the bubble divided by about V."""
+    """PipeDream-Flush: warm-up forwards, then one forward and one backward, then the drain."""
 
     name = "1f1b"
 
-    def order(self, micro: int) -> list[tuple[str, int, int]]:
-        p, v, r = self.stage.count, self.virtual, self.stage.index
-        forwards = self._forward_steps(micro)
-        backwards = [(v - 1 - c, i) for c, i in forwards]  # chunks in reverse
-        total = len(forwards)
-        warmup = min(total, p - r - 1 if v == 1 else 2 * (p - r - 1) + (v - 1) * p)
-        out = [("F", *forwards[k]) for k in range(warmup)]
-        for k in range(total - warmup):
-            out += [("F", *forwards[warmup + k]), ("B", *backwards[k])]
-        out += [("B", *backwards[k]) for k in range(total - warmup, total)]
-        return out
 
+class Interleaved(Schedule):
+    """1F1B over V chunks per rank in a loop (Narayanan et al. 2021)."""
 
-class Interleaved(OneFOneB):
     name = "interleaved"
 
 
 class ZeroBubble(Schedule):
-    """The backward split in two (Qi et al. 2023): "B" computes only the gradient a stage
-    sends back (the critical path), "W" its weight gradients, which wait to fill the time a
-    stage would otherwise spend idle. The order is a list schedule of the whole pipeline in
-    unit time steps (F, B and W one unit each): every rank runs, at each step, a ready B
-    first, else a ready F if it holds fewer than P - r micro-batches (1F1B's memory bound) and
-    fewer than P - r deferred W, else its oldest W. The bubble left is what that timeline
-    leaves idle."""
+    """1F1B's memory with the backward split (I, then W where a rank would idle)."""
 
     name = "zb"
-    splits_backward = True
-
-    def order(self, micro: int) -> list[tuple[str, int, int]]:
-        return _list_schedule(self.stage.count, micro)[0][self.stage.index]
-
-    def bubble_formula(self, micro: int) -> float:
-        """The idle share of the unit-time timeline: 1 - 3M / its length."""
-        return 1 - 3 * micro / _list_schedule(self.stage.count, micro)[1]
 
 
-@functools.lru_cache(maxsize=None)
-def _list_schedule(p: int, micro: int) -> tuple[list[list[tuple[str, int, int]]], int]:
-    """Every rank's order and the timeline's length in steps (ZeroBubble's docstring)."""
-    done: dict[tuple[str, int, int], int] = {}  # (kind, rank, micro-batch) -> finishing step
-    orders: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
-    nxt_f, nxt_b, pending_w = [0] * p, [0] * p, [[] for _ in range(p)]
-    t = 0
-    while any(len(o) < 3 * micro for o in orders):
-        picks = []
-        for r in range(p):
-            f, b = nxt_f[r], nxt_b[r]
-            b_ready = b < f and done.get(("F", r, b), t) < t and (r == p - 1 or done.get(("B", r + 1, b), t) < t)
-            f_ready = f < micro and (r == 0 or done.get(("F", r - 1, f), t) < t) and f - b < p - r
-            if b_ready:
-                picks.append((r, "B", b))
-            elif f_ready and len(pending_w[r]) < p - r:  # at most P - r sets of deferred gradients
-                picks.append((r, "F", f))
-            elif pending_w[r]:
-                picks.append((r, "W", pending_w[r][0]))
-            elif f_ready:
-                picks.append((r, "F", f))
-            elif pending_w[r]:
-                picks.append((r, "W", pending_w[r][0]))
-        for r, kind, m in picks:
-            done[(kind, r, m)] = t
-            orders[r].append((kind, 0, m))
-            if kind == "F":
-                nxt_f[r] += 1
-            elif kind == "B":
-                nxt_b[r] += 1
-                pending_w[r].append(m)
-            else:
-                pending_w[r].pop(0)
-        t += 1
-    return orders, t
+class ZeroBubbleV(Schedule):
+    """ZB-V: two chunks per rank in a V, F, I and W (Qi et al. 2024)."""
+
+    name = "zbv"
 
 
-SCHEDULES = {cls.name: cls for cls in (GPipe, OneFOneB, Interleaved, ZeroBubble)}
+class DualPipeV(Schedule):
+    """DeepSeek-V3's DualPipe cut in half: a V, forwards and backwards of two streams paired."""
+
+    name = "dualpipev"
+
+
+SCHEDULES = {cls.name: cls for cls in (GPipe, OneFOneB, Interleaved, ZeroBubble, ZeroBubbleV, DualPipeV)}
+
+
+def schedule_for(source: str, stage: Stage, micro: int) -> Schedule:
+    """parallel.pp_schedule's executor for this rank: a named schedule, or a user's table."""
+    return SCHEDULES.get(source, Schedule)(stage, source, micro)
 
 
 def gather_stages(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], dtype: torch.dtype,

@@ -1,6 +1,7 @@
-"""Weight gradients set aside and computed later: the zero-bubble schedule's split backward
-(parallel/pipeline.py ZeroBubble, Qi et al. 2023). "B" computes only the gradient a stage sends
-back; the linear layers' dW = gᵀx and db = Σg wait in `WeightGrads` until "W".
+"""Weight gradients set aside and computed later: the split backward of the zero-bubble
+schedules (zb, zbv, dualpipev: shardlm/pipeline_tables.py; Qi et al. 2023). "I" computes only
+the gradient a stage sends back; the linear layers' dW = gᵀx and db = Σg wait in `WeightGrads`
+until "W".
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from torch import nn
 
 
 class WeightGrads:
-    """Weight gradients set aside during a split backward ("B") and computed later ("W"):
+    """Weight gradients set aside during a split backward ("I") and computed later ("W"):
     the Decoder's linear layers (`DeferrableLinear`) put (weight, bias, input, output
     gradient) here instead of computing dW = gᵀx and db = Σg while deferring is on."""
 

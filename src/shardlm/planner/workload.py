@@ -19,11 +19,12 @@ from shardlm.dims import ParallelDims
 from shardlm.errors import ConfigError
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
+from shardlm.pipeline_tables import V_SHAPED, check_table, table_for
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OFFLOAD_TIERS = ("none", "cpu", "nvme")
 RECOMPUTE_MODES = ("none", "selective", "full")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
 """parallel.pp_schedule's values (parallel/pipeline.py SCHEDULES); pp_in_flight and pp_bubble
 model each."""
 
@@ -73,7 +74,7 @@ class Strategy:
     sequence_parallel: bool = True
     """With tp > 1: shard norms and residuals along the sequence (Korthikanti et al. 2022)."""
     pp_schedule: str = "1f1b"
-    """With pp > 1 (parallel.pp_schedule): 'gpipe', '1f1b', 'interleaved' or 'zb'."""
+    """With pp > 1 (parallel.pp_schedule): 'gpipe', '1f1b', 'interleaved', 'zb', 'zbv' or 'dualpipev'."""
     pp_virtual: int = 1
     """Model chunks per pipeline rank ('interleaved': >= 2; parallel.pp_virtual)."""
     pp_layers: str = ""
@@ -171,16 +172,22 @@ def _pipeline_errors(w: Workload, s: Strategy) -> list[str]:
     """The pipeline keys' mistakes (as config.py's validation words them for a run)."""
     lay, n = s.layout, w.model.n_layers
     stages = lay.pp * s.pp_virtual
-    if s.pp_schedule not in PP_SCHEDULES:
-        return [f"pp_schedule {s.pp_schedule!r}: choose {', '.join(PP_SCHEDULES)}"]
-    if (s.pp_schedule == "interleaved") != (s.pp_virtual > 1):
+    if s.pp_schedule not in PP_SCHEDULES and not s.pp_schedule.startswith("file:"):
+        return [f"pp_schedule {s.pp_schedule!r}: choose {', '.join(PP_SCHEDULES)} or 'file:PATH'"]
+    if s.pp_schedule.startswith("file:"):
+        pass  # a user's table: config validation checked it against pp, pp_virtual and grad_accum
+    elif s.pp_schedule in V_SHAPED:
+        if s.pp_virtual != 2 or (s.pp_schedule == "dualpipev" and s.grad_accum < 2 * lay.pp):
+            return [f"pp_schedule {s.pp_schedule!r} runs pp_virtual = 2 chunks per rank in a V"
+                    + (f" and grad_accum >= 2·pp = {2 * lay.pp}" if s.pp_schedule == "dualpipev" else "")]
+    elif (s.pp_schedule == "interleaved") != (s.pp_virtual > 1):
         return [f"pp_schedule {s.pp_schedule!r} with pp_virtual = {s.pp_virtual}: 'interleaved' runs "
                 f"pp_virtual >= 2 chunks per rank, the others one"]
     if stages > n:
         return [f"pp = {lay.pp}" + (f" x pp_virtual {s.pp_virtual}" if s.pp_virtual > 1 else "")
                 + f" = {stages} stages exceed the {n} layers"]
     errors = []
-    if s.pp_virtual > 1 and s.grad_accum % lay.pp:
+    if s.pp_schedule == "interleaved" and s.grad_accum % lay.pp:
         errors.append(f"the interleaved schedule sends micro-batches in groups of pp = {lay.pp}: "
                       f"grad_accum {s.grad_accum} must divide by it")
     if s.pp_layers:
@@ -354,6 +361,8 @@ def pp_in_flight(s: Strategy, index: int, split: list[int] | None = None) -> flo
         return 1
     if s.pp_schedule == "gpipe":
         return m
+    if s.pp_schedule in V_SHAPED or s.pp_schedule.startswith("file:"):  # the table's peak chunks, equal chunks
+        return min(check_table(table_for(s.pp_schedule, p, v, m)).peak_in_flight[index] / v, m)
     if s.pp_schedule == "interleaved":
         split = split or [1] * (p * v)
         return interleaved_peak(split, p, v, index, m) / sum(split[index::p])
@@ -388,6 +397,8 @@ def pp_bubble(s: Strategy) -> float:
     p, m = s.layout.pp, s.grad_accum
     if s.pp_schedule == "zb" and s.layout.tp == 1:
         return 2 * (p - 1) / (3 * m + 2 * (p - 1))
+    if s.pp_schedule in V_SHAPED or s.pp_schedule.startswith("file:"):  # the table's simulated idle share
+        return check_table(table_for(s.pp_schedule, p, s.pp_virtual, m)).idle
     return (p - 1) / (s.pp_virtual * m + p - 1)
 
 
