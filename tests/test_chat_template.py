@@ -21,6 +21,7 @@ from shardlm.data.loader import _windows
 from shardlm.data.sft import (DEFAULT_RECORD, IGNORE, check_chat_template, find_chat_template,
                               template_for)
 from shardlm.errors import ConfigError
+from test_sft_data import CHATS as SFT_CHATS
 
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
@@ -31,17 +32,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>",
             "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 EOS = 0  # config.json's eos_token_id: <|endoftext|> separates the packed examples
 
-CHATS = [
-    {"messages": [{"role": "system", "content": "You are terse."},
-                  {"role": "user", "content": "What is two plus two?"},
-                  {"role": "assistant", "content": "Four."}]},
-    {"messages": [{"role": "user", "content": "Name a colour."},
-                  {"role": "assistant", "content": "Blue."},
-                  {"role": "user", "content": "Another one?"},
-                  {"role": "assistant", "content": "Green, then red."}]},
-    {"messages": [{"role": "user", "content": "Say hi."},
-                  {"role": "assistant", "content": "Hi there!"}]},
-]
+CHATS = SFT_CHATS[:3]  # a system turn, two turns, one turn
 
 # Qwen2 / ChatML as published (without its default system message).
 CHATML = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
