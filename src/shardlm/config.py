@@ -159,6 +159,9 @@ class ModelConfig:
     router: str = "softmax"
     """'softmax' (Mixtral: top-k of softmax, renormalised) or 'sigmoid' (DeepSeek-V3: top-k of
     sigmoid scores, normalised)."""
+    router_topk_norm: bool = True
+    """Renormalise the top-k gating weights to sum to 1 (Mixtral; Qwen3-MoE's and OLMoE's
+    norm_topk_prob); false: each chosen expert weighs its own router probability (OLMoE)."""
     balance: str = "aux"
     """Load balancing: 'aux' (Switch's E·Σ f_i·P_i loss × aux_loss_coef), 'bias' (DeepSeek-V3's
     auxiliary-loss-free per-expert bias, moved by bias_update_rate after each step) or 'none'."""
