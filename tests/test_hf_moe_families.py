@@ -103,9 +103,18 @@ def test_mixtral_with_ep2_matches_one_process(tmp_path):
     """The Mixtral checkpoint with parallel.ep = 2 on 2 ranks (each reads only its 2 experts'
     tensors) against one process with the same global batch: losses and every parameter after
     2 steps within 1e-5 relative (fp32; the experts' rows grouped differently)."""
+    from shardlm.checkpoint.hf_names import hf_initializer
+    from shardlm.models.decoder import Decoder
+    from shardlm.placement import Split
+
     steps = 2
     hf_dir, _ = make_moe_dir(tmp_path, "mixtral")
     base = overrides(tmp_path, hf_dir, train__steps=steps, train__lr=1e-3, run__device="cpu")
+    m = load_config(overrides=base).validate().model
+    init = hf_initializer(hf_dir, Decoder(m), m)  # rank 1's piece: experts 2 and 3, read alone
+    whole = init("blocks.1.mlp.experts.gate_up")
+    piece = init.piece("blocks.1.mlp.experts.gate_up", Split(tuple(whole.shape), 0, ((2, 4),)))
+    assert torch.equal(piece, whole[2:]) and init.reader.elements_read == whole[2:].numel()
     out = run_ranks(train_cases, 2, tmp_path, [({**base, "parallel.ep": 2, "run.name": "ep"}, steps, -1)])
     ref = reference_case({**base, "run.name": "ref"}, 2, steps)
     ranks = [out[r][0] for r in range(2)]

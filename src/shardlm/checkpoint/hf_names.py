@@ -455,7 +455,9 @@ def hf_initializer(directory: str | Path, model: nn.Module, m: ModelConfig) -> I
         if source.experts and split.dim == 0:  # expert parallelism: only this rank's experts
             per = len(source.names) // source.experts
             inner = shape[2:]
-            return torch.stack([torch.cat([read(n, (rows, *inner)) for n, rows in
+            for hf_name in source.names:
+                present(hf_name)
+            return torch.stack([torch.cat([reader.read_block(n, (rows, *inner), 0, 0, rows) for n, rows in
                                            zip(source.names[e * per:(e + 1) * per],
                                                source.rows[e * per:(e + 1) * per])])
                                 for lo, hi in split.ranges for e in range(lo, hi)]).contiguous()
