@@ -141,3 +141,21 @@ def test_what_our_moe_cannot_compute_goes_the_transformers_way(tmp_path, name, e
     with pytest.raises(ConfigError, match=message):
         hf_shape(str(tmp_path), "model.hf_path", exact=True)
     assert causal_lm_config(str(tmp_path)) == str(tmp_path / "config.json")
+
+
+def test_mixtral_8x7b_config_sizes_to_the_published_count(tmp_path):
+    """The planner's view of a real Mixtral config.json (its published keys, no weights):
+    count_params = Mixtral 8x7B's 46,702,792,704 (presets.PUBLISHED_PARAMS)."""
+    from shardlm.models.flops import count_params
+    from shardlm.planner.shapes import model_from_hf_config
+    from shardlm.presets import PUBLISHED_PARAMS
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
+        "sliding_window": None, "tie_word_embeddings": False}))
+    m = model_from_hf_config(str(tmp_path / "config.json"))
+    assert (m.experts, m.top_k, m.expert_d_ff, m.aux_loss_coef) == (8, 2, 14336, 0.02)
+    assert count_params(m) == PUBLISHED_PARAMS["mixtral-8x7b"]
