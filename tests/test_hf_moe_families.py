@@ -132,6 +132,7 @@ def test_mixtral_with_ep2_matches_one_process(tmp_path):
     ("mixtral", {"router_jitter_noise": 0.1}, r"router_jitter_noise = 0.1"),
     ("qwen3_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers = \[1\]"),
     ("olmoe", {"clip_qkv": 8.0}, r"clip_qkv = 8.0"),
+    ("olmoe", {"head_dim": 32}, r"head_dim = 32 \(olmoe's is hidden_size / num_attention_heads = 16\)"),
 ])
 def test_what_our_moe_cannot_compute_goes_the_transformers_way(tmp_path, name, extra, message):
     """A checkpoint with a feature our mixture does not compute is refused by name for our
@@ -159,3 +160,27 @@ def test_mixtral_8x7b_config_sizes_to_the_published_count(tmp_path):
     m = model_from_hf_config(str(tmp_path / "config.json"))
     assert (m.experts, m.top_k, m.expert_d_ff, m.aux_loss_coef) == (8, 2, 14336, 0.02)
     assert count_params(m) == PUBLISHED_PARAMS["mixtral-8x7b"]
+
+
+@pytest.mark.parametrize("fields, answer", [
+    ({}, "mixtral"),
+    ({"qk_norm": True}, "qwen3_moe"),
+    ({"qk_norm": True, "moe_every": 2, "router_topk_norm": False}, "qwen3_moe"),
+    ({"qk_norm": True, "qk_norm_width": "all", "router_topk_norm": False}, "olmoe"),
+    ({"router_topk_norm": False}, r"MixtralForCausalLM: model.router_topk_norm = false \(Mixtral always"),
+    ({"qk_norm": True, "qk_norm_width": "all", "moe_every": 2},
+     r"OlmoeForCausalLM: model.moe_every = 2 \(blocks \[0\] are dense"),
+    ({"family": "qwen3_moe"}, r"Qwen3MoeForCausalLM \(model.family\): model.qk_norm = False"),
+    ({"family": "qwen3"}, r"to transformers' qwen3 class \(model.family\): it has no experts"),
+])
+def test_which_moe_class_exports_a_mixture(fields, answer):
+    """A mixture of ours exports to the class its fields imply (or model.family's), and one the
+    class cannot express is a ConfigError naming each field."""
+    from shardlm.checkpoint.hf_names import hf_family
+
+    cfg = load_config(overrides={"model.preset": "moe-tiny", **{f"model.{k}": v for k, v in fields.items()}})
+    if "(" not in answer:
+        assert hf_family(cfg.model) == answer
+        return
+    with pytest.raises(ConfigError, match=answer):
+        hf_family(cfg.model)

@@ -81,7 +81,7 @@ def rope_parameters(m: ModelConfig) -> dict:
 
 
 def hf_config(m: ModelConfig, eot: int | None):
-    """The GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config or MixtralConfig describing exactly
+    """The GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config, MixtralConfig, ... describing exactly
     our model (hf_family chooses)."""
     tf = _import_transformers()
     tokens = {"bos_token_id": eot, "eos_token_id": eot, "vocab_size": m.vocab_size,

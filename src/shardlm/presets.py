@@ -270,7 +270,7 @@ def _llama_like_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope
         problems.append(f"hidden_act = {hf['hidden_act']!r} (ours is 'silu')")
     head_dim = hf.get("head_dim")
     if head_dim and head_dim != shape["d_model"] // heads:
-        if kind in ("qwen2", "phi3", "olmo2", "granite", "smollm3"):  # no head_dim in their
+        if kind in ("qwen2", "phi3", "olmo2", "granite", "smollm3", "olmoe"):  # no head_dim in their
             # configs: an export could not write it back
             problems.append(f"head_dim = {head_dim} ({kind}'s is hidden_size / "
                             f"num_attention_heads = {shape['d_model'] // heads})")
