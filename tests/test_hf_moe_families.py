@@ -100,8 +100,8 @@ def test_moe_family_loads_and_exports_bit_for_bit(tmp_path, name):
 
 
 def test_mixtral_with_ep2_matches_one_process(tmp_path):
-    """The Mixtral checkpoint with parallel.ep = 2 on 2 ranks (each reads only its 2 experts'
-    tensors) against one process with the same global batch: losses and every parameter after
+    """The Mixtral checkpoint, and the Qwen3-MoE one (a dense block, then a sparse one), with
+    parallel.ep = 2 on 2 ranks (each reads only its 2 experts' tensors) against one process with the same global batch: losses and every parameter after
     2 steps within 1e-5 relative (fp32; the experts' rows grouped differently)."""
     from shardlm.checkpoint.hf_names import hf_initializer
     from shardlm.models.decoder import Decoder
@@ -115,17 +115,22 @@ def test_mixtral_with_ep2_matches_one_process(tmp_path):
     whole = init("blocks.1.mlp.experts.gate_up")
     piece = init.piece("blocks.1.mlp.experts.gate_up", Split(tuple(whole.shape), 0, ((2, 4),)))
     assert torch.equal(piece, whole[2:]) and init.reader.elements_read == whole[2:].numel()
-    out = run_ranks(train_cases, 2, tmp_path, [({**base, "parallel.ep": 2, "run.name": "ep"}, steps, -1)])
-    ref = reference_case({**base, "run.name": "ref"}, 2, steps)
-    ranks = [out[r][0] for r in range(2)]
-    for got in ranks:
-        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
-    whole = whole_params(ranks)
-    assert whole.keys() == ref["params"].keys()
-    for n, v in ref["params"].items():
-        rel = float((whole[n] - v).norm() / v.norm().clamp_min(1e-12))
-        assert rel <= 1e-5, (n, rel)
-    assert ref["losses"][1] != ref["losses"][0]  # it trained
+    qwen_dir, _ = make_moe_dir(tmp_path, "qwen3_moe")
+    qwen = overrides(tmp_path, qwen_dir, train__steps=steps, train__lr=1e-3, run__device="cpu")
+    out = run_ranks(train_cases, 2, tmp_path, [({**base, "parallel.ep": 2, "run.name": "ep"}, steps, -1),
+                                               ({**qwen, "parallel.ep": 2, "run.name": "qep"}, steps, -1)])
+    refs = [reference_case({**base, "run.name": "ref"}, 2, steps),
+            reference_case({**qwen, "run.name": "qref"}, 2, steps)]
+    for case, ref in enumerate(refs):
+        ranks = [out[r][case] for r in range(2)]
+        for got in ranks:
+            assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), case
+        whole = whole_params(ranks)
+        assert whole.keys() == ref["params"].keys()
+        for n, v in ref["params"].items():
+            rel = float((whole[n] - v).norm() / v.norm().clamp_min(1e-12))
+            assert rel <= 1e-5, (case, n, rel)
+        assert ref["losses"][1] != ref["losses"][0]  # it trained
 
 
 @pytest.mark.parametrize("name, extra, message", [
