@@ -56,7 +56,7 @@ EXPRESSES = {
     "gpt_neox": {"parallel_residual", "rope_fraction", "activation"},
     "phi3": {"sliding_window", "rope_fraction"},
     "stablelm": {"qkv_bias", "rope_fraction"},  # LayerNorms: STABLELM_STYLE
-    # the mixtures of experts (their experts: _moe_problems)
+    # the mixtures of experts (their experts: _moe_family)
     "mixtral": {"head_dim", "sliding_window"},
     "qwen3_moe": {"head_dim", "qk_norm"},
     "olmoe": {"qk_norm", "qk_norm_width"},
@@ -278,8 +278,9 @@ def parts_first(theirs: torch.Tensor, heads: int) -> torch.Tensor:
 
 def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
     """Our parameter name -> its HF source, for every dense parameter of a 'gpt2', 'llama' or
-    LLaMA-style model of shape `m` (a mixture's router and experts: moe_sources). Biases are listed only where
-    ours has them; GPT-2's, always present there, are export's to fill with zeros."""
+    LLaMA-style model of shape `m` (a mixture's router and experts: moe_sources). Biases are
+    listed only where ours has them; GPT-2's, always present there, are export's to fill with
+    zeros."""
     hd = head_dim(m)
     q, kv, d = m.n_heads * hd, (m.n_kv_heads or m.n_heads) * hd, m.d_model
     out: dict[str, HFSource] = {}
