@@ -77,6 +77,11 @@ def test_moe_family_loads_and_exports_bit_for_bit(tmp_path, name):
     m = cfg.model
     assert (m.family, m.experts, m.top_k, m.router_topk_norm) == (name, 4, 2, name != "olmoe")
     assert m.moe_every == (2 if name == "qwen3_moe" else 1)
+    assert (m.aux_loss_coef, m.z_loss_coef) == (0.01 if name == "olmoe" else 0.001, 0.0)
+    if name == "olmoe":  # the balancing losses are the run's to choose, not the checkpoint's shape
+        tuned = load_config(overrides=overrides(tmp_path, hf_dir, model__z_loss_coef=1e-3,
+                                                model__aux_loss_coef=0.1)).validate().model
+        assert (tuned.z_loss_coef, tuned.aux_loss_coef) == (1e-3, 0.1)
     run = build_run(cfg)
     x, _ = run.train_loader.micro_batches(0)[0]
     with torch.no_grad():

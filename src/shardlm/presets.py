@@ -114,6 +114,9 @@ GEMMA = ("gemma", "gemma2", "gemma3_text")
 _gemma_shape)."""
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 """LLaMA-style mixtures of experts (hf_shape's _moe_shape): softmax routers over SwiGLU experts."""
+TRAINING_DEFAULTS = ("aux_loss_coef", "z_loss_coef")
+"""[model] values hf_shape reads from config.json as the run's defaults only: they shape
+training, not the network (the balancing losses change no logits), so [model] may set others."""
 LOADABLE = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "granite", "smollm3",
             "starcoder2", "gpt_neox", "stablelm") + GEMMA + MOE_FAMILIES
 PARTIAL_ROTARY = ("phi3", "gpt_neox", "stablelm")
