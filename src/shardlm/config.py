@@ -159,6 +159,9 @@ class ModelConfig:
     router: str = "softmax"
     """'softmax' (Mixtral: top-k of softmax, renormalised) or 'sigmoid' (DeepSeek-V3: top-k of
     sigmoid scores, normalised)."""
+    router_topk_norm: bool = True
+    """Renormalise the top-k gating weights to sum to 1 (Mixtral; Qwen3-MoE's and OLMoE's
+    norm_topk_prob); false: each chosen expert weighs its own router probability (OLMoE)."""
     balance: str = "aux"
     """Load balancing: 'aux' (Switch's E·Σ f_i·P_i loss × aux_loss_coef), 'bias' (DeepSeek-V3's
     auxiliary-loss-free per-expert bias, moved by bias_update_rate after each step) or 'none'."""
@@ -682,7 +685,8 @@ def _hf_shape_layer(values: dict[str, Any]) -> dict[str, Any]:
     map, models/hf_build.py). A [model] shape key the user also set
     must agree with it: the checkpoint's weights have that shape, so a different value could
     only fail later (or, for a value like norm_eps, silently train another network)."""
-    from shardlm.presets import causal_lm_config, causal_lm_shape, encoder_decoder_config, hf_shape, seq2seq_shape
+    from shardlm.presets import (TRAINING_DEFAULTS, causal_lm_config, causal_lm_shape,
+                                 encoder_decoder_config, hf_shape, seq2seq_shape)
 
     option = "model.hf_config" if values.get("model.hf_config") else "model.hf_path"
     path = str(values[option])
@@ -703,7 +707,8 @@ def _hf_shape_layer(values: dict[str, Any]) -> dict[str, Any]:
                           f"{path}/config.json)")
     hints = get_type_hints(ModelConfig)
     conflicts = [f"{k} = {values[k]!r} (config.json: {v!r})" for k, v in shape.items()
-                 if k in values and _coerce(k, values[k], hints[k.partition('.')[2]]) != v]
+                 if k in values and k.partition('.')[2] not in TRAINING_DEFAULTS
+                 and _coerce(k, values[k], hints[k.partition('.')[2]]) != v]
     if conflicts:
         raise ConfigError(f"{option} = {path!r}: these [model] keys disagree with its "
                           f"config.json, which gives the model's shape: {'; '.join(conflicts)}; drop them")

@@ -39,7 +39,7 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 CHECKPOINT_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
                        "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "starcoder2", "gpt_neox",
-                       "stablelm", "mixtral")
+                       "stablelm", "mixtral", "qwen3_moe", "olmoe")
 """model.family: the transformers model_types checkpoint/hf_names.py has a name table for."""
 """model.rope_type: transformers' ROPE_INIT_FUNCTIONS our decoder computes (models/decoder.py)."""
 """model.attention's kernels (shardlm.models.attention)."""

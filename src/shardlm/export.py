@@ -6,10 +6,11 @@ in the config: Llama 3.1-3.3), with q/k/v-only biases a `Qwen2ForCausalLM`, with
 norms a `Qwen3ForCausalLM`, with Gemma's (1 + w) norms a `GemmaForCausalLM`,
 `Gemma2ForCausalLM` (sandwich norms, soft-capping, sliding blocks) or `Gemma3ForCausalLM` (and
 q/k norms, two RoPE bases), and a LLaMA-style mixture of
-experts (model.experts > 0) a `MixtralForCausalLM`; all reproduce our logits (the model code
+experts (model.experts > 0) a `MixtralForCausalLM` (with per-head q/k norms a
+`Qwen3MoeForCausalLM`, with whole-width ones an `OlmoeForCausalLM`); all reproduce our logits (the model code
 already computes exactly what those classes compute: GELU tanh, rotate-half RoPE with HF's
 frequency table, Mixtral's softmax router renormalised over the top k). Configs that no class
-can express — mixed styles, or experts Mixtral cannot hold (sigmoid routers, shared experts,
+can express — mixed styles, or experts those classes cannot hold (sigmoid routers, shared experts,
 dense blocks between the sparse ones, capacity dropping) — are a ConfigError naming each field.
 
 The output directory holds `model.safetensors`, `config.json`, `generation_config.json` (written
@@ -39,8 +40,8 @@ import torch
 
 from shardlm.checkpoint import (TOKENIZER, WEIGHTS, load_config_json, load_for_inference,
                                resolve_run_dir)
-from shardlm.checkpoint.hf_names import (GEMMA_FAMILIES, heads_first, hf_family, hf_sources,
-                                         query_pre_attn_scalar)
+from shardlm.checkpoint.hf_names import (GEMMA_FAMILIES, MOE_FAMILIES, heads_first, hf_family,
+                                         hf_sources, moe_sources, query_pre_attn_scalar)
 from shardlm.checkpoint.weights import HF_CONFIG
 from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, merged_state_dict, peft_adapter, write_adapter
 from shardlm.config import ModelConfig
@@ -80,7 +81,7 @@ def rope_parameters(m: ModelConfig) -> dict:
 
 
 def hf_config(m: ModelConfig, eot: int | None):
-    """The GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config or MixtralConfig describing exactly
+    """The GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config, MixtralConfig, ... describing exactly
     our model (hf_family chooses)."""
     tf = _import_transformers()
     tokens = {"bos_token_id": eot, "eos_token_id": eot, "vocab_size": m.vocab_size,
@@ -92,20 +93,28 @@ def hf_config(m: ModelConfig, eot: int | None):
                              n_inner=resolved_d_ff(m), n_positions=m.max_seq_len,
                              layer_norm_epsilon=m.norm_eps, activation_function="gelu_new",
                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **tokens)
-    if family == "mixtral":
-        # Every block sparse (hf_family checked), so intermediate_size is the experts' width.
-        # No sliding window and no router jitter: ours attends to the whole context and routes
-        # deterministically. The router logits are not returned by default (they are for the
-        # balancing loss of a fine-tune, output_router_logits=True).
-        return tf.MixtralConfig(hidden_size=m.d_model, intermediate_size=expert_d_ff(m),
-                                num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
-                                num_key_value_heads=m.n_kv_heads or m.n_heads,
-                                max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                                head_dim=head_dim(m), rope_parameters=rope_parameters(m),
-                                sliding_window=None, hidden_act="silu",
-                                num_local_experts=m.experts, num_experts_per_tok=m.top_k,
-                                router_aux_loss_coef=m.aux_loss_coef if m.balance == "aux" else 0.0,
-                                output_router_logits=False, router_jitter_noise=0.0, **tokens)
+    if family in MOE_FAMILIES:
+        # No router jitter: ours routes deterministically. The router logits are not returned by
+        # default (they are for the balancing loss of a fine-tune, output_router_logits=True).
+        moe = dict(hidden_size=m.d_model, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                   num_key_value_heads=m.n_kv_heads or m.n_heads,
+                   max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                   rope_parameters=rope_parameters(m), hidden_act="silu",
+                   num_experts_per_tok=m.top_k, output_router_logits=False,
+                   router_aux_loss_coef=m.aux_loss_coef if m.balance == "aux" else 0.0, **tokens)
+        if family == "mixtral":  # every block sparse (hf_family checked): the experts' width
+            return tf.MixtralConfig(intermediate_size=expert_d_ff(m), head_dim=head_dim(m),
+                                    sliding_window=m.sliding_window or None,
+                                    num_local_experts=m.experts, router_jitter_noise=0.0, **moe)
+        if family == "qwen3_moe":  # per-head q/k norms; dense blocks between each moe_every-th
+            return tf.Qwen3MoeConfig(intermediate_size=resolved_d_ff(m), moe_intermediate_size=expert_d_ff(m),
+                                     head_dim=head_dim(m), num_experts=m.experts,
+                                     decoder_sparse_step=m.moe_every, mlp_only_layers=[],
+                                     norm_topk_prob=m.router_topk_norm, attention_bias=False,
+                                     use_sliding_window=False, **moe)
+        return tf.OlmoeConfig(intermediate_size=expert_d_ff(m), num_experts=m.experts,  # olmoe
+                              norm_topk_prob=m.router_topk_norm, attention_bias=False, clip_qkv=None,
+                              pad_token_id=None, **moe)
     if family == "qwen2":  # LLaMA with biases on q, k and v only, full attention
         return tf.Qwen2Config(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
                               num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
@@ -229,34 +238,33 @@ def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig,
         if family == "gpt2" and ours.startswith(("blocks.", "norm_f.")) and ours.endswith(".weight") \
                 and bias not in sources:
             out[f"{source.names[0].removesuffix('.weight')}.bias"] = torch.zeros(sum(source.rows))
-    if family == "mixtral":
-        for i in range(m.n_layers):
-            out.update(_mixtral_experts(sd, m, f"blocks.{i}", f"model.layers.{i}", stacked_experts))
+    out.update(_moe_experts(sd, m, family, stacked_experts))
     return out
 
 
-def _mixtral_experts(sd: dict[str, torch.Tensor], m: ModelConfig, b: str, h: str,
-                     stacked: bool) -> dict[str, torch.Tensor]:
-    """Block `b`'s mixture of experts as Mixtral layer `h`'s: the router is its `gate`, and
-    expert e's w1 (the gate projection), w3 (up) and w2 (down) are rows [0, f) and [f, 2f) of
-    our gate_up[e], and down[e].
+def _moe_experts(sd: dict[str, torch.Tensor], m: ModelConfig, family: str,
+                 stacked: bool) -> dict[str, torch.Tensor]:
+    """A mixture's routers and experts (Mixtral, Qwen3-MoE, OLMoE; {} for a dense family).
 
-    transformers >= 5 stores the experts stacked exactly as ours (`mlp.experts.gate_up_proj`
-    (E, 2f, d), gate rows first, and `down_proj` (E, d, f)); its save_pretrained writes them
-    per expert, as Mixtral's published checkpoints are. transformers 4 holds that per-expert
-    layout in memory (`block_sparse_moe.experts.{e}.w1`). Either way the files hold
-    `block_sparse_moe.gate.weight` and `block_sparse_moe.experts.{e}.w1/w2/w3.weight`."""
-    router = sd[f"{b}.mlp.router.weight"]
-    gate_up, down = sd[f"{b}.mlp.experts.gate_up"], sd[f"{b}.mlp.experts.down"]
-    if stacked:
-        return {f"{h}.mlp.gate.weight": router, f"{h}.mlp.experts.gate_up_proj": gate_up,
-                f"{h}.mlp.experts.down_proj": down}
-    f = expert_d_ff(m)
-    out = {f"{h}.block_sparse_moe.gate.weight": router}
-    for e in range(m.experts):
-        w1, w3 = gate_up[e].split([f, f])
-        for name, t in (("w1", w1), ("w3", w3), ("w2", down[e])):
-            out[f"{h}.block_sparse_moe.experts.{e}.{name}.weight"] = t.contiguous()
+    transformers >= 5 holds the experts stacked exactly as ours (`mlp.experts.gate_up_proj`
+    (E, 2f, d), gate rows first, and `down_proj` (E, d, f)) and the router as `mlp.gate`; its
+    save_pretrained writes them per expert, as the published checkpoints are (the names
+    model.hf_path loads: hf_names.moe_sources). transformers 4 holds that per-expert layout in
+    memory, so `stacked` = false writes the files' names."""
+    sources, out = moe_sources(m, family), {}
+    for i in ([] if not sources else range(m.n_layers)):
+        b, h = f"blocks.{i}", f"model.layers.{i}"
+        if f"{b}.mlp.router.weight" not in sources:  # a dense block (Qwen3-MoE's moe_every)
+            continue
+        if stacked:
+            out.update({f"{h}.mlp.gate.weight": sd[f"{b}.mlp.router.weight"],
+                        f"{h}.mlp.experts.gate_up_proj": sd[f"{b}.mlp.experts.gate_up"],
+                        f"{h}.mlp.experts.down_proj": sd[f"{b}.mlp.experts.down"]})
+            continue
+        for ours in ("mlp.router.weight", "mlp.experts.gate_up", "mlp.experts.down"):
+            source, tensor = sources[f"{b}.{ours}"], sd[f"{b}.{ours}"]
+            flat = tensor.reshape(-1, *tensor.shape[2:]) if source.experts else tensor
+            out.update({n: p.contiguous() for n, p in zip(source.names, flat.split(list(source.rows)))})
     return out
 
 
@@ -322,7 +330,8 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
            "mistral": tf.MistralForCausalLM, "phi3": tf.Phi3ForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
            "granite": tf.GraniteForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
            "starcoder2": tf.Starcoder2ForCausalLM, "gpt_neox": tf.GPTNeoXForCausalLM,
-           "stablelm": tf.StableLmForCausalLM}[hf_family(m)]
+           "stablelm": tf.StableLmForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM,
+           "olmoe": tf.OlmoeForCausalLM}[hf_family(m)]
     with torch.device("meta"):  # no memory and no random init: every tensor comes from `sd`
         hf_model = cls(config)
     stacked = any(n.endswith(".experts.gate_up_proj") for n, _ in hf_model.named_parameters())

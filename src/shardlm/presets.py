@@ -107,13 +107,18 @@ def get_preset(name: str) -> dict[str, Any]:
 # -- transformers config.json as a shape ------------------------------------------------------
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo",
-                "olmo2", "granite", "smollm3")
+                "olmo2", "granite", "smollm3", "mixtral", "qwen3_moe", "olmoe")
 """model_type values with LLaMA's shape (RMSNorm, RoPE, SwiGLU): what the planner can size."""
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 """Gemma 1, 2 and 3 (text): (1 + w) norms, sqrt(d)-scaled embeddings, GeGLU (hf_shape's
 _gemma_shape)."""
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+"""LLaMA-style mixtures of experts (hf_shape's _moe_shape): softmax routers over SwiGLU experts."""
+TRAINING_DEFAULTS = ("aux_loss_coef", "z_loss_coef")
+"""[model] values hf_shape reads from config.json as the run's defaults only: they shape
+training, not the network (the balancing losses change no logits), so [model] may set others."""
 LOADABLE = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "granite", "smollm3",
-            "starcoder2", "gpt_neox", "stablelm") + GEMMA
+            "starcoder2", "gpt_neox", "stablelm") + GEMMA + MOE_FAMILIES
 PARTIAL_ROTARY = ("phi3", "gpt_neox", "stablelm")
 """Families whose transformers code rotates only partial_rotary_factor of each head (the others
 ignore the key, so a checkpoint that sets it is refused)."""
@@ -226,17 +231,19 @@ def _llama_like_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope
     attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
     if kind == "qwen2":  # biases on q, k and v, none on the output and MLP projections
         shape["qkv_bias"] = True
-    elif kind == "qwen3":  # an RMSNorm on each query and key head; attention_bias: on q/k/v/o
+    elif kind in ("qwen3", "qwen3_moe"):  # an RMSNorm on each query and key head; attention_bias: on q/k/v/o
         shape["qk_norm"] = True
         if attention_bias:
-            problems.append("attention_bias = True (Qwen3's biases on q/k/v/o only; our "
+            problems.append(f"attention_bias = True ({kind}'s biases on q/k/v/o only; our "
                             "model.bias also puts them on the MLP)")
         attention_bias = False
-    elif kind == "olmo2":  # norms after attention and the MLP; q/k norms over whole projections
-        shape.update(norm_placement="post", qk_norm=True, qk_norm_width="all")
+    elif kind in ("olmo2", "olmoe"):  # q/k norms over whole projections; OLMo-2: post-norms
+        shape.update(qk_norm=True, qk_norm_width="all")
+        if kind == "olmo2":
+            shape["norm_placement"] = "post"
         if attention_bias:
-            problems.append("attention_bias = True (OLMo-2's biases on q/k/v/o only; our "
-                            "model.bias also puts them on the MLP)")
+            problems.append(f"attention_bias = True ({kind}'s biases on q/k/v/o only; our "
+                            f"model.bias also puts them on the MLP)")
         attention_bias = False
     elif kind in GEMMA:
         rope = _gemma_shape(hf, kind, shape, rope, problems)
@@ -253,8 +260,10 @@ def _llama_like_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope
                  tie_embeddings=bool(key("tie_word_embeddings", default=kind in GEMMA)),
                  norm_eps=float(key("rms_norm_eps", default=1e-6)),
                  rope_theta=float(key("rope_theta", default=rope.get("rope_theta", 10000.0))))
+    if kind in MOE_FAMILIES:
+        _moe_shape(hf, kind, shape, problems)
     window = hf.get("sliding_window")
-    if kind in ("mistral", "phi3") and window:  # every block slides: the window as a mask
+    if kind in ("mistral", "phi3", "mixtral") and window:  # every block slides: the window as a mask
         shape.update(sliding_window=int(window), global_every=0)
     elif exact and window and hf.get("use_sliding_window", True) and kind not in GEMMA:
         # Qwen2/3's windows sit on the layers past max_window_layers: identical to full
@@ -264,7 +273,7 @@ def _llama_like_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope
         problems.append(f"hidden_act = {hf['hidden_act']!r} (ours is 'silu')")
     head_dim = hf.get("head_dim")
     if head_dim and head_dim != shape["d_model"] // heads:
-        if kind in ("qwen2", "phi3", "olmo2", "granite", "smollm3"):  # no head_dim in their
+        if kind in ("qwen2", "phi3", "olmo2", "granite", "smollm3", "olmoe"):  # no head_dim in their
             # configs: an export could not write it back
             problems.append(f"head_dim = {head_dim} ({kind}'s is hidden_size / "
                             f"num_attention_heads = {shape['d_model'] // heads})")
@@ -390,6 +399,36 @@ def _stablelm_shape(hf: dict[str, Any], shape: dict[str, Any], rope: dict[str, A
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act = {hf['hidden_act']!r} (ours is 'silu')")
     shape.update(_rope_shape(hf, rope, shape["max_seq_len"], problems, partial_ok=True))
+
+
+def _moe_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], problems: list[str]) -> None:
+    """Mixtral's, Qwen3-MoE's and OLMoE's experts into `shape` (models/moe.py): a softmax router
+    choosing num_experts_per_tok of the experts (renormalised over them where norm_topk_prob;
+    Mixtral always), every block sparse but Qwen3-MoE's decoder_sparse_step (model.moe_every),
+    dropless, no shared experts. The balancing loss is router_aux_loss_coef's (it shapes
+    training, not the logits); none of the three has a router z-loss."""
+    experts = hf.get("num_local_experts") if kind == "mixtral" else hf.get("num_experts")
+    experts = experts if experts is not None else hf.get("num_local_experts", hf.get("num_experts"))
+    if not experts:
+        problems.append(f"num_experts = {experts!r} (a {kind} checkpoint without experts)")
+        return
+    width = hf.get("moe_intermediate_size") if kind == "qwen3_moe" else hf.get("intermediate_size")
+    shape.update(experts=int(experts), top_k=int(hf.get("num_experts_per_tok", 2)),
+                 expert_d_ff=int(width or shape["d_ff"]), shared_experts=0, capacity_factor=0.0,
+                 router="softmax", balance="aux", z_loss_coef=0.0,
+                 aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0) or 0.0),
+                 router_topk_norm=kind == "mixtral" or bool(hf.get("norm_topk_prob", False)))
+    if hf.get("router_jitter_noise"):  # Mixtral's training-time noise on the router's input
+        problems.append(f"router_jitter_noise = {hf['router_jitter_noise']} (our router adds no "
+                        f"noise; 0 maps)")
+    if kind == "qwen3_moe":
+        step = int(hf.get("decoder_sparse_step", 1) or 1)
+        shape["moe_every"] = step
+        if hf.get("mlp_only_layers"):
+            problems.append(f"mlp_only_layers = {hf['mlp_only_layers']} (ours: dense blocks only "
+                            f"between every decoder_sparse_step-th, model.moe_every)")
+    if kind == "olmoe" and hf.get("clip_qkv") is not None:
+        problems.append(f"clip_qkv = {hf['clip_qkv']} (our attention does not clamp q/k/v)")
 
 
 def _smollm3_shape(hf: dict[str, Any], shape: dict[str, Any], problems: list[str]) -> None:

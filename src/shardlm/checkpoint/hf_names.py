@@ -7,13 +7,14 @@ format (peft_adapter.py) both ask it.
 Each of our parameters is one or more HF tensors concatenated along our first dimension:
 `attn.qkv` is q_proj, k_proj, v_proj (rows q, then k, then v — GPT-2's c_attn is already fused);
 SwiGLU's `mlp.gate_up` is gate_proj then up_proj. GPT-2's Conv1D stores its weight as (in, out),
-the transpose of nn.Linear's. The experts of a mixture (Mixtral) are export's own business.
+the transpose of nn.Linear's. A mixture's router and experts (Mixtral, Qwen3-MoE, OLMoE) are
+`moe_sources`: one file tensor per expert, stacked along our first dimension.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 from shardlm.checkpoint.hf_dir import HFDirError, HFDirReader
 from shardlm.config import ModelConfig
 from shardlm.errors import ConfigError
-from shardlm.models.flops import head_dim, moe_layers, resolved_d_ff
+from shardlm.models.flops import expert_d_ff, head_dim, is_moe_block, moe_layers, resolved_d_ff
 from shardlm.models.init import Initializer
 
 
@@ -55,9 +56,16 @@ EXPRESSES = {
     "gpt_neox": {"parallel_residual", "rope_fraction", "activation"},
     "phi3": {"sliding_window", "rope_fraction"},
     "stablelm": {"qkv_bias", "rope_fraction"},  # LayerNorms: STABLELM_STYLE
+    # the mixtures of experts (their experts: _moe_family)
+    "mixtral": {"head_dim", "sliding_window"},
+    "qwen3_moe": {"head_dim", "qk_norm"},
+    "olmoe": {"qk_norm", "qk_norm_width"},
 }
 REQUIRED = {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True}, "stablelm": {"norm_bias": True},
-            "olmo2": {"qk_norm": True, "qk_norm_width": "all", "norm_placement": "post"}}
+            "olmo2": {"qk_norm": True, "qk_norm_width": "all", "norm_placement": "post"},
+            "qwen3_moe": {"qk_norm": True}, "olmoe": {"qk_norm": True, "qk_norm_width": "all"}}
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+"""The LLaMA-style mixtures of experts: a softmax router over SwiGLU experts (moe_sources)."""
 BIASED = ("llama", "granite", "smollm3", "starcoder2", "gpt_neox")
 """Families whose attention and MLP linears may all have biases (model.bias)."""
 
@@ -68,11 +76,12 @@ def hf_family(m: ModelConfig) -> str:
     'llama' (Llama 1-3.3: any model.rope_type, model.head_dim), 'qwen2' (biases on q/k/v only),
     'qwen3' (per-head q/k norms), 'olmo2' (post-norms, whole-width q/k norms), 'granite'
     (multipliers), 'smollm3' (NoPE blocks), 'mistral' (a sliding window), 'gemma' / 'gemma2' /
-    'gemma3_text' (model.norm_offset: plain, sandwich norms, and q/k norms) or 'mixtral'. A
+    'gemma3_text' (model.norm_offset: plain, sandwich norms, and q/k norms); with experts
+    'mixtral', 'qwen3_moe' (per-head q/k norms) or 'olmoe' (whole-width q/k norms). A
     ConfigError names every field the class cannot express."""
     chosen = {k: getattr(m, k) for k in GPT2_STYLE}
     if m.experts:
-        return _mixtral_family(m, chosen)
+        return _moe_family(m, chosen)
     if chosen == GPT2_STYLE:
         if m.qkv_bias and not m.bias:
             raise ConfigError("cannot export to GPT2LMHeadModel: model.qkv_bias = true with model.bias "
@@ -193,35 +202,50 @@ def _gemma_problems(m: ModelConfig, family: str) -> list[str]:
     return problems
 
 
-def _mixtral_family(m: ModelConfig, chosen: dict[str, str]) -> str:
-    """'mixtral', or a ConfigError listing every field of this mixture of experts that
-    MixtralForCausalLM (the transformers class for a LLaMA-style MoE) cannot express, and why.
+def _moe_family(m: ModelConfig, chosen: dict[str, str]) -> str:
+    """'mixtral', 'qwen3_moe' or 'olmoe' (model.family, else by the q/k norms), or a ConfigError
+    listing every field of this mixture of experts that the class cannot express, and why.
     The router's z-loss and the balancing loss only shape training: they need no counterpart
     (router_aux_loss_coef is recorded for a fine-tune of the export)."""
-    problems = [f"model.{k} = {chosen[k]!r} (Mixtral is LLaMA-style: {k}={v!r})"
+    implied = ("olmoe" if m.qk_norm_width == "all" else "qwen3_moe") if m.qk_norm else "mixtral"
+    family = m.family or implied
+    if family not in MOE_FAMILIES:
+        raise ConfigError(f"cannot export this mixture-of-experts model (model.experts = "
+                          f"{m.experts}) to transformers' {family} class (model.family): it has "
+                          f"no experts; {', '.join(MOE_FAMILIES)} have")
+    name = {"mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE"}[family]
+    problems = [f"model.{k} = {chosen[k]!r} ({name} is LLaMA-style: {k}={v!r})"
                 for k, v in LLAMA_STYLE.items() if chosen[k] != v]
+    if chosen == LLAMA_STYLE:  # the attention's fields (the biases: below)
+        problems += _llama_problems(replace(m, bias=False), family)
     if m.bias:
-        problems.append("model.bias = True (Mixtral's linears have no biases)")
+        problems.append(f"model.bias = True ({name}'s linears have no biases)")
     if m.router != "softmax":
-        problems.append(f"model.router = {m.router!r} (Mixtral's router is a softmax over all "
-                        f"experts, renormalised over the top k)")
+        problems.append(f"model.router = {m.router!r} ({name}'s router is a softmax over all "
+                        f"experts)")
+    if family == "mixtral" and not m.router_topk_norm:
+        problems.append("model.router_topk_norm = false (Mixtral always renormalises the top k's "
+                        "probabilities; Qwen3-MoE and OLMoE have norm_topk_prob)")
     if m.balance == "bias":
-        problems.append("model.balance = 'bias' (the balancing bias changes which experts are "
-                        "chosen; Mixtral chooses on the router's probabilities alone)")
+        problems.append(f"model.balance = 'bias' (the balancing bias changes which experts are "
+                        f"chosen; {name} chooses on the router's probabilities alone)")
     if m.shared_experts:
-        problems.append(f"model.shared_experts = {m.shared_experts} (Mixtral has no shared "
+        problems.append(f"model.shared_experts = {m.shared_experts} ({name} has no shared "
                         f"experts: every token goes through its top k only)")
     dense = sorted(set(range(m.n_layers)) - set(moe_layers(m)))
-    if dense:
+    if dense and family != "qwen3_moe":  # Qwen3-MoE's decoder_sparse_step is model.moe_every
         problems.append(f"model.moe_every = {m.moe_every} (blocks {dense} are dense; every "
-                        f"Mixtral block is a mixture of experts)")
+                        f"{name} block is a mixture of experts; Qwen3-MoE has dense ones)")
     if m.capacity_factor > 0:
-        problems.append(f"model.capacity_factor = {m.capacity_factor:g} (Mixtral is dropless: an "
+        problems.append(f"model.capacity_factor = {m.capacity_factor:g} ({name} is dropless: an "
                         f"expert takes every token routed to it; 0 maps)")
     if problems:
-        raise ConfigError("cannot export this mixture-of-experts model to transformers' "
-                          "MixtralForCausalLM: " + "; ".join(problems))
-    return "mixtral"
+        cls = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+               "olmoe": "OlmoeForCausalLM"}[family]
+        raise ConfigError(f"cannot export this mixture-of-experts model to transformers' "
+                          f"{cls}{' (model.family)' if m.family else ''}: "
+                          + "; ".join(problems))
+    return family
 
 
 @dataclass(frozen=True)
@@ -237,6 +261,9 @@ class HFSource:
     per_head: int = 0
     """GPT-NeoX's query_key_value: rows grouped by head, [q_h, k_h, v_h] for each of this many
     heads; ours are [all q, all k, all v] (0 = the same order as ours)."""
+    experts: int = 0
+    """A mixture's stacked weight (E, ...): `names` are this many experts' tensors in turn (each
+    expert's `len(names) / experts` of them), which fill our dimension 1, `rows` each."""
 
 
 def heads_first(ours: torch.Tensor, heads: int) -> torch.Tensor:
@@ -251,8 +278,9 @@ def parts_first(theirs: torch.Tensor, heads: int) -> torch.Tensor:
 
 def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
     """Our parameter name -> its HF source, for every dense parameter of a 'gpt2', 'llama' or
-    'mixtral' (everything but the experts) model of shape `m`. Biases are listed only where
-    ours has them; GPT-2's, always present there, are export's to fill with zeros."""
+    LLaMA-style model of shape `m` (a mixture's router and experts: moe_sources). Biases are
+    listed only where ours has them; GPT-2's, always present there, are export's to fill with
+    zeros."""
     hd = head_dim(m)
     q, kv, d = m.n_heads * hd, (m.n_kv_heads or m.n_heads) * hd, m.d_model
     out: dict[str, HFSource] = {}
@@ -335,7 +363,7 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
             if family == "phi3":  # gate_up_proj: rows gate, then up, as ours
                 add(f"{b}.mlp.gate_up", [f"{h}.mlp.gate_up_proj"], [2 * ff], biases=m.bias)
                 add(f"{b}.mlp.down", [f"{h}.mlp.down_proj"], [d], biases=m.bias)
-            elif family != "mixtral":  # a mixture's experts are export's own business
+            elif not is_moe_block(m, i):  # a mixture's experts: moe_sources
                 add(f"{b}.mlp.gate_up", [f"{h}.mlp.gate_proj", f"{h}.mlp.up_proj"], [ff, ff],
                     biases=m.bias)
                 add(f"{b}.mlp.down", [f"{h}.mlp.down_proj"], [d], biases=m.bias)
@@ -343,6 +371,28 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
     # Tied: the head is the embedding and is never asked for by its own name. A tied HF
     # checkpoint holds no lm_head.weight; export writes one anyway (from_pretrained ties it).
     out["head.weight"] = HFSource(("lm_head.weight",), (m.vocab_size,))
+    return out
+
+
+def moe_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
+    """Our router and experts' parameter names -> their tensors in a 'mixtral', 'qwen3_moe' or
+    'olmoe' checkpoint's files (one tensor per expert: Mixtral's w1 (gate), w3 (up) and w2
+    (down), the others' gate_proj, up_proj and down_proj); {} for a dense family. transformers 5
+    holds them stacked as ours in memory (export's _moe_experts) and writes these names."""
+    if family not in MOE_FAMILIES:
+        return {}
+    f, d, out = expert_d_ff(m), m.d_model, {}
+    mixtral = family == "mixtral"
+    for i in moe_layers(m):
+        h = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}"
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        out[f"blocks.{i}.mlp.router.weight"] = HFSource((f"{h}.gate.weight",), (m.experts,))
+        each = range(m.experts)
+        out[f"blocks.{i}.mlp.experts.gate_up"] = HFSource(
+            tuple(f"{h}.experts.{e}.{n}.weight" for e in each for n in (gate, up)), (f, f) * m.experts,
+            experts=m.experts)
+        out[f"blocks.{i}.mlp.experts.down"] = HFSource(
+            tuple(f"{h}.experts.{e}.{down}.weight" for e in each), (d,) * m.experts, experts=m.experts)
     return out
 
 
@@ -364,7 +414,8 @@ def hf_initializer(directory: str | Path, model: nn.Module, m: ModelConfig) -> I
     parallelism) loads a checkpoint unchanged. A tensor the table names and the files lack, or
     one of another shape, is a ConfigError naming it and the directory."""
     reader = HFDirReader(directory)
-    sources = hf_sources(m, loaded_family(m))
+    family = loaded_family(m)
+    sources = {**hf_sources(m, family), **moe_sources(m, family)}
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}  # before any split
 
     def present(hf_name: str) -> None:
@@ -382,6 +433,10 @@ def hf_initializer(directory: str | Path, model: nn.Module, m: ModelConfig) -> I
     def initial_value(name: str) -> torch.Tensor:
         assert name in sources, f"{name} has no HF source (hf_shape admitted an unmapped model)"
         source, inner = sources[name], shapes[name][1:]
+        if source.experts:  # each expert's tensors fill our dimension 1: (E·rows, ...) -> (E, rows, ...)
+            inner = shapes[name][2:]
+            whole = torch.cat([read(n, (rows, *inner)) for n, rows in zip(source.names, source.rows)])
+            return whole.view(shapes[name])
         parts = []
         for hf_name, rows in zip(source.names, source.rows):
             if source.transposed:
@@ -398,7 +453,16 @@ def hf_initializer(directory: str | Path, model: nn.Module, m: ModelConfig) -> I
         does not pass through every rank's memory). GPT-2's transposed Conv1D and GPT-NeoX's
         per-head rows are read whole and cut."""
         source, shape = sources[name], shapes[name]
-        if source.transposed or source.per_head or split.dim > 1:
+        if source.experts and split.dim == 0:  # expert parallelism: only this rank's experts
+            per = len(source.names) // source.experts
+            inner = shape[2:]
+            for hf_name in source.names:
+                present(hf_name)
+            return torch.stack([torch.cat([reader.read_block(n, (rows, *inner), 0, 0, rows) for n, rows in
+                                           zip(source.names[e * per:(e + 1) * per],
+                                               source.rows[e * per:(e + 1) * per])])
+                                for lo, hi in split.ranges for e in range(lo, hi)]).contiguous()
+        if source.transposed or source.per_head or source.experts or split.dim > 1:
             return split.take(initial_value(name))
         for hf_name in source.names:
             present(hf_name)

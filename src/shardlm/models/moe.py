@@ -3,7 +3,9 @@
 
     router    logits = x W_rᵀ in fp32; 'softmax' (Mixtral): the top-k of softmax(logits), their
               probabilities renormalised to sum to 1; 'sigmoid' (DeepSeek-V3): the top-k of
-              sigmoid(logits) (+ the balancing bias, for the choice only), normalised
+              sigmoid(logits) (+ the balancing bias, for the choice only), normalised.
+              router_topk_norm = false (OLMoE, Qwen3-MoE's norm_topk_prob = false) keeps the
+              chosen probabilities (scores) as they are
     experts   `experts` MLPs of width `expert_d_ff` (the model's MLP kind), stored stacked: one
               (E, ...) tensor per weight, so expert parallelism cuts dim 0 (placement.Split)
     shared    `shared_experts` MLPs every token goes through (DeepSeek), as one MLP of width
@@ -103,7 +105,7 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.experts, cfg.d_model))
-        self.kind, self.top_k = cfg.router, cfg.top_k
+        self.kind, self.top_k, self.topk_norm = cfg.router, cfg.top_k, cfg.router_topk_norm
         self.bias: torch.Tensor | None = None
         """The balancing bias (MoEStats.biases), set when balance = 'bias'."""
         self.sync_weight = None
@@ -124,7 +126,8 @@ class Router(nn.Module):
         choice = scores if self.bias is None else scores + self.bias.to(scores.device)
         chosen = torch.topk(choice.detach(), self.top_k, dim=-1).indices  # (N, k)
         gates = scores.gather(-1, chosen)
-        gates = gates / gates.sum(-1, keepdim=True)
+        if self.topk_norm:
+            gates = gates / gates.sum(-1, keepdim=True)
         return chosen, gates, probs, logits
 
 
