@@ -16,6 +16,12 @@ become an all-gather before the column-parallel projection and a reduce-scatter 
 row-parallel one (same bytes, 1/T of those activations held), and the norm weights' gradients,
 now computed from different tokens on each rank, are summed over the group.
 
+LoRA's adapters (models/lora.py) are cut with the linears they wrap, as Megatron and PEFT cut
+them: A whole and B by output rows beside a column-parallel base, A by input columns and B whole
+beside a row-parallel one, whose update's partial sum joins the base's before the one reduction;
+the whole factor's gradient (a partial sum per rank) summed over the group. A layer replaced here
+keeps its parameters frozen where they were (frozen_kept: LoRA's base stays frozen).
+
 Why our own functions and not DTensor's parallel styles: the ZeRO engine flattens each unit's
 parameters into one flat buffer of plain tensors and shards it over the data-parallel ranks. A
 tensor-parallel parameter is then just a smaller plain tensor (its `placement.Split` says where
