@@ -118,3 +118,76 @@ def test_lora_ep_keeps_the_experts_frozen(runs):
         assert got["params"].keys() == ref["params"].keys()  # adapters are replicated under ep
         worst = max((_rel(got["params"][n], v), n) for n, v in ref["params"].items())
         assert worst[0] <= 1e-5, worst
+
+
+def lora_layers_cases(rank: int, world_size: int) -> list[dict]:
+    return [lora_layers_case(rank, sequence_parallel) for sequence_parallel in (False, True)]
+
+
+def lora_layers_case(rank: int, sequence_parallel: bool) -> dict:
+    """A LoRA column-parallel then row-parallel pair (d 8 -> 12 -> 8, rank 2, B random) against
+    the two LoRALinears it cuts: outputs, the input's and every factor's gradient (this rank's
+    piece), and the tp bytes of the forward and of the backward."""
+    import torch.distributed as dist
+
+    from shardlm.comm.collectives import Comm, CommLedger
+    from shardlm.models.lora import LoRALinear
+    from shardlm.parallel.tensor import TPState, _column, _row
+    from shardlm.placement import even_range
+
+    torch.manual_seed(0)
+    d, h, r, tokens = 8, 12, 2, 4
+    col, row = LoRALinear(torch.nn.Linear(d, h), r, 4.0, 0.0), LoRALinear(torch.nn.Linear(h, d), r, 4.0, 0.0)
+    for layer in (col, row):
+        torch.nn.init.normal_(layer.lora_B.weight)
+    x = torch.randn(2, tokens, d, requires_grad=True)
+    row(col(x)).square().sum().backward()
+    ledger = CommLedger()
+    tp = TPState(Comm(dist.group.WORLD, "tp", ledger, None), sequence_parallel)
+    tp.sharded = sequence_parallel
+    lo, hi = even_range(h, 2, rank)
+    with torch.device("meta"):
+        cut_col, cut_row = _column(d, hi - lo, True, tp, col), _row(row, "down", (lo, hi), tp)
+    cut_col.to_empty(device="cpu")
+    cut_row.to_empty(device="cpu")
+    with torch.no_grad():
+        for mine, whole, piece in ((cut_col, col, lambda t: t[lo:hi]), (cut_row, row, lambda t: t[:, lo:hi])):
+            mine.weight.copy_(piece(whole.weight))
+            mine.bias.copy_(whole.bias[lo:hi] if mine is cut_col else whole.bias)
+        cut_col.lora_A.weight.copy_(col.lora_A.weight)
+        cut_col.lora_B.weight.copy_(col.lora_B.weight[lo:hi])
+        cut_row.lora_A.weight.copy_(row.lora_A.weight[:, lo:hi])
+        cut_row.lora_B.weight.copy_(row.lora_B.weight)
+    seq = slice(rank * tokens // 2, (rank + 1) * tokens // 2) if sequence_parallel else slice(None)
+    mine_x = x.detach()[:, seq].clone().requires_grad_()
+    y = cut_row(cut_col(mine_x))
+    forward = dict(ledger.bytes)
+    y.square().sum().backward()
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    return {"forward": forward, "all": dict(ledger.bytes), "errors": {
+        "y": rel(y.detach(), row(col(x)).detach()[:, seq]), "x": rel(mine_x.grad, x.grad[:, seq]),
+        "col A": rel(cut_col.lora_A.weight.grad, col.lora_A.weight.grad),
+        "col B": rel(cut_col.lora_B.weight.grad, col.lora_B.weight.grad[lo:hi]),
+        "row A": rel(cut_row.lora_A.weight.grad, row.lora_A.weight.grad[:, lo:hi]),
+        "row B": rel(cut_row.lora_B.weight.grad, row.lora_B.weight.grad)}}
+
+
+def test_lora_layers_cut_as_megatron_with_one_reduction(tmp_path):
+    """The cut layers equal the whole ones (fp32, 1e-6), and the forward's tp traffic is the
+    base's one reduction of the output (an all-reduce, or with sequence parallelism a
+    reduce-scatter after the input's all-gather): the LoRA update's partial sum rides in it.
+    Backward adds only the whole factors' gradient all-reduces (A of the column layer, B of the
+    row one). Both modes in one spawn."""
+    out = run_ranks(lora_layers_cases, 2, tmp_path)
+    numel = 2 * 4 * 8 * 4  # (B, T, d) fp32 bytes of the output / input
+    factors = 2 * (2 * 8 * 4) * 2  # A (2, 8) and B (8, 2) fp32, all-reduces counted x2
+    for plain, sequence_parallel in out:
+        for got in (plain, sequence_parallel):
+            assert max(got["errors"].values()) <= 1e-6, got["errors"]
+        assert plain["forward"] == {"all_reduce/tp": 2 * numel}, plain["forward"]
+        assert sequence_parallel["forward"] == {"all_gather/tp": numel, "reduce_scatter/tp": numel}
+        # the base's own: plain f's all-reduce of x's gradient; sequence-parallel, the row
+        # layer's replicated bias (synced: its tokens differ by rank), 8 fp32
+        for got, base in ((plain, 2 * numel), (sequence_parallel, 2 * 8 * 4)):
+            backward = got["all"]["all_reduce/tp"] - got["forward"].get("all_reduce/tp", 0)
+            assert backward == factors + base, got
