@@ -538,16 +538,24 @@ def _param_offload_stage(cfg: Config) -> list[str]:
             if z.offload_params != "none" and par.zero_stage != 3 else [])
 
 
-@_cross("lora.rank", "parallel.tp")
+@_cross("lora.rank", "parallel.tp", "lora.quantize", "model.hf_config")
 def _lora_layout(cfg: Config) -> list[str]:
     """LoRA's frozen base is ZeRO units like any other (zero/engine.py: gathered at stage 3,
-    kept by the parameter store when zero.offload_params is set); tp would have to cut the
-    adapters as it cuts the linears they wrap (models/lora.py)."""
+    kept by the parameter store when zero.offload_params is set). Tensor parallelism cuts our
+    decoder's adapters as it cuts the linears they wrap (parallel/tensor.py); a quantised base
+    (lora.quantize) and a transformers model's layers (model.hf_config) are not cut yet."""
     if not cfg.lora.rank or cfg.parallel.tp == 1:
         return []
-    return [f"lora.rank = {cfg.lora.rank} with parallel.tp = {cfg.parallel.tp}: tensor "
-            f"parallelism does not split LoRA layers yet; use ZeRO (parallel.zero_stage = 3 "
-            f"shards the frozen base)"]
+    blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
+        ("lora.quantize", cfg.lora.quantize, "tensor parallelism does not cut a quantised base "
+         "yet; set lora.quantize = 'none' or parallel.tp = 1 (parallel.zero_stage = 3 shards the "
+         "frozen base instead)", cfg.lora.quantize != "none"),
+        ("model.hf_config", cfg.model.hf_config, "tensor parallelism cuts only our decoder's "
+         "adapters; use model.preset or model.hf_path of a supported family, or parallel.tp = 1",
+         bool(cfg.model.hf_config)),
+    ) if on]
+    return ([f"lora.rank = {cfg.lora.rank} with parallel.tp = {cfg.parallel.tp} does not compose "
+             f"with: {'; '.join(blocking)}"] if blocking else [])
 
 
 @_cross("lora.quantize", "lora.rank", "model.experts", "model.hf_config", "train.compile")

@@ -54,7 +54,7 @@ from torch import nn
 from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
 from shardlm.models.moe import Experts, MoE, MoEStats, Routing, route, update_biases
-from shardlm.parallel.tensor import TPState, copy_to_group, cut_mlp, reduce_from_group, summed
+from shardlm.parallel.tensor import TPState, copy_to_group, cut_mlp, frozen_kept, reduce_from_group, summed
 from shardlm.placement import Split, even_range
 
 log = logging.getLogger("shardlm")
@@ -337,7 +337,7 @@ def spread_over_tp(model: nn.Module, tp: TPState) -> None:
     block's experts spread over the tp group (their Splits into tp.splits), each rank routing
     its share of the tokens (TokenShare); the router's gradient summed over the group (each
     rank routed different tokens); the shared experts cut as a dense MLP."""
-    with torch.device("meta"):
+    with torch.device("meta"), frozen_kept(model):  # frozen experts (LoRA) stay frozen
         for name, moe in model.named_modules():
             if isinstance(moe, MoE):
                 tp.splits.update(spread_experts(moe, name, model.cfg, tp.comm, model.moe_stats))
@@ -357,7 +357,7 @@ def apply_ep(model: nn.Module, comm: Comm) -> dict[str, Split]:
     splits: dict[str, Split] = {}
     if not any(isinstance(m, MoE) for m in model.modules()):  # a transformers model
         splits = spread_hf_experts(model, comm, stats)
-    with torch.device("meta"):
+    with torch.device("meta"), frozen_kept(model):  # frozen experts (LoRA) stay frozen
         for name, module in model.named_modules():
             if isinstance(module, MoE):
                 splits.update(spread_experts(module, name, model.cfg, comm, stats))

@@ -16,6 +16,12 @@ become an all-gather before the column-parallel projection and a reduce-scatter 
 row-parallel one (same bytes, 1/T of those activations held), and the norm weights' gradients,
 now computed from different tokens on each rank, are summed over the group.
 
+LoRA's adapters (models/lora.py) are cut with the linears they wrap, as Megatron and PEFT cut
+them: A whole and B by output rows beside a column-parallel base, A by input columns and B whole
+beside a row-parallel one, whose update's partial sum joins the base's before the one reduction;
+the whole factor's gradient (a partial sum per rank) summed over the group. A layer replaced here
+keeps its parameters frozen where they were (frozen_kept: LoRA's base stays frozen).
+
 Why our own functions and not DTensor's parallel styles: the ZeRO engine flattens each unit's
 parameters into one flat buffer of plain tensors and shards it over the data-parallel ranks. A
 tensor-parallel parameter is then just a smaller plain tensor (its `placement.Split` says where
@@ -27,6 +33,8 @@ it is in the byte ledger and under the watchdog. See docs/architecture.md.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -168,6 +176,18 @@ def synced(param: torch.Tensor, tp: TPState) -> torch.Tensor:
     return _CopyToGroup.apply(param, tp.group) if tp.sharded else param
 
 
+@contextmanager
+def frozen_kept(model: nn.Module) -> Iterator[None]:
+    """Layers replaced inside keep, by name, which parameters are frozen (LoRA's base: apply_lora
+    froze every parameter but the adapters, and a new layer's parameters would otherwise train).
+    Used by every step that replaces layers after apply_lora (apply_tp, parallel/expert.py)."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    yield
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Layers (built on the meta device by apply_tp; the ZeRO engine materialises them)
 
@@ -234,6 +254,70 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = out_of_parallel_region(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + synced(self.bias, self.tp)
+
+
+def _add_adapters(layer: nn.Module, a_shape: tuple[int, int], b_shape: tuple[int, int],
+                  lora: nn.Module) -> None:
+    """LoRA's two factors on a tensor-parallel linear under LoRALinear's own names (models/
+    lora.py: `lora_A.weight` (r, in), `lora_B.weight` (out, r)), cut the way Megatron/PEFT cut
+    them: a column-parallel base keeps A whole and this rank's output rows of B; a row-parallel
+    base, this rank's input columns of A and B whole. The replicated factor's gradient is a
+    partial sum on each rank (it meets only this rank's rows or columns), so the layers sum it
+    over the group (Megatron's f on the weight: one all-reduce of r·in or out·r elements)."""
+    layer.lora_A = nn.Linear(a_shape[1], a_shape[0], bias=False)
+    layer.lora_B = nn.Linear(b_shape[1], b_shape[0], bias=False)
+    layer.dropout = lora.dropout
+    layer.rank, layer.alpha, layer.scaling = lora.rank, lora.alpha, lora.scaling
+
+
+class LoRAColumnParallelLinear(ColumnParallelLinear):
+    """ColumnParallelLinear + scaling · B_local A x: A replicated (gradient summed over the
+    group), B this rank's output rows, like the base's weight. The input's backward all-reduce
+    (f) is shared by both paths."""
+
+    def __init__(self, in_features: int, out_local: int, bias: bool, tp: TPState, lora: nn.Module):
+        super().__init__(in_features, out_local, bias, tp)
+        _add_adapters(self, (lora.rank, in_features), (out_local, lora.rank), lora)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = into_parallel_region(x, self.tp)
+        a = _CopyToGroup.apply(self.lora_A.weight, self.tp.group)
+        update = F.linear(F.linear(self.dropout(x), a), self.lora_B.weight)  # (…, r) -> (…, out_local)
+        return F.linear(x, self.weight, self.bias) + self.scaling * update
+
+
+class LoRASharedKVLinear(SharedKVLinear):
+    """SharedKVLinear + scaling · B A x: A replicated (gradient summed over the group), B's rows
+    laid out and picked as the base's (this rank's query rows, every key/value row)."""
+
+    def __init__(self, in_features: int, q_rows: int, kv_heads: int, head_dim: int, used: int,
+                 bias: bool, tp: TPState, lora: nn.Module):
+        super().__init__(in_features, q_rows, kv_heads, head_dim, used, bias, tp)
+        _add_adapters(self, (lora.rank, in_features), (self.weight.shape[0], lora.rank), lora)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = into_parallel_region(x, self.tp)
+        bias = self._pick(self.bias) if self.bias is not None else None
+        a = _CopyToGroup.apply(self.lora_A.weight, self.tp.group)
+        update = F.linear(F.linear(self.dropout(x), a), self._pick(self.lora_B.weight))
+        return F.linear(x, self._pick(self.weight), bias) + self.scaling * update
+
+
+class LoRARowParallelLinear(RowParallelLinear):
+    """RowParallelLinear + scaling · B A_local x_local: A this rank's input columns, like the
+    base's weight; B replicated (gradient summed over the group). B (A_local x_local) is this
+    rank's partial sum of the update, so it joins the base's partial sum before the one
+    reduction (all-reduce, or reduce-scatter when sequence-parallel): Σ_r B h_r = B Σ_r h_r."""
+
+    def __init__(self, in_local: int, out_features: int, bias: bool, tp: TPState, lora: nn.Module):
+        super().__init__(in_local, out_features, bias, tp)
+        _add_adapters(self, (lora.rank, in_local), (out_features, lora.rank), lora)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = _CopyToGroup.apply(self.lora_B.weight, self.tp.group)
+        update = F.linear(F.linear(self.dropout(x), self.lora_A.weight), b)  # partial sum (…, out)
+        y = out_of_parallel_region(F.linear(x, self.weight) + self.scaling * update, self.tp)
         return y if self.bias is None else y + synced(self.bias, self.tp)
 
 
@@ -431,7 +515,7 @@ def apply_tp(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPState |
                           "builds it so); this one is already materialised")
     cfg, n, r = model.cfg, comm.size, comm.rank
     _check(cfg, n)
-    with torch.device("meta"):  # the new layers stay unallocated: the ZeRO engine builds them
+    with torch.device("meta"), frozen_kept(model):  # unallocated: the ZeRO engine builds them
         tp = _replace_layers(model, cfg, comm, n, r, sequence_parallel)
     log.info("tensor parallel: %d ranks, %s; %d parameters cut (heads %d/%d per rank)", n,
              "sequence parallel" if sequence_parallel else "no sequence parallelism",
@@ -456,18 +540,22 @@ def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: b
         nq, nkv = cfg.n_heads * hd, kv * hd
         whole, bias = tuple(attn.qkv.weight.shape), attn.qkv.bias is not None
         copies = ()
+        lora = _lora_of(attn.qkv)
         if kv % n == 0:  # this rank's key/value heads
             k_lo, k_hi = (x * hd for x in even_range(kv, n, r))
             qkv_ranges = [(q_lo, q_hi), (nq + k_lo, nq + k_hi), (nq + nkv + k_lo, nq + nkv + k_hi)]
-            attn.qkv = ColumnParallelLinear(d, sum(hi - lo for lo, hi in qkv_ranges), bias, tp)
+            attn.qkv = _column(d, sum(hi - lo for lo, hi in qkv_ranges), bias, tp, lora)
         else:  # tp > n_kv_heads: every key/value row on every rank, one head used
             qkv_ranges, copies = [(q_lo, q_hi), (nq, nq + nkv), (nq + nkv, nq + 2 * nkv)], (1, 2)
-            attn.qkv = SharedKVLinear(d, q_hi - q_lo, kv, hd, r // (n // kv), bias, tp)
+            shared = (d, q_hi - q_lo, kv, hd, r // (n // kv), bias, tp)
+            attn.qkv = SharedKVLinear(*shared) if lora is None else LoRASharedKVLinear(*shared, lora)
         tp.splits[f"{pre}.attn.qkv.weight"] = Split(whole, 0, tuple(qkv_ranges), copies)
         if bias:
             tp.splits[f"{pre}.attn.qkv.bias"] = Split((whole[0],), 0, tuple(qkv_ranges), copies)
-        attn.proj = RowParallelLinear(q_hi - q_lo, d, attn.proj.bias is not None, tp)
-        cut(f"{pre}.attn.proj.weight", (d, nq), 1, [(q_lo, q_hi)])
+        if lora is not None:
+            tp.splits[f"{pre}.attn.qkv.lora_B.weight"] = Split((whole[0], lora.rank), 0,
+                                                               tuple(qkv_ranges), copies)
+        attn.proj = _row(attn.proj, f"{pre}.attn.proj", (q_lo, q_hi), tp)
         attn.n_heads, attn.n_kv_heads = cfg.n_heads // n, max(1, kv // n)
         if cfg.qk_norm:
             attn.q_norm, attn.k_norm = HeadNorm(attn.q_norm, tp), HeadNorm(attn.k_norm, tp)
@@ -505,20 +593,57 @@ def cut_mlp(mlp: nn.Module, pre: str, d: int, tp: TPState) -> None:
         h_lo, h_hi = even_range(mlp.hidden, n, r)
         ranges = [(h_lo, h_hi), (mlp.hidden + h_lo, mlp.hidden + h_hi)]
         bias = mlp.gate_up.bias is not None
-        mlp.gate_up = ColumnParallelLinear(d, 2 * (h_hi - h_lo), bias, tp)
+        lora = _lora_of(mlp.gate_up)
+        mlp.gate_up = _column(d, 2 * (h_hi - h_lo), bias, tp, lora)
         cut(f"{pre}.gate_up.weight", (2 * mlp.hidden, d), 0, ranges)
         if bias:
             cut(f"{pre}.gate_up.bias", (2 * mlp.hidden,), 0, ranges)
-        mlp.down = RowParallelLinear(h_hi - h_lo, d, mlp.down.bias is not None, tp)
-        cut(f"{pre}.down.weight", (d, mlp.hidden), 1, [(h_lo, h_hi)])
+        if lora is not None:
+            cut(f"{pre}.gate_up.lora_B.weight", (2 * mlp.hidden, lora.rank), 0, ranges)
+        mlp.down = _row(mlp.down, f"{pre}.down", (h_lo, h_hi), tp)
         mlp.hidden = h_hi - h_lo
     elif isinstance(mlp, GeluMLP):
         hidden = mlp.fc.out_features
         h_lo, h_hi = even_range(hidden, n, r)
         bias = mlp.fc.bias is not None
-        mlp.fc = ColumnParallelLinear(d, h_hi - h_lo, bias, tp)
+        lora = _lora_of(mlp.fc)
+        mlp.fc = _column(d, h_hi - h_lo, bias, tp, lora)
         cut(f"{pre}.fc.weight", (hidden, d), 0, [(h_lo, h_hi)])
         if bias:
             cut(f"{pre}.fc.bias", (hidden,), 0, [(h_lo, h_hi)])
-        mlp.proj = RowParallelLinear(h_hi - h_lo, d, mlp.proj.bias is not None, tp)
-        cut(f"{pre}.proj.weight", (d, hidden), 1, [(h_lo, h_hi)])
+        if lora is not None:
+            cut(f"{pre}.fc.lora_B.weight", (hidden, lora.rank), 0, [(h_lo, h_hi)])
+        mlp.proj = _row(mlp.proj, f"{pre}.proj", (h_lo, h_hi), tp)
+
+
+def _lora_of(layer: nn.Module) -> nn.Module | None:
+    """The LoRALinear (models/lora.py) a layer is, or None for a plain linear."""
+    from shardlm.models.lora import LoRALinear
+
+    if not isinstance(layer, LoRALinear):
+        return None
+    if layer.quant is not None:  # config_rules._lora_layout refuses lora.quantize with tp
+        raise ConfigError("lora.quantize with parallel.tp > 1: a quantised base is not cut by "
+                          "tensor parallelism yet; set parallel.tp = 1")
+    return layer
+
+
+def _column(in_features: int, out_local: int, bias: bool, tp: TPState,
+            lora: nn.Module | None) -> ColumnParallelLinear:
+    """A column-parallel linear, with LoRA's adapters where the layer it replaces had them."""
+    if lora is None:
+        return ColumnParallelLinear(in_features, out_local, bias, tp)
+    return LoRAColumnParallelLinear(in_features, out_local, bias, tp, lora)
+
+
+def _row(old: nn.Module, name: str, local: tuple[int, int], tp: TPState) -> RowParallelLinear:
+    """`old` (named `name`, an nn.Linear or LoRALinear) row-parallel: this rank's input columns
+    [lo, hi) of its weight (and of LoRA's A); their Splits recorded in tp.splits."""
+    lo, hi = local
+    out_features, in_features = old.weight.shape
+    bias, lora = old.bias is not None, _lora_of(old)
+    tp.splits[f"{name}.weight"] = Split((out_features, in_features), 1, ((lo, hi),))
+    if lora is None:
+        return RowParallelLinear(hi - lo, out_features, bias, tp)
+    tp.splits[f"{name}.lora_A.weight"] = Split((lora.rank, in_features), 1, ((lo, hi),))
+    return LoRARowParallelLinear(hi - lo, out_features, bias, tp, lora)

@@ -210,7 +210,7 @@ class ZeroEngine:
                                opts.nvme_chunk_bytes, opts.nvme_buffers, opts.offload_params == "nvme")
         expert_modules = {n.rsplit(".", 1)[0] for n in self.expert_splits}
         for spec in collect_units(model, opts.unit_classes, sorted(expert_modules)):
-            expert = spec.name in expert_modules
+            expert = spec.name.split("[")[0] in expert_modules  # "….experts[frozen]" too (LoRA)
             unit = (Unit(spec, self.expert_comm, expert_shard_rank, opts, device, initializer, True) if expert
                     else Unit(spec, self.shard_comm, shard_rank, opts, device, initializer))
             unit.bind_params()
@@ -371,11 +371,13 @@ class ZeroEngine:
         # Stage 0 with expert parallelism: each rank holds whole gradients of the dense part but
         # only its slice of the experts': the experts' squares are summed over the ep group.
         apart = self.opts.stage == 0 and self.ep_comm.group is not None
-        norms = torch._foreach_norm(self._param_grad_slices(for_norm=True, experts=False if apart else None))
+        slices = self._param_grad_slices(for_norm=True, experts=False if apart else None)
+        norms = torch._foreach_norm(slices) if slices else []
         local = (torch.linalg.vector_norm(torch.stack(norms)) if norms
                  else torch.zeros((), device=self.units[0].flat_param.device))
-        if apart:
-            expert_norms = torch._foreach_norm(self._param_grad_slices(for_norm=True, experts=True))
+        if apart:  # no expert slices when the experts are frozen (LoRA): a zero square
+            slices = self._param_grad_slices(for_norm=True, experts=True)
+            expert_norms = torch._foreach_norm(slices) if slices else []
             squares = torch.stack(expert_norms).float().pow(2).sum() if expert_norms else torch.zeros_like(local, dtype=torch.float32)
             with watched(self.watchdog, "all_reduce(grad norm)", "ep", 4):
                 dist.all_reduce(squares, group=self.ep_comm.group)
