@@ -246,7 +246,8 @@ def _config_dir(root: Path, gptj: Path, family: str) -> Path:
     ({"data.document_mask": "on"}, r"trains through transformers .*set data.document_mask = 'off'"),
     ({"parallel.tp": 2, "model.hf_path": "bloom"}, r"BloomForCausalLM has no base_model_tp_plan"),
     ({"parallel.tp": 2, "model.hf_path": "codegen"}, r"h.0.attn.qkv_proj colwise.*a fused projection"),
-], ids=["pp", "cp", "fp8", "document-mask", "tp-without-plan", "tp-fused-qkv"])
+    ({"parallel.tp": 2, "lora.rank": 4}, r"trains through transformers .*lora.rank = 4 with parallel.tp = 2"),
+], ids=["pp", "cp", "fp8", "document-mask", "tp-without-plan", "tp-fused-qkv", "lora-tp"])
 def test_what_the_path_cannot_do_is_refused_before_spawning(tmp_path, gptj, capsys, extra, message):
     from shardlm.cli import main
 

@@ -127,6 +127,10 @@ def route_problems(cfg: Config) -> list[str]:
         problems.append(f"data.document_mask = {cfg.data.document_mask!r} (on for data.format = "
                         f"{cfg.data.format!r}: per-document attention is our Decoder's); set "
                         f"data.document_mask = 'off'")
+    if cfg.lora.rank and par.tp > 1:
+        problems.append(f"lora.rank = {cfg.lora.rank} with parallel.tp = {par.tp} (LoRA is cut for "
+                        f"tensor parallelism in our Decoder's layers, not by a base_model_tp_plan); "
+                        f"use LoRA with ZeRO (parallel.tp = 1)")
     if cfg.lora.quantize != "none":
         problems.append(f"lora.quantize = {cfg.lora.quantize!r} (QLoRA quantises shardlm's Decoder "
                         f"linears); set lora.quantize = 'none' (plain LoRA works)")
