@@ -9,7 +9,9 @@ SIGPIPE_STATUS = 141
 
 def _main() -> int | str | None:
     try:
-        return main()
+        code = main()
+        sys.stdout.flush()  # output still buffered meets a closed pipe here, not in finalisation
+        return code
     except SystemExit as stop:
         return stop.code
     except BrokenPipeError:  # `shardlm presets | head`: the reader has what it wanted
