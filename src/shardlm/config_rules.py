@@ -80,6 +80,7 @@ def key_of(f: dataclasses.Field) -> str:
 
 
 _CHOICES = {
+    "train.optimizer": ("adamw", "muon"),
     "model.norm": ("layernorm", "rmsnorm"),
     "data.format": DATA_FORMATS,
     "data.document_mask": ("auto", "on", "off"),
@@ -206,6 +207,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.beta2": _rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
     "train.eps": _positive(),
     "train.grad_clip": _non_negative(" (0 disables clipping)"),
+    "train.muon_momentum": _rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
+    "train.muon_ns_steps": _positive(),
     "train.seed": _rule(lambda v: 0 <= v < SEED_LIMIT, "must be in [0, 2**63)"),
     "train.eval_every": _non_negative(" (0 = only at the end)"),
     "train.eval_batches": _positive(),
@@ -406,6 +409,26 @@ def _sample_has_prompt(cfg: Config) -> list[str]:
     t = cfg.train
     return (["train.sample_prompt = '' gives the sample nothing to continue; write a prompt or set "
              "train.sample_tokens = 0"] if t.sample_tokens > 0 and not t.sample_prompt else [])
+
+
+@_cross("train.optimizer", "parallel.zero_stage", "parallel.tp", "parallel.pp", "parallel.cp",
+        "parallel.ep", "parallel.dp_replicate")
+def _muon_layout(cfg: Config) -> list[str]:
+    """Muon orthogonalises whole matrices: the ZeRO engine's flat shards (any stage, any data-
+    parallel run goes through it) and tensor parallelism's cut matrices would need gathering
+    first, which is not built yet. One process, stage 0, is what runs."""
+    par = cfg.parallel
+    apart = {k: v for k, v, alone in (("parallel.zero_stage", par.zero_stage, 0), ("parallel.tp", par.tp, 1),
+                                      ("parallel.pp", par.pp, 1), ("parallel.cp", par.cp, 1),
+                                      ("parallel.ep", par.ep, 1), ("parallel.dp_replicate", par.dp_replicate, 1))
+             if v != alone}
+    if cfg.train.optimizer != "muon" or not apart:
+        return []
+    return [f"train.optimizer = 'muon' runs in one process only (parallel.zero_stage = 0, no tp/pp/"
+            f"cp/ep): Muon orthogonalises whole matrices, and the gathers of sharded ones (ZeRO "
+            f"flat shards, tp-cut weights) are not built yet; got "
+            f"{', '.join(f'{k} = {v}' for k, v in apart.items())}. Use train.optimizer = 'adamw' "
+            f"for this layout, or run Muon with --nproc 1 and parallel.zero_stage = 0"]
 
 
 @_cross("zero.offload_optimizer", "parallel.zero_stage")

@@ -41,6 +41,7 @@ from torch import nn
 
 from shardlm.checkpoint.sharded import StateSlice
 from shardlm.config import TrainConfig
+from shardlm.errors import ConfigError
 from shardlm.mesh import Mesh
 from shardlm.models.init import Initializer, materialize_buffers
 from shardlm.placement import Split
@@ -177,6 +178,11 @@ class ZeroEngine:
         parallelism cut (parallel/expert.py): each MoE block's experts form a unit of their own,
         reduced and sharded over the ranks holding the same experts (mesh.ep_shard_group /
         ep_dp_group) instead of the shard group."""
+        if train.optimizer != "adamw":  # config_rules._muon_layout refuses what it can see
+            raise ConfigError(f"train.optimizer = {train.optimizer!r} is not built for the ZeRO engine "
+                              f"(several ranks, or parallel.zero_stage >= 1): its tiers step AdamW "
+                              f"on flat shards, and Muon needs whole matrices. Run Muon with one "
+                              f"process at parallel.zero_stage = 0, or use train.optimizer = 'adamw'")
         self.model, self.opts, self.mesh = model, opts, mesh
         self.copies = copies
         self.ledger = ledger if ledger is not None else CommLedger()
