@@ -200,7 +200,9 @@ class TrainConfig:
     """'adamw', or 'muon': Muon (Jordan 2024; Moonlight, Liu et al. 2025) on the hidden weight
     matrices — momentum, orthogonalised by Newton-Schulz, RMS-matched to AdamW (0.2 sqrt(max(A,
     B))) with the same lr and decoupled weight decay — and AdamW (beta1, beta2, eps) on the
-    embeddings, the output head, norms and biases (src/shardlm/optim.py). One process only for now."""
+    embeddings, the output head, norms and biases (src/shardlm/optim.py). With ZeRO (stages
+    0-3) each matrix is gathered and orthogonalised by one owning rank (zero/muon.py); not with
+    tp/pp/cp/ep, hybrid sharding or offload (refused)."""
     muon_momentum: float = 0.95
     """Muon's momentum coefficient mu (buf <- mu buf + g)."""
     muon_nesterov: bool = True

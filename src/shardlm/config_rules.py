@@ -411,24 +411,26 @@ def _sample_has_prompt(cfg: Config) -> list[str]:
              "train.sample_tokens = 0"] if t.sample_tokens > 0 and not t.sample_prompt else [])
 
 
-@_cross("train.optimizer", "parallel.zero_stage", "parallel.tp", "parallel.pp", "parallel.cp",
-        "parallel.ep", "parallel.dp_replicate")
+@_cross("train.optimizer", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
+        "parallel.dp_replicate", "zero.offload_optimizer", "zero.offload_params")
 def _muon_layout(cfg: Config) -> list[str]:
-    """Muon orthogonalises whole matrices: the ZeRO engine's flat shards (any stage, any data-
-    parallel run goes through it) and tensor parallelism's cut matrices would need gathering
-    first, which is not built yet. One process, stage 0, is what runs."""
-    par = cfg.parallel
-    apart = {k: v for k, v, alone in (("parallel.zero_stage", par.zero_stage, 0), ("parallel.tp", par.tp, 1),
-                                      ("parallel.pp", par.pp, 1), ("parallel.cp", par.cp, 1),
-                                      ("parallel.ep", par.ep, 1), ("parallel.dp_replicate", par.dp_replicate, 1))
+    """Muon orthogonalises whole matrices. ZeRO's flat shards are gathered per unit (zero/
+    muon.py); what is not built: gathering tensor-parallel cuts, and the pp/cp/ep/hybrid and
+    offload layouts, which no test has checked against one process."""
+    par, z = cfg.parallel, cfg.zero
+    apart = {k: v for k, v, alone in (("parallel.tp", par.tp, 1), ("parallel.pp", par.pp, 1),
+                                      ("parallel.cp", par.cp, 1), ("parallel.ep", par.ep, 1),
+                                      ("parallel.dp_replicate", par.dp_replicate, 1),
+                                      ("zero.offload_optimizer", z.offload_optimizer, "none"),
+                                      ("zero.offload_params", z.offload_params, "none"))
              if v != alone}
     if cfg.train.optimizer != "muon" or not apart:
         return []
-    return [f"train.optimizer = 'muon' runs in one process only (parallel.zero_stage = 0, no tp/pp/"
-            f"cp/ep): Muon orthogonalises whole matrices, and the gathers of sharded ones (ZeRO "
-            f"flat shards, tp-cut weights) are not built yet; got "
-            f"{', '.join(f'{k} = {v}' for k, v in apart.items())}. Use train.optimizer = 'adamw' "
-            f"for this layout, or run Muon with --nproc 1 and parallel.zero_stage = 0"]
+    return [f"train.optimizer = 'muon' runs on data parallelism only (ZeRO stages 0-3, no "
+            f"offload): Muon orthogonalises whole matrices, and gathering tensor-parallel cuts "
+            f"(or stepping offloaded masters) is not built; got "
+            f"{', '.join(f'{k} = {v!r}' for k, v in apart.items())}. Use train.optimizer = "
+            f"'adamw' for this layout, or drop those settings"]
 
 
 @_cross("zero.offload_optimizer", "parallel.zero_stage")

@@ -41,7 +41,6 @@ from torch import nn
 
 from shardlm.checkpoint.sharded import StateSlice
 from shardlm.config import TrainConfig
-from shardlm.errors import ConfigError
 from shardlm.mesh import Mesh
 from shardlm.models.init import Initializer, materialize_buffers
 from shardlm.placement import Split
@@ -178,11 +177,6 @@ class ZeroEngine:
         parallelism cut (parallel/expert.py): each MoE block's experts form a unit of their own,
         reduced and sharded over the ranks holding the same experts (mesh.ep_shard_group /
         ep_dp_group) instead of the shard group."""
-        if train.optimizer != "adamw":  # config_rules._muon_layout refuses what it can see
-            raise ConfigError(f"train.optimizer = {train.optimizer!r} is not built for the ZeRO engine "
-                              f"(several ranks, or parallel.zero_stage >= 1): its tiers step AdamW "
-                              f"on flat shards, and Muon needs whole matrices. Run Muon with one "
-                              f"process at parallel.zero_stage = 0, or use train.optimizer = 'adamw'")
         self.model, self.opts, self.mesh = model, opts, mesh
         self.copies = copies
         self.ledger = ledger if ledger is not None else CommLedger()
@@ -259,6 +253,13 @@ class ZeroEngine:
             from shardlm.zero.params import ParamSharding
 
             self.param_sharding = ParamSharding(in_order, opts, self.param_store)
+        self.muon = None  # train.optimizer = 'muon': its gathers and updates around the tier's step
+        if train.optimizer == "muon":
+            from shardlm.optim import muon_params
+            from shardlm.zero.muon import ShardedMuon
+
+            names = {id(p): n for n, p in model.named_parameters()}
+            self.muon = ShardedMuon(self, {names[id(p)] for p in muon_params(model)}, train)
         log.info("zero: stage %d over %d shard rank(s) x %d replica(s), %d units (+%d frozen), %s "
                  "compute, %s reduce, %s master", opts.stage, shard_world, self.replicate_comm.size,
                  len(self.units), len(self.frozen), opts.compute_dtype, opts.reduce_dtype,
@@ -405,7 +406,11 @@ class ZeroEngine:
         shard; stages 1-2 then gather everyone's updated shards (every rank keeps whole
         parameters there)."""
         self.param_store.materialize_all()
+        if self.muon is not None:
+            self.muon.before_step()
         self.tier.step([unit.grad_shard()[local] for unit, local in self.segments])
+        if self.muon is not None:
+            self.muon.after_step()
         self.param_store.store_all()
         self._gather_params()
 
@@ -446,7 +451,7 @@ class ZeroEngine:
 
     def state_slices(self, saving: bool = False) -> list[StateSlice]:
         """This rank's checkpoint slices in the whole tensors' coordinates (zero/slices.py)."""
-        return engine_state_slices(self, saving)
+        return engine_state_slices(self, saving) + (self.muon.state_slices() if self.muon else [])
 
     def after_load(self) -> None:
         self.param_store.materialize_all()
