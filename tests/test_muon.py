@@ -132,7 +132,9 @@ def zero_runs(tmp_path_factory):
     base = tiny_overrides(tmp, model__preset="llama-tiny", train__micro_batch=4, train__optimizer="muon",
                           train__lr=0.02, train__warmup_steps=1)
     cases = [({**base, "parallel.zero_stage": stage}, STEPS, -1) for stage in (0, 1, 3)]
-    return run_ranks(train_cases, 2, tmp, cases), reference_case(base, 2, STEPS)
+    resume = run_ranks(straight_and_resumed, 2, tmp,
+                       [("z3", {**base, "parallel.zero_stage": 3, "train.eval_batches": 1}, 2)])
+    return run_ranks(train_cases, 2, tmp, cases), reference_case(base, 2, STEPS), resume
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
@@ -141,7 +143,7 @@ def test_two_ranks_match_one_process(zero_runs, stage):
     backward is one micro-batch of the reference, a sum of two gradients has no order, Newton-
     Schulz runs on the same whole matrix, and fused AdamW's decay of the Muon elements is the
     same multiplication as the reference's)."""
-    out, ref = zero_runs
+    out, ref, _ = zero_runs
     ours = out[0][[0, 1, 3].index(stage)]
     assert ours["losses"] == ref["losses"]
     for name, value in ref["params"].items():
@@ -156,3 +158,12 @@ def test_two_ranks_match_one_process(zero_runs, stage):
     padded = sum(-(-n // 2) * 2 for n in blocks.values())
     group = "dp.muon" if stage == 0 else "dp_shard.muon"
     assert [c[group] for c in ours["comm_by_op"]] == [8 * padded] * STEPS
+
+
+def test_zero3_resumes_bitwise(zero_runs):
+    """2 ranks at ZeRO-3 saving at step 2 and resuming: the sharded momentum buffers
+    (optim/momentum_buffer/<name>, zero/muon.py) were written and read back."""
+    for (straight, resumed), in zero_runs[2]:
+        assert resumed["start"] == 2 and resumed["losses"] == straight["losses"][2:]
+        for name, value in straight["params"].items():
+            assert torch.equal(value, resumed["params"][name]), name
