@@ -114,6 +114,7 @@ def test_muon_trains_and_resumes_bitwise(tmp_path):
     ({"train.optimizer": "muon", "parallel.zero_stage": 1, "zero.offload_optimizer": "cpu"},
      r"zero\.offload_optimizer = 'cpu'"),
     ({"train.optimizer": "muon", "parallel.tp": 2}, r"parallel\.tp = 2.*train\.optimizer = 'adamw'"),
+    ({"train.optimizer": "muon", "lora.rank": 4}, r"lora\.rank = 4"),
     ({"train.muon_momentum": 1.0}, r"train\.muon_momentum"),
 ])
 def test_bad_optimizer_config_is_refused_early(override, said):
