@@ -20,7 +20,9 @@ buffer. Per unit, each step:
 The collectives are recorded in the engine's CommLedger under the group's name + '.muon'
 (e.g. all_gather/dp_shard.muon), so a step's record shows what Muon costs.
 
-Known cost: the tier still holds AdamW moments (zeros) for the Muon elements.
+Known costs: the tier still holds AdamW moments (zeros) for the Muon elements; the units are
+processed one after another, each collective waited on before the next (no overlap), which
+bounds the transient memory to one unit's gathered directions and updates (2 Ψ_unit fp32).
 """
 
 from __future__ import annotations
@@ -54,9 +56,9 @@ class _UnitMuon:
     def __init__(self, unit, matrices: list[_Matrix], comm: Comm, whole: bool):
         self.unit, self.matrices, self.comm, self.whole = unit, matrices, comm, whole
         # Each matrix's part of this rank's shard: (matrix, start, end) in shard coordinates.
-        self.local = [(m, max(m.offset, unit.lo) - unit.lo, min(m.offset + m.numel, unit.hi) - unit.lo)
-                      for m in matrices]
-        self.local = [(m, a, b) for m, a, b in self.local if a < b]
+        cuts = [(m, max(m.offset, unit.lo) - unit.lo, min(m.offset + m.numel, unit.hi) - unit.lo)
+                for m in matrices]
+        self.local = [(m, a, b) for m, a, b in cuts if a < b]
         self.momentum = torch.zeros(unit.hi - unit.lo, dtype=torch.float32,
                                     device=unit.flat_param.device)  # (shard,)
         self.update: torch.Tensor | None = None
@@ -119,13 +121,9 @@ class ShardedMuon:
         for i, (unit, local) in enumerate(self.engine.segments):
             starts.setdefault(id(unit), []).append((local.start, local.stop, i))
         for u in self.units:
-            for _, a, b in u.local:
-                for lo, hi, i in starts[id(u.unit)]:
-                    if lo <= a and b <= hi:  # a matrix lies in one (the decay) segment
-                        tier.masters[i].data[a - lo:b - lo].add_(u.update[a:b], alpha=-lr)
-                        break
-                else:
-                    raise AssertionError(f"Muon matrix slice [{a}, {b}) outside the unit's segments")
+            for _, a, b in u.local:  # a matrix lies in one segment: the decay one (it is 2-D)
+                (lo, i), = [(lo, i) for lo, hi, i in starts[id(u.unit)] if lo <= a and b <= hi]
+                tier.masters[i].data[a - lo:b - lo].add_(u.update[a:b], alpha=-lr)
             u.update = None
         tier.refresh_targets()
 
