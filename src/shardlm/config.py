@@ -202,7 +202,7 @@ class TrainConfig:
     B))) with the same lr and decoupled weight decay — and AdamW (beta1, beta2, eps) on the
     embeddings, the output head, norms and biases (src/shardlm/optim.py). With ZeRO (stages
     0-3) each matrix is gathered and orthogonalised by one owning rank (zero/muon.py); not with
-    tp/pp/cp/ep, hybrid sharding or offload (refused)."""
+    tp/pp/cp/ep, hybrid sharding, offload or LoRA (refused; docs/computation.md)."""
     muon_momentum: float = 0.95
     """Muon's momentum coefficient mu (buf <- mu buf + g)."""
     muon_nesterov: bool = True

@@ -23,6 +23,8 @@ root unit's is not allocated yet when the tied embedding's gradient peaks at the
 backward. The optimizer is
 torch's AdamW over this rank's master shards — contiguous fp32 slices, one per (unit, weight-
 decay group) — or over views of the parameters themselves when master and compute dtypes agree.
+With train.optimizer = 'muon', zero/muon.py gathers each block's matrices around that step and
+applies Muon's update to them (AdamW then moves them only by its weight decay).
 With dp_replicate > 1 (hybrid), shards are reduced within the shard group and then averaged
 across replicas.
 """
