@@ -285,6 +285,19 @@ class TrainConfig:
     """AdamW beta2."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    optimizer: str = "adamw"
+    """'adamw', or 'muon': Muon (Jordan 2024; Moonlight, Liu et al. 2025) on the hidden weight
+    matrices — momentum, orthogonalised by Newton-Schulz, RMS-matched to AdamW (0.2 sqrt(max(A,
+    B))) with the same lr and decoupled weight decay — and AdamW (beta1, beta2, eps) on the
+    embeddings, the output head, norms and biases (src/shardlm/optim.py). With ZeRO (stages
+    0-3) each matrix is gathered and orthogonalised by one owning rank (zero/muon.py); not with
+    tp/pp/cp/ep, hybrid sharding, offload or LoRA (refused; docs/computation.md)."""
+    muon_momentum: float = 0.95
+    """Muon's momentum coefficient mu (buf <- mu buf + g)."""
+    muon_nesterov: bool = True
+    """Muon steps along g + mu buf (Nesterov) rather than buf."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per Muon step (5 in Jordan's and Moonlight's runs)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = no clipping)."""
     seed: int = 1337

@@ -89,6 +89,7 @@ def key_of(f: dataclasses.Field) -> str:
 
 
 _CHOICES = {
+    "train.optimizer": ("adamw", "muon"),
     "model.norm": ("layernorm", "rmsnorm"),
     "data.format": DATA_FORMATS,
     "data.document_mask": ("auto", "on", "off"),
@@ -239,6 +240,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.beta2": _rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
     "train.eps": _positive(),
     "train.grad_clip": _non_negative(" (0 disables clipping)"),
+    "train.muon_momentum": _rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
+    "train.muon_ns_steps": _positive(),
     "train.seed": _rule(lambda v: 0 <= v < SEED_LIMIT, "must be in [0, 2**63)"),
     "train.eval_every": _non_negative(" (0 = only at the end)"),
     "train.eval_batches": _positive(),
@@ -520,6 +523,30 @@ def _sample_has_prompt(cfg: Config) -> list[str]:
     t = cfg.train
     return (["train.sample_prompt = '' gives the sample nothing to continue; write a prompt or set "
              "train.sample_tokens = 0"] if t.sample_tokens > 0 and not t.sample_prompt else [])
+
+
+@_cross("train.optimizer", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
+        "parallel.dp_replicate", "zero.offload_optimizer", "zero.offload_params", "lora.rank")
+def _muon_layout(cfg: Config) -> list[str]:
+    """Muon orthogonalises whole matrices. ZeRO's flat shards are gathered per unit (zero/
+    muon.py); what is not built: gathering tensor-parallel cuts, and the pp/cp/ep/hybrid and
+    offload layouts, which no test has checked against one process; nor LoRA (its low-rank
+    adapters are nn.Linear weights Muon would orthogonalise, which no reference does)."""
+    par, z = cfg.parallel, cfg.zero
+    apart = {k: v for k, v, alone in (("parallel.tp", par.tp, 1), ("parallel.pp", par.pp, 1),
+                                      ("parallel.cp", par.cp, 1), ("parallel.ep", par.ep, 1),
+                                      ("parallel.dp_replicate", par.dp_replicate, 1),
+                                      ("zero.offload_optimizer", z.offload_optimizer, "none"),
+                                      ("zero.offload_params", z.offload_params, "none"),
+                                      ("lora.rank", cfg.lora.rank, 0))
+             if v != alone}
+    if cfg.train.optimizer != "muon" or not apart:
+        return []
+    return [f"train.optimizer = 'muon' runs on data parallelism only (ZeRO stages 0-3, no "
+            f"offload, no LoRA): Muon orthogonalises whole matrices, and gathering tensor-parallel cuts "
+            f"(or stepping offloaded masters) is not built; got "
+            f"{', '.join(f'{k} = {v!r}' for k, v in apart.items())}. Use train.optimizer = "
+            f"'adamw' for this layout, or drop those settings"]
 
 
 @_cross("zero.offload_optimizer", "parallel.zero_stage")

@@ -90,10 +90,11 @@ class StateSlice:
 
 def param_state(name: str, shape: tuple[int, ...], start: int, end: int, master: torch.Tensor,
                 optim_state: dict, local: slice = slice(None)) -> list[StateSlice]:
-    """A parameter's checkpointed state — its master value and AdamW's two moments — for the
+    """A parameter's checkpointed state — its master value and AdamW's two moments (or Muon's
+    momentum buffer, train.optimizer = 'muon') — for the
     elements [start, end) that `master.view(-1)[local]` (and the moments' same slice) hold.
     A frozen parameter (empty `optim_state`) has its value only."""
-    views = [("model", master)] + [(f"optim/{k}", optim_state[k]) for k in ("exp_avg", "exp_avg_sq")
+    views = [("model", master)] + [(f"optim/{k}", optim_state[k]) for k in ("exp_avg", "exp_avg_sq", "momentum_buffer")
                                    if k in optim_state]
     return [StateSlice(f"{kind}/{name}", shape, start, end, t.detach().view(-1)[local])
             for kind, t in views]

@@ -23,6 +23,8 @@ root unit's is not allocated yet when the tied embedding's gradient peaks at the
 backward. The optimizer is
 torch's AdamW over this rank's master shards — contiguous fp32 slices, one per (unit, weight-
 decay group) — or over views of the parameters themselves when master and compute dtypes agree.
+With train.optimizer = 'muon', zero/muon.py gathers each block's matrices around that step and
+applies Muon's update to them (AdamW then moves them only by its weight decay).
 With dp_replicate > 1 (hybrid), shards are reduced within the shard group and then averaged
 across replicas.
 """
@@ -253,6 +255,13 @@ class ZeroEngine:
             from shardlm.zero.params import ParamSharding
 
             self.param_sharding = ParamSharding(in_order, opts, self.param_store)
+        self.muon = None  # train.optimizer = 'muon': its gathers and updates around the tier's step
+        if train.optimizer == "muon":
+            from shardlm.optim import muon_params
+            from shardlm.zero.muon import ShardedMuon
+
+            names = {id(p): n for n, p in model.named_parameters()}
+            self.muon = ShardedMuon(self, {names[id(p)] for p in muon_params(model)}, train)
         log.info("zero: stage %d over %d shard rank(s) x %d replica(s), %d units (+%d frozen), %s "
                  "compute, %s reduce, %s master", opts.stage, shard_world, self.replicate_comm.size,
                  len(self.units), len(self.frozen), opts.compute_dtype, opts.reduce_dtype,
@@ -402,7 +411,11 @@ class ZeroEngine:
         parameters there)."""
         # A frozen unit (LoRA's base) does not step: its offloaded shard stays where it is.
         self.param_store.materialize_all(frozen=False)
+        if self.muon is not None:
+            self.muon.before_step()
         self.tier.step([unit.grad_shard()[local] for unit, local in self.segments])
+        if self.muon is not None:
+            self.muon.after_step()
         self.param_store.store_all(frozen=False)
         self._gather_params()
 
@@ -443,7 +456,7 @@ class ZeroEngine:
 
     def state_slices(self, saving: bool = False) -> list[StateSlice]:
         """This rank's checkpoint slices in the whole tensors' coordinates (zero/slices.py)."""
-        return engine_state_slices(self, saving)
+        return engine_state_slices(self, saving) + (self.muon.state_slices() if self.muon else [])
 
     def after_load(self) -> None:
         self.param_store.materialize_all()

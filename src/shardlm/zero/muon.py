@@ -1,0 +1,139 @@
+"""Muon on the ZeRO engine's flat shards (train.optimizer = 'muon'), stages 0-3.
+
+Muon orthogonalises whole matrices; a ZeRO rank holds a contiguous slice of each unit's flat
+buffer. Per unit, each step:
+
+    1. every rank updates the Nesterov momentum of its own slice (element-wise, as AdamW's
+       moments are: the momentum is sharded like them and checkpointed as
+       optim/momentum_buffer/<name>) and writes the direction g + mu buf into a shard buffer
+    2. all_gather of that direction over the unit's shard group (stages 1-3; stage 0 already
+       holds it whole): one call per unit, Ψ_unit elements
+    3. each Muon matrix has ONE owning rank (round-robin over the unit's matrices): it runs
+       Newton-Schulz on the whole matrix and writes 0.2 sqrt(max(A, B)) O into an otherwise
+       zero update buffer
+    4. reduce_scatter of the update buffer (stage 0: all_reduce): each element has one
+       non-zero addend, so the sum is exact and every rank receives its slice of every update
+    5. the gradient of the Muon elements is zeroed before the tier's AdamW runs: with zero
+       gradient and zero moments, AdamW moves them only by its decoupled weight decay
+       W (1 - lr wd) — Muon's own decay — and after it the update is applied, W -= lr U
+
+The collectives are recorded in the engine's CommLedger under the group's name + '.muon'
+(e.g. all_gather/dp_shard.muon), so a step's record shows what Muon costs.
+
+Known costs: the tier still holds AdamW moments (zeros) for the Muon elements; the units are
+processed one after another, each collective waited on before the next (no overlap), which
+bounds the transient memory to one unit's gathered directions and updates (2 Ψ_unit fp32).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shardlm.checkpoint.sharded import StateSlice
+from shardlm.comm.collectives import Comm
+from shardlm.config import TrainConfig
+from shardlm.optim import newton_schulz
+
+
+@dataclass
+class _Matrix:
+    name: str
+    shape: tuple[int, int]
+    offset: int
+    """In the unit's flat buffer."""
+    owner: int
+    """The rank of the unit's group that orthogonalises it."""
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+class _UnitMuon:
+    def __init__(self, unit, matrices: list[_Matrix], comm: Comm, whole: bool):
+        self.unit, self.matrices, self.comm, self.whole = unit, matrices, comm, whole
+        # Each matrix's part of this rank's shard: (matrix, start, end) in shard coordinates.
+        cuts = [(m, max(m.offset, unit.lo) - unit.lo, min(m.offset + m.numel, unit.hi) - unit.lo)
+                for m in matrices]
+        self.local = [(m, a, b) for m, a, b in cuts if a < b]
+        self.momentum = torch.zeros(unit.hi - unit.lo, dtype=torch.float32,
+                                    device=unit.flat_param.device)  # (shard,)
+        self.update: torch.Tensor | None = None
+
+
+class ShardedMuon:
+    """Muon's part of the engine's step (zero/engine.py calls before_step and after_step
+    around the tier's AdamW)."""
+
+    def __init__(self, engine, names: set[str], train: TrainConfig):
+        self.engine, self.train = engine, train
+        param_names = {id(p): n for n, p in engine.model.named_parameters()}
+        whole = engine.opts.stage == 0  # stage 0: every rank's "shard" is the whole buffer
+        self.units: list[_UnitMuon] = []
+        for unit in engine.units:
+            matrices = [_Matrix(param_names[id(p)], tuple(p.shape), off, 0)
+                        for p, off in zip(unit.params, unit.layout.offsets) if param_names[id(p)] in names]
+            if not matrices:
+                continue
+            comm = Comm(unit.comm.group, unit.comm.name + ".muon", engine.ledger, engine.watchdog)
+            for k, m in enumerate(matrices):
+                m.owner = k % comm.size
+            self.units.append(_UnitMuon(unit, matrices, comm, whole))
+
+    def before_step(self) -> None:
+        """Steps 1-5 of the module docstring: every rank ends with its slice of each update."""
+        t = self.train
+        for u in self.units:
+            grad = u.unit.grad_shard()  # (shard,) in the reduce dtype
+            direction = torch.zeros_like(u.momentum)
+            for _, a, b in u.local:
+                g = grad[a:b].float()
+                u.momentum[a:b].mul_(t.muon_momentum).add_(g)
+                direction[a:b] = g.add(u.momentum[a:b], alpha=t.muon_momentum) if t.muon_nesterov else u.momentum[a:b]
+                grad[a:b].zero_()  # AdamW now applies only the decoupled weight decay here
+            padded = u.unit.layout.padded
+            if u.whole:
+                full = direction
+            else:
+                full = torch.empty(padded, dtype=torch.float32, device=direction.device)
+                u.comm.all_gather(full, direction).wait()
+            update = torch.zeros(padded, dtype=torch.float32, device=direction.device)
+            for m in u.matrices:
+                if m.owner == u.comm.rank:
+                    o = newton_schulz(full[m.offset:m.offset + m.numel].view(m.shape), t.muon_ns_steps)
+                    update[m.offset:m.offset + m.numel] = (o * (0.2 * math.sqrt(max(m.shape)))).view(-1)
+            if u.whole:
+                u.comm.all_reduce(update).wait()
+                u.update = update
+            else:
+                u.update = torch.empty_like(direction)
+                u.comm.reduce_scatter(u.update, update, scratch_input=True).wait()
+
+    def after_step(self) -> None:
+        """W -= lr U on this rank's masters (the tier already applied W (1 - lr wd)), then the
+        compute-dtype parameters from them."""
+        tier = self.engine.tier
+        lr = tier.optimizer.param_groups[0]["lr"]
+        starts = {}  # (unit id, segment's first element in shard coordinates) -> master index
+        for i, (unit, local) in enumerate(self.engine.segments):
+            starts.setdefault(id(unit), []).append((local.start, local.stop, i))
+        for u in self.units:
+            for _, a, b in u.local:  # a matrix lies in one segment: the decay one (it is 2-D)
+                (lo, i), = [(lo, i) for lo, hi, i in starts[id(u.unit)] if lo <= a and b <= hi]
+                tier.masters[i].data[a - lo:b - lo].add_(u.update[a:b], alpha=-lr)
+            u.update = None
+        tier.refresh_targets()
+
+    def state_slices(self) -> list[StateSlice]:
+        """The momentum this rank holds, as optim/momentum_buffer/<name> (the key the
+        single-process optimizer checkpoints it under)."""
+        out = []
+        for u in self.units:
+            for m, a, b in u.local:
+                start = a + u.unit.lo - m.offset
+                out.append(StateSlice(f"optim/momentum_buffer/{m.name}", m.shape, start,
+                                      start + b - a, u.momentum[a:b]))
+        return out
