@@ -385,10 +385,17 @@ def train_here(cfg) -> int:
 def launch_workers(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
     """`--nproc N`: check the layout fits N ranks now (not after spawning), fix one run name
     for all workers, then hand over to torch's elastic launcher on this machine."""
-    from shardlm.launch import launch_local, unique_run_name
+    from shardlm.launch import launch_local, pick_device, unique_run_name
     from shardlm.dims import resolve_dims
 
     resolve_dims(cfg.parallel, args.nproc)
+    if pick_device(cfg.run.device, 0, args.nproc).type == "cpu":
+        # This machine's probe (cached per machine), here: rank 0 reads it for the run's
+        # prediction (and strategy = 'auto') while the other ranks wait in a collective, which a
+        # short parallel.collective_timeout_s would otherwise end while the probe runs.
+        from shardlm.hardware.probe import measure_cpu
+
+        measure_cpu(args.nproc)
     argv = ([args.config] if args.config else []) + list(overrides)
     if not cfg.run.name:  # also what lets restarted workers find the run's checkpoints
         argv.append(f"--run.name={unique_run_name()}")

@@ -497,8 +497,15 @@ def shutdown(runtime: Runtime) -> None:
     """The end of a rank's distributed work, once every collective it issued has been waited on
     (and its asynchronous checkpoint written: trainer.train): destroy every process group. The
     process then ends through `end_process`."""
+    if runtime.backend is not None:
+        leave_groups()
+
+
+def leave_groups() -> None:
+    """Destroy every process group this process joined, remembering that it joined one (so it
+    ends through `end_process`)."""
     global _groups_destroyed
-    if runtime.backend is not None and dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()
         _groups_destroyed = True
 

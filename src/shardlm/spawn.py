@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 import torch.multiprocessing as mp
 
-from shardlm.launch import backend_for, cpu_cores, die_with_parent, loopback_interface, pick_device
+from shardlm.launch import (backend_for, cpu_cores, die_with_parent, end_process, leave_groups,
+                            loopback_interface, pick_device)
 
 
 def _to_numpy(x: Any) -> Any:
@@ -44,17 +45,25 @@ def _entry(fn: Callable, rank: int, world_size: int, init_file: str, queue, args
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         os.environ.setdefault(name, loopback_interface())
     torch.set_num_threads(max(1, cpu_cores() // world_size))
+    failed = True
     try:
         backend = backend_for(pick_device("auto", rank, world_size))
         # Every wait on another rank ends within `timeout`: a dead peer is an error, not a hang.
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
         try:
-            queue.put((rank, "ok", tree_map(_to_numpy, fn(rank, world_size, *args))))
-        finally:
-            dist.destroy_process_group()
+            report = (rank, "ok", tree_map(_to_numpy, fn(rank, world_size, *args)))
+        except BaseException:
+            report = (rank, "error", traceback.format_exc())
+        # Said before the groups come down: whatever happens after, the parent has the result,
+        # or this rank's own traceback (not "exited without a result").
+        queue.put(report)
+        failed = report[1] != "ok"
+        leave_groups()
     except BaseException:  # report every failure to the parent, which raises it
         queue.put((rank, "error", traceback.format_exc()))
+        failed = True
+    end_process(1 if failed else 0)  # as the product's ranks end: no finalisation racing gloo
 
 
 def run_ranks(fn: Callable, world_size: int, tmp_dir: Path, *args: Any, timeout: float = 180,
