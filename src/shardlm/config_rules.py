@@ -605,10 +605,11 @@ def _qlora_composes(cfg: Config) -> list[str]:
             if blocking else [])
 
 
-@_cross("data.format", "model.hf_path", "model.hf_config", "parallel.pp", "lora.rank")
+@_cross("data.format", "model.hf_path", "model.hf_config", "parallel.tp", "parallel.pp", "lora.rank")
 def _seq2seq_model(cfg: Config) -> list[str]:
-    """data.format = 'seq2seq' and an encoder-decoder model go together; the pipeline (stages of
-    our decoder's blocks) and LoRA (our decoder's linears) do not apply to one yet."""
+    """data.format = 'seq2seq' and an encoder-decoder model go together; tensor parallelism and
+    the pipeline (our decoder's layers and blocks) and LoRA (our decoder's linears) do not apply
+    to one yet."""
     from shardlm.presets import encoder_decoder_config
 
     m, fmt = cfg.model, cfg.data.format
@@ -622,6 +623,10 @@ def _seq2seq_model(cfg: Config) -> list[str]:
         "data.format = 'seq2seq' needs an encoder-decoder model: model.hf_config = a T5 / BART "
         "config.json (from scratch; configs/hf/) or model.hf_path = a saved "
         "T5ForConditionalGeneration / BartForConditionalGeneration directory"]
+    if cfg.parallel.tp > 1:  # refused by the loss-masked-data rule until that went (issue 28)
+        out.append(f"data.format = 'seq2seq' with parallel.tp = {cfg.parallel.tp}: tensor "
+                   f"parallelism cuts our decoder's layers (or a causal LM's base_model_tp_plan), "
+                   f"not an encoder-decoder's; use ZeRO (parallel.zero_stage)")
     if cfg.parallel.pp > 1:
         out.append(f"data.format = 'seq2seq' with parallel.pp = {cfg.parallel.pp}: pipeline stages "
                    f"cut our decoder's blocks, not an encoder-decoder; use ZeRO (parallel.zero_stage)")
