@@ -14,19 +14,17 @@ import json
 import pytest
 import torch
 
-from shardlm.cli import main as shardlm_main
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.presets import causal_lm_config, hf_shape
 from shardlm.spawn import run_ranks
-from shardlm.trainer import build_run, train
-from test_hf_families import LLAMA, _hf_logits
+from shardlm.trainer import build_run
+from test_hf_families import LLAMA, _hf_logits, trained_export_is_the_checkpoint
 from test_hf_path import SPECIAL, WORDS, overrides
 from tp_cases import whole_params
 from zero_cases import reference_case, train_cases
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 MOE = dict(LLAMA, num_experts_per_tok=2, output_router_logits=False)
@@ -87,13 +85,7 @@ def test_moe_family_loads_and_exports_bit_for_bit(tmp_path, name):
     with torch.no_grad():
         ours = run.model(x)
     torch.testing.assert_close(ours, _hf_logits(hf, x), atol=1e-5, rtol=1e-5)
-    train(run)
-    out = tmp_path / "export"
-    assert shardlm_main(["export", "--checkpoint", str(run.run_dir), "--format", "hf", "--out", str(out)]) == 0
-    original, exported = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
-    assert exported.keys() == original.keys()
-    for key, value in original.items():
-        assert torch.equal(exported[key], value), key
+    out = trained_export_is_the_checkpoint(tmp_path, run, hf_dir)
     written, source = (json.loads((d / "config.json").read_text()) for d in (out, hf_dir))
     for key in ("model_type", "head_dim", "num_local_experts", "num_experts", "num_experts_per_tok",
                 "intermediate_size", "moe_intermediate_size", "decoder_sparse_step", "norm_topk_prob",

@@ -301,6 +301,27 @@ def _move_into(staging: Path, out: Path) -> None:
     for name in names:
         os.replace(staging / name, out / name)
 
+def _write_staged(out: Path, write) -> Path:
+    """`write(staging)` into a fresh private directory inside `out`, then each file renamed
+    into `out` (the module docstring: nothing is written through a link); returns `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    _check_out(out, force=True)  # not replaced by a link meanwhile
+    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
+    try:
+        write(staging)
+        _move_into(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _save_with_tokenizer(model, staging: Path, src: Path, tokenizer_config: dict) -> None:
+    """A transformers model's `save_pretrained`, the run's tokenizer.json and its config."""
+    model.save_pretrained(staging)
+    shutil.copyfile(src / TOKENIZER, staging / TOKENIZER)
+    (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
 
 def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
               merge: bool = False) -> Path:
@@ -351,18 +372,8 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
     leftover = [n for n, p in hf_model.named_parameters() if p.is_meta]
     if leftover:
         raise ConfigError(f"internal error mapping to {cls.__name__}: no values for {leftover}")
-    out.mkdir(parents=True, exist_ok=True)
-    _check_out(out, force=True)  # not replaced by a link meanwhile
-    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
-    try:
-        hf_model.save_pretrained(staging)
-        shutil.copyfile(src / TOKENIZER, staging / TOKENIZER)
-        (staging / "tokenizer_config.json").write_text(
-            json.dumps(_tokenizer_config(eot, m.max_seq_len), indent=2) + "\n")
-        _move_into(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+    return _write_staged(out, lambda staging: _save_with_tokenizer(
+        hf_model, staging, src, _tokenizer_config(eot, m.max_seq_len)))
 
 
 def export_peft(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
@@ -380,15 +391,7 @@ def export_peft(run_dir: str | Path, out_dir: str | Path, force: bool = False) -
     cfg = load_config_json(src)
     sd = load_file(str(src / WEIGHTS))
     peft_adapter(sd, cfg)  # refused before anything is written
-    out.mkdir(parents=True, exist_ok=True)
-    _check_out(out, force=True)  # not replaced by a link meanwhile
-    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
-    try:
-        write_adapter(staging, sd, cfg)
-        _move_into(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+    return _write_staged(out, lambda staging: write_adapter(staging, sd, cfg))
 
 
 def export_module(run_dir: str | Path, out_dir: str | Path, force: bool = False,
@@ -413,14 +416,4 @@ def export_module(run_dir: str | Path, out_dir: str | Path, force: bool = False,
                         "model_max_length": cfg.model.max_seq_len}
     if special is not None:
         tokenizer_config["eos_token"] = special
-    out.mkdir(parents=True, exist_ok=True)
-    _check_out(out, force=True)  # not replaced by a link meanwhile
-    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
-    try:
-        inner.save_pretrained(staging)
-        shutil.copyfile(src / TOKENIZER, staging / TOKENIZER)
-        (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-        _move_into(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+    return _write_staged(out, lambda staging: _save_with_tokenizer(inner, staging, src, tokenizer_config))
