@@ -31,7 +31,7 @@ from memory_ledger import decoder_peak_bytes  # noqa: E402
 from shardlm.config import ModelConfig  # noqa: E402
 from shardlm.models import build_model  # noqa: E402
 from shardlm.models.attention import attend, prepare  # noqa: E402
-from shardlm.packed import positions_from_starts  # noqa: E402
+from shardlm.data.packed import positions_from_starts  # noqa: E402
 from shardlm.planner.memory import ActivationDtypes, activation_peak  # noqa: E402
 
 

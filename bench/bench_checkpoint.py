@@ -63,10 +63,10 @@ import torch
 from shardlm.checkpoint.sharded import find_checkpoint
 from shardlm.config import load_config
 from shardlm.data import build_dataset
-from shardlm.launch import cpu_cores
+from shardlm.launch.runtime import cpu_cores
 from shardlm.models import count_params
-from shardlm.spawn import run_ranks
-from shardlm.telemetry import peak_flops, peak_rss_bytes
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.telemetry import peak_flops, peak_rss_bytes
 
 WORLD = 2
 MB, MiB = 1e6, 2**20
@@ -300,7 +300,7 @@ def save_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int,
               max_async_steps: int) -> dict:
     import torch.distributed as dist
 
-    from shardlm.trainer import build_run, save_checkpoint, train_step
+    from shardlm.train.loop import build_run, save_checkpoint, train_step
 
     run = build_run(load_config(overrides=overrides).validate())
     probe = Probe()
@@ -351,7 +351,7 @@ def save_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int,
 def load_rank(rank: int, world: int, overrides: dict, ckpt: str, modes: list) -> list[dict]:
     import torch.distributed as dist
 
-    from shardlm.trainer import build_run, load_checkpoint
+    from shardlm.train.loop import build_run, load_checkpoint
 
     run = build_run(load_config(overrides=overrides).validate())
     probe = Probe()

@@ -42,10 +42,10 @@ import torch
 
 from shardlm.config import load_config
 from shardlm.data import build_dataset
-from shardlm.launch import cpu_cores
+from shardlm.launch.runtime import cpu_cores
 from shardlm.models import count_params
-from shardlm.spawn import run_ranks
-from shardlm.telemetry import peak_flops, peak_rss_bytes
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.telemetry import peak_flops, peak_rss_bytes
 
 MiB = 2**20
 # (name, ranks, overrides)
@@ -65,7 +65,7 @@ def overrides_for(args, case: dict, run_dir: str) -> dict:
 
 def saved_activation_bytes(run) -> int:
     """Bytes of the distinct storages one micro-batch's forward saves for its backward."""
-    from shardlm.trainer import loss_of
+    from shardlm.train.loop import loss_of
 
     storages: dict[int, int] = {}
 
@@ -86,7 +86,7 @@ def saved_activation_bytes(run) -> int:
 def rank_case(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
     import time
 
-    from shardlm.trainer import build_run, train_step
+    from shardlm.train.loop import build_run, train_step
 
     run = build_run(load_config(overrides=overrides).validate())
     setup_rss = peak_rss_bytes()

@@ -44,8 +44,8 @@ def child(overrides: dict, steps: int) -> dict:
     import torch
 
     from shardlm.config import load_config
-    from shardlm.telemetry import peak_rss_bytes
-    from shardlm.trainer import build_run, train_step
+    from shardlm.train.telemetry import peak_rss_bytes
+    from shardlm.train.loop import build_run, train_step
 
     start = time.perf_counter()
     run = build_run(load_config(overrides=overrides).validate())
@@ -77,7 +77,7 @@ def rank_child(rank: int, world_size: int, overrides: dict, steps: int) -> dict:
 def ranks_child(overrides: dict, steps: int, ranks: int, directory: str) -> dict:
     """`child` on `ranks` ranks, ZeRO-3: the largest peak RSS of a rank, rank 0's ledger (every
     rank holds the same share), tokens/s of the whole group."""
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
 
     os.makedirs(directory, exist_ok=True)
     results = run_ranks(rank_child, ranks, directory, {**overrides, "parallel.zero_stage": 3}, steps,
@@ -100,8 +100,8 @@ def peft_child(overrides: dict, steps: int, rank: int) -> dict:
     import transformers
 
     from shardlm.config import load_config
-    from shardlm.export import hf_config
-    from shardlm.telemetry import peak_rss_bytes
+    from shardlm.checkpoint.export import hf_config
+    from shardlm.train.telemetry import peak_rss_bytes
 
     cfg = load_config(overrides=overrides).validate()
     start = time.perf_counter()
@@ -195,7 +195,7 @@ def main() -> None:
     import torch
 
     from shardlm.data import build_dataset
-    from shardlm.telemetry import peak_flops
+    from shardlm.train.telemetry import peak_flops
 
     cfg = load_config(overrides=overrides).validate()
     build_dataset(cfg.data, cfg.model.vocab_size)  # tokenizer + token stream, once, here

@@ -33,8 +33,8 @@ import tempfile
 import time
 
 from shardlm.config import load_config
-from shardlm.launch import cpu_cores
-from shardlm.trainer import build_run, evaluate, train_step
+from shardlm.launch.runtime import cpu_cores
+from shardlm.train.loop import build_run, evaluate, train_step
 
 RECIPES = ("tensorwise", "delayed", "blockwise")
 

@@ -45,11 +45,11 @@ import tempfile
 from pathlib import Path
 
 from shardlm.config import ModelConfig
-from shardlm.dims import ParallelDims
+from shardlm.config.dims import ParallelDims
 from shardlm.hardware.catalog import parse_cluster
 from shardlm.planner import Strategy, Workload, estimate_memory, estimate_time
 from shardlm.planner.workload import Dtypes
-from shardlm.presets import get_preset
+from shardlm.config.presets import get_preset
 
 LEVERS = {  # name -> the overrides that switch it on (precision-dependent ones filled in main)
     "baseline": {},

@@ -42,11 +42,11 @@ import torch
 
 from shardlm.config import load_config
 from shardlm.data import build_dataset
-from shardlm.launch import cpu_cores
+from shardlm.launch.runtime import cpu_cores
 from shardlm.models import count_params
 from shardlm.models.flops import active_params
-from shardlm.spawn import run_ranks
-from shardlm.telemetry import peak_rss_bytes
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.telemetry import peak_rss_bytes
 
 MiB = 2**20
 SKEW = 10.0
@@ -76,7 +76,7 @@ def rank_case(rank: int, world: int, overrides: dict, warmup: int, steps: int, s
     import time
 
     from shardlm.models.moe import MoE
-    from shardlm.trainer import build_run, step_record, train_step
+    from shardlm.train.loop import build_run, step_record, train_step
 
     run = build_run(load_config(overrides=overrides).validate())
     if skewed:
@@ -129,7 +129,7 @@ def part_one(args, tmp: str) -> None:
 
 
 def part_two(args, tmp: str) -> None:
-    from shardlm.trainer import build_run, train
+    from shardlm.train.loop import build_run, train
 
     curves = {}
     for balance in ("none", "aux", "bias"):

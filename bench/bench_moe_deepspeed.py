@@ -62,7 +62,7 @@ hook; padding included), mean over ranks. a2a = bytes a rank sends to the other 
 in all-to-alls, forward and backward (shardlm: its CommLedger; DeepSpeed: deepspeed.comm's
 all_to_all_single wrapped to count input bytes × (ep−1)/ep; neither counts DeepSpeed's dropless
 all-reduce of one int). Memory: every case runs in a fresh pair of processes
-(shardlm.spawn.run_ranks: multiprocessing spawn, file rendezvous, gloo on the loopback
+(shardlm.launch.spawn.run_ranks: multiprocessing spawn, file rendezvous, gloo on the loopback
 interface) with MALLOC_MMAP_THRESHOLD_=65536 unless set (RSS then follows what is alive).
 "setup" is the RSS after building the layer (the libraries' imports included); the
 high-water mark is then reset after the warm-up steps ("5" to /proc/self/clear_refs) and "step
@@ -102,8 +102,8 @@ import torch
 import torch.distributed as dist
 
 from shardlm.config import load_config
-from shardlm.spawn import run_ranks
-from shardlm.telemetry import reset_peak_rss
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.telemetry import reset_peak_rss
 
 WORLD = 2
 MiB = 2**20

@@ -86,8 +86,8 @@ def main() -> None:
 
     from shardlm.config import load_config
     from shardlm.models import count_params
-    from shardlm.telemetry import peak_rss_bytes
-    from shardlm.trainer import build_run, train_step
+    from shardlm.train.telemetry import peak_rss_bytes
+    from shardlm.train.loop import build_run, train_step
 
     root = Path(args.dir)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

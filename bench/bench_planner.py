@@ -67,8 +67,8 @@ def overrides_for(args, ranks: int, stage: int, ac: str, offload: str, axes: str
 def measure(rank: int, world_size: int, overrides: dict, steps: int) -> dict:
     """Rank side: train `steps` steps; the ledger, peak RSS and step times."""
     from shardlm.config import load_config
-    from shardlm.telemetry import peak_rss_bytes
-    from shardlm.trainer import build_run, train_step
+    from shardlm.train.telemetry import peak_rss_bytes
+    from shardlm.train.loop import build_run, train_step
 
     run = build_run(load_config(overrides=overrides).validate())
     seconds = []
@@ -97,7 +97,7 @@ def main() -> None:
 
     from shardlm.config import load_config
     from shardlm.planner.search import predict_local
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
 
     rows = []
     with tempfile.TemporaryDirectory(dir=".") as tmp:

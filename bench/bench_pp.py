@@ -58,7 +58,7 @@ step). "CPU s/step" is this process's CPU time per timed step (all threads; medi
 rank): the work a case does, much less sensitive than wall time to other jobs' load. Bubble
 (shardlm only): trainer.step_record's pp_bubble (mean over stages of seconds blocked on a
 neighbour / step seconds) and pp_bubble_by_stage, median over the timed steps, beside the
-schedule's table's idle share simulated with unit times (shardlm.pipeline_tables.check_table:
+schedule's table's idle share simulated with unit times (shardlm.config.pipeline_tables.check_table:
 F = I = W, B = 2; no communication), its published formula (pipeline_tables.bubble_formula:
 (P-1)/(V*M+P-1); ZB-V 0; DualPipeV (P-1)(F&B+B-3W) per rank with F&B = F+B; zb: its table's)
 and the planner's
@@ -99,14 +99,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.config import load_config, typed_overrides
-from shardlm.pipeline_tables import V_SHAPED, check_table, table_for
+from shardlm.config.pipeline_tables import V_SHAPED, check_table, table_for
 from shardlm.data import Loader, build_dataset
-from shardlm.launch import cpu_cores
+from shardlm.launch.runtime import cpu_cores
 from shardlm.models import build_model, count_params
 from shardlm.models.flops import pipeline_split
-from shardlm.optim import lr_at, param_groups, set_lr
-from shardlm.spawn import run_ranks
-from shardlm.telemetry import peak_flops, peak_rss_bytes, reset_peak_rss
+from shardlm.zero.optim import lr_at, param_groups, set_lr
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.telemetry import peak_flops, peak_rss_bytes, reset_peak_rss
 
 MiB = 2**20
 # key: (name, ranks, runner, spec). shardlm's spec: its overrides and the data-parallel degree
@@ -203,7 +203,7 @@ def timed_steps(step_fn, warmup: int, steps: int, after=None) -> dict:
 def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
     import warnings
 
-    from shardlm.trainer import build_run, step_record, train_step
+    from shardlm.train.loop import build_run, step_record, train_step
 
     # torch 2.13 deprecates all_gather_into_tensor (Schedule.by_stage calls it): once per rank
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)

@@ -2,14 +2,14 @@
 the model (4 bytes x parameters, what every rank held at setup before models were built on the
 meta device and materialised a ZeRO unit at a time).
 
-Method. One invocation = one row = one fresh pair of ranks (shardlm.spawn.run_ranks, gloo,
+Method. One invocation = one row = one fresh pair of ranks (shardlm.launch.spawn.run_ranks, gloo,
 1 thread each): ZeRO stage 3, bf16 compute (fp32 masters), zero.offload_optimizer = "nvme" and
 zero.offload_params = "nvme" under a fresh temporary directory on the local disk (--dir; the
 script refuses tmpfs), micro-batch 1 x seq_len 128, --steps training steps on the default stdlib
 corpus cut to data.max_bytes, vocabulary as the preset has it. The tokenizer/token stream and
 the CPU's bf16 matmul peak (build_run looks it up for MFU) are built in the parent first, so no
 rank's peak includes them. Each rank applies the allocator policy `shardlm train` applies in its
-workers (shardlm.allocator.apply_malloc_policy with run.malloc_mmap_threshold, 131072 by default,
+workers (shardlm.launch.allocator.apply_malloc_policy with run.malloc_mmap_threshold, 131072 by default,
 before build_run; the user's MALLOC_MMAP_THRESHOLD_ takes precedence as there): glibc then serves
 blocks >= 128 KiB with mmap and returns them on free, so RSS follows what is alive.
 
@@ -79,8 +79,8 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from shardlm.allocator import DEFAULT_THRESHOLD  # noqa: E402
-from shardlm.telemetry import reset_peak_rss  # noqa: E402
+from shardlm.launch.allocator import DEFAULT_THRESHOLD  # noqa: E402
+from shardlm.train.telemetry import reset_peak_rss  # noqa: E402
 
 GiB = 2**30
 MiB = 2**20
@@ -138,7 +138,7 @@ class Phases:
 
 def instrument(phases: Phases) -> None:
     """Phase wrappers around shardlm's setup and step, in this (rank) process only."""
-    import shardlm.trainer as trainer
+    import shardlm.train.loop as trainer
     from shardlm.zero import engine
     from shardlm.zero.params import ParamSharding
     from shardlm.zero.tiers.nvme import FileParams, NvmeTier
@@ -167,12 +167,12 @@ def instrument(phases: Phases) -> None:
 
 
 def rank_main(rank: int, world: int, overrides: dict, steps: int) -> dict:
-    from shardlm.allocator import apply_malloc_policy
+    from shardlm.launch.allocator import apply_malloc_policy
     from shardlm.config import load_config
-    from shardlm.trainer import build_run, train_step
+    from shardlm.train.loop import build_run, train_step
 
     cfg = load_config(overrides=overrides).validate()
-    malloc = apply_malloc_policy(cfg.run.malloc_mmap_threshold)  # as shardlm.cli.train_here does
+    malloc = apply_malloc_policy(cfg.run.malloc_mmap_threshold)  # as shardlm.cli.main.train_here does
     entry = _status()
     phases = Phases()
     instrument(phases)
@@ -308,10 +308,10 @@ def main() -> None:
 
     from shardlm.config import load_config
     from shardlm.data import build_dataset
-    from shardlm.launch import cpu_cores
+    from shardlm.launch.runtime import cpu_cores
     from shardlm.models import count_params
-    from shardlm.spawn import run_ranks
-    from shardlm.telemetry import peak_flops
+    from shardlm.launch.spawn import run_ranks
+    from shardlm.train.telemetry import peak_flops
 
     base = Path(args.dir)
     fstype = fs_type(base)

@@ -62,12 +62,12 @@ import torch.nn.functional as F
 
 from shardlm.config import load_config, typed_overrides
 from shardlm.data import Loader, build_dataset
-from shardlm.launch import cpu_cores
+from shardlm.launch.runtime import cpu_cores
 from shardlm.models import build_model, count_params
-from shardlm.optim import lr_at, param_groups, set_lr
-from shardlm.spawn import run_ranks
-from shardlm.telemetry import peak_flops, peak_rss_bytes
-from shardlm.trainer import build_run, train_step
+from shardlm.zero.optim import lr_at, param_groups, set_lr
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.telemetry import peak_flops, peak_rss_bytes
+from shardlm.train.loop import build_run, train_step
 
 WORLD = 2
 MiB = 2**20

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.config import load_config
-from shardlm.launch import cpu_cores
+from shardlm.launch.runtime import cpu_cores
 from shardlm.models import count_params
-from shardlm.trainer import build_run, train_step
+from shardlm.train.loop import build_run, train_step
 
 # (micro_batch, seq_len) per preset: big enough to be matmul-bound, small enough for a CPU.
 SHAPES = {"gpt-tiny": (16, 64), "gpt-mini": (8, 256), "gpt2-124m": (4, 256)}

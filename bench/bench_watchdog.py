@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=5000)
     args = parser.parse_args(argv)
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         (r,) = run_ranks(_measure, 1, Path(tmp), args.calls, timeout=600)

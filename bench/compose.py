@@ -5,12 +5,12 @@ Each feature is a row of FEATURES: the config keys that turn it on. A pair is th
 plus both features' keys (`parallel.zero_stage` takes the larger of the two: a feature that
 needs stage >= 1 composes with one that needs stage 3). Validation (`Config.validate()`, before
 any process) sorts every pair into accepted or refused, and names the refusing rule
-(`config_rules.refusing_rules`: the function in shardlm/config_rules.py).
+(`config_rules.refusing_rules`: the function in shardlm/config/rules.py).
 
 --run trains each accepted pair for STEPS steps on the ranks its layout needs (tp, cp, pp and
 hybrid's dp_replicate x dp_shard multiply; a pair with none of them, or one that needs data
 parallelism (ZeRO, ep, offload, async checkpoints), runs 2 data-parallel ranks; 8 at most:
-hybrid with a model axis) with shardlm.spawn.run_ranks (gloo), and compares it with the
+hybrid with a model axis) with shardlm.launch.spawn.run_ranks (gloo), and compares it with the
 reference: the same config in one process with every execution choice taken out (layout, ZeRO,
 offload, recomputation, activation offload, compile, planner, async checkpoints) and the
 data-parallel ranks' micro-batches as gradient accumulation — the same global batch, seed and
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlm.config import load_config
-from shardlm.config_rules import refusing_rules
+from shardlm.config.rules import refusing_rules
 from shardlm.errors import ConfigError
 
 STEPS = 4
@@ -199,7 +199,7 @@ def train_steps(rank: int, world_size: int, overrides: dict, steps: int, save_af
     whether it stepped; with checkpoint.async an asynchronous save after `save_after` steps."""
     import torch
 
-    from shardlm.trainer import build_run, save_checkpoint, train_step
+    from shardlm.train.loop import build_run, save_checkpoint, train_step
 
     torch.manual_seed(0)
     run = build_run(load_config(overrides=overrides).validate())
@@ -273,10 +273,10 @@ def _planned_batches(overrides: dict[str, Any], world: int) -> dict[str, int]:
     """parallel.strategy = 'auto' keeps the global batch but may cut it into other micro-batches
     (e.g. 4 x 1 for 2 x 2), and a loss that is a mean per micro-batch (MoE's balancing loss, the
     SFT formats' mean over the kept targets) depends on the cut: the reference takes the plan's,
-    as decided here the way rank 0 decides it (shardlm.resolve.decide, the same probe cache)."""
+    as decided here the way rank 0 decides it (shardlm.train.resolve.decide, the same probe cache)."""
     import torch
 
-    from shardlm.resolve import decide
+    from shardlm.train.resolve import decide
 
     cfg = decide(load_config(overrides=overrides), world, torch.device("cpu"))
     par = cfg.parallel
@@ -293,7 +293,7 @@ def verdict(pair: PairRun, ranks: list[dict], reference: dict) -> tuple[str, str
 
 def run_pair(a: Feature, b: Feature, root: Path, references: dict) -> tuple[str, str]:
     """('matched' | 'mismatch' | 'failed', detail) for one accepted pair, in processes of its own."""
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
 
     pair = prepare(a, b, root)
     if pair.world > MAX_RANKS:
@@ -328,7 +328,7 @@ def run_batch(chosen: list[tuple[Feature, Feature]], root: Path, references: dic
     """Every pair of `chosen`, pairs of one world size together in one spawn (chunks of
     BATCH); `report(a, b, outcome)` for each. A pair that failed in a batch, and those after
     it, run again alone (run_pair): a failure is recorded only from a pair's own processes."""
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
 
     pairs = {pair_name(a, b): (a, b, prepare(a, b, root)) for a, b in chosen}
     by_world: dict[int, list[PairRun]] = {}
@@ -362,7 +362,7 @@ def run_batch(chosen: list[tuple[Feature, Feature]], root: Path, references: dic
 def _reference_many(rank: int, world_size: int, cases: list[tuple[str, dict]], world: int) -> dict:
     import torch
 
-    from shardlm.launch import cpu_cores
+    from shardlm.launch.runtime import cpu_cores
 
     os.environ["LOCAL_WORLD_SIZE"] = str(world)  # init_runtime sets threads from it
     torch.set_num_threads(max(1, cpu_cores() // world))
@@ -372,7 +372,7 @@ def _reference_many(rank: int, world_size: int, cases: list[tuple[str, dict]], w
 def _reference(overrides: dict, world: int, root: Path) -> dict:
     """The one-process run, spawned alone (its own threads: one rank's share of the cores, as
     each of the `world` ranks has, so CPU kernels split their reductions the same way)."""
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
 
     overrides = {**overrides, "run.dir": str(root / "reference-runs")}
     return run_ranks(_reference_rank, 1, root, overrides, world, timeout=900)[0]
@@ -381,7 +381,7 @@ def _reference(overrides: dict, world: int, root: Path) -> dict:
 def _reference_rank(rank: int, world_size: int, overrides: dict, world: int) -> dict:
     import torch
 
-    from shardlm.launch import cpu_cores
+    from shardlm.launch.runtime import cpu_cores
 
     os.environ["LOCAL_WORLD_SIZE"] = str(world)  # init_runtime sets threads from it
     torch.set_num_threads(max(1, cpu_cores() // world))

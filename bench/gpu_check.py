@@ -92,7 +92,7 @@ def _plain(overrides: dict, warmup: int, timed: int) -> dict:
     from shardlm.config import load_config
     from shardlm.data import Loader, build_dataset
     from shardlm.models import build_model
-    from shardlm.optim import lr_at, param_groups
+    from shardlm.zero.optim import lr_at, param_groups
 
     cfg = load_config(overrides=overrides).validate()
     t, device = cfg.train, torch.device(cfg.run.device)
@@ -123,7 +123,7 @@ def _plain(overrides: dict, warmup: int, timed: int) -> dict:
 
 def _shardlm(overrides: dict, warmup: int, timed: int) -> dict:
     from shardlm.config import load_config
-    from shardlm.trainer import build_run, train_step
+    from shardlm.train.loop import build_run, train_step
 
     run = build_run(load_config(overrides=overrides).validate())
     return _timed(lambda i: train_step(run, i).loss, warmup, timed, run.cfg)

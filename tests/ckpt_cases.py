@@ -8,7 +8,7 @@ import torch
 
 from shardlm.checkpoint.sharded import CHECKPOINTS, step_dir_name
 from shardlm.config import load_config
-from shardlm.trainer import build_run, train
+from shardlm.train.loop import build_run, train
 
 
 def train_run(overrides: dict) -> dict:
@@ -116,8 +116,8 @@ def ranks_agree_on_resume(rank: int, world_size: int, run_dir: str) -> dict:
     from unittest import mock
 
     from shardlm.checkpoint.sharded import CheckpointError, load_slices
-    from shardlm.launch import Runtime
-    from shardlm.trainer import resume_source
+    from shardlm.launch.runtime import Runtime
+    from shardlm.train.loop import resume_source
 
     runtime = Runtime(rank, world_size, rank, world_size, torch.device("cpu"), "gloo")
     out = {}
@@ -125,7 +125,7 @@ def ranks_agree_on_resume(rank: int, world_size: int, run_dir: str) -> dict:
     def unusable(*args, **kwargs):
         raise CheckpointError(f"rank {rank} sees no usable checkpoint")
 
-    blind = mock.patch("shardlm.trainer.newest_usable", unusable)
+    blind = mock.patch("shardlm.train.loop.newest_usable", unusable)
     with blind if rank == 1 else contextlib.nullcontext():
         try:
             choice = resume_source(load_config(overrides={"checkpoint.resume": "auto"}),

@@ -7,7 +7,7 @@ import json
 import torch
 
 from shardlm.config import load_config
-from shardlm.trainer import build_run, train
+from shardlm.train.loop import build_run, train
 from zero_cases import train_case
 
 

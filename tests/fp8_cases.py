@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from shardlm.config import load_config
-from shardlm.trainer import build_run, train_step
+from shardlm.train.loop import build_run, train_step
 
 
 def fp8_case(overrides: dict, steps: int) -> dict:

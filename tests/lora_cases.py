@@ -6,7 +6,7 @@ import torch
 
 from shardlm.config import load_config
 from shardlm.models.lora import is_adapter
-from shardlm.trainer import build_run, train_step
+from shardlm.train.loop import build_run, train_step
 
 
 def lora_case(overrides: dict, steps: int) -> dict:

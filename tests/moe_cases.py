@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from shardlm.config import load_config
 from shardlm.models.moe import MoE
-from shardlm.trainer import build_run, train_step
+from shardlm.train.loop import build_run, train_step
 
 
 def ledger_case(rank: int, world_size: int, overrides: dict) -> dict:

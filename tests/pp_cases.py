@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shardlm.config import load_config
-from shardlm.trainer import build_run, sample_text, train_step
+from shardlm.train.loop import build_run, sample_text, train_step
 
 
 def sample_case(rank: int, world_size: int, overrides: dict, steps: int) -> str:
@@ -37,7 +37,7 @@ def cases_and_save(rank: int, world_size: int, cases: list[tuple[dict, int]], sa
 def train_run(overrides: dict) -> dict:
     """A whole `train` (its checkpoints, its evaluation at the last step): the losses, where it
     started, the run directory and the last evaluation's loss."""
-    from shardlm.trainer import train
+    from shardlm.train.loop import train
 
     run = build_run(load_config(overrides=overrides).validate())
     result = train(run)

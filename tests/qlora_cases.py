@@ -11,7 +11,7 @@ def qlora_cases(rank: int, world_size: int, cases: list[tuple[dict, int]]) -> li
     """lora_case per case, plus what the engine holds of the quantised base: its byte units
     (name, dtype, this rank's shard elements, whole elements) and the state-bytes ledger."""
     from shardlm.config import load_config
-    from shardlm.trainer import build_run
+    from shardlm.train.loop import build_run
 
     torch.manual_seed(0)
     out = []

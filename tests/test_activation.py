@@ -11,7 +11,7 @@ from test_models import counted_flops
 
 from shardlm.config import ModelConfig
 from shardlm.models import build_model, flops_per_token
-from shardlm.presets import get_preset
+from shardlm.config.presets import get_preset
 from shardlm.parallel.activation import apply_ac
 
 TINY = ("gpt-tiny", "llama-tiny")

@@ -18,7 +18,7 @@ from conftest import tiny_overrides
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.parallel.activation import apply_offload
-from shardlm.spawn import run_ranks
+from shardlm.launch.spawn import run_ranks
 
 from test_activation import TINY, loss_and_grads, tiny  # the same tiny models and objective
 

@@ -1,4 +1,4 @@
-"""The allocator policy (shardlm/allocator.py): every rank `shardlm train` starts fixes glibc's
+"""The allocator policy (shardlm/launch/allocator.py): every rank `shardlm train` starts fixes glibc's
 mmap threshold, read back in the rank; the user's MALLOC_MMAP_THRESHOLD_ takes precedence and
 run.malloc_mmap_threshold = 0 leaves glibc's default. Read-backs, not sizes or timings."""
 
@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 from conftest import tiny_overrides
-from shardlm.allocator import glibc_version
+from shardlm.launch.allocator import glibc_version
 
 PROBE = """
 import json
-from shardlm import allocator
+from shardlm.launch import allocator
 before = allocator.threshold_in_effect()
 policy = allocator.apply_malloc_policy({threshold})
 print(json.dumps([before, policy.source, policy.threshold, allocator.threshold_in_effect(), policy.report()]))
@@ -61,7 +61,7 @@ def test_every_rank_of_shardlm_train_applies_it(tmp_path):
 
 
 def test_off_glibc_it_is_a_no_op_that_says_why():
-    script = ("import json; from shardlm import allocator; allocator.glibc_version = lambda: None; "
+    script = ("import json; from shardlm.launch import allocator; allocator.glibc_version = lambda: None; "
               "allocator._libc = None; p = allocator.apply_malloc_policy(); "
               "print(json.dumps([p.source, p.threshold, p.report(), allocator.threshold_in_effect()]))")
     clean = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
@@ -81,8 +81,7 @@ def test_page_locked_memory_refused_falls_back_to_pageable(caplog):
 
     import torch
 
-    from shardlm import allocator
-
+    from shardlm.launch import allocator
     allocator._PINNED_REFUSED.clear()
     with caplog.at_level(logging.WARNING, logger="shardlm"):
         a = allocator.host_tensor((3, 4), torch.bfloat16, pinned=True)

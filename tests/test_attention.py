@@ -1,4 +1,4 @@
-"""Attention backends and document masking for packed rows (models/attention.py, packed.py).
+"""Attention backends and document masking for packed rows (models/attention.py, data/packed.py).
 
 The key claim: a row packing several examples gives each example exactly the losses it gets
 alone — attention never crosses an example boundary and positions restart at 0 per example —
@@ -26,11 +26,11 @@ from shardlm.data.sft import LOSS, START
 from shardlm.errors import ConfigError
 from shardlm.models import build_model
 from shardlm.models.attention import attend, configure, prepare
-from shardlm.packed import PackedTokens, positions_from_starts
+from shardlm.data.packed import PackedTokens, positions_from_starts
 from shardlm.parallel.activation import apply_ac
 from shardlm.planner.memory import ActivationDtypes, block_activation
 from shardlm.planner.search import preset_model
-from shardlm.spawn import run_ranks
+from shardlm.launch.spawn import run_ranks
 from test_sft_data import CHATS, SEQ, _build, _write
 from zero_cases import reference_case, train_cases
 

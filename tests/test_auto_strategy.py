@@ -9,8 +9,8 @@ from conftest import tiny_overrides
 from shardlm.config import flatten, load_config
 from shardlm.planner.search import default_dtypes, plan_for_run
 from shardlm.hardware.catalog import local_cpu
-from shardlm.spawn import run_ranks
-from shardlm.trainer import build_run, train_step
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.loop import build_run, train_step
 
 
 def _auto_run(rank: int, world_size: int, overrides: dict) -> dict:
@@ -65,7 +65,7 @@ def test_auto_compute_is_recorded_and_kept_on_resume(tmp_path, monkeypatch):
     import json
 
     import shardlm.hardware.probe as probe
-    from shardlm.trainer import train
+    from shardlm.train.loop import train
 
     overrides = tiny_overrides(tmp_path, **{"precision.compute": "auto", "train.steps": 2,
                                             "checkpoint.every": 1, "run.name": "r"})
@@ -96,7 +96,7 @@ def _decide(caplog, **parallel):
     import torch
 
     from shardlm.hardware.catalog import parse_cluster
-    from shardlm.resolve import decide
+    from shardlm.train.resolve import decide
 
     cfg = load_config(overrides={"model.preset": "moe-tiny", "parallel.strategy": "auto",
                                  "train.micro_batch": 4, "train.seq_len": 64, "precision.compute": "bf16",
@@ -127,7 +127,7 @@ def test_what_auto_keeps_is_not_what_it_would_choose(caplog):
 
 
 def _auto_ep_run(rank: int, world_size: int, overrides: dict) -> dict:
-    import shardlm.resolve as resolve
+    import shardlm.train.resolve as resolve
     from shardlm.hardware.catalog import parse_cluster
 
     # The planner's view of the machine from the catalog, not the CPU probe (seconds of

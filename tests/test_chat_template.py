@@ -197,7 +197,7 @@ def llama_dir(tmp_path_factory, tokenizer) -> Path:
 
 
 def test_cli_refuses_a_template_that_cannot_be_split_before_spawning(tmp_path, llama_dir, capsys):
-    from shardlm.cli import main
+    from shardlm.cli.main import main
 
     directory = shutil.copytree(llama_dir, tmp_path / "qwen3ish")
     config = json.loads((directory / "tokenizer_config.json").read_text())

@@ -34,8 +34,8 @@ from shardlm.checkpoint.manifest import (LATEST, check_checkpoint, newest_usable
 from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, CheckpointReader,
                                         find_checkpoint, parse_manifest, read_manifest)
 from shardlm.config import load_config
-from shardlm.spawn import run_ranks
-from shardlm.trainer import build_run, load_checkpoint, save_checkpoint
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.loop import build_run, load_checkpoint, save_checkpoint
 
 N = 2  # steps before the checkpoint, and after it
 
@@ -165,7 +165,7 @@ _DIE_MID_SAVE = textwrap.dedent("""
     import json, os, signal, sys
     from shardlm.checkpoint import sharded
     from shardlm.config import load_config
-    from shardlm.trainer import build_run, train
+    from shardlm.train.loop import build_run, train
 
     overrides, point = json.loads(sys.argv[1]), sys.argv[2]
     write, publish = sharded.write_safetensors, sharded.write_latest
@@ -478,7 +478,7 @@ def test_resume_falls_back_to_the_newest_usable_checkpoint(tmp_path, three_check
     assert message in caplog.text
     # a restarted worker (torchrun --max-restarts): its run's newest usable, not the explicit path
     caplog.clear()
-    monkeypatch.setattr("shardlm.trainer.is_restart", lambda: True)
+    monkeypatch.setattr("shardlm.train.loop.is_restart", lambda: True)
     run = _build(tmp_path, run_dir, checkpoint__resume=checkpoint_of(str(run_dir), 1))
     assert run.start_step == 2 and message in caplog.text
 

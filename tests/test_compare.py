@@ -8,10 +8,10 @@ import json
 import pytest
 
 from conftest import tiny_overrides
-from shardlm.cli import main
-from shardlm.compare import compare_runs, read_run
+from shardlm.cli.main import main
+from shardlm.studies.compare import compare_runs, read_run
 from shardlm.config import load_config
-from shardlm.trainer import build_run, train
+from shardlm.train.loop import build_run, train
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ from shardlm.config import ModelConfig, load_config
 from shardlm.errors import ConfigError
 from shardlm.models.decoder import build_model
 from shardlm.parallel.compile import apply_compile
-from shardlm.presets import get_preset
-from shardlm.spawn import run_ranks
+from shardlm.config.presets import get_preset
+from shardlm.launch.spawn import run_ranks
 
 STEPS = 3
 

@@ -168,7 +168,7 @@ def test_every_float_field_must_be_finite():
 
 
 def test_every_number_has_a_range():
-    from shardlm.config_rules import _CHOICES, _RULES
+    from shardlm.config.rules import _CHOICES, _RULES
 
     numbers = [k for k in valid_keys() if type(_default(k)) in (int, float)]
     assert len(numbers) > 30
@@ -226,7 +226,7 @@ def test_numbers_that_are_not_ints():
 def test_space_separated_overrides_are_not_taken_for_the_config_file():
     """`shardlm train --model.hf_path DIR` (the issue's form): DIR is the key's value, not the
     optional TOML positional; a positional after a complete override stays the config file."""
-    from shardlm.cli import joined_overrides
+    from shardlm.cli.main import joined_overrides
 
     assert joined_overrides(["--model.hf_path", "llama", "--lora.rank=8", "--nproc", "2"]) == [
         "--model.hf_path=llama", "--lora.rank=8", "--nproc", "2"]

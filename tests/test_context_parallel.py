@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from cp_cases import ring_attention_case
 from parity import assert_matches
-from shardlm.spawn import run_ranks
+from shardlm.launch.spawn import run_ranks
 
 
 # (ranks, query heads, key/value heads, length, path): GQA, MHA, three ranks, the portable path.

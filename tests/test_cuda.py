@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 from conftest import tiny_overrides
-from shardlm import trainer
+from shardlm.train import loop as trainer
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
-from shardlm.launch import Runtime, pick_device
-from shardlm.mesh import Mesh
-from shardlm.trainer import build_run, train, train_step
+from shardlm.launch.runtime import Runtime, pick_device
+from shardlm.comm.mesh import Mesh
+from shardlm.train.loop import build_run, train, train_step
 
 pytestmark = pytest.mark.cuda
 
@@ -225,7 +225,7 @@ def test_export_of_a_gpu_run_loads_in_transformers(tmp_path):
     """A run trained on the GPU exports (shardlm export --format hf) to a transformers model
     with its logits (fp32, 1e-4)."""
     transformers = pytest.importorskip("transformers")
-    from shardlm.export import export_hf
+    from shardlm.checkpoint.export import export_hf
 
     run = build_run(load_config(overrides=_overrides(tmp_path, **{"train.steps": 2})).validate())
     result = train(run)

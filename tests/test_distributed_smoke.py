@@ -3,8 +3,8 @@
 import torch
 import torch.distributed as dist
 
-from shardlm.spawn import run_ranks
-from shardlm.launch import init_runtime
+from shardlm.launch.spawn import run_ranks
+from shardlm.launch.runtime import init_runtime
 
 
 def _collectives(rank: int, world_size: int) -> dict:

@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from shardlm.cli import main
+from shardlm.cli.main import main
 
 
 def plan_lines(capsys, *argv: str) -> tuple[list[str], list[str]]:

@@ -18,14 +18,14 @@ import torch.nn.functional as F
 
 from conftest import tiny_overrides
 from eval_cases import eval_case, eval_cases
-from shardlm.cli import main
+from shardlm.cli.main import main
 from shardlm.config import DataConfig, load_config
 from shardlm.data import build_dataset, iter_documents
 from shardlm.data.sft import IGNORE
 from shardlm.errors import ConfigError
 from shardlm.parallel.evaluation import metrics_of, token_sums
-from shardlm.spawn import run_ranks
-from shardlm.trainer import build_run, train
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.loop import build_run, train
 
 
 VOCAB = 512  # the tiny presets' vocabulary

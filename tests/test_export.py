@@ -1,4 +1,4 @@
-"""`shardlm.export.export_hf`: a run directory becomes a transformers model with our logits."""
+"""`shardlm.checkpoint.export.export_hf`: a run directory becomes a transformers model with our logits."""
 
 import sys
 
@@ -9,7 +9,7 @@ from shardlm import checkpoint
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.data.tokenizer import train_tokenizer
-from shardlm.export import export_hf
+from shardlm.checkpoint.export import export_hf
 from shardlm.models import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -153,7 +153,7 @@ def _logits(model, ids):
 def test_peft_adapter_and_merge_give_our_logits(tmp_path, tokenizer, preset):
     import peft
 
-    from shardlm.export import export_peft
+    from shardlm.checkpoint.export import export_peft
 
     run, model = make_lora_run(tmp_path, tokenizer, preset)
     base_dir = export_hf(run, tmp_path / "base")
@@ -202,7 +202,7 @@ def test_peft_layout(tmp_path, tokenizer):
 
 
 def test_lora_export_refusals(tmp_path, tokenizer):
-    from shardlm.export import export_peft
+    from shardlm.checkpoint.export import export_peft
 
     run, _ = make_run(tmp_path, tokenizer, **{"model.preset": "gpt-tiny"})
     with pytest.raises(ConfigError, match="no LoRA adapters"):
@@ -219,7 +219,7 @@ def test_trained_lora_run_loads_in_peft(tmp_path):
     import peft
 
     from conftest import tiny_overrides
-    from shardlm.trainer import build_run, train
+    from shardlm.train.loop import build_run, train
 
     overrides = tiny_overrides(tmp_path, model__preset="llama-tiny", lora__rank=4,
                                train__steps=3, train__lr=1e-2, train__micro_batch=2,

@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_overrides
-from shardlm import cli, preflight
-from shardlm.launch import StopSignals, create_run_dir, release_run_dir, remove_dead_rendezvous_dirs
+from shardlm.cli import main as cli
+from shardlm.launch import preflight
+from shardlm.launch.runtime import StopSignals, create_run_dir, release_run_dir, remove_dead_rendezvous_dirs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -176,7 +177,7 @@ def test_spawned_ranks_die_with_a_killed_parent(tmp_path):
     """spawn.run_ranks' ranks never outlive it: SIGKILL of the process that spawned them ends
     them (before, they slept on as orphans)."""
     code = ("import sys; sys.path.insert(0, sys.argv[2]); from pathlib import Path\n"
-            "from shardlm.spawn import run_ranks; import test_faults\n"
+            "from shardlm.launch.spawn import run_ranks; import test_faults\n"
             "run_ranks(test_faults._sleep_forever, 2, Path(sys.argv[1]), sys.argv[1], timeout=600)\n")
     parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(REPO / "tests")])
     pids: list[int] = []
@@ -212,7 +213,7 @@ def test_a_collective_with_a_dead_peer_fails_within_the_timeout(tmp_path):
     """The rank waiting in a collective for a peer that never comes reports an error once the
     timeout is up (before: it waited gloo's 30 minutes, and only run_ranks' own deadline
     ended the test, with no word from the rank)."""
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
 
     start = time.monotonic()
     with pytest.raises(RuntimeError) as caught:

@@ -31,11 +31,11 @@ from fp8_cases import fp8_case, fp8_cases
 from parity import assert_matches, rel
 from shardlm.config import PrecisionConfig, load_config
 from shardlm.errors import ConfigError
-from shardlm.launch import cpu_cores
+from shardlm.launch.runtime import cpu_cores
 from shardlm.models.fp8 import (E4M3, E5M2, EPS, FP8_HISTORY, Fp8Linear, Fp8Quantiser, Fp8Stats,
                                 amax, apply_fp8, check_fp8_device, quantise)
-from shardlm.spawn import run_ranks
-from shardlm.trainer import build_run, train
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.loop import build_run, train
 
 LOSS_STEPS = 150
 LOSS_TOLERANCE = 0.05
@@ -236,8 +236,8 @@ def test_fp8_without_fp8_hardware_errors_unless_emulated(tmp_path):
 def test_fp8_is_checked_before_ranks_spawn(tmp_path, monkeypatch):
     """`shardlm train --nproc 2` with run.device = 'auto' on a machine whose device has no FP8
     (the CPU, pinned here so that a GPU machine runs the same test): refused in the launcher."""
-    from shardlm import launch
-    from shardlm.cli import preflight
+    from shardlm.launch import runtime as launch
+    from shardlm.cli.main import preflight
 
     monkeypatch.setattr(launch, "pick_device", lambda preference, local_rank=0, local_world=1: torch.device("cpu"))
     cfg = load_config(overrides=_tiny(tmp_path, **{"precision.fp8_emulate": False, "run.device": "auto"})).validate()

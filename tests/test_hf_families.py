@@ -15,13 +15,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from shardlm.cli import main as shardlm_main
+from shardlm.cli.main import main as shardlm_main
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.models.hf_build import route_line
-from shardlm.presets import causal_lm_config, hf_shape
-from shardlm.spawn import run_ranks
-from shardlm.trainer import build_run, train
+from shardlm.config.presets import causal_lm_config, hf_shape
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.loop import build_run, train
 from test_hf_path import SPECIAL, WORDS, overrides
 from tp_cases import whole_params
 from zero_cases import reference_case, train_cases
@@ -297,7 +297,6 @@ def test_lora_on_gpt_neox_loads_in_peft_onto_the_checkpoint(tmp_path):
     import peft
 
     from shardlm import checkpoint
-
     hf_dir, _ = make_family_dir(tmp_path, "gpt_neox")
     values = overrides(tmp_path, hf_dir, lora__rank=4, train__lr=1e-2, run__name="lora")
     run = build_run(load_config(overrides=values).validate())

@@ -72,7 +72,7 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 def test_first_step_logits_are_the_librarys(tmp_path, gptj):
     from shardlm.models.hf_build import route_line
-    from shardlm.trainer import build_run, train_step
+    from shardlm.train.loop import build_run, train_step
 
     cfg = load_config(overrides=overrides(tmp_path, gptj)).validate()
     assert route_line(cfg) == f"model: {gptj} {LINE}"
@@ -93,7 +93,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_zero3_and_tp_on_two_ranks_match_one_process(tmp_path, gptj):
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
     from test_tensor_parallel import whole_params
     from zero_cases import reference_case, train_cases
 
@@ -130,7 +130,7 @@ def test_lora_adapters_load_in_peft_with_our_logits(tmp_path, gptj, capsys):
     high learning rate move both A and B away from their start."""
     peft = pytest.importorskip("peft")
     from shardlm.checkpoint import load_for_inference
-    from shardlm.cli import main
+    from shardlm.cli.main import main
 
     values = overrides(tmp_path, gptj, lora__rank=4, lora__alpha=8, train__steps=3, train__lr=1e-2)
     assert main(_cli(values)) == 0
@@ -159,7 +159,7 @@ def test_a_lora_checkpoint_resumes_bitwise(tmp_path, gptj):
     """3 steps straight, or 2 then a resume from the step-2 checkpoint (adapters, their AdamW
     state, the frozen base) in a new run: the third loss and every parameter identical."""
     from shardlm.checkpoint.sharded import CHECKPOINTS
-    from shardlm.trainer import build_run, train
+    from shardlm.train.loop import build_run, train
 
     base = overrides(tmp_path, gptj, train__steps=3, train__lr=1e-2, lora__rank=4,
                      parallel__zero_stage=1, checkpoint__every=2)
@@ -179,7 +179,7 @@ def test_export_loads_with_from_pretrained_with_equal_tensors(tmp_path, gptj, ca
     recomputation; the run's sample and `shardlm generate` go through the library's generate."""
     from safetensors.torch import load_file
 
-    from shardlm.cli import main
+    from shardlm.cli.main import main
 
     values = overrides(tmp_path, gptj, train__steps=2, train__lr=1e-3, parallel__zero_stage=3,
                        zero__offload_params="cpu", activation__checkpoint="full",
@@ -209,7 +209,7 @@ def test_lora_on_a_model_given_to_build_run(tmp_path, gptj):
     as the base (B = 0) with the base's own initial values, and a step moves only adapters."""
     from hf_cases import hf_model
     from shardlm.models.init import materialize
-    from shardlm.trainer import build_run, train_step
+    from shardlm.train.loop import build_run, train_step
 
     values = {**overrides(tmp_path, gptj, lora__rank=4, lora__targets="self_attn.q_proj,mlp.down_proj"),
               "model.preset": "gpt-tiny"}  # its vocabulary (512) is hf_cases' llama's
@@ -249,7 +249,7 @@ def _config_dir(root: Path, gptj: Path, family: str) -> Path:
     ({"parallel.tp": 2, "lora.rank": 4}, r"trains through transformers .*lora.rank = 4 with parallel.tp = 2"),
 ], ids=["pp", "cp", "fp8", "document-mask", "tp-without-plan", "tp-fused-qkv", "lora-tp"])
 def test_what_the_path_cannot_do_is_refused_before_spawning(tmp_path, gptj, capsys, extra, message):
-    from shardlm.cli import main
+    from shardlm.cli.main import main
 
     if extra.get("model.hf_path") in ("bloom", "codegen"):
         extra = {**extra, "model.hf_path": str(_config_dir(tmp_path, gptj, extra["model.hf_path"]))}
@@ -261,7 +261,7 @@ def test_what_the_path_cannot_do_is_refused_before_spawning(tmp_path, gptj, caps
 
 
 def test_an_unknown_model_type_is_named(tmp_path, gptj):
-    from shardlm.trainer import check_inputs
+    from shardlm.train.loop import check_inputs
 
     (tmp_path / "odd").mkdir()
     config = json.loads((gptj / "config.json").read_text())

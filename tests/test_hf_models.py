@@ -32,7 +32,7 @@ import torch
 
 from conftest import tiny_overrides
 from hf_cases import hf_model, hf_train_cases, reverse_jsonl
-from shardlm.spawn import run_ranks
+from shardlm.launch.spawn import run_ranks
 from shardlm.zero.units import collect_units
 from zero_cases import reference_case
 
@@ -132,7 +132,7 @@ def test_units_found():
 
 def test_build_run_takes_a_user_model(tmp_path):
     from shardlm.config import load_config
-    from shardlm.trainer import build_run
+    from shardlm.train.loop import build_run
 
     model = hf_model("llama")
     run = build_run(load_config(overrides=_base(tmp_path)).validate(), model=model)

@@ -16,9 +16,9 @@ import torch
 
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
-from shardlm.presets import causal_lm_config, hf_shape
-from shardlm.spawn import run_ranks
-from shardlm.trainer import build_run
+from shardlm.config.presets import causal_lm_config, hf_shape
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.loop import build_run
 from test_hf_families import LLAMA, _hf_logits, trained_export_is_the_checkpoint
 from test_hf_path import SPECIAL, WORDS, overrides
 from tp_cases import whole_params
@@ -102,7 +102,7 @@ def test_mixtral_with_ep2_matches_one_process(tmp_path):
     2 steps within 1e-5 relative (fp32; the experts' rows grouped differently)."""
     from shardlm.checkpoint.hf_names import hf_initializer
     from shardlm.models.decoder import Decoder
-    from shardlm.placement import Split
+    from shardlm.checkpoint.placement import Split
 
     steps = 2
     hf_dir, _ = make_moe_dir(tmp_path, "mixtral")
@@ -151,7 +151,7 @@ def test_mixtral_8x7b_config_sizes_to_the_published_count(tmp_path):
     count_params = Mixtral 8x7B's 46,702,792,704 (presets.PUBLISHED_PARAMS)."""
     from shardlm.models.flops import count_params
     from shardlm.planner.shapes import model_from_hf_config
-    from shardlm.presets import PUBLISHED_PARAMS
+    from shardlm.config.presets import PUBLISHED_PARAMS
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,

@@ -8,8 +8,8 @@ import torch
 
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
-from shardlm.spawn import run_ranks
-from shardlm.trainer import build_run, train_step
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.loop import build_run, train_step
 
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
@@ -149,7 +149,7 @@ def test_a_tensor_parallel_rank_reads_only_its_rows(tmp_path):
     copied out exactly the piece's elements (q, k and v ranges from three HF tensors included)."""
     from shardlm.checkpoint.hf_names import hf_initializer
     from shardlm.models.decoder import build_model
-    from shardlm.placement import Split
+    from shardlm.checkpoint.placement import Split
 
     hf_dir, _ = make_hf_dir(tmp_path, "llama")
     cfg = load_config(overrides=overrides(tmp_path, hf_dir))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_overrides
-from shardlm import cli
+from shardlm.cli import main as cli
 from shardlm.checkpoint import sharded
 from shardlm.checkpoint.manifest import CHECKPOINTS, LATEST
 

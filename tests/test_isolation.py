@@ -16,8 +16,8 @@ import torch
 from conftest import tiny_overrides
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
-from shardlm.launch import RUN_LOCK, Runtime, lock_run_dir, release_run_dir
-from shardlm.trainer import make_run_dir
+from shardlm.launch.runtime import RUN_LOCK, Runtime, lock_run_dir, release_run_dir
+from shardlm.train.loop import make_run_dir
 
 ONE_PROCESS = Runtime(0, 1, 0, 1, torch.device("cpu"), None)
 
@@ -88,7 +88,7 @@ def test_unnamed_runs_started_together_get_different_directories(tmp_path):
 
 
 def ranks_make_run_dir(rank: int, world_size: int, overrides: dict) -> str:
-    from shardlm.launch import init_runtime
+    from shardlm.launch.runtime import init_runtime
 
     try:
         return str(make_run_dir(load_config(overrides=overrides), init_runtime("cpu")))
@@ -97,7 +97,7 @@ def ranks_make_run_dir(rank: int, world_size: int, overrides: dict) -> str:
 
 
 def test_ranks_share_rank_0s_directory_and_its_error(tmp_path):
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
 
     unnamed = tiny_overrides(tmp_path)
     held = tiny_overrides(tmp_path, run__name="held")

@@ -148,7 +148,7 @@ def _own_listening_sockets(rank: int, world_size: int) -> list[str]:
 
 def test_spawned_ranks_listen_on_loopback_only(tmp_path):
     """The tests' launcher (file rendezvous): the process group's own sockets are on loopback."""
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
 
     for addresses in run_ranks(_own_listening_sockets, 2, tmp_path):
         assert addresses, "gloo listens for its peers: the probe should see it"
@@ -159,7 +159,7 @@ def test_launcher_refuses_impossible_counts():
     import pytest
 
     from shardlm.errors import ConfigError
-    from shardlm.launch import launch_local
+    from shardlm.launch.runtime import launch_local
 
     for nproc, restarts in ((0, 0), (-1, 0), (2, -1)):
         with pytest.raises(ConfigError, match="must be >= 1 and --max-restarts"):
@@ -257,7 +257,7 @@ def test_one_gpu_per_local_rank(monkeypatch):
     import torch
 
     from shardlm.errors import ConfigError
-    from shardlm.launch import pick_device
+    from shardlm.launch.runtime import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shardlm.cli import main
-from shardlm.launch_targets import torchrun_argv
+from shardlm.cli.main import main
+from shardlm.launch.targets import torchrun_argv
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "gpt2-124m.toml")
 OVERRIDES = ["--train.steps=100", "--parallel.zero_stage=3"]

@@ -11,26 +11,19 @@ from pathlib import Path
 import shardlm
 
 LAYERS = [  # bottom first
-    {"errors", "files", "torchrun", "packed", "allocator"},
-    {"preflight"},
-    {"presets", "dims", "pipeline_tables"},
-    {"config_rules"},
+    {"errors"},
     {"config"},
-    {"placement"},
     {"launch"},
-    {"spawn"},
     {"hardware"},
-    {"mesh"},
     {"comm"},
-    {"models", "data", "optim", "precision", "telemetry", "tracking"},
+    {"data"},
+    {"models"},
     {"checkpoint"},
     {"zero"},
     {"parallel"},
     {"planner"},
-    {"resolve"},
-    {"trainer", "export", "launch_targets", "eval_checkpoint", "compare"},
+    {"train"},
     {"studies"},
-    {"cli_planner"},
     {"cli"},
     {"__main__"},
 ]
@@ -101,11 +94,11 @@ def test_the_contract_can_fail(tmp_path, monkeypatch):
 
     copy = tmp_path / "shardlm"
     shutil.copytree(PACKAGE, copy)
-    (copy / "config.py").write_text((copy / "config.py").read_text() + "\nfrom shardlm.trainer import train\n")
+    (copy / "config/schema.py").write_text((copy / "config/schema.py").read_text() + "\nfrom shardlm.train.loop import train\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", copy)
     try:
         test_every_import_points_down()
     except AssertionError as e:
-        assert f"shardlm.config (layer {_layer_of('shardlm.config')}) imports shardlm.trainer" in str(e)
+        assert f"shardlm.config.schema (layer {_layer_of('shardlm.config')}) imports shardlm.train.loop" in str(e)
     else:
         raise AssertionError("the planted upward import was not reported")

@@ -20,8 +20,8 @@ from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.models import build_model
 from shardlm.models.lora import apply_lora, is_adapter
-from shardlm.spawn import run_ranks
-from shardlm.trainer import build_run, train_step
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.loop import build_run, train_step
 from zero_cases import reference_case
 
 STEPS = 4

@@ -20,8 +20,8 @@ from conftest import tiny_overrides
 from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, ADAPTER_WEIGHTS
 from shardlm.config import load_config
 from shardlm.models.lora import is_adapter
-from shardlm.spawn import run_ranks
-from shardlm.trainer import build_run, train
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.loop import build_run, train
 
 STEPS = 3
 CASES = {"tp=2 gpt": ("gpt-tiny", {}),
@@ -133,7 +133,7 @@ def lora_layers_case(rank: int, sequence_parallel: bool) -> dict:
     from shardlm.comm.collectives import Comm, CommLedger
     from shardlm.models.lora import LoRALinear
     from shardlm.parallel.tensor import TPState, _column, _row
-    from shardlm.placement import even_range
+    from shardlm.checkpoint.placement import even_range
 
     torch.manual_seed(0)
     d, h, r, tokens = 8, 12, 2, 4

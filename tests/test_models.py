@@ -13,7 +13,7 @@ from shardlm.config import ModelConfig, load_config
 from shardlm.models import Decoder, build_model, count_params, flops_per_token, generate
 from shardlm.models.decoder import apply_rope, rope_tables
 from shardlm.models.flops import resolved_d_ff
-from shardlm.presets import PRESETS, PUBLISHED_PARAMS, get_preset
+from shardlm.config.presets import PRESETS, PUBLISHED_PARAMS, get_preset
 
 TINY = ("gpt-tiny", "llama-tiny")
 

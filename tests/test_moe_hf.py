@@ -1,6 +1,6 @@
 """Mixtures of experts and transformers, both ways.
 
-Export: a LLaMA-style MoE (moe-tiny) becomes a `MixtralForCausalLM` (shardlm.export) with our
+Export: a LLaMA-style MoE (moe-tiny) becomes a `MixtralForCausalLM` (shardlm.checkpoint.export) with our
 logits, its files in Mixtral's published layout (`block_sparse_moe.experts.{e}.w1/w2/w3`); an
 MoE Mixtral cannot express is a ConfigError naming each field.
 
@@ -65,9 +65,9 @@ from shardlm import checkpoint
 from shardlm.config import load_config
 from shardlm.data.tokenizer import train_tokenizer
 from shardlm.errors import ConfigError
-from shardlm.export import export_hf, hf_family, hf_state_dict
+from shardlm.checkpoint.export import export_hf, hf_family, hf_state_dict
 from shardlm.models import build_model
-from shardlm.spawn import run_ranks
+from shardlm.launch.spawn import run_ranks
 from shardlm.zero.units import collect_units
 from zero_cases import reference_case
 

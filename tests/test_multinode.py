@@ -41,13 +41,13 @@ from safetensors.torch import load_file
 
 from conftest import tiny_overrides
 from test_restart import _children, _records
-from shardlm import cli
+from shardlm.cli import main as cli
 from shardlm.checkpoint.weights import WEIGHTS
 from shardlm.config import load_config
 from shardlm.data.loader import Loader
-from shardlm.dims import grad_accum_for
+from shardlm.config.dims import grad_accum_for
 from shardlm.errors import ConfigError
-from shardlm.launch import FAULT_ENV, Fault, loopback_interface, loopback_store, planned_fault
+from shardlm.launch.runtime import FAULT_ENV, Fault, loopback_interface, loopback_store, planned_fault
 
 STEPS, EVERY = 10, 2
 RDZV_CONF = ("--rdzv-conf=is_host=0,last_call_timeout=2,keep_alive_interval=1,"

@@ -20,8 +20,8 @@ from conftest import tiny_overrides
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.models import build_model
-from shardlm.optim import build_optimizer, init_adam_state, muon_params, newton_schulz
-from shardlm.spawn import run_ranks
+from shardlm.zero.optim import build_optimizer, init_adam_state, muon_params, newton_schulz
+from shardlm.launch.spawn import run_ranks
 from zero_cases import reference_case, train_cases
 
 A, B, C = 3.4445, -4.7750, 2.0315  # Jordan's quintic coefficients, written out again on purpose

@@ -21,7 +21,7 @@ from ckpt_cases import straight_and_resumed
 from conftest import tiny_overrides
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
-from shardlm.spawn import run_ranks
+from shardlm.launch.spawn import run_ranks
 from zero_cases import train_case, train_cases
 
 STEPS = 3
@@ -206,7 +206,7 @@ def test_a_dead_runs_nvme_directory_is_cleaned_by_the_next(tmp_path):
 def test_a_disk_error_in_the_nvme_step_is_one_clear_error(tmp_path, monkeypatch, code):
     import errno as errnos
 
-    from shardlm.preflight import DiskError
+    from shardlm.launch.preflight import DiskError
 
     tier, _ = _tier(tmp_path / "nvme", torch.ones(5000))
 
@@ -229,8 +229,7 @@ def test_disk_full_during_an_nvme_run_stops_with_one_message(tmp_path, monkeypat
     OSError traceback out of the writer thread)."""
     import errno as errnos
 
-    from shardlm import cli
-
+    from shardlm.cli import main as cli
     overrides = _base(tmp_path, **{"parallel.zero_stage": 1, "zero.offload_optimizer": "nvme",
                                    "zero.nvme_path": str(tmp_path / "nvme"), "run.name": "full",
                                    "train.steps": 6, "checkpoint.every": 2})

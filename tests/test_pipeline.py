@@ -10,9 +10,9 @@ import torch
 
 from conftest import tiny_overrides
 from parity import assert_matches as _matches
-from shardlm.dims import split_layers
+from shardlm.config.dims import split_layers
 from shardlm.errors import ConfigError
-from shardlm.spawn import run_ranks
+from shardlm.launch.spawn import run_ranks
 from zero_cases import reference_case, train_cases
 
 STEPS, MICRO = 3, 4

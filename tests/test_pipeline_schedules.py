@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (shardlm/pipeline_tables.py): every named schedule's table is
+"""Pipeline schedules as data (shardlm/config/pipeline_tables.py): every named schedule's table is
 valid and its simulated bubble sits next to its published formula; a user's table is checked
 before the run with an error naming the rank and slot that breaks a rule; and ZB-V, DualPipeV
 and a table from a CSV train on real gloo ranks as one process does (fp32)."""
@@ -11,9 +11,9 @@ import torch
 from conftest import tiny_overrides
 from parity import assert_matches
 from shardlm.errors import ConfigError
-from shardlm.pipeline_tables import (NAMED, Op, Table, bubble_formula, build_table, check_table, read_table,
+from shardlm.config.pipeline_tables import (NAMED, Op, Table, bubble_formula, build_table, check_table, read_table,
                                      table_for, untagged_order_problem)
-from shardlm.spawn import run_ranks
+from shardlm.launch.spawn import run_ranks
 from pp_cases import cases_and_save, train_and_sample
 
 STEPS, MICRO = 2, 4
@@ -206,7 +206,7 @@ def test_planner_bubble_and_memory_of_the_v_schedules(tmp_path):
     executes), and its activations in flight are the table's peak chunks over two chunks a rank:
     ZB-V P micro-batches of a rank's blocks (1F1B's first stage), DualPipeV P + 1/2. A user's
     table is planned the same way (1F1B's, written to a CSV: 1F1B's bubble and memory)."""
-    from shardlm.dims import ParallelDims
+    from shardlm.config.dims import ParallelDims
     from shardlm.planner.workload import Strategy, pp_bubble, pp_in_flight
 
     for p, m in [(2, 4), (4, 8), (4, 16)]:

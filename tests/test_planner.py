@@ -12,7 +12,7 @@ from decimal import ROUND_HALF_UP, Decimal
 
 import pytest
 
-from shardlm.cli import main
+from shardlm.cli.main import main
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import (CALIBRATION, DEVICES, LINKS, Cluster, Device, Node,
@@ -21,7 +21,7 @@ from shardlm.planner.memory import ActivationDtypes, block_activation, estimate_
 from shardlm.planner.search import (EVERYTHING, RUNTIME, model_from_params,
                                     plan_for_run, predict_local, preset_model, search)
 from shardlm.planner.timing import estimate_time, group_link
-from shardlm.dims import ParallelDims
+from shardlm.config.dims import ParallelDims
 from shardlm.planner.workload import Dtypes, Strategy, Workload, shape_of, stage_params
 from shardlm.zero.partition import comm_bytes_per_step
 
@@ -63,7 +63,7 @@ def test_optimizer_bytes_follow_the_precision_policy():
 @pytest.mark.parametrize("name", ["gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b", "llama-1b",
                                   "llama-7b", "llama-13b"])
 def test_planner_parameter_counts_equal_published(name):
-    from shardlm.presets import PUBLISHED_PARAMS
+    from shardlm.config.presets import PUBLISHED_PARAMS
 
     w = Workload(preset_model(name), 1024, 8)
     assert shape_of(w).total == PUBLISHED_PARAMS[name]
@@ -451,7 +451,7 @@ def test_commands_do_not_import_torch():
     # would make a timed test fail for nothing.)
     code = (
         "import json, sys\n"
-        "from shardlm.cli import main\n"
+        "from shardlm.cli.main import main\n"
         "main(['estimate', '--model', 'gpt2-1.5b', '--gpus', '8xV100-16GB', '--zero-stage', '3',"
         " '--micro-batch', '4', '--seq', '1024', '--json'])\n"
         "main(['plan', '--model', 'llama-7b', '--gpus', '2x8xA100-80GB', '--json'])\n"
@@ -500,7 +500,7 @@ def test_torch_device_names_map_to_the_catalog(torch_name, entry):
 
 
 def test_telemetry_takes_gpu_peaks_from_the_catalog():
-    from shardlm.telemetry import gpu_peak_flops
+    from shardlm.train.telemetry import gpu_peak_flops
 
     # True fp32 (torch leaves TF32 off for matmuls), and each MI250X GCD is a device.
     assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", "fp32") == DEVICES["A100-80GB"].peak["fp32"] == 19.5e12

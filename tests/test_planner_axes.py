@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from shardlm.config import ParallelConfig, load_config
-from shardlm.dims import ParallelDims
+from shardlm.config.dims import ParallelDims
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import parse_cluster
 from shardlm.planner.memory import estimate_memory

@@ -2,7 +2,7 @@
 threads, torch and shape, load detected and reported. Timings are injected where a test checks
 a decision (no test depends on this machine's speed)."""
 
-from shardlm.cli import main
+from shardlm.cli.main import main
 from shardlm.hardware import probe
 from shardlm.planner.shapes import preset_model
 from shardlm.planner.workload import matmul_shapes

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from shardlm.cli import main
+from shardlm.cli.main import main
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import DEVICES, PRICES, find_price, parse_cluster
 from shardlm.planner.cost import (DASH, GRID_DEFAULT, PUE_DEFAULT, CostBasis, cost_basis,

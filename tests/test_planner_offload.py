@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from shardlm.config import load_config
-from shardlm.dims import ParallelDims
+from shardlm.config.dims import ParallelDims
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import parse_cluster
 from shardlm.models import flops_per_token

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from shardlm.config import ModelConfig
-from shardlm.dims import ParallelDims
+from shardlm.config.dims import ParallelDims
 from shardlm.hardware.catalog import parse_cluster
 from shardlm.planner import Strategy, Workload, estimate_time
 from shardlm.planner.workload import Dtypes
@@ -209,7 +209,7 @@ def test_llama_405b_is_expressible_exactly():
 
 
 def test_params_names_its_family_and_fits_the_count(capsys):
-    from shardlm.cli import main
+    from shardlm.cli.main import main
     from shardlm.models.flops import count_params
     from shardlm.planner.shapes import model_from_params
 

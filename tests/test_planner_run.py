@@ -8,7 +8,7 @@ from conftest import tiny_overrides
 from shardlm.config import load_config
 from shardlm.hardware.catalog import local_cpu
 from shardlm.planner.search import run_prediction
-from shardlm.trainer import build_run, train
+from shardlm.train.loop import build_run, train
 
 
 def test_first_record_carries_the_prediction_and_the_end_compares(tmp_path, capsys):
@@ -42,8 +42,7 @@ def test_the_summary_compares_like_with_like(monkeypatch):
     step after the first against the predicted step."""
     import torch
 
-    from shardlm import telemetry
-
+    from shardlm.train import telemetry
     predicted = {"step_time_s": 2.0, "peak_bytes_per_rank": 11 * 2**30, "runtime_reserve_bytes": 2**30,
                  "hardware": "8 x H100-80GB"}
     monkeypatch.setattr(telemetry, "peak_rss_bytes", lambda: 11 * 2**30)

@@ -23,8 +23,8 @@ from shardlm.errors import ConfigError
 from shardlm.models.lora import is_adapter
 from shardlm.models.quant import (ABSMAX_BLOCK, BLOCK, QuantFormat, QuantizedLinearFn,
                                   dequantize, dequantize_torch, dynamic_map, format_bound, quantize)
-from shardlm.spawn import run_ranks
-from shardlm.trainer import build_run
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.loop import build_run
 from zero_cases import reference_case
 
 SHAPES = [(7, 5), (96, 33), (128, 64), (1100, 1000)]  # odd sizes, partial blocks, > 256 blocks, > CHUNK

@@ -41,7 +41,7 @@ def _overrides(tmp_path: Path, family: str, **extra) -> dict:
 
 def _run(overrides: dict):
     from shardlm.config import load_config
-    from shardlm.trainer import build_run
+    from shardlm.train.loop import build_run
 
     return build_run(load_config(overrides=overrides).validate())
 
@@ -73,7 +73,7 @@ def _saved_checkpoint(tmp_path: Path, family: str) -> Path:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_first_loss_is_the_librarys(tmp_path, family):
-    from shardlm.trainer import loss_of
+    from shardlm.train.loop import loss_of
 
     run = _run(_overrides(tmp_path, family))
     assert type(run.model.model).__name__ == CLASSES[family]
@@ -92,7 +92,7 @@ def test_loads_a_save_pretrained_directory(tmp_path, family):
     whichever name was saved) and its tokenizer; the first loss is the saved model's own."""
     import transformers as tf
 
-    from shardlm.trainer import loss_of
+    from shardlm.train.loop import loss_of
 
     saved = _saved_checkpoint(tmp_path, family)
     overrides = _overrides(tmp_path, family)
@@ -108,10 +108,10 @@ def test_loads_a_save_pretrained_directory(tmp_path, family):
 @pytest.mark.parametrize("start", ["scratch", "saved"])
 def test_trains_and_generates(tmp_path, family, start):
     from shardlm.checkpoint import load_for_inference
-    from shardlm.cli import main
+    from shardlm.cli.main import main
     from shardlm.data.tokenizer import eot_id
     from shardlm.models.seq2seq import generate_seq2seq
-    from shardlm.trainer import train
+    from shardlm.train.loop import train
 
     overrides = _overrides(tmp_path, family, train__steps=20, train__warmup_steps=2)
     if start == "saved":
@@ -198,7 +198,7 @@ def test_seq2seq_refuses_what_it_cannot_do(tmp_path):
 def test_zero3_two_ranks_match_one_process(tmp_path):
     """T5 at ZeRO-3 (T5Block units) on 2 gloo ranks = one process with the same global batch:
     losses and parameters within 1e-6 relative (the clip coefficient's ulp, tests/test_hf_models)."""
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
     from zero_cases import reference_case, train_cases
 
     overrides = {**_overrides(tmp_path, "t5"), "train.micro_batch": 4, "parallel.units": "T5Block"}
@@ -252,7 +252,7 @@ def test_learns_a_trivial_mapping_and_generates_it_greedily(tmp_path, family):
     """a -> x, b -> y, c -> z: after 30 steps greedy generation gives each target's tokens and
     then the end token (seconds on a CPU)."""
     from shardlm.models.seq2seq import generate_seq2seq
-    from shardlm.trainer import train
+    from shardlm.train.loop import train
 
     pairs, rng = {"a": "x", "b": "y", "c": "z"}, torch.Generator().manual_seed(0)
     path = tmp_path / "map.jsonl"

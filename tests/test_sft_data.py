@@ -19,7 +19,7 @@ from shardlm.data import EOT, build_dataset
 from shardlm.data.loader import _windows
 from shardlm.data.sft import IGNORE, LOSS, START, encode_example, pack_to_files
 from shardlm.errors import ConfigError
-from shardlm.trainer import build_run, train
+from shardlm.train.loop import build_run, train
 
 VOCAB = 300
 SEQ = 128

@@ -14,12 +14,12 @@ from conftest import tiny_overrides
 from memory_ledger import StorageLedger
 from shardlm.config import load_config
 from shardlm.models import build_model
-from shardlm.spawn import run_ranks
-from shardlm.dims import resolve_dims
-from shardlm.launch import init_runtime
-from shardlm.mesh import build_mesh
+from shardlm.launch.spawn import run_ranks
+from shardlm.config.dims import resolve_dims
+from shardlm.launch.runtime import init_runtime
+from shardlm.comm.mesh import build_mesh
 from shardlm.parallel.build import parallelize
-from shardlm.trainer import build_run
+from shardlm.train.loop import build_run
 
 DEEP = {"model.preset": "llama-tiny", "model.n_layers": 16, "model.d_model": 256}
 """Sixteen blocks of 0.8M parameters, 13M in all: the whole model is ~16x its largest unit."""

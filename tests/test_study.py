@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from shardlm.cli import main
+from shardlm.cli.main import main
 from shardlm.errors import ConfigError
 from shardlm.studies import NAMES, run_study
 from shardlm.studies.points import MiB, Point, PointStore, largest_fitting, summarise

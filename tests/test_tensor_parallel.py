@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_overrides
-from shardlm.spawn import run_ranks
+from shardlm.launch.spawn import run_ranks
 from tp_cases import cross_entropy_case, whole_params
 from zero_cases import reference_case, train_cases
 
@@ -180,7 +180,7 @@ def test_tp_beyond_the_key_value_heads(tmp_path):
     worst = max((_rel(weights[n], v), n) for n, v in one["params"].items())
     assert worst[0] <= 1e-5, worst
     transformers = pytest.importorskip("transformers")
-    from shardlm.export import export_hf
+    from shardlm.checkpoint.export import export_hf
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(saved["run_dir"], tmp_path / "hf"))
     assert hf.model.layers[0].self_attn.k_proj.weight.shape == (16, 64)  # 1 kv head of 16, whole

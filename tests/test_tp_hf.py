@@ -23,7 +23,7 @@ from hf_cases import VOCAB, hf_model
 from shardlm.errors import ConfigError
 from shardlm.parallel.build import apply_tensor_parallel
 from shardlm.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from shardlm.spawn import run_ranks
+from shardlm.launch.spawn import run_ranks
 from test_tensor_parallel import _rel, whole_params
 from tp_hf_cases import hf_tp_cases
 from zero_cases import reference_case

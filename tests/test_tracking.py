@@ -13,13 +13,13 @@ import pytest
 
 from conftest import tiny_overrides
 from tracking_cases import train_runs
-from shardlm import trainer
+from shardlm.train import loop as trainer
 from shardlm.config import load_config
-from shardlm.config_rules import profile_step_numbers
+from shardlm.config.rules import profile_step_numbers
 from shardlm.errors import ConfigError
-from shardlm.spawn import run_ranks
-from shardlm.tracking import flat_config, open_trackers, scalars
-from shardlm.trainer import build_run, train
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.tracking import flat_config, open_trackers, scalars
+from shardlm.train.loop import build_run, train
 
 TIME_KEYS = ("time_forward_s", "time_backward_s", "time_comm_wait_s", "time_optimizer_s", "time_other_s")
 
@@ -235,8 +235,7 @@ def test_step_times_take_nested_phases_and_waits_out(monkeypatch):
     communication wait counts only its own time; the rest of the step is 'other'."""
     import types
 
-    from shardlm import tracking
-
+    from shardlm.train import tracking
     now = [0.0]
     monkeypatch.setattr(tracking.time, "perf_counter", lambda: now[0])
     ledger = types.SimpleNamespace(wait_s=0.0, synchronize=None)
@@ -262,7 +261,7 @@ def test_step_times_take_nested_phases_and_waits_out(monkeypatch):
 def test_wandb_runs_offline_unless_told_a_mode_or_given_a_key(tmp_path, monkeypatch):
     import types
 
-    from shardlm.tracking import WandbTracker
+    from shardlm.train.tracking import WandbTracker
 
     calls = []
     fake = types.SimpleNamespace(init=lambda **kwargs: calls.append(kwargs), Settings=lambda **kwargs: kwargs)

@@ -6,11 +6,11 @@ import math
 import torch
 
 from conftest import tiny_overrides
-from shardlm.cli import main
+from shardlm.cli.main import main
 from shardlm.config import load_config
-from shardlm.optim import lr_at
-from shardlm.precision import DynamicLossScaler
-from shardlm.trainer import build_run, train, train_step
+from shardlm.zero.optim import lr_at
+from shardlm.models.precision import DynamicLossScaler
+from shardlm.train.loop import build_run, train, train_step
 
 JSONL_KEYS = {"step", "loss", "lr", "tokens_per_s", "mfu", "hfu", "peak_rss_bytes", "grad_norm"}
 

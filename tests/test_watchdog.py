@@ -19,8 +19,8 @@ import torch
 from conftest import tiny_overrides
 from shardlm.config import load_config
 from shardlm.comm.watchdog import EXIT_CODE
-from shardlm.spawn import run_ranks
-from shardlm.trainer import build_run, train_step
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.loop import build_run, train_step
 
 TIMEOUT = 3.0
 REPO = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ def test_the_process_group_waits_longer_than_the_watchdog():
     """gloo's / NCCL's own timeout ends a wait with a bare traceback: it must come after the
     watchdog's report, which is due by the timeout plus one check period."""
     from shardlm.comm.watchdog import check_period_s
-    from shardlm.launch import process_group_timeout_s
+    from shardlm.launch.runtime import process_group_timeout_s
 
     assert process_group_timeout_s(0) == 0  # no watchdog: torch's default
     for timeout in (0.5, 3, 10, 60, 600, 7200):
@@ -161,7 +161,7 @@ def _collectives_under_a_watchdog(rank: int, world_size: int) -> dict:
 def test_gloo_waits_are_completion_nothing_is_polled(tmp_path):
     """On gloo a wait blocks until the collective is done: the watchdog's entry goes at the wait,
     no probe is made (no per-collective event or synchronisation on the CPU path)."""
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
 
     (out,) = run_ranks(_collectives_under_a_watchdog, 1, tmp_path, timeout=120)
     assert out == {"backend": "gloo", "asynchronous": False, "probes": 0, "pending": 0}, out
@@ -255,7 +255,7 @@ def _nccl_wait_is_not_completion(rank: int, world_size: int) -> dict:
 
 @needs_cuda
 def test_nccl_a_waited_collective_is_tracked_until_the_device_has_done_it(tmp_path):
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
 
     (out,) = run_ranks(_nccl_wait_is_not_completion, 1, tmp_path, timeout=120)
     print(out)
@@ -282,7 +282,7 @@ def _nccl_hang(rank: int, world_size: int) -> None:
 
 @needs_cuda
 def test_nccl_a_stalled_collective_is_reported_and_the_rank_exits(tmp_path, capfd):
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
 
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=f"rank 0 exited with code {EXIT_CODE}"):

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from shardlm.spawn import run_ranks
+from shardlm.launch.spawn import run_ranks
 from shardlm.zero.partition import comm_bytes_per_step, model_state_bytes
 from zero_cases import reference_case, train_cases
 

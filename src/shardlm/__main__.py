@@ -1,7 +1,7 @@
 import os
 import sys
 
-from shardlm.cli import main
+from shardlm.cli.main import main
 
 SIGPIPE_STATUS = 141
 """What a shell reports for a command its reader stopped reading (128 + SIGPIPE)."""
@@ -19,7 +19,7 @@ def _main() -> int | str | None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return SIGPIPE_STATUS
     except Exception:
-        launch = sys.modules.get("shardlm.launch")
+        launch = sys.modules.get("shardlm.launch.runtime")
         if launch is None or not launch.joined_group():
             raise
         sys.excepthook(*sys.exc_info())  # the traceback an uncaught exception prints
@@ -31,8 +31,8 @@ def run() -> None:
     through launch.end_process (issue 25: no interpreter finalisation racing gloo's threads),
     whichever way it was started (torchrun running either, `shardlm train --nproc N`)."""
     code = _main()
-    if "shardlm.launch" in sys.modules:
-        sys.modules["shardlm.launch"].end_process(code)
+    if "shardlm.launch.runtime" in sys.modules:
+        sys.modules["shardlm.launch.runtime"].end_process(code)
     sys.exit(code)
 
 

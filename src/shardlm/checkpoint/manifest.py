@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from shardlm.errors import ConfigError
-from shardlm.files import atomic_write
+from shardlm.launch.files import atomic_write
 
 log = logging.getLogger("shardlm")
 

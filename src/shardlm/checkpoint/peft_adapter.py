@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from shardlm.checkpoint.hf_names import heads_first, hf_family, hf_sources
 from shardlm.config import Config
 from shardlm.errors import ConfigError
-from shardlm.files import atomic_write
+from shardlm.launch.files import atomic_write
 from shardlm.models.hf import WRAPPED
 
 log = logging.getLogger("shardlm")

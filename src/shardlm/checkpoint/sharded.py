@@ -58,9 +58,9 @@ from shardlm.checkpoint.manifest import (CHECKPOINTS, FORMAT, LATEST, MANIFEST, 
                                          newest_usable, open_no_follow, parse_manifest,
                                          read_manifest, sealed, step_dir_name, step_dirs,
                                          write_latest)
-from shardlm.allocator import host_tensor
-from shardlm.files import atomic_write
-from shardlm.preflight import DiskError, disk_error
+from shardlm.launch.allocator import host_tensor
+from shardlm.launch.files import atomic_write
+from shardlm.launch.preflight import DiskError, disk_error
 
 log = logging.getLogger("shardlm")
 
@@ -598,7 +598,7 @@ def load_slices(path: Path, slices: list[StateSlice], runtime, readers: str = "a
         return manifest
     import torch.distributed as dist
 
-    from shardlm.launch import broadcast_text
+    from shardlm.launch.runtime import broadcast_text
 
     main = runtime.rank == 0
     # Rank 0 reads and verifies the manifest and every file before the first broadcast (a file

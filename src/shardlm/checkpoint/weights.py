@@ -19,7 +19,7 @@ from torch import nn
 
 from shardlm.config import Config, config_from_dict
 from shardlm.errors import ConfigError
-from shardlm.files import atomic_write
+from shardlm.launch.files import atomic_write
 from shardlm.models.moe import bias_tensors, take_bias_tensors
 
 WEIGHTS, CONFIG, TOKENIZER, LATEST = "model.safetensors", "config.json", "tokenizer.json", "latest"

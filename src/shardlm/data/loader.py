@@ -33,12 +33,12 @@ from tokenizers import Tokenizer
 
 from shardlm.config import DataConfig
 from shardlm.errors import ConfigError
-from shardlm.files import atomic_write
-from shardlm.launch import cache_root
+from shardlm.launch.files import atomic_write
+from shardlm.launch.runtime import cache_root
 from shardlm.data.corpus import corpus_files, fingerprint, iter_documents
 import shardlm.data.seq2seq as seq2seq
 import shardlm.data.sft as sft
-from shardlm.packed import PackedTokens, positions_from_starts
+from shardlm.data.packed import PackedTokens, positions_from_starts
 from shardlm.data.tokenizer import (encode_to_file, eot_id, load_tokenizer, save_tokenizer,
                                     train_tokenizer)
 

@@ -17,7 +17,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from shardlm.errors import ConfigError
-from shardlm.files import atomic_write
+from shardlm.launch.files import atomic_write
 
 EOT = "<|endoftext|>"
 # 256 byte tokens + <|endoftext|>: below this the alphabet itself does not fit.

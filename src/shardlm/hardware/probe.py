@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from shardlm.files import atomic_write
-from shardlm.launch import cache_root, cpu_cores
+from shardlm.launch.files import atomic_write
+from shardlm.launch.runtime import cache_root, cpu_cores
 
 MIB = 2**20
 _MATMUL_MAX = 2048
@@ -158,7 +158,7 @@ def _gloo_probe() -> dict[str, float]:
     ring of that bandwidth would be."""
     import tempfile
 
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
 
     world = 2
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,7 @@
 """Models: the GPT-2 / LLaMA decoder family, named presets, parameter and FLOP counts.
 
 The names below are imported on first use (PEP 562), so importing a light submodule
-(`shardlm.presets`, `shardlm.models.flops`: config and the planner) does not import the
+(`shardlm.config.presets`, `shardlm.models.flops`: config and the planner) does not import the
 decoder and with it torch (~2 s).
 """
 

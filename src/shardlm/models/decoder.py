@@ -27,7 +27,7 @@ from shardlm.models.kv_cache import KVCache, LayerCache, cached_attention
 from shardlm.models.lora import adapter_initial_value, is_adapter
 from shardlm.models.moe import MoE, MoEStats
 from shardlm.models.rope import apply_rope, rope_frequencies, rope_tables, rotary_dim  # noqa: F401
-from shardlm.packed import PackedTokens
+from shardlm.data.packed import PackedTokens
 
 # Linears that write into the residual stream: GPT-2 scales their init by 1/sqrt(2*n_layers) so
 # the residual's variance does not grow with depth (Radford et al. 2019, section 2.3).
@@ -294,7 +294,7 @@ class Decoder(nn.Module):
                 cache: KVCache | None = None) -> torch.Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab_size).
 
-        idx may be PackedTokens (data.document_mask, shardlm/packed.py): rows of several
+        idx may be PackedTokens (data.document_mask, shardlm/data/packed.py): rows of several
         documents, each token's position counted from its document's start (learned positions
         and RoPE angles restart at 0), and attention kept inside each document.
 

@@ -198,7 +198,7 @@ def pipeline_split(cfg: ModelConfig, seq_len: int, pp: int, explicit: str = "", 
     chunks (when every rank has a block per chunk). With `placement` 'v' (two chunks a rank,
     rank r holding stages r and pp-1-r: the head on rank 0) likewise, the head's cost on the
     first rank. The runtime and the planner both split with this."""
-    from shardlm.dims import parse_layers, split_layers
+    from shardlm.config.dims import parse_layers, split_layers
 
     if explicit:
         return parse_layers(explicit, cfg.n_layers, pp)

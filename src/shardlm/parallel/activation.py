@@ -23,7 +23,7 @@ from torch.distributed._composable import checkpoint
 import torch.utils.checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from shardlm.allocator import host_tensor
+from shardlm.launch.allocator import host_tensor
 from shardlm.zero.units import unit_modules
 
 logger = logging.getLogger("shardlm")

@@ -33,14 +33,14 @@ from shardlm.comm.collectives import Comm, CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog
 from shardlm.config import Config
 from shardlm.data.sft import IGNORE
-from shardlm.mesh import Mesh
+from shardlm.comm.mesh import Mesh
 from shardlm.parallel.activation import apply_ac, apply_offload
 from shardlm.parallel.compile import apply_compile
 from shardlm.parallel.context import CPState, apply_cp
 from shardlm.parallel.evaluation import token_sums
 from shardlm.parallel.expert import apply_ep, spread_over_tp
 from shardlm.parallel.pipeline import Schedule, Stage, apply_pp, schedule_for
-from shardlm.pipeline_tables import table_for, untagged_order_problem
+from shardlm.config.pipeline_tables import table_for, untagged_order_problem
 from shardlm.parallel.weight_grads import make_deferrable
 from shardlm.models.flops import pipeline_split
 from shardlm.checkpoint.hf_dir import module_initializer

@@ -18,13 +18,13 @@ from torch import nn
 
 from shardlm.checkpoint.sharded import StateSlice, param_state
 from shardlm.config import Config
-from shardlm.mesh import Mesh
+from shardlm.comm.mesh import Mesh
 from shardlm.models.init import Initializer, initializer_for, materialize
-from shardlm.optim import build_optimizer, init_adam_state
+from shardlm.zero.optim import build_optimizer, init_adam_state
 from shardlm.comm.collectives import CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog
-from shardlm.placement import Split
-from shardlm.precision import DTYPES, carrier
+from shardlm.checkpoint.placement import Split
+from shardlm.models.precision import DTYPES, carrier
 
 
 class DataParallelEngine(Protocol):

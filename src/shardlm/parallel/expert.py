@@ -55,7 +55,7 @@ from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
 from shardlm.models.moe import Experts, MoE, MoEStats, Routing, route, update_biases
 from shardlm.parallel.tensor import TPState, copy_to_group, cut_mlp, frozen_kept, reduce_from_group, summed
-from shardlm.placement import Split, even_range
+from shardlm.checkpoint.placement import Split, even_range
 
 log = logging.getLogger("shardlm")
 

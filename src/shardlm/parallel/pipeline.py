@@ -15,7 +15,7 @@ every stage but the first sends back the gradient of what it received.
 The split (models.flops.pipeline_split) balances forward FLOPs per token — the head's 2·d·V
 counted on the last stage — or follows parallel.pp_layers.
 
-A schedule is data (shardlm/pipeline_tables.py): a table of operations per rank (F, B, or
+A schedule is data (shardlm/config/pipeline_tables.py): a table of operations per rank (F, B, or
 the split backward's I and W, of a global stage and a micro-batch), built for the named ones
 (gpipe, 1f1b, interleaved, zb, zbv, dualpipev) or read from a user's CSV, checked by
 simulating it before the run, and run by the one executor here (`Schedule.run`), which says how
@@ -43,8 +43,8 @@ from torch import nn
 
 from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
-from shardlm.pipeline_tables import _list_schedule  # noqa: F401 (the planner's tests replay it)
-from shardlm.pipeline_tables import Table, bubble_formula, build_table, stage_rank, table_for
+from shardlm.config.pipeline_tables import _list_schedule  # noqa: F401 (the planner's tests replay it)
+from shardlm.config.pipeline_tables import Table, bubble_formula, build_table, stage_rank, table_for
 from shardlm.parallel.weight_grads import WeightGrads
 
 log = logging.getLogger("shardlm")

@@ -46,7 +46,7 @@ from shardlm.data.sft import IGNORE
 from shardlm.parallel.collective_ops import all_reduce, gather_seq, op_group, reduce_scatter_seq
 from shardlm.errors import ConfigError
 from shardlm.models.flops import head_dim
-from shardlm.placement import Split, even_range
+from shardlm.checkpoint.placement import Split, even_range
 
 log = logging.getLogger("shardlm")
 

@@ -34,7 +34,7 @@ from torch import nn
 from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
 from shardlm.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPState, into_parallel_region
-from shardlm.placement import Split, even_range
+from shardlm.checkpoint.placement import Split, even_range
 
 log = logging.getLogger("shardlm")
 

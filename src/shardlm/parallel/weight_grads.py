@@ -1,5 +1,5 @@
 """Weight gradients set aside and computed later: the split backward of the zero-bubble
-schedules (zb, zbv, dualpipev: shardlm/pipeline_tables.py; Qi et al. 2023). "I" computes only
+schedules (zb, zbv, dualpipev: shardlm/config/pipeline_tables.py; Qi et al. 2023). "I" computes only
 the gradient a stage sends back; the linear layers' dW = gᵀx and db = Σg wait in `WeightGrads`
 until "W".
 """

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardlm.config import ModelConfig
-from shardlm.dims import ParallelDims
+from shardlm.config.dims import ParallelDims
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
 from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload,

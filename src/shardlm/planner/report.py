@@ -8,8 +8,8 @@ from typing import Any
 
 from shardlm.config import ModelConfig
 from shardlm.hardware.catalog import Cluster
-from shardlm.presets import ALIASES, PRESETS, get_preset
-from shardlm.torchrun import torchrun_argv
+from shardlm.config.presets import ALIASES, PRESETS, get_preset
+from shardlm.launch.torchrun import torchrun_argv
 from shardlm.planner.cost import (CostBasis, basis_json, cost_json, duration, money, number, rank, tokens,
                                   training_cost)
 from shardlm.planner.memory import Item, Memory, stage_memories

@@ -21,7 +21,7 @@ from shardlm.hardware.catalog import Cluster, choose_compute, local_cpu, parse_c
 from shardlm.planner.memory import ActivationDtypes, Memory, activation_peak, estimate_memory
 from shardlm.planner.shapes import model_from_hf_config, model_from_params, preset_model  # noqa: F401 (re-exported)
 from shardlm.planner.timing import Timing, estimate_time
-from shardlm.dims import ParallelDims
+from shardlm.config.dims import ParallelDims
 from shardlm.planner.workload import DTYPE_BYTES, Dtypes, Strategy, Workload, zero_ranks
 
 
@@ -513,7 +513,7 @@ def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
     layout (pp included), ZeRO stage, batch split, recomputation, offload, precision, sequence
     parallelism and pipeline schedule (pp_schedule, pp_virtual, pp_layers), prefetch. Assumes
     the default parallel.reshard_after_forward = true."""
-    from shardlm.dims import resolve_dims
+    from shardlm.config.dims import resolve_dims
 
     dims = resolve_dims(cfg.parallel, cluster.world_size)
     dtypes = default_dtypes(cluster, cfg.precision.compute, cfg.precision.master, cfg.precision.reduce)

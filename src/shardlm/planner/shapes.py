@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from shardlm.config import ModelConfig
 from shardlm.errors import ConfigError
-from shardlm.presets import ALIASES, get_preset, hf_shape
+from shardlm.config.presets import ALIASES, get_preset, hf_shape
 
 
 

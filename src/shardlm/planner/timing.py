@@ -82,7 +82,7 @@ class Timing:
 def group_link(cluster: Cluster, size: int, stride: int) -> tuple[float, float, str]:
     """(bytes/s, latency, description) of a ring over `size` ranks `stride` apart.
 
-    Ranks are laid out pp, dp_replicate, dp_shard, cp, tp from outer to inner (mesh.py: dp_shard
+    Ranks are laid out pp, dp_replicate, dp_shard, cp, tp from outer to inner (comm/mesh.py: dp_shard
     inside dp_replicate; tp innermost as in torchtitan, the context-parallel ring next). A group
     inside one node runs on the intra-node link. One that spans nodes runs at its slowest link:
     a rank's own share of the node's network adapters, adapters x bandwidth / devices per node
@@ -176,7 +176,7 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: 
       has completed (the engine's finish_backward): nothing to hide behind either.
 
     Context-parallel ranks are data-parallel ranks here: ZeRO shards over dp_shard x cp, stage
-    0 all-reduces over dp_replicate x dp_shard x cp (mesh.py); both groups are tp apart. With
+    0 all-reduces over dp_replicate x dp_shard x cp (comm/mesh.py); both groups are tp apart. With
     pp > 1 the gradients are reduced after the pipeline's last backward (the engine's
     finish_backward), not during it: those reductions are all exposed."""
     lay, d, overlap = s.layout, s.dtypes, cluster.calibration.overlap

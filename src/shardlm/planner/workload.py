@@ -15,11 +15,11 @@ import functools
 from dataclasses import dataclass, replace
 
 from shardlm.config import ModelConfig
-from shardlm.dims import ParallelDims
+from shardlm.config.dims import ParallelDims
 from shardlm.errors import ConfigError
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
-from shardlm.pipeline_tables import V_SHAPED, check_table, table_for
+from shardlm.config.pipeline_tables import V_SHAPED, check_table, table_for
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OFFLOAD_TIERS = ("none", "cpu", "nvme")
@@ -62,7 +62,7 @@ class Dtypes:
 class Strategy:
     layout: ParallelDims
     """The ranks: dp_replicate x dp_shard x cp x tp x pp (ep experts' ranks come out of the
-    data-parallel ones): the one ParallelDims a run resolves (shardlm.dims)."""
+    data-parallel ones): the one ParallelDims a run resolves (shardlm.config.dims)."""
     zero_stage: int = 0
     micro_batch: int = 1
     grad_accum: int = 1
@@ -148,7 +148,7 @@ def validate(w: Workload, s: Strategy, cluster: Cluster) -> None:
         errors.append(f"activation_offload = {s.activation_offload!r}: choose none, cpu")
     elif s.activation_offload != "none" and s.recompute != "none":
         errors.append(f"activation offload with {s.recompute} recompute: recomputation rebuilds "
-                      f"activations outside the offload hooks; choose one (as config.py does)")
+                      f"activations outside the offload hooks; choose one (as config/schema.py does)")
     if s.activation_offload_blocks < 0:
         errors.append(f"activation_offload_blocks = {s.activation_offload_blocks}: 0 (every block) or more")
     if s.offload_params != "none" and s.zero_stage != 3:
@@ -169,7 +169,7 @@ def validate(w: Workload, s: Strategy, cluster: Cluster) -> None:
 
 
 def _pipeline_errors(w: Workload, s: Strategy) -> list[str]:
-    """The pipeline keys' mistakes (as config.py's validation words them for a run)."""
+    """The pipeline keys' mistakes (as config/schema.py's validation words them for a run)."""
     lay, n = s.layout, w.model.n_layers
     stages = lay.pp * s.pp_virtual
     if s.pp_schedule not in PP_SCHEDULES and not s.pp_schedule.startswith("file:"):
@@ -203,7 +203,7 @@ def _pipeline_errors(w: Workload, s: Strategy) -> list[str]:
 
 def zero_ranks(lay: ParallelDims) -> int:
     """N for ZeRO: the ranks model states are sharded over, dp_shard x cp (context-parallel ranks
-    hold the same parameters and reduce their gradients together: mesh.py)."""
+    hold the same parameters and reduce their gradients together: comm/mesh.py)."""
     return lay.dp_shard * lay.cp
 
 

@@ -56,7 +56,7 @@ def run_study(name: str, out: Path, quick: bool = False, gpus: str | None = None
 
 
 def study_args(sub) -> None:
-    """`shardlm study`'s options (cli.py adds the subcommand)."""
+    """`shardlm study`'s options (cli/main.py adds the subcommand)."""
     p = sub.add_parser(
         "study", help="run a study here and predict it on a cluster: report.md, plots, raw JSONL",
         description="Measure a study on this machine's ranks (each point a `shardlm train` run) and "

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardlm.config import ModelConfig, load_config
-from shardlm.dims import ParallelDims
+from shardlm.config.dims import ParallelDims
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import Cluster, parse_cluster
 from shardlm.planner import Strategy, Workload, estimate_memory, estimate_time

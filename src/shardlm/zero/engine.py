@@ -43,9 +43,9 @@ from torch import nn
 
 from shardlm.checkpoint.sharded import StateSlice
 from shardlm.config import TrainConfig
-from shardlm.mesh import Mesh
+from shardlm.comm.mesh import Mesh
 from shardlm.models.init import Initializer, materialize_buffers
-from shardlm.placement import Split
+from shardlm.checkpoint.placement import Split
 from shardlm.comm.collectives import Comm, CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.zero.tiers import build_param_store, build_tier
@@ -257,7 +257,7 @@ class ZeroEngine:
             self.param_sharding = ParamSharding(in_order, opts, self.param_store)
         self.muon = None  # train.optimizer = 'muon': its gathers and updates around the tier's step
         if train.optimizer == "muon":
-            from shardlm.optim import muon_params
+            from shardlm.zero.optim import muon_params
             from shardlm.zero.muon import ShardedMuon
 
             names = {id(p): n for n, p in model.named_parameters()}

@@ -35,7 +35,7 @@ import torch
 from shardlm.checkpoint.sharded import StateSlice
 from shardlm.comm.collectives import Comm
 from shardlm.config import TrainConfig
-from shardlm.optim import newton_schulz
+from shardlm.zero.optim import newton_schulz
 
 
 @dataclass

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardlm.allocator import host_tensor
+from shardlm.launch.allocator import host_tensor
 from shardlm.config import TrainConfig
-from shardlm.optim import init_adam_state
+from shardlm.zero.optim import init_adam_state
 
 
 @dataclass

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from shardlm.allocator import host_tensor
+from shardlm.launch.allocator import host_tensor
 from shardlm.config import TrainConfig
-from shardlm.preflight import disk_error
+from shardlm.launch.preflight import disk_error
 from shardlm.zero.tiers.memory import ResidentParams, TierStats
 
 log = logging.getLogger("shardlm")
@@ -360,7 +360,7 @@ class DiskSnapshot:
     copy while the next steps change the originals, so this rank's optimizer state never needs
     room in memory. The training thread pays one file copy (the checkpoint writer calls
     view_of before it returns; the previous save has finished by then), the disk twice the
-    files' room (cli.py's preflight counts it)."""
+    files' room (cli/main.py's preflight counts it)."""
 
     def __init__(self, tier: NvmeTier):
         self.tier = tier

@@ -1,8 +1,8 @@
 """What a valid configuration is: each field's type, choices and range, and the checks across
-fields (shardlm.config's `Config.validate()` runs them all and reports every problem at once).
+fields (shardlm.config.schema's `Config.validate()` runs them all and reports every problem at once).
 
-Plain data and functions over a config object, below shardlm.config in the import contract:
-`cfg` is a shardlm.config.Config, read by attribute; nothing here imports it.
+Plain data and functions over a config object, below shardlm.config.schema in the import contract:
+`cfg` is a shardlm.config.schema.Config, read by attribute; nothing here imports it.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from dataclasses import fields
 from typing import Any, Callable, get_type_hints
 
 from shardlm.errors import ConfigError
-from shardlm.pipeline_tables import NAMED
+from shardlm.config.pipeline_tables import NAMED
 
 Config = Any
-"""A shardlm.config.Config (not imported: that module imports this one)."""
+"""A shardlm.config.schema.Config (not imported: that module imports this one)."""
 
 OFFLOAD_TIERS = ("none", "cpu", "nvme")
 """Where the ZeRO engine keeps optimizer state or parameter shards (zero.offload_*)."""
@@ -54,7 +54,7 @@ def document_mask_on(data: Any) -> bool:
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """run.tracker's names -> the module each imports; each is installed by the shardlm extra of
-its name (pyproject.toml; shardlm.tracking writes to them)."""
+its name (pyproject.toml; shardlm.train.tracking writes to them)."""
 
 
 def tracker_install_hint(name: str) -> str:
@@ -428,8 +428,8 @@ def _sequence_parallel_needs_tp(cfg: Config) -> list[str]:
 @_cross("parallel.pp", "parallel.pp_layers", "parallel.pp_schedule", "parallel.pp_virtual",
         "model.n_layers", "parallel.zero_stage", "train.grad_accum")
 def _pipeline_fits(cfg: Config) -> list[str]:
-    from shardlm.dims import parse_layers
-    from shardlm.pipeline_tables import V_SHAPED, table_for
+    from shardlm.config.dims import parse_layers
+    from shardlm.config.pipeline_tables import V_SHAPED, table_for
 
     par, n = cfg.parallel, cfg.model.n_layers
     if par.pp == 1:
@@ -610,7 +610,7 @@ def _seq2seq_model(cfg: Config) -> list[str]:
     """data.format = 'seq2seq' and an encoder-decoder model go together; tensor parallelism and
     the pipeline (our decoder's layers and blocks) and LoRA (our decoder's linears) do not apply
     to one yet."""
-    from shardlm.presets import encoder_decoder_config
+    from shardlm.config.presets import encoder_decoder_config
 
     m, fmt = cfg.model, cfg.data.format
     enc_dec = bool(encoder_decoder_config(m.hf_path, m.hf_config))
@@ -639,7 +639,7 @@ def _seq2seq_model(cfg: Config) -> list[str]:
 @_cross("data.document_mask", "data.format", "model.attention", "parallel.tp", "parallel.cp",
         "train.compile")
 def _attention_composes(cfg: Config) -> list[str]:
-    """Document masks ride on the input ids (PackedTokens: shardlm/packed.py) into Decoder.forward,
+    """Document masks ride on the input ids (PackedTokens: shardlm/data/packed.py) into Decoder.forward,
     every pipeline stage included; what splits the sequence cannot carry them yet."""
     par, attention, problems = cfg.parallel, cfg.model.attention, []
     if document_mask_on(cfg.data):
@@ -709,7 +709,7 @@ def _nvme_ring_fits(cfg: Config) -> list[str]:
 @_cross("run.tracker")
 def _trackers_installed(cfg: Config) -> list[str]:
     """Each tracker named is known and its package importable: found now, before any rank starts
-    (shardlm.tracking imports it on rank 0 only)."""
+    (shardlm.train.tracking imports it on rank 0 only)."""
     import importlib.util
 
     errors = []
@@ -794,7 +794,7 @@ def refusing_rules(cfg: Config) -> dict[str, list[str]]:
 
 
 def validation_errors(cfg: Config, sections: dict[str, type]) -> list[str]:
-    """Every problem with `cfg` (a shardlm.config.Config; `sections`: its section classes by
+    """Every problem with `cfg` (a shardlm.config.schema.Config; `sections`: its section classes by
     name), one line each; never raises. Each field: its type (and finiteness), then its choices
     or range; then the checks across fields whose fields passed."""
     errors: list[str] = []

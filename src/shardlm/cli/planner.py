@@ -1,6 +1,6 @@
 """`shardlm estimate` and `shardlm plan`: the planner's two commands (their options, the model /
 cluster / precision inputs they share, the cost basis of a training budget). Apart from
-cli.py, which parses the command line and dispatches here."""
+cli/main.py, which parses the command line and dispatches here."""
 
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     world = cluster.world_size
     if args.micro_batch < 1 or args.grad_accum < 1 or min(args.tp, args.cp, args.pp, args.ep, args.dp_replicate) < 1:
         raise ConfigError("--micro-batch, --grad-accum, --tp, --cp, --pp, --ep and --dp-replicate must be >= 1")
-    from shardlm.dims import ParallelDims
+    from shardlm.config.dims import ParallelDims
 
     dims = ParallelDims.resolve(world, args.dp_replicate, args.dp_shard, args.cp, args.tp, args.pp, args.ep)
     dp = dims.dp_size
@@ -212,7 +212,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     against the square matmul peak MFU uses, and what the planner assumes instead."""
     from shardlm.hardware.catalog import CALIBRATION, device_for_gpu_name
     from shardlm.hardware.probe import cpu_peak_flops, device_name, machine_load, matmul_curve
-    from shardlm.launch import cpu_cores
+    from shardlm.launch.runtime import cpu_cores
     from shardlm.planner.workload import matmul_shapes
 
     if min(args.micro_batch, args.tp, args.ranks, args.repeats) < 1:

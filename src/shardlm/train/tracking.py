@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from shardlm.config_rules import TRACKERS, profile_step_numbers, tracker_install_hint, tracker_names
+from shardlm.config.rules import TRACKERS, profile_step_numbers, tracker_install_hint, tracker_names
 from shardlm.errors import ConfigError
-from shardlm.launch import tracker_environment
+from shardlm.launch.runtime import tracker_environment
 
 log = logging.getLogger("shardlm")
 

@@ -1,4 +1,4 @@
-"""The torchrun command line that starts one node's agent: the launch targets (launch_targets.py)
+"""The torchrun command line that starts one node's agent: the launch targets (launch/targets.py)
 and the planner's suggested command (planner/report.py) both write it from here. Text only: no
 torch import."""
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 
-from shardlm.config_rules import (COMPUTE_DTYPES, OFFLOAD_TIERS, RECOMPUTE_MODES, key_of,  # noqa: F401
-                                  validation_errors)  # (the names shardlm.config has always exported)
+from shardlm.config.rules import (COMPUTE_DTYPES, OFFLOAD_TIERS, RECOMPUTE_MODES, key_of,  # noqa: F401
+                                  validation_errors)  # (the names shardlm.config.schema has always exported)
 from shardlm.errors import ConfigError
 
 
@@ -289,7 +289,7 @@ class TrainConfig:
     """'adamw', or 'muon': Muon (Jordan 2024; Moonlight, Liu et al. 2025) on the hidden weight
     matrices — momentum, orthogonalised by Newton-Schulz, RMS-matched to AdamW (0.2 sqrt(max(A,
     B))) with the same lr and decoupled weight decay — and AdamW (beta1, beta2, eps) on the
-    embeddings, the output head, norms and biases (src/shardlm/optim.py). With ZeRO (stages
+    embeddings, the output head, norms and biases (src/shardlm/zero/optim.py). With ZeRO (stages
     0-3) each matrix is gathered and orthogonalised by one owning rank (zero/muon.py); not with
     tp/pp/cp/ep, hybrid sharding, offload or LoRA (refused; docs/computation.md)."""
     muon_momentum: float = 0.95
@@ -492,7 +492,7 @@ class RunConfig:
     """'auto' (CUDA if present, else CPU), 'cpu', 'cuda', 'cuda:N'."""
     malloc_mmap_threshold: int = 131072
     """Bytes from which glibc malloc serves a block by mmap and returns it to the OS when freed,
-    fixed at start-up of every training process (mallopt; shardlm/allocator.py), so resident
+    fixed at start-up of every training process (mallopt; shardlm/launch/allocator.py), so resident
     memory follows the bytes alive; 0 = glibc's dynamic default. MALLOC_MMAP_THRESHOLD_ (or
     GLIBC_TUNABLES) in the environment takes precedence. No effect off glibc (docs/allocator.md)."""
     progress: str = "auto"
@@ -661,7 +661,7 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Build the Config: defaults < model preset < TOML file < overrides. Does not validate."""
-    from shardlm.presets import get_preset
+    from shardlm.config.presets import get_preset
 
     values: dict[str, Any] = {}
     if path is not None:
@@ -698,7 +698,7 @@ def _hf_shape_layer(values: dict[str, Any]) -> dict[str, Any]:
     map, models/hf_build.py). A [model] shape key the user also set
     must agree with it: the checkpoint's weights have that shape, so a different value could
     only fail later (or, for a value like norm_eps, silently train another network)."""
-    from shardlm.presets import (TRAINING_DEFAULTS, causal_lm_config, causal_lm_shape,
+    from shardlm.config.presets import (TRAINING_DEFAULTS, causal_lm_config, causal_lm_shape,
                                  encoder_decoder_config, hf_shape, seq2seq_shape)
 
     option = "model.hf_config" if values.get("model.hf_config") else "model.hf_path"

@@ -20,10 +20,10 @@ import torch
 
 from shardlm.checkpoint.sharded import MANIFEST, parse_manifest
 from shardlm.config import Config, config_from_dict
-from shardlm.dims import grad_accum_for
+from shardlm.config.dims import grad_accum_for
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import Cluster, choose_compute, device_for_gpu_name, local_cpu, parse_cluster
-from shardlm.launch import Runtime, broadcast_text
+from shardlm.launch.runtime import Runtime, broadcast_text
 from shardlm.models.fp8 import check_fp8_device
 
 log = logging.getLogger("shardlm")

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from shardlm.errors import ConfigError
-from shardlm.preflight import DISK_EXIT, pid_alive, remove_stale_parts
+from shardlm.launch.preflight import DISK_EXIT, pid_alive, remove_stale_parts
 
 log = logging.getLogger("shardlm")
 
@@ -71,7 +71,7 @@ def cache_root(configured: str = "") -> Path:
 
 
 def tracker_environment() -> dict[str, str | bool]:
-    """What the experiment trackers' own variables say (shardlm.tracking): whether W&B was told a
+    """What the experiment trackers' own variables say (shardlm.train.tracking): whether W&B was told a
     mode or given a key (if not, it runs offline), its project, MLflow's tracking URI ('' = a file
     store in the run directory) and experiment name. The key itself is never read."""
     return {"wandb_configured": "WANDB_MODE" in os.environ or "WANDB_API_KEY" in os.environ,

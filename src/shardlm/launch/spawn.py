@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 import torch.multiprocessing as mp
 
-from shardlm.launch import (backend_for, cpu_cores, die_with_parent, end_process, leave_groups,
+from shardlm.launch.runtime import (backend_for, cpu_cores, die_with_parent, end_process, leave_groups,
                             loopback_interface, pick_device)
 
 

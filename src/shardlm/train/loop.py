@@ -22,25 +22,25 @@ from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, 
                                         SaveReport, find_checkpoint, load_slices,
                                         load_with_fallback, newest_usable, raise_on_every_rank)
 from shardlm.config import Config
-from shardlm.config_rules import document_mask_on
+from shardlm.config.rules import document_mask_on
 from shardlm.errors import ConfigError
 from shardlm.data import Dataset, Loader, build_dataset
 from shardlm.data.seq2seq import Seq2SeqInputs
 from shardlm.data.sft import IGNORE, check_chat_template, template_for
 from shardlm.data.corpus import check_text_files
 from shardlm.data.tokenizer import hf_tokenizer
-from shardlm.launch import (Runtime, StopSignals, agree_on_name, broadcast_text, claim_run_dir,
+from shardlm.launch.runtime import (Runtime, StopSignals, agree_on_name, broadcast_text, claim_run_dir,
                             init_runtime, is_restart, planned_fault)
-from shardlm.dims import resolve_dims
-from shardlm.mesh import Mesh, build_mesh
+from shardlm.config.dims import resolve_dims
+from shardlm.comm.mesh import Mesh, build_mesh
 from shardlm.models import build_model, flops_per_token, generate
 from shardlm.models.attention import configure as configure_attention
 from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter
 from shardlm.models.lora import check_rank, lora_layers
 from shardlm.models.hf_build import build_hf_model, check_route, generate_causal
 from shardlm.models.seq2seq import generate_seq2seq, user_model_flops_per_token
-from shardlm.presets import causal_lm_config, encoder_decoder_config, transformers_config
-from shardlm.optim import adam_steps, lr_at, set_adam_steps, set_lr
+from shardlm.config.presets import causal_lm_config, encoder_decoder_config, transformers_config
+from shardlm.zero.optim import adam_steps, lr_at, set_adam_steps, set_lr
 from shardlm.parallel.build import parallelize
 from shardlm.parallel.compile import compile_seconds
 from shardlm.parallel.data import DataParallelEngine
@@ -54,12 +54,12 @@ from shardlm.parallel.pieces import whole_parameters
 from shardlm.parallel.tensor_plan import check_tp_plan
 from shardlm.comm.collectives import DeviceDone
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
-from shardlm.precision import Precision, build_precision, is_finite
+from shardlm.models.precision import Precision, build_precision, is_finite
 from shardlm.planner.search import run_prediction
-from shardlm.resolve import local_hardware, resolve_config
-from shardlm.telemetry import (MetricsLog, ProgressDisplay, device_memory_record, peak_flops,
+from shardlm.train.resolve import local_hardware, resolve_config
+from shardlm.train.telemetry import (MetricsLog, ProgressDisplay, device_memory_record, peak_flops,
                                peak_rss_bytes, prediction_summary)
-from shardlm.tracking import StepProfiler, StepTimes, device_synchronize, open_trackers, time_split_on
+from shardlm.train.tracking import StepProfiler, StepTimes, device_synchronize, open_trackers, time_split_on
 
 log = logging.getLogger("shardlm")
 
@@ -117,7 +117,7 @@ class Run:
     """The last step's fp8_overflow / fp8_underflow (fractions of every rank's quantised
     elements, and by tensor): models.fp8.Fp8Stats.record; empty without the fp8 emulation."""
     times: StepTimes = field(default_factory=lambda: StepTimes(None, enabled=False))
-    """The step's time split by phase (run.time_split; shardlm.tracking.StepTimes)."""
+    """The step's time split by phase (run.time_split; shardlm.train.tracking.StepTimes)."""
 
 
 @dataclass

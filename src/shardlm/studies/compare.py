@@ -5,7 +5,7 @@ peak where the run had one) of both runs; then a summary. The runs match when ev
 logged has the same loss within a tolerance, as numpy.isclose: |a - b| <= atol + rtol * |b|
 (b the loss of RUN_B; defaults DEFAULT_RTOL and DEFAULT_ATOL), and both logged the same steps.
 The first step where they diverge, and every other one, is named. Exit status 0 when they
-match, 1 when they diverge, 2 for an input that is not a run's log (shardlm.cli): a CI script
+match, 1 when they diverge, 2 for an input that is not a run's log (shardlm.cli.main): a CI script
 can compare a run against a reference run.
 
 Only the loss decides; grad norm, speed and memory are shown, not judged (speed and memory
@@ -198,7 +198,7 @@ def _steps(steps: list[int], shown: int = 20) -> str:
 
 
 def compare_args(sub) -> None:
-    """`shardlm compare`: its options (registered by shardlm.cli)."""
+    """`shardlm compare`: its options (registered by shardlm.cli.main)."""
     p = sub.add_parser(
         "compare", help="two runs' metrics.jsonl side by side; exit status 1 where their losses diverge",
         description="Loss, grad norm, tokens/s and memory per logged step of two runs, and a summary "

@@ -1,4 +1,4 @@
-"""The rank grid (dims.py ParallelDims) as a named device mesh and its process groups.
+"""The rank grid (config/dims.py ParallelDims) as a named device mesh and its process groups.
 
 Ranks are laid out as (pp, dp_replicate, dp_shard, cp, tp) with tp innermost (rank = (((stage ·
 dp_replicate + replica) · dp_shard + shard) · cp + c) · tp + t): a tensor-parallel group is a
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardlm.dims import ParallelDims, resolve_dims
+from shardlm.config.dims import ParallelDims, resolve_dims
 
 __all__ = ["Mesh", "ParallelDims", "build_mesh", "resolve_dims"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardlm.errors import ConfigError
-from shardlm.torchrun import nnodes_arg, torchrun_argv
+from shardlm.launch.torchrun import nnodes_arg, torchrun_argv
 
 TARGETS = ("torchrun", "slurm", "k8s", "vertex")
 RDZV_PORT = 29500

@@ -6,11 +6,11 @@ import argparse
 import logging
 import sys
 
-from shardlm.cli_planner import calibrate_args, cmd_calibrate, cmd_estimate, cmd_plan, planner_args
-from shardlm.compare import cmd_compare, compare_args
+from shardlm.cli.planner import calibrate_args, cmd_calibrate, cmd_estimate, cmd_plan, planner_args
+from shardlm.studies.compare import cmd_compare, compare_args
 from shardlm.errors import ConfigError
 from shardlm.studies import cmd_study, study_args
-from shardlm.preflight import DISK_EXIT, DiskError, check_run_disks, nvme_bytes
+from shardlm.launch.preflight import DISK_EXIT, DiskError, check_run_disks, nvme_bytes
 
 EPILOG = """\
 examples:
@@ -168,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _launch_args(sub) -> None:
     """`shardlm launch`: the options of the cluster-launch subcommand (docs/launch.md)."""
-    from shardlm.launch_targets import RDZV_PLACEHOLDER, TARGETS, VERTEX_ACCELERATOR
+    from shardlm.launch.targets import RDZV_PLACEHOLDER, TARGETS, VERTEX_ACCELERATOR
 
     p = sub.add_parser(
         "launch", help="write (and --submit) a multi-node job for torchrun, SLURM, Kubernetes or "
@@ -247,7 +247,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.max_restarts and not cfg.checkpoint.every:
         raise ConfigError("--max-restarts restarts workers from the latest checkpoint, but "
                           "checkpoint.every = 0 saves none: add --checkpoint.every=N")
-    from shardlm.launch import die_with_launcher
+    from shardlm.launch.runtime import die_with_launcher
 
     die_with_launcher()  # a worker of `--nproc N`: it must not outlive its launcher
     preflight(cfg, args.nproc)
@@ -269,10 +269,10 @@ def preflight(cfg, nproc: int) -> None:
     from pathlib import Path
 
     from shardlm.checkpoint.sharded import CHECKPOINTS
-    from shardlm.dims import resolve_dims
-    from shardlm.launch import launcher_sizes
+    from shardlm.config.dims import resolve_dims
+    from shardlm.launch.runtime import launcher_sizes
     from shardlm.models import count_params
-    from shardlm.precision import carrier
+    from shardlm.models.precision import carrier
 
     run_dir = Path(cfg.run.dir) / cfg.run.name if cfg.run.name else Path(cfg.run.dir)
     z = cfg.zero
@@ -294,8 +294,8 @@ def preflight(cfg, nproc: int) -> None:
         needed = local * (optimizer_bytes + param_bytes)
     check_run_disks(run_dir, run_dir / CHECKPOINTS, nvme_dir, needed)
     # One GPU per rank (launch.pick_device): more local ranks than GPUs is refused before spawning.
-    from shardlm.launch import pick_device
-    from shardlm.trainer import check_inputs
+    from shardlm.launch.runtime import pick_device
+    from shardlm.train.loop import check_inputs
 
     device = pick_device(cfg.run.device, 0, nproc or launcher_sizes()[1])
     check_inputs(cfg)  # a bad tokenizer, LoRA rank or data file: once, before any worker starts
@@ -329,13 +329,13 @@ def resume_hint(cfg) -> str:
 
 def train_here(cfg) -> int:
     """Train in this process (one rank of it, under a launcher)."""
-    from shardlm.allocator import apply_malloc_policy
+    from shardlm.launch.allocator import apply_malloc_policy
 
     malloc = apply_malloc_policy(cfg.run.malloc_mmap_threshold)  # before any large allocation
     from shardlm.models import count_params
     from shardlm.models.flops import active_params
-    from shardlm.launch import note_clean_stop, shutdown
-    from shardlm.trainer import build_run, sample_text, state_report, train
+    from shardlm.launch.runtime import note_clean_stop, shutdown
+    from shardlm.train.loop import build_run, sample_text, state_report, train
 
     run = build_run(cfg)
     cfg = run.cfg  # parallel.strategy = 'auto' has filled in the plan
@@ -385,8 +385,8 @@ def train_here(cfg) -> int:
 def launch_workers(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
     """`--nproc N`: check the layout fits N ranks now (not after spawning), fix one run name
     for all workers, then hand over to torch's elastic launcher on this machine."""
-    from shardlm.launch import launch_local, pick_device, unique_run_name
-    from shardlm.dims import resolve_dims
+    from shardlm.launch.runtime import launch_local, pick_device, unique_run_name
+    from shardlm.config.dims import resolve_dims
 
     resolve_dims(cfg.parallel, args.nproc)
     if pick_device(cfg.run.device, 0, args.nproc).type == "cpu":
@@ -410,12 +410,12 @@ def dry_run(args: argparse.Namespace, cfg) -> int:
     import os
 
     from shardlm.checkpoint.sharded import find_checkpoint
-    from shardlm.dims import resolve_dims
+    from shardlm.config.dims import resolve_dims
     from shardlm.hardware.catalog import parse_cluster
-    from shardlm.launch import pick_device
+    from shardlm.launch.runtime import pick_device
     from shardlm.planner import estimate_memory, estimate_time, report
     from shardlm.planner.search import config_strategy
-    from shardlm.resolve import decide, local_hardware
+    from shardlm.train.resolve import decide, local_hardware
 
     target = parse_cluster(args.gpus) if args.gpus else None
     world = target.world_size if target else (args.nproc or int(os.environ.get("WORLD_SIZE", "1")))
@@ -481,10 +481,10 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     import tempfile
     from pathlib import Path
 
-    import shardlm.launch_targets as lt
+    import shardlm.launch.targets as lt
     from shardlm.config import load_config, parse_overrides
-    from shardlm.dims import grad_accum_for
-    from shardlm.launch import unique_run_name
+    from shardlm.config.dims import grad_accum_for
+    from shardlm.launch.runtime import unique_run_name
 
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise ConfigError(f"--nodes {args.nodes} and --gpus-per-node {args.gpus_per_node} must be >= 1")
@@ -532,7 +532,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from shardlm.checkpoint import load_for_inference
-    from shardlm.launch import pick_device
+    from shardlm.launch.runtime import pick_device
     from shardlm.data.tokenizer import eot_id
     from shardlm.models import generate
     from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter
@@ -568,7 +568,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from shardlm.export import export_hf, export_peft
+    from shardlm.checkpoint.export import export_hf, export_peft
 
     if args.format == "peft":
         if args.merge:
@@ -587,7 +587,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
     from shardlm.config import parse_overrides
-    from shardlm.eval_checkpoint import evaluate_checkpoint
+    from shardlm.train.evaluate import evaluate_checkpoint
 
     print(json.dumps(evaluate_checkpoint(args.checkpoint, parse_overrides(overrides))))
     return 0
@@ -597,7 +597,7 @@ def cmd_presets() -> int:
     from shardlm.config import ModelConfig
     from shardlm.models import count_params
     from shardlm.models.flops import active_params
-    from shardlm.presets import ALIASES, PRESETS
+    from shardlm.config.presets import ALIASES, PRESETS
 
     aliases = {v: k for k, v in ALIASES.items()}
     for name, shape in PRESETS.items():

@@ -1,0 +1,18 @@
+"""What a run is, before any process starts: the typed config tree and its loading (schema.py),
+what a valid config is (rules.py), the named model shapes (presets.py), the degrees of
+parallelism (dims.py) and pipeline schedules as data (pipeline_tables.py).
+
+Pure data and arithmetic: no torch import at module level, nothing here starts processes or
+touches devices. Imports only `shardlm.errors`. Every other package reads a run's config through
+this package's names (`from shardlm.config import Config, load_config`)."""
+
+from shardlm.config.schema import (OFFLOAD_TIERS, ActivationConfig, CheckpointConfig, Config,
+                                   DataConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                                   PrecisionConfig, RunConfig, TrainConfig, ZeroConfig,
+                                   config_from_dict, describe, field_docs, flatten, load_config,
+                                   parse_overrides, sections, typed_overrides, valid_keys)
+
+__all__ = ["OFFLOAD_TIERS", "ActivationConfig", "CheckpointConfig", "Config", "DataConfig",
+           "LoRAConfig", "ModelConfig", "ParallelConfig", "PrecisionConfig", "RunConfig",
+           "TrainConfig", "ZeroConfig", "config_from_dict", "describe", "field_docs", "flatten",
+           "load_config", "parse_overrides", "sections", "typed_overrides", "valid_keys"]

@@ -1,0 +1,7 @@
+"""A process and what it starts with: which rank it is and on which device and backend
+(runtime.py, the one place that reads the launcher's environment variables), starting local
+ranks (spawn.py) or a cluster's (torchrun.py, targets.py: torchrun, SLURM, Kubernetes, Vertex
+AI), the C heap's policy (allocator.py), disk checks before a run (preflight.py) and writes a
+reader never sees torn (files.py).
+
+Imports `shardlm.errors` and `shardlm.config` only; every layer above may use it."""
