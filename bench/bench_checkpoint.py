@@ -192,6 +192,7 @@ class Probe:
     shardlm.checkpoint.sharded calls. The calls themselves pass through unchanged."""
 
     def __init__(self):
+        from shardlm.checkpoint import reader as checkpoint_reader
         from shardlm.checkpoint import sharded
 
         self.events: list[tuple[str, str, float, int]] = []  # (kind, file, seconds, bytes)
@@ -257,7 +258,7 @@ class Probe:
                 if getattr(inside, "on", False):
                     record(("fsync", "", time.perf_counter() - began, 0))
 
-        real_read_range = sharded.CheckpointReader.read_range
+        real_read_range = checkpoint_reader.CheckpointReader.read_range
 
         def read_range(reader, *args, **kwargs):  # includes the first use's verification
             began = time.perf_counter()
@@ -266,7 +267,8 @@ class Probe:
 
         sharded.write_safetensors, sharded._safetensors_pieces, sharded._sha256 = (
             write_safetensors, pieces, sha_file)
-        sharded.CheckpointReader.read_range = read_range
+        checkpoint_reader._sha256 = sha_file  # the reader's verification: the same wrapper
+        checkpoint_reader.CheckpointReader.read_range = read_range
         sharded.hashlib, sharded.os = TimedHashlib(), TimedOs()
 
     def reset(self) -> None:
@@ -300,7 +302,9 @@ def save_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int,
               max_async_steps: int) -> dict:
     import torch.distributed as dist
 
-    from shardlm.train.loop import build_run, save_checkpoint, train_step
+    from shardlm.train.loop import build_run, train_step
+
+    from shardlm.train.checkpointing import save_checkpoint
 
     run = build_run(load_config(overrides=overrides).validate())
     probe = Probe()
@@ -351,7 +355,9 @@ def save_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int,
 def load_rank(rank: int, world: int, overrides: dict, ckpt: str, modes: list) -> list[dict]:
     import torch.distributed as dist
 
-    from shardlm.train.loop import build_run, load_checkpoint
+    from shardlm.train.loop import build_run
+
+    from shardlm.train.checkpointing import load_checkpoint
 
     run = build_run(load_config(overrides=overrides).validate())
     probe = Probe()

@@ -59,7 +59,7 @@ rank): the work a case does, much less sensitive than wall time to other jobs' l
 (shardlm only): trainer.step_record's pp_bubble (mean over stages of seconds blocked on a
 neighbour / step seconds) and pp_bubble_by_stage, median over the timed steps, beside the
 schedule's table's idle share simulated with unit times (shardlm.config.pipeline_tables.check_table:
-F = I = W, B = 2; no communication), its published formula (pipeline_tables.bubble_formula:
+F = I = W, B = 2; no communication), its published formula (pipeline_schedules.bubble_formula:
 (P-1)/(V*M+P-1); ZB-V 0; DualPipeV (P-1)(F&B+B-3W) per rank with F&B = F+B; zb: its table's)
 and the planner's
 (planner.timing's bubble). It counts time blocked in the schedule's receives and sends only: a
@@ -99,7 +99,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.config import load_config, typed_overrides
-from shardlm.config.pipeline_tables import V_SHAPED, check_table, table_for
+from shardlm.config.pipeline_tables import V_SHAPED, check_table
+from shardlm.config.pipeline_schedules import table_for
 from shardlm.data import Loader, build_dataset
 from shardlm.launch.runtime import cpu_cores
 from shardlm.models import build_model, count_params

@@ -172,7 +172,7 @@ def rank_main(rank: int, world: int, overrides: dict, steps: int) -> dict:
     from shardlm.train.loop import build_run, train_step
 
     cfg = load_config(overrides=overrides).validate()
-    malloc = apply_malloc_policy(cfg.run.malloc_mmap_threshold)  # as shardlm.cli.main.train_here does
+    malloc = apply_malloc_policy(cfg.run.malloc_mmap_threshold)  # as shardlm.cli.train.train_here does
     entry = _status()
     phases = Phases()
     instrument(phases)

@@ -199,7 +199,9 @@ def train_steps(rank: int, world_size: int, overrides: dict, steps: int, save_af
     whether it stepped; with checkpoint.async an asynchronous save after `save_after` steps."""
     import torch
 
-    from shardlm.train.loop import build_run, save_checkpoint, train_step
+    from shardlm.train.loop import build_run, train_step
+
+    from shardlm.train.checkpointing import save_checkpoint
 
     torch.manual_seed(0)
     run = build_run(load_config(overrides=overrides).validate())
@@ -215,9 +217,8 @@ def train_steps(rank: int, world_size: int, overrides: dict, steps: int, save_af
             save_checkpoint(run, step + 1)  # written in the background while the next steps run
     run.checkpoints.wait()
     if saved:  # the checkpoint holds the state of its step, not of the steps run while it wrote
-        from shardlm.checkpoint.sharded import load_slices, step_dir_name
-
-        # filled with what the state is not (NaN, or an integer's bits inverted: QLoRA's base)
+        from shardlm.checkpoint.sharded import step_dir_name
+        from shardlm.checkpoint.reader import load_slices
         read = [dataclasses.replace(s, tensor=torch.full_like(s.tensor, float("nan")) if s.tensor.is_floating_point()
                                     else s.tensor.bitwise_not()) for s in saved]
         load_slices(run.checkpoints.root / step_dir_name(save_after), read, run.runtime)

@@ -69,7 +69,8 @@ def agents_command(config: str, run_dir: Path, port: int, name: str) -> list[str
 
 def run_agents(config: str, run_dir: Path) -> tuple[int, str]:
     sys.path.insert(0, str(ROOT / "src"))
-    from shardlm.launch.runtime import loopback_interface, loopback_store
+    from shardlm.launch.runtime import loopback_store
+    from shardlm.launch.local import loopback_interface
 
     store = loopback_store("127.0.0.1", 0, True, datetime.timedelta(seconds=TIMEOUT_S))
     name = uuid.uuid4().hex[:12]

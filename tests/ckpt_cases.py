@@ -88,7 +88,8 @@ def synthetic_save(root: Path, step: int, world_size: int = 2, keep: int = 3, se
 
 def load_synthetic(ckpt: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(manifest, every tensor of SHAPES read whole) through the real reader."""
-    from shardlm.checkpoint.sharded import CheckpointReader, read_manifest
+    from shardlm.checkpoint.sharded import read_manifest
+    from shardlm.checkpoint.reader import CheckpointReader
 
     manifest = read_manifest(ckpt)
     reader = CheckpointReader(ckpt, manifest)
@@ -115,9 +116,11 @@ def ranks_agree_on_resume(rank: int, world_size: int, run_dir: str) -> dict:
     import contextlib
     from unittest import mock
 
-    from shardlm.checkpoint.sharded import CheckpointError, load_slices
+    from shardlm.checkpoint.sharded import CheckpointError
+
+    from shardlm.checkpoint.reader import load_slices
     from shardlm.launch.runtime import Runtime
-    from shardlm.train.loop import resume_source
+    from shardlm.train.checkpointing import resume_source
 
     runtime = Runtime(rank, world_size, rank, world_size, torch.device("cpu"), "gloo")
     out = {}
@@ -125,7 +128,7 @@ def ranks_agree_on_resume(rank: int, world_size: int, run_dir: str) -> dict:
     def unusable(*args, **kwargs):
         raise CheckpointError(f"rank {rank} sees no usable checkpoint")
 
-    blind = mock.patch("shardlm.train.loop.newest_usable", unusable)
+    blind = mock.patch("shardlm.train.checkpointing.newest_usable", unusable)
     with blind if rank == 1 else contextlib.nullcontext():
         try:
             choice = resume_source(load_config(overrides={"checkpoint.resume": "auto"}),

@@ -31,11 +31,12 @@ from ckpt_cases import (checkpoint_of, load_synthetic, ranks_agree_on_resume, sa
 from conftest import tiny_overrides
 from shardlm.checkpoint.manifest import (LATEST, check_checkpoint, newest_usable, read_latest,
                                          sealed, step_dirs)
-from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, CheckpointReader,
-                                        find_checkpoint, parse_manifest, read_manifest)
+from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, find_checkpoint, parse_manifest, read_manifest)
+from shardlm.checkpoint.reader import CheckpointReader
 from shardlm.config import load_config
 from shardlm.launch.spawn import run_ranks
-from shardlm.train.loop import build_run, load_checkpoint, save_checkpoint
+from shardlm.train.loop import build_run
+from shardlm.train.checkpointing import load_checkpoint, save_checkpoint
 
 N = 2  # steps before the checkpoint, and after it
 
@@ -478,7 +479,7 @@ def test_resume_falls_back_to_the_newest_usable_checkpoint(tmp_path, three_check
     assert message in caplog.text
     # a restarted worker (torchrun --max-restarts): its run's newest usable, not the explicit path
     caplog.clear()
-    monkeypatch.setattr("shardlm.train.loop.is_restart", lambda: True)
+    monkeypatch.setattr("shardlm.train.checkpointing.is_restart", lambda: True)
     run = _build(tmp_path, run_dir, checkpoint__resume=checkpoint_of(str(run_dir), 1))
     assert run.start_step == 2 and message in caplog.text
 

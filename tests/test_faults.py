@@ -25,7 +25,9 @@ import pytest
 from conftest import tiny_overrides
 from shardlm.cli import main as cli
 from shardlm.launch import preflight
-from shardlm.launch.runtime import StopSignals, create_run_dir, release_run_dir, remove_dead_rendezvous_dirs
+from shardlm.launch.runtime import StopSignals
+from shardlm.launch.local import remove_dead_rendezvous_dirs
+from shardlm.launch.run_dir import create_run_dir, release_run_dir
 
 REPO = Path(__file__).resolve().parent.parent
 

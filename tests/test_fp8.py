@@ -237,7 +237,7 @@ def test_fp8_is_checked_before_ranks_spawn(tmp_path, monkeypatch):
     """`shardlm train --nproc 2` with run.device = 'auto' on a machine whose device has no FP8
     (the CPU, pinned here so that a GPU machine runs the same test): refused in the launcher."""
     from shardlm.launch import runtime as launch
-    from shardlm.cli.main import preflight
+    from shardlm.cli.train import preflight
 
     monkeypatch.setattr(launch, "pick_device", lambda preference, local_rank=0, local_world=1: torch.device("cpu"))
     cfg = load_config(overrides=_tiny(tmp_path, **{"precision.fp8_emulate": False, "run.device": "auto"})).validate()

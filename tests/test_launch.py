@@ -159,7 +159,7 @@ def test_launcher_refuses_impossible_counts():
     import pytest
 
     from shardlm.errors import ConfigError
-    from shardlm.launch.runtime import launch_local
+    from shardlm.launch.local import launch_local
 
     for nproc, restarts in ((0, 0), (-1, 0), (2, -1)):
         with pytest.raises(ConfigError, match="must be >= 1 and --max-restarts"):

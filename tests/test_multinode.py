@@ -47,7 +47,8 @@ from shardlm.config import load_config
 from shardlm.data.loader import Loader
 from shardlm.config.dims import grad_accum_for
 from shardlm.errors import ConfigError
-from shardlm.launch.runtime import FAULT_ENV, Fault, loopback_interface, loopback_store, planned_fault
+from shardlm.launch.runtime import FAULT_ENV, Fault, loopback_store, planned_fault
+from shardlm.launch.local import loopback_interface
 
 STEPS, EVERY = 10, 2
 RDZV_CONF = ("--rdzv-conf=is_host=0,last_call_timeout=2,keep_alive_interval=1,"

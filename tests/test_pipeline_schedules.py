@@ -11,8 +11,9 @@ import torch
 from conftest import tiny_overrides
 from parity import assert_matches
 from shardlm.errors import ConfigError
-from shardlm.config.pipeline_tables import (NAMED, Op, Table, bubble_formula, build_table, check_table, read_table,
-                                     table_for, untagged_order_problem)
+from shardlm.config.pipeline_tables import NAMED, Op, Table, check_table, read_table, untagged_order_problem
+from shardlm.config.pipeline_schedules import bubble_formula
+from shardlm.config.pipeline_schedules import build_table, table_for
 from shardlm.launch.spawn import run_ranks
 from pp_cases import cases_and_save, train_and_sample
 

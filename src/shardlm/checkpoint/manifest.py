@@ -14,7 +14,7 @@
 - `newest_usable` chooses the checkpoint to resume: `latest`'s, or if that one is unusable, the
   newest older step directory that is. "Usable" is cheap to check — the manifest verifies and
   every file it lists is there at its recorded size; each file's SHA-256 is checked when it is
-  read (sharded.CheckpointReader), and a mismatch names the file. `load_with_fallback` closes
+  read (reader.CheckpointReader), and a mismatch names the file. `load_with_fallback` closes
   the gap: a checkpoint that fails at load (a shard whose bytes changed but not its size) is
   rejected with its reason and the next usable one is loaded instead.
 """
@@ -384,7 +384,7 @@ def load_with_fallback(first: Path, load: Callable[[Path], Loaded],
     `choose(rejected)` names the next checkpoint to try (newest_usable / find_checkpoint with
     `rejected`: CheckpointError listing every reason when none is left, or when the one that
     failed was named explicitly). `load` must fail on every rank or on none
-    (sharded.load_slices does), and must fill everything it fills on success, so a failed
+    (reader.load_slices does), and must fill everything it fills on success, so a failed
     attempt leaves nothing behind."""
     rejected: dict[Path, str] = {}
     source = first

@@ -429,7 +429,8 @@ def _sequence_parallel_needs_tp(cfg: Config) -> list[str]:
         "model.n_layers", "parallel.zero_stage", "train.grad_accum")
 def _pipeline_fits(cfg: Config) -> list[str]:
     from shardlm.config.dims import parse_layers
-    from shardlm.config.pipeline_tables import V_SHAPED, table_for
+    from shardlm.config.pipeline_tables import V_SHAPED
+    from shardlm.config.pipeline_schedules import table_for
 
     par, n = cfg.parallel, cfg.model.n_layers
     if par.pp == 1:

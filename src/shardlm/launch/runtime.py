@@ -2,10 +2,10 @@
 
 This is the one place that reads environment variables: the launcher's (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE as set by torchrun / torch.distributed.run) and $SHARDLM_CACHE;
-everything else receives a `Runtime` or a path. Device and backend come from what exists: CUDA + NCCL when GPUs are there, CPU + gloo
-otherwise; nothing is hard-coded. Also here: `launch_local` (N workers on this machine, listening
-on loopback only) and the run directory's ownership (rank 0 creates and locks it; see
-docs/reliability.md).
+everything else receives a `Runtime` or a path. Device and backend come from what exists: CUDA +
+NCCL when GPUs are there, CPU + gloo otherwise; nothing is hard-coded. Also here: how a rank ends
+(end_process), stop signals and planned faults. Starting local workers is local.py; the run
+directory's ownership run_dir.py (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -13,20 +13,14 @@ from __future__ import annotations
 import atexit
 import ctypes
 import datetime
-import fcntl
 import ipaddress
 import logging
 import os
 import re
-import secrets
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
-import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -35,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from shardlm.errors import ConfigError
-from shardlm.launch.preflight import DISK_EXIT, pid_alive, remove_stale_parts
 
 log = logging.getLogger("shardlm")
 
@@ -232,224 +225,6 @@ def agree_on_name(name: str, runtime: Runtime) -> str:
 
 
 # -- run directories: each run owns its own --------------------------------------------------
-
-RUN_LOCK = ".lock"
-"""The lock file in a run directory: flock'ed by the rank 0 that writes there, holding its pid."""
-_held_run_locks: dict[Path, int] = {}
-"""Run directories this process holds the lock of (resolved path -> the lock file's fd). Held
-until the process exits; a second run of the same process in the same directory (a resume in
-a notebook, a test) reuses it."""
-
-
-def unique_run_name() -> str:
-    """A new run's directory name: the time to the second, then a random suffix, because runs
-    started in the same second must not share a directory (e.g. 20250101-120000-3f9a1c)."""
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-
-
-def lock_run_dir(run_dir: Path, wait_s: float = 0.0) -> None:
-    """Take `run_dir`'s advisory lock (flock on RUN_LOCK, our pid written in it) for the life of
-    this process, or raise ConfigError naming the process that holds it. `wait_s`: how long to
-    wait for a holder that is exiting (a restarted gang's rank 0 waits for the dead one's)."""
-    key = run_dir.resolve()
-    if key in _held_run_locks:
-        return
-    try:
-        fd = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise ConfigError(f"cannot open the run directory's lock file {str(run_dir / RUN_LOCK)!r}: "
-                          f"{e.strerror or e}") from None
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() < deadline:
-                time.sleep(0.1)
-                continue
-            holder = _lock_holder(fd)
-            os.close(fd)
-            raise ConfigError(
-                f"run directory {str(run_dir)!r} is in use by another run ({holder}; lock file "
-                f"{run_dir / RUN_LOCK}): wait for it to finish, stop it, or choose another "
-                f"run.name") from None
-        except OSError as e:  # e.g. a file system without locks
-            os.close(fd)
-            raise ConfigError(f"cannot lock the run directory {str(run_dir)!r}: "
-                              f"{e.strerror or e}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-    _held_run_locks[key] = fd
-
-
-def _lock_holder(fd: int) -> str:
-    # The holder writes its pid just after it takes the lock: give it a moment.
-    for _ in range(20):
-        text = os.pread(fd, 256, 0).decode(errors="replace").strip()
-        if text:
-            return text
-        time.sleep(0.05)
-    return "pid unknown"
-
-
-def release_run_dir(run_dir: Path) -> None:
-    """Give up `run_dir`'s lock before this process exits (exiting releases it anyway)."""
-    fd = _held_run_locks.pop(run_dir.resolve(), None)
-    if fd is not None:
-        os.close(fd)
-
-
-def create_run_dir(parent: Path, name: str = "", wait_s: float = 0.0) -> Path:
-    """The run's directory under `parent`, created and locked by this process. Without `name`,
-    a new unique one, created exclusively (never one that exists); with `name`, it may exist
-    (that is how a run is resumed), but no other live run may hold it."""
-    try:
-        if name:
-            run_dir = parent / name
-            run_dir.mkdir(parents=True, exist_ok=True)
-        else:
-            parent.mkdir(parents=True, exist_ok=True)
-            while True:
-                run_dir = parent / unique_run_name()
-                try:
-                    run_dir.mkdir()
-                    break
-                except FileExistsError:  # 1 in 16M in the same second: draw again
-                    continue
-    except OSError as e:
-        raise ConfigError(f"cannot create the run directory under {str(parent)!r} "
-                          f"(run.dir): {e.strerror or e}") from None
-    lock_run_dir(run_dir, wait_s)
-    # Ours now, and no rank of this run has written yet: what killed writers left goes.
-    for part in remove_stale_parts(run_dir):
-        log.info("removed %s (left by a writer that died)", part)
-    return run_dir
-
-
-def claim_run_dir(parent: str, name: str, runtime: Runtime) -> Path:
-    """Every rank's run directory: rank 0 creates and locks it (create_run_dir) and every rank
-    receives rank 0's directory — or its error, raised on every rank, so that no rank waits in a
-    collective for a rank 0 that gave up. A restarted gang's rank 0 waits up to a minute for the
-    previous rank 0 to have exited and released the lock."""
-    outcome, failure = None, None
-    if runtime.is_main:
-        try:
-            outcome = "dir:" + str(create_run_dir(Path(parent), name, 60.0 if is_restart() else 0.0))
-        except Exception as e:  # whatever it is, the other ranks must hear of it
-            outcome, failure = f"error:{e}", e
-    kind, _, text = broadcast_text(outcome, runtime).partition(":")
-    if failure is not None:
-        raise failure
-    if kind != "dir":
-        raise ConfigError(f"rank 0 could not make the run directory: {text}")
-    return Path(text)
-
-
-def loopback_interface() -> str:
-    """The name of this machine's loopback network interface ('lo' on Linux, 'lo0' on macOS)."""
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except (AttributeError, OSError):
-        names = []
-    exact = [n for n in names if n in ("lo", "lo0")]
-    return (exact or [n for n in names if n.startswith("lo")] or ["lo"])[0]
-
-
-def local_launch_args(nproc: int, rendezvous_dir: Path, max_restarts: int = 0) -> list[str]:
-    """torch.distributed.run's options for `nproc` workers on this machine that listen on no
-    network interface but loopback (docs/reliability.md, Network).
-
-    torchrun's --standalone hosts its rendezvous in a TCPStore, and a TCPStore server (torch 2.13,
-    either backend) listens on every interface whatever host it is given ('localhost:0' binds
-    `*:PORT`). Here the agent's rendezvous is a c10d FileStore in a private directory instead
-    (`store_type=file`: no socket), and --local-addr makes the workers' MASTER_ADDR 127.0.0.1."""
-    return ["--nnodes=1", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous_dir / 'agent'}",
-            "--rdzv-conf=store_type=file", f"--rdzv-id={uuid.uuid4().hex}",
-            "--local-addr=127.0.0.1"]
-
-
-def launch_local(nproc: int, worker_argv: list[str], max_restarts: int = 0,
-                 shutdown_timeout_s: int = 120) -> int:
-    """Start `nproc` workers on this machine through torch's elastic launcher (torchrun), which
-    sets RANK / WORLD_SIZE / LOCAL_RANK for each. When a worker dies the launcher stops the
-    others and starts the gang again, up to `max_restarts` times. Returns the exit status: 0
-    when the workers finished, or stopped cleanly on a SIGTERM / SIGINT sent here (forwarded to
-    them; they save a checkpoint and exit within `shutdown_timeout_s`, else they are killed).
-
-    Nothing listens beyond loopback: the launcher's rendezvous and the workers' process-group
-    store are files in a private temporary directory (no socket), and the collectives' own
-    sockets (gloo pairs, NCCL's bootstrap) are put on the loopback interface unless
-    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise. Everything torchrun writes (its
-    rendezvous, its per-worker log directory) goes in that directory, removed on exit; the
-    directory of a launcher that was killed is removed by the next one. The workers die with
-    this process (`die_with_launcher`): a launcher killed with SIGKILL leaves no orphans."""
-    if nproc < 1 or max_restarts < 0:
-        raise ConfigError(f"--nproc {nproc} must be >= 1 and --max-restarts {max_restarts} >= 0")
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    # Each worker sets its own thread count (init_runtime); saying so here silences torchrun's
-    # OMP_NUM_THREADS=1 default and its warning.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_cores() // nproc)))
-    # The agent's shared rendezvous store outlives a restart, and with it the previous gang's
-    # process-group keys: a restarted worker can read a dead peer's address and fail to connect
-    # (seen here: one of two restarts wasted that way). Unshared, each round forms a fresh group
-    # (group-<restart count> below). Also required by the file rendezvous: a shared store would
-    # send the workers to a TCP server that does not exist.
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    loopback = loopback_interface()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
-    remove_dead_rendezvous_dirs(Path(tempfile.gettempdir()))
-    # mode 0700: ours only; our pid in the name says when its owner is gone
-    rendezvous_dir = Path(tempfile.mkdtemp(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}-"))
-    os.environ[LOCAL_RENDEZVOUS_ENV] = str(rendezvous_dir)
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    args = get_args_parser().parse_args([
-        *local_launch_args(nproc, rendezvous_dir, max_restarts),
-        # torchrun's default is a `torchelastic_*` directory in $TMPDIR that nobody removes
-        f"--log-dir={rendezvous_dir / 'logs'}", f"--shutdown-timeout={shutdown_timeout_s}",
-        "--no-python", sys.executable, *worker_argv])
-    try:
-        run(args)
-    except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        if DISK_EXIT in codes:  # the worker printed its DiskError: the one message to read
-            log.error("shardlm: a worker stopped on a disk error (exit %d): see its message above",
-                      DISK_EXIT)
-            return DISK_EXIT
-        if e.get_first_failure()[1].exitcode == 2:  # a ConfigError (a checkpoint refused, say),
-            # printed by the worker; the others may have been stopped by torchrun meanwhile
-            log.error("shardlm: the workers stopped on the error above (exit 2)")
-            return 2
-        log.error("a worker failed: %s", e)
-        return 1
-    except SignalException as e:
-        # torchrun has forwarded the signal to the workers and waited for them to exit.
-        stopped = [r for r in range(nproc) if (rendezvous_dir / f"stopped-{r}").exists()]
-        if len(stopped) == nproc:
-            log.warning("shardlm: %s: the workers saved a checkpoint and stopped", e.sigval.name)
-            return 0
-        log.error("shardlm: %s: workers %s did not stop cleanly (no checkpoint saved by them)",
-                  e.sigval.name, sorted(set(range(nproc)) - set(stopped)))
-        return 128 + int(e.sigval)
-    finally:
-        for name in (LOCAL_RENDEZVOUS_ENV, LAUNCHER_PID_ENV):
-            os.environ.pop(name, None)
-        shutil.rmtree(rendezvous_dir, ignore_errors=True)
-    return 0
-
-
-def remove_dead_rendezvous_dirs(tmp: Path) -> None:
-    """Remove the rendezvous directories of launchers that died without cleaning up (SIGKILL):
-    `shardlm-rendezvous-<pid>-*` whose pid is gone. A live launcher's is kept."""
-    for path in tmp.glob(f"{RENDEZVOUS_PREFIX}*-*"):
-        pid = path.name[len(RENDEZVOUS_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not pid_alive(int(pid)) and path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def die_with_launcher() -> None:

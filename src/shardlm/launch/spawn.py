@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 import torch.multiprocessing as mp
 
-from shardlm.launch.runtime import (backend_for, cpu_cores, die_with_parent, end_process, leave_groups,
-                            loopback_interface, pick_device)
+from shardlm.launch.local import loopback_interface
+from shardlm.launch.runtime import backend_for, cpu_cores, die_with_parent, end_process, leave_groups, pick_device
 
 
 def _to_numpy(x: Any) -> Any:

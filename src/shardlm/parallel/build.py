@@ -40,7 +40,8 @@ from shardlm.parallel.context import CPState, apply_cp
 from shardlm.parallel.evaluation import token_sums
 from shardlm.parallel.expert import apply_ep, spread_over_tp
 from shardlm.parallel.pipeline import Schedule, Stage, apply_pp, schedule_for
-from shardlm.config.pipeline_tables import table_for, untagged_order_problem
+from shardlm.config.pipeline_tables import untagged_order_problem
+from shardlm.config.pipeline_schedules import table_for
 from shardlm.parallel.weight_grads import make_deferrable
 from shardlm.models.flops import pipeline_split
 from shardlm.checkpoint.hf_dir import module_initializer

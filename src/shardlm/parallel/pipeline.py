@@ -43,8 +43,10 @@ from torch import nn
 
 from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
-from shardlm.config.pipeline_tables import _list_schedule  # noqa: F401 (the planner's tests replay it)
-from shardlm.config.pipeline_tables import Table, bubble_formula, build_table, stage_rank, table_for
+from shardlm.config.pipeline_schedules import _list_schedule
+from shardlm.config.pipeline_tables import Table, stage_rank
+from shardlm.config.pipeline_schedules import bubble_formula
+from shardlm.config.pipeline_schedules import build_table, table_for
 from shardlm.parallel.weight_grads import WeightGrads
 
 log = logging.getLogger("shardlm")
@@ -294,7 +296,7 @@ class Schedule:
         return [(op.kind, chunk[op.stage], op.micro) for op in table.rows[self.stage.index] if op is not None]
 
     def bubble_formula(self, micro: int) -> float:
-        """The published idle fraction of a step (pipeline_tables.bubble_formula)."""
+        """The published idle fraction of a step (pipeline_schedules.bubble_formula)."""
         return bubble_formula(self.source, self.stage.count, self.virtual, micro)
 
     def run(self, io: StepIO, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

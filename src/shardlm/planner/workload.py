@@ -19,7 +19,8 @@ from shardlm.config.dims import ParallelDims
 from shardlm.errors import ConfigError
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
-from shardlm.config.pipeline_tables import V_SHAPED, check_table, table_for
+from shardlm.config.pipeline_tables import V_SHAPED, check_table
+from shardlm.config.pipeline_schedules import table_for
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OFFLOAD_TIERS = ("none", "cpu", "nvme")

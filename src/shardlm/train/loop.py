@@ -2,7 +2,8 @@
 
 `build_run` assembles everything from a validated Config (the variants — precision, activation
 checkpointing, compile — are chosen here, once); `train` runs the loop. Model code knows nothing
-of this file; strategies are applied to the plain model in `build_run`, in a fixed order.
+of this file; strategies are applied to the plain model in `build_run`, in a fixed order. What a
+run holds is run.py; its checkpoints (resume, save, restore) checkpointing.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -18,21 +19,21 @@ import torch
 from torch import nn
 
 from shardlm.checkpoint.weights import save_weights
-from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, CheckpointWriter,
-                                        SaveReport, find_checkpoint, load_slices,
-                                        load_with_fallback, newest_usable, raise_on_every_rank)
+from shardlm.checkpoint.sharded import (CHECKPOINTS, CheckpointWriter,
+                                        load_with_fallback)
 from shardlm.config import Config
 from shardlm.config.rules import document_mask_on
 from shardlm.errors import ConfigError
-from shardlm.data import Dataset, Loader, build_dataset
+from shardlm.data import Loader, build_dataset
 from shardlm.data.seq2seq import Seq2SeqInputs
 from shardlm.data.sft import IGNORE, check_chat_template, template_for
 from shardlm.data.corpus import check_text_files
 from shardlm.data.tokenizer import hf_tokenizer
-from shardlm.launch.runtime import (Runtime, StopSignals, agree_on_name, broadcast_text, claim_run_dir,
-                            init_runtime, is_restart, planned_fault)
+from shardlm.launch.runtime import (Runtime, StopSignals, agree_on_name, init_runtime,
+                                    planned_fault)
+from shardlm.launch.run_dir import claim_run_dir
 from shardlm.config.dims import resolve_dims
-from shardlm.comm.mesh import Mesh, build_mesh
+from shardlm.comm.mesh import build_mesh
 from shardlm.models import build_model, flops_per_token, generate
 from shardlm.models.attention import configure as configure_attention
 from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter
@@ -40,106 +41,28 @@ from shardlm.models.lora import check_rank, lora_layers
 from shardlm.models.hf_build import build_hf_model, check_route, generate_causal
 from shardlm.models.seq2seq import generate_seq2seq, user_model_flops_per_token
 from shardlm.config.presets import causal_lm_config, encoder_decoder_config, transformers_config
-from shardlm.zero.optim import adam_steps, lr_at, set_adam_steps, set_lr
+from shardlm.zero.optim import lr_at, set_lr
 from shardlm.parallel.build import parallelize
 from shardlm.parallel.compile import compile_seconds
-from shardlm.parallel.data import DataParallelEngine
 from shardlm.parallel.evaluation import metrics_of
 from shardlm.models.moe import bias_tensors
-from shardlm.models.fp8 import Fp8State
 from shardlm.parallel.expert import finish_moe_step, moe_record
 from shardlm.parallel.expert_balance import ExpertBalancer
-from shardlm.parallel.pipeline import Schedule, StepIO, gather_stages
+from shardlm.parallel.pipeline import StepIO, gather_stages
 from shardlm.parallel.pieces import whole_parameters
 from shardlm.parallel.tensor_plan import check_tp_plan
 from shardlm.comm.collectives import DeviceDone
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
-from shardlm.models.precision import Precision, build_precision, is_finite
+from shardlm.models.precision import build_precision, is_finite
 from shardlm.planner.search import run_prediction
+from shardlm.train.checkpointing import load_checkpoint, resume_source, save_checkpoint
 from shardlm.train.resolve import local_hardware, resolve_config
+from shardlm.train.run import Run, TrainResult
 from shardlm.train.telemetry import (MetricsLog, ProgressDisplay, device_memory_record, peak_flops,
                                peak_rss_bytes, prediction_summary)
 from shardlm.train.tracking import StepProfiler, StepTimes, device_synchronize, open_trackers, time_split_on
 
 log = logging.getLogger("shardlm")
-
-
-@dataclass
-class Run:
-    """Everything a training run holds, built once."""
-
-    cfg: Config
-    runtime: Runtime
-    mesh: Mesh
-    dataset: Dataset
-    model: nn.Module
-    """The plain model (parameters, state_dict) — what is saved."""
-    forward: nn.Module
-    """What is called in the step: the model, possibly compiled."""
-    strategy: DataParallelEngine
-    """Gradient synchronisation, clipping and the optimizer step (local or ZeRO)."""
-    watchdog: CollectiveWatchdog | None
-    """Reports a collective that outlives parallel.collective_timeout_s (several ranks only)."""
-    precision: Precision
-    train_loader: Loader
-    val_loader: Loader
-    run_dir: Path
-    peak_flops_per_device: float
-    flops_per_token: float
-    """Model FLOPs per token (PaLM appendix B, no recomputation): MFU's numerator."""
-    checkpoints: CheckpointWriter
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = None
-    """(logits, targets) -> mean cross-entropy in fp32 (vocabulary-parallel under tensor
-    parallelism): parallel.build.Parallelized.loss."""
-    token_sums: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = None
-    """(logits, targets) -> float64 [summed cross-entropy, correct argmax, targets] over the
-    targets that carry loss (evaluation): parallel.build.Parallelized.token_sums."""
-    start_step: int = 0
-    """The first step to run: 0, or where the checkpoint resumed from left off."""
-    schedule: Schedule | None = None
-    """The pipeline schedule of this rank's stage (parallel.pp > 1)."""
-    moe_sums: torch.Tensor | None = None
-    """The last step's mixture-of-experts figures summed over the ranks (parallel/expert.py)."""
-    moe_placement: dict = field(default_factory=dict)
-    """The last step's expert-parallel rank loads and re-placements (ExpertBalancer)."""
-    balancer: ExpertBalancer | None = None
-    """With ep > 1: the ranks' loads per step, and (parallel.ep_rebalance_every) moving experts."""
-    hardware_flops_per_token: float | None = None
-    """FLOPs per token the step executes, recomputation included (activation.checkpoint 'full'
-    redoes each block's forward; 'selective' only element-wise ops, 0 matmul FLOPs): HFU's
-    numerator. None = flops_per_token (nothing recomputed)."""
-    loss_token_fraction: float | None = None
-    """data.format chat / prompt_completion: the last step's fraction of targets that carry loss
-    (not -100), over the whole global batch; logged as `loss_token_fraction`."""
-    fp8: Fp8State | None = None
-    """precision.compute = 'fp8': the swapped linears' state (parallel.build.Parallelized.fp8)."""
-    fp8_record: dict = field(default_factory=dict)
-    """The last step's fp8_overflow / fp8_underflow (fractions of every rank's quantised
-    elements, and by tensor): models.fp8.Fp8Stats.record; empty without the fp8 emulation."""
-    times: StepTimes = field(default_factory=lambda: StepTimes(None, enabled=False))
-    """The step's time split by phase (run.time_split; shardlm.train.tracking.StepTimes)."""
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    losses: list[float] = field(default_factory=list)
-    val_loss: float | None = None
-    """The last evaluation's mean loss per validation target that carries loss."""
-    val_perplexity: float | None = None
-    """exp(val_loss)."""
-    val_token_accuracy: float | None = None
-    """The last evaluation's fraction of those targets that the logits' argmax predicts."""
-    tokens_per_s: float = 0.0
-    """Mean over the steps after the first (which pays one-off warm-up costs)."""
-    mfu: float = 0.0
-    """Model FLOPs utilisation (PaLM appendix B: recomputation is not model work)."""
-    hfu: float = 0.0
-    """Hardware FLOPs utilisation: MFU's FLOPs plus what activation checkpointing recomputes."""
-    skipped_steps: int = 0
-    stopped_by: str | None = None
-    """The signal that ended the run early (after a final checkpoint), if one did."""
-    saves: list[SaveReport] = field(default_factory=list)
 
 
 def make_run_dir(cfg: Config, runtime: Runtime) -> Path:
@@ -267,135 +190,6 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
 
 
 # -- checkpoints ------------------------------------------------------------------------------
-
-
-def resume_source(cfg: Config, run_dir: Path, runtime: Runtime | None = None,
-                  rejected: dict[Path, str] | None = None) -> Path | None:
-    """Which checkpoint the run continues from. A restarted worker (torchrun --max-restarts)
-    always takes its run's newest usable one; otherwise an explicit checkpoint.resume path
-    comes first (a run directory: its newest usable one), and 'auto' takes the run directory's
-    newest usable one if there is one. An unusable newer checkpoint is logged with its reason
-    and skipped; so are the `rejected` ones (they failed to load: load_with_fallback). A run
-    directory holding checkpoints of which none is usable is a CheckpointError, never a silent
-    start from step 0 over them (checkpoint.resume = 'never' is how to ask for that).
-    Rank 0 chooses and every rank receives its choice, or its error: all ranks load the same
-    checkpoint, and one log says what was skipped."""
-    if runtime is None or runtime.world_size == 1:
-        return _choose_source(cfg, run_dir, rejected)
-    outcome, failure = None, None
-    if runtime.is_main:
-        try:
-            source = _choose_source(cfg, run_dir, rejected)
-            outcome = "none:" if source is None else f"path:{source}"
-        except Exception as e:  # whatever it is, the other ranks must hear of it
-            outcome, failure = f"error:{e}", e
-    kind, _, text = broadcast_text(outcome, runtime).partition(":")
-    if failure is not None:
-        raise failure
-    if kind == "error":
-        raise CheckpointError(f"rank 0 could not choose a checkpoint to resume from: {text}")
-    return Path(text) if kind == "path" else None
-
-
-def _choose_source(cfg: Config, run_dir: Path, rejected: dict[Path, str] | None) -> Path | None:
-    choice = cfg.checkpoint.resume
-    if choice == "never":
-        return None
-    if is_restart() or choice == "auto":
-        own = newest_usable(run_dir / CHECKPOINTS, rejected)
-        if own is not None or choice == "auto":
-            return own
-    return find_checkpoint(choice, rejected)
-
-
-def _layout(run: Run) -> dict:
-    dims = run.mesh.dims
-    return {"world_size": dims.world_size, "zero_stage": run.cfg.parallel.zero_stage,
-            "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp}
-
-
-def save_checkpoint(run: Run, step: int) -> SaveReport:
-    """Checkpoint `step` (the number of steps done): this rank's slices of the model and
-    optimizer, and everything else a resume needs — the loss scaler, the optimizer's step count,
-    the data position (the step: the sampler is a pure function of it), this rank's RNG. The LR
-    is a pure function of the step."""
-    rng = {"cpu": torch.get_rng_state().numpy().tobytes().hex(),
-           "cuda": (torch.cuda.get_rng_state(run.runtime.device).numpy().tobytes().hex()
-                    if run.runtime.device.type == "cuda" else None)}
-    t = run.cfg.train
-    state = {"step": step, "optimizer_steps": adam_steps(run.strategy.optimizer),
-             "scaler": run.precision.scaler.state_dict(),
-             "data": {"seed": t.seed, "global_batch": run.train_loader.global_batch, "seq_len": t.seq_len,
-                      "samples": run.train_loader.samples_done(step)}}
-    moe = getattr(run.model, "moe_stats", None)
-    if moe is not None and moe.biases:  # balance = 'bias': the routers' biases (the same everywhere)
-        state["moe_biases"] = {str(k): v.tolist() for k, v in moe.biases.items()}
-    meta = {"config": run.cfg.to_dict(), "layout": _layout(run)}
-    return run.checkpoints.save(step, run.strategy.state_slices(saving=True), run.strategy.writes_checkpoint,
-                                state, {"rng": rng}, meta)
-
-
-def load_checkpoint(run: Run, path: Path) -> int:
-    """Load a checkpoint saved at any layout into this run; returns the step to continue from.
-    A CheckpointError is raised on every rank or on none (so load_with_fallback can try another
-    checkpoint on all ranks at once)."""
-    manifest = load_slices(path, run.strategy.state_slices(), run.runtime, run.cfg.checkpoint.readers)
-    run.strategy.after_load()
-    step, error = 0, None
-    try:
-        step = _restore_state(run, manifest)
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:  # verified, yet malformed
-        error = CheckpointError(f"{Path(path) / MANIFEST}: its run state cannot be restored "
-                                f"({type(e).__name__}: {e})")
-    raise_on_every_rank(error, run.runtime)
-    if run.runtime.is_main:
-        saved = manifest["layout"]
-        log.info("resumed from %s (step %d, saved on %s rank(s) at ZeRO stage %s)", path, step,
-                 saved.get("world_size"), saved.get("zero_stage"))
-    return step
-
-
-def _restore_state(run: Run, manifest: dict) -> int:
-    """Everything but the tensors: optimizer step count, scaler, RNG, data position."""
-    state = manifest["state"]
-    set_adam_steps(run.strategy.optimizer, state["optimizer_steps"])
-    moe = getattr(run.model, "moe_stats", None)
-    for layer, values in state.get("moe_biases", {}).items():
-        if moe is not None and int(layer) in moe.biases:
-            moe.biases[int(layer)].copy_(torch.tensor(values))
-    run.precision.scaler.load_state_dict(state["scaler"])
-    ranks = manifest["ranks"]
-    if len(ranks) == run.runtime.world_size:
-        rng = ranks[run.runtime.rank]["rng"]
-        torch.set_rng_state(torch.frombuffer(bytearray.fromhex(rng["cpu"]), dtype=torch.uint8))
-        if rng["cuda"] and run.runtime.device.type == "cuda":
-            torch.cuda.set_rng_state(torch.frombuffer(bytearray.fromhex(rng["cuda"]), dtype=torch.uint8),
-                                     run.runtime.device)
-    else:  # another world size: no rank's stream carries over; a fresh one per (seed, step)
-        torch.manual_seed(run.cfg.train.seed + state["step"])
-    data = state["data"]
-    # The data position is the sequences consumed, not the step: it carries across a change of
-    # global batch (older checkpoints: step x their global batch).
-    samples = int(data.get("samples", state["step"] * data["global_batch"]))
-    run.train_loader.resume_at(int(state["step"]), samples)
-    if data["global_batch"] != run.train_loader.global_batch or data["seq_len"] != run.cfg.train.seq_len:
-        log.warning("resuming with %d x %d tokens per step where the checkpoint had %d x %d: the data "
-                    "continues after the %d sequences consumed, but the steps left differ from the "
-                    "uninterrupted run's (train.global_batch keeps a global batch across world sizes)",
-                    run.train_loader.global_batch, run.cfg.train.seq_len, data["global_batch"],
-                    data["seq_len"], samples)
-    return int(state["step"])
-
-
-def state_report(run: Run) -> str:
-    """This rank's model-state bytes by category, next to the ZeRO formula's prediction."""
-    held = run.strategy.model_state_bytes()
-    predicted = getattr(run.strategy, "predicted_state_bytes", lambda: {})()
-    parts = []
-    for key, value in held.items():
-        formula = f" (formula {predicted[key] / 2**20:.2f})" if key in predicted else ""
-        parts.append(f"{key} {value / 2**20:.2f}{formula}")
-    return f"rank {run.runtime.rank}: model states MiB: " + ", ".join(parts)
 
 
 def pipeline_io(run: Run, divisor: int = 1) -> StepIO:

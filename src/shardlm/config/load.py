@@ -1,0 +1,201 @@
+"""Reading a config: defaults < preset < a checkpoint's config.json < TOML file < command-line
+overrides, each key checked (an unknown key names the closest valid one) and typed as the schema
+declares (schema.py); and the `--help-config` text from the fields' docstrings."""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from shardlm.config.schema import Config, ModelConfig, _field_named, field_docs, sections, valid_keys
+from shardlm.config.rules import key_of
+from shardlm.errors import ConfigError
+
+
+def describe() -> str:
+    """Every key with its default and docstring: the text of `--help-config`."""
+    lines = []
+    default = Config()
+    for name, cls in sections().items():
+        lines.append(f"[{name}]")
+        docs = field_docs(cls)
+        for f in fields(cls):
+            value = getattr(getattr(default, name), f.name)
+            lines.append(f"  {key_of(f)} = {value!r}")
+            if f.name in docs:
+                lines.append(f"      {docs[f.name]}")
+    return "\n".join(lines)
+
+
+def _unknown_key(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.5)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key '{key}'.{hint} (`shardlm train --help-config` lists all keys)")
+
+
+def _coerce(key: str, value: Any, typ: type) -> Any:
+    """Turn a TOML value or a command-line string into the field's type, or explain why not."""
+    if isinstance(value, str) and typ is not str:
+        text = value.strip()
+        try:
+            if typ is bool:
+                if text.lower() in ("true", "1", "yes", "on"):
+                    return True
+                if text.lower() in ("false", "0", "no", "off"):
+                    return False
+                raise ValueError
+            if typ is int and "e" in text.lower():  # 1e6 is an int; 1.5e0 and 1e400 are not
+                number = float(text)
+                if not number.is_integer():
+                    raise ValueError
+                return int(number)
+            return typ(text)
+        except (ValueError, OverflowError):
+            raise ConfigError(f"{key} must be a {typ.__name__}, got {value!r}") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} must be a {typ.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            flat.update(flatten(v, key + "."))
+        else:
+            flat[key] = v
+    return flat
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """`--a.b=value` or `--a.b value` pairs into {'a.b': 'value'}."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"expected an override like --train.steps=100, got {arg!r}")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(args):
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"override {arg!r} has no value; write {arg}=VALUE")
+        out[key] = value
+        i += 1
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Build the Config: defaults < model preset < TOML file < overrides. Does not validate."""
+    from shardlm.config.presets import get_preset
+
+    values: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                              f"TOML files are UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror or e}") from None
+        try:
+            values.update(flatten(tomllib.loads(text)))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    values.update(overrides or {})
+
+    _check_keys(values)
+    if values.get("model.hf_path") or values.get("model.hf_config"):
+        ordered = _hf_shape_layer(values)
+    else:
+        preset = values.get("model.preset", Config().model.preset)
+        ordered = {f"model.{k}": v for k, v in get_preset(str(preset)).items()}
+        ordered["model.preset"] = preset
+    ordered.update(values)
+    return _build(ordered)
+
+
+def _hf_shape_layer(values: dict[str, Any]) -> dict[str, Any]:
+    """model.hf_path's config.json in the preset's place (our decoder's shape, or what our config
+    keeps of a transformers module's: an encoder-decoder, or a causal LM our decoder does not
+    map, models/hf_build.py). A [model] shape key the user also set
+    must agree with it: the checkpoint's weights have that shape, so a different value could
+    only fail later (or, for a value like norm_eps, silently train another network)."""
+    from shardlm.config.presets import (TRAINING_DEFAULTS, causal_lm_config, causal_lm_shape,
+                                 encoder_decoder_config, hf_shape, seq2seq_shape)
+
+    option = "model.hf_config" if values.get("model.hf_config") else "model.hf_path"
+    path = str(values[option])
+    if values.get("model.hf_config") and values.get("model.hf_path"):
+        raise ConfigError(f"model.hf_config = {path!r} and model.hf_path = "
+                          f"{values['model.hf_path']!r}: choose one (a checkpoint's directory "
+                          f"holds its config.json)")
+    seq2seq = encoder_decoder_config(str(values.get("model.hf_path", "")), str(values.get("model.hf_config", "")))
+    # A decoder-only model_type our decoder does not map trains as transformers' own module.
+    causal = causal_lm_config(path) if option == "model.hf_path" and not seq2seq else ""
+    named = (seq2seq_shape(seq2seq or path, option) if seq2seq or option == "model.hf_config"
+             else causal_lm_shape(path, option) if causal
+             else {**hf_shape(path, option, exact=True), "preset": f"{Path(path).name} (transformers)"})
+    shape = {f"model.{k}": v for k, v in named.items()}
+    if "model.preset" in values:
+        raise ConfigError(f"model.preset = {values['model.preset']!r} and {option} = {path!r} "
+                          f"both give the model's shape: drop model.preset (the shape comes from "
+                          f"{path}/config.json)")
+    hints = get_type_hints(ModelConfig)
+    conflicts = [f"{k} = {values[k]!r} (config.json: {v!r})" for k, v in shape.items()
+                 if k in values and k.partition('.')[2] not in TRAINING_DEFAULTS
+                 and _coerce(k, values[k], hints[k.partition('.')[2]]) != v]
+    if conflicts:
+        raise ConfigError(f"{option} = {path!r}: these [model] keys disagree with its "
+                          f"config.json, which gives the model's shape: {'; '.join(conflicts)}; drop them")
+    return shape
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    """The inverse of Config.to_dict (a saved run's config.json, a checkpoint's manifest, the
+    resolved config rank 0 shares): every key checked and typed; no preset is re-applied, the
+    tree holds the values. Does not validate."""
+    values = flatten(tree)
+    _check_keys(values)
+    return _build(values)
+
+
+def _check_keys(values: dict[str, Any]) -> None:
+    secs = sections()
+    for key in values:
+        section, _, name = key.partition(".")
+        if section not in secs or _field_named(secs[section], name) is None:
+            raise _unknown_key(key)
+
+
+def typed_overrides(values: dict[str, Any]) -> dict[str, Any]:
+    """{'section.key': value} with each value in its field's type (strings from a command line
+    parsed as load_config parses them); an unknown key or a bad value is a ConfigError."""
+    _check_keys(values)
+    secs, out = sections(), {}
+    for key, value in values.items():
+        section, _, name = key.partition(".")
+        attr = _field_named(secs[section], name).name
+        out[key] = _coerce(key, value, get_type_hints(secs[section])[attr])
+    return out
+
+
+def _build(values: dict[str, Any]) -> Config:
+    cfg = Config()
+    for key, value in typed_overrides(values).items():
+        section, _, name = key.partition(".")
+        setattr(getattr(cfg, section), _field_named(sections()[section], name).name, value)
+    return cfg
