@@ -56,7 +56,7 @@ pp_peak_rss_bytes_by_stage (read through step_record), which then equals "steps"
 Speed: step time = median of the timed steps, slowest rank; tokens/s global (G x seq per
 step). "CPU s/step" is this process's CPU time per timed step (all threads; median; busiest
 rank): the work a case does, much less sensitive than wall time to other jobs' load. Bubble
-(shardlm only): trainer.step_record's pp_bubble (mean over stages of seconds blocked on a
+(shardlm only): train.loop.step_record's pp_bubble (mean over stages of seconds blocked on a
 neighbour / step seconds) and pp_bubble_by_stage, median over the timed steps, beside the
 schedule's table's idle share simulated with unit times (shardlm.config.pipeline_tables.check_table:
 F = I = W, B = 2; no communication), its published formula (pipeline_schedules.bubble_formula:

@@ -5,7 +5,7 @@ Each feature is a row of FEATURES: the config keys that turn it on. A pair is th
 plus both features' keys (`parallel.zero_stage` takes the larger of the two: a feature that
 needs stage >= 1 composes with one that needs stage 3). Validation (`Config.validate()`, before
 any process) sorts every pair into accepted or refused, and names the refusing rule
-(`config_rules.refusing_rules`: the function in shardlm/config/rules.py).
+(`config.rules.refusing_rules`: the function in shardlm/config/rules.py).
 
 --run trains each accepted pair for STEPS steps on the ranks its layout needs (tp, cp, pp and
 hybrid's dp_replicate x dp_shard multiply; a pair with none of them, or one that needs data

@@ -1,9 +1,11 @@
 """Checkpoints. weights.py: a finished run's weights (model.safetensors + config + tokenizer),
 what `generate` and `export` read. sharded.py: resumable sharded checkpoints of the whole
-training state, written by every rank and loadable at any layout. manifest.py: what makes one
+training state, written by every rank; reader.py reads them at any layout. manifest.py: what makes one
 trustworthy before it is read (the manifest's own digest, confined file names, slices that tile
 every tensor, `latest`, and the choice of the newest usable checkpoint). hf_names.py: our names <->
-transformers'; peft_adapter.py: LoRA adapters in PEFT's format, and merged into the weights."""
+transformers'; peft_adapter.py: LoRA adapters in PEFT's format, and merged into the weights.
+placement.py: where a rank's piece of a parameter sits in the whole; export.py: a run as a
+transformers directory. Imports every layer up to models."""
 
 from shardlm.checkpoint.weights import (CONFIG, LATEST, TOKENIZER, WEIGHTS, load_config_json,
                                         load_for_inference, point_latest, resolve_run_dir,

@@ -61,7 +61,7 @@ def preflight(cfg, nproc: int) -> None:
     """Before anything is spawned or trained: the run directory, its checkpoints/ and the
     NVMe offload path are writable, and the NVMe path has room for this machine's offload
     files (preflight.nvme_bytes for each local rank); on CUDA, that each local rank has a GPU of
-    its own; the inputs are usable (trainer.check_inputs). A ConfigError says what, where, the
+    its own; the inputs are usable (train.loop.check_inputs). A ConfigError says what, where, the
     bytes needed and free. Under your own torchrun every rank checks (cheap)."""
     from pathlib import Path
 

@@ -1,4 +1,7 @@
-"""Corpus -> byte-level BPE -> cached token stream -> deterministic, resumable batches."""
+"""Corpus -> byte-level BPE -> cached token stream -> deterministic, resumable batches;
+chat / prompt-completion / seq2seq rows, tables, and packed documents (packed.py).
+
+Imports config, launch, hardware and comm (the layers below it); models read its packed.py."""
 
 from shardlm.data.corpus import corpus_files, fingerprint, iter_documents
 from shardlm.data.loader import (Dataset, Loader, build_dataset, eval_batches,

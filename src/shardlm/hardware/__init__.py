@@ -1,2 +1,2 @@
 """What the hardware is: catalog.py (published devices, links and nodes; no torch) and
-probe.py (this machine, measured once and cached)."""
+probe.py (this machine, measured once and cached). Imports config and launch."""

@@ -270,7 +270,7 @@ _groups_destroyed = False
 
 def shutdown(runtime: Runtime) -> None:
     """The end of a rank's distributed work, once every collective it issued has been waited on
-    (and its asynchronous checkpoint written: trainer.train): destroy every process group. The
+    (and its asynchronous checkpoint written: train.loop.train): destroy every process group. The
     process then ends through `end_process`."""
     if runtime.backend is not None:
         leave_groups()

@@ -622,7 +622,7 @@ def _lora_of(layer: nn.Module) -> nn.Module | None:
 
     if not isinstance(layer, LoRALinear):
         return None
-    if layer.quant is not None:  # config_rules._lora_layout refuses lora.quantize with tp
+    if layer.quant is not None:  # config.rules._lora_layout refuses lora.quantize with tp
         raise ConfigError("lora.quantize with parallel.tp > 1: a quantised base is not cut by "
                           "tensor parallelism yet; set parallel.tp = 1")
     return layer

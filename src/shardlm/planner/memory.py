@@ -166,7 +166,7 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
     stage holds p of them, GPipe's every stage all m) plus the worst transient of backward: the
     loss, or one block's recomputation.
 
-    The loss (trainer.loss_of): logits in e, an fp32 copy, fp32 log-probabilities saved; its
+    The loss (train.loop.loss_of): logits in e, an fp32 copy, fp32 log-probabilities saved; its
     backward holds the saved log-probs, their gradient and the logits' gradient in fp32:
     12V bytes per token (vocabulary-parallel with tp). A block's backward recomputes what its
     mode dropped and holds gradients: e(h + 2f) bytes per token (measured).

@@ -25,7 +25,7 @@ from pathlib import Path
 from shardlm.errors import ConfigError
 
 LOG = "metrics.jsonl"
-"""The file `shardlm train` writes in the run directory (rank 0: trainer.train)."""
+"""The file `shardlm train` writes in the run directory (rank 0: train.loop.train)."""
 DEFAULT_RTOL = 1e-5
 DEFAULT_ATOL = 1e-8
 """numpy.isclose's defaults: a few ulps of fp32 at loss values near 1-10, so the same run
