@@ -225,8 +225,9 @@ class MoE(nn.Module):
         self.stats = stats  # shared by the model's layers; a plain attribute, not a submodule
         self.dispatcher = LocalDispatcher()
         self.tokens = None
-        """Tensor parallelism (parallel/expert.py): takes this rank's share of the tokens and
-        gives the whole back; None = every token here."""
+        """Tensor / context parallelism (parallel/expert.py TokenShare): takes this rank's share
+        of the tokens, gives the whole back, sums the balancing statistics over the ranks holding
+        the rest of the micro-batch; None = every token here."""
 
     def capacity(self, n_tokens: int) -> int:
         if self.capacity_factor <= 0:
@@ -245,9 +246,9 @@ class MoE(nn.Module):
         # out is in the autocast dtype (fp16 / bf16), the residual stream `local` may be fp32
         combined = torch.zeros_like(local).index_add(
             0, routing.token, (out * routing.gate.unsqueeze(-1).to(out.dtype)).to(local.dtype))
-        # Switch's loss with f and P over every token of the micro-batch (a tensor-parallel
-        # group's shares summed: the same loss as one process); the z-loss of this rank's tokens
-        # over the micro-batch's (the group's shares add up to it).
+        # Switch's loss with f and P over every token of the micro-batch (a tensor- or context-
+        # parallel group's shares summed: the same loss as one process); the z-loss of this
+        # rank's tokens over the micro-batch's (the groups' shares add up to it).
         total = n if share is None else share.total(n)
         f, p_sum = routing.routed.to(torch.float32), probs.sum(0)
         if share is not None:
@@ -262,7 +263,8 @@ class MoE(nn.Module):
             out = out + self.shared(x)
         term = self.z_coef * lse2 / total + (self.aux_coef * aux if self.balance == "aux" else 0.0)
         if term.requires_grad and out.requires_grad:
-            out = _AttachAuxLoss.apply(out, term, self.stats.grad_scale)
+            scale = self.stats.grad_scale * (1 if share is None else share.grad_factor())
+            out = _AttachAuxLoss.apply(out, term, scale)
         return out
 
 

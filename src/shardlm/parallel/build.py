@@ -38,7 +38,7 @@ from shardlm.parallel.activation import apply_ac, apply_offload
 from shardlm.parallel.compile import apply_compile
 from shardlm.parallel.context import CPState, apply_cp
 from shardlm.parallel.evaluation import token_sums
-from shardlm.parallel.expert import apply_ep, spread_over_tp
+from shardlm.parallel.expert import apply_ep, share_over_cp, spread_over_tp
 from shardlm.parallel.pipeline import Schedule, Stage, apply_pp, schedule_for
 from shardlm.pipeline_tables import table_for, untagged_order_problem
 from shardlm.parallel.weight_grads import make_deferrable
@@ -166,6 +166,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     if tp is not None:
         initializer = sliced(initializer, tp.splits)
     cp = apply_cp(model, Comm(mesh.cp_group, "cp", ledger, watchdog)) if mesh.dims.cp > 1 else None
+    if cp is not None:
+        share_over_cp(model, cp)
     experts = apply_ep(model, Comm(mesh.ep_group, "ep", ledger, watchdog)) if mesh.dims.ep > 1 else {}
     if experts:
         initializer = sliced(initializer, experts)

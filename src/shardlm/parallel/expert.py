@@ -179,15 +179,20 @@ class _GatherRows(torch.autograd.Function):
 
 
 class TokenShare:
-    """A MoE block's tokens under tensor parallelism: replicated across the group (each rank
-    routes 1/T of them, the outputs gathered back), or, under sequence parallelism, already
-    this rank's own (nothing to split or gather)."""
+    """A MoE block's tokens and the groups its balancing statistics are summed over.
 
-    def __init__(self, tp):
-        self.tp = tp
+    Tensor parallelism (`tp`): the tokens are replicated across the group (each rank routes 1/T
+    of them, the outputs gathered back), or, under sequence parallelism, already this rank's
+    own (nothing to split or gather). Context parallelism (`cp`): each rank holds its own chunks
+    of the sequences (nothing to split), but Switch's f and P are over the whole micro-batch, so
+    the counts and probabilities are summed over the cp group too — while this forward runs on
+    chunks (`cp.sharded`; generation does not split)."""
+
+    def __init__(self, tp=None, cp=None):
+        self.tp, self.cp = tp, cp
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.sharded:
+        if self.tp is None or self.tp.sharded:
             return x
         if x.shape[0] % self.tp.size:
             raise ValueError(f"a MoE block under tensor parallelism splits its {x.shape[0]} tokens "
@@ -195,18 +200,48 @@ class TokenShare:
         return _SplitRows.apply(x, self.tp.comm)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.tp.sharded else _GatherRows.apply(x, self.tp.comm)
+        return x if self.tp is None or self.tp.sharded else _GatherRows.apply(x, self.tp.comm)
+
+    def _comms(self) -> list[Comm]:
+        """The groups whose ranks hold the other parts of this micro-batch's tokens."""
+        return [s.comm for s in (self.tp, self.cp) if s is not None and (s is self.tp or s.sharded)]
 
     def total(self, n: int) -> int:
-        return n * self.tp.size
+        for comm in self._comms():
+            n *= comm.size
+        return n
+
+    def grad_factor(self) -> int:
+        """What the balancing terms' gradient scale is multiplied by. The trainer's scale
+        divides by every micro-batch of the global batch, cp's shares counted as micro-batches
+        (each cp rank's language-model loss is its share of the whole); the terms here are the
+        whole micro-batch's on every cp rank, their gradients summed over the group: × cp."""
+        return self.cp.size if self.cp is not None and self.cp.sharded else 1
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """A count summed over the group (no gradient)."""
-        return summed(x, self.tp.comm)
+        """A count summed over the groups (no gradient)."""
+        for comm in self._comms():
+            x = summed(x, comm)
+        return x
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Summed over the group forward, each rank's gradient to its own share."""
-        return reduce_from_group(x, self.tp.comm)
+        """Summed over the groups forward, each rank's gradient to its own share (the ranks'
+        gradients are then summed: the router's by sync_weight over tp, by the data-parallel
+        reduction over cp)."""
+        for comm in self._comms():
+            x = reduce_from_group(x, comm)
+        return x
+
+
+def share_over_cp(model: nn.Module, cp) -> None:
+    """Context parallelism (after apply_cp): each MoE block's balancing statistics summed over
+    the cp group, so Switch's loss is the whole micro-batch's, as in one process."""
+    for moe in model.modules():
+        if isinstance(moe, MoE):
+            if moe.tokens is None:
+                moe.tokens = TokenShare(cp=cp)
+            else:
+                moe.tokens.cp = cp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,7 +376,7 @@ def spread_over_tp(model: nn.Module, tp: TPState) -> None:
         for name, moe in model.named_modules():
             if isinstance(moe, MoE):
                 tp.splits.update(spread_experts(moe, name, model.cfg, tp.comm, model.moe_stats))
-                moe.tokens = TokenShare(tp)
+                moe.tokens = TokenShare(tp=tp)
                 moe.router.sync_weight = lambda w, comm=tp.comm: copy_to_group(w, comm)
                 if moe.shared is not None:
                     cut_mlp(moe.shared, f"{name}.shared", model.cfg.d_model, tp)
