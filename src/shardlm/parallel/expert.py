@@ -14,7 +14,7 @@ Per MoE block and micro-batch, on each rank of the group (models/moe.py routes f
        gates and adds them into its tokens (so the router's gradient stays local)
 Backward runs the same exchanges in reverse (an all-to-all's gradient is the all-to-all back).
 
-Two groups can hold the experts:
+Three groups can hold the experts:
     parallel.ep = E   E data-parallel ranks of one shard group (ep divides dp_shard): the dense
                       part stays data-parallel; the experts' gradients are reduced over the
                       dp_shard / ep ranks (× replicas) that hold the same experts, and ZeRO
@@ -24,6 +24,13 @@ Two groups can hold the experts:
                       so a MoE block under tp splits its experts, not each expert's width: no
                       expert matmul gets narrower, and the exchange replaces tp's all-reduce.
                       The shared experts are cut like a dense MLP (parallel/tensor.py).
+    both              ep × tp ranks (mesh.expert_group): each tp rank takes its share of the
+                      tokens as under tp alone, and the exchange runs over the ep ranks' tp
+                      groups together (Megatron-Core's expert grid, with our experts spread
+                      over tp rather than cut by it); the ranks at the same (ep, tp) position
+                      of other ep groups hold the same experts and reduce them.
+Context-parallel ranks can be expert-parallel ranks too (ep divides dp_shard × cp): their tokens
+differ already, and the balancing statistics are summed over the cp group (TokenShare.cp).
 Either way an expert weight is this rank's slice of the stacked (E, ...) tensor along dim 0,
 described by a placement.Split: checkpoints and exports see whole tensors at any layout.
 
@@ -367,15 +374,17 @@ def spread_hf_experts(model: nn.Module, comm: Comm, stats: MoEStats) -> dict[str
     return splits
 
 
-def spread_over_tp(model: nn.Module, tp: TPState) -> None:
+def spread_over_tp(model: nn.Module, tp: TPState, experts: bool = True) -> None:
     """Our Decoder under tensor parallelism (after apply_tp, still on the meta device): each MoE
     block's experts spread over the tp group (their Splits into tp.splits), each rank routing
     its share of the tokens (TokenShare); the router's gradient summed over the group (each
-    rank routed different tokens); the shared experts cut as a dense MLP."""
+    rank routed different tokens); the shared experts cut as a dense MLP. `experts` False
+    (parallel.ep > 1): apply_ep spreads the experts over the ep × tp ranks instead."""
     with torch.device("meta"), frozen_kept(model):  # frozen experts (LoRA) stay frozen
         for name, moe in model.named_modules():
             if isinstance(moe, MoE):
-                tp.splits.update(spread_experts(moe, name, model.cfg, tp.comm, model.moe_stats))
+                if experts:
+                    tp.splits.update(spread_experts(moe, name, model.cfg, tp.comm, model.moe_stats))
                 moe.tokens = TokenShare(tp=tp)
                 moe.router.sync_weight = lambda w, comm=tp.comm: copy_to_group(w, comm)
                 if moe.shared is not None:
@@ -383,9 +392,11 @@ def spread_over_tp(model: nn.Module, tp: TPState) -> None:
 
 
 def apply_ep(model: nn.Module, comm: Comm) -> dict[str, Split]:
-    """parallel.ep > 1: the experts spread over the expert-parallel group (data-parallel ranks);
-    model.ep records it (whole_parameters puts the experts back together from it). Our Decoder's
-    MoE blocks, or a transformers model's experts modules (StackedExperts)."""
+    """parallel.ep > 1: the experts spread over the expert group (mesh.expert_group: the ep
+    data- / context-parallel ranks, times the tp ranks under tensor parallelism, whose tokens
+    TokenShare already split); model.ep records it (whole_parameters puts the experts back
+    together from it). Our Decoder's MoE blocks, or a transformers model's experts modules
+    (StackedExperts)."""
     stats: MoEStats | None = getattr(model, "moe_stats", None)
     if stats is None:
         raise ValueError("parallel.ep > 1 needs a mixture-of-experts model (model.experts > 0)")
@@ -397,7 +408,7 @@ def apply_ep(model: nn.Module, comm: Comm) -> dict[str, Split]:
             if isinstance(module, MoE):
                 splits.update(spread_experts(module, name, model.cfg, comm, stats))
     log.info("expert parallel: %d ranks, %d of %d experts per MoE block on each", comm.size,
-             stats.experts // comm.size, stats.experts)
+             stats.experts // comm.size, stats.experts)  # comm.size = ep × tp
     model.ep = EPState(comm, splits)
     return splits
 
