@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.config import ModelConfig
+from shardlm.models.expert_matmul import expert_linear
 from shardlm.models.flops import expert_d_ff
 
 
@@ -151,19 +152,14 @@ class Experts(nn.Module):
                 self.fc_bias = nn.Parameter(torch.empty(count, f))
                 self.proj_bias = nn.Parameter(torch.empty(count, d))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x (M, C): tokens grouped by local expert, `counts` of each -> (M, C)."""
-        outs = []
-        for e, xe in enumerate(x.split(counts)):
-            if self.swiglu:
-                gate, up = F.linear(xe, self.gate_up[e]).chunk(2, dim=-1)
-                outs.append(F.linear(F.silu(gate) * up, self.down[e]))
-            else:
-                bias = getattr(self, "fc_bias", None)
-                h = F.gelu(F.linear(xe, self.fc[e], None if bias is None else bias[e]), approximate="tanh")
-                bias = getattr(self, "proj_bias", None)
-                outs.append(F.linear(h, self.proj[e], None if bias is None else bias[e]))
-        return torch.cat(outs) if outs else x[:0]
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (M, C): tokens grouped by local expert, `counts` (count,) of each -> (M, C). The
+        matmuls are one grouped op each (models/expert_matmul.py: a compiled graph holds it)."""
+        if self.swiglu:
+            gate, up = expert_linear(x, self.gate_up, None, counts).chunk(2, dim=-1)  # (M, f) each
+            return expert_linear(F.silu(gate) * up, self.down, None, counts)
+        h = F.gelu(expert_linear(x, self.fc, getattr(self, "fc_bias", None), counts), approximate="tanh")
+        return expert_linear(h, self.proj, getattr(self, "proj_bias", None), counts)
 
 
 @dataclass
@@ -202,7 +198,7 @@ class LocalDispatcher:
     """Every expert on this rank: the grouped tokens go straight to them."""
 
     def __call__(self, x: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
-        return experts(x, routing.counts.tolist())
+        return experts(x, routing.counts)
 
 
 class MoE(nn.Module):

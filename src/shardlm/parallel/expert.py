@@ -134,7 +134,7 @@ class AllToAllDispatcher:
         y = _AllToAll.apply(x, recv, send, self.comm, self.stats)  # by source, then local expert
         # Regroup by local expert (expert-major), run the experts, restore arrival order.
         order = _expert_major(arriving.view(g, e_l).to(x.device))
-        outs = experts(y[order], arriving.view(g, e_l).sum(0).tolist())
+        outs = experts(y[order], arriving.view(g, e_l).sum(0))
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=x.device)
         out = _AllToAll.apply(outs[back], send, recv, self.comm, self.stats)
@@ -333,9 +333,9 @@ class StackedExperts(nn.Module):
             setattr(self, attr, nn.Parameter(piece if whole.is_meta else piece.clone(),
                                              requires_grad=whole.requires_grad))
 
-    def _local(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _local(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         outs = []
-        for e, xe in enumerate(x.split(counts)):
+        for e, xe in enumerate(x.split(counts.tolist())):
             gate, up = F.linear(xe, self.gate_up_proj[e]).chunk(2, dim=-1)
             outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
         return torch.cat(outs) if outs else x[:0]
