@@ -86,13 +86,66 @@ def test_the_balancing_loss_reaches_the_router():
 @pytest.mark.parametrize("overrides, message", [
     ({"parallel.ep": 2, "model.preset": "gpt-tiny"}, "must divide model.experts = 0"),
     ({"parallel.ep": 3}, "must divide model.experts = 4"),
-    ({"parallel.ep": 2, "parallel.tp": 2}, "spread over the tp ranks"),
+    ({"parallel.ep": 2, "parallel.tp": 4}, "parallel.tp × parallel.ep = 4 × 2 must divide model.experts = 4"),
+    ({"parallel.ep": 2, "parallel.tp": 2, "parallel.ep_rebalance_every": 1}, "ep_rebalance_every = 1 with parallel.tp"),
+    ({"parallel.ep": 4, "parallel.cp": 2, "parallel.dp_shard": 1}, "must divide parallel.dp_shard × parallel.cp = 1 × 2"),
     ({"model.top_k": 5}, "exceeds model.experts"),
     ({"model.router": "argmax"}, "choose one of softmax, sigmoid"),
 ])
 def test_bad_moe_configs_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides={"model.preset": "moe-tiny", **overrides}).validate()
+
+
+def test_the_grouped_expert_matmul_is_the_per_expert_loop_bit_for_bit():
+    """models/expert_matmul.py's op (what a compiled graph holds) against F.linear per expert,
+    with and without a bias and with an expert that gets no rows: outputs and every gradient."""
+    import torch.nn.functional as F
+
+    from shardlm.models.expert_matmul import expert_linear
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(60, 32, generator=g, requires_grad=True)
+    w = torch.randn(4, 48, 32, generator=g, requires_grad=True)
+    b = torch.randn(4, 48, generator=g, requires_grad=True)
+    counts = torch.tensor([20, 0, 31, 9])
+    for bias in (None, b):
+        inputs = (x, w) if bias is None else (x, w, b)
+        loop = torch.cat([F.linear(xe, w[e], None if bias is None else bias[e])
+                          for e, xe in enumerate(x.split(counts.tolist()))])
+        grad = torch.randn(loop.shape, generator=g)
+        grouped = expert_linear(x, w, bias, counts)
+        assert torch.equal(grouped, loop)
+        for ours, torchs in zip(torch.autograd.grad(grouped, inputs, grad), torch.autograd.grad(loop, inputs, grad)):
+            assert torch.equal(ours, torchs)
+
+
+def test_a_compiled_moe_block_is_one_graph_per_part_and_equals_eager():
+    """apply_compile on a MoE model: a MoE block's attention, router and experts are compiled
+    (fullgraph: a graph break is an error), its dispatch stays eager; a dense block compiles
+    whole. The MoE layer's router and experts captured by Dynamo (aot_eager: the graph, without
+    inductor's fused kernels) give eager's output and gradients bit for bit (fp32)."""
+    from shardlm.parallel.compile import apply_compile
+
+    model = _model(moe_every=2)
+    dense, moe_block = model.blocks
+    apply_compile(model, True)
+    assert "forward" in vars(dense) and "forward" not in vars(moe_block)
+    assert all("forward" in vars(m) for m in (moe_block.attn, moe_block.mlp.router, moe_block.mlp.experts))
+    eager = _model(moe_every=2).blocks[1].mlp
+    layer = _model(moe_every=2).blocks[1].mlp
+    for part in (layer.router, layer.experts):
+        part.forward = torch.compile(part.forward, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(4))
+    outs = []
+    for moe in (eager, layer):
+        moe.stats.reset()
+        out = moe(x)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        outs.append((out, {n: p.grad for n, p in moe.named_parameters()}))
+    assert torch.equal(outs[0][0], outs[1][0])
+    for name, grad in outs[0][1].items():
+        assert torch.equal(outs[1][1][name], grad), name
 
 
 # fp32. The experts' rows and matmuls are the same under expert parallelism, grouped
@@ -105,16 +158,18 @@ def moe_runs(tmp_path_factory):
     varied = {**base, "model.balance": "bias", "model.router": "sigmoid", "model.shared_experts": 1,
               "model.capacity_factor": 1.25, "model.bias_update_rate": 0.01}
     two = {**base, "train.grad_accum": 2}
+    sharp = {"model.aux_loss_coef": 0.1, "model.z_loss_coef": 0.01}  # the balancing terms weigh more
     cases = [({**base, "parallel.ep": 2}, STEPS, -1),
              ({**varied, "parallel.ep": 2, "parallel.zero_stage": 2}, STEPS, -1),
              ({**base, "parallel.zero_stage": 3}, STEPS, -1),
              ({**base, "parallel.tp": 2}, STEPS, -1),
              ({**base, "parallel.tp": 2, "parallel.sequence_parallel": True, "model.shared_experts": 1}, STEPS, -1),
-             ({**two, "parallel.pp": 2}, STEPS, -1)]
+             ({**two, "parallel.pp": 2}, STEPS, -1),
+             ({**base, "parallel.cp": 2, "parallel.ep": 2, **sharp}, STEPS, -1)]
     out = run_ranks(train_cases, 2, tmp, cases, timeout=300)
     refs = [reference_case(base, 2, STEPS), reference_case(varied, 2, STEPS), None,
             reference_case(base, 1, STEPS), reference_case({**base, "model.shared_experts": 1}, 1, STEPS),
-            reference_case(two, 1, STEPS)]
+            reference_case(two, 1, STEPS), reference_case({**base, **sharp}, 1, STEPS)]
     refs[2] = refs[0]
     return out, refs
 
@@ -122,21 +177,23 @@ def moe_runs(tmp_path_factory):
 @pytest.mark.parametrize("case, what", [
     (0, "ep=2, ZeRO-0, aux loss"), (1, "ep=2, ZeRO-2, sigmoid router, bias balancing, shared expert, capacity 1.25"),
     (2, "dp=2 ZeRO-3 (experts sharded as any unit)"), (3, "tp=2: experts spread over the tp ranks"),
-    (4, "tp=2 + sequence parallel, shared expert cut by tp"), (5, "pp=2")])
+    (4, "tp=2 + sequence parallel, shared expert cut by tp"), (5, "pp=2"),
+    (6, "cp=2 ranks as the ep=2 group: Switch's f, P and the z-loss over the whole sequence")])
 def test_moe_matches_one_process(moe_runs, case, what):
     from tp_cases import whole_params
 
     out, refs = moe_runs
     ranks = [out[r][case] for r in range(2)]
-    whole = whole_params(ranks) if case in (0, 1, 3, 4) else (
+    whole = whole_params(ranks) if case in (0, 1, 3, 4, 6) else (
         {**ranks[0]["params"], **ranks[1]["params"]} if case == 5 else ranks[0]["params"])
     assert_matches(ranks[0]["losses"], whole, refs[case], what)
 
 
-def test_ep2_with_zero3_replicas_and_pipelines_on_4_ranks(tmp_path):
+def test_ep2_with_zero3_replicas_pipelines_and_tp_on_4_ranks(tmp_path):
     """ep=2 inside a shard group of 4 at ZeRO-3 (the experts sharded over the 2 ranks holding
-    the same ones, the dense part over all 4), ep=2 × dp_replicate=2 at ZeRO-1, and pp=2 × ep=2
-    (each stage's experts over its 2 data-parallel ranks)."""
+    the same ones, the dense part over all 4), ep=2 × dp_replicate=2 at ZeRO-1, pp=2 × ep=2
+    (each stage's experts over its 2 data-parallel ranks), and tp=2 × ep=2 with sequence
+    parallelism at ZeRO-0 (each MoE block's 4 experts one per rank of the ep × tp grid)."""
     from tp_cases import whole_params
 
     base = tiny_overrides(tmp_path, model__preset="moe-tiny", train__micro_batch=2, train__seq_len=32)
@@ -144,8 +201,11 @@ def test_ep2_with_zero3_replicas_and_pipelines_on_4_ranks(tmp_path):
     out = run_ranks(train_cases, 4, tmp_path,
                     [({**base, "parallel.ep": 2, "parallel.zero_stage": 3}, STEPS, -1),
                      ({**base, "parallel.ep": 2, "parallel.dp_replicate": 2, "parallel.zero_stage": 1}, STEPS, -1),
-                     ({**piped, "parallel.ep": 2, "parallel.pp": 2, "parallel.zero_stage": 1}, STEPS, -1)],
+                     ({**piped, "parallel.ep": 2, "parallel.pp": 2, "parallel.zero_stage": 1}, STEPS, -1),
+                     ({**base, "parallel.ep": 2, "parallel.tp": 2, "parallel.sequence_parallel": True}, STEPS, -1)],
                     timeout=400)
+    assert_matches(out[0][3]["losses"], whole_params([out[r][3] for r in range(4)]), reference_case(base, 2, STEPS),
+                   "tp=2 (sequence parallel) x ep=2, ZeRO-0")
     ref = reference_case(base, 4, STEPS)
     for case, what in ((0, "ep=2 in dp_shard=4, ZeRO-3"), (1, "ep=2 x dp_replicate=2, ZeRO-1")):
         assert_matches(out[0][case]["losses"], whole_params([out[r][case] for r in range(4)]), ref, what)

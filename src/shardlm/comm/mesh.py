@@ -11,6 +11,13 @@ per micro-batch to the next, are outermost (across nodes, where links are slowes
 Context-parallel ranks hold the same parameters and see the same sequences (each a different
 part of them), so for ZeRO they are data-parallel ranks: model states are sharded over
 dp_shard × cp (FSDP2's "dp_shard_cp" in torchtitan), and gradients reduced over it.
+
+Expert parallelism takes its ep ranks from that shard group (consecutive positions of dp_shard ×
+cp: context-parallel ranks hold different tokens, so they can hold different experts too —
+Megatron-Core folds cp into the expert-data-parallel group the same way); with tp > 1 a MoE
+block's experts are spread over the ep × tp ranks of the ep group and its tensor-parallel peers
+(`expert_group`). The ranks holding the same experts (`ep_shard_group`, `ep_dp_group`) reduce and
+shard them.
 """
 
 from __future__ import annotations
@@ -46,11 +53,15 @@ class Mesh:
     pp_ends_group: dist.ProcessGroup | None = None
     """The first and the last stage of this rank's pipeline (a tied embedding's two copies)."""
     ep_group: dist.ProcessGroup | None = None
-    """Expert parallelism: ep consecutive ranks of a shard group, each holding different experts."""
+    """Expert parallelism: ep consecutive ranks of a shard group (dp_shard × cp) at this rank's
+    tensor-parallel position, each holding different experts."""
     ep_shard_group: dist.ProcessGroup | None = None
-    """The dp_shard / ep ranks of a shard group that hold the same experts (ZeRO shards them)."""
+    """The dp_shard · cp / ep ranks of a shard group that hold the same experts (ZeRO shards them)."""
     ep_dp_group: dist.ProcessGroup | None = None
     """Every rank holding the same experts, replicas included (stage 0 all-reduces over it)."""
+    expert_group: dist.ProcessGroup | None = None
+    """The ranks a MoE block's experts are spread over and its tokens exchanged in: the ep group,
+    or with tp > 1 too the ep × tp ranks of it and its tensor-parallel peers."""
 
     @property
     def pp_rank(self) -> int:
@@ -81,13 +92,13 @@ class Mesh:
 
     @property
     def ep_rank(self) -> int:
-        """Which of the ep slices of the experts this rank holds."""
-        return self.dp_rank % self.dims.dp_shard % self.dims.ep
+        """Position in the ep group (with tp > 1 the expert group's is ep_rank · tp + tp_rank)."""
+        return self.shard_rank % self.dims.ep
 
     @property
     def ep_shard_rank(self) -> int:
         """Position among the ranks of the shard group holding the same experts."""
-        return self.dp_rank % self.dims.dp_shard // self.dims.ep
+        return self.shard_rank // self.dims.ep
 
 
 def _my_group(rank: int, groups: list[list[int]]) -> dist.ProcessGroup:
@@ -125,16 +136,26 @@ def build_mesh(dims: ParallelDims, device: torch.device, rank: int) -> Mesh:
     ends = None
     if dims.pp > 1:
         ends = _my_group(rank, [[i, (dims.pp - 1) * stage + i] for i in range(stage)])
-    ep = ep_shard = ep_dp = None
-    if dims.ep > 1:  # (validated: cp = tp = 1) rank = (q·R + r)·S + b·ep + j
-        e, per = dims.ep, dims.dp_shard // dims.ep
-        at = lambda q, r, b, j: ((q * dims.dp_replicate + r) * dims.dp_shard + b * e + j) * inner  # noqa: E731
+    ep = ep_shard = ep_dp = experts = None
+    if dims.ep > 1:
+        # A replica's shard group holds S = dp_shard × cp positions s = b·cp + c (context-parallel
+        # ranks fold into it, as in Megatron-Core's expert-data-parallel group), so the rank at
+        # (stage q, replica r, shard position s, tp position t) is q·stage + (r·S + s)·tp + t.
+        # Expert-parallel groups: ep consecutive shard positions s = g·ep + j.
+        e, size, tp = dims.ep, dims.dp_shard * dims.cp, dims.tp
+        per = size // e
+        at = lambda q, r, g, j, t: q * stage + ((r * size) + g * e + j) * tp + t  # noqa: E731
         blocks = [(q, r) for q in range(dims.pp) for r in range(dims.dp_replicate)]
-        ep = _my_group(rank, [[at(q, r, b, j) for j in range(e)] for q, r in blocks for b in range(per)])
+        ep = _my_group(rank, [[at(q, r, g, j, t) for j in range(e)]
+                              for q, r in blocks for g in range(per) for t in range(tp)])
+        if tp > 1:  # the experts spread over ep × tp ranks: Megatron-Core's ep × expert-tp grid
+            experts = _my_group(rank, [[at(q, r, g, j, t) for j in range(e) for t in range(tp)]
+                                       for q, r in blocks for g in range(per)])
         if per > 1:
-            ep_shard = _my_group(rank, [[at(q, r, b, j) for b in range(per)] for q, r in blocks for j in range(e)])
+            ep_shard = _my_group(rank, [[at(q, r, g, j, t) for g in range(per)]
+                                        for q, r in blocks for j in range(e) for t in range(tp)])
         if per * dims.dp_replicate > 1:
-            ep_dp = _my_group(rank, [[at(q, r, b, j) for r in range(dims.dp_replicate) for b in range(per)]
-                                     for q in range(dims.pp) for j in range(e)])
+            ep_dp = _my_group(rank, [[at(q, r, g, j, t) for r in range(dims.dp_replicate) for g in range(per)]
+                                     for q in range(dims.pp) for j in range(e) for t in range(tp)])
     return Mesh(dims, rank, mesh, shard, group("dp_replicate"), group("tp"), dp, group("cp"),
-                group("pp"), ends, ep, ep_shard, ep_dp)
+                group("pp"), ends, ep, ep_shard, ep_dp, experts if experts is not None else ep)

@@ -1,5 +1,5 @@
 """The degrees of parallelism: dp_replicate × dp_shard × cp × tp × pp = world size (experts
-reuse data-parallel ranks: ep divides dp_shard). Pure arithmetic, no torch: the
+reuse data- and context-parallel ranks: ep divides dp_shard × cp). Pure arithmetic, no torch: the
 config validator, the planner and the mesh all use this one definition.
 """
 
@@ -51,9 +51,9 @@ class ParallelDims:
             raise ConfigError(
                 f"{dims.describe()}: the product is {dims.world_size}, but the world size is "
                 f"{world_size}; set parallel.dp_shard = -1 to use every rank, or change --nproc")
-        if dims.dp_shard % ep:
-            raise ConfigError(f"{dims.describe()}: ep ({ep}) must divide dp_shard ({dims.dp_shard}): "
-                              f"expert-parallel ranks are data-parallel ranks of one shard group")
+        if (dims.dp_shard * dims.cp) % ep:
+            raise ConfigError(f"{dims.describe()}: ep ({ep}) must divide dp_shard × cp ({dims.dp_shard} × "
+                              f"{dims.cp}): expert-parallel ranks are ranks of one shard group")
         return dims
 
 

@@ -476,7 +476,8 @@ def _pipeline_fits(cfg: Config) -> list[str]:
     return problems
 
 
-@_cross("model.experts", "model.top_k", "parallel.ep", "parallel.tp", "parallel.cp", "parallel.dp_shard")
+@_cross("model.experts", "model.top_k", "parallel.ep", "parallel.tp", "parallel.cp", "parallel.dp_shard",
+        "parallel.ep_rebalance_every")
 def _experts_fit(cfg: Config) -> list[str]:
     m, par, problems = cfg.model, cfg.parallel, []
     if m.experts and m.top_k > m.experts:
@@ -487,19 +488,19 @@ def _experts_fit(cfg: Config) -> list[str]:
             problems.append(f"parallel.ep = {par.ep} must divide model.experts = {m.experts}: each "
                             f"expert-parallel rank holds experts / ep of them"
                             + ("" if m.experts else " (this model has none: set model.experts)"))
-        if par.dp_shard > 0 and par.dp_shard % par.ep:
-            problems.append(f"parallel.ep = {par.ep} must divide parallel.dp_shard = {par.dp_shard}: "
-                            f"expert-parallel ranks are data-parallel ranks")
-        if par.tp > 1:
-            problems.append(f"parallel.ep = {par.ep} with parallel.tp = {par.tp}: under tensor "
-                            f"parallelism the experts are spread over the tp ranks already; set "
-                            f"parallel.ep = 1")
-        if par.cp > 1:
-            problems.append(f"parallel.ep = {par.ep} with parallel.cp = {par.cp} is not supported yet: "
-                            f"use one of them")
-    if m.experts and par.tp > 1 and m.experts % par.tp:
-        problems.append(f"parallel.tp = {par.tp} must divide model.experts = {m.experts}: with tensor "
-                        f"parallelism each tp rank holds experts / tp of them")
+        if par.dp_shard > 0 and (par.dp_shard * par.cp) % par.ep:
+            problems.append(f"parallel.ep = {par.ep} must divide parallel.dp_shard × parallel.cp = "
+                            f"{par.dp_shard} × {par.cp}: expert-parallel ranks are data- and "
+                            f"context-parallel ranks of one shard group")
+        if par.tp > 1 and par.ep_rebalance_every:
+            problems.append(f"parallel.ep_rebalance_every = {par.ep_rebalance_every} with parallel.tp = "
+                            f"{par.tp} is not built yet (re-placement moves experts within one ep group, "
+                            f"not an ep × tp grid): set it to 0 or parallel.tp = 1")
+    spread = par.tp * par.ep  # the experts are spread over the tp ranks and the ep ranks: ep × tp
+    if m.experts and par.tp > 1 and m.experts % spread:
+        problems.append(f"parallel.tp × parallel.ep = {par.tp} × {par.ep} must divide model.experts = "
+                        f"{m.experts}: with tensor parallelism each of the ep × tp ranks holds "
+                        f"experts / (ep × tp) of them")
     return problems
 
 
@@ -683,17 +684,16 @@ def _activation_offload_composes(cfg: Config) -> list[str]:
 @_cross("train.compile", "parallel.cp", "parallel.ep", "model.experts")
 def _compile_composes(cfg: Config) -> list[str]:
     """train.compile compiles each block (parallel/compile.py) with fullgraph: what runs a
-    collective or a data-dependent shape inside a block cannot be one graph yet."""
+    collective or a data-dependent shape inside a block cannot be one graph yet. (A MoE block,
+    with or without ep, compiles its attention, router and experts and dispatches eagerly.)"""
     if not cfg.train.compile:
         return []
-    par, m = cfg.parallel, cfg.model
+    par = cfg.parallel
     blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
         ("parallel.cp", par.cp, "ring attention's exchanges inside each block", par.cp > 1),
-        ("parallel.ep", par.ep, "all-to-all inside each MoE block", par.ep > 1),
-        ("model.experts", m.experts, "the router's data-dependent token counts break the graph", m.experts > 0),
     ) if on]
     return ([f"train.compile = true does not compose yet with: {'; '.join(blocking)}. It works with "
-             f"ZeRO stages 0-3, offload, tensor and pipeline parallelism, activation checkpointing "
+             f"ZeRO stages 0-3, offload, tensor, pipeline and expert parallelism, activation checkpointing "
              f"('selective' is compiled with the block) and activation.offload; set train.compile = "
              f"false or change those keys"] if blocking else [])
 

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm.config import ModelConfig
+from shardlm.models.expert_matmul import expert_linear
 from shardlm.models.flops import expert_d_ff
 
 
@@ -151,19 +152,14 @@ class Experts(nn.Module):
                 self.fc_bias = nn.Parameter(torch.empty(count, f))
                 self.proj_bias = nn.Parameter(torch.empty(count, d))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x (M, C): tokens grouped by local expert, `counts` of each -> (M, C)."""
-        outs = []
-        for e, xe in enumerate(x.split(counts)):
-            if self.swiglu:
-                gate, up = F.linear(xe, self.gate_up[e]).chunk(2, dim=-1)
-                outs.append(F.linear(F.silu(gate) * up, self.down[e]))
-            else:
-                bias = getattr(self, "fc_bias", None)
-                h = F.gelu(F.linear(xe, self.fc[e], None if bias is None else bias[e]), approximate="tanh")
-                bias = getattr(self, "proj_bias", None)
-                outs.append(F.linear(h, self.proj[e], None if bias is None else bias[e]))
-        return torch.cat(outs) if outs else x[:0]
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (M, C): tokens grouped by local expert, `counts` (count,) of each -> (M, C). The
+        matmuls are one grouped op each (models/expert_matmul.py: a compiled graph holds it)."""
+        if self.swiglu:
+            gate, up = expert_linear(x, self.gate_up, None, counts).chunk(2, dim=-1)  # (M, f) each
+            return expert_linear(F.silu(gate) * up, self.down, None, counts)
+        h = F.gelu(expert_linear(x, self.fc, getattr(self, "fc_bias", None), counts), approximate="tanh")
+        return expert_linear(h, self.proj, getattr(self, "proj_bias", None), counts)
 
 
 @dataclass
@@ -202,7 +198,7 @@ class LocalDispatcher:
     """Every expert on this rank: the grouped tokens go straight to them."""
 
     def __call__(self, x: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
-        return experts(x, routing.counts.tolist())
+        return experts(x, routing.counts)
 
 
 class MoE(nn.Module):
@@ -225,8 +221,9 @@ class MoE(nn.Module):
         self.stats = stats  # shared by the model's layers; a plain attribute, not a submodule
         self.dispatcher = LocalDispatcher()
         self.tokens = None
-        """Tensor parallelism (parallel/expert.py): takes this rank's share of the tokens and
-        gives the whole back; None = every token here."""
+        """Tensor / context parallelism (parallel/expert.py TokenShare): takes this rank's share
+        of the tokens, gives the whole back, sums the balancing statistics over the ranks holding
+        the rest of the micro-batch; None = every token here."""
 
     def capacity(self, n_tokens: int) -> int:
         if self.capacity_factor <= 0:
@@ -245,9 +242,9 @@ class MoE(nn.Module):
         # out is in the autocast dtype (fp16 / bf16), the residual stream `local` may be fp32
         combined = torch.zeros_like(local).index_add(
             0, routing.token, (out * routing.gate.unsqueeze(-1).to(out.dtype)).to(local.dtype))
-        # Switch's loss with f and P over every token of the micro-batch (a tensor-parallel
-        # group's shares summed: the same loss as one process); the z-loss of this rank's tokens
-        # over the micro-batch's (the group's shares add up to it).
+        # Switch's loss with f and P over every token of the micro-batch (a tensor- or context-
+        # parallel group's shares summed: the same loss as one process); the z-loss of this
+        # rank's tokens over the micro-batch's (the groups' shares add up to it).
         total = n if share is None else share.total(n)
         f, p_sum = routing.routed.to(torch.float32), probs.sum(0)
         if share is not None:
@@ -262,7 +259,8 @@ class MoE(nn.Module):
             out = out + self.shared(x)
         term = self.z_coef * lse2 / total + (self.aux_coef * aux if self.balance == "aux" else 0.0)
         if term.requires_grad and out.requires_grad:
-            out = _AttachAuxLoss.apply(out, term, self.stats.grad_scale)
+            scale = self.stats.grad_scale * (1 if share is None else share.grad_factor())
+            out = _AttachAuxLoss.apply(out, term, scale)
         return out
 
 

@@ -17,7 +17,8 @@ fixed order, each a function that logs what it applied:
 
 Expert parallelism (apply_ep: each MoE block's experts cut to this rank's E / ep, tokens
 exchanged by all-to-all) goes between context parallelism and the pipeline; under tensor
-parallelism apply_tp spreads the experts over the tp ranks instead.
+parallelism apply_tp spreads the experts over the tp ranks instead, or with ep > 1 too, apply_ep
+over the ep × tp ranks.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from shardlm.parallel.activation import apply_ac, apply_offload
 from shardlm.parallel.compile import apply_compile
 from shardlm.parallel.context import CPState, apply_cp
 from shardlm.parallel.evaluation import token_sums
-from shardlm.parallel.expert import apply_ep, spread_over_tp
+from shardlm.parallel.expert import apply_ep, share_over_cp, spread_over_tp
 from shardlm.parallel.pipeline import Schedule, Stage, apply_pp, schedule_for
 from shardlm.config.pipeline_tables import untagged_order_problem
 from shardlm.config.pipeline_schedules import table_for
@@ -115,15 +116,16 @@ class Parallelized:
         return token_sums(logits, targets)
 
 
-def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPState | None:
+def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool,
+                          spread_experts: bool = True) -> TPState | None:
     """Our Decoder's layers by apply_tp; any other model (a transformers one) by its config's
     base_model_tp_plan, or a clear error; a MoE block's experts spread over the tp ranks
-    (expert.spread_over_tp). Chosen here: tensor_plan and expert build on tensor's layers, so
+    (expert.spread_over_tp; with parallel.ep > 1 apply_ep spreads them over ep × tp). Chosen here: tensor_plan and expert build on tensor's layers, so
     tensor cannot call them."""
     if isinstance(model, Decoder):
         tp = apply_tp(model, comm, sequence_parallel)
         if tp is not None:
-            spread_over_tp(model, tp)
+            spread_over_tp(model, tp, spread_experts)
         return tp
     return apply_tp_plan(model, comm, sequence_parallel)
 
@@ -162,12 +164,18 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
         _, initializer = quantize_base(model, cfg.lora.quantize, quantizable(model, dense), initializer)
     # The same Parameter objects under the same names: every later step sees a plain model.
     fp8 = apply_fp8(model, cfg.precision, device) if cfg.precision.compute == "fp8" else None
+    if mesh.dims.ep > 1 and mesh.dims.tp > 1 and not isinstance(model, Decoder):
+        raise ConfigError(f"parallel.ep = {mesh.dims.ep} with parallel.tp = {mesh.dims.tp}: a transformers "
+                          f"model's tp plan leaves its tokens whole on every tp rank, so its experts cannot "
+                          f"be spread over ep × tp ranks (our Decoder's can); set parallel.tp = 1 or ep = 1")
     tp = apply_tensor_parallel(model, Comm(mesh.tp_group, "tp", ledger, watchdog),
-                               cfg.parallel.sequence_parallel) if mesh.dims.tp > 1 else None
+                               cfg.parallel.sequence_parallel, mesh.dims.ep == 1) if mesh.dims.tp > 1 else None
     if tp is not None:
         initializer = sliced(initializer, tp.splits)
     cp = apply_cp(model, Comm(mesh.cp_group, "cp", ledger, watchdog)) if mesh.dims.cp > 1 else None
-    experts = apply_ep(model, Comm(mesh.ep_group, "ep", ledger, watchdog)) if mesh.dims.ep > 1 else {}
+    if cp is not None:
+        share_over_cp(model, cp)
+    experts = apply_ep(model, Comm(mesh.expert_group, "ep", ledger, watchdog)) if mesh.dims.ep > 1 else {}
     if experts:
         initializer = sliced(initializer, experts)
     stage = None

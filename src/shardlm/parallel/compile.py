@@ -13,6 +13,11 @@ to it. (`nn.Module.compile()` compiles `_call_impl`, hooks included, so it is no
 Selective checkpointing is the exception: its policy picks aten ops, so apply_ac puts the
 checkpoint inside the forward compiled here, and the compiler keeps what the policy keeps.
 
+A block with a mixture of experts compiles its attention, router and experts (their grouped
+matmuls are one custom op: models/expert_matmul.py) and leaves the dispatch between them eager:
+how many rows each expert receives is data, and under expert parallelism an all-to-all with
+those splits moves them.
+
 Our blocks are compiled with fullgraph=True: a graph break inside a block is an error at the
 first step, never a silent split into smaller graphs (tests/test_compile.py holds the count at
 zero). Any other model's repeated layers are compiled without it: their code is not ours.
@@ -26,6 +31,7 @@ import torch
 from torch import nn
 
 from shardlm.models.decoder import Block
+from shardlm.models.moe import MoE
 from shardlm.zero.units import unit_modules
 
 log = logging.getLogger("shardlm")
@@ -53,6 +59,15 @@ def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
     for block in blocks:
         # An instance attribute shadows the class's forward; nn.Module.__call__ still runs the
         # hooks around it, eagerly.
+        mlp = getattr(block, "mlp", None)
+        if isinstance(block, Block) and isinstance(mlp, MoE):
+            # A mixture of experts' dispatch has data-dependent shapes (how many rows each expert
+            # gets, an expert-parallel all-to-all's splits): it stays eager between compiled parts
+            # — the attention, the router and the experts' grouped matmuls (models/expert_matmul.py),
+            # each one graph (fullgraph), the block's own hooks around them as for any block.
+            for part in (block.attn, mlp.router, mlp.experts) + ((mlp.shared,) if mlp.shared is not None else ()):
+                part.forward = torch.compile(part.forward, fullgraph=True)
+            continue
         block.forward = torch.compile(block.forward, fullgraph=isinstance(block, Block))
     log.info("compile: torch.compile on each of %d blocks (regional; %s), hooks kept eager",
              len(blocks), "fullgraph" if isinstance(blocks[0], Block) else "graph breaks allowed")

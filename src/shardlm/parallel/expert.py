@@ -14,7 +14,7 @@ Per MoE block and micro-batch, on each rank of the group (models/moe.py routes f
        gates and adds them into its tokens (so the router's gradient stays local)
 Backward runs the same exchanges in reverse (an all-to-all's gradient is the all-to-all back).
 
-Two groups can hold the experts:
+Three groups can hold the experts:
     parallel.ep = E   E data-parallel ranks of one shard group (ep divides dp_shard): the dense
                       part stays data-parallel; the experts' gradients are reduced over the
                       dp_shard / ep ranks (× replicas) that hold the same experts, and ZeRO
@@ -24,6 +24,13 @@ Two groups can hold the experts:
                       so a MoE block under tp splits its experts, not each expert's width: no
                       expert matmul gets narrower, and the exchange replaces tp's all-reduce.
                       The shared experts are cut like a dense MLP (parallel/tensor.py).
+    both              ep × tp ranks (mesh.expert_group): each tp rank takes its share of the
+                      tokens as under tp alone, and the exchange runs over the ep ranks' tp
+                      groups together (Megatron-Core's expert grid, with our experts spread
+                      over tp rather than cut by it); the ranks at the same (ep, tp) position
+                      of other ep groups hold the same experts and reduce them.
+Context-parallel ranks can be expert-parallel ranks too (ep divides dp_shard × cp): their tokens
+differ already, and the balancing statistics are summed over the cp group (TokenShare.cp).
 Either way an expert weight is this rank's slice of the stacked (E, ...) tensor along dim 0,
 described by a placement.Split: checkpoints and exports see whole tensors at any layout.
 
@@ -127,7 +134,7 @@ class AllToAllDispatcher:
         y = _AllToAll.apply(x, recv, send, self.comm, self.stats)  # by source, then local expert
         # Regroup by local expert (expert-major), run the experts, restore arrival order.
         order = _expert_major(arriving.view(g, e_l).to(x.device))
-        outs = experts(y[order], arriving.view(g, e_l).sum(0).tolist())
+        outs = experts(y[order], arriving.view(g, e_l).sum(0))
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=x.device)
         out = _AllToAll.apply(outs[back], send, recv, self.comm, self.stats)
@@ -179,15 +186,20 @@ class _GatherRows(torch.autograd.Function):
 
 
 class TokenShare:
-    """A MoE block's tokens under tensor parallelism: replicated across the group (each rank
-    routes 1/T of them, the outputs gathered back), or, under sequence parallelism, already
-    this rank's own (nothing to split or gather)."""
+    """A MoE block's tokens and the groups its balancing statistics are summed over.
 
-    def __init__(self, tp):
-        self.tp = tp
+    Tensor parallelism (`tp`): the tokens are replicated across the group (each rank routes 1/T
+    of them, the outputs gathered back), or, under sequence parallelism, already this rank's
+    own (nothing to split or gather). Context parallelism (`cp`): each rank holds its own chunks
+    of the sequences (nothing to split), but Switch's f and P are over the whole micro-batch, so
+    the counts and probabilities are summed over the cp group too — while this forward runs on
+    chunks (`cp.sharded`; generation does not split)."""
+
+    def __init__(self, tp=None, cp=None):
+        self.tp, self.cp = tp, cp
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.sharded:
+        if self.tp is None or self.tp.sharded:
             return x
         if x.shape[0] % self.tp.size:
             raise ValueError(f"a MoE block under tensor parallelism splits its {x.shape[0]} tokens "
@@ -195,18 +207,48 @@ class TokenShare:
         return _SplitRows.apply(x, self.tp.comm)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.tp.sharded else _GatherRows.apply(x, self.tp.comm)
+        return x if self.tp is None or self.tp.sharded else _GatherRows.apply(x, self.tp.comm)
+
+    def _comms(self) -> list[Comm]:
+        """The groups whose ranks hold the other parts of this micro-batch's tokens."""
+        return [s.comm for s in (self.tp, self.cp) if s is not None and (s is self.tp or s.sharded)]
 
     def total(self, n: int) -> int:
-        return n * self.tp.size
+        for comm in self._comms():
+            n *= comm.size
+        return n
+
+    def grad_factor(self) -> int:
+        """What the balancing terms' gradient scale is multiplied by. The trainer's scale
+        divides by every micro-batch of the global batch, cp's shares counted as micro-batches
+        (each cp rank's language-model loss is its share of the whole); the terms here are the
+        whole micro-batch's on every cp rank, their gradients summed over the group: × cp."""
+        return self.cp.size if self.cp is not None and self.cp.sharded else 1
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """A count summed over the group (no gradient)."""
-        return summed(x, self.tp.comm)
+        """A count summed over the groups (no gradient)."""
+        for comm in self._comms():
+            x = summed(x, comm)
+        return x
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Summed over the group forward, each rank's gradient to its own share."""
-        return reduce_from_group(x, self.tp.comm)
+        """Summed over the groups forward, each rank's gradient to its own share (the ranks'
+        gradients are then summed: the router's by sync_weight over tp, by the data-parallel
+        reduction over cp)."""
+        for comm in self._comms():
+            x = reduce_from_group(x, comm)
+        return x
+
+
+def share_over_cp(model: nn.Module, cp) -> None:
+    """Context parallelism (after apply_cp): each MoE block's balancing statistics summed over
+    the cp group, so Switch's loss is the whole micro-batch's, as in one process."""
+    for moe in model.modules():
+        if isinstance(moe, MoE):
+            if moe.tokens is None:
+                moe.tokens = TokenShare(cp=cp)
+            else:
+                moe.tokens.cp = cp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,9 +333,9 @@ class StackedExperts(nn.Module):
             setattr(self, attr, nn.Parameter(piece if whole.is_meta else piece.clone(),
                                              requires_grad=whole.requires_grad))
 
-    def _local(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _local(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         outs = []
-        for e, xe in enumerate(x.split(counts)):
+        for e, xe in enumerate(x.split(counts.tolist())):
             gate, up = F.linear(xe, self.gate_up_proj[e]).chunk(2, dim=-1)
             outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
         return torch.cat(outs) if outs else x[:0]
@@ -332,25 +374,29 @@ def spread_hf_experts(model: nn.Module, comm: Comm, stats: MoEStats) -> dict[str
     return splits
 
 
-def spread_over_tp(model: nn.Module, tp: TPState) -> None:
+def spread_over_tp(model: nn.Module, tp: TPState, experts: bool = True) -> None:
     """Our Decoder under tensor parallelism (after apply_tp, still on the meta device): each MoE
     block's experts spread over the tp group (their Splits into tp.splits), each rank routing
     its share of the tokens (TokenShare); the router's gradient summed over the group (each
-    rank routed different tokens); the shared experts cut as a dense MLP."""
+    rank routed different tokens); the shared experts cut as a dense MLP. `experts` False
+    (parallel.ep > 1): apply_ep spreads the experts over the ep × tp ranks instead."""
     with torch.device("meta"), frozen_kept(model):  # frozen experts (LoRA) stay frozen
         for name, moe in model.named_modules():
             if isinstance(moe, MoE):
-                tp.splits.update(spread_experts(moe, name, model.cfg, tp.comm, model.moe_stats))
-                moe.tokens = TokenShare(tp)
+                if experts:
+                    tp.splits.update(spread_experts(moe, name, model.cfg, tp.comm, model.moe_stats))
+                moe.tokens = TokenShare(tp=tp)
                 moe.router.sync_weight = lambda w, comm=tp.comm: copy_to_group(w, comm)
                 if moe.shared is not None:
                     cut_mlp(moe.shared, f"{name}.shared", model.cfg.d_model, tp)
 
 
 def apply_ep(model: nn.Module, comm: Comm) -> dict[str, Split]:
-    """parallel.ep > 1: the experts spread over the expert-parallel group (data-parallel ranks);
-    model.ep records it (whole_parameters puts the experts back together from it). Our Decoder's
-    MoE blocks, or a transformers model's experts modules (StackedExperts)."""
+    """parallel.ep > 1: the experts spread over the expert group (mesh.expert_group: the ep
+    data- / context-parallel ranks, times the tp ranks under tensor parallelism, whose tokens
+    TokenShare already split); model.ep records it (whole_parameters puts the experts back
+    together from it). Our Decoder's MoE blocks, or a transformers model's experts modules
+    (StackedExperts)."""
     stats: MoEStats | None = getattr(model, "moe_stats", None)
     if stats is None:
         raise ValueError("parallel.ep > 1 needs a mixture-of-experts model (model.experts > 0)")
@@ -362,7 +408,7 @@ def apply_ep(model: nn.Module, comm: Comm) -> dict[str, Split]:
             if isinstance(module, MoE):
                 splits.update(spread_experts(module, name, model.cfg, comm, stats))
     log.info("expert parallel: %d ranks, %d of %d experts per MoE block on each", comm.size,
-             stats.experts // comm.size, stats.experts)
+             stats.experts // comm.size, stats.experts)  # comm.size = ep × tp
     model.ep = EPState(comm, splits)
     return splits
 

@@ -86,7 +86,7 @@ class Plan:
         """Why `shardlm train` cannot run this plan (None: it can)."""
         s = self.strategy
         if s.layout.ep > 1 and (s.layout.tp > 1 or s.layout.cp > 1):
-            return "shardlm train runs ep with tp = cp = 1 (under tp the experts spread over the tp ranks)"
+            return "the planner does not model ep with tp or cp yet (shardlm train runs them: docs/moe.md)"
         if s.layout.pp > 1 and s.zero_stage == 3:
             return "shardlm train refuses ZeRO-3 with pp > 1 (stages 0-2 run on a pipeline)"
         return None

@@ -239,12 +239,14 @@ class ZeroEngine:
         spans = {id(p): (u, off, p.numel()) for u in self.units for p, off in zip(u.params, u.layout.offsets)}
         self._param_spans = [spans[id(p)] for p in model.parameters() if id(p) in spans]
         # In the global norm, a parameter replicated across the tensor-parallel group counts once
-        # (on its tp rank 0); a cut one counts on every rank (each holds a different piece), but
+        # (on its tp rank 0); a cut one (experts spread over ep × tp included) counts on every
+        # rank (each holds a different piece), but
         # for the ranges of it every rank holds (placement.Split.copies), counted on tp rank 0.
         names = {id(p): n for n, p in model.named_parameters()}
         self._norm_spans = [[] if names[id(p)] in copies
                             else self.splits[names[id(p)]].owned(mesh.tp_rank) if names[id(p)] in self.splits
-                            else [(0, p.numel())] if mesh.tp_rank == 0 else []
+                            else [(0, p.numel())] if mesh.tp_rank == 0 or names[id(p)] in self.expert_splits
+                            else []
                             for p in model.parameters() if id(p) in spans]
         self.tier.build_optimizer(train)
         self.optimizer = self.tier.optimizer
