@@ -585,7 +585,7 @@ def _lora_layout(cfg: Config) -> list[str]:
              f"with: {'; '.join(blocking)}"] if blocking else [])
 
 
-@_cross("lora.quantize", "lora.rank", "model.experts", "model.hf_config", "train.compile")
+@_cross("lora.quantize", "lora.rank", "model.hf_config")
 def _qlora_composes(cfg: Config) -> list[str]:
     """lora.quantize stores our decoder's frozen block linears as packed bytes (models/quant.py)."""
     q = cfg.lora.quantize
@@ -596,10 +596,6 @@ def _qlora_composes(cfg: Config) -> list[str]:
          "trains; set lora.rank > 0", cfg.lora.rank == 0),
         ("model.hf_config", cfg.model.hf_config, "a transformers model's layers are not ours to "
          "quantise; use model.hf_path or model.preset", bool(cfg.model.hf_config)),
-        ("model.experts", cfg.model.experts, "the experts' batched weights are not linear layers; "
-         "not quantised yet", cfg.model.experts > 0),
-        ("train.compile", cfg.train.compile, "the dequantising linear does not compile into the "
-         "block's graph yet", cfg.train.compile),
     ) if on]
     return ([f"lora.quantize = {q!r} does not compose with: {'; '.join(blocking)}"]
             if blocking else [])

@@ -42,6 +42,7 @@ from torch import nn
 
 from shardlm.config import ModelConfig
 from shardlm.models.flops import expert_d_ff
+from shardlm.models.quant import QuantFormat, quantized_linear
 
 
 @dataclass
@@ -151,18 +152,32 @@ class Experts(nn.Module):
                 self.fc_bias = nn.Parameter(torch.empty(count, f))
                 self.proj_bias = nn.Parameter(torch.empty(count, d))
 
+    quant: dict[str, QuantFormat] | None = None
+    """Set by models/quant.py quantize_experts (lora.quantize): each batched weight `attr` is then
+    stored as `<attr>_q` bytes, a row per expert, dequantised in forward."""
+
+    def stacked_weights(self) -> tuple[str, ...]:
+        """The batched (E, out, in) weights, in forward's order."""
+        return ("gate_up", "down") if self.swiglu else ("fc", "proj")
+
+    def _linear(self, x: torch.Tensor, attr: str, e: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        fmt = self.quant.get(attr) if self.quant else None
+        if fmt is None:
+            return F.linear(x, getattr(self, attr)[e], bias)
+        return quantized_linear(x, getattr(self, f"{attr}_q")[e], bias, fmt)
+
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (M, C): tokens grouped by local expert, `counts` of each -> (M, C)."""
         outs = []
         for e, xe in enumerate(x.split(counts)):
             if self.swiglu:
-                gate, up = F.linear(xe, self.gate_up[e]).chunk(2, dim=-1)
-                outs.append(F.linear(F.silu(gate) * up, self.down[e]))
+                gate, up = self._linear(xe, "gate_up", e).chunk(2, dim=-1)
+                outs.append(self._linear(F.silu(gate) * up, "down", e))
             else:
                 bias = getattr(self, "fc_bias", None)
-                h = F.gelu(F.linear(xe, self.fc[e], None if bias is None else bias[e]), approximate="tanh")
+                h = F.gelu(self._linear(xe, "fc", e, None if bias is None else bias[e]), approximate="tanh")
                 bias = getattr(self, "proj_bias", None)
-                outs.append(F.linear(h, self.proj[e], None if bias is None else bias[e]))
+                outs.append(self._linear(h, "proj", e, None if bias is None else bias[e]))
         return torch.cat(outs) if outs else x[:0]
 
 

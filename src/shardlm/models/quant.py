@@ -213,6 +213,23 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
+@torch.library.custom_op("shardlm::dequantize", mutates_args=())
+def dequantize_op(packed: torch.Tensor, kind: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """dequantize as a torch custom op: a compiled block (train.compile, parallel/compile.py,
+    fullgraph) holds it as one opaque node whose output shape it is told, so the format's
+    lookups (the dynamic map's Python list, bitsandbytes' kernel) stay outside the graph."""
+    return dequantize(packed, QuantFormat(kind, (shape[0], shape[1])), dtype)
+
+
+@dequantize_op.register_fake
+def _(packed: torch.Tensor, kind: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return packed.new_empty(shape, dtype=dtype)
+
+
+def _weight(packed: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_op(packed, fmt.kind, list(fmt.shape), dtype)
+
+
 class QuantizedLinearFn(torch.autograd.Function):
     """y = x W^T + b with W dequantised from its bytes in forward and again in backward: the
     bytes are what autograd keeps. W and b are frozen (no gradient); x gets one."""
@@ -221,12 +238,12 @@ class QuantizedLinearFn(torch.autograd.Function):
     def forward(ctx, x, packed, bias, fmt):
         ctx.save_for_backward(packed)
         ctx.fmt = fmt
-        return F.linear(x, dequantize(packed, fmt, _compute_dtype(x)), bias)
+        return F.linear(x, _weight(packed, fmt, _compute_dtype(x)), bias)
 
     @staticmethod
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
-        grad_x = grad @ dequantize(packed, ctx.fmt, grad.dtype)  # (…, out) @ (out, in)
+        grad_x = grad @ _weight(packed, ctx.fmt, grad.dtype)  # (…, out) @ (out, in)
         return grad_x, None, None, None
 
 
@@ -268,18 +285,52 @@ class QuantState:
                 f"bits each; {compute_bytes * self.numel:,} bytes at {compute_bytes} B/param)")
 
 
+@torch.no_grad()
+def quantize_stacked(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """A batched weight (E, out, in), e.g. MoE's experts, -> (E, QuantFormat.nbytes) bytes: each
+    expert's matrix quantised on its own (its blocks and double quantisation its own), so the
+    rows expert parallelism cuts (dim 0) dequantise exactly as in the whole."""
+    return torch.stack([quantize(w, kind) for w in weight.unbind(0)])
+
+
+def quantize_experts(experts: nn.Module, kind: str) -> dict[str, QuantFormat]:
+    """Store each batched weight `attr` (E, out, in) of a MoE experts module (models/moe.Experts:
+    its `stacked_weights()`) as `<attr>_q` bytes (E, nbytes), one row per expert,
+    made now from a materialised weight or left on meta for the initializer. Sets
+    `experts.quant` (attr -> each expert's QuantFormat), which the experts' forward reads."""
+    formats = {}
+    for attr in experts.stacked_weights():
+        weight = getattr(experts, attr)
+        fmt = QuantFormat(kind, (weight.shape[1], weight.shape[2]))
+        data = (torch.empty(weight.shape[0], fmt.nbytes, dtype=torch.uint8, device="meta")
+                if weight.is_meta else quantize_stacked(weight, kind))
+        delattr(experts, attr)
+        setattr(experts, f"{attr}_q", nn.Parameter(data, requires_grad=False))
+        formats[attr] = fmt
+    experts.quant = formats
+    return formats
+
+
 def quantize_base(model: nn.Module, kind: str, names: list[str],
                   initializer: Initializer | None = None) -> tuple[QuantState, Initializer | None]:
     """Store the weight of each linear layer in `names` (a LoRALinear or a frozen nn.Linear) as
-    `<layer>.weight_q` bytes in format `kind`. On the meta device the bytes are made later, by
-    the returned initializer, from `initializer`'s values of `<layer>.weight` (one weight at a
-    time: the sharded build); a materialised model's weights are quantised now. Stored as
-    `model.quant`."""
+    `<layer>.weight_q` bytes in format `kind`, and each MoE experts module in `names` (one with
+    `stacked_weights`) as `<experts>.<attr>_q` (quantize_experts). On the meta device the bytes
+    are made later, by the returned initializer, from `initializer`'s values of the float weight
+    (one weight at a time: the sharded build); a materialised model's weights are quantised now.
+    Stored as `model.quant`."""
     if kind not in QUANTIZE_KINDS[1:]:
         raise ValueError(f"quantize kind {kind!r}: expected one of {', '.join(QUANTIZE_KINDS[1:])}")
     formats: dict[str, QuantFormat] = {}
+    stacked: dict[str, QuantFormat] = {}  # MoE experts' weights: a format per expert
+    sizes: list[tuple[int, int]] = []  # (parameters, bytes) of each weight
     for name in names:
         module = model.get_submodule(name)
+        if hasattr(module, "stacked_weights"):  # MoE experts: (E, out, in) weights
+            for attr, fmt in quantize_experts(module, kind).items():
+                stacked[f"{name}.{attr}_q"] = formats[f"{name}.{attr}_q"] = fmt
+                sizes.append((module.count * fmt.numel, module.count * fmt.nbytes))
+            continue
         weight = module.weight
         fmt = QuantFormat(kind, (module.out_features, module.in_features))
         if type(module) is nn.Linear:
@@ -294,8 +345,8 @@ def quantize_base(model: nn.Module, kind: str, names: list[str],
                 else quantize(weight, kind))
         module.weight_q = nn.Parameter(data, requires_grad=False)
         formats[f"{name}.weight_q"] = fmt
-    state = QuantState(kind, len(formats), sum(f.numel for f in formats.values()),
-                       sum(f.nbytes for f in formats.values()))
+        sizes.append((fmt.numel, fmt.nbytes))
+    state = QuantState(kind, len(formats), sum(n for n, _ in sizes), sum(b for _, b in sizes))
     model.quant = state
     log.info("%s", state.summary())
     if initializer is None:
@@ -303,7 +354,10 @@ def quantize_base(model: nn.Module, kind: str, names: list[str],
 
     def init(name: str) -> torch.Tensor:
         fmt = formats.get(name)
-        return initializer(name) if fmt is None else quantize(initializer(name[:-len("_q")]), fmt.kind)
+        if fmt is None:
+            return initializer(name)
+        quant = quantize_stacked if name in stacked else quantize
+        return quant(initializer(name[:-len("_q")]), fmt.kind)
     return state, init
 
 
@@ -313,6 +367,14 @@ def dequantize_base(model: nn.Module) -> None:
     and export of a quantised run: the model the adapters were trained against."""
     for name, module in list(model.named_modules()):
         fmt = getattr(module, "quant", None)
+        if isinstance(fmt, dict):  # MoE experts: each expert's row of bytes
+            for attr, each in fmt.items():
+                packed = getattr(module, f"{attr}_q")
+                delattr(module, f"{attr}_q")
+                setattr(module, attr, nn.Parameter(torch.stack(
+                    [dequantize(row, each, torch.float32) for row in packed]), requires_grad=False))
+            module.quant = None
+            continue
         if not isinstance(fmt, QuantFormat):
             continue
         weight = nn.Parameter(dequantize(module.weight_q, fmt, torch.float32), requires_grad=False)
@@ -330,9 +392,13 @@ def dequantize_base(model: nn.Module) -> None:
 
 def quantizable(model: nn.Module, patterns: list[str]) -> list[str]:
     """The linear layers of the blocks to quantise: every LoRA-wrapped one and every dense
-    attention / MLP linear matching `patterns` (a name or its dotted suffix)."""
+    attention / MLP linear matching `patterns` (a name or its dotted suffix); and every MoE
+    experts module (its batched weights, frozen: LoRA adapts attention's linears beside them)."""
     out = []
     for name, module in model.named_modules():
+        if hasattr(module, "stacked_weights"):  # MoE experts (models/moe.Experts)
+            out.append(name)
+            continue
         lora = hasattr(module, "lora_A")
         dense = type(module) is nn.Linear and any(name == p or name.endswith("." + p) for p in patterns)
         if lora or dense:
