@@ -656,19 +656,17 @@ def _attention_composes(cfg: Config) -> list[str]:
     return problems
 
 
-@_cross("activation.offload", "activation.offload_blocks", "activation.checkpoint", "model.n_layers")
+@_cross("activation.offload", "activation.offload_blocks", "model.n_layers")
 def _activation_offload_composes(cfg: Config) -> list[str]:
+    """activation.offload moves what each chosen block keeps for backward to host memory: its
+    saved tensors, or with recomputation (activation.checkpoint) the checkpoint's kept inputs
+    (parallel/activation.py)."""
     a, n = cfg.activation, cfg.model.n_layers
     if a.offload == "none":
         return ([f"activation.offload_blocks = {a.offload_blocks} has no effect with activation.offload "
                  f"= 'none'; set activation.offload = 'cpu' or leave offload_blocks at 0"]
                 if a.offload_blocks else [])
     problems = []
-    if a.checkpoint != "none":
-        problems.append(f"activation.offload = {a.offload!r} with activation.checkpoint = "
-                        f"{a.checkpoint!r}: offload moves the activations a block keeps, recomputation "
-                        f"keeps fewer and rebuilds them inside backward (outside the offload hooks); "
-                        f"choose one: activation.checkpoint = 'none' or activation.offload = 'none'")
     if a.offload_blocks > n:
         problems.append(f"activation.offload_blocks = {a.offload_blocks} exceeds the model's {n} "
                         f"blocks (model.n_layers); 0 offloads every block")
