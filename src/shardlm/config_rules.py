@@ -565,18 +565,22 @@ def _param_offload_stage(cfg: Config) -> list[str]:
             if z.offload_params != "none" and par.zero_stage != 3 else [])
 
 
-@_cross("lora.rank", "parallel.tp", "lora.quantize", "model.hf_config")
+@_cross("lora.rank", "parallel.tp", "lora.quantize", "model.hf_config", "model.n_kv_heads", "model.n_heads")
 def _lora_layout(cfg: Config) -> list[str]:
     """LoRA's frozen base is ZeRO units like any other (zero/engine.py: gathered at stage 3,
     kept by the parameter store when zero.offload_params is set). Tensor parallelism cuts our
-    decoder's adapters as it cuts the linears they wrap (parallel/tensor.py); a quantised base
-    (lora.quantize) and a transformers model's layers (model.hf_config) are not cut yet."""
+    decoder's adapters as it cuts the linears they wrap, and a quantised base (lora.quantize) as
+    whole stored rows of its byte tables (parallel/tensor.py, models/quant.py); a transformers
+    model's layers (model.hf_config) are not cut yet, nor a quantised base's key/value rows that
+    every rank keeps when tp > n_kv_heads."""
     if not cfg.lora.rank or cfg.parallel.tp == 1:
         return []
+    m, tp = cfg.model, cfg.parallel.tp
+    kv = m.n_kv_heads or m.n_heads
     blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
-        ("lora.quantize", cfg.lora.quantize, "tensor parallelism does not cut a quantised base "
-         "yet; set lora.quantize = 'none' or parallel.tp = 1 (parallel.zero_stage = 3 shards the "
-         "frozen base instead)", cfg.lora.quantize != "none"),
+        ("lora.quantize", cfg.lora.quantize, f"with parallel.tp = {tp} > model.n_kv_heads = {kv} "
+         f"every rank keeps all key/value rows, which are not cut from a quantised base yet; set "
+         f"parallel.tp <= {kv} or lora.quantize = 'none'", cfg.lora.quantize != "none" and tp > kv),
         ("model.hf_config", cfg.model.hf_config, "tensor parallelism cuts only our decoder's "
          "adapters; use model.preset or model.hf_path of a supported family, or parallel.tp = 1",
          bool(cfg.model.hf_config)),
