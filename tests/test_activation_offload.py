@@ -17,7 +17,7 @@ import shardlm.parallel.activation as activation
 from conftest import tiny_overrides
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
-from shardlm.parallel.activation import apply_offload
+from shardlm.parallel.activation import apply_ac, apply_offload
 from shardlm.launch.spawn import run_ranks
 
 from test_activation import TINY, loss_and_grads, tiny  # the same tiny models and objective
@@ -60,6 +60,25 @@ def test_offloaded_gradients_are_bitwise_equal(name, forced_copy, monkeypatch):
     assert offload.skipped_params > 0 and offload.kept == 0
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_offload_with_recomputation_moves_each_block_s_input(mode, forced_copy):
+    """With a checkpoint (activation.checkpoint), what a block keeps is its input (and for
+    'selective' the policy's cache, which stays): offload copies exactly each block's input to
+    host memory, the recomputation reads it back, and the gradients are bitwise those of the
+    checkpoint alone."""
+    reference = apply_ac(tiny("llama-tiny"), mode)
+    model = apply_ac(tiny("llama-tiny"), mode)
+    offload = apply_offload(model, "cpu")
+    idx = torch.randint(0, reference.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    ref_loss, ref_grads = loss_and_grads(reference, idx)
+    loss, grads = loss_and_grads(model, idx)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(g, ref_grads[k]) for k, g in grads.items())
+    n_blocks, d_model = len(model.blocks), model.cfg.d_model
+    assert offload.packed_tensors == n_blocks  # one input (B, T, C) per block, nothing else
+    assert offload.packed_bytes == n_blocks * 2 * 32 * d_model * 4
+
+
 def test_cpu_device_without_forced_copy_moves_nothing():
     """The documented copy-free path: the hooks run, every saved tensor stays in place."""
     reference, model = tiny("llama-tiny"), tiny("llama-tiny")
@@ -97,8 +116,8 @@ def _errors(**overrides) -> str:
 
 
 def test_config_refusals():
-    text = _errors(activation__offload="cpu", activation__checkpoint="full")
-    assert "activation.offload = 'cpu' with activation.checkpoint = 'full'" in text and "choose one" in text
+    for mode in ("full", "selective"):  # compose: the checkpoint's kept inputs are offloaded
+        load_config(overrides={"activation.offload": "cpu", "activation.checkpoint": mode}).validate()
     assert "no effect with activation.offload = 'none'" in _errors(activation__offload_blocks="1")
     assert "exceeds the model's 2 blocks" in _errors(activation__offload="cpu", activation__offload_blocks="3",
                                                      model__preset="gpt-tiny")

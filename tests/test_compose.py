@@ -52,9 +52,10 @@ def test_every_pair_is_accepted_or_refused_as_documented():
 
 
 def test_a_refusal_says_what_to_change():
-    rules = compose.validate_pair(compose.BY_NAME["tp"], compose.BY_NAME["qlora"])
+    tp4 = compose.Feature("tp4", {"parallel.tp": 4})  # > llama-tiny's 2 key/value heads
+    rules = compose.validate_pair(tp4, compose.BY_NAME["qlora"])
     assert list(rules) == ["_lora_layout"]
-    assert "parallel.tp = 2" in rules["_lora_layout"][0] and "lora.quantize = 'none'" in rules["_lora_layout"][0]
+    assert "parallel.tp = 4" in rules["_lora_layout"][0] and "lora.quantize = 'none'" in rules["_lora_layout"][0]
     assert compose.validate_pair(compose.BY_NAME["tp"], compose.BY_NAME["lora"]) == {}
 
 

@@ -70,8 +70,9 @@ def test_only_adapters_train_and_hold_state(tmp_path):
 def test_bad_targets_and_layouts_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="mlp.nothing"):
         build_run(load_config(overrides={**_base(tmp_path), "lora.targets": "attn.qkv,mlp.nothing"}).validate())
-    with pytest.raises(ConfigError, match="lora.quantize"):  # QLoRA's base is not cut by tp yet
-        load_config(overrides={**_base(tmp_path), "parallel.tp": 2, "lora.quantize": "nf4"}).validate()
+    with pytest.raises(ConfigError, match="lora.quantize"):  # tp > n_kv_heads: kv rows not cut from nf4
+        load_config(overrides={**_base(tmp_path), "parallel.tp": 4, "lora.quantize": "nf4"}).validate()
+    load_config(overrides={**_base(tmp_path), "parallel.tp": 2, "lora.quantize": "nf4"}).validate()  # QLoRA: cut
     load_config(overrides={**_base(tmp_path), "parallel.tp": 2}).validate()  # plain LoRA: cut by tp
 
 

@@ -9,6 +9,8 @@ grad norm may differ in the last bit). Everything else is exact (torch.equal) or
 
 from __future__ import annotations
 
+import os
+
 import bitsandbytes.functional as bnb  # the `test` extra installs it: the reference formats
 import pytest
 import torch
@@ -17,17 +19,19 @@ from ckpt_cases import straight_and_resumed
 from conftest import tiny_overrides
 from lora_cases import lora_case
 from parity import assert_matches
-from qlora_cases import qlora_cases
+from qlora_cases import layout_case, qlora_cases
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.models.lora import is_adapter
-from shardlm.models.quant import (ABSMAX_BLOCK, BLOCK, QuantFormat, QuantizedLinearFn,
-                                  dequantize, dequantize_torch, dynamic_map, format_bound, quantize)
+from shardlm.models.quant import (ABSMAX_BLOCK, BLOCK, ROW_PARALLEL, QuantFormat, QuantizedLinearFn,
+                                  dequantize, dequantize_torch, dynamic_map, format_bound, quantize,
+                                  weight_of)
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.loop import build_run
 from zero_cases import reference_case
 
-SHAPES = [(7, 5), (96, 33), (128, 64), (1100, 1000)]  # odd sizes, partial blocks, > 256 blocks, > CHUNK
+SHAPES = [(7, 5), (96, 33), (128, 64), (2, 17000), (1100, 1000)]
+"""Odd sizes, partial blocks, > 256 blocks in a row, > CHUNK elements."""
 STEPS = 4
 FP32_SLACK = 2.0 ** -20
 """The fp32 arithmetic of scaling and of the product: a few ulps (2^-23) of the absmax."""
@@ -37,52 +41,74 @@ def _weight(shape, dtype=torch.float32):
     return (torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))) * 0.02).to(dtype)
 
 
-def _parts(packed: torch.Tensor, fmt: QuantFormat):
-    """(offset, absmax2, absmax codes, 4-bit codes) of an nf4 weight's bytes."""
-    at = 4 + 4 * fmt.blocks2
+def _parts(table: torch.Tensor, fmt: QuantFormat, row: int):
+    """(offset, absmax2, absmax codes, 4-bit codes) of one stored row of an nf4 table."""
+    packed, at = table[row], 4 + 4 * fmt.blocks2
     return (packed[:4].clone().view(torch.float32), packed[4:at].clone().view(torch.float32),
             packed[at:at + fmt.blocks], packed[at + fmt.blocks:])
 
 
+def _checked_rows(fmt: QuantFormat) -> list[int]:
+    rows = fmt.rows[0]
+    return list(range(rows)) if rows <= 8 else [0, 1, rows // 2, rows - 1]
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_nf4_equals_bitsandbytes(shape):
-    """Their codes, scales and dequantised values. The 8-bit absmax codes are the nearest
-    levels of the dynamic map (bitsandbytes' torch and CUDA rule: bucketize on midpoints);
-    its CPU C kernel's binary search sometimes lands one level off, never nearer."""
+    """Each stored row is bitsandbytes' format of that row: codes, scales and dequantised values.
+    The 8-bit absmax codes are the nearest levels of the dynamic map (bitsandbytes' torch and
+    CUDA rule: bucketize on midpoints); its CPU C kernel's search sometimes lands one level off,
+    never nearer."""
     w = _weight(shape)
     fmt = QuantFormat("nf4", shape)
-    packed = quantize(w, "nf4")
-    assert packed.dtype == torch.uint8 and packed.numel() == fmt.nbytes
-    codes, state = bnb.quantize_4bit(w, blocksize=BLOCK, compress_statistics=True, quant_type="nf4")
-    offset, absmax2, absmax_codes, nibbles = _parts(packed, fmt)
-    assert torch.equal(nibbles, codes.view(-1))
-    assert torch.equal(offset, state.offset.reshape(1))
-    assert torch.equal(absmax2, state.state2.absmax)
-    assert torch.equal(dynamic_map(), state.state2.code)
-    absmax = w.reshape(-1)
-    absmax = torch.nn.functional.pad(absmax, (0, fmt.blocks * BLOCK - absmax.numel())).view(-1, BLOCK).abs().amax(1)
-    scaled = (absmax - offset) * (1.0 / absmax2.clamp(min=1e-38).repeat_interleave(ABSMAX_BLOCK)[:fmt.blocks])
-    ours = (scaled - dynamic_map()[absmax_codes.long()]).abs()
-    theirs = (scaled - dynamic_map()[state.absmax.long()]).abs()
-    assert torch.all(ours <= theirs)
-    assert torch.equal(ours, (scaled.unsqueeze(1) - dynamic_map()).abs().amin(1))  # the nearest
-    scaled_blocks = absmax2.repeat_interleave(ABSMAX_BLOCK)[:fmt.blocks] > 0  # else every code decodes to 0
-    assert ((absmax_codes != state.absmax) & scaled_blocks).sum() <= 0.05 * scaled_blocks.sum()
-    state.absmax = absmax_codes.clone()  # their dequantisation of our codes: bit for bit ours
-    assert torch.equal(dequantize(packed, fmt, torch.float32), bnb.dequantize_4bit(codes, state))
+    table = quantize(w, "nf4")
+    assert table.dtype == torch.uint8 and tuple(table.shape) == fmt.stored_shape
+    assert table.numel() == fmt.nbytes
+    values = dequantize(table, fmt, torch.float32)
+    for row in _checked_rows(fmt):
+        codes, state = bnb.quantize_4bit(w[row].contiguous(), blocksize=BLOCK, compress_statistics=True,
+                                         quant_type="nf4")
+        offset, absmax2, absmax_codes, nibbles = _parts(table, fmt, row)
+        assert torch.equal(nibbles, codes.view(-1))
+        assert torch.equal(offset, state.offset.reshape(1))
+        assert torch.equal(absmax2, state.state2.absmax)
+        assert torch.equal(dynamic_map(), state.state2.code)
+        absmax = torch.nn.functional.pad(w[row], (0, fmt.blocks * BLOCK - shape[1])).view(-1, BLOCK).abs().amax(1)
+        scaled = (absmax - offset) * (1.0 / absmax2.clamp(min=1e-38).repeat_interleave(ABSMAX_BLOCK)[:fmt.blocks])
+        ours = (scaled - dynamic_map()[absmax_codes.long()]).abs()
+        theirs = (scaled - dynamic_map()[state.absmax.long()]).abs()
+        assert torch.all(ours <= theirs)
+        assert torch.equal(ours, (scaled.unsqueeze(1) - dynamic_map()).abs().amin(1))  # the nearest
+        scaled_blocks = absmax2.repeat_interleave(ABSMAX_BLOCK)[:fmt.blocks] > 0  # else every code decodes to 0
+        assert ((absmax_codes != state.absmax) & scaled_blocks).sum() <= max(1, 0.05 * scaled_blocks.sum())
+        state.absmax = absmax_codes.clone()  # their dequantisation of our codes: bit for bit ours
+        assert torch.equal(values[row], bnb.dequantize_4bit(codes, state).view(-1))
     for dtype in (torch.float32, torch.bfloat16):  # their kernel (when installed) = our torch ops
-        assert torch.equal(dequantize(packed, fmt, dtype), dequantize_torch(packed, fmt, dtype))
+        assert torch.equal(dequantize(table, fmt, dtype), dequantize_torch(table, fmt, dtype))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_int8_equals_bitsandbytes(shape):
     w = _weight(shape)
     fmt = QuantFormat("int8", shape)
-    packed = quantize(w, "int8")
+    table = quantize(w, "int8")
     codes, scales, _ = bnb.int8_vectorwise_quant(w)
-    assert torch.equal(packed[4 * shape[0]:].view(torch.int8).view(shape), codes)
-    assert torch.equal(packed[:4 * shape[0]].clone().view(torch.float32), scales)
-    assert torch.equal(dequantize(packed, fmt, torch.float32), bnb.int8_vectorwise_dequant(codes, scales))
+    assert tuple(table.shape) == fmt.stored_shape
+    assert torch.equal(table[:, 4:].view(torch.int8), codes)
+    assert torch.equal(table[:, :4].clone().view(torch.float32).view(-1), scales)
+    assert torch.equal(dequantize(table, fmt, torch.float32), bnb.int8_vectorwise_dequant(codes, scales))
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_transposed_tables_store_the_columns(kind):
+    """A row-parallel linear's table (ROW_PARALLEL) is its transpose's: its rows are the
+    weight's columns, so a tensor-parallel cut of the input takes whole rows of it."""
+    w = _weight((96, 33))
+    table = quantize(w, kind, transposed=True)
+    assert torch.equal(table, quantize(w.t().contiguous(), kind))
+    fmt = QuantFormat(kind, (96, 33), transposed=True)
+    assert tuple(table.shape) == fmt.stored_shape == (33, fmt.row_nbytes)
+    assert torch.equal(weight_of(table, fmt, torch.float32), dequantize(table, fmt, torch.float32).t())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -95,20 +121,21 @@ def test_round_trip_within_the_format_bound(kind, dtype):
     shape = (1100, 1000)  # > CHUNK: quantised in two pieces
     w = _weight(shape, dtype)
     fmt = QuantFormat(kind, shape)
-    packed = quantize(w, kind)
-    error = (w.float() - dequantize(packed, fmt, torch.float32)).abs()
+    table = quantize(w, kind)
+    error = (w.float() - dequantize(table, fmt, torch.float32)).abs()
     if kind == "int8":
         bound = w.float().abs().amax(1, keepdim=True) * (format_bound(kind) + FP32_SLACK)
         ratio = error / bound
     else:
-        flat = torch.nn.functional.pad(w.float().reshape(-1), (0, fmt.blocks * BLOCK - fmt.numel))
-        absmax = flat.view(-1, BLOCK).abs().amax(1)
+        pad = fmt.blocks * BLOCK - shape[1]
+        absmax = torch.nn.functional.pad(w.float(), (0, pad)).view(shape[0], -1, BLOCK).abs().amax(2)
         levels = dynamic_map()
         dq_half_gap = float((levels[1:] - levels[:-1]).max()) / 2
-        absmax2 = _parts(packed, fmt)[1].repeat_interleave(ABSMAX_BLOCK)[:fmt.blocks]
-        bound = absmax * (format_bound(kind) + FP32_SLACK) + absmax2 * dq_half_gap
-        padded = torch.nn.functional.pad(error.reshape(-1), (0, fmt.blocks * BLOCK - fmt.numel))
-        ratio = padded.view(-1, BLOCK) / bound.unsqueeze(1)
+        absmax2 = table[:, 4:4 + 4 * fmt.blocks2].clone().view(torch.float32)
+        absmax2 = absmax2.repeat_interleave(ABSMAX_BLOCK, dim=1)[:, :fmt.blocks]
+        bound = absmax * (format_bound(kind) + FP32_SLACK) + absmax2 * dq_half_gap  # (rows, blocks)
+        padded = torch.nn.functional.pad(error, (0, pad)).view(shape[0], -1, BLOCK)
+        ratio = padded / bound.unsqueeze(2)
     assert float(ratio.max()) <= 1
     assert float(ratio.max()) > 0.5  # a bound some elements come near, not a loose one
 
@@ -147,7 +174,9 @@ def test_starts_as_the_dequantised_base(tmp_path, kind):
     with torch.no_grad():
         for name, p in plain.model.named_parameters():
             if f"{name}_q" in names:
-                p.copy_(dequantize(quantize(p, kind), QuantFormat(kind, tuple(p.shape)), torch.float32))
+                columns = any(name.endswith(f"{layer}.weight") for layer in ROW_PARALLEL)
+                fmt = QuantFormat(kind, tuple(p.shape), columns)
+                p.copy_(weight_of(quantize(p, kind, columns), fmt, torch.float32))
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(run.model(idx), plain.model(idx))
@@ -168,22 +197,36 @@ def test_bad_settings_are_refused(tmp_path):
         load_config(overrides={**_base(tmp_path), "lora.quantize": "nf3"}).validate()
     with pytest.raises(ConfigError, match="lora.rank"):
         load_config(overrides={**_base(tmp_path), "lora.rank": 0}).validate()
-    with pytest.raises(ConfigError, match="model.experts"):
-        load_config(overrides={**_base(tmp_path), "model.experts": 4}).validate()
+    load_config(overrides={**_base(tmp_path), "model.experts": 4}).validate()  # experts quantised
+
+
+MOE = {"model.experts": 4, "model.top_k": 2}
+LAYOUTS = {"tp=2": {"parallel.tp": 2}, "ep=2, MoE": {**MOE, "parallel.ep": 2}}
+"""Run on 2 ranks beside the ZeRO cases for LAYOUT_STEPS, each against one process (sequence
+parallelism: bench/compose.py tp_sp+qlora)."""
+LAYOUT_STEPS = 2
 
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("qlora2")
     cases = [({**_base(tmp), "parallel.zero_stage": stage}, STEPS) for stage in (0, 3)]
+    cases += [({**_base(tmp), **extra}, LAYOUT_STEPS) for extra in LAYOUTS.values()]
     out = run_ranks(qlora_cases, 2, tmp, cases)
-    return out, reference_case(_base(tmp), 2, STEPS)
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # one rank's thread count (zero_cases.reference_case)
+    try:  # tp: no data parallelism, the same batch in one process
+        one = {"dense": layout_case({**_base(tmp), "run.name": "one"}, LAYOUT_STEPS)}
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE") if saved is None else os.environ.update(LOCAL_WORLD_SIZE=saved)
+    one["moe"] = reference_case({**_base(tmp), **MOE, "run.name": "one-moe"}, 2, LAYOUT_STEPS)
+    return out, reference_case(_base(tmp), 2, STEPS), one
 
 
 @pytest.mark.parametrize("case", [0, 1])
 def test_two_ranks_match_one_process(two_rank_runs, case):
     """ZeRO stage 0 (base replicated) and 3 (base sharded as bytes, gathered per unit)."""
-    out, ref = two_rank_runs
+    out, ref, _ = two_rank_runs
     for rank in (0, 1):
         got = out[rank][case]
         assert_matches(got["losses"], got["params"], ref, f"case {case} rank {rank}", tol=1e-6, lr=1e-2)
@@ -195,6 +238,34 @@ def test_two_ranks_match_one_process(two_rank_runs, case):
         assert all(shard == (-(-total // 2) if case == 1 else total) for _, _, shard, total in units)
         # the ledger counts them as bytes, as the formula does
         assert got["state_bytes"]["params"] == pytest.approx(got["predicted"]["params"], rel=0.01)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tensor_and_expert_parallel_match_one_process(two_rank_runs, layout):
+    """tp = 2: each rank holds whole stored rows of every
+    byte table (a column-parallel weight's rows, a row-parallel weight's columns: models/quant.py
+    ROW_PARALLEL), which put together are the one-process tables byte for byte, so the pieces
+    dequantise to exactly its weights. ep = 2 with MoE: each rank's experts' tables. Losses and
+    adapters within 1e-5 relative (tests/test_lora_tp.py: tp sums in another order)."""
+    from tp_cases import whole_params
+
+    out, _, one = two_rank_runs
+    index = 2 + list(LAYOUTS).index(layout)
+    ranks = [out[rank][index] for rank in (0, 1)]
+    ref = one["moe" if "ep" in layout else "dense"]
+    tables = [n for n in ref["params"] if n.endswith("_q")]
+    assert len(tables) == (2 * 4 if "ep" not in layout else 2 * 2 + 2 * 2)  # + each block's 2 expert tables
+    cut = {n for n in ranks[0]["splits"] if n.endswith("_q")}
+    assert cut == ({n for n in tables if ".experts." in n} if "ep" in layout else set(tables))
+    for got in ranks:
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), layout
+    whole = whole_params(ranks)
+    assert whole.keys() == ref["params"].keys()
+    for name in tables:  # the same bytes: the same dequantised base
+        assert torch.equal(whole[name], ref["params"][name]), name
+    worst = max((float((whole[n] - v).norm() / v.norm().clamp_min(1e-12)), n)
+                for n, v in ref["params"].items() if is_adapter(n))
+    assert worst[0] <= 1e-5, (layout, worst)
 
 
 def test_checkpoint_resumes_at_stage_3(tmp_path):

@@ -567,18 +567,22 @@ def _param_offload_stage(cfg: Config) -> list[str]:
             if z.offload_params != "none" and par.zero_stage != 3 else [])
 
 
-@_cross("lora.rank", "parallel.tp", "lora.quantize", "model.hf_config")
+@_cross("lora.rank", "parallel.tp", "lora.quantize", "model.hf_config", "model.n_kv_heads", "model.n_heads")
 def _lora_layout(cfg: Config) -> list[str]:
     """LoRA's frozen base is ZeRO units like any other (zero/engine.py: gathered at stage 3,
     kept by the parameter store when zero.offload_params is set). Tensor parallelism cuts our
-    decoder's adapters as it cuts the linears they wrap (parallel/tensor.py); a quantised base
-    (lora.quantize) and a transformers model's layers (model.hf_config) are not cut yet."""
+    decoder's adapters as it cuts the linears they wrap, and a quantised base (lora.quantize) as
+    whole stored rows of its byte tables (parallel/tensor.py, models/quant.py); a transformers
+    model's layers (model.hf_config) are not cut yet, nor a quantised base's key/value rows that
+    every rank keeps when tp > n_kv_heads."""
     if not cfg.lora.rank or cfg.parallel.tp == 1:
         return []
+    m, tp = cfg.model, cfg.parallel.tp
+    kv = m.n_kv_heads or m.n_heads
     blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
-        ("lora.quantize", cfg.lora.quantize, "tensor parallelism does not cut a quantised base "
-         "yet; set lora.quantize = 'none' or parallel.tp = 1 (parallel.zero_stage = 3 shards the "
-         "frozen base instead)", cfg.lora.quantize != "none"),
+        ("lora.quantize", cfg.lora.quantize, f"with parallel.tp = {tp} > model.n_kv_heads = {kv} "
+         f"every rank keeps all key/value rows, which are not cut from a quantised base yet; set "
+         f"parallel.tp <= {kv} or lora.quantize = 'none'", cfg.lora.quantize != "none" and tp > kv),
         ("model.hf_config", cfg.model.hf_config, "tensor parallelism cuts only our decoder's "
          "adapters; use model.preset or model.hf_path of a supported family, or parallel.tp = 1",
          bool(cfg.model.hf_config)),
@@ -587,7 +591,7 @@ def _lora_layout(cfg: Config) -> list[str]:
              f"with: {'; '.join(blocking)}"] if blocking else [])
 
 
-@_cross("lora.quantize", "lora.rank", "model.experts", "model.hf_config", "train.compile")
+@_cross("lora.quantize", "lora.rank", "model.hf_config")
 def _qlora_composes(cfg: Config) -> list[str]:
     """lora.quantize stores our decoder's frozen block linears as packed bytes (models/quant.py)."""
     q = cfg.lora.quantize
@@ -598,10 +602,6 @@ def _qlora_composes(cfg: Config) -> list[str]:
          "trains; set lora.rank > 0", cfg.lora.rank == 0),
         ("model.hf_config", cfg.model.hf_config, "a transformers model's layers are not ours to "
          "quantise; use model.hf_path or model.preset", bool(cfg.model.hf_config)),
-        ("model.experts", cfg.model.experts, "the experts' batched weights are not linear layers; "
-         "not quantised yet", cfg.model.experts > 0),
-        ("train.compile", cfg.train.compile, "the dequantising linear does not compile into the "
-         "block's graph yet", cfg.train.compile),
     ) if on]
     return ([f"lora.quantize = {q!r} does not compose with: {'; '.join(blocking)}"]
             if blocking else [])
@@ -662,19 +662,17 @@ def _attention_composes(cfg: Config) -> list[str]:
     return problems
 
 
-@_cross("activation.offload", "activation.offload_blocks", "activation.checkpoint", "model.n_layers")
+@_cross("activation.offload", "activation.offload_blocks", "model.n_layers")
 def _activation_offload_composes(cfg: Config) -> list[str]:
+    """activation.offload moves what each chosen block keeps for backward to host memory: its
+    saved tensors, or with recomputation (activation.checkpoint) the checkpoint's kept inputs
+    (parallel/activation.py)."""
     a, n = cfg.activation, cfg.model.n_layers
     if a.offload == "none":
         return ([f"activation.offload_blocks = {a.offload_blocks} has no effect with activation.offload "
                  f"= 'none'; set activation.offload = 'cpu' or leave offload_blocks at 0"]
                 if a.offload_blocks else [])
     problems = []
-    if a.checkpoint != "none":
-        problems.append(f"activation.offload = {a.offload!r} with activation.checkpoint = "
-                        f"{a.checkpoint!r}: offload moves the activations a block keeps, recomputation "
-                        f"keeps fewer and rebuilds them inside backward (outside the offload hooks); "
-                        f"choose one: activation.checkpoint = 'none' or activation.offload = 'none'")
     if a.offload_blocks > n:
         problems.append(f"activation.offload_blocks = {a.offload_blocks} exceeds the model's {n} "
                         f"blocks (model.n_layers); 0 offloads every block")

@@ -43,6 +43,7 @@ from torch import nn
 from shardlm.config import ModelConfig
 from shardlm.models.expert_matmul import expert_linear
 from shardlm.models.flops import expert_d_ff
+from shardlm.models.quant import QuantFormat, quantized_linear
 
 
 @dataclass
@@ -152,14 +153,44 @@ class Experts(nn.Module):
                 self.fc_bias = nn.Parameter(torch.empty(count, f))
                 self.proj_bias = nn.Parameter(torch.empty(count, d))
 
+    quant: dict[str, QuantFormat] | None = None
+    """Set by models/quant.py quantize_experts (lora.quantize): each batched weight `attr` is then
+    stored as `<attr>_q` bytes, a row per expert, dequantised in forward."""
+
+    def stacked_weights(self) -> tuple[str, ...]:
+        """The batched (E, out, in) weights, in forward's order."""
+        return ("gate_up", "down") if self.swiglu else ("fc", "proj")
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, C): tokens grouped by local expert, `counts` (count,) of each -> (M, C). The
-        matmuls are one grouped op each (models/expert_matmul.py: a compiled graph holds it)."""
+        matmuls are one grouped op each (models/expert_matmul.py: a compiled graph holds it);
+        a quantised base (QLoRA) dequantises each expert's rows in a loop instead."""
+        if self.quant:
+            return self._quantized(x, counts.tolist())
         if self.swiglu:
             gate, up = expert_linear(x, self.gate_up, None, counts).chunk(2, dim=-1)  # (M, f) each
             return expert_linear(F.silu(gate) * up, self.down, None, counts)
         h = F.gelu(expert_linear(x, self.fc, getattr(self, "fc_bias", None), counts), approximate="tanh")
         return expert_linear(h, self.proj, getattr(self, "proj_bias", None), counts)
+
+    def _linear(self, x: torch.Tensor, attr: str, e: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        fmt = self.quant.get(attr) if self.quant else None
+        if fmt is None:
+            return F.linear(x, getattr(self, attr)[e], bias)
+        return quantized_linear(x, getattr(self, f"{attr}_q")[e], bias, fmt)
+
+    def _quantized(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs = []
+        for e, xe in enumerate(x.split(counts)):
+            if self.swiglu:
+                gate, up = self._linear(xe, "gate_up", e).chunk(2, dim=-1)
+                outs.append(self._linear(F.silu(gate) * up, "down", e))
+            else:
+                bias = getattr(self, "fc_bias", None)
+                h = F.gelu(self._linear(xe, "fc", e, None if bias is None else bias[e]), approximate="tanh")
+                bias = getattr(self, "proj_bias", None)
+                outs.append(self._linear(h, "proj", e, None if bias is None else bias[e]))
+        return torch.cat(outs) if outs else x[:0]
 
 
 @dataclass

@@ -3,23 +3,30 @@
 Formats (lora.quantize), each weight packed into ONE plain uint8 tensor, so that the ZeRO engine
 holds it in a flat byte buffer like any frozen parameter — sharded by bytes at stage 3 and
 all-gathered per unit (a tensor subclass such as torchao's NF4Tensor, or bitsandbytes'
-Params4bit with its QuantState object, does not survive being a view of a flat buffer):
+Params4bit with its QuantState object, does not survive being a view of a flat buffer). The
+tensor is a table: one row of bytes per stored row of the weight (R rows of K elements: the
+weight's rows, or for the linears tensor parallelism cuts by input (ROW_PARALLEL) its columns),
+each row packed on its own, so that a tensor-parallel piece — whole stored rows — is a plain
+Split of the table (dim 0) and dequantises to exactly the one-process weight's piece:
 
-    nf4   4-bit NormalFloat in blocks of 64 with an absmax each; double quantisation: the
+    nf4   4-bit NormalFloat in blocks of 64 with an absmax each; double quantisation: the row's
           absmaxes minus their mean ("offset") quantised to 8 bits with bitsandbytes' dynamic
-          map in blocks of 256, each with an fp32 absmax. Bytes, in order:
-          offset (fp32) | absmax2 (fp32 x ceil(nb/256)) | absmax codes (u8 x nb) | codes (u8 x ceil(n/2))
-          with nb = ceil(n/64) blocks and two codes per byte, the first in the high nibble:
-          0.5 + 1/64 + 4/(64*256) bytes per parameter (~0.516; 4.127 bits).
-    int8  LLM.int8's weight format (Dettmers et al. 2022): per output row, an fp32 absmax and
-          round(127 w / absmax) as int8. Bytes: row absmaxes (fp32 x rows) | codes (int8 x n).
+          map in blocks of 256, each with an fp32 absmax. A row's bytes, in order:
+          offset (fp32) | absmax2 (fp32 x ceil(nb/256)) | absmax codes (u8 x nb) | codes (u8 x ceil(K/2))
+          with nb = ceil(K/64) blocks and two codes per byte, the first in the high nibble:
+          0.5 + 1/64 + (4 + 4 ceil(nb/256)) / K bytes per parameter (4.14 bits at K = 4096,
+          5.1 at K = 64; bitsandbytes' whole-tensor layout 4.127).
+    int8  LLM.int8's weight format (Dettmers et al. 2022): per stored row, an fp32 absmax and
+          round(127 w / absmax) as int8. A row's bytes: absmax (fp32) | codes (int8 x K).
 
-The codes, scales and dequantised values equal bitsandbytes' quantize_4bit(quant_type='nf4',
-blocksize=64, compress_statistics=True) / dequantize_4bit and int8_vectorwise_quant / _dequant
-on the same weights (tests/test_qlora.py), but for the 8-bit absmax codes: ours is always the
+Each row's codes, scales and dequantised values equal bitsandbytes' quantize_4bit(quant_type=
+'nf4', blocksize=64, compress_statistics=True) / dequantize_4bit and int8_vectorwise_quant /
+_dequant of that row (tests/test_qlora.py), but for the 8-bit absmax codes: ours is always the
 nearest level (bitsandbytes' torch and CUDA rule), its CPU C kernel's search sometimes the next.
 Quantising is torch ops (once, at build); dequantising uses bitsandbytes' dequantize_4bit kernel
-(C on CPU, CUDA on GPU) when the package is installed, else torch ops: the same values.
+(C on CPU, CUDA on GPU) when the package is installed, else torch ops: the same values. MoE
+experts' batched weights (E, out, in) are a table per expert, stacked (E, R, row bytes):
+expert parallelism cuts dim 0 as it cuts the experts.
 
 Gradients: QuantizedLinearFn keeps only the packed bytes for backward (not the dequantised
 weight, which would be the compute-dtype base again) and dequantises a second time there; the
@@ -78,10 +85,21 @@ def _nearest(values: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """How one weight of `shape` (out, in) is packed (module doc)."""
+    """How one weight of `shape` (out, in) is packed (module doc): a table of bytes, one row per
+    stored row (`rows`: the weight's rows, or with `transposed` its columns), each row packed on
+    its own."""
 
     kind: str
     shape: tuple[int, int]
+    transposed: bool = False
+    """Rows are the weight's columns: the blocks run down its dim 0. A row-parallel linear's
+    (ROW_PARALLEL), whose input columns tensor parallelism cuts: the cut then falls between
+    stored rows, never inside a block."""
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """(R, K): stored rows and the elements of each."""
+        return (self.shape[1], self.shape[0]) if self.transposed else self.shape
 
     @property
     def numel(self) -> int:
@@ -89,107 +107,131 @@ class QuantFormat:
 
     @property
     def blocks(self) -> int:
-        return -(-self.numel // BLOCK)
+        """NF4 blocks of one row."""
+        return -(-self.rows[1] // BLOCK)
 
     @property
     def blocks2(self) -> int:
+        """Double quantisation's blocks of one row."""
         return -(-self.blocks // ABSMAX_BLOCK)
 
     @property
-    def nbytes(self) -> int:
+    def row_nbytes(self) -> int:
+        k = self.rows[1]
         if self.kind == "int8":
-            return 4 * self.shape[0] + self.numel
-        return 4 + 4 * self.blocks2 + self.blocks + -(-self.numel // 2)
+            return 4 + k
+        return 4 + 4 * self.blocks2 + self.blocks + -(-k // 2)
+
+    @property
+    def stored_shape(self) -> tuple[int, int]:
+        return (self.rows[0], self.row_nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows[0] * self.row_nbytes
+
+    def local(self, shape: tuple[int, int]) -> QuantFormat:
+        """The same format for a piece of `shape` (a tensor-parallel cut between stored rows)."""
+        return QuantFormat(self.kind, shape, self.transposed)
 
 
 def _fp32_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.float().contiguous().reshape(-1).view(torch.uint8)
+    """(r, n) -> (r, 4 n) bytes."""
+    return t.float().contiguous().view(torch.uint8)
 
 
 def _fp32_from(packed: torch.Tensor, start: int, count: int) -> torch.Tensor:
-    # A copy: a slice of a byte buffer need not sit at a 4-byte boundary for .view(float32).
-    return packed[start:start + 4 * count].clone().view(torch.float32)
+    # A copy: a slice of a byte table need not sit at a 4-byte boundary for .view(float32).
+    return packed[:, start:start + 4 * count].contiguous().view(torch.float32)  # (r, count)
 
 
 @torch.no_grad()
-def quantize(weight: torch.Tensor, kind: str) -> torch.Tensor:
-    """`weight` (out, in), any float dtype -> its packed bytes (uint8, (QuantFormat.nbytes,)).
-    Worked in pieces of CHUNK elements, so the fp32 temporaries stay a few MiB whatever the
+def quantize(weight: torch.Tensor, kind: str, transposed: bool = False) -> torch.Tensor:
+    """`weight` (out, in), any float dtype -> its byte table (uint8, QuantFormat.stored_shape):
+    each stored row (a row of the weight, or with `transposed` a column) packed on its own.
+    Worked in pieces of about CHUNK elements, so the fp32 temporaries stay a few MiB whatever the
     weight's size (the build's peak is the weight itself, not five copies of it)."""
-    fmt = QuantFormat(kind, tuple(weight.shape))
-    w = weight.detach()
-    if kind == "int8":
-        absmax = torch.empty(fmt.shape[0], device=w.device)
-        codes = torch.empty(fmt.shape, dtype=torch.int8, device=w.device)
-        step = max(1, CHUNK // fmt.shape[1])
-        for lo in range(0, fmt.shape[0], step):
-            rows = w[lo:lo + step].float()
-            absmax[lo:lo + step] = part = rows.abs().amax(dim=1)  # (rows,)
-            codes[lo:lo + step] = torch.round(rows * (127.0 / part.clamp(min=1e-38)).unsqueeze(1))
-        return torch.cat([_fp32_bytes(absmax), codes.reshape(-1).view(torch.uint8)])
-    flat, nf4 = w.reshape(-1), torch.tensor(NF4_CODE, device=w.device)
-    absmax = torch.empty(fmt.blocks, device=w.device)
-    codes = torch.empty(fmt.blocks * BLOCK, dtype=torch.uint8, device=w.device)
-    step = CHUNK // BLOCK
-    for lo in range(0, fmt.blocks, step):
-        hi = min(lo + step, fmt.blocks)
-        part = flat[lo * BLOCK:hi * BLOCK].float()
-        part = F.pad(part, (0, (hi - lo) * BLOCK - part.numel())).view(hi - lo, BLOCK)
-        absmax[lo:hi] = block_max = part.abs().amax(dim=1)  # (blocks,)
-        scaled = torch.clamp(part * (1.0 / block_max.clamp(min=1e-38)).unsqueeze(1), -1, 1)
-        codes[lo * BLOCK:hi * BLOCK] = _nearest(scaled.reshape(-1), nf4)
-    codes = codes[:2 * -(-fmt.numel // 2)]
-    packed = (codes[0::2] << 4) | codes[1::2]  # (ceil(n/2),)
-    # Double quantisation of the absmaxes: centred, then 8-bit dynamic codes in blocks of 256.
-    offset = absmax.mean()
-    centred = F.pad(absmax - offset, (0, fmt.blocks2 * ABSMAX_BLOCK - fmt.blocks)).view(fmt.blocks2, ABSMAX_BLOCK)
-    absmax2 = centred.abs().amax(dim=1)  # (blocks2,)
-    scaled2 = torch.clamp(centred * (1.0 / absmax2.clamp(min=1e-38)).unsqueeze(1), -1, 1)
-    absmax_codes = _nearest(scaled2.reshape(-1), dynamic_map().to(w.device)).to(torch.uint8)[:fmt.blocks]
-    return torch.cat([_fp32_bytes(offset.reshape(1)), _fp32_bytes(absmax2), absmax_codes, packed])
+    fmt = QuantFormat(kind, tuple(weight.shape), transposed)
+    w = weight.detach().t() if transposed else weight.detach()  # (R, K)
+    step = max(1, CHUNK // (fmt.blocks * BLOCK))
+    pack = _int8_rows if kind == "int8" else _nf4_rows
+    return torch.cat([pack(w[lo:lo + step].float(), fmt) for lo in range(0, fmt.rows[0], step)])
+
+
+def _int8_rows(rows: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    absmax = rows.abs().amax(dim=1, keepdim=True)  # (r, 1)
+    codes = torch.round(rows * (127.0 / absmax.clamp(min=1e-38))).to(torch.int8)
+    return torch.cat([_fp32_bytes(absmax), codes.view(torch.uint8)], dim=1)
+
+
+def _nf4_rows(rows: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    r, k = rows.shape
+    nb, nb2 = fmt.blocks, fmt.blocks2
+    part = F.pad(rows, (0, nb * BLOCK - k)).view(r, nb, BLOCK)
+    absmax = part.abs().amax(dim=2)  # (r, nb)
+    scaled = torch.clamp(part * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(2), -1, 1)
+    nf4 = torch.tensor(NF4_CODE, device=rows.device)
+    codes = _nearest(scaled.reshape(-1), nf4).to(torch.uint8).view(r, nb * BLOCK)[:, :2 * -(-k // 2)]
+    packed = (codes[:, 0::2] << 4) | codes[:, 1::2]  # (r, ceil(K/2))
+    # Double quantisation of the row's absmaxes: centred, then 8-bit dynamic codes in blocks of 256.
+    offset = absmax.mean(dim=1, keepdim=True)  # (r, 1)
+    centred = F.pad(absmax - offset, (0, nb2 * ABSMAX_BLOCK - nb)).view(r, nb2, ABSMAX_BLOCK)
+    absmax2 = centred.abs().amax(dim=2)  # (r, nb2)
+    scaled2 = torch.clamp(centred * (1.0 / absmax2.clamp(min=1e-38)).unsqueeze(2), -1, 1)
+    absmax_codes = _nearest(scaled2.reshape(-1), dynamic_map().to(rows.device)).to(torch.uint8)
+    absmax_codes = absmax_codes.view(r, nb2 * ABSMAX_BLOCK)[:, :nb]
+    return torch.cat([_fp32_bytes(offset), _fp32_bytes(absmax2), absmax_codes, packed], dim=1)
 
 
 def dequantize(packed: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
-    """The weight (out, in) in `dtype` from its packed bytes: the arithmetic in fp32, then cast.
-    NF4 goes through bitsandbytes' dequantize_4bit kernel (C on CPU, CUDA on GPU) when it is
-    installed, else through torch ops (dequantize_torch): the same values, ~2x slower on CPU."""
+    """The stored rows (R, K) in `dtype` from their byte table: the arithmetic in fp32, then
+    cast (the weight is this, or its transpose with fmt.transposed: `weight_of`). NF4 goes
+    through bitsandbytes' dequantize_4bit kernel (C on CPU, CUDA on GPU) when it is installed and
+    the rows are whole blocks, else through torch ops (dequantize_torch): the same values."""
     if fmt.kind == "int8":
-        rows = fmt.shape[0]
-        absmax = _fp32_from(packed, 0, rows)
-        codes = packed[4 * rows:].view(torch.int8).view(fmt.shape).float()
-        return (codes * absmax.unsqueeze(1) * INT8_STEP).to(dtype)
-    absmax, codes = _nf4_absmax(packed, fmt), packed[4 + 4 * fmt.blocks2 + fmt.blocks:]
+        return dequantize_torch(packed, fmt, dtype)
     kernel = _bnb_kernel()
-    if kernel is not None and fmt.shape[1] % 2 == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16):
-        return kernel(codes, absmax, BLOCK, "nf4", list(fmt.shape), dtype)
-    return _nf4_values(codes, absmax, fmt).to(dtype)
+    r, k = fmt.rows
+    if kernel is not None and k % BLOCK == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16):
+        codes = packed[:, 4 + 4 * fmt.blocks2 + fmt.blocks:].reshape(-1)
+        return kernel(codes, _nf4_absmax(packed, fmt).reshape(-1), BLOCK, "nf4", [r, k], dtype)
+    return dequantize_torch(packed, fmt, dtype)
 
 
 def dequantize_torch(packed: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
     """dequantize in torch ops only (no bitsandbytes)."""
     if fmt.kind == "int8":
-        return dequantize(packed, fmt, dtype)
-    codes = packed[4 + 4 * fmt.blocks2 + fmt.blocks:]
+        absmax = _fp32_from(packed, 0, 1)  # (R, 1)
+        codes = packed[:, 4:].contiguous().view(torch.int8).float()
+        return (codes * absmax * INT8_STEP).to(dtype)
+    codes = packed[:, 4 + 4 * fmt.blocks2 + fmt.blocks:]
     return _nf4_values(codes, _nf4_absmax(packed, fmt), fmt).to(dtype)
 
 
+def weight_of(packed: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
+    """The weight (out, in) (a transposed view with fmt.transposed)."""
+    rows = dequantize(packed, fmt, dtype)
+    return rows.t() if fmt.transposed else rows
+
+
 def _nf4_absmax(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    """The blocks' absmaxes (fp32, (blocks,)) undone from their double quantisation."""
+    """The blocks' absmaxes (fp32, (R, blocks)) undone from their double quantisation."""
     at = 4 + 4 * fmt.blocks2
     offset, absmax2 = _fp32_from(packed, 0, 1), _fp32_from(packed, 4, fmt.blocks2)
-    levels = dynamic_map().to(packed.device)[packed[at:at + fmt.blocks].int()]
-    return levels * absmax2.repeat_interleave(ABSMAX_BLOCK)[:fmt.blocks] + offset
+    levels = dynamic_map().to(packed.device)[packed[:, at:at + fmt.blocks].int()]
+    return levels * absmax2.repeat_interleave(ABSMAX_BLOCK, dim=1)[:, :fmt.blocks] + offset
 
 
 def _nf4_values(codes: torch.Tensor, absmax: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    """fp32 (out, in): each byte's two levels by one lookup in a (256, 2) table, times the
+    """fp32 (R, K): each byte's two levels by one lookup in a (256, 2) table, times the
     block's absmax."""
+    (r, k), nb = fmt.rows, fmt.blocks
     table = torch.tensor(NF4_CODE, device=codes.device)
     pairs = torch.stack([table.repeat_interleave(16), table.repeat(16)], dim=1)  # byte -> (high, low)
-    values = F.embedding(codes.int(), pairs).reshape(-1)  # (2 ceil(n/2),)
-    values = F.pad(values, (0, fmt.blocks * BLOCK - values.numel())).view(fmt.blocks, BLOCK)
-    values.mul_(absmax.unsqueeze(1))
-    return values.reshape(-1)[:fmt.numel].view(fmt.shape)
+    values = F.embedding(codes.int(), pairs).reshape(r, -1)  # (R, 2 ceil(K/2))
+    values = F.pad(values, (0, nb * BLOCK - values.shape[1])).view(r, nb, BLOCK)
+    values.mul_(absmax.unsqueeze(2))
+    return values.reshape(r, -1)[:, :k]
 
 
 _BNB: object = None
@@ -213,6 +255,26 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
+@torch.library.custom_op("shardlm::dequantize", mutates_args=())
+def dequantize_op(packed: torch.Tensor, kind: str, shape: list[int], transposed: bool,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """dequantize as a torch custom op: a compiled block (train.compile, parallel/compile.py,
+    fullgraph) holds it as one opaque node whose output shape it is told, so the format's
+    lookups (the dynamic map's Python list, bitsandbytes' kernel) stay outside the graph."""
+    return dequantize(packed, QuantFormat(kind, (shape[0], shape[1]), transposed), dtype)
+
+
+@dequantize_op.register_fake
+def _(packed: torch.Tensor, kind: str, shape: list[int], transposed: bool,
+      dtype: torch.dtype) -> torch.Tensor:
+    return packed.new_empty(QuantFormat(kind, (shape[0], shape[1]), transposed).rows, dtype=dtype)
+
+
+def _weight(packed: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
+    rows = dequantize_op(packed, fmt.kind, list(fmt.shape), fmt.transposed, dtype)
+    return rows.t() if fmt.transposed else rows
+
+
 class QuantizedLinearFn(torch.autograd.Function):
     """y = x W^T + b with W dequantised from its bytes in forward and again in backward: the
     bytes are what autograd keeps. W and b are frozen (no gradient); x gets one."""
@@ -221,12 +283,12 @@ class QuantizedLinearFn(torch.autograd.Function):
     def forward(ctx, x, packed, bias, fmt):
         ctx.save_for_backward(packed)
         ctx.fmt = fmt
-        return F.linear(x, dequantize(packed, fmt, _compute_dtype(x)), bias)
+        return F.linear(x, _weight(packed, fmt, _compute_dtype(x)), bias)
 
     @staticmethod
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
-        grad_x = grad @ dequantize(packed, ctx.fmt, grad.dtype)  # (…, out) @ (out, in)
+        grad_x = grad @ _weight(packed, ctx.fmt, grad.dtype)  # (…, out) @ (out, in)
         return grad_x, None, None, None
 
 
@@ -238,19 +300,24 @@ def quantized_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
 
 
 class QuantizedLinear(nn.Module):
-    """A frozen nn.Linear whose weight is stored as `weight_q` (packed bytes, QuantFormat)."""
+    """A frozen nn.Linear whose weight is stored as `weight_q` (a byte table, QuantFormat)."""
 
-    def __init__(self, base: nn.Linear, kind: str) -> None:
+    def __init__(self, base: nn.Linear, fmt: QuantFormat) -> None:
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.bias = base.bias
-        self.quant = QuantFormat(kind, (base.out_features, base.in_features))
+        self.quant = fmt
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quantized_linear(x, self.weight_q, self.bias, self.quant)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.quant.kind}"
+
+
+ROW_PARALLEL = ("attn.proj", "mlp.proj", "mlp.down")
+"""Our decoder's linears whose input tensor parallelism cuts (parallel/tensor.py's row-parallel
+layers): stored by columns (QuantFormat.transposed), so a cut falls between stored rows."""
 
 
 @dataclass
@@ -268,34 +335,69 @@ class QuantState:
                 f"bits each; {compute_bytes * self.numel:,} bytes at {compute_bytes} B/param)")
 
 
+@torch.no_grad()
+def quantize_stacked(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """A batched weight (E, out, in), e.g. MoE's experts, -> (E, *QuantFormat.stored_shape)
+    bytes: each expert's matrix its own table, so the experts expert parallelism cuts (dim 0)
+    dequantise exactly as in the whole."""
+    return torch.stack([quantize(w, kind) for w in weight.unbind(0)])
+
+
+def quantize_experts(experts: nn.Module, kind: str) -> dict[str, QuantFormat]:
+    """Store each batched weight `attr` (E, out, in) of a MoE experts module (models/moe.Experts:
+    its `stacked_weights()`) as `<attr>_q` bytes (E, nbytes), one row per expert,
+    (E, *stored_shape), made now from a materialised weight or left on meta for the initializer. Sets
+    `experts.quant` (attr -> each expert's QuantFormat), which the experts' forward reads."""
+    formats = {}
+    for attr in experts.stacked_weights():
+        weight = getattr(experts, attr)
+        fmt = QuantFormat(kind, (weight.shape[1], weight.shape[2]))
+        data = (torch.empty(weight.shape[0], *fmt.stored_shape, dtype=torch.uint8, device="meta")
+                if weight.is_meta else quantize_stacked(weight, kind))
+        delattr(experts, attr)
+        setattr(experts, f"{attr}_q", nn.Parameter(data, requires_grad=False))
+        formats[attr] = fmt
+    experts.quant = formats
+    return formats
+
+
 def quantize_base(model: nn.Module, kind: str, names: list[str],
                   initializer: Initializer | None = None) -> tuple[QuantState, Initializer | None]:
     """Store the weight of each linear layer in `names` (a LoRALinear or a frozen nn.Linear) as
-    `<layer>.weight_q` bytes in format `kind`. On the meta device the bytes are made later, by
-    the returned initializer, from `initializer`'s values of `<layer>.weight` (one weight at a
-    time: the sharded build); a materialised model's weights are quantised now. Stored as
-    `model.quant`."""
+    `<layer>.weight_q` bytes in format `kind`, and each MoE experts module in `names` (one with
+    `stacked_weights`) as `<experts>.<attr>_q` (quantize_experts). On the meta device the bytes
+    are made later, by the returned initializer, from `initializer`'s values of the float weight
+    (one weight at a time: the sharded build); a materialised model's weights are quantised now.
+    Stored as `model.quant`."""
     if kind not in QUANTIZE_KINDS[1:]:
         raise ValueError(f"quantize kind {kind!r}: expected one of {', '.join(QUANTIZE_KINDS[1:])}")
     formats: dict[str, QuantFormat] = {}
+    stacked: dict[str, QuantFormat] = {}  # MoE experts' weights: a format per expert
+    sizes: list[tuple[int, int]] = []  # (parameters, bytes) of each weight
     for name in names:
         module = model.get_submodule(name)
+        if hasattr(module, "stacked_weights"):  # MoE experts: (E, out, in) weights
+            for attr, fmt in quantize_experts(module, kind).items():
+                stacked[f"{name}.{attr}_q"] = formats[f"{name}.{attr}_q"] = fmt
+                sizes.append((module.count * fmt.numel, module.count * fmt.nbytes))
+            continue
         weight = module.weight
-        fmt = QuantFormat(kind, (module.out_features, module.in_features))
+        fmt = QuantFormat(kind, (module.out_features, module.in_features),
+                          any(name == p or name.endswith("." + p) for p in ROW_PARALLEL))
         if type(module) is nn.Linear:
-            quantized = QuantizedLinear(module, kind)
+            quantized = QuantizedLinear(module, fmt)
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, quantized)
             module = quantized
         else:  # LoRALinear: its base forward reads `quant` and `weight_q`
             del module.weight
             module.quant = fmt
-        data = (torch.empty(fmt.nbytes, dtype=torch.uint8, device="meta") if weight.is_meta
-                else quantize(weight, kind))
+        data = (torch.empty(fmt.stored_shape, dtype=torch.uint8, device="meta") if weight.is_meta
+                else quantize(weight, kind, fmt.transposed))
         module.weight_q = nn.Parameter(data, requires_grad=False)
         formats[f"{name}.weight_q"] = fmt
-    state = QuantState(kind, len(formats), sum(f.numel for f in formats.values()),
-                       sum(f.nbytes for f in formats.values()))
+        sizes.append((fmt.numel, fmt.nbytes))
+    state = QuantState(kind, len(formats), sum(n for n, _ in sizes), sum(b for _, b in sizes))
     model.quant = state
     log.info("%s", state.summary())
     if initializer is None:
@@ -303,7 +405,10 @@ def quantize_base(model: nn.Module, kind: str, names: list[str],
 
     def init(name: str) -> torch.Tensor:
         fmt = formats.get(name)
-        return initializer(name) if fmt is None else quantize(initializer(name[:-len("_q")]), fmt.kind)
+        if fmt is None:
+            return initializer(name)
+        whole = initializer(name[:-len("_q")])
+        return quantize_stacked(whole, fmt.kind) if name in stacked else quantize(whole, fmt.kind, fmt.transposed)
     return state, init
 
 
@@ -313,9 +418,17 @@ def dequantize_base(model: nn.Module) -> None:
     and export of a quantised run: the model the adapters were trained against."""
     for name, module in list(model.named_modules()):
         fmt = getattr(module, "quant", None)
+        if isinstance(fmt, dict):  # MoE experts: each expert's row of bytes
+            for attr, each in fmt.items():
+                packed = getattr(module, f"{attr}_q")
+                delattr(module, f"{attr}_q")
+                setattr(module, attr, nn.Parameter(torch.stack(
+                    [weight_of(table, each, torch.float32) for table in packed]), requires_grad=False))
+            module.quant = None
+            continue
         if not isinstance(fmt, QuantFormat):
             continue
-        weight = nn.Parameter(dequantize(module.weight_q, fmt, torch.float32), requires_grad=False)
+        weight = nn.Parameter(weight_of(module.weight_q, fmt, torch.float32).contiguous(), requires_grad=False)
         del module.weight_q
         if isinstance(module, QuantizedLinear):
             plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
@@ -330,9 +443,13 @@ def dequantize_base(model: nn.Module) -> None:
 
 def quantizable(model: nn.Module, patterns: list[str]) -> list[str]:
     """The linear layers of the blocks to quantise: every LoRA-wrapped one and every dense
-    attention / MLP linear matching `patterns` (a name or its dotted suffix)."""
+    attention / MLP linear matching `patterns` (a name or its dotted suffix); and every MoE
+    experts module (its batched weights, frozen: LoRA adapts attention's linears beside them)."""
     out = []
     for name, module in model.named_modules():
+        if hasattr(module, "stacked_weights"):  # MoE experts (models/moe.Experts)
+            out.append(name)
+            continue
         lora = hasattr(module, "lora_A")
         dense = type(module) is nn.Linear and any(name == p or name.endswith("." + p) for p in patterns)
         if lora or dense:

@@ -163,11 +163,17 @@ class ActivationOffload:
         self._in_flight = None  # the event after the previous block's device -> host copies
         self._handles = []
         for index, block in enumerate(blocks):
-            self._handles.append(block.register_forward_pre_hook(self._enter(index)))
+            # First of the block's pre-hooks: a checkpoint's (apply_ac) saves the block's inputs
+            # inside its own pre-hook, and those saves must meet these hooks.
+            self._handles.append(block.register_forward_pre_hook(self._enter(index), prepend=True))
             self._handles.append(block.register_forward_hook(self._exit(index), always_call=True))
 
     def _enter(self, index: int):
         def hook(module, args):
+            if torch._C._current_graph_task_id() != -1:
+                # A forward inside backward is a checkpoint's recomputation: what it saves belongs
+                # to the checkpoint (its inner hooks), not to offload.
+                return
             self._active, self._own = index, None
             self._groups[index] = []
             self._seen.clear()
@@ -179,8 +185,9 @@ class ActivationOffload:
     def _exit(self, index: int):
         def hook(module, args, output):
             ctx = module.__dict__.pop("_shardlm_offload_ctx", None)
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
+            if ctx is None:  # a recomputation (see _enter)
+                return
+            ctx.__exit__(None, None, None)
             self._active, self._own = None, None
             self._seen.clear()
             if self._stream is not None:  # CUDA: this block's copies queued; bound those in flight

@@ -61,6 +61,7 @@ from torch import nn
 from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
 from shardlm.models.moe import Experts, MoE, MoEStats, Routing, route, update_biases
+from shardlm.models.quant import quantize_experts
 from shardlm.parallel.tensor import TPState, copy_to_group, cut_mlp, frozen_kept, reduce_from_group, summed
 from shardlm.checkpoint.placement import Split, even_range
 
@@ -261,7 +262,10 @@ def spread_experts(moe: MoE, name: str, cfg, comm: Comm, stats: MoEStats) -> dic
     lo, hi = even_range(moe.n_experts, comm.size, comm.rank)
     splits = {f"{name}.experts.{attr}": Split(tuple(p.shape), 0, ((lo, hi),))
               for attr, p in moe.experts.named_parameters()}
+    quant = moe.experts.quant  # a quantised base (lora.quantize): the new experts' bytes too
     moe.experts = Experts(cfg, hi - lo, lo)
+    if quant:
+        quantize_experts(moe.experts, next(iter(quant.values())).kind)
     moe.dispatcher = AllToAllDispatcher(comm, moe.n_experts, stats)
     return splits
 

@@ -46,6 +46,7 @@ from shardlm.data.sft import IGNORE
 from shardlm.parallel.collective_ops import all_reduce, gather_seq, op_group, reduce_scatter_seq
 from shardlm.errors import ConfigError
 from shardlm.models.flops import head_dim
+from shardlm.models.quant import QuantFormat, quantized_linear
 from shardlm.checkpoint.placement import Split, even_range
 
 log = logging.getLogger("shardlm")
@@ -207,10 +208,19 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.gather_input = gather_input
 
+    quant: QuantFormat | None = None
+    """Set by _quantized (lora.quantize): the piece's weight is then `weight_q`, whole stored
+    rows of the one-process weight's byte table (models/quant.py), dequantised in forward."""
+
+    def base(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is None:
+            return F.linear(x, self.weight, bias)
+        return quantized_linear(x, self.weight_q, bias, self.quant)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather_input:
             x = into_parallel_region(x, self.tp)
-        return F.linear(x, self.weight, self.bias)
+        return self.base(x, self.bias)
 
 
 class SharedKVLinear(nn.Module):
@@ -252,8 +262,11 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.tp = tp
 
+    quant: QuantFormat | None = None
+    base = ColumnParallelLinear.base
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = out_of_parallel_region(F.linear(x, self.weight), self.tp)
+        y = out_of_parallel_region(self.base(x, None), self.tp)
         return y if self.bias is None else y + synced(self.bias, self.tp)
 
 
@@ -284,7 +297,7 @@ class LoRAColumnParallelLinear(ColumnParallelLinear):
         x = into_parallel_region(x, self.tp)
         a = _CopyToGroup.apply(self.lora_A.weight, self.tp.group)
         update = F.linear(F.linear(self.dropout(x), a), self.lora_B.weight)  # (…, r) -> (…, out_local)
-        return F.linear(x, self.weight, self.bias) + self.scaling * update
+        return self.base(x, self.bias) + self.scaling * update
 
 
 class LoRASharedKVLinear(SharedKVLinear):
@@ -317,7 +330,7 @@ class LoRARowParallelLinear(RowParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = _CopyToGroup.apply(self.lora_B.weight, self.tp.group)
         update = F.linear(F.linear(self.dropout(x), self.lora_A.weight), b)  # partial sum (…, out)
-        y = out_of_parallel_region(F.linear(x, self.weight) + self.scaling * update, self.tp)
+        y = out_of_parallel_region(self.base(x, None) + self.scaling * update, self.tp)
         return y if self.bias is None else y + synced(self.bias, self.tp)
 
 
@@ -517,6 +530,7 @@ def apply_tp(model: nn.Module, comm: Comm, sequence_parallel: bool) -> TPState |
     _check(cfg, n)
     with torch.device("meta"), frozen_kept(model):  # unallocated: the ZeRO engine builds them
         tp = _replace_layers(model, cfg, comm, n, r, sequence_parallel)
+    quantize_splits(model, tp)
     log.info("tensor parallel: %d ranks, %s; %d parameters cut (heads %d/%d per rank)", n,
              "sequence parallel" if sequence_parallel else "no sequence parallelism",
              len(tp.splits), cfg.n_heads // n, cfg.n_heads)
@@ -538,15 +552,19 @@ def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: b
         attn = block.attn
         q_lo, q_hi = (x * hd for x in even_range(cfg.n_heads, n, r))
         nq, nkv = cfg.n_heads * hd, kv * hd
-        whole, bias = tuple(attn.qkv.weight.shape), attn.qkv.bias is not None
+        whole, bias = (attn.qkv.out_features, attn.qkv.in_features), attn.qkv.bias is not None
         copies = ()
         lora = _lora_of(attn.qkv)
         if kv % n == 0:  # this rank's key/value heads
             k_lo, k_hi = (x * hd for x in even_range(kv, n, r))
             qkv_ranges = [(q_lo, q_hi), (nq + k_lo, nq + k_hi), (nq + nkv + k_lo, nq + nkv + k_hi)]
-            attn.qkv = _column(d, sum(hi - lo for lo, hi in qkv_ranges), bias, tp, lora)
+            attn.qkv = _column(d, sum(hi - lo for lo, hi in qkv_ranges), bias, tp, attn.qkv)
         else:  # tp > n_kv_heads: every key/value row on every rank, one head used
             qkv_ranges, copies = [(q_lo, q_hi), (nq, nq + nkv), (nq + nkv, nq + 2 * nkv)], (1, 2)
+            if getattr(attn.qkv, "quant", None) is not None:
+                raise ConfigError(f"lora.quantize with parallel.tp = {n} > model.n_kv_heads = {kv}: "
+                                  f"the key/value rows every rank keeps are not cut from a quantised "
+                                  f"base yet; set parallel.tp <= {kv} or lora.quantize = 'none'")
             shared = (d, q_hi - q_lo, kv, hd, r // (n // kv), bias, tp)
             attn.qkv = SharedKVLinear(*shared) if lora is None else LoRASharedKVLinear(*shared, lora)
         tp.splits[f"{pre}.attn.qkv.weight"] = Split(whole, 0, tuple(qkv_ranges), copies)
@@ -594,7 +612,7 @@ def cut_mlp(mlp: nn.Module, pre: str, d: int, tp: TPState) -> None:
         ranges = [(h_lo, h_hi), (mlp.hidden + h_lo, mlp.hidden + h_hi)]
         bias = mlp.gate_up.bias is not None
         lora = _lora_of(mlp.gate_up)
-        mlp.gate_up = _column(d, 2 * (h_hi - h_lo), bias, tp, lora)
+        mlp.gate_up = _column(d, 2 * (h_hi - h_lo), bias, tp, mlp.gate_up)
         cut(f"{pre}.gate_up.weight", (2 * mlp.hidden, d), 0, ranges)
         if bias:
             cut(f"{pre}.gate_up.bias", (2 * mlp.hidden,), 0, ranges)
@@ -607,7 +625,7 @@ def cut_mlp(mlp: nn.Module, pre: str, d: int, tp: TPState) -> None:
         h_lo, h_hi = even_range(hidden, n, r)
         bias = mlp.fc.bias is not None
         lora = _lora_of(mlp.fc)
-        mlp.fc = _column(d, h_hi - h_lo, bias, tp, lora)
+        mlp.fc = _column(d, h_hi - h_lo, bias, tp, mlp.fc)
         cut(f"{pre}.fc.weight", (hidden, d), 0, [(h_lo, h_hi)])
         if bias:
             cut(f"{pre}.fc.bias", (hidden,), 0, [(h_lo, h_hi)])
@@ -620,30 +638,61 @@ def _lora_of(layer: nn.Module) -> nn.Module | None:
     """The LoRALinear (models/lora.py) a layer is, or None for a plain linear."""
     from shardlm.models.lora import LoRALinear
 
-    if not isinstance(layer, LoRALinear):
-        return None
-    if layer.quant is not None:  # config.rules._lora_layout refuses lora.quantize with tp
-        raise ConfigError("lora.quantize with parallel.tp > 1: a quantised base is not cut by "
-                          "tensor parallelism yet; set parallel.tp = 1")
-    return layer
+    return layer if isinstance(layer, LoRALinear) else None
+
+
+def _quantized(new: nn.Module, old: nn.Module, shape: tuple[int, int]) -> nn.Module:
+    """`new` (a column- or row-parallel linear on meta) with `old`'s quantised base (a LoRALinear
+    or QuantizedLinear with `quant`, models/quant.py) in place of its weight: this rank's whole
+    stored rows of the table for its weight's `shape` (quantize_splits records where they sit)."""
+    fmt = getattr(old, "quant", None)
+    if fmt is None:
+        return new
+    del new.weight
+    new.quant = fmt.local(shape)
+    new.weight_q = nn.Parameter(torch.empty(new.quant.stored_shape, dtype=torch.uint8), requires_grad=False)
+    return new
+
+
+def quantize_splits(model: nn.Module, tp: TPState) -> None:
+    """Each quantised layer's Split of `weight` becomes that of its byte table `weight_q`: the
+    same ranges of stored rows (the weight's rows; a row-parallel weight's columns, which its
+    transposed table stores as rows), so a piece is whole rows and dequantises to exactly the
+    one-process weight's piece (models/quant.py)."""
+    for name, module in model.named_modules():
+        fmt = getattr(module, "quant", None)
+        split = tp.splits.get(f"{name}.weight")
+        if not isinstance(fmt, QuantFormat) or split is None:
+            continue
+        whole = QuantFormat(fmt.kind, split.shape, fmt.transposed)
+        if split.dim != (1 if fmt.transposed else 0):
+            raise ConfigError(f"{name}: tensor parallelism cuts its weight along dim {split.dim}, "
+                              f"across its quantised blocks; set lora.quantize = 'none' or parallel.tp = 1")
+        del tp.splits[f"{name}.weight"]
+        tp.splits[f"{name}.weight_q"] = Split(whole.stored_shape, 0, split.ranges, split.copies)
 
 
 def _column(in_features: int, out_local: int, bias: bool, tp: TPState,
-            lora: nn.Module | None) -> ColumnParallelLinear:
-    """A column-parallel linear, with LoRA's adapters where the layer it replaces had them."""
+            old: nn.Module) -> ColumnParallelLinear:
+    """A column-parallel linear, with LoRA's adapters and quantised base where `old` had them."""
+    lora = _lora_of(old)
     if lora is None:
-        return ColumnParallelLinear(in_features, out_local, bias, tp)
-    return LoRAColumnParallelLinear(in_features, out_local, bias, tp, lora)
+        new = ColumnParallelLinear(in_features, out_local, bias, tp)
+    else:
+        new = LoRAColumnParallelLinear(in_features, out_local, bias, tp, lora)
+    return _quantized(new, old, (out_local, in_features))
 
 
 def _row(old: nn.Module, name: str, local: tuple[int, int], tp: TPState) -> RowParallelLinear:
-    """`old` (named `name`, an nn.Linear or LoRALinear) row-parallel: this rank's input columns
-    [lo, hi) of its weight (and of LoRA's A); their Splits recorded in tp.splits."""
+    """`old` (named `name`, an nn.Linear, LoRALinear or QuantizedLinear) row-parallel: this rank's
+    input columns [lo, hi) of its weight (and of LoRA's A); their Splits recorded in tp.splits."""
     lo, hi = local
-    out_features, in_features = old.weight.shape
+    out_features, in_features = old.out_features, old.in_features
     bias, lora = old.bias is not None, _lora_of(old)
     tp.splits[f"{name}.weight"] = Split((out_features, in_features), 1, ((lo, hi),))
     if lora is None:
-        return RowParallelLinear(hi - lo, out_features, bias, tp)
-    tp.splits[f"{name}.lora_A.weight"] = Split((lora.rank, in_features), 1, ((lo, hi),))
-    return LoRARowParallelLinear(hi - lo, out_features, bias, tp, lora)
+        new = RowParallelLinear(hi - lo, out_features, bias, tp)
+    else:
+        tp.splits[f"{name}.lora_A.weight"] = Split((lora.rank, in_features), 1, ((lo, hi),))
+        new = LoRARowParallelLinear(hi - lo, out_features, bias, tp, lora)
+    return _quantized(new, old, (out_features, hi - lo))
