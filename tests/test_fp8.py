@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from fp8_cases import fp8_case, fp8_cases
+from fp8_cases import fp8_case, fp8_cases, tp_linears_cases
 from parity import assert_matches, rel
 from shardlm.config import PrecisionConfig, load_config
 from shardlm.errors import ConfigError
@@ -153,7 +153,7 @@ def test_delayed_scale_comes_from_past_steps():
     """'delayed': the first step scales by the tensor's own amax; from then on by the history's
     max, fixed within a step — so a tensor 4x larger than any before overflows, and is counted."""
     linear, layer = _layer("delayed")
-    quantiser, stats = layer.quantiser, layer.quantiser.stats
+    quantiser, stats = layer.fp8, layer.fp8.stats
     x = torch.randn(16, 32)
     layer(x.requires_grad_()).sum().backward()
     assert stats.counts[0].tolist() == [0, 0]  # current scaling on the first step
@@ -223,6 +223,29 @@ def test_zero3_two_ranks_match_one_process(tmp_path, monkeypatch):
     assert all(torch.equal(rank1[0]["params"][n], v) for n, v in got["params"].items())
 
 
+def test_tensor_parallel_linears_round_as_one_process(tmp_path):
+    """fp8 column- then row-parallel linears on 2 ranks (with and without sequence parallelism)
+    against one process's two Fp8Linears: every piece each rank rounds — input, weight, output
+    gradient — holds the bits of one process's rounded whole (the amaxes of the cut tensors
+    are the max over the group); outputs and gradients, whose partial sums add up in another
+    order, within 1e-2 relative (bf16 matmuls)."""
+    for result in run_ranks(tp_linears_cases, 2, tmp_path):
+        for sp, case in result.items():
+            one, tp = case["one"], case["tp"]
+            (lo, hi), (t_lo, t_hi) = tp["rows"], tp["seq"]
+            (col_one, row_one), (col, row) = one["seen"], tp["seen"]
+            assert torch.equal(col["input"], col_one["input"]), sp  # whole (gathered under sp)
+            assert torch.equal(col["weight"], col_one["weight"][lo:hi])
+            assert torch.equal(col["grad_output"], col_one["grad_output"][:, lo:hi])
+            assert torch.equal(row["input"], row_one["input"][:, lo:hi])
+            assert torch.equal(row["weight"], row_one["weight"][:, lo:hi])
+            assert torch.equal(row["grad_output"], row_one["grad_output"])  # whole (all-gathered under sp)
+            assert rel(tp["y"], one["y"][:, t_lo:t_hi]) < 1e-2
+            assert rel(tp["x_grad"], one["x_grad"][:, t_lo:t_hi]) < 1e-2
+            assert rel(tp["w_grads"][0], one["w_grads"][0][lo:hi]) < 1e-2
+            assert rel(tp["w_grads"][1], one["w_grads"][1][:, lo:hi]) < 1e-2
+
+
 def test_fp8_without_fp8_hardware_errors_unless_emulated(tmp_path):
     cfg = _tiny(tmp_path, **{"precision.fp8_emulate": False, "run.device": "cpu"})
     with pytest.raises(ConfigError, match="precision.fp8_emulate = true"):
@@ -245,14 +268,20 @@ def test_fp8_is_checked_before_ranks_spawn(tmp_path, monkeypatch):
         preflight(cfg, 2)
 
 
-@pytest.mark.parametrize("key, value, named", [
-    ("parallel.tp", 2, "tensor-parallel linears"), ("lora.rank", 4, "LoRA layers"),
-    ("model.experts", 4, "experts' batched matmuls"), ("parallel.strategy", "auto", "planner"),
-    ("train.compile", True, "train.compile = True"),
-])
-def test_unsupported_compositions_are_refused_by_name(tmp_path, key, value, named):
+ON_HARDWARE = {"precision.fp8_emulate": False, "run.device": "cuda"}
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"parallel.tp": 2, "precision.fp8_recipe": "blockwise"}, "blockwise tiles would straddle"),
+    ({"parallel.tp": 2, "model.n_kv_heads": 1}, "more ranks than the 1 key/value heads"),
+    ({"parallel.tp": 2, **ON_HARDWARE}, "torchao does not convert our tensor-parallel linears"),
+    ({"lora.rank": 4, **ON_HARDWARE}, "torchao would convert LoRA's adapters"),
+    ({"model.experts": 4, **ON_HARDWARE}, "torchao does not convert the experts"),
+    ({"parallel.strategy": "auto"}, "planner"), ({"train.compile": True}, "train.compile = True"),
+], ids=["tp-blockwise", "tp-over-kv-heads", "tp-torchao", "lora-torchao", "experts-torchao", "auto", "compile"])
+def test_unsupported_compositions_are_refused_by_name(tmp_path, overrides, named):
     with pytest.raises(ConfigError, match="does not compose yet with") as caught:
-        load_config(overrides=_tiny(tmp_path, **{key: value})).validate()
+        load_config(overrides={**_tiny(tmp_path), **overrides}).validate()
     assert named in str(caught.value)
 
 

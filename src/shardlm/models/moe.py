@@ -42,6 +42,7 @@ from torch import nn
 
 from shardlm.config import ModelConfig
 from shardlm.models.flops import expert_d_ff
+from shardlm.models.fp8 import Fp8Quantiser, fp8_linear
 
 
 @dataclass
@@ -151,18 +152,31 @@ class Experts(nn.Module):
                 self.fc_bias = nn.Parameter(torch.empty(count, f))
                 self.proj_bias = nn.Parameter(torch.empty(count, d))
 
+    fp8: list[dict[str, Fp8Quantiser]] | None = None
+    """precision.compute = 'fp8' (models/fp8.py apply_fp8): one quantiser per global expert and
+    weight, so each expert's matmuls scale its own weight and its own tokens, whichever rank
+    holds it (expert parallelism hands the list to the Experts it builds)."""
+
+    def use_fp8(self, make) -> None:
+        names = ("gate_up", "down") if self.swiglu else ("fc", "proj")
+        self.fp8 = [{name: make() for name in names} for _ in range(self.first + self.count)]
+
+    def _linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        """Local expert e's `name` matmul (its bias where it has one): in FP8 under fp8."""
+        bias = getattr(self, f"{name}_bias", None)
+        fp8 = None if self.fp8 is None else self.fp8[self.first + e][name]
+        return fp8_linear(x, getattr(self, name)[e], None if bias is None else bias[e], fp8)
+
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (M, C): tokens grouped by local expert, `counts` of each -> (M, C)."""
         outs = []
         for e, xe in enumerate(x.split(counts)):
             if self.swiglu:
-                gate, up = F.linear(xe, self.gate_up[e]).chunk(2, dim=-1)
-                outs.append(F.linear(F.silu(gate) * up, self.down[e]))
+                gate, up = self._linear(xe, "gate_up", e).chunk(2, dim=-1)
+                outs.append(self._linear(F.silu(gate) * up, "down", e))
             else:
-                bias = getattr(self, "fc_bias", None)
-                h = F.gelu(F.linear(xe, self.fc[e], None if bias is None else bias[e]), approximate="tanh")
-                bias = getattr(self, "proj_bias", None)
-                outs.append(F.linear(h, self.proj[e], None if bias is None else bias[e]))
+                h = F.gelu(self._linear(xe, "fc", e), approximate="tanh")
+                outs.append(self._linear(h, "proj", e))
         return torch.cat(outs) if outs else x[:0]
 
 

@@ -219,7 +219,9 @@ def spread_experts(moe: MoE, name: str, cfg, comm: Comm, stats: MoEStats) -> dic
     lo, hi = even_range(moe.n_experts, comm.size, comm.rank)
     splits = {f"{name}.experts.{attr}": Split(tuple(p.shape), 0, ((lo, hi),))
               for attr, p in moe.experts.named_parameters()}
+    fp8 = moe.experts.fp8  # fp8: every global expert's quantisers; this rank uses its own
     moe.experts = Experts(cfg, hi - lo, lo)
+    moe.experts.fp8 = fp8
     moe.dispatcher = AllToAllDispatcher(comm, moe.n_experts, stats)
     return splits
 

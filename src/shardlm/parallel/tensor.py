@@ -43,9 +43,10 @@ from torch import nn
 
 from shardlm.comm.collectives import Comm
 from shardlm.data.sft import IGNORE
-from shardlm.parallel.collective_ops import all_reduce, gather_seq, op_group, reduce_scatter_seq
+from shardlm.parallel.collective_ops import all_reduce, all_reduce_max, gather_seq, op_group, reduce_scatter_seq
 from shardlm.errors import ConfigError
 from shardlm.models.flops import head_dim
+from shardlm.models.fp8 import Fp8Quantiser, fp8_linear, take_over
 from shardlm.placement import Split, even_range
 
 log = logging.getLogger("shardlm")
@@ -207,10 +208,13 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.gather_input = gather_input
 
+    fp8: Fp8Quantiser | None = None  # precision.compute = 'fp8': the replaced layer's (_with_fp8)
+    FP8_PIECES = ("weight", "grad_output")  # cut here (output features); the input is whole
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather_input:
             x = into_parallel_region(x, self.tp)
-        return F.linear(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.bias, self.fp8)
 
 
 class SharedKVLinear(nn.Module):
@@ -252,8 +256,11 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.tp = tp
 
+    fp8: Fp8Quantiser | None = None  # precision.compute = 'fp8': the replaced layer's (_with_fp8)
+    FP8_PIECES = ("weight", "input")  # cut here (input features); the output's gradient is whole
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = out_of_parallel_region(F.linear(x, self.weight), self.tp)
+        y = out_of_parallel_region(fp8_linear(x, self.weight, None, self.fp8), self.tp)
         return y if self.bias is None else y + synced(self.bias, self.tp)
 
 
@@ -284,7 +291,7 @@ class LoRAColumnParallelLinear(ColumnParallelLinear):
         x = into_parallel_region(x, self.tp)
         a = _CopyToGroup.apply(self.lora_A.weight, self.tp.group)
         update = F.linear(F.linear(self.dropout(x), a), self.lora_B.weight)  # (…, r) -> (…, out_local)
-        return F.linear(x, self.weight, self.bias) + self.scaling * update
+        return fp8_linear(x, self.weight, self.bias, self.fp8) + self.scaling * update
 
 
 class LoRASharedKVLinear(SharedKVLinear):
@@ -317,7 +324,7 @@ class LoRARowParallelLinear(RowParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = _CopyToGroup.apply(self.lora_B.weight, self.tp.group)
         update = F.linear(F.linear(self.dropout(x), self.lora_A.weight), b)  # partial sum (…, out)
-        y = out_of_parallel_region(F.linear(x, self.weight) + self.scaling * update, self.tp)
+        y = out_of_parallel_region(fp8_linear(x, self.weight, None, self.fp8) + self.scaling * update, self.tp)
         return y if self.bias is None else y + synced(self.bias, self.tp)
 
 
@@ -544,10 +551,14 @@ def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: b
         if kv % n == 0:  # this rank's key/value heads
             k_lo, k_hi = (x * hd for x in even_range(kv, n, r))
             qkv_ranges = [(q_lo, q_hi), (nq + k_lo, nq + k_hi), (nq + nkv + k_lo, nq + nkv + k_hi)]
-            attn.qkv = _column(d, sum(hi - lo for lo, hi in qkv_ranges), bias, tp, lora)
+            attn.qkv = _with_fp8(_column(d, sum(hi - lo for lo, hi in qkv_ranges), bias, tp, lora), attn.qkv, tp)
         else:  # tp > n_kv_heads: every key/value row on every rank, one head used
             qkv_ranges, copies = [(q_lo, q_hi), (nq, nq + nkv), (nq + nkv, nq + 2 * nkv)], (1, 2)
             shared = (d, q_hi - q_lo, kv, hd, r // (n // kv), bias, tp)
+            if getattr(attn.qkv, "fp8", None) is not None:  # config_rules._fp8_composes refuses it
+                raise ConfigError(f"precision.compute = 'fp8' with parallel.tp = {n} > the {kv} key/value "
+                                  f"heads: the shared key/value rows are not scaled into FP8 as one "
+                                  f"process scales them; use parallel.tp <= {kv}")
             attn.qkv = SharedKVLinear(*shared) if lora is None else LoRASharedKVLinear(*shared, lora)
         tp.splits[f"{pre}.attn.qkv.weight"] = Split(whole, 0, tuple(qkv_ranges), copies)
         if bias:
@@ -594,7 +605,7 @@ def cut_mlp(mlp: nn.Module, pre: str, d: int, tp: TPState) -> None:
         ranges = [(h_lo, h_hi), (mlp.hidden + h_lo, mlp.hidden + h_hi)]
         bias = mlp.gate_up.bias is not None
         lora = _lora_of(mlp.gate_up)
-        mlp.gate_up = _column(d, 2 * (h_hi - h_lo), bias, tp, lora)
+        mlp.gate_up = _with_fp8(_column(d, 2 * (h_hi - h_lo), bias, tp, lora), mlp.gate_up, tp)
         cut(f"{pre}.gate_up.weight", (2 * mlp.hidden, d), 0, ranges)
         if bias:
             cut(f"{pre}.gate_up.bias", (2 * mlp.hidden,), 0, ranges)
@@ -607,7 +618,7 @@ def cut_mlp(mlp: nn.Module, pre: str, d: int, tp: TPState) -> None:
         h_lo, h_hi = even_range(hidden, n, r)
         bias = mlp.fc.bias is not None
         lora = _lora_of(mlp.fc)
-        mlp.fc = _column(d, h_hi - h_lo, bias, tp, lora)
+        mlp.fc = _with_fp8(_column(d, h_hi - h_lo, bias, tp, lora), mlp.fc, tp)
         cut(f"{pre}.fc.weight", (hidden, d), 0, [(h_lo, h_hi)])
         if bias:
             cut(f"{pre}.fc.bias", (hidden,), 0, [(h_lo, h_hi)])
@@ -644,6 +655,12 @@ def _row(old: nn.Module, name: str, local: tuple[int, int], tp: TPState) -> RowP
     bias, lora = old.bias is not None, _lora_of(old)
     tp.splits[f"{name}.weight"] = Split((out_features, in_features), 1, ((lo, hi),))
     if lora is None:
-        return RowParallelLinear(hi - lo, out_features, bias, tp)
+        return _with_fp8(RowParallelLinear(hi - lo, out_features, bias, tp), old, tp)
     tp.splits[f"{name}.lora_A.weight"] = Split((lora.rank, in_features), 1, ((lo, hi),))
-    return LoRARowParallelLinear(hi - lo, out_features, bias, tp, lora)
+    return _with_fp8(LoRARowParallelLinear(hi - lo, out_features, bias, tp, lora), old, tp)
+
+
+def _with_fp8(new: nn.Module, old: nn.Module, tp: TPState) -> nn.Module:
+    """`new` multiplies in FP8 where `old` did, each piece scaled by its whole tensor's amax (the
+    max over the tp group): models/fp8.py take_over."""
+    return take_over(new, old, new.FP8_PIECES, lambda amax, group=tp.group: all_reduce_max(amax, group))
