@@ -277,8 +277,8 @@ ON_HARDWARE = {"precision.fp8_emulate": False, "run.device": "cuda"}
     ({"parallel.tp": 2, **ON_HARDWARE}, "torchao does not convert our tensor-parallel linears"),
     ({"lora.rank": 4, **ON_HARDWARE}, "torchao would convert LoRA's adapters"),
     ({"model.experts": 4, **ON_HARDWARE}, "torchao does not convert the experts"),
-    ({"parallel.strategy": "auto"}, "planner"), ({"train.compile": True}, "train.compile = True"),
-], ids=["tp-blockwise", "tp-over-kv-heads", "tp-torchao", "lora-torchao", "experts-torchao", "auto", "compile"])
+    ({"train.compile": True}, "train.compile = True"),
+], ids=["tp-blockwise", "tp-over-kv-heads", "tp-torchao", "lora-torchao", "experts-torchao", "compile"])
 def test_unsupported_compositions_are_refused_by_name(tmp_path, overrides, named):
     with pytest.raises(ConfigError, match="does not compose yet with") as caught:
         load_config(overrides={**_tiny(tmp_path), **overrides}).validate()

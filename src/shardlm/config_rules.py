@@ -743,7 +743,7 @@ def _pure_bf16(cfg: Config) -> list[str]:
 
 
 @_cross("precision.compute", "precision.fp8_recipe", "precision.fp8_emulate", "precision.fp8_block",
-        "run.device", "parallel.strategy", "parallel.tp", "model.experts", "model.n_heads",
+        "run.device", "parallel.tp", "model.experts", "model.n_heads",
         "model.n_kv_heads", "lora.rank", "train.compile")
 def _fp8_composes(cfg: Config) -> list[str]:
     """precision.compute = 'fp8' runs the blocks' matmuls through models/fp8.py fp8_linear: the
@@ -768,8 +768,6 @@ def _fp8_composes(cfg: Config) -> list[str]:
                         f"{p.fp8_recipe!r}; set fp8_recipe = 'blockwise' or drop fp8_block")
     kv = cfg.model.n_kv_heads or cfg.model.n_heads
     blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
-        ("parallel.strategy", par.strategy, "the planner does not model fp8 and would choose the "
-         "compute dtype itself", par.strategy == "auto"),
         ("parallel.tp", par.tp, "blockwise tiles would straddle the tensor-parallel cut; use "
          "fp8_recipe = 'tensorwise' or 'delayed'", par.tp > 1 and p.fp8_recipe == "blockwise"),
         ("parallel.tp", par.tp, f"more ranks than the {kv} key/value heads: the shared key/value "
