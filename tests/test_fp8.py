@@ -246,6 +246,39 @@ def test_tensor_parallel_linears_round_as_one_process(tmp_path):
             assert rel(tp["w_grads"][1], one["w_grads"][1][:, lo:hi]) < 1e-2
 
 
+@pytest.mark.parametrize("extra", [{"model__experts": 4, "model__top_k": 2}, {"lora__quantize": "nf4"}],
+                         ids=["lora-moe", "qlora"])
+def test_lora_bases_and_every_expert_multiply_in_fp8(tmp_path, extra):
+    """LoRA on a MoE model, and QLoRA (nf4), under fp8 ('delayed', whose per-tensor history
+    shows which quantisers ran): after a step every quantiser has rounded something — each
+    frozen base's (QLoRA's dequantised from its bytes), each expert's — while LoRA's adapters
+    stay plain linears in the compute dtype."""
+    from shardlm.models import build_model
+    from shardlm.models.lora import DEFAULT_TARGETS, LoRALinear, apply_lora
+    from shardlm.models.moe import Experts
+    from shardlm.models.quant import quantizable, quantize_base
+
+    cfg = load_config(overrides=_tiny(tmp_path, recipe="delayed", lora__rank=4, **extra)).validate()
+    model = build_model(cfg.model, "cpu", seed=0)
+    apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets, cfg.model.mlp)
+    if cfg.lora.quantize != "none":
+        quantize_base(model, cfg.lora.quantize, quantizable(model, DEFAULT_TARGETS[cfg.model.mlp].split(",")))
+    state = apply_fp8(model, cfg.precision, torch.device("cpu"))
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids).float().square().mean().backward()
+    state.begin_step()  # delayed scaling: each quantiser that rounded has an amax history now
+    bases = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert bases and all(b.fp8 is not None for b in bases)
+    assert all(b.quant is not None for b in bases) == ("lora__quantize" in extra)
+    assert bool(experts) == ("model__experts" in extra)
+    assert not any(isinstance(m, Fp8Linear) for b in bases for m in (b.lora_A, b.lora_B))
+    assert len(state.quantisers) == len(bases) + sum(2 * len(e.fp8) for e in experts)
+    unused = [q for q in state.quantisers if q.delayed["input"].history is None]
+    assert not unused, f"{len(unused)} of {len(state.quantisers)} quantisers never rounded"
+
+
 def test_fp8_without_fp8_hardware_errors_unless_emulated(tmp_path):
     cfg = _tiny(tmp_path, **{"precision.fp8_emulate": False, "run.device": "cpu"})
     with pytest.raises(ConfigError, match="precision.fp8_emulate = true"):
