@@ -773,8 +773,10 @@ def _fp8_composes(cfg: Config) -> list[str]:
         ("parallel.tp", par.tp, f"more ranks than the {kv} key/value heads: the shared key/value "
          f"rows are not scaled as one process scales them; use parallel.tp <= {kv}",
          par.tp > kv),
-        ("train.compile", cfg.train.compile, "the fp8 emulation does not compile into the block's "
-         "graph yet (torchao's float8 on FP8 hardware compiles)", cfg.train.compile and p.fp8_emulate),
+        ("train.compile", cfg.train.compile, "'delayed' scaling's amax history is Python state the "
+         "emulation updates inside the matmul, which a compiled block cannot trace; use fp8_recipe = "
+         "'tensorwise' or 'blockwise' (those compile)", cfg.train.compile and p.fp8_emulate
+         and p.fp8_recipe == "delayed"),
     ) if on]
     # On FP8 hardware torchao's Float8Linear converts plain nn.Linear layers only; the emulation
     # (models/fp8.py fp8_linear) also runs the layers that replace or wrap them.

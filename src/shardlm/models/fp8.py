@@ -121,28 +121,26 @@ def quantise(x: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor, tile: tuple[i
 
 class Fp8Stats:
     """Overflow and underflow counts of every quantisation since `reset`, per role (input,
-    weight, grad_output), kept on the device (one read per step), and the elements quantised."""
+    weight, grad_output), and the elements quantised, kept on the device (one read per step).
 
-    def __init__(self) -> None:
-        self.counts: torch.Tensor | None = None  # (3 roles, [overflow, underflow])
-        self.elements = [0] * len(ROLES)
+    The counts arrive as the gradient of `sink`, a (3 roles x [overflow, underflow, elements])
+    leaf every fp8 matmul takes as an input: its backward returns its forward's and its own
+    counts as the sink's gradient, which autograd sums over the layers and micro-batches. No
+    Python state changes inside the matmul, so a compiled block traces it whole (train.compile,
+    fullgraph), and a recomputed forward (activation checkpointing) is counted once."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.sink = torch.zeros(len(ROLES), 3, device=device, requires_grad=True)
 
     def reset(self) -> None:
-        self.counts, self.elements = None, [0] * len(ROLES)
-
-    def add(self, role: str, counts: torch.Tensor, elements: int) -> None:
-        if self.counts is None:
-            self.counts = torch.zeros(len(ROLES), 2, dtype=counts.dtype, device=counts.device)
-        self.counts[ROLES.index(role)] += counts
-        self.elements[ROLES.index(role)] += elements
+        self.sink.grad = None
 
     def totals(self, device: torch.device) -> torch.Tensor:
         """(3 roles x [overflow, underflow, elements]) flat, in fp32: what the trainer sums over
         the ranks with the loss (exact below 2^24 elements per role and step; beyond, the
         fractions keep fp32's 7 digits)."""
-        counts = self.counts if self.counts is not None else torch.zeros(len(ROLES), 2, device=device)
-        elements = torch.tensor(self.elements, dtype=torch.float32, device=counts.device)
-        return torch.cat([counts.float(), elements[:, None]], dim=1).flatten()
+        counts = self.sink.grad
+        return (counts if counts is not None else torch.zeros(len(ROLES), 3, device=device)).float().flatten()
 
     @staticmethod
     def record(totals: torch.Tensor) -> dict:
@@ -223,18 +221,16 @@ class Fp8Quantiser:
         return fmt.max / self.amax(x, role).clamp_min(EPS)
 
     def cast(self, x: torch.Tensor, role: str, record: bool,
-             scale: torch.Tensor | None = None) -> torch.Tensor:
+             scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The 2-D `x` rounded through its role's format (at `scale`, default its own), dequantised
-        to bf16."""
+        to bf16, and [overflow, underflow, elements] counts (fp32)."""
         fmt = FORMAT_OF[role]
         tile = None
         if self.recipe == "blockwise":
             tile = (self.block, self.block) if role == "weight" else (1, self.block)
         scale = self.scale(x, role, record) if scale is None else scale
         out, counts = quantise(x, fmt, scale, tile, fixed_scale=self.recipe == "delayed")
-        if record:
-            self.stats.add(role, counts, x.numel())
-        return out
+        return out, torch.cat([counts.float(), counts.new_full((1,), x.numel()).float()])
 
     def roll(self) -> None:
         for role, delayed in self.delayed.items():
@@ -245,47 +241,48 @@ class _Fp8Matmul(torch.autograd.Function):
     """y = x W^T + b with x, W in E4M3 and, in backward, dy in E5M2; the matmuls in bf16 over
     the dequantised values (fp32 accumulation inside the bf16 kernel). The weight is saved as
     it is (ZeRO-3 has gathered it again for backward) and rounded again there at the forward's
-    scale; a frozen weight (LoRA's, QLoRA's dequantised one) gets no gradient computed."""
+    scale; a frozen weight (LoRA's, QLoRA's dequantised one) gets no gradient computed. The
+    three roles' counts leave as the gradient of `sink` (Fp8Stats)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, quantiser: Fp8Quantiser, record: bool):
+    def forward(ctx, x, weight, bias, sink, quantiser: Fp8Quantiser, record: bool):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])  # (B*T, in)
-            xq = quantiser.cast(x2, "input", record)
+            xq, x_counts = quantiser.cast(x2, "input", record)
             w_scale = quantiser.scale(weight, "weight", record)
-            wq = quantiser.cast(weight, "weight", record, w_scale)  # (out, in)
+            wq, w_counts = quantiser.cast(weight, "weight", record, w_scale)  # (out, in)
             out = xq @ wq.t()  # (B*T, out) bf16
             if bias is not None:
                 out = out + bias.to(out.dtype)
-        ctx.save_for_backward(xq, weight, w_scale)
+        ctx.save_for_backward(xq, weight, w_scale, torch.stack([x_counts, w_counts]))
         ctx.quantiser, ctx.x_shape, ctx.x_dtype, ctx.has_bias = quantiser, x.shape, x.dtype, bias is not None
         return out.view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_out):
-        xq, weight, w_scale = ctx.saved_tensors
+        xq, weight, w_scale, forward_counts = ctx.saved_tensors
         q = ctx.quantiser
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x, need_w, need_b, need_counts = ctx.needs_input_grad[:4]
         with torch.autocast(grad_out.device.type, enabled=False):
             g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (B*T, out)
-            gq = q.cast(g2, "grad_output", True)
-            wq = q.cast(weight, "weight", False, w_scale)
+            gq, g_counts = q.cast(g2, "grad_output", True)
+            wq, _ = q.cast(weight, "weight", False, w_scale)
             grad_x = (gq @ wq).view(ctx.x_shape).to(ctx.x_dtype) if need_x else None  # (B*T, in)
             grad_w = (gq.t() @ xq).to(weight.dtype) if need_w else None  # (out, in)
             grad_b = g2.float().sum(0).to(weight.dtype) if ctx.has_bias and need_b else None
-        return grad_x, grad_w, grad_b, None, None
+        counts = torch.cat([forward_counts, g_counts[None]]).to(g_counts.device) if need_counts else None
+        return grad_x, grad_w, grad_b, counts, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                fp8: Fp8Quantiser | None) -> torch.Tensor:
     """F.linear(x, weight, bias), through FP8 where `fp8` is given (emulated): the one matmul
     every fp8 layer calls — Fp8Linear, LoRA's frozen base (and QLoRA's dequantised one), the
-    tensor-parallel linears, the experts' per-expert matmuls. Counted and recorded only where
-    gradients flow (training; a recomputed forward counts again, in the same proportion);
-    evaluation leaves the statistics alone."""
+    tensor-parallel linears, the experts' per-expert matmuls. Counted only where gradients
+    flow (the backward hands the counts to Fp8Stats); evaluation leaves the statistics alone."""
     if fp8 is None or x.numel() == 0:  # no tokens (an expert none chose): nothing to scale
         return F.linear(x, weight, bias)
-    return _Fp8Matmul.apply(x, weight, bias, fp8, torch.is_grad_enabled())
+    return _Fp8Matmul.apply(x, weight, bias, fp8.stats.sink, fp8, torch.is_grad_enabled())
 
 
 class Fp8Linear(nn.Linear):
@@ -405,7 +402,7 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device: torch.device
     recipe, block = precision.fp8_recipe, precision.fp8_block
     if not precision.fp8_emulate:
         return _apply_torchao(model, {n: m for n, m in linears.items() if type(m) is nn.Linear})
-    stats = Fp8Stats()
+    stats = Fp8Stats(device)
     quantisers: list[Fp8Quantiser] = []
 
     def make() -> Fp8Quantiser:
