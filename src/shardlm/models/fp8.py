@@ -236,6 +236,11 @@ class Fp8Quantiser:
         for role, delayed in self.delayed.items():
             delayed.roll(FORMAT_OF[role])
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """fp8_linear through this quantiser: what a layer holding one calls (models/lora.py and
+        models/moe.py call it so, without importing this module, which imports their Decoder)."""
+        return fp8_linear(x, weight, bias, self)
+
 
 class _Fp8Matmul(torch.autograd.Function):
     """y = x W^T + b with x, W in E4M3 and, in backward, dy in E5M2; the matmuls in bf16 over

@@ -42,7 +42,6 @@ from torch import nn
 
 from shardlm.config import ModelConfig
 from shardlm.models.flops import expert_d_ff
-from shardlm.models.fp8 import Fp8Quantiser, fp8_linear
 
 
 @dataclass
@@ -152,7 +151,7 @@ class Experts(nn.Module):
                 self.fc_bias = nn.Parameter(torch.empty(count, f))
                 self.proj_bias = nn.Parameter(torch.empty(count, d))
 
-    fp8: list[dict[str, Fp8Quantiser]] | None = None
+    fp8: list[dict[str, Fp8Quantiser]] | None = None  # noqa: F821 (models/fp8.py, which imports this)
     """precision.compute = 'fp8' (models/fp8.py apply_fp8): one quantiser per global expert and
     weight, so each expert's matmuls scale its own weight and its own tokens, whichever rank
     holds it (expert parallelism hands the list to the Experts it builds)."""
@@ -164,8 +163,10 @@ class Experts(nn.Module):
     def _linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         """Local expert e's `name` matmul (its bias where it has one): in FP8 under fp8."""
         bias = getattr(self, f"{name}_bias", None)
-        fp8 = None if self.fp8 is None else self.fp8[self.first + e][name]
-        return fp8_linear(x, getattr(self, name)[e], None if bias is None else bias[e], fp8)
+        weight, bias = getattr(self, name)[e], None if bias is None else bias[e]
+        if self.fp8 is None:
+            return F.linear(x, weight, bias)
+        return self.fp8[self.first + e][name].linear(x, weight, bias)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (M, C): tokens grouped by local expert, `counts` of each -> (M, C)."""
