@@ -298,6 +298,25 @@ def test_an_fp8_block_traces_as_one_graph():
     assert explained.graph_count == 1
 
 
+def test_the_planner_keeps_fp8_and_times_it_at_the_fp8_peak():
+    """parallel.strategy = 'auto' with fp8: the plan runs precision.compute = 'fp8'; on H100s
+    (an fp8 peak in the catalog) the blocks' linears are timed at it, so the best plan is faster
+    than bf16's; on A100s (none: fp8 there is the emulation's bf16 matmuls) the same as bf16."""
+    from shardlm.hardware.catalog import parse_cluster
+    from shardlm.planner.search import default_dtypes, plan_for_run
+
+    model = load_config(overrides={"model.preset": "llama-7b"}).model
+    speed = {}
+    for gpus in ("8xH100-80GB", "8xA100-80GB"):
+        cluster = parse_cluster(gpus)
+        for compute in ("bf16", "fp8"):
+            best = plan_for_run(model, 8, cluster, (1, 8, 4096), dtypes=default_dtypes(cluster, compute))[0]
+            assert best.overrides()["precision.compute"] == compute
+            speed[gpus, compute] = best.timing.tokens_per_s
+    assert 1.2 < speed["8xH100-80GB", "fp8"] / speed["8xH100-80GB", "bf16"] < 2.0
+    assert speed["8xA100-80GB", "fp8"] == speed["8xA100-80GB", "bf16"]
+
+
 def test_fp8_without_fp8_hardware_errors_unless_emulated(tmp_path):
     cfg = _tiny(tmp_path, **{"precision.fp8_emulate": False, "run.device": "cpu"})
     with pytest.raises(ConfigError, match="precision.fp8_emulate = true"):
