@@ -21,9 +21,11 @@ def fp8_case(overrides: dict, steps: int) -> dict:
     return out
 
 
-def fp8_cases(rank: int, world_size: int, cases: list[tuple[dict, int]]) -> list[dict]:
+def fp8_cases(rank: int, world_size: int, cases: list[tuple[dict, int]], tp_linears: bool = False):
+    """Each case's fp8_case; with `tp_linears`, (those, tp_linears_cases) from the same spawn."""
     torch.manual_seed(0)
-    return [fp8_case(overrides, steps) for overrides, steps in cases]
+    trained = [fp8_case(overrides, steps) for overrides, steps in cases]
+    return (trained, tp_linears_cases(rank, world_size)) if tp_linears else trained
 
 
 class _Recording:
@@ -34,9 +36,9 @@ class _Recording:
         cast = quantiser.cast
 
         def recording(x, role, record, scale=None):
-            out = cast(x, role, record, scale)
+            out, counts = cast(x, role, record, scale)
             self.seen[role] = out.detach().float().clone()
-            return out
+            return out, counts
 
         quantiser.cast = recording
 

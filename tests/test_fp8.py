@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from fp8_cases import fp8_case, fp8_cases, tp_linears_cases
+from fp8_cases import fp8_case, fp8_cases
 from parity import assert_matches, rel
 from shardlm.config import PrecisionConfig, load_config
 from shardlm.errors import ConfigError
@@ -208,10 +208,20 @@ def test_activation_checkpointing_recomputes_the_same_rounding(tmp_path, mode):
     assert all(torch.equal(got["params"][n], v) for n, v in base["params"].items())
 
 
-def test_zero3_two_ranks_match_one_process(tmp_path, monkeypatch):
-    steps = 3
-    overrides = _tiny(tmp_path, train__steps=steps, parallel__zero_stage=3)
-    (rank0, rank1) = run_ranks(fp8_cases, 2, tmp_path, [(overrides, steps)])
+ZERO3_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One spawn of 2 ranks for both distributed tests: ZeRO-3 training and the tp linears."""
+    tmp_path = tmp_path_factory.mktemp("fp8_ranks")
+    overrides = _tiny(tmp_path, train__steps=ZERO3_STEPS, parallel__zero_stage=3)
+    return overrides, run_ranks(fp8_cases, 2, tmp_path, [(overrides, ZERO3_STEPS)], True)
+
+
+def test_zero3_two_ranks_match_one_process(two_ranks, monkeypatch):
+    steps = ZERO3_STEPS
+    overrides, ((rank0, _), (rank1, _)) = two_ranks
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one rank's thread count (zero_cases.reference_case)
     ref = fp8_case({**overrides, "train.grad_accum": 2}, steps)
     got = rank0[0]
@@ -223,13 +233,13 @@ def test_zero3_two_ranks_match_one_process(tmp_path, monkeypatch):
     assert all(torch.equal(rank1[0]["params"][n], v) for n, v in got["params"].items())
 
 
-def test_tensor_parallel_linears_round_as_one_process(tmp_path):
+def test_tensor_parallel_linears_round_as_one_process(two_ranks):
     """fp8 column- then row-parallel linears on 2 ranks (with and without sequence parallelism)
     against one process's two Fp8Linears: every piece each rank rounds — input, weight, output
     gradient — holds the bits of one process's rounded whole (the amaxes of the cut tensors
     are the max over the group); outputs and gradients, whose partial sums add up in another
     order, within 1e-2 relative (bf16 matmuls)."""
-    for result in run_ranks(tp_linears_cases, 2, tmp_path):
+    for _, result in two_ranks[1]:
         for sp, case in result.items():
             one, tp = case["one"], case["tp"]
             (lo, hi), (t_lo, t_hi) = tp["rows"], tp["seq"]
