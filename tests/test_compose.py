@@ -90,10 +90,11 @@ def test_nvme_snapshot_keeps_the_state_of_its_save(tmp_path):
     tier.close()
 
 
-SUBSET = ["offload_nvme+async_ckpt", "cp+chat_sft", "param_offload+lora"]
-"""Three refusals this matrix removed: NVMe optimizer offload with an asynchronous save (read
+SUBSET = ["offload_nvme+async_ckpt", "cp+chat_sft", "param_offload+lora", "tp+fp8"]
+"""Four refusals this matrix removed: NVMe optimizer offload with an asynchronous save (read
 back: exactly step 2's state), the loss-masked SFT loss under cp, LoRA's frozen base through
-the nvme parameter store. All on 2 ranks: one spawn for the references, one for the pairs."""
+the nvme parameter store, fp8's tensor-parallel linears (emulated: 5e-2). All on 2 ranks: one
+spawn for the references, one for the pairs."""
 
 
 @pytest.fixture(scope="module")

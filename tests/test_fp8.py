@@ -153,15 +153,15 @@ def test_delayed_scale_comes_from_past_steps():
     """'delayed': the first step scales by the tensor's own amax; from then on by the history's
     max, fixed within a step — so a tensor 4x larger than any before overflows, and is counted."""
     linear, layer = _layer("delayed")
-    quantiser, stats = layer.quantiser, layer.quantiser.stats
+    quantiser, stats = layer.fp8, layer.fp8.stats
     x = torch.randn(16, 32)
     layer(x.requires_grad_()).sum().backward()
-    assert stats.counts[0].tolist() == [0, 0]  # current scaling on the first step
+    assert stats.totals(x.device).view(3, 3)[0].tolist() == [0, 0, x.numel()]  # current scaling on the first step
     quantiser.roll()
     assert float(quantiser.delayed["input"].scale) == pytest.approx(E4M3.max / float(x.detach().abs().max()))
     stats.reset()
     layer((4 * x).requires_grad_()).sum().backward()
-    assert stats.counts[0, 0] > 0  # the input overflowed the delayed scale
+    assert stats.totals(x.device).view(3, 3)[0, 0] > 0  # the input overflowed the delayed scale
     assert quantiser.delayed["input"].history.shape == (FP8_HISTORY,)
 
 
@@ -208,10 +208,20 @@ def test_activation_checkpointing_recomputes_the_same_rounding(tmp_path, mode):
     assert all(torch.equal(got["params"][n], v) for n, v in base["params"].items())
 
 
-def test_zero3_two_ranks_match_one_process(tmp_path, monkeypatch):
-    steps = 3
-    overrides = _tiny(tmp_path, train__steps=steps, parallel__zero_stage=3)
-    (rank0, rank1) = run_ranks(fp8_cases, 2, tmp_path, [(overrides, steps)])
+ZERO3_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One spawn of 2 ranks for both distributed tests: ZeRO-3 training and the tp linears."""
+    tmp_path = tmp_path_factory.mktemp("fp8_ranks")
+    overrides = _tiny(tmp_path, train__steps=ZERO3_STEPS, parallel__zero_stage=3)
+    return overrides, run_ranks(fp8_cases, 2, tmp_path, [(overrides, ZERO3_STEPS)], True)
+
+
+def test_zero3_two_ranks_match_one_process(two_ranks, monkeypatch):
+    steps = ZERO3_STEPS
+    overrides, ((rank0, _), (rank1, _)) = two_ranks
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one rank's thread count (zero_cases.reference_case)
     ref = fp8_case({**overrides, "train.grad_accum": 2}, steps)
     got = rank0[0]
@@ -221,6 +231,100 @@ def test_zero3_two_ranks_match_one_process(tmp_path, monkeypatch):
     assert got["records"][0]["fp8_underflow"] > 0.0
     assert_matches(got["losses"], got["params"], ref, "fp8 ZeRO-3", tol=ZERO3_TOLERANCE, d_model=32, lr=3e-3)
     assert all(torch.equal(rank1[0]["params"][n], v) for n, v in got["params"].items())
+
+
+def test_tensor_parallel_linears_round_as_one_process(two_ranks):
+    """fp8 column- then row-parallel linears on 2 ranks (with and without sequence parallelism)
+    against one process's two Fp8Linears: every piece each rank rounds — input, weight, output
+    gradient — holds the bits of one process's rounded whole (the amaxes of the cut tensors
+    are the max over the group); outputs and gradients, whose partial sums add up in another
+    order, within 1e-2 relative (bf16 matmuls)."""
+    for _, result in two_ranks[1]:
+        for sp, case in result.items():
+            one, tp = case["one"], case["tp"]
+            (lo, hi), (t_lo, t_hi) = tp["rows"], tp["seq"]
+            (col_one, row_one), (col, row) = one["seen"], tp["seen"]
+            assert torch.equal(col["input"], col_one["input"]), sp  # whole (gathered under sp)
+            assert torch.equal(col["weight"], col_one["weight"][lo:hi])
+            assert torch.equal(col["grad_output"], col_one["grad_output"][:, lo:hi])
+            assert torch.equal(row["input"], row_one["input"][:, lo:hi])
+            assert torch.equal(row["weight"], row_one["weight"][:, lo:hi])
+            assert torch.equal(row["grad_output"], row_one["grad_output"])  # whole (all-gathered under sp)
+            assert rel(tp["y"], one["y"][:, t_lo:t_hi]) < 1e-2
+            assert rel(tp["x_grad"], one["x_grad"][:, t_lo:t_hi]) < 1e-2
+            assert rel(tp["w_grads"][0], one["w_grads"][0][lo:hi]) < 1e-2
+            assert rel(tp["w_grads"][1], one["w_grads"][1][:, lo:hi]) < 1e-2
+
+
+@pytest.mark.parametrize("extra", [{"model__experts": 4, "model__top_k": 2}, {"lora__quantize": "nf4"}],
+                         ids=["lora-moe", "qlora"])
+def test_lora_bases_and_every_expert_multiply_in_fp8(tmp_path, extra):
+    """LoRA on a MoE model, and QLoRA (nf4), under fp8 ('delayed', whose per-tensor history
+    shows which quantisers ran): after a step every quantiser has rounded something — each
+    frozen base's (QLoRA's dequantised from its bytes), each expert's — while LoRA's adapters
+    stay plain linears in the compute dtype."""
+    from shardlm.models import build_model
+    from shardlm.models.lora import DEFAULT_TARGETS, LoRALinear, apply_lora
+    from shardlm.models.moe import Experts
+    from shardlm.models.quant import quantizable, quantize_base
+
+    cfg = load_config(overrides=_tiny(tmp_path, recipe="delayed", lora__rank=4, **extra)).validate()
+    model = build_model(cfg.model, "cpu", seed=0)
+    apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets, cfg.model.mlp)
+    if cfg.lora.quantize != "none":
+        quantize_base(model, cfg.lora.quantize, quantizable(model, DEFAULT_TARGETS[cfg.model.mlp].split(",")))
+    state = apply_fp8(model, cfg.precision, torch.device("cpu"))
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids).float().square().mean().backward()
+    state.begin_step()  # delayed scaling: each quantiser that rounded has an amax history now
+    bases = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert bases and all(b.fp8 is not None for b in bases)
+    assert all(b.quant is not None for b in bases) == ("lora__quantize" in extra)
+    assert bool(experts) == ("model__experts" in extra)
+    assert not any(isinstance(m, Fp8Linear) for b in bases for m in (b.lora_A, b.lora_B))
+    assert len(state.quantisers) == len(bases) + sum(2 * len(e.fp8) for e in experts)
+    unused = [q for q in state.quantisers if q.delayed["input"].history is None]
+    assert not unused, f"{len(unused)} of {len(state.quantisers)} quantisers never rounded"
+
+
+def test_an_fp8_block_traces_as_one_graph():
+    """train.compile with the emulation: Dynamo traces an fp8 block (llama-tiny) whole — no
+    graph break — the counts leaving the matmul as a gradient, not as Python state (a break
+    would also be an error at the first compiled step: blocks compile with fullgraph)."""
+    import torch._dynamo
+
+    from shardlm.config import ModelConfig
+    from shardlm.models import build_model
+    from shardlm.config.presets import get_preset
+
+    model = build_model(ModelConfig(**{**get_preset("llama-tiny"), "preset": "llama-tiny"}), "cpu", seed=0)
+    apply_fp8(model, PrecisionConfig(compute="fp8", fp8_emulate=True), torch.device("cpu"))
+    x = torch.randn(2, 16, model.cfg.d_model, requires_grad=True)  # (B, T, C)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model.blocks[0].forward)(x, (model.rope_cos[:16], model.rope_sin[:16]))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+def test_the_planner_keeps_fp8_and_times_it_at_the_fp8_peak():
+    """parallel.strategy = 'auto' with fp8: the plan runs precision.compute = 'fp8'; on H100s
+    (an fp8 peak in the catalog) the blocks' linears are timed at it, so the best plan is faster
+    than bf16's; on A100s (none: fp8 there is the emulation's bf16 matmuls) the same as bf16."""
+    from shardlm.hardware.catalog import parse_cluster
+    from shardlm.planner.search import default_dtypes, plan_for_run
+
+    model = load_config(overrides={"model.preset": "llama-7b"}).model
+    speed = {}
+    for gpus in ("8xH100-80GB", "8xA100-80GB"):
+        cluster = parse_cluster(gpus)
+        for compute in ("bf16", "fp8"):
+            best = plan_for_run(model, 8, cluster, (1, 8, 4096), dtypes=default_dtypes(cluster, compute))[0]
+            assert best.overrides()["precision.compute"] == compute
+            speed[gpus, compute] = best.timing.tokens_per_s
+    assert 1.2 < speed["8xH100-80GB", "fp8"] / speed["8xH100-80GB", "bf16"] < 2.0
+    assert speed["8xA100-80GB", "fp8"] == speed["8xA100-80GB", "bf16"]
 
 
 def test_fp8_without_fp8_hardware_errors_unless_emulated(tmp_path):
@@ -245,14 +349,20 @@ def test_fp8_is_checked_before_ranks_spawn(tmp_path, monkeypatch):
         preflight(cfg, 2)
 
 
-@pytest.mark.parametrize("key, value, named", [
-    ("parallel.tp", 2, "tensor-parallel linears"), ("lora.rank", 4, "LoRA layers"),
-    ("model.experts", 4, "experts' batched matmuls"), ("parallel.strategy", "auto", "planner"),
-    ("train.compile", True, "train.compile = True"),
-])
-def test_unsupported_compositions_are_refused_by_name(tmp_path, key, value, named):
+ON_HARDWARE = {"precision.fp8_emulate": False, "run.device": "cuda"}
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"parallel.tp": 2, "precision.fp8_recipe": "blockwise"}, "blockwise tiles would straddle"),
+    ({"parallel.tp": 2, "model.n_kv_heads": 1}, "more ranks than the 1 key/value heads"),
+    ({"parallel.tp": 2, **ON_HARDWARE}, "torchao does not convert our tensor-parallel linears"),
+    ({"lora.rank": 4, **ON_HARDWARE}, "torchao would convert LoRA's adapters"),
+    ({"model.experts": 4, **ON_HARDWARE}, "torchao does not convert the experts"),
+    ({"train.compile": True, "precision.fp8_recipe": "delayed"}, "'delayed' scaling's amax history"),
+], ids=["tp-blockwise", "tp-over-kv-heads", "tp-torchao", "lora-torchao", "experts-torchao", "compile"])
+def test_unsupported_compositions_are_refused_by_name(tmp_path, overrides, named):
     with pytest.raises(ConfigError, match="does not compose yet with") as caught:
-        load_config(overrides=_tiny(tmp_path, **{key: value})).validate()
+        load_config(overrides={**_tiny(tmp_path), **overrides}).validate()
     assert named in str(caught.value)
 
 

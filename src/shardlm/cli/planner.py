@@ -47,8 +47,9 @@ def planner_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inter", metavar="LINK", help="network between nodes, e.g. ib-hdr, roce-200")
     p.add_argument("--nics", type=int, help="network adapters per node")
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the model's context)")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="compute dtype; auto: bf16, fp16 on GPUs without bf16, the faster on a CPU")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16", "fp8"],
+                   help="compute dtype; auto: bf16, fp16 on GPUs without bf16, the faster on a CPU; "
+                        "fp8: bf16 with the blocks' linears at the device's fp8 peak (if it has one)")
     p.add_argument("--master", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--reduce", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -742,11 +742,14 @@ def _pure_bf16(cfg: Config) -> list[str]:
 
 
 @_cross("precision.compute", "precision.fp8_recipe", "precision.fp8_emulate", "precision.fp8_block",
-        "run.device", "parallel.strategy", "parallel.tp", "model.experts", "lora.rank", "train.compile")
+        "run.device", "parallel.tp", "model.experts", "model.n_heads",
+        "model.n_kv_heads", "lora.rank", "train.compile")
 def _fp8_composes(cfg: Config) -> list[str]:
-    """precision.compute = 'fp8' swaps the blocks' nn.Linear layers (models/fp8.py): what replaces
-    or wraps those layers, or was not verified with them, is refused by name. Whether the device
-    has FP8 is checked where the device is known (models.fp8.check_fp8_device, before spawning)."""
+    """precision.compute = 'fp8' runs the blocks' matmuls through models/fp8.py fp8_linear: the
+    plain linears, LoRA's base, the tensor-parallel linears, the experts (emulated; torchao on
+    FP8 hardware converts plain linears only). What does not compose yet is refused by name.
+    Whether the device has FP8 is checked where the device is known (models.fp8.check_fp8_device,
+    before spawning)."""
     p, par = cfg.precision, cfg.parallel
     if p.compute != "fp8":
         unused = [f"{key} = {value!r}" for key, value, default in (
@@ -762,21 +765,31 @@ def _fp8_composes(cfg: Config) -> list[str]:
     if p.fp8_block != 128 and p.fp8_recipe != "blockwise":
         problems.append(f"precision.fp8_block = {p.fp8_block} has no effect with precision.fp8_recipe = "
                         f"{p.fp8_recipe!r}; set fp8_recipe = 'blockwise' or drop fp8_block")
+    kv = cfg.model.n_kv_heads or cfg.model.n_heads
     blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
-        ("parallel.strategy", par.strategy, "the planner does not model fp8 and would choose the "
-         "compute dtype itself", par.strategy == "auto"),
-        ("parallel.tp", par.tp, "tensor-parallel linears are not converted to fp8", par.tp > 1),
-        ("model.experts", cfg.model.experts, "the experts' batched matmuls are not fp8 linears",
-         cfg.model.experts > 0),
-        ("lora.rank", cfg.lora.rank, "LoRA layers wrap the linears fp8 would replace", cfg.lora.rank > 0),
-        ("train.compile", cfg.train.compile, "the fp8 emulation does not compile into the block's "
-         "graph yet (torchao's float8 on FP8 hardware compiles)", cfg.train.compile and p.fp8_emulate),
+        ("parallel.tp", par.tp, "blockwise tiles would straddle the tensor-parallel cut; use "
+         "fp8_recipe = 'tensorwise' or 'delayed'", par.tp > 1 and p.fp8_recipe == "blockwise"),
+        ("parallel.tp", par.tp, f"more ranks than the {kv} key/value heads: the shared key/value "
+         f"rows are not scaled as one process scales them; use parallel.tp <= {kv}",
+         par.tp > kv),
+        ("train.compile", cfg.train.compile, "'delayed' scaling's amax history is Python state the "
+         "emulation updates inside the matmul, which a compiled block cannot trace; use fp8_recipe = "
+         "'tensorwise' or 'blockwise' (those compile)", cfg.train.compile and p.fp8_emulate
+         and p.fp8_recipe == "delayed"),
     ) if on]
+    # On FP8 hardware torchao's Float8Linear converts plain nn.Linear layers only; the emulation
+    # (models/fp8.py fp8_linear) also runs the layers that replace or wrap them.
+    blocking += [f"{key} = {value!r} ({why}: set precision.fp8_emulate = true to study it "
+                 f"numerically)" for key, value, why, on in (
+        ("parallel.tp", par.tp, "torchao does not convert our tensor-parallel linears", par.tp > 1),
+        ("model.experts", cfg.model.experts, "torchao does not convert the experts' batched "
+         "weights", cfg.model.experts > 0),
+        ("lora.rank", cfg.lora.rank, "torchao would convert LoRA's adapters, not its frozen base",
+         cfg.lora.rank > 0),
+    ) if on and not p.fp8_emulate]
     if blocking:
         problems.append(f"precision.compute = 'fp8' does not compose yet with: {'; '.join(blocking)}. "
-                        f"It works with data, context and pipeline parallelism, ZeRO stages 0-3, "
-                        f"offload, activation checkpointing and activation offload; change those "
-                        f"keys or use precision.compute = 'bf16'")
+                        f"Change those keys or use precision.compute = 'bf16'")
     return problems
 
 

@@ -132,10 +132,10 @@ DEVICES: dict[str, Device] = {d.name: d for d in (
             "HBM2 1,555 GB/s", 400),  # 400 W: A100 SXM4 datasheet, "max TDP power"
     _device("A100-80GB", "cuda", 81920, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
             2039e9, 0.5, "NVIDIA A100 SXM4 80GB datasheet: HBM2e 2,039 GB/s", 400),  # 400 W: A100 datasheet
-    _device("H100-80GB", "cuda", 81559, {"bf16": 989e12, "fp16": 989e12, "fp32": 66.9e12},
+    _device("H100-80GB", "cuda", 81559, {"bf16": 989e12, "fp16": 989e12, "fp32": 66.9e12, "fp8": 1979e12},
             3350e9, 0.45, "NVIDIA H100 SXM5 datasheet: bf16/fp16 989 TF dense (1,979 with "
-            "sparsity), fp32 66.9 TF, HBM3 3.35 TB/s", 700),  # "up to 700 W": H100 SXM datasheet
-    _device("H200-141GB", "cuda", 143771, {"bf16": 989e12, "fp16": 989e12, "fp32": 66.9e12},
+            "sparsity), fp8 1,979 TF dense (3,958 with sparsity), fp32 66.9 TF, HBM3 3.35 TB/s", 700),  # "up to 700 W": H100 SXM datasheet
+    _device("H200-141GB", "cuda", 143771, {"bf16": 989e12, "fp16": 989e12, "fp32": 66.9e12, "fp8": 1979e12},
             4800e9, 0.45, "NVIDIA H200 SXM datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s", 700),  # up to 700 W: H200 datasheet
     _device("MI250X", "rocm", 65536, {"bf16": 191.5e12, "fp16": 191.5e12, "fp32": 47.9e12},
             1600e9, 0.35, "AMD Instinct MI250X datasheet (383 TF bf16, 95.7 TF fp32 matrix, "

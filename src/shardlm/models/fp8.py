@@ -37,13 +37,14 @@ import importlib.util
 import logging
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shardlm.config import PrecisionConfig
 from shardlm.errors import ConfigError
-from shardlm.models.decoder import Decoder
 
 log = logging.getLogger("shardlm")
 
@@ -120,28 +121,26 @@ def quantise(x: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor, tile: tuple[i
 
 class Fp8Stats:
     """Overflow and underflow counts of every quantisation since `reset`, per role (input,
-    weight, grad_output), kept on the device (one read per step), and the elements quantised."""
+    weight, grad_output), and the elements quantised, kept on the device (one read per step).
 
-    def __init__(self) -> None:
-        self.counts: torch.Tensor | None = None  # (3 roles, [overflow, underflow])
-        self.elements = [0] * len(ROLES)
+    The counts arrive as the gradient of `sink`, a (3 roles x [overflow, underflow, elements])
+    leaf every fp8 matmul takes as an input: its backward returns its forward's and its own
+    counts as the sink's gradient, which autograd sums over the layers and micro-batches. No
+    Python state changes inside the matmul, so a compiled block traces it whole (train.compile,
+    fullgraph), and a recomputed forward (activation checkpointing) is counted once."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.sink = torch.zeros(len(ROLES), 3, device=device, requires_grad=True)
 
     def reset(self) -> None:
-        self.counts, self.elements = None, [0] * len(ROLES)
-
-    def add(self, role: str, counts: torch.Tensor, elements: int) -> None:
-        if self.counts is None:
-            self.counts = torch.zeros(len(ROLES), 2, dtype=counts.dtype, device=counts.device)
-        self.counts[ROLES.index(role)] += counts
-        self.elements[ROLES.index(role)] += elements
+        self.sink.grad = None
 
     def totals(self, device: torch.device) -> torch.Tensor:
         """(3 roles x [overflow, underflow, elements]) flat, in fp32: what the trainer sums over
         the ranks with the loss (exact below 2^24 elements per role and step; beyond, the
         fractions keep fp32's 7 digits)."""
-        counts = self.counts if self.counts is not None else torch.zeros(len(ROLES), 2, device=device)
-        elements = torch.tensor(self.elements, dtype=torch.float32, device=counts.device)
-        return torch.cat([counts.float(), elements[:, None]], dim=1).flatten()
+        counts = self.sink.grad
+        return (counts if counts is not None else torch.zeros(len(ROLES), 3, device=device)).float().flatten()
 
     @staticmethod
     def record(totals: torch.Tensor) -> dict:
@@ -167,8 +166,8 @@ class DelayedScale:
         self.scale: torch.Tensor | None = None
         self.step_amaxes: list[torch.Tensor] = []
 
-    def scale_for(self, x: torch.Tensor, fmt: Fp8Format, record: bool) -> torch.Tensor:
-        current = amax(x, None)
+    def scale_for(self, current: torch.Tensor, fmt: Fp8Format, record: bool) -> torch.Tensor:
+        """The scale this step, given the tensor's `current` amax (whole: Fp8Quantiser.amax)."""
         if record:
             self.step_amaxes.append(current)
         if self.scale is None:
@@ -186,84 +185,143 @@ class DelayedScale:
 
 
 class Fp8Quantiser:
-    """One recipe, applied to one linear layer's three tensors; shares the run's Fp8Stats."""
+    """One recipe, applied to one linear layer's three tensors; shares the run's Fp8Stats.
+
+    A layer whose tensors are pieces of the whole (tensor parallelism: parallel/tensor.py) gives
+    the roles it holds a piece of an `amax_reducers` entry (`share_amax`: the max over the
+    group), so each piece is scaled by the amax of the whole tensor — the scale, and so the
+    bits, one process has."""
 
     def __init__(self, recipe: str, block: int, stats: Fp8Stats) -> None:
         self.recipe, self.block, self.stats = recipe, block, stats
         self.delayed = {role: DelayedScale() for role in ROLES} if recipe == "delayed" else {}
+        self.amax_reducers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 
-    def cast(self, x: torch.Tensor, role: str, record: bool) -> torch.Tensor:
-        """The 2-D `x` rounded through its role's format, dequantised to bf16."""
+    def share_amax(self, roles: tuple[str, ...], reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The tensors of `roles` are pieces: their amax is `reduce`d (a max over the pieces'
+        group) before it scales them. Blockwise tiles are the pieces' own (config_rules refuses
+        'blockwise' with tensor parallelism: a tile would straddle the cut)."""
+        assert self.recipe != "blockwise", "blockwise tiles are not shared over a group"
+        self.amax_reducers.update({role: reduce for role in roles})
+
+    def amax(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        """max |x| of the whole tensor `x` is (a piece of, where the role is shared)."""
+        current = amax(x, None)
+        reduce = self.amax_reducers.get(role)
+        return current if reduce is None else reduce(current)
+
+    def scale(self, x: torch.Tensor, role: str, record: bool) -> torch.Tensor:
+        """The scale that takes the 2-D `x` into its role's format: a scalar, or one per tile."""
+        fmt = FORMAT_OF[role]
+        if self.recipe == "blockwise":
+            tile = (self.block, self.block) if role == "weight" else (1, self.block)
+            return fmt.max / amax(x, tile).clamp_min(EPS)
+        if self.recipe == "delayed":
+            return self.delayed[role].scale_for(self.amax(x, role), fmt, record)
+        return fmt.max / self.amax(x, role).clamp_min(EPS)
+
+    def cast(self, x: torch.Tensor, role: str, record: bool,
+             scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 2-D `x` rounded through its role's format (at `scale`, default its own), dequantised
+        to bf16, and [overflow, underflow, elements] counts (fp32)."""
         fmt = FORMAT_OF[role]
         tile = None
         if self.recipe == "blockwise":
             tile = (self.block, self.block) if role == "weight" else (1, self.block)
-            scale = fmt.max / amax(x, tile).clamp_min(EPS)
-        elif self.recipe == "delayed":
-            scale = self.delayed[role].scale_for(x, fmt, record)
-        else:
-            scale = fmt.max / amax(x, None).clamp_min(EPS)
+        scale = self.scale(x, role, record) if scale is None else scale
         out, counts = quantise(x, fmt, scale, tile, fixed_scale=self.recipe == "delayed")
-        if record:
-            self.stats.add(role, counts, x.numel())
-        return out
+        return out, torch.cat([counts.float(), counts.new_full((1,), x.numel()).float()])
 
     def roll(self) -> None:
         for role, delayed in self.delayed.items():
             delayed.roll(FORMAT_OF[role])
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """fp8_linear through this quantiser: what a layer holding one calls (models/lora.py and
+        models/moe.py call it so, without importing this module, which imports their Decoder)."""
+        return fp8_linear(x, weight, bias, self)
+
 
 class _Fp8Matmul(torch.autograd.Function):
     """y = x W^T + b with x, W in E4M3 and, in backward, dy in E5M2; the matmuls in bf16 over
-    the dequantised values (fp32 accumulation inside the bf16 kernel)."""
+    the dequantised values (fp32 accumulation inside the bf16 kernel). The weight is saved as
+    it is (ZeRO-3 has gathered it again for backward) and rounded again there at the forward's
+    scale; a frozen weight (LoRA's, QLoRA's dequantised one) gets no gradient computed. The
+    three roles' counts leave as the gradient of `sink` (Fp8Stats)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, quantiser: Fp8Quantiser, record: bool):
+    def forward(ctx, x, weight, bias, sink, quantiser: Fp8Quantiser, record: bool):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])  # (B*T, in)
-            xq = quantiser.cast(x2, "input", record)
-            wq = quantiser.cast(weight, "weight", record)  # (out, in)
+            xq, x_counts = quantiser.cast(x2, "input", record)
+            w_scale = quantiser.scale(weight, "weight", record)
+            wq, w_counts = quantiser.cast(weight, "weight", record, w_scale)  # (out, in)
             out = xq @ wq.t()  # (B*T, out) bf16
             if bias is not None:
                 out = out + bias.to(out.dtype)
-        ctx.save_for_backward(xq, weight)
+        ctx.save_for_backward(xq, weight, w_scale, torch.stack([x_counts, w_counts]))
         ctx.quantiser, ctx.x_shape, ctx.x_dtype, ctx.has_bias = quantiser, x.shape, x.dtype, bias is not None
         return out.view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_out):
-        xq, weight = ctx.saved_tensors
+        xq, weight, w_scale, forward_counts = ctx.saved_tensors
         q = ctx.quantiser
+        need_x, need_w, need_b, need_counts = ctx.needs_input_grad[:4]
         with torch.autocast(grad_out.device.type, enabled=False):
             g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (B*T, out)
-            gq = q.cast(g2, "grad_output", True)
-            # The weight again (ZeRO-3 has gathered it for backward): it rounds as in forward.
-            wq = q.cast(weight, "weight", False)
-            grad_x = (gq @ wq).view(ctx.x_shape).to(ctx.x_dtype)  # (B*T, in)
-            grad_w = (gq.t() @ xq).to(weight.dtype)  # (out, in)
-            grad_b = g2.float().sum(0).to(weight.dtype) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None
+            gq, g_counts = q.cast(g2, "grad_output", True)
+            wq, _ = q.cast(weight, "weight", False, w_scale)
+            grad_x = (gq @ wq).view(ctx.x_shape).to(ctx.x_dtype) if need_x else None  # (B*T, in)
+            grad_w = (gq.t() @ xq).to(weight.dtype) if need_w else None  # (out, in)
+            grad_b = g2.float().sum(0).to(weight.dtype) if ctx.has_bias and need_b else None
+        counts = torch.cat([forward_counts, g_counts[None]]).to(g_counts.device) if need_counts else None
+        return grad_x, grad_w, grad_b, counts, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               fp8: Fp8Quantiser | None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through FP8 where `fp8` is given (emulated): the one matmul
+    every fp8 layer calls — Fp8Linear, LoRA's frozen base (and QLoRA's dequantised one), the
+    tensor-parallel linears, the experts' per-expert matmuls. Counted only where gradients
+    flow (the backward hands the counts to Fp8Stats); evaluation leaves the statistics alone."""
+    if fp8 is None or x.numel() == 0:  # no tokens (an expert none chose): nothing to scale
+        return F.linear(x, weight, bias)
+    return _Fp8Matmul.apply(x, weight, bias, fp8.stats.sink, fp8, torch.is_grad_enabled())
 
 
 class Fp8Linear(nn.Linear):
     """An nn.Linear whose matmuls round through FP8 (emulated); same parameters, same names."""
 
-    quantiser: Fp8Quantiser
+    fp8: Fp8Quantiser
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, quantiser: Fp8Quantiser) -> "Fp8Linear":
         new = cls(linear.in_features, linear.out_features, bias=False, device="meta")
         new.weight, new.bias = linear.weight, linear.bias  # the same Parameter objects
-        new.quantiser = quantiser
+        new.fp8 = quantiser
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Counted and recorded only where gradients flow (training; a recomputed forward
-        # counts again, in the same proportion); evaluation leaves the statistics alone.
-        return _Fp8Matmul.apply(x, self.weight, self.bias, self.quantiser, torch.is_grad_enabled())
+        return fp8_linear(x, self.weight, self.bias, self.fp8)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8={self.quantiser.recipe} (emulated)"
+        return f"{super().extra_repr()}, fp8={self.fp8.recipe} (emulated)"
+
+
+def take_over(new: nn.Module, old: nn.Module, pieces: tuple[str, ...],
+              reduce: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """`new`, a layer built to replace `old` from a piece of it (a column- or row-parallel
+    linear: parallel/tensor.py), multiplies in FP8 where `old` did (an Fp8Linear, or LoRA's layer
+    with an fp8 base): `old`'s quantiser, the amaxes of the tensors of `pieces` (those `new`
+    holds a piece of) `reduce`d to the whole tensor's (a max over the group). Each piece is then
+    scaled as one process scales the whole, so its FP8 values are the bits of one process's (the
+    matmul's partial sums add up in another order, as they do without FP8). Returns `new`."""
+    fp8: Fp8Quantiser | None = getattr(old, "fp8", None)
+    if fp8 is not None:
+        fp8.share_amax(pieces, reduce)
+        new.fp8 = fp8
+    return new
 
 
 @dataclass
@@ -319,15 +377,28 @@ def check_fp8_device(precision: PrecisionConfig, device: torch.device) -> None:
             raise ConfigError(problem)
 
 
-def block_linears(model: Decoder) -> dict[str, nn.Linear]:
-    """name -> every plain nn.Linear inside the blocks (the LM head and embeddings are outside)."""
-    return {f"blocks.{n}": m for n, m in model.blocks.named_modules() if type(m) is nn.Linear}
+def block_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> what apply_fp8 converts inside the blocks (the LM head and embeddings are outside):
+    every plain nn.Linear but LoRA's adapters (they stay in the compute dtype), and every layer
+    that multiplies through `fp8_linear` itself and says so with a `use_fp8` method (LoRA's
+    layer: its frozen base; the experts' stacked weights: models/moe.py)."""
+    found = {}
+    for n, m in model.blocks.named_modules():
+        adapter = n.rpartition(".")[2] in ("lora_A", "lora_B")
+        if (type(m) is nn.Linear and not adapter) or hasattr(m, "use_fp8"):
+            found[f"blocks.{n}"] = m
+    return found
 
 
 def apply_fp8(model: nn.Module, precision: PrecisionConfig, device: torch.device) -> Fp8State:
-    """Swap the nn.Linear layers inside our decoder's blocks for FP8 ones, in place (on the meta
-    device or materialised), as `precision` (compute = 'fp8') says: torchao's
-    Float8Linear on FP8 hardware, else (fp8_emulate) Fp8Linear."""
+    """The linear layers inside our decoder's blocks through FP8, in place (on the meta device or
+    materialised), as `precision` (compute = 'fp8') says: torchao's Float8Linear on FP8
+    hardware, else (fp8_emulate) each plain nn.Linear swapped for Fp8Linear and each `use_fp8`
+    layer given its quantisers (LoRA's frozen base, QLoRA's dequantised one, the experts). The
+    layers later steps build in their place (tensor parallelism, expert parallelism) take the
+    quantisers over (parallel/tensor.py, parallel/expert.py)."""
+    from shardlm.models.decoder import Decoder
+
     check_fp8_device(precision, device)
     if not isinstance(model, Decoder):
         raise ConfigError(f"precision.compute = 'fp8' converts our decoder's block linears; a "
@@ -335,17 +406,25 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device: torch.device
     linears = block_linears(model)
     recipe, block = precision.fp8_recipe, precision.fp8_block
     if not precision.fp8_emulate:
-        return _apply_torchao(model, linears)
-    stats = Fp8Stats()
-    quantisers = []
-    for name, linear in linears.items():
-        parent, _, attr = name.rpartition(".")
+        return _apply_torchao(model, {n: m for n, m in linears.items() if type(m) is nn.Linear})
+    stats = Fp8Stats(device)
+    quantisers: list[Fp8Quantiser] = []
+
+    def make() -> Fp8Quantiser:
         quantisers.append(Fp8Quantiser(recipe, block, stats))
-        setattr(model.get_submodule(parent), attr, Fp8Linear.from_linear(linear, quantisers[-1]))
-    log.info("fp8: EMULATED on %s, recipe %s%s, %d linear layers (E4M3 forward, E5M2 backward; "
+        return quantisers[-1]
+
+    for name, layer in linears.items():
+        if hasattr(layer, "use_fp8"):
+            layer.use_fp8(make)
+        else:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, Fp8Linear.from_linear(layer, make()))
+    log.info("fp8: EMULATED on %s, recipe %s%s, %d layers, %d matmuls (E4M3 forward, E5M2 backward; "
              "embeddings, norms and the head under bf16 autocast): for numerics, not speed — the "
              "FP8 rounding is emulated and the matmuls run in bf16, slower than bf16 alone",
-             device.type, recipe, f" ({block}-wide tiles)" if recipe == "blockwise" else "", len(linears))
+             device.type, recipe, f" ({block}-wide tiles)" if recipe == "blockwise" else "",
+             len(linears), len(quantisers))
     return Fp8State(recipe, True, list(linears), quantisers, stats)
 
 

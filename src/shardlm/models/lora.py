@@ -28,7 +28,7 @@ from torch import nn
 
 from shardlm.errors import ConfigError
 from shardlm.models.init import Initializer, parameter_generator
-from shardlm.models.quant import QuantFormat, quantized_linear
+from shardlm.models.quant import QuantFormat, dequantize, quantized_linear
 
 log = logging.getLogger("shardlm")
 
@@ -57,10 +57,25 @@ class LoRALinear(nn.Module):
     """Set by models/quant.py quantize_base (lora.quantize): the base weight is then stored as
     `weight_q` bytes and dequantised in forward."""
 
+    fp8: Fp8Quantiser | None = None  # noqa: F821 (models/fp8.py imports the Decoder, which imports this)
+    """Set by models/fp8.py apply_fp8 (precision.compute = 'fp8'): the frozen base multiplies in
+    FP8 (QLoRA's dequantised from its bytes, then scaled into FP8); the adapters stay in the
+    compute dtype."""
+
+    def use_fp8(self, make) -> None:
+        self.fp8 = make()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = self.lora_B(self.lora_A(self.dropout(x)))  # (…, out) through (…, rank)
-        base = (F.linear(x, self.weight, self.bias) if self.quant is None
-                else quantized_linear(x, self.weight_q, self.bias, self.quant))
+        if self.quant is None:
+            base = (F.linear(x, self.weight, self.bias) if self.fp8 is None
+                    else self.fp8.linear(x, self.weight, self.bias))
+        elif self.fp8 is None:
+            base = quantized_linear(x, self.weight_q, self.bias, self.quant)
+        else:  # fp8 keeps the fp32 dequantised weight for backward (not the bytes, as QLoRA alone)
+            with torch.no_grad():
+                weight = dequantize(self.weight_q, self.quant, torch.float32)  # (out, in)
+            base = self.fp8.linear(x, weight, self.bias)
         return base + self.scaling * update
 
     def extra_repr(self) -> str:

@@ -156,40 +156,51 @@ class Experts(nn.Module):
     quant: dict[str, QuantFormat] | None = None
     """Set by models/quant.py quantize_experts (lora.quantize): each batched weight `attr` is then
     stored as `<attr>_q` bytes, a row per expert, dequantised in forward."""
+    fp8: list[dict[str, Fp8Quantiser]] | None = None  # noqa: F821 (models/fp8.py, which imports this)
+    """precision.compute = 'fp8' (models/fp8.py apply_fp8): one quantiser per global expert and
+    weight, so each expert's matmuls scale its own weight and its own tokens, whichever rank
+    holds it (expert parallelism hands the list to the Experts it builds)."""
 
     def stacked_weights(self) -> tuple[str, ...]:
         """The batched (E, out, in) weights, in forward's order."""
         return ("gate_up", "down") if self.swiglu else ("fc", "proj")
 
+    def use_fp8(self, make) -> None:
+        self.fp8 = [{name: make() for name in self.stacked_weights()} for _ in range(self.first + self.count)]
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, C): tokens grouped by local expert, `counts` (count,) of each -> (M, C). The
-        matmuls are one grouped op each (models/expert_matmul.py: a compiled graph holds it);
-        a quantised base (QLoRA) dequantises each expert's rows in a loop instead."""
-        if self.quant:
-            return self._quantized(x, counts.tolist())
+        matmuls are one grouped op each (models/expert_matmul.py: a compiled graph holds it); a
+        quantised base (QLoRA) or FP8 takes each expert's matmul in a loop instead."""
+        if self.quant or self.fp8 is not None:
+            return self._per_expert(x, counts.tolist())
         if self.swiglu:
             gate, up = expert_linear(x, self.gate_up, None, counts).chunk(2, dim=-1)  # (M, f) each
             return expert_linear(F.silu(gate) * up, self.down, None, counts)
         h = F.gelu(expert_linear(x, self.fc, getattr(self, "fc_bias", None), counts), approximate="tanh")
         return expert_linear(h, self.proj, getattr(self, "proj_bias", None), counts)
 
-    def _linear(self, x: torch.Tensor, attr: str, e: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-        fmt = self.quant.get(attr) if self.quant else None
-        if fmt is None:
-            return F.linear(x, getattr(self, attr)[e], bias)
-        return quantized_linear(x, getattr(self, f"{attr}_q")[e], bias, fmt)
+    def _linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        """Local expert e's `name` matmul (its bias where it has one): from the quantised table
+        under QLoRA, in FP8 under fp8."""
+        bias = getattr(self, f"{name}_bias", None)
+        bias = None if bias is None else bias[e]
+        fmt = self.quant.get(name) if self.quant else None
+        if fmt is not None:
+            return quantized_linear(x, getattr(self, f"{name}_q")[e], bias, fmt)
+        if self.fp8 is not None:
+            return self.fp8[self.first + e][name].linear(x, getattr(self, name)[e], bias)
+        return F.linear(x, getattr(self, name)[e], bias)
 
-    def _quantized(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _per_expert(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         outs = []
         for e, xe in enumerate(x.split(counts)):
             if self.swiglu:
                 gate, up = self._linear(xe, "gate_up", e).chunk(2, dim=-1)
                 outs.append(self._linear(F.silu(gate) * up, "down", e))
             else:
-                bias = getattr(self, "fc_bias", None)
-                h = F.gelu(self._linear(xe, "fc", e, None if bias is None else bias[e]), approximate="tanh")
-                bias = getattr(self, "proj_bias", None)
-                outs.append(self._linear(h, "proj", e, None if bias is None else bias[e]))
+                h = F.gelu(self._linear(xe, "fc", e), approximate="tanh")
+                outs.append(self._linear(h, "proj", e))
         return torch.cat(outs) if outs else x[:0]
 
 

@@ -69,3 +69,19 @@ def reduce_scatter_seq(x: torch.Tensor, group: str) -> torch.Tensor:
 def _(x: torch.Tensor, group: str) -> torch.Tensor:
     b, t, *rest = x.shape
     return x.new_empty((t // _COMMS[group].size, b, *rest)).transpose(0, 1)
+
+
+@torch.library.custom_op("shardlm::all_reduce_max", mutates_args=())
+def all_reduce_max(x: torch.Tensor, group: str) -> torch.Tensor:
+    """The group's elementwise max of x (a new tensor): an FP8 scale agreed over the pieces of
+    a tensor-parallel tensor (models/fp8.py Fp8Quantiser.share_amax)."""
+    import torch.distributed as dist
+
+    out = x.contiguous().clone()
+    _COMMS[group].all_reduce(out, op=dist.ReduceOp.MAX).wait()
+    return out
+
+
+@all_reduce_max.register_fake
+def _(x: torch.Tensor, group: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -263,7 +263,9 @@ def spread_experts(moe: MoE, name: str, cfg, comm: Comm, stats: MoEStats) -> dic
     splits = {f"{name}.experts.{attr}": Split(tuple(p.shape), 0, ((lo, hi),))
               for attr, p in moe.experts.named_parameters()}
     quant = moe.experts.quant  # a quantised base (lora.quantize): the new experts' bytes too
+    fp8 = moe.experts.fp8  # fp8: every global expert's quantisers; this rank uses its own
     moe.experts = Experts(cfg, hi - lo, lo)
+    moe.experts.fp8 = fp8
     if quant:
         quantize_experts(moe.experts, next(iter(quant.values())).kind)
     moe.dispatcher = AllToAllDispatcher(comm, moe.n_experts, stats)

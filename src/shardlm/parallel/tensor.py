@@ -43,10 +43,11 @@ from torch import nn
 
 from shardlm.comm.collectives import Comm
 from shardlm.data.sft import IGNORE
-from shardlm.parallel.collective_ops import all_reduce, gather_seq, op_group, reduce_scatter_seq
+from shardlm.parallel.collective_ops import all_reduce, all_reduce_max, gather_seq, op_group, reduce_scatter_seq
 from shardlm.errors import ConfigError
 from shardlm.models.flops import head_dim
-from shardlm.models.quant import QuantFormat, quantized_linear
+from shardlm.models.fp8 import Fp8Quantiser, fp8_linear, take_over
+from shardlm.models.quant import QuantFormat, dequantize, quantized_linear
 from shardlm.checkpoint.placement import Split, even_range
 
 log = logging.getLogger("shardlm")
@@ -211,11 +212,20 @@ class ColumnParallelLinear(nn.Module):
     quant: QuantFormat | None = None
     """Set by _quantized (lora.quantize): the piece's weight is then `weight_q`, whole stored
     rows of the one-process weight's byte table (models/quant.py), dequantised in forward."""
+    fp8: Fp8Quantiser | None = None  # precision.compute = 'fp8': the replaced layer's (_with_fp8)
+    FP8_PIECES = ("weight", "grad_output")  # cut here (output features); the input is whole
 
     def base(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The (frozen or trained) weight's matmul: dequantised from its bytes under QLoRA, in
+        FP8 under precision.compute = 'fp8' (a quantised base dequantised, then scaled into FP8,
+        as models/lora.py's LoRALinear does)."""
         if self.quant is None:
-            return F.linear(x, self.weight, bias)
-        return quantized_linear(x, self.weight_q, bias, self.quant)
+            return fp8_linear(x, self.weight, bias, self.fp8)
+        if self.fp8 is None:
+            return quantized_linear(x, self.weight_q, bias, self.quant)
+        with torch.no_grad():
+            weight = dequantize(self.weight_q, self.quant, torch.float32)
+        return fp8_linear(x, weight, bias, self.fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather_input:
@@ -263,6 +273,8 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
 
     quant: QuantFormat | None = None
+    fp8: Fp8Quantiser | None = None  # precision.compute = 'fp8': the replaced layer's (_with_fp8)
+    FP8_PIECES = ("weight", "input")  # cut here (input features); the output's gradient is whole
     base = ColumnParallelLinear.base
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -558,7 +570,7 @@ def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: b
         if kv % n == 0:  # this rank's key/value heads
             k_lo, k_hi = (x * hd for x in even_range(kv, n, r))
             qkv_ranges = [(q_lo, q_hi), (nq + k_lo, nq + k_hi), (nq + nkv + k_lo, nq + nkv + k_hi)]
-            attn.qkv = _column(d, sum(hi - lo for lo, hi in qkv_ranges), bias, tp, attn.qkv)
+            attn.qkv = _with_fp8(_column(d, sum(hi - lo for lo, hi in qkv_ranges), bias, tp, attn.qkv), attn.qkv, tp)
         else:  # tp > n_kv_heads: every key/value row on every rank, one head used
             qkv_ranges, copies = [(q_lo, q_hi), (nq, nq + nkv), (nq + nkv, nq + 2 * nkv)], (1, 2)
             if getattr(attn.qkv, "quant", None) is not None:
@@ -566,6 +578,10 @@ def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: b
                                   f"the key/value rows every rank keeps are not cut from a quantised "
                                   f"base yet; set parallel.tp <= {kv} or lora.quantize = 'none'")
             shared = (d, q_hi - q_lo, kv, hd, r // (n // kv), bias, tp)
+            if getattr(attn.qkv, "fp8", None) is not None:  # config_rules._fp8_composes refuses it
+                raise ConfigError(f"precision.compute = 'fp8' with parallel.tp = {n} > the {kv} key/value "
+                                  f"heads: the shared key/value rows are not scaled into FP8 as one "
+                                  f"process scales them; use parallel.tp <= {kv}")
             attn.qkv = SharedKVLinear(*shared) if lora is None else LoRASharedKVLinear(*shared, lora)
         tp.splits[f"{pre}.attn.qkv.weight"] = Split(whole, 0, tuple(qkv_ranges), copies)
         if bias:
@@ -612,7 +628,7 @@ def cut_mlp(mlp: nn.Module, pre: str, d: int, tp: TPState) -> None:
         ranges = [(h_lo, h_hi), (mlp.hidden + h_lo, mlp.hidden + h_hi)]
         bias = mlp.gate_up.bias is not None
         lora = _lora_of(mlp.gate_up)
-        mlp.gate_up = _column(d, 2 * (h_hi - h_lo), bias, tp, mlp.gate_up)
+        mlp.gate_up = _with_fp8(_column(d, 2 * (h_hi - h_lo), bias, tp, mlp.gate_up), mlp.gate_up, tp)
         cut(f"{pre}.gate_up.weight", (2 * mlp.hidden, d), 0, ranges)
         if bias:
             cut(f"{pre}.gate_up.bias", (2 * mlp.hidden,), 0, ranges)
@@ -625,7 +641,7 @@ def cut_mlp(mlp: nn.Module, pre: str, d: int, tp: TPState) -> None:
         h_lo, h_hi = even_range(hidden, n, r)
         bias = mlp.fc.bias is not None
         lora = _lora_of(mlp.fc)
-        mlp.fc = _column(d, h_hi - h_lo, bias, tp, mlp.fc)
+        mlp.fc = _with_fp8(_column(d, h_hi - h_lo, bias, tp, mlp.fc), mlp.fc, tp)
         cut(f"{pre}.fc.weight", (hidden, d), 0, [(h_lo, h_hi)])
         if bias:
             cut(f"{pre}.fc.bias", (hidden,), 0, [(h_lo, h_hi)])
@@ -695,4 +711,10 @@ def _row(old: nn.Module, name: str, local: tuple[int, int], tp: TPState) -> RowP
     else:
         tp.splits[f"{name}.lora_A.weight"] = Split((lora.rank, in_features), 1, ((lo, hi),))
         new = LoRARowParallelLinear(hi - lo, out_features, bias, tp, lora)
-    return _quantized(new, old, (out_features, hi - lo))
+    return _with_fp8(_quantized(new, old, (out_features, hi - lo)), old, tp)
+
+
+def _with_fp8(new: nn.Module, old: nn.Module, tp: TPState) -> nn.Module:
+    """`new` multiplies in FP8 where `old` did, each piece scaled by its whole tensor's amax (the
+    max over the tp group): models/fp8.py take_over."""
+    return take_over(new, old, new.FP8_PIECES, lambda amax, group=tp.group: all_reduce_max(amax, group))

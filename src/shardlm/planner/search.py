@@ -99,7 +99,7 @@ class Plan:
             "parallel.zero_stage": s.zero_stage, "parallel.dp_replicate": lay.dp_replicate,
             "parallel.dp_shard": lay.dp_shard, "train.micro_batch": s.micro_batch,
             "train.grad_accum": s.grad_accum, "activation.checkpoint": s.recompute,
-            "precision.compute": s.dtypes.compute, "precision.master": s.dtypes.master}
+            "precision.compute": s.dtypes.precision, "precision.master": s.dtypes.master}
         if s.dtypes.reduce != "auto":
             out["precision.reduce"] = s.dtypes.reduce
         for key in ("tp", "cp", "pp", "ep"):
@@ -426,12 +426,12 @@ def _versus(win: Plan, other: Plan, label: str) -> str:
 
 def default_dtypes(cluster: Cluster, compute: str = "auto", master: str = "fp32",
                    reduce: str = "auto") -> Dtypes:
-    """'auto' as a run resolves it (hardware.catalog.choose_compute). 'fp8' is planned as bf16:
-    its parameters, gradients and activations are bf16, and the catalog has no FP8 peaks, so its
-    matmul time is bf16's (an upper bound where FP8 hardware is faster)."""
+    """'auto' as a run resolves it (hardware.catalog.choose_compute). 'fp8' is kept (Dtypes.fp8):
+    its parameters, gradients and activations are bf16, its blocks' matmuls at the device's fp8
+    peak where the catalog has one (planner/timing.py)."""
     peak = cluster.device.peak
     if compute == "fp8":
-        compute = "bf16"
+        return Dtypes("bf16", reduce, master, fp8=True)
     if compute == "auto":
         compute = choose_compute(cluster.device.kind, peak)
     if master == "bf16" and compute != "bf16":

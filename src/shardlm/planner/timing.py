@@ -432,6 +432,20 @@ def _cp_ring(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: 
                      CommTerm(f"{grad_hops:g} gradient hops, waited for at once", grads, grads)])
 
 
+def matmul_rate(w: Workload, s: Strategy, peak: dict[str, float]) -> float:
+    """The device's peak FLOP/s for this run's kernels. Under fp8 (Dtypes.fp8) on a device the
+    catalog gives an fp8 peak, the blocks' linears (6 x their weights per token: all of the
+    matmul parameters but the head's) run at it and the rest (the head, attention) at the
+    carrier dtype's: the harmonic mix by FLOP share. Without an fp8 peak (the CPU emulation:
+    the rounding emulated, the matmuls in bf16) every FLOP runs at the carrier's."""
+    carrier = peak[s.dtypes.compute]
+    if not (s.dtypes.fp8 and "fp8" in peak):
+        return carrier
+    m = w.model
+    share = 6 * (flops.matmul_params(m) - m.d_model * m.vocab_size) / flops.kernel_flops_per_token(m, w.seq_len)
+    return 1.0 / (share / peak["fp8"] + (1.0 - share) / carrier)
+
+
 def model_flops_per_token(w: Workload, recompute: str = "none", count: str = "model") -> float:
     """models.flops.flops_per_token (PaLM appendix B: 6N + 12·L·h·s; count='model', for MFU)
     or what the kernels execute (count='kernel': causal flash attention, 6N + 7·L·h·s; for
@@ -475,7 +489,7 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     run_flops = model_flops_per_token(w, s.recompute, "kernel")  # what the step executes
     # Small matrices fill less of the chip: efficiency x h/(h + half_width) (docs/planner.md).
     size_factor = m.d_model / (m.d_model + cluster.calibration.half_width)
-    rate = dev.peak[s.dtypes.compute] * dev.efficiency * size_factor
+    rate = matmul_rate(w, s, dev.peak) * dev.efficiency * size_factor
     # The pipeline moves at its slowest rank's pace: the largest share of the FLOPs (a rank's
     # chunks summed under the interleaved schedule).
     shares = flops.stage_shares(m, w.seq_len, split)

@@ -42,6 +42,15 @@ class Dtypes:
     reduce: str = "auto"
     """'auto' = the compute dtype (what DeepSpeed, FSDP and the ZeRO formulas assume)."""
     master: str = "fp32"
+    fp8: bool = False
+    """precision.compute = 'fp8': `compute` is then the dtype parameters, gradients and
+    activations are kept in (bf16), and the blocks' linears multiply at the device's fp8 peak
+    where the catalog has one, else (the CPU emulation) at `compute`'s (planner/timing.py)."""
+
+    @property
+    def precision(self) -> str:
+        """The precision.compute a plan with these dtypes runs ('fp8' or `compute`)."""
+        return "fp8" if self.fp8 else self.compute
 
     @property
     def param_bytes(self) -> int:
