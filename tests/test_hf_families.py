@@ -39,6 +39,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
 
+FAMILIES = ["llama3", "llama-yarn", "qwen3", "gemma", "gemma2", "gemma3", "mistral", "phi3", "olmo2",
+            "granite", "smollm3", "starcoder2", "gpt_neox", "stablelm"]
+
+
 def _family(name: str):
     """(transformers class, its config) of each tiny family."""
     tf = transformers
@@ -157,9 +161,7 @@ def trained_export_is_the_checkpoint(tmp_path, run, hf_dir, tied_head_written: b
     return out
 
 
-@pytest.mark.parametrize("name", ["llama3", "llama-yarn", "qwen3",
-                                  "gemma", "gemma2", "gemma3", "mistral", "phi3", "olmo2", "granite", "smollm3",
-                                  "starcoder2", "gpt_neox", "stablelm"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_family_loads_trains_and_exports_bit_for_bit(tmp_path, name):
     """transformers' logits on the first batch (1e-5); then one step with lr 1e-30 (AdamW moves
     no fp32 weight by so little) and `shardlm export --format hf` (the CLI): every tensor of the
@@ -290,25 +292,37 @@ def test_features_a_kernel_or_axis_cannot_compute_are_refused_early(fields, mess
         load_config(overrides=values).validate()
 
 
-def test_lora_on_gpt_neox_loads_in_peft_onto_the_checkpoint(tmp_path):
-    """A LoRA step on GPT-NeoX (q/k/v fused per head in the checkpoint, ours fused by kind):
-    the run's PEFT adapter, applied by peft to the untouched checkpoint, gives the run's logits
-    (the adapter's query_key_value rows reordered as the weights are)."""
+def lora_adapter_is_peft_exact(tmp_path, hf_dir, hf) -> None:
+    """A LoRA step (rank 4, lr 1e-2: every lora_B moves off zero) on the checkpoint in `hf_dir`:
+    the PEFT adapter the run writes (run_dir/adapter), applied by peft.PeftModel.from_pretrained
+    to `hf` (the untouched checkpoint, loaded by transformers), gives the run's logits (1e-5)."""
     import peft
 
-    from shardlm import checkpoint
-
-    hf_dir, _ = make_family_dir(tmp_path, "gpt_neox")
     values = overrides(tmp_path, hf_dir, lora__rank=4, train__lr=1e-2, run__name="lora")
     run = build_run(load_config(overrides=values).validate())
     train(run)
-    model, _, _ = checkpoint.load_for_inference(run.run_dir, torch.device("cpu"))
-    assert all(p.abs().max() > 0 for n, p in model.named_parameters() if "lora_B" in n)
+    lora_b = {n: p for n, p in run.model.named_parameters() if "lora_B" in n}
+    assert lora_b and all(p.abs().max() > 0 for p in lora_b.values())
     x, _ = run.train_loader.micro_batches(0)[0]
-    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
-    adapted = peft.PeftModel.from_pretrained(base, run.run_dir / "adapter").eval()
+    adapted = peft.PeftModel.from_pretrained(hf, run.run_dir / "adapter").eval()
     with torch.no_grad():
-        torch.testing.assert_close(adapted(input_ids=x).logits, model(x), atol=1e-5, rtol=1e-5)
+        ours = run.model(x)
+        torch.testing.assert_close(adapted(input_ids=x).logits, ours, atol=1e-5, rtol=1e-5)
+        with adapted.disable_adapter():  # the adapters count
+            assert (ours - adapted(input_ids=x).logits).abs().max() > 1e-3
+    targets = json.loads((run.run_dir / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    modules = dict(hf.named_modules())  # PEFT holds the checkpoint's own module names
+    assert all(any(n.endswith(t) for n in modules) for t in targets), targets
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_lora_adapter_loads_in_peft_onto_the_checkpoint(tmp_path, name):
+    """Each family's LoRA run (the default targets: attention's q/k/v and output, the MLP's
+    linears) writes a PEFT adapter on transformers' own modules: fused ones as they are fused
+    (Phi-3's qkv_proj and gate_up_proj take our B whole; GPT-NeoX's per-head query_key_value
+    rows reordered as the weights are), split ones with our B's rows apiece and A shared."""
+    hf_dir, hf = make_family_dir(tmp_path, name)
+    lora_adapter_is_peft_exact(tmp_path, hf_dir, hf)
 
 
 def test_parameter_counts_are_the_checkpoints(tmp_path):
