@@ -191,7 +191,8 @@ def test_families_train_with_tp_and_zero3_as_one_process(tmp_path):
     with parallel.tp = 2 and with ZeRO-3 on 2 ranks; Qwen3 (its per-head q/k norms summed over
     the tensor-parallel group) with tp = 2; Gemma-2-style (soft-capping, sliding window, sandwich
     (1 + w) norms) with tp = 2 and sequence parallelism; the Llama 3.2-style again with pp = 2
-    and cp = 2 (ring attention over its scaled RoPE): losses and every parameter after 2 steps
+    and cp = 2 (ring attention over its scaled RoPE); OLMo-2 (q/k norms over every head, their
+    sums of squares all-reduced over the tensor-parallel group) with tp = 2: losses and every parameter after 2 steps
     within 1e-5 relative of one process with the same global batch (fp32; tensor parallelism
     and the ring reorder sums)."""
     steps = 2
@@ -201,12 +202,15 @@ def test_families_train_with_tp_and_zero3_as_one_process(tmp_path):
     gemma, _ = make_family_dir(tmp_path, "gemma2")
     qwen_base = overrides(tmp_path, qwen, train__steps=steps, train__lr=1e-3, run__device="cpu")
     gemma_base = overrides(tmp_path, gemma, train__steps=steps, train__lr=1e-3, run__device="cpu")
+    olmo, _ = make_family_dir(tmp_path, "olmo2")
+    olmo_base = overrides(tmp_path, olmo, train__steps=steps, train__lr=1e-3, run__device="cpu")
     cases = [({**base, "parallel.tp": 2, "run.name": "tp"}, steps, -1),
              ({**base, "parallel.zero_stage": 3, "run.name": "z3"}, steps, -1),
              ({**qwen_base, "parallel.tp": 2, "run.name": "qtp"}, steps, -1),
              ({**gemma_base, "parallel.tp": 2, "parallel.sequence_parallel": True, "run.name": "gtp"}, steps, -1),
              ({**base, "parallel.pp": 2, "run.name": "pp"}, steps, -1),
-             ({**base, "parallel.cp": 2, "run.name": "cp"}, steps, -1)]
+             ({**base, "parallel.cp": 2, "run.name": "cp"}, steps, -1),
+             ({**olmo_base, "parallel.tp": 2, "run.name": "otp"}, steps, -1)]
     out = run_ranks(train_cases, 2, tmp_path, cases)
     # the global batch: tp's one data-parallel rank, ZeRO-3's two (accumulated in one process)
     refs = [reference_case({**base, "run.name": "ref1"}, 1, steps),
@@ -214,11 +218,12 @@ def test_families_train_with_tp_and_zero3_as_one_process(tmp_path):
             reference_case({**qwen_base, "run.name": "qref"}, 1, steps),
             reference_case({**gemma_base, "run.name": "gref"}, 1, steps)]
     refs += [refs[0], refs[0]]  # pp and cp: one data-parallel rank, as tp
+    refs.append(reference_case({**olmo_base, "run.name": "oref"}, 1, steps))
     whole_of = {0: whole_params, 1: lambda r: r[0]["params"], 2: whole_params, 3: whole_params,
                 4: lambda r: {**r[0]["params"], **r[1]["params"]},  # each stage its blocks
-                5: lambda r: r[0]["params"]}
+                5: lambda r: r[0]["params"], 6: whole_params}
     for case, what in enumerate(["tp=2 llama3", "zero3 llama3", "tp=2 qwen3", "tp=2 + SP gemma2",
-                                 "pp=2 llama3", "cp=2 llama3"]):
+                                 "pp=2 llama3", "cp=2 llama3", "tp=2 olmo2"]):
         ref, ranks = refs[case], [out[r][case] for r in range(2)]
         for got in ranks:
             assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
@@ -280,8 +285,8 @@ def test_transformers_4_rope_scaling_spelling_maps_the_same(tmp_path):
     ({"model.sliding_window": 16, "model.attention": "per_document"}, r"has no window mask yet"),
     ({"model.sliding_window": 16, "parallel.cp": 2}, r"the ring has no window mask"),
     ({"model.attn_softcap": 50.0, "parallel.cp": 2}, r"the ring's softmax is not soft-capped"),
-    ({"model.qk_norm": True, "model.qk_norm_width": "all", "parallel.tp": 2},
-     r"the norm spans every head"),
+    ({"model.qk_norm": True, "model.qk_norm_width": "all", "model.n_kv_heads": 1, "parallel.tp": 2},
+     r"parallel.tp = 2 > the 1 key/value heads: the key norm spans every head"),
     ({"model.rope_fraction": 0.2}, r"rotates 3 features of each head"),
     ({"model.rope_type": "llama3", "model.rope_low_freq_factor": 4.0}, r"must exceed"),
 ])
