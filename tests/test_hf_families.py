@@ -61,6 +61,9 @@ def _family(name: str):
             "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.7}, **LLAMA)
     if name == "qwen3":  # q/k RMSNorm per head, a head_dim of its own
         return tf.Qwen3ForCausalLM, tf.Qwen3Config(head_dim=32, tie_word_embeddings=False, **LLAMA)
+    if name == "qwen3-window":  # use_sliding_window: a window of 16 on the layer_types' sliding block
+        return tf.Qwen3ForCausalLM, tf.Qwen3Config(head_dim=32, use_sliding_window=True, sliding_window=16,
+                                                   layer_types=["sliding_attention", "full_attention"], **LLAMA)
     # Gemma: a head_dim of its own, (1 + w) norms, sqrt(hidden)-scaled embeddings, GeGLU, tied
     gemma = dict(LLAMA, head_dim=32)
     # Gemma 2 and 3: a query_pre_attn_scalar that is not head_dim, and a window of 16 that the
@@ -146,6 +149,33 @@ def test_rope_frequencies_are_transformers_own(tmp_path, rope):
     assert torch.equal(inv_freq, theirs) and attention_factor == factor
 
 
+@pytest.mark.parametrize("kind, keys, window, every", [
+    ("qwen2", {"use_sliding_window": False}, 0, 0),  # the window is ignored: full attention
+    ("qwen2", {"use_sliding_window": True, "max_window_layers": 0}, 16, 0),  # every block
+    ("qwen3", {"use_sliding_window": True, "layer_types": ["sliding_attention", "full_attention"] * 2}, 16, 2),
+    ("qwen3", {"use_sliding_window": True, "max_window_layers": 2}, 0, 0),  # full blocks first: capped
+    ("qwen3_moe", {"use_sliding_window": True}, 16, 0),  # every block, whatever the layers
+])
+def test_qwen_sliding_blocks_are_transformers_own(tmp_path, kind, keys, window, every):
+    """use_sliding_window / max_window_layers / layer_types read as transformers' Qwen2, Qwen3
+    and Qwen3-MoE configs compute them: the blocks that slide and their window are the ones
+    transformers' modules mask (config.json only); a pattern our model.global_every cannot
+    express caps the context at the window, where windowed and full attention agree."""
+    from shardlm.models.decoder import is_sliding
+
+    config = transformers.AutoConfig.for_model(kind, **dict(LLAMA, num_hidden_layers=4, sliding_window=16,
+                                                            head_dim=16), **keys)
+    config.save_pretrained(tmp_path)
+    m = load_config(overrides={"model.hf_path": str(tmp_path), "train.seq_len": 16}).validate().model
+    theirs = [config.sliding_window is not None and getattr(config, "layer_types", ["sliding_attention"] * 4)[i]
+              == "sliding_attention" for i in range(4)]
+    assert (m.sliding_window, m.global_every) == (window, every)
+    if window or not any(theirs):
+        assert [is_sliding(m, i) for i in range(4)] == theirs and m.max_seq_len == 128
+    else:
+        assert m.max_seq_len == config.sliding_window
+
+
 def trained_export_is_the_checkpoint(tmp_path, run, hf_dir, tied_head_written: bool = False):
     """Train `run` (an lr-negligible one), export it with `shardlm export --format hf` (the CLI)
     and check every tensor of the checkpoint comes back bit for bit (a tied head: written or
@@ -161,7 +191,7 @@ def trained_export_is_the_checkpoint(tmp_path, run, hf_dir, tied_head_written: b
     return out
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [*FAMILIES, "qwen3-window"])
 def test_family_loads_trains_and_exports_bit_for_bit(tmp_path, name):
     """transformers' logits on the first batch (1e-5); then one step with lr 1e-30 (AdamW moves
     no fp32 weight by so little) and `shardlm export --format hf` (the CLI): every tensor of the
