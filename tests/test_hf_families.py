@@ -330,21 +330,20 @@ def test_features_a_kernel_or_axis_cannot_compute_are_refused_early(fields, mess
 def lora_adapter_is_peft_exact(tmp_path, hf_dir, hf) -> None:
     """A LoRA step (rank 4, lr 1e-2: every lora_B moves off zero) on the checkpoint in `hf_dir`:
     the PEFT adapter the run writes (run_dir/adapter), applied by peft.PeftModel.from_pretrained
-    to `hf` (the untouched checkpoint, loaded by transformers), gives the run's logits (1e-5)."""
+    to `hf` (the transformers model that wrote the checkpoint, untouched by the run), gives
+    the run's logits (1e-5)."""
     import peft
 
     values = overrides(tmp_path, hf_dir, lora__rank=4, train__lr=1e-2, run__name="lora")
     run = build_run(load_config(overrides=values).validate())
     train(run)
     lora_b = {n: p for n, p in run.model.named_parameters() if "lora_B" in n}
-    assert lora_b and all(p.abs().max() > 0 for p in lora_b.values())
+    assert lora_b and all(p.abs().max() > 1e-3 for p in lora_b.values())  # the adapters count
     x, _ = run.train_loader.micro_batches(0)[0]
     adapted = peft.PeftModel.from_pretrained(hf, run.run_dir / "adapter").eval()
     with torch.no_grad():
         ours = run.model(x)
         torch.testing.assert_close(adapted(input_ids=x).logits, ours, atol=1e-5, rtol=1e-5)
-        with adapted.disable_adapter():  # the adapters count
-            assert (ours - adapted(input_ids=x).logits).abs().max() > 1e-3
     targets = json.loads((run.run_dir / "adapter" / "adapter_config.json").read_text())["target_modules"]
     modules = dict(hf.named_modules())  # PEFT holds the checkpoint's own module names
     assert all(any(n.endswith(t) for n in modules) for t in targets), targets
