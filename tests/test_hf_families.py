@@ -39,6 +39,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
 
+FAMILIES = ["llama3", "llama-yarn", "qwen3", "gemma", "gemma2", "gemma3", "mistral", "phi3", "olmo2",
+            "granite", "smollm3", "starcoder2", "gpt_neox", "stablelm"]
+
+
 def _family(name: str):
     """(transformers class, its config) of each tiny family."""
     tf = transformers
@@ -57,6 +61,9 @@ def _family(name: str):
             "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.7}, **LLAMA)
     if name == "qwen3":  # q/k RMSNorm per head, a head_dim of its own
         return tf.Qwen3ForCausalLM, tf.Qwen3Config(head_dim=32, tie_word_embeddings=False, **LLAMA)
+    if name == "qwen3-window":  # use_sliding_window: a window of 16 on the layer_types' sliding block
+        return tf.Qwen3ForCausalLM, tf.Qwen3Config(head_dim=32, use_sliding_window=True, sliding_window=16,
+                                                   layer_types=["sliding_attention", "full_attention"], **LLAMA)
     # Gemma: a head_dim of its own, (1 + w) norms, sqrt(hidden)-scaled embeddings, GeGLU, tied
     gemma = dict(LLAMA, head_dim=32)
     # Gemma 2 and 3: a query_pre_attn_scalar that is not head_dim, and a window of 16 that the
@@ -142,6 +149,33 @@ def test_rope_frequencies_are_transformers_own(tmp_path, rope):
     assert torch.equal(inv_freq, theirs) and attention_factor == factor
 
 
+@pytest.mark.parametrize("kind, keys, window, every", [
+    ("qwen2", {"use_sliding_window": False}, 0, 0),  # the window is ignored: full attention
+    ("qwen2", {"use_sliding_window": True, "max_window_layers": 0}, 16, 0),  # every block
+    ("qwen3", {"use_sliding_window": True, "layer_types": ["sliding_attention", "full_attention"] * 2}, 16, 2),
+    ("qwen3", {"use_sliding_window": True, "max_window_layers": 2}, 0, 0),  # full blocks first: capped
+    ("qwen3_moe", {"use_sliding_window": True}, 16, 0),  # every block, whatever the layers
+])
+def test_qwen_sliding_blocks_are_transformers_own(tmp_path, kind, keys, window, every):
+    """use_sliding_window / max_window_layers / layer_types read as transformers' Qwen2, Qwen3
+    and Qwen3-MoE configs compute them: the blocks that slide and their window are the ones
+    transformers' modules mask (config.json only); a pattern our model.global_every cannot
+    express caps the context at the window, where windowed and full attention agree."""
+    from shardlm.models.decoder import is_sliding
+
+    config = transformers.AutoConfig.for_model(kind, **dict(LLAMA, num_hidden_layers=4, sliding_window=16,
+                                                            head_dim=16), **keys)
+    config.save_pretrained(tmp_path)
+    m = load_config(overrides={"model.hf_path": str(tmp_path), "train.seq_len": 16}).validate().model
+    theirs = [config.sliding_window is not None and getattr(config, "layer_types", ["sliding_attention"] * 4)[i]
+              == "sliding_attention" for i in range(4)]
+    assert (m.sliding_window, m.global_every) == (window, every)
+    if window or not any(theirs):
+        assert [is_sliding(m, i) for i in range(4)] == theirs and m.max_seq_len == 128
+    else:
+        assert m.max_seq_len == config.sliding_window
+
+
 def trained_export_is_the_checkpoint(tmp_path, run, hf_dir, tied_head_written: bool = False):
     """Train `run` (an lr-negligible one), export it with `shardlm export --format hf` (the CLI)
     and check every tensor of the checkpoint comes back bit for bit (a tied head: written or
@@ -157,9 +191,7 @@ def trained_export_is_the_checkpoint(tmp_path, run, hf_dir, tied_head_written: b
     return out
 
 
-@pytest.mark.parametrize("name", ["llama3", "llama-yarn", "qwen3",
-                                  "gemma", "gemma2", "gemma3", "mistral", "phi3", "olmo2", "granite", "smollm3",
-                                  "starcoder2", "gpt_neox", "stablelm"])
+@pytest.mark.parametrize("name", [*FAMILIES, "qwen3-window"])
 def test_family_loads_trains_and_exports_bit_for_bit(tmp_path, name):
     """transformers' logits on the first batch (1e-5); then one step with lr 1e-30 (AdamW moves
     no fp32 weight by so little) and `shardlm export --format hf` (the CLI): every tensor of the
@@ -189,7 +221,8 @@ def test_families_train_with_tp_and_zero3_as_one_process(tmp_path):
     with parallel.tp = 2 and with ZeRO-3 on 2 ranks; Qwen3 (its per-head q/k norms summed over
     the tensor-parallel group) with tp = 2; Gemma-2-style (soft-capping, sliding window, sandwich
     (1 + w) norms) with tp = 2 and sequence parallelism; the Llama 3.2-style again with pp = 2
-    and cp = 2 (ring attention over its scaled RoPE): losses and every parameter after 2 steps
+    and cp = 2 (ring attention over its scaled RoPE); OLMo-2 (q/k norms over every head, their
+    sums of squares all-reduced over the tensor-parallel group) with tp = 2: losses and every parameter after 2 steps
     within 1e-5 relative of one process with the same global batch (fp32; tensor parallelism
     and the ring reorder sums)."""
     steps = 2
@@ -199,12 +232,15 @@ def test_families_train_with_tp_and_zero3_as_one_process(tmp_path):
     gemma, _ = make_family_dir(tmp_path, "gemma2")
     qwen_base = overrides(tmp_path, qwen, train__steps=steps, train__lr=1e-3, run__device="cpu")
     gemma_base = overrides(tmp_path, gemma, train__steps=steps, train__lr=1e-3, run__device="cpu")
+    olmo, _ = make_family_dir(tmp_path, "olmo2")
+    olmo_base = overrides(tmp_path, olmo, train__steps=steps, train__lr=1e-3, run__device="cpu")
     cases = [({**base, "parallel.tp": 2, "run.name": "tp"}, steps, -1),
              ({**base, "parallel.zero_stage": 3, "run.name": "z3"}, steps, -1),
              ({**qwen_base, "parallel.tp": 2, "run.name": "qtp"}, steps, -1),
              ({**gemma_base, "parallel.tp": 2, "parallel.sequence_parallel": True, "run.name": "gtp"}, steps, -1),
              ({**base, "parallel.pp": 2, "run.name": "pp"}, steps, -1),
-             ({**base, "parallel.cp": 2, "run.name": "cp"}, steps, -1)]
+             ({**base, "parallel.cp": 2, "run.name": "cp"}, steps, -1),
+             ({**olmo_base, "parallel.tp": 2, "run.name": "otp"}, steps, -1)]
     out = run_ranks(train_cases, 2, tmp_path, cases)
     # the global batch: tp's one data-parallel rank, ZeRO-3's two (accumulated in one process)
     refs = [reference_case({**base, "run.name": "ref1"}, 1, steps),
@@ -212,11 +248,12 @@ def test_families_train_with_tp_and_zero3_as_one_process(tmp_path):
             reference_case({**qwen_base, "run.name": "qref"}, 1, steps),
             reference_case({**gemma_base, "run.name": "gref"}, 1, steps)]
     refs += [refs[0], refs[0]]  # pp and cp: one data-parallel rank, as tp
+    refs.append(reference_case({**olmo_base, "run.name": "oref"}, 1, steps))
     whole_of = {0: whole_params, 1: lambda r: r[0]["params"], 2: whole_params, 3: whole_params,
                 4: lambda r: {**r[0]["params"], **r[1]["params"]},  # each stage its blocks
-                5: lambda r: r[0]["params"]}
+                5: lambda r: r[0]["params"], 6: whole_params}
     for case, what in enumerate(["tp=2 llama3", "zero3 llama3", "tp=2 qwen3", "tp=2 + SP gemma2",
-                                 "pp=2 llama3", "cp=2 llama3"]):
+                                 "pp=2 llama3", "cp=2 llama3", "tp=2 olmo2"]):
         ref, ranks = refs[case], [out[r][case] for r in range(2)]
         for got in ranks:
             assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
@@ -278,8 +315,8 @@ def test_transformers_4_rope_scaling_spelling_maps_the_same(tmp_path):
     ({"model.sliding_window": 16, "model.attention": "per_document"}, r"has no window mask yet"),
     ({"model.sliding_window": 16, "parallel.cp": 2}, r"the ring has no window mask"),
     ({"model.attn_softcap": 50.0, "parallel.cp": 2}, r"the ring's softmax is not soft-capped"),
-    ({"model.qk_norm": True, "model.qk_norm_width": "all", "parallel.tp": 2},
-     r"the norm spans every head"),
+    ({"model.qk_norm": True, "model.qk_norm_width": "all", "model.n_kv_heads": 1, "parallel.tp": 2},
+     r"parallel.tp = 2 > the 1 key/value heads: the key norm spans every head"),
     ({"model.rope_fraction": 0.2}, r"rotates 3 features of each head"),
     ({"model.rope_type": "llama3", "model.rope_low_freq_factor": 4.0}, r"must exceed"),
 ])
@@ -290,24 +327,36 @@ def test_features_a_kernel_or_axis_cannot_compute_are_refused_early(fields, mess
         load_config(overrides=values).validate()
 
 
-def test_lora_on_gpt_neox_loads_in_peft_onto_the_checkpoint(tmp_path):
-    """A LoRA step on GPT-NeoX (q/k/v fused per head in the checkpoint, ours fused by kind):
-    the run's PEFT adapter, applied by peft to the untouched checkpoint, gives the run's logits
-    (the adapter's query_key_value rows reordered as the weights are)."""
+def lora_adapter_is_peft_exact(tmp_path, hf_dir, hf) -> None:
+    """A LoRA step (rank 4, lr 1e-2: every lora_B moves off zero) on the checkpoint in `hf_dir`:
+    the PEFT adapter the run writes (run_dir/adapter), applied by peft.PeftModel.from_pretrained
+    to `hf` (the transformers model that wrote the checkpoint, untouched by the run), gives
+    the run's logits (1e-5)."""
     import peft
 
-    from shardlm import checkpoint
-    hf_dir, _ = make_family_dir(tmp_path, "gpt_neox")
     values = overrides(tmp_path, hf_dir, lora__rank=4, train__lr=1e-2, run__name="lora")
     run = build_run(load_config(overrides=values).validate())
     train(run)
-    model, _, _ = checkpoint.load_for_inference(run.run_dir, torch.device("cpu"))
-    assert all(p.abs().max() > 0 for n, p in model.named_parameters() if "lora_B" in n)
+    lora_b = {n: p for n, p in run.model.named_parameters() if "lora_B" in n}
+    assert lora_b and all(p.abs().max() > 1e-3 for p in lora_b.values())  # the adapters count
     x, _ = run.train_loader.micro_batches(0)[0]
-    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
-    adapted = peft.PeftModel.from_pretrained(base, run.run_dir / "adapter").eval()
+    adapted = peft.PeftModel.from_pretrained(hf, run.run_dir / "adapter").eval()
     with torch.no_grad():
-        torch.testing.assert_close(adapted(input_ids=x).logits, model(x), atol=1e-5, rtol=1e-5)
+        ours = run.model(x)
+        torch.testing.assert_close(adapted(input_ids=x).logits, ours, atol=1e-5, rtol=1e-5)
+    targets = json.loads((run.run_dir / "adapter" / "adapter_config.json").read_text())["target_modules"]
+    modules = dict(hf.named_modules())  # PEFT holds the checkpoint's own module names
+    assert all(any(n.endswith(t) for n in modules) for t in targets), targets
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_lora_adapter_loads_in_peft_onto_the_checkpoint(tmp_path, name):
+    """Each family's LoRA run (the default targets: attention's q/k/v and output, the MLP's
+    linears) writes a PEFT adapter on transformers' own modules: fused ones as they are fused
+    (Phi-3's qkv_proj and gate_up_proj take our B whole; GPT-NeoX's per-head query_key_value
+    rows reordered as the weights are), split ones with our B's rows apiece and A shared."""
+    hf_dir, hf = make_family_dir(tmp_path, name)
+    lora_adapter_is_peft_exact(tmp_path, hf_dir, hf)
 
 
 def test_parameter_counts_are_the_checkpoints(tmp_path):

@@ -19,7 +19,7 @@ from shardlm.errors import ConfigError
 from shardlm.config.presets import causal_lm_config, hf_shape
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.loop import build_run
-from test_hf_families import LLAMA, _hf_logits, trained_export_is_the_checkpoint
+from test_hf_families import LLAMA, _hf_logits, lora_adapter_is_peft_exact, trained_export_is_the_checkpoint
 from test_hf_path import SPECIAL, WORDS, overrides
 from tp_cases import whole_params
 from zero_cases import reference_case, train_cases
@@ -94,6 +94,15 @@ def test_moe_family_loads_and_exports_bit_for_bit(tmp_path, name):
     again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(again) is type(hf)
     torch.testing.assert_close(_hf_logits(again, x), _hf_logits(hf, x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe"])
+def test_moe_lora_adapter_loads_in_peft_onto_the_checkpoint(tmp_path, name):
+    """A LoRA run on each mixture (the default targets: attention's linears, and Qwen3-MoE's
+    dense block's MLP; the router and the stacked experts are no nn.Linear of ours) writes a PEFT
+    adapter that peft applies to the untouched checkpoint with the run's logits (1e-5)."""
+    hf_dir, hf = make_moe_dir(tmp_path, name)
+    lora_adapter_is_peft_exact(tmp_path, hf_dir, hf)
 
 
 def test_mixtral_with_ep2_matches_one_process(tmp_path):

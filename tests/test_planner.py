@@ -155,7 +155,8 @@ def _measure(preset: str, param_dtype: str, mode: str, b: int = 2, s: int = 32):
             self.peak = max(self.peak, self.current())
             return out
 
-    cfg = preset_model(preset)
+    name, _, hd = preset.partition("+head_dim=")  # a family's own head_dim (Gemma, Qwen3)
+    cfg = replace(preset_model(name), head_dim=int(hd or 0))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[param_dtype]
     model = apply_ac(build_model(cfg).to(dtype), mode)
     idx = torch.randint(0, cfg.vocab_size, (b, s))
@@ -178,7 +179,7 @@ def _measure(preset: str, param_dtype: str, mode: str, b: int = 2, s: int = 32):
     return cfg, after_forward, tracker.peak
 
 
-@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny", "llama-tiny+head_dim=32"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 def test_activation_formula_matches_what_autograd_keeps(preset, dtype, mode):

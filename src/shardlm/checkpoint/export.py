@@ -111,23 +111,24 @@ def hf_config(m: ModelConfig, eot: int | None):
                                      head_dim=head_dim(m), num_experts=m.experts,
                                      decoder_sparse_step=m.moe_every, mlp_only_layers=[],
                                      norm_topk_prob=m.router_topk_norm, attention_bias=False,
-                                     use_sliding_window=False, **moe)
+                                     use_sliding_window=bool(m.sliding_window),
+                                     sliding_window=m.sliding_window or None, **moe)
         return tf.OlmoeConfig(intermediate_size=expert_d_ff(m), num_experts=m.experts,  # olmoe
                               norm_topk_prob=m.router_topk_norm, attention_bias=False, clip_qkv=None,
                               pad_token_id=None, **moe)
-    if family == "qwen2":  # LLaMA with biases on q, k and v only, full attention
+    if family == "qwen2":  # LLaMA with biases on q, k and v only
         return tf.Qwen2Config(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
                               num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
                               num_key_value_heads=m.n_kv_heads or m.n_heads,
                               max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                              rope_parameters=rope_parameters(m), use_sliding_window=False, **tokens)
-    if family == "qwen3":  # LLaMA with an RMSNorm on each query and key head, full attention
+                              rope_parameters=rope_parameters(m), **qwen_windows(m), **tokens)
+    if family == "qwen3":  # LLaMA with an RMSNorm on each query and key head
         return tf.Qwen3Config(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
                               num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
                               num_key_value_heads=m.n_kv_heads or m.n_heads, head_dim=head_dim(m),
                               max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
                               rope_parameters=rope_parameters(m), attention_bias=False,
-                              use_sliding_window=False, **tokens)
+                              **qwen_windows(m), **tokens)
     if family in GEMMA_FAMILIES:
         return _gemma_config(tf, m, family, tokens)
     llama_shaped = dict(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
@@ -189,6 +190,17 @@ def hf_config(m: ModelConfig, eot: int | None):
 IN_MEMORY_NAMES = {"gpt_neox": {"embed_out.weight": "lm_head.weight"}}
 """File name -> the module's own, where transformers 5 renames a checkpoint's tensors as it
 loads them and back as it saves (its conversion_mapping.py): the table holds the files' names."""
+
+
+def qwen_windows(m: ModelConfig) -> dict:
+    """Qwen2's / Qwen3's sliding blocks (presets._qwen_windows read them) as their config keys."""
+    from shardlm.models.decoder import is_sliding
+
+    if not m.sliding_window:
+        return {"use_sliding_window": False}
+    return {"use_sliding_window": True, "sliding_window": m.sliding_window,
+            "layer_types": ["sliding_attention" if is_sliding(m, i) else "full_attention"
+                            for i in range(m.n_layers)]}
 
 
 def _gemma_config(tf, m: ModelConfig, family: str, tokens: dict):

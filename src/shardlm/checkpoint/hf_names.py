@@ -47,8 +47,8 @@ EXTRA_FIELDS = {"head_dim": 0, "qkv_bias": False, "qk_norm": False, "qk_norm_wid
 EXPRESSES = {
     "llama": {"head_dim"},
     "mistral": {"head_dim", "sliding_window"},  # a window on every block
-    "qwen2": {"qkv_bias"},
-    "qwen3": {"head_dim", "qk_norm"},
+    "qwen2": {"qkv_bias", "sliding_window", "global_every"},  # layer_types: the sliding blocks
+    "qwen3": {"head_dim", "qk_norm", "sliding_window", "global_every"},
     "olmo2": {"qk_norm", "qk_norm_width", "norm_placement"},
     "granite": {"embedding_multiplier", "attention_scale", "residual_multiplier", "logits_divisor"},
     "smollm3": {"nope_every"},
@@ -58,7 +58,7 @@ EXPRESSES = {
     "stablelm": {"qkv_bias", "rope_fraction"},  # LayerNorms: STABLELM_STYLE
     # the mixtures of experts (their experts: _moe_family)
     "mixtral": {"head_dim", "sliding_window"},
-    "qwen3_moe": {"head_dim", "qk_norm"},
+    "qwen3_moe": {"head_dim", "qk_norm", "sliding_window"},  # a window on every block
     "olmoe": {"qk_norm", "qk_norm_width"},
 }
 REQUIRED = {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True}, "stablelm": {"norm_bias": True},
@@ -164,7 +164,7 @@ def _llama_problems(m: ModelConfig, family: str) -> list[str]:
         problems.append(f"model.bias = true ({family}'s linears have no biases on every one)")
     if family == "qwen2" and m.bias:
         problems.append("model.bias = true (Qwen2's biases are on q/k/v only: model.qkv_bias)")
-    if m.sliding_window and m.global_every:
+    if m.sliding_window and m.global_every and family not in ("qwen2", "qwen3"):
         problems.append(f"model.global_every = {m.global_every} ({family} slides every block: 0)")
     return problems
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from shardlm.checkpoint.hf_names import heads_first, hf_family, hf_sources
+from shardlm.checkpoint.hf_names import MOE_FAMILIES, heads_first, hf_family, hf_sources
 from shardlm.config import Config
 from shardlm.errors import ConfigError
 from shardlm.launch.files import atomic_write
@@ -93,13 +93,14 @@ def peft_adapter(sd: dict[str, torch.Tensor], cfg: Config,
     if not modules:
         raise ConfigError("this run has no LoRA adapters (lora.rank = 0): nothing to write in the "
                           "PEFT format; export the model itself with --format hf")
-    sources = {}  # our decoder's name table; a transformers module's layers are its own
+    sources, family = {}, ""  # our decoder's name table; a transformers module's layers are its own
     if all(m.startswith(WRAPPED) for m in modules):  # transformers' own modules, by their names
         targets = {m: [(m.removeprefix(WRAPPED), sd[f"{m}.lora_B.weight"].shape[0])] for m in modules}
         fan_in_fan_out = False  # nn.Linear only (models/lora.py adapts nothing else)
     else:
         targets, fan_in_fan_out = _hf_targets(cfg, modules)
-        sources = hf_sources(cfg.model, hf_family(cfg.model))
+        family = hf_family(cfg.model)
+        sources = hf_sources(cfg.model, family)
     tensors: dict[str, torch.Tensor] = {}
     for module, parts in targets.items():
         a, b = sd[f"{module}.lora_A.weight"], sd[f"{module}.lora_B.weight"]
@@ -111,10 +112,18 @@ def peft_adapter(sd: dict[str, torch.Tensor], cfg: Config,
             tensors[f"{PEFT_PREFIX}{hf_name}.lora_B.weight"] = b_rows.detach().cpu().contiguous().clone()
     lora = cfg.lora
     hf_names = [n for parts in targets.values() for n, _ in parts]
+    # A mixture's dense MLP (Qwen3-MoE's dense blocks): PEFT under transformers 5 reads a target
+    # module named gate_proj / up_proj / down_proj of a mixture as transformers 4's per-expert
+    # linears and moves it onto the stacked experts (peft.utils.transformers_weight_conversion),
+    # so these are named as parameters instead: PEFT's ParamWrapper adds s·B A to the weight,
+    # the same LoRA on the same module.
+    by_weight = sorted(n for n in hf_names if family in MOE_FAMILIES and ".mlp." in n)
+    hf_names = [n for n in hf_names if n not in by_weight]
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": fan_in_fan_out,
         "target_modules": _target_modules(hf_names, cfg.model.n_layers),
+        "target_parameters": [f"{n}.weight" for n in by_weight] or None,
         "base_model_name_or_path": base_model, "inference_mode": True, "init_lora_weights": True,
         "use_rslora": False, "use_dora": False, "modules_to_save": None,
         "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},

@@ -265,6 +265,8 @@ def _llama_like_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope
     window = hf.get("sliding_window")
     if kind in ("mistral", "phi3", "mixtral") and window:  # every block slides: the window as a mask
         shape.update(sliding_window=int(window), global_every=0)
+    elif kind in ("qwen2", "qwen3", "qwen3_moe"):
+        _qwen_windows(hf, kind, shape, exact)
     elif exact and window and hf.get("use_sliding_window", True) and kind not in GEMMA:
         # Qwen2/3's windows sit on the layers past max_window_layers: identical to full
         # attention on sequences no longer than the window, so the context is capped there.
@@ -444,6 +446,30 @@ def _smollm3_shape(hf: dict[str, Any], shape: dict[str, Any], problems: list[str
     if hf.get("use_sliding_window") and hf.get("sliding_window"):
         problems.append("use_sliding_window = True (SmolLM3's windows sit on its NoPE blocks; "
                         "ours on all but each n-th)")
+
+
+def _qwen_windows(hf: dict[str, Any], kind: str, shape: dict[str, Any], exact: bool) -> None:
+    """Qwen2's, Qwen3's and Qwen3-MoE's sliding windows as transformers' configs compute them
+    (5.24): a window only with use_sliding_window (default false); Qwen2/3 slide the blocks
+    layer_types names (by default those from max_window_layers, 28, on), Qwen3-MoE every block.
+    Every block, or all but each n-th: the window as a mask (model.global_every); another
+    pattern (full blocks first): the context capped at the window, where both agree."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    if not window:
+        return
+    n = shape["n_layers"]
+    if kind == "qwen3_moe":
+        sliding = [True] * n
+    else:
+        first = int(hf.get("max_window_layers", 28))
+        types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                          for i in range(n)]
+        sliding = [t == "sliding_attention" for t in types]
+    every = _global_every(sliding)
+    if every is not None and any(sliding):
+        shape.update(sliding_window=int(window), global_every=every)
+    elif exact and any(sliding):
+        shape["max_seq_len"] = min(shape["max_seq_len"], int(window))
 
 
 def _global_every(sliding: list[bool]) -> int | None:

@@ -384,10 +384,12 @@ def _family_features(cfg: Config) -> list[str]:
     if m.rope_local_theta and not m.sliding_window:
         problems.append(f"model.rope_local_theta = {m.rope_local_theta:g} is the sliding blocks' "
                         f"RoPE base, and model.sliding_window = 0 (no block slides); set both or neither")
-    if m.qk_norm and m.qk_norm_width == "all" and cfg.parallel.tp > 1:
+    kv_heads = m.n_kv_heads or m.n_heads
+    if m.qk_norm and m.qk_norm_width == "all" and kv_heads % cfg.parallel.tp:
         problems.append(f"model.qk_norm_width = 'all' (OLMo-2) with parallel.tp = "
-                        f"{cfg.parallel.tp}: the norm spans every head, which tensor parallelism "
-                        f"splits over ranks; use parallel.tp = 1")
+                        f"{cfg.parallel.tp} > the {kv_heads} key/value heads: the key norm spans "
+                        f"every head, and tensor parallelism's copies of them are not cut; use a "
+                        f"parallel.tp that divides {kv_heads}")
     if m.parallel_residual and (m.norm_placement != "pre" or m.residual_multiplier != 1.0):
         problems.append(f"model.parallel_residual = true with model.norm_placement = "
                         f"{m.norm_placement!r} / residual_multiplier = {m.residual_multiplier:g}: "

@@ -44,6 +44,7 @@ from torch import nn
 from shardlm.comm.collectives import Comm
 from shardlm.data.sft import IGNORE
 from shardlm.parallel.collective_ops import all_reduce, all_reduce_max, gather_seq, op_group, reduce_scatter_seq
+from shardlm.parallel.tensor_norms import split_qk_norms
 from shardlm.errors import ConfigError
 from shardlm.models.flops import head_dim
 from shardlm.models.fp8 import Fp8Quantiser, fp8_linear, take_over
@@ -591,7 +592,9 @@ def _replace_layers(model, cfg, comm: Comm, n: int, r: int, sequence_parallel: b
                                                                tuple(qkv_ranges), copies)
         attn.proj = _row(attn.proj, f"{pre}.attn.proj", (q_lo, q_hi), tp)
         attn.n_heads, attn.n_kv_heads = cfg.n_heads // n, max(1, kv // n)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_width == "all":  # OLMo-2's: over every head (tensor_norms.py)
+            split_qk_norms(attn, pre, qkv_ranges, tp)
+        elif cfg.qk_norm:
             attn.q_norm, attn.k_norm = HeadNorm(attn.q_norm, tp), HeadNorm(attn.k_norm, tp)
         if not isinstance(block.mlp, MoE):  # a MoE block: parallel/expert.py spread_over_tp
             cut_mlp(block.mlp, f"{pre}.mlp", d, tp)

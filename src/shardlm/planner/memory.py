@@ -103,8 +103,8 @@ def block_activation(m: ModelConfig, dt: ActivationDtypes, mode: str, tp: int = 
     Measured: tests/test_attention.py.
     """
     h, a, e, r = m.d_model, m.n_heads, dt.compute, dt.residual
-    hd = h // a
-    kv = (m.n_kv_heads or a) * hd
+    hd = flops.head_dim(m)  # model.head_dim where a family sets it (Gemma, Qwen3): q = a·hd, not h
+    q, kv = a * hd, (m.n_kv_heads or a) * hd
     f, moe = visited_width(m, experts), 0.0
     if experts[0]:  # a MoE block also keeps each choice's input row and output row (gathered
         # for the expert, weighted by the gate) and the router's fp32 logits and probabilities
@@ -120,21 +120,21 @@ def block_activation(m: ModelConfig, dt: ActivationDtypes, mode: str, tp: int = 
         value = r * h / (tp if sp else 1)
         return value, f"{r}h{'/t' if sp and tp > 1 else ''} (block input only)"
     if mode == "selective":
-        sharded = e * (h + 2 * kv) + scores + e * h + e * f * (mlp_mult // 2) + moe
+        sharded = e * (q + 2 * kv) + scores + e * q + e * f * (mlp_mult // 2) + moe
         replicated = r * h + 2 * e * h  # block input, attention and MLP output-projection outputs
-        text = (f"{r}h + 2·{e}h + ({e}(h+2kv) + {scores_text} + {e}h + {e}·{mlp_mult // 2}f)/t "
+        text = (f"{r}h + 2·{e}h + ({e}(q+2kv) + {scores_text} + {e}q + {e}·{mlp_mult // 2}f)/t "
                 "(matmul and attention outputs)")
     else:
         norm, norm_text = _norm_saved(m, dt)
         replicated = 2 * norm + 2 * e * h  # two norms' saved tensors, their outputs (linear inputs)
-        attention = (e * (h + 2 * kv) + scores + e * h
-                     + (e * (h + kv) + e * h if rope else 0))  # rotated q, k; proj-input copy
-        if math and kv != h:  # GQA: q, k and v as per-head copies for the matmuls, the output's
+        attention = (e * (q + 2 * kv) + scores + e * q
+                     + (e * (q + kv) + e * q if rope else 0))  # rotated q, k; proj-input copy
+        if math and kv != q:  # GQA: q, k and v as per-head copies for the matmuls, the output's
             # copy for the projection; the projection's own output is no longer kept (measured)
-            attention = scores + 4 * e * h
+            attention = scores + 4 * e * q
         sharded = attention + mlp_mult * e * f + moe
-        text = (f"2·{norm_text} + 2·{e}h + ({e}(h+2kv) + {scores_text} + {e}h + {mlp_mult}·{e}f"
-                + (f" + {e}(2h+kv) rope" if rope else "") + ")/t")
+        text = (f"2·{norm_text} + 2·{e}h + ({e}(q+2kv) + {scores_text} + {e}q + {mlp_mult}·{e}f"
+                + (f" + {e}(2q+kv) rope" if rope else "") + ")/t")
     if tp > 1:
         replicated = replicated / tp if sp else replicated
     return replicated + sharded / tp, text
@@ -148,8 +148,9 @@ def cp_ring_buffers(m: ModelConfig, dt: ActivationDtypes, tp: int = 1) -> tuple[
     key/value blocks (2 x 2·kv·e), the fp32 key/value gradient travelling with its block and
     the one arriving (2 x 2·kv·4), the fp32 query gradient (4h). With GQA each block is also
     expanded to the query heads (2·e·h)."""
-    h, a, e = m.d_model, m.n_heads, dt.compute
-    kv = (m.n_kv_heads or a) * (h // a)
+    a, e = m.n_heads, dt.compute
+    h = flops.attention_width(m)  # the queries' width: d_model unless model.head_dim sets it
+    kv = (m.n_kv_heads or a) * flops.head_dim(m)
     expand = 2 * e * h if kv != h else 0
     forward = 4 * e * kv + 4 * h + 4 * a + e * h + expand
     backward = 4 * e * kv + 16 * kv + 4 * h + expand
@@ -516,10 +517,10 @@ def deferred_weight_grads(m: ModelConfig, tokens: int, layers: int, head: bool, 
     a block's backward and the embedding's, on top of the saved activations (an upper bound:
     B frees its micro-batch's activations as the stash grows)."""
     h, a, f = m.d_model, m.n_heads, flops.resolved_d_ff(m)
-    kv = (m.n_kv_heads or a) * (h // a)
+    q, kv = flops.attention_width(m), (m.n_kv_heads or a) * flops.head_dim(m)
     up = 2 * f if m.mlp == "swiglu" else f
-    inputs = 3 * h + f
-    grads = (h + 2 * kv) + h + up + h
+    inputs = 2 * h + q + f  # q: the attention projection's input (d_model unless model.head_dim)
+    grads = (q + 2 * kv) + h + up + h
     per_token = layers * (grads + (inputs if mode != "none" else 0)) + (h + m.vocab_size if head else 0)
     stash = tokens * e * per_token
     return Item("deferred weight gradients", stash,

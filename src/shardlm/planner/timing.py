@@ -286,7 +286,7 @@ def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, reco
         total += 2 * act + 2 * 3 * tokens * 4
     kv = m.n_kv_heads or m.n_heads
     if kv % tp:  # tp > n_kv_heads: the shared key/value rows' gradients summed (SharedKVLinear)
-        total += layers * 2 * 2 * kv * (m.d_model // m.n_heads) * (m.d_model + (1 if m.bias else 0)) * e
+        total += layers * 2 * 2 * kv * flops.head_dim(m) * (m.d_model + (1 if m.bias else 0)) * e
     if sequence_parallel:  # gradients of replicated parameters that saw different tokens
         norm = h * (2 if m.norm == "layernorm" and m.bias else 1)
         row_bias = 2 * h if m.bias else 0
@@ -310,7 +310,7 @@ def cp_comm_bytes(m, tokens: int, cp: int, tp: int, e: int, recompute: str = "no
         return 0
     layers = m.n_layers if layers is None else layers
     kv_heads = max(1, (m.n_kv_heads or m.n_heads) // tp)  # tp > n_kv_heads: the one it uses
-    elems = 2 * tokens // cp * kv_heads * (m.d_model // m.n_heads)  # k and v of one rank
+    elems = 2 * tokens // cp * kv_heads * flops.head_dim(m)  # k and v of one rank
     hops = (cp - 1) * (3 if recompute != "none" else 2)
     return layers * (hops * elems * e + cp * elems * 4)
 
@@ -417,7 +417,7 @@ def _cp_ring(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: 
     cp, micro, layers = lay.cp, s.grad_accum, sp.layers
     tokens = s.micro_batch * w.seq_len
     total = micro * cp_comm_bytes(m, tokens, cp, lay.tp, e, s.recompute, layers)
-    block = 2 * tokens // cp * ((m.n_kv_heads or m.n_heads) // lay.tp) * (m.d_model // m.n_heads)
+    block = 2 * tokens // cp * ((m.n_kv_heads or m.n_heads) // lay.tp) * flops.head_dim(m)
     kv_hops = (cp - 1) * (3 if s.recompute != "none" else 2) * layers * micro
     grad_hops = cp * layers * micro
     bw, lat, where = group_link(cluster, cp, lay.tp)

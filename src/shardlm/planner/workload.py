@@ -436,11 +436,10 @@ def matmul_shapes(m: ModelConfig, tokens: int, tp: int = 1) -> list[tuple[str, i
     sizes in other orders (dX = dY·Wᵀ: m x n x k; dW = Xᵀ·dY: k x m x n). A mixture of experts'
     expert matmuls (fewer rows each) are not listed: its dense MLP width stands for them."""
     h, layers = m.d_model, m.n_layers
-    head_dim = h // m.n_heads
-    kv = (m.n_kv_heads or m.n_heads) * head_dim
+    q, kv = flops.attention_width(m), (m.n_kv_heads or m.n_heads) * flops.head_dim(m)
     f = flops.resolved_d_ff(m)
     up = 2 * f if m.mlp == "swiglu" else f
-    shapes = [("qkv", tokens, h, (h + 2 * kv) // tp, layers), ("attention out", tokens, h // tp, h, layers),
+    shapes = [("qkv", tokens, h, (q + 2 * kv) // tp, layers), ("attention out", tokens, q // tp, h, layers),
               ("mlp up" + (" (gate|up)" if m.mlp == "swiglu" else ""), tokens, h, up // tp, layers),
               ("mlp down", tokens, f // tp, h, layers), ("head", tokens, h, -(-m.vocab_size // tp), 1)]
     return shapes
