@@ -57,7 +57,9 @@ def tp_linears_case(rank: int, world_size: int, sequence_parallel: bool) -> dict
 
     from shardlm.comm.collectives import Comm, CommLedger
     from shardlm.models.fp8 import Fp8Linear, Fp8Quantiser, Fp8Stats
-    from shardlm.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPState, _with_fp8
+    from shardlm.parallel.tensor import _with_fp8
+    from shardlm.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
+    from shardlm.parallel.tensor_regions import TPState
     from shardlm.checkpoint.placement import even_range
 
     torch.manual_seed(0)

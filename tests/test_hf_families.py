@@ -19,7 +19,7 @@ from shardlm.cli.main import main as shardlm_main
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.models.hf_build import route_line
-from shardlm.config.presets import causal_lm_config, hf_shape
+from shardlm.config.hf_shapes import causal_lm_config, hf_shape
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.loop import build_run, train
 from test_hf_path import SPECIAL, WORDS, overrides

@@ -132,7 +132,8 @@ def lora_layers_case(rank: int, sequence_parallel: bool) -> dict:
 
     from shardlm.comm.collectives import Comm, CommLedger
     from shardlm.models.lora import LoRALinear
-    from shardlm.parallel.tensor import TPState, _column, _row
+    from shardlm.parallel.tensor import _column, _row
+    from shardlm.parallel.tensor_regions import TPState
     from shardlm.checkpoint.placement import even_range
 
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ from conftest import tiny_overrides
 from hf_cases import VOCAB, hf_model
 from shardlm.errors import ConfigError
 from shardlm.parallel.build import apply_tensor_parallel
-from shardlm.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from shardlm.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
 from shardlm.launch.spawn import run_ranks
 from test_tensor_parallel import _rel, whole_params
 from tp_hf_cases import hf_tp_cases

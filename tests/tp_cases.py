@@ -14,7 +14,8 @@ def cross_entropy_case(rank: int, world_size: int, vocab: int, ignored: bool = F
     import torch.distributed as dist
 
     from shardlm.comm.collectives import Comm, CommLedger
-    from shardlm.parallel.tensor import TPState, VocabParallelHead, vocab_parallel_cross_entropy
+    from shardlm.parallel.tensor_layers import VocabParallelHead, vocab_parallel_cross_entropy
+    from shardlm.parallel.tensor_regions import TPState
     from shardlm.checkpoint.placement import even_range
 
     g = torch.Generator().manual_seed(0)

@@ -61,7 +61,7 @@ def _import_transformers():
 
 def rope_parameters(m: ModelConfig) -> dict:
     """model.rope_* as transformers' rope_parameters (the keys its ROPE_INIT_FUNCTIONS read):
-    what presets.hf_shape reads back."""
+    what hf_shapes.hf_shape reads back."""
     params: dict = {"rope_type": m.rope_type, "rope_theta": m.rope_theta}
     if m.rope_type != "default":
         params["factor"] = m.rope_factor

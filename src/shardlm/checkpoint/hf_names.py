@@ -397,7 +397,7 @@ def moe_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
 
 
 def loaded_family(m: ModelConfig) -> str:
-    """'gpt2' or a LLaMA-style family: the table to load with (presets.hf_shape refused what
+    """'gpt2' or a LLaMA-style family: the table to load with (hf_shapes.hf_shape refused what
     none computes): model.family, else what the fields imply (the names depend on them: q/k
     norms, sandwich norms)."""
     if m.family:

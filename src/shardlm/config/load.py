@@ -10,7 +10,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from shardlm.config.schema import Config, ModelConfig, _field_named, field_docs, sections, valid_keys
+from shardlm.config.schema import Config, _field_named, field_docs, sections, valid_keys
+
+from shardlm.config.model import ModelConfig
 from shardlm.config.rules import key_of
 from shardlm.errors import ConfigError
 
@@ -134,8 +136,8 @@ def _hf_shape_layer(values: dict[str, Any]) -> dict[str, Any]:
     map, models/hf_build.py). A [model] shape key the user also set
     must agree with it: the checkpoint's weights have that shape, so a different value could
     only fail later (or, for a value like norm_eps, silently train another network)."""
-    from shardlm.config.presets import (TRAINING_DEFAULTS, causal_lm_config, causal_lm_shape,
-                                 encoder_decoder_config, hf_shape, seq2seq_shape)
+    from shardlm.config.hf_shapes import (causal_lm_config, causal_lm_shape, encoder_decoder_config, hf_shape, seq2seq_shape)
+    from shardlm.config.hf_families import TRAINING_DEFAULTS
 
     option = "model.hf_config" if values.get("model.hf_config") else "model.hf_path"
     path = str(values[option])

@@ -614,7 +614,7 @@ def _seq2seq_model(cfg: Config) -> list[str]:
     """data.format = 'seq2seq' and an encoder-decoder model go together; tensor parallelism and
     the pipeline (our decoder's layers and blocks) and LoRA (our decoder's linears) do not apply
     to one yet."""
-    from shardlm.config.presets import encoder_decoder_config
+    from shardlm.config.hf_shapes import encoder_decoder_config
 
     m, fmt = cfg.model, cfg.data.format
     enc_dec = bool(encoder_decoder_config(m.hf_path, m.hf_config))

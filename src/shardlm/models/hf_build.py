@@ -4,7 +4,7 @@ trained as the library's own module, wrapped by an adapter of models/hf.py — a
 Seq2SeqAdapter). One route, two adapters:
 
     model = build_hf_model("ckpt/config.json", vocab_size=cfg.model.vocab_size)   # on meta
-    run = build_run(cfg)          # train/loop.py does this when presets.transformers_config says so
+    run = build_run(cfg)          # train/loop.py does this when hf_shapes.transformers_config says so
 
 The sharded build materialises it a unit at a time (the library's `_init_weights`, or the
 directory's tensors by name: checkpoint/hf_dir.module_initializer). What the route supports
@@ -29,7 +29,7 @@ from shardlm.config import Config
 from shardlm.config.rules import document_mask_on
 from shardlm.errors import ConfigError
 from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter
-from shardlm.config.presets import causal_lm_config, decoder_problems
+from shardlm.config.hf_shapes import causal_lm_config, decoder_problems
 
 SUPPORTED = "ZeRO 0-3, offload, recomputation, LoRA, tp by base_model_tp_plan"
 UNSUPPORTED = "pp/cp/ep/fp8/document masks"

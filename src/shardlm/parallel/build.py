@@ -56,7 +56,9 @@ from shardlm.parallel.data import DataParallelEngine, apply_data_parallel
 from shardlm.models.decoder import Decoder
 from shardlm.models.hf import CausalLMAdapter
 from shardlm.parallel.pieces import sliced
-from shardlm.parallel.tensor import TPState, VocabParallelHead, apply_tp, vocab_parallel_cross_entropy
+from shardlm.parallel.tensor import apply_tp
+from shardlm.parallel.tensor_layers import VocabParallelHead, vocab_parallel_cross_entropy
+from shardlm.parallel.tensor_regions import TPState
 from shardlm.parallel.tensor_plan import apply_tp_plan
 
 log = logging.getLogger("shardlm")

@@ -62,7 +62,8 @@ from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
 from shardlm.models.moe import Experts, MoE, MoEStats, Routing, route, update_biases
 from shardlm.models.quant import quantize_experts
-from shardlm.parallel.tensor import TPState, copy_to_group, cut_mlp, frozen_kept, reduce_from_group, summed
+from shardlm.parallel.tensor import cut_mlp
+from shardlm.parallel.tensor_regions import TPState, copy_to_group, frozen_kept, reduce_from_group, summed
 from shardlm.checkpoint.placement import Split, even_range
 
 log = logging.getLogger("shardlm")

@@ -43,7 +43,6 @@ from torch import nn
 
 from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
-from shardlm.config.pipeline_schedules import _list_schedule
 from shardlm.config.pipeline_tables import Table, stage_rank
 from shardlm.config.pipeline_schedules import bubble_formula
 from shardlm.config.pipeline_schedules import build_table, table_for

@@ -33,7 +33,8 @@ from torch import nn
 
 from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
-from shardlm.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TPState, into_parallel_region
+from shardlm.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
+from shardlm.parallel.tensor_regions import TPState, into_parallel_region
 from shardlm.checkpoint.placement import Split, even_range
 
 log = logging.getLogger("shardlm")

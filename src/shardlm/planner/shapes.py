@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from shardlm.config import ModelConfig
 from shardlm.errors import ConfigError
-from shardlm.config.presets import ALIASES, get_preset, hf_shape
+from shardlm.config.presets import ALIASES, get_preset
+from shardlm.config.hf_shapes import hf_shape
 
 
 
@@ -16,7 +17,7 @@ def preset_model(name: str) -> ModelConfig:
 
 
 def model_from_hf_config(path: str) -> ModelConfig:
-    """A transformers config.json as a ModelConfig (presets.hf_shape: GPT-2's and LLaMA-family
+    """A transformers config.json as a ModelConfig (hf_shapes.hf_shape: GPT-2's and LLaMA-family
     key names), for `--model path/config.json`."""
     from pathlib import Path
 

@@ -40,7 +40,7 @@ from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter
 from shardlm.models.lora import check_rank, lora_layers
 from shardlm.models.hf_build import build_hf_model, check_route, generate_causal
 from shardlm.models.seq2seq import generate_seq2seq, user_model_flops_per_token
-from shardlm.config.presets import causal_lm_config, encoder_decoder_config, transformers_config
+from shardlm.config.hf_shapes import causal_lm_config, encoder_decoder_config, transformers_config
 from shardlm.zero.optim import lr_at, set_lr
 from shardlm.parallel.build import parallelize
 from shardlm.parallel.compile import compile_seconds
