@@ -40,7 +40,7 @@ def test_calibrate_prints_the_curve_and_the_planner_s_assumption(monkeypatch, ca
     out = capsys.readouterr().out
     for name in ("qkv", "attention out", "mlp up", "mlp down", "head"):
         assert f"  {name}" in out
-    assert "FLOP-weighted" in out and "the planner assumes" in out and "LOAD: 5 of 5 shapes" in out
+    assert "FLOP-weighted" in out and "the planner's compute rate for this run" in out and "LOAD: 5 of 5 shapes" in out
     assert "the curve, tokens per micro-batch" in out and "64 -> " in out
     assert main(["calibrate", "--model", "gpt-tiny", "--tp", "3"]) == 2
     assert "--tp 3 does not divide" in capsys.readouterr().err

@@ -16,7 +16,8 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from shardlm.errors import ConfigError
 
@@ -77,6 +78,57 @@ LINKS: dict[str, Link] = {l.name: l for l in (
 
 
 @dataclass(frozen=True)
+class MatmulCurve:
+    """Measured matmul FLOP/s of one device at one precision (and, on a CPU, thread count): the
+    calibration the time model reads instead of a fitted efficiency (docs/planner.md section 4).
+
+    A shape that was measured runs at its measured rate. Any other runs at the rate of the fit
+    1/rate = a + b/I over the measured points, I = m·k·n / (m·k + k·n + m·n) (the product's
+    FLOPs per element it reads and writes, halved: its arithmetic intensity): a roofline's
+    knee, rate = r_max · I / (I + I_half), fitted by least squares on 1/rate, which is linear in
+    1/I. The fit is clamped to the measured rates' range: nothing is extrapolated beyond what
+    this device was seen to do."""
+
+    points: tuple[tuple[int, int, int, float], ...]
+    """(m, k, n, FLOP/s) of each measured (m x k) @ (k x n) product."""
+    source: str
+    """Which calibration: what measured the points, where, at how many threads."""
+
+    @cached_property
+    def _fit(self) -> tuple[float, float, float, float]:
+        """(a, b, lowest rate, highest rate) of 1/rate = a + b/I."""
+        xs = [1 / intensity(m, k, n) for m, k, n, _ in self.points]
+        ys = [1 / r for *_, r in self.points]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var > 0 else 0.0
+        rates = [r for *_, r in self.points]
+        return my - b * mx, b, min(rates), max(rates)
+
+    def rate(self, m: int, k: int, n: int) -> float:
+        """FLOP/s of an (m x k) @ (k x n) product on this device."""
+        for pm, pk, pn, r in self.points:
+            if (pm, pk, pn) == (m, k, n):
+                return r
+        a, b, low, high = self._fit
+        inverse = a + b / intensity(m, k, n)
+        return high if inverse <= 1 / high else min(high, max(low, 1 / inverse))
+
+    def scaled(self, factor: float) -> MatmulCurve:
+        """Every rate x `factor` (ranks time-sharing the cores: cpu_share)."""
+        if factor == 1:
+            return self
+        return MatmulCurve(tuple((m, k, n, r * factor) for m, k, n, r in self.points),
+                           f"{self.source}, x {factor:.2g} (ranks share the cores)")
+
+
+def intensity(m: int, k: int, n: int) -> float:
+    """Arithmetic intensity of an (m x k) @ (k x n) product, up to a constant: multiply-adds
+    per element of its two inputs and its output."""
+    return m * k * n / (m * k + k * n + m * n)
+
+
+@dataclass(frozen=True)
 class Device:
     name: str
     kind: str
@@ -91,6 +143,9 @@ class Device:
     source: str
     power: float | None = None
     """Board power in W (the vendor's TDP / max power), for energy estimates; None: unknown."""
+    curves: dict[str, MatmulCurve] = field(default_factory=dict)
+    """Measured matmul rates per precision (this CPU: the probe's and `shardlm calibrate`'s);
+    where a precision has one, the time model reads it and `efficiency` is not used."""
 
 
 @dataclass(frozen=True)
@@ -288,9 +343,10 @@ CALIBRATION = {
     "cuda": Calibration(1.0e9, 0.5, True, 256),
     "rocm": Calibration(1.0e9, 0.7, True, 256),
     "tpu": Calibration(0.5e9, 0.8, True, 256),
-    # On a CPU gloo's threads need the cores compute is using: no overlap. Efficiency
-    # 0.73 x h/(h+112) fits docs/benchmarks.md's single-process MFU (gpt-mini 51%, gpt2-124m 64%).
-    "cpu": Calibration(0.4e9, 0.0, False, 112),
+    # On a CPU gloo's threads need the cores compute is using: no overlap. No size term: this
+    # CPU's matmul rates are measured (Device.curves, local_cpu); a CPU Device without a curve
+    # runs at peak x its stated efficiency.
+    "cpu": Calibration(0.4e9, 0.0, False, 0),
 }
 
 
@@ -429,7 +485,7 @@ def local_cpu(n_ranks: int) -> Cluster:
 
     measured = measure_cpu(n_ranks)
     # Each rank gets max(1, cores // n_ranks) threads (launch.init_runtime); the ranks share the
-    # machine's memory bandwidth and RAM. Efficiency: see CALIBRATION["cpu"]. With more ranks
+    # machine's memory bandwidth and RAM. Matmul rates: the measured curve (measured_curve). With more ranks
     # than cores the ranks time-share the cores: each gets cores / n_ranks of the thread the
     # probe timed alone, for its matmuls and for gloo's copies alike (oversubscription).
     share = cpu_share(n_ranks, measured["cores"])
@@ -437,8 +493,10 @@ def local_cpu(n_ranks: int) -> Cluster:
         name=f"cpu ({measured['cpu']}, {measured['threads']} thread(s)/rank"
              + (f", {share:.2g} of a core each" if share < 1 else "") + ")", kind="cpu",
         memory=available_memory() / n_ranks, peak={k: v * share for k, v in measured["peak"].items()},
-        memory_bandwidth=measured["memory_bandwidth"] / n_ranks, efficiency=0.73,
-        source="measured by shardlm.hardware.probe.measure_cpu (cached)")
+        memory_bandwidth=measured["memory_bandwidth"] / n_ranks, efficiency=1.0,
+        source="measured by shardlm.hardware.probe.measure_cpu (cached)",
+        curves={p: measured_curve(points, f"{p}, {measured['threads']} thread(s) on {measured['cpu']}").scaled(share)
+                for p, points in measured.get("curve", {}).items() if points})
     gloo = Link("gloo-local", measured["gloo_bandwidth"] * share, measured["gloo_latency"] / share, 1.0,
                 "measured: all-reduce between two local gloo ranks")
     node = Node(n_ranks, gloo, LINKS["eth-10"], 1, gloo, available_memory(),
@@ -450,6 +508,19 @@ def local_cpu(n_ranks: int) -> Cluster:
                           collective_factors=(("all_gather", measured["gloo_all_gather_factor"]),
                                               ("reduce_scatter", measured["gloo_reduce_scatter_factor"])))
     return Cluster(1, n_ranks, device, node, calibration)
+
+
+def measured_curve(points: list[dict], where: str) -> MatmulCurve:
+    """hardware.probe's curve entries as a MatmulCurve, its source naming which calibration
+    (`shardlm calibrate`'s shapes of a model, or only the probe's generic ones) and `where`:
+    the precision, threads and device they were measured at."""
+    own = sum(1 for p in points if p.get("origin", "calibrate") == "calibrate")
+    loaded = sum(1 for p in points if p.get("loaded"))
+    what = (f"calibrated: {own} model shape(s) timed by `shardlm calibrate` + {len(points) - own} probe "
+            f"shape(s)" if own else f"probe: {len(points)} generic shape(s) (`shardlm calibrate --model "
+            f"...` adds the model's own)")
+    return MatmulCurve(tuple((p["m"], p["k"], p["n"], p["flops_per_s"]) for p in points),
+                       f"{what}, {where}" + (f", {loaded} timed under load" if loaded else ""))
 
 
 LOCAL_DISK_BANDWIDTH = 1.2e9

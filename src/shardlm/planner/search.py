@@ -568,7 +568,8 @@ def run_prediction(cfg: Config, hardware) -> dict:
            "exposed_comm_s": timing.exposed_comm, "mfu": timing.mfu,
            "runtime_reserve_bytes": cluster.calibration.runtime_reserve}
     # JSON has no NaN or infinity (the metrics log refuses them): an undefined figure is null
-    return {**{k: v if math.isfinite(v) else None for k, v in out.items()}, "hardware": cluster.describe()}
+    return {**{k: v if math.isfinite(v) else None for k, v in out.items()}, "hardware": cluster.describe(),
+            "calibration": timing.calibration}
 
 
 def alternatives(w: Workload, s: Strategy, cluster: Cluster, count: int = 3) -> list[Plan]:

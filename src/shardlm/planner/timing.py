@@ -12,12 +12,12 @@ import math
 from dataclasses import dataclass, field, replace
 
 from shardlm.models import flops
-from shardlm.hardware.catalog import Cluster
+from shardlm.hardware.catalog import Cluster, MatmulCurve
 from shardlm.planner.memory import (activation_dtypes, block_activation, offloaded_activations,
                                     peak_candidates)
 from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier,
-                                      pipeline_layers, pp_bubble, pp_hidden_bytes, pp_sends,
-                                      shape_of, stage_params, validate, zero_ranks)
+                                      matmul_shapes, pipeline_layers, pp_bubble, pp_hidden_bytes,
+                                      pp_sends, shape_of, stage_params, validate, zero_ranks)
 
 ADAM_BYTES_PER_PARAM = 36
 """Memory traffic of one fused AdamW update per parameter: read master, gradient, m, v (4 B
@@ -73,6 +73,9 @@ class Timing:
     """Hardware FLOPs utilisation: as mfu, with the recomputation's FLOPs counted (activation
     checkpointing 'full' redoes each block's forward; 'selective' redoes element-wise ops only,
     0 matmul FLOPs, so its HFU is its MFU). Both count attention as PaLM does (dense)."""
+    calibration: str = ""
+    """What the compute rate came from: a measured matmul curve (which) or the catalog's
+    efficiency (compute_rate)."""
 
     @property
     def exposed_comm(self) -> float:
@@ -473,9 +476,7 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     stages = stage_params(w, lay, split)
     model_flops = model_flops_per_token(w)
     run_flops = model_flops_per_token(w, s.recompute, "kernel")  # what the step executes
-    # Small matrices fill less of the chip: efficiency x h/(h + half_width) (docs/planner.md).
-    size_factor = m.d_model / (m.d_model + cluster.calibration.half_width)
-    rate = dev.peak[s.dtypes.compute] * dev.efficiency * size_factor
+    rate, calibration = compute_rate(w, s, cluster)
     # The pipeline moves at its slowest rank's pace: the largest share of the FLOPs (a rank's
     # chunks summed under the interleaved schedule).
     shares = flops.stage_shares(m, w.seq_len, split)
@@ -502,7 +503,40 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     peak = lay.world_size * dev.peak[s.dtypes.compute]
     mfu = model_flops * tokens_per_s / peak
     hfu = model_flops_per_token(w, s.recompute) * tokens_per_s / peak  # + recomputation
-    return Timing(compute, bubble, comms, optimizer, step, tokens_per_s, mfu, model_flops, sp.name, hfu)
+    return Timing(compute, bubble, comms, optimizer, step, tokens_per_s, mfu, model_flops, sp.name, hfu,
+                  calibration)
+
+
+def compute_rate(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, str]:
+    """(FLOP/s the step's compute runs at on one rank, which calibration says so).
+
+    With a measured curve for the compute dtype (this CPU: Device.curves), the rate of the
+    model's own matmuls at this run's shapes: each forward product (workload.matmul_shapes, a
+    rank's tokens b·s/cp, its tensor-parallel shard) and its two backward products (dX: m x n x
+    k, dW: k x m x n), their FLOPs over their summed measured-curve seconds; attention and the
+    element-wise work run at that rate too. Without one (the catalog's GPUs): the device's
+    efficiency x h/(h + half_width), small matrices filling less of the chip (docs/planner.md
+    section 4)."""
+    dev, m = cluster.device, w.model
+    peak = dev.peak[s.dtypes.compute]
+    curve = dev.curves.get(s.dtypes.compute)
+    if curve is None:
+        width = cluster.calibration.half_width
+        return (peak * dev.efficiency * m.d_model / (m.d_model + width),
+                f"catalog: efficiency {dev.efficiency:g} x h/(h + {width:g}) of the {s.dtypes.compute} peak")
+    return curve_rate(curve, m, max(1, s.micro_batch * w.seq_len // s.layout.cp), s.layout.tp), curve.source
+
+
+def curve_rate(curve: MatmulCurve, m, tokens: int, tp: int = 1) -> float:
+    """FLOP/s of one rank's forward and backward matmuls for a micro-batch of `tokens` tokens
+    on `curve`: their FLOPs over their summed seconds (each product at its own rate)."""
+    flops_total = seconds = 0.0
+    for _, rows, k, n, count in matmul_shapes(m, tokens, tp):
+        product = 2 * rows * k * n * count
+        for shape in ((rows, k, n), (rows, n, k), (k, rows, n)):  # forward, dX, dW
+            flops_total += product
+            seconds += product / curve.rate(*shape)
+    return flops_total / seconds
 
 
 def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float,
