@@ -12,7 +12,7 @@ per element of the compute dtype, the gradient (reduce) dtype and the residual s
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from shardlm.config import ModelConfig
 from shardlm.dims import ParallelDims
@@ -434,3 +434,22 @@ def matmul_shapes(m: ModelConfig, tokens: int, tp: int = 1) -> list[tuple[str, i
               ("mlp up" + (" (gate|up)" if m.mlp == "swiglu" else ""), tokens, h, up // tp, layers),
               ("mlp down", tokens, f // tp, h, layers), ("head", tokens, h, -(-m.vocab_size // tp), 1)]
     return shapes
+
+
+# ---------------------------------------------------------------------------------------------
+# What memory.py and activations.py report: one line of the per-rank table
+
+
+@dataclass
+class Item:
+    name: str
+    bytes: float
+    formula: str
+    parts: list["Item"] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+    """Transient memory: its bytes in each phase of backward it lives in (PHASES); empty =
+    held throughout. `bytes` is the largest."""
+
+
+PHASES = {"loss": "the loss's backward", "blocks": "a block's backward",
+          "embedding": "the embedding's backward", "root": "the root unit's reduction"}
