@@ -270,10 +270,18 @@ def _pipeline_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams)
     sent = pp_comm_bytes(m, tokens, micro, sp.index, lay.pp, lay.tp, lay.cp, sp_on, e, False, s.pp_virtual)
     hops = 2 * ({"interleaved": s.pp_virtual * micro}.get(s.pp_schedule, micro) + lay.pp - 1)
     bw, lat, where = group_link(cluster, 2, stride)
-    sec, latency = collective_parts("p2p", hops * hidden, 2, bw, lat, hops)
-    out = [CommTime("pipeline send/recv", f"stage boundary, {where}", sent, sec, sec, latency,
-                    [CommTerm(f"{hops} transfers, one per schedule slot and direction: a receive blocks",
-                              sec, sec)])]
+    scatter = s.pp_scatter_gather and lay.tp > 1 and not sp_on
+    # Megatron-LM's scatter/gather: 1/t of each tensor crosses the boundary, then an all-gather
+    # over the tp group (inside the node) rebuilds it on the receiving stage
+    sec, latency = collective_parts("p2p", hops * hidden / (lay.tp if scatter else 1), 2, bw, lat, hops)
+    terms = [CommTerm(f"{hops} transfers, one per schedule slot and direction: a receive blocks"
+                      + (f" (1/{lay.tp} of each: scatter/gather)" if scatter else ""), sec, sec)]
+    if scatter:
+        tp_bw, tp_lat, _ = group_link(cluster, lay.tp, 1)
+        gather, gather_latency = collective_parts("all_gather", hops * hidden, lay.tp, tp_bw, tp_lat, hops)
+        terms.append(CommTerm(f"{hops} all-gathers over the tp group rebuilding each tensor", gather, gather))
+        sec, latency, sent = sec + gather, latency + gather_latency, sent / lay.tp
+    out = [CommTime("pipeline send/recv", f"stage boundary, {where}", sent, sec, sec, latency, terms)]
     if m.tie_embeddings and sp.index in (0, lay.pp - 1):
         rows = -(-m.vocab_size // lay.tp) * m.d_model * e
         bw, lat, where = group_link(cluster, 2, stride * (lay.pp - 1))

@@ -88,6 +88,13 @@ class Strategy:
     """parallel.prefetch (stage 3): gather the next unit while this one computes (prefetch depth
     1, zero/params.py), or only when it is reached (nothing hides a gather; one block fewer
     gathered at a time)."""
+    pp_scatter_gather: bool = False
+    """Megatron-LM's scatter/gather between pipeline stages (Narayanan et al. 2021, section
+    4.1): with tp > 1 and no sequence parallelism each tensor-parallel rank sends 1/t of the
+    stage's output over its own network adapter and the receiving stage all-gathers it over
+    the node's link, instead of every tp rank sending the whole tensor. Not what our runtime
+    does (parallel/pipeline.py sends the whole tensor): set only to model a published
+    Megatron-LM run (tests/test_planner_published.py)."""
 
     @property
     def local(self) -> bool:
