@@ -49,6 +49,7 @@ def test_calibrate_prints_the_curve_and_the_planner_s_assumption(monkeypatch, ca
         assert f"  {name}" in out
     assert "FLOP-weighted" in out and "the planner's compute rate for this run" in out and "LOAD: 5 of 5 shapes" in out
     assert "the curve, tokens per micro-batch" in out and "64 -> " in out
+    assert "the planner's compute rate for this run" in out and "the curve's fit: rate = r_max" in out
     assert main(["calibrate", "--model", "gpt-tiny", "--tp", "3"]) == 2
     assert "--tp 3 does not divide" in capsys.readouterr().err
 
@@ -73,6 +74,7 @@ def test_curve_keeps_measured_shapes_and_fits_the_rest():
     assert curve.rate(1, 8, 8) == min(p[3] for p in points)
     assert MatmulCurve(((64, 64, 64, 3e9),), "one point").rate(1024, 1024, 1024) == 3e9
     assert curve.scaled(0.5).rate(*points[0][:3]) == points[0][3] / 2
+    assert "r_max 100.0 GFLOP/s, I_half 50" in curve.describe_fit()
 
 
 def _cpu_cluster(curves: dict) -> Cluster:

@@ -276,7 +276,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
               f"of the peak (forward shapes)",
               f"  the planner's compute rate for this run: {planned / 1e9:,.1f} GFLOP/s = {planned / peak:.0%} "
               f"of the peak (forward and backward products on the curve; docs/planner.md section 4)",
-              f"  calibration: {planner_curve.source} ({len(planner_curve.points)} points)"]
+              f"  calibration: {planner_curve.source} ({len(planner_curve.points)} points)",
+              f"  the curve's fit: {planner_curve.describe_fit()}"]
     lines.append("  the curve, tokens per micro-batch -> FLOP-weighted GFLOP/s (of peak): " + ", ".join(
         f"{size} -> {rate / 1e9:,.1f} ({rate / peak:.0%})" for size, rate in [*points, (tokens, measured)]))
     loaded = [c for c in curve if c["loaded"]]

@@ -106,6 +106,14 @@ class MatmulCurve:
         rates = [r for *_, r in self.points]
         return my - b * mx, b, min(rates), max(rates)
 
+    def describe_fit(self) -> str:
+        """The fit in words: r_max and I_half of rate = r_max · I / (I + I_half), the clamp."""
+        a, b, low, high = self._fit
+        knee = (f"r_max {1 / a / 1e9:,.1f} GFLOP/s, I_half {b / a:,.0f}" if a > 0
+                else f"no knee (1/rate = {a:.3g} + {b:.3g}/I)")
+        return (f"rate = r_max·I/(I + I_half), I = mkn/(mk + kn + mn): {knee}; clamped to the "
+                f"measured {low / 1e9:,.1f}-{high / 1e9:,.1f} GFLOP/s")
+
     def rate(self, m: int, k: int, n: int) -> float:
         """FLOP/s of an (m x k) @ (k x n) product on this device."""
         for pm, pk, pn, r in self.points:
