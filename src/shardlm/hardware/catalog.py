@@ -87,8 +87,8 @@ class MatmulCurve:
     1/rate = a + b/I over the measured points, I = m·k·n / (m·k + k·n + m·n) (the product's
     FLOPs per element it reads and writes, halved: its arithmetic intensity): a roofline's
     knee, rate = r_max · I / (I + I_half), fitted by least squares on 1/rate, which is linear in
-    1/I. The fit is clamped to the measured rates' range: nothing is extrapolated beyond what
-    this device was seen to do."""
+    1/I (weighted by relative error). The fit is clamped to the measured rates' range: nothing
+    is extrapolated beyond what this device was seen to do."""
 
     points: tuple[tuple[int, int, int, float], ...]
     """(m, k, n, FLOP/s) of each measured (m x k) @ (k x n) product."""
@@ -97,12 +97,16 @@ class MatmulCurve:
 
     @cached_property
     def _fit(self) -> tuple[float, float, float, float]:
-        """(a, b, lowest rate, highest rate) of 1/rate = a + b/I."""
+        """(a, b, lowest rate, highest rate) of 1/rate = a + b/I, least squares in relative
+        error (each point weighted 1/y²): a slow outlier, timed beside other work, would
+        otherwise dominate a fit on 1/rate."""
         xs = [1 / intensity(m, k, n) for m, k, n, _ in self.points]
         ys = [1 / r for *_, r in self.points]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var > 0 else 0.0
+        ws = [1 / y**2 for y in ys]
+        total = sum(ws)
+        mx, my = sum(w * x for w, x in zip(ws, xs)) / total, sum(w * y for w, y in zip(ws, ys)) / total
+        var = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+        b = max(0.0, sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / var) if var > 0 else 0.0
         rates = [r for *_, r in self.points]
         return my - b * mx, b, min(rates), max(rates)
 
