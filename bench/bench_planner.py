@@ -11,7 +11,7 @@ compute rate from this machine's matmul curve: the probe's shapes and whatever `
 calibrate` cached; the table says which). MALLOC_MMAP_THRESHOLD_=65536 is set for
 the ranks so RSS follows what is alive.
 
-Targets: model-state bytes within 2%, peak process memory within 10%, step time within 25%.
+Targets: model-state bytes within 2%, peak process memory within 10%, step time within 20% (issue 30).
 
 Reproduce:  PYTHONPATH=src python bench/bench_planner.py                    (gpt2-124m, ~10 min)
             PYTHONPATH=src python bench/bench_planner.py --preset gpt-mini --steps 4
@@ -144,7 +144,7 @@ def main() -> None:
     for r in rows:
         e = (err(r["state_predicted"], r["state_measured"]), err(r["peak_predicted"], r["peak_measured"]),
              err(r["step_predicted"], r["step_measured"]))
-        for name, value, limit in zip(("state", "peak", "step"), e, (0.02, 0.10, 0.25)):
+        for name, value, limit in zip(("state", "peak", "step"), e, (0.02, 0.10, 0.20)):
             if abs(value) > limit:
                 misses.append(f"{r['ranks']} ranks {r['axes']} stage {r['stage']} AC {r['ac']} offload {r['offload']}: "
                               f"{name} off by {value:+.0%} (target ±{limit:.0%})")
