@@ -5,12 +5,13 @@ nvme offload tier; the model axes: tensor parallelism (tp=2, with and without se
 parallelism), context parallelism (cp=2), both (cp=2 x tp=2), pipelines (pp=2: 1f1b, gpipe, zb;
 4 micro-batches) — a fresh set of gloo ranks trains a few steps and reports, from rank 0:
 the model-state byte ledger (params + grads + optimizer, what the engine holds), the process's
-peak RSS (ru_maxrss) and the median step time after the first. The planner's
-`predict_local(cfg, ranks)` predicts the same three from the config alone (its CPU figures come
-from the cached matmul probe: that is the calibration). MALLOC_MMAP_THRESHOLD_=65536 is set for
+peak RSS (ru_maxrss) and the median step time after the first, and the load average around it.
+The planner's `predict_local(cfg, ranks)` predicts the same three from the config alone (its
+compute rate from this machine's matmul curve: the probe's shapes and whatever `shardlm
+calibrate` cached; the table says which). MALLOC_MMAP_THRESHOLD_=65536 is set for
 the ranks so RSS follows what is alive.
 
-Targets: model-state bytes within 2%, peak process memory within 10%, step time within 25%.
+Targets: model-state bytes within 2%, peak process memory within 10%, step time within 20% (issue 30).
 
 Reproduce:  PYTHONPATH=src python bench/bench_planner.py                    (gpt2-124m, ~10 min)
             PYTHONPATH=src python bench/bench_planner.py --preset gpt-mini --steps 4
@@ -99,6 +100,14 @@ def main() -> None:
     from shardlm.planner.search import predict_local
     from shardlm.launch.spawn import run_ranks
 
+    # The probe (its 256 MiB bandwidth buffers, its gloo ranks) runs in a child of its own: a
+    # process's peak RSS survives fork + exec into the ranks spawned after it (every case's
+    # measured peak read 774 MiB when the parent had probed), so this parent only reads the cache.
+    import subprocess
+    counts = sorted({c[0] for c in cases(args.max_ranks)} | {int(o.split(",")[0]) for o in args.only})
+    subprocess.run([sys.executable, "-c", "import sys; from shardlm.hardware.probe import measure_cpu; "
+                    f"[measure_cpu(n) for n in {counts}]"], check=True)
+
     rows = []
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         selected = cases(args.max_ranks)
@@ -110,13 +119,16 @@ def main() -> None:
             overrides = overrides_for(args, ranks, stage, ac, offload, axes, str(Path(tmp) / "runs"))
             cfg = load_config(overrides=overrides).validate()
             predicted = predict_local(cfg, ranks)
+            load_before = os.getloadavg()[0]
             measured = run_ranks(measure, ranks, Path(tmp), overrides, args.steps, timeout=1800)[0]
+            load = max(load_before, os.getloadavg()[0])
             state_m = sum(measured["state"].values())
             state_p = sum(predicted.model_state_bytes.values())
             row = {"ranks": ranks, "stage": stage, "ac": ac, "offload": offload, "axes": axes or "dp",
                    "state_measured": state_m, "state_predicted": state_p,
                    "peak_measured": measured["peak_rss"], "peak_predicted": predicted.peak_process_bytes,
-                   "step_measured": measured["step_s"], "step_predicted": predicted.step_time_s}
+                   "step_measured": measured["step_s"], "step_predicted": predicted.step_time_s,
+                   "load_average": load, "calibration": predicted.timing.calibration}
             rows.append(row)
             print(json.dumps(row), flush=True)
 
@@ -126,20 +138,24 @@ def main() -> None:
     print(f"\n{args.preset}, {args.precision}, batch {args.micro_batch}x{args.seq} per rank, "
           f"{args.steps} steps (median after the first)\n")
     print("| ranks | axes | stage | AC | offload | state MiB meas / pred | err | peak RSS MiB meas / pred | err "
-          "| step s meas / pred | err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| step s meas / pred | err | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     misses = []
     for r in rows:
         e = (err(r["state_predicted"], r["state_measured"]), err(r["peak_predicted"], r["peak_measured"]),
              err(r["step_predicted"], r["step_measured"]))
-        for name, value, limit in zip(("state", "peak", "step"), e, (0.02, 0.10, 0.25)):
+        for name, value, limit in zip(("state", "peak", "step"), e, (0.02, 0.10, 0.20)):
             if abs(value) > limit:
                 misses.append(f"{r['ranks']} ranks {r['axes']} stage {r['stage']} AC {r['ac']} offload {r['offload']}: "
                               f"{name} off by {value:+.0%} (target ±{limit:.0%})")
         print(f"| {r['ranks']} | {r['axes']} | {r['stage']} | {r['ac']} | {r['offload']} | "
               f"{r['state_measured'] / MiB:,.1f} / {r['state_predicted'] / MiB:,.1f} | {e[0]:+.1%} | "
               f"{r['peak_measured'] / MiB:,.0f} / {r['peak_predicted'] / MiB:,.0f} | {e[1]:+.1%} | "
-              f"{r['step_measured']:.3f} / {r['step_predicted']:.3f} | {e[2]:+.1%} |")
+              f"{r['step_measured']:.3f} / {r['step_predicted']:.3f} | {e[2]:+.1%} | {r['load_average']:.1f} |")
+    print(f"\nload: the 1-minute load average around each case on {os.cpu_count()} cores (above the "
+          f"cores, other processes shared them and step times are not this machine's)")
+    for source in sorted({r["calibration"] for r in rows}):
+        print(f"compute rate from {source}")
     print("\nmisses:" if misses else "\nevery case within its target")
     for m in misses:
         print("  " + m)

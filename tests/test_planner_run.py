@@ -20,6 +20,7 @@ def test_first_record_carries_the_prediction_and_the_end_compares(tmp_path, caps
     assert set(predicted) >= {"step_time_s", "tokens_per_s", "peak_bytes_per_rank", "comm_bytes"}
     assert predicted["step_time_s"] > 0 and predicted["peak_bytes_per_rank"] > 0
     assert predicted["comm_bytes"] == 0  # one process: no collective
+    assert predicted["calibration"].startswith(("probe: ", "calibrated: "))  # this CPU's measured curve
     assert predicted == json.loads(json.dumps(run_prediction(cfg, lambda: local_cpu(1))))  # the planner's own
     assert all("predicted" not in r for r in records[1:])  # the first record only; no key renamed
     assert {"step", "loss", "tokens_per_s", "step_time_s", "peak_rss_bytes"} <= set(records[0])

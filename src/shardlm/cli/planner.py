@@ -211,9 +211,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """The model's forward matmuls on this machine at the run's per-rank threads: best-of-N
     FLOP/s per shape (cached per CPU/GPU model, torch, threads, precision, shape), the curve
     against the square matmul peak MFU uses, and what the planner assumes instead."""
-    from shardlm.hardware.catalog import CALIBRATION, device_for_gpu_name
-    from shardlm.hardware.probe import cpu_peak_flops, device_name, machine_load, matmul_curve
+    from shardlm.hardware.catalog import device_for_gpu_name, measured_curve
+    from shardlm.hardware.probe import cached_curve, cpu_peak_flops, device_name, machine_load, matmul_curve
     from shardlm.launch.runtime import cpu_cores
+    from shardlm.planner.timing import curve_rate
     from shardlm.planner.workload import matmul_shapes
 
     if min(args.micro_batch, args.tp, args.ranks, args.repeats) < 1:
@@ -233,13 +234,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     curve = matmul_curve([s[1:4] for s in shapes], args.precision, threads, args.device, args.repeats,
                          args.again)
     if cpu:
-        peak, kind = cpu_peak_flops(args.precision, threads), "cpu"
+        peak = cpu_peak_flops(args.precision, threads)
     else:
         gpu = device_for_gpu_name(device_name(args.device))
         if gpu is None or args.precision not in gpu.peak:
             raise ConfigError(f"{device_name(args.device)}: not in the catalog with {args.precision}; "
                               f"no peak to compare with")
-        peak, kind = gpu.peak[args.precision], gpu.kind
+        peak = gpu.peak[args.precision]
     load, cores = machine_load()
 
     def weighted(shapes, curve) -> float:
@@ -255,8 +256,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         smaller = matmul_shapes(model, size, args.tp)
         points.append((size, weighted(smaller, matmul_curve([x[1:4] for x in smaller], args.precision, threads,
                                                             args.device, args.repeats, args.again))))
-    calib = CALIBRATION[kind]
-    efficiency = (0.73 if cpu else gpu.efficiency) * model.d_model / (model.d_model + calib.half_width)
+    # What the planner's time model reads for a run with these shapes (timing.compute_rate):
+    # every point cached for this device, threads and precision, this model's included.
+    planner_curve = measured_curve(cached_curve(args.precision, threads, args.device),
+                           f"{args.precision}, " + (f"{threads} thread(s) on " if cpu else "") + device_name(args.device))
+    planned = curve_rate(planner_curve, model, tokens, args.tp)
     lines = [f"calibrate: {model.preset} on {device_name(args.device)}"
              + (f", {threads} thread(s) per rank ({args.ranks} rank(s) on {cores} cores)" if cpu else "")
              + f", {args.precision}, micro-batch {args.micro_batch} x seq {seq} = {tokens} tokens"
@@ -270,9 +274,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                      f"{2 * m * k * n * count / total_flops:>10.0%}{flagged}")
     lines += [f"  peak ({'the square matmul MFU uses' if cpu else 'the catalog'}): {peak / 1e9:,.1f} GFLOP/s",
               f"  the model's matmuls, FLOP-weighted: {measured / 1e9:,.1f} GFLOP/s = {measured / peak:.0%} "
-              f"of the peak; the planner assumes {efficiency:.0%} for the whole step (efficiency x "
-              f"h/(h + {calib.half_width:g}), docs/planner.md section 4: attention, norms and the "
-              f"optimizer run below the matmuls' rate)"]
+              f"of the peak (forward shapes)",
+              f"  the planner's compute rate for this run: {planned / 1e9:,.1f} GFLOP/s = {planned / peak:.0%} "
+              f"of the peak (forward and backward products on the curve; docs/planner.md section 4)",
+              f"  calibration: {planner_curve.source} ({len(planner_curve.points)} points)",
+              f"  the curve's fit: {planner_curve.describe_fit()}"]
     lines.append("  the curve, tokens per micro-batch -> FLOP-weighted GFLOP/s (of peak): " + ", ".join(
         f"{size} -> {rate / 1e9:,.1f} ({rate / peak:.0%})" for size, rate in [*points, (tokens, measured)]))
     loaded = [c for c in curve if c["loaded"]]

@@ -16,9 +16,11 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from shardlm.errors import ConfigError
+from shardlm.hardware.prices import GRID_DEFAULT, PRICES, PUE_DEFAULT, Price, find_price  # noqa: F401 (re-exported)
 
 MIB = 2**20
 
@@ -77,6 +79,69 @@ LINKS: dict[str, Link] = {l.name: l for l in (
 
 
 @dataclass(frozen=True)
+class MatmulCurve:
+    """Measured matmul FLOP/s of one device at one precision (and, on a CPU, thread count): the
+    calibration the time model reads instead of a fitted efficiency (docs/planner.md section 4).
+
+    A shape that was measured runs at its measured rate. Any other runs at the rate of the fit
+    1/rate = a + b/I over the measured points, I = m·k·n / (m·k + k·n + m·n) (the product's
+    FLOPs per element it reads and writes, halved: its arithmetic intensity): a roofline's
+    knee, rate = r_max · I / (I + I_half), fitted by least squares on 1/rate, which is linear in
+    1/I (weighted by relative error). The fit is clamped to the measured rates' range: nothing
+    is extrapolated beyond what this device was seen to do."""
+
+    points: tuple[tuple[int, int, int, float], ...]
+    """(m, k, n, FLOP/s) of each measured (m x k) @ (k x n) product."""
+    source: str
+    """Which calibration: what measured the points, where, at how many threads."""
+
+    @cached_property
+    def _fit(self) -> tuple[float, float, float, float]:
+        """(a, b, lowest rate, highest rate) of 1/rate = a + b/I, least squares in relative
+        error (each point weighted 1/y²): a slow outlier, timed beside other work, would
+        otherwise dominate a fit on 1/rate."""
+        xs = [1 / intensity(m, k, n) for m, k, n, _ in self.points]
+        ys = [1 / r for *_, r in self.points]
+        ws = [1 / y**2 for y in ys]
+        total = sum(ws)
+        mx, my = sum(w * x for w, x in zip(ws, xs)) / total, sum(w * y for w, y in zip(ws, ys)) / total
+        var = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+        b = max(0.0, sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / var) if var > 0 else 0.0
+        rates = [r for *_, r in self.points]
+        return my - b * mx, b, min(rates), max(rates)
+
+    def describe_fit(self) -> str:
+        """The fit in words: r_max and I_half of rate = r_max · I / (I + I_half), the clamp."""
+        a, b, low, high = self._fit
+        knee = (f"r_max {1 / a / 1e9:,.1f} GFLOP/s, I_half {b / a:,.0f}" if a > 0
+                else f"no knee (1/rate = {a:.3g} + {b:.3g}/I)")
+        return (f"rate = r_max·I/(I + I_half), I = mkn/(mk + kn + mn): {knee}; clamped to the "
+                f"measured {low / 1e9:,.1f}-{high / 1e9:,.1f} GFLOP/s")
+
+    def rate(self, m: int, k: int, n: int) -> float:
+        """FLOP/s of an (m x k) @ (k x n) product on this device."""
+        for pm, pk, pn, r in self.points:
+            if (pm, pk, pn) == (m, k, n):
+                return r
+        a, b, low, high = self._fit
+        inverse = a + b / intensity(m, k, n)
+        return high if inverse <= 1 / high else min(high, max(low, 1 / inverse))
+
+    def scaled(self, factor: float) -> MatmulCurve:
+        """Every rate x `factor` (ranks time-sharing the cores: cpu_share)."""
+        if factor == 1:
+            return self
+        return MatmulCurve(tuple((m, k, n, r * factor) for m, k, n, r in self.points),
+                           f"{self.source}, x {factor:.2g} (ranks share the cores)")
+
+
+def intensity(m: int, k: int, n: int) -> float:
+    """Arithmetic intensity of an (m x k) @ (k x n) product, up to a constant: multiply-adds
+    per element of its two inputs and its output."""
+    return m * k * n / (m * k + k * n + m * n)
+
+
+@dataclass(frozen=True)
 class Device:
     name: str
     kind: str
@@ -91,6 +156,9 @@ class Device:
     source: str
     power: float | None = None
     """Board power in W (the vendor's TDP / max power), for energy estimates; None: unknown."""
+    curves: dict[str, MatmulCurve] = field(default_factory=dict)
+    """Measured matmul rates per precision (this CPU: the probe's and `shardlm calibrate`'s);
+    where a precision has one, the time model reads it and `efficiency` is not used."""
 
 
 @dataclass(frozen=True)
@@ -170,95 +238,6 @@ def node_for(device: Device) -> Node:
     return NODES[key]
 
 
-# ---------------------------------------------------------------------------------------------
-# Prices: on-demand list prices per device-hour
-
-
-@dataclass(frozen=True)
-class Price:
-    """One public cloud's on-demand list price for one device, per device-hour (USD)."""
-
-    cloud: str
-    instance: str
-    usd_per_device_hour: float
-    """The instance's hourly price divided by its devices (host CPU, RAM, disk and network
-    included, as the instance is sold)."""
-    as_of: str
-    source: str
-
-    def describe(self) -> str:
-        return (f"${self.usd_per_device_hour:.2f}/device-hour: {self.cloud} {self.instance}, "
-                f"on-demand list price as of {self.as_of} ({self.source})")
-
-
-_AWS = "AWS EC2 On-Demand pricing page, aws.amazon.com/ec2/pricing/on-demand/, us-east-1, Linux"
-_GCP = "Google Cloud Compute Engine GPU pricing page, cloud.google.com/compute/gpus-pricing, us-central1"
-_AZURE = ("Azure Linux Virtual Machines pricing page, azure.microsoft.com/pricing/details/"
-          "virtual-machines/linux/, East US")
-
-PRICES: dict[str, tuple[Price, ...]] = {
-    # Figures recalled, not fetched (no web access when written): each as it stood on the
-    # provider's page around early 2024, rounded to the cent. List prices move (AWS announced
-    # cuts of up to ~45% to P4 and P5 on-demand prices in June 2025, not applied here); check the
-    # page, or pass --price-per-hour. Reserved, spot and committed-use prices are far lower.
-    # Only whole-instance prices (GCP's GPU-only prices, which leave the VM out, are not listed).
-    "V100-16GB": (
-        Price("aws", "p3.16xlarge (8 x V100-16GB, $24.48/h)", 3.06, "early 2024", _AWS),
-        Price("azure", "NC6s_v3 (1 x V100-16GB PCIe, $3.06/h)", 3.06, "early 2024", _AZURE),
-    ),
-    "V100-32GB": (
-        Price("aws", "p3dn.24xlarge (8 x V100-32GB, $31.21/h)", 3.90, "early 2024", _AWS),
-    ),
-    "A100-40GB": (
-        Price("aws", "p4d.24xlarge (8 x A100-40GB, $32.77/h)", 4.10, "early 2024", _AWS),
-        Price("gcp", "a2-highgpu-1g (1 x A100-40GB with its VM, about $3.67/h; approximate)",
-              3.67, "early 2024", _GCP),
-        Price("azure", "ND96asr_v4 (8 x A100-40GB, $27.20/h)", 3.40, "early 2024", _AZURE),
-    ),
-    "A100-80GB": (
-        Price("aws", "p4de.24xlarge (8 x A100-80GB, $40.97/h)", 5.12, "early 2024", _AWS),
-        Price("gcp", "a2-ultragpu-1g (1 x A100-80GB with its VM, about $5.07/h; approximate)",
-              5.07, "early 2024", _GCP),
-        Price("azure", "ND96amsr_A100_v4 (8 x A100-80GB, $32.77/h)", 4.10, "early 2024", _AZURE),
-    ),
-    "H100-80GB": (
-        Price("aws", "p5.48xlarge (8 x H100-80GB, $98.32/h)", 12.29, "early 2024", _AWS),
-        Price("gcp", "a3-highgpu-8g (8 x H100-80GB, about $88.25/h; approximate)", 11.03,
-              "early 2024", _GCP),
-        Price("azure", "ND96isr_H100_v5 (8 x H100-80GB, $98.32/h)", 12.29, "early 2024", _AZURE),
-    ),
-}
-"""Device name -> its list prices. Devices absent (H200, MI250X, TPU v4, a CPU) have no price
-here: pass --price-per-hour."""
-
-
-def find_price(device: Device, cloud: str | None = None) -> Price | None:
-    """The catalog's price for `device`: the named cloud's, or the lowest list price of those
-    known. None: no price in the catalog (ConfigError: the named cloud has none)."""
-    prices = PRICES.get(device.name, ())
-    if cloud is None:
-        return min(prices, key=lambda p: p.usd_per_device_hour, default=None)
-    match = [p for p in prices if p.cloud == cloud.lower()]
-    if not match:
-        known = ", ".join(p.cloud for p in prices) or "none"
-        raise ConfigError(f"no {cloud!r} price for {device.name} in the catalog (known: {known}); "
-                          f"pass --price-per-hour USD")
-    return match[0]
-
-
-PUE_DEFAULT = 1.2
-"""Datacenter overhead (power usage effectiveness), an assumption between the hyperscalers' and
-the industry's: Google reports a fleet-wide trailing-twelve-month PUE of 1.10 (2023
-Environmental Report), the Uptime Institute's Global Data Center Survey 2023 an industry
-average of 1.58. Override with --pue. (Here, not in planner/cost.py, so the
-command line reads the defaults without importing the planner.)"""
-
-GRID_DEFAULT = 480.0
-"""gCO2 per kWh: the world average carbon intensity of electricity in 2023, 480 g/kWh (Ember,
-Global Electricity Review 2024). Regions differ tenfold (hydro/nuclear grids under 50, coal-heavy
-ones over 700); override with --grid-gco2-per-kwh."""
-
-
 @dataclass(frozen=True)
 class Calibration:
     """Per device kind: what the allocator cannot see and how well communication overlaps."""
@@ -288,9 +267,10 @@ CALIBRATION = {
     "cuda": Calibration(1.0e9, 0.5, True, 256),
     "rocm": Calibration(1.0e9, 0.7, True, 256),
     "tpu": Calibration(0.5e9, 0.8, True, 256),
-    # On a CPU gloo's threads need the cores compute is using: no overlap. Efficiency
-    # 0.73 x h/(h+112) fits docs/benchmarks.md's single-process MFU (gpt-mini 51%, gpt2-124m 64%).
-    "cpu": Calibration(0.4e9, 0.0, False, 112),
+    # On a CPU gloo's threads need the cores compute is using: no overlap. No size term: this
+    # CPU's matmul rates are measured (Device.curves, local_cpu); a CPU Device without a curve
+    # runs at peak x its stated efficiency.
+    "cpu": Calibration(0.4e9, 0.0, False, 0),
 }
 
 
@@ -429,7 +409,7 @@ def local_cpu(n_ranks: int) -> Cluster:
 
     measured = measure_cpu(n_ranks)
     # Each rank gets max(1, cores // n_ranks) threads (launch.init_runtime); the ranks share the
-    # machine's memory bandwidth and RAM. Efficiency: see CALIBRATION["cpu"]. With more ranks
+    # machine's memory bandwidth and RAM. Matmul rates: the measured curve (measured_curve). With more ranks
     # than cores the ranks time-share the cores: each gets cores / n_ranks of the thread the
     # probe timed alone, for its matmuls and for gloo's copies alike (oversubscription).
     share = cpu_share(n_ranks, measured["cores"])
@@ -437,8 +417,10 @@ def local_cpu(n_ranks: int) -> Cluster:
         name=f"cpu ({measured['cpu']}, {measured['threads']} thread(s)/rank"
              + (f", {share:.2g} of a core each" if share < 1 else "") + ")", kind="cpu",
         memory=available_memory() / n_ranks, peak={k: v * share for k, v in measured["peak"].items()},
-        memory_bandwidth=measured["memory_bandwidth"] / n_ranks, efficiency=0.73,
-        source="measured by shardlm.hardware.probe.measure_cpu (cached)")
+        memory_bandwidth=measured["memory_bandwidth"] / n_ranks, efficiency=1.0,
+        source="measured by shardlm.hardware.probe.measure_cpu (cached)",
+        curves={p: measured_curve(points, f"{p}, {measured['threads']} thread(s) on {measured['cpu']}").scaled(share)
+                for p, points in measured.get("curve", {}).items() if points})
     gloo = Link("gloo-local", measured["gloo_bandwidth"] * share, measured["gloo_latency"] / share, 1.0,
                 "measured: all-reduce between two local gloo ranks")
     node = Node(n_ranks, gloo, LINKS["eth-10"], 1, gloo, available_memory(),
@@ -450,6 +432,19 @@ def local_cpu(n_ranks: int) -> Cluster:
                           collective_factors=(("all_gather", measured["gloo_all_gather_factor"]),
                                               ("reduce_scatter", measured["gloo_reduce_scatter_factor"])))
     return Cluster(1, n_ranks, device, node, calibration)
+
+
+def measured_curve(points: list[dict], where: str) -> MatmulCurve:
+    """hardware.probe's curve entries as a MatmulCurve, its source naming which calibration
+    (`shardlm calibrate`'s shapes of a model, or only the probe's generic ones) and `where`:
+    the precision, threads and device they were measured at."""
+    own = sum(1 for p in points if p.get("origin", "calibrate") == "calibrate")
+    loaded = sum(1 for p in points if p.get("loaded"))
+    what = (f"calibrated: {own} model shape(s) timed by `shardlm calibrate` + {len(points) - own} probe "
+            f"shape(s)" if own else f"probe: {len(points)} generic shape(s) (`shardlm calibrate --model "
+            f"...` adds the model's own)")
+    return MatmulCurve(tuple((p["m"], p["k"], p["n"], p["flops_per_s"]) for p in points),
+                       f"{what}, {where}" + (f", {loaded} timed under load" if loaded else ""))
 
 
 LOCAL_DISK_BANDWIDTH = 1.2e9

@@ -106,8 +106,9 @@ def measure_cpu(n_ranks: int) -> dict:
     machine = _cached(f"cores={cpu_cores()}|machine", lambda: {**_gloo_probe(),
                                                                "memory_bandwidth": _memory_bandwidth()})
     threads = max(1, cpu_cores() // n_ranks)
-    return {**machine, "cpu": cpu_name(), "cores": cpu_cores(), "threads": threads,
-            "peak": {p: cpu_peak_flops(p, threads) for p in DTYPES}}
+    peak = {p: cpu_peak_flops(p, threads) for p in DTYPES}
+    return {**machine, "cpu": cpu_name(), "cores": cpu_cores(), "threads": threads, "peak": peak,
+            "curve": {p: machine_curve(p, threads, peak[p]) for p in DTYPES}}
 
 
 def _memory_bandwidth(nbytes: int = 256 * MIB, repeats: int = 5) -> float:
@@ -195,16 +196,20 @@ def machine_load() -> tuple[float, int]:
         return 0.0, cpu_cores()
 
 
-def _time_product(m: int, k: int, n: int, dtype: torch.dtype, device: str, repeats: int) -> dict:
-    """Best and median seconds of `repeats` (m x k) @ (k x n) products after a warm-up; a GPU
-    is synchronised around each timing."""
+def _time_product(m: int, k: int, n: int, dtype: torch.dtype, device: str, repeats: int,
+                  min_seconds: float = 0.1) -> dict:
+    """Best and median seconds of at least `repeats` (m x k) @ (k x n) products after a
+    warm-up, and of as many more as fit in `min_seconds`: a product of a few milliseconds on a
+    shared machine needs many tries for one that no other process interrupted (the best is
+    what the product costs; the spread says how loaded the machine was). A GPU is
+    synchronised around each timing."""
     a = torch.randn(m, k, device=device).to(dtype)
     b = torch.randn(k, n, device=device).to(dtype)
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     a @ b  # warm up kernels and caches
     sync()
-    times = []
-    for _ in range(repeats):
+    times, deadline = [], time.perf_counter() + min_seconds
+    while len(times) < repeats or time.perf_counter() < deadline:
         start = time.perf_counter()
         a @ b
         sync()
@@ -214,13 +219,15 @@ def _time_product(m: int, k: int, n: int, dtype: torch.dtype, device: str, repea
 
 
 def matmul_curve(shapes: list[tuple[int, int, int]], precision: str, threads: int | None = None,
-                 device: str = "cpu", repeats: int = 5, again: bool = False) -> list[dict]:
+                 device: str = "cpu", repeats: int = 5, again: bool = False,
+                 origin: str = "calibrate") -> list[dict]:
     """FLOP/s of each (m, k, n) product (the model's own shapes: planner.workload.matmul_shapes),
     the best of `repeats` timings, each cached per (CPU or GPU model, torch version, threads,
     precision, shape); `again` measures anew. Every entry says whether it was measured under
     load: its median more than SPREAD_LOADED slower than its best, or the machine's load
     average above its cores when it was taken (entries: m, k, n, flops_per_s, spread, load
-    average, cores, loaded, measured_at: the time it was taken)."""
+    average, cores, loaded, measured_at: the time it was taken, origin: 'calibrate' for the
+    model's own shapes, 'probe' for GENERIC_SHAPES)."""
     threads = threads or torch.get_num_threads()
     out = []
     for m, k, n in shapes:
@@ -236,8 +243,37 @@ def matmul_curve(shapes: list[tuple[int, int, int]], precision: str, threads: in
             spread = timed["median_s"] / timed["best_s"] - 1
             return {"m": m, "k": k, "n": n, "flops_per_s": 2 * m * k * n / timed["best_s"],
                     "spread": spread, "load_average": load, "cores": cores,
-                    "loaded": spread > SPREAD_LOADED or load > cores, "measured_at": time.time()}
+                    "loaded": spread > SPREAD_LOADED or load > cores, "measured_at": time.time(),
+                    "origin": origin}
 
         entry = _cached(f"threads={threads}|{precision}|mm {m}x{k}x{n}", measure, device_name(device), again)
         out.append(entry)
     return out
+
+
+GENERIC_SHAPES = ((64, 1024, 1024), (256, 1024, 1024), (256, 1024, 4096), (1024, 1024, 1024))
+"""What the probe times when no model is named: a transformer's matmuls from a short micro-batch
+to a square one (tokens x h x h, the MLP's h x 4h), so the curve spans the arithmetic intensity of
+small and large runs. `shardlm calibrate` adds the model's own shapes."""
+
+
+def cached_curve(precision: str, threads: int, device: str = "cpu") -> list[dict]:
+    """Every matmul_curve entry in the cache for this CPU or GPU model, torch version, thread
+    count and precision: the model shapes any `shardlm calibrate` timed here, and the probe's
+    generic ones. Read only: nothing is measured."""
+    path = _cache_path()
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    prefix = f"v{_VERSION}|{device_name(device)}|torch {torch.__version__}|threads={threads}|{precision}|mm "
+    return [value for key, value in sorted(table.items()) if key.startswith(prefix)]
+
+
+def machine_curve(precision: str, threads: int, peak: float, device: str = "cpu",
+                  budget_s: float = 0.05) -> list[dict]:
+    """The points the planner's time model reads for this machine (catalog.MatmulCurve):
+    GENERIC_SHAPES (measured once, cached; a shape the square peak says would take over
+    `budget_s` per product is left out, so a precision the CPU only emulates costs seconds, not
+    minutes; the smallest is always timed) and every `shardlm calibrate` entry cached for the
+    same machine, threads and precision."""
+    generic = [s for s in GENERIC_SHAPES if 2 * s[0] * s[1] * s[2] / peak <= budget_s] or [GENERIC_SHAPES[0]]
+    matmul_curve(generic, precision, threads, device, repeats=3, origin="probe")
+    return cached_curve(precision, threads, device)

@@ -92,7 +92,7 @@ def render_estimate(w: Workload, s: Strategy, cluster: Cluster, memory: Memory, 
         for plan in suggestions:
             lines.append(f"    {describe_strategy(plan.strategy)}: peak {plan.memory.peak / GB:.1f} GB, "
                          f"{plan.timing.tokens_per_s:,.0f} tokens/s")
-    lines += ["", _time_line(timing)]
+    lines += ["", _time_line(timing), f"  compute rate from {timing.calibration}"]
     if s.layout.pp > 1:
         lines.append(f"  (the pipeline paced by its heaviest stage; below, the {timing.stage}'s "
                      f"communication, the stage that finishes last after the pipeline drains)")
@@ -152,6 +152,7 @@ def render_plan(result: SearchResult, top: int, basis: CostBasis | None = None,
              f"devices: {result.cluster.describe()}",
              f"batch:   {w.global_batch} sequences x {w.seq_len} tokens per step; "
              f"{result.evaluated} candidates evaluated, {len(result.plans)} distinct ones fit",
+             *([f"compute: {result.plans[0].timing.calibration}"] if result.plans else []),
              ""]
     if result.plans:
         priced = f" {'to train':>9s} {'cost':>10s} {'kWh':>10s} {'kg CO2':>10s}" if basis else ""
@@ -318,7 +319,7 @@ def plan_json(plan: Plan, workload: Workload, cluster: Cluster, basis: CostBasis
             "overrides": plan.overrides(),
             "command": train_command(plan, workload, cluster),
             "tokens_per_s": plan.timing.tokens_per_s, "mfu": plan.timing.mfu, "hfu": plan.timing.hfu,
-            "step_s": plan.timing.step, "peak_bytes": plan.memory.peak,
+            "step_s": plan.timing.step, "calibration": plan.timing.calibration, "peak_bytes": plan.memory.peak,
             "capacity_bytes": plan.memory.capacity, **extra}
 
 

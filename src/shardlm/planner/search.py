@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from shardlm.config import Config, ModelConfig, ParallelConfig
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import Cluster, choose_compute, local_cpu, parse_cluster
+from shardlm.planner.explain import describe_strategy, explain, step_parts  # noqa: F401 (re-exported)
 from shardlm.planner.memory import ActivationDtypes, Memory, activation_peak, estimate_memory
 from shardlm.planner.shapes import model_from_hf_config, model_from_params, preset_model  # noqa: F401 (re-exported)
 from shardlm.planner.timing import Timing, estimate_time
@@ -320,107 +321,6 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
 
 
 # ---------------------------------------------------------------------------------------------
-# Why the winner wins
-
-
-def step_parts(t: Timing) -> dict[str, float]:
-    bubble = t.compute * t.bubble
-    return {"compute": t.compute - bubble, "pipeline bubble": bubble,
-            "exposed communication": t.exposed_comm, "optimizer step": t.optimizer}
-
-
-def describe_strategy(s: Strategy) -> str:
-    lay = s.layout
-    parts = [f"ZeRO-{s.zero_stage}" if s.zero_stage else "plain DP"]
-    if lay.dp_size > 1:
-        parts.append(f"dp {lay.dp_replicate}x{lay.dp_shard}" if lay.dp_replicate > 1 else f"dp {lay.dp_size}")
-    parts += [f"{k} {getattr(lay, k)}" for k in ("tp", "cp") if getattr(lay, k) > 1]
-    if lay.pp > 1:
-        parts.append(f"pp {lay.pp} {s.pp_schedule}" + (f" x{s.pp_virtual}" if s.pp_virtual > 1 else "")
-                     + (f" [{s.pp_layers}]" if s.pp_layers else ""))
-    parts += [f"ep {lay.ep}"] if lay.ep > 1 else []
-    parts.append(f"micro-batch {s.micro_batch} x accum {s.grad_accum}")
-    if s.recompute != "none":
-        parts.append(f"{s.recompute} recompute")
-    if s.offload_optimizer != "none":
-        parts.append(f"optimizer on {s.offload_optimizer}")
-    if s.offload_params != "none":
-        parts.append(f"params on {s.offload_params}")
-    if s.activation_offload != "none":
-        parts.append(f"activations of {s.activation_offload_blocks or 'all'} blocks on "
-                     f"{s.activation_offload}")
-    return ", ".join(parts)
-
-
-def explain(result: SearchResult) -> list[str]:
-    """Sentences: the winner and why, what the runner-up costs, what did not fit."""
-    lines = []
-    if not result.plans:
-        lines.append(f"Nothing fits on {result.cluster.describe()}.")
-        if result.unfit:
-            near = result.unfit[0]
-            lines.append(f"Closest: {describe_strategy(near.strategy)} needs {near.memory.peak / 1e9:.1f} GB "
-                         f"per device, {near.memory.capacity / 1e9:.1f} GB available; the peak is in "
-                         f"{near.memory.limit}.")
-        return lines
-    win = result.plans[0]
-    t = win.timing
-    lines.append(f"Best: {describe_strategy(win.strategy)} — {t.tokens_per_s:,.0f} tokens/s, "
-                 f"MFU {t.mfu:.0%} (HFU {t.hfu:.0%}), "
-                 f"{win.memory.peak / 1e9:.1f} of {win.memory.capacity / 1e9:.1f} GB per device.")
-    parts = step_parts(t)
-    main = max(parts, key=parts.get)
-    comm = parts["exposed communication"] / t.step
-    lines.append(f"Its {t.step:.3g} s step is {parts[main] / t.step:.0%} {main}" +
-                 (f"; exposed communication {comm:.1%}" if main != "exposed communication" else "")
-                 + (f"; pipeline bubble {t.bubble:.0%}" if t.bubble else "") + ".")
-    if len(result.plans) > 1:
-        lines.append(_versus(win, result.plans[1], "The runner-up"))
-    lay = win.strategy.layout
-    contrasts = [
-        ("ZeRO stage 0 (nothing sharded)", lambda s: s.zero_stage == 0, win.strategy.zero_stage != 0),
-        ("tensor or pipeline parallelism", lambda s: s.layout.tp * s.layout.pp > 1, lay.tp * lay.pp == 1),
-        ("no context parallelism", lambda s: s.layout.cp == 1, lay.cp > 1),
-        ("no activation recompute", lambda s: s.recompute == "none", win.strategy.recompute != "none"),
-    ]
-    named = [result.plans[1]] if len(result.plans) > 1 else []  # each plan compared once
-    for label, wanted, relevant in contrasts:
-        if not relevant:
-            continue
-        other = next((p for p in result.plans[1:] if wanted(p.strategy)), None)
-        if other is not None and all(other is not p for p in named):
-            lines.append(_versus(win, other, f"With {label}, the best"))
-            named.append(other)
-        elif other is None:
-            near = next((p for p in result.unfit if wanted(p.strategy)), None)
-            if near is not None:
-                lines.append(f"With {label} nothing fits: the closest ({describe_strategy(near.strategy)}) "
-                             f"needs {near.memory.peak / 1e9:.1f} GB per device.")
-    if not win.runtime_supported:
-        ours = next((p for p in result.plans if p.runtime_supported), None)
-        near = next((p for p in result.unfit if p.runtime_supported), None)
-        lines.append(f"Not runnable: {win.not_runnable}; " + (
-            f"the best plan it runs today: {describe_strategy(ours.strategy)} "
-            f"({ours.timing.tokens_per_s:,.0f} tokens/s)." if ours else
-            f"no plan it runs fits (closest: {describe_strategy(near.strategy)}, "
-            f"{near.memory.peak / 1e9:.1f} GB, peak in {near.memory.limit})." if near else
-            "no plan it runs fits."))
-    return lines
-
-
-def _versus(win: Plan, other: Plan, label: str) -> str:
-    slower = other.timing.step / win.timing.step - 1
-    if slower < 0.01:
-        return (f"{label} ({describe_strategy(other.strategy)}) is within 1% — a tie within the model's "
-                f"error; the winner uses less memory." if win.memory.peak <= other.memory.peak
-                else f"{label} ({describe_strategy(other.strategy)}) is within 1%: a tie within the model's error.")
-    a, b = step_parts(win.timing), step_parts(other.timing)
-    why = max(a, key=lambda k: b[k] - a[k])
-    return (f"{label} ({describe_strategy(other.strategy)}) is {slower:.0%} slower: "
-            f"+{b[why] - a[why]:.3g} s of {why} per step.")
-
-
-# ---------------------------------------------------------------------------------------------
 # Entry points for the trainer and the validation benchmark
 
 
@@ -568,7 +468,8 @@ def run_prediction(cfg: Config, hardware) -> dict:
            "exposed_comm_s": timing.exposed_comm, "mfu": timing.mfu,
            "runtime_reserve_bytes": cluster.calibration.runtime_reserve}
     # JSON has no NaN or infinity (the metrics log refuses them): an undefined figure is null
-    return {**{k: v if math.isfinite(v) else None for k, v in out.items()}, "hardware": cluster.describe()}
+    return {**{k: v if math.isfinite(v) else None for k, v in out.items()}, "hardware": cluster.describe(),
+            "calibration": timing.calibration}
 
 
 def alternatives(w: Workload, s: Strategy, cluster: Cluster, count: int = 3) -> list[Plan]:

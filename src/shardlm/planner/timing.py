@@ -12,11 +12,12 @@ import math
 from dataclasses import dataclass, field, replace
 
 from shardlm.models import flops
-from shardlm.hardware.catalog import Cluster
+from shardlm.hardware.catalog import Cluster, MatmulCurve
 from shardlm.planner.memory import (activation_dtypes, block_activation, offloaded_activations,
                                     peak_candidates)
+from shardlm.planner.traffic import cp_comm_bytes, ep_comm_bytes, pp_comm_bytes, tp_comm_bytes  # noqa: F401
 from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier,
-                                      pipeline_layers, pp_bubble, pp_hidden_bytes, pp_sends,
+                                      matmul_shapes, pipeline_layers, pp_bubble, pp_hidden_bytes,
                                       shape_of, stage_params, validate, zero_ranks)
 
 ADAM_BYTES_PER_PARAM = 36
@@ -73,6 +74,9 @@ class Timing:
     """Hardware FLOPs utilisation: as mfu, with the recomputation's FLOPs counted (activation
     checkpointing 'full' redoes each block's forward; 'selective' redoes element-wise ops only,
     0 matmul FLOPs, so its HFU is its MFU). Both count attention as PaLM does (dense)."""
+    calibration: str = ""
+    """What the compute rate came from: a measured matmul curve (which) or the catalog's
+    efficiency (compute_rate)."""
 
     @property
     def exposed_comm(self) -> float:
@@ -253,96 +257,6 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: 
     return out
 
 
-def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, recompute: str = "none",
-                  layers: int | None = None, embedding: bool = True, head: bool = True) -> int:
-    """Bytes the tensor-parallel group moves per micro-batch of `tokens` tokens, counted as the
-    byte ledger counts them (comm/collectives.py: an all-reduce 2x its tensor, an all-gather its
-    output, a reduce-scatter its input), for parallel/tensor.py's layers; `e` bytes per
-    activation element (the compute dtype).
-
-    Per block, Megatron's 2 all-reduces of tokens·h forward (after the row-parallel
-    projections) and 2 backward (before the column-parallel ones): 8·tokens·h·e as counted.
-    Sequence parallelism turns each into an all-gather + reduce-scatter pair of the same bytes
-    (Korthikanti et al. 2022), and adds the gradient all-reduces of the parameters applied to
-    sequence-sharded activations: norms, row-parallel biases, learned positions. The embedding
-    adds one all-reduce forward (reduce-scatter forward, all-gather backward under SP), the head
-    one backward (all-gather forward, reduce-scatter backward under SP), the vocabulary-parallel
-    loss three fp32 numbers per token; with tp > n_kv_heads, the all-reduce of the shared
-    key/value rows' gradients per block. Recomputation ("full", and "selective" too: its policy
-    saves matmul and attention outputs, not a collective's) repeats each block's forward
-    collectives in backward but the last: torch's non-reentrant checkpoint stops recomputing
-    once every tensor backward needs is back (early stop), and the block's last collective
-    (the MLP's all-reduce, or its reduce-scatter under SP) only feeds the residual add, whose
-    backward saves nothing (measured: tests/test_tensor_parallel.py)."""
-    if tp == 1:
-        return 0
-    h, layers = m.d_model, m.n_layers if layers is None else layers
-    act = tokens * h * e
-    per_block = 8 * act + ((3 if sequence_parallel else 2) * act if recompute != "none" else 0)
-    total = layers * per_block
-    if embedding:
-        total += 2 * act
-    if head:
-        total += 2 * act + 2 * 3 * tokens * 4
-    kv = m.n_kv_heads or m.n_heads
-    if kv % tp:  # tp > n_kv_heads: the shared key/value rows' gradients summed (SharedKVLinear)
-        total += layers * 2 * 2 * kv * flops.head_dim(m) * (m.d_model + (1 if m.bias else 0)) * e
-    if sequence_parallel:  # gradients of replicated parameters that saw different tokens
-        norm = h * (2 if m.norm == "layernorm" and m.bias else 1)
-        row_bias = 2 * h if m.bias else 0
-        per_block_params = 2 * norm + row_bias
-        params = layers * per_block_params + (norm if head else 0)
-        if m.position == "learned" and embedding:
-            params += m.max_seq_len * h
-        total += 2 * params * e
-    return total
-
-
-def cp_comm_bytes(m, tokens: int, cp: int, tp: int, e: int, recompute: str = "none",
-                  layers: int | None = None) -> int:
-    """Bytes a context-parallel rank sends per micro-batch of `tokens` tokens (the whole
-    sequence's, before the split), as the ledger counts them (send_recv: bytes sent), for
-    parallel/context.py's ring: per block, forward cp-1 hops of this rank's keys and values
-    (2·tokens/cp·h_kv/tp·e: its tensor-parallel share of the key/value heads); backward cp-1
-    hops again plus cp hops of their fp32 gradients; recomputation ("full" or "selective")
-    runs the forward ring again."""
-    if cp == 1:
-        return 0
-    layers = m.n_layers if layers is None else layers
-    kv_heads = max(1, (m.n_kv_heads or m.n_heads) // tp)  # tp > n_kv_heads: the one it uses
-    elems = 2 * tokens // cp * kv_heads * flops.head_dim(m)  # k and v of one rank
-    hops = (cp - 1) * (3 if recompute != "none" else 2)
-    return layers * (hops * elems * e + cp * elems * 4)
-
-
-def ep_comm_bytes(m, tokens: int, ep: int, e: int) -> float:
-    """Bytes an expert-parallel rank sends in one all-to-all of a MoE block (parallel/expert.py),
-    as the ledger counts them (`all_to_all/ep`: rows sent to the other ranks), for balanced
-    routing: its tokens' top_k choices, (ep-1)/ep of them to other ranks' experts, d_model x e
-    each (the activations' dtype; the runtime sends rows, never pads to a capacity). Four per
-    MoE block and micro-batch: dispatch and combine forward, their gradients backward."""
-    return tokens * m.top_k * (ep - 1) / ep * m.d_model * e
-
-
-def pp_comm_bytes(m, tokens_per_micro: int, micro: int, stage_index: int, pp: int, tp: int, cp: int,
-                  sequence_parallel: bool, e: int, tied: bool, virtual: int = 1) -> int:
-    """Bytes pipeline rank `stage_index` sends per step as the ledger counts them (parallel/
-    pipeline.py): `send/pp`, each micro-batch's hidden states forward from every chunk but the
-    model's last and the gradient of its input back from every chunk but the model's first
-    (pp_hidden_bytes: b·s/cp x h x e, /t under sequence parallelism; `tokens_per_micro` = b·s,
-    `micro` = M micro-batches, `virtual` chunks per rank); and with a tied head, on the first
-    and the last rank, `all_reduce/pp_ends` of the embedding's gradient (its vocabulary-parallel
-    rows: ceil(V/t) x h), counted 2x its tensor. The 4-int64 header the first step sends ahead
-    of the first activation is left out (not in a steady-state step)."""
-    if pp == 1:
-        return 0
-    activations, gradients = pp_sends(stage_index, pp, micro, virtual)
-    total = (activations + gradients) * pp_hidden_bytes(m, tokens_per_micro, tp, cp, sequence_parallel, e)
-    if tied and stage_index in (0, pp - 1):
-        total += 2 * -(-m.vocab_size // tp) * m.d_model * e
-    return total
-
-
 def _pipeline_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> list[CommTime]:
     """The pipeline's point-to-point traffic and the tied embedding's all-reduce (bytes:
     pp_comm_bytes, this rank's). Time on the critical path: each of the M·V + P - 1 slots of
@@ -356,10 +270,18 @@ def _pipeline_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams)
     sent = pp_comm_bytes(m, tokens, micro, sp.index, lay.pp, lay.tp, lay.cp, sp_on, e, False, s.pp_virtual)
     hops = 2 * ({"interleaved": s.pp_virtual * micro}.get(s.pp_schedule, micro) + lay.pp - 1)
     bw, lat, where = group_link(cluster, 2, stride)
-    sec, latency = collective_parts("p2p", hops * hidden, 2, bw, lat, hops)
-    out = [CommTime("pipeline send/recv", f"stage boundary, {where}", sent, sec, sec, latency,
-                    [CommTerm(f"{hops} transfers, one per schedule slot and direction: a receive blocks",
-                              sec, sec)])]
+    scatter = s.pp_scatter_gather and lay.tp > 1 and not sp_on
+    # Megatron-LM's scatter/gather: 1/t of each tensor crosses the boundary, then an all-gather
+    # over the tp group (inside the node) rebuilds it on the receiving stage
+    sec, latency = collective_parts("p2p", hops * hidden / (lay.tp if scatter else 1), 2, bw, lat, hops)
+    terms = [CommTerm(f"{hops} transfers, one per schedule slot and direction: a receive blocks"
+                      + (f" (1/{lay.tp} of each: scatter/gather)" if scatter else ""), sec, sec)]
+    if scatter:
+        tp_bw, tp_lat, _ = group_link(cluster, lay.tp, 1)
+        gather, gather_latency = collective_parts("all_gather", hops * hidden, lay.tp, tp_bw, tp_lat, hops)
+        terms.append(CommTerm(f"{hops} all-gathers over the tp group rebuilding each tensor", gather, gather))
+        sec, latency, sent = sec + gather, latency + gather_latency, sent / lay.tp
+    out = [CommTime("pipeline send/recv", f"stage boundary, {where}", sent, sec, sec, latency, terms)]
     if m.tie_embeddings and sp.index in (0, lay.pp - 1):
         rows = -(-m.vocab_size // lay.tp) * m.d_model * e
         bw, lat, where = group_link(cluster, 2, stride * (lay.pp - 1))
@@ -487,9 +409,7 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     stages = stage_params(w, lay, split)
     model_flops = model_flops_per_token(w)
     run_flops = model_flops_per_token(w, s.recompute, "kernel")  # what the step executes
-    # Small matrices fill less of the chip: efficiency x h/(h + half_width) (docs/planner.md).
-    size_factor = m.d_model / (m.d_model + cluster.calibration.half_width)
-    rate = matmul_rate(w, s, dev.peak) * dev.efficiency * size_factor
+    rate, calibration = compute_rate(w, s, cluster)
     # The pipeline moves at its slowest rank's pace: the largest share of the FLOPs (a rank's
     # chunks summed under the interleaved schedule).
     shares = flops.stage_shares(m, w.seq_len, split)
@@ -516,7 +436,40 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     peak = lay.world_size * dev.peak[s.dtypes.compute]
     mfu = model_flops * tokens_per_s / peak
     hfu = model_flops_per_token(w, s.recompute) * tokens_per_s / peak  # + recomputation
-    return Timing(compute, bubble, comms, optimizer, step, tokens_per_s, mfu, model_flops, sp.name, hfu)
+    return Timing(compute, bubble, comms, optimizer, step, tokens_per_s, mfu, model_flops, sp.name, hfu,
+                  calibration)
+
+
+def compute_rate(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, str]:
+    """(FLOP/s the step's compute runs at on one rank, which calibration says so).
+
+    With a measured curve for the compute dtype (this CPU: Device.curves), the rate of the
+    model's own matmuls at this run's shapes: each forward product (workload.matmul_shapes, a
+    rank's tokens b·s/cp, its tensor-parallel shard) and its two backward products (dX: m x n x
+    k, dW: k x m x n), their FLOPs over their summed measured-curve seconds; attention and the
+    element-wise work run at that rate too. Without one (the catalog's GPUs): the device's
+    efficiency x h/(h + half_width), small matrices filling less of the chip (docs/planner.md
+    section 4)."""
+    dev, m = cluster.device, w.model
+    peak = dev.peak[s.dtypes.compute]
+    curve = dev.curves.get(s.dtypes.compute)
+    if curve is None:
+        width = cluster.calibration.half_width
+        return (peak * dev.efficiency * m.d_model / (m.d_model + width),
+                f"catalog: efficiency {dev.efficiency:g} x h/(h + {width:g}) of the {s.dtypes.compute} peak")
+    return curve_rate(curve, m, max(1, s.micro_batch * w.seq_len // s.layout.cp), s.layout.tp), curve.source
+
+
+def curve_rate(curve: MatmulCurve, m, tokens: int, tp: int = 1) -> float:
+    """FLOP/s of one rank's forward and backward matmuls for a micro-batch of `tokens` tokens
+    on `curve`: their FLOPs over their summed seconds (each product at its own rate)."""
+    flops_total = seconds = 0.0
+    for _, rows, k, n, count in matmul_shapes(m, tokens, tp):
+        product = 2 * rows * k * n * count
+        for shape in ((rows, k, n), (rows, n, k), (k, rows, n)):  # forward, dX, dW
+            flops_total += product
+            seconds += product / curve.rate(*shape)
+    return flops_total / seconds
 
 
 def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float,

@@ -12,7 +12,7 @@ per element of the compute dtype, the gradient (reduce) dtype and the residual s
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from shardlm.config import ModelConfig
 from shardlm.config.dims import ParallelDims
@@ -98,6 +98,13 @@ class Strategy:
     """parallel.prefetch (stage 3): gather the next unit while this one computes (prefetch depth
     1, zero/params.py), or only when it is reached (nothing hides a gather; one block fewer
     gathered at a time)."""
+    pp_scatter_gather: bool = False
+    """Megatron-LM's scatter/gather between pipeline stages (Narayanan et al. 2021, section
+    4.1): with tp > 1 and no sequence parallelism each tensor-parallel rank sends 1/t of the
+    stage's output over its own network adapter and the receiving stage all-gathers it over
+    the node's link, instead of every tp rank sending the whole tensor. Not what our runtime
+    does (parallel/pipeline.py sends the whole tensor): set only to model a published
+    Megatron-LM run (tests/test_planner_published.py)."""
 
     @property
     def local(self) -> bool:
@@ -443,3 +450,22 @@ def matmul_shapes(m: ModelConfig, tokens: int, tp: int = 1) -> list[tuple[str, i
               ("mlp up" + (" (gate|up)" if m.mlp == "swiglu" else ""), tokens, h, up // tp, layers),
               ("mlp down", tokens, f // tp, h, layers), ("head", tokens, h, -(-m.vocab_size // tp), 1)]
     return shapes
+
+
+# ---------------------------------------------------------------------------------------------
+# What memory.py and activations.py report: one line of the per-rank table
+
+
+@dataclass
+class Item:
+    name: str
+    bytes: float
+    formula: str
+    parts: list["Item"] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+    """Transient memory: its bytes in each phase of backward it lives in (PHASES); empty =
+    held throughout. `bytes` is the largest."""
+
+
+PHASES = {"loss": "the loss's backward", "blocks": "a block's backward",
+          "embedding": "the embedding's backward", "root": "the root unit's reduction"}

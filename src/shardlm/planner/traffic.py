@@ -1,0 +1,103 @@
+"""Bytes each model-parallel axis moves per rank, counted as the runtime's byte ledger counts
+them (comm/collectives.py): tensor parallelism (parallel/tensor.py), the context-parallel ring
+(parallel/context.py), the expert all-to-all (parallel/expert.py), the pipeline's sends
+(parallel/pipeline.py). timing.py turns them into seconds; the runtime's tests compare them with
+the ledger (tests/test_tensor_parallel.py, test_context_parallel.py, test_planner_axes.py).
+
+Pure functions; no torch. Notation: workload.py.
+"""
+
+from __future__ import annotations
+
+from shardlm.models import flops
+from shardlm.planner.workload import pp_hidden_bytes, pp_sends
+
+
+def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, recompute: str = "none",
+                  layers: int | None = None, embedding: bool = True, head: bool = True) -> int:
+    """Bytes the tensor-parallel group moves per micro-batch of `tokens` tokens, counted as the
+    byte ledger counts them (comm/collectives.py: an all-reduce 2x its tensor, an all-gather its
+    output, a reduce-scatter its input), for parallel/tensor.py's layers; `e` bytes per
+    activation element (the compute dtype).
+
+    Per block, Megatron's 2 all-reduces of tokens·h forward (after the row-parallel
+    projections) and 2 backward (before the column-parallel ones): 8·tokens·h·e as counted.
+    Sequence parallelism turns each into an all-gather + reduce-scatter pair of the same bytes
+    (Korthikanti et al. 2022), and adds the gradient all-reduces of the parameters applied to
+    sequence-sharded activations: norms, row-parallel biases, learned positions. The embedding
+    adds one all-reduce forward (reduce-scatter forward, all-gather backward under SP), the head
+    one backward (all-gather forward, reduce-scatter backward under SP), the vocabulary-parallel
+    loss three fp32 numbers per token; with tp > n_kv_heads, the all-reduce of the shared
+    key/value rows' gradients per block. Recomputation ("full", and "selective" too: its policy
+    saves matmul and attention outputs, not a collective's) repeats each block's forward
+    collectives in backward but the last: torch's non-reentrant checkpoint stops recomputing
+    once every tensor backward needs is back (early stop), and the block's last collective
+    (the MLP's all-reduce, or its reduce-scatter under SP) only feeds the residual add, whose
+    backward saves nothing (measured: tests/test_tensor_parallel.py)."""
+    if tp == 1:
+        return 0
+    h, layers = m.d_model, m.n_layers if layers is None else layers
+    act = tokens * h * e
+    per_block = 8 * act + ((3 if sequence_parallel else 2) * act if recompute != "none" else 0)
+    total = layers * per_block
+    if embedding:
+        total += 2 * act
+    if head:
+        total += 2 * act + 2 * 3 * tokens * 4
+    kv = m.n_kv_heads or m.n_heads
+    if kv % tp:  # tp > n_kv_heads: the shared key/value rows' gradients summed (SharedKVLinear)
+        total += layers * 2 * 2 * kv * flops.head_dim(m) * (m.d_model + (1 if m.bias else 0)) * e
+    if sequence_parallel:  # gradients of replicated parameters that saw different tokens
+        norm = h * (2 if m.norm == "layernorm" and m.bias else 1)
+        row_bias = 2 * h if m.bias else 0
+        per_block_params = 2 * norm + row_bias
+        params = layers * per_block_params + (norm if head else 0)
+        if m.position == "learned" and embedding:
+            params += m.max_seq_len * h
+        total += 2 * params * e
+    return total
+
+
+def cp_comm_bytes(m, tokens: int, cp: int, tp: int, e: int, recompute: str = "none",
+                  layers: int | None = None) -> int:
+    """Bytes a context-parallel rank sends per micro-batch of `tokens` tokens (the whole
+    sequence's, before the split), as the ledger counts them (send_recv: bytes sent), for
+    parallel/context.py's ring: per block, forward cp-1 hops of this rank's keys and values
+    (2·tokens/cp·h_kv/tp·e: its tensor-parallel share of the key/value heads); backward cp-1
+    hops again plus cp hops of their fp32 gradients; recomputation ("full" or "selective")
+    runs the forward ring again."""
+    if cp == 1:
+        return 0
+    layers = m.n_layers if layers is None else layers
+    kv_heads = max(1, (m.n_kv_heads or m.n_heads) // tp)  # tp > n_kv_heads: the one it uses
+    elems = 2 * tokens // cp * kv_heads * flops.head_dim(m)  # k and v of one rank
+    hops = (cp - 1) * (3 if recompute != "none" else 2)
+    return layers * (hops * elems * e + cp * elems * 4)
+
+
+def ep_comm_bytes(m, tokens: int, ep: int, e: int) -> float:
+    """Bytes an expert-parallel rank sends in one all-to-all of a MoE block (parallel/expert.py),
+    as the ledger counts them (`all_to_all/ep`: rows sent to the other ranks), for balanced
+    routing: its tokens' top_k choices, (ep-1)/ep of them to other ranks' experts, d_model x e
+    each (the activations' dtype; the runtime sends rows, never pads to a capacity). Four per
+    MoE block and micro-batch: dispatch and combine forward, their gradients backward."""
+    return tokens * m.top_k * (ep - 1) / ep * m.d_model * e
+
+
+def pp_comm_bytes(m, tokens_per_micro: int, micro: int, stage_index: int, pp: int, tp: int, cp: int,
+                  sequence_parallel: bool, e: int, tied: bool, virtual: int = 1) -> int:
+    """Bytes pipeline rank `stage_index` sends per step as the ledger counts them (parallel/
+    pipeline.py): `send/pp`, each micro-batch's hidden states forward from every chunk but the
+    model's last and the gradient of its input back from every chunk but the model's first
+    (pp_hidden_bytes: b·s/cp x h x e, /t under sequence parallelism; `tokens_per_micro` = b·s,
+    `micro` = M micro-batches, `virtual` chunks per rank); and with a tied head, on the first
+    and the last rank, `all_reduce/pp_ends` of the embedding's gradient (its vocabulary-parallel
+    rows: ceil(V/t) x h), counted 2x its tensor. The 4-int64 header the first step sends ahead
+    of the first activation is left out (not in a steady-state step)."""
+    if pp == 1:
+        return 0
+    activations, gradients = pp_sends(stage_index, pp, micro, virtual)
+    total = (activations + gradients) * pp_hidden_bytes(m, tokens_per_micro, tp, cp, sequence_parallel, e)
+    if tied and stage_index in (0, pp - 1):
+        total += 2 * -(-m.vocab_size // tp) * m.d_model * e
+    return total
