@@ -15,7 +15,7 @@ Per MoE block and micro-batch, on each rank of the group (models/moe.py routes f
 Backward runs the same exchanges in reverse (an all-to-all's gradient is the all-to-all back).
 
 Three groups can hold the experts:
-    parallel.ep = E   E data-parallel ranks of one shard group (ep divides dp_shard): the dense
+    parallel.ep = E   E ranks of one shard group (ep divides dp_shard × cp): the dense
                       part stays data-parallel; the experts' gradients are reduced over the
                       dp_shard / ep ranks (× replicas) that hold the same experts, and ZeRO
                       shards them over those (the engine's expert units, zero/engine.py)
