@@ -32,7 +32,7 @@ def _value(text: str):
 
 
 def main() -> None:
-    from shardlm.spawn import run_ranks
+    from shardlm.launch.spawn import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("features", help="comma-separated feature names of bench/compose.py, e.g. ep,compile")
