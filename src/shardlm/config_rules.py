@@ -467,11 +467,6 @@ def _pipeline_fits(cfg: Config) -> list[str]:
             parse_layers(par.pp_layers, n, stages)
         except ConfigError as e:
             problems.append(str(e))
-    if par.zero_stage == 3:
-        problems.append("parallel.zero_stage = 3 with parallel.pp > 1: ZeRO-3 gathers a unit's "
-                        "parameters for each forward and backward, and a pipeline stage runs many "
-                        "micro-batches' forwards and backwards interleaved; not supported yet: use "
-                        "zero_stage <= 2 (stage 2 shards gradients after the last micro-batch)")
     return problems
 
 

@@ -39,8 +39,7 @@ class Supported:
     """dp_replicate > 1: shard within a node, replicate across nodes (HSDP)."""
     stages: tuple[int, ...] = (0, 1, 2, 3)
     zero3_with_pp: bool = True
-    """ZeRO stage 3 on a pipeline (pp > 1). The runtime refuses it (config validation: stage 3
-    gathers a unit per forward and backward, and a pipeline interleaves micro-batches')."""
+    """ZeRO stage 3 on a pipeline (pp > 1): a stage's units gathered for the whole step."""
     recompute: tuple[str, ...] = ("none", "selective", "full")
     offload_optimizer: tuple[str, ...] = ("none", "cpu", "nvme")
     offload_params: tuple[str, ...] = ("none", "cpu", "nvme")
@@ -51,9 +50,9 @@ class Supported:
 
 EVERYTHING = Supported()
 """Every strategy the planner models."""
-RUNTIME = Supported(zero3_with_pp=False)
+RUNTIME = Supported()
 """What `shardlm train` runs today: pp x dp_replicate x dp_shard x cp x tp (x ep inside dp_shard,
-with tp = cp = 1), ZeRO 0-3 (0-2 with pp > 1), recompute, offload."""
+with tp = cp = 1), ZeRO 0-3, recompute, offload."""
 AUTO = Supported(tp=False, cp=False, pp=False, ep=False, zero3_with_pp=False)
 """What `parallel.strategy = "auto"` chooses from: data parallelism, until the planner's tensor-,
 context- and pipeline-parallel models have been checked against our own measurements on this
@@ -87,8 +86,6 @@ class Plan:
         s = self.strategy
         if s.layout.ep > 1 and (s.layout.tp > 1 or s.layout.cp > 1):
             return "shardlm train runs ep with tp = cp = 1 (under tp the experts spread over the tp ranks)"
-        if s.layout.pp > 1 and s.zero_stage == 3:
-            return "shardlm train refuses ZeRO-3 with pp > 1 (stages 0-2 run on a pipeline)"
         return None
 
     def overrides(self) -> dict[str, object]:

@@ -254,7 +254,7 @@ class ZeroEngine:
         if opts.stage == 3:
             from shardlm.zero.params import ParamSharding
 
-            self.param_sharding = ParamSharding(in_order, opts, self.param_store)
+            self.param_sharding = ParamSharding(in_order, opts, self.param_store, hold_for_step=mesh.dims.pp > 1)
         self.muon = None  # train.optimizer = 'muon': its gathers and updates around the tier's step
         if train.optimizer == "muon":
             from shardlm.optim import muon_params
