@@ -426,7 +426,7 @@ def _sequence_parallel_needs_tp(cfg: Config) -> list[str]:
 
 
 @_cross("parallel.pp", "parallel.pp_layers", "parallel.pp_schedule", "parallel.pp_virtual",
-        "model.n_layers", "parallel.zero_stage", "train.grad_accum")
+        "model.n_layers", "train.grad_accum")
 def _pipeline_fits(cfg: Config) -> list[str]:
     from shardlm.dims import parse_layers
     from shardlm.pipeline_tables import V_SHAPED, table_for
