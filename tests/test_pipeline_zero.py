@@ -19,8 +19,10 @@ def test_pp2_dp2_zero3_matches_one_process_and_gathers_once_per_step(tmp_path):
     ends before the reduce-scatter), interleaved: two chunks per rank. Every stage's parameters
     match one process (1e-5, tests/parity.py), and per step each rank's shard group carries
     exactly one all-gather and one reduce-scatter of its stage's padded parameters (the ledger):
-    a unit gathered per micro-batch's forward and backward would be 2·M + 1 of them."""
-    base = tiny_overrides(tmp_path, model__n_layers=4, train__grad_accum=MICRO, train__micro_batch=2)
+    gathered for each micro-batch's forward and backward instead, the ledger read 9.6 times that
+    (2·M gathers, and the root's again; measured with hold_for_step off)."""
+    base = tiny_overrides(tmp_path, model__n_layers=4, train__grad_accum=MICRO, train__micro_batch=2,
+                          train__seq_len=32)
     piped = {**base, "parallel.pp": 2, "parallel.zero_stage": 3, "parallel.pp_schedule": "interleaved",
              "parallel.pp_virtual": 2}
     out = run_ranks(train_cases, 4, tmp_path, [(piped, STEPS, -1)], timeout=300)
