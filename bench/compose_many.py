@@ -63,10 +63,12 @@ def main() -> None:
         reference = _reference(reference_overrides(overrides, world), world, work)
         ranks = run_ranks(train_steps, world, work, overrides, STEPS, SAVE_AFTER, timeout=900)
         why = compare(ranks[0], reference, TOLERANCE[precision_of(overrides)])
+        if any(r["saved_exactly"] is False for r in ranks):  # checkpoint.async: read back
+            why = f"the asynchronous checkpoint of step {SAVE_AFTER} differs from that step's state"
     print(json.dumps({"features": names, "set": extra, "ranks": world, "steps": STEPS,
                       "losses": ranks[0]["losses"], "reference_losses": reference["losses"],
                       "norms": ranks[0]["norms"], "reference_norms": reference["norms"],
-                      "verdict": why or "matched", "seconds": round(time.perf_counter() - start)}, indent=1))
+                      "saved_exactly": [r["saved_exactly"] for r in ranks], "verdict": why or "matched", "seconds": round(time.perf_counter() - start)}, indent=1))
     sys.exit(1 if why else 0)
 
 
