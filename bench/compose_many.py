@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from compose import (BASE, BY_NAME, MAX_RANKS, SAVE_AFTER, STEPS, TOLERANCE, _reference,  # noqa: E402
-                     compare, precision_of, reference_overrides, train_steps, world_of, write_chat)
+from compose import (BASE, BY_NAME, MAX_RANKS, SAVE_AFTER, STEPS, TOLERANCE, _planned_batches,  # noqa: E402
+                     _reference, compare, precision_of, reference_overrides, train_steps, world_of, write_chat)
 
 from shardlm.config import load_config  # noqa: E402
 from shardlm.spawn import run_ranks  # noqa: E402
@@ -60,7 +60,10 @@ def main() -> None:
         if world > MAX_RANKS:
             raise SystemExit(f"{'+'.join(names)} needs {world} ranks (> {MAX_RANKS})")
         start = time.perf_counter()
-        reference = _reference(reference_overrides(overrides, world), world, work)
+        reference = reference_overrides(overrides, world)
+        if overrides.get("parallel.strategy") == "auto":  # the plan's micro-batches (compose.prepare)
+            reference.update(_planned_batches(overrides, world))
+        reference = _reference(reference, world, work)
         ranks = run_ranks(train_steps, world, work, overrides, STEPS, SAVE_AFTER, timeout=900)
         why = compare(ranks[0], reference, TOLERANCE[precision_of(overrides)])
         if any(r["saved_exactly"] is False for r in ranks):  # checkpoint.async: read back

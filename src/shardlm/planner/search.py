@@ -471,8 +471,8 @@ def plan_for_run(model: ModelConfig, world_size: int, hardware: Cluster | str,
         sequences = max(1, batch // seq)
     workload = Workload(model, seq, sequences)
     dtypes = dtypes or default_dtypes(hardware)
-    if "zero_stage" in kept:
-        supported = replace(supported, stages=(par.zero_stage,))
+    if "zero_stage" in kept:  # the run's own stage (3 with its pipeline too: AUTO only never picks it)
+        supported = replace(supported, stages=(par.zero_stage,), zero3_with_pp=True)
     layouts = None
     degrees = {key: value for key, value in kept.items() if key in ("tp", "cp", "pp", "ep", "dp_replicate")}
     if tp > 1 or cp > 1 or pp > 1 or degrees:
