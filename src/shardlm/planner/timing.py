@@ -528,7 +528,8 @@ def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, ra
     psi_opt = sp.dense / n_opt + sp.experts / (max(1, zero_ranks(lay) // lay.ep) if s.zero_stage else 1)
     optimizer = _optimizer_seconds(s, cluster, psi_opt)
     if effective_tier(s.offload_params, cluster) != "none":  # each gather fetches the shard
-        up = 2 * s.grad_accum * s.dtypes.param_bytes * sp.dense / zero_ranks(lay)
+        gathers = 1 if lay.pp > 1 else 2 * s.grad_accum  # a pipeline stage holds its units for the step
+        up = gathers * s.dtypes.param_bytes * sp.dense / zero_ranks(lay)
         seconds = 0.0 if dev.kind == "cpu" else up / cluster.node.pcie.effective
         if s.offload_params == "nvme":
             seconds += up / (cluster.node.nvme_bandwidth / cluster.per_node)
