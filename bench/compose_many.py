@@ -21,11 +21,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from compose import (BASE, BY_NAME, MAX_RANKS, SAVE_AFTER, STEPS, TOLERANCE, _planned_batches,  # noqa: E402
-                     _reference, compare, precision_of, reference_overrides, train_steps, world_of, write_chat)
+from compose import (
+    BASE,
+    BY_NAME,
+    MAX_RANKS,
+    SAVE_AFTER,
+    STEPS,
+    TOLERANCE,
+    _planned_batches,
+    _reference,
+    compare,
+    precision_of,
+    reference_overrides,
+    train_steps,
+    world_of,
+    write_chat,
+)
 
-from shardlm.config import load_config  # noqa: E402
-from shardlm.spawn import run_ranks  # noqa: E402
+from shardlm.config import load_config
+from shardlm.spawn import run_ranks
 
 
 def overrides_of(names: list[str], work: Path, extra: dict[str, str]) -> dict:
