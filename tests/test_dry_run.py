@@ -71,12 +71,15 @@ def test_dry_run_predicts_a_context_parallel_layout(capsys, tmp_path):
 
 
 def test_plan_marks_layouts_train_cannot_run(capsys, tmp_path):
-    """Pipelines run, but not at ZeRO-3 (the runtime refuses it); expert parallelism runs with
-    tp = cp = 1, its commands carrying the experts and passing --dry-run."""
+    """Pipelines run at every ZeRO stage (ZeRO-3 too: issue 28), printed as commands that pass
+    --dry-run; expert parallelism runs with tp = cp = 1, its commands carrying the experts and
+    passing --dry-run."""
     commands, blocked = plan_lines(capsys, "--model", "llama-7b", "--gpus", "4xA100-40GB", "--top", "20")
-    assert blocked, "expected ZeRO-3 pipeline layouts among the top plans for llama-7b on 4 GPUs"
-    assert all("ZeRO-3 with pp > 1" in line and "--parallel.zero_stage=3" in line for line in blocked)
-    assert not [c for c in commands if "--parallel.pp=" in c and "--parallel.zero_stage=3" in c]
+    zero3_pp = [c for c in commands if "--parallel.pp=" in c and "--parallel.zero_stage=3" in c]
+    assert zero3_pp, "expected ZeRO-3 pipeline layouts among the top plans for llama-7b on 4 GPUs"
+    assert not blocked
+    assert main([*train_argv(zero3_pp[0]), "--dry-run", "--gpus", "4xA100-40GB", f"--run.dir={tmp_path}"]) == 0
+    assert "dry run: the config is valid" in capsys.readouterr().out
     commands, blocked = plan_lines(capsys, "--model", "llama-7b", "--gpus", "2x8xA100-80GB", "--experts", "8",
                                    "--top", "40")
     ep = [c for c in commands if "--parallel.ep=" in c]

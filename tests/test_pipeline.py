@@ -16,6 +16,7 @@ from shardlm.launch.spawn import run_ranks
 from zero_cases import reference_case, train_cases
 
 STEPS, MICRO = 3, 4
+ZERO3_STEPS = 2
 
 
 def stages_whole(results: list[dict]) -> dict[str, torch.Tensor]:
@@ -68,22 +69,60 @@ def test_pp_matches_one_process(pp_runs, case, what):
     _matches(ranks[0]["losses"], stages_whole(ranks), refs[case], what)
 
 
-def test_pp_with_data_and_tensor_parallelism_on_4_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory):
+    """One spawn of 4 ranks for the 4-rank cases (process start-up paid once): pp 2 × dp 2 at
+    ZeRO-1, pp 2 × tp 2 with sequence parallelism, and pp 2 × dp 2 at ZeRO-3 (GPT's tied head,
+    interleaved: two chunks per rank; 2 steps)."""
+    tmp = tmp_path_factory.mktemp("pp4")
+    base = tiny_overrides(tmp, model__preset="llama-tiny", train__grad_accum=MICRO, train__micro_batch=2)
+    gpt = tiny_overrides(tmp, model__n_layers=4, train__grad_accum=MICRO, train__micro_batch=2, train__seq_len=32)
+    out = run_ranks(train_cases, 4, tmp,
+                    [({**base, "parallel.pp": 2, "parallel.zero_stage": 1}, STEPS, -1),
+                     ({**base, "parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
+                       "train.grad_accum": 2 * MICRO}, STEPS, -1),
+                     ({**gpt, "parallel.pp": 2, "parallel.zero_stage": 3, "parallel.pp_schedule": "interleaved",
+                       "parallel.pp_virtual": 2}, ZERO3_STEPS, -1)], timeout=300)
+    return out, base, gpt
+
+
+def test_pp_with_data_and_tensor_parallelism_on_4_ranks(four_rank_runs):
     """pp 2 × dp 2 at ZeRO-1 (each stage's states sharded over its two data-parallel ranks), and
     pp 2 × tp 2 with sequence parallelism, each against one process with the same global batch."""
     from tp_cases import whole_params
 
-    base = tiny_overrides(tmp_path, model__preset="llama-tiny", train__grad_accum=MICRO, train__micro_batch=2)
-    out = run_ranks(train_cases, 4, tmp_path,
-                    [({**base, "parallel.pp": 2, "parallel.zero_stage": 1}, STEPS, -1),
-                     ({**base, "parallel.pp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
-                       "train.grad_accum": 2 * MICRO}, STEPS, -1)], timeout=300)
+    out, base, _ = four_rank_runs
     two = reference_case(base, 2, STEPS)
     for dp in range(2):  # ranks (stage, dp) = 2·stage + dp
         _matches(out[dp][0]["losses"], stages_whole([out[dp][0], out[2 + dp][0]]), two, f"pp2 x dp2, dp {dp}")
     # ranks (stage, tp) = 2·stage + t: each stage's pieces put together, then the stages
     whole = {**whole_params([out[0][1], out[1][1]]), **whole_params([out[2][1], out[3][1]])}
     _matches(out[0][1]["losses"], whole, two, "pp2 x tp2 SP")
+
+
+def test_pp2_dp2_zero3_matches_one_process_and_gathers_once_per_step(four_rank_runs):
+    """ZeRO-3 under pp (issue 28): each stage's units sharded over its two data-parallel ranks,
+    gathered at their first forward of a step and held to its last backward (zero/params.py
+    hold_for_step), reduce-scattered after it; the tied head's copy on the last stage has its
+    gradient summed over the two ends first. Every stage's parameters match one process (1e-5,
+    tests/parity.py), and per step each rank's shard group carries exactly one all-gather and
+    one reduce-scatter of its stage's padded parameters (the ledger; gathered for each
+    micro-batch's forward and backward instead, it read 9.6 times that: 2·M gathers and the
+    root's again, measured with hold_for_step off)."""
+    from shardlm.zero.partition import comm_bytes_per_step
+
+    out, _, gpt = four_rank_runs
+    ref = reference_case(gpt, 2, ZERO3_STEPS)
+    for dp in range(2):  # ranks (stage, dp) = 2·stage + dp
+        first, last = out[dp][2], out[2 + dp][2]
+        assert first["losses"] == last["losses"]  # every stage logs the head's loss
+        _matches(first["losses"], stages_whole([first, last]), ref, f"pp2 x dp2 ZeRO-3, dp {dp}")
+    for rank in range(4):
+        got = out[rank][2]
+        assert got["padded"] > 0
+        for step in range(ZERO3_STEPS):
+            assert got["comm_by_op"][step]["dp_shard"] == 2 * got["padded"] * 4, (rank, step)
+        assert got["comm_by_op"][-1]["dp_shard"] == comm_bytes_per_step(got["padded"], 3, 4, 4, pipeline=True)
 
 
 def test_3d_pp2_tp2_dp2_on_8_ranks(tmp_path):
@@ -176,8 +215,7 @@ def test_pipeline_config_errors(tmp_path):
     from shardlm.config import load_config
 
     base = tiny_overrides(tmp_path)
-    with pytest.raises(ConfigError, match="zero_stage = 3"):
-        load_config(overrides={**base, "parallel.pp": 2, "parallel.zero_stage": 3}).validate()
+    load_config(overrides={**base, "parallel.pp": 2, "parallel.zero_stage": 3}).validate()  # issue 28
     with pytest.raises(ConfigError, match="summing to the model's 2 layers"):
         load_config(overrides={**base, "parallel.pp": 2, "parallel.pp_layers": "2,1"}).validate()
     with pytest.raises(ConfigError, match="exceed the model.s 2 layers"):

@@ -230,6 +230,27 @@ def test_collective_volumes_are_the_zero_formula(stage, replicas):
     assert sum(c.bytes for c in t.comms) == pytest.approx(expected, rel=1e-9)
 
 
+def test_zero3_on_a_pipeline_gathers_each_stage_once_per_step():
+    """ZeRO-3 with pp > 1 (issue 28): a stage's units are gathered once a step and held to its
+    last backward (zero/params.py hold_for_step), so its data-parallel volume is the stage's
+    comm_bytes_per_step(pipeline=True) whatever the micro-batches, and the stage's parameters
+    are whole in memory ("gathered parameters": its Ψ_r, 2 B each in bf16)."""
+    cluster = parse_cluster("2x8xA100-80GB")
+    w = Workload(preset_model("gpt2-1.5b"), 1024, 64)
+    for micro, accum in ((2, 4), (1, 8)):
+        s = Strategy(ParallelDims(1, 8, pp=2), 3, micro, accum, dtypes=Dtypes("bf16"))
+        t = estimate_time(w, s, cluster)
+        sp = next(p for p in stage_params(w, s.layout) if p.name == t.stage)
+        dp = [c for c in t.comms if c.name in ("all-gather parameters", "reduce-scatter gradients")]
+        assert sum(c.bytes for c in dp) == pytest.approx(
+            comm_bytes_per_step(sp.dense + sp.experts, 3, 2, 2, shard_world=8, pipeline=True), rel=1e-9)
+        m = estimate_memory(w, s, cluster)
+        held = next(p for p in stage_params(w, s.layout) if p.name == m.stage)
+        gathered = next(b for b in m.items if b.name == "buffers").parts
+        assert next(b.bytes for b in gathered if b.name == "gathered parameters") == pytest.approx(
+            2 * (held.dense + held.experts))
+
+
 def test_zero3_exposure_is_charged_unit_by_unit(capsys):
     """Stage 3 across nodes: each term's exposure is what the compute beside it cannot hide.
     The root's gather (starts the pass), the first block's (behind the embedding lookup) and the

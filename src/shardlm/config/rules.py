@@ -428,7 +428,7 @@ def _sequence_parallel_needs_tp(cfg: Config) -> list[str]:
 
 
 @_cross("parallel.pp", "parallel.pp_layers", "parallel.pp_schedule", "parallel.pp_virtual",
-        "model.n_layers", "parallel.zero_stage", "train.grad_accum")
+        "model.n_layers", "train.grad_accum")
 def _pipeline_fits(cfg: Config) -> list[str]:
     from shardlm.config.dims import parse_layers
     from shardlm.config.pipeline_tables import V_SHAPED
@@ -470,11 +470,6 @@ def _pipeline_fits(cfg: Config) -> list[str]:
             parse_layers(par.pp_layers, n, stages)
         except ConfigError as e:
             problems.append(str(e))
-    if par.zero_stage == 3:
-        problems.append("parallel.zero_stage = 3 with parallel.pp > 1: ZeRO-3 gathers a unit's "
-                        "parameters for each forward and backward, and a pipeline stage runs many "
-                        "micro-batches' forwards and backwards interleaved; not supported yet: use "
-                        "zero_stage <= 2 (stage 2 shards gradients after the last micro-batch)")
     return problems
 
 

@@ -220,7 +220,8 @@ class ParallelConfig:
     makes it (parallel/expert_balance.py ExpertBalancer); 0 = never."""
     reshard_after_forward: bool = True
     """Stage 3: free a unit's gathered parameters after its forward and gather again for its
-    backward (memory), or keep them until its backward (one all-gather less per step)."""
+    backward (memory), or keep them until its backward (one all-gather less per step). With
+    pp > 1 a stage's units are held for the whole step, either way (zero/params.py)."""
     prefetch: bool = True
     """Stage 3: start gathering the next unit's parameters while the current one computes."""
     collective_timeout_s: float = 600.0

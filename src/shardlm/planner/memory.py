@@ -155,7 +155,16 @@ def _buffer_items(w: Workload, sp: StageParams, s: Strategy, cluster: Cluster,
                           f"flat gradient: the previous reduction completes before the next unit "
                           f"is flattened", phases={"blocks": g * block, "embedding": g * block,
                                                    "root": g * root}))
-    if s.zero_stage == 3:
+    if s.zero_stage == 3 and s.layout.pp > 1:
+        # A pipeline stage holds its units gathered from their first forward of the step to its
+        # last backward (zero/params.py hold_for_step), every micro-batch in between.
+        gloo = e * max(root, block) if cluster.device.kind == "cpu" else 0.0
+        held = e * psi
+        items.append(Item("gathered parameters", held + gloo, f"{e} B x Ψ_r {_n(psi)}: the stage's "
+                          f"units, gathered at their first forward and held to the step's last backward"
+                          + (" (+ gloo's copy of the one gathering)" if gloo else ""),
+                          phases={"loss": held, "blocks": held + gloo, "embedding": held, "root": held}))
+    elif s.zero_stage == 3:
         gathered = e * (root + (2 if s.prefetch else 1) * block)
         gloo = cluster.device.kind == "cpu"  # gloo's all-gather allocates its output again
         phases = {"loss": gathered + (e * root if gloo else 0),

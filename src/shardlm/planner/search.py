@@ -40,8 +40,7 @@ class Supported:
     """dp_replicate > 1: shard within a node, replicate across nodes (HSDP)."""
     stages: tuple[int, ...] = (0, 1, 2, 3)
     zero3_with_pp: bool = True
-    """ZeRO stage 3 on a pipeline (pp > 1). The runtime refuses it (config validation: stage 3
-    gathers a unit per forward and backward, and a pipeline interleaves micro-batches')."""
+    """ZeRO stage 3 on a pipeline (pp > 1): a stage's units gathered for the whole step."""
     recompute: tuple[str, ...] = ("none", "selective", "full")
     offload_optimizer: tuple[str, ...] = ("none", "cpu", "nvme")
     offload_params: tuple[str, ...] = ("none", "cpu", "nvme")
@@ -52,9 +51,9 @@ class Supported:
 
 EVERYTHING = Supported()
 """Every strategy the planner models."""
-RUNTIME = Supported(zero3_with_pp=False)
+RUNTIME = Supported()
 """What `shardlm train` runs today: pp x dp_replicate x dp_shard x cp x tp (x ep inside dp_shard,
-with tp = cp = 1), ZeRO 0-3 (0-2 with pp > 1), recompute, offload."""
+with tp = cp = 1), ZeRO 0-3, recompute, offload."""
 AUTO = Supported(tp=False, cp=False, pp=False, ep=False, zero3_with_pp=False)
 """What `parallel.strategy = "auto"` chooses from: data parallelism, until the planner's tensor-,
 context- and pipeline-parallel models have been checked against our own measurements on this
@@ -88,8 +87,6 @@ class Plan:
         s = self.strategy
         if s.layout.ep > 1 and (s.layout.tp > 1 or s.layout.cp > 1):
             return "the planner does not model ep with tp or cp yet (shardlm train runs them: docs/moe.md)"
-        if s.layout.pp > 1 and s.zero_stage == 3:
-            return "shardlm train refuses ZeRO-3 with pp > 1 (stages 0-2 run on a pipeline)"
         return None
 
     def overrides(self) -> dict[str, object]:
@@ -374,8 +371,8 @@ def plan_for_run(model: ModelConfig, world_size: int, hardware: Cluster | str,
         sequences = max(1, batch // seq)
     workload = Workload(model, seq, sequences)
     dtypes = dtypes or default_dtypes(hardware)
-    if "zero_stage" in kept:
-        supported = replace(supported, stages=(par.zero_stage,))
+    if "zero_stage" in kept:  # the run's own stage (3 with its pipeline too: AUTO only never picks it)
+        supported = replace(supported, stages=(par.zero_stage,), zero3_with_pp=True)
     layouts = None
     degrees = {key: value for key, value in kept.items() if key in ("tp", "cp", "pp", "ep", "dp_replicate")}
     if tp > 1 or cp > 1 or pp > 1 or degrees:

@@ -182,7 +182,8 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: 
     Context-parallel ranks are data-parallel ranks here: ZeRO shards over dp_shard x cp, stage
     0 all-reduces over dp_replicate x dp_shard x cp (comm/mesh.py); both groups are tp apart. With
     pp > 1 the gradients are reduced after the pipeline's last backward (the engine's
-    finish_backward), not during it: those reductions are all exposed."""
+    finish_backward), not during it: those reductions are all exposed; at stage 3 each unit
+    is gathered once, at its first forward of the step, and held to the last backward."""
     lay, d, overlap = s.layout, s.dtypes, cluster.calibration.overlap
     e, g = d.param_bytes, d.grad_bytes
     blocks = max(1, sp.layers)
@@ -224,6 +225,15 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: 
         comm("all-gather updated parameters", "all_gather", shard, lay.tp, e * psi, [
             ("block, after the step: nothing to hide behind", ag(e * block), sp.layers, 0.0),
             ("root unit, after the step", ag(e * root), 1, 0.0)])
+    elif lay.pp > 1:  # stage 3 on a pipeline: a unit gathered at its first forward of the step,
+        # held to the last backward (zero/params.py hold_for_step), reduced after it: exposed
+        comm("all-gather parameters", "all_gather", shard, lay.tp, e * psi, [
+            ("root unit, first forward: starts the step", ag(e * root), 1, 0.0),
+            ("block, first forward" + (": behind the block before it" if s.prefetch else ": waited for"),
+             ag(e * block), sp.layers, fwd_unit if s.prefetch else 0.0)])
+        comm("reduce-scatter gradients", "reduce_scatter", shard, lay.tp, g * psi, [
+            ("block, after the last backward", rs(g * block), sp.layers, 0.0),
+            ("root unit, after the last backward", rs(g * root), 1, 0.0)])
     else:
         ag_block, rs_block = ag(e * block), rs(g * block)
         # prefetch (depth 1) starts a block's gather while the unit before it computes; without
@@ -485,7 +495,8 @@ def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, ra
     psi_opt = sp.dense / n_opt + sp.experts / (max(1, zero_ranks(lay) // lay.ep) if s.zero_stage else 1)
     optimizer = _optimizer_seconds(s, cluster, psi_opt)
     if effective_tier(s.offload_params, cluster) != "none":  # each gather fetches the shard
-        up = 2 * s.grad_accum * s.dtypes.param_bytes * sp.dense / zero_ranks(lay)
+        gathers = 1 if lay.pp > 1 else 2 * s.grad_accum  # a pipeline stage holds its units for the step
+        up = gathers * s.dtypes.param_bytes * sp.dense / zero_ranks(lay)
         seconds = 0.0 if dev.kind == "cpu" else up / cluster.node.pcie.effective
         if s.offload_params == "nvme":
             seconds += up / (cluster.node.nvme_bandwidth / cluster.per_node)

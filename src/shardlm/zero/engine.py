@@ -26,7 +26,8 @@ decay group) — or over views of the parameters themselves when master and comp
 With train.optimizer = 'muon', zero/muon.py gathers each block's matrices around that step and
 applies Muon's update to them (AdamW then moves them only by its weight decay).
 With dp_replicate > 1 (hybrid), shards are reduced within the shard group and then averaged
-across replicas.
+across replicas. Under pipeline parallelism gradients are reduced after the step's last backward
+(finish_backward), and stage 3 holds a stage's units gathered for the step (zero/params.py).
 """
 
 from __future__ import annotations
@@ -256,7 +257,7 @@ class ZeroEngine:
         if opts.stage == 3:
             from shardlm.zero.params import ParamSharding
 
-            self.param_sharding = ParamSharding(in_order, opts, self.param_store)
+            self.param_sharding = ParamSharding(in_order, opts, self.param_store, hold_for_step=mesh.dims.pp > 1)
         self.muon = None  # train.optimizer = 'muon': its gathers and updates around the tier's step
         if train.optimizer == "muon":
             from shardlm.zero.optim import muon_params
@@ -268,8 +269,6 @@ class ZeroEngine:
                  "compute, %s reduce, %s master", opts.stage, shard_world, self.replicate_comm.size,
                  len(self.units), len(self.frozen), opts.compute_dtype, opts.reduce_dtype,
                  opts.master_dtype)
-
-    # -- construction ------------------------------------------------------------------------
 
     # -- backward ----------------------------------------------------------------------------
 

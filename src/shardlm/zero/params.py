@@ -11,6 +11,14 @@ Freeing resizes the flat buffer's storage to zero bytes: the parameter views and
 autograd saved keep pointing at that storage, so after a gather they see the values again.
 The root unit (embeddings, head) is the model itself: gathered before the first block and
 freed after the head.
+
+Under pipeline parallelism (`hold_for_step`) a stage runs the forwards and backwards of many
+micro-batches interleaved (parallel/pipeline.py), so a unit is gathered at its first forward of
+the step and stays whole through every micro-batch until the step's last backward is done
+(ZeroEngine.finish_backward: release_all), as torchtitan's FSDP x PP does it (reshard after
+forward and after backward off, gradients reduce-scattered after the last micro-batch): one
+all-gather and one reduce-scatter of the stage's parameters per step, the stage's parameters
+whole for the step. parallel.reshard_after_forward applies to runs without a pipeline.
 """
 
 from __future__ import annotations
@@ -38,12 +46,14 @@ class _GatherBeforeBackward(torch.autograd.Function):
 
 
 class ParamSharding:
-    def __init__(self, units: list, opts, store):
+    def __init__(self, units: list, opts, store, hold_for_step: bool = False):
         """`units`: every unit in forward order, a frozen unit right after the trainable unit of
         the same module (zero/units.py); the hooks work per module ("slot"), gathering all of
         its units. Each unit gathers over its own group (unit.comm: the shard group, or for an
-        expert unit the ranks holding the same experts)."""
+        expert unit the ranks holding the same experts). `hold_for_step`: a pipeline stage's
+        units stay gathered from their first forward of a step to release_all (module doc)."""
         self.units, self.opts = units, opts
+        self.hold_for_step = hold_for_step
         self.store = store
         """Where shards live between gathers (zero/tiers/: resident, cpu or nvme)."""
         self.slots: list[list[int]] = []  # per module, its units' indices
@@ -122,6 +132,8 @@ class ParamSharding:
             if not torch.is_grad_enabled():
                 self._free(slot)
                 return output
+            if self.hold_for_step:  # whole until the step's last backward: nothing to gather again
+                return output
             if self.opts.reshard_after_forward:
                 self._free(slot)
 
@@ -182,7 +194,10 @@ class ParamSharding:
             self._free_unit(index)
 
     def after_backward(self, unit) -> None:
-        """The unit's gradients are all in: its full parameters are no longer needed."""
+        """The unit's gradients are all in: its full parameters are no longer needed (held for
+        the step: the next micro-batch's forward or backward needs them, release_all frees)."""
+        if self.hold_for_step:
+            return
         index = self.index[id(unit)]
         self.in_backward.discard(self.slot_of[index])
         if index not in self.handles:

@@ -90,18 +90,19 @@ def model_state_bytes(psi: int, shard_world: int, stage: int, param_bytes: int, 
 
 def comm_bytes_per_step(psi: int, stage: int, param_bytes: int, grad_bytes: int,
                         reshard_after_forward: bool = True, micro_steps: int = 1,
-                        shard_world: int = 1, dp_replicate: int = 1) -> float:
+                        shard_world: int = 1, dp_replicate: int = 1, pipeline: bool = False) -> float:
     """Data volume per rank per step, counted as the ZeRO paper does: an all-reduce of Ψ
     elements moves 2Ψ (a reduce-scatter plus an all-gather), each of those Ψ.
     Stage 0: all-reduce gradients (2Ψ). Stages 1-2: reduce-scatter gradients, all-gather updated
     parameters (2Ψ). Stage 3: all-gather parameters for forward and again for backward, reduce-
     scatter gradients (3Ψ; 2Ψ without reshard after forward) — and the gathers repeat for every
-    micro-step of gradient accumulation. Hybrid sharding adds an all-reduce of each rank's
-    gradient shard across replicas (2Ψ/N)."""
+    micro-step of gradient accumulation; on a `pipeline` stage (Ψ: the stage's) each unit is
+    gathered once per step and held to the last micro-batch's backward (2Ψ, zero/params.py).
+    Hybrid sharding adds an all-reduce of each rank's gradient shard across replicas (2Ψ/N)."""
     if stage == 0:
         return 2.0 * psi * grad_bytes
     replicas = 2.0 * psi / shard_world * grad_bytes if dp_replicate > 1 else 0.0
     if stage in (1, 2):
         return psi * (grad_bytes + param_bytes) + replicas
-    gathers = (2 if reshard_after_forward else 1) * micro_steps
+    gathers = 1 if pipeline else (2 if reshard_after_forward else 1) * micro_steps
     return psi * (gathers * param_bytes + grad_bytes) + replicas
