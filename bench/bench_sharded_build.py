@@ -141,7 +141,8 @@ def instrument(phases: Phases) -> None:
     import shardlm.train.loop as trainer
     from shardlm.zero import engine
     from shardlm.zero.params import ParamSharding
-    from shardlm.zero.tiers.nvme import FileParams, NvmeTier
+    from shardlm.zero.tiers.nvme import NvmeTier
+    from shardlm.zero.tiers.nvme_params import FileParams
 
     for attr, label in [("resolve_config", "resolve config"), ("build_mesh", "mesh"),
                         ("build_dataset", "dataset (tokenizer + token memmap)"),

@@ -146,7 +146,8 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch
         if initializer is not None:  # one process, nothing sharded: the whole model, once
             materialize(model, device, cfg.train.seed, initializer)
         return LocalEngine(model, cfg, device)
-    from shardlm.zero.engine import ZeroEngine, ZeroOptions
+    from shardlm.zero.engine import ZeroEngine
+    from shardlm.zero.units import ZeroOptions
 
     opts = ZeroOptions(
         stage=par.zero_stage, compute_dtype=DTYPES[compute],

@@ -3,17 +3,23 @@
 A unit is a module subtree whose parameters share one flat buffer: each transformer block, and
 the "root" unit holding everything else (embeddings, final norm, head). For a model we did not
 write, the units are the instances of the classes the user names, or else the children of the
-model's largest nn.ModuleList (the repeated layers of almost every transformer).
+model's largest nn.ModuleList (the repeated layers of almost every transformer). `Unit` is
+a unit at run time (its flat buffers, this rank's shards, the views its parameters are bound
+to); `ZeroOptions` what the engine runs every unit with.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
+from shardlm.models.init import Initializer
+from shardlm.zero.partition import UnitLayout, layout_for
 
 
 @dataclass
@@ -105,3 +111,109 @@ def collect_units(model: nn.Module, class_names: str = "", inner: list[str] = ()
             units.append(UnitSpec(f"{name}[{str(dtype).removeprefix('torch.')}]", module,
                                   [r for r in frozen if r.param.dtype == dtype], True, dtype))
     return [u for u in units if u.params]
+
+
+# ---------------------------------------------------------------------------------------------
+# A unit at run time: its flat buffers, this rank's shards, the views its parameters are bound to
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    stage: int
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    master_dtype: torch.dtype
+    reshard_after_forward: bool = True
+    prefetch: bool = True
+    unit_classes: str = ""
+    offload_optimizer: str = "none"
+    """Where masters and AdamW moments live: 'none' (the device), 'cpu', 'nvme' (zero/tiers/)."""
+    offload_params: str = "none"
+    """Stage 3: where each unit's parameter shard lives between uses: 'none', 'cpu', 'nvme'."""
+    nvme_dir: Path | None = None
+    nvme_chunk_bytes: int = 64 << 20
+    nvme_buffers: int = 4
+
+
+class Unit:
+    """One unit's flat buffers and its place in this rank's shard."""
+
+    def __init__(self, spec: UnitSpec, comm: Comm, shard_rank: int, opts: ZeroOptions,
+                 device: torch.device, initializer: Initializer | None = None, expert: bool = False):
+        """`comm`: the group this unit's gradients are reduced over and (stage >= 1) its states
+        sharded over, this rank at `shard_rank` in it; `expert`: an expert-parallel unit (its
+        group the ranks holding the same experts). A frozen unit (spec.frozen) has no gradient
+        buffer: only its parameters, whole at stages 0-2, sharded at stage 3."""
+        self.name, self.module, self.stage = spec.name, spec.module, opts.stage
+        self.comm, self.expert, self.frozen = comm, expert, spec.frozen
+        shard_world = comm.size if opts.stage >= 1 else 1
+        numels = [r.param.numel() for r in spec.params]
+        decay = [r.param.dim() >= 2 for r in spec.params]
+        self.layout: UnitLayout
+        self.layout, order = layout_for(numels, decay, shard_world)
+        self.refs: list[ParamRef] = [spec.params[i] for i in order]
+        self.lo, self.hi = self.layout.shard_range(shard_rank)
+        self.segments = self.layout.segments(shard_rank)
+        # fp32 copy of the initial values: the master is made from it, not from a rounded cast.
+        # A parameter still on the meta device is initialised here, for this unit only (the
+        # sharded build: a rank never holds more than its shards and one unit in full).
+        initial = torch.zeros(self.layout.padded, dtype=torch.float32, device=device)
+        for ref, offset in zip(self.refs, self.layout.offsets):
+            if ref.param.is_meta:
+                if initializer is None:
+                    raise TypeError(f"parameter {ref.name} is on the meta device and the model has "
+                                    f"no initializer (models/init.py)")
+                values = initializer(ref.name)
+            else:
+                values = ref.param.detach()
+            initial[offset:offset + ref.param.numel()] = values.reshape(-1)
+            del values
+        self.flat_param = initial.to(spec.dtype or opts.compute_dtype)  # (padded,)
+        self.shard_param = (self.flat_param[self.lo:self.hi].clone() if self.stage == 3
+                            else self.flat_param[self.lo:self.hi])  # (shard,)
+        self.initial_shard = initial[self.lo:self.hi]
+        self.full_grad: torch.Tensor | None = None
+        self.grad_dtype = opts.reduce_dtype
+        self.shard_grad: torch.Tensor | None = None  # stages 2-3: from the reduction to the step
+        if self.stage <= 1 and not self.frozen:
+            self.full_grad = torch.zeros(self.layout.padded, dtype=opts.reduce_dtype, device=device)
+        self.arrived = 0
+        self.reduced = False
+        self.params: list[nn.Parameter] = []
+
+    def bind_params(self) -> None:
+        """Point every module attribute at a view of the flat buffer (tied places share one)."""
+        self.params = []
+        for ref, offset in zip(self.refs, self.layout.offsets):
+            view = self.flat_param[offset:offset + ref.param.numel()].view(ref.param.shape)
+            param = nn.Parameter(view, requires_grad=not self.frozen)
+            for module, attr in ref.places:
+                setattr(module, attr, param)
+            ref.param = param  # drop the pre-flatten tensor, or every rank keeps 4Ψ bytes alive
+            self.params.append(param)
+
+    def attach_grads(self) -> None:
+        """Stages 0-1, gradients in the parameters' dtype: each param.grad a view of the flat
+        gradient buffer, zeroed, so autograd accumulates in place there (DDP's gradient as
+        bucket view): no second copy of the gradients exists, the flatten copies nothing."""
+        if self.full_grad is None or self.full_grad.dtype != self.flat_param.dtype:
+            return
+        self.full_grad.zero_()
+        for param, offset in zip(self.params, self.layout.offsets):
+            param.grad = self.full_grad[offset:offset + param.numel()].view(param.shape)
+
+    def grad_shard(self) -> torch.Tensor:
+        """This rank's reduced gradient slice (shard,), in the reduce dtype."""
+        if self.stage <= 1:
+            return self.full_grad[self.lo:self.hi]
+        if self.shard_grad is None:  # stages 2-3: the reduction's output, written in full
+            self.shard_grad = torch.empty(self.layout.shard_size, dtype=self.grad_dtype,
+                                          device=self.flat_param.device)
+        return self.shard_grad
+
+    def full_grad_buffer(self) -> torch.Tensor:
+        if self.full_grad is None:  # stages 2-3: allocated for one step's backward only
+            self.full_grad = torch.empty(self.layout.padded, dtype=self.grad_dtype,
+                                         device=self.flat_param.device)
+            self.full_grad[self.layout.total:].zero_()  # the slots are all written by the flatten
+        return self.full_grad

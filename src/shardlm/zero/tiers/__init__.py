@@ -18,7 +18,8 @@ At stage 3 the parameter shards themselves have a tier too (`zero.offload_params
 ParamStore holds each unit's shard between gathers.
 
     memory.py  InMemoryTier (device, or cpu: host memory); ResidentParams, HostParams
-    nvme.py    NvmeTier (files, streamed step); FileParams
+    nvme.py    NvmeTier (files, streamed step)
+    nvme_params.py FileParams (stage-3 shards in files)
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import torch
 from shardlm.config import OFFLOAD_TIERS, TrainConfig
 from shardlm.errors import ConfigError
 from shardlm.zero.tiers.memory import HostParams, InMemoryTier, ResidentParams, TierStats
-from shardlm.zero.tiers.nvme import FileParams, NvmeTier
+from shardlm.zero.tiers.nvme import NvmeTier
+from shardlm.zero.tiers.nvme_params import FileParams
 
 __all__ = ["OptimizerTier", "ParamStore", "TierStats", "build_param_store", "build_tier"]
 
