@@ -59,6 +59,8 @@ def _family(name: str):
     if name == "llama-dynamic":
         return tf.LlamaForCausalLM, tf.LlamaConfig(rope_parameters={
             "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.7}, **LLAMA)
+    if name == "qwen2":  # biases on q/k/v only
+        return tf.Qwen2ForCausalLM, tf.Qwen2Config(**LLAMA)
     if name == "qwen3":  # q/k RMSNorm per head, a head_dim of its own
         return tf.Qwen3ForCausalLM, tf.Qwen3Config(head_dim=32, tie_word_embeddings=False, **LLAMA)
     if name == "qwen3-window":  # use_sliding_window: a window of 16 on the layer_types' sliding block
@@ -353,7 +355,7 @@ def lora_adapter_is_peft_exact(tmp_path, hf_dir, hf) -> None:
     assert all(any(n.endswith(t) for n in modules) for t in targets), targets
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [*FAMILIES, "qwen2"])  # qwen2's logits: tests/test_hf_path.py
 def test_lora_adapter_loads_in_peft_onto_the_checkpoint(tmp_path, name):
     """Each family's LoRA run (the default targets: attention's q/k/v and output, the MLP's
     linears) writes a PEFT adapter on transformers' own modules: fused ones as they are fused
