@@ -333,14 +333,14 @@ def test_features_a_kernel_or_axis_cannot_compute_are_refused_early(fields, mess
         load_config(overrides=values).validate()
 
 
-def lora_adapter_is_peft_exact(tmp_path, hf_dir, hf) -> None:
+def lora_adapter_is_peft_exact(tmp_path, hf_dir, hf, **extra) -> None:
     """A LoRA step (rank 4, lr 1e-2: every lora_B moves off zero) on the checkpoint in `hf_dir`:
     the PEFT adapter the run writes (run_dir/adapter), applied by peft.PeftModel.from_pretrained
     to `hf` (the transformers model that wrote the checkpoint, untouched by the run), gives
     the run's logits (1e-5)."""
     import peft
 
-    values = overrides(tmp_path, hf_dir, lora__rank=4, train__lr=1e-2, run__name="lora")
+    values = overrides(tmp_path, hf_dir, lora__rank=4, train__lr=1e-2, run__name="lora", **extra)
     run = build_run(load_config(overrides=values).validate())
     train(run)
     lora_b = {n: p for n, p in run.model.named_parameters() if "lora_B" in n}
@@ -360,9 +360,11 @@ def test_lora_adapter_loads_in_peft_onto_the_checkpoint(tmp_path, name):
     """Each family's LoRA run (the default targets: attention's q/k/v and output, the MLP's
     linears) writes a PEFT adapter on transformers' own modules: fused ones as they are fused
     (Phi-3's qkv_proj and gate_up_proj take our B whole; GPT-NeoX's per-head query_key_value
-    rows reordered as the weights are), split ones with our B's rows apiece and A shared."""
+    rows reordered as the weights are), split ones with our B's rows apiece and A shared.
+    Llama 3.2-style also adapts its head, tied to the embedding (PEFT's lm_head)."""
     hf_dir, hf = make_family_dir(tmp_path, name)
-    lora_adapter_is_peft_exact(tmp_path, hf_dir, hf)
+    head = {"lora__targets": "attn.qkv,attn.proj,mlp.gate_up,mlp.down,head"} if name == "llama3" else {}
+    lora_adapter_is_peft_exact(tmp_path, hf_dir, hf, **head)
 
 
 def test_parameter_counts_are_the_checkpoints(tmp_path):
