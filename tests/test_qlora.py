@@ -111,6 +111,25 @@ def test_transposed_tables_store_the_columns(kind):
     assert torch.equal(weight_of(table, fmt, torch.float32), dequantize(table, fmt, torch.float32).t())
 
 
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_dequantise_op_is_told_its_output_layout(kind):
+    """shardlm::dequantize (a compiled block's one node for the dequantisation, train.compile):
+    its fake gives the real output's shape, strides and dtype, which a compiled graph asserts
+    (a row shorter than its blocks once came back as a strided slice and stopped the graph)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardlm.models.quant import dequantize_op
+
+    for shape, transposed in (((32, 64), True), ((7, 5), False), ((64, 128), False)):
+        table = quantize(_weight(shape), kind, transposed)
+        real = dequantize_op(table, kind, list(shape), transposed, torch.bfloat16)
+        with FakeTensorMode() as mode:
+            fake = dequantize_op(mode.from_tensor(table), kind, list(shape), transposed, torch.bfloat16)
+        assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype), shape
+        fmt = QuantFormat(kind, shape, transposed)
+        assert torch.equal(real, dequantize(table, fmt, torch.bfloat16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_round_trip_within_the_format_bound(kind, dtype):

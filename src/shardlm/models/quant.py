@@ -261,7 +261,8 @@ def dequantize_op(packed: torch.Tensor, kind: str, shape: list[int], transposed:
     """dequantize as a torch custom op: a compiled block (train.compile, parallel/compile.py,
     fullgraph) holds it as one opaque node whose output shape it is told, so the format's
     lookups (the dynamic map's Python list, bitsandbytes' kernel) stay outside the graph."""
-    return dequantize(packed, QuantFormat(kind, (shape[0], shape[1]), transposed), dtype)
+    # contiguous: the fake's layout (a row shorter than its blocks is a slice of them)
+    return dequantize(packed, QuantFormat(kind, (shape[0], shape[1]), transposed), dtype).contiguous()
 
 
 @dequantize_op.register_fake
