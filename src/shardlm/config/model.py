@@ -197,4 +197,5 @@ class LoRAConfig:
     (those with adapters and the other attention / MLP ones) stored quantised and dequantised
     per layer in the compute dtype in forward: 'nf4' (4-bit NormalFloat, blocks of 64, double
     quantisation: ~0.52 B/param), 'int8' (per-row absmax, LLM.int8's weights: ~1 B/param),
-    'none'. Needs lora.rank > 0."""
+    'none'. Needs lora.rank > 0. MoE experts are quantised too; cut by tp (tp <= n_kv_heads)
+    and ep as the float weights are."""

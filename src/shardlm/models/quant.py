@@ -42,7 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlm.errors import ConfigError
 from shardlm.models.init import Initializer
+from shardlm.checkpoint.placement import Split
 
 log = logging.getLogger("shardlm")
 
@@ -314,6 +316,28 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.quant.kind}"
+
+
+def quantize_layer(layer: nn.Module, fmt: QuantFormat) -> nn.Module:
+    """`layer` (on meta, a linear with `weight` of fmt.shape) with that weight stored as a byte
+    table `weight_q` in `fmt` instead, its bytes left to the initializer; sets `layer.quant`,
+    which the layer's forward reads (a tensor-parallel piece: parallel/tensor.py)."""
+    del layer.weight
+    layer.quant = fmt
+    layer.weight_q = nn.Parameter(torch.empty(fmt.stored_shape, dtype=torch.uint8, device="meta"),
+                                  requires_grad=False)
+    return layer
+
+
+def table_split(split: Split, fmt: QuantFormat, name: str) -> Split:
+    """Where a piece of weight `name` (its Split: the weight's rows, or with fmt.transposed its
+    columns) sits in the byte table: the same ranges of stored rows, dim 0. A cut across the
+    stored rows would split blocks: a ConfigError."""
+    if split.dim != (1 if fmt.transposed else 0):
+        raise ConfigError(f"{name}: its weight is cut along dim {split.dim}, across the quantised "
+                          f"rows' blocks; set lora.quantize = 'none' or parallel.tp = 1")
+    whole = QuantFormat(fmt.kind, split.shape, fmt.transposed)
+    return Split(whole.stored_shape, 0, split.ranges, split.copies)
 
 
 ROW_PARALLEL = ("attn.proj", "mlp.proj", "mlp.down")

@@ -141,6 +141,14 @@ class ActivationOffload:
       freed by 2.4x.
     - On a CPU device the host is the device: pack returns the tensor itself (nothing moves,
       nothing is counted as offloaded), unless FORCE_HOST_COPY (tests) makes it a separate copy.
+    - With recomputation (apply_ac, activation.checkpoint): a checkpointed block keeps only its
+      inputs, which torch's checkpoint saves in its own pre-hook through the saved-tensor hooks
+      then active, and everything inside the block goes to the checkpoint's own (inner) hooks.
+      These hooks come first among the block's pre-hooks, so they meet those inputs and offload
+      them (what Megatron-LM offloads with recomputation); the recomputation, a forward run
+      inside backward, enters no hooks here: its saved tensors are the checkpoint's. With
+      'selective' the outputs the policy keeps are the checkpoint's cache, not saved tensors:
+      they stay on the device.
     """
 
     def __init__(self, blocks: list[nn.Module], force_copy: bool = False):

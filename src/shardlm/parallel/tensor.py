@@ -47,7 +47,7 @@ from shardlm.parallel.tensor_norms import split_qk_norms
 from shardlm.errors import ConfigError
 from shardlm.models.flops import head_dim
 from shardlm.models.fp8 import take_over
-from shardlm.models.quant import QuantFormat
+from shardlm.models.quant import QuantFormat, quantize_layer, table_split
 from shardlm.checkpoint.placement import Split, even_range
 from shardlm.parallel.tensor_layers import (ColumnParallelLinear, HeadNorm, LoRAColumnParallelLinear,
                                             LoRARowParallelLinear, LoRASharedKVLinear, RowParallelLinear,
@@ -220,34 +220,18 @@ def _lora_of(layer: nn.Module) -> nn.Module | None:
 
 
 def _quantized(new: nn.Module, old: nn.Module, shape: tuple[int, int]) -> nn.Module:
-    """`new` (a column- or row-parallel linear on meta) with `old`'s quantised base (a LoRALinear
-    or QuantizedLinear with `quant`, models/quant.py) in place of its weight: this rank's whole
-    stored rows of the table for its weight's `shape` (quantize_splits records where they sit)."""
+    """`new` (on meta) with `old`'s quantised base (models/quant.py) for its piece of `shape`:
+    whole stored rows of the table (quantize_splits records where they sit)."""
     fmt = getattr(old, "quant", None)
-    if fmt is None:
-        return new
-    del new.weight
-    new.quant = fmt.local(shape)
-    new.weight_q = nn.Parameter(torch.empty(new.quant.stored_shape, dtype=torch.uint8), requires_grad=False)
-    return new
+    return new if fmt is None else quantize_layer(new, fmt.local(shape))
 
 
 def quantize_splits(model: nn.Module, tp: TPState) -> None:
-    """Each quantised layer's Split of `weight` becomes that of its byte table `weight_q`: the
-    same ranges of stored rows (the weight's rows; a row-parallel weight's columns, which its
-    transposed table stores as rows), so a piece is whole rows and dequantises to exactly the
-    one-process weight's piece (models/quant.py)."""
+    """Each quantised layer's Split of `weight` becomes its byte table's (models.quant.table_split)."""
     for name, module in model.named_modules():
         fmt = getattr(module, "quant", None)
-        split = tp.splits.get(f"{name}.weight")
-        if not isinstance(fmt, QuantFormat) or split is None:
-            continue
-        whole = QuantFormat(fmt.kind, split.shape, fmt.transposed)
-        if split.dim != (1 if fmt.transposed else 0):
-            raise ConfigError(f"{name}: tensor parallelism cuts its weight along dim {split.dim}, "
-                              f"across its quantised blocks; set lora.quantize = 'none' or parallel.tp = 1")
-        del tp.splits[f"{name}.weight"]
-        tp.splits[f"{name}.weight_q"] = Split(whole.stored_shape, 0, split.ranges, split.copies)
+        if isinstance(fmt, QuantFormat) and f"{name}.weight" in tp.splits:
+            tp.splits[f"{name}.weight_q"] = table_split(tp.splits.pop(f"{name}.weight"), fmt, name)
 
 
 def _column(in_features: int, out_local: int, bias: bool, tp: TPState,
