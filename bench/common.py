@@ -1,0 +1,250 @@
+"""The bench toolkit: one way to start ranks, time steps, read memory and ledgers, and print a
+table. Every bench script imports it (`python bench/x.py` puts bench/ on sys.path first).
+
+A bench script is: argparse (add_step_args) -> prepare() once in the parent -> for each case a
+`measure(case)` that runs a module-level rank function through start_ranks and returns
+summarize(ranks, tokens) -> rounds() over the cases -> table() of combine()d results ->
+machine() and reproduce(). The rank function builds its run, then calls timed_steps (or
+train_timed for shardlm's own train_step, which also reads each step's byte ledger).
+
+Rules every figure here follows:
+- Every case runs in fresh processes: peak RSS is a per-process high-water mark.
+- MALLOC_MMAP_THRESHOLD_=65536 unless the environment sets it (inherited by the ranks): glibc
+  then serves blocks >= 64 KiB with mmap and returns them on free, so RSS follows what is alive.
+- Ranks run max(1, cores // ranks) threads each (shardlm.launch.spawn does it); the parent probes
+  the matmul peak and builds the dataset once at that thread count, so no rank's RSS holds them.
+- Ranks wait for each other every step: a step takes the slowest rank's median; memory is the
+  highest rank's. Repeats run in interleaved rounds (case A, B, C, A, B, C, ...) so that load
+  from other jobs on a shared machine hits every case alike; tokens/s is their median (range).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from shardlm.config import typed_overrides
+from shardlm.launch.runtime import cpu_cores
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.telemetry import peak_rss_bytes, reset_peak_rss
+
+MiB, GiB = 2**20, 2**30
+MMAP_THRESHOLD = "65536"
+__all__ = ["MiB", "GiB", "threads_per_rank", "prepare", "start_ranks", "run_overrides", "add_step_args",
+           "timed_steps", "train_timed", "peak_rss", "peak_rss_bytes", "reset_peak_rss", "by_group",
+           "ledger_text", "summarize", "combine", "rounds", "speed_text", "err", "machine", "table", "table_row",
+           "reproduce"]
+
+
+# -- ranks -------------------------------------------------------------------------------------
+
+def threads_per_rank(ranks: int) -> int:
+    """What shardlm.launch.spawn gives each rank: the cores split evenly, at least one."""
+    return max(1, cpu_cores() // ranks)
+
+
+def prepare(cfg, ranks: int, mmap_threshold: str = MMAP_THRESHOLD) -> int:
+    """Before any rank starts: MALLOC_MMAP_THRESHOLD_ (unless set), the dataset (tokenizer and
+    token stream, cached for the ranks) and the CPU's matmul peak (build_run looks it up for MFU,
+    probing with 3 matrices of 16 MiB on a cache miss) made here at the ranks' thread count.
+    Returns that thread count."""
+    from shardlm.data import build_dataset
+    from shardlm.train.telemetry import peak_flops
+
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", mmap_threshold)
+    build_dataset(cfg.data, cfg.model.vocab_size)
+    threads = threads_per_rank(ranks)
+    torch.set_num_threads(threads)
+    peak_flops(torch.device("cpu"), "fp32")
+    return threads
+
+
+def start_ranks(fn: Callable, ranks: int, tmp: str | Path, *args, timeout: float = 3600) -> list:
+    """`fn(rank, ranks, *args)` on `ranks` fresh processes (run_ranks: gloo, file rendezvous in a
+    new directory under `tmp`); their results by rank."""
+    return run_ranks(fn, ranks, Path(tempfile.mkdtemp(dir=tmp)), *args, timeout=timeout)
+
+
+def run_overrides(run_dir: str | Path, sets: list[str] = ()) -> dict:
+    """The overrides every measured shardlm run shares (fp32 on the CPU, no progress bar, no eval,
+    no samples), then the user's --set KEY=VALUE ones, which win."""
+    return {"precision.compute": "fp32", "run.device": "cpu", "run.dir": str(run_dir),
+            "run.progress": "off", "train.eval_every": 0, "train.sample_tokens": 0,
+            **typed_overrides(dict(kv.split("=", 1) for kv in sets))}
+
+
+def add_step_args(parser, steps: int, warmup: int, repeat: int | None = None) -> None:
+    """--steps, --warmup, --set (and --repeat where given) as every bench spells them."""
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps per case")
+    if repeat is not None:
+        parser.add_argument("--repeat", type=int, default=repeat,
+                            help="rounds over the case list (interleaved; median tokens/s and range)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every case (repeatable), e.g. model.d_model=512")
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+def timed_steps(step_fn: Callable[[int], float], warmup: int, steps: int, after=None) -> dict:
+    """Losses of every step; wall and process CPU seconds (all threads) of each timed step;
+    `after(step, seconds)`, if given, runs after each step, outside the timing."""
+    losses, seconds, cpu = [], [], []
+    for step in range(warmup + steps):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        losses.append(step_fn(step))
+        wall, used = time.perf_counter() - start, time.process_time() - start_cpu
+        if step >= warmup:
+            seconds.append(wall)
+            cpu.append(used)
+        if after is not None:
+            after(step, wall)
+    return {"losses": losses, "seconds": seconds, "cpu": cpu}
+
+
+def train_timed(run, warmup: int, steps: int, after=None) -> dict:
+    """timed_steps over shardlm's train_step, with each timed step's byte ledger (reset before
+    the step, so setup's collectives are not a step's); `after(step, seconds, result)`."""
+    from shardlm.train.loop import train_step
+
+    ledgers, results = [], []
+
+    def step(s: int) -> float:
+        run.strategy.ledger.reset()
+        results.append(train_step(run, s))
+        return results[-1].loss
+
+    def read(s: int, seconds: float) -> None:
+        ledgers.append(run.strategy.ledger.snapshot())
+        if after is not None:
+            after(s, seconds, results[-1])
+
+    return {**timed_steps(step, warmup, steps, read), "ledgers": ledgers[warmup:]}
+
+
+# -- memory and ledgers ------------------------------------------------------------------------
+
+def peak_rss() -> int:
+    """This process's RSS high-water mark (VmHWM; it follows reset_peak_rss), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+    except OSError:
+        return peak_rss_bytes()
+
+
+def by_group(ledger: dict[str, int]) -> dict[str, int]:
+    """A ledger ('op/group' -> bytes) summed by group."""
+    groups: dict[str, int] = defaultdict(int)
+    for key, nbytes in ledger.items():
+        groups[key.split("/", 1)[1]] += nbytes
+    return dict(groups)
+
+
+def ledger_text(ledger: dict | None, steady: bool = True) -> str:
+    """'group MiB, ...' of one step's ledger; '–' for a run without one (not shardlm)."""
+    if ledger is None:
+        return "– (not shardlm)"
+    text = ", ".join(f"{g} {b / MiB:,.2f}" for g, b in sorted(by_group(ledger).items())) or "0"
+    return text + ("" if steady else " (varies by step)")
+
+
+# -- summaries ---------------------------------------------------------------------------------
+
+def summarize(ranks: list[dict], tokens_per_step: int) -> dict:
+    """One case's ranks -> one result: the slowest rank's median step (tokens/s), the highest
+    rank's median CPU seconds and memory marks, rank 0's losses and last ledger."""
+    step_s = max(statistics.median(r["seconds"]) for r in ranks)
+    ledgers = ranks[0].get("ledgers") or []
+    out = {"tok_s": tokens_per_step / step_s, "step_s": step_s,
+           "first": ranks[0]["losses"][0], "last": ranks[0]["losses"][-1],
+           "ledger": ledgers[-1] if ledgers else None,
+           "ledger_steady": all(led == ledgers[-1] for led in ledgers)}
+    if "cpu" in ranks[0]:
+        out["cpu_s"] = max(statistics.median(r["cpu"]) for r in ranks)
+    for key in ("rss", "setup_rss"):
+        if key in ranks[0]:
+            out[key] = max(r[key] for r in ranks)
+    return out
+
+
+def combine(runs: list[dict]) -> dict:
+    """Repeats of one case: median tokens/s (and its range) and CPU seconds, the highest memory
+    marks; `repeatable` says whether losses and ledgers came out the same every time."""
+    first = runs[0]
+    speeds = sorted(r["tok_s"] for r in runs)
+    out = {**first, "tok_s": statistics.median(speeds), "tok_s_range": (speeds[0], speeds[-1]),
+           "repeatable": all((r["first"], r["last"], r["ledger"]) == (first["first"], first["last"],
+                                                                     first["ledger"]) for r in runs)}
+    if "cpu_s" in first:
+        out["cpu_s"] = statistics.median(r["cpu_s"] for r in runs)
+    for key in ("rss", "setup_rss"):
+        if key in first:
+            out[key] = max(r[key] for r in runs)
+    return out
+
+
+def rounds(keys: list, repeat: int, measure: Callable, label: Callable = str) -> dict[object, list]:
+    """measure(key) for every key, `repeat` rounds of the whole list (interleaved, so load from
+    other jobs hits every case alike); a progress line per run. {key: [result of each round]}."""
+    runs: dict[object, list] = defaultdict(list)
+    start = time.perf_counter()
+    for i in range(repeat):
+        for key in keys:
+            m = measure(key)
+            runs[key].append(m)
+            cpu = f", {m['cpu_s']:.2f} CPU s/step" if "cpu_s" in m else ""
+            print(f"round {i + 1} {label(key)}: {m['tok_s']:,.1f} tok/s{cpu}, loss {m['first']:.4f} -> "
+                  f"{m['last']:.4f}, load average {os.getloadavg()[0]:.1f}, "
+                  f"{time.perf_counter() - start:.0f} s so far", flush=True)
+    return runs
+
+
+def speed_text(m: dict, digits: int = 0) -> str:
+    """A combined result's tokens/s: 'median (low-high)' where the rounds differ."""
+    low, high = m.get("tok_s_range", (m["tok_s"], m["tok_s"]))
+    return f"{m['tok_s']:,.{digits}f}" + (f" ({low:,.{digits}f}-{high:,.{digits}f})" if high > low else "")
+
+
+def err(predicted: float, measured: float) -> str:
+    """A prediction beside its relative error against the measurement."""
+    return f"{predicted:,.0f} ({(predicted - measured) / measured:+.0%})"
+
+
+# -- the report --------------------------------------------------------------------------------
+
+def machine() -> str:
+    """The CPU model (lscpu), the cores this process may use, torch's version, the load."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        model = re.search(r"Model name:\s*(.+)", text).group(1).strip()
+    except (OSError, subprocess.SubprocessError, AttributeError):
+        model = "CPU model unknown (no lscpu)"
+    return (f"{model}, {cpu_cores()} cores, torch {torch.__version__}, "
+            f"load average {os.getloadavg()[0]:.1f} (other jobs may share the machine)")
+
+
+def table_row(cells) -> str:
+    """One markdown table line."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def table(header: tuple | list, rows: list) -> str:
+    """A markdown table: the header line, its rule, then the rows (sequences of cells)."""
+    return "\n".join([table_row(header), "|" + "---|" * len(header), *map(table_row, rows)])
+
+
+def reproduce() -> str:
+    """The exact command that ran this bench (from the repository root)."""
+    return f"Reproduce: PYTHONPATH=src python {shlex.join(sys.argv)}"
