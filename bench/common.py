@@ -54,15 +54,16 @@ def threads_per_rank(ranks: int) -> int:
     return max(1, cpu_cores() // ranks)
 
 
-def prepare(cfg, ranks: int, mmap_threshold: str = MMAP_THRESHOLD) -> int:
-    """Before any rank starts: MALLOC_MMAP_THRESHOLD_ (unless set), the dataset (tokenizer and
+def prepare(cfg, ranks: int, mmap_threshold: str | None = MMAP_THRESHOLD) -> int:
+    """Before any rank starts: MALLOC_MMAP_THRESHOLD_ (unless set; None: leave it), the dataset (tokenizer and
     token stream, cached for the ranks) and the CPU's matmul peak (build_run looks it up for MFU,
     probing with 3 matrices of 16 MiB on a cache miss) made here at the ranks' thread count.
     Returns that thread count."""
     from shardlm.data import build_dataset
     from shardlm.train.telemetry import peak_flops
 
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", mmap_threshold)
+    if mmap_threshold is not None:
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", mmap_threshold)
     build_dataset(cfg.data, cfg.model.vocab_size)
     threads = threads_per_rank(ranks)
     torch.set_num_threads(threads)
