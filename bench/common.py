@@ -54,7 +54,7 @@ def threads_per_rank(ranks: int) -> int:
     return max(1, cpu_cores() // ranks)
 
 
-def prepare(cfg, ranks: int, mmap_threshold: str | None = MMAP_THRESHOLD) -> int:
+def prepare(cfg, ranks: int, mmap_threshold: str | None = MMAP_THRESHOLD, precision: str = "fp32") -> int:
     """Before any rank starts: MALLOC_MMAP_THRESHOLD_ (unless set; None: leave it), the dataset (tokenizer and
     token stream, cached for the ranks) and the CPU's matmul peak (build_run looks it up for MFU,
     probing with 3 matrices of 16 MiB on a cache miss) made here at the ranks' thread count.
@@ -67,7 +67,7 @@ def prepare(cfg, ranks: int, mmap_threshold: str | None = MMAP_THRESHOLD) -> int
     build_dataset(cfg.data, cfg.model.vocab_size)
     threads = threads_per_rank(ranks)
     torch.set_num_threads(threads)
-    peak_flops(torch.device("cpu"), "fp32")
+    peak_flops(torch.device("cpu"), precision)
     return threads
 
 
