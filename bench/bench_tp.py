@@ -52,15 +52,13 @@ import os
 import tempfile
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import (MiB, add_step_args, by_group, combine, err, ledger_text, machine, peak_rss_bytes, prepare,
-                    reproduce, rounds, run_overrides, speed_text, start_ranks, summarize, table, timed_steps,
-                    train_timed)
+from common import (MiB, add_step_args, by_group, combine, err, ledger_text, machine, mean_loss, peak_rss_bytes,
+                    prepare, reference_setup, reproduce, rounds, run_overrides, speed_text, start_ranks, summarize,
+                    table, timed_steps, train_timed)
 from shardlm.config import load_config
-from shardlm.data import Loader, build_dataset
-from shardlm.models import build_model, count_params
+from shardlm.models import count_params
 from shardlm.train.loop import build_run
 from shardlm.zero.optim import lr_at, param_groups, set_lr
 
@@ -185,13 +183,8 @@ def torch_rank(rank: int, world: int, overrides: dict, sequence_parallel: bool, 
                steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    cfg = load_config(overrides=overrides).validate()
+    cfg, loader, model = reference_setup(overrides, 0, 1)  # every tensor-parallel rank sees the whole batch
     t = cfg.train
-    torch.manual_seed(t.seed)
-    dataset = build_dataset(cfg.data, cfg.model.vocab_size)
-    loader = Loader(dataset.train, t.seq_len, t.micro_batch, grad_accum=1, seed=t.seed,
-                    dp_rank=0, dp_size=1)  # every tensor-parallel rank sees the whole batch
-    model = build_model(cfg.model, "cpu", seed=t.seed)
     apply_torch_tp(model, init_device_mesh("cpu", (world,)), sequence_parallel)
     optimizer = torch.optim.AdamW(split_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                   eps=t.eps, fused=True)
@@ -206,9 +199,7 @@ def torch_rank(rank: int, world: int, overrides: dict, sequence_parallel: bool, 
         clip_grad_norm(model, t.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        total = loss.detach() / world  # the same on both ranks; one scalar all-reduce as shardlm's
-        dist.all_reduce(total)
-        return float(total)
+        return mean_loss(loss, world)  # the same on both ranks
 
     return {**timed_steps(step, warmup, steps), "setup_rss": setup_rss, "rss": peak_rss_bytes()}
 

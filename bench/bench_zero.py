@@ -45,14 +45,13 @@ import os
 import tempfile
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import (MiB, add_step_args, machine, prepare, reproduce, run_overrides, start_ranks, summarize,
-                    table, table_row, timed_steps, train_timed, peak_rss_bytes)
+from common import (MiB, add_step_args, machine, mean_loss, peak_rss_bytes, prepare, reference_setup, reproduce,
+                    run_overrides, start_ranks, summarize, table, table_row, timed_steps, train_timed)
 from shardlm.config import load_config
-from shardlm.data import Loader, build_dataset
-from shardlm.models import build_model, count_params
+from shardlm.data import Loader
+from shardlm.models import count_params
 from shardlm.train.loop import build_run
 from shardlm.zero.optim import lr_at, param_groups, set_lr
 
@@ -119,9 +118,7 @@ def torch_step(forward, model, optimizer, loader: Loader, cfg, step: int, held: 
     optimizer.step()
     held["state"] = torch_state_bytes(model, optimizer)
     optimizer.zero_grad(set_to_none=True)
-    total = loss.detach() / WORLD
-    dist.all_reduce(total)
-    return float(total)
+    return mean_loss(loss, WORLD)
 
 
 def local_bytes(tensors) -> int:
@@ -140,13 +137,7 @@ def torch_state_bytes(model, optimizer) -> int:
 
 def torch_rank(rank: int, world: int, overrides: dict, reference: str, warmup: int,
                steps: int) -> dict:
-    cfg = load_config(overrides=overrides).validate()
-    t = cfg.train
-    torch.manual_seed(t.seed)
-    dataset = build_dataset(cfg.data, cfg.model.vocab_size)
-    loader = Loader(dataset.train, t.seq_len, t.micro_batch, grad_accum=1, seed=t.seed,
-                    dp_rank=rank, dp_size=world)
-    model = build_model(cfg.model, "cpu", seed=t.seed)
+    cfg, loader, model = reference_setup(overrides, rank, world)
     forward, optimizer = wrap_torch(model, reference, cfg)
     setup_rss, held = peak_rss_bytes(), {}
     out = timed_steps(lambda s: torch_step(forward, model, optimizer, loader, cfg, s, held), warmup, steps)

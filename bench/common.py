@@ -42,6 +42,7 @@ from shardlm.train.telemetry import peak_rss_bytes, reset_peak_rss
 MiB, GiB = 2**20, 2**30
 MMAP_THRESHOLD = "65536"
 __all__ = ["MiB", "GiB", "threads_per_rank", "prepare", "start_ranks", "run_overrides", "add_step_args",
+           "reference_setup", "mean_loss",
            "timed_steps", "train_timed", "peak_rss", "peak_rss_bytes", "reset_peak_rss", "by_group",
            "ledger_text", "summarize", "combine", "rounds", "speed_text", "err", "machine", "table", "table_row",
            "reproduce"]
@@ -94,6 +95,33 @@ def add_step_args(parser, steps: int, warmup: int, repeat: int | None = None) ->
                             help="rounds over the case list (interleaved; median tokens/s and range)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every case (repeatable), e.g. model.d_model=512")
+
+
+def reference_setup(overrides: dict, dp_rank: int, dp_size: int):
+    """A torch reference side's start, as shardlm's run starts: (the validated config, shardlm's
+    Loader over this data-parallel rank's slice of each global batch, the same model built
+    whole from the same seed)."""
+    from shardlm.config import load_config
+    from shardlm.data import Loader, build_dataset
+    from shardlm.models import build_model
+
+    cfg = load_config(overrides=overrides).validate()
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    dataset = build_dataset(cfg.data, cfg.model.vocab_size)
+    loader = Loader(dataset.train, t.seq_len, t.micro_batch, grad_accum=t.grad_accum, seed=t.seed,
+                    dp_rank=dp_rank, dp_size=dp_size)
+    return cfg, loader, build_model(cfg.model, "cpu", seed=t.seed)
+
+
+def mean_loss(loss, world: int) -> float:
+    """A reference step's loss averaged over the ranks for the report, as shardlm's train_step does
+    (one scalar all-reduce on both sides)."""
+    import torch.distributed as dist
+
+    total = loss.detach().reshape(1) / world
+    dist.all_reduce(total)
+    return float(total[0])
 
 
 # -- timing ------------------------------------------------------------------------------------

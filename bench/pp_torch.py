@@ -9,11 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from common import peak_rss, peak_rss_bytes, reset_peak_rss, timed_steps
-from shardlm.config import load_config
+from common import peak_rss, peak_rss_bytes, reference_setup, reset_peak_rss, timed_steps
 from shardlm.config.pipeline_tables import V_SHAPED
-from shardlm.data import Loader, build_dataset
-from shardlm.models import build_model
 from shardlm.models.flops import pipeline_split
 from shardlm.zero.optim import lr_at, param_groups, set_lr
 
@@ -61,20 +58,16 @@ def torch_rank(rank: int, world: int, overrides: dict, spec: tuple, warmup: int,
     schedule_name, pp, virtual = spec
     if pp != world:
         raise ValueError("torch's cases here are pure pipelines (pp = ranks)")
-    cfg = load_config(overrides=overrides).validate()
+    # the same micro-batches as shardlm's pipeline; the model whole on every rank
+    cfg, loader, model = reference_setup(overrides, 0, 1)
     if cfg.model.tie_embeddings:
         raise ValueError("torch's stages would train two copies of a tied embedding: untie it")
     t = cfg.train
-    torch.manual_seed(t.seed)
-    dataset = build_dataset(cfg.data, cfg.model.vocab_size)
     micro = t.grad_accum  # micro-batches per step
-    loader = Loader(dataset.train, t.seq_len, t.micro_batch, grad_accum=micro, seed=t.seed,
-                    dp_rank=0, dp_size=1)  # the same micro-batches as shardlm's pipeline
     n_stages = pp * virtual
     v_shaped = schedule_name in V_SHAPED  # rank r holds stages r and 2pp-1-r (both libraries)
     split = pipeline_split(cfg.model, t.seq_len, n_stages, cfg.parallel.pp_layers, virtual, "v" if v_shaped else "loop")
     bounds = [sum(split[:g]) for g in range(n_stages + 1)]
-    model = build_model(cfg.model, "cpu", seed=t.seed)  # whole, on every rank
     ids = [rank, n_stages - 1 - rank] if v_shaped else list(range(rank, n_stages, pp))  # else s on rank s mod pp
     modules = [TorchStage(model, range(bounds[s], bounds[s + 1]), s == 0, s == n_stages - 1) for s in ids]
     del model  # the other stages' blocks are freed with it
