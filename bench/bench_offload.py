@@ -101,8 +101,7 @@ def main() -> None:
         "train.steps": args.steps, "train.warmup_steps": 100,
         # GPT-3's peak lr for 2.7B (Brown et al. 2020, table 2.1) and a warmup: a full-size
         # first Adam step (sign descent on every weight) throws a model this wide off.
-        "train.lr": 1.6e-4, **run_overrides(root / "runs"), "precision.compute": "bf16",
-        "parallel.zero_stage": 1, "zero.offload_optimizer": "nvme", "zero.nvme_path": str(root / "nvme")}).validate()
+        "train.lr": 1.6e-4, **run_overrides(root / "runs", precision="bf16"), "parallel.zero_stage": 1, "zero.offload_optimizer": "nvme", "zero.nvme_path": str(root / "nvme")}).validate()
     psi = count_params(cfg.model)
     print(f"{machine()}; {args.preset}: {psi / 1e9:.2f}B parameters; full model states 16 x Ψ = "
           f"{16 * psi / GiB:.1f} GiB = {16 * psi / ram:.2f} x this machine's RAM ({ram / GiB:.1f} GiB)",

@@ -78,10 +78,10 @@ def start_ranks(fn: Callable, ranks: int, tmp: str | Path, *args, timeout: float
     return run_ranks(fn, ranks, Path(tempfile.mkdtemp(dir=tmp)), *args, timeout=timeout)
 
 
-def run_overrides(run_dir: str | Path, sets: list[str] = ()) -> dict:
-    """The overrides every measured shardlm run shares (fp32 on the CPU, no progress bar, no eval,
-    no samples), then the user's --set KEY=VALUE ones, which win."""
-    return {"precision.compute": "fp32", "run.device": "cpu", "run.dir": str(run_dir),
+def run_overrides(run_dir: str | Path, sets: list[str] = (), precision: str = "fp32") -> dict:
+    """The overrides every measured shardlm run shares (on the CPU, no progress bar, no eval, no
+    samples), then the user's --set KEY=VALUE ones, which win."""
+    return {"precision.compute": precision, "run.device": "cpu", "run.dir": str(run_dir),
             "run.progress": "off", "train.eval_every": 0, "train.sample_tokens": 0,
             **typed_overrides(dict(kv.split("=", 1) for kv in sets))}
 
