@@ -14,7 +14,7 @@ Rules every figure here follows:
 - Ranks run max(1, cores // ranks) threads each (shardlm.launch.spawn does it); the parent probes
   the matmul peak and builds the dataset once at that thread count, so no rank's RSS holds them.
 - Ranks wait for each other every step: a step takes the slowest rank's median; memory is the
-  highest rank's. Repeats run in interleaved rounds (case A, B, C, A, B, C, ...) so that load
+  highest rank's. Repeats run in interleaved rounds (A B C, B C A, ...) so that load
   from other jobs on a shared machine hits every case alike; tokens/s is their median (range).
 """
 
@@ -224,20 +224,26 @@ def combine(runs: list[dict]) -> dict:
     return out
 
 
-def rounds(keys: list, repeat: int, measure: Callable, label: Callable = str) -> dict[object, list]:
-    """measure(key) for every key, `repeat` rounds of the whole list (interleaved, so load from
-    other jobs hits every case alike); a progress line per run. {key: [result of each round]}."""
+def rounds(keys: list, repeat: int, measure: Callable, label: Callable = str,
+           note: Callable | None = None) -> dict[object, list]:
+    """measure(key) for every key, `repeat` rounds of the whole list, each round starting one case
+    further on (A B C, B C A, ...): load from other jobs comes and goes, and so hits every case
+    alike. A progress line per run (`note(result)`, default its speed and losses).
+    {key: [result of each round]}."""
     runs: dict[object, list] = defaultdict(list)
     start = time.perf_counter()
     for i in range(repeat):
-        for key in keys:
+        for key in keys[i % len(keys):] + keys[:i % len(keys)]:
             m = measure(key)
             runs[key].append(m)
-            cpu = f", {m['cpu_s']:.2f} CPU s/step" if "cpu_s" in m else ""
-            print(f"round {i + 1} {label(key)}: {m['tok_s']:,.1f} tok/s{cpu}, loss {m['first']:.4f} -> "
-                  f"{m['last']:.4f}, load average {os.getloadavg()[0]:.1f}, "
-                  f"{time.perf_counter() - start:.0f} s so far", flush=True)
+            print(f"round {i + 1} {label(key)}: {(note or step_note)(m)}, load average "
+                  f"{os.getloadavg()[0]:.1f}, {time.perf_counter() - start:.0f} s so far", flush=True)
     return runs
+
+
+def step_note(m: dict) -> str:
+    cpu = f", {m['cpu_s']:.2f} CPU s/step" if "cpu_s" in m else ""
+    return f"{m['tok_s']:,.1f} tok/s{cpu}, loss {m['first']:.4f} -> {m['last']:.4f}"
 
 
 def speed_text(m: dict, digits: int = 0) -> str:
