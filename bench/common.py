@@ -43,7 +43,7 @@ MiB, GiB = 2**20, 2**30
 MMAP_THRESHOLD = "65536"
 __all__ = ["MiB", "GiB", "threads_per_rank", "prepare", "start_ranks", "run_overrides", "add_step_args",
            "reference_setup", "mean_loss",
-           "timed_steps", "train_timed", "peak_rss", "peak_rss_bytes", "reset_peak_rss", "by_group",
+           "timed_steps", "train_timed", "proc_status", "peak_rss", "peak_rss_bytes", "reset_peak_rss", "by_group",
            "ledger_text", "summarize", "combine", "rounds", "speed_text", "err", "machine", "table", "table_row",
            "reproduce"]
 
@@ -164,11 +164,16 @@ def train_timed(run, warmup: int, steps: int, after=None) -> dict:
 
 # -- memory and ledgers ------------------------------------------------------------------------
 
+def proc_status(field: str) -> int:
+    """One memory line of /proc/self/status (VmRSS, VmHWM, RssAnon, ...) in bytes (Linux)."""
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
 def peak_rss() -> int:
     """This process's RSS high-water mark (VmHWM; it follows reset_peak_rss), else ru_maxrss."""
     try:
-        with open("/proc/self/status") as f:
-            return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+        return proc_status("VmHWM")
     except OSError:
         return peak_rss_bytes()
 
