@@ -46,7 +46,6 @@ Reproduce:  PYTHONPATH=src SHARDLM_CACHE=/tmp/shc python bench/bench_checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import shutil
@@ -58,7 +57,7 @@ from pathlib import Path
 import torch
 
 from checkpoint_io import MB, OtherCpu, Probe, cpu_seconds, disk_limits, drop_cache, save_phases
-from common import MiB, machine, peak_rss_bytes, prepare, reproduce, run_overrides, start_ranks, table, table_row
+from common import MiB, bench_parser, machine, peak_rss_bytes, prepare, reproduce, run_overrides, start_ranks, table, table_row
 from shardlm.checkpoint.sharded import find_checkpoint
 from shardlm.config import load_config
 from shardlm.models import count_params
@@ -211,10 +210,7 @@ def phase_rows(stage: int, summary: dict) -> list[list]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt2-124m")
-    parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=128)
+    parser = bench_parser(__doc__, "gpt2-124m", 128, 1)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the baseline")
     parser.add_argument("--steps", type=int, default=4, help="timed steps without a save")
     parser.add_argument("--async-steps", type=int, default=12, help="most steps run during an async save")

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from common import GiB, machine, prepare, reproduce, run_overrides, start_ranks, table, timed_steps
+from common import GiB, bench_parser, machine, prepare, reproduce, run_overrides, start_ranks, table, timed_steps
 
 MMAP_THRESHOLD = "131072"
 
@@ -154,14 +154,11 @@ def formula(mode: str, r: dict) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="llama-1b")
+    parser = bench_parser(__doc__, "llama-1b", 128, 1)
     parser.add_argument("--modes", default="qlora,lora,peft",
                         help="comma-separated: full, lora, qlora, peft (transformers + peft, a plain "
                              "loop); MODE@N: that mode with ZeRO-3 over N spawned ranks (lora@2)")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--rank", type=int, default=16, help="lora.rank")
     parser.add_argument("--max-bytes", type=int, default=2_000_000, help="data.max_bytes")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -26,12 +26,11 @@ Reproduce:  PYTHONPATH=src python bench/bench_fp8.py                  (gpt-tiny,
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
 
-from common import machine, reproduce, table, table_row, timed_steps
+from common import bench_parser, machine, reproduce, table, table_row, timed_steps
 from shardlm.config import load_config
 from shardlm.launch.runtime import cpu_cores
 from shardlm.train.loop import build_run, evaluate, train_step
@@ -66,11 +65,8 @@ def mean_of(records: list[dict], key: str, role: str | None = None) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="gpt-tiny")
+    parser = bench_parser(__doc__, "gpt-tiny", 64, 8)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--block", type=int, default=32, help="blockwise tile width")
     parser.add_argument("--recipes", default=",".join(RECIPES))

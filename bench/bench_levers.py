@@ -34,7 +34,6 @@ Reproduce:  PYTHONPATH=src python bench/bench_levers.py                      (gp
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -44,7 +43,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import machine, reproduce, rounds, table, table_row
+from common import bench_parser, machine, reproduce, rounds, table, table_row
 from shardlm.config import ModelConfig
 from shardlm.config.dims import ParallelDims
 from shardlm.hardware.catalog import parse_cluster
@@ -117,14 +116,11 @@ def predicted(preset: str, micro: int, seq: int, gpu: str) -> list[tuple[str, fl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="gpt-mini")
+    ap = bench_parser(__doc__, "gpt-mini", 256, 8)
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=3, help="steps left out of the median")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every lever, interleaved")
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--gpu", default="A100-80GB", help="the device of the planner's prediction")
     ap.add_argument("--only", default="", help="comma-separated lever names")
     args = ap.parse_args()

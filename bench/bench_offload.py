@@ -18,7 +18,6 @@ Needs ~12 bytes per parameter free under --dir (33 GB for gpt2-2.7b).
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -29,8 +28,10 @@ import threading
 import time
 from pathlib import Path
 
+from common import (MMAP_THRESHOLD, GiB, bench_parser, machine, peak_rss_bytes, reproduce, run_overrides, table,
+                    timed_steps)
+
 BLOCK = 64 << 20
-MMAP_THRESHOLD = "65536"  # as bench/common.py's (imported after the re-exec, not before)
 
 
 def measure_disk(directory: Path, nbytes: int, streams: int = 2) -> dict[str, float]:
@@ -71,11 +72,8 @@ def measure_disk(directory: Path, nbytes: int, streams: int = 2) -> dict[str, fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt2-2.7b")
+    parser = bench_parser(__doc__, "gpt2-2.7b", 128, 1)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--dir", default="runs/bench-offload", help="where the nvme tier's files go")
     parser.add_argument("--disk-probe-gib", type=float, default=4.0)
     parser.add_argument("--json", default="", help="also write the results here")
@@ -84,7 +82,6 @@ def main() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv],
                   {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})
 
-    from common import GiB, machine, peak_rss_bytes, reproduce, run_overrides, table, timed_steps
     from shardlm.config import load_config
     from shardlm.models import count_params
     from shardlm.train.loop import build_run, train_step

@@ -88,7 +88,7 @@ import os
 import statistics
 import tempfile
 
-from common import (MiB, add_step_args, combine, err, ledger_text, machine, peak_rss, peak_rss_bytes, prepare,
+from common import (MiB, add_step_args, bench_parser, combine, err, ledger_text, machine, peak_rss, peak_rss_bytes, prepare,
                     reproduce, reset_peak_rss, rounds, run_overrides, speed_text, start_ranks, summarize, table,
                     train_timed)
 from pp_torch import torch_rank
@@ -280,11 +280,8 @@ def measure(args, key: str, tmp: str, tokens_per_step: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt2-124m")
+    parser = bench_parser(__doc__, "gpt2-124m", 128, 2, micro_help="sequences per pipeline micro-batch")
     parser.add_argument("--global-batch", type=int, default=8, help="sequences per step, every case")
-    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per pipeline micro-batch")
-    parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--four", action=argparse.BooleanOptionalAction, default=True,
                         help="the 4-rank cases (pp=4, pp=2 x dp=2, torch pp=4)")
     parser.add_argument("--cases", default="", help=f"comma-separated, from: {', '.join(CASES)} "

@@ -67,7 +67,6 @@ import torch  # noqa: E402
 
 _TORCH_RSS = _status()["VmRSS"]
 
-import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
@@ -79,7 +78,7 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from common import GiB, MiB, machine, prepare, reproduce, reset_peak_rss, start_ranks, table  # noqa: E402
+from common import GiB, MiB, bench_parser, machine, prepare, reproduce, reset_peak_rss, start_ranks, table  # noqa: E402
 from shardlm.launch.allocator import DEFAULT_THRESHOLD  # noqa: E402
 
 WORLD = 2
@@ -286,11 +285,8 @@ def gib(n: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt2-774m")
+    parser = bench_parser(__doc__, "gpt2-774m", 128, 1)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--max-bytes", type=int, default=2_000_000, help="data.max_bytes")
     parser.add_argument("--chunk-mb", type=int, default=64, help="zero.nvme_chunk_mb (config default 64)")
     parser.add_argument("--buffers", type=int, default=4, help="zero.nvme_buffers (config default 4)")

@@ -46,7 +46,6 @@ Reproduce:  PYTHONPATH=src python bench/bench_tp.py --repeat 2          (gpt2-12
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import tempfile
@@ -54,7 +53,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-from common import (MiB, add_step_args, by_group, combine, err, ledger_text, machine, mean_loss, peak_rss_bytes,
+from common import (MiB, add_step_args, bench_parser, by_group, combine, err, ledger_text, machine, mean_loss, peak_rss_bytes,
                     prepare, reference_setup, reproduce, rounds, run_overrides, speed_text, start_ranks, summarize,
                     table, timed_steps, train_timed)
 from shardlm.config import load_config
@@ -258,10 +257,8 @@ def measure(args, case: tuple, tmp: str, tokens_per_step: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt2-124m")
+    parser = bench_parser(__doc__, "gpt2-124m", 128)
     parser.add_argument("--global-batch", type=int, default=4, help="sequences per step, every case")
-    parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--cases", default=",".join(KEYS), help=f"comma-separated: {', '.join(KEYS)}")
     add_step_args(parser, steps=4, warmup=2, repeat=1)
     args = parser.parse_args()

@@ -40,14 +40,13 @@ Reproduce:  PYTHONPATH=src python bench/bench_zero.py                       (gpt
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 
 import torch
 import torch.nn.functional as F
 
-from common import (MiB, add_step_args, machine, mean_loss, peak_rss_bytes, prepare, reference_setup, reproduce,
+from common import (MiB, add_step_args, bench_parser, machine, mean_loss, peak_rss_bytes, prepare, reference_setup, reproduce,
                     run_overrides, start_ranks, summarize, table, table_row, timed_steps, train_timed)
 from shardlm.config import load_config
 from shardlm.data import Loader
@@ -160,10 +159,7 @@ def row(case: str, reference: str, ref: dict, ours: dict, ddp_first: float) -> l
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt2-124m")
-    parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=128)
+    parser = bench_parser(__doc__, "gpt2-124m", 128, 2)
     parser.add_argument("--stages", default="0,1,2,2f,3",
                         help="cases to run (0, 1, 2, 2f, 3: see the docstring)")
     add_step_args(parser, steps=5, warmup=2)

@@ -20,6 +20,7 @@ Rules every figure here follows:
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shlex
@@ -41,7 +42,7 @@ from shardlm.train.telemetry import peak_rss_bytes, reset_peak_rss
 
 MiB, GiB = 2**20, 2**30
 MMAP_THRESHOLD = "65536"
-__all__ = ["MiB", "GiB", "threads_per_rank", "prepare", "start_ranks", "run_overrides", "add_step_args",
+__all__ = ["MiB", "GiB", "threads_per_rank", "prepare", "start_ranks", "run_overrides", "bench_parser", "add_step_args",
            "reference_setup", "mean_loss",
            "timed_steps", "train_timed", "proc_status", "peak_rss", "peak_rss_bytes", "reset_peak_rss", "by_group",
            "ledger_text", "summarize", "combine", "rounds", "speed_text", "err", "machine", "table", "table_row",
@@ -84,6 +85,18 @@ def run_overrides(run_dir: str | Path, sets: list[str] = (), precision: str = "f
     return {"precision.compute": precision, "run.device": "cpu", "run.dir": str(run_dir),
             "run.progress": "off", "train.eval_every": 0, "train.sample_tokens": 0,
             **typed_overrides(dict(kv.split("=", 1) for kv in sets))}
+
+
+def bench_parser(doc: str, preset: str, seq: int, micro_batch: int | None = None,
+                 micro_help: str = "sequences per rank per micro-batch") -> argparse.ArgumentParser:
+    """The argument parser every bench starts from: its docstring as --help, --preset, --seq and
+    (where given) --micro-batch with this bench's defaults."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default=preset, help="the model (shardlm.config.presets)")
+    parser.add_argument("--seq", type=int, default=seq, help="tokens per sequence (train.seq_len)")
+    if micro_batch is not None:
+        parser.add_argument("--micro-batch", type=int, default=micro_batch, help=micro_help)
+    return parser
 
 
 def add_step_args(parser, steps: int, warmup: int, repeat: int | None = None) -> None:
