@@ -1,7 +1,7 @@
 """The bench toolkit: one way to start ranks, time steps, read memory and ledgers, and print a
 table. Every bench script imports it (`python bench/x.py` puts bench/ on sys.path first).
 
-A bench script is: argparse (add_step_args) -> prepare() once in the parent -> for each case a
+A bench script is: bench_parser + add_step_args -> prepare() once in the parent -> for each case a
 `measure(case)` that runs a module-level rank function through start_ranks and returns
 summarize(ranks, tokens) -> rounds() over the cases -> table() of combine()d results ->
 machine() and reproduce(). The rank function builds its run, then calls timed_steps (or
@@ -42,11 +42,6 @@ from shardlm.train.telemetry import peak_rss_bytes, reset_peak_rss
 
 MiB, GiB = 2**20, 2**30
 MMAP_THRESHOLD = "65536"
-__all__ = ["MiB", "GiB", "threads_per_rank", "prepare", "start_ranks", "run_overrides", "bench_parser", "add_step_args",
-           "reference_setup", "mean_loss",
-           "timed_steps", "train_timed", "proc_status", "peak_rss", "peak_rss_bytes", "reset_peak_rss", "by_group",
-           "ledger_text", "summarize", "combine", "rounds", "speed_text", "err", "machine", "table", "table_row",
-           "reproduce"]
 
 
 # -- ranks -------------------------------------------------------------------------------------
@@ -57,10 +52,10 @@ def threads_per_rank(ranks: int) -> int:
 
 
 def prepare(cfg, ranks: int, mmap_threshold: str | None = MMAP_THRESHOLD, precision: str = "fp32") -> int:
-    """Before any rank starts: MALLOC_MMAP_THRESHOLD_ (unless set; None: leave it), the dataset (tokenizer and
-    token stream, cached for the ranks) and the CPU's matmul peak (build_run looks it up for MFU,
-    probing with 3 matrices of 16 MiB on a cache miss) made here at the ranks' thread count.
-    Returns that thread count."""
+    """Before any rank starts: MALLOC_MMAP_THRESHOLD_ (unless set; None: leave it), the dataset
+    (tokenizer and token stream, cached for the ranks) and the CPU's matmul peak (build_run looks
+    it up for MFU, probing with 3 matrices of 16 MiB on a cache miss) made here at the ranks'
+    thread count. Returns that thread count."""
     from shardlm.data import build_dataset
     from shardlm.train.telemetry import peak_flops
 
