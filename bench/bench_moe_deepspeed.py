@@ -390,8 +390,8 @@ def main() -> None:
                      "f": f, "mlp": args.mlp, "capacity": args.capacity, "aux_coef": args.aux_coef,
                      "skew": args.skew, "warmup": args.warmup, "steps": args.steps,
                      "threads": args.threads, "seed": args.seed}
-            runs = rounds(keys, args.repeat, lambda k: measure(k, shape, tmp),
-                          label=lambda k: f"{n} tokens/rank, {case_label(k, args)}",
+            runs = rounds(keys, args.repeat, lambda k, shape=shape: measure(k, shape, tmp),
+                          label=lambda k, n=n: f"{n} tokens/rank, {case_label(k, args)}",
                           note=lambda m: f"{m['step'] * 1e3:.1f} ms/step, {m['cpu'] * 1e3:.1f} CPU ms/step")
             for k in keys:
                 m = runs[k][0]  # the rest is the same in every run (same tokens, same routing)

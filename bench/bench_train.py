@@ -108,9 +108,9 @@ def bench_case(preset: str, precision: str, steps: int, rounds: int, warmup: int
     first = {"plain": plain_step(plain, plain_opt, batches[0], autocast), "shardlm": train_step(run, 0)[0]}
     for r in range(rounds):
         span = range(r * (steps + warmup), (r + 1) * (steps + warmup))
-        times["plain"] += timed_steps(lambda i: plain_step(plain, plain_opt, batches[span[i]], autocast),
+        times["plain"] += timed_steps(lambda i, span=span: plain_step(plain, plain_opt, batches[span[i]], autocast),
                                       warmup, steps)["seconds"]
-        times["shardlm"] += timed_steps(lambda i: train_step(run, span[i]).loss, warmup, steps)["seconds"]
+        times["shardlm"] += timed_steps(lambda i, span=span: train_step(run, span[i]).loss, warmup, steps)["seconds"]
     tokens = micro_batch * seq_len
     flops = run.flops_per_token * tokens
     row = {"preset": preset, "params_M": count_params(m) / 1e6, "precision": precision,
