@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from common import MiB, machine, reproduce, table, timed_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from memory_ledger import decoder_peak_bytes  # noqa: E402
@@ -47,13 +48,8 @@ def document_positions(B: int, T: int, mean: int, seed: int = 1) -> torch.Tensor
 
 
 def timed(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    """Milliseconds: the median of `reps` calls after one untimed call."""
+    return statistics.median(timed_steps(lambda _: fn(), 1, reps)["seconds"]) * 1e3
 
 
 def kernels(T: int, mean: int, reps: int) -> dict[str, float]:
@@ -99,22 +95,18 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s); ms, median of {args.reps}\n")
+    print(f"{machine()}; {args.threads} thread(s); ms, median of {args.reps}\n")
     cases = [(512, 128), (2048, 128), (2048, 16)]
     results = {case: kernels(*case, args.reps) for case in cases}
-    names = list(results[cases[0]])
-    print("| kernel (B=4, H=8, D=64, fp32) | " + " | ".join(f"T={T}, docs ~{m}" for T, m in cases) + " |")
-    print("|---|" + "---|" * len(cases))
-    for name in names:
-        print(f"| {name} | " + " | ".join(f"{results[c][name]:.1f}" for c in cases) + " |")
-    print("\n| backend | s | measured peak MiB | formula MiB | formula / measured |")
-    print("|---|---|---|---|---|")
+    print(table(["kernel (B=4, H=8, D=64, fp32)", *(f"T={T}, docs ~{m}" for T, m in cases)],
+                [[name, *(f"{results[c][name]:.1f}" for c in cases)] for name in results[cases[0]]]))
+    rows = []
     for attention in ("sdpa", "math"):
         for s in (256, 1024):
             measured, predicted = peak_memory(attention, s)
-            print(f"| {attention} | {s} | {measured / 2**20:.2f} | {predicted / 2**20:.2f} | "
-                  f"{predicted / measured:.3f} |")
-
+            rows.append([attention, s, f"{measured / MiB:.2f}", f"{predicted / MiB:.2f}", f"{predicted / measured:.3f}"])
+    print("\n" + table(("backend", "s", "measured peak MiB", "formula MiB", "formula / measured"), rows))
+    print(f"\n{reproduce()}")
 
 if __name__ == "__main__":
     main()

@@ -36,7 +36,8 @@ import subprocess
 import sys
 import time
 
-GiB = 2**30
+from common import GiB, bench_parser, machine, prepare, reproduce, run_overrides, start_ranks, table, timed_steps
+
 MMAP_THRESHOLD = "131072"
 
 
@@ -50,11 +51,8 @@ def child(overrides: dict, steps: int) -> dict:
     start = time.perf_counter()
     run = build_run(load_config(overrides=overrides).validate())
     build_s, build_rss = time.perf_counter() - start, peak_rss_bytes()
-    losses, times = [], []
-    for step in range(steps):
-        t = time.perf_counter()
-        losses.append(train_step(run, step).loss)
-        times.append(time.perf_counter() - t)
+    timed = timed_steps(lambda step: train_step(run, step).loss, 0, steps)
+    losses, times = timed["losses"], timed["seconds"]
     tokens = run.cfg.train.micro_batch * run.cfg.train.seq_len * run.cfg.train.grad_accum
     quant = getattr(run.model, "quant", None)
     lora = getattr(run.model, "lora", None)
@@ -77,11 +75,8 @@ def rank_child(rank: int, world_size: int, overrides: dict, steps: int) -> dict:
 def ranks_child(overrides: dict, steps: int, ranks: int, directory: str) -> dict:
     """`child` on `ranks` ranks, ZeRO-3: the largest peak RSS of a rank, rank 0's ledger (every
     rank holds the same share), tokens/s of the whole group."""
-    from shardlm.launch.spawn import run_ranks
-
     os.makedirs(directory, exist_ok=True)
-    results = run_ranks(rank_child, ranks, directory, {**overrides, "parallel.zero_stage": 3}, steps,
-                        timeout=3600)
+    results = start_ranks(rank_child, ranks, directory, {**overrides, "parallel.zero_stage": 3}, steps)
     out = dict(results[0])
     out["peak_rss"] = max(r["peak_rss"] for r in results)
     out["build_rss"] = max(r["build_rss"] for r in results)
@@ -119,16 +114,17 @@ def peft_child(overrides: dict, steps: int, rank: int) -> dict:
     build_s, build_rss = time.perf_counter() - start, peak_rss_bytes()
     t = cfg.train
     ids = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    losses, times = [], []
-    for _ in range(steps):
-        begin = time.perf_counter()
+
+    def step(_: int) -> float:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-        times.append(time.perf_counter() - begin)
+        return float(loss)
+
+    timed = timed_steps(step, 0, steps)
+    losses, times = timed["losses"], timed["seconds"]
     tokens = t.micro_batch * t.seq_len
     return {"build_s": build_s, "build_rss": build_rss, "peak_rss": peak_rss_bytes(), "losses": losses,
             "step_s": times, "tokens_per_s": tokens * max(len(times) - 1, 1) / sum(times[1:] or times),
@@ -158,14 +154,11 @@ def formula(mode: str, r: dict) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="llama-1b")
+    parser = bench_parser(__doc__, "llama-1b", 128, 1)
     parser.add_argument("--modes", default="qlora,lora,peft",
                         help="comma-separated: full, lora, qlora, peft (transformers + peft, a plain "
                              "loop); MODE@N: that mode with ZeRO-3 over N spawned ranks (lora@2)")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--rank", type=int, default=16, help="lora.rank")
     parser.add_argument("--max-bytes", type=int, default=2_000_000, help="data.max_bytes")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -173,14 +166,12 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/bench-finetune")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from shardlm.config import load_config, typed_overrides
+    from shardlm.config import load_config
 
     overrides = {
         "model.preset": args.preset, "train.micro_batch": args.micro_batch, "train.seq_len": args.seq,
-        "train.steps": args.steps, "train.eval_every": 0, "train.sample_tokens": 0, "train.lr": 1e-4,
-        "data.max_bytes": args.max_bytes, "precision.compute": "bf16", "parallel.zero_stage": 1,
-        "run.dir": os.path.join(args.dir, "runs"), "run.progress": "off", "run.device": "cpu",
-        "checkpoint.every": 0, **typed_overrides(dict(kv.split("=", 1) for kv in args.set))}
+        "train.steps": args.steps, "train.lr": 1e-4, "data.max_bytes": args.max_bytes, "parallel.zero_stage": 1,
+        "checkpoint.every": 0, **run_overrides(os.path.join(args.dir, "runs"), args.set, precision="bf16")}
     modes = {"full": {}, "lora": {"lora.rank": args.rank},
              "qlora": {"lora.rank": args.rank, "lora.quantize": "nf4"}}
     if args.child == "peft":
@@ -192,15 +183,9 @@ def main() -> None:
                   else child({**overrides, **modes[mode]}, args.steps))
         print("RESULT " + json.dumps(result), flush=True)
         return
-    import torch
-
-    from shardlm.data import build_dataset
-    from shardlm.train.telemetry import peak_flops
-
     cfg = load_config(overrides=overrides).validate()
-    build_dataset(cfg.data, cfg.model.vocab_size)  # tokenizer + token stream, once, here
-    peak_flops(torch.device("cpu"), "bf16")  # build_run's MFU lookup, probed once, here
-    print(f"torch {torch.__version__}, {args.preset} {' '.join(args.set)}, bf16 compute, ZeRO stage 1 "
+    prepare(cfg, 1, mmap_threshold=None, precision="bf16")  # each child gets MMAP_THRESHOLD below
+    print(f"{machine()}; {args.preset} {' '.join(args.set)}, bf16 compute, ZeRO stage 1 "
           f"on one process, batch {args.micro_batch}x{args.seq}, {args.steps} steps, lora.rank "
           f"{args.rank}", flush=True)
     rows = []
@@ -220,12 +205,11 @@ def main() -> None:
               f"{r['tokens_per_s']:.1f} tokens/s (steps {[round(x, 2) for x in r['step_s']]} s), "
               f"build {r['build_s']:.0f} s, losses "
               f"{[round(x, 3) for x in r['losses']]}", flush=True)
-    print("\n| mode | trainable | formula GiB | ledger GiB | peak RSS GiB | tokens/s |\n|---|---|---|---|---|---|")
-    for mode, r in rows:
-        print(f"| {mode} | {r['trainable'] / 1e6:,.1f}M of {r['params'] / 1e6:,.1f}M | "
-              f"{formula(mode, r) / GiB:.2f} | {sum(r['ledger'].values()) / GiB:.2f} | "
-              f"{r['peak_rss'] / GiB:.2f} | {r['tokens_per_s']:.1f} |")
-
+    header = ("mode", "trainable", "formula GiB", "ledger GiB", "peak RSS GiB", "tokens/s")
+    print("\n" + table(header, [[mode, f"{r['trainable'] / 1e6:,.1f}M of {r['params'] / 1e6:,.1f}M",
+                                 f"{formula(mode, r) / GiB:.2f}", f"{sum(r['ledger'].values()) / GiB:.2f}",
+                                 f"{r['peak_rss'] / GiB:.2f}", f"{r['tokens_per_s']:.1f}"] for mode, r in rows]))
+    print(f"\n{reproduce()}")
 
 if __name__ == "__main__":
     main()

@@ -26,12 +26,11 @@ Reproduce:  PYTHONPATH=src python bench/bench_fp8.py                  (gpt-tiny,
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
-import time
 
+from common import bench_parser, machine, reproduce, table, table_row, timed_steps
 from shardlm.config import load_config
 from shardlm.launch.runtime import cpu_cores
 from shardlm.train.loop import build_run, evaluate, train_step
@@ -53,14 +52,12 @@ def overrides_for(args, compute: str, recipe: str, run_dir: str, seed: int = 0) 
 def run_case(args, compute: str, recipe: str = "", seed: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         run = build_run(load_config(overrides=overrides_for(args, compute, recipe, run_dir, seed)).validate())
-        losses, records, seconds = [], [], []
-        for step in range(args.steps):
-            start = time.perf_counter()
-            losses.append(train_step(run, step).loss)
-            seconds.append(time.perf_counter() - start)
-            records.append(dict(run.fp8_record))
+        records = []
+        timed = timed_steps(lambda step: train_step(run, step).loss, 1, args.steps - 1,
+                            lambda step, seconds: records.append(dict(run.fp8_record)))
         val = evaluate(run)["val_loss"]
-    return {"losses": losses, "records": records, "s_per_step": statistics.mean(seconds[1:]), "val": val}
+    return {"losses": timed["losses"], "records": records, "s_per_step": statistics.mean(timed["seconds"]),
+            "val": val}
 
 
 def mean_of(records: list[dict], key: str, role: str | None = None) -> float:
@@ -68,11 +65,8 @@ def mean_of(records: list[dict], key: str, role: str | None = None) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="gpt-tiny")
+    parser = bench_parser(__doc__, "gpt-tiny", 64, 8)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--block", type=int, default=32, help="blockwise tile width")
     parser.add_argument("--recipes", default=",".join(RECIPES))
@@ -84,17 +78,16 @@ def main() -> None:
     base = run_case(args, "bf16", seed=args.seed)
     base_tail = statistics.mean(base["losses"][-tail:])
 
-    def row(name: str, got: dict, counts: str = "— | —") -> str:
+    def row(name: str, got: dict, counts: tuple = ("—", "—")) -> str:
         mean = statistics.mean(got["losses"][-tail:])
         gap = max(abs(a - b) for a, b in zip(got["losses"], base["losses"]))
-        versus = "— | —" if got is base else f"{mean - base_tail:+.4f} | {gap:.3f}"
-        return f"| {name} | {mean:.4f} | {versus} | {got['val']:.4f} | {counts} | {got['s_per_step']:.3f} |"
+        versus = ("—", "—") if got is base else (f"{mean - base_tail:+.4f}", f"{gap:.3f}")
+        return table_row([name, f"{mean:.4f}", *versus, f"{got['val']:.4f}", *counts, f"{got['s_per_step']:.3f}"])
 
-    print(f"{args.preset}, seed {args.seed}, {args.steps} steps of {args.micro_batch} x {args.seq} "
+    print(f"{machine()}; {args.preset}, seed {args.seed}, {args.steps} steps of {args.micro_batch} x {args.seq} "
           f"tokens, lr {args.lr}; loss = mean of the last {tail} steps\n")
-    print("| case | loss | vs bf16 | max \\|diff\\| | val | overflow | underflow (input / weight / grad) "
-          "| s/step |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(table(("case", "loss", "vs bf16", "max \\|diff\\|", "val", "overflow",
+                 "underflow (input / weight / grad)", "s/step"), []))
     print(row("bf16", base))
     print(row("fp32", run_case(args, "fp32", seed=args.seed)), flush=True)
     for recipe in args.recipes.split(","):
@@ -103,8 +96,10 @@ def main() -> None:
         roles = " / ".join(f"{mean_of(recs, 'fp8_underflow_by_tensor', r):.2e}"
                            for r in ("input", "weight", "grad_output"))
         name = f"fp8 {recipe}" + (f" ({args.block}-wide tiles)" if recipe == "blockwise" else "")
-        counts = f"{mean_of(recs, 'fp8_overflow'):.2e} | {mean_of(recs, 'fp8_underflow'):.2e} ({roles})"
+        counts = (f"{mean_of(recs, 'fp8_overflow'):.2e}", f"{mean_of(recs, 'fp8_underflow'):.2e} ({roles})")
         print(row(name, got, counts), flush=True)
+    print(f"\n{reproduce()}")
+
 
 if __name__ == "__main__":
     main()

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from common import machine, reproduce, table, timed_steps
 from shardlm.config import load_config
 from shardlm.models.decoder import build_model, generate
 
@@ -36,20 +36,18 @@ def main() -> None:
                            generator=torch.Generator().manual_seed(0))
     outputs, rows = {}, []
     for use_cache in (False, True):
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
+        def run(_: int, use_cache=use_cache) -> None:
             outputs[use_cache] = generate(model, prompt, args.tokens, temperature=0, use_cache=use_cache)
-            times.append(time.perf_counter() - start)
+
+        times = timed_steps(run, 0, args.repeats)["seconds"]
         rows.append((use_cache, args.batch * args.tokens / statistics.median(times)))
     same = torch.equal(outputs[False], outputs[True])
-    print(f"{args.preset}, prompt {args.prompt_len}, {args.tokens} new tokens, batch {args.batch}, "
+    print(f"{machine()}; {args.preset}, prompt {args.prompt_len}, {args.tokens} new tokens, batch {args.batch}, "
           f"{torch.get_num_threads()} threads")
-    print("| mode | new tokens/s | greedy tokens = no-cache |")
-    print("|---|---|---|")
-    for use_cache, speed in rows:
-        print(f"| {'KV cache' if use_cache else 'recompute'} | {speed:,.0f} | {same if use_cache else '-'} |")
-
+    print(table(("mode", "new tokens/s", "greedy tokens = no-cache"),
+                [["KV cache" if use_cache else "recompute", f"{speed:,.0f}", same if use_cache else "-"]
+                 for use_cache, speed in rows]))
+    print(f"\n{reproduce()}")
 
 if __name__ == "__main__":
     main()

@@ -34,7 +34,6 @@ Reproduce:  PYTHONPATH=src python bench/bench_levers.py                      (gp
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -44,6 +43,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common import bench_parser, machine, reproduce, rounds, table, table_row
 from shardlm.config import ModelConfig
 from shardlm.config.dims import ParallelDims
 from shardlm.hardware.catalog import parse_cluster
@@ -72,6 +72,11 @@ def run_case(name: str, overrides: dict[str, str], common: dict[str, str], root:
         return {"error": (done.stderr or done.stdout).strip().splitlines()[-1]}
     log = root / run_name / "metrics.jsonl"
     return {"records": [json.loads(line) for line in log.read_text().splitlines()]}
+
+
+def run_lever(name: str, overrides: dict[str, str], common: dict[str, str], root: Path, skip: int) -> dict:
+    out = run_case(name, overrides, common, root)
+    return out if "error" in out else summarise(out["records"], skip)
 
 
 def summarise(records: list[dict], skip: int) -> dict:
@@ -111,14 +116,11 @@ def predicted(preset: str, micro: int, seq: int, gpu: str) -> list[tuple[str, fl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="gpt-mini")
+    ap = bench_parser(__doc__, "gpt-mini", 256, 8)
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=3, help="steps left out of the median")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every lever, interleaved")
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--gpu", default="A100-80GB", help="the device of the planner's prediction")
     ap.add_argument("--only", default="", help="comma-separated lever names")
     args = ap.parse_args()
@@ -134,41 +136,32 @@ def main() -> None:
                   "train.steps": str(args.steps), "train.micro_batch": str(args.micro_batch),
                   "train.seq_len": str(args.seq), "train.eval_every": "0", "train.sample_tokens": "0",
                   "run.dir": str(root), "run.progress": "off", "data.max_bytes": "2000000"}
-        # Rounds, each in a rotated order: a load that comes and goes on a shared machine hits
-        # every lever alike; each lever's figure is the median of its rounds.
-        rounds: dict[str, list[dict]] = {name: [] for name in levers}
-        names = list(levers)
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                print(f"... round {r + 1}: {name}", file=sys.stderr, flush=True)
-                out = run_case(name, levers[name], common, root)
-                rounds[name].append(out if "error" in out else summarise(out["records"], args.skip))
-        results = {name: combine(runs) for name, runs in rounds.items()}
+        # each lever's figure is the median of its rounds
+        runs = rounds(list(levers), args.rounds, lambda name: run_lever(name, levers[name], common, root, args.skip),
+                      note=lambda m: m.get("error") or f"{m['tokens_per_s']:,.0f} tok/s")
+        results = {name: combine(runs[name]) for name in levers}
 
     base = results["baseline"]
-    print(f"\n{args.preset}, {args.micro_batch} x {args.seq} tokens, {args.precision} baseline, one process, "
-          f"{os.cpu_count()} cores; median of steps {args.skip + 1}-{args.steps}, median of "
+    print(f"\n{machine()}; {args.preset}, {args.micro_batch} x {args.seq} tokens, {args.precision} baseline, "
+          f"one process; median of steps {args.skip + 1}-{args.steps}, median of "
           f"{args.rounds} interleaved rounds (min-max over rounds)")
-    print(f"| lever | tokens/s | rounds | x baseline | MFU | HFU | peak RSS MiB | loss at step {args.steps} | note |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    header = ("lever", "tokens/s", "rounds", "x baseline", "MFU", "HFU", "peak RSS MiB", f"loss at step {args.steps}",
+              "note")
+    print(table(header, []))
     for name, r in results.items():
         if "error" in r:
-            print(f"| {name} | – | – | – | – | – | – | – | refused: {r['error']} |")
+            print(table_row([name, "–", "–", "–", "–", "–", "–", "–", f"refused: {r['error']}"]))
             continue
         note = f"compile {r['compile_s']:.1f} s in step 1" if r["compile_s"] else ""
         lo, hi = r["spread"]
-        print(f"| {name} | {r['tokens_per_s']:,.0f} | {lo:,.0f}-{hi:,.0f} | "
-              f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | "
-              f"{r['mfu']:.1%} | {r['hfu']:.1%} | {r['peak_rss_mib']:,.0f} | {r['loss']:.4f} | {note} |")
+        print(table_row([name, f"{r['tokens_per_s']:,.0f}", f"{lo:,.0f}-{hi:,.0f}",
+                         f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}", f"{r['mfu']:.1%}", f"{r['hfu']:.1%}",
+                         f"{r['peak_rss_mib']:,.0f}", f"{r['loss']:.4f}", note]))
     print(f"\npredicted on 1 x {args.gpu} (planner, bf16, same model and batch):")
-    print("| lever | tokens/s | x baseline | peak GB |\n|---|---|---|---|")
     rows = predicted(args.preset, args.micro_batch, args.seq, args.gpu)
-    for name, tps, peak in rows:
-        print(f"| {name} | {tps:,.0f} | {tps / rows[0][1]:.2f} | {peak:.2f} |")
-    print(f"\nreproduce: PYTHONPATH=src python bench/bench_levers.py --preset {args.preset} "
-          f"--precision {args.precision} --steps {args.steps} --micro-batch {args.micro_batch} --seq {args.seq} "
-          f"--rounds {args.rounds}")
-
+    print(table(("lever", "tokens/s", "x baseline", "peak GB"),
+                [[name, f"{tps:,.0f}", f"{tps / rows[0][1]:.2f}", f"{peak:.2f}"] for name, tps, peak in rows]))
+    print(f"\n{reproduce()}")
 
 if __name__ == "__main__":
     main()

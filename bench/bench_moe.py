@@ -32,23 +32,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from common import (MiB, machine, peak_rss_bytes, prepare, reproduce, run_overrides, start_ranks, summarize, table,
+                    table_row, train_timed)
 from shardlm.config import load_config
-from shardlm.data import build_dataset
-from shardlm.launch.runtime import cpu_cores
 from shardlm.models import count_params
 from shardlm.models.flops import active_params
-from shardlm.launch.spawn import run_ranks
-from shardlm.train.telemetry import peak_rss_bytes
 
-MiB = 2**20
 SKEW = 10.0
 """Added to the hot experts' router scores for the choice (probabilities are <= 1: decisive)."""
 SMALL = {"model.preset": "moe-tiny", "model.n_layers": 4, "model.d_model": 256, "model.n_heads": 8,
@@ -67,16 +62,12 @@ CASES = [("ep=2 balanced", 2, {"parallel.ep": 2}, False),
 def overrides_for(args, case: dict, run_dir: str) -> dict:
     base = SMALL if args.preset == "moe-small" else {"model.preset": args.preset}
     return {**base, "train.seq_len": args.seq, "train.micro_batch": args.micro_batch,
-            "train.steps": args.warmup + args.steps, "train.lr": 1e-5, "precision.compute": "fp32", "run.device": "cpu",
-            "run.dir": run_dir, "run.progress": "off", "train.eval_every": 0, "train.sample_tokens": 0,
-            **case}
+            "train.steps": args.warmup + args.steps, "train.lr": 1e-5, **run_overrides(run_dir), **case}
 
 
 def rank_case(rank: int, world: int, overrides: dict, warmup: int, steps: int, skewed: bool) -> dict:
-    import time
-
     from shardlm.models.moe import MoE
-    from shardlm.train.loop import build_run, step_record, train_step
+    from shardlm.train.loop import build_run, step_record
 
     run = build_run(load_config(overrides=overrides).validate())
     if skewed:
@@ -85,34 +76,29 @@ def rank_case(rank: int, world: int, overrides: dict, warmup: int, steps: int, s
             if isinstance(module, MoE):
                 module.router.bias = torch.tensor([SKEW if e < k else 0.0 for e in range(module.n_experts)])
     records = []
-    for step in range(warmup + steps):
-        run.strategy.ledger.reset()
-        start = time.perf_counter()
-        out = train_step(run, step)
-        seconds = time.perf_counter() - start
+
+    def after(step: int, seconds: float, result) -> None:
         if step >= warmup:
-            records.append({**step_record(run, step, out.loss, out.grad_norm, seconds), "seconds": seconds})
-        else:
-            records.append({"loss": out.loss})
-    return {"records": records, "rss": peak_rss_bytes()}
+            records.append(step_record(run, step, result.loss, result.grad_norm, seconds))
+
+    return {**train_timed(run, warmup, steps, after), "records": records, "rss": peak_rss_bytes()}
 
 
 def part_one(args, tmp: str) -> None:
     from shardlm.planner.timing import ep_comm_bytes
 
     wanted = set(args.cases.split(",")) if args.cases else None
-    print("\n| case | tok/s | step s (median) | a2a wait s/step by rank | expert imbalance (worst block) "
-          "| ep rank imbalance (worst block) | blocks re-placed | peak RSS MiB by rank | a2a MiB/step rank 0 "
-          "(planner, balanced) | step-1 loss |\n|" + "---|" * 10)
+    header = ("case", "tok/s", "step s (median)", "a2a wait s/step by rank", "expert imbalance (worst block)",
+              "ep rank imbalance (worst block)", "blocks re-placed", "peak RSS MiB by rank",
+              "a2a MiB/step rank 0 (planner, balanced)", "step-1 loss")
+    print("\n" + table(header, []))
     for name, world, case, skewed in CASES:
         if wanted and name not in wanted:
             continue
         over = overrides_for(args, case, tmp)
-        ranks = run_ranks(rank_case, world, Path(tempfile.mkdtemp(dir=tmp)), over, args.warmup, args.steps,
-                          skewed, timeout=3600)
-        timed = [r["records"][args.warmup:] for r in ranks]
-        step_s = max(statistics.median(t["seconds"] for t in recs) for recs in timed)
-        tokens = args.micro_batch * args.seq * world
+        ranks = start_ranks(rank_case, world, tmp, over, args.warmup, args.steps, skewed)
+        m = summarize(ranks, args.micro_batch * args.seq * world)
+        timed = [r["records"] for r in ranks]
         wait = " / ".join(f"{statistics.median(t['moe_a2a_wait_s'] for t in recs):.3f}" for recs in timed)
         last = timed[0][-1]
         rank_imb = last.get("moe_rank_imbalance", float("nan"))
@@ -123,9 +109,8 @@ def part_one(args, tmp: str) -> None:
         blocks = cfg.model.n_layers  # moe_every = 1
         rss = " / ".join(f"{r['rss'] / MiB:,.0f}" for r in ranks)
         want = (4 * blocks * ep_comm_bytes(cfg.model, args.micro_batch * args.seq, ep, 4) / MiB) if ep > 1 else 0
-        print(f"| {name} | {tokens / step_s:,.0f} | {step_s:.3f} | {wait} | {last['moe_imbalance']:.2f} | "
-              f"{rank_imb:.2f} | {moved} | {rss} | "
-              f"{a2a:.2f} ({want:.2f}) | {ranks[0]['records'][0]['loss']:.4f} |", flush=True)
+        print(table_row([name, f"{m['tok_s']:,.0f}", f"{m['step_s']:.3f}", wait, f"{last['moe_imbalance']:.2f}",
+                         f"{rank_imb:.2f}", moved, rss, f"{a2a:.2f} ({want:.2f})", f"{m['first']:.4f}"]), flush=True)
 
 
 def part_two(args, tmp: str) -> None:
@@ -135,9 +120,8 @@ def part_two(args, tmp: str) -> None:
     for balance in ("none", "aux", "bias"):
         over = {"model.preset": "moe-tiny", "model.experts": 8, "model.top_k": 2, "model.balance": balance,
                 "model.bias_update_rate": 0.01, "train.steps": args.balance_steps, "train.micro_batch": 8,
-                "train.seq_len": 64, "train.lr": 3e-3, "train.warmup_steps": 10,
-                "precision.compute": "fp32", "run.dir": tmp, "run.name": f"balance-{balance}",
-                "run.progress": "off", "train.eval_every": 0, "train.sample_tokens": 0}
+                "train.seq_len": 64, "train.lr": 3e-3, "train.warmup_steps": 10, **run_overrides(tmp),
+                "run.name": f"balance-{balance}"}
         run = build_run(load_config(overrides=over).validate())
         train(run)
         rows = [json.loads(line) for line in open(run.run_dir / "metrics.jsonl")]
@@ -179,20 +163,18 @@ def main() -> None:
     parser.add_argument("--skip-parallel", action="store_true")
     parser.add_argument("--plot", default="docs/img/moe_imbalance.png")
     args = parser.parse_args()
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     cfg = load_config(overrides=overrides_for(args, {}, "")).validate()
-    build_dataset(cfg.data, cfg.model.vocab_size)
-    torch.set_num_threads(max(1, cpu_cores() // 2))
-    print(f"torch {torch.__version__}, {cpu_cores()} cores, {args.preset}: {count_params(cfg.model) / 1e6:.1f}M "
+    prepare(cfg, 2)
+    print(f"{machine()}; {args.preset}: {count_params(cfg.model) / 1e6:.1f}M "
           f"params ({active_params(cfg.model) / 1e6:.1f}M active), {cfg.model.experts} experts top-"
           f"{cfg.model.top_k}, fp32, {args.micro_batch} x {args.seq} tokens per rank per step, "
-          f"{args.warmup} warm-up + {args.steps} timed steps, load average {os.getloadavg()[0]:.1f}", flush=True)
+          f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_parallel:
             part_one(args, tmp)
         if not args.skip_balance:
             part_two(args, tmp)
-    print(f"\nReproduce: PYTHONPATH=src python bench/bench_moe.py {' '.join(sys.argv[1:])}")
+    print(f"\n{reproduce()}")
 
 
 if __name__ == "__main__":

@@ -90,37 +90,24 @@ import argparse
 import dataclasses
 import importlib.util
 import os
-import re
 import statistics
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported (here or in a rank)
 
 import torch
 import torch.distributed as dist
 
+from common import MiB, machine, peak_rss, proc_status, reproduce, reset_peak_rss, rounds, start_ranks, table, timed_steps
 from shardlm.config import load_config
-from shardlm.launch.spawn import run_ranks
-from shardlm.train.telemetry import reset_peak_rss
 
 WORLD = 2
-MiB = 2**20
 # key -> (label, library, dropless)
 CASES = {"shardlm": ("shardlm", "shardlm", False), "deepspeed": ("DeepSpeed", "deepspeed", False),
          "shardlm-dropless": ("shardlm", "shardlm", True),
          "deepspeed-dropless": ("DeepSpeed", "deepspeed", True)}
 PAIRS = [("shardlm", "deepspeed"), ("shardlm-dropless", "deepspeed-dropless")]
-
-
-# ---------------------------------------------------------------------------------------------
-# Memory marks (Linux)
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,28 +258,37 @@ def case_rank(rank: int, world: int, key: str, shape: dict) -> dict:
     module, step, figures = build(shape, dropless, rank)
     x, grad = tokens(shape, rank)
     x.requires_grad_(True)
-    setup_rss = _status("VmRSS")
-    first_out = None
-    seconds, cpu = [], []
-    for s in range(shape["warmup"] + shape["steps"]):
+    setup_rss = proc_status("VmRSS")
+    warmup, marks, held = shape["warmup"], {}, {}
+
+    def mark_and_reset() -> None:  # the steps' own peak follows
+        marks["before"] = proc_status("VmRSS")
+        if not reset_peak_rss():
+            raise RuntimeError("the step peak needs Linux's /proc/self/clear_refs to reset VmHWM")
+
+    def run_step(s: int) -> float:
+        held["out"] = step(x, grad)
+        return 0.0
+
+    def after(s: int, seconds: float) -> None:  # outside the timing: ready the next step
+        out = held.pop("out")
+        if s == 0:
+            marks["first_out"] = out.detach().reshape(-1, shape["d"]).clone()
+            marks["first_figures"] = figures()
+        del out
         module.zero_grad(set_to_none=True)
         x.grad = None
-        if s == shape["warmup"]:
-            before = _status("VmRSS")
-            if not reset_peak_rss():
-                raise RuntimeError("the step peak needs Linux's /proc/self/clear_refs to reset VmHWM")
+        if s == warmup - 1:
+            mark_and_reset()
         dist.barrier()
-        start, start_cpu = time.perf_counter(), time.process_time()
-        out = step(x, grad)
-        elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
-        if s == 0:
-            first_out = out.detach().reshape(-1, shape["d"]).clone()
-            first_figures = figures()
-        if s >= shape["warmup"]:
-            seconds.append(elapsed)
-            cpu.append(elapsed_cpu)
-        del out
-    peak = _status("VmHWM")
+
+    if warmup == 0:
+        mark_and_reset()
+    dist.barrier()
+    timed = timed_steps(run_step, warmup, shape["steps"], after)
+    seconds, cpu, before, first_out = timed["seconds"], timed["cpu"], marks["before"], marks["first_out"]
+    first_figures = marks["first_figures"]
+    peak = peak_rss()
     f = figures()
     kept = first_figures["kept_both"]
     return {"seconds": seconds, "cpu": cpu, "setup_rss": setup_rss, "before": before, "peak": peak,
@@ -305,7 +301,7 @@ def case_rank(rank: int, world: int, key: str, shape: dict) -> dict:
 
 
 def measure(key: str, shape: dict, tmp: str) -> dict:
-    ranks = run_ranks(case_rank, WORLD, tmp, key, shape, timeout=1800)
+    ranks = start_ranks(case_rank, WORLD, tmp, key, shape, timeout=1800)
     step = statistics.median(max(r["seconds"][i] for r in ranks) for i in range(shape["steps"]))
     return {"step": step, "cpu": max(statistics.median(r["cpu"]) for r in ranks),
             "dropped": sum(r["dropped"] for r in ranks) / max(1, sum(r["choices"] for r in ranks)),
@@ -379,14 +375,14 @@ def main() -> None:
                  "psutil py-cpuinfo (see the module docstring)")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the ranks
     f = args.expert_width or 4 * args.d_model
-    versions = f"torch {torch.__version__}"
+    versions = ""
     if importlib.util.find_spec("deepspeed") is not None:
         from importlib.metadata import version
         versions += f", deepspeed {version('deepspeed')}"
-    print(f"{versions}; {WORLD} ranks (gloo), {args.threads} thread(s) each; d_model {args.d_model}, "
+    print(f"{machine()}{versions}; {WORLD} ranks (gloo), {args.threads} thread(s) each; d_model {args.d_model}, "
           f"{args.experts} experts ({args.mlp}, width {f}), top-2, fp32, input skew {args.skew:g}; "
-          f"{args.warmup} warm-up + {args.steps} timed steps, {args.repeat} run(s) per case; MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}; "
-          f"load average {os.getloadavg()[0]:.1f} at start (other jobs share the machine)", flush=True)
+          f"{args.warmup} warm-up + {args.steps} timed steps, {args.repeat} run(s) per case; "
+          f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}", flush=True)
     rows, checks = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for n in counts:
@@ -394,14 +390,9 @@ def main() -> None:
                      "f": f, "mlp": args.mlp, "capacity": args.capacity, "aux_coef": args.aux_coef,
                      "skew": args.skew, "warmup": args.warmup, "steps": args.steps,
                      "threads": args.threads, "seed": args.seed}
-            runs = {k: [] for k in keys}
-            for i in range(args.repeat):  # round-robin: other jobs' load spreads over the cases
-                for k in keys:
-                    start = time.perf_counter()
-                    runs[k].append(m := measure(k, shape, tmp))
-                    print(f"run {i + 1}, {n} tokens/rank, {case_label(k, args)}: {m['step'] * 1e3:.1f} "
-                          f"ms/step, {m['cpu'] * 1e3:.1f} CPU ms/step, {time.perf_counter() - start:.0f} s "
-                          f"with start-up, load average {os.getloadavg()[0]:.1f}", flush=True)
+            runs = rounds(keys, args.repeat, lambda k, shape=shape: measure(k, shape, tmp),
+                          label=lambda k, n=n: f"{n} tokens/rank, {case_label(k, args)}",
+                          note=lambda m: f"{m['step'] * 1e3:.1f} ms/step, {m['cpu'] * 1e3:.1f} CPU ms/step")
             for k in keys:
                 m = runs[k][0]  # the rest is the same in every run (same tokens, same routing)
                 rows.append((f"{n:,}", *case_label(k, args).split(" ", 1), spread([r["step"] * 1e3 for r in runs[k]]),
@@ -420,15 +411,11 @@ def main() -> None:
               "step ms" + (" (range over runs)" if args.repeat > 1 else ""), "CPU ms/step",
               "dropped %", "expert rows/rank", "a2a MiB sent/rank/step", "setup RSS MiB",
               "step peak RSS MiB", "step Δ MiB")
-    print()
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join("---" for _ in header) + "|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    print("\n" + table(header, rows))
     print()
     for line in checks:
         print(line)
-    print("\nReproduce: PYTHONPATH=src python " + " ".join([sys.argv[0], *sys.argv[1:]]))
+    print(f"\n{reproduce()}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Needs ~12 bytes per parameter free under --dir (33 GB for gpt2-2.7b).
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -29,7 +28,9 @@ import threading
 import time
 from pathlib import Path
 
-GiB = 2**30
+from common import (MMAP_THRESHOLD, GiB, bench_parser, machine, peak_rss_bytes, reproduce, run_overrides, table,
+                    timed_steps)
+
 BLOCK = 64 << 20
 
 
@@ -71,22 +72,18 @@ def measure_disk(directory: Path, nbytes: int, streams: int = 2) -> dict[str, fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt2-2.7b")
+    parser = bench_parser(__doc__, "gpt2-2.7b", 128, 1)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--dir", default="runs/bench-offload", help="where the nvme tier's files go")
     parser.add_argument("--disk-probe-gib", type=float, default=4.0)
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args()
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:  # glibc reads it at start: run again
         os.execve(sys.executable, [sys.executable, *sys.argv],
-                  {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+                  {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})
 
     from shardlm.config import load_config
     from shardlm.models import count_params
-    from shardlm.train.telemetry import peak_rss_bytes
     from shardlm.train.loop import build_run, train_step
 
     root = Path(args.dir)
@@ -101,12 +98,9 @@ def main() -> None:
         "train.steps": args.steps, "train.warmup_steps": 100,
         # GPT-3's peak lr for 2.7B (Brown et al. 2020, table 2.1) and a warmup: a full-size
         # first Adam step (sign descent on every weight) throws a model this wide off.
-        "train.lr": 1.6e-4, "train.eval_every": 0, "train.sample_tokens": 0,
-        "precision.compute": "bf16", "parallel.zero_stage": 1, "zero.offload_optimizer": "nvme",
-        "zero.nvme_path": str(root / "nvme"), "run.dir": str(root / "runs"), "run.progress": "off",
-        "run.device": "cpu"}).validate()
+        "train.lr": 1.6e-4, **run_overrides(root / "runs", precision="bf16"), "parallel.zero_stage": 1, "zero.offload_optimizer": "nvme", "zero.nvme_path": str(root / "nvme")}).validate()
     psi = count_params(cfg.model)
-    print(f"{args.preset}: {psi / 1e9:.2f}B parameters; full model states 16 x Ψ = "
+    print(f"{machine()}; {args.preset}: {psi / 1e9:.2f}B parameters; full model states 16 x Ψ = "
           f"{16 * psi / GiB:.1f} GiB = {16 * psi / ram:.2f} x this machine's RAM ({ram / GiB:.1f} GiB)",
           flush=True)
     start = time.perf_counter()
@@ -116,14 +110,16 @@ def main() -> None:
         f"{k} {v / GiB:.2f} GiB" for k, v in run.strategy.model_state_bytes().items())
           + f"; on disk: {run.strategy.offload_report()['optimizer_bytes_by_tier']['nvme'] / GiB:.1f} GiB; "
           f"peak RSS so far {peak_rss_bytes() / GiB:.2f} GiB", flush=True)
-    rows = []
-    for step in range(args.steps):
-        begin = time.perf_counter()
-        out = train_step(run, step)
-        seconds = time.perf_counter() - begin
+    rows, results = [], []
+
+    def step_fn(step: int) -> float:
+        results.append(train_step(run, step))
+        return results[-1].loss
+
+    def record(step: int, seconds: float) -> None:  # outside the timing
         report = run.strategy.offload_report()
         moved = report["disk_read_bytes"] + report["disk_write_bytes"]
-        rows.append({"step": step + 1, "loss": out.loss, "step_s": seconds,
+        rows.append({"step": step + 1, "loss": results[step].loss, "step_s": seconds,
                      "optimizer_s": report["optimizer_step_s"], "compute_s": seconds - report["optimizer_step_s"],
                      "io_wait_s": report["optimizer_io_wait_s"], "disk_read_bytes": report["disk_read_bytes"],
                      "disk_write_bytes": report["disk_write_bytes"],
@@ -133,6 +129,8 @@ def main() -> None:
               f"optimizer {r['optimizer_s']:.1f} s of which waiting on disk {r['io_wait_s']:.1f} s), "
               f"disk {moved / 1e9:.1f} GB at {r['optimizer_bytes_per_s'] / 1e9:.2f} GB/s, "
               f"peak RSS {r['peak_rss_bytes'] / GiB:.2f} GiB", flush=True)
+
+    timed_steps(step_fn, 0, args.steps, record)
 
     # The disk again, after: it is a shared virtual disk whose speed drifts; the faster of the
     # two probes is the limit we hold the step to (the conservative choice).
@@ -144,23 +142,21 @@ def main() -> None:
     achieved = statistics.median(r["optimizer_bytes_per_s"] for r in steady)
     peak = max(r["peak_rss_bytes"] for r in rows)
     print()
-    print("| preset | params | 16Ψ / RAM | peak RSS | disk per step (read + write) | step s | compute s | "
-          "optimizer s | optimizer disk GB/s | disk read+write GB/s | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
     last = rows[-1]
-    print(f"| {args.preset} | {psi / 1e9:.2f}B | {16 * psi / GiB:.1f} / {ram / GiB:.1f} GiB = "
-          f"{16 * psi / ram:.2f}x | {peak / GiB:.2f} GiB | {last['disk_read_bytes'] / 1e9:.1f} + "
-          f"{last['disk_write_bytes'] / 1e9:.1f} GB | {statistics.median(r['step_s'] for r in steady):.1f} | "
-          f"{statistics.median(r['compute_s'] for r in steady):.1f} | "
-          f"{statistics.median(r['optimizer_s'] for r in steady):.1f} | {achieved / 1e9:.2f} | "
-          f"{disk['read+write'] / 1e9:.2f} | {achieved / disk['read+write']:.0%} |")
+    header = ("preset", "params", "16Ψ / RAM", "peak RSS", "disk per step (read + write)", "step s", "compute s",
+              "optimizer s", "optimizer disk GB/s", "disk read+write GB/s", "ratio")
+    print(table(header, [[
+        args.preset, f"{psi / 1e9:.2f}B", f"{16 * psi / GiB:.1f} / {ram / GiB:.1f} GiB = {16 * psi / ram:.2f}x",
+        f"{peak / GiB:.2f} GiB", f"{last['disk_read_bytes'] / 1e9:.1f} + {last['disk_write_bytes'] / 1e9:.1f} GB",
+        f"{statistics.median(r['step_s'] for r in steady):.1f}", f"{statistics.median(r['compute_s'] for r in steady):.1f}",
+        f"{statistics.median(r['optimizer_s'] for r in steady):.1f}", f"{achieved / 1e9:.2f}",
+        f"{disk['read+write'] / 1e9:.2f}", f"{achieved / disk['read+write']:.0%}"]]))
     print(f"\nmedians over steps 2..{args.steps}; disk (faster of the probes before and after): write "
           f"{disk['write'] / 1e9:.2f} GB/s, read {disk['read'] / 1e9:.2f} GB/s; "
-          f"build {build_s:.0f} s. Reproduce: PYTHONPATH=src python bench/bench_offload.py --preset {args.preset} "
-          f"--steps {args.steps}")
+          f"build {build_s:.0f} s. {reproduce()}")
     if args.json:
         Path(args.json).write_text(json.dumps({"disk": disk, "rows": rows, "params": psi, "ram": ram}, indent=1))
-    del run
+    run = None  # its tier's buffers and files go before the directory
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -85,31 +85,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
-import sys
 import tempfile
-import time
-from collections import defaultdict
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-
-from shardlm.config import load_config, typed_overrides
+from common import (MiB, add_step_args, bench_parser, combine, err, ledger_text, machine, peak_rss, peak_rss_bytes, prepare,
+                    reproduce, reset_peak_rss, rounds, run_overrides, speed_text, start_ranks, summarize, table,
+                    train_timed)
+from pp_torch import torch_rank
+from shardlm.config import load_config
 from shardlm.config.pipeline_tables import V_SHAPED, check_table
 from shardlm.config.pipeline_schedules import table_for
-from shardlm.data import Loader, build_dataset
-from shardlm.launch.runtime import cpu_cores
-from shardlm.models import build_model, count_params
+from shardlm.models import count_params
 from shardlm.models.flops import pipeline_split
-from shardlm.zero.optim import lr_at, param_groups, set_lr
-from shardlm.launch.spawn import run_ranks
-from shardlm.train.telemetry import peak_flops, peak_rss_bytes, reset_peak_rss
 
-MiB = 2**20
 # key: (name, ranks, runner, spec). shardlm's spec: its overrides and the data-parallel degree
 # (for the micro-batch); torch's: (schedule, pp, virtual).
 CASES = {
@@ -155,14 +143,11 @@ def batch_shape(args, key: str) -> tuple[int, int]:
 
 
 def overrides_for(args, key: str, run_dir: str) -> dict:
-    extra = typed_overrides(dict(kv.split("=", 1) for kv in args.set))
     _, _, runner, spec = CASES[key]
     micro, accum = batch_shape(args, key)
     return {"model.preset": args.preset, "model.tie_embeddings": False, "train.micro_batch": micro,
-            "train.grad_accum": accum, "train.seq_len": args.seq,
-            "train.steps": args.warmup + args.steps, "precision.compute": "fp32", "run.device": "cpu",
-            "run.dir": run_dir, "run.progress": "off", "train.eval_every": 0, "train.sample_tokens": 0,
-            **(spec[0] if runner == "shardlm" else torch_layout(spec)), **extra}
+            "train.grad_accum": accum, "train.seq_len": args.seq, "train.steps": args.warmup + args.steps,
+            **(spec[0] if runner == "shardlm" else torch_layout(spec)), **run_overrides(run_dir, args.set)}
 
 
 def torch_layout(spec: tuple) -> dict:
@@ -172,169 +157,28 @@ def torch_layout(spec: tuple) -> dict:
     return {"parallel.pp": pp, "parallel.pp_schedule": name, "parallel.pp_virtual": virtual}
 
 
-# ---------------------------------------------------------------------------------------------
-# Memory marks and timing
-
-
-def hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
-
-
-def timed_steps(step_fn, warmup: int, steps: int, after=None) -> dict:
-    """Losses of every step; wall and process CPU seconds (all threads) of each timed step;
-    `after(step, seconds)`, if given, runs after each step, outside the timing."""
-    losses, seconds, cpu = [], [], []
-    for step in range(warmup + steps):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        losses.append(step_fn(step))
-        wall, used = time.perf_counter() - start, time.process_time() - start_cpu
-        if step >= warmup:
-            seconds.append(wall)
-            cpu.append(used)
-        if after is not None:
-            after(step, wall)
-    return {"losses": losses, "seconds": seconds, "cpu": cpu}
-
-
-# ---------------------------------------------------------------------------------------------
-# shardlm
-
-
 def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
     import warnings
 
-    from shardlm.train.loop import build_run, step_record, train_step
+    from shardlm.train.loop import build_run, step_record
 
     # torch 2.13 deprecates all_gather_into_tensor (Schedule.by_stage calls it): once per rank
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
 
     run = build_run(load_config(overrides=overrides).validate())
     setup_rss = peak_rss_bytes()
-    reset = reset_peak_rss()
-    ledgers, records, results = [], [], []
+    reset = reset_peak_rss()  # the steps' own high-water mark follows
+    records = []
 
-    def step(s: int) -> float:
-        run.strategy.ledger.reset()  # this step's collectives only
-        results.append(train_step(run, s))
-        return results[-1].loss
-
-    def after(s: int, seconds: float) -> None:  # not timed
-        ledgers.append(run.strategy.ledger.snapshot())
+    def after(s: int, seconds: float, result) -> None:  # not timed
         # every rank calls it (it gathers per-stage values over the pipeline)
-        records.append(step_record(run, s, results[-1].loss, results[-1].grad_norm, seconds))
+        records.append(step_record(run, s, result.loss, result.grad_norm, seconds))
 
-    out = timed_steps(step, warmup, steps, after)
+    out = train_timed(run, warmup, steps, after)
     stage = run.schedule.stage.index if run.schedule is not None else rank
-    return {**out, "setup_rss": setup_rss, "steps_rss": hwm_bytes() if reset else peak_rss_bytes(),
-            "stage": stage, "ledgers": ledgers[warmup:],
+    return {**out, "setup_rss": setup_rss, "steps_rss": peak_rss() if reset else peak_rss_bytes(),
+            "stage": stage,
             "records": [{k: v for k, v in r.items() if k.startswith("pp_")} for r in records[warmup:]]}
-
-
-# ---------------------------------------------------------------------------------------------
-# torch.distributed.pipelining on the same Decoder
-
-
-class TorchStage(nn.Module):
-    """One pipeline stage of shardlm's Decoder for torch's PipelineStage: its blocks; the token
-    embedding and positions on the first stage (forward takes token ids), the final norm and
-    head on the last (forward returns logits); otherwise hidden states in and out."""
-
-    def __init__(self, model, blocks: range, first: bool, last: bool):
-        super().__init__()
-        cfg = model.cfg
-        self.tok_emb = model.tok_emb if first else None
-        self.pos_emb = model.pos_emb if first and cfg.position == "learned" else None
-        self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
-        self.norm_f = model.norm_f if last else None
-        self.head = model.head if last else None
-        self.rope = cfg.position == "rope"
-        if self.rope:
-            self.register_buffer("rope_cos", model.rope_cos, persistent=False)
-            self.register_buffer("rope_sin", model.rope_sin, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[1]
-        if self.tok_emb is not None:  # x: token ids (B, T)
-            h = self.tok_emb(x)
-            if self.pos_emb is not None:
-                h = h + self.pos_emb(torch.arange(T, device=x.device))
-        else:  # x: the previous stage's hidden states (B, T, C)
-            h = x
-        rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.rope else None
-        for block in self.blocks:
-            h = block(h, rope)
-        if self.head is not None:
-            return self.head(self.norm_f(h))  # (B, T, vocab)
-        return h
-
-
-def torch_rank(rank: int, world: int, overrides: dict, spec: tuple, warmup: int, steps: int) -> dict:
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
-
-    schedule_name, pp, virtual = spec
-    if pp != world:
-        raise ValueError("torch's cases here are pure pipelines (pp = ranks)")
-    cfg = load_config(overrides=overrides).validate()
-    if cfg.model.tie_embeddings:
-        raise ValueError("torch's stages would train two copies of a tied embedding: untie it")
-    t = cfg.train
-    torch.manual_seed(t.seed)
-    dataset = build_dataset(cfg.data, cfg.model.vocab_size)
-    micro = t.grad_accum  # micro-batches per step
-    loader = Loader(dataset.train, t.seq_len, t.micro_batch, grad_accum=micro, seed=t.seed,
-                    dp_rank=0, dp_size=1)  # the same micro-batches as shardlm's pipeline
-    n_stages = pp * virtual
-    v_shaped = schedule_name in V_SHAPED  # rank r holds stages r and 2pp-1-r (both libraries)
-    split = pipeline_split(cfg.model, t.seq_len, n_stages, cfg.parallel.pp_layers, virtual, "v" if v_shaped else "loop")
-    bounds = [sum(split[:g]) for g in range(n_stages + 1)]
-    model = build_model(cfg.model, "cpu", seed=t.seed)  # whole, on every rank
-    ids = [rank, n_stages - 1 - rank] if v_shaped else list(range(rank, n_stages, pp))  # else s on rank s mod pp
-    modules = [TorchStage(model, range(bounds[s], bounds[s + 1]), s == 0, s == n_stages - 1) for s in ids]
-    del model  # the other stages' blocks are freed with it
-    device = torch.device("cpu")
-    stages = [PipelineStage(m, s, n_stages, device) for m, s in zip(modules, ids)]
-
-    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-    if schedule_name == "gpipe":
-        schedule = ScheduleGPipe(stages[0], n_microbatches=micro, loss_fn=loss_fn)
-    elif schedule_name == "1f1b":
-        schedule = Schedule1F1B(stages[0], n_microbatches=micro, loss_fn=loss_fn)
-    else:
-        multi = {"interleaved": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
-        schedule = multi[schedule_name](stages, n_microbatches=micro, loss_fn=loss_fn)
-    holder = nn.ModuleList(modules)
-    params = [p for p in holder.parameters()]
-    optimizer = torch.optim.AdamW(param_groups(holder, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                                  eps=t.eps, fused=True)
-    first, last = 0 in ids, n_stages - 1 in ids
-    setup_rss = peak_rss_bytes()
-    reset = reset_peak_rss()
-
-    def step(s: int) -> float:
-        set_lr(optimizer, lr_at(s, t))
-        batches = loader.micro_batches(s)
-        x = torch.cat([b[0] for b in batches])  # chunked back into the same micro-batches
-        y = torch.cat([b[1] for b in batches])
-        losses: list[torch.Tensor] = []
-        schedule.step(*((x,) if first else ()), target=y if last else None,
-                      losses=losses if last else None, return_outputs=False)
-        grads = [p.grad for p in params if p.grad is not None]
-        squares = (torch.nn.utils.get_total_norm(grads) ** 2 if grads else torch.zeros(())).reshape(1)
-        dist.all_reduce(squares)  # the whole model's squared norm, over the pipeline
-        torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, squares.sqrt()[0])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        total = (torch.stack(losses).mean().detach() if last else torch.zeros(())).reshape(1)
-        dist.all_reduce(total)  # the last stage's; zero elsewhere
-        return float(total[0])
-
-    out = timed_steps(step, warmup, steps)
-    return {**out, "setup_rss": setup_rss, "steps_rss": hwm_bytes() if reset else peak_rss_bytes(),
-            "stage": rank, "ledgers": [], "records": []}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,13 +198,6 @@ def predictions(cfg, ranks: int) -> dict:
             "stage_peaks": stages}
 
 
-def by_group(ledger: dict[str, int]) -> dict[str, int]:
-    groups: dict[str, int] = defaultdict(int)
-    for key, nbytes in ledger.items():
-        groups[key.split("/", 1)[1]] += nbytes
-    return dict(groups)
-
-
 def per_stage(ranks: list[dict], key: str) -> list[float]:
     """Max of `key` over each stage's ranks (each rank for cases without a pipeline)."""
     out: dict[int, float] = {}
@@ -369,19 +206,16 @@ def per_stage(ranks: list[dict], key: str) -> list[float]:
     return [out[s] for s in sorted(out)]
 
 
-def summarize(ranks: list[dict], tokens_per_step: int) -> dict:
-    """Ranks wait for each other every step: the slowest rank's median is the step."""
-    step_s = max(statistics.median(r["seconds"]) for r in ranks)
+def summarize_stages(ranks: list[dict], tokens_per_step: int) -> dict:
+    """common.summarize, with memory marks and the off-CPU share by stage and the pipeline's
+    bubble from rank 0's step records."""
     for r in ranks:
         r["peak"] = max(r["setup_rss"], r["steps_rss"])
         r["off_cpu"] = statistics.median(1 - c / w for c, w in zip(r["cpu"], r["seconds"]))
-    ledgers, records = ranks[0]["ledgers"], ranks[0]["records"]
-    out = {"tok_s": tokens_per_step / step_s, "cpu_s": max(statistics.median(r["cpu"]) for r in ranks),
-           "peak": per_stage(ranks, "peak"), "setup": per_stage(ranks, "setup_rss"),
-           "steps": per_stage(ranks, "steps_rss"), "off_cpu": per_stage(ranks, "off_cpu"),
-           "first": ranks[0]["losses"][0],
-           "last": ranks[0]["losses"][-1], "ledger": ledgers[-1] if ledgers else None,
-           "ledger_steady": all(led == ledgers[-1] for led in ledgers), "bubble": None}
+    records = ranks[0]["records"]
+    out = {**summarize(ranks, tokens_per_step), "peak": per_stage(ranks, "peak"),
+           "setup": per_stage(ranks, "setup_rss"), "steps": per_stage(ranks, "steps_rss"),
+           "off_cpu": per_stage(ranks, "off_cpu"), "bubble": None}
     if records and "pp_bubble" in records[0]:
         out["bubble"] = statistics.median(r["pp_bubble"] for r in records)
         out["bubble_by_stage"] = [statistics.median(r["pp_bubble_by_stage"][i] for r in records)
@@ -392,18 +226,12 @@ def summarize(ranks: list[dict], tokens_per_step: int) -> dict:
     return out
 
 
-def combine(runs: list[dict]) -> dict:
-    """Repeats of one case: median tokens/s, CPU s and bubble (and the tokens/s range), the
-    highest memory marks; losses must repeat."""
-    first = runs[0]
-    speeds = sorted(r["tok_s"] for r in runs)
-    out = {**first, "tok_s": statistics.median(speeds), "tok_s_range": (speeds[0], speeds[-1]),
-           "cpu_s": statistics.median(r["cpu_s"] for r in runs),
-           "off_cpu": [statistics.median(v) for v in zip(*(r["off_cpu"] for r in runs))],
-           "repeatable": all(r["first"] == first["first"] and r["last"] == first["last"] for r in runs)}
+def combine_stages(runs: list[dict]) -> dict:
+    """common.combine, with the stages' highest memory marks and median off-CPU share and bubble."""
+    out = {**combine(runs), "off_cpu": [statistics.median(v) for v in zip(*(r["off_cpu"] for r in runs))]}
     for key in ("peak", "setup", "steps"):
         out[key] = [max(v) for v in zip(*(r[key] for r in runs))]
-    if first["bubble"] is not None:
+    if runs[0]["bubble"] is not None:
         out["bubble"] = statistics.median(r["bubble"] for r in runs)
         out["bubble_by_stage"] = [statistics.median(v) for v in zip(*(r["bubble_by_stage"] for r in runs))]
     return out
@@ -413,14 +241,8 @@ def mib_list(values: list[float]) -> str:
     return " / ".join(f"{v / MiB:,.0f}" for v in values)
 
 
-def err(p: float, x: float) -> str:
-    return f"{p:,.0f} ({(p - x) / x:+.0%})"
-
-
 def speed_row(name: str, key: str, args, m: dict, pred: dict | None, ranks: int) -> str:
     micro, accum = batch_shape(args, key)
-    low, high = m["tok_s_range"]
-    speed = f"{m['tok_s']:,.1f}" + (f" ({low:,.1f}-{high:,.1f})" if high > low else "")
     if m["bubble"] is not None:
         bubble = f"{m['bubble']:.3f} ({' / '.join(f'{b:.3f}' for b in m['bubble_by_stage'])})"
         par = load_config(overrides=overrides_for(args, key, "")).validate().parallel
@@ -428,17 +250,12 @@ def speed_row(name: str, key: str, args, m: dict, pred: dict | None, ranks: int)
         formula = f"{m['formula']:.3f}"
     else:
         bubble = formula = table = "–"
-    if m["ledger"] is None:
-        ledger = "– (not shardlm)"
-    else:
-        ledger = ", ".join(f"{g} {b / MiB:,.2f}" for g, b in sorted(by_group(m["ledger"]).items())) or "0"
-        ledger += "" if m["ledger_steady"] else " (varies by step)"
     planner = err(pred["tok_s"], m["tok_s"]) if pred else "–"
     planner_bubble = f"{pred['bubble']:.3f}" if pred and m["bubble"] is not None else "–"
     off_cpu = " / ".join(f"{v:.2f}" for v in m["off_cpu"])
     table = table if isinstance(table, str) else f"{table:.3f}"
-    return (f"| {name} | {ranks} | {micro} x {accum} | {speed} | {m['cpu_s']:.2f} | {planner} | {bubble} | "
-            f"{table} | {formula} | {planner_bubble} | {off_cpu} | {ledger} |")
+    return [name, ranks, f"{micro} x {accum}", speed_text(m, 1), f"{m['cpu_s']:.2f}", planner, bubble, table,
+            formula, planner_bubble, off_cpu, ledger_text(m["ledger"], m["ledger_steady"])]
 
 
 def memory_row(name: str, m: dict, pred: dict | None, first_ref: float) -> str:
@@ -448,12 +265,7 @@ def memory_row(name: str, m: dict, pred: dict | None, first_ref: float) -> str:
         planner = f"{mib_list(stages)} ({(pred['peak'] - max(m['peak'])) / max(m['peak']):+.0%} on the max)"
     loss = f"{m['first']:.4f} ({abs(m['first'] - first_ref):.0e})"
     loss += "" if m["repeatable"] else " (differs by run)"
-    return (f"| {name} | {mib_list(m['peak'])} | {mib_list(m['setup'])} | {mib_list(m['steps'])} | "
-            f"{planner} | {loss} | {m['last']:.4f} |")
-
-
-def run_case(fn, ranks: int, tmp: str, *args) -> list[dict]:
-    return run_ranks(fn, ranks, Path(tempfile.mkdtemp(dir=tmp)), *args, timeout=3600)
+    return [name, mib_list(m["peak"]), mib_list(m["setup"]), mib_list(m["steps"]), planner, loss, f"{m['last']:.4f}"]
 
 
 def measure(args, key: str, tmp: str, tokens_per_step: int) -> dict:
@@ -461,28 +273,20 @@ def measure(args, key: str, tmp: str, tokens_per_step: int) -> dict:
     _, ranks, runner, spec = CASES[key]
     over = overrides_for(args, key, tmp)
     if runner == "shardlm":
-        out = run_case(shardlm_rank, ranks, tmp, over, args.warmup, args.steps)
+        out = start_ranks(shardlm_rank, ranks, tmp, over, args.warmup, args.steps)
     else:
-        out = run_case(torch_rank, ranks, tmp, over, spec, args.warmup, args.steps)
-    return summarize(out, tokens_per_step)
+        out = start_ranks(torch_rank, ranks, tmp, over, spec, args.warmup, args.steps)
+    return summarize_stages(out, tokens_per_step)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt2-124m")
+    parser = bench_parser(__doc__, "gpt2-124m", 128, 2, micro_help="sequences per pipeline micro-batch")
     parser.add_argument("--global-batch", type=int, default=8, help="sequences per step, every case")
-    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per pipeline micro-batch")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per case")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per case")
-    parser.add_argument("--repeat", type=int, default=2,
-                        help="run the case list this many times, round-robin (median tokens/s, range)")
     parser.add_argument("--four", action=argparse.BooleanOptionalAction, default=True,
                         help="the 4-rank cases (pp=4, pp=2 x dp=2, torch pp=4)")
     parser.add_argument("--cases", default="", help=f"comma-separated, from: {', '.join(CASES)} "
                                                     f"(default: {', '.join(DEFAULT)})")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for every case (repeatable)")
+    add_step_args(parser, steps=3, warmup=1, repeat=2)
     args = parser.parse_args()
     keys = args.cases.split(",") if args.cases else [k for k in DEFAULT if args.four or CASES[k][1] == 2]
     unknown = [k for k in keys if k not in CASES]
@@ -490,17 +294,14 @@ def main() -> None:
         parser.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
     if args.global_batch % (2 * args.micro_batch):
         parser.error("--global-batch must divide by 2 x --micro-batch (pp=2 x dp=2 runs b x G/(2b))")
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the ranks
     cfg = load_config(overrides=overrides_for(args, keys[0], "")).validate()
-    build_dataset(cfg.data, cfg.model.vocab_size)  # tokenizer + token stream built once, here
-    torch.set_num_threads(max(1, cpu_cores() // 2))  # probe the matmul peak here, not in a rank
-    peak_flops(torch.device("cpu"), "fp32")
+    prepare(cfg, 2)
     tokens_per_step = args.global_batch * args.seq
-    print(f"torch {torch.__version__}, {cpu_cores()} cores, {args.preset} untied "
+    print(f"{machine()}; {args.preset} untied "
           f"({count_params(cfg.model) / 1e6:.1f}M params), fp32, global batch {args.global_batch}x{args.seq}, "
           f"pipeline micro-batch {args.micro_batch}, {args.warmup} warm-up + {args.steps} timed steps, "
-          f"{args.repeat} run(s) per case, MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}, "
-          f"load average {os.getloadavg()[0]:.1f} at start (other jobs share the machine)", flush=True)
+          f"{args.repeat} run(s) per case, MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}",
+          flush=True)
     splits = {}
     for k in keys:
         par = load_config(overrides=overrides_for(args, k, "")).validate().parallel
@@ -514,33 +315,20 @@ def main() -> None:
               f"{split} blocks", flush=True)
     preds = {k: predictions(load_config(overrides=overrides_for(args, k, "")).validate(), CASES[k][1])
              for k in keys if CASES[k][2] == "shardlm"}
-    runs = defaultdict(list)
-    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeat):
-            for k in keys:
-                runs[k].append(measure(args, k, tmp, tokens_per_step))
-                m = runs[k][-1]
-                print(f"run {i + 1} {CASES[k][0]}: {m['tok_s']:,.1f} tok/s, {m['cpu_s']:.2f} CPU s/step, "
-                      f"peak RSS by stage {mib_list(m['peak'])} MiB, loss {m['first']:.4f} -> {m['last']:.4f}, "
-                      f"load average {os.getloadavg()[0]:.1f}, {time.perf_counter() - start:.0f} s so far",
-                      flush=True)
-    results = {k: combine(runs[k]) for k in keys}
+        runs = rounds(keys, args.repeat, lambda k: measure(args, k, tmp, tokens_per_step), lambda k: CASES[k][0])
+    results = {k: combine_stages(runs[k]) for k in keys}
     header = ("case", "ranks", "micro-batch x M (per pipeline)",
               "tok/s" + (" median (range)" if args.repeat > 1 else ""), "CPU s/step (max rank)",
               "planner tok/s (err)", "bubble measured: mean (by stage)", "bubble of the table (simulated, F=I=W)",
               "bubble formula (published)",
               "planner bubble", "off-CPU share by stage (1 - CPU/wall)", "ledger MiB/step by group")
-    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    for k in keys:
-        print(speed_row(CASES[k][0], k, args, results[k], preds.get(k), CASES[k][1]))
+    print("\n" + table(header, [speed_row(CASES[k][0], k, args, results[k], preds.get(k), CASES[k][1]) for k in keys]))
     header = ("case", "peak RSS MiB by stage (or rank)", "setup RSS MiB", "steps' peak RSS MiB (after setup)",
               "planner peak MiB by stage (err)", "step-1 loss (\\|Δ\\| vs first row)",
               f"final loss (step {args.warmup + args.steps})")
-    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     first_ref = results[keys[0]]["first"]
-    for k in keys:
-        print(memory_row(CASES[k][0], results[k], preds.get(k), first_ref))
+    print("\n" + table(header, [memory_row(CASES[k][0], results[k], preds.get(k), first_ref) for k in keys]))
     print()
     for ours, theirs in PAIRS:
         if ours in results and theirs in results:
@@ -557,7 +345,7 @@ def main() -> None:
             if not same:
                 print(f"- {CASES[k][0]}: step_record's pp_peak_rss_bytes_by_stage {mib_list(m['record_rss'])} "
                       f"MiB differs from the steps' peak {mib_list(m['steps'])} MiB")
-    print(f"\nReproduce: PYTHONPATH=src python bench/bench_pp.py {' '.join(sys.argv[1:])}")
+    print(f"\n{reproduce()}")
 
 
 if __name__ == "__main__":

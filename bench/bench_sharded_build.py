@@ -67,7 +67,6 @@ import torch  # noqa: E402
 
 _TORCH_RSS = _status()["VmRSS"]
 
-import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
@@ -79,11 +78,9 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from common import GiB, MiB, bench_parser, machine, prepare, reproduce, reset_peak_rss, start_ranks, table  # noqa: E402
 from shardlm.launch.allocator import DEFAULT_THRESHOLD  # noqa: E402
-from shardlm.train.telemetry import reset_peak_rss  # noqa: E402
 
-GiB = 2**30
-MiB = 2**20
 WORLD = 2
 
 
@@ -270,18 +267,18 @@ def via_cli(args, overrides: dict, tmp: Path, psi: int) -> None:
     jsonl_peak = max(r["peak_rss_bytes"] for r in records)
     ledger = records[-1]["model_state_bytes"]
     fp32_copy = 4 * psi
-    print("\n| preset | via | rank | JSONL peak_rss_bytes GiB (through the last step; rank 0 writes it) | "
-          "VmHWM GiB at the last step's JSONL line (+ final evaluation) | VmHWM GiB, whole process (+ weights "
-          "saved at the end) | training peak / (4 B x Ψ) | ledger model_state_bytes GiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    header = ("preset", "via", "rank", "JSONL peak_rss_bytes GiB (through the last step; rank 0 writes it)",
+              "VmHWM GiB at the last step's JSONL line (+ final evaluation)",
+              "VmHWM GiB, whole process (+ weights saved at the end)", "training peak / (4 B x Ψ)",
+              "ledger model_state_bytes GiB")
+    rows = []
     for rank in sorted(peaks):
         train_peak = jsonl_peak if rank == 0 else at_last_step.get(rank, 0)
-        print(f"| {args.preset} | shardlm train --nproc {WORLD} | {rank} | "
-              f"{gib(jsonl_peak) if rank == 0 else '-'} | {gib(at_last_step.get(rank, 0))} | "
-              f"{gib(peaks[rank])} | "
-              f"{train_peak / fp32_copy:.2f} | {gib(ledger) if rank == 0 else '-'} |")
-    print(f"\n{wall:.0f} s for the launcher and its workers (shared machine, not a speed figure). "
-          f"Reproduce: PYTHONPATH=src python bench/bench_sharded_build.py {' '.join(sys.argv[1:])}".rstrip())
+        rows.append([args.preset, f"shardlm train --nproc {WORLD}", rank, gib(jsonl_peak) if rank == 0 else "-",
+                     gib(at_last_step.get(rank, 0)), gib(peaks[rank]), f"{train_peak / fp32_copy:.2f}",
+                     gib(ledger) if rank == 0 else "-"])
+    print("\n" + table(header, rows))
+    print(f"\n{wall:.0f} s for the launcher and its workers (shared machine, not a speed figure). {reproduce()}")
 
 
 def gib(n: float) -> str:
@@ -289,11 +286,8 @@ def gib(n: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt2-774m")
+    parser = bench_parser(__doc__, "gpt2-774m", 128, 1)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--max-bytes", type=int, default=2_000_000, help="data.max_bytes")
     parser.add_argument("--chunk-mb", type=int, default=64, help="zero.nvme_chunk_mb (config default 64)")
     parser.add_argument("--buffers", type=int, default=4, help="zero.nvme_buffers (config default 4)")
@@ -308,11 +302,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from shardlm.config import load_config
-    from shardlm.data import build_dataset
-    from shardlm.launch.runtime import cpu_cores
     from shardlm.models import count_params
-    from shardlm.launch.spawn import run_ranks
-    from shardlm.train.telemetry import peak_flops
 
     base = Path(args.dir)
     fstype = fs_type(base)
@@ -332,12 +322,10 @@ def main() -> None:
     psi = count_params(cfg.model)
     fp32_copy = 4 * psi
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    build_dataset(cfg.data, cfg.model.vocab_size)  # tokenizer + token stream, once, here
-    threads = max(1, cpu_cores() // WORLD)
-    torch.set_num_threads(threads)
-    peak_flops(torch.device("cpu"), "bf16")  # build_run's MFU lookup: probed (once) here, not in a rank
+    # the ranks apply run.malloc_mmap_threshold themselves, as `shardlm train` does
+    threads = prepare(cfg, WORLD, mmap_threshold=None, precision="bf16")
     ring = args.buffers * 4 * args.chunk_mb * MiB
-    print(f"torch {torch.__version__}, {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
+    print(f"{machine()}; {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
           f"({psi / 1e6:.1f}M params; one fp32 copy 4 x Ψ = {gib(fp32_copy)} GiB), ZeRO-3, bf16 compute, "
           f"offload optimizer + params = nvme under {tmp} ({fstype}), batch {WORLD}x{args.micro_batch}x"
           f"{args.seq}, {args.steps} steps, data.max_bytes {args.max_bytes:,}, vocab {cfg.model.vocab_size}, "
@@ -350,7 +338,7 @@ def main() -> None:
         return
     start = time.perf_counter()
     try:
-        ranks = run_ranks(rank_main, WORLD, tmp, overrides, args.steps, timeout=args.timeout)
+        ranks = start_ranks(rank_main, WORLD, tmp, overrides, args.steps, timeout=args.timeout)
     except Exception:
         print(f"\nFAILED after {time.perf_counter() - start:.0f} s:\n{traceback.format_exc()}", flush=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -358,18 +346,19 @@ def main() -> None:
     wall = time.perf_counter() - start
     shutil.rmtree(tmp, ignore_errors=True)
 
-    print("\n| preset | params | rank | baseline RSS (after import torch) GiB | setup peak RSS GiB | "
-          "training peak RSS GiB | peak / (4 B x Ψ) | 4 B x Ψ GiB | ledger params / grads / optimizer GiB | "
-          "formula params / grads / optimizer GiB | peak < 4 B x Ψ |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    header = ("preset", "params", "rank", "baseline RSS (after import torch) GiB", "setup peak RSS GiB",
+              "training peak RSS GiB", "peak / (4 B x Ψ)", "4 B x Ψ GiB", "ledger params / grads / optimizer GiB",
+              "formula params / grads / optimizer GiB", "peak < 4 B x Ψ")
+    rows = []
     for rank, r in enumerate(ranks):
         peak = max(r["setup_peak"], r["train_peak"])
         held, pred = r["held"], r["predicted"]
-        print(f"| {args.preset} | {psi / 1e6:.0f}M | {rank} | {gib(r['after_torch'])} | {gib(r['setup_peak'])} | "
-              f"{gib(r['train_peak'])} | {peak / fp32_copy:.2f} | {gib(fp32_copy)} | "
-              f"{' / '.join(gib(held[k]) for k in ('params', 'grads', 'optimizer'))} | "
-              f"{' / '.join(gib(pred[k]) for k in ('params', 'grads', 'optimizer'))} | "
-              f"{'yes' if peak < fp32_copy else 'NO'} |")
+        rows.append([args.preset, f"{psi / 1e6:.0f}M", rank, gib(r["after_torch"]), gib(r["setup_peak"]),
+                     gib(r["train_peak"]), f"{peak / fp32_copy:.2f}", gib(fp32_copy),
+                     " / ".join(gib(held[k]) for k in ("params", "grads", "optimizer")),
+                     " / ".join(gib(pred[k]) for k in ("params", "grads", "optimizer")),
+                     "yes" if peak < fp32_copy else "NO"])
+    print("\n" + table(header, rows))
     print(f"\nrank 0 {ranks[0]['malloc']}")
     for rank, r in enumerate(ranks):
         print(f"rank {rank}: bare interpreter {r['bare'] / MiB:,.0f} MiB, after import torch "
@@ -379,15 +368,16 @@ def main() -> None:
               f"{r['n_units']} units, largest {r['largest_unit'] / 1e6:.1f}M elements; losses "
               f"{', '.join(f'{x:.3f}' for x in r['losses'])}; HWM reset {'ok' if r['hwm_reset'] else 'FAILED'}")
     print("\nPeak RSS per phase, MiB (each phase's own segments; a parent's row excludes its children):")
-    print("| phase | calls | rank 0 peak | rank 1 peak | rank 0 RSS after (last call) | rank 1 RSS after |")
-    print("|---|---|---|---|---|---|")
     other = {name: (peak, after) for name, peak, after, _ in ranks[1]["phases"]}
+    rows = []
     for name, peak, after, calls in ranks[0]["phases"]:
         p1, a1 = other.get(name, (0, 0))
         label = "› " * name.count("/") + name.rsplit("/", 1)[-1]
-        print(f"| {label} | {calls} | {peak / MiB:,.0f} | {p1 / MiB:,.0f} | {after / MiB:,.0f} | {a1 / MiB:,.0f} |")
+        rows.append([label, calls, f"{peak / MiB:,.0f}", f"{p1 / MiB:,.0f}", f"{after / MiB:,.0f}", f"{a1 / MiB:,.0f}"])
+    print(table(("phase", "calls", "rank 0 peak", "rank 1 peak", "rank 0 RSS after (last call)", "rank 1 RSS after"),
+                rows))
     print(f"\n{wall:.0f} s for the pair of ranks (setup + {args.steps} steps; shared machine, not a speed figure). "
-          f"Reproduce: PYTHONPATH=src python bench/bench_sharded_build.py {' '.join(sys.argv[1:])}".rstrip())
+          f"{reproduce()}")
 
 
 if __name__ == "__main__":

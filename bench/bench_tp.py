@@ -46,31 +46,22 @@ Reproduce:  PYTHONPATH=src python bench/bench_tp.py --repeat 2          (gpt2-12
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import statistics
-import sys
 import tempfile
-import time
-from collections import defaultdict
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardlm.config import load_config, typed_overrides
-from shardlm.data import Loader, build_dataset
-from shardlm.launch.runtime import cpu_cores
-from shardlm.models import build_model, count_params
+from common import (MiB, add_step_args, bench_parser, by_group, combine, err, ledger_text, machine, mean_loss, peak_rss_bytes,
+                    prepare, reference_setup, reproduce, rounds, run_overrides, speed_text, start_ranks, summarize,
+                    table, timed_steps, train_timed)
+from shardlm.config import load_config
+from shardlm.models import count_params
+from shardlm.train.loop import build_run
 from shardlm.zero.optim import lr_at, param_groups, set_lr
-from shardlm.launch.spawn import run_ranks
-from shardlm.train.telemetry import peak_flops, peak_rss_bytes
-from shardlm.train.loop import build_run, train_step
 
 WORLD = 2
-MiB = 2**20
 # (name, runner, data-parallel degree, shardlm's overrides or torch's sequence_parallel)
 CASES = [("dp=2 ZeRO-0", "shardlm", 2, {"parallel.zero_stage": 0}),
          ("dp=2 ZeRO-3", "shardlm", 2, {"parallel.zero_stage": 3}),
@@ -83,24 +74,8 @@ KEYS = {"dp0": "dp=2 ZeRO-0", "dp3": "dp=2 ZeRO-3", "tp": "tp=2", "tp-sp": "tp=2
 
 
 def overrides_for(args, dp: int, case: dict, run_dir: str) -> dict:
-    extra = typed_overrides(dict(kv.split("=", 1) for kv in args.set))
-    return {"model.preset": args.preset, "train.micro_batch": args.global_batch // dp,
-            "train.seq_len": args.seq, "train.steps": args.warmup + args.steps,
-            "precision.compute": "fp32", "run.device": "cpu",
-            "run.dir": run_dir, "run.progress": "off", "train.eval_every": 0,
-            "train.sample_tokens": 0, **case, **extra}
-
-
-def timed_steps(step_fn, warmup: int, steps: int) -> dict:
-    """Losses of every step; wall and process CPU seconds (all threads) of each timed step."""
-    losses, seconds, cpu = [], [], []
-    for step in range(warmup + steps):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        losses.append(step_fn(step))
-        if step >= warmup:
-            seconds.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
-    return {"losses": losses, "seconds": seconds, "cpu": cpu}
+    return {"model.preset": args.preset, "train.micro_batch": args.global_batch // dp, "train.seq_len": args.seq,
+            "train.steps": args.warmup + args.steps, **case, **run_overrides(run_dir, args.set)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,16 +84,8 @@ def timed_steps(step_fn, warmup: int, steps: int) -> dict:
 
 def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
     run = build_run(load_config(overrides=overrides).validate())
-    setup_rss, ledgers = peak_rss_bytes(), []
-
-    def step(s: int) -> float:
-        run.strategy.ledger.reset()  # this step's collectives only (setup's are not a step's)
-        loss = train_step(run, s)[0]
-        ledgers.append(run.strategy.ledger.snapshot())
-        return loss
-
-    return {**timed_steps(step, warmup, steps), "setup_rss": setup_rss, "rss": peak_rss_bytes(),
-            "ledgers": ledgers[warmup:]}
+    setup_rss = peak_rss_bytes()
+    return {**train_timed(run, warmup, steps), "setup_rss": setup_rss, "rss": peak_rss_bytes()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,13 +182,8 @@ def torch_rank(rank: int, world: int, overrides: dict, sequence_parallel: bool, 
                steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    cfg = load_config(overrides=overrides).validate()
+    cfg, loader, model = reference_setup(overrides, 0, 1)  # every tensor-parallel rank sees the whole batch
     t = cfg.train
-    torch.manual_seed(t.seed)
-    dataset = build_dataset(cfg.data, cfg.model.vocab_size)
-    loader = Loader(dataset.train, t.seq_len, t.micro_batch, grad_accum=1, seed=t.seed,
-                    dp_rank=0, dp_size=1)  # every tensor-parallel rank sees the whole batch
-    model = build_model(cfg.model, "cpu", seed=t.seed)
     apply_torch_tp(model, init_device_mesh("cpu", (world,)), sequence_parallel)
     optimizer = torch.optim.AdamW(split_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                   eps=t.eps, fused=True)
@@ -236,12 +198,9 @@ def torch_rank(rank: int, world: int, overrides: dict, sequence_parallel: bool, 
         clip_grad_norm(model, t.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        total = loss.detach() / world  # the same on both ranks; one scalar all-reduce as shardlm's
-        dist.all_reduce(total)
-        return float(total)
+        return mean_loss(loss, world)  # the same on both ranks
 
-    return {**timed_steps(step, warmup, steps), "setup_rss": setup_rss, "rss": peak_rss_bytes(),
-            "ledgers": []}
+    return {**timed_steps(step, warmup, steps), "setup_rss": setup_rss, "rss": peak_rss_bytes()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,103 +232,52 @@ def predictions(cfg) -> dict:
     return out
 
 
-def by_group(ledger: dict[str, int]) -> dict[str, int]:
-    groups: dict[str, int] = defaultdict(int)
-    for key, nbytes in ledger.items():
-        groups[key.split("/", 1)[1]] += nbytes
-    return dict(groups)
-
-
-def summarize(ranks: list[dict], tokens_per_step: int) -> dict:
-    """Ranks wait for each other in every collective: the slowest rank's median is the step."""
-    step_s = max(statistics.median(r["seconds"]) for r in ranks)
-    ledgers = ranks[0]["ledgers"]
-    return {"tok_s": tokens_per_step / step_s, "cpu_s": max(statistics.median(r["cpu"]) for r in ranks),
-            "rss": max(r["rss"] for r in ranks),
-            "setup_rss": max(r["setup_rss"] for r in ranks), "first": ranks[0]["losses"][0],
-            "last": ranks[0]["losses"][-1], "ledger": ledgers[-1] if ledgers else None,
-            "ledger_steady": all(led == ledgers[-1] for led in ledgers)}
-
-
-def combine(runs: list[dict]) -> dict:
-    """Repeats of one case: the median tokens/s (and the range), the highest peak RSS; losses
-    and ledgers are the same every time (checked)."""
-    first = runs[0]
-    speeds = sorted(r["tok_s"] for r in runs)
-    same = all(r["first"] == first["first"] and r["ledger"] == first["ledger"] for r in runs)
-    return {**first, "tok_s": statistics.median(speeds), "tok_s_range": (speeds[0], speeds[-1]),
-            "cpu_s": statistics.median(r["cpu_s"] for r in runs),
-            "rss": max(r["rss"] for r in runs), "setup_rss": max(r["setup_rss"] for r in runs),
-            "repeatable": same}
-
-
-def row_text(name: str, m: dict, pred: dict | None, first_ref: float) -> str:
-    def err(p, x):
-        return f"{p:,.0f} ({(p - x) / x:+.0%})"
-
-    if m["ledger"] is None:
-        ledger = "– (not shardlm)"
-    else:
-        ledger = ", ".join(f"{g} {b / MiB:,.2f}" for g, b in sorted(by_group(m["ledger"]).items())) or "0"
-        ledger += "" if m["ledger_steady"] else " (varies by step)"
+def row(name: str, m: dict, pred: dict | None, first_ref: float) -> list[str]:
     formula = "–"
     if pred and pred["formula"] is not None:
         tp_bytes = by_group(m["ledger"]).get("tp", 0)
         formula = f"{pred['formula'] / MiB:,.2f} ({tp_bytes / pred['formula']:.4f})"
-    low, high = m["tok_s_range"]
-    speed = f"{m['tok_s']:,.0f}" + (f" ({low:,.0f}-{high:,.0f})" if high > low else "")
     loss = f"{m['first']:.4f} ({abs(m['first'] - first_ref):.0e})"
     loss += "" if m["repeatable"] else " (differs by run)"
-    return (f"| {name} | {speed} | {m['cpu_s']:.2f} | {err(pred['tok_s'], m['tok_s']) if pred else '–'} | "
-            f"{m['rss'] / MiB:,.0f} | {err(pred['peak'] / MiB, m['rss'] / MiB) if pred else '–'} | "
-            f"{m['setup_rss'] / MiB:,.0f} | {loss} | {m['last']:.4f} | {ledger} | {formula} |")
+    return [name, speed_text(m), f"{m['cpu_s']:.2f}", err(pred["tok_s"], m["tok_s"]) if pred else "–",
+            f"{m['rss'] / MiB:,.0f}", err(pred["peak"] / MiB, m["rss"] / MiB) if pred else "–",
+            f"{m['setup_rss'] / MiB:,.0f}", loss, f"{m['last']:.4f}", ledger_text(m["ledger"], m["ledger_steady"]),
+            formula]
 
 
-def run_case(fn, tmp: str, *args) -> list[dict]:
-    return run_ranks(fn, WORLD, Path(tempfile.mkdtemp(dir=tmp)), *args, timeout=3600)
-
-
-def measure(args, runner: str, dp: int, case, tmp: str, tokens_per_step: int) -> dict:
+def measure(args, case: tuple, tmp: str, tokens_per_step: int) -> dict:
     """One case in fresh processes."""
+    _, runner, dp, spec = case
     if runner == "shardlm":
-        ranks = run_case(shardlm_rank, tmp, overrides_for(args, dp, case, tmp), args.warmup, args.steps)
+        ranks = start_ranks(shardlm_rank, WORLD, tmp, overrides_for(args, dp, spec, tmp), args.warmup, args.steps)
     else:
-        ranks = run_case(torch_rank, tmp, overrides_for(args, dp, {}, tmp), case, args.warmup, args.steps)
+        ranks = start_ranks(torch_rank, WORLD, tmp, overrides_for(args, dp, {}, tmp), spec, args.warmup,
+                            args.steps)
     return summarize(ranks, tokens_per_step)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt2-124m")
+    parser = bench_parser(__doc__, "gpt2-124m", 128)
     parser.add_argument("--global-batch", type=int, default=4, help="sequences per step, every case")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per case")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per case")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="run the case list this many times, round-robin (on a shared machine: "
-                             "the median tokens/s and its range are reported)")
     parser.add_argument("--cases", default=",".join(KEYS), help=f"comma-separated: {', '.join(KEYS)}")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for every case (repeatable), e.g. model.d_model=512")
+    add_step_args(parser, steps=4, warmup=2, repeat=1)
     args = parser.parse_args()
     if args.global_batch % WORLD:
         parser.error(f"--global-batch {args.global_batch} must divide by the {WORLD} data-parallel ranks")
+    unknown = [k for k in args.cases.split(",") if k not in KEYS]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(KEYS)}")
     wanted = {KEYS[k] for k in args.cases.split(",")}
-    cases = [c for c in CASES if c[0] in wanted]
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the ranks
+    cases = {c[0]: c for c in CASES if c[0] in wanted}
     cfg = load_config(overrides=overrides_for(args, 1, {}, "")).validate()
-    build_dataset(cfg.data, cfg.model.vocab_size)  # tokenizer + token stream built once, here
-    threads = max(1, cpu_cores() // WORLD)  # probe the matmul peak here, not inside a rank
-    torch.set_num_threads(threads)
-    peak_flops(torch.device("cpu"), "fp32")
+    threads = prepare(cfg, WORLD)
     tokens_per_step = args.global_batch * args.seq
-    print(f"torch {torch.__version__}, {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
+    print(f"{machine()}; {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
           f"({count_params(cfg.model) / 1e6:.1f}M params), fp32, global batch {args.global_batch}x"
           f"{args.seq}, {args.warmup} warm-up + {args.steps} timed steps, {args.repeat} run(s) per case, "
-          f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}, load average "
-          f"{os.getloadavg()[0]:.1f} at start (other jobs share the machine)", flush=True)
+          f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}", flush=True)
     preds, notes = {}, []
-    for name, runner, dp, case in cases:
+    for name, runner, dp, case in cases.values():
         if runner == "shardlm":
             preds[name] = predictions(load_config(overrides=overrides_for(args, dp, case, "")).validate())
             if "fixed" in preds[name]:
@@ -377,28 +285,19 @@ def main() -> None:
                 notes.append(f"{name}: predict_local models sequence_parallel={preds[name]['strategy_sp']} "
                              f"(config_strategy does not pass parallel.sequence_parallel); passed "
                              f"through: {fixed[0]:,.0f} tok/s, {fixed[1] / MiB:,.0f} MiB")
-    runs = defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeat):
-            for name, runner, dp, case in cases:
-                runs[name].append(measure(args, runner, dp, case, tmp, tokens_per_step))
-                print(f"run {i + 1} {name}: {runs[name][-1]['tok_s']:,.1f} tok/s, "
-                      f"{runs[name][-1]['cpu_s']:.2f} CPU s/step, load average "
-                      f"{os.getloadavg()[0]:.1f}", flush=True)
+        runs = rounds(list(cases), args.repeat, lambda name: measure(args, cases[name], tmp, tokens_per_step))
     header = ("case", "tok/s" + (" median (range)" if args.repeat > 1 else ""),
               "CPU s/step (max rank)", "planner tok/s (err)",
               "peak RSS MiB (max rank)", "planner peak MiB (err)", "setup RSS MiB",
               "step-1 loss (|Δ| vs first row)", "final loss", "ledger MiB/step by group",
               "tp formula MiB/step (ledger / formula)")
-    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    first_ref = None
-    for name, *_ in cases:
-        m = combine(runs[name])
-        first_ref = m["first"] if first_ref is None else first_ref
-        print(row_text(name, m, preds.get(name), first_ref))
+    results = {name: combine(runs[name]) for name in cases}
+    first_ref = next(iter(results.values()))["first"]
+    print("\n" + table(header, [row(name, m, preds.get(name), first_ref) for name, m in results.items()]))
     for note in notes:
         print(f"- {note}")
-    print(f"\nReproduce: PYTHONPATH=src python bench/bench_tp.py {' '.join(sys.argv[1:])}")
+    print(f"\n{reproduce()}")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ import argparse
 import contextlib
 import statistics
 import tempfile
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common import machine, reproduce, run_overrides, table, table_row, timed_steps
 from shardlm.config import load_config
 from shardlm.launch.runtime import cpu_cores
 from shardlm.models import count_params
@@ -90,22 +90,12 @@ def plain_step(model, optimizer, batches, autocast) -> float:
     return total
 
 
-def timed(fn, steps: range) -> list[float]:
-    out = []
-    for step in steps:
-        start = time.perf_counter()
-        fn(step)
-        out.append(time.perf_counter() - start)
-    return out
-
-
 def bench_case(preset: str, precision: str, steps: int, rounds: int, warmup: int) -> dict:
     micro_batch, seq_len = SHAPES.get(preset, (4, 256))
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(overrides={
-            "model.preset": preset, "precision.compute": precision, "train.micro_batch": micro_batch,
-            "train.seq_len": seq_len, "train.steps": 1000, "run.dir": tmp, "run.progress": "off",
-        }).validate()
+            "model.preset": preset, "train.micro_batch": micro_batch, "train.seq_len": seq_len,
+            "train.steps": 1000, **run_overrides(tmp, precision=precision)}).validate()
         run = build_run(cfg)
     m = cfg.model
     plain = PlainGPT(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.max_seq_len)
@@ -118,8 +108,9 @@ def bench_case(preset: str, precision: str, steps: int, rounds: int, warmup: int
     first = {"plain": plain_step(plain, plain_opt, batches[0], autocast), "shardlm": train_step(run, 0)[0]}
     for r in range(rounds):
         span = range(r * (steps + warmup), (r + 1) * (steps + warmup))
-        times["plain"] += timed(lambda s: plain_step(plain, plain_opt, batches[s], autocast), span)[warmup:]
-        times["shardlm"] += timed(lambda s: train_step(run, s), span)[warmup:]
+        times["plain"] += timed_steps(lambda i, span=span: plain_step(plain, plain_opt, batches[span[i]], autocast),
+                                      warmup, steps)["seconds"]
+        times["shardlm"] += timed_steps(lambda i, span=span: train_step(run, span[i]).loss, warmup, steps)["seconds"]
     tokens = micro_batch * seq_len
     flops = run.flops_per_token * tokens
     row = {"preset": preset, "params_M": count_params(m) / 1e6, "precision": precision,
@@ -142,18 +133,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per round")
     args = parser.parse_args()
     torch.set_num_threads(cpu_cores())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    print(f"{machine()}; {torch.get_num_threads()} threads, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
     header = ("preset", "params", "prec", "batch", "plain tok/s", "shardlm tok/s", "ratio",
               "plain MFU", "shardlm MFU", "peak GFLOP/s", "|Δ first loss|")
-    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    print(table(header, []))
     for preset in args.presets.split(","):
         for precision in args.precisions.split(","):
             r = bench_case(preset, precision, args.steps, args.rounds, args.warmup)
-            print(f"| {r['preset']} | {r['params_M']:.1f}M | {r['precision']} | {r['batch']} | "
-                  f"{r['plain_tok_s']:,.0f} | {r['shardlm_tok_s']:,.0f} | {r['ratio']:.2f}x | "
-                  f"{r['plain_mfu']:.1%} | {r['shardlm_mfu']:.1%} | {r['peak_gflops']:.0f} | {r['first_loss_diff']:.1e} |", flush=True)
-
+            print(table_row([r["preset"], f"{r['params_M']:.1f}M", r["precision"], r["batch"],
+                             f"{r['plain_tok_s']:,.0f}", f"{r['shardlm_tok_s']:,.0f}", f"{r['ratio']:.2f}x",
+                             f"{r['plain_mfu']:.1%}", f"{r['shardlm_mfu']:.1%}", f"{r['peak_gflops']:.0f}",
+                             f"{r['first_loss_diff']:.1e}"]), flush=True)
+    print(f"\n{reproduce()}")
 
 if __name__ == "__main__":
     main()

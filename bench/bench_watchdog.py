@@ -51,14 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=5000)
     args = parser.parse_args(argv)
-    from shardlm.launch.spawn import run_ranks
+    from common import machine, reproduce, start_ranks  # after src is on sys.path
 
     with tempfile.TemporaryDirectory() as tmp:
-        (r,) = run_ranks(_measure, 1, Path(tmp), args.calls, timeout=600)
-    print(f"{r['backend']} on {r['device']}, {args.calls} all_reduce + wait of 16 elements, host us per call:")
+        (r,) = start_ranks(_measure, 1, tmp, args.calls, timeout=600)
+    print(f"{machine()}\n{r['backend']} on {r['device']}, {args.calls} all_reduce + wait of 16 elements, host us per call:")
     print(f"  no watchdog {r['none']:.1f} / {r['none again']:.1f} (before / after), with the watchdog "
           f"{r['watchdog']:.1f}: +{r['watchdog'] - (r['none'] + r['none again']) / 2:.1f} us; "
           f"entries left once the device finished: {r['pending_at_end']}")
+    print(reproduce())
     return 0
 
 

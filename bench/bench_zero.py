@@ -40,26 +40,19 @@ Reproduce:  PYTHONPATH=src python bench/bench_zero.py                       (gpt
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
-import sys
 import tempfile
-import time
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardlm.config import load_config, typed_overrides
-from shardlm.data import Loader, build_dataset
-from shardlm.launch.runtime import cpu_cores
-from shardlm.models import build_model, count_params
+from common import (MiB, add_step_args, bench_parser, machine, mean_loss, peak_rss_bytes, prepare, reference_setup, reproduce,
+                    run_overrides, start_ranks, summarize, table, table_row, timed_steps, train_timed)
+from shardlm.config import load_config
+from shardlm.data import Loader
+from shardlm.models import count_params
+from shardlm.train.loop import build_run
 from shardlm.zero.optim import lr_at, param_groups, set_lr
-from shardlm.launch.spawn import run_ranks
-from shardlm.train.telemetry import peak_flops, peak_rss_bytes
-from shardlm.train.loop import build_run, train_step
 
 WORLD = 2
 # (case, shardlm's overrides, torch reference); the reference names are what torch_rank
@@ -70,34 +63,18 @@ CASES = [("0", {"parallel.zero_stage": 0}, "DDP"),
          ("2", {"parallel.zero_stage": 2}, FSDP2_ZERO2),
          ("2f", {"parallel.zero_stage": 3, "parallel.reshard_after_forward": False}, FSDP2_ZERO2),
          ("3", {"parallel.zero_stage": 3}, FSDP2_ZERO3)]
-MiB = 2**20
 
 
 def overrides_for(args, case: dict, run_dir: str) -> dict:
-    extra = typed_overrides(dict(kv.split("=", 1) for kv in args.set))
-    return {"model.preset": args.preset, "train.micro_batch": args.micro_batch,
-            "train.seq_len": args.seq, "train.steps": args.warmup + args.steps,
-            "precision.compute": "fp32", "run.device": "cpu",
-            "run.dir": run_dir, "run.progress": "off", "train.eval_every": 0,
-            "train.sample_tokens": 0, **case, **extra}
-
-
-def timed_steps(step_fn, warmup: int, steps: int) -> tuple[list[float], list[float]]:
-    """(losses of every step, seconds of each timed step)."""
-    losses, seconds = [], []
-    for step in range(warmup + steps):
-        start = time.perf_counter()
-        losses.append(step_fn(step))
-        if step >= warmup:
-            seconds.append(time.perf_counter() - start)
-    return losses, seconds
+    return {"model.preset": args.preset, "train.micro_batch": args.micro_batch, "train.seq_len": args.seq,
+            "train.steps": args.warmup + args.steps, **case, **run_overrides(run_dir, args.set)}
 
 
 def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
     run = build_run(load_config(overrides=overrides).validate())
     setup_rss = peak_rss_bytes()
-    losses, seconds = timed_steps(lambda s: train_step(run, s)[0], warmup, steps)
-    return {"losses": losses, "seconds": seconds, "setup_rss": setup_rss, "rss": peak_rss_bytes(),
+    out = train_timed(run, warmup, steps)
+    return {**out, "setup_rss": setup_rss, "rss": peak_rss_bytes(),
             "state": sum(run.strategy.model_state_bytes().values())}
 
 
@@ -140,9 +117,7 @@ def torch_step(forward, model, optimizer, loader: Loader, cfg, step: int, held: 
     optimizer.step()
     held["state"] = torch_state_bytes(model, optimizer)
     optimizer.zero_grad(set_to_none=True)
-    total = loss.detach() / WORLD
-    dist.all_reduce(total)
-    return float(total)
+    return mean_loss(loss, WORLD)
 
 
 def local_bytes(tensors) -> int:
@@ -161,75 +136,45 @@ def torch_state_bytes(model, optimizer) -> int:
 
 def torch_rank(rank: int, world: int, overrides: dict, reference: str, warmup: int,
                steps: int) -> dict:
-    cfg = load_config(overrides=overrides).validate()
-    t = cfg.train
-    torch.manual_seed(t.seed)
-    dataset = build_dataset(cfg.data, cfg.model.vocab_size)
-    loader = Loader(dataset.train, t.seq_len, t.micro_batch, grad_accum=1, seed=t.seed,
-                    dp_rank=rank, dp_size=world)
-    model = build_model(cfg.model, "cpu", seed=t.seed)
+    cfg, loader, model = reference_setup(overrides, rank, world)
     forward, optimizer = wrap_torch(model, reference, cfg)
     setup_rss, held = peak_rss_bytes(), {}
-    losses, seconds = timed_steps(
-        lambda s: torch_step(forward, model, optimizer, loader, cfg, s, held), warmup, steps)
-    return {"losses": losses, "seconds": seconds, "setup_rss": setup_rss, "rss": peak_rss_bytes(),
-            "state": held["state"]}
+    out = timed_steps(lambda s: torch_step(forward, model, optimizer, loader, cfg, s, held), warmup, steps)
+    return {**out, "setup_rss": setup_rss, "rss": peak_rss_bytes(), "state": held["state"]}
 
 
-def summarize(ranks: list[dict], tokens_per_step: int) -> dict:
-    """Ranks wait for each other in every collective: the slowest rank's median is the step."""
-    step_s = max(statistics.median(r["seconds"]) for r in ranks)
-    return {"tok_s": tokens_per_step / step_s, "rss": max(r["rss"] for r in ranks),
-            "setup_rss": max(r["setup_rss"] for r in ranks), "state": ranks[0]["state"],
-            "first": ranks[0]["losses"][0], "last": ranks[0]["losses"][-1]}
+def measure(fn, tmp: str, tokens_per_step: int, *args) -> dict:
+    """One side of a case in fresh processes; rank 0's model-state bytes beside the summary."""
+    ranks = start_ranks(fn, WORLD, tmp, *args, timeout=1800)
+    return {**summarize(ranks, tokens_per_step), "state": ranks[0]["state"]}
 
 
-def run_case(fn, tmp: str, *args) -> list[dict]:
-    # A fresh rendezvous directory per case: run_ranks names its file by pid and id(fn), which
-    # repeat across cases.
-    case_dir = tempfile.mkdtemp(dir=tmp)
-    return run_ranks(fn, WORLD, Path(case_dir), *args, timeout=1800)
-
-
-def row_text(case: str, reference: str, ref: dict, ours: dict, ddp_first: float) -> str:
-    return (f"| {case} | {reference} | {ref['tok_s']:,.0f} | {ours['tok_s']:,.0f} | "
-            f"{ours['tok_s'] / ref['tok_s']:.2f} | {ref['rss'] / MiB:,.0f} | {ours['rss'] / MiB:,.0f} | "
-            f"{ours['rss'] / ref['rss']:.2f} | {ref['setup_rss'] / MiB:,.0f} / {ours['setup_rss'] / MiB:,.0f} | "
-            f"{ref['state'] / MiB:,.1f} | {ours['state'] / MiB:,.1f} | "
-            f"{abs(ref['first'] - ddp_first):.1e} / {abs(ours['first'] - ddp_first):.1e} | "
-            f"{ref['last']:.4f} / {ours['last']:.4f} |")
+def row(case: str, reference: str, ref: dict, ours: dict, ddp_first: float) -> list[str]:
+    return [case, reference, f"{ref['tok_s']:,.0f}", f"{ours['tok_s']:,.0f}", f"{ours['tok_s'] / ref['tok_s']:.2f}",
+            f"{ref['rss'] / MiB:,.0f}", f"{ours['rss'] / MiB:,.0f}", f"{ours['rss'] / ref['rss']:.2f}",
+            f"{ref['setup_rss'] / MiB:,.0f} / {ours['setup_rss'] / MiB:,.0f}",
+            f"{ref['state'] / MiB:,.1f}", f"{ours['state'] / MiB:,.1f}",
+            f"{abs(ref['first'] - ddp_first):.1e} / {abs(ours['first'] - ddp_first):.1e}",
+            f"{ref['last']:.4f} / {ours['last']:.4f}"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt2-124m")
-    parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per case")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per case")
+    parser = bench_parser(__doc__, "gpt2-124m", 128, 2)
     parser.add_argument("--stages", default="0,1,2,2f,3",
                         help="cases to run (0, 1, 2, 2f, 3: see the docstring)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for both sides (repeatable), e.g. model.d_model=512")
+    add_step_args(parser, steps=5, warmup=2)
     args = parser.parse_args()
-    # Inherited by the spawned ranks: large freed blocks go back to the OS (see the docstring).
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     cfg = load_config(overrides=overrides_for(args, {}, "")).validate()
-    build_dataset(cfg.data, cfg.model.vocab_size)  # tokenizer + token stream built once, here
-    # build_run looks up the CPU's matmul peak (for MFU), probing with 3 matrices of 16 MiB on a
-    # cache miss. Probed here at the ranks' thread count, so no rank's peak RSS includes it.
-    threads = max(1, cpu_cores() // WORLD)
-    torch.set_num_threads(threads)
-    peak_flops(torch.device("cpu"), "fp32")
+    threads = prepare(cfg, WORLD)
     tokens_per_step = args.micro_batch * args.seq * WORLD
-    print(f"torch {torch.__version__}, {WORLD} gloo ranks x {threads} "
-          f"thread(s), {args.preset} ({count_params(cfg.model) / 1e6:.1f}M params), fp32, "
-          f"batch {WORLD}x{args.micro_batch}x{args.seq}, {args.warmup} warm-up + {args.steps} timed steps, "
+    print(f"{machine()}; {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
+          f"({count_params(cfg.model) / 1e6:.1f}M params), fp32, batch {WORLD}x{args.micro_batch}x{args.seq}, "
+          f"{args.warmup} warm-up + {args.steps} timed steps, "
           f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}")
     header = ("case", "torch reference", "torch tok/s", "shardlm tok/s", "tok/s ratio",
               "torch peak RSS MiB", "shardlm peak RSS MiB", "RSS ratio", "setup RSS MiB t / s",
               "torch state MiB", "shardlm state MiB", "|Δ first loss| t / s", "final loss t / s")
-    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
+    print(table(header, []), flush=True)  # rows follow as the cases finish (each takes minutes)
     ddp_first, refs = None, {}
     wanted = args.stages.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -238,14 +183,13 @@ def main() -> None:
                 continue
             overrides = overrides_for(args, case, tmp)
             if reference not in refs:
-                refs[reference] = summarize(run_case(torch_rank, tmp, overrides, reference,
-                                                     args.warmup, args.steps), tokens_per_step)
+                refs[reference] = measure(torch_rank, tmp, tokens_per_step, overrides, reference,
+                                          args.warmup, args.steps)
             ref = refs[reference]
-            ours = summarize(run_case(shardlm_rank, tmp, overrides, args.warmup, args.steps),
-                             tokens_per_step)
+            ours = measure(shardlm_rank, tmp, tokens_per_step, overrides, args.warmup, args.steps)
             ddp_first = ref["first"] if ddp_first is None else ddp_first
-            print(row_text(name, reference, ref, ours, ddp_first), flush=True)
-    print(f"\nReproduce: PYTHONPATH=src python bench/bench_zero.py {' '.join(sys.argv[1:])}")
+            print(table_row(row(name, reference, ref, ours, ddp_first)), flush=True)
+    print(f"\n{reproduce()}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import subprocess
@@ -266,6 +265,8 @@ def run_bench(args, out: Path, deadline: float) -> tuple[list[dict], float | Non
 
 
 def markdown(report: dict) -> str:
+    from common import table  # bench/ is on sys.path: this script's own directory
+
     env, lines = report["environment"], []
     lines.append(f"# GPU check — {env.get('gpu', 'no GPU')} ({report['date']})\n")
     lines.append(f"torch {env['torch']} (CUDA {env['cuda']}), Python {env['python']}, transformers "
@@ -287,18 +288,17 @@ def markdown(report: dict) -> str:
         lines.append(f"## Benchmark: {report['bench_shape']}\n")
         lines.append(f"Measured 8192³ bf16 matmul: {matmul:.0f} TFLOP/s. MFU against 989 TFLOP/s "
                      f"(dense bf16 peak) and against that matmul.\n" if matmul else "")
-        lines.append("| configuration | tokens/s | step (s) | MFU (989) | MFU (matmul) | peak memory (GiB) "
-                     "| first losses | warm-up (s) |")
-        lines.append("|---|---:|---:|---:|---:|---:|---|---:|")
+        cells = []
         for row in rows:
             if "error" in row:
-                lines.append(f"| {row['name']} | — | — | — | — | — | {row['error'][:200]!s} | — |")
+                cells.append([row["name"], "—", "—", "—", "—", "—", str(row["error"][:200]), "—"])
                 continue
             losses = ", ".join(f"{x:.4f}" for x in row["losses"][:3])
             of_matmul = f"{row['mfu_of_matmul']:.1%}" if row.get("mfu_of_matmul") else "—"
-            lines.append(f"| {row['name']} | {row['tokens_per_s']:,.0f} | {row['step_s']:.3f} | "
-                         f"{row['mfu']:.1%} | {of_matmul} | {row['peak_device_bytes'] / 2**30:.1f} | "
-                         f"{losses} | {row['warmup_s']:.1f} |")
+            cells.append([row["name"], f"{row['tokens_per_s']:,.0f}", f"{row['step_s']:.3f}", f"{row['mfu']:.1%}",
+                          of_matmul, f"{row['peak_device_bytes'] / 2**30:.1f}", losses, f"{row['warmup_s']:.1f}"])
+        lines.append(table(("configuration", "tokens/s", "step (s)", "MFU (989)", "MFU (matmul)",
+                            "peak memory (GiB)", "first losses", "warm-up (s)"), cells))
         by = {r["name"]: r for r in rows if "tokens_per_s" in r}
         ratios = [(a, b) for a, b in (("shardlm", "plain"), ("shardlm+compile", "plain+compile"))
                   if a in by and b in by]

@@ -28,6 +28,8 @@ import time
 import uuid
 from pathlib import Path
 
+from common import machine, reproduce, table
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--precision.compute=fp32", "--train.seq_len=64", "--train.micro_batch=8", "--train.steps=3",
         "--train.warmup_steps=1", "--train.eval_every=0", "--train.eval_batches=2",
@@ -99,7 +101,8 @@ def classify(code: int, text: str) -> str:
     return "ok" if code == 0 else "failed"
 
 
-def reproduce(config: str) -> str:
+def reproduce_config(config: str) -> str:
+    """The one command a row stands for, as a user types it."""
     if config == "torchrun-agents":
         line = agents_command(config, Path("runs"), 29400, "job")
         return ("two agents (c10d store on 127.0.0.1:29400, is_host=0: host it, as this script "
@@ -132,15 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((config, counts, time.monotonic() - start))
         if first_bad:
             print(f"--- {config}: the first bad run's output (tail):\n{first_bad}", file=sys.stderr)
-    print("\n| configuration | runs | aborted (SIGABRT at exit) | other failures | s / run | reproduce |")
-    print("|---|---|---|---|---|---|")
-    for config, counts, seconds in rows:
-        runs = sum(counts.values())
-        print(f"| {config} | {runs} | {counts['aborted']} | {counts['failed']} | "
-              f"{seconds / max(1, runs):.1f} | {reproduce(config)} |")
-    print(f"\n`python bench/stress_exit.py --repeat {args.repeat}"
-          f"{''.join(f' --only {c}' for c in args.only or [])}` (PYTHONPATH=src), "
-          f"{datetime.date.today()}, {os.cpu_count()} CPUs")
+    header = ("configuration", "runs", "aborted (SIGABRT at exit)", "other failures", "s / run", "reproduce")
+    print("\n" + table(header, [[config, sum(counts.values()), counts["aborted"], counts["failed"],
+                                 f"{seconds / max(1, sum(counts.values())):.1f}", reproduce_config(config)]
+                                for config, counts, seconds in rows]))
+    print(f"\n{datetime.date.today()}, {machine()}\n{reproduce()}")
     return 0 if all(c["aborted"] == c["failed"] == 0 for _, c, _ in rows) else 1
 
 

@@ -1,0 +1,298 @@
+"""The bench toolkit: one way to start ranks, time steps, read memory and ledgers, and print a
+table. Every bench script imports it (`python bench/x.py` puts bench/ on sys.path first).
+
+A bench script is: bench_parser + add_step_args -> prepare() once in the parent -> for each case a
+`measure(case)` that runs a module-level rank function through start_ranks and returns
+summarize(ranks, tokens) -> rounds() over the cases -> table() of combine()d results ->
+machine() and reproduce(). The rank function builds its run, then calls timed_steps (or
+train_timed for shardlm's own train_step, which also reads each step's byte ledger).
+
+Rules every figure here follows:
+- Every case runs in fresh processes: peak RSS is a per-process high-water mark.
+- MALLOC_MMAP_THRESHOLD_=65536 unless the environment sets it (inherited by the ranks): glibc
+  then serves blocks >= 64 KiB with mmap and returns them on free, so RSS follows what is alive.
+- Ranks run max(1, cores // ranks) threads each (shardlm.launch.spawn does it); the parent probes
+  the matmul peak and builds the dataset once at that thread count, so no rank's RSS holds them.
+- Ranks wait for each other every step: a step takes the slowest rank's median; memory is the
+  highest rank's. Repeats run in interleaved rounds (A B C, B C A, ...) so that load
+  from other jobs on a shared machine hits every case alike; tokens/s is their median (range).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from shardlm.config import typed_overrides
+from shardlm.launch.runtime import cpu_cores
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.telemetry import peak_rss_bytes, reset_peak_rss  # noqa: F401 (the benches take both from here)
+
+MiB, GiB = 2**20, 2**30
+MMAP_THRESHOLD = "65536"
+
+
+# -- ranks -------------------------------------------------------------------------------------
+
+def threads_per_rank(ranks: int) -> int:
+    """What shardlm.launch.spawn gives each rank: the cores split evenly, at least one."""
+    return max(1, cpu_cores() // ranks)
+
+
+def prepare(cfg, ranks: int, mmap_threshold: str | None = MMAP_THRESHOLD, precision: str = "fp32") -> int:
+    """Before any rank starts: MALLOC_MMAP_THRESHOLD_ (unless set; None: leave it), the dataset
+    (tokenizer and token stream, cached for the ranks) and the CPU's matmul peak (build_run looks
+    it up for MFU, probing with 3 matrices of 16 MiB on a cache miss) made here at the ranks'
+    thread count. Returns that thread count."""
+    from shardlm.data import build_dataset
+    from shardlm.train.telemetry import peak_flops
+
+    if mmap_threshold is not None:
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", mmap_threshold)
+    build_dataset(cfg.data, cfg.model.vocab_size)
+    threads = threads_per_rank(ranks)
+    torch.set_num_threads(threads)
+    peak_flops(torch.device("cpu"), precision)
+    return threads
+
+
+def start_ranks(fn: Callable, ranks: int, tmp: str | Path, *args, timeout: float = 3600) -> list:
+    """`fn(rank, ranks, *args)` on `ranks` fresh processes (run_ranks: gloo, file rendezvous in a
+    new directory under `tmp`); their results by rank."""
+    return run_ranks(fn, ranks, Path(tempfile.mkdtemp(dir=tmp)), *args, timeout=timeout)
+
+
+def run_overrides(run_dir: str | Path, sets: list[str] = (), precision: str = "fp32") -> dict:
+    """The overrides every measured shardlm run shares (on the CPU, no progress bar, no eval, no
+    samples), then the user's --set KEY=VALUE ones, which win."""
+    return {"precision.compute": precision, "run.device": "cpu", "run.dir": str(run_dir),
+            "run.progress": "off", "train.eval_every": 0, "train.sample_tokens": 0,
+            **typed_overrides(dict(kv.split("=", 1) for kv in sets))}
+
+
+def bench_parser(doc: str, preset: str, seq: int, micro_batch: int | None = None,
+                 micro_help: str = "sequences per rank per micro-batch") -> argparse.ArgumentParser:
+    """The argument parser every bench starts from: its docstring as --help, --preset, --seq and
+    (where given) --micro-batch with this bench's defaults."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default=preset, help="the model (shardlm.config.presets)")
+    parser.add_argument("--seq", type=int, default=seq, help="tokens per sequence (train.seq_len)")
+    if micro_batch is not None:
+        parser.add_argument("--micro-batch", type=int, default=micro_batch, help=micro_help)
+    return parser
+
+
+def add_step_args(parser, steps: int, warmup: int, repeat: int | None = None) -> None:
+    """--steps, --warmup, --set (and --repeat where given) as every bench spells them."""
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps per case")
+    if repeat is not None:
+        parser.add_argument("--repeat", type=int, default=repeat,
+                            help="rounds over the case list (interleaved; median tokens/s and range)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every case (repeatable), e.g. model.d_model=512")
+
+
+def reference_setup(overrides: dict, dp_rank: int, dp_size: int):
+    """A torch reference side's start, as shardlm's run starts: (the validated config, shardlm's
+    Loader over this data-parallel rank's slice of each global batch, the same model built
+    whole from the same seed)."""
+    from shardlm.config import load_config
+    from shardlm.data import Loader, build_dataset
+    from shardlm.models import build_model
+
+    cfg = load_config(overrides=overrides).validate()
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    dataset = build_dataset(cfg.data, cfg.model.vocab_size)
+    loader = Loader(dataset.train, t.seq_len, t.micro_batch, grad_accum=t.grad_accum, seed=t.seed,
+                    dp_rank=dp_rank, dp_size=dp_size)
+    return cfg, loader, build_model(cfg.model, "cpu", seed=t.seed)
+
+
+def mean_loss(loss, world: int) -> float:
+    """A reference step's loss averaged over the ranks for the report, as shardlm's train_step does
+    (one scalar all-reduce on both sides)."""
+    import torch.distributed as dist
+
+    total = loss.detach().reshape(1) / world
+    dist.all_reduce(total)
+    return float(total[0])
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+def timed_steps(step_fn: Callable[[int], float], warmup: int, steps: int, after=None) -> dict:
+    """Losses of every step; wall and process CPU seconds (all threads) of each timed step;
+    `after(step, seconds)`, if given, runs after each step, outside the timing."""
+    losses, seconds, cpu = [], [], []
+    for step in range(warmup + steps):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        losses.append(step_fn(step))
+        wall, used = time.perf_counter() - start, time.process_time() - start_cpu
+        if step >= warmup:
+            seconds.append(wall)
+            cpu.append(used)
+        if after is not None:
+            after(step, wall)
+    return {"losses": losses, "seconds": seconds, "cpu": cpu}
+
+
+def train_timed(run, warmup: int, steps: int, after=None) -> dict:
+    """timed_steps over shardlm's train_step, with each timed step's byte ledger (reset before
+    the step, so setup's collectives are not a step's); `after(step, seconds, result)`."""
+    from shardlm.train.loop import train_step
+
+    ledgers, results = [], []
+
+    def step(s: int) -> float:
+        run.strategy.ledger.reset()
+        results.append(train_step(run, s))
+        return results[-1].loss
+
+    def read(s: int, seconds: float) -> None:
+        ledgers.append(run.strategy.ledger.snapshot())
+        if after is not None:
+            after(s, seconds, results[-1])
+
+    return {**timed_steps(step, warmup, steps, read), "ledgers": ledgers[warmup:]}
+
+
+# -- memory and ledgers ------------------------------------------------------------------------
+
+def proc_status(field: str) -> int:
+    """One memory line of /proc/self/status (VmRSS, VmHWM, RssAnon, ...) in bytes (Linux)."""
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def peak_rss() -> int:
+    """This process's RSS high-water mark (VmHWM; it follows reset_peak_rss), else ru_maxrss."""
+    try:
+        return proc_status("VmHWM")
+    except OSError:
+        return peak_rss_bytes()
+
+
+def by_group(ledger: dict[str, int]) -> dict[str, int]:
+    """A ledger ('op/group' -> bytes) summed by group."""
+    groups: dict[str, int] = defaultdict(int)
+    for key, nbytes in ledger.items():
+        groups[key.split("/", 1)[1]] += nbytes
+    return dict(groups)
+
+
+def ledger_text(ledger: dict | None, steady: bool = True) -> str:
+    """'group MiB, ...' of one step's ledger; '–' for a run without one (not shardlm)."""
+    if ledger is None:
+        return "– (not shardlm)"
+    text = ", ".join(f"{g} {b / MiB:,.2f}" for g, b in sorted(by_group(ledger).items())) or "0"
+    return text + ("" if steady else " (varies by step)")
+
+
+# -- summaries ---------------------------------------------------------------------------------
+
+def summarize(ranks: list[dict], tokens_per_step: int) -> dict:
+    """One case's ranks -> one result: the slowest rank's median step (tokens/s), the highest
+    rank's median CPU seconds and memory marks, rank 0's losses and last ledger."""
+    step_s = max(statistics.median(r["seconds"]) for r in ranks)
+    ledgers = ranks[0].get("ledgers") or []
+    out = {"tok_s": tokens_per_step / step_s, "step_s": step_s,
+           "first": ranks[0]["losses"][0], "last": ranks[0]["losses"][-1],
+           "ledger": ledgers[-1] if ledgers else None,
+           "ledger_steady": all(led == ledgers[-1] for led in ledgers)}
+    if "cpu" in ranks[0]:
+        out["cpu_s"] = max(statistics.median(r["cpu"]) for r in ranks)
+    for key in ("rss", "setup_rss"):
+        if key in ranks[0]:
+            out[key] = max(r[key] for r in ranks)
+    return out
+
+
+def combine(runs: list[dict]) -> dict:
+    """Repeats of one case: median tokens/s (and its range) and CPU seconds, the highest memory
+    marks; `repeatable` says whether losses and ledgers came out the same every time."""
+    first = runs[0]
+    speeds = sorted(r["tok_s"] for r in runs)
+    out = {**first, "tok_s": statistics.median(speeds), "tok_s_range": (speeds[0], speeds[-1]),
+           "repeatable": all((r["first"], r["last"], r["ledger"]) == (first["first"], first["last"],
+                                                                     first["ledger"]) for r in runs)}
+    if "cpu_s" in first:
+        out["cpu_s"] = statistics.median(r["cpu_s"] for r in runs)
+    for key in ("rss", "setup_rss"):
+        if key in first:
+            out[key] = max(r[key] for r in runs)
+    return out
+
+
+def rounds(keys: list, repeat: int, measure: Callable, label: Callable = str,
+           note: Callable | None = None) -> dict[object, list]:
+    """measure(key) for every key, `repeat` rounds of the whole list, each round starting one case
+    further on (A B C, B C A, ...): load from other jobs comes and goes, and so hits every case
+    alike. A progress line per run (`note(result)`, default its speed and losses).
+    {key: [result of each round]}."""
+    runs: dict[object, list] = defaultdict(list)
+    start = time.perf_counter()
+    for i in range(repeat):
+        for key in keys[i % len(keys):] + keys[:i % len(keys)]:
+            m = measure(key)
+            runs[key].append(m)
+            print(f"round {i + 1} {label(key)}: {(note or step_note)(m)}, load average "
+                  f"{os.getloadavg()[0]:.1f}, {time.perf_counter() - start:.0f} s so far", flush=True)
+    return runs
+
+
+def step_note(m: dict) -> str:
+    cpu = f", {m['cpu_s']:.2f} CPU s/step" if "cpu_s" in m else ""
+    return f"{m['tok_s']:,.1f} tok/s{cpu}, loss {m['first']:.4f} -> {m['last']:.4f}"
+
+
+def speed_text(m: dict, digits: int = 0) -> str:
+    """A combined result's tokens/s: 'median (low-high)' where the rounds differ."""
+    low, high = m.get("tok_s_range", (m["tok_s"], m["tok_s"]))
+    return f"{m['tok_s']:,.{digits}f}" + (f" ({low:,.{digits}f}-{high:,.{digits}f})" if high > low else "")
+
+
+def err(predicted: float, measured: float) -> str:
+    """A prediction beside its relative error against the measurement."""
+    return f"{predicted:,.0f} ({(predicted - measured) / measured:+.0%})"
+
+
+# -- the report --------------------------------------------------------------------------------
+
+def machine() -> str:
+    """The CPU model (lscpu), the cores this process may use, torch's version, the load."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+        model = re.search(r"Model name:\s*(.+)", text).group(1).strip()
+    except (OSError, subprocess.SubprocessError, AttributeError):
+        model = "CPU model unknown (no lscpu)"
+    return (f"{model}, {cpu_cores()} cores, torch {torch.__version__}, "
+            f"load average {os.getloadavg()[0]:.1f} (other jobs may share the machine)")
+
+
+def table_row(cells) -> str:
+    """One markdown table line."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def table(header: tuple | list, rows: list) -> str:
+    """A markdown table: the header line, its rule, then the rows (sequences of cells)."""
+    return "\n".join([table_row(header), "|" + "---|" * len(header), *map(table_row, rows)])
+
+
+def reproduce() -> str:
+    """The exact command that ran this bench (from the repository root)."""
+    return f"Reproduce: PYTHONPATH=src python {shlex.join(sys.argv)}"
