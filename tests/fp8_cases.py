@@ -60,7 +60,7 @@ def tp_linears_case(rank: int, world_size: int, sequence_parallel: bool) -> dict
     from shardlm.parallel.tensor import _with_fp8
     from shardlm.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
     from shardlm.parallel.tensor_regions import TPState
-    from shardlm.checkpoint.placement import even_range
+    from shardlm.models.placement import even_range
 
     torch.manual_seed(0)
     d, hidden = 32, 48

@@ -111,7 +111,7 @@ def test_mixtral_with_ep2_matches_one_process(tmp_path):
     2 steps within 1e-5 relative (fp32; the experts' rows grouped differently)."""
     from shardlm.checkpoint.hf_names import hf_initializer
     from shardlm.models.decoder import Decoder
-    from shardlm.checkpoint.placement import Split
+    from shardlm.models.placement import Split
 
     steps = 2
     hf_dir, _ = make_moe_dir(tmp_path, "mixtral")

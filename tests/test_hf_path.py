@@ -149,7 +149,7 @@ def test_a_tensor_parallel_rank_reads_only_its_rows(tmp_path):
     copied out exactly the piece's elements (q, k and v ranges from three HF tensors included)."""
     from shardlm.checkpoint.hf_names import hf_initializer
     from shardlm.models.decoder import build_model
-    from shardlm.checkpoint.placement import Split
+    from shardlm.models.placement import Split
 
     hf_dir, _ = make_hf_dir(tmp_path, "llama")
     cfg = load_config(overrides=overrides(tmp_path, hf_dir))

@@ -134,7 +134,7 @@ def lora_layers_case(rank: int, sequence_parallel: bool) -> dict:
     from shardlm.models.lora import LoRALinear
     from shardlm.parallel.tensor import _column, _row
     from shardlm.parallel.tensor_regions import TPState
-    from shardlm.checkpoint.placement import even_range
+    from shardlm.models.placement import even_range
 
     torch.manual_seed(0)
     d, h, r, tokens = 8, 12, 2, 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardlm.checkpoint.placement import Split
+from shardlm.models.placement import Split
 
 
 def cross_entropy_case(rank: int, world_size: int, vocab: int, ignored: bool = False) -> dict:
@@ -16,7 +16,7 @@ def cross_entropy_case(rank: int, world_size: int, vocab: int, ignored: bool = F
     from shardlm.comm.collectives import Comm, CommLedger
     from shardlm.parallel.tensor_layers import VocabParallelHead, vocab_parallel_cross_entropy
     from shardlm.parallel.tensor_regions import TPState
-    from shardlm.checkpoint.placement import even_range
+    from shardlm.models.placement import even_range
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, vocab, generator=g) * 4

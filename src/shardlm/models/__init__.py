@@ -3,7 +3,8 @@
 The names below are imported on first use (PEP 562), so importing a light submodule
 (`shardlm.config.presets`, `shardlm.models.flops`: config and the planner) does not import the
 decoder and with it torch (~2 s). Also here: fp8.py and precision.py (the compute dtype's
-autocast and loss scaler), quant.py (QLoRA's base). Imports config, launch, hardware, comm, data.
+autocast and loss scaler), quant.py (QLoRA's base), placement.py (where a rank's piece of a
+parameter sits in the whole). Imports config, launch, hardware, comm, data.
 """
 
 from __future__ import annotations

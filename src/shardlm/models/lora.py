@@ -28,7 +28,7 @@ from torch import nn
 
 from shardlm.errors import ConfigError
 from shardlm.models.init import Initializer, parameter_generator
-from shardlm.models.quant import QuantFormat, dequantize, quantized_linear
+from shardlm.models.quant import QuantFormat, quantized_linear, weight_of
 
 log = logging.getLogger("shardlm")
 
@@ -74,7 +74,7 @@ class LoRALinear(nn.Module):
             base = quantized_linear(x, self.weight_q, self.bias, self.quant)
         else:  # fp8 keeps the fp32 dequantised weight for backward (not the bytes, as QLoRA alone)
             with torch.no_grad():
-                weight = dequantize(self.weight_q, self.quant, torch.float32)  # (out, in)
+                weight = weight_of(self.weight_q, self.quant, torch.float32)  # (out, in)
             base = self.fp8.linear(x, weight, self.bias)
         return base + self.scaling * update
 

@@ -43,7 +43,7 @@ from torch import nn
 from shardlm.config import ModelConfig
 from shardlm.models.expert_matmul import expert_linear
 from shardlm.models.flops import expert_d_ff
-from shardlm.models.quant import QuantFormat, quantized_linear
+from shardlm.models.quant import QuantFormat, quantized_linear, weight_of
 
 
 @dataclass
@@ -186,11 +186,16 @@ class Experts(nn.Module):
         bias = getattr(self, f"{name}_bias", None)
         bias = None if bias is None else bias[e]
         fmt = self.quant.get(name) if self.quant else None
-        if fmt is not None:
+        if fmt is None:
+            weight = getattr(self, name)[e]
+        elif self.fp8 is None:
             return quantized_linear(x, getattr(self, f"{name}_q")[e], bias, fmt)
+        else:  # FP8 over QLoRA's dequantised base, as models/lora.py's LoRALinear
+            with torch.no_grad():
+                weight = weight_of(getattr(self, f"{name}_q")[e], fmt, torch.float32)
         if self.fp8 is not None:
-            return self.fp8[self.first + e][name].linear(x, getattr(self, name)[e], bias)
-        return F.linear(x, getattr(self, name)[e], bias)
+            return self.fp8[self.first + e][name].linear(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def _per_expert(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         outs = []

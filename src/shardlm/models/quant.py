@@ -44,7 +44,7 @@ from torch import nn
 
 from shardlm.errors import ConfigError
 from shardlm.models.init import Initializer
-from shardlm.checkpoint.placement import Split
+from shardlm.models.placement import Split
 
 log = logging.getLogger("shardlm")
 

@@ -23,7 +23,7 @@ from shardlm.models.init import Initializer, initializer_for, materialize
 from shardlm.zero.optim import build_optimizer, init_adam_state
 from shardlm.comm.collectives import CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog
-from shardlm.checkpoint.placement import Split
+from shardlm.models.placement import Split
 from shardlm.models.precision import DTYPES, carrier
 
 

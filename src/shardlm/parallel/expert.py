@@ -64,7 +64,7 @@ from shardlm.models.moe import Experts, MoE, MoEStats, Routing, route, update_bi
 from shardlm.models.quant import quantize_experts
 from shardlm.parallel.tensor import cut_mlp
 from shardlm.parallel.tensor_regions import TPState, copy_to_group, frozen_kept, reduce_from_group, summed
-from shardlm.checkpoint.placement import Split, even_range
+from shardlm.models.placement import Split, even_range
 
 log = logging.getLogger("shardlm")
 

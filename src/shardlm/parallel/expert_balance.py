@@ -17,7 +17,7 @@ from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
 from shardlm.models.moe import MoE
 from shardlm.parallel.expert import EPState
-from shardlm.checkpoint.placement import Split
+from shardlm.models.placement import Split
 
 log = logging.getLogger("shardlm")
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from shardlm.models.init import piece_of
-from shardlm.checkpoint.placement import Split
+from shardlm.models.placement import Split
 
 
 @torch.no_grad()

@@ -48,7 +48,7 @@ from shardlm.errors import ConfigError
 from shardlm.models.flops import head_dim
 from shardlm.models.fp8 import take_over
 from shardlm.models.quant import QuantFormat, quantize_layer, table_split
-from shardlm.checkpoint.placement import Split, even_range
+from shardlm.models.placement import Split, even_range
 from shardlm.parallel.tensor_layers import (ColumnParallelLinear, HeadNorm, LoRAColumnParallelLinear,
                                             LoRARowParallelLinear, LoRASharedKVLinear, RowParallelLinear,
                                             SharedKVLinear, SyncedEmbedding, SyncedNorm, VocabParallelEmbedding,

@@ -12,8 +12,8 @@ from torch import nn
 
 from shardlm.data.sft import IGNORE
 from shardlm.models.fp8 import Fp8Quantiser, fp8_linear
-from shardlm.models.quant import QuantFormat, dequantize, quantized_linear
-from shardlm.checkpoint.placement import even_range
+from shardlm.models.quant import QuantFormat, quantized_linear, weight_of
+from shardlm.models.placement import even_range
 from shardlm.parallel.tensor_regions import (CopyToGroup, TPState, into_parallel_region, out_of_parallel_region,
                                              synced)
 
@@ -48,7 +48,7 @@ class ColumnParallelLinear(nn.Module):
         if self.fp8 is None:
             return quantized_linear(x, self.weight_q, bias, self.quant)
         with torch.no_grad():
-            weight = dequantize(self.weight_q, self.quant, torch.float32)
+            weight = weight_of(self.weight_q, self.quant, torch.float32)
         return fp8_linear(x, weight, bias, self.fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

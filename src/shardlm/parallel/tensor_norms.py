@@ -63,7 +63,7 @@ def split_qk_norms(attn: nn.Module, pre: str, qkv_ranges: list[tuple[int, int]],
     over this rank's heads, recording each weight's Split in tp.splits (a parallel.tensor
     TPState). `qkv_ranges`: this rank's rows of the fused q/k/v (q's, then k's, then v's)."""
     from shardlm.models.decoder import OffsetRMSNorm
-    from shardlm.checkpoint.placement import Split
+    from shardlm.models.placement import Split
 
     (q_lo, q_hi), (k_lo, k_hi) = qkv_ranges[0], qkv_ranges[1]
     nq = attn.q_norm.weight.shape[0]  # the whole widths, on the meta device

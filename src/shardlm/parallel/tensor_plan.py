@@ -35,7 +35,7 @@ from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
 from shardlm.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
 from shardlm.parallel.tensor_regions import TPState, into_parallel_region
-from shardlm.checkpoint.placement import Split, even_range
+from shardlm.models.placement import Split, even_range
 
 log = logging.getLogger("shardlm")
 

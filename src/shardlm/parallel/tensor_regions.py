@@ -15,7 +15,7 @@ from torch import nn
 
 from shardlm.comm.collectives import Comm
 from shardlm.parallel.collective_ops import all_reduce, gather_seq, op_group, reduce_scatter_seq
-from shardlm.checkpoint.placement import Split
+from shardlm.models.placement import Split
 
 
 @dataclass

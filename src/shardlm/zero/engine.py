@@ -45,7 +45,7 @@ from shardlm.checkpoint.sharded import StateSlice
 from shardlm.config import TrainConfig
 from shardlm.comm.mesh import Mesh
 from shardlm.models.init import Initializer, materialize_buffers
-from shardlm.checkpoint.placement import Split
+from shardlm.models.placement import Split
 from shardlm.comm.collectives import Comm, CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.zero.tiers import build_param_store, build_tier
