@@ -111,6 +111,7 @@ _CHOICES = {
     "precision.master": ("fp32", "bf16"),
     "parallel.zero_stage": (0, 1, 2, 3),
     "parallel.strategy": ("manual", "auto"),
+    "parallel.cp_mode": ("ring", "ulysses", "hybrid", "auto"),
     "run.progress": ("auto", "on", "off"),
     "run.time_split": ("auto", "on", "off"),
     "train.on_nonfinite": ("stop", "skip"),
@@ -255,6 +256,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "parallel.dp_shard": _rule(lambda v: v >= 1 or v == -1, "must be >= 1 or -1 (all remaining ranks)"),
     "parallel.tp": _positive(),
     "parallel.cp": _positive(),
+    "parallel.cp_ulysses": _non_negative(" (0 = cp for 'ulysses', 2 for 'hybrid')"),
     "parallel.pp": _positive(),
     "parallel.pp_schedule": _rule(lambda v: v in NAMED or v.startswith("file:"),
                                   f"must be one of {', '.join(NAMED)}, or 'file:PATH' (a CSV table)"),
@@ -499,6 +501,50 @@ def _experts_fit(cfg: Config) -> list[str]:
     if m.experts and par.tp > 1 and m.experts % par.tp:
         problems.append(f"parallel.tp = {par.tp} must divide model.experts = {m.experts}: with tensor "
                         f"parallelism each tp rank holds experts / tp of them")
+    return problems
+
+
+def cp_degrees(cp: int, mode: str, ulysses: int) -> tuple[int, int]:
+    """(all-to-all degree, ring degree) of parallel.cp = `cp` attending by parallel.cp_mode =
+    `mode` ('auto' is decided before a run: it counts as the ring here); their product is cp."""
+    if mode == "ulysses":
+        return cp, 1
+    if mode == "hybrid":
+        a2a = ulysses or 2
+        return (a2a, cp // a2a) if a2a and cp % a2a == 0 else (1, cp)
+    return 1, cp
+
+
+@_cross("parallel.cp", "parallel.cp_mode", "parallel.cp_ulysses", "parallel.tp", "model.n_heads",
+        "model.n_kv_heads")
+def _cp_mode_fits(cfg: Config) -> list[str]:
+    """Ulysses splits each tensor-parallel rank's heads over the all-to-all degree (parallel/
+    ulysses.py): query heads must divide by it; key/value heads divide by it or, fewer than it,
+    divide it (each then replicated on a2a / kv ranks, as tensor parallelism replicates them)."""
+    par, m, problems = cfg.parallel, cfg.model, []
+    mode, a2a = par.cp_mode, par.cp_ulysses
+    if a2a and mode not in ("hybrid", "ulysses"):
+        problems.append(f"parallel.cp_ulysses = {a2a} is the all-to-all degree of cp_mode = 'hybrid' "
+                        f"(or 'ulysses'); with cp_mode = {mode!r} it has no effect: set it to 0")
+    if mode == "ulysses" and a2a not in (0, par.cp):
+        problems.append(f"parallel.cp_ulysses = {a2a} with cp_mode = 'ulysses': the all-to-all spans "
+                        f"all parallel.cp = {par.cp} ranks; set cp_ulysses = 0, or cp_mode = 'hybrid'")
+    if mode == "hybrid" and par.cp > 1 and not (1 < (a2a or 2) < par.cp and par.cp % (a2a or 2) == 0):
+        problems.append(f"parallel.cp_mode = 'hybrid' with parallel.cp = {par.cp} and cp_ulysses = "
+                        f"{a2a or 2}: the all-to-all degree must divide cp and lie strictly between 1 "
+                        f"and cp (a ring of cp / cp_ulysses >= 2 groups); use cp_mode = 'ring' or "
+                        f"'ulysses' for the ends, or e.g. cp = 4, cp_ulysses = 2")
+    if par.cp == 1 or mode in ("ring", "auto") or problems:
+        return problems
+    a2a = cp_degrees(par.cp, mode, a2a)[0]
+    heads, kv = m.n_heads // par.tp, max(1, (m.n_kv_heads or m.n_heads) // par.tp)
+    if heads % a2a or (kv % a2a and a2a % kv):
+        problems.append(f"parallel.cp_mode = {mode!r} splits each tensor-parallel rank's heads over "
+                        f"{a2a} ranks (the all-to-all degree): its {heads} query heads (model.n_heads "
+                        f"= {m.n_heads} / tp = {par.tp}) must divide by {a2a}, and its {kv} key/value "
+                        f"heads divide by {a2a} or divide it (then replicated); use cp_mode = 'ring' "
+                        f"(any head count) or a smaller all-to-all degree (cp_mode = 'hybrid', "
+                        f"parallel.cp_ulysses)")
     return problems
 
 

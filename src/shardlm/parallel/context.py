@@ -40,6 +40,7 @@ from torch import nn
 
 from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
+from shardlm.models.attention import AttentionMask, attend, document_ids
 
 log = logging.getLogger("shardlm")
 
@@ -54,28 +55,42 @@ class CPState:
     enabled: bool = True
     sharded: bool = False
     """True while this forward runs on this rank's chunks."""
+    a2a: int = 1
+    """The all-to-all degree (parallel/ulysses.py): 1 for the ring, C for Ulysses, between for
+    the hybrid; the ring then runs over C / a2a groups."""
+    documents: torch.Tensor | None = None
+    """(B, T) each token's position in its document, for the whole sequence, while a forward of
+    packed documents runs split (data.document_mask); None otherwise."""
 
     @property
     def size(self) -> int:
         return self.comm.size
 
-    def positions(self, length: int, device: torch.device | None = None) -> torch.Tensor:
-        """This rank's token positions in a sequence of `length`: chunks r and 2C-1-r of 2C."""
-        chunk = length // (2 * self.size)
-        r = self.comm.rank
-        front, back = r * chunk, (2 * self.size - 1 - r) * chunk
-        return torch.cat([torch.arange(front, front + chunk, device=device),
-                          torch.arange(back, back + chunk, device=device)])
+    def positions(self, length: int, device: torch.device | None = None, rank: int | None = None) -> torch.Tensor:
+        """This rank's token positions in a sequence of `length`. The ring (a2a = 1): chunks r
+        and 2C-1-r of 2C. With an all-to-all degree U (parallel/ulysses.py), the R = C/U ring
+        groups hold chunks j and 2R-1-j of 2R, and rank j·U + u piece u of U of each. `rank`:
+        another rank's (default this one's)."""
+        ring = self.size // self.a2a
+        j, u = divmod(self.comm.rank if rank is None else rank, self.a2a)
+        chunk = length // (2 * ring)
+        piece = chunk // self.a2a
+        front, back = j * chunk + u * piece, (2 * ring - 1 - j) * chunk + u * piece
+        return torch.cat([torch.arange(front, front + piece, device=device),
+                          torch.arange(back, back + piece, device=device)])
 
-    def split(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, T) token ids -> this rank's (B, T/C) and their positions; or, when this forward
+    def split(self, idx: torch.Tensor, documents: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T) token ids -> this rank's (B, T/C) and their positions (with `documents`, the
+        (B, T) positions within each document: this rank's of those); or, when this forward
         does not split, the ids unchanged and None."""
         length = idx.shape[1]
         self.sharded = self.enabled and length % (2 * self.size) == 0
+        self.documents = documents if self.sharded else None
         if not self.sharded:
             return idx, None
         positions = self.positions(length, idx.device)
-        return idx[:, positions], positions
+        return idx[:, positions], positions if documents is None else documents[:, positions]
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """The same cut of another (B, T, ...) tensor of this forward (the targets)."""
@@ -112,30 +127,38 @@ def _has_cpu_flash(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
-def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(q, k, v, causal: bool, scale: float,
+                  allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q kᵀ·scale) v and the log-sum-exp of each query's scores (fp32). Causal: the
-    diagonal block (queries and keys the same positions). Keys/values already expanded to the
+    diagonal block (queries and keys the same positions). `allowed` (B, 1, tq, tk): which
+    query-key pairs may attend (documents, a window), instead of `causal`; a query with none
+    gets output 0 and log-sum-exp -inf (nothing to merge). Keys/values already expanded to the
     query heads."""
-    if _has_cpu_flash(q):
+    if allowed is None and _has_cpu_flash(q):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse.float()
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, h, tq, tk): any device
-    if causal:
-        scores = scores.masked_fill(_future(scores), float("-inf"))
+    scores = _scores(q, k, causal, scale, allowed)  # (B, h, tq, tk): any device
     lse = scores.logsumexp(-1)
-    return ((scores - lse.unsqueeze(-1)).exp() @ v.float()).to(q.dtype), lse
+    finite = lse.masked_fill(lse == float("-inf"), 0.0)  # an empty row: exp(-inf) = 0, not nan
+    return ((scores - finite.unsqueeze(-1)).exp() @ v.float()).to(q.dtype), lse
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _scores(q, k, causal: bool, scale: float, allowed: torch.Tensor | None) -> torch.Tensor:
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if allowed is not None:
+        return scores.masked_fill(~allowed, float("-inf"))
+    return scores.masked_fill(_future(scores), float("-inf")) if causal else scores
+
+
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float,
+                   allowed: torch.Tensor | None = None):
     """dq, dk, dv of one block's share of the attention whose final output and log-sum-exp
-    are `out` and `lse`."""
-    if _has_cpu_flash(q):
+    are `out` and `lse` (finite: every query sees itself)."""
+    if allowed is None and _has_cpu_flash(q):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.to(torch.float32), 0.0, causal, scale=scale)
     qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
-    scores = (qf @ kf.transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(_future(scores), float("-inf"))
+    scores = _scores(q, k, causal, scale, allowed)
     p = (scores - lse.unsqueeze(-1)).exp()  # this block's probabilities under the whole softmax
     delta = (df * out.float()).sum(-1, keepdim=True)
     ds = p * (df @ vf.transpose(-1, -2) - delta) * scale
@@ -160,7 +183,7 @@ def _merge(out, lse, block_out, block_lse, rows: slice):
 
 
 def _ring(kv: torch.Tensor, cp: CPState):
-    """(kind, block) for each hop of the ring: this rank's key/value block first, then each
+    """(kind, source rank, block) for each hop of the ring: this rank's key/value block first, then each
     one received, the next already in flight while the caller computes on the one in hand.
     kind: 'diagonal' (own block, causal), 'front' (a block from an earlier rank: every query
     against its front chunk) or 'back' (from a later rank: our back chunk's queries against
@@ -170,7 +193,7 @@ def _ring(kv: torch.Tensor, cp: CPState):
             incoming = torch.empty_like(kv)
             pending = cp.comm.shift(kv, incoming)
         src = (cp.comm.rank - step) % cp.size
-        yield ("diagonal" if step == 0 else "front" if src < cp.comm.rank else "back"), kv
+        yield ("diagonal" if step == 0 else "front" if src < cp.comm.rank else "back"), src, kv
         if step < cp.size - 1:
             pending.wait()
             kv = incoming
@@ -186,34 +209,66 @@ def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
     return t[:, :, rows].contiguous()  # the whole tensor itself when rows is everything
 
 
+class _Masks:
+    """Per-hop masks of a ring whose attention is more than causal: which of our queries may see
+    which of the source rank's keys — same document (every rank holds the whole sequence's
+    document positions, so nothing travels for them) and, with a sliding window, within it.
+    None of this exists for the plain causal ring (masks() then gives None)."""
+
+    def __init__(self, cp: CPState, length: int, documents: torch.Tensor | None, window: int):
+        self.cp, self.length, self.window = cp, length, window
+        self.docs = None if documents is None else document_ids(documents)  # (B, T)
+
+    def allowed(self, src: int, rows: slice, keys: slice, device) -> torch.Tensor:
+        qpos = self.cp.positions(self.length, device)[rows]
+        kpos = self.cp.positions(self.length, device, rank=src)[keys]
+        ok = qpos[:, None] >= kpos[None, :]  # (tq, tk)
+        if self.window:
+            ok &= qpos[:, None] - kpos[None, :] < self.window
+        if self.docs is None:
+            return ok[None, None]
+        same = self.docs[:, qpos][:, :, None] == self.docs[:, kpos][:, None, :]  # (B, tq, tk)
+        return (same & ok).unsqueeze(1)
+
+
+def _masks(cp: CPState, q: torch.Tensor, documents, window: int) -> _Masks | None:
+    length = q.shape[2] * cp.size
+    window = window if 0 < window < length else 0
+    return _Masks(cp, length, documents, window) if documents is not None or window else None
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: CPState, scale: float):
+    def forward(ctx, q, k, v, cp: CPState, scale: float, documents, window: int):
         groups, half = q.shape[1] // k.shape[1], q.shape[2] // 2
+        masks = _masks(cp, q, documents, window)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        for kind, block in _ring(torch.stack([k, v]), cp):  # one buffer per hop
+        for kind, src, block in _ring(torch.stack([k, v]), cp):  # one buffer per hop
             rows, keys = _parts(kind, half)
+            allowed = masks.allowed(src, rows, keys, q.device) if masks else None
             o, block_lse = block_forward(_rows(q, rows), _expand(_rows(block[0], keys), groups),
-                                         _expand(_rows(block[1], keys), groups), kind == "diagonal", scale)
+                                         _expand(_rows(block[1], keys), groups), kind == "diagonal", scale,
+                                         allowed)
             _merge(out, lse, o, block_lse, rows)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.scale = cp, scale
+        ctx.cp, ctx.scale, ctx.masks = cp, scale, masks
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, scale = ctx.cp, ctx.scale
+        cp, scale, masks = ctx.cp, ctx.scale, ctx.masks
         groups, half = q.shape[1] // k.shape[1], q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # travels with its block
-        for kind, block in _ring(torch.stack([k, v]), cp):
+        for kind, src, block in _ring(torch.stack([k, v]), cp):
             rows, keys = _parts(kind, half)
+            allowed = masks.allowed(src, rows, keys, q.device) if masks else None
             gq, gk, gv = block_backward(_rows(dout, rows), _rows(q, rows), _expand(_rows(block[0], keys), groups),
                                         _expand(_rows(block[1], keys), groups), _rows(out, rows),
-                                        _rows(lse, rows), kind == "diagonal", scale)
+                                        _rows(lse, rows), kind == "diagonal", scale, allowed)
             dq[:, :, rows] += gq
             dkv[0, :, :, keys] += _fold(gk, groups)
             dkv[1, :, :, keys] += _fold(gv, groups)
@@ -221,50 +276,71 @@ class _RingAttention(torch.autograd.Function):
             arriving = torch.empty_like(dkv)
             cp.comm.shift(dkv, arriving).wait()
             dkv = arriving
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPState,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, documents: torch.Tensor | None = None,
+                   window: int = 0) -> torch.Tensor:
     """Causal attention of this rank's queries (B, h, T/C, d) over the whole sequence, whose
     keys/values (B, h_kv, T/C, d) are spread over the group in the load-balanced layout;
-    `scale` of q·k, None = 1/√d."""
-    return _RingAttention.apply(q, k, v, cp, q.shape[-1] ** -0.5 if scale is None else scale)
+    `scale` of q·k, None = 1/√d. `documents` (B, T): the whole sequence's positions within
+    their documents (attention kept inside each); `window` > 0: query i sees keys j > i - window."""
+    return _RingAttention.apply(q, k, v, cp, q.shape[-1] ** -0.5 if scale is None else scale,
+                                documents, window)
 
 
 class RingAttention(nn.Module):
     """Replaces a Decoder block's core attention (models/decoder.py CausalAttention): the ring
     when this forward is split, the plain kernel otherwise."""
 
-    def __init__(self, cp: CPState, scale: float | None = None):
+    def __init__(self, cp: CPState, scale: float | None = None, window: int = 0):
         super().__init__()
         self.cp = cp
         self.scale = scale
         """Of q·k (model.attention_scale); None = 1/√d."""
+        self.window = window
+        """This block's sliding window (model.sliding_window on the blocks that slide), or 0."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: AttentionMask | None = None) -> torch.Tensor:
+        """`mask`: the whole sequence's (models/attention.py), for the unsplit forwards; split,
+        the ring builds its own per hop from the document positions and the window."""
         if self.cp.sharded:
-            return ring_attention(q, k, v, self.cp, self.scale)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1],
-                                              scale=self.scale)
+            return ring_attention(q, k, v, self.cp, self.scale, self.cp.documents, self.window)
+        return attend(q, k, v, mask, self.scale)
 
 
-def apply_cp(model: nn.Module, comm: Comm) -> CPState | None:
+def apply_cp(model: nn.Module, comm: Comm, mode: str = "ring", ulysses: int = 0) -> CPState | None:
     """Give a meta-device Decoder its context-parallel group: the forward splits the sequence
-    (Decoder.forward asks `model.context`), and every block's attention runs the ring."""
+    (Decoder.forward asks `model.context`), and every block's attention runs the ring
+    (parallel.cp_mode = 'ring'), the all-to-all over heads ('ulysses') or both ('hybrid', an
+    all-to-all degree of `ulysses`: parallel/ulysses.py)."""
+    from shardlm.config_rules import cp_degrees
     from shardlm.models.decoder import Decoder
+    from shardlm.parallel.ulysses import UlyssesAttention, hybrid_groups
 
     if comm.size == 1:
         return None
     if not isinstance(model, Decoder):
         raise ConfigError(f"parallel.cp > 1 needs shardlm's Decoder (got {type(model).__name__}): "
                           f"context parallelism of transformers models is not supported yet; use cp = 1")
-    cp = CPState(comm)
+    if mode not in ("ring", "ulysses", "hybrid"):
+        raise ConfigError(f"parallel.cp_mode = {mode!r} reached apply_cp: 'auto' is decided before "
+                          f"the run is built (resolve.decide); choose 'ring', 'ulysses' or 'hybrid'")
+    a2a, ring = cp_degrees(comm.size, mode, ulysses)
+    cp = CPState(comm, a2a=a2a)
+    a2a_comm, ring_comm = (comm, None) if ring == 1 else (None, comm) if a2a == 1 else hybrid_groups(comm, a2a)
+    window = model.cfg.sliding_window
     for block in model.blocks:
-        # soft-capping and sliding windows are refused before (config_rules): the ring's
-        # softmax is plain; its scale is the model's
-        block.attn.core = RingAttention(cp, block.attn.core.scale)
+        core = block.attn.core
+        # soft-capping is refused with a ring before (config_rules): the ring's softmax is plain
+        slide = window if getattr(block, "sliding", False) else 0
+        ring_state = None if ring_comm is None else cp if a2a == 1 else CPState(ring_comm)
+        block.attn.core = (RingAttention(cp, core.scale, slide) if a2a == 1 else
+                           UlyssesAttention(cp, a2a_comm, ring_state, core.scale, core.softcap, slide))
     model.context = cp
-    log.info("context parallel: %d ranks, ring attention, sequence in %d load-balanced chunks",
-             comm.size, 2 * comm.size)
+    log.info("context parallel: %d ranks, %s, sequence in %d load-balanced chunks", comm.size,
+             {"ring": "ring attention", "ulysses": "all-to-all over heads (Ulysses)",
+              "hybrid": f"all-to-all over {a2a} ranks, ring over {ring} (hybrid)"}[mode], 2 * comm.size)
     return cp
