@@ -42,6 +42,11 @@ def document_positions(length: int) -> torch.Tensor:
     return torch.stack([row, torch.arange(length)])
 
 
+def cp_attention_cases(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
+    """cp_attention_case for each (mode, a2a, heads, kv_heads, length, documents): one spawn."""
+    return [cp_attention_case(rank, world_size, *case) for case in cases]
+
+
 def cp_attention_case(rank: int, world_size: int, mode: str, a2a: int, heads: int, kv_heads: int,
                       length: int, documents: bool) -> dict:
     """Context-parallel attention by `mode` (ring / ulysses / hybrid, all-to-all degree `a2a`)

@@ -35,6 +35,43 @@ def test_ring_attention_equals_whole_sequence_attention(tmp_path, world, heads, 
         assert r["bytes"] == {"send_recv/cp": (2 * (world - 1) + world) * kv_bytes}
 
 
+# (ranks, [(mode, all-to-all degree, query heads, key/value heads, length)]): every mode with
+# document masks (three documents in row 0, one crossing the chunk boundaries; one in row 1);
+# Ulysses with one key/value head for two ranks (GQA: replicated); the hybrid 2 x 2. One spawn
+# per world size.
+@pytest.mark.parametrize("world, cases", [(2, [("ring", 1, 4, 2, 16), ("ulysses", 2, 4, 1, 16)]),
+                                          (4, [("hybrid", 2, 4, 2, 32)])])
+def test_cp_modes_equal_whole_sequence_attention_with_documents(tmp_path, world, cases):
+    """Each mode's output and q/k/v gradients equal those rows of one process's attention
+    under the same document mask (fp32; Ulysses runs the same kernel on the whole sequence,
+    the ring merges per-block softmaxes: 1e-5), and the ledger's bytes are the planner's
+    formula for the mode (planner/cp_modes.py: all-to-alls, ring hops)."""
+    from types import SimpleNamespace
+
+    from cp_cases import cp_attention_cases
+    from shardlm.models.attention import _allowed
+    from shardlm.planner.cp_modes import cp_mode_bytes
+
+    out = run_ranks(cp_attention_cases, world, tmp_path, [(*case, True) for case in cases])
+    for c, (mode, a2a, heads, kv_heads, length) in enumerate(cases):
+        ranks = [r[c] for r in out]
+        q, k, v = (ranks[0][x].clone().requires_grad_() for x in "qkv")
+        allowed = _allowed(ranks[0]["docs"], length, q.device)
+        assert not allowed[0, 0, length - 1, 0]  # the mask is more than causal
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=heads != kv_heads)
+        (ref * ranks[0]["weight"]).sum().backward()
+        covered = torch.cat([r["positions"] for r in ranks]).sort().values
+        assert torch.equal(covered, torch.arange(length)), mode
+        model = SimpleNamespace(n_layers=1, n_heads=heads, n_kv_heads=kv_heads, d_model=8 * heads)
+        want = cp_mode_bytes(model, 2 * length, world, 1, 4, mode=mode, ulysses=a2a)
+        for r in ranks:
+            p = r["positions"]
+            torch.testing.assert_close(r["out"], ref.detach()[:, :, p], rtol=1e-5, atol=1e-5, msg=mode)
+            for name, whole in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+                torch.testing.assert_close(r[name], whole[:, :, p], rtol=1e-5, atol=1e-5, msg=f"{mode} {name}")
+            assert r["bytes"] == {f"{op}/cp": n for op, n in want.items() if n}, mode
+
+
 STEPS = 3
 
 
@@ -55,22 +92,37 @@ def cp_runs(tmp_path_factory):
     gpt = tiny_overrides(tmp)
     llama = tiny_overrides(tmp, model__preset="llama-tiny")
     long = tiny_overrides(tmp, train__seq_len=256, train__micro_batch=2, model__max_seq_len=256)
+    docs = {"data.document_mask": "on"}
     cases = [({**gpt, "parallel.cp": 2}, STEPS, -1),
              ({**llama, "parallel.cp": 2, "parallel.zero_stage": 3}, STEPS, -1),
-             ({**long, "parallel.cp": 2, "activation.checkpoint": "full"}, STEPS, -1)]
+             ({**long, "parallel.cp": 2, "activation.checkpoint": "full"}, STEPS, -1),
+             ({**llama, **docs, "parallel.cp": 2, "parallel.cp_mode": "ulysses"}, STEPS, -1),
+             ({**gpt, **docs, "parallel.cp": 2}, STEPS, -1)]
     out = run_ranks(train_cases, 2, tmp, cases)
     refs = [reference_case(gpt, 1, STEPS), reference_case(llama, 1, STEPS),
-            reference_case({**long, "activation.checkpoint": "full"}, 1, STEPS)]
-    return out, refs
+            reference_case({**long, "activation.checkpoint": "full"}, 1, STEPS),
+            reference_case({**llama, **docs}, 1, STEPS), reference_case({**gpt, **docs}, 1, STEPS)]
+    return out, refs, [c[0] for c in cases]
 
 
 @pytest.mark.parametrize("case, what", [(0, "cp=2 gpt (learned positions)"),
                                         (1, "cp=2 llama (GQA, RoPE), ZeRO-3"),
-                                        (2, "cp=2 gpt, 256 tokens, full recompute")])
+                                        (2, "cp=2 gpt, 256 tokens, full recompute"),
+                                        (3, "cp=2 ulysses llama (GQA), document masks"),
+                                        (4, "cp=2 ring gpt, document masks")])
 def test_cp_matches_one_process(cp_runs, case, what):
-    out, refs = cp_runs
+    """And each step's cp bytes in the ledger are the planner's formula for the mode."""
+    from shardlm.config import load_config
+    from shardlm.planner.cp_modes import cp_mode_bytes
+
+    out, refs, configs = cp_runs
+    cfg = load_config(overrides=configs[case]).validate()
+    t, par = cfg.train, cfg.parallel
+    want = t.grad_accum * sum(cp_mode_bytes(cfg.model, t.micro_batch * t.seq_len, 2, 1, 4,
+                                            cfg.activation.checkpoint, mode=par.cp_mode).values())
     for r in range(2):
         _matches(out[r][case], refs[case], what)
+        assert out[r][case]["comm_by_op"][-1]["cp"] == want
 
 
 @pytest.mark.parametrize("preset, recompute", [("gpt-tiny", "none"), ("llama-tiny", "full"),
@@ -95,8 +147,9 @@ def test_ledger_bytes_match_the_formula(tmp_path, preset, recompute):
 
 def test_cp_composes_with_tp_and_zero_on_4_ranks(tmp_path):
     """cp 2 × tp 2 with sequence parallelism (the tensor-parallel group splits each rank's
-    chunks further), and dp_shard 2 × cp 2 at ZeRO-3 (model states sharded over the four
-    data- and context-parallel ranks), each against one process with the same global batch."""
+    chunks further), dp_shard 2 × cp 2 at ZeRO-3 (model states sharded over the four
+    data- and context-parallel ranks), and cp 4 hybrid (all-to-all over pairs, a ring of two
+    pairs), each against one process with the same global batch."""
     from conftest import tiny_overrides
     from tp_cases import whole_params
     from zero_cases import reference_case, train_cases
@@ -105,13 +158,15 @@ def test_cp_composes_with_tp_and_zero_on_4_ranks(tmp_path):
     out = run_ranks(train_cases, 4, tmp_path,
                     [({**base, "parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
                        "parallel.zero_stage": 1}, STEPS, -1),
-                     ({**base, "parallel.cp": 2, "parallel.zero_stage": 3}, STEPS, -1)], timeout=300)
+                     ({**base, "parallel.cp": 2, "parallel.zero_stage": 3}, STEPS, -1),
+                     ({**base, "parallel.cp": 4, "parallel.cp_mode": "hybrid"}, STEPS, -1)], timeout=300)
     one, two = reference_case(base, 1, STEPS), reference_case(base, 2, STEPS)
     for c in range(2):  # ranks (c, t) = 2·c + t
         pieces = [out[2 * c][0], out[2 * c + 1][0]]
         _matches({"losses": pieces[0]["losses"], "params": whole_params(pieces)}, one, f"cp2 x tp2, cp rank {c}")
     for r in range(4):
         _matches(out[r][1], two, f"dp2 x cp2 ZeRO-3, rank {r}")
+        _matches(out[r][2], one, f"cp4 hybrid (all-to-all 2 x ring 2), rank {r}")
 
 
 def test_checkpoints_load_across_context_parallel_layouts(tmp_path):

@@ -362,7 +362,8 @@ def _rope_scaling(cfg: Config) -> list[str]:
 
 @_cross("model.attention", "model.attn_softcap", "model.sliding_window", "model.rope_local_theta",
         "model.norm_offset", "model.norm", "model.activation", "model.mlp", "model.experts",
-        "parallel.cp", "parallel.tp", "train.seq_len", "model.parallel_residual", "model.rope_fraction",
+        "parallel.cp", "parallel.cp_mode", "parallel.tp", "train.seq_len", "model.parallel_residual",
+        "model.rope_fraction",
         "model.norm_placement", "model.residual_multiplier", "model.head_dim", "model.d_model",
         "model.n_heads", "model.position", "model.norm_bias")
 def _family_features(cfg: Config) -> list[str]:
@@ -375,14 +376,12 @@ def _family_features(cfg: Config) -> list[str]:
     if m.sliding_window and m.attention in ("per_document", "flex"):
         problems.append(f"model.sliding_window = {m.sliding_window} with model.attention = "
                         f"{m.attention!r}: it has no window mask yet; use 'auto', 'sdpa' or 'math'")
-    if cp > 1:
-        if m.attn_softcap:
-            problems.append(f"model.attn_softcap = {m.attn_softcap:g} with parallel.cp = {cp}: the "
-                            f"ring's softmax is not soft-capped; use parallel.cp = 1")
-        if m.sliding_window and m.sliding_window < cfg.train.seq_len:
-            problems.append(f"model.sliding_window = {m.sliding_window} < train.seq_len = "
-                            f"{cfg.train.seq_len} with parallel.cp = {cp}: the ring has no window "
-                            f"mask; use parallel.cp = 1 or train.seq_len <= the window")
+    if cp > 1 and m.attn_softcap and cfg.parallel.cp_mode != "ulysses":
+        # Ulysses attends the whole sequence with the one-process kernel (math: soft-capped);
+        # the ring's per-block flash kernel has no cap, and sliding windows it masks per hop.
+        problems.append(f"model.attn_softcap = {m.attn_softcap:g} with parallel.cp = {cp} and "
+                        f"cp_mode = {cfg.parallel.cp_mode!r}: the ring's softmax is not soft-capped; "
+                        f"use parallel.cp_mode = 'ulysses' (the whole sequence per head) or cp = 1")
     if m.rope_local_theta and not m.sliding_window:
         problems.append(f"model.rope_local_theta = {m.rope_local_theta:g} is the sliding blocks' "
                         f"RoPE base, and model.sliding_window = 0 (no block slides); set both or neither")
@@ -683,26 +682,25 @@ def _seq2seq_model(cfg: Config) -> list[str]:
 
 
 @_cross("data.document_mask", "data.format", "model.attention", "parallel.tp", "parallel.cp",
-        "train.compile")
+        "parallel.cp_mode", "train.compile")
 def _attention_composes(cfg: Config) -> list[str]:
     """Document masks ride on the input ids (PackedTokens: shardlm/packed.py) into Decoder.forward,
-    every pipeline stage included; what splits the sequence cannot carry them yet."""
+    every pipeline stage included; context parallelism keeps the whole sequence's document
+    positions on every rank (the ring masks each hop by them, Ulysses attends the whole
+    sequence)."""
     par, attention, problems = cfg.parallel, cfg.model.attention, []
     if document_mask_on(cfg.data):
         why = f"data.document_mask = {cfg.data.document_mask!r} (on for data.format = {cfg.data.format!r})"
         if cfg.data.format == "seq2seq":
             problems.append(f"{why}: seq2seq examples are not packed; set data.document_mask = 'off' or 'auto'")
-        if par.cp > 1:
-            problems.append(f"{why} with parallel.cp = {par.cp}: the ring splits each sequence over "
-                            f"ranks and has no per-document mask; set data.document_mask = 'off' "
-                            f"(examples then see the earlier ones in their row) or parallel.cp = 1")
     if attention == "per_document" and cfg.train.compile:
         problems.append("model.attention = 'per_document' with train.compile = true: its document "
                         "lengths are data-dependent and cannot be one graph; use 'auto' (sdpa with "
                         "a mask when compiled) or 'sdpa'")
-    if attention not in ("auto", "sdpa") and par.cp > 1:
-        problems.append(f"model.attention = {attention!r} with parallel.cp = {par.cp}: context "
-                        f"parallelism runs its own ring attention; use 'auto' or 'sdpa'")
+    if attention not in ("auto", "sdpa") and par.cp > 1 and par.cp_mode != "ulysses":
+        problems.append(f"model.attention = {attention!r} with parallel.cp = {par.cp} and cp_mode = "
+                        f"{par.cp_mode!r}: the ring runs its own per-block kernel; use 'auto' or "
+                        f"'sdpa', or cp_mode = 'ulysses' (the whole sequence per head: any backend)")
     return problems
 
 
