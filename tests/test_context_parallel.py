@@ -37,10 +37,10 @@ def test_ring_attention_equals_whole_sequence_attention(tmp_path, world, heads, 
 
 # (ranks, [(mode, all-to-all degree, query heads, key/value heads, length)]): every mode with
 # document masks (three documents in row 0, one crossing the chunk boundaries; one in row 1);
-# Ulysses with one key/value head for two ranks (GQA: replicated); the hybrid 2 x 2. One spawn
-# per world size.
-@pytest.mark.parametrize("world, cases", [(2, [("ring", 1, 4, 2, 16), ("ulysses", 2, 4, 1, 16)]),
-                                          (4, [("hybrid", 2, 4, 2, 32)])])
+# Ulysses with one key/value head for two ranks (GQA: replicated). One spawn.
+# (The hybrid's attention is the same code over two groups: tested at 4 ranks on the
+# parameter level, documents included, in test_cp_composes_with_tp_and_zero_on_4_ranks.)
+@pytest.mark.parametrize("world, cases", [(2, [("ring", 1, 4, 2, 16), ("ulysses", 2, 4, 1, 16)])])
 def test_cp_modes_equal_whole_sequence_attention_with_documents(tmp_path, world, cases):
     """Each mode's output and q/k/v gradients equal those rows of one process's attention
     under the same document mask (fp32; Ulysses runs the same kernel on the whole sequence,
@@ -149,24 +149,34 @@ def test_cp_composes_with_tp_and_zero_on_4_ranks(tmp_path):
     """cp 2 × tp 2 with sequence parallelism (the tensor-parallel group splits each rank's
     chunks further), dp_shard 2 × cp 2 at ZeRO-3 (model states sharded over the four
     data- and context-parallel ranks), and cp 4 hybrid (all-to-all over pairs, a ring of two
-    pairs), each against one process with the same global batch."""
+    pairs) with document masks, each against one process with the same global batch; the
+    hybrid's cp bytes are the planner's formula (planner/cp_modes.py)."""
     from conftest import tiny_overrides
+    from shardlm.config import load_config
+    from shardlm.planner.cp_modes import cp_mode_bytes
     from tp_cases import whole_params
     from zero_cases import reference_case, train_cases
 
     base = tiny_overrides(tmp_path, model__preset="llama-tiny", train__micro_batch=4)
+    hybrid = {**base, "data.document_mask": "on"}
     out = run_ranks(train_cases, 4, tmp_path,
                     [({**base, "parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
                        "parallel.zero_stage": 1}, STEPS, -1),
                      ({**base, "parallel.cp": 2, "parallel.zero_stage": 3}, STEPS, -1),
-                     ({**base, "parallel.cp": 4, "parallel.cp_mode": "hybrid"}, STEPS, -1)], timeout=300)
+                     ({**hybrid, "parallel.cp": 4, "parallel.cp_mode": "hybrid"}, STEPS, -1)], timeout=300)
     one, two = reference_case(base, 1, STEPS), reference_case(base, 2, STEPS)
+    one_docs = reference_case(hybrid, 1, STEPS)
+    cfg = load_config(overrides={**hybrid, "parallel.cp": 4, "parallel.cp_mode": "hybrid"}).validate()
+    t = cfg.train
+    cp_bytes = t.grad_accum * sum(cp_mode_bytes(cfg.model, t.micro_batch * t.seq_len, 4, 1, 4,
+                                                mode="hybrid").values())
     for c in range(2):  # ranks (c, t) = 2·c + t
         pieces = [out[2 * c][0], out[2 * c + 1][0]]
         _matches({"losses": pieces[0]["losses"], "params": whole_params(pieces)}, one, f"cp2 x tp2, cp rank {c}")
     for r in range(4):
         _matches(out[r][1], two, f"dp2 x cp2 ZeRO-3, rank {r}")
-        _matches(out[r][2], one, f"cp4 hybrid (all-to-all 2 x ring 2), rank {r}")
+        _matches(out[r][2], one_docs, f"cp4 hybrid (all-to-all 2 x ring 2), document masks, rank {r}")
+        assert out[r][2]["comm_by_op"][-1]["cp"] == cp_bytes  # all-to-alls + ring hops
 
 
 def test_checkpoints_load_across_context_parallel_layouts(tmp_path):
