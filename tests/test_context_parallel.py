@@ -92,24 +92,27 @@ def cp_runs(tmp_path_factory):
     gpt = tiny_overrides(tmp)
     llama = tiny_overrides(tmp, model__preset="llama-tiny")
     long = tiny_overrides(tmp, train__seq_len=256, train__micro_batch=2, model__max_seq_len=256)
-    docs = {"data.document_mask": "on"}
+    # Gemma-2's features: every other block slides (window 16 of 64 tokens), soft-capped scores
+    gemma = {**llama, "data.document_mask": "on", "model.sliding_window": 16, "model.global_every": 2,
+             "model.attn_softcap": 20.0}
+    window = {**gpt, "data.document_mask": "on", "model.sliding_window": 16}
     cases = [({**gpt, "parallel.cp": 2}, STEPS, -1),
              ({**llama, "parallel.cp": 2, "parallel.zero_stage": 3}, STEPS, -1),
              ({**long, "parallel.cp": 2, "activation.checkpoint": "full"}, STEPS, -1),
-             ({**llama, **docs, "parallel.cp": 2, "parallel.cp_mode": "ulysses"}, STEPS, -1),
-             ({**gpt, **docs, "parallel.cp": 2}, STEPS, -1)]
+             ({**gemma, "parallel.cp": 2, "parallel.cp_mode": "ulysses"}, STEPS, -1),
+             ({**window, "parallel.cp": 2}, STEPS, -1)]
     out = run_ranks(train_cases, 2, tmp, cases)
     refs = [reference_case(gpt, 1, STEPS), reference_case(llama, 1, STEPS),
             reference_case({**long, "activation.checkpoint": "full"}, 1, STEPS),
-            reference_case({**llama, **docs}, 1, STEPS), reference_case({**gpt, **docs}, 1, STEPS)]
+            reference_case(gemma, 1, STEPS), reference_case(window, 1, STEPS)]
     return out, refs, [c[0] for c in cases]
 
 
 @pytest.mark.parametrize("case, what", [(0, "cp=2 gpt (learned positions)"),
                                         (1, "cp=2 llama (GQA, RoPE), ZeRO-3"),
                                         (2, "cp=2 gpt, 256 tokens, full recompute"),
-                                        (3, "cp=2 ulysses llama (GQA), document masks"),
-                                        (4, "cp=2 ring gpt, document masks")])
+                                        (3, "cp=2 ulysses llama (GQA), documents, windows, soft-cap"),
+                                        (4, "cp=2 ring gpt, documents, sliding window")])
 def test_cp_matches_one_process(cp_runs, case, what):
     """And each step's cp bytes in the ledger are the planner's formula for the mode."""
     from shardlm.config import load_config
