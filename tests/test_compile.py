@@ -72,11 +72,11 @@ def test_compiles_each_block_and_keeps_hooks_eager(caplog):
 
 def test_compile_refuses_what_does_not_compose():
     with pytest.raises(ConfigError) as err:
-        load_config(overrides={"train.compile": "true", "parallel.cp": "2", "activation.checkpoint": "selective",
-                               "model.preset": "llama-tiny"}).validate()
+        load_config(overrides={"train.compile": "true", "model.experts": "4", "activation.checkpoint": "selective",
+                               "model.preset": "llama-tiny", "parallel.cp": "2"}).validate()
     text = str(err.value)
     assert "train.compile = true does not compose yet with" in text and "parallel.pp" not in text
-    assert "parallel.cp = 2" in text and "activation.checkpoint" not in text
+    assert "model.experts = 4" in text and "activation.checkpoint" not in text and "parallel.cp" not in text
     assert "set train.compile = false" in text
     for mode in ("full", "selective"):  # what composes passes (selective: inside the compiled forward)
         load_config(overrides={"train.compile": "true", "parallel.zero_stage": "3",

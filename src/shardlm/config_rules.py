@@ -726,17 +726,17 @@ def _activation_offload_composes(cfg: Config) -> list[str]:
 @_cross("train.compile", "parallel.cp", "parallel.ep", "model.experts")
 def _compile_composes(cfg: Config) -> list[str]:
     """train.compile compiles each block (parallel/compile.py) with fullgraph: what runs a
-    collective or a data-dependent shape inside a block cannot be one graph yet."""
+    collective or a data-dependent shape inside a block cannot be one graph yet. (Context
+    parallelism's ring and all-to-all are custom ops: parallel/context_ops.py.)"""
     if not cfg.train.compile:
         return []
     par, m = cfg.parallel, cfg.model
     blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
-        ("parallel.cp", par.cp, "ring attention's exchanges inside each block", par.cp > 1),
         ("parallel.ep", par.ep, "all-to-all inside each MoE block", par.ep > 1),
         ("model.experts", m.experts, "the router's data-dependent token counts break the graph", m.experts > 0),
     ) if on]
     return ([f"train.compile = true does not compose yet with: {'; '.join(blocking)}. It works with "
-             f"ZeRO stages 0-3, offload, tensor and pipeline parallelism, activation checkpointing "
+             f"ZeRO stages 0-3, offload, tensor, context and pipeline parallelism, activation checkpointing "
              f"('selective' is compiled with the block) and activation.offload; set train.compile = "
              f"false or change those keys"] if blocking else [])
 

@@ -237,46 +237,43 @@ def _masks(cp: CPState, q: torch.Tensor, documents, window: int) -> _Masks | Non
     return _Masks(cp, length, documents, window) if documents is not None or window else None
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cp: CPState, scale: float, documents, window: int):
-        groups, half = q.shape[1] // k.shape[1], q.shape[2] // 2
-        masks = _masks(cp, q, documents, window)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        for kind, src, block in _ring(torch.stack([k, v]), cp):  # one buffer per hop
-            rows, keys = _parts(kind, half)
-            allowed = masks.allowed(src, rows, keys, q.device) if masks else None
-            o, block_lse = block_forward(_rows(q, rows), _expand(_rows(block[0], keys), groups),
-                                         _expand(_rows(block[1], keys), groups), kind == "diagonal", scale,
-                                         allowed)
-            _merge(out, lse, o, block_lse, rows)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.scale, ctx.masks = cp, scale, masks
-        return out
+def ring_forward(q, k, v, cp: CPState, scale: float, documents, window: int):
+    """The ring's forward: this rank's output (q's dtype) and its queries' log-sum-exp (fp32)."""
+    groups, half = q.shape[1] // k.shape[1], q.shape[2] // 2
+    masks = _masks(cp, q, documents, window)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    for kind, src, block in _ring(torch.stack([k, v]), cp):  # one buffer per hop
+        rows, keys = _parts(kind, half)
+        allowed = masks.allowed(src, rows, keys, q.device) if masks else None
+        o, block_lse = block_forward(_rows(q, rows), _expand(_rows(block[0], keys), groups),
+                                     _expand(_rows(block[1], keys), groups), kind == "diagonal", scale,
+                                     allowed)
+        _merge(out, lse, o, block_lse, rows)
+    return out.to(q.dtype), lse
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        cp, scale, masks = ctx.cp, ctx.scale, ctx.masks
-        groups, half = q.shape[1] // k.shape[1], q.shape[2] // 2
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # travels with its block
-        for kind, src, block in _ring(torch.stack([k, v]), cp):
-            rows, keys = _parts(kind, half)
-            allowed = masks.allowed(src, rows, keys, q.device) if masks else None
-            gq, gk, gv = block_backward(_rows(dout, rows), _rows(q, rows), _expand(_rows(block[0], keys), groups),
-                                        _expand(_rows(block[1], keys), groups), _rows(out, rows),
-                                        _rows(lse, rows), kind == "diagonal", scale, allowed)
-            dq[:, :, rows] += gq
-            dkv[0, :, :, keys] += _fold(gk, groups)
-            dkv[1, :, :, keys] += _fold(gv, groups)
-            # The block's gradient moves on with it; after the last hop it reaches its owner.
-            arriving = torch.empty_like(dkv)
-            cp.comm.shift(dkv, arriving).wait()
-            dkv = arriving
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+def ring_backward(dout, q, k, v, out, lse, cp: CPState, scale: float, documents, window: int):
+    """dq, dk, dv of this rank's chunks: the blocks pass around the ring again, their key/value
+    gradients (fp32) travelling with them."""
+    groups, half = q.shape[1] // k.shape[1], q.shape[2] // 2
+    masks = _masks(cp, q, documents, window)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # travels with its block
+    for kind, src, block in _ring(torch.stack([k, v]), cp):
+        rows, keys = _parts(kind, half)
+        allowed = masks.allowed(src, rows, keys, q.device) if masks else None
+        gq, gk, gv = block_backward(_rows(dout, rows), _rows(q, rows), _expand(_rows(block[0], keys), groups),
+                                    _expand(_rows(block[1], keys), groups), _rows(out, rows),
+                                    _rows(lse, rows), kind == "diagonal", scale, allowed)
+        dq[:, :, rows] += gq
+        dkv[0, :, :, keys] += _fold(gk, groups)
+        dkv[1, :, :, keys] += _fold(gv, groups)
+        # The block's gradient moves on with it; after the last hop it reaches its owner.
+        arriving = torch.empty_like(dkv)
+        cp.comm.shift(dkv, arriving).wait()
+        dkv = arriving
+    return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)  # not views of one buffer
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPState,
@@ -285,9 +282,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPStat
     """Causal attention of this rank's queries (B, h, T/C, d) over the whole sequence, whose
     keys/values (B, h_kv, T/C, d) are spread over the group in the load-balanced layout;
     `scale` of q·k, None = 1/√d. `documents` (B, T): the whole sequence's positions within
-    their documents (attention kept inside each); `window` > 0: query i sees keys j > i - window."""
-    return _RingAttention.apply(q, k, v, cp, q.shape[-1] ** -0.5 if scale is None else scale,
-                                documents, window)
+    their documents (attention kept inside each); `window` > 0: query i sees keys j > i - window.
+    One custom op (parallel/context_ops.py), so a compiled block holds the ring as one node."""
+    from shardlm.parallel.context_ops import ring_attention_op, state_key
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return ring_attention_op(q, k, v, state_key(cp), scale, documents, window)[0]
 
 
 class RingAttention(nn.Module):

@@ -30,29 +30,8 @@ from torch import nn
 
 from shardlm.comm.collectives import Comm
 from shardlm.models.attention import AttentionMask, attend
-
-
-class _AllToAll(torch.autograd.Function):
-    """Row j of x (U, ...) to group rank j; row j of the result came from rank j. Its own
-    adjoint: the gradient of what rank j received from rank i goes back from j to i by the same
-    exchange (DeepSpeed's _SeqAllToAll)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        ctx.comm = comm
-        return _exchange(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _exchange(grad, ctx.comm), None
-
-
-def _exchange(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    ones = [1] * comm.size
-    comm.all_to_all(out, x, ones, ones).wait()
-    return out
+from shardlm.parallel.collective_ops import op_group
+from shardlm.parallel.context_ops import all_to_all_rows
 
 
 def replicate_kv(kv: torch.Tensor, degree: int) -> torch.Tensor:
@@ -71,7 +50,7 @@ def heads_to_sequence(tensors: list[torch.Tensor], comm: Comm) -> list[torch.Ten
     B, _, t, d = tensors[0].shape
     widths = [x.shape[1] // U for x in tensors]
     rows = torch.cat([x.reshape(B, U, w, t, d) for x, w in zip(tensors, widths)], dim=2)  # (B, U, Σw, t, d)
-    got = _AllToAll.apply(rows.transpose(0, 1), comm)  # (U source ranks, B, Σw, t, d)
+    got = all_to_all_rows(rows.transpose(0, 1), op_group(comm))  # (U source ranks, B, Σw, t, d)
     half = t // 2  # each source's tokens: [front piece, back piece] -> fronts first, then backs
     whole = got.view(U, B, -1, 2, half, d).permute(1, 2, 3, 0, 4, 5).reshape(B, -1, U * t, d)
     return list(whole.split(widths, dim=1))
@@ -83,7 +62,7 @@ def sequence_to_heads(y: torch.Tensor, comm: Comm) -> torch.Tensor:
     B, w, T, d = y.shape
     t = T // U
     rows = y.view(B, w, 2, U, t // 2, d).permute(3, 0, 1, 2, 4, 5).reshape(U, B, w, t, d)
-    got = _AllToAll.apply(rows, comm)  # (U head groups, B, w, t, d)
+    got = all_to_all_rows(rows, op_group(comm))  # (U head groups, B, w, t, d)
     return got.transpose(0, 1).reshape(B, U * w, t, d)
 
 
