@@ -201,3 +201,49 @@ def test_checkpoints_load_across_context_parallel_layouts(tmp_path):
         assert result["start"] == n
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(saved["losses"][n:]),
                                    rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"parallel.cp": 4, "parallel.cp_mode": "ulysses", "model.n_heads": 6, "model.n_kv_heads": 3,
+      "model.d_model": 96}, r"its 6 query heads .* must divide by 4"),
+    ({"parallel.cp": 4, "parallel.cp_mode": "ulysses", "model.n_heads": 12, "model.n_kv_heads": 3,
+      "model.d_model": 96}, r"its 3 key/value heads divide by 4 or divide it"),
+    ({"parallel.cp": 2, "parallel.cp_mode": "hybrid"}, r"strictly between 1 and cp"),
+    ({"parallel.cp": 8, "parallel.cp_mode": "hybrid", "parallel.cp_ulysses": 3}, r"must divide cp"),
+    ({"parallel.cp": 2, "parallel.cp_ulysses": 2}, r"with cp_mode = 'ring' it has no effect"),
+    ({"parallel.cp": 2, "model.attn_softcap": 20.0}, r"use parallel.cp_mode = 'ulysses'"),
+    ({"parallel.cp": 2, "model.attention": "math"}, r"or cp_mode = 'ulysses'"),
+])
+def test_cp_mode_refusals_name_the_keys_and_the_way_out(fields, message):
+    """Before any process starts (Config.validate)."""
+    from shardlm.config import load_config
+    from shardlm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides={"model.preset": "llama-tiny", "train.seq_len": 64, **fields}).validate()
+
+
+def test_cp_mode_auto_prices_every_mode_the_heads_allow(caplog):
+    """planner/cp_modes.py: at cp = 8 a head-rich model's Ulysses sends fewer bytes than the
+    ring (its exchanges shrink with C, the ring's blocks do not), every hybrid degree is priced
+    between, and parallel.cp_mode = 'auto' resolves to the fastest, a config that validates."""
+    from shardlm.config import load_config
+    from shardlm.hardware.catalog import parse_cluster
+    from shardlm.planner.cp_modes import choose_cp_mode
+    from shardlm.resolve import decide
+
+    over = {"model.preset": "llama-tiny", "model.n_heads": 16, "model.n_kv_heads": 8, "model.d_model": 256,
+            "train.seq_len": 64, "run.device": "cpu", "precision.compute": "fp32", "parallel.cp": 8}
+    m = load_config(overrides=over).validate().model
+    ranked = choose_cp_mode(m, 4096, 8, 1, 2, "none", 100e9, 5e-6)
+    by_mode = {(t.mode, t.ulysses): t for t in ranked}
+    assert set(by_mode) == {("ring", 1), ("hybrid", 2), ("hybrid", 4), ("ulysses", 8)}
+    assert by_mode["ulysses", 8].bytes < by_mode["hybrid", 2].bytes < by_mode["ring", 1].bytes
+    assert [t.seconds for t in ranked] == sorted(t.seconds for t in ranked)
+    with caplog.at_level("INFO", logger="shardlm"):
+        cfg = decide(load_config(overrides={**over, "parallel.cp_mode": "auto"}), 8, torch.device("cpu"),
+                     hardware=parse_cluster("8xH100-80GB"))
+    said = next(r.getMessage() for r in caplog.records if "cp_mode = auto" in r.getMessage())
+    assert all(name in said for name in ("ring", "hybrid 2", "hybrid 4", "ulysses"))
+    chosen = (cfg.parallel.cp_mode, cfg.parallel.cp_ulysses or (8 if cfg.parallel.cp_mode == "ulysses" else 1))
+    assert chosen in by_mode and said.startswith(f"parallel.cp_mode = auto: {chosen[0]} ")
