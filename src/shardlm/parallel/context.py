@@ -62,6 +62,13 @@ class CPState:
     """(B, T) each token's position in its document, for the whole sequence, while a forward of
     packed documents runs split (data.document_mask); None otherwise."""
 
+    def __post_init__(self) -> None:
+        from shardlm.parallel.context_ops import state_key
+
+        self.key = state_key(self)
+        """Its key for the ring's custom op (parallel/context_ops.py), registered here, once,
+        not inside a compiled forward."""
+
     @property
     def size(self) -> int:
         return self.comm.size
@@ -284,10 +291,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPStat
     `scale` of q·k, None = 1/√d. `documents` (B, T): the whole sequence's positions within
     their documents (attention kept inside each); `window` > 0: query i sees keys j > i - window.
     One custom op (parallel/context_ops.py), so a compiled block holds the ring as one node."""
-    from shardlm.parallel.context_ops import ring_attention_op, state_key
+    from shardlm.parallel.context_ops import ring_attention_op
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return ring_attention_op(q, k, v, state_key(cp), scale, documents, window)[0]
+    return ring_attention_op(q, k, v, cp.key, scale, documents, window)[0]
 
 
 class RingAttention(nn.Module):

@@ -42,27 +42,28 @@ def replicate_kv(kv: torch.Tensor, degree: int) -> torch.Tensor:
     return kv if heads >= degree else kv.repeat_interleave(degree // heads, dim=1)
 
 
-def heads_to_sequence(tensors: list[torch.Tensor], comm: Comm) -> list[torch.Tensor]:
+def heads_to_sequence(tensors: list[torch.Tensor], comm: Comm, key: str) -> list[torch.Tensor]:
     """Each (B, n_i, t, d), this rank's t tokens [front piece, back piece] of every head ->
     (B, n_i/U, U·t, d): every rank's tokens of this rank's head group, in sequence order
-    [all front pieces, all back pieces]. One all-to-all for all of them."""
+    [all front pieces, all back pieces]. One all-to-all for all of them; `key`: comm's
+    (collective_ops.op_group)."""
     U = comm.size
     B, _, t, d = tensors[0].shape
     widths = [x.shape[1] // U for x in tensors]
     rows = torch.cat([x.reshape(B, U, w, t, d) for x, w in zip(tensors, widths)], dim=2)  # (B, U, Σw, t, d)
-    got = all_to_all_rows(rows.transpose(0, 1), op_group(comm))  # (U source ranks, B, Σw, t, d)
+    got = all_to_all_rows(rows.transpose(0, 1), key)  # (U source ranks, B, Σw, t, d)
     half = t // 2  # each source's tokens: [front piece, back piece] -> fronts first, then backs
     whole = got.view(U, B, -1, 2, half, d).permute(1, 2, 3, 0, 4, 5).reshape(B, -1, U * t, d)
     return list(whole.split(widths, dim=1))
 
 
-def sequence_to_heads(y: torch.Tensor, comm: Comm) -> torch.Tensor:
+def sequence_to_heads(y: torch.Tensor, comm: Comm, key: str) -> torch.Tensor:
     """heads_to_sequence's inverse for one tensor: (B, n/U, U·t, d) -> (B, n, t, d)."""
     U = comm.size
     B, w, T, d = y.shape
     t = T // U
     rows = y.view(B, w, 2, U, t // 2, d).permute(3, 0, 1, 2, 4, 5).reshape(U, B, w, t, d)
-    got = all_to_all_rows(rows, op_group(comm))  # (U head groups, B, w, t, d)
+    got = all_to_all_rows(rows, key)  # (U head groups, B, w, t, d)
     return got.transpose(0, 1).reshape(B, U * w, t, d)
 
 
@@ -77,6 +78,7 @@ class UlyssesAttention(nn.Module):
         self.cp, self.a2a, self.ring = cp, a2a, ring
         """cp: the whole group's CPState (is this forward split?); a2a: the all-to-all group;
         ring: the ring's CPState (hybrid) or None."""
+        self.a2a_key = op_group(a2a)  # registered here, not inside a compiled forward
         self.scale, self.softcap, self.window = scale, softcap, window
         """window: this block's sliding window for the hybrid's ring (Ulysses alone takes the
         Decoder's whole-sequence mask)."""
@@ -88,13 +90,13 @@ class UlyssesAttention(nn.Module):
         if not self.cp.sharded:
             return attend(q, k, v, mask, self.scale, self.softcap)
         U = self.a2a.size
-        q, k, v = heads_to_sequence([q, replicate_kv(k, U), replicate_kv(v, U)], self.a2a)
+        q, k, v = heads_to_sequence([q, replicate_kv(k, U), replicate_kv(v, U)], self.a2a, self.a2a_key)
         if self.ring is None:  # the whole sequence for h/U heads: the one-process kernel and mask
             y = attend(q, k, v, mask, self.scale, self.softcap)
         else:
             from shardlm.parallel.context import ring_attention
             y = ring_attention(q, k, v, self.ring, self.scale, self.cp.documents, self.window)
-        return sequence_to_heads(y, self.a2a)  # (B, h, t, d)
+        return sequence_to_heads(y, self.a2a, self.a2a_key)  # (B, h, t, d)
 
 
 def hybrid_groups(comm: Comm, a2a: int) -> tuple[Comm, Comm]:
