@@ -54,7 +54,8 @@ def ring_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
 
 @ring_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, state, scale, documents, window):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous, as ring_backward makes them (q, k, v are often transposed views)
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_ring(ctx, inputs, output):
