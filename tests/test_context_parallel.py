@@ -247,3 +247,33 @@ def test_cp_mode_auto_prices_every_mode_the_heads_allow(caplog):
     assert all(name in said for name in ("ring", "hybrid 2", "hybrid 4", "ulysses"))
     chosen = (cfg.parallel.cp_mode, cfg.parallel.cp_ulysses or (8 if cfg.parallel.cp_mode == "ulysses" else 1))
     assert chosen in by_mode and said.startswith(f"parallel.cp_mode = auto: {chosen[0]} ")
+
+
+def test_cp_attention_compiles_as_one_graph():
+    """The ring and Ulysses' all-to-all are custom ops (parallel/context_ops.py): compiled with
+    fullgraph, as train.compile compiles a block, they trace with no graph break, and output and
+    gradients equal one process's attention under the same document mask (1e-5). One process:
+    a group of one rank runs the same ops (its exchanges are copies); the 2-rank compiled run is
+    bench/compose.py --run --pairs cp+compile."""
+    from cp_cases import document_positions
+    from shardlm.comm.collectives import Comm, CommLedger
+    from shardlm.models.attention import _allowed
+    from shardlm.parallel.context import CPState
+    from shardlm.parallel.ulysses import UlyssesAttention
+
+    cp = CPState(Comm(None, "cp", CommLedger()))
+    core = UlyssesAttention(cp, cp.comm, CPState(cp.comm))  # the hybrid's path: all-to-all, then the ring
+    cp.sharded, cp.documents = True, document_positions(16)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 16, 8, generator=g).requires_grad_() for h in (4, 2, 2))
+    # aot_eager: Dynamo's trace and AOTAutograd's joint graph (where a break or a missing
+    # backward would show) without Inductor's code generation, which costs a minute here
+    out = torch.compile(core.forward, fullgraph=True, backend="aot_eager")(q, k, v)
+    out.sum().backward()
+    got = [out.detach()] + [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=_allowed(cp.documents, 16, q.device), enable_gqa=True)
+    ref.sum().backward()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, [ref.detach()] + [t.grad for t in (q, k, v)]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
