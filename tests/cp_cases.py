@@ -57,7 +57,8 @@ def cp_attention_case(rank: int, world_size: int, mode: str, a2a: int, heads: in
     from shardlm.comm.collectives import Comm, CommLedger
     from shardlm.models.attention import prepare
     from shardlm.parallel.context import CPState, RingAttention
-    from shardlm.parallel.ulysses import UlyssesAttention, hybrid_groups
+    from shardlm.parallel.context import UlyssesAttention
+    from shardlm.parallel.ulysses import hybrid_groups
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, heads, length, 8, generator=g)

@@ -259,7 +259,7 @@ def test_cp_attention_compiles_as_one_graph():
     from shardlm.comm.collectives import Comm, CommLedger
     from shardlm.models.attention import _allowed
     from shardlm.parallel.context import CPState
-    from shardlm.parallel.ulysses import UlyssesAttention
+    from shardlm.parallel.context import UlyssesAttention
 
     cp = CPState(Comm(None, "cp", CommLedger()))
     core = UlyssesAttention(cp, cp.comm, CPState(cp.comm))  # the hybrid's path: all-to-all, then the ring

@@ -35,12 +35,14 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
 from shardlm.models.attention import AttentionMask, attend, document_ids
+from shardlm.parallel import context_ops
+from shardlm.parallel.collective_ops import op_group
+from shardlm.parallel.ulysses import heads_to_sequence, hybrid_groups, replicate_kv, sequence_to_heads
 
 log = logging.getLogger("shardlm")
 
@@ -63,9 +65,7 @@ class CPState:
     packed documents runs split (data.document_mask); None otherwise."""
 
     def __post_init__(self) -> None:
-        from shardlm.parallel.context_ops import state_key
-
-        self.key = state_key(self)
+        self.key = context_ops.state_key(self)
         """Its key for the ring's custom op (parallel/context_ops.py), registered here, once,
         not inside a compiled forward."""
 
@@ -283,6 +283,9 @@ def ring_backward(dout, q, k, v, out, lse, cp: CPState, scale: float, documents,
     return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)  # not views of one buffer
 
 
+context_ops.RING.update(forward=ring_forward, backward=ring_backward)
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPState,
                    scale: float | None = None, documents: torch.Tensor | None = None,
                    window: int = 0) -> torch.Tensor:
@@ -291,10 +294,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPStat
     `scale` of q·k, None = 1/√d. `documents` (B, T): the whole sequence's positions within
     their documents (attention kept inside each); `window` > 0: query i sees keys j > i - window.
     One custom op (parallel/context_ops.py), so a compiled block holds the ring as one node."""
-    from shardlm.parallel.context_ops import ring_attention_op
-
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return ring_attention_op(q, k, v, cp.key, scale, documents, window)[0]
+    return context_ops.ring_attention_op(q, k, v, cp.key, scale, documents, window)[0]
 
 
 class RingAttention(nn.Module):
@@ -318,6 +319,37 @@ class RingAttention(nn.Module):
         return attend(q, k, v, mask, self.scale)
 
 
+class UlyssesAttention(nn.Module):
+    """Replaces a Decoder block's core attention (models/decoder.py CausalAttention) when
+    parallel.cp_mode is 'ulysses' or 'hybrid': heads exchanged for the sequence, then the
+    one-process kernel (Ulysses) or the ring over the all-to-all groups (hybrid), and back."""
+
+    def __init__(self, cp, a2a: Comm, ring=None, scale: float | None = None, softcap: float = 0.0,
+                 window: int = 0):
+        super().__init__()
+        self.cp, self.a2a, self.ring = cp, a2a, ring
+        """cp: the whole group's CPState (is this forward split?); a2a: the all-to-all group;
+        ring: the ring's CPState (hybrid) or None."""
+        self.a2a_key = op_group(a2a)  # registered here, not inside a compiled forward
+        self.scale, self.softcap, self.window = scale, softcap, window
+        """window: this block's sliding window for the hybrid's ring (Ulysses alone takes the
+        Decoder's whole-sequence mask)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: AttentionMask | None = None) -> torch.Tensor:
+        """q (B, h, t, d), k, v (B, h_kv, t, d): this rank's tokens; `mask` the whole sequence's
+        (the Decoder builds it for all T tokens)."""
+        if not self.cp.sharded:
+            return attend(q, k, v, mask, self.scale, self.softcap)
+        U = self.a2a.size
+        q, k, v = heads_to_sequence([q, replicate_kv(k, U), replicate_kv(v, U)], self.a2a, self.a2a_key)
+        if self.ring is None:  # the whole sequence for h/U heads: the one-process kernel and mask
+            y = attend(q, k, v, mask, self.scale, self.softcap)
+        else:
+            y = ring_attention(q, k, v, self.ring, self.scale, self.cp.documents, self.window)
+        return sequence_to_heads(y, self.a2a, self.a2a_key)  # (B, h, t, d)
+
+
 def apply_cp(model: nn.Module, comm: Comm, mode: str = "ring", ulysses: int = 0) -> CPState | None:
     """Give a meta-device Decoder its context-parallel group: the forward splits the sequence
     (Decoder.forward asks `model.context`), and every block's attention runs the ring
@@ -325,7 +357,6 @@ def apply_cp(model: nn.Module, comm: Comm, mode: str = "ring", ulysses: int = 0)
     all-to-all degree of `ulysses`: parallel/ulysses.py)."""
     from shardlm.config_rules import cp_degrees
     from shardlm.models.decoder import Decoder
-    from shardlm.parallel.ulysses import UlyssesAttention, hybrid_groups
 
     if comm.size == 1:
         return None

@@ -18,6 +18,9 @@ import torch
 from shardlm.parallel.collective_ops import _COMMS
 
 _STATES: dict = {}
+RING: dict = {}
+"""'forward' and 'backward' of the ring (parallel/context.py ring_forward, ring_backward), set
+by that module when it is imported: it imports this one, so the ops sit below the algorithm."""
 
 
 def state_key(cp) -> str:
@@ -31,9 +34,7 @@ def state_key(cp) -> str:
 def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: str, scale: float,
                       documents: Optional[torch.Tensor], window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, log-sum-exp) of the ring (parallel/context.py ring_forward)."""
-    from shardlm.parallel.context import ring_forward
-
-    out, lse = ring_forward(q, k, v, _STATES[state], scale, documents, window)
+    out, lse = RING["forward"](q, k, v, _STATES[state], scale, documents, window)
     return out.contiguous(), lse
 
 
@@ -47,9 +48,7 @@ def ring_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Ten
                                out: torch.Tensor, lse: torch.Tensor, state: str, scale: float,
                                documents: Optional[torch.Tensor], window: int
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from shardlm.parallel.context import ring_backward
-
-    return ring_backward(dout.contiguous(), q, k, v, out, lse, _STATES[state], scale, documents, window)
+    return RING["backward"](dout.contiguous(), q, k, v, out, lse, _STATES[state], scale, documents, window)
 
 
 @ring_attention_backward_op.register_fake

@@ -13,6 +13,9 @@ packed per destination), the output in another: per block forward about (U-1)/U 
 Query heads must divide by U; key/value heads too or, fewer than U (GQA), they are replicated
 to U first (as tensor parallelism replicates them; their gradients sum back through the copy).
 
+This module is the exchange itself; the attention core that runs it, UlyssesAttention, lives
+beside the ring in parallel/context.py, with apply_cp.
+
 Hybrid (parallel.cp_mode = 'hybrid'): cp = U x R ranks, U consecutive ones an all-to-all group,
 the R groups a ring (each ring: the ranks of the same all-to-all position). After the exchange
 each all-to-all group holds, for its heads, exactly the tokens one ring rank of an R-rank ring
@@ -26,11 +29,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from shardlm.comm.collectives import Comm
-from shardlm.models.attention import AttentionMask, attend
-from shardlm.parallel.collective_ops import op_group
 from shardlm.parallel.context_ops import all_to_all_rows
 
 
@@ -65,38 +65,6 @@ def sequence_to_heads(y: torch.Tensor, comm: Comm, key: str) -> torch.Tensor:
     rows = y.view(B, w, 2, U, t // 2, d).permute(3, 0, 1, 2, 4, 5).reshape(U, B, w, t, d)
     got = all_to_all_rows(rows, key)  # (U head groups, B, w, t, d)
     return got.transpose(0, 1).reshape(B, U * w, t, d)
-
-
-class UlyssesAttention(nn.Module):
-    """Replaces a Decoder block's core attention (models/decoder.py CausalAttention) when
-    parallel.cp_mode is 'ulysses' or 'hybrid': heads exchanged for the sequence, then the
-    one-process kernel (Ulysses) or the ring over the all-to-all groups (hybrid), and back."""
-
-    def __init__(self, cp, a2a: Comm, ring=None, scale: float | None = None, softcap: float = 0.0,
-                 window: int = 0):
-        super().__init__()
-        self.cp, self.a2a, self.ring = cp, a2a, ring
-        """cp: the whole group's CPState (is this forward split?); a2a: the all-to-all group;
-        ring: the ring's CPState (hybrid) or None."""
-        self.a2a_key = op_group(a2a)  # registered here, not inside a compiled forward
-        self.scale, self.softcap, self.window = scale, softcap, window
-        """window: this block's sliding window for the hybrid's ring (Ulysses alone takes the
-        Decoder's whole-sequence mask)."""
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: AttentionMask | None = None) -> torch.Tensor:
-        """q (B, h, t, d), k, v (B, h_kv, t, d): this rank's tokens; `mask` the whole sequence's
-        (the Decoder builds it for all T tokens)."""
-        if not self.cp.sharded:
-            return attend(q, k, v, mask, self.scale, self.softcap)
-        U = self.a2a.size
-        q, k, v = heads_to_sequence([q, replicate_kv(k, U), replicate_kv(v, U)], self.a2a, self.a2a_key)
-        if self.ring is None:  # the whole sequence for h/U heads: the one-process kernel and mask
-            y = attend(q, k, v, mask, self.scale, self.softcap)
-        else:
-            from shardlm.parallel.context import ring_attention
-            y = ring_attention(q, k, v, self.ring, self.scale, self.cp.documents, self.window)
-        return sequence_to_heads(y, self.a2a, self.a2a_key)  # (B, h, t, d)
 
 
 def hybrid_groups(comm: Comm, a2a: int) -> tuple[Comm, Comm]:
