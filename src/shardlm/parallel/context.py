@@ -16,11 +16,15 @@ rank, all its queries against that rank's front chunk (its back chunk comes afte
 ours); from a later one, only our back chunk's queries, against both its chunks (our front
 chunk comes before both).
 
-Why a ring and not DeepSpeed-Ulysses' all-to-all over heads: Ulysses needs the heads (and the
-key/value heads, for GQA) to divide by C, and each rank then holds the whole sequence for its
-heads inside attention; the ring works for any head count, composes with tensor parallelism
-(which already splits the heads), keeps every activation at 1/C, and hides its hops behind
-the block computations. docs/architecture.md has the comparison.
+Three ways to attend (parallel.cp_mode; docs/architecture.md compares them): the ring here,
+for any head count, hiding its hops behind the block computations; Ulysses (parallel/
+ulysses.py: an all-to-all trades the sequence split for a head split, and UlyssesAttention
+below runs the one-process kernel on the whole sequence), when the heads divide by C; or the
+hybrid, an all-to-all inside groups and this ring across them.
+
+Masks. Beyond the causal one — packed documents, sliding windows — each hop's mask is built
+from the two ranks' global positions and the whole sequence's document positions, which every
+rank holds (nothing extra travels); those hops run the portable (math) block kernel.
 
 The backward passes the key/value blocks around the ring again, recomputing each block's
 partial gradients from the saved output and log-sum-exp, and the blocks' key/value gradients
