@@ -48,10 +48,11 @@ def cp_attention_cases(rank: int, world_size: int, cases: list[tuple]) -> list[d
 
 
 def cp_attention_case(rank: int, world_size: int, mode: str, a2a: int, heads: int, kv_heads: int,
-                      length: int, documents: bool) -> dict:
+                      length: int, documents: bool, softcap: float = 0.0) -> dict:
     """Context-parallel attention by `mode` (ring / ulysses / hybrid, all-to-all degree `a2a`)
     on this rank's chunks of the same random q, k, v on every rank, with or without document
-    masks: its output and the gradients of its chunks, as ring_attention_case."""
+    masks, scores soft-capped at `softcap` (> 0): its output and the gradients of its chunks, as
+    ring_attention_case."""
     import torch.distributed as dist
 
     from shardlm.comm.collectives import Comm, CommLedger
@@ -70,16 +71,16 @@ def cp_attention_case(rank: int, world_size: int, mode: str, a2a: int, heads: in
     comm = Comm(dist.group.WORLD, "cp", ledger)
     cp = CPState(comm, a2a=a2a)
     if mode == "ring":
-        core = RingAttention(cp)
+        core = RingAttention(cp, softcap=softcap)
     elif mode == "ulysses":
-        core = UlyssesAttention(cp, comm)
+        core = UlyssesAttention(cp, comm, softcap=softcap)
     else:
         a2a_comm, ring_comm = hybrid_groups(comm, a2a)
-        core = UlyssesAttention(cp, a2a_comm, CPState(ring_comm))
+        core = UlyssesAttention(cp, a2a_comm, CPState(ring_comm), softcap=softcap)
     mine = cp.positions(length)
     lq, lk, lv = (t[:, :, mine].clone().requires_grad_() for t in (q, k, v))
     cp.sharded, cp.documents = True, docs
-    mask = prepare("sdpa", docs, length, q.device, q.dtype) if mode == "ulysses" else None
+    mask = prepare("math" if softcap else "sdpa", docs, length, q.device, q.dtype) if mode == "ulysses" else None
     out = core(lq, lk, lv, mask=mask)
     (out * weight[:, :, mine]).sum().backward()
     return {"positions": mine, "out": out.detach(), "dq": lq.grad, "dk": lk.grad, "dv": lv.grad,

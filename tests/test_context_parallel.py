@@ -37,13 +37,14 @@ def test_ring_attention_equals_whole_sequence_attention(tmp_path, world, heads, 
 
 # (ranks, [(mode, all-to-all degree, query heads, key/value heads, length)]): every mode with
 # document masks (three documents in row 0, one crossing the chunk boundaries; one in row 1);
-# Ulysses with one key/value head for two ranks (GQA: replicated). One spawn.
-# (The hybrid's attention is the same code over two groups: tested at 4 ranks on the
-# parameter level, documents included, in test_cp_composes_with_tp_and_zero_on_4_ranks.)
-@pytest.mark.parametrize("world, cases", [(2, [("ring", 1, 4, 2, 16), ("ulysses", 2, 4, 1, 16)])])
+# the ring's scores soft-capped (Gemma 2, cap 2: most scores bent); Ulysses with one key/value
+# head for two ranks (GQA: replicated). One spawn. (The hybrid's attention is the same code over
+# two groups: tested at 4 ranks on the parameter level, documents included, in
+# test_cp_composes_with_tp_and_zero_on_4_ranks.)
+@pytest.mark.parametrize("world, cases", [(2, [("ring", 1, 4, 2, 16, 2.0), ("ulysses", 2, 4, 1, 16, 0.0)])])
 def test_cp_modes_equal_whole_sequence_attention_with_documents(tmp_path, world, cases):
     """Each mode's output and q/k/v gradients equal those rows of one process's attention
-    under the same document mask (fp32; Ulysses runs the same kernel on the whole sequence,
+    under the same document mask and soft-cap (fp32; Ulysses runs the same kernel on the whole sequence,
     the ring merges per-block softmaxes: 1e-5), and the ledger's bytes are the planner's
     formula for the mode (planner/cp_modes.py: all-to-alls, ring hops)."""
     from types import SimpleNamespace
@@ -52,13 +53,16 @@ def test_cp_modes_equal_whole_sequence_attention_with_documents(tmp_path, world,
     from shardlm.models.attention import _allowed
     from shardlm.planner.cp_modes import cp_mode_bytes
 
-    out = run_ranks(cp_attention_cases, world, tmp_path, [(*case, True) for case in cases])
-    for c, (mode, a2a, heads, kv_heads, length) in enumerate(cases):
+    out = run_ranks(cp_attention_cases, world, tmp_path, [(*case[:5], True, case[5]) for case in cases])
+    for c, (mode, a2a, heads, kv_heads, length, softcap) in enumerate(cases):
         ranks = [r[c] for r in out]
         q, k, v = (ranks[0][x].clone().requires_grad_() for x in "qkv")
         allowed = _allowed(ranks[0]["docs"], length, q.device)
         assert not allowed[0, 0, length - 1, 0]  # the mask is more than causal
-        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=heads != kv_heads)
+        scores = (q @ k.repeat_interleave(heads // kv_heads, 1).transpose(-1, -2)) * 8 ** -0.5
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        ref = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.repeat_interleave(heads // kv_heads, 1)
         (ref * ranks[0]["weight"]).sum().backward()
         covered = torch.cat([r["positions"] for r in ranks]).sort().values
         assert torch.equal(covered, torch.arange(length)), mode
@@ -95,7 +99,7 @@ def cp_runs(tmp_path_factory):
     # Gemma-2's features: every other block slides (window 16 of 64 tokens), soft-capped scores
     gemma = {**llama, "data.document_mask": "on", "model.sliding_window": 16, "model.global_every": 2,
              "model.attn_softcap": 20.0}
-    window = {**gpt, "data.document_mask": "on", "model.sliding_window": 16}
+    window = {**gpt, "data.document_mask": "on", "model.sliding_window": 16, "model.attn_softcap": 20.0}
     cases = [({**gpt, "parallel.cp": 2}, STEPS, -1),
              ({**llama, "parallel.cp": 2, "parallel.zero_stage": 3}, STEPS, -1),
              ({**long, "parallel.cp": 2, "activation.checkpoint": "full"}, STEPS, -1),
@@ -112,7 +116,7 @@ def cp_runs(tmp_path_factory):
                                         (1, "cp=2 llama (GQA, RoPE), ZeRO-3"),
                                         (2, "cp=2 gpt, 256 tokens, full recompute"),
                                         (3, "cp=2 ulysses llama (GQA), documents, windows, soft-cap"),
-                                        (4, "cp=2 ring gpt, documents, sliding window")])
+                                        (4, "cp=2 ring gpt, documents, sliding window, soft-cap")])
 def test_cp_matches_one_process(cp_runs, case, what):
     """And each step's cp bytes in the ledger are the planner's formula for the mode."""
     from shardlm.config import load_config
@@ -211,7 +215,6 @@ def test_checkpoints_load_across_context_parallel_layouts(tmp_path):
     ({"parallel.cp": 2, "parallel.cp_mode": "hybrid"}, r"strictly between 1 and cp"),
     ({"parallel.cp": 8, "parallel.cp_mode": "hybrid", "parallel.cp_ulysses": 3}, r"must divide cp"),
     ({"parallel.cp": 2, "parallel.cp_ulysses": 2}, r"with cp_mode = 'ring' it has no effect"),
-    ({"parallel.cp": 2, "model.attn_softcap": 20.0}, r"use parallel.cp_mode = 'ulysses'"),
     ({"parallel.cp": 2, "model.attention": "math"}, r"or cp_mode = 'ulysses'"),
 ])
 def test_cp_mode_refusals_name_the_keys_and_the_way_out(fields, message):

@@ -376,12 +376,6 @@ def _family_features(cfg: Config) -> list[str]:
     if m.sliding_window and m.attention in ("per_document", "flex"):
         problems.append(f"model.sliding_window = {m.sliding_window} with model.attention = "
                         f"{m.attention!r}: it has no window mask yet; use 'auto', 'sdpa' or 'math'")
-    if cp > 1 and m.attn_softcap and cfg.parallel.cp_mode != "ulysses":
-        # Ulysses attends the whole sequence with the one-process kernel (math: soft-capped);
-        # the ring's per-block flash kernel has no cap, and sliding windows it masks per hop.
-        problems.append(f"model.attn_softcap = {m.attn_softcap:g} with parallel.cp = {cp} and "
-                        f"cp_mode = {cfg.parallel.cp_mode!r}: the ring's softmax is not soft-capped; "
-                        f"use parallel.cp_mode = 'ulysses' (the whole sequence per head) or cp = 1")
     if m.rope_local_theta and not m.sliding_window:
         problems.append(f"model.rope_local_theta = {m.rope_local_theta:g} is the sliding blocks' "
                         f"RoPE base, and model.sliding_window = 0 (no block slides); set both or neither")

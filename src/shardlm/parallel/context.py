@@ -138,41 +138,48 @@ def _has_cpu_flash(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
-def block_forward(q, k, v, causal: bool, scale: float,
-                  allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(q, k, v, causal: bool, scale: float, allowed: torch.Tensor | None = None,
+                  softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q kᵀ·scale) v and the log-sum-exp of each query's scores (fp32). Causal: the
     diagonal block (queries and keys the same positions). `allowed` (B, 1, tq, tk): which
     query-key pairs may attend (documents, a window), instead of `causal`; a query with none
-    gets output 0 and log-sum-exp -inf (nothing to merge). Keys/values already expanded to the
-    query heads."""
-    if allowed is None and _has_cpu_flash(q):
+    gets output 0 and log-sum-exp -inf (nothing to merge). `softcap` > 0: scores c·tanh(s/c)
+    before the mask (Gemma 2). Keys/values already expanded to the query heads."""
+    if allowed is None and not softcap and _has_cpu_flash(q):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse.float()
-    scores = _scores(q, k, causal, scale, allowed)  # (B, h, tq, tk): any device
+    scores, _ = _scores(q, k, causal, scale, allowed, softcap)  # (B, h, tq, tk): any device
     lse = scores.logsumexp(-1)
     finite = lse.masked_fill(lse == float("-inf"), 0.0)  # an empty row: exp(-inf) = 0, not nan
     return ((scores - finite.unsqueeze(-1)).exp() @ v.float()).to(q.dtype), lse
 
 
-def _scores(q, k, causal: bool, scale: float, allowed: torch.Tensor | None) -> torch.Tensor:
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+def _scores(q, k, causal: bool, scale: float, allowed: torch.Tensor | None, softcap: float = 0.0):
+    """The masked (and soft-capped) scores, fp32, and d(capped)/d(uncapped) = 1 - tanh² (None
+    without a cap)."""
+    scores, slope = (q.float() @ k.float().transpose(-1, -2)) * scale, None
+    if softcap:
+        capped = torch.tanh(scores / softcap)
+        scores, slope = capped * softcap, 1 - capped * capped
     if allowed is not None:
-        return scores.masked_fill(~allowed, float("-inf"))
-    return scores.masked_fill(_future(scores), float("-inf")) if causal else scores
+        return scores.masked_fill(~allowed, float("-inf")), slope
+    return (scores.masked_fill(_future(scores), float("-inf")) if causal else scores), slope
 
 
 def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float,
-                   allowed: torch.Tensor | None = None):
+                   allowed: torch.Tensor | None = None, softcap: float = 0.0):
     """dq, dk, dv of one block's share of the attention whose final output and log-sum-exp
     are `out` and `lse` (finite: every query sees itself)."""
-    if allowed is None and _has_cpu_flash(q):
+    if allowed is None and not softcap and _has_cpu_flash(q):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.to(torch.float32), 0.0, causal, scale=scale)
     qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
-    scores = _scores(q, k, causal, scale, allowed)
+    scores, slope = _scores(q, k, causal, scale, allowed, softcap)
     p = (scores - lse.unsqueeze(-1)).exp()  # this block's probabilities under the whole softmax
     delta = (df * out.float()).sum(-1, keepdim=True)
     ds = p * (df @ vf.transpose(-1, -2) - delta) * scale
+    if slope is not None:  # through the cap: c·tanh(s/c)' = 1 - tanh²(s/c)
+        ds = ds * slope
     return (ds @ kf).to(q.dtype), (ds.transpose(-1, -2) @ qf).to(k.dtype), (p.transpose(-1, -2) @ df).to(v.dtype)
 
 
@@ -248,7 +255,7 @@ def _masks(cp: CPState, q: torch.Tensor, documents, window: int) -> _Masks | Non
     return _Masks(cp, length, documents, window) if documents is not None or window else None
 
 
-def ring_forward(q, k, v, cp: CPState, scale: float, documents, window: int):
+def ring_forward(q, k, v, cp: CPState, scale: float, documents, window: int, softcap: float = 0.0):
     """The ring's forward: this rank's output (q's dtype) and its queries' log-sum-exp (fp32)."""
     groups, half = q.shape[1] // k.shape[1], q.shape[2] // 2
     masks = _masks(cp, q, documents, window)
@@ -259,12 +266,13 @@ def ring_forward(q, k, v, cp: CPState, scale: float, documents, window: int):
         allowed = masks.allowed(src, rows, keys, q.device) if masks else None
         o, block_lse = block_forward(_rows(q, rows), _expand(_rows(block[0], keys), groups),
                                      _expand(_rows(block[1], keys), groups), kind == "diagonal", scale,
-                                     allowed)
+                                     allowed, softcap)
         _merge(out, lse, o, block_lse, rows)
     return out.to(q.dtype), lse
 
 
-def ring_backward(dout, q, k, v, out, lse, cp: CPState, scale: float, documents, window: int):
+def ring_backward(dout, q, k, v, out, lse, cp: CPState, scale: float, documents, window: int,
+                  softcap: float = 0.0):
     """dq, dk, dv of this rank's chunks: the blocks pass around the ring again, their key/value
     gradients (fp32) travelling with them."""
     groups, half = q.shape[1] // k.shape[1], q.shape[2] // 2
@@ -276,7 +284,7 @@ def ring_backward(dout, q, k, v, out, lse, cp: CPState, scale: float, documents,
         allowed = masks.allowed(src, rows, keys, q.device) if masks else None
         gq, gk, gv = block_backward(_rows(dout, rows), _rows(q, rows), _expand(_rows(block[0], keys), groups),
                                     _expand(_rows(block[1], keys), groups), _rows(out, rows),
-                                    _rows(lse, rows), kind == "diagonal", scale, allowed)
+                                    _rows(lse, rows), kind == "diagonal", scale, allowed, softcap)
         dq[:, :, rows] += gq
         dkv[0, :, :, keys] += _fold(gk, groups)
         dkv[1, :, :, keys] += _fold(gv, groups)
@@ -292,35 +300,38 @@ context_ops.RING.update(forward=ring_forward, backward=ring_backward)
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPState,
                    scale: float | None = None, documents: torch.Tensor | None = None,
-                   window: int = 0) -> torch.Tensor:
+                   window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of this rank's queries (B, h, T/C, d) over the whole sequence, whose
     keys/values (B, h_kv, T/C, d) are spread over the group in the load-balanced layout;
     `scale` of q·k, None = 1/√d. `documents` (B, T): the whole sequence's positions within
-    their documents (attention kept inside each); `window` > 0: query i sees keys j > i - window.
+    their documents (attention kept inside each); `window` > 0: query i sees keys j > i - window;
+    `softcap` > 0: scores soft-capped, c·tanh(s/c) (Gemma 2).
     One custom op (parallel/context_ops.py), so a compiled block holds the ring as one node."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return context_ops.ring_attention_op(q, k, v, cp.key, scale, documents, window)[0]
+    return context_ops.ring_attention_op(q, k, v, cp.key, scale, documents, window, softcap)[0]
 
 
 class RingAttention(nn.Module):
     """Replaces a Decoder block's core attention (models/decoder.py CausalAttention): the ring
     when this forward is split, the plain kernel otherwise."""
 
-    def __init__(self, cp: CPState, scale: float | None = None, window: int = 0):
+    def __init__(self, cp: CPState, scale: float | None = None, window: int = 0, softcap: float = 0.0):
         super().__init__()
         self.cp = cp
         self.scale = scale
         """Of q·k (model.attention_scale); None = 1/√d."""
         self.window = window
         """This block's sliding window (model.sliding_window on the blocks that slide), or 0."""
+        self.softcap = softcap
+        """model.attn_softcap (Gemma 2), or 0."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: AttentionMask | None = None) -> torch.Tensor:
         """`mask`: the whole sequence's (models/attention.py), for the unsplit forwards; split,
         the ring builds its own per hop from the document positions and the window."""
         if self.cp.sharded:
-            return ring_attention(q, k, v, self.cp, self.scale, self.cp.documents, self.window)
-        return attend(q, k, v, mask, self.scale)
+            return ring_attention(q, k, v, self.cp, self.scale, self.cp.documents, self.window, self.softcap)
+        return attend(q, k, v, mask, self.scale, self.softcap)
 
 
 class UlyssesAttention(nn.Module):
@@ -350,7 +361,7 @@ class UlyssesAttention(nn.Module):
         if self.ring is None:  # the whole sequence for h/U heads: the one-process kernel and mask
             y = attend(q, k, v, mask, self.scale, self.softcap)
         else:
-            y = ring_attention(q, k, v, self.ring, self.scale, self.cp.documents, self.window)
+            y = ring_attention(q, k, v, self.ring, self.scale, self.cp.documents, self.window, self.softcap)
         return sequence_to_heads(y, self.a2a, self.a2a_key)  # (B, h, t, d)
 
 
@@ -376,10 +387,9 @@ def apply_cp(model: nn.Module, comm: Comm, mode: str = "ring", ulysses: int = 0)
     window = model.cfg.sliding_window
     for block in model.blocks:
         core = block.attn.core
-        # soft-capping is refused with a ring before (config_rules): the ring's softmax is plain
         slide = window if getattr(block, "sliding", False) else 0
         ring_state = None if ring_comm is None else cp if a2a == 1 else CPState(ring_comm)
-        block.attn.core = (RingAttention(cp, core.scale, slide) if a2a == 1 else
+        block.attn.core = (RingAttention(cp, core.scale, slide, core.softcap) if a2a == 1 else
                            UlyssesAttention(cp, a2a_comm, ring_state, core.scale, core.softcap, slide))
     model.context = cp
     log.info("context parallel: %d ranks, %s, sequence in %d load-balanced chunks", comm.size,

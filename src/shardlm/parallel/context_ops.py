@@ -32,42 +32,44 @@ def state_key(cp) -> str:
 
 @torch.library.custom_op("shardlm::ring_attention", mutates_args=())
 def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: str, scale: float,
-                      documents: Optional[torch.Tensor], window: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      documents: Optional[torch.Tensor], window: int, softcap: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, log-sum-exp) of the ring (parallel/context.py ring_forward)."""
-    out, lse = RING["forward"](q, k, v, _STATES[state], scale, documents, window)
+    out, lse = RING["forward"](q, k, v, _STATES[state], scale, documents, window, softcap)
     return out.contiguous(), lse
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, state, scale, documents, window):
+def _(q, k, v, state, scale, documents, window, softcap):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("shardlm::ring_attention_backward", mutates_args=())
 def ring_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                out: torch.Tensor, lse: torch.Tensor, state: str, scale: float,
-                               documents: Optional[torch.Tensor], window: int
+                               documents: Optional[torch.Tensor], window: int, softcap: float
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return RING["backward"](dout.contiguous(), q, k, v, out, lse, _STATES[state], scale, documents, window)
+    return RING["backward"](dout.contiguous(), q, k, v, out, lse, _STATES[state], scale, documents, window,
+                            softcap)
 
 
 @ring_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, state, scale, documents, window):
+def _(dout, q, k, v, out, lse, state, scale, documents, window, softcap):
     # contiguous, as ring_backward makes them (q, k, v are often transposed views)
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_ring(ctx, inputs, output):
-    q, k, v, state, scale, documents, window = inputs
+    q, k, v, state, scale, documents, window, softcap = inputs
     ctx.save_for_backward(q, k, v, *output, *([] if documents is None else [documents]))
-    ctx.state, ctx.scale, ctx.window = state, scale, window
+    ctx.state, ctx.scale, ctx.window, ctx.softcap = state, scale, window, softcap
 
 
 def _ring_backward(ctx, dout, dlse):
     q, k, v, out, lse, *documents = ctx.saved_tensors
     dq, dk, dv = ring_attention_backward_op(dout, q, k, v, out, lse, ctx.state, ctx.scale,
-                                            documents[0] if documents else None, ctx.window)
-    return dq, dk, dv, None, None, None, None
+                                            documents[0] if documents else None, ctx.window, ctx.softcap)
+    return dq, dk, dv, None, None, None, None, None
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_setup_ring)
