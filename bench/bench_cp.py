@@ -5,6 +5,9 @@
     cp=2 ZeRO-3      the same, model states sharded over the two context-parallel ranks too
     tp=2 SP          parallel.tp=2 + sequence parallelism, for comparison: the other way to split
                      a long sequence's activations on 2 ranks
+    cp=2 ulysses     parallel.cp_mode=ulysses: all-to-all over heads, whole-sequence attention
+    cp=4 ring / ulysses / hybrid 2x2   the three modes on 4 ranks (hybrid: all-to-all over
+                     pairs, a ring of the two pairs)
 
 Every case trains the same sequences (global batch B sequences of L tokens, default 1 x 8192)
 in fp32 from the same weights; the step-1 losses must agree. Per rank it reports:
@@ -17,7 +20,7 @@ in fp32 from the same weights; the step-1 losses must agree. Per rank it reports
     step RSS      peak RSS minus the RSS after setup: what training steps added on top of the
                   model states built at setup
     ledger        the byte ledger's bytes per step by group, the cp group's next to
-                  planner.timing.cp_comm_bytes
+                  planner.cp_modes.cp_mode_bytes (the mode's all-to-alls + ring hops)
     planner       planner.search.predict_local for the case's config on this CPU: tokens/s,
                   activations (its activation peak) and peak per process, each with its error
 
@@ -26,6 +29,7 @@ not by its peak RSS. A sequence whose activations do not fit M on one rank train
 
 Reproduce:  PYTHONPATH=src python bench/bench_cp.py                       (gpt-mini, 8192 tokens)
             PYTHONPATH=src python bench/bench_cp.py --seq 4096 --cases one,cp
+            PYTHONPATH=src python bench/bench_cp.py --seq 2048 --cases one,cp,ulysses,ring4,ulysses4,hybrid4
 """
 
 from __future__ import annotations
@@ -52,8 +56,13 @@ MiB = 2**20
 CASES = [("1 rank", 1, {}),
          ("cp=2 ZeRO-0", 2, {"parallel.cp": 2}),
          ("cp=2 ZeRO-3", 2, {"parallel.cp": 2, "parallel.zero_stage": 3}),
-         ("tp=2 SP", 2, {"parallel.tp": 2, "parallel.sequence_parallel": True})]
-KEYS = {"one": "1 rank", "cp": "cp=2 ZeRO-0", "cp3": "cp=2 ZeRO-3", "tp": "tp=2 SP"}
+         ("tp=2 SP", 2, {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+         ("cp=2 ulysses", 2, {"parallel.cp": 2, "parallel.cp_mode": "ulysses"}),
+         ("cp=4 ring", 4, {"parallel.cp": 4}),
+         ("cp=4 ulysses", 4, {"parallel.cp": 4, "parallel.cp_mode": "ulysses"}),
+         ("cp=4 hybrid 2x2", 4, {"parallel.cp": 4, "parallel.cp_mode": "hybrid", "parallel.cp_ulysses": 2})]
+KEYS = {"one": "1 rank", "cp": "cp=2 ZeRO-0", "cp3": "cp=2 ZeRO-3", "tp": "tp=2 SP", "ulysses": "cp=2 ulysses",
+        "ring4": "cp=4 ring", "ulysses4": "cp=4 ulysses", "hybrid4": "cp=4 hybrid 2x2"}
 
 
 def overrides_for(args, case: dict, run_dir: str) -> dict:
@@ -120,7 +129,7 @@ def main() -> None:
     parser.add_argument("--cap-mib", type=float, default=0,
                         help="a per-rank memory budget to check each case's peak RSS against "
                              "(0: halfway between the one-rank and the cp=2 ZeRO-3 peaks)")
-    parser.add_argument("--cases", default=",".join(KEYS), help=f"comma-separated: {', '.join(KEYS)}")
+    parser.add_argument("--cases", default="one,cp,cp3,tp", help=f"comma-separated: {', '.join(KEYS)}")
     args = parser.parse_args()
     wanted = {KEYS[k] for k in args.cases.split(",")}
     cases = [c for c in CASES if c[0] in wanted]
@@ -130,7 +139,7 @@ def main() -> None:
     torch.set_num_threads(max(1, cpu_cores() // 2))
     peak_flops(torch.device("cpu"), "fp32")  # the probe runs here, not inside a rank
     from shardlm.planner.search import predict_local
-    from shardlm.planner.timing import cp_comm_bytes
+    from shardlm.planner.cp_modes import cp_mode_bytes
 
     def err(predicted: float, measured: float) -> str:
         return f"{predicted:,.0f} ({(predicted - measured) / measured:+.0%})"
@@ -169,7 +178,9 @@ def main() -> None:
         cp = over.get("parallel.cp", 1)
         if cp > 1:
             model = load_config(overrides=over).validate().model
-            want = cp_comm_bytes(model, args.batch * args.seq, cp, over.get("parallel.tp", 1), 4)
+            want = sum(cp_mode_bytes(model, args.batch * args.seq, cp, over.get("parallel.tp", 1), 4,
+                                     mode=over.get("parallel.cp_mode", "ring"),
+                                     ulysses=over.get("parallel.cp_ulysses", 0)).values())
             formula = f"{want / MiB:,.2f} ({groups.get('cp', 0) / want:.4f})"
         pred = predict_local(load_config(overrides=over).validate(), len(ranks))
         tok_s = args.batch * args.seq / step_s

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def ring_attention_case(rank: int, world_size: int, heads: int, kv_heads: int, length: int,
@@ -32,3 +31,56 @@ def ring_attention_case(rank: int, world_size: int, heads: int, kv_heads: int, l
     (out * weight[:, :, mine]).sum().backward()
     return {"positions": mine, "out": out.detach(), "dq": lq.grad, "dk": lk.grad, "dv": lv.grad,
             "q": q, "k": k, "v": v, "weight": weight, "bytes": dict(ledger.bytes)}
+
+
+def document_positions(length: int) -> torch.Tensor:
+    """(2, length) positions within documents: row 0 three documents (one crossing the ranks'
+    chunk boundaries), row 1 one document."""
+    cuts = [0, length // 3 + 1, length - 3]
+    row = torch.arange(length) - torch.tensor([max(c for c in cuts if c <= i) for i in range(length)])
+    return torch.stack([row, torch.arange(length)])
+
+
+def cp_attention_cases(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
+    """cp_attention_case for each (mode, a2a, heads, kv_heads, length, documents): one spawn."""
+    return [cp_attention_case(rank, world_size, *case) for case in cases]
+
+
+def cp_attention_case(rank: int, world_size: int, mode: str, a2a: int, heads: int, kv_heads: int,
+                      length: int, documents: bool, softcap: float = 0.0) -> dict:
+    """Context-parallel attention by `mode` (ring / ulysses / hybrid, all-to-all degree `a2a`)
+    on this rank's chunks of the same random q, k, v on every rank, with or without document
+    masks, scores soft-capped at `softcap` (> 0): its output and the gradients of its chunks, as
+    ring_attention_case."""
+    import torch.distributed as dist
+
+    from shardlm.comm.collectives import Comm, CommLedger
+    from shardlm.models.attention import prepare
+    from shardlm.parallel.context import CPState, RingAttention
+    from shardlm.parallel.context import UlyssesAttention
+    from shardlm.parallel.ulysses import hybrid_groups
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, length, 8, generator=g)
+    k = torch.randn(2, kv_heads, length, 8, generator=g)
+    v = torch.randn(2, kv_heads, length, 8, generator=g)
+    weight = torch.randn(2, heads, length, 8, generator=g)
+    docs = document_positions(length) if documents else None
+    ledger = CommLedger()
+    comm = Comm(dist.group.WORLD, "cp", ledger)
+    cp = CPState(comm, a2a=a2a)
+    if mode == "ring":
+        core = RingAttention(cp, softcap=softcap)
+    elif mode == "ulysses":
+        core = UlyssesAttention(cp, comm, softcap=softcap)
+    else:
+        a2a_comm, ring_comm = hybrid_groups(comm, a2a)
+        core = UlyssesAttention(cp, a2a_comm, CPState(ring_comm), softcap=softcap)
+    mine = cp.positions(length)
+    lq, lk, lv = (t[:, :, mine].clone().requires_grad_() for t in (q, k, v))
+    cp.sharded, cp.documents = True, docs
+    mask = prepare("math" if softcap else "sdpa", docs, length, q.device, q.dtype) if mode == "ulysses" else None
+    out = core(lq, lk, lv, mask=mask)
+    (out * weight[:, :, mine]).sum().backward()
+    return {"positions": mine, "out": out.detach(), "dq": lq.grad, "dk": lk.grad, "dv": lv.grad,
+            "q": q, "k": k, "v": v, "weight": weight, "docs": docs, "bytes": dict(ledger.bytes)}

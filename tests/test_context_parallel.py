@@ -35,6 +35,47 @@ def test_ring_attention_equals_whole_sequence_attention(tmp_path, world, heads, 
         assert r["bytes"] == {"send_recv/cp": (2 * (world - 1) + world) * kv_bytes}
 
 
+# (ranks, [(mode, all-to-all degree, query heads, key/value heads, length)]): every mode with
+# document masks (three documents in row 0, one crossing the chunk boundaries; one in row 1);
+# the ring's scores soft-capped (Gemma 2, cap 2: most scores bent); Ulysses with one key/value
+# head for two ranks (GQA: replicated). One spawn. (The hybrid's attention is the same code over
+# two groups: tested at 4 ranks on the parameter level, documents included, in
+# test_cp_composes_with_tp_and_zero_on_4_ranks.)
+@pytest.mark.parametrize("world, cases", [(2, [("ring", 1, 4, 2, 16, 2.0), ("ulysses", 2, 4, 1, 16, 0.0)])])
+def test_cp_modes_equal_whole_sequence_attention_with_documents(tmp_path, world, cases):
+    """Each mode's output and q/k/v gradients equal those rows of one process's attention
+    under the same document mask and soft-cap (fp32; Ulysses runs the same kernel on the whole sequence,
+    the ring merges per-block softmaxes: 1e-5), and the ledger's bytes are the planner's
+    formula for the mode (planner/cp_modes.py: all-to-alls, ring hops)."""
+    from types import SimpleNamespace
+
+    from cp_cases import cp_attention_cases
+    from shardlm.models.attention import _allowed
+    from shardlm.planner.cp_modes import cp_mode_bytes
+
+    out = run_ranks(cp_attention_cases, world, tmp_path, [(*case[:5], True, case[5]) for case in cases])
+    for c, (mode, a2a, heads, kv_heads, length, softcap) in enumerate(cases):
+        ranks = [r[c] for r in out]
+        q, k, v = (ranks[0][x].clone().requires_grad_() for x in "qkv")
+        allowed = _allowed(ranks[0]["docs"], length, q.device)
+        assert not allowed[0, 0, length - 1, 0]  # the mask is more than causal
+        scores = (q @ k.repeat_interleave(heads // kv_heads, 1).transpose(-1, -2)) * 8 ** -0.5
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        ref = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.repeat_interleave(heads // kv_heads, 1)
+        (ref * ranks[0]["weight"]).sum().backward()
+        covered = torch.cat([r["positions"] for r in ranks]).sort().values
+        assert torch.equal(covered, torch.arange(length)), mode
+        model = SimpleNamespace(n_layers=1, n_heads=heads, n_kv_heads=kv_heads, d_model=8 * heads)
+        want = cp_mode_bytes(model, 2 * length, world, 1, 4, mode=mode, ulysses=a2a)
+        for r in ranks:
+            p = r["positions"]
+            torch.testing.assert_close(r["out"], ref.detach()[:, :, p], rtol=1e-5, atol=1e-5, msg=mode)
+            for name, whole in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+                torch.testing.assert_close(r[name], whole[:, :, p], rtol=1e-5, atol=1e-5, msg=f"{mode} {name}")
+            assert r["bytes"] == {f"{op}/cp": n for op, n in want.items() if n}, mode
+
+
 STEPS = 3
 
 
@@ -55,22 +96,40 @@ def cp_runs(tmp_path_factory):
     gpt = tiny_overrides(tmp)
     llama = tiny_overrides(tmp, model__preset="llama-tiny")
     long = tiny_overrides(tmp, train__seq_len=256, train__micro_batch=2, model__max_seq_len=256)
+    # Gemma-2's features: every other block slides (window 16 of 64 tokens), soft-capped scores
+    gemma = {**llama, "data.document_mask": "on", "model.sliding_window": 16, "model.global_every": 2,
+             "model.attn_softcap": 20.0}
+    window = {**gpt, "data.document_mask": "on", "model.sliding_window": 16, "model.attn_softcap": 20.0}
     cases = [({**gpt, "parallel.cp": 2}, STEPS, -1),
              ({**llama, "parallel.cp": 2, "parallel.zero_stage": 3}, STEPS, -1),
-             ({**long, "parallel.cp": 2, "activation.checkpoint": "full"}, STEPS, -1)]
+             ({**long, "parallel.cp": 2, "activation.checkpoint": "full"}, STEPS, -1),
+             ({**gemma, "parallel.cp": 2, "parallel.cp_mode": "ulysses"}, STEPS, -1),
+             ({**window, "parallel.cp": 2}, STEPS, -1)]
     out = run_ranks(train_cases, 2, tmp, cases)
     refs = [reference_case(gpt, 1, STEPS), reference_case(llama, 1, STEPS),
-            reference_case({**long, "activation.checkpoint": "full"}, 1, STEPS)]
-    return out, refs
+            reference_case({**long, "activation.checkpoint": "full"}, 1, STEPS),
+            reference_case(gemma, 1, STEPS), reference_case(window, 1, STEPS)]
+    return out, refs, [c[0] for c in cases]
 
 
 @pytest.mark.parametrize("case, what", [(0, "cp=2 gpt (learned positions)"),
                                         (1, "cp=2 llama (GQA, RoPE), ZeRO-3"),
-                                        (2, "cp=2 gpt, 256 tokens, full recompute")])
+                                        (2, "cp=2 gpt, 256 tokens, full recompute"),
+                                        (3, "cp=2 ulysses llama (GQA), documents, windows, soft-cap"),
+                                        (4, "cp=2 ring gpt, documents, sliding window, soft-cap")])
 def test_cp_matches_one_process(cp_runs, case, what):
-    out, refs = cp_runs
+    """And each step's cp bytes in the ledger are the planner's formula for the mode."""
+    from shardlm.config import load_config
+    from shardlm.planner.cp_modes import cp_mode_bytes
+
+    out, refs, configs = cp_runs
+    cfg = load_config(overrides=configs[case]).validate()
+    t, par = cfg.train, cfg.parallel
+    want = t.grad_accum * sum(cp_mode_bytes(cfg.model, t.micro_batch * t.seq_len, 2, 1, 4,
+                                            cfg.activation.checkpoint, mode=par.cp_mode).values())
     for r in range(2):
         _matches(out[r][case], refs[case], what)
+        assert out[r][case]["comm_by_op"][-1]["cp"] == want
 
 
 @pytest.mark.parametrize("preset, recompute", [("gpt-tiny", "none"), ("llama-tiny", "full"),
@@ -95,23 +154,36 @@ def test_ledger_bytes_match_the_formula(tmp_path, preset, recompute):
 
 def test_cp_composes_with_tp_and_zero_on_4_ranks(tmp_path):
     """cp 2 × tp 2 with sequence parallelism (the tensor-parallel group splits each rank's
-    chunks further), and dp_shard 2 × cp 2 at ZeRO-3 (model states sharded over the four
-    data- and context-parallel ranks), each against one process with the same global batch."""
+    chunks further), dp_shard 2 × cp 2 at ZeRO-3 (model states sharded over the four
+    data- and context-parallel ranks), and cp 4 hybrid (all-to-all over pairs, a ring of two
+    pairs) with document masks, each against one process with the same global batch; the
+    hybrid's cp bytes are the planner's formula (planner/cp_modes.py)."""
     from conftest import tiny_overrides
+    from shardlm.config import load_config
+    from shardlm.planner.cp_modes import cp_mode_bytes
     from tp_cases import whole_params
     from zero_cases import reference_case, train_cases
 
     base = tiny_overrides(tmp_path, model__preset="llama-tiny", train__micro_batch=4)
+    hybrid = {**base, "data.document_mask": "on"}
     out = run_ranks(train_cases, 4, tmp_path,
                     [({**base, "parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
                        "parallel.zero_stage": 1}, STEPS, -1),
-                     ({**base, "parallel.cp": 2, "parallel.zero_stage": 3}, STEPS, -1)], timeout=300)
+                     ({**base, "parallel.cp": 2, "parallel.zero_stage": 3}, STEPS, -1),
+                     ({**hybrid, "parallel.cp": 4, "parallel.cp_mode": "hybrid"}, STEPS, -1)], timeout=300)
     one, two = reference_case(base, 1, STEPS), reference_case(base, 2, STEPS)
+    one_docs = reference_case(hybrid, 1, STEPS)
+    cfg = load_config(overrides={**hybrid, "parallel.cp": 4, "parallel.cp_mode": "hybrid"}).validate()
+    t = cfg.train
+    cp_bytes = t.grad_accum * sum(cp_mode_bytes(cfg.model, t.micro_batch * t.seq_len, 4, 1, 4,
+                                                mode="hybrid").values())
     for c in range(2):  # ranks (c, t) = 2·c + t
         pieces = [out[2 * c][0], out[2 * c + 1][0]]
         _matches({"losses": pieces[0]["losses"], "params": whole_params(pieces)}, one, f"cp2 x tp2, cp rank {c}")
     for r in range(4):
         _matches(out[r][1], two, f"dp2 x cp2 ZeRO-3, rank {r}")
+        _matches(out[r][2], one_docs, f"cp4 hybrid (all-to-all 2 x ring 2), document masks, rank {r}")
+        assert out[r][2]["comm_by_op"][-1]["cp"] == cp_bytes  # all-to-alls + ring hops
 
 
 def test_checkpoints_load_across_context_parallel_layouts(tmp_path):
@@ -133,3 +205,78 @@ def test_checkpoints_load_across_context_parallel_layouts(tmp_path):
         assert result["start"] == n
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(saved["losses"][n:]),
                                    rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"parallel.cp": 4, "parallel.cp_mode": "ulysses", "model.n_heads": 6, "model.n_kv_heads": 3,
+      "model.d_model": 96}, r"its 6 query heads .* must divide by 4"),
+    ({"parallel.cp": 4, "parallel.cp_mode": "ulysses", "model.n_heads": 12, "model.n_kv_heads": 3,
+      "model.d_model": 96}, r"its 3 key/value heads divide by 4 or divide it"),
+    ({"parallel.cp": 2, "parallel.cp_mode": "hybrid"}, r"strictly between 1 and cp"),
+    ({"parallel.cp": 8, "parallel.cp_mode": "hybrid", "parallel.cp_ulysses": 3}, r"must divide cp"),
+    ({"parallel.cp": 2, "parallel.cp_ulysses": 2}, r"with cp_mode = 'ring' it has no effect"),
+    ({"parallel.cp": 2, "model.attention": "math"}, r"or cp_mode = 'ulysses'"),
+])
+def test_cp_mode_refusals_name_the_keys_and_the_way_out(fields, message):
+    """Before any process starts (Config.validate)."""
+    from shardlm.config import load_config
+    from shardlm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides={"model.preset": "llama-tiny", "train.seq_len": 64, **fields}).validate()
+
+
+def test_cp_mode_auto_prices_every_mode_the_heads_allow(caplog):
+    """planner/cp_modes.py: at cp = 8 a head-rich model's Ulysses sends fewer bytes than the
+    ring (its exchanges shrink with C, the ring's blocks do not), every hybrid degree is priced
+    between, and parallel.cp_mode = 'auto' resolves to the fastest, a config that validates."""
+    from shardlm.config import load_config
+    from shardlm.hardware.catalog import parse_cluster
+    from shardlm.planner.cp_modes import choose_cp_mode
+    from shardlm.train.resolve import decide
+
+    over = {"model.preset": "llama-tiny", "model.n_heads": 16, "model.n_kv_heads": 8, "model.d_model": 256,
+            "train.seq_len": 64, "run.device": "cpu", "precision.compute": "fp32", "parallel.cp": 8}
+    m = load_config(overrides=over).validate().model
+    ranked = choose_cp_mode(m, 4096, 8, 1, 2, "none", 100e9, 5e-6)
+    by_mode = {(t.mode, t.ulysses): t for t in ranked}
+    assert set(by_mode) == {("ring", 1), ("hybrid", 2), ("hybrid", 4), ("ulysses", 8)}
+    assert by_mode["ulysses", 8].bytes < by_mode["hybrid", 2].bytes < by_mode["ring", 1].bytes
+    assert [t.seconds for t in ranked] == sorted(t.seconds for t in ranked)
+    with caplog.at_level("INFO", logger="shardlm"):
+        cfg = decide(load_config(overrides={**over, "parallel.cp_mode": "auto"}), 8, torch.device("cpu"),
+                     hardware=parse_cluster("8xH100-80GB"))
+    said = next(r.getMessage() for r in caplog.records if "cp_mode = auto" in r.getMessage())
+    assert all(name in said for name in ("ring", "hybrid 2", "hybrid 4", "ulysses"))
+    chosen = (cfg.parallel.cp_mode, cfg.parallel.cp_ulysses or (8 if cfg.parallel.cp_mode == "ulysses" else 1))
+    assert chosen in by_mode and said.startswith(f"parallel.cp_mode = auto: {chosen[0]} ")
+
+
+def test_cp_attention_compiles_as_one_graph():
+    """The ring and Ulysses' all-to-all are custom ops (parallel/context_ops.py): compiled with
+    fullgraph, as train.compile compiles a block, they trace with no graph break, and output and
+    gradients equal one process's attention under the same document mask (1e-5). One process:
+    a group of one rank runs the same ops (its exchanges are copies); the 2-rank compiled run is
+    bench/compose.py --run --pairs cp+compile."""
+    from cp_cases import document_positions
+    from shardlm.comm.collectives import Comm, CommLedger
+    from shardlm.models.attention import _allowed
+    from shardlm.parallel.context import CPState
+    from shardlm.parallel.context import UlyssesAttention
+
+    cp = CPState(Comm(None, "cp", CommLedger()))
+    core = UlyssesAttention(cp, cp.comm, CPState(cp.comm))  # the hybrid's path: all-to-all, then the ring
+    cp.sharded, cp.documents = True, document_positions(16)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 16, 8, generator=g).requires_grad_() for h in (4, 2, 2))
+    # aot_eager: Dynamo's trace and AOTAutograd's joint graph (where a break or a missing
+    # backward would show) without Inductor's code generation, which costs a minute here
+    out = torch.compile(core.forward, fullgraph=True, backend="aot_eager")(q, k, v)
+    out.sum().backward()
+    got = [out.detach()] + [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=_allowed(cp.documents, 16, q.device), enable_gqa=True)
+    ref.sum().backward()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, [ref.detach()] + [t.grad for t in (q, k, v)]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)

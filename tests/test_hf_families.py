@@ -319,8 +319,6 @@ def test_transformers_4_rope_scaling_spelling_maps_the_same(tmp_path):
 @pytest.mark.parametrize("fields, message", [
     ({"model.attn_softcap": 50.0, "model.attention": "sdpa"}, r"only 'math' writes the scores out"),
     ({"model.sliding_window": 16, "model.attention": "per_document"}, r"has no window mask yet"),
-    ({"model.sliding_window": 16, "parallel.cp": 2}, r"the ring has no window mask"),
-    ({"model.attn_softcap": 50.0, "parallel.cp": 2}, r"the ring's softmax is not soft-capped"),
     ({"model.qk_norm": True, "model.qk_norm_width": "all", "model.n_kv_heads": 1, "parallel.tp": 2},
      r"parallel.tp = 2 > the 1 key/value heads: the key norm spans every head"),
     ({"model.rope_fraction": 0.2}, r"rotates 3 features of each head"),

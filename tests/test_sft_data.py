@@ -147,8 +147,8 @@ def test_bad_prompt_completion_and_empty_file(tmp_path):
 def test_tensor_and_context_parallel_are_accepted():
     """The vocabulary-parallel cross-entropy ignores -100 (tests/test_tensor_parallel.py), the
     context-parallel loss divides by the whole sequence's count (bench/compose.py cp+chat_sft;
-    the ring has no document mask: off)."""
-    for key, mask in (("tp", "auto"), ("cp", "off")):
+    document masks too: cp+doc_mask)."""
+    for key, mask in (("tp", "auto"), ("cp", "off"), ("cp", "auto")):
         load_config(overrides={"model.preset": "llama-tiny", "data.format": "chat", "train.seq_len": 64,
                                "data.document_mask": mask, f"parallel.{key}": 2}).validate()
 

@@ -111,6 +111,7 @@ _CHOICES = {
     "precision.master": ("fp32", "bf16"),
     "parallel.zero_stage": (0, 1, 2, 3),
     "parallel.strategy": ("manual", "auto"),
+    "parallel.cp_mode": ("ring", "ulysses", "hybrid", "auto"),
     "run.progress": ("auto", "on", "off"),
     "run.time_split": ("auto", "on", "off"),
     "train.on_nonfinite": ("stop", "skip"),
@@ -255,6 +256,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "parallel.dp_shard": _rule(lambda v: v >= 1 or v == -1, "must be >= 1 or -1 (all remaining ranks)"),
     "parallel.tp": _positive(),
     "parallel.cp": _positive(),
+    "parallel.cp_ulysses": _non_negative(" (0 = cp for 'ulysses', 2 for 'hybrid')"),
     "parallel.pp": _positive(),
     "parallel.pp_schedule": _rule(lambda v: v in NAMED or v.startswith("file:"),
                                   f"must be one of {', '.join(NAMED)}, or 'file:PATH' (a CSV table)"),
@@ -360,7 +362,8 @@ def _rope_scaling(cfg: Config) -> list[str]:
 
 @_cross("model.attention", "model.attn_softcap", "model.sliding_window", "model.rope_local_theta",
         "model.norm_offset", "model.norm", "model.activation", "model.mlp", "model.experts",
-        "parallel.cp", "parallel.tp", "train.seq_len", "model.parallel_residual", "model.rope_fraction",
+        "parallel.cp", "parallel.cp_mode", "parallel.tp", "train.seq_len", "model.parallel_residual",
+        "model.rope_fraction",
         "model.norm_placement", "model.residual_multiplier", "model.head_dim", "model.d_model",
         "model.n_heads", "model.position", "model.norm_bias")
 def _family_features(cfg: Config) -> list[str]:
@@ -373,14 +376,6 @@ def _family_features(cfg: Config) -> list[str]:
     if m.sliding_window and m.attention in ("per_document", "flex"):
         problems.append(f"model.sliding_window = {m.sliding_window} with model.attention = "
                         f"{m.attention!r}: it has no window mask yet; use 'auto', 'sdpa' or 'math'")
-    if cp > 1:
-        if m.attn_softcap:
-            problems.append(f"model.attn_softcap = {m.attn_softcap:g} with parallel.cp = {cp}: the "
-                            f"ring's softmax is not soft-capped; use parallel.cp = 1")
-        if m.sliding_window and m.sliding_window < cfg.train.seq_len:
-            problems.append(f"model.sliding_window = {m.sliding_window} < train.seq_len = "
-                            f"{cfg.train.seq_len} with parallel.cp = {cp}: the ring has no window "
-                            f"mask; use parallel.cp = 1 or train.seq_len <= the window")
     if m.rope_local_theta and not m.sliding_window:
         problems.append(f"model.rope_local_theta = {m.rope_local_theta:g} is the sliding blocks' "
                         f"RoPE base, and model.sliding_window = 0 (no block slides); set both or neither")
@@ -498,6 +493,50 @@ def _experts_fit(cfg: Config) -> list[str]:
         problems.append(f"parallel.tp × parallel.ep = {par.tp} × {par.ep} must divide model.experts = "
                         f"{m.experts}: with tensor parallelism each of the ep × tp ranks holds "
                         f"experts / (ep × tp) of them")
+    return problems
+
+
+def cp_degrees(cp: int, mode: str, ulysses: int) -> tuple[int, int]:
+    """(all-to-all degree, ring degree) of parallel.cp = `cp` attending by parallel.cp_mode =
+    `mode` ('auto' is decided before a run: it counts as the ring here); their product is cp."""
+    if mode == "ulysses":
+        return cp, 1
+    if mode == "hybrid":
+        a2a = ulysses or 2
+        return (a2a, cp // a2a) if a2a and cp % a2a == 0 else (1, cp)
+    return 1, cp
+
+
+@_cross("parallel.cp", "parallel.cp_mode", "parallel.cp_ulysses", "parallel.tp", "model.n_heads",
+        "model.n_kv_heads")
+def _cp_mode_fits(cfg: Config) -> list[str]:
+    """Ulysses splits each tensor-parallel rank's heads over the all-to-all degree (parallel/
+    ulysses.py): query heads must divide by it; key/value heads divide by it or, fewer than it,
+    divide it (each then replicated on a2a / kv ranks, as tensor parallelism replicates them)."""
+    par, m, problems = cfg.parallel, cfg.model, []
+    mode, a2a = par.cp_mode, par.cp_ulysses
+    if a2a and mode not in ("hybrid", "ulysses"):
+        problems.append(f"parallel.cp_ulysses = {a2a} is the all-to-all degree of cp_mode = 'hybrid' "
+                        f"(or 'ulysses'); with cp_mode = {mode!r} it has no effect: set it to 0")
+    if mode == "ulysses" and a2a not in (0, par.cp):
+        problems.append(f"parallel.cp_ulysses = {a2a} with cp_mode = 'ulysses': the all-to-all spans "
+                        f"all parallel.cp = {par.cp} ranks; set cp_ulysses = 0, or cp_mode = 'hybrid'")
+    if mode == "hybrid" and par.cp > 1 and not (1 < (a2a or 2) < par.cp and par.cp % (a2a or 2) == 0):
+        problems.append(f"parallel.cp_mode = 'hybrid' with parallel.cp = {par.cp} and cp_ulysses = "
+                        f"{a2a or 2}: the all-to-all degree must divide cp and lie strictly between 1 "
+                        f"and cp (a ring of cp / cp_ulysses >= 2 groups); use cp_mode = 'ring' or "
+                        f"'ulysses' for the ends, or e.g. cp = 4, cp_ulysses = 2")
+    if par.cp == 1 or mode in ("ring", "auto") or problems:
+        return problems
+    a2a = cp_degrees(par.cp, mode, a2a)[0]
+    heads, kv = m.n_heads // par.tp, max(1, (m.n_kv_heads or m.n_heads) // par.tp)
+    if heads % a2a or (kv % a2a and a2a % kv):
+        problems.append(f"parallel.cp_mode = {mode!r} splits each tensor-parallel rank's heads over "
+                        f"{a2a} ranks (the all-to-all degree): its {heads} query heads (model.n_heads "
+                        f"= {m.n_heads} / tp = {par.tp}) must divide by {a2a}, and its {kv} key/value "
+                        f"heads divide by {a2a} or divide it (then replicated); use cp_mode = 'ring' "
+                        f"(any head count) or a smaller all-to-all degree (cp_mode = 'hybrid', "
+                        f"parallel.cp_ulysses)")
     return problems
 
 
@@ -636,26 +675,25 @@ def _seq2seq_model(cfg: Config) -> list[str]:
 
 
 @_cross("data.document_mask", "data.format", "model.attention", "parallel.tp", "parallel.cp",
-        "train.compile")
+        "parallel.cp_mode", "train.compile")
 def _attention_composes(cfg: Config) -> list[str]:
     """Document masks ride on the input ids (PackedTokens: shardlm/data/packed.py) into Decoder.forward,
-    every pipeline stage included; what splits the sequence cannot carry them yet."""
+    every pipeline stage included; context parallelism keeps the whole sequence's document
+    positions on every rank (the ring masks each hop by them, Ulysses attends the whole
+    sequence)."""
     par, attention, problems = cfg.parallel, cfg.model.attention, []
     if document_mask_on(cfg.data):
         why = f"data.document_mask = {cfg.data.document_mask!r} (on for data.format = {cfg.data.format!r})"
         if cfg.data.format == "seq2seq":
             problems.append(f"{why}: seq2seq examples are not packed; set data.document_mask = 'off' or 'auto'")
-        if par.cp > 1:
-            problems.append(f"{why} with parallel.cp = {par.cp}: the ring splits each sequence over "
-                            f"ranks and has no per-document mask; set data.document_mask = 'off' "
-                            f"(examples then see the earlier ones in their row) or parallel.cp = 1")
     if attention == "per_document" and cfg.train.compile:
         problems.append("model.attention = 'per_document' with train.compile = true: its document "
                         "lengths are data-dependent and cannot be one graph; use 'auto' (sdpa with "
                         "a mask when compiled) or 'sdpa'")
-    if attention not in ("auto", "sdpa") and par.cp > 1:
-        problems.append(f"model.attention = {attention!r} with parallel.cp = {par.cp}: context "
-                        f"parallelism runs its own ring attention; use 'auto' or 'sdpa'")
+    if attention not in ("auto", "sdpa") and par.cp > 1 and par.cp_mode != "ulysses":
+        problems.append(f"model.attention = {attention!r} with parallel.cp = {par.cp} and cp_mode = "
+                        f"{par.cp_mode!r}: the ring runs its own per-block kernel; use 'auto' or "
+                        f"'sdpa', or cp_mode = 'ulysses' (the whole sequence per head: any backend)")
     return problems
 
 
@@ -674,23 +712,6 @@ def _activation_offload_composes(cfg: Config) -> list[str]:
         problems.append(f"activation.offload_blocks = {a.offload_blocks} exceeds the model's {n} "
                         f"blocks (model.n_layers); 0 offloads every block")
     return problems
-
-
-@_cross("train.compile", "parallel.cp", "parallel.ep", "model.experts")
-def _compile_composes(cfg: Config) -> list[str]:
-    """train.compile compiles each block (parallel/compile.py) with fullgraph: what runs a
-    collective or a data-dependent shape inside a block cannot be one graph yet. (A MoE block,
-    with or without ep, compiles its attention, router and experts and dispatches eagerly.)"""
-    if not cfg.train.compile:
-        return []
-    par = cfg.parallel
-    blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
-        ("parallel.cp", par.cp, "ring attention's exchanges inside each block", par.cp > 1),
-    ) if on]
-    return ([f"train.compile = true does not compose yet with: {'; '.join(blocking)}. It works with "
-             f"ZeRO stages 0-3, offload, tensor, pipeline and expert parallelism, activation checkpointing "
-             f"('selective' is compiled with the block) and activation.offload; set train.compile = "
-             f"false or change those keys"] if blocking else [])
 
 
 @_cross("zero.nvme_chunk_mb", "zero.nvme_buffers")

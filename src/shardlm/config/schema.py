@@ -185,6 +185,16 @@ class ParallelConfig:
     """Context-parallel degree: each sequence split over cp ranks (2·cp load-balanced chunks),
     attention by passing key/value blocks around a ring (parallel/context.py); activations
     1/cp per rank. train.seq_len must divide by 2·cp."""
+    cp_mode: str = "ring"
+    """How cp > 1 ranks attend (parallel/context.py, parallel/ulysses.py; docs/architecture.md):
+    'ring' (key/value blocks passed around the ring: any head count); 'ulysses' (DeepSpeed-
+    Ulysses: an all-to-all trades the sequence split for a head split around attention, each
+    rank attending the whole sequence with heads/cp heads: the heads per tp rank must divide by
+    cp); 'hybrid' (USP: all-to-all over groups of cp_ulysses ranks, a ring across the groups);
+    'auto' (the planner picks the one with the least predicted time)."""
+    cp_ulysses: int = 0
+    """With cp_mode = 'hybrid': the all-to-all degree (consecutive cp ranks), dividing cp; the ring
+    runs over cp / cp_ulysses groups. 0 = cp for 'ulysses', 2 for 'hybrid'."""
     pp: int = 1
     """Pipeline-parallel degree: the blocks in pp contiguous stages, one per rank of a pipeline
     (parallel/pipeline.py); micro-batches are train.grad_accum's."""

@@ -307,9 +307,8 @@ class Decoder(nn.Module):
         stage but the last returns its hidden states (B, T, C) instead of logits."""
         documents = None
         if isinstance(idx, PackedTokens):
-            if self.context is not None or cache is not None:
-                raise ValueError("packed documents (PackedTokens) cannot be split by context "
-                                 "parallelism or decoded with a KV cache")
+            if cache is not None:
+                raise ValueError("packed documents (PackedTokens) cannot be decoded with a KV cache")
             idx, documents = idx.ids, idx.positions  # (B, T) each
         B, T = idx.shape
         past = cache.length if cache is not None else 0
@@ -318,7 +317,7 @@ class Decoder(nn.Module):
                              f"crop the input or raise model.max_seq_len")
         positions = None
         if self.context is not None:  # context parallelism: this rank's part of the sequence
-            idx, positions = self.context.split(idx)  # (B, T/cp), their positions
+            idx, positions = self.context.split(idx, documents)  # (B, T/cp), their positions
         if positions is None:
             positions = torch.arange(past, past + T, device=idx.device) if documents is None else documents
         if hidden is None:

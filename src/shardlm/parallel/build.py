@@ -174,7 +174,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
                                cfg.parallel.sequence_parallel, mesh.dims.ep == 1) if mesh.dims.tp > 1 else None
     if tp is not None:
         initializer = sliced(initializer, tp.splits)
-    cp = apply_cp(model, Comm(mesh.cp_group, "cp", ledger, watchdog)) if mesh.dims.cp > 1 else None
+    cp = apply_cp(model, Comm(mesh.cp_group, "cp", ledger, watchdog), cfg.parallel.cp_mode,
+                  cfg.parallel.cp_ulysses) if mesh.dims.cp > 1 else None
     if cp is not None:
         share_over_cp(model, cp)
     experts = apply_ep(model, Comm(mesh.expert_group, "ep", ledger, watchdog)) if mesh.dims.ep > 1 else {}

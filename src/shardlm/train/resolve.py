@@ -107,6 +107,8 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
         log.info("strategy auto: %schose %s — predicted %.0f tokens/s, peak %.2f GiB per rank (%d plans fit)",
                  f"kept {said} (set by you), " if kept else "", describe_strategy(best.strategy),
                  best.timing.tokens_per_s, best.memory.peak / 2**30, len(plans))
+    if cfg.parallel.cp_mode == "auto":
+        cfg = _decide_cp_mode(cfg, hardware or local_hardware(device, world_size))
     if cfg.precision.compute == "auto":
         compute = (choose_compute(hardware.device.kind, hardware.device.peak) if hardware
                    else _auto_compute(device))
@@ -115,6 +117,33 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
         log.info("precision.compute = auto: %s on this %s (decided once, recorded in the run's config)",
                  compute, device.type)
     return cfg.validate()
+
+
+def _decide_cp_mode(cfg: Config, where: Cluster) -> Config:
+    """parallel.cp_mode = 'auto': the mode (and hybrid degree) with the least exposed
+    communication per micro-batch (planner/cp_modes.py), on the link the cp group spans."""
+    from shardlm.planner.cp_modes import choose_cp_mode
+    from shardlm.planner.timing import group_link
+
+    cfg = copy.deepcopy(cfg)
+    par, m, t = cfg.parallel, cfg.model, cfg.train
+    if par.cp == 1:
+        par.cp_mode = "ring"
+        return cfg
+    bandwidth, latency, _ = group_link(where, par.cp, par.tp)
+    compute = cfg.precision.compute if cfg.precision.compute in where.device.peak else "fp32"
+    rate = where.device.peak.get(compute, max(where.device.peak.values())) * where.device.efficiency
+    tokens = t.micro_batch * t.seq_len  # causal attention: 2·d·s FLOPs a token forward, x3 with backward
+    attention_s = 3 * 2 * m.d_model * t.seq_len * tokens * m.n_layers / (par.tp * par.cp) / rate
+    e = 2 if compute in ("bf16", "fp16") else 4
+    ranked = choose_cp_mode(m, tokens, par.cp, par.tp, e, cfg.activation.checkpoint, bandwidth, latency,
+                            attention_s, where.calibration.overlap)
+    best = ranked[0]
+    par.cp_mode, par.cp_ulysses = best.mode, best.ulysses if best.mode == "hybrid" else 0
+    log.info("parallel.cp_mode = auto: %s — %s", best.mode, ", ".join(
+        f"{r.mode}{f' {r.ulysses}' if r.mode == 'hybrid' else ''} {r.seconds * 1e3:.2f} ms, "
+        f"{r.bytes / 2**20:.1f} MiB" for r in ranked) + " of cp communication per micro-batch")
+    return cfg
 
 
 def resolve_config(cfg: Config, runtime: Runtime, checkpoint: Path | None = None) -> Config:
