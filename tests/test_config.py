@@ -168,7 +168,7 @@ def test_every_float_field_must_be_finite():
 
 
 def test_every_number_has_a_range():
-    from shardlm.config.rules import _CHOICES, _RULES
+    from shardlm.config.fields import _CHOICES, _RULES
 
     numbers = [k for k in valid_keys() if type(_default(k)) in (int, float)]
     assert len(numbers) > 30

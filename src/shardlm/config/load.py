@@ -13,7 +13,7 @@ from typing import Any, get_type_hints
 from shardlm.config.schema import Config, _field_named, field_docs, sections, valid_keys
 
 from shardlm.config.model import ModelConfig
-from shardlm.config.rules import key_of
+from shardlm.config.fields import key_of
 from shardlm.errors import ConfigError
 
 

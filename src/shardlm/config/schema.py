@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
 
-from shardlm.config.rules import (COMPUTE_DTYPES, OFFLOAD_TIERS, RECOMPUTE_MODES, key_of,  # noqa: F401
-                                  validation_errors)  # (the names shardlm.config.schema has always exported)
+from shardlm.config.fields import (COMPUTE_DTYPES, OFFLOAD_TIERS, RECOMPUTE_MODES,  # noqa: F401
+                                   key_of)  # (the names shardlm.config.schema has always exported)
+from shardlm.config.rules import validation_errors
 from shardlm.config.model import LoRAConfig, ModelConfig
 from shardlm.errors import ConfigError
 

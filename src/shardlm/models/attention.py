@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.config.rules import ATTENTION_BACKENDS
+from shardlm.config.fields import ATTENTION_BACKENDS
 from shardlm.errors import ConfigError
 
 BACKENDS = ATTENTION_BACKENDS

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from shardlm.config import Config
-from shardlm.config.rules import document_mask_on
+from shardlm.config.fields import document_mask_on
 from shardlm.errors import ConfigError
 from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter
 from shardlm.config.hf_shapes import causal_lm_config, decoder_problems

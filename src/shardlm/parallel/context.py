@@ -370,7 +370,7 @@ def apply_cp(model: nn.Module, comm: Comm, mode: str = "ring", ulysses: int = 0)
     (Decoder.forward asks `model.context`), and every block's attention runs the ring
     (parallel.cp_mode = 'ring'), the all-to-all over heads ('ulysses') or both ('hybrid', an
     all-to-all degree of `ulysses`: parallel/ulysses.py)."""
-    from shardlm.config.rules import cp_degrees
+    from shardlm.config.layout_rules import cp_degrees
     from shardlm.models.decoder import Decoder
 
     if comm.size == 1:

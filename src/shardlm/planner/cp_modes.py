@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlm.config.rules import cp_degrees
+from shardlm.config.layout_rules import cp_degrees
 from shardlm.planner.timing import collective_parts, cp_comm_bytes
 
 

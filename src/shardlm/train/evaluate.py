@@ -24,7 +24,7 @@ def evaluate_checkpoint(path: str | Path, overrides: dict[str, str]) -> dict:
     """{'checkpoint', 'val_loss', 'val_perplexity', 'val_token_accuracy', 'val_targets',
     'val_rows'} of the run at `path` on its (or the overridden) validation split."""
     from shardlm.checkpoint import load_for_inference
-    from shardlm.config.rules import document_mask_on
+    from shardlm.config.fields import document_mask_on
     from shardlm.data import build_dataset, eval_batches
     from shardlm.data.sft import template_for
     from shardlm.data.tokenizer import eot_id, hf_tokenizer

@@ -22,7 +22,7 @@ from shardlm.checkpoint.weights import save_weights
 from shardlm.checkpoint.sharded import (CHECKPOINTS, CheckpointWriter,
                                         load_with_fallback)
 from shardlm.config import Config
-from shardlm.config.rules import document_mask_on
+from shardlm.config.fields import document_mask_on
 from shardlm.errors import ConfigError
 from shardlm.data import Loader, build_dataset
 from shardlm.data.seq2seq import Seq2SeqInputs

@@ -1,0 +1,359 @@
+"""The checks across fields that say which layouts and features compose (config.rules runs them
+with the others): the degrees of parallelism against the model's heads, experts, sequence and
+pipeline; ZeRO stages against offload; LoRA / QLoRA, FP8, document masks, activation offload,
+seq2seq and Muon against the axes. Each names the keys to change (docs/architecture.md,
+"Composition matrix": no pair of its 23 features is refused)."""
+
+from __future__ import annotations
+
+
+from shardlm.config.fields import Config, _cross, document_mask_on
+from shardlm.config.pipeline_tables import NAMED
+from shardlm.errors import ConfigError
+
+
+@_cross("parallel.tp", "model.n_heads", "model.n_kv_heads")
+def _tp_divides_heads(cfg: Config) -> list[str]:
+    tp, m = cfg.parallel.tp, cfg.model
+    kv = m.n_kv_heads or m.n_heads
+    return ([f"parallel.tp = {tp} must divide model.n_heads = {m.n_heads}, and either divide the "
+             f"key/value heads ({kv}) or be a multiple of them (each key/value head is then "
+             f"replicated on tp / n_kv_heads ranks): each rank computes whole heads"]
+            if tp > 1 and (m.n_heads % tp or (kv % tp and tp % kv)) else [])
+
+
+@_cross("parallel.sequence_parallel", "parallel.tp")
+def _sequence_parallel_needs_tp(cfg: Config) -> list[str]:
+    par = cfg.parallel
+    return (["parallel.sequence_parallel = true splits the sequence inside the tensor-parallel group: "
+             "it needs parallel.tp > 1"] if par.sequence_parallel and par.tp == 1 else [])
+
+
+@_cross("parallel.pp", "parallel.pp_layers", "parallel.pp_schedule", "parallel.pp_virtual",
+        "model.n_layers", "train.grad_accum")
+def _pipeline_fits(cfg: Config) -> list[str]:
+    from shardlm.config.dims import parse_layers
+    from shardlm.config.pipeline_tables import V_SHAPED
+    from shardlm.config.pipeline_schedules import table_for
+
+    par, n = cfg.parallel, cfg.model.n_layers
+    if par.pp == 1:
+        return ["parallel.pp_layers is set but parallel.pp = 1: set parallel.pp to the number of "
+                "stages, or leave pp_layers empty"] if par.pp_layers else []
+    problems = []
+    stages = par.pp * par.pp_virtual
+    schedule, virtual, micro = par.pp_schedule, par.pp_virtual, cfg.train.grad_accum
+    if schedule in V_SHAPED and virtual != 2:
+        problems.append(f"parallel.pp_schedule = '{schedule}' places two chunks per rank in a V (rank r "
+                        f"holds stages r and 2·pp-1-r): set parallel.pp_virtual = 2 (got {virtual})")
+    elif schedule in ("gpipe", "1f1b", "zb") and virtual > 1:
+        problems.append(f"parallel.pp_schedule = '{schedule}' with parallel.pp_virtual = {virtual}: "
+                        f"'{schedule}' runs one chunk per rank (pp_virtual = 1); several: 'interleaved', "
+                        f"or two in a V: 'zbv', 'dualpipev'")
+    elif schedule == "interleaved" and virtual == 1:
+        problems.append("parallel.pp_schedule = 'interleaved' with parallel.pp_virtual = 1: the "
+                        "'interleaved' schedule runs pp_virtual >= 2 chunks per rank")
+    elif schedule == "interleaved" and micro % par.pp:
+        problems.append(f"parallel.pp_schedule = 'interleaved' sends micro-batches through each chunk "
+                        f"in groups of pp = {par.pp}: train.grad_accum = {micro} must divide by it")
+    elif schedule == "dualpipev" and micro < 2 * par.pp:
+        problems.append(f"parallel.pp_schedule = 'dualpipev' needs at least 2·pp = {2 * par.pp} "
+                        f"micro-batches (train.grad_accum = {micro}): raise grad_accum or use 'zbv'")
+    elif schedule in NAMED or schedule.startswith("file:"):
+        try:  # the table itself: built (or read) and simulated, as the run will execute it
+            table_for(schedule, par.pp, virtual, micro)
+        except ConfigError as e:
+            problems.append(f"parallel.pp_schedule = '{schedule}': {e}")
+    if stages > n:
+        problems.append(f"parallel.pp × pp_virtual = {stages} stages exceed the model's {n} layers "
+                        f"(model.n_layers): every stage needs at least one block")
+    elif par.pp_layers:
+        try:
+            parse_layers(par.pp_layers, n, stages)
+        except ConfigError as e:
+            problems.append(str(e))
+    return problems
+
+
+@_cross("model.experts", "model.top_k", "parallel.ep", "parallel.tp", "parallel.cp", "parallel.dp_shard",
+        "parallel.ep_rebalance_every")
+def _experts_fit(cfg: Config) -> list[str]:
+    m, par, problems = cfg.model, cfg.parallel, []
+    if m.experts and m.top_k > m.experts:
+        problems.append(f"model.top_k = {m.top_k} exceeds model.experts = {m.experts}: a token "
+                        f"cannot choose more experts than there are")
+    if par.ep > 1:
+        if not m.experts or m.experts % par.ep:
+            problems.append(f"parallel.ep = {par.ep} must divide model.experts = {m.experts}: each "
+                            f"expert-parallel rank holds experts / ep of them"
+                            + ("" if m.experts else " (this model has none: set model.experts)"))
+        if par.dp_shard > 0 and (par.dp_shard * par.cp) % par.ep:
+            problems.append(f"parallel.ep = {par.ep} must divide parallel.dp_shard × parallel.cp = "
+                            f"{par.dp_shard} × {par.cp}: expert-parallel ranks are data- and "
+                            f"context-parallel ranks of one shard group")
+        if par.tp > 1 and par.ep_rebalance_every:
+            problems.append(f"parallel.ep_rebalance_every = {par.ep_rebalance_every} with parallel.tp = "
+                            f"{par.tp} is not built yet (re-placement moves experts within one ep group, "
+                            f"not an ep × tp grid): set it to 0 or parallel.tp = 1")
+    spread = par.tp * par.ep  # the experts are spread over the tp ranks and the ep ranks: ep × tp
+    if m.experts and par.tp > 1 and m.experts % spread:
+        problems.append(f"parallel.tp × parallel.ep = {par.tp} × {par.ep} must divide model.experts = "
+                        f"{m.experts}: with tensor parallelism each of the ep × tp ranks holds "
+                        f"experts / (ep × tp) of them")
+    return problems
+
+
+def cp_degrees(cp: int, mode: str, ulysses: int) -> tuple[int, int]:
+    """(all-to-all degree, ring degree) of parallel.cp = `cp` attending by parallel.cp_mode =
+    `mode` ('auto' is decided before a run: it counts as the ring here); their product is cp."""
+    if mode == "ulysses":
+        return cp, 1
+    if mode == "hybrid":
+        a2a = ulysses or 2
+        return (a2a, cp // a2a) if a2a and cp % a2a == 0 else (1, cp)
+    return 1, cp
+
+
+@_cross("parallel.cp", "parallel.cp_mode", "parallel.cp_ulysses", "parallel.tp", "model.n_heads",
+        "model.n_kv_heads")
+def _cp_mode_fits(cfg: Config) -> list[str]:
+    """Ulysses splits each tensor-parallel rank's heads over the all-to-all degree (parallel/
+    ulysses.py): query heads must divide by it; key/value heads divide by it or, fewer than it,
+    divide it (each then replicated on a2a / kv ranks, as tensor parallelism replicates them)."""
+    par, m, problems = cfg.parallel, cfg.model, []
+    mode, a2a = par.cp_mode, par.cp_ulysses
+    if a2a and mode not in ("hybrid", "ulysses"):
+        problems.append(f"parallel.cp_ulysses = {a2a} is the all-to-all degree of cp_mode = 'hybrid' "
+                        f"(or 'ulysses'); with cp_mode = {mode!r} it has no effect: set it to 0")
+    if mode == "ulysses" and a2a not in (0, par.cp):
+        problems.append(f"parallel.cp_ulysses = {a2a} with cp_mode = 'ulysses': the all-to-all spans "
+                        f"all parallel.cp = {par.cp} ranks; set cp_ulysses = 0, or cp_mode = 'hybrid'")
+    if mode == "hybrid" and par.cp > 1 and not (1 < (a2a or 2) < par.cp and par.cp % (a2a or 2) == 0):
+        problems.append(f"parallel.cp_mode = 'hybrid' with parallel.cp = {par.cp} and cp_ulysses = "
+                        f"{a2a or 2}: the all-to-all degree must divide cp and lie strictly between 1 "
+                        f"and cp (a ring of cp / cp_ulysses >= 2 groups); use cp_mode = 'ring' or "
+                        f"'ulysses' for the ends, or e.g. cp = 4, cp_ulysses = 2")
+    if par.cp == 1 or mode in ("ring", "auto") or problems:
+        return problems
+    a2a = cp_degrees(par.cp, mode, a2a)[0]
+    heads, kv = m.n_heads // par.tp, max(1, (m.n_kv_heads or m.n_heads) // par.tp)
+    if heads % a2a or (kv % a2a and a2a % kv):
+        problems.append(f"parallel.cp_mode = {mode!r} splits each tensor-parallel rank's heads over "
+                        f"{a2a} ranks (the all-to-all degree): its {heads} query heads (model.n_heads "
+                        f"= {m.n_heads} / tp = {par.tp}) must divide by {a2a}, and its {kv} key/value "
+                        f"heads divide by {a2a} or divide it (then replicated); use cp_mode = 'ring' "
+                        f"(any head count) or a smaller all-to-all degree (cp_mode = 'hybrid', "
+                        f"parallel.cp_ulysses)")
+    return problems
+
+
+@_cross("parallel.cp", "train.seq_len")
+def _cp_divides_sequence(cfg: Config) -> list[str]:
+    cp, t = cfg.parallel.cp, cfg.train.seq_len
+    return ([f"parallel.cp = {cp} cuts each sequence into 2·cp = {2 * cp} chunks (one from the front "
+             f"and one from the back per rank, for load balance), so train.seq_len = {t} must divide "
+             f"by {2 * cp}; try train.seq_len = {max(2 * cp, t // (2 * cp) * 2 * cp)}"]
+            if cp > 1 and t % (2 * cp) else [])
+
+
+@_cross("train.optimizer", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
+        "parallel.dp_replicate", "zero.offload_optimizer", "zero.offload_params", "lora.rank")
+def _muon_layout(cfg: Config) -> list[str]:
+    """Muon orthogonalises whole matrices. ZeRO's flat shards are gathered per unit (zero/
+    muon.py); what is not built: gathering tensor-parallel cuts, and the pp/cp/ep/hybrid and
+    offload layouts, which no test has checked against one process; nor LoRA (its low-rank
+    adapters are nn.Linear weights Muon would orthogonalise, which no reference does)."""
+    par, z = cfg.parallel, cfg.zero
+    apart = {k: v for k, v, alone in (("parallel.tp", par.tp, 1), ("parallel.pp", par.pp, 1),
+                                      ("parallel.cp", par.cp, 1), ("parallel.ep", par.ep, 1),
+                                      ("parallel.dp_replicate", par.dp_replicate, 1),
+                                      ("zero.offload_optimizer", z.offload_optimizer, "none"),
+                                      ("zero.offload_params", z.offload_params, "none"),
+                                      ("lora.rank", cfg.lora.rank, 0))
+             if v != alone}
+    if cfg.train.optimizer != "muon" or not apart:
+        return []
+    return [f"train.optimizer = 'muon' runs on data parallelism only (ZeRO stages 0-3, no "
+            f"offload, no LoRA): Muon orthogonalises whole matrices, and gathering tensor-parallel cuts "
+            f"(or stepping offloaded masters) is not built; got "
+            f"{', '.join(f'{k} = {v!r}' for k, v in apart.items())}. Use train.optimizer = "
+            f"'adamw' for this layout, or drop those settings"]
+
+
+@_cross("zero.offload_optimizer", "parallel.zero_stage")
+def _optimizer_offload_stage(cfg: Config) -> list[str]:
+    z, par = cfg.zero, cfg.parallel
+    return ([f"zero.offload_optimizer = {z.offload_optimizer!r} needs parallel.zero_stage >= 1 "
+             f"(stage 1 shards, and offloads, the optimizer state; one process may use it)"]
+            if z.offload_optimizer != "none" and par.zero_stage == 0 else [])
+
+
+@_cross("zero.offload_params", "parallel.zero_stage")
+def _param_offload_stage(cfg: Config) -> list[str]:
+    z, par = cfg.zero, cfg.parallel
+    return ([f"zero.offload_params = {z.offload_params!r} needs parallel.zero_stage = 3 (only "
+             f"stage 3 shards the parameters), got {par.zero_stage}"]
+            if z.offload_params != "none" and par.zero_stage != 3 else [])
+
+
+@_cross("lora.rank", "parallel.tp", "lora.quantize", "model.hf_config", "model.n_kv_heads", "model.n_heads")
+def _lora_layout(cfg: Config) -> list[str]:
+    """LoRA's frozen base is ZeRO units like any other (zero/engine.py: gathered at stage 3,
+    kept by the parameter store when zero.offload_params is set). Tensor parallelism cuts our
+    decoder's adapters as it cuts the linears they wrap, and a quantised base (lora.quantize) as
+    whole stored rows of its byte tables (parallel/tensor.py, models/quant.py); a transformers
+    model's layers (model.hf_config) are not cut yet, nor a quantised base's key/value rows that
+    every rank keeps when tp > n_kv_heads."""
+    if not cfg.lora.rank or cfg.parallel.tp == 1:
+        return []
+    m, tp = cfg.model, cfg.parallel.tp
+    kv = m.n_kv_heads or m.n_heads
+    blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
+        ("lora.quantize", cfg.lora.quantize, f"with parallel.tp = {tp} > model.n_kv_heads = {kv} "
+         f"every rank keeps all key/value rows, which are not cut from a quantised base yet; set "
+         f"parallel.tp <= {kv} or lora.quantize = 'none'", cfg.lora.quantize != "none" and tp > kv),
+        ("model.hf_config", cfg.model.hf_config, "tensor parallelism cuts only our decoder's "
+         "adapters; use model.preset or model.hf_path of a supported family, or parallel.tp = 1",
+         bool(cfg.model.hf_config)),
+    ) if on]
+    return ([f"lora.rank = {cfg.lora.rank} with parallel.tp = {cfg.parallel.tp} does not compose "
+             f"with: {'; '.join(blocking)}"] if blocking else [])
+
+
+@_cross("lora.quantize", "lora.rank", "model.hf_config")
+def _qlora_composes(cfg: Config) -> list[str]:
+    """lora.quantize stores our decoder's frozen block linears as packed bytes (models/quant.py)."""
+    q = cfg.lora.quantize
+    if q == "none":
+        return []
+    blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
+        ("lora.rank", cfg.lora.rank, "the quantised base is frozen: without adapters nothing "
+         "trains; set lora.rank > 0", cfg.lora.rank == 0),
+        ("model.hf_config", cfg.model.hf_config, "a transformers model's layers are not ours to "
+         "quantise; use model.hf_path or model.preset", bool(cfg.model.hf_config)),
+    ) if on]
+    return ([f"lora.quantize = {q!r} does not compose with: {'; '.join(blocking)}"]
+            if blocking else [])
+
+
+@_cross("data.format", "model.hf_path", "model.hf_config", "parallel.tp", "parallel.pp", "lora.rank")
+def _seq2seq_model(cfg: Config) -> list[str]:
+    """data.format = 'seq2seq' and an encoder-decoder model go together; tensor parallelism and
+    the pipeline (our decoder's layers and blocks) and LoRA (our decoder's linears) do not apply
+    to one yet."""
+    from shardlm.config.hf_shapes import encoder_decoder_config
+
+    m, fmt = cfg.model, cfg.data.format
+    enc_dec = bool(encoder_decoder_config(m.hf_path, m.hf_config))
+    if fmt != "seq2seq":
+        return ([f"model.hf_config / model.hf_path name an encoder-decoder, which trains on "
+                 f"data.format = 'seq2seq' (source -> target pairs), not {fmt!r}"] if enc_dec else [])
+    # Neither key: perhaps a model given through the Python API (build_run(cfg, model=...)),
+    # which build_run checks; a decoder-only checkpoint is certainly wrong.
+    out = [] if enc_dec or not m.hf_path else [
+        "data.format = 'seq2seq' needs an encoder-decoder model: model.hf_config = a T5 / BART "
+        "config.json (from scratch; configs/hf/) or model.hf_path = a saved "
+        "T5ForConditionalGeneration / BartForConditionalGeneration directory"]
+    if cfg.parallel.tp > 1:  # refused by the loss-masked-data rule until that went (issue 28)
+        out.append(f"data.format = 'seq2seq' with parallel.tp = {cfg.parallel.tp}: tensor "
+                   f"parallelism cuts our decoder's layers (or a causal LM's base_model_tp_plan), "
+                   f"not an encoder-decoder's; use ZeRO (parallel.zero_stage)")
+    if cfg.parallel.pp > 1:
+        out.append(f"data.format = 'seq2seq' with parallel.pp = {cfg.parallel.pp}: pipeline stages "
+                   f"cut our decoder's blocks, not an encoder-decoder; use ZeRO (parallel.zero_stage)")
+    if cfg.lora.rank:
+        out.append(f"data.format = 'seq2seq' with lora.rank = {cfg.lora.rank}: LoRA applies to our "
+                   f"decoder only; set lora.rank = 0 (full fine-tuning, ZeRO-3 shards it)")
+    return out
+
+
+@_cross("data.document_mask", "data.format", "model.attention", "parallel.tp", "parallel.cp",
+        "parallel.cp_mode", "train.compile")
+def _attention_composes(cfg: Config) -> list[str]:
+    """Document masks ride on the input ids (PackedTokens: shardlm/data/packed.py) into Decoder.forward,
+    every pipeline stage included; context parallelism keeps the whole sequence's document
+    positions on every rank (the ring masks each hop by them, Ulysses attends the whole
+    sequence)."""
+    par, attention, problems = cfg.parallel, cfg.model.attention, []
+    if document_mask_on(cfg.data):
+        why = f"data.document_mask = {cfg.data.document_mask!r} (on for data.format = {cfg.data.format!r})"
+        if cfg.data.format == "seq2seq":
+            problems.append(f"{why}: seq2seq examples are not packed; set data.document_mask = 'off' or 'auto'")
+    if attention == "per_document" and cfg.train.compile:
+        problems.append("model.attention = 'per_document' with train.compile = true: its document "
+                        "lengths are data-dependent and cannot be one graph; use 'auto' (sdpa with "
+                        "a mask when compiled) or 'sdpa'")
+    if attention not in ("auto", "sdpa") and par.cp > 1 and par.cp_mode != "ulysses":
+        problems.append(f"model.attention = {attention!r} with parallel.cp = {par.cp} and cp_mode = "
+                        f"{par.cp_mode!r}: the ring runs its own per-block kernel; use 'auto' or "
+                        f"'sdpa', or cp_mode = 'ulysses' (the whole sequence per head: any backend)")
+    return problems
+
+
+@_cross("activation.offload", "activation.offload_blocks", "model.n_layers")
+def _activation_offload_composes(cfg: Config) -> list[str]:
+    """activation.offload moves what each chosen block keeps for backward to host memory: its
+    saved tensors, or with recomputation (activation.checkpoint) the checkpoint's kept inputs
+    (parallel/activation.py)."""
+    a, n = cfg.activation, cfg.model.n_layers
+    if a.offload == "none":
+        return ([f"activation.offload_blocks = {a.offload_blocks} has no effect with activation.offload "
+                 f"= 'none'; set activation.offload = 'cpu' or leave offload_blocks at 0"]
+                if a.offload_blocks else [])
+    problems = []
+    if a.offload_blocks > n:
+        problems.append(f"activation.offload_blocks = {a.offload_blocks} exceeds the model's {n} "
+                        f"blocks (model.n_layers); 0 offloads every block")
+    return problems
+
+
+@_cross("precision.compute", "precision.fp8_recipe", "precision.fp8_emulate", "precision.fp8_block",
+        "run.device", "parallel.tp", "model.experts", "model.n_heads",
+        "model.n_kv_heads", "lora.rank", "train.compile")
+def _fp8_composes(cfg: Config) -> list[str]:
+    """precision.compute = 'fp8' runs the blocks' matmuls through models/fp8.py fp8_linear: the
+    plain linears, LoRA's base, the tensor-parallel linears, the experts (emulated; torchao on
+    FP8 hardware converts plain linears only). What does not compose yet is refused by name.
+    Whether the device has FP8 is checked where the device is known (models.fp8.check_fp8_device,
+    before spawning)."""
+    p, par = cfg.precision, cfg.parallel
+    if p.compute != "fp8":
+        unused = [f"{key} = {value!r}" for key, value, default in (
+            ("precision.fp8_recipe", p.fp8_recipe, "tensorwise"), ("precision.fp8_emulate", p.fp8_emulate, False),
+            ("precision.fp8_block", p.fp8_block, 128)) if value != default]
+        return ([f"{', '.join(unused)} has no effect with precision.compute = {p.compute!r}; set "
+                 f"precision.compute = 'fp8' or drop them"] if unused else [])
+    problems = []
+    if cfg.run.device == "cpu" and not p.fp8_emulate:
+        problems.append("precision.compute = 'fp8' with run.device = 'cpu': a CPU has no FP8 matmuls. "
+                        "Set precision.fp8_emulate = true to emulate the FP8 rounding with bf16 matmuls "
+                        "(for numerics, not speed), or use precision.compute = 'bf16'")
+    if p.fp8_block != 128 and p.fp8_recipe != "blockwise":
+        problems.append(f"precision.fp8_block = {p.fp8_block} has no effect with precision.fp8_recipe = "
+                        f"{p.fp8_recipe!r}; set fp8_recipe = 'blockwise' or drop fp8_block")
+    kv = cfg.model.n_kv_heads or cfg.model.n_heads
+    blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
+        ("parallel.tp", par.tp, "blockwise tiles would straddle the tensor-parallel cut; use "
+         "fp8_recipe = 'tensorwise' or 'delayed'", par.tp > 1 and p.fp8_recipe == "blockwise"),
+        ("parallel.tp", par.tp, f"more ranks than the {kv} key/value heads: the shared key/value "
+         f"rows are not scaled as one process scales them; use parallel.tp <= {kv}",
+         par.tp > kv),
+        ("train.compile", cfg.train.compile, "'delayed' scaling's amax history is Python state the "
+         "emulation updates inside the matmul, which a compiled block cannot trace; use fp8_recipe = "
+         "'tensorwise' or 'blockwise' (those compile)", cfg.train.compile and p.fp8_emulate
+         and p.fp8_recipe == "delayed"),
+    ) if on]
+    # On FP8 hardware torchao's Float8Linear converts plain nn.Linear layers only; the emulation
+    # (models/fp8.py fp8_linear) also runs the layers that replace or wrap them.
+    blocking += [f"{key} = {value!r} ({why}: set precision.fp8_emulate = true to study it "
+                 f"numerically)" for key, value, why, on in (
+        ("parallel.tp", par.tp, "torchao does not convert our tensor-parallel linears", par.tp > 1),
+        ("model.experts", cfg.model.experts, "torchao does not convert the experts' batched "
+         "weights", cfg.model.experts > 0),
+        ("lora.rank", cfg.lora.rank, "torchao would convert LoRA's adapters, not its frozen base",
+         cfg.lora.rank > 0),
+    ) if on and not p.fp8_emulate]
+    if blocking:
+        problems.append(f"precision.compute = 'fp8' does not compose yet with: {'; '.join(blocking)}. "
+                        f"Change those keys or use precision.compute = 'bf16'")
+    return problems
