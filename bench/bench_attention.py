@@ -10,7 +10,7 @@ document masks, and what a forward + backward keeps, next to the planner's formu
 2. Memory. A 2-layer decoder (d_model 256, 4 heads), b = 1, fp32: the peak bytes of live
    tensors (parameters excluded; tests/memory_ledger.StorageLedger) during forward + loss +
    backward from the first block's input, at two sequence lengths, against
-   planner.memory.activation_peak for that backend.
+   planner.activations.activation_peak for that backend.
 
 Reproduce:  PYTHONPATH=src python bench/bench_attention.py            (~3 min, 1 thread)
 """
@@ -33,7 +33,7 @@ from shardlm.config import ModelConfig  # noqa: E402
 from shardlm.models import build_model  # noqa: E402
 from shardlm.models.attention import attend, prepare  # noqa: E402
 from shardlm.data.packed import positions_from_starts  # noqa: E402
-from shardlm.planner.memory import ActivationDtypes, activation_peak  # noqa: E402
+from shardlm.planner.activations import ActivationDtypes, activation_peak
 
 
 def document_positions(B: int, T: int, mean: int, seed: int = 1) -> torch.Tensor:

@@ -17,7 +17,7 @@ experts within ~10 steps: part 2). Per case: tokens/s (median of the timed steps
 rank (moe_a2a_wait_s: a rank with no tokens for its experts waits there for the busy one),
 expert imbalance (max/mean expert load, worst block) and the ep ranks' imbalance (max/mean rank
 load), peak RSS per rank, the ledger's all-to-all bytes next to the planner's balanced-routing
-formula (planner.timing.ep_comm_bytes), and the step-1 losses (the same in every balanced and
+formula (planner.traffic.ep_comm_bytes), and the step-1 losses (the same in every balanced and
 every skewed case: where experts run does not change the arithmetic).
 
 Part 2, balance over a run (one process, --balance-steps steps of moe-tiny with 8 experts, top 2):
@@ -85,7 +85,7 @@ def rank_case(rank: int, world: int, overrides: dict, warmup: int, steps: int, s
 
 
 def part_one(args, tmp: str) -> None:
-    from shardlm.planner.timing import ep_comm_bytes
+    from shardlm.planner.traffic import ep_comm_bytes
 
     wanted = set(args.cases.split(",")) if args.cases else None
     header = ("case", "tok/s", "step s (median)", "a2a wait s/step by rank", "expert imbalance (worst block)",

@@ -36,7 +36,7 @@ CPU time per timed step, all its threads, median, the busier rank) moves much le
 jobs' load than wall time does: it is the work a case does, gloo's copies and reductions
 included (whether a wait for the other rank counts depends on how gloo waits; not separated).
 The ledger is shardlm's byte ledger (comm/collectives.py) for one timed step, by process group;
-for tp cases it is set beside planner.timing.tp_comm_bytes * grad_accum. The planner columns
+for tp cases it is set beside planner.traffic.tp_comm_bytes * grad_accum. The planner columns
 are planner.search.predict_local(cfg, 2) for each shardlm case.
 
 Reproduce:  PYTHONPATH=src python bench/bench_tp.py --repeat 2          (gpt2-124m, ~9 min idle)
@@ -214,7 +214,8 @@ def predictions(cfg) -> dict:
     from shardlm.hardware.catalog import local_cpu
     from shardlm.planner.memory import estimate_memory
     from shardlm.planner.search import config_strategy, predict_local
-    from shardlm.planner.timing import estimate_time, tp_comm_bytes
+    from shardlm.planner.timing import estimate_time
+    from shardlm.planner.traffic import tp_comm_bytes
 
     p = predict_local(cfg, WORLD)
     out = {"tok_s": p.tokens_per_s, "peak": p.peak_process_bytes, "formula": None}

@@ -28,8 +28,8 @@ from shardlm.models import build_model
 from shardlm.models.attention import attend, configure, prepare
 from shardlm.data.packed import PackedTokens, positions_from_starts
 from shardlm.parallel.activation import apply_ac
-from shardlm.planner.memory import ActivationDtypes, block_activation
-from shardlm.planner.search import preset_model
+from shardlm.planner.activations import ActivationDtypes, block_activation
+from shardlm.planner.shapes import preset_model
 from shardlm.launch.spawn import run_ranks
 from test_sft_data import CHATS, SEQ, _build, _write
 from zero_cases import reference_case, train_cases
@@ -272,10 +272,10 @@ def test_activation_formula_per_backend_at_two_lengths(attention, shape, mode):
 
 @pytest.mark.parametrize("attention", ["sdpa", "math"])
 def test_peak_of_forward_and_backward_is_the_formula_at_two_lengths(attention):
-    """The whole forward + loss + backward (fp32, b = 1): planner.memory.activation_peak bounds
+    """The whole forward + loss + backward (fp32, b = 1): planner.activations.activation_peak bounds
     the measured peak from above by at most 15% at s = 128 and 512; 'math' grows with s²."""
     from shardlm.config import ModelConfig
-    from shardlm.planner.memory import activation_peak
+    from shardlm.planner.activations import activation_peak
     from memory_ledger import decoder_peak_bytes
 
     cfg = ModelConfig(vocab_size=512, n_layers=2, n_heads=4, d_model=64, max_seq_len=512, attention=attention)

@@ -140,7 +140,7 @@ def test_ledger_bytes_match_the_formula(tmp_path, preset, recompute):
     backward with their gradients, and once more when the block is recomputed."""
     from conftest import tiny_overrides
     from shardlm.config import load_config
-    from shardlm.planner.timing import cp_comm_bytes
+    from shardlm.planner.traffic import cp_comm_bytes
     from zero_cases import train_cases
 
     over = {**tiny_overrides(tmp_path, model__preset=preset, train__micro_batch=4, train__grad_accum=2),

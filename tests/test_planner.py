@@ -17,9 +17,10 @@ from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import (CALIBRATION, DEVICES, LINKS, Cluster, Device, Node,
                                       device_for_gpu_name, parse_cluster)
-from shardlm.planner.memory import ActivationDtypes, block_activation, estimate_memory
-from shardlm.planner.search import (EVERYTHING, RUNTIME, model_from_params,
-                                    plan_for_run, predict_local, preset_model, search)
+from shardlm.planner.memory import estimate_memory
+from shardlm.planner.activations import ActivationDtypes, block_activation
+from shardlm.planner.search import EVERYTHING, RUNTIME, plan_for_run, predict_local, search
+from shardlm.planner.shapes import model_from_params, preset_model
 from shardlm.planner.timing import estimate_time, group_link
 from shardlm.config.dims import ParallelDims
 from shardlm.planner.workload import Dtypes, Strategy, Workload, shape_of, stage_params
@@ -183,7 +184,7 @@ def _measure(preset: str, param_dtype: str, mode: str, b: int = 2, s: int = 32):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 def test_activation_formula_matches_what_autograd_keeps(preset, dtype, mode):
-    from shardlm.planner.memory import activation_peak
+    from shardlm.planner.activations import activation_peak
 
     b, s = 2, 32
     cfg, after_forward, peak = _measure(preset, dtype, mode, b, s)

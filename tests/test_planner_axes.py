@@ -13,8 +13,9 @@ from shardlm.config.dims import ParallelDims
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import parse_cluster
 from shardlm.planner.memory import estimate_memory
-from shardlm.planner.search import (EVERYTHING, RUNTIME, describe_strategy, plan_for_run,
-                                    preset_model, search)
+from shardlm.planner.search import EVERYTHING, RUNTIME, plan_for_run, search
+from shardlm.planner.shapes import preset_model
+from shardlm.planner.explain import describe_strategy
 from shardlm.planner.timing import estimate_time
 from shardlm.planner.workload import Dtypes, Strategy, Workload, stage_params
 
@@ -67,7 +68,7 @@ def test_zero_shards_model_states_over_dp_shard_times_cp(stage):
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_context_parallel_ring_is_cp_comm_bytes_and_compute_is_split(recompute):
-    from shardlm.planner.timing import cp_comm_bytes, tp_comm_bytes
+    from shardlm.planner.traffic import cp_comm_bytes, tp_comm_bytes
 
     m, seq = LONG.model, LONG.seq_len
     s = _cp_strategy(ParallelDims(1, 2, cp=2, tp=2), 3, recompute)  # micro 1 x accum 4
@@ -109,7 +110,7 @@ def test_pp_comm_bytes_are_the_ledgers():
     all-reduced by the two ends (2x its tensor). The ledger's numbers on 2-4 gloo ranks
     (micro-batch 2 x seq 64, M = 4, fp32), as tests/test_pipeline.py's ledger test and a
     manual run of each layout measured them."""
-    from shardlm.planner.timing import pp_comm_bytes
+    from shardlm.planner.traffic import pp_comm_bytes
 
     act, tied = 2 * 64 * 64 * 4, 2 * 512 * 64 * 4
     llama = replace(preset_model("llama-tiny"), n_layers=4)  # untied
@@ -131,7 +132,7 @@ def test_pp_comm_bytes_are_the_ledgers():
 def test_pipeline_timing_counts_the_ledgers_bytes_and_exposes_the_reduction():
     """The step's p2p volume is pp_comm_bytes of the stage shown; the data-parallel reduction
     after the pipeline's last backward (finish_backward) has no backward to hide in."""
-    from shardlm.planner.timing import pp_comm_bytes
+    from shardlm.planner.traffic import pp_comm_bytes
 
     w = Workload(preset_model("gpt2-350m"), 1024, 32)
     s = Strategy(ParallelDims(1, 4, pp=2), 2, 1, 8, dtypes=Dtypes("bf16"))

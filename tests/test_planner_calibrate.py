@@ -11,7 +11,7 @@ from shardlm.hardware.catalog import (CALIBRATION, LINKS, Cluster, Device, Matmu
                                       local_cpu)
 from shardlm.planner import Dtypes, Strategy, Workload, estimate_time
 from shardlm.planner.shapes import preset_model
-from shardlm.planner.timing import model_flops_per_token
+from shardlm.planner.compute import model_flops_per_token
 from shardlm.planner.workload import matmul_shapes
 
 

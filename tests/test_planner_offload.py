@@ -14,7 +14,9 @@ from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import parse_cluster
 from shardlm.models import flops_per_token
 from shardlm.planner.memory import estimate_memory
-from shardlm.planner.search import config_strategy, describe_strategy, preset_model
+from shardlm.planner.search import config_strategy
+from shardlm.planner.shapes import preset_model
+from shardlm.planner.explain import describe_strategy
 from shardlm.planner.timing import estimate_time
 from shardlm.planner.workload import Dtypes, Strategy, Workload
 

@@ -135,7 +135,7 @@ def test_ledger_bytes_match_the_formula(tmp_path, preset, sp, recompute):
     the same bytes as all-gathers + reduce-scatters with sequence parallelism, plus the
     embedding, head, loss and (SP) replicated-parameter gradient terms."""
     from shardlm.config import load_config
-    from shardlm.planner.timing import tp_comm_bytes
+    from shardlm.planner.traffic import tp_comm_bytes
 
     over = {**tiny_overrides(tmp_path, model__preset=preset, train__micro_batch=4, train__grad_accum=2),
             "parallel.tp": 2, "parallel.sequence_parallel": sp, "activation.checkpoint": recompute}
@@ -154,7 +154,7 @@ def test_tp_beyond_the_key_value_heads(tmp_path):
     (the shared rows written once: the manifest's tiling check would refuse them twice)."""
     from ckpt_cases import checkpoint_of, train_ranks, train_run
     from shardlm.config import load_config
-    from shardlm.planner.timing import tp_comm_bytes
+    from shardlm.planner.traffic import tp_comm_bytes
 
     base = tiny_overrides(tmp_path, model__preset="llama-tiny", model__n_kv_heads=1, train__steps=2 * STEPS)
     out = run_ranks(train_cases, 2, tmp_path, [({**base, "parallel.tp": 2}, STEPS, -1)])

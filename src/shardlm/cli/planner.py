@@ -214,7 +214,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from shardlm.hardware.catalog import device_for_gpu_name, measured_curve
     from shardlm.hardware.probe import cached_curve, cpu_peak_flops, device_name, machine_load, matmul_curve
     from shardlm.launch.runtime import cpu_cores
-    from shardlm.planner.timing import curve_rate
+    from shardlm.planner.compute import curve_rate
     from shardlm.planner.workload import matmul_shapes
 
     if min(args.micro_batch, args.tp, args.ranks, args.repeats) < 1:
@@ -256,7 +256,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         smaller = matmul_shapes(model, size, args.tp)
         points.append((size, weighted(smaller, matmul_curve([x[1:4] for x in smaller], args.precision, threads,
                                                             args.device, args.repeats, args.again))))
-    # What the planner's time model reads for a run with these shapes (timing.compute_rate):
+    # What the planner's time model reads for a run with these shapes (compute.compute_rate):
     # every point cached for this device, threads and precision, this model's included.
     planner_curve = measured_curve(cached_curve(args.precision, threads, args.device),
                            f"{args.precision}, " + (f"{threads} thread(s) on " if cpu else "") + device_name(args.device))

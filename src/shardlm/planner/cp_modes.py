@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardlm.config.layout_rules import cp_degrees
-from shardlm.planner.timing import collective_parts, cp_comm_bytes
+from shardlm.planner.timing import collective_parts
+from shardlm.planner.traffic import cp_comm_bytes
 
 
 def _heads(m, tp: int) -> tuple[int, int]:
@@ -40,7 +41,7 @@ def cp_mode_bytes(m, tokens: int, cp: int, tp: int, e: int, recompute: str = "no
                   layers: int | None = None, mode: str = "ring", ulysses: int = 0) -> dict[str, int]:
     """{'all_to_all': ..., 'send_recv': ...}: the ledger's bytes on the cp group per micro-batch
     for `mode` (ulysses: the all-to-all degree of 'hybrid'). The hybrid's ring is
-    planner.timing.cp_comm_bytes over R ranks with each rank's key/value heads divided by U —
+    planner.traffic.cp_comm_bytes over R ranks with each rank's key/value heads divided by U —
     the heads the exchange left it (tp x U in place of tp)."""
     if cp == 1:
         return {"all_to_all": 0, "send_recv": 0}

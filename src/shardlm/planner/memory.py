@@ -14,7 +14,7 @@ from shardlm.config import ModelConfig
 from shardlm.config.dims import ParallelDims
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
-from shardlm.planner.activations import (ActivationDtypes, activation_dtypes, activation_peak,  # noqa: F401
+from shardlm.planner.activations import (activation_dtypes, activation_peak,
                                          block_activation)
 from shardlm.planner.workload import (DTYPE_BYTES, PHASES, Item, StageParams, Strategy, Workload,
                                       effective_tier, offloaded_blocks, pipeline_layers, pp_hidden_bytes,

@@ -13,7 +13,8 @@ from shardlm.launch.torchrun import torchrun_argv
 from shardlm.planner.cost import (CostBasis, basis_json, cost_json, duration, money, number, rank, tokens,
                                   training_cost)
 from shardlm.planner.memory import Item, Memory, stage_memories
-from shardlm.planner.search import Plan, SearchResult, describe_strategy, explain, step_parts
+from shardlm.planner.search import Plan, SearchResult
+from shardlm.planner.explain import describe_strategy, explain, step_parts
 from shardlm.planner.timing import Timing
 from shardlm.planner.workload import (Strategy, Workload, describe_dtypes, pipeline_layers,
                                       pp_in_flight, shape_of, stage_params)

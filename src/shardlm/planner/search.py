@@ -18,9 +18,10 @@ from dataclasses import dataclass, field, replace
 from shardlm.config import Config, ModelConfig, ParallelConfig
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import Cluster, choose_compute, local_cpu, parse_cluster
-from shardlm.planner.explain import describe_strategy, explain, step_parts  # noqa: F401 (re-exported)
-from shardlm.planner.memory import ActivationDtypes, Memory, activation_peak, estimate_memory
-from shardlm.planner.shapes import model_from_hf_config, model_from_params, preset_model  # noqa: F401 (re-exported)
+from shardlm.planner.explain import explain
+from shardlm.planner.memory import Memory, estimate_memory
+from shardlm.planner.activations import ActivationDtypes, activation_peak
+from shardlm.planner.shapes import model_from_hf_config, model_from_params, preset_model
 from shardlm.planner.timing import Timing, estimate_time
 from shardlm.config.dims import ParallelDims
 from shardlm.planner.workload import DTYPE_BYTES, Dtypes, Strategy, Workload, zero_ranks

@@ -9,16 +9,17 @@ docs/planner.md; notation: workload.py.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from shardlm.models import flops
-from shardlm.hardware.catalog import Cluster, MatmulCurve
-from shardlm.planner.memory import (activation_dtypes, block_activation, offloaded_activations,
-                                    peak_candidates)
-from shardlm.planner.traffic import cp_comm_bytes, ep_comm_bytes, pp_comm_bytes, tp_comm_bytes  # noqa: F401
+from shardlm.hardware.catalog import Cluster
+from shardlm.planner.compute import compute_rate, model_flops_per_token
+from shardlm.planner.memory import offloaded_activations, peak_candidates
+from shardlm.planner.activations import activation_dtypes, block_activation
+from shardlm.planner.traffic import cp_comm_bytes, ep_comm_bytes, pp_comm_bytes, tp_comm_bytes
 from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier,
-                                      matmul_shapes, pipeline_layers, pp_bubble, pp_hidden_bytes,
-                                      shape_of, stage_params, validate, zero_ranks)
+                                      pipeline_layers, pp_bubble, pp_hidden_bytes,
+                                      stage_params, validate, zero_ranks)
 
 ADAM_BYTES_PER_PARAM = 36
 """Memory traffic of one fused AdamW update per parameter: read master, gradient, m, v (4 B
@@ -364,34 +365,6 @@ def _cp_ring(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: 
                      CommTerm(f"{grad_hops:g} gradient hops, waited for at once", grads, grads)])
 
 
-def matmul_rate(w: Workload, s: Strategy, peak: dict[str, float]) -> float:
-    """The device's peak FLOP/s for this run's kernels. Under fp8 (Dtypes.fp8) on a device the
-    catalog gives an fp8 peak, the blocks' linears (6 x their weights per token: all of the
-    matmul parameters but the head's) run at it and the rest (the head, attention) at the
-    carrier dtype's: the harmonic mix by FLOP share. Without an fp8 peak (the CPU emulation:
-    the rounding emulated, the matmuls in bf16) every FLOP runs at the carrier's."""
-    carrier = peak[s.dtypes.compute]
-    if not (s.dtypes.fp8 and "fp8" in peak):
-        return carrier
-    m = w.model
-    share = 6 * (flops.matmul_params(m) - m.d_model * m.vocab_size) / flops.kernel_flops_per_token(m, w.seq_len)
-    return 1.0 / (share / peak["fp8"] + (1.0 - share) / carrier)
-
-
-def model_flops_per_token(w: Workload, recompute: str = "none", count: str = "model") -> float:
-    """models.flops.flops_per_token (PaLM appendix B: 6N + 12·L·h·s; count='model', for MFU)
-    or what the kernels execute (count='kernel': causal flash attention, 6N + 7·L·h·s; for
-    time; 'kernel-forward': its forward share); a mixture of experts counts its active
-    parameters (the router, top_k routed experts and the shared ones: models.flops)."""
-    m = w.model
-    value = {"model": lambda: flops.flops_per_token(m, w.seq_len, recompute),
-             "kernel": lambda: flops.kernel_flops_per_token(m, w.seq_len, recompute),
-             "kernel-forward": lambda: flops.kernel_forward_flops_per_token(m, w.seq_len)}[count]()
-    if w.params:
-        value *= w.params / shape_of(replace(w, params=None)).total
-    return value
-
-
 def _optimizer_seconds(s: Strategy, cluster: Cluster, psi_opt: float) -> float:
     """Fused AdamW is memory-bound: ADAM_BYTES_PER_PARAM of traffic per parameter at the
     device's bandwidth; offloaded (ZeRO-Offload), at the host's share per device, plus the
@@ -448,38 +421,6 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     hfu = model_flops_per_token(w, s.recompute) * tokens_per_s / peak  # + recomputation
     return Timing(compute, bubble, comms, optimizer, step, tokens_per_s, mfu, model_flops, sp.name, hfu,
                   calibration)
-
-
-def compute_rate(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, str]:
-    """(FLOP/s the step's compute runs at on one rank, which calibration says so).
-
-    With a measured curve for the compute dtype (this CPU: Device.curves), the rate of the
-    model's own matmuls at this run's shapes: each forward product (workload.matmul_shapes, a
-    rank's tokens b·s/cp, its tensor-parallel shard) and its two backward products (dX: m x n x
-    k, dW: k x m x n), their FLOPs over their summed measured-curve seconds; attention and the
-    element-wise work run at that rate too. Without one (the catalog's GPUs): the device's
-    efficiency x h/(h + half_width), small matrices filling less of the chip (docs/planner.md
-    section 4)."""
-    dev, m = cluster.device, w.model
-    peak = dev.peak[s.dtypes.compute]
-    curve = dev.curves.get(s.dtypes.compute)
-    if curve is None:
-        width = cluster.calibration.half_width
-        return (peak * dev.efficiency * m.d_model / (m.d_model + width),
-                f"catalog: efficiency {dev.efficiency:g} x h/(h + {width:g}) of the {s.dtypes.compute} peak")
-    return curve_rate(curve, m, max(1, s.micro_batch * w.seq_len // s.layout.cp), s.layout.tp), curve.source
-
-
-def curve_rate(curve: MatmulCurve, m, tokens: int, tp: int = 1) -> float:
-    """FLOP/s of one rank's forward and backward matmuls for a micro-batch of `tokens` tokens
-    on `curve`: their FLOPs over their summed seconds (each product at its own rate)."""
-    flops_total = seconds = 0.0
-    for _, rows, k, n, count in matmul_shapes(m, tokens, tp):
-        product = 2 * rows * k * n * count
-        for shape in ((rows, k, n), (rows, n, k), (k, rows, n)):  # forward, dX, dW
-            flops_total += product
-            seconds += product / curve.rate(*shape)
-    return flops_total / seconds
 
 
 def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float,

@@ -12,7 +12,8 @@ from shardlm.config.dims import ParallelDims
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import Cluster, parse_cluster
 from shardlm.planner import Strategy, Workload, estimate_memory, estimate_time
-from shardlm.planner.search import default_dtypes, predict_local, preset_model
+from shardlm.planner.search import default_dtypes, predict_local
+from shardlm.planner.shapes import preset_model
 from shardlm.studies.points import MiB, Point, largest_fitting
 from shardlm.studies.specs import StrategySpec
 

@@ -75,7 +75,8 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
     """`cfg` with its 'auto' settings decided for `world_size` ranks on `device` (one process's
     decision: `resolve_config` shares it). `checkpoint`: the one the run resumes from.
     `hardware`: decide for this cluster instead of this machine (`train --dry-run --gpus`)."""
-    from shardlm.planner.search import default_dtypes, describe_strategy, kept_settings, plan_for_run
+    from shardlm.planner.search import default_dtypes, kept_settings, plan_for_run
+    from shardlm.planner.explain import describe_strategy
 
     cfg = with_global_batch(cfg.validate(), world_size)
     if hardware is None:  # fp8 needs FP8 hardware or precision.fp8_emulate: ConfigError otherwise
