@@ -131,7 +131,7 @@ def test_checkpoints_load_across_tensor_parallel_layouts(tmp_path):
                                                    ("llama-tiny", True, "none")])
 def test_ledger_bytes_match_the_formula(tmp_path, preset, sp, recompute):
     """The tensor-parallel group's bytes per step in the ledger are exactly the planner's
-    formula (planner/timing.py tp_comm_bytes): Megatron's four all-reduces of b·s·h per block,
+    formula (planner/traffic.py tp_comm_bytes): Megatron's four all-reduces of b·s·h per block,
     the same bytes as all-gathers + reduce-scatters with sequence parallelism, plus the
     embedding, head, loss and (SP) replicated-parameter gradient terms."""
     from shardlm.config import load_config
