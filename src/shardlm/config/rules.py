@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import get_type_hints
 
-from shardlm.config import layout_rules  # noqa: F401  (registers the layout checks)
+import shardlm.config.layout_rules  # noqa: F401  (registers the layout checks)
 from shardlm.config.fields import (_CHOICES, _CROSS, _RULES, NVME_RING_MAX_MB, TRACKERS, Config, _cross,
                                    _type_problem, key_of, profile_step_numbers, tracker_install_hint,
                                    tracker_names)
