@@ -66,7 +66,7 @@ def test_cp_modes_equal_whole_sequence_attention_with_documents(tmp_path, world,
         (ref * ranks[0]["weight"]).sum().backward()
         covered = torch.cat([r["positions"] for r in ranks]).sort().values
         assert torch.equal(covered, torch.arange(length)), mode
-        model = SimpleNamespace(n_layers=1, n_heads=heads, n_kv_heads=kv_heads, d_model=8 * heads)
+        model = SimpleNamespace(n_layers=1, n_heads=heads, n_kv_heads=kv_heads, d_model=8 * heads, head_dim=0)
         want = cp_mode_bytes(model, 2 * length, world, 1, 4, mode=mode, ulysses=a2a)
         for r in ranks:
             p = r["positions"]

@@ -177,7 +177,8 @@ def test_interleaved_and_zero_bubble_follow_the_runtimes_orders():
     zero-bubble idle share is the runtime's list schedule's (3M + 2(P-1) units long)."""
     from types import SimpleNamespace
 
-    from shardlm.parallel.pipeline import OneFOneB, _list_schedule
+    from shardlm.config.pipeline_schedules import _list_schedule
+    from shardlm.parallel.pipeline import OneFOneB
     from shardlm.planner.workload import interleaved_peak, pp_bubble
 
     for p, v, m in [(2, 2, 4), (4, 2, 8), (4, 3, 4), (3, 2, 6)]:

@@ -49,15 +49,16 @@ def compute_rate(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, str
     rank's tokens b·s/cp, its tensor-parallel shard) and its two backward products (dX: m x n x
     k, dW: k x m x n), their FLOPs over their summed measured-curve seconds; attention and the
     element-wise work run at that rate too. Without one (the catalog's GPUs): the device's
-    efficiency x h/(h + half_width), small matrices filling less of the chip (docs/planner.md
-    section 4)."""
+    efficiency x h/(h + half_width) of matmul_rate's peak, small matrices filling less of the
+    chip (docs/planner.md section 4)."""
     dev, m = cluster.device, w.model
-    peak = dev.peak[s.dtypes.compute]
+    peak = matmul_rate(w, s, dev.peak)  # fp8 blocks at the device's fp8 peak where it has one
     curve = dev.curves.get(s.dtypes.compute)
     if curve is None:
         width = cluster.calibration.half_width
         return (peak * dev.efficiency * m.d_model / (m.d_model + width),
-                f"catalog: efficiency {dev.efficiency:g} x h/(h + {width:g}) of the {s.dtypes.compute} peak")
+                f"catalog: efficiency {dev.efficiency:g} x h/(h + {width:g}) of the "
+                f"{'fp8' if s.dtypes.fp8 and 'fp8' in dev.peak else s.dtypes.compute} peak")
     return curve_rate(curve, m, max(1, s.micro_batch * w.seq_len // s.layout.cp), s.layout.tp), curve.source
 
 
