@@ -109,13 +109,17 @@ def _family(name: str):
 
 def make_family_dir(root, name: str):
     """A tiny random checkpoint of family `name` saved with a WordLevel tokenizer of 512 tokens."""
-    cls, config = _family(name)
+    return save_random_checkpoint(root / name, *_family(name))
+
+
+def save_random_checkpoint(out, cls, config):
+    """`cls(config)` at seed 0, every tensor perturbed, saved to `out` with a WordLevel tokenizer
+    of 512 tokens: (out, the transformers model)."""
     torch.manual_seed(0)
     model = cls(config).eval()
     with torch.no_grad():  # norms start at 1 and biases at 0: perturb so every tensor matters
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    out = root / name
     model.save_pretrained(out)
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL + WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

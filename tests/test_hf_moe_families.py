@@ -19,13 +19,13 @@ from shardlm.errors import ConfigError
 from shardlm.config.hf_shapes import causal_lm_config, hf_shape
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.loop import build_run
-from test_hf_families import LLAMA, _hf_logits, lora_adapter_is_peft_exact, trained_export_is_the_checkpoint
-from test_hf_path import SPECIAL, WORDS, overrides
+from test_hf_families import (LLAMA, _hf_logits, lora_adapter_is_peft_exact, save_random_checkpoint,
+                              trained_export_is_the_checkpoint)
+from test_hf_path import overrides
 from tp_cases import whole_params
 from zero_cases import reference_case, train_cases
 
 transformers = pytest.importorskip("transformers")
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 MOE = dict(LLAMA, num_experts_per_tok=2, output_router_logits=False)
 
@@ -50,18 +50,7 @@ def _family(name: str, **extra):
 
 def make_moe_dir(root, name: str, **extra):
     """A tiny random checkpoint of family `name` saved with a WordLevel tokenizer of 512 tokens."""
-    cls, config = _family(name, **extra)
-    torch.manual_seed(0)
-    model = cls(config).eval()
-    with torch.no_grad():  # norms start at 1: perturb so every tensor matters
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    out = root / name
-    model.save_pretrained(out)
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL + WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(out / "tokenizer.json"))
-    return out, model
+    return save_random_checkpoint(root / name, *_family(name, **extra))
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "olmoe"])
