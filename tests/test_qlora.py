@@ -316,3 +316,18 @@ def _inference_uses_the_dequantised_base(run_dir: str) -> None:
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model(idx), quantized(idx))
+
+
+def test_a_checkpoint_of_the_old_one_string_qlora_layout_is_named_as_such(tmp_path):
+    """A checkpoint saved before QLoRA stored whole rows (weight_q as one 1-D byte string) is
+    refused with the layout named, not as 'a different model'."""
+    from shardlm.checkpoint.manifest import CheckpointError
+    from shardlm.checkpoint.reader import CheckpointReader
+
+    manifest = {"tensors": {"param/blocks.0.attn.qkv.weight_q": {"shape": [6144], "slices": []}},
+                "files": {}}
+    reader = CheckpointReader(tmp_path, manifest)
+    with pytest.raises(CheckpointError, match="one byte string .* whole rows"):
+        reader.entry("param/blocks.0.attn.qkv.weight_q", (96, 64))
+    with pytest.raises(CheckpointError, match="different model"):
+        reader.entry("param/blocks.0.attn.qkv.weight_q", (6145,))

@@ -53,6 +53,13 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint {self.ckpt} has no tensor {name!r}: it was saved "
                                   f"from a different model")
         if tuple(entry["shape"]) != tuple(shape):
+            if name.endswith("weight_q") and len(entry["shape"]) == 1 and len(shape) == 2:
+                raise CheckpointError(
+                    f"checkpoint {self.ckpt}: {name!r} is QLoRA's base stored as one byte string "
+                    f"{tuple(entry['shape'])}, the layout before QLoRA stored whole rows "
+                    f"{tuple(shape)} (so that tensor parallelism cuts whole rows). This "
+                    f"shardlm cannot read it: export its adapters with the shardlm that saved it "
+                    f"(`shardlm export`, a PEFT adapter), or train again")
             raise CheckpointError(f"checkpoint {self.ckpt}: {name!r} has shape {tuple(entry['shape'])}, "
                                   f"this model's is {tuple(shape)}: it was saved from a different model")
         for piece in entry["slices"]:
