@@ -424,11 +424,11 @@ class Schedule:
 
     def by_stage(self, values: list[float], device: torch.device) -> list[list[float]]:
         """`values` of every stage, gathered over the pipeline: one list per value, by stage."""
-        import torch.distributed as dist
-
+        import torch.distributed as dist  # metrics, not training traffic: outside the ledger
         mine = torch.tensor(values, dtype=torch.float64, device=device)
         every = torch.empty(self.stage.count * len(values), dtype=torch.float64, device=device)
-        dist.all_gather_into_tensor(every, mine, group=self.stage.comm.group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # 2.13's name
+        gather(every, mine, group=self.stage.comm.group)
         return every.view(self.stage.count, len(values)).t().tolist()
 
 
