@@ -109,7 +109,8 @@ class ZeroEngine:
         self.tier = build_tier(opts.offload_optimizer, device, opts.master_dtype, nvme_dir,
                                opts.nvme_chunk_bytes, opts.nvme_buffers, opts.offload_params == "nvme")
         expert_modules = {n.rsplit(".", 1)[0] for n in self.expert_splits}
-        for spec in collect_units(model, opts.unit_classes, sorted(expert_modules)):
+        for spec in collect_units(model, opts.unit_classes, sorted(expert_modules),
+                                  opts.fp8_all_gather and opts.stage == 3):
             expert = spec.name.split("[")[0] in expert_modules  # "….experts[frozen]" too (LoRA)
             unit = (Unit(spec, self.expert_comm, expert_shard_rank, opts, device, initializer, True) if expert
                     else Unit(spec, self.shard_comm, shard_rank, opts, device, initializer))
