@@ -186,6 +186,10 @@ class ParamSharding:
     def all_gathered(self) -> Iterator[None]:
         """Every unit whole in the compute dtype (FP8 weights too: their bf16 values) inside."""
         self.whole = True
+        for index in [i for i in self.handles if self.units[i].fp8_gather is not None]:
+            handle, _ = self.handles.pop(index)  # an E4M3 gather still in flight (a prefetch)
+            handle.wait()
+            self.store.release(self.units[index])
         for index in [i for i in self.gathered if self.units[i].fp8_gather is not None]:
             self._free_unit(index)  # gathered in E4M3: gathered again in the compute dtype
         for slot in range(len(self.slots)):
