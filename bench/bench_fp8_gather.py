@@ -14,14 +14,23 @@ On this CPU the emulation dominates a step (FP8 rounding in software, bf16 matmu
 all-gather runs in shared memory: the bytes halve, the time barely moves. The point of the bytes
 is a network: the planner turns them into seconds for a cluster (`shardlm plan`).
 
+`--compose`: instead, the compositions tests/test_fp8_all_gather.py does not spawn (CI's time),
+each trained 2 steps without and with fp8_all_gather (gpt-tiny at d_model 32, clipping off): the
+same losses, parameters, fp8 figures and evaluation, bit for bit, and the ledger's all-gather bytes.
+
 Reproduce:  PYTHONPATH=src python bench/bench_fp8_gather.py                 (gpt-mini, ~5 min)
             PYTHONPATH=src python bench/bench_fp8_gather.py --preset gpt-tiny --steps 4
+            PYTHONPATH=src python bench/bench_fp8_gather.py --compose       (~5 min)
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from pathlib import Path
+
+import torch
 
 from common import (MiB, add_step_args, bench_parser, combine, machine, peak_rss_bytes, prepare, reproduce,
                     rounds, run_overrides, speed_text, start_ranks, summarize, table, train_timed)
@@ -63,10 +72,52 @@ def row(name: str, m: dict, planned: float) -> list:
             + ("" if m["repeatable"] else " (differs by run)")]
 
 
+COMPOSED = {  # name -> (ranks, overrides)
+    "reshard_after_forward = false, 2 micro-steps": (2, {"parallel.reshard_after_forward": False,
+                                                        "train.grad_accum": 2}),
+    "activation.checkpoint = selective": (2, {"activation.checkpoint": "selective"}),
+    "zero.offload_params = cpu": (2, {"zero.offload_params": "cpu"}),
+    "MoE: 4 experts (top 2) + 1 shared": (2, {"model.experts": 4, "model.top_k": 2, "model.shared_experts": 1}),
+    "train.optimizer = muon": (2, {"train.optimizer": "muon"}),
+    "hybrid: dp_replicate 2 x dp_shard 2": (4, {"parallel.dp_replicate": 2, "parallel.dp_shard": 2}),
+    "pp 2 x dp_shard 2, 2 micro-batches": (4, {"parallel.pp": 2, "train.grad_accum": 2}),
+}
+
+
+def compose(tmp: str) -> None:
+    """Each COMPOSED case without and with fp8_all_gather, in one spawn: bitwise or not."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from fp8_gather_cases import gather_cases
+
+    base = {**run_overrides(tmp, precision="fp8"), "model.preset": "gpt-tiny", "model.d_model": 32,
+            "model.n_heads": 2, "train.seq_len": 16, "train.micro_batch": 4, "train.lr": 3e-3,
+            "train.grad_clip": 0.0, "data.max_bytes": 1_000_000, "precision.fp8_emulate": True,
+            "parallel.zero_stage": 3}
+    rows = []
+    for name, (ranks, extra) in COMPOSED.items():
+        case = {**base, **extra}
+        off, on = start_ranks(gather_cases, ranks, tmp, [(case, 2), ({**case, **CASES["fp8 gather"]}, 2)])[0]
+        same = (off["losses"] == on["losses"] and off["records"] == on["records"] and off["eval"] == on["eval"]
+                and all(torch.equal(v, on["params"][n]) for n, v in off["params"].items()))
+        gathered = [led.get("all_gather/dp_shard", 0) for led in (off["ledgers"][-1], on["ledgers"][-1])]
+        rows.append([name, ranks, "yes" if same else "**no**", f"{gathered[0]:,} / {gathered[1]:,}",
+                     " ".join(f"{x:.6f}" for x in on["losses"])])
+        print(f"{name}: {rows[-1][2]}", flush=True)
+    print("\n" + table(("composed with", "ranks", "bitwise (losses, parameters, fp8 figures, eval)",
+                         "all-gather B/step bf16 / fp8", "losses"), rows))
+
+
 def main() -> None:
     parser = bench_parser(__doc__, "gpt-mini", 128, 4)
+    parser.add_argument("--compose", action="store_true", help="the compositions' bitwise check instead")
     add_step_args(parser, steps=6, warmup=2, repeat=3)
     args = parser.parse_args()
+    if args.compose:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(machine(), flush=True)
+            compose(tmp)
+        print(f"\n{reproduce()}")
+        return
     cfg = load_config(overrides=overrides_for(args, {}, "")).validate()
     threads = prepare(cfg, WORLD, precision="bf16")
     tokens_per_step = WORLD * args.micro_batch * args.seq
