@@ -94,7 +94,9 @@ class Fp8Gather:
             amaxes = torch.zeros_like(self.scales)  # a weight this rank holds none of: 0
             for i, lo, hi in self.pieces:
                 amaxes[i] = shard[lo:hi].abs().amax().float()
-            comm.all_reduce(amaxes, op=dist.ReduceOp.MAX).wait()
+            # a NaN piece as +inf: a max over ranks need not carry NaN, and a non-finite weight
+            # must stay visible (its scale becomes 0, its non-finite elements NaN)
+            comm.all_reduce(amaxes.nan_to_num_(nan=float("inf")), op=dist.ReduceOp.MAX).wait()
             # the whole weight's scale, as Fp8Quantiser.scale computes it from its amax
             self.scales.copy_(E4M3.max / amaxes.clamp_min(EPS))
         send = torch.zeros(self.shard_size, dtype=torch.uint8, device=shard.device)  # padding: 0
