@@ -31,6 +31,7 @@ from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import parse_cluster
 from shardlm.launch.spawn import run_ranks
+from shardlm.models.fp8 import E4M3, EPS, amax, dequantise, quantise, round_to_fp8
 from shardlm.planner.search import config_strategy
 from shardlm.planner.timing import estimate_time
 
@@ -59,6 +60,21 @@ def two_ranks(tmp_path_factory):
     plain, recomputed = _overrides(tmp_path), _overrides(tmp_path, **RECOMPUTED)
     cases = [(plain, STEPS), ({**plain, **GATHER}, STEPS), (recomputed, 2), ({**recomputed, **GATHER}, 2)]
     return plain, run_ranks(gather_cases, 2, tmp_path, cases)
+
+
+def test_pieces_rounded_at_the_whole_amax_are_the_whole_weight_rounded():
+    """The invariant the gather rests on, without processes: cut a weight anywhere (a shard
+    boundary inside it), scale every piece by the max of the pieces' amaxes, round each alone,
+    and the pieces are the bits (and the counts) of rounding the whole weight."""
+    torch.manual_seed(0)
+    weight = (torch.randn(48, 40) * torch.logspace(-6, 1, 40)).bfloat16()  # (out, in): some underflow
+    whole, whole_counts = quantise(weight, E4M3, E4M3.max / amax(weight, None).clamp_min(EPS))
+    flat = weight.reshape(-1)
+    pieces = [flat[:700], flat[700:1333], flat[1333:]]  # (n,) each: three ranks' shards of it
+    scale = E4M3.max / torch.stack([p.abs().amax().float() for p in pieces]).amax().clamp_min(EPS)
+    rounded = [round_to_fp8(p, E4M3, scale) for p in pieces]
+    assert torch.equal(dequantise(torch.cat([q for q, _ in rounded]), scale).view_as(whole), whole)
+    assert torch.equal(sum(c for _, c in rounded), whole_counts) and whole_counts[1] > 0
 
 
 @pytest.mark.parametrize("pair", [0, 1], ids=["plain", "recomputed+accumulated"])
