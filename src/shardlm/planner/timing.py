@@ -16,8 +16,8 @@ from shardlm.hardware.catalog import Cluster
 from shardlm.planner.compute import compute_rate, model_flops_per_token
 from shardlm.planner.memory import offloaded_activations, peak_candidates
 from shardlm.planner.activations import activation_dtypes, block_activation
-from shardlm.planner.traffic import (cp_comm_bytes, ep_comm_bytes, fp8_gathered_elements, pp_comm_bytes,
-                                     tp_comm_bytes)
+from shardlm.planner.traffic import cp_comm_bytes, ep_comm_bytes, pp_comm_bytes, tp_comm_bytes
+from shardlm.planner.traffic import fp8_gathered_elements
 from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier,
                                       pipeline_layers, pp_bubble, pp_hidden_bytes,
                                       stage_params, validate, zero_ranks)
