@@ -151,7 +151,8 @@ class PrecisionConfig:
     (1 byte per element, half bf16's), each rank rounding its shard at the whole weight's scale
     (one all-reduce(max) of the unit's weights' amaxes), as torchao's float8 all-gather under
     FSDP2 does; the matmul takes those bits as gathered. Norms, biases and embeddings gather as
-    before; gradients and their reduce-scatter are unchanged. Needs fp8_recipe = 'tensorwise',
+    before; gradients and their reduce-scatter are unchanged (the weights become a unit of their
+    own, so the logged grad_norm rounds differently). Needs fp8_recipe = 'tensorwise',
     fp8_emulate = true and parallel.zero_stage = 3 (docs/computation.md, FP8 all-gather)."""
     reduce: str = "auto"
     """dtype gradients are kept and reduced in: 'auto' = the compute dtype (as DeepSpeed and

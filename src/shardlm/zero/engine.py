@@ -163,6 +163,11 @@ class ZeroEngine:
 
             names = {id(p): n for n, p in model.named_parameters()}
             self.muon = ShardedMuon(self, {names[id(p)] for p in muon_params(model)}, train)
+        fp8_units = [u for u in in_order if u.fp8_gather is not None]
+        if fp8_units:  # precision.fp8_all_gather (zero/fp8_gather.py)
+            log.info("zero: %d FP8 linear weights in %d units gathered in E4M3 (1 byte per element, one "
+                     "scale per weight from an all-reduce(max) of their amaxes)",
+                     sum(len(u.params) for u in fp8_units), len(fp8_units))
         log.info("zero: stage %d over %d shard rank(s) x %d replica(s), %d units (+%d frozen), %s "
                  "compute, %s reduce, %s master", opts.stage, shard_world, self.replicate_comm.size,
                  len(self.units), len(self.frozen), opts.compute_dtype, opts.reduce_dtype,
