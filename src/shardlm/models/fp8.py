@@ -121,13 +121,16 @@ def quantise(x: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor, tile: tuple[i
     return dequantised.to(out_dtype), counts
 
 
-def round_to_fp8(x: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def round_to_fp8(x: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor,
+                 count: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`x` (any shape) times `scale` (broadcast: a scalar, or one per element) rounded to `fmt`,
     as `quantise` rounds it at a scale from x's amax: (the values in fmt.dtype, [overflow,
-    underflow] counts). ZeRO-3's fp8 all-gather rounds each rank's shard so, at the whole
-    weight's scale (zero/fp8_gather.py)."""
+    underflow] counts, or None without `count`). ZeRO-3's fp8 all-gather rounds each rank's
+    shard so, at the whole weight's scale (zero/fp8_gather.py)."""
     scaled = x.float() * scale
     q = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype)
+    if not count:
+        return q, None
     counts = torch.stack([(scaled.abs() >= fmt.overflow_at).sum(), ((q.float() == 0) & (scaled != 0)).sum()])
     return q, counts
 

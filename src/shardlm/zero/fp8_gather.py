@@ -100,11 +100,12 @@ class Fp8Gather:
             # the whole weight's scale, as Fp8Quantiser.scale computes it from its amax
             self.scales.copy_(E4M3.max / amaxes.clamp_min(EPS))
         send = torch.zeros(self.shard_size, dtype=torch.uint8, device=shard.device)  # padding: 0
-        counts = torch.zeros_like(self.counts)
+        counts = torch.zeros_like(self.counts)  # counted in forward; backward's are the same
         for i, lo, hi in self.pieces:
-            q, clamped_and_lost = round_to_fp8(shard[lo:hi], E4M3, self.scales[i])
+            q, clamped_and_lost = round_to_fp8(shard[lo:hi], E4M3, self.scales[i], count=rescale)
             send[lo:hi] = q.view(torch.uint8)
-            counts[i, :2], counts[i, 2] = clamped_and_lost.float(), hi - lo  # overflow, underflow, elements
+            if rescale:
+                counts[i, :2], counts[i, 2] = clamped_and_lost.float(), hi - lo  # overflow, underflow, elements
         if rescale:
             self.counts.copy_(counts * comm.size)
         return _Fp8Handle(comm.all_gather(self.flat, send), self, send)
