@@ -5,14 +5,16 @@ What is held, and why it can be exact:
   master): with tensorwise scaling the scale is E4M3.max / amax of the whole weight, and the
   amax of the shards' amaxes (all-reduce max) is that amax exactly; rounding x * scale is
   element by element, so each rank rounding its shard gives the bits of rounding the gathered
-  weight. Both round the same bf16 values (the shard as stored, no double rounding from fp32):
-  losses, fp8 overflow / underflow figures, parameters and an evaluation are equal, bit for bit.
+  weight. Both round the same bf16 values (the shard as stored: the fp32 master rounded to bf16,
+  then to E4M3 — a double rounding, in both runs alike): losses, fp8 overflow / underflow
+  figures, parameters and an evaluation are equal, bit for bit.
   Gradient clipping is off in this comparison (train.grad_clip = 0): the weights form a unit of
   their own, so each rank holds other slices of the gradient, and the gradient norm's per-rank
   partial norms (in the bf16 reduce dtype) round differently (0.2% here); where clipping acts,
   its coefficient then differs. The norm is held to 1e-2.
-- Against one process (fp8 without the fp8 gather, the ranks' micro-batches as accumulation
-  steps): bench/compose.py's fp8 tolerance, 5e-2 relative.
+- Against one process (ZeRO-3 on one rank without the option, the ranks' micro-batches as its
+  accumulation steps): bench/compose.py's fp8 tolerance, 5e-2 relative; the first step's loss
+  and fp8 figures equal.
 - The ledger: per step, two gathers (forward, backward) of every unit; the [fp8] units at 1
   byte per element, so the all-gather bytes are the bf16 gather's less 2 x the FP8 weights'
   elements; one all_reduce(max) of 4 bytes per weight per unit and forward (counted 2x); the
