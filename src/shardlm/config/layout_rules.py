@@ -357,3 +357,37 @@ def _fp8_composes(cfg: Config) -> list[str]:
         problems.append(f"precision.compute = 'fp8' does not compose yet with: {'; '.join(blocking)}. "
                         f"Change those keys or use precision.compute = 'bf16'")
     return problems
+
+
+@_cross("precision.fp8_all_gather", "precision.compute", "precision.fp8_recipe", "precision.fp8_emulate",
+        "parallel.zero_stage", "parallel.tp", "lora.rank", "train.compile")
+def _fp8_all_gather_composes(cfg: Config) -> list[str]:
+    """precision.fp8_all_gather: ZeRO-3 gathers the FP8 linears' weights (models/fp8.py
+    Fp8Linear) in E4M3, each shard rounded at the whole weight's scale (zero/fp8_gather.py).
+    That is the bits of rounding the whole weight only with one scale per weight from its
+    amax now (tensorwise), and only where our emulated matmul (fp8_linear) takes the bits."""
+    p, par = cfg.precision, cfg.parallel
+    if not p.fp8_all_gather:
+        return []
+    toml = lambda v: str(v).lower() if isinstance(v, bool) else repr(v)  # noqa: E731
+    needs = [f"{key} = {toml(want)} (got {toml(got)})" for key, got, want in (
+        ("precision.compute", p.compute, "fp8"), ("precision.fp8_recipe", p.fp8_recipe, "tensorwise"),
+        ("precision.fp8_emulate", p.fp8_emulate, True), ("parallel.zero_stage", par.zero_stage, 3))
+        if got != want]
+    problems = ([f"precision.fp8_all_gather = true gathers ZeRO-3's FP8 weights in E4M3 at a scale from "
+                 f"each weight's amax now: it needs {'; '.join(needs)}. Set those, or drop "
+                 f"precision.fp8_all_gather ('delayed' and 'blockwise' scales are not one number "
+                 f"from the weight's current amax; on FP8 hardware torchao's Float8Linear runs the "
+                 f"matmuls, and its fp8 all-gather is FSDP2's, not our engine's)"] if needs else [])
+    blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
+        ("parallel.tp", par.tp, "a tensor-parallel weight's scale is the max over the tp group too; "
+         "not gathered so yet", par.tp > 1),
+        ("lora.rank", cfg.lora.rank, "LoRA's frozen base (and QLoRA's quantised one) is not an "
+         "Fp8Linear weight: nothing would be gathered in fp8", cfg.lora.rank > 0),
+        ("train.compile", cfg.train.compile, "the gathered bytes are state the matmul reads "
+         "outside the compiled graph", cfg.train.compile),
+    ) if on]
+    if blocking:
+        problems.append(f"precision.fp8_all_gather = true does not compose yet with: {'; '.join(blocking)}. "
+                        f"Change those keys or drop precision.fp8_all_gather")
+    return problems

@@ -146,6 +146,14 @@ class PrecisionConfig:
     dtypes, multiply in bf16. For numerics (loss, overflow / underflow counts), not speed."""
     fp8_block: int = 128
     """fp8_recipe = 'blockwise': the tile width (DeepSeek-V3: 128)."""
+    fp8_all_gather: bool = False
+    """compute = 'fp8' at ZeRO stage 3: gather the blocks' FP8 linear weights already in E4M3
+    (1 byte per element, half bf16's), each rank rounding its shard at the whole weight's scale
+    (one all-reduce(max) of the unit's weights' amaxes), as torchao's float8 all-gather under
+    FSDP2 does; the matmul takes those bits as gathered. Norms, biases and embeddings gather as
+    before; gradients and their reduce-scatter are unchanged (the weights become a unit of their
+    own, so the logged grad_norm rounds differently). Needs fp8_recipe = 'tensorwise',
+    fp8_emulate = true and parallel.zero_stage = 3 (docs/computation.md, FP8 all-gather)."""
     reduce: str = "auto"
     """dtype gradients are kept and reduced in: 'auto' = the compute dtype (as DeepSpeed and
     FSDP do; what the ZeRO memory formulas assume), or 'fp32' for exact reductions."""

@@ -28,7 +28,9 @@ ones that round to zero (underflow): Fp8Stats, reported per step in the JSONL.
 The swapped layer holds the same Parameter objects under the same names (Fp8Linear is an
 nn.Linear), so checkpoints, initialisation by name and the ZeRO engine's flat buffers are
 unchanged; the weight is saved for backward and re-quantised there (ZeRO-3 gathers it again),
-like torchao's force_recompute_fp8_weight_in_bwd.
+like torchao's force_recompute_fp8_weight_in_bwd. With precision.fp8_all_gather, ZeRO-3 gathers
+the weight already in E4M3 with its scale (GatheredWeight; zero/fp8_gather.py), as torchao's
+float8 all-gather under FSDP2 does, and the matmul takes those bits as they are.
 """
 
 from __future__ import annotations
@@ -119,6 +121,42 @@ def quantise(x: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor, tile: tuple[i
     return dequantised.to(out_dtype), counts
 
 
+def round_to_fp8(x: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor,
+                 count: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`x` (any shape) times `scale` (broadcast: a scalar, or one per element) rounded to `fmt`,
+    as `quantise` rounds it at a scale from x's amax: (the values in fmt.dtype, [overflow,
+    underflow] counts, or None without `count`). ZeRO-3's fp8 all-gather rounds each rank's
+    shard so, at the whole weight's scale (zero/fp8_gather.py)."""
+    scaled = x.float() * scale
+    q = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype)
+    if not count:
+        return q, None
+    counts = torch.stack([(scaled.abs() >= fmt.overflow_at).sum(), ((q.float() == 0) & (scaled != 0)).sum()])
+    return q, counts
+
+
+def dequantise(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """FP8 values `q` back at `scale`, in `out_dtype`: what `quantise` returns for them."""
+    return (q.float() / scale).to(out_dtype)
+
+
+@dataclass
+class GatheredWeight:
+    """A weight that arrives already rounded to E4M3: ZeRO-3's fp8 all-gather
+    (precision.fp8_all_gather, zero/fp8_gather.py) gathers its bytes, rounded on each rank at
+    the scale of the whole weight's amax (tensorwise: the bits one process rounds the whole
+    weight to). Views of the unit's gathered buffers, refilled by each gather: the E4M3 values
+    (out, in), the scale (a 0-d fp32) and the [overflow, underflow, elements] counts of this
+    rank's cast (fp32, weighted so that the sum over the ranks counts the weight once per rank,
+    as each rank counts a whole weight it rounds itself). Used while `live` (gathered); else
+    the layer rounds its weight itself (stage 3's whole parameters: evaluation, generation)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    counts: torch.Tensor
+    live: bool = False
+
+
 class Fp8Stats:
     """Overflow and underflow counts of every quantisation since `reset`, per role (input,
     weight, grad_output), and the elements quantised, kept on the device (one read per step).
@@ -196,6 +234,8 @@ class Fp8Quantiser:
         self.recipe, self.block, self.stats = recipe, block, stats
         self.delayed = {role: DelayedScale() for role in ROLES} if recipe == "delayed" else {}
         self.amax_reducers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self.gathered: GatheredWeight | None = None
+        """The weight as ZeRO-3's fp8 all-gather delivers it (GatheredWeight), where it does."""
 
     def share_amax(self, roles: tuple[str, ...], reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The tensors of `roles` are pieces: their amax is `reduce`d (a max over the pieces'
@@ -246,21 +286,30 @@ class _Fp8Matmul(torch.autograd.Function):
     """y = x W^T + b with x, W in E4M3 and, in backward, dy in E5M2; the matmuls in bf16 over
     the dequantised values (fp32 accumulation inside the bf16 kernel). The weight is saved as
     it is (ZeRO-3 has gathered it again for backward) and rounded again there at the forward's
-    scale; a frozen weight (LoRA's, QLoRA's dequantised one) gets no gradient computed. The
-    three roles' counts leave as the gradient of `sink` (Fp8Stats)."""
+    scale; a frozen weight (LoRA's, QLoRA's dequantised one) gets no gradient computed. A
+    weight ZeRO-3 gathers in fp8 (Fp8Quantiser.gathered) is multiplied as gathered, and read
+    again in backward from its bytes gathered again. The three roles' counts leave as the
+    gradient of `sink` (Fp8Stats)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, sink, quantiser: Fp8Quantiser, record: bool):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])  # (B*T, in)
             xq, x_counts = quantiser.cast(x2, "input", record)
-            w_scale = quantiser.scale(weight, "weight", record)
-            wq, w_counts = quantiser.cast(weight, "weight", record, w_scale)  # (out, in)
+            gathered = quantiser.gathered if quantiser.gathered is not None and quantiser.gathered.live else None
+            if gathered is None:
+                w_scale = quantiser.scale(weight, "weight", record)
+                wq, w_counts = quantiser.cast(weight, "weight", record, w_scale)  # (out, in)
+            else:  # rounded before the gather: the same bits, not rounded twice
+                w_scale, w_counts = gathered.scale.clone(), gathered.counts.clone()
+                wq = dequantise(gathered.data, w_scale)  # (out, in)
             out = xq @ wq.t()  # (B*T, out) bf16
             if bias is not None:
                 out = out + bias.to(out.dtype)
-        ctx.save_for_backward(xq, weight, w_scale, torch.stack([x_counts, w_counts]))
+        # A gathered weight is read again in backward from its re-gathered bytes, not saved.
+        ctx.save_for_backward(xq, weight if gathered is None else None, w_scale, torch.stack([x_counts, w_counts]))
         ctx.quantiser, ctx.x_shape, ctx.x_dtype, ctx.has_bias = quantiser, x.shape, x.dtype, bias is not None
+        ctx.w_dtype, ctx.gathered = weight.dtype, gathered
         return out.view(*x.shape[:-1], -1)
 
     @staticmethod
@@ -271,10 +320,14 @@ class _Fp8Matmul(torch.autograd.Function):
         with torch.autocast(grad_out.device.type, enabled=False):
             g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (B*T, out)
             gq, g_counts = q.cast(g2, "grad_output", True)
-            wq, _ = q.cast(weight, "weight", False, w_scale)
+            if ctx.gathered is None:
+                wq, _ = q.cast(weight, "weight", False, w_scale)
+            else:  # ZeRO-3 gathered the bytes again for backward (zero/params.py)
+                assert ctx.gathered.live, "an fp8-gathered weight is not gathered for backward"
+                wq = dequantise(ctx.gathered.data, w_scale)
             grad_x = (gq @ wq).view(ctx.x_shape).to(ctx.x_dtype) if need_x else None  # (B*T, in)
-            grad_w = (gq.t() @ xq).to(weight.dtype) if need_w else None  # (out, in)
-            grad_b = g2.float().sum(0).to(weight.dtype) if ctx.has_bias and need_b else None
+            grad_w = (gq.t() @ xq).to(ctx.w_dtype) if need_w else None  # (out, in)
+            grad_b = g2.float().sum(0).to(ctx.w_dtype) if ctx.has_bias and need_b else None
         counts = torch.cat([forward_counts, g_counts[None]]).to(g_counts.device) if need_counts else None
         return grad_x, grad_w, grad_b, counts, None, None
 

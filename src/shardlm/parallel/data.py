@@ -154,7 +154,7 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch
         reduce_dtype=DTYPES[compute if prec.reduce == "auto" else prec.reduce],
         master_dtype=DTYPES[prec.master], reshard_after_forward=par.reshard_after_forward,
         prefetch=par.prefetch, unit_classes=par.units, offload_optimizer=cfg.zero.offload_optimizer,
-        offload_params=cfg.zero.offload_params,
+        offload_params=cfg.zero.offload_params, fp8_all_gather=prec.fp8_all_gather,
         nvme_dir=Path(cfg.zero.nvme_path or run_dir / "offload") / f"rank-{mesh.rank:05d}",
         nvme_chunk_bytes=cfg.zero.nvme_chunk_mb << 20, nvme_buffers=cfg.zero.nvme_buffers)
     return ZeroEngine(model, mesh, opts, cfg.train, device, watchdog, initializer, ledger, splits, copies,

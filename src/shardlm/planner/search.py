@@ -323,13 +323,13 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
 
 
 def default_dtypes(cluster: Cluster, compute: str = "auto", master: str = "fp32",
-                   reduce: str = "auto") -> Dtypes:
+                   reduce: str = "auto", fp8_all_gather: bool = False) -> Dtypes:
     """'auto' as a run resolves it (hardware.catalog.choose_compute). 'fp8' is kept (Dtypes.fp8):
     its parameters, gradients and activations are bf16, its blocks' matmuls at the device's fp8
-    peak where the catalog has one (planner/timing.py)."""
+    peak where the catalog has one (planner/timing.py); `fp8_all_gather` with it (Dtypes)."""
     peak = cluster.device.peak
     if compute == "fp8":
-        return Dtypes("bf16", reduce, master, fp8=True)
+        return Dtypes("bf16", reduce, master, fp8=True, fp8_all_gather=fp8_all_gather)
     if compute == "auto":
         compute = choose_compute(cluster.device.kind, peak)
     if master == "bf16" and compute != "bf16":
@@ -414,7 +414,8 @@ def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
     from shardlm.config.dims import resolve_dims
 
     dims = resolve_dims(cfg.parallel, cluster.world_size)
-    dtypes = default_dtypes(cluster, cfg.precision.compute, cfg.precision.master, cfg.precision.reduce)
+    dtypes = default_dtypes(cluster, cfg.precision.compute, cfg.precision.master, cfg.precision.reduce,
+                            cfg.precision.fp8_all_gather)
     t, zero = cfg.train, cfg.zero
     par = cfg.parallel
     strategy = Strategy(dims, par.zero_stage, t.micro_batch, t.grad_accum, cfg.activation.checkpoint,

@@ -17,6 +17,7 @@ from shardlm.planner.compute import compute_rate, model_flops_per_token
 from shardlm.planner.memory import offloaded_activations, peak_candidates
 from shardlm.planner.activations import activation_dtypes, block_activation
 from shardlm.planner.traffic import cp_comm_bytes, ep_comm_bytes, pp_comm_bytes, tp_comm_bytes
+from shardlm.planner.traffic import fp8_gathered_elements
 from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier,
                                       pipeline_layers, pp_bubble, pp_hidden_bytes,
                                       stage_params, validate, zero_ranks)
@@ -190,6 +191,10 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: 
     blocks = max(1, sp.layers)
     psi, root = sp.dense + sp.experts, sp.root_unit
     block = (psi - root) / blocks if sp.layers else 0.0
+    # stage 3's gathered bytes of a block: its FP8 linears' weights at 1 byte with fp8_all_gather
+    fp8 = fp8_gathered_elements(w.model) / w.model.n_layers if d.fp8_all_gather and s.zero_stage == 3 else 0.0
+    gathered_block = e * block - (e - 1) * fp8
+    gathered = e * root + gathered_block * sp.layers  # e·Ψ without fp8_all_gather
     fwd_unit = win.forward / blocks
     bwd_unit = 0.0 if lay.pp > 1 else win.backward / blocks  # pp: nothing computes beside them
     micro, out = s.grad_accum, []
@@ -228,15 +233,15 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: 
             ("root unit, after the step", ag(e * root), 1, 0.0)])
     elif lay.pp > 1:  # stage 3 on a pipeline: a unit gathered at its first forward of the step,
         # held to the last backward (zero/params.py hold_for_step), reduced after it: exposed
-        comm("all-gather parameters", "all_gather", shard, lay.tp, e * psi, [
+        comm("all-gather parameters", "all_gather", shard, lay.tp, gathered, [
             ("root unit, first forward: starts the step", ag(e * root), 1, 0.0),
             ("block, first forward" + (": behind the block before it" if s.prefetch else ": waited for"),
-             ag(e * block), sp.layers, fwd_unit if s.prefetch else 0.0)])
+             ag(gathered_block), sp.layers, fwd_unit if s.prefetch else 0.0)])
         comm("reduce-scatter gradients", "reduce_scatter", shard, lay.tp, g * psi, [
             ("block, after the last backward", rs(g * block), sp.layers, 0.0),
             ("root unit, after the last backward", rs(g * root), 1, 0.0)])
     else:
-        ag_block, rs_block = ag(e * block), rs(g * block)
+        ag_block, rs_block = ag(gathered_block), rs(g * block)
         # prefetch (depth 1) starts a block's gather while the unit before it computes; without
         # it a gather starts when its unit is reached, with nothing beside it
         behind_fwd = fwd_unit if lay.pp == 1 and s.prefetch else 0.0
@@ -255,7 +260,7 @@ def _dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: 
         else:
             gathers.append(("block, backward: no prefetch, waited for", ag_block, micro * sp.layers, 0.0))
             last = ("block, behind the next block's backward", rs_block, sp.layers, bwd_unit)
-        comm("all-gather parameters", "all_gather", shard, lay.tp, 2 * micro * e * psi, gathers)
+        comm("all-gather parameters", "all_gather", shard, lay.tp, 2 * micro * gathered, gathers)
         # the reduction runs on the last micro-step only (accumulation)
         comm("reduce-scatter gradients", "reduce_scatter", shard, lay.tp, g * psi, [
             last, ("root unit, last: nothing left to compute", rs(g * root), 1, 0.0)])

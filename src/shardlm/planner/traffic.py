@@ -101,3 +101,18 @@ def pp_comm_bytes(m, tokens_per_micro: int, micro: int, stage_index: int, pp: in
     if tied and stage_index in (0, pp - 1):
         total += 2 * -(-m.vocab_size // tp) * m.d_model * e
     return total
+
+
+def fp8_gathered_elements(m) -> int:
+    """Weight elements ZeRO-3 gathers in E4M3 (1 byte each) under precision.fp8_all_gather
+    (zero/fp8_gather.py), over all blocks: the FP8 linears' weights (models/fp8.py Fp8Linear) —
+    attention's qkv and proj, a dense block's MLP, a MoE block's shared experts. The experts'
+    batched weights, the router, norms, biases, embeddings and head gather in the compute dtype."""
+    d, hd, kv = m.d_model, flops.head_dim(m), m.n_kv_heads or m.n_heads
+    attention = d * (m.n_heads + 2 * kv) * hd + m.n_heads * hd * d
+    total = 0
+    for i in range(m.n_layers):
+        width = (m.shared_experts * flops.expert_d_ff(m) if flops.is_moe_block(m, i)
+                 else flops.resolved_d_ff(m))
+        total += attention + (3 if m.mlp == "swiglu" else 2) * d * width
+    return total

@@ -46,6 +46,9 @@ class Dtypes:
     """precision.compute = 'fp8': `compute` is then the dtype parameters, gradients and
     activations are kept in (bf16), and the blocks' linears multiply at the device's fp8 peak
     where the catalog has one, else (the CPU emulation) at `compute`'s (planner/timing.py)."""
+    fp8_all_gather: bool = False
+    """precision.fp8_all_gather (with fp8, at stage 3): the blocks' FP8 linear weights are gathered
+    at 1 byte per element (traffic.fp8_gathered_elements; planner/timing.py)."""
 
     @property
     def precision(self) -> str:

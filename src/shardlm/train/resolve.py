@@ -95,7 +95,7 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
         par = cfg.parallel
         kept = kept_settings(par)
         plans = plan_for_run(cfg.model, world_size, where, (t.micro_batch, t.grad_accum, t.seq_len),
-                             dtypes=default_dtypes(where, p.compute, p.master, p.reduce), parallel=par)
+                             dtypes=default_dtypes(where, p.compute, p.master, p.reduce, p.fp8_all_gather), parallel=par)
         if not plans:
             raise ConfigError(f"parallel.strategy = 'auto': no strategy fits {cfg.model.preset} with "
                               f"{t.micro_batch * t.grad_accum * world_size // (par.tp * par.cp * par.pp)} x "

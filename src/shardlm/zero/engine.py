@@ -109,7 +109,8 @@ class ZeroEngine:
         self.tier = build_tier(opts.offload_optimizer, device, opts.master_dtype, nvme_dir,
                                opts.nvme_chunk_bytes, opts.nvme_buffers, opts.offload_params == "nvme")
         expert_modules = {n.rsplit(".", 1)[0] for n in self.expert_splits}
-        for spec in collect_units(model, opts.unit_classes, sorted(expert_modules)):
+        for spec in collect_units(model, opts.unit_classes, sorted(expert_modules),
+                                  opts.fp8_all_gather and opts.stage == 3):
             expert = spec.name.split("[")[0] in expert_modules  # "….experts[frozen]" too (LoRA)
             unit = (Unit(spec, self.expert_comm, expert_shard_rank, opts, device, initializer, True) if expert
                     else Unit(spec, self.shard_comm, shard_rank, opts, device, initializer))
@@ -162,6 +163,11 @@ class ZeroEngine:
 
             names = {id(p): n for n, p in model.named_parameters()}
             self.muon = ShardedMuon(self, {names[id(p)] for p in muon_params(model)}, train)
+        fp8_units = [u for u in in_order if u.fp8_gather is not None]
+        if fp8_units:  # precision.fp8_all_gather (zero/fp8_gather.py)
+            log.info("zero: %d FP8 linear weights in %d units gathered in E4M3 (1 byte per element, one "
+                     "scale per weight from an all-reduce(max) of their amaxes)",
+                     sum(len(u.params) for u in fp8_units), len(fp8_units))
         log.info("zero: stage %d over %d shard rank(s) x %d replica(s), %d units (+%d frozen), %s "
                  "compute, %s reduce, %s master", opts.stage, shard_world, self.replicate_comm.size,
                  len(self.units), len(self.frozen), opts.compute_dtype, opts.reduce_dtype,

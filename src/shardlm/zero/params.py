@@ -19,6 +19,11 @@ the step and stays whole through every micro-batch until the step's last backwar
 forward and after backward off, gradients reduce-scattered after the last micro-batch): one
 all-gather and one reduce-scatter of the stage's parameters per step, the stage's parameters
 whole for the step. parallel.reshard_after_forward applies to runs without a pipeline.
+
+A unit of FP8 linear weights (precision.fp8_all_gather: unit.fp8_gather) is gathered in E4M3
+instead, into its own byte buffer, by the same hooks (zero/fp8_gather.py); a forward's gather
+computes the weights' scales, a backward's reuses them. Its bf16 flat buffer is gathered only
+inside all_gathered (whole parameters in the compute dtype).
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class ParamSharding:
         self.gathered: set[int] = set()  # unit indices
         self.in_backward: set[int] = set()  # slots
         self.frozen_held: set[int] = set()  # slots whose frozen units stay gathered for backward
+        self.whole = False  # inside all_gathered: every unit in the compute dtype, fp8 ones too
         for index in range(len(units)):
             self._free_unit(index)
         for slot, members in enumerate(self.slots):
@@ -82,13 +88,17 @@ class ParamSharding:
     def _storage(self, index: int):
         return self.units[index].flat_param.untyped_storage()
 
-    def _start_gather(self, slot: int) -> None:
+    def _start_gather(self, slot: int, for_backward: bool = False) -> None:
         if not 0 <= slot < len(self.slots):
             return
         for index in self.slots[slot]:
             if index in self.gathered or index in self.handles:
                 continue
             unit = self.units[index]
+            if unit.fp8_gather is not None and not self.whole:  # E4M3 bytes, their own buffer
+                handle = unit.fp8_gather.start(unit.comm, self.store.fetch(unit), rescale=not for_backward)
+                self.handles[index] = (handle, contextlib.nullcontext())
+                continue
             self._storage(index).resize_(unit.flat_param.numel() * unit.flat_param.element_size())
             # Refilling the buffer restores the very values autograd saved: the version counter
             # is captured now and put back once the gather is complete (the backend may write
@@ -98,8 +108,8 @@ class ParamSharding:
             with keep_version:
                 self.handles[index] = (unit.comm.all_gather(unit.flat_param, self.store.fetch(unit)), keep_version)
 
-    def _gather(self, slot: int) -> None:
-        self._start_gather(slot)
+    def _gather(self, slot: int, for_backward: bool = False) -> None:
+        self._start_gather(slot, for_backward)
         for index in self.slots[slot]:
             pending = self.handles.pop(index, None)
             if pending is not None:
@@ -111,6 +121,8 @@ class ParamSharding:
 
     def _free_unit(self, index: int) -> None:
         self._storage(index).resize_(0)
+        if self.units[index].fp8_gather is not None:
+            self.units[index].fp8_gather.free()
         self.gathered.discard(index)
 
     def _free(self, slot: int) -> None:
@@ -140,11 +152,11 @@ class ParamSharding:
             def gather_for_backward():
                 self._release_frozen(slot)
                 self.in_backward.add(slot)
-                self._gather(slot)
+                self._gather(slot, for_backward=True)
                 if any(self.units[i].frozen for i in self.slots[slot]):
                     self.frozen_held.add(slot)
                 if self.opts.prefetch:
-                    self._start_gather(self._next_in_backward(slot))
+                    self._start_gather(self._next_in_backward(slot), for_backward=True)
 
             wrap = lambda t: (_GatherBeforeBackward.apply(gather_for_backward, t)  # noqa: E731
                               if isinstance(t, torch.Tensor) and t.requires_grad else t)
@@ -172,6 +184,14 @@ class ParamSharding:
 
     @contextlib.contextmanager
     def all_gathered(self) -> Iterator[None]:
+        """Every unit whole in the compute dtype (FP8 weights too: their bf16 values) inside."""
+        self.whole = True
+        for index in [i for i in self.handles if self.units[i].fp8_gather is not None]:
+            handle, _ = self.handles.pop(index)  # an E4M3 gather still in flight (a prefetch)
+            handle.wait()
+            self.store.release(self.units[index])
+        for index in [i for i in self.gathered if self.units[i].fp8_gather is not None]:
+            self._free_unit(index)  # gathered in E4M3: gathered again in the compute dtype
         for slot in range(len(self.slots)):
             self._gather(slot)
         try:
@@ -179,6 +199,7 @@ class ParamSharding:
         finally:
             for slot in range(len(self.slots)):
                 self._free(slot)
+            self.whole = False
 
     def release_all(self) -> None:
         """End of backward: nothing stays gathered into the next step, where the shards will

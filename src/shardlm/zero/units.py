@@ -18,7 +18,9 @@ from torch import nn
 
 from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
+from shardlm.models.fp8 import Fp8Linear
 from shardlm.models.init import Initializer
+from shardlm.zero.fp8_gather import Fp8Gather
 from shardlm.zero.partition import UnitLayout, layout_for
 
 
@@ -43,6 +45,9 @@ class UnitSpec:
     dtype: torch.dtype | None = None
     """The flat buffer's dtype when it is not the compute dtype: a frozen unit of integer
     parameters (lora.quantize's packed bytes, models/quant.py), held and gathered as bytes."""
+    gather_fp8: bool = False
+    """The FP8 linear weights of a module (precision.fp8_all_gather): held and trained like the
+    others, gathered at stage 3 in E4M3 with one scale per weight (zero/fp8_gather.py)."""
 
 
 def _largest_module_list(model: nn.Module) -> nn.ModuleList | None:
@@ -80,12 +85,20 @@ def _param_places(model: nn.Module) -> dict[int, ParamRef]:
     return refs
 
 
-def collect_units(model: nn.Module, class_names: str = "", inner: list[str] = ()) -> list[UnitSpec]:
+def _fp8_weight(ref: ParamRef) -> bool:
+    """Whether `ref` is an FP8 linear's weight and nothing else (models/fp8.py Fp8Linear)."""
+    return all(isinstance(m, Fp8Linear) and a == "weight" for m, a in ref.places)
+
+
+def collect_units(model: nn.Module, class_names: str = "", inner: list[str] = (),
+                  fp8_weights: bool = False) -> list[UnitSpec]:
     """The root unit first, then the layer units, each followed by its frozen unit (its
     parameters with requires_grad = False), when it has them. A parameter belongs to the innermost unit
     that holds all its places; one tied across units belongs to the root. `inner`: names of
     modules inside a layer that are units of their own (expert parallelism's experts), placed
-    right after their layer (forward order)."""
+    right after their layer (forward order). `fp8_weights` (precision.fp8_all_gather): a unit's
+    trainable FP8 linear weights are split off into a unit of their own, right after it
+    ("<name>[fp8]", gathered in E4M3), so that its shards hold those weights only."""
     refs = _param_places(model)
     layers = unit_modules(model, class_names)
     if inner:
@@ -106,7 +119,10 @@ def collect_units(model: nn.Module, class_names: str = "", inner: list[str] = ()
     for name, module, (trained, frozen) in [("root", model, root)] + [
             (name, module, params) for (name, module), params in zip(layers, assigned)]:
         floating = [r for r in frozen if r.param.is_floating_point()]
-        units += [UnitSpec(name, module, trained), UnitSpec(f"{name}[frozen]", module, floating, True)]
+        fp8 = [r for r in trained if fp8_weights and _fp8_weight(r)]
+        units += [UnitSpec(name, module, [r for r in trained if not any(r is f for f in fp8)]),
+                  UnitSpec(f"{name}[fp8]", module, fp8, gather_fp8=True),
+                  UnitSpec(f"{name}[frozen]", module, floating, True)]
         for dtype in sorted({r.param.dtype for r in frozen} - {r.param.dtype for r in floating}, key=str):
             units.append(UnitSpec(f"{name}[{str(dtype).removeprefix('torch.')}]", module,
                                   [r for r in frozen if r.param.dtype == dtype], True, dtype))
@@ -130,6 +146,8 @@ class ZeroOptions:
     """Where masters and AdamW moments live: 'none' (the device), 'cpu', 'nvme' (zero/tiers/)."""
     offload_params: str = "none"
     """Stage 3: where each unit's parameter shard lives between uses: 'none', 'cpu', 'nvme'."""
+    fp8_all_gather: bool = False
+    """Stage 3 under precision.compute = 'fp8': FP8 linear weights gathered in E4M3 (zero/fp8_gather.py)."""
     nvme_dir: Path | None = None
     nvme_chunk_bytes: int = 64 << 20
     nvme_buffers: int = 4
@@ -146,6 +164,10 @@ class Unit:
         buffer: only its parameters, whole at stages 0-2, sharded at stage 3."""
         self.name, self.module, self.stage = spec.name, spec.module, opts.stage
         self.comm, self.expert, self.frozen = comm, expert, spec.frozen
+        self.gather_fp8 = spec.gather_fp8 and opts.stage == 3
+        self.fp8_gather = None
+        """Stage 3, a unit of FP8 weights (spec.gather_fp8): its E4M3 gather (zero/fp8_gather.py),
+        made once its parameters are bound."""
         shard_world = comm.size if opts.stage >= 1 else 1
         numels = [r.param.numel() for r in spec.params]
         decay = [r.param.dim() >= 2 for r in spec.params]
@@ -191,6 +213,8 @@ class Unit:
                 setattr(module, attr, param)
             ref.param = param  # drop the pre-flatten tensor, or every rank keeps 4Ψ bytes alive
             self.params.append(param)
+        if self.gather_fp8:
+            self.fp8_gather = Fp8Gather(self)
 
     def attach_grads(self) -> None:
         """Stages 0-1, gradients in the parameters' dtype: each param.grad a view of the flat
