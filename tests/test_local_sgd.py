@@ -1,0 +1,164 @@
+"""Local SGD / DiLoCo (train.local_sgd, zero/local_sgd.py) on 2 gloo ranks (dp_replicate = 2,
+dp_shard = 1) against a single-process simulation of the two replicas written here: two one-process
+runs (the plain local engine: torch's fused AdamW, the one-process reference of every parity test),
+each fed the micro-batches the loader gives its replica's rank, and the outer step of the DiLoCo
+paper (Nesterov SGD on the replicas' mean pseudo-gradient) or plain averaging, every H steps and
+at the last one.
+
+Tolerance: none. Each replica's inner steps are one process's (one micro-batch per rank, no
+reduction), the mean of two pseudo-gradients is order-free, and the outer step is single-rounding
+element-wise arithmetic on both sides: parameters and losses match bit for bit (llama-tiny, fp32).
+One spawned world also checks the byte ledger (one fp32 all-reduce of the parameters per round,
+nothing across replicas on inner steps), the memory ledger, and a resume from a checkpoint taken
+in the middle of a round (every replica's own state and the outer momentum restored: the resumed
+run ends where the uninterrupted one does, bitwise).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from conftest import tiny_overrides
+from shardlm.checkpoint.sharded import CHECKPOINTS
+from shardlm.config import load_config
+from shardlm.data import Loader
+from shardlm.errors import ConfigError
+from shardlm.launch.spawn import run_ranks
+from shardlm.train.loop import build_run, train, train_step
+from zero_cases import train_case
+
+STEPS, EVERY = 5, 2  # outer steps after steps 2, 4 and 5 (the last round is one step)
+
+
+def _base(tmp, **extra) -> dict:
+    return {**tiny_overrides(tmp, model__preset="llama-tiny", train__micro_batch=4, train__steps=STEPS),
+            "parallel.dp_replicate": 2, "parallel.dp_shard": 1, "train.local_sgd.every": EVERY, **extra}
+
+
+def _resume_case(overrides: dict) -> dict:
+    """Run A trains STEPS steps, checkpointing at step 3 (inside the round 3-4); run B resumes
+    from that checkpoint and trains to the end. Both final parameters, and B's losses."""
+    out = {}
+    for name, extra in (("a", {"checkpoint.every": 3}), ("b", {})):
+        if name == "b":  # the first checkpoint: step 3
+            extra = {"checkpoint.resume": str(sorted((out["a_dir"] / CHECKPOINTS).glob("step-*"))[0])}
+        run = build_run(load_config(overrides={**overrides, "run.name": name, **extra}).validate())
+        out[f"{name}_start"] = run.start_step
+        result = train(run)
+        out[f"{name}_dir"], out[f"{name}_losses"] = run.run_dir, result.losses
+        with run.strategy.full_parameters():
+            out[f"{name}_params"] = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    return out
+
+
+def local_sgd_ranks(rank: int, world_size: int, cases: list[dict], resume: dict) -> dict:
+    torch.manual_seed(0)
+    return {"cases": [train_case(overrides, STEPS) for overrides in cases], "resume": _resume_case(resume)}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("local_sgd")
+    cases = [_base(tmp, **{"parallel.zero_stage": 1}),  # diloco, the ZeRO group's path
+             _base(tmp, **{"parallel.zero_stage": 0, "train.local_sgd.outer": "average"})]
+    resume = _base(tmp, **{"parallel.zero_stage": 1})
+    return cases, run_ranks(local_sgd_ranks, 2, tmp, cases, resume)
+
+
+def simulate(overrides: dict, steps: int) -> dict:
+    """The two replicas in this process: each a one-process run (its model, its AdamW) whose
+    loader is the one the replica's rank gets; the outer step written out as in the paper."""
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # the ranks' thread count: CPU kernels round by it
+    try:
+        one = {**overrides, "parallel.dp_replicate": 1, "parallel.dp_shard": -1, "parallel.zero_stage": 0,
+               "train.local_sgd.every": 0}
+        runs = [build_run(load_config(overrides={**one, "run.name": f"replica{r}"}).validate()) for r in range(2)]
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_WORLD_SIZE")
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+    t, sgd = runs[0].cfg.train, load_config(overrides=overrides).train.local_sgd
+    for r, run in enumerate(runs):  # the loader the replica's rank builds (dp_rank = replica)
+        run.train_loader = Loader(run.dataset.train, t.seq_len, t.micro_batch, t.grad_accum, t.seed,
+                                  dp_rank=r, dp_size=2, mask=run.dataset.train_mask)
+    params = [dict(run.model.named_parameters()) for run in runs]
+    outer = {n: p.detach().clone() for n, p in params[0].items()}  # θ_outer, fp32
+    momentum = {n: torch.zeros_like(p) for n, p in outer.items()}
+    losses, diverged = [], False
+    for step in range(steps):
+        replica_losses = [train_step(run, step).loss for run in runs]
+        # The logged loss: the mean of the replicas' (each rank's sum / 2, summed over ranks).
+        losses.append(float(sum(torch.tensor(v, dtype=torch.float32) / 2 for v in replica_losses)))
+        if (step + 1) % sgd.every and step + 1 != steps:
+            diverged |= any(not torch.equal(params[0][n], params[1][n]) for n in outer)
+            continue
+        with torch.no_grad():
+            for n, theta in outer.items():
+                delta = (theta - params[0][n]) + (theta - params[1][n])  # Δ summed over replicas
+                delta.div_(2)
+                if sgd.outer == "diloco":  # b ← μ b + Δ;  θ ← θ − lr (Δ + μ b)
+                    momentum[n].mul_(sgd.outer_momentum).add_(delta)
+                    delta.add_(momentum[n] * sgd.outer_momentum)
+                    delta.mul_(sgd.outer_lr)
+                theta.sub_(delta)
+                for p in params:
+                    p[n].copy_(theta)
+    assert diverged, "the replicas never differed between outer steps: nothing was tested"
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in params[0].items()}}
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=["diloco-stage1", "average-stage0"])
+def test_matches_single_process_simulation(world, case):
+    cases, out = world
+    ref = simulate(cases[case], STEPS)
+    for rank in range(2):
+        got = out[rank]["cases"][case]
+        assert got["losses"] == ref["losses"], rank
+        for n, p in ref["params"].items():
+            assert torch.equal(got["params"][n], p), (rank, n)
+
+
+def test_cross_replica_bytes_one_all_reduce_per_round(world):
+    cases, out = world
+    for case in range(2):
+        got = out[0]["cases"][case]
+        numel = got["numel"]
+        for step, by_group in enumerate(got["comm_by_op"]):
+            synced = (step + 1) % EVERY == 0 or step + 1 == STEPS
+            # one all-reduce of this rank's fp32 pseudo-gradient: counted as 2 × 4 bytes × Ψ
+            # (the ledger counts an all-reduce as a reduce-scatter plus an all-gather)
+            assert by_group == ({"dp_replicate": 2 * 4 * numel} if synced else {}), (case, step, by_group)
+
+
+def test_outer_state_in_the_memory_ledger(world):
+    cases, out = world
+    diloco, average = out[0]["cases"][0], out[0]["cases"][1]
+    assert diloco["state"]["local_sgd"] == 2 * 4 * diloco["numel"]  # θ_outer + momentum, fp32
+    assert average["state"]["local_sgd"] == 4 * average["numel"]  # θ_outer only
+
+
+def test_resume_inside_a_round_is_exact(world):
+    _, out = world
+    for rank in range(2):
+        got = out[rank]["resume"]
+        assert got["b_start"] == 3
+        assert got["b_losses"] == got["a_losses"][3:]
+        for n, p in got["a_params"].items():
+            assert torch.equal(got["b_params"][n], p), (rank, n)
+
+
+def test_validation_refuses_clearly(tmp_path):
+    base = tiny_overrides(tmp_path)
+    with pytest.raises(ConfigError, match=r"train\.local_sgd\.every = 4 .*parallel\.dp_replicate = 1.*"
+                                          r"Set parallel\.dp_replicate"):
+        load_config(overrides={**base, "train.local_sgd.every": "4"}).validate()
+    with pytest.raises(ConfigError, match=r"data parallelism only.*parallel\.tp = 2.*lora\.rank = 4"):
+        load_config(overrides={**base, "train.local_sgd.every": "4", "parallel.dp_replicate": "2",
+                               "parallel.tp": "2", "lora.rank": "4"}).validate()
+    load_config(overrides={**base, "train.local_sgd.every": "4", "parallel.dp_replicate": "2"}).validate()
