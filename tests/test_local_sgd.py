@@ -28,9 +28,9 @@ from shardlm.config import load_config
 from shardlm.data import Loader
 from shardlm.errors import ConfigError
 from shardlm.launch.spawn import run_ranks
+from shardlm.planner.traffic import local_sgd_comm_bytes
 from shardlm.train.checkpointing import save_checkpoint
 from shardlm.train.loop import build_run, train_step
-from zero_cases import train_case
 
 STEPS, EVERY = 5, 2  # outer steps after steps 2, 4 and 5 (the last round is one step)
 
@@ -40,36 +40,43 @@ def _base(tmp, **extra) -> dict:
             "parallel.dp_replicate": 2, "parallel.dp_shard": 1, "train.local_sgd.every": EVERY, **extra}
 
 
-def _resume_case(overrides: dict) -> dict:
-    """Run A trains STEPS steps and checkpoints after step 3 (inside the round 3-4); run B resumes
-    from that checkpoint and trains to the end, as the loop does (train.loop.train, less its
-    evaluation and the planner's CPU probe). Both final parameters, and the losses after step 3."""
-    out = {}
-    for name in ("a", "b"):
-        extra = {"checkpoint.resume": str(out["a_dir"] / CHECKPOINTS)} if name == "b" else {}
-        run = build_run(load_config(overrides={**overrides, "run.name": name, **extra}).validate())
-        out[f"{name}_start"], out[f"{name}_dir"], out[f"{name}_losses"] = run.start_step, run.run_dir, []
-        for step in range(run.start_step, STEPS):
-            out[f"{name}_losses"].append(train_step(run, step).loss)
-            if name == "a" and step + 1 == 3:
-                save_checkpoint(run, 3)
-        with run.strategy.full_parameters():
-            out[f"{name}_params"] = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+def _train(overrides: dict, checkpoint_at: int = 0) -> dict:
+    """Train to STEPS (from a checkpoint, if overrides name one) as the loop does (train_step; not
+    train.loop.train, whose evaluation and planner probe cost seconds), saving a checkpoint after
+    step `checkpoint_at`. Losses, each step's ledger by group, whole parameters, state bytes."""
+    run = build_run(load_config(overrides=overrides).validate())
+    out = {"start": run.start_step, "dir": run.run_dir, "losses": [], "comm_by_op": []}
+    for step in range(run.start_step, STEPS):
+        run.strategy.ledger.reset()
+        out["losses"].append(train_step(run, step).loss)
+        by_group: dict[str, int] = {}
+        for key, nbytes in run.strategy.ledger.bytes.items():
+            by_group[key.split("/", 1)[1]] = by_group.get(key.split("/", 1)[1], 0) + nbytes
+        out["comm_by_op"].append(by_group)
+        if step + 1 == checkpoint_at:
+            save_checkpoint(run, checkpoint_at)
+    out["state"], out["numel"] = run.strategy.model_state_bytes(), run.strategy.numel
+    with run.strategy.full_parameters():
+        out["params"] = {n: p.detach().clone() for n, p in run.model.named_parameters()}
     return out
 
 
-def local_sgd_ranks(rank: int, world_size: int, cases: list[dict], resume: dict) -> dict:
+def local_sgd_ranks(rank: int, world_size: int, cases: list[dict]) -> dict:
+    """Each case; the first also checkpoints after step 3 (inside the round 3-4), and a second
+    run resumes from that checkpoint and trains to the end."""
     torch.manual_seed(0)
-    return {"cases": [train_case(overrides, STEPS) for overrides in cases], "resume": _resume_case(resume)}
+    out = [_train(overrides, checkpoint_at=3 if i == 0 else 0) for i, overrides in enumerate(cases)]
+    resumed = _train({**cases[0], "run.name": "resumed", "checkpoint.resume": str(out[0]["dir"] / CHECKPOINTS)})
+    return {"cases": out, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("local_sgd")
-    cases = [_base(tmp, **{"parallel.zero_stage": 1}),  # diloco, the ZeRO group's path
-             _base(tmp, **{"parallel.zero_stage": 0, "train.local_sgd.outer": "average"})]
-    resume = _base(tmp, **{"parallel.zero_stage": 1})
-    return cases, run_ranks(local_sgd_ranks, 2, tmp, cases, resume)
+    cases = [_base(tmp, **{"parallel.zero_stage": 1, "run.name": "stage1"}),  # diloco, the ZeRO group's path
+             _base(tmp, **{"parallel.zero_stage": 0, "train.local_sgd.outer": "average"}),
+             _base(tmp, **{"parallel.zero_stage": 3})]  # sharded parameters (shard_param)
+    return cases, run_ranks(local_sgd_ranks, 2, tmp, cases)
 
 
 def simulate(overrides: dict, steps: int) -> dict:
@@ -116,10 +123,19 @@ def simulate(overrides: dict, steps: int) -> dict:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in params[0].items()}}
 
 
-@pytest.mark.parametrize("case", [0, 1], ids=["diloco-stage1", "average-stage0"])
-def test_matches_single_process_simulation(world, case):
+@pytest.fixture(scope="module")
+def simulations() -> dict[str, dict]:
+    """Each outer step's simulation, run once: it does not depend on the ZeRO stage."""
+    return {}
+
+
+@pytest.mark.parametrize("case", [0, 1, 2], ids=["diloco-stage1", "average-stage0", "diloco-stage3"])
+def test_matches_single_process_simulation(world, simulations, case):
     cases, out = world
-    ref = simulate(cases[case], STEPS)
+    outer = cases[case].get("train.local_sgd.outer", "diloco")
+    if outer not in simulations:
+        simulations[outer] = simulate(cases[case], STEPS)
+    ref = simulations[outer]
     for rank in range(2):
         got = out[rank]["cases"][case]
         assert got["losses"] == ref["losses"], rank
@@ -129,7 +145,7 @@ def test_matches_single_process_simulation(world, case):
 
 def test_cross_replica_bytes_one_all_reduce_per_round(world):
     cases, out = world
-    for case in range(2):
+    for case in range(len(cases)):
         got = out[0]["cases"][case]
         numel = got["numel"]
         for step, by_group in enumerate(got["comm_by_op"]):
@@ -137,6 +153,8 @@ def test_cross_replica_bytes_one_all_reduce_per_round(world):
             # one all-reduce of this rank's fp32 pseudo-gradient: counted as 2 × 4 bytes × Ψ
             # (the ledger counts an all-reduce as a reduce-scatter plus an all-gather)
             assert by_group == ({"dp_replicate": 2 * 4 * numel} if synced else {}), (case, step, by_group)
+    # the planner's term: the same bytes spread over a round
+    assert local_sgd_comm_bytes(numel, 1, EVERY) * EVERY == 2 * 4 * numel
 
 
 def test_outer_state_in_the_memory_ledger(world):
@@ -149,11 +167,11 @@ def test_outer_state_in_the_memory_ledger(world):
 def test_resume_inside_a_round_is_exact(world):
     _, out = world
     for rank in range(2):
-        got = out[rank]["resume"]
-        assert got["b_start"] == 3
-        assert got["b_losses"] == got["a_losses"][3:] and len(got["b_losses"]) == STEPS - 3
-        for n, p in got["a_params"].items():
-            assert torch.equal(got["b_params"][n], p), (rank, n)
+        uninterrupted, resumed = out[rank]["cases"][0], out[rank]["resumed"]
+        assert resumed["start"] == 3
+        assert resumed["losses"] == uninterrupted["losses"][3:] and len(resumed["losses"]) == STEPS - 3
+        for n, p in uninterrupted["params"].items():
+            assert torch.equal(resumed["params"][n], p), (rank, n)
 
 
 def test_validation_refuses_clearly(tmp_path):

@@ -416,10 +416,6 @@ def sections() -> dict[str, type]:
     return {f.name: hints[f.name] for f in fields(Config)}
 
 
-def _field_named(cls: type, key: str) -> dataclasses.Field | None:
-    return next((f for f in fields(cls) if key_of(f) == key), None)
-
-
 def valid_keys() -> list[str]:
     """Every 'section.key' ('section.nested.key' for a nested section's: fields.leaf_fields)."""
     return [f"{name}.{leaf.key}" for name, cls in sections().items() for leaf in leaf_fields(cls)]

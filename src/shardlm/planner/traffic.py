@@ -101,3 +101,12 @@ def pp_comm_bytes(m, tokens_per_micro: int, micro: int, stage_index: int, pp: in
     if tied and stage_index in (0, pp - 1):
         total += 2 * -(-m.vocab_size // tp) * m.d_model * e
     return total
+
+
+def local_sgd_comm_bytes(params: int, shard_ranks: int, every: int) -> float:
+    """Bytes a rank sends across replicas per step under train.local_sgd (zero/local_sgd.py), as
+    the ledger counts them (`all_reduce/dp_replicate`, 2x its tensor): one all-reduce of this
+    rank's fp32 pseudo-gradient (Ψ/N elements, N = the replica's shard ranks) every `every` steps,
+    and no gradient across replicas in between — in place of hybrid sharding's per-step
+    all-reduce of the gradient shards. `params` = Ψ, the trained parameters."""
+    return 2 * 4 * params / shard_ranks / every
