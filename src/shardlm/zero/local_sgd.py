@@ -65,8 +65,6 @@ class LocalSGD:
     def synchronize(self) -> None:
         """The outer step (module docstring): one all-reduce of the pseudo-gradient over the
         replicas, the outer update, every replica's parameters set to the new outer model."""
-        engine = self.engine
-        engine.param_store.materialize_all(frozen=False)
         masters = self._masters()
         deltas = [outer - local.float() for outer, local in zip(self.outer_params, masters)]
         handles = [self.comm.all_reduce(delta) for delta in deltas]  # sum over replicas
@@ -81,9 +79,9 @@ class LocalSGD:
                 delta.mul_(self.lr)
             outer.sub_(delta)
             masters[i].copy_(outer)
-        engine.tier.refresh_targets()  # compute-dtype parameters from the masters
-        engine.param_store.store_all(frozen=False)
-        engine._gather_params()  # stages 1-2: every rank's parameters whole again
+        # The masters were overwritten, as by a checkpoint load: the compute-dtype parameters
+        # from them, and at stages 1-2 every rank's parameters gathered whole again.
+        self.engine.after_load()
 
     # -- checkpoints -------------------------------------------------------------------------
 
