@@ -31,6 +31,7 @@ from shardlm.launch.spawn import run_ranks
 from shardlm.planner.traffic import local_sgd_comm_bytes
 from shardlm.train.checkpointing import save_checkpoint
 from shardlm.train.loop import build_run, train_step
+from zero_cases import train_case
 
 STEPS, EVERY = 5, 2  # outer steps after steps 2, 4 and 5 (the last round is one step)
 
@@ -67,7 +68,9 @@ def local_sgd_ranks(rank: int, world_size: int, cases: list[dict]) -> dict:
     torch.manual_seed(0)
     out = [_train(overrides, checkpoint_at=3 if i == 0 else 0) for i, overrides in enumerate(cases)]
     resumed = _train({**cases[0], "run.name": "resumed", "checkpoint.resume": str(out[0]["dir"] / CHECKPOINTS)})
-    return {"cases": out, "resumed": resumed}
+    # an infinite gradient on replica 1 only, in the first step: each replica has its own norm
+    poisoned = train_case({**cases[0], "run.name": "poisoned", "train.on_nonfinite": "skip"}, 2, poison_rank=1)
+    return {"cases": out, "resumed": resumed, "stepped": poisoned["stepped"]}
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +175,13 @@ def test_resume_inside_a_round_is_exact(world):
         assert resumed["losses"] == uninterrupted["losses"][3:] and len(resumed["losses"]) == STEPS - 3
         for n, p in uninterrupted["params"].items():
             assert torch.equal(resumed["params"][n], p), (rank, n)
+
+
+def test_non_finite_on_one_replica_skips_on_all(world):
+    """Each replica clips by its own norm, but a non-finite one anywhere is non-finite everywhere:
+    every rank takes the same skip decision (else the replicas would part ways for good)."""
+    _, out = world
+    assert out[0]["stepped"] == out[1]["stepped"] == [False, True]
 
 
 def test_validation_refuses_clearly(tmp_path):
