@@ -16,7 +16,6 @@ run ends where the uninterrupted one does, bitwise).
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -173,7 +172,7 @@ def test_cross_replica_bytes_one_all_reduce_per_round(world):
 
 
 def test_outer_state_in_the_memory_ledger(world):
-    cases, out = world
+    _, out = world
     diloco, average = out[0]["cases"][0], out[0]["cases"][1]
     assert diloco["state"]["local_sgd"] == 2 * 4 * diloco["numel"]  # θ_outer + momentum, fp32
     assert average["state"]["local_sgd"] == 4 * average["numel"]  # θ_outer only

@@ -93,8 +93,8 @@ class ZeroEngine:
         self.shard_comm = Comm(mesh.dp_shard_group if sharded else everyone,
                                "dp_shard" if sharded else "dp", self.ledger, watchdog)
         self.tp_comm = Comm(mesh.tp_group, "tp", self.ledger, watchdog)
-        self.replicate_comm = Comm(mesh.dp_replicate_group if sharded or apart else None, "dp_replicate",
-                                   self.ledger, watchdog)
+        self.replicate_comm = Comm(mesh.dp_replicate_group if sharded or apart else None,
+                                   "dp_replicate", self.ledger, watchdog)
         shard_world, shard_rank = (self.shard_comm.size, mesh.shard_rank) if sharded else (1, 0)
         self.expert_splits = expert_splits or {}
         self.expert_comm = Comm(mesh.ep_shard_group if sharded else mesh.ep_dp_group,
@@ -308,8 +308,9 @@ class ZeroEngine:
                 with watched(self.watchdog, "all_reduce(grad norm)", name, 4):
                     dist.all_reduce(local, group=group)
             local = local.sqrt()
-        if self.local_sgd is not None and self.replicate_comm.group is not None:  # each replica its own norm; a non-finite one on any
-            # replica is non-finite on all, so every rank takes the same skip / stop decision
+        if self.local_sgd is not None and self.replicate_comm.group is not None:
+            # Local SGD: each replica clips by its own norm, but a non-finite one on any replica
+            # is non-finite on all, so every rank takes the same skip / stop decision.
             bad = (~torch.isfinite(local)).float()
             with watched(self.watchdog, "all_reduce(grad norm)", "dp_replicate", 4):
                 dist.all_reduce(bad, group=self.replicate_comm.group)
@@ -363,10 +364,12 @@ class ZeroEngine:
     @property
     def writes_checkpoint(self) -> bool:
         """Stage 0: every rank holds everything and rank 0 writes it; sharded: the first
-        replica group writes its shards."""
-        mesh = self.mesh  # local SGD: every replica writes its own state (zero/local_sgd.py)
-        return (mesh.replica_rank == 0 or self.local_sgd is not None) and (self.opts.stage > 0 or mesh.shard_rank == 0
-                                           or (bool(self.expert_splits) and mesh.ep_shard_rank == 0))
+        replica group writes its shards. Local SGD: every replica writes its own state
+        (zero/local_sgd.py)."""
+        mesh = self.mesh
+        replica = mesh.replica_rank == 0 or self.local_sgd is not None
+        return replica and (self.opts.stage > 0 or mesh.shard_rank == 0
+                            or (bool(self.expert_splits) and mesh.ep_shard_rank == 0))
 
     def state_slices(self, saving: bool = False) -> list[StateSlice]:
         """This rank's checkpoint slices in the whole tensors' coordinates (zero/slices.py)."""
@@ -428,7 +431,8 @@ class ZeroEngine:
             out["params"] = out.get("params", 0.0) + frozen / (
                 self.shard_comm.size if o.stage == 3 else 1)
         if self.local_sgd:  # θ_outer (+ momentum) of this rank's shard, fp32
-            out["local_sgd"] = self.local_sgd.predicted_bytes(self.numel, self.shard_comm.size if o.stage else 1)
+            out["local_sgd"] = self.local_sgd.predicted_bytes(self.numel,
+                                                              self.shard_comm.size if o.stage else 1)
         return out
 
     @property

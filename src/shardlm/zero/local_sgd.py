@@ -46,12 +46,13 @@ class LocalSGD:
 
     def __init__(self, engine, cfg: LocalSGDConfig):
         self.engine, self.every, self.outer = engine, cfg.every, cfg.outer
-        self.lr, self.momentum_coef = (cfg.outer_lr, cfg.outer_momentum) if cfg.outer == "diloco" else (1.0, 0.0)
+        diloco = cfg.outer == "diloco"  # 'average': lr 1, no momentum
+        self.lr, self.momentum_coef = (cfg.outer_lr, cfg.outer_momentum) if diloco else (1.0, 0.0)
         self.comm = engine.replicate_comm  # the dp_replicate group: this shard on every replica
         self.replica = engine.mesh.replica_rank
         # θ_outer starts as the initial model (the masters are the fp32 initial values).
         self.outer_params = [m.detach().float().clone() for m in self._masters()]  # each (segment,)
-        self.momentum = ([torch.zeros_like(p) for p in self.outer_params] if cfg.outer == "diloco" else [])
+        self.momentum = [torch.zeros_like(p) for p in self.outer_params] if diloco else []
 
     def _masters(self) -> list[torch.Tensor]:
         """θ_local: the inner optimizer's masters, one per segment of this rank's shard."""
