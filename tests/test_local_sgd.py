@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from shardlm.checkpoint.sharded import CHECKPOINTS
+from shardlm.checkpoint.sharded import CHECKPOINTS, CheckpointError
 from shardlm.config import load_config
 from shardlm.data import Loader
 from shardlm.errors import ConfigError
@@ -69,7 +69,15 @@ def local_sgd_ranks(rank: int, world_size: int, cases: list[dict]) -> dict:
     resumed = _train({**cases[0], "run.name": "resumed", "checkpoint.resume": str(out[0]["dir"] / CHECKPOINTS)})
     # an infinite gradient on replica 1 only, in the first step: each replica has its own norm
     poisoned = train_case({**cases[0], "run.name": "poisoned", "train.on_nonfinite": "skip"}, 2, poison_rank=1)
-    return {"cases": out, "resumed": resumed, "stepped": poisoned["stepped"]}
+    # a checkpoint of synchronous data parallelism cannot resume as local SGD: said clearly
+    ddp = _train({**cases[0], "run.name": "ddp", "train.local_sgd.every": 0}, checkpoint_at=3)
+    try:
+        _train({**cases[0], "run.name": "from_ddp",
+                "checkpoint.resume": str(sorted((ddp["dir"] / CHECKPOINTS).glob("step-*"))[0])})
+        refused = ""
+    except CheckpointError as e:
+        refused = str(e)
+    return {"cases": out, "resumed": resumed, "stepped": poisoned["stepped"], "refused": refused}
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +194,13 @@ def test_resume_inside_a_round_is_exact(world):
         assert resumed["losses"] == uninterrupted["losses"][3:] and len(resumed["losses"]) == STEPS - 3
         for n, p in uninterrupted["params"].items():
             assert torch.equal(resumed["params"][n], p), (rank, n)
+
+
+def test_resuming_a_checkpoint_without_local_sgd_is_refused(world):
+    _, out = world
+    for rank in range(2):
+        assert ("saved with parallel.dp_replicate = 2 and train.local_sgd.every = 0; this run has "
+                "train.local_sgd.every = 2") in out[rank]["refused"], out[rank]["refused"]
 
 
 def test_non_finite_on_one_replica_skips_on_all(world):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, SaveReport, find_checkpoint, newest_usable)
+from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, SaveReport, find_checkpoint, newest_usable,
+                                        read_manifest)
 
 from shardlm.checkpoint.reader import load_slices, raise_on_every_rank
 from shardlm.config import Config
@@ -91,6 +92,7 @@ def load_checkpoint(run: Run, path: Path) -> int:
     """Load a checkpoint saved at any layout into this run; returns the step to continue from.
     A CheckpointError is raised on every rank or on none (so load_with_fallback can try another
     checkpoint on all ranks at once)."""
+    raise_on_every_rank(_local_sgd_mismatch(run, path), run.runtime)
     manifest = load_slices(path, run.strategy.state_slices(), run.runtime, run.cfg.checkpoint.readers)
     run.strategy.after_load()
     step, error = 0, None
@@ -105,6 +107,28 @@ def load_checkpoint(run: Run, path: Path) -> int:
         log.info("resumed from %s (step %d, saved on %s rank(s) at ZeRO stage %s)", path, step,
                  saved.get("world_size"), saved.get("zero_stage"))
     return step
+
+
+def _local_sgd_mismatch(run: Run, path: Path) -> CheckpointError | None:
+    """train.local_sgd resumes only a checkpoint of a local-SGD run with as many replicas: it
+    holds each replica's own state and the outer model (zero/local_sgd.py). The same answer on
+    every rank (all read the same manifest)."""
+    sgd = run.cfg.train.local_sgd
+    if not sgd.every:
+        return None
+    try:
+        saved = read_manifest(path)
+    except (CheckpointError, OSError):
+        return None  # load_slices reports it
+    replicas = saved.get("layout", {}).get("dp_replicate")
+    local = saved.get("config", {}).get("train", {}).get("local_sgd", {}).get("every", 0)
+    if local and replicas == run.mesh.dims.dp_replicate:
+        return None
+    return CheckpointError(
+        f"{path}: saved with parallel.dp_replicate = {replicas} and train.local_sgd.every = {local}; "
+        f"this run has train.local_sgd.every = {sgd.every} with parallel.dp_replicate = "
+        f"{run.mesh.dims.dp_replicate}. Local SGD resumes a local-SGD checkpoint of as many "
+        f"replicas (each replica's state and the outer model are in it): resume with those settings")
 
 
 def _restore_state(run: Run, manifest: dict) -> int:
