@@ -92,9 +92,19 @@ def load_checkpoint(run: Run, path: Path) -> int:
     """Load a checkpoint saved at any layout into this run; returns the step to continue from.
     A CheckpointError is raised on every rank or on none (so load_with_fallback can try another
     checkpoint on all ranks at once)."""
-    raise_on_every_rank(_local_sgd_mismatch(run, path), run.runtime)
-    manifest = load_slices(path, run.strategy.state_slices(), run.runtime, run.cfg.checkpoint.readers)
+    outer = getattr(run.strategy, "local_sgd", None)  # train.local_sgd (zero/local_sgd.py)
+    fresh, mismatch = _local_sgd_source(run, path) if outer is not None else (False, None)
+    raise_on_every_rank(mismatch, run.runtime)
+    if fresh:  # a synchronous run's checkpoint: every replica loads its one model and moments
+        outer.loading_synchronous = True
+    try:
+        manifest = load_slices(path, run.strategy.state_slices(), run.runtime, run.cfg.checkpoint.readers)
+    finally:
+        if outer is not None:
+            outer.loading_synchronous = False
     run.strategy.after_load()
+    if fresh:
+        outer.restart_from_masters()
     step, error = 0, None
     try:
         step = _restore_state(run, manifest)
@@ -109,26 +119,27 @@ def load_checkpoint(run: Run, path: Path) -> int:
     return step
 
 
-def _local_sgd_mismatch(run: Run, path: Path) -> CheckpointError | None:
-    """train.local_sgd resumes only a checkpoint of a local-SGD run with as many replicas: it
-    holds each replica's own state and the outer model (zero/local_sgd.py). The same answer on
-    every rank (all read the same manifest)."""
-    sgd = run.cfg.train.local_sgd
-    if not sgd.every:
-        return None
+def _local_sgd_source(run: Run, path: Path) -> tuple[bool, CheckpointError | None]:
+    """train.local_sgd resumes a local-SGD checkpoint of as many replicas exactly (each
+    replica's own state and the outer model are in it), or starts from a synchronous run's
+    checkpoint — DiLoCo's recipe: every replica and the outer model from its model, the outer
+    momentum zero; anything else is an error. (fresh start?, error): the same on every rank,
+    all read the same manifest."""
     try:
         saved = read_manifest(path)
     except (CheckpointError, OSError):
-        return None  # load_slices reports it
+        return False, None  # load_slices reports it
     replicas = saved.get("layout", {}).get("dp_replicate")
     local = saved.get("config", {}).get("train", {}).get("local_sgd", {}).get("every", 0)
-    if local and replicas == run.mesh.dims.dp_replicate:
-        return None
-    return CheckpointError(
-        f"{path}: saved with parallel.dp_replicate = {replicas} and train.local_sgd.every = {local}; "
-        f"this run has train.local_sgd.every = {sgd.every} with parallel.dp_replicate = "
-        f"{run.mesh.dims.dp_replicate}. Local SGD resumes a local-SGD checkpoint of as many "
-        f"replicas (each replica's state and the outer model are in it): resume with those settings")
+    if not local:
+        return True, None
+    if replicas == run.mesh.dims.dp_replicate:
+        return False, None
+    return False, CheckpointError(
+        f"{path}: a local-SGD checkpoint of parallel.dp_replicate = {replicas} replicas; this run "
+        f"has parallel.dp_replicate = {run.mesh.dims.dp_replicate}. It holds each replica's own "
+        f"state: resume it with dp_replicate = {replicas}, or without train.local_sgd (replica 0's "
+        f"state)")
 
 
 def _restore_state(run: Run, manifest: dict) -> int:

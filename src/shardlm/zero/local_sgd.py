@@ -53,6 +53,9 @@ class LocalSGD:
         # θ_outer starts as the initial model (the masters are the fp32 initial values).
         self.outer_params = [m.detach().float().clone() for m in self._masters()]  # each (segment,)
         self.momentum = [torch.zeros_like(p) for p in self.outer_params] if diloco else []
+        self.loading_synchronous = False
+        """Set while a synchronous run's checkpoint loads (train/checkpointing.py): every replica
+        reads the ordinary names, and there is no outer state to read (restart_from_masters)."""
 
     def _masters(self) -> list[torch.Tensor]:
         """θ_local: the inner optimizer's masters, one per segment of this rank's shard."""
@@ -86,10 +89,21 @@ class LocalSGD:
 
     # -- checkpoints -------------------------------------------------------------------------
 
+    @torch.no_grad()
+    def restart_from_masters(self) -> None:
+        """After loading a synchronous run's checkpoint into every replica: θ_outer is that
+        model, the outer momentum zero (DiLoCo's start from a pre-trained model)."""
+        for outer, master in zip(self.outer_params, self._masters()):
+            outer.copy_(master)
+        for buf in self.momentum:
+            buf.zero_()
+
     def state_slices(self, inner: list[StateSlice], saving: bool) -> list[StateSlice]:
         """The engine's slices (`inner`: this replica's parameters and moments; replica r >= 1's
         under REPLICA_PREFIX), and the outer model and momentum, which every replica holds
         alike: replica 0 writes them."""
+        if self.loading_synchronous:
+            return inner
         if self.replica:
             prefix = REPLICA_PREFIX.format(self.replica)
             inner = [dataclasses.replace(s, name=prefix + s.name) for s in inner]
