@@ -46,6 +46,10 @@ def _train(overrides: dict, checkpoint_at: int = 0) -> dict:
     step `checkpoint_at`. Losses, each step's ledger by group, whole parameters, state bytes."""
     run = build_run(load_config(overrides=overrides).validate())
     out = {"start": run.start_step, "dir": run.run_dir, "losses": [], "comm_by_op": []}
+    outer = run.strategy.local_sgd
+    if outer is not None:  # at the start: is θ_outer the model, is the momentum zero?
+        out["outer_is_model"] = all(torch.equal(o, m) for o, m in zip(outer.outer_params, outer._masters()))
+        out["momentum_zero"] = all(not b.any() for b in outer.momentum)
     for step in range(run.start_step, STEPS):
         run.strategy.ledger.reset()
         out["losses"].append(train_step(run, step).loss)
@@ -200,6 +204,8 @@ def test_starts_from_a_synchronous_checkpoint(world):
     for rank in range(2):
         ddp, from_ddp = out[rank]["ddp"], out[rank]["from_ddp"]
         assert from_ddp["start"] == 3 and from_ddp["losses"][0] == ddp["losses"][3], rank
+        assert from_ddp["outer_is_model"] and from_ddp["momentum_zero"], rank
+        assert not out[rank]["resumed"]["outer_is_model"]  # inside a round: the saved outer model
         assert from_ddp["losses"][1:] != ddp["losses"][4:]  # then they part: local steps
     for n, p in out[0]["from_ddp"]["params"].items():
         assert torch.equal(out[1]["from_ddp"]["params"][n], p), n
