@@ -211,6 +211,27 @@ def test_starts_from_a_synchronous_checkpoint(world):
         assert torch.equal(out[1]["from_ddp"]["params"][n], p), n
 
 
+def test_which_checkpoints_local_sgd_takes(world):
+    """Its own kind of the same replica count exactly, a synchronous run's as a fresh start,
+    a local-SGD one of another replica count refused naming both counts."""
+    from types import SimpleNamespace
+
+    from shardlm.checkpoint.sharded import CheckpointError
+    from shardlm.train.checkpointing import _local_sgd_fresh_start
+
+    _, out = world
+
+    def fresh(run_dir, replicas: int) -> bool:
+        run = SimpleNamespace(runtime=SimpleNamespace(is_main=True, world_size=1),
+                              mesh=SimpleNamespace(dims=SimpleNamespace(dp_replicate=replicas)))
+        return _local_sgd_fresh_start(run, sorted((run_dir / CHECKPOINTS).glob("step-*"))[0])
+
+    assert fresh(out[0]["cases"][0]["dir"], 2) is False
+    assert fresh(out[0]["ddp"]["dir"], 4) is True
+    with pytest.raises(CheckpointError, match=r"dp_replicate = 2 replicas; this run has parallel\.dp_replicate = 4"):
+        fresh(out[0]["cases"][0]["dir"], 4)
+
+
 def test_non_finite_on_one_replica_skips_on_all(world):
     """Each replica clips by its own norm, but a non-finite one anywhere is non-finite everywhere:
     every rank takes the same skip decision (else the replicas would part ways for good)."""

@@ -93,8 +93,7 @@ def load_checkpoint(run: Run, path: Path) -> int:
     A CheckpointError is raised on every rank or on none (so load_with_fallback can try another
     checkpoint on all ranks at once)."""
     outer = getattr(run.strategy, "local_sgd", None)  # train.local_sgd (zero/local_sgd.py)
-    fresh, mismatch = _local_sgd_source(run, path) if outer is not None else (False, None)
-    raise_on_every_rank(mismatch, run.runtime)
+    fresh = outer is not None and _local_sgd_fresh_start(run, path)
     if fresh:  # a synchronous run's checkpoint: every replica loads its one model and moments
         outer.loading_synchronous = True
     try:
@@ -119,27 +118,30 @@ def load_checkpoint(run: Run, path: Path) -> int:
     return step
 
 
-def _local_sgd_source(run: Run, path: Path) -> tuple[bool, CheckpointError | None]:
+def _local_sgd_fresh_start(run: Run, path: Path) -> bool:
     """train.local_sgd resumes a local-SGD checkpoint of as many replicas exactly (each
-    replica's own state and the outer model are in it), or starts from a synchronous run's
-    checkpoint — DiLoCo's recipe: every replica and the outer model from its model, the outer
-    momentum zero; anything else is an error. (fresh start?, error): the same on every rank,
-    all read the same manifest."""
-    try:
-        saved = read_manifest(path)
-    except (CheckpointError, OSError):
-        return False, None  # load_slices reports it
-    replicas = saved.get("layout", {}).get("dp_replicate")
-    local = saved.get("config", {}).get("train", {}).get("local_sgd", {}).get("every", 0)
-    if not local:
-        return True, None
-    if replicas == run.mesh.dims.dp_replicate:
-        return False, None
-    return False, CheckpointError(
-        f"{path}: a local-SGD checkpoint of parallel.dp_replicate = {replicas} replicas; this run "
-        f"has parallel.dp_replicate = {run.mesh.dims.dp_replicate}. It holds each replica's own "
-        f"state: resume it with dp_replicate = {replicas}, or without train.local_sgd (replica 0's "
-        f"state)")
+    replica's own state and the outer model are in it: False), or starts from a synchronous
+    run's checkpoint — DiLoCo's recipe: every replica and the outer model from its model, the
+    outer momentum zero (True); a local-SGD checkpoint of another replica count is a
+    CheckpointError. Rank 0 reads the manifest (checkpoint.readers = 'one': the others touch no
+    file) and every rank receives its answer."""
+    answer = None
+    if run.runtime.is_main:
+        try:
+            saved = read_manifest(path)
+            replicas = saved.get("layout", {}).get("dp_replicate")
+            local = saved.get("config", {}).get("train", {}).get("local_sgd", {}).get("every", 0)
+            answer = ("fresh:" if not local else "exact:" if replicas == run.mesh.dims.dp_replicate else
+                      f"error:{path}: a local-SGD checkpoint of parallel.dp_replicate = {replicas} "
+                      f"replicas; this run has parallel.dp_replicate = {run.mesh.dims.dp_replicate}. It "
+                      f"holds each replica's own state: resume it with dp_replicate = {replicas}, or "
+                      f"without train.local_sgd (replica 0's state)")
+        except (CheckpointError, OSError):
+            answer = "exact:"  # unreadable: load_slices says why, on every rank
+    kind, _, message = broadcast_text(answer, run.runtime).partition(":")
+    if kind == "error":
+        raise CheckpointError(message)
+    return kind == "fresh"
 
 
 def _restore_state(run: Run, manifest: dict) -> int:
