@@ -21,8 +21,12 @@ On one machine the replicas' link is loopback shared memory, so the bytes saved 
 tokens/s here; the bytes column is what a slow cross-datacenter link would carry. Every case
 runs in fresh processes; repeats run in interleaved rounds (bench/common.py).
 
+With --pretrain N every case starts from one checkpoint of N synchronous steps (DiLoCo's recipe:
+pre-train, then DiLoCo); the steps and losses reported are the ones after it.
+
 Reproduce:  PYTHONPATH=src python bench/bench_diloco.py                 (gpt-mini, 48 steps)
-            PYTHONPATH=src python bench/bench_diloco.py --steps 96 --repeat 2
+            PYTHONPATH=src python bench/bench_diloco.py --steps 94 [--outer average]
+            PYTHONPATH=src python bench/bench_diloco.py --pretrain 48 --steps 46
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ import statistics
 import tempfile
 
 from common import (add_step_args, bench_parser, by_group, machine, prepare, reproduce, rounds, run_overrides,
-                    start_ranks, table, train_timed)
+                    start_ranks, table, timed_steps)
+from shardlm.checkpoint.sharded import CHECKPOINTS
 from shardlm.config import load_config
 from shardlm.models import count_params
-from shardlm.train.loop import build_run, evaluate
+from shardlm.train.checkpointing import save_checkpoint
+from shardlm.train.loop import build_run, evaluate, train_step
 
 WORLD = 2
 
@@ -48,9 +54,26 @@ def cases(outer: str) -> dict[str, dict]:
 
 
 def bench_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
+    """warmup + steps steps from where the run starts (step 0, or --pretrain's checkpoint),
+    each timed step's ledger; the final model's validation loss."""
     run = build_run(load_config(overrides=overrides).validate())
-    out = train_timed(run, warmup, steps)
-    return {**out, "val_loss": evaluate(run)["val_loss"]}
+    start, ledgers = run.start_step, []
+
+    def step(i: int) -> float:
+        run.strategy.ledger.reset()
+        return train_step(run, start + i).loss
+
+    out = timed_steps(step, warmup, steps, lambda i, seconds: ledgers.append(run.strategy.ledger.snapshot()))
+    return {**out, "ledgers": ledgers[warmup:], "val_loss": evaluate(run)["val_loss"]}
+
+
+def pretrain_rank(rank: int, world: int, overrides: dict, steps: int) -> str:
+    """--pretrain: `steps` synchronous steps, then a checkpoint every case starts from."""
+    run = build_run(load_config(overrides=overrides).validate())
+    for step in range(steps):
+        train_step(run, step)
+    save_checkpoint(run, steps)  # rank 0 publishes it before returning
+    return str(sorted((run.run_dir / CHECKPOINTS).glob("step-*"))[-1]) if rank == 0 else ""
 
 
 def measure(overrides: dict, warmup: int, steps: int, tokens_per_step: int, tmp: str) -> dict:
@@ -68,14 +91,18 @@ def main() -> None:
     parser = bench_parser(__doc__, "gpt-mini", 128, 4)
     parser.add_argument("--outer", default="diloco", choices=("diloco", "average"),
                         help="the outer step of the H=4 and H=8 cases")
+    parser.add_argument("--pretrain", type=int, default=0,
+                        help="first train this many steps synchronously (the ddp case) and start every "
+                             "case from that checkpoint: DiLoCo's recipe (0 = every case from scratch)")
     add_step_args(parser, steps=46, warmup=2, repeat=1)
     args = parser.parse_args()
-    total = args.warmup + args.steps
+    total = args.pretrain + args.warmup + args.steps
+    resume = {}
 
     def overrides(case: dict, run_dir: str) -> dict:
         return {"model.preset": args.preset, "train.micro_batch": args.micro_batch, "train.seq_len": args.seq,
                 "train.steps": total, "train.warmup_steps": min(10, total // 5), "train.eval_batches": 16,
-                **case, **run_overrides(run_dir, args.set)}
+                **resume, **case, **run_overrides(run_dir, args.set)}
 
     cfg = load_config(overrides=overrides({}, "")).validate()
     threads = prepare(cfg, WORLD)
@@ -85,11 +112,16 @@ def main() -> None:
           f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
     named = cases(args.outer)
     with tempfile.TemporaryDirectory() as tmp:
+        if args.pretrain:
+            path = start_ranks(pretrain_rank, WORLD, tmp, overrides(named["ddp"], tmp), args.pretrain)[0]
+            resume["checkpoint.resume"] = path
+            print(f"pretrained {args.pretrain} synchronous steps: {path}", flush=True)
         runs = rounds(list(named), args.repeat,
                       lambda name: measure(overrides(named[name], tmp), args.warmup, args.steps,
                                            tokens_per_step, tmp))
-    marks = sorted({s for s in (1, total // 4, total // 2, 3 * total // 4, total) if s >= 1})
-    header = ["case", *(f"loss @{s}" for s in marks), "val loss (final)", "cross-replica MiB/step", "tokens/s"]
+    run_steps = args.warmup + args.steps  # after --pretrain's
+    marks = sorted({s for s in (1, run_steps // 4, run_steps // 2, 3 * run_steps // 4, run_steps) if s >= 1})
+    header = ["case", *(f"loss @{args.pretrain + s}" for s in marks), "val loss (final)", "cross-replica MiB/step", "tokens/s"]
     rows = []
     for name in named:
         results = runs[name]
