@@ -12,10 +12,10 @@ from shardlm.config.load import (config_from_dict, describe, flatten, load_confi
                                  typed_overrides)
 from shardlm.config.model import LoRAConfig, ModelConfig
 from shardlm.config.schema import (OFFLOAD_TIERS, ActivationConfig, CheckpointConfig, Config,
-                                   DataConfig, ParallelConfig, PrecisionConfig, RunConfig,
+                                   DataConfig, LocalSGDConfig, ParallelConfig, PrecisionConfig, RunConfig,
                                    TrainConfig, ZeroConfig, field_docs, sections, valid_keys)
 
 __all__ = ["OFFLOAD_TIERS", "ActivationConfig", "CheckpointConfig", "Config", "DataConfig",
-           "LoRAConfig", "ModelConfig", "ParallelConfig", "PrecisionConfig", "RunConfig",
+           "LoRAConfig", "LocalSGDConfig", "ModelConfig", "ParallelConfig", "PrecisionConfig", "RunConfig",
            "TrainConfig", "ZeroConfig", "config_from_dict", "describe", "field_docs", "flatten",
            "load_config", "parse_overrides", "sections", "typed_overrides", "valid_keys"]

@@ -9,7 +9,7 @@ import dataclasses
 import math
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, get_type_hints
 
 from shardlm.config.pipeline_tables import NAMED
 
@@ -98,6 +98,37 @@ def key_of(f: dataclasses.Field) -> str:
     return f.name.rstrip("_")
 
 
+class Leaf(NamedTuple):
+    """One key of a section: `key` relative to the section ('local_sgd.every' in a nested one),
+    `attrs` the attribute path to it ('local_sgd', 'every'), its type, and the dataclass that
+    declares it (`owner`: where its docstring is)."""
+
+    key: str
+    attrs: tuple[str, ...]
+    type: Any
+    owner: type
+
+
+def leaf_fields(cls: type) -> list[Leaf]:
+    """A section's keys in declaration order; a field whose type is a dataclass is a nested
+    section (train.local_sgd), whose keys appear as 'field.key' (TOML: an inline table, or a
+    dotted key; the command line: --train.local_sgd.every=4)."""
+    hints = get_type_hints(cls)
+    out: list[Leaf] = []
+    for f in dataclasses.fields(cls):
+        typ = hints[f.name]
+        if dataclasses.is_dataclass(typ):
+            out += [Leaf(f"{key_of(f)}.{leaf.key}", (f.name, *leaf.attrs), leaf.type, leaf.owner)
+                    for leaf in leaf_fields(typ)]
+        else:
+            out.append(Leaf(key_of(f), (f.name,), typ, cls))
+    return out
+
+
+LOCAL_SGD_OUTER = ("diloco", "average")
+"""train.local_sgd.outer: Nesterov SGD on the pseudo-gradient (DiLoCo), or plain averaging."""
+
+
 _CHOICES = {
     "train.optimizer": ("adamw", "muon"),
     "model.norm": ("layernorm", "rmsnorm"),
@@ -129,6 +160,7 @@ _CHOICES = {
     "zero.offload_optimizer": OFFLOAD_TIERS,
     "zero.offload_params": OFFLOAD_TIERS,
     "lora.quantize": ("none", "nf4", "int8"),
+    "train.local_sgd.outer": LOCAL_SGD_OUTER,
 }
 
 
@@ -265,6 +297,9 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.eval_batches": _positive(),
     "train.log_every": _positive(),
     "train.sample_tokens": _non_negative(" (0 = no sample)"),
+    "train.local_sgd.every": _non_negative(" (0 = off)"),
+    "train.local_sgd.outer_lr": _positive(),
+    "train.local_sgd.outer_momentum": _rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
     "precision.loss_scale_init": _positive(),
     "precision.loss_scale_growth_interval": _positive(),
     "precision.loss_scale_backoff": _rule(lambda v: 0.0 < v < 1.0, "must be in (0, 1)"),

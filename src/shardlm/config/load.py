@@ -1,38 +1,59 @@
 """Reading a config: defaults < preset < a checkpoint's config.json < TOML file < command-line
 overrides, each key checked (an unknown key names the closest valid one) and typed as the schema
-declares (schema.py); and the `--help-config` text from the fields' docstrings."""
+declares (schema.py); and the `--help-config` text from the fields' docstrings.
+
+Keys are 'section.key'; a nested section (a dataclass-typed field of a section, fields.leaf_fields:
+train.local_sgd) adds one level, 'section.nested.key' — in TOML an inline table
+(`local_sgd = {every = 4}` under [train]) or a [train.local_sgd] table, which `flatten` turns
+into the same dotted keys."""
 
 from __future__ import annotations
 
 import difflib
 import tomllib
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from shardlm.config.schema import Config, _field_named, field_docs, sections, valid_keys
+from shardlm.config.schema import Config, field_docs, sections, valid_keys
 
 from shardlm.config.model import ModelConfig
-from shardlm.config.fields import key_of
+from shardlm.config.fields import Leaf, key_of, leaf_fields
 from shardlm.errors import ConfigError
 
 
 def describe() -> str:
-    """Every key with its default and docstring: the text of `--help-config`."""
+    """Every key with its default and docstring: the text of `--help-config`. A nested section's
+    keys (train.local_sgd.every) are listed in their section as dotted keys (valid TOML), after
+    a comment line with the nested section's own docstring."""
     lines = []
     default = Config()
-    for name, cls in sections().items():
+    for name in sections():
         lines.append(f"[{name}]")
-        docs = field_docs(cls)
-        for f in fields(cls):
-            value = getattr(getattr(default, name), f.name)
-            lines.append(f"  {key_of(f)} = {value!r}")
-            if f.name in docs:
-                lines.append(f"      {docs[f.name]}")
+        lines += _describe_section(getattr(default, name))
     return "\n".join(lines)
 
 
+def _describe_section(section: Any, prefix: str = "") -> list[str]:
+    lines, docs = [], field_docs(type(section))
+    for f in fields(section):
+        key, value = prefix + key_of(f), getattr(section, f.name)
+        if is_dataclass(value):
+            lines.append(f"  # {key}: {docs.get(f.name, '')}")
+            lines += _describe_section(value, key + ".")
+            continue
+        lines.append(f"  {key} = {value!r}")
+        if f.name in docs:
+            lines.append(f"      {docs[f.name]}")
+    return lines
+
+
 def _unknown_key(key: str) -> ConfigError:
+    nested = sorted(k for k in valid_keys() if k.startswith(key + "."))
+    if nested:  # a nested section given a plain value: `--train.local_sgd=4`
+        return ConfigError(f"config key '{key}' is a section, not a value: set its keys, "
+                           f"{', '.join(nested)} (e.g. --{nested[0]}=..., or in TOML under "
+                           f"[{key.partition('.')[0]}]: {key.partition('.')[2]} = {{...}})")
     close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.5)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     return ConfigError(f"unknown config key '{key}'.{hint} (`shardlm train --help-config` lists all keys)")
@@ -175,11 +196,16 @@ def config_from_dict(tree: dict[str, Any]) -> Config:
     return _build(values)
 
 
+def _leaves() -> dict[str, tuple[str, Leaf]]:
+    """'section.key' (nested: 'section.nested.key') -> (section, its fields.Leaf)."""
+    return {f"{name}.{leaf.key}": (name, leaf) for name, cls in sections().items()
+            for leaf in leaf_fields(cls)}
+
+
 def _check_keys(values: dict[str, Any]) -> None:
-    secs = sections()
+    leaves = _leaves()
     for key in values:
-        section, _, name = key.partition(".")
-        if section not in secs or _field_named(secs[section], name) is None:
+        if key not in leaves:
             raise _unknown_key(key)
 
 
@@ -187,17 +213,16 @@ def typed_overrides(values: dict[str, Any]) -> dict[str, Any]:
     """{'section.key': value} with each value in its field's type (strings from a command line
     parsed as load_config parses them); an unknown key or a bad value is a ConfigError."""
     _check_keys(values)
-    secs, out = sections(), {}
-    for key, value in values.items():
-        section, _, name = key.partition(".")
-        attr = _field_named(secs[section], name).name
-        out[key] = _coerce(key, value, get_type_hints(secs[section])[attr])
-    return out
+    leaves = _leaves()
+    return {key: _coerce(key, value, leaves[key][1].type) for key, value in values.items()}
 
 
 def _build(values: dict[str, Any]) -> Config:
-    cfg = Config()
+    cfg, leaves = Config(), _leaves()
     for key, value in typed_overrides(values).items():
-        section, _, name = key.partition(".")
-        setattr(getattr(cfg, section), _field_named(sections()[section], name).name, value)
+        name, leaf = leaves[key]
+        holder = getattr(cfg, name)
+        for attr in leaf.attrs[:-1]:  # into a nested section (train.local_sgd)
+            holder = getattr(holder, attr)
+        setattr(holder, leaf.attrs[-1], value)
     return cfg

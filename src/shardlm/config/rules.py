@@ -9,12 +9,9 @@ Plain data and functions over a config object, below shardlm.config.schema in th
 
 from __future__ import annotations
 
-from dataclasses import fields
-from typing import get_type_hints
-
 import shardlm.config.layout_rules  # noqa: F401  (registers the layout checks)
 from shardlm.config.fields import (_CHOICES, _CROSS, _RULES, NVME_RING_MAX_MB, TRACKERS, Config, _cross,
-                                   _type_problem, key_of, profile_step_numbers, tracker_install_hint,
+                                   _type_problem, leaf_fields, profile_step_numbers, tracker_install_hint,
                                    tracker_names)
 
 
@@ -167,6 +164,31 @@ def _pure_bf16(cfg: Config) -> list[str]:
             if p.master == "bf16" and p.compute not in ("bf16", "fp8") else [])
 
 
+@_cross("train.local_sgd.every", "parallel.dp_replicate", "parallel.tp", "parallel.cp", "parallel.pp",
+        "parallel.ep", "model.experts", "zero.offload_optimizer", "zero.offload_params", "lora.rank")
+def _local_sgd_layout(cfg: Config) -> list[str]:
+    """Local SGD / DiLoCo (zero/local_sgd.py) needs replicas, and is checked against one process
+    on data parallelism (ZeRO stages 0-3 within each replica, dp_shard ranks per replica): the
+    other axes and features are refused until a test holds them."""
+    every, par, z = cfg.train.local_sgd.every, cfg.parallel, cfg.zero
+    if not every:
+        return []
+    if par.dp_replicate == 1:
+        return [f"train.local_sgd.every = {every} synchronises replicas every {every} steps, but "
+                f"parallel.dp_replicate = 1: there is one replica. Set parallel.dp_replicate (the "
+                f"number of replicas, e.g. 2), or train.local_sgd.every = 0"]
+    apart = {k: v for k, v, alone in (("parallel.tp", par.tp, 1), ("parallel.cp", par.cp, 1),
+                                      ("parallel.pp", par.pp, 1), ("parallel.ep", par.ep, 1),
+                                      ("model.experts", cfg.model.experts, 0),
+                                      ("zero.offload_optimizer", z.offload_optimizer, "none"),
+                                      ("zero.offload_params", z.offload_params, "none"),
+                                      ("lora.rank", cfg.lora.rank, 0)) if v != alone}
+    return ([f"train.local_sgd.every = {every} runs on data parallelism only (ZeRO stages 0-3 "
+             f"within each replica, no offload, no LoRA, a dense model): the only layout checked "
+             f"against one process yet; got {', '.join(f'{k} = {v!r}' for k, v in apart.items())}. "
+             f"Drop those settings, or set train.local_sgd.every = 0"] if apart else [])
+
+
 def refusing_rules(cfg: Config) -> dict[str, list[str]]:
     """The checks across fields that object to `cfg`, by the rule's function name (e.g.
     '_fp8_composes') -> its error lines: which rule refuses a combination (bench/compose.py's
@@ -191,14 +213,23 @@ def validation_errors(cfg: Config, sections: dict[str, type]) -> list[str]:
         bad.add(key)
 
     for name, cls in sections.items():
-        section, hints = getattr(cfg, name, None), get_type_hints(cls)
+        section = getattr(cfg, name, None)
         if not isinstance(section, cls):
             report(name, f"[{name}] must be a {cls.__name__}, not {type(section).__name__}")
-            bad.update(f"{name}.{key_of(f)}" for f in fields(cls))
+            bad.update(f"{name}.{leaf.key}" for leaf in leaf_fields(cls))
             continue
-        for f in fields(cls):
-            key, value = f"{name}.{key_of(f)}", getattr(section, f.name)
-            problem = _type_problem(value, hints[f.name])
+        for leaf in leaf_fields(cls):
+            key, holder = f"{name}.{leaf.key}", section
+            for attr in leaf.attrs[:-1]:  # a nested section (train.local_sgd): its object first
+                holder = getattr(holder, attr, None)
+            if not isinstance(holder, leaf.owner):
+                nested = f"{name}.{leaf.key.rpartition('.')[0]}"
+                if nested not in bad:
+                    report(nested, f"{nested} must be a {leaf.owner.__name__}, not {type(holder).__name__}")
+                bad.add(key)
+                continue
+            value = getattr(holder, leaf.attrs[-1])
+            problem = _type_problem(value, leaf.type)
             if problem:
                 report(key, f"{key} = {value!r} {problem}")
                 continue

@@ -16,7 +16,7 @@ from typing import Any, get_type_hints
 
 
 from shardlm.config.fields import (COMPUTE_DTYPES, OFFLOAD_TIERS, RECOMPUTE_MODES,  # noqa: F401
-                                   key_of)  # (the names shardlm.config.schema has always exported)
+                                   key_of, leaf_fields)  # (the names shardlm.config.schema has always exported)
 from shardlm.config.rules import validation_errors
 from shardlm.config.model import LoRAConfig, ModelConfig
 from shardlm.errors import ConfigError
@@ -59,6 +59,26 @@ class DataConfig:
     data.source_len tokens, the target (+ end token) to train.seq_len, loss on the target."""
     source_len: int = 0
     """data.format = 'seq2seq': encoder tokens per example (padded / cut); 0 = train.seq_len."""
+
+
+@dataclass
+class LocalSGDConfig:
+    """[train] local_sgd = {every = 4, outer = "diloco"}: replicas that synchronise every few
+    steps instead of every step (zero/local_sgd.py; docs/parallelism.md, local SGD / DiLoCo)."""
+
+    every: int = 0
+    """With parallel.dp_replicate = R > 1: each replica takes this many optimizer steps on its own
+    (its gradients reduced only within the replica), then the replicas' parameters are averaged
+    into the outer model by one all-reduce (0 = off: gradients averaged over every replica every
+    step). The run's last step always ends a round."""
+    outer: str = "diloco"
+    """The outer step on the pseudo-gradient Δ = θ_outer − mean_r θ_r: 'diloco' (Douillard et al.
+    2023: SGD with Nesterov momentum, outer_lr and outer_momentum) or 'average' (plain local SGD:
+    θ_outer ← mean_r θ_r, i.e. outer lr 1 without momentum; outer_lr and outer_momentum unused)."""
+    outer_lr: float = 0.7
+    """'diloco': the outer learning rate (0.7 in the DiLoCo paper)."""
+    outer_momentum: float = 0.9
+    """'diloco': the outer Nesterov momentum (0.9 in the DiLoCo paper)."""
 
 
 @dataclass
@@ -126,6 +146,9 @@ class TrainConfig:
     """After training, generate this many tokens from `sample_prompt` (0 = skip)."""
     sample_prompt: str = "def "
     """Prompt for the sample printed after training."""
+    local_sgd: LocalSGDConfig = field(default_factory=LocalSGDConfig)
+    """Local SGD / DiLoCo across dp_replicate replicas (a nested section: train.local_sgd.every,
+    ...; in TOML `local_sgd = {every = 4}` under [train])."""
 
 
 @dataclass
@@ -359,9 +382,9 @@ class Config:
     """Where outputs go, which device."""
 
     def to_dict(self) -> dict[str, Any]:
-        """Nested plain values under their config keys (what load_config reads back)."""
-        return {name: {key_of(f): getattr(getattr(self, name), f.name) for f in fields(section)}
-                for name, section in ((f.name, getattr(self, f.name)) for f in fields(self))}
+        """Nested plain values under their config keys (what load_config reads back); a nested
+        section (train.local_sgd) as a table of its own."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
 
     def validate(self) -> "Config":
         """Every cross-field check, all errors at once. Returns self for chaining."""
@@ -373,6 +396,12 @@ class Config:
 
 # ---------------------------------------------------------------------------------------------
 # Field docs and the flat key space
+
+
+def _plain(section: Any) -> dict[str, Any]:
+    """A section as {key: value}, its nested sections as tables."""
+    return {key_of(f): _plain(v) if dataclasses.is_dataclass(v) else v
+            for f in fields(section) for v in [getattr(section, f.name)]}
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -395,9 +424,6 @@ def sections() -> dict[str, type]:
     return {f.name: hints[f.name] for f in fields(Config)}
 
 
-def _field_named(cls: type, key: str) -> dataclasses.Field | None:
-    return next((f for f in fields(cls) if key_of(f) == key), None)
-
-
 def valid_keys() -> list[str]:
-    return [f"{name}.{key_of(f)}" for name, cls in sections().items() for f in fields(cls)]
+    """Every 'section.key' ('section.nested.key' for a nested section's: fields.leaf_fields)."""
+    return [f"{name}.{leaf.key}" for name, cls in sections().items() for leaf in leaf_fields(cls)]

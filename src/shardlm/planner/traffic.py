@@ -116,3 +116,12 @@ def fp8_gathered_elements(m) -> int:
                  else flops.resolved_d_ff(m))
         total += attention + (3 if m.mlp == "swiglu" else 2) * d * width
     return total
+
+
+def local_sgd_comm_bytes(params: int, shard_ranks: int, every: int) -> float:
+    """Bytes a rank sends across replicas per step under train.local_sgd (zero/local_sgd.py), as
+    the ledger counts them (`all_reduce/dp_replicate`, 2x its tensor): one all-reduce of this
+    rank's fp32 pseudo-gradient (Ψ/N elements, N = the replica's shard ranks) every `every` steps,
+    and no gradient across replicas in between — in place of hybrid sharding's per-step
+    all-reduce of the gradient shards. `params` = Ψ, the trained parameters."""
+    return 2 * 4 * params / shard_ranks / every

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, SaveReport, find_checkpoint, newest_usable)
+from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, SaveReport, find_checkpoint, newest_usable,
+                                        read_manifest)
 
 from shardlm.checkpoint.reader import load_slices, raise_on_every_rank
 from shardlm.config import Config
@@ -91,8 +92,18 @@ def load_checkpoint(run: Run, path: Path) -> int:
     """Load a checkpoint saved at any layout into this run; returns the step to continue from.
     A CheckpointError is raised on every rank or on none (so load_with_fallback can try another
     checkpoint on all ranks at once)."""
-    manifest = load_slices(path, run.strategy.state_slices(), run.runtime, run.cfg.checkpoint.readers)
+    outer = getattr(run.strategy, "local_sgd", None)  # train.local_sgd (zero/local_sgd.py)
+    fresh = outer is not None and _local_sgd_fresh_start(run, path)
+    if fresh:  # a synchronous run's checkpoint: every replica loads its one model and moments
+        outer.loading_synchronous = True
+    try:
+        manifest = load_slices(path, run.strategy.state_slices(), run.runtime, run.cfg.checkpoint.readers)
+    finally:
+        if outer is not None:
+            outer.loading_synchronous = False
     run.strategy.after_load()
+    if fresh:
+        outer.restart_from_masters()
     step, error = 0, None
     try:
         step = _restore_state(run, manifest)
@@ -105,6 +116,32 @@ def load_checkpoint(run: Run, path: Path) -> int:
         log.info("resumed from %s (step %d, saved on %s rank(s) at ZeRO stage %s)", path, step,
                  saved.get("world_size"), saved.get("zero_stage"))
     return step
+
+
+def _local_sgd_fresh_start(run: Run, path: Path) -> bool:
+    """train.local_sgd resumes a local-SGD checkpoint of as many replicas exactly (each
+    replica's own state and the outer model are in it: False), or starts from a synchronous
+    run's checkpoint — DiLoCo's recipe: every replica and the outer model from its model, the
+    outer momentum zero (True); a local-SGD checkpoint of another replica count is a
+    CheckpointError. Rank 0 reads the manifest (checkpoint.readers = 'one': the others touch no
+    file) and every rank receives its answer."""
+    answer = None
+    if run.runtime.is_main:
+        try:
+            saved = read_manifest(path)
+            replicas = saved.get("layout", {}).get("dp_replicate")
+            local = saved.get("config", {}).get("train", {}).get("local_sgd", {}).get("every", 0)
+            answer = ("fresh:" if not local else "exact:" if replicas == run.mesh.dims.dp_replicate else
+                      f"error:{path}: a local-SGD checkpoint of parallel.dp_replicate = {replicas} "
+                      f"replicas; this run has parallel.dp_replicate = {run.mesh.dims.dp_replicate}. It "
+                      f"holds each replica's own state: resume it with dp_replicate = {replicas}, or "
+                      f"without train.local_sgd (replica 0's state)")
+        except (CheckpointError, OSError):
+            answer = "exact:"  # unreadable: load_slices says why, on every rank
+    kind, _, message = broadcast_text(answer, run.runtime).partition(":")
+    if kind == "error":
+        raise CheckpointError(message)
+    return kind == "fresh"
 
 
 def _restore_state(run: Run, manifest: dict) -> int:

@@ -243,7 +243,10 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     # are summed across ranks: each rank's backward then computes exactly what one process
     # would for that micro-batch, so a 2-rank run can match a 1-process run bit for bit.
     # Context parallelism: each rank's loss is the mean over its 1/cp of the tokens.
-    global_micro_batches = len(micro_batches) * run.mesh.dims.dp_size * run.mesh.dims.cp
+    # Local SGD (zero/local_sgd.py): a replica's gradient is its own data's mean, not a share.
+    outer = getattr(strategy, "local_sgd", None)
+    replicas = run.mesh.dims.dp_replicate if outer is not None else 1
+    global_micro_batches = len(micro_batches) * run.mesh.dims.dp_size * run.mesh.dims.cp // replicas
     total = torch.zeros((), device=run.runtime.device)
     moe = getattr(run.model, "moe_stats", None)
     if moe is not None:  # the MoE layers' balancing losses get the language-model loss's scale
@@ -283,6 +286,8 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
             if stepped:
                 strategy.step()
         strategy.zero_grad()
+        if outer is not None and outer.due(step, run.cfg.train.steps):  # the round ends: outer step
+            outer.synchronize()
     if moe is not None:  # the step's routing summed over the ranks; the balancing biases moved
         m = run.cfg.model
         run.moe_sums = finish_moe_step(moe, m.balance if stepped else "none", m.bias_update_rate)
@@ -294,7 +299,7 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     # The loss and the stop flag in one tensor: the logging scalar every step sums anyway
     # carries the agreement to stop (a signal may reach only some ranks, or at different steps).
     # Every rank of a tensor-parallel group holds the same loss: counted once.
-    summed = torch.stack([total / run.mesh.dims.tp,
+    summed = torch.stack([total / run.mesh.dims.tp / replicas,
                           *torch.tensor([float(stop_requested), *counts], device=total.device),
                           *([] if norm is None else [norm.to(total.dtype)])])
     fp8_stats = run.fp8.stats if run.fp8 is not None else None

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
+from shardlm.config import flatten
 from shardlm.config.fields import TRACKERS, profile_step_numbers, tracker_install_hint, tracker_names
 from shardlm.errors import ConfigError
 from shardlm.launch.runtime import tracker_environment
@@ -50,9 +51,10 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 def flat_config(config: dict[str, dict[str, Any]]) -> dict[str, bool | int | float | str]:
-    """Config.to_dict() as 'section.key' -> a scalar (lists and None as their text)."""
-    return {f"{section}.{key}": value if isinstance(value, (bool, int, float, str)) else str(value)
-            for section, keys in config.items() for key, value in keys.items()}
+    """Config.to_dict() as 'section.key' -> a scalar (lists and None as their text); a nested
+    section's keys as 'section.nested.key'."""
+    return {key: value if isinstance(value, (bool, int, float, str)) else str(value)
+            for key, value in flatten(config).items()}
 
 
 class Tracker(Protocol):

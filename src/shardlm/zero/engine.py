@@ -26,7 +26,8 @@ decay group) — or over views of the parameters themselves when master and comp
 With train.optimizer = 'muon', zero/muon.py gathers each block's matrices around that step and
 applies Muon's update to them (AdamW then moves them only by its weight decay).
 With dp_replicate > 1 (hybrid), shards are reduced within the shard group and then averaged
-across replicas. Under pipeline parallelism gradients are reduced after the step's last backward
+across replicas — unless train.local_sgd keeps the replicas apart until its outer step
+(zero/local_sgd.py). Under pipeline parallelism gradients are reduced after the step's last backward
 (finish_backward), and stage 3 holds a stage's units gathered for the step (zero/params.py).
 """
 
@@ -83,14 +84,17 @@ class ZeroEngine:
         self.watchdog = watchdog
         self.splits = splits or {}
         sharded = opts.stage >= 1
+        # Local SGD (train.local_sgd, zero/local_sgd.py): gradients reduced within the replica
+        # only; the replicas meet in its outer step, over the replicate group.
+        apart = train.local_sgd.every > 0
         # Stage 0 all-reduces over every data- and context-parallel rank: the world, unless
-        # tensor parallelism takes a factor of it.
-        everyone = mesh.dp_group
+        # tensor parallelism takes a factor of it (or local SGD keeps the replicas apart).
+        everyone = mesh.dp_shard_group if apart else mesh.dp_group
         self.shard_comm = Comm(mesh.dp_shard_group if sharded else everyone,
                                "dp_shard" if sharded else "dp", self.ledger, watchdog)
         self.tp_comm = Comm(mesh.tp_group, "tp", self.ledger, watchdog)
-        self.replicate_comm = Comm(mesh.dp_replicate_group if sharded else None, "dp_replicate",
-                                   self.ledger, watchdog)
+        self.replicate_comm = Comm(mesh.dp_replicate_group if sharded or apart else None,
+                                   "dp_replicate", self.ledger, watchdog)
         shard_world, shard_rank = (self.shard_comm.size, mesh.shard_rank) if sharded else (1, 0)
         self.expert_splits = expert_splits or {}
         self.expert_comm = Comm(mesh.ep_shard_group if sharded else mesh.ep_dp_group,
@@ -149,6 +153,11 @@ class ZeroEngine:
                             for p in model.parameters() if id(p) in spans]
         self.tier.build_optimizer(train)
         self.optimizer = self.tier.optimizer
+        self.local_sgd = None  # train.local_sgd: the outer model and step (the loop calls it)
+        if apart:
+            from shardlm.zero.local_sgd import LocalSGD
+
+            self.local_sgd = LocalSGD(self, train.local_sgd)
         self.param_store = build_param_store(opts.offload_params, in_order, device, nvme_dir)
         self.sync = True
         self.in_flight: list[tuple[Unit, object]] = []
@@ -241,7 +250,8 @@ class ZeroEngine:
             self._complete(*self.in_flight.pop(0))
         if self.opts.stage == 3:
             self.param_sharding.release_all()
-        handles = [self.replicate_comm.all_reduce(u.grad_shard()) for u in self.units]
+        handles = ([] if self.local_sgd else  # local SGD: no gradient crosses replicas
+                   [self.replicate_comm.all_reduce(u.grad_shard()) for u in self.units])
         for h in handles:
             h.wait()
         for unit in self.units:
@@ -304,6 +314,13 @@ class ZeroEngine:
                 with watched(self.watchdog, "all_reduce(grad norm)", name, 4):
                     dist.all_reduce(local, group=group)
             local = local.sqrt()
+        if self.local_sgd is not None and self.replicate_comm.group is not None:
+            # Local SGD: each replica clips by its own norm, but a non-finite one on any replica
+            # is non-finite on all, so every rank takes the same skip / stop decision.
+            bad = (~torch.isfinite(local)).float()
+            with watched(self.watchdog, "all_reduce(grad norm)", "dp_replicate", 4):
+                dist.all_reduce(bad, group=self.replicate_comm.group)
+            local = torch.where(bad > 0, torch.full_like(local, float("nan")), local)
         coef = torch.clamp(max_norm / (local + 1e-6), max=1.0)
         if float(coef) != 1.0:  # NaN included: the gradients become NaN, as torch's do
             torch._foreach_mul_(self.grads(), coef.to(self.opts.reduce_dtype))
@@ -353,14 +370,17 @@ class ZeroEngine:
     @property
     def writes_checkpoint(self) -> bool:
         """Stage 0: every rank holds everything and rank 0 writes it; sharded: the first
-        replica group writes its shards."""
+        replica group writes its shards. Local SGD: every replica writes its own state
+        (zero/local_sgd.py)."""
         mesh = self.mesh
-        return mesh.replica_rank == 0 and (self.opts.stage > 0 or mesh.shard_rank == 0
-                                           or (bool(self.expert_splits) and mesh.ep_shard_rank == 0))
+        replica = mesh.replica_rank == 0 or self.local_sgd is not None
+        return replica and (self.opts.stage > 0 or mesh.shard_rank == 0
+                            or (bool(self.expert_splits) and mesh.ep_shard_rank == 0))
 
     def state_slices(self, saving: bool = False) -> list[StateSlice]:
         """This rank's checkpoint slices in the whole tensors' coordinates (zero/slices.py)."""
-        return engine_state_slices(self, saving) + (self.muon.state_slices() if self.muon else [])
+        slices = engine_state_slices(self, saving) + (self.muon.state_slices() if self.muon else [])
+        return self.local_sgd.state_slices(slices, saving) if self.local_sgd else slices
 
     def after_load(self) -> None:
         self.param_store.materialize_all()
@@ -381,7 +401,8 @@ class ZeroEngine:
         if self.opts.offload_params == "nvme":
             params = 0
         optim = sum(v for k, v in self.tier.held_bytes().items() if k != "nvme")
-        return {"params": params, "grads": grads, "optimizer": optim}
+        outer = {"local_sgd": self.local_sgd.held_bytes()} if self.local_sgd else {}
+        return {"params": params, "grads": grads, "optimizer": optim, **outer}
 
     def offload_report(self) -> dict:
         """Bytes per tier and what the last optimizer step moved (JSONL)."""
@@ -415,6 +436,9 @@ class ZeroEngine:
         if frozen:
             out["params"] = out.get("params", 0.0) + frozen / (
                 self.shard_comm.size if o.stage == 3 else 1)
+        if self.local_sgd:  # θ_outer (+ momentum) of this rank's shard, fp32
+            out["local_sgd"] = self.local_sgd.predicted_bytes(self.numel,
+                                                              self.shard_comm.size if o.stage else 1)
         return out
 
     @property

@@ -1,0 +1,281 @@
+"""Local SGD / DiLoCo (train.local_sgd, zero/local_sgd.py) on 2 gloo ranks (dp_replicate = 2,
+dp_shard = 1) against a single-process simulation of the two replicas written here: two one-process
+runs (the plain local engine: torch's fused AdamW, the one-process reference of every parity test),
+each fed the micro-batches the loader gives its replica's rank, and the outer step of the DiLoCo
+paper (Nesterov SGD on the replicas' mean pseudo-gradient) or plain averaging, every H steps and
+at the last one.
+
+Tolerance: none. Each replica's inner steps are one process's (one micro-batch per rank, no
+reduction), the mean of two pseudo-gradients is order-free, and the outer step is single-rounding
+element-wise arithmetic on both sides: parameters and losses match bit for bit (llama-tiny, fp32).
+One spawned world also checks the byte ledger (one fp32 all-reduce of the parameters per round,
+nothing across replicas on inner steps), the memory ledger, and a resume from a checkpoint taken
+in the middle of a round (every replica's own state and the outer momentum restored: the resumed
+run ends where the uninterrupted one does, bitwise).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import tiny_overrides
+from shardlm.checkpoint.sharded import CHECKPOINTS
+from shardlm.config import load_config
+from shardlm.data import Loader
+from shardlm.errors import ConfigError
+from shardlm.launch.spawn import run_ranks
+from shardlm.planner.traffic import local_sgd_comm_bytes
+from shardlm.train.checkpointing import save_checkpoint
+from shardlm.train.loop import build_run, train_step
+from zero_cases import train_case
+
+STEPS, EVERY = 5, 2  # outer steps after steps 2, 4 and 5 (the last round is one step)
+
+
+def _base(tmp, **extra) -> dict:
+    return {**tiny_overrides(tmp, model__preset="llama-tiny", train__micro_batch=4, train__steps=STEPS),
+            "parallel.dp_replicate": 2, "parallel.dp_shard": 1, "train.local_sgd.every": EVERY, **extra}
+
+
+def _train(overrides: dict, checkpoint_at: int = 0) -> dict:
+    """Train to STEPS (from a checkpoint, if overrides name one) as the loop does (train_step; not
+    train.loop.train, whose evaluation and planner probe cost seconds), saving a checkpoint after
+    step `checkpoint_at`. Losses, each step's ledger by group, whole parameters, state bytes."""
+    run = build_run(load_config(overrides=overrides).validate())
+    out = {"start": run.start_step, "dir": run.run_dir, "losses": [], "comm_by_op": []}
+    outer = run.strategy.local_sgd
+    if outer is not None:  # at the start: is θ_outer the model, is the momentum zero?
+        out["outer_is_model"] = all(torch.equal(o, m) for o, m in zip(outer.outer_params, outer._masters()))
+        out["momentum_zero"] = all(not b.any() for b in outer.momentum)
+    for step in range(run.start_step, STEPS):
+        run.strategy.ledger.reset()
+        out["losses"].append(train_step(run, step).loss)
+        by_group: dict[str, int] = {}
+        for key, nbytes in run.strategy.ledger.bytes.items():
+            by_group[key.split("/", 1)[1]] = by_group.get(key.split("/", 1)[1], 0) + nbytes
+        out["comm_by_op"].append(by_group)
+        if step + 1 == checkpoint_at:
+            save_checkpoint(run, checkpoint_at)
+    out["state"], out["numel"] = run.strategy.model_state_bytes(), run.strategy.numel
+    with run.strategy.full_parameters():
+        out["params"] = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    return out
+
+
+def local_sgd_ranks(rank: int, world_size: int, cases: list[dict]) -> dict:
+    """Each case; the first also checkpoints after step 3 (inside the round 3-4), and a second
+    run resumes from that checkpoint and trains to the end."""
+    torch.manual_seed(0)
+    out = [_train(overrides, checkpoint_at=3 if i == 0 else 0) for i, overrides in enumerate(cases)]
+    resumed = _train({**cases[0], "run.name": "resumed", "checkpoint.resume": str(out[0]["dir"] / CHECKPOINTS)})
+    # an infinite gradient on replica 1 only, in the first step: each replica has its own norm
+    poisoned = train_case({**cases[0], "run.name": "poisoned", "train.on_nonfinite": "skip"}, 2, poison_rank=1)
+    # DiLoCo from a synchronous run's checkpoint (the paper's recipe): every replica its model
+    ddp = _train({**cases[0], "run.name": "ddp", "train.local_sgd.every": 0}, checkpoint_at=3)
+    from_ddp = _train({**cases[0], "run.name": "from_ddp",
+                       "checkpoint.resume": str(sorted((ddp["dir"] / CHECKPOINTS).glob("step-*"))[0])})
+    return {"cases": out, "resumed": resumed, "stepped": poisoned["stepped"], "ddp": ddp, "from_ddp": from_ddp}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("local_sgd")
+    cases = [_base(tmp, **{"parallel.zero_stage": 1, "run.name": "stage1"}),  # diloco, the ZeRO group's path
+             _base(tmp, **{"parallel.zero_stage": 0, "train.local_sgd.outer": "average"}),
+             _base(tmp, **{"parallel.zero_stage": 3})]  # sharded parameters (shard_param)
+    return cases, run_ranks(local_sgd_ranks, 2, tmp, cases)
+
+
+class _ReplicaData:
+    """A replica of `shards` ranks as one process sees it: each rank's micro-batches in turn
+    (accumulated, as the ranks' reduction sums them)."""
+
+    def __init__(self, loaders: list):
+        self.loaders, self.mask = loaders, loaders[0].mask
+
+    def micro_batches(self, step: int) -> list:
+        return [batch for loader in self.loaders for batch in loader.micro_batches(step)]
+
+
+def simulate(overrides: dict, steps: int, shards: int = 1) -> dict:
+    """The two replicas in this process: each a one-process run (its model, its AdamW) fed the
+    micro-batches the loader gives its `shards` ranks; the outer step written out as in the paper."""
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(2 * shards)  # the ranks' thread count: CPU kernels round by it
+    try:
+        one = {**overrides, "parallel.dp_replicate": 1, "parallel.dp_shard": -1, "parallel.zero_stage": 0,
+               "train.local_sgd.every": 0}
+        runs = [build_run(load_config(overrides={**one, "run.name": f"replica{r}"}).validate()) for r in range(2)]
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_WORLD_SIZE")
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+    t, sgd = runs[0].cfg.train, load_config(overrides=overrides).train.local_sgd
+    for r, run in enumerate(runs):  # the loaders the replica's ranks build (dp_rank r·shards + k)
+        run.train_loader = _ReplicaData([Loader(run.dataset.train, t.seq_len, t.micro_batch, t.grad_accum,
+                                                t.seed, dp_rank=r * shards + k, dp_size=2 * shards,
+                                                mask=run.dataset.train_mask) for k in range(shards)])
+    params = [dict(run.model.named_parameters()) for run in runs]
+    outer = {n: p.detach().clone() for n, p in params[0].items()}  # θ_outer, fp32
+    momentum = {n: torch.zeros_like(p) for n, p in outer.items()}
+    losses, diverged = [], False
+    for step in range(steps):
+        replica_losses = [train_step(run, step).loss for run in runs]
+        # The logged loss: the mean of the replicas' (each rank's sum / 2, summed over ranks).
+        losses.append(float(sum(torch.tensor(v, dtype=torch.float32) / 2 for v in replica_losses)))
+        if (step + 1) % sgd.every and step + 1 != steps:
+            diverged |= any(not torch.equal(params[0][n], params[1][n]) for n in outer)
+            continue
+        with torch.no_grad():
+            for n, theta in outer.items():
+                delta = (theta - params[0][n]) + (theta - params[1][n])  # Δ summed over replicas
+                delta.div_(2)
+                if sgd.outer == "diloco":  # b ← μ b + Δ;  θ ← θ − lr (Δ + μ b)
+                    momentum[n].mul_(sgd.outer_momentum).add_(delta)
+                    delta.add_(momentum[n] * sgd.outer_momentum)
+                    delta.mul_(sgd.outer_lr)
+                theta.sub_(delta)
+                for p in params:
+                    p[n].copy_(theta)
+    assert diverged, "the replicas never differed between outer steps: nothing was tested"
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in params[0].items()}}
+
+
+@pytest.fixture(scope="module")
+def simulations() -> dict[str, dict]:
+    """Each outer step's simulation, run once: it does not depend on the ZeRO stage."""
+    return {}
+
+
+@pytest.mark.parametrize("case", [0, 1, 2], ids=["diloco-stage1", "average-stage0", "diloco-stage3"])
+def test_matches_single_process_simulation(world, simulations, case):
+    cases, out = world
+    outer = cases[case].get("train.local_sgd.outer", "diloco")
+    if outer not in simulations:
+        simulations[outer] = simulate(cases[case], STEPS)
+    ref = simulations[outer]
+    for rank in range(2):
+        got = out[rank]["cases"][case]
+        assert got["losses"] == ref["losses"], rank
+        for n, p in ref["params"].items():
+            assert torch.equal(got["params"][n], p), (rank, n)
+
+
+def test_cross_replica_bytes_one_all_reduce_per_round(world):
+    cases, out = world
+    for case in range(len(cases)):
+        got = out[0]["cases"][case]
+        numel = got["numel"]
+        for step, by_group in enumerate(got["comm_by_op"]):
+            synced = (step + 1) % EVERY == 0 or step + 1 == STEPS
+            # one all-reduce of this rank's fp32 pseudo-gradient: counted as 2 × 4 bytes × Ψ
+            # (the ledger counts an all-reduce as a reduce-scatter plus an all-gather)
+            assert by_group == ({"dp_replicate": 2 * 4 * numel} if synced else {}), (case, step, by_group)
+    # the planner's term: the same bytes spread over a round
+    assert local_sgd_comm_bytes(numel, 1, EVERY) * EVERY == 2 * 4 * numel
+
+
+def test_outer_state_in_the_memory_ledger(world):
+    _, out = world
+    diloco, average = out[0]["cases"][0], out[0]["cases"][1]
+    assert diloco["state"]["local_sgd"] == 2 * 4 * diloco["numel"]  # θ_outer + momentum, fp32
+    assert average["state"]["local_sgd"] == 4 * average["numel"]  # θ_outer only
+
+
+def test_resume_inside_a_round_is_exact(world):
+    _, out = world
+    for rank in range(2):
+        uninterrupted, resumed = out[rank]["cases"][0], out[rank]["resumed"]
+        assert resumed["start"] == 3
+        assert resumed["losses"] == uninterrupted["losses"][3:] and len(resumed["losses"]) == STEPS - 3
+        for n, p in uninterrupted["params"].items():
+            assert torch.equal(resumed["params"][n], p), (rank, n)
+
+
+def test_starts_from_a_synchronous_checkpoint(world):
+    """Both replicas load the synchronous run's model: the first step after the resume sees the
+    same parameters on the same data as that run's own step 4, so its loss is that loss, bitwise
+    (each replica's loss / 2, summed, either way); the run ends with the replicas in agreement."""
+    _, out = world
+    for rank in range(2):
+        ddp, from_ddp = out[rank]["ddp"], out[rank]["from_ddp"]
+        assert from_ddp["start"] == 3 and from_ddp["losses"][0] == ddp["losses"][3], rank
+        assert from_ddp["outer_is_model"] and from_ddp["momentum_zero"], rank
+        assert not out[rank]["resumed"]["outer_is_model"]  # inside a round: the saved outer model
+        assert from_ddp["losses"][1:] != ddp["losses"][4:]  # then they part: local steps
+    for n, p in out[0]["from_ddp"]["params"].items():
+        assert torch.equal(out[1]["from_ddp"]["params"][n], p), n
+
+
+def test_which_checkpoints_local_sgd_takes(world):
+    """Its own kind of the same replica count exactly, a synchronous run's as a fresh start,
+    a local-SGD one of another replica count refused naming both counts."""
+    from types import SimpleNamespace
+
+    from shardlm.checkpoint.sharded import CheckpointError
+    from shardlm.train.checkpointing import _local_sgd_fresh_start
+
+    _, out = world
+
+    def fresh(run_dir, replicas: int) -> bool:
+        run = SimpleNamespace(runtime=SimpleNamespace(is_main=True, world_size=1),
+                              mesh=SimpleNamespace(dims=SimpleNamespace(dp_replicate=replicas)))
+        return _local_sgd_fresh_start(run, sorted((run_dir / CHECKPOINTS).glob("step-*"))[0])
+
+    assert fresh(out[0]["cases"][0]["dir"], 2) is False
+    assert fresh(out[0]["ddp"]["dir"], 4) is True
+    with pytest.raises(CheckpointError, match=r"dp_replicate = 2 replicas; this run has parallel\.dp_replicate = 4"):
+        fresh(out[0]["cases"][0]["dir"], 4)
+
+
+def test_non_finite_on_one_replica_skips_on_all(world):
+    """Each replica clips by its own norm, but a non-finite one anywhere is non-finite everywhere:
+    every rank takes the same skip decision (else the replicas would part ways for good)."""
+    _, out = world
+    assert out[0]["stepped"] == out[1]["stepped"] == [False, True]
+
+
+def test_validation_refuses_clearly(tmp_path):
+    base = tiny_overrides(tmp_path)
+    with pytest.raises(ConfigError, match=r"train\.local_sgd\.every = 4 .*parallel\.dp_replicate = 1.*"
+                                          r"Set parallel\.dp_replicate"):
+        load_config(overrides={**base, "train.local_sgd.every": "4"}).validate()
+    with pytest.raises(ConfigError, match=r"data parallelism only.*parallel\.tp = 2.*lora\.rank = 4"):
+        load_config(overrides={**base, "train.local_sgd.every": "4", "parallel.dp_replicate": "2",
+                               "parallel.tp": "2", "lora.rank": "4"}).validate()
+    load_config(overrides={**base, "train.local_sgd.every": "4", "parallel.dp_replicate": "2"}).validate()
+
+
+def four_rank_check() -> None:
+    """Not in the suite (4 ranks; CI's 2 cores run 2): dp_replicate = 2 x dp_shard = 2 at ZeRO
+    stage 1 against the simulation, each replica's two ranks accumulated in one process.
+    `PYTHONPATH=src python tests/test_local_sgd.py` from the repository root."""
+    import tempfile
+    from pathlib import Path
+
+    tmp = Path(tempfile.mkdtemp())
+    case = _base(tmp, **{"parallel.zero_stage": 1, "parallel.dp_shard": 2, "run.name": "four"})
+    out = run_ranks(local_sgd_ranks, 4, tmp, [case])
+    ref = simulate(case, STEPS, shards=2)
+    for rank in range(4):
+        got = out[rank]["cases"][0]
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=0), rank
+        worst = max(float((got["params"][n] - p).abs().max()) for n, p in ref["params"].items())
+        bitwise = all(torch.equal(got["params"][n], p) for n, p in ref["params"].items())
+        print(f"rank {rank}: losses {got['losses']} vs {ref['losses']}; parameters bitwise: {bitwise} "
+              f"(largest difference {worst:.3g}); dp_replicate bytes per step "
+              f"{[g.get('dp_replicate', 0) for g in got['comm_by_op']]}, dp_shard "
+              f"{[g.get('dp_shard', 0) for g in got['comm_by_op']]}; resumed inside a round bitwise: "
+              f"{all(torch.equal(out[rank]['resumed']['params'][n], p) for n, p in got['params'].items())}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # conftest, zero_cases
+    four_rank_check()
+
