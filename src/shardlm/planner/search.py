@@ -419,7 +419,8 @@ def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
     par = cfg.parallel
     strategy = Strategy(dims, par.zero_stage, t.micro_batch, t.grad_accum, cfg.activation.checkpoint,
                         zero.offload_optimizer, zero.offload_params, dtypes,
-                        sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
+                        sequence_parallel=par.sequence_parallel, async_tp=par.async_tp,
+                        pp_schedule=par.pp_schedule,
                         pp_virtual=par.pp_virtual, pp_layers=par.pp_layers,
                         activation_offload=cfg.activation.offload,
                         activation_offload_blocks=cfg.activation.offload_blocks, prefetch=par.prefetch)

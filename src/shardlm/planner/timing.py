@@ -302,8 +302,27 @@ def _pipeline_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams)
     return out
 
 
-def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> list[CommTime]:
-    """Tensor, pipeline and expert parallel traffic, all on the critical path."""
+def _async_tp_overlap(w: Workload, s: Strategy, windows: Windows, seconds: float, latency: float,
+                      calls: float) -> tuple[float, float, list[CommTerm]]:
+    """parallel.async_tp (parallel/async_tp.py; Wang et al. 2023, torchtitan's async TP): each
+    sequence-parallel all-gather / reduce-scatter is cut into tp pieces, each in flight while
+    the matmuls it feeds run. (seconds, exposed, terms): the pieces add tp - 1 latencies per
+    call; exposed = max(0, comm - the fed matmuls' compute) + one piece's latency per call (the
+    last reduce-scatter piece, the first gather piece have nothing beside them). The fed
+    matmuls: the matmul share (6N of the kernel FLOPs) of the step's block compute."""
+    pieces = s.layout.tp
+    seconds += (pieces - 1) * latency
+    share = 6 * flops.matmul_params(w.model) / flops.kernel_flops_per_token(w.model, w.seq_len, s.recompute)
+    matmuls = (windows.forward + windows.backward) * s.grad_accum * min(1.0, share)
+    exposed = max(0.0, seconds - matmuls) + latency
+    return seconds, exposed, [CommTerm(f"{calls:g} calls in {pieces} pieces each, overlapped with the "
+                                       f"{matmuls * 1e3:.3g} ms of matmuls they feed (async TP)",
+                                       seconds, exposed)]
+
+
+def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
+                          windows: Windows | None = None) -> list[CommTime]:
+    """Tensor, pipeline and expert parallel traffic, all on the critical path (but async TP's)."""
     lay, e, m = s.layout, s.dtypes.param_bytes, w.model
     tokens = s.micro_batch * w.seq_len // lay.cp  # this rank's: context parallelism splits them
     micro = s.grad_accum
@@ -316,9 +335,12 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
                                         head=sp.index == lay.pp - 1)
         bw, lat, where = group_link(cluster, lay.tp, 1)
         sec, latency = collective_parts("all_reduce", counted / 2, lay.tp, bw, lat, calls)
-        out.append(CommTime("tensor-parallel all-reduces", f"{lay.tp} ranks, {where}", counted, sec, sec,
-                            latency, [CommTerm(f"{calls:g} calls inside the blocks: the next matmul "
-                                               f"needs each result, nothing to hide behind", sec, sec)]))
+        exposed, terms = sec, [CommTerm(f"{calls:g} calls inside the blocks: the next matmul needs "
+                                        f"each result, nothing to hide behind", sec, sec)]
+        if s.async_tp and s.sequence_parallel and windows is not None:
+            sec, exposed, terms = _async_tp_overlap(w, s, windows, sec, latency, calls)
+        out.append(CommTime("tensor-parallel all-reduces", f"{lay.tp} ranks, {where}", counted, sec, exposed,
+                            latency, terms))
     if lay.pp > 1:
         out += _pipeline_comms(w, s, cluster, sp)
     if lay.ep > 1:  # dispatch + combine, forward and backward, per MoE layer
@@ -427,7 +449,7 @@ def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, ra
                  windows: Windows) -> tuple[StageParams, list[CommTime], float]:
     """One pipeline rank's communication (what of it is exposed) and optimizer seconds."""
     lay, dev = s.layout, cluster.device
-    comms = _model_parallel_comms(w, s, cluster, sp)
+    comms = _model_parallel_comms(w, s, cluster, sp, windows)
     if lay.cp > 1:
         comms.append(_cp_ring(w, s, cluster, sp, rate))
     if not s.local:
