@@ -103,9 +103,9 @@ LAYERS = [(2, 65, False, False), (1, 128, False, False), (2, 64, True, False), (
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("async_tp")
-    plain = tiny_overrides(tmp, train__steps=STEPS)
+    plain = tiny_overrides(tmp, train__steps=STEPS, train__micro_batch=4)  # pieces of 4 x 16 rows
     base = {**plain, "parallel.tp": 2, "parallel.sequence_parallel": True}
-    lora = {**tiny_overrides(tmp, model__preset="llama-tiny", train__steps=STEPS, lora__rank=4),
+    lora = {**tiny_overrides(tmp, model__preset="llama-tiny", train__steps=STEPS, train__micro_batch=4, lora__rank=4),
             "parallel.tp": 2, "parallel.sequence_parallel": True}
     cases = [(base, STEPS, -1), ({**base, "parallel.async_tp": True}, STEPS, -1),
              (lora, STEPS, -1), ({**lora, "parallel.async_tp": True}, STEPS, -1)]
@@ -150,7 +150,7 @@ def test_training_same_bits_as_blocking_and_one_process(world, case, what):
         assert [c["tp"] for c in overlapped["comm_by_op"]] == [c["tp"] for c in blocking["comm_by_op"]]
     if case == 0:  # the formula and one process: the dense model
         model = load_config(overrides=plain).validate().model
-        assert out[0]["train"][1]["comm_by_op"][-1]["tp"] == tp_comm_bytes(model, 8 * 64, 2, True, 4)
+        assert out[0]["train"][1]["comm_by_op"][-1]["tp"] == tp_comm_bytes(model, 4 * 64, 2, True, 4)
         ref = reference_case(plain, 1, STEPS)
         ranks = [out[r]["train"][1] for r in range(2)]
         assert_matches(ranks[0]["losses"], whole_params(ranks), ref, what, lr=1e-3)
@@ -178,13 +178,14 @@ def test_config_accepts_async_tp_with_sequence_parallel(tmp_path):
 
 def test_planner_hides_the_tp_collectives_behind_their_matmuls():
     """The planner's time for async TP (planner/timing.py _async_tp_overlap): the tensor-parallel
-    collectives' exposed time is max(0, comm - the matmuls they feed) + a piece's latency per
-    call, so the predicted step is no longer than blocking SP's, shorter where tp's traffic
-    shows, and the bytes are the same."""
+    collectives' exposed time is max(0, comm - overlap x the matmuls they feed) + a piece's
+    latency per call, so the predicted step is shorter than blocking SP's where the device
+    overlaps (GPUs) and the bytes are the same; where nothing overlaps (Calibration.overlap = 0:
+    a CPU, whose gloo threads need the matmuls' cores) it is no shorter."""
     from dataclasses import replace
 
     from shardlm.config.dims import ParallelDims
-    from shardlm.hardware.catalog import parse_cluster
+    from shardlm.hardware.catalog import CALIBRATION, parse_cluster
     from shardlm.planner.shapes import preset_model
     from shardlm.planner.timing import estimate_time
     from shardlm.planner.workload import Dtypes, Strategy, Workload
@@ -199,3 +200,5 @@ def test_planner_hides_the_tp_collectives_behind_their_matmuls():
         assert tp[1].exposed < tp[0].exposed == tp[0].seconds
         assert tp[1].exposed >= tp[1].latency  # a piece's latency per call is never hidden
         assert times[1].step < times[0].step
+        still = replace(cluster, measured=replace(CALIBRATION["cuda"], overlap=0.0))
+        assert estimate_time(w, replace(blocking, async_tp=True), still).step >= estimate_time(w, blocking, still).step

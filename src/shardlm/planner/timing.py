@@ -302,19 +302,20 @@ def _pipeline_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams)
     return out
 
 
-def _async_tp_overlap(w: Workload, s: Strategy, windows: Windows, seconds: float, latency: float,
-                      calls: float) -> tuple[float, float, list[CommTerm]]:
+def _async_tp_overlap(w: Workload, s: Strategy, windows: Windows, overlap: float, seconds: float,
+                      latency: float, calls: float) -> tuple[float, float, list[CommTerm]]:
     """parallel.async_tp (parallel/async_tp.py; Wang et al. 2023, torchtitan's async TP): each
     sequence-parallel all-gather / reduce-scatter is cut into tp pieces, each in flight while
     the matmuls it feeds run. (seconds, exposed, terms): the pieces add tp - 1 latencies per
-    call; exposed = max(0, comm - the fed matmuls' compute) + one piece's latency per call (the
-    last reduce-scatter piece, the first gather piece have nothing beside them). The fed
-    matmuls: the matmul share (6N of the kernel FLOPs) of the step's block compute."""
+    call; exposed = max(0, comm - overlap x the fed matmuls' compute) + one piece's latency per
+    call (the last reduce-scatter piece has nothing beside it). The fed matmuls: the matmul
+    share (6N of the kernel FLOPs) of the step's block compute; `overlap` the device's
+    (Calibration.overlap: 0 on a CPU, where gloo's threads need the cores the matmuls use)."""
     pieces = s.layout.tp
     seconds += (pieces - 1) * latency
     share = 6 * flops.matmul_params(w.model) / flops.kernel_flops_per_token(w.model, w.seq_len, s.recompute)
     matmuls = (windows.forward + windows.backward) * s.grad_accum * min(1.0, share)
-    exposed = max(0.0, seconds - matmuls) + latency
+    exposed = max(0.0, seconds - overlap * matmuls) + latency
     return seconds, exposed, [CommTerm(f"{calls:g} calls in {pieces} pieces each, overlapped with the "
                                        f"{matmuls * 1e3:.3g} ms of matmuls they feed (async TP)",
                                        seconds, exposed)]
@@ -338,7 +339,8 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
         exposed, terms = sec, [CommTerm(f"{calls:g} calls inside the blocks: the next matmul needs "
                                         f"each result, nothing to hide behind", sec, sec)]
         if s.async_tp and s.sequence_parallel and windows is not None:
-            sec, exposed, terms = _async_tp_overlap(w, s, windows, sec, latency, calls)
+            sec, exposed, terms = _async_tp_overlap(w, s, windows, cluster.calibration.overlap, sec,
+                                                    latency, calls)
         out.append(CommTime("tensor-parallel all-reduces", f"{lay.tp} ranks, {where}", counted, sec, exposed,
                             latency, terms))
     if lay.pp > 1:
