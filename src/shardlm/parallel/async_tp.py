@@ -86,13 +86,11 @@ def _gathered_matmul(local: torch.Tensor, weight: torch.Tensor, comm: Comm, rang
     out = own.new_empty((batch, n, t, w.shape[1]))
     out[:, rank] = own.view(batch, t, -1)
     whole[rank] = local
-    others = [r for r in range(n) if r != rank]
     for (lo, hi), (handle, buffer) in zip(ranges, launched):
         handle.wait()
         whole[:, lo:hi] = buffer
-        rows = buffer[others].flatten(0, 1)  # ((N-1)·(hi-lo), B, C), rank-major
-        got = mm(_rows(rows)).view(batch, len(others), hi - lo, -1)
-        out[:, others, lo:hi] = got
+        for other in (r for r in range(n) if r != rank):  # views: no gather of the rows
+            out[:, other, lo:hi] = mm(_rows(buffer[other])).view(batch, hi - lo, -1)
     return out
 
 
