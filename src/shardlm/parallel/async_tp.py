@@ -28,11 +28,11 @@ rank's chunk, N·(hi_s - lo_s) sequence positions.
 
 Same bits as the blocking version (tests/test_async_tp.py, fp32, 2 ranks): a matmul's output
 row depends only on its input row (the reduction runs over the features, whichever rows are
-computed together: checked by the test), the weight gradients are the same single matmuls, and
-each sum over 2 ranks is one addition (commutative). Over N > 2 ranks a piece's reduction adds
-the N partial sums in the order gloo's ring gives that piece's elements, which depends on where
-they sit in the buffer: not the blocking reduce-scatter's order, so the results agree to
-rounding only. The ledger sees the same bytes: the pieces' all-gathers sum to the whole
+computed together, above a BLAS's small-matrix sizes: docs/architecture.md), the weight
+gradients are the same single matmuls, and each sum over 2 ranks is one addition (commutative).
+Over N > 2 ranks each piece is reduced by its own collective, in the order the backend picks for
+that buffer (gloo's matched the whole buffer's at 4 ranks, measured; not guaranteed by every
+algorithm). The ledger sees the same bytes: the pieces' all-gathers sum to the whole
 all-gather's output, their reduce-scatters to its input (only the call count grows, P times).
 """
 
