@@ -224,8 +224,6 @@ class VocabParallelHead(nn.Module):
         self.lo, self.hi, self.tp = lo, hi, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.overlapped:  # parallel/async_tp.py: the all-gather overlaps the logits' matmul
-            return all_gather_matmul(x, self.weight, None, self.tp.group, self.tp.size)[0]
         return F.linear(into_parallel_region(x, self.tp), self.weight)
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
