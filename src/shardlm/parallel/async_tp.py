@@ -62,57 +62,76 @@ def _gather_pieces(local: torch.Tensor, comm: Comm, ranges) -> list:
     return launched
 
 
-def _rows(seq_first: torch.Tensor) -> torch.Tensor:
-    """(n, B, C) sequence-first rows as the (B·n, C) matrix a (B, n, C) activation's matmul
-    multiplies (batch-major: what F.linear's reshape of the blocking version's view gives)."""
-    return seq_first.transpose(0, 1).reshape(-1, seq_first.shape[-1])
+class _Product:
+    """rows @ w (+ bias) written straight into a destination view (torch.mm's out=: neither the
+    rows, strided views of the activations, nor the result are copied), in the dtype autocast
+    multiplies in (the operands cast as autocast casts them); a destination of another dtype (an
+    fp32 gradient of an autocast matmul) gets the product cast, as autograd's cast backward does."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, like: torch.Tensor):
+        kind = like.device.type
+        self.kind = kind
+        self.dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else like.dtype
+        self.w = w.to(self.dtype)
+        self.bias = None if bias is None else bias.to(self.dtype)
+
+    def __call__(self, rows: torch.Tensor, dest: torch.Tensor) -> None:
+        rows = rows.to(self.dtype)
+        with torch.autocast(self.kind, enabled=False):
+            target = dest if dest.dtype == self.dtype else torch.empty_like(dest, dtype=self.dtype)
+            if self.bias is None:
+                torch.mm(rows, self.w, out=target)
+            else:
+                torch.addmm(self.bias, rows, self.w, out=target)
+            if target is not dest:
+                dest.copy_(target)
 
 
 def _gathered_matmul(local: torch.Tensor, weight: torch.Tensor, comm: Comm, ranges, transposed: bool,
-                     whole: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+                     whole: torch.Tensor, bias: torch.Tensor | None = None,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
     """All-gather along the sequence overlapped with out = whole_input @ (Wᵀ if transposed else W)
     (+ bias, fused as F.linear fuses it: see _fused_bias). local (t, B, C) sequence-first; whole:
-    (N, t, B, C), filled with the gathered input. Returns out (B, N, t, F): own rows first, then
-    each piece's other ranks' rows as it lands."""
-    n, t, rank = comm.size, local.shape[0], comm.rank
+    (N, t, B, C), filled with the gathered input. Returns out (B, N, t, F) (in `dtype`, default
+    the product's): own rows first, then each piece's other ranks' rows as it lands, one
+    sequence of rows (one batch element of one rank's piece) per matmul."""
+    n, t, batch, rank = comm.size, local.shape[0], local.shape[1], comm.rank
     w = weight.t() if transposed else weight
     launched = _gather_pieces(local, comm, ranges)
-    batch = local.shape[1]
-
-    def mm(rows: torch.Tensor) -> torch.Tensor:
-        return torch.mm(rows, w) if bias is None else torch.addmm(bias, rows, w)
-
-    own = mm(_rows(local))  # under autocast, in its dtype: the output's
-    out = own.new_empty((batch, n, t, w.shape[1]))
-    out[:, rank] = own.view(batch, t, -1)
+    product = _Product(w, bias, local)
+    out = local.new_empty((batch, n, t, w.shape[1]), dtype=dtype or product.dtype)
+    for b in range(batch):
+        product(local[:, b], out[b, rank])
     whole[rank] = local
     for (lo, hi), (handle, buffer) in zip(ranges, launched):
         handle.wait()
         whole[:, lo:hi] = buffer
-        for other in (r for r in range(n) if r != rank):  # views: no gather of the rows
-            out[:, other, lo:hi] = mm(_rows(buffer[other])).view(batch, hi - lo, -1)
+        for other in (r for r in range(n) if r != rank):
+            for b in range(batch):
+                product(buffer[other, :, b], out[b, other, lo:hi])
     return out
 
 
 def _matmul_scattered(x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor | None, comm: Comm,
-                      ranges, transposed: bool) -> torch.Tensor:
+                      ranges, transposed: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
     """out = x @ (Wᵀ if transposed else W) (+ extra), reduce-scattered along the sequence piece
     by piece. x (B, T, K) whole sequence; extra (B, T, F) or None. Returns this rank's
-    (t, B, F), sequence-first."""
+    (t, B, F), sequence-first, in `dtype` (default the product's)."""
     n, batch = comm.size, x.shape[0]
     t = x.shape[1] // n
     w = weight.t() if transposed else weight
     by_rank = x.reshape(batch, n, t, -1)  # a view: T splits into (N, t) whatever the strides
     extra = None if extra is None else extra.reshape(batch, n, t, -1)
-    mine, launched = None, []
+    product = _Product(w, None, x)
+    mine = x.new_empty((t, batch, w.shape[1]), dtype=dtype or product.dtype)
+    launched = []
     for lo, hi in ranges:
-        rows = by_rank[:, :, lo:hi].reshape(-1, by_rank.shape[-1])  # (B·N·(hi-lo), K)
-        partial = torch.mm(rows, w).view(batch, n, hi - lo, -1)
-        if extra is not None:
-            partial = partial + extra[:, :, lo:hi]
-        if mine is None:  # under autocast, the matmul's dtype
-            mine = partial.new_empty((t, batch, w.shape[1]))
-        seq_first = partial.permute(1, 2, 0, 3).contiguous()  # (N, hi-lo, B, F): rank r's rows r-th
+        seq_first = mine.new_empty((n, hi - lo, batch, w.shape[1]))  # rank r's rows r-th
+        for r in range(n):
+            for b in range(batch):
+                product(by_rank[b, r, lo:hi], seq_first[r, :, b])
+                if extra is not None:  # the blocking version's (partial + extra), element by element
+                    seq_first[r, :, b] += extra[b, r, lo:hi]
         launched.append((comm.reduce_scatter(mine[lo:hi].view(-1), seq_first.view(-1),
                                              scratch_input=True), seq_first))
     for handle, _ in launched:
@@ -178,7 +197,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # grad_gathered: LoRA's path read the gathered input too
             grad_x = _matmul_scattered(grad_y, weight, grad_gathered, comm_of(ctx.group), ctx.ranges,
-                                       False).transpose(0, 1)
+                                       False, gathered.dtype).transpose(0, 1)
         if ctx.needs_input_grad[1]:
             grad_w = _weight_grad(grad_y, gathered).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -215,7 +234,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         whole = local.new_empty((comm.size, t, batch, grad_mine.shape[-1]))
         grad_x = None
         if ctx.needs_input_grad[0]:
-            out = _gathered_matmul(local, weight, comm, ctx.ranges, False, whole)
+            out = _gathered_matmul(local, weight, comm, ctx.ranges, False, whole, dtype=x.dtype)
             grad_x = out.view(batch, comm.size * t, -1)
         else:  # frozen input (never in a model): the gathered gradient alone
             for (lo, hi), (handle, buffer) in zip(ctx.ranges, _gather_pieces(local, comm, ctx.ranges)):
