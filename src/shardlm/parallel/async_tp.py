@@ -15,7 +15,7 @@ rank's chunk, N·(hi_s - lo_s) sequence positions.
 
     column (all-gather -> x Wᵀ + b): every piece's all-gather is launched at once; this rank's
       own rows are multiplied first (they need no communication) while the pieces travel, then
-      each piece's other ranks' rows as it lands, written in place into the output (B, T, out).
+      each piece's other ranks' rows as it lands, each one matmul written straight into the output.
       Backward: grad_x = grad_y W piece by piece, each piece's reduce-scatter launched as soon
       as its rows are computed (the next piece's rows are computed while it travels); the
       weight's gradient grad_yᵀ x_full is one matmul over the gathered input saved from the
@@ -87,51 +87,54 @@ class _Product:
                 dest.copy_(target)
 
 
+def _seq_rows(seq_first: torch.Tensor) -> torch.Tensor:
+    """(n, B, C) sequence-first rows as one (n·B, C) matrix (a view when contiguous)."""
+    return seq_first.reshape(-1, seq_first.shape[-1])
+
+
 def _gathered_matmul(local: torch.Tensor, weight: torch.Tensor, comm: Comm, ranges, transposed: bool,
                      whole: torch.Tensor, bias: torch.Tensor | None = None,
                      dtype: torch.dtype | None = None) -> torch.Tensor:
     """All-gather along the sequence overlapped with out = whole_input @ (Wᵀ if transposed else W)
     (+ bias, fused as F.linear fuses it: see _fused_bias). local (t, B, C) sequence-first; whole:
-    (N, t, B, C), filled with the gathered input. Returns out (B, N, t, F) (in `dtype`, default
-    the product's): own rows first, then each piece's other ranks' rows as it lands, one
-    sequence of rows (one batch element of one rank's piece) per matmul."""
+    (N, t, B, C), filled with the gathered input. Returns out (B, T, F) contiguous (in `dtype`,
+    default the product's): own rows first, then each piece's other-rank rows as it lands, each
+    one matmul of a gathered buffer's rows, straight into a sequence-first result (N, t, B, F)."""
     n, t, batch, rank = comm.size, local.shape[0], local.shape[1], comm.rank
     w = weight.t() if transposed else weight
     launched = _gather_pieces(local, comm, ranges)
     product = _Product(w, bias, local)
-    out = local.new_empty((batch, n, t, w.shape[1]), dtype=dtype or product.dtype)
-    for b in range(batch):
-        product(local[:, b], out[b, rank])
+    out = local.new_empty((n, t, batch, w.shape[1]), dtype=dtype or product.dtype)
+    product(_seq_rows(local), _seq_rows(out[rank]))
     whole[rank] = local
     for (lo, hi), (handle, buffer) in zip(ranges, launched):
         handle.wait()
         whole[:, lo:hi] = buffer
         for other in (r for r in range(n) if r != rank):
-            for b in range(batch):
-                product(buffer[other, :, b], out[b, other, lo:hi])
-    return out
+            product(_seq_rows(buffer[other]), _seq_rows(out[other, lo:hi]))
+    # (B, T, F) as the blocking matmul lays it out (one transposed copy, none for B = 1)
+    return out.view(n * t, batch, -1).transpose(0, 1).contiguous()
 
 
 def _matmul_scattered(x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor | None, comm: Comm,
                       ranges, transposed: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
     """out = x @ (Wᵀ if transposed else W) (+ extra), reduce-scattered along the sequence piece
     by piece. x (B, T, K) whole sequence; extra (B, T, F) or None. Returns this rank's
-    (t, B, F), sequence-first, in `dtype` (default the product's)."""
+    (t, B, F), sequence-first, in `dtype` (default the product's). Each (rank, piece)'s rows are
+    one matmul written straight into the reduce-scatter's sequence-first buffer."""
     n, batch = comm.size, x.shape[0]
     t = x.shape[1] // n
     w = weight.t() if transposed else weight
-    by_rank = x.reshape(batch, n, t, -1)  # a view: T splits into (N, t) whatever the strides
-    extra = None if extra is None else extra.reshape(batch, n, t, -1)
     product = _Product(w, None, x)
     mine = x.new_empty((t, batch, w.shape[1]), dtype=dtype or product.dtype)
     launched = []
     for lo, hi in ranges:
         seq_first = mine.new_empty((n, hi - lo, batch, w.shape[1]))  # rank r's rows r-th
         for r in range(n):
-            for b in range(batch):
-                product(by_rank[b, r, lo:hi], seq_first[r, :, b])
-                if extra is not None:  # the blocking version's (partial + extra), element by element
-                    seq_first[r, :, b] += extra[b, r, lo:hi]
+            rows = x[:, r * t + lo:r * t + hi].transpose(0, 1)  # (hi-lo, B, K)
+            product(_seq_rows(rows), _seq_rows(seq_first[r]))
+            if extra is not None:  # the blocking version's (partial + extra), element by element
+                seq_first[r] += extra[:, r * t + lo:r * t + hi].transpose(0, 1)
         launched.append((comm.reduce_scatter(mine[lo:hi].view(-1), seq_first.view(-1),
                                              scratch_input=True), seq_first))
     for handle, _ in launched:
@@ -172,8 +175,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         ranges = piece_ranges(t, pieces)
         whole = x.new_empty((comm.size, t, batch, x.shape[-1]))
         fused = _fused_bias(whole, bias)
-        out = _gathered_matmul(x.transpose(0, 1), weight, comm, ranges, True, whole, bias if fused else None)
-        y = out.view(batch, comm.size * t, -1)
+        y = _gathered_matmul(x.transpose(0, 1), weight, comm, ranges, True, whole, bias if fused else None)
         if bias is not None and not fused:
             y.add_(bias)
         gathered = whole.view(comm.size * t, batch, -1).transpose(0, 1)  # (B, T, C), as gather_seq's
@@ -234,8 +236,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         whole = local.new_empty((comm.size, t, batch, grad_mine.shape[-1]))
         grad_x = None
         if ctx.needs_input_grad[0]:
-            out = _gathered_matmul(local, weight, comm, ctx.ranges, False, whole, dtype=x.dtype)
-            grad_x = out.view(batch, comm.size * t, -1)
+            grad_x = _gathered_matmul(local, weight, comm, ctx.ranges, False, whole, dtype=x.dtype)
         else:  # frozen input (never in a model): the gathered gradient alone
             for (lo, hi), (handle, buffer) in zip(ctx.ranges, _gather_pieces(local, comm, ctx.ranges)):
                 handle.wait()
