@@ -32,7 +32,7 @@ import os
 import statistics
 import tempfile
 
-from common import (MiB, add_step_args, bench_parser, combine, err, ledger_text, machine, prepare, reproduce,
+from common import (add_step_args, bench_parser, combine, err, ledger_text, machine, prepare, reproduce,
                     rounds, run_overrides, speed_text, start_ranks, summarize, table, timed_steps)
 from shardlm.config import load_config
 from shardlm.models import count_params

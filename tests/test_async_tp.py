@@ -94,9 +94,9 @@ def _ranks(rank: int, world: int, layer_args: list, cases: list) -> dict:
 
 # (batch, rows per rank, LoRA, frozen base). Every piece's matmul has >= 64 rows: a BLAS computes
 # a row of a product the same way whichever rows it multiplies with it only above a small size
-# (MKL here: below ~16 rows it takes another kernel, and the pieces then differ from the whole
-# matmul by rounding: docs/parallelism.md). 65 rows: pieces of 33 and 32. Batch 1: F.linear's
-# fused-bias path (its gathered input is contiguous).
+# (MKL here: for a few rows it takes another kernel, and the pieces then differ from the whole
+# matmul by rounding: docs/architecture.md, "Overlapped"). 65 rows: pieces of 33 and 32.
+# Batch 1: F.linear's fused-bias path (its gathered input is contiguous).
 LAYERS = [(2, 65, False, False), (1, 128, False, False), (2, 64, True, False), (2, 64, True, True)]
 
 
