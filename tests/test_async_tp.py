@@ -107,8 +107,10 @@ def world(tmp_path_factory):
     base = {**plain, "parallel.tp": 2, "parallel.sequence_parallel": True}
     lora = {**tiny_overrides(tmp, model__preset="llama-tiny", train__steps=STEPS, train__micro_batch=4, lora__rank=4),
             "parallel.tp": 2, "parallel.sequence_parallel": True}
+    full = {**base, "activation.checkpoint": "full"}
     cases = [(base, STEPS, -1), ({**base, "parallel.async_tp": True}, STEPS, -1),
-             (lora, STEPS, -1), ({**lora, "parallel.async_tp": True}, STEPS, -1)]
+             (lora, STEPS, -1), ({**lora, "parallel.async_tp": True}, STEPS, -1),
+             (full, STEPS, -1), ({**full, "parallel.async_tp": True}, STEPS, -1)]
     out = run_ranks(_ranks, 2, tmp, LAYERS, cases)
     return plain, out
 
@@ -132,12 +134,13 @@ def test_layers_same_bits_and_bytes_as_blocking(world, index):
             assert overlapped["calls"][op] == 2 * blocking["calls"][op]
 
 
-@pytest.mark.parametrize("case, what", [(0, "gpt-tiny"), (2, "llama-tiny + LoRA")])
+@pytest.mark.parametrize("case, what", [(0, "gpt-tiny"), (2, "llama-tiny + LoRA"), (4, "gpt-tiny, recompute")])
 def test_training_same_bits_as_blocking_and_one_process(world, case, what):
     """Training at tp = 2 + SP: the overlapped run's losses and parameters after AdamW steps are
     the blocking run's bit for bit, and its ledger's tensor-parallel bytes per step are the
-    blocking run's, which are the planner's formula (planner/traffic.py tp_comm_bytes); against
-    one process at tests/test_tensor_parallel.py's tolerance (1e-5)."""
+    blocking run's, which are the planner's formula (planner/traffic.py tp_comm_bytes; with
+    activation.checkpoint = 'full', the formula's async_tp term: one reduce-scatter more per
+    block); against one process at tests/test_tensor_parallel.py's tolerance (1e-5)."""
     from shardlm.planner.traffic import tp_comm_bytes
 
     plain, out = world
@@ -147,7 +150,14 @@ def test_training_same_bits_as_blocking_and_one_process(world, case, what):
         assert overlapped["params"].keys() == blocking["params"].keys()
         for name, value in blocking["params"].items():
             assert torch.equal(overlapped["params"][name], value), (what, name)
-        assert [c["tp"] for c in overlapped["comm_by_op"]] == [c["tp"] for c in blocking["comm_by_op"]]
+        if case != 4:
+            assert [c["tp"] for c in overlapped["comm_by_op"]] == [c["tp"] for c in blocking["comm_by_op"]]
+    if case == 4:  # recomputation also repeats each block's last reduce-scatter (fused with the
+        # matmul whose saved input backward needs: checkpoint's early stop comes after it)
+        model = load_config(overrides=plain).validate().model
+        for r, flag in ((case, False), (case + 1, True)):
+            assert out[0]["train"][r]["comm_by_op"][-1]["tp"] == tp_comm_bytes(model, 4 * 64, 2, True, 4, "full",
+                                                                               async_tp=flag)
     if case == 0:  # the formula and one process: the dense model
         model = load_config(overrides=plain).validate().model
         assert out[0]["train"][1]["comm_by_op"][-1]["tp"] == tp_comm_bytes(model, 4 * 64, 2, True, 4)

@@ -333,7 +333,8 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
         calls = (4 if s.recompute == "none" else 6) * sp.layers * micro + 3 * micro
         counted = micro * tp_comm_bytes(m, tokens, lay.tp, s.sequence_parallel, e, s.recompute,
                                         sp.layers, embedding=sp.index == 0,
-                                        head=sp.index == lay.pp - 1)
+                                        head=sp.index == lay.pp - 1,
+                                        async_tp=s.async_tp and s.sequence_parallel)
         bw, lat, where = group_link(cluster, lay.tp, 1)
         sec, latency = collective_parts("all_reduce", counted / 2, lay.tp, bw, lat, calls)
         exposed, terms = sec, [CommTerm(f"{calls:g} calls inside the blocks: the next matmul needs "
