@@ -33,7 +33,9 @@ gradients are the same single matmuls, and each sum over 2 ranks is one addition
 Over N > 2 ranks each piece is reduced by its own collective, in the order the backend picks for
 that buffer (gloo's matched the whole buffer's at 4 ranks, measured; not guaranteed by every
 algorithm). The ledger sees the same bytes: the pieces' all-gathers sum to the whole
-all-gather's output, their reduce-scatters to its input (only the call count grows, P times).
+all-gather's output, their reduce-scatters to its input (only the call count grows, P times);
+under activation recomputation one reduce-scatter more per block is repeated (the fused node
+saves its input only when it returns: planner.traffic.tp_comm_bytes(async_tp=True)).
 """
 
 from __future__ import annotations
