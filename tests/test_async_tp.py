@@ -188,8 +188,8 @@ def test_config_accepts_async_tp_with_sequence_parallel(tmp_path):
 
 def test_planner_hides_the_tp_collectives_behind_their_matmuls():
     """The planner's time for async TP (planner/timing.py _async_tp_overlap): the tensor-parallel
-    collectives' exposed time is max(0, comm - overlap x the matmuls they feed) + a piece's
-    latency per call, so the predicted step is shorter than blocking SP's where the device
+    collectives' exposed time is a piece's latency per call + max(0, the rest - overlap x the
+    matmuls they feed), so the predicted step is shorter than blocking SP's where the device
     overlaps (GPUs) and the bytes are the same; where nothing overlaps (Calibration.overlap = 0:
     a CPU, whose gloo threads need the matmuls' cores) it is no shorter."""
     from dataclasses import replace
@@ -208,7 +208,8 @@ def test_planner_hides_the_tp_collectives_behind_their_matmuls():
         tp = [next(c for c in t.comms if c.name == "tensor-parallel all-reduces") for t in times]
         assert tp[1].bytes == tp[0].bytes
         assert tp[1].exposed < tp[0].exposed == tp[0].seconds
-        assert tp[1].exposed >= tp[1].latency  # a piece's latency per call is never hidden
+        # one piece's latency per call (of the tp = 8 pieces' latencies) is never hidden
+        assert tp[1].latency / 8 <= tp[1].exposed <= tp[1].seconds
         assert times[1].step < times[0].step
         still = replace(cluster, measured=replace(CALIBRATION["cuda"], overlap=0.0))
         assert estimate_time(w, replace(blocking, async_tp=True), still).step >= estimate_time(w, blocking, still).step

@@ -303,22 +303,23 @@ def _pipeline_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams)
 
 
 def _async_tp_overlap(w: Workload, s: Strategy, windows: Windows, overlap: float, seconds: float,
-                      latency: float, calls: float) -> tuple[float, float, list[CommTerm]]:
+                      latency: float, calls: float) -> tuple[float, float, float, list[CommTerm]]:
     """parallel.async_tp (parallel/async_tp.py; Wang et al. 2023, torchtitan's async TP): each
     sequence-parallel all-gather / reduce-scatter is cut into tp pieces, each in flight while
-    the matmuls it feeds run. (seconds, exposed, terms): the pieces add tp - 1 latencies per
-    call; exposed = max(0, comm - overlap x the fed matmuls' compute) + one piece's latency per
-    call (the last reduce-scatter piece has nothing beside it). The fed matmuls: the matmul
-    share (6N of the kernel FLOPs) of the step's block compute; `overlap` the device's
-    (Calibration.overlap: 0 on a CPU, where gloo's threads need the cores the matmuls use)."""
+    the matmuls it feeds run. Returns (seconds, latency, exposed, terms): the pieces add tp - 1
+    latencies per call; exposed = one piece's latency per call (the last reduce-scatter piece
+    has nothing beside it) + max(0, the rest - overlap x the fed matmuls' compute), never more
+    than the time. The fed matmuls: the matmul share (6N of the kernel FLOPs) of the step's
+    block compute; `overlap` the device's (Calibration.overlap: 0 on a CPU, where gloo's threads
+    need the cores the matmuls use)."""
     pieces = s.layout.tp
     seconds += (pieces - 1) * latency
     share = 6 * flops.matmul_params(w.model) / flops.kernel_flops_per_token(w.model, w.seq_len, s.recompute)
     matmuls = (windows.forward + windows.backward) * s.grad_accum * min(1.0, share)
-    exposed = max(0.0, seconds - overlap * matmuls) + latency
-    return seconds, exposed, [CommTerm(f"{calls:g} calls in {pieces} pieces each, overlapped with the "
-                                       f"{matmuls * 1e3:.3g} ms of matmuls they feed (async TP)",
-                                       seconds, exposed)]
+    exposed = latency + max(0.0, seconds - latency - overlap * matmuls)
+    term = CommTerm(f"{calls:g} calls in {pieces} pieces each, overlapped with the {matmuls * 1e3:.3g} ms "
+                    f"of matmuls they feed (async TP)", seconds, exposed)
+    return seconds, pieces * latency, exposed, [term]
 
 
 def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
@@ -340,8 +341,8 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
         exposed, terms = sec, [CommTerm(f"{calls:g} calls inside the blocks: the next matmul needs "
                                         f"each result, nothing to hide behind", sec, sec)]
         if s.async_tp and s.sequence_parallel and windows is not None:
-            sec, exposed, terms = _async_tp_overlap(w, s, windows, cluster.calibration.overlap, sec,
-                                                    latency, calls)
+            sec, latency, exposed, terms = _async_tp_overlap(w, s, windows, cluster.calibration.overlap,
+                                                             sec, latency, calls)
         out.append(CommTime("tensor-parallel all-reduces", f"{lay.tp} ranks, {where}", counted, sec, exposed,
                             latency, terms))
     if lay.pp > 1:
