@@ -239,7 +239,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = _gathered_matmul(local, weight, comm, ctx.ranges, False, whole, dtype=x.dtype)
-        else:  # frozen input (never in a model): the gathered gradient alone
+        else:  # an input that needs no gradient (only the weight's is wanted): the gathered gradient alone
             for (lo, hi), (handle, buffer) in zip(ctx.ranges, _gather_pieces(local, comm, ctx.ranges)):
                 handle.wait()
                 whole[:, lo:hi] = buffer
