@@ -177,7 +177,7 @@ def test_every_number_has_a_range():
 def _default(key: str):
     value = Config()
     for name in key.split("."):  # 'train.local_sgd.every': a nested section's key too
-        value = getattr(value, name.replace("async", "async_"))
+        value = getattr(value, {"async": "async_"}.get(name, name))
     return value
 
 

@@ -29,6 +29,31 @@ def _sequence_parallel_needs_tp(cfg: Config) -> list[str]:
              "it needs parallel.tp > 1"] if par.sequence_parallel and par.tp == 1 else [])
 
 
+@_cross("parallel.async_tp", "parallel.tp", "parallel.sequence_parallel", "train.compile",
+        "precision.compute", "lora.quantize")
+def _async_tp_composes(cfg: Config) -> list[str]:
+    """parallel.async_tp decomposes sequence parallelism's all-gather / reduce-scatter around the
+    tensor-parallel linears' plain matmuls (parallel/async_tp.py)."""
+    par = cfg.parallel
+    if not par.async_tp:
+        return []
+    if par.tp == 1 or not par.sequence_parallel:
+        return [f"parallel.async_tp = true overlaps sequence parallelism's all-gather / reduce-scatter "
+                f"with the tensor-parallel matmuls: it needs parallel.tp > 1 (got {par.tp}) and "
+                f"parallel.sequence_parallel = true (got {str(par.sequence_parallel).lower()}); set "
+                f"them, or async_tp = false"]
+    blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
+        ("train.compile", cfg.train.compile, "the pieces' collectives are waited on between "
+         "matmuls, which a compiled block does not hold yet; set train.compile = false", cfg.train.compile),
+        ("precision.compute", cfg.precision.compute, "an FP8 matmul scales its input by the whole "
+         "gathered input's amax, which no piece has; use bf16 or fp32", cfg.precision.compute == "fp8"),
+        ("lora.quantize", cfg.lora.quantize, "the quantised base is dequantised inside its own "
+         "matmul; LoRA on a plain base composes", cfg.lora.quantize != "none")) if on]
+    return ([f"parallel.async_tp = true does not compose yet with: {'; '.join(blocking)}. Or set "
+             f"parallel.async_tp = false (blocking sequence parallelism composes with all of them)"]
+            if blocking else [])
+
+
 @_cross("parallel.pp", "parallel.pp_layers", "parallel.pp_schedule", "parallel.pp_virtual",
         "model.n_layers", "train.grad_accum")
 def _pipeline_fits(cfg: Config) -> list[str]:

@@ -213,6 +213,13 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """With tp > 1: norms and residuals on 1/tp of the sequence each, all-gather/reduce-scatter
     in place of the all-reduces (Korthikanti et al. 2022); same results, less activation memory."""
+    async_tp: bool = False
+    """With tp > 1 and sequence_parallel: overlapped ("async") tensor parallelism. The all-gather
+    before each column-parallel linear and the reduce-scatter after each row-parallel one are cut
+    into tp pieces whose collectives are in flight while the matmuls of the rows already there
+    (or the next piece's partial sums) run (parallel/async_tp.py; Wang et al. 2023, torchtitan's
+    async TP, Megatron-LM's tp_comm_overlap). Same bits and bytes as the blocking version on 2
+    ranks; not with train.compile, precision.compute = 'fp8' or lora.quantize yet."""
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks (2·cp load-balanced chunks),
     attention by passing key/value blocks around a ring (parallel/context.py); activations

@@ -174,6 +174,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
                                cfg.parallel.sequence_parallel, mesh.dims.ep == 1) if mesh.dims.tp > 1 else None
     if tp is not None:
         initializer = sliced(initializer, tp.splits)
+        tp.async_tp = cfg.parallel.async_tp  # parallel/async_tp.py (validate: sequence-parallel)
     cp = apply_cp(model, Comm(mesh.cp_group, "cp", ledger, watchdog), cfg.parallel.cp_mode,
                   cfg.parallel.cp_ulysses) if mesh.dims.cp > 1 else None
     if cp is not None:

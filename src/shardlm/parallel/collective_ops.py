@@ -85,3 +85,9 @@ def all_reduce_max(x: torch.Tensor, group: str) -> torch.Tensor:
 @all_reduce_max.register_fake
 def _(x: torch.Tensor, group: str) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def comm_of(group: str) -> Comm:
+    """The Comm behind a group's key (op_group): parallel/async_tp.py's decomposed loops launch
+    their pieces' collectives through it."""
+    return _COMMS[group]

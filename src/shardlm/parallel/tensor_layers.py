@@ -14,6 +14,7 @@ from shardlm.data.sft import IGNORE
 from shardlm.models.fp8 import Fp8Quantiser, fp8_linear
 from shardlm.models.quant import QuantFormat, quantized_linear, weight_of
 from shardlm.models.placement import even_range
+from shardlm.parallel.async_tp import all_gather_matmul, matmul_reduce_scatter
 from shardlm.parallel.tensor_regions import (CopyToGroup, TPState, into_parallel_region, out_of_parallel_region,
                                              synced)
 
@@ -51,10 +52,22 @@ class ColumnParallelLinear(nn.Module):
             weight = weight_of(self.weight_q, self.quant, torch.float32)
         return fp8_linear(x, weight, bias, self.fp8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def overlaps(self) -> bool:
+        """parallel.async_tp on a sequence-sharded forward, on a plain (not FP8, not quantised)
+        base, whose input this layer gathers (config.layout_rules refuses FP8 and QLoRA)."""
+        return self.tp.overlapped and self.gather_input and self.quant is None and self.fp8 is None
+
+    def gathered(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the base's output, the whole-sequence input): all-gather then matmul, overlapped
+        (parallel/async_tp.py) or one after the other."""
+        if self.overlaps():
+            return all_gather_matmul(x, self.weight, self.bias, self.tp.group, self.tp.size)
         if self.gather_input:
             x = into_parallel_region(x, self.tp)
-        return self.base(x, self.bias)
+        return self.base(x, self.bias), x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gathered(x)[0]
 
 
 class SharedKVLinear(nn.Module):
@@ -101,8 +114,16 @@ class RowParallelLinear(nn.Module):
     FP8_PIECES = ("weight", "input")  # cut here (input features); the output's gradient is whole
     base = ColumnParallelLinear.base
 
+    def scattered(self, x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        """The partial sums x W_localᵀ (+ extra) summed over the group (this rank's sequence chunk
+        when sequence-parallel): matmul then reduction, overlapped under parallel.async_tp."""
+        if self.tp.overlapped and self.quant is None and self.fp8 is None:
+            return matmul_reduce_scatter(x, self.weight, extra, self.tp.group, self.tp.size)
+        partial = self.base(x, None)
+        return out_of_parallel_region(partial if extra is None else partial + extra, self.tp)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = out_of_parallel_region(self.base(x, None), self.tp)
+        y = self.scattered(x, None)
         return y if self.bias is None else y + synced(self.bias, self.tp)
 
 
@@ -130,10 +151,10 @@ class LoRAColumnParallelLinear(ColumnParallelLinear):
         _add_adapters(self, (lora.rank, in_features), (out_local, lora.rank), lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = into_parallel_region(x, self.tp)
+        y, x = self.gathered(x)
         a = CopyToGroup.apply(self.lora_A.weight, self.tp.group)
         update = F.linear(F.linear(self.dropout(x), a), self.lora_B.weight)  # (…, r) -> (…, out_local)
-        return self.base(x, self.bias) + self.scaling * update
+        return y + self.scaling * update
 
 
 class LoRASharedKVLinear(SharedKVLinear):
@@ -166,7 +187,7 @@ class LoRARowParallelLinear(RowParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = CopyToGroup.apply(self.lora_B.weight, self.tp.group)
         update = F.linear(F.linear(self.dropout(x), self.lora_A.weight), b)  # partial sum (…, out)
-        y = out_of_parallel_region(self.base(x, None) + self.scaling * update, self.tp)
+        y = self.scattered(x, self.scaling * update)
         return y if self.bias is None else y + synced(self.bias, self.tp)
 
 

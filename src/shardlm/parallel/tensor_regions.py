@@ -30,6 +30,10 @@ class TPState:
     splits: dict[str, Split] = field(default_factory=dict)
     group: str = ""
     """The group's key for the collective ops (collective_ops.op_group), set from `comm`."""
+    async_tp: bool = False
+    """parallel.async_tp: while `sharded`, the column-parallel linears' all-gather and the row-
+    parallel ones' reduce-scatter are cut into pieces that overlap their matmuls
+    (parallel/async_tp.py); set by parallelize."""
 
     def __post_init__(self) -> None:
         self.group = op_group(self.comm)
@@ -41,6 +45,11 @@ class TPState:
     @property
     def rank(self) -> int:
         return self.comm.rank
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether this forward's sequence-parallel collectives overlap their matmuls."""
+        return self.async_tp and self.sharded
 
     def decide(self, ids: torch.Tensor) -> None:
         """This forward's mode, from its (B, T) token ids: sequence-sharded only when the

@@ -278,6 +278,8 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
         if lay.pp > 1 and pipeline is not None:
             piped = dict(pp_schedule=pipeline.pp_schedule, pp_virtual=pipeline.pp_virtual,
                          pp_layers=pipeline.pp_layers)
+        if lay.tp > 1 and sequence_parallel and getattr(pipeline, "async_tp", False):
+            piped["async_tp"] = True  # a run's own parallel.async_tp, kept (timing._async_tp_overlap)
         for stage in supported.stages:
             if stage == 0 and lay.dp_replicate > 1:
                 continue  # stage 0 reduces over all data-parallel ranks: the split is moot
@@ -420,7 +422,8 @@ def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
     par = cfg.parallel
     strategy = Strategy(dims, par.zero_stage, t.micro_batch, t.grad_accum, cfg.activation.checkpoint,
                         zero.offload_optimizer, zero.offload_params, dtypes,
-                        sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
+                        sequence_parallel=par.sequence_parallel, async_tp=par.async_tp,
+                        pp_schedule=par.pp_schedule,
                         pp_virtual=par.pp_virtual, pp_layers=par.pp_layers,
                         activation_offload=cfg.activation.offload,
                         activation_offload_blocks=cfg.activation.offload_blocks, prefetch=par.prefetch)

@@ -307,8 +307,29 @@ def _pipeline_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams)
     return out
 
 
-def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> list[CommTime]:
-    """Tensor, pipeline and expert parallel traffic, all on the critical path."""
+def _async_tp_overlap(w: Workload, s: Strategy, windows: Windows, overlap: float, seconds: float,
+                      latency: float, calls: float) -> tuple[float, float, float, list[CommTerm]]:
+    """parallel.async_tp (parallel/async_tp.py; Wang et al. 2023, torchtitan's async TP): each
+    sequence-parallel all-gather / reduce-scatter is cut into tp pieces, each in flight while
+    the matmuls it feeds run. Returns (seconds, latency, exposed, terms): the pieces add tp - 1
+    latencies per call; exposed = one piece's latency per call (the last reduce-scatter piece
+    has nothing beside it) + max(0, the rest - overlap x the fed matmuls' compute), never more
+    than the time. The fed matmuls: the matmul share (6N of the kernel FLOPs) of the step's
+    block compute; `overlap` the device's (Calibration.overlap: 0 on a CPU, where gloo's threads
+    need the cores the matmuls use)."""
+    pieces = s.layout.tp
+    seconds += (pieces - 1) * latency
+    share = 6 * flops.matmul_params(w.model) / flops.kernel_flops_per_token(w.model, w.seq_len, s.recompute)
+    matmuls = (windows.forward + windows.backward) * s.grad_accum * min(1.0, share)
+    exposed = latency + max(0.0, seconds - latency - overlap * matmuls)
+    term = CommTerm(f"{calls:g} calls in {pieces} pieces each, overlapped with the {matmuls * 1e3:.3g} ms "
+                    f"of matmuls they feed (async TP)", seconds, exposed)
+    return seconds, pieces * latency, exposed, [term]
+
+
+def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
+                          windows: Windows | None = None) -> list[CommTime]:
+    """Tensor, pipeline and expert parallel traffic, all on the critical path (but async TP's)."""
     lay, e, m = s.layout, s.dtypes.param_bytes, w.model
     tokens = s.micro_batch * w.seq_len // lay.cp  # this rank's: context parallelism splits them
     micro = s.grad_accum
@@ -318,12 +339,17 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
         calls = (4 if s.recompute == "none" else 6) * sp.layers * micro + 3 * micro
         counted = micro * tp_comm_bytes(m, tokens, lay.tp, s.sequence_parallel, e, s.recompute,
                                         sp.layers, embedding=sp.index == 0,
-                                        head=sp.index == lay.pp - 1)
+                                        head=sp.index == lay.pp - 1,
+                                        async_tp=s.async_tp and s.sequence_parallel)
         bw, lat, where = group_link(cluster, lay.tp, 1)
         sec, latency = collective_parts("all_reduce", counted / 2, lay.tp, bw, lat, calls)
-        out.append(CommTime("tensor-parallel all-reduces", f"{lay.tp} ranks, {where}", counted, sec, sec,
-                            latency, [CommTerm(f"{calls:g} calls inside the blocks: the next matmul "
-                                               f"needs each result, nothing to hide behind", sec, sec)]))
+        exposed, terms = sec, [CommTerm(f"{calls:g} calls inside the blocks: the next matmul needs "
+                                        f"each result, nothing to hide behind", sec, sec)]
+        if s.async_tp and s.sequence_parallel and windows is not None:
+            sec, latency, exposed, terms = _async_tp_overlap(w, s, windows, cluster.calibration.overlap,
+                                                             sec, latency, calls)
+        out.append(CommTime("tensor-parallel all-reduces", f"{lay.tp} ranks, {where}", counted, sec, exposed,
+                            latency, terms))
     if lay.pp > 1:
         out += _pipeline_comms(w, s, cluster, sp)
     if lay.ep > 1:  # dispatch + combine, forward and backward, per MoE layer
@@ -432,7 +458,7 @@ def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, ra
                  windows: Windows) -> tuple[StageParams, list[CommTime], float]:
     """One pipeline rank's communication (what of it is exposed) and optimizer seconds."""
     lay, dev = s.layout, cluster.device
-    comms = _model_parallel_comms(w, s, cluster, sp)
+    comms = _model_parallel_comms(w, s, cluster, sp, windows)
     if lay.cp > 1:
         comms.append(_cp_ring(w, s, cluster, sp, rate))
     if not s.local:

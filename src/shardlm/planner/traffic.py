@@ -14,7 +14,8 @@ from shardlm.planner.workload import pp_hidden_bytes, pp_sends
 
 
 def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, recompute: str = "none",
-                  layers: int | None = None, embedding: bool = True, head: bool = True) -> int:
+                  layers: int | None = None, embedding: bool = True, head: bool = True,
+                  async_tp: bool = False) -> int:
     """Bytes the tensor-parallel group moves per micro-batch of `tokens` tokens, counted as the
     byte ledger counts them (comm/collectives.py: an all-reduce 2x its tensor, an all-gather its
     output, a reduce-scatter its input), for parallel/tensor.py's layers; `e` bytes per
@@ -33,12 +34,15 @@ def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, reco
     collectives in backward but the last: torch's non-reentrant checkpoint stops recomputing
     once every tensor backward needs is back (early stop), and the block's last collective
     (the MLP's all-reduce, or its reduce-scatter under SP) only feeds the residual add, whose
-    backward saves nothing (measured: tests/test_tensor_parallel.py)."""
+    backward saves nothing (measured: tests/test_tensor_parallel.py). With parallel.async_tp
+    (parallel/async_tp.py) that reduce-scatter is recomputed too: it is fused with the matmul
+    whose saved input backward needs, so the early stop comes after it (tests/test_async_tp.py)."""
     if tp == 1:
         return 0
     h, layers = m.d_model, m.n_layers if layers is None else layers
     act = tokens * h * e
-    per_block = 8 * act + ((3 if sequence_parallel else 2) * act if recompute != "none" else 0)
+    recomputed = (3 + (1 if async_tp else 0) if sequence_parallel else 2) if recompute != "none" else 0
+    per_block = 8 * act + recomputed * act
     total = layers * per_block
     if embedding:
         total += 2 * act

@@ -108,6 +108,9 @@ class Strategy:
     the node's link, instead of every tp rank sending the whole tensor. Not what our runtime
     does (parallel/pipeline.py sends the whole tensor): set only to model a published
     Megatron-LM run (tests/test_planner_published.py)."""
+    async_tp: bool = False
+    """parallel.async_tp: with sequence parallelism, the tp collectives overlap the matmuls they
+    feed (timing._async_tp_overlap)."""
 
     @property
     def local(self) -> bool:

@@ -1,0 +1,115 @@
+"""Overlapped tensor parallelism (parallel.async_tp) against blocking sequence parallelism on 2
+CPU ranks (gloo): tp=2 + sequence_parallel, the same model, batches and fp32 weights, with the
+all-gather / reduce-scatter around each column / row linear either waited on whole before (or
+after) the matmul, or cut into tp pieces in flight while the matmul of the rows already there
+runs (parallel/async_tp.py).
+
+    blocking SP   parallel.tp=2, parallel.sequence_parallel=true
+    async TP      the same + parallel.async_tp=true
+
+Every case trains the same global batch in fresh processes; the cases run in interleaved rounds
+(A B, B A, ...) so other jobs' load hits both alike; tokens/s is the median over rounds of each
+run's median timed step (slowest rank), with its range. The step-1 and final losses must be
+equal bit for bit (the overlapped loops compute the same values: tests/test_async_tp.py), and
+the ledger's bytes per step the same (only the call count grows). "comm wait s/step" is the
+time blocked in the handles' wait() (CommLedger.wait_s, rank 0, median): what overlap can hide.
+The planner columns are planner.search.predict_local for each case (its async TP term:
+planner/timing.py _async_tp_overlap).
+
+On a CPU the overlap competes with the matmuls for the same cores: gloo moves the bytes with
+the CPU (memcpy and the reduction's additions in its own threads), so a rank that computes
+while its collective is in flight shares its cores with it. With few cores per rank, expect
+little or no gain, or a loss (more, smaller collectives and matmuls); the gain the
+decomposition exists for needs a device whose copies run beside its compute (GPU + NVLink).
+
+Reproduce:  PYTHONPATH=src python bench/bench_async_tp.py --repeat 3               (gpt-mini)
+            PYTHONPATH=src python bench/bench_async_tp.py --preset gpt2-124m --repeat 2
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+
+from common import (add_step_args, bench_parser, combine, err, ledger_text, machine, prepare, reproduce,
+                    rounds, run_overrides, speed_text, start_ranks, summarize, table, timed_steps)
+from shardlm.config import load_config
+from shardlm.models import count_params
+from shardlm.train.loop import build_run
+
+WORLD = 2
+CASES = {"blocking SP": {}, "async TP": {"parallel.async_tp": True}}
+
+
+def overrides_for(args, case: dict, run_dir: str) -> dict:
+    return {"model.preset": args.preset, "train.micro_batch": args.global_batch, "train.seq_len": args.seq,
+            "train.steps": args.warmup + args.steps, "parallel.tp": WORLD, "parallel.sequence_parallel": True,
+            **case, **run_overrides(run_dir, args.set)}
+
+
+def async_tp_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
+    """train_timed with each timed step's wait seconds beside its ledger."""
+    from shardlm.train.loop import train_step
+
+    run = build_run(load_config(overrides=overrides).validate())
+    ledger, ledgers, waits = run.strategy.ledger, [], []
+
+    def step(s: int) -> float:
+        ledger.reset()
+        return train_step(run, s).loss
+
+    def after(s: int, seconds: float) -> None:
+        ledgers.append((ledger.snapshot(), dict(ledger.calls)))
+        waits.append(ledger.wait_s)
+
+    out = timed_steps(step, warmup, steps, after)
+    return {**out, "ledgers": [led for led, _ in ledgers[warmup:]], "calls": ledgers[-1][1],
+            "wait_s": statistics.median(waits[warmup:])}
+
+
+def measure(args, case: dict, tmp: str, tokens_per_step: int) -> dict:
+    ranks = start_ranks(async_tp_rank, WORLD, tmp, overrides_for(args, case, tmp), args.warmup, args.steps)
+    return {**summarize(ranks, tokens_per_step), "wait_s": ranks[0]["wait_s"], "calls": ranks[0]["calls"],
+            "losses": ranks[0]["losses"]}
+
+
+def main() -> None:
+    from shardlm.planner.search import predict_local
+
+    parser = bench_parser(__doc__, "gpt-mini", 256)
+    parser.add_argument("--global-batch", type=int, default=8, help="sequences per step (every tp rank sees all)")
+    add_step_args(parser, steps=6, warmup=2, repeat=3)
+    args = parser.parse_args()
+    cfg = load_config(overrides=overrides_for(args, {}, "")).validate()
+    threads = prepare(cfg, WORLD)
+    tokens_per_step = args.global_batch * args.seq
+    print(f"{machine()}; {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
+          f"({count_params(cfg.model) / 1e6:.1f}M params), fp32, tp=2 + SP, global batch "
+          f"{args.global_batch}x{args.seq}, {args.warmup} warm-up + {args.steps} timed steps, "
+          f"{args.repeat} round(s), MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}", flush=True)
+    preds = {name: predict_local(load_config(overrides=overrides_for(args, case, "")).validate(), WORLD)
+             for name, case in CASES.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = rounds(list(CASES), args.repeat, lambda name: measure(args, CASES[name], tmp, tokens_per_step))
+    results = {name: combine(runs[name]) for name in CASES}
+    base = results["blocking SP"]
+    header = ("case", "tok/s median (range)", "vs blocking", "CPU s/step (max rank)", "comm wait s/step (rank 0)",
+              "planner tok/s (err)", "step-1 loss", "final loss", "same losses as blocking",
+              "ledger MiB/step", "tp calls/step")
+    rows = []
+    for name, m in results.items():
+        calls = sum(n for key, n in m["calls"].items() if key.endswith("/tp"))
+        rows.append((name, speed_text(m, 1), f"{m['tok_s'] / base['tok_s'] - 1:+.1%}", f"{m['cpu_s']:.2f}",
+                     f"{m['wait_s']:.3f}", err(preds[name].tokens_per_s, m["tok_s"]), f"{m['first']:.6f}",
+                     f"{m['last']:.6f}", "yes" if all(r["losses"] == runs["blocking SP"][0]["losses"]
+                                                      for r in runs[name]) else "NO",
+                     ledger_text(m["ledger"], m["ledger_steady"]), calls))
+    print("\n" + table(header, rows))
+    print(f"- ledger bytes equal: {results['async TP']['ledger'] == base['ledger']}; "
+          f"load average now {os.getloadavg()[0]:.1f}")
+    print(f"\n{reproduce()}")
+
+
+if __name__ == "__main__":
+    main()
