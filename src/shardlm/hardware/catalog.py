@@ -135,6 +135,21 @@ class MatmulCurve:
                            f"{self.source}, x {factor:.2g} (ranks share the cores)")
 
 
+def interpolate(points, x: float) -> float:
+    """y at `x` on measured (x, y) points: linear in log x between the neighbours, clamped to
+    the ends (nothing extrapolated beyond what was measured)."""
+    import math
+
+    pts = sorted(points)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            f = math.log(x / x0) / math.log(x1 / x0)
+            return y0 + f * (y1 - y0)
+    return pts[-1][1]
+
+
 def intensity(m: int, k: int, n: int) -> float:
     """Arithmetic intensity of an (m x k) @ (k x n) product, up to a constant: multiply-adds
     per element of its two inputs and its output."""
@@ -159,6 +174,27 @@ class Device:
     curves: dict[str, MatmulCurve] = field(default_factory=dict)
     """Measured matmul rates per precision (this CPU: the probe's and `shardlm calibrate`'s);
     where a precision has one, the time model reads it and `efficiency` is not used."""
+    op_seconds: float = 0.0
+    """Seconds of one differentiable op's dispatch, forward and backward (eager PyTorch: the
+    call, autograd's recording, its backward node), measured on this CPU (probe.memory_probe).
+    0 for the catalog's GPUs: their kernels launch asynchronously, ahead of the device, so the
+    host's dispatch hides behind the kernels (an assumption, stated in docs/planner.md)."""
+    fresh_bandwidth: float = 0.0
+    """Bytes/s of writing freshly mapped memory (page faults, the kernel's zeroing, the unmap):
+    on a CPU every block above glibc's fixed mmap threshold (a training process's, docs/
+    allocator.md) is mapped anew at each allocation; measured. 0 = allocations are reused
+    (CUDA's caching allocator): no cost."""
+    bandwidth_curve: tuple[tuple[float, float], ...] = ()
+    """(buffer bytes, read + write bytes/s of a copy) measured on this CPU from cache-sized to
+    DRAM-sized buffers (probe.memory_probe); () = memory_bandwidth at every size."""
+    adamw_curve: tuple[tuple[float, float], ...] = ()
+    """(parameters, seconds per parameter) of torch's fused AdamW measured on this CPU; () = its
+    bytes over memory_bandwidth (planner/memory_bound.py)."""
+
+    def bandwidth_at(self, nbytes: float) -> float:
+        """Read + write bytes/s of element-wise work on buffers of `nbytes` (the measured curve,
+        log-linear between its points, clamped to its ends)."""
+        return interpolate(self.bandwidth_curve, nbytes) if self.bandwidth_curve else self.memory_bandwidth
 
 
 @dataclass(frozen=True)
@@ -413,14 +449,23 @@ def local_cpu(n_ranks: int) -> Cluster:
     # than cores the ranks time-share the cores: each gets cores / n_ranks of the thread the
     # probe timed alone, for its matmuls and for gloo's copies alike (oversubscription).
     share = cpu_share(n_ranks, measured["cores"])
+    rates = measured.get("memory", {})
+    # A rank's memory-bound work runs at its threads' measured rates, time-shared with more
+    # ranks than cores (share); all ranks' DRAM traffic together at most at the machine's copy
+    # rate (256 MiB buffers): each rank's largest buffers get 1/n of it.
+    dram = measured["memory_bandwidth"] / n_ranks
+    curve = tuple((n, min(bw * share, dram) if n >= 256 * MIB else bw * share) for n, bw in rates.get("stream", ()))
+    stream = curve[-1][1] if curve else dram
     device = Device(
         name=f"cpu ({measured['cpu']}, {measured['threads']} thread(s)/rank"
              + (f", {share:.2g} of a core each" if share < 1 else "") + ")", kind="cpu",
         memory=available_memory() / n_ranks, peak={k: v * share for k, v in measured["peak"].items()},
-        memory_bandwidth=measured["memory_bandwidth"] / n_ranks, efficiency=1.0,
+        memory_bandwidth=stream, efficiency=1.0,
         source="measured by shardlm.hardware.probe.measure_cpu (cached)",
         curves={p: measured_curve(points, f"{p}, {measured['threads']} thread(s) on {measured['cpu']}").scaled(share)
-                for p, points in measured.get("curve", {}).items() if points})
+                for p, points in measured.get("curve", {}).items() if points},
+        op_seconds=rates.get("op_seconds", 0.0) / share, fresh_bandwidth=rates.get("fresh_bandwidth", 0.0) * share,
+        bandwidth_curve=curve, adamw_curve=tuple((n, sec / share) for n, sec in rates.get("adamw", ())))
     gloo = Link("gloo-local", measured["gloo_bandwidth"] * share, measured["gloo_latency"] / share, 1.0,
                 "measured: all-reduce between two local gloo ranks")
     node = Node(n_ranks, gloo, LINKS["eth-10"], 1, gloo, available_memory(),
