@@ -120,7 +120,9 @@ STREAM_SIZES = tuple(2**k * MIB for k in (0, 3, 6, 8))
 on tensors from a cache's size to far beyond the last level's."""
 ADAMW_SIZES = (2**18, 2**21, 2**24)
 """Parameters of the fused-AdamW curve (its state 16 bytes each: 4 MiB to 256 MiB)."""
-FRESH_BYTES = 32 * MIB
+FRESH_BYTES = 8 * MIB
+"""The fresh-mapping probe's block: page faults cost per page, so a block of a few milliseconds'
+work measures them (and more tries fit on a shared machine)."""
 OP_CHAIN = 200
 """Differentiable tiny ops in the per-op probe's chain."""
 
@@ -157,13 +159,16 @@ def memory_probe(threads: int, again: bool = False) -> dict:
     return _cached(f"threads={threads}|memory", measure, again=again)
 
 
-def _best(fn, repeats: int = 5) -> float:
+def _best(fn, repeats: int = 5, min_seconds: float = 0.3) -> float:
+    """Best seconds of `fn` over at least `repeats` tries and as many more as fit in
+    `min_seconds` (on a shared machine, more tries give one that nothing interrupted)."""
     fn()  # warm up
-    best = float("inf")
-    for _ in range(repeats):
+    best, tries, deadline = float("inf"), 0, time.perf_counter() + min_seconds
+    while tries < repeats or time.perf_counter() < deadline:
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
+        tries += 1
     return best
 
 
@@ -208,15 +213,10 @@ def _op_seconds(repeats: int = 5) -> float:
 
 
 def _memory_bandwidth(nbytes: int = 256 * MIB, repeats: int = 5) -> float:
-    """Best copy rate (read + write bytes / s) of a buffer far larger than the caches."""
+    """Best copy rate (read + write bytes / s) between two buffers of `nbytes`."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
+    return 2 * nbytes / _best(lambda: dst.copy_(src), repeats)
 
 
 def _gloo_rank(rank: int, world_size: int) -> dict[str, float]:

@@ -273,7 +273,13 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
                                         sp.layers, embedding=sp.index == 0,
                                         head=sp.index == lay.pp - 1)
         bw, lat, where = group_link(cluster, lay.tp, 1)
-        sec, latency = collective_parts("all_reduce", counted / 2, lay.tp, bw, lat, calls)
+        if s.sequence_parallel:  # all-gathers and reduce-scatters, at the device's measured factor
+            # for each (gloo's are not rings: hardware/probe.py)
+            parts = [collective_parts(op, counted / 2, lay.tp, bw, lat, calls) for op in ("all_gather", "reduce_scatter")]
+            f = [cluster.calibration.factor(op) for op in ("all_gather", "reduce_scatter")]
+            sec, latency = (sum(p[i] * k for p, k in zip(parts, f)) for i in (0, 1))
+        else:
+            sec, latency = collective_parts("all_reduce", counted / 2, lay.tp, bw, lat, calls)
         out.append(CommTime("tensor-parallel all-reduces", f"{lay.tp} ranks, {where}", counted, sec, sec,
                             latency, [CommTerm(f"{calls:g} calls inside the blocks: the next matmul "
                                                f"needs each result, nothing to hide behind", sec, sec)]))
