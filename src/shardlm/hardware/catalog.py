@@ -135,6 +135,24 @@ class MatmulCurve:
                            f"{self.source}, x {factor:.2g} (ranks share the cores)")
 
 
+def describe_memory_rates(rates: dict) -> str:
+    """hardware.probe.memory_probe's rates in one line (the calibration line of `estimate`,
+    `shardlm calibrate`)."""
+    stream = rates.get("stream", [])
+    adamw = rates.get("adamw", [])
+    parts = [f"memory probe ({rates.get('threads', '?')} thread(s)"
+             + (f", load average {rates['load_average']:.1f} when measured" if "load_average" in rates else "") + "):"]
+    if stream:
+        parts.append("copy " + ", ".join(f"{bw / 1e9:,.1f} GB/s at {n / 2**20:g} MiB" for n, bw in stream))
+    if "fresh_bandwidth" in rates:
+        parts.append(f"fresh pages {rates['fresh_bandwidth'] / 1e9:,.2f} GB/s")
+    if adamw:
+        parts.append("fused AdamW " + ", ".join(f"{sec * 1e9:.2f} ns/param at {n / 2**20:g} M" for n, sec in adamw))
+    if "op_seconds" in rates:
+        parts.append(f"{rates['op_seconds'] * 1e6:.1f} us per op (forward + backward)")
+    return parts[0] + " " + "; ".join(parts[1:])
+
+
 def interpolate(points, x: float) -> float:
     """y at `x` on measured (x, y) points: linear in log x between the neighbours, clamped to
     the ends (nothing extrapolated beyond what was measured)."""
@@ -184,6 +202,9 @@ class Device:
     on a CPU every block above glibc's fixed mmap threshold (a training process's, docs/
     allocator.md) is mapped anew at each allocation; measured. 0 = allocations are reused
     (CUDA's caching allocator): no cost."""
+    memory_source: str = ""
+    """Where op_seconds, fresh_bandwidth and the curves below came from (describe_memory_rates),
+    '' where nothing was measured."""
     bandwidth_curve: tuple[tuple[float, float], ...] = ()
     """(buffer bytes, read + write bytes/s of a copy) measured on this CPU from cache-sized to
     DRAM-sized buffers (probe.memory_probe); () = memory_bandwidth at every size."""
@@ -465,7 +486,9 @@ def local_cpu(n_ranks: int) -> Cluster:
         curves={p: measured_curve(points, f"{p}, {measured['threads']} thread(s) on {measured['cpu']}").scaled(share)
                 for p, points in measured.get("curve", {}).items() if points},
         op_seconds=rates.get("op_seconds", 0.0) / share, fresh_bandwidth=rates.get("fresh_bandwidth", 0.0) * share,
-        bandwidth_curve=curve, adamw_curve=tuple((n, sec / share) for n, sec in rates.get("adamw", ())))
+        bandwidth_curve=curve, adamw_curve=tuple((n, sec / share) for n, sec in rates.get("adamw", ())),
+        memory_source=describe_memory_rates(rates) + (f", x {share:.2g} (ranks share the cores)" if share < 1 else "")
+        if rates else "")
     gloo = Link("gloo-local", measured["gloo_bandwidth"] * share, measured["gloo_latency"] / share, 1.0,
                 "measured: all-reduce between two local gloo ranks")
     node = Node(n_ranks, gloo, LINKS["eth-10"], 1, gloo, available_memory(),

@@ -133,15 +133,15 @@ def memory_probe(threads: int, again: bool = False) -> dict:
     docs/planner.md section 4a):
 
     - stream: [bytes, read + write bytes/s] of a copy between two buffers of each STREAM_SIZES
-      (best of 5): the rate of element-wise work at its tensors' size, cache to DRAM;
+      (best of ≥ 5 tries and 0.15 s, _best): the rate of element-wise work at its tensors' size, cache to DRAM;
     - fresh_bandwidth: bytes/s of writing freshly mapped memory (an anonymous mapping, first
       written, then unmapped: what glibc does for every block above the mmap threshold, which a
       training process fixes at start-up, docs/allocator.md): page faults, the kernel's zeroing
-      and the unmap, per byte (best of 5);
+      and the unmap, per byte;
     - adamw: [parameters, seconds per parameter] of torch's fused AdamW (the runtime's
-      optimizer, zero/optim.py) over one fp32 flat parameter of each ADAMW_SIZES (best of 5);
+      optimizer, zero/optim.py) over one fp32 flat parameter of each ADAMW_SIZES;
     - op_seconds: one differentiable op, forward and backward, on a tensor of 8 elements: a
-      chain of OP_CHAIN multiplications run forward and back, per op (best of 5): the eager
+      chain of OP_CHAIN multiplications run forward and back, per op: the eager
       dispatch, autograd's recording and its backward node, nothing of the arithmetic."""
 
     def measure() -> dict:
@@ -159,7 +159,7 @@ def memory_probe(threads: int, again: bool = False) -> dict:
     return _cached(f"threads={threads}|memory", measure, again=again)
 
 
-def _best(fn, repeats: int = 5, min_seconds: float = 0.3) -> float:
+def _best(fn, repeats: int = 5, min_seconds: float = 0.15) -> float:
     """Best seconds of `fn` over at least `repeats` tries and as many more as fit in
     `min_seconds` (on a shared machine, more tries give one that nothing interrupted)."""
     fn()  # warm up
@@ -188,7 +188,7 @@ def _adamw_seconds_per_param(n: int, repeats: int = 5) -> float:
     """Seconds per element of torch's fused AdamW step over one fp32 parameter of `n`."""
     from torch.optim.adamw import adamw
 
-    param, grad, m, v = (torch.rand(n) for _ in range(4))
+    param, grad, m, v = (torch.full((n,), 0.5) for _ in range(4))
     step = torch.zeros((), dtype=torch.float32)
 
     def one() -> None:

@@ -400,6 +400,8 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     model_flops = model_flops_per_token(w)
     run_flops = model_flops_per_token(w, s.recompute, "kernel")  # what the step executes
     rate, calibration = compute_rate(w, s, cluster)
+    if dev.memory_source:  # the memory-bound terms' rates (memory_bound.py), measured on this CPU
+        calibration = f"{calibration}; {dev.memory_source}"
     # The pipeline moves at its slowest rank's pace: the largest share of the FLOPs (a rank's
     # chunks summed under the interleaved schedule).
     shares = flops.stage_shares(m, w.seq_len, split)
