@@ -53,7 +53,7 @@ def test_calibrate_prints_the_curve_and_the_planner_s_assumption(monkeypatch, ca
     assert main(["calibrate", "--model", "gpt-tiny", "--seq", "64", "--repeats", "2", "--again"]) == 0
     out = capsys.readouterr().out
     assert ("memory probe (2 thread(s), load average 9.0 when measured): copy 50.0 GB/s at 1 MiB, 20.0 GB/s "
-            "at 256 MiB; fresh pages 3.00 GB/s; fused AdamW 1.00 ns/param at 0.25 M; 6.0 us per op") in out
+            "at 256 MiB; fresh pages 3.00 GB/s; fused AdamW 1.00 ns/param at 0.25 M; 6.0 us per dispatched op") in out
     for name in ("qkv", "attention out", "mlp up", "mlp down", "head"):
         assert f"  {name}" in out
     assert "FLOP-weighted" in out and "the planner's compute rate for this run" in out and "LOAD: 5 of 5 shapes" in out

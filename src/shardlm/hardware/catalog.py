@@ -149,7 +149,7 @@ def describe_memory_rates(rates: dict) -> str:
     if adamw:
         parts.append("fused AdamW " + ", ".join(f"{sec * 1e9:.2f} ns/param at {n / 2**20:g} M" for n, sec in adamw))
     if "op_seconds" in rates:
-        parts.append(f"{rates['op_seconds'] * 1e6:.1f} us per op (forward + backward)")
+        parts.append(f"{rates['op_seconds'] * 1e6:.1f} us per dispatched op")
     return parts[0] + " " + "; ".join(parts[1:])
 
 
@@ -193,8 +193,8 @@ class Device:
     """Measured matmul rates per precision (this CPU: the probe's and `shardlm calibrate`'s);
     where a precision has one, the time model reads it and `efficiency` is not used."""
     op_seconds: float = 0.0
-    """Seconds of one differentiable op's dispatch, forward and backward (eager PyTorch: the
-    call, autograd's recording, its backward node), measured on this CPU (probe.memory_probe).
+    """Seconds per dispatched op, forward ones and backward ones alike (eager PyTorch: the call,
+    autograd's recording, its backward node), measured on this CPU (probe.memory_probe).
     0 for the catalog's GPUs: their kernels launch asynchronously, ahead of the device, so the
     host's dispatch hides behind the kernels (an assumption, stated in docs/planner.md)."""
     fresh_bandwidth: float = 0.0

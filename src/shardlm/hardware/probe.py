@@ -140,9 +140,9 @@ def memory_probe(threads: int, again: bool = False) -> dict:
       and the unmap, per byte;
     - adamw: [parameters, seconds per parameter] of torch's fused AdamW (the runtime's
       optimizer, zero/optim.py) over one fp32 flat parameter of each ADAMW_SIZES;
-    - op_seconds: one differentiable op, forward and backward, on a tensor of 8 elements: a
-      chain of OP_CHAIN multiplications run forward and back, per op: the eager
-      dispatch, autograd's recording and its backward node, nothing of the arithmetic."""
+    - op_seconds: per dispatched op, a chain of OP_CHAIN multiplications on 8 elements run
+      forward and back (2·OP_CHAIN ops): the eager dispatch, autograd's recording and its
+      backward node, nothing of the arithmetic."""
 
     def measure() -> dict:
         before = torch.get_num_threads()
@@ -156,7 +156,7 @@ def memory_probe(threads: int, again: bool = False) -> dict:
         finally:
             torch.set_num_threads(before)
 
-    return _cached(f"threads={threads}|memory", measure, again=again)
+    return _cached(f"threads={threads}|memory rates", measure, again=again)
 
 
 def _best(fn, repeats: int = 5, min_seconds: float = 0.15) -> float:
@@ -199,7 +199,8 @@ def _adamw_seconds_per_param(n: int, repeats: int = 5) -> float:
 
 
 def _op_seconds(repeats: int = 5) -> float:
-    """Seconds of one differentiable op, forward and backward, on 8 elements."""
+    """Seconds per dispatched op: a chain of OP_CHAIN multiplications on 8 elements run forward
+    (recorded by autograd) and backward (one multiplication per link) is 2·OP_CHAIN ops."""
     x = torch.ones(8, requires_grad=True)
 
     def chain() -> None:
@@ -209,7 +210,7 @@ def _op_seconds(repeats: int = 5) -> float:
         y.backward(torch.ones(8))
         x.grad = None
 
-    return _best(chain, repeats) / OP_CHAIN
+    return _best(chain, repeats) / (2 * OP_CHAIN)
 
 
 def _memory_bandwidth(nbytes: int = 256 * MIB, repeats: int = 5) -> float:
