@@ -173,7 +173,8 @@ def memory_bound_terms(w: Workload, s: Strategy, cluster: Cluster, sp: StagePara
 
 def _zero_copies(s: Strategy, cluster: Cluster, sp: StageParams) -> list[WorkTerm]:
     """The ZeRO engine's own copies (zero/engine.py): each unit's gradients copied into its
-    flat buffer before the reduction (read and write g·Ψ_r, the buffer fresh), once per step;
+    flat buffer before the reduction (read and write g·Ψ_r; at stages 2-3 the buffer is freed
+    after its reduce-scatter, so new every step), once per step;
     at stage 3 every gather writes the whole unit into a fresh buffer (e·Ψ_r per gather: twice
     per micro-batch, once per step on a pipeline)."""
     dev, d = cluster.device, s.dtypes
@@ -181,7 +182,7 @@ def _zero_copies(s: Strategy, cluster: Cluster, sp: StageParams) -> list[WorkTer
     g, e = d.grad_bytes, d.param_bytes
     unit = sp.block_unit * g
     seconds = 2 * g * psi / dev.bandwidth_at(unit)
-    fresh = g * psi
+    fresh = g * psi if s.zero_stage >= 2 else 0.0  # stages 0-1 keep the flat buffer between steps
     if s.zero_stage == 3:
         fresh += (1 if s.layout.pp > 1 else 2 * s.grad_accum) * e * psi
     if dev.fresh_bandwidth > 0:
