@@ -106,6 +106,7 @@ def block_work(m: ModelConfig, tp: int = 1, sequence_parallel: bool = False) -> 
 def root_work(m: ModelConfig, tp: int, first: bool, last: bool) -> BlockWork:
     """The embedding's and the head's work per token (first / last pipeline stage): the
     lookup (and the learned positions' add), the final norm, the loss over the vocabulary (the
+    ops counted by the same tracker on gpt-tiny and llama-tiny with no blocks; the
     log-probabilities, NLL's gradient and log-softmax's: V/t wide each, read and written in
     fp32, counted here in 4-byte elements' worth of the activations' dtype by the caller)."""
     h, v = m.d_model, -(-m.vocab_size // tp)
@@ -115,14 +116,14 @@ def root_work(m: ModelConfig, tp: int, first: bool, last: bool) -> BlockWork:
         learned = m.position == "learned"
         fresh += h + (2 * h if learned else 0)
         traffic += 3 * h if learned else 0
-        ops += 4 if learned else 3
+        ops += 9 if learned else 6  # lookups (and RoPE's tables), their backwards, views
     if last:
         rms = m.norm == "rmsnorm"
         fresh += (3 + 9) * h if rms else 2 * h
         traffic += (7 + 24) * h if rms else 5 * h
         fresh += 4 * v + h  # logits, log-probs, NLL's gradient, log-softmax's; the head's dX
         traffic += 7 * v  # log_softmax r+w, NLL reads, its gradient written, the backward r 2 w 1
-        ops += 30 if rms else 16
+        ops += 47 if rms else 27  # final norm, head, loss, their backwards, views
     return BlockWork(fresh, traffic, ops)
 
 
