@@ -5,7 +5,9 @@ nvme offload tier; the model axes: tensor parallelism (tp=2, with and without se
 parallelism), context parallelism (cp=2), both (cp=2 x tp=2), pipelines (pp=2: 1f1b, gpipe, zb;
 4 micro-batches) — a fresh set of gloo ranks trains a few steps and reports, from rank 0:
 the model-state byte ledger (params + grads + optimizer, what the engine holds), the process's
-peak RSS (ru_maxrss) and the median step time after the first, and the load average around it.
+peak RSS (ru_maxrss), the bytes of new pages a step touches (minor page faults x the page size,
+median after the first step: no load changes them) and the median step time after the first,
+and the load average around it.
 The planner's `predict_local(cfg, ranks)` predicts the same three from the config alone (its
 compute rate from this machine's matmul curve: the probe's shapes and whatever `shardlm
 calibrate` cached; the table says which). MALLOC_MMAP_THRESHOLD_=65536 is set for
@@ -75,14 +77,21 @@ def measure(rank: int, world_size: int, overrides: dict, steps: int) -> dict:
     from shardlm.train.telemetry import peak_rss_bytes
     from shardlm.train.loop import build_run, train_step
 
+    import resource
+
     run = build_run(load_config(overrides=overrides).validate())
-    seconds = []
+    seconds, faults = [], []
     for step in range(steps):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         train_step(run, step)
         seconds.append(time.perf_counter() - start)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    # Minor page faults x the page size: the bytes of new mappings a step touched, which no
+    # load changes (the planner's "fresh memory" counts them: planner/memory_bound.py)
     return {"state": run.strategy.model_state_bytes(), "peak_rss": peak_rss_bytes(),
-            "step_s": statistics.median(seconds[1:] or seconds)}
+            "step_s": statistics.median(seconds[1:] or seconds),
+            "fresh_bytes": statistics.median(faults[1:] or faults) * os.sysconf("SC_PAGE_SIZE")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -126,7 +135,7 @@ def run_case(args, ranks: int, stage: int, ac: str, offload: str, axes: str, tmp
             "preset": args.preset, "seq": args.seq, "micro_batch": args.micro_batch,
             "precision": args.precision, "steps": args.steps,
             "state_measured": sum(measured["state"].values()), "peak_measured": measured["peak_rss"],
-            "step_measured": measured["step_s"], "load_average": load}
+            "step_measured": measured["step_s"], "fresh_measured": measured["fresh_bytes"], "load_average": load}
 
 
 def predict_case(args, row: dict) -> dict:
@@ -143,7 +152,7 @@ def predict_case(args, row: dict) -> dict:
     t = predicted.timing
     return {"state_predicted": sum(predicted.model_state_bytes.values()),
             "peak_predicted": predicted.peak_process_bytes, "step_predicted": predicted.step_time_s,
-            "calibration": t.calibration,
+            "calibration": t.calibration, "fresh_predicted": sum(w.fresh_bytes for w in t.work),
             "step_parts": {k: v for k, v in step_parts(t).items() if v > 0}}
 
 
@@ -203,8 +212,8 @@ def print_table(args, rows: list[dict]) -> None:
           + (f"; measured as saved in {args.predict_from}, predicted now" if again else "") + "\n")
     before = " step s pred before | err before |" if again else ""
     print("| ranks | axes | stage | AC | offload | state MiB meas / pred | err | peak RSS MiB meas / pred | err "
-          f"| step s meas / pred | err |{before} load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if again else "") + "---|")
+          f"| new pages MB meas / pred | err | step s meas / pred | err |{before} load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if again else "") + "---|")
     misses = []
     for r in rows:
         e = (err(r["state_predicted"], r["state_measured"]), err(r["peak_predicted"], r["peak_measured"]),
@@ -215,9 +224,11 @@ def print_table(args, rows: list[dict]) -> None:
                               f"{name} off by {value:+.0%} (target ±{limit:.0%})")
         old = r.get("before", {}).get("step_predicted")
         was = (f" {old:.3f} | {err(old, r['step_measured']):+.1%} |" if old else " – | – |") if again else ""
+        fresh = (f"{r['fresh_measured'] / 1e6:,.1f} / {r['fresh_predicted'] / 1e6:,.1f} | "
+                 f"{err(r['fresh_predicted'], r['fresh_measured']):+.1%}" if r.get("fresh_measured") else "– | –")
         print(f"| {r['ranks']} | {r['axes']} | {r['stage']} | {r['ac']} | {r['offload']} | "
               f"{r['state_measured'] / MiB:,.1f} / {r['state_predicted'] / MiB:,.1f} | {e[0]:+.1%} | "
-              f"{r['peak_measured'] / MiB:,.0f} / {r['peak_predicted'] / MiB:,.0f} | {e[1]:+.1%} | "
+              f"{r['peak_measured'] / MiB:,.0f} / {r['peak_predicted'] / MiB:,.0f} | {e[1]:+.1%} | {fresh} | "
               f"{r['step_measured']:.3f} / {r['step_predicted']:.3f} | {e[2]:+.1%} |{was} {r['load_average']:.1f} |")
     print(f"\nload: the 1-minute load average around each case on {os.cpu_count()} cores (above the "
           f"cores, other processes shared them and step times are not this machine's)")

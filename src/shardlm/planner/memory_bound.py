@@ -59,6 +59,9 @@ class WorkTerm:
     name: str
     seconds: float
     formula: str
+    fresh_bytes: float = 0.0
+    """Bytes of new mappings the term counts per step (the page faults bench_planner.py
+    measures: ru_minflt x the page size)."""
 
 
 def block_work(m: ModelConfig, tp: int = 1, sequence_parallel: bool = False) -> BlockWork:
@@ -155,14 +158,17 @@ def memory_bound_terms(w: Workload, s: Strategy, cluster: Cluster, sp: StagePara
                       f"{seconds * 1e3:,.1f} ms)")]
     if dev.fresh_bandwidth > 0:
         grads = (sp.dense + sp.experts) * e  # every weight's gradient, a fresh matmul output
-        if sp.index == 0 and not m.tie_embeddings or sp.index == lay.pp - 1 and m.tie_embeddings:
-            grads += -(-m.vocab_size // lay.tp) * m.d_model * 4  # the embedding's dense gradient
+        rows = -(-m.vocab_size // lay.tp) * m.d_model * 4
+        if sp.index == 0:  # the embedding's dense gradient (embedding_dense_backward)
+            grads += rows
+        if m.tie_embeddings and sp.index == lay.pp - 1 == 0:  # autograd's out-of-place sum of the
+            grads += rows  # head's and the embedding's gradients of the one tied weight
         acts = tokens * (layers * block.fresh * e + root.fresh * 4) if activation >= MMAP_THRESHOLD else 0.0
         fresh = acts + grads
         terms.append(WorkTerm("fresh memory (page faults)", stretch * micro * fresh / dev.fresh_bandwidth,
                               f"{micro} micro-batch(es) x {fresh / 1e6:,.1f} MB of new tensors (activations "
                               f"{acts / 1e6:,.1f}, weight gradients {grads / 1e6:,.1f}) at "
-                              f"{dev.fresh_bandwidth / 1e9:,.2f} GB/s"))
+                              f"{dev.fresh_bandwidth / 1e9:,.2f} GB/s", micro * fresh))
     if dev.op_seconds > 0:
         ops = layers * block.ops + root.ops
         terms.append(WorkTerm("per-op dispatch", stretch * micro * ops * dev.op_seconds,
@@ -189,7 +195,8 @@ def _zero_copies(s: Strategy, cluster: Cluster, sp: StageParams) -> list[WorkTer
     if dev.fresh_bandwidth > 0:
         seconds += fresh / dev.fresh_bandwidth
     return [WorkTerm("ZeRO flatten / gather copies", seconds,
-                     f"{2 * g * psi / 1e6:,.1f} MB copied into flat buffers, {fresh / 1e6:,.1f} MB of them new")]
+                     f"{2 * g * psi / 1e6:,.1f} MB copied into flat buffers, {fresh / 1e6:,.1f} MB of them new",
+                     fresh if dev.fresh_bandwidth > 0 else 0.0)]
 
 
 def optimizer_term(s: Strategy, cluster: Cluster, psi_opt: float, psi_grads: float) -> WorkTerm:
