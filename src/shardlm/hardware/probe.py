@@ -120,10 +120,11 @@ STREAM_SIZES = tuple(2**k * MIB for k in (0, 3, 6, 8))
 on tensors from a cache's size to far beyond the last level's."""
 ADAMW_SIZES = (2**18, 2**21, 2**24)
 """Parameters of the fused-AdamW curve (its state 16 bytes each: 4 MiB to 256 MiB)."""
-FRESH_BYTES = 8 * MIB
-"""The fresh-mapping probe's block: page faults cost per page, so a block of a few milliseconds'
-work measures them (and more tries fit on a shared machine)."""
-OP_CHAIN = 200
+FRESH_BYTES = 1 * MIB
+"""The fresh-mapping probe's block, an activation's size (the mapping's own system calls
+included, as each tensor pays them): page faults cost per page, and a block of ~0.1 ms lets many
+tries fit, one of them uninterrupted on a shared machine."""
+OP_CHAIN = 50
 """Differentiable tiny ops in the per-op probe's chain."""
 
 
