@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from shardlm.config import ModelConfig
 from shardlm.hardware.catalog import Cluster, interpolate
 from shardlm.models import flops
+from shardlm.planner.traffic import tp_comm_bytes
 from shardlm.planner.workload import DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier
 
 MMAP_THRESHOLD = 128 * 1024
@@ -173,6 +174,15 @@ def memory_bound_terms(w: Workload, s: Strategy, cluster: Cluster, sp: StagePara
         ops = layers * block.ops + root.ops
         terms.append(WorkTerm("per-op dispatch", stretch * micro * ops * dev.op_seconds,
                               f"{micro} micro-batch(es) x {ops:,.0f} ops x {dev.op_seconds * 1e6:.1f} us"))
+    if lay.tp > 1 and dev.fresh_bandwidth > 0:  # parallel/collective_ops.py: every collective's
+        # result is a new tensor (the all-reduce works on a clone; under sequence parallelism the
+        # all-gather and reduce-scatter copy their input transposed, then write their output)
+        moved = tp_comm_bytes(m, tokens, lay.tp, sp_on, e, s.recompute, sp.layers, sp.index == 0,
+                              sp.index == lay.pp - 1) / 2 * (2 if sp_on else 1)
+        terms.append(WorkTerm("tensor-parallel copies", stretch * micro * (moved / dev.fresh_bandwidth
+                                                                          + 2 * moved / bandwidth),
+                              f"{micro} micro-batch(es) x {moved / 1e6:,.1f} MB of collective results "
+                              f"written to new tensors", micro * moved))
     if not s.local and matmul_only:
         terms += _zero_copies(s, cluster, sp)
     return terms
@@ -183,15 +193,19 @@ def _zero_copies(s: Strategy, cluster: Cluster, sp: StageParams) -> list[WorkTer
     flat buffer before the reduction (read and write g·Ψ_r; at stages 2-3 the buffer is freed
     after its reduce-scatter, so new every step), once per step;
     at stage 3 every gather writes the whole unit into a fresh buffer (e·Ψ_r per gather: twice
-    per micro-batch, once per step on a pipeline)."""
+    per micro-batch, once per step on a pipeline); on a CPU gloo's all-gather allocates its
+    output once more (stage 3's gathers, stages 1-2's all-gather of the updated parameters)."""
     dev, d = cluster.device, s.dtypes
     psi = sp.dense + sp.experts
     g, e = d.grad_bytes, d.param_bytes
     unit = sp.block_unit * g
     seconds = 2 * g * psi / dev.bandwidth_at(unit)
     fresh = g * psi if s.zero_stage >= 2 else 0.0  # stages 0-1 keep the flat buffer between steps
+    gloo = 2 if dev.kind == "cpu" else 1  # gloo's all-gather allocates its output again (memory.py)
     if s.zero_stage == 3:
-        fresh += (1 if s.layout.pp > 1 else 2 * s.grad_accum) * e * psi
+        fresh += (1 if s.layout.pp > 1 else 2 * s.grad_accum) * e * psi * gloo
+    elif s.zero_stage in (1, 2) and gloo == 2:  # the updated parameters' all-gather: gloo's copy
+        fresh += e * psi
     if dev.fresh_bandwidth > 0:
         seconds += fresh / dev.fresh_bandwidth
     return [WorkTerm("ZeRO flatten / gather copies", seconds,
