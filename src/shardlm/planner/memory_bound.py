@@ -29,7 +29,7 @@ from shardlm.config import ModelConfig
 from shardlm.hardware.catalog import Cluster, interpolate
 from shardlm.models import flops
 from shardlm.planner.traffic import tp_comm_bytes
-from shardlm.planner.workload import DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier
+from shardlm.planner.workload import DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier, zero_ranks
 
 MMAP_THRESHOLD = 128 * 1024
 """Bytes from which glibc maps a block afresh in a training process (run.malloc_mmap_threshold's
@@ -201,7 +201,8 @@ def _zero_copies(s: Strategy, cluster: Cluster, sp: StageParams) -> list[WorkTer
     unit = sp.block_unit * g
     seconds = 2 * g * psi / dev.bandwidth_at(unit)
     fresh = g * psi if s.zero_stage >= 2 else 0.0  # stages 0-1 keep the flat buffer between steps
-    gloo = 2 if dev.kind == "cpu" else 1  # gloo's all-gather allocates its output again (memory.py)
+    # gloo's all-gather allocates its output again (memory.py); one rank gathers nothing
+    gloo = 2 if dev.kind == "cpu" and zero_ranks(s.layout) > 1 else 1
     if s.zero_stage == 3:
         fresh += (1 if s.layout.pp > 1 else 2 * s.grad_accum) * e * psi * gloo
     elif s.zero_stage in (1, 2) and gloo == 2:  # the updated parameters' all-gather: gloo's copy
