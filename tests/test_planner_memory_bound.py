@@ -175,3 +175,11 @@ def test_the_memory_probe_is_cached_and_local_cpu_reads_it(monkeypatch, tmp_path
     assert one.adamw_curve[0][1] == 2e-9 and four.adamw_curve[0][1] == 4e-9
     # each rank's DRAM-sized traffic gets its share of the machine's copy rate
     assert one.bandwidth_at(2**30) == 1e10 and one.bandwidth_at(2**20) == 2e10
+    # a rank of two threads is never slower than one of its threads (the bound that keeps a
+    # two-thread try a loaded machine slowed from counting): the one-thread rates floor it
+    slow = {**first, "fresh_bandwidth": 1e8, "op_seconds": 1e-3, "threads": 2}
+    measured.update(threads=2, memory=slow, memory_one_thread=first)
+    two = local_cpu(1).device
+    assert two.fresh_bandwidth == 3e9 and two.op_seconds == 4e-6
+    measured["memory_one_thread"] = {**first, "fresh_bandwidth": 1e7}
+    assert local_cpu(1).device.fresh_bandwidth == 1e8  # the two-thread rate where it is the faster

@@ -375,7 +375,7 @@ def local_cpu(n_ranks: int) -> Cluster:
     # than cores the ranks time-share the cores: each gets cores / n_ranks of the thread the
     # probe timed alone, for its matmuls and for gloo's copies alike (oversubscription).
     share = cpu_share(n_ranks, measured["cores"])
-    rates = measured.get("memory", {})
+    rates = at_least_one_thread(measured.get("memory", {}), measured.get("memory_one_thread", {}))
     # A rank's memory-bound work runs at its threads' measured rates, time-shared with more
     # ranks than cores (share); all ranks' DRAM traffic together at most at the machine's copy
     # rate (256 MiB buffers): each rank's largest buffers get 1/n of it.
@@ -412,6 +412,20 @@ LOCAL_DISK_BANDWIDTH = 1.2e9
 writes GBs): bench/bench_offload.py measured this machine's at 0.95-1.37 GB/s with O_DIRECT
 64 MiB blocks reading and writing at once, and the tier's own optimizer stream at 1.17-1.19
 GB/s (runs/bench_offload.log); it was an assumed 2 GB/s before."""
+
+
+def at_least_one_thread(rates: dict, one: dict) -> dict:
+    """A rank's memory rates at t threads, none slower than at one thread: a rank can always run
+    an op on one of its threads (a bound, not a fit), and one thread's short tries are the ones
+    a shared machine disturbs least (the t-thread tries need t cores free at once)."""
+    if not rates or not one:
+        return rates
+    best = dict(rates)
+    best["stream"] = [[n, max(bw, dict((m, b) for m, b in one["stream"]).get(n, 0.0))] for n, bw in rates["stream"]]
+    best["fresh_bandwidth"] = max(rates["fresh_bandwidth"], one["fresh_bandwidth"])
+    best["adamw"] = [[n, min(sec, dict((m, t) for m, t in one["adamw"]).get(n, sec))] for n, sec in rates["adamw"]]
+    best["op_seconds"] = min(rates["op_seconds"], one["op_seconds"])
+    return best
 
 
 def cpu_share(n_ranks: int, cores: int) -> float:

@@ -109,7 +109,7 @@ def measure_cpu(n_ranks: int) -> dict:
     peak = {p: cpu_peak_flops(p, threads) for p in DTYPES}
     return {**machine, "cpu": cpu_name(), "cores": cpu_cores(), "threads": threads, "peak": peak,
             "curve": {p: machine_curve(p, threads, peak[p]) for p in DTYPES},
-            "memory": memory_probe(threads)}
+            "memory": memory_probe(threads), **({"memory_one_thread": memory_probe(1)} if threads > 1 else {})}
 
 
 # ---------------------------------------------------------------------------------------------
