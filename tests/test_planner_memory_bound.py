@@ -173,7 +173,7 @@ def test_the_memory_probe_is_cached_and_local_cpu_reads_it(monkeypatch, tmp_path
     assert one.op_seconds == 4e-6 and four.op_seconds == 8e-6
     assert one.fresh_bandwidth == 3e9 and four.fresh_bandwidth == 1.5e9
     assert one.adamw_curve[0][1] == 2e-9 and four.adamw_curve[0][1] == 4e-9
-    # each rank's DRAM-sized traffic gets its share of the machine's copy rate
+    # the curve's DRAM end is the machine's copy rate, each rank its share
     assert one.bandwidth_at(2**30) == 1e10 and one.bandwidth_at(2**20) == 2e10
     # a rank of two threads is never slower than one of its threads (the bound that keeps a
     # two-thread try a loaded machine slowed from counting): the one-thread rates floor it

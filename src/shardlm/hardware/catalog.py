@@ -377,11 +377,12 @@ def local_cpu(n_ranks: int) -> Cluster:
     share = cpu_share(n_ranks, measured["cores"])
     rates = at_least_one_thread(measured.get("memory", {}), measured.get("memory_one_thread", {}))
     # A rank's memory-bound work runs at its threads' measured rates, time-shared with more
-    # ranks than cores (share); all ranks' DRAM traffic together at most at the machine's copy
-    # rate (256 MiB buffers): each rank's largest buffers get 1/n of it.
+    # ranks than cores (share); the curve's DRAM end is the machine's 256 MiB copy, which all
+    # ranks share (1/n each).
     dram = measured["memory_bandwidth"] / n_ranks
-    curve = tuple((n, min(bw * share, dram) if n >= 256 * MIB else bw * share) for n, bw in rates.get("stream", ()))
-    stream = curve[-1][1] if curve else dram
+    curve = tuple((n, bw * share) for n, bw in rates.get("stream", ()) if n < 256 * MIB)
+    curve = curve + ((256 * MIB, dram),) if curve else ()
+    stream = dram
     device = Device(
         name=f"cpu ({measured['cpu']}, {measured['threads']} thread(s)/rank"
              + (f", {share:.2g} of a core each" if share < 1 else "") + ")", kind="cpu",

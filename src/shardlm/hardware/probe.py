@@ -115,9 +115,9 @@ def measure_cpu(n_ranks: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The memory-bound side of a step (docs/planner.md section 4a): what the matmul curve does not time
 
-STREAM_SIZES = tuple(2**k * MIB for k in (0, 3, 6, 8))
-"""Buffer sizes of the copy-bandwidth curve (1, 8, 64, 256 MiB): a step's element-wise work runs
-on tensors from a cache's size to far beyond the last level's."""
+STREAM_SIZES = tuple(2**k * MIB for k in (0, 3, 6))
+"""Buffer sizes of the copy-bandwidth curve (1, 8, 64 MiB): a step's element-wise work runs on
+tensors from a cache's size up; the machine's 256 MiB copy (measure_cpu) is its DRAM end."""
 ADAMW_SIZES = (2**18, 2**21, 2**24)
 """Parameters of the fused-AdamW curve (its state 16 bytes each: 4 MiB to 256 MiB)."""
 FRESH_BYTES = 1 * MIB
