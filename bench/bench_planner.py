@@ -80,18 +80,21 @@ def measure(rank: int, world_size: int, overrides: dict, steps: int) -> dict:
     import resource
 
     run = build_run(load_config(overrides=overrides).validate())
-    seconds, faults = [], []
+    seconds, faults, cpu = [], [], []
     for step in range(steps):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         train_step(run, step)
         seconds.append(time.perf_counter() - start)
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        faults.append(after.ru_minflt - before.ru_minflt)
+        cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
     # Minor page faults x the page size: the bytes of new mappings a step touched, which no
     # load changes (the planner's "fresh memory" counts them: planner/memory_bound.py)
     return {"state": run.strategy.model_state_bytes(), "peak_rss": peak_rss_bytes(),
             "step_s": statistics.median(seconds[1:] or seconds),
-            "fresh_bytes": statistics.median(faults[1:] or faults) * os.sysconf("SC_PAGE_SIZE")}
+            "fresh_bytes": statistics.median(faults[1:] or faults) * os.sysconf("SC_PAGE_SIZE"),
+            "cpu_s": statistics.median(cpu[1:] or cpu)}  # the process's CPU time per step, all threads
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -135,7 +138,8 @@ def run_case(args, ranks: int, stage: int, ac: str, offload: str, axes: str, tmp
             "preset": args.preset, "seq": args.seq, "micro_batch": args.micro_batch,
             "precision": args.precision, "steps": args.steps,
             "state_measured": sum(measured["state"].values()), "peak_measured": measured["peak_rss"],
-            "step_measured": measured["step_s"], "fresh_measured": measured["fresh_bytes"], "load_average": load}
+            "step_measured": measured["step_s"], "fresh_measured": measured["fresh_bytes"],
+            "cpu_measured": measured["cpu_s"], "load_average": load}
 
 
 def predict_case(args, row: dict) -> dict:
