@@ -303,7 +303,7 @@ def _cp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate:
     1; ulysses: R = 1; hybrid: both; 'auto': the mode cp_modes.choose_cp_mode picks, as the run's
     resolve.decide does). The all-to-all group is U consecutive cp ranks (tp apart), the ring
     R groups of them (U·tp apart: parallel/ulysses.py hybrid_groups)."""
-    lay, m, e = s.layout, w.model, s.dtypes.param_bytes
+    lay = s.layout
     mode, ulysses = _cp_mode(w, s, cluster, rate)
     a2a, ring = cp_degrees(lay.cp, mode, ulysses)
     out = []
