@@ -5,7 +5,9 @@ nvme offload tier; the model axes: tensor parallelism (tp=2, with and without se
 parallelism), context parallelism (cp=2), both (cp=2 x tp=2), pipelines (pp=2: 1f1b, gpipe, zb;
 4 micro-batches) — a fresh set of gloo ranks trains a few steps and reports, from rank 0:
 the model-state byte ledger (params + grads + optimizer, what the engine holds), the process's
-peak RSS (ru_maxrss) and the median step time after the first, and the load average around it.
+peak RSS (ru_maxrss), the bytes of new pages a step touches (minor page faults x the page size,
+median after the first step: no load changes them) and the median step time after the first,
+and the load average around it.
 The planner's `predict_local(cfg, ranks)` predicts the same three from the config alone (its
 compute rate from this machine's matmul curve: the probe's shapes and whatever `shardlm
 calibrate` cached; the table says which). MALLOC_MMAP_THRESHOLD_=65536 is set for
@@ -17,6 +19,10 @@ Reproduce:  PYTHONPATH=src python bench/bench_planner.py                    (gpt
             PYTHONPATH=src python bench/bench_planner.py --preset gpt-mini --steps 4
             PYTHONPATH=src python bench/bench_planner.py --only 4,2,none,none   (one case; repeatable)
             PYTHONPATH=src python bench/bench_planner.py --only 2,0,none,none,tp2sp --only 2,1,none,none,cp2
+            PYTHONPATH=src python bench/bench_planner.py --predict-from docs/planner/quiet-2026-11-26-gpt-mini.json
+                (no training: the saved cases' measurements stay, the planner predicts them anew
+                 on this machine's cached probe and calibration, and the table shows the saved
+                 prediction beside the new one)
 """
 
 from __future__ import annotations
@@ -71,17 +77,27 @@ def measure(rank: int, world_size: int, overrides: dict, steps: int) -> dict:
     from shardlm.train.telemetry import peak_rss_bytes
     from shardlm.train.loop import build_run, train_step
 
+    import resource
+
     run = build_run(load_config(overrides=overrides).validate())
-    seconds = []
+    seconds, faults, cpu = [], [], []
     for step in range(steps):
+        before = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         train_step(run, step)
         seconds.append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        faults.append(after.ru_minflt - before.ru_minflt)
+        cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    # Minor page faults x the page size: the bytes of new mappings a step touched, which no
+    # load changes (the planner's "fresh memory" counts them: planner/memory_bound.py)
     return {"state": run.strategy.model_state_bytes(), "peak_rss": peak_rss_bytes(),
-            "step_s": statistics.median(seconds[1:] or seconds)}
+            "step_s": statistics.median(seconds[1:] or seconds),
+            "fresh_bytes": statistics.median(faults[1:] or faults) * os.sysconf("SC_PAGE_SIZE"),
+            "cpu_s": statistics.median(cpu[1:] or cpu)}  # the process's CPU time per step, all threads
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt2-124m")
     parser.add_argument("--seq", type=int, default=128)
@@ -93,53 +109,115 @@ def main() -> None:
     parser.add_argument("--only", action="append", default=[], metavar="RANKS,STAGE,AC,OFFLOAD[,AXES]",
                         help=f"run only this case (repeatable), e.g. 4,2,none,none; AXES one of "
                              f"{', '.join(a for a in AXES if a)}")
-    args = parser.parse_args()
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
+    parser.add_argument("--predict-from", default="", metavar="FILE",
+                        help="train nothing: read the cases a run of this bench saved (its --json, "
+                             "or its log's one JSON line per case), keep their measurements and "
+                             "predict them anew; the run's preset, seq, micro-batch and precision "
+                             "come from each case (older files: from these flags)")
+    return parser.parse_args(argv)
 
+
+def read_cases(path: str) -> list[dict]:
+    """The cases a run saved: a JSON list (--json) or a log whose lines starting with '{' are
+    one case each (the bench prints each case as it ends)."""
+    text = Path(path).read_text()
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def run_case(args, ranks: int, stage: int, ac: str, offload: str, axes: str, tmp: Path) -> dict:
+    """Train one case on `ranks` fresh gloo ranks; its measurements and the settings it ran."""
+    from shardlm.launch.spawn import run_ranks
+
+    overrides = overrides_for(args, ranks, stage, ac, offload, axes, str(tmp / "runs"))
+    load_before = os.getloadavg()[0]
+    measured = run_ranks(measure, ranks, tmp, overrides, args.steps, timeout=1800)[0]
+    load = max(load_before, os.getloadavg()[0])
+    return {"ranks": ranks, "stage": stage, "ac": ac, "offload": offload, "axes": axes or "dp",
+            "preset": args.preset, "seq": args.seq, "micro_batch": args.micro_batch,
+            "precision": args.precision, "steps": args.steps,
+            "state_measured": sum(measured["state"].values()), "peak_measured": measured["peak_rss"],
+            "step_measured": measured["step_s"], "fresh_measured": measured["fresh_bytes"],
+            "cpu_measured": measured["cpu_s"], "load_average": load}
+
+
+def predict_case(args, row: dict) -> dict:
+    """The planner's prediction for a case (on this machine's cached probe and calibration)."""
     from shardlm.config import load_config
     from shardlm.planner.search import predict_local
-    from shardlm.launch.spawn import run_ranks
+
+    settings = argparse.Namespace(**{**vars(args), **{k: row[k] for k in
+                                                      ("preset", "seq", "micro_batch", "precision", "steps")
+                                                      if k in row}})
+    axes = "" if row["axes"] == "dp" else row["axes"]
+    overrides = overrides_for(settings, row["ranks"], row["stage"], row["ac"], row["offload"], axes, "unused")
+    predicted = predict_local(load_config(overrides=overrides).validate(), row["ranks"])
+    t = predicted.timing
+    return {"state_predicted": sum(predicted.model_state_bytes.values()),
+            "peak_predicted": predicted.peak_process_bytes, "step_predicted": predicted.step_time_s,
+            "calibration": t.calibration, "fresh_predicted": sum(w.fresh_bytes for w in t.work),
+            "step_parts": {k: v for k, v in step_parts(t).items() if v > 0}}
+
+
+def step_parts(timing) -> dict[str, float]:
+    from shardlm.planner.explain import step_parts as parts
+
+    return parts(timing)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
 
     # The probe (its 256 MiB bandwidth buffers, its gloo ranks) runs in a child of its own: a
     # process's peak RSS survives fork + exec into the ranks spawned after it (every case's
     # measured peak read 774 MiB when the parent had probed), so this parent only reads the cache.
     import subprocess
-    counts = sorted({c[0] for c in cases(args.max_ranks)} | {int(o.split(",")[0]) for o in args.only})
+    if args.predict_from:
+        saved = read_cases(args.predict_from)
+        counts = sorted({r["ranks"] for r in saved})
+    else:
+        counts = sorted({c[0] for c in cases(args.max_ranks)} | {int(o.split(",")[0]) for o in args.only})
     subprocess.run([sys.executable, "-c", "import sys; from shardlm.hardware.probe import measure_cpu; "
                     f"[measure_cpu(n) for n in {counts}]"], check=True)
 
     rows = []
-    with tempfile.TemporaryDirectory(dir=".") as tmp:
+    if args.predict_from:
+        for row in saved:
+            before = {k: row.get(k) for k in ("step_predicted", "peak_predicted")}
+            rows.append({**row, **predict_case(args, row), "before": before})
+            print(json.dumps(rows[-1]), flush=True)
+    else:
         selected = cases(args.max_ranks)
         if args.only:
-            wanted = [tuple(int(v) if i < 2 else v for i, v in enumerate((o + ",").split(",")[:5]))
-                      for o in args.only]
-            selected = wanted
-        for ranks, stage, ac, offload, axes in selected:
-            overrides = overrides_for(args, ranks, stage, ac, offload, axes, str(Path(tmp) / "runs"))
-            cfg = load_config(overrides=overrides).validate()
-            predicted = predict_local(cfg, ranks)
-            load_before = os.getloadavg()[0]
-            measured = run_ranks(measure, ranks, Path(tmp), overrides, args.steps, timeout=1800)[0]
-            load = max(load_before, os.getloadavg()[0])
-            state_m = sum(measured["state"].values())
-            state_p = sum(predicted.model_state_bytes.values())
-            row = {"ranks": ranks, "stage": stage, "ac": ac, "offload": offload, "axes": axes or "dp",
-                   "state_measured": state_m, "state_predicted": state_p,
-                   "peak_measured": measured["peak_rss"], "peak_predicted": predicted.peak_process_bytes,
-                   "step_measured": measured["step_s"], "step_predicted": predicted.step_time_s,
-                   "load_average": load, "calibration": predicted.timing.calibration}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            selected = [tuple(int(v) if i < 2 else v for i, v in enumerate((o + ",").split(",")[:5]))
+                        for o in args.only]
+        with tempfile.TemporaryDirectory(dir=".") as tmp:
+            for case in selected:
+                row = run_case(args, *case, Path(tmp))
+                rows.append({**row, **predict_case(args, row)})
+                print(json.dumps(rows[-1]), flush=True)
+    print_table(args, rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
-    def err(p: float, m: float) -> float:
-        return (p - m) / m
 
-    print(f"\n{args.preset}, {args.precision}, batch {args.micro_batch}x{args.seq} per rank, "
-          f"{args.steps} steps (median after the first)\n")
+def err(p: float, m: float) -> float:
+    return (p - m) / m
+
+
+def print_table(args, rows: list[dict]) -> None:
+    first = rows[0] if rows else {}
+    preset, precision = first.get("preset", args.preset), first.get("precision", args.precision)
+    micro, seq, steps = first.get("micro_batch", args.micro_batch), first.get("seq", args.seq), first.get("steps", args.steps)
+    again = any("before" in r for r in rows)
+    print(f"\n{preset}, {precision}, batch {micro}x{seq} per rank, {steps} steps (median after the first)"
+          + (f"; measured as saved in {args.predict_from}, predicted now" if again else "") + "\n")
+    before = " step s pred before | err before |" if again else ""
     print("| ranks | axes | stage | AC | offload | state MiB meas / pred | err | peak RSS MiB meas / pred | err "
-          "| step s meas / pred | err | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"| new pages MB meas / pred | err | step s meas / pred | err |{before} load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if again else "") + "---|")
     misses = []
     for r in rows:
         e = (err(r["state_predicted"], r["state_measured"]), err(r["peak_predicted"], r["peak_measured"]),
@@ -148,21 +226,28 @@ def main() -> None:
             if abs(value) > limit:
                 misses.append(f"{r['ranks']} ranks {r['axes']} stage {r['stage']} AC {r['ac']} offload {r['offload']}: "
                               f"{name} off by {value:+.0%} (target ±{limit:.0%})")
+        old = r.get("before", {}).get("step_predicted")
+        was = (f" {old:.3f} | {err(old, r['step_measured']):+.1%} |" if old else " – | – |") if again else ""
+        fresh = (f"{r['fresh_measured'] / 1e6:,.1f} / {r['fresh_predicted'] / 1e6:,.1f} | "
+                 f"{err(r['fresh_predicted'], r['fresh_measured']):+.1%}" if r.get("fresh_measured") else "– | –")
         print(f"| {r['ranks']} | {r['axes']} | {r['stage']} | {r['ac']} | {r['offload']} | "
               f"{r['state_measured'] / MiB:,.1f} / {r['state_predicted'] / MiB:,.1f} | {e[0]:+.1%} | "
-              f"{r['peak_measured'] / MiB:,.0f} / {r['peak_predicted'] / MiB:,.0f} | {e[1]:+.1%} | "
-              f"{r['step_measured']:.3f} / {r['step_predicted']:.3f} | {e[2]:+.1%} | {r['load_average']:.1f} |")
+              f"{r['peak_measured'] / MiB:,.0f} / {r['peak_predicted'] / MiB:,.0f} | {e[1]:+.1%} | {fresh} | "
+              f"{r['step_measured']:.3f} / {r['step_predicted']:.3f} | {e[2]:+.1%} |{was} {r['load_average']:.1f} |")
     print(f"\nload: the 1-minute load average around each case on {os.cpu_count()} cores (above the "
           f"cores, other processes shared them and step times are not this machine's)")
+    print("\npredicted step, by part (s):")
+    for r in rows:
+        parts = ", ".join(f"{k} {v:.3g}" for k, v in r.get("step_parts", {}).items())
+        print(f"  {r['ranks']} {r['axes']} stage {r['stage']} {r['ac']} {r['offload']}: {parts}")
     for source in sorted({r["calibration"] for r in rows}):
         print(f"compute rate from {source}")
     print("\nmisses:" if misses else "\nevery case within its target")
     for m in misses:
         print("  " + m)
-    print(f"\nReproduce: PYTHONPATH=src python bench/bench_planner.py --preset {args.preset} "
-          f"--steps {args.steps} --micro-batch {args.micro_batch} --seq {args.seq}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(f"\nReproduce: PYTHONPATH=src python bench/bench_planner.py --preset {preset} "
+          f"--steps {steps} --micro-batch {micro} --seq {seq}"
+          + (f"  (predictions only: --predict-from {args.predict_from})" if again else ""))
 
 
 if __name__ == "__main__":

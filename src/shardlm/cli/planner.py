@@ -281,6 +281,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
               f"  the curve's fit: {planner_curve.describe_fit()}"]
     lines.append("  the curve, tokens per micro-batch -> FLOP-weighted GFLOP/s (of peak): " + ", ".join(
         f"{size} -> {rate / 1e9:,.1f} ({rate / peak:.0%})" for size, rate in [*points, (tokens, measured)]))
+    if cpu:  # the memory-bound rates the step time adds (docs/planner.md section 4a)
+        from shardlm.hardware.catalog import describe_memory_rates
+        from shardlm.hardware.probe import memory_probe
+
+        lines.append(f"  {describe_memory_rates(memory_probe(threads, again=args.again))}")
     loaded = [c for c in curve if c["loaded"]]
     if loaded or load > cores:
         lines.append(f"  LOAD: {len(loaded)} of {len(curve)} shapes timed beside other work (median more "

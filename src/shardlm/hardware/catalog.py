@@ -17,9 +17,10 @@ import difflib
 import os
 import re
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 
 from shardlm.errors import ConfigError
+from shardlm.hardware.curves import (MatmulCurve, describe_memory_rates, intensity, interpolate,  # noqa: F401 (re-exported)
+                                     measured_curve)
 from shardlm.hardware.prices import GRID_DEFAULT, PRICES, PUE_DEFAULT, Price, find_price  # noqa: F401 (re-exported)
 
 MIB = 2**20
@@ -79,69 +80,6 @@ LINKS: dict[str, Link] = {l.name: l for l in (
 
 
 @dataclass(frozen=True)
-class MatmulCurve:
-    """Measured matmul FLOP/s of one device at one precision (and, on a CPU, thread count): the
-    calibration the time model reads instead of a fitted efficiency (docs/planner.md section 4).
-
-    A shape that was measured runs at its measured rate. Any other runs at the rate of the fit
-    1/rate = a + b/I over the measured points, I = m·k·n / (m·k + k·n + m·n) (the product's
-    FLOPs per element it reads and writes, halved: its arithmetic intensity): a roofline's
-    knee, rate = r_max · I / (I + I_half), fitted by least squares on 1/rate, which is linear in
-    1/I (weighted by relative error). The fit is clamped to the measured rates' range: nothing
-    is extrapolated beyond what this device was seen to do."""
-
-    points: tuple[tuple[int, int, int, float], ...]
-    """(m, k, n, FLOP/s) of each measured (m x k) @ (k x n) product."""
-    source: str
-    """Which calibration: what measured the points, where, at how many threads."""
-
-    @cached_property
-    def _fit(self) -> tuple[float, float, float, float]:
-        """(a, b, lowest rate, highest rate) of 1/rate = a + b/I, least squares in relative
-        error (each point weighted 1/y²): a slow outlier, timed beside other work, would
-        otherwise dominate a fit on 1/rate."""
-        xs = [1 / intensity(m, k, n) for m, k, n, _ in self.points]
-        ys = [1 / r for *_, r in self.points]
-        ws = [1 / y**2 for y in ys]
-        total = sum(ws)
-        mx, my = sum(w * x for w, x in zip(ws, xs)) / total, sum(w * y for w, y in zip(ws, ys)) / total
-        var = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
-        b = max(0.0, sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / var) if var > 0 else 0.0
-        rates = [r for *_, r in self.points]
-        return my - b * mx, b, min(rates), max(rates)
-
-    def describe_fit(self) -> str:
-        """The fit in words: r_max and I_half of rate = r_max · I / (I + I_half), the clamp."""
-        a, b, low, high = self._fit
-        knee = (f"r_max {1 / a / 1e9:,.1f} GFLOP/s, I_half {b / a:,.0f}" if a > 0
-                else f"no knee (1/rate = {a:.3g} + {b:.3g}/I)")
-        return (f"rate = r_max·I/(I + I_half), I = mkn/(mk + kn + mn): {knee}; clamped to the "
-                f"measured {low / 1e9:,.1f}-{high / 1e9:,.1f} GFLOP/s")
-
-    def rate(self, m: int, k: int, n: int) -> float:
-        """FLOP/s of an (m x k) @ (k x n) product on this device."""
-        for pm, pk, pn, r in self.points:
-            if (pm, pk, pn) == (m, k, n):
-                return r
-        a, b, low, high = self._fit
-        inverse = a + b / intensity(m, k, n)
-        return high if inverse <= 1 / high else min(high, max(low, 1 / inverse))
-
-    def scaled(self, factor: float) -> MatmulCurve:
-        """Every rate x `factor` (ranks time-sharing the cores: cpu_share)."""
-        if factor == 1:
-            return self
-        return MatmulCurve(tuple((m, k, n, r * factor) for m, k, n, r in self.points),
-                           f"{self.source}, x {factor:.2g} (ranks share the cores)")
-
-
-def intensity(m: int, k: int, n: int) -> float:
-    """Arithmetic intensity of an (m x k) @ (k x n) product, up to a constant: multiply-adds
-    per element of its two inputs and its output."""
-    return m * k * n / (m * k + k * n + m * n)
-
-
-@dataclass(frozen=True)
 class Device:
     name: str
     kind: str
@@ -159,6 +97,30 @@ class Device:
     curves: dict[str, MatmulCurve] = field(default_factory=dict)
     """Measured matmul rates per precision (this CPU: the probe's and `shardlm calibrate`'s);
     where a precision has one, the time model reads it and `efficiency` is not used."""
+    op_seconds: float = 0.0
+    """Seconds per dispatched op, forward ones and backward ones alike (eager PyTorch: the call,
+    autograd's recording, its backward node), measured on this CPU (probe.memory_probe).
+    0 for the catalog's GPUs: their kernels launch asynchronously, ahead of the device, so the
+    host's dispatch hides behind the kernels (an assumption, stated in docs/planner.md)."""
+    fresh_bandwidth: float = 0.0
+    """Bytes/s of writing freshly mapped memory (page faults, the kernel's zeroing, the unmap):
+    on a CPU every block above glibc's fixed mmap threshold (a training process's, docs/
+    allocator.md) is mapped anew at each allocation; measured. 0 = allocations are reused
+    (CUDA's caching allocator): no cost."""
+    memory_source: str = ""
+    """Where op_seconds, fresh_bandwidth and the curves below came from (describe_memory_rates),
+    '' where nothing was measured."""
+    bandwidth_curve: tuple[tuple[float, float], ...] = ()
+    """(buffer bytes, read + write bytes/s of a copy) measured on this CPU from cache-sized to
+    DRAM-sized buffers (probe.memory_probe); () = memory_bandwidth at every size."""
+    adamw_curve: tuple[tuple[float, float], ...] = ()
+    """(parameters, seconds per parameter) of torch's fused AdamW measured on this CPU; () = its
+    bytes over memory_bandwidth (planner/memory_bound.py)."""
+
+    def bandwidth_at(self, nbytes: float) -> float:
+        """Read + write bytes/s of element-wise work on buffers of `nbytes` (the measured curve,
+        log-linear between its points, clamped to its ends)."""
+        return interpolate(self.bandwidth_curve, nbytes) if self.bandwidth_curve else self.memory_bandwidth
 
 
 @dataclass(frozen=True)
@@ -413,14 +375,26 @@ def local_cpu(n_ranks: int) -> Cluster:
     # than cores the ranks time-share the cores: each gets cores / n_ranks of the thread the
     # probe timed alone, for its matmuls and for gloo's copies alike (oversubscription).
     share = cpu_share(n_ranks, measured["cores"])
+    rates = at_least_one_thread(measured.get("memory", {}), measured.get("memory_one_thread", {}))
+    # A rank's memory-bound work runs at its threads' measured rates, time-shared with more
+    # ranks than cores (share); the curve's DRAM end is the machine's 256 MiB copy, which all
+    # ranks share (1/n each).
+    dram = measured["memory_bandwidth"] / n_ranks
+    curve = tuple((n, bw * share) for n, bw in rates.get("stream", ()) if n < 256 * MIB)
+    curve = curve + ((256 * MIB, dram),) if curve else ()
+    stream = dram
     device = Device(
         name=f"cpu ({measured['cpu']}, {measured['threads']} thread(s)/rank"
              + (f", {share:.2g} of a core each" if share < 1 else "") + ")", kind="cpu",
         memory=available_memory() / n_ranks, peak={k: v * share for k, v in measured["peak"].items()},
-        memory_bandwidth=measured["memory_bandwidth"] / n_ranks, efficiency=1.0,
+        memory_bandwidth=stream, efficiency=1.0,
         source="measured by shardlm.hardware.probe.measure_cpu (cached)",
         curves={p: measured_curve(points, f"{p}, {measured['threads']} thread(s) on {measured['cpu']}").scaled(share)
-                for p, points in measured.get("curve", {}).items() if points})
+                for p, points in measured.get("curve", {}).items() if points},
+        op_seconds=rates.get("op_seconds", 0.0) / share, fresh_bandwidth=rates.get("fresh_bandwidth", 0.0) * share,
+        bandwidth_curve=curve, adamw_curve=tuple((n, sec / share) for n, sec in rates.get("adamw", ())),
+        memory_source=describe_memory_rates(rates) + (f", x {share:.2g} (ranks share the cores)" if share < 1 else "")
+        if rates else "")
     gloo = Link("gloo-local", measured["gloo_bandwidth"] * share, measured["gloo_latency"] / share, 1.0,
                 "measured: all-reduce between two local gloo ranks")
     node = Node(n_ranks, gloo, LINKS["eth-10"], 1, gloo, available_memory(),
@@ -434,24 +408,25 @@ def local_cpu(n_ranks: int) -> Cluster:
     return Cluster(1, n_ranks, device, node, calibration)
 
 
-def measured_curve(points: list[dict], where: str) -> MatmulCurve:
-    """hardware.probe's curve entries as a MatmulCurve, its source naming which calibration
-    (`shardlm calibrate`'s shapes of a model, or only the probe's generic ones) and `where`:
-    the precision, threads and device they were measured at."""
-    own = sum(1 for p in points if p.get("origin", "calibrate") == "calibrate")
-    loaded = sum(1 for p in points if p.get("loaded"))
-    what = (f"calibrated: {own} model shape(s) timed by `shardlm calibrate` + {len(points) - own} probe "
-            f"shape(s)" if own else f"probe: {len(points)} generic shape(s) (`shardlm calibrate --model "
-            f"...` adds the model's own)")
-    return MatmulCurve(tuple((p["m"], p["k"], p["n"], p["flops_per_s"]) for p in points),
-                       f"{what}, {where}" + (f", {loaded} timed under load" if loaded else ""))
-
-
 LOCAL_DISK_BANDWIDTH = 1.2e9
 """Read + write bytes/s of the disk the nvme tier streams through, not probed (a disk probe
 writes GBs): bench/bench_offload.py measured this machine's at 0.95-1.37 GB/s with O_DIRECT
 64 MiB blocks reading and writing at once, and the tier's own optimizer stream at 1.17-1.19
 GB/s (runs/bench_offload.log); it was an assumed 2 GB/s before."""
+
+
+def at_least_one_thread(rates: dict, one: dict) -> dict:
+    """A rank's memory rates at t threads, none slower than at one thread: a rank can always run
+    an op on one of its threads (a bound, not a fit), and one thread's short tries are the ones
+    a shared machine disturbs least (the t-thread tries need t cores free at once)."""
+    if not rates or not one:
+        return rates
+    best = dict(rates)
+    best["stream"] = [[n, max(bw, dict((m, b) for m, b in one["stream"]).get(n, 0.0))] for n, bw in rates["stream"]]
+    best["fresh_bandwidth"] = max(rates["fresh_bandwidth"], one["fresh_bandwidth"])
+    best["adamw"] = [[n, min(sec, dict((m, t) for m, t in one["adamw"]).get(n, sec))] for n, sec in rates["adamw"]]
+    best["op_seconds"] = min(rates["op_seconds"], one["op_seconds"])
+    return best
 
 
 def cpu_share(n_ranks: int, cores: int) -> float:

@@ -98,8 +98,8 @@ def cpu_peak_flops(precision: str, threads: int | None = None) -> float:
 
 
 def measure_cpu(n_ranks: int) -> dict:
-    """This CPU's numbers for `n_ranks` local ranks: matmul peak per precision at
-    cores // n_ranks threads, and (once per machine) a 256 MiB copy's memory bandwidth, gloo
+    """This CPU's numbers for `n_ranks` local ranks: matmul peak per precision and the
+    memory-bound rates (memory_probe) at cores // n_ranks threads, and (once per machine) a 256 MiB copy's memory bandwidth, gloo
     all-reduce latency and bandwidth between two spawned ranks, and those ranks' baseline RSS
     (a few seconds the first time)."""
     # Ranks first: they must not start from this process's big buffers.
@@ -108,19 +108,117 @@ def measure_cpu(n_ranks: int) -> dict:
     threads = max(1, cpu_cores() // n_ranks)
     peak = {p: cpu_peak_flops(p, threads) for p in DTYPES}
     return {**machine, "cpu": cpu_name(), "cores": cpu_cores(), "threads": threads, "peak": peak,
-            "curve": {p: machine_curve(p, threads, peak[p]) for p in DTYPES}}
+            "curve": {p: machine_curve(p, threads, peak[p]) for p in DTYPES},
+            "memory": memory_probe(threads), **({"memory_one_thread": memory_probe(1)} if threads > 1 else {})}
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory-bound side of a step (docs/planner.md section 4a): what the matmul curve does not time
+
+STREAM_SIZES = tuple(2**k * MIB for k in (0, 3, 6))
+"""Buffer sizes of the copy-bandwidth curve (1, 8, 64 MiB): a step's element-wise work runs on
+tensors from a cache's size up; the machine's 256 MiB copy (measure_cpu) is its DRAM end."""
+ADAMW_SIZES = (2**18, 2**21, 2**24)
+"""Parameters of the fused-AdamW curve (its state 16 bytes each: 4 MiB to 256 MiB)."""
+FRESH_BYTES = 1 * MIB
+"""The fresh-mapping probe's block, an activation's size (the mapping's own system calls
+included, as each tensor pays them): page faults cost per page, and a block of ~0.1 ms lets many
+tries fit, one of them uninterrupted on a shared machine."""
+OP_CHAIN = 50
+"""Differentiable tiny ops in the per-op probe's chain."""
+
+
+def memory_probe(threads: int, again: bool = False) -> dict:
+    """This CPU's memory-bound rates at `threads` threads, measured once per (CPU, torch,
+    threads) and cached (`shardlm calibrate` prints them; the planner's step time reads them,
+    docs/planner.md section 4a):
+
+    - stream: [bytes, read + write bytes/s] of a copy between two buffers of each STREAM_SIZES
+      (best of ≥ 5 tries and 0.15 s, _best): the rate of element-wise work at its tensors' size, cache to DRAM;
+    - fresh_bandwidth: bytes/s of writing freshly mapped memory (an anonymous mapping, first
+      written, then unmapped: what glibc does for every block above the mmap threshold, which a
+      training process fixes at start-up, docs/allocator.md): page faults, the kernel's zeroing
+      and the unmap, per byte;
+    - adamw: [parameters, seconds per parameter] of torch's fused AdamW (the runtime's
+      optimizer, zero/optim.py) over one fp32 flat parameter of each ADAMW_SIZES;
+    - op_seconds: per dispatched op, a chain of OP_CHAIN multiplications on 8 elements run
+      forward and back (2·OP_CHAIN ops): the eager dispatch, autograd's recording and its
+      backward node, nothing of the arithmetic."""
+
+    def measure() -> dict:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return {"stream": [[n, _memory_bandwidth(n)] for n in STREAM_SIZES],
+                    "fresh_bandwidth": _fresh_bandwidth(FRESH_BYTES),
+                    "adamw": [[n, _adamw_seconds_per_param(n)] for n in ADAMW_SIZES],
+                    "op_seconds": _op_seconds(), "threads": threads,
+                    "load_average": machine_load()[0], "measured_at": time.time()}
+        finally:
+            torch.set_num_threads(before)
+
+    return _cached(f"threads={threads}|memory rates", measure, again=again)
+
+
+def _best(fn, repeats: int = 5, min_seconds: float = 0.15) -> float:
+    """Best seconds of `fn` over at least `repeats` tries and as many more as fit in
+    `min_seconds` (on a shared machine, more tries give one that nothing interrupted)."""
+    fn()  # warm up
+    best, tries, deadline = float("inf"), 0, time.perf_counter() + min_seconds
+    while tries < repeats or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+        tries += 1
+    return best
+
+
+def _fresh_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes/s of mapping, first writing and unmapping `nbytes` of anonymous memory."""
+    import mmap
+
+    def fresh() -> None:
+        region = mmap.mmap(-1, nbytes)
+        torch.frombuffer(region, dtype=torch.uint8).fill_(1)
+        region.close()
+
+    return nbytes / _best(fresh, repeats)
+
+
+def _adamw_seconds_per_param(n: int, repeats: int = 5) -> float:
+    """Seconds per element of torch's fused AdamW step over one fp32 parameter of `n`."""
+    from torch.optim.adamw import adamw
+
+    param, grad, m, v = (torch.full((n,), 0.5) for _ in range(4))
+    step = torch.zeros((), dtype=torch.float32)
+
+    def one() -> None:
+        adamw([param], [grad], [m], [v], [], [step], foreach=None, fused=True, amsgrad=False, beta1=0.9,
+              beta2=0.95, lr=1e-4, weight_decay=0.1, eps=1e-8, maximize=False)
+
+    return _best(one, repeats) / n
+
+
+def _op_seconds(repeats: int = 5) -> float:
+    """Seconds per dispatched op: a chain of OP_CHAIN multiplications on 8 elements run forward
+    (recorded by autograd) and backward (one multiplication per link) is 2·OP_CHAIN ops."""
+    x = torch.ones(8, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(OP_CHAIN):
+            y = y * 1.0001
+        y.backward(torch.ones(8))
+        x.grad = None
+
+    return _best(chain, repeats) / (2 * OP_CHAIN)
 
 
 def _memory_bandwidth(nbytes: int = 256 * MIB, repeats: int = 5) -> float:
-    """Best copy rate (read + write bytes / s) of a buffer far larger than the caches."""
+    """Best copy rate (read + write bytes / s) between two buffers of `nbytes`."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
+    return 2 * nbytes / _best(lambda: dst.copy_(src), repeats)
 
 
 def _gloo_rank(rank: int, world_size: int) -> dict[str, float]:

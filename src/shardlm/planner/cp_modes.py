@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardlm.config.layout_rules import cp_degrees
-from shardlm.planner.timing import collective_parts
+from shardlm.planner.links import collective_parts
 from shardlm.planner.traffic import cp_comm_bytes
 
 
@@ -63,7 +63,7 @@ class CPModeTime:
 def cp_mode_seconds(m, tokens: int, cp: int, tp: int, e: int, recompute: str, mode: str, ulysses: int,
                     bandwidth: float, latency: float, attention_s: float = 0.0,
                     overlap: float = 0.0) -> CPModeTime:
-    """The exposed communication time of `mode` per micro-batch (alpha-beta, planner.timing.
+    """The exposed communication time of `mode` per micro-batch (alpha-beta, planner.links.
     collective_parts): the all-to-alls wait at once (attention needs the heads before it
     starts); the ring's key/value hops hide behind `overlap` x `attention_s` (this rank's
     attention compute, forward + backward), its fp32 gradient hops do not (as timing._cp_ring)."""

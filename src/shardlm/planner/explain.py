@@ -12,7 +12,7 @@ from shardlm.planner.workload import Strategy
 
 def step_parts(t: Timing) -> dict[str, float]:
     bubble = t.compute * t.bubble
-    return {"compute": t.compute - bubble, "pipeline bubble": bubble,
+    return {"compute": t.compute - bubble, "pipeline bubble": bubble, "memory-bound work": t.memory_bound,
             "exposed communication": t.exposed_comm, "optimizer step": t.optimizer}
 
 

@@ -103,6 +103,8 @@ def render_estimate(w: Workload, s: Strategy, cluster: Cluster, memory: Memory, 
                      f"{comm.seconds * 1e3:.1f} ms{latency}, {comm.exposed * 1e3:.1f} ms exposed")
         for term in comm.terms:
             lines.append(f"      {term.name}: {term.seconds * 1e3:.1f} ms, {term.exposed * 1e3:.1f} ms exposed")
+    for work in timing.work:  # memory-bound terms and the optimizer (planner/memory_bound.py)
+        lines.append(f"  {work.name:<34s} {work.seconds * 1e3:8.1f} ms: {work.formula}")
     if basis is not None:
         lines += ["", *_cost_lines(training_cost(timing.tokens_per_s, cluster.world_size, basis), basis,
                                    cluster.world_size)]

@@ -426,7 +426,8 @@ def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
                         pp_schedule=par.pp_schedule,
                         pp_virtual=par.pp_virtual, pp_layers=par.pp_layers,
                         activation_offload=cfg.activation.offload,
-                        activation_offload_blocks=cfg.activation.offload_blocks, prefetch=par.prefetch)
+                        activation_offload_blocks=cfg.activation.offload_blocks, prefetch=par.prefetch,
+                        cp_mode=par.cp_mode, cp_ulysses=par.cp_ulysses)
     return Workload(cfg.model, t.seq_len, t.micro_batch * t.grad_accum * dims.dp_size), strategy
 
 

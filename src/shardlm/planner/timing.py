@@ -8,24 +8,24 @@ docs/planner.md; notation: workload.py.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
+from shardlm.planner.links import (ceil_div, collective_parts, collective_seconds,  # noqa: F401 (re-exported)
+                                   group_link, log2_ceil)
 from shardlm.planner.compute import compute_rate, model_flops_per_token
 from shardlm.planner.memory import offloaded_activations, peak_candidates
 from shardlm.planner.activations import activation_dtypes, block_activation
+from shardlm.config.layout_rules import cp_degrees
+from shardlm.planner.cp_modes import choose_cp_mode, cp_a2a_bytes
 from shardlm.planner.traffic import cp_comm_bytes, ep_comm_bytes, pp_comm_bytes, tp_comm_bytes
+from shardlm.planner.memory_bound import (ADAM_BYTES_PER_PARAM, WorkTerm,  # noqa: F401 (re-exported)
+                                          memory_bound_terms, optimizer_term)
 from shardlm.planner.traffic import fp8_gathered_elements
-from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier,
+from shardlm.planner.workload import (StageParams, Strategy, Workload, effective_tier,
                                       pipeline_layers, pp_bubble, pp_hidden_bytes,
                                       stage_params, validate, zero_ranks)
-
-ADAM_BYTES_PER_PARAM = 36
-"""Memory traffic of one fused AdamW update per parameter: read master, gradient, m, v (4 B
-each, the gradient converted), write master, m, v, and the compute-dtype copy (~9 x 4 B)."""
-
 
 @dataclass
 class CommTerm:
@@ -79,57 +79,15 @@ class Timing:
     calibration: str = ""
     """What the compute rate came from: a measured matmul curve (which) or the catalog's
     efficiency (compute_rate)."""
+    memory_bound: float = 0.0
+    """Seconds per step of the memory-bound work beside the matmuls (memory_bound.py: element-
+    wise traffic, fresh memory, per-op dispatch, ZeRO's copies), the pipeline's bubble included."""
+    work: list[WorkTerm] = field(default_factory=list)
+    """memory_bound and the optimizer step, term by term, as `shardlm estimate` prints them."""
 
     @property
     def exposed_comm(self) -> float:
         return sum(c.exposed for c in self.comms)
-
-
-def group_link(cluster: Cluster, size: int, stride: int) -> tuple[float, float, str]:
-    """(bytes/s, latency, description) of a ring over `size` ranks `stride` apart.
-
-    Ranks are laid out pp, dp_replicate, dp_shard, cp, tp from outer to inner (comm/mesh.py: dp_shard
-    inside dp_replicate; tp innermost as in torchtitan, the context-parallel ring next). A group
-    inside one node runs on the intra-node link. One that spans nodes runs at its slowest link:
-    a rank's own share of the node's network adapters, adapters x bandwidth / devices per node
-    (every rank of the node sends through them at once: each group's ring passes through every
-    member's path into the network). Pooling a node's adapters for one group (NCCL's multi-rail
-    rings) would allow up to `members` times that; the published large-scale ZeRO-3 runs did not
-    reach it (docs/planner.md section 5, tests/test_planner_published.py).
-    """
-    node, per_node = cluster.node, cluster.per_node
-    members = min(size, max(1, per_node // stride)) if stride < per_node else 1
-    nodes = ceil_div(size, members)
-    if nodes == 1:
-        return node.intra.effective, node.intra.latency, f"intra-node {node.intra.name}"
-    bandwidth = min(node.inter.effective * node.nics / per_node, node.intra.effective)
-    return bandwidth, node.inter.latency, f"{nodes} nodes, {node.inter.name}"
-
-
-def collective_parts(op: str, nbytes: float, size: int, bandwidth: float, latency: float,
-                     calls: int = 1) -> tuple[float, float]:
-    """(seconds, the latency part of them) of `calls` equal collectives moving `nbytes` in
-    total: the alpha-beta model (Thakur et al. 2005; NCCL's ring and tree). A ring all-gather
-    or reduce-scatter takes N-1 steps of S/N bytes; an all-reduce is both, or a double binary
-    tree (2 log2 N steps, full bandwidth) when latency dominates; a point-to-point one step."""
-    if size <= 1 or nbytes <= 0:
-        return 0.0, 0.0
-    each = nbytes / calls
-    if op == "p2p":
-        steps, moved = 1, each
-    elif op == "all_reduce":
-        ring = (2 * (size - 1), 2 * (size - 1) / size * each)
-        tree = (2 * log2_ceil(size), 2 * each)
-        steps, moved = min(ring, tree, key=lambda sm: sm[0] * latency + sm[1] / bandwidth)
-    else:  # all_gather, reduce_scatter, all_to_all
-        steps, moved = size - 1, (size - 1) / size * each
-    return calls * (steps * latency + moved / bandwidth), calls * steps * latency
-
-
-def collective_seconds(op: str, nbytes: float, size: int, bandwidth: float, latency: float,
-                       calls: int = 1) -> float:
-    """Seconds of `calls` equal collectives moving `nbytes` in total (collective_parts)."""
-    return collective_parts(op, nbytes, size, bandwidth, latency, calls)[0]
 
 
 def _hidden(seconds: float, window: float, overlap: float, fixed: float = 0.0) -> float:
@@ -342,7 +300,13 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
                                         head=sp.index == lay.pp - 1,
                                         async_tp=s.async_tp and s.sequence_parallel)
         bw, lat, where = group_link(cluster, lay.tp, 1)
-        sec, latency = collective_parts("all_reduce", counted / 2, lay.tp, bw, lat, calls)
+        if s.sequence_parallel:  # all-gathers and reduce-scatters, at the device's measured factor
+            # for each (gloo's are not rings: hardware/probe.py)
+            parts = [collective_parts(op, counted / 2, lay.tp, bw, lat, calls) for op in ("all_gather", "reduce_scatter")]
+            f = [cluster.calibration.factor(op) for op in ("all_gather", "reduce_scatter")]
+            sec, latency = (sum(p[i] * k for p, k in zip(parts, f)) for i in (0, 1))
+        else:
+            sec, latency = collective_parts("all_reduce", counted / 2, lay.tp, bw, lat, calls)
         exposed, terms = sec, [CommTerm(f"{calls:g} calls inside the blocks: the next matmul needs "
                                         f"each result, nothing to hide behind", sec, sec)]
         if s.async_tp and s.sequence_parallel and windows is not None:
@@ -364,12 +328,72 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
     return out
 
 
-def _cp_ring(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float) -> CommTime:
-    """The context-parallel ring (parallel/context.py) over the cp group, tp ranks apart: per
-    block and micro-batch, cp-1 hops of this rank's key/value block forward (again with
-    recomputation) and backward, and cp hops of its fp32 gradient; each hop is a send to the
-    next rank and a receive from the previous one, all ranks at once (one block on each link).
-    Volume: exactly cp_comm_bytes (the ledger's send_recv bytes).
+def _cp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float) -> list[CommTime]:
+    """Context parallelism's traffic by parallel.cp_mode (planner/cp_modes.py has the bytes, as
+    the ledger counts them): with an all-to-all degree U and a ring of R = C/U ranks (ring: U =
+    1; ulysses: R = 1; hybrid: both; 'auto': the mode cp_modes.choose_cp_mode picks, as the run's
+    resolve.decide does). The all-to-all group is U consecutive cp ranks (tp apart), the ring
+    R groups of them (U·tp apart: parallel/ulysses.py hybrid_groups)."""
+    lay = s.layout
+    mode, ulysses = _cp_mode(w, s, cluster, rate)
+    a2a, ring = cp_degrees(lay.cp, mode, ulysses)
+    out = []
+    if a2a > 1:
+        out.append(_cp_all_to_all(w, s, cluster, sp, a2a))
+    if ring > 1:
+        out.append(_cp_ring(w, s, cluster, sp, rate, ring, a2a))
+    return out
+
+
+def _cp_mode(w: Workload, s: Strategy, cluster: Cluster, rate: float) -> tuple[str, int]:
+    """(mode, all-to-all degree) the run attends by: its own, or for 'auto' the one with the
+    least exposed time per micro-batch (cp_modes.choose_cp_mode, resolve.decide's rule)."""
+    if s.cp_mode != "auto":
+        return s.cp_mode, s.cp_ulysses
+    lay, m = s.layout, w.model
+    bw, lat, _ = group_link(cluster, lay.cp, lay.tp)
+    tokens = s.micro_batch * w.seq_len
+    best = choose_cp_mode(m, tokens, lay.cp, lay.tp, s.dtypes.param_bytes, s.recompute, bw, lat,
+                          _attention_seconds(w, s, rate, lay.cp), cluster.calibration.overlap)[0]
+    return best.mode, best.ulysses
+
+
+def _attention_seconds(w: Workload, s: Strategy, rate: float, cp: int) -> float:
+    """One micro-batch's causal attention on this rank, forward (2·h·s FLOPs per local token,
+    half the dense 4·h·s) and backward (twice that), again forward with recomputation."""
+    lay, layers = s.layout, w.model.n_layers
+    tokens = s.micro_batch * w.seq_len
+    forward = 2 * w.model.d_model * w.seq_len * tokens * layers / (lay.tp * cp) / rate
+    return forward * (2 + (2 if s.recompute != "none" else 1))
+
+
+def _cp_all_to_all(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, a2a: int) -> CommTime:
+    """Ulysses' all-to-alls over U ranks: per block and pass (forward, backward, a recomputed
+    forward) one exchange of q, k, v and one of the output; attention needs the heads before it
+    starts and the next matmul the output: nothing hides them. Volume: cp_modes.cp_a2a_bytes."""
+    lay, m, e = s.layout, w.model, s.dtypes.param_bytes
+    micro, passes = s.grad_accum, 3 if s.recompute != "none" else 2
+    tokens = s.micro_batch * w.seq_len
+    sent = micro * cp_a2a_bytes(m, tokens, lay.cp, a2a, lay.tp, e, s.recompute, sp.layers)
+    calls = 2 * passes * sp.layers * micro
+    bw, lat, where = group_link(cluster, a2a, lay.tp)
+    # collective_parts takes each call's whole tensor and moves (U-1)/U of it
+    sec, latency = collective_parts("all_to_all", sent * a2a / (a2a - 1), a2a, bw, lat, calls)
+    sec, latency = sec * cluster.calibration.factor("all_to_all"), latency * cluster.calibration.factor("all_to_all")
+    return CommTime("context-parallel all-to-all (Ulysses)", f"{a2a} ranks, {where}", sent, sec, sec, latency,
+                    [CommTerm(f"{calls:g} exchanges of q, k, v and of the output: attention waits for "
+                              f"its heads, nothing to hide behind", sec, sec)])
+
+
+def _cp_ring(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float, ring: int,
+             a2a: int = 1) -> CommTime:
+    """The context-parallel ring (parallel/context.py) over `ring` ranks, U·tp apart (U = `a2a`
+    > 1 in the hybrid: each rank then holds 1/U of its key/value heads, the tokens of the U
+    ranks of its all-to-all group): per block and micro-batch, ring-1 hops of this rank's
+    key/value block forward (again with recomputation) and backward, and `ring` hops of its fp32
+    gradient; each hop is a send to the next rank and a receive from the previous one, all
+    ranks at once (one block on each link). Volume: exactly cp_comm_bytes (the ledger's
+    send_recv bytes).
 
     Overlap, as the implementation does it: a key/value hop is started before the attention of
     the block in hand and waited for after it, so the key/value hops hide behind the layer's
@@ -378,39 +402,22 @@ def _cp_ring(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: 
     gloo's threads need the compute cores); the gradient hops are waited for at once (the block's
     gradient must arrive before the next block is computed on): on the critical path."""
     lay, m, e = s.layout, w.model, s.dtypes.param_bytes
-    cp, micro, layers = lay.cp, s.grad_accum, sp.layers
+    micro, layers = s.grad_accum, sp.layers
     tokens = s.micro_batch * w.seq_len
-    total = micro * cp_comm_bytes(m, tokens, cp, lay.tp, e, s.recompute, layers)
-    block = 2 * tokens // cp * ((m.n_kv_heads or m.n_heads) // lay.tp) * flops.head_dim(m)
-    kv_hops = (cp - 1) * (3 if s.recompute != "none" else 2) * layers * micro
-    grad_hops = cp * layers * micro
-    bw, lat, where = group_link(cluster, cp, lay.tp)
-    kv, kv_latency = collective_parts("p2p", kv_hops * block * e, cp, bw, lat, kv_hops)
-    grads, grads_latency = collective_parts("p2p", grad_hops * block * 4, cp, bw, lat, grad_hops)
-    forward = 2 * m.d_model * w.seq_len * tokens * layers / (lay.tp * cp) / rate  # per micro-batch
-    window = micro * forward * (2 + (2 if s.recompute != "none" else 1))  # + backward (2x)
+    total = micro * cp_comm_bytes(m, tokens, ring, lay.tp * a2a, e, s.recompute, layers)
+    kv_heads = max(1, (m.n_kv_heads or m.n_heads) // (lay.tp * a2a))
+    block = 2 * tokens // ring * kv_heads * flops.head_dim(m)
+    kv_hops = (ring - 1) * (3 if s.recompute != "none" else 2) * layers * micro
+    grad_hops = ring * layers * micro
+    bw, lat, where = group_link(cluster, ring, lay.tp * a2a)
+    kv, kv_latency = collective_parts("p2p", kv_hops * block * e, ring, bw, lat, kv_hops)
+    grads, grads_latency = collective_parts("p2p", grad_hops * block * 4, ring, bw, lat, grad_hops)
+    window = micro * _attention_seconds(w, s, rate, lay.cp) * layers / m.n_layers
     kv_exposed = _hidden(kv, window, cluster.calibration.overlap)
-    return CommTime("context-parallel ring", f"{cp} ranks, {where}", total, kv + grads, kv_exposed + grads,
+    return CommTime("context-parallel ring", f"{ring} ranks, {where}", total, kv + grads, kv_exposed + grads,
                     kv_latency + grads_latency,
                     [CommTerm(f"{kv_hops:g} key/value hops, behind the attention", kv, kv_exposed),
                      CommTerm(f"{grad_hops:g} gradient hops, waited for at once", grads, grads)])
-
-
-def _optimizer_seconds(s: Strategy, cluster: Cluster, psi_opt: float) -> float:
-    """Fused AdamW is memory-bound: ADAM_BYTES_PER_PARAM of traffic per parameter at the
-    device's bandwidth; offloaded (ZeRO-Offload), at the host's share per device, plus the
-    gradient down and the parameters up over PCIe; on NVMe (ZeRO-Infinity) also reading and
-    writing the states."""
-    d, node, per_node = s.dtypes, cluster.node, cluster.per_node
-    tier = effective_tier(s.offload_optimizer, cluster)
-    if tier == "none":
-        return psi_opt * ADAM_BYTES_PER_PARAM / cluster.device.memory_bandwidth
-    seconds = psi_opt * ADAM_BYTES_PER_PARAM / (node.host_bandwidth / per_node)
-    if cluster.device.kind != "cpu":  # the gradient shard down, the parameters back up
-        seconds += (d.grad_bytes + d.param_bytes) * psi_opt / node.pcie.effective
-    if tier == "nvme":  # read and write master, m, v
-        seconds += 2 * 3 * DTYPE_BYTES[d.master] * psi_opt / (node.nvme_bandwidth / per_node)
-    return seconds
 
 
 def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
@@ -424,6 +431,8 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     model_flops = model_flops_per_token(w)
     run_flops = model_flops_per_token(w, s.recompute, "kernel")  # what the step executes
     rate, calibration = compute_rate(w, s, cluster)
+    if dev.memory_source:  # the memory-bound terms' rates (memory_bound.py), measured on this CPU
+        calibration = f"{calibration}; {dev.memory_source}"
     # The pipeline moves at its slowest rank's pace: the largest share of the FLOPs (a rank's
     # chunks summed under the interleaved schedule).
     shares = flops.stage_shares(m, w.seq_len, split)
@@ -444,28 +453,33 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     forward = per_micro * model_flops_per_token(w, count="kernel-forward") / run_flops
     after = [_stage_comms(w, s, cluster, sp, rate, Windows(forward, per_micro - forward, compute, sp.layers))
              for sp in peak_candidates(stages)]
-    sp, comms, optimizer = max(after, key=lambda a: sum(c.exposed for c in a[1]) + a[2])
-    step = compute + sum(c.exposed for c in comms) + optimizer
+    sp, comms, optimizer = max(after, key=lambda a: sum(c.exposed for c in a[1]) + a[2].seconds)
+    # The memory-bound work runs on the heaviest stage's pace like its matmuls (the pipeline
+    # paced by it: x 1 / (1 - bubble)); each stage's own figure, its optimizer step the one shown
+    heaviest = max(stages, key=lambda st: st.layers)
+    work = memory_bound_terms(w, s, cluster, heaviest if lay.pp > 1 else sp, 1 / (1 - bubble))
+    memory_bound = sum(t.seconds for t in work)
+    step = compute + memory_bound + sum(c.exposed for c in comms) + optimizer.seconds
     tokens_per_s = w.global_batch * w.seq_len / step
     peak = lay.world_size * dev.peak[s.dtypes.compute]
     mfu = model_flops * tokens_per_s / peak
     hfu = model_flops_per_token(w, s.recompute) * tokens_per_s / peak  # + recomputation
-    return Timing(compute, bubble, comms, optimizer, step, tokens_per_s, mfu, model_flops, sp.name, hfu,
-                  calibration)
+    return Timing(compute, bubble, comms, optimizer.seconds, step, tokens_per_s, mfu, model_flops, sp.name, hfu,
+                  calibration, memory_bound, [*work, optimizer])
 
 
 def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float,
-                 windows: Windows) -> tuple[StageParams, list[CommTime], float]:
+                 windows: Windows) -> tuple[StageParams, list[CommTime], WorkTerm]:
     """One pipeline rank's communication (what of it is exposed) and optimizer seconds."""
     lay, dev = s.layout, cluster.device
     comms = _model_parallel_comms(w, s, cluster, sp, windows)
     if lay.cp > 1:
-        comms.append(_cp_ring(w, s, cluster, sp, rate))
+        comms += _cp_comms(w, s, cluster, sp, rate)
     if not s.local:
         comms += _dp_comms(w, s, cluster, sp, windows)
     n_opt = zero_ranks(lay) if s.zero_stage else 1
     psi_opt = sp.dense / n_opt + sp.experts / (max(1, zero_ranks(lay) // lay.ep) if s.zero_stage else 1)
-    optimizer = _optimizer_seconds(s, cluster, psi_opt)
+    optimizer = optimizer_term(s, cluster, psi_opt, sp.dense + sp.experts if s.local else psi_opt)
     if effective_tier(s.offload_params, cluster) != "none":  # each gather fetches the shard
         gathers = 1 if lay.pp > 1 else 2 * s.grad_accum  # a pipeline stage holds its units for the step
         up = gathers * s.dtypes.param_bytes * sp.dense / zero_ranks(lay)
@@ -482,11 +496,3 @@ def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, ra
                               f"{cluster.node.pcie.name}", moved, seconds,
                               _hidden(seconds, windows.step, cluster.calibration.overlap)))
     return sp, comms, optimizer
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def log2_ceil(n: int) -> int:
-    return max(1, math.ceil(math.log2(n))) if n > 1 else 0

@@ -25,6 +25,8 @@ from shardlm.config.pipeline_schedules import table_for
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OFFLOAD_TIERS = ("none", "cpu", "nvme")
 RECOMPUTE_MODES = ("none", "selective", "full")
+CP_MODES = ("ring", "ulysses", "hybrid", "auto")
+"""parallel.cp_mode's values (parallel/context.py apply_cp; 'auto' decided before a run)."""
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
 """parallel.pp_schedule's values (parallel/pipeline.py SCHEDULES); pp_in_flight and pp_bubble
 model each."""
@@ -101,6 +103,11 @@ class Strategy:
     """parallel.prefetch (stage 3): gather the next unit while this one computes (prefetch depth
     1, zero/params.py), or only when it is reached (nothing hides a gather; one block fewer
     gathered at a time)."""
+    cp_mode: str = "ring"
+    """With cp > 1 (parallel.cp_mode): 'ring', 'ulysses', 'hybrid' (all-to-all degree
+    `cp_ulysses`) or 'auto' (the least exposed time: planner/cp_modes.py choose_cp_mode)."""
+    cp_ulysses: int = 0
+    """parallel.cp_ulysses: the hybrid's all-to-all degree (0 = 2)."""
     pp_scatter_gather: bool = False
     """Megatron-LM's scatter/gather between pipeline stages (Narayanan et al. 2021, section
     4.1): with tp > 1 and no sequence parallelism each tensor-parallel rank sends 1/t of the
@@ -157,6 +164,8 @@ def validate(w: Workload, s: Strategy, cluster: Cluster) -> None:
     if m.n_heads % lay.tp:
         errors.append(f"tp = {lay.tp} does not divide the {m.n_heads} attention heads")
     errors += _pipeline_errors(w, s)
+    if s.cp_mode not in CP_MODES:
+        errors.append(f"cp_mode {s.cp_mode!r}: choose {', '.join(CP_MODES)}")
     if lay.ep > 1 and (not w.experts or w.experts % lay.ep or lay.dp_shard % lay.ep):
         errors.append(f"ep = {lay.ep} must divide the experts ({w.experts}) and dp_shard "
                       f"({lay.dp_shard})")
