@@ -200,7 +200,9 @@ def test_planner_hides_the_tp_collectives_behind_their_matmuls():
     from shardlm.planner.timing import estimate_time
     from shardlm.planner.workload import Dtypes, Strategy, Workload
 
-    w = Workload(preset_model("llama-1b"), 4096, 8)
+    # llama-7b: at llama-1b's size the tp pieces' extra latencies (tp all-gathers per call in
+    # place of one) outweigh what hides, and the planner predicts async TP slower there
+    w = Workload(preset_model("llama-7b"), 4096, 8)
     for cluster in (parse_cluster("8xA100-80GB"), parse_cluster("2x8xA100-80GB")):
         n = cluster.world_size
         blocking = Strategy(ParallelDims(1, n // 8, tp=8), 1, 1, 8 // (n // 8), dtypes=Dtypes("bf16"))
