@@ -61,3 +61,12 @@ def tiny_overrides(tmp_path, **extra) -> dict:
                  "run.dir": str(tmp_path / "runs"), "run.progress": "off"}
     overrides.update({k.replace("__", "."): v for k, v in extra.items()})
     return overrides
+
+
+@pytest.fixture(scope="session")
+def two_rank_cli_run(tmp_path_factory):
+    """One `shardlm train --nproc 2` run (tests/cli_runs.py) for every test that checks what
+    such a run does: one launcher and two workers started, not one set per test."""
+    from cli_runs import two_rank_run
+
+    return two_rank_run(tmp_path_factory.mktemp("two-rank-cli"))

@@ -84,3 +84,24 @@ def cp_attention_case(rank: int, world_size: int, mode: str, a2a: int, heads: in
     (out * weight[:, :, mine]).sum().backward()
     return {"positions": mine, "out": out.detach(), "dq": lq.grad, "dk": lk.grad, "dv": lv.grad,
             "q": q, "k": k, "v": v, "weight": weight, "docs": docs, "bytes": dict(ledger.bytes)}
+
+
+def cp_world(rank: int, world_size: int, train: list, modes: list, rings: list, runs: list) -> dict:
+    """Several independent checks in one spawned world (one set of processes, not one per
+    check): `train_cases` of `train`, `cp_attention_cases` of `modes`, `ring_attention_case` of
+    each (heads, kv_heads, length, math_path) in `rings`, and a whole `train_run` (checkpoints
+    written) of each overrides dict in `runs`. The rings run after the training, and the
+    portable-path switch a ring case flips is put back after it: nothing else sees it."""
+    from ckpt_cases import train_run
+    from shardlm.parallel import context
+    from zero_cases import train_cases
+
+    out = {"train": train_cases(rank, world_size, train), "runs": [train_run(o) for o in runs],
+           "modes": cp_attention_cases(rank, world_size, modes), "rings": []}
+    for ring in rings:
+        fused = context._has_cpu_flash
+        try:
+            out["rings"].append(ring_attention_case(rank, world_size, *ring))
+        finally:
+            context._has_cpu_flash = fused
+    return out

@@ -43,3 +43,15 @@ def train_run(overrides: dict) -> dict:
     result = train(run)
     return {"losses": result.losses, "start": run.start_step, "run_dir": str(run.run_dir),
             "val_loss": result.val_loss}
+
+
+def pp_world(rank: int, world_size: int, sample: tuple[dict, int], train: list, runs: list) -> dict:
+    """Several independent checks in one spawned world (one set of processes, not one per
+    check): sample_case of `sample` first (as the first thing its process does, as when it had
+    a world of its own), then zero_cases.train_cases of `train`, then a whole
+    ckpt_cases.train_run (checkpoints and metrics written) of each overrides dict in `runs`."""
+    import ckpt_cases
+    from zero_cases import train_cases
+
+    return {"sample": sample_case(rank, world_size, *sample), "train": train_cases(rank, world_size, train),
+            "runs": [ckpt_cases.train_run(overrides) for overrides in runs]}

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-from conftest import tiny_overrides
 from shardlm.launch.allocator import glibc_version
 
 PROBE = """
@@ -43,13 +42,10 @@ def test_policy_precedence_and_read_back_in_fresh_processes():
     assert source == "environment" and "glibc.malloc.mmap_threshold=65536" in report
 
 
-def test_every_rank_of_shardlm_train_applies_it(tmp_path):
-    overrides = tiny_overrides(tmp_path, train__steps=1, train__seq_len=32, train__micro_batch=2,
-                               train__eval_batches=1, data__max_bytes=200_000, run__name="malloc")
-    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
-    result = subprocess.run([sys.executable, "-m", "shardlm", "train", "--nproc", "2",
-                             *[f"--{k}={v}" for k, v in overrides.items()]],
-                            capture_output=True, text=True, timeout=300, env=env)
+def test_every_rank_of_shardlm_train_applies_it(two_rank_cli_run):
+    """conftest.py's `shardlm train --nproc 2` run (tests/cli_runs.py), started without
+    MALLOC_MMAP_THRESHOLD_ / GLIBC_TUNABLES: each rank applies the config's default."""
+    result = two_rank_cli_run
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         assert (f"rank {rank}: malloc: mmap threshold fixed at 131,072 bytes (mallopt" in result.stdout

@@ -7,18 +7,83 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_cases import ring_attention_case
+from cp_cases import cp_world, ring_attention_case
 from parity import assert_matches
 from shardlm.launch.spawn import run_ranks
 
 
-# (ranks, query heads, key/value heads, length, path): GQA, MHA, three ranks, the portable path.
-@pytest.mark.parametrize("world, heads, kv_heads, length, math_path",
-                         [(2, 4, 2, 16, False), (2, 4, 4, 16, True), (3, 2, 1, 24, False)])
-def test_ring_attention_equals_whole_sequence_attention(tmp_path, world, heads, kv_heads, length, math_path):
+STEPS = 3
+RINGS = [(2, 4, 2, 16, False), (2, 4, 4, 16, True), (3, 2, 1, 24, False)]
+"""(ranks, query heads, key/value heads, length, path): GQA, MHA, three ranks, the portable path."""
+MODES = [("ring", 1, 4, 2, 16, 2.0), ("ulysses", 2, 4, 1, 16, 0.0)]
+LEDGER_CASES = [("gpt-tiny", "none"), ("llama-tiny", "full"), ("gpt-tiny", "selective")]
+
+
+def _configs(tmp) -> dict[str, dict]:
+    from conftest import tiny_overrides
+
+    gpt = tiny_overrides(tmp)
+    llama = tiny_overrides(tmp, model__preset="llama-tiny")
+    long = tiny_overrides(tmp, train__seq_len=256, train__micro_batch=2, model__max_seq_len=256)
+    # Gemma-2's features: every other block slides (window 16 of 64 tokens), soft-capped scores
+    gemma = {**llama, "data.document_mask": "on", "model.sliding_window": 16, "model.global_every": 2,
+             "model.attn_softcap": 20.0}
+    window = {**gpt, "data.document_mask": "on", "model.sliding_window": 16, "model.attn_softcap": 20.0}
+    return {"gpt": gpt, "llama": llama, "long": long, "gemma": gemma, "window": window}
+
+
+def _parity_cases(tmp) -> list[dict]:
+    c = _configs(tmp)
+    return [{**c["gpt"], "parallel.cp": 2},
+            {**c["llama"], "parallel.cp": 2, "parallel.zero_stage": 3},
+            {**c["long"], "parallel.cp": 2, "activation.checkpoint": "full"},
+            {**c["gemma"], "parallel.cp": 2, "parallel.cp_mode": "ulysses"},
+            {**c["window"], "parallel.cp": 2}]
+
+
+def _ledger_overrides(tmp, preset: str, recompute: str) -> dict:
+    from conftest import tiny_overrides
+
+    return {**tiny_overrides(tmp, model__preset=preset, train__micro_batch=4, train__grad_accum=2),
+            "parallel.cp": 2, "activation.checkpoint": recompute}
+
+
+def _checkpoint_base(tmp, n: int) -> dict:
+    from conftest import tiny_overrides
+
+    return tiny_overrides(tmp, model__preset="llama-tiny", train__micro_batch=4, train__steps=2 * n)
+
+
+@pytest.fixture(scope="module")
+def two_rank_world(tmp_path_factory):
+    """Every 2-rank check of this file that needs no other run first, in one spawned world
+    (cp_cases.cp_world): the training parity cases (cp_runs), the ledger cases, the attention
+    modes, the 2-rank ring cases and the cp-2 run the checkpoint test resumes. One set of rank
+    processes instead of eight."""
+    tmp = tmp_path_factory.mktemp("cp")
+    parity = [(case, STEPS, -1) for case in _parity_cases(tmp)]
+    ledger = [(_ledger_overrides(tmp, *case), 2, -1) for case in LEDGER_CASES]
+    rings = [ring[1:] for ring in RINGS if ring[0] == 2]
+    saved = {**_checkpoint_base(tmp, 2), "parallel.cp": 2, "parallel.zero_stage": 2, "checkpoint.every": 2,
+             "run.name": "cp2"}
+    out = run_ranks(cp_world, 2, tmp, parity + ledger, [(*m[:5], True, m[5]) for m in MODES], rings, [saved],
+                    timeout=600)
+    return {"parity": [r["train"][:len(parity)] for r in out], "ledger": [r["train"][len(parity):] for r in out],
+            "modes": [r["modes"] for r in out], "rings": [r["rings"] for r in out],
+            "cp2_saved": out[0]["runs"][0]}
+
+
+@pytest.mark.parametrize("case", range(len(RINGS)), ids=[f"{w}-{h}-{kv}-{n}-{m}" for w, h, kv, n, m in RINGS])
+def test_ring_attention_equals_whole_sequence_attention(two_rank_world, tmp_path, case):
     """Each rank's output and q/k/v gradients equal those rows of the whole-sequence causal
-    attention (fp32; the ring merges per-block softmaxes, a different summation order: 1e-5)."""
-    out = run_ranks(ring_attention_case, world, tmp_path, heads, kv_heads, length, math_path)
+    attention (fp32; the ring merges per-block softmaxes, a different summation order: 1e-5).
+    The 2-rank cases ran in the shared world; the 3-rank one spawns its own."""
+    world, heads, kv_heads, length, math_path = RINGS[case]
+    if world == 2:
+        two = [i for i, ring in enumerate(RINGS) if ring[0] == 2].index(case)
+        out = [r[two] for r in two_rank_world["rings"]]
+    else:
+        out = run_ranks(ring_attention_case, world, tmp_path, heads, kv_heads, length, math_path)
     q, k, v = (out[0][x].clone().requires_grad_() for x in "qkv")
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
     (ref * out[0]["weight"]).sum().backward()
@@ -35,25 +100,23 @@ def test_ring_attention_equals_whole_sequence_attention(tmp_path, world, heads, 
         assert r["bytes"] == {"send_recv/cp": (2 * (world - 1) + world) * kv_bytes}
 
 
-# (ranks, [(mode, all-to-all degree, query heads, key/value heads, length)]): every mode with
+# MODES, on 2 ranks, [(mode, all-to-all degree, query heads, key/value heads, length)]: every mode with
 # document masks (three documents in row 0, one crossing the chunk boundaries; one in row 1);
 # the ring's scores soft-capped (Gemma 2, cap 2: most scores bent); Ulysses with one key/value
-# head for two ranks (GQA: replicated). One spawn. (The hybrid's attention is the same code over
-# two groups: tested at 4 ranks on the parameter level, documents included, in
+# head for two ranks (GQA: replicated). In the shared world. (The hybrid's attention is the same
+# code over two groups: tested at 4 ranks on the parameter level, documents included, in
 # test_cp_composes_with_tp_and_zero_on_4_ranks.)
-@pytest.mark.parametrize("world, cases", [(2, [("ring", 1, 4, 2, 16, 2.0), ("ulysses", 2, 4, 1, 16, 0.0)])])
-def test_cp_modes_equal_whole_sequence_attention_with_documents(tmp_path, world, cases):
+def test_cp_modes_equal_whole_sequence_attention_with_documents(two_rank_world):
     """Each mode's output and q/k/v gradients equal those rows of one process's attention
     under the same document mask and soft-cap (fp32; Ulysses runs the same kernel on the whole sequence,
     the ring merges per-block softmaxes: 1e-5), and the ledger's bytes are the planner's
     formula for the mode (planner/cp_modes.py: all-to-alls, ring hops)."""
     from types import SimpleNamespace
 
-    from cp_cases import cp_attention_cases
     from shardlm.models.attention import _allowed
     from shardlm.planner.cp_modes import cp_mode_bytes
 
-    out = run_ranks(cp_attention_cases, world, tmp_path, [(*case[:5], True, case[5]) for case in cases])
+    out, cases, world = two_rank_world["modes"], MODES, 2
     for c, (mode, a2a, heads, kv_heads, length, softcap) in enumerate(cases):
         ranks = [r[c] for r in out]
         q, k, v = (ranks[0][x].clone().requires_grad_() for x in "qkv")
@@ -76,9 +139,6 @@ def test_cp_modes_equal_whole_sequence_attention_with_documents(tmp_path, world,
             assert r["bytes"] == {f"{op}/cp": n for op, n in want.items() if n}, mode
 
 
-STEPS = 3
-
-
 def _matches(got: dict, ref: dict, what: str, tol: float = 1e-5) -> None:
     assert_matches(got["losses"], got["params"], ref, what, tol)
 
@@ -88,28 +148,16 @@ def _matches(got: dict, ref: dict, what: str, tol: float = 1e-5) -> None:
 # reduction instead of in one backward: losses agree to 1e-5 relative, parameters after 3
 # AdamW steps to 1e-5.
 @pytest.fixture(scope="module")
-def cp_runs(tmp_path_factory):
-    from conftest import tiny_overrides
-    from zero_cases import reference_case, train_cases
+def cp_runs(two_rank_world, tmp_path_factory):
+    from zero_cases import reference_case
 
-    tmp = tmp_path_factory.mktemp("cp")
-    gpt = tiny_overrides(tmp)
-    llama = tiny_overrides(tmp, model__preset="llama-tiny")
-    long = tiny_overrides(tmp, train__seq_len=256, train__micro_batch=2, model__max_seq_len=256)
-    # Gemma-2's features: every other block slides (window 16 of 64 tokens), soft-capped scores
-    gemma = {**llama, "data.document_mask": "on", "model.sliding_window": 16, "model.global_every": 2,
-             "model.attn_softcap": 20.0}
-    window = {**gpt, "data.document_mask": "on", "model.sliding_window": 16, "model.attn_softcap": 20.0}
-    cases = [({**gpt, "parallel.cp": 2}, STEPS, -1),
-             ({**llama, "parallel.cp": 2, "parallel.zero_stage": 3}, STEPS, -1),
-             ({**long, "parallel.cp": 2, "activation.checkpoint": "full"}, STEPS, -1),
-             ({**gemma, "parallel.cp": 2, "parallel.cp_mode": "ulysses"}, STEPS, -1),
-             ({**window, "parallel.cp": 2}, STEPS, -1)]
-    out = run_ranks(train_cases, 2, tmp, cases)
-    refs = [reference_case(gpt, 1, STEPS), reference_case(llama, 1, STEPS),
-            reference_case({**long, "activation.checkpoint": "full"}, 1, STEPS),
-            reference_case(gemma, 1, STEPS), reference_case(window, 1, STEPS)]
-    return out, refs, [c[0] for c in cases]
+    tmp = tmp_path_factory.mktemp("cp-ref")
+    c = _configs(tmp)
+    out = two_rank_world["parity"]  # the world's runs of _parity_cases, STEPS steps each
+    refs = [reference_case(c["gpt"], 1, STEPS), reference_case(c["llama"], 1, STEPS),
+            reference_case({**c["long"], "activation.checkpoint": "full"}, 1, STEPS),
+            reference_case(c["gemma"], 1, STEPS), reference_case(c["window"], 1, STEPS)]
+    return out, refs, _parity_cases(tmp)
 
 
 @pytest.mark.parametrize("case, what", [(0, "cp=2 gpt (learned positions)"),
@@ -132,24 +180,20 @@ def test_cp_matches_one_process(cp_runs, case, what):
         assert out[r][case]["comm_by_op"][-1]["cp"] == want
 
 
-@pytest.mark.parametrize("preset, recompute", [("gpt-tiny", "none"), ("llama-tiny", "full"),
-                                               ("gpt-tiny", "selective")])
-def test_ledger_bytes_match_the_formula(tmp_path, preset, recompute):
+@pytest.mark.parametrize("case", range(len(LEDGER_CASES)), ids=["-".join(c) for c in LEDGER_CASES])
+def test_ledger_bytes_match_the_formula(two_rank_world, tmp_path, case):
     """The context-parallel group's bytes per step in the ledger are exactly the planner's
     formula (planner/timing.py cp_comm_bytes): the ring's key/value hops forward, again in
     backward with their gradients, and once more when the block is recomputed."""
-    from conftest import tiny_overrides
     from shardlm.config import load_config
     from shardlm.planner.traffic import cp_comm_bytes
-    from zero_cases import train_cases
 
-    over = {**tiny_overrides(tmp_path, model__preset=preset, train__micro_batch=4, train__grad_accum=2),
-            "parallel.cp": 2, "activation.checkpoint": recompute}
-    out = run_ranks(train_cases, 2, tmp_path, [(over, 2, -1)])
+    preset, recompute = LEDGER_CASES[case]
+    over = _ledger_overrides(tmp_path, preset, recompute)  # what the world trained (2 steps)
     model = load_config(overrides=over).validate().model
     expected = 2 * cp_comm_bytes(model, 4 * 64, 2, 1, 4, recompute)  # 2 micro-batches of 4 x 64
     for r in range(2):
-        assert out[r][0]["comm_by_op"][-1]["cp"] == expected
+        assert two_rank_world["ledger"][r][case]["comm_by_op"][-1]["cp"] == expected
 
 
 def test_cp_composes_with_tp_and_zero_on_4_ranks(tmp_path):
@@ -186,16 +230,14 @@ def test_cp_composes_with_tp_and_zero_on_4_ranks(tmp_path):
         assert out[r][2]["comm_by_op"][-1]["cp"] == cp_bytes  # all-to-alls + ring hops
 
 
-def test_checkpoints_load_across_context_parallel_layouts(tmp_path):
+def test_checkpoints_load_across_context_parallel_layouts(two_rank_world, tmp_path):
     """Saved at cp 2 (ZeRO-2: states sharded over the two context-parallel ranks), resumed in
     one process and at cp 2 × tp 2: the same loss curve continues."""
     from ckpt_cases import checkpoint_of, train_ranks, train_run
-    from conftest import tiny_overrides
 
     n = 2
-    base = tiny_overrides(tmp_path, model__preset="llama-tiny", train__micro_batch=4, train__steps=2 * n)
-    saved = run_ranks(train_ranks, 2, tmp_path, {**base, "parallel.cp": 2, "parallel.zero_stage": 2,
-                                                 "checkpoint.every": n, "run.name": "cp2"}, timeout=300)[0]
+    base = _checkpoint_base(tmp_path, n)
+    saved = two_rank_world["cp2_saved"]  # the world's train_run at cp 2, ZeRO-2, saving every n steps
     ckpt = checkpoint_of(saved["run_dir"], n)
     one = train_run({**base, "run.name": "one", "checkpoint.resume": ckpt})
     cp_tp = run_ranks(train_ranks, 4, tmp_path, {**base, "parallel.cp": 2, "parallel.tp": 2,

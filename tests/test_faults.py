@@ -235,11 +235,22 @@ def _chaos():
     return module
 
 
-@pytest.mark.parametrize("victim,moment", [("rank1", "random"), ("launcher", "save")])
-def test_killed_runs_resume_to_the_reference_losses(tmp_path, victim, moment):
+CHAOS_STEPS, CHAOS_EVERY = 8, 2
+
+
+@pytest.fixture(scope="module")
+def chaos_reference(tmp_path_factory):
+    """The uninterrupted run both trials are held to (one run, not one per trial: the trials
+    differ in what is killed and when, not in what they train)."""
     chaos = _chaos()
-    steps, every = 8, 2
-    ref, train_s = chaos.reference(tmp_path, steps, every)
+    ref, train_s = chaos.reference(tmp_path_factory.mktemp("chaos-reference"), CHAOS_STEPS, CHAOS_EVERY)
+    return chaos, ref, train_s
+
+
+@pytest.mark.parametrize("victim,moment", [("rank1", "random"), ("launcher", "save")])
+def test_killed_runs_resume_to_the_reference_losses(tmp_path, chaos_reference, victim, moment):
+    chaos, ref, train_s = chaos_reference
+    steps, every = CHAOS_STEPS, CHAOS_EVERY
     # a generator seeded to pick this victim and moment, as chaos.py would draw them
     seed = next(s for s in range(10_000)
                 if (lambda r: (r.choice(chaos.VICTIMS), r.choice(chaos.MOMENTS)))(random.Random(s))

@@ -73,12 +73,32 @@ def _data(extra: dict, tmp) -> dict:
     return {"data.source": str(reverse_jsonl(tmp / "rev.jsonl"))} if "data.format" in extra else {}
 
 
+def _built_cases(tmp) -> list[tuple[str, dict]]:
+    """test_meta_built_models_shard_to_the_one_process_model's models and layouts."""
+    t5 = {**T5_UNITS, **SEQ2SEQ, **_data(SEQ2SEQ, tmp)}
+    return [(name, {**_base(tmp), **(t5 if name == "t5" else {}),
+                    "parallel.zero_stage": stage, "run.name": f"{name}{stage}"})
+            for name in ("llama", "gpt2", "t5") for stage in (1, 3)]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def two_rank_world(tmp_path_factory):
+    """The training cases (runs) and the meta-built models, in one spawned world
+    (worlds.several), not one each."""
+    from hf_cases import hf_built
+    from worlds import several
+
     tmp = tmp_path_factory.mktemp("hf")
     cases = [(name, {**_base(tmp), **extra, **_data(extra, tmp), "parallel.zero_stage": stage}, STEPS)
              for name, stage, extra in CASES]
-    ranks = run_ranks(hf_train_cases, WORLD, tmp, cases)
+    return run_ranks(several, WORLD, tmp, [(hf_train_cases, (cases,)), (hf_built, (_built_cases(tmp),))],
+                     timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs(two_rank_world, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf-ref")
+    ranks = [rank[0] for rank in two_rank_world]
     refs = {}
     for name, _, extra in CASES:
         key = (name, extra.get("train.grad_clip"))
@@ -140,18 +160,14 @@ def test_build_run_takes_a_user_model(tmp_path):
     assert run.flops_per_token == 6 * sum(p.numel() for p in model.parameters())
 
 
-def test_meta_built_models_shard_to_the_one_process_model(tmp_path):
+def test_meta_built_models_shard_to_the_one_process_model(two_rank_world, tmp_path):
     """transformers models built on the meta device: each rank materialises only its units,
     initialised by the model's own _init_weights seeded per (seed, module), and the result is
     the model one process materialises whole — at stage 3 (units sharded) and stage 1."""
-    from hf_cases import hf_built
     from shardlm.models.init import materialize
 
-    t5 = {**T5_UNITS, **SEQ2SEQ, **_data(SEQ2SEQ, tmp_path)}
-    cases = [(name, {**_base(tmp_path), **(t5 if name == "t5" else {}),
-                     "parallel.zero_stage": stage, "run.name": f"{name}{stage}"})
-             for name in ("llama", "gpt2", "t5") for stage in (1, 3)]
-    ranks = run_ranks(hf_built, WORLD, tmp_path, cases, timeout=300)
+    cases = _built_cases(tmp_path)
+    ranks = [rank[1] for rank in two_rank_world]  # hf_cases.hf_built of _built_cases, in the shared world
     for index, (name, overrides) in enumerate(cases):
         whole = materialize(hf_model(name, "meta"), "cpu", overrides.get("train.seed", 1337))
         cpu_built = hf_model(name)  # the library's own init, for scale

@@ -3,8 +3,6 @@
 import ipaddress
 import json
 import os
-import socket
-import struct
 import subprocess
 import sys
 import time
@@ -13,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_overrides
+from cli_runs import STEPS, address as _address, listening_sockets, process_tree as _process_tree
 from shardlm.zero.partition import comm_bytes_per_step
 
 
@@ -21,13 +20,12 @@ def _shardlm(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_nproc_two_trains_with_zero2_and_logs_ledgers(tmp_path):
-    overrides = tiny_overrides(tmp_path, train__steps=4, parallel__zero_stage=2, run__name="z2")
-    result = _shardlm("train", "--nproc", "2", *[f"--{k}={v}" for k, v in overrides.items()])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "rank 0: model states" in result.stdout and "rank 1: model states" in result.stdout
-    records = [json.loads(line) for line in (tmp_path / "runs" / "z2" / "metrics.jsonl").open()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
+def test_nproc_two_trains_with_zero2_and_logs_ledgers(two_rank_cli_run):
+    run = two_rank_cli_run  # conftest.py: `shardlm train --nproc 2`, ZeRO-2 (tests/cli_runs.py)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rank 0: model states" in run.stdout and "rank 1: model states" in run.stdout
+    records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     last = records[-1]
     assert last["model_state_bytes"] > 0
     assert last["comm_bytes"] >= comm_bytes_per_step(136960, 2, 4, 4)  # gpt-tiny Ψ, fp32, + padding
@@ -43,67 +41,6 @@ def test_bad_layout_fails_before_spawning(tmp_path):
 
 # -- network: a single-node run listens on loopback only ---------------------------------------
 
-LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp{,6}
-
-
-def _process_tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # exited while we looked
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return tree
-
-
-def _socket_inodes(pids: list[int]) -> dict[int, int]:
-    """{socket inode: pid} over the processes' open file descriptors."""
-    owners = {}
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                owners[int(target[8:-1])] = pid
-    return owners
-
-
-def _address(hex_addr: str) -> str:
-    """/proc/net/tcp's 'HEXIP:HEXPORT' (IPv4 and IPv6: 32-bit words in host byte order)."""
-    ip, port = hex_addr.split(":")
-    raw = b"".join(struct.pack("=I", int(ip[i:i + 8], 16)) for i in range(0, len(ip), 8))
-    family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
-    return f"[{socket.inet_ntop(family, raw)}]:{int(port, 16)}"
-
-
-def listening_sockets(pids: list[int]) -> list[tuple[int, str]]:
-    """(pid, '[address]:port') of every listening TCP socket the processes hold."""
-    owners = _socket_inodes(pids)
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == LISTEN and int(fields[9]) in owners:
-                found.append((owners[int(fields[9])], _address(fields[1])))
-    return found
-
-
 def _is_loopback(address: str) -> bool:
     return ipaddress.ip_address(address[1:address.index("]")]).is_loopback
 
@@ -117,28 +54,14 @@ def test_address_decoding():
     assert not _is_loopback("[::]:1") and not _is_loopback("[0.0.0.0]:1")
 
 
-def test_local_run_listens_on_loopback_only(tmp_path):
+def test_local_run_listens_on_loopback_only(two_rank_cli_run):
     """`shardlm train --nproc 2`: every listening socket of the launcher and its workers, sampled
     while they run, is on loopback. (Before: the launcher's rendezvous store and rank 0's
     MASTER_PORT store listened on every interface, `[::]:PORT`.)"""
-    overrides = tiny_overrides(tmp_path, train__steps=40, run__name="net")
-    proc = subprocess.Popen([sys.executable, "-m", "shardlm", "train", "--nproc", "2",
-                             *[f"--{k}={v}" for k, v in overrides.items()]],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen: set[tuple[int, str]] = set()
-    try:
-        deadline = time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < deadline:
-            seen.update(listening_sockets(_process_tree(proc.pid)))
-            time.sleep(0.05)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        out = proc.communicate()[0]
-    assert proc.returncode == 0, out[-3000:]
-    workers = {pid for pid, _ in seen if pid != proc.pid}
-    assert len(workers) == 2, f"the probe saw no worker's sockets (too slow?): {seen}"
-    exposed = sorted(s for s in seen if not _is_loopback(s[1]))
+    run = two_rank_cli_run  # conftest.py: sampled every 50 ms while it ran (tests/cli_runs.py)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(run.workers) == 2, f"the probe saw no worker's sockets (too slow?): {run.listening}"
+    exposed = sorted(s for s in run.listening if not _is_loopback(s[1]))
     assert not exposed, f"listening beyond loopback: {exposed}"
 
 

@@ -76,19 +76,26 @@ def test_bad_targets_and_layouts_are_refused(tmp_path):
     load_config(overrides={**_base(tmp_path), "parallel.tp": 2}).validate()  # plain LoRA: cut by tp
 
 
+RESUME_STAGES = (0, 3)
+
+
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
+    from worlds import several
+
     tmp = tmp_path_factory.mktemp("lora2")
     cases = [({**_base(tmp), "parallel.zero_stage": stage}, STEPS) for stage in (0, 3)]
     cases.append(({**_base(tmp, "gpt-tiny"), "parallel.zero_stage": 3}, STEPS))
-    out = run_ranks(lora_cases, 2, tmp, cases)
+    # and, in the same world (worlds.several), test_checkpoint_resumes's runs: one spawn, not three
+    resumes = [(f"lora{stage}", {**_base(tmp), "parallel.zero_stage": stage}, 2) for stage in RESUME_STAGES]
+    out, resumed = zip(*run_ranks(several, 2, tmp, [(lora_cases, (cases,)), (straight_and_resumed, (resumes,))]))
     refs = {preset: reference_case(_base(tmp, preset), 2, STEPS) for preset in ("llama-tiny", "gpt-tiny")}
-    return out, refs
+    return out, refs, resumed[0]  # resumed[0]: rank 0's (straight, resumed) per stage
 
 
 @pytest.mark.parametrize("case,preset", [(0, "llama-tiny"), (1, "llama-tiny"), (2, "gpt-tiny")])
 def test_two_ranks_match_one_process(two_rank_runs, case, preset):
-    out, refs = two_rank_runs
+    out, refs, _ = two_rank_runs
     ref = refs[preset]
     for rank in (0, 1):
         got = out[rank][case]
@@ -101,10 +108,11 @@ def test_two_ranks_match_one_process(two_rank_runs, case, preset):
     assert out[0][0]["optim_elements"] == out[0][0]["adapter_elements"]
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_checkpoint_resumes(tmp_path, stage):
-    o = {**_base(tmp_path), "parallel.zero_stage": stage}
-    (straight, resumed), = run_ranks(straight_and_resumed, 2, tmp_path, [(f"lora{stage}", o, 2)])[0]
+@pytest.mark.parametrize("stage", RESUME_STAGES)
+def test_checkpoint_resumes(two_rank_runs, stage):
+    # two_rank_runs' world ran straight_and_resumed of _base at this stage: 4 steps saving at 2,
+    # then a resume from step 2
+    straight, resumed = two_rank_runs[2][RESUME_STAGES.index(stage)]
     assert resumed["start"] == 2
     assert resumed["losses"] == straight["losses"][2:]
     for name, value in straight["params"].items():

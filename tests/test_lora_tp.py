@@ -57,12 +57,22 @@ def lora_train_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def two_rank_world(tmp_path_factory):
+    """The parity cases (runs) and test_lora_layers_cut_as_megatron_with_one_reduction's layers,
+    in one spawned world (worlds.several), not one each."""
+    from worlds import several
+
     tmp = tmp_path_factory.mktemp("loratp")
     cases = [{**_base(tmp, preset, f"tp{i}"), "parallel.tp": 2, **extra}
              for i, (preset, extra) in enumerate(CASES.values())]
     cases.append({**_base(tmp, "gpt-tiny", "ep"), **MOE, "parallel.ep": 2, "parallel.zero_stage": 3})
-    out = run_ranks(lora_train_cases, 2, tmp, cases)
+    return run_ranks(several, 2, tmp, [(lora_train_cases, (cases,)), (lora_layers_cases, ())])
+
+
+@pytest.fixture(scope="module")
+def runs(two_rank_world, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("loratp-ref")
+    out = [rank[0] for rank in two_rank_world]
     saved = os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # one rank's thread count (zero_cases.reference_case)
     try:
@@ -173,13 +183,13 @@ def lora_layers_case(rank: int, sequence_parallel: bool) -> dict:
         "row B": rel(cut_row.lora_B.weight.grad, row.lora_B.weight.grad)}}
 
 
-def test_lora_layers_cut_as_megatron_with_one_reduction(tmp_path):
+def test_lora_layers_cut_as_megatron_with_one_reduction(two_rank_world):
     """The cut layers equal the whole ones (fp32, 1e-6), and the forward's tp traffic is the
     base's one reduction of the output (an all-reduce, or with sequence parallelism a
     reduce-scatter after the input's all-gather): the LoRA update's partial sum rides in it.
     Backward adds only the whole factors' gradient all-reduces (A of the column layer, B of the
     row one). Both modes in one spawn."""
-    out = run_ranks(lora_layers_cases, 2, tmp_path)
+    out = [rank[1] for rank in two_rank_world]  # lora_layers_cases, in the shared world
     numel = 2 * 4 * 8 * 4  # (B, T, d) fp32 bytes of the output / input
     factors = 2 * (2 * 8 * 4) * 2  # A (2, 8) and B (8, 2) fp32, all-reduces counted x2
     for plain, sequence_parallel in out:

@@ -148,13 +148,46 @@ def test_a_compiled_moe_block_is_one_graph_per_part_and_equals_eager():
         assert torch.equal(outs[1][1][name], grad), name
 
 
-# fp32. The experts' rows and matmuls are the same under expert parallelism, grouped
-# differently (an expert's rows from both ranks in one matmul, where one process runs each
-# micro-batch's apart): 1e-5 relative on the losses and every parameter.
+def _parity_base(tmp) -> dict:
+    return tiny_overrides(tmp, model__preset="moe-tiny", train__micro_batch=4, train__seq_len=32)
+
+
+def _ledger_overrides(tmp) -> dict:
+    return tiny_overrides(tmp, model__preset="moe-tiny", train__micro_batch=4, train__seq_len=32, parallel__ep=2)
+
+
+def _checkpoint_base(tmp, n: int) -> dict:
+    return tiny_overrides(tmp, model__preset="moe-tiny", train__micro_batch=4, train__seq_len=32,
+                          train__steps=2 * n, model__balance="bias", model__bias_update_rate=0.05)
+
+
+def _rebalance_base(tmp) -> dict:
+    return tiny_overrides(tmp, model__preset="moe-tiny", train__micro_batch=4, train__seq_len=32,
+                          model__top_k=1, model__experts=8)
+
+
+def _rebalanced(base: dict) -> dict:
+    return {**base, "parallel.ep": 2, "parallel.ep_rebalance_every": 1, "parallel.zero_stage": 1}
+
+
 @pytest.fixture(scope="module")
-def moe_runs(tmp_path_factory):
+def two_rank_world(tmp_path_factory):
+    """Every 2-rank check of this file that needs no other run first, in one spawned world
+    (worlds.several): the parity cases (moe_runs), the all-to-all ledger's step, the ep-2 run
+    the checkpoint test resumes from, and the re-placement run. One set of processes, not four."""
+    from ckpt_cases import train_ranks
+    from moe_cases import ledger_case, rebalance_case
+    from worlds import several
+
     tmp = tmp_path_factory.mktemp("moe")
-    base = tiny_overrides(tmp, model__preset="moe-tiny", train__micro_batch=4, train__seq_len=32)
+    saved = {**_checkpoint_base(tmp, 2), "parallel.ep": 2, "checkpoint.every": 2, "run.name": "ep2"}
+    calls = [(train_cases, (_parity_cases(tmp), )), (ledger_case, (_ledger_overrides(tmp),)),
+             (train_ranks, (saved,)), (rebalance_case, (_rebalanced(_rebalance_base(tmp)), 4))]
+    return run_ranks(several, 2, tmp, calls, timeout=300)
+
+
+def _parity_cases(tmp) -> list:
+    base = _parity_base(tmp)
     varied = {**base, "model.balance": "bias", "model.router": "sigmoid", "model.shared_experts": 1,
               "model.capacity_factor": 1.25, "model.bias_update_rate": 0.01}
     two = {**base, "train.grad_accum": 2}
@@ -166,7 +199,21 @@ def moe_runs(tmp_path_factory):
              ({**base, "parallel.tp": 2, "parallel.sequence_parallel": True, "model.shared_experts": 1}, STEPS, -1),
              ({**two, "parallel.pp": 2}, STEPS, -1),
              ({**base, "parallel.cp": 2, "parallel.ep": 2, **sharp}, STEPS, -1)]
-    out = run_ranks(train_cases, 2, tmp, cases, timeout=300)
+    return cases
+
+
+# fp32. The experts' rows and matmuls are the same under expert parallelism, grouped
+# differently (an expert's rows from both ranks in one matmul, where one process runs each
+# micro-batch's apart): 1e-5 relative on the losses and every parameter.
+@pytest.fixture(scope="module")
+def moe_runs(two_rank_world, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe-ref")
+    base = _parity_base(tmp)
+    varied = {**base, "model.balance": "bias", "model.router": "sigmoid", "model.shared_experts": 1,
+              "model.capacity_factor": 1.25, "model.bias_update_rate": 0.01}
+    two = {**base, "train.grad_accum": 2}
+    sharp = {"model.aux_loss_coef": 0.1, "model.z_loss_coef": 0.01}  # the balancing terms weigh more
+    out = [r[0] for r in two_rank_world]
     refs = [reference_case(base, 2, STEPS), reference_case(varied, 2, STEPS), None,
             reference_case(base, 1, STEPS), reference_case({**base, "model.shared_experts": 1}, 1, STEPS),
             reference_case(two, 1, STEPS), reference_case({**base, **sharp}, 1, STEPS)]
@@ -214,15 +261,11 @@ def test_ep2_with_zero3_replicas_pipelines_and_tp_on_4_ranks(tmp_path):
     assert_matches(out[0][2]["losses"], whole, reference_case(piped, 2, STEPS), "pp=2 x ep=2, ZeRO-1")
 
 
-def test_all_to_all_ledger_counts_the_tokens_routed(tmp_path):
+def test_all_to_all_ledger_counts_the_tokens_routed(two_rank_world):
     """Each rank's all-to-all bytes = (rows it sends to the other rank's experts + rows it
     returns to the other rank) × d_model × 4 B, twice (backward sends the gradients the same
     way), from the routing every rank recorded; plus E int64 split counts per MoE call."""
-    from moe_cases import ledger_case
-
-    overrides = tiny_overrides(tmp_path, model__preset="moe-tiny", train__micro_batch=4, train__seq_len=32,
-                               parallel__ep=2)
-    out = run_ranks(ledger_case, 2, tmp_path, overrides)
+    out = [r[1] for r in two_rank_world]  # moe_cases.ledger_case of _ledger_overrides
     e = out[0]["experts"]
     mine = [range(0, e // 2), range(e // 2, e)]
     for rank in range(2):
@@ -236,15 +279,13 @@ def test_all_to_all_ledger_counts_the_tokens_routed(tmp_path):
         assert out[rank]["bytes"]["all_to_all_splits/ep"] == len(out[rank]["routed"][rank]) * (e // 2) * 8
 
 
-def test_checkpoints_load_across_expert_layouts(tmp_path):
+def test_checkpoints_load_across_expert_layouts(two_rank_world, tmp_path):
     """ep=2 → 1 process: the same loss curve continues (the bias balancing's state included)."""
-    from ckpt_cases import checkpoint_of, train_ranks, train_run
+    from ckpt_cases import checkpoint_of, train_run
 
     n = 2
-    base = tiny_overrides(tmp_path, model__preset="moe-tiny", train__micro_batch=4, train__seq_len=32,
-                          train__steps=2 * n, model__balance="bias", model__bias_update_rate=0.05)
-    saved = run_ranks(train_ranks, 2, tmp_path, {**base, "parallel.ep": 2, "checkpoint.every": n,
-                                                 "run.name": "ep2"})[0]
+    base = _checkpoint_base(tmp_path, n)
+    saved = two_rank_world[0][2]  # the world's train_run at ep 2, saving every n steps (rank 0)
     one = train_run({**base, "run.name": "one", "train.grad_accum": 2,
                      "checkpoint.resume": checkpoint_of(saved["run_dir"], n)})
     assert one["start"] == n
@@ -261,16 +302,13 @@ def test_balanced_placement_lowers_the_busiest_rank():
     assert sorted(e for p in balanced_placement([3.0] * 8, 4) for e in p) == list(range(8))
 
 
-def test_re_placing_experts_by_load_changes_nothing_but_where_they_run(tmp_path):
+def test_re_placing_experts_by_load_changes_nothing_but_where_they_run(two_rank_world, tmp_path):
     """ep = 2 with parallel.ep_rebalance_every = 1 (top-1 routing: uneven loads): experts move
     between the ranks with their Adam states, and the run still equals one process."""
-    from moe_cases import rebalance_case
     from tp_cases import whole_params
 
-    base = tiny_overrides(tmp_path, model__preset="moe-tiny", train__micro_batch=4, train__seq_len=32,
-                          model__top_k=1, model__experts=8)
-    out = run_ranks(rebalance_case, 2, tmp_path, {**base, "parallel.ep": 2, "parallel.ep_rebalance_every": 1,
-                                                  "parallel.zero_stage": 1}, 4)
+    base = _rebalance_base(tmp_path)
+    out = [r[3] for r in two_rank_world]  # moe_cases.rebalance_case of _rebalanced(base), 4 steps
     assert sum(out[0]["moved"]) > 0, out[0]["moved"]
     assert any(len(s.ranges) > 1 or s.ranges[0][0] % 4 for s in out[0]["splits"].values())  # moved
     assert_matches(out[0]["losses"], whole_params(out), reference_case(base, 2, 4), "ep=2, re-placed by load")

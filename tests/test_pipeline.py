@@ -32,8 +32,36 @@ def stages_whole(results: list[dict]) -> dict[str, torch.Tensor]:
 # both accumulate in micro-batch order on each stage except GPipe's reversed backward), and the
 # tied embedding's two shares are summed across stages instead of inside one backward: 1e-5
 # (the key bias apart: tests/parity.py).
+def _checkpoint_base(tmp, n: int) -> dict:
+    return tiny_overrides(tmp, train__grad_accum=MICRO, train__micro_batch=2, train__steps=2 * n)
+
+
+def _ledger_overrides(tmp) -> dict:
+    return {**tiny_overrides(tmp, train__grad_accum=MICRO, train__micro_batch=2, train__steps=2),
+            "parallel.pp": 2, "run.name": "ledger"}
+
+
+def _sample_base(tmp) -> dict:
+    return tiny_overrides(tmp, model__n_layers=4, train__grad_accum=2)
+
+
+def _sample_piped(base: dict) -> dict:
+    return {**base, "parallel.pp": 2, "parallel.pp_schedule": "interleaved", "parallel.pp_virtual": 2}
+
+
 @pytest.fixture(scope="module")
-def pp_runs(tmp_path_factory):
+def pp_runs(two_rank_world):
+    return two_rank_world["parity"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_world(tmp_path_factory):
+    """Every 2-rank check of this file that needs no other run first, in one spawned world
+    (pp_cases.pp_world): the interleaved sample, the parity cases (pp_runs), the run the
+    checkpoint-layout test resumes from and the ledger test's run. One set of rank processes
+    instead of four."""
+    from pp_cases import pp_world
+
     tmp = tmp_path_factory.mktemp("pp")
     gpt = tiny_overrides(tmp, train__grad_accum=MICRO, train__micro_batch=2)
     llama = tiny_overrides(tmp, model__preset="llama-tiny", train__grad_accum=MICRO, train__micro_batch=2)
@@ -48,12 +76,16 @@ def pp_runs(tmp_path_factory):
              ({**gpt, "parallel.pp": 2, "parallel.pp_schedule": "zb"}, STEPS, -1),
              ({**deep, "parallel.pp": 2, "parallel.pp_schedule": "zb", "parallel.zero_stage": 1,
                "activation.checkpoint": "full"}, STEPS, -1)]
-    out = run_ranks(train_cases, 2, tmp, cases)
+    saved = {**_checkpoint_base(tmp, 2), "parallel.pp": 2, "parallel.zero_stage": 1, "checkpoint.every": 2,
+             "run.name": "pp2"}
+    out = run_ranks(pp_world, 2, tmp, (_sample_piped(_sample_base(tmp)), 2), cases,
+                    [saved, _ledger_overrides(tmp)])
     refs = [reference_case(gpt, 1, STEPS), None, reference_case(llama, 1, STEPS),
             reference_case(uneven, 1, STEPS), reference_case(deep, 1, STEPS), None,
             reference_case({**deep, "activation.checkpoint": "full"}, 1, STEPS)]
     refs[1] = refs[5] = refs[0]
-    return out, refs
+    return {"parity": ([r["train"] for r in out], refs), "sample": [r["sample"] for r in out],
+            "pp2_saved": out[0]["runs"][0], "ledger": out[0]["runs"][1]}
 
 
 @pytest.mark.parametrize("case, what", [(0, "pp=2 1f1b gpt (tied head)"), (1, "pp=2 gpipe gpt"),
@@ -141,14 +173,13 @@ def test_3d_pp2_tp2_dp2_on_8_ranks(tmp_path):
         _matches(out[2 * dp][0]["losses"], whole, ref, f"pp2 x tp2 x dp2, dp {dp}")
 
 
-def test_checkpoints_load_across_pipeline_layouts(tmp_path):
+def test_checkpoints_load_across_pipeline_layouts(two_rank_world, tmp_path):
     """pp 2 → 1 process → pp 2: the same loss curve continues."""
     from ckpt_cases import checkpoint_of, train_ranks, train_run
 
     n = 2
-    base = tiny_overrides(tmp_path, train__grad_accum=MICRO, train__micro_batch=2, train__steps=2 * n)
-    saved = run_ranks(train_ranks, 2, tmp_path, {**base, "parallel.pp": 2, "parallel.zero_stage": 1,
-                                                 "checkpoint.every": n, "run.name": "pp2"})[0]
+    base = _checkpoint_base(tmp_path, n)
+    saved = two_rank_world["pp2_saved"]  # the world's train_run at pp 2, ZeRO-1, saving every n steps
     one = train_run({**base, "run.name": "one", "checkpoint.every": n,
                      "checkpoint.resume": checkpoint_of(saved["run_dir"], n)})
     assert one["start"] == n
@@ -162,18 +193,14 @@ def test_checkpoints_load_across_pipeline_layouts(tmp_path):
     torch.testing.assert_close(torch.tensor(back["losses"]), torch.tensor(alone["losses"]), rtol=1e-5, atol=0)
 
 
-def test_ledger_and_bubble(tmp_path):
+def test_ledger_and_bubble(two_rank_world):
     """Per step, each stage sends one activation (first stage) or one gradient (last stage) of
     micro_batch × seq × d_model per micro-batch, and the tied embedding's gradient is summed
     across the two ends; the JSONL carries the measured bubble next to (P-1)/(M+P-1)."""
     import json
     from pathlib import Path
 
-    from ckpt_cases import train_ranks
-
-    over = {**tiny_overrides(tmp_path, train__grad_accum=MICRO, train__micro_batch=2, train__steps=2),
-            "parallel.pp": 2, "run.name": "ledger"}
-    result = run_ranks(train_ranks, 2, tmp_path, over)[0]
+    result = two_rank_world["ledger"]  # the world's train_run of _ledger_overrides (2 steps, pp 2)
     lines = [json.loads(x) for x in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     last = lines[-1]
     act = 2 * 64 * 64 * 4  # micro-batch 2 × seq 64 × d_model 64, fp32
@@ -222,13 +249,12 @@ def test_pipeline_config_errors(tmp_path):
         load_config(overrides={**base, "parallel.pp": 3}).validate()
 
 
-def test_generation_through_the_stages_equals_one_process(tmp_path):
+def test_generation_through_the_stages_equals_one_process(two_rank_world, tmp_path):
     """Sampling across pipeline stages (interleaved: 2 chunks per rank) gives the one-process
     sample, token for token (fp32; the same seeded sampler on the last stage)."""
     from pp_cases import sample_case
 
-    base = tiny_overrides(tmp_path, model__n_layers=4, train__grad_accum=2)
-    piped = run_ranks(sample_case, 2, tmp_path, {**base, "parallel.pp": 2, "parallel.pp_schedule": "interleaved",
-                                                 "parallel.pp_virtual": 2}, 2)
+    base = _sample_base(tmp_path)
+    piped = two_rank_world["sample"]  # the world's sample_case of _sample_piped(base), 2 steps
     alone = run_ranks(sample_case, 1, tmp_path, base, 2)[0]
     assert piped[0] == piped[1] == alone

@@ -228,10 +228,14 @@ LAYOUT_STEPS = 2
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
+    from worlds import several
+
     tmp = tmp_path_factory.mktemp("qlora2")
     cases = [({**_base(tmp), "parallel.zero_stage": stage}, STEPS) for stage in (0, 3)]
     cases += [({**_base(tmp), **extra}, LAYOUT_STEPS) for extra in LAYOUTS.values()]
-    out = run_ranks(qlora_cases, 2, tmp, cases)
+    # and, in the same world (worlds.several), test_checkpoint_resumes_at_stage_3's runs
+    resume = [("qlora3", {**_base(tmp), "parallel.zero_stage": 3}, 2)]
+    out, resumed = zip(*run_ranks(several, 2, tmp, [(qlora_cases, (cases,)), (straight_and_resumed, (resume,))]))
     saved = os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # one rank's thread count (zero_cases.reference_case)
     try:  # tp: no data parallelism, the same batch in one process
@@ -239,13 +243,13 @@ def two_rank_runs(tmp_path_factory):
     finally:
         os.environ.pop("LOCAL_WORLD_SIZE") if saved is None else os.environ.update(LOCAL_WORLD_SIZE=saved)
     one["moe"] = reference_case({**_base(tmp), **MOE, "run.name": "one-moe"}, 2, LAYOUT_STEPS)
-    return out, reference_case(_base(tmp), 2, STEPS), one
+    return out, reference_case(_base(tmp), 2, STEPS), one, resumed[0][0]  # rank 0's (straight, resumed)
 
 
 @pytest.mark.parametrize("case", [0, 1])
 def test_two_ranks_match_one_process(two_rank_runs, case):
     """ZeRO stage 0 (base replicated) and 3 (base sharded as bytes, gathered per unit)."""
-    out, ref, _ = two_rank_runs
+    out, ref, _, _ = two_rank_runs
     for rank in (0, 1):
         got = out[rank][case]
         assert_matches(got["losses"], got["params"], ref, f"case {case} rank {rank}", tol=1e-6, lr=1e-2)
@@ -268,7 +272,7 @@ def test_tensor_and_expert_parallel_match_one_process(two_rank_runs, layout):
     adapters within 1e-5 relative (tests/test_lora_tp.py: tp sums in another order)."""
     from tp_cases import whole_params
 
-    out, _, one = two_rank_runs
+    out, _, one, _ = two_rank_runs
     index = 2 + list(LAYOUTS).index(layout)
     ranks = [out[rank][index] for rank in (0, 1)]
     ref = one["moe" if "ep" in layout else "dense"]
@@ -287,9 +291,10 @@ def test_tensor_and_expert_parallel_match_one_process(two_rank_runs, layout):
     assert worst[0] <= 1e-5, (layout, worst)
 
 
-def test_checkpoint_resumes_at_stage_3(tmp_path):
-    o = {**_base(tmp_path), "parallel.zero_stage": 3}
-    (straight, resumed), = run_ranks(straight_and_resumed, 2, tmp_path, [("qlora3", o, 2)])[0]
+def test_checkpoint_resumes_at_stage_3(two_rank_runs):
+    # two_rank_runs' world ran straight_and_resumed of _base at stage 3: 4 steps saving at 2,
+    # then a resume from step 2
+    straight, resumed = two_rank_runs[3]
     assert resumed["start"] == 2
     assert resumed["losses"] == straight["losses"][2:]
     for name, value in straight["params"].items():

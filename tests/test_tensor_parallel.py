@@ -11,10 +11,44 @@ import torch.nn.functional as F
 
 from conftest import tiny_overrides
 from shardlm.launch.spawn import run_ranks
-from tp_cases import cross_entropy_case, whole_params
+from tp_cases import tp_world, whole_params
 from zero_cases import reference_case, train_cases
 
 STEPS = 3
+VOCABS = [(16, False), (17, False), (17, True)]
+LEDGER_CASES = [("gpt-tiny", False, "none"), ("gpt-tiny", True, "full"), ("gpt-tiny", False, "selective"),
+                ("llama-tiny", True, "none")]
+
+
+def _ledger_overrides(tmp, preset: str, sp: bool, recompute: str) -> dict:
+    return {**tiny_overrides(tmp, model__preset=preset, train__micro_batch=4, train__grad_accum=2),
+            "parallel.tp": 2, "parallel.sequence_parallel": sp, "activation.checkpoint": recompute}
+
+
+def _mqa_base(tmp) -> dict:
+    """llama-tiny with n_kv_heads = 1 < tp = 2 (test_tp_beyond_the_key_value_heads)."""
+    return tiny_overrides(tmp, model__preset="llama-tiny", model__n_kv_heads=1, train__steps=2 * STEPS)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Every 2-rank check of this file that needs no other run first, in one spawned world
+    (tp_cases.tp_world): the parity cases (tp_runs), the ledger cases, the cross-entropy cases,
+    and the MQA case's training and its saved run. One set of rank processes instead of ten."""
+    tmp = tmp_path_factory.mktemp("tp")
+    base = tiny_overrides(tmp)
+    parity = [({**base, "parallel.tp": 2}, STEPS, -1),
+              ({**base, "parallel.tp": 2, "parallel.sequence_parallel": True}, STEPS, -1),
+              ({**tiny_overrides(tmp, model__preset="llama-tiny"), "parallel.tp": 2}, STEPS, -1)]
+    ledger = [(_ledger_overrides(tmp, *case), 2, -1) for case in LEDGER_CASES]
+    mqa = _mqa_base(tmp)
+    train = parity + ledger + [({**mqa, "parallel.tp": 2}, STEPS, -1)]
+    runs = [{**mqa, "parallel.tp": 2, "parallel.zero_stage": 2, "checkpoint.every": STEPS, "run.name": "mqa"}]
+    out = run_ranks(tp_world, 2, tmp, train, VOCABS, runs)
+    return {"parity": [r["train"][:3] for r in out],
+            "ledger": [r["train"][3:3 + len(ledger)] for r in out],
+            "mqa": [r["train"][-1] for r in out], "mqa_saved": out[0]["runs"][0],
+            "cross_entropy": [r["cross_entropy"] for r in out]}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -22,9 +56,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # 17: the ranks hold 9 and 8 rows; ignored: targets of -100 (SFT), left out as ignore_index does
-@pytest.mark.parametrize("vocab, ignored", [(16, False), (17, False), (17, True)])
-def test_vocab_parallel_cross_entropy_equals_the_full_one(tmp_path, vocab, ignored):
-    out = run_ranks(cross_entropy_case, 2, tmp_path, vocab, ignored)
+@pytest.mark.parametrize("case", range(len(VOCABS)), ids=[f"{v}-{i}" for v, i in VOCABS])
+def test_vocab_parallel_cross_entropy_equals_the_full_one(world, case):
+    vocab, _ = VOCABS[case]
+    out = [rank[case] for rank in world["cross_entropy"]]
     logits, targets = out[0]["logits"], out[0]["targets"]
     full = logits.clone().requires_grad_()
     loss = F.cross_entropy(full.flatten(0, 1), targets.flatten())
@@ -41,13 +76,10 @@ def test_vocab_parallel_cross_entropy_equals_the_full_one(tmp_path, vocab, ignor
 
 
 @pytest.fixture(scope="module")
-def tp_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp")
+def tp_runs(world, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp-ref")
     base = tiny_overrides(tmp)
-    cases = [({**base, "parallel.tp": 2}, STEPS, -1),
-             ({**base, "parallel.tp": 2, "parallel.sequence_parallel": True}, STEPS, -1),
-             ({**tiny_overrides(tmp, model__preset="llama-tiny"), "parallel.tp": 2}, STEPS, -1)]
-    out = run_ranks(train_cases, 2, tmp, cases)
+    out = world["parity"]
     refs = [reference_case(base, 1, STEPS), reference_case(base, 1, STEPS),
             reference_case(tiny_overrides(tmp, model__preset="llama-tiny"), 1, STEPS)]
     return out, refs
@@ -126,10 +158,8 @@ def test_checkpoints_load_across_tensor_parallel_layouts(tmp_path):
     torch.testing.assert_close(torch.tensor(back["losses"]), torch.tensor(alone["losses"]), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("preset, sp, recompute", [("gpt-tiny", False, "none"), ("gpt-tiny", True, "full"),
-                                                   ("gpt-tiny", False, "selective"),
-                                                   ("llama-tiny", True, "none")])
-def test_ledger_bytes_match_the_formula(tmp_path, preset, sp, recompute):
+@pytest.mark.parametrize("case", range(len(LEDGER_CASES)), ids=["-".join(map(str, c)) for c in LEDGER_CASES])
+def test_ledger_bytes_match_the_formula(world, tmp_path, case):
     """The tensor-parallel group's bytes per step in the ledger are exactly the planner's
     formula (planner/traffic.py tp_comm_bytes): Megatron's four all-reduces of b·s·h per block,
     the same bytes as all-gathers + reduce-scatters with sequence parallelism, plus the
@@ -137,37 +167,35 @@ def test_ledger_bytes_match_the_formula(tmp_path, preset, sp, recompute):
     from shardlm.config import load_config
     from shardlm.planner.traffic import tp_comm_bytes
 
-    over = {**tiny_overrides(tmp_path, model__preset=preset, train__micro_batch=4, train__grad_accum=2),
-            "parallel.tp": 2, "parallel.sequence_parallel": sp, "activation.checkpoint": recompute}
-    out = run_ranks(train_cases, 2, tmp_path, [(over, 2, -1)])
+    preset, sp, recompute = LEDGER_CASES[case]
+    over = _ledger_overrides(tmp_path, preset, sp, recompute)  # what the world trained (2 steps)
     model = load_config(overrides=over).validate().model
     expected = 2 * tp_comm_bytes(model, 4 * 64, 2, sp, 4, recompute)  # 2 micro-batches of 4 x 64
     for r in range(2):
-        assert out[r][0]["comm_by_op"][-1]["tp"] == expected
+        assert world["ledger"][r][case]["comm_by_op"][-1]["tp"] == expected
 
 
-def test_tp_beyond_the_key_value_heads(tmp_path):
+def test_tp_beyond_the_key_value_heads(world, tmp_path):
     """tp = 2 > n_kv_heads = 1 (multi-query attention): each rank keeps every key/value row and
     uses the one head, the rows' gradients summed over the group. Against one process (1e-5,
     as above); the ledger's tensor-parallel bytes are the formula's (with the shared rows'
     all-reduce); and a checkpoint saved at tp = 2 resumes in one process on the same curve
     (the shared rows written once: the manifest's tiling check would refuse them twice)."""
-    from ckpt_cases import checkpoint_of, train_ranks, train_run
+    from ckpt_cases import checkpoint_of, train_run
     from shardlm.config import load_config
     from shardlm.planner.traffic import tp_comm_bytes
 
-    base = tiny_overrides(tmp_path, model__preset="llama-tiny", model__n_kv_heads=1, train__steps=2 * STEPS)
-    out = run_ranks(train_cases, 2, tmp_path, [({**base, "parallel.tp": 2}, STEPS, -1)])
+    base = _mqa_base(tmp_path)
+    out = world["mqa"]  # the world's run of {**base, "parallel.tp": 2}, STEPS steps
     ref = reference_case(base, 1, STEPS)
     for r in range(2):
-        assert out[r][0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
-    whole = whole_params([out[0][0], out[1][0]])
+        assert out[r]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    whole = whole_params([out[0], out[1]])
     worst = max((_rel(whole[n], v), n) for n, v in ref["params"].items())
     assert worst[0] <= 1e-5, worst
     model = load_config(overrides=base).validate().model
-    assert out[0][0]["comm_by_op"][-1]["tp"] == tp_comm_bytes(model, 8 * 64, 2, False, 4)
-    saved = run_ranks(train_ranks, 2, tmp_path, {**base, "parallel.tp": 2, "parallel.zero_stage": 2,
-                                                 "checkpoint.every": STEPS, "run.name": "mqa"})[0]
+    assert out[0]["comm_by_op"][-1]["tp"] == tp_comm_bytes(model, 8 * 64, 2, False, 4)
+    saved = world["mqa_saved"]  # the world's train_run of tp = 2, ZeRO-2, saving every STEPS
     one = train_run({**base, "run.name": "one", "checkpoint.resume": checkpoint_of(saved["run_dir"], STEPS)})
     assert one["start"] == STEPS
     torch.testing.assert_close(torch.tensor(one["losses"]), torch.tensor(saved["losses"][STEPS:]),

@@ -51,6 +51,12 @@ def _key_bias_free(name: str, t: torch.Tensor, d_model: int) -> torch.Tensor:
     return t
 
 
+def _fp16_overflow(tmp) -> dict:
+    """ZeRO-2 in fp16 at a loss scale of 1024; trained with rank 1's first gradients poisoned."""
+    return {**_base(tmp), "parallel.zero_stage": 2, "precision.compute": "fp16",
+            "precision.loss_scale_init": 1024.0}
+
+
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero2")
@@ -66,6 +72,7 @@ def two_rank_runs(tmp_path_factory):
     cases.append(({**_base(tmp), "parallel.zero_stage": 3, "activation.checkpoint": "full"}, STEPS, -1))
     cases.append(({**_base(tmp), "parallel.zero_stage": 2, "precision.compute": "bf16",
                    "precision.master": "bf16"}, STEPS, -1))
+    cases.append((_fp16_overflow(tmp), 3, 1))  # last: test_fp16_overflow_on_one_rank_skips_everywhere
     out = run_ranks(train_cases, 2, tmp, cases)
     refs = {
         "llama-tiny": _reference(_base(tmp), 2, 1),
@@ -158,11 +165,9 @@ def test_pure_bf16_master(two_rank_runs):
     assert max(abs(a - b) for a, b in zip(got["losses"], refs["bf16"]["losses"])) <= 2e-2
 
 
-def test_fp16_overflow_on_one_rank_skips_everywhere(tmp_path):
-    overrides = {**_base(tmp_path), "parallel.zero_stage": 2, "precision.compute": "fp16",
-                 "precision.loss_scale_init": 1024.0}
-    out = run_ranks(train_cases, 2, tmp_path, [(overrides, 3, 1)])
-    r0, r1 = out[0][0], out[1][0]
+def test_fp16_overflow_on_one_rank_skips_everywhere(two_rank_runs):
+    (rank0, rank1), _ = two_rank_runs
+    r0, r1 = rank0[-1], rank1[-1]  # _fp16_overflow, 3 steps, rank 1 poisoned in the first
     assert r0["stepped"] == r1["stepped"] == [False, True, True]
     assert r0["scale"][0] == r1["scale"][0] == 512.0
     for name in r0["params"]:

@@ -50,3 +50,15 @@ def whole_params(results: list[dict]) -> dict[str, torch.Tensor]:
                 target.narrow(split.dim, lo, hi - lo).copy_(piece.narrow(split.dim, at, hi - lo))
                 at += hi - lo
     return whole
+
+
+def tp_world(rank: int, world_size: int, train: list, vocabs: list, runs: list) -> dict:
+    """Several independent checks in one spawned world (one set of processes, not one per
+    check): `train_cases` of `train`, `cross_entropy_case` of each (vocab, ignored) in `vocabs`,
+    and a whole `train_run` (its checkpoints written) of each overrides dict in `runs`."""
+    from ckpt_cases import train_run
+    from zero_cases import train_cases
+
+    return {"train": train_cases(rank, world_size, train),
+            "cross_entropy": [cross_entropy_case(rank, world_size, vocab, ignored) for vocab, ignored in vocabs],
+            "runs": [train_run(overrides) for overrides in runs]}
