@@ -226,6 +226,7 @@ class ReplicaGroup:
                 time.sleep(POLL_S)
                 continue
             self._register(n, step, "join")
+            log.warning("shardlm: replica %d waits to rejoin (round %d)", self.identity.replica, n)
             deadline = time.monotonic() + (self.collective_timeout_s or 600.0)
             while not self.store.check([self._key(n, "quorum")]):
                 if self.store.check([DONE]) or time.monotonic() > deadline:

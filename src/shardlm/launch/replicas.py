@@ -36,8 +36,10 @@ REPLICA_ENV = "SHARDLM_REPLICA"
 """Set by `launch_replicas` for its workers: 'REPLICA/REPLICAS/INCARNATION@HOST:PORT', this
 process's replica id, how many replicas the run has, how many times this replica was restarted,
 and the coordination store."""
-FAULT_REPLICA_ENV = "SHARDLM_FAULT_REPLICA"
-"""Tests and benchmarks: the replica that receives $SHARDLM_FAULT (the others do not)."""
+REPLICA_FAULTS_ENV = "SHARDLM_REPLICA_FAULTS"
+"""Tests and benchmarks: 'R:ACTION@STEP[/ROUND],...', the $SHARDLM_FAULT (launch/runtime.py
+Fault) each replica R receives; a replica not named receives none. Without it, every replica
+receives $SHARDLM_FAULT, if set."""
 DEATHS = "deaths/{}"
 """The store's count of the deaths of replica r the launcher has seen (comm/replicas.py)."""
 
@@ -71,6 +73,21 @@ def replica_argv(worker_argv: list[str], run_dir: str, run_name: str, replica: i
     return [*worker_argv, f"--run.dir={Path(run_dir) / run_name}", f"--run.name=replica-{replica}"]
 
 
+def replica_faults(spec: str, every: str, replicas: int) -> dict[int, str]:
+    """$SHARDLM_REPLICA_FAULTS ('1:kill@3,0:stop@5') as {replica: fault}, or $SHARDLM_FAULT for
+    every replica when `spec` is empty."""
+    if not spec:
+        return {r: every for r in range(replicas)} if every else {}
+    out = {}
+    for item in spec.split(","):
+        replica, _, fault = item.strip().partition(":")
+        if not replica.isdigit() or int(replica) >= replicas or not fault:
+            raise ConfigError(f"{REPLICA_FAULTS_ENV}={spec!r}: write REPLICA:ACTION@STEP[,...] with "
+                              f"REPLICA below {replicas} (e.g. 1:kill@3)")
+        out[int(replica)] = fault
+    return out
+
+
 def launch_replicas(replicas: int, worker_argv: list[str], run_dir: str, run_name: str,
                     max_restarts: int = 0, store_timeout_s: float = 600.0) -> int:
     """Run `replicas` worker processes (`python worker_argv...`), each replica one process,
@@ -86,14 +103,14 @@ def launch_replicas(replicas: int, worker_argv: list[str], run_dir: str, run_nam
     base = dict(os.environ)
     base.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     base[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers die with this process
-    fault, fault_replica = base.pop(FAULT_ENV, ""), base.pop(FAULT_REPLICA_ENV, "")
+    faults = replica_faults(base.pop(REPLICA_FAULTS_ENV, ""), base.pop(FAULT_ENV, ""), replicas)
 
     def start(replica: int, incarnation: int) -> subprocess.Popen:
         env = dict(base, LOCAL_RANK=str(replica), LOCAL_WORLD_SIZE=str(replicas),
                    TORCHELASTIC_RESTART_COUNT=str(incarnation))  # a planned fault strikes once
         env[REPLICA_ENV] = f"{replica}/{replicas}/{incarnation}@127.0.0.1:{store.port}"
-        if fault and fault_replica in ("", str(replica)):
-            env[FAULT_ENV] = fault
+        if faults.get(replica):
+            env[FAULT_ENV] = faults[replica]
         argv = replica_argv(worker_argv, run_dir, run_name, replica)
         return subprocess.Popen([sys.executable, *argv], env=env)
 
