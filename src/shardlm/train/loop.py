@@ -394,7 +394,7 @@ def train(run: Run) -> TrainResult:
     tracker = open_trackers(cfg.run.tracker, run.run_dir, enabled=main)  # first: closed in finally
     profiler = StepProfiler(cfg.run.profile_steps, run.run_dir, run.runtime.rank, run.runtime.device)
     completed = False
-    predicted = run_prediction(cfg, lambda: local_hardware(run.runtime.device, run.runtime.world_size)) if main else {}
+    predicted = run_prediction(cfg, lambda: local_hardware(run.runtime.device, run.mesh.dims.world_size)) if main else {}
     # Said once, in the first record written: the planner's prediction for this run, and the chat
     # template the data was rendered with.
     first = {"predicted": predicted}
