@@ -153,7 +153,7 @@ def test_a_killed_replica_drops_out_and_rejoins_from_a_live_peer(tmp_path):
         run.strategy.clip_grad_norm(run.cfg.train.grad_clip or float("inf"))
         run.strategy.step()
         run.strategy.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert [r["loss"] for r in records] == losses
     reference = {n: p.detach() for n, p in run.model.named_parameters()}
     for replica in (0, 1):

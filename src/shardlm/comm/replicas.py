@@ -41,13 +41,11 @@ import torch
 import torch.distributed as dist
 
 from shardlm.comm.collectives import CommLedger
-from shardlm.launch.replicas import DEATHS, ReplicaIdentity
+from shardlm.launch.replicas import DEATHS, DONE, ReplicaIdentity
 
 log = logging.getLogger("shardlm")
 
 POLL_S = 0.01
-DONE = "done"
-"""Set by a replica that finished the run: a joiner still waiting gives up (nothing to join)."""
 
 
 class ReplicaLost(RuntimeError):
@@ -271,10 +269,6 @@ class ReplicaGroup:
             works.append(self._group.allreduce([t]))
         for w in works:
             self.ledger.timed_wait(w)
-
-    def finish(self) -> None:
-        """This replica has trained every step: a joiner still waiting stops waiting."""
-        self.store.set(DONE, "1")
 
     def record(self) -> dict:
         """The step's quorum for the JSONL: `quorum` (the replicas whose gradients were

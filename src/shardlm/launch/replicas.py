@@ -40,6 +40,8 @@ REPLICA_FAULTS_ENV = "SHARDLM_REPLICA_FAULTS"
 """Tests and benchmarks: 'R:ACTION@STEP[/ROUND],...', the $SHARDLM_FAULT (launch/runtime.py
 Fault) each replica R receives; a replica not named receives none. Without it, every replica
 receives $SHARDLM_FAULT, if set."""
+DONE = "done"
+"""Set in the store when a replica finished the run: a restarted one waiting to rejoin stops."""
 DEATHS = "deaths/{}"
 """The store's count of the deaths of replica r the launcher has seen (comm/replicas.py)."""
 
@@ -138,6 +140,8 @@ def launch_replicas(replicas: int, worker_argv: list[str], run_dir: str, run_nam
                 del procs[r]
                 if code == 0 or stopping:
                     codes[r] = code
+                    if code == 0:  # the run is done: a replica still waiting to rejoin stops
+                        store.set(DONE, "1")
                     continue
                 store.add(DEATHS.format(r), 1)  # the live replicas stop waiting for it now
                 if restarts[r] < max_restarts:

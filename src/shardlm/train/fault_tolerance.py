@@ -11,6 +11,8 @@ reach the other replicas only through the quorum's group.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -22,15 +24,36 @@ from shardlm.config.dims import resolve_dims
 from shardlm.errors import ConfigError
 from shardlm.launch.replicas import ReplicaIdentity, replica_identity
 from shardlm.launch.runtime import Runtime
+from shardlm.train.resolve import decide
 from shardlm.train.run import Run
 from shardlm.zero.optim import adam_steps, set_adam_steps
 
 log = logging.getLogger("shardlm")
 
 
-def replica_setup(cfg: Config, runtime: Runtime) -> tuple[ReplicaIdentity, Mesh] | None:
-    """With parallel.fault_tolerant: this process's replica identity and its mesh (dp_replicate
-    = R, this replica's position, no groups); None otherwise."""
+@dataclass(frozen=True)
+class Replica:
+    """This process as one replica of a fault-tolerant run: who it is and its mesh."""
+
+    identity: ReplicaIdentity
+    mesh: Mesh
+    """dp_replicate = R at this replica's position; no process group at all."""
+    device: torch.device
+
+    def resolve(self, cfg: Config, checkpoint: Path | None) -> Config:
+        """Every 'auto' decided for the replicas' world, here alone (resolve.resolve_config's
+        broadcast has no group to go through)."""
+        return decide(cfg, self.mesh.dims.world_size, self.device, checkpoint).validate()
+
+    def open(self, cfg: Config, ledger: CommLedger) -> ReplicaGroup:
+        """The quorum's store and group, its bytes in the run's `ledger`."""
+        par = cfg.parallel
+        return ReplicaGroup(self.identity, ledger, par.quorum_timeout_s, par.collective_timeout_s)
+
+
+def replica_setup(cfg: Config, runtime: Runtime) -> Replica | None:
+    """With parallel.fault_tolerant: this process's replica (launch/replicas.py set who it is);
+    None otherwise."""
     if not cfg.parallel.fault_tolerant:
         return None
     identity = replica_identity()
@@ -42,25 +65,21 @@ def replica_setup(cfg: Config, runtime: Runtime) -> tuple[ReplicaIdentity, Mesh]
         raise ConfigError(f"parallel.fault_tolerant: {identity.replicas} replicas were launched "
                           f"for parallel.dp_replicate = {cfg.parallel.dp_replicate}")
     dims = resolve_dims(cfg.parallel, identity.replicas)
-    return identity, Mesh(dims, identity.replica, None, None, None)
-
-
-def open_replicas(cfg: Config, identity: ReplicaIdentity, ledger: CommLedger) -> ReplicaGroup:
-    par = cfg.parallel
-    return ReplicaGroup(identity, ledger, par.quorum_timeout_s, par.collective_timeout_s)
+    return Replica(identity, Mesh(dims, identity.replica, None, None, None), runtime.device)
 
 
 def average_step(run: Run, step: int, total: torch.Tensor,
-                 stop: bool) -> tuple[torch.Tensor, bool] | None:
+                 stop: bool) -> tuple[torch.Tensor, bool, bool]:
     """After backward: the step's gradients, its summed loss and the stop flag averaged over
-    the live replicas (the loss as an ordinary run's all-reduce sums it), or None when the
-    step did not commit (a replica died during the all-reduce; the gradients are dropped)."""
+    the live replicas (the loss as an ordinary run's all-reduce sums it), and True; or, when
+    the step did not commit (a replica died during the all-reduce), the gradients dropped and
+    False."""
     shared = torch.stack([total.detach().to(torch.float32),
                           torch.tensor(float(stop), device=total.device)])
     if not run.replicas.average([*run.strategy.grads(), shared], step):
         run.strategy.zero_grad()
-        return None
-    return shared[0].to(total.dtype), bool(shared[1] > 0)
+        return total, stop, False
+    return shared[0].to(total.dtype), bool(shared[1] > 0), True
 
 
 def state_tensors(run: Run, steps_done: int) -> list[torch.Tensor]:
@@ -77,20 +96,25 @@ def state_tensors(run: Run, steps_done: int) -> list[torch.Tensor]:
     return [meta, *slices, torch.get_rng_state()]
 
 
-def after_step(run: Run, steps_done: int) -> None:
+def after_step(run: Run, steps_done: int, stepped: bool) -> None:
     """After a committed step: a quorum with joining replicas sends them this state."""
-    quorum = run.replicas.quorum
+    quorum = run.replicas.quorum if stepped else None
     if quorum is not None and quorum.joining:
         run.replicas.share_state(state_tensors(run, steps_done))
 
 
-def rejoin(run: Run) -> int | None:
-    """A restarted replica: join the live replicas' next round and take their state. Returns
-    the step to train from, or None when the run finished before a round took this one in."""
+def rejoin(run: Run) -> None:
+    """A restarted replica: join the live replicas' next round, take their state and train from
+    their next step (run.start_step). If the run finished before a round took it in, exit: it
+    has nothing to train and no weights of its own to write."""
+    if run.replicas is None or not run.replicas.joining:
+        return
     zeros = [torch.zeros_like(g) for g in run.strategy.grads()] + [torch.zeros(2)]
     quorum = run.replicas.join(zeros, run.start_step)
     if quorum is None:
-        return None
+        log.warning("shardlm: replica %d: the run finished before it could rejoin; it stops "
+                    "without training", run.replicas.identity.replica)
+        raise SystemExit(0)
     tensors = state_tensors(run, run.start_step)
     if not run.replicas.share_state(tensors):
         raise RuntimeError("the live replicas' state did not arrive: this replica restarts again")
@@ -100,9 +124,8 @@ def rejoin(run: Run) -> int | None:
     if run.precision.scaler.state_dict():
         run.precision.scaler.load_state_dict({"scale": meta[3], "clean_steps": meta[4],
                                               "skipped_steps": meta[5]})
-    steps = int(meta[0])
-    run.train_loader.resume_at(steps, int(meta[2]))
+    run.start_step = int(meta[0])
+    run.train_loader.resume_at(run.start_step, int(meta[2]))
     torch.set_rng_state(rng)
     log.warning("shardlm: replica %d rejoined at step %d from replica %d's state (round %d)",
-                run.replicas.identity.replica, steps, quorum.live[0], quorum.round)
-    return steps
+                run.replicas.identity.replica, run.start_step, quorum.live[0], quorum.round)

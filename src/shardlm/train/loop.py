@@ -57,7 +57,7 @@ from shardlm.models.precision import build_precision, is_finite
 from shardlm.planner.search import run_prediction
 from shardlm.train.checkpointing import load_checkpoint, resume_source, save_checkpoint
 from shardlm.train import fault_tolerance
-from shardlm.train.resolve import decide, local_hardware, resolve_config
+from shardlm.train.resolve import local_hardware, resolve_config
 from shardlm.train.run import Run, TrainResult
 from shardlm.train.telemetry import (MetricsLog, ProgressDisplay, device_memory_record, peak_flops,
                                peak_rss_bytes, prediction_summary)
@@ -116,12 +116,10 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     runtime = runtime or init_runtime(cfg.run.device, cfg.parallel.collective_timeout_s)
     run_dir = make_run_dir(cfg, runtime)
     source = resume_source(cfg, run_dir, runtime)
-    replica = fault_tolerance.replica_setup(cfg, runtime)  # parallel.fault_tolerant: this replica
-    # every 'auto' decided once for the run (a replica: for the replicas' world, alone)
-    cfg = (decide(cfg, replica[1].dims.world_size, runtime.device, source).validate() if replica
-           else resolve_config(cfg, runtime, source))
-    mesh = (replica[1] if replica else
-            build_mesh(resolve_dims(cfg.parallel, runtime.world_size), runtime.device, runtime.rank))
+    replica = fault_tolerance.replica_setup(cfg, runtime)  # parallel.fault_tolerant: its own world
+    cfg = replica.resolve(cfg, source) if replica else resolve_config(cfg, runtime, source)
+    mesh = replica.mesh if replica else build_mesh(resolve_dims(cfg.parallel, runtime.world_size),
+                                                   runtime.device, runtime.rank)
     t = cfg.train
     torch.manual_seed(t.seed)
     given = hf_tokenizer(cfg.model.hf_path, cfg.model.vocab_size) if cfg.model.hf_path else None
@@ -186,9 +184,8 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
         fp8=built.fp8,
         times=StepTimes(built.strategy.ledger, time_split_on(cfg.run.time_split, runtime.device),
                         device_synchronize(runtime.device)),
+        replicas=replica.open(cfg, built.strategy.ledger) if replica else None,
     )
-    if replica is not None:
-        run.replicas = fault_tolerance.open_replicas(cfg, replica[0], built.strategy.ledger)
     if source is not None:  # a checkpoint that fails to load: the next usable one, if allowed
         _, run.start_step = load_with_fallback(
             source, lambda path: load_checkpoint(run, path),
@@ -233,9 +230,6 @@ class StepResult(NamedTuple):
     """False when the step was skipped (fp16 overflow, or a non-finite step under 'skip')."""
     stop: bool
     """Some rank was asked to stop (SIGTERM/SIGINT): every rank sees the same answer."""
-    committed: bool = True
-    """parallel.fault_tolerant: False when a replica died during the step's average (no
-    optimizer step was taken): the step is taken again with the replicas alive."""
 
 
 def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
@@ -278,11 +272,9 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     with run.times.phase("backward"):
         strategy.finish_backward()
     if run.replicas is not None:  # parallel.fault_tolerant: the mean over the live replicas
-        averaged = fault_tolerance.average_step(run, step, total, stop_requested)
-        if averaged is None:  # a replica died during it: no step; the loop takes it again
-            run.times.stop()
-            return StepResult(float("nan"), float("nan"), False, False, committed=False)
-        total, stop_requested = averaged
+        total, stop_requested, committed = fault_tolerance.average_step(run, step, total, stop_requested)
+        if not committed:  # a replica died during it: no optimizer step; the step again, without it
+            return train_step(run, step, stop_requested)
     # One process without ZeRO: the optimizer is queued without a host sync, the step skipped on
     # the device if the norm is not finite; the norm is read with the loss below.
     on_device = getattr(strategy, "clip_and_step_on_device", None) if moe is None else None
@@ -299,8 +291,8 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
             if stepped:
                 strategy.step()
         strategy.zero_grad()
-    if run.replicas is not None and stepped:  # a joining replica takes this state
-        fault_tolerance.after_step(run, step + 1)
+    if run.replicas is not None:  # a joining replica takes this state
+        fault_tolerance.after_step(run, step + 1, stepped)
     if moe is not None:  # the step's routing summed over the ranks; the balancing biases moved
         m = run.cfg.model
         run.moe_sums = finish_moe_step(moe, m.balance if stepped else "none", m.bias_update_rate)
@@ -391,6 +383,7 @@ def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: flo
 
 def train(run: Run) -> TrainResult:
     cfg, main = run.cfg, run.runtime.is_main
+    fault_tolerance.rejoin(run)  # a restarted replica (parallel.fault_tolerant): the others' state
     tracker = open_trackers(cfg.run.tracker, run.run_dir, enabled=main)  # first: closed in finally
     profiler = StepProfiler(cfg.run.profile_steps, run.run_dir, run.runtime.rank, run.runtime.device)
     completed = False
@@ -405,9 +398,6 @@ def train(run: Run) -> TrainResult:
     progress = ProgressDisplay(steps - run.start_step, cfg.run.progress, enabled=main)
     result = TrainResult(run.run_dir)
     fault = planned_fault()  # $SHARDLM_FAULT: the fault tests' injected crash, leave or pause
-    if run.replicas is not None and run.replicas.joining:  # a restarted replica: the others' state
-        joined = fault_tolerance.rejoin(run)
-        run.start_step = steps if joined is None else joined  # None: the run finished without it
     speeds, mfus, hfus, step_times = [], [], [], []
     try:
         tracker.log_config(cfg.to_dict())  # resolved: every 'auto' decided
@@ -419,8 +409,6 @@ def train(run: Run) -> TrainResult:
                 profiler.begin(step + 1)
                 start = time.perf_counter()
                 out = train_step(run, step, stop_requested=signals.requested is not None)
-                while not out.committed:  # fault tolerant: a replica died mid-step; again without it
-                    out = train_step(run, step, stop_requested=signals.requested is not None)
                 record = step_record(run, step, out.loss, out.grad_norm, time.perf_counter() - start)
                 profiler.end(step + 1)
                 if compiling:
@@ -428,8 +416,7 @@ def train(run: Run) -> TrainResult:
                     log.info("compile: %.1f s of the first step's %.1f s", record["compile_s"],
                              record["step_time_s"])
                 record["skipped"] = not out.stepped
-                if run.replicas is not None:  # which replicas this step averaged (comm/replicas.py)
-                    record.update(run.replicas.record())
+                record.update(run.replicas.record() if run.replicas else {})  # fault tolerant: quorum
                 result.losses.append(out.loss)
                 result.skipped_steps += not out.stepped
                 if step > run.start_step or steps - run.start_step == 1:
@@ -464,8 +451,6 @@ def train(run: Run) -> TrainResult:
                     result.stopped_by = signals.requested or "a signal to another rank"
                     break
             run.checkpoints.wait()  # an asynchronous save still writing
-            if run.replicas is not None:
-                run.replicas.finish()
         completed = True
     finally:
         progress.close()
