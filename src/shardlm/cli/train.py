@@ -41,7 +41,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.max_restarts and not args.nproc:
         raise ConfigError("--max-restarts needs --nproc N (under your own torchrun, pass "
                           "--max-restarts to torchrun)")
-    if args.max_restarts and not cfg.checkpoint.every:
+    if args.max_restarts and not cfg.checkpoint.every and not cfg.parallel.fault_tolerant:
         raise ConfigError("--max-restarts restarts workers from the latest checkpoint, but "
                           "checkpoint.every = 0 saves none: add --checkpoint.every=N")
     from shardlm.launch.runtime import die_with_launcher
@@ -199,6 +199,16 @@ def launch_workers(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
     argv = ([args.config] if args.config else []) + list(overrides)
     if not cfg.run.name:  # also what lets restarted workers find the run's checkpoints
         argv.append(f"--run.name={unique_run_name()}")
+    if cfg.parallel.fault_tolerant:  # a world per replica, restarted alone (launch/replicas.py)
+        from shardlm.launch.replicas import launch_replicas
+
+        if args.nproc != cfg.parallel.dp_replicate:
+            raise ConfigError(f"parallel.fault_tolerant: --nproc {args.nproc} must equal "
+                              f"parallel.dp_replicate = {cfg.parallel.dp_replicate} (one process "
+                              f"per replica)")
+        name = cfg.run.name or argv[-1].split("=", 1)[1]
+        return launch_replicas(args.nproc, ["-m", "shardlm", "train", *argv], cfg.run.dir, name,
+                               args.max_restarts, cfg.parallel.collective_timeout_s or 600.0)
     return launch_local(args.nproc, ["-m", "shardlm", "train", *argv], args.max_restarts)
 
 

@@ -316,6 +316,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "parallel.ep": _positive(),
     "parallel.ep_rebalance_every": _non_negative(" (0 = never)"),
     "parallel.collective_timeout_s": _non_negative(" (0 disables the watchdog)"),
+    "parallel.quorum_timeout_s": _positive(" (seconds a replica waits for a missing peer)"),
     "zero.nvme_chunk_mb": _rule(lambda v: 1 <= v <= NVME_CHUNK_MB_MAX,
                                 f"must be in [1, {NVME_CHUNK_MB_MAX}] (MB per chunk; the stream "
                                 f"holds nvme_buffers x 4 chunks in host memory)"),

@@ -416,3 +416,40 @@ def _fp8_all_gather_composes(cfg: Config) -> list[str]:
         problems.append(f"precision.fp8_all_gather = true does not compose yet with: {'; '.join(blocking)}. "
                         f"Change those keys or drop precision.fp8_all_gather")
     return problems
+
+
+@_cross("parallel.fault_tolerant", "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp",
+        "parallel.cp", "parallel.pp", "parallel.ep", "parallel.zero_stage", "parallel.strategy",
+        "checkpoint.every", "train.global_batch", "train.optimizer", "lora.rank", "train.local_sgd.every")
+def _fault_tolerant_layout(cfg: Config) -> list[str]:
+    """parallel.fault_tolerant (comm/replicas.py): each replica is one process of its own, so
+    only plain data parallelism across replicas is built; the rest is refused here, by name."""
+    par = cfg.parallel
+    if not par.fault_tolerant:
+        return []
+    if par.dp_replicate < 2:
+        return [f"parallel.fault_tolerant = true needs parallel.dp_replicate >= 2 (replicas that "
+                f"can drop out and rejoin), got {par.dp_replicate}"]
+    apart = [f"{k} = {v!r} ({why})" for k, v, why, on in (
+        ("parallel.dp_shard", par.dp_shard, "each replica is one rank: use 1 or -1",
+         par.dp_shard not in (1, -1)),
+        ("parallel.tp", par.tp, "model parallelism inside a replica", par.tp > 1),
+        ("parallel.cp", par.cp, "model parallelism inside a replica", par.cp > 1),
+        ("parallel.pp", par.pp, "model parallelism inside a replica", par.pp > 1),
+        ("parallel.ep", par.ep, "model parallelism inside a replica", par.ep > 1),
+        ("parallel.zero_stage", par.zero_stage, "one rank per replica shards nothing: use 0",
+         par.zero_stage != 0),
+        ("parallel.strategy", par.strategy, "each replica would plan alone", par.strategy != "manual"),
+        ("checkpoint.every", cfg.checkpoint.every, "replicas recover from each other; their "
+         "checkpoints are not built yet: use 0", cfg.checkpoint.every > 0),
+        ("train.global_batch", cfg.train.global_batch, "set train.grad_accum instead",
+         cfg.train.global_batch > 0),
+        ("train.optimizer", cfg.train.optimizer, "its state is not transferred to a rejoining "
+         "replica: use 'adamw'", cfg.train.optimizer != "adamw"),
+        ("lora.rank", cfg.lora.rank, "not checked with replicas rejoining: use 0", cfg.lora.rank > 0),
+        ("train.local_sgd.every", cfg.train.local_sgd.every, "local SGD's outer step over a quorum "
+         "of live replicas is not built yet: use 0", cfg.train.local_sgd.every > 0),
+    ) if on]
+    return ([f"parallel.fault_tolerant = true runs one process per replica (dp_replicate = "
+             f"{par.dp_replicate} ranks in all, ZeRO stage 0, AdamW) and does not compose yet with: "
+             f"{'; '.join(apart)}"] if apart else [])

@@ -277,6 +277,16 @@ class ParallelConfig:
     """A collective not finished after this many seconds (a peer hung or died) is reported —
     rank, group, operation, bytes — and the process exits with code 4; 0 disables the watchdog.
     The process group's own timeout is this plus max(5 s, a tenth), so the report comes first."""
+    fault_tolerant: bool = False
+    """With dp_replicate > 1 under `shardlm train --nproc N`: each replica is its own process
+    (its own world), and gradients are averaged across replicas over a group rebuilt each step
+    from the replicas alive (comm/replicas.py, torchft's quorum). A replica that dies drops out
+    while the others keep training; the launcher restarts it and it rejoins from a live peer's
+    state (docs/reliability.md, Replica groups). One rank per replica, ZeRO stage 0."""
+    quorum_timeout_s: float = 30.0
+    """parallel.fault_tolerant: how long a replica waits at a step for a peer of the last
+    quorum that has not arrived (and has not been reported dead by the launcher) before the
+    step goes on without it."""
     units: str = ""
     """Sharding units for a model that is not ours: comma-separated class names (e.g.
     'GPT2Block'); '' = the children of the largest nn.ModuleList."""

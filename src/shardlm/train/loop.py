@@ -56,6 +56,7 @@ from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.models.precision import build_precision, is_finite
 from shardlm.planner.search import run_prediction
 from shardlm.train.checkpointing import load_checkpoint, resume_source, save_checkpoint
+from shardlm.train import fault_tolerance
 from shardlm.train.resolve import local_hardware, resolve_config
 from shardlm.train.run import Run, TrainResult
 from shardlm.train.telemetry import (MetricsLog, ProgressDisplay, device_memory_record, peak_flops,
@@ -115,8 +116,9 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     runtime = runtime or init_runtime(cfg.run.device, cfg.parallel.collective_timeout_s)
     run_dir = make_run_dir(cfg, runtime)
     source = resume_source(cfg, run_dir, runtime)
-    cfg = resolve_config(cfg, runtime, source)
-    mesh = build_mesh(resolve_dims(cfg.parallel, runtime.world_size), runtime.device, runtime.rank)
+    replica = fault_tolerance.replica_setup(cfg, runtime)  # parallel.fault_tolerant: its own world
+    cfg = replica.resolve(cfg, source) if replica else resolve_config(cfg, runtime, source)
+    mesh = replica.mesh if replica else build_mesh(resolve_dims(cfg.parallel, runtime.world_size), runtime.device, runtime.rank)
     t = cfg.train
     torch.manual_seed(t.seed)
     given = hf_tokenizer(cfg.model.hf_path, cfg.model.vocab_size) if cfg.model.hf_path else None
@@ -181,15 +183,13 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
         fp8=built.fp8,
         times=StepTimes(built.strategy.ledger, time_split_on(cfg.run.time_split, runtime.device),
                         device_synchronize(runtime.device)),
+        replicas=replica.open(cfg, built.strategy.ledger) if replica else None,
     )
     if source is not None:  # a checkpoint that fails to load: the next usable one, if allowed
         _, run.start_step = load_with_fallback(
             source, lambda path: load_checkpoint(run, path),
             lambda rejected: resume_source(cfg, run_dir, runtime, rejected))
     return run
-
-
-# -- checkpoints ------------------------------------------------------------------------------
 
 
 def pipeline_io(run: Run, divisor: int = 1) -> StepIO:
@@ -270,6 +270,10 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
         total += loss.detach()
     with run.times.phase("backward"):
         strategy.finish_backward()
+    if run.replicas is not None:  # parallel.fault_tolerant: the mean over the live replicas
+        total, stop_requested, committed = fault_tolerance.average_step(run, step, total, stop_requested)
+        if not committed:  # a replica died during it: no optimizer step; the step again, without it
+            return train_step(run, step, stop_requested)
     # One process without ZeRO: the optimizer is queued without a host sync, the step skipped on
     # the device if the norm is not finite; the norm is read with the loss below.
     on_device = getattr(strategy, "clip_and_step_on_device", None) if moe is None else None
@@ -316,6 +320,8 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
         run.loss_token_fraction = float(summed[2] / summed[3])
     if fp8_stats is not None:
         run.fp8_record = fp8_stats.record(summed[-len(fp8_counts):])
+    if run.replicas is not None:  # a joining replica takes this state
+        fault_tolerance.after_step(run, step + 1, stepped)
     run.times.stop()
     return StepResult(float(summed[0]), grad_norm, stepped, bool(summed[1] > 0))
 
@@ -378,12 +384,12 @@ def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: flo
 
 def train(run: Run) -> TrainResult:
     cfg, main = run.cfg, run.runtime.is_main
+    fault_tolerance.rejoin(run)  # a restarted replica (parallel.fault_tolerant): the others' state
     tracker = open_trackers(cfg.run.tracker, run.run_dir, enabled=main)  # first: closed in finally
     profiler = StepProfiler(cfg.run.profile_steps, run.run_dir, run.runtime.rank, run.runtime.device)
     completed = False
-    predicted = run_prediction(cfg, lambda: local_hardware(run.runtime.device, run.runtime.world_size)) if main else {}
-    # Said once, in the first record written: the planner's prediction for this run, and the chat
-    # template the data was rendered with.
+    predicted = run_prediction(cfg, lambda: local_hardware(run.runtime.device, run.mesh.dims.world_size)) if main else {}
+    # Said once, in the first record: the planner's prediction for this run, the chat template.
     first = {"predicted": predicted}
     if "chat_template" in (run.dataset.meta or {}):
         first["chat_template"] = run.dataset.meta["chat_template"]
@@ -410,6 +416,7 @@ def train(run: Run) -> TrainResult:
                     log.info("compile: %.1f s of the first step's %.1f s", record["compile_s"],
                              record["step_time_s"])
                 record["skipped"] = not out.stepped
+                record.update(run.replicas.record() if run.replicas else {})  # fault tolerant: quorum
                 result.losses.append(out.loss)
                 result.skipped_steps += not out.stepped
                 if step > run.start_step or steps - run.start_step == 1:

@@ -13,6 +13,7 @@ from torch import nn
 
 from shardlm.checkpoint.sharded import CheckpointWriter, SaveReport
 from shardlm.comm.mesh import Mesh
+from shardlm.comm.replicas import ReplicaGroup
 from shardlm.comm.watchdog import CollectiveWatchdog
 from shardlm.config import Config
 from shardlm.data import Dataset, Loader
@@ -79,6 +80,8 @@ class Run:
     elements, and by tensor): models.fp8.Fp8Stats.record; empty without the fp8 emulation."""
     times: StepTimes = field(default_factory=lambda: StepTimes(None, enabled=False))
     """The step's time split by phase (run.time_split; shardlm.train.tracking.StepTimes)."""
+    replicas: ReplicaGroup | None = None
+    """parallel.fault_tolerant: the quorum of live replicas and its group (comm/replicas.py)."""
 
 
 @dataclass

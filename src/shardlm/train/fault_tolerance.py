@@ -1,0 +1,131 @@
+"""parallel.fault_tolerant in a training run: a replica's mesh, its step's average over the live
+replicas, the state a joining replica receives (comm/replicas.py is the quorum and its group;
+launch/replicas.py the launcher).
+
+A replica is one process whose mesh says dp_replicate = R and its replica id — so it reads its
+own share of every global batch and divides its loss by the global number of micro-batches, as
+rank r of an ordinary dp_replicate = R run does — with no process group at all: its gradients
+reach the other replicas only through the quorum's group.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardlm.comm.collectives import CommLedger
+from shardlm.comm.mesh import Mesh
+from shardlm.comm.replicas import ReplicaGroup
+from shardlm.config import Config
+from shardlm.config.dims import resolve_dims
+from shardlm.errors import ConfigError
+from shardlm.launch.replicas import ReplicaIdentity, replica_identity
+from shardlm.launch.runtime import Runtime
+from shardlm.train.resolve import decide
+from shardlm.train.run import Run
+from shardlm.zero.optim import adam_steps, set_adam_steps
+
+log = logging.getLogger("shardlm")
+
+
+@dataclass(frozen=True)
+class Replica:
+    """This process as one replica of a fault-tolerant run: who it is and its mesh."""
+
+    identity: ReplicaIdentity
+    mesh: Mesh
+    """dp_replicate = R at this replica's position; no process group at all."""
+    device: torch.device
+
+    def resolve(self, cfg: Config, checkpoint: Path | None) -> Config:
+        """Every 'auto' decided for the replicas' world, here alone (resolve.resolve_config's
+        broadcast has no group to go through)."""
+        return decide(cfg, self.mesh.dims.world_size, self.device, checkpoint).validate()
+
+    def open(self, cfg: Config, ledger: CommLedger) -> ReplicaGroup:
+        """The quorum's store and group, its bytes in the run's `ledger`."""
+        par = cfg.parallel
+        return ReplicaGroup(self.identity, ledger, par.quorum_timeout_s, par.collective_timeout_s)
+
+
+def replica_setup(cfg: Config, runtime: Runtime) -> Replica | None:
+    """With parallel.fault_tolerant: this process's replica (launch/replicas.py set who it is);
+    None otherwise."""
+    if not cfg.parallel.fault_tolerant:
+        return None
+    identity = replica_identity()
+    if identity is None or runtime.world_size != 1:
+        raise ConfigError("parallel.fault_tolerant = true runs under `shardlm train --nproc N` "
+                          "(N = parallel.dp_replicate replicas of one process each), not in one "
+                          "process or under your own torchrun")
+    if identity.replicas != cfg.parallel.dp_replicate:
+        raise ConfigError(f"parallel.fault_tolerant: {identity.replicas} replicas were launched "
+                          f"for parallel.dp_replicate = {cfg.parallel.dp_replicate}")
+    dims = resolve_dims(cfg.parallel, identity.replicas)
+    return Replica(identity, Mesh(dims, identity.replica, None, None, None), runtime.device)
+
+
+def average_step(run: Run, step: int, total: torch.Tensor,
+                 stop: bool) -> tuple[torch.Tensor, bool, bool]:
+    """After backward: the step's gradients, its summed loss and the stop flag averaged over
+    the live replicas (the loss as an ordinary run's all-reduce sums it), and True; or, when
+    the step did not commit (a replica died during the all-reduce), the gradients dropped and
+    False."""
+    shared = torch.stack([total.detach().to(torch.float32),
+                          torch.tensor(float(stop), device=total.device)])
+    if not run.replicas.average([*run.strategy.grads(), shared], step):
+        run.strategy.zero_grad()
+        return total, stop, False
+    return shared[0].to(total.dtype), bool(shared[1] > 0), True
+
+
+def state_tensors(run: Run, steps_done: int) -> list[torch.Tensor]:
+    """Everything a replica's training state is, as tensors every replica lists in the same
+    order: the step, the optimizer's step count, the data position and the loss scaler; the
+    parameters and optimizer moments (the checkpoint's slices: one definition of the state);
+    the RNG."""
+    scaler = run.precision.scaler.state_dict()
+    meta = torch.tensor([steps_done, adam_steps(run.strategy.optimizer),
+                         run.train_loader.samples_done(steps_done),
+                         *(float(scaler.get(k, 0)) for k in ("scale", "clean_steps", "skipped_steps"))],
+                        dtype=torch.float64)
+    slices = [s.tensor for s in run.strategy.state_slices()]
+    return [meta, *slices, torch.get_rng_state()]
+
+
+def after_step(run: Run, steps_done: int, stepped: bool) -> None:
+    """After a committed step: a quorum with joining replicas sends them this state."""
+    quorum = run.replicas.quorum if stepped else None
+    if quorum is not None and quorum.joining:
+        run.replicas.share_state(state_tensors(run, steps_done))
+
+
+def rejoin(run: Run) -> None:
+    """A restarted replica: join the live replicas' next round, take their state and train from
+    their next step (run.start_step). If the run finished before a round took it in, exit: it
+    has nothing to train and no weights of its own to write."""
+    if run.replicas is None or not run.replicas.joining:
+        return
+    zeros = [torch.zeros_like(g) for g in run.strategy.grads()] + [torch.zeros(2)]
+    quorum = run.replicas.join(zeros, run.start_step)
+    if quorum is None:
+        log.warning("shardlm: replica %d: the run finished before it could rejoin; it stops "
+                    "without training", run.replicas.identity.replica)
+        raise SystemExit(0)
+    tensors = state_tensors(run, run.start_step)
+    if not run.replicas.share_state(tensors):
+        raise RuntimeError("the live replicas' state did not arrive: this replica restarts again")
+    meta, rng = tensors[0].tolist(), tensors[-1]
+    run.strategy.after_load()
+    set_adam_steps(run.strategy.optimizer, meta[1])
+    if run.precision.scaler.state_dict():
+        run.precision.scaler.load_state_dict({"scale": meta[3], "clean_steps": meta[4],
+                                              "skipped_steps": meta[5]})
+    run.start_step = int(meta[0])
+    run.train_loader.resume_at(run.start_step, int(meta[2]))
+    torch.set_rng_state(rng)
+    log.warning("shardlm: replica %d rejoined at step %d from replica %d's state (round %d)",
+                run.replicas.identity.replica, run.start_step, quorum.live[0], quorum.round)
