@@ -35,7 +35,7 @@ def test_unknown_key_in_file(tmp_path):
 
 
 def test_type_errors_name_key_and_value():
-    with pytest.raises(ConfigError, match=r"train\.steps must be a int, got 'ten'"):
+    with pytest.raises(ConfigError, match=r"train\.steps must be an int, got 'ten'"):
         load_config(overrides={"train.steps": "ten"})
     with pytest.raises(ConfigError, match=r"train\.compile must be a bool"):
         load_config(overrides={"train.compile": "maybe"})
@@ -202,7 +202,7 @@ def test_validator_survives_wrong_types():
         cfg.validate()
     text = str(err.value)
     for fragment in ("train.lr = 'fast' must be a float, not str",
-                     "model.n_heads = None must be a int, not NoneType",
+                     "model.n_heads = None must be an int, not NoneType",
                      "model.bias = 1 must be a bool, not int",
                      "parallel.zero_stage = 7; choose one of 0, 1, 2, 3",
                      "[run] must be a RunConfig, not NoneType"):
@@ -219,7 +219,7 @@ def test_non_utf8_file_names_the_file(tmp_path):
 
 def test_numbers_that_are_not_ints():
     for text in ("1e400", "1.5e0", "nan"):
-        with pytest.raises(ConfigError, match=r"train\.steps must be a int"):
+        with pytest.raises(ConfigError, match=r"train\.steps must be an int"):
             load_config(overrides={"train.steps": text})
     assert load_config(overrides={"train.steps": "1e3"}).train.steps == 1000
 

@@ -48,7 +48,7 @@ def test_unknown_nested_key_and_section_given_a_value(tmp_path):
     path.write_text("[train]\nlocal_sgd = {every = 4, outr = 'diloco'}\n")
     with pytest.raises(ConfigError, match=r"train\.local_sgd\.outr.*train\.local_sgd\.outer"):
         load_config(path)
-    with pytest.raises(ConfigError, match=r"train\.local_sgd\.every must be a int, got 'often'"):
+    with pytest.raises(ConfigError, match=r"train\.local_sgd\.every must be an int, got 'often'"):
         load_config(overrides={"train.local_sgd.every": "often"})
 
 

@@ -350,7 +350,7 @@ def _type_problem(value: Any, typ: type) -> str | None:
     else:
         ok = isinstance(value, typ)
     if not ok:
-        return f"must be a {typ.__name__}, not {type(value).__name__}"
+        return f"must be {a_type(typ)}, not {type(value).__name__}"
     if typ is float and not math.isfinite(value):
         return "must be a finite number"
     return None
@@ -366,3 +366,8 @@ def _cross(*keys: str) -> Callable:
         _CROSS.append((keys, check))
         return check
     return register
+
+
+def a_type(typ: type) -> str:
+    """'an int', 'a float', 'a bool', 'a str': a type's name with its article, for messages."""
+    return ("an " if typ.__name__[0] in "aeiou" else "a ") + typ.__name__

@@ -18,7 +18,7 @@ from typing import Any, get_type_hints
 from shardlm.config.schema import Config, field_docs, sections, valid_keys
 
 from shardlm.config.model import ModelConfig
-from shardlm.config.fields import Leaf, key_of, leaf_fields
+from shardlm.config.fields import Leaf, a_type, key_of, leaf_fields
 from shardlm.errors import ConfigError
 
 
@@ -77,13 +77,13 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
                 return int(number)
             return typ(text)
         except (ValueError, OverflowError):
-            raise ConfigError(f"{key} must be a {typ.__name__}, got {value!r}") from None
+            raise ConfigError(f"{key} must be {a_type(typ)}, got {value!r}") from None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typ is int and isinstance(value, float) and value.is_integer():
         return int(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ConfigError(f"{key} must be a {typ.__name__}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(f"{key} must be {a_type(typ)}, got {value!r} ({type(value).__name__})")
     return value
 
 
