@@ -54,8 +54,10 @@ class ColumnParallelLinear(nn.Module):
 
     def overlaps(self) -> bool:
         """parallel.async_tp on a sequence-sharded forward, on a plain (not FP8, not quantised)
-        base, whose input this layer gathers (config.layout_rules refuses FP8 and QLoRA)."""
-        return self.tp.overlapped and self.gather_input and self.quant is None and self.fp8 is None
+        base (config.layout_rules refuses FP8 and QLoRA with it); a column-parallel layer also
+        only where it gathers its own input."""
+        plain = self.quant is None and self.fp8 is None
+        return self.tp.overlapped and plain and getattr(self, "gather_input", True)
 
     def gathered(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the base's output, the whole-sequence input): all-gather then matmul, overlapped
@@ -112,12 +114,12 @@ class RowParallelLinear(nn.Module):
     quant: QuantFormat | None = None
     fp8: Fp8Quantiser | None = None  # precision.compute = 'fp8': the replaced layer's (_with_fp8)
     FP8_PIECES = ("weight", "input")  # cut here (input features); the output's gradient is whole
-    base = ColumnParallelLinear.base
+    base, overlaps = ColumnParallelLinear.base, ColumnParallelLinear.overlaps
 
     def scattered(self, x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
         """The partial sums x W_localᵀ (+ extra) summed over the group (this rank's sequence chunk
         when sequence-parallel): matmul then reduction, overlapped under parallel.async_tp."""
-        if self.tp.overlapped and self.quant is None and self.fp8 is None:
+        if self.overlaps():
             return matmul_reduce_scatter(x, self.weight, extra, self.tp.group, self.tp.size)
         partial = self.base(x, None)
         return out_of_parallel_region(partial if extra is None else partial + extra, self.tp)
