@@ -47,17 +47,18 @@ def test_calibrate_prints_the_curve_and_the_planner_s_assumption(monkeypatch, ca
     monkeypatch.setattr(probe, "_time_product", lambda *a: {"best_s": 1e-3, "median_s": 1e-3})
     monkeypatch.setattr(probe, "machine_load", lambda: (9.0, 2))
     monkeypatch.setattr(probe, "cpu_peak_flops", lambda precision, threads=None: 1e11)
-    rates = {"stream": [[2**20, 5e10], [2**28, 2e10]], "fresh_bandwidth": 3e9, "adamw": [[2**18, 1e-9]],
+    rates = {"elementwise": [[2**20, 5e10], [2**28, 2e10]], "fresh_bandwidth": 3e9, "adamw": [[2**18, 1e-9]],
              "op_seconds": 6e-6, "threads": 2, "load_average": 9.0}
     monkeypatch.setattr(probe, "memory_probe", lambda threads, again=False: rates)
     assert main(["calibrate", "--model", "gpt-tiny", "--seq", "64", "--repeats", "2", "--again"]) == 0
     out = capsys.readouterr().out
-    assert ("memory probe (2 thread(s), load average 9.0 when measured): copy 50.0 GB/s at 1 MiB, 20.0 GB/s "
+    assert ("memory probe (2 thread(s), load average 9.0 when measured): element-wise 50.0 GB/s at 1 MiB, 20.0 GB/s "
             "at 256 MiB; fresh pages 3.00 GB/s; fused AdamW 1.00 ns/param at 0.25 M; 6.0 us per dispatched op") in out
     for name in ("qkv", "attention out", "mlp up", "mlp down", "head"):
         assert f"  {name}" in out
     assert "FLOP-weighted" in out and "the planner's compute rate for this run" in out and "LOAD: 5 of 5 shapes" in out
     assert "the curve, tokens per micro-batch" in out and "64 -> " in out
+    assert "in situ x " in out and "a measured forward + loss + backward of this model (1 x 64 tokens" in out
     assert "the planner's compute rate for this run" in out and "the curve's fit: rate = r_max" in out
     assert main(["calibrate", "--model", "gpt-tiny", "--tp", "3"]) == 2
     assert "--tp 3 does not divide" in capsys.readouterr().err

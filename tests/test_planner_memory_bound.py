@@ -158,13 +158,13 @@ def test_cp_step_time_prices_each_mode(mode, ulysses):
 def test_the_memory_probe_is_cached_and_local_cpu_reads_it(monkeypatch, tmp_path):
     monkeypatch.setenv("SHARDLM_CACHE", str(tmp_path))
     calls = []
-    monkeypatch.setattr(probe, "_memory_bandwidth", lambda n, repeats=5: calls.append(n) or 2e10)
+    monkeypatch.setattr(probe, "_elementwise_bandwidth", lambda n, repeats=5: calls.append(n) or 2e10)
     monkeypatch.setattr(probe, "_fresh_bandwidth", lambda n, repeats=5: 3e9)
     monkeypatch.setattr(probe, "_adamw_seconds_per_param", lambda n, repeats=5: 2e-9)
     monkeypatch.setattr(probe, "_op_seconds", lambda repeats=5: 4e-6)
     first = probe.memory_probe(1)
-    assert first["stream"] == [[n, 2e10] for n in probe.STREAM_SIZES] and first["op_seconds"] == 4e-6
-    assert probe.memory_probe(1) == first and len(calls) == len(probe.STREAM_SIZES)  # cached
+    assert first["elementwise"] == [[n, 2e10] for n in probe.ELEMENTWISE_SIZES] and first["op_seconds"] == 4e-6
+    assert probe.memory_probe(1) == first and len(calls) == len(probe.ELEMENTWISE_SIZES)  # cached
     measured = {"cpu": "test cpu", "cores": 2, "threads": 1, "peak": {"fp32": 6e10, "bf16": 1e10, "fp16": 1e9},
                 "memory_bandwidth": 2e10, "gloo_bandwidth": 1e9, "gloo_latency": 1e-4, "baseline_rss": 2e8,
                 "gloo_all_gather_factor": 1.0, "gloo_reduce_scatter_factor": 1.0, "curve": {}, "memory": first}

@@ -207,6 +207,24 @@ def calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--again", action="store_true", help="measure anew instead of reading the cache")
 
 
+def _model_pass(model, seq: int, args: argparse.Namespace, threads: int) -> str:
+    """One forward + loss + backward of the whole model timed in this process (train/
+    calibration.py), beside the planner's sum of its parts: the in-situ factor every layout's
+    prediction of this model, micro-batch and dtype at these threads then uses."""
+    from shardlm.config.dims import ParallelDims
+    from shardlm.hardware.catalog import local_cpu
+    from shardlm.planner.in_situ import in_situ_factor
+    from shardlm.planner.workload import Dtypes, Strategy, Workload
+    from shardlm.train.calibration import measured_pass
+
+    passed = measured_pass(model, args.micro_batch, seq, args.precision, threads, args.again, args.repeats)
+    one = Strategy(ParallelDims(), micro_batch=args.micro_batch, dtypes=Dtypes(compute=args.precision))
+    _, how = in_situ_factor(Workload(model, seq, args.micro_batch), one, local_cpu(args.ranks))
+    return (f"{how or 'no matmul curve for ' + args.precision}; it scales every layout's compute and "
+            f"memory-bound work for this model (docs/planner.md section 4b)"
+            + ("  (under load)" if passed["loaded"] else ""))
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """The model's forward matmuls on this machine at the run's per-rank threads: best-of-N
     FLOP/s per shape (cached per CPU/GPU model, torch, threads, precision, shape), the curve
@@ -286,6 +304,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         from shardlm.hardware.probe import memory_probe
 
         lines.append(f"  {describe_memory_rates(memory_probe(threads, again=args.again))}")
+        lines.append(f"  {_model_pass(model, seq, args, threads)}")
     loaded = [c for c in curve if c["loaded"]]
     if loaded or load > cores:
         lines.append(f"  LOAD: {len(loaded)} of {len(curve)} shapes timed beside other work (median more "

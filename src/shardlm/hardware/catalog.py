@@ -111,8 +111,12 @@ class Device:
     """Where op_seconds, fresh_bandwidth and the curves below came from (describe_memory_rates),
     '' where nothing was measured."""
     bandwidth_curve: tuple[tuple[float, float], ...] = ()
-    """(buffer bytes, read + write bytes/s of a copy) measured on this CPU from cache-sized to
-    DRAM-sized buffers (probe.memory_probe); () = memory_bandwidth at every size."""
+    """(tensor bytes, read + write bytes/s of element-wise ops) measured on this CPU from
+    cache-sized to DRAM-sized tensors (probe.memory_probe); () = memory_bandwidth at every size."""
+    passes: tuple[tuple[str, float], ...] = ()
+    """(planner.compute.pass_key, seconds) of whole-model forward + loss + backward passes
+    `shardlm calibrate` timed on this CPU at a rank's threads (train/calibration.py), time-
+    shared as the ranks are; () for the catalog's devices."""
     adamw_curve: tuple[tuple[float, float], ...] = ()
     """(parameters, seconds per parameter) of torch's fused AdamW measured on this CPU; () = its
     bytes over memory_bandwidth (planner/memory_bound.py)."""
@@ -380,18 +384,18 @@ def local_cpu(n_ranks: int) -> Cluster:
     # ranks than cores (share); the curve's DRAM end is the machine's 256 MiB copy, which all
     # ranks share (1/n each).
     dram = measured["memory_bandwidth"] / n_ranks
-    curve = tuple((n, bw * share) for n, bw in rates.get("stream", ()) if n < 256 * MIB)
+    curve = tuple((n, bw * share) for n, bw in rates.get("elementwise", ()) if n < 256 * MIB)
     curve = curve + ((256 * MIB, dram),) if curve else ()
-    stream = dram
     device = Device(
         name=f"cpu ({measured['cpu']}, {measured['threads']} thread(s)/rank"
              + (f", {share:.2g} of a core each" if share < 1 else "") + ")", kind="cpu",
         memory=available_memory() / n_ranks, peak={k: v * share for k, v in measured["peak"].items()},
-        memory_bandwidth=stream, efficiency=1.0,
+        memory_bandwidth=dram, efficiency=1.0,
         source="measured by shardlm.hardware.probe.measure_cpu (cached)",
         curves={p: measured_curve(points, f"{p}, {measured['threads']} thread(s) on {measured['cpu']}").scaled(share)
                 for p, points in measured.get("curve", {}).items() if points},
         op_seconds=rates.get("op_seconds", 0.0) / share, fresh_bandwidth=rates.get("fresh_bandwidth", 0.0) * share,
+        passes=tuple((key, seconds / share) for key, seconds in sorted(measured.get("passes", {}).items())),
         bandwidth_curve=curve, adamw_curve=tuple((n, sec / share) for n, sec in rates.get("adamw", ())),
         memory_source=describe_memory_rates(rates) + (f", x {share:.2g} (ranks share the cores)" if share < 1 else "")
         if rates else "")
@@ -422,7 +426,8 @@ def at_least_one_thread(rates: dict, one: dict) -> dict:
     if not rates or not one:
         return rates
     best = dict(rates)
-    best["stream"] = [[n, max(bw, dict((m, b) for m, b in one["stream"]).get(n, 0.0))] for n, bw in rates["stream"]]
+    best["elementwise"] = [[n, max(bw, dict((m, b) for m, b in one["elementwise"]).get(n, 0.0))]
+                           for n, bw in rates["elementwise"]]
     best["fresh_bandwidth"] = max(rates["fresh_bandwidth"], one["fresh_bandwidth"])
     best["adamw"] = [[n, min(sec, dict((m, t) for m, t in one["adamw"]).get(n, sec))] for n, sec in rates["adamw"]]
     best["op_seconds"] = min(rates["op_seconds"], one["op_seconds"])

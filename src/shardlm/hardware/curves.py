@@ -69,12 +69,12 @@ class MatmulCurve:
 def describe_memory_rates(rates: dict) -> str:
     """hardware.probe.memory_probe's rates in one line (the calibration line of `estimate`,
     `shardlm calibrate`)."""
-    stream = rates.get("stream", [])
+    elementwise = rates.get("elementwise", [])
     adamw = rates.get("adamw", [])
     parts = [f"memory probe ({rates.get('threads', '?')} thread(s)"
              + (f", load average {rates['load_average']:.1f} when measured" if "load_average" in rates else "") + "):"]
-    if stream:
-        parts.append("copy " + ", ".join(f"{bw / 1e9:,.1f} GB/s at {n / 2**20:g} MiB" for n, bw in stream))
+    if elementwise:
+        parts.append("element-wise " + ", ".join(f"{bw / 1e9:,.1f} GB/s at {n / 2**20:g} MiB" for n, bw in elementwise))
     if "fresh_bandwidth" in rates:
         parts.append(f"fresh pages {rates['fresh_bandwidth'] / 1e9:,.2f} GB/s")
     if adamw:

@@ -24,7 +24,7 @@ from shardlm.launch.runtime import cache_root, cpu_cores
 
 MIB = 2**20
 _MATMUL_MAX = 2048
-_VERSION = 4
+_VERSION = 5
 """Bumped when what is measured changes: older entries are ignored."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -108,6 +108,7 @@ def measure_cpu(n_ranks: int) -> dict:
     threads = max(1, cpu_cores() // n_ranks)
     peak = {p: cpu_peak_flops(p, threads) for p in DTYPES}
     return {**machine, "cpu": cpu_name(), "cores": cpu_cores(), "threads": threads, "peak": peak,
+            "passes": cached_passes(threads),
             "curve": {p: machine_curve(p, threads, peak[p]) for p in DTYPES},
             "memory": memory_probe(threads), **({"memory_one_thread": memory_probe(1)} if threads > 1 else {})}
 
@@ -115,9 +116,13 @@ def measure_cpu(n_ranks: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The memory-bound side of a step (docs/planner.md section 4a): what the matmul curve does not time
 
-STREAM_SIZES = tuple(2**k * MIB for k in (0, 3, 6))
-"""Buffer sizes of the copy-bandwidth curve (1, 8, 64 MiB): a step's element-wise work runs on
+ELEMENTWISE_SIZES = tuple(2**k * MIB for k in (0, 3, 6))
+"""Tensor sizes of the element-wise curve (1, 8, 64 MiB): a step's element-wise work runs on
 tensors from a cache's size up; the machine's 256 MiB copy (measure_cpu) is its DRAM end."""
+ELEMENTWISE_WORKING_SET = 64 * MIB
+"""Bytes of inputs the element-wise probe rotates through (as many tensors of a size as fit,
+at least two): a step's activations were written long before the op reads them, not by the
+op just before it, so they come from beyond the core's cache."""
 ADAMW_SIZES = (2**18, 2**21, 2**24)
 """Parameters of the fused-AdamW curve (its state 16 bytes each: 4 MiB to 256 MiB)."""
 FRESH_BYTES = 1 * MIB
@@ -133,8 +138,9 @@ def memory_probe(threads: int, again: bool = False) -> dict:
     threads) and cached (`shardlm calibrate` prints them; the planner's step time reads them,
     docs/planner.md section 4a):
 
-    - stream: [bytes, read + write bytes/s] of a copy between two buffers of each STREAM_SIZES
-      (best of ≥ 5 tries and 0.15 s, _best): the rate of element-wise work at its tensors' size, cache to DRAM;
+    - elementwise: [bytes, read + write bytes/s] of element-wise ops on tensors of each
+      ELEMENTWISE_SIZES (best of ≥ 5 tries and 0.15 s, _best): the rate of a step's element-wise
+      work at its tensors' size, cache to DRAM (_elementwise_bandwidth);
     - fresh_bandwidth: bytes/s of writing freshly mapped memory (an anonymous mapping, first
       written, then unmapped: what glibc does for every block above the mmap threshold, which a
       training process fixes at start-up, docs/allocator.md): page faults, the kernel's zeroing
@@ -149,7 +155,7 @@ def memory_probe(threads: int, again: bool = False) -> dict:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return {"stream": [[n, _memory_bandwidth(n)] for n in STREAM_SIZES],
+            return {"elementwise": [[n, _elementwise_bandwidth(n)] for n in ELEMENTWISE_SIZES],
                     "fresh_bandwidth": _fresh_bandwidth(FRESH_BYTES),
                     "adamw": [[n, _adamw_seconds_per_param(n)] for n in ADAMW_SIZES],
                     "op_seconds": _op_seconds(), "threads": threads,
@@ -212,6 +218,26 @@ def _op_seconds(repeats: int = 5) -> float:
         x.grad = None
 
     return _best(chain, repeats) / (2 * OP_CHAIN)
+
+
+def _elementwise_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Read + write bytes/s of a step's kind of element-wise ops on fp32 tensors of `nbytes`
+    (rows of 256): an add (3 x nbytes), a GELU and a log-softmax (2 x nbytes each), each into a
+    preallocated output (new pages are timed apart: _fresh_bandwidth), rotated over
+    ELEMENTWISE_WORKING_SET of inputs. Measured on an Intel Xeon (AMX, 2 threads): 21-23 GB/s
+    at 1-64 MiB, against 184 GB/s for a copy between two cached 1 MiB buffers, the rate this
+    probe used before, which ran 4-10x faster than a training step's element-wise ops."""
+    count = max(2, ELEMENTWISE_WORKING_SET // nbytes)
+    inputs = [torch.randn(nbytes // 4 // 256, 256) for _ in range(count)]
+    outputs = [torch.empty_like(x) for x in inputs]
+
+    def ops() -> None:
+        for i, (x, out) in enumerate(zip(inputs, outputs)):
+            torch.add(x, inputs[i - 1], out=out)
+            torch.ops.aten.gelu.out(x, out=out)
+            torch.log_softmax(x, -1, out=out)
+
+    return 7 * nbytes * count / _best(ops, repeats)
 
 
 def _memory_bandwidth(nbytes: int = 256 * MIB, repeats: int = 5) -> float:
@@ -363,6 +389,21 @@ def cached_curve(precision: str, threads: int, device: str = "cpu") -> list[dict
     table = json.loads(path.read_text()) if path.is_file() else {}
     prefix = f"v{_VERSION}|{device_name(device)}|torch {torch.__version__}|threads={threads}|{precision}|mm "
     return [value for key, value in sorted(table.items()) if key.startswith(prefix)]
+
+
+def cached_pass(key: str, threads: int, measure, again: bool = False) -> dict:
+    """The cache's measured model pass for `key` (planner.compute.pass_key) at `threads`
+    threads: train.calibration.measured_pass measures it, `shardlm calibrate` prints it."""
+    return _cached(f"threads={threads}|pass {key}", measure, again=again)
+
+
+def cached_passes(threads: int) -> dict[str, float]:
+    """Every model pass `shardlm calibrate` cached on this CPU and torch at `threads` threads:
+    pass_key -> seconds. Read only: nothing is measured."""
+    path = _cache_path()
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    prefix = f"v{_VERSION}|{cpu_name()}|torch {torch.__version__}|threads={threads}|pass "
+    return {key[len(prefix):]: value["seconds"] for key, value in table.items() if key.startswith(prefix)}
 
 
 def machine_curve(precision: str, threads: int, peak: float, device: str = "cpu",

@@ -135,6 +135,7 @@ def memory_bound_terms(w: Workload, s: Strategy, cluster: Cluster, sp: StagePara
                        stretch: float) -> list[WorkTerm]:
     """The step's memory-bound terms on one rank of pipeline stage `sp` (seconds per step):
     element-wise traffic, fresh memory, per-op dispatch (each per micro-batch x m, x `stretch`:
+    the in-situ factor (in_situ.py) x
     the pipeline's 1/(1 - bubble), as compute), and the engine's gradient flattening."""
     dev, lay, m = cluster.device, s.layout, w.model
     e = s.dtypes.param_bytes

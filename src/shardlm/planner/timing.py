@@ -23,6 +23,7 @@ from shardlm.planner.traffic import cp_comm_bytes, ep_comm_bytes, pp_comm_bytes,
 from shardlm.planner.memory_bound import (ADAM_BYTES_PER_PARAM, WorkTerm,  # noqa: F401 (re-exported)
                                           memory_bound_terms, optimizer_term)
 from shardlm.planner.traffic import fp8_gathered_elements
+from shardlm.planner.in_situ import in_situ_factor
 from shardlm.planner.workload import (StageParams, Strategy, Workload, effective_tier,
                                       pipeline_layers, pp_bubble, pp_hidden_bytes,
                                       stage_params, validate, zero_ranks)
@@ -431,6 +432,10 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     model_flops = model_flops_per_token(w)
     run_flops = model_flops_per_token(w, s.recompute, "kernel")  # what the step executes
     rate, calibration = compute_rate(w, s, cluster)
+    factor, in_situ = in_situ_factor(w, s, cluster)  # this CPU's parts run slower in a pass
+    rate /= factor
+    if in_situ:
+        calibration = f"{calibration}; {in_situ}"
     if dev.memory_source:  # the memory-bound terms' rates (memory_bound.py), measured on this CPU
         calibration = f"{calibration}; {dev.memory_source}"
     # The pipeline moves at its slowest rank's pace: the largest share of the FLOPs (a rank's
@@ -457,7 +462,7 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     # The memory-bound work runs on the heaviest stage's pace like its matmuls (the pipeline
     # paced by it: x 1 / (1 - bubble)); each stage's own figure, its optimizer step the one shown
     heaviest = max(stages, key=lambda st: st.layers)
-    work = memory_bound_terms(w, s, cluster, heaviest if lay.pp > 1 else sp, 1 / (1 - bubble))
+    work = memory_bound_terms(w, s, cluster, heaviest if lay.pp > 1 else sp, factor / (1 - bubble))
     memory_bound = sum(t.seconds for t in work)
     step = compute + memory_bound + sum(c.exposed for c in comms) + optimizer.seconds
     tokens_per_s = w.global_batch * w.seq_len / step

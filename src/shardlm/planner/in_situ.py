@@ -1,0 +1,62 @@
+"""The in-situ factor: how much slower this CPU runs a model's work inside a training pass than
+the sum of its parts timed apart.
+
+The step's compute and memory-bound terms (compute.py, memory_bound.py) each come from a probe
+that times one kind of work on its own. Measured on an Intel Xeon with AMX, a whole forward +
+loss + backward of gpt-mini ran 1.4x that sum: in a pass the matmuls' operands are no longer in
+the core's cache and its threads wake from other work (the same products ran 20-28% faster
+back to back), the element-wise ops read activations written long before, and the model's own
+Python runs between them. `shardlm calibrate --model ...` times that pass in one process
+(train/calibration.py, cached per CPU, torch, threads and pass_key); its seconds over the
+planner's for the same pass scale those terms of every layout of that model, micro-batch,
+sequence and dtype at that thread count. Communication, the optimizer step and the ZeRO
+engine's copies are not scaled: they are timed as they run. Pure functions; no torch.
+docs/planner.md section 4b.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, replace
+
+from shardlm.config import ModelConfig
+from shardlm.config.dims import ParallelDims
+from shardlm.hardware.catalog import Cluster
+from shardlm.planner.compute import compute_rate, model_flops_per_token
+from shardlm.planner.memory_bound import memory_bound_terms
+from shardlm.planner.workload import Strategy, Workload, pipeline_layers, stage_params
+
+
+def pass_key(m: ModelConfig, micro_batch: int, seq: int, compute: str) -> str:
+    """What a measured pass is cached under: the model's architecture (every field but its
+    name and where it came from: any preset or config of the same shape shares it), the
+    micro-batch, the sequence and the compute dtype."""
+    fields = {k: v for k, v in sorted(asdict(m).items()) if k not in ("preset", "hf_path")}
+    digest = hashlib.sha256(repr(fields).encode()).hexdigest()[:12]
+    return f"L{m.n_layers} h{m.d_model} v{m.vocab_size} {digest} | b{micro_batch} s{seq} {compute}"
+
+
+def predicted_pass(w: Workload, s: Strategy, cluster: Cluster) -> float:
+    """The planner's seconds for what train/calibration.py times: one process, one micro-batch
+    of s.micro_batch x the sequence, forward + loss + backward, no recomputation: compute at
+    the measured matmul curve and the memory-bound terms, on `cluster`'s device."""
+    one = Strategy(ParallelDims(), micro_batch=s.micro_batch, dtypes=s.dtypes)
+    rate, _ = compute_rate(w, one, cluster)
+    compute = model_flops_per_token(w, "none", "kernel") * s.micro_batch * w.seq_len / rate
+    stage = stage_params(w, one.layout, pipeline_layers(w, one))[0]
+    return compute + sum(t.seconds for t in memory_bound_terms(w, one, cluster, stage, 1.0))
+
+
+def in_situ_factor(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, str]:
+    """(measured pass / predicted pass, what it came from) for this run's model, micro-batch,
+    sequence and compute dtype on `cluster`'s device; (1.0, '') where no pass was measured (a
+    catalog device, or `shardlm calibrate --model` not run for it)."""
+    key = pass_key(w.model, s.micro_batch, w.seq_len, s.dtypes.compute)
+    measured = dict(cluster.device.passes).get(key)
+    if not measured or s.dtypes.compute not in cluster.device.curves:
+        return 1.0, ""
+    predicted = predicted_pass(w, replace(s, layout=ParallelDims()), cluster)
+    factor = measured / predicted
+    return factor, (f"in situ x {factor:.2f}: a measured forward + loss + backward of this model "
+                    f"({s.micro_batch} x {w.seq_len} tokens, one process) took {measured * 1e3:,.1f} ms, "
+                    f"its parts timed apart {predicted * 1e3:,.1f} ms (`shardlm calibrate`)")

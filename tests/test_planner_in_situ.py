@@ -1,0 +1,87 @@
+"""The in-situ factor (planner/in_situ.py, train/calibration.py): a whole-model pass timed in
+one process, over the planner's parts for that pass, scales every layout's compute and
+memory-bound work of that model, and nothing else. The pass is timed for real on gpt-tiny (its
+value is not asserted: no test depends on this machine's speed); the factor's arithmetic is
+checked on a synthetic device."""
+
+from dataclasses import replace
+
+import pytest
+
+from shardlm.config.dims import ParallelDims
+from shardlm.hardware import probe
+from shardlm.hardware.catalog import CALIBRATION, LINKS, Cluster, Device, MatmulCurve, Node, intensity
+from shardlm.planner import Dtypes, Strategy, Workload, estimate_time
+from shardlm.planner.in_situ import in_situ_factor, pass_key, predicted_pass
+from shardlm.planner.shapes import preset_model
+
+POINTS = tuple((m, k, n, 8e10 * intensity(m, k, n) / (intensity(m, k, n) + 40.0))
+               for m, k, n in ((16, 64, 64), (128, 128, 512), (1024, 1024, 1024)))
+
+
+def _cluster(n: int, passes: tuple = ()) -> Cluster:
+    """n ranks of a synthetic CPU with every memory-bound rate set (no probe)."""
+    cpu = Device("cpu (test)", "cpu", 8e9, {"fp32": 2e11}, 1e10, 1.0, "test",
+                 curves={"fp32": MatmulCurve(POINTS, "calibrated: synthetic")}, op_seconds=3e-6,
+                 fresh_bandwidth=3e9, bandwidth_curve=((2**20, 2e10), (2**28, 1e10)),
+                 adamw_curve=((2**18, 1e-9),), passes=passes)
+    link = replace(LINKS["eth-10"], bandwidth=1e9, latency=1e-4)
+    node = Node(n, link, LINKS["eth-10"], 1, link, 16e9, 1e10, 2e9, "test")
+    return Cluster(1, n, cpu, node, CALIBRATION["cpu"])
+
+
+def test_a_measured_pass_scales_compute_and_memory_bound_work_only():
+    m = preset_model("gpt-tiny")
+    w = Workload(m, 64, 4)
+    layouts = [Strategy(ParallelDims(), 0, 2, 1, dtypes=Dtypes("fp32")),
+               Strategy(ParallelDims(dp_shard=2), 3, 2, 1, dtypes=Dtypes("fp32")),
+               Strategy(ParallelDims(tp=2), 0, 2, 2, dtypes=Dtypes("fp32"), sequence_parallel=False),
+               Strategy(ParallelDims(pp=2), 1, 2, 4, dtypes=Dtypes("fp32"))]
+    for s in layouts:
+        n = s.layout.world_size
+        plain = estimate_time(replace(w, global_batch=s.micro_batch * s.grad_accum * s.layout.dp_size), s,
+                              _cluster(n))
+        w_s = replace(w, global_batch=s.micro_batch * s.grad_accum * s.layout.dp_size)
+        predicted = predicted_pass(w_s, s, _cluster(n))
+        measured = 1.5 * predicted  # this machine's pass ran 1.5x its parts
+        scaled = estimate_time(w_s, s, _cluster(n, ((pass_key(m, 2, 64, "fp32"), measured),)))
+        assert in_situ_factor(w_s, s, _cluster(n, ((pass_key(m, 2, 64, "fp32"), measured),)))[0] == \
+            pytest.approx(1.5, rel=1e-12)
+        assert scaled.compute == pytest.approx(1.5 * plain.compute, rel=1e-9)
+        per_op = ("element-wise traffic", "fresh memory (page faults)", "per-op dispatch")
+        for before, after in zip(plain.work, scaled.work):
+            factor = 1.5 if before.name in per_op or before.name == "tensor-parallel copies" else 1.0
+            assert after.seconds == pytest.approx(factor * before.seconds, rel=1e-9), before.name
+        assert scaled.optimizer == plain.optimizer
+        assert [c.seconds for c in scaled.comms] == [c.seconds for c in plain.comms]  # timed as they run
+        assert "in situ x 1.50" in scaled.calibration and "in situ" not in plain.calibration
+
+
+def test_a_pass_of_another_shape_batch_or_dtype_is_not_used():
+    m = preset_model("gpt-tiny")
+    w, s = Workload(m, 64, 2), Strategy(ParallelDims(), 0, 2, 1, dtypes=Dtypes("fp32"))
+    for key in (pass_key(replace(m, n_layers=m.n_layers + 1), 2, 64, "fp32"), pass_key(m, 1, 64, "fp32"),
+                pass_key(m, 2, 32, "fp32"), pass_key(m, 2, 64, "bf16")):
+        assert in_situ_factor(w, s, _cluster(1, ((key, 1.0),))) == (1.0, "")
+    # the name is not the shape: a preset renamed keeps its key
+    assert pass_key(replace(m, preset="renamed"), 2, 64, "fp32") == pass_key(m, 2, 64, "fp32")
+
+
+def test_the_pass_is_timed_cached_and_read_by_local_cpu(monkeypatch, tmp_path):
+    from shardlm.hardware.catalog import local_cpu
+    from shardlm.train.calibration import measured_pass
+
+    monkeypatch.setenv("SHARDLM_CACHE", str(tmp_path))
+    m = preset_model("gpt-tiny")
+    first = measured_pass(m, 1, 32, "fp32", threads=1, repeats=2)  # a real pass, timed here
+    assert first["seconds"] > 0 and {"load_average", "loaded", "measured_at"} <= set(first)
+    monkeypatch.setattr("shardlm.train.calibration.time_model_pass", lambda *a, **k: pytest.fail("re-timed"))
+    assert measured_pass(m, 1, 32, "fp32", threads=1) == first  # cached
+    assert probe.cached_passes(1) == {pass_key(m, 1, 32, "fp32"): first["seconds"]}
+    measured = {"cpu": "test cpu", "cores": 2, "threads": 1, "peak": {"fp32": 6e10}, "memory_bandwidth": 1e10,
+                "gloo_bandwidth": 1e9, "gloo_latency": 1e-4, "baseline_rss": 2e8, "gloo_all_gather_factor": 1.0,
+                "gloo_reduce_scatter_factor": 1.0, "curve": {}, "passes": probe.cached_passes(1)}
+    monkeypatch.setattr(probe, "measure_cpu", lambda n: measured)
+    assert dict(local_cpu(2).device.passes) == {pass_key(m, 1, 32, "fp32"): first["seconds"]}
+    # 4 ranks on 2 cores: each runs at half a core, its pass twice as long
+    assert dict(local_cpu(4).device.passes) == {pass_key(m, 1, 32, "fp32"): 2 * first["seconds"]}
