@@ -9,9 +9,10 @@ peak RSS (ru_maxrss), the bytes of new pages a step touches (minor page faults x
 median after the first step: no load changes them) and the median step time after the first,
 and the load average around it.
 The planner's `predict_local(cfg, ranks)` predicts the same three from the config alone (its
-compute rate from this machine's matmul curve: the probe's shapes and whatever `shardlm
-calibrate` cached; the table says which). MALLOC_MMAP_THRESHOLD_=65536 is set for
-the ranks so RSS follows what is alive.
+compute rate from this machine's matmul curve and the in-situ factor of the model's whole pass:
+`shardlm calibrate --model PRESET --ranks N`, which this bench runs first for each rank count;
+cached, so once per machine; the table says what each prediction read).
+MALLOC_MMAP_THRESHOLD_=65536 is set for the ranks so RSS follows what is alive.
 
 Targets: model-state bytes within 2%, peak process memory within 10%, step time within 20% (issue 30).
 
@@ -181,6 +182,14 @@ def main(argv=None) -> None:
         counts = sorted({c[0] for c in cases(args.max_ranks)} | {int(o.split(",")[0]) for o in args.only})
     subprocess.run([sys.executable, "-c", "import sys; from shardlm.hardware.probe import measure_cpu; "
                     f"[measure_cpu(n) for n in {counts}]"], check=True)
+    # The model's own matmuls and its whole pass at each rank count's threads (cached: once per
+    # machine), as a user runs before trusting a prediction (docs/planner.md sections 4, 4b)
+    first = saved[0] if args.predict_from else {}
+    model = {k: first.get(k, getattr(args, k)) for k in ("preset", "seq", "micro_batch", "precision")}
+    for n in counts:
+        subprocess.run([sys.executable, "-m", "shardlm", "calibrate", "--model", model["preset"], "--seq",
+                        str(model["seq"]), "--micro-batch", str(model["micro_batch"]), "--precision",
+                        model["precision"], "--ranks", str(n)], check=True, stdout=subprocess.DEVNULL)
 
     rows = []
     if args.predict_from:
