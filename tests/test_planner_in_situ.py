@@ -85,3 +85,53 @@ def test_the_pass_is_timed_cached_and_read_by_local_cpu(monkeypatch, tmp_path):
     assert dict(local_cpu(2).device.passes) == {pass_key(m, 1, 32, "fp32"): first["seconds"]}
     # 4 ranks on 2 cores: each runs at half a core, its pass twice as long
     assert dict(local_cpu(4).device.passes) == {pass_key(m, 1, 32, "fp32"): 2 * first["seconds"]}
+
+
+def test_collectives_timed_in_a_step_fit_the_ring_model_local_cpu_reads(monkeypatch):
+    """probe._gloo_probe: the all-reduces timed among matmuls fit latency and bandwidth; the
+    all-gathers and reduce-scatters give factors over that model; local_cpu uses them, the
+    latency not stretched again for more ranks than cores (it was measured with the cores
+    contended), the bandwidth time-shared."""
+    from shardlm.hardware.catalog import local_cpu
+
+    alpha, beta = 1e-3, 1e9  # per ring step; bytes/s
+    sizes = probe.IN_STEP_SIZES
+
+    def ring(steps, moved):  # 2 ranks
+        return steps * alpha + moved / beta
+
+    in_step = {"all_reduce": [[n, ring(2, n)] for n in sizes],
+               "all_gather": [[n, 1.5 * ring(1, n / 2)] for n in sizes],
+               "reduce_scatter": [[n, 2.0 * ring(1, n / 2)] for n in sizes]}
+    rank = {"latency": 2e-4, "all_reduce": 0.02, "all_gather": 0.01, "reduce_scatter": 0.02, "rss": 2e8,
+            "bytes": 8.0 * 2**20, "in_step": in_step}
+    monkeypatch.setattr("shardlm.launch.spawn.run_ranks", lambda fn, n, tmp: [rank, rank])
+    got = probe._gloo_probe()
+    assert got["gloo_in_step_latency"] == pytest.approx(alpha, rel=1e-9)
+    assert got["gloo_in_step_bandwidth"] == pytest.approx(beta, rel=1e-9)
+    assert got["gloo_in_step_all_gather_factor"] == pytest.approx(1.5, rel=1e-9)
+    assert got["gloo_in_step_reduce_scatter_factor"] == pytest.approx(2.0, rel=1e-9)
+    measured = {"cpu": "test cpu", "cores": 2, "threads": 1, "peak": {"fp32": 6e10}, "memory_bandwidth": 1e10,
+                "baseline_rss": 2e8, "curve": {}, **got}
+    monkeypatch.setattr(probe, "measure_cpu", lambda n: measured)
+    two, four = local_cpu(2), local_cpu(4)
+    assert two.node.intra.latency == four.node.intra.latency == got["gloo_in_step_latency"]
+    assert four.node.intra.bandwidth == two.node.intra.bandwidth / 2
+    assert two.calibration.factor("reduce_scatter") == pytest.approx(2.0, rel=1e-9)
+
+
+def test_sequence_parallel_charges_one_all_reduce_per_replicated_gradient():
+    """Under sequence parallelism each norm weight and bias (and row bias) a tp rank applies to its
+    slice of the sequence is all-reduced in backward, one call each (parallel/tensor_norms.py):
+    the calls, not only their bytes, are in the step."""
+    from shardlm.planner.traffic import sp_replicated_grads
+
+    m = preset_model("gpt-tiny")  # LayerNorm with bias, biased linears: 6 tensors a block + 2
+    elements, tensors = sp_replicated_grads(m, m.n_layers, embedding=True, head=True)
+    assert tensors == 6 * m.n_layers + 2 + (1 if m.position == "learned" else 0)
+    s = Strategy(ParallelDims(tp=2), 0, 2, 1, dtypes=Dtypes("fp32"), sequence_parallel=True)
+    t = estimate_time(Workload(m, 64, 2), s, _cluster(2))
+    tp = next(c for c in t.comms if c.name == "tensor-parallel all-reduces")
+    term = next(x for x in tp.terms if "sequence-sharded" in x.name)
+    assert term.name.startswith(f"{tensors} all-reduces")
+    assert term.seconds > tensors * 2 * 1e-4  # at least each all-reduce's two ring steps' latency

@@ -19,7 +19,7 @@ from shardlm.planner.memory import offloaded_activations, peak_candidates
 from shardlm.planner.activations import activation_dtypes, block_activation
 from shardlm.config.layout_rules import cp_degrees
 from shardlm.planner.cp_modes import choose_cp_mode, cp_a2a_bytes
-from shardlm.planner.traffic import cp_comm_bytes, ep_comm_bytes, pp_comm_bytes, tp_comm_bytes
+from shardlm.planner.traffic import cp_comm_bytes, ep_comm_bytes, pp_comm_bytes, sp_replicated_grads, tp_comm_bytes
 from shardlm.planner.memory_bound import (ADAM_BYTES_PER_PARAM, WorkTerm,  # noqa: F401 (re-exported)
                                           memory_bound_terms, optimizer_term)
 from shardlm.planner.traffic import fp8_gathered_elements
@@ -116,7 +116,12 @@ def _unit_collective(cluster: Cluster, op: str, nbytes: float, size: int, stride
     """(seconds, latency part) of one collective of `nbytes` over the group's link, with the
     device's measured factor for that collective (gloo's all-gather is not a ring)."""
     bw, lat, _ = group_link(cluster, size, stride)
-    seconds, latency = collective_parts(op, nbytes, size, bw, lat)
+    return _measured_factor(cluster, op, *collective_parts(op, nbytes, size, bw, lat))
+
+
+def _measured_factor(cluster: Cluster, op: str, seconds: float, latency: float) -> tuple[float, float]:
+    """(seconds, latency part) x the device's measured factor for `op`: gloo's all-gather and
+    reduce-scatter, timed among matmuls, over the ring model's time for them (hardware/probe.py)."""
     factor = cluster.calibration.factor(op)
     return seconds * factor, latency * factor
 
@@ -301,11 +306,16 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
                                         head=sp.index == lay.pp - 1,
                                         async_tp=s.async_tp and s.sequence_parallel)
         bw, lat, where = group_link(cluster, lay.tp, 1)
-        if s.sequence_parallel:  # all-gathers and reduce-scatters, at the device's measured factor
-            # for each (gloo's are not rings: hardware/probe.py)
-            parts = [collective_parts(op, counted / 2, lay.tp, bw, lat, calls) for op in ("all_gather", "reduce_scatter")]
-            f = [cluster.calibration.factor(op) for op in ("all_gather", "reduce_scatter")]
-            sec, latency = (sum(p[i] * k for p, k in zip(parts, f)) for i in (0, 1))
+        grads = (0, 0)  # sequence parallelism's replicated parameters: one all-reduce per tensor
+        if s.sequence_parallel:
+            elements, tensors = sp_replicated_grads(m, sp.layers, sp.index == 0, sp.index == lay.pp - 1)
+            grads = (micro * 2 * elements * e, micro * tensors)
+            # all-gathers and reduce-scatters, at the device's measured factor for each (gloo's
+            # are not rings: hardware/probe.py)
+            parts = [_measured_factor(cluster, op, *collective_parts(op, (counted - grads[0]) / 2, lay.tp, bw,
+                                                                    lat, calls))
+                     for op in ("all_gather", "reduce_scatter")]
+            sec, latency = (sum(p[i] for p in parts) for i in (0, 1))
         else:
             sec, latency = collective_parts("all_reduce", counted / 2, lay.tp, bw, lat, calls)
         exposed, terms = sec, [CommTerm(f"{calls:g} calls inside the blocks: the next matmul needs "
@@ -313,6 +323,11 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
         if s.async_tp and s.sequence_parallel and windows is not None:
             sec, latency, exposed, terms = _async_tp_overlap(w, s, windows, cluster.calibration.overlap,
                                                              sec, latency, calls)
+        if grads[1]:
+            g_sec, g_lat = collective_parts("all_reduce", grads[0] / 2, lay.tp, bw, lat, grads[1])
+            sec, latency, exposed = sec + g_sec, latency + g_lat, exposed + g_sec
+            terms.append(CommTerm(f"{grads[1]:g} all-reduces of the gradients of parameters applied to "
+                                  f"sequence-sharded activations (norms, row biases), in backward", g_sec, g_sec))
         out.append(CommTime("tensor-parallel all-reduces", f"{lay.tp} ranks, {where}", counted, sec, exposed,
                             latency, terms))
     if lay.pp > 1:
@@ -379,8 +394,8 @@ def _cp_all_to_all(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, 
     calls = 2 * passes * sp.layers * micro
     bw, lat, where = group_link(cluster, a2a, lay.tp)
     # collective_parts takes each call's whole tensor and moves (U-1)/U of it
-    sec, latency = collective_parts("all_to_all", sent * a2a / (a2a - 1), a2a, bw, lat, calls)
-    sec, latency = sec * cluster.calibration.factor("all_to_all"), latency * cluster.calibration.factor("all_to_all")
+    sec, latency = _measured_factor(cluster, "all_to_all",
+                                    *collective_parts("all_to_all", sent * a2a / (a2a - 1), a2a, bw, lat, calls))
     return CommTime("context-parallel all-to-all (Ulysses)", f"{a2a} ranks, {where}", sent, sec, sec, latency,
                     [CommTerm(f"{calls:g} exchanges of q, k, v and of the output: attention waits for "
                               f"its heads, nothing to hide behind", sec, sec)])

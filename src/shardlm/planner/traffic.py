@@ -52,14 +52,22 @@ def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, reco
     if kv % tp:  # tp > n_kv_heads: the shared key/value rows' gradients summed (SharedKVLinear)
         total += layers * 2 * 2 * kv * flops.head_dim(m) * (m.d_model + (1 if m.bias else 0)) * e
     if sequence_parallel:  # gradients of replicated parameters that saw different tokens
-        norm = h * (2 if m.norm == "layernorm" and m.bias else 1)
-        row_bias = 2 * h if m.bias else 0
-        per_block_params = 2 * norm + row_bias
-        params = layers * per_block_params + (norm if head else 0)
-        if m.position == "learned" and embedding:
-            params += m.max_seq_len * h
-        total += 2 * params * e
+        total += 2 * sp_replicated_grads(m, layers, embedding, head)[0] * e
     return total
+
+
+def sp_replicated_grads(m, layers: int, embedding: bool, head: bool) -> tuple[int, int]:
+    """(elements, tensors) of the parameters sequence parallelism applies to sequence-sharded
+    activations (norms, row-parallel biases, learned positions), whose gradients each tp rank
+    all-reduces, one all-reduce per tensor per micro-batch (parallel/tensor_norms.py)."""
+    h = m.d_model
+    norm_tensors = 2 if m.norm == "layernorm" and m.bias else 1
+    block_tensors = 2 * norm_tensors + (2 if m.bias else 0)
+    elements = layers * block_tensors * h + (norm_tensors * h if head else 0)
+    tensors = layers * block_tensors + (norm_tensors if head else 0)
+    if m.position == "learned" and embedding:
+        elements, tensors = elements + m.max_seq_len * h, tensors + 1
+    return elements, tensors
 
 
 def cp_comm_bytes(m, tokens: int, cp: int, tp: int, e: int, recompute: str = "none",
