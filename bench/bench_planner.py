@@ -177,19 +177,26 @@ def main(argv=None) -> None:
     import subprocess
     if args.predict_from:
         saved = read_cases(args.predict_from)
-        counts = sorted({r["ranks"] for r in saved})
+        counts, axes = sorted({r["ranks"] for r in saved}), {r["axes"] for r in saved}
     else:
-        counts = sorted({c[0] for c in cases(args.max_ranks)} | {int(o.split(",")[0]) for o in args.only})
+        selected = cases(args.max_ranks)
+        if args.only:
+            selected = [tuple(int(v) if i < 2 else v for i, v in enumerate((o + ",").split(",")[:5]))
+                        for o in args.only]
+        counts, axes = sorted({c[0] for c in selected}), {c[4] for c in selected}
     subprocess.run([sys.executable, "-c", "import sys; from shardlm.hardware.probe import measure_cpu; "
                     f"[measure_cpu(n) for n in {counts}]"], check=True)
     # The model's own matmuls and its whole pass at each rank count's threads (cached: once per
-    # machine), as a user runs before trusting a prediction (docs/planner.md sections 4, 4b)
+    # machine), as a user runs before trusting a prediction (docs/planner.md sections 4, 4b);
+    # context parallelism's ranks pass half the sequence: that pass too (in_situ_factor)
     first = saved[0] if args.predict_from else {}
     model = {k: first.get(k, getattr(args, k)) for k in ("preset", "seq", "micro_batch", "precision")}
+    splits = [1, 2] if any("cp2" in a for a in axes) else [1]
     for n in counts:
-        subprocess.run([sys.executable, "-m", "shardlm", "calibrate", "--model", model["preset"], "--seq",
-                        str(model["seq"]), "--micro-batch", str(model["micro_batch"]), "--precision",
-                        model["precision"], "--ranks", str(n)], check=True, stdout=subprocess.DEVNULL)
+        for split in splits:
+            subprocess.run([sys.executable, "-m", "shardlm", "calibrate", "--model", model["preset"], "--seq",
+                            str(model["seq"] // split), "--micro-batch", str(model["micro_batch"]), "--precision",
+                            model["precision"], "--ranks", str(n)], check=True, stdout=subprocess.DEVNULL)
 
     rows = []
     if args.predict_from:
@@ -198,10 +205,6 @@ def main(argv=None) -> None:
             rows.append({**row, **predict_case(args, row), "before": before})
             print(json.dumps(rows[-1]), flush=True)
     else:
-        selected = cases(args.max_ranks)
-        if args.only:
-            selected = [tuple(int(v) if i < 2 else v for i, v in enumerate((o + ",").split(",")[:5]))
-                        for o in args.only]
         with tempfile.TemporaryDirectory(dir=".") as tmp:
             for case in selected:
                 row = run_case(args, *case, Path(tmp))

@@ -135,3 +135,16 @@ def test_sequence_parallel_charges_one_all_reduce_per_replicated_gradient():
     term = next(x for x in tp.terms if "sequence-sharded" in x.name)
     assert term.name.startswith(f"{tensors} all-reduces")
     assert term.seconds > tensors * 2 * 1e-4  # at least each all-reduce's two ring steps' latency
+
+
+def test_a_context_parallel_rank_reads_the_pass_of_its_share_of_the_sequence():
+    m = preset_model("gpt-tiny")
+    w = Workload(m, 64, 2)
+    s = Strategy(ParallelDims(cp=2), 0, 2, 1, dtypes=Dtypes("fp32"))
+    half = predicted_pass(replace(w, seq_len=32), s, _cluster(2))
+    whole_key, half_key = pass_key(m, 2, 64, "fp32"), pass_key(m, 2, 32, "fp32")
+    factor, how = in_situ_factor(w, s, _cluster(2, ((whole_key, 1.0), (half_key, 2 * half))))
+    assert factor == pytest.approx(2.0, rel=1e-12) and "(2 x 32 tokens" in how
+    # only the whole sequence's pass measured: that one, and the line says which
+    factor, how = in_situ_factor(w, s, _cluster(2, ((whole_key, 1.0),)))
+    assert "(2 x 64 tokens" in how

@@ -49,14 +49,23 @@ def predicted_pass(w: Workload, s: Strategy, cluster: Cluster) -> float:
 
 def in_situ_factor(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, str]:
     """(measured pass / predicted pass, what it came from) for this run's model, micro-batch,
-    sequence and compute dtype on `cluster`'s device; (1.0, '') where no pass was measured (a
-    catalog device, or `shardlm calibrate --model` not run for it)."""
-    key = pass_key(w.model, s.micro_batch, w.seq_len, s.dtypes.compute)
-    measured = dict(cluster.device.passes).get(key)
-    if not measured or s.dtypes.compute not in cluster.device.curves:
+    compute dtype and the tokens of the sequence a rank holds (1/cp of it: a rank's pass is
+    what a one-process pass of that length runs, attention's share apart), on `cluster`'s
+    device; the whole sequence's pass where that one was not measured; (1.0, '') where no pass
+    was (a catalog device, or `shardlm calibrate --model` not run for it). Per-op costs weigh
+    more in a shorter pass: gpt-mini's 2 x 64 tokens ran x 1.65 its parts, 2 x 128 x 1.34."""
+    passes = dict(cluster.device.passes)
+    if not passes or s.dtypes.compute not in cluster.device.curves:
         return 1.0, ""
-    predicted = predicted_pass(w, replace(s, layout=ParallelDims()), cluster)
+    for seq in dict.fromkeys((w.seq_len // s.layout.cp, w.seq_len)):
+        measured = passes.get(pass_key(w.model, s.micro_batch, seq, s.dtypes.compute))
+        if measured:
+            break
+    else:
+        return 1.0, ""
+    one = replace(w, seq_len=seq)
+    predicted = predicted_pass(one, replace(s, layout=ParallelDims()), cluster)
     factor = measured / predicted
     return factor, (f"in situ x {factor:.2f}: a measured forward + loss + backward of this model "
-                    f"({s.micro_batch} x {w.seq_len} tokens, one process) took {measured * 1e3:,.1f} ms, "
+                    f"({s.micro_batch} x {seq} tokens, one process) took {measured * 1e3:,.1f} ms, "
                     f"its parts timed apart {predicted * 1e3:,.1f} ms (`shardlm calibrate`)")
