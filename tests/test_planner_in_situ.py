@@ -55,6 +55,8 @@ def test_a_measured_pass_scales_compute_and_memory_bound_work_only():
         assert scaled.optimizer == plain.optimizer
         assert [c.seconds for c in scaled.comms] == [c.seconds for c in plain.comms]  # timed as they run
         assert "in situ x 1.50" in scaled.calibration and "in situ" not in plain.calibration
+        assert "no pass of this model measured (`shardlm calibrate --model ... --seq 64 --micro-batch 2" \
+            in plain.calibration
 
 
 def test_a_pass_of_another_shape_batch_or_dtype_is_not_used():
@@ -62,7 +64,8 @@ def test_a_pass_of_another_shape_batch_or_dtype_is_not_used():
     w, s = Workload(m, 64, 2), Strategy(ParallelDims(), 0, 2, 1, dtypes=Dtypes("fp32"))
     for key in (pass_key(replace(m, n_layers=m.n_layers + 1), 2, 64, "fp32"), pass_key(m, 1, 64, "fp32"),
                 pass_key(m, 2, 32, "fp32"), pass_key(m, 2, 64, "bf16")):
-        assert in_situ_factor(w, s, _cluster(1, ((key, 1.0),))) == (1.0, "")
+        factor, how = in_situ_factor(w, s, _cluster(1, ((key, 1.0),)))
+        assert factor == 1.0 and how.startswith("no pass of this model measured")
     # the name is not the shape: a preset renamed keeps its key
     assert pass_key(replace(m, preset="renamed"), 2, 64, "fp32") == pass_key(m, 2, 64, "fp32")
 

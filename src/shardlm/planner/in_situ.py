@@ -54,15 +54,18 @@ def in_situ_factor(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, s
     device; the whole sequence's pass where that one was not measured; (1.0, '') where no pass
     was (a catalog device, or `shardlm calibrate --model` not run for it). Per-op costs weigh
     more in a shorter pass: gpt-mini's 2 x 64 tokens ran x 1.65 its parts, 2 x 128 x 1.34."""
-    passes = dict(cluster.device.passes)
-    if not passes or s.dtypes.compute not in cluster.device.curves:
+    dev = cluster.device
+    if dev.kind != "cpu" or s.dtypes.compute not in dev.curves:
         return 1.0, ""
+    passes = dict(dev.passes)
     for seq in dict.fromkeys((w.seq_len // s.layout.cp, w.seq_len)):
         measured = passes.get(pass_key(w.model, s.micro_batch, seq, s.dtypes.compute))
         if measured:
             break
     else:
-        return 1.0, ""
+        return 1.0, (f"no pass of this model measured (`shardlm calibrate --model ... --seq {w.seq_len} "
+                     f"--micro-batch {s.micro_batch} --precision {s.dtypes.compute}` times one): its parts "
+                     f"as timed apart, which a step runs slower (docs/planner.md section 4b)")
     one = replace(w, seq_len=seq)
     predicted = predicted_pass(one, replace(s, layout=ParallelDims()), cluster)
     factor = measured / predicted
