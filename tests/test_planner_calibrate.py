@@ -100,7 +100,7 @@ def test_step_time_is_the_model_s_products_on_the_curve():
     curve = MatmulCurve(_roofline(8e10, 40.0, [(16, 64, 64), (128, 128, 512), (1024, 1024, 1024)]),
                         "calibrated: synthetic")
     t = estimate_time(w, s, _cpu_cluster({"fp32": curve}))
-    assert t.calibration == "calibrated: synthetic"
+    assert t.calibration.startswith("calibrated: synthetic; no pass of this model measured")
     # every forward product and its two backward ones at the curve's rate for its own shape
     flops_sum = seconds = 0.0
     for _, r, k, n, count in matmul_shapes(m, 2 * 64):

@@ -121,6 +121,15 @@ def test_collectives_timed_in_a_step_fit_the_ring_model_local_cpu_reads(monkeypa
     assert two.node.intra.latency == four.node.intra.latency == got["gloo_in_step_latency"]
     assert four.node.intra.bandwidth == two.node.intra.bandwidth / 2
     assert two.calibration.factor("reduce_scatter") == pytest.approx(2.0, rel=1e-9)
+    # more ranks than cores: that many ranks' own latency (probe.oversubscribed_in_step, the
+    # time-sharing measured in it), two ranks' bandwidth time-shared
+    crowded = {**measured, "gloo_in_step_latency": 5e-3, "gloo_in_step_bandwidth": 8e9, "in_step_ranks": 4,
+               "gloo_in_step_bandwidth_two": got["gloo_in_step_bandwidth"]}
+    monkeypatch.setattr(probe, "measure_cpu", lambda n: crowded if n == 4 else measured)
+    four = local_cpu(4)
+    assert four.node.intra.latency == 5e-3
+    assert four.node.intra.bandwidth == pytest.approx(beta / 2, rel=1e-9)
+    assert "between 4 local gloo ranks among matmuls" in four.node.intra.source
 
 
 def test_sequence_parallel_charges_one_all_reduce_per_replicated_gradient():

@@ -100,12 +100,17 @@ def cpu_peak_flops(precision: str, threads: int | None = None) -> float:
 
 def measure_cpu(n_ranks: int) -> dict:
     """This CPU's numbers for `n_ranks` local ranks: matmul peak per precision and the
-    memory-bound rates (memory_probe) at cores // n_ranks threads, and (once per machine) a 256 MiB copy's memory bandwidth, gloo
-    all-reduce latency and bandwidth between two spawned ranks, and those ranks' baseline RSS
-    (a few seconds the first time)."""
+    memory-bound rates (memory_probe) at cores // n_ranks threads, and (once per machine) a
+    256 MiB copy's memory bandwidth, gloo's latency and bandwidth between two spawned ranks
+    (back to back, and among matmuls: _in_step), and those ranks' baseline RSS (a few seconds
+    the first time); with more ranks than cores, the collectives among matmuls of that many
+    ranks (oversubscribed_in_step, once per rank count)."""
     # Ranks first: they must not start from this process's big buffers.
     machine = _cached(f"cores={cpu_cores()}|machine", lambda: {**_gloo_probe(),
                                                                "memory_bandwidth": _memory_bandwidth()})
+    if n_ranks > cpu_cores():  # its collectives as they are with the cores time-shared
+        machine = {**machine, **oversubscribed_in_step(n_ranks, machine["gloo_latency"], machine["gloo_bandwidth"]),
+                   "in_step_ranks": n_ranks, "gloo_in_step_bandwidth_two": machine.get("gloo_in_step_bandwidth")}
     threads = max(1, cpu_cores() // n_ranks)
     peak = {p: cpu_peak_flops(p, threads) for p in DTYPES}
     return {**machine, "cpu": cpu_name(), "cores": cpu_cores(), "threads": threads, "peak": peak,
@@ -337,26 +342,56 @@ def _gloo_probe() -> dict[str, float]:
     latency = worst["latency"] / steps
     bandwidth = steps / world * worst["bytes"] / max(worst["all_reduce"] - steps * latency, 1e-9)
     ring = (world - 1) * latency + (world - 1) / world * worst["bytes"] / bandwidth
-    # In a step (_in_step, the ranks' average): the all-reduces fit the ring model's latency and
-    # bandwidth, seconds = steps x latency + steps / world x bytes / bandwidth; the all-gathers
-    # and reduce-scatters, each over that ring model's time for them, their factors
-    def mean(op: str) -> list[tuple[float, float]]:
-        return [(nbytes, statistics.mean(r["in_step"][op][i][1] for r in results))
-                for i, (nbytes, _) in enumerate(results[0]["in_step"][op])]
+    return {"gloo_latency": latency, "gloo_bandwidth": bandwidth, "baseline_rss": worst["rss"],
+            "gloo_all_gather_factor": max(1.0, worst["all_gather"] / ring),
+            "gloo_reduce_scatter_factor": max(1.0, worst["reduce_scatter"] / ring),
+            **_fit_in_step([r["in_step"] for r in results], world, latency, bandwidth)}
 
+
+def _fit_in_step(ranks: list[dict], world: int, latency: float, bandwidth: float) -> dict:
+    """The gloo_in_step_* figures from each rank's _in_step timings (their average): the
+    all-reduces fit the ring model's latency and bandwidth, seconds = 2(N-1) x latency +
+    2(N-1)/N x bytes / bandwidth (least squares; the latency floored by `latency`, the
+    back-to-back one); the all-gathers' and reduce-scatters' summed times over that model's
+    are their factors."""
+    def mean(op: str) -> list[tuple[float, float]]:
+        return [(nbytes, statistics.mean(r[op][i][1] for r in ranks)) for i, (nbytes, _) in enumerate(ranks[0][op])]
+
+    steps = 2 * (world - 1)
     points = mean("all_reduce")
     slope, intercept = _line([x for x, _ in points], [y for _, y in points])
     in_latency = max(intercept / steps, latency)
     in_bandwidth = steps / world / slope if slope > 0 else bandwidth
     half = [(world - 1) * in_latency + (world - 1) / world * nbytes / in_bandwidth for nbytes, _ in points]
-    factors = {op: max(1.0, sum(t for _, t in mean(op)) / sum(half)) for op in ("all_gather", "reduce_scatter")}
-    return {"gloo_latency": latency, "gloo_bandwidth": bandwidth, "baseline_rss": worst["rss"],
-            "gloo_all_gather_factor": max(1.0, worst["all_gather"] / ring),
-            "gloo_reduce_scatter_factor": max(1.0, worst["reduce_scatter"] / ring),
-            "gloo_in_step": {op: [list(p) for p in mean(op)] for op in ("all_reduce", "all_gather", "reduce_scatter")},
+    return {"gloo_in_step": {op: [list(p) for p in mean(op)] for op in ("all_reduce", "all_gather", "reduce_scatter")},
             "gloo_in_step_latency": in_latency, "gloo_in_step_bandwidth": in_bandwidth,
-            "gloo_in_step_all_gather_factor": factors["all_gather"],
-            "gloo_in_step_reduce_scatter_factor": factors["reduce_scatter"]}
+            **{f"gloo_in_step_{op}_factor": max(1.0, sum(t for _, t in mean(op)) / sum(half))
+               for op in ("all_gather", "reduce_scatter")}}
+
+
+def _in_step_rank(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    return _in_step(dist)
+
+
+def oversubscribed_in_step(n_ranks: int, latency: float, bandwidth: float) -> dict:
+    """The gloo_in_step_* figures of `n_ranks` ranks on fewer cores (cached per rank count):
+    ranks that time-share the cores wait for each other a scheduler's slice at a time, which
+    two ranks on two cores never show (measured here, 4 ranks on 2 cores: a 16 KiB all-reduce
+    9 ms among matmuls against 1.6 ms with 2 ranks), while their bandwidth held (~1.1 GB/s).
+    `latency` and `bandwidth` (two ranks' back-to-back figures) floor the fit and stand in for
+    a slope it cannot take."""
+    import tempfile
+
+    from shardlm.launch.spawn import run_ranks
+
+    def measure() -> dict:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = run_ranks(_in_step_rank, n_ranks, tmp)
+        return _fit_in_step(results, n_ranks, latency, bandwidth)
+
+    return _cached(f"cores={cpu_cores()}|ranks={n_ranks}|gloo in step", measure)
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
