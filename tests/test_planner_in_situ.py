@@ -160,3 +160,21 @@ def test_a_context_parallel_rank_reads_the_pass_of_its_share_of_the_sequence():
     # only the whole sequence's pass measured: that one, and the line says which
     factor, how = in_situ_factor(w, s, _cluster(2, ((whole_key, 1.0),)))
     assert "(2 x 64 tokens" in how
+
+
+def test_calibrate_does_not_time_a_pass_that_would_not_fit(monkeypatch, capsys, tmp_path):
+    from shardlm.cli.main import main
+
+    monkeypatch.setenv("SHARDLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(probe, "_time_product", lambda *a: {"best_s": 1e-3, "median_s": 1e-3})
+    monkeypatch.setattr(probe, "cpu_peak_flops", lambda precision, threads=None: 1e11)
+    monkeypatch.setattr(probe, "memory_probe", lambda threads, again=False: {"threads": threads})
+    measured = {"cpu": "test cpu", "cores": 2, "threads": 2, "peak": {"fp32": 6e10}, "memory_bandwidth": 1e10,
+                "gloo_bandwidth": 1e9, "gloo_latency": 1e-4, "baseline_rss": 2e8, "gloo_all_gather_factor": 1.0,
+                "gloo_reduce_scatter_factor": 1.0, "curve": {}}
+    monkeypatch.setattr(probe, "measure_cpu", lambda n: measured)
+    monkeypatch.setattr("shardlm.hardware.catalog.available_memory", lambda: 2e8)  # 0.2 GB: less than a worker's baseline
+    monkeypatch.setattr("shardlm.train.calibration.time_model_pass", lambda *a, **k: pytest.fail("timed"))
+    assert main(["calibrate", "--model", "gpt-tiny", "--seq", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "the model's pass is not timed: one process needs ~" in out and "has 0.2 GB available" in out

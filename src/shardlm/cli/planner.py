@@ -214,12 +214,19 @@ def _model_pass(model, seq: int, args: argparse.Namespace, threads: int) -> str:
     from shardlm.config.dims import ParallelDims
     from shardlm.hardware.catalog import local_cpu
     from shardlm.planner.in_situ import in_situ_factor
+    from shardlm.planner.memory import estimate_memory
     from shardlm.planner.workload import Dtypes, Strategy, Workload
     from shardlm.train.calibration import measured_pass
 
-    passed = measured_pass(model, args.micro_batch, seq, args.precision, threads, args.again, args.repeats)
     one = Strategy(ParallelDims(), micro_batch=args.micro_batch, dtypes=Dtypes(compute=args.precision))
-    _, how = in_situ_factor(Workload(model, seq, args.micro_batch), one, local_cpu(args.ranks))
+    workload, cluster = Workload(model, seq, args.micro_batch), local_cpu(args.ranks)
+    need, have = estimate_memory(workload, one, local_cpu(1)).peak, local_cpu(1).device.memory
+    if need > 0.8 * have:  # a pass of the whole model in one process would not fit this machine
+        return (f"the model's pass is not timed: one process needs ~{need / 1e9:,.1f} GB for it, this machine "
+                f"has {have / 1e9:,.1f} GB available; predictions use its parts as timed apart (docs/"
+                f"planner.md section 4b)")
+    passed = measured_pass(model, args.micro_batch, seq, args.precision, threads, args.again, args.repeats)
+    _, how = in_situ_factor(workload, one, cluster)
     return (f"{how or 'no matmul curve for ' + args.precision}; it scales every layout's compute and "
             f"memory-bound work for this model (docs/planner.md section 4b)"
             + ("  (under load)" if passed["loaded"] else ""))
