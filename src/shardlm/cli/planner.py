@@ -219,14 +219,14 @@ def _model_pass(model, seq: int, args: argparse.Namespace, threads: int) -> str:
     from shardlm.train.calibration import measured_pass
 
     one = Strategy(ParallelDims(), micro_batch=args.micro_batch, dtypes=Dtypes(compute=args.precision))
-    workload, cluster = Workload(model, seq, args.micro_batch), local_cpu(args.ranks)
-    need, have = estimate_memory(workload, one, local_cpu(1)).peak, local_cpu(1).device.memory
+    workload, alone = Workload(model, seq, args.micro_batch), local_cpu(1)
+    need, have = estimate_memory(workload, one, alone).peak, alone.device.memory
     if need > 0.8 * have:  # a pass of the whole model in one process would not fit this machine
         return (f"the model's pass is not timed: one process needs ~{need / 1e9:,.1f} GB for it, this machine "
                 f"has {have / 1e9:,.1f} GB available; predictions use its parts as timed apart (docs/"
                 f"planner.md section 4b)")
     passed = measured_pass(model, args.micro_batch, seq, args.precision, threads, args.again, args.repeats)
-    _, how = in_situ_factor(workload, one, cluster)
+    _, how = in_situ_factor(workload, one, local_cpu(args.ranks))  # read after: it holds the pass
     return (f"{how or 'no matmul curve for ' + args.precision}; it scales every layout's compute and "
             f"memory-bound work for this model (docs/planner.md section 4b)"
             + ("  (under load)" if passed["loaded"] else ""))
