@@ -186,6 +186,22 @@ def test_outer_state_in_the_memory_ledger(world):
     assert average["state"]["local_sgd"] == 4 * average["numel"]  # θ_outer only
 
 
+def test_the_planner_predicts_the_outer_model_and_the_round_s_all_reduce(world):
+    """predict_local for each case's config: the outer model's bytes are the ledger's, and the one
+    cross-replica collective is the rounds' all-reduce at the ledger's bytes per step, with no
+    per-step gradient all-reduce across the replicas beside it."""
+    from shardlm.planner import predict_local
+
+    cases, out = world
+    for case, got in zip(cases, out[0]["cases"]):
+        predicted = predict_local(load_config(overrides=case).validate(), 2)
+        assert predicted.model_state_bytes["local_sgd"] == got["state"]["local_sgd"], case
+        across = [c for c in predicted.timing.comms if "replica" in c.name]
+        assert [c.name for c in across] == ["all-reduce pseudo-gradient across replicas (local SGD)"], case
+        assert across[0].bytes == local_sgd_comm_bytes(got["numel"], 1, EVERY)
+        assert not any(c.name == "all-reduce gradients" for c in predicted.timing.comms)  # dp_shard = 1
+
+
 def test_resume_inside_a_round_is_exact(world):
     _, out = world
     for rank in range(2):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from shardlm.hardware.catalog import Cluster
 from shardlm.planner.links import collective_parts, group_link
-from shardlm.planner.traffic import fp8_gathered_elements
+from shardlm.planner.traffic import fp8_gathered_elements, local_sgd_comm_bytes
 from shardlm.planner.workload import StageParams, Strategy, Workload, zero_ranks
 
 @dataclass
@@ -131,14 +131,23 @@ def dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: W
         out.append(CommTime(name, f"{size} ranks, {where}", volume, total,
                             sum(t.exposed for t in listed), latency, listed))
 
+    shard, replicas = zero_ranks(lay), lay.dp_replicate
+    if s.local_sgd_every and replicas > 1:  # zero/local_sgd.py: the replicas meet once a round,
+        # after its last step, in one all-reduce of the fp32 pseudo-gradient of the rank's shard
+        n = shard if s.zero_stage else 1
+        comm("all-reduce pseudo-gradient across replicas (local SGD)", "all_reduce", replicas, lay.tp * n,
+             local_sgd_comm_bytes(psi, n, s.local_sgd_every),
+             [(f"one a round of {s.local_sgd_every} steps, after its last: nothing to hide behind",
+               unit_collective(cluster, "all_reduce", 4 * psi / n, replicas, lay.tp * n), 1 / s.local_sgd_every,
+               0.0)])
+        replicas = 1  # no gradient crosses replicas on the other steps
     if s.zero_stage == 0:
-        size = lay.dp_size * lay.cp
+        size = lay.dp_size * lay.cp // lay.dp_replicate * replicas  # local SGD: within the replica
         ar = lambda n: unit_collective(cluster, "all_reduce", n, size, lay.tp)  # noqa: E731
         comm("all-reduce gradients", "all_reduce", size, lay.tp, 2 * g * psi, [
             ("block, behind the next block's backward", ar(g * block), sp.layers, bwd_unit),
             ("root unit, last: nothing left to compute", ar(g * root), 1, 0.0)])
         return out
-    shard, replicas = zero_ranks(lay), lay.dp_replicate
     rs = lambda n: unit_collective(cluster, "reduce_scatter", n, shard, lay.tp)  # noqa: E731
     ag = lambda n: unit_collective(cluster, "all_gather", n, shard, lay.tp)  # noqa: E731
     if s.zero_stage in (1, 2):

@@ -427,7 +427,8 @@ def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
                         pp_virtual=par.pp_virtual, pp_layers=par.pp_layers,
                         activation_offload=cfg.activation.offload,
                         activation_offload_blocks=cfg.activation.offload_blocks, prefetch=par.prefetch,
-                        cp_mode=par.cp_mode, cp_ulysses=par.cp_ulysses)
+                        cp_mode=par.cp_mode, cp_ulysses=par.cp_ulysses,
+                        local_sgd_every=t.local_sgd.every, local_sgd_outer=t.local_sgd.outer)
     return Workload(cfg.model, t.seq_len, t.micro_batch * t.grad_accum * dims.dp_size), strategy
 
 
@@ -443,6 +444,8 @@ def predict_local(cfg: Config, n_ranks: int) -> LocalPrediction:
     states = {"params": memory.category("parameters"),
               "grads": 0.0 if strategy.local else memory.category("gradients"),
               "optimizer": memory.category("optimizer states")}
+    if strategy.local_sgd_every:  # the engine's ledger counts the outer model apart
+        states["local_sgd"] = memory.category("local SGD outer model")
     return LocalPrediction(states, memory.activations, memory.peak, timing.step,
                            timing.tokens_per_s, memory, timing)
 

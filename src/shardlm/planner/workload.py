@@ -115,6 +115,13 @@ class Strategy:
     the node's link, instead of every tp rank sending the whole tensor. Not what our runtime
     does (parallel/pipeline.py sends the whole tensor): set only to model a published
     Megatron-LM run (tests/test_planner_published.py)."""
+    local_sgd_every: int = 0
+    """train.local_sgd.every: the dp_replicate replicas reduce gradients among their own ranks
+    only, and every this many steps meet in one all-reduce of the fp32 pseudo-gradient shard
+    (zero/local_sgd.py); 0 = off."""
+    local_sgd_outer: str = "diloco"
+    """train.local_sgd.outer: 'diloco' keeps the outer model and its momentum (8 B per sharded
+    parameter), 'average' the outer model only (4 B)."""
     async_tp: bool = False
     """parallel.async_tp: with sequence parallelism, the tp collectives overlap the matmuls they
     feed (timing._async_tp_overlap)."""
