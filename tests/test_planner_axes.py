@@ -254,6 +254,28 @@ def test_search_tries_context_parallelism_only_where_activations_matter():
     assert "cp" not in no_cp.overrides() and no_cp.apply(cfg).parallel.cp == 1  # the layout is whole
 
 
+def test_search_prices_cp_modes_and_overlapped_tp_and_its_commands_carry_them():
+    """`plan` tries each tp layout with and without async TP (it wins where the overlap pays:
+    a large model on GPUs) and prices a cp layout at the mode the runtime's 'auto' resolves to;
+    a run's own cp_mode and async_tp are kept (plan_for_run)."""
+    result = search(LONG, A100, Dtypes("bf16"), RUNTIME)
+    tp_plans = [p for p in result.plans if p.strategy.layout.tp > 1 and p.strategy.sequence_parallel]
+    assert {p.strategy.async_tp for p in tp_plans} == {False, True}
+    fast = next(p for p in tp_plans if p.strategy.async_tp)
+    blocking = estimate_time(LONG, replace(fast.strategy, async_tp=False), A100)
+    assert fast.timing.tokens_per_s >= blocking.tokens_per_s  # the two are priced apart, the better kept first
+    assert fast.overrides()["parallel.async_tp"] is True and " async" in describe_strategy(fast.strategy)
+    cfg = fast.apply(load_config(overrides={"model.preset": "llama-1b", "train.seq_len": "32768"}))
+    assert cfg.parallel.async_tp and cfg.parallel.sequence_parallel
+    cp_plan = next(p for p in result.plans if p.strategy.layout.cp > 1)
+    assert cp_plan.strategy.cp_mode == "auto" and cp_plan.overrides()["parallel.cp_mode"] == "auto"
+    assert cp_plan.apply(cfg).parallel.cp_mode == "auto"
+    assert fast.apply(cp_plan.apply(cfg)).parallel.async_tp  # each plan sets its own whole layout
+    kept = plan_for_run(preset_model("gpt2-350m"), 8, "8xA100-80GB", (2, 1, 1024),
+                        parallel=ParallelConfig(cp=2, cp_mode="ulysses"))
+    assert kept and {p.strategy.cp_mode for p in kept} == {"ulysses"}
+
+
 def test_auto_keeps_the_runs_own_tp_and_cp():
     model = preset_model("gpt2-350m")
     plans = plan_for_run(model, 8, "8xA100-80GB", (2, 1, 1024), parallel=ParallelConfig(cp=2))

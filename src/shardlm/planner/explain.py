@@ -21,7 +21,10 @@ def describe_strategy(s: Strategy) -> str:
     parts = [f"ZeRO-{s.zero_stage}" if s.zero_stage else "plain DP"]
     if lay.dp_size > 1:
         parts.append(f"dp {lay.dp_replicate}x{lay.dp_shard}" if lay.dp_replicate > 1 else f"dp {lay.dp_size}")
-    parts += [f"{k} {getattr(lay, k)}" for k in ("tp", "cp") if getattr(lay, k) > 1]
+    if lay.tp > 1:
+        parts.append(f"tp {lay.tp}" + (" async" if s.async_tp and s.sequence_parallel else ""))
+    if lay.cp > 1:
+        parts.append(f"cp {lay.cp}" + (f" {s.cp_mode}" if s.cp_mode != "ring" else ""))
     if lay.pp > 1:
         parts.append(f"pp {lay.pp} {s.pp_schedule}" + (f" x{s.pp_virtual}" if s.pp_virtual > 1 else "")
                      + (f" [{s.pp_layers}]" if s.pp_layers else ""))

@@ -12,6 +12,7 @@ does not fit (they never make a step faster). `plan_for_run` is what the trainer
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -106,6 +107,12 @@ class Plan:
                 out[f"parallel.{key}"] = getattr(lay, key)
         if lay.tp > 1:
             out["parallel.sequence_parallel"] = s.sequence_parallel
+            if s.async_tp:
+                out["parallel.async_tp"] = True
+        if lay.cp > 1 and s.cp_mode != "ring":
+            out["parallel.cp_mode"] = s.cp_mode
+            if s.cp_ulysses:
+                out["parallel.cp_ulysses"] = s.cp_ulysses
         if lay.pp > 1:
             out["parallel.pp_schedule"] = s.pp_schedule
             if s.pp_virtual > 1:
@@ -131,6 +138,9 @@ class Plan:
         s, lay = self.strategy, self.strategy.layout
         whole = {"parallel.tp": lay.tp, "parallel.cp": lay.cp, "parallel.pp": lay.pp, "parallel.ep": lay.ep,
                  "parallel.sequence_parallel": s.sequence_parallel and lay.tp > 1,
+                 "parallel.async_tp": s.async_tp and s.sequence_parallel and lay.tp > 1,
+                 "parallel.cp_mode": s.cp_mode if lay.cp > 1 else "ring",
+                 "parallel.cp_ulysses": s.cp_ulysses if lay.cp > 1 else 0,
                  "parallel.pp_schedule": s.pp_schedule, "parallel.pp_virtual": s.pp_virtual,
                  "parallel.pp_layers": s.pp_layers, "activation.offload": s.activation_offload,
                  "activation.offload_blocks": s.activation_offload_blocks,
@@ -270,7 +280,7 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
     unfit: dict[tuple, Plan] = {}
     evaluated = 0
     key = lambda s: (s.layout, s.zero_stage, s.recompute, s.offload_optimizer, s.offload_params,  # noqa: E731
-                     s.activation_offload)
+                     s.activation_offload, s.async_tp)
     over = lambda p: p.memory.peak / p.memory.capacity  # noqa: E731
     for lay in layouts or _layouts(w, cluster, supported, dtypes):
         per_rank = w.global_batch // lay.dp_size
@@ -278,8 +288,15 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
         if lay.pp > 1 and pipeline is not None:
             piped = dict(pp_schedule=pipeline.pp_schedule, pp_virtual=pipeline.pp_virtual,
                          pp_layers=pipeline.pp_layers)
-        if lay.tp > 1 and sequence_parallel and getattr(pipeline, "async_tp", False):
-            piped["async_tp"] = True  # a run's own parallel.async_tp, kept (timing._async_tp_overlap)
+        if lay.cp > 1:  # the mode the runtime's 'auto' resolves to, priced (cp_modes.choose_cp_mode),
+            # or a run's own
+            piped["cp_mode"] = getattr(pipeline, "cp_mode", "auto")
+            piped["cp_ulysses"] = getattr(pipeline, "cp_ulysses", 0)
+        # overlapped tp (timing._async_tp_overlap): a run's own parallel.async_tp kept, else tried
+        # both ways where the runtime has it (sequence parallelism; not with fp8)
+        overlapped = (False,)
+        if lay.tp > 1 and sequence_parallel and not dtypes.fp8:
+            overlapped = (True,) if getattr(pipeline, "async_tp", False) else (False, True)
         for stage in supported.stages:
             if stage == 0 and lay.dp_replicate > 1:
                 continue  # stage 0 reduces over all data-parallel ranks: the split is moot
@@ -292,9 +309,9 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
             for micro in divisors(per_rank):
                 if piped.get("pp_virtual", 1) > 1 and (per_rank // micro) % lay.pp:
                     continue  # the interleaved schedule takes micro-batches in groups of pp
-                for recompute, act in _activation_choices(cluster, supported):
+                for (recompute, act), asy in itertools.product(_activation_choices(cluster, supported), overlapped):
                     tries = [Strategy(lay, stage, micro, per_rank // micro, recompute, opt, params, dtypes,
-                                      sequence_parallel, **piped, activation_offload=act,
+                                      sequence_parallel, **piped, async_tp=asy, activation_offload=act,
                                       activation_offload_blocks=blocks)
                              for blocks in (_offload_blocks(w, lay) if act != "none" else (0,))
                              for opt, params in offloads]
