@@ -131,6 +131,19 @@ def test_the_planner_gathers_the_ledger_bytes(two_ranks):
         planned = {c.name: c.bytes for c in estimate_time(w, s, cluster).comms}
         assert planned["all-gather parameters"] == got["ledgers"][-1]["all_gather/dp_shard"]
         assert planned["reduce-scatter gradients"] == got["ledgers"][-1]["reduce_scatter/dp_shard"]
+    # memory: a gathered block holds its FP8 linears' weights at 1 byte, the rest at the
+    # compute dtype's e (the current block and the prefetched next; on a GPU, no gloo copy)
+    from shardlm.planner.memory import estimate_memory
+    from shardlm.planner.traffic import fp8_gathered_elements
+
+    held = []
+    for overrides in (plain, {**plain, **GATHER}):
+        w, s = config_strategy(load_config(overrides=overrides).validate(), cluster)
+        memory = estimate_memory(w, s, cluster)
+        held.append(next(part.bytes for item in memory.items for part in getattr(item, "parts", None) or []
+                         if part.name == "gathered parameters"))
+    e = s.dtypes.param_bytes
+    assert held[0] - held[1] == 2 * (e - 1) * fp8_gathered_elements(w.model) / w.model.n_layers > 0
 
 
 @pytest.mark.parametrize("change, named", [

@@ -16,6 +16,7 @@ from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
 from shardlm.planner.activations import (activation_dtypes, activation_peak,
                                          block_activation)
+from shardlm.planner.traffic import fp8_gathered_elements
 from shardlm.planner.workload import (DTYPE_BYTES, PHASES, Item, StageParams, Strategy, Workload,
                                       effective_tier, offloaded_blocks, pipeline_layers, pp_hidden_bytes,
                                       pp_in_flight, pp_sends, stage_params, validate, zero_ranks)
@@ -170,14 +171,19 @@ def _buffer_items(w: Workload, sp: StageParams, s: Strategy, cluster: Cluster,
                           + (" (+ gloo's copy of the one gathering)" if gloo else ""),
                           phases={"loss": held, "blocks": held + gloo, "embedding": held, "root": held}))
     elif s.zero_stage == 3:
-        gathered = e * (root + (2 if s.prefetch else 1) * block)
+        # a block's gathered bytes: its FP8 linears' weights at 1 byte with fp8_all_gather (their
+        # own unit, zero/fp8_gather.py), the rest at e
+        fp8 = fp8_gathered_elements(m) / m.n_layers if d.fp8_all_gather else 0.0
+        block_bytes = e * block - (e - 1) * fp8
+        gathered = e * root + (2 if s.prefetch else 1) * block_bytes
         gloo = cluster.device.kind == "cpu"  # gloo's all-gather allocates its output again
         phases = {"loss": gathered + (e * root if gloo else 0),
-                  "blocks": gathered + (e * block if gloo else 0), "embedding": e * root}
+                  "blocks": gathered + (block_bytes if gloo else 0), "embedding": e * root}
         items.append(Item("gathered parameters", max(phases.values()), f"{e} B x ({units}"
                           + (" x 2): the " if s.prefetch else "): the ")
                           + "root stays gathered until its backward; the current block"
                           + (" and the prefetched next" if s.prefetch else " (no prefetch)")
+                          + (f"; the blocks' FP8 linear weights at 1 B ({fp8:,.0f} per block)" if fp8 else "")
                           + (" (+ gloo's copy of the one gathering)" if gloo else ""),
                           phases=phases))
     if states["param_tier"] != "none":
