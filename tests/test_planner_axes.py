@@ -233,7 +233,7 @@ def test_config_strategy_and_auto_keep_the_runs_pipeline():
 
 def test_search_tries_context_parallelism_only_where_activations_matter():
     from dataclasses import replace as with_
-    from shardlm.planner.search import AUTO, _layouts
+    from shardlm.planner.candidates import AUTO, rank_layouts as _layouts
 
     long = list(_layouts(LONG, A100, EVERYTHING, Dtypes("bf16")))
     assert {lay.cp for lay in long} == {1, 2, 4, 8}

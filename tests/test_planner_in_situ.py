@@ -91,14 +91,16 @@ def test_the_pass_is_timed_cached_and_read_by_local_cpu(monkeypatch, tmp_path):
 
 
 def test_collectives_timed_in_a_step_fit_the_ring_model_local_cpu_reads(monkeypatch):
-    """probe._gloo_probe: the all-reduces timed among matmuls fit latency and bandwidth; the
+    """gloo_probe.gloo_probe: the all-reduces timed among matmuls fit latency and bandwidth; the
     all-gathers and reduce-scatters give factors over that model; local_cpu uses them, the
     latency not stretched again for more ranks than cores (it was measured with the cores
     contended), the bandwidth time-shared."""
     from shardlm.hardware.catalog import local_cpu
 
     alpha, beta = 1e-3, 1e9  # per ring step; bytes/s
-    sizes = probe.IN_STEP_SIZES
+    from shardlm.hardware import gloo_probe
+
+    sizes = gloo_probe.IN_STEP_SIZES
 
     def ring(steps, moved):  # 2 ranks
         return steps * alpha + moved / beta
@@ -109,7 +111,7 @@ def test_collectives_timed_in_a_step_fit_the_ring_model_local_cpu_reads(monkeypa
     rank = {"latency": 2e-4, "all_reduce": 0.02, "all_gather": 0.01, "reduce_scatter": 0.02, "rss": 2e8,
             "bytes": 8.0 * 2**20, "in_step": in_step}
     monkeypatch.setattr("shardlm.launch.spawn.run_ranks", lambda fn, n, tmp: [rank, rank])
-    got = probe._gloo_probe()
+    got = gloo_probe.gloo_probe()
     assert got["gloo_in_step_latency"] == pytest.approx(alpha, rel=1e-9)
     assert got["gloo_in_step_bandwidth"] == pytest.approx(beta, rel=1e-9)
     assert got["gloo_in_step_all_gather_factor"] == pytest.approx(1.5, rel=1e-9)

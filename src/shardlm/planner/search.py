@@ -21,45 +21,15 @@ from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import Cluster, choose_compute, local_cpu, parse_cluster
 from shardlm.planner.explain import explain
 from shardlm.planner.memory import Memory, estimate_memory
-from shardlm.planner.activations import ActivationDtypes, activation_peak
+from shardlm.planner.candidates import (AUTO, EVERYTHING, RUNTIME, Supported,  # noqa: F401 (re-exported)
+                                        activation_choices, divisors, offload_blocks, offload_tiers,
+                                        rank_layouts)
 from shardlm.planner.shapes import model_from_hf_config, model_from_params, preset_model
 from shardlm.planner.timing import Timing, estimate_time
 from shardlm.config.dims import ParallelDims
-from shardlm.planner.workload import DTYPE_BYTES, Dtypes, Strategy, Workload, zero_ranks
+from shardlm.planner.workload import Dtypes, Strategy, Workload, zero_ranks
 
 
-@dataclass(frozen=True)
-class Supported:
-    """What the search may choose."""
-
-    tp: bool = True
-    cp: bool = True
-    """Context parallelism: each sequence split over a ring of ranks (parallel/context.py)."""
-    pp: bool = True
-    """Pipeline parallelism: the blocks in stages over ranks (parallel/pipeline.py), 1F1B."""
-    ep: bool = True
-    hybrid: bool = True
-    """dp_replicate > 1: shard within a node, replicate across nodes (HSDP)."""
-    stages: tuple[int, ...] = (0, 1, 2, 3)
-    zero3_with_pp: bool = True
-    """ZeRO stage 3 on a pipeline (pp > 1): a stage's units gathered for the whole step."""
-    recompute: tuple[str, ...] = ("none", "selective", "full")
-    offload_optimizer: tuple[str, ...] = ("none", "cpu", "nvme")
-    offload_params: tuple[str, ...] = ("none", "cpu", "nvme")
-    activation_offload: tuple[str, ...] = ("none", "cpu")
-    """activation.offload: every block's saved activations to host memory instead of recomputing
-    them (tried on devices with their own memory; on a CPU the host is the device)."""
-
-
-EVERYTHING = Supported()
-"""Every strategy the planner models."""
-RUNTIME = Supported()
-"""What `shardlm train` runs today: pp x dp_replicate x dp_shard x cp x tp (x ep inside dp_shard,
-with tp = cp = 1), ZeRO 0-3, recompute, offload."""
-AUTO = Supported(tp=False, cp=False, pp=False, ep=False, zero3_with_pp=False)
-"""What `parallel.strategy = "auto"` chooses from: data parallelism, until the planner's tensor-,
-context- and pipeline-parallel models have been checked against our own measurements on this
-machine (what a run set itself is kept: kept_settings, plan_for_run)."""
 KEPT = ("tp", "cp", "pp", "ep", "dp_replicate", "sequence_parallel", "zero_stage")
 """The [parallel] settings `strategy = "auto"` keeps where the run sets them (kept_settings)."""
 
@@ -162,100 +132,6 @@ class SearchResult:
     """What does not fit, least over capacity first (for the explanation)."""
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-CP_ACTIVATION_SHARE = 0.25
-"""cp > 1 is searched only when one sequence's activations (micro-batch 1, no recomputation,
-on the tensor-parallel layout) take at least this share of a device's memory."""
-
-
-def _sequence_activations(w: Workload, cluster: Cluster, dtypes: Dtypes, tp: int) -> float:
-    """Peak activation bytes of one whole sequence on a rank of `tp` (no recomputation)."""
-    dt = ActivationDtypes(DTYPE_BYTES[dtypes.compute], DTYPE_BYTES[dtypes.compute],
-                          cluster.calibration.norms_in_fp32 and dtypes.compute != "fp32")
-    return activation_peak(w.model, w.seq_len, 1, w.model.n_layers, 1, dt, "none", tp, tp > 1,
-                           True, (w.experts, w.top_k, w.capacity_factor)).bytes
-
-
-def _layouts(w: Workload, cluster: Cluster, supported: Supported, dtypes: Dtypes,
-             pinned: dict[str, int] | None = None):
-    """Rank layouts to search. `pinned`: degrees by name (tp, cp, pp, ep, dp_replicate) that
-    every layout has (a run's own, under strategy = 'auto'), whatever `supported` says."""
-    m, world, per_node = w.model, cluster.world_size, cluster.per_node
-    pinned = pinned or {}
-    tps = [pinned["tp"]] if "tp" in pinned else divisors(per_node) if supported.tp else [1]
-    for tp in tps:
-        if m.n_heads % tp or (m.n_kv_heads or m.n_heads) % tp or world % tp or (m.experts and m.experts % tp):
-            continue
-        # Context parallelism, kept from multiplying the space: its ring passes a key/value
-        # block per layer per hop, so it stays inside a node (cp <= devices per node / tp, on
-        # the fast link); and it only pays where activations do — it moves data-parallel
-        # work onto a ring and saves nothing else — so it is searched only when one sequence's
-        # activations fill a good share of a device (CP_ACTIVATION_SHARE). A shorter sequence
-        # fits without it at no ring traffic.
-        cps = [1]
-        if "cp" in pinned:
-            cps = [pinned["cp"]]
-        elif supported.cp and per_node // tp > 1 and _sequence_activations(w, cluster, dtypes, tp) \
-                >= CP_ACTIVATION_SHARE * cluster.device.memory:
-            cps = divisors(per_node // tp)
-        for cp in cps:
-            if w.seq_len % (2 * cp) or world % (tp * cp):
-                continue
-            pps = [pinned["pp"]] if "pp" in pinned else divisors(world // (tp * cp)) if supported.pp else [1]
-            for pp in pps:
-                if world % (tp * cp * pp):
-                    continue
-                dp = world // (tp * cp * pp)
-                if pp > m.n_layers or w.global_batch % dp:
-                    continue
-                shards = {dp}
-                if "dp_replicate" in pinned:
-                    shards = {dp // pinned["dp_replicate"]} if dp % pinned["dp_replicate"] == 0 else set()
-                elif supported.hybrid and dp > 1:  # shard inside a node, replicate across nodes
-                    inside = max(1, per_node // (tp * cp))
-                    if inside < dp and dp % inside == 0:
-                        shards.add(inside)
-                for shard in sorted(shards):
-                    eps = [1]
-                    if "ep" in pinned:  # experts' ranks come out of dp_shard (with tp = cp = 1)
-                        ep = pinned["ep"]
-                        eps = [ep] if w.experts and not w.experts % ep and not shard % ep and tp == cp == 1 else []
-                    elif w.experts and supported.ep and tp == cp == 1:
-                        eps = [e for e in divisors(shard) if w.experts % e == 0]
-                    for ep in eps:
-                        yield ParallelDims(dp // shard, shard, cp=cp, tp=tp, pp=pp, ep=ep)
-
-
-def _offloads(stage: int, cluster: Cluster, supported: Supported) -> list[tuple[str, str]]:
-    """Cheapest first: none, then optimizer states, then parameters too (stage 3)."""
-    tiers = [t for t in ("cpu", "nvme") if cluster.device.kind != "cpu" or t == "nvme"]
-    out = [("none", "none")]
-    if stage >= 1:
-        out += [(t, "none") for t in tiers if t in supported.offload_optimizer]
-    if stage == 3:
-        out += [(t, t) for t in tiers if t in supported.offload_optimizer and t in supported.offload_params]
-    return out
-
-
-def _activation_choices(cluster: Cluster, supported: Supported) -> list[tuple[str, str]]:
-    """(recompute, activation offload), least memory saved first: keep everything; offload every
-    block's activations to the host (a device with its own memory only); then recompute."""
-    choices = [(r, "none") for r in supported.recompute]
-    if cluster.device.kind != "cpu" and "cpu" in supported.activation_offload and "none" in supported.recompute:
-        choices.insert(1, ("none", "cpu"))
-    return choices
-
-
-def _offload_blocks(w: Workload, lay: ParallelDims) -> list[int]:
-    """activation.offload_blocks to try, fewest first: a quarter, half, then every block (0) of a
-    pipeline stage's; the fewest that fit move the fewest bytes over PCIe."""
-    per_stage = w.model.n_layers // lay.pp
-    return sorted({n for n in (per_stage // 4, per_stage // 2) if 0 < n < per_stage}) + [0]
-
-
 def _first_fit(w: Workload, cluster: Cluster, strategies: list[Strategy]) -> tuple[Plan | None, list[Plan]]:
     """The first strategy that fits (they come cheapest first: offloading or recomputing more
     only slows a plan that already fits), and the ones before it that did not."""
@@ -282,7 +158,7 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
     key = lambda s: (s.layout, s.zero_stage, s.recompute, s.offload_optimizer, s.offload_params,  # noqa: E731
                      s.activation_offload, s.async_tp)
     over = lambda p: p.memory.peak / p.memory.capacity  # noqa: E731
-    for lay in layouts or _layouts(w, cluster, supported, dtypes):
+    for lay in layouts or rank_layouts(w, cluster, supported, dtypes):
         per_rank = w.global_batch // lay.dp_size
         piped = {}
         if lay.pp > 1 and pipeline is not None:
@@ -302,18 +178,18 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
                 continue  # stage 0 reduces over all data-parallel ranks: the split is moot
             if stage == 3 and lay.pp > 1 and not supported.zero3_with_pp:
                 continue
-            offloads = _offloads(stage, cluster, supported)
+            offloads = offload_tiers(stage, cluster, supported)
             if zero_ranks(lay) == 1 and stage and len(supported.stages) > 1:
                 offloads = offloads[1:]  # sharding over one rank only pays with offload (unless
                 # the stage is the run's own: then it is kept, offloaded or not)
             for micro in divisors(per_rank):
                 if piped.get("pp_virtual", 1) > 1 and (per_rank // micro) % lay.pp:
                     continue  # the interleaved schedule takes micro-batches in groups of pp
-                for (recompute, act), asy in itertools.product(_activation_choices(cluster, supported), overlapped):
+                for (recompute, act), asy in itertools.product(activation_choices(cluster, supported), overlapped):
                     tries = [Strategy(lay, stage, micro, per_rank // micro, recompute, opt, params, dtypes,
                                       sequence_parallel, **piped, async_tp=asy, activation_offload=act,
                                       activation_offload_blocks=blocks)
-                             for blocks in (_offload_blocks(w, lay) if act != "none" else (0,))
+                             for blocks in (offload_blocks(w, lay) if act != "none" else (0,))
                              for opt, params in offloads]
                     plan, misses = _first_fit(w, cluster, tries)
                     evaluated += len(misses) + (plan is not None)
@@ -397,7 +273,7 @@ def plan_for_run(model: ModelConfig, world_size: int, hardware: Cluster | str,
     degrees = {key: value for key, value in kept.items() if key in ("tp", "cp", "pp", "ep", "dp_replicate")}
     if tp > 1 or cp > 1 or pp > 1 or degrees:
         pinned = {"tp": tp, "cp": cp, "pp": pp, **degrees}
-        layouts = list(_layouts(workload, hardware, supported, dtypes, pinned=pinned))
+        layouts = list(rank_layouts(workload, hardware, supported, dtypes, pinned=pinned))
         if not layouts:
             named = ", ".join(f"{key} = {value}" for key, value in pinned.items())
             raise ConfigError(f"no rank layout keeps {named} on {world_size} ranks with {sequences} "

@@ -1,0 +1,158 @@
+"""gloo between spawned local ranks, as the planner's local CPU cluster needs it (hardware.
+catalog.local_cpu): back to back (a one-float all-reduce's latency, 8 MiB collectives'
+bandwidth) and as a step issues its collectives, among matmuls (_in_step). Measurements only;
+hardware/probe.py caches them per machine (measure_cpu). docs/planner.md section 7.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+MIB = 2**20
+
+
+GLOO_TRIES = 20
+"""Timings of each back-to-back collective: the best one-float all-reduce (the latency), the
+median of the 8 MiB ones (the best of five left the all-gather's and reduce-scatter's factors
+anywhere in 1.0-2.8 and 2.1-4.0 over three runs on a quiet machine)."""
+
+
+def _gloo_rank(rank: int, world_size: int) -> dict[str, float]:
+    """On a spawned rank: of GLOO_TRIES timings each, the best of a one-float all-reduce
+    (latency) and the median of an 8 MiB all-reduce, all-gather (4 MiB shards) and
+    reduce-scatter (8 MiB input); the three among matmuls (_in_step); and this
+    rank's RSS with torch, gloo and a worker's libraries imported — the floor of any worker's
+    memory."""
+    import numpy  # noqa: F401  (a worker's libraries are part of its baseline)
+    import safetensors.torch  # noqa: F401
+    import tokenizers  # noqa: F401
+    import torch.distributed as dist
+
+    # Resident now, not ru_maxrss: a spawned child's high-water mark can start at its parent's.
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    n = 8 * MIB // 4
+    small, full, shard = torch.zeros(1), torch.zeros(n), torch.zeros(n // world_size)
+    ops = {"latency": lambda: dist.all_reduce(small), "all_reduce": lambda: dist.all_reduce(full),
+           "all_gather": lambda: dist.all_gather_single(full, shard),
+           "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full)}
+    out = {}
+    for name, op in ops.items():
+        op()  # warm up
+        times = []
+        for _ in range(GLOO_TRIES):
+            start = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - start)
+        out[name] = min(times) if name == "latency" else statistics.median(times)
+    return {**out, "rss": float(rss), "bytes": float(n * 4), "in_step": _in_step(dist)}
+
+
+IN_STEP_SIZES = (16 * 1024, 256 * 1024, 4 * MIB)
+"""Bytes of the collectives _in_step times: a norm's statistics to a micro-batch's activations
+(tensor parallelism's collectives) and a gradient bucket."""
+IN_STEP_PRODUCTS = 4
+"""Products of 256 x 256 x 1024 between two collectives (~2 ms at one thread of an Intel Xeon
+with AMX): a block's matmuls between tensor parallelism's collectives."""
+
+
+def _in_step(dist, rounds: int = 20) -> dict[str, list[list[float]]]:
+    """{op: [[bytes, mean seconds], ...]} of an all-reduce, all-gather and reduce-scatter of each
+    IN_STEP_SIZES (the whole tensor), issued as a step issues them: after IN_STEP_PRODUCTS
+    matmuls on the rank's threads, `rounds` times (the first few dropped). The mean, not the
+    best: the wait for the slower rank, gloo's threads waking on cores the ranks' compute holds
+    and the loopback's system calls are what a collective costs inside a step. Measured here
+    (2 ranks, 1 thread each): 1.5-2.7 ms for a 256 KiB all-reduce against 0.3 ms timed back to
+    back, best of five."""
+    a, b = torch.randn(256, 256), torch.randn(256, 1024)
+    world = dist.get_world_size()
+    out: dict[str, list[list[float]]] = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}
+    for nbytes in IN_STEP_SIZES:
+        full, shard = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4 // world)
+        ops = {"all_reduce": lambda: dist.all_reduce(full),
+               "all_gather": lambda: dist.all_gather_single(full, shard),
+               "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full)}
+        for name, op in ops.items():
+            times = []
+            for _ in range(rounds):
+                for _ in range(IN_STEP_PRODUCTS):
+                    a @ b
+                start = time.perf_counter()
+                op()
+                times.append(time.perf_counter() - start)
+            out[name].append([float(nbytes), statistics.mean(times[3:])])
+    return out
+
+
+def gloo_probe() -> dict[str, float]:
+    """Ring-model latency and bus bandwidth from the all-reduces (2(N-1) steps, 2(N-1)/N of
+    the bytes each way), and how much slower gloo's all-gather and reduce-scatter are than a
+    ring of that bandwidth would be."""
+    import tempfile
+
+    from shardlm.launch.spawn import run_ranks
+
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_gloo_rank, world, tmp)
+    worst = {k: max(r[k] for r in results) for k in results[0] if k != "in_step"}
+    steps = 2 * (world - 1)
+    latency = worst["latency"] / steps
+    bandwidth = steps / world * worst["bytes"] / max(worst["all_reduce"] - steps * latency, 1e-9)
+    ring = (world - 1) * latency + (world - 1) / world * worst["bytes"] / bandwidth
+    return {"gloo_latency": latency, "gloo_bandwidth": bandwidth, "baseline_rss": worst["rss"],
+            "gloo_all_gather_factor": max(1.0, worst["all_gather"] / ring),
+            "gloo_reduce_scatter_factor": max(1.0, worst["reduce_scatter"] / ring),
+            **_fit_in_step([r["in_step"] for r in results], world, latency, bandwidth)}
+
+
+def _fit_in_step(ranks: list[dict], world: int, latency: float, bandwidth: float) -> dict:
+    """The gloo_in_step_* figures from each rank's _in_step timings (their average): the
+    all-reduces fit the ring model's latency and bandwidth, seconds = 2(N-1) x latency +
+    2(N-1)/N x bytes / bandwidth (least squares; the latency floored by `latency`, the
+    back-to-back one); the all-gathers' and reduce-scatters' summed times over that model's
+    are their factors."""
+    def mean(op: str) -> list[tuple[float, float]]:
+        return [(nbytes, statistics.mean(r[op][i][1] for r in ranks)) for i, (nbytes, _) in enumerate(ranks[0][op])]
+
+    steps = 2 * (world - 1)
+    points = mean("all_reduce")
+    slope, intercept = _line([x for x, _ in points], [y for _, y in points])
+    in_latency = max(intercept / steps, latency)
+    in_bandwidth = steps / world / slope if slope > 0 else bandwidth
+    half = [(world - 1) * in_latency + (world - 1) / world * nbytes / in_bandwidth for nbytes, _ in points]
+    return {"gloo_in_step": {op: [list(p) for p in mean(op)] for op in ("all_reduce", "all_gather", "reduce_scatter")},
+            "gloo_in_step_latency": in_latency, "gloo_in_step_bandwidth": in_bandwidth,
+            **{f"gloo_in_step_{op}_factor": max(1.0, sum(t for _, t in mean(op)) / sum(half))
+               for op in ("all_gather", "reduce_scatter")}}
+
+
+def _in_step_rank(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    return _in_step(dist)
+
+
+def in_step_probe(n_ranks: int, latency: float, bandwidth: float) -> dict:
+    """The gloo_in_step_* figures of `n_ranks` spawned ranks (_in_step, fitted by _fit_in_step;
+    `latency` and `bandwidth`, two ranks' back-to-back figures, floor the fit and stand in for a
+    slope it cannot take)."""
+    import tempfile
+
+    from shardlm.launch.spawn import run_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_in_step_rank, n_ranks, tmp)
+    return _fit_in_step(results, n_ranks, latency, bandwidth)
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares slope and intercept of ys over xs."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return slope, my - slope * mx
