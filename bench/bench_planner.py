@@ -177,26 +177,28 @@ def main(argv=None) -> None:
     import subprocess
     if args.predict_from:
         saved = read_cases(args.predict_from)
-        counts, axes = sorted({r["ranks"] for r in saved}), {r["axes"] for r in saved}
+        wanted = [(r["ranks"], r["ac"], r["axes"]) for r in saved]
     else:
         selected = cases(args.max_ranks)
         if args.only:
             selected = [tuple(int(v) if i < 2 else v for i, v in enumerate((o + ",").split(",")[:5]))
                         for o in args.only]
-        counts, axes = sorted({c[0] for c in selected}), {c[4] for c in selected}
+        wanted = [(c[0], c[2], c[4]) for c in selected]
+    counts = sorted({n for n, _, _ in wanted})
     subprocess.run([sys.executable, "-c", "import sys; from shardlm.hardware.probe import measure_cpu; "
                     f"[measure_cpu(n) for n in {counts}]"], check=True)
     # The model's own matmuls and its whole pass at each rank count's threads (cached: once per
-    # machine), as a user runs before trusting a prediction (docs/planner.md sections 4, 4b);
-    # context parallelism's ranks pass half the sequence: that pass too (in_situ_factor)
+    # machine), as a user runs before trusting a prediction (docs/planner.md sections 4, 4b):
+    # the pass each case's rank runs (context parallelism's half sequence, recomputation), and
+    # the plain one beside it
     first = saved[0] if args.predict_from else {}
     model = {k: first.get(k, getattr(args, k)) for k in ("preset", "seq", "micro_batch", "precision")}
-    splits = [1, 2] if any("cp2" in a for a in axes) else [1]
-    for n in counts:
-        for split in splits:
-            subprocess.run([sys.executable, "-m", "shardlm", "calibrate", "--model", model["preset"], "--seq",
-                            str(model["seq"] // split), "--micro-batch", str(model["micro_batch"]), "--precision",
-                            model["precision"], "--ranks", str(n)], check=True, stdout=subprocess.DEVNULL)
+    passes = {(n, 1, "none") for n in counts} | {(n, 2 if "cp2" in axes else 1, ac) for n, ac, axes in wanted}
+    for n, split, ac in sorted(passes):
+        subprocess.run([sys.executable, "-m", "shardlm", "calibrate", "--model", model["preset"], "--seq",
+                        str(model["seq"] // split), "--micro-batch", str(model["micro_batch"]), "--precision",
+                        model["precision"], "--ranks", str(n), "--recompute", ac], check=True,
+                       stdout=subprocess.DEVNULL)
 
     rows = []
     if args.predict_from:

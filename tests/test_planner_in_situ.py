@@ -180,3 +180,18 @@ def test_calibrate_does_not_time_a_pass_that_would_not_fit(monkeypatch, capsys, 
     assert main(["calibrate", "--model", "gpt-tiny", "--seq", "64"]) == 0
     out = capsys.readouterr().out
     assert "the model's pass is not timed: one process needs ~" in out and "has 0.2 GB available" in out
+
+
+def test_a_recomputing_run_reads_the_pass_that_recomputes():
+    m = preset_model("gpt-tiny")
+    w = Workload(m, 64, 2)
+    s = Strategy(ParallelDims(), 0, 2, 1, "full", dtypes=Dtypes("fp32"))
+    full = predicted_pass(w, s, _cluster(1))
+    assert full > predicted_pass(w, replace(s, recompute="none"), _cluster(1))  # the forward again
+    plain_key, full_key = pass_key(m, 2, 64, "fp32"), pass_key(m, 2, 64, "fp32", "full")
+    assert plain_key != full_key
+    factor, how = in_situ_factor(w, s, _cluster(1, ((plain_key, 1.0), (full_key, 3 * full))))
+    assert factor == pytest.approx(3.0, rel=1e-12) and "full recompute" in how
+    factor, how = in_situ_factor(w, s, _cluster(1, ((plain_key, 1.0),)))  # none measured with it
+    assert "full recompute" not in how and factor == pytest.approx(
+        1.0 / predicted_pass(w, replace(s, recompute="none"), _cluster(1)), rel=1e-12)

@@ -203,6 +203,8 @@ def calibrate_args(p: argparse.ArgumentParser) -> None:
                    help="ranks sharing this machine: a CPU rank gets cores // N threads, as in training")
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:i] (timed with synchronisation)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                   help="activation.checkpoint of the whole-model pass timed on a CPU (its in-situ factor)")
     p.add_argument("--repeats", type=int, default=5, help="timings per shape; the best is kept")
     p.add_argument("--again", action="store_true", help="measure anew instead of reading the cache")
 
@@ -218,14 +220,16 @@ def _model_pass(model, seq: int, args: argparse.Namespace, threads: int) -> str:
     from shardlm.planner.workload import Dtypes, Strategy, Workload
     from shardlm.train.calibration import measured_pass
 
-    one = Strategy(ParallelDims(), micro_batch=args.micro_batch, dtypes=Dtypes(compute=args.precision))
+    one = Strategy(ParallelDims(), micro_batch=args.micro_batch, recompute=args.recompute,
+                   dtypes=Dtypes(compute=args.precision))
     workload, alone = Workload(model, seq, args.micro_batch), local_cpu(1)
     need, have = estimate_memory(workload, one, alone).peak, alone.device.memory
     if need > 0.8 * have:  # a pass of the whole model in one process would not fit this machine
         return (f"the model's pass is not timed: one process needs ~{need / 1e9:,.1f} GB for it, this machine "
                 f"has {have / 1e9:,.1f} GB available; predictions use its parts as timed apart (docs/"
                 f"planner.md section 4b)")
-    passed = measured_pass(model, args.micro_batch, seq, args.precision, threads, args.again, args.repeats)
+    passed = measured_pass(model, args.micro_batch, seq, args.precision, threads, args.again, args.repeats,
+                           args.recompute)
     _, how = in_situ_factor(workload, one, local_cpu(args.ranks))  # read after: it holds the pass
     return (f"{how or 'no matmul curve for ' + args.precision}; it scales every layout's compute and "
             f"memory-bound work for this model (docs/planner.md section 4b)"

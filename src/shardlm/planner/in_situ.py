@@ -17,6 +17,7 @@ docs/planner.md section 4b.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import asdict, replace
 
 from shardlm.config import ModelConfig
@@ -27,22 +28,23 @@ from shardlm.planner.memory_bound import memory_bound_terms
 from shardlm.planner.workload import Strategy, Workload, pipeline_layers, stage_params
 
 
-def pass_key(m: ModelConfig, micro_batch: int, seq: int, compute: str) -> str:
+def pass_key(m: ModelConfig, micro_batch: int, seq: int, compute: str, recompute: str = "none") -> str:
     """What a measured pass is cached under: the model's architecture (every field but its
     name and where it came from: any preset or config of the same shape shares it), the
-    micro-batch, the sequence and the compute dtype."""
+    micro-batch, the sequence, the compute dtype and the blocks' checkpointing."""
     fields = {k: v for k, v in sorted(asdict(m).items()) if k not in ("preset", "hf_path")}
     digest = hashlib.sha256(repr(fields).encode()).hexdigest()[:12]
-    return f"L{m.n_layers} h{m.d_model} v{m.vocab_size} {digest} | b{micro_batch} s{seq} {compute}"
+    return (f"L{m.n_layers} h{m.d_model} v{m.vocab_size} {digest} | b{micro_batch} s{seq} {compute}"
+            + (f" ac-{recompute}" if recompute != "none" else ""))
 
 
 def predicted_pass(w: Workload, s: Strategy, cluster: Cluster) -> float:
     """The planner's seconds for what train/calibration.py times: one process, one micro-batch
     of s.micro_batch x the sequence, forward + loss + backward, no recomputation: compute at
     the measured matmul curve and the memory-bound terms, on `cluster`'s device."""
-    one = Strategy(ParallelDims(), micro_batch=s.micro_batch, dtypes=s.dtypes)
+    one = Strategy(ParallelDims(), micro_batch=s.micro_batch, recompute=s.recompute, dtypes=s.dtypes)
     rate, _ = compute_rate(w, one, cluster)
-    compute = model_flops_per_token(w, "none", "kernel") * s.micro_batch * w.seq_len / rate
+    compute = model_flops_per_token(w, s.recompute, "kernel") * s.micro_batch * w.seq_len / rate
     stage = stage_params(w, one.layout, pipeline_layers(w, one))[0]
     return compute + sum(t.seconds for t in memory_bound_terms(w, one, cluster, stage, 1.0))
 
@@ -58,8 +60,9 @@ def in_situ_factor(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, s
     if dev.kind != "cpu" or s.dtypes.compute not in dev.curves:
         return 1.0, ""
     passes = dict(dev.passes)
-    for seq in dict.fromkeys((w.seq_len // s.layout.cp, w.seq_len)):
-        measured = passes.get(pass_key(w.model, s.micro_batch, seq, s.dtypes.compute))
+    for recompute, seq in itertools.product(dict.fromkeys((s.recompute, "none")),
+                                            dict.fromkeys((w.seq_len // s.layout.cp, w.seq_len))):
+        measured = passes.get(pass_key(w.model, s.micro_batch, seq, s.dtypes.compute, recompute))
         if measured:
             break
     else:
@@ -67,8 +70,9 @@ def in_situ_factor(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, s
                      f"--micro-batch {s.micro_batch} --precision {s.dtypes.compute}` times one): its parts "
                      f"as timed apart, which a step runs slower (docs/planner.md section 4b)")
     one = replace(w, seq_len=seq)
-    predicted = predicted_pass(one, replace(s, layout=ParallelDims()), cluster)
+    predicted = predicted_pass(one, replace(s, layout=ParallelDims(), recompute=recompute), cluster)
     factor = measured / predicted
     return factor, (f"in situ x {factor:.2f}: a measured forward + loss + backward of this model "
-                    f"({s.micro_batch} x {seq} tokens, one process) took {measured * 1e3:,.1f} ms, "
+                    f"({s.micro_batch} x {seq} tokens, one process"
+                    + (f", {recompute} recompute" if recompute != "none" else "") + f") took {measured * 1e3:,.1f} ms, "
                     f"its parts timed apart {predicted * 1e3:,.1f} ms (`shardlm calibrate`)")

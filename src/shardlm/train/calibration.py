@@ -21,18 +21,20 @@ from shardlm.hardware import probe
 from shardlm.launch.allocator import apply_malloc_policy
 from shardlm.models.decoder import build_model
 from shardlm.models.precision import build_precision
+from shardlm.parallel.activation import apply_ac
 from shardlm.planner.in_situ import pass_key
 
 
 def time_model_pass(model: ModelConfig, micro_batch: int, seq: int, compute: str, threads: int,
-                    repeats: int = 5) -> float:
+                    repeats: int = 5, recompute: str = "none") -> float:
     """Best seconds of one forward + cross-entropy + backward of `model` on a micro-batch of
-    `micro_batch` x `seq` random tokens at `threads` threads, after one warm-up pass."""
+    `micro_batch` x `seq` random tokens at `threads` threads, after one warm-up pass, its blocks
+    checkpointed as activation.checkpoint = `recompute` checkpoints them (parallel/activation.py)."""
     apply_malloc_policy()  # as a training process: blocks above the threshold map fresh pages
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        net = build_model(model)
+        net = apply_ac(build_model(model), recompute)
         autocast = build_precision(PrecisionConfig(compute=compute), torch.device("cpu")).autocast
         generator = torch.Generator().manual_seed(0)
         x, y = (torch.randint(model.vocab_size, (micro_batch, seq), generator=generator) for _ in range(2))
@@ -55,14 +57,14 @@ def time_model_pass(model: ModelConfig, micro_batch: int, seq: int, compute: str
 
 
 def measured_pass(model: ModelConfig, micro_batch: int, seq: int, compute: str, threads: int,
-                  again: bool = False, repeats: int = 5) -> dict:
+                  again: bool = False, repeats: int = 5, recompute: str = "none") -> dict:
     """time_model_pass, cached per (CPU, torch, threads, pass_key) with the load around it
     (hardware.probe.cached_pass), which the planner's local_cpu devices read."""
     def measure() -> dict:
         load_before, cores = probe.machine_load()
-        seconds = time_model_pass(model, micro_batch, seq, compute, threads, repeats)
+        seconds = time_model_pass(model, micro_batch, seq, compute, threads, repeats, recompute)
         load = max(load_before, probe.machine_load()[0])
         return {"seconds": seconds, "load_average": load, "cores": cores, "loaded": load > cores,
                 "measured_at": time.time()}
 
-    return probe.cached_pass(pass_key(model, micro_batch, seq, compute), threads, measure, again)
+    return probe.cached_pass(pass_key(model, micro_batch, seq, compute, recompute), threads, measure, again)
