@@ -55,8 +55,8 @@ def test_a_measured_pass_scales_compute_and_memory_bound_work_only():
         assert scaled.optimizer == plain.optimizer
         assert [c.seconds for c in scaled.comms] == [c.seconds for c in plain.comms]  # timed as they run
         assert "in situ x 1.50" in scaled.calibration and "in situ" not in plain.calibration
-        assert "no pass of this model measured (`shardlm calibrate --model ... --seq 64 --micro-batch 2" \
-            in plain.calibration
+        assert (f"no pass of this model measured (`shardlm calibrate --model gpt-tiny --seq 64 --micro-batch 2 "
+                f"--precision fp32") in plain.calibration
 
 
 def test_a_pass_of_another_shape_batch_or_dtype_is_not_used():
@@ -195,3 +195,22 @@ def test_a_recomputing_run_reads_the_pass_that_recomputes():
     factor, how = in_situ_factor(w, s, _cluster(1, ((plain_key, 1.0),)))  # none measured with it
     assert "full recompute" not in how and factor == pytest.approx(
         1.0 / predicted_pass(w, replace(s, recompute="none"), _cluster(1)), rel=1e-12)
+
+
+def test_the_end_of_run_line_names_the_calibrate_command_when_no_pass_was_timed():
+    import torch
+
+    from shardlm.train.telemetry import prediction_summary
+
+    m = preset_model("gpt-tiny")
+    s = Strategy(ParallelDims(dp_shard=2), 0, 2, 1, "full", dtypes=Dtypes("fp32"))
+    t = estimate_time(Workload(m, 64, 4), s, _cluster(2))
+    line = prediction_summary({"hardware": "2 x cpu", "step_time_s": t.step, "peak_bytes_per_rank": 2**30,
+                               "calibration": t.calibration}, [0.1, 0.1], torch.device("cpu"))
+    assert line.endswith("(this model's pass was never timed here: `shardlm calibrate --model gpt-tiny --seq 64 "
+                         "--micro-batch 2 --precision fp32 --recompute full --ranks 2` times it, and later "
+                         "predictions use it)")
+    measured = estimate_time(Workload(m, 64, 4), s, _cluster(2, ((pass_key(m, 2, 64, "fp32", "full"), 0.1),)))
+    assert "never timed" not in prediction_summary(
+        {"hardware": "2 x cpu", "step_time_s": t.step, "peak_bytes_per_rank": 2**30,
+         "calibration": measured.calibration}, [0.1, 0.1], torch.device("cpu"))

@@ -66,9 +66,12 @@ def in_situ_factor(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, s
         if measured:
             break
     else:
-        return 1.0, (f"no pass of this model measured (`shardlm calibrate --model ... --seq {w.seq_len} "
-                     f"--micro-batch {s.micro_batch} --precision {s.dtypes.compute}` times one): its parts "
-                     f"as timed apart, which a step runs slower (docs/planner.md section 4b)")
+        command = (f"shardlm calibrate --model {w.model.preset or '...'} --seq {w.seq_len} --micro-batch "
+                   f"{s.micro_batch} --precision {s.dtypes.compute}"
+                   + (f" --recompute {s.recompute}" if s.recompute != "none" else "")
+                   + (f" --ranks {cluster.world_size}" if cluster.world_size > 1 else ""))
+        return 1.0, (f"no pass of this model measured (`{command}` times one): its parts as timed apart, "
+                     f"which a step runs slower (docs/planner.md section 4b)")
     one = replace(w, seq_len=seq)
     predicted = predicted_pass(one, replace(s, layout=ParallelDims(), recompute=recompute), cluster)
     factor = measured / predicted

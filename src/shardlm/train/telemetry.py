@@ -113,9 +113,14 @@ def prediction_summary(predicted: dict[str, Any], step_times: list[float], devic
         expected = predicted["peak_bytes_per_rank"] - (predicted.get("runtime_reserve_bytes") or 0)
     else:
         peak, what, expected = peak_rss_bytes(), "process RSS", predicted["peak_bytes_per_rank"]
+    calibration = predicted.get("calibration") or ""
+    hint = calibration[calibration.find("`shardlm calibrate"):].split("`")[1] \
+        if "no pass of this model measured" in calibration else ""
     return (f"measured / predicted (planner, {predicted['hardware']}): step "
             f"{step:.3g} / {predicted['step_time_s']:.3g} s = {step / predicted['step_time_s']:.2f}, "
-            f"peak per rank ({what}) {peak / 2**20:,.0f} / {expected / 2**20:,.0f} MiB = {peak / expected:.2f}")
+            f"peak per rank ({what}) {peak / 2**20:,.0f} / {expected / 2**20:,.0f} MiB = {peak / expected:.2f}"
+            + (f" (this model's pass was never timed here: `{hint}` times it, and later predictions "
+               f"use it)" if hint else ""))
 
 
 class ProgressDisplay:
