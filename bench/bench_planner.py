@@ -193,11 +193,13 @@ def main(argv=None) -> None:
     # the plain one beside it
     first = saved[0] if args.predict_from else {}
     model = {k: first.get(k, getattr(args, k)) for k in ("preset", "seq", "micro_batch", "precision")}
-    passes = {(n, 1, "none") for n in counts} | {(n, 2 if "cp2" in axes else 1, ac) for n, ac, axes in wanted}
-    for n, split, ac in sorted(passes):
+    # (with tensor parallelism, the shard's matmul shapes: --tp)
+    passes = {(n, 1, 1, "none") for n in counts} | {(n, 2 if "cp2" in axes else 1, 2 if "tp2" in axes else 1, ac)
+                                                     for n, ac, axes in wanted}
+    for n, split, tp, ac in sorted(passes):
         subprocess.run([sys.executable, "-m", "shardlm", "calibrate", "--model", model["preset"], "--seq",
                         str(model["seq"] // split), "--micro-batch", str(model["micro_batch"]), "--precision",
-                        model["precision"], "--ranks", str(n), "--recompute", ac], check=True,
+                        model["precision"], "--ranks", str(n), "--recompute", ac, "--tp", str(tp)], check=True,
                        stdout=subprocess.DEVNULL)
 
     rows = []
