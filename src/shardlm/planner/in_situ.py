@@ -3,7 +3,7 @@ the sum of its parts timed apart.
 
 The step's compute and memory-bound terms (compute.py, memory_bound.py) each come from a probe
 that times one kind of work on its own. Measured on an Intel Xeon with AMX, a whole forward +
-loss + backward of gpt-mini ran 1.4x that sum: in a pass the matmuls' operands are no longer in
+loss + backward of gpt-mini ran 1.19-1.65x that sum (two threads to one, 256 tokens to 128): in a pass the matmuls' operands are no longer in
 the core's cache and its threads wake from other work (the same products ran 20-28% faster
 back to back), the element-wise ops read activations written long before, and the model's own
 Python runs between them. `shardlm calibrate --model ...` times that pass in one process
@@ -40,8 +40,9 @@ def pass_key(m: ModelConfig, micro_batch: int, seq: int, compute: str, recompute
 
 def predicted_pass(w: Workload, s: Strategy, cluster: Cluster) -> float:
     """The planner's seconds for what train/calibration.py times: one process, one micro-batch
-    of s.micro_batch x the sequence, forward + loss + backward, no recomputation: compute at
-    the measured matmul curve and the memory-bound terms, on `cluster`'s device."""
+    of s.micro_batch x the sequence, forward + loss + backward, its blocks recomputed as
+    s.recompute says: compute at the measured matmul curve and the memory-bound terms, on
+    `cluster`'s device."""
     one = Strategy(ParallelDims(), micro_batch=s.micro_batch, recompute=s.recompute, dtypes=s.dtypes)
     rate, _ = compute_rate(w, one, cluster)
     compute = model_flops_per_token(w, s.recompute, "kernel") * s.micro_batch * w.seq_len / rate
@@ -51,11 +52,12 @@ def predicted_pass(w: Workload, s: Strategy, cluster: Cluster) -> float:
 
 def in_situ_factor(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, str]:
     """(measured pass / predicted pass, what it came from) for this run's model, micro-batch,
-    compute dtype and the tokens of the sequence a rank holds (1/cp of it: a rank's pass is
-    what a one-process pass of that length runs, attention's share apart), on `cluster`'s
-    device; the whole sequence's pass where that one was not measured; (1.0, '') where no pass
-    was (a catalog device, or `shardlm calibrate --model` not run for it). Per-op costs weigh
-    more in a shorter pass: gpt-mini's 2 x 64 tokens ran x 1.65 its parts, 2 x 128 x 1.34."""
+    compute dtype, recomputation and the tokens of the sequence a rank holds (1/cp of it: a
+    rank's pass is what a one-process pass of that length runs, attention's share apart), on
+    `cluster`'s device; else the plain pass, else the whole sequence's; (1.0, '') on a catalog
+    device, (1.0, the calibrate command that would time one) where none was measured. Per-op
+    costs weigh more in a shorter pass: gpt-mini's 2 x 64 tokens ran x 1.65 its parts, 2 x 128
+    x 1.34."""
     dev = cluster.device
     if dev.kind != "cpu" or s.dtypes.compute not in dev.curves:
         return 1.0, ""
