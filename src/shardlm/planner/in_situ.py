@@ -3,11 +3,12 @@ the sum of its parts timed apart.
 
 The step's compute and memory-bound terms (compute.py, memory_bound.py) each come from a probe
 that times one kind of work on its own. Measured on an Intel Xeon with AMX, a whole forward +
-loss + backward of gpt-mini ran 1.19-1.65x that sum (two threads to one, 256 tokens to 128): in a pass the matmuls' operands are no longer in
-the core's cache and its threads wake from other work (the same products ran 20-28% faster
-back to back), the element-wise ops read activations written long before, and the model's own
-Python runs between them. `shardlm calibrate --model ...` times that pass in one process
-(train/calibration.py, cached per CPU, torch, threads and pass_key); its seconds over the
+loss + backward of gpt-mini ran 1.19-1.65x that sum (two threads to one, 256 tokens to 128):
+in a pass the matmuls' operands are no longer in the core's cache and its threads wake from
+other work (the same products ran 20-28% faster back to back), the element-wise ops read
+activations written long before, and the model's own Python runs between them. `shardlm
+calibrate --model ...` times that pass in one process (train/calibration.py, cached per CPU,
+torch, threads and pass_key); its seconds over the
 planner's for the same pass scale those terms of every layout of that model, micro-batch,
 sequence and dtype at that thread count. Communication, the optimizer step and the ZeRO
 engine's copies are not scaled: they are timed as they run. Pure functions; no torch.
