@@ -274,6 +274,10 @@ def test_search_prices_cp_modes_and_overlapped_tp_and_its_commands_carry_them():
     kept = plan_for_run(preset_model("gpt2-350m"), 8, "8xA100-80GB", (2, 1, 1024),
                         parallel=ParallelConfig(cp=2, cp_mode="ulysses"))
     assert kept and {p.strategy.cp_mode for p in kept} == {"ulysses"}
+    # `auto` keeps a run's async_tp as it is: it never turns on what the run's config may refuse
+    blocking = plan_for_run(preset_model("gpt2-350m"), 8, "8xA100-80GB", (2, 1, 1024),
+                            parallel=ParallelConfig(tp=2, sequence_parallel=True))
+    assert blocking and not any(p.strategy.async_tp for p in blocking)
 
 
 def test_auto_keeps_the_runs_own_tp_and_cp():

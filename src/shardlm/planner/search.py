@@ -168,11 +168,12 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
             # or a run's own
             piped["cp_mode"] = getattr(pipeline, "cp_mode", "auto")
             piped["cp_ulysses"] = getattr(pipeline, "cp_ulysses", 0)
-        # overlapped tp (timing._async_tp_overlap): a run's own parallel.async_tp kept, else tried
-        # both ways where the runtime has it (sequence parallelism; not with fp8)
+        # overlapped tp (timing._async_tp_overlap): a run's own parallel.async_tp kept (`auto`
+        # must not turn on what its config may refuse: compile, QLoRA), else (`plan`) tried both
+        # ways where the runtime has it (sequence parallelism; not with fp8)
         overlapped = (False,)
         if lay.tp > 1 and sequence_parallel and not dtypes.fp8:
-            overlapped = (True,) if getattr(pipeline, "async_tp", False) else (False, True)
+            overlapped = (False, True) if pipeline is None else (bool(getattr(pipeline, "async_tp", False)),)
         for stage in supported.stages:
             if stage == 0 and lay.dp_replicate > 1:
                 continue  # stage 0 reduces over all data-parallel ranks: the split is moot
