@@ -215,6 +215,7 @@ def _model_pass(model, seq: int, args: argparse.Namespace, threads: int) -> str:
     prediction of this model, micro-batch and dtype at these threads then uses."""
     from shardlm.config.dims import ParallelDims
     from shardlm.hardware.catalog import local_cpu
+    from shardlm.launch.allocator import apply_malloc_policy
     from shardlm.planner.in_situ import in_situ_factor
     from shardlm.planner.memory import estimate_memory
     from shardlm.planner.workload import Dtypes, Strategy, Workload
@@ -228,6 +229,7 @@ def _model_pass(model, seq: int, args: argparse.Namespace, threads: int) -> str:
         return (f"the model's pass is not timed: one process needs ~{need / 1e9:,.1f} GB for it, this machine "
                 f"has {have / 1e9:,.1f} GB available; predictions use its parts as timed apart (docs/"
                 f"planner.md section 4b)")
+    apply_malloc_policy()  # this process allocates as a training process does (fresh pages)
     passed = measured_pass(model, args.micro_batch, seq, args.precision, threads, args.again, args.repeats,
                            args.recompute)
     _, how = in_situ_factor(workload, one, local_cpu(args.ranks))  # read after: it holds the pass

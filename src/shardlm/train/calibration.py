@@ -1,12 +1,12 @@
 """`shardlm calibrate`'s model pass: one forward, loss and backward of the whole model, timed in
-this process as a training step runs it (the allocator's fixed mmap threshold, the rank's
-threads, the compute dtype's autocast, every weight's gradient a new tensor).
+this process as a training step runs it (the rank's threads, the compute dtype's autocast,
+every weight's gradient a new tensor; the command fixes the allocator's mmap threshold).
 
 The planner's CPU step time adds up parts timed apart (the matmul curve, element-wise ops, fresh
 pages, per-op dispatch: planner/memory_bound.py); in a step the same work runs slower than
 apart (operands no longer in the core's cache, threads woken from other work, the model's own
 Python). The measured pass over the planner's parts for that same pass is the machine's
-in-situ factor (planner.compute.in_situ_factor), applied to those parts of every layout's
+in-situ factor (planner.in_situ.in_situ_factor), applied to those parts of every layout's
 step. docs/planner.md section 4b.
 """
 
@@ -18,7 +18,6 @@ import torch
 
 from shardlm.config import ModelConfig, PrecisionConfig
 from shardlm.hardware import probe
-from shardlm.launch.allocator import apply_malloc_policy
 from shardlm.models.decoder import build_model
 from shardlm.models.precision import build_precision
 from shardlm.parallel.activation import apply_ac
@@ -29,8 +28,9 @@ def time_model_pass(model: ModelConfig, micro_batch: int, seq: int, compute: str
                     repeats: int = 5, recompute: str = "none") -> float:
     """Best seconds of one forward + cross-entropy + backward of `model` on a micro-batch of
     `micro_batch` x `seq` random tokens at `threads` threads, after one warm-up pass, its blocks
-    checkpointed as activation.checkpoint = `recompute` checkpoints them (parallel/activation.py)."""
-    apply_malloc_policy()  # as a training process: blocks above the threshold map fresh pages
+    checkpointed as activation.checkpoint = `recompute` checkpoints them (parallel/activation.py).
+    The allocator is the calling process's: `shardlm calibrate` fixes its mmap threshold first,
+    as a training process does (launch/allocator.py), so that large blocks map fresh pages."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
