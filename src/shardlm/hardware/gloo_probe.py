@@ -21,6 +21,13 @@ median of the 8 MiB ones (the best of five left the all-gather's and reduce-scat
 anywhere in 1.0-2.8 and 2.1-4.0 over three runs on a quiet machine)."""
 
 
+def _single_tensor_collectives(dist):
+    """(all-gather, reduce-scatter) into / from one tensor: torch 2.13's names, or the older
+    ones they replace (as comm/collectives.py picks them; this layer sits below comm)."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
+            getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)
+
+
 def _gloo_rank(rank: int, world_size: int) -> dict[str, float]:
     """On a spawned rank: of GLOO_TRIES timings each, the best of a one-float all-reduce
     (latency) and the median of an 8 MiB all-reduce, all-gather (4 MiB shards) and
@@ -37,9 +44,9 @@ def _gloo_rank(rank: int, world_size: int) -> dict[str, float]:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     n = 8 * MIB // 4
     small, full, shard = torch.zeros(1), torch.zeros(n), torch.zeros(n // world_size)
+    gather, scatter = _single_tensor_collectives(dist)
     ops = {"latency": lambda: dist.all_reduce(small), "all_reduce": lambda: dist.all_reduce(full),
-           "all_gather": lambda: dist.all_gather_single(full, shard),
-           "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full)}
+           "all_gather": lambda: gather(full, shard), "reduce_scatter": lambda: scatter(shard, full)}
     out = {}
     for name, op in ops.items():
         op()  # warm up
@@ -69,13 +76,12 @@ def _in_step(dist, rounds: int = 20) -> dict[str, list[list[float]]]:
     (2 ranks, 1 thread each): 1.5-2.7 ms for a 256 KiB all-reduce against 0.3 ms timed back to
     back, best of five."""
     a, b = torch.randn(256, 256), torch.randn(256, 1024)
-    world = dist.get_world_size()
+    world, (gather, scatter) = dist.get_world_size(), _single_tensor_collectives(dist)
     out: dict[str, list[list[float]]] = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}
     for nbytes in IN_STEP_SIZES:
         full, shard = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4 // world)
-        ops = {"all_reduce": lambda: dist.all_reduce(full),
-               "all_gather": lambda: dist.all_gather_single(full, shard),
-               "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full)}
+        ops = {"all_reduce": lambda: dist.all_reduce(full), "all_gather": lambda: gather(full, shard),
+               "reduce_scatter": lambda: scatter(shard, full)}
         for name, op in ops.items():
             times = []
             for _ in range(rounds):
