@@ -132,15 +132,47 @@ def run_case(args, ranks: int, stage: int, ac: str, offload: str, axes: str, tmp
     from shardlm.launch.spawn import run_ranks
 
     overrides = overrides_for(args, ranks, stage, ac, offload, axes, str(tmp / "runs"))
+    waited = wait_until_quiet()
     load_before = os.getloadavg()[0]
+    busy, ours, start = cpu_busy_s(), own_cpu_s(), time.monotonic()
     measured = run_ranks(measure, ranks, tmp, overrides, args.steps, timeout=1800)[0]
+    others = max(0.0, (cpu_busy_s() - busy) - (own_cpu_s() - ours)) / (time.monotonic() - start)
     load = max(load_before, os.getloadavg()[0])
     return {"ranks": ranks, "stage": stage, "ac": ac, "offload": offload, "axes": axes or "dp",
             "preset": args.preset, "seq": args.seq, "micro_batch": args.micro_batch,
             "precision": args.precision, "steps": args.steps,
             "state_measured": sum(measured["state"].values()), "peak_measured": measured["peak_rss"],
             "step_measured": measured["step_s"], "fresh_measured": measured["fresh_bytes"],
-            "cpu_measured": measured["cpu_s"], "load_average": load}
+            "cpu_measured": measured["cpu_s"], "load_average": load, "other_cpu": others,
+            "waited_s": waited}
+
+
+def cpu_busy_s() -> float:
+    """Seconds of CPU this machine's cores have spent busy since boot, every process and the
+    kernel's own threads (/proc/stat: all but idle and iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and of its children that have ended (the ranks, once joined)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def wait_until_quiet(limit_s: float = 60.0, window_s: float = 1.0, threshold: float = 0.1) -> float:
+    """Before a case: write back dirty pages (an nvme case's files are flushed by the kernel's
+    threads after it ends) and wait until the rest of the machine uses under `threshold` of a
+    core over `window_s`, at most `limit_s`. The seconds waited (the load average lags by a
+    minute, so it cannot tell)."""
+    os.sync()
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        busy, ours = cpu_busy_s(), own_cpu_s()
+        time.sleep(window_s)
+        if (cpu_busy_s() - busy) - (own_cpu_s() - ours) < threshold * window_s:
+            break
+    return time.monotonic() - start
 
 
 def predict_case(args, row: dict) -> dict:
@@ -187,10 +219,12 @@ def main(argv=None) -> None:
     counts = sorted({n for n, _, _ in wanted})
     subprocess.run([sys.executable, "-c", "import sys; from shardlm.hardware.probe import measure_cpu; "
                     f"[measure_cpu(n) for n in {counts}]"], check=True)
-    # The model's own matmuls and its whole pass at each rank count's threads (cached: once per
-    # machine), as a user runs before trusting a prediction (docs/planner.md sections 4, 4b):
-    # the pass each case's rank runs (context parallelism's half sequence, recomputation), and
-    # the plain one beside it
+    # The model's own matmuls and its whole pass at each rank count's threads, as a user runs
+    # before trusting a prediction (docs/planner.md sections 4, 4b): the pass each case's rank
+    # runs (context parallelism's half sequence, recomputation), and the plain one beside it.
+    # Timed anew before training (--again): this machine's speed drifts by up to ~10% over
+    # hours (gpt-mini's pass: 66.8 and 74 ms, an hour apart), and the cases are measured now;
+    # --predict-from reads the cache as it stands
     first = saved[0] if args.predict_from else {}
     model = {k: first.get(k, getattr(args, k)) for k in ("preset", "seq", "micro_batch", "precision")}
     # (with tensor parallelism, the shard's matmul shapes: --tp)
@@ -199,8 +233,8 @@ def main(argv=None) -> None:
     for n, split, tp, ac in sorted(passes):
         subprocess.run([sys.executable, "-m", "shardlm", "calibrate", "--model", model["preset"], "--seq",
                         str(model["seq"] // split), "--micro-batch", str(model["micro_batch"]), "--precision",
-                        model["precision"], "--ranks", str(n), "--recompute", ac, "--tp", str(tp)], check=True,
-                       stdout=subprocess.DEVNULL)
+                        model["precision"], "--ranks", str(n), "--recompute", ac, "--tp", str(tp)]
+                       + ([] if args.predict_from else ["--again"]), check=True, stdout=subprocess.DEVNULL)
 
     rows = []
     if args.predict_from:
@@ -232,8 +266,8 @@ def print_table(args, rows: list[dict]) -> None:
           + (f"; measured as saved in {args.predict_from}, predicted now" if again else "") + "\n")
     before = " step s pred before | err before |" if again else ""
     print("| ranks | axes | stage | AC | offload | state MiB meas / pred | err | peak RSS MiB meas / pred | err "
-          f"| new pages MB meas / pred | err | step s meas / pred | err |{before} load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if again else "") + "---|")
+          f"| new pages MB meas / pred | err | step s meas / pred | err |{before} load | other CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if again else "") + "---|---|")
     misses = []
     for r in rows:
         e = (err(r["state_predicted"], r["state_measured"]), err(r["peak_predicted"], r["peak_measured"]),
@@ -244,14 +278,17 @@ def print_table(args, rows: list[dict]) -> None:
                               f"{name} off by {value:+.0%} (target ±{limit:.0%})")
         old = r.get("before", {}).get("step_predicted")
         was = (f" {old:.3f} | {err(old, r['step_measured']):+.1%} |" if old else " – | – |") if again else ""
+        other = f"{r['other_cpu']:.2f}" if "other_cpu" in r else "–"
         fresh = (f"{r['fresh_measured'] / 1e6:,.1f} / {r['fresh_predicted'] / 1e6:,.1f} | "
                  f"{err(r['fresh_predicted'], r['fresh_measured']):+.1%}" if r.get("fresh_measured") else "– | –")
         print(f"| {r['ranks']} | {r['axes']} | {r['stage']} | {r['ac']} | {r['offload']} | "
               f"{r['state_measured'] / MiB:,.1f} / {r['state_predicted'] / MiB:,.1f} | {e[0]:+.1%} | "
               f"{r['peak_measured'] / MiB:,.0f} / {r['peak_predicted'] / MiB:,.0f} | {e[1]:+.1%} | {fresh} | "
-              f"{r['step_measured']:.3f} / {r['step_predicted']:.3f} | {e[2]:+.1%} |{was} {r['load_average']:.1f} |")
+              f"{r['step_measured']:.3f} / {r['step_predicted']:.3f} | {e[2]:+.1%} |{was} {r['load_average']:.1f} | {other} |")
     print(f"\nload: the 1-minute load average around each case on {os.cpu_count()} cores (above the "
-          f"cores, other processes shared them and step times are not this machine's)")
+          f"cores, other processes shared them and step times are not this machine's); other CPU: the cores'\n"
+          f"worth of CPU the rest of the machine used while the case ran (/proc/stat's busy time less the\n"
+          f"bench's own and its ranks'), after waiting for it to fall under 0.1 before each case")
     print("\npredicted step, by part (s):")
     for r in rows:
         parts = ", ".join(f"{k} {v:.3g}" for k, v in r.get("step_parts", {}).items())

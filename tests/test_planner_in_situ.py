@@ -214,3 +214,60 @@ def test_the_end_of_run_line_names_the_calibrate_command_when_no_pass_was_timed(
     assert "never timed" not in prediction_summary(
         {"hardware": "2 x cpu", "step_time_s": t.step, "peak_bytes_per_rank": 2**30,
          "calibration": measured.calibration}, [0.1, 0.1], torch.device("cpu"))
+
+
+class _FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_in_step_times_a_collective_over_the_matmuls_round_and_reduce_scatters_as_the_runtime(monkeypatch):
+    """gloo_probe._in_step reports what a collective adds to a round of matmuls (the round
+    with it less the round without), not the collective's own span, which with more ranks than
+    cores includes the other ranks' matmuls; its reduce-scatter is the runtime's on gloo (an
+    all-reduce in place, then this rank's chunk: comm/collectives.py). A fake clock: each
+    matmul takes 1 ms, an all-reduce 4 ms, of which 3 ms are another rank's matmuls it waited
+    for (so the round with it is 4 + 4 - 3 = 5 ms)."""
+    import torch
+
+    from shardlm.hardware import gloo_probe
+
+    clock = _FakeClock()
+    monkeypatch.setattr(gloo_probe.time, "perf_counter", clock)
+
+    class Operand:
+        def __matmul__(self, other):
+            clock.now += 1e-3
+
+    class Dist:
+        calls: list[str] = []
+
+        def get_world_size(self):
+            return 2
+
+        def get_rank(self):
+            return 1
+
+        def all_reduce(self, tensor):
+            self.calls.append("all_reduce")
+            tensor.mul_(2)
+            clock.now += 4e-3 - 3e-3  # its own time less the matmuls it overlapped
+
+        def all_gather_single(self, out, inp):
+            self.calls.append("all_gather")
+            clock.now += 2e-3
+
+    monkeypatch.setattr(gloo_probe.torch, "randn", lambda *shape: Operand())
+    dist = Dist()
+    got = gloo_probe._in_step(dist, rounds=6)
+    for op, added in (("all_reduce", 1e-3), ("all_gather", 2e-3), ("reduce_scatter", 1e-3)):
+        assert [n for n, _ in got[op]] == [float(n) for n in gloo_probe.IN_STEP_SIZES]
+        assert all(t == pytest.approx(added, abs=1e-12) for _, t in got[op]), (op, got[op])
+    assert "reduce_scatter" not in dist.calls  # gloo's own (a clone of the input) is never timed
+    _, scatter = gloo_probe._single_tensor_collectives(dist)
+    whole, shard = torch.arange(8.0), torch.empty(4)
+    scatter(shard, whole)
+    assert torch.equal(shard, 2 * torch.arange(4.0, 8.0))  # rank 1's chunk of the sum

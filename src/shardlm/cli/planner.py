@@ -205,7 +205,7 @@ def calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="activation.checkpoint of the whole-model pass timed on a CPU (its in-situ factor)")
-    p.add_argument("--repeats", type=int, default=5, help="timings per shape; the best is kept")
+    p.add_argument("--repeats", type=int, default=5, help="timings per matmul shape (the best is kept) and of the whole pass (the median)")
     p.add_argument("--again", action="store_true", help="measure anew instead of reading the cache")
 
 

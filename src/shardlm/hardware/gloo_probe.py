@@ -22,10 +22,19 @@ anywhere in 1.0-2.8 and 2.1-4.0 over three runs on a quiet machine)."""
 
 
 def _single_tensor_collectives(dist):
-    """(all-gather, reduce-scatter) into / from one tensor: torch 2.13's names, or the older
-    ones they replace (as comm/collectives.py picks them; this layer sits below comm)."""
-    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
-            getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)
+    """(all-gather, reduce-scatter) into / from one tensor, as the runtime runs them on gloo
+    (comm/collectives.py; this layer sits below comm): the all-gather by torch 2.13's name or
+    the older one it replaces; the reduce-scatter as an all-reduce of the input in place and a
+    copy of this rank's chunk (what every reduce-scatter of the runtime's runs on gloo:
+    `scratch_input`), not gloo's own, which clones the input first (measured here, 2 ranks:
+    2.9x a half ring's time against the all-reduce's 2x)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    def scatter(shard, whole):
+        dist.all_reduce(whole)
+        shard.copy_(whole.view(dist.get_world_size(), -1)[dist.get_rank()])
+
+    return gather, scatter
 
 
 def _gloo_rank(rank: int, world_size: int) -> dict[str, float]:
@@ -68,29 +77,39 @@ with AMX): a block's matmuls between tensor parallelism's collectives."""
 
 
 def _in_step(dist, rounds: int = 20) -> dict[str, list[list[float]]]:
-    """{op: [[bytes, mean seconds], ...]} of an all-reduce, all-gather and reduce-scatter of each
-    IN_STEP_SIZES (the whole tensor), issued as a step issues them: after IN_STEP_PRODUCTS
-    matmuls on the rank's threads, `rounds` times (the first few dropped). The mean, not the
-    best: the wait for the slower rank, gloo's threads waking on cores the ranks' compute holds
-    and the loopback's system calls are what a collective costs inside a step. Measured here
-    (2 ranks, 1 thread each): 1.5-2.7 ms for a 256 KiB all-reduce against 0.3 ms timed back to
-    back, best of five."""
+    """{op: [[bytes, seconds], ...]} of an all-reduce, all-gather and reduce-scatter of each
+    IN_STEP_SIZES (the whole tensor), issued as a step issues them: what a round of
+    IN_STEP_PRODUCTS matmuls on the rank's threads and then the collective takes over a round
+    of the matmuls alone, each the mean of `rounds` rounds (the first few dropped). The mean,
+    not the best: the wait for the slower rank, gloo's threads waking on cores the ranks'
+    compute holds and the loopback's system calls are what a collective costs inside a step.
+    Over the matmuls' own round, not the collective's own time: with more ranks than cores, a
+    rank that finished its matmuls first waits in the collective while the others finish theirs
+    on the cores it left, and that wait is time-sharing the planner already charges to compute
+    (measured here, 4 ranks on 2 cores: a 16 KiB all-reduce took 8.8 ms from the rank's last
+    matmul, and 6.6 ms over the matmuls' round; 2 ranks on 2 cores: 1.07 and 1.10 ms)."""
     a, b = torch.randn(256, 256), torch.randn(256, 1024)
     world, (gather, scatter) = dist.get_world_size(), _single_tensor_collectives(dist)
+
+    def mean_round(op=None) -> float:
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(IN_STEP_PRODUCTS):
+                a @ b
+            if op is not None:
+                op()
+            times.append(time.perf_counter() - start)
+        return statistics.mean(times[3:])
+
     out: dict[str, list[list[float]]] = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}
     for nbytes in IN_STEP_SIZES:
         full, shard = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4 // world)
         ops = {"all_reduce": lambda: dist.all_reduce(full), "all_gather": lambda: gather(full, shard),
                "reduce_scatter": lambda: scatter(shard, full)}
         for name, op in ops.items():
-            times = []
-            for _ in range(rounds):
-                for _ in range(IN_STEP_PRODUCTS):
-                    a @ b
-                start = time.perf_counter()
-                op()
-                times.append(time.perf_counter() - start)
-            out[name].append([float(nbytes), statistics.mean(times[3:])])
+            matmuls = mean_round()
+            out[name].append([float(nbytes), max(0.0, mean_round(op) - matmuls)])
     return out
 
 
