@@ -12,7 +12,12 @@ The planner's `predict_local(cfg, ranks)` predicts the same three from the confi
 compute rate from this machine's matmul curve and the in-situ factor of the model's whole pass:
 `shardlm calibrate --model PRESET --ranks N`, which this bench runs first for each rank count;
 cached, so once per machine; the table says what each prediction read).
-MALLOC_MMAP_THRESHOLD_=65536 is set for the ranks so RSS follows what is alive.
+MALLOC_MMAP_THRESHOLD_=65536 is set for the ranks so RSS follows what is alive. Before each case
+the bench writes back dirty pages and waits (up to a minute) until the rest of the machine uses
+under a tenth of a core, and it reports what the rest used while the case ran ("other CPU":
+/proc/stat's busy time less the bench's and its ranks'); the load average lags a minute behind
+and cannot tell a case's neighbours from its own ranks. The calibration (`shardlm calibrate
+--again`) is taken anew at the start, beside the cases it predicts.
 
 Targets: model-state bytes within 2%, peak process memory within 10%, step time within 20% (issue 30).
 

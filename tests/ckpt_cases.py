@@ -11,6 +11,14 @@ from shardlm.config import load_config
 from shardlm.train.loop import build_run, train
 
 
+def base_overrides(tmp_path, **extra) -> dict:
+    """The checkpoint tests' run: llama-tiny, micro-batch 4, one evaluation batch."""
+    from conftest import tiny_overrides
+
+    return tiny_overrides(tmp_path, **{"model__preset": "llama-tiny", "train__micro_batch": 4,
+                                       "train__eval_batches": 1, **extra})
+
+
 def train_run(overrides: dict) -> dict:
     """A whole `train` (with its checkpoints); the losses of the steps it ran, where it
     started, and the final parameters as fp32."""

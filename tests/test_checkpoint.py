@@ -11,10 +11,8 @@ Tolerances, stated:
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pickle
-import re
 import shutil
 import signal
 import subprocess
@@ -25,10 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_cases import (checkpoint_of, load_synthetic, ranks_agree_on_resume, same_state,
+from ckpt_cases import (base_overrides, checkpoint_of, load_synthetic, same_state,
                         straight_and_resumed, synthetic_save, synthetic_state, train_ranks,
                         train_run)
-from conftest import tiny_overrides
 from shardlm.checkpoint.manifest import (LATEST, check_checkpoint, newest_usable, read_latest,
                                          sealed, step_dirs)
 from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, find_checkpoint, parse_manifest, read_manifest)
@@ -41,11 +38,6 @@ from shardlm.train.checkpointing import load_checkpoint, save_checkpoint
 N = 2  # steps before the checkpoint, and after it
 
 
-def _base(tmp_path, **extra) -> dict:
-    return tiny_overrides(tmp_path, **{"model__preset": "llama-tiny", "train__micro_batch": 4,
-                                       "train__eval_batches": 1, **extra})
-
-
 def _assert_same(straight: dict, resumed: dict, what: str) -> None:
     assert resumed["start"] == N, what
     assert resumed["losses"] == straight["losses"][N:], what
@@ -54,13 +46,13 @@ def _assert_same(straight: dict, resumed: dict, what: str) -> None:
 
 
 def test_resume_is_bitwise_one_process(tmp_path):
-    (straight, resumed), = straight_and_resumed(0, 1, [("local", _base(tmp_path), N)])
+    (straight, resumed), = straight_and_resumed(0, 1, [("local", base_overrides(tmp_path), N)])
     _assert_same(straight, resumed, "one process")
 
 
 def test_resume_is_bitwise_every_stage_and_precision(tmp_path):
     cases = [(f"s{stage}-{prec}-{'async' if stage % 2 else 'sync'}",
-              _base(tmp_path, parallel__zero_stage=stage, precision__compute=prec,
+              base_overrides(tmp_path, parallel__zero_stage=stage, precision__compute=prec,
                     checkpoint__async=bool(stage % 2)), N)
              for stage in range(4) for prec in ("fp32", "bf16")]
     ranks = run_ranks(straight_and_resumed, 2, tmp_path, cases, timeout=600)
@@ -70,7 +62,7 @@ def test_resume_is_bitwise_every_stage_and_precision(tmp_path):
 
 
 def test_reshard_stage3_on_4_ranks_to_2_ranks_stage1_and_1_rank(tmp_path):
-    base = _base(tmp_path, train__micro_batch=2, train__steps=2 * N)
+    base = base_overrides(tmp_path, train__micro_batch=2, train__steps=2 * N)
     saved = run_ranks(train_ranks, 4, tmp_path, {**base, "parallel.zero_stage": 3,
                                                  "checkpoint.every": N, "run.name": "four"},
                       timeout=300)[0]
@@ -92,7 +84,7 @@ def test_reshard_stage3_on_4_ranks_to_2_ranks_stage1_and_1_rank(tmp_path):
 def test_hybrid_layout_loads_in_one_process(tmp_path):
     """2 replicas x 2 shards at stage 2: only the first replica group writes, and its shards
     are the whole state."""
-    base = _base(tmp_path, train__micro_batch=2, train__steps=2 * N)
+    base = base_overrides(tmp_path, train__micro_batch=2, train__steps=2 * N)
     saved = run_ranks(train_ranks, 4, tmp_path, {
         **base, "parallel.zero_stage": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 2,
         "checkpoint.every": N, "run.name": "hybrid"}, timeout=300)[0]
@@ -105,7 +97,7 @@ def test_hybrid_layout_loads_in_one_process(tmp_path):
 
 
 def _saved_run(tmp_path, **extra):
-    run = build_run(load_config(overrides=_base(tmp_path, run__name="src", **extra)).validate())
+    run = build_run(load_config(overrides=base_overrides(tmp_path, run__name="src", **extra)).validate())
     save_checkpoint(run, 1)
     return Path(checkpoint_of(str(run.run_dir), 1))
 
@@ -116,7 +108,7 @@ def test_flipped_byte_names_file_and_checksum(tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
-    run = build_run(load_config(overrides=_base(tmp_path, run__name="dst")).validate())
+    run = build_run(load_config(overrides=base_overrides(tmp_path, run__name="dst")).validate())
     with pytest.raises(CheckpointError, match=r"rank-00000\.safetensors is corrupt: its SHA-256 is [0-9a-f]{64}"):
         load_checkpoint(run, ckpt)
 
@@ -142,7 +134,7 @@ def test_crafted_pickle_executes_nothing(tmp_path):
     manifest["files"]["rank-00000.safetensors"] = {"bytes": len(evil),
                                                    "sha256": hashlib.sha256(evil).hexdigest()}
     (ckpt / MANIFEST).write_text(json.dumps(sealed(manifest)))  # a consistent, sealed manifest
-    run = build_run(load_config(overrides=_base(tmp_path, run__name="dst")).validate())
+    run = build_run(load_config(overrides=base_overrides(tmp_path, run__name="dst")).validate())
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
         load_checkpoint(run, ckpt)
     assert not marker.exists()
@@ -156,7 +148,7 @@ def test_crafted_pickle_executes_nothing(tmp_path):
 
 def test_shape_mismatch_is_a_clear_error(tmp_path):
     ckpt = _saved_run(tmp_path)
-    run = build_run(load_config(overrides=_base(tmp_path, run__name="dst", model__d_model=96,
+    run = build_run(load_config(overrides=base_overrides(tmp_path, run__name="dst", model__d_model=96,
                                                 model__n_heads=3, model__n_kv_heads=3)).validate())
     with pytest.raises(CheckpointError, match="saved from a different model"):
         load_checkpoint(run, ckpt)
@@ -192,7 +184,7 @@ _DIE_MID_SAVE = textwrap.dedent("""
 
 @pytest.mark.parametrize("point", ["data", "latest"])
 def test_sigkill_mid_save_leaves_latest_loadable(tmp_path, point):
-    overrides = _base(tmp_path, run__name="killed", train__steps=4, checkpoint__every=1,
+    overrides = base_overrides(tmp_path, run__name="killed", train__steps=4, checkpoint__every=1,
                       checkpoint__async=point == "data")
     proc = subprocess.run([sys.executable, "-c", _DIE_MID_SAVE, json.dumps(overrides), point],
                           capture_output=True, text=True, timeout=300)
@@ -423,106 +415,3 @@ def test_publish_survives_a_crash_after_every_operation(tmp_path, monkeypatch, s
         assert same_state(load_synthetic(find_checkpoint(root))[1], seed)
     assert k > 20, seen  # every rank file, note, the manifest, renames, latest, the rotation
     print(f"{scenario}: crashed before each of {k - 1} filesystem operations")
-
-
-def _damage(ckpt: Path, how: str) -> str:
-    """Damage checkpoint `ckpt`; returns what the warning must say."""
-    shard = ckpt / "rank-00000.safetensors"
-    if how == "digest":
-        text = (ckpt / MANIFEST).read_text()
-        (ckpt / MANIFEST).write_text(text.replace('"step": 3', '"step": 2', 1))
-        return "step-00000003/manifest.json does not match its own digest"
-    if how == "manifest":
-        (ckpt / MANIFEST).unlink()
-        return "step-00000003 has no manifest.json"
-    if how == "missing shard":
-        shard.unlink()
-        return "step-00000003/rank-00000.safetensors is missing"
-    if how == "flipped shard":  # its size intact: found only when loaded, by its SHA-256
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0x10
-        shard.write_bytes(bytes(data))
-        return "step-00000003/rank-00000.safetensors is corrupt: its SHA-256 is"
-    data = shard.read_bytes()
-    shard.write_bytes(data[:-100])
-    return f"rank-00000.safetensors has {len(data) - 100} bytes where the manifest records {len(data)}"
-
-
-@pytest.fixture(scope="module")
-def three_checkpoints(tmp_path_factory):
-    """A run that saved steps 1, 2 and 3."""
-    tmp_path = tmp_path_factory.mktemp("three")
-    result = train_run(_base(tmp_path, run__name="src", train__steps=3, checkpoint__every=1))
-    return Path(result["run_dir"])
-
-
-def _build(tmp_path, run_dir: Path, **extra):
-    return build_run(load_config(overrides=_base(tmp_path, run__dir=str(run_dir.parent),
-                                                 run__name=run_dir.name, train__steps=3,
-                                                 **extra)).validate())
-
-
-@pytest.mark.parametrize("how", ["digest", "manifest", "missing shard", "short shard", "flipped shard"])
-def test_resume_falls_back_to_the_newest_usable_checkpoint(tmp_path, three_checkpoints, caplog,
-                                                           monkeypatch, how):
-    run_dir = tmp_path / "runs" / "damaged"
-    shutil.copytree(three_checkpoints, run_dir, symlinks=True)
-    message = _damage(run_dir / CHECKPOINTS / "step-00000003", how)
-    caplog.set_level(logging.INFO, logger="shardlm")
-    # checkpoint.resume = "auto" (the run's own directory)
-    assert _build(tmp_path, run_dir).start_step == 2
-    assert message in caplog.text and "resuming from" in caplog.text
-    assert f"resumed from {run_dir.resolve() / CHECKPOINTS / 'step-00000002'}" in caplog.text
-    # an explicit run directory, resumed into another run
-    caplog.clear()
-    assert _build(tmp_path, tmp_path / "runs" / "other", checkpoint__resume=str(run_dir)).start_step == 2
-    assert message in caplog.text
-    # a restarted worker (torchrun --max-restarts): its run's newest usable, not the explicit path
-    caplog.clear()
-    monkeypatch.setattr("shardlm.train.checkpointing.is_restart", lambda: True)
-    run = _build(tmp_path, run_dir, checkpoint__resume=checkpoint_of(str(run_dir), 1))
-    assert run.start_step == 2 and message in caplog.text
-
-
-def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, three_checkpoints):
-    run_dir = tmp_path / "runs" / "broken"
-    shutil.copytree(three_checkpoints, run_dir, symlinks=True)
-    for ckpt in step_dirs(run_dir / CHECKPOINTS):
-        (ckpt / MANIFEST).unlink()
-    before = sorted(p.name for p in (run_dir / CHECKPOINTS).iterdir())
-    with pytest.raises(CheckpointError, match=r"none is usable(.|\n)*has no manifest\.json(.|\n)*"
-                                              r"checkpoint\.resume = 'never'(.|\n)*new run\.name"):
-        _build(tmp_path, run_dir)
-    assert sorted(p.name for p in (run_dir / CHECKPOINTS).iterdir()) == before
-    assert _build(tmp_path, run_dir, checkpoint__resume="never").start_step == 0  # when told to
-
-
-def test_another_models_checkpoints_are_each_refused_with_the_reason(tmp_path, three_checkpoints):
-    """A checkpoint lacking a tensor of this model fails at load, and the older ones are tried
-    (a damaged manifest looks the same); when none fits, the error lists why for each."""
-    with pytest.raises(CheckpointError, match=r"none is usable(.|\n)*step-00000003: .* has shape"
-                                              r"(.|\n)*step-00000001: .* different model"):
-        _build(tmp_path, tmp_path / "runs" / "wider", checkpoint__resume=str(three_checkpoints),
-               model__d_model=96, model__n_heads=3, model__n_kv_heads=3)
-
-
-def test_ranks_agree_on_the_checkpoint_and_on_a_failed_load(tmp_path):
-    """2 ranks: rank 0 chooses the checkpoint for all (rank 1, made to see none usable, still
-    takes rank 0's); a shard only rank 1 reads (readers = all) or only rank 0 (one) is corrupt:
-    both ranks raise, naming the file, instead of one training on (or waiting in a collective);
-    the older checkpoint then loads exactly on both."""
-    run_dir = tmp_path / "run"
-    for step in (1, 2, 3):
-        synthetic_save(run_dir / CHECKPOINTS, step)
-    shard = run_dir / CHECKPOINTS / "step-00000003" / "rank-00001.safetensors"
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0x01  # the last byte of tensor data: the size and header intact
-    shard.write_bytes(bytes(data))
-    results = run_ranks(ranks_agree_on_resume, 2, tmp_path, str(run_dir), timeout=180)
-    step3 = str((run_dir / CHECKPOINTS / "step-00000003").resolve())
-    for rank, out in enumerate(results):
-        assert out["choice"] == step3, (rank, out)  # the cheap check passes: its size is intact
-        for readers in ("all", "one"):
-            assert re.match(r"error: .*rank-00001\.safetensors is corrupt: its SHA-256",
-                            out[f"{readers} 3"]), (rank, readers, out)
-            assert out[f"{readers} 2"] == "loaded", (rank, readers, out)
