@@ -3,7 +3,7 @@
 For each case — 1, 2 and 4 ranks; ZeRO stages 0-3; activation checkpointing none/full; the
 nvme offload tier; the model axes: tensor parallelism (tp=2, with and without sequence
 parallelism), context parallelism (cp=2), both (cp=2 x tp=2), pipelines (pp=2: 1f1b, gpipe, zb;
-4 micro-batches) — a fresh set of gloo ranks trains a few steps and reports, from rank 0:
+4 micro-batches), and for a mixture of experts (--preset moe-mini) expert parallelism (ep=2) — a fresh set of gloo ranks trains a few steps and reports, from rank 0:
 the model-state byte ledger (params + grads + optimizer, what the engine holds), the process's
 peak RSS (ru_maxrss), the bytes of new pages a step touches (minor page faults x the page size,
 median after the first step: no load changes them) and the median step time after the first,
@@ -49,12 +49,14 @@ AXES = {"": {}, "tp2": {"parallel.tp": 2}, "tp2sp": {"parallel.tp": 2, "parallel
         "cp2": {"parallel.cp": 2}, "cp2tp2": {"parallel.cp": 2, "parallel.tp": 2},
         "pp2": {"parallel.pp": 2, "train.grad_accum": 4},
         "pp2gpipe": {"parallel.pp": 2, "parallel.pp_schedule": "gpipe", "train.grad_accum": 4},
-        "pp2zb": {"parallel.pp": 2, "parallel.pp_schedule": "zb", "train.grad_accum": 4}}
+        "pp2zb": {"parallel.pp": 2, "parallel.pp_schedule": "zb", "train.grad_accum": 4},
+        "ep2": {"parallel.ep": 2}}
 """Model axes a case can add (the last field of --only)."""
 
 
-def cases(max_ranks: int) -> list[tuple[int, int, str, str, str]]:
-    """(ranks, stage, activation checkpoint, offload, model axes) to run."""
+def cases(max_ranks: int, experts: bool = False) -> list[tuple[int, int, str, str, str]]:
+    """(ranks, stage, activation checkpoint, offload, model axes) to run; a mixture of experts
+    (`experts`) adds expert parallelism (ep = 2 at stages 0 and 3, and beside dp = 2 on 4 ranks)."""
     out = [(1, 0, "none", "none", ""), (1, 0, "full", "none", ""), (1, 1, "none", "nvme", "")]
     for ranks in (2, 4):
         if ranks > max_ranks:
@@ -66,6 +68,9 @@ def cases(max_ranks: int) -> list[tuple[int, int, str, str, str]]:
     out += [(2, 0, "none", "none", "pp2"), (2, 1, "none", "none", "pp2gpipe"), (2, 0, "none", "none", "pp2zb")]
     if max_ranks >= 4:
         out += [(4, 1, "none", "none", "cp2tp2")]
+    if experts:
+        out += [(2, 0, "none", "none", "ep2"), (2, 3, "none", "none", "ep2")]
+        out += [(4, 1, "none", "none", "ep2")] if max_ranks >= 4 else []
     return out
 
 
@@ -216,7 +221,9 @@ def main(argv=None) -> None:
         saved = read_cases(args.predict_from)
         wanted = [(r["ranks"], r["ac"], r["axes"]) for r in saved]
     else:
-        selected = cases(args.max_ranks)
+        from shardlm.config.presets import get_preset
+
+        selected = cases(args.max_ranks, bool(get_preset(args.preset).get("experts")))
         if args.only:
             selected = [tuple(int(v) if i < 2 else v for i, v in enumerate((o + ",").split(",")[:5]))
                         for o in args.only]

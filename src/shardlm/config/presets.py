@@ -46,6 +46,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                             max_seq_len=256, ffn_multiple_of=32), experts=4, top_k=2, expert_d_ff=96),
     # The default run: a small GPT that learns visibly on the stdlib corpus in a few CPU minutes.
     "gpt-mini": _gpt2(n_layers=4, n_heads=4, d_model=256, vocab_size=8192, max_seq_len=256),
+    # gpt-mini's size as a mixture of experts (8 experts of width 512, 2 per token): expert
+    # parallelism measured on a CPU (bench/bench_planner.py --preset moe-mini).
+    "moe-mini": _moe(_llama(n_layers=4, n_heads=4, n_kv_heads=4, d_model=256, d_ff=0, vocab_size=8192,
+                            max_seq_len=256), experts=8, top_k=2, expert_d_ff=512),
     # GPT-2 family (124M, 355M, 774M, 1.558B parameters as published with 50257 tokens).
     "gpt2-124m": _gpt2(n_layers=12, n_heads=12, d_model=768),
     "gpt2-350m": _gpt2(n_layers=24, n_heads=16, d_model=1024),
