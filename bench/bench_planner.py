@@ -50,13 +50,15 @@ AXES = {"": {}, "tp2": {"parallel.tp": 2}, "tp2sp": {"parallel.tp": 2, "parallel
         "pp2": {"parallel.pp": 2, "train.grad_accum": 4},
         "pp2gpipe": {"parallel.pp": 2, "parallel.pp_schedule": "gpipe", "train.grad_accum": 4},
         "pp2zb": {"parallel.pp": 2, "parallel.pp_schedule": "zb", "train.grad_accum": 4},
-        "ep2": {"parallel.ep": 2}}
+        "ep2": {"parallel.ep": 2}, "ep2tp2": {"parallel.ep": 2, "parallel.tp": 2},
+        "ep2cp2": {"parallel.ep": 2, "parallel.cp": 2}}
 """Model axes a case can add (the last field of --only)."""
 
 
 def cases(max_ranks: int, experts: bool = False) -> list[tuple[int, int, str, str, str]]:
     """(ranks, stage, activation checkpoint, offload, model axes) to run; a mixture of experts
-    (`experts`) adds expert parallelism (ep = 2 at stages 0 and 3, and beside dp = 2 on 4 ranks)."""
+    (`experts`) adds expert parallelism: ep = 2 at stages 0 and 3, over the cp ranks, beside dp = 2
+    and in an ep 2 x tp 2 grid on 4 ranks."""
     out = [(1, 0, "none", "none", ""), (1, 0, "full", "none", ""), (1, 1, "none", "nvme", "")]
     for ranks in (2, 4):
         if ranks > max_ranks:
@@ -69,8 +71,8 @@ def cases(max_ranks: int, experts: bool = False) -> list[tuple[int, int, str, st
     if max_ranks >= 4:
         out += [(4, 1, "none", "none", "cp2tp2")]
     if experts:
-        out += [(2, 0, "none", "none", "ep2"), (2, 3, "none", "none", "ep2")]
-        out += [(4, 1, "none", "none", "ep2")] if max_ranks >= 4 else []
+        out += [(2, 0, "none", "none", "ep2"), (2, 3, "none", "none", "ep2"), (2, 0, "none", "none", "ep2cp2")]
+        out += [(4, 1, "none", "none", "ep2"), (4, 1, "none", "none", "ep2tp2")] if max_ranks >= 4 else []
     return out
 
 

@@ -312,10 +312,29 @@ def test_moe_parameters_follow_the_model_and_expert_parallelism():
     assert params == pytest.approx(2 * (ep8.dense / 16 + ep8.experts / 2))
 
 
-def test_plans_with_experts_run_ep_without_tp():
-    """The runtime's expert parallelism lives inside dp_shard with tp = cp = 1: plans with ep
-    print parallel.ep, and a plan with ep and tp is not runnable."""
+def test_plans_with_experts_run_ep_with_tp_and_cp():
+    """The runtime's expert parallelism lives inside dp_shard x cp, each expert on one rank of
+    the ep x tp grid: the search tries ep beside tp (ep x tp dividing the experts) and every
+    plan it yields runs (parallel.ep printed); a MoE block under tp is priced as the ledger
+    counts it (traffic.moe_tp_calls: 12 collectives per block, not a dense block's 4) and its
+    exchange over the grid's ep x tp ranks, each with 1/tp of the tokens."""
+    from shardlm.planner.timing import estimate_time
+
     result = search(Workload(preset_model("moe-tiny"), 64, 16), parse_cluster("4xcpu"), Dtypes("fp32"), RUNTIME)
     ep = [p for p in result.plans if p.strategy.layout.ep > 1]
-    assert ep and all(p.strategy.layout.tp == p.strategy.layout.cp == 1 for p in ep)
+    assert any(p.strategy.layout.tp > 1 for p in ep)
+    assert all(p.runtime_supported for p in result.plans)
     assert all(p.overrides()["parallel.ep"] == p.strategy.layout.ep for p in ep)
+    assert all(4 % (p.strategy.layout.ep * p.strategy.layout.tp) == 0 for p in ep)  # moe-tiny: 4 experts
+    cluster = parse_cluster("4xcpu")
+
+    def exchange(lay):
+        w = Workload(preset_model("moe-mini"), 128, 2 * lay.dp_replicate * lay.dp_shard)
+        timing = estimate_time(w, Strategy(lay, 0, 2, 1, "none", dtypes=Dtypes("fp32")), cluster)
+        return next(c for c in timing.comms if c.name == "expert all-to-all")
+    # 4 dispatches and combines per MoE block (4 blocks), 2 x 128 tokens: ep alone sends half
+    # of each rank's 256 tokens' 2 choices; ep 2 x tp 2 three quarters of 128
+    a2a = 16 * 256 * 2 * 256 * 4
+    assert exchange(ParallelDims(2, 2, ep=2)).bytes == a2a / 2 + 4 * 4 * 8
+    assert exchange(ParallelDims(1, 2, tp=2, ep=2)).bytes == a2a * 3 / 8 + 4 * 2 * 8 * 3
+    assert exchange(ParallelDims(2, 1, tp=2)).bytes == a2a / 4 + 4 * 4 * 8

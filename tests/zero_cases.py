@@ -16,7 +16,7 @@ def train_case(overrides: dict, steps: int, poison_rank: int = -1, model=None) -
     if rank == poison_rank:  # an fp16 overflow on this rank only, in the first step
         param = run.model.blocks[0].attn.qkv.weight
         handle = param.register_hook(lambda g: g * float("inf"))
-    out = {"losses": [], "stepped": [], "scale": [], "comm": [], "comm_by_op": [], "state": None}
+    out = {"losses": [], "stepped": [], "scale": [], "comm": [], "comm_by_op": [], "comm_ops": [], "state": None}
     for step in range(steps):
         loss, _, stepped, _ = train_step(run, step)
         if step == 0 and rank == poison_rank:
@@ -30,6 +30,7 @@ def train_case(overrides: dict, steps: int, poison_rank: int = -1, model=None) -
             group = key.split("/", 1)[1]
             by_group[group] = by_group.get(group, 0) + nbytes
         out["comm_by_op"].append(by_group)
+        out["comm_ops"].append(dict(run.strategy.ledger.bytes))  # "op/group" -> bytes
         run.strategy.ledger.reset()
     out["state"] = run.strategy.model_state_bytes()
     out["numel"] = getattr(run.strategy, "numel", None)

@@ -1,6 +1,6 @@
 """What the search tries: the strategies the planner may choose (Supported), the rank layouts
 of a cluster (tp within a node, cp for sequences whose activations matter, pp, dp as
-replicate x shard, ep inside dp_shard), the offload tiers and the recompute / activation-offload
+replicate x shard, ep inside dp_shard x cp), the offload tiers and the recompute / activation-offload
 choices, each cheapest first. search.py evaluates them.
 
 Pure functions; no torch. docs/planner.md section 8.
@@ -42,8 +42,8 @@ class Supported:
 EVERYTHING = Supported()
 """Every strategy the planner models."""
 RUNTIME = Supported()
-"""What `shardlm train` runs today: pp x dp_replicate x dp_shard x cp x tp (x ep inside dp_shard,
-with tp = cp = 1), ZeRO 0-3, recompute, offload."""
+"""What `shardlm train` runs today: pp x dp_replicate x dp_shard x cp x tp (x ep inside dp_shard
+x cp, each expert on one rank of the ep x tp grid), ZeRO 0-3, recompute, offload."""
 AUTO = Supported(tp=False, cp=False, pp=False, ep=False, zero3_with_pp=False)
 """What `parallel.strategy = "auto"` chooses from: data parallelism, until the planner's tensor-,
 context- and pipeline-parallel models have been checked against our own measurements on this
@@ -106,11 +106,14 @@ def rank_layouts(w: Workload, cluster: Cluster, supported: Supported, dtypes: Dt
                         shards.add(inside)
                 for shard in sorted(shards):
                     eps = [1]
-                    if "ep" in pinned:  # experts' ranks come out of dp_shard (with tp = cp = 1)
-                        ep = pinned["ep"]
-                        eps = [ep] if w.experts and not w.experts % ep and not shard % ep and tp == cp == 1 else []
-                    elif w.experts and supported.ep and tp == cp == 1:
-                        eps = [e for e in divisors(shard) if w.experts % e == 0]
+                    # experts' ranks come out of dp_shard x cp; with tp, each holds experts / (ep x tp)
+                    fits = [e for e in divisors(shard * cp) if w.experts and w.experts % (e * tp) == 0]
+                    if "ep" in pinned:
+                        eps = [pinned["ep"]] if pinned["ep"] in fits else []
+                    elif supported.ep and w.experts:
+                        eps = fits
+                    else:  # ep = 1; a mixture of experts under tp spreads them over the tp ranks
+                        eps = [1] if not w.experts or 1 in fits else []
                     for ep in eps:
                         yield ParallelDims(dp // shard, shard, cp=cp, tp=tp, pp=pp, ep=ep)
 

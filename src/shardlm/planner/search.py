@@ -56,9 +56,6 @@ class Plan:
     @property
     def not_runnable(self) -> str | None:
         """Why `shardlm train` cannot run this plan (None: it can)."""
-        s = self.strategy
-        if s.layout.ep > 1 and (s.layout.tp > 1 or s.layout.cp > 1):
-            return "the planner does not model ep with tp or cp yet (shardlm train runs them: docs/moe.md)"
         return None
 
     def overrides(self) -> dict[str, object]:

@@ -19,7 +19,8 @@ from shardlm.planner.memory import offloaded_activations, peak_candidates
 from shardlm.planner.activations import activation_dtypes, block_activation
 from shardlm.config.layout_rules import cp_degrees
 from shardlm.planner.cp_modes import choose_cp_mode, cp_a2a_bytes
-from shardlm.planner.traffic import cp_comm_bytes, ep_comm_bytes, pp_comm_bytes, sp_replicated_grads, tp_comm_bytes
+from shardlm.planner.traffic import (cp_comm_bytes, ep_comm_bytes, expert_group, moe_tp_calls, pp_comm_bytes,
+                                     sp_replicated_grads, tp_comm_bytes)
 from shardlm.planner.memory_bound import (ADAM_BYTES_PER_PARAM, WorkTerm,  # noqa: F401 (re-exported)
                                           memory_bound_terms, optimizer_term)
 from shardlm.planner.comms import (CommTerm, CommTime, Windows, dp_comms, hidden,  # noqa: F401 (re-exported)
@@ -126,7 +127,9 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
     out = []
     if lay.tp > 1:  # Megatron's f/g: 2 all-reduces forward, 2 backward per layer (+2 recompute);
         # with sequence parallelism the same volume as all-gathers + reduce-scatters
-        calls = (4 if s.recompute == "none" else 6) * sp.layers * micro + 3 * micro
+        moe = sp.layers * len(flops.moe_layers(m)) / m.n_layers  # a MoE block's are moe_tp_calls
+        calls = ((4 if s.recompute == "none" else 6) * (sp.layers - moe)
+                 + moe_tp_calls(m, s.sequence_parallel, s.recompute) * moe + 3) * micro
         counted = micro * tp_comm_bytes(m, tokens, lay.tp, s.sequence_parallel, e, s.recompute,
                                         sp.layers, embedding=sp.index == 0,
                                         head=sp.index == lay.pp - 1,
@@ -158,15 +161,26 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
                             latency, terms))
     if lay.pp > 1:
         out += _pipeline_comms(w, s, cluster, sp)
-    if lay.ep > 1:  # dispatch + combine, forward and backward, per MoE layer
+    group, share = expert_group(m, lay)
+    if group > 1:  # per MoE block: the row counts, dispatch + combine, their gradients (+ recomputed)
         moe = sp.layers * len(flops.moe_layers(m)) / m.n_layers
-        calls = 4 * moe * micro
-        size = ep_comm_bytes(m, tokens, lay.ep, e)
-        bw, lat, where = group_link(cluster, lay.ep, lay.tp * lay.cp)
-        sec, latency = collective_parts("all_to_all", size * calls, lay.ep, bw, lat, calls)
-        out.append(CommTime("expert all-to-all", f"{lay.ep} ranks, {where}", size * calls, sec, sec, latency,
+        recomputed = s.recompute != "none"
+        calls = (4 + (2 if recomputed else 0)) * moe * micro
+        counts = (1 + (1 if recomputed else 0)) * moe * micro  # E int64 each way: latency
+        size = ep_comm_bytes(m, tokens // share, group, e)
+        # the grid: each ep position's tp ranks side by side; ep alone: dp_shard ranks cp·tp
+        # apart, or within the cp group (ep over cp) tp apart
+        stride = 1 if lay.tp > 1 else lay.tp * (lay.cp if lay.dp_shard % lay.ep == 0 else 1)
+        bw, lat, where = group_link(cluster, group, stride)
+        sec, latency = collective_parts("all_to_all", size * calls, group, bw, lat, calls)
+        c_sec, c_lat = collective_parts("all_to_all", counts * m.experts * 8 / group, group, bw, lat, counts)
+        grid = (f"{lay.ep} ep x {lay.tp} tp = " if lay.ep > 1 and lay.tp > 1 else "tp: " if lay.tp > 1 else "")
+        counted = size * calls + counts * m.experts // group * 8 * (group - 1)  # the ledger's splits too
+        out.append(CommTime("expert all-to-all", f"{grid}{group} ranks, {where}", counted, sec + c_sec,
+                            sec + c_sec, latency + c_lat,
                             [CommTerm(f"{calls:g} dispatches and combines: the experts wait for their "
-                                      f"rows, nothing to hide behind", sec, sec)]))
+                                      f"rows, nothing to hide behind", sec, sec),
+                             CommTerm(f"{counts:g} exchanges of the rows' counts per expert", c_sec, c_sec)]))
     return out
 
 

@@ -43,7 +43,8 @@ def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, reco
     act = tokens * h * e
     recomputed = (3 + (1 if async_tp else 0) if sequence_parallel else 2) if recompute != "none" else 0
     per_block = 8 * act + recomputed * act
-    total = layers * per_block
+    moe = layers * len(flops.moe_layers(m)) / m.n_layers  # this stage's MoE blocks (their mean share)
+    total = (layers - moe) * per_block + moe * moe_tp_bytes(m, tokens, tp, sequence_parallel, e, recompute)
     if embedding:
         total += 2 * act
     if head:
@@ -54,6 +55,38 @@ def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, reco
     if sequence_parallel:  # gradients of replicated parameters that saw different tokens
         total += 2 * sp_replicated_grads(m, layers, embedding, head)[0] * e
     return total
+
+
+def moe_tp_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, recompute: str = "none") -> float:
+    """Bytes a MoE block moves over the tensor-parallel group per micro-batch besides its expert
+    exchange (ep_comm_bytes; parallel/expert.py spreads the experts over the tp ranks instead of
+    cutting them), as the ledger counts them: attention's Megatron pair (all-reduces of
+    tokens·h forward and backward, or their all-gather + reduce-scatter under sequence
+    parallelism) and the shared experts' (cut like a dense MLP); without sequence parallelism the
+    all-gather of the routed output (each rank routed 1/T of the tokens) and of its gradient
+    (_SplitRows); the balancing statistics summed forward (f and P: E fp32 each) and the
+    router's weight gradient (E·h fp32) in backward. Recomputation repeats attention's forward
+    collectives, the statistics and the routed output's all-gather (the ledger: tp = 2, moe-mini,
+    activation.checkpoint = full)."""
+    act = tokens * m.d_model * e
+    pairs = 1 + (1 if m.shared_experts else 0)  # attention's, the shared experts'
+    stats = 2 * 2 * m.experts * 4
+    total = pairs * 4 * act + stats + 2 * m.experts * m.d_model * 4 + (0 if sequence_parallel else 2 * act)
+    if recompute != "none":
+        total += 2 * act + stats + (0 if sequence_parallel else act)
+    return total
+
+
+def moe_tp_calls(m, sequence_parallel: bool, recompute: str = "none") -> int:
+    """Collective calls of moe_tp_bytes per MoE block and micro-batch, counted as
+    _model_parallel_comms counts a dense block's 4 (an all-reduce each, or an all-gather +
+    reduce-scatter pair under sequence parallelism): attention's 2 and the shared experts' 2,
+    the statistics' 2 and the router gradient's all-reduce, the routed output's 2 all-gathers
+    (not under sequence parallelism); recomputed, attention's forward, the statistics' and the
+    gather again (the ledger, tp = 2, 4 MoE blocks, one micro-batch: 24 all-reduces and 8
+    all-gathers; recomputing, 36 and 12)."""
+    calls = 2 * (1 + (1 if m.shared_experts else 0)) + 3 + (0 if sequence_parallel else 2)
+    return calls + ((3 + (0 if sequence_parallel else 1)) if recompute != "none" else 0)
 
 
 def sp_replicated_grads(m, layers: int, embedding: bool, head: bool) -> tuple[int, int]:
@@ -85,6 +118,15 @@ def cp_comm_bytes(m, tokens: int, cp: int, tp: int, e: int, recompute: str = "no
     elems = 2 * tokens // cp * kv_heads * flops.head_dim(m)  # k and v of one rank
     hops = (cp - 1) * (3 if recompute != "none" else 2)
     return layers * (hops * elems * e + cp * elems * 4)
+
+
+def expert_group(m, lay) -> tuple[int, int]:
+    """(ranks, tokens divisor) of a MoE block's expert exchange (parallel/expert.py): the ep
+    ranks, and under tensor parallelism their tp ranks too (the ep × tp grid; tp alone when ep
+    = 1), each tp rank exchanging 1/tp of the tokens; (1, 1) for a dense model or no exchange."""
+    if not m.experts:
+        return 1, 1
+    return lay.ep * lay.tp, lay.tp
 
 
 def ep_comm_bytes(m, tokens: int, ep: int, e: int) -> float:

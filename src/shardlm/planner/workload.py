@@ -173,9 +173,9 @@ def validate(w: Workload, s: Strategy, cluster: Cluster) -> None:
     errors += _pipeline_errors(w, s)
     if s.cp_mode not in CP_MODES:
         errors.append(f"cp_mode {s.cp_mode!r}: choose {', '.join(CP_MODES)}")
-    if lay.ep > 1 and (not w.experts or w.experts % lay.ep or lay.dp_shard % lay.ep):
-        errors.append(f"ep = {lay.ep} must divide the experts ({w.experts}) and dp_shard "
-                      f"({lay.dp_shard})")
+    if lay.ep > 1 and (not w.experts or w.experts % (lay.ep * lay.tp) or zero_ranks(lay) % lay.ep):
+        errors.append(f"ep = {lay.ep} must divide dp_shard x cp ({lay.dp_shard} x {lay.cp}), and ep x tp "
+                      f"({lay.ep} x {lay.tp}) the experts ({w.experts})")
     if s.zero_stage not in (0, 1, 2, 3):
         errors.append(f"zero stage {s.zero_stage}: choose 0, 1, 2 or 3")
     if s.recompute not in RECOMPUTE_MODES:
