@@ -30,7 +30,8 @@ def train_argv(command: str) -> list[str]:
 
 @pytest.mark.parametrize("model, cluster", [("--model=gpt2-350m", "8xA100-80GB"),
                                             ("--params=2e9", "2x8xA100-80GB"),
-                                            ("--model=llama-7b", "2x8xA100-80GB")])
+                                            ("--model=llama-7b", "2x8xA100-80GB"),
+                                            ("--model=olmoe-like", "8xH100-80GB")])
 def test_every_plan_command_passes_dry_run(capsys, tmp_path, model, cluster):
     commands, blocked = plan_lines(capsys, *model.split("="), "--gpus", cluster, "--top", "12")
     assert commands, "no runnable plan printed"
@@ -166,3 +167,16 @@ def test_a_transformers_config_json_is_planned_and_its_commands_run(capsys, tmp_
     (tmp_path / "bad.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 3}))
     assert main(["estimate", "--model", str(tmp_path / "bad.json"), "--gpus", "8xA100-80GB"]) == 2
     assert "is not one that maps onto our decoder" in capsys.readouterr().err
+
+
+def test_dry_run_prices_an_expert_grid(capsys, tmp_path):
+    """Expert parallelism beside tensor parallelism (the ep x tp grid, parallel/expert.py) is a
+    layout the planner models: a dry run on 4 CPU ranks prices its exchange over the 4 ranks of
+    the grid and its MoE blocks' tensor-parallel collectives (traffic.moe_tp_calls)."""
+    code = main(["train", "--nproc", "4", "--model.preset=moe-tiny", "--parallel.tp=2", "--parallel.ep=2",
+                 "--parallel.dp_shard=2", "--precision.compute=fp32", "--run.device=cpu", "--dry-run",
+                 f"--run.dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "expert all-to-all" in out and "2 ep x 2 tp = 4 ranks" in out, out
+    assert "tp 2, ep 2" in out, out

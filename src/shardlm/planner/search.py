@@ -55,7 +55,9 @@ class Plan:
 
     @property
     def not_runnable(self) -> str | None:
-        """Why `shardlm train` cannot run this plan (None: it can)."""
+        """Why `shardlm train` cannot run this plan (None: it can). Every layout the planner
+        models runs today (the last exception, ep beside tp or cp, went with the ep x tp grid's
+        model); kept for `plan`'s report and its --json keys (runtime_supported, not_runnable)."""
         return None
 
     def overrides(self) -> dict[str, object]:
