@@ -105,3 +105,35 @@ def cp_world(rank: int, world_size: int, train: list, modes: list, rings: list, 
         finally:
             context._has_cpu_flash = fused
     return out
+
+
+def ring_work_case(rank: int, world_size: int, heads: int, length: int, dim: int, dtype: str) -> dict:
+    """The ring's forward and backward (parallel/context.py, called directly: the custom op
+    would hide its insides from a dispatch tracker) on this rank's chunks of a (2, heads,
+    length, dim) sequence, tracked op by op (dispatch_count): {pass: (ops, bytes written to new
+    tensors)}."""
+    import torch
+    import torch.distributed as dist
+
+    from dispatch_count import dispatched
+    from shardlm.comm.collectives import Comm, CommLedger
+    from shardlm.parallel.context import CPState, ring_backward, ring_forward
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, length, dim, generator=g).to(getattr(torch, dtype)) for _ in range(3))
+    cp = CPState(Comm(dist.group.WORLD, "cp", CommLedger()))
+    mine = cp.positions(length)
+    lq, lk, lv = (t[:, :, mine].contiguous() for t in (q, k, v))
+    cp.sharded = True
+    held = {}
+
+    def forward():
+        held["out"], held["lse"] = ring_forward(lq, lk, lv, cp, dim ** -0.5, None, 0)
+
+    out = {}
+    rows = dispatched(forward)
+    out["forward"] = (len(rows), sum(nbytes for _, view, _, _, nbytes, _ in rows if not view))
+    dout = torch.ones_like(held["out"])
+    rows = dispatched(lambda: ring_backward(dout, lq, lk, lv, held["out"], held["lse"], cp, dim ** -0.5, None, 0))
+    out["backward"] = (len(rows), sum(nbytes for _, view, _, _, nbytes, _ in rows if not view))
+    return out

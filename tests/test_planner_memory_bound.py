@@ -26,33 +26,19 @@ def _dispatched(cfg, b: int = 2, s: int = 24) -> tuple[float, float, int]:
     written to new tensors, weight gradients left out; elements per token read and written by
     the ops that are not matmuls or attention; ops dispatched)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
 
+    from dispatch_count import dispatched
     from shardlm.models import build_model
 
     torch.manual_seed(0)
     model = build_model(cfg).float()
     block = model.blocks[0]
     weights = {tuple(p.shape) for p in block.parameters()}
-    rows = []
-
-    class Tracker(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            storages = {t.untyped_storage().data_ptr() for t in ins}
-            view = bool(outs) and all(t.untyped_storage().data_ptr() in storages for t in outs)
-            rows.append((func.overloadpacket.__name__, view, sum(t.numel() for t in ins),
-                         sum(t.numel() for t in outs), tuple(outs[0].shape) if outs else ()))
-            return out
-
     x = torch.randn(b, s, cfg.d_model, requires_grad=True)
     rope = (model.rope_cos[:s], model.rope_sin[:s]) if cfg.position == "rope" else None
     grad = torch.randn(b, s, cfg.d_model)
-    with Tracker():
-        torch.autograd.backward(block(x, rope), grad)
+    rows = [(name, view, i, o, shape) for name, view, i, o, _, shape in
+            dispatched(lambda: torch.autograd.backward(block(x, rope), grad))]
     tokens = b * s
     fresh = sum(o for name, view, _, o, shape in rows
                 if not view and not (name in ("mm", "addmm") and shape in weights)) / tokens
@@ -183,3 +169,26 @@ def test_the_memory_probe_is_cached_and_local_cpu_reads_it(monkeypatch, tmp_path
     assert two.fresh_bandwidth == 3e9 and two.op_seconds == 4e-6
     measured["memory_one_thread"] = {**first, "fresh_bandwidth": 1e7}
     assert local_cpu(1).device.fresh_bandwidth == 1e8  # the two-thread rate where it is the faster
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ring_work_is_what_the_ring_dispatches(tmp_path, dtype):
+    """A context-parallel rank's ring (parallel/context.py) on gpt-mini's attention shapes, 2 x
+    128 tokens over 2 ranks, tracked op by op on both ranks: the bytes it writes to new tensors
+    beyond the plain attention's own (its output and three gradients) are ring_work's within
+    10% (the two ranks' front and back hops averaged), and its ops within 8."""
+    from cp_cases import ring_work_case
+    from shardlm.launch.spawn import run_ranks
+    from shardlm.planner.memory_bound import ring_work
+
+    m = preset_model("gpt-mini")
+    heads, dim, length = m.n_heads, m.d_model // m.n_heads, 128
+    ranks = run_ranks(ring_work_case, 2, tmp_path, heads, length, dim, dtype)
+    e = 4 if dtype == "float32" else 2
+    tokens = 2 * length // 2  # this rank's
+    plain = 4 * e * tokens * m.d_model  # the attention's output and dq, dk, dv
+    fresh = sum(r["forward"][1] + r["backward"][1] for r in ranks) / 2 - plain
+    ops = sum(r["forward"][0] + r["backward"][0] for r in ranks) / 2 - 11
+    predicted = ring_work(m, 1, 2, e)
+    assert predicted.fresh * e * tokens == pytest.approx(fresh, rel=0.10)
+    assert abs(predicted.ops - ops) <= 8

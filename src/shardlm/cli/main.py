@@ -153,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch-tokens", type=int, default=2**20, metavar="TOKENS",
                       help="tokens per optimizer step when --global-batch is not given (1Mi)")
     plan.add_argument("--runtime-only", action="store_true",
-                      help="only what `shardlm train` runs today (ep only with tp = cp = 1)")
+                      help="only what `shardlm train` runs today")
     plan.add_argument("--top", type=int, default=8, help="plans to list")
     plan.add_argument("--rank-by", choices=["speed", "cost"], default="speed",
                       help="order plans by time to train (speed) or by cost for --tokens (on one "

@@ -107,6 +107,38 @@ def block_work(m: ModelConfig, tp: int = 1, sequence_parallel: bool = False) -> 
     return BlockWork(fresh, traffic, ops)
 
 
+def ring_work(m: ModelConfig, tp: int, ring: int, e: int) -> BlockWork:
+    """What a block's context-parallel ring (parallel/context.py ring_forward / ring_backward,
+    over `ring` ranks) adds to its plain attention, per token of this rank's share, in
+    elements of the activations' e-byte dtype: the fp32 running output and its merges, the
+    stacked key/value blocks and those received, the rows a partial hop copies, the fp32
+    gradient accumulators and the buffers they travel in, the casts back. Counted from the
+    code per hop kind (the diagonal block; then, averaged, the 'front' and 'back' hops a rank
+    alternates between) and checked under a dispatch tracker on two ranks (tests/
+    test_planner_memory_bound.py, within 10%: fp32 and bf16). The traffic is twice the fresh
+    bytes (each written, then read: 1.8-2.3x tracked); the ops as tracked at ring = 2 (45-49
+    forward, 62-64 backward), the per-hop share growing with the ring. Grouped-query
+    attention's expanded keys and values (`_expand`, `_fold`) are not counted."""
+    if ring <= 1:
+        return BlockWork(0.0, 0.0, 0)
+    q = flops.attention_width(m) / tp  # a query row's elements on this rank; keys and values:
+    kv = (m.n_kv_heads or m.n_heads) * flops.head_dim(m) / tp
+    r = kv / q
+    cast = 0.0 if e == 4 else 1.0  # fp32 activations need no copies back
+    hops = ring - 1  # after the diagonal block
+    # bytes per query element; forward: the fp32 output and its merges, the stacked blocks sent
+    # and received, per hop the attention's output (+ its fp32 copy), the merge's product
+    front_f, back_f = 2 * e * r / 2 + e + 4 * cast + 4, e / 2 + e / 2 + 2 * cast + 2
+    forward = 4 + 2 * e * r * (1 + hops) + (e + 4 * cast + 4) + hops * (front_f + back_f) / 2 + e * cast
+    # backward: the fp32 dq and dk/dv accumulators, a fresh buffer per hop they move in, the
+    # blocks again; per hop the attention's three gradients and the rows a partial hop copies
+    front_b, back_b = e * r + e + e * r, 1.5 * e + e / 2 + 2 * e * r
+    backward = (4 + 8 * r + 2 * e * r * (1 + hops) + 8 * r * ring + (e + 2 * e * r)
+                + hops * (front_b + back_b) / 2 + 2 * e * r + e * cast)
+    fresh = (forward + backward - 4 * e) * q / e  # less the plain attention's output and gradients
+    return BlockWork(fresh, 2 * fresh, 5 + 8 + ring * 47 - 11)
+
+
 def root_work(m: ModelConfig, tp: int, first: bool, last: bool) -> BlockWork:
     """The embedding's and the head's work per token (first / last pipeline stage): the
     lookup (and the learned positions' add), the final norm, the loss over the vocabulary (the
@@ -132,17 +164,21 @@ def root_work(m: ModelConfig, tp: int, first: bool, last: bool) -> BlockWork:
 
 
 def memory_bound_terms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
-                       stretch: float) -> list[WorkTerm]:
+                       stretch: float, ring: int = 1) -> list[WorkTerm]:
     """The step's memory-bound terms on one rank of pipeline stage `sp` (seconds per step):
     element-wise traffic, fresh memory, per-op dispatch (each per micro-batch x m, x `stretch`:
     the in-situ factor (in_situ.py) x
-    the pipeline's 1/(1 - bubble), as compute), and the engine's gradient flattening."""
+    the pipeline's 1/(1 - bubble), as compute), and the engine's gradient flattening; `ring`
+    > 1: each block's context-parallel ring over that many ranks (ring_work)."""
     dev, lay, m = cluster.device, s.layout, w.model
     e = s.dtypes.param_bytes
     micro = s.grad_accum
     tokens = s.micro_batch * w.seq_len // lay.cp
     sp_on = s.sequence_parallel and lay.tp > 1
     block = block_work(m, lay.tp, sp_on)
+    if ring > 1:  # the context-parallel ring's own work (`ring` ranks: timing._cp_mode)
+        extra = ring_work(m, lay.tp, ring, e)
+        block = BlockWork(block.fresh + extra.fresh, block.traffic + extra.traffic, block.ops + extra.ops)
     root = root_work(m, lay.tp, sp.index == 0, sp.index == lay.pp - 1)
     layers = sp.layers * (4 / 3 if s.recompute == "full" else 1)  # a recomputed forward: ~ a third more
     traffic = tokens * (layers * block.traffic * e + root.traffic * 4)

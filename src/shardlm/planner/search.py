@@ -278,8 +278,8 @@ def plan_for_run(model: ModelConfig, world_size: int, hardware: Cluster | str,
             named = ", ".join(f"{key} = {value}" for key, value in pinned.items())
             raise ConfigError(f"no rank layout keeps {named} on {world_size} ranks with {sequences} "
                               f"sequences of {seq} tokens per step (tp must divide the heads, 2·cp "
-                              f"the sequence, pp at most the layers; ep must divide the experts and "
-                              f"dp_shard, with tp = cp = 1; dp_replicate the data-parallel ranks)")
+                              f"the sequence, pp at most the layers; ep must divide dp_shard x cp, "
+                              f"and ep x tp the experts; dp_replicate the data-parallel ranks)")
     result = search(workload, hardware, dtypes, supported, layouts, par.sequence_parallel, par)
     return result.plans
 

@@ -317,7 +317,8 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     # The memory-bound work runs on the heaviest stage's pace like its matmuls (the pipeline
     # paced by it: x 1 / (1 - bubble)); each stage's own figure, its optimizer step the one shown
     heaviest = max(stages, key=lambda st: st.layers)
-    work = memory_bound_terms(w, s, cluster, heaviest if lay.pp > 1 else sp, factor / (1 - bubble))
+    ring = cp_degrees(lay.cp, *_cp_mode(w, s, cluster, rate))[1] if lay.cp > 1 else 1
+    work = memory_bound_terms(w, s, cluster, heaviest if lay.pp > 1 else sp, factor / (1 - bubble), ring)
     memory_bound = sum(t.seconds for t in work)
     step = compute + memory_bound + sum(c.exposed for c in comms) + optimizer.seconds
     tokens_per_s = w.global_batch * w.seq_len / step
