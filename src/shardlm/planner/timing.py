@@ -168,9 +168,9 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
         calls = (4 + (2 if recomputed else 0)) * moe * micro
         counts = (1 + (1 if recomputed else 0)) * moe * micro  # E int64 each way: latency
         size = ep_comm_bytes(m, tokens // share, group, e)
-        # the grid: each ep position's tp ranks side by side; ep alone: dp_shard ranks cp·tp
-        # apart, or within the cp group (ep over cp) tp apart
-        stride = 1 if lay.tp > 1 else lay.tp * (lay.cp if lay.dp_shard % lay.ep == 0 else 1)
+        # the grid: each ep position's tp ranks side by side; ep alone (tp = 1): dp_shard ranks
+        # cp apart, or the cp ranks themselves (ep over cp), side by side
+        stride = 1 if lay.tp > 1 or lay.dp_shard % lay.ep else lay.cp
         bw, lat, where = group_link(cluster, group, stride)
         sec, latency = collective_parts("all_to_all", size * calls, group, bw, lat, calls)
         c_sec, c_lat = collective_parts("all_to_all", counts * m.experts * 8 / group, group, bw, lat, counts)
