@@ -207,9 +207,14 @@ def test_the_end_of_run_line_names_the_calibrate_command_when_no_pass_was_timed(
     t = estimate_time(Workload(m, 64, 4), s, _cluster(2))
     line = prediction_summary({"hardware": "2 x cpu", "step_time_s": t.step, "peak_bytes_per_rank": 2**30,
                                "calibration": t.calibration}, [0.1, 0.1], torch.device("cpu"))
-    assert line.endswith("(this model's pass was never timed here: `shardlm calibrate --model gpt-tiny --seq 64 "
-                         "--micro-batch 2 --precision fp32 --recompute full --ranks 2` times it, and later "
-                         "predictions use it)")
+    named = ("(this model's pass was never timed here: `shardlm calibrate --model gpt-tiny --seq 64 "
+             "--micro-batch 2 --precision fp32 --recompute full --ranks 2` times it, and later "
+             "predictions use it)")
+    assert line.endswith(named)
+    # on a fresh machine the probe's own hint (`--model ...`) comes first in the line it reads
+    probe = "probe: 4 generic shape(s) (`shardlm calibrate --model ...` adds the model's own), fp32; "
+    assert prediction_summary({"hardware": "2 x cpu", "step_time_s": t.step, "peak_bytes_per_rank": 2**30,
+                               "calibration": probe + t.calibration}, [0.1, 0.1], torch.device("cpu")).endswith(named)
     measured = estimate_time(Workload(m, 64, 4), s, _cluster(2, ((pass_key(m, 2, 64, "fp32", "full"), 0.1),)))
     assert "never timed" not in prediction_summary(
         {"hardware": "2 x cpu", "step_time_s": t.step, "peak_bytes_per_rank": 2**30,
