@@ -55,8 +55,8 @@ def test_a_measured_pass_scales_compute_and_memory_bound_work_only():
         assert scaled.optimizer == plain.optimizer
         assert [c.seconds for c in scaled.comms] == [c.seconds for c in plain.comms]  # timed as they run
         assert "in situ x 1.50" in scaled.calibration and "in situ" not in plain.calibration
-        assert (f"no pass of this model measured (`shardlm calibrate --model gpt-tiny --seq 64 --micro-batch 2 "
-                f"--precision fp32") in plain.calibration
+        assert ("no pass of this model measured (`shardlm calibrate --model gpt-tiny --seq 64 --micro-batch 2 "
+                "--precision fp32") in plain.calibration
 
 
 def test_a_pass_of_another_shape_batch_or_dtype_is_not_used():
@@ -82,8 +82,8 @@ def test_the_pass_is_timed_cached_and_read_by_local_cpu(monkeypatch, tmp_path):
     assert measured_pass(m, 1, 32, "fp32", threads=1) == first  # cached
     assert probe.cached_passes(1) == {pass_key(m, 1, 32, "fp32"): first["seconds"]}
     measured = {"cpu": "test cpu", "cores": 2, "threads": 1, "peak": {"fp32": 6e10}, "memory_bandwidth": 1e10,
-                "gloo_bandwidth": 1e9, "gloo_latency": 1e-4, "baseline_rss": 2e8, "gloo_all_gather_factor": 1.0,
-                "gloo_reduce_scatter_factor": 1.0, "curve": {}, "passes": probe.cached_passes(1)}
+                "gloo_in_step_bandwidth": 1e9, "gloo_in_step_latency": 1e-4, "baseline_rss": 2e8, "gloo_in_step_all_gather_factor": 1.0,
+                "gloo_in_step_reduce_scatter_factor": 1.0, "curve": {}, "passes": probe.cached_passes(1)}
     monkeypatch.setattr(probe, "measure_cpu", lambda n: measured)
     assert dict(local_cpu(2).device.passes) == {pass_key(m, 1, 32, "fp32"): first["seconds"]}
     # 4 ranks on 2 cores: each runs at half a core, its pass twice as long
@@ -108,7 +108,7 @@ def test_collectives_timed_in_a_step_fit_the_ring_model_local_cpu_reads(monkeypa
     in_step = {"all_reduce": [[n, ring(2, n)] for n in sizes],
                "all_gather": [[n, 1.5 * ring(1, n / 2)] for n in sizes],
                "reduce_scatter": [[n, 2.0 * ring(1, n / 2)] for n in sizes]}
-    rank = {"latency": 2e-4, "all_reduce": 0.02, "all_gather": 0.01, "reduce_scatter": 0.02, "rss": 2e8,
+    rank = {"latency": 2e-4, "all_reduce": 0.02, "rss": 2e8,
             "bytes": 8.0 * 2**20, "in_step": in_step}
     monkeypatch.setattr("shardlm.launch.spawn.run_ranks", lambda fn, n, tmp: [rank, rank])
     got = gloo_probe.gloo_probe()
@@ -172,8 +172,8 @@ def test_calibrate_does_not_time_a_pass_that_would_not_fit(monkeypatch, capsys, 
     monkeypatch.setattr(probe, "cpu_peak_flops", lambda precision, threads=None: 1e11)
     monkeypatch.setattr(probe, "memory_probe", lambda threads, again=False: {"threads": threads})
     measured = {"cpu": "test cpu", "cores": 2, "threads": 2, "peak": {"fp32": 6e10}, "memory_bandwidth": 1e10,
-                "gloo_bandwidth": 1e9, "gloo_latency": 1e-4, "baseline_rss": 2e8, "gloo_all_gather_factor": 1.0,
-                "gloo_reduce_scatter_factor": 1.0, "curve": {}}
+                "gloo_in_step_bandwidth": 1e9, "gloo_in_step_latency": 1e-4, "baseline_rss": 2e8, "gloo_in_step_all_gather_factor": 1.0,
+                "gloo_in_step_reduce_scatter_factor": 1.0, "curve": {}}
     monkeypatch.setattr(probe, "measure_cpu", lambda n: measured)
     monkeypatch.setattr("shardlm.hardware.catalog.available_memory", lambda: 2e8)  # 0.2 GB: less than a worker's baseline
     monkeypatch.setattr("shardlm.train.calibration.time_model_pass", lambda *a, **k: pytest.fail("timed"))
@@ -198,27 +198,29 @@ def test_a_recomputing_run_reads_the_pass_that_recomputes():
 
 
 def test_the_end_of_run_line_names_the_calibrate_command_when_no_pass_was_timed():
+    """A run's prediction carries the `shardlm calibrate` command its missing pass needs
+    (in_situ.calibrate_command, the metrics record's "calibrate_command"), and the end line
+    names it; with the pass measured there is none to name."""
     import torch
 
+    from shardlm.planner.in_situ import calibrate_command
     from shardlm.train.telemetry import prediction_summary
 
     m = preset_model("gpt-tiny")
     s = Strategy(ParallelDims(dp_shard=2), 0, 2, 1, "full", dtypes=Dtypes("fp32"))
-    t = estimate_time(Workload(m, 64, 4), s, _cluster(2))
-    line = prediction_summary({"hardware": "2 x cpu", "step_time_s": t.step, "peak_bytes_per_rank": 2**30,
-                               "calibration": t.calibration}, [0.1, 0.1], torch.device("cpu"))
-    named = ("(this model's pass was never timed here: `shardlm calibrate --model gpt-tiny --seq 64 "
-             "--micro-batch 2 --precision fp32 --recompute full --ranks 2` times it, and later "
-             "predictions use it)")
-    assert line.endswith(named)
-    # on a fresh machine the probe's own hint (`--model ...`) comes first in the line it reads
-    probe = "probe: 4 generic shape(s) (`shardlm calibrate --model ...` adds the model's own), fp32; "
-    assert prediction_summary({"hardware": "2 x cpu", "step_time_s": t.step, "peak_bytes_per_rank": 2**30,
-                               "calibration": probe + t.calibration}, [0.1, 0.1], torch.device("cpu")).endswith(named)
-    measured = estimate_time(Workload(m, 64, 4), s, _cluster(2, ((pass_key(m, 2, 64, "fp32", "full"), 0.1),)))
-    assert "never timed" not in prediction_summary(
-        {"hardware": "2 x cpu", "step_time_s": t.step, "peak_bytes_per_rank": 2**30,
-         "calibration": measured.calibration}, [0.1, 0.1], torch.device("cpu"))
+    w = Workload(m, 64, 4)
+    command = calibrate_command(w, s, _cluster(2))
+    assert command == "shardlm calibrate --model gpt-tiny --seq 64 --micro-batch 2 --precision fp32 --recompute full --ranks 2"
+    t = estimate_time(w, s, _cluster(2))
+    assert f"`{command}` times one" in t.calibration
+    predicted = {"hardware": "2 x cpu", "step_time_s": t.step, "peak_bytes_per_rank": 2**30}
+    line = prediction_summary({**predicted, "calibrate_command": command}, [0.1, 0.1], torch.device("cpu"))
+    assert line.endswith(f"(this model's pass was never timed here: `{command}` times it, and later "
+                         "predictions use it)")
+    measured = _cluster(2, ((pass_key(m, 2, 64, "fp32", "full"), 0.1),))
+    assert calibrate_command(w, s, measured) == ""
+    assert "never timed" not in prediction_summary({**predicted, "calibrate_command": None}, [0.1, 0.1],
+                                                   torch.device("cpu"))
 
 
 class _FakeClock:

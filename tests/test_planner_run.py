@@ -27,6 +27,11 @@ def test_first_record_carries_the_prediction_and_the_end_compares(tmp_path, caps
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.startswith("measured / predicted"))
     assert "step" in line and "peak per rank" in line and "MiB" in line
+    # the pass a local CPU's prediction lacked is named in the record and on the end line
+    assert "calibrate_command" in predicted
+    if predicted["calibrate_command"]:
+        assert predicted["calibrate_command"].startswith("shardlm calibrate --model ")
+        assert f"`{predicted['calibrate_command']}` times it" in line
 
 
 def test_a_run_the_planner_cannot_describe_still_trains(tmp_path):

@@ -114,7 +114,7 @@ class Device:
     """(tensor bytes, read + write bytes/s of element-wise ops) measured on this CPU from
     cache-sized to DRAM-sized tensors (probe.memory_probe); () = memory_bandwidth at every size."""
     passes: tuple[tuple[str, float], ...] = ()
-    """(planner.compute.pass_key, seconds) of whole-model forward + loss + backward passes
+    """(planner.in_situ.pass_key, seconds) of whole-model forward + loss + backward passes
     `shardlm calibrate` timed on this CPU at a rank's threads (train/calibration.py), time-
     shared as the ranks are; () for the catalog's devices."""
     adamw_curve: tuple[tuple[float, float], ...] = ()
@@ -399,27 +399,23 @@ def local_cpu(n_ranks: int) -> Cluster:
         bandwidth_curve=curve, adamw_curve=tuple((n, sec / share) for n, sec in rates.get("adamw", ())),
         memory_source=describe_memory_rates(rates) + (f", x {share:.2g} (ranks share the cores)" if share < 1 else "")
         if rates else "")
-    # The ring model fitted to collectives timed among matmuls, as a step issues them (probe.
-    # _in_step). Its latency: two ranks' on two cores, or with more ranks than cores that many
-    # ranks' (oversubscribed_in_step: the time-sharing measured in it, not stretched). Its
+    # The ring model fitted to collectives timed among matmuls, as a step issues them (gloo_
+    # probe._in_step). Its latency: two ranks' on two cores, or with more ranks than cores that
+    # many ranks' (oversubscribed_in_step: the time-sharing measured in it, not stretched). Its
     # bandwidth: two ranks', time-shared (x share): the oversubscribed fit over <= 4 MiB held
     # ~2 GB/s, which predicted gpt2-124m's 4-rank ZeRO-2 step -30% (its buckets are ~100 MB);
-    # time-shared, +6%. A cache from before that probe: the back-to-back figures, stretched.
-    prefix = "gloo_in_step_" if "gloo_in_step_latency" in measured else "gloo_"
-    ranks = measured.get("in_step_ranks", 2) if prefix == "gloo_in_step_" else 2
-    bandwidth = measured.get("gloo_in_step_bandwidth_two", measured[prefix + "bandwidth"])
-    gloo = Link("gloo-local", bandwidth * share,
-                measured[prefix + "latency"] / (1.0 if prefix == "gloo_in_step_" else share), 1.0,
-                f"measured: collectives between {ranks} local gloo ranks "
-                + ("among matmuls" if prefix == "gloo_in_step_" else "back to back"))
+    # time-shared, +6%.
+    bandwidth = measured.get("gloo_in_step_bandwidth_two", measured["gloo_in_step_bandwidth"])
+    gloo = Link("gloo-local", bandwidth * share, measured["gloo_in_step_latency"], 1.0,
+                f"measured: collectives between {measured.get('in_step_ranks', 2)} local gloo ranks among matmuls")
     node = Node(n_ranks, gloo, LINKS["eth-10"], 1, gloo, available_memory(),
                 measured["memory_bandwidth"], LOCAL_DISK_BANDWIDTH,
                 f"this machine (disk: one drive, {LOCAL_DISK_BANDWIDTH / 1e9:.2g} GB/s read + write)")
     # A worker also holds its tokenizer, data loader and threads: +100 MB over the probe's
     # imports and gloo (measured: a gpt-tiny training rank at 324 MiB, the probe's at 228).
     calibration = replace(CALIBRATION["cpu"], runtime_reserve=measured["baseline_rss"] + 1e8,
-                          collective_factors=(("all_gather", measured[prefix + "all_gather_factor"]),
-                                              ("reduce_scatter", measured[prefix + "reduce_scatter_factor"])))
+                          collective_factors=(("all_gather", measured["gloo_in_step_all_gather_factor"]),
+                                              ("reduce_scatter", measured["gloo_in_step_reduce_scatter_factor"])))
     return Cluster(1, n_ranks, device, node, calibration)
 
 

@@ -17,8 +17,7 @@ MIB = 2**20
 
 GLOO_TRIES = 20
 """Timings of each back-to-back collective: the best one-float all-reduce (the latency), the
-median of the 8 MiB ones (the best of five left the all-gather's and reduce-scatter's factors
-anywhere in 1.0-2.8 and 2.1-4.0 over three runs on a quiet machine)."""
+median of the 8 MiB ones (what bounds the in-step fit: _fit_in_step)."""
 
 
 def _single_tensor_collectives(dist):
@@ -39,9 +38,8 @@ def _single_tensor_collectives(dist):
 
 def _gloo_rank(rank: int, world_size: int) -> dict[str, float]:
     """On a spawned rank: of GLOO_TRIES timings each, the best of a one-float all-reduce
-    (latency) and the median of an 8 MiB all-reduce, all-gather (4 MiB shards) and
-    reduce-scatter (8 MiB input); the three among matmuls (_in_step); and this
-    rank's RSS with torch, gloo and a worker's libraries imported — the floor of any worker's
+    (latency) and the median of an 8 MiB one; the all-reduce, all-gather and reduce-scatter
+    among matmuls (_in_step); and this rank's RSS with torch, gloo and a worker's libraries imported — the floor of any worker's
     memory."""
     import numpy  # noqa: F401  (a worker's libraries are part of its baseline)
     import safetensors.torch  # noqa: F401
@@ -52,10 +50,8 @@ def _gloo_rank(rank: int, world_size: int) -> dict[str, float]:
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     n = 8 * MIB // 4
-    small, full, shard = torch.zeros(1), torch.zeros(n), torch.zeros(n // world_size)
-    gather, scatter = _single_tensor_collectives(dist)
-    ops = {"latency": lambda: dist.all_reduce(small), "all_reduce": lambda: dist.all_reduce(full),
-           "all_gather": lambda: gather(full, shard), "reduce_scatter": lambda: scatter(shard, full)}
+    small, full = torch.zeros(1), torch.zeros(n)
+    ops = {"latency": lambda: dist.all_reduce(small), "all_reduce": lambda: dist.all_reduce(full)}
     out = {}
     for name, op in ops.items():
         op()  # warm up
@@ -114,9 +110,10 @@ def _in_step(dist, rounds: int = 20) -> dict[str, list[list[float]]]:
 
 
 def gloo_probe() -> dict[str, float]:
-    """Ring-model latency and bus bandwidth from the all-reduces (2(N-1) steps, 2(N-1)/N of
-    the bytes each way), and how much slower gloo's all-gather and reduce-scatter are than a
-    ring of that bandwidth would be."""
+    """Two spawned ranks' back-to-back ring-model latency and bus bandwidth from the
+    all-reduces (2(N-1) steps, 2(N-1)/N of the bytes each way: what floors the in-step fit and
+    stands in for a slope it cannot take), their baseline RSS, and the in-step figures the
+    planner reads (gloo_in_step_*: _fit_in_step)."""
     import tempfile
 
     from shardlm.launch.spawn import run_ranks
@@ -128,10 +125,7 @@ def gloo_probe() -> dict[str, float]:
     steps = 2 * (world - 1)
     latency = worst["latency"] / steps
     bandwidth = steps / world * worst["bytes"] / max(worst["all_reduce"] - steps * latency, 1e-9)
-    ring = (world - 1) * latency + (world - 1) / world * worst["bytes"] / bandwidth
     return {"gloo_latency": latency, "gloo_bandwidth": bandwidth, "baseline_rss": worst["rss"],
-            "gloo_all_gather_factor": max(1.0, worst["all_gather"] / ring),
-            "gloo_reduce_scatter_factor": max(1.0, worst["reduce_scatter"] / ring),
             **_fit_in_step([r["in_step"] for r in results], world, latency, bandwidth)}
 
 

@@ -356,7 +356,7 @@ def cached_curve(precision: str, threads: int, device: str = "cpu") -> list[dict
 
 
 def cached_pass(key: str, threads: int, measure, again: bool = False) -> dict:
-    """The cache's measured model pass for `key` (planner.compute.pass_key) at `threads`
+    """The cache's measured model pass for `key` (planner.in_situ.pass_key) at `threads`
     threads: train.calibration.measured_pass measures it, `shardlm calibrate` prints it."""
     return _cached(f"threads={threads}|pass {key}", measure, again=again)
 

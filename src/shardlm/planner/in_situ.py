@@ -51,30 +51,51 @@ def predicted_pass(w: Workload, s: Strategy, cluster: Cluster) -> float:
     return compute + sum(t.seconds for t in memory_bound_terms(w, one, cluster, stage, 1.0))
 
 
-def in_situ_factor(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, str]:
-    """(measured pass / predicted pass, what it came from) for this run's model, micro-batch,
-    compute dtype, recomputation and the tokens of the sequence a rank holds (1/cp of it: a
-    rank's pass is what a one-process pass of that length runs, attention's share apart), on
-    `cluster`'s device; else the plain pass, else the whole sequence's; (1.0, '') on a catalog
-    device, (1.0, the calibrate command that would time one) where none was measured. Per-op
-    costs weigh more in a shorter pass: gpt-mini's 2 x 64 tokens ran x 1.65 its parts, 2 x 128
-    x 1.34."""
-    dev = cluster.device
-    if dev.kind != "cpu" or s.dtypes.compute not in dev.curves:
-        return 1.0, ""
-    passes = dict(dev.passes)
+def _measured(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, str, int] | None:
+    """(seconds, recompute, sequence) of the pass in_situ_factor reads on `cluster`'s CPU: this
+    run's recomputation, else the plain pass; the tokens a rank holds (1/cp of the sequence),
+    else the whole sequence; None where none was measured."""
+    passes = dict(cluster.device.passes)
     for recompute, seq in itertools.product(dict.fromkeys((s.recompute, "none")),
                                             dict.fromkeys((w.seq_len // s.layout.cp, w.seq_len))):
         measured = passes.get(pass_key(w.model, s.micro_batch, seq, s.dtypes.compute, recompute))
         if measured:
-            break
-    else:
-        command = (f"shardlm calibrate --model {w.model.preset or '...'} --seq {w.seq_len} --micro-batch "
-                   f"{s.micro_batch} --precision {s.dtypes.compute}"
-                   + (f" --recompute {s.recompute}" if s.recompute != "none" else "")
-                   + (f" --ranks {cluster.world_size}" if cluster.world_size > 1 else ""))
-        return 1.0, (f"no pass of this model measured (`{command}` times one): its parts as timed apart, "
-                     f"which a step runs slower (docs/planner.md section 4b)")
+            return measured, recompute, seq
+    return None
+
+
+def _timed_here(cluster: Cluster, s: Strategy) -> bool:
+    """A local CPU with a matmul curve for the run's dtype: where a pass can scale the parts."""
+    return cluster.device.kind == "cpu" and s.dtypes.compute in cluster.device.curves
+
+
+def calibrate_command(w: Workload, s: Strategy, cluster: Cluster) -> str:
+    """The `shardlm calibrate` command that times the pass this run's prediction would read on
+    `cluster`'s CPU, where none was measured yet; '' where one was, or on a catalog device. A
+    run's first metrics record carries it (search.run_prediction), its end line names it."""
+    if not _timed_here(cluster, s) or _measured(w, s, cluster):
+        return ""
+    return (f"shardlm calibrate --model {w.model.preset or '...'} --seq {w.seq_len} --micro-batch "
+            f"{s.micro_batch} --precision {s.dtypes.compute}"
+            + (f" --recompute {s.recompute}" if s.recompute != "none" else "")
+            + (f" --ranks {cluster.world_size}" if cluster.world_size > 1 else ""))
+
+
+def in_situ_factor(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, str]:
+    """(measured pass / predicted pass, what it came from) for this run's model, micro-batch,
+    compute dtype, recomputation and the tokens of the sequence a rank holds (1/cp of it: a
+    rank's pass is what a one-process pass of that length runs, attention's share apart), on
+    `cluster`'s device; else the plain pass, else the whole sequence's (_measured); (1.0, '') on
+    a catalog device, (1.0, the calibrate command that would time one) where none was measured.
+    Per-op costs weigh more in a shorter pass: gpt-mini's 2 x 64 tokens ran x 1.65 its parts,
+    2 x 128 x 1.34."""
+    if not _timed_here(cluster, s):
+        return 1.0, ""
+    found = _measured(w, s, cluster)
+    if found is None:
+        return 1.0, (f"no pass of this model measured (`{calibrate_command(w, s, cluster)}` times one): its "
+                     f"parts as timed apart, which a step runs slower (docs/planner.md section 4b)")
+    measured, recompute, seq = found
     one = replace(w, seq_len=seq)
     predicted = predicted_pass(one, replace(s, layout=ParallelDims(), recompute=recompute), cluster)
     factor = measured / predicted

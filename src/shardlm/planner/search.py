@@ -20,6 +20,7 @@ from shardlm.config import Config, ModelConfig, ParallelConfig
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import Cluster, choose_compute, local_cpu, parse_cluster
 from shardlm.planner.explain import explain
+from shardlm.planner.in_situ import calibrate_command
 from shardlm.planner.memory import Memory, estimate_memory
 from shardlm.planner.candidates import (AUTO, EVERYTHING, RUNTIME, Supported,  # noqa: F401 (re-exported)
                                         activation_choices, divisors, offload_blocks, offload_tiers,
@@ -368,7 +369,8 @@ def run_prediction(cfg: Config, hardware) -> dict:
            "runtime_reserve_bytes": cluster.calibration.runtime_reserve}
     # JSON has no NaN or infinity (the metrics log refuses them): an undefined figure is null
     return {**{k: v if math.isfinite(v) else None for k, v in out.items()}, "hardware": cluster.describe(),
-            "calibration": timing.calibration}
+            "calibration": timing.calibration,
+            "calibrate_command": calibrate_command(workload, strategy, cluster) or None}
 
 
 def alternatives(w: Workload, s: Strategy, cluster: Cluster, count: int = 3) -> list[Plan]:

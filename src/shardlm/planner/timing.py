@@ -184,15 +184,14 @@ def _model_parallel_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
     return out
 
 
-def _cp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float) -> list[CommTime]:
+def _cp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float,
+              a2a: int, ring: int) -> list[CommTime]:
     """Context parallelism's traffic by parallel.cp_mode (planner/cp_modes.py has the bytes, as
     the ledger counts them): with an all-to-all degree U and a ring of R = C/U ranks (ring: U =
     1; ulysses: R = 1; hybrid: both; 'auto': the mode cp_modes.choose_cp_mode picks, as the run's
-    resolve.decide does). The all-to-all group is U consecutive cp ranks (tp apart), the ring
-    R groups of them (U·tp apart: parallel/ulysses.py hybrid_groups)."""
-    lay = s.layout
-    mode, ulysses = _cp_mode(w, s, cluster, rate)
-    a2a, ring = cp_degrees(lay.cp, mode, ulysses)
+    resolve.decide does: estimate_time decides it once, `a2a` x `ring` = cp). The all-to-all
+    group is U consecutive cp ranks (tp apart), the ring R groups of them (U·tp apart:
+    parallel/ulysses.py hybrid_groups)."""
     out = []
     if a2a > 1:
         out.append(_cp_all_to_all(w, s, cluster, sp, a2a))
@@ -311,13 +310,13 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
     bubble = pp_bubble(s) if lay.pp > 1 else 0.0
     compute = per_micro * micro / (1 - bubble)  # the schedule idles `bubble` of the pipeline time
     forward = per_micro * model_flops_per_token(w, count="kernel-forward") / run_flops
-    after = [_stage_comms(w, s, cluster, sp, rate, Windows(forward, per_micro - forward, compute, sp.layers))
-             for sp in peak_candidates(stages)]
+    a2a, ring = cp_degrees(lay.cp, *_cp_mode(w, s, cluster, rate)) if lay.cp > 1 else (1, 1)
+    after = [_stage_comms(w, s, cluster, sp, rate, Windows(forward, per_micro - forward, compute, sp.layers),
+                          (a2a, ring)) for sp in peak_candidates(stages)]
     sp, comms, optimizer = max(after, key=lambda a: sum(c.exposed for c in a[1]) + a[2].seconds)
     # The memory-bound work runs on the heaviest stage's pace like its matmuls (the pipeline
     # paced by it: x 1 / (1 - bubble)); each stage's own figure, its optimizer step the one shown
     heaviest = max(stages, key=lambda st: st.layers)
-    ring = cp_degrees(lay.cp, *_cp_mode(w, s, cluster, rate))[1] if lay.cp > 1 else 1
     work = memory_bound_terms(w, s, cluster, heaviest if lay.pp > 1 else sp, factor / (1 - bubble), ring)
     memory_bound = sum(t.seconds for t in work)
     step = compute + memory_bound + sum(c.exposed for c in comms) + optimizer.seconds
@@ -329,13 +328,14 @@ def estimate_time(w: Workload, s: Strategy, cluster: Cluster) -> Timing:
                   calibration, memory_bound, [*work, optimizer])
 
 
-def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float,
-                 windows: Windows) -> tuple[StageParams, list[CommTime], WorkTerm]:
-    """One pipeline rank's communication (what of it is exposed) and optimizer seconds."""
+def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float, windows: Windows,
+                 cp_split: tuple[int, int]) -> tuple[StageParams, list[CommTime], WorkTerm]:
+    """One pipeline rank's communication (what of it is exposed) and optimizer seconds;
+    `cp_split`: context parallelism's (all-to-all degree, ring) as the run attends (_cp_mode)."""
     lay, dev = s.layout, cluster.device
     comms = _model_parallel_comms(w, s, cluster, sp, windows)
     if lay.cp > 1:
-        comms += _cp_comms(w, s, cluster, sp, rate)
+        comms += _cp_comms(w, s, cluster, sp, rate, *cp_split)
     if not s.local:
         comms += dp_comms(w, s, cluster, sp, windows)
     n_opt = zero_ranks(lay) if s.zero_stage else 1

@@ -113,10 +113,7 @@ def prediction_summary(predicted: dict[str, Any], step_times: list[float], devic
         expected = predicted["peak_bytes_per_rank"] - (predicted.get("runtime_reserve_bytes") or 0)
     else:
         peak, what, expected = peak_rss_bytes(), "process RSS", predicted["peak_bytes_per_rank"]
-    calibration = predicted.get("calibration") or ""
-    # the command named after "no pass ... measured" (a fresh probe's own `--model ...` hint comes first)
-    missing = calibration.find("no pass of this model measured")
-    hint = calibration[calibration.find("`shardlm calibrate", missing):].split("`")[1] if missing >= 0 else ""
+    hint = predicted.get("calibrate_command")  # the pass the prediction lacked (planner.in_situ)
     return (f"measured / predicted (planner, {predicted['hardware']}): step "
             f"{step:.3g} / {predicted['step_time_s']:.3g} s = {step / predicted['step_time_s']:.2f}, "
             f"peak per rank ({what}) {peak / 2**20:,.0f} / {expected / 2**20:,.0f} MiB = {peak / expected:.2f}"
