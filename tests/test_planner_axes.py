@@ -88,6 +88,25 @@ def test_context_parallel_ring_is_cp_comm_bytes_and_compute_is_split(recompute):
     assert "context-parallel ring" not in [c.name for c in dp.comms]
 
 
+def test_a_measured_hop_factor_prices_every_ring_hop():
+    """A device whose ring hop was measured at 2x the link model's one step (Calibration.
+    factor('send_recv'), from hardware/gloo_probe.py): the ring moves the same bytes in twice the
+    time, and cp_mode = 'auto' compares the modes with the hop priced so."""
+    from shardlm.planner.cp_modes import choose_cp_mode
+
+    slow = replace(A100, measured=replace(A100.calibration, collective_factors=(("send_recv", 2.0),)))
+    s = _cp_strategy(ParallelDims(1, 2, cp=2, tp=2), 3)
+    ring = lambda cluster: next(c for c in estimate_time(LONG, s, cluster).comms  # noqa: E731
+                                if c.name == "context-parallel ring")
+    base, doubled = ring(A100), ring(slow)
+    assert doubled.bytes == base.bytes
+    assert doubled.seconds == pytest.approx(2 * base.seconds, rel=1e-12)
+    assert doubled.latency == pytest.approx(2 * base.latency, rel=1e-12)
+    m = LONG.model
+    once, twice = (choose_cp_mode(m, 4096, 2, 1, 2, "none", 100e9, 5e-6, hop_factor=f) for f in (1.0, 2.0))
+    assert {t.mode: t.seconds for t in twice}["ring"] == pytest.approx(2 * {t.mode: t.seconds for t in once}["ring"])
+
+
 def test_context_parallel_validation_names_every_factor():
     w = replace(LONG, seq_len=1000)
     with pytest.raises(ConfigError) as info:

@@ -123,7 +123,7 @@ def test_local_cpu_reads_the_calibration_and_says_which(monkeypatch, capsys):
     probe_only = [entry(64, 1024, 1024, 2e10, "probe"), entry(1024, 1024, 1024, 5e10, "probe")]
     measured = {"cpu": "test cpu", "cores": 2, "threads": 1, "peak": {"fp32": 6e10, "bf16": 1e10, "fp16": 1e9},
                 "memory_bandwidth": 1e10, "gloo_in_step_bandwidth": 1e9, "gloo_in_step_latency": 1e-4, "baseline_rss": 2e8,
-                "gloo_in_step_all_gather_factor": 1.0, "gloo_in_step_reduce_scatter_factor": 1.0,
+                "gloo_in_step_all_gather_factor": 1.0, "gloo_in_step_reduce_scatter_factor": 1.0, "gloo_in_step_send_recv_factor": 1.0,
                 "curve": {"fp32": probe_only, "bf16": [], "fp16": []}}
     monkeypatch.setattr(probe, "measure_cpu", lambda n: measured)
     cluster = local_cpu(4)  # 4 ranks on 2 cores: each gets half of what the probe timed alone

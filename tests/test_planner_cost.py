@@ -148,7 +148,8 @@ def test_cpu_cluster_price_unknown_prints_a_dash(capsys, monkeypatch):
     monkeypatch.setattr(probe, "measure_cpu", lambda n: {
         "cpu": "test", "cores": 2, "threads": 1, "peak": {"fp32": 5e10}, "memory_bandwidth": 1e10,
         "gloo_in_step_bandwidth": 1e9, "gloo_in_step_latency": 1e-4, "baseline_rss": 2e8,
-        "gloo_in_step_all_gather_factor": 1.0, "gloo_in_step_reduce_scatter_factor": 1.0})
+        "gloo_in_step_all_gather_factor": 1.0, "gloo_in_step_reduce_scatter_factor": 1.0,
+        "gloo_in_step_send_recv_factor": 1.0})
     code, out = run_cli(["plan", "--model", "gpt-tiny", "--gpus", "2xcpu", "--tokens", "1e7", "--top", "2"],
                         capsys)
     assert code == 0

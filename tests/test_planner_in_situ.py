@@ -83,7 +83,7 @@ def test_the_pass_is_timed_cached_and_read_by_local_cpu(monkeypatch, tmp_path):
     assert probe.cached_passes(1) == {pass_key(m, 1, 32, "fp32"): first["seconds"]}
     measured = {"cpu": "test cpu", "cores": 2, "threads": 1, "peak": {"fp32": 6e10}, "memory_bandwidth": 1e10,
                 "gloo_in_step_bandwidth": 1e9, "gloo_in_step_latency": 1e-4, "baseline_rss": 2e8, "gloo_in_step_all_gather_factor": 1.0,
-                "gloo_in_step_reduce_scatter_factor": 1.0, "curve": {}, "passes": probe.cached_passes(1)}
+                "gloo_in_step_reduce_scatter_factor": 1.0, "gloo_in_step_send_recv_factor": 1.0, "curve": {}, "passes": probe.cached_passes(1)}
     monkeypatch.setattr(probe, "measure_cpu", lambda n: measured)
     assert dict(local_cpu(2).device.passes) == {pass_key(m, 1, 32, "fp32"): first["seconds"]}
     # 4 ranks on 2 cores: each runs at half a core, its pass twice as long
@@ -92,7 +92,8 @@ def test_the_pass_is_timed_cached_and_read_by_local_cpu(monkeypatch, tmp_path):
 
 def test_collectives_timed_in_a_step_fit_the_ring_model_local_cpu_reads(monkeypatch):
     """gloo_probe.gloo_probe: the all-reduces timed among matmuls fit latency and bandwidth; the
-    all-gathers and reduce-scatters give factors over that model; local_cpu uses them, the
+    all-gathers, reduce-scatters and ring hops give factors over that model (a hop: one step of
+    all its bytes); local_cpu uses them, the
     latency not stretched again for more ranks than cores (it was measured with the cores
     contended), the bandwidth time-shared."""
     from shardlm.hardware.catalog import local_cpu
@@ -107,7 +108,8 @@ def test_collectives_timed_in_a_step_fit_the_ring_model_local_cpu_reads(monkeypa
 
     in_step = {"all_reduce": [[n, ring(2, n)] for n in sizes],
                "all_gather": [[n, 1.5 * ring(1, n / 2)] for n in sizes],
-               "reduce_scatter": [[n, 2.0 * ring(1, n / 2)] for n in sizes]}
+               "reduce_scatter": [[n, 2.0 * ring(1, n / 2)] for n in sizes],
+               "send_recv": [[n, 1.7 * ring(1, n)] for n in sizes]}
     rank = {"latency": 2e-4, "all_reduce": 0.02, "rss": 2e8,
             "bytes": 8.0 * 2**20, "in_step": in_step}
     monkeypatch.setattr("shardlm.launch.spawn.run_ranks", lambda fn, n, tmp: [rank, rank])
@@ -116,6 +118,7 @@ def test_collectives_timed_in_a_step_fit_the_ring_model_local_cpu_reads(monkeypa
     assert got["gloo_in_step_bandwidth"] == pytest.approx(beta, rel=1e-9)
     assert got["gloo_in_step_all_gather_factor"] == pytest.approx(1.5, rel=1e-9)
     assert got["gloo_in_step_reduce_scatter_factor"] == pytest.approx(2.0, rel=1e-9)
+    assert got["gloo_in_step_send_recv_factor"] == pytest.approx(1.7, rel=1e-9)
     measured = {"cpu": "test cpu", "cores": 2, "threads": 1, "peak": {"fp32": 6e10}, "memory_bandwidth": 1e10,
                 "baseline_rss": 2e8, "curve": {}, **got}
     monkeypatch.setattr(probe, "measure_cpu", lambda n: measured)
@@ -123,6 +126,7 @@ def test_collectives_timed_in_a_step_fit_the_ring_model_local_cpu_reads(monkeypa
     assert two.node.intra.latency == four.node.intra.latency == got["gloo_in_step_latency"]
     assert four.node.intra.bandwidth == two.node.intra.bandwidth / 2
     assert two.calibration.factor("reduce_scatter") == pytest.approx(2.0, rel=1e-9)
+    assert two.calibration.factor("send_recv") == pytest.approx(1.7, rel=1e-9)
     # more ranks than cores: that many ranks' own latency (probe.oversubscribed_in_step, the
     # time-sharing measured in it), two ranks' bandwidth time-shared
     crowded = {**measured, "gloo_in_step_latency": 5e-3, "gloo_in_step_bandwidth": 8e9, "in_step_ranks": 4,
@@ -173,7 +177,7 @@ def test_calibrate_does_not_time_a_pass_that_would_not_fit(monkeypatch, capsys, 
     monkeypatch.setattr(probe, "memory_probe", lambda threads, again=False: {"threads": threads})
     measured = {"cpu": "test cpu", "cores": 2, "threads": 2, "peak": {"fp32": 6e10}, "memory_bandwidth": 1e10,
                 "gloo_in_step_bandwidth": 1e9, "gloo_in_step_latency": 1e-4, "baseline_rss": 2e8, "gloo_in_step_all_gather_factor": 1.0,
-                "gloo_in_step_reduce_scatter_factor": 1.0, "curve": {}}
+                "gloo_in_step_reduce_scatter_factor": 1.0, "gloo_in_step_send_recv_factor": 1.0, "curve": {}}
     monkeypatch.setattr(probe, "measure_cpu", lambda n: measured)
     monkeypatch.setattr("shardlm.hardware.catalog.available_memory", lambda: 2e8)  # 0.2 GB: less than a worker's baseline
     monkeypatch.setattr("shardlm.train.calibration.time_model_pass", lambda *a, **k: pytest.fail("timed"))
@@ -249,11 +253,16 @@ def test_in_step_times_a_collective_over_the_matmuls_round_and_reduce_scatters_a
         def __matmul__(self, other):
             clock.now += 1e-3
 
+    class Work:
+        def wait(self):
+            pass
+
     class Dist:
         calls: list[str] = []
+        world = 2
 
         def get_world_size(self):
-            return 2
+            return self.world
 
         def get_rank(self):
             return 1
@@ -267,10 +276,20 @@ def test_in_step_times_a_collective_over_the_matmuls_round_and_reduce_scatters_a
             self.calls.append("all_gather")
             clock.now += 2e-3
 
+        isend, irecv = "isend", "irecv"
+
+        def P2POp(self, op, tensor, peer):
+            return op, peer
+
+        def batch_isend_irecv(self, ops):
+            self.calls.append(ops)
+            clock.now += 1.5e-3
+            return [Work() for _ in ops]
+
     monkeypatch.setattr(gloo_probe.torch, "randn", lambda *shape: Operand())
     dist = Dist()
     got = gloo_probe._in_step(dist, rounds=6)
-    for op, added in (("all_reduce", 1e-3), ("all_gather", 2e-3), ("reduce_scatter", 1e-3)):
+    for op, added in (("all_reduce", 1e-3), ("all_gather", 2e-3), ("reduce_scatter", 1e-3), ("send_recv", 1.5e-3)):
         assert [n for n, _ in got[op]] == [float(n) for n in gloo_probe.IN_STEP_SIZES]
         assert all(t == pytest.approx(added, abs=1e-12) for _, t in got[op]), (op, got[op])
     assert "reduce_scatter" not in dist.calls  # gloo's own (a clone of the input) is never timed
@@ -278,3 +297,6 @@ def test_in_step_times_a_collective_over_the_matmuls_round_and_reduce_scatters_a
     whole, shard = torch.arange(8.0), torch.empty(4)
     scatter(shard, whole)
     assert torch.equal(shard, 2 * torch.arange(4.0, 8.0))  # rank 1's chunk of the sum
+    dist.world = 4  # a ring hop as Comm.shift: to the next rank, from the previous, posted together
+    gloo_probe._shift(dist, torch.zeros(2), torch.zeros(2))
+    assert dist.calls[-1] == [("isend", 2), ("irecv", 0)]

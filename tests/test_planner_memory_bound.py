@@ -153,7 +153,7 @@ def test_the_memory_probe_is_cached_and_local_cpu_reads_it(monkeypatch, tmp_path
     assert probe.memory_probe(1) == first and len(calls) == len(probe.ELEMENTWISE_SIZES)  # cached
     measured = {"cpu": "test cpu", "cores": 2, "threads": 1, "peak": {"fp32": 6e10, "bf16": 1e10, "fp16": 1e9},
                 "memory_bandwidth": 2e10, "gloo_in_step_bandwidth": 1e9, "gloo_in_step_latency": 1e-4, "baseline_rss": 2e8,
-                "gloo_in_step_all_gather_factor": 1.0, "gloo_in_step_reduce_scatter_factor": 1.0, "curve": {}, "memory": first}
+                "gloo_in_step_all_gather_factor": 1.0, "gloo_in_step_reduce_scatter_factor": 1.0, "gloo_in_step_send_recv_factor": 1.0, "curve": {}, "memory": first}
     monkeypatch.setattr(probe, "measure_cpu", lambda n: measured)
     one, four = local_cpu(2).device, local_cpu(4).device  # 4 ranks on 2 cores: half a core each
     assert one.op_seconds == 4e-6 and four.op_seconds == 8e-6

@@ -219,7 +219,8 @@ class Calibration:
     """Matmul efficiency scales by h / (h + half_width): small matrices fill less of the chip."""
     collective_factors: tuple[tuple[str, float], ...] = ()
     """Measured time / ring-model time per collective (gloo's all-gather and reduce-scatter
-    are not rings); 1 for what is not listed."""
+    are not rings, and its ring hop, send_recv, costs more than one step of its all-reduce);
+    1 for what is not listed."""
 
     def factor(self, op: str) -> float:
         return dict(self.collective_factors).get(op, 1.0)
@@ -414,8 +415,8 @@ def local_cpu(n_ranks: int) -> Cluster:
     # A worker also holds its tokenizer, data loader and threads: +100 MB over the probe's
     # imports and gloo (measured: a gpt-tiny training rank at 324 MiB, the probe's at 228).
     calibration = replace(CALIBRATION["cpu"], runtime_reserve=measured["baseline_rss"] + 1e8,
-                          collective_factors=(("all_gather", measured["gloo_in_step_all_gather_factor"]),
-                                              ("reduce_scatter", measured["gloo_in_step_reduce_scatter_factor"])))
+                          collective_factors=tuple((op, measured[f"gloo_in_step_{op}_factor"])
+                                                   for op in ("all_gather", "reduce_scatter", "send_recv")))
     return Cluster(1, n_ranks, device, node, calibration)
 
 

@@ -36,6 +36,15 @@ def _single_tensor_collectives(dist):
     return gather, scatter
 
 
+def _shift(dist, send, recv) -> None:
+    """One hop of a ring as context parallelism's ring attention runs it (comm/collectives.py
+    Comm.shift): send to the next rank and receive the previous one's, posted together."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
 def _gloo_rank(rank: int, world_size: int) -> dict[str, float]:
     """On a spawned rank: of GLOO_TRIES timings each, the best of a one-float all-reduce
     (latency) and the median of an 8 MiB one; the all-reduce, all-gather and reduce-scatter
@@ -67,6 +76,10 @@ def _gloo_rank(rank: int, world_size: int) -> dict[str, float]:
 IN_STEP_SIZES = (16 * 1024, 256 * 1024, 4 * MIB)
 """Bytes of the collectives _in_step times: a norm's statistics to a micro-batch's activations
 (tensor parallelism's collectives) and a gradient bucket."""
+IN_STEP_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+IN_STEP_FACTORS = IN_STEP_OPS[1:]
+"""What _in_step times, and those priced by a factor over the ring model's time (_fit_in_step):
+the all-reduces are the model's fit."""
 IN_STEP_PRODUCTS = 4
 """Products of 256 x 256 x 1024 between two collectives (~2 ms at one thread of an Intel Xeon
 with AMX): a block's matmuls between tensor parallelism's collectives."""
@@ -74,7 +87,8 @@ with AMX): a block's matmuls between tensor parallelism's collectives."""
 
 def _in_step(dist, rounds: int = 20) -> dict[str, list[list[float]]]:
     """{op: [[bytes, seconds], ...]} of an all-reduce, all-gather and reduce-scatter of each
-    IN_STEP_SIZES (the whole tensor), issued as a step issues them: what a round of
+    IN_STEP_SIZES (the whole tensor) and a ring hop (send_recv: that many bytes to the next
+    rank, as many from the previous), issued as a step issues them: what a round of
     IN_STEP_PRODUCTS matmuls on the rank's threads and then the collective takes over a round
     of the matmuls alone, each the mean of `rounds` rounds (the first few dropped). The mean,
     not the best: the wait for the slower rank, gloo's threads waking on cores the ranks'
@@ -98,11 +112,11 @@ def _in_step(dist, rounds: int = 20) -> dict[str, list[list[float]]]:
             times.append(time.perf_counter() - start)
         return statistics.mean(times[3:])
 
-    out: dict[str, list[list[float]]] = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}
+    out: dict[str, list[list[float]]] = {op: [] for op in IN_STEP_OPS}
     for nbytes in IN_STEP_SIZES:
-        full, shard = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4 // world)
+        full, shard, recv = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4 // world), torch.zeros(nbytes // 4)
         ops = {"all_reduce": lambda: dist.all_reduce(full), "all_gather": lambda: gather(full, shard),
-               "reduce_scatter": lambda: scatter(shard, full)}
+               "reduce_scatter": lambda: scatter(shard, full), "send_recv": lambda: _shift(dist, full, recv)}
         for name, op in ops.items():
             matmuls = mean_round()
             out[name].append([float(nbytes), max(0.0, mean_round(op) - matmuls)])
@@ -133,8 +147,10 @@ def _fit_in_step(ranks: list[dict], world: int, latency: float, bandwidth: float
     """The gloo_in_step_* figures from each rank's _in_step timings (their average): the
     all-reduces fit the ring model's latency and bandwidth, seconds = 2(N-1) x latency +
     2(N-1)/N x bytes / bandwidth (least squares; the latency floored by `latency`, the
-    back-to-back one); the all-gathers' and reduce-scatters' summed times over that model's
-    are their factors."""
+    back-to-back one); the all-gathers', reduce-scatters' and ring hops' summed times over that
+    model's (N-1 steps of bytes/N; a hop, one step of all its bytes: planner.links) are their
+    factors. Measured here, 2 ranks: a 256 KiB hop added 1.94 ms to a round of matmuls, an
+    all-reduce of it (two steps) 2.28 ms."""
     def mean(op: str) -> list[tuple[float, float]]:
         return [(nbytes, statistics.mean(r[op][i][1] for r in ranks)) for i, (nbytes, _) in enumerate(ranks[0][op])]
 
@@ -143,11 +159,13 @@ def _fit_in_step(ranks: list[dict], world: int, latency: float, bandwidth: float
     slope, intercept = _line([x for x, _ in points], [y for _, y in points])
     in_latency = max(intercept / steps, latency)
     in_bandwidth = steps / world / slope if slope > 0 else bandwidth
-    half = [(world - 1) * in_latency + (world - 1) / world * nbytes / in_bandwidth for nbytes, _ in points]
-    return {"gloo_in_step": {op: [list(p) for p in mean(op)] for op in ("all_reduce", "all_gather", "reduce_scatter")},
+    model = {"all_gather": lambda n: (world - 1) * (in_latency + n / world / in_bandwidth),
+             "send_recv": lambda n: in_latency + n / in_bandwidth}
+    model["reduce_scatter"] = model["all_gather"]
+    return {"gloo_in_step": {op: [list(p) for p in mean(op)] for op in IN_STEP_OPS},
             "gloo_in_step_latency": in_latency, "gloo_in_step_bandwidth": in_bandwidth,
-            **{f"gloo_in_step_{op}_factor": max(1.0, sum(t for _, t in mean(op)) / sum(half))
-               for op in ("all_gather", "reduce_scatter")}}
+            **{f"gloo_in_step_{op}_factor": max(1.0, sum(t for _, t in mean(op)) / sum(model[op](n) for n, _ in points))
+               for op in IN_STEP_FACTORS}}
 
 
 def _in_step_rank(rank: int, world_size: int) -> dict:

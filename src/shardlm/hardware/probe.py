@@ -25,7 +25,7 @@ from shardlm.launch.runtime import cache_root, cpu_cores
 
 MIB = 2**20
 _MATMUL_MAX = 2048
-_VERSION = 6
+_VERSION = 7
 """Bumped when what is measured changes: older entries are ignored."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

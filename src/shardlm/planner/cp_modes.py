@@ -62,11 +62,12 @@ class CPModeTime:
 
 def cp_mode_seconds(m, tokens: int, cp: int, tp: int, e: int, recompute: str, mode: str, ulysses: int,
                     bandwidth: float, latency: float, attention_s: float = 0.0,
-                    overlap: float = 0.0) -> CPModeTime:
+                    overlap: float = 0.0, hop_factor: float = 1.0) -> CPModeTime:
     """The exposed communication time of `mode` per micro-batch (alpha-beta, planner.links.
     collective_parts): the all-to-alls wait at once (attention needs the heads before it
     starts); the ring's key/value hops hide behind `overlap` x `attention_s` (this rank's
-    attention compute, forward + backward), its fp32 gradient hops do not (as timing._cp_ring)."""
+    attention compute, forward + backward), its fp32 gradient hops do not; each hop x the
+    device's measured `hop_factor` (Calibration.factor('send_recv'); as timing._cp_ring)."""
     a2a, ring = cp_degrees(cp, mode, ulysses)
     parts = cp_mode_bytes(m, tokens, cp, tp, e, recompute, None, mode, ulysses)
     passes = 3 if recompute != "none" else 2
@@ -79,8 +80,8 @@ def cp_mode_seconds(m, tokens: int, cp: int, tp: int, e: int, recompute: str, mo
         kv = max(1, _heads(m, tp)[1] // a2a)
         block = 2 * tokens // ring * kv * (m.d_model // m.n_heads)
         kv_hops, grad_hops = (ring - 1) * passes * m.n_layers, ring * m.n_layers
-        hops = collective_parts("p2p", kv_hops * block * e, ring, bandwidth, latency, kv_hops)[0]
-        grads = collective_parts("p2p", grad_hops * block * 4, ring, bandwidth, latency, grad_hops)[0]
+        hops = hop_factor * collective_parts("p2p", kv_hops * block * e, ring, bandwidth, latency, kv_hops)[0]
+        grads = hop_factor * collective_parts("p2p", grad_hops * block * 4, ring, bandwidth, latency, grad_hops)[0]
         seconds += max(0.0, hops - overlap * attention_s) + grads
     return CPModeTime(mode, a2a, sum(parts.values()), seconds)
 
@@ -96,8 +97,9 @@ def cp_mode_options(m, cp: int, tp: int) -> list[tuple[str, int]]:
 
 
 def choose_cp_mode(m, tokens: int, cp: int, tp: int, e: int, recompute: str, bandwidth: float,
-                   latency: float, attention_s: float = 0.0, overlap: float = 0.0) -> list[CPModeTime]:
+                   latency: float, attention_s: float = 0.0, overlap: float = 0.0,
+                   hop_factor: float = 1.0) -> list[CPModeTime]:
     """Every mode cp can run, fastest first (ties: fewer bytes, then the ring's order above)."""
     times = [cp_mode_seconds(m, tokens, cp, tp, e, recompute, mode, u, bandwidth, latency,
-                             attention_s, overlap) for mode, u in cp_mode_options(m, cp, tp)]
+                             attention_s, overlap, hop_factor) for mode, u in cp_mode_options(m, cp, tp)]
     return sorted(times, key=lambda t: (t.seconds, t.bytes))

@@ -209,7 +209,8 @@ def _cp_mode(w: Workload, s: Strategy, cluster: Cluster, rate: float) -> tuple[s
     bw, lat, _ = group_link(cluster, lay.cp, lay.tp)
     tokens = s.micro_batch * w.seq_len
     best = choose_cp_mode(m, tokens, lay.cp, lay.tp, s.dtypes.param_bytes, s.recompute, bw, lat,
-                          _attention_seconds(w, s, rate, lay.cp), cluster.calibration.overlap)[0]
+                          _attention_seconds(w, s, rate, lay.cp), cluster.calibration.overlap,
+                          cluster.calibration.factor("send_recv"))[0]
     return best.mode, best.ulysses
 
 
@@ -255,7 +256,9 @@ def _cp_ring(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: 
     attention compute (causal: half the dense 4·h·s FLOPs per token forward, twice that
     backward, per rank 1/(t·c) of it), up to the device's overlap fraction (none on a CPU:
     gloo's threads need the compute cores); the gradient hops are waited for at once (the block's
-    gradient must arrive before the next block is computed on): on the critical path."""
+    gradient must arrive before the next block is computed on): on the critical path. A hop is
+    one step of the link's model times the device's measured send_recv factor (a hop timed among
+    matmuls: hardware/gloo_probe.py)."""
     lay, m, e = s.layout, w.model, s.dtypes.param_bytes
     micro, layers = s.grad_accum, sp.layers
     tokens = s.micro_batch * w.seq_len
@@ -265,8 +268,10 @@ def _cp_ring(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: 
     kv_hops = (ring - 1) * (3 if s.recompute != "none" else 2) * layers * micro
     grad_hops = ring * layers * micro
     bw, lat, where = group_link(cluster, ring, lay.tp * a2a)
-    kv, kv_latency = collective_parts("p2p", kv_hops * block * e, ring, bw, lat, kv_hops)
-    grads, grads_latency = collective_parts("p2p", grad_hops * block * 4, ring, bw, lat, grad_hops)
+    kv, kv_latency = measured_factor(cluster, "send_recv", *collective_parts("p2p", kv_hops * block * e, ring, bw,
+                                                                              lat, kv_hops))
+    grads, grads_latency = measured_factor(cluster, "send_recv", *collective_parts("p2p", grad_hops * block * 4,
+                                                                                    ring, bw, lat, grad_hops))
     window = micro * _attention_seconds(w, s, rate, lay.cp) * layers / m.n_layers
     kv_exposed = hidden(kv, window, cluster.calibration.overlap)
     return CommTime("context-parallel ring", f"{ring} ranks, {where}", total, kv + grads, kv_exposed + grads,

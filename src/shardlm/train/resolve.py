@@ -138,7 +138,7 @@ def _decide_cp_mode(cfg: Config, where: Cluster) -> Config:
     attention_s = 3 * 2 * m.d_model * t.seq_len * tokens * m.n_layers / (par.tp * par.cp) / rate
     e = 2 if compute in ("bf16", "fp16") else 4
     ranked = choose_cp_mode(m, tokens, par.cp, par.tp, e, cfg.activation.checkpoint, bandwidth, latency,
-                            attention_s, where.calibration.overlap)
+                            attention_s, where.calibration.overlap, where.calibration.factor("send_recv"))
     best = ranked[0]
     par.cp_mode, par.cp_ulysses = best.mode, best.ulysses if best.mode == "hybrid" else 0
     log.info("parallel.cp_mode = auto: %s — %s", best.mode, ", ".join(
