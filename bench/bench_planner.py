@@ -17,7 +17,8 @@ the bench writes back dirty pages and waits (up to a minute) until the rest of t
 under a tenth of a core, and it reports what the rest used while the case ran ("other CPU":
 /proc/stat's busy time less the bench's and its ranks'); the load average lags a minute behind
 and cannot tell a case's neighbours from its own ranks. The calibration (`shardlm calibrate
---again`) is taken anew at the start, beside the cases it predicts.
+--again`) is taken anew at the start, beside the cases it predicts, and with nvme cases the disk
+(`shardlm calibrate --disk .`: 1, 2 and 4 ranks streaming at once) too.
 
 Targets: model-state bytes within 2%, peak process memory within 10%, step time within 20% (issue 30).
 
@@ -249,6 +250,10 @@ def main(argv=None) -> None:
                         str(model["seq"] // split), "--micro-batch", str(model["micro_batch"]), "--precision",
                         model["precision"], "--ranks", str(n), "--recompute", ac, "--tp", str(tp)]
                        + ([] if args.predict_from else ["--again"]), check=True, stdout=subprocess.DEVNULL)
+    if not args.predict_from and any(case[3] == "nvme" for case in selected):
+        # the disk as 1, 2 and 4 ranks stream through it at once, where the cases' files go
+        subprocess.run([sys.executable, "-m", "shardlm", "calibrate", "--disk", ".", "--again"], check=True,
+                       stdout=subprocess.DEVNULL)
 
     rows = []
     if args.predict_from:

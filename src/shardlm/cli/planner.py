@@ -5,6 +5,7 @@ cli/main.py, which parses the command line and dispatches here."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from shardlm.errors import ConfigError
 
@@ -207,6 +208,21 @@ def calibrate_args(p: argparse.ArgumentParser) -> None:
                    help="activation.checkpoint of the whole-model pass timed on a CPU (its in-situ factor)")
     p.add_argument("--repeats", type=int, default=5, help="timings per matmul shape (the best is kept) and of the whole pass (the median)")
     p.add_argument("--again", action="store_true", help="measure anew instead of reading the cache")
+    p.add_argument("--disk", metavar="DIR", type=Path,
+                   help="also measure the disk under DIR as the nvme tier streams (zero.offload_* = nvme): "
+                        "1, 2 and 4 ranks reading and writing at once, ~2 GB written; alone (without "
+                        "--model) it measures only the disk")
+
+
+def _calibrate_disk(args: argparse.Namespace) -> list[str]:
+    """`--disk DIR`: the nvme tier's read + write rate under DIR with 1, 2 and 4 ranks streaming
+    at once (hardware/disk_probe.py), cached per machine; the planner's local CPU cluster reads it."""
+    from shardlm.hardware.probe import disk_streams
+
+    measured = disk_streams(args.disk, again=args.again)
+    return [f"  disk under {args.disk}: " + ", ".join(
+        f"{n} rank(s) streaming {v['bytes_per_s'] / 1e9:.2f} GB/s read + write in all" for n, v in sorted(measured.items()))
+        + " (O_DIRECT 64 MiB blocks, as the nvme tier; the planner's Nxcpu clusters read it)"]
 
 
 def _model_pass(model, seq: int, args: argparse.Namespace, threads: int) -> str:
@@ -250,6 +266,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     if min(args.micro_batch, args.tp, args.ranks, args.repeats) < 1:
         raise ConfigError("--micro-batch, --tp, --ranks and --repeats must be >= 1")
+    if args.disk is not None and args.model is None and args.params is None:
+        print("\n".join([f"calibrate: the disk under {args.disk}", *_calibrate_disk(args)]))
+        return 0
     model, seq = model_input(args)
     if model.n_heads % args.tp:
         raise ConfigError(f"--tp {args.tp} does not divide the {model.n_heads} attention heads")
@@ -318,6 +337,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
         lines.append(f"  {describe_memory_rates(memory_probe(threads, again=args.again))}")
         lines.append(f"  {_model_pass(model, seq, args, threads)}")
+    if args.disk is not None:
+        lines += _calibrate_disk(args)
     loaded = [c for c in curve if c["loaded"]]
     if loaded or load > cores:
         lines.append(f"  LOAD: {len(loaded)} of {len(curve)} shapes timed beside other work (median more "

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from shardlm.errors import ConfigError
+from shardlm.hardware.disk_probe import stream_rate
 from shardlm.hardware.curves import (MatmulCurve, describe_memory_rates, intensity, interpolate,  # noqa: F401 (re-exported)
                                      measured_curve)
 from shardlm.hardware.prices import GRID_DEFAULT, PRICES, PUE_DEFAULT, Price, find_price  # noqa: F401 (re-exported)
@@ -409,9 +410,9 @@ def local_cpu(n_ranks: int) -> Cluster:
     bandwidth = measured.get("gloo_in_step_bandwidth_two", measured["gloo_in_step_bandwidth"])
     gloo = Link("gloo-local", bandwidth * share, measured["gloo_in_step_latency"], 1.0,
                 f"measured: collectives between {measured.get('in_step_ranks', 2)} local gloo ranks among matmuls")
+    disk, disk_source = local_disk(measured.get("disk") or {}, n_ranks)
     node = Node(n_ranks, gloo, LINKS["eth-10"], 1, gloo, available_memory(),
-                measured["memory_bandwidth"], LOCAL_DISK_BANDWIDTH,
-                f"this machine (disk: one drive, {LOCAL_DISK_BANDWIDTH / 1e9:.2g} GB/s read + write)")
+                measured["memory_bandwidth"], disk, f"this machine (disk: {disk_source})")
     # A worker also holds its tokenizer, data loader and threads: +100 MB over the probe's
     # imports and gloo (measured: a gpt-tiny training rank at 324 MiB, the probe's at 228).
     calibration = replace(CALIBRATION["cpu"], runtime_reserve=measured["baseline_rss"] + 1e8,
@@ -421,10 +422,23 @@ def local_cpu(n_ranks: int) -> Cluster:
 
 
 LOCAL_DISK_BANDWIDTH = 1.2e9
-"""Read + write bytes/s of the disk the nvme tier streams through, not probed (a disk probe
-writes GBs): bench/bench_offload.py measured this machine's at 0.95-1.37 GB/s with O_DIRECT
-64 MiB blocks reading and writing at once, and the tier's own optimizer stream at 1.17-1.19
-GB/s (runs/bench_offload.log); it was an assumed 2 GB/s before."""
+"""Read + write bytes/s of the disk the nvme tier streams through where `shardlm calibrate
+--disk` never measured it (a disk probe writes GBs, so only when asked): bench/bench_offload.py
+measured this machine's at 0.95-1.37 GB/s with O_DIRECT 64 MiB blocks reading and writing at
+once, and the tier's own optimizer stream at 1.17-1.19 GB/s (runs/bench_offload.log)."""
+
+
+def local_disk(streams: dict[int, dict], n_ranks: int) -> tuple[float, str]:
+    """(read + write bytes/s in all while `n_ranks` ranks stream at once, its source): from the
+    stream counts calibrate measured (hardware/disk_probe.py; linear between them), else
+    LOCAL_DISK_BANDWIDTH. The planner gives each of the node's ranks 1/n of it."""
+    if not streams:
+        return LOCAL_DISK_BANDWIDTH, (f"{LOCAL_DISK_BANDWIDTH / 1e9:.2g} GB/s read + write assumed; "
+                                      f"`shardlm calibrate --disk DIR` measures it")
+    rate = stream_rate({n: v["bytes_per_s"] for n, v in streams.items()}, n_ranks)
+    where = next(iter(streams.values()))["directory"]
+    return rate, (f"{rate / 1e9:.2f} GB/s read + write with {n_ranks} rank(s) streaming at once, measured "
+                  f"under {where} by `shardlm calibrate --disk`")
 
 
 def at_least_one_thread(rates: dict, one: dict) -> dict:

@@ -49,15 +49,20 @@ def _cached(key: str, measure, machine: str | None = None, again: bool = False) 
     """The cache's entry for `key` on `machine` (default: this CPU's model), measured (and
     written) on first use, or anew with `again`. Concurrent ranks may both measure; the file is
     replaced atomically, so a reader never sees a torn table."""
-    path = _cache_path()
     full_key = f"v{_VERSION}|{machine or cpu_name()}|torch {torch.__version__}|{key}"
-    table = json.loads(path.read_text()) if path.is_file() else {}
+    table = _table()
     if full_key not in table or again:
         value = measure()
-        table = json.loads(path.read_text()) if path.is_file() else {}
+        table = _table()
         table[full_key] = value
-        atomic_write(path, json.dumps(table, indent=1))
+        atomic_write(_cache_path(), json.dumps(table, indent=1))
     return table[full_key]
+
+
+def _table() -> dict:
+    """The whole cache, as on disk now."""
+    path = _cache_path()
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _time_matmul(dtype: torch.dtype, seconds: float = 0.5) -> float:
@@ -104,7 +109,8 @@ def measure_cpu(n_ranks: int) -> dict:
     256 MiB copy's memory bandwidth, gloo's latency and bandwidth between two spawned ranks
     (back to back, and among matmuls: _in_step), and those ranks' baseline RSS (a few seconds
     the first time); with more ranks than cores, the collectives among matmuls of that many
-    ranks (oversubscribed_in_step, once per rank count)."""
+    ranks (oversubscribed_in_step, once per rank count); the disk's stream rates where
+    `shardlm calibrate --disk` measured them (disk_streams)."""
     # Ranks first: they must not start from this process's big buffers.
     machine = _cached(f"cores={cpu_cores()}|machine", lambda: {**gloo_probe(),
                                                                "memory_bandwidth": _memory_bandwidth()})
@@ -114,7 +120,7 @@ def measure_cpu(n_ranks: int) -> dict:
     threads = max(1, cpu_cores() // n_ranks)
     peak = {p: cpu_peak_flops(p, threads) for p in DTYPES}
     return {**machine, "cpu": cpu_name(), "cores": cpu_cores(), "threads": threads, "peak": peak,
-            "passes": cached_passes(threads),
+            "passes": cached_passes(threads), "disk": disk_streams(),
             "curve": {p: machine_curve(p, threads, peak[p]) for p in DTYPES},
             "memory": memory_probe(threads), **({"memory_one_thread": memory_probe(1)} if threads > 1 else {})}
 
@@ -349,10 +355,8 @@ def cached_curve(precision: str, threads: int, device: str = "cpu") -> list[dict
     """Every matmul_curve entry in the cache for this CPU or GPU model, torch version, thread
     count and precision: the model shapes any `shardlm calibrate` timed here, and the probe's
     generic ones. Read only: nothing is measured."""
-    path = _cache_path()
-    table = json.loads(path.read_text()) if path.is_file() else {}
     prefix = f"v{_VERSION}|{device_name(device)}|torch {torch.__version__}|threads={threads}|{precision}|mm "
-    return [value for key, value in sorted(table.items()) if key.startswith(prefix)]
+    return [value for key, value in sorted(_table().items()) if key.startswith(prefix)]
 
 
 def cached_pass(key: str, threads: int, measure, again: bool = False) -> dict:
@@ -364,10 +368,23 @@ def cached_pass(key: str, threads: int, measure, again: bool = False) -> dict:
 def cached_passes(threads: int) -> dict[str, float]:
     """Every model pass `shardlm calibrate` cached on this CPU and torch at `threads` threads:
     pass_key -> seconds. Read only: nothing is measured."""
-    path = _cache_path()
-    table = json.loads(path.read_text()) if path.is_file() else {}
     prefix = f"v{_VERSION}|{cpu_name()}|torch {torch.__version__}|threads={threads}|pass "
-    return {key[len(prefix):]: value["seconds"] for key, value in table.items() if key.startswith(prefix)}
+    return {key[len(prefix):]: value["seconds"] for key, value in _table().items() if key.startswith(prefix)}
+
+
+def disk_streams(directory: Path | None = None, again: bool = False) -> dict[int, dict]:
+    """{ranks streaming at once: {"bytes_per_s": read + write in all, "directory": ...}} of this
+    machine's disk (hardware/disk_probe.py): measured under `directory` for each of its STREAMS
+    (`shardlm calibrate --disk`; anew with `again`), else only what the cache holds ({} where it
+    was never measured: the planner then assumes catalog.LOCAL_DISK_BANDWIDTH)."""
+    from shardlm.hardware.disk_probe import STREAMS, stream_bandwidth
+
+    if directory is None:
+        prefix = f"v{_VERSION}|{cpu_name()}|torch {torch.__version__}|disk|streams="
+        return {int(key[len(prefix):]): value for key, value in _table().items() if key.startswith(prefix)}
+    return {n: _cached(f"disk|streams={n}", lambda: {"bytes_per_s": stream_bandwidth(directory, n),
+                                                       "directory": str(directory.resolve())}, again=again)
+            for n in STREAMS}
 
 
 def machine_curve(precision: str, threads: int, peak: float, device: str = "cpu",
