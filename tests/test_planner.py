@@ -297,6 +297,36 @@ def test_zero3_exposure_is_charged_unit_by_unit(capsys):
     assert "root unit, last: nothing left to compute" in out and "ms of it latency" in out
 
 
+def test_stage3_gathered_parameters_by_phase_on_gloo(monkeypatch):
+    """ZeRO-3 on a CPU (gloo's all-gather allocates its output again, alive until waited for),
+    phase by phase as zero/params.py gathers: at the loss's backward the root is gathered and the
+    last block's gather for backward is in flight when prefetching (root + block + its copy),
+    nothing more without prefetch; in a block's backward the current block, the prefetched next
+    and its copy beside the root."""
+    import shardlm.hardware.probe as probe
+    from shardlm.hardware.catalog import local_cpu
+
+    monkeypatch.setattr(probe, "measure_cpu", lambda n: {
+        "cpu": "test", "cores": 2, "threads": 1, "peak": {"fp32": 5e10}, "memory_bandwidth": 1e10,
+        "gloo_in_step_bandwidth": 1e9, "gloo_in_step_latency": 1e-4, "baseline_rss": 2e8,
+        "gloo_in_step_all_gather_factor": 1.0, "gloo_in_step_reduce_scatter_factor": 1.0,
+        "gloo_in_step_send_recv_factor": 1.0})
+    w = Workload(preset_model("gpt-tiny"), 64, 2)
+    s = Strategy(ParallelDims(dp_shard=2), 3, 1, 1, dtypes=Dtypes("fp32"))
+    sp = stage_params(w, s.layout)[0]
+    root, block = 4 * sp.root_unit, 4 * sp.block_unit
+
+    def phases(strategy):
+        memory = estimate_memory(w, strategy, local_cpu(2))
+        return next(b for i in memory.items if i.name == "buffers" for b in i.parts
+                    if b.name == "gathered parameters").phases
+
+    on, off = phases(s), phases(replace(s, prefetch=False))
+    assert on["loss"] == pytest.approx(root + 2 * block) and off["loss"] == pytest.approx(root)
+    assert on["blocks"] == pytest.approx(root + 3 * block) and off["blocks"] == pytest.approx(root + 2 * block)
+    assert on["embedding"] == off["embedding"] == pytest.approx(root)
+
+
 def test_groups_inside_a_node_use_nvlink_and_across_nodes_their_adapter_share():
     cluster = parse_cluster("2x8xA100-80GB")
     nvlink, ib = LINKS["nvlink3"], LINKS["ib-hdr"]

@@ -177,7 +177,12 @@ def _buffer_items(w: Workload, sp: StageParams, s: Strategy, cluster: Cluster,
         block_bytes = e * block - (e - 1) * fp8
         gathered = e * root + (2 if s.prefetch else 1) * block_bytes
         gloo = cluster.device.kind == "cpu"  # gloo's all-gather allocates its output again
-        phases = {"loss": gathered + (e * root if gloo else 0),
+        # At the loss's backward the root is gathered (since the forward began) and the last
+        # block is not (freed after its forward); backward reaching the head starts the last
+        # block's gather when prefetching (zero/params.py _next_in_backward), its gloo copy
+        # alive until it is waited for.
+        in_flight = (2 if gloo else 1) * block_bytes if s.prefetch else 0.0
+        phases = {"loss": e * root + in_flight,
                   "blocks": gathered + (block_bytes if gloo else 0), "embedding": e * root}
         items.append(Item("gathered parameters", max(phases.values()), f"{e} B x ({units}"
                           + (" x 2): the " if s.prefetch else "): the ")
