@@ -108,7 +108,10 @@ def _state_items(sp: StageParams, lay: ParallelDims, s: Strategy, cluster: Clust
                                                          else "") + why_local),
         Item("gradients", total["grads"], f"{g} B x Ψ_r{shard(s.zero_stage >= 2)} " + (
              "(fp32 param.grad, backward to step: counted against activations, the larger wins)"
-             if local else f"(persistent, {d.compute if d.reduce == 'auto' else d.reduce})")),
+             if local else f"(persistent, {d.compute if d.reduce == 'auto' else d.reduce})" if s.zero_stage < 2
+             else f"({d.compute if d.reduce == 'auto' else d.reduce}, each unit's from its reduction to the step)"),
+             phases=_shard_phases(total["grads"], g * sp.root_unit / n_dense, lay.pp) if s.zero_stage >= 2 and not local
+             else {}),
         Item("optimizer states", 0.0 if opt_tier != "none" else total["optimizer"],
              f"K={k} B x Ψ_r{shard(s.zero_stage >= 1)}{master}"
              + (f", held on {opt_tier}" if opt_tier != "none" else "")),
@@ -120,6 +123,19 @@ def _state_items(sp: StageParams, lay: ParallelDims, s: Strategy, cluster: Clust
                           + (" + outer momentum" if words == 2 else "") + ", train.local_sgd)"))
     return items, {**total, "p": p, "g": g, "k": k, "n": n_dense, "opt_tier": opt_tier,
                    "param_tier": param_tier}
+
+
+def _shard_phases(grads: float, root: float, pp: int) -> dict[str, float]:
+    """Stages 2-3's gradient shards by phase of backward (zero/engine.py): a unit's shard is
+    allocated by its reduction and dropped after the optimizer step (zero_grad), so at the loss's
+    backward none exists; the blocks' appear one by one as the backward frees at least as many
+    bytes of their saved activations (a block's shard is Ψ_block/N, its saved activations b·s x
+    tens of h), so a block's backward peaks at the first, with none; the embedding's backward
+    holds every block's, the root's reduction all. A pipeline stage reduces after its last
+    backward: all at once, at the end."""
+    if pp > 1:
+        return {"root": grads}
+    return {"embedding": grads - root, "root": grads}
 
 
 def _buffer_items(w: Workload, sp: StageParams, s: Strategy, cluster: Cluster,
