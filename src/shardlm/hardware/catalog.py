@@ -402,13 +402,12 @@ def local_cpu(n_ranks: int) -> Cluster:
         memory_source=describe_memory_rates(rates) + (f", x {share:.2g} (ranks share the cores)" if share < 1 else "")
         if rates else "")
     # The ring model fitted to collectives timed among matmuls, as a step issues them (gloo_
-    # probe._in_step). Its latency: two ranks' on two cores, or with more ranks than cores that
-    # many ranks' (oversubscribed_in_step: the time-sharing measured in it, not stretched). Its
-    # bandwidth: two ranks', time-shared (x share): the oversubscribed fit over <= 4 MiB held
-    # ~2 GB/s, which predicted gpt2-124m's 4-rank ZeRO-2 step -30% (its buckets are ~100 MB);
-    # time-shared, +6%.
-    bandwidth = measured.get("gloo_in_step_bandwidth_two", measured["gloo_in_step_bandwidth"])
-    gloo = Link("gloo-local", bandwidth * share, measured["gloo_in_step_latency"], 1.0,
+    # probe._in_step): two ranks' on two cores, or with more ranks than cores that many ranks'
+    # (oversubscribed_in_step), whose time-sharing is measured in it: neither its latency nor
+    # its bandwidth is stretched again. (Fitted up to 4 MiB, the oversubscribed bandwidth came
+    # out ~2 GB/s and was replaced by two ranks' x share; with the 16 MiB point it is ~0.9 GB/s
+    # for 4 ranks on 2 cores, against two ranks' ~1.0: gloo's copies mostly wait on the loopback.)
+    gloo = Link("gloo-local", measured["gloo_in_step_bandwidth"], measured["gloo_in_step_latency"], 1.0,
                 f"measured: collectives between {measured.get('in_step_ranks', 2)} local gloo ranks among matmuls")
     disk, disk_source = local_disk(measured.get("disk") or {}, n_ranks)
     node = Node(n_ranks, gloo, LINKS["eth-10"], 1, gloo, available_memory(),

@@ -116,7 +116,7 @@ def measure_cpu(n_ranks: int) -> dict:
                                                                "memory_bandwidth": _memory_bandwidth()})
     if n_ranks > cpu_cores():  # its collectives as they are with the cores time-shared
         machine = {**machine, **oversubscribed_in_step(n_ranks, machine["gloo_latency"], machine["gloo_bandwidth"]),
-                   "in_step_ranks": n_ranks, "gloo_in_step_bandwidth_two": machine["gloo_in_step_bandwidth"]}
+                   "in_step_ranks": n_ranks}
     threads = max(1, cpu_cores() // n_ranks)
     peak = {p: cpu_peak_flops(p, threads) for p in DTYPES}
     return {**machine, "cpu": cpu_name(), "cores": cpu_cores(), "threads": threads, "peak": peak,
