@@ -219,8 +219,8 @@ class Calibration:
     half_width: float
     """Matmul efficiency scales by h / (h + half_width): small matrices fill less of the chip."""
     collective_factors: tuple[tuple[str, float], ...] = ()
-    """Measured time / ring-model time per collective (gloo's all-gather and reduce-scatter
-    are not rings, and its ring hop, send_recv, costs more than one step of its all-reduce);
+    """Measured time / ring-model time per collective, at least 1 (gloo's all-gather and
+    reduce-scatter are not rings; its ring hop, send_recv, is timed apart from its all-reduce);
     1 for what is not listed."""
 
     def factor(self, op: str) -> float:

@@ -1,8 +1,9 @@
 """The disk the nvme tier streams through (zero/tiers/nvme.py), as the planner's local CPU
 cluster needs it (hardware.catalog.local_cpu): the read + write bytes/s of 1, 2 and 4 ranks
-streaming at once. A drive serves several streams faster in all than one (measured here with dd:
-1, 2 and 4 O_DIRECT writers reached 1.04, 1.36 and 1.39 GB/s in all), so N ranks do not each get
-1/N of one stream's rate. Measured only when asked (`shardlm calibrate --disk DIR`: it writes
+streaming at once, since a drive may serve several streams faster in all than one (dd here: 1, 2
+and 4 O_DIRECT writers reached 1.04, 1.36 and 1.39 GB/s in all) or not (this probe here, four
+runs: 1.47-1.49, 1.43-1.68 and 1.32-1.69 GB/s read + write for 1, 2 and 4 streams), so N ranks
+get 1/N of what N streams measured, not of one stream's rate. Measured only when asked (`shardlm calibrate --disk DIR`: it writes
 ~2 GB); hardware/probe.py caches it per machine. Measurements only; no torch.
 """
 
@@ -41,9 +42,11 @@ def stream_bandwidth(directory: Path, streams: int, nbytes: int = 4 * BLOCK, blo
     with tempfile.TemporaryDirectory(dir=directory, prefix="shardlm-disk-") as tmp:
         source = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
         source.write(os.urandom(block))
-        reads = [_open(Path(tmp) / f"read-{i}") for i in range(streams)]
-        writes = [_open(Path(tmp) / f"write-{i}") for i in range(streams)]
+        reads: list[int] = []
+        writes: list[int] = []
         try:
+            reads += [_open(Path(tmp) / f"read-{i}") for i in range(streams)]
+            writes += [_open(Path(tmp) / f"write-{i}") for i in range(streams)]
             for fd in reads:
                 for off in range(0, nbytes, block):
                     os.pwritev(fd, [source], off)

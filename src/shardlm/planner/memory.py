@@ -102,16 +102,17 @@ def _state_items(sp: StageParams, lay: ParallelDims, s: Strategy, cluster: Clust
     why_local = " (one process: fp32 parameters and gradients, fp32 master is the parameter)" if local else ""
     master = "" if local else f" (Adam m, v in {d.master}" + (
         f" + {d.master} master" if k > 2 * DTYPE_BYTES[d.master] else "") + ")"
+    reduce = d.compute if d.reduce == "auto" else d.reduce
+    shards_transient = s.zero_stage >= 2 and not local  # zero_grad drops them after the step
+    grads_life = ("fp32 param.grad, backward to step: counted against activations, the larger wins" if local
+                  else f"{reduce}, each unit's from its reduction to the step" if shards_transient
+                  else f"persistent, {reduce}")
     items = [
         Item("parameters", 0.0 if param_tier != "none" else total["params"],
              f"{p} B x Ψ_r{shard(s.zero_stage >= 3)}" + (f", held on {param_tier}" if param_tier != "none"
                                                          else "") + why_local),
-        Item("gradients", total["grads"], f"{g} B x Ψ_r{shard(s.zero_stage >= 2)} " + (
-             "(fp32 param.grad, backward to step: counted against activations, the larger wins)"
-             if local else f"(persistent, {d.compute if d.reduce == 'auto' else d.reduce})" if s.zero_stage < 2
-             else f"({d.compute if d.reduce == 'auto' else d.reduce}, each unit's from its reduction to the step)"),
-             phases=_shard_phases(total["grads"], g * sp.root_unit / n_dense, lay.pp) if s.zero_stage >= 2 and not local
-             else {}),
+        Item("gradients", total["grads"], f"{g} B x Ψ_r{shard(s.zero_stage >= 2)} ({grads_life})",
+             phases=_shard_phases(total["grads"], g * sp.root_unit / n_dense, lay.pp) if shards_transient else {}),
         Item("optimizer states", 0.0 if opt_tier != "none" else total["optimizer"],
              f"K={k} B x Ψ_r{shard(s.zero_stage >= 1)}{master}"
              + (f", held on {opt_tier}" if opt_tier != "none" else "")),
