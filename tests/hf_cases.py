@@ -73,3 +73,75 @@ def hf_built(rank: int, world_size: int, cases: list[tuple[str, dict]]) -> list[
             out.append({n: t.detach().float().clone() for n, t in
                         [*run.model.named_parameters(), *run.model.named_buffers()]})
     return out
+
+
+# A checkpoint directory as a downloaded instruct model has it (SmolLM2-Instruct's layout): a
+# tokenizer with added special tokens, a ChatML chat_template.jinja, generation_config.json and
+# bos / eos / pad ids that are not 0.
+INSTRUCT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+          " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+INSTRUCT_REPLY = "Hi"
+"""What `instruct_dir`'s model answers greedily to anything, then <|im_end|>."""
+INSTRUCT_VOCAB = 320
+INSTRUCT_CHATS = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                  for q, a in (("Hello there", "Hi"), ("What is two plus two?", "Four."),
+                               ("Name a colour.", "Blue."), ("Say yes.", "Yes."))]
+
+
+def instruct_dir(root: Path) -> Path:
+    """A tiny LlamaForCausalLM saved by transformers with its tokenizer (save_pretrained of a
+    PreTrainedTokenizerFast: tokenizer.json, tokenizer_config.json with added_tokens_decoder,
+    chat_template.jinja; special_tokens_map.json as older hub models ship it),
+    generation_config.json with a list of eos ids, and bos 1 / eos 2 / pad 2. Its weights make
+    it a bigram model whose greedy reply to the generation prompt is INSTRUCT_REPLY and then
+    <|im_end|>: the blocks add nothing (o_proj and down_proj zero), so the next token depends on
+    the last one only, through the embedding and the head."""
+    import transformers as tf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    texts = [m["content"] for chat in INSTRUCT_CHATS for m in chat["messages"]] + ["system user assistant"]
+    tok.train_from_iterator(texts * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=INSTRUCT_SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
+                                      eos_token="<|im_end|>", pad_token="<|im_end|>",
+                                      unk_token="<|endoftext|>", model_max_length=2048)
+    fast.chat_template = CHATML
+    root.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(root)
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="PreTrainedTokenizerFast", clean_up_tokenization_spaces=False,
+                  added_tokens_decoder={str(i): {"content": t, "lstrip": False, "normalized": False,
+                                                 "rstrip": False, "single_word": False, "special": True}
+                                        for i, t in enumerate(INSTRUCT_SPECIALS)})
+    (root / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")  # as the hub's
+    if not (root / "special_tokens_map.json").exists():
+        (root / "special_tokens_map.json").write_text(json.dumps(
+            {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+             "unk_token": "<|endoftext|>"}, indent=2) + "\n")
+    config = tf.LlamaConfig(vocab_size=INSTRUCT_VOCAB, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(config)
+    ids = [fast.convert_tokens_to_ids(t) for t in fast.tokenize("\n" + INSTRUCT_REPLY)]
+    chain = ids + [2]  # "\n" (the generation prompt's last token) -> the reply -> <|im_end|>
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        head = model.lm_head.weight
+        head.mul_(0.01)
+        for current, following in zip(chain, chain[1:]):
+            head[following] = 10 * embed[current] / embed[current].norm()
+    model.generation_config = tf.GenerationConfig(bos_token_id=1, eos_token_id=[2, 0], pad_token_id=2,
+                                                  max_new_tokens=64)
+    model.save_pretrained(root)
+    return root

@@ -16,6 +16,10 @@ dense blocks between the sparse ones, capacity dropping) — are a ConfigError n
 The output directory holds `model.safetensors`, `config.json`, `generation_config.json` (written
 by `save_pretrained`), our `tokenizer.json` and a `tokenizer_config.json`, so
 `AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)` both work.
+A run of model.hf_path writes the checkpoint's own identity back instead (carried into the run by
+hf_dir.carry_identity, checked against its sha256s): its tokenizer files, chat template and
+generation_config.json byte for byte, and config.json's bos/eos/pad ids as the checkpoint's;
+`--format peft` puts its tokenizer files beside the adapter.
 A LoRA run exports its base (its adapters go to PEFT's format: `export_peft`, `--format peft`;
 checkpoint/peft_adapter.py),
 or with `--merge` the base with the adapters folded into the weights. A run of a transformers
@@ -42,6 +46,7 @@ from shardlm.checkpoint import (TOKENIZER, WEIGHTS, load_config_json, load_for_i
                                resolve_run_dir)
 from shardlm.checkpoint.hf_names import (GEMMA_FAMILIES, MOE_FAMILIES, heads_first, hf_family,
                                          hf_sources, moe_sources, query_pre_attn_scalar)
+from shardlm.checkpoint.hf_dir import read_identity, write_identity
 from shardlm.checkpoint.weights import HF_CONFIG
 from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, merged_state_dict, peft_adapter, write_adapter
 from shardlm.config import ModelConfig
@@ -327,11 +332,24 @@ def _write_staged(out: Path, write) -> Path:
     return out
 
 
-def _save_with_tokenizer(model, staging: Path, src: Path, tokenizer_config: dict) -> None:
-    """A transformers model's `save_pretrained`, the run's tokenizer.json and its config."""
+def _save_with_tokenizer(model, staging: Path, src: Path, tokenizer_config: dict,
+                         identity: dict | None = None) -> None:
+    """A transformers model's `save_pretrained`, the run's tokenizer.json and its config; a run
+    of model.hf_path: the checkpoint's own tokenizer files, chat template and generation config
+    instead, byte for byte (checkpoint/hf_dir.py carry_identity)."""
     model.save_pretrained(staging)
+    if identity is not None:
+        write_identity(src, staging, identity)
+        return
     shutil.copyfile(src / TOKENIZER, staging / TOKENIZER)
     (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def _set_token_ids(config, identity: dict | None) -> None:
+    """config.json's bos/eos/pad ids as the checkpoint's (an eos list stays a list); the model's
+    generation config follows them where the checkpoint had no generation_config.json."""
+    for key, value in (identity or {}).get("token_ids", {}).items():
+        setattr(config, key, value)
 
 
 
@@ -353,10 +371,12 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
                           f"are no adapters to merge; export it without --merge")
     if (src / HF_CONFIG).is_file():  # a transformers module: its own class saves it
         return export_module(src, out, force, merge)
+    identity = read_identity(src)  # a run of model.hf_path: the checkpoint's tokens and template
     model, tokenizer, cfg = load_for_inference(src, torch.device("cpu"))
     m = cfg.model
     eot = tokenizer.token_to_id(EOT)
     config = hf_config(m, eot)
+    _set_token_ids(config, identity)
     cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
            "qwen3": tf.Qwen3ForCausalLM, "mixtral": tf.MixtralForCausalLM, "gemma": tf.GemmaForCausalLM,
            "gemma2": tf.Gemma2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
@@ -385,7 +405,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
     if leftover:
         raise ConfigError(f"internal error mapping to {cls.__name__}: no values for {leftover}")
     return _write_staged(out, lambda staging: _save_with_tokenizer(
-        hf_model, staging, src, _tokenizer_config(eot, m.max_seq_len)))
+        hf_model, staging, src, _tokenizer_config(eot, m.max_seq_len), identity))
 
 
 def export_peft(run_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
@@ -403,7 +423,14 @@ def export_peft(run_dir: str | Path, out_dir: str | Path, force: bool = False) -
     cfg = load_config_json(src)
     sd = load_file(str(src / WEIGHTS))
     peft_adapter(sd, cfg)  # refused before anything is written
-    return _write_staged(out, lambda staging: write_adapter(staging, sd, cfg))
+    identity = read_identity(src)
+
+    def write(staging: Path) -> None:
+        write_adapter(staging, sd, cfg)
+        if identity is not None:  # the tokenizer beside the adapter, as peft users save it
+            write_identity(src, staging, identity, tokenizer_only=True)
+
+    return _write_staged(out, write)
 
 
 def export_module(run_dir: str | Path, out_dir: str | Path, force: bool = False,
@@ -422,10 +449,15 @@ def export_module(run_dir: str | Path, out_dir: str | Path, force: bool = False,
         remove_lora(model, merge)
     inner = model.model
     inner.config.use_cache = True
+    identity = read_identity(src)
+    _set_token_ids(inner.config, identity)
+    if getattr(inner, "generation_config", None) is not None:
+        _set_token_ids(inner.generation_config, identity)
     eos = getattr(inner.config, "eos_token_id", None)
     special = tokenizer.id_to_token(eos) if isinstance(eos, int) else None
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
                         "model_max_length": cfg.model.max_seq_len}
     if special is not None:
         tokenizer_config["eos_token"] = special
-    return _write_staged(out, lambda staging: _save_with_tokenizer(inner, staging, src, tokenizer_config))
+    return _write_staged(out, lambda staging: _save_with_tokenizer(inner, staging, src, tokenizer_config,
+                                                                   identity))

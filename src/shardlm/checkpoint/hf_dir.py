@@ -156,3 +156,95 @@ def module_initializer(directory: str | Path, model: torch.nn.Module, prefix: st
         return flat.view(shapes[name])
 
     return initial_value
+
+
+IDENTITY_DIR, IDENTITY_RECORD = "hf_identity", "identity.json"
+"""A run started from model.hf_path keeps the checkpoint's identity in run_dir/hf_identity/: its
+tokenizer files, chat template and generation config, byte for byte, and identity.json (each
+file's sha256, config.json's special token ids, where they came from)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "tokenizer.model", "vocab.json", "merges.txt")
+"""What transformers' tokenizer `save_pretrained` writes (fast and slow files, the template)."""
+GENERATION_CONFIG = "generation_config.json"
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+TEMPLATES_DIR = "additional_chat_templates"
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def _identity_names(root: Path) -> list[str]:
+    """The identity files `root` holds: TOKENIZER_FILES, generation_config.json and the named
+    templates in additional_chat_templates/ (relative names)."""
+    names = [n for n in (*TOKENIZER_FILES, GENERATION_CONFIG) if (root / n).is_file()]
+    names += [f"{TEMPLATES_DIR}/{p.name}" for p in sorted((root / TEMPLATES_DIR).glob("*.jinja"))]
+    return names
+
+
+def carry_identity(hf_path: str | Path, run_dir: str | Path, write: bool = True) -> dict | None:
+    """Copy model.hf_path's identity into run_dir/hf_identity/ (byte for byte, at the start of a
+    run; `write`: this rank writes, rank 0) and record it there: {"source", "files": {name:
+    sha256}, "token_ids": config.json's bos/eos/pad ids (an eos list kept as a list)}. Returns
+    the record, or None when `hf_path` is empty (our own BPE: nothing to carry) or not `write`.
+    A resumed run keeps the identity it started with. Read through links (a hub snapshot's
+    files are links into its blobs); never written through one."""
+    from shardlm.launch.files import atomic_write
+
+    if not hf_path or not write:
+        return None
+    root, out = Path(hf_path), Path(run_dir) / IDENTITY_DIR
+    if (out / IDENTITY_RECORD).is_file():  # a resumed run: what it started from
+        return read_identity(run_dir)
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        config = {}
+    files = {}
+    for name in _identity_names(root):
+        data = (root / name).read_bytes()
+        target = out / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_symlink():
+            raise HFDirError(f"{target} is a link: the run directory's identity is not written through it")
+        target.write_bytes(data)
+        files[name] = _sha256(data)
+    record = {"source": str(root.resolve()), "files": files,
+              "token_ids": {k: config[k] for k in TOKEN_ID_KEYS if config.get(k) is not None}}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / IDENTITY_RECORD, json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def read_identity(run_dir: str | Path) -> dict | None:
+    """run_dir/hf_identity/'s record with every file checked against its sha256, or None (a run
+    of our own BPE, or one written before identities were carried). A changed or missing file
+    is an HFDirError naming it."""
+    out = Path(run_dir) / IDENTITY_DIR
+    if not (out / IDENTITY_RECORD).is_file():
+        return None
+    record = json.loads((out / IDENTITY_RECORD).read_text())
+    for name, digest in record["files"].items():
+        path = out / name
+        if not path.is_file() or _sha256(path.read_bytes()) != digest:
+            raise HFDirError(f"{path} is missing or changed since the run started (sha256 "
+                             f"{digest[:16]}... recorded in {out / IDENTITY_RECORD}): the "
+                             f"checkpoint's identity cannot be written back; restore it from "
+                             f"{record.get('source')}")
+    return record
+
+
+def write_identity(run_dir: str | Path, directory: str | Path, record: dict,
+                   tokenizer_only: bool = False) -> list[str]:
+    """Copy the carried files (`read_identity`'s `record`) into `directory` byte for byte
+    (replacing what save_pretrained wrote there); `tokenizer_only`: not generation_config.json
+    (beside a PEFT adapter). Returns the names written."""
+    src, dst = Path(run_dir) / IDENTITY_DIR, Path(directory)
+    names = [n for n in record["files"] if not (tokenizer_only and n == GENERATION_CONFIG)]
+    for name in names:
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
+        (dst / name).write_bytes((src / name).read_bytes())
+    return names

@@ -150,10 +150,17 @@ def write_adapter(directory: Path, sd: dict[str, torch.Tensor], cfg: Config,
 
 
 def save_run_adapter(run_dir: Path, tensors: dict[str, torch.Tensor], cfg: Config) -> Path | None:
-    """At the end of a LoRA run: run_dir/adapter/ in the PEFT format, beside model.safetensors.
-    A model no transformers class expresses gets none (logged), never a failed run."""
+    """At the end of a LoRA run: run_dir/adapter/ in the PEFT format, beside model.safetensors
+    (with model.hf_path's tokenizer files, checkpoint/hf_dir.py write_identity). A model no
+    transformers class expresses gets none (logged), never a failed run."""
+    from shardlm.checkpoint.hf_dir import read_identity, write_identity
+
     try:
-        return write_adapter(run_dir / ADAPTER_DIR, tensors, cfg)
+        directory = write_adapter(run_dir / ADAPTER_DIR, tensors, cfg)
+        identity = read_identity(run_dir)
+        if identity is not None:  # model.hf_path's tokenizer beside its adapter
+            write_identity(run_dir, directory, identity, tokenizer_only=True)
+        return directory
     except ConfigError as e:
         log.warning("no PEFT adapter written: %s", e)
         return None

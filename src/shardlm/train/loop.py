@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
+from shardlm.checkpoint.hf_dir import carry_identity
 from shardlm.checkpoint.weights import save_weights
 from shardlm.checkpoint.sharded import (CHECKPOINTS, CheckpointWriter,
                                         load_with_fallback)
@@ -115,6 +116,7 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     check_inputs(cfg, user_model=model is not None)  # before the run directory exists
     runtime = runtime or init_runtime(cfg.run.device, cfg.parallel.collective_timeout_s)
     run_dir = make_run_dir(cfg, runtime)
+    carry_identity(cfg.model.hf_path, run_dir, write=runtime.is_main)  # tokenizer, template, ids
     source = resume_source(cfg, run_dir, runtime)
     replica = fault_tolerance.replica_setup(cfg, runtime)  # parallel.fault_tolerant: its own world
     cfg = replica.resolve(cfg, source) if replica else resolve_config(cfg, runtime, source)
