@@ -83,16 +83,27 @@ class Parallelized:
     fp8: Fp8State | None = None
     """precision.compute = 'fp8': the swapped layers, delayed scaling's state, the step's counts."""
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor,
+             denominator: float | None = None) -> torch.Tensor:
         """Mean cross-entropy in fp32 (a bf16/fp16 softmax over 50k classes loses the small
         probabilities); vocabulary-parallel when the head is. Under context parallelism, the
         sum over this rank's tokens divided by the whole sequence's count over cp (the targets
         cut as the forward cut the inputs): the trainer divides by cp once more, so the cp
         ranks' summed gradient is the whole sequence's mean's, as in one process. Targets of
-        -100 (data.format chat / prompt_completion) are ignored: the mean is over the others
-        (F.cross_entropy's ignore_index), however unevenly the cp ranks' shares hold them."""
+        -100 (data.format chat / prompt_completion) are ignored. `denominator` (the trainer's
+        share of the global batch's counted targets per micro-batch, train/loop.py): the sum
+        over this rank's kept targets divided by it, so that every counted target of the
+        global batch weighs the same whatever micro-batch, rank or cp shard holds it;
+        without it, the mean over this micro-batch's kept targets."""
         count = None
-        if self.cp is not None:
+        if denominator is not None:
+            # A cp rank whose forward saw the whole sequence (not sharded) sums every target
+            # and its loss is divided by cp once more: its share is cp times larger.
+            scale = self.cp.size if self.cp is not None and not self.cp.sharded else 1
+            count = torch.tensor(denominator * scale, device=logits.device)
+            if self.cp is not None:
+                targets = self.cp.local(targets)
+        elif self.cp is not None:
             # every cp rank holds the whole targets: their count needs no communication. Text:
             # count = T / cp exactly, this rank's own count, so the loss is its tokens' mean.
             count = (targets != IGNORE).sum() / (self.cp.size if self.cp.sharded else 1)

@@ -194,22 +194,25 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     return run
 
 
-def pipeline_io(run: Run, divisor: int = 1) -> StepIO:
-    """What a pipeline schedule needs from the run: each micro-batch's loss divided by
-    `divisor`; gradients reduced after the step's last backward (finish_backward)."""
+def pipeline_io(run: Run, divisor: int = 1, denominator: float | None = None) -> StepIO:
+    """What a pipeline schedule needs from the run: each micro-batch's loss (over `denominator`
+    counted targets when given: train_step's global count) divided by `divisor`; gradients
+    reduced after the step's last backward (finish_backward)."""
     device = run.runtime.device
     forward = run.times.timed("forward", lambda x, hidden: run.forward(x.to(device, non_blocking=True), hidden))
     return StepIO(model=run.model, forward=forward,
-                  loss=run.times.timed("forward", lambda logits, y: run.loss(logits, y.to(device, non_blocking=True))
-                                       / divisor),
+                  loss=run.times.timed("forward", lambda logits, y: run.loss(
+                      logits, y.to(device, non_blocking=True), denominator) / divisor),
                   backward=lambda loss: run.precision.scaler.scale_loss(loss).backward(),
                   before_backward=lambda i: run.strategy.micro_step(sync=False),
                   autocast=run.precision.autocast, device=device)
 
 
 def loss_of(run: Run, x: torch.Tensor, y: torch.Tensor,
-            score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """run.loss (or `score`: run.token_sums) of the forward of one micro-batch."""
+            score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+            denominator: float | None = None) -> torch.Tensor:
+    """run.loss (over `denominator` counted targets when given), or `score` (run.token_sums),
+    of the forward of one micro-batch."""
     device = run.runtime.device
     y = y.to(device, non_blocking=True)
     with run.precision.autocast():
@@ -217,7 +220,23 @@ def loss_of(run: Run, x: torch.Tensor, y: torch.Tensor,
             logits = run.forward(*(part.to(device, non_blocking=True) for part in x))  # (B, T, vocab)
         else:  # (B, T, vocab), or this rank's vocabulary under tensor parallelism
             logits = run.forward(x.to(device, non_blocking=True))
-    return (score or run.loss)(logits, y)
+    return score(logits, y) if score is not None else run.loss(logits, y, denominator)
+
+
+def global_target_counts(run: Run, micro_batches: list, local_sgd: bool) -> tuple[float, float]:
+    """(targets that carry loss, all targets) of the global batch: this rank's micro-batches
+    summed over the ranks whose gradients are summed (the data- and context-parallel ranks of
+    this stage and tensor-parallel position; under local SGD, of this replica). Every context-
+    parallel rank holds its micro-batches' whole targets, so the sum counts them cp times."""
+    counts = torch.tensor([float(sum(int((y != IGNORE).sum()) for _, y in micro_batches)),
+                           float(sum(y.numel() for _, y in micro_batches))],
+                          dtype=torch.float64, device=run.runtime.device)
+    group = run.mesh.dp_shard_group if local_sgd else run.mesh.dp_group
+    if group is not None:  # not model communication: not in the ledger
+        with watched(run.watchdog, "all_reduce(target counts)", "dp", counts.numel() * 8):
+            torch.distributed.all_reduce(counts, group=group)
+    kept, total = (float(v) / run.mesh.dims.cp for v in counts.tolist())
+    return kept, total
 
 
 class StepResult(NamedTuple):
@@ -236,19 +255,24 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     run.times.start()
     set_lr(strategy.optimizer, lr_at(step, run.cfg.train))
     micro_batches = run.train_loader.micro_batches(step)
-    # SFT formats: targets with loss / all targets of this rank's micro-batches (summed over the
-    # ranks below; every copy of a batch across tp/pp/cp ranks counts in both, so the ratio holds).
-    masked = run.train_loader.mask is not None
-    counts = [float(sum(int((y != IGNORE).sum()) for _, y in micro_batches)),
-              float(sum(y.numel() for _, y in micro_batches))] if masked else []
     # Every micro-batch's loss is divided by the global number of micro-batches and gradients
     # are summed across ranks: each rank's backward then computes exactly what one process
-    # would for that micro-batch, so a 2-rank run can match a 1-process run bit for bit.
-    # Context parallelism: each rank's loss is the mean over its 1/cp of the tokens.
-    # Local SGD (zero/local_sgd.py): a replica's gradient is its own data's mean, not a share.
+    # would for that micro-batch. Context parallelism: each rank's loss is the mean over its
+    # 1/cp of the tokens. Local SGD (zero/local_sgd.py): a replica's gradient is its own data's
+    # mean, not a share.
     outer = getattr(strategy, "local_sgd", None)
     replicas = run.mesh.dims.dp_replicate if outer is not None else 1
     global_micro_batches = len(micro_batches) * run.mesh.dims.dp_size * run.mesh.dims.cp // replicas
+    # Targets of -100 (SFT formats' prompts, seq2seq padding): one objective whatever the split,
+    # the global batch's summed loss over its counted targets (transformers' 2024 gradient-
+    # accumulation fix). Each micro-batch's loss is its summed loss over `denominator` = the
+    # global count's share per micro-batch, so the 1/global_micro_batches below leaves
+    # sum / global count, however unevenly micro-batches, ranks, stages or cp shards hold them.
+    denominator = None
+    if run.train_loader.mask is not None or run.train_loader.source_len:
+        kept, targets = global_target_counts(run, micro_batches, outer is not None)
+        run.loss_token_fraction = kept / targets
+        denominator = max(kept, 1.0) / global_micro_batches  # a batch with no loss target: 0
     total = torch.zeros((), device=run.runtime.device)
     moe = getattr(run.model, "moe_stats", None)
     if moe is not None:  # the MoE layers' balancing losses get the language-model loss's scale
@@ -258,7 +282,7 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
         run.fp8.begin_step()
     if run.schedule is not None:  # the pipeline's order of forwards and backwards
         with run.times.phase("backward"):  # less its forwards (timed in pipeline_io) and waits
-            total = run.schedule.run(pipeline_io(run, global_micro_batches), micro_batches)
+            total = run.schedule.run(pipeline_io(run, global_micro_batches, denominator), micro_batches)
         run.schedule.stage.sync_tied(run.model)
         micro_batches = []
     for i, (x, y) in enumerate(micro_batches):
@@ -266,7 +290,7 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
         # reducing inner micro-steps would be pure waste).
         strategy.micro_step(sync=i == len(micro_batches) - 1)
         with run.times.phase("forward"):
-            loss = loss_of(run, x, y) / global_micro_batches
+            loss = loss_of(run, x, y, denominator=denominator) / global_micro_batches
         with run.times.phase("backward"):
             scaler.scale_loss(loss).backward()
         total += loss.detach()
@@ -306,7 +330,7 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     # carries the agreement to stop (a signal may reach only some ranks, or at different steps).
     # Every rank of a tensor-parallel group holds the same loss: counted once.
     summed = torch.stack([total / run.mesh.dims.tp / replicas,
-                          *torch.tensor([float(stop_requested), *counts], device=total.device),
+                          torch.tensor(float(stop_requested), device=total.device),
                           *([] if norm is None else [norm.to(total.dtype)])])
     fp8_stats = run.fp8.stats if run.fp8 is not None else None
     if fp8_stats is not None:  # the step's overflow / underflow counts ride on the same sum
@@ -316,10 +340,8 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
         with watched(run.watchdog, "all_reduce(loss)", "dp", 4 * len(summed)):
             torch.distributed.all_reduce(summed)
     if norm is not None:  # (one process: nothing was summed over ranks)
-        grad_norm = float(summed[2 + len(counts)])
+        grad_norm = float(summed[2])
         stepped = scaler.update(is_finite(grad_norm))
-    if masked:
-        run.loss_token_fraction = float(summed[2] / summed[3])
     if fp8_stats is not None:
         run.fp8_record = fp8_stats.record(summed[-len(fp8_counts):])
     if run.replicas is not None:  # a joining replica takes this state
