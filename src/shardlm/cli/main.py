@@ -1,4 +1,5 @@
-"""The `shardlm` command: train, launch, generate, export, presets, estimate, plan, study, compare."""
+"""The `shardlm` command: train, launch, generate, chat, eval, export, presets, estimate, plan,
+study, compare."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import logging
 import sys
 
+from shardlm.cli.chat import chat_args, cmd_chat
 from shardlm.cli.planner import calibrate_args, cmd_calibrate, cmd_estimate, cmd_plan, planner_args
 from shardlm.studies.compare import cmd_compare, compare_args
 from shardlm.errors import ConfigError
@@ -29,6 +31,9 @@ examples:
                                                   an sbatch script for 2 x 8 ranks (also torchrun,
                                                   k8s, vertex; --out FILE, --submit)
   shardlm generate --checkpoint runs/latest --prompt "def fib("
+  shardlm chat --checkpoint ./llama-dir --prompt "Hello"
+                                                  a run or a transformers directory through its own
+                                                  chat template (no --prompt: a REPL)
   shardlm eval --checkpoint runs/latest --data.val_source=test.parquet
                                                   val_loss, val_perplexity, val_token_accuracy
   shardlm export --checkpoint runs/latest --format hf --out hf-model/
@@ -100,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-cache", action="store_true",
                      help="recompute the whole context for every token (decoder-only; for comparison)")
     gen.add_argument("--seed", type=int, default=0)
+    chat_args(sub)
     ev = sub.add_parser("eval", help="a trained run's val_loss, val_perplexity and "
                                      "val_token_accuracy on its held-out split (or --data.* "
                                      "overrides: e.g. --data.val_source=test.parquet), one JSON line")
@@ -385,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "chat":
+            return cmd_chat(args)
         if args.command == "presets":
             return cmd_presets()
         if args.command == "estimate":

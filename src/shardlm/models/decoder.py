@@ -14,6 +14,7 @@ one process or a ZeRO unit at a time on each rank (torchtitan's pattern, made or
 from __future__ import annotations
 
 import math
+from typing import Callable, Collection
 
 import torch
 import torch.nn.functional as F
@@ -388,34 +389,50 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int 
 @torch.no_grad()
 def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
              top_k: int | None = 50, generator: torch.Generator | None = None,
-             use_cache: bool = True) -> torch.Tensor:
-    """Append `max_new_tokens` sampled tokens to idx (B, T); returns (B, T + max_new_tokens).
+             use_cache: bool = True, stop_ids: Collection[int] = (),
+             on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Append up to `max_new_tokens` sampled tokens to idx (B, T); returns (B, T + new).
 
     With `use_cache` (models/kv_cache.py) the prompt runs once and each later step only the new
     token; once the sequence outgrows model.max_seq_len every step recomputes its last
     max_seq_len tokens (the window's positions shift, so nothing cached stays valid). Without,
     the whole (cropped) context every step. Context parallelism runs without the cache (every
     rank the whole sequence), and so do soft-capped and sliding-window models. temperature 0 picks the most likely token; top_k None or 0
-    samples from the full distribution.
+    samples from the full distribution. `stop_ids` (a chat template's end of turn, the
+    generation config's eos ids): generation ends after the step at which every row has drawn
+    one (kept in the output). `on_token` is called with each step's tokens (B, 1) as they are
+    drawn (streaming).
     """
     max_len = model.cfg.max_seq_len
     if model.cfg.attn_softcap or model.cfg.sliding_window:
         use_cache = False  # the cache's kernel has neither soft-capping nor a window
+    stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=idx.device)
     context = getattr(model, "context", None)  # context parallel: every rank the whole sequence
     if context is not None:
         with context.whole_sequences():
-            return _sample(model, idx, max_new_tokens, max_len, temperature, top_k, generator, False)
-    return _sample(model, idx, max_new_tokens, max_len, temperature, top_k, generator, use_cache)
+            return _sample(model, idx, max_new_tokens, max_len, temperature, top_k, generator, False,
+                           stops, on_token)
+    return _sample(model, idx, max_new_tokens, max_len, temperature, top_k, generator, use_cache,
+                   stops, on_token)
 
 
-def _sample(model, idx, max_new_tokens, max_len, temperature, top_k, generator, use_cache) -> torch.Tensor:
+def _sample(model, idx, max_new_tokens, max_len, temperature, top_k, generator, use_cache,
+            stops, on_token) -> torch.Tensor:
     cache = KVCache(model.cfg.n_layers) if use_cache else None
+    stopped = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)  # (B,)
     for _ in range(max_new_tokens):
         if cache is not None and idx.shape[1] <= max_len:  # the tokens the cache has not seen
             logits = model(idx[:, cache.length:], cache=cache)[:, -1, :]
         else:
             logits = model(idx[:, -max_len:])[:, -1, :]  # (B, vocab), or this rank's part of it
-        idx = torch.cat((idx, next_token(model, logits, temperature, top_k, generator)), dim=1)
+        token = next_token(model, logits, temperature, top_k, generator)  # (B, 1)
+        idx = torch.cat((idx, token), dim=1)
+        if on_token is not None:
+            on_token(token)
+        if stops.numel():
+            stopped |= torch.isin(token[:, 0], stops)
+            if bool(stopped.all()):
+                break
     return idx
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable, Collection
 
 import torch
 
@@ -153,22 +154,45 @@ def check_route(cfg: Config) -> None:
 @torch.no_grad()
 def generate_causal(model: CausalLMAdapter, idx: torch.Tensor, max_new_tokens: int,
                     end_id: int | None = None, temperature: float = 0.0, top_k: int | None = 50,
-                    generator: torch.Generator | None = None) -> torch.Tensor:
+                    generator: torch.Generator | None = None, stop_ids: Collection[int] = (),
+                    on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """The prompt (B, T) continued by the library's own `generate` (its KV cache), as models.
     generate returns it: (B, T + up to max_new_tokens). temperature 0 is greedy, otherwise
-    sampling from the top_k; stops at `end_id` when given. Sampling draws from torch's global
-    generator, seeded from `generator`'s seed when one is given (every rank alike)."""
+    sampling from the top_k; stops at `end_id` and at any of `stop_ids` when given (the
+    library's eos_token_id list); `on_token` gets each step's tokens (B, 1) as they are drawn.
+    Sampling draws from torch's global generator, seeded from `generator`'s seed when one is
+    given (every rank alike)."""
     sample = temperature > 0
     if sample and generator is not None:
         torch.manual_seed(generator.initial_seed())
-    pad = end_id if end_id is not None else getattr(model.model.config, "pad_token_id", None)
+    ends = sorted({*([] if end_id is None else [end_id]), *stop_ids})
+    pad = ends[0] if ends else getattr(model.model.config, "pad_token_id", None)
     kwargs = dict(do_sample=sample, max_new_tokens=max_new_tokens, use_cache=True,
-                  eos_token_id=end_id, pad_token_id=pad if pad is not None else 0)
+                  eos_token_id=ends or None, pad_token_id=pad if pad is not None else 0)
     if sample:
         kwargs.update(temperature=temperature, top_k=top_k or None)
+    if on_token is not None:
+        kwargs["streamer"] = _TokenStreamer(on_token)
     was_training = model.training
     model.eval()
     try:
         return model.model.generate(input_ids=idx, attention_mask=torch.ones_like(idx), **kwargs)
     finally:
         model.train(was_training)
+
+
+class _TokenStreamer:
+    """transformers' streamer protocol (`put` each step's tokens, `end`): the prompt, put first,
+    is skipped; each new step's tokens go to `on_token` as (B, 1)."""
+
+    def __init__(self, on_token: Callable[[torch.Tensor], None]):
+        self.on_token, self.prompt_seen = on_token, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.on_token(value.reshape(-1, 1))
+
+    def end(self) -> None:
+        pass
