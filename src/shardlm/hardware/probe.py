@@ -11,7 +11,7 @@ the decision in the run's resolved config and its checkpoints, and a resume keep
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import platform
 import time
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from shardlm.hardware.gloo_probe import gloo_probe, in_step_probe
-from shardlm.launch.files import atomic_write
+from shardlm.launch.cache_files import read_json_cache, write_json_cache
 from shardlm.launch.runtime import cache_root, cpu_cores
 
 MIB = 2**20
@@ -48,21 +48,34 @@ def _cache_path() -> Path:
 def _cached(key: str, measure, machine: str | None = None, again: bool = False) -> dict | float:
     """The cache's entry for `key` on `machine` (default: this CPU's model), measured (and
     written) on first use, or anew with `again`. Concurrent ranks may both measure; the file is
-    replaced atomically, so a reader never sees a torn table."""
+    replaced atomically, so a reader never sees a torn table. A damaged file (cut short by a
+    crash, garbage) is moved aside with a warning and measured again (launch/cache_files.py); an
+    entry of the wrong shape is measured again."""
     full_key = f"v{_VERSION}|{machine or cpu_name()}|torch {torch.__version__}|{key}"
     table = _table()
-    if full_key not in table or again:
+    if full_key not in table or again or not _plausible(table[full_key]):
         value = measure()
         table = _table()
         table[full_key] = value
-        atomic_write(_cache_path(), json.dumps(table, indent=1))
+        write_json_cache(_cache_path(), table, "hardware probe cache")
     return table[full_key]
 
 
+def _plausible(entry: object) -> bool:
+    """What a measurement writes: a finite number, or a non-empty table of them."""
+    if isinstance(entry, dict):
+        return bool(entry)
+    return isinstance(entry, (int, float)) and not isinstance(entry, bool) and math.isfinite(entry)
+
+
+def _check_table(value: object) -> str:
+    return "" if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object of entries"
+
+
 def _table() -> dict:
-    """The whole cache, as on disk now."""
-    path = _cache_path()
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """The whole cache, as on disk now ({} where there is none, or it was damaged)."""
+    table = read_json_cache(_cache_path(), _check_table, "hardware probe cache")
+    return table if isinstance(table, dict) else {}
 
 
 def _time_matmul(dtype: torch.dtype, seconds: float = 0.5) -> float:
@@ -356,7 +369,7 @@ def cached_curve(precision: str, threads: int, device: str = "cpu") -> list[dict
     count and precision: the model shapes any `shardlm calibrate` timed here, and the probe's
     generic ones. Read only: nothing is measured."""
     prefix = f"v{_VERSION}|{device_name(device)}|torch {torch.__version__}|threads={threads}|{precision}|mm "
-    return [value for key, value in sorted(_table().items()) if key.startswith(prefix)]
+    return [value for key, value in sorted(_table().items()) if key.startswith(prefix) and _plausible(value)]
 
 
 def cached_pass(key: str, threads: int, measure, again: bool = False) -> dict:
@@ -369,7 +382,8 @@ def cached_passes(threads: int) -> dict[str, float]:
     """Every model pass `shardlm calibrate` cached on this CPU and torch at `threads` threads:
     pass_key -> seconds. Read only: nothing is measured."""
     prefix = f"v{_VERSION}|{cpu_name()}|torch {torch.__version__}|threads={threads}|pass "
-    return {key[len(prefix):]: value["seconds"] for key, value in _table().items() if key.startswith(prefix)}
+    return {key[len(prefix):]: value["seconds"] for key, value in _table().items()
+            if key.startswith(prefix) and isinstance(value, dict) and _plausible(value.get("seconds"))}
 
 
 def disk_streams(directory: Path | None = None, again: bool = False) -> dict[int, dict]:
@@ -381,7 +395,8 @@ def disk_streams(directory: Path | None = None, again: bool = False) -> dict[int
 
     if directory is None:
         prefix = f"v{_VERSION}|{cpu_name()}|torch {torch.__version__}|disk|streams="
-        return {int(key[len(prefix):]): value for key, value in _table().items() if key.startswith(prefix)}
+        return {int(key[len(prefix):]): value for key, value in _table().items()
+                if key.startswith(prefix) and key[len(prefix):].isdigit() and _plausible(value)}
     return {n: _cached(f"disk|streams={n}", lambda: {"bytes_per_s": stream_bandwidth(directory, n),
                                                        "directory": str(directory.resolve())}, again=again)
             for n in STREAMS}
