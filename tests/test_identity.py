@@ -95,3 +95,44 @@ def test_our_bpe_run_exports_as_before(tmp_path):
     assert (out / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
     assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
     assert not (out / "chat_template.jinja").exists()
+
+
+def test_finetune_defaults_unless_set_with_a_note_and_a_warning(instruct, caplog):
+    """model.hf_path: lr 2e-5 (full) / 2e-4 (LoRA, QLoRA) and 3% warm-up unless the user sets
+    them; the start-up note says which; a full fine-tune above 1e-4 is warned about. Our own
+    presets keep the pre-training defaults. The label says our decoder computes it."""
+    import logging
+
+    import torch
+
+    from shardlm.config import load_config
+    from shardlm.errors import ConfigError
+    from shardlm.train.resolve import decide
+
+    def config(**values):
+        return load_config(overrides={"model.hf_path": str(instruct), "precision.compute": "fp32",
+                                      "train.steps": 200, **values}).validate()
+
+    full, lora, qlora = config(), config(**{"lora.rank": 8}), config(**{"lora.rank": 8, "lora.quantize": "nf4"})
+    assert (full.train.lr, lora.train.lr, qlora.train.lr) == (2e-5, 2e-4, 2e-4)
+    assert (full.train.warmup_fraction, full.train.warmup_steps) == (0.03, 6)
+    assert full.model.preset == "instruct (transformers checkpoint, shardlm's decoder)"
+    mine = config(**{"train.lr": 5e-5, "train.warmup_steps": 7})
+    assert (mine.train.lr, mine.train.warmup_steps, mine.train.warmup_fraction) == (5e-5, 7, 0.0)
+    assert config(**{"train.warmup_fraction": 0.1}).train.warmup_steps == 20
+    scratch = load_config(overrides={"model.preset": "gpt-tiny", "train.seq_len": 32}).validate()
+    assert (scratch.train.lr, scratch.train.warmup_steps, scratch.train.warmup_fraction) == (1e-3, 30, 0.0)
+    with pytest.raises(ConfigError, match="both set the warm-up"):
+        config(**{"train.warmup_fraction": 0.1, "train.warmup_steps": 3})
+    with caplog.at_level(logging.INFO, logger="shardlm"):
+        decide(full, 1, torch.device("cpu"))
+        decide(lora, 1, torch.device("cpu"))
+        decide(config(**{"train.lr": 1e-3}), 1, torch.device("cpu"))
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fine-tuning defaults")]
+    assert notes[0].startswith(f"fine-tuning defaults: a full fine-tune of {instruct}: train.lr = 2e-05 "
+                               f"(the default for a full fine-tune), warm-up 6 steps = "
+                               f"train.warmup_fraction 0.03 (the default) of 200")
+    assert "train.lr = 0.0002 (the default for LoRA)" in notes[1]
+    assert "train.lr = 0.001, warm-up 6 steps" in notes[2]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("train.lr = 0.001 on a full fine-tune of the pretrained")

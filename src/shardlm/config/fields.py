@@ -285,6 +285,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.lr": _positive(),
     "train.min_lr_ratio": _rule(lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
     "train.warmup_steps": _non_negative(),
+    "train.warmup_fraction": _rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1) (0 = use train.warmup_steps)"),
     "train.weight_decay": _non_negative(),
     "train.beta1": _rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
     "train.beta2": _rule(lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),

@@ -1,5 +1,6 @@
 """Reading a config: defaults < preset < a checkpoint's config.json < TOML file < command-line
-overrides, each key checked (an unknown key names the closest valid one) and typed as the schema
+overrides (with model.hf_path, the fine-tuning defaults for train.lr and the warm-up where the
+TOML file and the overrides leave them unset: FINETUNE_LR), each key checked (an unknown key names the closest valid one) and typed as the schema
 declares (schema.py); and the `--help-config` text from the fields' docstrings.
 
 Keys are 'section.key'; a nested section (a dataclass-typed field of a section, fields.leaf_fields:
@@ -148,7 +149,49 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         ordered = {f"model.{k}": v for k, v in get_preset(str(preset)).items()}
         ordered["model.preset"] = preset
     ordered.update(values)
-    return _build(ordered)
+    return _warmup_from_fraction(_finetune_defaults(_build(ordered), set(values)), set(values))
+
+
+FINETUNE_LR = {"full": 2e-5, "lora": 2e-4}
+"""train.lr for a model.hf_path run that does not set it: torchtune's full fine-tuning rate
+(HF Trainer's default is 5e-5) and the LoRA / QLoRA papers' 2e-4 — not the 1e-3 of
+pre-training from scratch, 20-50x what a pretrained checkpoint tolerates."""
+FINETUNE_WARMUP_FRACTION = 0.03
+"""train.warmup_fraction for a model.hf_path run that sets neither it nor warmup_steps (HF
+Trainer recipes' warmup_ratio 0.03): warm-up scales with the run, not 30 steps whatever it is."""
+
+
+def finetune_mode(cfg: Config) -> str:
+    """'lora' (lora.rank > 0: LoRA or QLoRA) or 'full'."""
+    return "lora" if cfg.lora.rank else "full"
+
+
+def _finetune_defaults(cfg: Config, given: set[str]) -> Config:
+    """With model.hf_path (a pretrained checkpoint), the fine-tuning defaults for the keys the
+    TOML file and the overrides leave unset: FINETUNE_LR, FINETUNE_WARMUP_FRACTION.
+    train.resolve.finetune_note says which were chosen."""
+    if not cfg.model.hf_path:
+        return cfg
+    if "train.lr" not in given:
+        cfg.train.lr = FINETUNE_LR[finetune_mode(cfg)]
+    if not given & {"train.warmup_steps", "train.warmup_fraction"}:
+        cfg.train.warmup_fraction = FINETUNE_WARMUP_FRACTION
+    return cfg
+
+
+def _warmup_from_fraction(cfg: Config, given: set[str]) -> Config:
+    """train.warmup_fraction > 0 sets train.warmup_steps (rules.fraction_warmup_steps); both
+    given is a ConfigError (which one would win is not obvious)."""
+    from shardlm.config.rules import fraction_warmup_steps
+
+    t = cfg.train
+    if not 0 < t.warmup_fraction < 1:  # 0: warmup_steps as set; >= 1: validate() names it
+        return cfg
+    if {"train.warmup_steps", "train.warmup_fraction"} <= given:
+        raise ConfigError(f"train.warmup_steps = {t.warmup_steps} and train.warmup_fraction = "
+                          f"{t.warmup_fraction:g} both set the warm-up: set one of them")
+    t.warmup_steps = fraction_warmup_steps(t.warmup_fraction, t.steps)
+    return cfg
 
 
 def _hf_shape_layer(values: dict[str, Any]) -> dict[str, Any]:
@@ -171,7 +214,8 @@ def _hf_shape_layer(values: dict[str, Any]) -> dict[str, Any]:
     causal = causal_lm_config(path) if option == "model.hf_path" and not seq2seq else ""
     named = (seq2seq_shape(seq2seq or path, option) if seq2seq or option == "model.hf_config"
              else causal_lm_shape(path, option) if causal
-             else {**hf_shape(path, option, exact=True), "preset": f"{Path(path).name} (transformers)"})
+             else {**hf_shape(path, option, exact=True),
+                   "preset": f"{Path(path).name} (transformers checkpoint, shardlm's decoder)"})
     shape = {f"model.{k}": v for k, v in named.items()}
     if "model.preset" in values:
         raise ConfigError(f"model.preset = {values['model.preset']!r} and {option} = {path!r} "

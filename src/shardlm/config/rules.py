@@ -23,6 +23,21 @@ def _global_batch_in_micro_batches(cfg: Config) -> list[str]:
             if t.global_batch and t.global_batch % t.micro_batch else [])
 
 
+def fraction_warmup_steps(fraction: float, steps: int) -> int:
+    """train.warmup_fraction's steps: round(fraction x steps), at least 1 (0 for fraction 0)."""
+    return max(1, round(fraction * steps)) if fraction > 0 else 0
+
+
+@_cross("train.warmup_fraction", "train.warmup_steps", "train.steps")
+def _warmup_fraction_applied(cfg: Config) -> list[str]:
+    t = cfg.train
+    steps = fraction_warmup_steps(t.warmup_fraction, t.steps)
+    return ([f"train.warmup_fraction = {t.warmup_fraction:g} of train.steps = {t.steps} is "
+             f"{steps} warm-up steps, but train.warmup_steps = {t.warmup_steps}: set one of them "
+             f"(load_config sets warmup_steps from the fraction)"]
+            if t.warmup_fraction > 0 and t.warmup_steps != steps else [])
+
+
 @_cross("model.d_model", "model.n_heads", "model.head_dim")
 def _heads_divide_width(cfg: Config) -> list[str]:
     m = cfg.model

@@ -97,11 +97,18 @@ class TrainConfig:
     seq_len: int = 256
     """Tokens per training sequence (<= model.max_seq_len)."""
     lr: float = 1e-3
-    """Peak learning rate."""
+    """Peak learning rate. With model.hf_path (fine-tuning a pretrained checkpoint) and lr not
+    set: 2e-5 for a full fine-tune, 2e-4 with LoRA / QLoRA (lora.rank > 0), as fine-tuning
+    recipes use (config/load.py FINETUNE_LR; the start-up log says so). A full fine-tune above
+    1e-4 is warned about."""
     min_lr_ratio: float = 0.1
     """The cosine schedule decays to lr*min_lr_ratio at the last step."""
     warmup_steps: int = 30
-    """Linear warmup steps from 0 to lr."""
+    """Linear warmup steps from 0 to lr (set by warmup_fraction when that is > 0)."""
+    warmup_fraction: float = 0.0
+    """Warm-up as a fraction of train.steps, in [0, 1): > 0 sets warmup_steps = round(fraction x
+    steps), at least 1, when the config is read; set it or warmup_steps, not both. 0 = use
+    warmup_steps. With model.hf_path and neither set: 0.03 (the fine-tuning default)."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay, applied to matrices only (not to biases, norms)."""
     beta1: float = 0.9

@@ -21,6 +21,7 @@ import torch
 from shardlm.checkpoint.sharded import MANIFEST, parse_manifest
 from shardlm.config import Config, config_from_dict
 from shardlm.config.dims import grad_accum_for
+from shardlm.config.load import FINETUNE_LR, FINETUNE_WARMUP_FRACTION, finetune_mode
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import Cluster, choose_compute, device_for_gpu_name, local_cpu, parse_cluster
 from shardlm.launch.runtime import Runtime, broadcast_text
@@ -57,6 +58,28 @@ def _saved_compute(checkpoint: Path | None) -> str | None:
     return compute if compute not in (None, "auto") else None
 
 
+FULL_FINETUNE_LR_LIMIT = 1e-4
+"""Above this, a full fine-tune of a pretrained checkpoint is warned about (decide)."""
+
+
+def finetune_note(cfg: Config) -> str:
+    """The one start-up line of a model.hf_path run: the learning rate and warm-up it trains
+    with, and which of them are the fine-tuning defaults (config/load.py); '' without hf_path."""
+    if not cfg.model.hf_path:
+        return ""
+    t, mode = cfg.train, finetune_mode(cfg)
+    what = "a full fine-tune" if mode == "full" else "QLoRA" if cfg.lora.quantize != "none" else "LoRA"
+    lr = f"train.lr = {t.lr:g}" + (f" (the default for {what})" if t.lr == FINETUNE_LR[mode] else "")
+    if t.warmup_fraction:
+        default = " (the default)" if t.warmup_fraction == FINETUNE_WARMUP_FRACTION else ""
+        warmup = (f"warm-up {t.warmup_steps} steps = train.warmup_fraction "
+                  f"{t.warmup_fraction:g}{default} of {t.steps}")
+    else:
+        warmup = f"warm-up train.warmup_steps = {t.warmup_steps}"
+    return (f"fine-tuning defaults: {what} of {cfg.model.hf_path}: {lr}, {warmup} (set train.lr, "
+            f"train.warmup_steps or train.warmup_fraction to choose)")
+
+
 def with_global_batch(cfg: Config, world_size: int) -> Config:
     """With train.global_batch set: `cfg` with grad_accum = global_batch / (micro_batch x dp) at
     `world_size` ranks (a copy), so that a gang restarted at another size keeps the global batch,
@@ -79,6 +102,14 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
     from shardlm.planner.explain import describe_strategy
 
     cfg = with_global_batch(cfg.validate(), world_size)
+    note = finetune_note(cfg)
+    if note:
+        log.info(note)
+    if cfg.model.hf_path and finetune_mode(cfg) == "full" and cfg.train.lr > FULL_FINETUNE_LR_LIMIT:
+        log.warning("train.lr = %g on a full fine-tune of the pretrained %s: above %g, a "
+                    "pre-training rate that can wash out what the checkpoint learned; fine-tuning "
+                    "recipes use 1e-5 to 5e-5 (the default here: %g), or LoRA (lora.rank) at 2e-4",
+                    cfg.train.lr, cfg.model.hf_path, FULL_FINETUNE_LR_LIMIT, FINETUNE_LR["full"])
     if hardware is None:  # fp8 needs FP8 hardware or precision.fp8_emulate: ConfigError otherwise
         check_fp8_device(cfg.precision, device)
     saved = _saved_compute(checkpoint) if cfg.precision.compute == "auto" else None
