@@ -33,6 +33,7 @@ from tokenizers import Tokenizer
 
 from shardlm.config import DataConfig
 from shardlm.errors import ConfigError
+from shardlm.launch.cache_files import move_aside, read_json_cache
 from shardlm.launch.files import atomic_write
 from shardlm.launch.runtime import cache_root
 from shardlm.data.corpus import corpus_files, fingerprint, iter_documents
@@ -127,10 +128,15 @@ def _build_entry(cfg: DataConfig, vocab_size: int, given: tuple[Tokenizer, int] 
     if chat_template is not None and cfg.format == "chat":
         name += f"-c{chat_template.sha256[:12]}"
     cache_dir = cache_root(cfg.cache_dir) / name
-    if not (cache_dir / "done").exists():
+    if not (cache_dir / "done").exists() or entry_damage(cache_dir):
         cache_dir.mkdir(parents=True, exist_ok=True)
         with _file_lock(cache_dir / "lock"):
-            # Checked again under the lock: another rank may have finished while we waited.
+            # Checked again under the lock: another rank may have finished (or repaired the
+            # entry) while we waited.
+            damage = entry_damage(cache_dir) if (cache_dir / "done").exists() else None
+            if damage is not None:  # a finished entry damaged since: set aside, built again
+                (cache_dir / "done").unlink()
+                move_aside(cache_dir / damage[0], damage[1], "token cache file")
             if not (cache_dir / "done").exists():
                 if cfg.format == "text":
                     _build(cfg, files, vocab_size, cache_dir, given)
@@ -139,6 +145,44 @@ def _build_entry(cfg: DataConfig, vocab_size: int, given: tuple[Tokenizer, int] 
                 else:
                     _build_sft(cfg, files, vocab_size, cache_dir, given, seq_len + 1, chat_template)
     return cache_dir
+
+
+def _check_meta(meta: object) -> str:
+    """meta.json's schema: what load_dataset reads from it ('' when whole)."""
+    if not isinstance(meta, dict):
+        return f"a JSON {type(meta).__name__}, not an object"
+    if not isinstance(meta.get("n_tokens"), int) or meta["n_tokens"] < 0:
+        return "no token count (n_tokens)"
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        return f"dtype {meta.get('dtype')!r} is not uint16 / uint32"
+    if "row_len" in meta and not (isinstance(meta["row_len"], int) and isinstance(meta.get("n_rows"), int)):
+        return "row_len without integer n_rows"
+    return ""
+
+
+def entry_damage(cache_dir: Path) -> tuple[str, str] | None:
+    """What is wrong with a finished cache entry, as (file, why), or None: meta.json not JSON or
+    not its schema, tokenizer.json not JSON, tokens.bin / mask.bin not the size meta.json says
+    (a crash or a full disk after `done`, a file truncated or edited since). Cheap: sizes and
+    two small JSON files; a damaged meta.json is moved aside by read_json_cache itself."""
+    meta = read_json_cache(cache_dir / "meta.json", _check_meta, "token cache file")
+    if meta is None:
+        return "meta.json", "missing or damaged"
+    tokenizer = read_json_cache(cache_dir / "tokenizer.json", lambda v: "" if isinstance(v, dict) else
+                                "not a tokenizer", "token cache file")
+    if tokenizer is None:
+        return "tokenizer.json", "missing or damaged"
+    sizes = {"tokens.bin": meta["n_tokens"] * np.dtype(meta["dtype"]).itemsize}
+    if "row_len" in meta:
+        sizes["mask.bin"] = meta["n_tokens"]
+    for file, expected in sizes.items():
+        try:
+            size = (cache_dir / file).stat().st_size
+        except OSError:
+            return file, "missing"
+        if size != expected:
+            return file, f"{size:,} bytes where meta.json says {expected:,}"
+    return None
 
 
 def split_point(n: int, val_fraction: float, train_min: int = 0, val_min: int = 0) -> int:

@@ -82,7 +82,7 @@ def _pad_vocab(tok: Tokenizer, vocab_size: int) -> None:
 
 def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
     """Write atomically: a reader never sees a half-written tokenizer.json."""
-    atomic_write(Path(path), tok.to_str())
+    atomic_write(Path(path), tok.to_str(), fsync=True)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
