@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -48,7 +49,9 @@ from shardlm.config.fields import DATA_FORMATS, parse_columns
 from shardlm.data.corpus import corpus_files, jsonl_records
 from shardlm.data.tables import TABLE_SUFFIXES, iter_rows
 from shardlm.errors import ConfigError
+from shardlm.launch.cache_files import read_named_file
 
+log = logging.getLogger("shardlm")
 FORMATS = DATA_FORMATS
 ROLES = ("system", "user", "assistant")
 DEFAULT_TEMPLATE = "<|{role}|>\n{content}<end>"
@@ -222,6 +225,11 @@ def _token_text(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
+_DOWNLOAD_AGAIN = ("download the checkpoint's tokenizer files again (e.g. huggingface-cli download "
+                   "REPO --local-dir DIR), or delete that name to train without it (shardlm's "
+                   "default template where the checkpoint then has none)")
+
+
 def find_chat_template(directory: str | Path) -> ChatTemplate | None:
     """The chat template a transformers tokenizer directory carries, found as transformers finds
     it: chat_template.jinja (and additional_chat_templates/*.jinja) first, else
@@ -229,15 +237,24 @@ def find_chat_template(directory: str | Path) -> ChatTemplate | None:
     templates, 'default'. None when the directory has none. Reads files only (no transformers)."""
     root = Path(directory)
     config_path = root / "tokenizer_config.json"
+    where = f"model.hf_path {str(directory)!r}:"
+    text = read_named_file(config_path, f"{where} its tokenizer config", _DOWNLOAD_AGAIN)
     try:
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"model.hf_path {str(directory)!r}: {config_path} is not JSON ({e})") from None
+        config = json.loads(text) if text is not None else {}
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where} {config_path} is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where} {config_path} is a JSON {type(config).__name__}, not an object")
     named: dict[str, tuple[str, str]] = {}  # name -> (template text, where it came from)
-    if (root / "chat_template.jinja").is_file():
-        named["default"] = ((root / "chat_template.jinja").read_text(), str(root / "chat_template.jinja"))
+    # A name that exists but cannot be read (a dangling link: a hub snapshot missing its blob) is
+    # an error, never skipped: skipping it would train on another template without a word.
+    jinja = root / "chat_template.jinja"
+    text = read_named_file(jinja, f"{where} its chat template", _DOWNLOAD_AGAIN)
+    if text is not None:
+        named["default"] = (text, str(jinja))
     for path in sorted((root / "additional_chat_templates").glob("*.jinja")):
-        named[path.name.removesuffix(".jinja")] = (path.read_text(), str(path))
+        named[path.name.removesuffix(".jinja")] = (
+            read_named_file(path, f"{where} its chat template", _DOWNLOAD_AGAIN) or "", str(path))
     value = config.get("chat_template") if not named else None
     if isinstance(value, str):
         named["default"] = (value, f"{config_path} chat_template")
@@ -358,6 +375,11 @@ def check_chat_template(cfg: DataConfig, hf_path: str, tok: Tokenizer) -> ChatTe
     rendered and split into turns, so a template that cannot be used (no transformers, a Jinja
     error, prefixes that are not stable) is a ConfigError before anything starts."""
     template = template_for(cfg.format, hf_path)
+    if template is None and cfg.format == "chat" and hf_path:
+        log.warning("data: model.hf_path %r has no chat template (no chat_template.jinja, no "
+                    "chat_template in tokenizer_config.json): chats are rendered with shardlm's "
+                    "default, %r per message (recorded in metrics.jsonl's first record)",
+                    str(hf_path), DEFAULT_TEMPLATE)
     if template is not None:
         first = next(iter_examples(cfg, corpus_files(cfg, "train")), None)
         if first is not None:

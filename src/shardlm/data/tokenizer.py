@@ -17,6 +17,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from shardlm.errors import ConfigError
+from shardlm.launch.cache_files import read_named_file
 from shardlm.launch.files import atomic_write
 
 EOT = "<|endoftext|>"
@@ -95,17 +96,23 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return read_tokenizer_file(path)
 
 
+_SAVE_AGAIN = ("Save it again with AutoTokenizer.from_pretrained(...).save_pretrained(DIR) (a fast "
+               "tokenizer's tokenizer.json), or download it again")
+
+
 def read_tokenizer_file(path: Path, what: str = "the tokenizer file") -> Tokenizer:
-    """Tokenizer.from_file, with a file the tokenizers library cannot read (not JSON, not its
-    schema, cut short) as a ConfigError naming the file, not the library's bare exception."""
+    """The tokenizer in `path`, with a file that cannot be read (a dangling link, no permission:
+    launch/cache_files.read_named_file) or that the `tokenizers` library cannot read (not JSON,
+    not its schema, cut short) as a ConfigError naming the file, not the library's bare
+    exception."""
+    text = read_named_file(path, what, _SAVE_AGAIN)
+    if text is None:
+        raise ConfigError(f"{what} {str(path)!r} does not exist. {_SAVE_AGAIN}")
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_str(text)
     except Exception as e:  # the library raises a plain Exception: "expected value at line 1 ..."
-        size = path.stat().st_size if path.exists() else 0
-        raise ConfigError(f"{what} {str(path)!r} ({size:,} bytes) is not a tokenizer the "
-                          f"`tokenizers` library can read: {e}. Save it again with "
-                          f"AutoTokenizer.from_pretrained(...).save_pretrained(DIR) (a fast "
-                          f"tokenizer's tokenizer.json)") from None
+        raise ConfigError(f"{what} {str(path)!r} ({len(text.encode()):,} bytes) is not a tokenizer the "
+                          f"`tokenizers` library can read: {e}. {_SAVE_AGAIN}") from None
 
 
 def hf_tokenizer(directory: str | Path, vocab_size: int) -> tuple[Tokenizer, int]:
@@ -113,12 +120,13 @@ def hf_tokenizer(directory: str | Path, vocab_size: int) -> tuple[Tokenizer, int
     eos_token_id, else <|endoftext|>). Its ids must all have a row in the model's embedding:
     more tokens than model.vocab_size is an error, fewer is fine (checkpoints pad their
     embeddings). A missing tokenizer.json is an error, never our BPE in its place: a new
-    tokenizer's ids would mean nothing to the checkpoint's embeddings."""
+    tokenizer's ids would mean nothing to the checkpoint's embeddings; so is one that exists by
+    name but cannot be read (a dangling link: a hub snapshot missing its blob)."""
     import json
 
     root = Path(directory)
     path = root / "tokenizer.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ConfigError(f"model.hf_path {str(directory)!r} has no tokenizer.json ({path} is "
                           f"missing): the checkpoint's own tokenizer is needed (only the fast "
                           f"tokenizers' tokenizer.json is read; save it with "
@@ -128,11 +136,19 @@ def hf_tokenizer(directory: str | Path, vocab_size: int) -> tuple[Tokenizer, int
     if size > vocab_size:
         raise ConfigError(f"model.hf_path {str(directory)!r}: tokenizer.json has {size} tokens but "
                           f"the model's vocab_size is {vocab_size}: ids past it have no embedding")
-    eos = json.loads((root / "config.json").read_text()).get("eos_token_id")
+    config_path = root / "config.json"
+    text = read_named_file(config_path, f"model.hf_path {str(directory)!r}: its config",
+                           "download or save the checkpoint's config.json again")
+    try:
+        config = json.loads(text) if text is not None else {}
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.hf_path {str(directory)!r}: {config_path} is not JSON "
+                          f"(line {e.lineno}: {e.msg}); download or save it again") from None
+    eos = config.get("eos_token_id") if isinstance(config, dict) else None
     eos = eos[0] if isinstance(eos, list) and eos else eos
     if eos is None:
         eos = tok.token_to_id(EOT)
-    if eos is None or not 0 <= eos < size:
+    if not isinstance(eos, int) or not 0 <= eos < size:
         raise ConfigError(f"model.hf_path {str(directory)!r}: no token to separate documents "
                           f"(config.json has no eos_token_id within the tokenizer's {size} "
                           f"tokens, and tokenizer.json no {EOT}); set eos_token_id in config.json")
