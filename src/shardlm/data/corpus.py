@@ -137,12 +137,39 @@ def not_text_fraction(raw: bytes) -> tuple[float, int]:
     return len(found) / max(len(raw), 1), offset
 
 
+_TABLE_MAGIC = {".parquet": ((b"PAR1",), "a Parquet file begins with PAR1"),
+                ".arrow": ((b"ARROW1", b"\xff\xff\xff\xff"), "an Arrow file begins with ARROW1 "
+                           "(the file format) or 0xFFFFFFFF (the stream format datasets writes)")}
+"""What a table's first bytes are (data/tables.py reads .parquet and .arrow files)."""
+
+
+def source_file_problem(path: Path, raw: bytes) -> str:
+    """What is wrong with data.source file `path` given its first bytes `raw`, '' if nothing:
+    text (.txt, .py, .md) and JSONL files must be text (not_text_fraction under NOT_TEXT_LIMIT),
+    tables must begin with their format's magic bytes. Sniffed by content, whatever the name
+    promises: random bytes named .jsonl or .parquet are refused as surely as ones named .txt."""
+    for suffix, (magics, expected) in _TABLE_MAGIC.items():
+        if path.name.endswith(suffix):
+            if raw.startswith(magics):
+                return ""
+            return (f"is not a {suffix} table: {expected}, this one with {raw[:8]!r} (a file of "
+                    f"another kind, or cut short); write it again or remove it from data.source")
+    fraction, first = not_text_fraction(raw)
+    if fraction <= NOT_TEXT_LIMIT:
+        return ""
+    return (f"is not UTF-8 text: {fraction:.0%} of its first {len(raw):,} bytes are invalid "
+            f"UTF-8 or control characters (the first at byte {first}); a binary file, or text in "
+            f"another encoding (convert it: iconv -t UTF-8). Remove it from data.source or convert it")
+
+
 def check_text_files(cfg: DataConfig) -> None:
-    """data.source's (and data.val_source's) .txt / .py / .md files are text: one whose first
-    SNIFF_BYTES are more than NOT_TEXT_LIMIT bytes no text has (binary data, another encoding
-    than UTF-8 such as UTF-16) is a ConfigError naming it; a few odd bytes in text pass (they
-    read as U+FFFD). Only the files a run reads are looked at (data.max_bytes), and the default
-    'stdlib' source not at all (Python's own sources). Cheap: run before the run starts."""
+    """Every file data.source (and data.val_source) reads is what its name says, sniffed by its
+    content (source_file_problem): text and JSONL files are text — one whose first SNIFF_BYTES
+    are more than NOT_TEXT_LIMIT bytes no text has (binary data, another encoding than UTF-8
+    such as UTF-16) is a ConfigError naming it; a few odd bytes in text pass (they read as
+    U+FFFD) — and tables begin with their format's magic bytes. Only the files a run reads are
+    looked at (data.max_bytes), and the default 'stdlib' source not at all (Python's own
+    sources). Cheap: run before the run starts."""
     from dataclasses import replace
 
     for source, split in ((cfg.source, "train"), (cfg.val_source, "val")):
@@ -150,19 +177,18 @@ def check_text_files(cfg: DataConfig) -> None:
             continue
         budget = cfg.max_bytes if cfg.max_bytes > 0 else None
         for path in corpus_files(replace(cfg, source=source), split):
-            if not path.name.endswith(TEXT_SUFFIXES):
-                continue
-            with open(path, "rb") as f:
-                raw = f.read(SNIFF_BYTES if budget is None else min(SNIFF_BYTES, budget))
-            fraction, first = not_text_fraction(raw)
-            if fraction > NOT_TEXT_LIMIT:
-                raise ConfigError(
-                    f"data.{'source' if split == 'train' else 'val_source'} file {str(path)!r} is "
-                    f"not UTF-8 text: {fraction:.0%} of its first {len(raw):,} bytes are invalid "
-                    f"UTF-8 or control characters (the first at byte {first}); a binary file, or "
-                    f"text in another encoding (convert it: iconv -t UTF-8). Remove it from "
-                    f"data.source or convert it")
-            if budget is not None:
+            table = path.name.endswith(TABLE_SUFFIXES)
+            try:
+                with open(path, "rb") as f:
+                    raw = f.read(8 if table else SNIFF_BYTES if budget is None else min(SNIFF_BYTES, budget))
+            except OSError as e:
+                raise ConfigError(f"data.{'source' if split == 'train' else 'val_source'} file "
+                                  f"{str(path)!r} cannot be read: {e.strerror or e}") from None
+            problem = source_file_problem(path, raw)
+            if problem:
+                raise ConfigError(f"data.{'source' if split == 'train' else 'val_source'} file "
+                                  f"{str(path)!r} {problem}")
+            if budget is not None and not table:
                 budget -= path.stat().st_size
                 if budget <= 0:
                     break
