@@ -1,7 +1,8 @@
 """`shardlm chat`: a transformers directory (before training) and a run of it (after), through
 the checkpoint's own ChatML template; the greedy reply streams and stops at <|im_end|> (the
 model of hf_cases.instruct_dir answers INSTRUCT_REPLY, then <|im_end|>, then would go on);
-the REPL keeps the history; the transformers path's generate stops at the same ids."""
+the REPL keeps the history; the transformers path's generate stops at the same ids; `shardlm
+eval --base` scores a run beside its untrained checkpoint."""
 
 from __future__ import annotations
 
@@ -70,6 +71,17 @@ def test_chat_on_a_run_and_its_repl_keeps_the_history(tmp_path, instruct, capsys
     assert capsys.readouterr().out == (INSTRUCT_REPLY + "\n") * 2
     assert seen[1] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
                        {"role": "assistant", "content": INSTRUCT_REPLY}, {"role": "user", "content": "And again?"}]
+    # eval --base: the run and its untrained checkpoint on the run's split, side by side; the
+    # base's line is what eval of the transformers directory itself gives on the same data.
+    split = ["--data.val_fraction=0.25"]
+    assert main(["eval", "--checkpoint", str(run), "--base", *split]) == 0
+    trained, base = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert base["checkpoint"] == str(instruct) and trained["val_targets"] == base["val_targets"] > 0
+    assert trained["val_loss"] != base["val_loss"]
+    assert main(["eval", "--checkpoint", str(instruct), "--data.format=chat", "--train.seq_len=32",
+                 f"--data.source={tmp_path / 'chat.jsonl'}", f"--data.cache_dir={tmp_path / 'cache'}",
+                 "--train.micro_batch=2", *split]) == 0
+    assert json.loads(capsys.readouterr().out) == base
 
 
 def test_the_transformers_paths_generate_stops_and_streams():

@@ -69,15 +69,6 @@ class ChatModel:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def _is_hf_dir(path: Path) -> bool:
-    """A transformers checkpoint directory (its config.json has a model_type), not a run."""
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    return isinstance(config, dict) and "model_type" in config
-
-
 def _eos_ids(value) -> set[int]:
     if isinstance(value, int):
         return {value}
@@ -96,41 +87,16 @@ def _stop_ids(directory: Path | None, template, tokenizer, config_eos) -> set[in
     return stops
 
 
-def _load_hf_dir(path: Path, device: torch.device):
-    """A transformers directory as training would load it: our decoder for a mapped family
-    (checkpoint/hf_names.hf_initializer), else transformers' own module (models/hf_build.py);
-    fp32, eval mode."""
-    from shardlm.checkpoint.hf_dir import module_initializer
-    from shardlm.checkpoint.hf_names import hf_initializer
-    from shardlm.config import load_config
-    from shardlm.config.hf_shapes import causal_lm_config, encoder_decoder_config
-    from shardlm.models import build_model
-    from shardlm.models.init import materialize
-
-    if encoder_decoder_config(str(path), ""):
-        raise ConfigError(f"{path} is an encoder-decoder: `shardlm chat` talks to decoder-only "
-                          f"models; use `shardlm generate` on a run of it")
-    cfg = load_config(overrides={"model.hf_path": str(path)})
-    causal = causal_lm_config(str(path))
-    if causal:
-        from shardlm.models.hf_build import build_hf_model
-
-        model = build_hf_model(causal, cfg.model.vocab_size, "meta")
-        return materialize(model, device, 0, module_initializer(path, model)).eval(), cfg
-    model = build_model(cfg.model, "meta")
-    return materialize(model, device, 0, hf_initializer(path, model, cfg.model)).eval(), cfg
-
-
 def load_chat_model(checkpoint: str | Path, device: torch.device) -> ChatModel:
     """`checkpoint`: a run directory (or its `latest`) or a transformers directory."""
-    from shardlm.checkpoint.hf_dir import IDENTITY_DIR, read_identity
+    from shardlm.checkpoint.hf_dir import IDENTITY_DIR, is_hf_dir, load_hf_for_inference, read_identity
     from shardlm.data.sft import find_chat_template
     from shardlm.data.tokenizer import eot_id, hf_tokenizer
 
     path = Path(checkpoint)
-    if _is_hf_dir(path):
-        model, cfg = _load_hf_dir(path, device)
-        tokenizer, end = hf_tokenizer(path, cfg.model.vocab_size)
+    if is_hf_dir(path):
+        model, tokenizer, cfg = load_hf_for_inference(path, device)
+        _, end = hf_tokenizer(path, cfg.model.vocab_size)
         template = find_chat_template(path)
         config_eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
         stops = _stop_ids(path, template, tokenizer, config_eos)

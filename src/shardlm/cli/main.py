@@ -108,8 +108,14 @@ def _parser() -> argparse.ArgumentParser:
     chat_args(sub)
     ev = sub.add_parser("eval", help="a trained run's val_loss, val_perplexity and "
                                      "val_token_accuracy on its held-out split (or --data.* "
-                                     "overrides: e.g. --data.val_source=test.parquet), one JSON line")
-    ev.add_argument("--checkpoint", default="runs/latest", help="run directory (default runs/latest)")
+                                     "overrides: e.g. --data.val_source=test.parquet), one JSON "
+                                     "line; --base: its base checkpoint's beside it")
+    ev.add_argument("--checkpoint", default="runs/latest",
+                    help="run directory (default runs/latest), or a transformers directory (with "
+                         "--data.source / --data.val_source, --data.format)")
+    ev.add_argument("--base", action="store_true",
+                    help="also score the run's model.hf_path, untrained, on the same split (a "
+                         "second JSON line)")
     sub.add_parser("presets", help="list the named model shapes with parameter counts")
     exp = sub.add_parser("export", help="write a trained run in another library's format")
     exp.add_argument("--checkpoint", default="runs/latest", help="run directory (default runs/latest)")
@@ -330,13 +336,58 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    """One JSON line per model: the run's (or a transformers directory's) figures; with --base,
+    then its model.hf_path's on the same split, rendered and masked the same way."""
     import json
 
+    from shardlm.checkpoint.hf_dir import is_hf_dir
     from shardlm.config import parse_overrides
     from shardlm.train.evaluate import evaluate_checkpoint
 
-    print(json.dumps(evaluate_checkpoint(args.checkpoint, parse_overrides(overrides))))
+    parsed = parse_overrides(overrides)
+    if is_hf_dir(args.checkpoint):
+        if args.base:
+            raise ConfigError(f"--base scores a run's model.hf_path beside the run; "
+                              f"{args.checkpoint!r} is a transformers directory itself")
+        print(json.dumps(evaluate_base(args.checkpoint, None, parsed)))
+        return 0
+    print(json.dumps(evaluate_checkpoint(args.checkpoint, parsed)))
+    if args.base:
+        print(json.dumps(evaluate_base(args.checkpoint, args.checkpoint, parsed)))
     return 0
+
+
+def evaluate_base(hf_path: str, run: str | None, overrides: dict[str, str]) -> dict:
+    """`shardlm eval` of a transformers directory as it is: `hf_path` (its config from
+    `overrides`: data.*, train.seq_len, ...), or `run`'s model.hf_path under `run`'s config
+    (without its adapters). The model is saved as a run of no steps in a temporary directory
+    and scored by train.evaluate.evaluate_checkpoint: the same data, template, masks and sums
+    as a trained run's evaluation."""
+    import copy
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from shardlm.checkpoint import load_config_json, resolve_run_dir, save_weights
+    from shardlm.checkpoint.hf_dir import load_hf_for_inference
+    from shardlm.train.evaluate import EDITABLE, evaluate_checkpoint
+
+    editable = {k: v for k, v in overrides.items() if k.startswith(EDITABLE)}
+    if run is None:
+        model, tokenizer, cfg = load_hf_for_inference(hf_path, torch.device("cpu"), overrides)
+    else:
+        cfg = copy.deepcopy(load_config_json(resolve_run_dir(run)))
+        if not cfg.model.hf_path:
+            raise ConfigError(f"--base: {run!r} has no model.hf_path (trained from scratch): "
+                              f"there is no base checkpoint to score beside it")
+        hf_path = cfg.model.hf_path
+        model, tokenizer, _ = load_hf_for_inference(hf_path, torch.device("cpu"))
+        cfg.lora.rank, cfg.lora.quantize = 0, "none"  # the base alone
+    with tempfile.TemporaryDirectory(prefix="shardlm-base-") as tmp:
+        save_weights(Path(tmp) / "base", model, cfg.validate(), tokenizer)
+        result = evaluate_checkpoint(Path(tmp) / "base", editable)
+    return {**result, "checkpoint": str(hf_path)}
 
 
 def cmd_presets() -> int:
