@@ -87,11 +87,12 @@ def test_each_term_is_its_work_over_its_measured_rate():
     assert half["per-op dispatch"] == pytest.approx(terms["per-op dispatch"] / 2)
     assert half["element-wise traffic"] == terms["element-wise traffic"]
     # the optimizer: fused AdamW at the curve's rate for this many parameters (log-linear between
-    # the measured sizes), plus the gradient norm's read
+    # the measured sizes), never faster than its largest size's (the state is cold in a step),
+    # plus the gradient norm's read
     psi = stage_params(w, s.layout)[0].dense
     device = _cpu(**rates).device
-    assert terms["optimizer step"] == pytest.approx(
-        psi * interpolate(rates["adamw_curve"], psi) + 4 * psi / device.bandwidth_at(4 * psi))
+    assert interpolate(rates["adamw_curve"], psi) < 3e-9  # gpt-mini's 5 M: the curve is faster there
+    assert terms["optimizer step"] == pytest.approx(3e-9 * psi + 4 * psi / device.bandwidth_at(4 * psi))
     nothing = estimate_time(w, s, _cpu())
     assert {t.name for t in nothing.work} == {"element-wise traffic", "optimizer step"}
     assert nothing.step < base.step

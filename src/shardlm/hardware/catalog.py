@@ -144,6 +144,10 @@ class Node:
     nvme_bandwidth: float
     """Aggregate NVMe bytes/s per node (read and write assumed alike): an assumption."""
     source: str
+    nvme_lone_bandwidth: float = 0.0
+    """Bytes/s in all while each of the node's ranks has one disk request in flight (the nvme
+    tier's first chunk read, its last chunk written: one direction alone), where measured
+    (local_disk_lone); 0 = nvme_bandwidth."""
 
 
 def _device(name, kind, memory_mib, peak, bw, eff, source, power=None):
@@ -411,7 +415,8 @@ def local_cpu(n_ranks: int) -> Cluster:
                 f"measured: collectives between {measured.get('in_step_ranks', 2)} local gloo ranks among matmuls")
     disk, disk_source = local_disk(measured.get("disk") or {}, n_ranks)
     node = Node(n_ranks, gloo, LINKS["eth-10"], 1, gloo, available_memory(),
-                measured["memory_bandwidth"], disk, f"this machine (disk: {disk_source})")
+                measured["memory_bandwidth"], disk, f"this machine (disk: {disk_source})",
+                local_disk_lone(measured.get("disk") or {}, n_ranks))
     # A worker also holds its tokenizer, data loader and threads: +100 MB over the probe's
     # imports and gloo (measured: a gpt-tiny training rank at 324 MiB, the probe's at 228).
     calibration = replace(CALIBRATION["cpu"], runtime_reserve=measured["baseline_rss"] + 1e8,
@@ -438,6 +443,21 @@ def local_disk(streams: dict[int, dict], n_ranks: int) -> tuple[float, str]:
     where = next(iter(streams.values()))["directory"]
     return rate, (f"{rate / 1e9:.2f} GB/s read + write with {n_ranks} rank(s) streaming at once, measured "
                   f"under {where} by `shardlm calibrate --disk`")
+
+
+def local_disk_lone(streams: dict[int, dict], n_ranks: int) -> float:
+    """Read + write bytes/s in all while `n_ranks` ranks each have one request in flight, one
+    direction (0 where the disk was never measured). The disk probe's k streams are k readers
+    and k writers at once, 2k requests in flight, reaching stream_rate(k); n requests are n/2
+    streams' worth, by the same curve, and under one stream (one request: the nvme tier's first
+    read or last write on a lone rank) in proportion to the requests, half a stream's rate: a
+    lone stream is bound by its requests' latency, not the drive (an AMD EPYC's drive served one
+    stream 1.30 GB/s, two 1.49, four 1.49)."""
+    if not streams:
+        return 0.0
+    rates = {n: v["bytes_per_s"] for n, v in streams.items()}
+    k, first = n_ranks / 2, min(rates)
+    return rates[first] * k / first if k < first else stream_rate(rates, k)
 
 
 def at_least_one_thread(rates: dict, one: dict) -> dict:

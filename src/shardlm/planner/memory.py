@@ -413,6 +413,15 @@ def nvme_stream_resident(sp: StageParams, n: int, chunk_bytes: int, buffers: int
     return float(resident), len(sizes)
 
 
+def nvme_first_chunk(sp: StageParams, n: int, chunk_bytes: int, itemsize: int) -> float:
+    """Parameters in the nvme tier's first chunk on one of `n` ranks (zero/tiers/nvme.py: the
+    root unit's shard first, chunks of `chunk_bytes` never crossing a segment; as
+    nvme_stream_resident orders them), 0 where the stage holds no unit."""
+    chunk = max(4096, chunk_bytes // 4096 * 4096) // itemsize
+    unit = next((u for u in (sp.root_unit, sp.block_unit if sp.layers else 0) if u > 0), 0)
+    return float(min(chunk, -(-int(unit) // n))) if unit else 0.0
+
+
 def _host_memory(s: Strategy, states: dict, cluster: Cluster, sp: StageParams) -> list[Item]:
     """Host RAM per rank for offloaded states (zero/tiers/; ZeRO-Offload, Ren et al. 2021;
     ZeRO-Infinity, Rajbhandari et al. 2021). The cpu tier holds fp32 masters and moments (a

@@ -251,18 +251,35 @@ def _zero_copies(s: Strategy, cluster: Cluster, sp: StageParams) -> list[WorkTer
                      fresh if dev.fresh_bandwidth > 0 else 0.0)]
 
 
-def optimizer_term(s: Strategy, cluster: Cluster, psi_opt: float, psi_grads: float) -> WorkTerm:
+def cold_adamw(curve: tuple[tuple[float, float], ...], psi_opt: float) -> float:
+    """Seconds per parameter of the fused AdamW inside a step: the measured curve (probe.
+    memory_probe: one parameter of each size stepped back to back) at this many parameters, and
+    never faster than its largest size's, where master, gradient and moments (16 B a parameter:
+    256 MiB at 16 M) come from DRAM. The probe's smaller sizes keep their 4 and 32 MiB of state
+    in the caches between tries; a step's pass writes its activations and gradients between two
+    optimizer steps (gpt-mini: 114 MB), so the state is cold when the optimizer reads it.
+    Measured ratios, largest size over 2 M: 2.0 (Intel Xeon, AMX) and 2.1-2.4 (AMD EPYC Zen 4)."""
+    return max(interpolate(curve, psi_opt), max(curve)[1])
+
+
+def optimizer_term(s: Strategy, cluster: Cluster, psi_opt: float, psi_grads: float,
+                   first_chunk: float = 0.0) -> WorkTerm:
     """The optimizer step on this rank's Ψ_opt parameters: torch's fused AdamW at the rate
     measured for a parameter of that size (Device.adamw_curve) or ADAM_BYTES_PER_PARAM at the
     device's bandwidth; offloaded (ZeRO-Offload) at the host's share per device plus the gradient
     down and the parameters up over PCIe; on NVMe (ZeRO-Infinity) reading and writing master, m
-    and v. Before it the gradient norm reads every gradient this rank holds (`psi_grads`)."""
+    and v. Before it the gradient norm reads every gradient this rank holds (`psi_grads`).
+    `first_chunk`: the parameters of the nvme tier's first chunk on this rank (memory.
+    nvme_first_chunk): the tier reads it before anything else is in flight and, one chunk
+    behind, writes as much after its last read; where the node's lone-request rate was measured
+    (Node.nvme_lone_bandwidth) those bytes move at it, the rest at the streams' rate
+    (read-ahead and write-behind in flight together, as the disk probe streams)."""
     d, node, dev, per_node = s.dtypes, cluster.node, cluster.device, cluster.per_node
     tier = effective_tier(s.offload_optimizer, cluster)
     norm = psi_grads * d.grad_bytes / dev.bandwidth_at(psi_grads * d.grad_bytes)
     if dev.adamw_curve and (tier == "none" or dev.kind == "cpu"):  # on a CPU the host is the device
-        per_param = interpolate(dev.adamw_curve, psi_opt)
-        how = f"fused AdamW, {per_param * 1e9:.2f} ns per parameter (measured)"
+        per_param = cold_adamw(dev.adamw_curve, psi_opt)
+        how = f"fused AdamW, {per_param * 1e9:.2f} ns per parameter (measured; state from DRAM)"
     elif tier == "none":
         per_param = ADAM_BYTES_PER_PARAM / dev.memory_bandwidth
         how = f"{ADAM_BYTES_PER_PARAM} B per parameter at {dev.memory_bandwidth / 1e9:,.0f} GB/s"
@@ -273,6 +290,10 @@ def optimizer_term(s: Strategy, cluster: Cluster, psi_opt: float, psi_grads: flo
     if tier != "none" and dev.kind != "cpu":  # the gradient shard down, the parameters back up
         seconds += (d.grad_bytes + d.param_bytes) * psi_opt / node.pcie.effective
     if tier == "nvme":  # read and write master, m, v
-        seconds += 2 * 3 * DTYPE_BYTES[d.master] * psi_opt / (node.nvme_bandwidth / per_node)
+        lone = min(first_chunk, psi_opt) if node.nvme_lone_bandwidth > 0 else 0.0
+        state = 2 * 3 * DTYPE_BYTES[d.master]
+        seconds += state * (psi_opt - lone) / (node.nvme_bandwidth / per_node)
+        if lone:  # the first chunk's read and the last writes, one request in flight per rank
+            seconds += state * lone / (node.nvme_lone_bandwidth / per_node)
     return WorkTerm("optimizer step", seconds, f"{psi_opt / 1e6:,.1f} M parameters: {how}; the "
                     f"gradient norm reads {psi_grads * d.grad_bytes / 1e6:,.1f} MB")

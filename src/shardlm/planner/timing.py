@@ -15,7 +15,7 @@ from shardlm.hardware.catalog import Cluster
 from shardlm.planner.links import (ceil_div, collective_parts, collective_seconds,  # noqa: F401 (re-exported)
                                    group_link, log2_ceil)
 from shardlm.planner.compute import compute_rate, model_flops_per_token
-from shardlm.planner.memory import offloaded_activations, peak_candidates
+from shardlm.planner.memory import nvme_first_chunk, offloaded_activations, peak_candidates
 from shardlm.planner.activations import activation_dtypes, block_activation
 from shardlm.config.layout_rules import cp_degrees
 from shardlm.planner.cp_modes import choose_cp_mode, cp_a2a_bytes
@@ -26,7 +26,7 @@ from shardlm.planner.memory_bound import (ADAM_BYTES_PER_PARAM, WorkTerm,  # noq
 from shardlm.planner.comms import (CommTerm, CommTime, Windows, dp_comms, hidden,  # noqa: F401 (re-exported)
                                    measured_factor)
 from shardlm.planner.in_situ import in_situ_factor
-from shardlm.planner.workload import (StageParams, Strategy, Workload, effective_tier,
+from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier,
                                       pipeline_layers, pp_bubble, pp_hidden_bytes,
                                       stage_params, validate, zero_ranks)
 
@@ -345,7 +345,12 @@ def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, ra
         comms += dp_comms(w, s, cluster, sp, windows)
     n_opt = zero_ranks(lay) if s.zero_stage else 1
     psi_opt = sp.dense / n_opt + sp.experts / (max(1, zero_ranks(lay) // lay.ep) if s.zero_stage else 1)
-    optimizer = optimizer_term(s, cluster, psi_opt, sp.dense + sp.experts if s.local else psi_opt)
+    first = 0.0
+    if effective_tier(s.offload_optimizer, cluster) == "nvme":
+        from shardlm.config import ZeroConfig
+
+        first = nvme_first_chunk(sp, n_opt, ZeroConfig().nvme_chunk_mb * 2**20, DTYPE_BYTES[s.dtypes.master])
+    optimizer = optimizer_term(s, cluster, psi_opt, sp.dense + sp.experts if s.local else psi_opt, first)
     if effective_tier(s.offload_params, cluster) != "none":  # each gather fetches the shard
         gathers = 1 if lay.pp > 1 else 2 * s.grad_accum  # a pipeline stage holds its units for the step
         up = gathers * s.dtypes.param_bytes * sp.dense / zero_ranks(lay)
