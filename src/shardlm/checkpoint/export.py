@@ -338,11 +338,10 @@ def _save_with_tokenizer(model, staging: Path, src: Path, tokenizer_config: dict
     of model.hf_path: the checkpoint's own tokenizer files, chat template and generation config
     instead, byte for byte (checkpoint/hf_dir.py carry_identity)."""
     model.save_pretrained(staging)
-    if identity is not None:
-        write_identity(src, staging, identity)
-        return
     shutil.copyfile(src / TOKENIZER, staging / TOKENIZER)
     (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    if identity is not None:  # what the checkpoint had replaces ours (a checkpoint without a
+        write_identity(src, staging, identity)  # tokenizer_config.json keeps the one above)
 
 
 def _set_token_ids(config, identity: dict | None) -> None:
