@@ -97,3 +97,26 @@ def test_the_nvme_tier_moves_its_first_chunk_at_the_lone_rate():
     assert lone - plain == pytest.approx(24 * first / 1.30e9)  # = the first chunk once more
     t = estimate_time(w, s, _cluster(1, lone=local_disk_lone(DISK, 1)))
     assert t.optimizer == pytest.approx(lone)
+
+
+def test_stages_2_and_3_map_their_gradient_shards_afresh_each_step():
+    w = Workload(preset_model("gpt-mini"), 128, 4)
+    fresh = {}
+    for stage in (1, 2, 3):
+        s = Strategy(ParallelDims(dp_shard=2), stage, 2, 1, dtypes=Dtypes("fp32"))
+        t = estimate_time(w, s, _cluster(2))
+        fresh[stage] = next(x for x in t.work if x.name == "ZeRO flatten / gather copies").fresh_bytes
+    psi = stage_params(w, ParallelDims(dp_shard=2))[0].dense
+    # stage 1: gloo's all-gather output (4 B x psi); stage 2: + the flat gradient buffer (4 psi)
+    # + this rank's gradient shard (4 psi / 2): bench_planner counted 31.8 MB more pages than stage 1
+    assert fresh[1] == pytest.approx(4 * psi)
+    assert fresh[2] - fresh[1] == pytest.approx(4 * psi + 4 * psi / 2)
+    assert fresh[2] - fresh[1] == pytest.approx(31.9e6, rel=0.01)
+    # stage 3: the shards too, beside the two gathers per micro-batch (x 2 for gloo's copy)
+    assert fresh[3] == pytest.approx(4 * psi + 4 * psi / 2 + 2 * 4 * psi * 2)
+    # a shard under the mmap threshold comes from the heap: no new pages (gpt-tiny on 2 ranks)
+    tiny = Workload(preset_model("gpt-tiny"), 64, 4)
+    s = Strategy(ParallelDims(dp_shard=2), 2, 2, 1, dtypes=Dtypes("fp32"))
+    t = estimate_time(tiny, s, _cluster(2))
+    psi_tiny = stage_params(tiny, s.layout)[0].dense
+    assert next(x for x in t.work if x.name.startswith("ZeRO")).fresh_bytes == pytest.approx(2 * 4 * psi_tiny)
