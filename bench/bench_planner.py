@@ -257,6 +257,20 @@ def main(argv=None) -> None:
                         model["precision"], "--ranks", str(n), "--recompute", ac, "--tp", str(tp)]
                        + ([] if args.predict_from else ["--again"]), check=True, stdout=subprocess.DEVNULL)
 
+    if not args.predict_from:
+        # The corpus's tokenizer and token shards, built once per cache and data source by the
+        # first rank that needs them: built inside the first case, they set its peak RSS (the
+        # AMD EPYC's first case, 1 rank at stage 0 on a fresh cache, peaked at 522 MiB against
+        # 440-457 for its neighbours; a tokenizer trained on the corpus here took a process from
+        # 220 to 423 MiB). Built here first, in a child of its own (this parent's RSS would
+        # carry into the ranks, as the probe's did)
+        data = overrides_for(args, 1, 0, "none", "none", "", "unused")
+        subprocess.run([sys.executable, "-c", "import sys, json; from shardlm.config import load_config; "
+                        "from shardlm.data.loader import build_dataset; "
+                        "cfg = load_config(overrides=json.loads(sys.argv[1])).validate(); "
+                        "build_dataset(cfg.data, cfg.model.vocab_size, None, cfg.train.seq_len)",
+                        json.dumps(data)], check=True, stdout=subprocess.DEVNULL)
+
     rows = []
     if args.predict_from:
         for row in saved:
