@@ -49,7 +49,7 @@ from shardlm.config.fields import DATA_FORMATS, parse_columns
 from shardlm.data.corpus import corpus_files, jsonl_records
 from shardlm.data.tables import TABLE_SUFFIXES, iter_rows
 from shardlm.errors import ConfigError
-from shardlm.launch.cache_files import read_named_file
+from shardlm.launch.cache_files import read_named_file, read_named_json
 
 log = logging.getLogger("shardlm")
 FORMATS = DATA_FORMATS
@@ -238,11 +238,8 @@ def find_chat_template(directory: str | Path) -> ChatTemplate | None:
     root = Path(directory)
     config_path = root / "tokenizer_config.json"
     where = f"model.hf_path {str(directory)!r}:"
-    text = read_named_file(config_path, f"{where} its tokenizer config", _DOWNLOAD_AGAIN)
-    try:
-        config = json.loads(text) if text is not None else {}
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{where} {config_path} is not JSON ({e})") from None
+    config = read_named_json(config_path, f"{where} its tokenizer config", _DOWNLOAD_AGAIN)
+    config = {} if config is None else config
     if not isinstance(config, dict):
         raise ConfigError(f"{where} {config_path} is a JSON {type(config).__name__}, not an object")
     named: dict[str, tuple[str, str]] = {}  # name -> (template text, where it came from)

@@ -17,7 +17,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from shardlm.errors import ConfigError
-from shardlm.launch.cache_files import read_named_file
+from shardlm.launch.cache_files import read_named_file, read_named_json
 from shardlm.launch.files import atomic_write
 
 EOT = "<|endoftext|>"
@@ -122,8 +122,6 @@ def hf_tokenizer(directory: str | Path, vocab_size: int) -> tuple[Tokenizer, int
     embeddings). A missing tokenizer.json is an error, never our BPE in its place: a new
     tokenizer's ids would mean nothing to the checkpoint's embeddings; so is one that exists by
     name but cannot be read (a dangling link: a hub snapshot missing its blob)."""
-    import json
-
     root = Path(directory)
     path = root / "tokenizer.json"
     if not os.path.lexists(path):
@@ -137,13 +135,8 @@ def hf_tokenizer(directory: str | Path, vocab_size: int) -> tuple[Tokenizer, int
         raise ConfigError(f"model.hf_path {str(directory)!r}: tokenizer.json has {size} tokens but "
                           f"the model's vocab_size is {vocab_size}: ids past it have no embedding")
     config_path = root / "config.json"
-    text = read_named_file(config_path, f"model.hf_path {str(directory)!r}: its config",
-                           "download or save the checkpoint's config.json again")
-    try:
-        config = json.loads(text) if text is not None else {}
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"model.hf_path {str(directory)!r}: {config_path} is not JSON "
-                          f"(line {e.lineno}: {e.msg}); download or save it again") from None
+    config = read_named_json(config_path, f"model.hf_path {str(directory)!r}: its config",
+                             "download or save the checkpoint's config.json again")
     eos = config.get("eos_token_id") if isinstance(config, dict) else None
     eos = eos[0] if isinstance(eos, list) and eos else eos
     if eos is None:

@@ -119,3 +119,16 @@ def read_named_file(path: Path, what: str, fix: str) -> str | None:
     except OSError as e:
         reason = f"cannot be read: {e.strerror or e}"
     raise ConfigError(f"{what} {str(path)!r} {reason}; {fix}")
+
+
+def read_named_json(path: Path, what: str, fix: str) -> object | None:
+    """read_named_file, parsed as JSON: None where no such name exists; a file that exists but
+    cannot be read, or is not JSON, is a ConfigError naming it, the line and `fix`."""
+    text = read_named_file(path, what, fix)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what} {str(path)!r} is not JSON (line {e.lineno}, column {e.colno}: "
+                          f"{e.msg}; {len(text.encode()):,} bytes, cut short or damaged?); {fix}") from None

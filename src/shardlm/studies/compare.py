@@ -79,8 +79,18 @@ def read_run(path: str | Path, label: str = "RUN") -> RunLog:
                           f"`shardlm train` (rank 0 writes {LOG} at the first logged step), or the "
                           f"run ended before it logged one")
     log = RunLog(file)
-    with open(file) as f:
-        for lineno, line in enumerate(f, start=1):
+    try:
+        f = open(file, "rb")  # bytes: a line of binary garbage is named, not a traceback
+    except OSError as e:
+        raise ConfigError(f"{label} {file} cannot be read: {e.strerror or e}") from None
+    with f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{file}:{lineno}: not UTF-8 text (byte {e.start} of the line: "
+                                  f"{raw[e.start:e.start + 4]!r}): binary data, not a {LOG} of "
+                                  f"`shardlm train` (damaged by a crash or a bad copy?)") from None
             if not line.strip():
                 continue
             try:
