@@ -14,7 +14,9 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from shardlm.launch.failures import AgentLog, dead_rank, failure_line, run_dir_of, write_run_log
 from shardlm.launch.preflight import DISK_EXIT, pid_alive
+from shardlm.launch.relay import StderrRelay
 from shardlm.errors import ConfigError
 from shardlm.launch.runtime import LAUNCHER_PID_ENV, LOCAL_RENDEZVOUS_ENV, RENDEZVOUS_PREFIX, cpu_cores
 
@@ -88,22 +90,33 @@ def launch_local(nproc: int, worker_argv: list[str], max_restarts: int = 0,
         # torchrun's default is a `torchelastic_*` directory in $TMPDIR that nobody removes
         f"--log-dir={rendezvous_dir / 'logs'}", f"--shutdown-timeout={shutdown_timeout_s}",
         "--no-python", sys.executable, *worker_argv])
+    agent_log = AgentLog()
+    relay = StderrRelay()
     try:
-        run(args)
+        with agent_log, relay:
+            run(args)
+        if relay.held():  # a gang restarted after a failure (--max-restarts), then finished
+            write_run_log(worker_argv, "the workers finished after a restart", "", agent_log, relay)
     except ChildFailedError as e:
+        dead = dead_rank(e.failures)
+        log_file = write_run_log(worker_argv, "a worker failed", e.format_msg(), agent_log, relay)
+        if dead is None:  # no rank died: the workers' own tracebacks are the news
+            relay.show_held()
         codes = {f.exitcode for f in e.failures.values()}
         if DISK_EXIT in codes:  # the worker printed its DiskError: the one message to read
             log.error("shardlm: a worker stopped on a disk error (exit %d): see its message above",
                       DISK_EXIT)
             return DISK_EXIT
-        if e.get_first_failure()[1].exitcode == 2:  # a ConfigError (a checkpoint refused, say),
-            # printed by the worker; the others may have been stopped by torchrun meanwhile
+        if dead is None and e.get_first_failure()[1].exitcode == 2:  # a ConfigError (a checkpoint
+            # refused, say), printed by the worker; the others may have been stopped meanwhile
             log.error("shardlm: the workers stopped on the error above (exit 2)")
             return 2
-        log.error("a worker failed: %s", e)
+        rank, failure = dead or e.get_first_failure()
+        log.error("shardlm: %s", failure_line(rank, failure.exitcode, run_dir_of(worker_argv), log_file))
         return 1
     except SignalException as e:
         # torchrun has forwarded the signal to the workers and waited for them to exit.
+        relay.show_held()
         stopped = [r for r in range(nproc) if (rendezvous_dir / f"stopped-{r}").exists()]
         if len(stopped) == nproc:
             log.warning("shardlm: %s: the workers saved a checkpoint and stopped", e.sigval.name)
