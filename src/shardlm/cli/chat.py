@@ -51,7 +51,7 @@ class ChatModel:
         if self.template is None:
             from shardlm.data.sft import encode_example
 
-            ids = encode_example(self.tokenizer, {"messages": messages}, "chat", self.end_id)[0] if messages else []
+            ids = encode_example(self.tokenizer, {"messages": messages}, "chat", self.end_id)[0]
             return ids + self.tokenizer.encode(GENERATION_PROMPT, add_special_tokens=False).ids
         if self._renderer is None:
             from tokenizers import Tokenizer
@@ -91,7 +91,7 @@ def load_chat_model(checkpoint: str | Path, device: torch.device) -> ChatModel:
     """`checkpoint`: a run directory (or its `latest`) or a transformers directory."""
     from shardlm.checkpoint.hf_dir import IDENTITY_DIR, is_hf_dir, load_hf_for_inference, read_identity
     from shardlm.data.sft import find_chat_template
-    from shardlm.data.tokenizer import eot_id, hf_tokenizer
+    from shardlm.data.tokenizer import EOT, hf_tokenizer
 
     path = Path(checkpoint)
     if is_hf_dir(path):
@@ -114,8 +114,12 @@ def load_chat_model(checkpoint: str | Path, device: torch.device) -> ChatModel:
         where = run_dir / IDENTITY_DIR if identity is not None else None
         template = find_chat_template(where) if where is not None else None
         config_eos = (identity or {}).get("token_ids", {}).get("eos_token_id")
-        first = sorted(_eos_ids(config_eos))
-        end = first[0] if first else eot_id(tokenizer)
+        eos = config_eos[0] if isinstance(config_eos, list) and config_eos else config_eos
+        end = eos if isinstance(eos, int) else tokenizer.token_to_id(EOT)  # as data/tokenizer.py
+        if end is None:
+            raise ConfigError(f"{run_dir}: no end-of-turn token known (no hf_identity/ with an "
+                              f"eos_token_id, and the tokenizer has no {EOT}); retrain it with "
+                              f"this version, or chat with its model.hf_path directly")
         stops = _stop_ids(where, template, tokenizer, config_eos)
         name = f"{run_dir} (run)"
     return ChatModel(model, tokenizer, template, end, stops | ({end} if template is None else set()), name)
