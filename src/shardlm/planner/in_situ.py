@@ -114,6 +114,6 @@ def step_pass_factor(measured: float, parts: float) -> float:
     after the timer stops (train/calibration.py), which a step pays inside its time
     (zero_grad). Measured on an AMD EPYC (Zen 4, 32 MiB L3): gpt-mini's pass took 106.5 ms
     against 128.9 ms of parts (x 0.83) and its one-process step less the optimizer 126 ms;
-    on the Intel Xeon (AMX) the factor read 0.94-1.02 at two threads, 1.09-2.04 at one.
+    on the Intel Xeon (AMX) the factor read 0.94-1.70 at two threads, 1.09-2.04 at one.
     docs/planner.md section 4b."""
     return max(1.0, measured / parts)
