@@ -1,9 +1,37 @@
-"""Shared fixtures: one token cache per test session, and tiny configs."""
+"""Shared fixtures: one token cache per test session, and tiny configs; the perturbed mode.
+
+SHARDLM_TEST_PERTURB=1 runs the tests as a different CPU would, without changing the maths:
+each rank and each one-process reference gets another thread count (twice this machine's
+cores divided among the ranks, through SHARDLM_CPU_CORES, which init_runtime reads), so
+kernels that split a reduction by thread cut it elsewhere; and ATen's vectorised kernels run
+at one capability below this CPU's (AVX-512 -> AVX2, AVX2 -> scalar), so vector widths, loop
+tails and the order of vectorised sums change. A claim of bitwise equality that holds only by
+the luck of one machine's rounding fails here; one the arithmetic guarantees (the same
+operations on the same operands in both runs) does not. `.ci/run` runs the parity tests so.
+"""
 
 import os
 
-import pytest
-import torch
+
+def _perturb() -> None:
+    """Set before torch is imported: ATen reads its capability once; ranks inherit both."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        pass
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2" if "avx512f" in flags else "default")
+    os.environ.setdefault("SHARDLM_CPU_CORES", str(2 * (len(os.sched_getaffinity(0))
+                                                        if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)))
+
+
+PERTURBED = os.environ.get("SHARDLM_TEST_PERTURB", "") not in ("", "0")
+if PERTURBED:
+    _perturb()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # oneDNN picks bf16 kernels by ISA, and on AMX CPUs its blocking (and so the rounding of a
 # reduction) can follow the thread count: the parity tests compare a 2-rank run (1 thread

@@ -230,20 +230,27 @@ def test_families_train_with_tp_and_zero3_as_one_process(tmp_path):
     and cp = 2 (ring attention over its scaled RoPE); OLMo-2 (q/k norms over every head, their
     sums of squares all-reduced over the tensor-parallel group) with tp = 2: losses and every parameter after 2 steps
     within 1e-5 relative of one process with the same global batch (fp32; tensor parallelism
-    and the ring reorder sums)."""
+    and the ring reorder sums: a reordered fp32 sum of K terms moves by ~√K·eps relative,
+    eps = 1.2e-7, K ≤ 256 here, ~2e-6; AdamW's eps is 1e-4 so that Adam does not turn the
+    rounding of a near-zero gradient into a whole lr-sized step, see below)."""
     steps = 2
+    # AdamW's eps 1e-4 (not 1e-8) in every case: Adam's update m/(√v + eps) is ±lr whatever the
+    # gradient's size, so for an element whose gradient is near zero (a sum that cancels) the
+    # rounding of a reordered sum — tp's partial products, the ring's merge — decides a
+    # lr-sized step: with 1e-8, a gate_up element behind OLMo-2's post-norms moved 6.6e-6 of its
+    # weight (measured on the Intel kind), and Gemma-2's gate_up under tp + SP 1.13e-5 of it on
+    # an AMD EPYC Zen 4, past the bound below. With eps 1e-4 an update is at most lr·|g|/eps,
+    # so a gradient's rounding error stays a rounding error of the update (with eps 1e-3 every
+    # parameter was within 3e-8).
+    exact = dict(train__steps=steps, train__lr=1e-3, train__eps=1e-4, run__device="cpu")
     llama, _ = make_family_dir(tmp_path, "llama3")
     qwen, _ = make_family_dir(tmp_path, "qwen3")
-    base = overrides(tmp_path, llama, train__steps=steps, train__lr=1e-3, run__device="cpu")
+    base = overrides(tmp_path, llama, **exact)
     gemma, _ = make_family_dir(tmp_path, "gemma2")
-    qwen_base = overrides(tmp_path, qwen, train__steps=steps, train__lr=1e-3, run__device="cpu")
-    gemma_base = overrides(tmp_path, gemma, train__steps=steps, train__lr=1e-3, run__device="cpu")
+    qwen_base = overrides(tmp_path, qwen, **exact)
+    gemma_base = overrides(tmp_path, gemma, **exact)
     olmo, _ = make_family_dir(tmp_path, "olmo2")
-    # AdamW's eps 1e-4 (not 1e-8): with 1e-8 a gate_up element whose gradient is near zero (behind
-    # OLMo-2's post-norms) turns rounding into 6.6e-6 of that weight (measured); with eps 1e-3
-    # every parameter was within 3e-8
-    olmo_base = overrides(tmp_path, olmo, train__steps=steps, train__lr=1e-3, train__eps=1e-4,
-                          run__device="cpu")
+    olmo_base = overrides(tmp_path, olmo, **exact)
     cases = [({**base, "parallel.tp": 2, "run.name": "tp"}, steps, -1),
              ({**base, "parallel.zero_stage": 3, "run.name": "z3"}, steps, -1),
              ({**qwen_base, "parallel.tp": 2, "run.name": "qtp"}, steps, -1),

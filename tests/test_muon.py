@@ -4,7 +4,8 @@ and the layouts it does not support are refused before any process starts.
 Tolerances, stated: one and two optimizer steps against a hand-written fp32 reference of the
 formula (Moonlight's Algorithm 1 with Jordan's Newton-Schulz), 1e-6 absolute on every
 parameter; the AdamW part against torch.optim.AdamW on the same groups, 1e-6. Two gloo ranks at
-ZeRO 0, 1 and 3 against one process, 3 steps, fp32: bitwise (measured; see the test).
+ZeRO 0, 1 and 3 against one process, 3 steps, fp32: bitwise at stage 0, within 1e-5 relative
+at stages 1 and 3 (their clipping norm is summed in another order; see the test).
 """
 
 from __future__ import annotations
@@ -138,17 +139,40 @@ def zero_runs(tmp_path_factory):
     return run_ranks(train_cases, 2, tmp, cases), reference_case(base, 2, STEPS), resume
 
 
+SHARDED_TOL = 1e-5  # relative, per parameter tensor (norm); losses 1e-6 relative
+
+
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_two_ranks_match_one_process(zero_runs, stage):
-    """fp32, 3 steps: losses and every parameter bitwise equal to one process (each rank's
-    backward is one micro-batch of the reference, a sum of two gradients has no order, Newton-
-    Schulz runs on the same whole matrix, and fused AdamW's decay of the Muon elements is the
-    same multiplication as the reference's)."""
+    """fp32, 3 steps against one process with the same global batch and thread count.
+
+    Stage 0, bitwise: every rank holds whole gradients, and each rank's backward is one
+    micro-batch of the reference (a sum of two gradients has no order); the clipping norm is
+    torch's per-tensor norms of the same whole tensors, fused AdamW runs over the same whole
+    tensors (the same vector / scalar-tail split of each), Newton-Schulz over the same whole
+    matrices, all at the same thread count: the same operations on the same operands.
+
+    Stages 1 and 3, within SHARDED_TOL: the clipping norm is the square root of this rank's
+    shard's squares summed over the shard group — the same number summed in another partition
+    and order, so it can differ from the reference's in its last bits, and so can
+    train.grad_clip's coefficient, which scales every gradient (a reordered fp32 sum of k
+    terms moves by up to ~k·eps relative, eps = 1.2e-7). AdamW is near-invariant to that common
+    scale and Muon normalises it away, up to the rounding of five Newton-Schulz iterations
+    (GEMMs over 64-192 terms: ~√K·eps each). That is why the bitwise claim held on the Intel
+    Xeon it was written on and failed on AMD EPYC (Zen 3 and Zen 4) at the third step, where
+    the norm first crossed the clip: with train.grad_clip = 0 stages 1 and 3 matched bit for
+    bit there too. Measured on a Zen 3: losses equal, parameters within 1.1e-6 (attn.proj,
+    a Muon matrix), tok_emb 2e-8: SHARDED_TOL is ten times that."""
     out, ref, _ = zero_runs
     ours = out[0][[0, 1, 3].index(stage)]
-    assert ours["losses"] == ref["losses"]
-    for name, value in ref["params"].items():
-        assert torch.equal(ours["params"][name], value), (stage, name)
+    if stage == 0:
+        assert ours["losses"] == ref["losses"]
+        for name, value in ref["params"].items():
+            assert torch.equal(ours["params"][name], value), (stage, name)
+    else:
+        assert ours["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+        worst = max((float((ours["params"][n] - v).norm() / v.norm()), n) for n, v in ref["params"].items())
+        assert worst[0] <= SHARDED_TOL, (stage, worst)
     # The ledger: per step, one gather of each block unit's Ψ (4-byte fp32 directions) and one
     # scatter of its updates (all_reduce at stage 0: counted 2Ψ), i.e. 8 bytes per element.
     blocks = {}

@@ -73,8 +73,19 @@ def tracker_environment() -> dict[str, str | bool]:
             "mlflow_experiment": os.environ.get("MLFLOW_EXPERIMENT_NAME") or "shardlm"}
 
 
+CPU_CORES_ENV = "SHARDLM_CPU_CORES"
+"""Cores to divide among a machine's ranks, instead of those this process may run on: for a
+machine shared with other jobs, and for the tests' perturbed mode (tests/conftest.py), which
+runs the parity tests at thread counts other than this machine's, as other machines would."""
+
+
 def cpu_cores() -> int:
-    """Cores this process may run on (respects taskset / cgroup affinity)."""
+    """Cores this process may run on (respects taskset / cgroup affinity), or $SHARDLM_CPU_CORES."""
+    given = os.environ.get(CPU_CORES_ENV, "")
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"{CPU_CORES_ENV}={given!r}: a whole number of cores >= 1, or unset")
+        return int(given)
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
