@@ -257,3 +257,17 @@ def test_a_rank_killed_in_a_four_rank_zero3_run_is_one_line(tmp_path, monkeypatc
         assert noise not in text, (noise, text)
     detail = (run_dir / "launcher.log").read_text()
     assert "Root Cause" in detail and "SIGKILL" in detail and "Traceback" in detail
+
+
+def test_the_dead_rank_is_the_one_killed_not_the_ones_torchrun_stopped():
+    """torchrun SIGTERMs the survivors once a rank died: a survivor that dies of it is not news."""
+    from types import SimpleNamespace as Failure
+
+    from shardlm.launch.failures import dead_rank, failure_line
+
+    assert dead_rank({0: Failure(exitcode=1, timestamp=5), 1: Failure(exitcode=-15, timestamp=5),
+                      3: Failure(exitcode=-9, timestamp=5)})[0] == 3
+    assert dead_rank({0: Failure(exitcode=1, timestamp=5), 2: Failure(exitcode=-15, timestamp=5)})[0] == 2
+    assert dead_rank({0: Failure(exitcode=2, timestamp=5), 1: Failure(exitcode=1, timestamp=4)}) is None
+    assert (failure_line(3, -9, None, None)
+            == "rank 3 was killed by SIGKILL; resume with: shardlm train --resume <run directory>")
