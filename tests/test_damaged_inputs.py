@@ -80,9 +80,9 @@ def test_a_run_with_a_truncated_probe_cache_trains_and_leaves_a_valid_cache(tmp_
     cache.mkdir()
     monkeypatch.setenv("SHARDLM_CACHE", str(cache))
     _stub_collectives(monkeypatch)
-    probe.measure_cpu(1)  # a whole cache, as a finished measurement leaves it
-    whole = (cache / "hardware_probe.json").read_bytes()
-    (cache / "hardware_probe.json").write_bytes(whole[:len(whole) // 3])  # a crash mid-write
+    whole = json.dumps({f"v{probe._VERSION}|{probe.cpu_name()}|torch {probe.torch.__version__}|"
+                        f"threads={n}|matmul {p}": 1e10 for n in (1, 2) for p in probe.DTYPES}, indent=1)
+    (cache / "hardware_probe.json").write_text(whole[:len(whole) // 3])  # a crash mid-write
     overrides = tiny_overrides(tmp_path, run__name="probe", train__steps=1,
                                data__cache_dir=str(session_cache))  # the session's tokens
     with caplog.at_level(logging.WARNING, logger="shardlm"):
