@@ -271,3 +271,18 @@ def test_the_dead_rank_is_the_one_killed_not_the_ones_torchrun_stopped():
     assert dead_rank({0: Failure(exitcode=2, timestamp=5), 1: Failure(exitcode=1, timestamp=4)}) is None
     assert (failure_line(3, -9, None, None)
             == "rank 3 was killed by SIGKILL; resume with: shardlm train --resume <run directory>")
+
+
+def test_the_relay_holds_a_ranks_traceback_and_passes_the_rest(capfd):
+    from shardlm.launch.relay import StderrRelay
+
+    with StderrRelay() as relay:
+        os.write(2, b"step 1\n[rank1]: Traceback (most recent call last):\n[rank0]:[W gloo] a warning\n"
+                    b"[rank1]:   File \"x.py\"\n[rank1]: RuntimeError: Connection reset by peer\nbar 3/6\r")
+        time.sleep(0.3)
+    err = capfd.readouterr().err
+    assert err == "step 1\n[rank0]:[W gloo] a warning\nbar 3/6\r", err
+    assert relay.held() == {1: "[rank1]: Traceback (most recent call last):\n[rank1]:   File \"x.py\"\n"
+                                "[rank1]: RuntimeError: Connection reset by peer\n"}
+    relay.show_held()  # a job that ended otherwise: the traceback is the news
+    assert "RuntimeError: Connection reset by peer" in capfd.readouterr().err

@@ -40,15 +40,7 @@ class StderrRelay:
     def __enter__(self) -> StderrRelay:
         sys.stderr.flush()
         self._console = os.dup(2)
-        if os.isatty(self._console):
-            import pty
-            import tty
-
-            self._read_fd, write_fd = pty.openpty()
-            tty.setraw(write_fd)  # bytes pass as written: no \n -> \r\n, no echo
-            _copy_window_size(self._console, write_fd)
-        else:
-            self._read_fd, write_fd = os.pipe()
+        self._read_fd, write_fd = _terminal_like(self._console)
         os.dup2(write_fd, 2)
         os.close(write_fd)
         self._thread = threading.Thread(target=self._pump, name="shardlm-stderr-relay", daemon=True)
@@ -117,6 +109,23 @@ class StderrRelay:
                 view = view[os.write(self._console, view):]
             except OSError:  # the terminal went away: nothing left to show it to
                 return
+
+
+def _terminal_like(console: int) -> tuple[int, int]:
+    """(read end, write end): a pseudo-terminal where `console` is a terminal (so the workers see
+    one), else — or where none can be had — a pipe."""
+    if os.isatty(console):
+        try:
+            import pty
+            import tty
+
+            read_fd, write_fd = pty.openpty()
+            tty.setraw(write_fd)  # bytes pass as written: no \n -> \r\n, no echo
+            _copy_window_size(console, write_fd)
+            return read_fd, write_fd
+        except (ImportError, OSError):
+            pass
+    return os.pipe()
 
 
 def _copy_window_size(source: int, target: int) -> None:
