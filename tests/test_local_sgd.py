@@ -8,6 +8,13 @@ at the last one.
 Tolerance: none. Each replica's inner steps are one process's (one micro-batch per rank, no
 reduction), the mean of two pseudo-gradients is order-free, and the outer step is single-rounding
 element-wise arithmetic on both sides: parameters and losses match bit for bit (llama-tiny, fp32).
+That is the same operations on the same operands on any CPU, not one machine's luck, because:
+the simulation runs at the ranks' thread count (LOCAL_WORLD_SIZE); with dp_shard = 1 each
+replica's clipping norm is torch's per-tensor norms of its whole gradients, no squares summed
+over a group (dp_shard_group is None); and fused AdamW, which the ranks run over flat segments
+(parameters back to back) and the simulation per tensor, rounds its vector loop and its scalar
+tail differently (FMA), but every llama-tiny parameter is a multiple of 64 elements, so no
+element is in a tail on either side at any vector width up to AVX-512's 16 floats.
 One spawned world also checks the byte ledger (one fp32 all-reduce of the parameters per round,
 nothing across replicas on inner steps), the memory ledger, and a resume from a checkpoint taken
 in the middle of a round (every replica's own state and the outer momentum restored: the resumed
@@ -94,7 +101,7 @@ class _ReplicaData:
     (accumulated, as the ranks' reduction sums them)."""
 
     def __init__(self, loaders: list):
-        self.loaders, self.mask = loaders, loaders[0].mask
+        self.loaders, self.mask, self.source_len = loaders, loaders[0].mask, loaders[0].source_len
 
     def micro_batches(self, step: int) -> list:
         return [batch for loader in self.loaders for batch in loader.micro_batches(step)]
@@ -158,6 +165,7 @@ def test_matches_single_process_simulation(world, simulations, case):
     if outer not in simulations:
         simulations[outer] = simulate(cases[case], STEPS)
     ref = simulations[outer]
+    assert all(p.numel() % 16 == 0 for p in ref["params"].values())  # no AdamW tail (docstring)
     for rank in range(2):
         got = out[rank]["cases"][case]
         assert got["losses"] == ref["losses"], rank
