@@ -7,7 +7,11 @@ What is held, and why it can be exact:
   element by element, so each rank rounding its shard gives the bits of rounding the gathered
   weight. Both round the same bf16 values (the shard as stored: the fp32 master rounded to bf16,
   then to E4M3 — a double rounding, in both runs alike): losses, fp8 overflow / underflow
-  figures, parameters and an evaluation are equal, bit for bit.
+  figures, parameters and an evaluation are equal, bit for bit. The option makes the weights a
+  unit of their own, so the shards and fused AdamW's segments are cut elsewhere; AdamW's vector
+  loop and scalar tail round differently (FMA), but at d_model 32 every parameter and every
+  unit's shard, with or without the option, is a multiple of 16 floats (AVX-512's vector), so
+  no element is in a tail on either side; a sum of two ranks' gradients has no order.
   Gradient clipping is off in this comparison (train.grad_clip = 0): the weights form a unit of
   their own, so each rank holds other slices of the gradient, and the gradient norm's per-rank
   partial norms (in the bf16 reduce dtype) round differently (0.2% here); where clipping acts,

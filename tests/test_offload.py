@@ -1,8 +1,12 @@
 """Offload tiers against no offload: the same kernel on the same values, so bitwise.
 
-Every tier runs torch's fused AdamW (element-wise: a chunked step equals the whole-tensor step
-bit for bit) on the same fp32 masters made from the same fp32 initial values; only where the
-state lives differs. So training with `zero.offload_optimizer = cpu | nvme` must give exactly
+Every tier runs torch's fused AdamW on the same fp32 masters made from the same fp32 initial
+values, over the same segments; only where the state lives differs. Element-wise is not enough
+for a chunked step to equal the whole-segment step: the kernel's vector loop and its scalar tail
+round differently (FMA: exp_avg_sq's last bit on AVX2, measured), so it is the nvme tier's chunk
+boundaries, multiples of 4096 bytes (1024 fp32 elements, a multiple of every vector width), that
+put every element in the vector loop or in the segment's own tail alike in both. So training
+with `zero.offload_optimizer = cpu | nvme` must give exactly
 the losses and parameters of `none` — fp32 and bf16, 1 and 2 ranks, stages 1-3, with gradient
 accumulation and fp16 loss scaling, and across a checkpoint.
 """
