@@ -267,7 +267,8 @@ def test_the_dead_rank_is_the_one_killed_not_the_ones_torchrun_stopped():
 
     assert dead_rank({0: Failure(exitcode=1, timestamp=5), 1: Failure(exitcode=-15, timestamp=5),
                       3: Failure(exitcode=-9, timestamp=5)})[0] == 3
-    assert dead_rank({0: Failure(exitcode=1, timestamp=5), 2: Failure(exitcode=-15, timestamp=5)})[0] == 2
+    assert dead_rank({0: Failure(exitcode=-15, timestamp=5), 2: Failure(exitcode=-15, timestamp=4)})[0] == 2
+    assert dead_rank({0: Failure(exitcode=4, timestamp=5), 1: Failure(exitcode=-15, timestamp=5)}) is None
     assert dead_rank({0: Failure(exitcode=2, timestamp=5), 1: Failure(exitcode=1, timestamp=4)}) is None
     assert (failure_line(3, -9, None, None)
             == "rank 3 was killed by SIGKILL; resume with: shardlm train --resume <run directory>")

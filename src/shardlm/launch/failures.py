@@ -65,11 +65,14 @@ class AgentLog(logging.Handler):
 def dead_rank(failures: dict) -> tuple[int, object] | None:
     """The rank that died — killed by a signal (SIGKILL, the kernel's OOM killer, a segfault) —
     of torch's ChildFailedError.failures ({rank: ProcessFailure}), the first observed (then the
-    lowest rank); None when every failed worker exited with a status of its own (those said why
-    themselves). A SIGTERM counts only when there is nothing else: torchrun sends it to the
-    survivors once one died, and a survivor caught before its handler was installed dies of it."""
+    lowest rank); None when the failed workers exited with a status of their own (those said
+    why themselves). A SIGTERM is news only when nothing else is: torchrun sends it to the
+    survivors once one failed, and a survivor caught before its handler was installed dies of it."""
     killed = [(f.timestamp, rank, f) for rank, f in failures.items() if f.exitcode is not None and f.exitcode < 0]
-    first = [k for k in killed if k[2].exitcode != -signal.SIGTERM] or killed
+    hard = [k for k in killed if k[2].exitcode != -signal.SIGTERM]
+    if not hard and any(f.exitcode is not None and f.exitcode > 0 for f in failures.values()):
+        return None
+    first = hard or killed
     return min(first, key=lambda k: k[:2])[1:] if first else None
 
 
