@@ -168,6 +168,9 @@ def test_kv_cache_generation_equals_recomputation(preset):
     model = build_model(cfg, "cpu", seed=1).eval()
     prompt = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
     cached = generate(model, prompt, 40, temperature=0, use_cache=True)  # 45 > max_seq_len
+    # Tokens from two computations (the cache's attention, a recomputation): equal because each
+    # step's argmax leads by far more than the paths' logits differ (<= 1e-5, asserted below):
+    # the smallest lead over these 40 steps is 1.7e-2 (gpt-tiny), 4.4e-4 (llama-tiny), measured.
     assert torch.equal(cached, generate(model, prompt, 40, temperature=0, use_cache=False))
     with torch.no_grad():
         full = model(cached[:, :24])  # (2, 24, vocab)
