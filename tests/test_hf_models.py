@@ -11,7 +11,8 @@ Tolerances, measured (fp32, 3 steps, grad_clip 1.0 unless said):
   (over a rank's flat segments here, per tensor there; its vector loop and scalar tail round
   differently) meets no tail on either side: every parameter, and every unit's shard, is a
   multiple of 16 floats (AVX-512's vector; asserted in the test). LLaMA's case trained with
-  clipping before, and was bitwise only because its coefficient never fell below 1.
+  clipping before, and was bitwise only because its coefficient never fell below 1 (its norm
+  0.80-0.92 in these 3 steps, measured).
 - GPT-2 with clipping (stages 2, 3): the only difference
   is the global gradient norm: sharded, it is summed from per-shard partial norms, which rounds
   differently from torch's clip_grad_norm_ over whole tensors (zero/engine.py says so: bitwise
