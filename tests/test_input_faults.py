@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -134,13 +135,24 @@ def _flip_a_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.fixture
-def two_checkpoints(tmp_path) -> tuple[dict, Path]:
-    """A finished 4-step run with checkpoints at steps 2 and 4, step 4's shard corrupted."""
-    overrides = tiny_overrides(tmp_path, train__steps=4, checkpoint__every=2, run__name="bad")
+@pytest.fixture(scope="module")
+def trained_with_two_checkpoints(tmp_path_factory) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4, step 4's shard corrupted: trained
+    once for this file's tests, each of which resumes (and so writes) in a copy of its own."""
+    root = tmp_path_factory.mktemp("two-checkpoints")
+    overrides = tiny_overrides(root, train__steps=4, checkpoint__every=2, run__name="bad")
     assert cli.main(_args(overrides)) == 0
-    run_dir = tmp_path / "runs" / "bad"
+    run_dir = root / "runs" / "bad"
     _flip_a_byte(run_dir / CHECKPOINTS / "step-00000004" / "rank-00000.safetensors")
+    return run_dir
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path, trained_with_two_checkpoints) -> tuple[dict, Path]:
+    """That run copied under this test's tmp_path, with the overrides that name it there."""
+    overrides = tiny_overrides(tmp_path, train__steps=4, checkpoint__every=2, run__name="bad")
+    run_dir = tmp_path / "runs" / "bad"
+    shutil.copytree(trained_with_two_checkpoints, run_dir, symlinks=True)
     return overrides, run_dir
 
 
