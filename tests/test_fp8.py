@@ -244,6 +244,12 @@ def test_tensor_parallel_linears_round_as_one_process(two_ranks):
             one, tp = case["one"], case["tp"]
             (lo, hi), (t_lo, t_hi) = tp["rows"], tp["seq"]
             (col_one, row_one), (col, row) = one["seen"], tp["seen"]
+            # input, weights, row's grad_output: pieces of the same values, rounded at the same
+            # amax (the max over the group is the whole's max): exact. col's grad_output and
+            # row's input are matmul outputs, a piece of the columns here and all of them there:
+            # each element is the same dot product over the same d = 32 features in the same
+            # order whichever columns share the call (no CPU kernel splits a 32-term reduction;
+            # the calls differ in N only), then the same bf16 and E4M3 / E5M2 roundings.
             assert torch.equal(col["input"], col_one["input"]), sp  # whole (gathered under sp)
             assert torch.equal(col["weight"], col_one["weight"][lo:hi])
             assert torch.equal(col["grad_output"], col_one["grad_output"][:, lo:hi])
