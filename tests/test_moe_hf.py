@@ -61,6 +61,7 @@ from conftest import tiny_overrides
 from moe_hf_cases import MOE_MODELS, moe_hf_built, moe_hf_ep_cases, moe_hf_model, moe_hf_train_cases
 from parity import rel
 from tp_cases import whole_params
+from worlds import several
 from shardlm import checkpoint
 from shardlm.config import load_config
 from shardlm.data.tokenizer import train_tokenizer
@@ -167,15 +168,36 @@ def _base(tmp_path, **extra):
 CASES = [(name, "eager") for name in MOE_MODELS] + [("mixtral", None)]  # (model, experts kernel)
 
 
+EP_CASES = [("mixtral", 3), ("mixtral", 0), ("qwen2_moe", 3), ("olmoe", 2)]  # (model, ZeRO stage)
+EP_REF_STACKED = {"mixtral": False, "qwen2_moe": True, "olmoe": True}  # the reference's experts
+EP = {"parallel.ep": 2, "model.experts": 4, "model.top_k": 2}
+"""ep = 2 (model.experts names the experts for the config's checks: cfg.model describes the
+transformers model for nothing else)."""
+
+
 @pytest.fixture(scope="module")
-def zero3_runs(tmp_path_factory):
+def world(tmp_path_factory):
+    """Every 2-rank run of this file in one spawned world (tests/worlds.py), one set of rank
+    processes (each importing torch and transformers) instead of three: the ZeRO-3 parity cases,
+    the meta-built models at stage 3, and the ep = 2 cases with the meta-built Mixtral before
+    any step. Each case builds its model under a fixed seed and its own run."""
     tmp = tmp_path_factory.mktemp("moe-hf")
-    overrides = {**_base(tmp), "parallel.zero_stage": 3}
-    ranks = run_ranks(moe_hf_train_cases, WORLD, tmp,
-                      [(name, experts, overrides, STEPS) for name, experts in CASES], timeout=300)
-    refs = [reference_case(_base(tmp), WORLD, STEPS, model=moe_hf_model(name, experts=experts))
+    zero3 = [(name, experts, {**_base(tmp), "parallel.zero_stage": 3}, STEPS) for name, experts in CASES]
+    built = [(name, {**_base(tmp), "parallel.zero_stage": 3, "run.name": name}) for name in MOE_MODELS]
+    ep = [(name, "cpu", {**_base(tmp), **EP, "parallel.zero_stage": stage, "run.name": f"{name}-{stage}"}, STEPS)
+          for name, stage in EP_CASES]
+    ep.append(("mixtral", "meta", {**_base(tmp), **EP, "parallel.zero_stage": 3, "run.name": "meta"}, 0))
+    ranks = run_ranks(several, WORLD, tmp, [(moe_hf_train_cases, (zero3,)), (moe_hf_built, (built,)),
+                                            (moe_hf_ep_cases, (ep,))], timeout=600)
+    return {"tmp": tmp, "zero3": [r[0] for r in ranks], "built": (built, [r[1] for r in ranks]),
+            "ep": [r[2] for r in ranks]}
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(world):
+    refs = [reference_case(_base(world["tmp"]), WORLD, STEPS, model=moe_hf_model(name, experts=experts))
             for name, experts in CASES]
-    return ranks, refs
+    return world["zero3"], refs
 
 
 @pytest.mark.parametrize("index", range(len(CASES)),
@@ -243,15 +265,13 @@ def test_moe_model_units_are_the_decoder_layers():
         assert units[1][1].endswith("DecoderLayer"), units
 
 
-def test_meta_built_moe_models_shard_to_the_one_process_model(tmp_path):
+def test_meta_built_moe_models_shard_to_the_one_process_model(world):
     """Built on the meta device, each rank materialises only its units at stage 3, every leaf
     (the stacked experts, the routers, Qwen2-MoE's shared expert and its gate) initialised by
     the model's own _init_weights: the result is the model one process materialises whole."""
     from shardlm.models.init import materialize
 
-    cases = [(name, {**_base(tmp_path), "parallel.zero_stage": 3, "run.name": name})
-             for name in MOE_MODELS]
-    ranks = run_ranks(moe_hf_built, WORLD, tmp_path, cases, timeout=300)
+    cases, ranks = world["built"]  # the world's moe_hf_built of each model at stage 3
     for index, (name, overrides) in enumerate(cases):
         whole = materialize(moe_hf_model(name, "meta"), "cpu", overrides.get("train.seed", 1337))
         cpu_built = moe_hf_model(name)  # the library's own init, for scale
@@ -265,24 +285,15 @@ def test_meta_built_moe_models_shard_to_the_one_process_model(tmp_path):
 
 # --- expert parallelism ------------------------------------------------------------------------
 
-EP_CASES = [("mixtral", 3), ("mixtral", 0), ("qwen2_moe", 3), ("olmoe", 2)]  # (model, ZeRO stage)
-EP_REF_STACKED = {"mixtral": False, "qwen2_moe": True, "olmoe": True}  # the reference's experts
-
-
 @pytest.fixture(scope="module")
-def ep_runs(tmp_path_factory):
-    """ep = 2 (model.experts names the experts for the config's checks: cfg.model describes
-    the transformers model for nothing else), and the meta-built Mixtral before any step."""
-    tmp = tmp_path_factory.mktemp("moe-hf-ep")
-    ep = {"parallel.ep": 2, "model.experts": 4, "model.top_k": 2}
-    cases = [(name, "cpu", {**_base(tmp), **ep, "parallel.zero_stage": stage, "run.name": f"{name}-{stage}"}, STEPS)
-             for name, stage in EP_CASES]
-    cases.append(("mixtral", "meta", {**_base(tmp), **ep, "parallel.zero_stage": 3, "run.name": "meta"}, 0))
-    ranks = run_ranks(moe_hf_ep_cases, WORLD, tmp, cases, timeout=300)
+def ep_runs(world):
+    """The world's ep = 2 runs (EP_CASES, then the meta-built Mixtral before any step) and their
+    one-process references."""
+    tmp = world["tmp"]
     refs = {name: reference_case({**_base(tmp), "run.name": f"ref-{name}"}, WORLD, STEPS,
                                  model=moe_hf_model(name, stacked=EP_REF_STACKED[name]))
             for name in sorted({name for name, _ in EP_CASES})}
-    return ranks, refs
+    return world["ep"], refs
 
 
 @pytest.mark.parametrize("index", range(len(EP_CASES)), ids=[f"{n}-zero{s}" for n, s in EP_CASES])
