@@ -87,9 +87,37 @@ def _stop_ids(directory: Path | None, template, tokenizer, config_eos) -> set[in
     return stops
 
 
+def load_hf_for_inference(path: str | Path, device: torch.device, overrides: dict | None = None):
+    """(model, tokenizer, config) of a transformers directory as `shardlm train --model.hf_path`
+    would build it — our decoder for a mapped family (hf_names.hf_initializer), else the
+    library's own module (models/hf_build.py) — whole on `device`, fp32, in eval mode: what
+    checkpoint.load_for_inference gives for a run. `overrides`: other config keys (data.*)."""
+    from shardlm.checkpoint.hf_dir import HFDirError, module_initializer
+    from shardlm.checkpoint.hf_names import hf_initializer
+    from shardlm.config import load_config
+    from shardlm.config.hf_shapes import causal_lm_config, encoder_decoder_config
+    from shardlm.data.tokenizer import hf_tokenizer
+    from shardlm.models import build_model
+    from shardlm.models.init import materialize
+
+    if encoder_decoder_config(str(path), ""):
+        raise HFDirError(f"{path} is an encoder-decoder: load it by training a run of it "
+                         f"(model.hf_path, data.format = 'seq2seq')")
+    cfg = load_config(overrides={**(overrides or {}), "model.hf_path": str(path)})
+    tokenizer, _ = hf_tokenizer(path, cfg.model.vocab_size)
+    causal = causal_lm_config(str(path))
+    if causal:
+        from shardlm.models.hf_build import build_hf_model
+
+        model = build_hf_model(causal, cfg.model.vocab_size, "meta")
+        return materialize(model, device, 0, module_initializer(path, model)).eval(), tokenizer, cfg
+    model = build_model(cfg.model, "meta")
+    return materialize(model, device, 0, hf_initializer(path, model, cfg.model)).eval(), tokenizer, cfg
+
+
 def load_chat_model(checkpoint: str | Path, device: torch.device) -> ChatModel:
     """`checkpoint`: a run directory (or its `latest`) or a transformers directory."""
-    from shardlm.checkpoint.hf_dir import IDENTITY_DIR, is_hf_dir, load_hf_for_inference, read_identity
+    from shardlm.checkpoint.hf_dir import IDENTITY_DIR, is_hf_dir, read_identity
     from shardlm.data.sft import find_chat_template
     from shardlm.data.tokenizer import EOT, hf_tokenizer
 

@@ -370,7 +370,7 @@ def evaluate_base(hf_path: str, run: str | None, overrides: dict[str, str]) -> d
     import torch
 
     from shardlm.checkpoint import load_config_json, resolve_run_dir, save_weights
-    from shardlm.checkpoint.hf_dir import load_hf_for_inference
+    from shardlm.cli.chat import load_hf_for_inference
     from shardlm.train.evaluate import EDITABLE, evaluate_checkpoint
 
     editable = {k: v for k, v in overrides.items() if k.startswith(EDITABLE)}
