@@ -128,8 +128,8 @@ def test_finetune_defaults_unless_set_with_a_note_and_a_warning(instruct, caplog
         decide(full, 1, torch.device("cpu"))
         decide(lora, 1, torch.device("cpu"))
         decide(config(**{"train.lr": 1e-3}), 1, torch.device("cpu"))
-    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fine-tuning defaults")]
-    assert notes[0].startswith(f"fine-tuning defaults: a full fine-tune of {instruct}: train.lr = 2e-05 "
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fine-tuning settings")]
+    assert notes[0].startswith(f"fine-tuning settings: a full fine-tune of {instruct}: train.lr = 2e-05 "
                                f"(the default for a full fine-tune), warm-up 6 steps = "
                                f"train.warmup_fraction 0.03 (the default) of 200")
     assert "train.lr = 0.0002 (the default for LoRA)" in notes[1]

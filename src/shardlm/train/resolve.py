@@ -76,7 +76,7 @@ def finetune_note(cfg: Config) -> str:
                   f"{t.warmup_fraction:g}{default} of {t.steps}")
     else:
         warmup = f"warm-up train.warmup_steps = {t.warmup_steps}"
-    return (f"fine-tuning defaults: {what} of {cfg.model.hf_path}: {lr}, {warmup} (set train.lr, "
+    return (f"fine-tuning settings: {what} of {cfg.model.hf_path}: {lr}, {warmup} (set train.lr, "
             f"train.warmup_steps or train.warmup_fraction to choose)")
 
 
