@@ -287,3 +287,24 @@ def test_the_relay_holds_a_ranks_traceback_and_passes_the_rest(capfd):
                                 "[rank1]: RuntimeError: Connection reset by peer\n"}
     relay.show_held()  # a job that ended otherwise: the traceback is the news
     assert "RuntimeError: Connection reset by peer" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("name, damage", [("config.json", b'{"model": {"pres'),
+                                          ("tokenizer.json", b"\x00\x01binary\xff"),
+                                          ("model.safetensors", b"\x00\x01")])
+def test_a_damaged_run_file_is_named_by_eval_and_export(tmp_path, name, damage):
+    """A run directory whose config.json is cut short, or whose tokenizer.json or weights are
+    garbage: load_for_inference (what eval, export, generate and chat read) names the file, no traceback."""
+    from shardlm.checkpoint.weights import CONFIG, TOKENIZER, WEIGHTS, load_for_inference
+    from shardlm.config import load_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / CONFIG).write_text(json.dumps(load_config(overrides={"model.preset": "gpt-tiny"}).to_dict()))
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.BPE()).save(str(run / TOKENIZER))
+    (run / WEIGHTS).write_bytes(b"")
+    (run / name).write_bytes(damage)
+    assert name in (CONFIG, TOKENIZER, WEIGHTS)
+    with pytest.raises(ConfigError, match=name.replace(".", r"\.")):
+        load_for_inference(run, __import__("torch").device("cpu"))

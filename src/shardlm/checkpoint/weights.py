@@ -82,8 +82,34 @@ def resolve_run_dir(path: str | Path) -> Path:
     return p.resolve()
 
 
+_RUN_FIX = "the run directory is damaged: train again, or copy the file back from a backup"
+
+
 def load_config_json(run_dir: Path) -> Config:
-    return config_from_dict(json.loads((run_dir / CONFIG).read_text()))
+    """A run's resolved config.json; one that cannot be read or parsed is a ConfigError naming
+    the file and the line (launch/cache_files.read_named_json), not a traceback."""
+    from shardlm.launch.cache_files import read_named_json
+
+    saved = read_named_json(run_dir / CONFIG, "the run's config", _RUN_FIX)
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{str(run_dir / CONFIG)!r} is missing or not a JSON object; {_RUN_FIX}")
+    return config_from_dict(saved)
+
+
+def _read_weights(run_dir: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """WEIGHTS's tensors; a file safetensors cannot read (cut short, overwritten) is a
+    ConfigError naming it, not the library's bare error."""
+    try:
+        return load_file(str(run_dir / WEIGHTS), device=device)
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
+        raise ConfigError(f"{str(run_dir / WEIGHTS)!r} cannot be read as safetensors ({e}); "
+                          f"{_RUN_FIX}") from None
+
+
+def _run_tokenizer(run_dir: Path):
+    from shardlm.data.tokenizer import read_tokenizer_file
+
+    return read_tokenizer_file(run_dir / TOKENIZER, "the run's tokenizer")
 
 
 def _load_transformers(run_dir: Path, cfg: Config, device: torch.device) -> nn.Module:
@@ -94,7 +120,7 @@ def _load_transformers(run_dir: Path, cfg: Config, device: torch.device) -> nn.M
     from shardlm.models.hf_build import build_hf_model
     from shardlm.models.init import materialize
 
-    saved = load_file(str(run_dir / WEIGHTS))
+    saved = _read_weights(run_dir)
 
     def value(name: str) -> torch.Tensor:
         if name not in saved:
@@ -113,14 +139,13 @@ def _load_transformers(run_dir: Path, cfg: Config, device: torch.device) -> nn.M
 
 def load_for_inference(path: str | Path, device: torch.device):
     """(model, tokenizer, config) of a saved run, model in eval mode on `device`."""
-    from tokenizers import Tokenizer
-
     from shardlm.models import build_model
 
     run_dir = resolve_run_dir(path)
     cfg = load_config_json(run_dir)
+    tokenizer = _run_tokenizer(run_dir)  # the small files first: a damaged one named before the weights load
     if (run_dir / HF_CONFIG).is_file():  # a transformers module: the library's own class
-        return _load_transformers(run_dir, cfg, device), Tokenizer.from_file(str(run_dir / TOKENIZER)), cfg
+        return _load_transformers(run_dir, cfg, device), tokenizer, cfg
     model = build_model(cfg.model, device, seed=0)
     if cfg.lora.rank:  # the adapters under their own names (models/lora.py), then loaded below
         from shardlm.models.lora import apply_lora
@@ -134,7 +159,7 @@ def load_for_inference(path: str | Path, device: torch.device):
 
         dense = DEFAULT_TARGETS[cfg.model.mlp].split(",")
         quantize_base(model, cfg.lora.quantize, quantizable(model, dense))
-    state = take_bias_tensors(getattr(model, "moe_stats", None), load_file(str(run_dir / WEIGHTS), device=str(device)))
+    state = take_bias_tensors(getattr(model, "moe_stats", None), _read_weights(run_dir, str(device)))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
     if unexpected or set(missing) - tied:
@@ -145,4 +170,4 @@ def load_for_inference(path: str | Path, device: torch.device):
 
         dequantize_base(model)
     model.eval()
-    return model, Tokenizer.from_file(str(run_dir / TOKENIZER)), cfg
+    return model, tokenizer, cfg
