@@ -257,4 +257,8 @@ def test_generation_through_the_stages_equals_one_process(two_rank_world, tmp_pa
     base = _sample_base(tmp_path)
     piped = two_rank_world["sample"]  # the world's sample_case of _sample_piped(base), 2 steps
     alone = run_ranks(sample_case, 1, tmp_path, base, 2)[0]
+    # Not the same parameters bit for bit (pp sums gradients in another order): the same text
+    # because the seeded sampler's choice, argmax(p / q) with q ~ Exp(1) (torch.multinomial),
+    # leads by >= 1.8e-2 relative at every step, the top-50 cut by >= 1.0e-4 (/T) (measured on
+    # the one-process run): smaller changes of the logits cannot change the text.
     assert piped[0] == piped[1] == alone
