@@ -15,8 +15,11 @@ Tolerances, measured and stated:
   64 elements: every tensor, segment and shard starts and ends on a multiple of 16 floats (the
   widest vector, AVX-512), no element falls in a tail on either side (asserted below).
 - sharded (stages 1-3), the global gradient norm is summed from per-shard partial norms and can
-  differ from torch's clip_grad_norm_ in the last bit; with clipping active the updates then
-  differ by an ulp. For gpt-tiny that is ≤ 1e-6 relative everywhere but the attention *key*
+  differ from torch's clip_grad_norm_ in the last bits (a sum of squares over ~1.4e5 fp32
+  terms in another order; the norm a few eps = 1.2e-7 relative); with clipping active that
+  coefficient scales every gradient alike, and AdamW's update m / (√v + eps) does not see a
+  common scale (|g| ≫ eps = 1e-8) beyond its own rounding: the updates differ by an ulp or so,
+  ~1e-10 per step at lr 1e-3. For gpt-tiny that is ≤ 1e-6 relative everywhere but the attention *key*
   bias: its gradient is zero in exact arithmetic (softmax ignores a shift shared by a whole
   row), so what Adam sees there is rounding noise, normalised into full-size steps — any ulp
   changes it. It is left out, and said so.
