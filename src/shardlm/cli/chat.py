@@ -22,10 +22,12 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from shardlm.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where a model is: `shardlm plan` / `estimate` never load it
+    import torch
 
 GENERATION_PROMPT = "<|assistant|>\n"
 """What opens the reply under shardlm's DEFAULT_TEMPLATE (its assistant role header)."""
@@ -182,6 +184,8 @@ class _TextStream:
 def reply(chat: ChatModel, messages: list[dict], args: argparse.Namespace, out=None) -> str:
     """Generate the assistant's next turn for `messages`, streamed to `out` (stdout); returns
     its text (without the stop token)."""
+    import torch
+
     from shardlm.models import generate
     from shardlm.models.hf import CausalLMAdapter
     from shardlm.models.hf_build import generate_causal

@@ -21,7 +21,7 @@ def model_from_hf_config(path: str) -> ModelConfig:
     key names), for `--model path/config.json`."""
     from pathlib import Path
 
-    return ModelConfig(preset=f"{Path(path).name} (transformers)", **hf_shape(path))
+    return ModelConfig(preset=f"{Path(path).name} (a transformers config, its shape)", **hf_shape(path))
 
 
 FAMILIES = {
