@@ -4,7 +4,9 @@ training state, written by every rank; reader.py reads them at any layout. manif
 trustworthy before it is read (the manifest's own digest, confined file names, slices that tile
 every tensor, `latest`, and the choice of the newest usable checkpoint). hf_names.py: our names <->
 transformers'; peft_adapter.py: LoRA adapters in PEFT's format, and merged into the weights.
-export.py: a run as a transformers directory. Imports every layer up to models."""
+export.py: a run as a transformers directory. hf_dir.py: reading a transformers directory, and
+its identity (tokenizer files, chat template, generation config, special-token ids) carried into
+a run's hf_identity/ and written back, byte for byte, by every export. Imports every layer up to models."""
 
 from shardlm.checkpoint.weights import (CONFIG, LATEST, TOKENIZER, WEIGHTS, load_config_json,
                                         load_for_inference, point_latest, resolve_run_dir,

@@ -2,6 +2,8 @@
 (runtime.py, the one place that reads the launcher's environment variables), starting local
 ranks (spawn.py) or a cluster's (torchrun.py, targets.py: torchrun, SLURM, Kubernetes, Vertex
 AI), the C heap's policy (allocator.py), disk checks before a run (preflight.py) and writes a
-reader never sees torn (files.py).
+reader never sees torn (files.py); caches read and written in one place, atomically, a damaged
+one moved aside and measured again (cache_files.py); a dead rank said in one line, the detail in
+the run's launcher.log (failures.py, relay.py: the ranks' tracebacks held back from the console).
 
 Imports `shardlm.errors` and `shardlm.config` only; every layer above may use it."""
