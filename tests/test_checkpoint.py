@@ -34,6 +34,7 @@ from shardlm.config import load_config
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.loop import build_run
 from shardlm.train.checkpointing import load_checkpoint, save_checkpoint
+from worlds import several
 
 N = 2  # steps before the checkpoint, and after it
 
@@ -50,28 +51,60 @@ def test_resume_is_bitwise_one_process(tmp_path):
     _assert_same(straight, resumed, "one process")
 
 
-def test_resume_is_bitwise_every_stage_and_precision(tmp_path):
-    cases = [(f"s{stage}-{prec}-{'async' if stage % 2 else 'sync'}",
-              base_overrides(tmp_path, parallel__zero_stage=stage, precision__compute=prec,
-                    checkpoint__async=bool(stage % 2)), N)
-             for stage in range(4) for prec in ("fp32", "bf16")]
-    ranks = run_ranks(straight_and_resumed, 2, tmp_path, cases, timeout=600)
-    for rank_result in ranks:
+def _resume_cases(tmp_path) -> list[tuple[str, dict, int]]:
+    return [(f"s{stage}-{prec}-{'async' if stage % 2 else 'sync'}",
+             base_overrides(tmp_path, parallel__zero_stage=stage, precision__compute=prec,
+                            checkpoint__async=bool(stage % 2)), N)
+            for stage in range(4) for prec in ("fp32", "bf16")]
+
+
+def _resharded_base(tmp_path) -> dict:
+    return base_overrides(tmp_path, train__micro_batch=2, train__steps=2 * N)
+
+
+@pytest.fixture(scope="module")
+def four_rank_saves(tmp_path_factory) -> dict[str, dict]:
+    """This file's two 4-rank runs, each saving at step N, in one spawned world
+    (tests/worlds.py) instead of one each: ZeRO-3 ("four") and 2 replicas x 2 shards at stage 2
+    ("hybrid"). Rank 0's train_run result of each, by name."""
+    tmp = tmp_path_factory.mktemp("four-ranks")
+    base = _resharded_base(tmp)
+    runs = {"four": {**base, "parallel.zero_stage": 3, "checkpoint.every": N, "run.name": "four"},
+            "hybrid": {**base, "parallel.zero_stage": 2, "parallel.dp_replicate": 2,
+                       "parallel.dp_shard": 2, "checkpoint.every": N, "run.name": "hybrid"}}
+    rank0 = run_ranks(several, 4, tmp, [(train_ranks, (o,)) for o in runs.values()], timeout=600)[0]
+    return dict(zip(runs, rank0))
+
+
+@pytest.fixture(scope="module")
+def two_rank_world(tmp_path_factory, four_rank_saves) -> dict:
+    """This file's 2-rank runs in one spawned world: the bitwise resume cases (straight and
+    resumed, every stage and precision), then the ZeRO-3 4-rank checkpoint resumed at ZeRO-1
+    on 2 ranks through one reader."""
+    tmp = tmp_path_factory.mktemp("two-ranks")
+    cases = _resume_cases(tmp)
+    resharded = {**_resharded_base(tmp), "parallel.zero_stage": 1, "train.grad_accum": 2,
+                 "run.name": "two", "checkpoint.readers": "one",
+                 "checkpoint.resume": checkpoint_of(four_rank_saves["four"]["run_dir"], N)}
+    out = run_ranks(several, 2, tmp, [(straight_and_resumed, (cases,)), (train_ranks, (resharded,))],
+                    timeout=600)
+    return {"cases": cases, "resumed": [rank[0] for rank in out], "two": out[0][1]}
+
+
+def test_resume_is_bitwise_every_stage_and_precision(two_rank_world):
+    cases = two_rank_world["cases"]
+    for rank_result in two_rank_world["resumed"]:
         for (name, _, _), (straight, resumed) in zip(cases, rank_result):
             _assert_same(straight, resumed, name)
 
 
-def test_reshard_stage3_on_4_ranks_to_2_ranks_stage1_and_1_rank(tmp_path):
-    base = base_overrides(tmp_path, train__micro_batch=2, train__steps=2 * N)
-    saved = run_ranks(train_ranks, 4, tmp_path, {**base, "parallel.zero_stage": 3,
-                                                 "checkpoint.every": N, "run.name": "four"},
-                      timeout=300)[0]
+def test_reshard_stage3_on_4_ranks_to_2_ranks_stage1_and_1_rank(tmp_path, four_rank_saves, two_rank_world):
+    base = _resharded_base(tmp_path)
+    saved = four_rank_saves["four"]  # 4 ranks, ZeRO-3, saved at step N
     ckpt = checkpoint_of(saved["run_dir"], N)
     manifest = parse_manifest(Path(ckpt), (Path(ckpt) / MANIFEST).read_text())
     assert manifest["layout"]["world_size"] == 4 and len(manifest["files"]) == 4
-    two = run_ranks(train_ranks, 2, tmp_path, {
-        **base, "parallel.zero_stage": 1, "train.grad_accum": 2, "run.name": "two",
-        "checkpoint.resume": ckpt, "checkpoint.readers": "one"}, timeout=300)[0]
+    two = two_rank_world["two"]  # resumed from it at ZeRO-1 on 2 ranks, one reader
     one = train_run({**base, "train.grad_accum": 4, "run.name": "one", "checkpoint.resume": ckpt})
     expected = torch.tensor(saved["losses"][N:])
     for result in (two, one):
@@ -81,13 +114,11 @@ def test_reshard_stage3_on_4_ranks_to_2_ranks_stage1_and_1_rank(tmp_path):
             torch.testing.assert_close(result["params"][name], value, rtol=1e-4, atol=1e-6)
 
 
-def test_hybrid_layout_loads_in_one_process(tmp_path):
+def test_hybrid_layout_loads_in_one_process(tmp_path, four_rank_saves):
     """2 replicas x 2 shards at stage 2: only the first replica group writes, and its shards
     are the whole state."""
-    base = base_overrides(tmp_path, train__micro_batch=2, train__steps=2 * N)
-    saved = run_ranks(train_ranks, 4, tmp_path, {
-        **base, "parallel.zero_stage": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 2,
-        "checkpoint.every": N, "run.name": "hybrid"}, timeout=300)[0]
+    base = _resharded_base(tmp_path)
+    saved = four_rank_saves["hybrid"]
     ckpt = Path(checkpoint_of(saved["run_dir"], N))
     assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["rank-00000.safetensors",
                                                                   "rank-00001.safetensors"]
