@@ -36,7 +36,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
-EXIT_CODE = 4
+EXIT_CODE = 5
+"""A hung collective's exit. Not 4: that is a disk error's (launch/preflight.DISK_EXIT), which the
+launcher reports as one (a hang read as a full disk sent users to the wrong place)."""
 
 
 class Probe(Protocol):
