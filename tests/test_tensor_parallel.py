@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from conftest import tiny_overrides
 from shardlm.launch.spawn import run_ranks
 from tp_cases import tp_world, whole_params
+from worlds import several
 from zero_cases import reference_case, train_cases
 
 STEPS = 3
@@ -30,11 +31,46 @@ def _mqa_base(tmp) -> dict:
     return tiny_overrides(tmp, model__preset="llama-tiny", model__n_kv_heads=1, train__steps=2 * STEPS)
 
 
+CKPT_N = 2
+"""test_checkpoints_load_across_tensor_parallel_layouts: steps before each checkpoint."""
+
+
+def _ckpt_base(tmp) -> dict:
+    return tiny_overrides(tmp, model__preset="llama-tiny", train__micro_batch=4, train__steps=2 * CKPT_N)
+
+
+def _zero3_base(tmp) -> dict:
+    return tiny_overrides(tmp, model__preset="llama-tiny", train__micro_batch=4)
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """Every 2-rank check of this file that needs no other run first, in one spawned world
-    (tp_cases.tp_world): the parity cases (tp_runs), the ledger cases, the cross-entropy cases,
-    and the MQA case's training and its saved run. One set of rank processes instead of ten."""
+def layouts(tmp_path_factory):
+    """Every 4-rank run of this file in one spawned world (tests/worlds.py): dp_shard 2 x tp 2
+    at ZeRO-3 for the parity test, and at ZeRO-3 saving every CKPT_N steps for the checkpoint
+    test; then that checkpoint resumed in one process (saving at 2 CKPT_N, for the way back),
+    which the 2-rank world below resumes from in turn."""
+    from ckpt_cases import checkpoint_of, train_ranks, train_run
+
+    tmp = tmp_path_factory.mktemp("tp-layouts")
+    zero3 = {**_zero3_base(tmp), "parallel.tp": 2, "parallel.zero_stage": 3, "parallel.sequence_parallel": True}
+    saving = {**_ckpt_base(tmp), "parallel.tp": 2, "parallel.zero_stage": 3, "checkpoint.every": CKPT_N,
+              "run.name": "dp2tp2"}
+    out = run_ranks(several, 4, tmp, [(train_cases, ([(zero3, STEPS, -1)],)), (train_ranks, (saving,))],
+                    timeout=600)
+    saved = out[0][1]
+    one = train_run({**_ckpt_base(tmp), "train.grad_accum": 2, "run.name": "one",
+                     "checkpoint.resume": checkpoint_of(saved["run_dir"], CKPT_N), "checkpoint.every": CKPT_N})
+    return {"zero3": [rank[0][0] for rank in out], "saved": saved, "one": one, "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, layouts):
+    """Every 2-rank check of this file, in one spawned world (tp_cases.tp_world): the parity
+    cases (tp_runs), the ledger cases, the cross-entropy cases, the MQA case's training and its
+    saved run, and the checkpoint test's two resumes at tp = 2 (of the 4-rank checkpoint, and
+    of the one-process run's). One set of rank processes instead of twelve."""
+    from ckpt_cases import checkpoint_of
+
     tmp = tmp_path_factory.mktemp("tp")
     base = tiny_overrides(tmp)
     parity = [({**base, "parallel.tp": 2}, STEPS, -1),
@@ -43,11 +79,17 @@ def world(tmp_path_factory):
     ledger = [(_ledger_overrides(tmp, *case), 2, -1) for case in LEDGER_CASES]
     mqa = _mqa_base(tmp)
     train = parity + ledger + [({**mqa, "parallel.tp": 2}, STEPS, -1)]
-    runs = [{**mqa, "parallel.tp": 2, "parallel.zero_stage": 2, "checkpoint.every": STEPS, "run.name": "mqa"}]
-    out = run_ranks(tp_world, 2, tmp, train, VOCABS, runs)
+    ckpt = _ckpt_base(layouts["tmp"])
+    runs = [{**mqa, "parallel.tp": 2, "parallel.zero_stage": 2, "checkpoint.every": STEPS, "run.name": "mqa"},
+            {**ckpt, "parallel.tp": 2, "parallel.zero_stage": 1, "train.grad_accum": 2, "run.name": "tp2",
+             "checkpoint.resume": checkpoint_of(layouts["saved"]["run_dir"], CKPT_N)},
+            {**ckpt, "parallel.tp": 2, "train.grad_accum": 2, "run.name": "back", "train.steps": 3 * CKPT_N,
+             "checkpoint.resume": checkpoint_of(layouts["one"]["run_dir"], 2 * CKPT_N)}]
+    out = run_ranks(tp_world, 2, tmp, train, VOCABS, runs, timeout=600)
     return {"parity": [r["train"][:3] for r in out],
             "ledger": [r["train"][3:3 + len(ledger)] for r in out],
             "mqa": [r["train"][-1] for r in out], "mqa_saved": out[0]["runs"][0],
+            "tp2": out[0]["runs"][1], "back": out[0]["runs"][2],
             "cross_entropy": [r["cross_entropy"] for r in out]}
 
 
@@ -111,47 +153,33 @@ def test_tp_matches_one_process(tp_runs, case, what):
         assert float((a - b).abs().max()) <= STEPS * 1e-3, name
 
 
-def test_zero3_over_dp2_with_tp2_on_4_ranks(tmp_path):
+def test_zero3_over_dp2_with_tp2_on_4_ranks(layouts):
     """dp_shard 2 x tp 2: each tensor-parallel piece is itself ZeRO-3-sharded over the two
     data-parallel ranks that hold it (FSDP2 + TP's 2-D layout); against one process with the
     same global batch (2 data-parallel ranks' micro-batches as 2 accumulation steps)."""
-    base = tiny_overrides(tmp_path, model__preset="llama-tiny", train__micro_batch=4)
-    out = run_ranks(train_cases, 4, tmp_path,
-                    [({**base, "parallel.tp": 2, "parallel.zero_stage": 3,
-                       "parallel.sequence_parallel": True}, STEPS, -1)])
-    ref = reference_case(base, 2, STEPS)
+    out = layouts["zero3"]  # the 4-rank world's run: tp 2, ZeRO-3, sequence parallel, STEPS steps
+    ref = reference_case(_zero3_base(layouts["tmp"]), 2, STEPS)
     for r in range(4):
-        assert out[r][0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert out[r]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     for dp in range(2):  # ranks (dp, tp): 2·dp + tp; both data-parallel ranks hold every piece
-        whole = whole_params([out[2 * dp][0], out[2 * dp + 1][0]])
+        whole = whole_params([out[2 * dp], out[2 * dp + 1]])
         worst = max((_rel(whole[n], v), n) for n, v in ref["params"].items())
         assert worst[0] <= 1e-5, worst
 
 
-def test_checkpoints_load_across_tensor_parallel_layouts(tmp_path):
+def test_checkpoints_load_across_tensor_parallel_layouts(tmp_path, layouts, world):
     """Saved at dp 2 x tp 2 (ZeRO-3, 4 ranks), resumed at tp 2 alone (ZeRO-1, 2 ranks) and in
     one process: the same loss curve continues. And back: saved in one process, resumed at tp 2."""
-    from ckpt_cases import checkpoint_of, train_ranks, train_run
+    from ckpt_cases import checkpoint_of, train_run
 
-    n = 2
-    base = tiny_overrides(tmp_path, model__preset="llama-tiny", train__micro_batch=4, train__steps=2 * n)
-    saved = run_ranks(train_ranks, 4, tmp_path, {**base, "parallel.tp": 2, "parallel.zero_stage": 3,
-                                                 "checkpoint.every": n, "run.name": "dp2tp2"},
-                      timeout=300)[0]
-    ckpt = checkpoint_of(saved["run_dir"], n)
-    tp2 = run_ranks(train_ranks, 2, tmp_path, {**base, "parallel.tp": 2, "parallel.zero_stage": 1,
-                                               "train.grad_accum": 2, "run.name": "tp2",
-                                               "checkpoint.resume": ckpt}, timeout=300)[0]
-    one = train_run({**base, "train.grad_accum": 2, "run.name": "one", "checkpoint.resume": ckpt,
-                     "checkpoint.every": n})
+    n = CKPT_N
+    base = _ckpt_base(tmp_path)
+    saved, tp2, one = layouts["saved"], world["tp2"], layouts["one"]  # as the docstrings above say
     for result in (tp2, one):
         assert result["start"] == n
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(saved["losses"][n:]),
                                    rtol=1e-5, atol=0)
-    back = run_ranks(train_ranks, 2, tmp_path, {**base, "parallel.tp": 2, "train.grad_accum": 2,
-                                                "run.name": "back", "checkpoint.resume":
-                                                    checkpoint_of(one["run_dir"], 2 * n),
-                                                "train.steps": 3 * n}, timeout=300)[0]
+    back = world["back"]  # tp 2 from the one-process run's checkpoint of step 2n, to 3n
     alone = train_run({**base, "train.grad_accum": 2, "run.name": "alone", "train.steps": 3 * n,
                        "checkpoint.resume": checkpoint_of(one["run_dir"], 2 * n)})
     assert back["start"] == alone["start"] == 2 * n
