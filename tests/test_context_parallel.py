@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from cp_cases import cp_world, ring_attention_case
 from parity import assert_matches
 from shardlm.launch.spawn import run_ranks
+from worlds import several
 
 
 STEPS = 3
@@ -208,25 +209,48 @@ def test_ledger_bytes_match_the_formula(two_rank_world, tmp_path, case):
         assert two_rank_world["ledger"][r][case]["comm_by_op"][-1]["cp"] == expected
 
 
-def test_cp_composes_with_tp_and_zero_on_4_ranks(tmp_path):
+def _four_rank_base(tmp) -> dict:
+    from conftest import tiny_overrides
+
+    return tiny_overrides(tmp, model__preset="llama-tiny", train__micro_batch=4)
+
+
+@pytest.fixture(scope="module")
+def four_rank_world(tmp_path_factory, two_rank_world):
+    """Every 4-rank run of this file in one spawned world (tests/worlds.py): the composition
+    cases of test_cp_composes_with_tp_and_zero_on_4_ranks, then the 2-rank world's cp-2
+    checkpoint resumed at cp 2 x tp 2 for the checkpoint test. One set of rank processes
+    instead of two."""
+    from ckpt_cases import checkpoint_of, train_ranks
+    from zero_cases import train_cases
+
+    tmp = tmp_path_factory.mktemp("cp-four")
+    base = _four_rank_base(tmp)
+    hybrid = {**base, "data.document_mask": "on"}
+    cases = [({**base, "parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
+               "parallel.zero_stage": 1}, STEPS, -1),
+             ({**base, "parallel.cp": 2, "parallel.zero_stage": 3}, STEPS, -1),
+             ({**hybrid, "parallel.cp": 4, "parallel.cp_mode": "hybrid"}, STEPS, -1)]
+    resume = {**_checkpoint_base(tmp, 2), "parallel.cp": 2, "parallel.tp": 2, "run.name": "cp2tp2",
+              "checkpoint.resume": checkpoint_of(two_rank_world["cp2_saved"]["run_dir"], 2)}
+    out = run_ranks(several, 4, tmp, [(train_cases, (cases,)), (train_ranks, (resume,))], timeout=600)
+    return {"composed": [rank[0] for rank in out], "cp2tp2": out[0][1]}
+
+
+def test_cp_composes_with_tp_and_zero_on_4_ranks(tmp_path, four_rank_world):
     """cp 2 × tp 2 with sequence parallelism (the tensor-parallel group splits each rank's
     chunks further), dp_shard 2 × cp 2 at ZeRO-3 (model states sharded over the four
     data- and context-parallel ranks), and cp 4 hybrid (all-to-all over pairs, a ring of two
     pairs) with document masks, each against one process with the same global batch; the
     hybrid's cp bytes are the planner's formula (planner/cp_modes.py)."""
-    from conftest import tiny_overrides
     from shardlm.config import load_config
     from shardlm.planner.cp_modes import cp_mode_bytes
     from tp_cases import whole_params
-    from zero_cases import reference_case, train_cases
+    from zero_cases import reference_case
 
-    base = tiny_overrides(tmp_path, model__preset="llama-tiny", train__micro_batch=4)
+    base = _four_rank_base(tmp_path)
     hybrid = {**base, "data.document_mask": "on"}
-    out = run_ranks(train_cases, 4, tmp_path,
-                    [({**base, "parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True,
-                       "parallel.zero_stage": 1}, STEPS, -1),
-                     ({**base, "parallel.cp": 2, "parallel.zero_stage": 3}, STEPS, -1),
-                     ({**hybrid, "parallel.cp": 4, "parallel.cp_mode": "hybrid"}, STEPS, -1)], timeout=300)
+    out = four_rank_world["composed"]  # per rank: the three cases above, in that order
     one, two = reference_case(base, 1, STEPS), reference_case(base, 2, STEPS)
     one_docs = reference_case(hybrid, 1, STEPS)
     cfg = load_config(overrides={**hybrid, "parallel.cp": 4, "parallel.cp_mode": "hybrid"}).validate()
@@ -242,19 +266,17 @@ def test_cp_composes_with_tp_and_zero_on_4_ranks(tmp_path):
         assert out[r][2]["comm_by_op"][-1]["cp"] == cp_bytes  # all-to-alls + ring hops
 
 
-def test_checkpoints_load_across_context_parallel_layouts(two_rank_world, tmp_path):
+def test_checkpoints_load_across_context_parallel_layouts(two_rank_world, four_rank_world, tmp_path):
     """Saved at cp 2 (ZeRO-2: states sharded over the two context-parallel ranks), resumed in
     one process and at cp 2 × tp 2: the same loss curve continues."""
-    from ckpt_cases import checkpoint_of, train_ranks, train_run
+    from ckpt_cases import checkpoint_of, train_run
 
     n = 2
     base = _checkpoint_base(tmp_path, n)
     saved = two_rank_world["cp2_saved"]  # the world's train_run at cp 2, ZeRO-2, saving every n steps
     ckpt = checkpoint_of(saved["run_dir"], n)
     one = train_run({**base, "run.name": "one", "checkpoint.resume": ckpt})
-    cp_tp = run_ranks(train_ranks, 4, tmp_path, {**base, "parallel.cp": 2, "parallel.tp": 2,
-                                                 "run.name": "cp2tp2", "checkpoint.resume": ckpt},
-                      timeout=300)[0]
+    cp_tp = four_rank_world["cp2tp2"]  # resumed from it at cp 2 x tp 2 on 4 ranks
     for result in (one, cp_tp):
         assert result["start"] == n
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(saved["losses"][n:]),
