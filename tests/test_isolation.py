@@ -99,17 +99,20 @@ def ranks_make_run_dir(rank: int, world_size: int, overrides: dict) -> str:
 
 def test_ranks_share_rank_0s_directory_and_its_error(tmp_path):
     from shardlm.launch.spawn import run_ranks
+    from worlds import several
 
     unnamed = tiny_overrides(tmp_path)
     held = tiny_overrides(tmp_path, run__name="held")
     (tmp_path / "runs" / "held").mkdir(parents=True)
     lock_run_dir(tmp_path / "runs" / "held")  # this process holds it: rank 0 must not get it
-    try:
-        out = run_ranks(ranks_make_run_dir, 2, tmp_path, unnamed)
-        assert out[0] == out[1] and Path(out[0]).is_dir(), out
-        out = run_ranks(ranks_make_run_dir, 2, tmp_path, held)  # no rank may hang: both hear
+    try:  # both in one spawned world (tests/worlds.py): the ranks' start-up paid once
+        ranks = run_ranks(several, 2, tmp_path, [(ranks_make_run_dir, (unnamed,)),
+                                                 (ranks_make_run_dir, (held,))])
     finally:
         release_run_dir(tmp_path / "runs" / "held")
+    out = [rank[0] for rank in ranks]
+    assert out[0] == out[1] and Path(out[0]).is_dir(), out
+    out = [rank[1] for rank in ranks]  # no rank may hang: both hear
     for text in out:
         assert text.startswith("ConfigError: ") and f"(pid {os.getpid()} on " in text, out
 
