@@ -20,10 +20,44 @@ def _auto_run(rank: int, world_size: int, overrides: dict) -> dict:
             "loss": loss}
 
 
-def test_auto_takes_the_best_plan_on_every_rank(tmp_path):
-    overrides = tiny_overrides(tmp_path, **{"parallel.strategy": "auto", "train.micro_batch": 4,
-                                            "precision.compute": "fp32"})
-    ranks = run_ranks(_auto_run, 2, tmp_path, overrides, timeout=300)
+def _auto_overrides(tmp) -> dict:
+    return tiny_overrides(tmp, **{"parallel.strategy": "auto", "train.micro_batch": 4, "precision.compute": "fp32"})
+
+
+def _auto_compute_overrides(tmp) -> dict:
+    return tiny_overrides(tmp, **{"precision.compute": "auto", "parallel.zero_stage": 1, "train.steps": 1})
+
+
+def _auto_ep_overrides(tmp) -> dict:
+    return tiny_overrides(tmp, **{"model.preset": "moe-tiny", "parallel.strategy": "auto", "parallel.ep": 2,
+                                  "train.micro_batch": 2, "train.seq_len": 32, "train.steps": 1})
+
+
+PROBES = (["bf16", "fp32"], ["fp32", "bf16"])
+"""test_auto_compute_is_decided_once_on_rank_0_and_shared: which precision each rank's stand-in
+probe finds faster (rank 0's, rank 1's), both ways round."""
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Every 2-rank run of this file in one spawned world (tests/worlds.py), one set of rank
+    processes instead of four: the auto plan, the auto precision under both disagreeing probes,
+    the auto plan keeping ep = 2. A case that patches a module (the probe, the planner's view of
+    the machine) restores it before the next."""
+    from worlds import several
+
+    tmp = tmp_path_factory.mktemp("auto")
+    calls = [(_auto_run, (_auto_overrides(tmp),)),
+             *[(_auto_compute_run, (_auto_compute_overrides(tmp), faster)) for faster in PROBES],
+             (_auto_ep_run, (_auto_ep_overrides(tmp),))]
+    ranks = run_ranks(several, 2, tmp, calls, timeout=600)
+    return {"tmp": tmp, "auto": [r[0] for r in ranks], "compute": [[r[1 + i] for r in ranks] for i in range(len(PROBES))],
+            "ep": [r[-1] for r in ranks]}
+
+
+def test_auto_takes_the_best_plan_on_every_rank(world):
+    overrides = _auto_overrides(world["tmp"])
+    ranks = world["auto"]
     assert ranks[0]["config"] == ranks[1]["config"]
     assert ranks[0]["global_batch"] == 4 * 2  # micro_batch x grad_accum x ranks, as configured
     cfg = load_config(overrides=overrides)
@@ -44,19 +78,20 @@ def _probe_says(faster: str):
 def _auto_compute_run(rank: int, world_size: int, overrides: dict, faster: list[str]) -> dict:
     import shardlm.hardware.probe as probe
 
+    measured = probe.cpu_peak_flops
     probe.cpu_peak_flops = _probe_says(faster[rank])  # each rank's probe disagrees
-    run = build_run(load_config(overrides=overrides).validate())
-    train_step(run, 0)
+    try:
+        run = build_run(load_config(overrides=overrides).validate())
+        train_step(run, 0)
+    finally:
+        probe.cpu_peak_flops = measured
     return {"compute": run.cfg.precision.compute, "precision": run.precision.name}
 
 
-def test_auto_compute_is_decided_once_on_rank_0_and_shared(tmp_path):
+def test_auto_compute_is_decided_once_on_rank_0_and_shared(world):
     """precision.compute = 'auto' follows rank 0's probe on every rank, even when another
     rank's probe would decide otherwise (a loaded machine, a different core)."""
-    overrides = tiny_overrides(tmp_path, **{"precision.compute": "auto", "parallel.zero_stage": 1,
-                                            "train.steps": 1})
-    for faster in (["bf16", "fp32"], ["fp32", "bf16"]):
-        ranks = run_ranks(_auto_compute_run, 2, tmp_path, overrides, faster, timeout=300)
+    for faster, ranks in zip(PROBES, world["compute"]):
         assert [r["compute"] for r in ranks] == [faster[0]] * 2
         assert [r["precision"] for r in ranks] == [faster[0]] * 2
 
@@ -132,17 +167,18 @@ def _auto_ep_run(rank: int, world_size: int, overrides: dict) -> dict:
 
     # The planner's view of the machine from the catalog, not the CPU probe (seconds of
     # measuring): what is tested is that the kept ep reaches the run, not which plan wins here.
+    measured = resolve.local_hardware
     resolve.local_hardware = lambda device, world_size: parse_cluster(f"{world_size}xA100-80GB")
-    run = build_run(load_config(overrides=overrides).validate())
-    train_step(run, 0)
+    try:
+        run = build_run(load_config(overrides=overrides).validate())
+        train_step(run, 0)
+    finally:
+        resolve.local_hardware = measured
     return {"ep": run.cfg.parallel.ep, "mesh_ep": run.mesh.dims.ep,
             "all_to_all_ep": run.strategy.ledger.snapshot().get("all_to_all/ep", 0)}
 
 
-def test_auto_with_ep_2_trains_expert_parallel_on_2_ranks(tmp_path):
-    overrides = tiny_overrides(tmp_path, **{"model.preset": "moe-tiny", "parallel.strategy": "auto",
-                                            "parallel.ep": 2, "train.micro_batch": 2, "train.seq_len": 32,
-                                            "train.steps": 1})
-    for rank in run_ranks(_auto_ep_run, 2, tmp_path, overrides, timeout=300):
+def test_auto_with_ep_2_trains_expert_parallel_on_2_ranks(world):
+    for rank in world["ep"]:
         assert rank["ep"] == rank["mesh_ep"] == 2
         assert rank["all_to_all_ep"] > 0  # tokens really went to the other rank's experts
