@@ -9,8 +9,12 @@ ZeRO-Infinity (Rajbhandari et al. 2021), chosen once when the engine is built.
             so host memory stays `nvme_buffers` chunks whatever the model's size, and the
             disk is busy in both directions while the CPU computes
 
-Every tier runs the same kernel (torch's fused AdamW; it is element-wise, so a chunked step is
-bitwise the whole-tensor step) over the same segments: contiguous pieces of this rank's shard,
+Every tier runs the same kernel (torch's fused AdamW) over the same segments. Element-wise in
+exact arithmetic, but not in its rounding: its vector loop and scalar tail round differently
+(FMA or not), so a chunked step equals the whole-segment step bit for bit only where the chunk
+boundaries fall on multiples of the widest vector (16 floats; nvme chunks are multiples of 1024
+elements) — and the tests' bitwise parity with a per-tensor reference holds for models whose
+every tensor is a multiple of 32 floats (tests/test_zero.py). It runs over the same segments: contiguous pieces of this rank's shard,
 one per (unit, weight-decay group). A tier is given each segment's target — the compute-dtype
 parameter slice it must refresh after the step — and its fp32 initial values.
 
