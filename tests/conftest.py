@@ -7,7 +7,8 @@ kernels that split a reduction by thread cut it elsewhere; and ATen's vectorised
 at one capability below this CPU's (AVX-512 -> AVX2, AVX2 -> scalar), so vector widths, loop
 tails and the order of vectorised sums change. A claim of bitwise equality that holds only by
 the luck of one machine's rounding fails here; one the arithmetic guarantees (the same
-operations on the same operands in both runs) does not. `.ci/run` runs the parity tests so.
+operations on the same operands in both runs) does not. `.ci/run` runs test_zero.py and
+test_global_loss.py so after the suite; any file runs so with the variable set.
 """
 
 import os
