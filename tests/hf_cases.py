@@ -90,6 +90,21 @@ INSTRUCT_CHATS = [{"messages": [{"role": "user", "content": q}, {"role": "assist
                                ("Name a colour.", "Blue."), ("Say yes.", "Yes."))]
 
 
+def chat_bpe(chats: list[dict], specials: list[str]):
+    """A byte-level BPE of 300 ids trained on `chats`' texts (any text decodes back to itself),
+    with `specials` as its special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    texts = [m["content"] for chat in chats for m in chat["messages"]] + ["system user assistant"]
+    tok.train_from_iterator(texts * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
 def instruct_dir(root: Path) -> Path:
     """A tiny LlamaForCausalLM saved by transformers with its tokenizer (save_pretrained of a
     PreTrainedTokenizerFast: tokenizer.json, tokenizer_config.json with added_tokens_decoder,
@@ -99,15 +114,8 @@ def instruct_dir(root: Path) -> Path:
     <|im_end|>: the blocks add nothing (o_proj and down_proj zero), so the next token depends on
     the last one only, through the embedding and the head."""
     import transformers as tf
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    texts = [m["content"] for chat in INSTRUCT_CHATS for m in chat["messages"]] + ["system user assistant"]
-    tok.train_from_iterator(texts * 20, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=INSTRUCT_SPECIALS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = chat_bpe(INSTRUCT_CHATS, INSTRUCT_SPECIALS)
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
                                       eos_token="<|im_end|>", pad_token="<|im_end|>",
                                       unk_token="<|endoftext|>", model_max_length=2048)

@@ -24,7 +24,7 @@ from shardlm.errors import ConfigError
 from test_sft_data import CHATS as SFT_CHATS
 
 transformers = pytest.importorskip("transformers")
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
 
 SEQ = 96
 VOCAB = 384
@@ -63,14 +63,9 @@ END = {"chatml": "<|im_end|>", "chatml_marked": "<|im_end|>", "llama3": "<|eot_i
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     """A byte-level BPE (any text decodes back to itself) with the templates' special tokens."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    texts = [m["content"] for chat in CHATS for m in chat["messages"]] + ["system user assistant"]
-    tok.train_from_iterator(texts * 20, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return tok
+    from hf_cases import chat_bpe
+
+    return chat_bpe(CHATS, SPECIALS)
 
 
 def _tokenizer_dir(root: Path, tok: Tokenizer, template: str | list | None = None,
