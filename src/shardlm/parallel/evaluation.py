@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from shardlm.comm.watchdog import watched
 from shardlm.data.sft import IGNORE
 
 
@@ -39,3 +40,20 @@ def metrics_of(sums: torch.Tensor | list[float]) -> dict[str, float]:
     # exp overflows past ~709 (a diverged model): report inf rather than raise.
     perplexity = math.exp(loss) if loss < 709.0 else math.inf
     return {"val_loss": loss, "val_perplexity": perplexity, "val_token_accuracy": correct / count}
+
+
+def global_target_counts(targets: list[torch.Tensor], group, copies: int, device: torch.device,
+                         watchdog=None) -> tuple[float, float]:
+    """(targets that carry loss, all targets) of the global batch: this rank's micro-batches'
+    `targets` summed over `group`, the ranks whose gradients are summed (the data- and context-
+    parallel ranks of a stage and tensor-parallel position; under local SGD, of one replica).
+    Each of the `copies` context-parallel ranks holds its micro-batches' whole targets, so the
+    sum counts them that many times. One all-reduce of two numbers, before the step's forwards
+    (train/loop.py train_step: the global-batch loss)."""
+    counts = torch.tensor([float(sum(int((y != IGNORE).sum()) for y in targets)),
+                           float(sum(y.numel() for y in targets))], dtype=torch.float64, device=device)
+    if group is not None:  # not model communication: not in the ledger
+        with watched(watchdog, "all_reduce(target counts)", "dp", counts.numel() * 8):
+            torch.distributed.all_reduce(counts, group=group)
+    kept, total = (float(v) / copies for v in counts.tolist())
+    return kept, total

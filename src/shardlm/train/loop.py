@@ -27,7 +27,7 @@ from shardlm.config.fields import document_mask_on
 from shardlm.errors import ConfigError
 from shardlm.data import Loader, build_dataset
 from shardlm.data.seq2seq import Seq2SeqInputs
-from shardlm.data.sft import IGNORE, check_chat_template, template_for
+from shardlm.data.sft import check_chat_template, template_for
 from shardlm.data.corpus import check_text_files
 from shardlm.data.tokenizer import hf_tokenizer
 from shardlm.launch.runtime import (Runtime, StopSignals, agree_on_name, init_runtime,
@@ -45,7 +45,7 @@ from shardlm.config.hf_shapes import causal_lm_config, encoder_decoder_config, t
 from shardlm.zero.optim import lr_at, set_lr
 from shardlm.parallel.build import parallelize
 from shardlm.parallel.compile import compile_seconds
-from shardlm.parallel.evaluation import metrics_of
+from shardlm.parallel.evaluation import global_target_counts, metrics_of
 from shardlm.models.moe import bias_tensors
 from shardlm.parallel.expert import finish_moe_step, moe_record
 from shardlm.parallel.expert_balance import ExpertBalancer
@@ -223,22 +223,6 @@ def loss_of(run: Run, x: torch.Tensor, y: torch.Tensor,
     return score(logits, y) if score is not None else run.loss(logits, y, denominator)
 
 
-def global_target_counts(run: Run, micro_batches: list, local_sgd: bool) -> tuple[float, float]:
-    """(targets that carry loss, all targets) of the global batch: this rank's micro-batches
-    summed over the ranks whose gradients are summed (the data- and context-parallel ranks of
-    this stage and tensor-parallel position; under local SGD, of this replica). Every context-
-    parallel rank holds its micro-batches' whole targets, so the sum counts them cp times."""
-    counts = torch.tensor([float(sum(int((y != IGNORE).sum()) for _, y in micro_batches)),
-                           float(sum(y.numel() for _, y in micro_batches))],
-                          dtype=torch.float64, device=run.runtime.device)
-    group = run.mesh.dp_shard_group if local_sgd else run.mesh.dp_group
-    if group is not None:  # not model communication: not in the ledger
-        with watched(run.watchdog, "all_reduce(target counts)", "dp", counts.numel() * 8):
-            torch.distributed.all_reduce(counts, group=group)
-    kept, total = (float(v) / run.mesh.dims.cp for v in counts.tolist())
-    return kept, total
-
-
 class StepResult(NamedTuple):
     loss: float
     """Averaged over all data-parallel ranks."""
@@ -270,7 +254,9 @@ def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     # sum / global count, however unevenly micro-batches, ranks, stages or cp shards hold them.
     denominator = None
     if run.train_loader.mask is not None or run.train_loader.source_len:
-        kept, targets = global_target_counts(run, micro_batches, outer is not None)
+        kept, targets = global_target_counts(
+            [y for _, y in micro_batches], run.mesh.dp_shard_group if outer is not None else run.mesh.dp_group,
+            run.mesh.dims.cp, run.runtime.device, run.watchdog)
         run.loss_token_fraction = kept / targets
         denominator = max(kept, 1.0) / global_micro_batches  # a batch with no loss target: 0
     total = torch.zeros((), device=run.runtime.device)
