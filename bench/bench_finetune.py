@@ -6,7 +6,7 @@ masters and AdamW moments for what trains), micro-batch --micro-batch x --seq to
 steps on the stdlib corpus cut to data.max_bytes (tokenizer and token stream built once, in the
 parent, as is the CPU's matmul-peak probe). MALLOC_MMAP_THRESHOLD_=131072 in the children: freed
 blocks >= 128 KiB go back to the OS, so RSS follows what is alive.
-  peak RSS    ru_maxrss of the child after the last step (build included: the sharded build
+  peak RSS    VmHWM of the child after the last step (build included: the sharded build
               materialises one unit at a time, with an fp32 copy of that unit)
   ledger      run.strategy.model_state_bytes(): params + grads + optimizer state held
   formula     bytes per parameter (Ψ all parameters, Ψq those stored quantised, Ψa adapters):

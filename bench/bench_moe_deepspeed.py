@@ -99,7 +99,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported (
 import torch
 import torch.distributed as dist
 
-from common import MiB, machine, peak_rss, proc_status, reproduce, reset_peak_rss, rounds, start_ranks, table, timed_steps
+from common import MiB, machine, peak_rss_bytes, proc_status, reproduce, reset_peak_rss, rounds, start_ranks, table, timed_steps
 from shardlm.config import load_config
 
 WORLD = 2
@@ -288,7 +288,7 @@ def case_rank(rank: int, world: int, key: str, shape: dict) -> dict:
     timed = timed_steps(run_step, warmup, shape["steps"], after)
     seconds, cpu, before, first_out = timed["seconds"], timed["cpu"], marks["before"], marks["first_out"]
     first_figures = marks["first_figures"]
-    peak = peak_rss()
+    peak = peak_rss_bytes()
     f = figures()
     kept = first_figures["kept_both"]
     return {"seconds": seconds, "cpu": cpu, "setup_rss": setup_rss, "before": before, "peak": peak,

@@ -8,7 +8,7 @@ sequential write, sequential read, and both at once (one reader and one writer t
 step's read-ahead/write-behind pattern, two threads per direction) — the bound the optimizer
 step is held to. The probe runs before and after training; the faster result counts.
 Then a few steps: per step the wall time, the optimizer step's time (streaming included), the
-bytes it read and wrote, and peak RSS (ru_maxrss). MALLOC_MMAP_THRESHOLD_=65536 is set (the
+bytes it read and wrote, and peak RSS (VmHWM). MALLOC_MMAP_THRESHOLD_=65536 is set (the
 script re-executes itself with it) so freed blocks leave RSS. Compute = step - optimizer.
 
 Reproduce:  PYTHONPATH=src python bench/bench_offload.py                      (gpt2-2.7b, ~10 min)

@@ -5,7 +5,7 @@ nvme offload tier; the model axes: tensor parallelism (tp=2, with and without se
 parallelism), context parallelism (cp=2), both (cp=2 x tp=2), pipelines (pp=2: 1f1b, gpipe, zb;
 4 micro-batches), and for a mixture of experts (--preset moe-mini) expert parallelism (ep=2) — a fresh set of gloo ranks trains a few steps and reports, from rank 0:
 the model-state byte ledger (params + grads + optimizer, what the engine holds), the process's
-peak RSS (ru_maxrss), the bytes of new pages a step touches (minor page faults x the page size,
+peak RSS (VmHWM), the bytes of new pages a step touches (minor page faults x the page size,
 median after the first step: no load changes them) and the median step time after the first,
 and the load average around it.
 The planner's `predict_local(cfg, ranks)` predicts the same three from the config alone (its

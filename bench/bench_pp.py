@@ -47,9 +47,8 @@ MALLOC_MMAP_THRESHOLD_=65536 unless the environment sets it (RSS then follows wh
 bench_zero.py). torch's side builds the whole model on each rank before cutting it (the brief
 it was asked under), shardlm builds on the meta device and materialises only its stage; so the
 mark is read at the end of setup ("setup"), reset (Linux: "5" written to /proc/self/clear_refs
-resets VmHWM, and getrusage's ru_maxrss with it) and read again after the timed steps
-("steps": what training holds at its worst, setup excluded). "peak" = max of the two = what
-the process's ru_maxrss would be without the reset. Per stage (max over a stage's data-parallel
+resets VmHWM) and read again after the timed steps ("steps": what training holds at its worst,
+setup excluded). "peak" = max of the two = the process's high-water mark without the reset. Per stage (max over a stage's data-parallel
 ranks), or per rank for tp / ZeRO-3. Note the reset also applies to the trainer's own
 pp_peak_rss_bytes_by_stage (read through step_record), which then equals "steps".
 
@@ -88,7 +87,7 @@ import os
 import statistics
 import tempfile
 
-from common import (MiB, add_step_args, bench_parser, combine, err, ledger_text, machine, peak_rss, peak_rss_bytes, prepare,
+from common import (MiB, add_step_args, bench_parser, combine, err, ledger_text, machine, peak_rss_bytes, prepare,
                     reproduce, reset_peak_rss, rounds, run_overrides, speed_text, start_ranks, summarize, table,
                     train_timed)
 from pp_torch import torch_rank
@@ -167,7 +166,7 @@ def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int
 
     run = build_run(load_config(overrides=overrides).validate())
     setup_rss = peak_rss_bytes()
-    reset = reset_peak_rss()  # the steps' own high-water mark follows
+    reset_peak_rss()  # the steps' own high-water mark follows (Linux; elsewhere the process's)
     records = []
 
     def after(s: int, seconds: float, result) -> None:  # not timed
@@ -176,7 +175,7 @@ def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int
 
     out = train_timed(run, warmup, steps, after)
     stage = run.schedule.stage.index if run.schedule is not None else rank
-    return {**out, "setup_rss": setup_rss, "steps_rss": peak_rss() if reset else peak_rss_bytes(),
+    return {**out, "setup_rss": setup_rss, "steps_rss": peak_rss_bytes(),
             "stage": stage,
             "records": [{k: v for k, v in r.items() if k.startswith("pp_")} for r in records[warmup:]]}
 

@@ -17,7 +17,7 @@ blocks >= 128 KiB with mmap and returns them on free, so RSS follows what is ali
 --model.preset=... (the same overrides)`, in fresh workers started by torch's elastic launcher,
 and reports per rank the worker process's high-water mark (VmHWM read from /proc/<pid>/status
 every 0.1 s while it lives: the whole process, the end-of-run evaluation included) and rank 0's
-metrics.jsonl peak_rss_bytes (ru_maxrss at the end of the last training step), beside the byte
+metrics.jsonl peak_rss_bytes (VmHWM at the end of the last training step), beside the byte
 ledger (model_state_bytes in the JSONL). The two invocations' peaks are the table in
 docs/benchmarks.md.
 
@@ -28,7 +28,7 @@ to /proc/self/clear_refs, and each segment's peak is charged to the phase runnin
   setup peak    = max VmHWM from just before build_run until it returns,
   training peak = max VmHWM over the training steps (it starts from the RSS setup left),
   peak          = the larger of the two (the process's high-water mark after the reset).
-(ru_maxrss cannot be used after such a reset: the kernel resets it too.) The phases inside
+The phases inside
 setup and the steps are timed-free wrappers around shardlm's functions (build_dataset,
 parallelize, Unit.__init__, NvmeTier.add, FileParams.__init__, the forward, backward,
 finish_backward, the optimizer step and its parameter reads/writes, ...), patched in the rank

@@ -178,14 +178,6 @@ def proc_status(field: str) -> int:
         return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
-def peak_rss() -> int:
-    """This process's RSS high-water mark (VmHWM; it follows reset_peak_rss), else ru_maxrss."""
-    try:
-        return proc_status("VmHWM")
-    except OSError:
-        return peak_rss_bytes()
-
-
 def by_group(ledger: dict[str, int]) -> dict[str, int]:
     """A ledger ('op/group' -> bytes) summed by group."""
     groups: dict[str, int] = defaultdict(int)

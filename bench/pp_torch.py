@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from common import peak_rss, peak_rss_bytes, reference_setup, reset_peak_rss, timed_steps
+from common import peak_rss_bytes, reference_setup, reset_peak_rss, timed_steps
 from shardlm.config.pipeline_tables import V_SHAPED
 from shardlm.models.flops import pipeline_split
 from shardlm.zero.optim import lr_at, param_groups, set_lr
@@ -90,7 +90,7 @@ def torch_rank(rank: int, world: int, overrides: dict, spec: tuple, warmup: int,
                                   eps=t.eps, fused=True)
     first, last = 0 in ids, n_stages - 1 in ids
     setup_rss = peak_rss_bytes()
-    reset = reset_peak_rss()  # the steps' own high-water mark follows
+    reset_peak_rss()  # the steps' own high-water mark follows (Linux; elsewhere the process's)
 
     def step(s: int) -> float:
         set_lr(optimizer, lr_at(s, t))
@@ -111,5 +111,5 @@ def torch_rank(rank: int, world: int, overrides: dict, spec: tuple, warmup: int,
         return float(total[0])
 
     out = timed_steps(step, warmup, steps)
-    return {**out, "setup_rss": setup_rss, "steps_rss": peak_rss() if reset else peak_rss_bytes(),
+    return {**out, "setup_rss": setup_rss, "steps_rss": peak_rss_bytes(),
             "stage": rank, "records": []}

@@ -109,39 +109,39 @@ def test_offload_needs_a_sharding_stage():
         load_config(overrides={"zero.offload_params": "nvme", "parallel.zero_stage": 2}).validate()
 
 
-def test_peak_rss_falls_by_the_bytes_moved_to_disk(tmp_path):
-    """Fresh processes, large blocks through mmap (so freed memory leaves RSS): peak RSS with
-    the nvme tier must fall by at least 60% of the optimizer bytes it moved to disk. The
-    stream's own buffers (nvme_buffers x 4 x nvme_chunk_mb = 64 MiB here) count against it.
-    Isolated, the fall is ~120% of the bytes moved (none 1,502 MiB, nvme 676 MiB, 676 MiB
-    moved). After other heavy tests in the same session (e.g. this file's, with the tracking,
-    evaluation and QLoRA files before it) the nvme process peaks ~300 MiB higher from its first
-    step on (970-980 MiB), for a reason not yet found: not the environment (a minimal one gives
-    the same), not the shared cache (a private one too), not mapped files (RssFile is the same).
-    The fall is then 73-79% of the bytes moved, so the claim is held at 60% until the cause is
-    found."""
+def test_peak_rss_falls_by_the_optimizer_bytes_moved_to_disk(tmp_path):
+    """Fresh processes, large blocks through mmap (so freed memory leaves RSS): peak RSS with the
+    nvme tier falls by at least 70% of the optimizer bytes the in-memory run held (its AdamW
+    moments; in fp32 the master is the parameter itself, which stays in memory either way). The
+    nvme run's own ring (nvme_buffers x 4 x nvme_chunk_mb = 64 MiB = 14% of the 450 MiB held)
+    counts against it; measured on an AMD EPYC Zen 3, the fall is 82% (none 1,340 MiB, nvme
+    954 MiB, 450 MiB held).
+
+    Peak RSS is the process's VmHWM: getrusage's ru_maxrss would start at this test process's
+    own resident set (fork + exec keeps the parent's), which once made the nvme run "peak" at
+    1,248 MiB in a full suite (train/telemetry.py peak_rss_bytes)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    peaks, moved = {}, 0
+    last = {}
     for tier in ("none", "nvme"):
         overrides = tiny_overrides(tmp_path, **{
             "model.preset": "gpt-mini", "model.d_model": 1024, "model.n_heads": 16, "train.seq_len": 64,
             "train.micro_batch": 2, "train.steps": 2, "parallel.zero_stage": 1,
-            "precision.compute": "bf16", "zero.offload_optimizer": tier, "zero.nvme_chunk_mb": 4,
-            "run.name": tier})
+            "zero.offload_optimizer": tier, "zero.nvme_chunk_mb": 4, "run.name": tier})
         proc = subprocess.run([sys.executable, "-m", "shardlm", "train",
                                *[f"--{k}={v}" for k, v in overrides.items()]],
                               env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         records = [json.loads(line) for line in (tmp_path / "runs" / tier / "metrics.jsonl").read_text().splitlines()]
         print(tier, "peak RSS MiB by step:", [r.get("peak_rss_bytes", 0) >> 20 for r in records])
-        last = records[-1]
-        peaks[tier] = last["peak_rss_bytes"]
-        moved = last["optimizer_bytes_by_tier"].get("nvme", moved)
-    fall = peaks["none"] - peaks["nvme"]
-    print(f"peak RSS none {peaks['none'] / 2**20:.0f} MiB, nvme {peaks['nvme'] / 2**20:.0f} MiB, "
-          f"fall {fall / 2**20:.0f} MiB, moved to disk {moved / 2**20:.0f} MiB")
-    assert moved > 600 * 2**20
-    assert fall >= 0.6 * moved, peaks
+        last[tier] = records[-1]
+    held = last["none"]["optimizer_bytes_by_tier"]["cpu"]
+    assert set(last["nvme"]["optimizer_bytes_by_tier"]) == {"nvme"}  # nothing of it left in memory
+    fall = last["none"]["peak_rss_bytes"] - last["nvme"]["peak_rss_bytes"]
+    print(f"peak RSS none {last['none']['peak_rss_bytes'] / 2**20:.0f} MiB, "
+          f"nvme {last['nvme']['peak_rss_bytes'] / 2**20:.0f} MiB, fall {fall / 2**20:.0f} MiB, "
+          f"optimizer bytes held in memory without the tier {held / 2**20:.0f} MiB")
+    assert held > 400 * 2**20
+    assert fall >= 0.7 * held, {k: r["peak_rss_bytes"] for k, r in last.items()}
 
 
 def test_hybrid_sharding_with_nvme(tmp_path):

@@ -142,3 +142,22 @@ def test_cli_diverged_run_exits_nonzero(tmp_path, capsys):
                                                                     train__warmup_steps=0).items()]
     assert main(args) == 3
     assert "stopped: the gradient norm is not finite" in capsys.readouterr().err
+
+
+def test_peak_rss_is_the_processs_own_not_its_parents():
+    """peak_rss_bytes of a process started by a large one (a test session, a notebook, a study)
+    is its own: getrusage's ru_maxrss would begin at the parent's resident set (fork + exec keeps
+    the larger), here at least the 1 GiB this process holds; the child's own is ~100-300 MiB
+    (python and torch imported)."""
+    import subprocess
+    import sys
+
+    held = bytearray(1 << 30)
+    held[::4096] = b"\1" * (len(held) // 4096)  # resident, page by page
+    code = ("import resource; from shardlm.train.telemetry import peak_rss_bytes; "
+            "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    ours, maxrss = map(int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                           check=True).stdout.split())
+    print(f"child's peak_rss_bytes {ours >> 20} MiB, its ru_maxrss {maxrss >> 20} MiB")
+    assert ours < len(held) // 2, (ours, maxrss)
+    del held

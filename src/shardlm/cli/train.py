@@ -5,6 +5,7 @@ starts (`preflight`), then train here (one process, or a rank under torchrun) or
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from shardlm.errors import ConfigError
@@ -134,6 +135,12 @@ def train_here(cfg) -> int:
     from shardlm.launch.runtime import note_clean_stop, shutdown
     from shardlm.train.loop import build_run, sample_text, train
     from shardlm.train.checkpointing import state_report
+    from shardlm.train.telemetry import reset_peak_rss
+
+    env = {k: int(os.environ.get(k, "0")) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    if env["RANK"] == 0:
+        probe_this_cpu(cfg, env["WORLD_SIZE"] or 1, env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"] or 1)
+        reset_peak_rss()  # the run's peak RSS starts here: the probe's buffers are not the run's
 
     run = build_run(cfg)
     cfg = run.cfg  # parallel.strategy = 'auto' has filled in the plan
@@ -180,22 +187,30 @@ def train_here(cfg) -> int:
     return 0
 
 
+def probe_this_cpu(cfg, n_ranks: int, local_rank: int = 0, local_world: int | None = None) -> None:
+    """Measure this CPU for `n_ranks` ranks (once per machine, then read from the cache) when the
+    run trains on the CPU: before any rank builds anything, so that the probe's buffers (256 MiB
+    copies, a 256 MiB AdamW state) never sit on top of a model in a rank's memory."""
+    from shardlm.launch.runtime import pick_device
+
+    if pick_device(cfg.run.device, local_rank, local_world or n_ranks).type == "cpu":
+        from shardlm.hardware.probe import measure_cpu
+
+        measure_cpu(n_ranks)
+
+
 def launch_workers(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
     """`--nproc N`: check the layout fits N ranks now (not after spawning), fix one run name
     for all workers, then hand over to torch's elastic launcher on this machine."""
-    from shardlm.launch.runtime import pick_device
     from shardlm.launch.local import launch_local
     from shardlm.launch.run_dir import unique_run_name
     from shardlm.config.dims import resolve_dims
 
     resolve_dims(cfg.parallel, args.nproc)
-    if pick_device(cfg.run.device, 0, args.nproc).type == "cpu":
-        # This machine's probe (cached per machine), here: rank 0 reads it for the run's
-        # prediction (and strategy = 'auto') while the other ranks wait in a collective, which a
-        # short parallel.collective_timeout_s would otherwise end while the probe runs.
-        from shardlm.hardware.probe import measure_cpu
-
-        measure_cpu(args.nproc)
+    # Here, not in rank 0: rank 0 reads the probe for the run's prediction (and strategy =
+    # 'auto') while the other ranks wait in a collective, which a short
+    # parallel.collective_timeout_s would otherwise end while the probe runs.
+    probe_this_cpu(cfg, args.nproc)
     argv = ([args.config] if args.config else []) + list(overrides)
     if not cfg.run.name:  # also what lets restarted workers find the run's checkpoints
         argv.append(f"--run.name={unique_run_name()}")

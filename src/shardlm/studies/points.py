@@ -72,7 +72,7 @@ class Point:
 def summarise(records: list[dict]) -> dict:
     """One point's figures from its rank-0 JSONL records: medians over the steps after the first
     (which pays for setup and warm-up) of tokens/s, MFU, HFU and step time; the largest peak RSS
-    (the rank-0 process's ru_maxrss); the model-state byte ledger and the last step's
+    (the rank-0 process's high-water mark, VmHWM); the model-state byte ledger and the last step's
     communication bytes (every step sends the same)."""
     steady = records[1:] or records
     def med(key: str) -> float | None:  # None: not reported (a NaN MFU is written as null)

@@ -15,7 +15,7 @@ from shardlm.studies.report import Plot, Section, StudyOutput, table
 from shardlm.studies.specs import STRATEGIES, Study
 
 GB = 1e9
-MEASURE_NOTE = ("Measured memory is the rank-0 process's peak resident set size (ru_maxrss in the "
+MEASURE_NOTE = ("Measured memory is the rank-0 process's peak resident set size (VmHWM, the "
                 "JSONL's peak_rss_bytes: python, torch, gloo and the data included), not the byte "
                 "ledger (model_state_bytes: parameters, gradients and optimizer states only, which "
                 "does not grow with the batch). The cap is checked against it after each run; it is "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import resource
 import sys
 import warnings
@@ -49,7 +50,7 @@ def gpu_peak_flops(name: str, precision: str) -> float:
 
 
 def reset_peak_rss() -> bool:
-    """Reset this process's high-water mark (VmHWM and ru_maxrss) to its current RSS, so the next
+    """Reset this process's high-water mark (VmHWM) to its current RSS, so the next
     peak_rss_bytes is what follows (Linux: "5" to /proc/self/clear_refs); False where unsupported."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -60,9 +61,19 @@ def reset_peak_rss() -> bool:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    """This process's peak resident set size: VmHWM of /proc/self/status where there is one
+    (Linux), else getrusage's ru_maxrss (macOS reports bytes, others KiB).
+
+    Not ru_maxrss on Linux: fork + exec carries the parent's resident set into the child's
+    ru_maxrss (the kernel keeps the larger of the two at exec), so a run started by a large
+    process (a test session, a notebook, a study) would report at least its parent's memory.
+    VmHWM belongs to the process's own address space, made new at exec."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+    except (OSError, AttributeError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
 
 
 def device_memory_record(device: torch.device) -> dict:
