@@ -164,7 +164,9 @@ FULL = {
 }
 
 QUICK = {
-    "max-batch": Study(**_MAX_BATCH, measured=Measured(_MINI, steps=2), cap_mib=425, max_batch=2,
+    # The two ends of the ladder only: each probe is a 2-rank launch (the full study has all four).
+    "max-batch": Study(**{**_MAX_BATCH, "strategies": ("ddp", "zero3")}, measured=Measured(_MINI, steps=2),
+                       cap_mib=425, max_batch=2,
                        epoch_tokens=1e6, predicted_epoch_tokens=1e9,
                        predicted=Predicted("gpt2-350m", 1024, "8xV100-16GB")),
     "offload-rescue": Study(**_OFFLOAD, measured=Measured(_MINI, steps=2), cap_mib=390, max_batch=2,
