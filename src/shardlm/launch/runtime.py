@@ -267,6 +267,28 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def die_with(pid: int) -> None:
+    """Die (SIGKILL) when process `pid` dies, `pid` being any process, not only the parent: a
+    daemon thread waits on a pidfd of it (Linux >= 5.3). For ranks forked by a fork server on
+    behalf of `pid` (launch/spawn.py), whose parent outlives `pid` while they live. If `pid` is
+    gone already, exit now."""
+    if os.getppid() == pid or not hasattr(os, "pidfd_open"):
+        die_with_parent(pid)
+        return
+    try:
+        watched = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)
+
+    def wait() -> None:
+        import select
+
+        select.select([watched], [], [])  # readable when the process has ended
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="shardlm-die-with", daemon=True).start()
+
+
 def note_clean_stop(runtime: Runtime) -> None:
     """In a worker `launch_local` started: this rank stopped on a signal after saving its
     checkpoint. The launcher, stopping on that signal, counts these notes to exit 0."""

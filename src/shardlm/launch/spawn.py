@@ -1,12 +1,20 @@
 """Run a function on N local processes joined in a process group (gloo on CPU, NCCL on GPUs)
 through a file-based rendezvous — no fixed port, so runs can go side by side, and nothing listens
 beyond loopback. The distributed tests and the benchmarks use this; training runs use
-`shardlm train --nproc N` (torchrun)."""
+`shardlm train --nproc N` (torchrun).
+
+On Linux the ranks are forked from a fork server that imported torch and shardlm once (PRELOAD),
+not spawned: a spawned rank spends seconds importing them before any work (~4 s each on two
+shared cores), which a test suite of a few hundred ranks pays in full. The fork server never
+runs an operator, starts a thread or touches a GPU (it only imports), so what a rank inherits is
+the state of a fresh import; the rank then takes the caller's environment and working directory
+as they are at the call, as a spawned one would (_entry)."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 import traceback
 import uuid
@@ -20,7 +28,7 @@ from torch.utils._pytree import tree_map
 import torch.multiprocessing as mp
 
 from shardlm.launch.local import loopback_interface
-from shardlm.launch.runtime import backend_for, cpu_cores, die_with_parent, end_process, leave_groups, pick_device
+from shardlm.launch.runtime import backend_for, cpu_cores, die_with, end_process, leave_groups, pick_device
 
 
 def _to_numpy(x: Any) -> Any:
@@ -34,9 +42,48 @@ def _to_torch(x: Any) -> Any:
     return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
 
 
+PRELOAD = ("torch", "torch.distributed", "numpy", "shardlm.launch.spawn", "shardlm.train.loop")
+"""What the fork server imports before forking ranks: torch and the trainer (the costly part)."""
+
+
+class _CallerFd:
+    """One of the caller's file descriptors, handed to a forked rank through the fork server
+    (multiprocessing's DupFd, at pickling): the rank writes where the caller's stdout and stderr
+    go now, not where the fork server's went when it started."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return (_detached, (reduction.DupFd(self.fd),))
+
+
+def _detached(dup) -> int:
+    return dup.detach()
+
+
+def _context():
+    if sys.platform.startswith("linux"):
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(PRELOAD))
+        return ctx
+    return mp.get_context("spawn")
+
+
 def _entry(fn: Callable, rank: int, world_size: int, init_file: str, queue, args: tuple,
-           parent: int = 0, timeout: float = 180) -> None:
-    die_with_parent(parent)  # a killed test run leaves no ranks behind
+           parent: int = 0, timeout: float = 180, environ: dict | None = None, cwd: str = "",
+           streams: tuple = ()) -> None:
+    die_with(parent)  # a killed test run leaves no ranks behind (forked: the caller is not the parent)
+    if environ is not None:  # the caller's, now (the fork server's is from when it started)
+        os.environ.clear()
+        os.environ.update(environ)
+    if cwd:
+        os.chdir(cwd)
+    for target, fd in zip((1, 2), streams):  # the caller's stdout and stderr
+        os.dup2(fd, target)
+        os.close(fd)
     # The launcher's variables, as torchrun would set them, so code under test reads them as usual.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
@@ -74,11 +121,13 @@ def run_ranks(fn: Callable, world_size: int, tmp_dir: Path, *args: Any, timeout:
     Ctrl-C's KeyboardInterrupt), those still running are killed; and they die with this process
     (PR_SET_PDEATHSIG) if it is killed outright. Each collective's wait on another rank ends
     with an error after `collective_timeout` (default: `timeout`), a dead peer's too."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.SimpleQueue()
     init_file = str(Path(tmp_dir) / f"rendezvous-{uuid.uuid4().hex}")  # fresh: a used one is stale
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, queue, args,
-                                              os.getpid(), collective_timeout or timeout))
+                                              os.getpid(), collective_timeout or timeout,
+                                              dict(os.environ), os.getcwd(),
+                                              (_CallerFd(1), _CallerFd(2)) if ctx.get_start_method() == "forkserver" else ()))
              for r in range(world_size)]
     try:
         for p in procs:
