@@ -18,13 +18,28 @@ blocks >= 128 KiB go back to the OS, so RSS follows what is alive.
   tokens/s    over the steps after the first (the first includes one-time allocation)
 "peft" is what a user does today: transformers' LlamaForCausalLM of the same shape built in
 bf16, peft's LoRA on the same linears, torch's AdamW, a plain loop (peft_child).
-Results and discussion: docs/finetuning.md (QLoRA).
+
+--instruct DIR: fine-tune a checkpoint as a download has it instead (bench/finetune_loop.py: a
+SmolLM2-135M-Instruct-shaped Llama saved by transformers with its tokenizer, ChatML template and
+generation config; random weights) on chats (data.format = chat: loss on the assistant turns,
+rows packed with document masks), and compare with the plain loop a user writes on the same
+checkpoint, fed shardlm's own batches (the same rows, loss masks and document starts):
+  loop        from_pretrained + peft LoRA + AdamW, the rows' documents kept apart (a 4-D mask and
+              per-document positions, as transformers takes them on the CPU)
+  loop-nodoc  the same loop attending across the documents of a row (what a loop that ignores
+              packing does: cheaper attention, another model of the data)
+  qloop       loop with bitsandbytes' 4-bit nf4 base (QLoRA as peft's docs write it)
+Step 1's loss must agree between shardlm and loop (the adapters start at zero: it is the
+checkpoint's own loss on those tokens); the table prints both.
+Results and discussion: docs/finetuning.md (QLoRA; the plain loop).
 
 Reproduce:
     PYTHONPATH=src python bench/bench_finetune.py --modes qlora,lora,peft          # llama-1b
     PYTHONPATH=src python bench/bench_finetune.py --modes qlora,lora,full,peft \
         --set model.n_layers=4 --set model.vocab_size=32000
     PYTHONPATH=src python bench/bench_finetune.py --modes lora@2,qlora@2      # ZeRO-3, 2 ranks
+    PYTHONPATH=src python bench/bench_finetune.py --instruct /tmp/bench-instruct \
+        --modes lora,loop,loop-nodoc,qlora,qloop --precision fp32 --seq 128 --micro-batch 4 --rank 8
 """
 
 from __future__ import annotations
@@ -35,6 +50,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from common import GiB, bench_parser, machine, prepare, reproduce, run_overrides, start_ranks, table, timed_steps
 
@@ -136,20 +152,54 @@ def peft_child(overrides: dict, steps: int, rank: int) -> dict:
             "threads": torch.get_num_threads()}
 
 
-def formula(mode: str, r: dict) -> float:
+def loop_child(overrides: dict, steps: int, rank: int, mode: str) -> dict:
+    """The plain transformers + peft loop (finetune_loop.py) on shardlm's batches for `overrides`."""
+    import torch
+
+    from finetune_loop import loop_step, plain_model, same_batches
+    from shardlm.config import load_config
+    from shardlm.train.telemetry import peak_rss_bytes
+
+    cfg = load_config(overrides=overrides).validate()
+    loader = same_batches(cfg)
+    start = time.perf_counter()
+    model = plain_model(cfg.model.hf_path, cfg.precision.compute, rank, cfg.lora.alpha,
+                        "nf4" if mode == "qloop" else "none")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr)
+    build_s, build_rss = time.perf_counter() - start, peak_rss_bytes()
+    timed = timed_steps(lambda step: loop_step(model, optimizer, loader.micro_batches(step), mode != "loop-nodoc"),
+                        0, steps)
+    times, t = timed["seconds"], cfg.train
+    tokens = t.micro_batch * t.seq_len * t.grad_accum
+    return {"build_s": build_s, "build_rss": build_rss, "peak_rss": peak_rss_bytes(), "losses": timed["losses"],
+            "step_s": times, "tokens_per_s": tokens * max(len(times) - 1, 1) / sum(times[1:] or times),
+            "ledger": {"params": sum(p.numel() * p.element_size() for p in model.parameters()),
+                       "optimizer": sum(v.numel() * v.element_size() for s in optimizer.state.values()
+                                        for v in s.values() if torch.is_tensor(v))},
+            "predicted": {}, "params": sum(p.numel() for p in model.parameters()),
+            "trainable": sum(p.numel() for p in trainable), "quantized": 0, "quantized_bytes": 0,
+            "threads": torch.get_num_threads()}
+
+
+def formula(mode: str, r: dict, width: int = 2) -> float:
     """Model-state bytes per rank; a mode "X@N" is X's ZeRO-3 over N ranks: everything / N (the
-    ledger counts this rank's shard; an adapter too small to split is padded, so a few bytes more)."""
+    ledger counts this rank's shard; an adapter too small to split is padded, so a few bytes more).
+    `width`: bytes of a compute-dtype element (bf16 2; fp32 4, where the master is the parameter,
+    so what trains is 4 + 4 + 8 = 16 bytes as in bf16)."""
     mode, _, ranks = mode.partition("@")
     if ranks:
-        return formula(mode, r) / int(ranks)
+        return formula(mode, r, width) / int(ranks)
     psi, psi_a, psi_q = r["params"], r["trainable"], r["quantized"]
     if mode == "full":
         return 16 * psi
+    if mode.startswith(("loop", "qloop")):  # measured, no formula of ours
+        return float("nan")
     if mode == "peft":  # bf16 base, fp32 adapters and AdamW moments (no separate master)
         return 2 * (psi - psi_a) + 12 * psi_a
-    base = 2 * (psi - psi_a)
+    base = width * (psi - psi_a)
     if mode == "qlora":
-        base = 2 * (psi - psi_a - psi_q) + r["quantized_bytes"]
+        base = width * (psi - psi_a - psi_q) + r["quantized_bytes"]
     return base + 16 * psi_a
 
 
@@ -164,6 +214,12 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="another config override, e.g. model.n_layers=4 (repeatable)")
     parser.add_argument("--dir", default="/tmp/bench-finetune")
+    parser.add_argument("--instruct", default="", metavar="DIR",
+                        help="fine-tune a SmolLM2-135M-Instruct-shaped checkpoint on chats, built "
+                             "once in DIR (finetune_loop.py); modes loop, loop-nodoc, qloop: the "
+                             "plain transformers + peft loop on the same batches")
+    parser.add_argument("--chats", type=int, default=2000, help="--instruct: chats in the data (at most ~2,700)")
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     from shardlm.config import load_config
@@ -171,11 +227,23 @@ def main() -> None:
     overrides = {
         "model.preset": args.preset, "train.micro_batch": args.micro_batch, "train.seq_len": args.seq,
         "train.steps": args.steps, "train.lr": 1e-4, "data.max_bytes": args.max_bytes, "parallel.zero_stage": 1,
-        "checkpoint.every": 0, **run_overrides(os.path.join(args.dir, "runs"), args.set, precision="bf16")}
+        "checkpoint.every": 0, **run_overrides(os.path.join(args.dir, "runs"), args.set, precision=args.precision)}
+    if args.instruct:
+        from finetune_loop import chat_jsonl, instruct_checkpoint
+
+        root = Path(args.instruct)
+        chats = chat_jsonl(root / "chats.jsonl", args.chats)
+        overrides.update({"model.hf_path": str(instruct_checkpoint(root / "smollm2-135m-shape", chats)),
+                          "data.source": str(chats), "data.format": "chat", "data.max_bytes": 0})
+        overrides.pop("model.preset")
     modes = {"full": {}, "lora": {"lora.rank": args.rank},
              "qlora": {"lora.rank": args.rank, "lora.quantize": "nf4"}}
     if args.child == "peft":
         print("RESULT " + json.dumps(peft_child(overrides, args.steps, args.rank)), flush=True)
+        return
+    if args.child in ("loop", "loop-nodoc", "qloop"):
+        print("RESULT " + json.dumps(loop_child({**overrides, "lora.rank": args.rank}, args.steps, args.rank,
+                                                args.child)), flush=True)
         return
     if args.child:
         mode, _, ranks = args.child.partition("@")
@@ -184,11 +252,12 @@ def main() -> None:
         print("RESULT " + json.dumps(result), flush=True)
         return
     cfg = load_config(overrides=overrides).validate()
-    prepare(cfg, 1, mmap_threshold=None, precision="bf16")  # each child gets MMAP_THRESHOLD below
-    print(f"{machine()}; {args.preset} {' '.join(args.set)}, bf16 compute, ZeRO stage 1 "
+    prepare(cfg, 1, mmap_threshold=None, precision=args.precision)  # each child gets MMAP_THRESHOLD below
+    model = f"{args.instruct} (SmolLM2-135M shape) on {args.chats} chats" if args.instruct else args.preset
+    print(f"{machine()}; {model} {' '.join(args.set)}, {args.precision} compute, ZeRO stage 1 "
           f"on one process, batch {args.micro_batch}x{args.seq}, {args.steps} steps, lora.rank "
           f"{args.rank}", flush=True)
-    rows = []
+    rows, width = [], 2 if args.precision == "bf16" else 4
     for mode in args.modes.split(","):
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
         proc = subprocess.run([sys.executable, __file__, "--child", mode, *sys.argv[1:]], env=env,
@@ -201,14 +270,21 @@ def main() -> None:
         rows.append((mode, r))
         ledger = sum(r["ledger"].values())
         print(f"{mode}: peak RSS {r['peak_rss'] / GiB:.2f} GiB (after build {r['build_rss'] / GiB:.2f}), "
-              f"ledger {ledger / GiB:.2f} GiB, formula {formula(mode, r) / GiB:.2f} GiB, "
+              f"ledger {ledger / GiB:.2f} GiB, formula {formula(mode, r, width) / GiB:.2f} GiB, "
               f"{r['tokens_per_s']:.1f} tokens/s (steps {[round(x, 2) for x in r['step_s']]} s), "
               f"build {r['build_s']:.0f} s, losses "
               f"{[round(x, 3) for x in r['losses']]}", flush=True)
     header = ("mode", "trainable", "formula GiB", "ledger GiB", "peak RSS GiB", "tokens/s")
     print("\n" + table(header, [[mode, f"{r['trainable'] / 1e6:,.1f}M of {r['params'] / 1e6:,.1f}M",
-                                 f"{formula(mode, r) / GiB:.2f}", f"{sum(r['ledger'].values()) / GiB:.2f}",
+                                 f"{formula(mode, r, width) / GiB:.2f}", f"{sum(r['ledger'].values()) / GiB:.2f}",
                                  f"{r['peak_rss'] / GiB:.2f}", f"{r['tokens_per_s']:.1f}"] for mode, r in rows]))
+    found = dict(rows)
+    for ours, theirs in (("lora", "loop"), ("lora", "loop-nodoc"), ("qlora", "qloop"), ("qlora", "loop")):
+        if ours in found and theirs in found:
+            a, b = found[ours], found[theirs]
+            print(f"shardlm {ours} / plain {theirs}: {a['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s, "
+                  f"peak RSS {a['peak_rss'] / GiB:.2f} / {b['peak_rss'] / GiB:.2f} GiB; step-1 loss "
+                  f"{a['losses'][0]:.4f} / {b['losses'][0]:.4f}")
     print(f"\n{reproduce()}")
 
 if __name__ == "__main__":

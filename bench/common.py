@@ -57,11 +57,16 @@ def prepare(cfg, ranks: int, mmap_threshold: str | None = MMAP_THRESHOLD, precis
     it up for MFU, probing with 3 matrices of 16 MiB on a cache miss) made here at the ranks'
     thread count. Returns that thread count."""
     from shardlm.data import build_dataset
+    from shardlm.data.sft import template_for
+    from shardlm.data.tokenizer import hf_tokenizer
     from shardlm.train.telemetry import peak_flops
 
     if mmap_threshold is not None:
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", mmap_threshold)
-    build_dataset(cfg.data, cfg.model.vocab_size)
+    # as build_run builds it: a checkpoint's tokenizer, rows of seq_len + 1 for the chat formats
+    given = hf_tokenizer(cfg.model.hf_path, cfg.model.vocab_size) if cfg.model.hf_path else None
+    build_dataset(cfg.data, cfg.model.vocab_size, given, cfg.train.seq_len,
+                  chat_template=template_for(cfg.data.format, cfg.model.hf_path))
     threads = threads_per_rank(ranks)
     torch.set_num_threads(threads)
     peak_flops(torch.device("cpu"), precision)
