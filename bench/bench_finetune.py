@@ -139,17 +139,8 @@ def peft_child(overrides: dict, steps: int, rank: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return float(loss)
 
-    timed = timed_steps(step, 0, steps)
-    losses, times = timed["losses"], timed["seconds"]
-    tokens = t.micro_batch * t.seq_len
-    return {"build_s": build_s, "build_rss": build_rss, "peak_rss": peak_rss_bytes(), "losses": losses,
-            "step_s": times, "tokens_per_s": tokens * max(len(times) - 1, 1) / sum(times[1:] or times),
-            "ledger": {"params": sum(p.numel() * p.element_size() for p in model.parameters()),
-                       "optimizer": sum(v.numel() * v.element_size() for s in optimizer.state.values()
-                                        for v in s.values() if torch.is_tensor(v))},
-            "predicted": {}, "params": sum(p.numel() for p in model.parameters()),
-            "trainable": sum(p.numel() for p in trainable), "quantized": 0, "quantized_bytes": 0,
-            "threads": torch.get_num_threads()}
+    return plain_result(model, optimizer, timed_steps(step, 0, steps), t.micro_batch * t.seq_len,
+                        build_s, build_rss)
 
 
 def loop_child(overrides: dict, steps: int, rank: int, mode: str) -> dict:
@@ -170,16 +161,26 @@ def loop_child(overrides: dict, steps: int, rank: int, mode: str) -> dict:
     build_s, build_rss = time.perf_counter() - start, peak_rss_bytes()
     timed = timed_steps(lambda step: loop_step(model, optimizer, loader.micro_batches(step), mode != "loop-nodoc"),
                         0, steps)
-    times, t = timed["seconds"], cfg.train
-    tokens = t.micro_batch * t.seq_len * t.grad_accum
+    t = cfg.train
+    return plain_result(model, optimizer, timed, t.micro_batch * t.seq_len * t.grad_accum, build_s, build_rss)
+
+
+def plain_result(model, optimizer, timed: dict, tokens: int, build_s: float, build_rss: int) -> dict:
+    """A plain loop's row (peft_child, loop_child), in `child`'s keys: its parameters' and
+    AdamW state's bytes for the ledger, no formula or prediction of ours."""
+    import torch
+
+    from shardlm.train.telemetry import peak_rss_bytes
+
+    times = timed["seconds"]
     return {"build_s": build_s, "build_rss": build_rss, "peak_rss": peak_rss_bytes(), "losses": timed["losses"],
             "step_s": times, "tokens_per_s": tokens * max(len(times) - 1, 1) / sum(times[1:] or times),
             "ledger": {"params": sum(p.numel() * p.element_size() for p in model.parameters()),
                        "optimizer": sum(v.numel() * v.element_size() for s in optimizer.state.values()
                                         for v in s.values() if torch.is_tensor(v))},
             "predicted": {}, "params": sum(p.numel() for p in model.parameters()),
-            "trainable": sum(p.numel() for p in trainable), "quantized": 0, "quantized_bytes": 0,
-            "threads": torch.get_num_threads()}
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "quantized": 0, "quantized_bytes": 0, "threads": torch.get_num_threads()}
 
 
 def formula(mode: str, r: dict, width: int = 2) -> float:

@@ -5,7 +5,6 @@ starts (`preflight`), then train here (one process, or a rank under torchrun) or
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from shardlm.errors import ConfigError
@@ -132,14 +131,14 @@ def train_here(cfg) -> int:
     malloc = apply_malloc_policy(cfg.run.malloc_mmap_threshold)  # before any large allocation
     from shardlm.models import count_params
     from shardlm.models.flops import active_params
-    from shardlm.launch.runtime import note_clean_stop, shutdown
+    from shardlm.launch.runtime import launcher_ranks, launcher_sizes, note_clean_stop, shutdown
     from shardlm.train.loop import build_run, sample_text, train
     from shardlm.train.checkpointing import state_report
     from shardlm.train.telemetry import reset_peak_rss
 
-    env = {k: int(os.environ.get(k, "0")) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    if env["RANK"] == 0:
-        probe_this_cpu(cfg, env["WORLD_SIZE"] or 1, env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"] or 1)
+    (rank, local_rank), (world, local_world) = launcher_ranks(), launcher_sizes()
+    if rank == 0:
+        probe_this_cpu(cfg, world, local_rank, local_world)
         reset_peak_rss()  # the run's peak RSS starts here: the probe's buffers are not the run's
 
     run = build_run(cfg)
@@ -232,18 +231,16 @@ def dry_run(args: argparse.Namespace, cfg) -> int:
     (resolve.decide: the auto plan, the auto compute dtype, the checkpoint's dtype on resume) for
     --nproc ranks (or the launcher's WORLD_SIZE, or 1) on this machine, or on --gpus; then the
     planner's memory per rank for the result. Nothing is created, spawned or trained."""
-    import os
-
     from shardlm.checkpoint.sharded import find_checkpoint
     from shardlm.config.dims import resolve_dims
     from shardlm.hardware.catalog import parse_cluster
-    from shardlm.launch.runtime import pick_device
+    from shardlm.launch.runtime import launcher_sizes, pick_device
     from shardlm.planner import estimate_memory, estimate_time, report
     from shardlm.planner.search import config_strategy
     from shardlm.train.resolve import decide, local_hardware
 
     target = parse_cluster(args.gpus) if args.gpus else None
-    world = target.world_size if target else (args.nproc or int(os.environ.get("WORLD_SIZE", "1")))
+    world = target.world_size if target else (args.nproc or launcher_sizes()[0])
     if target and args.nproc and args.nproc != world:
         raise ConfigError(f"--nproc {args.nproc} but --gpus {args.gpus} has {world} devices")
     device = pick_device(cfg.run.device, 0)

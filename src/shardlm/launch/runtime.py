@@ -99,6 +99,12 @@ def launcher_sizes() -> tuple[int, int]:
     return world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
 
 
+def launcher_ranks() -> tuple[int, int]:
+    """(this process's rank, its rank on this machine) as the launcher set them: (0, 0)
+    without a launcher."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def pick_device(preference: str, local_rank: int = 0, local_world: int = 1) -> torch.device:
     """'auto' = this rank's GPU if CUDA exists, else the CPU; an explicit choice is checked.
     On CUDA, rank `local_rank` of the `local_world` ranks on this machine takes GPU
@@ -152,10 +158,8 @@ def init_runtime(device_preference: str = "auto", timeout_s: float = 0.0) -> Run
     watchdog names the rank, op and group of a stalled collective before the backend's own
     timeout ends it with a bare traceback (comm/watchdog.py)."""
     die_with_launcher()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    world_size, local_world = launcher_sizes()
+    rank, local_rank = launcher_ranks()
     device = pick_device(device_preference, local_rank, local_world)
     if device.type == "cpu":
         # Ranks on one machine share its cores: oversubscription makes every rank slower.
