@@ -4,8 +4,9 @@ Method. Each mode runs in its own fresh subprocess (this script with --child), s
 its own: the ZeRO engine at stage 1 on one rank (parameters in the compute dtype, bf16; fp32
 masters and AdamW moments for what trains), micro-batch --micro-batch x --seq tokens, --steps
 steps on the stdlib corpus cut to data.max_bytes (tokenizer and token stream built once, in the
-parent, as is the CPU's matmul-peak probe). MALLOC_MMAP_THRESHOLD_=131072 in the children: freed
-blocks >= 128 KiB go back to the OS, so RSS follows what is alive.
+parent, as is the CPU's matmul-peak probe). Each child's C allocator is as its user has it: a
+shardlm child applies run.malloc_mmap_threshold first, as `shardlm train` does (docs/allocator.md);
+a plain loop runs with glibc's own default (an environment's MALLOC_MMAP_THRESHOLD_ reaches both).
   peak RSS    VmHWM of the child after the last step (build included: the sharded build
               materialises one unit at a time, with an fp32 copy of that unit)
   ledger      run.strategy.model_state_bytes(): params + grads + optimizer state held
@@ -54,18 +55,19 @@ from pathlib import Path
 
 from common import GiB, bench_parser, machine, prepare, reproduce, run_overrides, start_ranks, table, timed_steps
 
-MMAP_THRESHOLD = "131072"
-
 
 def child(overrides: dict, steps: int) -> dict:
     import torch
 
     from shardlm.config import load_config
+    from shardlm.launch.allocator import apply_malloc_policy
     from shardlm.train.telemetry import peak_rss_bytes
     from shardlm.train.loop import build_run, train_step
 
+    cfg = load_config(overrides=overrides).validate()
+    apply_malloc_policy(cfg.run.malloc_mmap_threshold)  # first, as shardlm.cli.train.train_here does
     start = time.perf_counter()
-    run = build_run(load_config(overrides=overrides).validate())
+    run = build_run(cfg)
     build_s, build_rss = time.perf_counter() - start, peak_rss_bytes()
     timed = timed_steps(lambda step: train_step(run, step).loss, 0, steps)
     losses, times = timed["losses"], timed["seconds"]
@@ -253,15 +255,14 @@ def main() -> None:
         print("RESULT " + json.dumps(result), flush=True)
         return
     cfg = load_config(overrides=overrides).validate()
-    prepare(cfg, 1, mmap_threshold=None, precision=args.precision)  # each child gets MMAP_THRESHOLD below
+    prepare(cfg, 1, mmap_threshold=None, precision=args.precision)  # the children's allocator: their own
     model = f"{args.instruct} (SmolLM2-135M shape) on {args.chats} chats" if args.instruct else args.preset
     print(f"{machine()}; {model} {' '.join(args.set)}, {args.precision} compute, ZeRO stage 1 "
           f"on one process, batch {args.micro_batch}x{args.seq}, {args.steps} steps, lora.rank "
           f"{args.rank}", flush=True)
     rows, width = [], 2 if args.precision == "bf16" else 4
     for mode in args.modes.split(","):
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
-        proc = subprocess.run([sys.executable, __file__, "--child", mode, *sys.argv[1:]], env=env,
+        proc = subprocess.run([sys.executable, __file__, "--child", mode, *sys.argv[1:]],
                               capture_output=True, text=True)
         found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not found:

@@ -127,8 +127,15 @@ def test_local_cpu_reads_the_calibration_and_says_which(monkeypatch, capsys):
                 "curve": {"fp32": probe_only, "bf16": [], "fp16": []}}
     monkeypatch.setattr(probe, "measure_cpu", lambda n: measured)
     cluster = local_cpu(4)  # 4 ranks on 2 cores: each gets half of what the probe timed alone
-    assert set(cluster.device.curves) == {"fp32"}
+    # bf16 measured slower than fp32: a bf16 run multiplies in fp32 GEMMs there (precision.
+    # cpu_bf16_gemm = 'auto'), so bf16 is priced at fp32's curve and peak
+    assert set(cluster.device.curves) == {"fp32", "bf16"}
     assert cluster.device.curves["fp32"].rate(64, 1024, 1024) == 1e10
+    assert cluster.device.curves["bf16"].rate(64, 1024, 1024) == 1e10
+    assert cluster.device.peak["bf16"] == cluster.device.peak["fp32"] == 3e10
+    measured["peak"]["bf16"] = 9e10  # bf16 hardware: its own (here: no curve, the peak)
+    assert set(local_cpu(4).device.curves) == {"fp32"} and local_cpu(4).device.peak["bf16"] == 4.5e10
+    measured["peak"]["bf16"] = 1e10
     assert cluster.device.curves["fp32"].source.startswith("probe: 2 generic shape(s)")
     measured["curve"]["fp32"] = probe_only + [entry(128, 64, 192, 3e10, "calibrate")]
     assert local_cpu(1).device.curves["fp32"].source.startswith(

@@ -150,6 +150,7 @@ _CHOICES = {
     "activation.offload": ACTIVATION_OFFLOAD_MODES,
     "precision.reduce": ("auto",) + COMPUTE_DTYPES,
     "precision.master": ("fp32", "bf16"),
+    "precision.cpu_bf16_gemm": ("auto", "fp32", "native"),
     "parallel.zero_stage": (0, 1, 2, 3),
     "parallel.strategy": ("manual", "auto"),
     "parallel.cp_mode": ("ring", "ulysses", "hybrid", "auto"),

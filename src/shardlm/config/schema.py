@@ -184,6 +184,13 @@ class PrecisionConfig:
     before; gradients and their reduce-scatter are unchanged (the weights become a unit of their
     own, so the logged grad_norm rounds differently). Needs fp8_recipe = 'tensorwise',
     fp8_emulate = true and parallel.zero_stage = 3 (docs/computation.md, FP8 all-gather)."""
+    cpu_bf16_gemm: str = "auto"
+    """bf16 (and fp8's bf16 part) on a CPU: 'fp32' multiplies the bf16 operands of every linear
+    and matmul in fp32 GEMMs and rounds the result to bf16 (exact products, fp32 accumulation:
+    what a bf16 kernel computes, at fp32's speed on CPUs without bf16 matmul hardware); 'native'
+    calls torch's bf16 kernels; 'auto': 'fp32' where this CPU's measured bf16 matmul peak is
+    below its fp32 peak (no AVX-512-BF16 or AMX), decided once per run (resolve.py). 'native'
+    under train.compile (Inductor makes the kernels). GPUs: always native (docs/computation.md)."""
     reduce: str = "auto"
     """dtype gradients are kept and reduced in: 'auto' = the compute dtype (as DeepSpeed and
     FSDP do; what the ZeRO memory formulas assume), or 'fp32' for exact reductions."""

@@ -385,6 +385,9 @@ def local_cpu(n_ranks: int) -> Cluster:
     # than cores the ranks time-share the cores: each gets cores / n_ranks of the thread the
     # probe timed alone, for its matmuls and for gloo's copies alike (oversubscription).
     share = cpu_share(n_ranks, measured["cores"])
+    peak, curves = dict(measured["peak"]), dict(measured.get("curve", {}))
+    if "bf16" in peak and cpu_bf16_gemm(peak) == "fp32":  # a bf16 run multiplies in fp32 here
+        peak["bf16"], curves["bf16"] = peak["fp32"], curves.get("fp32", ())
     rates = at_least_one_thread(measured.get("memory", {}), measured.get("memory_one_thread", {}))
     # A rank's memory-bound work runs at its threads' measured rates, time-shared with more
     # ranks than cores (share); the curve's DRAM end is the machine's 256 MiB copy, which all
@@ -395,11 +398,11 @@ def local_cpu(n_ranks: int) -> Cluster:
     device = Device(
         name=f"cpu ({measured['cpu']}, {measured['threads']} thread(s)/rank"
              + (f", {share:.2g} of a core each" if share < 1 else "") + ")", kind="cpu",
-        memory=available_memory() / n_ranks, peak={k: v * share for k, v in measured["peak"].items()},
+        memory=available_memory() / n_ranks, peak={k: v * share for k, v in peak.items()},
         memory_bandwidth=dram, efficiency=1.0,
         source="measured by shardlm.hardware.probe.measure_cpu (cached)",
         curves={p: measured_curve(points, f"{p}, {measured['threads']} thread(s) on {measured['cpu']}").scaled(share)
-                for p, points in measured.get("curve", {}).items() if points},
+                for p, points in curves.items() if points},
         op_seconds=rates.get("op_seconds", 0.0) / share, fresh_bandwidth=rates.get("fresh_bandwidth", 0.0) * share,
         passes=tuple((key, seconds / share) for key, seconds in sorted(measured.get("passes", {}).items())),
         bandwidth_curve=curve, adamw_curve=tuple((n, sec / share) for n, sec in rates.get("adamw", ())),
@@ -480,6 +483,13 @@ def cpu_share(n_ranks: int, cores: int) -> float:
     The probe times matmuls at max(1, cores // n) threads on an idle machine; with more ranks
     than cores the processes time-share the cores (and gloo's copies run on them too)."""
     return min(1.0, cores / max(1, n_ranks))
+
+
+def cpu_bf16_gemm(peak: dict[str, float]) -> str:
+    """What precision.cpu_bf16_gemm = 'auto' means on a CPU whose native matmul peaks are `peak`:
+    'fp32' (bf16 operands multiplied in fp32 GEMMs, models/precision.fp32_gemm) where torch's
+    bf16 kernel is slower than its fp32 one (no AVX-512-BF16 or AMX), else 'native'."""
+    return "fp32" if peak.get("bf16", 0.0) < peak["fp32"] else "native"
 
 
 def choose_compute(kind: str, peak: dict[str, float]) -> str:

@@ -2,16 +2,27 @@
 
 The variant is chosen once when the run is built (`build_precision`); the step calls the same
 methods whatever the precision. Master weights and optimizer states stay fp32.
+
+bf16 on a CPU without bf16 matmul hardware (no AVX-512-BF16, no AMX: AVX2 Intel and AMD up to
+Zen 3) gets torch's portable bf16 GEMM, 5-30x slower than the same product in fp32 (measured on a
+Zen 3: a 512 x 576 x 3072 product 116 ms against 21.5 ms, the transposed products of backward
+worse). There `precision.cpu_bf16_gemm = 'fp32'` (what 'auto' resolves to by the measured
+peaks) multiplies the bf16 values in fp32 GEMMs and rounds the result to bf16: a product of two
+bf16 numbers is exact in fp32 and the sum accumulates in fp32, as a bf16 kernel accumulates, so
+the result differs from the bf16 kernel's only by the order of that fp32 sum. Inputs, outputs,
+what autograd saves and the gradients stay bf16 (`fp32_gemm`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from shardlm.config import PrecisionConfig
 
@@ -100,12 +111,124 @@ class DynamicLossScaler:
         self.skipped_steps = int(state["skipped_steps"])
 
 
+class _Fp32GemmLinear(torch.autograd.Function):
+    """F.linear of bf16 operands through fp32 GEMMs, each result rounded to bf16: forward
+    x W^T + b, backward grad W (the input's) and grad^T x (the weight's). Saves the bf16 x and W,
+    as the bf16 kernel's autograd does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.float()
+        grad_x = (g @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        rows = g.reshape(-1, g.shape[-1])  # (N, out)
+        grad_w = (rows.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_b = rows.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+_NO_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+
+def _bf16(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(torch.bfloat16)  # autocast's own cast (a no-op on bf16)
+
+
+def _linear(x, weight, bias=None):
+    with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+        return _Fp32GemmLinear.apply(_bf16(x), _bf16(weight), _bf16(bias))
+
+
+def _product(op: Callable) -> Callable:
+    """`op` (matmul, mm, bmm) of bf16-cast operands in fp32, the result rounded to bf16; autograd
+    records the casts, so the gradients are bf16 too (their products in fp32, saved in fp32)."""
+    def kernel(a, b):
+        with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+            return op(_bf16(a).float(), _bf16(b).float()).to(torch.bfloat16)
+    return kernel
+
+
+def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    """scaled_dot_product_attention of bf16-cast q, k, v in fp32 (its products are GEMMs: torch's
+    CPU flash kernel runs them in bf16 through the same portable GEMM), the output rounded to
+    bf16; a float mask in fp32."""
+    with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+        mask = attn_mask.float() if attn_mask is not None and attn_mask.is_floating_point() else attn_mask
+        return F.scaled_dot_product_attention(
+            _bf16(query).float(), _bf16(key).float(), _bf16(value).float(), mask, dropout_p, is_causal,
+            scale=scale, enable_gqa=enable_gqa).to(torch.bfloat16)
+
+
+_FP32_GEMM_KERNELS = {"linear": _linear, "matmul": _product(torch.matmul), "mm": _product(torch.mm),
+                      "bmm": _product(torch.bmm), "scaled_dot_product_attention": _attention}
+_fp32_gemm_depth = 0
+_fp32_gemm_library: torch.library.Library | None = None
+
+
+def fp32_gemm_active() -> bool:
+    """Whether bf16 matmuls on the CPU run through fp32 GEMMs now (inside `fp32_gemm`)."""
+    return _fp32_gemm_depth > 0
+
+
+@contextlib.contextmanager
+def fp32_gemm() -> Iterator[None]:
+    """Within: CPU autocast to bf16 runs linear, matmul, mm, bmm and scaled_dot_product_attention
+    as fp32 GEMMs of the bf16 operands, the results rounded to bf16 (torch.library kernels for the AutocastCPU dispatch
+    key, registered on the outermost entry, removed on its exit: torch's own autocast kernels
+    return). Custom autograd Functions whose backward multiplies bf16 tensors outside autocast
+    ask `fp32_gemm_active` at forward and multiply with `gemm`."""
+    global _fp32_gemm_depth, _fp32_gemm_library
+    if _fp32_gemm_depth == 0:
+        library = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # "Overriding a previously registered kernel": meant
+            warnings.simplefilter("ignore", UserWarning)
+            for op, kernel in _FP32_GEMM_KERNELS.items():
+                library.impl(op, kernel, "AutocastCPU")
+        _fp32_gemm_library = library
+    _fp32_gemm_depth += 1
+    try:
+        yield
+    finally:
+        _fp32_gemm_depth -= 1
+        if _fp32_gemm_depth == 0 and _fp32_gemm_library is not None:
+            _fp32_gemm_library._destroy()
+            _fp32_gemm_library = None
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """a @ b; with `fp32` (fp32_gemm_active() when the forward ran) and bf16 CPU operands, as an
+    fp32 GEMM rounded to bf16."""
+    if fp32 and a.dtype == b.dtype == torch.bfloat16 and a.device.type == "cpu":
+        return (a.float() @ b.float()).to(torch.bfloat16)
+    return a @ b
+
+
 @dataclass
 class Precision:
     name: str
     """'fp32', 'bf16', 'fp16' or 'fp8' (resolved; never 'auto')."""
     autocast: Callable[[], ContextManager]
     scaler: NoLossScaler | DynamicLossScaler
+    cpu_bf16_gemm: str = "native"
+    """precision.cpu_bf16_gemm, resolved: 'fp32' when this run's bf16 matmuls on the CPU go
+    through fp32 GEMMs (`fp32_gemm`, entered with autocast and around a whole step: `kernels`)."""
+
+    def kernels(self) -> ContextManager:
+        """Around a whole training step: the fp32 GEMM kernels where this run uses them, so that
+        activation checkpointing's recomputation in backward (under autocast again, outside the
+        forward's context) multiplies as the forward did."""
+        return fp32_gemm() if self.cpu_bf16_gemm == "fp32" else contextlib.nullcontext()
+
+    @property
+    def gemm(self) -> str:
+        """The DTYPES key the matmuls run at: the peak MFU is measured against."""
+        return "fp32" if self.cpu_bf16_gemm == "fp32" else self.carrier
 
     @property
     def carrier(self) -> str:
@@ -120,6 +243,7 @@ class Precision:
 def build_precision(cfg: PrecisionConfig, device: torch.device,
                     stop_on_nonfinite: bool = True) -> Precision:
     name = cfg.compute
+    widen = cfg.cpu_bf16_gemm == "fp32" and device.type == "cpu" and carrier(name) == "bf16"
     if carrier(name) not in DTYPES:  # 'auto' is decided once per run, on one rank: resolve.resolve_config
         raise ValueError(f"precision.compute = {name!r} must be resolved (resolve.resolve_config) "
                          f"before the precision is built")
@@ -127,13 +251,19 @@ def build_precision(cfg: PrecisionConfig, device: torch.device,
         autocast: Callable[[], ContextManager] = contextlib.nullcontext
     else:
         dtype = DTYPES[carrier(name)]
-        autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
+        if widen:
+            @contextlib.contextmanager
+            def autocast() -> Iterator[None]:
+                with torch.autocast(device.type, dtype=dtype), fp32_gemm():
+                    yield
+        else:
+            autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
     if name == "fp16":
         scaler: NoLossScaler | DynamicLossScaler = DynamicLossScaler(
             cfg.loss_scale_init, cfg.loss_scale_growth_interval, cfg.loss_scale_backoff)
     else:
         scaler = NoLossScaler(stop_on_nonfinite)
-    return Precision(name, autocast, scaler)
+    return Precision(name, autocast, scaler, "fp32" if widen else "native")
 
 
 def is_finite(value: torch.Tensor | float) -> bool:

@@ -45,6 +45,7 @@ from torch import nn
 from shardlm.errors import ConfigError
 from shardlm.models.init import Initializer
 from shardlm.models.placement import Split
+from shardlm.models.precision import fp32_gemm_active, gemm
 
 log = logging.getLogger("shardlm")
 
@@ -285,13 +286,13 @@ class QuantizedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, packed, bias, fmt):
         ctx.save_for_backward(packed)
-        ctx.fmt = fmt
+        ctx.fmt, ctx.fp32_gemm = fmt, fp32_gemm_active()
         return F.linear(x, _weight(packed, fmt, _compute_dtype(x)), bias)
 
     @staticmethod
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
-        grad_x = grad @ _weight(packed, ctx.fmt, grad.dtype)  # (…, out) @ (out, in)
+        grad_x = gemm(grad, _weight(packed, ctx.fmt, grad.dtype), ctx.fp32_gemm)  # (…, out) @ (out, in)
         return grad_x, None, None, None
 
 

@@ -173,7 +173,7 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
         val_loader=Loader(dataset.val, grad_accum=1, mask=dataset.val_mask, split="val", **common),
         run_dir=run_dir, checkpoints=writer, loss=built.loss, token_sums=built.token_sums,
         schedule=built.schedule,
-        peak_flops_per_device=peak_flops(runtime.device, precision.carrier),  # fp8: bf16's peak
+        peak_flops_per_device=peak_flops(runtime.device, precision.gemm),  # fp8: bf16's; bf16 in fp32 GEMMs: fp32's
         # A model we did not build: models.seq2seq.user_model_flops_per_token (an encoder-decoder
         # by its parts, else 6N). Ours: the exact count from its config.
         flops_per_token=(user_flops[0] if user_model else flops_per_token(cfg.model, t.seq_len)),
@@ -235,6 +235,11 @@ class StepResult(NamedTuple):
 
 def train_step(run: Run, step: int, stop_requested: bool = False) -> StepResult:
     """One optimizer step over grad_accum micro-batches."""
+    with run.precision.kernels():  # precision.cpu_bf16_gemm = 'fp32': recomputation included
+        return _train_step(run, step, stop_requested)
+
+
+def _train_step(run: Run, step: int, stop_requested: bool) -> StepResult:
     strategy, scaler = run.strategy, run.precision.scaler
     run.times.start()
     set_lr(strategy.optimizer, lr_at(step, run.cfg.train))

@@ -23,9 +23,10 @@ from shardlm.config import Config, config_from_dict
 from shardlm.config.dims import grad_accum_for
 from shardlm.config.load import FINETUNE_LR, FINETUNE_WARMUP_FRACTION, finetune_mode
 from shardlm.errors import ConfigError
-from shardlm.hardware.catalog import Cluster, choose_compute, device_for_gpu_name, local_cpu, parse_cluster
+from shardlm.hardware.catalog import Cluster, choose_compute, cpu_bf16_gemm, device_for_gpu_name, local_cpu, parse_cluster
 from shardlm.launch.runtime import Runtime, broadcast_text
 from shardlm.models.fp8 import check_fp8_device
+from shardlm.models.precision import carrier
 
 log = logging.getLogger("shardlm")
 
@@ -148,7 +149,27 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
         cfg.precision.compute = compute
         log.info("precision.compute = auto: %s on this %s (decided once, recorded in the run's config)",
                  compute, device.type)
+    if cfg.precision.cpu_bf16_gemm == "auto":
+        cfg = copy.deepcopy(cfg)
+        cfg.precision.cpu_bf16_gemm = _auto_bf16_gemm(cfg, device if hardware is None else None)
     return cfg.validate()
+
+
+def _auto_bf16_gemm(cfg: Config, cpu: torch.device | None) -> str:
+    """precision.cpu_bf16_gemm = 'auto': 'fp32' for a bf16 run on a CPU whose torch bf16 matmul
+    is slower than its fp32 one (catalog.cpu_bf16_gemm, by the measured peaks), not compiled;
+    'native' otherwise (a GPU, fp32 / fp16 compute, train.compile)."""
+    if cpu is None or cpu.type != "cpu" or carrier(cfg.precision.compute) != "bf16" or cfg.train.compile:
+        return "native"
+    from shardlm.hardware.probe import cpu_peak_flops
+
+    peak = {p: cpu_peak_flops(p) for p in ("fp32", "bf16")}
+    choice = cpu_bf16_gemm(peak)
+    if choice == "fp32":
+        log.info("precision.cpu_bf16_gemm = auto: fp32 — this CPU's bf16 matmul (%.1f GFLOP/s) is slower "
+                 "than its fp32 one (%.1f): bf16 operands are multiplied in fp32 GEMMs and rounded to "
+                 "bf16 (set 'native' for torch's bf16 kernels)", peak["bf16"] / 1e9, peak["fp32"] / 1e9)
+    return choice
 
 
 def _decide_cp_mode(cfg: Config, where: Cluster) -> Config:
