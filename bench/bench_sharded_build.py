@@ -9,9 +9,9 @@ script refuses tmpfs), micro-batch 1 x seq_len 128, --steps training steps on th
 corpus cut to data.max_bytes, vocabulary as the preset has it. The tokenizer/token stream and
 the CPU's bf16 matmul peak (build_run looks it up for MFU) are built in the parent first, so no
 rank's peak includes them. Each rank applies the allocator policy `shardlm train` applies in its
-workers (shardlm.launch.allocator.apply_malloc_policy with run.malloc_mmap_threshold, 131072 by default,
+workers (shardlm.launch.allocator.apply_malloc_policy with run.malloc_mmap_threshold, 8 MiB by default,
 before build_run; the user's MALLOC_MMAP_THRESHOLD_ takes precedence as there): glibc then serves
-blocks >= 128 KiB with mmap and returns them on free, so RSS follows what is alive.
+blocks at or above it with mmap and returns them on free (docs/allocator.md).
 
 --via-cli runs the same configuration as the command users run instead, `shardlm train --nproc 2
 --model.preset=... (the same overrides)`, in fresh workers started by torch's elastic launcher,
@@ -295,7 +295,7 @@ def main() -> None:
                         help="a temporary directory for the nvme files and the run is made in here")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds for the ranks")
     parser.add_argument("--malloc-mmap-threshold", type=int, default=DEFAULT_THRESHOLD,
-                        help="run.malloc_mmap_threshold (config default 131072; 0 = glibc's dynamic default)")
+                        help="run.malloc_mmap_threshold (config default 8388608; 0 = glibc's dynamic default)")
     parser.add_argument("--via-cli", action="store_true",
                         help="run the same configuration through `shardlm train --nproc 2` (the command "
                              "users run) and report its workers' peaks")

@@ -48,7 +48,7 @@ def test_every_rank_of_shardlm_train_applies_it(two_rank_cli_run):
     result = two_rank_cli_run
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
-        assert (f"rank {rank}: malloc: mmap threshold fixed at 131,072 bytes (mallopt" in result.stdout
+        assert (f"rank {rank}: malloc: mmap threshold fixed at 8,388,608 bytes (mallopt" in result.stdout
                 and f"rank {rank}: malloc:" in result.stdout), result.stdout[-3000:]
     # counted over the whole output: the launcher relays both ranks' output, and two lines
     # written at once can arrive joined (seen in CI)

@@ -168,7 +168,7 @@ def _auto_ep_run(rank: int, world_size: int, overrides: dict) -> dict:
     # The planner's view of the machine from the catalog, not the CPU probe (seconds of
     # measuring): what is tested is that the kept ep reaches the run, not which plan wins here.
     measured = resolve.local_hardware
-    resolve.local_hardware = lambda device, world_size: parse_cluster(f"{world_size}xA100-80GB")
+    resolve.local_hardware = lambda device, world_size, mmap_threshold=None: parse_cluster(f"{world_size}xA100-80GB")
     try:
         run = build_run(load_config(overrides=overrides).validate())
         train_step(run, 0)

@@ -247,7 +247,7 @@ def dry_run(args: argparse.Namespace, cfg) -> int:
     choice = cfg.checkpoint.resume
     checkpoint = find_checkpoint(choice) if choice not in ("auto", "never") else None
     resolved = decide(cfg, world, device, checkpoint, target)
-    cluster = target or local_hardware(device, world)
+    cluster = target or local_hardware(device, world, resolved.run.malloc_mmap_threshold)
     workload, strategy = config_strategy(resolved, cluster)
     memory = estimate_memory(workload, strategy, cluster)
     print(report.render_estimate(workload, strategy, cluster, memory,

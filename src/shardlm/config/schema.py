@@ -368,10 +368,12 @@ class RunConfig:
     directory may exist (that is how a run continues), but one live run at a time holds it."""
     device: str = "auto"
     """'auto' (CUDA if present, else CPU), 'cpu', 'cuda', 'cuda:N'."""
-    malloc_mmap_threshold: int = 131072
+    malloc_mmap_threshold: int = 8388608
     """Bytes from which glibc malloc serves a block by mmap and returns it to the OS when freed,
-    fixed at start-up of every training process (mallopt; shardlm/launch/allocator.py), so resident
-    memory follows the bytes alive; 0 = glibc's dynamic default. MALLOC_MMAP_THRESHOLD_ (or
+    fixed at start-up of every training process (mallopt; shardlm/launch/allocator.py): large
+    temporaries give their memory back; smaller blocks (most activations) are reused from the
+    heap without page faults (8 MiB; 128 KiB until 2026-11-29 cost up to ~45% of a step); 0 =
+    glibc's dynamic default. The planner prices it (fresh memory). MALLOC_MMAP_THRESHOLD_ (or
     GLIBC_TUNABLES) in the environment takes precedence. No effect off glibc (docs/allocator.md)."""
     progress: str = "auto"
     """Progress bar: 'auto' (only on a terminal), 'on', 'off'."""

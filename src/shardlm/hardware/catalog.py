@@ -226,6 +226,10 @@ class Calibration:
     """Measured time / ring-model time per collective, at least 1 (gloo's all-gather and
     reduce-scatter are not rings; its ring hop, send_recv, is timed apart from its all-reduce);
     1 for what is not listed."""
+    mmap_threshold: int = 128 * 1024
+    """A CPU process's malloc mmap threshold (launch/allocator.py): tensors of at least this many
+    bytes are fresh mappings each time (planner/memory_bound.py); local_cpu sets the one the run
+    will have (run.malloc_mmap_threshold, or the environment's), a catalog CPU keeps 128 KiB."""
 
     def factor(self, op: str) -> float:
         return dict(self.collective_factors).get(op, 1.0)
@@ -373,8 +377,10 @@ def available_memory() -> float:
     return value
 
 
-def local_cpu(n_ranks: int) -> Cluster:
-    """This machine as `n_ranks` local gloo ranks: every number measured (cached per machine)."""
+def local_cpu(n_ranks: int, mmap_threshold: int | None = None) -> Cluster:
+    """This machine as `n_ranks` local gloo ranks: every number measured (cached per machine);
+    its processes' malloc mmap threshold `mmap_threshold` (run.malloc_mmap_threshold; default:
+    its default), or the environment's where set (launch.allocator.planned_threshold)."""
     if n_ranks < 1:
         raise ConfigError(f"cpu rank count {n_ranks} must be >= 1")
     from shardlm.hardware.probe import measure_cpu
@@ -422,7 +428,10 @@ def local_cpu(n_ranks: int) -> Cluster:
                 local_disk_lone(measured.get("disk") or {}, n_ranks))
     # A worker also holds its tokenizer, data loader and threads: +100 MB over the probe's
     # imports and gloo (measured: a gpt-tiny training rank at 324 MiB, the probe's at 228).
-    calibration = replace(CALIBRATION["cpu"], runtime_reserve=measured["baseline_rss"] + 1e8,
+    from shardlm.launch.allocator import DEFAULT_THRESHOLD, planned_threshold
+
+    threshold = planned_threshold(DEFAULT_THRESHOLD if mmap_threshold is None else mmap_threshold)
+    calibration = replace(CALIBRATION["cpu"], runtime_reserve=measured["baseline_rss"] + 1e8, mmap_threshold=threshold,
                           collective_factors=tuple((op, measured[f"gloo_in_step_{op}_factor"])
                                                    for op in ("all_gather", "reduce_scatter", "send_recv")))
     return Cluster(1, n_ranks, device, node, calibration)

@@ -5,7 +5,8 @@
   output) reads its inputs and writes its output; so does the loss over the vocabulary; at the
   device's bandwidth for tensors of that size (hardware.catalog.Device.bandwidth_at);
 - **fresh memory**: every tensor a step allocates above glibc's mmap threshold is a fresh
-  mapping on a CPU (a training process fixes the threshold at start-up, docs/allocator.md):
+  mapping on a CPU (a training process fixes the threshold at start-up, docs/allocator.md;
+  Calibration.mmap_threshold, the run's):
   its first write pays a page fault and the kernel's zeroing per page, and its free the unmap
   (Device.fresh_bandwidth, measured; 0 on a GPU: CUDA's caching allocator reuses blocks);
 - **per-op dispatch**: eager PyTorch pays a fixed cost per op, forward and backward
@@ -31,9 +32,6 @@ from shardlm.models import flops
 from shardlm.planner.traffic import tp_comm_bytes
 from shardlm.planner.workload import DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier, zero_ranks
 
-MMAP_THRESHOLD = 128 * 1024
-"""Bytes from which glibc maps a block afresh in a training process (run.malloc_mmap_threshold's
-default, launch/allocator.py): smaller tensors come from the heap, reused, no page faults."""
 ADAM_BYTES_PER_PARAM = 36
 """Memory traffic of one fused AdamW update per parameter where it is not measured: read master,
 gradient, m, v (4 B each, the gradient converted), write master, m, v, and the compute-dtype copy
@@ -51,6 +49,16 @@ class BlockWork:
     """Elements read and written by the ops that are not matmuls or attention."""
     ops: int
     """Ops dispatched, views included (each costs a dispatch, forward or backward)."""
+    widths: tuple[tuple[float, float], ...] = ()
+    """`fresh` by the width of the tensors written: (elements per token of a row, elements), so
+    that only tensors at or above the mmap threshold count as fresh mappings (fresh_elements)."""
+
+
+def fresh_elements(work: BlockWork, tokens: int, element_bytes: float, threshold: float) -> float:
+    """Of `work.fresh`, the elements written to tensors of at least `threshold` bytes (a micro-
+    batch of `tokens` rows of each width, `element_bytes` each): those glibc maps afresh; the
+    smaller ones come from the heap, reused without page faults (docs/allocator.md)."""
+    return sum(n for width, n in work.widths if tokens * width * element_bytes >= threshold)
 
 
 @dataclass(frozen=True)
@@ -90,21 +98,25 @@ def block_work(m: ModelConfig, tp: int = 1, sequence_parallel: bool = False) -> 
     kv = max(1, (m.n_kv_heads or m.n_heads) // tp) * flops.head_dim(m)
     f = flops.resolved_d_ff(m) / tp
     rms = m.norm == "rmsnorm"
-    fresh = 2 * ((3 + 9) * h if rms else 2 * h) + 4 * h
-    traffic = 2 * ((7 + 24) * h if rms else 5 * h) + 12 * h
-    fresh += (q + 2 * kv) + q + h + q + 2 * (q + 2 * kv) + h
-    traffic += 2 * (q + 2 * kv)
+    # by width: h-wide (norms, residuals, the projections' outputs and dX), the fused q/k/v and
+    # its gradients, q- and kv-wide (attention's output, RoPE), f-wide (the MLP)
     rope = m.position == "rope"
-    if rope:
-        fresh += 4 * (q + kv) + q + 5.5 * (q + kv)
-        traffic += 21.5 * (q + kv) + 2 * q + 2 * kv
     swiglu = m.mlp == "swiglu"
-    fresh += (10 * f if swiglu else 4 * f) + 2 * h
+    widths = ((h, 2 * ((3 + 9) * h if rms else 2 * h) + 4 * h + h + h + 2 * h),
+              (q + 2 * kv, 3 * (q + 2 * kv)),
+              (q, 2 * q + ((4 + 1 + 5.5) * q if rope else 0.0)),
+              (kv, (4 + 5.5) * kv if rope else 0.0),
+              (f, 10 * f if swiglu else 4 * f))
+    fresh = sum(n for _, n in widths)
+    traffic = 2 * ((7 + 24) * h if rms else 5 * h) + 12 * h
+    traffic += 2 * (q + 2 * kv)
+    if rope:
+        traffic += 21.5 * (q + kv) + 2 * q + 2 * kv
     traffic += 18 * f if swiglu else 5 * f
     if m.bias:
         traffic += (q + 2 * kv) + 2 * h + f
     ops = 87 + 42 * rms + 39 * rope + 5 * swiglu + 14 * bool(m.bias)
-    return BlockWork(fresh, traffic, ops)
+    return BlockWork(fresh, traffic, ops, tuple((w, n) for w, n in widths if n))
 
 
 def ring_work(m: ModelConfig, tp: int, ring: int, e: int) -> BlockWork:
@@ -136,7 +148,7 @@ def ring_work(m: ModelConfig, tp: int, ring: int, e: int) -> BlockWork:
     backward = (4 + 8 * r + 2 * e * r * (1 + hops) + 8 * r * ring + (e + 2 * e * r)
                 + hops * (front_b + back_b) / 2 + 2 * e * r + e * cast)
     fresh = (forward + backward - 4 * e) * q / e  # less the plain attention's output and gradients
-    return BlockWork(fresh, 2 * fresh, 5 + 8 + ring * 47 - 11)
+    return BlockWork(fresh, 2 * fresh, 5 + 8 + ring * 47 - 11, ((q, fresh),))
 
 
 def root_work(m: ModelConfig, tp: int, first: bool, last: bool) -> BlockWork:
@@ -146,21 +158,21 @@ def root_work(m: ModelConfig, tp: int, first: bool, last: bool) -> BlockWork:
     log-probabilities, NLL's gradient and log-softmax's: V/t wide each, read and written in
     fp32, counted here in 4-byte elements' worth of the activations' dtype by the caller)."""
     h, v = m.d_model, -(-m.vocab_size // tp)
-    fresh = traffic = 0.0
+    narrow = wide = traffic = 0.0  # h-wide; vocabulary-wide
     ops = 0
     if first:
         learned = m.position == "learned"
-        fresh += h + (2 * h if learned else 0)
+        narrow += h + (2 * h if learned else 0)
         traffic += 3 * h if learned else 0
         ops += 9 if learned else 6  # lookups (and RoPE's tables), their backwards, views
     if last:
         rms = m.norm == "rmsnorm"
-        fresh += (3 + 9) * h if rms else 2 * h
+        narrow += ((3 + 9) * h if rms else 2 * h) + h  # the final norm; the head's dX
         traffic += (7 + 24) * h if rms else 5 * h
-        fresh += 4 * v + h  # logits, log-probs, NLL's gradient, log-softmax's; the head's dX
+        wide += 4 * v  # logits, log-probs, NLL's gradient, log-softmax's
         traffic += 7 * v  # log_softmax r+w, NLL reads, its gradient written, the backward r 2 w 1
         ops += 47 if rms else 27  # final norm, head, loss, their backwards, views
-    return BlockWork(fresh, traffic, ops)
+    return BlockWork(narrow + wide, traffic, ops, tuple((w, n) for w, n in ((h, narrow), (v, wide)) if n))
 
 
 def memory_bound_terms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams,
@@ -178,7 +190,8 @@ def memory_bound_terms(w: Workload, s: Strategy, cluster: Cluster, sp: StagePara
     block = block_work(m, lay.tp, sp_on)
     if ring > 1:  # the context-parallel ring's own work (`ring` ranks: timing._cp_mode)
         extra = ring_work(m, lay.tp, ring, e)
-        block = BlockWork(block.fresh + extra.fresh, block.traffic + extra.traffic, block.ops + extra.ops)
+        block = BlockWork(block.fresh + extra.fresh, block.traffic + extra.traffic, block.ops + extra.ops,
+                          block.widths + extra.widths)
     root = root_work(m, lay.tp, sp.index == 0, sp.index == lay.pp - 1)
     layers = sp.layers * (4 / 3 if s.recompute == "full" else 1)  # a recomputed forward: ~ a third more
     traffic = tokens * (layers * block.traffic * e + root.traffic * 4)
@@ -195,13 +208,20 @@ def memory_bound_terms(w: Workload, s: Strategy, cluster: Cluster, sp: StagePara
                       how if matmul_only else f"inside the catalog's end-to-end efficiency ({how}: "
                       f"{seconds * 1e3:,.1f} ms)")]
     if dev.fresh_bandwidth > 0:
-        grads = (sp.dense + sp.experts) * e  # every weight's gradient, a fresh matmul output
+        threshold = cluster.calibration.mmap_threshold
+        # every weight's gradient is a fresh matmul output: the whole stage's where one block's
+        # smallest matrix (its output projection, q x h) is mapped, else none but the embedding's
+        smallest = flops.attention_width(m) / lay.tp * m.d_model * e
+        grads = (sp.dense + sp.experts) * e if smallest >= threshold else 0.0
         rows = -(-m.vocab_size // lay.tp) * m.d_model * 4
-        if sp.index == 0:  # the embedding's dense gradient (embedding_dense_backward)
-            grads += rows
-        if m.tie_embeddings and sp.index == lay.pp - 1 == 0:  # autograd's out-of-place sum of the
-            grads += rows  # head's and the embedding's gradients of the one tied weight
-        acts = tokens * (layers * block.fresh * e + root.fresh * 4) if activation >= MMAP_THRESHOLD else 0.0
+        if rows >= threshold:
+            if sp.index == 0:  # the embedding's dense gradient (embedding_dense_backward)
+                grads += rows
+            if m.tie_embeddings and sp.index == lay.pp - 1 == 0:  # autograd's out-of-place sum of the
+                grads += rows  # head's and the embedding's gradients of the one tied weight
+        # activations: the tensors of a micro-batch at or above the threshold (the loss's in fp32)
+        acts = tokens * (layers * fresh_elements(block, tokens, e, threshold) * e
+                         + fresh_elements(root, tokens, 4, threshold) * 4)
         fresh = acts + grads
         terms.append(WorkTerm("fresh memory (page faults)", stretch * micro * fresh / dev.fresh_bandwidth,
                               f"{micro} micro-batch(es) x {fresh / 1e6:,.1f} MB of new tensors (activations "
@@ -246,7 +266,7 @@ def _zero_copies(s: Strategy, cluster: Cluster, sp: StageParams) -> list[WorkTer
     if s.zero_stage >= 2:  # the gradient shards, new each step
         n = zero_ranks(s.layout)
         units = [sp.root_unit] + [sp.block_unit] * sp.layers
-        fresh += sum(g * u / n for u in units if g * u / n >= MMAP_THRESHOLD) * psi / max(1.0, sum(units))
+        fresh += sum(g * u / n for u in units if g * u / n >= cluster.calibration.mmap_threshold) * psi / max(1.0, sum(units))
     # gloo's all-gather allocates its output again (memory.py); one rank gathers nothing
     gloo = 2 if dev.kind == "cpu" and zero_ranks(s.layout) > 1 else 1
     if s.zero_stage == 3:

@@ -403,7 +403,8 @@ def train(run: Run) -> TrainResult:
     tracker = open_trackers(cfg.run.tracker, run.run_dir, enabled=main)  # first: closed in finally
     profiler = StepProfiler(cfg.run.profile_steps, run.run_dir, run.runtime.rank, run.runtime.device)
     completed = False
-    predicted = run_prediction(cfg, lambda: local_hardware(run.runtime.device, run.mesh.dims.world_size)) if main else {}
+    predicted = run_prediction(cfg, lambda: local_hardware(run.runtime.device, run.mesh.dims.world_size,
+                                                                   cfg.run.malloc_mmap_threshold)) if main else {}
     # Said once, in the first record: the planner's prediction for this run, the chat template.
     first = {"predicted": predicted}
     if "chat_template" in (run.dataset.meta or {}):

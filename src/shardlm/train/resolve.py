@@ -31,11 +31,12 @@ from shardlm.models.precision import carrier
 log = logging.getLogger("shardlm")
 
 
-def local_hardware(device: torch.device, world_size: int) -> Cluster:
-    """The planner's view of this machine: the measured CPU, or the catalog's entry for this GPU
-    (an unknown one is an error that lists the names the catalog has)."""
+def local_hardware(device: torch.device, world_size: int, mmap_threshold: int | None = None) -> Cluster:
+    """The planner's view of this machine: the measured CPU (its processes' malloc mmap
+    threshold: run.malloc_mmap_threshold, or the environment's), or the catalog's entry for
+    this GPU (an unknown one is an error that lists the names the catalog has)."""
     if device.type == "cpu":
-        return local_cpu(world_size)
+        return local_cpu(world_size, mmap_threshold)
     return parse_cluster(f"{world_size}x{torch.cuda.get_device_name(device)}")
 
 
@@ -120,7 +121,7 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
         log.info("precision.compute = auto: %s, as the checkpoint it resumes was trained", saved)
     if cfg.parallel.strategy == "auto":
         t, p = cfg.train, cfg.precision
-        where = hardware or local_hardware(device, world_size)
+        where = hardware or local_hardware(device, world_size, cfg.run.malloc_mmap_threshold)
         # What the run set itself (tp, cp, pp, ep, dp_replicate, sequence parallelism, the ZeRO
         # stage; the pipeline schedule) is kept; the plan chooses the rest around it: the
         # data-parallel split, ZeRO stage, micro-batch, recomputation and offload.
@@ -141,7 +142,7 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
                  f"kept {said} (set by you), " if kept else "", describe_strategy(best.strategy),
                  best.timing.tokens_per_s, best.memory.peak / 2**30, len(plans))
     if cfg.parallel.cp_mode == "auto":
-        cfg = _decide_cp_mode(cfg, hardware or local_hardware(device, world_size))
+        cfg = _decide_cp_mode(cfg, hardware or local_hardware(device, world_size, cfg.run.malloc_mmap_threshold))
     if cfg.precision.compute == "auto":
         compute = (choose_compute(hardware.device.kind, hardware.device.peak) if hardware
                    else _auto_compute(device))
