@@ -30,6 +30,7 @@ import torch
 from conftest import tiny_overrides
 from parity import rel
 from shardlm.config import load_config
+from shardlm.data.packed import PackedTokens
 from shardlm.data.sft import IGNORE
 from shardlm.launch.spawn import run_ranks
 from shardlm.parallel.evaluation import token_sums
@@ -71,8 +72,9 @@ def runs(tmp_path_factory):
     (x, y), = run.train_loader.micro_batches(0)
     per_row = (y != IGNORE).sum(dim=1).tolist()
     with torch.no_grad():  # the initial model's [summed loss, correct, count] per half-batch
-        logits = run.forward(x)
+        logits = run.forward(PackedTokens(x.ids, x.positions))  # every position's logits
         halves = [token_sums(logits[rows], y[rows]) for rows in (slice(0, 2), slice(2, 4))]
+        counted = (x.counted, y, logits, run.forward(x))  # the head on the counted positions only
     first = {"global": float(sum(h[0] for h in halves) / sum(h[2] for h in halves)),
              "mean of means": float(sum(h[0] / h[2] for h in halves) / 2)}
     whole = train_case(base, STEPS)  # the reference: the global batch in one micro-batch
@@ -86,18 +88,18 @@ def runs(tmp_path_factory):
     ranks = by_rank[0]
     ranks[1]["params"].update(by_rank[1][1]["params"])  # the pipeline: each stage's own blocks
     return per_row, first, whole, {"micro_batch 2 x grad_accum 2": accumulated, "2 ranks x 2, ZeRO-3": ranks[0],
-                            "pp 2, 4 micro-batches of 1": ranks[1], "cp 2": ranks[2]}
+                            "pp 2, 4 micro-batches of 1": ranks[1], "cp 2": ranks[2]}, counted
 
 
 def test_the_rows_carry_uneven_loss_counts(runs):
-    per_row, _, _, _ = runs
+    per_row, _, _, _, _ = runs
     assert min(per_row) > 0 and max(per_row) >= 1.5 * min(per_row), per_row
 
 
 @pytest.mark.parametrize("split", ["micro_batch 2 x grad_accum 2", "2 ranks x 2, ZeRO-3",
                                    "pp 2, 4 micro-batches of 1", "cp 2"])
 def test_every_split_trains_the_whole_batch_objective(runs, split):
-    _, _, whole, splits = runs
+    _, _, whole, splits, _ = runs
     ours = splits[split]
     assert ours["losses"] == pytest.approx(whole["losses"], rel=LOSS_TOL), split
     worst = max((rel(ours["params"][n], v), n) for n, v in whole["params"].items())
@@ -109,6 +111,20 @@ def test_the_logged_loss_is_the_global_mean(runs):
     counted targets over their number (computed here from token_sums of its two halves), and
     the mean of the halves' means the loop used to train on differs from it far beyond the
     tolerance: the comparisons above can fail."""
-    _, first, whole, _ = runs
+    _, first, whole, _, _ = runs
     assert whole["losses"][0] == pytest.approx(first["global"], rel=LOSS_TOL)
     assert abs(first["mean of means"] - first["global"]) > 10 * LOSS_TOL * first["global"], first
+
+
+def test_the_head_runs_on_the_counted_positions_only(runs):
+    """Chat rows carry their loss mask into the Decoder (PackedTokens.counted): its head and the
+    loss over the vocabulary run on the counted positions only, as (1, N, vocab) in row order,
+    and equal those positions' logits of the whole forward. Tolerance: the head's products over
+    the same d_model terms, cut into a matrix of other rows (BLAS may block it otherwise): fp32,
+    2e-6 absolute on logits of magnitude ~1 (d_model 64 terms x 2^-24 each, with room). The cp
+    split above (whose ranks keep the whole head) trains to the same losses, which checks the
+    gradients through the cut."""
+    counted, y, full, cut = runs[4]
+    assert counted is not None and torch.equal(counted, y != IGNORE)
+    assert cut.shape == (1, int(counted.sum()), full.shape[-1])
+    assert (cut[0] - full[counted]).abs().max() <= 2e-6

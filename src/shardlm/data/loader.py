@@ -385,7 +385,7 @@ def _windows(tokens: np.ndarray, window_ids: np.ndarray, seq_len: int,
         else:
             starts = torch.zeros_like(x, dtype=torch.bool)
             starts[:, 1:] = x[:, :-1] == document_end
-        x = PackedTokens(x, positions_from_starts(starts))
+        x = PackedTokens(x, positions_from_starts(starts), None if mask is None else y != sft.IGNORE)
     return x, y
 
 
@@ -414,6 +414,8 @@ def eval_batches(tokens: np.ndarray, seq_len: int, micro_batch: int, n: int,
         if padding.any():  # a copy of its own: y may be a view of the same rows as x
             y = y.clone()
             y[torch.from_numpy(padding)] = sft.IGNORE
+            if isinstance(x, PackedTokens) and x.counted is not None:  # the head's positions too
+                x = PackedTokens(x.ids, x.positions, y != sft.IGNORE)
         yield x, y
 
 

@@ -306,11 +306,11 @@ class Decoder(nn.Module):
         A pipeline stage (parallel/pipeline.py) runs its own blocks only: a later stage takes
         the previous stage's output as `hidden` (idx still gives the positions), and every
         stage but the last returns its hidden states (B, T, C) instead of logits."""
-        documents = None
+        documents = counted = None
         if isinstance(idx, PackedTokens):
             if cache is not None:
                 raise ValueError("packed documents (PackedTokens) cannot be decoded with a KV cache")
-            idx, documents = idx.ids, idx.positions  # (B, T) each
+            idx, documents, counted = idx.ids, idx.positions, idx.counted  # (B, T) each
         B, T = idx.shape
         past = cache.length if cache is not None else 0
         if past + T > self.cfg.max_seq_len:
@@ -347,7 +347,12 @@ class Decoder(nn.Module):
                 x = block(x, rope, cache=cache.layers[i])  # (B, T, C)
         if self.layers.stop < self.cfg.n_layers:  # a pipeline stage before the last
             return x
-        logits = self.head(self.norm_f(x))  # (B, T, vocab)
+        if counted is not None and self.context is None and getattr(self, "tp", None) is None:
+            # SFT: only the positions whose target carries loss need logits (the head and the
+            # loss over the vocabulary are ~1/5 of a small model's step); cut and vocabulary-
+            # parallel heads keep the whole sequence
+            x = x[counted].unsqueeze(0)  # (1, N, C), in row order
+        logits = self.head(self.norm_f(x))  # (B, T, vocab), or (1, N, vocab)
         if self.cfg.logits_divisor != 1.0:  # Granite
             logits = logits / self.cfg.logits_divisor
         if self.cfg.logit_softcap:  # Gemma 2: c·tanh(logits/c)

@@ -33,6 +33,7 @@ from torch import nn
 from shardlm.comm.collectives import Comm, CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog
 from shardlm.config import Config
+from shardlm.data.packed import counted_targets
 from shardlm.data.sft import IGNORE
 from shardlm.comm.mesh import Mesh
 from shardlm.parallel.activation import apply_ac, apply_offload
@@ -111,6 +112,7 @@ class Parallelized:
         head = getattr(self.model, "head", None)
         if isinstance(head, VocabParallelHead):  # a transformers model's head stays whole
             return vocab_parallel_cross_entropy(logits, targets, head, count)
+        targets = counted_targets(logits, targets, IGNORE)  # the head on counted positions only
         logits = logits.float().flatten(0, 1)
         if count is None:
             return torch.nn.functional.cross_entropy(logits, targets.flatten())

@@ -16,13 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from shardlm.comm.watchdog import watched
+from shardlm.data.packed import counted_targets
 from shardlm.data.sft import IGNORE
 
 
 def token_sums(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(…, V) logits and (…) targets -> float64 [summed cross-entropy, correct, targets], over
     the targets != -100. The softmax in fp32 (as the training loss); argmax ties go to the
-    lowest id (torch.argmax)."""
+    lowest id (torch.argmax). Logits of the counted positions only (PackedTokens.counted) take
+    those targets."""
+    targets = counted_targets(logits, targets, IGNORE)
     logits = logits.float().flatten(0, -2)  # (N, V)
     targets = targets.flatten()  # (N,)
     keep = targets != IGNORE
