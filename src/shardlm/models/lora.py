@@ -66,7 +66,7 @@ class LoRALinear(nn.Module):
         self.fp8 = make()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        update = self.lora_B(self.lora_A(self.dropout(x)))  # (…, out) through (…, rank)
+        hidden = self.lora_A(self.dropout(x))  # (…, rank)
         if self.quant is None:
             base = (F.linear(x, self.weight, self.bias) if self.fp8 is None
                     else self.fp8.linear(x, self.weight, self.bias))
@@ -76,7 +76,12 @@ class LoRALinear(nn.Module):
             with torch.no_grad():
                 weight = weight_of(self.weight_q, self.quant, torch.float32)  # (out, in)
             base = self.fp8.linear(x, weight, self.bias)
-        return base + self.scaling * update
+        # base + scaling · B hidden as one GEMM (addmm's beta = 1, alpha = scaling): no (…, out)
+        # product, scaled copy and sum apart (forward or backward), which cost as much as the
+        # rank-r GEMM itself on a CPU
+        out = torch.addmm(base.reshape(-1, base.shape[-1]), hidden.reshape(-1, hidden.shape[-1]),
+                          self.lora_B.weight.t(), alpha=self.scaling)
+        return out.view(base.shape)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha}"

@@ -165,8 +165,16 @@ def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
             scale=scale, enable_gqa=enable_gqa).to(torch.bfloat16)
 
 
+def _addmm(input, mat1, mat2, *, beta=1, alpha=1):
+    """addmm (LoRA's base + scaling · B h, models/lora.py) of bf16-cast operands in fp32, rounded
+    once to bf16."""
+    with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+        return torch.addmm(_bf16(input).float(), _bf16(mat1).float(), _bf16(mat2).float(),
+                           beta=beta, alpha=alpha).to(torch.bfloat16)
+
+
 _FP32_GEMM_KERNELS = {"linear": _linear, "matmul": _product(torch.matmul), "mm": _product(torch.mm),
-                      "bmm": _product(torch.bmm), "scaled_dot_product_attention": _attention}
+                      "bmm": _product(torch.bmm), "addmm": _addmm, "scaled_dot_product_attention": _attention}
 _fp32_gemm_depth = 0
 _fp32_gemm_library: torch.library.Library | None = None
 
@@ -178,8 +186,8 @@ def fp32_gemm_active() -> bool:
 
 @contextlib.contextmanager
 def fp32_gemm() -> Iterator[None]:
-    """Within: CPU autocast to bf16 runs linear, matmul, mm, bmm and scaled_dot_product_attention
-    as fp32 GEMMs of the bf16 operands, the results rounded to bf16 (torch.library kernels for the AutocastCPU dispatch
+    """Within: CPU autocast to bf16 runs linear, matmul, mm, bmm, addmm and
+    scaled_dot_product_attention as fp32 GEMMs of the bf16 operands, the results rounded to bf16 (torch.library kernels for the AutocastCPU dispatch
     key, registered on the outermost entry, removed on its exit: torch's own autocast kernels
     return). Custom autograd Functions whose backward multiplies bf16 tensors outside autocast
     ask `fp32_gemm_active` at forward and multiply with `gemm`."""
