@@ -303,3 +303,14 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # conftest, zero_cases
     four_rank_check()
 
+
+
+def test_outer_settings_are_refused_not_ignored_with_the_plain_average(tmp_path):
+    """outer = 'average' takes no outer lr or momentum: setting either is an error that says so
+    (issue 42), while the defaults (not set) and 'diloco' with them pass."""
+    base = tiny_overrides(tmp_path, train__local_sgd__every=2, train__local_sgd__outer="average")
+    for key in ("train.local_sgd.outer_lr", "train.local_sgd.outer_momentum"):
+        with pytest.raises(ConfigError, match=rf"{key} = 0.5 with train.local_sgd.outer = 'average'"):
+            load_config(overrides={**base, key: 0.5})
+    load_config(overrides=base)
+    load_config(overrides={**base, "train.local_sgd.outer": "diloco", "train.local_sgd.outer_lr": 0.5})

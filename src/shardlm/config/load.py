@@ -149,7 +149,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         ordered = {f"model.{k}": v for k, v in get_preset(str(preset)).items()}
         ordered["model.preset"] = preset
     ordered.update(values)
-    return _warmup_from_fraction(_finetune_defaults(_build(ordered), set(values)), set(values))
+    return _unused_given(_warmup_from_fraction(_finetune_defaults(_build(ordered), set(values)), set(values)),
+                         set(values))
 
 
 FINETUNE_LR = {"full": 2e-5, "lora": 2e-4}
@@ -191,6 +192,20 @@ def _warmup_from_fraction(cfg: Config, given: set[str]) -> Config:
         raise ConfigError(f"train.warmup_steps = {t.warmup_steps} and train.warmup_fraction = "
                           f"{t.warmup_fraction:g} both set the warm-up: set one of them")
     t.warmup_steps = fraction_warmup_steps(t.warmup_fraction, t.steps)
+    return cfg
+
+
+def _unused_given(cfg: Config, given: set[str]) -> Config:
+    """Keys the user set that the rest of the config makes unused are refused, not ignored:
+    train.local_sgd.outer_lr / outer_momentum with outer = 'average' (the plain average is an
+    outer step of lr 1 without momentum)."""
+    local = cfg.train.local_sgd
+    unused = sorted(given & {"train.local_sgd.outer_lr", "train.local_sgd.outer_momentum"})
+    if local.outer == "average" and unused:
+        raise ConfigError(f"{' and '.join(f'{k} = {getattr(local, k.rpartition(chr(46))[2]):g}' for k in unused)} "
+                          f"with train.local_sgd.outer = 'average': the plain average has no outer "
+                          f"learning rate or momentum (θ ← mean of the replicas' θ); drop "
+                          f"{'them' if len(unused) > 1 else 'it'}, or set outer = 'diloco'")
     return cfg
 
 
