@@ -30,10 +30,10 @@ def tiny(tmp_path: Path, **extra) -> dict:
 
 
 def run_and_read(tmp_path: Path, **extra) -> tuple[Path, list[dict], object]:
-    cfg = load_config(overrides=tiny(tmp_path, **extra)).validate()
-    result = train(build_run(cfg))
+    run = build_run(load_config(overrides=tiny(tmp_path, **extra)).validate())
+    result = train(run)
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    return result.run_dir, records, cfg
+    return result.run_dir, records, run.cfg  # resolved ('auto' decided): what the trackers receive
 
 
 def expected_scalars(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
