@@ -111,25 +111,49 @@ class DynamicLossScaler:
         self.skipped_steps = int(state["skipped_steps"])
 
 
+FP32_COPY_BYTES = 32 * 2**20
+"""The largest fp32 copy of a weight a product makes at once: a larger weight (an LM head: 49,152
+x 576 is 113 MB in fp32) is multiplied a block of its rows at a time."""
+
+
+def _row_blocks(weight: torch.Tensor) -> list[slice]:
+    step = max(1, FP32_COPY_BYTES // (4 * weight.shape[1]))
+    return [slice(i, i + step) for i in range(0, weight.shape[0], step)]
+
+
 class _Fp32GemmLinear(torch.autograd.Function):
     """F.linear of bf16 operands through fp32 GEMMs, each result rounded to bf16: forward
-    x W^T + b, backward grad W (the input's) and grad^T x (the weight's). Saves the bf16 x and W,
-    as the bf16 kernel's autograd does."""
+    x W^T + b, backward grad W (the input's) and grad^T x (the weight's), a block of W's rows at
+    a time (FP32_COPY_BYTES; the input's gradient summed over the blocks in fp32, rounded once).
+    Saves the bf16 x and W, as the bf16 kernel's autograd does."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+        x32 = x.float()
+        out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+        for rows in _row_blocks(weight):
+            out[..., rows] = F.linear(x32, weight[rows].float(), None if bias is None else bias[rows].float())
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         g = grad.float()
-        grad_x = (g @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
-        rows = g.reshape(-1, g.shape[-1])  # (N, out)
-        grad_w = (rows.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_b = rows.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        blocks = _row_blocks(weight)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            acc = sum(g[..., rows] @ weight[rows].float() for rows in blocks)  # (…, in), fp32
+            grad_x = acc.to(x.dtype)
+        flat = g.reshape(-1, g.shape[-1])  # (N, out)
+        if ctx.needs_input_grad[1]:
+            x32 = x.reshape(-1, x.shape[-1]).float()
+            grad_w = weight.new_empty(weight.shape)
+            for rows in blocks:
+                grad_w[rows] = flat[:, rows].t() @ x32
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = flat.sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b
 
 
