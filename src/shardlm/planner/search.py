@@ -326,10 +326,11 @@ def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
     return Workload(cfg.model, t.seq_len, t.micro_batch * t.grad_accum * dims.dp_size), strategy
 
 
-def predict_local(cfg: Config, n_ranks: int) -> LocalPrediction:
+def predict_local(cfg: Config, n_ranks: int, mmap_threshold: int | None = None) -> LocalPrediction:
     """Predict one concrete configuration on this CPU with `n_ranks` local ranks (measures
-    the CPU once, cached)."""
-    cluster = local_cpu(n_ranks)
+    the CPU once, cached), its processes' malloc mmap threshold `mmap_threshold` (default: the
+    config's run.malloc_mmap_threshold; the environment's wins, as in the run)."""
+    cluster = local_cpu(n_ranks, cfg.run.malloc_mmap_threshold if mmap_threshold is None else mmap_threshold)
     workload, strategy = config_strategy(cfg, cluster)
     memory = estimate_memory(workload, strategy, cluster)
     timing = estimate_time(workload, strategy, cluster)

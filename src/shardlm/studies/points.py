@@ -87,6 +87,10 @@ def summarise(records: list[dict]) -> dict:
             "comm_bytes_by_op": last.get("comm_bytes_by_op", {}), "loss": last["loss"]}
 
 
+MMAP_THRESHOLD = 65536
+"""The malloc mmap threshold a study's runs have (their environment's, which wins over the
+config): blocks from 64 KiB go back to the OS, so a point's RSS follows the bytes alive; the
+planner predicts the points at it (predict.predict_here)."""
 Runner = Callable[[Point, Path], dict]
 """(point, output directory) -> a summary (summarise's keys) or {'error': why}."""
 
@@ -96,7 +100,7 @@ def subprocess_runner(point: Point, out: Path) -> dict:
     them): nothing of one point's memory leaks into the next. The rank-0 JSONL is kept as
     raw/<key>.jsonl; the run directory (weights) is removed."""
     run_dir = out / "runs"
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # RSS follows what is alive
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}  # RSS follows what is alive
     argv = [sys.executable, "-m", "shardlm", "train", *point.argv(), f"--run.dir={run_dir}",
             f"--run.name={point.key}"]
     cores = point.cores

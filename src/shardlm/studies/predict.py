@@ -14,7 +14,7 @@ from shardlm.hardware.catalog import Cluster, parse_cluster
 from shardlm.planner import Strategy, Workload, estimate_memory, estimate_time
 from shardlm.planner.search import default_dtypes, predict_local
 from shardlm.planner.shapes import preset_model
-from shardlm.studies.points import MiB, Point, largest_fitting
+from shardlm.studies.points import MMAP_THRESHOLD, MiB, Point, largest_fitting
 from shardlm.studies.specs import StrategySpec
 
 ENCODER_DECODERS = {  # name: (encoder layers, decoder layers, d_model, heads, d_ff, vocab, parameters, tied)
@@ -98,7 +98,7 @@ def predict_here(point: Point) -> dict:
     the cached probe): predicted peak process memory, model-state bytes, tokens/s."""
     settings = {k: v for k, v in point.overrides if not k.startswith("run.")}
     cfg = load_config(overrides=settings).validate()
-    p = predict_local(cfg, point.ranks)
+    p = predict_local(cfg, point.ranks, MMAP_THRESHOLD)  # the allocator its run has
     return {"peak_rss_bytes": p.peak_process_bytes, "model_state_bytes": sum(p.model_state_bytes.values()),
             "tokens_per_s": p.tokens_per_s, "mfu": p.timing.mfu,
             "comm_bytes": sum(c.bytes for c in p.timing.comms)}
