@@ -21,22 +21,22 @@ def test_nested_keys_are_listed_and_documented():
     assert "  # local_sgd: " in text and "  local_sgd.every = 0\n      With parallel.dp_replicate" in text
 
 
-@pytest.mark.parametrize("toml", ['[train]\nlocal_sgd = {every = 4, outer = "average", outer_lr = 0.5}\n',
-                                  '[train.local_sgd]\nevery = 4\nouter = "average"\nouter_lr = 0.5\n',
-                                  '[train]\nlocal_sgd.every = 4\nlocal_sgd.outer = "average"\n'
+@pytest.mark.parametrize("toml", ['[train]\nlocal_sgd = {every = 4, outer = "diloco", outer_lr = 0.5}\n',
+                                  '[train.local_sgd]\nevery = 4\nouter = "diloco"\nouter_lr = 0.5\n',
+                                  '[train]\nlocal_sgd.every = 4\nlocal_sgd.outer = "diloco"\n'
                                   'local_sgd.outer_lr = 0.5\n'])
 def test_toml_forms_and_the_command_line_agree(tmp_path, toml):
     path = tmp_path / "c.toml"
     path.write_text(toml)
     from_file = load_config(path)
     from_cli = load_config(overrides=parse_overrides(
-        ["--train.local_sgd.every=4", "--train.local_sgd.outer", "average", "--train.local_sgd.outer_lr=0.5"]))
+        ["--train.local_sgd.every=4", "--train.local_sgd.outer", "diloco", "--train.local_sgd.outer_lr=0.5"]))
     assert from_file == from_cli
     assert (from_file.train.local_sgd.every, from_file.train.local_sgd.outer,
-            from_file.train.local_sgd.outer_lr, from_file.train.local_sgd.outer_momentum) == (4, "average", 0.5, 0.9)
+            from_file.train.local_sgd.outer_lr, from_file.train.local_sgd.outer_momentum) == (4, "diloco", 0.5, 0.9)
     # the command line beats the file, key by key
     both = load_config(path, {"train.local_sgd.every": "8"})
-    assert both.train.local_sgd.every == 8 and both.train.local_sgd.outer == "average"
+    assert both.train.local_sgd.every == 8 and both.train.local_sgd.outer == "diloco"
 
 
 def test_unknown_nested_key_and_section_given_a_value(tmp_path):

@@ -157,7 +157,7 @@ def test_predict_local_maps_the_config(monkeypatch):
     cpu = Device("cpu (test)", "cpu", 8e9, {"fp32": 1e11, "bf16": 5e10}, 1e10, 0.65, "test")
     node = Node(2, LINKS["eth-10"], LINKS["eth-10"], 1, LINKS["eth-10"], 16e9, 1e10, 2e9, "test")
     monkeypatch.setattr("shardlm.planner.search.local_cpu",
-                        lambda n: Cluster(1, n, cpu, replace(node, per_node=n), CALIBRATION["cpu"]))
+                        lambda n, mmap_threshold=None: Cluster(1, n, cpu, replace(node, per_node=n), CALIBRATION["cpu"]))
     cfg = load_config(overrides={"model.preset": "gpt-mini", "parallel.zero_stage": "2",
                                  "train.micro_batch": "4", "train.seq_len": "128"})
     pred = predict_local(cfg, 2)
