@@ -180,33 +180,38 @@ def _parser() -> argparse.ArgumentParser:
 
 def _launch_args(sub) -> None:
     """`shardlm launch`: the options of the cluster-launch subcommand (docs/launch.md)."""
-    from shardlm.launch.targets import RDZV_PLACEHOLDER, TARGETS, VERTEX_ACCELERATOR
+    from shardlm.launch.targets import RDZV_PLACEHOLDER, RUNS_MOUNT, TARGETS
+    from shardlm.launch.trainjob import DEFAULT_CLAIM
 
     p = sub.add_parser(
-        "launch", help="write (and --submit) a multi-node job for torchrun, SLURM, Kubernetes or "
-                       "Vertex AI from a train config",
+        "launch", help="write (and --submit) a multi-node job for torchrun, SLURM, Kubernetes "
+                       "(PyTorchJob, TrainJob), Vertex AI or SkyPilot from a train config",
         description="The same CONFIG and --section.key=value overrides as `shardlm train`, checked "
                     "the same way for NODES x GPUS_PER_NODE ranks, written as TARGET's job: "
-                    "torchrun lines per node, an sbatch script, a Kubeflow PyTorchJob or a Vertex AI "
-                    "CustomJob. The config path is passed as given: it must exist on the workers "
-                    "too (in the image, or a shared file system), or use --inline. See docs/launch.md.")
+                    "torchrun lines per node, an sbatch script, a Kubeflow PyTorchJob, a Kubeflow "
+                    "Trainer TrainJob, a Vertex AI CustomJob or a SkyPilot task. The config path is "
+                    "passed as given: it must exist on the workers too (in the image, or a shared "
+                    "file system), or use --inline. See docs/launch.md.")
     p.add_argument("config", nargs="?", help="TOML config file (optional)")
     p.add_argument("--target", required=True, choices=TARGETS)
     p.add_argument("--nodes", type=int, required=True, metavar="N", help="machines (one torchrun agent each)")
     p.add_argument("--gpus-per-node", type=int, required=True, metavar="G",
                    help="worker processes per machine; world size = N x G")
-    p.add_argument("--image", default="", help="container image with shardlm (k8s, vertex: required)")
+    p.add_argument("--image", default="",
+                   help="container image with shardlm (k8s, trainjob, vertex: required; skypilot: "
+                        "optional, the nodes' docker image)")
     p.add_argument("--out", metavar="FILE", help="also write the spec to FILE (stdout gets it either way)")
     p.add_argument("--submit", action="store_true",
-                   help="submit it: sbatch (slurm), kubectl create (k8s), the Vertex AI SDK (vertex, "
-                        "pip install 'shardlm[vertex]')")
+                   help="submit it: sbatch (slurm), kubectl create (k8s, trainjob), the Vertex AI SDK "
+                        "(vertex, pip install 'shardlm[vertex]'), sky jobs launch (skypilot)")
     p.add_argument("--job-name", default="", metavar="NAME",
                    help="job name, also run.name unless the config sets one (default shardlm-<time>)")
     p.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
                    help=f"torchrun target: the c10d rendezvous, on node 0 (default {RDZV_PLACEHOLDER}, "
                         f"a placeholder to replace)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                   help="torchrun's --max-restarts for every agent (workers resume from the latest checkpoint)")
+                   help="torchrun's --max-restarts for every agent (workers resume from the latest "
+                        "checkpoint); trainjob --runtime: also the JobSet's restarts of every pod")
     p.add_argument("--min-nodes", type=int, default=0, metavar="M",
                    help="torchrun target: an elastic job of M to N nodes (--nnodes=M:N); the gang "
                         "restarts at each change of members, resharded from the latest checkpoint")
@@ -215,12 +220,27 @@ def _launch_args(sub) -> None:
     p.add_argument("--gpu-type", metavar="DEVICE",
                    help="also run `train --dry-run --gpus NxGxDEVICE` (e.g. A100-80GB) before writing: "
                         "the auto plan and memory per rank for that cluster (report on stderr)")
-    p.add_argument("--json", action="store_true", help="k8s: JSON instead of YAML")
+    p.add_argument("--json", action="store_true", help="k8s, trainjob, skypilot: JSON instead of YAML")
+    p.add_argument("--accelerator", default=None,
+                   help="vertex: the accelerator type (default NVIDIA_TESLA_A100); skypilot: the "
+                        "accelerator name, G per node (default A100)")
+    trainjob = p.add_argument_group("trainjob (Kubeflow Trainer v2)")
+    trainjob.add_argument("--runtime", action="store_true",
+                          help="also write the ClusterTrainingRuntime the TrainJob references (named "
+                               "after the job); without it, the Trainer's stock torch-distributed")
+    trainjob.add_argument("--volume", default=None, metavar="CLAIM",
+                          help=f"the PersistentVolumeClaim holding the run directory, mounted at "
+                               f"{RUNS_MOUNT} (default {DEFAULT_CLAIM}; ReadWriteMany for N > 1)")
+    sky = p.add_argument_group("skypilot")
+    sky.add_argument("--bucket", default=None, metavar="NAME",
+                     help=f"the bucket holding the run directory, mounted at {RUNS_MOUNT} on every "
+                          f"node (default JOB-runs; created if missing, kept after the job)")
+    sky.add_argument("--install", default=None, metavar="SPEC",
+                     help="what the task's setup pip-installs on every node (default '.': the synced "
+                          "workdir, a shardlm checkout; none with --image)")
     vertex = p.add_argument_group("vertex")
     vertex.add_argument("--machine-type", default="",
                         help="default a2-highgpu-{G}g (a2-megagpu-16g for 16) with the default accelerator")
-    vertex.add_argument("--accelerator", default=VERTEX_ACCELERATOR,
-                        help=f"Vertex accelerator type (default {VERTEX_ACCELERATOR})")
     vertex.add_argument("--project", help="with --submit: Google Cloud project (default: the SDK's)")
     vertex.add_argument("--region", default="us-central1", help="with --submit (default us-central1)")
 
@@ -254,9 +274,12 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
                   else ([args.config] if args.config else []) + list(overrides))
     if not cfg.run.name:  # every node's rank 0 and every restart find the same run directory
         train_args.append(f"--run.name={name}")
+    mount, run_dir_args = lt.run_dir_args(args.target, cfg.run.dir)  # a volume's targets: on it
+    train_args += run_dir_args
     spec = lt.LaunchSpec(args.target, args.nodes, args.gpus_per_node, train_args, name, args.image,
-                         args.rdzv_endpoint, args.max_restarts, args.machine_type, args.accelerator,
-                         min_nodes=args.min_nodes)
+                         args.rdzv_endpoint, args.max_restarts, args.machine_type,
+                         min_nodes=args.min_nodes, run_mount=mount or lt.RUNS_MOUNT,
+                         runtime=args.runtime, **_target_options(args, name))
     lt.check_spec(spec)
     if args.submit:
         lt.check_submit(args.target)
@@ -272,12 +295,32 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"shardlm: wrote {path}", file=sys.stderr)
     if args.submit:
         if path is None:
-            suffix = {"slurm": ".sbatch", "k8s": ".json" if text.startswith("{") else ".yaml"}.get(args.target, ".json")
+            structured = ".json" if text.startswith("{") else ".yaml"
+            suffix = {"slurm": ".sbatch", "vertex": ".json"}.get(args.target, structured)
             with tempfile.NamedTemporaryFile("w", suffix=suffix, prefix=f"{name}-", delete=False) as f:
                 f.write(text)
             path = Path(f.name)
         print(f"shardlm: {lt.submit(spec, path, args.project, args.region)}", file=sys.stderr)
     return 0
+
+
+def _target_options(args: argparse.Namespace, name: str) -> dict:
+    """The options that belong to one target, refused on another; their defaults by target."""
+    from shardlm.launch.skypilot import default_bucket
+    from shardlm.launch.targets import ACCELERATORS
+    from shardlm.launch.trainjob import DEFAULT_CLAIM
+
+    owners = {"--accelerator": (args.accelerator, tuple(ACCELERATORS)),
+              "--runtime": (args.runtime or None, ("trainjob",)), "--volume": (args.volume, ("trainjob",)),
+              "--bucket": (args.bucket, ("skypilot",)), "--install": (args.install, ("skypilot",))}
+    for option, (value, targets) in owners.items():
+        if value is not None and args.target not in targets:
+            raise ConfigError(f"{option} is for --target {' or '.join(targets)}, not {args.target}")
+    volume = {"trainjob": args.volume or DEFAULT_CLAIM,
+              "skypilot": args.bucket or default_bucket(name)}.get(args.target, "")
+    install = args.install if args.install is not None else ("" if args.image else ".")
+    return {"accelerator": args.accelerator or ACCELERATORS.get(args.target, ""), "volume": volume,
+            "install": install if args.target == "skypilot" else ""}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -1,8 +1,9 @@
 """`shardlm launch --target T`: the same config and overrides as `shardlm train`, written out as
 what a cluster runs — torchrun lines for each node, a SLURM sbatch script, a Kubeflow PyTorchJob
-manifest, or a Vertex AI CustomJob — and optionally submitted (sbatch, kubectl, the Vertex AI
-SDK). Every target starts one torchrun agent per node (`torchrun_argv`, the one builder of the
-multi-node command line) with a c10d rendezvous; the agents start --gpus-per-node workers each.
+manifest, a Kubeflow Trainer v2 TrainJob (trainjob.py), a Vertex AI CustomJob or a SkyPilot task
+(skypilot.py) — and optionally submitted (sbatch, kubectl, the Vertex AI SDK, sky). Every target
+starts one torchrun agent per node (`torchrun_argv`, the one builder of the multi-node command
+line) with a c10d rendezvous; the agents start --gpus-per-node workers each.
 
 Nothing here imports torch: generating a spec is text. The config is validated by the caller
 (cli.cmd_launch) before anything is written. See docs/launch.md.
@@ -16,67 +17,24 @@ import shlex
 import shutil
 import subprocess
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardlm.errors import ConfigError
-from shardlm.launch.torchrun import nnodes_arg, torchrun_argv
+from shardlm.launch import skypilot, trainjob
+from shardlm.launch.spec import (DNS_LABEL, RDZV_PLACEHOLDER, RDZV_PORT, RUNS_MOUNT,  # noqa: F401
+                                 VERTEX_ACCELERATOR, LaunchSpec, run_dir_args, shell, shell_line)
+from shardlm.launch.torchrun import torchrun_argv
 
-TARGETS = ("torchrun", "slurm", "k8s", "vertex")
-RDZV_PORT = 29500
-RDZV_PLACEHOLDER = f"HEAD_NODE:{RDZV_PORT}"
-"""The torchrun target's rendezvous endpoint when --rdzv-endpoint is not given: replace HEAD_NODE
-with the first node's address (the same placeholder `shardlm plan` prints)."""
+TARGETS = ("torchrun", "slurm", "k8s", "trainjob", "vertex", "skypilot")
 PYTORCHJOB_API = "kubeflow.org/v1"
-VERTEX_ACCELERATOR = "NVIDIA_TESLA_A100"
 VERTEX_MACHINES = {1: "a2-highgpu-1g", 2: "a2-highgpu-2g", 4: "a2-highgpu-4g", 8: "a2-highgpu-8g",
                    16: "a2-megagpu-16g"}
 """--machine-type's default for NVIDIA_TESLA_A100 by GPUs per node (Compute Engine's A2 series)."""
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-
-
-@dataclass
-class LaunchSpec:
-    """One job: `nodes` x `gpus_per_node` ranks training `train_args` (the arguments after
-    `shardlm train`: the config path as given, then the overrides)."""
-
-    target: str
-    nodes: int
-    gpus_per_node: int
-    train_args: list[str]
-    job_name: str
-    image: str = ""
-    rdzv_endpoint: str = ""
-    max_restarts: int = 0
-    machine_type: str = ""
-    accelerator: str = VERTEX_ACCELERATOR
-    extra: dict = field(default_factory=dict)
-    min_nodes: int = 0
-    """torchrun only: an elastic job of min_nodes to `nodes` machines (--nnodes=MIN:MAX); 0 = fixed."""
-
-    @property
-    def nnodes(self) -> str:
-        return nnodes_arg(self.nodes, self.min_nodes)
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
-def _shell(argv: list[str], raw: tuple[str, ...] = ()) -> str:
-    """argv as one shell line; arguments in `raw` are written as they are (they expand shell
-    variables, e.g. --rdzv-endpoint="$head_node:29500")."""
-    return " ".join(a if a in raw else shlex.quote(a) for a in argv)
-
-
-def _shell_line(spec: LaunchSpec, endpoint_arg: str, id_arg: str = "") -> str:
-    """`torchrun_argv` as a shell line whose --rdzv-endpoint (and --rdzv-id) are the given
-    shell words, written unquoted so that the shell expands their variables."""
-    argv = torchrun_argv(spec.nodes, spec.gpus_per_node, "@", spec.train_args, spec.job_name,
-                         spec.max_restarts)
-    argv = [endpoint_arg if a.startswith("--rdzv-endpoint=") else
-            id_arg if id_arg and a.startswith("--rdzv-id=") else a for a in argv]
-    return _shell(argv, raw=tuple(a for a in (endpoint_arg, id_arg) if a))
+ACCELERATORS = {"vertex": VERTEX_ACCELERATOR, "skypilot": skypilot.SKYPILOT_ACCELERATOR}
+"""--accelerator's default by target (the targets that name one)."""
+CONTAINER_TARGETS = ("k8s", "trainjob", "vertex")
+_RFC1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
 def check_spec(spec: LaunchSpec) -> None:
@@ -96,13 +54,22 @@ def check_spec(spec: LaunchSpec) -> None:
         raise ConfigError(f"--min-nodes {spec.min_nodes} < --nodes {spec.nodes}: a node that leaves "
                           f"fails the other nodes' workers, which go on only by a restart; give "
                           f"--max-restarts K (at least the departures to survive)")
-    if not _DNS_LABEL.match(spec.job_name):
+    if not DNS_LABEL.match(spec.job_name):
         raise ConfigError(f"--job-name {spec.job_name!r}: use lowercase letters, digits and '-' "
                           f"(at most 63, starting and ending with a letter or digit: a Kubernetes "
                           f"name, valid for every target)")
-    if spec.target in ("k8s", "vertex") and not spec.image:
+    if spec.target in CONTAINER_TARGETS and not spec.image:
         raise ConfigError(f"--target {spec.target} needs --image IMAGE: a container image with "
                           f"shardlm installed (and the config file, unless --inline)")
+    if spec.target == "trainjob" and not _RFC1035.match(spec.job_name):
+        raise ConfigError(f"--job-name {spec.job_name!r}: a TrainJob's name starts with a letter "
+                          f"(an RFC 1035 label: the Trainer's CRD refuses any other)")
+    if spec.target == "trainjob" and not DNS_LABEL.match(spec.volume):
+        raise ConfigError(f"--volume {spec.volume!r}: a PersistentVolumeClaim name (lowercase letters, "
+                          f"digits and '-')")
+    if spec.target == "skypilot" and not _BUCKET.match(spec.volume):
+        raise ConfigError(f"--bucket {spec.volume!r}: a bucket name of 3 to 63 lowercase letters, "
+                          f"digits, '-' and '.'")
     if spec.rdzv_endpoint and spec.target != "torchrun":
         raise ConfigError(f"--rdzv-endpoint is for --target torchrun; {spec.target} finds the "
                           f"first node itself (docs/launch.md)")
@@ -118,7 +85,7 @@ def check_spec(spec: LaunchSpec) -> None:
 
 def render_torchrun(spec: LaunchSpec) -> str:
     endpoint = spec.rdzv_endpoint or RDZV_PLACEHOLDER
-    line = _shell(torchrun_argv(spec.nodes, spec.gpus_per_node, endpoint, spec.train_args,
+    line = shell(torchrun_argv(spec.nodes, spec.gpus_per_node, endpoint, spec.train_args,
                                 spec.job_name, spec.max_restarts, spec.min_nodes))
     host = endpoint.rsplit(":", 1)[0]
     elastic = (f" (elastic: {spec.min_nodes} to {spec.nodes} nodes, world size "
@@ -139,7 +106,7 @@ def render_torchrun(spec: LaunchSpec) -> str:
 def render_slurm(spec: LaunchSpec) -> str:
     endpoint = f'--rdzv-endpoint="$head_node:{RDZV_PORT}"'
     rdzv_id = '--rdzv-id="$SLURM_JOB_ID"'
-    line = _shell_line(spec, endpoint, rdzv_id)
+    line = shell_line(spec, endpoint, rdzv_id)
     return "\n".join([
         "#!/bin/bash",
         f"# shardlm launch --target slurm: {spec.nodes} node(s) x {spec.gpus_per_node} GPUs = "
@@ -182,7 +149,7 @@ def vertex_job(spec: LaunchSpec) -> dict:
     take it): worker pool 0 the primary replica, pool 1 the other nodes. Vertex sets MASTER_ADDR
     and MASTER_PORT (the primary replica) in every replica; a shell expands them into the
     torchrun agent's rendezvous."""
-    line = _shell_line(spec, f'--rdzv-endpoint="$MASTER_ADDR:${{MASTER_PORT:-{RDZV_PORT}}}"')
+    line = shell_line(spec, f'--rdzv-endpoint="$MASTER_ADDR:${{MASTER_PORT:-{RDZV_PORT}}}"')
     machine = {"machineType": spec.machine_type or VERTEX_MACHINES[spec.gpus_per_node],
                "acceleratorType": spec.accelerator, "acceleratorCount": spec.gpus_per_node}
 
@@ -194,27 +161,40 @@ def vertex_job(spec: LaunchSpec) -> dict:
     return {"displayName": spec.job_name, "jobSpec": {"workerPoolSpecs": pools}}
 
 
-def _yaml(tree: dict) -> str | None:
+def _yaml(docs: list[dict]) -> str | None:
+    """YAML documents ('---' between them); a string of several lines as a literal block (a
+    SkyPilot run script reads as the script)."""
     try:
         import yaml
     except ImportError:
         return None
-    return yaml.safe_dump(tree, sort_keys=False, default_flow_style=False, width=100)
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper, value: str):
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+    Dumper.add_representer(str, text)
+    return yaml.dump_all(docs, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=100)
 
 
 def render(spec: LaunchSpec, as_json: bool = False) -> str:
-    """The target's text. k8s: YAML when pyyaml is installed (and not `as_json`), else JSON
-    (kubectl takes either)."""
+    """The target's text. k8s, trainjob, skypilot: YAML when pyyaml is installed (and not
+    `as_json`), else JSON (kubectl and sky take either; trainjob's documents as a v1 List)."""
     check_spec(spec)
     if spec.target == "torchrun":
         return render_torchrun(spec)
     if spec.target == "slurm":
         return render_slurm(spec)
-    if spec.target == "k8s":
-        tree = k8s_manifest(spec)
-        text = None if as_json else _yaml(tree)
-        return text if text is not None else json.dumps(tree, indent=2) + "\n"
-    return json.dumps(vertex_job(spec), indent=2) + "\n"
+    if spec.target == "vertex":
+        return json.dumps(vertex_job(spec), indent=2) + "\n"
+    docs = {"k8s": lambda: [k8s_manifest(spec)], "trainjob": lambda: trainjob.trainjob_docs(spec),
+            "skypilot": lambda: [skypilot.skypilot_task(spec)]}[spec.target]()
+    text = None if as_json else _yaml(docs)
+    if text is not None:
+        return text
+    return json.dumps(docs[0] if len(docs) == 1 else trainjob.as_list(docs), indent=2) + "\n"
 
 
 # -- offline checks ---------------------------------------------------------------------------
@@ -249,11 +229,19 @@ def _problems(spec: LaunchSpec, text: str) -> list[str]:
                 if f"#SBATCH {d}" not in lines:
                     out.append(f"no #SBATCH {d}")
         return out
+    if spec.target in ("trainjob", "skypilot"):
+        try:
+            docs = _load_documents(text)
+        except ValueError as e:
+            return [f"does not parse: {e}"]
+        if spec.target == "skypilot":
+            return skypilot.problems(spec, docs[0]) if len(docs) == 1 else [f"{len(docs)} documents"]
+        return trainjob.problems(spec, docs)
     if spec.target == "k8s":
         tree = _load_yaml_or_json(text)
         if tree.get("apiVersion") != PYTORCHJOB_API or tree.get("kind") != "PyTorchJob":
             out.append("not a kubeflow.org/v1 PyTorchJob")
-        if not _DNS_LABEL.match(str(tree.get("metadata", {}).get("name", ""))):
+        if not DNS_LABEL.match(str(tree.get("metadata", {}).get("name", ""))):
             out.append("metadata.name is not a DNS label")
         job = tree.get("spec", {})
         if job.get("nprocPerNode") != str(spec.gpus_per_node):
@@ -287,6 +275,22 @@ def _problems(spec: LaunchSpec, text: str) -> list[str]:
         elif any(w not in shlex.split(command[2]) for w in want):
             out.append("the torchrun line")
     return out
+
+
+def _load_documents(text: str) -> list:
+    """JSON (one document, or a v1 List's items) or YAML documents."""
+    try:
+        tree = json.loads(text)
+    except json.JSONDecodeError:
+        import yaml  # only YAML when pyyaml wrote it
+
+        try:
+            return list(yaml.safe_load_all(text))
+        except yaml.YAMLError as e:
+            raise ValueError(str(e)) from None
+    if isinstance(tree, dict) and tree.get("kind") == "List" and tree.get("apiVersion") == "v1":
+        return list(tree.get("items", []))
+    return [tree]
 
 
 def _load_yaml_or_json(text: str) -> dict:
@@ -330,7 +334,10 @@ def inline_args(config: str | None, overrides: list[str]) -> list[str]:
 
 SUBMIT_TOOLS = {"slurm": ("sbatch", "SLURM's client tools (run it on the cluster's login node)"),
                 "k8s": ("kubectl", "kubectl, configured for a cluster with the Kubeflow training "
-                                   "operator (PyTorchJob)")}
+                                   "operator (PyTorchJob)"),
+                "trainjob": ("kubectl", "kubectl, configured for a cluster with Kubeflow Trainer v2 "
+                                        "(TrainJob, v2.2 or later)"),
+                "skypilot": ("sky", "SkyPilot's client (pip install skypilot, then `sky check`)")}
 
 
 def check_submit(target: str) -> None:
@@ -355,7 +362,9 @@ def check_submit(target: str) -> None:
 def submit(spec: LaunchSpec, path: Path, project: str | None, region: str) -> str:
     """Submit the written spec at `path`; returns what the tool said."""
     if spec.target in SUBMIT_TOOLS:
-        argv = ["sbatch", str(path)] if spec.target == "slurm" else ["kubectl", "create", "-f", str(path)]
+        argv = {"slurm": ["sbatch", str(path)],
+                "skypilot": ["sky", "jobs", "launch", "--yes", "--name", spec.job_name, str(path)],
+                }.get(spec.target, ["kubectl", "create", "-f", str(path)])
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode != 0:
             raise ConfigError(f"{' '.join(argv)} failed (status {done.returncode}): "
