@@ -130,7 +130,7 @@ def test_inline_carries_the_config_as_overrides(capsys):
     assert train[-3:] == [*OVERRIDES, "--run.name=job1"]
 
 
-@pytest.mark.parametrize("target", ["torchrun", "slurm", "k8s", "vertex"])
+@pytest.mark.parametrize("target", ["torchrun", "slurm", "k8s", "trainjob", "vertex", "skypilot"])
 def test_an_invalid_config_is_refused_before_anything_is_written(capsys, tmp_path, target):
     out_file = tmp_path / "spec"
     code = main(["launch", "--target", target, "--nodes", "2", "--gpus-per-node", "3", "--image", "img",
