@@ -12,11 +12,11 @@ def ring_attention_case(rank: int, world_size: int, heads: int, kv_heads: int, l
     import torch.distributed as dist
 
     from shardlm.comm.collectives import Comm, CommLedger
-    from shardlm.parallel import context
+    from shardlm.parallel import ring_blocks
     from shardlm.parallel.context import CPState, ring_attention
 
     if math_path:  # the portable path (what a device without a fused kernel runs)
-        context._has_cpu_flash = lambda q: False
+        ring_blocks._has_cpu_flash = lambda q: False
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, heads, length, 8, generator=g)
     k = torch.randn(2, kv_heads, length, 8, generator=g)
@@ -93,17 +93,17 @@ def cp_world(rank: int, world_size: int, train: list, modes: list, rings: list, 
     written) of each overrides dict in `runs`. The rings run after the training, and the
     portable-path switch a ring case flips is put back after it: nothing else sees it."""
     from ckpt_cases import train_run
-    from shardlm.parallel import context
+    from shardlm.parallel import ring_blocks
     from zero_cases import train_cases
 
     out = {"train": train_cases(rank, world_size, train), "runs": [train_run(o) for o in runs],
            "modes": cp_attention_cases(rank, world_size, modes), "rings": []}
     for ring in rings:
-        fused = context._has_cpu_flash
+        fused = ring_blocks._has_cpu_flash
         try:
             out["rings"].append(ring_attention_case(rank, world_size, *ring))
         finally:
-            context._has_cpu_flash = fused
+            ring_blocks._has_cpu_flash = fused
     return out
 
 

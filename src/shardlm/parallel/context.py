@@ -24,11 +24,13 @@ hybrid, an all-to-all inside groups and this ring across them.
 
 Masks. Beyond the causal one — packed documents, sliding windows — each hop's mask is built
 from the two ranks' global positions and the whole sequence's document positions, which every
-rank holds (nothing extra travels); those hops run the portable (math) block kernel.
+rank holds (nothing extra travels), a tile of query rows at a time.
 
 The backward passes the key/value blocks around the ring again, recomputing each block's
-partial gradients from the saved output and log-sum-exp, and the blocks' key/value gradients
-travel with them (fp32, so C partial sums do not round at each hop), arriving home after C hops.
+partial gradients from the saved (whole) output and log-sum-exp, and the blocks' key/value
+gradients travel with them (fp32, so C partial sums do not round at each hop), arriving home
+after C hops. The per-hop kernels, fused (CPU flash attention, masks included) or portable
+(soft-capped scores, CUDA), are parallel/ring_blocks.py's.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from shardlm.errors import ConfigError
 from shardlm.models.attention import AttentionMask, attend, document_ids
 from shardlm.parallel import context_ops
 from shardlm.parallel.collective_ops import op_group
+from shardlm.parallel.ring_blocks import BlockMask, block_backward, block_forward, expand_kv, fold_kv
 from shardlm.parallel.ulysses import heads_to_sequence, hybrid_groups, replicate_kv, sequence_to_heads
 
 log = logging.getLogger("shardlm")
@@ -118,74 +121,7 @@ class CPState:
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention over one key/value block: output and log-sum-exp, and the gradients given the final
-# output and log-sum-exp (flash attention's backward needs nothing else).
-
-
-def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
-    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
-
-
-def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of an expanded key/value head back onto the shared head."""
-    if groups == 1:
-        return grad
-    b, h, t, d = grad.shape
-    return grad.view(b, h // groups, groups, t, d).sum(2)
-
-
-def _has_cpu_flash(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-
-
-def block_forward(q, k, v, causal: bool, scale: float, allowed: torch.Tensor | None = None,
-                  softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q kᵀ·scale) v and the log-sum-exp of each query's scores (fp32). Causal: the
-    diagonal block (queries and keys the same positions). `allowed` (B, 1, tq, tk): which
-    query-key pairs may attend (documents, a window), instead of `causal`; a query with none
-    gets output 0 and log-sum-exp -inf (nothing to merge). `softcap` > 0: scores c·tanh(s/c)
-    before the mask (Gemma 2). Keys/values already expanded to the query heads."""
-    if allowed is None and not softcap and _has_cpu_flash(q):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
-    scores, _ = _scores(q, k, causal, scale, allowed, softcap)  # (B, h, tq, tk): any device
-    lse = scores.logsumexp(-1)
-    finite = lse.masked_fill(lse == float("-inf"), 0.0)  # an empty row: exp(-inf) = 0, not nan
-    return ((scores - finite.unsqueeze(-1)).exp() @ v.float()).to(q.dtype), lse
-
-
-def _scores(q, k, causal: bool, scale: float, allowed: torch.Tensor | None, softcap: float = 0.0):
-    """The masked (and soft-capped) scores, fp32, and d(capped)/d(uncapped) = 1 - tanh² (None
-    without a cap)."""
-    scores, slope = (q.float() @ k.float().transpose(-1, -2)) * scale, None
-    if softcap:
-        capped = torch.tanh(scores / softcap)
-        scores, slope = capped * softcap, 1 - capped * capped
-    if allowed is not None:
-        return scores.masked_fill(~allowed, float("-inf")), slope
-    return (scores.masked_fill(_future(scores), float("-inf")) if causal else scores), slope
-
-
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float,
-                   allowed: torch.Tensor | None = None, softcap: float = 0.0):
-    """dq, dk, dv of one block's share of the attention whose final output and log-sum-exp
-    are `out` and `lse` (finite: every query sees itself)."""
-    if allowed is None and not softcap and _has_cpu_flash(q):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.to(torch.float32), 0.0, causal, scale=scale)
-    qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
-    scores, slope = _scores(q, k, causal, scale, allowed, softcap)
-    p = (scores - lse.unsqueeze(-1)).exp()  # this block's probabilities under the whole softmax
-    delta = (df * out.float()).sum(-1, keepdim=True)
-    ds = p * (df @ vf.transpose(-1, -2) - delta) * scale
-    if slope is not None:  # through the cap: c·tanh(s/c)' = 1 - tanh²(s/c)
-        ds = ds * slope
-    return (ds @ kf).to(q.dtype), (ds.transpose(-1, -2) @ qf).to(k.dtype), (p.transpose(-1, -2) @ df).to(v.dtype)
-
-
-def _future(scores: torch.Tensor) -> torch.Tensor:
-    tq, tk = scores.shape[-2:]
-    return torch.ones(tq, tk, dtype=torch.bool, device=scores.device).triu(1)
+# Merging a block's partial attention (the block kernels: parallel/ring_blocks.py)
 
 
 def _merge(out, lse, block_out, block_lse, rows: slice):
@@ -237,16 +173,12 @@ class _Masks:
         self.cp, self.length, self.window = cp, length, window
         self.docs = None if documents is None else document_ids(documents)  # (B, T)
 
-    def allowed(self, src: int, rows: slice, keys: slice, device) -> torch.Tensor:
+    def hop(self, src: int, rows: slice, keys: slice, device) -> BlockMask:
+        """The mask of our queries `rows` against source rank `src`'s keys `keys` (built by the
+        block kernel a tile at a time: parallel/ring_blocks.py)."""
         qpos = self.cp.positions(self.length, device)[rows]
         kpos = self.cp.positions(self.length, device, rank=src)[keys]
-        ok = qpos[:, None] >= kpos[None, :]  # (tq, tk)
-        if self.window:
-            ok &= qpos[:, None] - kpos[None, :] < self.window
-        if self.docs is None:
-            return ok[None, None]
-        same = self.docs[:, qpos][:, :, None] == self.docs[:, kpos][:, None, :]  # (B, tq, tk)
-        return (same & ok).unsqueeze(1)
+        return BlockMask(qpos, kpos, self.window, self.docs)
 
 
 def _masks(cp: CPState, q: torch.Tensor, documents, window: int) -> _Masks | None:
@@ -263,10 +195,10 @@ def ring_forward(q, k, v, cp: CPState, scale: float, documents, window: int, sof
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     for kind, src, block in _ring(torch.stack([k, v]), cp):  # one buffer per hop
         rows, keys = _parts(kind, half)
-        allowed = masks.allowed(src, rows, keys, q.device) if masks else None
-        o, block_lse = block_forward(_rows(q, rows), _expand(_rows(block[0], keys), groups),
-                                     _expand(_rows(block[1], keys), groups), kind == "diagonal", scale,
-                                     allowed, softcap)
+        mask = masks.hop(src, rows, keys, q.device) if masks else None
+        o, block_lse = block_forward(_rows(q, rows), expand_kv(_rows(block[0], keys), groups),
+                                     expand_kv(_rows(block[1], keys), groups), kind == "diagonal", scale,
+                                     mask, softcap)
         _merge(out, lse, o, block_lse, rows)
     return out.to(q.dtype), lse
 
@@ -281,13 +213,13 @@ def ring_backward(dout, q, k, v, out, lse, cp: CPState, scale: float, documents,
     dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)  # travels with its block
     for kind, src, block in _ring(torch.stack([k, v]), cp):
         rows, keys = _parts(kind, half)
-        allowed = masks.allowed(src, rows, keys, q.device) if masks else None
-        gq, gk, gv = block_backward(_rows(dout, rows), _rows(q, rows), _expand(_rows(block[0], keys), groups),
-                                    _expand(_rows(block[1], keys), groups), _rows(out, rows),
-                                    _rows(lse, rows), kind == "diagonal", scale, allowed, softcap)
+        mask = masks.hop(src, rows, keys, q.device) if masks else None
+        gq, gk, gv = block_backward(_rows(dout, rows), _rows(q, rows), expand_kv(_rows(block[0], keys), groups),
+                                    expand_kv(_rows(block[1], keys), groups), _rows(out, rows),
+                                    _rows(lse, rows), kind == "diagonal", scale, mask, softcap)
         dq[:, :, rows] += gq
-        dkv[0, :, :, keys] += _fold(gk, groups)
-        dkv[1, :, :, keys] += _fold(gv, groups)
+        dkv[0, :, :, keys] += fold_kv(gk, groups)
+        dkv[1, :, :, keys] += fold_kv(gv, groups)
         # The block's gradient moves on with it; after the last hop it reaches its owner.
         arriving = torch.empty_like(dkv)
         cp.comm.shift(dkv, arriving).wait()

@@ -1,0 +1,131 @@
+"""The ring's per-hop kernels (parallel/ring_blocks.py) in one process: the fused CPU flash
+attention hop against the portable math hop, and what the fused hop allocates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardlm.parallel import ring_blocks
+from shardlm.parallel.ring_blocks import BlockMask, block_backward, block_forward
+
+SCALE = 0.25
+
+
+def _hop(fused: bool, monkeypatch, fn, *args):
+    """fn(*args) on the fused path or, with the kernel switched off, the math path."""
+    with monkeypatch.context() as m:
+        if not fused:
+            m.setattr(ring_blocks, "_has_cpu_flash", lambda q: False)
+        return fn(*args)
+
+
+def _documents(batch: int, length: int, seed: int) -> torch.Tensor:
+    """(batch, length) document ids: three random cuts per row."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(batch, length, dtype=torch.long)
+    for b in range(batch):
+        for cut in torch.randint(1, length, (3,), generator=g).tolist():
+            ids[b, cut:] += 1
+    return ids
+
+
+# A rank's hop in the ring's layout: its 96 queries sit after 80 earlier keys (a 'front' hop,
+# where some queries see no key of the block) and over their own 96 keys (the diagonal, causal).
+# The whole attention's output and log-sum-exp, which every hop's backward takes, are the math
+# kernel's over all 176 keys.
+@pytest.mark.parametrize("masking", ["causal", "documents", "documents+window"])
+def test_fused_hop_equals_the_math_hop(monkeypatch, masking):
+    """Forward (output, log-sum-exp, the rows that see nothing) and backward (dq, dk, dv given the
+    whole attention's output and log-sum-exp) of the fused hop equal the math hop's, fp32, on
+    random blocks; with masks the query rows run in several tiles (MASK_ELEMENTS lowered).
+    Tolerance: both kernels sum fp32 products in different orders over the head width d = 16
+    (scores) and the hop's keys n <= 176 (outputs, gradients), and the fused kernel's
+    vectorised exp is within 2 ulp: a first-order bound of (n + d)·eps on terms of order one,
+    (176 + 16)·1.2e-7 = 2.3e-5 (measured on AMD Zen 3: under 2e-6)."""
+    monkeypatch.setattr(ring_blocks, "MASK_ELEMENTS", 2 * 24 * 80)  # ~24 query rows per call
+    monkeypatch.setattr(ring_blocks, "MIN_TILE_ROWS", 8)
+    B, H, tq, tk, d = 2, 3, 96, 80, 16
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H, tq, d, generator=g)
+    k, v = (torch.randn(B, H, tk + tq, d, generator=g) for _ in range(2))
+    dout = torch.randn(B, H, tq, d, generator=g)
+    qpos, kpos = torch.arange(tk, tk + tq), torch.arange(tk + tq)
+    docs = None if masking == "causal" else _documents(B, tk + tq, seed=2)
+    window = 40 if masking.endswith("window") else 0
+    whole = BlockMask(qpos, kpos, window, docs)
+    out, lse = _hop(False, monkeypatch, block_forward, q, k, v, False, SCALE, whole)
+    bound = (tk + tq + d) * torch.finfo(torch.float32).eps
+    tol = dict(rtol=bound, atol=bound)
+    for keys, causal in ((slice(0, tk), False), (slice(tk, tk + tq), True)):
+        kk, vv = k[:, :, keys].contiguous(), v[:, :, keys].contiguous()
+        mask = None if docs is None and not window else BlockMask(qpos, kpos[keys], window, docs)
+        fused, math = (_hop(f, monkeypatch, block_forward, q, kk, vv, causal, SCALE, mask) for f in (True, False))
+        seen = math[1].isfinite()
+        assert torch.equal(fused[1].isfinite(), seen)  # the same rows see nothing (-inf)
+        if docs is not None and not causal:
+            assert not seen.all()  # the case that needs the kernel's blind rows mended
+        torch.testing.assert_close(fused[0], math[0], **tol)
+        torch.testing.assert_close(fused[1][seen], math[1][seen], **tol)
+        grads = [_hop(f, monkeypatch, block_backward, dout, q, kk, vv, out, lse, causal, SCALE, mask)
+                 for f in (True, False)]
+        for name, a, b in zip(("dq", "dk", "dv"), *grads):
+            torch.testing.assert_close(a, b, **tol, msg=name)
+
+
+def _allocation_peak(fn) -> int:
+    """Bytes fn() holds at its worst beyond what it started with: every CPU allocation and free
+    (torch.profiler with profile_memory, the CPU allocator's own report: kernel scratch
+    included), in time order."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+    held = peak = 0
+    for _, size in sorted(events):
+        held += size
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("masking", ["causal", "documents"])
+def test_a_fused_hop_allocates_no_score_block(masking):
+    """One rank's diagonal hop at T/C = 2048 tokens, 2 heads of 16: the fused forward and
+    backward never hold a (T/C)² fp32 block, not even one head's (16 MiB). The math hop holds
+    its scores for every head, several times in the backward (scores, probabilities, their
+    gradient: 96 / 128 MiB measured; it fails this). Measured here: causal 0.8 / 2.0 MiB (forward /
+    backward), documents 6.3 / 7.1 MiB (a tile's additive mask, 512 rows x 2048 keys fp32, is
+    4 MiB of it). One thread: the kernel's scratch is per thread (~1 MiB each in the backward,
+    query split x key split), not per block, so the bound holds at any length and CPU kind."""
+    T, H, d = 2048, 2, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, H, T, d, generator=g) for _ in range(3))
+    pos = torch.arange(T)
+    docs = torch.zeros(1, T, dtype=torch.long)
+    docs[:, 700:] += 1
+    docs[:, 1500:] += 1
+    mask = None if masking == "causal" else BlockMask(pos, pos, 0, docs)
+    held = {}
+
+    def forward():
+        held["out"], held["lse"] = block_forward(q, k, v, True, SCALE, mask)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        peaks = {"forward": _allocation_peak(forward)}
+        dout = torch.ones_like(held["out"])
+        peaks["backward"] = _allocation_peak(
+            lambda: block_backward(dout, q, k, v, held["out"], held["lse"], True, SCALE, mask))
+    finally:
+        torch.set_num_threads(threads)
+    score_block = T * T * 4  # one head's fp32 scores
+    for what, peak in peaks.items():
+        assert 0 < peak < score_block, f"{masking} {what}: {peak / 2**20:.1f} MiB"
