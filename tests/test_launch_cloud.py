@@ -93,7 +93,7 @@ def test_trainjob_with_its_runtime_as_json(capsys):
 
 def _spec(target: str, **kw) -> LaunchSpec:
     defaults = {"trainjob": {"image": "img", "volume": "shardlm-runs", "runtime": True},
-                "skypilot": {"accelerator": "A100", "volume": "job1-runs", "install": "."}}[target]
+                "skypilot": {"accelerator": "A100", "bucket": "job1-runs", "install": "."}}[target]
     return LaunchSpec(target, 2, 8, list(TRAIN_ARGS), "job1", **{**defaults, **kw})
 
 
@@ -164,8 +164,15 @@ def test_skypilot_with_an_image_and_options(capsys):
     assert task["resources"] == {"accelerators": "H100:8", "image_id": "docker:ghcr.io/x/shardlm:1"}
     assert task["file_mounts"]["/runs"]["name"] == "my-ckpts"
     code, out, _ = launch(capsys, "--target", "skypilot", "--nodes", "1", "--gpus-per-node", "1", "--json",
-                          "--install", "shardlm[hf] @ git+https://example.org/shardlm")
-    assert code == 0 and json.loads(out)["setup"] == "pip install 'shardlm[hf] @ git+https://example.org/shardlm'"
+                          "--install", "shardlm[hf] @ git+https://example.org/shardlm", "--volume", "shared-fs")
+    assert code == 0
+    task = json.loads(out)
+    assert skypilot_errors(task) == [] and "file_mounts" not in task
+    assert task["setup"] == "pip install 'shardlm[hf] @ git+https://example.org/shardlm'"
+    assert task["volumes"] == {"/runs": "shared-fs"}  # a SkyPilot volume instead of the bucket
+    code, out, err = launch(capsys, "--target", "skypilot", "--nodes", "1", "--gpus-per-node", "1",
+                            "--volume", "v", "--bucket", "b")
+    assert code == 2 and out == "" and "give one" in err
 
 
 @pytest.mark.parametrize("breakage,found", [

@@ -5,8 +5,9 @@ SKYPILOT_NODE_IPS (one address a line, the head node first), SKYPILOT_NODE_RANK 
 SKYPILOT_NUM_GPUS_PER_NODE: the c10d rendezvous is on the first address, port 29500, hosted by
 node rank 0 (`--rdzv-conf=is_host`, so no agent has to guess from its hostname); the line is
 otherwise the one every target writes (torchrun_argv). The run directory is a bucket mounted on
-every node (MOUNT_CACHED: written locally, uploaded behind), so a recovered job finds its
-checkpoints. Checked offline against SkyPilot's task schema (schema_check)."""
+every node (MOUNT_CACHED: written locally, uploaded behind), or a SkyPilot volume (--volume: a
+shared file system, e.g. a Kubernetes PVC), so a recovered job finds its checkpoints. Checked
+offline against SkyPilot's task schema (schema_check)."""
 
 from __future__ import annotations
 
@@ -47,8 +48,11 @@ def skypilot_task(spec: LaunchSpec) -> dict:
     resources = {"accelerators": f"{spec.accelerator}:{spec.gpus_per_node}"}
     if spec.image:
         resources["image_id"] = f"docker:{spec.image}"
-    task = {"name": spec.job_name, "num_nodes": spec.nodes, "resources": resources, "workdir": ".",
-            "file_mounts": {spec.run_mount: {"name": spec.volume, "mode": BUCKET_MODE, "persistent": True}}}
+    task = {"name": spec.job_name, "num_nodes": spec.nodes, "resources": resources, "workdir": "."}
+    if spec.volume:
+        task["volumes"] = {spec.run_mount: spec.volume}
+    else:
+        task["file_mounts"] = {spec.run_mount: {"name": spec.bucket, "mode": BUCKET_MODE, "persistent": True}}
     if spec.install:
         task["setup"] = f"pip install {shlex.quote(spec.install)}"
     task["run"] = run_script(spec)
@@ -67,9 +71,10 @@ def problems(spec: LaunchSpec, task) -> list[str]:
     accelerators = task.get("resources", {}).get("accelerators", "")
     if not isinstance(accelerators, str) or not accelerators.endswith(f":{spec.gpus_per_node}"):
         out.append(f"resources.accelerators {accelerators!r}: not {spec.gpus_per_node} per node")
-    mount = task.get("file_mounts", {}).get(spec.run_mount, {})
-    if mount.get("name") != spec.volume:
-        out.append(f"no bucket {spec.volume!r} at {spec.run_mount}")
+    if spec.volume and task.get("volumes", {}).get(spec.run_mount) != spec.volume:
+        out.append(f"no volume {spec.volume!r} at {spec.run_mount}")
+    if not spec.volume and task.get("file_mounts", {}).get(spec.run_mount, {}).get("name") != spec.bucket:
+        out.append(f"no bucket {spec.bucket!r} at {spec.run_mount}")
     lines = task.get("run", "").splitlines()
     runs = [ln for ln in lines if ln.startswith("exec torchrun ")]
     if len(runs) != 1:

@@ -44,7 +44,10 @@ class LaunchSpec:
     run_mount: str = RUNS_MOUNT
     """trainjob, skypilot: where the run directory's volume is mounted (`run_dir_args`)."""
     volume: str = ""
-    """trainjob: the PersistentVolumeClaim holding the run directory. skypilot: the bucket."""
+    """The volume holding the run directory. trainjob: a PersistentVolumeClaim; skypilot: a
+    SkyPilot volume (`sky volumes apply`), or '' for `bucket`."""
+    bucket: str = ""
+    """skypilot: the bucket holding the run directory when there is no `volume`."""
     runtime: bool = False
     """trainjob: also write the ClusterTrainingRuntime the TrainJob references."""
     install: str = ""

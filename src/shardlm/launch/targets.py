@@ -67,8 +67,8 @@ def check_spec(spec: LaunchSpec) -> None:
     if spec.target == "trainjob" and not DNS_LABEL.match(spec.volume):
         raise ConfigError(f"--volume {spec.volume!r}: a PersistentVolumeClaim name (lowercase letters, "
                           f"digits and '-')")
-    if spec.target == "skypilot" and not _BUCKET.match(spec.volume):
-        raise ConfigError(f"--bucket {spec.volume!r}: a bucket name of 3 to 63 lowercase letters, "
+    if spec.target == "skypilot" and not spec.volume and not _BUCKET.match(spec.bucket):
+        raise ConfigError(f"--bucket {spec.bucket!r}: a bucket name of 3 to 63 lowercase letters, "
                           f"digits, '-' and '.'")
     if spec.rdzv_endpoint and spec.target != "torchrun":
         raise ConfigError(f"--rdzv-endpoint is for --target torchrun; {spec.target} finds the "

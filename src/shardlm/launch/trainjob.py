@@ -139,11 +139,13 @@ def _runtime_problems(spec: LaunchSpec, runtime: dict, ref: str) -> list[str]:
     policy = runtime["spec"].get("mlPolicy", {})
     if policy.get("numNodes") != spec.nodes or "torch" not in policy:
         out.append("runtime mlPolicy: numNodes and torch")
-    jobs = runtime["spec"]["template"]["spec"].get("replicatedJobs", [])
-    nodes = [j for j in jobs if j.get("name") == NODE]
     label = "trainer.kubeflow.org/trainjob-ancestor-step"
-    if len(nodes) != 1 or nodes[0]["template"].get("metadata", {}).get("labels", {}).get(label) != "trainer":
-        out.append(f"runtime: one replicated job {NODE!r} labelled {label}: trainer")
-    elif [c.get("name") for c in nodes[0]["template"]["spec"]["template"]["spec"]["containers"]] != [NODE]:
-        out.append(f"runtime: one container {NODE!r}")
+    try:
+        [node] = [j for j in runtime["spec"]["template"]["spec"]["replicatedJobs"] if j["name"] == NODE]
+        labelled = node["template"]["metadata"]["labels"][label] == "trainer"
+        containers = [c["name"] for c in node["template"]["spec"]["template"]["spec"]["containers"]]
+    except (KeyError, ValueError) as e:
+        return out + [f"runtime: no replicated job {NODE!r} labelled {label} ({type(e).__name__}: {e})"]
+    if not labelled or containers != [NODE]:
+        out.append(f"runtime: the replicated job {NODE!r} labelled {label}: trainer, one container {NODE!r}")
     return out
