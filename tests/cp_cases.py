@@ -47,11 +47,11 @@ def cp_attention_cases(rank: int, world_size: int, cases: list[tuple]) -> list[d
 
 
 def cp_attention_case(rank: int, world_size: int, mode: str, a2a: int, heads: int, kv_heads: int,
-                      length: int, documents: bool, softcap: float = 0.0) -> dict:
+                      length: int, documents: bool, softcap: float = 0.0, window: int = 0) -> dict:
     """Context-parallel attention by `mode` (ring / ulysses / hybrid, all-to-all degree `a2a`)
     on this rank's chunks of the same random q, k, v on every rank, with or without document
-    masks, scores soft-capped at `softcap` (> 0): its output and the gradients of its chunks, as
-    ring_attention_case."""
+    masks, scores soft-capped at `softcap` (> 0), a sliding window of `window` (> 0; the ring and
+    the hybrid): its output and the gradients of its chunks, as ring_attention_case."""
     import torch.distributed as dist
 
     from shardlm.comm.collectives import Comm, CommLedger
@@ -70,12 +70,12 @@ def cp_attention_case(rank: int, world_size: int, mode: str, a2a: int, heads: in
     comm = Comm(dist.group.WORLD, "cp", ledger)
     cp = CPState(comm, a2a=a2a)
     if mode == "ring":
-        core = RingAttention(cp, softcap=softcap)
+        core = RingAttention(cp, softcap=softcap, window=window)
     elif mode == "ulysses":
         core = UlyssesAttention(cp, comm, softcap=softcap)
     else:
         a2a_comm, ring_comm = hybrid_groups(comm, a2a)
-        core = UlyssesAttention(cp, a2a_comm, CPState(ring_comm), softcap=softcap)
+        core = UlyssesAttention(cp, a2a_comm, CPState(ring_comm), softcap=softcap, window=window)
     mine = cp.positions(length)
     lq, lk, lv = (t[:, :, mine].clone().requires_grad_() for t in (q, k, v))
     cp.sharded, cp.documents = True, docs

@@ -16,7 +16,7 @@ from worlds import several
 STEPS = 3
 RINGS = [(2, 4, 2, 16, False), (2, 4, 4, 16, True), (3, 2, 1, 24, False)]
 """(ranks, query heads, key/value heads, length, path): GQA, MHA, three ranks, the portable path."""
-MODES = [("ring", 1, 4, 2, 16, 2.0), ("ulysses", 2, 4, 1, 16, 0.0)]
+MODES = [("ring", 1, 4, 2, 16, 2.0, 0), ("ring", 1, 4, 2, 16, 0.0, 6), ("ulysses", 2, 4, 1, 16, 0.0, 0)]
 LEDGER_CASES = [("gpt-tiny", "none"), ("llama-tiny", "full"), ("gpt-tiny", "selective")]
 
 
@@ -79,7 +79,7 @@ def two_rank_world(tmp_path_factory):
     rings = [ring[1:] for ring in RINGS if ring[0] == 2]
     saved = {**_checkpoint_base(tmp, 2), "parallel.cp": 2, "parallel.zero_stage": 2, "checkpoint.every": 2,
              "run.name": "cp2"}
-    out = run_ranks(cp_world, 2, tmp, parity + ledger, [(*m[:5], True, m[5]) for m in MODES], rings, [saved],
+    out = run_ranks(cp_world, 2, tmp, parity + ledger, [(*m[:5], True, *m[5:]) for m in MODES], rings, [saved],
                     timeout=600)
     return {"parity": [r["train"][:len(parity)] for r in out], "ledger": [r["train"][len(parity):] for r in out],
             "modes": [r["modes"] for r in out], "rings": [r["rings"] for r in out],
@@ -89,8 +89,11 @@ def two_rank_world(tmp_path_factory):
 @pytest.mark.parametrize("case", range(len(RINGS)), ids=[f"{w}-{h}-{kv}-{n}-{m}" for w, h, kv, n, m in RINGS])
 def test_ring_attention_equals_whole_sequence_attention(two_rank_world, tmp_path, case):
     """Each rank's output and q/k/v gradients equal those rows of the whole-sequence causal
-    attention (fp32; the ring merges per-block softmaxes, a different summation order: 1e-5).
-    The 2-rank cases ran in the shared world; the 3-rank one spawns its own."""
+    attention. Tolerance, fp32: the ring merges per-block softmaxes by log-sum-exp (another
+    order of the sums over n <= 24 keys and d = 8 head elements; on CPU the fused flash hop,
+    whose exp is within 2 ulp): a first-order bound of (n + d)·eps = 3.8e-6 on terms up to ~3
+    (randn inputs): 1e-5, on any CPU. The 2-rank cases ran in the shared world; the 3-rank one
+    spawns its own."""
     world, heads, kv_heads, length, math_path = RINGS[case]
     if world == 2:
         two = [i for i, ring in enumerate(RINGS) if ring[0] == 2].index(case)
@@ -113,28 +116,36 @@ def test_ring_attention_equals_whole_sequence_attention(two_rank_world, tmp_path
         assert r["bytes"] == {"send_recv/cp": (2 * (world - 1) + world) * kv_bytes}
 
 
-# MODES, on 2 ranks, [(mode, all-to-all degree, query heads, key/value heads, length)]: every mode with
-# document masks (three documents in row 0, one crossing the chunk boundaries; one in row 1);
-# the ring's scores soft-capped (Gemma 2, cap 2: most scores bent); Ulysses with one key/value
-# head for two ranks (GQA: replicated). In the shared world. (The hybrid's attention is the same
+# MODES, on 2 ranks, [(mode, all-to-all degree, query heads, key/value heads, length, soft-cap,
+# window)]: every mode with document masks (three documents in row 0, one crossing the chunk
+# boundaries; one in row 1); the ring's scores soft-capped (Gemma 2, cap 2: most scores bent;
+# the portable math hop), the ring under documents and a sliding window of 6 (the fused CPU
+# flash hop with its additive mask: parallel/ring_blocks.py); Ulysses with one key/value head
+# for two ranks (GQA: replicated). In the shared world. (The hybrid's attention is the same
 # code over two groups: tested at 4 ranks on the parameter level, documents included, in
 # test_cp_composes_with_tp_and_zero_on_4_ranks.)
 def test_cp_modes_equal_whole_sequence_attention_with_documents(two_rank_world):
     """Each mode's output and q/k/v gradients equal those rows of one process's attention
-    under the same document mask and soft-cap (fp32; Ulysses runs the same kernel on the whole sequence,
-    the ring merges per-block softmaxes: 1e-5), and the ledger's bytes are the planner's
-    formula for the mode (planner/cp_modes.py: all-to-alls, ring hops)."""
+    under the same document mask, window and soft-cap, and the ledger's bytes are the planner's
+    formula for the mode (planner/cp_modes.py: all-to-alls, ring hops), priced with the model's
+    head width (8 here, not d_model / n_heads = 12). Tolerance, fp32: the reference sums over n
+    <= 16 keys and d = 8 head elements in one order, the ring in per-hop blocks merged by
+    log-sum-exp (and the fused hop's exp within 2 ulp): a first-order bound of (n + d)·eps =
+    2.9e-6 on terms up to ~3 (randn inputs): 1e-5."""
     from types import SimpleNamespace
 
     from shardlm.models.attention import _allowed
     from shardlm.planner.cp_modes import cp_mode_bytes
 
     out, cases, world = two_rank_world["modes"], MODES, 2
-    for c, (mode, a2a, heads, kv_heads, length, softcap) in enumerate(cases):
+    for c, (mode, a2a, heads, kv_heads, length, softcap, window) in enumerate(cases):
         ranks = [r[c] for r in out]
         q, k, v = (ranks[0][x].clone().requires_grad_() for x in "qkv")
         allowed = _allowed(ranks[0]["docs"], length, q.device)
         assert not allowed[0, 0, length - 1, 0]  # the mask is more than causal
+        if window:
+            pos = torch.arange(length)
+            allowed = allowed & (pos[:, None] - pos[None, :] < window)
         scores = (q @ k.repeat_interleave(heads // kv_heads, 1).transpose(-1, -2)) * 8 ** -0.5
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
@@ -142,7 +153,7 @@ def test_cp_modes_equal_whole_sequence_attention_with_documents(two_rank_world):
         (ref * ranks[0]["weight"]).sum().backward()
         covered = torch.cat([r["positions"] for r in ranks]).sort().values
         assert torch.equal(covered, torch.arange(length)), mode
-        model = SimpleNamespace(n_layers=1, n_heads=heads, n_kv_heads=kv_heads, d_model=8 * heads, head_dim=0)
+        model = SimpleNamespace(n_layers=1, n_heads=heads, n_kv_heads=kv_heads, d_model=12 * heads, head_dim=8)
         want = cp_mode_bytes(model, 2 * length, world, 1, 4, mode=mode, ulysses=a2a)
         for r in ranks:
             p = r["positions"]
@@ -305,18 +316,27 @@ def test_cp_mode_refusals_name_the_keys_and_the_way_out(fields, message):
 def test_cp_mode_auto_prices_every_mode_the_heads_allow(caplog):
     """planner/cp_modes.py: at cp = 8 a head-rich model's Ulysses sends fewer bytes than the
     ring (its exchanges shrink with C, the ring's blocks do not), every hybrid degree is priced
-    between, and parallel.cp_mode = 'auto' resolves to the fastest, a config that validates."""
+    between, and parallel.cp_mode = 'auto' resolves to the fastest, a config that validates.
+    The model's heads are 32 wide, not d_model / n_heads = 16 (model.head_dim, as Gemma's):
+    each mode's bytes are priced with that width."""
     from shardlm.config import load_config
     from shardlm.hardware.catalog import parse_cluster
     from shardlm.planner.cp_modes import choose_cp_mode
     from shardlm.train.resolve import decide
 
     over = {"model.preset": "llama-tiny", "model.n_heads": 16, "model.n_kv_heads": 8, "model.d_model": 256,
-            "train.seq_len": 64, "run.device": "cpu", "precision.compute": "fp32", "parallel.cp": 8}
+            "model.head_dim": 32, "train.seq_len": 64, "run.device": "cpu", "precision.compute": "fp32",
+            "parallel.cp": 8}
     m = load_config(overrides=over).validate().model
     ranked = choose_cp_mode(m, 4096, 8, 1, 2, "none", 100e9, 5e-6)
     by_mode = {(t.mode, t.ulysses): t for t in ranked}
     assert set(by_mode) == {("ring", 1), ("hybrid", 2), ("hybrid", 4), ("ulysses", 8)}
+    # per block and pass, a rank's 4096/8 tokens: Ulysses sends 7/8 of q, k, v and the output
+    # (16 + 2·8 + 16 heads of 32, bf16); the ring 7 hops of k and v (8 heads of 32, bf16), and
+    # their fp32 gradients 8 hops in the backward
+    L, t = m.n_layers, 4096 // 8
+    assert by_mode["ulysses", 8].bytes == L * 2 * 7 * t * (16 + 2 * 8 + 16) // 8 * 32 * 2
+    assert by_mode["ring", 1].bytes == L * (2 * 7 * 2 * t * 8 * 32 * 2 + 8 * 2 * t * 8 * 32 * 4)
     assert by_mode["ulysses", 8].bytes < by_mode["hybrid", 2].bytes < by_mode["ring", 1].bytes
     assert [t.seconds for t in ranked] == sorted(t.seconds for t in ranked)
     with caplog.at_level("INFO", logger="shardlm"):

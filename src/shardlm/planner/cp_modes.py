@@ -3,7 +3,8 @@ parallel/context.py, parallel/ulysses.py): the bytes each sends per micro-batch,
 counts them, and their time on a link; `choose_cp_mode` is what cp_mode = 'auto' runs.
 
 Pure functions; no torch. Notation: C = cp, U the all-to-all degree, R = C/U the ring's, t the
-tensor-parallel degree, s·b = `tokens` the micro-batch's whole sequences, d the head width.
+tensor-parallel degree, s·b = `tokens` the micro-batch's whole sequences, d the head width
+(model.head_dim where a family sets it — Gemma, Qwen3 — else d_model / n_heads: flops.head_dim).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardlm.config.layout_rules import cp_degrees
+from shardlm.models import flops
 from shardlm.planner.links import collective_parts
 from shardlm.planner.traffic import cp_comm_bytes
 
@@ -34,7 +36,7 @@ def cp_a2a_bytes(m, tokens: int, cp: int, a2a: int, tp: int, e: int, recompute: 
     kv = max(kv, a2a)
     width = (heads + 2 * kv) // a2a + heads // a2a  # head rows per destination: q, k, v + output
     passes = 3 if recompute != "none" else 2
-    return layers * passes * (a2a - 1) * (tokens // cp) * width * (m.d_model // m.n_heads) * e
+    return layers * passes * (a2a - 1) * (tokens // cp) * width * flops.head_dim(m) * e
 
 
 def cp_mode_bytes(m, tokens: int, cp: int, tp: int, e: int, recompute: str = "none",
@@ -78,7 +80,7 @@ def cp_mode_seconds(m, tokens: int, cp: int, tp: int, e: int, recompute: str, mo
                                     bandwidth, latency, calls)[0]
     if ring > 1:
         kv = max(1, _heads(m, tp)[1] // a2a)
-        block = 2 * tokens // ring * kv * (m.d_model // m.n_heads)
+        block = 2 * tokens // ring * kv * flops.head_dim(m)  # k and v of one ring rank
         kv_hops, grad_hops = (ring - 1) * passes * m.n_layers, ring * m.n_layers
         hops = hop_factor * collective_parts("p2p", kv_hops * block * e, ring, bandwidth, latency, kv_hops)[0]
         grads = hop_factor * collective_parts("p2p", grad_hops * block * 4, ring, bandwidth, latency, grad_hops)[0]
