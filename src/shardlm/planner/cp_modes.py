@@ -22,6 +22,16 @@ def _heads(m, tp: int) -> tuple[int, int]:
     return m.n_heads // tp, max(1, (m.n_kv_heads or m.n_heads) // tp)
 
 
+def attention_seconds(m, seq_len: int, micro_batch: int, tp: int, cp: int, rate: float,
+                      recompute: str = "none") -> float:
+    """One micro-batch's causal attention on a rank, forward (2·w·s FLOPs per local token for
+    QKᵀ and AV together, w = n_heads · head_dim: half the dense 4·w·s) and backward (twice that),
+    once more forward with recomputation: the compute the cp modes' exchanges hide behind."""
+    tokens = micro_batch * seq_len
+    forward = 2 * flops.attention_width(m) * seq_len * tokens * m.n_layers / (tp * cp) / rate
+    return forward * (2 + (2 if recompute != "none" else 1))
+
+
 def cp_a2a_bytes(m, tokens: int, cp: int, a2a: int, tp: int, e: int, recompute: str = "none",
                  layers: int | None = None) -> int:
     """Bytes a rank sends in Ulysses' all-to-alls per micro-batch (`all_to_all/cp`: the rows it

@@ -18,7 +18,7 @@ from shardlm.planner.compute import compute_rate, model_flops_per_token
 from shardlm.planner.memory import nvme_first_chunk, offloaded_activations, peak_candidates
 from shardlm.planner.activations import activation_dtypes, block_activation
 from shardlm.config.layout_rules import cp_degrees
-from shardlm.planner.cp_modes import choose_cp_mode, cp_a2a_bytes
+from shardlm.planner.cp_modes import attention_seconds, choose_cp_mode, cp_a2a_bytes
 from shardlm.planner.traffic import (cp_comm_bytes, ep_comm_bytes, expert_group, moe_tp_calls, pp_comm_bytes,
                                      sp_replicated_grads, tp_comm_bytes)
 from shardlm.planner.memory_bound import (ADAM_BYTES_PER_PARAM, WorkTerm,  # noqa: F401 (re-exported)
@@ -215,12 +215,8 @@ def _cp_mode(w: Workload, s: Strategy, cluster: Cluster, rate: float) -> tuple[s
 
 
 def _attention_seconds(w: Workload, s: Strategy, rate: float, cp: int) -> float:
-    """One micro-batch's causal attention on this rank, forward (2·h·s FLOPs per local token,
-    half the dense 4·h·s) and backward (twice that), again forward with recomputation."""
-    lay, layers = s.layout, w.model.n_layers
-    tokens = s.micro_batch * w.seq_len
-    forward = 2 * w.model.d_model * w.seq_len * tokens * layers / (lay.tp * cp) / rate
-    return forward * (2 + (2 if s.recompute != "none" else 1))
+    """One micro-batch's causal attention on this rank (cp_modes.attention_seconds)."""
+    return attention_seconds(w.model, w.seq_len, s.micro_batch, s.layout.tp, cp, rate, s.recompute)
 
 
 def _cp_all_to_all(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, a2a: int) -> CommTime:

@@ -176,7 +176,7 @@ def _auto_bf16_gemm(cfg: Config, cpu: torch.device | None) -> str:
 def _decide_cp_mode(cfg: Config, where: Cluster) -> Config:
     """parallel.cp_mode = 'auto': the mode (and hybrid degree) with the least exposed
     communication per micro-batch (planner/cp_modes.py), on the link the cp group spans."""
-    from shardlm.planner.cp_modes import choose_cp_mode
+    from shardlm.planner.cp_modes import attention_seconds, choose_cp_mode
     from shardlm.planner.timing import group_link
 
     cfg = copy.deepcopy(cfg)
@@ -187,8 +187,9 @@ def _decide_cp_mode(cfg: Config, where: Cluster) -> Config:
     bandwidth, latency, _ = group_link(where, par.cp, par.tp)
     compute = cfg.precision.compute if cfg.precision.compute in where.device.peak else "fp32"
     rate = where.device.peak.get(compute, max(where.device.peak.values())) * where.device.efficiency
-    tokens = t.micro_batch * t.seq_len  # causal attention: 2·d·s FLOPs a token forward, x3 with backward
-    attention_s = 3 * 2 * m.d_model * t.seq_len * tokens * m.n_layers / (par.tp * par.cp) / rate
+    tokens = t.micro_batch * t.seq_len
+    attention_s = attention_seconds(m, t.seq_len, t.micro_batch, par.tp, par.cp, rate,
+                                    cfg.activation.checkpoint)
     e = 2 if compute in ("bf16", "fp16") else 4
     ranked = choose_cp_mode(m, tokens, par.cp, par.tp, e, cfg.activation.checkpoint, bandwidth, latency,
                             attention_s, where.calibration.overlap, where.calibration.factor("send_recv"))
