@@ -25,6 +25,7 @@ LAYERS = [  # bottom first
     {"train"},
     {"studies"},
     {"cli"},
+    {"integrations"},  # other systems' launchers running our entry (Ray Train)
     {"__main__"},
 ]
 PACKAGE = Path(shardlm.__file__).parent

@@ -18,11 +18,12 @@ def launch_args(sub) -> None:
 
     p = sub.add_parser(
         "launch", help="write (and --submit) a multi-node job for torchrun, SLURM, Kubernetes "
-                       "(PyTorchJob, TrainJob), Vertex AI or SkyPilot from a train config",
+                       "(PyTorchJob, TrainJob), Vertex AI, SkyPilot or Ray Train from a train config",
         description="The same CONFIG and --section.key=value overrides as `shardlm train`, checked "
                     "the same way for NODES x GPUS_PER_NODE ranks, written as TARGET's job: "
                     "torchrun lines per node, an sbatch script, a Kubeflow PyTorchJob, a Kubeflow "
-                    "Trainer TrainJob, a Vertex AI CustomJob or a SkyPilot task. The config path is "
+                    "Trainer TrainJob, a Vertex AI CustomJob, a SkyPilot task or a Ray Train script "
+                    "(N x G workers). The config path is "
                     "passed as given: it must exist on the workers too (in the image, or a shared "
                     "file system), or use --inline. See docs/launch.md.")
     p.add_argument("config", nargs="?", help="TOML config file (optional)")
@@ -36,7 +37,8 @@ def launch_args(sub) -> None:
     p.add_argument("--out", metavar="FILE", help="also write the spec to FILE (stdout gets it either way)")
     p.add_argument("--submit", action="store_true",
                    help="submit it: sbatch (slurm), kubectl create (k8s, trainjob), the Vertex AI SDK "
-                        "(vertex, pip install 'shardlm[vertex]'), sky jobs launch (skypilot)")
+                        "(vertex, pip install 'shardlm[vertex]'), sky jobs launch (skypilot), python (ray: "
+                        "runs the script here, pip install 'shardlm[ray]')")
     p.add_argument("--job-name", default="", metavar="NAME",
                    help="job name, also run.name unless the config sets one (default shardlm-<time>)")
     p.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
@@ -44,7 +46,8 @@ def launch_args(sub) -> None:
                         f"a placeholder to replace)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="torchrun's --max-restarts for every agent (workers resume from the latest "
-                        "checkpoint); trainjob --runtime: also the JobSet's restarts of every pod")
+                        "checkpoint); trainjob --runtime: also the JobSet's restarts of every pod; ray: "
+                        "Ray Train's FailureConfig(max_failures)")
     p.add_argument("--min-nodes", type=int, default=0, metavar="M",
                    help="torchrun target: an elastic job of M to N nodes (--nnodes=M:N); the gang "
                         "restarts at each change of members, resharded from the latest checkpoint")
@@ -130,7 +133,7 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.submit:
         if path is None:
             structured = ".json" if text.startswith("{") else ".yaml"
-            suffix = {"slurm": ".sbatch", "vertex": ".json"}.get(args.target, structured)
+            suffix = {"slurm": ".sbatch", "vertex": ".json", "ray": ".py"}.get(args.target, structured)
             with tempfile.NamedTemporaryFile("w", suffix=suffix, prefix=f"{name}-", delete=False) as f:
                 f.write(text)
             path = Path(f.name)

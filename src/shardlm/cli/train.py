@@ -124,8 +124,9 @@ def resume_hint(cfg) -> str:
     return f"{saved} Resume with: shardlm train --resume {run_dir}"
 
 
-def train_here(cfg) -> int:
-    """Train in this process (one rank of it, under a launcher)."""
+def train_here(cfg, on_step=None) -> int:
+    """Train in this process (one rank of it, under a launcher). `on_step(run, record)`: the
+    launcher's hook after each step (train.loop.train; integrations/ray.py)."""
     from shardlm.launch.allocator import apply_malloc_policy
 
     malloc = apply_malloc_policy(cfg.run.malloc_mmap_threshold)  # before any large allocation
@@ -162,7 +163,7 @@ def train_here(cfg) -> int:
     if main and lora is not None:
         print(f"shardlm: {lora.summary()}", flush=True)
     print(state_report(run), flush=True)
-    result = train(run)
+    result = train(run, on_step)
     val = (f", val loss {result.val_loss:.3f} (perplexity {result.val_perplexity:.2f}, token "
            f"accuracy {result.val_token_accuracy:.1%})" if result.val_loss is not None else "")
     if main and not result.losses:

@@ -167,26 +167,29 @@ def init_runtime(device_preference: str = "auto", timeout_s: float = 0.0) -> Run
     else:
         torch.cuda.set_device(device)
     backend = None
-    if world_size > 1:
+    if world_size > 1 and dist.is_initialized():
+        # The launcher made the group before our entry ran (Ray Train's TorchTrainer: gloo on
+        # CPU, nccl on GPU workers): join it as it is, and say which backend it has.
+        backend = str(dist.get_backend())
+    elif world_size > 1:
         backend = backend_for(device)
-        if not dist.is_initialized():
-            # Under `shardlm train --nproc N` the group meets in a file the launcher made (no
-            # listening store socket); under the user's own torchrun, through its MASTER_ADDR/PORT.
-            local = os.environ.get(LOCAL_RENDEZVOUS_ENV)
-            where = (dict(init_method=f"file://{Path(local) / f'group-{restart_count()}'}",
-                          rank=rank, world_size=world_size) if local else {})
-            if timeout_s > 0:
-                where["timeout"] = datetime.timedelta(seconds=process_group_timeout_s(timeout_s))
-            master = os.environ.get("MASTER_ADDR", "")
-            if (not local and is_loopback(master)
-                    and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") != "True"):
-                # A job on one machine (agents with --local-addr=127.0.0.1): rank 0's store
-                # listens on loopback only, where torch's own would listen on every interface.
-                store = loopback_store(master, int(os.environ["MASTER_PORT"]), rank == 0,
-                                       where.get("timeout", dist.default_pg_timeout))
-                where.update(store=store, rank=rank, world_size=world_size)
-            dist.init_process_group(backend=backend, **where,
-                                    device_id=device if device.type == "cuda" else None)
+        # Under `shardlm train --nproc N` the group meets in a file the launcher made (no
+        # listening store socket); under the user's own torchrun, through its MASTER_ADDR/PORT.
+        local = os.environ.get(LOCAL_RENDEZVOUS_ENV)
+        where = (dict(init_method=f"file://{Path(local) / f'group-{restart_count()}'}",
+                      rank=rank, world_size=world_size) if local else {})
+        if timeout_s > 0:
+            where["timeout"] = datetime.timedelta(seconds=process_group_timeout_s(timeout_s))
+        master = os.environ.get("MASTER_ADDR", "")
+        if (not local and is_loopback(master)
+                and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") != "True"):
+            # A job on one machine (agents with --local-addr=127.0.0.1): rank 0's store
+            # listens on loopback only, where torch's own would listen on every interface.
+            store = loopback_store(master, int(os.environ["MASTER_PORT"]), rank == 0,
+                                   where.get("timeout", dist.default_pg_timeout))
+            where.update(store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(backend=backend, **where,
+                                device_id=device if device.type == "cuda" else None)
     return Runtime(rank, world_size, local_rank, local_world, device, backend)
 
 
@@ -448,9 +451,15 @@ def planned_fault() -> Fault | None:
     return Fault(match[1], int(match[2]), int(match[3] or 0))
 
 
+RESTART_COUNT_ENV = "SHARDLM_RESTART_COUNT"
+"""Set by a launcher other than torchrun in its workers (integrations/ray.py, counting Ray Train's
+restarts of the worker group): what TORCHELASTIC_RESTART_COUNT says under torchrun."""
+
+
 def restart_count() -> int:
-    """How many times torchrun has restarted this worker's gang (--max-restarts)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """How many times the launcher has restarted this worker's gang (torchrun's --max-restarts,
+    Ray Train's FailureConfig(max_failures))."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(RESTART_COUNT_ENV) or "0")
 
 
 def is_restart() -> bool:

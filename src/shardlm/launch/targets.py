@@ -1,8 +1,9 @@
 """`shardlm launch --target T`: the same config and overrides as `shardlm train`, written out as
 what a cluster runs — torchrun lines for each node, a SLURM sbatch script, a Kubeflow PyTorchJob
 manifest, a Kubeflow Trainer v2 TrainJob (trainjob.py), a Vertex AI CustomJob or a SkyPilot task
-(skypilot.py) — and optionally submitted (sbatch, kubectl, the Vertex AI SDK, sky). Every target
-starts one torchrun agent per node (`torchrun_argv`, the one builder of the multi-node command
+(skypilot.py) or a Ray Train script (ray_script.py) — and optionally submitted (sbatch, kubectl,
+the Vertex AI SDK, sky; the Ray script is run). Every target but ray starts one torchrun agent per
+node (`torchrun_argv`, the one builder of the multi-node command
 line) with a c10d rendezvous; the agents start --gpus-per-node workers each.
 
 Nothing here imports torch: generating a spec is text. The config is validated by the caller
@@ -20,12 +21,12 @@ import tomllib
 from pathlib import Path
 
 from shardlm.errors import ConfigError
-from shardlm.launch import skypilot, trainjob
+from shardlm.launch import ray_script, skypilot, trainjob
 from shardlm.launch.spec import (DNS_LABEL, RDZV_PLACEHOLDER, RDZV_PORT, RUNS_MOUNT,  # noqa: F401
                                  VERTEX_ACCELERATOR, LaunchSpec, run_dir_args, shell, shell_line)
 from shardlm.launch.torchrun import torchrun_argv
 
-TARGETS = ("torchrun", "slurm", "k8s", "trainjob", "vertex", "skypilot")
+TARGETS = ("torchrun", "slurm", "k8s", "trainjob", "vertex", "skypilot", "ray")
 PYTORCHJOB_API = "kubeflow.org/v1"
 VERTEX_MACHINES = {1: "a2-highgpu-1g", 2: "a2-highgpu-2g", 4: "a2-highgpu-4g", 8: "a2-highgpu-8g",
                    16: "a2-megagpu-16g"}
@@ -187,6 +188,8 @@ def render(spec: LaunchSpec, as_json: bool = False) -> str:
         return render_torchrun(spec)
     if spec.target == "slurm":
         return render_slurm(spec)
+    if spec.target == "ray":
+        return ray_script.render(spec)
     if spec.target == "vertex":
         return json.dumps(vertex_job(spec), indent=2) + "\n"
     docs = {"k8s": lambda: [k8s_manifest(spec)], "trainjob": lambda: trainjob.trainjob_docs(spec),
@@ -210,6 +213,8 @@ def validate_text(spec: LaunchSpec, text: str) -> None:
 
 
 def _problems(spec: LaunchSpec, text: str) -> list[str]:
+    if spec.target == "ray":
+        return ray_script.problems(spec, text)
     out: list[str] = []
     want = [f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.gpus_per_node}", "--rdzv-backend=c10d"]
     if spec.target in ("torchrun", "slurm"):
@@ -345,6 +350,13 @@ def check_submit(target: str) -> None:
     if target == "torchrun":
         raise ConfigError("--submit: --target torchrun has no scheduler to submit to; run the "
                           "printed line on each node")
+    if target == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise ConfigError("--submit --target ray runs the script here and needs Ray Train: pip "
+                              "install 'shardlm[ray]'")
+        return
     if target in SUBMIT_TOOLS:
         tool, what = SUBMIT_TOOLS[target]
         if shutil.which(tool) is None:
@@ -360,7 +372,15 @@ def check_submit(target: str) -> None:
 
 
 def submit(spec: LaunchSpec, path: Path, project: str | None, region: str) -> str:
-    """Submit the written spec at `path`; returns what the tool said."""
+    """Submit the written spec at `path`; returns what the tool said. The Ray script is run here
+    (its workers' output shows as it goes), to the end of the run."""
+    if spec.target == "ray":
+        import sys
+
+        done = subprocess.run([sys.executable, str(path)])
+        if done.returncode != 0:
+            raise ConfigError(f"{sys.executable} {path} failed (status {done.returncode})")
+        return f"ran {path}: the Ray Train run finished"
     if spec.target in SUBMIT_TOOLS:
         argv = {"slurm": ["sbatch", str(path)],
                 "skypilot": ["sky", "jobs", "launch", "--yes", "--name", spec.job_name, str(path)],

@@ -397,7 +397,10 @@ def step_record(run: Run, step: int, loss: float, grad_norm: float, seconds: flo
             **run.fp8_record, **run.times.record(seconds)}
 
 
-def train(run: Run) -> TrainResult:
+def train(run: Run, on_step: Callable[[Run, dict], None] | None = None) -> TrainResult:
+    """Train `run` to train.steps. `on_step(run, record)`, on every rank after each step is logged
+    (and checkpointed: record['checkpoint_step']), before a planned fault strikes: a launcher's
+    hook (integrations/ray.py reports to Ray Train)."""
     cfg, main = run.cfg, run.runtime.is_main
     fault_tolerance.rejoin(run)  # a restarted replica (parallel.fault_tolerant): the others' state
     tracker = open_trackers(cfg.run.tracker, run.run_dir, enabled=main)  # first: closed in finally
@@ -461,6 +464,8 @@ def train(run: Run) -> TrainResult:
                 progress.update(step - run.start_step, f"loss {out.loss:.3f}  "
                                 f"{record['tokens_per_s']:,.0f} tok/s  MFU {record['mfu']:.1%} "
                                 f"(HFU {record['hfu']:.1%})")
+                if on_step is not None:
+                    on_step(run, record)
                 if fault is not None and fault.due(step + 1):
                     fault.strike()
                 if out.stop:
