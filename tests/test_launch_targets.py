@@ -130,7 +130,7 @@ def test_inline_carries_the_config_as_overrides(capsys):
     assert train[-3:] == [*OVERRIDES, "--run.name=job1"]
 
 
-@pytest.mark.parametrize("target", ["torchrun", "slurm", "k8s", "trainjob", "vertex", "skypilot"])
+@pytest.mark.parametrize("target", ["torchrun", "slurm", "k8s", "trainjob", "vertex", "skypilot", "ray"])
 def test_an_invalid_config_is_refused_before_anything_is_written(capsys, tmp_path, target):
     out_file = tmp_path / "spec"
     code = main(["launch", "--target", target, "--nodes", "2", "--gpus-per-node", "3", "--image", "img",
@@ -188,3 +188,38 @@ def test_the_builder_is_the_same_line_on_every_node():
     assert argv == ["torchrun", "--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d",
                     "--rdzv-endpoint=h:1", "--rdzv-id=id", "--max-restarts=3", "-m", "shardlm",
                     "train", "c.toml", "--train.steps=1"]
+
+
+def test_ray_script_runs_the_config_on_n_times_g_workers(capsys, tmp_path):
+    """The Ray target is a Python script: it parses, imports the entry, and carries the train
+    arguments (run.name fixed, so a restarted worker group finds the run), N x G workers and the
+    restarts; it is what --out wrote. The run itself: tests/test_ray.py."""
+    import ast
+
+    out_file = tmp_path / "job.py"
+    code, out, _ = launch(capsys, "--target", "ray", "--nodes", "2", "--gpus-per-node", "4",
+                          "--max-restarts", "3", "--out", str(out_file))
+    assert code == 0 and out_file.read_text() == out and out.startswith("#!/usr/bin/env python3")
+    values = {n.targets[0].id: ast.literal_eval(n.value) for n in ast.parse(out).body
+              if isinstance(n, ast.Assign)}
+    assert values == {"TRAIN_ARGS": [CONFIG, *OVERRIDES, "--run.name=job1"], "NUM_WORKERS": 8,
+                      "MAX_FAILURES": 3}
+    assert "from shardlm.integrations.ray import fit" in out.splitlines() and "world size 8" in out
+
+
+def test_ray_submit_runs_the_script_or_says_what_to_install(capsys, tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # absent, even if installed
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    code, out, err = launch(capsys, "--target", "ray", "--nodes", "1", "--gpus-per-node", "2", "--submit")
+    assert code == 2 and "pip install 'shardlm[ray]'" in err and out == ""
+    monkeypatch.undo()
+    ran = []
+    monkeypatch.setattr(subprocess, "run", lambda argv, **kw: ran.append(argv) or subprocess.CompletedProcess(argv, 0))
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
+    out_file = tmp_path / "job.py"
+    code, _, err = launch(capsys, "--target", "ray", "--nodes", "1", "--gpus-per-node", "2", "--submit",
+                          "--out", str(out_file))
+    assert code == 0 and ran == [[sys.executable, str(out_file)]] and "Ray Train run finished" in err
