@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from shardlm.config import Config, load_config
 from shardlm.errors import ConfigError
-from shardlm.launch.replicas import REPLICA_FAULTS_ENV, replica_faults
+from shardlm.launch.replicas import REPLICA_FAULTS_ENV, fault_of, replica_faults
 from shardlm.launch.runtime import cpu_cores
 from shardlm.train.loop import build_run, loss_of, train_step
 from shardlm.zero.optim import lr_at, set_lr
@@ -54,7 +54,6 @@ def _overrides(tmp_path: Path) -> dict:
     ({"parallel.dp_replicate": 1}, "needs parallel.dp_replicate >= 2"),
     ({"parallel.tp": 2}, "parallel.tp = 2 (model parallelism inside a replica)"),
     ({"parallel.zero_stage": 2}, "parallel.zero_stage = 2 (one rank per replica shards nothing"),
-    ({"checkpoint.every": 5}, "checkpoint.every = 5 (replicas recover from each other"),
     ({"train.optimizer": "muon"}, "train.optimizer = 'muon' (its state is not transferred"),
 ])
 def test_what_fault_tolerance_does_not_compose_with_is_refused(tmp_path, change, says):
@@ -64,16 +63,22 @@ def test_what_fault_tolerance_does_not_compose_with_is_refused(tmp_path, change,
     assert says in str(error.value)
 
 
-def test_replica_faults_name_their_replica():
-    assert replica_faults("1:kill@2, 0:stop@5", "", 2) == {1: "kill@2", 0: "stop@5"}
-    assert replica_faults("", "kill@3", 2) == {0: "kill@3", 1: "kill@3"}
+def test_replica_faults_name_their_replica_and_incarnation():
+    assert replica_faults("1:kill@2, 0:stop@5", "", 2) == {1: ["kill@2"], 0: ["stop@5"]}
+    assert replica_faults("", "kill@3", 2) == {0: ["kill@3"], 1: ["kill@3"]}
     with pytest.raises(ConfigError, match="REPLICA below 2"):
         replica_faults("2:kill@1", "", 2)
+    faults = replica_faults("0:kill@2,0:leave@7/1", "", 2)[0]
+    assert [fault_of(faults, i) for i in (0, 1, 2)] == ["kill@2", "leave@7/1", ""]
 
 
 def _replica_pid(launcher: int, replica: int) -> int | None:
     """The live process of `replica` among the launcher's children (its environment says)."""
-    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+    try:
+        children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    except OSError:  # the launcher is gone
+        return None
+    for child in children:
         try:
             env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -93,9 +98,15 @@ def _stopped(pid: int) -> bool:
 def _run_with_a_kill(tmp_path: Path) -> tuple[int, str]:
     """`shardlm train --nproc 2 --max-restarts 1`, replica 1 killed after step 2, replica 0
     paused after step 5 until replica 1 waits to rejoin."""
-    env = dict(os.environ, PYTHONPATH=str(SRC), **{REPLICA_FAULTS_ENV: "1:kill@2,0:stop@5"})
+    return _launch(_overrides(tmp_path), "1:kill@2,0:stop@5", lost=1)
+
+
+def _launch(overrides: dict, faults: str, lost: int | None) -> tuple[int, str]:
+    """`shardlm train --nproc 2 --max-restarts 1` with $SHARDLM_REPLICA_FAULTS `faults`; the
+    other replica than `lost`, paused (a stop fault), goes on once `lost` waits to rejoin."""
+    env = dict(os.environ, PYTHONPATH=str(SRC), **{REPLICA_FAULTS_ENV: faults})
     argv = [sys.executable, "-m", "shardlm", "train", "--nproc", "2", "--max-restarts", "1",
-            *[f"--{k}={v}" for k, v in _overrides(tmp_path).items()]]
+            *[f"--{k}={v}" for k, v in overrides.items()]]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -103,8 +114,8 @@ def _run_with_a_kill(tmp_path: Path) -> tuple[int, str]:
     deadline = time.monotonic() + 240  # a bound on a hang, not a timing the test depends on
     try:
         while proc.poll() is None and time.monotonic() < deadline:
-            if any("replica 1 waits to rejoin" in line for line in list(lines)):
-                pid = _replica_pid(proc.pid, 0)
+            if lost is not None and any(f"replica {lost} waits to rejoin" in line for line in list(lines)):
+                pid = _replica_pid(proc.pid, 1 - lost)
                 if pid is not None and _stopped(pid):
                     os.kill(pid, signal.SIGCONT)
             time.sleep(0.05)
@@ -117,6 +128,41 @@ def _run_with_a_kill(tmp_path: Path) -> tuple[int, str]:
 
 def _records(path: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+def _reference(tmp_path: Path, quorums: list[list[int]]):
+    """The one-process run the replicas' steps equal, at their thread count (1 each on 2
+    cores): a step of both replicas is the global batch (grad_accum 2, as ordinary
+    dp_replicate = 2); a step of one replica alone is its micro-batch (replica r's is the
+    reference's r-th), the mean over one replica. Returns the run and its losses."""
+    torch.set_num_threads(max(1, cpu_cores() // 2))
+    ref_cfg = load_config(None, {**_overrides(tmp_path), "parallel.dp_replicate": 1,
+                                 "parallel.fault_tolerant": False, "train.grad_accum": 2,
+                                 "run.name": "reference"})
+    run = build_run(ref_cfg.validate())
+    losses = []
+    for step, quorum in enumerate(quorums):
+        if len(quorum) == 2:
+            losses.append(train_step(run, step).loss)
+            continue
+        set_lr(run.strategy.optimizer, lr_at(step, run.cfg.train))
+        x, y = run.train_loader.micro_batches(step)[quorum[0]]
+        loss = loss_of(run, x, y)
+        loss.backward()
+        run.strategy.clip_grad_norm(run.cfg.train.grad_clip or float("inf"))
+        run.strategy.step()
+        run.strategy.zero_grad()
+        losses.append(float(loss.detach()))
+    return run, losses
+
+
+def _assert_final_weights(tmp_path: Path, run) -> None:
+    """Both replicas' final weights are the reference's, bit for bit."""
+    reference = {n: p.detach() for n, p in run.model.named_parameters()}
+    for replica in (0, 1):
+        saved = load_file(tmp_path / "runs" / "ft" / f"replica-{replica}" / "model.safetensors")
+        assert saved.keys() == reference.keys()
+        assert all(torch.equal(saved[n], reference[n]) for n in reference), replica
 
 
 def test_a_killed_replica_drops_out_and_rejoins_from_a_live_peer(tmp_path):
@@ -134,32 +180,9 @@ def test_a_killed_replica_drops_out_and_rejoins_from_a_live_peer(tmp_path):
     assert quorums[2:rejoin] == [[0]] * (rejoin - 2), quorums  # alone, the join round included
     assert quorums[rejoin:] == [[0, 1]] * (STEPS - rejoin), quorums
 
-    # The one-process reference, at the replicas' thread count (1 each on 2 cores).
-    torch.set_num_threads(max(1, cpu_cores() // 2))
-    ref_cfg = load_config(None, {**_overrides(tmp_path), "parallel.dp_replicate": 1,
-                                 "parallel.fault_tolerant": False, "train.grad_accum": 2,
-                                 "run.name": "reference"})
-    run = build_run(ref_cfg.validate())
-    losses = []
-    for step in range(STEPS):
-        if len(quorums[step]) == 2:  # both replicas: the global batch, as ordinary dp_replicate = 2
-            losses.append(train_step(run, step).loss)
-            continue
-        # replica 0 alone: its micro-batch (the reference's first), the mean over one replica
-        set_lr(run.strategy.optimizer, lr_at(step, run.cfg.train))
-        x, y = run.train_loader.micro_batches(step)[0]
-        loss = loss_of(run, x, y)
-        loss.backward()
-        run.strategy.clip_grad_norm(run.cfg.train.grad_clip or float("inf"))
-        run.strategy.step()
-        run.strategy.zero_grad()
-        losses.append(float(loss.detach()))
+    run, losses = _reference(tmp_path, quorums)
     assert [r["loss"] for r in records] == losses
-    reference = {n: p.detach() for n, p in run.model.named_parameters()}
-    for replica in (0, 1):
-        saved = load_file(tmp_path / "runs" / "ft" / f"replica-{replica}" / "model.safetensors")
-        assert saved.keys() == reference.keys()
-        assert all(torch.equal(saved[n], reference[n]) for n in reference), replica
+    _assert_final_weights(tmp_path, run)
 
     # The bytes: an averaged step all-reduces every gradient and the (loss, stop) pair, fp32,
     # counted twice (reduce-scatter + all-gather); alone, nothing; the join sends the state.
@@ -169,3 +192,45 @@ def test_a_killed_replica_drops_out_and_rejoins_from_a_live_peer(tmp_path):
     assert all(b == {} for b in by_op[2:rejoin - 1])
     state = 8 * 6 + 3 * 4 * numel + torch.get_rng_state().numel()  # meta, values + moments, RNG
     assert by_op[rejoin - 1] == {"all_reduce/replicas": 2 * 4 * (numel + 2), "broadcast/replicas": state}
+
+
+def test_replicas_checkpoint_and_a_job_lost_whole_resumes_from_it(tmp_path):
+    """checkpoint.every = 3 with replicas: replica 0 is killed after step 2 and restarted
+    (replica 1, the lowest live replica then, writes step 3); replica 1 pauses after step 5 until
+    replica 0 waits to rejoin, so replica 0 is back by step 6. Once back, replica 0 kills the
+    launcher after step 7 (a 'leave': the whole job lost at once, replica 1 with it, which
+    cannot finish step 8 alone meanwhile: replica 0 is not reported dead). Launched again, the
+    job resumes from step 6 and finishes; its losses and weights are the uninterrupted
+    one-process reference's."""
+    overrides = {**_overrides(tmp_path), "checkpoint.every": 3}
+    code, output = _launch(overrides, "0:kill@2,1:stop@5,0:leave@7/1", lost=0)
+    assert code == -signal.SIGKILL, output[-3000:]  # the launcher, killed by replica 0
+    assert "replica 0 rejoined at step" in output, output[-3000:]
+    root = tmp_path / "runs" / "ft"
+    assert sorted(p.name for p in (root / "checkpoints").glob("step-*")) == ["step-00000003",
+                                                                            "step-00000006"]
+    lost = {r: _records(root / f"replica-{r}" / "metrics.jsonl") for r in (0, 1)}
+    survivor = lost[1][:6]  # replica 1 took every step up to 6 (7 maybe not logged: killed)
+    assert [r["step"] for r in survivor] == list(range(1, 7)), lost[1]
+    assert survivor[2]["quorum"] == [1]  # step 3: replica 1 alone, the lowest live replica
+    # Each checkpoint was written once, by the lowest live replica of its step's quorum.
+    written = sorted((r["checkpoint_step"], replica) for replica in (0, 1) for r in lost[replica]
+                     if "checkpoint_step" in r)
+    assert written == [(3, 1), (6, min(survivor[5]["quorum"]))], written
+
+    code, output = _launch(overrides, "", lost=None)
+    assert code == 0, output[-3000:]
+    assert "resumed from" in output and "step-00000006" in output, output[-3000:]
+    resumed = {r: _records(root / f"replica-{r}" / "metrics.jsonl")[len(lost[r]):] for r in (0, 1)}
+    assert all([r["step"] for r in resumed[k]] == [7, 8, 9] for k in (0, 1)), resumed
+    assert resumed[0][-1]["checkpoint_step"] == 9 and "checkpoint_step" not in resumed[1][-1]
+
+    quorums = [r["quorum"] for r in survivor + resumed[1]]
+    assert quorums[6:] == [[0, 1]] * 3, quorums
+    run, losses = _reference(tmp_path, quorums)
+    # Bit for bit: each side adds the same two fp32 terms (a sum of two is the same in either
+    # order), and a resume restores the fp32 weights, the moments and the Adam step exactly;
+    # with more replicas the all-reduce's order would differ and call for a tolerance.
+    assert [r["loss"] for r in survivor + resumed[1]] == losses
+    assert [r["loss"] for r in resumed[0]] == losses[6:]
+    _assert_final_weights(tmp_path, run)

@@ -224,7 +224,11 @@ class CheckpointWriter:
     asynchronous); rank 0 also assembles the manifest and publishes the checkpoint."""
 
     def __init__(self, root: Path, rank: int, world_size: int, keep: int, asynchronous: bool,
-                 session: str, timeout_s: float):
+                 session: str, timeout_s: float, owner: str = ""):
+        """`owner`: a prefix of `session` shared by this writer's earlier sessions only — with
+        several writers in one `root` (parallel.fault_tolerant: whichever replica is the lowest
+        live one), each sweeps its own leftovers, never another's save in flight; '' = all."""
+        assert session.startswith(owner)
         self.root, self.rank, self.world_size, self.keep = root, rank, world_size, keep
         self.asynchronous, self.session, self.timeout_s = asynchronous, session, timeout_s
         self._thread: threading.Thread | None = None
@@ -236,7 +240,8 @@ class CheckpointWriter:
         during it, which bounds rank 0's wait for the other ranks' notes (_await_notes)."""
         if rank == 0:  # a crashed attempt's unfinished or half-deleted directories (the run
             # directory is locked: no other attempt runs now)
-            for stale in [*self.root.glob(".step-*.tmp"), *self.root.glob(".step-*.old")]:
+            for stale in [*self.root.glob(f".step-*.{owner}*.tmp"),
+                          *self.root.glob(f".step-*.{owner}*.old")]:
                 if f".{session}." not in stale.name:
                     _remove(stale)
 

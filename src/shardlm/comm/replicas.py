@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from shardlm.comm.collectives import CommLedger
-from shardlm.launch.replicas import DEATHS, DONE, ReplicaIdentity
+from shardlm.launch.replicas import DEATHS, DONE, JOINED, ReplicaIdentity
 
 log = logging.getLogger("shardlm")
 
@@ -103,6 +103,9 @@ class ReplicaGroup:
     """Rounds of the current step that did not commit (so far)."""
     committed_retries: int = 0
     """Rounds the last committed step took that did not commit."""
+    patient_round: int = -1
+    """A round that waits for the last quorum as long as the first round does: the one after a
+    checkpoint, whose writer may still be saving (a save is not a death)."""
     _group: dist.ProcessGroup | None = None
     _group_key: tuple = ()
 
@@ -139,7 +142,8 @@ class ReplicaGroup:
     def _close(self, n: int) -> Quorum:
         """Wait for the last quorum's members (each present, dead, or the timeout), then close
         round n with whoever registered; returns the round's quorum, the same on every replica."""
-        patience = (self.collective_timeout_s or 600.0) if n == 0 else self.quorum_timeout_s
+        patience = ((self.collective_timeout_s or 600.0) if n in (0, self.patient_round)
+                    else self.quorum_timeout_s)
         deadline = time.monotonic() + patience
         closed = self._key(n, "quorum")
         while not self.store.check([closed]):
@@ -236,6 +240,11 @@ class ReplicaGroup:
                 self._all_reduce(zeros)
                 return q
 
+    def joined(self) -> None:
+        """A restarted replica holds the live replicas' state now: the launcher may count on it
+        when the others die (launch/replicas.py)."""
+        self.store.set(JOINED.format(self.identity.replica), str(self.identity.incarnation))
+
     def share_state(self, tensors: list[torch.Tensor]) -> bool:
         """After a committed step of a quorum with joining members: the first live member's
         `tensors` (the whole training state, in an order every replica agrees on) broadcast to
@@ -259,6 +268,16 @@ class ReplicaGroup:
                         q.joining, str(e).splitlines()[0][:200])
             return False
         return True
+
+    def writes_checkpoint(self) -> bool:
+        """At a checkpoint step, whether this replica writes it: the lowest live replica of the
+        step's quorum. Every replica read the same quorum, so exactly one writes and the others
+        skip; a writer that dies mid-save leaves an unpublished temporary directory, never a
+        damaged checkpoint (checkpoint/sharded.py), and the next round waits for a writer still
+        saving as long as the first round waits (`patient_round`)."""
+        self.patient_round = self.round
+        q = self.quorum
+        return q is None or q.live[:1] == [self.identity.replica]
 
     def _all_reduce(self, tensors: list[torch.Tensor]) -> None:
         if self._group is None:

@@ -420,7 +420,7 @@ def _fp8_all_gather_composes(cfg: Config) -> list[str]:
 
 @_cross("parallel.fault_tolerant", "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp",
         "parallel.cp", "parallel.pp", "parallel.ep", "parallel.zero_stage", "parallel.strategy",
-        "checkpoint.every", "train.global_batch", "train.optimizer", "lora.rank", "train.local_sgd.every")
+        "train.global_batch", "train.optimizer", "lora.rank", "train.local_sgd.every")
 def _fault_tolerant_layout(cfg: Config) -> list[str]:
     """parallel.fault_tolerant (comm/replicas.py): each replica is one process of its own, so
     only plain data parallelism across replicas is built; the rest is refused here, by name."""
@@ -440,8 +440,6 @@ def _fault_tolerant_layout(cfg: Config) -> list[str]:
         ("parallel.zero_stage", par.zero_stage, "one rank per replica shards nothing: use 0",
          par.zero_stage != 0),
         ("parallel.strategy", par.strategy, "each replica would plan alone", par.strategy != "manual"),
-        ("checkpoint.every", cfg.checkpoint.every, "replicas recover from each other; their "
-         "checkpoints are not built yet: use 0", cfg.checkpoint.every > 0),
         ("train.global_batch", cfg.train.global_batch, "set train.grad_accum instead",
          cfg.train.global_batch > 0),
         ("train.optimizer", cfg.train.optimizer, "its state is not transferred to a rejoining "

@@ -38,12 +38,17 @@ process's replica id, how many replicas the run has, how many times this replica
 and the coordination store."""
 REPLICA_FAULTS_ENV = "SHARDLM_REPLICA_FAULTS"
 """Tests and benchmarks: 'R:ACTION@STEP[/ROUND],...', the $SHARDLM_FAULT (launch/runtime.py
-Fault) each replica R receives; a replica not named receives none. Without it, every replica
+Fault) each replica R receives; a replica not named receives none. ROUND is the replica's
+incarnation (its restarts so far): a replica named more than once receives, in each incarnation,
+the fault of that round ('1:kill@2,1:leave@7/1': killed after step 2, and once restarted, takes
+the launcher down after step 7 — the whole job lost at once). Without it, every replica
 receives $SHARDLM_FAULT, if set."""
 DONE = "done"
 """Set in the store when a replica finished the run: a restarted one waiting to rejoin stops."""
 DEATHS = "deaths/{}"
 """The store's count of the deaths of replica r the launcher has seen (comm/replicas.py)."""
+JOINED = "joined/{}"
+"""Set by a restarted replica r to its incarnation once it holds the live replicas' state."""
 
 
 @dataclass(frozen=True)
@@ -75,19 +80,33 @@ def replica_argv(worker_argv: list[str], run_dir: str, run_name: str, replica: i
     return [*worker_argv, f"--run.dir={Path(run_dir) / run_name}", f"--run.name=replica-{replica}"]
 
 
-def replica_faults(spec: str, every: str, replicas: int) -> dict[int, str]:
-    """$SHARDLM_REPLICA_FAULTS ('1:kill@3,0:stop@5') as {replica: fault}, or $SHARDLM_FAULT for
-    every replica when `spec` is empty."""
+def replica_faults(spec: str, every: str, replicas: int) -> dict[int, list[str]]:
+    """$SHARDLM_REPLICA_FAULTS ('1:kill@3,0:stop@5') as {replica: [fault, ...]}, or
+    $SHARDLM_FAULT for every replica when `spec` is empty."""
     if not spec:
-        return {r: every for r in range(replicas)} if every else {}
-    out = {}
+        return {r: [every] for r in range(replicas)} if every else {}
+    out: dict[int, list[str]] = {}
     for item in spec.split(","):
         replica, _, fault = item.strip().partition(":")
         if not replica.isdigit() or int(replica) >= replicas or not fault:
-            raise ConfigError(f"{REPLICA_FAULTS_ENV}={spec!r}: write REPLICA:ACTION@STEP[,...] with "
-                              f"REPLICA below {replicas} (e.g. 1:kill@3)")
-        out[int(replica)] = fault
+            raise ConfigError(f"{REPLICA_FAULTS_ENV}={spec!r}: write REPLICA:ACTION@STEP[/ROUND][,...] "
+                              f"with REPLICA below {replicas} (e.g. 1:kill@3)")
+        out.setdefault(int(replica), []).append(fault)
     return out
+
+
+def fault_of(faults: list[str], incarnation: int) -> str:
+    """The fault planned for this incarnation of a replica (its ROUND), '' if none: one per
+    process, as $SHARDLM_FAULT holds one."""
+    return next((f for f in faults if (f.partition("/")[2] or "0") == str(incarnation)), "")
+
+
+def _state_holders(store, procs: dict[int, subprocess.Popen], restarts: dict[int, int]) -> list[int]:
+    """The replicas alive that hold the training state: a first incarnation (it started from
+    scratch or from a checkpoint), or a restarted one that has rejoined (`JOINED`)."""
+    def joined(r: int) -> bool:
+        return store.check([JOINED.format(r)]) and int(store.get(JOINED.format(r))) == restarts[r]
+    return [r for r, proc in procs.items() if proc.poll() is None and (restarts[r] == 0 or joined(r))]
 
 
 def launch_replicas(replicas: int, worker_argv: list[str], run_dir: str, run_name: str,
@@ -111,8 +130,9 @@ def launch_replicas(replicas: int, worker_argv: list[str], run_dir: str, run_nam
         env = dict(base, LOCAL_RANK=str(replica), LOCAL_WORLD_SIZE=str(replicas),
                    TORCHELASTIC_RESTART_COUNT=str(incarnation))  # a planned fault strikes once
         env[REPLICA_ENV] = f"{replica}/{replicas}/{incarnation}@127.0.0.1:{store.port}"
-        if faults.get(replica):
-            env[FAULT_ENV] = faults[replica]
+        fault = fault_of(faults.get(replica, []), incarnation)
+        if fault:
+            env[FAULT_ENV] = fault
         argv = replica_argv(worker_argv, run_dir, run_name, replica)
         return subprocess.Popen([sys.executable, *argv], env=env)
 
@@ -144,6 +164,16 @@ def launch_replicas(replicas: int, worker_argv: list[str], run_dir: str, run_nam
                         store.set(DONE, "1")
                     continue
                 store.add(DEATHS.format(r), 1)  # the live replicas stop waiting for it now
+                if not store.check([DONE]) and not _state_holders(store, procs, restarts):
+                    log.error("shardlm: replica %d exited with %d and no live replica holds the "
+                              "training state any more (a restarted one would wait in vain to "
+                              "rejoin): the job stops; run it again to resume from its latest "
+                              "checkpoint (checkpoint.every)", r, code)
+                    codes[r] = code
+                    for other in procs.values():
+                        other.kill()
+                    procs.clear()
+                    break
                 if restarts[r] < max_restarts:
                     restarts[r] += 1
                     log.warning("shardlm: replica %d exited with %d: restarting it (%d of %d); it "

@@ -6,16 +6,19 @@ any other (checkpoint/ reads and writes the pieces; this module knows the run)."
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, SaveReport, find_checkpoint, newest_usable,
-                                        read_manifest)
+from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, CheckpointWriter, SaveReport,
+                                        find_checkpoint, newest_usable, read_manifest)
 
 from shardlm.checkpoint.reader import load_slices, raise_on_every_rank
 from shardlm.config import Config
-from shardlm.launch.runtime import Runtime, broadcast_text, is_restart
+from shardlm.launch.replicas import replica_identity
+from shardlm.launch.runtime import Runtime, agree_on_name, broadcast_text, is_restart
 from shardlm.train.run import Run
 from shardlm.zero.optim import adam_steps, set_adam_steps
 
@@ -50,12 +53,31 @@ def resume_source(cfg: Config, run_dir: Path, runtime: Runtime | None = None,
     return Path(text) if kind == "path" else None
 
 
+def checkpoints_root(cfg: Config, run_dir: Path) -> Path:
+    """The run's checkpoints/: in its run directory; with parallel.fault_tolerant, in the
+    replicas' common one, <run.dir>/<run.name> (each replica's run directory is its replica-<r>:
+    launch/replicas.py), where whichever replica writes a checkpoint puts it."""
+    return (run_dir.parent if cfg.parallel.fault_tolerant else run_dir) / CHECKPOINTS
+
+
+def checkpoint_writer(cfg: Config, run_dir: Path, runtime: Runtime) -> CheckpointWriter:
+    """This rank's writer. A fault-tolerant replica is rank 0 of a world of its own, one of
+    several writers of one directory: its sessions are named after it, and it sweeps only its
+    own earlier sessions' leftovers (another replica's save may be in flight)."""
+    identity = replica_identity() if cfg.parallel.fault_tolerant else None
+    owner = f"replica-{identity.replica}-" if identity is not None else ""
+    session = owner + agree_on_name(f"{os.getpid()}-{time.time_ns()}", runtime)
+    return CheckpointWriter(checkpoints_root(cfg, run_dir), runtime.rank, runtime.world_size,
+                            cfg.checkpoint.keep, cfg.checkpoint.async_, session=session,
+                            timeout_s=cfg.parallel.collective_timeout_s or 3600.0, owner=owner)
+
+
 def _choose_source(cfg: Config, run_dir: Path, rejected: dict[Path, str] | None) -> Path | None:
     choice = cfg.checkpoint.resume
-    if choice == "never":
-        return None
+    if choice == "never" or (cfg.parallel.fault_tolerant and is_restart()):
+        return None  # (a restarted replica takes the live replicas' state: fault_tolerance.rejoin)
     if is_restart() or choice == "auto":
-        own = newest_usable(run_dir / CHECKPOINTS, rejected)
+        own = newest_usable(checkpoints_root(cfg, run_dir), rejected)
         if own is not None or choice == "auto":
             return own
     return find_checkpoint(choice, rejected)
@@ -84,7 +106,10 @@ def save_checkpoint(run: Run, step: int) -> SaveReport:
     if moe is not None and moe.biases:  # balance = 'bias': the routers' biases (the same everywhere)
         state["moe_biases"] = {str(k): v.tolist() for k, v in moe.biases.items()}
     meta = {"config": run.cfg.to_dict(), "layout": _layout(run)}
-    return run.checkpoints.save(step, run.strategy.state_slices(saving=True), run.strategy.writes_checkpoint,
+    # A fault-tolerant replica that writes (fault_tolerance.writes_checkpoint) writes all of its
+    # state, whatever its place among the replicas: it is a world of its own.
+    writes = run.strategy.writes_checkpoint or run.replicas is not None
+    return run.checkpoints.save(step, run.strategy.state_slices(saving=True), writes,
                                 state, {"rng": rng}, meta)
 
 

@@ -96,6 +96,13 @@ def state_tensors(run: Run, steps_done: int) -> list[torch.Tensor]:
     return [meta, *slices, torch.get_rng_state()]
 
 
+def writes_checkpoint(run: Run) -> bool:
+    """Whether this process writes the checkpoint due now: always, but with replicas, where
+    only the lowest live replica of the step's quorum does (their states are the same, bit for
+    bit) — into the replicas' common checkpoints/ (checkpointing.checkpoints_root)."""
+    return run.replicas is None or run.replicas.writes_checkpoint()
+
+
 def after_step(run: Run, steps_done: int, stepped: bool) -> None:
     """After a committed step: a quorum with joining replicas sends them this state."""
     quorum = run.replicas.quorum if stepped else None
@@ -127,5 +134,6 @@ def rejoin(run: Run) -> None:
     run.start_step = int(meta[0])
     run.train_loader.resume_at(run.start_step, int(meta[2]))
     torch.set_rng_state(rng)
+    run.replicas.joined()
     log.warning("shardlm: replica %d rejoined at step %d from replica %d's state (round %d)",
                 run.replicas.identity.replica, run.start_step, quorum.live[0], quorum.round)

@@ -9,7 +9,6 @@ run holds is run.py; its checkpoints (resume, save, restore) checkpointing.py.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,8 +19,7 @@ from torch import nn
 
 from shardlm.checkpoint.hf_dir import carry_identity
 from shardlm.checkpoint.weights import save_weights
-from shardlm.checkpoint.sharded import (CHECKPOINTS, CheckpointWriter,
-                                        load_with_fallback)
+from shardlm.checkpoint.sharded import load_with_fallback
 from shardlm.config import Config
 from shardlm.config.fields import document_mask_on
 from shardlm.errors import ConfigError
@@ -30,8 +28,7 @@ from shardlm.data.seq2seq import Seq2SeqInputs
 from shardlm.data.sft import check_chat_template, template_for
 from shardlm.data.corpus import check_text_files
 from shardlm.data.tokenizer import hf_tokenizer
-from shardlm.launch.runtime import (Runtime, StopSignals, agree_on_name, init_runtime,
-                                    planned_fault)
+from shardlm.launch.runtime import Runtime, StopSignals, init_runtime, planned_fault
 from shardlm.launch.run_dir import claim_run_dir
 from shardlm.config.dims import resolve_dims
 from shardlm.comm.mesh import build_mesh
@@ -56,7 +53,7 @@ from shardlm.comm.collectives import DeviceDone
 from shardlm.comm.watchdog import CollectiveWatchdog, watched
 from shardlm.models.precision import build_precision, is_finite
 from shardlm.planner.search import run_prediction
-from shardlm.train.checkpointing import load_checkpoint, resume_source, save_checkpoint
+from shardlm.train.checkpointing import checkpoint_writer, load_checkpoint, resume_source, save_checkpoint
 from shardlm.train import fault_tolerance
 from shardlm.train.resolve import local_hardware, resolve_config
 from shardlm.train.run import Run, TrainResult
@@ -162,10 +159,7 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
     common = dict(seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed, source_len=source_len,
                   dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp_size,
                   document_end=dataset.eot_id if documents else None)
-    writer = CheckpointWriter(
-        run_dir / CHECKPOINTS, runtime.rank, runtime.world_size, cfg.checkpoint.keep,
-        cfg.checkpoint.async_, session=agree_on_name(f"{os.getpid()}-{time.time_ns()}", runtime),
-        timeout_s=cfg.parallel.collective_timeout_s or 3600.0)
+    writer = checkpoint_writer(cfg, run_dir, runtime)
     run = Run(
         cfg=cfg, runtime=runtime, mesh=mesh, dataset=dataset, model=model, forward=built.forward,
         strategy=built.strategy, watchdog=watchdog, precision=precision,
@@ -450,7 +444,8 @@ def train(run: Run, on_step: Callable[[Run, dict], None] | None = None) -> Train
                     result.val_loss = scores["val_loss"]
                     result.val_perplexity = scores["val_perplexity"]
                     result.val_token_accuracy = scores["val_token_accuracy"]
-                if out.stop or (every and (last or (step + 1) % every == 0)):
+                due = out.stop or (every and (last or (step + 1) % every == 0))
+                if due and fault_tolerance.writes_checkpoint(run):  # replicas: the lowest live one
                     if out.stop:  # the last checkpoint before exiting: written in full
                         run.checkpoints.asynchronous = False
                     run.checkpoints.interrupted = signals.watch()  # a signal during it: a rank died
