@@ -36,6 +36,7 @@ weight has no gradient, the input has one (the adapters below need it).
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -186,18 +187,25 @@ def _nf4_rows(rows: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     return torch.cat([_fp32_bytes(offset), _fp32_bytes(absmax2), absmax_codes, packed], dim=1)
 
 
-def dequantize(packed: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(packed: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """The stored rows (R, K) in `dtype` from their byte table: the arithmetic in fp32, then
-    cast (the weight is this, or its transpose with fmt.transposed: `weight_of`). NF4 goes
-    through bitsandbytes' dequantize_4bit kernel (C on CPU, CUDA on GPU) when it is installed and
-    the rows are whole blocks, else through torch ops (dequantize_torch): the same values."""
+    cast (the weight is this, or its transpose with fmt.transposed: `weight_of`). NF4 in fp32 on
+    the CPU goes through torch ops (a gather of each byte's two levels, then the blocks'
+    absmaxes: as fast as bitsandbytes' C kernel there, and into `out`, an fp32 (R, K) buffer,
+    when given); else through bitsandbytes' dequantize_4bit kernel (C on CPU, CUDA on GPU) when
+    it is installed and the rows are whole blocks, else torch ops (dequantize_torch): the same
+    values."""
     if fmt.kind == "int8":
         return dequantize_torch(packed, fmt, dtype)
     kernel = _bnb_kernel()
     r, k = fmt.rows
-    if kernel is not None and k % BLOCK == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16):
+    on_cpu = packed.device.type == "cpu" and dtype == torch.float32
+    if kernel is not None and not on_cpu and k % BLOCK == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16):
         codes = packed[:, 4 + 4 * fmt.blocks2 + fmt.blocks:].reshape(-1)
         return kernel(codes, _nf4_absmax(packed, fmt).reshape(-1), BLOCK, "nf4", [r, k], dtype)
+    if dtype == torch.float32:
+        return _nf4_values(packed[:, 4 + 4 * fmt.blocks2 + fmt.blocks:], _nf4_absmax(packed, fmt), fmt, out)
     return dequantize_torch(packed, fmt, dtype)
 
 
@@ -217,24 +225,53 @@ def weight_of(packed: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> tor
     return rows.t() if fmt.transposed else rows
 
 
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _table(name: str, device: torch.device) -> torch.Tensor:
+    """A lookup table, made once per device: 'dynamic' the 256 levels of dynamic_map (fp32);
+    'nf4 pairs' (256,) int64 whose 8 bytes are a byte's two NF4 levels as fp32, the high
+    nibble's first (a byte's two values in one gather)."""
+    table = _TABLES.get((name, device))
+    if table is None:
+        if name == "dynamic":
+            table = dynamic_map()
+        else:
+            levels = torch.tensor(NF4_CODE, dtype=torch.float32)
+            pairs = torch.stack([levels.repeat_interleave(16), levels.repeat(16)], dim=1)  # byte -> (high, low)
+            table = pairs.contiguous().view(torch.int64).reshape(256)
+        table = _TABLES[(name, device)] = table.to(device)
+    return table
+
+
 def _nf4_absmax(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     """The blocks' absmaxes (fp32, (R, blocks)) undone from their double quantisation."""
-    at = 4 + 4 * fmt.blocks2
-    offset, absmax2 = _fp32_from(packed, 0, 1), _fp32_from(packed, 4, fmt.blocks2)
-    levels = dynamic_map().to(packed.device)[packed[:, at:at + fmt.blocks].int()]
-    return levels * absmax2.repeat_interleave(ABSMAX_BLOCK, dim=1)[:, :fmt.blocks] + offset
+    at, nb, nb2 = 4 + 4 * fmt.blocks2, fmt.blocks, fmt.blocks2
+    offset, absmax2 = _fp32_from(packed, 0, 1), _fp32_from(packed, 4, nb2)  # (R, 1), (R, nb2)
+    codes = packed[:, at:at + nb].int()  # (R, nb)
+    levels = torch.index_select(_table("dynamic", packed.device), 0, codes.view(-1)).view(codes.shape)
+    if nb2 == 1:  # K <= 16,384: one second-level absmax per row
+        return levels.mul_(absmax2).add_(offset)
+    levels = F.pad(levels, (0, nb2 * ABSMAX_BLOCK - nb)).view(-1, nb2, ABSMAX_BLOCK).mul_(absmax2.unsqueeze(2))
+    return levels.view(-1, nb2 * ABSMAX_BLOCK)[:, :nb].add(offset)
 
 
-def _nf4_values(codes: torch.Tensor, absmax: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    """fp32 (R, K): each byte's two levels by one lookup in a (256, 2) table, times the
-    block's absmax."""
+def _nf4_values(codes: torch.Tensor, absmax: torch.Tensor, fmt: QuantFormat,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 (R, K) (into `out` when given): each byte's two levels by one gather from a (256,)
+    table of pairs (_table), times the block's absmax."""
     (r, k), nb = fmt.rows, fmt.blocks
-    table = torch.tensor(NF4_CODE, device=codes.device)
-    pairs = torch.stack([table.repeat_interleave(16), table.repeat(16)], dim=1)  # byte -> (high, low)
-    values = F.embedding(codes.int(), pairs).reshape(r, -1)  # (R, 2 ceil(K/2))
+    pairs = _table("nf4 pairs", codes.device)
+    if k % BLOCK == 0:  # whole blocks: straight into the output, scaled in place
+        values = torch.empty((r, k), dtype=torch.float32, device=codes.device) if out is None else out
+        torch.index_select(pairs, 0, codes.int().view(-1), out=values.view(torch.int64).view(-1))
+        values.view(r, nb, BLOCK).mul_(absmax.unsqueeze(2))
+        return values
+    values = torch.index_select(pairs, 0, codes.int().view(-1)).view(torch.float32).view(r, -1)  # (R, 2 ceil(K/2))
     values = F.pad(values, (0, nb * BLOCK - values.shape[1])).view(r, nb, BLOCK)
     values.mul_(absmax.unsqueeze(2))
-    return values.reshape(r, -1)[:, :k]
+    values = values.reshape(r, -1)[:, :k]
+    return values if out is None else out.copy_(values)
 
 
 _BNB: object = None
@@ -279,6 +316,25 @@ def _weight(packed: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> torch
     return rows.t() if fmt.transposed else rows
 
 
+_SCRATCH = threading.local()
+
+
+def product_weight(packed: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
+    """The weight (out, in) for one product that keeps nothing of it (QuantizedLinearFn, LoRA's
+    fused layer): NF4 in fp32 on the CPU, outside a compiled graph, dequantised into this
+    thread's one reusable buffer, sized to the largest weight so far, which the next call
+    overwrites (no fresh pages per layer and pass); else a new tensor (`_weight`)."""
+    if (fmt.kind != "nf4" or dtype != torch.float32 or packed.device.type != "cpu"
+            or torch.compiler.is_compiling()):
+        return _weight(packed, fmt, dtype)
+    numel = fmt.numel
+    buffer = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _SCRATCH.buffer = torch.empty(numel, dtype=torch.float32)
+    rows = dequantize(packed, fmt, dtype, out=buffer[:numel].view(fmt.rows))
+    return rows.t() if fmt.transposed else rows
+
+
 class QuantizedLinearFn(torch.autograd.Function):
     """y = x W^T + b with W dequantised from its bytes in forward and again in backward: the
     bytes are what autograd keeps. W and b are frozen (no gradient); x gets one."""
@@ -287,12 +343,12 @@ class QuantizedLinearFn(torch.autograd.Function):
     def forward(ctx, x, packed, bias, fmt):
         ctx.save_for_backward(packed)
         ctx.fmt, ctx.fp32_gemm = fmt, fp32_gemm_active()
-        return F.linear(x, _weight(packed, fmt, _compute_dtype(x)), bias)
+        return F.linear(x, product_weight(packed, fmt, _compute_dtype(x)), bias)
 
     @staticmethod
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
-        grad_x = gemm(grad, _weight(packed, ctx.fmt, grad.dtype), ctx.fp32_gemm)  # (…, out) @ (out, in)
+        grad_x = gemm(grad, product_weight(packed, ctx.fmt, grad.dtype), ctx.fp32_gemm)  # (…, out) @ (out, in)
         return grad_x, None, None, None
 
 
