@@ -19,10 +19,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -31,7 +33,10 @@ from safetensors.torch import load_file
 
 from shardlm.config import Config, load_config
 from shardlm.errors import ConfigError
-from shardlm.launch.replicas import REPLICA_FAULTS_ENV, fault_of, replica_faults
+from shardlm.cli import train as cli_train
+from shardlm.cli.main import main
+from shardlm.launch import runtime
+from shardlm.launch.replicas import REPLICA_FAULTS_ENV, fault_of, quorum_endpoint, replica_faults
 from shardlm.launch.runtime import cpu_cores
 from shardlm.train.loop import build_run, loss_of, train_step
 from shardlm.zero.optim import lr_at, set_lr
@@ -70,6 +75,54 @@ def test_replica_faults_name_their_replica_and_incarnation():
         replica_faults("2:kill@1", "", 2)
     faults = replica_faults("0:kill@2,0:leave@7/1", "", 2)[0]
     assert [fault_of(faults, i) for i in (0, 1, 2)] == ["kill@2", "leave@7/1", ""]
+
+
+class _BindRecorder:
+    """A socket whose bind records the address and fails: the store gets no further."""
+
+    bound: list = []
+
+    def __init__(self, family, kind):
+        self.family = family
+
+    def setsockopt(self, *args) -> None:
+        pass
+
+    def bind(self, address) -> None:
+        _BindRecorder.bound.append((self.family, address))
+        raise OSError("recorded, not bound")
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("flag, family, address", [
+    ([], socket.AF_INET, ("127.0.0.1", 0)),  # one machine: loopback, a free port
+    (["--quorum-endpoint", "10.9.8.7:29400"], socket.AF_INET, ("10.9.8.7", 29400)),
+    (["--quorum-endpoint", "[fd00::5]:29400"], socket.AF_INET6, ("fd00::5", 29400)),
+], ids=["default", "v4", "v6"])
+def test_the_quorum_store_listens_where_the_launcher_is_told(tmp_path, monkeypatch, flag, family,
+                                                              address):
+    """`shardlm train --nproc 2 --quorum-endpoint HOST:PORT` (no real second machine): the
+    address reaches the store's bind call, and nothing is spawned when it fails."""
+    fake = types.SimpleNamespace(**{k: getattr(socket, k) for k in dir(socket) if k.isupper()},
+                                 socket=_BindRecorder)
+    monkeypatch.setattr(runtime, "socket", fake)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a replica was started"))
+    monkeypatch.setattr(cli_train, "probe_this_cpu", lambda *a, **k: None)  # not this test's
+    _BindRecorder.bound.clear()
+    with pytest.raises(OSError, match="recorded"):
+        main(["train", "--nproc", "2", *flag, *[f"--{k}={v}" for k, v in _overrides(tmp_path).items()]])
+    assert _BindRecorder.bound == [(family, address)]
+
+
+@pytest.mark.parametrize("endpoint, says", [
+    ("0.0.0.0:29400", "not an address the replicas can connect to"),
+    ("head-node", "write HOST:PORT"),
+])
+def test_a_quorum_endpoint_to_listen_on_but_not_to_reach_is_refused(endpoint, says):
+    with pytest.raises(ConfigError, match=says):
+        quorum_endpoint(endpoint)
 
 
 def _replica_pid(launcher: int, replica: int) -> int | None:

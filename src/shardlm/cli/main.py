@@ -80,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--max-restarts", type=int, default=0, metavar="K",
                        help="with --nproc: when a worker dies, restart all of them (up to K "
                             "times); they resume from the run's latest checkpoint")
+    train.add_argument("--quorum-endpoint", default="127.0.0.1:0", metavar="HOST:PORT",
+                       help="with --nproc and parallel.fault_tolerant: where the replicas' quorum "
+                            "store listens and the replicas reach it — an address of this "
+                            "machine on the network they share (PORT 0: a free one). Default "
+                            "127.0.0.1:0, loopback: one machine")
     train.add_argument("--dry-run", action="store_true",
                        help="resolve and validate the whole config (the auto plan too), print the "
                             "resolved layout and the predicted memory per rank, and exit without "

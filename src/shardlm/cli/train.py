@@ -41,6 +41,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.max_restarts and not args.nproc:
         raise ConfigError("--max-restarts needs --nproc N (under your own torchrun, pass "
                           "--max-restarts to torchrun)")
+    if args.quorum_endpoint != "127.0.0.1:0" and not (args.nproc and cfg.parallel.fault_tolerant):
+        raise ConfigError(f"--quorum-endpoint {args.quorum_endpoint} is where the replicas of "
+                          f"parallel.fault_tolerant = true meet, under --nproc N; this run has none")
     if args.max_restarts and not cfg.checkpoint.every and not cfg.parallel.fault_tolerant:
         raise ConfigError("--max-restarts restarts workers from the latest checkpoint, but "
                           "checkpoint.every = 0 saves none: add --checkpoint.every=N")
@@ -223,7 +226,8 @@ def launch_workers(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
                               f"per replica)")
         name = cfg.run.name or argv[-1].split("=", 1)[1]
         return launch_replicas(args.nproc, ["-m", "shardlm", "train", *argv], cfg.run.dir, name,
-                               args.max_restarts, cfg.parallel.collective_timeout_s or 600.0)
+                               args.max_restarts, cfg.parallel.collective_timeout_s or 600.0,
+                               args.quorum_endpoint)
     return launch_local(args.nproc, ["-m", "shardlm", "train", *argv], args.max_restarts)
 
 

@@ -1,6 +1,7 @@
 """`shardlm train --nproc N` with parallel.fault_tolerant: N replicas, each a process of its own
 (its own world: no process group spans two replicas), restarted when they die, and the
-coordination store they meet in — a TCPStore hosted here, on loopback only.
+coordination store they meet in — a TCPStore hosted here, listening on the one address
+`--quorum-endpoint` names (loopback by default: one machine).
 
 A replica's gradients are averaged with the others' over a group the replicas rebuild at each
 step from the live ones (comm/replicas.py, after torchft's Lighthouse quorum and Manager). This
@@ -11,12 +12,14 @@ process rejoins from a live peer's state. The worker half of the environment is 
 (`replica_identity`), as runtime.py reads the launcher's RANK / WORLD_SIZE.
 
 Each replica writes its own run directory, `<run.dir>/<run.name>/replica-<r>` (its metrics.jsonl,
-its final weights). docs/reliability.md, "Replica groups", says what is recovered and what is lost.
+its final weights); checkpoints, written by one live replica, go to `<run.dir>/<run.name>/checkpoints`
+(train/checkpointing.py). docs/reliability.md, "Replica groups", says what is recovered and what is lost.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
 import os
 import signal
@@ -71,7 +74,7 @@ def replica_identity() -> ReplicaIdentity | None:
     ids, _, where = text.partition("@")
     replica, replicas, incarnation = (int(v) for v in ids.split("/"))
     host, _, port = where.rpartition(":")
-    return ReplicaIdentity(replica, replicas, incarnation, host, int(port))
+    return ReplicaIdentity(replica, replicas, incarnation, host.strip("[]"), int(port))
 
 
 def replica_argv(worker_argv: list[str], run_dir: str, run_name: str, replica: int) -> list[str]:
@@ -109,10 +112,35 @@ def _state_holders(store, procs: dict[int, subprocess.Popen], restarts: dict[int
     return [r for r, proc in procs.items() if proc.poll() is None and (restarts[r] == 0 or joined(r))]
 
 
+def quorum_endpoint(endpoint: str) -> tuple[str, int]:
+    """`--quorum-endpoint` HOST:PORT ([v6]:PORT) as (host, port), checked: the store listens on
+    HOST and the replicas connect to it there, so HOST must be an address to reach."""
+    host, _, port = endpoint.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or int(port) > 65535 or any(c.isspace() for c in host):
+        raise ConfigError(f"--quorum-endpoint {endpoint!r}: write HOST:PORT (e.g. 10.0.0.5:29400, "
+                          f"or PORT 0 for a free one)")
+    if host in ("0.0.0.0", "::", "*"):
+        raise ConfigError(f"--quorum-endpoint {endpoint!r}: {host} is where to listen, not an "
+                          f"address the replicas can connect to; name this machine's address on "
+                          f"the network the replicas share (or 127.0.0.1 on one machine)")
+    return host, int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def launch_replicas(replicas: int, worker_argv: list[str], run_dir: str, run_name: str,
-                    max_restarts: int = 0, store_timeout_s: float = 600.0) -> int:
+                    max_restarts: int = 0, store_timeout_s: float = 600.0,
+                    endpoint: str = "127.0.0.1:0") -> int:
     """Run `replicas` worker processes (`python worker_argv...`), each replica one process,
-    meeting in a TCPStore hosted here on 127.0.0.1. A worker that exits non-zero is counted
+    meeting in a TCPStore hosted here, listening at `endpoint` only (--quorum-endpoint; by
+    default loopback, a free port), their gloo groups then on the loopback interface too (else
+    on the one gloo finds, or $GLOO_SOCKET_IFNAME). A worker that exits non-zero is counted
     dead in the store and started again (it rejoins from a live peer) while restarts are left;
     one that exits 0 has finished. Returns 0 when the run finished (every replica exited 0, or
     the ones left without restarts died while the others finished), else 1.
@@ -120,16 +148,19 @@ def launch_replicas(replicas: int, worker_argv: list[str], run_dir: str, run_nam
     if replicas < 2 or max_restarts < 0:
         raise ConfigError(f"fault-tolerant replicas: {replicas} replicas (need >= 2) and "
                           f"--max-restarts {max_restarts} (>= 0)")
-    store = loopback_store("127.0.0.1", 0, True, datetime.timedelta(seconds=store_timeout_s))
+    host, port = quorum_endpoint(endpoint)
+    store = loopback_store(host, port, True, datetime.timedelta(seconds=store_timeout_s))
     base = dict(os.environ)
-    base.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    if _is_loopback(host):
+        base.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     base[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers die with this process
     faults = replica_faults(base.pop(REPLICA_FAULTS_ENV, ""), base.pop(FAULT_ENV, ""), replicas)
 
     def start(replica: int, incarnation: int) -> subprocess.Popen:
         env = dict(base, LOCAL_RANK=str(replica), LOCAL_WORLD_SIZE=str(replicas),
                    TORCHELASTIC_RESTART_COUNT=str(incarnation))  # a planned fault strikes once
-        env[REPLICA_ENV] = f"{replica}/{replicas}/{incarnation}@127.0.0.1:{store.port}"
+        where = f"[{host}]" if ":" in host else host
+        env[REPLICA_ENV] = f"{replica}/{replicas}/{incarnation}@{where}:{store.port}"
         fault = fault_of(faults.get(replica, []), incarnation)
         if fault:
             env[FAULT_ENV] = fault
