@@ -30,10 +30,12 @@ from shardlm.integrations.ray import ATTEMPTS, fit  # noqa: E402
 
 STEPS, EVERY = 6, 2
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-           "RAY_TRAIN_METRICS_ENABLED": "0", "CUDA_VISIBLE_DEVICES": ""}
+           "RAY_TRAIN_METRICS_ENABLED": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+           "CUDA_VISIBLE_DEVICES": ""}
 """For the cluster's processes (they inherit the environment ray.init starts them in): no usage
 report, none of Ray Train's optional watcher and metrics actors (each a process importing ray, on
-2 cores), no GPU."""
+2 cores), the controller polling its workers every 0.5 s instead of 2 s (it sees a finished or a
+dead group sooner), no GPU."""
 
 
 def _args(root: Path, name: str) -> list[str]:
