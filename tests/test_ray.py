@@ -7,7 +7,8 @@ checkpoint (the one Ray was told of) and finishes with the reference's losses.
 
 Ray's own start-up is most of the wall time (its processes, then one controller and a worker
 group per run, each importing ray and torch); the reference run starts first and overlaps it.
-Skipped where Ray Train is not installed (pip install 'shardlm[ray]'; the test extra has it).
+The cluster's tests are skipped where Ray Train is not installed (pip install 'shardlm[ray]'; the
+test extra has it); the driver's checks need no Ray.
 """
 
 from __future__ import annotations
@@ -21,12 +22,9 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_overrides
+from shardlm.errors import ConfigError
+from shardlm.integrations.ray import ATTEMPTS, fit, wants_gpu, worker_args
 from shardlm.launch.runtime import FAULT_ENV
-
-ray = pytest.importorskip("ray")
-pytest.importorskip("ray.train.torch")
-
-from shardlm.integrations.ray import ATTEMPTS, fit  # noqa: E402
 
 STEPS, EVERY = 6, 2
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
@@ -50,10 +48,33 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+def test_gpus_follow_the_config_and_the_cluster():
+    assert not wants_gpu("cpu", 8) and not wants_gpu("auto", 0)
+    assert wants_gpu("auto", 8) and wants_gpu("cuda", 8)
+    with pytest.raises(ConfigError, match="has no GPU"):
+        wants_gpu("cuda", 0)
+
+
+def test_the_driver_checks_the_config_and_fixes_the_run(tmp_path, monkeypatch):
+    """Before any worker starts (no Ray needed): the config valid for N ranks, a checkpoint to
+    restart from when restarts are allowed; paths absolute, the run name fixed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.toml").write_text("[train]\nsteps = 5\n")
+    args, cfg = worker_args(["c.toml", "--checkpoint.every=2"], 2, 1)
+    assert args[0] == str(tmp_path / "c.toml") and cfg.train.steps == 5
+    assert cfg.run.dir == str(tmp_path / "runs") and cfg.run.name and f"--run.name={cfg.run.name}" in args
+    with pytest.raises(ConfigError, match="checkpoint.every = 0"):
+        worker_args([], 2, 1)
+    with pytest.raises(ConfigError, match="not divisible"):
+        worker_args(["--parallel.dp_replicate=4"], 6, 0)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """The reference `shardlm train --nproc 2` run, started first, then a local Ray cluster while
-    it trains. Yields (the reference's losses, the runs' root)."""
+    it trains. Yields (the reference's losses, the runs' root). Skipped without Ray Train."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.train.torch")
     root = tmp_path_factory.mktemp("ray")
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
     reference = subprocess.Popen([sys.executable, "-m", "shardlm", "train", "--nproc", "2",

@@ -21,6 +21,7 @@ Running the same driver again continues the run the same way (the run name is fi
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -66,19 +67,26 @@ def worker_args(train_args: list[str], num_workers: int, max_failures: int) -> t
     config, overrides = split_args(train_args)
     cfg = load_config(config, parse_overrides(overrides)).validate()
     resolve_dims(cfg.parallel, num_workers)
+    if cfg.parallel.fault_tolerant:
+        raise ConfigError("parallel.fault_tolerant runs a process group per replica, restarted alone "
+                          "(launch/replicas.py); Ray Train makes one group of every worker: use "
+                          "`shardlm train --nproc N` or torchrun for it")
     if max_failures and not cfg.checkpoint.every:
         raise ConfigError(f"max_failures {max_failures} restarts the workers from the latest checkpoint, "
                           f"but checkpoint.every = 0 saves none: add --checkpoint.every=N")
     config = str(Path(config).resolve()) if config else None
-    overrides += [f"--run.dir={Path(cfg.run.dir).resolve()}", f"--run.name={cfg.run.name or unique_run_name()}"]
-    return ([config] if config else []) + overrides, load_config(config, parse_overrides(overrides)).validate()
+    overrides += [f"--run.dir={Path(cfg.run.dir).resolve()}",
+                  f"--run.name={cfg.run.name or unique_run_name()}"]
+    cfg = load_config(config, parse_overrides(overrides)).validate()
+    return ([config] if config else []) + overrides, cfg
 
 
 def fit(train_args: list[str], num_workers: int, max_failures: int = 0, use_gpu: bool | None = None,
         env: dict[str, str] | None = None):
     """Train `train_args` (what follows `shardlm train`) on `num_workers` Ray Train workers, on the
     cluster `ray.init()` finds (RAY_ADDRESS, a running local cluster, or a new local one), with up
-    to `max_failures` restarts; `env`: environment variables for the workers (e.g. NCCL_*). Returns Ray's `Result`: `.metrics` the last step's report,
+    to `max_failures` restarts; `env`: environment variables for the workers (e.g. NCCL_*).
+    Returns Ray's `Result`: `.metrics` the last step's report,
     `.checkpoint` the newest checkpoint (a directory of the run), `.path` the run directory.
     Raises ray.train.TrainingFailedError when the run fails more often than allowed."""
     import ray
@@ -97,7 +105,8 @@ def fit(train_args: list[str], num_workers: int, max_failures: int = 0, use_gpu:
         worker, train_loop_config={"args": args},
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
         # The group's timeout as ours (runtime.process_group_timeout_s); Ray's default else.
-        torch_config=TorchConfig(timeout_s=int(process_group_timeout_s(timeout_s)) if timeout_s > 0 else 1800),
+        torch_config=TorchConfig(
+            timeout_s=math.ceil(process_group_timeout_s(timeout_s)) if timeout_s > 0 else 1800),
         # Ray's experiment directory is the run directory; our checkpoint.keep rotates the
         # checkpoints (Ray keeps its records of them all: num_to_keep None, it deletes none).
         run_config=RunConfig(name=cfg.run.name, storage_path=cfg.run.dir,
