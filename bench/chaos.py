@@ -33,7 +33,6 @@ and tests/test_faults.py a rank killed inside a save, each timed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -44,6 +43,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chaos_cases import cases_main, command, losses, overrides  # the run's config; the disk and input fault cases
+
 VICTIMS = ("rank0", "rank1", "launcher")
 MOMENTS = ("random", "save")
 WATCHDOG_SAYS = "shardlm watchdog: rank "
@@ -53,37 +54,6 @@ NOTES_SAY = "did not finish writing"
 the wait for its note ends first, at the same timeout)."""
 BACKEND_TIMEOUT = "Timed out waiting"
 """gloo's own timeout: must never be what ends a frozen rank's peers."""
-
-
-def overrides(root: Path, name: str, steps: int, every: int) -> list[str]:
-    """The run's config: tiny, fp32 (bitwise resume), every step logged."""
-    values = {"model.preset": "gpt-tiny", "precision.compute": "fp32", "train.seq_len": 64,
-              "train.micro_batch": 8, "train.steps": steps, "train.warmup_steps": 2,
-              "train.eval_every": 0, "train.eval_batches": 2, "train.sample_tokens": 0,
-              "train.log_every": 1, "data.max_bytes": 1_000_000, "checkpoint.every": every,
-              "run.dir": str(root / "runs"), "run.name": name, "run.progress": "off"}
-    return [f"--{k}={v}" for k, v in values.items()]
-
-
-def command(root: Path, name: str, steps: int, every: int, *extra: str,
-            restarts: int = 3) -> list[str]:
-    return [sys.executable, "-m", "shardlm", "train", "--nproc", "2", "--max-restarts", str(restarts),
-            *overrides(root, name, steps, every), *extra]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    """step -> loss, the later record winning (a resumed run logs its steps again)."""
-    out = {}
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line torn by the kill
-                continue
-            if "loss" in record:
-                out[record["step"]] = record["loss"]
-    return out
 
 
 def children(pid: int) -> list[int]:
@@ -346,7 +316,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if any(a.startswith("--cases") for a in sys.argv[1:]):
-        from chaos_cases import cases_main  # the disk and input fault cases
 
         sys.exit(cases_main(sys.argv[1:]))
     sys.exit(main())

@@ -24,7 +24,37 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chaos import losses, overrides
+
+def overrides(root: Path, name: str, steps: int, every: int) -> list[str]:
+    """The run's config: tiny, fp32 (bitwise resume), every step logged."""
+    values = {"model.preset": "gpt-tiny", "precision.compute": "fp32", "train.seq_len": 64,
+              "train.micro_batch": 8, "train.steps": steps, "train.warmup_steps": 2,
+              "train.eval_every": 0, "train.eval_batches": 2, "train.sample_tokens": 0,
+              "train.log_every": 1, "data.max_bytes": 1_000_000, "checkpoint.every": every,
+              "run.dir": str(root / "runs"), "run.name": name, "run.progress": "off"}
+    return [f"--{k}={v}" for k, v in values.items()]
+
+
+def command(root: Path, name: str, steps: int, every: int, *extra: str,
+            restarts: int = 3) -> list[str]:
+    return [sys.executable, "-m", "shardlm", "train", "--nproc", "2", "--max-restarts", str(restarts),
+            *overrides(root, name, steps, every), *extra]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss, the later record winning (a resumed run logs its steps again)."""
+    out = {}
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line torn by the kill
+                continue
+            if "loss" in record:
+                out[record["step"]] = record["loss"]
+    return out
+
 
 _FSYNC_FAILS = """
 import errno, os

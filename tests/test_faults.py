@@ -228,6 +228,9 @@ def test_a_collective_with_a_dead_peer_fails_within_the_timeout(tmp_path):
 
 
 def _chaos():
+    """bench/chaos.py as a module (it imports its neighbour bench/chaos_cases.py)."""
+    if str(REPO / "bench") not in sys.path:
+        sys.path.append(str(REPO / "bench"))
     spec = importlib.util.spec_from_file_location("chaos", REPO / "bench" / "chaos.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["chaos"] = module  # dataclasses look their module up there

@@ -4,7 +4,6 @@ NCCL, where a wait returns before the collective is done (the polling logic with
 CPU; the real thing on a GPU, skipped without one)."""
 
 import contextlib
-import importlib.util
 import os
 import re
 import signal
@@ -23,7 +22,6 @@ from shardlm.launch.spawn import run_ranks
 from shardlm.train.loop import build_run, train_step
 
 TIMEOUT = 3.0
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _rank_one_hangs(rank: int, world_size: int, overrides: dict) -> None:
@@ -174,10 +172,9 @@ def test_a_stopped_rank_is_named_by_the_watchdog_before_the_backends_timeout(tmp
     """Rank 1 frozen mid-run: rank 0's watchdog names rank, op and group and exits 4 within the
     timeout plus a second or so — never gloo's own "Timed out waiting" (before: the process group
     had the same timeout, and gloo's bare traceback came first)."""
-    spec = importlib.util.spec_from_file_location("chaos", REPO / "bench" / "chaos.py")
-    chaos = importlib.util.module_from_spec(spec)
-    sys.modules["chaos"] = chaos  # dataclasses look their module up there
-    spec.loader.exec_module(chaos)
+    from test_faults import _chaos
+
+    chaos = _chaos()
     run_dir = tmp_path / "runs" / "frozen"
     command = chaos.command(tmp_path, "frozen", 1000, 0, f"--parallel.collective_timeout_s={TIMEOUT:g}",
                             restarts=0)
