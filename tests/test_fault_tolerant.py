@@ -57,9 +57,9 @@ def _overrides(tmp_path: Path) -> dict:
 
 @pytest.mark.parametrize("change, says", [
     ({"parallel.dp_replicate": 1}, "needs parallel.dp_replicate >= 2"),
-    ({"parallel.tp": 2}, "parallel.tp = 2 (model parallelism inside a replica)"),
+    ({"parallel.tp": 2}, "parallel.tp = 2 (a replica is one process: a model cut across ranks"),
     ({"parallel.zero_stage": 2}, "parallel.zero_stage = 2 (one rank per replica shards nothing"),
-    ({"train.optimizer": "muon"}, "train.optimizer = 'muon' (its state is not transferred"),
+    ({"train.local_sgd.every": 4}, "train.local_sgd.every = 4 (local SGD's replicas hold different"),
 ])
 def test_what_fault_tolerance_does_not_compose_with_is_refused(tmp_path, change, says):
     cfg = load_config(None, {**_overrides(tmp_path), **change})
@@ -287,3 +287,21 @@ def test_replicas_checkpoint_and_a_job_lost_whole_resumes_from_it(tmp_path):
     assert [r["loss"] for r in survivor + resumed[1]] == losses
     assert [r["loss"] for r in resumed[0]] == losses[6:]
     _assert_final_weights(tmp_path, run)
+
+
+@pytest.mark.parametrize("change", [{"train.optimizer": "muon"}, {"lora.rank": 4}],
+                         ids=["muon", "lora"])
+def test_a_rejoining_replica_takes_muon_and_lora_state(tmp_path, change):
+    """Muon's momentum, and LoRA's adapters with the frozen base, go to a rejoining replica
+    like AdamW's state: replica 1 killed after step 1, back by step 4 (replica 0 pauses after
+    step 3), and both replicas' final weights are the same, bit for bit — a joiner that missed
+    any of the state (a zero momentum) would take a different update at its first step."""
+    overrides = {**_overrides(tmp_path), "train.steps": 6, **change}
+    code, output = _launch(overrides, "1:kill@1,0:stop@3", lost=1)
+    assert code == 0, output[-3000:]
+    assert "replica 1 rejoined at step" in output, output[-3000:]
+    records = _records(tmp_path / "runs" / "ft" / "replica-0" / "metrics.jsonl")
+    assert [r["quorum"] for r in records][-1] == [0, 1]
+    weights = [load_file(tmp_path / "runs" / "ft" / f"replica-{r}" / "model.safetensors") for r in (0, 1)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])

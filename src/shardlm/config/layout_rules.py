@@ -182,16 +182,20 @@ def _cp_divides_sequence(cfg: Config) -> list[str]:
 
 
 @_cross("train.optimizer", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
-        "parallel.dp_replicate", "zero.offload_optimizer", "zero.offload_params", "lora.rank")
+        "parallel.dp_replicate", "parallel.fault_tolerant", "zero.offload_optimizer",
+        "zero.offload_params", "lora.rank")
 def _muon_layout(cfg: Config) -> list[str]:
     """Muon orthogonalises whole matrices. ZeRO's flat shards are gathered per unit (zero/
     muon.py); what is not built: gathering tensor-parallel cuts, and the pp/cp/ep/hybrid and
     offload layouts, which no test has checked against one process; nor LoRA (its low-rank
-    adapters are nn.Linear weights Muon would orthogonalise, which no reference does)."""
+    adapters are nn.Linear weights Muon would orthogonalise, which no reference does).
+    parallel.fault_tolerant's replicas are one ZeRO-0 process each: Muon runs on the whole
+    buffer there, on the gradient already averaged over the live replicas."""
     par, z = cfg.parallel, cfg.zero
+    replicas = 1 if par.fault_tolerant else par.dp_replicate
     apart = {k: v for k, v, alone in (("parallel.tp", par.tp, 1), ("parallel.pp", par.pp, 1),
                                       ("parallel.cp", par.cp, 1), ("parallel.ep", par.ep, 1),
-                                      ("parallel.dp_replicate", par.dp_replicate, 1),
+                                      ("parallel.dp_replicate", replicas, 1),
                                       ("zero.offload_optimizer", z.offload_optimizer, "none"),
                                       ("zero.offload_params", z.offload_params, "none"),
                                       ("lora.rank", cfg.lora.rank, 0))
@@ -420,34 +424,35 @@ def _fp8_all_gather_composes(cfg: Config) -> list[str]:
 
 @_cross("parallel.fault_tolerant", "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp",
         "parallel.cp", "parallel.pp", "parallel.ep", "parallel.zero_stage", "parallel.strategy",
-        "train.global_batch", "train.optimizer", "lora.rank", "train.local_sgd.every")
+        "train.global_batch", "train.local_sgd.every")
 def _fault_tolerant_layout(cfg: Config) -> list[str]:
     """parallel.fault_tolerant (comm/replicas.py): each replica is one process of its own, so
-    only plain data parallelism across replicas is built; the rest is refused here, by name."""
+    only plain data parallelism across replicas is built; the rest is refused here, by name,
+    with why it cannot be."""
     par = cfg.parallel
     if not par.fault_tolerant:
         return []
     if par.dp_replicate < 2:
         return [f"parallel.fault_tolerant = true needs parallel.dp_replicate >= 2 (replicas that "
                 f"can drop out and rejoin), got {par.dp_replicate}"]
+    inside = "a replica is one process: a model cut across ranks needs ranks inside a replica"
     apart = [f"{k} = {v!r} ({why})" for k, v, why, on in (
         ("parallel.dp_shard", par.dp_shard, "each replica is one rank: use 1 or -1",
          par.dp_shard not in (1, -1)),
-        ("parallel.tp", par.tp, "model parallelism inside a replica", par.tp > 1),
-        ("parallel.cp", par.cp, "model parallelism inside a replica", par.cp > 1),
-        ("parallel.pp", par.pp, "model parallelism inside a replica", par.pp > 1),
-        ("parallel.ep", par.ep, "model parallelism inside a replica", par.ep > 1),
+        ("parallel.tp", par.tp, inside, par.tp > 1),
+        ("parallel.cp", par.cp, inside, par.cp > 1),
+        ("parallel.pp", par.pp, inside, par.pp > 1),
+        ("parallel.ep", par.ep, inside, par.ep > 1),
         ("parallel.zero_stage", par.zero_stage, "one rank per replica shards nothing: use 0",
          par.zero_stage != 0),
-        ("parallel.strategy", par.strategy, "each replica would plan alone", par.strategy != "manual"),
-        ("train.global_batch", cfg.train.global_batch, "set train.grad_accum instead",
-         cfg.train.global_batch > 0),
-        ("train.optimizer", cfg.train.optimizer, "its state is not transferred to a rejoining "
-         "replica: use 'adamw'", cfg.train.optimizer != "adamw"),
-        ("lora.rank", cfg.lora.rank, "not checked with replicas rejoining: use 0", cfg.lora.rank > 0),
-        ("train.local_sgd.every", cfg.train.local_sgd.every, "local SGD's outer step over a quorum "
-         "of live replicas is not built yet: use 0", cfg.train.local_sgd.every > 0),
+        ("parallel.strategy", par.strategy, "each replica would plan alone, for a world it does "
+         "not share", par.strategy != "manual"),
+        ("train.global_batch", cfg.train.global_batch, "the global batch shrinks while a replica "
+         "is away: set train.grad_accum instead", cfg.train.global_batch > 0),
+        ("train.local_sgd.every", cfg.train.local_sgd.every, "local SGD's replicas hold different "
+         "models between outer steps: a rejoining one has no single live state to take, and a "
+         "replica lost mid-round takes its inner steps with it", cfg.train.local_sgd.every > 0),
     ) if on]
     return ([f"parallel.fault_tolerant = true runs one process per replica (dp_replicate = "
-             f"{par.dp_replicate} ranks in all, ZeRO stage 0, AdamW) and does not compose yet with: "
+             f"{par.dp_replicate} ranks in all, ZeRO stage 0) and does not compose with: "
              f"{'; '.join(apart)}"] if apart else [])
