@@ -12,6 +12,10 @@ When replica 1 rejoins is not a matter of timing: replica 0 freezes itself (SIGS
 and the test lets it go on (SIGCONT) once the restarted replica 1 says it waits to rejoin, so the
 round after it always takes replica 1 in (or an earlier one, if replica 1 came back sooner:
 the checks follow the quorum the log records).
+
+Then: checkpoints with replicas (the lowest live replica writes; a job lost whole resumes from
+the latest to the reference's losses), the same rejoin with Muon and with LoRA, where the quorum
+store listens (--quorum-endpoint), and the refusals.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from shardlm.config import Config, load_config
@@ -36,7 +41,9 @@ from shardlm.errors import ConfigError
 from shardlm.cli import train as cli_train
 from shardlm.cli.main import main
 from shardlm.launch import runtime
-from shardlm.launch.replicas import REPLICA_FAULTS_ENV, fault_of, quorum_endpoint, replica_faults
+from shardlm.checkpoint.sharded import CheckpointWriter
+from shardlm.launch.replicas import (JOINED, REPLICA_FAULTS_ENV, state_holders, fault_of, quorum_endpoint,
+                                    replica_faults)
 from shardlm.launch.runtime import cpu_cores
 from shardlm.train.loop import build_run, loss_of, train_step
 from shardlm.zero.optim import lr_at, set_lr
@@ -305,3 +312,28 @@ def test_a_rejoining_replica_takes_muon_and_lora_state(tmp_path, change):
     weights = [load_file(tmp_path / "runs" / "ft" / f"replica-{r}" / "model.safetensors") for r in (0, 1)]
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
+
+
+def test_each_replicas_writer_sweeps_only_its_own_leftovers(tmp_path):
+    """Replicas write one checkpoints/ (whichever is the lowest live one): a restarted
+    replica's writer removes its own crashed saves, never another replica's save in flight."""
+    own_stale = tmp_path / ".step-00000004.replica-1-111-1.tmp"
+    in_flight = tmp_path / ".step-00000006.replica-0-222-2.tmp"
+    other_old = tmp_path / ".step-00000003.replica-0-222-2.old"
+    for d in (own_stale, in_flight, other_old):
+        d.mkdir()
+    CheckpointWriter(tmp_path, 0, 1, keep=2, asynchronous=False, session="replica-1-333-3",
+                     timeout_s=5.0, owner="replica-1-")
+    assert not own_stale.exists() and in_flight.exists() and other_old.exists()
+
+
+def test_the_launcher_counts_who_holds_the_state():
+    """A first incarnation holds the state (fresh or from a checkpoint); a restarted replica
+    only once it has rejoined; a dead one never: with no holder left the job stops."""
+    store = dist.HashStore()
+    alive = types.SimpleNamespace(poll=lambda: None)
+    dead = types.SimpleNamespace(poll=lambda: -9)
+    assert state_holders(store, {0: alive, 1: alive}, {0: 0, 1: 1}) == [0]
+    store.set(JOINED.format(1), "1")
+    assert state_holders(store, {0: dead, 1: alive}, {0: 0, 1: 1}) == [1]
+    assert state_holders(store, {1: alive}, {0: 0, 1: 2}) == []  # rejoined as incarnation 1, not 2

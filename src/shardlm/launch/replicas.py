@@ -104,7 +104,7 @@ def fault_of(faults: list[str], incarnation: int) -> str:
     return next((f for f in faults if (f.partition("/")[2] or "0") == str(incarnation)), "")
 
 
-def _state_holders(store, procs: dict[int, subprocess.Popen], restarts: dict[int, int]) -> list[int]:
+def state_holders(store, procs: dict[int, subprocess.Popen], restarts: dict[int, int]) -> list[int]:
     """The replicas alive that hold the training state: a first incarnation (it started from
     scratch or from a checkpoint), or a restarted one that has rejoined (`JOINED`)."""
     def joined(r: int) -> bool:
@@ -195,7 +195,7 @@ def launch_replicas(replicas: int, worker_argv: list[str], run_dir: str, run_nam
                         store.set(DONE, "1")
                     continue
                 store.add(DEATHS.format(r), 1)  # the live replicas stop waiting for it now
-                if not store.check([DONE]) and not _state_holders(store, procs, restarts):
+                if not store.check([DONE]) and not state_holders(store, procs, restarts):
                     log.error("shardlm: replica %d exited with %d and no live replica holds the "
                               "training state any more (a restarted one would wait in vain to "
                               "rejoin): the job stops; run it again to resume from its latest "
