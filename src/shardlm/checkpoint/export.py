@@ -50,6 +50,7 @@ from shardlm.checkpoint.hf_dir import read_identity, write_identity
 from shardlm.checkpoint.weights import HF_CONFIG
 from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, merged_state_dict, peft_adapter, write_adapter
 from shardlm.config import ModelConfig
+from shardlm.config.families import family as registered_family
 from shardlm.errors import ConfigError
 from shardlm.data.tokenizer import EOT
 from shardlm.models.flops import expert_d_ff, head_dim, resolved_d_ff
@@ -121,19 +122,6 @@ def hf_config(m: ModelConfig, eot: int | None):
         return tf.OlmoeConfig(intermediate_size=expert_d_ff(m), num_experts=m.experts,  # olmoe
                               norm_topk_prob=m.router_topk_norm, attention_bias=False, clip_qkv=None,
                               pad_token_id=None, **moe)
-    if family == "qwen2":  # LLaMA with biases on q, k and v only
-        return tf.Qwen2Config(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
-                              num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
-                              num_key_value_heads=m.n_kv_heads or m.n_heads,
-                              max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                              rope_parameters=rope_parameters(m), **qwen_windows(m), **tokens)
-    if family == "qwen3":  # LLaMA with an RMSNorm on each query and key head
-        return tf.Qwen3Config(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
-                              num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
-                              num_key_value_heads=m.n_kv_heads or m.n_heads, head_dim=head_dim(m),
-                              max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                              rope_parameters=rope_parameters(m), attention_bias=False,
-                              **qwen_windows(m), **tokens)
     if family in GEMMA_FAMILIES:
         return _gemma_config(tf, m, family, tokens)
     llama_shaped = dict(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
@@ -142,7 +130,13 @@ def hf_config(m: ModelConfig, eot: int | None):
                         max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
                         rope_parameters=rope_parameters(m), sliding_window=m.sliding_window or None,
                         hidden_act="silu", **tokens)
-    no_head_dim = {k: v for k, v in llama_shaped.items() if k not in ("head_dim", "sliding_window")}
+    fam = registered_family(family)
+    if fam is not None:  # config/families/<family>.py says which keys its config class takes
+        from shardlm.models.decoder import is_sliding
+
+        layer_types = ["sliding_attention" if is_sliding(m, i) else "full_attention"
+                       for i in range(m.n_layers)]
+        return getattr(tf, fam.config_class)(**fam.export(m, llama_shaped, layer_types))
     if family == "stablelm":  # LayerNorms with biases, q/k/v biases, partial rotary
         return tf.StableLmConfig(use_qkv_bias=m.qkv_bias, qk_layernorm=False, use_parallel_residual=False,
                                  layer_norm_eps=m.norm_eps, hidden_dropout=0.0, attention_dropout=0.0,
@@ -158,54 +152,16 @@ def hf_config(m: ModelConfig, eot: int | None):
                                 **{k: v for k, v in llama_shaped.items()
                                    if k not in ("head_dim", "rms_norm_eps", "hidden_act", "sliding_window",
                                                 "num_key_value_heads")})
-    if family == "starcoder2":  # LayerNorm (with biases), GELU MLP, RoPE, GQA, a window on every block
-        return tf.Starcoder2Config(use_bias=True, hidden_act="gelu_pytorch_tanh", norm_epsilon=m.norm_eps,
-                                   residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0,
-                                   pad_token_id=None,
-                                   **{k: v for k, v in llama_shaped.items() if k not in ("head_dim", "rms_norm_eps", "hidden_act")})
-    if family == "olmo2":  # post-norms, q/k norms over the whole projections
-        return tf.Olmo2Config(attention_bias=False, pad_token_id=None, **no_head_dim)
-    if family == "granite":
-        return tf.GraniteConfig(attention_bias=m.bias, mlp_bias=m.bias,
-                                embedding_multiplier=m.embedding_multiplier,
-                                residual_multiplier=m.residual_multiplier,
-                                attention_multiplier=m.attention_scale or head_dim(m) ** -0.5,
-                                logits_scaling=m.logits_divisor, pad_token_id=None, **no_head_dim)
-    if family == "smollm3":  # RoPE in every block but each nope_every-th
-        return tf.SmolLM3Config(attention_bias=m.bias, mlp_bias=m.bias, use_sliding_window=False,
-                                no_rope_layers=[int(not m.nope_every or (i + 1) % m.nope_every != 0)
-                                                for i in range(m.n_layers)],
-                                pad_token_id=None, **no_head_dim)
-    if family == "mistral":  # a window on every block (a mask, or the context capped at it)
-        return tf.MistralConfig(**llama_shaped)
-    if family == "phi3":  # fused qkv_proj / gate_up_proj; no pad token in our vocabulary
-        del llama_shaped["head_dim"]  # Phi3Config has none: hidden_size / heads (hf_family checked)
-        return tf.Phi3Config(pad_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
-                             **llama_shaped)
-    # Our RMSNorm has no bias, so model.bias means biases on the linears only: exactly HF's
-    # attention_bias (q/k/v/o) and mlp_bias (gate/up/down).
-    return tf.LlamaConfig(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
-                          num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
-                          num_key_value_heads=m.n_kv_heads or m.n_heads,
-                          max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                          head_dim=head_dim(m), rope_parameters=rope_parameters(m),
-                          attention_bias=m.bias, mlp_bias=m.bias, **tokens)
+    assert family == "starcoder2", family  # hf_family returns a registered or a legacy family
+    return tf.Starcoder2Config(use_bias=True, hidden_act="gelu_pytorch_tanh", norm_epsilon=m.norm_eps,
+                               residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0,
+                               pad_token_id=None,
+                               **{k: v for k, v in llama_shaped.items() if k not in ("head_dim", "rms_norm_eps", "hidden_act")})
 
 
 IN_MEMORY_NAMES = {"gpt_neox": {"embed_out.weight": "lm_head.weight"}}
 """File name -> the module's own, where transformers 5 renames a checkpoint's tensors as it
 loads them and back as it saves (its conversion_mapping.py): the table holds the files' names."""
-
-
-def qwen_windows(m: ModelConfig) -> dict:
-    """Qwen2's / Qwen3's sliding blocks (presets._qwen_windows read them) as their config keys."""
-    from shardlm.models.decoder import is_sliding
-
-    if not m.sliding_window:
-        return {"use_sliding_window": False}
-    return {"use_sliding_window": True, "sliding_window": m.sliding_window,
-            "layer_types": ["sliding_attention" if is_sliding(m, i) else "full_attention"
-                            for i in range(m.n_layers)]}
 
 
 def _gemma_config(tf, m: ModelConfig, family: str, tokens: dict):
@@ -234,6 +190,21 @@ def _gemma_config(tf, m: ModelConfig, family: str, tokens: dict):
         local = rope_parameters(m)
     return tf.Gemma3TextConfig(rope_parameters={"full_attention": rope_parameters(m),
                                                 "sliding_attention": local}, **gemma2)
+
+
+LEGACY_CLASSES = {"gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM", "gemma": "GemmaForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "starcoder2": "Starcoder2ForCausalLM", "gpt_neox": "GPTNeoXForCausalLM",
+                  "stablelm": "StableLmForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "olmoe": "OlmoeForCausalLM"}
+"""The transformers class of each family not yet in config/families/ (a registered one:
+Family.model_class)."""
+
+
+def _model_class(tf, family: str):
+    """The transformers class an export of `family` builds."""
+    fam = registered_family(family)
+    return getattr(tf, fam.model_class if fam is not None else LEGACY_CLASSES[family])
 
 
 def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig,
@@ -376,14 +347,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
     eot = tokenizer.token_to_id(EOT)
     config = hf_config(m, eot)
     _set_token_ids(config, identity)
-    cls = {"gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
-           "qwen3": tf.Qwen3ForCausalLM, "mixtral": tf.MixtralForCausalLM, "gemma": tf.GemmaForCausalLM,
-           "gemma2": tf.Gemma2ForCausalLM, "gemma3_text": tf.Gemma3ForCausalLM,
-           "mistral": tf.MistralForCausalLM, "phi3": tf.Phi3ForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
-           "granite": tf.GraniteForCausalLM, "smollm3": tf.SmolLM3ForCausalLM,
-           "starcoder2": tf.Starcoder2ForCausalLM, "gpt_neox": tf.GPTNeoXForCausalLM,
-           "stablelm": tf.StableLmForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM,
-           "olmoe": tf.OlmoeForCausalLM}[hf_family(m)]
+    cls = _model_class(tf, hf_family(m))
     with torch.device("meta"):  # no memory and no random init: every tensor comes from `sd`
         hf_model = cls(config)
     stacked = any(n.endswith(".experts.gate_up_proj") for n, _ in hf_model.named_parameters())

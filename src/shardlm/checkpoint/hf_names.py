@@ -22,6 +22,7 @@ from torch import nn
 
 from shardlm.checkpoint.hf_dir import HFDirError, HFDirReader
 from shardlm.config import ModelConfig
+from shardlm.config.families import family as registered_family
 from shardlm.errors import ConfigError
 from shardlm.models.flops import expert_d_ff, head_dim, is_moe_block, moe_layers, resolved_d_ff
 from shardlm.models.init import Initializer
@@ -44,30 +45,25 @@ EXTRA_FIELDS = {"head_dim": 0, "qkv_bias": False, "qk_norm": False, "qk_norm_wid
                 "attn_softcap": 0.0, "logit_softcap": 0.0, "sliding_window": 0, "global_every": 0,
                 "rope_local_theta": 0.0, "nope_every": 0, "parallel_residual": False,
                 "rope_fraction": 1.0, "norm_bias": False}
-EXPRESSES = {
-    "llama": {"head_dim"},
-    "mistral": {"head_dim", "sliding_window"},  # a window on every block
-    "qwen2": {"qkv_bias", "sliding_window", "global_every"},  # layer_types: the sliding blocks
-    "qwen3": {"head_dim", "qk_norm", "sliding_window", "global_every"},
-    "olmo2": {"qk_norm", "qk_norm_width", "norm_placement"},
-    "granite": {"embedding_multiplier", "attention_scale", "residual_multiplier", "logits_divisor"},
-    "smollm3": {"nope_every"},
+LEGACY_EXPRESSES = {
     "starcoder2": {"head_dim", "sliding_window"},  # not LLaMA-style in norm and MLP: STARCODER2_STYLE
     "gpt_neox": {"parallel_residual", "rope_fraction", "activation"},
-    "phi3": {"sliding_window", "rope_fraction"},
     "stablelm": {"qkv_bias", "rope_fraction"},  # LayerNorms: STABLELM_STYLE
     # the mixtures of experts (their experts: _moe_family)
     "mixtral": {"head_dim", "sliding_window"},
     "qwen3_moe": {"head_dim", "qk_norm", "sliding_window"},  # a window on every block
     "olmoe": {"qk_norm", "qk_norm_width"},
 }
-REQUIRED = {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True}, "stablelm": {"norm_bias": True},
-            "olmo2": {"qk_norm": True, "qk_norm_width": "all", "norm_placement": "post"},
-            "qwen3_moe": {"qk_norm": True}, "olmoe": {"qk_norm": True, "qk_norm_width": "all"}}
+"""What the families not yet in config/families/ express (a registered one: Family.expresses)."""
+LEGACY_REQUIRED = {"stablelm": {"norm_bias": True}, "qwen3_moe": {"qk_norm": True},
+                   "olmoe": {"qk_norm": True, "qk_norm_width": "all"}}
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 """The LLaMA-style mixtures of experts: a softmax router over SwiGLU experts (moe_sources)."""
-BIASED = ("llama", "granite", "smollm3", "starcoder2", "gpt_neox")
-"""Families whose attention and MLP linears may all have biases (model.bias)."""
+LEGACY_BIASED = ("starcoder2", "gpt_neox")
+"""Legacy families whose attention and MLP linears may all have biases (model.bias)."""
+LLAMA_NAMES = {"attn.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "mlp.gate_up": ("mlp.gate_proj", "mlp.up_proj")}
+"""Our fused parts -> LLaMA's tensors under model.layers.{i} (a family's Family.names overrides)."""
 
 
 def hf_family(m: ModelConfig) -> str:
@@ -148,23 +144,29 @@ def _implied_llama_family(m: ModelConfig) -> str:
 
 def _llama_problems(m: ModelConfig, family: str) -> list[str]:
     """What `family`'s class (a LLaMA-style one) cannot express of our model, field by field."""
-    if family not in EXPRESSES:
+    fam = registered_family(family)
+    if fam is None and family not in LEGACY_EXPRESSES:
         return [f"model.family = {family!r} is not a LLaMA-style class (the fields are "
                 f"LLaMA's: rmsnorm, rope, swiglu)"]
+    if fam is not None:
+        expresses, required, biased = fam.expresses, fam.required or fam.shape, fam.biased
+    else:
+        expresses = LEGACY_EXPRESSES[family]
+        required, biased = LEGACY_REQUIRED.get(family, {}), family in LEGACY_BIASED
     problems = []
     for field, default in EXTRA_FIELDS.items():
-        value, required = getattr(m, field), REQUIRED.get(family, {}).get(field)
-        if required is not None and value != required:
-            problems.append(f"model.{field} = {value!r} ({family}'s is {required!r})")
-        elif required is None and value != default and field not in EXPRESSES[family]:
+        value, want = getattr(m, field), required.get(field)
+        if want is not None and value != want:
+            problems.append(f"model.{field} = {value!r} ({family}'s is {want!r})")
+        elif want is None and value != default and field not in expresses:
             problems.append(f"model.{field} = {value!r} ({family} has none: {default!r})")
     if m.norm_offset:
         problems.append(f"model.norm_offset = true ({family}'s RMSNorm multiplies by w itself)")
-    if m.bias and family not in BIASED:
+    if m.bias and not biased:
         problems.append(f"model.bias = true ({family}'s linears have no biases on every one)")
-    if family == "qwen2" and m.bias:
-        problems.append("model.bias = true (Qwen2's biases are on q/k/v only: model.qkv_bias)")
-    if m.sliding_window and m.global_every and family not in ("qwen2", "qwen3"):
+    if fam is not None and fam.problems is not None:
+        problems += fam.problems(m)
+    if m.sliding_window and m.global_every and "global_every" not in expresses:
         problems.append(f"model.global_every = {m.global_every} ({family} slides every block: 0)")
     return problems
 
@@ -333,6 +335,8 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
             add(f"{b}.mlp.proj", [f"{h}.mlp.c_proj"], [d], True, m.bias)
         add("norm_f", ["transformer.ln_f"], [d], biases=m.bias)
     else:
+        fam = registered_family(family)
+        names = {**LLAMA_NAMES, **(fam.names if fam is not None else {})}
         out["tok_emb.weight"] = HFSource(("model.embed_tokens.weight",), (m.vocab_size,))
         ff = resolved_d_ff(m)
         norm_biases = m.norm == "layernorm" and (m.bias or m.norm_bias)  # StableLM's LayerNorms
@@ -350,22 +354,18 @@ def hf_sources(m: ModelConfig, family: str) -> dict[str, HFSource]:
             elif m.norm_placement == "pre":
                 add(f"{b}.mlp_norm", [f"{h}.post_attention_layernorm"], [d], biases=norm_biases)
             attn = f"{h}.self_attn"
-            if family == "phi3":  # already fused as ours: rows q, k, v
-                add(f"{b}.attn.qkv", [f"{attn}.qkv_proj"], [q + 2 * kv], biases=m.bias or m.qkv_bias)
-            else:
-                add(f"{b}.attn.qkv", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"],
-                    [q, kv, kv], biases=m.bias or m.qkv_bias)
+            qkv = names["attn.qkv"]  # one tensor: already fused as ours (rows q, k, v)
+            add(f"{b}.attn.qkv", [f"{h}.{n}" for n in qkv], [q + 2 * kv] if len(qkv) == 1 else [q, kv, kv],
+                biases=m.bias or m.qkv_bias)
             add(f"{b}.attn.proj", [f"{attn}.o_proj"], [d], biases=m.bias)
             if m.qk_norm:  # per head (Qwen3, Gemma 3: head_dim) or whole (OLMo-2: q, kv widths)
                 whole = m.qk_norm_width == "all"
                 add(f"{b}.attn.q_norm", [f"{attn}.q_norm"], [q if whole else hd], biases=False)
                 add(f"{b}.attn.k_norm", [f"{attn}.k_norm"], [kv if whole else hd], biases=False)
-            if family == "phi3":  # gate_up_proj: rows gate, then up, as ours
-                add(f"{b}.mlp.gate_up", [f"{h}.mlp.gate_up_proj"], [2 * ff], biases=m.bias)
-                add(f"{b}.mlp.down", [f"{h}.mlp.down_proj"], [d], biases=m.bias)
-            elif not is_moe_block(m, i):  # a mixture's experts: moe_sources
-                add(f"{b}.mlp.gate_up", [f"{h}.mlp.gate_proj", f"{h}.mlp.up_proj"], [ff, ff],
-                    biases=m.bias)
+            if not is_moe_block(m, i):  # a mixture's experts: moe_sources
+                gate_up = names["mlp.gate_up"]  # one tensor: rows gate, then up, as ours
+                add(f"{b}.mlp.gate_up", [f"{h}.{n}" for n in gate_up],
+                    [2 * ff] if len(gate_up) == 1 else [ff, ff], biases=m.bias)
                 add(f"{b}.mlp.down", [f"{h}.mlp.down_proj"], [d], biases=m.bias)
         add("norm_f", ["model.norm"], [d], biases=norm_biases)
     # Tied: the head is the embedding and is never asked for by its own name. A tied HF

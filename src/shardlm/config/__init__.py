@@ -1,7 +1,8 @@
 """What a run is, before any process starts: the typed config tree (schema.py; its [model] and [lora]
 sections model.py) and its reading (load.py),
 what a valid config is (rules.py), the named model shapes (presets.py), a
-transformers config.json as one (hf_shapes.py, by family hf_families.py), the degrees of
+transformers config.json as one (hf_shapes.py, by family hf_families.py and the registry
+families/, one file per family), the degrees of
 parallelism (dims.py) and pipeline schedules as data (pipeline_tables.py).
 
 Pure data and arithmetic: no torch import at module level, nothing here starts processes or

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, get_type_hints
 
+from shardlm.config.families import FamilyChoices
 from shardlm.config.pipeline_tables import NAMED
 
 Config = Any
@@ -47,10 +48,9 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "per_document", "flex", "math")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 """model.rope_type: transformers' ROPE_INIT_FUNCTIONS our decoder computes (models/decoder.py)."""
 
-CHECKPOINT_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
-                       "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "starcoder2", "gpt_neox",
-                       "stablelm", "mixtral", "qwen3_moe", "olmoe")
-"""model.family: the transformers model_types checkpoint/hf_names.py has a name table for."""
+CHECKPOINT_FAMILIES = FamilyChoices()
+"""model.family: '' and the transformers model_types with a name table (config/families/: the
+registry, read when asked, so a family registered later is a choice too)."""
 
 
 PACKED_FORMATS = ("chat", "prompt_completion")
@@ -137,7 +137,7 @@ _CHOICES = {
     "model.attention": ATTENTION_BACKENDS,
     "model.position": ("learned", "rope"),
     "model.rope_type": ROPE_TYPES,
-    "model.family": ("",) + CHECKPOINT_FAMILIES,
+    "model.family": CHECKPOINT_FAMILIES,
     "model.mlp": ("gelu", "swiglu"),
     "model.activation": ("auto", "gelu_tanh", "gelu", "silu"),
     "model.norm_placement": ("pre", "sandwich", "post"),

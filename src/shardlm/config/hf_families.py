@@ -10,11 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-
-
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo",
-                "olmo2", "granite", "smollm3", "mixtral", "qwen3_moe", "olmoe")
-"""model_type values with LLaMA's shape (RMSNorm, RoPE, SwiGLU): what the planner can size."""
+from shardlm.config.families import Family, family, global_every
 
 
 GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -31,15 +27,10 @@ TRAINING_DEFAULTS = ("aux_loss_coef", "z_loss_coef")
 training, not the network (the balancing losses change no logits), so [model] may set others."""
 
 
-LOADABLE = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "granite", "smollm3",
-            "starcoder2", "gpt_neox", "stablelm") + GEMMA + MOE_FAMILIES
-"""model_type values whose weights our decoder computes exactly (model.hf_path); which of each
-family's options it computes, hf_shape says (docs/finetuning.md, "Checkpoint families")."""
-
-
-PARTIAL_ROTARY = ("phi3", "gpt_neox", "stablelm")
-"""Families whose transformers code rotates only partial_rotary_factor of each head (the others
-ignore the key, so a checkpoint that sets it is refused)."""
+PARTIAL_ROTARY = ("gpt_neox", "stablelm")
+"""Legacy families whose transformers code rotates only partial_rotary_factor of each head (a
+registered family says so itself: Family.partial_rotary); the others ignore the key, so a
+checkpoint that sets it is refused."""
 
 
 SCALED_ROPE = ("linear", "dynamic", "yarn", "llama3")
@@ -55,20 +46,19 @@ def _llama_like_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope
     """The RMSNorm + RoPE + gated-MLP families into `shape`: LLaMA's keys, then each family's
     own (Qwen's biases and norms, OLMo-2's placement, Gemma's, Granite's multipliers, SmolLM3's
     NoPE blocks, sliding windows, head_dim, RoPE scaling); `key` reads a required key."""
-    heads = shape["n_heads"]
+    heads, fam = shape["n_heads"], family(kind)
     attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
-    if kind == "qwen2":  # biases on q, k and v, none on the output and MLP projections
-        shape["qkv_bias"] = True
-    elif kind in ("qwen3", "qwen3_moe"):  # an RMSNorm on each query and key head; attention_bias: on q/k/v/o
+    if fam is not None:
+        shape.update(fam.shape)
+        attention_bias = _family_bias(fam, attention_bias, mlp_bias, problems)
+    elif kind == "qwen3_moe":  # an RMSNorm on each query and key head; attention_bias: on q/k/v/o
         shape["qk_norm"] = True
         if attention_bias:
             problems.append(f"attention_bias = True ({kind}'s biases on q/k/v/o only; our "
                             "model.bias also puts them on the MLP)")
         attention_bias = False
-    elif kind in ("olmo2", "olmoe"):  # q/k norms over whole projections; OLMo-2: post-norms
+    elif kind == "olmoe":  # q/k norms over whole projections
         shape.update(qk_norm=True, qk_norm_width="all")
-        if kind == "olmo2":
-            shape["norm_placement"] = "post"
         if attention_bias:
             problems.append(f"attention_bias = True ({kind}'s biases on q/k/v/o only; our "
                             f"model.bias also puts them on the MLP)")
@@ -91,11 +81,12 @@ def _llama_like_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope
     if kind in MOE_FAMILIES:
         _moe_shape(hf, kind, shape, problems)
     window = hf.get("sliding_window")
-    if kind in ("mistral", "phi3", "mixtral") and window:  # every block slides: the window as a mask
+    windows = fam.windows if fam is not None else {"mixtral": "every", "qwen3_moe": "qwen"}.get(kind, "cap")
+    if windows == "every" and window:  # every block slides: the window as a mask
         shape.update(sliding_window=int(window), global_every=0)
-    elif kind in ("qwen2", "qwen3", "qwen3_moe"):
+    elif windows == "qwen":
         _qwen_windows(hf, kind, shape, exact)
-    elif exact and window and hf.get("use_sliding_window", True) and kind not in GEMMA:
+    elif windows == "cap" and exact and window and hf.get("use_sliding_window", True) and kind not in GEMMA:
         # Qwen2/3's windows sit on the layers past max_window_layers: identical to full
         # attention on sequences no longer than the window, so the context is capped there.
         shape["max_seq_len"] = min(shape["max_seq_len"], int(window))
@@ -103,24 +94,33 @@ def _llama_like_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope
         problems.append(f"hidden_act = {hf['hidden_act']!r} (ours is 'silu')")
     head_dim = hf.get("head_dim")
     if head_dim and head_dim != shape["d_model"] // heads:
-        if kind in ("qwen2", "phi3", "olmo2", "granite", "smollm3", "olmoe"):  # no head_dim in their
-            # configs: an export could not write it back
+        if (not fam.has_head_dim) if fam is not None else kind == "olmoe":  # no head_dim in
+            # their configs: an export could not write it back
             problems.append(f"head_dim = {head_dim} ({kind}'s is hidden_size / "
                             f"num_attention_heads = {shape['d_model'] // heads})")
         shape["head_dim"] = int(head_dim)
-    if kind == "granite":  # its four multipliers
-        shape.update(embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
-                     residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
-                     attention_scale=float(hf.get("attention_multiplier", 1.0)),
-                     logits_divisor=float(hf.get("logits_scaling", 1.0)))
-    if kind == "smollm3":
-        _smollm3_shape(hf, shape, problems)
+    if fam is not None and fam.read is not None:  # the family's own keys
+        fam.read(hf, shape, problems)
     max_positions = int(key("max_position_embeddings"))
-    shape.update(_rope_shape(hf, rope, max_positions, problems, kind in PARTIAL_ROTARY))
+    partial = fam.partial_rotary if fam is not None else kind in PARTIAL_ROTARY
+    shape.update(_rope_shape(hf, rope, max_positions, problems, partial))
     if shape.get("rope_type") == "dynamic" and shape["max_seq_len"] != max_positions:
         problems.append(f"rope scaling 'dynamic' with the context capped at the sliding window "
                         f"({shape['max_seq_len']}): its base depends on max_position_embeddings "
                         f"({max_positions})")
+
+
+def _family_bias(fam: Family, attention_bias: bool, mlp_bias: bool, problems: list[str]) -> bool:
+    """A registered family's config.json attention_bias / mlp_bias as model.bias (Family.attention_bias)."""
+    if fam.attention_bias == "refused":
+        if attention_bias:
+            problems.append(f"attention_bias = True ({fam.name}'s biases on q/k/v/o only; our "
+                            f"model.bias also puts them on the MLP)")
+        return False
+    if fam.attention_bias == "linears" and attention_bias != mlp_bias:
+        problems.append(f"attention_bias = {attention_bias} with mlp_bias = {mlp_bias} (our "
+                        f"model.bias puts biases on every linear or none)")
+    return attention_bias
 
 
 def _gemma_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope: dict[str, Any],
@@ -151,12 +151,12 @@ def _gemma_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope: dic
                                       for i in range(shape["n_layers"])]
     sliding = [t == "sliding_attention" for t in types]
     unknown = sorted({t for t in types} - {"sliding_attention", "full_attention"})
-    global_every = _global_every(sliding)
-    if unknown or global_every is None:
+    every = global_every(sliding)
+    if unknown or every is None:
         problems.append(f"layer_types = {types} (ours: every block slides, or all but each "
                         f"n-th: model.global_every)")
     elif any(sliding) and hf.get("sliding_window"):
-        shape.update(sliding_window=int(hf["sliding_window"]), global_every=global_every)
+        shape.update(sliding_window=int(hf["sliding_window"]), global_every=every)
     if kind == "gemma3_text":
         shape["qk_norm"] = True
         params = hf.get("rope_parameters") or {}
@@ -261,21 +261,6 @@ def _moe_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], problems: l
         problems.append(f"clip_qkv = {hf['clip_qkv']} (our attention does not clamp q/k/v)")
 
 
-def _smollm3_shape(hf: dict[str, Any], shape: dict[str, Any], problems: list[str]) -> None:
-    """SmolLM3's NoPE blocks (no_rope_layers: 1 rotates, 0 does not) as model.nope_every."""
-    interval = int(hf.get("no_rope_layer_interval") or 4)
-    flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(shape["n_layers"])]
-    every = _global_every([bool(f) for f in flags])  # the same pattern: rotating = not every n-th
-    if every is None:
-        problems.append(f"no_rope_layers = {flags} (ours: every block rotates but each n-th: "
-                        f"model.nope_every)")
-    elif every:
-        shape["nope_every"] = every
-    if hf.get("use_sliding_window") and hf.get("sliding_window"):
-        problems.append("use_sliding_window = True (SmolLM3's windows sit on its NoPE blocks; "
-                        "ours on all but each n-th)")
-
-
 def _qwen_windows(hf: dict[str, Any], kind: str, shape: dict[str, Any], exact: bool) -> None:
     """Qwen2's, Qwen3's and Qwen3-MoE's sliding windows as transformers' configs compute them
     (5.24): a window only with use_sliding_window (default false); Qwen2/3 slide the blocks
@@ -293,20 +278,11 @@ def _qwen_windows(hf: dict[str, Any], kind: str, shape: dict[str, Any], exact: b
         types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
                                           for i in range(n)]
         sliding = [t == "sliding_attention" for t in types]
-    every = _global_every(sliding)
+    every = global_every(sliding)
     if every is not None and any(sliding):
         shape.update(sliding_window=int(window), global_every=every)
     elif exact and any(sliding):
         shape["max_seq_len"] = min(shape["max_seq_len"], int(window))
-
-
-def _global_every(sliding: list[bool]) -> int | None:
-    """n with block i global exactly when (i + 1) % n == 0 (0: every block slides; all global
-    is 1), or None when no n describes `sliding`."""
-    for n in range(len(sliding) + 1):
-        if all(s == (n == 0 or (i + 1) % n != 0) for i, s in enumerate(sliding)):
-            return n
-    return None
 
 
 def _rope_shape(hf: dict[str, Any], rope: dict[str, Any], max_positions: int,

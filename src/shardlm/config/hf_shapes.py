@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardlm.config.hf_families import (LLAMA_FAMILY, LOADABLE, TRAIN_ANY_MODEL)
+from shardlm.config.families import loadable, sizable
+from shardlm.config.hf_families import TRAIN_ANY_MODEL
 from shardlm.config.hf_families import (_llama_like_shape, _neox_shape, _stablelm_shape,
                                         _starcoder2_shape)
 from shardlm.config.presets import _gpt2
@@ -33,7 +34,7 @@ def _read_hf_config(path: str, option: str) -> tuple[dict[str, Any], str]:
 def hf_shape(path: str, option: str = "--model", exact: bool = False) -> dict[str, Any]:
     """A transformers config.json (or its directory) as [model] field values: GPT-2's and the
     LLaMA family's key names (GQA, SwiGLU width, tied head, vocabulary, context, epsilons, RoPE
-    base). The planner sizes any LLAMA_FAMILY shape; `exact` (loading weights, model.hf_path)
+    base). The planner sizes any LLaMA-shaped family (families.sizable()); `exact` (loading weights, model.hf_path)
     also refuses what our decoder would compute differently, naming the key, so a checkpoint
     never loads into a network that only resembles it (model.hf_path sends such a checkpoint
     the transformers way instead: decoder_problems, causal_lm_config)."""
@@ -58,7 +59,7 @@ def _decoder_shape(path: str, option: str, exact: bool) -> tuple[dict[str, Any],
     model_type, the directory's name)."""
     hf, name = _read_hf_config(path, option)
     kind = str(hf.get("model_type", ""))
-    mapped = LOADABLE if exact else ("gpt2",) + LLAMA_FAMILY
+    mapped = loadable() if exact else ("gpt2",) + sizable()
     if kind not in mapped:
         raise ConfigError(f"{option} {path}: model_type {kind!r} is not one that maps onto our "
                           f"decoder; supported: {', '.join(mapped)}. "
@@ -81,7 +82,7 @@ def _decoder_shape(path: str, option: str, exact: bool) -> tuple[dict[str, Any],
         d_model=int(key("hidden_size", "n_embd", "d_model")),
         max_seq_len=int(key("max_position_embeddings", "n_positions", "n_ctx")))
     problems: list[str] = []
-    if kind in LOADABLE:
+    if kind in loadable():
         shape["family"] = kind
     if kind == "gpt2":
         shape.update(_gpt2(shape["n_layers"], shape["n_heads"], shape["d_model"],
@@ -130,7 +131,7 @@ def encoder_decoder_config(hf_path: str, hf_config: str) -> str:
 def causal_lm_config(hf_path: str) -> str:
     """The config.json of a model.hf_path that trains through transformers as a causal LM (its
     own module in models/hf.CausalLMAdapter: models/hf_build.py), or '': a decoder-only
-    checkpoint whose model_type does not map onto our decoder (not in LOADABLE), or does but
+    checkpoint whose model_type does not map onto our decoder (not in families.loadable()), or does but
     with a feature our decoder does not compute (decoder_problems: Phi-3.5's longrope, say).
     Exactly mapped ones load into our decoder, encoder-decoders go the seq2seq way (encoder_decoder_config). Reads
     one small JSON file, no transformers import; an unreadable one is hf_shape's to report."""
@@ -146,7 +147,7 @@ def causal_lm_config(hf_path: str) -> str:
         return ""
     if not isinstance(hf, dict) or hf.get("is_encoder_decoder"):
         return ""
-    if hf.get("model_type", "") in LOADABLE and not decoder_problems(hf_path):
+    if hf.get("model_type", "") in loadable() and not decoder_problems(hf_path):
         return ""
     return str(file) if hf.get("model_type") else ""
 
