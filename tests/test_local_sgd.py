@@ -265,44 +265,66 @@ def test_non_finite_on_one_replica_skips_on_all(world):
     assert out[0]["stepped"] == out[1]["stepped"] == [False, True]
 
 
-def local_sgd_train(rank: int, world_size: int, case: dict) -> dict:
+def local_sgd_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     torch.manual_seed(0)
-    return _train(case)
+    return [_train(case) for case in cases]
 
 
-def test_tensor_parallel_inside_each_replica_matches_the_simulation(tmp_path):
-    """DiLoCo over 2 replicas of tp = 2 each (4 ranks, ZeRO-1 inside the replica: each tp piece's
-    masters are its rank's; the outer step on the pseudo-gradient of each rank's own piece, over
-    the ranks holding the same piece) against the tp = 1 simulation above.
-    Tolerance: tp sums each row-parallel product from two partial products (one more rounding
-    per output, ~eps·sqrt(d) relative), so the losses agree within 1e-6 relative (measured
-    7.7e-8) and the parameters within 1e-5 of each tensor's largest value — except where AdamW's
-    scale-free update m/(sqrt(v) + eps) turned a near-zero gradient's rounding into a visible
-    step (measured: 8 of 150k elements, at most 1% of lr): at most 1 in 1,000 elements of a
-    tensor, each within STEPS · lr (AdamW moves an element at most lr a step; the outer Nesterov
-    step, lr 0.7 x (1 + 0.9), moves the replicas' mean, not more)."""
+AXES = ("tp", "cp", "pp")
+"""Model parallelism inside each replica: one axis of 2 at a time, 2 replicas, 4 ranks."""
+
+
+@pytest.fixture(scope="module")
+def axes_world(tmp_path_factory):
+    """DiLoCo over 2 replicas of each model-parallel axis of 2, ZeRO-1 inside the replica, in one
+    spawned 4-rank world; and each case's tp = cp = pp = 1 simulation."""
+    tmp = tmp_path_factory.mktemp("local_sgd_axes")
+    cases = [_base(tmp, **{"parallel.zero_stage": 1, f"parallel.{axis}": 2, "run.name": axis}) for axis in AXES]
+    out = run_ranks(local_sgd_cases, 4, tmp, cases)
+    ref = simulate({**cases[0], "parallel.tp": 1}, STEPS)  # the same for every axis
+    return cases, out, ref
+
+
+@pytest.mark.parametrize("axis", AXES)
+def test_model_parallelism_inside_each_replica_matches_the_simulation(axes_world, axis):
+    """Each rank's masters are its piece of the model — a tp cut, a pipeline stage's blocks, or
+    (cp) a ZeRO-1 shard over the cp ranks — so its θ_outer, momentum and pseudo-gradient are
+    that piece, and the outer step's all-reduce runs over the ranks holding the same piece on
+    the other replica. Against the one-process simulation above.
+    Tolerance: tp sums each row-parallel product from two partial products, cp merges two
+    attention blocks' softmaxes, pp and cp accumulate other micro-batch splits: one more
+    rounding here and there (~eps·sqrt(d) relative), so the losses agree within 1e-6 relative
+    (measured: tp, cp 7.7e-8; pp 0) and the parameters within 1e-5 of each tensor's largest
+    value — except where AdamW's scale-free update m/(sqrt(v) + eps) turned a near-zero
+    gradient's rounding into a visible step (measured: tp 8 of 150k elements, at most 1% of lr):
+    at most 1 in 1,000 elements of a tensor, each within STEPS · lr (AdamW moves an element at
+    most lr a step; the outer Nesterov step moves the replicas' mean, no more)."""
     from tp_cases import whole_params
 
-    case = _base(tmp_path, **{"parallel.zero_stage": 1, "parallel.tp": 2, "run.name": "tp"})
-    out = run_ranks(local_sgd_train, 4, tmp_path, case)
-    ref = simulate({**case, "parallel.tp": 1}, STEPS)
-    lr = load_config(overrides=case).train.lr
-    for replica in (out[:2], out[2:]):  # ranks 0-1 are replica 0's tp pair, 2-3 replica 1's
-        assert replica[0]["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=0)
-        whole = whole_params(replica)
-        assert whole.keys() == ref["params"].keys()
+    cases, out, ref = axes_world
+    i = AXES.index(axis)
+    group = 2 if axis in ("tp", "cp") else 1  # ranks of one replica's tp or cp group, side by side
+    lr = load_config(overrides=cases[i]).train.lr
+    for replica in (0, 1):
+        ranks = [out[r][i] for r in range(4) if r // group % 2 == replica]
+        for got in ranks:
+            assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=0), (axis, replica)
+        whole = whole_params(ranks)  # tp: the cuts joined; pp: the stages' blocks; cp: whole on each
+        assert whole.keys() == ref["params"].keys(), axis
         for name, want in ref["params"].items():
             off = (whole[name] - want).abs()
             loose = off > 1e-5 * want.abs().max()
-            assert int(loose.sum()) <= want.numel() // 1000, (name, int(loose.sum()))
-            assert float(off.max()) <= STEPS * lr, name
-    # one fp32 all-reduce of the rank's tp piece per round across replicas; tp's own traffic
-    # every step; nothing across replicas between rounds
-    numel = out[0]["numel"]
-    for step, by_group in enumerate(out[0]["comm_by_op"]):
-        synced = (step + 1) % EVERY == 0 or step + 1 == STEPS
-        assert by_group.get("dp_replicate", 0) == (2 * 4 * numel if synced else 0), (step, by_group)
-        assert by_group["tp"] > 0
+            assert int(loose.sum()) <= want.numel() // 1000, (axis, name, int(loose.sum()))
+            assert float(off.max()) <= STEPS * lr, (axis, name)
+    # one fp32 all-reduce of the rank's piece per round across replicas (under cp the rank holds
+    # the whole model, its masters a ZeRO-1 shard over the cp ranks: half); nothing across
+    # replicas between rounds
+    for rank in range(4):
+        got = out[rank][i]
+        piece = got["numel"] // (2 if axis == "cp" else 1)
+        for step, by_group in enumerate(got["comm_by_op"]):
+            synced = (step + 1) % EVERY == 0 or step + 1 == STEPS
+            assert by_group.get("dp_replicate", 0) == (2 * 4 * piece if synced else 0), (axis, rank, step)
 
 
 def test_validation_refuses_clearly(tmp_path):
@@ -310,9 +332,9 @@ def test_validation_refuses_clearly(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.local_sgd\.every = 4 .*parallel\.dp_replicate = 1.*"
                                           r"Set parallel\.dp_replicate"):
         load_config(overrides={**base, "train.local_sgd.every": "4"}).validate()
-    with pytest.raises(ConfigError, match=r"parallel\.cp = 2.*lora\.rank = 4"):
+    with pytest.raises(ConfigError, match=r"parallel\.ep = 2.*lora\.rank = 4"):
         load_config(overrides={**base, "train.local_sgd.every": "4", "parallel.dp_replicate": "2",
-                               "parallel.cp": "2", "lora.rank": "4"}).validate()
+                               "model.experts": "4", "parallel.ep": "2", "lora.rank": "4"}).validate()
     load_config(overrides={**base, "train.local_sgd.every": "4", "parallel.dp_replicate": "2"}).validate()
 
 

@@ -179,12 +179,12 @@ def _pure_bf16(cfg: Config) -> list[str]:
             if p.master == "bf16" and p.compute not in ("bf16", "fp8") else [])
 
 
-@_cross("train.local_sgd.every", "parallel.dp_replicate", "parallel.cp", "parallel.pp",
-        "parallel.ep", "model.experts", "zero.offload_optimizer", "zero.offload_params", "lora.rank")
+@_cross("train.local_sgd.every", "parallel.dp_replicate", "parallel.ep", "model.experts",
+        "zero.offload_optimizer", "zero.offload_params", "lora.rank")
 def _local_sgd_layout(cfg: Config) -> list[str]:
     """Local SGD / DiLoCo (zero/local_sgd.py) needs replicas, and is checked against one process
     on data parallelism (ZeRO stages 0-3 within each replica, dp_shard ranks per replica) and
-    tensor parallelism inside each replica (each rank's outer step on its own tp piece: tests/
+    tp, cp and pp inside each replica (each rank's outer step on its own piece: tests/
     test_local_sgd.py); the other axes and features are refused until a test holds them."""
     every, par, z = cfg.train.local_sgd.every, cfg.parallel, cfg.zero
     if not every:
@@ -193,14 +193,14 @@ def _local_sgd_layout(cfg: Config) -> list[str]:
         return [f"train.local_sgd.every = {every} synchronises replicas every {every} steps, but "
                 f"parallel.dp_replicate = 1: there is one replica. Set parallel.dp_replicate (the "
                 f"number of replicas, e.g. 2), or train.local_sgd.every = 0"]
-    apart = {k: v for k, v, alone in (("parallel.cp", par.cp, 1),
-                                      ("parallel.pp", par.pp, 1), ("parallel.ep", par.ep, 1),
+    apart = {k: v for k, v, alone in (("parallel.ep", par.ep, 1),
                                       ("model.experts", cfg.model.experts, 0),
                                       ("zero.offload_optimizer", z.offload_optimizer, "none"),
                                       ("zero.offload_params", z.offload_params, "none"),
                                       ("lora.rank", cfg.lora.rank, 0)) if v != alone}
-    return ([f"train.local_sgd.every = {every} runs on data and tensor parallelism (ZeRO stages "
-             f"0-3 and tp within each replica, no offload, no LoRA, a dense model): the layouts "
+    return ([f"train.local_sgd.every = {every} runs on data, tensor, context and pipeline "
+             f"parallelism (ZeRO stages 0-3, tp, cp and pp within each replica; no offload, no "
+             f"LoRA, a dense model): the layouts "
              f"checked against one process yet; got {', '.join(f'{k} = {v!r}' for k, v in apart.items())}. "
              f"Drop those settings, or set train.local_sgd.every = 0"] if apart else [])
 
