@@ -44,8 +44,7 @@ import torch
 
 from shardlm.checkpoint import (TOKENIZER, WEIGHTS, load_config_json, load_for_inference,
                                resolve_run_dir)
-from shardlm.checkpoint.hf_names import (GEMMA_FAMILIES, MOE_FAMILIES, heads_first, hf_family,
-                                         hf_sources, moe_sources, query_pre_attn_scalar)
+from shardlm.checkpoint.hf_names import MOE_FAMILIES, heads_first, hf_family, hf_sources, moe_sources
 from shardlm.checkpoint.hf_dir import read_identity, write_identity
 from shardlm.checkpoint.weights import HF_CONFIG
 from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, merged_state_dict, peft_adapter, write_adapter
@@ -122,8 +121,6 @@ def hf_config(m: ModelConfig, eot: int | None):
         return tf.OlmoeConfig(intermediate_size=expert_d_ff(m), num_experts=m.experts,  # olmoe
                               norm_topk_prob=m.router_topk_norm, attention_bias=False, clip_qkv=None,
                               pad_token_id=None, **moe)
-    if family in GEMMA_FAMILIES:
-        return _gemma_config(tf, m, family, tokens)
     llama_shaped = dict(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
                         num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
                         num_key_value_heads=m.n_kv_heads or m.n_heads, head_dim=head_dim(m),
@@ -164,36 +161,7 @@ IN_MEMORY_NAMES = {"gpt_neox": {"embed_out.weight": "lm_head.weight"}}
 loads them and back as it saves (its conversion_mapping.py): the table holds the files' names."""
 
 
-def _gemma_config(tf, m: ModelConfig, family: str, tokens: dict):
-    """GemmaConfig, Gemma2Config or Gemma3TextConfig (hf_family checked what they express):
-    the sliding blocks as layer_types, Gemma 3's two RoPE tables as its per-layer-type
-    rope_parameters."""
-    from shardlm.models.decoder import is_sliding
-
-    common = dict(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
-                  num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
-                  num_key_value_heads=m.n_kv_heads or m.n_heads, head_dim=head_dim(m),
-                  max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                  attention_bias=False, pad_token_id=None, **tokens)
-    if family == "gemma":
-        return tf.GemmaConfig(hidden_act="gelu_pytorch_tanh", rope_parameters=rope_parameters(m),
-                              **common)
-    types = ["sliding_attention" if is_sliding(m, i) else "full_attention" for i in range(m.n_layers)]
-    gemma2 = dict(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=query_pre_attn_scalar(m),
-                  sliding_window=m.sliding_window or None, layer_types=types,
-                  attn_logit_softcapping=m.attn_softcap or None,
-                  final_logit_softcapping=m.logit_softcap or None, **common)
-    if family == "gemma2":
-        return tf.Gemma2Config(rope_parameters=rope_parameters(m), **gemma2)
-    local = {"rope_type": "default", "rope_theta": m.rope_local_theta or m.rope_theta}
-    if not m.rope_local_theta:  # the sliding blocks share the global RoPE
-        local = rope_parameters(m)
-    return tf.Gemma3TextConfig(rope_parameters={"full_attention": rope_parameters(m),
-                                                "sliding_attention": local}, **gemma2)
-
-
-LEGACY_CLASSES = {"gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM", "gemma": "GemmaForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+LEGACY_CLASSES = {"gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM",
                   "starcoder2": "Starcoder2ForCausalLM", "gpt_neox": "GPTNeoXForCausalLM",
                   "stablelm": "StableLmForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "olmoe": "OlmoeForCausalLM"}

@@ -35,10 +35,8 @@ STABLELM_STYLE = {"norm": "layernorm", "position": "rope", "mlp": "swiglu"}
 LLAMA_STYLE = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
 
 
-GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
-
 # The LLaMA-style fields beyond the common core, with their defaults, and which of them each
-# LLaMA-style family's transformers class has a key for (Gemma's are checked by _gemma_problems).
+# LLaMA-style family's transformers class has a key for (Family.expresses; Gemma's: its checks).
 EXTRA_FIELDS = {"head_dim": 0, "qkv_bias": False, "qk_norm": False, "qk_norm_width": "head",
                 "norm_placement": "pre", "activation": "auto", "embedding_multiplier": 1.0,
                 "attention_scale": 0.0, "residual_multiplier": 1.0, "logits_divisor": 1.0,
@@ -110,7 +108,9 @@ def hf_family(m: ModelConfig) -> str:
         return "stablelm"
     if chosen == LLAMA_STYLE:
         family = m.family or _implied_llama_family(m)
-        problems = _gemma_problems(m, family) if family in GEMMA_FAMILIES else _llama_problems(m, family)
+        fam = registered_family(family)  # a family with its own check (Gemma's) runs it
+        own = fam is not None and fam.checks is not None
+        problems = fam.checks(m) if own else _llama_problems(m, family)
         if problems:
             raise ConfigError(f"cannot export this model to transformers' {family} class"
                               f"{' (model.family)' if m.family else ''}: " + "; ".join(problems))
@@ -145,7 +145,8 @@ def _implied_llama_family(m: ModelConfig) -> str:
 def _llama_problems(m: ModelConfig, family: str) -> list[str]:
     """What `family`'s class (a LLaMA-style one) cannot express of our model, field by field."""
     fam = registered_family(family)
-    if fam is None and family not in LEGACY_EXPRESSES:
+    own_check = fam is not None and fam.checks is not None  # Gemma's: not LLaMA's fields
+    if own_check or (fam is None and family not in LEGACY_EXPRESSES):
         return [f"model.family = {family!r} is not a LLaMA-style class (the fields are "
                 f"LLaMA's: rmsnorm, rope, swiglu)"]
     if fam is not None:
@@ -168,39 +169,6 @@ def _llama_problems(m: ModelConfig, family: str) -> list[str]:
         problems += fam.problems(m)
     if m.sliding_window and m.global_every and "global_every" not in expresses:
         problems.append(f"model.global_every = {m.global_every} ({family} slides every block: 0)")
-    return problems
-
-
-def query_pre_attn_scalar(m: ModelConfig) -> int | None:
-    """Gemma's query_pre_attn_scalar q with q^-1/2 exactly model.attention_scale (head_dim when
-    that is 0), or None where no whole number gives it."""
-    if not m.attention_scale:
-        return head_dim(m)
-    q = round(m.attention_scale ** -2)
-    return q if q > 0 and q ** -0.5 == m.attention_scale else None
-
-
-def _gemma_problems(m: ModelConfig, family: str) -> list[str]:
-    """What `family`'s class (Gemma 1, 2 or 3) cannot express of our model, field by field."""
-    problems = []
-    want = {"norm_offset": True, "activation": "gelu_tanh",
-            "embedding_multiplier": m.d_model ** 0.5, "bias": False, "qkv_bias": False,
-            "qk_norm": family == "gemma3_text", "qk_norm_width": "head",
-            "norm_placement": "pre" if family == "gemma" else "sandwich", "residual_multiplier": 1.0,
-            "logits_divisor": 1.0, "nope_every": 0}
-    problems += [f"model.{k} = {getattr(m, k)!r} ({family}'s is {v!r})" for k, v in want.items()
-                 if getattr(m, k) != v]
-    if family == "gemma":
-        gemma1 = {"model.attention_scale": m.attention_scale, "model.attn_softcap": m.attn_softcap,
-                  "model.logit_softcap": m.logit_softcap, "model.sliding_window": m.sliding_window}
-        problems += [f"{k} = {v:g} (Gemma 1 has none; Gemma 2 and 3 have sandwich norms)"
-                     for k, v in gemma1.items() if v]
-    elif query_pre_attn_scalar(m) is None:
-        problems.append(f"model.attention_scale = {m.attention_scale!r} (Gemma's is "
-                        f"query_pre_attn_scalar^-1/2 for a whole number)")
-    if m.rope_local_theta and family != "gemma3_text":
-        problems.append(f"model.rope_local_theta = {m.rope_local_theta:g} (only Gemma 3 has a "
-                        f"second RoPE base)")
     return problems
 
 

@@ -1,9 +1,10 @@
-"""Each checkpoint family's config.json read as our decoder's [model] keys, as transformers 5.x
-computes that family (hf_shapes.py reads the file and dispatches here): LLaMA-like families (Llama
-3.x RoPE scalings, Qwen's sliding windows, Phi-3, OLMo-2, Granite), Gemma 1/2/3, StarCoder2,
-GPT-NeoX, StableLM, SmolLM3's per-layer NoPE and the mixtures (Mixtral, Qwen3-MoE, OLMoE). What a
-family sets that the decoder cannot compute is returned as a problem (the run then takes the
-transformers path, or is refused). Plain data, no torch."""
+"""A checkpoint's config.json read as our decoder's [model] keys, as transformers 5.x computes
+its family (hf_shapes.py reads the file and dispatches here): the LLaMA-like reader, driven by
+each registered family's record (config/families/: Llama, Mistral, Qwen2/3, Phi-3, OLMo-2,
+Granite, SmolLM3, Gemma 1/2/3), with RoPE scalings and Qwen's sliding windows; and the families
+not yet moved into a file: StarCoder2, GPT-NeoX, StableLM and the mixtures (Mixtral, Qwen3-MoE,
+OLMoE). What a family sets that the decoder cannot compute is returned as a problem (the run then
+takes the transformers path, or is refused). Plain data, no torch."""
 
 from __future__ import annotations
 
@@ -11,11 +12,6 @@ import math
 from typing import Any
 
 from shardlm.config.families import Family, family, global_every
-
-
-GEMMA = ("gemma", "gemma2", "gemma3_text")
-"""Gemma 1, 2 and 3 (text): (1 + w) norms, sqrt(d)-scaled embeddings, GeGLU (hf_shape's
-_gemma_shape)."""
 
 
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
@@ -50,6 +46,8 @@ def _llama_like_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope
     attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
     if fam is not None:
         shape.update(fam.shape)
+        if fam.prepare is not None:
+            rope = fam.prepare(hf, shape, rope, problems)
         attention_bias = _family_bias(fam, attention_bias, mlp_bias, problems)
     elif kind == "qwen3_moe":  # an RMSNorm on each query and key head; attention_bias: on q/k/v/o
         shape["qk_norm"] = True
@@ -63,19 +61,13 @@ def _llama_like_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope
             problems.append(f"attention_bias = True ({kind}'s biases on q/k/v/o only; our "
                             f"model.bias also puts them on the MLP)")
         attention_bias = False
-    elif kind in GEMMA:
-        rope = _gemma_shape(hf, kind, shape, rope, problems)
-        if attention_bias:
-            problems.append("attention_bias = True (Gemma's biases on q/k/v/o only; our "
-                            "model.bias also puts them on the MLP)")
-        attention_bias = False
     elif attention_bias != mlp_bias:
         problems.append(f"attention_bias = {attention_bias} with mlp_bias = {mlp_bias} (our "
                         f"model.bias puts biases on every linear or none)")
     shape.update(n_kv_heads=int(key("num_key_value_heads", default=heads)),
                  d_ff=int(key("intermediate_size")), norm="rmsnorm", position="rope",
                  mlp="swiglu", bias=attention_bias,
-                 tie_embeddings=bool(key("tie_word_embeddings", default=kind in GEMMA)),
+                 tie_embeddings=bool(key("tie_word_embeddings", default=fam is not None and fam.tied)),
                  norm_eps=float(key("rms_norm_eps", default=1e-6)),
                  rope_theta=float(key("rope_theta", default=rope.get("rope_theta", 10000.0))))
     if kind in MOE_FAMILIES:
@@ -86,16 +78,16 @@ def _llama_like_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope
         shape.update(sliding_window=int(window), global_every=0)
     elif windows == "qwen":
         _qwen_windows(hf, kind, shape, exact)
-    elif windows == "cap" and exact and window and hf.get("use_sliding_window", True) and kind not in GEMMA:
+    elif windows == "cap" and exact and window and hf.get("use_sliding_window", True):
         # Qwen2/3's windows sit on the layers past max_window_layers: identical to full
         # attention on sequences no longer than the window, so the context is capped there.
         shape["max_seq_len"] = min(shape["max_seq_len"], int(window))
-    if hf.get("hidden_act", "silu") != "silu" and kind not in GEMMA:
+    if hf.get("hidden_act", "silu") != "silu" and (fam is None or fam.silu):
         problems.append(f"hidden_act = {hf['hidden_act']!r} (ours is 'silu')")
     head_dim = hf.get("head_dim")
     if head_dim and head_dim != shape["d_model"] // heads:
-        if (not fam.has_head_dim) if fam is not None else kind == "olmoe":  # no head_dim in
-            # their configs: an export could not write it back
+        no_key = not fam.has_head_dim if fam is not None else kind == "olmoe"
+        if no_key:  # no head_dim in their configs: an export could not write it back
             problems.append(f"head_dim = {head_dim} ({kind}'s is hidden_size / "
                             f"num_attention_heads = {shape['d_model'] // heads})")
         shape["head_dim"] = int(head_dim)
@@ -114,63 +106,13 @@ def _family_bias(fam: Family, attention_bias: bool, mlp_bias: bool, problems: li
     """A registered family's config.json attention_bias / mlp_bias as model.bias (Family.attention_bias)."""
     if fam.attention_bias == "refused":
         if attention_bias:
-            problems.append(f"attention_bias = True ({fam.name}'s biases on q/k/v/o only; our "
+            problems.append(f"attention_bias = True ({fam.title or fam.name}'s biases on q/k/v/o only; our "
                             f"model.bias also puts them on the MLP)")
         return False
     if fam.attention_bias == "linears" and attention_bias != mlp_bias:
         problems.append(f"attention_bias = {attention_bias} with mlp_bias = {mlp_bias} (our "
                         f"model.bias puts biases on every linear or none)")
     return attention_bias
-
-
-def _gemma_shape(hf: dict[str, Any], kind: str, shape: dict[str, Any], rope: dict[str, Any],
-                 problems: list[str]) -> dict[str, Any]:
-    """Gemma 1/2/3's fields into `shape`: (1 + w) RMSNorms, embeddings times sqrt(hidden_size),
-    GeGLU; Gemma 2 and 3 also sandwich norms, query_pre_attn_scalar, soft-capping (2) and the
-    sliding-window blocks of layer_types; Gemma 3 its q/k norms and the sliding blocks' own
-    RoPE base. Returns the global blocks' rope parameters (Gemma 3 keeps one dict per layer
-    type in transformers 5)."""
-    act_key = "hidden_act" if kind == "gemma" else "hidden_activation"
-    act = hf.get(act_key) or "gelu_pytorch_tanh"
-    # transformers reads Gemma 1's legacy 'gelu' as the tanh form (GemmaConfig says so)
-    if act not in (("gelu_pytorch_tanh", "gelu") if kind == "gemma" else ("gelu_pytorch_tanh",)):
-        problems.append(f"{act_key} = {act!r} (ours is GELU's tanh form, 'gelu_pytorch_tanh')")
-    shape.update(norm_offset=True, activation="gelu_tanh",
-                 embedding_multiplier=float(shape["d_model"] ** 0.5))
-    if kind == "gemma":
-        return rope
-    if hf.get("use_bidirectional_attention"):
-        problems.append("use_bidirectional_attention = True (ours is causal)")
-    shape.update(norm_placement="sandwich",
-                 attention_scale=float(hf.get("query_pre_attn_scalar", 256) ** -0.5))
-    capping = (50.0, 30.0) if kind == "gemma2" else (None, None)  # the configs' defaults
-    shape["attn_softcap"] = float(hf.get("attn_logit_softcapping", capping[0]) or 0.0)
-    shape["logit_softcap"] = float(hf.get("final_logit_softcapping", capping[1]) or 0.0)
-    every = 2 if kind == "gemma2" else int(hf.get("sliding_window_pattern") or 6)
-    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
-                                      for i in range(shape["n_layers"])]
-    sliding = [t == "sliding_attention" for t in types]
-    unknown = sorted({t for t in types} - {"sliding_attention", "full_attention"})
-    every = global_every(sliding)
-    if unknown or every is None:
-        problems.append(f"layer_types = {types} (ours: every block slides, or all but each "
-                        f"n-th: model.global_every)")
-    elif any(sliding) and hf.get("sliding_window"):
-        shape.update(sliding_window=int(hf["sliding_window"]), global_every=every)
-    if kind == "gemma3_text":
-        shape["qk_norm"] = True
-        params = hf.get("rope_parameters") or {}
-        if "full_attention" in params:  # transformers 5: one dict per layer type
-            rope, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-        else:  # transformers 4: rope_theta and rope_scaling global, rope_local_base_freq local
-            rope = dict(hf.get("rope_scaling") or {}, rope_theta=hf.get("rope_theta", 1e6))
-            local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
-        local_type = local.get("rope_type", local.get("type", "default"))
-        if local_type != "default":
-            problems.append(f"rope scaling {local_type!r} on the sliding blocks (ours: plain RoPE there)")
-        if shape.get("sliding_window"):
-            shape["rope_local_theta"] = float(local.get("rope_theta", 10000.0))
-    return rope
 
 
 def _starcoder2_shape(hf: dict[str, Any], shape: dict[str, Any], rope: dict[str, Any],

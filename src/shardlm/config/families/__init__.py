@@ -4,9 +4,9 @@ each registering one `Family` that says how its config.json reads as our [model]
 and which config keys an export writes (checkpoint/export.py). Generic code reads the registry;
 adding a LLaMA-like family is one new file here (and its test), listed in BUILTIN.
 
-Families not yet moved into a file (GPT-2, Gemma 1/2/3, StarCoder2, GPT-NeoX, StableLM and the
-mixtures) are LEGACY: their readers are still branches in those modules. Plain data, no torch:
-the config layer reads it; the hooks take a ModelConfig and plain dicts."""
+Families not yet moved into a file (GPT-2, StarCoder2, GPT-NeoX, StableLM and the mixtures)
+are LEGACY: their readers are still branches in those modules. Plain data, no torch: the config
+layer reads it; the hooks take a ModelConfig and plain dicts."""
 
 from __future__ import annotations
 
@@ -32,9 +32,19 @@ class Family:
     """config.json's attention_bias: 'linears' (with mlp_bias: model.bias, equal or refused),
     'qkv' (ignored: the family's q/k/v biases are `shape`'s qkv_bias), 'refused' (its biases sit
     on q/k/v/o only; ours would put them on the MLP too)."""
+    title: str = ""
+    """The family's name in messages (model_type's where empty)."""
     windows: str = "cap"
     """config.json's sliding_window: 'every' (a mask on every block), 'qwen' (use_sliding_window
-    and layer_types, hf_families._qwen_windows), 'cap' (the context capped at the window)."""
+    and layer_types, hf_families._qwen_windows), 'cap' (the context capped at the window), 'none'
+    (the family's prepare reads it)."""
+    silu: bool = True
+    """Whether its MLP's hidden_act is SiLU (SwiGLU); Gemma's GeGLU is checked by its prepare."""
+    tied: bool = False
+    """tie_word_embeddings' default."""
+    prepare: Callable[[dict, dict, dict, list], dict] | None = None
+    """The family's keys read before LLaMA's: prepare(hf, shape, rope, problems) -> the rope
+    parameters LLaMA's keys then read (Gemma 3's global ones)."""
     has_head_dim: bool = True
     """Whether the config has a head_dim key (without one it is hidden_size / heads)."""
     partial_rotary: bool = False
@@ -52,19 +62,22 @@ class Family:
     """Whether model.bias (a bias on every attention and MLP linear) maps."""
     problems: Callable[[Any], list[str]] | None = None
     """What else its class cannot express of a ModelConfig: problems(m) -> messages."""
+    checks: Callable[[Any], list[str]] | None = None
+    """Its own check of a ModelConfig in place of the LLaMA-field one (expresses, required,
+    biased, problems): checks(m) -> messages (Gemma's)."""
     export: Callable[[Any, dict, list[str]], dict] | None = None
     """config_class's keyword arguments: export(m, llama_keys, layer_types), llama_keys being
     LLaMA's (hidden_size ... rope_parameters, head_dim, sliding_window, tokens)."""
 
 
-BUILTIN = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "granite", "smollm3")
+BUILTIN = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "granite", "smollm3", "gemma",
+           "gemma2", "gemma3_text")
 """The families with a file here, imported when the registry is first read."""
 
-LEGACY = ("gpt2", "starcoder2", "gpt_neox", "stablelm", "gemma", "gemma2", "gemma3_text",
-          "mixtral", "qwen3_moe", "olmoe")
+LEGACY = ("gpt2", "starcoder2", "gpt_neox", "stablelm", "mixtral", "qwen3_moe", "olmoe")
 """Loadable families whose readers are still branches of the generic modules (not yet moved)."""
 
-LEGACY_LLAMA_LIKE = ("gemma", "gemma2", "gemma3_text", "olmo", "mixtral", "qwen3_moe", "olmoe")
+LEGACY_LLAMA_LIKE = ("olmo", "mixtral", "qwen3_moe", "olmoe")
 """Of those (and OLMo 1, sized only), the ones with LLaMA's shape: what the planner can size."""
 
 _FAMILIES: dict[str, Family] = {}
