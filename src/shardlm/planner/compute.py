@@ -6,8 +6,10 @@ efficiency; FP8 blocks at the fp8 peak. Pure functions."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
+from shardlm.config import ModelConfig
 from shardlm.hardware.catalog import Cluster, MatmulCurve
 from shardlm.models import flops
 from shardlm.planner.workload import Strategy, Workload, matmul_shapes, shape_of
@@ -32,13 +34,19 @@ def model_flops_per_token(w: Workload, recompute: str = "none", count: str = "mo
     or what the kernels execute (count='kernel': causal flash attention, 6N + 7·L·h·s; for
     time; 'kernel-forward': its forward share); a mixture of experts counts its active
     parameters (the router, top_k routed experts and the shared ones: models.flops)."""
-    m = w.model
-    value = {"model": lambda: flops.flops_per_token(m, w.seq_len, recompute),
-             "kernel": lambda: flops.kernel_flops_per_token(m, w.seq_len, recompute),
-             "kernel-forward": lambda: flops.kernel_forward_flops_per_token(m, w.seq_len)}[count]()
+    value = _flops_per_token(w.model_key, w.seq_len, recompute, count)
     if w.params:
         value *= w.params / shape_of(replace(w, params=None)).total
     return value
+
+
+@functools.lru_cache(maxsize=256)
+def _flops_per_token(model_fields: tuple, seq_len: int, recompute: str, count: str) -> float:
+    # Memoised by the model's fields (Workload.model_key): a search asks thousands of times.
+    m = ModelConfig(**dict(model_fields))
+    return {"model": lambda: flops.flops_per_token(m, seq_len, recompute),
+            "kernel": lambda: flops.kernel_flops_per_token(m, seq_len, recompute),
+            "kernel-forward": lambda: flops.kernel_forward_flops_per_token(m, seq_len)}[count]()
 
 
 def compute_rate(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, str]:

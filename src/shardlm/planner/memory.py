@@ -8,6 +8,7 @@ docs/planner.md; notation: workload.py.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from shardlm.config import ModelConfig
@@ -277,7 +278,11 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
         items[1].phases = {"blocks": 4 * sp.root_unit, "embedding": states["grads"],
                            "root": states["grads"]}
     held = sum(i.bytes for i in parts if not i.phases)
-    phase = {p: sum(i.phases.get(p, 0.0) for i in parts) for p in PHASES}
+    phase = dict.fromkeys(PHASES, 0.0)  # each phase's transients, summed over parts in order
+    for i in parts:
+        for p, value in i.phases.items():
+            if p in phase:
+                phase[p] += value
     worst = max(phase, key=phase.get)
     frag = FRAGMENTATION * phase[worst]
     items.append(Item("fragmentation allowance", frag, f"{FRAGMENTATION:.0%} x the worst phase's "
@@ -383,6 +388,7 @@ def _pipeline_buffers(w: Workload, sp: StageParams, s: Strategy) -> list[Item]:
                  phases={"loss": held, "blocks": held, "embedding": held})]
 
 
+@functools.lru_cache(maxsize=4096)  # a search asks for the same stage and tier thousands of times
 def nvme_stream_resident(sp: StageParams, n: int, chunk_bytes: int, buffers: int,
                          itemsize: int) -> tuple[float, int]:
     """Host bytes the nvme tier's stream buffers really hold (zero/tiers/nvme.py NvmeTier), and

@@ -142,6 +142,13 @@ class Workload:
     params: float | None = None
     """Ψ as the user gave it (--params): model states use it exactly, the shape only scales."""
 
+    @functools.cached_property
+    def model_key(self) -> tuple:
+        """The model's fields as a hashable key, made once per workload: the memoised shape,
+        pipeline split and FLOPs (a search asks for them tens of thousands of times) are keyed
+        by it. A Workload is not changed once made (frozen; nothing assigns to its model)."""
+        return tuple(vars(self.model).items())
+
     # A mixture of experts is the model's (ModelConfig.experts, top_k, capacity_factor).
     @property
     def experts(self) -> int:
@@ -297,7 +304,7 @@ class Shape:
 
 def shape_of(w: Workload) -> Shape:
     # Memoised: the search asks for the same workload's shape thousands of times.
-    return _shape(tuple(vars(w.model).items()), w.params)
+    return _shape(w.model_key, w.params)
 
 
 @functools.lru_cache(maxsize=64)
@@ -345,7 +352,7 @@ def pipeline_layers(w: Workload, s: Strategy) -> list[int]:
     """Blocks per global pipeline stage (pp x pp_virtual of them), split as the runtime splits
     (models.flops.pipeline_split: parallel.pp_layers, or balanced by forward FLOPs with the
     head's counted on the last stage); always sums to n_layers."""
-    return list(_split(tuple(vars(w.model).items()), w.seq_len, s.layout.pp * s.pp_virtual, s.pp_layers,
+    return list(_split(w.model_key, w.seq_len, s.layout.pp * s.pp_virtual, s.pp_layers,
                        s.pp_virtual))
 
 
@@ -366,7 +373,7 @@ def stage_params(w: Workload, lay: ParallelDims, split: list[int] | None = None)
     experts_local = sh.routed / (lay.ep * t)
     dense_block = sh.block_replicated + (sh.block - sh.block_replicated - sh.routed) / t
     if split is None:
-        split = list(_split(tuple(vars(w.model).items()), w.seq_len, p, "", 1))
+        split = list(_split(w.model_key, w.seq_len, p, "", 1))
     assert sum(split) == w.model.n_layers and len(split) % p == 0, (split, p)
     if p == 1:
         roots = [("all layers", sh.embedding / t + sh.positions + sh.final_norm + sh.head / t)]
