@@ -20,6 +20,7 @@ from shardlm.launch.schema_check import schema_errors, skypilot_errors, trainer_
 from shardlm.launch.spec import LaunchSpec
 from shardlm.launch.targets import render, validate_text
 from shardlm.launch.torchrun import torchrun_argv
+from test_launch_targets import fake_tool
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "gpt2-124m.toml")
 OVERRIDES = ["--train.steps=100", "--parallel.zero_stage=3"]
@@ -248,12 +249,7 @@ def test_submit(capsys, tmp_path, monkeypatch, target, tool, words):
     code, out, err = launch(capsys, "--target", target, "--nodes", "2", "--gpus-per-node", "4",
                             "--image", "img", "--submit")
     assert code == 2 and f"--submit needs `{tool}` on PATH" in err and out == ""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / tool
-    fake.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "called"}\necho submitted\n')
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    fake_tool(tmp_path, monkeypatch, tool)
     out_file = tmp_path / "job.yaml"
     code, _, err = launch(capsys, "--target", target, "--nodes", "2", "--gpus-per-node", "4",
                           "--image", "img", "--submit", "--out", str(out_file))

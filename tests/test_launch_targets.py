@@ -167,14 +167,20 @@ def test_submit_vertex_without_the_sdk_says_what_to_install(capsys, monkeypatch)
     assert code == 2 and "pip install 'shardlm[vertex]'" in err
 
 
-@pytest.mark.parametrize("target,tool", [("slurm", "sbatch"), ("k8s", "kubectl")])
-def test_submit_runs_the_tool_on_the_written_file(capsys, tmp_path, monkeypatch, target, tool):
+def fake_tool(tmp_path, monkeypatch, tool: str) -> None:
+    """`tool` on PATH as a script that writes its arguments to tmp_path/called and says
+    'submitted' (what --submit runs, without a cluster)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / tool
     fake.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "called"}\necho submitted\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize("target,tool", [("slurm", "sbatch"), ("k8s", "kubectl")])
+def test_submit_runs_the_tool_on_the_written_file(capsys, tmp_path, monkeypatch, target, tool):
+    fake_tool(tmp_path, monkeypatch, tool)
     out_file = tmp_path / "job.spec"
     code, _, err = launch(capsys, "--target", target, "--nodes", "2", "--gpus-per-node", "4",
                           "--image", "img", "--submit", "--out", str(out_file))
