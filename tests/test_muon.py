@@ -195,3 +195,28 @@ def test_zero3_resumes_bitwise(zero_runs):
         assert resumed["start"] == 2 and resumed["losses"] == straight["losses"][2:]
         for name, value in straight["params"].items():
             assert torch.equal(value, resumed["params"][name]), name
+
+
+def test_newton_schulz_owners_are_balanced_by_work_within_and_across_units():
+    """zero/muon.assign_owners: a llama block's four matrices on 8 ranks go to ranks 0-3 in one
+    unit and 4-7 in the next (round-robin per unit left ranks >= 4 idle in every unit); on 2
+    ranks the largest two go to different ranks and the work splits within a fifth of even."""
+    from shardlm.zero.muon import _Matrix, assign_owners, newton_schulz_cost
+
+    def block():  # llama-tiny's Muon matrices: qkv, proj, gate_up, down
+        return [_Matrix(n, shape, i, -1) for i, (n, shape) in
+                enumerate([("qkv", (192, 64)), ("proj", (64, 64)), ("gate_up", (352, 64)), ("down", (64, 176))])]
+
+    load = [0.0] * 8
+    owners = []
+    for _ in range(2):
+        units = block()
+        assign_owners(units, load)
+        owners.append(sorted(m.owner for m in units))
+    assert owners == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    pair = [0.0] * 2
+    units = block()
+    assign_owners(units, pair)
+    by_name = {m.name: m.owner for m in units}
+    assert by_name["gate_up"] != by_name["down"]  # the two largest apart
+    assert max(pair) <= 1.2 * sum(pair) / 2 and sum(pair) == sum(newton_schulz_cost(m.shape) for m in units)

@@ -8,7 +8,8 @@ buffer. Per unit, each step:
        optim/momentum_buffer/<name>) and writes the direction g + mu buf into a shard buffer
     2. all_gather of that direction over the unit's shard group (stages 1-3; stage 0 already
        holds it whole): one call per unit, Ψ_unit elements
-    3. each Muon matrix has ONE owning rank (round-robin over the unit's matrices): it runs
+    3. each Muon matrix has ONE owning rank (assign_owners: balanced by Newton-Schulz work,
+       largest first, within the unit and then across units): it runs
        Newton-Schulz on the whole matrix and writes 0.2 sqrt(max(A, B)) O into an otherwise
        zero update buffer
     4. reduce_scatter of the update buffer (stage 0: all_reduce): each element has one
@@ -64,6 +65,27 @@ class _UnitMuon:
         self.update: torch.Tensor | None = None
 
 
+def newton_schulz_cost(shape: tuple[int, int]) -> int:
+    """Newton-Schulz's work on an A x B matrix, up to a constant: each iteration multiplies
+    X Xᵀ (min² · max), its square (min³) and that by X (min² · max)."""
+    small, large = sorted(shape)
+    return small * small * large
+
+
+def assign_owners(matrices: list[_Matrix], load: list[float]) -> None:
+    """Each matrix of a unit to the rank with the least Newton-Schulz work in this unit, then in
+    the units before it (`load`, updated): largest first (LPT), so a unit's slowest rank does as
+    little as the sizes allow, and units take turns on the ranks (with more ranks than a unit
+    has matrices, rank 4 of 8 orthogonalises some of the next unit's, not none)."""
+    here = [0.0] * len(load)
+    for m in sorted(matrices, key=lambda m: (-newton_schulz_cost(m.shape), m.offset)):
+        rank = min(range(len(load)), key=lambda r: (here[r], load[r], r))
+        m.owner = rank
+        here[rank] += newton_schulz_cost(m.shape)
+    for r, work in enumerate(here):
+        load[r] += work
+
+
 class ShardedMuon:
     """Muon's part of the engine's step (zero/engine.py calls before_step and after_step
     around the tier's AdamW)."""
@@ -73,14 +95,14 @@ class ShardedMuon:
         param_names = {id(p): n for n, p in engine.model.named_parameters()}
         whole = engine.opts.stage == 0  # stage 0: every rank's "shard" is the whole buffer
         self.units: list[_UnitMuon] = []
+        load: dict[int, list[float]] = {}  # Newton-Schulz work given to each rank so far, by group size
         for unit in engine.units:
             matrices = [_Matrix(param_names[id(p)], tuple(p.shape), off, 0)
                         for p, off in zip(unit.params, unit.layout.offsets) if param_names[id(p)] in names]
             if not matrices:
                 continue
             comm = Comm(unit.comm.group, unit.comm.name + ".muon", engine.ledger, engine.watchdog)
-            for k, m in enumerate(matrices):
-                m.owner = k % comm.size
+            assign_owners(matrices, load.setdefault(comm.size, [0.0] * comm.size))
             self.units.append(_UnitMuon(unit, matrices, comm, whole))
 
     def before_step(self) -> None:
