@@ -23,8 +23,10 @@ Each row's codes, scales and dequantised values equal bitsandbytes' quantize_4bi
 'nf4', blocksize=64, compress_statistics=True) / dequantize_4bit and int8_vectorwise_quant /
 _dequant of that row (tests/test_qlora.py), but for the 8-bit absmax codes: ours is always the
 nearest level (bitsandbytes' torch and CUDA rule), its CPU C kernel's search sometimes the next.
-Quantising is torch ops (once, at build); dequantising uses bitsandbytes' dequantize_4bit kernel
-(C on CPU, CUDA on GPU) when the package is installed, else torch ops: the same values. MoE
+Quantising is torch ops (once, at build); dequantising is torch ops in fp32 on the CPU (one gather
+of each byte's two levels, as fast there as bitsandbytes' C kernel and able to write into a reused
+buffer: product_weight), else bitsandbytes' dequantize_4bit kernel (C on CPU, CUDA on GPU) when the
+package is installed, else torch ops: the same values. MoE
 experts' batched weights (E, out, in) are a table per expert, stacked (E, R, row bytes):
 expert parallelism cuts dim 0 as it cuts the experts.
 
