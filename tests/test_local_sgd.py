@@ -332,10 +332,48 @@ def test_validation_refuses_clearly(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.local_sgd\.every = 4 .*parallel\.dp_replicate = 1.*"
                                           r"Set parallel\.dp_replicate"):
         load_config(overrides={**base, "train.local_sgd.every": "4"}).validate()
-    with pytest.raises(ConfigError, match=r"parallel\.ep = 2.*lora\.rank = 4"):
+    with pytest.raises(ConfigError, match=r"mixture of experts: the router's load-balancing state.*"
+                                          r"parallel\.ep = 2, model\.experts = 4"):
         load_config(overrides={**base, "train.local_sgd.every": "4", "parallel.dp_replicate": "2",
-                               "model.experts": "4", "parallel.ep": "2", "lora.rank": "4"}).validate()
+                               "parallel.dp_shard": "2", "model.experts": "4", "parallel.ep": "2"}).validate()
     load_config(overrides={**base, "train.local_sgd.every": "4", "parallel.dp_replicate": "2"}).validate()
+
+
+FEATURES = {"lora": {"lora.rank": 4},
+            "offload-cpu-stage3": {"parallel.zero_stage": 3, "zero.offload_optimizer": "cpu",
+                                   "zero.offload_params": "cpu"},
+            "offload-nvme": {"zero.offload_optimizer": "nvme"}}
+"""Features beside local SGD, each on 2 replicas of one rank (ZeRO-1 unless said)."""
+
+
+@pytest.fixture(scope="module")
+def features_world(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("local_sgd_features")
+    cases = [_base(tmp, **{"parallel.zero_stage": 1, **keys, "run.name": name,
+                           "zero.nvme_path": str(tmp / f"nvme-{name}")}) for name, keys in FEATURES.items()]
+    return cases, run_ranks(local_sgd_cases, 2, tmp, cases)
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_lora_and_offload_match_the_simulation(features_world, feature):
+    """LoRA (the masters, and so the outer model and its all-reduce, are the adapters only) and
+    the offload tiers (the masters on the host or streamed from disk; the outer step reads and
+    writes them through the tier) against the simulation without offload. Tolerance: none —
+    the same reasoning as the module docstring's (one micro-batch per rank, an order-free mean
+    of two, single-rounding element-wise outer step; every adapter and parameter a multiple of
+    16 elements): bit for bit."""
+    cases, out = features_world
+    i = list(FEATURES).index(feature)
+    ref = simulate({**cases[i], "zero.offload_optimizer": "none", "zero.offload_params": "none"}, STEPS)
+    for rank in range(2):
+        got = out[rank][i]
+        assert got["losses"] == ref["losses"], (feature, rank)
+        assert all(torch.equal(got["params"][n], p) for n, p in ref["params"].items()), (feature, rank)
+        for step, by_group in enumerate(got["comm_by_op"]):
+            synced = (step + 1) % EVERY == 0 or step + 1 == STEPS
+            assert by_group.get("dp_replicate", 0) == (2 * 4 * got["numel"] if synced else 0), (feature, step)
+    if feature == "lora":  # the adapters only: a fraction of the model crosses the replicas
+        assert out[0][i]["numel"] < sum(p.numel() for p in ref["params"].values()) / 10
 
 
 def four_rank_check() -> None:
