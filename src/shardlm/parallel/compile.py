@@ -26,7 +26,6 @@ zero). Any other model's repeated layers are compiled without it: their code is 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
@@ -46,19 +45,6 @@ def compile_seconds() -> float:
     return spent.get("entire_frame_compile", 0.0) + spent.get("entire_backward_compile", 0.0)
 
 
-def _share_compile_workers() -> None:
-    """Inductor compiles kernels in a pool of min(32, cores) worker processes, each a fresh
-    interpreter importing torch (~2.7 s of CPU on a 2-core EPYC), started by every compiling
-    process: N ranks on one machine would start N pools of all its cores. A rank compiles with its
-    share of the cores instead, the thread count it computes with (launch/runtime.py: cores //
-    local ranks); a share of 1 compiles in-process, with no pool. TORCHINDUCTOR_COMPILE_THREADS,
-    when set, still wins."""
-    import torch._inductor.config as inductor  # Inductor's config only, not the compiler
-
-    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
-        inductor.compile_threads = max(1, min(inductor.compile_threads, torch.get_num_threads()))
-
-
 def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
     """Replace each block's forward by its compiled version, in place; returns the model.
 
@@ -70,7 +56,6 @@ def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
     if not blocks:
         raise ValueError(f"train.compile: no repeated blocks found in {type(model).__name__} to compile; "
                          f"set train.compile = false")
-    _share_compile_workers()
     for block in blocks:
         # An instance attribute shadows the class's forward; nn.Module.__call__ still runs the
         # hooks around it, eagerly.
