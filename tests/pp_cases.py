@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from shardlm.config import load_config
-from shardlm.train.loop import build_run, sample_text, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import sample_text, train_step
 
 
 def sample_case(rank: int, world_size: int, overrides: dict, steps: int) -> str:
@@ -16,12 +17,14 @@ def sample_case(rank: int, world_size: int, overrides: dict, steps: int) -> str:
 
 def train_and_sample(overrides: dict, steps: int) -> dict:
     """Train `steps` steps: the losses and full fp32 parameters (as zero_cases.train_case), then
-    sample 20 tokens from the same run (every rank takes part)."""
+    sample 20 tokens from the same run (every rank takes part); with pp, the last step's
+    messages as the executor posted them (Stage.posted)."""
     run = build_run(load_config(overrides=overrides).validate())
     losses = [train_step(run, step).loss for step in range(steps)]
+    posted = list(run.schedule.stage.posted) if run.schedule is not None else []  # the last step's
     with run.strategy.full_parameters():
         params = {n: p.detach().float().cpu().clone() for n, p in run.model.named_parameters()}
-    return {"losses": losses, "params": params, "sample": sample_text(run, "def ", 20)}
+    return {"losses": losses, "params": params, "sample": sample_text(run, "def ", 20), "posted": posted}
 
 
 def cases_and_save(rank: int, world_size: int, cases: list[tuple[dict, int]], save: dict | None) -> list:

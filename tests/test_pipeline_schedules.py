@@ -11,7 +11,8 @@ import torch
 from conftest import tiny_overrides
 from parity import assert_matches
 from shardlm.errors import ConfigError
-from shardlm.config.pipeline_tables import NAMED, Op, Table, check_table, read_table, untagged_order_problem
+from shardlm.config.pipeline_tables import (NAMED, Op, Table, check_table, posted_orders, read_table, send_plan,
+                                            untagged_order_problem)
 from shardlm.config.pipeline_schedules import bubble_formula
 from shardlm.config.pipeline_schedules import build_table, table_for
 from shardlm.launch.spawn import run_ranks
@@ -77,9 +78,7 @@ GOOD = "0F0 0F1 0B0 0B1 | 1F0 1B0 1F1 1B1"
      r"stage 0 micro-batch 1 has \['F'\]; it needs F and B \(or F, I and W\) on rank 0"),
     ("0F0 0F1 0B0 0B1 0B1 | 1F0 1B0 1F1 1B1", r"rank 0 slot 4 repeats 0B1 \(already at rank 0 slot 3\)"),
     ("0F0 0B0 0F1 0B1 | 1F0 1W0 1I0 1F1 1B1", r"rank 1 runs 1F0 then 1I0 then 1W0 out of order"),
-    ("0F0 0F1 0B0 0B1 | 1F1 1B1 1F0 1B0", r"rank 1 slot 0 \(1F1\) receives stage 0's activations of micro-batch 1 "
-                                          r"from rank 0, but rank 0 sends stage 0's of micro-batch 0 first"),
-    ("0F0 0B0 0F1 0B1 | 1F1 1F0 1B0 1B1", r"rank 1 slot 0 \(1F1\) receives"),
+    ("0F0 0B0 0F1 0B1 | 1F1 1F0 1B0 1B1", r"deadlocks: rank 0 slot 1 \(0B0\), rank 1 slot 0 \(1F1\)"),
     ("0B0 0F0 0F1 0B1 | 1F0 1B0 1F1 1B1", r"rank 0 runs 0F0 then 0B0 out of order"),
     ("0F0 0F1 1B0 0B1 | 1F0 0B0 1F1 1B1", r"stage 1 runs on rank 0 \(slot 2\) and on rank 1 \(slot 0, 1F0\)"),
     ("0F0 3F0 3B0 0B0 | 1F0 2F0 1B0 2B0", r"rank 1 slot 2 \(1B0\) needs stage 2's gradient of micro-batch 0, "
@@ -93,17 +92,29 @@ def test_broken_tables_name_the_rank_and_slot(text, message):
         check_table(_rows(text))
 
 
-def test_tables_whose_two_streams_need_tags_are_named():
-    """NCCL ignores tags: a pair's activations and gradients must then go in the order the
-    receiver takes them. The loop schedules keep that; ZB-V and DualPipeV (P >= 3) do not, and
-    parallel/build.py refuses them on CUDA with this message."""
-    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)):
+def test_every_table_posts_its_messages_in_the_order_they_are_taken():
+    """NCCL ignores tags: a pair's activations and gradients must go in the order the receiver
+    takes them. The loop schedules make them in that order; ZB-V and DualPipeV do not (their two
+    streams interleave differently at the two ends: untagged_order_problem names where), so the
+    executor posts by send_plan, which holds a message back until every message its receiver
+    takes first from that rank is out. For every named table, every ordered pair's posted
+    sequence is the receiver's, and the simulation (one channel per pair, matched by place
+    alone) runs without deadlock."""
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1), ("zbv", 2), ("dualpipev", 2)):
         for p in (2, 3, 4):
-            assert untagged_order_problem(build_table(name, p, v, 12)) is None, (name, p)
+            for m in (2 * p, 12):
+                table = table_for(name, p, v, m)
+                orders = posted_orders(table)
+                assert orders and all(posted == taken for posted, taken in orders.values()), (name, p, m)
+                mixed = untagged_order_problem(table)
+                assert (mixed is None) == (name not in ("zbv", "dualpipev") or (name, p) == ("dualpipev", 2)), \
+                    (name, p, m, mixed)
     assert untagged_order_problem(build_table("zbv", 2, 2, 4)) == (
         "rank 0's message 2 to rank 1 is 0F2 but rank 1 takes 3B0 as its message 2 from rank 0 "
         "(<stage>F<micro-batch>: activations, B: gradients)")
-    assert untagged_order_problem(build_table("dualpipev", 3, 2, 8)) is not None
+    plan = send_plan(build_table("zbv", 2, 2, 4))
+    # 0F2 is made at slot 2 and held until 3B0 (made by 3I0, slot 4) is posted before it
+    assert plan[0][2] == [] and plan[0][4] == [(1, "3B0"), (1, "0F2")]
 
 
 def test_deadlock_names_every_stuck_rank():
@@ -123,9 +134,11 @@ def test_config_checks_the_table_before_any_process(tmp_path):
         load_config(overrides={**base, "parallel.pp_schedule": "dualpipev", "parallel.pp_virtual": 2}).validate()
     with pytest.raises(ConfigError, match="cannot read it"):
         load_config(overrides={**base, "parallel.pp_schedule": f"file:{tmp_path}/none.csv"}).validate()
-    bad = tmp_path / "bad.csv"
+    bad = tmp_path / "bad.csv"  # micro-batch 1 taken first: posted so (send_plan), it runs
     bad.write_text("0F0,0F1,0B0,0B1\n1F1,1B1,1F0,1B0\n")
-    with pytest.raises(ConfigError, match=r"file:.*rank 1 slot 0 \(1F1\) receives"):
+    load_config(overrides={**base, "parallel.pp_schedule": f"file:{bad}"}).validate()
+    bad.write_text("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n")  # 0F1 waits on 0B0, 1B0 on 1F1, 1F1 on 0F1
+    with pytest.raises(ConfigError, match=r"file:.*deadlocks: rank 0 slot 1 \(0B0\), rank 1 slot 0 \(1F1\)"):
         load_config(overrides={**base, "parallel.pp_schedule": f"file:{bad}"}).validate()
     with pytest.raises(ConfigError, match=r"has 2 micro-batches \(train.grad_accum\); the run has 4"):
         load_config(overrides={**base, "train.grad_accum": 4, "parallel.pp_schedule": f"file:{bad}"}).validate()
@@ -175,6 +188,31 @@ def test_v_schedules_match_one_process(v_runs, case, what):
     whole = {**ranks[0]["params"], **ranks[1]["params"]}
     assert_matches(ranks[0]["losses"], whole, refs[case], what)
     assert not set(ranks[0]["params"]) & set(ranks[1]["params"])  # each parameter on one rank
+
+
+def _assert_posted_as_taken(ranks: list[dict]) -> int:
+    """Every ordered pair's messages, as the executor posted them on real ranks (Stage.posted,
+    the last step), go in the order the receiver posted its receives: what NCCL, which ignores
+    tags, needs. Returns how many messages were checked."""
+    checked = 0
+    for a, sender in enumerate(ranks):
+        for b, receiver in enumerate(ranks):
+            sent = [label for kind, peer, label in sender["posted"] if kind == "send" and peer == b]
+            taken = [label for kind, peer, label in receiver["posted"] if kind == "recv" and peer == a]
+            assert sent == taken, (a, b, sent, taken)
+            checked += len(sent)
+    return checked
+
+
+def test_v_schedules_post_sends_in_the_order_receives_are_posted(v_runs):
+    """ZB-V's and DualPipeV's own order of making messages differs from the receiver's at
+    pp = 2 for ZB-V (untagged_order_problem): gloo would match them by tag, NCCL would pair
+    the wrong ones. On the ranks of v_runs each pair's sends went in the receiver's order."""
+    out, _, _ = v_runs
+    assert untagged_order_problem(build_table("zbv", 2, 2, MICRO)) is not None  # the check bites
+    for case in (0, 1, 2):
+        # per step, each of MICRO micro-batches: activations down and gradients back, both ways
+        assert _assert_posted_as_taken([out[r][case] for r in range(2)]) == 4 * MICRO
 
 
 def test_generation_through_the_v_equals_one_process(v_runs):
@@ -250,3 +288,7 @@ def test_dualpipev_on_4_ranks_matches_one_process(tmp_path):
     # cannot change the text (the parameters agree to 1e-5 relative, asserted below).
     assert all(rank[0]["losses"] == out[0][0]["losses"] and rank[0]["sample"] == ref["sample"] for rank in out)
     assert_matches(out[0][0]["losses"], whole, ref, "pp=4 DualPipeV")
+    # DualPipeV at pp = 4 makes messages out of its receivers' order (untagged_order_problem):
+    # posted in their order all the same (6 pairs' activations and gradients, 8 micro-batches)
+    assert untagged_order_problem(build_table("dualpipev", 4, 2, 8)) is not None
+    assert _assert_posted_as_taken([rank[0] for rank in out]) == 2 * 6 * 8

@@ -8,7 +8,8 @@ CSV tables): "3F1" runs global stage 3's forward of micro-batch 1. Kinds: F (for
 whole backward), I (the backward's input gradient only: what the previous stage waits for) and
 W (the weight gradients an I set aside: the zero-bubble split, Qi et al. 2023). A CSV has one
 row per rank; an empty cell is an idle slot (ignored: each rank runs its operations in order as
-soon as their inputs arrive).
+soon as their inputs arrive). A rank posts its messages to another in the order that rank
+takes them (send_plan), so a table runs where messages are matched by order alone (NCCL).
 
 Stages sit on ranks in one of two placements, read off the table: 'loop' (stage g on rank g mod
 P: one chunk per rank, or interleaved's V chunks) or 'v' (two chunks per rank, rank r holding
@@ -186,8 +187,8 @@ def check_table(table: Table, ranks: int | None = None, stages: int | None = Non
     """Every rule a table must keep to run, or a ScheduleError naming the rank and slot that
     breaks it: the run's numbers of ranks, stages and micro-batches; one placement; each
     micro-batch's F, then its B (or I then W), exactly once on each stage, in that order on its
-    rank; and (by simulating it) each stage's inputs arriving from its neighbour in the order
-    the neighbour sends them, without deadlock. Returns the simulated timeline."""
+    rank; and (by simulating it, each rank posting its messages as send_plan says: in the order
+    their receiver takes them) no deadlock. Returns the simulated timeline."""
     name = table.name
     for want, got, what in ((ranks, table.ranks, "rows (pipeline ranks, parallel.pp)"),
                             (stages, table.stages, "stages (parallel.pp × parallel.pp_virtual)"),
@@ -225,9 +226,11 @@ def check_table(table: Table, ranks: int | None = None, stages: int | None = Non
 def simulate(table: Table, cost: dict[str, float] = COST) -> Timeline:
     """Each rank runs its operations in order, each as soon as its input is there (sends never
     block; a receive waits): F(g, m) needs stage g-1's activations of m, a backward of (g, m)
-    the gradient from stage g+1; from another rank through a first-in first-out channel per
-    (sender, receiver, direction), as the executor's point-to-point messages go. A receive
-    whose channel holds another message first, or no rank able to move, is a ScheduleError."""
+    the gradient from stage g+1; from another rank through one first-in first-out channel per
+    (sender, receiver), both streams in it, into which the sender posts its messages as
+    send_plan says (the order the receiver takes them), as the executor does: a message matched
+    by its place in that channel alone, as NCCL matches it. No rank able to move is a
+    ScheduleError (a deadlock)."""
     sim = _Simulation(table)
     moved = True
     while moved:
@@ -238,7 +241,7 @@ def simulate(table: Table, cost: dict[str, float] = COST) -> Timeline:
                 at = sim.ready(rank, slot, op)
                 if at is None:
                     break
-                sim.run(rank, op, at, cost[op.kind])
+                sim.run(rank, slot, op, at, cost[op.kind])
                 moved = True
     stuck = [f"rank {r} slot {sim.ops[r][sim.next[r]][0]} ({sim.ops[r][sim.next[r]][1]})"
              for r in range(table.ranks) if sim.next[r] < len(sim.ops[r])]
@@ -255,7 +258,8 @@ class _Simulation:
         p = table.ranks
         self.table, self.last, self.where = table, table.stages - 1, table.placement
         self.ops = [[(slot, op) for slot, op in enumerate(row) if op is not None] for row in table.rows]
-        self.channels: dict[tuple[int, int, str], collections.deque] = collections.defaultdict(collections.deque)
+        self.plan = send_plan(table)
+        self.channels: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self.done: dict[tuple[str, int, int], float] = {}
         self.clock, self.busy, self.held, self.peak, self.next = [0.0] * p, [0.0] * p, [0] * p, [0] * p, [0] * p
 
@@ -281,59 +285,99 @@ class _Simulation:
             raise ScheduleError(f"pipeline schedule {name!r}: rank {rank} slot {slot} ({op}) needs stage "
                                 f"{source}'s {what} of micro-batch {op.micro}, which this rank computes later "
                                 f"(slot {later[0] if later else '?'}): swap them")
-        queue = self.channels[(frm, rank, what)]
+        queue = self.channels[(frm, rank)]
         if not queue:
             return None
-        stage, micro, at = queue[0]
-        if (stage, micro) != (source, op.micro):
-            raise ScheduleError(f"pipeline schedule {name!r}: rank {rank} slot {slot} ({op}) receives "
-                                f"stage {source}'s {what} of micro-batch {op.micro} from rank {frm}, but rank "
-                                f"{frm} sends stage {stage}'s of micro-batch {micro} first: messages between "
-                                f"two ranks arrive in the order they were sent")
+        label, at = queue[0]
+        # the plan posts in the order receives are taken: a mismatch here is a bug in send_plan
+        assert label == _label(source, want[0], op.micro), (label, rank, slot, op)
         queue.popleft()
         return at
 
-    def run(self, rank: int, op: Op, at: float, cost: float) -> None:
-        """Run op on `rank` from max(its clock, `at`); send what it produces to another rank."""
+    def run(self, rank: int, slot: int, op: Op, at: float, cost: float) -> None:
+        """Run op on `rank` from max(its clock, `at`); then post what the plan sends after it."""
         end = self.clock[rank] = max(self.clock[rank], at) + cost
         self.busy[rank] += cost
         self.done[(op.kind, op.stage, op.micro)] = end
         self.held[rank] += {"F": 1, "B": -1, "I": -1}.get(op.kind, 0)
         self.peak[rank] = max(self.peak[rank], self.held[rank])
         self.next[rank] += 1
-        if op.kind == "F" and op.stage < self.last:
-            to, what = stage_rank(self.where, self.table.ranks, op.stage + 1), "activations"
-        elif op.kind in "BI" and op.stage > 0:
-            to, what = stage_rank(self.where, self.table.ranks, op.stage - 1), "gradient"
-        else:
-            return
-        if to != rank:
-            self.channels[(rank, to, what)].append((op.stage, op.micro, end))
+        for to, label in self.plan[rank][slot]:
+            self.channels[(rank, to)].append((label, end))
 
 
-def untagged_order_problem(table: Table) -> str | None:
-    """Where two ranks' messages would be matched wrongly if tags were ignored (NCCL matches a
-    pair's point-to-point messages by order alone; gloo by tag too): the first ordered pair
-    whose sends, activations and gradients together, go in another order than the receiver
-    takes them. None when every pair's orders agree (gpipe, 1f1b, interleaved, zb do; ZB-V's
-    and DualPipeV's interleave the two streams differently at the two ends)."""
+def _label(stage: int, kind: str, micro: int) -> str:
+    """A message's name: '<sending stage>F<micro-batch>' activations, '<sending stage>B<micro-batch>' a gradient."""
+    return f"{stage}{'F' if kind == 'F' else 'B'}{micro}"
+
+
+def _messages(table: Table) -> tuple[dict, dict]:
+    """Every message between two ranks, per ordered pair (sender, receiver): the sender's as
+    (slot, label) in the order its operations make them, and the labels in the order the
+    receiver's operations take them (activations and gradients together: _label)."""
     p, last, where = table.ranks, table.stages - 1, table.placement
-    sent: dict[tuple[int, int], list] = collections.defaultdict(list)
+    made: dict[tuple[int, int], list] = collections.defaultdict(list)
     taken: dict[tuple[int, int], list] = collections.defaultdict(list)
     for rank, row in enumerate(table.rows):
-        for op in (op for op in row if op is not None):
+        for slot, op in enumerate(row):
+            if op is None:
+                continue
             forward = op.kind == "F"
             if (op.stage < last) if forward else (op.kind in "BI" and op.stage > 0):
                 to = stage_rank(where, p, op.stage + (1 if forward else -1))
                 if to != rank:
-                    sent[(rank, to)].append(f"{op.stage}{'F' if forward else 'B'}{op.micro}")
+                    made[(rank, to)].append((slot, _label(op.stage, op.kind, op.micro)))
             if (op.stage > 0) if forward else (op.kind in "BI" and op.stage < last):
                 source = op.stage - 1 if forward else op.stage + 1
                 frm = stage_rank(where, p, source)
                 if frm != rank:
-                    taken[(frm, rank)].append(f"{source}{'F' if forward else 'B'}{op.micro}")
-    for (frm, to), order in sorted(sent.items()):
-        for k, (mine, theirs) in enumerate(zip(order, taken[(frm, to)])):
+                    taken[(frm, rank)].append(_label(source, op.kind, op.micro))
+    return made, taken
+
+
+def send_plan(table: Table) -> list[list[list[tuple[int, str]]]]:
+    """Per rank, per slot of its row: the messages (receiver, _label) to post right after that
+    slot's operation. NCCL matches two ranks' point-to-point messages by their order alone
+    (gloo by tag too), so each rank posts its messages to a receiver in the order the receiver
+    takes them: a message as soon as it and every message the receiver takes before it from
+    this rank are made. Holding one back delays nothing: its receiver takes the earlier ones
+    first. The loop schedules make their messages in that order already (the plan posts each
+    right after its operation); ZB-V's and DualPipeV's two streams interleave differently at
+    the two ends (untagged_order_problem), and there the plan holds a message back."""
+    made, taken = _messages(table)
+    plan: list[list[list[tuple[int, str]]]] = [[[] for _ in row] for row in table.rows]
+    for (frm, to), order in sorted(taken.items()):
+        slot_of = {label: slot for slot, label in made[(frm, to)]}
+        ready = -1
+        for label in order:
+            ready = max(ready, slot_of[label])
+            plan[frm][ready].append((to, label))
+    return plan
+
+
+def posted_orders(table: Table) -> dict[tuple[int, int], tuple[list[str], list[str]]]:
+    """Per ordered pair (sender, receiver): the labels in the order send_plan posts them and in
+    the order the receiver takes them; equal for every pair of every checked table."""
+    _, taken = _messages(table)
+    posted: dict[tuple[int, int], list[str]] = collections.defaultdict(list)
+    for rank, row in enumerate(send_plan(table)):
+        for after in row:
+            for to, label in after:
+                posted[(rank, to)].append(label)
+    return {pair: (posted[pair], order) for pair, order in sorted(taken.items())}
+
+
+def untagged_order_problem(table: Table) -> str | None:
+    """Where two ranks' messages, posted as each operation makes them, would be matched wrongly
+    if tags were ignored (NCCL matches a pair's point-to-point messages by order alone; gloo
+    by tag too): the first ordered pair whose messages, activations and gradients together,
+    are made in another order than the receiver takes them. None when every pair's orders agree
+    (gpipe, 1f1b, interleaved, zb do; ZB-V's and DualPipeV's interleave the two streams
+    differently at the two ends). The executor posts by send_plan, which holds such messages
+    back: this says where it has to."""
+    made, taken = _messages(table)
+    for (frm, to), order in sorted(made.items()):
+        for k, ((_, mine), theirs) in enumerate(zip(order, taken[(frm, to)])):
             if mine != theirs:
                 return (f"rank {frm}'s message {k} to rank {to} is {mine} but rank {to} takes {theirs} as its "
                         f"message {k} from rank {frm} (<stage>F<micro-batch>: activations, B: gradients)")

@@ -42,7 +42,6 @@ from shardlm.parallel.context import CPState, apply_cp
 from shardlm.parallel.evaluation import token_sums
 from shardlm.parallel.expert import apply_ep, share_over_cp, spread_over_tp
 from shardlm.parallel.pipeline import Schedule, Stage, apply_pp, schedule_for
-from shardlm.config.pipeline_tables import untagged_order_problem
 from shardlm.config.pipeline_schedules import table_for
 from shardlm.parallel.weight_grads import make_deferrable
 from shardlm.models.flops import pipeline_split
@@ -199,10 +198,6 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     if mesh.dims.pp > 1:
         par = cfg.parallel
         table = table_for(par.pp_schedule, mesh.dims.pp, par.pp_virtual, cfg.train.grad_accum)
-        mixed = untagged_order_problem(table) if device.type == "cuda" else None
-        if mixed:  # NCCL ignores the two streams' tags: a mismatched order would pair wrong messages
-            raise ConfigError(f"parallel.pp_schedule = '{par.pp_schedule}' cannot run over NCCL yet: {mixed}; "
-                              f"NCCL matches messages by order only. Use 1f1b, interleaved or zb on GPUs")
         placement = table.placement
         split = pipeline_split(cfg.model, cfg.train.seq_len, mesh.dims.pp * par.pp_virtual, par.pp_layers,
                                par.pp_virtual, placement)

@@ -43,7 +43,7 @@ from torch import nn
 
 from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
-from shardlm.config.pipeline_tables import Table, stage_rank
+from shardlm.config.pipeline_tables import Table, send_plan, stage_rank
 from shardlm.config.pipeline_schedules import bubble_formula
 from shardlm.config.pipeline_schedules import build_table, table_for
 from shardlm.parallel.weight_grads import WeightGrads
@@ -95,6 +95,8 @@ class Stage:
     """The ranks this one has sent its header to."""
     weight_grads: WeightGrads = field(default_factory=lambda: WeightGrads())
     """Weight gradients a split backward set aside (I now, W later)."""
+    posted: list = field(default_factory=list)
+    """This step's messages to and from other ranks, in the order posted: ('send' | 'recv', peer, label)."""
 
     @property
     def index(self) -> int:
@@ -141,6 +143,17 @@ class Stage:
         this rank sends later.)"""
         sent[0].wait()
         self.pending = [entry for entry in self.pending if entry is not sent]
+
+    def post(self, messages: list[tuple[int, str]], outbox: dict, sent: dict) -> None:
+        """Send `messages` (a slot of send_plan) out of `outbox` (label -> (tensor, (stage,
+        micro-batch) if activations)); activations' handles into `sent` (freed by `release`)."""
+        for to, label in messages:
+            tensor, activation = outbox.pop(label)
+            self.posted.append(("send", to, label))
+            if activation is not None:
+                sent[activation] = self.send_hidden(tensor, to)
+            else:
+                self.send(tensor, to, GRADIENTS)
 
     def recv(self, like: tuple, frm: int, tag: int) -> torch.Tensor:
         shape, dtype, device = like
@@ -302,16 +315,19 @@ class Schedule:
         """This rank's row of the table: every micro-batch's forward and backward on this
         rank's stages; the summed loss (on the rank holding the head; 0 elsewhere).
         Activations go to the rank of the next stage, gradients back to the previous stage's;
-        between two stages on this rank (a V's turn) they are handed over in `local`."""
-        stage = self.stage
-        stage.wait_s = 0.0
-        last = stage.n_stages - 1
+        between two stages on this rank (a V's turn) they are handed over in `local`. A message
+        for another rank waits in `outbox` until send_plan posts it: in the order its receiver
+        takes them, as NCCL, which matches a pair's messages by order alone, needs."""
+        stage, last, table = self.stage, self.stage.n_stages - 1, self.table(len(batches))
+        stage.wait_s, stage.posted = 0.0, []
+        plan = _plan(self.source, stage.count, self.virtual, len(batches))[stage.index]
+        outbox: dict[str, tuple] = {}  # made, not yet posted: Stage.post
         total = torch.zeros((), device=io.device)
         inputs: dict[tuple[int, int], torch.Tensor | None] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         sent: dict[tuple[int, int], tuple] = {}  # activation sends, freed when their gradient returns
         local: dict[tuple[str, int, int], torch.Tensor] = {}  # ("act" | "grad", from stage, micro-batch)
-        for op in self.table(len(batches)).rows[stage.index]:
+        for slot, op in enumerate(table.rows[stage.index]):
             if op is None:  # an idle slot
                 continue
             g, i = op.stage, op.micro
@@ -319,9 +335,11 @@ class Schedule:
             if op.kind == "F":
                 x, y = batches[i]
                 hidden = None
-                if g > 0:
-                    hidden = (local.pop(("act", g - 1, i)) if stage.holds(g - 1)
-                              else stage.recv_hidden(io.device, stage.rank_of(g - 1))).requires_grad_()
+                if g > 0 and stage.holds(g - 1):
+                    hidden = local.pop(("act", g - 1, i)).requires_grad_()
+                elif g > 0:
+                    stage.posted.append(("recv", stage.rank_of(g - 1), f"{g - 1}F{i}"))
+                    hidden = stage.recv_hidden(io.device, stage.rank_of(g - 1)).requires_grad_()
                 io.model.layers = stage.chunks[stage.stages.index(g)]
                 with io.autocast():
                     out = io.forward(x, hidden)
@@ -331,7 +349,7 @@ class Schedule:
                 if g < last and stage.holds(g + 1):
                     local[("act", g, i)] = out.detach()
                 elif g < last:
-                    sent[key] = stage.send_hidden(out.detach(), stage.rank_of(g + 1))
+                    outbox[f"{g}F{i}"] = (out.detach(), key)
                 inputs[key], outputs[key] = hidden, out
             elif op.kind == "W":  # the weight gradients its I set aside
                 stage.weight_grads.apply(key)
@@ -345,14 +363,16 @@ class Schedule:
                         if stage.holds(g + 1):
                             grad = local.pop(("grad", g + 1, i))
                         else:
+                            stage.posted.append(("recv", stage.rank_of(g + 1), f"{g + 1}B{i}"))
                             grad = stage.recv((out.shape, out.dtype, out.device), stage.rank_of(g + 1), GRADIENTS)
                             stage.release(sent.pop(key))
                         torch.autograd.backward(out, grad)
                 if hidden is not None and stage.holds(g - 1):
                     local[("grad", g, i)] = hidden.grad
                 elif hidden is not None:
-                    stage.send(hidden.grad, stage.rank_of(g - 1), GRADIENTS)
-        assert not local and not outputs, "a checked table leaves nothing behind"
+                    outbox[f"{g}B{i}"] = (hidden.grad, None)
+            stage.post(plan[slot], outbox, sent)
+        assert not local and not outputs and not outbox, "a checked table leaves nothing behind"
         stage.settle()
         stage.drain(io.device)
         return total
@@ -437,39 +457,38 @@ def _checked(source: str, ranks: int, virtual: int, micro: int) -> Table:
     return table_for(source, ranks, virtual, micro)
 
 
+@functools.lru_cache(maxsize=32)
+def _plan(source: str, ranks: int, virtual: int, micro: int) -> list:
+    return send_plan(_checked(source, ranks, virtual, micro))
+
+
 class GPipe(Schedule):
     """Every micro-batch's forward, then every backward: M micro-batches held on every stage."""
-
     name = "gpipe"
 
 
 class OneFOneB(Schedule):
     """PipeDream-Flush: warm-up forwards, then one forward and one backward, then the drain."""
-
     name = "1f1b"
 
 
 class Interleaved(Schedule):
     """1F1B over V chunks per rank in a loop (Narayanan et al. 2021)."""
-
     name = "interleaved"
 
 
 class ZeroBubble(Schedule):
     """1F1B's memory with the backward split (I, then W where a rank would idle)."""
-
     name = "zb"
 
 
 class ZeroBubbleV(Schedule):
     """ZB-V: two chunks per rank in a V, F, I and W (Qi et al. 2024)."""
-
     name = "zbv"
 
 
 class DualPipeV(Schedule):
     """DeepSeek-V3's DualPipe cut in half: a V, forwards and backwards of two streams paired."""
-
     name = "dualpipev"
 
 
