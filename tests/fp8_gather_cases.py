@@ -11,7 +11,7 @@ from shardlm.train.loop import build_run, evaluate, train_step
 def gather_case(overrides: dict, steps: int) -> dict:
     """Train `steps` steps; return each step's loss, gradient norm, fp8 JSONL figures and byte
     ledger, then an evaluation's figures, the units' layouts (name, padded elements, weights,
-    gathered in fp8) and the whole parameters in fp32."""
+    gathered in fp8; the trained units, then the frozen) and the whole parameters in fp32."""
     run = build_run(load_config(overrides=overrides).validate())
     out = {"losses": [], "norms": [], "records": [], "ledgers": []}
     for step in range(steps):
@@ -23,7 +23,7 @@ def gather_case(overrides: dict, steps: int) -> dict:
         run.strategy.ledger.reset()
     out["eval"] = evaluate(run)  # forward only: gathered and freed by the hooks, without grad
     out["units"] = [(u.name, u.layout.padded, len(u.layout.numels), u.fp8_gather is not None)
-                    for u in run.strategy.units]
+                    for u in run.strategy.units + run.strategy.frozen]
     with run.strategy.full_parameters():
         out["params"] = {n: p.detach().float().cpu().clone() for n, p in run.model.named_parameters()}
     return out

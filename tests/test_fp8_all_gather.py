@@ -59,12 +59,19 @@ RECOMPUTED = {"activation.checkpoint": "full", "train.grad_accum": 2, "train.mic
 reuse the forward's scales, each micro-step's forward gathers again."""
 
 
+TP = {"parallel.tp": 2}
+"""Both ranks one tp group (ZeRO-3 over a shard group of one): each weight a tp piece."""
+LORA = {"lora.rank": 4}
+"""LoRA's frozen base gathered in E4M3 (the "[fp8 frozen]" units), the adapters in bf16."""
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """One spawn: without and with fp8_all_gather, plain and RECOMPUTED."""
+    """One spawn: without and with fp8_all_gather, plain, RECOMPUTED, TP and LORA."""
     tmp_path = tmp_path_factory.mktemp("fp8_gather")
     plain, recomputed = _overrides(tmp_path), _overrides(tmp_path, **RECOMPUTED)
     cases = [(plain, STEPS), ({**plain, **GATHER}, STEPS), (recomputed, 2), ({**recomputed, **GATHER}, 2)]
+    cases += [(case, STEPS) for extra in (TP, LORA) for case in ({**plain, **extra}, {**plain, **extra, **GATHER})]
     return plain, run_ranks(gather_cases, 2, tmp_path, cases)
 
 
@@ -83,15 +90,25 @@ def test_pieces_rounded_at_the_whole_amax_are_the_whole_weight_rounded():
     assert torch.equal(sum(c for _, c in rounded), whole_counts) and whole_counts[1] > 0
 
 
-@pytest.mark.parametrize("pair", [0, 1], ids=["plain", "recomputed+accumulated"])
+@pytest.mark.parametrize("pair", [0, 1, 2, 3], ids=["plain", "recomputed+accumulated", "tp", "lora"])
 def test_the_fp8_gather_holds_the_bits_of_the_bf16_gather(two_ranks, pair):
+    """tp: the weights' amaxes are reduced over the shard group, then over the tp group (each
+    weight a piece of one process's): the max the tp layer's own quantiser takes when it rounds
+    its piece itself, so the same scale and bits. LoRA: the frozen base, rounded at its whole
+    amax on each rank, is the bits the base's quantiser rounds itself; its adapters' unit is the
+    same with and without the option, so AdamW steps the same segments."""
     _, (rank0, rank1) = two_ranks
     off, on = rank0[2 * pair], rank0[2 * pair + 1]
     assert on["losses"] == off["losses"] and on["records"] == off["records"] and on["eval"] == off["eval"]
     assert on["records"][0]["fp8_underflow_by_tensor"]["weight"] > 0  # the weights' counts are there
     assert all(torch.equal(on["params"][n], v) for n, v in off["params"].items())
-    assert all(torch.equal(rank1[2 * pair + 1]["params"][n], v) for n, v in on["params"].items())
+    for theirs in ([rank1[2 * pair], rank1[2 * pair + 1]] if pair == 2 else [rank1[2 * pair + 1]]):
+        # rank 1's own tp pieces (under tp full_parameters is this rank's pieces), or the whole model
+        assert all(torch.equal(theirs["params"][n], v) for n, v in rank1[2 * pair + 1]["params"].items())
+        assert pair == 2 or all(torch.equal(theirs["params"][n], v) for n, v in on["params"].items())
     assert on["norms"] == pytest.approx(off["norms"], rel=1e-2)  # partial norms in bf16 (module doc)
+    fp8_units = [name for name, _, _, fp8 in on["units"] if fp8]
+    assert fp8_units == [f"blocks.{i}[fp8 frozen]" if pair == 3 else f"blocks.{i}[fp8]" for i in (0, 1)]
 
 
 def test_two_ranks_match_one_process(two_ranks, monkeypatch):
@@ -102,6 +119,26 @@ def test_two_ranks_match_one_process(two_ranks, monkeypatch):
     assert got["losses"][0] == ref["losses"][0] and got["records"][0] == ref["records"][0]
     assert_matches(got["losses"], got["params"], ref, "fp8 all-gather", tol=ONE_PROCESS_TOLERANCE,
                    d_model=32, lr=3e-3)
+    assert rel(torch.tensor(got["norms"]), torch.tensor(ref["norms"])) <= ONE_PROCESS_TOLERANCE
+
+
+@pytest.mark.parametrize("pair", [2, 3], ids=["tp", "lora"])
+def test_tp_and_lora_match_one_process(two_ranks, monkeypatch, pair):
+    """With fp8_all_gather against one process without it (ZeRO-3 on one rank, tp = 1; for LoRA
+    the data-parallel ranks' micro-batches as its accumulation steps): bench/compose.py's fp8
+    tolerance, 5e-2 relative, as the plain case (the same derivation: fp8's emulated rounding of
+    sums taken in another order). tp's ranks see the same batch: one micro-batch; each holds
+    its tp pieces of the parameters, so for tp the losses and gradient norms are compared (as
+    bench/compose.py compares every pair), for LoRA the parameters too."""
+    plain, (rank0, _) = two_ranks
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # one rank's thread count (zero_cases.reference_case)
+    extra = LORA if pair == 3 else {}
+    ref = gather_case({**plain, **extra, "train.grad_accum": 1 if pair == 2 else 2}, STEPS)
+    got = rank0[2 * pair + 1]
+    if pair == 3:
+        assert_matches(got["losses"], got["params"], ref, "fp8 all-gather lora", tol=ONE_PROCESS_TOLERANCE,
+                       d_model=32, lr=3e-3)
+    assert rel(torch.tensor(got["losses"]), torch.tensor(ref["losses"])) <= ONE_PROCESS_TOLERANCE
     assert rel(torch.tensor(got["norms"]), torch.tensor(ref["norms"])) <= ONE_PROCESS_TOLERANCE
 
 
@@ -155,9 +192,9 @@ def test_the_planner_gathers_the_ledger_bytes(two_ranks):
     ({"precision.fp8_recipe": "delayed"}, "precision.fp8_recipe = 'tensorwise'"),
     ({"precision.fp8_emulate": False, "run.device": "cuda"}, "precision.fp8_emulate = true"),
     ({"parallel.zero_stage": 2}, "parallel.zero_stage = 3"),
-    ({"lora.rank": 4}, "lora.rank = 4"),
+    ({"lora.rank": 4, "lora.quantize": "nf4"}, "half a byte per element"),
     ({"train.compile": True}, "train.compile = True"),
-], ids=["no-fp8", "delayed", "torchao", "stage-2", "lora", "compile"])
+], ids=["no-fp8", "delayed", "torchao", "stage-2", "qlora", "compile"])
 def test_what_does_not_compose_is_refused_by_name(tmp_path, change, named):
     with pytest.raises(ConfigError, match="precision.fp8_all_gather") as error:
         load_config(overrides={**_overrides(tmp_path), **GATHER, **change}).validate()

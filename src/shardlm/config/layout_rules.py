@@ -389,7 +389,7 @@ def _fp8_composes(cfg: Config) -> list[str]:
 
 
 @_cross("precision.fp8_all_gather", "precision.compute", "precision.fp8_recipe", "precision.fp8_emulate",
-        "parallel.zero_stage", "parallel.tp", "lora.rank", "train.compile")
+        "parallel.zero_stage", "lora.rank", "lora.quantize", "train.compile")
 def _fp8_all_gather_composes(cfg: Config) -> list[str]:
     """precision.fp8_all_gather: ZeRO-3 gathers the FP8 linears' weights (models/fp8.py
     Fp8Linear) in E4M3, each shard rounded at the whole weight's scale (zero/fp8_gather.py).
@@ -408,11 +408,15 @@ def _fp8_all_gather_composes(cfg: Config) -> list[str]:
                  f"precision.fp8_all_gather ('delayed' and 'blockwise' scales are not one number "
                  f"from the weight's current amax; on FP8 hardware torchao's Float8Linear runs the "
                  f"matmuls, and its fp8 all-gather is FSDP2's, not our engine's)"] if needs else [])
+    # tp: each weight's scale takes the max over the tp group too; LoRA: its frozen base is
+    # gathered in E4M3 as a trained weight is (zero/fp8_gather.py)
+    if cfg.lora.rank > 0 and cfg.lora.quantize != "none":
+        problems.append(f"precision.fp8_all_gather = true with lora.quantize = {cfg.lora.quantize!r}: "
+                        f"QLoRA's frozen base already travels as its 4-bit codes and block scales, about "
+                        f"half a byte per element, less than E4M3's one byte; gathering it in FP8 would "
+                        f"move more and round it twice. Drop precision.fp8_all_gather (the adapters are "
+                        f"too small to matter) or set lora.quantize = 'none'")
     blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
-        ("parallel.tp", par.tp, "a tensor-parallel weight's scale is the max over the tp group too; "
-         "not gathered so yet", par.tp > 1),
-        ("lora.rank", cfg.lora.rank, "LoRA's frozen base (and QLoRA's quantised one) is not an "
-         "Fp8Linear weight: nothing would be gathered in fp8", cfg.lora.rank > 0),
         ("train.compile", cfg.train.compile, "the gathered bytes are state the matmul reads "
          "outside the compiled graph", cfg.train.compile),
     ) if on]

@@ -6,14 +6,20 @@ all-reduce(max) of the weights' amaxes, then each rank casts its shard at the gl
 the all-gather moves 1 byte per element instead of bf16's 2. Our code, our engine's units.
 
 The FP8 linears' weights of a unit form a unit of their own (zero/units.py collect_units,
-"<name>[fp8]"): its flat buffer holds nothing else, so every rank's shard is rounded whole and
+"<name>[fp8]"; LoRA's frozen base "<name>[fp8 frozen]", gathered the same way, no gradient
+flowing to it): its flat buffer holds nothing else, so every rank's shard is rounded whole and
 each rank sends the same bytes. The shard stays bf16 (the optimizer's target, as before). A
 gather, in the shard group (unit.comm):
 
   1. each rank: max |w| over its piece of each weight, from the bf16 shard (fp32, one per weight)
   2. all_reduce(max) of those, one call for the unit: each weight's whole amax on every rank,
      so its tensorwise scale, E4M3.max / amax — the scale one process computes from the whole
-     weight. Forward gathers only: backward's gather re-rounds at the forward's scales (the
+     weight. Under tensor parallelism a weight is itself a piece of one process's (its rows or
+     columns: parallel/tensor.py), so a second all_reduce(max) of the unit's amaxes, over the
+     tp group, gives the whole weight's — what the tp layer's own quantiser reduces when it
+     rounds the weight itself (Fp8Quantiser.share_amax); a weight the tp ranks hold whole (a
+     replicated one) has the same amax on each of them, which the max keeps. Forward
+     gathers only: backward's gather re-rounds at the forward's scales (the
      weights have not changed in between), as torchao's precomputed scale serves both
   3. each rank rounds its shard at its weights' scales (models/fp8.py round_to_fp8): element by
      element the arithmetic of rounding the whole weight, hence the same bits
@@ -69,6 +75,9 @@ class Fp8Gather:
         self.scales = torch.ones(len(layout.numels), dtype=torch.float32, device=device)
         self.counts = torch.zeros(len(layout.numels), 3, dtype=torch.float32, device=device)
         self.weights: list[GatheredWeight] = []
+        # tensor parallelism's max over the tp group (one reducer serves every weight: step 2)
+        reducers = [m.fp8.amax_reducers.get("weight") for ref in unit.refs for m, _ in ref.places]
+        self.tp_reduce = next((r for r in reducers if r is not None), None)
         for i, (ref, off) in enumerate(zip(unit.refs, layout.offsets)):
             data = self.flat[off:off + ref.param.numel()].view(E4M3.dtype).view(ref.param.shape)
             weight = GatheredWeight(data, self.scales[i], self.counts[i])
@@ -97,6 +106,8 @@ class Fp8Gather:
             # a NaN piece as +inf: a max over ranks need not carry NaN, and a non-finite weight
             # must stay visible (its scale becomes 0, its non-finite elements NaN)
             comm.all_reduce(amaxes.nan_to_num_(nan=float("inf")), op=dist.ReduceOp.MAX).wait()
+            if self.tp_reduce is not None:  # each weight a tp piece: the max over the tp group too
+                amaxes = self.tp_reduce(amaxes)
             # the whole weight's scale, as Fp8Quantiser.scale computes it from its amax
             self.scales.copy_(E4M3.max / amaxes.clamp_min(EPS))
         send = torch.zeros(self.shard_size, dtype=torch.uint8, device=shard.device)  # padding: 0

@@ -18,7 +18,7 @@ from torch import nn
 
 from shardlm.comm.collectives import Comm
 from shardlm.errors import ConfigError
-from shardlm.models.fp8 import Fp8Linear
+from shardlm.models.fp8 import Fp8Quantiser
 from shardlm.models.init import Initializer
 from shardlm.zero.fp8_gather import Fp8Gather
 from shardlm.zero.partition import UnitLayout, layout_for
@@ -86,8 +86,13 @@ def _param_places(model: nn.Module) -> dict[int, ParamRef]:
 
 
 def _fp8_weight(ref: ParamRef) -> bool:
-    """Whether `ref` is an FP8 linear's weight and nothing else (models/fp8.py Fp8Linear)."""
-    return all(isinstance(m, Fp8Linear) and a == "weight" for m, a in ref.places)
+    """Whether `ref` is the weight of layers that multiply it whole through one FP8 quantiser,
+    and nothing else: models/fp8.py's Fp8Linear, a tensor-parallel linear that took one over
+    (parallel/tensor.py: its weight a piece, the scale's amax a max over the tp group), LoRA's
+    frozen base (models/lora.py use_fp8). Not the experts' stacked weights (one quantiser per
+    expert) nor QLoRA's base (its bytes are `weight_q`)."""
+    return all(a == "weight" and isinstance(getattr(m, "fp8", None), Fp8Quantiser)
+               and getattr(m, "quant", None) is None for m, a in ref.places)
 
 
 def collect_units(model: nn.Module, class_names: str = "", inner: list[str] = (),
@@ -98,7 +103,8 @@ def collect_units(model: nn.Module, class_names: str = "", inner: list[str] = ()
     modules inside a layer that are units of their own (expert parallelism's experts), placed
     right after their layer (forward order). `fp8_weights` (precision.fp8_all_gather): a unit's
     trainable FP8 linear weights are split off into a unit of their own, right after it
-    ("<name>[fp8]", gathered in E4M3), so that its shards hold those weights only."""
+    ("<name>[fp8]", gathered in E4M3), so that its shards hold those weights only; the frozen
+    ones (LoRA's base) likewise ("<name>[fp8 frozen]")."""
     refs = _param_places(model)
     layers = unit_modules(model, class_names)
     if inner:
@@ -118,12 +124,14 @@ def collect_units(model: nn.Module, class_names: str = "", inner: list[str] = ()
     units = []
     for name, module, (trained, frozen) in [("root", model, root)] + [
             (name, module, params) for (name, module), params in zip(layers, assigned)]:
-        floating = [r for r in frozen if r.param.is_floating_point()]
-        fp8 = [r for r in trained if fp8_weights and _fp8_weight(r)]
+        fp8 = [r for r in trained + frozen if fp8_weights and _fp8_weight(r)]
+        floating = [r for r in frozen if r.param.is_floating_point() and not any(r is f for f in fp8)]
         units += [UnitSpec(name, module, [r for r in trained if not any(r is f for f in fp8)]),
-                  UnitSpec(f"{name}[fp8]", module, fp8, gather_fp8=True),
+                  UnitSpec(f"{name}[fp8]", module, [r for r in fp8 if r.param.requires_grad], gather_fp8=True),
+                  UnitSpec(f"{name}[fp8 frozen]", module, [r for r in fp8 if not r.param.requires_grad], True,
+                           gather_fp8=True),
                   UnitSpec(f"{name}[frozen]", module, floating, True)]
-        for dtype in sorted({r.param.dtype for r in frozen} - {r.param.dtype for r in floating}, key=str):
+        for dtype in sorted({r.param.dtype for r in frozen if not r.param.is_floating_point()}, key=str):
             units.append(UnitSpec(f"{name}[{str(dtype).removeprefix('torch.')}]", module,
                                   [r for r in frozen if r.param.dtype == dtype], True, dtype))
     return [u for u in units if u.params]
