@@ -181,31 +181,28 @@ def _cp_divides_sequence(cfg: Config) -> list[str]:
             if cp > 1 and t % (2 * cp) else [])
 
 
-@_cross("train.optimizer", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
-        "parallel.dp_replicate", "parallel.fault_tolerant", "zero.offload_optimizer",
-        "zero.offload_params", "lora.rank")
+@_cross("train.optimizer", "zero.offload_optimizer", "zero.offload_params", "lora.rank")
 def _muon_layout(cfg: Config) -> list[str]:
-    """Muon orthogonalises whole matrices. ZeRO's flat shards are gathered per unit (zero/
-    muon.py); what is not built: gathering tensor-parallel cuts, and the pp/cp/ep/hybrid and
-    offload layouts, which no test has checked against one process; nor LoRA (its low-rank
-    adapters are nn.Linear weights Muon would orthogonalise, which no reference does).
-    parallel.fault_tolerant's replicas are one ZeRO-0 process each: Muon runs on the whole
-    buffer there, on the gradient already averaged over the live replicas."""
-    par, z = cfg.parallel, cfg.zero
-    replicas = 1 if par.fault_tolerant else par.dp_replicate
-    apart = {k: v for k, v, alone in (("parallel.tp", par.tp, 1), ("parallel.pp", par.pp, 1),
-                                      ("parallel.cp", par.cp, 1), ("parallel.ep", par.ep, 1),
-                                      ("parallel.dp_replicate", replicas, 1),
-                                      ("zero.offload_optimizer", z.offload_optimizer, "none"),
-                                      ("zero.offload_params", z.offload_params, "none"),
-                                      ("lora.rank", cfg.lora.rank, 0))
-             if v != alone}
+    """Muon orthogonalises whole matrices: ZeRO's flat shards are gathered per unit and tensor
+    parallelism's cuts over the tp group (zero/muon.py); a pipeline stage, an expert-parallel
+    rank and a context-parallel rank each hold their matrices whole (MoE's 3-D expert banks stay
+    with AdamW), and replicas (hybrid sharding, fault-tolerant, local SGD) see the same averaged
+    gradient. Refused: the nvme tier, whose masters stream from disk through AdamW's chunked
+    step and are not in memory when Muon's update lands after it; and LoRA, whose low-rank
+    factors A (r x in) and B (out x r) are not the weight matrices Newton-Schulz orthogonalises
+    (their product is), so no reference runs Muon on them."""
+    z = cfg.zero
+    apart = {k: v for k, v, alone in (("zero.offload_optimizer", z.offload_optimizer, "nvme"),
+                                      ("zero.offload_params", z.offload_params, "nvme"))
+             if v == alone}
+    if cfg.lora.rank:
+        apart["lora.rank"] = cfg.lora.rank
     if cfg.train.optimizer != "muon" or not apart:
         return []
-    return [f"train.optimizer = 'muon' runs on data parallelism only (ZeRO stages 0-3, no "
-            f"offload, no LoRA): Muon orthogonalises whole matrices, and gathering tensor-parallel cuts "
-            f"(or stepping offloaded masters) is not built; got "
-            f"{', '.join(f'{k} = {v!r}' for k, v in apart.items())}. Use train.optimizer = "
+    return [f"train.optimizer = 'muon' with {', '.join(f'{k} = {v!r}' for k, v in apart.items())}: "
+            f"the nvme tier's masters stream from disk inside AdamW's chunked step, not in memory when "
+            f"Muon's update is applied after it (use offload 'cpu'); LoRA's factors A and B are not "
+            f"the matrices Newton-Schulz orthogonalises (their product is). Use train.optimizer = "
             f"'adamw' for this layout, or drop those settings"]
 
 

@@ -26,6 +26,8 @@ class ColumnParallelLinear(nn.Module):
     region: several projections of one input (a transformers model's separate q, k and v) then
     share one backward all-reduce instead of each doing its own (parallel/tensor_plan.py)."""
 
+    linear_map = True  # a piece of one y = x Wᵀ: its weight is a matrix Muon orthogonalises (zero/optim.muon_params)
+
     def __init__(self, in_features: int, out_local: int, bias: bool, tp: TPState,
                  gather_input: bool = True):
         super().__init__()
@@ -80,6 +82,8 @@ class SharedKVLinear(nn.Module):
     rows is its queries' share, summed over the group (Megatron's f on those rows) — one small
     all-reduce of 2·n_kv_heads·head_dim·d_model per block."""
 
+    linear_map = True  # a piece of one y = x Wᵀ: its weight is a matrix Muon orthogonalises (zero/optim.muon_params)
+
     def __init__(self, in_features: int, q_rows: int, kv_heads: int, head_dim: int, used: int,
                  bias: bool, tp: TPState):
         super().__init__()
@@ -104,6 +108,8 @@ class SharedKVLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = Σ_ranks x_local W_localᵀ + b: this rank's input features; the bias, replicated, is
     added once, after the sum."""
+
+    linear_map = True  # a piece of one y = x Wᵀ: its weight is a matrix Muon orthogonalises (zero/optim.muon_params)
 
     def __init__(self, in_local: int, out_features: int, bias: bool, tp: TPState):
         super().__init__()

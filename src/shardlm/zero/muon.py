@@ -11,7 +11,9 @@ buffer. Per unit, each step:
     3. each Muon matrix has ONE owning rank (assign_owners: balanced by Newton-Schulz work,
        largest first, within the unit and then across units): it runs
        Newton-Schulz on the whole matrix and writes 0.2 sqrt(max(A, B)) O into an otherwise
-       zero update buffer
+       zero update buffer. A matrix tensor parallelism cut is first gathered whole over the tp
+       group (one all_gather per unit, `tp.muon` in the ledger) and each tp rank keeps its piece
+       of the whole update (_orthogonalise)
     4. reduce_scatter of the update buffer (stage 0: all_reduce): each element has one
        non-zero addend, so the sum is exact and every rank receives its slice of every update
     5. the gradient of the Muon elements is zeroed before the tier's AdamW runs: with zero
@@ -36,6 +38,7 @@ import torch
 from shardlm.checkpoint.sharded import StateSlice
 from shardlm.comm.collectives import Comm
 from shardlm.config import TrainConfig
+from shardlm.models.placement import Split
 from shardlm.zero.optim import newton_schulz
 
 
@@ -43,14 +46,23 @@ from shardlm.zero.optim import newton_schulz
 class _Matrix:
     name: str
     shape: tuple[int, int]
+    """This rank's piece (the whole matrix unless tensor parallelism cut it)."""
     offset: int
     """In the unit's flat buffer."""
     owner: int
     """The rank of the unit's group that orthogonalises it."""
+    cut: Split | None = None
+    """Tensor parallelism's cut (placement.Split) of the whole matrix, or None."""
+    pieces: tuple = ()
+    """With a cut: each tp rank's ranges along cut.dim, in tp rank order."""
 
     @property
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
+
+    @property
+    def whole(self) -> tuple[int, int]:
+        return self.cut.shape if self.cut is not None else self.shape
 
 
 class _UnitMuon:
@@ -78,10 +90,10 @@ def assign_owners(matrices: list[_Matrix], load: list[float]) -> None:
     little as the sizes allow, and units take turns on the ranks (with more ranks than a unit
     has matrices, rank 4 of 8 orthogonalises some of the next unit's, not none)."""
     here = [0.0] * len(load)
-    for m in sorted(matrices, key=lambda m: (-newton_schulz_cost(m.shape), m.offset)):
+    for m in sorted(matrices, key=lambda m: (-newton_schulz_cost(m.whole), m.offset)):
         rank = min(range(len(load)), key=lambda r: (here[r], load[r], r))
         m.owner = rank
-        here[rank] += newton_schulz_cost(m.shape)
+        here[rank] += newton_schulz_cost(m.whole)
     for r, work in enumerate(here):
         load[r] += work
 
@@ -94,16 +106,31 @@ class ShardedMuon:
         self.engine, self.train = engine, train
         param_names = {id(p): n for n, p in engine.model.named_parameters()}
         whole = engine.opts.stage == 0  # stage 0: every rank's "shard" is the whole buffer
+        # Tensor parallelism's cut matrices: gathered whole over the tp group before
+        # Newton-Schulz (see _orthogonalise); every tp rank's ranges of each, learnt once.
+        cuts = {n: engine.splits[n] for n in names if n in engine.splits}
+        self.tp = (Comm(engine.mesh.tp_group, "tp.muon", engine.ledger, engine.watchdog)
+                   if cuts and engine.tp_comm.size > 1 else None)
+        pieces = self._tp_pieces(cuts) if self.tp is not None else {}
         self.units: list[_UnitMuon] = []
         load: dict[int, list[float]] = {}  # Newton-Schulz work given to each rank so far, by group size
         for unit in engine.units:
-            matrices = [_Matrix(param_names[id(p)], tuple(p.shape), off, 0)
-                        for p, off in zip(unit.params, unit.layout.offsets) if param_names[id(p)] in names]
+            matrices = [_Matrix(n, tuple(p.shape), off, 0, cuts.get(n) if pieces else None, pieces.get(n, ()))
+                        for p, off in zip(unit.params, unit.layout.offsets)
+                        if (n := param_names[id(p)]) in names]
             if not matrices:
                 continue
             comm = Comm(unit.comm.group, unit.comm.name + ".muon", engine.ledger, engine.watchdog)
             assign_owners(matrices, load.setdefault(comm.size, [0.0] * comm.size))
             self.units.append(_UnitMuon(unit, matrices, comm, whole))
+
+    def _tp_pieces(self, cuts: dict[str, Split]) -> dict[str, tuple]:
+        """name -> each tp rank's ranges of that matrix along its cut dimension (setup only: one
+        object gather over the tp group, outside the ledger)."""
+        mine = {n: split.ranges for n, split in sorted(cuts.items())}
+        every: list = [None] * self.tp.size
+        torch.distributed.all_gather_object(every, mine, group=self.tp.group)
+        return {n: tuple(ranks[n] for ranks in every) for n in mine}
 
     def before_step(self) -> None:
         """Steps 1-5 of the module docstring: every rank ends with its slice of each update."""
@@ -123,16 +150,59 @@ class ShardedMuon:
                 full = torch.empty(padded, dtype=torch.float32, device=direction.device)
                 u.comm.all_gather(full, direction).wait()
             update = torch.zeros(padded, dtype=torch.float32, device=direction.device)
-            for m in u.matrices:
-                if m.owner == u.comm.rank:
-                    o = newton_schulz(full[m.offset:m.offset + m.numel].view(m.shape), t.muon_ns_steps)
-                    update[m.offset:m.offset + m.numel] = (o * (0.2 * math.sqrt(max(m.shape)))).view(-1)
+            self._orthogonalise([m for m in u.matrices if m.owner == u.comm.rank], full, update)
             if u.whole:
                 u.comm.all_reduce(update).wait()
                 u.update = update
             else:
                 u.update = torch.empty_like(direction)
                 u.comm.reduce_scatter(u.update, update, scratch_input=True).wait()
+
+    def _orthogonalise(self, owned: list[_Matrix], full: torch.Tensor, update: torch.Tensor) -> None:
+        """Newton-Schulz on each owned matrix's direction (in `full`, the unit's flat buffer),
+        0.2 sqrt(max(A, B)) O written into `update`. A matrix tensor parallelism cut is first
+        gathered whole over the tp group — its owner's tp peers are the owners of their pieces
+        (owners follow whole shapes, the same on every tp rank), so the group gathers together,
+        one call per unit — and each tp rank keeps its piece of the one whole result: exactly
+        the one-process update, at tp times the Newton-Schulz work (each rank of the group
+        orthogonalises the same whole matrix rather than wait on one that would)."""
+        steps = self.train.muon_ns_steps
+        cut = [m for m in owned if m.cut is not None]
+        wholes = dict(zip((m.name for m in cut), self._gather_whole(cut, full))) if cut else {}
+        for m in owned:
+            direction = wholes.get(m.name)
+            if direction is None:
+                direction = full[m.offset:m.offset + m.numel].view(m.shape)
+            o = newton_schulz(direction, steps) * (0.2 * math.sqrt(max(m.whole)))
+            update[m.offset:m.offset + m.numel] = (m.cut.take(o) if m.cut is not None else o).view(-1)
+
+    def _gather_whole(self, cut: list[_Matrix], full: torch.Tensor) -> list[torch.Tensor]:
+        """The whole matrices of `cut` from every tp rank's pieces: one all_gather of this
+        rank's pieces back to back (padded to the largest rank's total)."""
+        def numel(m: _Matrix, ranges) -> int:
+            return sum(hi - lo for lo, hi in ranges) * (m.whole[1 - m.cut.dim])
+
+        sizes = [sum(numel(m, m.pieces[r]) for m in cut) for r in range(self.tp.size)]
+        cap = max(sizes)
+        mine = torch.zeros(cap, dtype=full.dtype, device=full.device)
+        torch.cat([full[m.offset:m.offset + m.numel] for m in cut], out=mine[:sizes[self.tp.rank]])
+        every = torch.empty(cap * self.tp.size, dtype=full.dtype, device=full.device)
+        self.tp.all_gather(every, mine).wait()
+        out = []
+        starts = [r * cap for r in range(self.tp.size)]
+        for m in cut:
+            whole = torch.empty(m.whole, dtype=full.dtype, device=full.device)
+            for r, ranges in enumerate(m.pieces):
+                local = list(m.whole)
+                local[m.cut.dim] = sum(hi - lo for lo, hi in ranges)
+                piece = every[starts[r]:starts[r] + local[0] * local[1]].view(local)
+                starts[r] += local[0] * local[1]
+                at = 0
+                for lo, hi in ranges:  # copies (kv heads every rank holds) are written alike
+                    whole.narrow(m.cut.dim, lo, hi - lo).copy_(piece.narrow(m.cut.dim, at, hi - lo))
+                    at += hi - lo
+            out.append(whole)
+        return out
 
     def after_step(self) -> None:
         """W -= lr U on this rank's masters (the tier already applied W (1 - lr wd)), then the

@@ -112,7 +112,8 @@ def muon_update(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum: flo
 
 
 def muon_params(model: nn.Module) -> list[nn.Parameter]:
-    """What Muon updates: the trainable weights of the hidden nn.Linear layers — 2-D, and neither
+    """What Muon updates: the trainable weights of the hidden linear layers (nn.Linear, or
+    tensor parallelism's cuts of one) — 2-D, and neither
     an embedding nor the output head (a tied head is the embedding). Everything else
     (embeddings, head, norms, biases, 3-D expert banks) stays with AdamW, as Jordan and Moonlight
     prescribe."""
@@ -122,7 +123,9 @@ def muon_params(model: nn.Module) -> list[nn.Parameter]:
         excluded.add(id(head.weight))
     seen, out = set(), []
     for module in model.modules():
-        w = module.weight if isinstance(module, nn.Linear) else None
+        # nn.Linear, or tensor parallelism's pieces of one (their class says `linear_map`)
+        linear = isinstance(module, nn.Linear) or getattr(type(module), "linear_map", False)
+        w = module.weight if linear else None
         if (isinstance(w, nn.Parameter) and w.requires_grad and w.dim() == 2
                 and id(w) not in excluded and id(w) not in seen):
             seen.add(id(w))
