@@ -29,8 +29,7 @@ def _sequence_parallel_needs_tp(cfg: Config) -> list[str]:
              "it needs parallel.tp > 1"] if par.sequence_parallel and par.tp == 1 else [])
 
 
-@_cross("parallel.async_tp", "parallel.tp", "parallel.sequence_parallel", "train.compile",
-        "precision.compute", "lora.quantize")
+@_cross("parallel.async_tp", "parallel.tp", "parallel.sequence_parallel", "precision.compute", "lora.quantize")
 def _async_tp_composes(cfg: Config) -> list[str]:
     """parallel.async_tp decomposes sequence parallelism's all-gather / reduce-scatter around the
     tensor-parallel linears' plain matmuls (parallel/async_tp.py)."""
@@ -42,9 +41,8 @@ def _async_tp_composes(cfg: Config) -> list[str]:
                 f"with the tensor-parallel matmuls: it needs parallel.tp > 1 (got {par.tp}) and "
                 f"parallel.sequence_parallel = true (got {str(par.sequence_parallel).lower()}); set "
                 f"them, or async_tp = false"]
+    # train.compile: the decomposed linears are custom ops, each one opaque node of the block's graph
     blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
-        ("train.compile", cfg.train.compile, "the pieces' collectives are waited on between "
-         "matmuls, which a compiled block does not hold yet; set train.compile = false", cfg.train.compile),
         ("precision.compute", cfg.precision.compute, "an FP8 matmul scales its input by the whole "
          "gathered input's amax, which no piece has; use bf16 or fp32", cfg.precision.compute == "fp8"),
         ("lora.quantize", cfg.lora.quantize, "the quantised base is dequantised inside its own "

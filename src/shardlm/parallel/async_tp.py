@@ -152,12 +152,17 @@ def _fused_bias(whole: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return bias is not None and whole.view(n * t, batch, c).transpose(0, 1).is_contiguous()
 
 
-def _autocast_state(x: torch.Tensor) -> tuple[str, bool, torch.dtype]:
-    """The autocast state the forward ran under, replayed around the backward's matmuls (what
-    torch.amp.custom_fwd / custom_bwd do, for whichever device x is on): the blocking version's
-    matmuls run under autocast in both passes."""
+def _amp(x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype the blocking version's matmuls would run in (None: autocast off), read
+    where the op is called and passed to it: the ops below run their matmuls, forward and
+    backward, under exactly that autocast state (what torch.amp.custom_fwd / custom_bwd do),
+    whether they are called eagerly or from a compiled graph."""
     kind = x.device.type
-    return kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+def _under(x: torch.Tensor, amp: torch.dtype | None):
+    return torch.autocast(x.device.type, dtype=amp, enabled=amp is not None)
 
 
 def _weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
@@ -166,98 +171,169 @@ def _weight_grad(grad_out: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
     return torch.mm(grad_out.reshape(-1, grad_out.shape[-1]).t(), inputs.reshape(-1, inputs.shape[-1]))
 
 
-class _AllGatherMatmul(torch.autograd.Function):
+# The decomposed linears are torch custom ops (as parallel/collective_ops.py's collectives), so a
+# compiled block (train.compile) holds each as one opaque node, not a graph break: Dynamo cannot
+# trace the pieces' process-group calls. Their backward is an op too (register_autograd); the
+# bias's gradient, a plain sum, is left to the traced backward.
+_NONE = torch.empty(0)
+
+
+@torch.library.custom_op("shardlm::all_gather_matmul", mutates_args=())
+def _all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: str,
+                       pieces: int, amp: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
     """x_local (B, t, C) -> (y = gather(x) Wᵀ + b (B, T, out), gather(x) (B, T, C)): the
     column-parallel linear after sequence parallelism's all-gather, decomposed (module doc)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, pieces):
-        comm = comm_of(group)
-        batch, t = x.shape[0], x.shape[1]
-        ranges = piece_ranges(t, pieces)
-        whole = x.new_empty((comm.size, t, batch, x.shape[-1]))
-        fused = _fused_bias(whole, bias)
+    comm = comm_of(group)
+    batch, t = x.shape[0], x.shape[1]
+    ranges = piece_ranges(t, pieces)
+    whole = x.new_empty((comm.size, t, batch, x.shape[-1]))
+    fused = _fused_bias(whole, bias)
+    with _under(x, amp):
         y = _gathered_matmul(x.transpose(0, 1), weight, comm, ranges, True, whole, bias if fused else None)
         if bias is not None and not fused:
             y.add_(bias)
-        gathered = whole.view(comm.size * t, batch, -1).transpose(0, 1)  # (B, T, C), as gather_seq's
-        ctx.save_for_backward(gathered, weight)
-        ctx.group, ctx.ranges, ctx.has_bias = group, ranges, bias is not None
-        ctx.autocast = _autocast_state(x)
-        ctx.set_materialize_grads(False)  # the gathered input's gradient: None unless LoRA read it
-        return y, gathered
+    return y, whole.view(comm.size * t, batch, -1).transpose(0, 1)  # (B, T, C), as gather_seq's
 
-    @staticmethod
-    def backward(ctx, grad_y, grad_gathered):
-        gathered, weight = ctx.saved_tensors
-        kind, enabled, dtype = ctx.autocast
-        if grad_y is None:  # the output unused (never in a model): its gradient is zero
-            grad_y = gathered.new_zeros((*gathered.shape[:2], weight.shape[0]))
-        with torch.autocast(kind, dtype=dtype, enabled=enabled):
-            return _AllGatherMatmul._backward(ctx, grad_y, grad_gathered, gathered, weight)
 
-    @staticmethod
-    def _backward(ctx, grad_y, grad_gathered, gathered, weight):
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:  # grad_gathered: LoRA's path read the gathered input too
-            grad_x = _matmul_scattered(grad_y, weight, grad_gathered, comm_of(ctx.group), ctx.ranges,
-                                       False, gathered.dtype).transpose(0, 1)
-        if ctx.needs_input_grad[1]:
+@_all_gather_matmul.register_fake
+def _(x, weight, bias, group, pieces, amp):
+    batch, t, c = x.shape
+    n = comm_of(group).size
+    return (x.new_empty((batch, n * t, weight.shape[0]), dtype=amp or x.dtype),
+            x.new_empty((n * t, batch, c)).transpose(0, 1))
+
+
+@torch.library.custom_op("shardlm::all_gather_matmul_backward", mutates_args=())
+def _all_gather_matmul_backward(grad_y: torch.Tensor, grad_gathered: torch.Tensor | None, gathered: torch.Tensor,
+                                weight: torch.Tensor, group: str, pieces: int, amp: torch.dtype | None,
+                                need_x: bool, need_w: bool) -> list[torch.Tensor]:
+    """[∂L/∂x_local (B, t, C), ∂L/∂W] (an empty tensor for one not needed): the input's gradient
+    grad_y W (+ grad_gathered: LoRA read the gathered input too) reduce-scattered piece by piece,
+    the weight's one matmul over the gathered input saved from the forward."""
+    grad_x = grad_w = _NONE
+    ranges = piece_ranges(gathered.shape[1] // comm_of(group).size, pieces)
+    with _under(grad_y, amp):
+        if need_x:
+            grad_x = _matmul_scattered(grad_y, weight, grad_gathered, comm_of(group), ranges, False,
+                                       gathered.dtype).transpose(0, 1)
+        if need_w:
             grad_w = _weight_grad(grad_y, gathered).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+    return [grad_x, grad_w]
+
+
+@_all_gather_matmul_backward.register_fake
+def _(grad_y, grad_gathered, gathered, weight, group, pieces, amp, need_x, need_w):
+    batch, big_t, c = gathered.shape
+    t = big_t // comm_of(group).size
+    return [gathered.new_empty((t, batch, c)).transpose(0, 1) if need_x else _NONE,
+            torch.empty_like(weight) if need_w else _NONE]
+
+
+def _all_gather_matmul_setup(ctx, inputs, output) -> None:
+    x, weight, bias, group, pieces, amp = inputs
+    ctx.save_for_backward(output[1], weight)
+    ctx.group, ctx.pieces, ctx.amp, ctx.has_bias = group, pieces, amp, bias is not None
+    ctx.set_materialize_grads(False)  # the gathered input's gradient: None unless LoRA read it
+
+
+def _all_gather_matmul_grad(ctx, grad_y, grad_gathered):
+    gathered, weight = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    if grad_y is None:  # the output unused (never in a model): its gradient is zero
+        grad_y = gathered.new_zeros((*gathered.shape[:2], weight.shape[0]), dtype=ctx.amp or gathered.dtype)
+    grad_x, grad_w = _all_gather_matmul_backward(grad_y, grad_gathered, gathered, weight, ctx.group, ctx.pieces,
+                                                 ctx.amp, need_x, need_w)
+    grad_b = None
+    if ctx.has_bias and need_b:
+        with _under(grad_y, ctx.amp):
             grad_b = grad_y.sum_to_size(grad_y.shape[-1])
-        return grad_x, grad_w, grad_b, None, None
+    return grad_x if need_x else None, grad_w if need_w else None, grad_b, None, None, None
 
 
-class _MatmulReduceScatter(torch.autograd.Function):
+_all_gather_matmul.register_autograd(_all_gather_matmul_grad, setup_context=_all_gather_matmul_setup)
+
+
+@torch.library.custom_op("shardlm::matmul_reduce_scatter", mutates_args=())
+def _matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor | None, group: str,
+                           pieces: int, amp: torch.dtype | None) -> torch.Tensor:
     """x (B, T, K) -> reduce-scatter(x Wᵀ + extra) (B, t, out): the row-parallel linear before
     sequence parallelism's reduce-scatter, decomposed (module doc). `extra`: LoRA's partial sum
     of the update, added before the one reduction (or None)."""
+    comm = comm_of(group)
+    with _under(x, amp):
+        mine = _matmul_scattered(x, weight, extra, comm, piece_ranges(x.shape[1] // comm.size, pieces), True)
+    return mine.transpose(0, 1)
 
-    @staticmethod
-    def forward(ctx, x, weight, extra, group, pieces):
-        comm = comm_of(group)
-        ranges = piece_ranges(x.shape[1] // comm.size, pieces)
-        mine = _matmul_scattered(x, weight, extra, comm, ranges, True)
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.ranges, ctx.has_extra = group, ranges, extra is not None
-        ctx.autocast = _autocast_state(x)
-        return mine.transpose(0, 1)
 
-    @staticmethod
-    def backward(ctx, grad_mine):
-        kind, enabled, dtype = ctx.autocast
-        with torch.autocast(kind, dtype=dtype, enabled=enabled):
-            return _MatmulReduceScatter._backward(ctx, grad_mine, *ctx.saved_tensors)
+@_matmul_reduce_scatter.register_fake
+def _(x, weight, extra, group, pieces, amp):
+    batch, big_t, _ = x.shape
+    t = big_t // comm_of(group).size
+    return x.new_empty((t, batch, weight.shape[0]), dtype=amp or x.dtype).transpose(0, 1)
 
-    @staticmethod
-    def _backward(ctx, grad_mine, x, weight):
-        comm = comm_of(ctx.group)
-        local = grad_mine.transpose(0, 1)  # (t, B, out)
-        batch, t = grad_mine.shape[0], grad_mine.shape[1]
-        whole = local.new_empty((comm.size, t, batch, grad_mine.shape[-1]))
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _gathered_matmul(local, weight, comm, ctx.ranges, False, whole, dtype=x.dtype)
+
+@torch.library.custom_op("shardlm::matmul_reduce_scatter_backward", mutates_args=())
+def _matmul_reduce_scatter_backward(grad_mine: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group: str,
+                                    pieces: int, amp: torch.dtype | None, need_x: bool, need_w: bool,
+                                    need_extra: bool) -> list[torch.Tensor]:
+    """[∂L/∂x (B, T, K), ∂L/∂W, ∂L/∂extra (B, T, out)] (empty where not needed): the mirror of
+    the column forward (all-gather of the output gradient's pieces overlapping grad_x's matmuls,
+    own rows first), the weight's gradient one matmul over the gathered output gradient."""
+    comm = comm_of(group)
+    ranges = piece_ranges(grad_mine.shape[1], pieces)
+    local = grad_mine.transpose(0, 1)  # (t, B, out)
+    batch, t = grad_mine.shape[0], grad_mine.shape[1]
+    whole = local.new_empty((comm.size, t, batch, grad_mine.shape[-1]))
+    grad_x = grad_w = _NONE
+    with _under(grad_mine, amp):
+        if need_x:
+            grad_x = _gathered_matmul(local, weight, comm, ranges, False, whole, dtype=x.dtype)
         else:  # an input that needs no gradient (only the weight's is wanted): the gathered gradient alone
-            for (lo, hi), (handle, buffer) in zip(ctx.ranges, _gather_pieces(local, comm, ctx.ranges)):
+            for (lo, hi), (handle, buffer) in zip(ranges, _gather_pieces(local, comm, ranges)):
                 handle.wait()
                 whole[:, lo:hi] = buffer
         grad_full = whole.view(comm.size * t, batch, -1).transpose(0, 1)  # (B, T, out), as gather_seq's
-        grad_w = (_weight_grad(grad_full, x).to(weight.dtype)
-                  if ctx.needs_input_grad[1] else None)
-        grad_extra = grad_full if ctx.has_extra and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_extra, None, None
+        if need_w:
+            grad_w = _weight_grad(grad_full, x).to(weight.dtype)
+    return [grad_x, grad_w, grad_full if need_extra else _NONE]
+
+
+@_matmul_reduce_scatter_backward.register_fake
+def _(grad_mine, x, weight, group, pieces, amp, need_x, need_w, need_extra):
+    batch, t, out = grad_mine.shape
+    n = comm_of(group).size
+    return [torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else _NONE,
+            torch.empty_like(weight) if need_w else _NONE,
+            grad_mine.new_empty((n * t, batch, out)).transpose(0, 1) if need_extra else _NONE]
+
+
+def _matmul_reduce_scatter_setup(ctx, inputs, output) -> None:
+    x, weight, extra, group, pieces, amp = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.group, ctx.pieces, ctx.amp, ctx.has_extra = group, pieces, amp, extra is not None
+
+
+def _matmul_reduce_scatter_grad(ctx, grad_mine):
+    x, weight = ctx.saved_tensors
+    need_x, need_w, need_extra = ctx.needs_input_grad[:3]
+    need_extra = need_extra and ctx.has_extra
+    grad_x, grad_w, grad_extra = _matmul_reduce_scatter_backward(grad_mine, x, weight, ctx.group, ctx.pieces,
+                                                                 ctx.amp, need_x, need_w, need_extra)
+    return (grad_x if need_x else None, grad_w if need_w else None, grad_extra if need_extra else None,
+            None, None, None)
+
+
+_matmul_reduce_scatter.register_autograd(_matmul_reduce_scatter_grad, setup_context=_matmul_reduce_scatter_setup)
 
 
 def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       group: str, pieces: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(gather(x) Wᵀ + b, gather(x)) for this rank's sequence chunk x (B, t, C), the gather over
     the group `group` (collective_ops.op_group) cut into `pieces` per rank chunk."""
-    return _AllGatherMatmul.apply(x, weight, bias, group, pieces)
+    return _all_gather_matmul(x, weight, bias, group, pieces, _amp(x))
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor | None,
                           group: str, pieces: int) -> torch.Tensor:
     """reduce-scatter(x Wᵀ + extra) along the sequence: this rank's (B, t, out) of the sum."""
-    return _MatmulReduceScatter.apply(x, weight, extra, group, pieces)
+    return _matmul_reduce_scatter(x, weight, extra, group, pieces, _amp(x))
