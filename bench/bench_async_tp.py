@@ -36,7 +36,7 @@ from common import (add_step_args, bench_parser, combine, err, ledger_text, mach
                     rounds, run_overrides, speed_text, start_ranks, summarize, table, timed_steps)
 from shardlm.config import load_config
 from shardlm.models import count_params
-from shardlm.train.loop import build_run
+from shardlm.train.build import build_run
 
 WORLD = 2
 CASES = {"blocking SP": {}, "async TP": {"parallel.async_tp": True}}
@@ -50,7 +50,7 @@ def overrides_for(args, case: dict, run_dir: str) -> dict:
 
 def async_tp_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
     """train_timed with each timed step's wait seconds beside its ledger."""
-    from shardlm.train.loop import train_step
+    from shardlm.train.step import train_step
 
     run = build_run(load_config(overrides=overrides).validate())
     ledger, ledgers, waits = run.strategy.ledger, [], []

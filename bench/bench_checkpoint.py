@@ -86,7 +86,8 @@ def save_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int,
               max_async_steps: int) -> dict:
     import torch.distributed as dist
 
-    from shardlm.train.loop import build_run, train_step
+    from shardlm.train.build import build_run
+    from shardlm.train.step import train_step
 
     from shardlm.train.checkpointing import save_checkpoint
 
@@ -139,7 +140,7 @@ def save_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int,
 def load_rank(rank: int, world: int, overrides: dict, ckpt: str, modes: list) -> list[dict]:
     import torch.distributed as dist
 
-    from shardlm.train.loop import build_run
+    from shardlm.train.build import build_run
 
     from shardlm.train.checkpointing import load_checkpoint
 

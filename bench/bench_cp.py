@@ -74,7 +74,7 @@ def overrides_for(args, case: dict, run_dir: str) -> dict:
 
 def saved_activation_bytes(run) -> int:
     """Bytes of the distinct storages one micro-batch's forward saves for its backward."""
-    from shardlm.train.loop import loss_of
+    from shardlm.train.step import loss_of
 
     storages: dict[int, int] = {}
 
@@ -95,7 +95,8 @@ def saved_activation_bytes(run) -> int:
 def rank_case(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
     import time
 
-    from shardlm.train.loop import build_run, train_step
+    from shardlm.train.build import build_run
+    from shardlm.train.step import train_step
 
     run = build_run(load_config(overrides=overrides).validate())
     setup_rss = peak_rss_bytes()

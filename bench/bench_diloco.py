@@ -40,7 +40,8 @@ from shardlm.checkpoint.sharded import CHECKPOINTS
 from shardlm.config import load_config
 from shardlm.models import count_params
 from shardlm.train.checkpointing import save_checkpoint
-from shardlm.train.loop import build_run, evaluate, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import evaluate, train_step
 
 WORLD = 2
 

@@ -62,7 +62,8 @@ def child(overrides: dict, steps: int) -> dict:
     from shardlm.config import load_config
     from shardlm.launch.allocator import apply_malloc_policy
     from shardlm.train.telemetry import peak_rss_bytes
-    from shardlm.train.loop import build_run, train_step
+    from shardlm.train.build import build_run
+    from shardlm.train.step import train_step
 
     cfg = load_config(overrides=overrides).validate()
     apply_malloc_policy(cfg.run.malloc_mmap_threshold)  # first, as shardlm.cli.train.train_here does

@@ -33,7 +33,8 @@ import tempfile
 from common import bench_parser, machine, reproduce, table, table_row, timed_steps
 from shardlm.config import load_config
 from shardlm.launch.runtime import cpu_cores
-from shardlm.train.loop import build_run, evaluate, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import evaluate, train_step
 
 RECIPES = ("tensorwise", "delayed", "blockwise")
 
@@ -52,9 +53,13 @@ def overrides_for(args, compute: str, recipe: str, run_dir: str, seed: int = 0) 
 def run_case(args, compute: str, recipe: str = "", seed: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         run = build_run(load_config(overrides=overrides_for(args, compute, recipe, run_dir, seed)).validate())
-        records = []
-        timed = timed_steps(lambda step: train_step(run, step).loss, 1, args.steps - 1,
-                            lambda step, seconds: records.append(dict(run.fp8_record)))
+        results, records = [], []
+
+        def step_fn(step: int) -> float:
+            results.append(train_step(run, step))
+            return results[-1].loss
+        timed = timed_steps(step_fn, 1, args.steps - 1,  # the figures read outside the timing
+                            lambda step, seconds: records.append(dict(results[-1].state.fp8_record)))
         val = evaluate(run)["val_loss"]
     return {"losses": timed["losses"], "records": records, "s_per_step": statistics.mean(timed["seconds"]),
             "val": val}

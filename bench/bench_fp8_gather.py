@@ -39,7 +39,7 @@ from shardlm.hardware.catalog import parse_cluster
 from shardlm.models.flops import count_params
 from shardlm.planner.search import config_strategy
 from shardlm.planner.timing import estimate_time
-from shardlm.train.loop import build_run
+from shardlm.train.build import build_run
 
 WORLD = 2
 CASES = {"bf16 gather": {}, "fp8 gather": {"precision.fp8_all_gather": True}}

@@ -67,7 +67,8 @@ def overrides_for(args, case: dict, run_dir: str) -> dict:
 
 def rank_case(rank: int, world: int, overrides: dict, warmup: int, steps: int, skewed: bool) -> dict:
     from shardlm.models.moe import MoE
-    from shardlm.train.loop import build_run, step_record
+    from shardlm.train.build import build_run
+    from shardlm.train.loop import step_record
 
     run = build_run(load_config(overrides=overrides).validate())
     if skewed:
@@ -79,7 +80,7 @@ def rank_case(rank: int, world: int, overrides: dict, warmup: int, steps: int, s
 
     def after(step: int, seconds: float, result) -> None:
         if step >= warmup:
-            records.append(step_record(run, step, result.loss, result.grad_norm, seconds))
+            records.append(step_record(run, step, result, seconds))
 
     return {**train_timed(run, warmup, steps, after), "records": records, "rss": peak_rss_bytes()}
 
@@ -114,7 +115,8 @@ def part_one(args, tmp: str) -> None:
 
 
 def part_two(args, tmp: str) -> None:
-    from shardlm.train.loop import build_run, train
+    from shardlm.train.build import build_run
+    from shardlm.train.loop import train
 
     curves = {}
     for balance in ("none", "aux", "bias"):

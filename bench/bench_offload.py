@@ -84,7 +84,8 @@ def main() -> None:
 
     from shardlm.config import load_config
     from shardlm.models import count_params
-    from shardlm.train.loop import build_run, train_step
+    from shardlm.train.build import build_run
+    from shardlm.train.step import train_step
 
     root = Path(args.dir)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

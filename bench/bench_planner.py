@@ -89,7 +89,8 @@ def measure(rank: int, world_size: int, overrides: dict, steps: int) -> dict:
     """Rank side: train `steps` steps; the ledger, peak RSS and step times."""
     from shardlm.config import load_config
     from shardlm.train.telemetry import peak_rss_bytes
-    from shardlm.train.loop import build_run, train_step
+    from shardlm.train.build import build_run
+    from shardlm.train.step import train_step
 
     import resource
 

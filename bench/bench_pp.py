@@ -159,7 +159,8 @@ def torch_layout(spec: tuple) -> dict:
 def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
     import warnings
 
-    from shardlm.train.loop import build_run, step_record
+    from shardlm.train.build import build_run
+    from shardlm.train.loop import step_record
 
     # torch 2.13 deprecates all_gather_into_tensor (Schedule.by_stage calls it): once per rank
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
@@ -171,7 +172,7 @@ def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int
 
     def after(s: int, seconds: float, result) -> None:  # not timed
         # every rank calls it (it gathers per-stage values over the pipeline)
-        records.append(step_record(run, s, result.loss, result.grad_norm, seconds))
+        records.append(step_record(run, s, result, seconds))
 
     out = train_timed(run, warmup, steps, after)
     stage = run.schedule.stage.index if run.schedule is not None else rank

@@ -135,7 +135,8 @@ class Phases:
 
 def instrument(phases: Phases) -> None:
     """Phase wrappers around shardlm's setup and step, in this (rank) process only."""
-    import shardlm.train.loop as trainer
+    import shardlm.train.build as builder
+    import shardlm.train.step as stepper
     from shardlm.zero import engine
     from shardlm.zero.params import ParamSharding
     from shardlm.zero.tiers.nvme import NvmeTier
@@ -144,9 +145,10 @@ def instrument(phases: Phases) -> None:
     for attr, label in [("resolve_config", "resolve config"), ("build_mesh", "mesh"),
                         ("build_dataset", "dataset (tokenizer + token memmap)"),
                         ("build_model", "model on meta"), ("parallelize", "parallelize"),
-                        ("CheckpointWriter", "checkpoint writer"), ("Loader", "loaders"),
-                        ("peak_flops", "peak_flops (cached)"), ("loss_of", "forward + loss")]:
-        phases.wrap(trainer, attr, label)
+                        ("checkpoint_writer", "checkpoint writer"), ("Loader", "loaders"),
+                        ("peak_flops", "peak_flops (cached)")]:
+        phases.wrap(builder, attr, label)
+    phases.wrap(stepper, "loss_of", "forward + loss")
     for attr, label in [("build_tier", "nvme tier (ring allocated)"),
                         ("build_param_store", "param store: every shard -> disk"),
                         ("materialize_buffers", "buffers")]:
@@ -167,7 +169,8 @@ def instrument(phases: Phases) -> None:
 def rank_main(rank: int, world: int, overrides: dict, steps: int) -> dict:
     from shardlm.launch.allocator import apply_malloc_policy
     from shardlm.config import load_config
-    from shardlm.train.loop import build_run, train_step
+    from shardlm.train.build import build_run
+    from shardlm.train.step import train_step
 
     cfg = load_config(overrides=overrides).validate()
     malloc = apply_malloc_policy(cfg.run.malloc_mmap_threshold)  # as shardlm.cli.train.train_here does

@@ -58,7 +58,7 @@ from common import (MiB, add_step_args, bench_parser, by_group, combine, err, le
                     table, timed_steps, train_timed)
 from shardlm.config import load_config
 from shardlm.models import count_params
-from shardlm.train.loop import build_run
+from shardlm.train.build import build_run
 from shardlm.zero.optim import lr_at, param_groups, set_lr
 
 WORLD = 2

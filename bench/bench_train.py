@@ -26,7 +26,8 @@ from common import machine, reproduce, run_overrides, table, table_row, timed_st
 from shardlm.config import load_config
 from shardlm.launch.runtime import cpu_cores
 from shardlm.models import count_params
-from shardlm.train.loop import build_run, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import train_step
 
 # (micro_batch, seq_len) per preset: big enough to be matmul-bound, small enough for a CPU.
 SHAPES = {"gpt-tiny": (16, 64), "gpt-mini": (8, 256), "gpt2-124m": (4, 256)}

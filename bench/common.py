@@ -158,7 +158,7 @@ def timed_steps(step_fn: Callable[[int], float], warmup: int, steps: int, after=
 def train_timed(run, warmup: int, steps: int, after=None) -> dict:
     """timed_steps over shardlm's train_step, with each timed step's byte ledger (reset before
     the step, so setup's collectives are not a step's); `after(step, seconds, result)`."""
-    from shardlm.train.loop import train_step
+    from shardlm.train.step import train_step
 
     ledgers, results = [], []
 

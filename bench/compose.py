@@ -200,7 +200,8 @@ def train_steps(rank: int, world_size: int, overrides: dict, steps: int, save_af
     whether it stepped; with checkpoint.async an asynchronous save after `save_after` steps."""
     import torch
 
-    from shardlm.train.loop import build_run, train_step
+    from shardlm.train.build import build_run
+    from shardlm.train.step import train_step
 
     from shardlm.train.checkpointing import save_checkpoint
 

@@ -122,7 +122,8 @@ def _plain(overrides: dict, warmup: int, timed: int) -> dict:
 
 def _shardlm(overrides: dict, warmup: int, timed: int) -> dict:
     from shardlm.config import load_config
-    from shardlm.train.loop import build_run, train_step
+    from shardlm.train.build import build_run
+    from shardlm.train.step import train_step
 
     run = build_run(load_config(overrides=overrides).validate())
     return _timed(lambda i: train_step(run, i).loss, warmup, timed, run.cfg)

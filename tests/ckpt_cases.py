@@ -8,7 +8,8 @@ import torch
 
 from shardlm.checkpoint.sharded import CHECKPOINTS, step_dir_name
 from shardlm.config import load_config
-from shardlm.train.loop import build_run, train
+from shardlm.train.build import build_run
+from shardlm.train.loop import train
 
 
 def base_overrides(tmp_path, **extra) -> dict:

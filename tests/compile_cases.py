@@ -7,7 +7,8 @@ import json
 import torch
 
 from shardlm.config import load_config
-from shardlm.train.loop import build_run, train
+from shardlm.train.build import build_run
+from shardlm.train.loop import train
 from zero_cases import train_case
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from shardlm.config import load_config
 from shardlm.data.sft import IGNORE
-from shardlm.train.loop import build_run, evaluate, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import evaluate, train_step
 
 
 def eval_case(overrides: dict, steps: int = 0) -> dict:

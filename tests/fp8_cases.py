@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from shardlm.config import load_config
-from shardlm.train.loop import build_run, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import train_step
 
 
 def fp8_case(overrides: dict, steps: int) -> dict:
@@ -14,8 +15,9 @@ def fp8_case(overrides: dict, steps: int) -> dict:
     run = build_run(load_config(overrides=overrides).validate())
     out = {"losses": [], "records": []}
     for step in range(steps):
-        out["losses"].append(train_step(run, step).loss)
-        out["records"].append(dict(run.fp8_record))
+        result = train_step(run, step)
+        out["losses"].append(result.loss)
+        out["records"].append(dict(result.state.fp8_record))
     with run.strategy.full_parameters():
         out["params"] = {n: p.detach().float().cpu().clone() for n, p in run.model.named_parameters()}
     return out

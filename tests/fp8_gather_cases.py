@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from shardlm.config import load_config
-from shardlm.train.loop import build_run, evaluate, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import evaluate, train_step
 
 
 def gather_case(overrides: dict, steps: int) -> dict:
@@ -18,7 +19,7 @@ def gather_case(overrides: dict, steps: int) -> dict:
         result = train_step(run, step)
         out["losses"].append(result.loss)
         out["norms"].append(result.grad_norm)
-        out["records"].append(dict(run.fp8_record))
+        out["records"].append(dict(result.state.fp8_record))
         out["ledgers"].append(dict(run.strategy.ledger.bytes))
         run.strategy.ledger.reset()
     out["eval"] = evaluate(run)  # forward only: gathered and freed by the hooks, without grad

@@ -64,7 +64,7 @@ def hf_built(rank: int, world_size: int, cases: list[tuple[str, dict]]) -> list[
     """Each model built on the meta device, parallelized (the sharded build); its full
     parameters and buffers."""
     from shardlm.config import load_config
-    from shardlm.train.loop import build_run
+    from shardlm.train.build import build_run
 
     out = []
     for name, overrides in cases:

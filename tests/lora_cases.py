@@ -6,7 +6,8 @@ import torch
 
 from shardlm.config import load_config
 from shardlm.models.lora import is_adapter
-from shardlm.train.loop import build_run, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import train_step
 
 
 def lora_case(overrides: dict, steps: int) -> dict:

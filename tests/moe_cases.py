@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from shardlm.config import load_config
 from shardlm.models.moe import MoE
-from shardlm.train.loop import build_run, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import train_step
 
 
 def ledger_case(rank: int, world_size: int, overrides: dict) -> dict:
@@ -46,7 +47,7 @@ def rebalance_case(rank: int, world_size: int, overrides: dict, steps: int) -> d
 
     def counting(run, step, *args, **kwargs):
         out = original(run, step, *args, **kwargs)
-        moved.append(run.moe_placement.get("moe_replaced_blocks", 0))
+        moved.append(out.state.moe_placement.get("moe_replaced_blocks", 0))
         return out
     import zero_cases
     zero_cases.train_step = counting

@@ -76,7 +76,7 @@ def moe_hf_built(rank: int, world_size: int, cases: list[tuple[str, dict]]) -> l
     """Each model built on the meta device and parallelized (the sharded build: this rank
     materialises its units only); its full parameters and buffers."""
     from shardlm.config import load_config
-    from shardlm.train.loop import build_run
+    from shardlm.train.build import build_run
 
     out = []
     for name, overrides in cases:

@@ -10,7 +10,8 @@ from shardlm.config import flatten, load_config
 from shardlm.planner.search import default_dtypes, plan_for_run
 from shardlm.hardware.catalog import local_cpu
 from shardlm.launch.spawn import run_ranks
-from shardlm.train.loop import build_run, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import train_step
 
 
 def _auto_run(rank: int, world_size: int, overrides: dict) -> dict:

@@ -32,7 +32,7 @@ from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, 
 from shardlm.checkpoint.reader import CheckpointReader
 from shardlm.config import load_config
 from shardlm.launch.spawn import run_ranks
-from shardlm.train.loop import build_run
+from shardlm.train.build import build_run
 from shardlm.train.checkpointing import load_checkpoint, save_checkpoint
 from worlds import several
 
@@ -189,7 +189,8 @@ _DIE_MID_SAVE = textwrap.dedent("""
     import json, os, signal, sys
     from shardlm.checkpoint import sharded
     from shardlm.config import load_config
-    from shardlm.train.loop import build_run, train
+    from shardlm.train.build import build_run
+    from shardlm.train.loop import train
 
     overrides, point = json.loads(sys.argv[1]), sys.argv[2]
     write, publish = sharded.write_safetensors, sharded.write_latest

@@ -16,7 +16,7 @@ from shardlm.checkpoint.manifest import step_dirs
 from shardlm.checkpoint.sharded import CHECKPOINTS, MANIFEST, CheckpointError
 from shardlm.config import load_config
 from shardlm.launch.spawn import run_ranks
-from shardlm.train.loop import build_run
+from shardlm.train.build import build_run
 
 
 def _damage(ckpt: Path, how: str) -> str:

@@ -5,7 +5,7 @@ One tiny run directory is saved once per module (two ranks' files, five tensors,
 2: tests/ckpt_cases.py, the real writer); each case copies it, damages step 2 (or `latest`) in
 one seeded way, then does what a resume does: choose the checkpoint (newest_usable: `latest`,
 else the newest usable older one), read every tensor whole with the real reader, and if that
-fails, reject it and load the next usable one (load_with_fallback, as train.loop.build_run does).
+fails, reject it and load the next usable one (load_with_fallback, as train.build.build_run does).
 A load that succeeds must return exactly the tensors and step of the checkpoint it chose; while
 step 1 is whole, nothing may be refused (step 1 must be recovered). The counts are printed
 (pytest -s) for docs/reliability.md.

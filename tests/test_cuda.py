@@ -22,7 +22,9 @@ from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.launch.runtime import Runtime, pick_device
 from shardlm.comm.mesh import Mesh
-from shardlm.train.loop import build_run, train, train_step
+from shardlm.train.build import build_run
+from shardlm.train.loop import train
+from shardlm.train.step import train_step
 
 pytestmark = pytest.mark.cuda
 

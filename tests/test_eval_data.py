@@ -25,7 +25,8 @@ from shardlm.data.sft import IGNORE
 from shardlm.errors import ConfigError
 from shardlm.parallel.evaluation import metrics_of, token_sums
 from shardlm.launch.spawn import run_ranks
-from shardlm.train.loop import build_run, train
+from shardlm.train.build import build_run
+from shardlm.train.loop import train
 
 
 VOCAB = 512  # the tiny presets' vocabulary

@@ -113,6 +113,7 @@ def _port_note(root: Path, run: int, rank: int) -> int:
 def rank_main(rank: int, runs: int, root: Path) -> None:
     """One rank: fork a child per run, wait for it, print each child's exit status (JSON)."""
     import shardlm.cli.main  # noqa: F401  (imported once, before forking: what forking saves)
+    import shardlm.train.build  # noqa: F401
     import shardlm.train.loop  # noqa: F401
     import torch._dynamo  # noqa: F401  (torch imports it on the first initialisation)
 

@@ -219,7 +219,8 @@ def test_trained_lora_run_loads_in_peft(tmp_path):
     import peft
 
     from conftest import tiny_overrides
-    from shardlm.train.loop import build_run, train
+    from shardlm.train.build import build_run
+    from shardlm.train.loop import train
 
     overrides = tiny_overrides(tmp_path, model__preset="llama-tiny", lora__rank=4,
                                train__steps=3, train__lr=1e-2, train__micro_batch=2,

@@ -41,7 +41,7 @@ def test_a_family_from_one_file_loads_and_exports_a_checkpoint(tmp_path, monkeyp
     LlamaForCausalLM saved with that model_type loads through model.hf_path (the choices accept
     it), has transformers' logits, and `shardlm export` writes every tensor back bit for bit."""
     from shardlm.config import load_config
-    from shardlm.train.loop import build_run
+    from shardlm.train.build import build_run
     from test_hf_families import LLAMA, _hf_logits, save_random_checkpoint, trained_export_is_the_checkpoint
     from test_hf_path import overrides
 

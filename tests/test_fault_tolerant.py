@@ -45,7 +45,8 @@ from shardlm.checkpoint.sharded import CheckpointWriter
 from shardlm.launch.replicas import (JOINED, REPLICA_FAULTS_ENV, state_holders, fault_of, quorum_endpoint,
                                     replica_faults)
 from shardlm.launch.runtime import cpu_cores
-from shardlm.train.loop import build_run, loss_of, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import loss_of, train_step
 from shardlm.zero.optim import lr_at, set_lr
 
 SRC = Path(__file__).resolve().parent.parent / "src"

@@ -35,7 +35,8 @@ from shardlm.launch.runtime import cpu_cores
 from shardlm.models.fp8 import (E4M3, E5M2, EPS, FP8_HISTORY, Fp8Linear, Fp8Quantiser, Fp8Stats,
                                 amax, apply_fp8, check_fp8_device, quantise)
 from shardlm.launch.spawn import run_ranks
-from shardlm.train.loop import build_run, train
+from shardlm.train.build import build_run
+from shardlm.train.loop import train
 
 LOSS_STEPS = 150
 LOSS_TOLERANCE = 0.05

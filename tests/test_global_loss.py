@@ -34,7 +34,7 @@ from shardlm.data.packed import PackedTokens
 from shardlm.data.sft import IGNORE
 from shardlm.launch.spawn import run_ranks
 from shardlm.parallel.evaluation import token_sums
-from shardlm.train.loop import build_run
+from shardlm.train.build import build_run
 from zero_cases import train_case, train_cases
 
 STEPS = 3

@@ -21,7 +21,8 @@ from shardlm.errors import ConfigError
 from shardlm.models.hf_build import route_line
 from shardlm.config.hf_shapes import causal_lm_config, hf_shape
 from shardlm.launch.spawn import run_ranks
-from shardlm.train.loop import build_run, train
+from shardlm.train.build import build_run
+from shardlm.train.loop import train
 from test_hf_path import SPECIAL, WORDS, overrides
 from tp_cases import whole_params
 from zero_cases import reference_case, train_cases

@@ -72,7 +72,8 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 def test_first_step_logits_are_the_librarys(tmp_path, gptj):
     from shardlm.models.hf_build import route_line
-    from shardlm.train.loop import build_run, train_step
+    from shardlm.train.build import build_run
+    from shardlm.train.step import train_step
 
     cfg = load_config(overrides=overrides(tmp_path, gptj)).validate()
     assert route_line(cfg) == f"model: {gptj} {LINE}"
@@ -159,7 +160,8 @@ def test_a_lora_checkpoint_resumes_bitwise(tmp_path, gptj):
     """3 steps straight, or 2 then a resume from the step-2 checkpoint (adapters, their AdamW
     state, the frozen base) in a new run: the third loss and every parameter identical."""
     from shardlm.checkpoint.sharded import CHECKPOINTS
-    from shardlm.train.loop import build_run, train
+    from shardlm.train.build import build_run
+    from shardlm.train.loop import train
 
     base = overrides(tmp_path, gptj, train__steps=3, train__lr=1e-2, lora__rank=4,
                      parallel__zero_stage=1, checkpoint__every=2)
@@ -209,7 +211,8 @@ def test_lora_on_a_model_given_to_build_run(tmp_path, gptj):
     as the base (B = 0) with the base's own initial values, and a step moves only adapters."""
     from hf_cases import hf_model
     from shardlm.models.init import materialize
-    from shardlm.train.loop import build_run, train_step
+    from shardlm.train.build import build_run
+    from shardlm.train.step import train_step
 
     values = {**overrides(tmp_path, gptj, lora__rank=4, lora__targets="self_attn.q_proj,mlp.down_proj"),
               "model.preset": "gpt-tiny"}  # its vocabulary (512) is hf_cases' llama's
@@ -261,7 +264,7 @@ def test_what_the_path_cannot_do_is_refused_before_spawning(tmp_path, gptj, caps
 
 
 def test_an_unknown_model_type_is_named(tmp_path, gptj):
-    from shardlm.train.loop import check_inputs
+    from shardlm.train.build import check_inputs
 
     (tmp_path / "odd").mkdir()
     config = json.loads((gptj / "config.json").read_text())

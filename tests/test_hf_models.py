@@ -161,7 +161,7 @@ def test_units_found():
 
 def test_build_run_takes_a_user_model(tmp_path):
     from shardlm.config import load_config
-    from shardlm.train.loop import build_run
+    from shardlm.train.build import build_run
 
     model = hf_model("llama")
     run = build_run(load_config(overrides=_base(tmp_path)).validate(), model=model)

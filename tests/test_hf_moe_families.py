@@ -18,7 +18,7 @@ from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.config.hf_shapes import causal_lm_config, hf_shape
 from shardlm.launch.spawn import run_ranks
-from shardlm.train.loop import build_run
+from shardlm.train.build import build_run
 from test_hf_families import (LLAMA, _hf_logits, lora_adapter_is_peft_exact, save_random_checkpoint,
                               trained_export_is_the_checkpoint)
 from test_hf_path import overrides

@@ -9,7 +9,8 @@ import torch
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.launch.spawn import run_ranks
-from shardlm.train.loop import build_run, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import train_step
 
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402

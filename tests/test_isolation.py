@@ -18,7 +18,7 @@ from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.launch.runtime import Runtime
 from shardlm.launch.run_dir import RUN_LOCK, lock_run_dir, release_run_dir
-from shardlm.train.loop import make_run_dir
+from shardlm.train.build import make_run_dir
 
 ONE_PROCESS = Runtime(0, 1, 0, 1, torch.device("cpu"), None)
 

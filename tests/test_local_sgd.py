@@ -36,7 +36,8 @@ from shardlm.errors import ConfigError
 from shardlm.launch.spawn import run_ranks
 from shardlm.planner.traffic import local_sgd_comm_bytes
 from shardlm.train.checkpointing import save_checkpoint
-from shardlm.train.loop import build_run, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import train_step
 from zero_cases import train_case
 
 STEPS, EVERY = 5, 2  # outer steps after steps 2, 4 and 5 (the last round is one step)

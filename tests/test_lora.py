@@ -21,7 +21,8 @@ from shardlm.errors import ConfigError
 from shardlm.models import build_model
 from shardlm.models.lora import apply_lora, is_adapter
 from shardlm.launch.spawn import run_ranks
-from shardlm.train.loop import build_run, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import train_step
 from zero_cases import reference_case
 
 STEPS = 4

@@ -21,7 +21,8 @@ from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, ADAPTER_WEIGHTS
 from shardlm.config import load_config
 from shardlm.models.lora import is_adapter
 from shardlm.launch.spawn import run_ranks
-from shardlm.train.loop import build_run, train
+from shardlm.train.build import build_run
+from shardlm.train.loop import train
 
 STEPS = 3
 CASES = {"tp=2 gpt": ("gpt-tiny", {}),

@@ -318,7 +318,8 @@ def test_bias_balanced_weights_route_at_inference_as_in_training(tmp_path):
     """The routers' balancing biases are run state the routing depends on: saved with the final
     weights and restored by load_for_inference (else generation would route differently)."""
     from shardlm.checkpoint.weights import load_for_inference
-    from shardlm.train.loop import build_run, train
+    from shardlm.train.build import build_run
+    from shardlm.train.loop import train
 
     over = tiny_overrides(tmp_path, model__preset="moe-tiny", train__micro_batch=4, train__seq_len=32,
                           train__steps=3, model__balance="bias", model__bias_update_rate=0.05)

@@ -53,15 +53,28 @@ def test_newton_schulz_pushes_singular_values_to_one(shape):
     assert torch.allclose(newton_schulz(g, 5), _reference_orthogonalise(g), atol=1e-6)
 
 
-def _tiny_model() -> tuple[nn.Module, object]:
-    cfg = load_config(overrides={"model.preset": "gpt-tiny", "train.optimizer": "muon",
+def _tiny_model(preset: str = "gpt-tiny", split: bool = False) -> tuple[nn.Module, object]:
+    cfg = load_config(overrides={"model.preset": preset, "train.optimizer": "muon",
+                                 "train.muon_split_fused": split,
                                  "train.weight_decay": 0.1, "train.lr": 0.02, "train.seq_len": 64}).validate()
     torch.manual_seed(0)
     return build_model(cfg.model).float(), cfg
 
 
-def test_muon_steps_match_the_formula():
-    model, cfg = _tiny_model()
+def _parts(name: str, cfg) -> list[int]:
+    """train.muon_split_fused's separate matrices, written out again: llama-tiny's q, k, v rows
+    (4 and 2 heads of 16) and gate, up (d_ff each)."""
+    if name.endswith("attn.qkv.weight"):
+        return [cfg.model.n_heads * 16, cfg.model.n_kv_heads * 16, cfg.model.n_kv_heads * 16]
+    return [192, 192] if name.endswith("gate_up.weight") else []
+
+
+@pytest.mark.parametrize("preset, split", [("gpt-tiny", False), ("llama-tiny", True)])
+def test_muon_steps_match_the_formula(preset, split):
+    """Split (train.muon_split_fused): a fused q/k/v or gate/up matrix is orthogonalised part by
+    part, each part scaled by its own 0.2 sqrt(max(A, B)), as separate q_proj/k_proj/v_proj."""
+    model, cfg = _tiny_model(preset, split)
+    assert not split or model.blocks[0].attn.qkv.weight.shape[0] == sum(_parts("attn.qkv.weight", cfg))
     names = {id(p): n for n, p in model.named_parameters()}
     chosen = {names[id(p)] for p in muon_params(model)}
     assert chosen and all(n.startswith("blocks.") and n.endswith("weight") for n in chosen)
@@ -86,9 +99,10 @@ def test_muon_steps_match_the_formula():
         optimizer.step()
         for n in chosen:  # Moonlight Algorithm 1, Nesterov, RMS-matched, decoupled decay
             buffers[n] = mu * buffers[n] + grads[n]
-            o = _reference_orthogonalise(grads[n] + mu * buffers[n])
-            scale = 0.2 * math.sqrt(max(o.shape))
-            reference[n] = reference[n] * (1 - lr * wd) - lr * scale * o
+            d = grads[n] + mu * buffers[n]
+            parts = d.split(_parts(n, cfg)) if split and _parts(n, cfg) else [d]
+            update = torch.cat([0.2 * math.sqrt(max(x.shape)) * _reference_orthogonalise(x) for x in parts])
+            reference[n] = reference[n] * (1 - lr * wd) - lr * update
         for n, p in adam_ref.items():
             p.grad = grads[n]
         adam.step()
@@ -149,6 +163,7 @@ AXES = [  # (the layout on 2 ranks, what its one-process reference shares, the r
     ({"parallel.ep": 2, "parallel.zero_stage": 1}, {"model.preset": "moe-tiny"}, 2),
     ({"parallel.zero_stage": 3, "zero.offload_optimizer": "cpu", "zero.offload_params": "cpu"}, {}, 2),
     ({"parallel.cp": 2}, {}, 1),
+    ({"parallel.tp": 2, "train.muon_split_fused": True}, {"train.muon_split_fused": True}, 1),
 ]
 
 
@@ -212,7 +227,8 @@ cp 5.7e-6; pp bit for bit (each stage steps whole matrices of the same micro-bat
 
 
 @pytest.mark.parametrize("index, what", [(0, "tp 2"), (1, "pp 2"), (2, "ep 2 (moe-tiny)"),
-                                         (3, "ZeRO-3 + cpu offload"), (4, "cp 2")])
+                                         (3, "ZeRO-3 + cpu offload"), (4, "cp 2"),
+                                         (5, "tp 2, q/k/v and gate/up apart")])
 def test_muon_over_every_axis_matches_one_process(zero_runs, index, what):
     """Muon with tensor, pipeline, expert and context parallelism and with ZeRO-3 offloaded to
     the CPU, each on 2 ranks, against one process's Muon on the same global batch. tp's cut

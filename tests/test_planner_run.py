@@ -8,7 +8,8 @@ from conftest import tiny_overrides
 from shardlm.config import load_config
 from shardlm.hardware.catalog import local_cpu
 from shardlm.planner.search import run_prediction
-from shardlm.train.loop import build_run, train
+from shardlm.train.build import build_run
+from shardlm.train.loop import train
 
 
 def test_first_record_carries_the_prediction_and_the_end_compares(tmp_path, capsys):

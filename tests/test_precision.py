@@ -29,7 +29,8 @@ from shardlm.config import PrecisionConfig, load_config
 from shardlm.hardware.catalog import cpu_bf16_gemm
 from shardlm.models import precision
 from shardlm.models.precision import build_precision, fp32_gemm, fp32_gemm_active, gemm
-from shardlm.train.loop import build_run, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import train_step
 
 K = 64  # the reduction length of the products below
 

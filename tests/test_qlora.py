@@ -27,7 +27,7 @@ from shardlm.models.quant import (ABSMAX_BLOCK, BLOCK, ROW_PARALLEL, QuantFormat
                                   dequantize, dequantize_torch, dynamic_map, format_bound, quantize,
                                   weight_of)
 from shardlm.launch.spawn import run_ranks
-from shardlm.train.loop import build_run
+from shardlm.train.build import build_run
 from zero_cases import reference_case
 
 SHAPES = [(7, 5), (96, 33), (128, 64), (2, 17000), (1100, 1000)]

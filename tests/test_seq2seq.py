@@ -41,7 +41,7 @@ def _overrides(tmp_path: Path, family: str, **extra) -> dict:
 
 def _run(overrides: dict):
     from shardlm.config import load_config
-    from shardlm.train.loop import build_run
+    from shardlm.train.build import build_run
 
     return build_run(load_config(overrides=overrides).validate())
 
@@ -73,7 +73,7 @@ def _saved_checkpoint(tmp_path: Path, family: str) -> Path:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_first_loss_is_the_librarys(tmp_path, family):
-    from shardlm.train.loop import loss_of
+    from shardlm.train.step import loss_of
 
     run = _run(_overrides(tmp_path, family))
     assert type(run.model.model).__name__ == CLASSES[family]
@@ -92,7 +92,7 @@ def test_loads_a_save_pretrained_directory(tmp_path, family):
     whichever name was saved) and its tokenizer; the first loss is the saved model's own."""
     import transformers as tf
 
-    from shardlm.train.loop import loss_of
+    from shardlm.train.step import loss_of
 
     saved = _saved_checkpoint(tmp_path, family)
     overrides = _overrides(tmp_path, family)

@@ -19,7 +19,8 @@ from shardlm.data import EOT, build_dataset
 from shardlm.data.loader import _windows
 from shardlm.data.sft import IGNORE, LOSS, START, encode_example, pack_to_files
 from shardlm.errors import ConfigError
-from shardlm.train.loop import build_run, train
+from shardlm.train.build import build_run
+from shardlm.train.loop import train
 
 VOCAB = 300
 SEQ = 128

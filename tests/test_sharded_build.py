@@ -19,7 +19,7 @@ from shardlm.config.dims import resolve_dims
 from shardlm.launch.runtime import init_runtime
 from shardlm.comm.mesh import build_mesh
 from shardlm.parallel.build import parallelize
-from shardlm.train.loop import build_run
+from shardlm.train.build import build_run
 
 DEEP = {"model.preset": "llama-tiny", "model.n_layers": 16, "model.d_model": 256}
 """Sixteen blocks of 0.8M parameters, 13M in all: the whole model is ~16x its largest unit."""

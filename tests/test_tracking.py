@@ -19,7 +19,8 @@ from shardlm.config.fields import profile_step_numbers
 from shardlm.errors import ConfigError
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.tracking import flat_config, open_trackers, scalars
-from shardlm.train.loop import build_run, train
+from shardlm.train.build import build_run
+from shardlm.train.loop import train
 
 TIME_KEYS = ("time_forward_s", "time_backward_s", "time_comm_wait_s", "time_optimizer_s", "time_other_s")
 

@@ -10,7 +10,9 @@ from shardlm.cli.main import main
 from shardlm.config import load_config
 from shardlm.zero.optim import lr_at
 from shardlm.models.precision import DynamicLossScaler
-from shardlm.train.loop import build_run, train, train_step
+from shardlm.train.build import build_run
+from shardlm.train.loop import train
+from shardlm.train.step import train_step
 
 JSONL_KEYS = {"step", "loss", "lr", "tokens_per_s", "mfu", "hfu", "peak_rss_bytes", "grad_norm"}
 
@@ -59,7 +61,7 @@ def test_fp16_overflow_skips_the_step_and_backs_off(tmp_path):
         tmp_path, precision__compute="fp16", precision__loss_scale_init=2.0**40))
     run = build_run(cfg.validate())
     before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
-    loss, grad_norm, stepped, _ = train_step(run, 0)
+    loss, grad_norm, stepped, _, _ = train_step(run, 0)
     assert not stepped and not math.isfinite(grad_norm) and math.isfinite(loss)
     assert run.precision.scaler.scale == 2.0**39
     for n, p in run.model.named_parameters():

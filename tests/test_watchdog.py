@@ -19,7 +19,8 @@ from conftest import tiny_overrides
 from shardlm.config import load_config
 from shardlm.comm.watchdog import EXIT_CODE
 from shardlm.launch.spawn import run_ranks
-from shardlm.train.loop import build_run, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import train_step
 
 TIMEOUT = 3.0
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from shardlm.config import load_config
-from shardlm.train.loop import build_run, train_step
+from shardlm.train.build import build_run
+from shardlm.train.step import train_step
 
 
 def train_case(overrides: dict, steps: int, poison_rank: int = -1, model=None) -> dict:
@@ -18,7 +19,7 @@ def train_case(overrides: dict, steps: int, poison_rank: int = -1, model=None) -
         handle = param.register_hook(lambda g: g * float("inf"))
     out = {"losses": [], "stepped": [], "scale": [], "comm": [], "comm_by_op": [], "comm_ops": [], "state": None}
     for step in range(steps):
-        loss, _, stepped, _ = train_step(run, step)
+        loss, _, stepped, _, _ = train_step(run, step)
         if step == 0 and rank == poison_rank:
             handle.remove()
         out["losses"].append(loss)

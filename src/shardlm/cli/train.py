@@ -64,7 +64,7 @@ def preflight(cfg, nproc: int) -> None:
     """Before anything is spawned or trained: the run directory, its checkpoints/ and the
     NVMe offload path are writable, and the NVMe path has room for this machine's offload
     files (preflight.nvme_bytes for each local rank); on CUDA, that each local rank has a GPU of
-    its own; the inputs are usable (train.loop.check_inputs). A ConfigError says what, where, the
+    its own; the inputs are usable (train.build.check_inputs). A ConfigError says what, where, the
     bytes needed and free. Under your own torchrun every rank checks (cheap)."""
     from pathlib import Path
 
@@ -95,7 +95,7 @@ def preflight(cfg, nproc: int) -> None:
     check_run_disks(run_dir, run_dir / CHECKPOINTS, nvme_dir, needed)
     # One GPU per rank (launch.pick_device): more local ranks than GPUs is refused before spawning.
     from shardlm.launch.runtime import pick_device
-    from shardlm.train.loop import check_inputs
+    from shardlm.train.build import check_inputs
 
     device = pick_device(cfg.run.device, 0, nproc or launcher_sizes()[1])
     check_inputs(cfg)  # a bad tokenizer, LoRA rank or data file: once, before any worker starts
@@ -136,7 +136,9 @@ def train_here(cfg, on_step=None) -> int:
     from shardlm.models import count_params
     from shardlm.models.flops import active_params
     from shardlm.launch.runtime import launcher_ranks, launcher_sizes, note_clean_stop, shutdown
-    from shardlm.train.loop import build_run, sample_text, train
+    from shardlm.train.build import build_run
+    from shardlm.train.loop import train
+    from shardlm.train.step import sample_text
     from shardlm.train.checkpointing import state_report
     from shardlm.train.telemetry import reset_peak_rss
 

@@ -122,14 +122,20 @@ class TrainConfig:
     matrices — momentum, orthogonalised by Newton-Schulz, RMS-matched to AdamW (0.2 sqrt(max(A,
     B))) with the same lr and decoupled weight decay — and AdamW (beta1, beta2, eps) on the
     embeddings, the output head, norms and biases (src/shardlm/zero/optim.py). With ZeRO (stages
-    0-3) each matrix is gathered and orthogonalised by one owning rank (zero/muon.py); not with
-    tp/pp/cp/ep, hybrid sharding, offload or LoRA (refused; docs/computation.md)."""
+    0-3) each matrix is gathered and orthogonalised by one owning rank, a tensor-parallel one
+    gathered whole over the tp group too (zero/muon.py); with every axis and the cpu tier; not
+    with the nvme tier or LoRA (refused; docs/computation.md)."""
     muon_momentum: float = 0.95
     """Muon's momentum coefficient mu (buf <- mu buf + g)."""
     muon_nesterov: bool = True
     """Muon steps along g + mu buf (Nesterov) rather than buf."""
     muon_ns_steps: int = 5
     """Newton-Schulz iterations per Muon step (5 in Jordan's and Moonlight's runs)."""
+    muon_split_fused: bool = False
+    """Orthogonalise a fused projection's parts as the separate matrices transformers' layout has
+    (attn.qkv: q, k, v; mlp.gate_up: gate, up), each with its own 0.2 sqrt(max(A, B)) — what Muon
+    on an unfused model (Llama's q_proj/k_proj/v_proj, modded-nanogpt) does. Off: each fused
+    matrix is one (our Decoder's layout)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = no clipping)."""
     seed: int = 1337

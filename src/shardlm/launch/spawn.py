@@ -42,7 +42,8 @@ def _to_torch(x: Any) -> Any:
     return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
 
 
-PRELOAD = ("torch", "torch.distributed", "numpy", "shardlm.launch.spawn", "shardlm.train.loop")
+PRELOAD = ("torch", "torch.distributed", "numpy", "shardlm.launch.spawn", "shardlm.train.build",
+           "shardlm.train.loop")
 """What the fork server imports before forking ranks: torch and the trainer (the costly part)."""
 
 

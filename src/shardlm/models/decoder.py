@@ -291,6 +291,19 @@ class Decoder(nn.Module):
                 self.rope_local_cos.copy_(cos)
                 self.rope_local_sin.copy_(sin)
 
+    def fused_parts(self) -> dict[str, tuple[int, ...]]:
+        """Each fused projection's weight -> the rows of the separate matrices it joins
+        (attn.qkv: q, k, v; mlp.gate_up: gate, up), whole-model sizes whatever cuts them."""
+        cfg, hd = self.cfg, head_dim(self.cfg)
+        q, kv = cfg.n_heads * hd, (cfg.n_kv_heads or cfg.n_heads) * hd
+        parts = {}
+        for name, _ in self.named_parameters():
+            if name.endswith(".attn.qkv.weight"):
+                parts[name] = (q, kv, kv)
+            elif name.endswith(".gate_up.weight"):
+                parts[name] = (resolved_d_ff(cfg),) * 2
+        return parts
+
     def forward(self, idx: torch.Tensor | PackedTokens, hidden: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab_size).

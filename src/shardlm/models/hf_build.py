@@ -4,7 +4,7 @@ trained as the library's own module, wrapped by an adapter of models/hf.py — a
 Seq2SeqAdapter). One route, two adapters:
 
     model = build_hf_model("ckpt/config.json", vocab_size=cfg.model.vocab_size)   # on meta
-    run = build_run(cfg)          # train/loop.py does this when hf_shapes.transformers_config says so
+    run = build_run(cfg)          # train/build.py does this when hf_shapes.transformers_config says so
 
 The sharded build materialises it a unit at a time (the library's `_init_weights`, or the
 directory's tensors by name: checkpoint/hf_dir.module_initializer). What the route supports

@@ -2,7 +2,7 @@
 FLOPs, and generation through the library's own KV cache.
 
     model = build_seq2seq("configs/hf/t5-tiny.json", vocab_size=512, device="meta")
-    run = build_run(cfg, ...)            # train/loop.py builds it (hf_build) from model.hf_config / hf_path
+    run = build_run(cfg, ...)            # train/build.py builds it (hf_build) from model.hf_config / hf_path
     ids = generate_seq2seq(model, source, source_mask, 32, temperature=0)   # greedy
 
 transformers is imported inside the functions (the optional extra `shardlm[hf]`).

@@ -33,6 +33,8 @@ class DataParallelEngine(Protocol):
 
     optimizer: torch.optim.Optimizer
     ledger: CommLedger
+    local_sgd: object | None
+    """train.local_sgd: the outer model and step (zero/local_sgd.py LocalSGD); else None."""
 
     def micro_step(self, sync: bool) -> None: ...
     def finish_backward(self) -> None: ...
@@ -43,6 +45,8 @@ class DataParallelEngine(Protocol):
     # skipped on the device if it is not finite (LocalEngine: no host sync before the step).
     def zero_grad(self) -> None: ...
     def model_state_bytes(self) -> dict[str, int]: ...
+    def predicted_state_bytes(self) -> dict[str, float]:
+        """The ZeRO formula's bytes by model_state_bytes' category ({}: no formula)."""
     def offload_report(self) -> dict:
         """Offload tiers' bytes and the last step's disk traffic ({} without offload)."""
     def full_parameters(self) -> contextlib.AbstractContextManager: ...
@@ -65,6 +69,7 @@ class LocalEngine:
         self.optimizer = build_optimizer(model, cfg.train, device)
         init_adam_state(self.optimizer)  # allocated now, so start-up reports what will be held
         self.ledger = CommLedger()
+        self.local_sgd = None  # one process: no replicas
 
     def micro_step(self, sync: bool) -> None:
         pass
@@ -114,6 +119,9 @@ class LocalEngine:
         yield
 
     writes_checkpoint = True
+
+    def predicted_state_bytes(self) -> dict[str, float]:
+        return {}
 
     def offload_report(self) -> dict:
         return {}

@@ -52,7 +52,7 @@ def global_target_counts(targets: list[torch.Tensor], group, copies: int, device
     parallel ranks of a stage and tensor-parallel position; under local SGD, of one replica).
     Each of the `copies` context-parallel ranks holds its micro-batches' whole targets, so the
     sum counts them that many times. One all-reduce of two numbers, before the step's forwards
-    (train/loop.py train_step: the global-batch loss)."""
+    (train/step.py train_step: the global-batch loss)."""
     counts = torch.tensor([float(sum(int((y != IGNORE).sum()) for y in targets)),
                            float(sum(y.numel() for y in targets))], dtype=torch.float64, device=device)
     if group is not None:  # not model communication: not in the ledger

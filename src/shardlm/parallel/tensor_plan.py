@@ -18,7 +18,7 @@ Plain tensor parallelism only: the embedding and the LM head stay replicated (th
 are the same on every rank, the loss the ordinary one; a plan's 'embedding_rowwise', GPT-J's,
 is left out). A fused projection the plan cuts (CodeGen's qkv_proj, interleaved in its own
 layout) is refused: contiguous heads of it are not heads of q, k and v. The checks run before
-spawning too (check_tp_plan, from train.loop.check_inputs). A vocabulary-parallel embedding and
+spawning too (check_tp_plan, from train.build.check_inputs). A vocabulary-parallel embedding and
 head for these models, and sequence parallelism (the norms and residuals live inside the
 library's modules), are follow-ups.
 """
@@ -78,7 +78,7 @@ def check_tp_plan(model: nn.Module, tp: int) -> dict[str, str]:
     """The plan apply_tp_plan will cut `model` (a transformers model, or our adapter around one,
     on any device) by at tensor-parallel size `tp`, or the ConfigError apply_tp_plan would
     raise: no plan, styles we do not apply, heads tp does not divide, keys matching no nn.Linear.
-    Cheap: `shardlm train` calls it before spawning (train.loop.check_inputs)."""
+    Cheap: `shardlm train` calls it before spawning (train.build.check_inputs)."""
     hf = _transformers_model(model)
     plan = _plan_of(hf)
     _check_heads(hf, tp)

@@ -102,9 +102,8 @@ def save_checkpoint(run: Run, step: int) -> SaveReport:
              "scaler": run.precision.scaler.state_dict(),
              "data": {"seed": t.seed, "global_batch": run.train_loader.global_batch, "seq_len": t.seq_len,
                       "samples": run.train_loader.samples_done(step)}}
-    moe = getattr(run.model, "moe_stats", None)
-    if moe is not None and moe.biases:  # balance = 'bias': the routers' biases (the same everywhere)
-        state["moe_biases"] = {str(k): v.tolist() for k, v in moe.biases.items()}
+    if run.moe is not None and run.moe.biases:  # balance = 'bias': the routers' biases (the same everywhere)
+        state["moe_biases"] = {str(k): v.tolist() for k, v in run.moe.biases.items()}
     meta = {"config": run.cfg.to_dict(), "layout": _layout(run)}
     # A fault-tolerant replica that writes (fault_tolerance.writes_checkpoint) writes all of its
     # state, whatever its place among the replicas: it is a world of its own.
@@ -117,7 +116,7 @@ def load_checkpoint(run: Run, path: Path) -> int:
     """Load a checkpoint saved at any layout into this run; returns the step to continue from.
     A CheckpointError is raised on every rank or on none (so load_with_fallback can try another
     checkpoint on all ranks at once)."""
-    outer = getattr(run.strategy, "local_sgd", None)  # train.local_sgd (zero/local_sgd.py)
+    outer = run.strategy.local_sgd  # train.local_sgd (zero/local_sgd.py)
     fresh = outer is not None and _local_sgd_fresh_start(run, path)
     if fresh:  # a synchronous run's checkpoint: every replica loads its one model and moments
         outer.loading_synchronous = True
@@ -173,7 +172,7 @@ def _restore_state(run: Run, manifest: dict) -> int:
     """Everything but the tensors: optimizer step count, scaler, RNG, data position."""
     state = manifest["state"]
     set_adam_steps(run.strategy.optimizer, state["optimizer_steps"])
-    moe = getattr(run.model, "moe_stats", None)
+    moe = run.moe
     for layer, values in state.get("moe_biases", {}).items():
         if moe is not None and int(layer) in moe.biases:
             moe.biases[int(layer)].copy_(torch.tensor(values))
@@ -204,7 +203,7 @@ def _restore_state(run: Run, manifest: dict) -> int:
 def state_report(run: Run) -> str:
     """This rank's model-state bytes by category, next to the ZeRO formula's prediction."""
     held = run.strategy.model_state_bytes()
-    predicted = getattr(run.strategy, "predicted_state_bytes", lambda: {})()
+    predicted = run.strategy.predicted_state_bytes()
     parts = []
     for key, value in held.items():
         formula = f" (formula {predicted[key] / 2**20:.2f})" if key in predicted else ""

@@ -24,6 +24,7 @@ from shardlm.config.dims import resolve_dims
 from shardlm.errors import ConfigError
 from shardlm.launch.replicas import ReplicaIdentity, replica_identity
 from shardlm.launch.runtime import Runtime
+from shardlm.parallel.build import StepState
 from shardlm.train.resolve import decide
 from shardlm.train.run import Run
 from shardlm.zero.optim import adam_steps, set_adam_steps
@@ -80,6 +81,20 @@ def average_step(run: Run, step: int, total: torch.Tensor,
         run.strategy.zero_grad()
         return total, stop, False
     return shared[0].to(total.dtype), bool(shared[1] > 0), True
+
+
+def add_step_hooks(run: Run) -> None:
+    """The replicas' part in the training step (train/step.py): after backward, the mean over
+    the live replicas (a step that did not commit is taken again); after the loss's
+    all-reduce, a joining replica's state."""
+    def average(state: StepState) -> bool:
+        state.total, state.stop, committed = average_step(run, state.step, state.total, state.stop)
+        return committed
+
+    def share(state: StepState) -> None:
+        after_step(run, state.step + 1, state.stepped)
+    run.hooks.after_backward.append(average)
+    run.hooks.after_reduce.append(share)
 
 
 def state_tensors(run: Run, steps_done: int) -> list[torch.Tensor]:

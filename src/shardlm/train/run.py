@@ -1,4 +1,4 @@
-"""What a training run holds once `build_run` (loop.py) has built it, and what `train` returns:
+"""What a training run holds once `build_run` (build.py) has built it, and what `train` returns:
 plain records, so that the loop and the run's checkpoints (checkpointing.py) share them without
 importing each other."""
 
@@ -18,17 +18,19 @@ from shardlm.comm.watchdog import CollectiveWatchdog
 from shardlm.config import Config
 from shardlm.data import Dataset, Loader
 from shardlm.launch.runtime import Runtime
-from shardlm.models.fp8 import Fp8State
+from shardlm.models.moe import MoEStats
 from shardlm.models.precision import Precision
+from shardlm.parallel.build import StepHooks
 from shardlm.parallel.data import DataParallelEngine
-from shardlm.parallel.expert_balance import ExpertBalancer
 from shardlm.parallel.pipeline import Schedule
 from shardlm.train.tracking import StepTimes
 
 
 @dataclass
 class Run:
-    """Everything a training run holds, built once."""
+    """Everything a training run holds, built once (build.py build_run). What changes with each
+    step is that step's own (step.py StepResult); only `start_step`, where training resumes,
+    is set after the build (a checkpoint loaded, a replica rejoined)."""
 
     cfg: Config
     runtime: Runtime
@@ -60,24 +62,19 @@ class Run:
     """The first step to run: 0, or where the checkpoint resumed from left off."""
     schedule: Schedule | None = None
     """The pipeline schedule of this rank's stage (parallel.pp > 1)."""
-    moe_sums: torch.Tensor | None = None
-    """The last step's mixture-of-experts figures summed over the ranks (parallel/expert.py)."""
-    moe_placement: dict = field(default_factory=dict)
-    """The last step's expert-parallel rank loads and re-placements (ExpertBalancer)."""
-    balancer: ExpertBalancer | None = None
-    """With ep > 1: the ranks' loads per step, and (parallel.ep_rebalance_every) moving experts."""
+    hooks: StepHooks = field(default_factory=StepHooks)
+    """Each feature's part in the training step (parallel.build.StepHooks; the fault-tolerant
+    replicas' added by fault_tolerance.add_step_hooks)."""
+    step_on_device: bool = False
+    """The optimizer step decided on the device (parallel.build.Parallelized.step_on_device)."""
+    replicas_apart: int = 1
+    """train.local_sgd: dp_replicate (a replica's gradient is its own data's mean); else 1."""
+    moe: MoEStats | None = None
+    """A mixture-of-experts model's routing state: its biases are checkpointed and saved."""
     hardware_flops_per_token: float | None = None
     """FLOPs per token the step executes, recomputation included (activation.checkpoint 'full'
     redoes each block's forward; 'selective' only element-wise ops, 0 matmul FLOPs): HFU's
     numerator. None = flops_per_token (nothing recomputed)."""
-    loss_token_fraction: float | None = None
-    """data.format chat / prompt_completion: the last step's fraction of targets that carry loss
-    (not -100), over the whole global batch; logged as `loss_token_fraction`."""
-    fp8: Fp8State | None = None
-    """precision.compute = 'fp8': the swapped linears' state (parallel.build.Parallelized.fp8)."""
-    fp8_record: dict = field(default_factory=dict)
-    """The last step's fp8_overflow / fp8_underflow (fractions of every rank's quantised
-    elements, and by tensor): models.fp8.Fp8Stats.record; empty without the fp8 emulation."""
     times: StepTimes = field(default_factory=lambda: StepTimes(None, enabled=False))
     """The step's time split by phase (run.time_split; shardlm.train.tracking.StepTimes)."""
     replicas: ReplicaGroup | None = None

@@ -30,7 +30,6 @@ bounds the transient memory to one unit's gathered directions and updates (2 Ψ_
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +38,7 @@ from shardlm.checkpoint.sharded import StateSlice
 from shardlm.comm.collectives import Comm
 from shardlm.config import TrainConfig
 from shardlm.models.placement import Split
-from shardlm.zero.optim import newton_schulz
+from shardlm.zero.optim import fused_parts, orthogonalise
 
 
 @dataclass
@@ -106,6 +105,7 @@ class ShardedMuon:
         self.engine, self.train = engine, train
         param_names = {id(p): n for n, p in engine.model.named_parameters()}
         whole = engine.opts.stage == 0  # stage 0: every rank's "shard" is the whole buffer
+        self.parts = fused_parts(engine.model, train.muon_split_fused)  # whole matrices' rows
         # Tensor parallelism's cut matrices: gathered whole over the tp group before
         # Newton-Schulz (see _orthogonalise); every tp rank's ranges of each, learnt once.
         cuts = {n: engine.splits[n] for n in names if n in engine.splits}
@@ -173,7 +173,7 @@ class ShardedMuon:
             direction = wholes.get(m.name)
             if direction is None:
                 direction = full[m.offset:m.offset + m.numel].view(m.shape)
-            o = newton_schulz(direction, steps) * (0.2 * math.sqrt(max(m.whole)))
+            o = orthogonalise(direction, steps, self.parts.get(m.name, ()))
             update[m.offset:m.offset + m.numel] = (m.cut.take(o) if m.cut is not None else o).view(-1)
 
     def _gather_whole(self, cut: list[_Matrix], full: torch.Tensor) -> list[torch.Tensor]:

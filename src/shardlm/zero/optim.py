@@ -100,15 +100,31 @@ def newton_schulz(grad: torch.Tensor, steps: int, dtype: torch.dtype = torch.flo
     return (x.mT if tall else x).to(grad.dtype)
 
 
+def orthogonalise(direction: torch.Tensor, steps: int, parts: tuple[int, ...] = ()) -> torch.Tensor:
+    """Newton-Schulz's UVᵀ of an (A, B) direction scaled by 0.2 sqrt(max(A, B)), so its RMS
+    matches a typical AdamW update's (Moonlight, eq. 4): the same lr and weight decay then serve
+    both optimizers. `parts`: row counts of the separate matrices a fused one joins
+    (train.muon_split_fused), each orthogonalised and scaled as its own."""
+    if parts:
+        return torch.cat([orthogonalise(p, steps) for p in direction.split(list(parts))])
+    return newton_schulz(direction, steps) * (0.2 * math.sqrt(max(direction.shape)))
+
+
+def fused_parts(model: nn.Module, split: bool) -> dict[str, tuple[int, ...]]:
+    """train.muon_split_fused: our Decoder's fused projections -> their parts' rows (a
+    transformers model's q/k/v are separate already)."""
+    from shardlm.models.decoder import Decoder
+
+    return model.fused_parts() if split and isinstance(model, Decoder) else {}
+
+
 def muon_update(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum: float, nesterov: bool,
-                ns_steps: int) -> torch.Tensor:
+                ns_steps: int, parts: tuple[int, ...] = ()) -> torch.Tensor:
     """Muon's direction for one matrix (A, B): the momentum buffer is updated in place
-    (buf <- mu buf + g), Nesterov looks ahead (g + mu buf), Newton-Schulz orthogonalises it, and
-    the result is scaled by 0.2 sqrt(max(A, B)) so its RMS matches a typical AdamW update's
-    (Moonlight, eq. 4): the same lr and weight decay then serve both optimizers."""
+    (buf <- mu buf + g), Nesterov looks ahead (g + mu buf), and it is orthogonalised."""
     momentum_buffer.mul_(momentum).add_(grad)
     direction = grad.add(momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
-    return newton_schulz(direction, ns_steps) * (0.2 * math.sqrt(max(grad.shape)))
+    return orthogonalise(direction, ns_steps, parts)
 
 
 def muon_params(model: nn.Module) -> list[nn.Parameter]:
@@ -142,6 +158,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, fused: bool):
         muon = muon_params(model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        by_name = fused_parts(model, cfg.muon_split_fused)
+        self.parts = {id(p): by_name[names[id(p)]] for p in muon if names[id(p)] in by_name}
         chosen = {id(p) for p in muon}
         adamw = [g | {"params": [p for p in g["params"] if id(p) not in chosen]}
                  for g in param_groups(model, cfg.weight_decay)]
@@ -164,7 +183,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if group["muon"]:
                 for p, state in zip(params, states):
                     update = muon_update(p.grad, state["momentum_buffer"], group["momentum"],
-                                         group["nesterov"], group["ns_steps"])
+                                         group["nesterov"], group["ns_steps"], self.parts.get(id(p), ()))
                     p.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
                     state["step"] += 1
                 continue
