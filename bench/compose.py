@@ -111,14 +111,27 @@ FEATURES = [
     Feature("auto", {"parallel.strategy": "auto"}),
     Feature("async_ckpt", {"checkpoint.async": True}, needs_dp=True),
 ]
-BY_NAME = {f.name: f for f in FEATURES}
+FRONTIER = [
+    Feature("fp8_ag", {"parallel.zero_stage": 3, "precision.compute": "fp8", "precision.fp8_emulate": True,
+                       "precision.fp8_all_gather": True}, needs_dp=True),
+    Feature("async_tp", {"parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.async_tp": True}),
+    # a V of 4 stages needs 4 blocks (llama-tiny has 2)
+    Feature("zbv", {"parallel.pp": 2, "parallel.pp_virtual": 2, "parallel.pp_schedule": "zbv", "model.n_layers": 4}),
+    Feature("dualpipev", {"parallel.pp": 2, "parallel.pp_virtual": 2, "parallel.pp_schedule": "dualpipev",
+                          "train.grad_accum": 4, "model.n_layers": 4}),
+]
+"""Issue 42's newer features, outside the everyday matrix: --pairs names them, --frontier
+validates each against every feature (FEATURES and these)."""
+BY_NAME = {f.name: f for f in FEATURES + FRONTIER}
+LIFTED = ("fp8_ag+tp", "fp8_ag+tp_sp", "fp8_ag+lora", "async_tp+compile")
+"""Pairs issue 42 part 4 accepted (refused before), each run against one process here."""
 
 BASE = {"model.preset": "llama-tiny", "precision.compute": "fp32", "run.device": "cpu",
         "train.seq_len": 32, "train.micro_batch": 2, "train.grad_accum": 2, "train.steps": STEPS,
         "train.warmup_steps": 1, "train.eval_every": 0, "train.eval_batches": 1,
         "train.sample_tokens": 0, "data.max_bytes": 300_000, "run.progress": "off",
         "checkpoint.resume": "never"}
-EXECUTION = ("parallel.", "activation.", "zero.", "train.compile", "checkpoint.async")
+EXECUTION = ("parallel.", "activation.", "zero.", "train.compile", "checkpoint.async", "precision.fp8_all_gather")
 """Keys that choose how a model trains, not what it computes: the reference leaves them out."""
 LARGEST = ("parallel.zero_stage",)
 """Keys two features may both set: the pair takes the larger value."""
@@ -146,8 +159,11 @@ def pair_overrides(a: Feature, b: Feature, work: str | Path = "{work}") -> dict[
     return keys
 
 
-def pairs() -> list[tuple[Feature, Feature]]:
-    return list(itertools.combinations(FEATURES, 2))
+def pairs(frontier: bool = False) -> list[tuple[Feature, Feature]]:
+    """Every pair of FEATURES; with `frontier`, every pair with a FRONTIER feature in it instead."""
+    if not frontier:
+        return list(itertools.combinations(FEATURES, 2))
+    return [(a, b) for a, b in itertools.combinations(FEATURES + FRONTIER, 2) if a in FRONTIER or b in FRONTIER]
 
 
 def pair_name(a: Feature, b: Feature) -> str:
@@ -398,8 +414,8 @@ def _last_line(e: Exception) -> str:
     return (raised[-1] if raised else lines[-1] if lines else type(e).__name__)[:300]
 
 
-def choose(names: str, rotate: int, seed: int) -> list[tuple[Feature, Feature]]:
-    everything = pairs()
+def choose(names: str, rotate: int, seed: int, frontier: bool = False) -> list[tuple[Feature, Feature]]:
+    everything = pairs(frontier)
     if names:
         chosen = []
         for text in names.split(","):
@@ -419,11 +435,13 @@ def markdown(results: dict[tuple[str, str], tuple[str, str]], ran: bool) -> str:
     F = failed at run time), R<n> = refused by the n-th rule listed below the table."""
     rules = sorted({d for s, d in results.values() if s == "refused"})
     code = {"accepted": "A", "matched": "M", "mismatch": "X", "failed": "F"}
-    head = "| | " + " | ".join(f.name for f in FEATURES) + " |"
-    lines = [head, "|" + "---|" * (len(FEATURES) + 1)]
-    for i, a in enumerate(FEATURES):
+    named = {n for pair in results for n in pair}
+    features = [f for f in FEATURES + FRONTIER if f in FEATURES or f.name in named]
+    head = "| | " + " | ".join(f.name for f in features) + " |"
+    lines = [head, "|" + "---|" * (len(features) + 1)]
+    for i, a in enumerate(features):
         cells = []
-        for j, b in enumerate(FEATURES):
+        for j, b in enumerate(features):
             status, detail = results.get((a.name, b.name), results.get((b.name, a.name), ("", "")))
             if j <= i or not status:
                 cells.append("")
@@ -447,6 +465,8 @@ def main() -> None:
     parser.add_argument("--pairs", default="", help="only these pairs, e.g. tp+lora,cp+fp16")
     parser.add_argument("--rotate", type=int, default=0, help="a fixed random subset of this many pairs")
     parser.add_argument("--seed", type=int, default=0, help="which subset --rotate picks")
+    parser.add_argument("--frontier", action="store_true",
+                        help="the pairs with a FRONTIER feature (fp8_ag, async_tp, zbv, dualpipev) instead")
     parser.add_argument("--json", default="", help="also write the results to this file")
     parser.add_argument("--batch", action="store_true",
                         help=f"run the pairs of one world size together, {BATCH} per spawn (faster; a "
@@ -455,7 +475,7 @@ def main() -> None:
                         help="comma-separated --json files of earlier --run's: their outcomes for the "
                              "pairs validation accepts now, instead of running them (later files win)")
     args = parser.parse_args()
-    chosen = choose(args.pairs, args.rotate, args.seed)
+    chosen = choose(args.pairs, args.rotate, args.seed, args.frontier)
     results: dict[tuple[str, str], tuple[str, str]] = {}
     for a, b in chosen:
         try:

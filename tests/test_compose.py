@@ -51,6 +51,29 @@ def test_every_pair_is_accepted_or_refused_as_documented():
         {p: r for p, r in documented.items() if refused.get(p) != r})
 
 
+def test_frontier_pairs_are_accepted_or_refused_as_documented():
+    """The newer features (compose.FRONTIER) against every feature: each refusal one that
+    architecture.md's frontier table lists with its rule (and only those), and the pairs issue
+    42 part 4 lifted (compose.LIFTED) accepted."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    section = text[text.index("### Issue 42's newer features"):]
+    documented = {frozenset((a, b)): rule for a, b, rule in
+                  re.findall(r"^\| ([a-z0-9_]+) × ([a-z0-9_]+) \| (_[a-z0-9_]+) \|", section, re.M)}
+    refused = {}
+    for a, b in compose.pairs(frontier=True):
+        try:
+            rules = compose.validate_pair(a, b)
+        except compose.Exclusive:
+            continue
+        if rules:
+            assert len(rules) == 1, (a.name, b.name, rules)
+            refused[frozenset((a.name, b.name))] = next(iter(rules))
+    assert refused == documented and len(refused) == 5
+    assert len(compose.pairs(frontier=True)) == 23 * 4 + 6
+    for name in compose.LIFTED:
+        assert compose.validate_pair(*(compose.BY_NAME[n] for n in name.split("+"))) == {}, name
+
+
 def test_a_refusal_says_what_to_change():
     tp4 = compose.Feature("tp4", {"parallel.tp": 4})  # > llama-tiny's 2 key/value heads
     rules = compose.validate_pair(tp4, compose.BY_NAME["qlora"])
