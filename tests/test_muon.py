@@ -214,6 +214,10 @@ def test_two_ranks_match_one_process(zero_runs, stage):
     padded = sum(-(-n // 2) * 2 for n in blocks.values())
     group = "dp.muon" if stage == 0 else "dp_shard.muon"
     assert [c[group] for c in ours["comm_by_op"]] == [8 * padded] * STEPS
+    # Held = the formula: Muon's fp32 momentum over the blocks' units (4 B x padded / N) on top of
+    # the tier's AdamW state (its moments for the Muon elements stay zero).
+    shards, numel = 1 if stage == 0 else 2, sum(v.numel() for v in ref["params"].values())
+    assert ours["state"]["optimizer"] == ours["predicted_state"]["optimizer"] == (8 * numel + 4 * padded) / shards
 
 
 AXES_TOL = 3e-5

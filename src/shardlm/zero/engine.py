@@ -401,6 +401,8 @@ class ZeroEngine:
         if self.opts.offload_params == "nvme":
             params = 0
         optim = sum(v for k, v in self.tier.held_bytes().items() if k != "nvme")
+        if self.muon is not None:  # its momentum, beside the tier's (zero) AdamW moments
+            optim += self.muon.held_bytes()
         outer = {"local_sgd": self.local_sgd.held_bytes()} if self.local_sgd else {}
         return {"params": params, "grads": grads, "optimizer": optim, **outer}
 
@@ -436,6 +438,9 @@ class ZeroEngine:
         if frozen:
             out["params"] = out.get("params", 0.0) + frozen / (
                 self.shard_comm.size if o.stage == 3 else 1)
+        if self.muon is not None:  # fp32 momentum of the Muon matrices' elements, sharded
+            out["optimizer"] = out.get("optimizer", 0.0) + 4 * self.muon.numel / (
+                self.shard_comm.size if o.stage else 1)
         if self.local_sgd:  # θ_outer (+ momentum) of this rank's shard, fp32
             out["local_sgd"] = self.local_sgd.predicted_bytes(self.numel,
                                                               self.shard_comm.size if o.stage else 1)

@@ -219,6 +219,17 @@ class ShardedMuon:
             u.update = None
         tier.refresh_targets()
 
+    def held_bytes(self) -> int:
+        """The momentum this rank holds (fp32, its slice of each unit's Muon matrices)."""
+        return sum(u.momentum.numel() * u.momentum.element_size() for u in self.units)
+
+    @property
+    def numel(self) -> int:
+        """Elements the momentum spans before sharding: the whole (padded) flat buffer of each
+        unit holding a Muon matrix — a block's norms ride along, a few hundred elements in
+        ~10⁵ (tp / pp / ep: this rank's pieces)."""
+        return sum(u.unit.layout.padded for u in self.units)
+
     def state_slices(self) -> list[StateSlice]:
         """The momentum this rank holds, as optim/momentum_buffer/<name> (the key the
         single-process optimizer checkpoints it under)."""
