@@ -208,7 +208,7 @@ def test_fp8_with_torchao_tracks_bf16_eager_and_compiled(tmp_path):
 def test_qlora_bitsandbytes_kernel_equals_our_dequantisation():
     """NF4 bytes dequantised on the GPU by bitsandbytes' CUDA kernel = our torch ops, bit for bit."""
     pytest.importorskip("bitsandbytes", reason="bitsandbytes not installed")
-    from shardlm.models.quant import QuantFormat, _bnb_kernel, dequantize, dequantize_torch, quantize
+    from shardlm.models.quant_format import QuantFormat, _bnb_kernel, dequantize, dequantize_torch, quantize
 
     assert _bnb_kernel() is not None
     for shape in ((256, 512), (96, 200)):

@@ -9,7 +9,9 @@ grad norm may differ in the last bit). Everything else is exact (torch.equal) or
 
 from __future__ import annotations
 
+import functools
 import os
+from unittest import mock
 
 import bitsandbytes.functional as bnb  # the `test` extra installs it: the reference formats
 import pytest
@@ -23,15 +25,15 @@ from qlora_cases import layout_case, qlora_cases
 from shardlm.config import load_config
 from shardlm.errors import ConfigError
 from shardlm.models.lora import is_adapter
-from shardlm.models.quant import (ABSMAX_BLOCK, BLOCK, ROW_PARALLEL, QuantFormat, QuantizedLinearFn,
-                                  dequantize, dequantize_torch, dynamic_map, format_bound, quantize,
-                                  weight_of)
+from shardlm.models.quant import ROW_PARALLEL, QuantizedLinearFn, quantizable, quantize_base, segments
+from shardlm.models.quant_format import (ABSMAX_BLOCK, BLOCK, QuantFormat, dequantize, dequantize_torch,
+                                         dynamic_map, format_bound, quantize, weight_of)
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.build import build_run
 from zero_cases import reference_case
 
-SHAPES = [(7, 5), (96, 33), (128, 64), (2, 17000), (1100, 1000)]
-"""Odd sizes, partial blocks, > 256 blocks in a row, > CHUNK elements."""
+SHAPES = [(7, 5), (96, 33), (128, 64), (2, 17000), (1100, 1000), (260, 4160)]
+"""Odd sizes, partial blocks, > 256 blocks in a row, > CHUNK elements, whole blocks with a partial last group."""
 STEPS = 4
 FP32_SLACK = 2.0 ** -20
 """The fp32 arithmetic of scaling and of the product: a few ulps (2^-23) of the absmax."""
@@ -41,50 +43,107 @@ def _weight(shape, dtype=torch.float32):
     return (torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))) * 0.02).to(dtype)
 
 
-def _parts(table: torch.Tensor, fmt: QuantFormat, row: int):
-    """(offset, absmax2, absmax codes, 4-bit codes) of one stored row of an nf4 table."""
-    packed, at = table[row], 4 + 4 * fmt.blocks2
-    return (packed[:4].clone().view(torch.float32), packed[4:at].clone().view(torch.float32),
-            packed[at:at + fmt.blocks], packed[at + fmt.blocks:])
-
-
 def _checked_rows(fmt: QuantFormat) -> list[int]:
     rows = fmt.rows[0]
     return list(range(rows)) if rows <= 8 else [0, 1, rows // 2, rows - 1]
 
 
+def _parts(table: torch.Tensor, fmt: QuantFormat):
+    """(offset (R,), phase (R,), absmax2 (R, G), absmax codes (R, nb), 4-bit codes) of an nf4 table."""
+    at = fmt.codes_at
+    def field(lo, hi, dtype):
+        return table[:, lo:hi].reshape(-1).clone().view(dtype).view(table.shape[0], -1)
+    return (field(0, 4, torch.float32).view(-1), field(4, 8, torch.int32).view(-1), field(8, at, torch.float32),
+            table[:, at:at + fmt.blocks], table[:, at + fmt.blocks:])
+
+
+def _against_bitsandbytes(w: torch.Tensor, table: torch.Tensor, fmt: QuantFormat) -> None:
+    """`table` (ours, of the (R, K) weight `w`, K a multiple of 64, one tensor) against
+    bitsandbytes' quantize_4bit of the same weight: the same 4-bit codes, offset and absmax2 (each
+    row's groups), and dequantised values bit for bit bitsandbytes' dequantize_4bit. The 8-bit
+    absmax codes are the nearest levels of the dynamic map (bitsandbytes' torch and CUDA rule:
+    bucketize on midpoints); its CPU C kernel's binary search sometimes lands one level off,
+    never nearer: with its codes replaced by ours, its dequantisation is ours bit for bit."""
+    codes, state = bnb.quantize_4bit(w, blocksize=BLOCK, compress_statistics=True, quant_type="nf4")
+    offset, phase, absmax2, absmax_codes, nibbles = _parts(table, fmt)
+    assert torch.equal(nibbles.reshape(-1), codes.view(-1))
+    assert torch.equal(offset, state.offset.expand(fmt.rows[0]))
+    first = torch.arange(fmt.rows[0]) * fmt.blocks
+    assert torch.equal(phase, (first % ABSMAX_BLOCK).int())
+    group = (first // ABSMAX_BLOCK).unsqueeze(1) + (torch.arange(fmt.blocks) + phase.unsqueeze(1)) // ABSMAX_BLOCK
+    assert torch.equal(torch.gather(absmax2, 1, group - group[:, :1]), state.state2.absmax[group])
+    assert torch.equal(dynamic_map(), state.state2.code)
+    absmax = w.float().view(-1, BLOCK).abs().amax(1)
+    absmax2_of_block = state.state2.absmax.clamp(min=1e-38).repeat_interleave(ABSMAX_BLOCK)[:len(absmax)]
+    scaled = (absmax - offset[0]) * (1.0 / absmax2_of_block)
+    ours, theirs = absmax_codes.reshape(-1).long(), state.absmax.long()
+    last = len(absmax) - len(absmax) % ABSMAX_BLOCK  # the partial last group: divided, as theirs
+    if last < len(absmax):
+        scaled[last:] = (absmax[last:] - offset[0]) / state.state2.absmax[-1].clamp(min=1e-38)
+    distance = (scaled.clamp(-1, 1).unsqueeze(1) - dynamic_map()).abs()
+    assert torch.equal(distance.gather(1, ours.unsqueeze(1)).view(-1), distance.amin(1))  # the nearest
+    assert (ours != theirs).sum() <= max(2, 0.01 * len(ours))  # ~0.1% seen
+    values = dequantize(table, fmt, torch.float32)
+    if torch.equal(ours, theirs):
+        assert torch.equal(values, bnb.dequantize_4bit(codes, state))
+    state.absmax = absmax_codes.reshape(-1).clone()  # their dequantisation of our codes: bit for bit ours
+    assert torch.equal(values, bnb.dequantize_4bit(codes, state))
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_nf4_equals_bitsandbytes(shape):
-    """Each stored row is bitsandbytes' format of that row: codes, scales and dequantised values.
-    The 8-bit absmax codes are the nearest levels of the dynamic map (bitsandbytes' torch and
-    CUDA rule: bucketize on midpoints); its CPU C kernel's search sometimes lands one level off,
-    never nearer."""
+    """Rows of whole blocks: the weight's table is bitsandbytes' format of the whole tensor
+    (_against_bitsandbytes). Rows with a partial block (bitsandbytes' blocks then run across rows,
+    ours stop at a row's end: docs/finetuning.md): each row alone is bitsandbytes' format of it."""
     w = _weight(shape)
     fmt = QuantFormat("nf4", shape)
     table = quantize(w, "nf4")
     assert table.dtype == torch.uint8 and tuple(table.shape) == fmt.stored_shape
     assert table.numel() == fmt.nbytes
-    values = dequantize(table, fmt, torch.float32)
-    for row in _checked_rows(fmt):
-        codes, state = bnb.quantize_4bit(w[row].contiguous(), blocksize=BLOCK, compress_statistics=True,
-                                         quant_type="nf4")
-        offset, absmax2, absmax_codes, nibbles = _parts(table, fmt, row)
-        assert torch.equal(nibbles, codes.view(-1))
-        assert torch.equal(offset, state.offset.reshape(1))
-        assert torch.equal(absmax2, state.state2.absmax)
-        assert torch.equal(dynamic_map(), state.state2.code)
-        absmax = torch.nn.functional.pad(w[row], (0, fmt.blocks * BLOCK - shape[1])).view(-1, BLOCK).abs().amax(1)
-        scaled = (absmax - offset) * (1.0 / absmax2.clamp(min=1e-38).repeat_interleave(ABSMAX_BLOCK)[:fmt.blocks])
-        ours = (scaled - dynamic_map()[absmax_codes.long()]).abs()
-        theirs = (scaled - dynamic_map()[state.absmax.long()]).abs()
-        assert torch.all(ours <= theirs)
-        assert torch.equal(ours, (scaled.unsqueeze(1) - dynamic_map()).abs().amin(1))  # the nearest
-        scaled_blocks = absmax2.repeat_interleave(ABSMAX_BLOCK)[:fmt.blocks] > 0  # else every code decodes to 0
-        assert ((absmax_codes != state.absmax) & scaled_blocks).sum() <= max(1, 0.05 * scaled_blocks.sum())
-        state.absmax = absmax_codes.clone()  # their dequantisation of our codes: bit for bit ours
-        assert torch.equal(values[row], bnb.dequantize_4bit(codes, state).view(-1))
+    if shape[1] % BLOCK == 0:
+        _against_bitsandbytes(w, table, fmt)
+    else:
+        pad = fmt.blocks * BLOCK - shape[1]
+        for row in _checked_rows(fmt):  # zeros do not move a block's absmax
+            padded = torch.nn.functional.pad(w[row:row + 1], (0, pad))
+            whole_blocks = QuantFormat("nf4", (1, fmt.blocks * BLOCK))
+            _against_bitsandbytes(padded, quantize(padded, "nf4"), whole_blocks)
+            alone = dequantize(quantize(w[row:row + 1], "nf4"), QuantFormat("nf4", (1, shape[1])), torch.float32)
+            assert torch.equal(alone, dequantize(quantize(padded, "nf4"), whole_blocks, torch.float32)[:, :shape[1]])
     for dtype in (torch.float32, torch.bfloat16):  # their kernel (when installed) = our torch ops
         assert torch.equal(dequantize(table, fmt, dtype), dequantize_torch(table, fmt, dtype))
+
+
+def test_fused_weights_are_quantised_per_checkpoint_tensor(tmp_path):
+    """Our fused linears (attn.qkv = q, k, v; mlp.gate_up = gate, up) are double-quantised per
+    tensor a LLaMA checkpoint holds, and at tp = 1 o_proj / down_proj's blocks run along the input
+    as bitsandbytes': every dequantised weight of a QLoRA model is bitsandbytes' dequantize_4bit of
+    the checkpoint's tensor (_against_bitsandbytes), the embeddings, norms and head untouched."""
+    from shardlm.config import load_config
+    from shardlm.models import build_model
+
+    cfg = load_config(overrides={**_base(tmp_path), "model.n_kv_heads": 2}).validate()
+    model = build_model(cfg.model, "cpu", seed=0)
+    whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+    names = quantizable(model, ["attn.qkv", "attn.proj", "mlp.gate_up", "mlp.down"])
+    state, _ = quantize_base(model, "nf4", names)
+    q_rows = cfg.model.n_heads * (cfg.model.d_model // cfg.model.n_heads)
+    kv_rows = cfg.model.n_kv_heads * (cfg.model.d_model // cfg.model.n_heads)
+    qkv = QuantFormat("nf4", (q_rows + 2 * kv_rows, 1))
+    assert segments(model, "blocks.0.attn.qkv", qkv) == (q_rows, kv_rows, kv_rows)
+    assert state.layers == len(names) == 8
+    for name in names:
+        module, weight = model.get_submodule(name), whole[f"{name}.weight"]
+        assert not module.quant.transposed
+        cuts = segments(model, name, module.quant) or (weight.shape[0],)
+        assert len(cuts) == {"qkv": 3, "gate_up": 2}.get(name.rsplit(".", 1)[1], 1), name
+        lo = 0
+        for rows in cuts:  # each checkpoint tensor's rows: its own table
+            fmt = QuantFormat("nf4", (rows, weight.shape[1]))
+            _against_bitsandbytes(weight[lo:lo + rows], module.weight_q[lo:lo + rows], fmt)
+            lo += rows
+    plain = {n for n, _ in model.named_parameters() if not n.endswith("_q")}
+    assert plain >= {"tok_emb.weight", "head.weight", "norm_f.weight"}
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -118,7 +177,7 @@ def test_dequantise_op_is_told_its_output_layout(kind):
     (a row shorter than its blocks once came back as a strided slice and stopped the graph)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from shardlm.models.quant import dequantize_op
+    from shardlm.models.quant_format import dequantize_op
 
     for shape, transposed in (((32, 64), True), ((7, 5), False), ((64, 128), False)):
         table = quantize(_weight(shape), kind, transposed)
@@ -150,8 +209,8 @@ def test_round_trip_within_the_format_bound(kind, dtype):
         absmax = torch.nn.functional.pad(w.float(), (0, pad)).view(shape[0], -1, BLOCK).abs().amax(2)
         levels = dynamic_map()
         dq_half_gap = float((levels[1:] - levels[:-1]).max()) / 2
-        absmax2 = table[:, 4:4 + 4 * fmt.blocks2].clone().view(torch.float32)
-        absmax2 = absmax2.repeat_interleave(ABSMAX_BLOCK, dim=1)[:, :fmt.blocks]
+        _, phase, absmax2, _, _ = _parts(table, fmt)
+        absmax2 = torch.gather(absmax2, 1, (torch.arange(fmt.blocks) + phase.unsqueeze(1)) // ABSMAX_BLOCK)
         bound = absmax * (format_bound(kind) + FP32_SLACK) + absmax2 * dq_half_gap  # (rows, blocks)
         padded = torch.nn.functional.pad(error, (0, pad)).view(shape[0], -1, BLOCK)
         ratio = padded / bound.unsqueeze(2)
@@ -193,9 +252,9 @@ def test_starts_as_the_dequantised_base(tmp_path, kind):
     with torch.no_grad():
         for name, p in plain.model.named_parameters():
             if f"{name}_q" in names:
-                columns = any(name.endswith(f"{layer}.weight") for layer in ROW_PARALLEL)
-                fmt = QuantFormat(kind, tuple(p.shape), columns)
-                p.copy_(weight_of(quantize(p, kind, columns), fmt, torch.float32))
+                layer = run.model.get_submodule(name.rpartition(".")[0])
+                assert not layer.quant.transposed  # tp = 1: blocks along the input, as bitsandbytes'
+                p.copy_(weight_of(layer.weight_q, layer.quant, torch.float32))
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(run.model(idx), plain.model(idx))
@@ -244,8 +303,12 @@ def two_rank_runs(tmp_path_factory):
     out, resumed = zip(*run_ranks(several, 2, tmp, [(qlora_cases, (cases,)), (straight_and_resumed, (resume,))]))
     saved = os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # one rank's thread count (zero_cases.reference_case)
+    import shardlm.parallel.build as build
+
+    as_tp2 = functools.partial(quantize_base, tp=2)  # the reference stores ROW_PARALLEL's columns, as tp = 2
     try:  # tp: no data parallelism, the same batch in one process
-        one = {"dense": layout_case({**_base(tmp), **LAYOUT_EPS, "run.name": "one"}, LAYOUT_STEPS)}
+        with mock.patch.object(build, "quantize_base", lambda *a, **k: as_tp2(*a[:4], **k)):
+            one = {"dense": layout_case({**_base(tmp), **LAYOUT_EPS, "run.name": "one"}, LAYOUT_STEPS)}
     finally:
         os.environ.pop("LOCAL_WORLD_SIZE") if saved is None else os.environ.update(LOCAL_WORLD_SIZE=saved)
     one["moe"] = reference_case({**_base(tmp), **MOE, **LAYOUT_EPS, "run.name": "one-moe"}, 2, LAYOUT_STEPS)

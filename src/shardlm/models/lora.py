@@ -28,7 +28,8 @@ from torch import nn
 
 from shardlm.errors import ConfigError
 from shardlm.models.init import Initializer, parameter_generator
-from shardlm.models.quant import QuantFormat, product_weight, quantized_linear, weight_of
+from shardlm.models.quant import quantized_linear
+from shardlm.models.quant_format import QuantFormat, product_weight, weight_of
 
 log = logging.getLogger("shardlm")
 
