@@ -51,6 +51,60 @@ def test_context_parallel_halves_the_activations_of_a_long_sequence():
     assert _part(four, "saved by blocks") < _part(two, "saved by blocks") / 1.9
 
 
+@pytest.mark.parametrize("preset,kv", [("gpt-tiny", 0), ("llama-tiny", 2)])
+def test_cp_saved_is_what_the_ring_and_ulysses_keep_beyond_one_process(preset, kv):
+    """The bytes a forward saves for backward (distinct storages packed by saved_tensors_hooks,
+    weights excluded) with every block's attention run by the ring's op, by Ulysses' all-to-all
+    path and by the hybrid's (all-to-all, then the ring), minus the one-process model's: exactly
+    activations.cp_saved per token and layer. One process: a group of one rank runs the same
+    ops (its exchanges are copies), so the all-to-all degree is 1 here; learned positions (the
+    projection's input copied under cp) and RoPE with GQA (the packed buffer)."""
+    import torch
+
+    from shardlm.comm.collectives import Comm, CommLedger
+    from shardlm.models import build_model
+    from shardlm.parallel.context import CPState, RingAttention, UlyssesAttention
+    from shardlm.planner.activations import ActivationDtypes, cp_saved
+
+    cfg = replace(preset_model(preset), n_layers=1, n_heads=4, n_kv_heads=kv)
+    b, s = 2, 32
+    idx = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+
+    def saved(mode: str) -> int:
+        model = build_model(cfg)
+        if mode != "one":
+            cp = CPState(Comm(None, "cp", CommLedger()))
+            for block in model.blocks:
+                scale = block.attn.core.scale
+                block.attn.core = (RingAttention(cp, scale) if mode == "ring" else
+                                   UlyssesAttention(cp, cp.comm, CPState(cp.comm) if mode == "hybrid" else None, scale))
+            model.context = cp
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(idx).sum().backward()
+        return sum(n for ptr, n in storages.items() if ptr not in weights)
+
+    one, dt = saved("one"), ActivationDtypes(4, 4, norms_in_fp32=False)
+    for mode in ("ring", "ulysses", "hybrid"):
+        per_token, _ = cp_saved(cfg, dt, a2a=1, all_to_all=mode != "ring")
+        assert saved(mode) - one == per_token * cfg.n_layers * b * s, mode  # whole storages: exact
+    # the planner charges it where nothing is recomputed, per local token
+    w, two_gpus = Workload(cfg, s, 2 * b), parse_cluster("2xA100-80GB")
+    plain = estimate_memory(w, Strategy(ParallelDims(1, 2), 0, b, 1, dtypes=Dtypes("fp32")), two_gpus)
+    for mode, u in (("ring", 1), ("ulysses", 2)):
+        two = estimate_memory(w, Strategy(ParallelDims(1, 1, cp=2), 0, b, 2, dtypes=Dtypes("fp32"),
+                                          cp_mode=mode), two_gpus)
+        per_token, _ = cp_saved(cfg, dt, a2a=u)
+        assert _part(two, "saved by blocks") == pytest.approx(
+            _part(plain, "saved by blocks") / 2 + per_token * cfg.n_layers * b * s / 2, rel=1e-12)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_shards_model_states_over_dp_shard_times_cp(stage):
     w = replace(LONG, seq_len=4096)

@@ -131,10 +131,63 @@ def cp_ring_buffers(m: ModelConfig, dt: ActivationDtypes, tp: int = 1) -> tuple[
     return max(forward, backward) / tp, text
 
 
+def cp_saved(m: ModelConfig, dt: ActivationDtypes, tp: int = 1, a2a: int = 1,
+             all_to_all: bool | None = None) -> tuple[float, str]:
+    """Bytes per local token one block's attention keeps under context parallelism beyond what
+    block_activation counts for the one-process kernel (no recomputation), and the formula;
+    `a2a` = U, the all-to-all degree (1: the ring alone); `all_to_all` whether the heads are
+    exchanged (default U > 1). Measured in one process (tests/test_planner_axes.py) and by
+    bench/bench_cp.py --sweep (docs/architecture.md).
+
+    The projection's input. Without rotation q is a view of the qkv projection's output, the CPU
+    flash kernel writes its output in that (B, T, h, d) order, and the output projection's input
+    is a view of the tensor the kernel saved (one storage). The ring's op allocates its output
+    (B, h, T/C, d) and saves it (parallel/context_ops.py), Ulysses' kernel gets q from the
+    all-to-all in (B, h/U, T, d) order and writes its output so: the projection's input is then
+    a copy of its own, + e·q. With RoPE the one-process kernel already writes such an output
+    (block_activation counts the copy): + 0.
+    The all-to-all's packed buffer. Ulysses and the hybrid send q, k and v in one exchange and
+    attend views of the one buffer it returns (parallel/ulysses.py): with RoPE the rotated q and
+    k and the qkv projection's output (which v viewed) are no longer kept, - e·(q + kv); without
+    it the buffer replaces the projection's output byte for byte.
+    Replicated key/value heads: fewer key/value heads per tensor-parallel rank than U are
+    replicated up to U before the exchange (replicate_kv), and each rank keeps max(h_kv, U)/U of
+    them for the U·T/C tokens its group holds: + 2·e·d·(max(h_kv, U) - h_kv).
+    The log-sum-exp stays 4a per local token in every mode (the ring's h x T/C rows, Ulysses'
+    h/U x T)."""
+    all_to_all = a2a > 1 if all_to_all is None else all_to_all
+    e, hd, rope = dt.compute, flops.head_dim(m), m.position == "rope"
+    heads, kv = m.n_heads // tp, max(1, (m.n_kv_heads or m.n_heads) // tp)
+    value, parts = 0.0, []
+    if not rope:
+        value += e * heads * hd
+        parts.append(f"{e}q (the op's output and the projection's copy)")
+    if all_to_all and rope:
+        value -= e * (heads + kv) * hd
+        parts.append(f"- {e}(q+kv) (q, k, v kept as the all-to-all's one buffer)")
+    if all_to_all and kv < a2a:
+        value += 2 * e * hd * (a2a - kv)
+        parts.append(f"2·{e}·d·(U={a2a} - h_kv={kv}) (key/value heads replicated for the all-to-all)")
+    return value, " + ".join(parts) or "0"
+
+
+def loss_saved(m: ModelConfig, dt: ActivationDtypes, tp: int = 1, sp: bool = False) -> float:
+    """Bytes per token the loss's forward keeps for its backward (trainer.loss_of): the final
+    norm's saved tensors, the head's input (e·h; both split by sequence parallelism) and the
+    fp32 log-probabilities (4V, vocabulary-parallel with tp)."""
+    return _final_saved(m, dt, tp, sp) + 4 * m.vocab_size / tp
+
+
+def _final_saved(m: ModelConfig, dt: ActivationDtypes, tp: int, sp: bool) -> float:
+    """Bytes per token of the final norm's saved tensors and the head's input."""
+    norm, _ = _norm_saved(m, dt)
+    return (norm + dt.compute * m.d_model) / (tp if sp else 1)
+
+
 def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight: float,
                     dt: ActivationDtypes, mode: str, tp: int, sp: bool, with_loss: bool,
                     experts: tuple[int, int, float], cp: int = 1, loss_in_flight: float = 1,
-                    offloaded: int = 0) -> Item:
+                    offloaded: int = 0, cp_a2a: int = 1) -> Item:
     """Saved activations of `in_flight` micro-batches (workload.pp_in_flight: 1F1B's first
     stage holds p of them, GPipe's every stage all m) plus the worst transient of backward: the
     loss, or one block's recomputation.
@@ -146,7 +199,9 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
 
     Context parallelism (cp > 1) gives each rank b·s/cp of the tokens for everything (the
     embedding, every block, the loss: parallel/context.py), so every per-token term above is
-    per local token; the ring's buffers (cp_ring_buffers) join a block's backward.
+    per local token; without recomputation each block keeps cp_saved's more (`cp_a2a` = U, the
+    all-to-all degree: 1 ring, C Ulysses); the ring's buffers (cp_ring_buffers) join a block's
+    backward.
 
     Activation offload (`offloaded` of the `layers` blocks, workload.offloaded_blocks): their
     saved activations live in host memory (counted there: _stage_memory), except ~2 blocks'
@@ -157,9 +212,13 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
     tokens = micro * seq / cp
     per_layer, text = block_activation(m, dt, mode, tp, sp, experts, seq)
     full, _ = block_activation(m, dt, "none", tp, sp, experts, seq)
+    if cp > 1:  # the cp modes' own saved tensors ('selective' reruns the ring / all-to-all, 'full' the block)
+        extra, extra_text = cp_saved(m, dt, tp, cp_a2a)
+        full += extra
+        if mode == "none":
+            per_layer, text = per_layer + extra, f"{text} + {extra_text} (context parallel)"
     saved = (layers - offloaded) * in_flight * tokens * per_layer + min(2, offloaded) * tokens * per_layer
-    norm, _ = _norm_saved(m, dt)
-    final = (norm + dt.compute * m.d_model) / (tp if sp else 1)
+    final = _final_saved(m, dt, tp, sp)
     # A block's backward holds the gradient of its output and, at the MLP, two f-wide
     # gradients at once (measured: silu/gelu backward), on top of what it recomputes; torch's
     # decomposed RMSNorm backward holds four fp32 h-vectors (worst at the final norm).

@@ -108,6 +108,17 @@ def cp_mode_options(m, cp: int, tp: int) -> list[tuple[str, int]]:
     return options + ([("ulysses", cp)] if fits(cp) else [])
 
 
+def a2a_degree(m, cp: int, tp: int, mode: str, ulysses: int) -> int:
+    """The all-to-all degree U `mode` runs (1: the ring); for 'auto', decided only when the run
+    is built, the largest the heads allow (Ulysses' replicated key/value heads make it the one
+    that saves the most: activations.cp_saved)."""
+    if cp == 1:
+        return 1
+    if mode == "auto":
+        return max(u for _, u in cp_mode_options(m, cp, tp))
+    return cp_degrees(cp, mode, ulysses)[0]
+
+
 def choose_cp_mode(m, tokens: int, cp: int, tp: int, e: int, recompute: str, bandwidth: float,
                    latency: float, attention_s: float = 0.0, overlap: float = 0.0,
                    hop_factor: float = 1.0) -> list[CPModeTime]:

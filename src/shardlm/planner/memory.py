@@ -17,6 +17,7 @@ from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
 from shardlm.planner.activations import (activation_dtypes, activation_peak,
                                          block_activation)
+from shardlm.planner.cp_modes import a2a_degree
 from shardlm.planner.traffic import fp8_gathered_elements
 from shardlm.planner.workload import (DTYPE_BYTES, PHASES, Item, StageParams, Strategy, Workload,
                                       effective_tier, offloaded_blocks, pipeline_layers, pp_hidden_bytes,
@@ -254,7 +255,7 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
                                  activation_dtypes(s, cluster), s.recompute, lay.tp,
                                  s.sequence_parallel and lay.tp > 1, sp.index == lay.pp - 1,
                                  (w.experts, w.top_k, w.capacity_factor), lay.cp, loss_in_flight,
-                                 offloaded))
+                                 offloaded, a2a_degree(w.model, lay.cp, lay.tp, s.cp_mode, s.cp_ulysses)))
     if s.pp_schedule == "zb" and lay.pp > 1 and lay.tp == 1:
         items.append(deferred_weight_grads(w.model, s.micro_batch * w.seq_len // lay.cp, sp.layers,
                                            sp.index == lay.pp - 1, s.dtypes.param_bytes, s.recompute))
