@@ -144,6 +144,10 @@ def test_fused_weights_are_quantised_per_checkpoint_tensor(tmp_path):
             lo += rows
     plain = {n for n, _ in model.named_parameters() if not n.endswith("_q")}
     assert plain >= {"tok_emb.weight", "head.weight", "norm_f.weight"}
+    cut = build_model(cfg.model, "meta", seed=0)  # tp > 1: the row-parallel linears by columns
+    quantize_base(cut, "nf4", names, tp=2)
+    assert {n for n in names if cut.get_submodule(n).quant.transposed} == {
+        n for n in names if n.endswith(tuple("." + p for p in ROW_PARALLEL))}
 
 
 @pytest.mark.parametrize("shape", SHAPES)
