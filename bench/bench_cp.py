@@ -27,9 +27,26 @@ in fp32 from the same weights; the step-1 losses must agree. Per rank it reports
 The cap check: with --cap-mib M (a per-rank memory budget), each case is marked as fitting or
 not by its peak RSS. A sequence whose activations do not fit M on one rank trains on 2.
 
+The sweep (--sweep L1,L2,...): memory linear in T/C, measured. Each case (default: 1 rank, cp=2
+ring and Ulysses, cp=4 ring, Ulysses and hybrid 2x2) runs every length in turn in one launch
+(one process group; VmHWM restarted before each build, so each length's peak RSS is its own),
+with --doc-mask on / off / both (data.document_mask: a text window is cut into documents at each
+end-of-text token, the ring masks each hop by them, one process and Ulysses attend each document
+on its own). The activation ledger's forward + backward is the warm-up; --steps 0 times it
+instead of an optimizer step. One row per mode x cp x doc mask x length:
+
+    activations   the ledger's bytes, the planner's (planner/activations.py: the blocks' saved
+                  tensors, cp_saved's for the cp modes, and the loss's: planned_saved) and the
+                  error; the planner's own activation term is that plus backward's transients
+    peak RSS      per rank; step RSS the largest rank's peak minus its RSS after setup
+    tok/s         tokens per second of the timed step, with the 1-minute load average beside it
+                  (a loaded machine's tokens/s measure the load, not the mode)
+
 Reproduce:  PYTHONPATH=src python bench/bench_cp.py                       (gpt-mini, 8192 tokens)
             PYTHONPATH=src python bench/bench_cp.py --seq 4096 --cases one,cp
             PYTHONPATH=src python bench/bench_cp.py --seq 2048 --cases one,cp,ulysses,ring4,ulysses4,hybrid4
+            PYTHONPATH=src python bench/bench_cp.py --preset gpt-tiny --layers 1 --heads 4 \
+                --sweep 4096,8192,16384 --doc-mask both --steps 1 --warmup 0     (docs/architecture.md)
 """
 
 from __future__ import annotations
@@ -65,11 +82,16 @@ KEYS = {"one": "1 rank", "cp": "cp=2 ZeRO-0", "cp3": "cp=2 ZeRO-3", "tp": "tp=2 
         "ring4": "cp=4 ring", "ulysses4": "cp=4 ulysses", "hybrid4": "cp=4 hybrid 2x2"}
 
 
-def overrides_for(args, case: dict, run_dir: str) -> dict:
-    return {"model.preset": args.preset, "model.max_seq_len": args.seq, "train.seq_len": args.seq,
-            "train.micro_batch": args.batch, "train.steps": args.warmup + args.steps,
+def overrides_for(args, case: dict, run_dir: str, seq: int = 0, mask: str = "") -> dict:
+    seq, mask = seq or args.seq, mask or ("on" if args.doc_mask == "on" else "off")
+    layers = {"model.n_layers": args.layers} if args.layers else {}
+    if args.heads:
+        layers["model.n_heads"] = args.heads
+    return {"model.preset": args.preset, "model.max_seq_len": seq, "train.seq_len": seq, **layers,
+            "train.micro_batch": args.batch, "train.steps": max(1, args.warmup + args.steps),
             "precision.compute": "fp32", "run.device": "cpu", "run.dir": run_dir,
-            "run.progress": "off", "train.eval_every": 0, "train.sample_tokens": 0, **case}
+            "run.progress": "off", "train.eval_every": 0, "train.sample_tokens": 0,
+            "data.document_mask": mask, **case}
 
 
 def saved_activation_bytes(run) -> int:
@@ -92,15 +114,33 @@ def saved_activation_bytes(run) -> int:
     return sum(n for ptr, n in storages.items() if ptr not in params)  # weights are not activations
 
 
-def rank_case(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
+def reset_peak_rss() -> bool:
+    """Start this process's VmHWM afresh at its current RSS (Linux: clear_refs 5), so one
+    process can measure several runs in turn; False where the kernel has no such reset."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def documents_per_row(run) -> float:
+    """Documents in the first micro-batch's rows (1 without document masks)."""
+    x = run.train_loader.micro_batches(0)[0][0]
+    positions = getattr(x, "positions", None)
+    return 1.0 if positions is None else float((positions == 0).sum()) / positions.shape[0]
+
+
+def measure(run, warmup: int, steps: int) -> dict:
     import time
 
-    from shardlm.train.build import build_run
     from shardlm.train.step import train_step
 
-    run = build_run(load_config(overrides=overrides).validate())
     setup_rss = peak_rss_bytes()
+    start = time.perf_counter()
     activations = saved_activation_bytes(run)
+    ledger_s = time.perf_counter() - start
     losses, seconds, ledgers = [], [], []
     for step in range(warmup + steps):
         run.strategy.ledger.reset()
@@ -109,8 +149,37 @@ def rank_case(rank: int, world: int, overrides: dict, warmup: int, steps: int) -
         if step >= warmup:
             seconds.append(time.perf_counter() - start)
             ledgers.append(run.strategy.ledger.snapshot())
-    return {"losses": losses, "seconds": seconds, "setup_rss": setup_rss, "rss": peak_rss_bytes(),
-            "activations": activations, "ledger": ledgers[-1]}
+    return {"losses": losses, "seconds": seconds or [ledger_s], "setup_rss": setup_rss, "rss": peak_rss_bytes(),
+            "activations": activations, "ledger": ledgers[-1] if ledgers else {},
+            "documents": documents_per_row(run), "load": os.getloadavg()[0]}
+
+
+def rank_case(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
+    from shardlm.train.build import build_run
+    from shardlm.train.step import train_step
+
+    run = build_run(load_config(overrides=overrides).validate())
+    return measure(run, warmup, steps)
+
+
+def rank_sweep(rank: int, world: int, overrides: list[dict], warmup: int, steps: int) -> list[dict]:
+    """One case at each sequence length in turn in the same processes (one launch, one process
+    group), the peak RSS restarted before each build."""
+    import gc
+
+    from shardlm.launch.runtime import init_runtime
+    from shardlm.train.build import build_run
+
+    results, runtime = [], None
+    for over in overrides:
+        cfg = load_config(overrides=over).validate()
+        runtime = runtime or init_runtime(cfg.run.device, cfg.parallel.collective_timeout_s)
+        gc.collect()
+        fresh = reset_peak_rss()
+        run = build_run(cfg, runtime)
+        results.append({**measure(run, warmup, steps), "fresh_peak": fresh})
+        del run
+    return results
 
 
 def by_group(ledger: dict[str, int]) -> dict[str, int]:
@@ -120,20 +189,103 @@ def by_group(ledger: dict[str, int]) -> dict[str, int]:
     return dict(groups)
 
 
-def main() -> None:
+SWEEP_CASES = "one,cp,ulysses,ring4,ulysses4,hybrid4"
+MODE = {"1 rank": ("–", 1), "cp=2 ZeRO-0": ("ring", 2), "cp=2 ulysses": ("ulysses", 2),
+        "cp=4 ring": ("ring", 4), "cp=4 ulysses": ("ulysses", 4), "cp=4 hybrid 2x2": ("hybrid 2x2", 4)}
+
+
+def planned_saved(pred, cfg) -> float:
+    """The planner's bytes one micro-batch's forward saves for backward on a rank: its blocks'
+    (the activation term's 'saved by blocks') and the loss's (activations.loss_saved)."""
+    from shardlm.planner.activations import ActivationDtypes, loss_saved
+
+    act = next(i for i in pred.memory.items if i.name == "activations")
+    blocks = next(p.bytes for p in act.parts if p.name == "saved by blocks")
+    tokens = cfg.train.micro_batch * cfg.train.seq_len / cfg.parallel.cp
+    return blocks + tokens * loss_saved(cfg.model, ActivationDtypes(4, 4, False))
+
+
+def sweep_row(name: str, world: int, over: dict, per_rank: list[dict], batch: int) -> tuple:
+    """One table row: a case at one sequence length, its ranks' measurements and the planner's."""
+    from shardlm.planner.search import predict_local
+
+    cfg = load_config(overrides=over).validate()
+    want = planned_saved(predict_local(cfg, world), cfg) / MiB
+    got = max(r["activations"] for r in per_rank) / MiB
+    step_s = max(statistics.median(r["seconds"]) for r in per_rank)
+    mode, cp = MODE[name]
+    return (mode, cp, over["data.document_mask"], f"{over['train.seq_len']:,}", f"{per_rank[0]['documents']:.1f}",
+            f"{got:,.1f}", f"{want:,.1f}", f"{(want - got) / got:+.1%}",
+            " / ".join(f"{r['rss'] / MiB:,.0f}" for r in per_rank),
+            f"{max(r['rss'] - r['setup_rss'] for r in per_rank) / MiB:,.0f}",
+            f"{batch * over['train.seq_len'] / step_s:,.0f}", f"{per_rank[0]['load']:.1f}",
+            f"{per_rank[0]['losses'][0]:.4f}" if per_rank[0]["losses"] else "–")
+
+
+def sweep(args, cases: list, masks: list[str]) -> None:
+    """Each case x document mask at every sequence length of --sweep, ascending, in one launch;
+    one table row per mode x cp x seq (module docstring)."""
+    seqs = sorted(int(n) for n in args.sweep.split(","))
+    bad = [n for n in seqs if n % 8]
+    if bad:
+        raise SystemExit(f"--sweep {bad}: each length must divide by 2·cp = 8 (the ring's load-balanced chunks)")
+    header = ("mode", "cp", "doc mask", "seq", "docs/seq", "activations MiB/rank measured", "planned", "error",
+              "peak RSS MiB per rank", "step RSS MiB (max)", "tok/s", "load avg", "step-1 loss")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = [(name, world, [overrides_for(args, case, tempfile.mkdtemp(dir=tmp), seq, mask) for seq in seqs])
+                for mask in masks for name, world, case in cases]
+        for _, _, overs in plan:  # a refused case stops the sweep here, before any rank is spawned
+            for over in overs:
+                load_config(overrides=over).validate()
+        for name, world, overs in plan:
+            ranks = run_ranks(rank_sweep, world, Path(tempfile.mkdtemp(dir=tmp)), overs, args.warmup,
+                              args.steps, timeout=14400)
+            for i, over in enumerate(overs):
+                rows.append(sweep_row(name, world, over, [r[i] for r in ranks], args.batch))
+                print(" | ".join(map(str, rows[-1])), flush=True)
+            if not all(r[0]["fresh_peak"] for r in ranks):
+                print("(no VmHWM reset on this kernel: each peak is the highest so far)")
+    print(f"\nsizes run: {', '.join(f'{n:,}' for n in seqs)} tokens; cases: {', '.join(c[0] for c in cases)}; "
+          f"document masks: {', '.join(masks)}; load average at the end {os.getloadavg()[0]:.1f}")
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt-mini")
     parser.add_argument("--seq", type=int, default=8192, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per case")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per case (--sweep: 0 times the "
+                        "activation ledger's forward + backward instead, no optimizer step)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per case")
     parser.add_argument("--cap-mib", type=float, default=0,
                         help="a per-rank memory budget to check each case's peak RSS against "
                              "(0: halfway between the one-rank and the cp=2 ZeRO-3 peaks)")
-    parser.add_argument("--cases", default="one,cp,cp3,tp", help=f"comma-separated: {', '.join(KEYS)}")
-    args = parser.parse_args()
-    wanted = {KEYS[k] for k in args.cases.split(",")}
-    cases = [c for c in CASES if c[0] in wanted]
+    parser.add_argument("--cases", default="", help=f"comma-separated: {', '.join(KEYS)} "
+                        f"(default one,cp,cp3,tp; with --sweep {SWEEP_CASES})")
+    parser.add_argument("--sweep", default="", help="comma-separated sequence lengths: every case at each, "
+                        "one row per case x length (e.g. 4096,8192,16384,32768,65536)")
+    parser.add_argument("--doc-mask", default="off", choices=("off", "on", "both"),
+                        help="data.document_mask: several documents per sequence, attention kept in each")
+    parser.add_argument("--layers", type=int, default=0, help="model.n_layers (0: the preset's)")
+    parser.add_argument("--heads", type=int, default=0, help="model.n_heads (0: the preset's; Ulysses "
+                        "needs them to divide by cp)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    keys = (args.cases or (SWEEP_CASES if args.sweep else "one,cp,cp3,tp")).split(",")
+    unknown = [k for k in keys if k not in KEYS]
+    if unknown:
+        raise SystemExit(f"--cases {','.join(unknown)}: choose from {', '.join(KEYS)}")
+    cases = [c for c in CASES if c[0] in {KEYS[k] for k in keys}]
+    masks = ["off", "on"] if args.doc_mask == "both" else [args.doc_mask]
+    if args.sweep and not {c[0] for c in cases} <= MODE.keys():
+        raise SystemExit(f"--sweep runs the cases {SWEEP_CASES} (ZeRO-3 and tp change more than the cp mode)")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the ranks
     cfg = load_config(overrides=overrides_for(args, {}, "")).validate()
     build_dataset(cfg.data, cfg.model.vocab_size)  # tokenizer + token stream built once, here
@@ -145,10 +297,16 @@ def main() -> None:
     def err(predicted: float, measured: float) -> str:
         return f"{predicted:,.0f} ({(predicted - measured) / measured:+.0%})"
 
-    print(f"torch {torch.__version__}, {args.preset} ({count_params(cfg.model) / 1e6:.1f}M params), fp32, "
-          f"{args.batch} x {args.seq} tokens per step, {args.warmup} warm-up + {args.steps} timed steps, "
+    m = cfg.model
+    print(f"torch {torch.__version__}, {args.preset} ({count_params(m) / 1e6:.1f}M params: {m.n_layers} layers, "
+          f"{m.n_heads} heads, d_model {m.d_model}, vocab {m.vocab_size}), fp32, "
+          f"{args.batch} x {args.sweep or args.seq} tokens per step, {args.warmup} warm-up + {args.steps} timed "
+          f"steps{' (the activation ledger forward + backward first)' if args.sweep else ''}"
+          f"{' (tok/s: of the ledger forward + backward)' if not args.steps else ''}, "
           f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}, load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
+    if args.sweep:
+        return sweep(args, cases, masks)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, world, case in cases:
