@@ -41,6 +41,9 @@ Reproduce:
     PYTHONPATH=src python bench/bench_finetune.py --modes lora@2,qlora@2      # ZeRO-3, 2 ranks
     PYTHONPATH=src python bench/bench_finetune.py --instruct /tmp/bench-instruct \
         --modes lora,loop,loop-nodoc,qlora,qloop --precision fp32 --seq 128 --micro-batch 4 --rank 8
+    PYTHONPATH=src python bench/bench_finetune.py --instruct /tmp/bench-instruct \
+        --modes lora,loop --precision fp32 --seq 128 --micro-batch 4 --rank 8 --steps 2 --profile 25
+(--profile N: where a step's time goes, each side's torch.profiler op table after its timed steps.)
 """
 
 from __future__ import annotations
@@ -56,7 +59,16 @@ from pathlib import Path
 from common import GiB, bench_parser, machine, prepare, reproduce, run_overrides, start_ranks, table, timed_steps
 
 
-def child(overrides: dict, steps: int) -> dict:
+def profiled(step, at: int, rows: int) -> str:
+    """torch.profiler's op table (top `rows` by self CPU time) of one more step, `step(at)`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(at)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def child(overrides: dict, steps: int, profile: int = 0) -> dict:
     import torch
 
     from shardlm.config import load_config
@@ -75,7 +87,7 @@ def child(overrides: dict, steps: int) -> dict:
     tokens = run.cfg.train.micro_batch * run.cfg.train.seq_len * run.cfg.train.grad_accum
     quant = getattr(run.model, "quant", None)
     lora = getattr(run.model, "lora", None)
-    return {"build_s": build_s, "build_rss": build_rss, "peak_rss": peak_rss_bytes(),
+    result = {"build_s": build_s, "build_rss": build_rss, "peak_rss": peak_rss_bytes(),
             "losses": losses, "step_s": times,
             "tokens_per_s": tokens * max(len(times) - 1, 1) / sum(times[1:] or times),
             "ledger": run.strategy.model_state_bytes(), "predicted": run.strategy.predicted_state_bytes(),
@@ -83,7 +95,9 @@ def child(overrides: dict, steps: int) -> dict:
             + (quant.numel if quant else 0),
             "trainable": lora.trainable if lora else sum(p.numel() for p in run.model.parameters()),
             "quantized": quant.numel if quant else 0, "quantized_bytes": quant.nbytes if quant else 0,
-            "threads": torch.get_num_threads()}
+              "threads": torch.get_num_threads()}
+    # after the peak is read: the profiler's own records stay out of it
+    return {**result, "profile": profiled(lambda step: train_step(run, step), steps, profile) if profile else ""}
 
 
 def rank_child(rank: int, world_size: int, overrides: dict, steps: int) -> dict:
@@ -146,7 +160,7 @@ def peft_child(overrides: dict, steps: int, rank: int) -> dict:
                         build_s, build_rss)
 
 
-def loop_child(overrides: dict, steps: int, rank: int, mode: str) -> dict:
+def loop_child(overrides: dict, steps: int, rank: int, mode: str, profile: int = 0) -> dict:
     """The plain transformers + peft loop (finetune_loop.py) on shardlm's batches for `overrides`."""
     import torch
 
@@ -162,10 +176,13 @@ def loop_child(overrides: dict, steps: int, rank: int, mode: str) -> dict:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr)
     build_s, build_rss = time.perf_counter() - start, peak_rss_bytes()
-    timed = timed_steps(lambda step: loop_step(model, optimizer, loader.micro_batches(step), mode != "loop-nodoc"),
-                        0, steps)
+    def step(at: int) -> float:
+        return loop_step(model, optimizer, loader.micro_batches(at), mode != "loop-nodoc")
+
+    timed = timed_steps(step, 0, steps)
     t = cfg.train
-    return plain_result(model, optimizer, timed, t.micro_batch * t.seq_len * t.grad_accum, build_s, build_rss)
+    result = plain_result(model, optimizer, timed, t.micro_batch * t.seq_len * t.grad_accum, build_s, build_rss)
+    return {**result, "profile": profiled(step, steps, profile) if profile else ""}  # after the peak is read
 
 
 def plain_result(model, optimizer, timed: dict, tokens: int, build_s: float, build_rss: int) -> dict:
@@ -224,6 +241,9 @@ def main() -> None:
                              "plain transformers + peft loop on the same batches")
     parser.add_argument("--chats", type=int, default=2000, help="--instruct: chats in the data (at most ~2,700)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the timed steps, one more step under torch.profiler: print its N "
+                             "ops of most self CPU time (one-process modes; not timed)")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     from shardlm.config import load_config
@@ -247,12 +267,12 @@ def main() -> None:
         return
     if args.child in ("loop", "loop-nodoc", "qloop"):
         print("RESULT " + json.dumps(loop_child({**overrides, "lora.rank": args.rank}, args.steps, args.rank,
-                                                args.child)), flush=True)
+                                                args.child, args.profile)), flush=True)
         return
     if args.child:
         mode, _, ranks = args.child.partition("@")
         result = (ranks_child({**overrides, **modes[mode]}, args.steps, int(ranks), args.dir) if ranks
-                  else child({**overrides, **modes[mode]}, args.steps))
+                  else child({**overrides, **modes[mode]}, args.steps, args.profile))
         print("RESULT " + json.dumps(result), flush=True)
         return
     cfg = load_config(overrides=overrides).validate()
@@ -277,6 +297,8 @@ def main() -> None:
               f"{r['tokens_per_s']:.1f} tokens/s (steps {[round(x, 2) for x in r['step_s']]} s), "
               f"build {r['build_s']:.0f} s, losses "
               f"{[round(x, 3) for x in r['losses']]}", flush=True)
+        if r.get("profile"):
+            print(f"{mode}: one step under torch.profiler, ops by self CPU time\n{r['profile']}", flush=True)
     header = ("mode", "trainable", "formula GiB", "ledger GiB", "peak RSS GiB", "tokens/s")
     print("\n" + table(header, [[mode, f"{r['trainable'] / 1e6:,.1f}M of {r['params'] / 1e6:,.1f}M",
                                  f"{formula(mode, r, width) / GiB:.2f}", f"{sum(r['ledger'].values()) / GiB:.2f}",
