@@ -88,13 +88,13 @@ def child(overrides: dict, steps: int, profile: int = 0) -> dict:
     quant = getattr(run.model, "quant", None)
     lora = getattr(run.model, "lora", None)
     result = {"build_s": build_s, "build_rss": build_rss, "peak_rss": peak_rss_bytes(),
-            "losses": losses, "step_s": times,
-            "tokens_per_s": tokens * max(len(times) - 1, 1) / sum(times[1:] or times),
-            "ledger": run.strategy.model_state_bytes(), "predicted": run.strategy.predicted_state_bytes(),
-            "params": sum(p.numel() for p in run.model.parameters() if p.is_floating_point())
-            + (quant.numel if quant else 0),
-            "trainable": lora.trainable if lora else sum(p.numel() for p in run.model.parameters()),
-            "quantized": quant.numel if quant else 0, "quantized_bytes": quant.nbytes if quant else 0,
+              "losses": losses, "step_s": times,
+              "tokens_per_s": tokens * max(len(times) - 1, 1) / sum(times[1:] or times),
+              "ledger": run.strategy.model_state_bytes(), "predicted": run.strategy.predicted_state_bytes(),
+              "params": sum(p.numel() for p in run.model.parameters() if p.is_floating_point())
+              + (quant.numel if quant else 0),
+              "trainable": lora.trainable if lora else sum(p.numel() for p in run.model.parameters()),
+              "quantized": quant.numel if quant else 0, "quantized_bytes": quant.nbytes if quant else 0,
               "threads": torch.get_num_threads()}
     # after the peak is read: the profiler's own records stay out of it
     return {**result, "profile": profiled(lambda step: train_step(run, step), steps, profile) if profile else ""}
