@@ -287,3 +287,34 @@ def test_newton_schulz_owners_are_balanced_by_work_within_and_across_units():
     by_name = {m.name: m.owner for m in units}
     assert by_name["gate_up"] != by_name["down"]  # the two largest apart
     assert max(pair) <= 1.2 * sum(pair) / 2 and sum(pair) == sum(newton_schulz_cost(m.shape) for m in units)
+
+
+def test_the_planner_prices_muon():
+    """planner/muon.py: the momentum the engine holds (test_two_ranks_match_one_process shows
+    held = (8 Ψ + 4 Ψ_blocks) / N), the collectives its ledger counts (8 B x Ψ_blocks a step over
+    the shard group; the whole tp-cut matrices over tp) and Newton-Schulz's time. Ψ_blocks here
+    is the blocks' parameters of llama-tiny built for real; the planner's counts them from the
+    shape, norms included (a block's unit is what the engine pads and gathers)."""
+    from shardlm.planner.search import predict_local
+
+    model, _ = _tiny_model("llama-tiny")
+    psi = sum(p.numel() for p in model.parameters())
+    blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks."))
+    matrices = sum(p.numel() for p in muon_params(model))
+
+    def predict(optimizer: str, ranks: int = 2, **extra):
+        cfg = load_config(overrides={"model.preset": "llama-tiny", "train.optimizer": optimizer,
+                                     "train.seq_len": 64, "train.micro_batch": 4,
+                                     **{k.replace("__", "."): v for k, v in extra.items()}}).validate()
+        return predict_local(cfg, ranks)
+
+    adamw, muon = predict("adamw", parallel__zero_stage=1), predict("muon", parallel__zero_stage=1)
+    assert muon.model_state_bytes["optimizer"] - adamw.model_state_bytes["optimizer"] == 4 * blocks / 2
+    sent = {c.name: c.bytes for c in muon.timing.comms if "Muon" in c.name}
+    assert sent == {"all-gather Muon directions": 4 * blocks, "reduce-scatter Muon updates": 4 * blocks}
+    assert muon.step_time_s > adamw.step_time_s  # + its collectives and Newton-Schulz
+    tp = predict("muon", parallel__tp=2)
+    assert [c.bytes for c in tp.timing.comms if "Muon" in c.name] == [4 * matrices]  # whole, 4 B each
+    one, one_adamw = predict("muon", 1), predict("adamw", 1)  # MuonWithAdamW: 1 word, not 2, a matrix
+    saved = one_adamw.model_state_bytes["optimizer"] - one.model_state_bytes["optimizer"]
+    assert saved == pytest.approx(4 * matrices, rel=0.02) and 8 * psi == one_adamw.model_state_bytes["optimizer"]

@@ -322,7 +322,8 @@ def config_strategy(cfg: Config, cluster: Cluster) -> tuple[Workload, Strategy]:
                         activation_offload=cfg.activation.offload,
                         activation_offload_blocks=cfg.activation.offload_blocks, prefetch=par.prefetch,
                         cp_mode=par.cp_mode, cp_ulysses=par.cp_ulysses,
-                        local_sgd_every=t.local_sgd.every, local_sgd_outer=t.local_sgd.outer)
+                        local_sgd_every=t.local_sgd.every, local_sgd_outer=t.local_sgd.outer,
+                        optimizer=t.optimizer)
     return Workload(cfg.model, t.seq_len, t.micro_batch * t.grad_accum * dims.dp_size), strategy
 
 
@@ -339,6 +340,8 @@ def predict_local(cfg: Config, n_ranks: int, mmap_threshold: int | None = None) 
     states = {"params": memory.category("parameters"),
               "grads": 0.0 if strategy.local else memory.category("gradients"),
               "optimizer": memory.category("optimizer states")}
+    if strategy.optimizer == "muon" and not strategy.local:  # the engine counts it as optimizer state
+        states["optimizer"] += memory.category("Muon momentum")
     if strategy.local_sgd_every:  # the engine's ledger counts the outer model apart
         states["local_sgd"] = memory.category("local SGD outer model")
     return LocalPrediction(states, memory.activations, memory.peak, timing.step,

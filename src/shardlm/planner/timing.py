@@ -19,6 +19,7 @@ from shardlm.planner.memory import nvme_first_chunk, offloaded_activations, peak
 from shardlm.planner.activations import activation_dtypes, block_activation
 from shardlm.config.layout_rules import cp_degrees
 from shardlm.planner.cp_modes import attention_seconds, choose_cp_mode, cp_a2a_bytes
+from shardlm.planner.muon import newton_schulz_term
 from shardlm.planner.traffic import (cp_comm_bytes, ep_comm_bytes, expert_group, moe_tp_calls, pp_comm_bytes,
                                      sp_replicated_grads, tp_comm_bytes)
 from shardlm.planner.memory_bound import (ADAM_BYTES_PER_PARAM, WorkTerm,  # noqa: F401 (re-exported)
@@ -347,6 +348,9 @@ def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, ra
 
         first = nvme_first_chunk(sp, n_opt, ZeroConfig().nvme_chunk_mb * 2**20, DTYPE_BYTES[s.dtypes.master])
     optimizer = optimizer_term(s, cluster, psi_opt, sp.dense + sp.experts if s.local else psi_opt, first)
+    if s.optimizer == "muon":  # its Newton-Schulz products join the step (planner/muon.py)
+        ns = newton_schulz_term(w, s, cluster, sp)
+        optimizer = WorkTerm(optimizer.name, optimizer.seconds + ns.seconds, f"{optimizer.formula}; {ns.formula}")
     if effective_tier(s.offload_params, cluster) != "none":  # each gather fetches the shard
         gathers = 1 if lay.pp > 1 else 2 * s.grad_accum  # a pipeline stage holds its units for the step
         up = gathers * s.dtypes.param_bytes * sp.dense / zero_ranks(lay)

@@ -115,6 +115,8 @@ class Strategy:
     the node's link, instead of every tp rank sending the whole tensor. Not what our runtime
     does (parallel/pipeline.py sends the whole tensor): set only to model a published
     Megatron-LM run (tests/test_planner_published.py)."""
+    optimizer: str = "adamw"
+    """train.optimizer: 'adamw' or 'muon' (its momentum, collectives and Newton-Schulz: muon.py)."""
     local_sgd_every: int = 0
     """train.local_sgd.every: the dp_replicate replicas reduce gradients among their own ranks
     only, and every this many steps meet in one all-reduce of the fp32 pseudo-gradient shard
