@@ -1,17 +1,15 @@
 """Export a trained run to a Hugging Face `transformers` directory (`shardlm export --format hf`).
 
-A GPT-2-style config (LayerNorm, learned positions, GELU) becomes a `GPT2LMHeadModel`, a
-LLaMA-style one (RMSNorm, RoPE, SwiGLU) a `LlamaForCausalLM` (its RoPE scaling and head width
-in the config: Llama 3.1-3.3), with q/k/v-only biases a `Qwen2ForCausalLM`, with per-head q/k
-norms a `Qwen3ForCausalLM`, with Gemma's (1 + w) norms a `GemmaForCausalLM`,
-`Gemma2ForCausalLM` (sandwich norms, soft-capping, sliding blocks) or `Gemma3ForCausalLM` (and
-q/k norms, two RoPE bases), and a LLaMA-style mixture of
-experts (model.experts > 0) a `MixtralForCausalLM` (with per-head q/k norms a
-`Qwen3MoeForCausalLM`, with whole-width ones an `OlmoeForCausalLM`); all reproduce our logits (the model code
-already computes exactly what those classes compute: GELU tanh, rotate-half RoPE with HF's
-frequency table, Mixtral's softmax router renormalised over the top k). Configs that no class
-can express — mixed styles, or experts those classes cannot hold (sigmoid routers, shared experts,
-dense blocks between the sparse ones, capacity dropping) — are a ConfigError naming each field.
+The class is the one of model.family, or of the family our fields imply (hf_names.hf_family: a
+GPT-2-style config, LayerNorm, learned positions, GELU, becomes a `GPT2LMHeadModel`, a LLaMA-style
+one, RMSNorm, RoPE, SwiGLU, a `LlamaForCausalLM` with its RoPE scaling and head width, with
+q/k/v-only biases a `Qwen2ForCausalLM`, with Gemma's (1 + w) norms a Gemma class, a LLaMA-style
+mixture of experts a `MixtralForCausalLM`, ...); its config keys are its family file's
+(config/families/<family>.py: Family.export). All reproduce our logits (the model code already
+computes exactly what those classes compute: GELU tanh, rotate-half RoPE with HF's frequency
+table, Mixtral's softmax router renormalised over the top k). Configs that no class can express
+— mixed styles, or experts those classes cannot hold (sigmoid routers, shared experts, dense
+blocks between the sparse ones, capacity dropping) — are a ConfigError naming each field.
 
 The output directory holds `model.safetensors`, `config.json`, `generation_config.json` (written
 by `save_pretrained`), our `tokenizer.json` and a `tokenizer_config.json`, so
@@ -44,7 +42,7 @@ import torch
 
 from shardlm.checkpoint import (TOKENIZER, WEIGHTS, load_config_json, load_for_inference,
                                resolve_run_dir)
-from shardlm.checkpoint.hf_names import MOE_FAMILIES, heads_first, hf_family, hf_sources, moe_sources
+from shardlm.checkpoint.hf_names import heads_first, hf_family, hf_sources, moe_sources
 from shardlm.checkpoint.hf_dir import read_identity, write_identity
 from shardlm.checkpoint.weights import HF_CONFIG
 from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, merged_state_dict, peft_adapter, write_adapter
@@ -52,7 +50,7 @@ from shardlm.config import ModelConfig
 from shardlm.config.families import family as registered_family
 from shardlm.errors import ConfigError
 from shardlm.data.tokenizer import EOT
-from shardlm.models.flops import expert_d_ff, head_dim, resolved_d_ff
+from shardlm.models.flops import head_dim, resolved_d_ff
 
 
 def _import_transformers():
@@ -86,93 +84,27 @@ def rope_parameters(m: ModelConfig) -> dict:
 
 
 def hf_config(m: ModelConfig, eot: int | None):
-    """The GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config, MixtralConfig, ... describing exactly
-    our model (hf_family chooses)."""
+    """The GPT2Config, LlamaConfig, Qwen2Config, MixtralConfig, ... describing exactly our model
+    (hf_family chooses; the family's file says its keys, given LLaMA's)."""
+    from shardlm.models.decoder import is_sliding
+
     tf = _import_transformers()
     tokens = {"bos_token_id": eot, "eos_token_id": eot, "vocab_size": m.vocab_size,
               "tie_word_embeddings": m.tie_embeddings}
-    family = hf_family(m)
-    if family == "gpt2":
-        # No dropout: ours has none, and a fine-tune of the export should train the same network.
-        return tf.GPT2Config(n_embd=m.d_model, n_layer=m.n_layers, n_head=m.n_heads,
-                             n_inner=resolved_d_ff(m), n_positions=m.max_seq_len,
-                             layer_norm_epsilon=m.norm_eps, activation_function="gelu_new",
-                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **tokens)
-    if family in MOE_FAMILIES:
-        # No router jitter: ours routes deterministically. The router logits are not returned by
-        # default (they are for the balancing loss of a fine-tune, output_router_logits=True).
-        moe = dict(hidden_size=m.d_model, num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
-                   num_key_value_heads=m.n_kv_heads or m.n_heads,
-                   max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                   rope_parameters=rope_parameters(m), hidden_act="silu",
-                   num_experts_per_tok=m.top_k, output_router_logits=False,
-                   router_aux_loss_coef=m.aux_loss_coef if m.balance == "aux" else 0.0, **tokens)
-        if family == "mixtral":  # every block sparse (hf_family checked): the experts' width
-            return tf.MixtralConfig(intermediate_size=expert_d_ff(m), head_dim=head_dim(m),
-                                    sliding_window=m.sliding_window or None,
-                                    num_local_experts=m.experts, router_jitter_noise=0.0, **moe)
-        if family == "qwen3_moe":  # per-head q/k norms; dense blocks between each moe_every-th
-            return tf.Qwen3MoeConfig(intermediate_size=resolved_d_ff(m), moe_intermediate_size=expert_d_ff(m),
-                                     head_dim=head_dim(m), num_experts=m.experts,
-                                     decoder_sparse_step=m.moe_every, mlp_only_layers=[],
-                                     norm_topk_prob=m.router_topk_norm, attention_bias=False,
-                                     use_sliding_window=bool(m.sliding_window),
-                                     sliding_window=m.sliding_window or None, **moe)
-        return tf.OlmoeConfig(intermediate_size=expert_d_ff(m), num_experts=m.experts,  # olmoe
-                              norm_topk_prob=m.router_topk_norm, attention_bias=False, clip_qkv=None,
-                              pad_token_id=None, **moe)
-    llama_shaped = dict(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
-                        num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
-                        num_key_value_heads=m.n_kv_heads or m.n_heads, head_dim=head_dim(m),
-                        max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
-                        rope_parameters=rope_parameters(m), sliding_window=m.sliding_window or None,
-                        hidden_act="silu", **tokens)
-    fam = registered_family(family)
-    if fam is not None:  # config/families/<family>.py says which keys its config class takes
-        from shardlm.models.decoder import is_sliding
-
-        layer_types = ["sliding_attention" if is_sliding(m, i) else "full_attention"
-                       for i in range(m.n_layers)]
-        return getattr(tf, fam.config_class)(**fam.export(m, llama_shaped, layer_types))
-    if family == "stablelm":  # LayerNorms with biases, q/k/v biases, partial rotary
-        return tf.StableLmConfig(use_qkv_bias=m.qkv_bias, qk_layernorm=False, use_parallel_residual=False,
-                                 layer_norm_eps=m.norm_eps, hidden_dropout=0.0, attention_dropout=0.0,
-                                 pad_token_id=None,
-                                 **{k: v for k, v in llama_shaped.items()
-                                    if k not in ("head_dim", "rms_norm_eps", "sliding_window")})
-    if family == "gpt_neox":  # LayerNorms, biases everywhere, parallel residual, partial rotary
-        act = {"auto": "gelu_pytorch_tanh", "gelu_tanh": "gelu_pytorch_tanh"}.get(m.activation, m.activation)
-        return tf.GPTNeoXConfig(hidden_act=act,
-                                layer_norm_eps=m.norm_eps, use_parallel_residual=m.parallel_residual,
-                                attention_bias=True, attention_dropout=0.0, hidden_dropout=0.0,
-                                pad_token_id=None,
-                                **{k: v for k, v in llama_shaped.items()
-                                   if k not in ("head_dim", "rms_norm_eps", "hidden_act", "sliding_window",
-                                                "num_key_value_heads")})
-    assert family == "starcoder2", family  # hf_family returns a registered or a legacy family
-    return tf.Starcoder2Config(use_bias=True, hidden_act="gelu_pytorch_tanh", norm_epsilon=m.norm_eps,
-                               residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0,
-                               pad_token_id=None,
-                               **{k: v for k, v in llama_shaped.items() if k not in ("head_dim", "rms_norm_eps", "hidden_act")})
-
-
-IN_MEMORY_NAMES = {"gpt_neox": {"embed_out.weight": "lm_head.weight"}}
-"""File name -> the module's own, where transformers 5 renames a checkpoint's tensors as it
-loads them and back as it saves (its conversion_mapping.py): the table holds the files' names."""
-
-
-LEGACY_CLASSES = {"gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM",
-                  "starcoder2": "Starcoder2ForCausalLM", "gpt_neox": "GPTNeoXForCausalLM",
-                  "stablelm": "StableLmForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "olmoe": "OlmoeForCausalLM"}
-"""The transformers class of each family not yet in config/families/ (a registered one:
-Family.model_class)."""
+    fam = registered_family(hf_family(m))
+    llama_keys = dict(hidden_size=m.d_model, intermediate_size=resolved_d_ff(m),
+                      num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+                      num_key_value_heads=m.n_kv_heads or m.n_heads, head_dim=head_dim(m),
+                      max_position_embeddings=m.max_seq_len, rms_norm_eps=m.norm_eps,
+                      rope_parameters=rope_parameters(m), sliding_window=m.sliding_window or None,
+                      hidden_act="silu", **tokens)
+    layer_types = ["sliding_attention" if is_sliding(m, i) else "full_attention" for i in range(m.n_layers)]
+    return getattr(tf, fam.config_class)(**fam.export(m, llama_keys, layer_types))
 
 
 def _model_class(tf, family: str):
     """The transformers class an export of `family` builds."""
-    fam = registered_family(family)
-    return getattr(tf, fam.model_class if fam is not None else LEGACY_CLASSES[family])
+    return getattr(tf, registered_family(family).model_class)
 
 
 def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig,
@@ -180,18 +112,18 @@ def hf_state_dict(sd: dict[str, torch.Tensor], m: ModelConfig,
     """Our parameter names and layouts -> the HF class's, by the table model.hf_path loads with
     (hf_names.hf_sources): each of ours cut into its HF tensors along dimension 0, transposed
     for GPT-2's Conv1D. `sd` is `Decoder.state_dict()`. GPT-2 always has biases: where ours
-    has none (model.bias = false) the HF bias is zero. `stacked_experts`: the Mixtral class
-    holds its experts stacked (transformers >= 5), not one module per expert (transformers 4);
-    see _mixtral_experts."""
+    has none (model.bias = false) the HF bias is zero (Family.zero_biases). `stacked_experts`:
+    the mixtures' classes hold their experts stacked (transformers >= 5), not one module per
+    expert (transformers 4); see _moe_experts."""
     family = hf_family(m)
-    sources = hf_sources(m, family)
+    sources, zero_biases = hf_sources(m, family), registered_family(family).zero_biases
     out: dict[str, torch.Tensor] = {}
     for ours, source in sources.items():
         tensor = heads_first(sd[ours], source.per_head) if source.per_head else sd[ours]
         for name, part in zip(source.names, tensor.split(list(source.rows))):
             out[name] = (part.t() if source.transposed else part).contiguous()
         bias = f"{ours.removesuffix('.weight')}.bias"
-        if family == "gpt2" and ours.startswith(("blocks.", "norm_f.")) and ours.endswith(".weight") \
+        if zero_biases and ours.startswith(("blocks.", "norm_f.")) and ours.endswith(".weight") \
                 and bias not in sources:
             out[f"{source.names[0].removesuffix('.weight')}.bias"] = torch.zeros(sum(source.rows))
     out.update(_moe_experts(sd, m, family, stacked_experts))
@@ -323,7 +255,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
     if merge:
         ours = merged_state_dict(ours, cfg)
     sd = hf_state_dict(ours, m, stacked_experts=stacked)
-    renamed = IN_MEMORY_NAMES.get(hf_family(m), {})
+    renamed = registered_family(hf_family(m)).in_memory_names
     sd = {renamed.get(name, name): tensor for name, tensor in sd.items()}
     del model
     missing, unexpected = hf_model.load_state_dict(sd, strict=False, assign=True)

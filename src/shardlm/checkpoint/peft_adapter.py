@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from shardlm.checkpoint.hf_names import MOE_FAMILIES, heads_first, hf_family, hf_sources
+from shardlm.checkpoint.hf_names import heads_first, hf_family, hf_sources
 from shardlm.config import Config
+from shardlm.config.families import family as registered_family
 from shardlm.errors import ConfigError
 from shardlm.launch.files import atomic_write
 from shardlm.models.hf import WRAPPED
@@ -117,7 +118,8 @@ def peft_adapter(sd: dict[str, torch.Tensor], cfg: Config,
     # linears and moves it onto the stacked experts (peft.utils.transformers_weight_conversion),
     # so these are named as parameters instead: PEFT's ParamWrapper adds s·B A to the weight,
     # the same LoRA on the same module.
-    by_weight = sorted(n for n in hf_names if family in MOE_FAMILIES and ".mlp." in n)
+    mixture = bool(family) and registered_family(family).experts is not None
+    by_weight = sorted(n for n in hf_names if mixture and ".mlp." in n)
     hf_names = [n for n in hf_names if n not in by_weight]
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,

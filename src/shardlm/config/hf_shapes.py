@@ -1,17 +1,14 @@
 """A transformers config.json as a shape (--model.hf_path / --model.hf_config, and the planner's
 --model DIR): read it, say which path a checkpoint takes (our decoder, mapped by family in
-hf_families.py; an encoder-decoder; or transformers' own module) and what the decoder cannot
-compute of it. Plain data, no torch."""
+config/families/ and hf_families.py; an encoder-decoder; or transformers' own module) and what
+the decoder cannot compute of it. Plain data, no torch."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from shardlm.config.families import loadable, sizable
-from shardlm.config.hf_families import TRAIN_ANY_MODEL
-from shardlm.config.hf_families import (_llama_like_shape, _neox_shape, _stablelm_shape,
-                                        _starcoder2_shape)
-from shardlm.config.presets import _gpt2
+from shardlm.config.families import family, loadable, sizable
+from shardlm.config.hf_families import TRAIN_ANY_MODEL, read_llama_like
 from shardlm.errors import ConfigError
 
 
@@ -59,7 +56,7 @@ def _decoder_shape(path: str, option: str, exact: bool) -> tuple[dict[str, Any],
     model_type, the directory's name)."""
     hf, name = _read_hf_config(path, option)
     kind = str(hf.get("model_type", ""))
-    mapped = loadable() if exact else ("gpt2",) + sizable()
+    mapped = loadable() if exact else sizable()
     if kind not in mapped:
         raise ConfigError(f"{option} {path}: model_type {kind!r} is not one that maps onto our "
                           f"decoder; supported: {', '.join(mapped)}. "
@@ -84,26 +81,11 @@ def _decoder_shape(path: str, option: str, exact: bool) -> tuple[dict[str, Any],
     problems: list[str] = []
     if kind in loadable():
         shape["family"] = kind
-    if kind == "gpt2":
-        shape.update(_gpt2(shape["n_layers"], shape["n_heads"], shape["d_model"],
-                           shape["vocab_size"], shape["max_seq_len"]),
-                     d_ff=int(key("n_inner", default=0) or 0),
-                     tie_embeddings=bool(key("tie_word_embeddings", default=True)),
-                     norm_eps=float(key("layer_norm_epsilon", default=1e-5)))
-        act = key("activation_function", default="gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):  # ours is GELU's tanh form
-            problems.append(f"activation_function = {act!r} (ours is 'gelu_new')")
-        for flag, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
-            if key(flag, default=want) != want:
-                problems.append(f"{flag} = {hf[flag]!r} (ours: {want})")
-    elif kind == "starcoder2":
-        _starcoder2_shape(hf, shape, rope, problems)
-    elif kind == "gpt_neox":
-        _neox_shape(hf, shape, rope, problems)
-    elif kind == "stablelm":
-        _stablelm_shape(hf, shape, rope, problems)
+    fam = family(kind)
+    if fam is not None and fam.reader is not None:  # a family with a reader of its own (GPT-2's)
+        fam.reader(hf, shape, rope, key, problems)
     else:
-        _llama_like_shape(hf, kind, shape, rope, key, problems, exact)
+        read_llama_like(hf, kind, shape, rope, key, problems, exact)
     return shape, problems, kind, name
 
 

@@ -1,11 +1,11 @@
-"""Checkpoint families as data: one file per transformers model_type (llama.py, qwen2.py, ...),
-each registering one `Family` that says how its config.json reads as our [model] keys (hf_shapes
-+ hf_families.read_llama_like), which tensor names its checkpoints use (checkpoint/hf_names.py)
-and which config keys an export writes (checkpoint/export.py). Generic code reads the registry;
-adding a LLaMA-like family is one new file here (and its test), listed in BUILTIN.
-
-Families not yet moved into a file (GPT-2, StarCoder2, GPT-NeoX, StableLM and the mixtures)
-are LEGACY: their readers are still branches in those modules. Plain data, no torch: the config
+"""Checkpoint families as data: one file per transformers model_type (llama.py, gpt2.py,
+mixtral.py, ...), each registering one `Family` that says how its config.json reads as our
+[model] keys (hf_shapes + hf_families: LLaMA's reader driven by the record, or the family's own
+`reader`), which tensor names its checkpoints use (checkpoint/hf_names.py: `names`, with GPT-2's
+Conv1D transposes, GPT-NeoX's per-head q/k/v rows and a mixture's `experts`), what of our model
+its transformers class can express, and which config keys an export writes (checkpoint/export.py).
+Generic code reads the registry; adding a family is one new file here (and its test), listed in
+BUILTIN (docs/architecture.md, "Adding a checkpoint family"). Plain data, no torch: the config
 layer reads it; the hooks take a ModelConfig and plain dicts."""
 
 from __future__ import annotations
@@ -17,8 +17,33 @@ from typing import Any, Callable
 
 
 @dataclass(frozen=True)
+class Experts:
+    """How a mixture-of-experts family holds its experts (models/moe.py): a softmax router choosing
+    num_experts_per_tok of SwiGLU experts, dropless, no shared experts."""
+
+    count_key: str
+    """config.json's number of experts (Mixtral's num_local_experts, the others' num_experts)."""
+    width_key: str = "intermediate_size"
+    """config.json's expert width (Qwen3-MoE's moe_intermediate_size)."""
+    renormalised: bool = False
+    """Whether the top k's probabilities are always renormalised (Mixtral's), else as
+    norm_topk_prob says (model.router_topk_norm)."""
+    dense_blocks: bool = False
+    """Whether dense blocks may sit between the sparse ones (Qwen3-MoE's decoder_sparse_step:
+    model.moe_every)."""
+    module: str = "mlp"
+    """The block's module holding router ('gate') and experts in the checkpoint's files
+    (Mixtral's block_sparse_moe)."""
+    weights: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """Each expert's gate, up and down tensors in the files (Mixtral's w1, w3, w2)."""
+    read: Callable[[dict, dict, list], None] | None = None
+    """The family's own expert keys: read(hf, shape, problems) (Qwen3-MoE's decoder_sparse_step)."""
+
+
+@dataclass(frozen=True)
 class Family:
-    """One transformers model_type our decoder computes exactly, as the generic readers need it."""
+    """One transformers model_type our decoder computes exactly, as the generic readers need it.
+    The defaults are LLaMA's: a family states only where it differs."""
 
     name: str
     """config.json's model_type (model.family)."""
@@ -36,8 +61,9 @@ class Family:
     """The family's name in messages (model_type's where empty)."""
     windows: str = "cap"
     """config.json's sliding_window: 'every' (a mask on every block), 'qwen' (use_sliding_window
-    and layer_types, hf_families._qwen_windows), 'cap' (the context capped at the window), 'none'
-    (the family's prepare reads it)."""
+    and layer_types, hf_families._qwen_windows), 'flagged' (use_sliding_window, then a mask on
+    every block: Qwen3-MoE), 'cap' (the context capped at the window), 'none' (the family's
+    prepare reads it)."""
     silu: bool = True
     """Whether its MLP's hidden_act is SiLU (SwiGLU); Gemma's GeGLU is checked by its prepare."""
     tied: bool = False
@@ -52,8 +78,40 @@ class Family:
     read: Callable[[dict, dict, list], None] | None = None
     """The family's own config.json keys into the shape: read(hf, shape, problems)."""
     names: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """Our block's part -> the checkpoint's tensors (relative to model.layers.{i}), where they
-    differ from LLaMA's (checkpoint/hf_names.LLAMA_NAMES): Phi-3's fused qkv_proj."""
+    """Our module -> the checkpoint's modules (no .weight / .bias), where they differ from LLaMA's
+    (checkpoint/hf_names.LLAMA_NAMES): 'tok_emb', 'pos_emb', 'norm_f', 'head' and 'blocks' (the
+    blocks' prefix, block i under '<prefix>.{i}') whole; a block's parts ('attn.qkv', 'mlp.fc',
+    ...) relative to its block, several concatenated along our rows (Phi-3's fused qkv_proj is
+    one, LLaMA's q/k/v three); 'post:<part>' / 'sandwich:<part>' where model.norm_placement
+    renames a norm."""
+    transposed: frozenset[str] = frozenset()
+    """Parts whose weights the checkpoint holds as (in, out), the transpose of ours: GPT-2's Conv1D."""
+    per_head: frozenset[str] = frozenset()
+    """Parts whose rows the checkpoint groups by head, [q_h, k_h, v_h] for each head, where ours
+    are [all q, all k, all v]: GPT-NeoX's query_key_value."""
+    zero_biases: bool = False
+    """Whether its class has a bias on every linear and norm, so an export writes zeros where our
+    model has none (GPT-2's)."""
+    in_memory_names: dict[str, str] = field(default_factory=dict)
+    """A file tensor's name -> the name transformers gives it in memory, where its loading renames
+    it (GPT-NeoX's embed_out is lm_head in transformers 5): what an export's load_state_dict needs."""
+    experts: Experts | None = None
+    """A mixture of experts: how its config.json, its checkpoints and its class hold them."""
+    style: tuple[str, str, str] = ("rmsnorm", "rope", "swiglu")
+    """(model.norm, model.position, model.mlp) its class computes (GPT-2's: layernorm, learned,
+    gelu)."""
+    reader: Callable[[dict, dict, dict, Callable, list], None] | None = None
+    """Its whole config.json reader in place of LLaMA's (hf_families.read_llama_like, and the
+    fields above that drive it): reader(hf, shape, rope, key, problems) fills `shape` (which holds
+    the sizes already), `key` reading a required key."""
+    sizable: bool = True
+    """Whether the planner sizes it from a config.json (hf_shape without exact): the shapes its
+    formulas know, LLaMA's and GPT-2's."""
+    implied: Callable[[Any], bool] | None = None
+    """Whether a model of ours without model.family, of this family's style, exports as this
+    family rather than the style's first without `implied` (GPT-NeoX's fields over StarCoder2;
+    Qwen3-MoE's and OLMoE's q/k norms over Mixtral). LLaMA's dense style: hf_names'
+    _implied_llama_family."""
     expresses: frozenset[str] = frozenset()
     """Our fields beyond LLaMA's core its class has a key for (hf_names.EXTRA_FIELDS)."""
     required: dict[str, Any] = field(default_factory=dict)
@@ -71,21 +129,20 @@ class Family:
 
 
 BUILTIN = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "granite", "smollm3", "gemma",
-           "gemma2", "gemma3_text")
-"""The families with a file here, imported when the registry is first read."""
+           "gemma2", "gemma3_text", "gpt2", "starcoder2", "gpt_neox", "stablelm", "mixtral",
+           "qwen3_moe", "olmoe")
+"""The families with a file here, imported when the registry is first read (in this order: the
+order of model.family's choices)."""
 
-LEGACY = ("gpt2", "starcoder2", "gpt_neox", "stablelm", "mixtral", "qwen3_moe", "olmoe")
-"""Loadable families whose readers are still branches of the generic modules (not yet moved)."""
-
-LEGACY_LLAMA_LIKE = ("olmo", "mixtral", "qwen3_moe", "olmoe")
-"""Of those (and OLMo 1, sized only), the ones with LLaMA's shape: what the planner can size."""
+SIZED_ONLY = ("olmo",)
+"""model_types the planner sizes with LLaMA's reader whose weights do not load (OLMo 1)."""
 
 _FAMILIES: dict[str, Family] = {}
 
 
 def register(family: Family) -> Family:
     """Add `family` to the registry (a family file calls it once, at import); returns it."""
-    if family.name in _FAMILIES or family.name in LEGACY:
+    if family.name in _FAMILIES:
         raise ValueError(f"checkpoint family {family.name!r} is registered twice")
     _FAMILIES[family.name] = family
     return family
@@ -100,18 +157,18 @@ def registered() -> dict[str, Family]:
 
 
 def family(name: str) -> Family | None:
-    """The registered Family of model_type `name`, or None (a legacy or unknown one)."""
+    """The registered Family of model_type `name`, or None (an unknown one)."""
     return registered().get(name)
 
 
 def loadable() -> tuple[str, ...]:
     """model_type values whose weights our decoder computes exactly (model.hf_path)."""
-    return tuple(registered()) + LEGACY
+    return tuple(registered())
 
 
 def sizable() -> tuple[str, ...]:
-    """model_type values with LLaMA's shape (RMSNorm, RoPE, SwiGLU): what the planner can size."""
-    return tuple(registered()) + LEGACY_LLAMA_LIKE
+    """model_type values the planner sizes from a config.json (Family.sizable, and SIZED_ONLY)."""
+    return tuple(name for name, f in registered().items() if f.sizable) + SIZED_ONLY
 
 
 class FamilyChoices(Sequence):
