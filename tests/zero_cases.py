@@ -34,6 +34,7 @@ def train_case(overrides: dict, steps: int, poison_rank: int = -1, model=None) -
         out["comm_ops"].append(dict(run.strategy.ledger.bytes))  # "op/group" -> bytes
         run.strategy.ledger.reset()
     out["state"] = run.strategy.model_state_bytes()
+    out["predicted_state"] = run.strategy.predicted_state_bytes()  # the formula's, by category
     out["numel"] = getattr(run.strategy, "numel", None)
     out["padded"] = sum(u.layout.padded for u in getattr(run.strategy, "units", []))
     with run.strategy.full_parameters():
