@@ -46,7 +46,7 @@ Reproduce:  PYTHONPATH=src python bench/bench_cp.py                       (gpt-m
             PYTHONPATH=src python bench/bench_cp.py --seq 4096 --cases one,cp
             PYTHONPATH=src python bench/bench_cp.py --seq 2048 --cases one,cp,ulysses,ring4,ulysses4,hybrid4
             PYTHONPATH=src python bench/bench_cp.py --preset gpt-tiny --layers 1 --heads 4 \
-                --sweep 4096,8192,16384 --doc-mask both --steps 1 --warmup 0     (docs/architecture.md)
+                --sweep 4096,8192,16384 --doc-mask both --steps 1 --warmup 0     (docs/benchmarks.md)
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ def cp_saved(m: ModelConfig, dt: ActivationDtypes, tp: int = 1, a2a: int = 1,
     block_activation counts for the one-process kernel (no recomputation), and the formula;
     `a2a` = U, the all-to-all degree (1: the ring alone); `all_to_all` whether the heads are
     exchanged (default U > 1). Measured in one process (tests/test_planner_axes.py) and by
-    bench/bench_cp.py --sweep (docs/architecture.md).
+    bench/bench_cp.py --sweep (docs/benchmarks.md).
 
     The projection's input. Without rotation q is a view of the qkv projection's output, the CPU
     flash kernel writes its output in that (B, T, h, d) order, and the output projection's input
