@@ -94,25 +94,18 @@ def hf_family(m: ModelConfig) -> str:
 
 def implied_family(m: ModelConfig) -> str:
     """The family a model of ours without model.family is most naturally, or '' where no
-    registered family has its style (model.norm, position, mlp) and experts or none: a dense
-    LLaMA-style one by its distinguishing fields (_implied_llama_family), another by
-    Family.implied (GPT-NeoX's fields over StarCoder2's; per-head or whole-width q/k norms:
-    Qwen3-MoE, OLMoE over Mixtral)."""
+    registered family has its style (model.norm, position, mlp) and experts or none: of those
+    that do, the last registered whose Family.implied holds (a later family is the more
+    specific: Gemma 3 over Gemma, GPT-NeoX over StarCoder2, OLMoE over Mixtral), else the first
+    registered (the style's base: Llama, GPT-2, StarCoder2, StableLM, Mixtral). A model that
+    mixes several families' fields is refused by the chosen one's check."""
     chosen = {k: getattr(m, k) for k in STYLE}
-    if chosen == LLAMA_STYLE and not m.experts:
-        return _implied_llama_family(m)
     styled = [f for f in registered().values() if (f.experts is not None) == bool(m.experts)
               and (m.experts or dict(zip(STYLE, f.style)) == chosen)]
-    return _implied(styled, m) if styled else ""
-
-
-def _implied(candidates: list[Family], m: ModelConfig) -> str:
-    """The first of `candidates` (one style's) whose Family.implied holds for `m`, else the first
-    without one."""
-    for fam in candidates:
-        if fam.implied is not None and fam.implied(m):
-            return fam.name
-    return next(f.name for f in candidates if f.implied is None)
+    if not styled:
+        return ""
+    return next((f.name for f in reversed(styled) if f.implied is not None and f.implied(m)),
+                styled[0].name)
 
 
 def _style_problems(m: ModelConfig, fam: Family, chosen: dict[str, str], title: str) -> list[str]:
@@ -122,22 +115,6 @@ def _style_problems(m: ModelConfig, fam: Family, chosen: dict[str, str], title: 
         return [f"model.{k} = {chosen[k]!r} ({title} is LLaMA-style: {k}={v!r})"
                 for k, v in want.items() if chosen[k] != v]
     return [f"model.{k} = {chosen[k]!r} ({fam.name}'s is {v!r})" for k, v in want.items() if chosen[k] != v]
-
-
-def _implied_llama_family(m: ModelConfig) -> str:
-    """The LLaMA-style class a model of ours without model.family is most naturally: by its
-    distinguishing fields (a model that mixes them is refused by the family's check)."""
-    if m.norm_offset:
-        return "gemma3_text" if m.qk_norm else "gemma2" if m.norm_placement == "sandwich" else "gemma"
-    if m.qk_norm:
-        return "olmo2" if m.qk_norm_width == "all" else "qwen3"
-    if (m.embedding_multiplier, m.attention_scale, m.residual_multiplier, m.logits_divisor) != (1.0, 0.0, 1.0, 1.0):
-        return "granite"
-    if m.nope_every:
-        return "smollm3"
-    if m.sliding_window:
-        return "mistral"
-    return "qwen2" if m.qkv_bias and not m.bias else "llama"
 
 
 def _field_problems(m: ModelConfig, fam: Family) -> list[str]:

@@ -108,10 +108,11 @@ class Family:
     """Whether the planner sizes it from a config.json (hf_shape without exact): the shapes its
     formulas know, LLaMA's and GPT-2's."""
     implied: Callable[[Any], bool] | None = None
-    """Whether a model of ours without model.family, of this family's style, exports as this
-    family rather than the style's first without `implied` (GPT-NeoX's fields over StarCoder2;
-    Qwen3-MoE's and OLMoE's q/k norms over Mixtral). LLaMA's dense style: hf_names'
-    _implied_llama_family."""
+    """Whether a model of ours without model.family, of this family's style, has this family's
+    distinguishing fields (Qwen2's q/k/v-only biases, Gemma's (1 + w) norms, GPT-NeoX's
+    parallel residual): it then exports as the last registered family whose `implied` holds,
+    else as the style's first (hf_names.implied_family). None: never implied (Phi-3's fused
+    names are its checkpoints' business, not a field of ours)."""
     expresses: frozenset[str] = frozenset()
     """Our fields beyond LLaMA's core its class has a key for (hf_names.EXTRA_FIELDS)."""
     required: dict[str, Any] = field(default_factory=dict)

@@ -61,4 +61,4 @@ def export(m, llama_keys: dict, layer_types: list[str]) -> dict:
 
 register(Family(name="gemma", config_class="GemmaConfig", model_class="GemmaForCausalLM",
                 title="Gemma", attention_bias="refused", windows="none", silu=False, tied=True,
-                prepare=prepare, checks=checks, export=export))
+                prepare=prepare, implied=lambda m: m.norm_offset, checks=checks, export=export))

@@ -66,4 +66,5 @@ def export(m, llama_keys: dict, layer_types: list[str]) -> dict:
 
 register(Family(name="gemma2", config_class="Gemma2Config", model_class="Gemma2ForCausalLM",
                 title="Gemma", attention_bias="refused", windows="none", silu=False, tied=True,
-                prepare=prepare, checks=lambda m: sandwich_problems(m, "gemma2"), export=export))
+                prepare=prepare, implied=lambda m: m.norm_offset and m.norm_placement == "sandwich",
+                checks=lambda m: sandwich_problems(m, "gemma2"), export=export))

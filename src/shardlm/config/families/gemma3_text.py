@@ -35,4 +35,5 @@ def export(m, llama_keys: dict, layer_types: list[str]) -> dict:
 
 register(Family(name="gemma3_text", config_class="Gemma3TextConfig", model_class="Gemma3ForCausalLM",
                 title="Gemma", attention_bias="refused", windows="none", silu=False, tied=True,
-                prepare=prepare, checks=lambda m: sandwich_problems(m, "gemma3_text"), export=export))
+                prepare=prepare, implied=lambda m: m.norm_offset and m.qk_norm,
+                checks=lambda m: sandwich_problems(m, "gemma3_text"), export=export))

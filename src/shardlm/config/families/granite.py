@@ -25,7 +25,13 @@ def export(m, llama_keys: dict, layer_types: list[str]) -> dict:
                 logits_scaling=m.logits_divisor, pad_token_id=None)
 
 
+def implied(m) -> bool:
+    """A model of ours with any of Granite's multipliers."""
+    return (m.embedding_multiplier, m.attention_scale, m.residual_multiplier, m.logits_divisor) != \
+        (1.0, 0.0, 1.0, 1.0)
+
+
 register(Family(name="granite", config_class="GraniteConfig", model_class="GraniteForCausalLM",
-                has_head_dim=False, read=read, biased=True, export=export,
+                has_head_dim=False, read=read, biased=True, implied=implied, export=export,
                 expresses=frozenset({"embedding_multiplier", "attention_scale", "residual_multiplier",
                                      "logits_divisor"})))

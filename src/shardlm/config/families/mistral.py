@@ -12,4 +12,5 @@ def export(m, llama_keys: dict, layer_types: list[str]) -> dict:
 
 
 register(Family(name="mistral", config_class="MistralConfig", model_class="MistralForCausalLM",
-                windows="every", expresses=frozenset({"head_dim", "sliding_window"}), export=export))
+                windows="every", implied=lambda m: bool(m.sliding_window),
+                expresses=frozenset({"head_dim", "sliding_window"}), export=export))

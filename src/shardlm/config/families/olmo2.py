@@ -17,4 +17,5 @@ SHAPE = {"qk_norm": True, "qk_norm_width": "all", "norm_placement": "post"}
 
 register(Family(name="olmo2", config_class="Olmo2Config", model_class="Olmo2ForCausalLM",
                 shape=SHAPE, attention_bias="refused", has_head_dim=False,
+                implied=lambda m: m.qk_norm and m.qk_norm_width == "all",
                 expresses=frozenset({"qk_norm", "qk_norm_width", "norm_placement"}), export=export))

@@ -25,5 +25,6 @@ def problems(m) -> list[str]:
 
 register(Family(name="qwen2", config_class="Qwen2Config", model_class="Qwen2ForCausalLM",
                 shape={"qkv_bias": True}, attention_bias="qkv", windows="qwen", has_head_dim=False,
+                implied=lambda m: m.qkv_bias and not m.bias,
                 expresses=frozenset({"qkv_bias", "sliding_window", "global_every"}),
                 problems=problems, export=export))

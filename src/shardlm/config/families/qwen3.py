@@ -15,5 +15,6 @@ def export(m, llama_keys: dict, layer_types: list[str]) -> dict:
 
 register(Family(name="qwen3", config_class="Qwen3Config", model_class="Qwen3ForCausalLM",
                 shape={"qk_norm": True}, attention_bias="refused", windows="qwen",
+                implied=lambda m: m.qk_norm and m.qk_norm_width == "head",
                 expresses=frozenset({"head_dim", "qk_norm", "sliding_window", "global_every"}),
                 export=export))

@@ -30,5 +30,5 @@ def export(m, llama_keys: dict, layer_types: list[str]) -> dict:
 
 
 register(Family(name="smollm3", config_class="SmolLM3Config", model_class="SmolLM3ForCausalLM",
-                has_head_dim=False, read=read, biased=True, expresses=frozenset({"nope_every"}),
-                export=export))
+                has_head_dim=False, read=read, biased=True, implied=lambda m: bool(m.nope_every),
+                expresses=frozenset({"nope_every"}), export=export))
