@@ -123,7 +123,7 @@ FRONTIER = [
 """Issue 42's newer features, outside the everyday matrix: --pairs names them, --frontier
 validates each against every feature (FEATURES and these)."""
 BY_NAME = {f.name: f for f in FEATURES + FRONTIER}
-LIFTED = ("fp8_ag+tp", "fp8_ag+tp_sp", "fp8_ag+lora", "async_tp+compile")
+LIFTED = ("fp8_ag+tp", "fp8_ag+tp_sp", "fp8_ag+lora", "fp8_ag+compile", "async_tp+compile")
 """Pairs issue 42 part 4 accepted (refused before), each run against one process here."""
 
 BASE = {"model.preset": "llama-tiny", "precision.compute": "fp32", "run.device": "cpu",

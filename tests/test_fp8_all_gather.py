@@ -63,15 +63,18 @@ TP = {"parallel.tp": 2}
 """Both ranks one tp group (ZeRO-3 over a shard group of one): each weight a tp piece."""
 LORA = {"lora.rank": 4}
 """LoRA's frozen base gathered in E4M3 (the "[fp8 frozen]" units), the adapters in bf16."""
+COMPILED = {"train.compile": True}
+"""Each block compiled (2 steps): its layers read the gathered bytes as graph inputs."""
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """One spawn: without and with fp8_all_gather, plain, RECOMPUTED, TP and LORA."""
+    """One spawn: without and with fp8_all_gather, plain, RECOMPUTED, TP, LORA and COMPILED."""
     tmp_path = tmp_path_factory.mktemp("fp8_gather")
     plain, recomputed = _overrides(tmp_path), _overrides(tmp_path, **RECOMPUTED)
     cases = [(plain, STEPS), ({**plain, **GATHER}, STEPS), (recomputed, 2), ({**recomputed, **GATHER}, 2)]
     cases += [(case, STEPS) for extra in (TP, LORA) for case in ({**plain, **extra}, {**plain, **extra, **GATHER})]
+    cases += [({**plain, **COMPILED}, 2), ({**plain, **COMPILED, **GATHER}, 2)]
     return plain, run_ranks(gather_cases, 2, tmp_path, cases)
 
 
@@ -90,13 +93,16 @@ def test_pieces_rounded_at_the_whole_amax_are_the_whole_weight_rounded():
     assert torch.equal(sum(c for _, c in rounded), whole_counts) and whole_counts[1] > 0
 
 
-@pytest.mark.parametrize("pair", [0, 1, 2, 3], ids=["plain", "recomputed+accumulated", "tp", "lora"])
+@pytest.mark.parametrize("pair", [0, 1, 2, 3, 4], ids=["plain", "recomputed+accumulated", "tp", "lora", "compiled"])
 def test_the_fp8_gather_holds_the_bits_of_the_bf16_gather(two_ranks, pair):
     """tp: the weights' amaxes are reduced over the shard group, then over the tp group (each
     weight a piece of one process's): the max the tp layer's own quantiser takes when it rounds
     its piece itself, so the same scale and bits. LoRA: the frozen base, rounded at its whole
     amax on each rank, is the bits the base's quantiser rounds itself; its adapters' unit is the
-    same with and without the option, so AdamW steps the same segments."""
+    same with and without the option, so AdamW steps the same segments. Compiled: the same
+    Inductor code on both sides, the gathered weight's E4M3 values (dequantised in the graph)
+    equal to those the layer rounds itself in it (the [fp8] unit's bf16 buffer is not gathered
+    in training: the graph reads the E4M3 bytes)."""
     _, (rank0, rank1) = two_ranks
     off, on = rank0[2 * pair], rank0[2 * pair + 1]
     assert on["losses"] == off["losses"] and on["records"] == off["records"] and on["eval"] == off["eval"]
@@ -193,8 +199,7 @@ def test_the_planner_gathers_the_ledger_bytes(two_ranks):
     ({"precision.fp8_emulate": False, "run.device": "cuda"}, "precision.fp8_emulate = true"),
     ({"parallel.zero_stage": 2}, "parallel.zero_stage = 3"),
     ({"lora.rank": 4, "lora.quantize": "nf4"}, "half a byte per element"),
-    ({"train.compile": True}, "train.compile = True"),
-], ids=["no-fp8", "delayed", "torchao", "stage-2", "qlora", "compile"])
+], ids=["no-fp8", "delayed", "torchao", "stage-2", "qlora"])
 def test_what_does_not_compose_is_refused_by_name(tmp_path, change, named):
     with pytest.raises(ConfigError, match="precision.fp8_all_gather") as error:
         load_config(overrides={**_overrides(tmp_path), **GATHER, **change}).validate()
