@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardlm.hardware.catalog import Cluster
-from shardlm.planner import muon
+from shardlm.planner.muon import collectives as muon_collectives
 from shardlm.planner.links import collective_parts, group_link
 from shardlm.planner.traffic import fp8_gathered_elements, local_sgd_comm_bytes
 from shardlm.planner.workload import StageParams, Strategy, Workload, zero_ranks
@@ -134,7 +134,7 @@ def dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: W
 
     shard, replicas = zero_ranks(lay), lay.dp_replicate
     if s.optimizer == "muon":  # zero/muon.py, around the tier's step: nothing computes beside them
-        for name, op, size, stride, volume in muon.collectives(w, s, sp):
+        for name, op, size, stride, volume in muon_collectives(w, s, sp):
             per_unit = volume / max(1, sp.layers) / (2 if op == "all_reduce" else 1)
             comm(name, op, size, stride, volume, [("a block unit, in the optimizer step",
                  unit_collective(cluster, op, per_unit, size, stride), sp.layers, 0.0)])

@@ -18,7 +18,7 @@ from shardlm.hardware.catalog import Cluster
 from shardlm.planner.activations import (activation_dtypes, activation_peak,
                                          block_activation)
 from shardlm.planner.cp_modes import a2a_degree
-from shardlm.planner import muon
+from shardlm.planner.muon import local_saving as muon_local_saving, momentum_item as muon_momentum_item
 from shardlm.planner.traffic import fp8_gathered_elements
 from shardlm.planner.workload import (DTYPE_BYTES, PHASES, Item, StageParams, Strategy, Workload,
                                       effective_tier, offloaded_blocks, pipeline_layers, pp_hidden_bytes,
@@ -100,7 +100,7 @@ def _state_items(sp: StageParams, lay: ParallelDims, s: Strategy, cluster: Clust
     expert = model_state_bytes(sp.experts, n_expert, s.zero_stage, p, g, k)
     total = {key: dense[key] + expert[key] for key in dense}
     if s.optimizer == "muon" and local:  # MuonWithAdamW: one word for a matrix, not two moments
-        total["optimizer"] -= muon.local_saving(sp)
+        total["optimizer"] -= muon_local_saving(sp)
     opt_tier = effective_tier(s.offload_optimizer, cluster)
     param_tier = effective_tier(s.offload_params, cluster)
     shard = lambda on: f" / N={n_dense}" if on else ""  # noqa: E731
@@ -123,7 +123,7 @@ def _state_items(sp: StageParams, lay: ParallelDims, s: Strategy, cluster: Clust
              + (f", held on {opt_tier}" if opt_tier != "none" else "")),
     ]
     if s.optimizer == "muon" and not local:
-        items.append(muon.momentum_item(sp, s))
+        items.append(muon_momentum_item(sp, s))
     if s.local_sgd_every:  # zero/local_sgd.py: θ_outer (and the momentum) of the rank's master shard
         words = 2 if s.local_sgd_outer == "diloco" else 1
         items.append(Item("local SGD outer model", 4.0 * words * (sp.dense + sp.experts) / n_dense,
