@@ -119,12 +119,15 @@ FRONTIER = [
     Feature("zbv", {"parallel.pp": 2, "parallel.pp_virtual": 2, "parallel.pp_schedule": "zbv", "model.n_layers": 4}),
     Feature("dualpipev", {"parallel.pp": 2, "parallel.pp_virtual": 2, "parallel.pp_schedule": "dualpipev",
                           "train.grad_accum": 4, "model.n_layers": 4}),
+    Feature("muon", {"train.optimizer": "muon"}),
 ]
 """Issue 42's newer features, outside the everyday matrix: --pairs names them, --frontier
 validates each against every feature (FEATURES and these)."""
 BY_NAME = {f.name: f for f in FEATURES + FRONTIER}
-LIFTED = ("fp8_ag+tp", "fp8_ag+tp_sp", "fp8_ag+lora", "fp8_ag+compile", "async_tp+compile")
-"""Pairs issue 42 part 4 accepted (refused before), each run against one process here."""
+LIFTED = ("fp8_ag+tp", "fp8_ag+tp_sp", "fp8_ag+lora", "fp8_ag+compile", "async_tp+compile",
+          "tp+muon", "tp_sp+muon", "pp+muon", "ep+muon", "cp+muon", "hybrid+muon", "offload_cpu+muon",
+          "async_tp+muon", "zbv+muon")
+"""Pairs issue 42 accepted (refused before), each run against one process here."""
 
 BASE = {"model.preset": "llama-tiny", "precision.compute": "fp32", "run.device": "cpu",
         "train.seq_len": 32, "train.micro_batch": 2, "train.grad_accum": 2, "train.steps": STEPS,
@@ -466,7 +469,7 @@ def main() -> None:
     parser.add_argument("--rotate", type=int, default=0, help="a fixed random subset of this many pairs")
     parser.add_argument("--seed", type=int, default=0, help="which subset --rotate picks")
     parser.add_argument("--frontier", action="store_true",
-                        help="the pairs with a FRONTIER feature (fp8_ag, async_tp, zbv, dualpipev) instead")
+                        help="the pairs with a FRONTIER feature (fp8_ag, async_tp, zbv, dualpipev, muon) instead")
     parser.add_argument("--json", default="", help="also write the results to this file")
     parser.add_argument("--batch", action="store_true",
                         help=f"run the pairs of one world size together, {BATCH} per spawn (faster; a "
