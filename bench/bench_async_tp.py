@@ -2,7 +2,7 @@
 CPU ranks (gloo): tp=2 + sequence_parallel, the same model, batches and fp32 weights, with the
 all-gather / reduce-scatter around each column / row linear either waited on whole before (or
 after) the matmul, or cut into tp pieces in flight while the matmul of the rows already there
-runs (parallel/async_tp.py).
+runs (parallel/tensor/async_tp.py).
 
     blocking SP   parallel.tp=2, parallel.sequence_parallel=true
     async TP      the same + parallel.async_tp=true
@@ -34,7 +34,7 @@ import tempfile
 
 from common import (add_step_args, bench_parser, combine, err, ledger_text, machine, prepare, reproduce,
                     rounds, run_overrides, speed_text, start_ranks, summarize, table, timed_steps)
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.models import count_params
 from shardlm.train.build import build_run
 

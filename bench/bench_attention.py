@@ -29,7 +29,7 @@ from common import MiB, machine, reproduce, table, timed_steps
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from memory_ledger import decoder_peak_bytes  # noqa: E402
 
-from shardlm.config import ModelConfig  # noqa: E402
+from shardlm.config.model import ModelConfig  # noqa: E402
 from shardlm.models import build_model  # noqa: E402
 from shardlm.models.attention import attend, prepare  # noqa: E402
 from shardlm.data.packed import positions_from_starts  # noqa: E402

@@ -59,7 +59,7 @@ import torch
 from checkpoint_io import MB, OtherCpu, Probe, cpu_seconds, disk_limits, drop_cache, save_phases
 from common import MiB, bench_parser, machine, peak_rss_bytes, prepare, reproduce, run_overrides, start_ranks, table, table_row
 from shardlm.checkpoint.sharded import find_checkpoint
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.models import count_params
 
 WORLD = 2

@@ -61,8 +61,8 @@ from pathlib import Path
 
 import torch
 
-from shardlm.config import load_config
-from shardlm.data import build_dataset
+from shardlm.config.load import load_config
+from shardlm.data.loader import build_dataset
 from shardlm.launch.runtime import cpu_cores
 from shardlm.models import count_params
 from shardlm.launch.spawn import run_ranks

@@ -37,7 +37,7 @@ import tempfile
 from common import (add_step_args, bench_parser, by_group, machine, prepare, reproduce, rounds, run_overrides,
                     start_ranks, table, timed_steps)
 from shardlm.checkpoint.sharded import CHECKPOINTS
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.models import count_params
 from shardlm.train.checkpointing import save_checkpoint
 from shardlm.train.build import build_run

@@ -3,7 +3,7 @@ the same run without a fault, and against ordinary dp_replicate = 2 training.
 
 Three runs of `shardlm train --nproc 2` (gpt-mini in fp32 by default, 2 replicas of one process):
   ordinary     dp_replicate = 2, one gloo world (torchrun's launcher)
-  fault-free   parallel.fault_tolerant = true (launch/replicas.py), nobody dies
+  fault-free   parallel.fault_tolerant = true (parallel/data/fault_tolerant/launcher.py), nobody dies
   killed       the same, replica 1 SIGKILLed after step --kill, restarted (--max-restarts 1);
                it rejoins from replica 0's state
 For each: the launch's wall time, replica 0's loss per step and the quorum each step averaged

@@ -71,7 +71,7 @@ def profiled(step, at: int, rows: int) -> str:
 def child(overrides: dict, steps: int, profile: int = 0) -> dict:
     import torch
 
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.launch.allocator import apply_malloc_policy
     from shardlm.train.telemetry import peak_rss_bytes
     from shardlm.train.build import build_run
@@ -127,7 +127,7 @@ def peft_child(overrides: dict, steps: int, rank: int) -> dict:
 
     import transformers
 
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.checkpoint.export import hf_config
     from shardlm.train.telemetry import peak_rss_bytes
 
@@ -165,7 +165,7 @@ def loop_child(overrides: dict, steps: int, rank: int, mode: str, profile: int =
     import torch
 
     from finetune_loop import loop_step, plain_model, same_batches
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.train.telemetry import peak_rss_bytes
 
     cfg = load_config(overrides=overrides).validate()
@@ -246,7 +246,7 @@ def main() -> None:
                              "ops of most self CPU time (one-process modes; not timed)")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
 
     overrides = {
         "model.preset": args.preset, "train.micro_batch": args.micro_batch, "train.seq_len": args.seq,

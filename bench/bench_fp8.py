@@ -31,7 +31,7 @@ import statistics
 import tempfile
 
 from common import bench_parser, machine, reproduce, table, table_row, timed_steps
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.launch.runtime import cpu_cores
 from shardlm.train.build import build_run
 from shardlm.train.step import evaluate, train_step

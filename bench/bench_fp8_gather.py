@@ -1,6 +1,6 @@
 """FP8 all-gather at ZeRO-3 (precision.fp8_all_gather, issue 29 item 4): the same ZeRO-3 run on 2
 gloo ranks, FP8 emulated (tensorwise, fp32 master), with the blocks' FP8 linear weights gathered
-in bf16 (as before) or in E4M3 with one scale per weight (zero/fp8_gather.py).
+in bf16 (as before) or in E4M3 with one scale per weight (parallel/data/zero/fp8_gather.py).
 
 Per case: the all-gather bytes per step from the byte ledger beside the planner's prediction
 (planner/timing.py, the same config), the amax all-reduce's bytes (fp8 only: 4 bytes per weight
@@ -34,7 +34,7 @@ import torch
 
 from common import (MiB, add_step_args, bench_parser, combine, machine, peak_rss_bytes, prepare, reproduce,
                     rounds, run_overrides, speed_text, start_ranks, summarize, table, train_timed)
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.hardware.catalog import parse_cluster
 from shardlm.models.flops import count_params
 from shardlm.planner.search import config_strategy

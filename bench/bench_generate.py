@@ -15,7 +15,7 @@ import statistics
 import torch
 
 from common import machine, reproduce, table, timed_steps
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.models.decoder import build_model, generate
 
 

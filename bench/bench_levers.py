@@ -44,10 +44,12 @@ import tempfile
 from pathlib import Path
 
 from common import bench_parser, machine, reproduce, rounds, table, table_row
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.config.dims import ParallelDims
 from shardlm.hardware.catalog import parse_cluster
-from shardlm.planner import Strategy, Workload, estimate_memory, estimate_time
+from shardlm.planner.workload import Strategy, Workload
+from shardlm.planner.memory import estimate_memory
+from shardlm.planner.timing import estimate_time
 from shardlm.planner.workload import Dtypes
 from shardlm.config.presets import get_preset
 

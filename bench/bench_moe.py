@@ -40,7 +40,7 @@ import torch
 
 from common import (MiB, machine, peak_rss_bytes, prepare, reproduce, run_overrides, start_ranks, summarize, table,
                     table_row, train_timed)
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.models import count_params
 from shardlm.models.flops import active_params
 

@@ -3,7 +3,7 @@ DeepSpeed's (deepspeed.moe.layer.MoE), one layer, forward + backward, on the sam
 weights and tokens.
 
     shardlm cf=F      shardlm.models.moe.MoE, capacity_factor F, its experts spread over the 2
-                      ranks by parallel.expert.spread_experts (AllToAllDispatcher)
+                      ranks by parallel.expert.dispatch.spread_experts (AllToAllDispatcher)
     DeepSpeed cf=F    deepspeed.moe.layer.MoE(ep_size=2, k=2, capacity_factor=F,
                       drop_tokens=True), set_deepspeed_parallelism() (expert group over both ranks)
     shardlm dropless  capacity_factor 0
@@ -100,7 +100,7 @@ import torch
 import torch.distributed as dist
 
 from common import MiB, machine, peak_rss_bytes, proc_status, reproduce, reset_peak_rss, rounds, start_ranks, table, timed_steps
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 
 WORLD = 2
 # key -> (label, library, dropless)
@@ -158,7 +158,7 @@ def build_shardlm(shape: dict, dropless: bool, rank: int):
     from shardlm.comm.collectives import Comm, CommLedger
     from shardlm.models.decoder import dense_mlp
     from shardlm.models.moe import MoE, MoEStats
-    from shardlm.parallel.expert import spread_experts
+    from shardlm.parallel.expert.dispatch import spread_experts
 
     cfg = model_config(shape, dropless)
     stats = MoEStats(layers=[0], experts=cfg.experts)

@@ -82,7 +82,7 @@ def main() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv],
                   {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})
 
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.models import count_params
     from shardlm.train.build import build_run
     from shardlm.train.step import train_step

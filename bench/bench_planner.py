@@ -87,7 +87,7 @@ def overrides_for(args, ranks: int, stage: int, ac: str, offload: str, axes: str
 
 def measure(rank: int, world_size: int, overrides: dict, steps: int) -> dict:
     """Rank side: train `steps` steps; the ledger, peak RSS and step times."""
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.train.telemetry import peak_rss_bytes
     from shardlm.train.build import build_run
     from shardlm.train.step import train_step
@@ -191,7 +191,7 @@ def wait_until_quiet(limit_s: float = 60.0, window_s: float = 1.0, threshold: fl
 
 def predict_case(args, row: dict) -> dict:
     """The planner's prediction for a case (on this machine's cached probe and calibration)."""
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.planner.search import predict_local
 
     settings = argparse.Namespace(**{**vars(args), **{k: row[k] for k in

@@ -57,7 +57,7 @@ step). "CPU s/step" is this process's CPU time per timed step (all threads; medi
 rank): the work a case does, much less sensitive than wall time to other jobs' load. Bubble
 (shardlm only): train.loop.step_record's pp_bubble (mean over stages of seconds blocked on a
 neighbour / step seconds) and pp_bubble_by_stage, median over the timed steps, beside the
-schedule's table's idle share simulated with unit times (shardlm.config.pipeline_tables.check_table:
+schedule's table's idle share simulated with unit times (shardlm.parallel.pipeline.tables.check_table:
 F = I = W, B = 2; no communication), its published formula (pipeline_schedules.bubble_formula:
 (P-1)/(V*M+P-1); ZB-V 0; DualPipeV (P-1)(F&B+B-3W) per rank with F&B = F+B; zb: its table's)
 and the planner's
@@ -91,9 +91,9 @@ from common import (MiB, add_step_args, bench_parser, combine, err, ledger_text,
                     reproduce, reset_peak_rss, rounds, run_overrides, speed_text, start_ranks, summarize, table,
                     train_timed)
 from pp_torch import torch_rank
-from shardlm.config import load_config
-from shardlm.config.pipeline_tables import V_SHAPED, check_table
-from shardlm.config.pipeline_schedules import table_for
+from shardlm.config.load import load_config
+from shardlm.parallel.pipeline.tables import V_SHAPED, check_table
+from shardlm.parallel.pipeline.schedules import table_for
 from shardlm.models import count_params
 from shardlm.models.flops import pipeline_split
 

@@ -137,10 +137,10 @@ def instrument(phases: Phases) -> None:
     """Phase wrappers around shardlm's setup and step, in this (rank) process only."""
     import shardlm.train.build as builder
     import shardlm.train.step as stepper
-    from shardlm.zero import engine
-    from shardlm.zero.params import ParamSharding
-    from shardlm.zero.tiers.nvme import NvmeTier
-    from shardlm.zero.tiers.nvme_params import FileParams
+    from shardlm.parallel.data.zero import engine
+    from shardlm.parallel.data.zero.params import ParamSharding
+    from shardlm.parallel.data.zero.tiers.nvme import NvmeTier
+    from shardlm.parallel.data.zero.tiers.nvme_params import FileParams
 
     for attr, label in [("resolve_config", "resolve config"), ("build_mesh", "mesh"),
                         ("build_dataset", "dataset (tokenizer + token memmap)"),
@@ -168,7 +168,7 @@ def instrument(phases: Phases) -> None:
 
 def rank_main(rank: int, world: int, overrides: dict, steps: int) -> dict:
     from shardlm.launch.allocator import apply_malloc_policy
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.train.build import build_run
     from shardlm.train.step import train_step
 
@@ -304,7 +304,7 @@ def main() -> None:
                              "users run) and report its workers' peaks")
     args = parser.parse_args()
 
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.models import count_params
 
     base = Path(args.dir)

@@ -56,10 +56,10 @@ import torch.nn.functional as F
 from common import (MiB, add_step_args, bench_parser, by_group, combine, err, ledger_text, machine, mean_loss, peak_rss_bytes,
                     prepare, reference_setup, reproduce, rounds, run_overrides, speed_text, start_ranks, summarize,
                     table, timed_steps, train_timed)
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.models import count_params
 from shardlm.train.build import build_run
-from shardlm.zero.optim import lr_at, param_groups, set_lr
+from shardlm.parallel.data.zero.optim import lr_at, param_groups, set_lr
 
 WORLD = 2
 # (name, runner, data-parallel degree, shardlm's overrides or torch's sequence_parallel)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import machine, reproduce, run_overrides, table, table_row, timed_steps
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.launch.runtime import cpu_cores
 from shardlm.models import count_params
 from shardlm.train.build import build_run

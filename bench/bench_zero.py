@@ -48,11 +48,11 @@ import torch.nn.functional as F
 
 from common import (MiB, add_step_args, bench_parser, machine, mean_loss, peak_rss_bytes, prepare, reference_setup, reproduce,
                     run_overrides, start_ranks, summarize, table, table_row, timed_steps, train_timed)
-from shardlm.config import load_config
-from shardlm.data import Loader
+from shardlm.config.load import load_config
+from shardlm.data.loader import Loader
 from shardlm.models import count_params
 from shardlm.train.build import build_run
-from shardlm.zero.optim import lr_at, param_groups, set_lr
+from shardlm.parallel.data.zero.optim import lr_at, param_groups, set_lr
 
 WORLD = 2
 # (case, shardlm's overrides, torch reference); the reference names are what torch_rank

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from shardlm.config import typed_overrides
+from shardlm.config.load import typed_overrides
 from shardlm.launch.runtime import cpu_cores
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.telemetry import peak_rss_bytes, reset_peak_rss  # noqa: F401 (the benches take both from here)
@@ -56,7 +56,7 @@ def prepare(cfg, ranks: int, mmap_threshold: str | None = MMAP_THRESHOLD, precis
     (tokenizer and token stream, cached for the ranks) and the CPU's matmul peak (build_run looks
     it up for MFU, probing with 3 matrices of 16 MiB on a cache miss) made here at the ranks'
     thread count. Returns that thread count."""
-    from shardlm.data import build_dataset
+    from shardlm.data.loader import build_dataset
     from shardlm.data.sft import template_for
     from shardlm.data.tokenizer import hf_tokenizer
     from shardlm.train.telemetry import peak_flops
@@ -114,8 +114,8 @@ def reference_setup(overrides: dict, dp_rank: int, dp_size: int):
     """A torch reference side's start, as shardlm's run starts: (the validated config, shardlm's
     Loader over this data-parallel rank's slice of each global batch, the same model built
     whole from the same seed)."""
-    from shardlm.config import load_config
-    from shardlm.data import Loader, build_dataset
+    from shardlm.config.load import load_config
+    from shardlm.data.loader import Loader, build_dataset
     from shardlm.models import build_model
 
     cfg = load_config(overrides=overrides).validate()

@@ -44,7 +44,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.config.rules import refusing_rules
 from shardlm.errors import ConfigError
 

@@ -38,7 +38,7 @@ from compose import (
     write_chat,
 )
 
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.launch.spawn import run_ranks
 
 

@@ -90,7 +90,7 @@ def instruct_checkpoint(directory: Path, chats: Path, shape: dict = SMOLLM2_135M
 def same_batches(cfg):
     """shardlm's train Loader for `cfg` (one rank), built as build_run builds it."""
     from shardlm.config.fields import document_mask_on
-    from shardlm.data import build_dataset
+    from shardlm.data.loader import build_dataset
     from shardlm.data.loader import Loader
     from shardlm.data.sft import template_for
     from shardlm.data.tokenizer import hf_tokenizer

@@ -88,10 +88,10 @@ def _plain(overrides: dict, warmup: int, timed: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from shardlm.config import load_config
-    from shardlm.data import Loader, build_dataset
+    from shardlm.config.load import load_config
+    from shardlm.data.loader import Loader, build_dataset
     from shardlm.models import build_model
-    from shardlm.zero.optim import lr_at, param_groups
+    from shardlm.parallel.data.zero.optim import lr_at, param_groups
 
     cfg = load_config(overrides=overrides).validate()
     t, device = cfg.train, torch.device(cfg.run.device)
@@ -121,7 +121,7 @@ def _plain(overrides: dict, warmup: int, timed: int) -> dict:
 
 
 def _shardlm(overrides: dict, warmup: int, timed: int) -> dict:
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.train.build import build_run
     from shardlm.train.step import train_step
 

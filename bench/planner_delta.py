@@ -28,7 +28,8 @@ import re
 import sys
 from pathlib import Path
 
-from shardlm.config import ZeroConfig, load_config
+from shardlm.config.schema import ZeroConfig
+from shardlm.config.load import load_config
 from shardlm.hardware.catalog import MIB, interpolate
 from shardlm.hardware.disk_probe import stream_rate
 from shardlm.planner.memory import nvme_first_chunk

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import peak_rss_bytes, reference_setup, reset_peak_rss, timed_steps
-from shardlm.config.pipeline_tables import V_SHAPED
+from shardlm.parallel.pipeline.tables import V_SHAPED
 from shardlm.models.flops import pipeline_split
-from shardlm.zero.optim import lr_at, param_groups, set_lr
+from shardlm.parallel.data.zero.optim import lr_at, param_groups, set_lr
 
 
 

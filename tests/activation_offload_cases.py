@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-import shardlm.parallel.activation as activation
+import shardlm.parallel.blocks.activation as activation
 from zero_cases import train_case
 
 

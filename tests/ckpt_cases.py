@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from shardlm.checkpoint.sharded import CHECKPOINTS, step_dir_name
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.train.build import build_run
 from shardlm.train.loop import train
 

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.train.build import build_run
 from shardlm.train.loop import train
 from zero_cases import train_case

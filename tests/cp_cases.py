@@ -12,8 +12,8 @@ def ring_attention_case(rank: int, world_size: int, heads: int, kv_heads: int, l
     import torch.distributed as dist
 
     from shardlm.comm.collectives import Comm, CommLedger
-    from shardlm.parallel import ring_blocks
-    from shardlm.parallel.context import CPState, ring_attention
+    from shardlm.parallel.context import ring_blocks
+    from shardlm.parallel.context.attention import CPState, ring_attention
 
     if math_path:  # the portable path (what a device without a fused kernel runs)
         ring_blocks._has_cpu_flash = lambda q: False
@@ -56,9 +56,9 @@ def cp_attention_case(rank: int, world_size: int, mode: str, a2a: int, heads: in
 
     from shardlm.comm.collectives import Comm, CommLedger
     from shardlm.models.attention import prepare
-    from shardlm.parallel.context import CPState, RingAttention
-    from shardlm.parallel.context import UlyssesAttention
-    from shardlm.parallel.ulysses import hybrid_groups
+    from shardlm.parallel.context.attention import CPState, RingAttention
+    from shardlm.parallel.context.attention import UlyssesAttention
+    from shardlm.parallel.context.ulysses import hybrid_groups
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, heads, length, 8, generator=g)
@@ -93,7 +93,7 @@ def cp_world(rank: int, world_size: int, train: list, modes: list, rings: list, 
     written) of each overrides dict in `runs`. The rings run after the training, and the
     portable-path switch a ring case flips is put back after it: nothing else sees it."""
     from ckpt_cases import train_run
-    from shardlm.parallel import ring_blocks
+    from shardlm.parallel.context import ring_blocks
     from zero_cases import train_cases
 
     out = {"train": train_cases(rank, world_size, train), "runs": [train_run(o) for o in runs],
@@ -108,7 +108,7 @@ def cp_world(rank: int, world_size: int, train: list, modes: list, rings: list, 
 
 
 def ring_work_case(rank: int, world_size: int, heads: int, length: int, dim: int, dtype: str) -> dict:
-    """The ring's forward and backward (parallel/context.py, called directly: the custom op
+    """The ring's forward and backward (parallel/context/attention.py, called directly: the custom op
     would hide its insides from a dispatch tracker) on this rank's chunks of a (2, heads,
     length, dim) sequence, tracked op by op (dispatch_count): {pass: (ops, bytes written to new
     tensors)}."""
@@ -117,7 +117,7 @@ def ring_work_case(rank: int, world_size: int, heads: int, length: int, dim: int
 
     from dispatch_count import dispatched
     from shardlm.comm.collectives import Comm, CommLedger
-    from shardlm.parallel.context import CPState, ring_backward, ring_forward
+    from shardlm.parallel.context.attention import CPState, ring_backward, ring_forward
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, heads, length, dim, generator=g).to(getattr(torch, dtype)) for _ in range(3))

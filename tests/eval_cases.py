@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.data.sft import IGNORE
 from shardlm.train.build import build_run
 from shardlm.train.step import evaluate, train_step

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.train.build import build_run
 from shardlm.train.step import train_step
 
@@ -51,7 +51,7 @@ def tp_linears_cases(rank: int, world_size: int) -> dict:
 
 
 def tp_linears_case(rank: int, world_size: int, sequence_parallel: bool) -> dict:
-    """An fp8 column-parallel linear then a row-parallel one (parallel/tensor.py, as apply_tp
+    """An fp8 column-parallel linear then a row-parallel one (parallel/tensor/decoder.py, as apply_tp
     builds them from Fp8Linears) on this rank, and one process's two Fp8Linears on the whole
     weights: what each rounded (input, weight, output gradient) and the outputs and gradients."""
     import torch.distributed as dist
@@ -59,9 +59,9 @@ def tp_linears_case(rank: int, world_size: int, sequence_parallel: bool) -> dict
 
     from shardlm.comm.collectives import Comm, CommLedger
     from shardlm.models.fp8 import Fp8Linear, Fp8Quantiser, Fp8Stats
-    from shardlm.parallel.tensor import _with_fp8
-    from shardlm.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
-    from shardlm.parallel.tensor_regions import TPState
+    from shardlm.parallel.tensor.decoder import _with_fp8
+    from shardlm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+    from shardlm.parallel.tensor.regions import TPState
     from shardlm.models.placement import even_range
 
     torch.manual_seed(0)

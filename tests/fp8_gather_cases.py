@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.train.build import build_run
 from shardlm.train.step import evaluate, train_step
 

@@ -63,7 +63,7 @@ def hf_train_cases(rank: int, world_size: int, cases: list[tuple[str, dict, int]
 def hf_built(rank: int, world_size: int, cases: list[tuple[str, dict]]) -> list[dict]:
     """Each model built on the meta device, parallelized (the sharded build); its full
     parameters and buffers."""
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.train.build import build_run
 
     out = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.models.moe import MoE
 from shardlm.train.build import build_run
 from shardlm.train.step import train_step

@@ -26,13 +26,13 @@ def moe_hf_model(name: str, device: str = "cpu", experts: str | None = EXPERTS,
                  stacked: bool = False) -> torch.nn.Module:
     """The adapted model, built under a fixed seed (on the CPU) or on the meta device, its
     experts run by the `experts` implementation (None: the library's choice), or with `stacked`
-    by parallel.expert.StackedExperts holding every expert (what expert parallelism runs, on one
+    by parallel.expert.dispatch.StackedExperts holding every expert (what expert parallelism runs, on one
     rank). No router jitter and no dropout: each process would draw its own noise."""
     with torch.device(device):
         model = _moe_hf_model(name, experts)
     if stacked:
         from shardlm.models.moe import LocalDispatcher
-        from shardlm.parallel.expert import StackedExperts
+        from shardlm.parallel.expert.dispatch import StackedExperts
 
         for layer in model.model.model.layers:
             layer.mlp.experts = StackedExperts(layer.mlp.experts, 0, layer.mlp.experts.num_experts,
@@ -75,7 +75,7 @@ def moe_hf_train_cases(rank: int, world_size: int,
 def moe_hf_built(rank: int, world_size: int, cases: list[tuple[str, dict]]) -> list[dict]:
     """Each model built on the meta device and parallelized (the sharded build: this rank
     materialises its units only); its full parameters and buffers."""
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.train.build import build_run
 
     out = []

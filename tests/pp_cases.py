@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.train.build import build_run
 from shardlm.train.step import sample_text, train_step
 

@@ -11,7 +11,7 @@ def qlora_cases(rank: int, world_size: int, cases: list[tuple[dict, int]]) -> li
     """lora_case per case, plus what the engine holds of the quantised base: its byte units
     (name, dtype, this rank's shard elements, whole elements) and the state-bytes ledger. A case
     with tensor or expert parallelism: layout_case instead."""
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.train.build import build_run
 
     torch.manual_seed(0)
@@ -33,7 +33,7 @@ def qlora_cases(rank: int, world_size: int, cases: list[tuple[dict, int]]) -> li
 def layout_case(overrides: dict, steps: int) -> dict:
     """Train `steps` steps; the losses, this rank's parameters after (fp32; the quantised tables'
     bytes as their values) and the Splits that place its pieces in the whole (tensor and expert parallel)."""
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.train.build import build_run
     from shardlm.train.step import train_step
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from test_models import counted_flops
 
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.models import build_model, flops_per_token
 from shardlm.config.presets import get_preset
-from shardlm.parallel.activation import apply_ac
+from shardlm.parallel.blocks.activation import apply_ac
 
 TINY = ("gpt-tiny", "llama-tiny")
 

@@ -1,7 +1,7 @@
 """Activation offload (activation.offload = 'cpu') moves saved activations, never the gradients.
 
 On this CPU the device is the host, so offload normally leaves each saved tensor in place; the
-tests set shardlm.parallel.activation.FORCE_HOST_COPY so every offloaded tensor becomes a separate
+tests set shardlm.parallel.blocks.activation.FORCE_HOST_COPY so every offloaded tensor becomes a separate
 host copy (the path a GPU takes, without its streams) and compare bitwise with keeping them.
 """
 
@@ -13,11 +13,11 @@ import logging
 import pytest
 import torch
 
-import shardlm.parallel.activation as activation
+import shardlm.parallel.blocks.activation as activation
 from conftest import tiny_overrides
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
-from shardlm.parallel.activation import apply_ac, apply_offload
+from shardlm.parallel.blocks.activation import apply_ac, apply_offload
 from shardlm.launch.spawn import run_ranks
 
 from test_activation import TINY, loss_and_grads, tiny  # the same tiny models and objective

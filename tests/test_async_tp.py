@@ -1,4 +1,4 @@
-"""Overlapped tensor parallelism (parallel.async_tp, parallel/async_tp.py) on 2 gloo ranks: the
+"""Overlapped tensor parallelism (parallel.async_tp, parallel/tensor/async_tp.py) on 2 gloo ranks: the
 same bits as blocking sequence parallelism (layers: outputs and every gradient; training: losses
 and parameters after AdamW steps), the same bytes in the ledger (and the planner's formula), and
 one process's results at the tensor-parallel tolerance. fp32 throughout. One spawned world runs
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_overrides
 from parity import assert_matches
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.launch.spawn import run_ranks
 from tp_cases import whole_params
@@ -32,7 +32,7 @@ def _mlp(tp, lora: bool, frozen: bool, c: int, h: int, g: torch.Generator):
     """A column- then row-parallel MLP over `tp` (this rank's half of the hidden width), its
     weights cut from whole ones drawn alike on every rank."""
     from shardlm.models.placement import even_range
-    from shardlm.parallel.tensor_layers import (ColumnParallelLinear, LoRAColumnParallelLinear,
+    from shardlm.parallel.tensor.layers import (ColumnParallelLinear, LoRAColumnParallelLinear,
                                                 LoRARowParallelLinear, RowParallelLinear)
 
     lo, hi = even_range(h, tp.size, tp.rank)
@@ -61,7 +61,7 @@ def layer_case(rank: int, world: int, batch: int, t: int, lora: bool, frozen: bo
     import torch.distributed as dist
 
     from shardlm.comm.collectives import Comm, CommLedger
-    from shardlm.parallel.tensor_regions import TPState
+    from shardlm.parallel.tensor.regions import TPState
 
     ledger = CommLedger()
     tp = TPState(Comm(dist.group.WORLD, "tp", ledger), sequence_parallel=True)

@@ -19,15 +19,15 @@ import torch.nn.functional as F
 from conftest import tiny_overrides
 from memory_ledger import StorageLedger
 from parity import assert_matches
-from shardlm.config import load_config
-from shardlm.data import build_dataset
+from shardlm.config.load import load_config
+from shardlm.data.loader import build_dataset
 from shardlm.data.loader import _windows
 from shardlm.data.sft import LOSS, START
 from shardlm.errors import ConfigError
 from shardlm.models import build_model
 from shardlm.models.attention import attend, configure, prepare
 from shardlm.data.packed import PackedTokens, positions_from_starts
-from shardlm.parallel.activation import apply_ac
+from shardlm.parallel.blocks.activation import apply_ac
 from shardlm.planner.activations import ActivationDtypes, block_activation
 from shardlm.planner.shapes import preset_model
 from shardlm.launch.spawn import run_ranks
@@ -223,7 +223,7 @@ def test_activation_checkpointing_carries_the_mask(mode):
 
 
 def test_compiled_blocks_carry_the_mask():
-    from shardlm.parallel.compile import apply_compile
+    from shardlm.parallel.blocks.compile import apply_compile
 
     model = _model("gpt-tiny", "sdpa")  # what 'auto' runs when the blocks are compiled
     packed = _packed(_examples(model.cfg.vocab_size), model.cfg.vocab_size)
@@ -288,7 +288,7 @@ def test_activation_formula_per_backend_at_two_lengths(attention, shape, mode):
 def test_peak_of_forward_and_backward_is_the_formula_at_two_lengths(attention):
     """The whole forward + loss + backward (fp32, b = 1): planner.activations.activation_peak bounds
     the measured peak from above by at most 15% at s = 128 and 512; 'math' grows with s²."""
-    from shardlm.config import ModelConfig
+    from shardlm.config.model import ModelConfig
     from shardlm.planner.activations import activation_peak
     from memory_ledger import decoder_peak_bytes
 

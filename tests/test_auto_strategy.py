@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import tiny_overrides
-from shardlm.config import flatten, load_config
+from shardlm.config.load import flatten, load_config
 from shardlm.planner.search import default_dtypes, plan_for_run
 from shardlm.hardware.catalog import local_cpu
 from shardlm.launch.spawn import run_ranks

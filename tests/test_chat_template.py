@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from shardlm.config import DataConfig
-from shardlm.data import build_dataset
+from shardlm.config.schema import DataConfig
+from shardlm.data.loader import build_dataset
 from shardlm.data.loader import _windows
 from shardlm.data.sft import (DEFAULT_RECORD, IGNORE, check_chat_template, find_chat_template,
                               template_for)

@@ -30,7 +30,7 @@ from shardlm.checkpoint.manifest import (LATEST, check_checkpoint, newest_usable
                                          sealed, step_dirs)
 from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, find_checkpoint, parse_manifest, read_manifest)
 from shardlm.checkpoint.reader import CheckpointReader
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.build import build_run
 from shardlm.train.checkpointing import load_checkpoint, save_checkpoint
@@ -188,7 +188,7 @@ def test_shape_mismatch_is_a_clear_error(tmp_path):
 _DIE_MID_SAVE = textwrap.dedent("""
     import json, os, signal, sys
     from shardlm.checkpoint import sharded
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.train.build import build_run
     from shardlm.train.loop import train
 

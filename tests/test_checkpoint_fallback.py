@@ -14,7 +14,7 @@ import pytest
 from ckpt_cases import base_overrides, checkpoint_of, ranks_agree_on_resume, synthetic_save, train_run
 from shardlm.checkpoint.manifest import step_dirs
 from shardlm.checkpoint.sharded import CHECKPOINTS, MANIFEST, CheckpointError
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.build import build_run
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_overrides
 from shardlm.cli.main import main
 from shardlm.studies.compare import compare_runs, read_run
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.train.build import build_run
 from shardlm.train.loop import train
 

@@ -1,4 +1,4 @@
-"""train.compile: each block compiled (parallel/compile.py), against eager, on real gloo ranks.
+"""train.compile: each block compiled (parallel/blocks/compile.py), against eager, on real gloo ranks.
 
 Tolerance, measured and stated: a compiled block computes the same maths with fused kernels
 (Inductor reorders and fuses element-wise ops and reductions), so it is not bitwise. After 3 fp32
@@ -21,9 +21,10 @@ import torch._dynamo
 
 from conftest import tiny_overrides
 from parity import assert_matches
-from shardlm.config import ModelConfig, load_config
+from shardlm.config.model import ModelConfig
+from shardlm.config.load import load_config
 from shardlm.models.decoder import build_model
-from shardlm.parallel.compile import apply_compile
+from shardlm.parallel.blocks.compile import apply_compile
 from shardlm.config.presets import get_preset
 from shardlm.launch.spawn import run_ranks
 
@@ -77,7 +78,7 @@ def test_compiles_each_block_and_keeps_hooks_eager(caplog):
 def test_compile_composes_with_what_it_once_refused(extra):
     """Compile's last refusals went with issue 28: MoE and ep (the experts' grouped matmul is a
     custom op, the dispatch eager between compiled parts), cp (the ring's and the all-to-all's
-    exchanges are custom ops: parallel/context_ops.py). Each validates."""
+    exchanges are custom ops: parallel/context/ops.py). Each validates."""
     load_config(overrides={"train.compile": "true", "model.preset": "llama-tiny", "train.seq_len": "32",
                            **extra}).validate()
 

@@ -92,8 +92,8 @@ def test_a_mismatch_is_reported():
 def test_nvme_snapshot_keeps_the_state_of_its_save(tmp_path):
     """An asynchronous save with the optimizer on NVMe writes from a copy of the tier's files
     on their disk: the steps after it change the files, not the snapshot."""
-    from shardlm.config import TrainConfig
-    from shardlm.zero.tiers.nvme import NvmeTier
+    from shardlm.config.schema import TrainConfig
+    from shardlm.parallel.data.zero.tiers.nvme import NvmeTier
 
     tier = NvmeTier(tmp_path, torch.float32, chunk_bytes=4096, buffers=3)
     target = torch.zeros(3000)

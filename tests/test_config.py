@@ -2,7 +2,8 @@
 
 import pytest
 
-from shardlm.config import Config, describe, load_config, parse_overrides, valid_keys
+from shardlm.config.schema import Config, valid_keys
+from shardlm.config.load import describe, load_config, parse_overrides
 from shardlm.errors import ConfigError
 
 
@@ -76,7 +77,7 @@ def test_every_field_is_documented():
 
 
 def test_round_trip_through_dict():
-    from shardlm.config import flatten
+    from shardlm.config.load import flatten
 
     cfg = load_config(overrides={"model.preset": "llama-tiny", "train.steps": "3"})
     again = load_config(overrides=flatten(cfg.to_dict()))

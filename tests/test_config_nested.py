@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from shardlm.config import Config, describe, flatten, load_config, parse_overrides, valid_keys
+from shardlm.config.schema import Config, valid_keys
+from shardlm.config.load import describe, flatten, load_config, parse_overrides
 from shardlm.config.load import config_from_dict
 from shardlm.errors import ConfigError
 

@@ -120,7 +120,7 @@ def test_ring_attention_equals_whole_sequence_attention(two_rank_world, tmp_path
 # window)]: every mode with document masks (three documents in row 0, one crossing the chunk
 # boundaries; one in row 1); the ring's scores soft-capped (Gemma 2, cap 2: most scores bent;
 # the portable math hop), the ring under documents and a sliding window of 6 (the fused CPU
-# flash hop with its additive mask: parallel/ring_blocks.py); Ulysses with one key/value head
+# flash hop with its additive mask: parallel/context/ring_blocks.py); Ulysses with one key/value head
 # for two ranks (GQA: replicated). In the shared world. (The hybrid's attention is the same
 # code over two groups: tested at 4 ranks on the parameter level, documents included, in
 # test_cp_composes_with_tp_and_zero_on_4_ranks.)
@@ -191,7 +191,7 @@ def cp_runs(two_rank_world, tmp_path_factory):
                                         (4, "cp=2 ring gpt, documents, sliding window, soft-cap")])
 def test_cp_matches_one_process(cp_runs, case, what):
     """And each step's cp bytes in the ledger are the planner's formula for the mode."""
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.planner.cp_modes import cp_mode_bytes
 
     out, refs, configs = cp_runs
@@ -209,7 +209,7 @@ def test_ledger_bytes_match_the_formula(two_rank_world, tmp_path, case):
     """The context-parallel group's bytes per step in the ledger are exactly the planner's
     formula (planner/timing.py cp_comm_bytes): the ring's key/value hops forward, again in
     backward with their gradients, and once more when the block is recomputed."""
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.planner.traffic import cp_comm_bytes
 
     preset, recompute = LEDGER_CASES[case]
@@ -254,7 +254,7 @@ def test_cp_composes_with_tp_and_zero_on_4_ranks(tmp_path, four_rank_world):
     data- and context-parallel ranks), and cp 4 hybrid (all-to-all over pairs, a ring of two
     pairs) with document masks, each against one process with the same global batch; the
     hybrid's cp bytes are the planner's formula (planner/cp_modes.py)."""
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.planner.cp_modes import cp_mode_bytes
     from tp_cases import whole_params
     from zero_cases import reference_case
@@ -306,7 +306,7 @@ def test_checkpoints_load_across_context_parallel_layouts(two_rank_world, four_r
 ])
 def test_cp_mode_refusals_name_the_keys_and_the_way_out(fields, message):
     """Before any process starts (Config.validate)."""
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
@@ -319,7 +319,7 @@ def test_cp_mode_auto_prices_every_mode_the_heads_allow(caplog):
     between, and parallel.cp_mode = 'auto' resolves to the fastest, a config that validates.
     The model's heads are 32 wide, not d_model / n_heads = 16 (model.head_dim, as Gemma's):
     each mode's bytes are priced with that width."""
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.hardware.catalog import parse_cluster
     from shardlm.planner.cp_modes import choose_cp_mode
     from shardlm.train.resolve import decide
@@ -349,7 +349,7 @@ def test_cp_mode_auto_prices_every_mode_the_heads_allow(caplog):
 
 
 def test_cp_attention_compiles_as_one_graph():
-    """The ring and Ulysses' all-to-all are custom ops (parallel/context_ops.py): compiled with
+    """The ring and Ulysses' all-to-all are custom ops (parallel/context/ops.py): compiled with
     fullgraph, as train.compile compiles a block, they trace with no graph break, and output and
     gradients equal one process's attention under the same document mask (1e-5). One process:
     a group of one rank runs the same ops (its exchanges are copies); the 2-rank compiled run is
@@ -357,8 +357,8 @@ def test_cp_attention_compiles_as_one_graph():
     from cp_cases import document_positions
     from shardlm.comm.collectives import Comm, CommLedger
     from shardlm.models.attention import _allowed
-    from shardlm.parallel.context import CPState
-    from shardlm.parallel.context import UlyssesAttention
+    from shardlm.parallel.context.attention import CPState
+    from shardlm.parallel.context.attention import UlyssesAttention
 
     cp = CPState(Comm(None, "cp", CommLedger()))
     core = UlyssesAttention(cp, cp.comm, CPState(cp.comm))  # the hybrid's path: all-to-all, then the ring

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from conftest import tiny_overrides
 from shardlm.train import loop as trainer
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.launch.runtime import Runtime, pick_device
 from shardlm.comm.mesh import Mesh

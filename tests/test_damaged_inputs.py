@@ -97,8 +97,8 @@ def test_a_run_with_a_truncated_probe_cache_trains_and_leaves_a_valid_cache(tmp_
 
 @pytest.mark.parametrize("damage", ["tokens_cut", "meta_garbage", "tokenizer_cut"])
 def test_a_damaged_token_cache_entry_is_rebuilt(tmp_path, caplog, damage):
-    from shardlm.config import DataConfig
-    from shardlm.data import build_dataset
+    from shardlm.config.schema import DataConfig
+    from shardlm.data.loader import build_dataset
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def f(x):\n    return x + 1\n" * 800)
@@ -166,7 +166,7 @@ def test_unreadable_checkpoint_files_are_named(tmp_path, damage):
 def test_the_default_template_is_said_when_the_checkpoint_has_none(tmp_path, caplog):
     from tokenizers import Tokenizer, models
 
-    from shardlm.config import DataConfig
+    from shardlm.config.schema import DataConfig
     from shardlm.data.sft import check_chat_template
 
     chats = tmp_path / "chat.jsonl"
@@ -197,7 +197,7 @@ def test_compare_names_the_line_of_binary_garbage(tmp_path, capsys):
 
 @pytest.mark.parametrize("name", ["blob.jsonl", "blob.parquet", "blob.arrow", "blob.md"])
 def test_binary_data_under_any_accepted_name_is_refused(tmp_path, name):
-    from shardlm.config import DataConfig
+    from shardlm.config.schema import DataConfig
     from shardlm.data.corpus import check_text_files
 
     (tmp_path / name).write_bytes(os.urandom(20_000))
@@ -210,7 +210,7 @@ def test_real_tables_pass_the_sniff(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from shardlm.config import DataConfig
+    from shardlm.config.schema import DataConfig
     from shardlm.data.corpus import check_text_files
 
     pq.write_table(pa.table({"text": ["a", "b"]}), tmp_path / "t.parquet")
@@ -296,7 +296,7 @@ def test_a_damaged_run_file_is_named_by_eval_and_export(tmp_path, name, damage):
     """A run directory whose config.json is cut short, or whose tokenizer.json or weights are
     garbage: load_for_inference (what eval, export, generate and chat read) names the file, no traceback."""
     from shardlm.checkpoint.weights import CONFIG, TOKENIZER, WEIGHTS, load_for_inference
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
 
     run = tmp_path / "run"
     run.mkdir()

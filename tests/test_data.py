@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from shardlm.config import DataConfig
+from shardlm.config.schema import DataConfig
 from shardlm.errors import ConfigError
-from shardlm.data import EOT, Loader, build_dataset, corpus_files, eval_batches, iter_documents
+from shardlm.data.tokenizer import EOT
+from shardlm.data.loader import Loader, build_dataset, eval_batches
+from shardlm.data.corpus import corpus_files, iter_documents
 from shardlm.data.corpus import fingerprint
 
 VOCAB = 512

@@ -8,11 +8,12 @@ import os
 import pytest
 
 from shardlm.cli.main import main
-from shardlm.config import ZeroConfig
+from shardlm.config.schema import ZeroConfig
 from shardlm.config.dims import ParallelDims
 from shardlm.hardware import disk_probe, probe
 from shardlm.hardware.catalog import LOCAL_DISK_BANDWIDTH, local_cpu, local_disk
-from shardlm.planner import Dtypes, Strategy, Workload, estimate_time
+from shardlm.planner.workload import Dtypes, Strategy, Workload
+from shardlm.planner.timing import estimate_time
 from shardlm.planner.shapes import preset_model
 from shardlm.planner.memory import nvme_first_chunk
 from shardlm.planner.workload import stage_params

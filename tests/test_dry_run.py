@@ -172,7 +172,7 @@ def test_a_transformers_config_json_is_planned_and_its_commands_run(capsys, tmp_
 
 
 def test_dry_run_prices_an_expert_grid(capsys, tmp_path):
-    """Expert parallelism beside tensor parallelism (the ep x tp grid, parallel/expert.py) is a
+    """Expert parallelism beside tensor parallelism (the ep x tp grid, parallel/expert/dispatch.py) is a
     layout the planner models: a dry run on 4 CPU ranks prices its exchange over the 4 ranks of
     the grid and its MoE blocks' tensor-parallel collectives (traffic.moe_tp_calls)."""
     code = main(["train", "--nproc", "4", "--model.preset=moe-tiny", "--parallel.tp=2", "--parallel.ep=2",

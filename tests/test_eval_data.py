@@ -19,11 +19,13 @@ import torch.nn.functional as F
 from conftest import tiny_overrides
 from eval_cases import eval_case, eval_cases
 from shardlm.cli.main import main
-from shardlm.config import DataConfig, load_config
-from shardlm.data import build_dataset, iter_documents
+from shardlm.config.schema import DataConfig
+from shardlm.config.load import load_config
+from shardlm.data.loader import build_dataset
+from shardlm.data.corpus import iter_documents
 from shardlm.data.sft import IGNORE
 from shardlm.errors import ConfigError
-from shardlm.parallel.evaluation import metrics_of, token_sums
+from shardlm.parallel.data.evaluation import metrics_of, token_sums
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.build import build_run
 from shardlm.train.loop import train

@@ -5,8 +5,8 @@ import sys
 import pytest
 import torch
 
-from shardlm import checkpoint
-from shardlm.config import load_config
+from shardlm.checkpoint.weights import load_for_inference, save_weights
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.data.tokenizer import train_tokenizer
 from shardlm.checkpoint.export import export_hf
@@ -30,7 +30,7 @@ def make_run(tmp_path, tokenizer, **overrides):
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
     run = tmp_path / "runs" / "run"
-    checkpoint.save_weights(run, model, cfg, tokenizer)
+    save_weights(run, model, cfg, tokenizer)
     return run, model.eval()
 
 
@@ -139,7 +139,7 @@ def make_lora_run(tmp_path, tokenizer, preset, rank=4, alpha=8.0):
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
     run = tmp_path / "runs" / "lora"
-    checkpoint.save_weights(run, model, cfg, tokenizer)
+    save_weights(run, model, cfg, tokenizer)
     return run, model.eval()
 
 
@@ -161,7 +161,7 @@ def test_peft_adapter_and_merge_give_our_logits(tmp_path, tokenizer, preset):
     merged_dir = export_hf(run, tmp_path / "merged", merge=True)
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     ours = _logits(model, ids)
-    loaded, _, _ = checkpoint.load_for_inference(run, torch.device("cpu"))  # adapters included
+    loaded, _, _ = load_for_inference(run, torch.device("cpu"))  # adapters included
     assert torch.equal(_logits(loaded, ids), ours)
 
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir).eval()
@@ -227,7 +227,7 @@ def test_trained_lora_run_loads_in_peft(tmp_path):
                                run__name="lora")
     train(build_run(load_config(overrides=overrides).validate()))
     run = tmp_path / "runs" / "lora"
-    model, _, _ = checkpoint.load_for_inference(run, torch.device("cpu"))
+    model, _, _ = load_for_inference(run, torch.device("cpu"))
     assert any(p.abs().max() > 0 for n, p in model.named_parameters() if "lora_B" in n)
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     ours = _logits(model, ids)

@@ -46,7 +46,7 @@ def _names_its_class(tmp_path: Path, name: str, model_type: str = "") -> None:
     to `name` with the class's every tensor by name and shape (meta devices: no values)."""
     from shardlm.checkpoint.export import hf_config, hf_state_dict
     from shardlm.checkpoint.hf_names import hf_family
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.models import build_model
 
     fam = families.family(model_type or name)
@@ -81,7 +81,7 @@ def test_a_family_from_one_file_loads_and_exports_a_checkpoint(tmp_path, monkeyp
     """llama.py copied as model_type 'llama_copy' into tmp_path and imported from there: a
     LlamaForCausalLM saved with that model_type loads through model.hf_path (the choices accept
     it), has transformers' logits, and `shardlm export` writes every tensor back bit for bit."""
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.train.build import build_run
     from test_hf_families import LLAMA, _hf_logits, save_random_checkpoint, trained_export_is_the_checkpoint
     from test_hf_path import overrides

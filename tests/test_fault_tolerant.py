@@ -1,4 +1,4 @@
-"""parallel.fault_tolerant (comm/replicas.py, launch/replicas.py, train/fault_tolerance.py): two
+"""parallel.fault_tolerant (parallel/data/fault_tolerant/quorum.py, parallel/data/fault_tolerant/launcher.py, train/fault_tolerance.py): two
 replicas of one process each; replica 1 is SIGKILLed after step 2, replica 0 trains on alone,
 the launcher restarts replica 1 and it rejoins from replica 0's state.
 
@@ -36,18 +36,19 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from shardlm.config import Config, load_config
+from shardlm.config.schema import Config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.cli import train as cli_train
 from shardlm.cli.main import main
 from shardlm.launch import runtime
 from shardlm.checkpoint.sharded import CheckpointWriter
-from shardlm.launch.replicas import (JOINED, REPLICA_FAULTS_ENV, state_holders, fault_of, quorum_endpoint,
-                                    replica_faults)
+from shardlm.parallel.data.fault_tolerant.launcher import (JOINED, REPLICA_FAULTS_ENV, state_holders, fault_of, quorum_endpoint,
+                                                          replica_faults)
 from shardlm.launch.runtime import cpu_cores
 from shardlm.train.build import build_run
 from shardlm.train.step import loss_of, train_step
-from shardlm.zero.optim import lr_at, set_lr
+from shardlm.parallel.data.zero.optim import lr_at, set_lr
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 STEPS = 9

@@ -29,7 +29,8 @@ import torch
 from conftest import tiny_overrides
 from fp8_cases import fp8_case, fp8_cases
 from parity import assert_matches, rel
-from shardlm.config import PrecisionConfig, load_config
+from shardlm.config.schema import PrecisionConfig
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.launch.runtime import cpu_cores
 from shardlm.models.fp8 import (E4M3, E5M2, EPS, FP8_HISTORY, Fp8Linear, Fp8Quantiser, Fp8Stats,
@@ -302,7 +303,7 @@ def test_an_fp8_block_traces_as_one_graph():
     would also be an error at the first compiled step: blocks compile with fullgraph)."""
     import torch._dynamo
 
-    from shardlm.config import ModelConfig
+    from shardlm.config.model import ModelConfig
     from shardlm.models import build_model
     from shardlm.config.presets import get_preset
 

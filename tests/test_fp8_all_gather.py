@@ -1,4 +1,4 @@
-"""precision.fp8_all_gather (zero/fp8_gather.py): ZeRO-3 gathers the FP8 linears' weights in E4M3.
+"""precision.fp8_all_gather (parallel/data/zero/fp8_gather.py): ZeRO-3 gathers the FP8 linears' weights in E4M3.
 
 What is held, and why it can be exact:
 - Bitwise against the same run without it (ZeRO-3 on 2 ranks, fp8 emulated, bf16 shards, fp32
@@ -33,7 +33,7 @@ import torch
 from conftest import tiny_overrides
 from fp8_gather_cases import gather_case, gather_cases
 from parity import assert_matches, rel
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import parse_cluster
 from shardlm.launch.spawn import run_ranks

@@ -29,11 +29,11 @@ import torch
 
 from conftest import tiny_overrides
 from parity import rel
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.data.packed import PackedTokens
 from shardlm.data.sft import IGNORE
 from shardlm.launch.spawn import run_ranks
-from shardlm.parallel.evaluation import token_sums
+from shardlm.parallel.data.evaluation import token_sums
 from shardlm.train.build import build_run
 from zero_cases import train_case, train_cases
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shardlm.cli.main import main as shardlm_main
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.models.hf_build import route_line
 from shardlm.config.hf_shapes import causal_lm_config, hf_shape

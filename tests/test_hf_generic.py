@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from test_hf_path import SPECIAL, VOCAB, WORDS, overrides
 
@@ -130,7 +130,7 @@ def test_lora_adapters_load_in_peft_with_our_logits(tmp_path, gptj, capsys):
     """lora.targets = '' adapts every linear but the head (PEFT's 'all-linear'); 3 steps at a
     high learning rate move both A and B away from their start."""
     peft = pytest.importorskip("peft")
-    from shardlm.checkpoint import load_for_inference
+    from shardlm.checkpoint.weights import load_for_inference
     from shardlm.cli.main import main
 
     values = overrides(tmp_path, gptj, lora__rank=4, lora__alpha=8, train__steps=3, train__lr=1e-2)

@@ -15,7 +15,7 @@ Tolerances, measured (fp32, 3 steps, grad_clip 1.0 unless said):
   0.80-0.92 in these 3 steps, measured).
 - GPT-2 with clipping (stages 2, 3): the only difference
   is the global gradient norm: sharded, it is summed from per-shard partial norms, which rounds
-  differently from torch's clip_grad_norm_ over whole tensors (zero/engine.py says so: bitwise
+  differently from torch's clip_grad_norm_ over whole tensors (parallel/data/zero/engine.py says so: bitwise
   only with whole gradients), and the clip coefficient moves by an ulp. Losses then agree to
   the bit, parameters to ≤ 1e-7 relative — except the attention key bias (the middle third of
   c_attn.bias), ~4e-5: its gradient is zero in exact arithmetic (softmax ignores a shift shared
@@ -40,7 +40,7 @@ import torch
 from conftest import tiny_overrides
 from hf_cases import hf_model, hf_train_cases, reverse_jsonl
 from shardlm.launch.spawn import run_ranks
-from shardlm.zero.units import collect_units
+from shardlm.parallel.data.zero.units import collect_units
 from zero_cases import reference_case
 
 STEPS, WORLD = 3, 2
@@ -160,7 +160,7 @@ def test_units_found():
 
 
 def test_build_run_takes_a_user_model(tmp_path):
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.train.build import build_run
 
     model = hf_model("llama")

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.config.hf_shapes import causal_lm_config, hf_shape
 from shardlm.launch.spawn import run_ranks

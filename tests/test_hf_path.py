@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.build import build_run

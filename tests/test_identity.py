@@ -105,7 +105,7 @@ def test_finetune_defaults_unless_set_with_a_note_and_a_warning(instruct, caplog
 
     import torch
 
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.errors import ConfigError
     from shardlm.train.resolve import decide
 

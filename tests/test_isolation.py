@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.launch.runtime import Runtime
 from shardlm.launch.run_dir import RUN_LOCK, lock_run_dir, release_run_dir

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import tiny_overrides
 from cli_runs import STEPS, address as _address, listening_sockets, process_tree as _process_tree
-from shardlm.zero.partition import comm_bytes_per_step
+from shardlm.parallel.data.zero.partition import comm_bytes_per_step
 
 
 def _shardlm(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

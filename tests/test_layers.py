@@ -1,8 +1,10 @@
 """The import contract: each layer imports only layers below it, and nothing forms a cycle.
 
 Read from the source (ast), so it needs no import-linter and runs in milliseconds. A module
-counts at the layer of its top-level name under shardlm (`shardlm.zero.engine` is `zero`).
-Modules in one layer are independent of each other. docs/architecture.md draws the same picture.
+counts at the layer of its top-level name under shardlm (`shardlm.parallel.data.zero.engine` is
+`parallel`), but for the few PINNED below their package: torch-free modules that live with their
+axis and are read by a lower layer. Modules in one layer are independent of each other.
+docs/architecture.md draws the same picture.
 """
 
 import ast
@@ -19,7 +21,6 @@ LAYERS = [  # bottom first
     {"data"},
     {"models"},
     {"checkpoint"},
-    {"zero"},
     {"parallel"},
     {"planner"},
     {"train"},
@@ -29,10 +30,14 @@ LAYERS = [  # bottom first
     {"__main__"},
 ]
 PACKAGE = Path(shardlm.__file__).parent
+PINNED = {  # module -> the layer it sits at, below its package's
+    "shardlm.parallel.pipeline.tables": "config",  # schedules as data, no torch: config's rules read them
+    "shardlm.parallel.pipeline.schedules": "config",
+}
 
 
 def _layer_of(module: str) -> int:
-    top = module.split(".")[1] if "." in module else ""
+    top = PINNED.get(module) or (module.split(".")[1] if "." in module else "")
     for i, layer in enumerate(LAYERS):
         if top in layer:
             return i
@@ -55,6 +60,12 @@ def _imports() -> dict[str, set[str]]:
     return graph
 
 
+def _same_room(a: str, b: str) -> bool:
+    """One package (a pinned module counts in the package of its layer): its modules import each
+    other freely (test_no_cycles_inside_a_package)."""
+    return (PINNED.get(a) or a.split(".")[1]) == (PINNED.get(b) or b.split(".")[1])
+
+
 def test_every_import_points_down():
     upward = []
     for module, deps in _imports().items():
@@ -63,7 +74,7 @@ def test_every_import_points_down():
         for dep in deps:
             if dep == "shardlm":
                 upward.append(f"{module} imports the package root (import the module that defines it)")
-            elif dep.split(".")[1] != module.split(".")[1] and _layer_of(dep) >= _layer_of(module):
+            elif not _same_room(dep, module) and _layer_of(dep) >= _layer_of(module):
                 upward.append(f"{module} (layer {_layer_of(module)}) imports {dep} (layer {_layer_of(dep)})")
     assert not upward, "imports that do not point down:\n  " + "\n  ".join(sorted(upward))
 
@@ -89,17 +100,36 @@ def test_no_cycles_inside_a_package():
             visit(module, [module])
 
 
+def test_pinned_modules_stay_light():
+    """A pinned module is imported by its lower layer through its package's __init__s: they
+    import nothing, and it imports no torch (config is torch-free at import)."""
+    for module in PINNED:
+        parts = module.split(".")
+        for i in range(2, len(parts)):
+            init = PACKAGE.parent.joinpath(*parts[:i], "__init__.py")
+            assert not [n for n in ast.parse(init.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))], \
+                f"{init} imports something: {module} is read by the {PINNED[module]} layer through it"
+        tree = ast.parse(PACKAGE.parent.joinpath(*parts).with_suffix(".py").read_text())
+        tops = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        tops |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert "torch" not in tops, f"{module} imports torch, but the {PINNED[module]} layer reads it"
+
+
 def test_the_contract_can_fail(tmp_path, monkeypatch):
-    """An upward import planted in a copy of the package is caught."""
+    """An upward import planted in a copy of the package is caught, in a pinned module too."""
     import shutil
 
     copy = tmp_path / "shardlm"
     shutil.copytree(PACKAGE, copy)
     (copy / "config/schema.py").write_text((copy / "config/schema.py").read_text() + "\nfrom shardlm.train.loop import train\n")
+    tables = copy / "parallel/pipeline/tables.py"
+    tables.write_text(tables.read_text() + "\nfrom shardlm.parallel.pipeline.stages import Stage\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", copy)
     try:
         test_every_import_points_down()
     except AssertionError as e:
         assert f"shardlm.config.schema (layer {_layer_of('shardlm.config')}) imports shardlm.train.loop" in str(e)
+        assert (f"shardlm.parallel.pipeline.tables (layer {_layer_of('shardlm.config')}) imports "
+                f"shardlm.parallel.pipeline.stages (layer {_layer_of('shardlm.parallel')})") in str(e)
     else:
         raise AssertionError("the planted upward import was not reported")

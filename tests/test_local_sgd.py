@@ -1,4 +1,4 @@
-"""Local SGD / DiLoCo (train.local_sgd, zero/local_sgd.py) on 2 gloo ranks (dp_replicate = 2,
+"""Local SGD / DiLoCo (train.local_sgd, parallel/data/zero/local_sgd.py) on 2 gloo ranks (dp_replicate = 2,
 dp_shard = 1) against a single-process simulation of the two replicas written here: two one-process
 runs (the plain local engine: torch's fused AdamW, the one-process reference of every parity test),
 each fed the micro-batches the loader gives its replica's rank, and the outer step of the DiLoCo
@@ -30,8 +30,8 @@ import torch
 
 from conftest import tiny_overrides
 from shardlm.checkpoint.sharded import CHECKPOINTS
-from shardlm.config import load_config
-from shardlm.data import Loader
+from shardlm.config.load import load_config
+from shardlm.data.loader import Loader
 from shardlm.errors import ConfigError
 from shardlm.launch.spawn import run_ranks
 from shardlm.planner.traffic import local_sgd_comm_bytes
@@ -201,7 +201,7 @@ def test_the_planner_predicts_the_outer_model_and_the_round_s_all_reduce(world):
     """predict_local for each case's config: the outer model's bytes are the ledger's, and the one
     cross-replica collective is the rounds' all-reduce at the ledger's bytes per step, with no
     per-step gradient all-reduce across the replicas beside it."""
-    from shardlm.planner import predict_local
+    from shardlm.planner.search import predict_local
 
     cases, out = world
     for case, got in zip(cases, out[0]["cases"]):

@@ -16,7 +16,7 @@ from ckpt_cases import straight_and_resumed
 from conftest import tiny_overrides
 from lora_cases import lora_case, lora_cases
 from parity import assert_matches
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.models import build_model
 from shardlm.models.lora import apply_lora, is_adapter

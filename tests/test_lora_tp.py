@@ -1,4 +1,4 @@
-"""LoRA with tensor parallelism (parallel/tensor.py's LoRA layers): on 2 ranks with tp = 2 (and
+"""LoRA with tensor parallelism (parallel/tensor/decoder.py's LoRA layers): on 2 ranks with tp = 2 (and
 with sequence parallelism), the losses, the adapters after training and the PEFT adapter the
 run writes (checkpoint/peft_adapter.py, from whole_parameters) match one process. And LoRA with
 expert parallelism (ep = 2, ZeRO-3): the experts ep replaces stay frozen, as in one process.
@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from conftest import tiny_overrides
 from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, ADAPTER_WEIGHTS
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.models.lora import is_adapter
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.build import build_run
@@ -143,8 +143,8 @@ def lora_layers_case(rank: int, sequence_parallel: bool) -> dict:
 
     from shardlm.comm.collectives import Comm, CommLedger
     from shardlm.models.lora import LoRALinear
-    from shardlm.parallel.tensor import _column, _row
-    from shardlm.parallel.tensor_regions import TPState
+    from shardlm.parallel.tensor.decoder import _column, _row
+    from shardlm.parallel.tensor.regions import TPState
     from shardlm.models.placement import even_range
 
     torch.manual_seed(0)

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from shardlm.config import ModelConfig, load_config
+from shardlm.config.model import ModelConfig
+from shardlm.config.load import load_config
 from shardlm.models import Decoder, build_model, count_params, flops_per_token, generate
 from shardlm.models.decoder import apply_rope, rope_tables
 from shardlm.models.flops import resolved_d_ff

@@ -10,11 +10,11 @@ import torch
 
 from conftest import tiny_overrides
 from parity import assert_matches
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.models import build_model
 from shardlm.models.moe import MoEStats, update_biases
-from shardlm.parallel.expert import moe_record
+from shardlm.parallel.expert.dispatch import moe_record
 from shardlm.launch.spawn import run_ranks
 from zero_cases import reference_case, train_cases
 
@@ -125,7 +125,7 @@ def test_a_compiled_moe_block_is_one_graph_per_part_and_equals_eager():
     (fullgraph: a graph break is an error), its dispatch stays eager; a dense block compiles
     whole. The MoE layer's router and experts captured by Dynamo (aot_eager: the graph, without
     inductor's fused kernels) give eager's output and gradients bit for bit (fp32)."""
-    from shardlm.parallel.compile import apply_compile
+    from shardlm.parallel.blocks.compile import apply_compile
 
     model = _model(moe_every=2)
     dense, moe_block = model.blocks
@@ -293,7 +293,7 @@ def test_checkpoints_load_across_expert_layouts(two_rank_world, tmp_path):
 
 
 def test_balanced_placement_lowers_the_busiest_rank():
-    from shardlm.parallel.expert_balance import balanced_placement, rank_loads
+    from shardlm.parallel.expert.balance import balanced_placement, rank_loads
 
     loads = [10.0, 9.0, 1.0, 1.0]
     placement = balanced_placement(loads, 2)

@@ -20,7 +20,7 @@ forward's router logits), so a rank's micro-batch gets what one process's accumu
 gets, and the tolerances are unchanged.
 
 Expert parallelism (parallel.ep = 2 on 2 ranks): each experts module (stacked gate_up_proj /
-down_proj, forward taking the routing decision) becomes StackedExperts (parallel/expert.py),
+down_proj, forward taking the routing decision) becomes StackedExperts (parallel/expert/dispatch.py),
 this rank's 2 of 4 experts, tokens exchanged by all-to-all; the run matches one process with
 grad_accum 2 at ZeRO stages 0 and 3 (Mixtral), 3 (Qwen2-MoE: a shared expert beside) and 2
 (OLMoE). Built on the meta device, each rank materialises its experts' rows of the weights one
@@ -62,14 +62,14 @@ from moe_hf_cases import MOE_MODELS, moe_hf_built, moe_hf_ep_cases, moe_hf_model
 from parity import rel
 from tp_cases import whole_params
 from worlds import several
-from shardlm import checkpoint
-from shardlm.config import load_config
+from shardlm.checkpoint.weights import save_weights
+from shardlm.config.load import load_config
 from shardlm.data.tokenizer import train_tokenizer
 from shardlm.errors import ConfigError
 from shardlm.checkpoint.export import export_hf, hf_family, hf_state_dict
 from shardlm.models import build_model
 from shardlm.launch.spawn import run_ranks
-from shardlm.zero.units import collect_units
+from shardlm.parallel.data.zero.units import collect_units
 from zero_cases import reference_case
 
 transformers = pytest.importorskip("transformers")
@@ -94,7 +94,7 @@ def _moe_run(tmp_path, tokenizer, **model):
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
     run = tmp_path / "runs" / "run"
-    checkpoint.save_weights(run, model, cfg, tokenizer)
+    save_weights(run, model, cfg, tokenizer)
     return run, model.eval()
 
 
@@ -351,7 +351,7 @@ def test_meta_built_moe_model_at_ep2_materialises_its_experts(ep_runs):
 
 
 def test_experts_layouts_stacked_experts_cannot_run_are_refused():
-    from shardlm.parallel.expert import hf_experts_problem, spread_hf_experts
+    from shardlm.parallel.expert.dispatch import hf_experts_problem, spread_hf_experts
     from shardlm.models.moe import MoEStats
 
     experts = moe_hf_model("mixtral").model.model.layers[0].mlp.experts
@@ -377,7 +377,7 @@ def test_experts_layouts_stacked_experts_cannot_run_are_refused():
 
 def test_rebalancing_a_transformers_model_is_refused():
     """Re-placement needs the per-expert loads our MoE layers record; transformers' record none."""
-    from shardlm.parallel.expert_balance import ExpertBalancer
+    from shardlm.parallel.expert.balance import ExpertBalancer
 
     assert ExpertBalancer(moe_hf_model("mixtral"), 0).blocks == []
     with pytest.raises(ConfigError, match="parallel.ep_rebalance_every = 1 moves experts by the loads"):

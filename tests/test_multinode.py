@@ -43,7 +43,7 @@ from conftest import tiny_overrides
 from test_restart import _children, _records
 from shardlm.cli import main as cli
 from shardlm.checkpoint.weights import WEIGHTS
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.data.loader import Loader
 from shardlm.config.dims import grad_accum_for
 from shardlm.errors import ConfigError

@@ -18,10 +18,10 @@ from torch import nn
 
 from ckpt_cases import straight_and_resumed
 from conftest import tiny_overrides
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.models import build_model
-from shardlm.zero.optim import build_optimizer, init_adam_state, muon_params, newton_schulz
+from shardlm.parallel.data.zero.optim import build_optimizer, init_adam_state, muon_params, newton_schulz
 from shardlm.launch.spawn import run_ranks
 from zero_cases import reference_case, train_cases
 
@@ -236,7 +236,7 @@ cp 5.7e-6; pp bit for bit (each stage steps whole matrices of the same micro-bat
 def test_muon_over_every_axis_matches_one_process(zero_runs, index, what):
     """Muon with tensor, pipeline, expert and context parallelism and with ZeRO-3 offloaded to
     the CPU, each on 2 ranks, against one process's Muon on the same global batch. tp's cut
-    matrices are gathered whole over the tp group (zero/muon.py) — without it Muon would
+    matrices are gathered whole over the tp group (parallel/data/zero/muon.py) — without it Muon would
     orthogonalise each rank's half, a different update — and the gather is in the ledger."""
     from tp_cases import whole_params
 
@@ -257,7 +257,7 @@ def test_muon_over_every_axis_matches_one_process(zero_runs, index, what):
 
 def test_zero3_resumes_bitwise(zero_runs):
     """2 ranks at ZeRO-3 saving at step 2 and resuming: the sharded momentum buffers
-    (optim/momentum_buffer/<name>, zero/muon.py) were written and read back."""
+    (optim/momentum_buffer/<name>, parallel/data/zero/muon.py) were written and read back."""
     for (straight, resumed), in zero_runs[2]:
         assert resumed["start"] == 2 and resumed["losses"] == straight["losses"][2:]
         for name, value in straight["params"].items():
@@ -265,10 +265,10 @@ def test_zero3_resumes_bitwise(zero_runs):
 
 
 def test_newton_schulz_owners_are_balanced_by_work_within_and_across_units():
-    """zero/muon.assign_owners: a llama block's four matrices on 8 ranks go to ranks 0-3 in one
+    """parallel/data/zero/muon.assign_owners: a llama block's four matrices on 8 ranks go to ranks 0-3 in one
     unit and 4-7 in the next (round-robin per unit left ranks >= 4 idle in every unit); on 2
     ranks the largest two go to different ranks and the work splits within a fifth of even."""
-    from shardlm.zero.muon import _Matrix, assign_owners, newton_schulz_cost
+    from shardlm.parallel.data.zero.muon import _Matrix, assign_owners, newton_schulz_cost
 
     def block():  # llama-tiny's Muon matrices: qkv, proj, gate_up, down
         return [_Matrix(n, shape, i, -1) for i, (n, shape) in

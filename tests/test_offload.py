@@ -23,7 +23,7 @@ import torch
 
 from ckpt_cases import straight_and_resumed
 from conftest import tiny_overrides
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.launch.spawn import run_ranks
 from zero_cases import train_case, train_cases
@@ -157,8 +157,8 @@ def test_hybrid_sharding_with_nvme(tmp_path):
 
 
 def _tier(directory, values: torch.Tensor):
-    from shardlm.config import TrainConfig
-    from shardlm.zero.tiers.nvme import NvmeTier
+    from shardlm.config.schema import TrainConfig
+    from shardlm.parallel.data.zero.tiers.nvme import NvmeTier
 
     tier = NvmeTier(directory, torch.float32, chunk_bytes=4096, buffers=3)
     target = torch.empty_like(values)
@@ -196,7 +196,7 @@ def test_a_dead_runs_nvme_directory_is_cleaned_by_the_next(tmp_path):
     path removes it; a live run's directory (its lock held) is kept."""
     shared = tmp_path / "rank-00000"
     code = ("import sys, os, torch; from pathlib import Path\n"
-            "from shardlm.zero.tiers.nvme import PrivateDir\n"
+            "from shardlm.parallel.data.zero.tiers.nvme import PrivateDir\n"
             "d = PrivateDir(Path(sys.argv[1]), 'optimizer'); (d.path / 'master.bin').write_bytes(b'x')\n"
             "os._exit(0)\n")  # dies without cleaning up, as a SIGKILL would
     subprocess.run([sys.executable, "-c", code, str(shared)], check=True, timeout=120)

@@ -134,14 +134,14 @@ def test_pp_with_data_and_tensor_parallelism_on_4_ranks(four_rank_runs):
 
 def test_pp2_dp2_zero3_matches_one_process_and_gathers_once_per_step(four_rank_runs):
     """ZeRO-3 under pp (issue 28): each stage's units sharded over its two data-parallel ranks,
-    gathered at their first forward of a step and held to its last backward (zero/params.py
+    gathered at their first forward of a step and held to its last backward (parallel/data/zero/params.py
     hold_for_step), reduce-scattered after it; the tied head's copy on the last stage has its
     gradient summed over the two ends first. Every stage's parameters match one process (1e-5,
     tests/parity.py), and per step each rank's shard group carries exactly one all-gather and
     one reduce-scatter of its stage's padded parameters (the ledger; gathered for each
     micro-batch's forward and backward instead, it read 9.6 times that: 2·M gathers and the
     root's again, measured with hold_for_step off)."""
-    from shardlm.zero.partition import comm_bytes_per_step
+    from shardlm.parallel.data.zero.partition import comm_bytes_per_step
 
     out, _, gpt = four_rank_runs
     ref = reference_case(gpt, 2, ZERO3_STEPS)
@@ -239,7 +239,7 @@ def test_split_property_over_many_shapes():
 
 
 def test_pipeline_config_errors(tmp_path):
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
 
     base = tiny_overrides(tmp_path)
     load_config(overrides={**base, "parallel.pp": 2, "parallel.zero_stage": 3}).validate()  # issue 28

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (shardlm/config/pipeline_tables.py): every named schedule's table is
+"""Pipeline schedules as data (shardlm/parallel/pipeline/tables.py): every named schedule's table is
 valid and its simulated bubble sits next to its published formula; a user's table is checked
 before the run with an error naming the rank and slot that breaks a rule; and ZB-V, DualPipeV
 and a table from a CSV train on real gloo ranks as one process does (fp32)."""
@@ -11,10 +11,10 @@ import torch
 from conftest import tiny_overrides
 from parity import assert_matches
 from shardlm.errors import ConfigError
-from shardlm.config.pipeline_tables import (NAMED, Op, Table, check_table, posted_orders, read_table, send_plan,
-                                            untagged_order_problem)
-from shardlm.config.pipeline_schedules import bubble_formula
-from shardlm.config.pipeline_schedules import build_table, table_for
+from shardlm.parallel.pipeline.tables import (NAMED, Op, Table, check_table, posted_orders, read_table, send_plan,
+                                              untagged_order_problem)
+from shardlm.parallel.pipeline.schedules import bubble_formula
+from shardlm.parallel.pipeline.schedules import build_table, table_for
 from shardlm.launch.spawn import run_ranks
 from pp_cases import cases_and_save, train_and_sample
 
@@ -125,7 +125,7 @@ def test_deadlock_names_every_stuck_rank():
 
 
 def test_config_checks_the_table_before_any_process(tmp_path):
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
 
     base = {**tiny_overrides(tmp_path, train__grad_accum=2), "model.n_layers": 4, "parallel.pp": 2}
     with pytest.raises(ConfigError, match="set parallel.pp_virtual = 2"):

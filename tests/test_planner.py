@@ -19,7 +19,7 @@ from shardlm.planner.shapes import model_from_params, preset_model
 from shardlm.planner.timing import estimate_time, group_link
 from shardlm.config.dims import ParallelDims
 from shardlm.planner.workload import Dtypes, Strategy, Workload, shape_of, stage_params
-from shardlm.zero.partition import comm_bytes_per_step
+from shardlm.parallel.data.zero.partition import comm_bytes_per_step
 
 MIXED = Dtypes("fp16", "auto", "fp32")  # the ZeRO paper's mixed-precision Adam
 
@@ -129,7 +129,7 @@ def _measure(preset: str, param_dtype: str, mode: str, b: int = 2, s: int = 32):
     from torch.utils._pytree import tree_flatten
 
     from shardlm.models import build_model
-    from shardlm.parallel.activation import apply_ac
+    from shardlm.parallel.blocks.activation import apply_ac
 
     class Live(TorchDispatchMode):
         def __init__(self, exclude):
@@ -228,7 +228,7 @@ def test_collective_volumes_are_the_zero_formula(stage, replicas):
 
 def test_zero3_on_a_pipeline_gathers_each_stage_once_per_step():
     """ZeRO-3 with pp > 1 (issue 28): a stage's units are gathered once a step and held to its
-    last backward (zero/params.py hold_for_step), so its data-parallel volume is the stage's
+    last backward (parallel/data/zero/params.py hold_for_step), so its data-parallel volume is the stage's
     comm_bytes_per_step(pipeline=True) whatever the micro-batches, and the stage's parameters
     are whole in memory ("gathered parameters": its Ψ_r, 2 B each in bf16)."""
     cluster = parse_cluster("2x8xA100-80GB")
@@ -312,7 +312,7 @@ def _test_cpu(monkeypatch, ranks: int = 2):
 
 def test_gradient_shards_live_from_their_reduction_to_the_step(monkeypatch):
     """Stages 2-3 allocate a unit's gradient shard at its reduction and drop it after the step
-    (zero/engine.py zero_grad; measured, moe-mini on 2 ranks at ZeRO-2: 531 MiB at a block's
+    (parallel/data/zero/engine.py zero_grad; measured, moe-mini on 2 ranks at ZeRO-2: 531 MiB at a block's
     backward against 598 at stage 1, whose flat gradient is whole throughout): none at the loss's
     or a block's backward, every block's at the embedding's, all at the root's reduction; a
     pipeline stage's all at once after its last backward. Stages 0-1 hold theirs throughout."""
@@ -335,7 +335,7 @@ def test_gradient_shards_live_from_their_reduction_to_the_step(monkeypatch):
 
 def test_stage3_gathered_parameters_by_phase_on_gloo(monkeypatch):
     """ZeRO-3 on a CPU (gloo's all-gather allocates its output again, alive until waited for),
-    phase by phase as zero/params.py gathers: at the loss's backward the root is gathered and the
+    phase by phase as parallel/data/zero/params.py gathers: at the loss's backward the root is gathered and the
     last block's gather for backward is in flight when prefetching (root + block + its copy),
     nothing more without prefetch; in a block's backward the current block, the prefetched next
     and its copy beside the root."""

@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from shardlm.config import ParallelConfig, load_config
+from shardlm.config.schema import ParallelConfig
+from shardlm.config.load import load_config
 from shardlm.config.dims import ParallelDims
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import parse_cluster
@@ -63,7 +64,7 @@ def test_cp_saved_is_what_the_ring_and_ulysses_keep_beyond_one_process(preset, k
 
     from shardlm.comm.collectives import Comm, CommLedger
     from shardlm.models import build_model
-    from shardlm.parallel.context import CPState, RingAttention, UlyssesAttention
+    from shardlm.parallel.context.attention import CPState, RingAttention, UlyssesAttention
     from shardlm.planner.activations import ActivationDtypes, cp_saved
 
     cfg = replace(preset_model(preset), n_layers=1, n_heads=4, n_kv_heads=kv)
@@ -250,8 +251,8 @@ def test_interleaved_and_zero_bubble_follow_the_runtimes_orders():
     zero-bubble idle share is the runtime's list schedule's (3M + 2(P-1) units long)."""
     from types import SimpleNamespace
 
-    from shardlm.config.pipeline_schedules import _list_schedule
-    from shardlm.parallel.pipeline import OneFOneB
+    from shardlm.parallel.pipeline.schedules import _list_schedule
+    from shardlm.parallel.pipeline.stages import OneFOneB
     from shardlm.planner.workload import interleaved_peak, pp_bubble
 
     for p, v, m in [(2, 2, 4), (4, 2, 8), (4, 3, 4), (3, 2, 6)]:

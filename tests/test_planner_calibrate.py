@@ -9,7 +9,8 @@ from shardlm.config.dims import ParallelDims
 from shardlm.hardware import probe
 from shardlm.hardware.catalog import (CALIBRATION, LINKS, Cluster, Device, MatmulCurve, Node, intensity,
                                       local_cpu)
-from shardlm.planner import Dtypes, Strategy, Workload, estimate_time
+from shardlm.planner.workload import Dtypes, Strategy, Workload
+from shardlm.planner.timing import estimate_time
 from shardlm.planner.shapes import preset_model
 from shardlm.planner.compute import model_flops_per_token
 from shardlm.planner.workload import matmul_shapes

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from shardlm.cli.main import main
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import (CALIBRATION, LINKS, Cluster, Device, Node,
                                       parse_cluster)
@@ -70,7 +70,7 @@ def test_peak_is_held_memory_plus_the_worst_phase():
 
 def test_gradient_accumulation_keeps_whole_gradients_even_at_stage_3():
     # The engine reduces on the last micro-step only: param.grad of every parameter lives
-    # across the micro-steps, unsharded (zero/engine.py); the planner must say so.
+    # across the micro-steps, unsharded (parallel/data/zero/engine.py); the planner must say so.
     cluster = parse_cluster("8xA100-80GB")
     w = Workload(preset_model("llama-7b"), 1024, 16)
     one = estimate_memory(w, Strategy(ParallelDims(1, 8), 3, 2, 1, dtypes=Dtypes("bf16")), cluster)

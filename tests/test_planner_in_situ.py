@@ -11,7 +11,8 @@ import pytest
 from shardlm.config.dims import ParallelDims
 from shardlm.hardware import probe
 from shardlm.hardware.catalog import CALIBRATION, LINKS, Cluster, Device, MatmulCurve, Node, intensity
-from shardlm.planner import Dtypes, Strategy, Workload, estimate_time
+from shardlm.planner.workload import Dtypes, Strategy, Workload
+from shardlm.planner.timing import estimate_time
 from shardlm.planner.in_situ import in_situ_factor, pass_key, predicted_pass
 from shardlm.planner.shapes import preset_model
 
@@ -137,7 +138,7 @@ def test_collectives_timed_in_a_step_fit_the_ring_model_local_cpu_reads(monkeypa
 
 def test_sequence_parallel_charges_one_all_reduce_per_replicated_gradient():
     """Under sequence parallelism each norm weight and bias (and row bias) a tp rank applies to its
-    slice of the sequence is all-reduced in backward, one call each (parallel/tensor_norms.py):
+    slice of the sequence is all-reduced in backward, one call each (parallel/tensor/norms.py):
     the calls, not only their bytes, are in the step."""
     from shardlm.planner.traffic import sp_replicated_grads
 

@@ -10,7 +10,8 @@ from shardlm.config.dims import ParallelDims
 from shardlm.hardware import probe
 from shardlm.hardware.catalog import (CALIBRATION, LINKS, Cluster, Device, MatmulCurve, Node, interpolate,
                                       local_cpu, parse_cluster)
-from shardlm.planner import Dtypes, Strategy, Workload, estimate_time
+from shardlm.planner.workload import Dtypes, Strategy, Workload
+from shardlm.planner.timing import estimate_time
 from shardlm.planner.cp_modes import cp_a2a_bytes, cp_mode_seconds
 from shardlm.planner.memory_bound import block_work
 from shardlm.planner.shapes import preset_model
@@ -174,7 +175,7 @@ def test_the_memory_probe_is_cached_and_local_cpu_reads_it(monkeypatch, tmp_path
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_ring_work_is_what_the_ring_dispatches(tmp_path, dtype):
-    """A context-parallel rank's ring (parallel/context.py) on gpt-mini's attention shapes, 2 x
+    """A context-parallel rank's ring (parallel/context/attention.py) on gpt-mini's attention shapes, 2 x
     128 tokens over 2 ranks, tracked op by op on both ranks: the bytes it writes to new tensors
     beyond the plain attention's own (its output and three gradients) are ring_work's within
     10% (the two ranks' front and back hops averaged), and its ops within 8."""

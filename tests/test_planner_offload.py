@@ -1,4 +1,4 @@
-"""The planner's view of activation offload (activation.offload, parallel/activation.py) and of
+"""The planner's view of activation offload (activation.offload, parallel/blocks/activation.py) and of
 MFU against HFU (model FLOPs vs FLOPs executed, recomputation included)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.config.dims import ParallelDims
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import parse_cluster

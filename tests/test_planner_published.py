@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.config.dims import ParallelDims
 from shardlm.hardware.catalog import parse_cluster
-from shardlm.planner import Strategy, Workload, estimate_time
+from shardlm.planner.workload import Strategy, Workload
+from shardlm.planner.timing import estimate_time
 from shardlm.planner.workload import Dtypes
 
 TOLERANCE = 0.20

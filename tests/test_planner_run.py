@@ -5,7 +5,7 @@ prediction for that run under "predicted", and the end of the run prints measure
 import json
 
 from conftest import tiny_overrides
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.hardware.catalog import local_cpu
 from shardlm.planner.search import run_prediction
 from shardlm.train.build import build_run

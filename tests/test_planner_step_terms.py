@@ -7,11 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from shardlm.config import ZeroConfig
+from shardlm.config.schema import ZeroConfig
 from shardlm.config.dims import ParallelDims
 from shardlm.hardware.catalog import (CALIBRATION, LINKS, Cluster, Device, MatmulCurve, Node, local_disk,
                                       local_disk_lone)
-from shardlm.planner import Dtypes, Strategy, Workload, estimate_time
+from shardlm.planner.workload import Dtypes, Strategy, Workload
+from shardlm.planner.timing import estimate_time
 from shardlm.planner.in_situ import in_situ_factor, pass_key, predicted_pass, step_pass_factor
 from shardlm.planner.memory import nvme_first_chunk
 from shardlm.planner.memory_bound import cold_adamw, optimizer_term

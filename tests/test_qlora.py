@@ -22,7 +22,7 @@ from conftest import tiny_overrides
 from lora_cases import lora_case
 from parity import assert_matches
 from qlora_cases import layout_case, qlora_cases
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.models.lora import is_adapter
 from shardlm.models.quant import ROW_PARALLEL, QuantizedLinearFn, quantizable, quantize_base, segments
@@ -119,7 +119,7 @@ def test_fused_weights_are_quantised_per_checkpoint_tensor(tmp_path):
     tensor a LLaMA checkpoint holds, and at tp = 1 o_proj / down_proj's blocks run along the input
     as bitsandbytes': every dequantised weight of a QLoRA model is bitsandbytes' dequantize_4bit of
     the checkpoint's tensor (_against_bitsandbytes), the embeddings, norms and head untouched."""
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.models import build_model
 
     cfg = load_config(overrides={**_base(tmp_path), "model.n_kv_heads": 2}).validate()

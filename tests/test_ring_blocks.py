@@ -1,4 +1,4 @@
-"""The ring's per-hop kernels (parallel/ring_blocks.py) in one process: the fused CPU flash
+"""The ring's per-hop kernels (parallel/context/ring_blocks.py) in one process: the fused CPU flash
 attention hop against the portable math hop, and what the fused hop allocates."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardlm.parallel import ring_blocks
-from shardlm.parallel.ring_blocks import BlockMask, block_backward, block_forward
+from shardlm.parallel.context import ring_blocks
+from shardlm.parallel.context.ring_blocks import BlockMask, block_backward, block_forward
 
 SCALE = 0.25
 

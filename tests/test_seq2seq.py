@@ -40,7 +40,7 @@ def _overrides(tmp_path: Path, family: str, **extra) -> dict:
 
 
 def _run(overrides: dict):
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.train.build import build_run
 
     return build_run(load_config(overrides=overrides).validate())
@@ -107,7 +107,7 @@ def test_loads_a_save_pretrained_directory(tmp_path, family):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("start", ["scratch", "saved"])
 def test_trains_and_generates(tmp_path, family, start):
-    from shardlm.checkpoint import load_for_inference
+    from shardlm.checkpoint.weights import load_for_inference
     from shardlm.cli.main import main
     from shardlm.data.tokenizer import eot_id
     from shardlm.models.seq2seq import generate_seq2seq
@@ -160,7 +160,7 @@ def test_kv_cache_generation_equals_recomputation(preset):
     """Learned positions and RoPE: greedy tokens identical with and without the cache, also past
     max_seq_len (the window slides: recomputed); the cache's logits (a prefill, a chunk of 3,
     then one token at a time) equal one forward over the whole sequence within 1e-5."""
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.models.decoder import build_model, generate
     from shardlm.models.kv_cache import KVCache
 
@@ -182,7 +182,7 @@ def test_kv_cache_generation_equals_recomputation(preset):
 
 
 def test_seq2seq_refuses_what_it_cannot_do(tmp_path):
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.errors import ConfigError
 
     base = _overrides(tmp_path, "t5")
@@ -219,8 +219,8 @@ def test_zero3_two_ranks_match_one_process(tmp_path):
 def test_rows_hold_source_and_target(tmp_path):
     """A row: the source padded to data.source_len (masked), the target + end token padded to
     train.seq_len (-100); fields renamed by data.columns; nothing crosses from one to the other."""
-    from shardlm.config import load_config
-    from shardlm.data import build_dataset
+    from shardlm.config.load import load_config
+    from shardlm.data.loader import build_dataset
     from shardlm.data.loader import Loader
 
     path = tmp_path / "pairs.jsonl"

@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from shardlm.config import DataConfig, load_config
-from shardlm.data import EOT, build_dataset
+from shardlm.config.schema import DataConfig
+from shardlm.config.load import load_config
+from shardlm.data.tokenizer import EOT
+from shardlm.data.loader import build_dataset
 from shardlm.data.loader import _windows
 from shardlm.data.sft import IGNORE, LOSS, START, encode_example, pack_to_files
 from shardlm.errors import ConfigError

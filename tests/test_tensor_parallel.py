@@ -195,7 +195,7 @@ def test_ledger_bytes_match_the_formula(world, tmp_path, case):
     (traffic.moe_tp_bytes: attention's pair, the routed output's all-gathers, the balancing
     statistics and the router's gradient), its expert all-to-all apart (it follows the
     routing: test_moe.py counts it)."""
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.planner.traffic import tp_comm_bytes
 
     preset, sp, recompute = LEDGER_CASES[case]
@@ -215,7 +215,7 @@ def test_tp_beyond_the_key_value_heads(world, tmp_path):
     all-reduce); and a checkpoint saved at tp = 2 resumes in one process on the same curve
     (the shared rows written once: the manifest's tiling check would refuse them twice)."""
     from ckpt_cases import checkpoint_of, train_run
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.planner.traffic import tp_comm_bytes
 
     base = _mqa_base(tmp_path)

@@ -1,5 +1,5 @@
 """Tensor parallelism of transformers models through their config's base_model_tp_plan
-(parallel/tensor_plan.py): a tiny LlamaForCausalLM at tp=2 on 2 gloo ranks against one process,
+(parallel/tensor/plan.py): a tiny LlamaForCausalLM at tp=2 on 2 gloo ranks against one process,
 fp32 pinned; and the clear errors for models it cannot cut.
 
 Tolerance, measured (fp32, 3 steps, stages 0 and 3): the losses equal the reference's to the
@@ -22,7 +22,7 @@ from conftest import tiny_overrides
 from hf_cases import VOCAB, hf_model
 from shardlm.errors import ConfigError
 from shardlm.parallel.build import apply_tensor_parallel
-from shardlm.parallel.tensor_layers import ColumnParallelLinear, RowParallelLinear
+from shardlm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from shardlm.launch.spawn import run_ranks
 from test_tensor_parallel import _rel, whole_params
 from tp_hf_cases import hf_tp_cases

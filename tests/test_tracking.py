@@ -14,7 +14,7 @@ import pytest
 from conftest import tiny_overrides
 from tracking_cases import train_runs
 from shardlm.train import loop as trainer
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.config.fields import profile_step_numbers
 from shardlm.errors import ConfigError
 from shardlm.launch.spawn import run_ranks

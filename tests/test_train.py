@@ -7,8 +7,8 @@ import torch
 
 from conftest import tiny_overrides
 from shardlm.cli.main import main
-from shardlm.config import load_config
-from shardlm.zero.optim import lr_at
+from shardlm.config.load import load_config
+from shardlm.parallel.data.zero.optim import lr_at
 from shardlm.models.precision import DynamicLossScaler
 from shardlm.train.build import build_run
 from shardlm.train.loop import train

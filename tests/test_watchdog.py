@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from shardlm.config import load_config
+from shardlm.config.load import load_config
 from shardlm.comm.watchdog import EXIT_CODE
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.build import build_run

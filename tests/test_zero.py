@@ -36,7 +36,7 @@ import torch
 
 from conftest import tiny_overrides
 from shardlm.launch.spawn import run_ranks
-from shardlm.zero.partition import comm_bytes_per_step, model_state_bytes
+from shardlm.parallel.data.zero.partition import comm_bytes_per_step, model_state_bytes
 from zero_cases import reference_case, train_cases
 
 STEPS = 5

@@ -13,8 +13,8 @@ def cross_entropy_case(rank: int, world_size: int, vocab: int, ignored: bool = F
     import torch.distributed as dist
 
     from shardlm.comm.collectives import Comm, CommLedger
-    from shardlm.parallel.tensor_layers import VocabParallelHead, vocab_parallel_cross_entropy
-    from shardlm.parallel.tensor_regions import TPState
+    from shardlm.parallel.tensor.layers import VocabParallelHead, vocab_parallel_cross_entropy
+    from shardlm.parallel.tensor.regions import TPState
     from shardlm.models.placement import even_range
 
     g = torch.Generator().manual_seed(0)

@@ -7,10 +7,3 @@ transformers'; peft_adapter.py: LoRA adapters in PEFT's format, and merged into 
 export.py: a run as a transformers directory. hf_dir.py: reading a transformers directory, and
 its identity (tokenizer files, chat template, generation config, special-token ids) carried into
 a run's hf_identity/ and written back, byte for byte, by every export. Imports every layer up to models."""
-
-from shardlm.checkpoint.weights import (CONFIG, LATEST, TOKENIZER, WEIGHTS, load_config_json,
-                                        load_for_inference, point_latest, resolve_run_dir,
-                                        save_weights)
-
-__all__ = ["CONFIG", "LATEST", "TOKENIZER", "WEIGHTS", "load_config_json", "load_for_inference",
-           "point_latest", "resolve_run_dir", "save_weights"]

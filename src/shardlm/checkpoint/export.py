@@ -40,13 +40,13 @@ from pathlib import Path
 
 import torch
 
-from shardlm.checkpoint import (TOKENIZER, WEIGHTS, load_config_json, load_for_inference,
-                               resolve_run_dir)
+from shardlm.checkpoint.weights import (TOKENIZER, WEIGHTS, load_config_json, load_for_inference,
+                                       resolve_run_dir)
 from shardlm.checkpoint.hf_names import heads_first, hf_family, hf_sources, moe_sources
 from shardlm.checkpoint.hf_dir import read_identity, write_identity
 from shardlm.checkpoint.weights import HF_CONFIG
 from shardlm.checkpoint.peft_adapter import ADAPTER_DIR, merged_state_dict, peft_adapter, write_adapter
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.config.families import family as registered_family
 from shardlm.errors import ConfigError
 from shardlm.data.tokenizer import EOT

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from shardlm.checkpoint.hf_dir import HFDirError, HFDirReader
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.config.families import Family, registered
 from shardlm.config.families import family as registered_family
 from shardlm.errors import ConfigError

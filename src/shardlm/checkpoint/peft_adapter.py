@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from shardlm.checkpoint.hf_names import heads_first, hf_family, hf_sources
-from shardlm.config import Config
+from shardlm.config.schema import Config
 from shardlm.config.families import family as registered_family
 from shardlm.errors import ConfigError
 from shardlm.launch.files import atomic_write

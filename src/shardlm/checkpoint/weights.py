@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from shardlm.config import Config, config_from_dict
+from shardlm.config.schema import Config
+from shardlm.config.load import config_from_dict
 from shardlm.errors import ConfigError
 from shardlm.launch.files import atomic_write
 from shardlm.models.moe import bias_tensors, take_bias_tensors
@@ -41,7 +42,7 @@ def point_latest(run_dir: Path) -> None:
 def save_weights(run_dir: Path, model: nn.Module | dict[str, torch.Tensor], cfg: Config, tokenizer,
                  hf_config=None) -> Path:
     """The model's weights (or the given whole tensors by name: a tensor-parallel run's, put
-    together by parallel.pieces.whole_parameters), its config and tokenizer, in `run_dir`. A
+    together by parallel.tensor.pieces.whole_parameters), its config and tokenizer, in `run_dir`. A
     mixture of experts balanced by bias also saves its routers' biases (models.moe.bias_tensors).
     A transformers module's config (`hf_config`, else the adapted model's) goes to HF_CONFIG."""
     from shardlm.checkpoint.sharded import write_safetensors

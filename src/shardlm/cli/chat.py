@@ -96,7 +96,7 @@ def load_hf_for_inference(path: str | Path, device: torch.device, overrides: dic
     checkpoint.load_for_inference gives for a run. `overrides`: other config keys (data.*)."""
     from shardlm.checkpoint.hf_dir import HFDirError, module_initializer
     from shardlm.checkpoint.hf_names import hf_initializer
-    from shardlm.config import load_config
+    from shardlm.config.load import load_config
     from shardlm.config.hf_shapes import causal_lm_config, encoder_decoder_config
     from shardlm.data.tokenizer import hf_tokenizer
     from shardlm.models import build_model
@@ -132,7 +132,7 @@ def load_chat_model(checkpoint: str | Path, device: torch.device) -> ChatModel:
         stops = _stop_ids(path, template, tokenizer, config_eos)
         name = f"{path} (transformers directory)"
     else:
-        from shardlm.checkpoint import load_for_inference, resolve_run_dir
+        from shardlm.checkpoint.weights import load_for_inference, resolve_run_dir
         from shardlm.models.hf import Seq2SeqAdapter
 
         run_dir = resolve_run_dir(path)

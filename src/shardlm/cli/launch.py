@@ -91,7 +91,7 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     from pathlib import Path
 
     import shardlm.launch.targets as lt
-    from shardlm.config import load_config, parse_overrides
+    from shardlm.config.load import load_config, parse_overrides
     from shardlm.config.dims import grad_accum_for
     from shardlm.launch.run_dir import unique_run_name
 

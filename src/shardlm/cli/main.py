@@ -187,7 +187,7 @@ def _parser() -> argparse.ArgumentParser:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from shardlm.checkpoint import load_for_inference
+    from shardlm.checkpoint.weights import load_for_inference
     from shardlm.launch.runtime import pick_device
     from shardlm.data.tokenizer import eot_id
     from shardlm.models import generate
@@ -245,7 +245,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
     from shardlm.checkpoint.hf_dir import is_hf_dir
-    from shardlm.config import parse_overrides
+    from shardlm.config.load import parse_overrides
     from shardlm.train.evaluate import evaluate_checkpoint
 
     parsed = parse_overrides(overrides)
@@ -273,7 +273,7 @@ def evaluate_base(hf_path: str, run: str | None, overrides: dict[str, str]) -> d
 
     import torch
 
-    from shardlm.checkpoint import load_config_json, resolve_run_dir, save_weights
+    from shardlm.checkpoint.weights import load_config_json, resolve_run_dir, save_weights
     from shardlm.cli.chat import load_hf_for_inference
     from shardlm.train.evaluate import EDITABLE, evaluate_checkpoint
 
@@ -295,7 +295,7 @@ def evaluate_base(hf_path: str, run: str | None, overrides: dict[str, str]) -> d
 
 
 def cmd_presets() -> int:
-    from shardlm.config import ModelConfig
+    from shardlm.config.model import ModelConfig
     from shardlm.models import count_params
     from shardlm.models.flops import active_params
     from shardlm.config.presets import ALIASES, PRESETS

@@ -139,7 +139,9 @@ def cost_basis(args: argparse.Namespace, cluster):
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from shardlm.planner import report
-    from shardlm.planner import Strategy, Workload, estimate_memory, estimate_time
+    from shardlm.planner.workload import Strategy, Workload
+    from shardlm.planner.memory import estimate_memory
+    from shardlm.planner.timing import estimate_time
     from shardlm.planner.search import alternatives
 
     model, params, (cluster,), seq = planner_inputs(args)
@@ -168,7 +170,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """The search on each --gpus cluster; with several, the best plan of each compared (ranked
     by --rank-by: time to train, or cost when --tokens prices them), then each cluster's plans."""
     from shardlm.planner import report
-    from shardlm.planner import Workload
+    from shardlm.planner.workload import Workload
     from shardlm.planner.cost import rank, training_cost
     from shardlm.planner.search import EVERYTHING, RUNTIME, search
 

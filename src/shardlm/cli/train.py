@@ -21,7 +21,7 @@ def _model_axes(dims, par) -> str:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from shardlm.config import describe, load_config, parse_overrides
+    from shardlm.config.load import describe, load_config, parse_overrides
 
     if args.help_config:
         print(describe())
@@ -219,8 +219,8 @@ def launch_workers(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
     argv = ([args.config] if args.config else []) + list(overrides)
     if not cfg.run.name:  # also what lets restarted workers find the run's checkpoints
         argv.append(f"--run.name={unique_run_name()}")
-    if cfg.parallel.fault_tolerant:  # a world per replica, restarted alone (launch/replicas.py)
-        from shardlm.launch.replicas import launch_replicas
+    if cfg.parallel.fault_tolerant:  # a world per replica, restarted alone (parallel/data/fault_tolerant/launcher.py)
+        from shardlm.parallel.data.fault_tolerant.launcher import launch_replicas
 
         if args.nproc != cfg.parallel.dp_replicate:
             raise ConfigError(f"parallel.fault_tolerant: --nproc {args.nproc} must equal "
@@ -242,7 +242,9 @@ def dry_run(args: argparse.Namespace, cfg) -> int:
     from shardlm.config.dims import resolve_dims
     from shardlm.hardware.catalog import parse_cluster
     from shardlm.launch.runtime import launcher_sizes, pick_device
-    from shardlm.planner import estimate_memory, estimate_time, report
+    from shardlm.planner.memory import estimate_memory
+    from shardlm.planner.timing import estimate_time
+    from shardlm.planner import report
     from shardlm.planner.search import config_strategy
     from shardlm.train.resolve import decide, local_hardware
 

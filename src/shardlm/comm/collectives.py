@@ -1,6 +1,6 @@
 """Collectives with a ledger: every call is counted by (operation, group) with its data volume.
 
-Volume is counted as the ZeRO paper counts it (what `zero.partition.comm_bytes_per_step`
+Volume is counted as the ZeRO paper counts it (what `parallel.data.zero.partition.comm_bytes_per_step`
 predicts): a reduce-scatter moves its input's bytes, an all-gather its output's, an all-reduce
 twice its tensor's (it is a reduce-scatter plus an all-gather). On a ring each rank actually
 sends (N-1)/N of that.

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, get_type_hints
 
 from shardlm.config.families import FamilyChoices
-from shardlm.config.pipeline_tables import NAMED
+from shardlm.parallel.pipeline.tables import NAMED
 
 Config = Any
 """A shardlm.config.schema.Config (not imported: that module imports this one)."""

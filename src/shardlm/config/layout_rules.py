@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 from shardlm.config.fields import Config, _cross, document_mask_on
-from shardlm.config.pipeline_tables import NAMED
+from shardlm.parallel.pipeline.tables import NAMED
 from shardlm.errors import ConfigError
 
 
@@ -32,7 +32,7 @@ def _sequence_parallel_needs_tp(cfg: Config) -> list[str]:
 @_cross("parallel.async_tp", "parallel.tp", "parallel.sequence_parallel", "precision.compute", "lora.quantize")
 def _async_tp_composes(cfg: Config) -> list[str]:
     """parallel.async_tp decomposes sequence parallelism's all-gather / reduce-scatter around the
-    tensor-parallel linears' plain matmuls (parallel/async_tp.py)."""
+    tensor-parallel linears' plain matmuls (parallel/tensor/async_tp.py)."""
     par = cfg.parallel
     if not par.async_tp:
         return []
@@ -56,8 +56,8 @@ def _async_tp_composes(cfg: Config) -> list[str]:
         "model.n_layers", "train.grad_accum")
 def _pipeline_fits(cfg: Config) -> list[str]:
     from shardlm.config.dims import parse_layers
-    from shardlm.config.pipeline_tables import V_SHAPED
-    from shardlm.config.pipeline_schedules import table_for
+    from shardlm.parallel.pipeline.tables import V_SHAPED
+    from shardlm.parallel.pipeline.schedules import table_for
 
     par, n = cfg.parallel, cfg.model.n_layers
     if par.pp == 1:
@@ -141,7 +141,7 @@ def cp_degrees(cp: int, mode: str, ulysses: int) -> tuple[int, int]:
         "model.n_kv_heads")
 def _cp_mode_fits(cfg: Config) -> list[str]:
     """Ulysses splits each tensor-parallel rank's heads over the all-to-all degree (parallel/
-    ulysses.py): query heads must divide by it; key/value heads divide by it or, fewer than it,
+    context/ulysses.py): query heads must divide by it; key/value heads divide by it or, fewer than it,
     divide it (each then replicated on a2a / kv ranks, as tensor parallelism replicates them)."""
     par, m, problems = cfg.parallel, cfg.model, []
     mode, a2a = par.cp_mode, par.cp_ulysses
@@ -182,7 +182,7 @@ def _cp_divides_sequence(cfg: Config) -> list[str]:
 @_cross("train.optimizer", "zero.offload_optimizer", "zero.offload_params", "lora.rank")
 def _muon_layout(cfg: Config) -> list[str]:
     """Muon orthogonalises whole matrices: ZeRO's flat shards are gathered per unit and tensor
-    parallelism's cuts over the tp group (zero/muon.py); a pipeline stage, an expert-parallel
+    parallelism's cuts over the tp group (parallel/data/zero/muon.py); a pipeline stage, an expert-parallel
     rank and a context-parallel rank each hold their matrices whole (MoE's 3-D expert banks stay
     with AdamW), and replicas (hybrid sharding, fault-tolerant, local SGD) see the same averaged
     gradient. Refused: the nvme tier, whose masters stream from disk through AdamW's chunked
@@ -222,10 +222,10 @@ def _param_offload_stage(cfg: Config) -> list[str]:
 
 @_cross("lora.rank", "parallel.tp", "lora.quantize", "model.hf_config", "model.n_kv_heads", "model.n_heads")
 def _lora_layout(cfg: Config) -> list[str]:
-    """LoRA's frozen base is ZeRO units like any other (zero/engine.py: gathered at stage 3,
+    """LoRA's frozen base is ZeRO units like any other (parallel/data/zero/engine.py: gathered at stage 3,
     kept by the parameter store when zero.offload_params is set). Tensor parallelism cuts our
     decoder's adapters as it cuts the linears they wrap, and a quantised base (lora.quantize) as
-    whole stored rows of its byte tables (parallel/tensor.py, models/quant.py); a transformers
+    whole stored rows of its byte tables (parallel/tensor/decoder.py, models/quant.py); a transformers
     model's layers (model.hf_config) are not cut yet, nor a quantised base's key/value rows that
     every rank keeps when tp > n_kv_heads."""
     if not cfg.lora.rank or cfg.parallel.tp == 1:
@@ -318,7 +318,7 @@ def _attention_composes(cfg: Config) -> list[str]:
 def _activation_offload_composes(cfg: Config) -> list[str]:
     """activation.offload moves what each chosen block keeps for backward to host memory: its
     saved tensors, or with recomputation (activation.checkpoint) the checkpoint's kept inputs
-    (parallel/activation.py)."""
+    (parallel/blocks/activation.py)."""
     a, n = cfg.activation, cfg.model.n_layers
     if a.offload == "none":
         return ([f"activation.offload_blocks = {a.offload_blocks} has no effect with activation.offload "
@@ -387,7 +387,7 @@ def _fp8_composes(cfg: Config) -> list[str]:
         "parallel.zero_stage", "lora.rank", "lora.quantize")
 def _fp8_all_gather_composes(cfg: Config) -> list[str]:
     """precision.fp8_all_gather: ZeRO-3 gathers the FP8 linears' weights (models/fp8.py
-    Fp8Linear) in E4M3, each shard rounded at the whole weight's scale (zero/fp8_gather.py).
+    Fp8Linear) in E4M3, each shard rounded at the whole weight's scale (parallel/data/zero/fp8_gather.py).
     That is the bits of rounding the whole weight only with one scale per weight from its
     amax now (tensorwise), and only where our emulated matmul (fp8_linear) takes the bits."""
     p, par = cfg.precision, cfg.parallel
@@ -404,7 +404,7 @@ def _fp8_all_gather_composes(cfg: Config) -> list[str]:
                  f"from the weight's current amax; on FP8 hardware torchao's Float8Linear runs the "
                  f"matmuls, and its fp8 all-gather is FSDP2's, not our engine's)"] if needs else [])
     # tp: each weight's scale takes the max over the tp group too; LoRA: its frozen base is
-    # gathered in E4M3 as a trained weight is (zero/fp8_gather.py)
+    # gathered in E4M3 as a trained weight is (parallel/data/zero/fp8_gather.py)
     if cfg.lora.rank > 0 and cfg.lora.quantize != "none":
         problems.append(f"precision.fp8_all_gather = true with lora.quantize = {cfg.lora.quantize!r}: "
                         f"QLoRA's frozen base already travels as its 4-bit codes and block scales, about "
@@ -420,7 +420,7 @@ def _fp8_all_gather_composes(cfg: Config) -> list[str]:
         "parallel.cp", "parallel.pp", "parallel.ep", "parallel.zero_stage", "parallel.strategy",
         "train.global_batch", "train.local_sgd.every")
 def _fault_tolerant_layout(cfg: Config) -> list[str]:
-    """parallel.fault_tolerant (comm/replicas.py): each replica is one process of its own, so
+    """parallel.fault_tolerant (parallel/data/fault_tolerant/quorum.py): each replica is one process of its own, so
     only plain data parallelism across replicas is built; the rest is refused here, by name,
     with why it cannot be."""
     par = cfg.parallel

@@ -181,7 +181,7 @@ def _pure_bf16(cfg: Config) -> list[str]:
 
 @_cross("train.local_sgd.every", "parallel.dp_replicate", "parallel.ep", "model.experts")
 def _local_sgd_layout(cfg: Config) -> list[str]:
-    """Local SGD / DiLoCo (zero/local_sgd.py) needs replicas, and is checked against one process
+    """Local SGD / DiLoCo (parallel/data/zero/local_sgd.py) needs replicas, and is checked against one process
     with ZeRO stages 0-3 and dp_shard ranks per replica, tp, cp and pp inside each replica,
     optimizer and parameter offload (cpu, nvme) and LoRA (each rank's outer step on its own
     piece of the masters: tests/test_local_sgd.py). A mixture of experts is refused: its router's

@@ -64,7 +64,7 @@ class DataConfig:
 @dataclass
 class LocalSGDConfig:
     """[train] local_sgd = {every = 4, outer = "diloco"}: replicas that synchronise every few
-    steps instead of every step (zero/local_sgd.py; docs/parallelism.md, local SGD / DiLoCo)."""
+    steps instead of every step (parallel/data/zero/local_sgd.py; docs/parallelism.md, local SGD / DiLoCo)."""
 
     every: int = 0
     """With parallel.dp_replicate = R > 1: each replica takes this many optimizer steps on its own
@@ -121,9 +121,9 @@ class TrainConfig:
     """'adamw', or 'muon': Muon (Jordan 2024; Moonlight, Liu et al. 2025) on the hidden weight
     matrices — momentum, orthogonalised by Newton-Schulz, RMS-matched to AdamW (0.2 sqrt(max(A,
     B))) with the same lr and decoupled weight decay — and AdamW (beta1, beta2, eps) on the
-    embeddings, the output head, norms and biases (src/shardlm/zero/optim.py). With ZeRO (stages
+    embeddings, the output head, norms and biases (src/shardlm/parallel/data/zero/optim.py). With ZeRO (stages
     0-3) each matrix is gathered and orthogonalised by one owning rank, a tensor-parallel one
-    gathered whole over the tp group too (zero/muon.py); with every axis and the cpu tier; not
+    gathered whole over the tp group too (parallel/data/zero/muon.py); with every axis and the cpu tier; not
     with the nvme tier or LoRA (refused; docs/computation.md)."""
     muon_momentum: float = 0.95
     """Muon's momentum coefficient mu (buf <- mu buf + g)."""
@@ -229,7 +229,7 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree (Megatron-LM): attention heads, MLP width and vocabulary split over
     tp consecutive ranks; must divide n_heads, and divide n_kv_heads or be a multiple of it
-    (key/value heads replicated: parallel/tensor.py)."""
+    (key/value heads replicated: parallel/tensor/decoder.py)."""
     sequence_parallel: bool = False
     """With tp > 1: norms and residuals on 1/tp of the sequence each, all-gather/reduce-scatter
     in place of the all-reduces (Korthikanti et al. 2022); same results, less activation memory."""
@@ -237,15 +237,15 @@ class ParallelConfig:
     """With tp > 1 and sequence_parallel: overlapped ("async") tensor parallelism. The all-gather
     before each column-parallel linear and the reduce-scatter after each row-parallel one are cut
     into tp pieces whose collectives are in flight while the matmuls of the rows already there
-    (or the next piece's partial sums) run (parallel/async_tp.py; Wang et al. 2023, torchtitan's
+    (or the next piece's partial sums) run (parallel/tensor/async_tp.py; Wang et al. 2023, torchtitan's
     async TP, Megatron-LM's tp_comm_overlap). Same bits and bytes as the blocking version on 2
     ranks; not with train.compile, precision.compute = 'fp8' or lora.quantize yet."""
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks (2·cp load-balanced chunks),
-    attention by passing key/value blocks around a ring (parallel/context.py); activations
+    attention by passing key/value blocks around a ring (parallel/context/attention.py); activations
     1/cp per rank. train.seq_len must divide by 2·cp."""
     cp_mode: str = "ring"
-    """How cp > 1 ranks attend (parallel/context.py, parallel/ulysses.py; docs/architecture.md):
+    """How cp > 1 ranks attend (parallel/context/attention.py, parallel/context/ulysses.py; docs/architecture.md):
     'ring' (key/value blocks passed around the ring: any head count); 'ulysses' (DeepSpeed-
     Ulysses: an all-to-all trades the sequence split for a head split around attention, each
     rank attending the whole sequence with heads/cp heads: the heads per tp rank must divide by
@@ -256,7 +256,7 @@ class ParallelConfig:
     runs over cp / cp_ulysses groups. 0 = cp for 'ulysses', 2 for 'hybrid'."""
     pp: int = 1
     """Pipeline-parallel degree: the blocks in pp contiguous stages, one per rank of a pipeline
-    (parallel/pipeline.py); micro-batches are train.grad_accum's."""
+    (parallel/pipeline/stages.py); micro-batches are train.grad_accum's."""
     pp_schedule: str = "1f1b"
     """With pp > 1: 'gpipe' (all forwards, then all backwards) or '1f1b' (one forward, one
     backward: at most pp micro-batches of activations held per stage), both idle
@@ -279,18 +279,18 @@ class ParallelConfig:
     FLOPs, the head's counted on the last stage)."""
     ep: int = 1
     """Expert-parallel degree: each rank holds model.experts / ep of every MoE block's experts,
-    tokens sent to their experts' ranks and back by all-to-all (parallel/expert.py). The ep
+    tokens sent to their experts' ranks and back by all-to-all (parallel/expert/dispatch.py). The ep
     ranks come out of dp_shard (ep must divide it); the dense part stays data-parallel, the
     experts are ZeRO-sharded over the dp_shard / ep ranks that hold the same ones. With tp > 1
     the experts are spread over the tensor-parallel ranks instead (ep stays 1)."""
     ep_rebalance_every: int = 0
     """With ep > 1: every this many steps, move experts between the expert-parallel ranks so
     that the busiest rank's load (measured over those steps) is as low as a greedy placement
-    makes it (parallel/expert_balance.py ExpertBalancer); 0 = never."""
+    makes it (parallel/expert/balance.py ExpertBalancer); 0 = never."""
     reshard_after_forward: bool = True
     """Stage 3: free a unit's gathered parameters after its forward and gather again for its
     backward (memory), or keep them until its backward (one all-gather less per step). With
-    pp > 1 a stage's units are held for the whole step, either way (zero/params.py)."""
+    pp > 1 a stage's units are held for the whole step, either way (parallel/data/zero/params.py)."""
     prefetch: bool = True
     """Stage 3: start gathering the next unit's parameters while the current one computes."""
     collective_timeout_s: float = 600.0
@@ -300,7 +300,7 @@ class ParallelConfig:
     fault_tolerant: bool = False
     """With dp_replicate > 1 under `shardlm train --nproc N`: each replica is its own process
     (its own world), and gradients are averaged across replicas over a group rebuilt each step
-    from the replicas alive (comm/replicas.py, torchft's quorum). A replica that dies drops out
+    from the replicas alive (parallel/data/fault_tolerant/quorum.py, torchft's quorum). A replica that dies drops out
     while the others keep training; the launcher restarts it and it rejoins from a live peer's
     state (docs/reliability.md, Replica groups). One rank per replica, ZeRO stage 0."""
     quorum_timeout_s: float = 30.0

@@ -20,7 +20,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from shardlm.config import DataConfig
+from shardlm.config.schema import DataConfig
 from shardlm.data.tables import TABLE_SUFFIXES, dataset_dir_files, is_dataset_dir, iter_rows
 from shardlm.errors import ConfigError
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from shardlm.config import DataConfig
+from shardlm.config.schema import DataConfig
 from shardlm.errors import ConfigError
 from shardlm.launch.cache_files import move_aside, read_json_cache
 from shardlm.launch.files import atomic_write

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from shardlm.config import DataConfig
+from shardlm.config.schema import DataConfig
 import shardlm.data.sft as sft
 from shardlm.data.sft import IGNORE
 from shardlm.errors import ConfigError

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from shardlm.config import DataConfig
+from shardlm.config.schema import DataConfig
 from shardlm.config.fields import DATA_FORMATS, parse_columns
 from shardlm.data.corpus import corpus_files, jsonl_records
 from shardlm.data.tables import TABLE_SUFFIXES, iter_rows

@@ -1,4 +1,4 @@
-"""The disk the nvme tier streams through (zero/tiers/nvme.py), as the planner's local CPU
+"""The disk the nvme tier streams through (parallel/data/zero/tiers/nvme.py), as the planner's local CPU
 cluster needs it (hardware.catalog.local_cpu): the read + write bytes/s of 1, 2 and 4 ranks
 streaming at once, since a drive may serve several streams faster in all than one (dd here: 1, 2
 and 4 O_DIRECT writers reached 1.04, 1.36 and 1.39 GB/s in all) or not (this probe here, four

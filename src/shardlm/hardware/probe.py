@@ -171,7 +171,7 @@ def memory_probe(threads: int, again: bool = False) -> dict:
       training process fixes at start-up, docs/allocator.md): page faults, the kernel's zeroing
       and the unmap, per byte;
     - adamw: [parameters, seconds per parameter] of torch's fused AdamW (the runtime's
-      optimizer, zero/optim.py) over one fp32 flat parameter of each ADAMW_SIZES;
+      optimizer, parallel/data/zero/optim.py) over one fp32 flat parameter of each ADAMW_SIZES;
     - op_seconds: per dispatched op, a chain of OP_CHAIN multiplications on 8 elements run
       forward and back (2·OP_CHAIN ops): the eager dispatch, autograd's recording and its
       backward node, nothing of the arithmetic."""

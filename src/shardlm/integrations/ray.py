@@ -58,7 +58,7 @@ def worker_args(train_args: list[str], num_workers: int, max_failures: int) -> t
     --nproc N` checks them): the config valid, its layout fitting N ranks, a checkpoint to restart
     from when restarts are allowed; the config path and run.dir made absolute (a worker's working
     directory is not the driver's) and run.name fixed (every restart finds the same run)."""
-    from shardlm.config import load_config, parse_overrides
+    from shardlm.config.load import load_config, parse_overrides
     from shardlm.config.dims import resolve_dims
     from shardlm.launch.run_dir import unique_run_name
 
@@ -69,7 +69,7 @@ def worker_args(train_args: list[str], num_workers: int, max_failures: int) -> t
     resolve_dims(cfg.parallel, num_workers)
     if cfg.parallel.fault_tolerant:
         raise ConfigError("parallel.fault_tolerant runs a process group per replica, restarted alone "
-                          "(launch/replicas.py); Ray Train makes one group of every worker: use "
+                          "(parallel/data/fault_tolerant/launcher.py); Ray Train makes one group of every worker: use "
                           "`shardlm train --nproc N` or torchrun for it")
     if max_failures and not cfg.checkpoint.every:
         raise ConfigError(f"max_failures {max_failures} restarts the workers from the latest checkpoint, "
@@ -123,7 +123,7 @@ def worker(loop_config: dict) -> None:
     from ray.train.collective import broadcast_from_rank_zero
 
     from shardlm.cli.train import preflight, train_here
-    from shardlm.config import load_config, parse_overrides
+    from shardlm.config.load import load_config, parse_overrides
     from shardlm.launch.runtime import RESTART_COUNT_ENV
 
     config, overrides = split_args(loop_config["args"])

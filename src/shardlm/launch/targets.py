@@ -314,7 +314,7 @@ def inline_args(config: str | None, overrides: list[str]) -> list[str]:
     """The train arguments without the config file: its settings as --section.key=value overrides
     before the given ones (so the workers need no copy of the file). Refused when an override
     cannot say a value the same way (checked: both forms load to the same config)."""
-    from shardlm.config import flatten, load_config, parse_overrides
+    from shardlm.config.load import flatten, load_config, parse_overrides
 
     if config is None:
         return list(overrides)

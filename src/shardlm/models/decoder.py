@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.models.attention import AttentionMask, attend, choose_backend, prepare
 from shardlm.models.flops import head_dim, is_moe_block, moe_layers, resolved_d_ff
 from shardlm.models.init import materialize, parameter_generator
@@ -69,7 +69,7 @@ class OffsetRMSNorm(nn.Module):
 
 class CausalAttention(nn.Module):
     """softmax(q kᵀ·scale + causal mask) v: the part of attention that mixes positions, a module
-    of its own so context parallelism can replace it (parallel/context.py: the ring). `scale`
+    of its own so context parallelism can replace it (parallel/context/attention.py: the ring). `scale`
     None = 1/√d; `softcap` > 0: Gemma 2's c·tanh(scores/c)."""
 
     def __init__(self, scale: float | None = None, softcap: float = 0.0) -> None:
@@ -252,9 +252,9 @@ class Decoder(nn.Module):
         """model.attention; 'auto' is fixed per run by models.attention.configure (the trainer),
         or else chosen at each forward for the input's device."""
         self.context = None
-        """Context parallelism's CPState (parallel/context.py), when the sequence is split."""
+        """Context parallelism's CPState (parallel/context/attention.py), when the sequence is split."""
         self.layers = range(cfg.n_layers)
-        """The blocks this model runs: all, or a pipeline stage's (parallel/pipeline.py)."""
+        """The blocks this model runs: all, or a pipeline stage's (parallel/pipeline/stages.py)."""
 
     def initial_value(self, name: str, seed: int) -> torch.Tensor:
         """The initial values of parameter `name` (fp32, CPU), a function of (seed, name) only:
@@ -316,7 +316,7 @@ class Decoder(nn.Module):
         cache's `length` ones: their positions start there, and every block reads and extends
         its layer's keys and values.
 
-        A pipeline stage (parallel/pipeline.py) runs its own blocks only: a later stage takes
+        A pipeline stage (parallel/pipeline/stages.py) runs its own blocks only: a later stage takes
         the previous stage's output as `hidden` (idx still gives the positions), and every
         stage but the last returns its hidden states (B, T, C) instead of logits."""
         documents = counted = None
@@ -458,7 +458,7 @@ def next_token(model: nn.Module, logits: torch.Tensor, temperature: float, top_k
                generator: torch.Generator | None) -> torch.Tensor:
     """The next token (B, 1) from the last position's logits (B, vocab), or this rank's
     vocabulary part of them (gathered first)."""
-    if hasattr(model.head, "gather"):  # a vocabulary-parallel head (parallel/tensor.py)
+    if hasattr(model.head, "gather"):  # a vocabulary-parallel head (parallel/tensor/decoder.py)
         logits = model.head.gather(logits)
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)  # (B, 1)

@@ -6,7 +6,7 @@ every preset), so the planner and the MFU meter can size a 70B model without bui
 
 from __future__ import annotations
 
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 

@@ -29,7 +29,7 @@ The swapped layer holds the same Parameter objects under the same names (Fp8Line
 nn.Linear), so checkpoints, initialisation by name and the ZeRO engine's flat buffers are
 unchanged; the weight is saved for backward and re-quantised there (ZeRO-3 gathers it again),
 like torchao's force_recompute_fp8_weight_in_bwd. With precision.fp8_all_gather, ZeRO-3 gathers
-the weight already in E4M3 with its scale (GatheredWeight; zero/fp8_gather.py), as torchao's
+the weight already in E4M3 with its scale (GatheredWeight; parallel/data/zero/fp8_gather.py), as torchao's
 float8 all-gather under FSDP2 does, and the matmul takes those bits as they are.
 """
 
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.config import PrecisionConfig
+from shardlm.config.schema import PrecisionConfig
 from shardlm.errors import ConfigError
 
 log = logging.getLogger("shardlm")
@@ -126,7 +126,7 @@ def round_to_fp8(x: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor,
     """`x` (any shape) times `scale` (broadcast: a scalar, or one per element) rounded to `fmt`,
     as `quantise` rounds it at a scale from x's amax: (the values in fmt.dtype, [overflow,
     underflow] counts, or None without `count`). ZeRO-3's fp8 all-gather rounds each rank's
-    shard so, at the whole weight's scale (zero/fp8_gather.py)."""
+    shard so, at the whole weight's scale (parallel/data/zero/fp8_gather.py)."""
     scaled = x.float() * scale
     q = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype)
     if not count:
@@ -143,7 +143,7 @@ def dequantise(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = to
 @dataclass
 class GatheredWeight:
     """A weight that arrives already rounded to E4M3: ZeRO-3's fp8 all-gather
-    (precision.fp8_all_gather, zero/fp8_gather.py) gathers its bytes, rounded on each rank at
+    (precision.fp8_all_gather, parallel/data/zero/fp8_gather.py) gathers its bytes, rounded on each rank at
     the scale of the whole weight's amax (tensorwise: the bits one process rounds the whole
     weight to). Views of the unit's gathered buffers, refilled by each gather: the E4M3 values
     (out, in), the scale (a 0-d fp32) and the [overflow, underflow, elements] counts of this
@@ -225,7 +225,7 @@ class DelayedScale:
 class Fp8Quantiser:
     """One recipe, applied to one linear layer's three tensors; shares the run's Fp8Stats.
 
-    A layer whose tensors are pieces of the whole (tensor parallelism: parallel/tensor.py) gives
+    A layer whose tensors are pieces of the whole (tensor parallelism: parallel/tensor/decoder.py) gives
     the roles it holds a piece of an `amax_reducers` entry (`share_amax`: the max over the
     group), so each piece is scaled by the amax of the whole tensor — the scale, and so the
     bits, one process has."""
@@ -322,7 +322,7 @@ class _Fp8Matmul(torch.autograd.Function):
             gq, g_counts = q.cast(g2, "grad_output", True)
             if ctx.gathered is None:
                 wq, _ = q.cast(weight, "weight", False, w_scale)
-            else:  # ZeRO-3 gathered the bytes again for backward (zero/params.py)
+            else:  # ZeRO-3 gathered the bytes again for backward (parallel/data/zero/params.py)
                 assert ctx.gathered.live, "an fp8-gathered weight is not gathered for backward"
                 wq = dequantise(ctx.gathered.data, w_scale)
             grad_x = (gq @ wq).view(ctx.x_shape).to(ctx.x_dtype) if need_x else None  # (B*T, in)
@@ -365,7 +365,7 @@ class Fp8Linear(nn.Linear):
 def take_over(new: nn.Module, old: nn.Module, pieces: tuple[str, ...],
               reduce: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
     """`new`, a layer built to replace `old` from a piece of it (a column- or row-parallel
-    linear: parallel/tensor.py), multiplies in FP8 where `old` did (an Fp8Linear, or LoRA's layer
+    linear: parallel/tensor/decoder.py), multiplies in FP8 where `old` did (an Fp8Linear, or LoRA's layer
     with an fp8 base): `old`'s quantiser, the amaxes of the tensors of `pieces` (those `new`
     holds a piece of) `reduce`d to the whole tensor's (a max over the group). Each piece is then
     scaled as one process scales the whole, so its FP8 values are the bits of one process's (the
@@ -449,7 +449,7 @@ def apply_fp8(model: nn.Module, precision: PrecisionConfig, device: torch.device
     hardware, else (fp8_emulate) each plain nn.Linear swapped for Fp8Linear and each `use_fp8`
     layer given its quantisers (LoRA's frozen base, QLoRA's dequantised one, the experts). The
     layers later steps build in their place (tensor parallelism, expert parallelism) take the
-    quantisers over (parallel/tensor.py, parallel/expert.py)."""
+    quantisers over (parallel/tensor/decoder.py, parallel/expert/dispatch.py)."""
     from shardlm.models.decoder import Decoder
 
     check_fp8_device(precision, device)

@@ -4,7 +4,7 @@ The loop calls `forward(idx) -> logits (B, T, vocab)` and computes the loss itse
 loss_of); a transformers model takes keyword arguments and returns a ModelOutput. An adapter
 is the thinnest bridge: the wrapped model is a registered child (`self.model`), so the ZeRO
 engine sees its modules unchanged — the units are found as for any model (the largest
-nn.ModuleList's children, or `parallel.units` class names; zero/units.py), and tied weights
+nn.ModuleList's children, or `parallel.units` class names; parallel/data/zero/units.py), and tied weights
 (GPT-2's and T5's embedding = output head) are the same Parameter in two places, which the
 engine keeps tied.
 
@@ -33,7 +33,7 @@ gradient scale). That scale is `MoEStats.grad_scale`, which the trainer already 
 with a `moe_stats` before each step; the adapter's MoEStats has no layers of its own (transformers'
 layers record nothing: `sums` stays None, so no per-expert telemetry is logged) and no biases.
 Expert parallelism (parallel.ep) replaces the model's experts modules where their layout allows
-(parallel/expert.py: StackedExperts).
+(parallel/expert/dispatch.py: StackedExperts).
 transformers computes the loss from one forward's router logits, i.e. per micro-batch, as our
 layers do: a rank's micro-batch gets the term one process with gradient accumulation gives it.
 """

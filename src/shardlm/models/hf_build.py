@@ -11,7 +11,7 @@ directory's tensors by name: checkpoint/hf_dir.module_initializer). What the rou
 is what composes with a module we did not write: ZeRO 0-3 and its offload tiers (the engine
 needs only parameters), activation checkpointing (the largest nn.ModuleList's children), LoRA on
 its nn.Linear layers, tensor parallelism by its config's base_model_tp_plan
-(parallel/tensor_plan.py). Pipeline stages, ring attention, expert parallelism, FP8 layers and
+(parallel/tensor/plan.py). Pipeline stages, ring attention, expert parallelism, FP8 layers and
 document masks all replace or feed parts of our own Decoder: refused, before anything is
 spawned (route_problems), with the fix.
 
@@ -26,7 +26,7 @@ from typing import Callable, Collection
 
 import torch
 
-from shardlm.config import Config
+from shardlm.config.schema import Config
 from shardlm.config.fields import document_mask_on
 from shardlm.errors import ConfigError
 from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter

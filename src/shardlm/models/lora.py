@@ -9,9 +9,9 @@ maps unchanged; the adapters are `<layer>.lora_A.weight` and `<layer>.lora_B.wei
 
 apply_lora runs on the meta device (parallel/build.py, before anything else): adapters are
 parameters like every other one, initialised from (seed, name) by Decoder.initial_value, and
-only they keep requires_grad — the ZeRO engine (zero/engine.py) holds the rest as frozen units.
+only they keep requires_grad — the ZeRO engine (parallel/data/zero/engine.py) holds the rest as frozen units.
 Under tensor parallelism apply_tp replaces each LoRALinear by a column- or row-parallel layer
-with the same parameter names and the adapters cut alongside (parallel/tensor.py).
+with the same parameter names and the adapters cut alongside (parallel/tensor/decoder.py).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ pipelines, activation checkpointing and every parallel axis carry them unchanged
 `loss` stays the language-model loss; the terms are logged beside it.
 
 How tokens reach the experts is the layer's `dispatcher`: `LocalDispatcher` here (every expert
-on this rank), an all-to-all over the expert-parallel group from parallel/expert.py.
+on this rank), an all-to-all over the expert-parallel group from parallel/expert/dispatch.py.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.models.expert_matmul import expert_linear
 from shardlm.models.flops import expert_d_ff
 from shardlm.models.quant import QuantFormat, quantized_linear, weight_of
@@ -112,7 +112,7 @@ class Router(nn.Module):
         """The balancing bias (MoEStats.biases), set when balance = 'bias'."""
         self.sync_weight = None
         """Tensor parallelism: the weight through an all-reduce of its gradient (each rank
-        routes different tokens: parallel/expert.py)."""
+        routes different tokens: parallel/expert/dispatch.py)."""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, C) -> chosen experts (N, k) int64, their gating weights (N, k) fp32, the router
@@ -268,7 +268,7 @@ class MoE(nn.Module):
         self.stats = stats  # shared by the model's layers; a plain attribute, not a submodule
         self.dispatcher = LocalDispatcher()
         self.tokens = None
-        """Tensor / context parallelism (parallel/expert.py TokenShare): takes this rank's share
+        """Tensor / context parallelism (parallel/expert/dispatch.py TokenShare): takes this rank's share
         of the tokens, gives the whole back, sums the balancing statistics over the ranks holding
         the rest of the micro-batch; None = every token here."""
 

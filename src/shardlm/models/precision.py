@@ -24,7 +24,7 @@ from typing import Callable, ContextManager, Iterator
 import torch
 import torch.nn.functional as F
 
-from shardlm.config import PrecisionConfig
+from shardlm.config.schema import PrecisionConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

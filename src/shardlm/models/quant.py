@@ -84,7 +84,7 @@ class QuantizedLinear(nn.Module):
 def quantize_layer(layer: nn.Module, fmt: QuantFormat) -> nn.Module:
     """`layer` (on meta, a linear with `weight` of fmt.shape) with that weight stored as a byte
     table `weight_q` in `fmt` instead, its bytes left to the initializer; sets `layer.quant`,
-    which the layer's forward reads (a tensor-parallel piece: parallel/tensor.py)."""
+    which the layer's forward reads (a tensor-parallel piece: parallel/tensor/decoder.py)."""
     del layer.weight
     layer.quant = fmt
     layer.weight_q = nn.Parameter(torch.empty(fmt.stored_shape, dtype=torch.uint8, device="meta"),
@@ -104,7 +104,7 @@ def table_split(split: Split, fmt: QuantFormat, name: str) -> Split:
 
 
 ROW_PARALLEL = ("attn.proj", "mlp.proj", "mlp.down")
-"""Our decoder's linears whose input tensor parallelism cuts (parallel/tensor.py's row-parallel
+"""Our decoder's linears whose input tensor parallelism cuts (parallel/tensor/decoder.py's row-parallel
 layers): stored by columns (QuantFormat.transposed), so a cut falls between stored rows."""
 
 

@@ -337,7 +337,7 @@ def _bnb_kernel():
 @torch.library.custom_op("shardlm::dequantize", mutates_args=())
 def dequantize_op(packed: torch.Tensor, kind: str, shape: list[int], transposed: bool,
                   dtype: torch.dtype) -> torch.Tensor:
-    """dequantize as a torch custom op: a compiled block (train.compile, parallel/compile.py,
+    """dequantize as a torch custom op: a compiled block (train.compile, parallel/blocks/compile.py,
     fullgraph) holds it as one opaque node whose output shape it is told, so the format's
     lookups (the dynamic map's Python list, bitsandbytes' kernel) stay outside the graph."""
     # contiguous: the fake's layout (a row shorter than its blocks is a slice of them)

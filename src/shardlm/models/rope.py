@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.models.flops import head_dim
 
 

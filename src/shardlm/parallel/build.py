@@ -38,19 +38,20 @@ from torch import nn
 
 from shardlm.comm.collectives import Comm, CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog
-from shardlm.config import Config, ModelConfig
+from shardlm.config.schema import Config
+from shardlm.config.model import ModelConfig
 from shardlm.data.packed import counted_targets
 from shardlm.data.sft import IGNORE
 from shardlm.comm.mesh import Mesh
-from shardlm.parallel.activation import apply_ac, apply_offload
-from shardlm.parallel.compile import apply_compile
-from shardlm.parallel.context import CPState, apply_cp
-from shardlm.parallel.evaluation import global_target_counts, token_sums
-from shardlm.parallel.expert import apply_ep, finish_moe_step, share_over_cp, spread_over_tp
-from shardlm.parallel.expert_balance import ExpertBalancer
-from shardlm.parallel.pipeline import Schedule, Stage, apply_pp, schedule_for
-from shardlm.config.pipeline_schedules import table_for
-from shardlm.parallel.weight_grads import make_deferrable
+from shardlm.parallel.blocks.activation import apply_ac, apply_offload
+from shardlm.parallel.blocks.compile import apply_compile
+from shardlm.parallel.context.attention import CPState, apply_cp
+from shardlm.parallel.data.evaluation import global_target_counts, token_sums
+from shardlm.parallel.expert.dispatch import apply_ep, finish_moe_step, share_over_cp, spread_over_tp
+from shardlm.parallel.expert.balance import ExpertBalancer
+from shardlm.parallel.pipeline.stages import Schedule, Stage, apply_pp, schedule_for
+from shardlm.parallel.pipeline.schedules import table_for
+from shardlm.parallel.pipeline.weight_grads import make_deferrable
 from shardlm.models.flops import pipeline_split
 from shardlm.checkpoint.hf_dir import module_initializer
 from shardlm.checkpoint.hf_names import hf_initializer
@@ -60,14 +61,14 @@ from shardlm.models.quant import quantizable, quantize_base
 from shardlm.models.fp8 import Fp8State, apply_fp8
 from shardlm.models.moe import MoEStats
 from shardlm.errors import ConfigError
-from shardlm.parallel.data import DataParallelEngine, LocalEngine, apply_data_parallel
+from shardlm.parallel.data.engine import DataParallelEngine, LocalEngine, apply_data_parallel
 from shardlm.models.decoder import Decoder
 from shardlm.models.hf import CausalLMAdapter
-from shardlm.parallel.pieces import sliced
-from shardlm.parallel.tensor import apply_tp
-from shardlm.parallel.tensor_layers import VocabParallelHead, vocab_parallel_cross_entropy
-from shardlm.parallel.tensor_regions import TPState
-from shardlm.parallel.tensor_plan import apply_tp_plan
+from shardlm.parallel.tensor.pieces import sliced
+from shardlm.parallel.tensor.decoder import apply_tp
+from shardlm.parallel.tensor.layers import VocabParallelHead, vocab_parallel_cross_entropy
+from shardlm.parallel.tensor.regions import TPState
+from shardlm.parallel.tensor.plan import apply_tp_plan
 
 log = logging.getLogger("shardlm")
 
@@ -100,7 +101,7 @@ class StepState:
     """data.format chat / prompt_completion: the fraction of the global batch's targets that
     carry loss (not -100); logged as `loss_token_fraction`."""
     moe_sums: torch.Tensor | None = None
-    """The step's mixture-of-experts figures summed over the ranks (parallel/expert.py)."""
+    """The step's mixture-of-experts figures summed over the ranks (parallel/expert/dispatch.py)."""
     moe_placement: dict = field(default_factory=dict)
     """The step's expert-parallel rank loads and re-placements (ExpertBalancer)."""
     fp8_record: dict = field(default_factory=dict)
@@ -154,7 +155,7 @@ def moe_hooks(hooks: StepHooks, moe: MoEStats, balancer: ExpertBalancer | None, 
               strategy: DataParallelEngine, mesh: Mesh) -> None:
     """The MoE layers' balancing losses get the language-model loss's scale; after the step,
     its routing summed over the ranks and the balancing biases moved (only if it stepped); with
-    ep > 1, the ranks' loads, and the balancer's moves (parallel/expert_balance.py)."""
+    ep > 1, the ranks' loads, and the balancer's moves (parallel/expert/balance.py)."""
     def scale_balancing_losses(state: StepState) -> None:
         moe.reset()
         moe.grad_scale = state.loss_scale / state.global_micro_batches
@@ -185,7 +186,7 @@ def fp8_hooks(hooks: StepHooks, fp8: Fp8State) -> None:
 
 def local_sgd_hook(hooks: StepHooks, outer, steps: int) -> None:
     """train.local_sgd: when a round ends (every `every` steps, and the run's last), the outer
-    step across the replicas (zero/local_sgd.py)."""
+    step across the replicas (parallel/data/zero/local_sgd.py)."""
     def outer_step(state: StepState) -> None:
         if outer.due(state.step, steps):
             outer.synchronize()
@@ -257,7 +258,7 @@ class Parallelized:
 
     def token_sums(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Evaluation: [summed cross-entropy, correct argmax, targets] over this rank's targets
-        that carry loss (parallel/evaluation.py), cut as `loss` cuts them under context
+        that carry loss (parallel/data/evaluation.py), cut as `loss` cuts them under context
         parallelism. A vocabulary-parallel head's logits are gathered whole first (no gradient:
         one (B, T, vocab) fp32 tensor per evaluation micro-batch), so argmax sees every id."""
         if self.cp is not None:
@@ -346,7 +347,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
                                cfg.parallel.sequence_parallel, mesh.dims.ep == 1) if mesh.dims.tp > 1 else None
     if tp is not None:
         initializer = sliced(initializer, tp.splits)
-        tp.async_tp = cfg.parallel.async_tp  # parallel/async_tp.py (validate: sequence-parallel)
+        tp.async_tp = cfg.parallel.async_tp  # parallel/tensor/async_tp.py (validate: sequence-parallel)
     cp = apply_cp(model, Comm(mesh.cp_group, "cp", ledger, watchdog), cfg.parallel.cp_mode,
                   cfg.parallel.cp_ulysses) if mesh.dims.cp > 1 else None
     if cp is not None:

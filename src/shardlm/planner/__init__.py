@@ -18,14 +18,3 @@ shapes.py    models from the command line: presets, config.json, --params N in a
 Pure functions: no torch import (except for measuring this CPU), no process group, no
 allocation. Formulas and sources: docs/planner.md.
 """
-
-from shardlm.hardware.catalog import Cluster, local_cpu, parse_cluster
-from shardlm.planner.memory import Memory, estimate_memory
-from shardlm.planner.search import (AUTO, EVERYTHING, RUNTIME, LocalPrediction, Plan, Supported,
-                                    plan_for_run, predict_local)
-from shardlm.planner.timing import Timing, estimate_time
-from shardlm.planner.workload import Dtypes, Strategy, Workload
-
-__all__ = ["Cluster", "Dtypes", "EVERYTHING", "LocalPrediction", "Memory", "Plan",
-           "RUNTIME", "AUTO", "Strategy", "Supported", "Timing", "Workload", "estimate_memory",
-           "estimate_time", "local_cpu", "parse_cluster", "plan_for_run", "predict_local"]

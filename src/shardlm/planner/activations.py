@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.hardware.catalog import Cluster
 from shardlm.models import flops
 from shardlm.planner.workload import DTYPE_BYTES, Item, Strategy
@@ -114,7 +114,7 @@ def block_activation(m: ModelConfig, dt: ActivationDtypes, mode: str, tp: int = 
 
 def cp_ring_buffers(m: ModelConfig, dt: ActivationDtypes, tp: int = 1) -> tuple[float, str]:
     """Bytes per local token of the context-parallel ring's transients inside one block's
-    attention (parallel/context.py _RingAttention), the larger of its two passes; tp splits
+    attention (parallel/context/attention.py _RingAttention), the larger of its two passes; tp splits
     the heads. Forward: the key/value block held and the one arriving (2 x 2·kv·e), the fp32
     running output (4h) and log-sum-exp (4a), a block's partial output (e·h). Backward: the two
     key/value blocks (2 x 2·kv·e), the fp32 key/value gradient travelling with its block and
@@ -142,12 +142,12 @@ def cp_saved(m: ModelConfig, dt: ActivationDtypes, tp: int = 1, a2a: int = 1,
     The projection's input. Without rotation q is a view of the qkv projection's output, the CPU
     flash kernel writes its output in that (B, T, h, d) order, and the output projection's input
     is a view of the tensor the kernel saved (one storage). The ring's op allocates its output
-    (B, h, T/C, d) and saves it (parallel/context_ops.py), Ulysses' kernel gets q from the
+    (B, h, T/C, d) and saves it (parallel/context/ops.py), Ulysses' kernel gets q from the
     all-to-all in (B, h/U, T, d) order and writes its output so: the projection's input is then
     a copy of its own, + e·q. With RoPE the one-process kernel already writes such an output
     (block_activation counts the copy): + 0.
     The all-to-all's packed buffer. Ulysses and the hybrid send q, k and v in one exchange and
-    attend views of the one buffer it returns (parallel/ulysses.py): with RoPE the rotated q and
+    attend views of the one buffer it returns (parallel/context/ulysses.py): with RoPE the rotated q and
     k and the qkv projection's output (which v viewed) are no longer kept, - e·(q + kv); without
     it the buffer replaces the projection's output byte for byte.
     Replicated key/value heads: fewer key/value heads per tensor-parallel rank than U are
@@ -198,7 +198,7 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
     mode dropped and holds gradients: e(h + 2f) bytes per token (measured).
 
     Context parallelism (cp > 1) gives each rank b·s/cp of the tokens for everything (the
-    embedding, every block, the loss: parallel/context.py), so every per-token term above is
+    embedding, every block, the loss: parallel/context/attention.py), so every per-token term above is
     per local token; without recomputation each block keeps cp_saved's more (`cp_a2a` = U, the
     all-to-all degree: 1 ring, C Ulysses); the ring's buffers (cp_ring_buffers) join a block's
     backward.
@@ -207,7 +207,7 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
     saved activations live in host memory (counted there: _stage_memory), except ~2 blocks'
     worth of one micro-batch kept on the device — an assumption: the block whose copy to host
     is in flight at the end of forward, and in backward the block in use plus the one prefetched
-    (parallel/activation.py: block b's backward fetches block b-1's).
+    (parallel/blocks/activation.py: block b's backward fetches block b-1's).
     """
     tokens = micro * seq / cp
     per_layer, text = block_activation(m, dt, mode, tp, sp, experts, seq)

@@ -22,9 +22,9 @@ class Supported:
 
     tp: bool = True
     cp: bool = True
-    """Context parallelism: each sequence split over a ring of ranks (parallel/context.py)."""
+    """Context parallelism: each sequence split over a ring of ranks (parallel/context/attention.py)."""
     pp: bool = True
-    """Pipeline parallelism: the blocks in stages over ranks (parallel/pipeline.py), 1F1B."""
+    """Pipeline parallelism: the blocks in stages over ranks (parallel/pipeline/stages.py), 1F1B."""
     ep: bool = True
     hybrid: bool = True
     """dp_replicate > 1: shard within a node, replicate across nodes (HSDP)."""

@@ -81,8 +81,8 @@ def measured_factor(cluster: Cluster, op: str, seconds: float, latency: float) -
 
 
 def dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: Windows) -> list[CommTime]:
-    """The data-parallel collectives of the ZeRO engine, unit by unit as zero/engine.py and
-    zero/params.py issue them (volumes sum to zero.partition.comm_bytes_per_step), and what of
+    """The data-parallel collectives of the ZeRO engine, unit by unit as parallel/data/zero/engine.py and
+    parallel/data/zero/params.py issue them (volumes sum to parallel.data.zero.partition.comm_bytes_per_step), and what of
     each the compute beside it cannot hide (overlap x that compute; docs/planner.md section 5):
 
     - a block's gradient reduction starts when its backward ends and runs during the next
@@ -133,12 +133,12 @@ def dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: W
                             sum(t.exposed for t in listed), latency, listed))
 
     shard, replicas = zero_ranks(lay), lay.dp_replicate
-    if s.optimizer == "muon":  # zero/muon.py, around the tier's step: nothing computes beside them
+    if s.optimizer == "muon":  # parallel/data/zero/muon.py, around the tier's step: nothing computes beside them
         for name, op, size, stride, volume in muon_collectives(w, s, sp):
             per_unit = volume / max(1, sp.layers) / (2 if op == "all_reduce" else 1)
             comm(name, op, size, stride, volume, [("a block unit, in the optimizer step",
                  unit_collective(cluster, op, per_unit, size, stride), sp.layers, 0.0)])
-    if s.local_sgd_every and replicas > 1:  # zero/local_sgd.py: the replicas meet once a round,
+    if s.local_sgd_every and replicas > 1:  # parallel/data/zero/local_sgd.py: the replicas meet once a round,
         # after its last step, in one all-reduce of the fp32 pseudo-gradient of the rank's shard
         n = shard if s.zero_stage else 1
         comm("all-reduce pseudo-gradient across replicas (local SGD)", "all_reduce", replicas, lay.tp * n,
@@ -164,7 +164,7 @@ def dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: W
             ("block, after the step: nothing to hide behind", ag(e * block), sp.layers, 0.0),
             ("root unit, after the step", ag(e * root), 1, 0.0)])
     elif lay.pp > 1:  # stage 3 on a pipeline: a unit gathered at its first forward of the step,
-        # held to the last backward (zero/params.py hold_for_step), reduced after it: exposed
+        # held to the last backward (parallel/data/zero/params.py hold_for_step), reduced after it: exposed
         comm("all-gather parameters", "all_gather", shard, lay.tp, gathered, [
             ("root unit, first forward: starts the step", ag(e * root), 1, 0.0),
             ("block, first forward" + (": behind the block before it" if s.prefetch else ": waited for"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.hardware.catalog import Cluster, MatmulCurve
 from shardlm.models import flops
 from shardlm.planner.workload import Strategy, Workload, matmul_shapes, shape_of

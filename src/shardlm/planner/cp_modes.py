@@ -1,5 +1,5 @@
 """Context parallelism's modes priced side by side (parallel.cp_mode: ring, ulysses, hybrid;
-parallel/context.py, parallel/ulysses.py): the bytes each sends per micro-batch, as the ledger
+parallel/context/attention.py, parallel/context/ulysses.py): the bytes each sends per micro-batch, as the ledger
 counts them, and their time on a link; `choose_cp_mode` is what cp_mode = 'auto' runs.
 
 Pure functions; no torch. Notation: C = cp, U the all-to-all degree, R = C/U the ring's, t the

@@ -21,7 +21,7 @@ import hashlib
 import itertools
 from dataclasses import asdict, replace
 
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.config.dims import ParallelDims
 from shardlm.hardware.catalog import Cluster
 from shardlm.planner.compute import compute_rate, model_flops_per_token

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.config.dims import ParallelDims
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
@@ -23,7 +23,7 @@ from shardlm.planner.traffic import fp8_gathered_elements
 from shardlm.planner.workload import (DTYPE_BYTES, PHASES, Item, StageParams, Strategy, Workload,
                                       effective_tier, offloaded_blocks, pipeline_layers, pp_hidden_bytes,
                                       pp_in_flight, pp_sends, stage_params, validate, zero_ranks)
-from shardlm.zero.partition import model_state_bytes
+from shardlm.parallel.data.zero.partition import model_state_bytes
 
 FRAGMENTATION = 0.10
 """Allocator slack on memory allocated and freed every step (activations, transient buffers):
@@ -89,7 +89,7 @@ def _n(x: float) -> str:
 
 
 def _state_items(sp: StageParams, lay: ParallelDims, s: Strategy, cluster: Cluster) -> tuple[list[Item], dict]:
-    """Parameters, gradients, optimizer states: zero.partition.model_state_bytes (the ZeRO
+    """Parameters, gradients, optimizer states: parallel.data.zero.partition.model_state_bytes (the ZeRO
     paper's table, section 5.1) for dense and expert parameters, minus what is offloaded.
     N = dp_shard x cp: context-parallel ranks are data-parallel ranks for ZeRO."""
     d, local = s.dtypes, s.local
@@ -124,7 +124,7 @@ def _state_items(sp: StageParams, lay: ParallelDims, s: Strategy, cluster: Clust
     ]
     if s.optimizer == "muon" and not local:
         items.append(muon_momentum_item(sp, s))
-    if s.local_sgd_every:  # zero/local_sgd.py: θ_outer (and the momentum) of the rank's master shard
+    if s.local_sgd_every:  # parallel/data/zero/local_sgd.py: θ_outer (and the momentum) of the rank's master shard
         words = 2 if s.local_sgd_outer == "diloco" else 1
         items.append(Item("local SGD outer model", 4.0 * words * (sp.dense + sp.experts) / n_dense,
                           f"{4 * words} B x Ψ_r{shard(s.zero_stage >= 1)} (fp32 θ_outer"
@@ -134,7 +134,7 @@ def _state_items(sp: StageParams, lay: ParallelDims, s: Strategy, cluster: Clust
 
 
 def _shard_phases(grads: float, root: float, pp: int) -> dict[str, float]:
-    """Stages 2-3's gradient shards by phase of backward (zero/engine.py): a unit's shard is
+    """Stages 2-3's gradient shards by phase of backward (parallel/data/zero/engine.py): a unit's shard is
     allocated by its reduction and dropped after the optimizer step (zero_grad), so at the loss's
     backward none exists; the blocks' appear one by one as the backward frees at least as many
     bytes of their saved activations (a block's shard is Ψ_block/N, its saved activations b·s x
@@ -148,7 +148,7 @@ def _shard_phases(grads: float, root: float, pp: int) -> dict[str, float]:
 
 def _buffer_items(w: Workload, sp: StageParams, s: Strategy, cluster: Cluster,
                   states: dict) -> list[Item]:
-    """Transient buffers of the engine (zero/engine.py, zero/params.py), one line each, with
+    """Transient buffers of the engine (parallel/data/zero/engine.py, parallel/data/zero/params.py), one line each, with
     the phases of backward they live in. Measured on CPU (tests, docs/planner.md)."""
     d, m, items = s.dtypes, w.model, []
     e, g = (4, 4) if s.local else (d.param_bytes, d.grad_bytes)
@@ -187,7 +187,7 @@ def _buffer_items(w: Workload, sp: StageParams, s: Strategy, cluster: Cluster,
                                                    "root": g * root}))
     if s.zero_stage == 3 and s.layout.pp > 1:
         # A pipeline stage holds its units gathered from their first forward of the step to its
-        # last backward (zero/params.py hold_for_step), every micro-batch in between.
+        # last backward (parallel/data/zero/params.py hold_for_step), every micro-batch in between.
         gloo = e * max(root, block) if cluster.device.kind == "cpu" else 0.0
         held = e * psi
         items.append(Item("gathered parameters", held + gloo, f"{e} B x Ψ_r {_n(psi)}: the stage's "
@@ -196,14 +196,14 @@ def _buffer_items(w: Workload, sp: StageParams, s: Strategy, cluster: Cluster,
                           phases={"loss": held, "blocks": held + gloo, "embedding": held, "root": held}))
     elif s.zero_stage == 3:
         # a block's gathered bytes: its FP8 linears' weights at 1 byte with fp8_all_gather (their
-        # own unit, zero/fp8_gather.py), the rest at e
+        # own unit, parallel/data/zero/fp8_gather.py), the rest at e
         fp8 = fp8_gathered_elements(m) / m.n_layers if d.fp8_all_gather else 0.0
         block_bytes = e * block - (e - 1) * fp8
         gathered = e * root + (2 if s.prefetch else 1) * block_bytes
         gloo = cluster.device.kind == "cpu"  # gloo's all-gather allocates its output again
         # At the loss's backward the root is gathered (since the forward began) and the last
         # block is not (freed after its forward); backward reaching the head starts the last
-        # block's gather when prefetching (zero/params.py _next_in_backward), its gloo copy
+        # block's gather when prefetching (parallel/data/zero/params.py _next_in_backward), its gloo copy
         # alive until it is waited for.
         in_flight = (2 if gloo else 1) * block_bytes if s.prefetch else 0.0
         phases = {"loss": e * root + in_flight,
@@ -303,7 +303,7 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
     if cluster.device.kind == "cpu" and s.zero_stage in (1, 2):  # gloo all-gather's copy
         grad_copy += states["p"] * max(sp.root_unit, sp.block_unit)
     step_peak = sum(i.bytes for i in items[:3]) + grad_copy + calib.runtime_reserve
-    # The sharded build (zero/engine.py ZeroEngine.__init__), in its order: unit by unit its
+    # The sharded build (parallel/data/zero/engine.py ZeroEngine.__init__), in its order: unit by unit its
     # parameters, gradient buffer and master join what is held, while the unit's transients
     # live — one parameter's freshly drawn fp32 values (<= the unit), the fp32 initial values
     # unless they are the compute-dtype flat parameter itself (fp32 compute), and at stage 3
@@ -326,7 +326,7 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
                         if states["param_tier"] == "nvme" else ""))
     if setup_peak > max(train_peak, step_peak):
         notes.append(f"setup peaks highest ({_g(setup_peak)}): the shards plus one unit "
-                     f"materialised in full (zero/engine.py, the sharded build)")
+                     f"materialised in full (parallel/data/zero/engine.py, the sharded build)")
     return Memory(sp.name, sp.dense + sp.experts, items, train_peak, step_peak, setup_peak,
                   cluster.device.memory, host, sum(i.bytes for i in host) * cluster.per_node,
                   0.9 * cluster.node.host_memory, notes)
@@ -349,7 +349,7 @@ def offloaded_activations(w: Workload, s: Strategy, cluster: Cluster, sp: StageP
 
 def deferred_weight_grads(m: ModelConfig, tokens: int, layers: int, head: bool, e: int,
                           mode: str) -> Item:
-    """The zero-bubble schedule's stash (parallel/pipeline.py WeightGrads): a split backward
+    """The zero-bubble schedule's stash (parallel/pipeline/stages.py WeightGrads): a split backward
     ("B") leaves every linear layer's input x and output gradient g for its weight gradients
     ("W"), one micro-batch's until its W runs (the runtime's order never holds two). Per token
     and block, in e bytes: x of qkv, the attention projection, the MLP's two linears (3h + f)
@@ -374,7 +374,7 @@ def deferred_weight_grads(m: ModelConfig, tokens: int, layers: int, head: bool, 
 
 def _pipeline_buffers(w: Workload, sp: StageParams, s: Strategy) -> list[Item]:
     """The input gradients a pipeline stage sends back stay alive until the step's end
-    (parallel/pipeline.py: gloo completes a send only when waited on, and nothing tells a stage
+    (parallel/pipeline/stages.py: gloo completes a send only when waited on, and nothing tells a stage
     its gradient was consumed before Stage.settle()). Activations sent forward are freed as
     their gradient returns (Stage.release) and share storage with the outputs the backward
     keeps anyway: nothing extra."""
@@ -397,7 +397,7 @@ def _pipeline_buffers(w: Workload, sp: StageParams, s: Strategy) -> list[Item]:
 @functools.lru_cache(maxsize=4096)  # a search asks for the same stage and tier thousands of times
 def nvme_stream_resident(sp: StageParams, n: int, chunk_bytes: int, buffers: int,
                          itemsize: int) -> tuple[float, int]:
-    """Host bytes the nvme tier's stream buffers really hold (zero/tiers/nvme.py NvmeTier), and
+    """Host bytes the nvme tier's stream buffers really hold (parallel/data/zero/tiers/nvme.py NvmeTier), and
     the number of chunks. Its slots (max(3, buffers) of them, 3 page-aligned state buffers +
     1 gradient buffer of one chunk each) are anonymous mappings touched lazily: a slot holds
     only as much as the largest chunk it has carried. Chunks never cross a segment, one per
@@ -426,7 +426,7 @@ def nvme_stream_resident(sp: StageParams, n: int, chunk_bytes: int, buffers: int
 
 
 def nvme_first_chunk(sp: StageParams, n: int, chunk_bytes: int, itemsize: int) -> float:
-    """Parameters in the nvme tier's first chunk on one of `n` ranks (zero/tiers/nvme.py: the
+    """Parameters in the nvme tier's first chunk on one of `n` ranks (parallel/data/zero/tiers/nvme.py: the
     root unit's shard first, chunks of `chunk_bytes` never crossing a segment; as
     nvme_stream_resident orders them), 0 where the stage holds no unit."""
     chunk = max(4096, chunk_bytes // 4096 * 4096) // itemsize
@@ -435,12 +435,12 @@ def nvme_first_chunk(sp: StageParams, n: int, chunk_bytes: int, itemsize: int) -
 
 
 def _host_memory(s: Strategy, states: dict, cluster: Cluster, sp: StageParams) -> list[Item]:
-    """Host RAM per rank for offloaded states (zero/tiers/; ZeRO-Offload, Ren et al. 2021;
+    """Host RAM per rank for offloaded states (parallel/data/zero/tiers/; ZeRO-Offload, Ren et al. 2021;
     ZeRO-Infinity, Rajbhandari et al. 2021). The cpu tier holds fp32 masters and moments (a
     master cannot alias a parameter on another device) and receives the gradient shard in
     fp32 for the step; the nvme tier keeps 3 state files on disk and streams them through
     nvme_buffers x (3 state chunks + 1 gradient chunk) of host memory."""
-    from shardlm.config import ZeroConfig
+    from shardlm.config.schema import ZeroConfig
 
     d, n, items = s.dtypes, states["n"], []
     psi_n = states["optimizer"] / states["k"]  # Ψ_r / N

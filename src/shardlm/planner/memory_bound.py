@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.hardware.catalog import Cluster, interpolate
 from shardlm.models import flops
 from shardlm.planner.traffic import tp_comm_bytes
@@ -120,7 +120,7 @@ def block_work(m: ModelConfig, tp: int = 1, sequence_parallel: bool = False) -> 
 
 
 def ring_work(m: ModelConfig, tp: int, ring: int, e: int) -> BlockWork:
-    """What a block's context-parallel ring (parallel/context.py ring_forward / ring_backward,
+    """What a block's context-parallel ring (parallel/context/attention.py ring_forward / ring_backward,
     over `ring` ranks) adds to its plain attention, per token of this rank's share, in
     elements of the activations' e-byte dtype: the fp32 running output and its merges, the
     stacked key/value blocks and those received, the rows a partial hop copies, the fp32
@@ -231,7 +231,7 @@ def memory_bound_terms(w: Workload, s: Strategy, cluster: Cluster, sp: StagePara
         ops = layers * block.ops + root.ops
         terms.append(WorkTerm("per-op dispatch", stretch * micro * ops * dev.op_seconds,
                               f"{micro} micro-batch(es) x {ops:,.0f} ops x {dev.op_seconds * 1e6:.1f} us"))
-    if lay.tp > 1 and dev.fresh_bandwidth > 0:  # parallel/collective_ops.py: every collective's
+    if lay.tp > 1 and dev.fresh_bandwidth > 0:  # parallel/tensor/ops.py: every collective's
         # result is a new tensor (the all-reduce works on a clone; under sequence parallelism the
         # all-gather and reduce-scatter copy their input transposed, then write their output)
         moved = tp_comm_bytes(m, tokens, lay.tp, sp_on, e, s.recompute, sp.layers, sp.index == 0,
@@ -246,7 +246,7 @@ def memory_bound_terms(w: Workload, s: Strategy, cluster: Cluster, sp: StagePara
 
 
 def _zero_copies(s: Strategy, cluster: Cluster, sp: StageParams) -> list[WorkTerm]:
-    """The ZeRO engine's own copies (zero/engine.py): each unit's gradients copied into its
+    """The ZeRO engine's own copies (parallel/data/zero/engine.py): each unit's gradients copied into its
     flat buffer before the reduction (read and write g·Ψ_r; at stages 2-3 the buffer is freed
     after its reduce-scatter, so new every step), once per step;
     at stage 3 every gather writes the whole unit into a fresh buffer (e·Ψ_r per gather: twice

@@ -1,4 +1,4 @@
-"""What train.optimizer = 'muon' adds to a step (zero/muon.py, zero/optim.py), for the planner:
+"""What train.optimizer = 'muon' adds to a step (parallel/data/zero/muon.py, parallel/data/zero/optim.py), for the planner:
 its momentum, its collectives and its Newton-Schulz products. One place; memory.py, comms.py
 and timing.py call it when Strategy.optimizer is 'muon'.
 
@@ -27,7 +27,7 @@ NS_STEPS = 5
 
 
 def momentum_item(sp: StageParams, s: Strategy) -> Item:
-    """The sharded engine's fp32 momentum over the blocks' units (zero/muon.py)."""
+    """The sharded engine's fp32 momentum over the blocks' units (parallel/data/zero/muon.py)."""
     n = zero_ranks(s.layout) if s.zero_stage else 1
     elements = sp.layers * sp.block_unit
     return Item("Muon momentum", 4.0 * elements / n,

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.hardware.catalog import Cluster
 from shardlm.config.presets import ALIASES, PRESETS, get_preset
 from shardlm.launch.torchrun import torchrun_argv

@@ -16,7 +16,8 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
-from shardlm.config import Config, ModelConfig, ParallelConfig
+from shardlm.config.schema import Config, ParallelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import Cluster, choose_compute, local_cpu, parse_cluster
 from shardlm.planner.explain import explain

@@ -4,7 +4,7 @@ parameter count sized in a named family (`--params N --family gpt2|llama|moe`). 
 
 from __future__ import annotations
 
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.errors import ConfigError
 from shardlm.config.presets import ALIASES, get_preset
 from shardlm.config.hf_shapes import hf_shape

@@ -101,7 +101,7 @@ def _pipeline_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams)
 
 def _async_tp_overlap(w: Workload, s: Strategy, windows: Windows, overlap: float, seconds: float,
                       latency: float, calls: float) -> tuple[float, float, float, list[CommTerm]]:
-    """parallel.async_tp (parallel/async_tp.py; Wang et al. 2023, torchtitan's async TP): each
+    """parallel.async_tp (parallel/tensor/async_tp.py; Wang et al. 2023, torchtitan's async TP): each
     sequence-parallel all-gather / reduce-scatter is cut into tp pieces, each in flight while
     the matmuls it feeds run. Returns (seconds, latency, exposed, terms): the pieces add tp - 1
     latencies per call; exposed = one piece's latency per call (the last reduce-scatter piece
@@ -192,7 +192,7 @@ def _cp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate:
     1; ulysses: R = 1; hybrid: both; 'auto': the mode cp_modes.choose_cp_mode picks, as the run's
     resolve.decide does: estimate_time decides it once, `a2a` x `ring` = cp). The all-to-all
     group is U consecutive cp ranks (tp apart), the ring R groups of them (U·tp apart:
-    parallel/ulysses.py hybrid_groups)."""
+    parallel/context/ulysses.py hybrid_groups)."""
     out = []
     if a2a > 1:
         out.append(_cp_all_to_all(w, s, cluster, sp, a2a))
@@ -240,7 +240,7 @@ def _cp_all_to_all(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, 
 
 def _cp_ring(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, rate: float, ring: int,
              a2a: int = 1) -> CommTime:
-    """The context-parallel ring (parallel/context.py) over `ring` ranks, U·tp apart (U = `a2a`
+    """The context-parallel ring (parallel/context/attention.py) over `ring` ranks, U·tp apart (U = `a2a`
     > 1 in the hybrid: each rank then holds 1/U of its key/value heads, the tokens of the U
     ranks of its all-to-all group): per block and micro-batch, ring-1 hops of this rank's
     key/value block forward (again with recomputation) and backward, and `ring` hops of its fp32
@@ -344,7 +344,7 @@ def _stage_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, ra
     psi_opt = sp.dense / n_opt + sp.experts / (max(1, zero_ranks(lay) // lay.ep) if s.zero_stage else 1)
     first = 0.0
     if effective_tier(s.offload_optimizer, cluster) == "nvme":
-        from shardlm.config import ZeroConfig
+        from shardlm.config.schema import ZeroConfig
 
         first = nvme_first_chunk(sp, n_opt, ZeroConfig().nvme_chunk_mb * 2**20, DTYPE_BYTES[s.dtypes.master])
     optimizer = optimizer_term(s, cluster, psi_opt, sp.dense + sp.experts if s.local else psi_opt, first)

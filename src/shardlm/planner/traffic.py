@@ -1,7 +1,7 @@
 """Bytes each model-parallel axis moves per rank, counted as the runtime's byte ledger counts
-them (comm/collectives.py): tensor parallelism (parallel/tensor.py), the context-parallel ring
-(parallel/context.py), the expert all-to-all (parallel/expert.py), the pipeline's sends
-(parallel/pipeline.py). timing.py turns them into seconds; the runtime's tests compare them with
+them (comm/collectives.py): tensor parallelism (parallel/tensor/decoder.py), the context-parallel ring
+(parallel/context/attention.py), the expert all-to-all (parallel/expert/dispatch.py), the pipeline's sends
+(parallel/pipeline/stages.py). timing.py turns them into seconds; the runtime's tests compare them with
 the ledger (tests/test_tensor_parallel.py, test_context_parallel.py, test_planner_axes.py).
 
 Pure functions; no torch. Notation: workload.py.
@@ -18,7 +18,7 @@ def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, reco
                   async_tp: bool = False) -> int:
     """Bytes the tensor-parallel group moves per micro-batch of `tokens` tokens, counted as the
     byte ledger counts them (comm/collectives.py: an all-reduce 2x its tensor, an all-gather its
-    output, a reduce-scatter its input), for parallel/tensor.py's layers; `e` bytes per
+    output, a reduce-scatter its input), for parallel/tensor/decoder.py's layers; `e` bytes per
     activation element (the compute dtype).
 
     Per block, Megatron's 2 all-reduces of tokens·h forward (after the row-parallel
@@ -35,7 +35,7 @@ def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, reco
     once every tensor backward needs is back (early stop), and the block's last collective
     (the MLP's all-reduce, or its reduce-scatter under SP) only feeds the residual add, whose
     backward saves nothing (measured: tests/test_tensor_parallel.py). With parallel.async_tp
-    (parallel/async_tp.py) that reduce-scatter is recomputed too: it is fused with the matmul
+    (parallel/tensor/async_tp.py) that reduce-scatter is recomputed too: it is fused with the matmul
     whose saved input backward needs, so the early stop comes after it (tests/test_async_tp.py)."""
     if tp == 1:
         return 0
@@ -59,7 +59,7 @@ def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, reco
 
 def moe_tp_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, recompute: str = "none") -> float:
     """Bytes a MoE block moves over the tensor-parallel group per micro-batch besides its expert
-    exchange (ep_comm_bytes; parallel/expert.py spreads the experts over the tp ranks instead of
+    exchange (ep_comm_bytes; parallel/expert/dispatch.py spreads the experts over the tp ranks instead of
     cutting them), as the ledger counts them: attention's Megatron pair (all-reduces of
     tokens·h forward and backward, or their all-gather + reduce-scatter under sequence
     parallelism) and the shared experts' (cut like a dense MLP); without sequence parallelism the
@@ -92,7 +92,7 @@ def moe_tp_calls(m, sequence_parallel: bool, recompute: str = "none") -> int:
 def sp_replicated_grads(m, layers: int, embedding: bool, head: bool) -> tuple[int, int]:
     """(elements, tensors) of the parameters sequence parallelism applies to sequence-sharded
     activations (norms, row-parallel biases, learned positions), whose gradients each tp rank
-    all-reduces, one all-reduce per tensor per micro-batch (parallel/tensor_norms.py)."""
+    all-reduces, one all-reduce per tensor per micro-batch (parallel/tensor/norms.py)."""
     h = m.d_model
     norm_tensors = 2 if m.norm == "layernorm" and m.bias else 1
     block_tensors = 2 * norm_tensors + (2 if m.bias else 0)
@@ -107,7 +107,7 @@ def cp_comm_bytes(m, tokens: int, cp: int, tp: int, e: int, recompute: str = "no
                   layers: int | None = None) -> int:
     """Bytes a context-parallel rank sends per micro-batch of `tokens` tokens (the whole
     sequence's, before the split), as the ledger counts them (send_recv: bytes sent), for
-    parallel/context.py's ring: per block, forward cp-1 hops of this rank's keys and values
+    parallel/context/attention.py's ring: per block, forward cp-1 hops of this rank's keys and values
     (2·tokens/cp·h_kv/tp·e: its tensor-parallel share of the key/value heads); backward cp-1
     hops again plus cp hops of their fp32 gradients; recomputation ("full" or "selective")
     runs the forward ring again."""
@@ -121,7 +121,7 @@ def cp_comm_bytes(m, tokens: int, cp: int, tp: int, e: int, recompute: str = "no
 
 
 def expert_group(m, lay) -> tuple[int, int]:
-    """(ranks, tokens divisor) of a MoE block's expert exchange (parallel/expert.py): the ep
+    """(ranks, tokens divisor) of a MoE block's expert exchange (parallel/expert/dispatch.py): the ep
     ranks, and under tensor parallelism their tp ranks too (the ep × tp grid; tp alone when ep
     = 1), each tp rank exchanging 1/tp of the tokens; (1, 1) for a dense model or no exchange."""
     if not m.experts:
@@ -130,7 +130,7 @@ def expert_group(m, lay) -> tuple[int, int]:
 
 
 def ep_comm_bytes(m, tokens: int, ep: int, e: int) -> float:
-    """Bytes an expert-parallel rank sends in one all-to-all of a MoE block (parallel/expert.py),
+    """Bytes an expert-parallel rank sends in one all-to-all of a MoE block (parallel/expert/dispatch.py),
     as the ledger counts them (`all_to_all/ep`: rows sent to the other ranks), for balanced
     routing: its tokens' top_k choices, (ep-1)/ep of them to other ranks' experts, d_model x e
     each (the activations' dtype; the runtime sends rows, never pads to a capacity). Four per
@@ -141,7 +141,7 @@ def ep_comm_bytes(m, tokens: int, ep: int, e: int) -> float:
 def pp_comm_bytes(m, tokens_per_micro: int, micro: int, stage_index: int, pp: int, tp: int, cp: int,
                   sequence_parallel: bool, e: int, tied: bool, virtual: int = 1) -> int:
     """Bytes pipeline rank `stage_index` sends per step as the ledger counts them (parallel/
-    pipeline.py): `send/pp`, each micro-batch's hidden states forward from every chunk but the
+    pipeline/stages.py): `send/pp`, each micro-batch's hidden states forward from every chunk but the
     model's last and the gradient of its input back from every chunk but the model's first
     (pp_hidden_bytes: b·s/cp x h x e, /t under sequence parallelism; `tokens_per_micro` = b·s,
     `micro` = M micro-batches, `virtual` chunks per rank); and with a tied head, on the first
@@ -159,7 +159,7 @@ def pp_comm_bytes(m, tokens_per_micro: int, micro: int, stage_index: int, pp: in
 
 def fp8_gathered_elements(m) -> int:
     """Weight elements ZeRO-3 gathers in E4M3 (1 byte each) under precision.fp8_all_gather
-    (zero/fp8_gather.py), over all blocks: the FP8 linears' weights (models/fp8.py Fp8Linear) —
+    (parallel/data/zero/fp8_gather.py), over all blocks: the FP8 linears' weights (models/fp8.py Fp8Linear) —
     attention's qkv and proj, a dense block's MLP, a MoE block's shared experts. The experts'
     batched weights, the router, norms, biases, embeddings and head gather in the compute dtype."""
     d, hd, kv = m.d_model, flops.head_dim(m), m.n_kv_heads or m.n_heads
@@ -173,7 +173,7 @@ def fp8_gathered_elements(m) -> int:
 
 
 def local_sgd_comm_bytes(params: int, shard_ranks: int, every: int) -> float:
-    """Bytes a rank sends across replicas per step under train.local_sgd (zero/local_sgd.py), as
+    """Bytes a rank sends across replicas per step under train.local_sgd (parallel/data/zero/local_sgd.py), as
     the ledger counts them (`all_reduce/dp_replicate`, 2x its tensor): one all-reduce of this
     rank's fp32 pseudo-gradient (Ψ/N elements, N = the replica's shard ranks) every `every` steps,
     and no gradient across replicas in between — in place of hybrid sharding's per-step

@@ -14,21 +14,21 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 
-from shardlm.config import ModelConfig
+from shardlm.config.model import ModelConfig
 from shardlm.config.dims import ParallelDims
 from shardlm.errors import ConfigError
 from shardlm.models import flops
 from shardlm.hardware.catalog import Cluster
-from shardlm.config.pipeline_tables import V_SHAPED, check_table
-from shardlm.config.pipeline_schedules import table_for
+from shardlm.parallel.pipeline.tables import V_SHAPED, check_table
+from shardlm.parallel.pipeline.schedules import table_for
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OFFLOAD_TIERS = ("none", "cpu", "nvme")
 RECOMPUTE_MODES = ("none", "selective", "full")
 CP_MODES = ("ring", "ulysses", "hybrid", "auto")
-"""parallel.cp_mode's values (parallel/context.py apply_cp; 'auto' decided before a run)."""
+"""parallel.cp_mode's values (parallel/context/attention.py apply_cp; 'auto' decided before a run)."""
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
-"""parallel.pp_schedule's values (parallel/pipeline.py SCHEDULES); pp_in_flight and pp_bubble
+"""parallel.pp_schedule's values (parallel/pipeline/stages.py SCHEDULES); pp_in_flight and pp_bubble
 model each."""
 
 
@@ -96,12 +96,12 @@ class Strategy:
     """Blocks per pipeline stage, '4,4,3,5' (parallel.pp_layers); '' = the balanced split."""
     activation_offload: str = "none"
     """activation.offload: 'none' or 'cpu' (the chosen blocks' saved activations go to host
-    memory in forward and come back for their backward; parallel/activation.py)."""
+    memory in forward and come back for their backward; parallel/blocks/activation.py)."""
     activation_offload_blocks: int = 0
     """activation.offload_blocks: the first N blocks of each rank's stage; 0 = every block."""
     prefetch: bool = True
     """parallel.prefetch (stage 3): gather the next unit while this one computes (prefetch depth
-    1, zero/params.py), or only when it is reached (nothing hides a gather; one block fewer
+    1, parallel/data/zero/params.py), or only when it is reached (nothing hides a gather; one block fewer
     gathered at a time)."""
     cp_mode: str = "ring"
     """With cp > 1 (parallel.cp_mode): 'ring', 'ulysses', 'hybrid' (all-to-all degree
@@ -113,14 +113,14 @@ class Strategy:
     4.1): with tp > 1 and no sequence parallelism each tensor-parallel rank sends 1/t of the
     stage's output over its own network adapter and the receiving stage all-gathers it over
     the node's link, instead of every tp rank sending the whole tensor. Not what our runtime
-    does (parallel/pipeline.py sends the whole tensor): set only to model a published
+    does (parallel/pipeline/stages.py sends the whole tensor): set only to model a published
     Megatron-LM run (tests/test_planner_published.py)."""
     optimizer: str = "adamw"
     """train.optimizer: 'adamw' or 'muon' (its momentum, collectives and Newton-Schulz: muon.py)."""
     local_sgd_every: int = 0
     """train.local_sgd.every: the dp_replicate replicas reduce gradients among their own ranks
     only, and every this many steps meet in one all-reduce of the fp32 pseudo-gradient shard
-    (zero/local_sgd.py); 0 = off."""
+    (parallel/data/zero/local_sgd.py); 0 = off."""
     local_sgd_outer: str = "diloco"
     """train.local_sgd.outer: 'diloco' keeps the outer model and its momentum (8 B per sharded
     parameter), 'average' the outer model only (4 B)."""
@@ -264,7 +264,7 @@ def describe_dtypes(d: Dtypes, local: bool) -> str:
 
 def offloaded_blocks(s: Strategy, layers: int, cluster: Cluster) -> int:
     """Blocks of a stage with `layers` blocks whose saved activations go to host memory
-    (parallel/activation.py apply_offload: the first activation_offload_blocks of the rank's
+    (parallel/blocks/activation.py apply_offload: the first activation_offload_blocks of the rank's
     blocks, 0 = all). None on a CPU device: the host is the device, the runtime keeps every
     saved tensor where it is (nothing moves, nothing changes)."""
     if s.activation_offload == "none" or cluster.device.kind == "cpu":
@@ -274,7 +274,7 @@ def offloaded_blocks(s: Strategy, layers: int, cluster: Cluster) -> int:
 
 
 def effective_tier(tier: str, cluster: Cluster) -> str:
-    """On a CPU machine the 'cpu' tier is where the states already are (zero/tiers/
+    """On a CPU machine the 'cpu' tier is where the states already are (parallel/data/zero/tiers/
     aliases them): nothing moves."""
     return "none" if tier == "cpu" and cluster.device.kind == "cpu" else tier
 
@@ -393,12 +393,12 @@ def stage_params(w: Workload, lay: ParallelDims, split: list[int] | None = None)
 
 
 # ---------------------------------------------------------------------------------------------
-# The pipeline schedules (parallel/pipeline.py), as the memory and time models need them
+# The pipeline schedules (parallel/pipeline/stages.py), as the memory and time models need them
 
 
 def pp_in_flight(s: Strategy, index: int, split: list[int] | None = None) -> float:
     """Micro-batches of this rank's blocks whose activations stage `index` holds at its peak,
-    with M = grad_accum micro-batches over P stages (parallel/pipeline.py's orders). GPipe: all
+    with M = grad_accum micro-batches over P stages (parallel/pipeline/stages.py's orders). GPipe: all
     M (every forward before any backward). 1F1B (PipeDream-Flush): P - index, at most M; the
     zero-bubble schedule keeps 1F1B's bound (its deferred weight gradients are
     memory.deferred_weight_grads). Interleaved: the most blocks' worth of chunk-micro-batches
@@ -419,7 +419,7 @@ def pp_in_flight(s: Strategy, index: int, split: list[int] | None = None) -> flo
 
 def interleaved_peak(split: list[int], p: int, v: int, rank: int, micro: int) -> int:
     """The most blocks x micro-batches rank `rank` holds activations for under the interleaved
-    order (parallel/pipeline.py OneFOneB.order with V chunks, Megatron-LM's): forward step k
+    order (parallel/pipeline/stages.py OneFOneB.order with V chunks, Megatron-LM's): forward step k
     runs chunk (k mod PV) // P, 2(P - rank - 1) + (V - 1)P warm-up forwards, then one forward
     and one backward (chunks in reverse), then the remaining backwards."""
     forwards = [(k % (p * v)) // p for k in range(micro * v)]
@@ -435,7 +435,7 @@ def interleaved_peak(split: list[int], p: int, v: int, rank: int, micro: int) ->
 
 
 def pp_bubble(s: Strategy) -> float:
-    """The idle fraction of a step for equal stage times (parallel/pipeline.py
+    """The idle fraction of a step for equal stage times (parallel/pipeline/stages.py
     Schedule.bubble_formula): P - 1 slots of fill and drain in M·V + P - 1 (GPipe, 1F1B, and
     interleaved with V chunks: Narayanan et al. 2021). Zero-bubble: the runtime's unit-time
     list schedule (F, B and W one unit each) is 3M + 2(P - 1) units long for every P and M
@@ -451,7 +451,7 @@ def pp_bubble(s: Strategy) -> float:
 
 
 def pp_sends(index: int, pp: int, micro: int, virtual: int = 1) -> tuple[int, int]:
-    """(activations, gradients) pipeline rank `index` sends per step (parallel/pipeline.py
+    """(activations, gradients) pipeline rank `index` sends per step (parallel/pipeline/stages.py
     Schedule.run): each of its V chunks sends every micro-batch's output forward unless it is
     the model's last, and the gradient of its input back unless it is the model's first."""
     if pp == 1:

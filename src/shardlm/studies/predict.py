@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardlm.config import ModelConfig, load_config
+from shardlm.config.model import ModelConfig
+from shardlm.config.load import load_config
 from shardlm.config.dims import ParallelDims
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import Cluster, parse_cluster
-from shardlm.planner import Strategy, Workload, estimate_memory, estimate_time
+from shardlm.planner.workload import Strategy, Workload
+from shardlm.planner.memory import estimate_memory
+from shardlm.planner.timing import estimate_time
 from shardlm.planner.search import default_dtypes, predict_local
 from shardlm.planner.shapes import preset_model
 from shardlm.studies.points import MMAP_THRESHOLD, MiB, Point, largest_fitting

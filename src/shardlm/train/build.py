@@ -17,11 +17,11 @@ from shardlm.checkpoint.sharded import load_with_fallback
 from shardlm.comm.collectives import DeviceDone
 from shardlm.comm.mesh import Mesh, build_mesh
 from shardlm.comm.watchdog import CollectiveWatchdog
-from shardlm.config import Config
+from shardlm.config.schema import Config
 from shardlm.config.dims import resolve_dims
 from shardlm.config.fields import document_mask_on
 from shardlm.config.hf_shapes import causal_lm_config, encoder_decoder_config, transformers_config
-from shardlm.data import Dataset, Loader, build_dataset
+from shardlm.data.loader import Dataset, Loader, build_dataset
 from shardlm.data.corpus import check_text_files
 from shardlm.data.sft import check_chat_template, template_for
 from shardlm.data.tokenizer import hf_tokenizer
@@ -36,7 +36,7 @@ from shardlm.models.lora import check_rank, lora_layers
 from shardlm.models.precision import build_precision
 from shardlm.models.seq2seq import user_model_flops_per_token
 from shardlm.parallel.build import parallelize
-from shardlm.parallel.tensor_plan import check_tp_plan
+from shardlm.parallel.tensor.plan import check_tp_plan
 from shardlm.train import fault_tolerance
 from shardlm.train.checkpointing import checkpoint_writer, load_checkpoint, resume_source
 from shardlm.train.resolve import resolve_config

@@ -17,11 +17,12 @@ import time
 
 import torch
 
-from shardlm.config import ModelConfig, PrecisionConfig
+from shardlm.config.model import ModelConfig
+from shardlm.config.schema import PrecisionConfig
 from shardlm.hardware import probe
 from shardlm.models.decoder import build_model
 from shardlm.models.precision import build_precision
-from shardlm.parallel.activation import apply_ac
+from shardlm.parallel.blocks.activation import apply_ac
 from shardlm.planner.in_situ import pass_key
 
 
@@ -29,7 +30,7 @@ def time_model_pass(model: ModelConfig, micro_batch: int, seq: int, compute: str
                     repeats: int = 7, recompute: str = "none") -> float:
     """Median seconds of one forward + cross-entropy + backward of `model` on a micro-batch of
     `micro_batch` x `seq` random tokens at `threads` threads, after one warm-up pass, its blocks
-    checkpointed as activation.checkpoint = `recompute` checkpoints them (parallel/activation.py).
+    checkpointed as activation.checkpoint = `recompute` checkpoints them (parallel/blocks/activation.py).
     The allocator is the calling process's: `shardlm calibrate` fixes its mmap threshold first,
     as a training process does (launch/allocator.py), so that large blocks map fresh pages."""
     before = torch.get_num_threads()

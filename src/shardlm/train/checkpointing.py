@@ -16,11 +16,11 @@ from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, 
                                         find_checkpoint, newest_usable, read_manifest)
 
 from shardlm.checkpoint.reader import load_slices, raise_on_every_rank
-from shardlm.config import Config
-from shardlm.launch.replicas import replica_identity
+from shardlm.config.schema import Config
+from shardlm.parallel.data.fault_tolerant.launcher import replica_identity
 from shardlm.launch.runtime import Runtime, agree_on_name, broadcast_text, is_restart
 from shardlm.train.run import Run
-from shardlm.zero.optim import adam_steps, set_adam_steps
+from shardlm.parallel.data.zero.optim import adam_steps, set_adam_steps
 
 log = logging.getLogger("shardlm")
 
@@ -56,7 +56,7 @@ def resume_source(cfg: Config, run_dir: Path, runtime: Runtime | None = None,
 def checkpoints_root(cfg: Config, run_dir: Path) -> Path:
     """The run's checkpoints/: in its run directory; with parallel.fault_tolerant, in the
     replicas' common one, <run.dir>/<run.name> (each replica's run directory is its replica-<r>:
-    launch/replicas.py), where whichever replica writes a checkpoint puts it."""
+    parallel/data/fault_tolerant/launcher.py), where whichever replica writes a checkpoint puts it."""
     return (run_dir.parent if cfg.parallel.fault_tolerant else run_dir) / CHECKPOINTS
 
 
@@ -116,7 +116,7 @@ def load_checkpoint(run: Run, path: Path) -> int:
     """Load a checkpoint saved at any layout into this run; returns the step to continue from.
     A CheckpointError is raised on every rank or on none (so load_with_fallback can try another
     checkpoint on all ranks at once)."""
-    outer = run.strategy.local_sgd  # train.local_sgd (zero/local_sgd.py)
+    outer = run.strategy.local_sgd  # train.local_sgd (parallel/data/zero/local_sgd.py)
     fresh = outer is not None and _local_sgd_fresh_start(run, path)
     if fresh:  # a synchronous run's checkpoint: every replica loads its one model and moments
         outer.loading_synchronous = True

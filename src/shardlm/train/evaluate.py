@@ -3,7 +3,7 @@
 The run's weights (model.safetensors, as `shardlm generate` loads them) scored on the held-out
 split its config describes — or another one: `--data.*` overrides (e.g. `--data.val_source=
 test.parquet`) and `--train.eval_batches` / `--train.micro_batch` change what is scored, with the
-run's own tokenizer. The figures are the training loop's (parallel/evaluation.py): the same
+run's own tokenizer. The figures are the training loop's (parallel/data/evaluation.py): the same
 windows give the same val_loss, val_perplexity and val_token_accuracy as the run's last log line.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from shardlm.config import config_from_dict, flatten, typed_overrides
+from shardlm.config.load import config_from_dict, flatten, typed_overrides
 from shardlm.errors import ConfigError
 
 EDITABLE = ("data.", "train.eval_batches", "train.micro_batch")
@@ -23,14 +23,14 @@ EDITABLE = ("data.", "train.eval_batches", "train.micro_batch")
 def evaluate_checkpoint(path: str | Path, overrides: dict[str, str]) -> dict:
     """{'checkpoint', 'val_loss', 'val_perplexity', 'val_token_accuracy', 'val_targets',
     'val_rows'} of the run at `path` on its (or the overridden) validation split."""
-    from shardlm.checkpoint import load_for_inference
+    from shardlm.checkpoint.weights import load_for_inference
     from shardlm.config.fields import document_mask_on
-    from shardlm.data import build_dataset, eval_batches
+    from shardlm.data.loader import build_dataset, eval_batches
     from shardlm.data.sft import template_for
     from shardlm.data.tokenizer import eot_id, hf_tokenizer
     from shardlm.launch.runtime import pick_device
     from shardlm.models.attention import choose_backend
-    from shardlm.parallel.evaluation import metrics_of, token_sums
+    from shardlm.parallel.data.evaluation import metrics_of, token_sums
 
     fixed = sorted(k for k in overrides if not k.startswith(EDITABLE))
     if fixed:

@@ -1,6 +1,6 @@
 """parallel.fault_tolerant in a training run: a replica's mesh, its step's average over the live
-replicas, the state a joining replica receives (comm/replicas.py is the quorum and its group;
-launch/replicas.py the launcher).
+replicas, the state a joining replica receives (parallel/data/fault_tolerant/quorum.py is the quorum and its group;
+parallel/data/fault_tolerant/launcher.py the launcher).
 
 A replica is one process whose mesh says dp_replicate = R and its replica id — so it reads its
 own share of every global batch and divides its loss by the global number of micro-batches, as
@@ -18,16 +18,16 @@ import torch
 
 from shardlm.comm.collectives import CommLedger
 from shardlm.comm.mesh import Mesh
-from shardlm.comm.replicas import ReplicaGroup
-from shardlm.config import Config
+from shardlm.parallel.data.fault_tolerant.quorum import ReplicaGroup
+from shardlm.config.schema import Config
 from shardlm.config.dims import resolve_dims
 from shardlm.errors import ConfigError
-from shardlm.launch.replicas import ReplicaIdentity, replica_identity
+from shardlm.parallel.data.fault_tolerant.launcher import ReplicaIdentity, replica_identity
 from shardlm.launch.runtime import Runtime
 from shardlm.parallel.build import StepState
 from shardlm.train.resolve import decide
 from shardlm.train.run import Run
-from shardlm.zero.optim import adam_steps, set_adam_steps
+from shardlm.parallel.data.zero.optim import adam_steps, set_adam_steps
 
 log = logging.getLogger("shardlm")
 
@@ -53,7 +53,7 @@ class Replica:
 
 
 def replica_setup(cfg: Config, runtime: Runtime) -> Replica | None:
-    """With parallel.fault_tolerant: this process's replica (launch/replicas.py set who it is);
+    """With parallel.fault_tolerant: this process's replica (parallel/data/fault_tolerant/launcher.py set who it is);
     None otherwise."""
     if not cfg.parallel.fault_tolerant:
         return None

@@ -15,10 +15,10 @@ from shardlm.checkpoint.weights import save_weights
 from shardlm.launch.runtime import StopSignals, planned_fault
 from shardlm.models import build_model
 from shardlm.models.moe import bias_tensors
-from shardlm.parallel.compile import compile_seconds
-from shardlm.parallel.expert import moe_record
-from shardlm.parallel.pipeline import gather_stages
-from shardlm.parallel.pieces import whole_parameters
+from shardlm.parallel.blocks.compile import compile_seconds
+from shardlm.parallel.expert.dispatch import moe_record
+from shardlm.parallel.pipeline.stages import gather_stages
+from shardlm.parallel.tensor.pieces import whole_parameters
 from shardlm.planner.search import run_prediction
 from shardlm.train import fault_tolerance
 from shardlm.train.checkpointing import save_checkpoint

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from shardlm.checkpoint.sharded import MANIFEST, parse_manifest
-from shardlm.config import Config, config_from_dict
+from shardlm.config.schema import Config
+from shardlm.config.load import config_from_dict
 from shardlm.config.dims import grad_accum_for
 from shardlm.config.load import FINETUNE_LR, FINETUNE_WARMUP_FRACTION, finetune_mode
 from shardlm.errors import ConfigError

@@ -13,16 +13,16 @@ from torch import nn
 
 from shardlm.checkpoint.sharded import CheckpointWriter, SaveReport
 from shardlm.comm.mesh import Mesh
-from shardlm.comm.replicas import ReplicaGroup
+from shardlm.parallel.data.fault_tolerant.quorum import ReplicaGroup
 from shardlm.comm.watchdog import CollectiveWatchdog
-from shardlm.config import Config
-from shardlm.data import Dataset, Loader
+from shardlm.config.schema import Config
+from shardlm.data.loader import Dataset, Loader
 from shardlm.launch.runtime import Runtime
 from shardlm.models.moe import MoEStats
 from shardlm.models.precision import Precision
 from shardlm.parallel.build import StepHooks
-from shardlm.parallel.data import DataParallelEngine
-from shardlm.parallel.pipeline import Schedule
+from shardlm.parallel.data.engine import DataParallelEngine
+from shardlm.parallel.pipeline.stages import Schedule
 from shardlm.train.tracking import StepTimes
 
 
@@ -78,7 +78,7 @@ class Run:
     times: StepTimes = field(default_factory=lambda: StepTimes(None, enabled=False))
     """The step's time split by phase (run.time_split; shardlm.train.tracking.StepTimes)."""
     replicas: ReplicaGroup | None = None
-    """parallel.fault_tolerant: the quorum of live replicas and its group (comm/replicas.py)."""
+    """parallel.fault_tolerant: the quorum of live replicas and its group (parallel/data/fault_tolerant/quorum.py)."""
 
 
 @dataclass

@@ -22,10 +22,10 @@ from shardlm.models.hf_build import generate_causal
 from shardlm.models.precision import is_finite
 from shardlm.models.seq2seq import generate_seq2seq
 from shardlm.parallel.build import StepState
-from shardlm.parallel.evaluation import metrics_of
-from shardlm.parallel.pipeline import StepIO
+from shardlm.parallel.data.evaluation import metrics_of
+from shardlm.parallel.pipeline.stages import StepIO
 from shardlm.train.run import Run
-from shardlm.zero.optim import lr_at, set_lr
+from shardlm.parallel.data.zero.optim import lr_at, set_lr
 
 
 class StepResult(NamedTuple):
@@ -83,7 +83,7 @@ def _train_step(run: Run, step: int, stop_requested: bool) -> StepResult:
     # Every micro-batch's loss is divided by the global number of micro-batches and gradients
     # are summed across ranks: each rank's backward then computes exactly what one process
     # would for that micro-batch. Context parallelism: each rank's loss is the mean over its
-    # 1/cp of the tokens. Local SGD (zero/local_sgd.py): a replica's gradient is its own data's
+    # 1/cp of the tokens. Local SGD (parallel/data/zero/local_sgd.py): a replica's gradient is its own data's
     # mean, not a share (run.replicas_apart).
     state = StepState(step, [y for _, y in micro_batches],
                       len(micro_batches) * dims.dp_size * dims.cp // run.replicas_apart,
@@ -179,7 +179,7 @@ def evaluate(run: Run) -> dict[str, float]:
     micro-batches of validation windows, dealt to the data-parallel ranks (Loader.eval_batches).
     Each rank sums [cross-entropy, correct, targets] over its targets that carry loss, and the
     sums (not the ranks' means) are added over all ranks: every target weighs the same whatever
-    rank or batch it fell in (parallel/evaluation.py)."""
+    rank or batch it fell in (parallel/data/evaluation.py)."""
     run.model.eval()
     batches = run.val_loader.eval_batches(run.cfg.train.eval_batches)
     device = run.runtime.device

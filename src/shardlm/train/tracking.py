@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from shardlm.config import flatten
+from shardlm.config.load import flatten
 from shardlm.config.fields import TRACKERS, profile_step_numbers, tracker_install_hint, tracker_names
 from shardlm.errors import ConfigError
 from shardlm.launch.runtime import tracker_environment

@@ -1,0 +1,209 @@
+"""Attention over one key/value block of the ring (parallel/context/attention.py): the block's output and
+the log-sum-exp of each query's scores, and the block's share of the gradients given the
+*whole* attention's output and log-sum-exp. That is all flash attention's backward needs
+(Dao et al. 2022): with the global output O and log-sum-exp L, a block's probabilities are
+exp(s - L) and its dq, dk, dv are exactly its contribution to the whole gradient — so the fused
+kernel's backward, fed one block's q, k, v with the global O and L, is the ring's hop backward
+(Liu et al. 2023; the same trick as zhuzilin/ring-flash-attention).
+
+Two kernels, chosen per hop:
+- fused (CPU): torch's flash attention for CPU, `aten._scaled_dot_product_flash_attention_for_cpu`
+  and its `_backward` (fp32, bf16, fp16; log-sum-exp (B, h, t) fp32). Blocked over (query, key)
+  tiles, it never holds a hop's score block: beyond its inputs and outputs it needs a few
+  (query split x key split) buffers per thread. Masks beyond the causal one (documents, sliding
+  windows) go in as its additive `attn_mask`, in q's dtype (the kernel takes no boolean one),
+  one tile of query rows at a time (`tile_rows`: at most MASK_ELEMENTS mask elements per call,
+  whatever the block's length), each tile's keys cut to the span its rows may see; a tile that
+  sees no key is skipped, one that sees every key of its span runs unmasked.
+- math (portable): the scores in fp32, (B, h, tq, tk) per hop, several times over in the
+  backward (scores, probabilities, their gradient). Soft-capped scores (Gemma 2) run it (the
+  fused kernel has no cap), and so does CUDA: torch's CUDA kernels that return a log-sum-exp
+  (`_scaled_dot_product_flash_attention`, fp16/bf16 without a mask; `_efficient_attention`, an
+  additive bias, its log-sum-exp padded to 32 rows) are not wired here yet. The math path is
+  the fused one's reference in tests/test_ring_blocks.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+MASK_ELEMENTS = 1 << 20
+"""The most mask elements one fused call of a masked hop takes (4 MiB of fp32): a hop's query
+rows are cut into tiles of at least MIN_TILE_ROWS rows under it."""
+MIN_TILE_ROWS = 128
+"""Fewer rows per call would leave the kernel's own query split (up to 256 rows) half empty."""
+
+
+def _has_cpu_flash(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def expand_kv(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, h_kv, t, d) -> (B, h_kv·groups, t, d): each key/value head for its query heads."""
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+
+def fold_kv(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of an expanded key/value head back onto the shared head."""
+    if groups == 1:
+        return grad
+    b, h, t, d = grad.shape
+    return grad.view(b, h // groups, groups, t, d).sum(2)
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """Which of a hop's queries may see which of its keys, from their global positions: causal
+    (query >= key), within `window` (> 0: query - key < window) and, with `docs` ((B, T) the
+    whole sequence's document ids), in the same document. Built a tile of query rows at a time:
+    the fused path never holds it whole."""
+
+    qpos: torch.Tensor
+    """(tq,) the hop's query positions in the whole sequence."""
+    kpos: torch.Tensor
+    """(tk,) its key positions."""
+    window: int = 0
+    docs: torch.Tensor | None = None
+
+    def allowed(self, rows: slice = slice(None)) -> torch.Tensor:
+        """(B or 1, 1, r, tk) bool for the query rows `rows` (comparisons only: no (r, tk)
+        position differences, which would be int64)."""
+        qpos, kpos = self.qpos[rows], self.kpos
+        ok = qpos[:, None] >= kpos[None, :]
+        if self.window:
+            ok &= qpos[:, None] < (kpos + self.window)[None, :]
+        if self.docs is None:
+            return ok[None, None]
+        same = self.docs[:, qpos][:, :, None] == self.docs[:, kpos][:, None, :]  # (B, r, tk)
+        return (same & ok).unsqueeze(1)
+
+
+def block_forward(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None,
+                  softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q kᵀ·scale) v and the log-sum-exp of each query's scores (fp32). Causal: the
+    diagonal block (queries and keys the same positions). `mask`: which query-key pairs may
+    attend (documents, a window), instead of `causal`; a query with none gets output 0 and
+    log-sum-exp -inf (nothing to merge). `softcap` > 0: scores c·tanh(s/c) before the mask
+    (Gemma 2). Keys/values already expanded to the query heads."""
+    if not softcap and _has_cpu_flash(q):
+        if mask is None:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+            return out, lse.float()
+        return _fused_masked_forward(q, k, v, scale, mask)
+    allowed = None if mask is None else mask.allowed()
+    scores, _ = _scores(q, k, causal, scale, allowed, softcap)  # (B, h, tq, tk): any device
+    lse = scores.logsumexp(-1)
+    finite = lse.masked_fill(lse == float("-inf"), 0.0)  # an empty row: exp(-inf) = 0, not nan
+    return ((scores - finite.unsqueeze(-1)).exp() @ v.float()).to(q.dtype), lse
+
+
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask: BlockMask | None = None,
+                   softcap: float = 0.0):
+    """dq, dk, dv of one block's share of the attention whose final output and log-sum-exp
+    are `out` and `lse` (finite: every query sees itself)."""
+    if not softcap and _has_cpu_flash(q):
+        if mask is None:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, lse.to(torch.float32), 0.0, causal, scale=scale)
+        return _fused_masked_backward(dout, q, k, v, out, lse, scale, mask)
+    qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
+    scores, slope = _scores(q, k, causal, scale, None if mask is None else mask.allowed(), softcap)
+    p = (scores - lse.unsqueeze(-1)).exp()  # this block's probabilities under the whole softmax
+    delta = (df * out.float()).sum(-1, keepdim=True)
+    ds = p * (df @ vf.transpose(-1, -2) - delta) * scale
+    if slope is not None:  # through the cap: c·tanh(s/c)' = 1 - tanh²(s/c)
+        ds = ds * slope
+    return (ds @ kf).to(q.dtype), (ds.transpose(-1, -2) @ qf).to(k.dtype), (p.transpose(-1, -2) @ df).to(v.dtype)
+
+
+def _scores(q, k, causal: bool, scale: float, allowed: torch.Tensor | None, softcap: float = 0.0):
+    """The masked (and soft-capped) scores, fp32, and d(capped)/d(uncapped) = 1 - tanh² (None
+    without a cap)."""
+    scores, slope = (q.float() @ k.float().transpose(-1, -2)) * scale, None
+    if softcap:
+        capped = torch.tanh(scores / softcap)
+        scores, slope = capped * softcap, 1 - capped * capped
+    if allowed is not None:
+        return scores.masked_fill(~allowed, float("-inf")), slope
+    return (scores.masked_fill(_future(scores), float("-inf")) if causal else scores), slope
+
+
+def _future(scores: torch.Tensor) -> torch.Tensor:
+    tq, tk = scores.shape[-2:]
+    return torch.ones(tq, tk, dtype=torch.bool, device=scores.device).triu(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused kernel under a mask, a tile of query rows at a time
+
+
+@dataclass
+class _Tile:
+    rows: slice
+    keys: slice
+    bias: torch.Tensor | None
+    """(B or 1, 1, r, keys) additive mask in q's dtype (0 or -inf), or None: every key seen."""
+    blind: torch.Tensor | None
+    """(B or 1, 1, r) rows that see no key (the kernel gives them log-sum-exp 0), or None."""
+
+
+def tile_rows(mask_batch: int, keys: int) -> int:
+    """Query rows per fused call of a masked hop: MASK_ELEMENTS over the mask's row, at least
+    MIN_TILE_ROWS."""
+    return max(MIN_TILE_ROWS, MASK_ELEMENTS // max(1, mask_batch * keys))
+
+
+def _tiles(mask: BlockMask, dtype: torch.dtype) -> Iterator[_Tile]:
+    """The tiles of a masked hop that see some key, each with its keys cut to the span its rows
+    may see (a window's or a document's tile touches few of the block's keys)."""
+    tq, tk = len(mask.qpos), len(mask.kpos)
+    step = tile_rows(1 if mask.docs is None else mask.docs.shape[0], tk)
+    for start in range(0, tq, step):
+        rows = slice(start, min(start + step, tq))
+        ok = mask.allowed(rows)  # (B or 1, 1, r, tk) bool: a quarter of the bias below
+        seen = ok.any(-1)  # (B or 1, 1, r)
+        cols = ok.any(-2).flatten(0, -2).any(0).nonzero()  # the keys any row sees
+        if len(cols) == 0:
+            continue
+        keys = slice(int(cols[0]), int(cols[-1]) + 1)
+        ok = ok[..., keys]
+        if bool(ok.all()):
+            yield _Tile(rows, keys, None, None)
+            continue
+        bias = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, float("-inf"))
+        yield _Tile(rows, keys, bias, None if bool(seen.all()) else ~seen)
+
+
+def _fused_masked_forward(q, k, v, scale: float, mask: BlockMask):
+    """block_forward's fused path under a mask: tiles of query rows (_tiles); rows of skipped
+    tiles keep output 0 and log-sum-exp -inf, as rows the kernel found blind."""
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    for tile in _tiles(mask, q.dtype):
+        rows, keys = tile.rows, tile.keys
+        o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, False, attn_mask=tile.bias, scale=scale)
+        out[:, :, rows] = o
+        lse[:, :, rows] = l if tile.blind is None else l.masked_fill(tile.blind, float("-inf"))
+    return out, lse
+
+
+def _fused_masked_backward(dout, q, k, v, out, lse, scale: float, mask: BlockMask):
+    """block_backward's fused path under a mask, over the forward's tiles: each tile's dq rows
+    are its own; its dk, dv (its key span) summed over the tiles in fp32."""
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    lse = lse.to(torch.float32)
+    for tile in _tiles(mask, q.dtype):
+        rows, keys = tile.rows, tile.keys
+        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows], lse[:, :, rows],
+            0.0, False, attn_mask=tile.bias, scale=scale)
+        dq[:, :, rows] = gq
+        dk[:, :, keys] += gk
+        dv[:, :, keys] += gv
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
