@@ -66,7 +66,7 @@ from shardlm.data.loader import build_dataset
 from shardlm.launch.runtime import cpu_cores
 from shardlm.models import count_params
 from shardlm.launch.spawn import run_ranks
-from shardlm.train.telemetry import peak_flops, peak_rss_bytes
+from shardlm.train.telemetry import peak_flops, peak_rss_bytes, reset_peak_rss
 
 MiB = 2**20
 # (name, ranks, overrides)
@@ -112,17 +112,6 @@ def saved_activation_bytes(run) -> int:
     loss.backward()
     run.strategy.zero_grad()
     return sum(n for ptr, n in storages.items() if ptr not in params)  # weights are not activations
-
-
-def reset_peak_rss() -> bool:
-    """Start this process's VmHWM afresh at its current RSS (Linux: clear_refs 5), so one
-    process can measure several runs in turn; False where the kernel has no such reset."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def documents_per_row(run) -> float:
