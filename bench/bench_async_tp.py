@@ -32,10 +32,10 @@ import os
 import statistics
 import tempfile
 
-from common import (add_step_args, bench_parser, combine, err, ledger_text, machine, prepare, reproduce,
-                    rounds, run_overrides, speed_text, start_ranks, summarize, table, timed_steps)
+from common import (add_step_args, bench_parser, combine, err, ledger_text, prepare, reproduce, rounds, setup_line,
+                    speed_text, start_ranks, step_overrides, summarize, table, timed_steps)
 from shardlm.config.load import load_config
-from shardlm.models import count_params
+
 from shardlm.train.build import build_run
 
 WORLD = 2
@@ -43,9 +43,8 @@ CASES = {"blocking SP": {}, "async TP": {"parallel.async_tp": True}}
 
 
 def overrides_for(args, case: dict, run_dir: str) -> dict:
-    return {"model.preset": args.preset, "train.micro_batch": args.global_batch, "train.seq_len": args.seq,
-            "train.steps": args.warmup + args.steps, "parallel.tp": WORLD, "parallel.sequence_parallel": True,
-            **case, **run_overrides(run_dir, args.set)}
+    return step_overrides(args, run_dir, {"train.micro_batch": args.global_batch, "parallel.tp": WORLD,
+                                          "parallel.sequence_parallel": True, **case})
 
 
 def async_tp_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
@@ -84,8 +83,7 @@ def main() -> None:
     cfg = load_config(overrides=overrides_for(args, {}, "")).validate()
     threads = prepare(cfg, WORLD)
     tokens_per_step = args.global_batch * args.seq
-    print(f"{machine()}; {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
-          f"({count_params(cfg.model) / 1e6:.1f}M params), fp32, tp=2 + SP, global batch "
+    print(f"{setup_line(cfg, WORLD, threads)}, fp32, tp=2 + SP, global batch "
           f"{args.global_batch}x{args.seq}, {args.warmup} warm-up + {args.steps} timed steps, "
           f"{args.repeat} round(s), MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}", flush=True)
     preds = {name: predict_local(load_config(overrides=overrides_for(args, case, "")).validate(), WORLD)

@@ -57,10 +57,11 @@ from pathlib import Path
 import torch
 
 from checkpoint_io import MB, OtherCpu, Probe, cpu_seconds, disk_limits, drop_cache, save_phases
-from common import MiB, bench_parser, machine, peak_rss_bytes, prepare, reproduce, run_overrides, start_ranks, table, table_row
+from common import (MiB, bench_parser, peak_rss_bytes, prepare, reproduce, run_overrides, setup_line, start_ranks,
+                    table, table_row)
 from shardlm.checkpoint.sharded import find_checkpoint
 from shardlm.config.load import load_config
-from shardlm.models import count_params
+
 
 WORLD = 2
 
@@ -226,8 +227,7 @@ def main() -> None:
     threads = prepare(cfg, WORLD, mmap_threshold=None)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir)).resolve()
-    print(f"{machine()}; {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
-          f"({count_params(cfg.model) / 1e6:.1f}M params), fp32, batch {WORLD}x{args.micro_batch}x"
+    print(f"{setup_line(cfg, WORLD, threads)}, fp32, batch {WORLD}x{args.micro_batch}x"
           f"{args.seq}; directory {root}", flush=True)
     cpu_before = cpu_seconds()
     other = OtherCpu()

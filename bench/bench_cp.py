@@ -145,7 +145,6 @@ def measure(run, warmup: int, steps: int) -> dict:
 
 def rank_case(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
     from shardlm.train.build import build_run
-    from shardlm.train.step import train_step
 
     run = build_run(load_config(overrides=overrides).validate())
     return measure(run, warmup, steps)

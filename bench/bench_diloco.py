@@ -34,11 +34,11 @@ from __future__ import annotations
 import statistics
 import tempfile
 
-from common import (add_step_args, bench_parser, by_group, machine, prepare, reproduce, rounds, run_overrides,
+from common import (add_step_args, bench_parser, by_group, prepare, reproduce, rounds, run_overrides, setup_line,
                     start_ranks, table, timed_steps)
 from shardlm.checkpoint.sharded import CHECKPOINTS
 from shardlm.config.load import load_config
-from shardlm.models import count_params
+
 from shardlm.train.checkpointing import save_checkpoint
 from shardlm.train.build import build_run
 from shardlm.train.step import evaluate, train_step
@@ -108,8 +108,7 @@ def main() -> None:
     cfg = load_config(overrides=overrides({}, "")).validate()
     threads = prepare(cfg, WORLD)
     tokens_per_step = args.micro_batch * args.seq * WORLD
-    print(f"{machine()}; {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
-          f"({count_params(cfg.model) / 1e6:.1f}M params), fp32, batch {WORLD}x{args.micro_batch}x{args.seq}, "
+    print(f"{setup_line(cfg, WORLD, threads)}, fp32, batch {WORLD}x{args.micro_batch}x{args.seq}, "
           f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
     named = cases(args.outer)
     with tempfile.TemporaryDirectory() as tmp:

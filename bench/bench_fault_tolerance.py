@@ -18,8 +18,6 @@ to --plot (PNG). Timings on a shared machine are noisy: the load average is prin
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -28,6 +26,7 @@ import time
 from pathlib import Path
 
 from common import machine, reproduce, table
+from common.cli import read_jsonl, src_env, train_argv
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,11 +39,8 @@ def launch(root: Path, name: str, args, fault_tolerant: bool, kill: int = 0) -> 
               "train.eval_batches": 4, "train.sample_tokens": 0, "data.max_bytes": 3_000_000,
               "run.dir": str(root), "run.name": name, "run.progress": "off",
               "parallel.dp_replicate": 2, "parallel.fault_tolerant": fault_tolerant}
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    if kill:
-        env["SHARDLM_REPLICA_FAULTS"] = f"1:kill@{kill}"
-    argv = [sys.executable, "-u", "-m", "shardlm", "train", "--nproc", "2",
-            *(["--max-restarts", "1"] if kill else []), *[f"--{k}={v}" for k, v in values.items()]]
+    env = src_env(**({"SHARDLM_REPLICA_FAULTS": f"1:kill@{kill}"} if kill else {}))
+    argv = train_argv(values, nproc=2, restarts=1 if kill else None, unbuffered=True)
     lines: list[tuple[float, str]] = []
     start = time.perf_counter()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -55,7 +51,7 @@ def launch(root: Path, name: str, args, fault_tolerant: bool, kill: int = 0) -> 
     if code != 0:
         sys.exit(f"{name}: exit {code}\n" + "".join(l for _, l in lines[-40:]))
     metrics = root / name / ("replica-0" if fault_tolerant else "") / "metrics.jsonl"
-    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    records = read_jsonl(metrics, "loss")
     said = lambda text: next((t for t, l in lines if text in l), None)  # noqa: E731
     return {"wall_s": time.perf_counter() - start, "records": records,
             "killed_at_s": said("kill now"), "rejoined_at_s": said("rejoined at step")}

@@ -32,22 +32,17 @@ from pathlib import Path
 
 import torch
 
-from common import (MiB, add_step_args, bench_parser, combine, machine, peak_rss_bytes, prepare, reproduce,
-                    rounds, run_overrides, speed_text, start_ranks, summarize, table, train_timed)
+from common import (MiB, add_step_args, bench_parser, combine, machine, prepare, reproduce, rounds, run_overrides,
+                    setup_line, shardlm_rank, speed_text, start_ranks, summarize, table)
 from shardlm.config.load import load_config
 from shardlm.hardware.catalog import parse_cluster
-from shardlm.models.flops import count_params
+
 from shardlm.planner.search import config_strategy
 from shardlm.planner.timing import estimate_time
-from shardlm.train.build import build_run
+
 
 WORLD = 2
 CASES = {"bf16 gather": {}, "fp8 gather": {"precision.fp8_all_gather": True}}
-
-
-def gather_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
-    run = build_run(load_config(overrides=overrides).validate())
-    return {**train_timed(run, warmup, steps), "rss": peak_rss_bytes()}
 
 
 def overrides_for(args, case: dict, run_dir: str) -> dict:
@@ -121,14 +116,13 @@ def main() -> None:
     cfg = load_config(overrides=overrides_for(args, {}, "")).validate()
     threads = prepare(cfg, WORLD, precision="bf16")
     tokens_per_step = WORLD * args.micro_batch * args.seq
-    print(f"{machine()}; {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
-          f"({count_params(cfg.model) / 1e6:.1f}M params), ZeRO-3, fp8 emulated (tensorwise), fp32 master, "
+    print(f"{setup_line(cfg, WORLD, threads)}, ZeRO-3, fp8 emulated (tensorwise), fp32 master, "
           f"batch {WORLD}x{args.micro_batch}x{args.seq}, {args.warmup} warm-up + {args.steps} timed steps, "
           f"{args.repeat} round(s), MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}", flush=True)
     planned = {name: planned_gather(overrides_for(args, case, "")) for name, case in CASES.items()}
     with tempfile.TemporaryDirectory() as tmp:
         def measure(name: str) -> dict:
-            ranks = start_ranks(gather_rank, WORLD, tmp, overrides_for(args, CASES[name], tmp), args.warmup,
+            ranks = start_ranks(shardlm_rank, WORLD, tmp, overrides_for(args, CASES[name], tmp), args.warmup,
                                 args.steps)
             return summarize(ranks, tokens_per_step)
 

@@ -34,16 +34,14 @@ Reproduce:  PYTHONPATH=src python bench/bench_levers.py                      (gp
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from common import bench_parser, machine, reproduce, rounds, table, table_row
+from common.cli import read_jsonl, src_env, train_argv
 from shardlm.config.model import ModelConfig
 from shardlm.config.dims import ParallelDims
 from shardlm.hardware.catalog import parse_cluster
@@ -66,14 +64,11 @@ LEVERS = {  # name -> the overrides that switch it on (precision-dependent ones 
 def run_case(name: str, overrides: dict[str, str], common: dict[str, str], root: Path) -> dict:
     """One `shardlm train` in its own process; its JSONL records."""
     run_name = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
-    flags = [f"--{k}={v}" for k, v in {**common, **overrides, "run.name": run_name}.items()]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    done = subprocess.run([sys.executable, "-m", "shardlm", "train", *flags], env=env,
+    done = subprocess.run(train_argv({**common, **overrides, "run.name": run_name}), env=src_env(),
                           capture_output=True, text=True)
     if done.returncode:
         return {"error": (done.stderr or done.stdout).strip().splitlines()[-1]}
-    log = root / run_name / "metrics.jsonl"
-    return {"records": [json.loads(line) for line in log.read_text().splitlines()]}
+    return {"records": read_jsonl(root / run_name / "metrics.jsonl")}
 
 
 def run_lever(name: str, overrides: dict[str, str], common: dict[str, str], root: Path, skip: int) -> dict:

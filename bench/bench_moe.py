@@ -31,7 +31,6 @@ Reproduce:  PYTHONPATH=src python bench/bench_moe.py
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 
 from common import (MiB, machine, peak_rss_bytes, prepare, reproduce, run_overrides, start_ranks, summarize, table,
                     table_row, train_timed)
+from common.cli import read_jsonl
 from shardlm.config.load import load_config
 from shardlm.models import count_params
 from shardlm.models.flops import active_params
@@ -126,7 +126,7 @@ def part_two(args, tmp: str) -> None:
                 "run.name": f"balance-{balance}"}
         run = build_run(load_config(overrides=over).validate())
         train(run)
-        rows = [json.loads(line) for line in open(run.run_dir / "metrics.jsonl")]
+        rows = read_jsonl(run.run_dir / "metrics.jsonl", "moe_imbalance")
         curves[balance] = [(r["step"], r["moe_imbalance"], r["loss"]) for r in rows]
         tail = curves[balance][-10:]
         print(f"balance={balance}: imbalance step 1 {curves[balance][0][1]:.2f}, mean of the last 10 steps "

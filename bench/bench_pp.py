@@ -88,7 +88,7 @@ import statistics
 import tempfile
 
 from common import (MiB, add_step_args, bench_parser, combine, err, ledger_text, machine, peak_rss_bytes, prepare,
-                    reproduce, reset_peak_rss, rounds, run_overrides, speed_text, start_ranks, summarize, table,
+                    reproduce, reset_peak_rss, rounds, speed_text, start_ranks, step_overrides, summarize, table,
                     train_timed)
 from pp_torch import torch_rank
 from shardlm.config.load import load_config
@@ -144,9 +144,9 @@ def batch_shape(args, key: str) -> tuple[int, int]:
 def overrides_for(args, key: str, run_dir: str) -> dict:
     _, _, runner, spec = CASES[key]
     micro, accum = batch_shape(args, key)
-    return {"model.preset": args.preset, "model.tie_embeddings": False, "train.micro_batch": micro,
-            "train.grad_accum": accum, "train.seq_len": args.seq, "train.steps": args.warmup + args.steps,
-            **(spec[0] if runner == "shardlm" else torch_layout(spec)), **run_overrides(run_dir, args.set)}
+    return step_overrides(args, run_dir, {"model.tie_embeddings": False, "train.micro_batch": micro,
+                                          "train.grad_accum": accum,
+                                          **(spec[0] if runner == "shardlm" else torch_layout(spec))})
 
 
 def torch_layout(spec: tuple) -> dict:

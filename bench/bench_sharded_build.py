@@ -68,7 +68,6 @@ import torch  # noqa: E402
 _TORCH_RSS = _status()["VmRSS"]
 
 import functools  # noqa: E402
-import json  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -79,6 +78,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from common import GiB, MiB, bench_parser, machine, prepare, reproduce, reset_peak_rss, start_ranks, table  # noqa: E402
+from common.cli import read_jsonl, train_argv  # noqa: E402
 from shardlm.launch.allocator import DEFAULT_THRESHOLD  # noqa: E402
 
 WORLD = 2
@@ -245,8 +245,7 @@ def worker_peaks(launcher: subprocess.Popen, peaks: dict[int, int], metrics: Pat
 def via_cli(args, overrides: dict, tmp: Path, psi: int) -> None:
     """The same run through `shardlm train --nproc 2` (fresh workers, torch's elastic launcher)."""
     overrides = {**overrides, "run.name": "cli"}
-    cmd = [sys.executable, "-m", "shardlm", "train", "--nproc", str(WORLD),
-           *(f"--{k}={v}" for k, v in overrides.items())]
+    cmd = train_argv(overrides, nproc=WORLD)
     print("$ " + " ".join(cmd[1:]), flush=True)
     start = time.perf_counter()
     peaks: dict[int, int] = {}
@@ -259,9 +258,7 @@ def via_cli(args, overrides: dict, tmp: Path, psi: int) -> None:
     out = launcher.communicate(timeout=args.timeout)[0]
     watcher.join()
     wall = time.perf_counter() - start
-    records = []
-    if metrics.exists():
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    records = read_jsonl(metrics)
     shutil.rmtree(tmp, ignore_errors=True)
     print("\n".join(line for line in out.splitlines() if line.startswith(("shardlm", "done", "rank"))))
     if launcher.returncode != 0 or not records:

@@ -51,15 +51,13 @@ import os
 import tempfile
 
 import torch
-import torch.nn.functional as F
 
-from common import (MiB, add_step_args, bench_parser, by_group, combine, err, ledger_text, machine, mean_loss, peak_rss_bytes,
-                    prepare, reference_setup, reproduce, rounds, run_overrides, speed_text, start_ranks, summarize,
-                    table, timed_steps, train_timed)
+from common import (MiB, add_step_args, bench_parser, by_group, combine, err, ledger_text, peak_rss_bytes, prepare,
+                    reproduce, rounds, setup_line, shardlm_rank, speed_text, start_ranks, step_overrides, summarize,
+                    table, timed_steps)
+from common.peer import adamw, peer_step, reference_setup
 from shardlm.config.load import load_config
-from shardlm.models import count_params
-from shardlm.train.build import build_run
-from shardlm.parallel.data.zero.optim import lr_at, param_groups, set_lr
+from shardlm.parallel.data.zero.optim import param_groups
 
 WORLD = 2
 # (name, runner, data-parallel degree, shardlm's overrides or torch's sequence_parallel)
@@ -74,18 +72,7 @@ KEYS = {"dp0": "dp=2 ZeRO-0", "dp3": "dp=2 ZeRO-3", "tp": "tp=2", "tp-sp": "tp=2
 
 
 def overrides_for(args, dp: int, case: dict, run_dir: str) -> dict:
-    return {"model.preset": args.preset, "train.micro_batch": args.global_batch // dp, "train.seq_len": args.seq,
-            "train.steps": args.warmup + args.steps, **case, **run_overrides(run_dir, args.set)}
-
-
-# ---------------------------------------------------------------------------------------------
-# shardlm
-
-
-def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
-    run = build_run(load_config(overrides=overrides).validate())
-    setup_rss = peak_rss_bytes()
-    return {**train_timed(run, warmup, steps), "setup_rss": setup_rss, "rss": peak_rss_bytes()}
+    return step_overrides(args, run_dir, {"train.micro_batch": args.global_batch // dp, **case})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,20 +172,11 @@ def torch_rank(rank: int, world: int, overrides: dict, sequence_parallel: bool, 
     cfg, loader, model = reference_setup(overrides, 0, 1)  # every tensor-parallel rank sees the whole batch
     t = cfg.train
     apply_torch_tp(model, init_device_mesh("cpu", (world,)), sequence_parallel)
-    optimizer = torch.optim.AdamW(split_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                                  eps=t.eps, fused=True)
+    optimizer = adamw(split_groups(model, t.weight_decay), t)
     setup_rss = peak_rss_bytes()
 
-    def step(s: int) -> float:
-        set_lr(optimizer, lr_at(s, t))
-        (x, y), = loader.micro_batches(s)
-        logits = model(x)  # (B, T, vocab), whole on every rank
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss.backward()
-        clip_grad_norm(model, t.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return mean_loss(loss, world)  # the same on both ranks
+    def step(s: int) -> float:  # logits whole on every rank; the loss the same on both
+        return peer_step(model, optimizer, loader, t, s, world, lambda: clip_grad_norm(model, t.grad_clip))
 
     return {**timed_steps(step, warmup, steps), "setup_rss": setup_rss, "rss": peak_rss_bytes()}
 
@@ -273,8 +251,7 @@ def main() -> None:
     cfg = load_config(overrides=overrides_for(args, 1, {}, "")).validate()
     threads = prepare(cfg, WORLD)
     tokens_per_step = args.global_batch * args.seq
-    print(f"{machine()}; {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
-          f"({count_params(cfg.model) / 1e6:.1f}M params), fp32, global batch {args.global_batch}x"
+    print(f"{setup_line(cfg, WORLD, threads)}, fp32, global batch {args.global_batch}x"
           f"{args.seq}, {args.warmup} warm-up + {args.steps} timed steps, {args.repeat} run(s) per case, "
           f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}", flush=True)
     preds, notes = {}, []

@@ -44,15 +44,12 @@ import os
 import tempfile
 
 import torch
-import torch.nn.functional as F
 
-from common import (MiB, add_step_args, bench_parser, machine, mean_loss, peak_rss_bytes, prepare, reference_setup, reproduce,
-                    run_overrides, start_ranks, summarize, table, table_row, timed_steps, train_timed)
+from common import (MiB, add_step_args, bench_parser, peak_rss_bytes, prepare, reproduce, setup_line, shardlm_rank,
+                    start_ranks, step_overrides, summarize, table, table_row, timed_steps)
+from common.peer import adamw, peer_step, reference_setup
 from shardlm.config.load import load_config
-from shardlm.data.loader import Loader
-from shardlm.models import count_params
-from shardlm.train.build import build_run
-from shardlm.parallel.data.zero.optim import lr_at, param_groups, set_lr
+from shardlm.parallel.data.zero.optim import param_groups
 
 WORLD = 2
 # (case, shardlm's overrides, torch reference); the reference names are what torch_rank
@@ -66,22 +63,12 @@ CASES = [("0", {"parallel.zero_stage": 0}, "DDP"),
 
 
 def overrides_for(args, case: dict, run_dir: str) -> dict:
-    return {"model.preset": args.preset, "train.micro_batch": args.micro_batch, "train.seq_len": args.seq,
-            "train.steps": args.warmup + args.steps, **case, **run_overrides(run_dir, args.set)}
-
-
-def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
-    run = build_run(load_config(overrides=overrides).validate())
-    setup_rss = peak_rss_bytes()
-    out = train_timed(run, warmup, steps)
-    return {**out, "setup_rss": setup_rss, "rss": peak_rss_bytes(),
-            "state": sum(run.strategy.model_state_bytes().values())}
+    return step_overrides(args, run_dir, {"train.micro_batch": args.micro_batch, **case})
 
 
 def wrap_torch(model, reference: str, cfg):
     """The reference's usual wrapping; returns (module to call, optimizer)."""
     t = cfg.train
-    adamw = {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps, "fused": True}
     if reference.startswith("FSDP2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -92,32 +79,16 @@ def wrap_torch(model, reference: str, cfg):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         # Groups made after sharding: the DTensor parameters are what the optimizer steps.
-        return model, torch.optim.AdamW(param_groups(model, t.weight_decay), **adamw)
+        return model, adamw(param_groups(model, t.weight_decay), t)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ddp = DDP(model)
     if reference == "DDP":
-        return ddp, torch.optim.AdamW(param_groups(model, t.weight_decay), **adamw)
+        return ddp, adamw(param_groups(model, t.weight_decay), t)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    return ddp, ZeroRedundancyOptimizer(param_groups(model, t.weight_decay),
-                                        optimizer_class=torch.optim.AdamW, **adamw)
-
-
-def torch_step(forward, model, optimizer, loader: Loader, cfg, step: int, held: dict) -> float:
-    """One step as a torch user writes it; the loss is averaged over ranks for the report, as
-    shardlm's train_step does (one scalar all-reduce on both sides). `held` gets the model-state
-    bytes while gradients exist (zero_grad frees them; shardlm's stage 0-1 buffer persists)."""
-    set_lr(optimizer, lr_at(step, cfg.train))
-    (x, y), = loader.micro_batches(step)  # grad_accum = 1
-    logits = forward(x)  # (B, T, vocab)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-    loss.backward()  # DDP / FSDP average gradients over ranks: shardlm's global-divisor sum
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-    optimizer.step()
-    held["state"] = torch_state_bytes(model, optimizer)
-    optimizer.zero_grad(set_to_none=True)
-    return mean_loss(loss, WORLD)
+    return ddp, ZeroRedundancyOptimizer(param_groups(model, t.weight_decay), optimizer_class=torch.optim.AdamW,
+                                        lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=True)
 
 
 def local_bytes(tensors) -> int:
@@ -136,10 +107,19 @@ def torch_state_bytes(model, optimizer) -> int:
 
 def torch_rank(rank: int, world: int, overrides: dict, reference: str, warmup: int,
                steps: int) -> dict:
+    """One step as a torch user writes it (DDP / FSDP average gradients over ranks: shardlm's
+    global-divisor sum); the model-state bytes are read while gradients exist (zero_grad frees
+    them; shardlm's stage 0-1 buffer persists)."""
     cfg, loader, model = reference_setup(overrides, rank, world)
     forward, optimizer = wrap_torch(model, reference, cfg)
     setup_rss, held = peak_rss_bytes(), {}
-    out = timed_steps(lambda s: torch_step(forward, model, optimizer, loader, cfg, s, held), warmup, steps)
+
+    def step(s: int) -> float:
+        return peer_step(forward, optimizer, loader, cfg.train, s, WORLD,
+                         lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip),
+                         lambda: held.update(state=torch_state_bytes(model, optimizer)))
+
+    out = timed_steps(step, warmup, steps)
     return {**out, "setup_rss": setup_rss, "rss": peak_rss_bytes(), "state": held["state"]}
 
 
@@ -167,8 +147,7 @@ def main() -> None:
     cfg = load_config(overrides=overrides_for(args, {}, "")).validate()
     threads = prepare(cfg, WORLD)
     tokens_per_step = args.micro_batch * args.seq * WORLD
-    print(f"{machine()}; {WORLD} gloo ranks x {threads} thread(s), {args.preset} "
-          f"({count_params(cfg.model) / 1e6:.1f}M params), fp32, batch {WORLD}x{args.micro_batch}x{args.seq}, "
+    print(f"{setup_line(cfg, WORLD, threads)}, fp32, batch {WORLD}x{args.micro_batch}x{args.seq}, "
           f"{args.warmup} warm-up + {args.steps} timed steps, "
           f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}")
     header = ("case", "torch reference", "torch tok/s", "shardlm tok/s", "tok/s ratio",

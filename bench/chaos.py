@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chaos_cases import cases_main, command, losses, overrides  # the run's config; the disk and input fault cases
+from chaos_cases import CASES, Case, command, losses  # the run's config; the disk and input fault cases
 
 VICTIMS = ("rank0", "rank1", "launcher")
 MOMENTS = ("random", "save")
@@ -314,8 +314,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if survived == len(killed) else 1
 
 
+def run_cases(names: list[str], root: Path) -> list[Case]:
+    cases = []
+    for name in names:
+        expected, run = CASES[name]
+        case, start = Case(name, expected), time.monotonic()
+        try:
+            run(root, case)
+        except Exception as e:  # a case that could not run is a failed case, with its reason
+            case.problems.append(f"{type(e).__name__}: {e}")
+        case.seconds = time.monotonic() - start
+        cases.append(case)
+        print(f"{name:38}  {case.exit_code if case.exit_code is not None else '-':>4}  "
+              f"{case.seconds:5.1f}  {'ok' if case.passed else 'FAILED: ' + '; '.join(case.problems)}",
+              flush=True)
+    return cases
+
+
+def cases_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="disk and input fault cases of bench/chaos.py")
+    parser.add_argument("--cases", required=True, help=f"'all' or some of: {', '.join(CASES)}")
+    parser.add_argument("--dir", help="work directory (default: a fresh temporary one, kept)")
+    args = parser.parse_args(argv)
+    names = list(CASES) if args.cases == "all" else [n.strip() for n in args.cases.split(",")]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown cases {unknown}; known: {', '.join(CASES)}")
+    root = Path(args.dir or tempfile.mkdtemp(prefix="shardlm-chaos-cases-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"chaos cases: work directory {root}\n{'case':38}  {'exit':>4}  {'s':>5}  verdict", flush=True)
+    cases = run_cases(names, root)
+    print(f"\ncases {len(cases)}, passed {sum(c.passed for c in cases)}; "
+          f"reproduce: python bench/chaos.py --cases {args.cases}")
+    return 0 if all(c.passed for c in cases) else 1
+
+
 if __name__ == "__main__":
     if any(a.startswith("--cases") for a in sys.argv[1:]):
-
         sys.exit(cases_main(sys.argv[1:]))
     sys.exit(main())

@@ -1,5 +1,6 @@
-"""Disk and input faults (issue 25, part B): deterministic cases, each checked once; bench/chaos.py
---cases runs them (its random kills are in chaos.py itself).
+"""Chaos as data: the tiny run every chaos trial trains, and the disk and input faults (issue 25,
+part B), deterministic cases each checked once. bench/chaos.py, the driver, imports this module
+(never the other way): its random kills train this run, and its --cases runs the cases below.
 
     python bench/chaos.py --cases all            # every case below (about a minute)
     python bench/chaos.py --cases disk_full_2_ranks,lora_rank_too_large
@@ -13,47 +14,34 @@ it should be, and for a refused input that the run directory was never made.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.cli import read_jsonl, train_argv
 
-def overrides(root: Path, name: str, steps: int, every: int) -> list[str]:
+
+def overrides(root: Path, name: str, steps: int, every: int) -> dict:
     """The run's config: tiny, fp32 (bitwise resume), every step logged."""
-    values = {"model.preset": "gpt-tiny", "precision.compute": "fp32", "train.seq_len": 64,
-              "train.micro_batch": 8, "train.steps": steps, "train.warmup_steps": 2,
-              "train.eval_every": 0, "train.eval_batches": 2, "train.sample_tokens": 0,
-              "train.log_every": 1, "data.max_bytes": 1_000_000, "checkpoint.every": every,
-              "run.dir": str(root / "runs"), "run.name": name, "run.progress": "off"}
-    return [f"--{k}={v}" for k, v in values.items()]
+    return {"model.preset": "gpt-tiny", "precision.compute": "fp32", "train.seq_len": 64,
+            "train.micro_batch": 8, "train.steps": steps, "train.warmup_steps": 2,
+            "train.eval_every": 0, "train.eval_batches": 2, "train.sample_tokens": 0,
+            "train.log_every": 1, "data.max_bytes": 1_000_000, "checkpoint.every": every,
+            "run.dir": str(root / "runs"), "run.name": name, "run.progress": "off"}
 
 
 def command(root: Path, name: str, steps: int, every: int, *extra: str,
             restarts: int = 3) -> list[str]:
-    return [sys.executable, "-m", "shardlm", "train", "--nproc", "2", "--max-restarts", str(restarts),
-            *overrides(root, name, steps, every), *extra]
+    """The run as 2 ranks under torchrun, restarted up to `restarts` times."""
+    return train_argv(overrides(root, name, steps, every), *extra, nproc=2, restarts=restarts)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
     """step -> loss, the later record winning (a resumed run logs its steps again)."""
-    out = {}
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line torn by the kill
-                continue
-            if "loss" in record:
-                out[record["step"]] = record["loss"]
-    return out
+    return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl", "loss")}
 
 
 _FSYNC_FAILS = """
@@ -87,10 +75,9 @@ def _train(root: Path, name: str, *args: str, nproc: int = 0, steps: int = 4, ev
     """`shardlm train` (under --nproc when nproc > 0) on the tiny config, `args` replacing its
     keys (an `--x=` drops x); (exit, its output)."""
     given = {a.split("=", 1)[0] for a in args}
-    argv = [sys.executable, "-m", "shardlm", "train", *(["--nproc", str(nproc)] if nproc else []),
-            *(["--resume", *resume] if resume is not None else []),
-            *[o for o in overrides(root, name, steps, every) if o.split("=", 1)[0] not in given],
-            *[a for a in args if not a.endswith("=")]]
+    values = {k: v for k, v in overrides(root, name, steps, every).items() if f"--{k}" not in given}
+    argv = train_argv(values, *[a for a in args if not a.endswith("=")],
+                      *(["--resume", *resume] if resume is not None else []), nproc=nproc)
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
     (root / f"{name}.log").write_text(proc.stdout + proc.stderr)
@@ -216,38 +203,3 @@ CASES = {
     "random_bytes_named_txt": ("exit 2 naming the file, no run dir", case_random_bytes_named_txt),
 }
 """name -> (what must happen, the case). Append new cases here."""
-
-
-def run_cases(names: list[str], root: Path) -> list[Case]:
-    cases = []
-    for name in names:
-        expected, run = CASES[name]
-        case, start = Case(name, expected), time.monotonic()
-        try:
-            run(root, case)
-        except Exception as e:  # a case that could not run is a failed case, with its reason
-            case.problems.append(f"{type(e).__name__}: {e}")
-        case.seconds = time.monotonic() - start
-        cases.append(case)
-        print(f"{name:38}  {case.exit_code if case.exit_code is not None else '-':>4}  "
-              f"{case.seconds:5.1f}  {'ok' if case.passed else 'FAILED: ' + '; '.join(case.problems)}",
-              flush=True)
-    return cases
-
-
-def cases_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description="disk and input fault cases of bench/chaos.py")
-    parser.add_argument("--cases", required=True, help=f"'all' or some of: {', '.join(CASES)}")
-    parser.add_argument("--dir", help="work directory (default: a fresh temporary one, kept)")
-    args = parser.parse_args(argv)
-    names = list(CASES) if args.cases == "all" else [n.strip() for n in args.cases.split(",")]
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        parser.error(f"unknown cases {unknown}; known: {', '.join(CASES)}")
-    root = Path(args.dir or tempfile.mkdtemp(prefix="shardlm-chaos-cases-"))
-    root.mkdir(parents=True, exist_ok=True)
-    print(f"chaos cases: work directory {root}\n{'case':38}  {'exit':>4}  {'s':>5}  verdict", flush=True)
-    cases = run_cases(names, root)
-    print(f"\ncases {len(cases)}, passed {sum(c.passed for c in cases)}; "
-          f"reproduce: python bench/chaos.py --cases {args.cases}")
-    return 0 if all(c.passed for c in cases) else 1

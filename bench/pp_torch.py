@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from common import peak_rss_bytes, reference_setup, reset_peak_rss, timed_steps
+from common import peak_rss_bytes, reset_peak_rss, timed_steps
+from common.peer import adamw, reference_setup, token_loss
 from shardlm.parallel.pipeline.tables import V_SHAPED
 from shardlm.models.flops import pipeline_split
 from shardlm.parallel.data.zero.optim import lr_at, param_groups, set_lr
@@ -74,20 +74,13 @@ def torch_rank(rank: int, world: int, overrides: dict, spec: tuple, warmup: int,
     device = torch.device("cpu")
     stages = [PipelineStage(m, s, n_stages, device) for m, s in zip(modules, ids)]
 
-    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-    if schedule_name == "gpipe":
-        schedule = ScheduleGPipe(stages[0], n_microbatches=micro, loss_fn=loss_fn)
-    elif schedule_name == "1f1b":
-        schedule = Schedule1F1B(stages[0], n_microbatches=micro, loss_fn=loss_fn)
-    else:
-        multi = {"interleaved": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
-        schedule = multi[schedule_name](stages, n_microbatches=micro, loss_fn=loss_fn)
+    single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    multi = {"interleaved": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+    kind = single.get(schedule_name) or multi[schedule_name]
+    schedule = kind(stages[0] if schedule_name in single else stages, n_microbatches=micro, loss_fn=token_loss)
     holder = nn.ModuleList(modules)
     params = [p for p in holder.parameters()]
-    optimizer = torch.optim.AdamW(param_groups(holder, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                                  eps=t.eps, fused=True)
+    optimizer = adamw(param_groups(holder, t.weight_decay), t)
     first, last = 0 in ids, n_stages - 1 in ids
     setup_rss = peak_rss_bytes()
     reset_peak_rss()  # the steps' own high-water mark follows (Linux; elsewhere the process's)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import shlex
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import uuid
 from pathlib import Path
 
 from common import machine, reproduce, table
+from common.cli import src_env, train_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--precision.compute=fp32", "--train.seq_len=64", "--train.micro_batch=8", "--train.steps=3",
@@ -43,18 +43,12 @@ CONFIGS = {
 TIMEOUT_S = 300
 
 
-def _env() -> dict[str, str]:
-    src = str(ROOT / "src")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
-
-
 def local_command(config: str, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "shardlm", "train", "--nproc", "2", *CONFIGS[config], *TINY,
-            f"--run.dir={run_dir}"]
+    return train_argv({}, *CONFIGS[config], *TINY, f"--run.dir={run_dir}", nproc=2)
 
 
 def run_local(config: str, run_dir: Path) -> tuple[int, str]:
-    done = subprocess.run(local_command(config, run_dir), env=_env(), capture_output=True, text=True,
+    done = subprocess.run(local_command(config, run_dir), env=src_env(), capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     return done.returncode, done.stdout + done.stderr
 
@@ -76,8 +70,8 @@ def run_agents(config: str, run_dir: Path) -> tuple[int, str]:
 
     store = loopback_store("127.0.0.1", 0, True, datetime.timedelta(seconds=TIMEOUT_S))
     name = uuid.uuid4().hex[:12]
-    env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-           "GLOO_SOCKET_IFNAME": loopback_interface()}
+    env = src_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
+                  GLOO_SOCKET_IFNAME=loopback_interface())
     with tempfile.TemporaryDirectory() as logs:
         agents = [subprocess.Popen(agents_command(config, run_dir, store.port, name), env=env,
                                    stdout=open(Path(logs) / f"agent{i}.log", "w"),

@@ -1,17 +1,19 @@
-"""bench/common.py, the benches' one toolkit: the arithmetic every bench table rests on (which
-step a group of ranks takes, how repeats combine, in which order rounds run), without
-processes or timing."""
+"""bench/common/, the benches' one toolkit: the arithmetic every bench table rests on (which
+step a group of ranks takes, how repeats combine, in which order rounds run), the command lines
+and JSONL reading of common.cli, without processes or timing."""
 
-import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-spec = importlib.util.spec_from_file_location(
-    "bench_common", Path(__file__).resolve().parent.parent / "bench" / "common.py")
-common = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(common)
+BENCH = str(Path(__file__).resolve().parent.parent / "bench")
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)  # as `python bench/x.py` has it: the benches import `common`
+
+import common  # noqa: E402
+from common import cli  # noqa: E402
 
 
 def test_timed_steps_times_only_the_steps_after_warmup_and_calls_after_on_every_step():
@@ -68,6 +70,29 @@ def test_run_overrides_let_the_users_set_win_typed(monkeypatch):
     assert over["run.dir"] == "/tmp/r" and over["train.eval_every"] == 0
     monkeypatch.setattr(sys, "argv", ["bench/bench_tp.py", "--cases", "tp,torch-tp"])
     assert common.reproduce() == "Reproduce: PYTHONPATH=src python bench/bench_tp.py --cases tp,torch-tp"
+
+
+def test_step_overrides_count_warmup_and_timed_steps_and_let_the_users_set_win():
+    args = type("Args", (), {"preset": "gpt-tiny", "seq": 64, "warmup": 2, "steps": 3,
+                             "set": ["train.micro_batch=4"]})()
+    over = common.step_overrides(args, "/tmp/r", {"train.micro_batch": 2, "parallel.tp": 2})
+    assert (over["train.steps"], over["train.seq_len"], over["model.preset"]) == (5, 64, "gpt-tiny")
+    assert (over["train.micro_batch"], over["parallel.tp"], over["run.dir"]) == (4, 2, "/tmp/r")
+
+
+def test_read_jsonl_skips_torn_lines_and_keeps_the_records_with_the_key(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert cli.read_jsonl(path) == []  # no file yet: a run killed before its first record
+    path.write_text('{"step": 1, "loss": 2.5}\n{"step": 1, "val_loss": 3.0}\n\n{"step": 2, "lo')
+    assert cli.read_jsonl(path, "loss") == [{"step": 1, "loss": 2.5}]
+    assert len(cli.read_jsonl(path)) == 2
+
+
+def test_train_argv_is_the_users_command_line():
+    argv = cli.train_argv({"train.steps": 3}, "--resume", nproc=2, restarts=1)
+    assert argv[1:] == ["-m", "shardlm", "train", "--nproc", "2", "--max-restarts", "1", "--train.steps=3",
+                        "--resume"]
+    assert cli.src_env(X="1")["PYTHONPATH"].split(os.pathsep)[0] == str(cli.REPO / "src")
 
 
 @pytest.mark.parametrize("cores,ranks,threads", [(2, 2, 1), (16, 2, 8), (2, 4, 1)])

@@ -1,5 +1,7 @@
 """The bench toolkit: one way to start ranks, time steps, read memory and ledgers, and print a
 table. Every bench script imports it (`python bench/x.py` puts bench/ on sys.path first).
+Beside this module: common.cli (`shardlm train` as a user runs it, a run's JSONL read back) and
+common.peer (the plain PyTorch loop a user would write, the anchor shardlm is timed against).
 
 A bench script is: bench_parser + add_step_args -> prepare() once in the parent -> for each case a
 `measure(case)` that runs a module-level rank function through start_ranks and returns
@@ -87,6 +89,21 @@ def run_overrides(run_dir: str | Path, sets: list[str] = (), precision: str = "f
             **typed_overrides(dict(kv.split("=", 1) for kv in sets))}
 
 
+def step_overrides(args, run_dir: str | Path, keys: dict) -> dict:
+    """A timed case's config: --preset, --seq, --warmup + --steps steps, then this case's `keys`,
+    then run_overrides (the user's --set wins)."""
+    return {"model.preset": args.preset, "train.seq_len": args.seq, "train.steps": args.warmup + args.steps,
+            **keys, **run_overrides(run_dir, args.set)}
+
+
+def setup_line(cfg, ranks: int, threads: int) -> str:
+    """The report's first words: the machine, the ranks and threads, the model and its size."""
+    from shardlm.models import count_params
+
+    return (f"{machine()}; {ranks} gloo ranks x {threads} thread(s), {cfg.model.preset} "
+            f"({count_params(cfg.model) / 1e6:.1f}M params)")
+
+
 def bench_parser(doc: str, preset: str, seq: int, micro_batch: int | None = None,
                  micro_help: str = "sequences per rank per micro-batch") -> argparse.ArgumentParser:
     """The argument parser every bench starts from: its docstring as --help, --preset, --seq and
@@ -108,33 +125,6 @@ def add_step_args(parser, steps: int, warmup: int, repeat: int | None = None) ->
                             help="rounds over the case list (interleaved; median tokens/s and range)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every case (repeatable), e.g. model.d_model=512")
-
-
-def reference_setup(overrides: dict, dp_rank: int, dp_size: int):
-    """A torch reference side's start, as shardlm's run starts: (the validated config, shardlm's
-    Loader over this data-parallel rank's slice of each global batch, the same model built
-    whole from the same seed)."""
-    from shardlm.config.load import load_config
-    from shardlm.data.loader import Loader, build_dataset
-    from shardlm.models import build_model
-
-    cfg = load_config(overrides=overrides).validate()
-    t = cfg.train
-    torch.manual_seed(t.seed)
-    dataset = build_dataset(cfg.data, cfg.model.vocab_size)
-    loader = Loader(dataset.train, t.seq_len, t.micro_batch, grad_accum=t.grad_accum, seed=t.seed,
-                    dp_rank=dp_rank, dp_size=dp_size)
-    return cfg, loader, build_model(cfg.model, "cpu", seed=t.seed)
-
-
-def mean_loss(loss, world: int) -> float:
-    """A reference step's loss averaged over the ranks for the report, as shardlm's train_step does
-    (one scalar all-reduce on both sides)."""
-    import torch.distributed as dist
-
-    total = loss.detach().reshape(1) / world
-    dist.all_reduce(total)
-    return float(total[0])
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -173,6 +163,17 @@ def train_timed(run, warmup: int, steps: int, after=None) -> dict:
             after(s, seconds, results[-1])
 
     return {**timed_steps(step, warmup, steps, read), "ledgers": ledgers[warmup:]}
+
+
+def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
+    """A rank of a shardlm case: build_run, then train_timed; peak RSS after setup and at the end."""
+    from shardlm.config.load import load_config
+    from shardlm.train.build import build_run
+
+    run = build_run(load_config(overrides=overrides).validate())
+    setup_rss = peak_rss_bytes()
+    return {**train_timed(run, warmup, steps), "setup_rss": setup_rss, "rss": peak_rss_bytes(),
+            "state": sum(run.strategy.model_state_bytes().values())}
 
 
 # -- memory and ledgers ------------------------------------------------------------------------
