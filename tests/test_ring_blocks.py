@@ -129,3 +129,84 @@ def test_a_fused_hop_allocates_no_score_block(masking):
     score_block = T * T * 4  # one head's fp32 scores
     for what, peak in peaks.items():
         assert 0 < peak < score_block, f"{masking} {what}: {peak / 2**20:.1f} MiB"
+
+
+def _cuda_kernels_on_the_cpu(monkeypatch) -> dict:
+    """CUDA's fused path (ring_blocks._fused_forward/_backward's "cuda" branch) run on the CPU:
+    torch's CUDA kernels replaced by the CPU flash kernel behind their CUDA signatures and
+    layouts — efficient attention's log-sum-exp padded to 32 rows with garbage beyond the rows,
+    its bias required (B, h, r, keys) with a 16-aligned row stride, flash's cumulative lengths
+    required None. What the wiring does with them is what CUDA gets; the kernels' own numbers
+    are tests/test_cuda.py's."""
+    aten, calls = torch.ops.aten, {"flash": 0, "efficient": 0}
+    cpu, cpu_backward = aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    def flash(q, k, v, dropout, causal, debug, scale):
+        calls["flash"] += 1
+        out, lse = cpu(q, k, v, dropout, causal, scale=scale)
+        return out, lse, None, None, q.shape[2], k.shape[2], None, None, None
+
+    def flash_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout, causal, seed, offset, scale):
+        assert cum_q is None and cum_k is None and (max_q, max_k) == (q.shape[2], k.shape[2])
+        assert lse.shape == q.shape[:3] and lse.is_contiguous()
+        return cpu_backward(dout, q, k, v, out, lse, dropout, causal, scale=scale)
+
+    def _bias(bias, q, k):
+        if bias is not None:
+            assert bias.shape == (*q.shape[:3], k.shape[2]) and bias.stride(-2) % 16 == 0
+        return bias
+
+    def efficient(q, k, v, bias, with_lse, dropout, causal, scale):
+        calls["efficient"] += 1
+        out, lse = cpu(q, k, v, dropout, causal, attn_mask=_bias(bias, q, k), scale=scale)
+        padded = torch.full((*lse.shape[:2], -(-lse.shape[2] // 32) * 32), 1e4)
+        padded[..., :lse.shape[2]] = lse
+        return out, padded, None, None
+
+    def efficient_backward(dout, q, k, v, bias, out, lse, seed, offset, dropout, wanted, causal, scale):
+        assert lse.shape[-1] % 32 == 0 and lse.shape[-1] - q.shape[2] < 32
+        tq = q.shape[2]
+        grads = cpu_backward(dout, q, k, v, out, lse[..., :tq].contiguous(), dropout, causal,
+                             attn_mask=_bias(bias, q, k), scale=scale)
+        return (*grads, None)
+
+    for name, fake in (("_scaled_dot_product_flash_attention", flash),
+                       ("_scaled_dot_product_flash_attention_backward", flash_backward),
+                       ("_scaled_dot_product_efficient_attention", efficient),
+                       ("_scaled_dot_product_efficient_attention_backward", efficient_backward)):
+        monkeypatch.setattr(aten, name, fake)
+    monkeypatch.setattr(ring_blocks, "_has_cpu_flash", lambda q: False)
+    monkeypatch.setattr(ring_blocks, "_has_cuda_fused", lambda q: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cuda_wiring_on_the_cpu_equals_the_cpu_fused_hop(monkeypatch, dtype):
+    """The CUDA branch's wiring (kernel choice, the bias's alignment and expansion, the
+    log-sum-exp's padding cut off and restored, blind rows) over CPU stand-ins of the kernels
+    = the CPU fused hop, bit for bit: the same CPU kernel on the same tiles' values (the
+    bias padded to 16 keys is a copy of the same values, the padded rows never read). bf16
+    unmasked goes to flash, fp32 and masked hops to efficient attention."""
+    B, H, tq, tk, d = 2, 3, 40, 37, 16  # 37 keys: the bias's rows need padding to 48
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, H, tq, d, generator=g).to(dtype)
+    k, v = (torch.randn(B, H, tk + tq, d, generator=g).to(dtype) for _ in range(2))
+    dout = torch.randn(B, H, tq, d, generator=g).to(dtype)
+    qpos, kpos = torch.arange(tk, tk + tq), torch.arange(tk + tq)
+    docs = _documents(B, tk + tq, seed=8)
+    out, lse = block_forward(q, k, v, False, SCALE, BlockMask(qpos, kpos, 0, docs))
+    cases = [(slice(0, tk), False, BlockMask(qpos, kpos[:tk], 20, docs)), (slice(tk, tk + tq), True, None)]
+    results = {}
+    for path in ("cpu", "cuda"):
+        with monkeypatch.context() as m:
+            calls = _cuda_kernels_on_the_cpu(m) if path == "cuda" else {}
+            results[path] = [(block_forward(q, kk, vv, causal, SCALE, mask),
+                              block_backward(dout, q, kk, vv, out, lse, causal, SCALE, mask))
+                             for keys, causal, mask in cases
+                             for kk, vv in [(k[:, :, keys].contiguous(), v[:, :, keys].contiguous())]]
+    assert calls == {"flash": 1 if dtype == torch.bfloat16 else 0,
+                     "efficient": 1 + (1 if dtype == torch.float32 else 0)}
+    for (cpu_fwd, cpu_bwd), (cuda_fwd, cuda_bwd) in zip(results["cpu"], results["cuda"]):
+        for a, b in zip((*cpu_fwd, *cpu_bwd), (*cuda_fwd, *cuda_bwd)):
+            assert torch.equal(a, b)
