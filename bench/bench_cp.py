@@ -54,21 +54,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
-from collections import defaultdict
-from pathlib import Path
 
 import torch
 
+from common import (MiB, by_group, err, ledger_text, machine, peak_rss_bytes, prepare, reproduce, reset_peak_rss,
+                    run_overrides, start_ranks, table, table_row, train_timed)
 from shardlm.config.load import load_config
-from shardlm.data.loader import build_dataset
-from shardlm.launch.runtime import cpu_cores
 from shardlm.models import count_params
-from shardlm.launch.spawn import run_ranks
-from shardlm.train.telemetry import peak_flops, peak_rss_bytes, reset_peak_rss
 
-MiB = 2**20
 # (name, ranks, overrides)
 CASES = [("1 rank", 1, {}),
          ("cp=2 ZeRO-0", 2, {"parallel.cp": 2}),
@@ -89,9 +83,7 @@ def overrides_for(args, case: dict, run_dir: str, seq: int = 0, mask: str = "") 
         layers["model.n_heads"] = args.heads
     return {"model.preset": args.preset, "model.max_seq_len": seq, "train.seq_len": seq, **layers,
             "train.micro_batch": args.batch, "train.steps": max(1, args.warmup + args.steps),
-            "precision.compute": "fp32", "run.device": "cpu", "run.dir": run_dir,
-            "run.progress": "off", "train.eval_every": 0, "train.sample_tokens": 0,
-            "data.document_mask": mask, **case}
+            **run_overrides(run_dir), "data.document_mask": mask, **case}
 
 
 def saved_activation_bytes(run) -> int:
@@ -122,24 +114,17 @@ def documents_per_row(run) -> float:
 
 
 def measure(run, warmup: int, steps: int) -> dict:
+    """The activation ledger's forward + backward, then train_timed (with no timed step, the
+    ledger's seconds stand as the step's)."""
     import time
-
-    from shardlm.train.step import train_step
 
     setup_rss = peak_rss_bytes()
     start = time.perf_counter()
     activations = saved_activation_bytes(run)
     ledger_s = time.perf_counter() - start
-    losses, seconds, ledgers = [], [], []
-    for step in range(warmup + steps):
-        run.strategy.ledger.reset()
-        start = time.perf_counter()
-        losses.append(train_step(run, step)[0])
-        if step >= warmup:
-            seconds.append(time.perf_counter() - start)
-            ledgers.append(run.strategy.ledger.snapshot())
-    return {"losses": losses, "seconds": seconds or [ledger_s], "setup_rss": setup_rss, "rss": peak_rss_bytes(),
-            "activations": activations, "ledger": ledgers[-1] if ledgers else {},
+    out = train_timed(run, warmup, steps)
+    return {"losses": out["losses"], "seconds": out["seconds"] or [ledger_s], "setup_rss": setup_rss,
+            "rss": peak_rss_bytes(), "activations": activations, "ledger": (out["ledgers"] or [{}])[-1],
             "documents": documents_per_row(run), "load": os.getloadavg()[0]}
 
 
@@ -168,13 +153,6 @@ def rank_sweep(rank: int, world: int, overrides: list[dict], warmup: int, steps:
         results.append({**measure(run, warmup, steps), "fresh_peak": fresh})
         del run
     return results
-
-
-def by_group(ledger: dict[str, int]) -> dict[str, int]:
-    groups: dict[str, int] = defaultdict(int)
-    for key, nbytes in ledger.items():
-        groups[key.split("/", 1)[1]] += nbytes
-    return dict(groups)
 
 
 SWEEP_CASES = "one,cp,ulysses,ring4,ulysses4,hybrid4"
@@ -227,8 +205,7 @@ def sweep(args, cases: list, masks: list[str]) -> None:
             for over in overs:
                 load_config(overrides=over).validate()
         for name, world, overs in plan:
-            ranks = run_ranks(rank_sweep, world, Path(tempfile.mkdtemp(dir=tmp)), overs, args.warmup,
-                              args.steps, timeout=14400)
+            ranks = start_ranks(rank_sweep, world, tmp, overs, args.warmup, args.steps, timeout=14400)
             for i, over in enumerate(overs):
                 rows.append(sweep_row(name, world, over, [r[i] for r in ranks], args.batch))
                 print(" | ".join(map(str, rows[-1])), flush=True)
@@ -236,9 +213,7 @@ def sweep(args, cases: list, masks: list[str]) -> None:
                 print("(no VmHWM reset on this kernel: each peak is the highest so far)")
     print(f"\nsizes run: {', '.join(f'{n:,}' for n in seqs)} tokens; cases: {', '.join(c[0] for c in cases)}; "
           f"document masks: {', '.join(masks)}; load average at the end {os.getloadavg()[0]:.1f}")
-    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    for row in rows:
-        print("| " + " | ".join(map(str, row)) + " |")
+    print("\n" + table(header, rows))
 
 
 def parse_args() -> argparse.Namespace:
@@ -274,33 +249,25 @@ def main() -> None:
     masks = ["off", "on"] if args.doc_mask == "both" else [args.doc_mask]
     if args.sweep and not {c[0] for c in cases} <= MODE.keys():
         raise SystemExit(f"--sweep runs the cases {SWEEP_CASES} (ZeRO-3 and tp change more than the cp mode)")
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited by the ranks
     cfg = load_config(overrides=overrides_for(args, {}, "")).validate()
-    build_dataset(cfg.data, cfg.model.vocab_size)  # tokenizer + token stream built once, here
-    torch.set_num_threads(max(1, cpu_cores() // 2))
-    peak_flops(torch.device("cpu"), "fp32")  # the probe runs here, not inside a rank
-    from shardlm.planner.search import predict_local
+    prepare(cfg, 2)
     from shardlm.planner.cp_modes import cp_mode_bytes
-
-    def err(predicted: float, measured: float) -> str:
-        return f"{predicted:,.0f} ({(predicted - measured) / measured:+.0%})"
+    from shardlm.planner.search import predict_local
 
     m = cfg.model
-    print(f"torch {torch.__version__}, {args.preset} ({count_params(m) / 1e6:.1f}M params: {m.n_layers} layers, "
+    print(f"{machine()}; {args.preset} ({count_params(m) / 1e6:.1f}M params: {m.n_layers} layers, "
           f"{m.n_heads} heads, d_model {m.d_model}, vocab {m.vocab_size}), fp32, "
           f"{args.batch} x {args.sweep or args.seq} tokens per step, {args.warmup} warm-up + {args.steps} timed "
           f"steps{' (the activation ledger forward + backward first)' if args.sweep else ''}"
           f"{' (tok/s: of the ledger forward + backward)' if not args.steps else ''}, "
-          f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}, load average "
-          f"{os.getloadavg()[0]:.1f}", flush=True)
+          f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}", flush=True)
     if args.sweep:
         return sweep(args, cases, masks)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, world, case in cases:
             over = overrides_for(args, case, tmp)
-            ranks = run_ranks(rank_case, world, Path(tempfile.mkdtemp(dir=tmp)), over, args.warmup,
-                              args.steps, timeout=7200)
+            ranks = start_ranks(rank_case, world, tmp, over, args.warmup, args.steps, timeout=7200)
             results[name] = (ranks, over)
             print(f"{name}: {args.batch * args.seq / max(statistics.median(r['seconds']) for r in ranks):,.0f} "
                   f"tok/s, peak RSS {max(r['rss'] for r in ranks) / MiB:,.0f} MiB", flush=True)
@@ -311,7 +278,7 @@ def main() -> None:
               "planner activation peak MiB (vs saved)", "peak RSS MiB (max rank)", "planner peak MiB (err)",
               "step RSS MiB", f"fits {cap:,.0f} MiB/rank", "ledger MiB/step by group",
               "cp formula MiB/step (ledger / formula)")
-    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    print("\n" + table(header, []))
     one_act = None
     for name, (ranks, over) in results.items():
         step_s = max(statistics.median(r["seconds"]) for r in ranks)
@@ -320,7 +287,6 @@ def main() -> None:
         rss = max(r["rss"] for r in ranks) / MiB
         step_rss = max(r["rss"] - r["setup_rss"] for r in ranks) / MiB
         groups = by_group(ranks[0]["ledger"])
-        ledger = ", ".join(f"{g} {b / MiB:,.2f}" for g, b in sorted(groups.items())) or "0"
         formula = "–"
         cp = over.get("parallel.cp", 1)
         if cp > 1:
@@ -331,11 +297,12 @@ def main() -> None:
             formula = f"{want / MiB:,.2f} ({groups.get('cp', 0) / want:.4f})"
         pred = predict_local(load_config(overrides=over).validate(), len(ranks))
         tok_s = args.batch * args.seq / step_s
-        print(f"| {name} | {tok_s:,.0f} | {err(pred.tokens_per_s, tok_s)} | {ranks[0]['losses'][0]:.4f} | "
-              f"{act:,.0f} ({act / one_act:.2f}) | {err(pred.activation_bytes / MiB, act)} | {rss:,.0f} | "
-              f"{err(pred.peak_process_bytes / MiB, rss)} | {step_rss:,.0f} | "
-              f"{('yes' if rss <= cap else 'no') if cap else '–'} | {ledger} | {formula} |")
-    print(f"\nReproduce: PYTHONPATH=src python bench/bench_cp.py {' '.join(sys.argv[1:])}")
+        print(table_row([name, f"{tok_s:,.0f}", err(pred.tokens_per_s, tok_s), f"{ranks[0]['losses'][0]:.4f}",
+                         f"{act:,.0f} ({act / one_act:.2f})", err(pred.activation_bytes / MiB, act), f"{rss:,.0f}",
+                         err(pred.peak_process_bytes / MiB, rss), f"{step_rss:,.0f}",
+                         ("yes" if rss <= cap else "no") if cap else "–", ledger_text(ranks[0]["ledger"]),
+                         formula]))
+    print(f"\n{reproduce()}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import os
 import platform
 import random
@@ -44,6 +45,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from common import table
 from shardlm.config.load import load_config
 from shardlm.config.rules import refusing_rules
 from shardlm.errors import ConfigError
@@ -145,20 +147,20 @@ class Exclusive(ValueError):
     fp8): one choice, not a pair to compose."""
 
 
-def pair_overrides(a: Feature, b: Feature, work: str | Path = "{work}") -> dict[str, Any]:
-    """The base config with both features on; Exclusive if they set one key differently."""
-    keys, soft, first = dict(BASE), {k for f in (a, b) for k in f.soft}, {}
-    for feature in sorted((a, b), key=lambda f: bool(f.soft), reverse=True):  # soft keys first
+def feature_overrides(features: tuple[Feature, ...], work: str | Path = "{work}") -> dict[str, Any]:
+    """The base config with every feature on; Exclusive if two set one key differently."""
+    keys, soft, first = dict(BASE), {k for f in features for k in f.soft}, {}
+    for feature in sorted(features, key=lambda f: bool(f.soft), reverse=True):  # soft keys first
         for key, value in feature.keys.items():
             value = value.replace("{work}", str(work)) if isinstance(value, str) else value
-            if key in first and first[key] != value:
+            if key in first and first[key][1] != value:
                 if key in LARGEST:
                     value = max(keys[key], value)
                 elif key in soft and key in feature.soft:
                     continue
                 elif key not in soft:
-                    raise Exclusive(f"{a.name} and {b.name} set {key} to different values")
-            keys[key] = first[key] = value
+                    raise Exclusive(f"{first[key][0]} and {feature.name} set {key} to different values")
+            keys[key], first[key] = value, (feature.name, value)
     return keys
 
 
@@ -176,7 +178,7 @@ def pair_name(a: Feature, b: Feature) -> str:
 def validate_pair(a: Feature, b: Feature) -> dict[str, list[str]]:
     """{} if Config.validate() accepts the pair, else the refusing rules and their messages.
     Validation reads no files but the nvme and chat paths' syntax: '{work}' stays a placeholder."""
-    cfg = load_config(overrides=pair_overrides(a, b))
+    cfg = load_config(overrides=feature_overrides((a, b)))
     try:
         cfg.validate()
     except ConfigError as e:
@@ -185,27 +187,36 @@ def validate_pair(a: Feature, b: Feature) -> dict[str, list[str]]:
     return {}
 
 
+def model_axes(overrides: dict[str, Any]) -> int:
+    """tp x cp x pp: the ranks one model replica spans."""
+    return math.prod(int(overrides.get(f"parallel.{axis}", 1)) for axis in ("tp", "cp", "pp"))
+
+
+def validation(a: Feature, b: Feature) -> tuple[str, str]:
+    """('accepted', ''), ('refused', the rules' names) or ('exclusive', why)."""
+    try:
+        rules = validate_pair(a, b)
+    except Exclusive as e:
+        return "exclusive", str(e)
+    return ("refused", " ".join(sorted(rules))) if rules else ("accepted", "")
+
+
 def world_of(overrides: dict[str, Any], features: tuple[Feature, ...]) -> int:
     """Ranks the pair's layout needs: the model axes times the data-parallel ranks."""
-    model_axes = 1
-    for key in ("parallel.tp", "parallel.cp", "parallel.pp"):
-        model_axes *= int(overrides.get(key, 1))
+    axes = model_axes(overrides)
     replicate = int(overrides.get("parallel.dp_replicate", 1))
     shard = int(overrides.get("parallel.dp_shard", -1))
     if shard > 0:
         dp = replicate * shard
     else:
-        dp = 2 * replicate if model_axes == 1 or any(f.needs_dp for f in features) else replicate
-    return model_axes * dp
+        dp = 2 * replicate if axes == 1 or any(f.needs_dp for f in features) else replicate
+    return axes * dp
 
 
 def reference_overrides(overrides: dict[str, Any], world: int) -> dict[str, Any]:
     """One process: the execution keys out, the data-parallel ranks' micro-batches accumulated."""
-    model_axes = 1
-    for key in ("parallel.tp", "parallel.cp", "parallel.pp"):
-        model_axes *= int(overrides.get(key, 1))
     ref = {k: v for k, v in overrides.items() if not k.startswith(EXECUTION)}
-    ref["train.grad_accum"] = int(overrides["train.grad_accum"]) * (world // model_axes)
+    ref["train.grad_accum"] = int(overrides["train.grad_accum"]) * (world // model_axes(overrides))
     ref["parallel.dp_shard"] = 1
     return ref
 
@@ -220,9 +231,8 @@ def train_steps(rank: int, world_size: int, overrides: dict, steps: int, save_af
     import torch
 
     from shardlm.train.build import build_run
-    from shardlm.train.step import train_step
-
     from shardlm.train.checkpointing import save_checkpoint
+    from shardlm.train.step import train_step
 
     torch.manual_seed(0)
     run = build_run(load_config(overrides=overrides).validate())
@@ -259,13 +269,10 @@ def compare(got: dict, ref: dict, tol: float) -> str:
     return ""
 
 
-def write_chat(work: Path) -> None:
-    (work / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CHATS * 16))
-
-
 @dataclasses.dataclass
 class PairRun:
-    """One accepted pair made ready to run: its config, ranks and one-process reference."""
+    """One accepted pair (or any list of features) made ready to run: its config, ranks and
+    one-process reference."""
     name: str
     overrides: dict[str, Any]
     world: int
@@ -274,21 +281,23 @@ class PairRun:
     """The reference's identity: pairs that differ only in execution share one reference run."""
 
 
-def prepare(a: Feature, b: Feature, root: Path) -> PairRun:
-    work = root / pair_name(a, b)
+def prepare(features: tuple[Feature, ...], root: Path, extra: dict | None = None) -> PairRun:
+    """The features' config in a scratch folder of `root`, `extra` keys last (bench/compose_many.py's
+    --set), with its world size and one-process reference."""
+    name = "+".join(f.name for f in features)
+    work = root / name
     work.mkdir(parents=True, exist_ok=True)
-    write_chat(work)
-    overrides = pair_overrides(a, b, work)
-    overrides["run.dir"] = str(work / "runs")
-    overrides["data.cache_dir"] = str(root / "data-cache")
-    overrides["parallel.collective_timeout_s"] = 120.0  # a rank left waiting fails, not hangs
-    world = world_of(overrides, (a, b))
+    (work / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CHATS * 16))
+    overrides = {**feature_overrides(features, work), **(extra or {}), "run.dir": str(work / "runs"),
+                 "data.cache_dir": str(root / "data-cache"),
+                 "parallel.collective_timeout_s": 120.0}  # a rank left waiting fails, not hangs
+    world = world_of(overrides, features)
     reference = reference_overrides(overrides, world)
     reference["run.dir"] = str(root / "reference-runs")
     if overrides.get("parallel.strategy") == "auto":
         reference.update(_planned_batches(overrides, world))
     key = json.dumps({k: v for k, v in reference.items() if k != "data.source"}, sort_keys=True) + str(world)
-    return PairRun(pair_name(a, b), overrides, world, reference, key)
+    return PairRun(name, overrides, world, reference, key)
 
 
 def _planned_batches(overrides: dict[str, Any], world: int) -> dict[str, int]:
@@ -317,7 +326,7 @@ def run_pair(a: Feature, b: Feature, root: Path, references: dict) -> tuple[str,
     """('matched' | 'mismatch' | 'failed', detail) for one accepted pair, in processes of its own."""
     from shardlm.launch.spawn import run_ranks
 
-    pair = prepare(a, b, root)
+    pair = prepare((a, b), root)
     if pair.world > MAX_RANKS:
         return "failed", f"needs {pair.world} ranks (> {MAX_RANKS})"
     try:
@@ -352,7 +361,7 @@ def run_batch(chosen: list[tuple[Feature, Feature]], root: Path, references: dic
     it, run again alone (run_pair): a failure is recorded only from a pair's own processes."""
     from shardlm.launch.spawn import run_ranks
 
-    pairs = {pair_name(a, b): (a, b, prepare(a, b, root)) for a, b in chosen}
+    pairs = {pair_name(a, b): (a, b, prepare((a, b), root)) for a, b in chosen}
     by_world: dict[int, list[PairRun]] = {}
     for a, b, pair in pairs.values():
         if pair.world > MAX_RANKS:
@@ -397,17 +406,10 @@ def _reference(overrides: dict, world: int, root: Path) -> dict:
     from shardlm.launch.spawn import run_ranks
 
     overrides = {**overrides, "run.dir": str(root / "reference-runs")}
-    return run_ranks(_reference_rank, 1, root, overrides, world, timeout=900)[0]
-
-
-def _reference_rank(rank: int, world_size: int, overrides: dict, world: int) -> dict:
-    import torch
-
-    from shardlm.launch.runtime import cpu_cores
-
-    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # init_runtime sets threads from it
-    torch.set_num_threads(max(1, cpu_cores() // world))
-    return train_steps(rank, world_size, overrides, STEPS, SAVE_AFTER)
+    out = run_ranks(_reference_many, 1, root, [("reference", overrides)], world, timeout=900)[0]["reference"]
+    if isinstance(out, str):  # train_many's traceback
+        raise RuntimeError(out)
+    return out
 
 
 def _last_line(e: Exception) -> str:
@@ -437,27 +439,20 @@ def markdown(results: dict[tuple[str, str], tuple[str, str]], ran: bool) -> str:
     """The upper triangle: A = accepted (and, with --run, M = matched one process, X = mismatch,
     F = failed at run time), R<n> = refused by the n-th rule listed below the table."""
     rules = sorted({d for s, d in results.values() if s == "refused"})
-    code = {"accepted": "A", "matched": "M", "mismatch": "X", "failed": "F"}
+    code = {"accepted": "A", "matched": "M", "mismatch": "X", "failed": "F", "exclusive": "—"}
     named = {n for pair in results for n in pair}
     features = [f for f in FEATURES + FRONTIER if f in FEATURES or f.name in named]
-    head = "| | " + " | ".join(f.name for f in features) + " |"
-    lines = [head, "|" + "---|" * (len(features) + 1)]
-    for i, a in enumerate(features):
-        cells = []
-        for j, b in enumerate(features):
-            status, detail = results.get((a.name, b.name), results.get((b.name, a.name), ("", "")))
-            if j <= i or not status:
-                cells.append("")
-            elif status == "exclusive":
-                cells.append("—")
-            elif status == "refused":
-                cells.append(f"R{rules.index(detail) + 1}")
-            else:
-                cells.append(code[status])
-        lines.append(f"| {a.name} | " + " | ".join(cells) + " |")
-    counts = {s: sum(1 for v in results.values() if v[0] == s) for s in ("accepted", "matched", "mismatch", "failed", "refused", "exclusive")}
-    lines += ["", "Refusing rules: " + "; ".join(f"R{i + 1} {r}" for i, r in enumerate(rules)), "",
-              f"{len(results)} pairs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)]
+
+    def cell(a: Feature, b: Feature) -> str:
+        status, detail = results.get((a.name, b.name), results.get((b.name, a.name), ("", "")))
+        return f"R{rules.index(detail) + 1}" if status == "refused" else code.get(status, "")
+
+    rows = [[a.name, *(cell(a, b) if j > i else "" for j, b in enumerate(features))] for i, a in enumerate(features)]
+    counts = {s: sum(1 for v in results.values() if v[0] == s)
+              for s in ("accepted", "matched", "mismatch", "failed", "refused", "exclusive")}
+    lines = [table(["", *(f.name for f in features)], rows), "",
+             "Refusing rules: " + "; ".join(f"R{i + 1} {r}" for i, r in enumerate(rules)), "",
+             f"{len(results)} pairs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)]
     problems = [f"- {a}+{b}: {s}: {d}" for (a, b), (s, d) in results.items() if s in ("mismatch", "failed")]
     return "\n".join(lines + ([""] + problems if problems else []))
 
@@ -471,22 +466,18 @@ def main() -> None:
     parser.add_argument("--frontier", action="store_true",
                         help="the pairs with a FRONTIER feature (fp8_ag, async_tp, zbv, dualpipev, muon) instead")
     parser.add_argument("--json", default="", help="also write the results to this file")
-    parser.add_argument("--batch", action="store_true",
-                        help=f"run the pairs of one world size together, {BATCH} per spawn (faster; a "
-                             f"pair that fails there runs again alone)")
-    parser.add_argument("--results", default="",
-                        help="comma-separated --json files of earlier --run's: their outcomes for the "
-                             "pairs validation accepts now, instead of running them (later files win)")
+    parser.add_argument("--batch", action="store_true", help=f"run the pairs of one world size together, "
+                        f"{BATCH} per spawn (faster; a pair that fails there runs again alone)")
+    parser.add_argument("--results", default="", help="comma-separated --json files of earlier --run's: their "
+                        "outcomes for the pairs validation accepts now, instead of running them (later files win)")
     args = parser.parse_args()
     chosen = choose(args.pairs, args.rotate, args.seed, args.frontier)
-    results: dict[tuple[str, str], tuple[str, str]] = {}
-    for a, b in chosen:
-        try:
-            rules = validate_pair(a, b)
-        except Exclusive as e:
-            results[(a.name, b.name)] = ("exclusive", str(e))
-            continue
-        results[(a.name, b.name)] = ("refused", " ".join(sorted(rules))) if rules else ("accepted", "")
+    results = {(a.name, b.name): validation(a, b) for a, b in chosen}
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps({"+".join(k): v for k, v in results.items()}, indent=1))
+
     accepted = {pair for pair, (status, _) in results.items() if status == "accepted"}
     for path in filter(None, args.results.split(",")):
         for name, (status, detail) in json.loads(Path(path).read_text()).items():
@@ -502,8 +493,7 @@ def main() -> None:
         def report(a: Feature, b: Feature, outcome: tuple[str, str]) -> None:
             results[(a.name, b.name)] = outcome
             print(f"{pair_name(a, b)}: {outcome} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
-            if args.json:
-                Path(args.json).write_text(json.dumps({"+".join(k): v for k, v in results.items()}, indent=1))
+            save()
 
         todo = [(a, b) for a, b in chosen if results[(a.name, b.name)][0] == "accepted"]
         if args.batch:
@@ -513,8 +503,7 @@ def main() -> None:
     print(f"Composition matrix, {time.strftime('%Y-%m-%d')}, {platform.machine()} "
           f"{os.cpu_count()} CPUs; command: python bench/compose.py {' '.join(sys.argv[1:])}\n")
     print(markdown(results, args.run))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"+".join(k): v for k, v in results.items()}, indent=1))
+    save()
 
 
 if __name__ == "__main__":

@@ -19,43 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from compose import (
-    BASE,
-    BY_NAME,
-    MAX_RANKS,
-    SAVE_AFTER,
-    STEPS,
-    TOLERANCE,
-    _planned_batches,
-    _reference,
-    compare,
-    precision_of,
-    reference_overrides,
-    train_steps,
-    world_of,
-    write_chat,
-)
+from compose import BY_NAME, MAX_RANKS, SAVE_AFTER, STEPS, Exclusive, _reference, prepare, train_steps, verdict
 
 from shardlm.config.load import load_config
 from shardlm.launch.spawn import run_ranks
-
-
-def overrides_of(names: list[str], work: Path, extra: dict[str, str]) -> dict:
-    """The base config with every named feature on (ZeRO stages: the largest), then `extra`."""
-    unknown = [n for n in names if n not in BY_NAME]
-    if unknown:
-        raise SystemExit(f"unknown features {unknown}: choose from {', '.join(BY_NAME)}")
-    out = dict(BASE)
-    for name in names:
-        for key, value in BY_NAME[name].keys.items():
-            value = value.replace("{work}", str(work)) if isinstance(value, str) else value
-            out[key] = max(out.get(key, 0), value) if key == "parallel.zero_stage" else value
-    out.update(extra)
-    out["run.dir"], out["data.cache_dir"] = str(work / "runs"), str(work / "data-cache")
-    out["parallel.collective_timeout_s"] = 120.0
-    return out
 
 
 def main() -> None:
@@ -64,29 +31,29 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE, after the features")
     args = parser.parse_args()
     names = [n for n in args.features.split(",") if n]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise SystemExit(f"unknown features {unknown}: choose from {', '.join(BY_NAME)}")
     extra = dict(kv.split("=", 1) for kv in args.set)
     with tempfile.TemporaryDirectory(prefix="compose-many-") as tmp:
-        work = Path(tmp)
-        write_chat(work)
-        overrides = overrides_of(names, work, extra)
-        load_config(overrides=overrides).validate()  # a refused combination stops here, unspawned
-        world = world_of(overrides, tuple(BY_NAME[n] for n in names))
-        if world > MAX_RANKS:
-            raise SystemExit(f"{'+'.join(names)} needs {world} ranks (> {MAX_RANKS})")
+        try:
+            case = prepare(tuple(BY_NAME[n] for n in names), Path(tmp), extra)
+        except Exclusive as e:
+            raise SystemExit(str(e)) from None
+        load_config(overrides=case.overrides).validate()  # a refused combination stops here, unspawned
+        if case.world > MAX_RANKS:
+            raise SystemExit(f"{case.name} needs {case.world} ranks (> {MAX_RANKS})")
         start = time.perf_counter()
-        reference = reference_overrides(overrides, world)
-        if overrides.get("parallel.strategy") == "auto":  # the plan's micro-batches (compose.prepare)
-            reference.update(_planned_batches(overrides, world))
-        reference = _reference(reference, world, work)
-        ranks = run_ranks(train_steps, world, work, overrides, STEPS, SAVE_AFTER, timeout=900)
-        why = compare(ranks[0], reference, TOLERANCE[precision_of(overrides)])
-        if any(r["saved_exactly"] is False for r in ranks):  # checkpoint.async: read back
-            why = f"the asynchronous checkpoint of step {SAVE_AFTER} differs from that step's state"
-    print(json.dumps({"features": names, "set": extra, "ranks": world, "steps": STEPS,
+        reference = _reference(case.reference, case.world, Path(tmp))
+        ranks = run_ranks(train_steps, case.world, Path(tmp), case.overrides, STEPS, SAVE_AFTER, timeout=900)
+        status, why = verdict(case, ranks, reference)
+    print(json.dumps({"features": names, "set": extra, "ranks": case.world, "steps": STEPS,
                       "losses": ranks[0]["losses"], "reference_losses": reference["losses"],
                       "norms": ranks[0]["norms"], "reference_norms": reference["norms"],
-                      "saved_exactly": [r["saved_exactly"] for r in ranks], "verdict": why or "matched", "seconds": round(time.perf_counter() - start)}, indent=1))
-    sys.exit(1 if why else 0)
+                      "saved_exactly": [r["saved_exactly"] for r in ranks],
+                      "verdict": "matched" if status == "matched" else why,
+                      "seconds": round(time.perf_counter() - start)}, indent=1))
+    sys.exit(0 if status == "matched" else 1)
 
 
 if __name__ == "__main__":
