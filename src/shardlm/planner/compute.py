@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from shardlm.config.model import ModelConfig
 from shardlm.hardware.catalog import Cluster, MatmulCurve
+from shardlm.hardware.gpu_calibration import device_curves
 from shardlm.models import flops
 from shardlm.planner.workload import Strategy, Workload, matmul_shapes, shape_of
 
@@ -56,12 +57,14 @@ def compute_rate(w: Workload, s: Strategy, cluster: Cluster) -> tuple[float, str
     model's own matmuls at this run's shapes: each forward product (workload.matmul_shapes, a
     rank's tokens b·s/cp, its tensor-parallel shard) and its two backward products (dX: m x n x
     k, dW: k x m x n), their FLOPs over their summed measured-curve seconds; attention and the
-    element-wise work run at that rate too. Without one (the catalog's GPUs): the device's
+    element-wise work run at that rate too; a catalog GPU has one where `shardlm calibrate
+    --device cuda` timed a GPU of its kind on this machine (hardware/gpu_calibration.py).
+    Without one (the catalog's GPUs otherwise): the device's
     efficiency x h/(h + half_width) of matmul_rate's peak, small matrices filling less of the
     chip (docs/planner.md section 4)."""
     dev, m = cluster.device, w.model
     peak = matmul_rate(w, s, dev.peak)  # fp8 blocks at the device's fp8 peak where it has one
-    curve = dev.curves.get(s.dtypes.compute)
+    curve = device_curves(dev).get(s.dtypes.compute)  # a GPU's: `shardlm calibrate --device cuda`
     if curve is None:
         width = cluster.calibration.half_width
         return (peak * dev.efficiency * m.d_model / (m.d_model + width),

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from shardlm.config.model import ModelConfig
 from shardlm.hardware.catalog import Cluster, interpolate
+from shardlm.hardware.gpu_calibration import device_curves
 from shardlm.models import flops
 from shardlm.planner.traffic import tp_comm_bytes
 from shardlm.planner.workload import DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier, zero_ranks
@@ -203,7 +204,7 @@ def memory_bound_terms(w: Workload, s: Strategy, cluster: Cluster, sp: StagePara
     # The catalog's efficiency is an end-to-end figure (published MFU: element-wise work, launches
     # and all): it already holds this work. Added only where the compute rate is a measured
     # matmul curve, which times nothing else (docs/planner.md section 4a).
-    matmul_only = s.dtypes.compute in dev.curves
+    matmul_only = s.dtypes.compute in device_curves(dev)  # a CPU's, or a calibrated GPU's
     terms = [WorkTerm("element-wise traffic", seconds if matmul_only else 0.0,
                       how if matmul_only else f"inside the catalog's end-to-end efficiency ({how}: "
                       f"{seconds * 1e3:,.1f} ms)")]

@@ -1,0 +1,60 @@
+"""A GPU's matmul curve for the planner: what `shardlm calibrate --device cuda` measured on this
+machine (hardware/probe.py matmul_curve, cached under the name torch gives the GPU, e.g. 'NVIDIA
+H100 80GB HBM3'), read for the catalog device of that GPU (catalog.device_for_gpu_name). The
+time model then prices the compute at the measured curve, as it does a CPU's, instead of the
+catalog's efficiency (planner/compute.py compute_rate, planner/memory_bound.py). Read only:
+nothing is measured here, and no GPU is needed to read it."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from shardlm.hardware.catalog import Device, device_for_gpu_name
+from shardlm.hardware.curves import MatmulCurve, measured_curve
+
+GPU_THREADS = 1
+"""The thread count `shardlm calibrate --device cuda` caches its entries under."""
+
+
+def cached_gpu_curves() -> dict[str, dict[str, list[dict]]]:
+    """Every matmul_curve entry the probe cache holds under a name other than this CPU's, for
+    this torch version at GPU_THREADS: {the GPU's name: {precision: entries}}."""
+    import torch
+
+    from shardlm.hardware import probe
+
+    out: dict[str, dict[str, list[dict]]] = {}
+    this_cpu = probe.cpu_name()
+    for key, value in sorted(probe._table().items()):
+        parts = key.split("|", 5)  # v<version>|<machine>|torch <version>|threads=<n>|<precision>|mm MxKxN
+        if (len(parts) == 6 and parts[0] == f"v{probe._VERSION}" and parts[1] != this_cpu
+                and parts[2] == f"torch {torch.__version__}" and parts[3] == f"threads={GPU_THREADS}"
+                and parts[5].startswith("mm ") and probe._plausible(value)):
+            out.setdefault(parts[1], {}).setdefault(parts[4], []).append(value)
+    return out
+
+
+def device_curves(device: Device) -> dict[str, MatmulCurve]:
+    """The device's measured curves: its own (a CPU's), else for a catalog GPU those calibrated
+    here on a GPU of that catalog entry (of several, the one with the most points), else {}."""
+    if device.curves or device.kind not in ("cuda", "rocm"):
+        return device.curves
+    from shardlm.hardware.probe import _cache_path
+
+    try:
+        stamp = os.stat(_cache_path()).st_mtime_ns
+    except OSError:
+        return {}
+    return _calibrated(device.name, stamp)
+
+
+@functools.lru_cache(maxsize=32)
+def _calibrated(catalog_name: str, stamp: int) -> dict[str, MatmulCurve]:
+    # memoised per cache file version (`stamp`): a search asks thousands of times
+    found = {name: curves for name, curves in cached_gpu_curves().items()
+             if getattr(device_for_gpu_name(name), "name", None) == catalog_name}
+    if not found:
+        return {}
+    name, curves = max(found.items(), key=lambda item: sum(len(points) for points in item[1].values()))
+    return {p: measured_curve(points, f"{p} on {name}") for p, points in curves.items() if points}
