@@ -58,7 +58,7 @@ import torch
 
 from checkpoint_io import MB, OtherCpu, Probe, cpu_seconds, disk_limits, drop_cache, save_phases
 from common import (MiB, bench_parser, peak_rss_bytes, prepare, reproduce, run_overrides, setup_line, start_ranks,
-                    table, table_row)
+                    table, table_row, timed_steps)
 from shardlm.checkpoint.sharded import find_checkpoint
 from shardlm.config.load import load_config
 
@@ -88,20 +88,13 @@ def save_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int,
     import torch.distributed as dist
 
     from shardlm.train.build import build_run
-    from shardlm.train.step import train_step
-
     from shardlm.train.checkpointing import save_checkpoint
+    from shardlm.train.step import train_step
 
     run = build_run(load_config(overrides=overrides).validate())
     probe = Probe()
-    step = 0
-    base = []
-    for i in range(warmup + steps):
-        began = time.monotonic()
-        train_step(run, step)
-        step += 1
-        if i >= warmup:
-            base.append(time.monotonic() - began)
+    base = timed_steps(lambda s: train_step(run, s).loss, warmup, steps)["seconds"]
+    step = warmup + steps
     rss_before = peak_rss_bytes()
 
     run.checkpoints.asynchronous = False

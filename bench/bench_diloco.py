@@ -35,12 +35,11 @@ import statistics
 import tempfile
 
 from common import (add_step_args, bench_parser, by_group, prepare, reproduce, rounds, run_overrides, setup_line,
-                    start_ranks, table, timed_steps)
+                    start_ranks, table, train_timed)
 from shardlm.checkpoint.sharded import CHECKPOINTS
 from shardlm.config.load import load_config
-
-from shardlm.train.checkpointing import save_checkpoint
 from shardlm.train.build import build_run
+from shardlm.train.checkpointing import save_checkpoint
 from shardlm.train.step import evaluate, train_step
 
 WORLD = 2
@@ -58,14 +57,7 @@ def bench_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) 
     """warmup + steps steps from where the run starts (step 0, or --pretrain's checkpoint),
     each timed step's ledger; the final model's validation loss."""
     run = build_run(load_config(overrides=overrides).validate())
-    start, ledgers = run.start_step, []
-
-    def step(i: int) -> float:
-        run.strategy.ledger.reset()
-        return train_step(run, start + i).loss
-
-    out = timed_steps(step, warmup, steps, lambda i, seconds: ledgers.append(run.strategy.ledger.snapshot()))
-    return {**out, "ledgers": ledgers[warmup:], "val_loss": evaluate(run)["val_loss"]}
+    return {**train_timed(run, warmup, steps, first=run.start_step), "val_loss": evaluate(run)["val_loss"]}
 
 
 def pretrain_rank(rank: int, world: int, overrides: dict, steps: int) -> str:

@@ -28,8 +28,6 @@ from pathlib import Path
 from common import machine, reproduce, table
 from common.cli import read_jsonl, src_env, train_argv
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 def launch(root: Path, name: str, args, fault_tolerant: bool, kill: int = 0) -> dict:
     """One `shardlm train --nproc 2` run; its wall time, its output lines with their times."""

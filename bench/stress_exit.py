@@ -30,7 +30,6 @@ from pathlib import Path
 from common import machine, reproduce, table
 from common.cli import src_env, train_argv
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--precision.compute=fp32", "--train.seq_len=64", "--train.micro_batch=8", "--train.steps=3",
         "--train.warmup_steps=1", "--train.eval_every=0", "--train.eval_batches=2",
         "--train.sample_tokens=0", "--data.max_bytes=1000000", "--run.progress=off",
@@ -64,7 +63,6 @@ def agents_command(config: str, run_dir: Path, port: int, name: str) -> list[str
 
 
 def run_agents(config: str, run_dir: Path) -> tuple[int, str]:
-    sys.path.insert(0, str(ROOT / "src"))
     from shardlm.launch.runtime import loopback_store
     from shardlm.launch.local import loopback_interface
 

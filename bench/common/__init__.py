@@ -145,16 +145,17 @@ def timed_steps(step_fn: Callable[[int], float], warmup: int, steps: int, after=
     return {"losses": losses, "seconds": seconds, "cpu": cpu}
 
 
-def train_timed(run, warmup: int, steps: int, after=None) -> dict:
-    """timed_steps over shardlm's train_step, with each timed step's byte ledger (reset before
-    the step, so setup's collectives are not a step's); `after(step, seconds, result)`."""
+def train_timed(run, warmup: int, steps: int, after=None, first: int = 0) -> dict:
+    """timed_steps over shardlm's train_step from step `first` (a resumed run's start), with each
+    timed step's byte ledger (reset before the step, so setup's collectives are not a step's);
+    `after(step, seconds, result)`, the step counted from 0."""
     from shardlm.train.step import train_step
 
     ledgers, results = [], []
 
     def step(s: int) -> float:
         run.strategy.ledger.reset()
-        results.append(train_step(run, s))
+        results.append(train_step(run, first + s))
         return results[-1].loss
 
     def read(s: int, seconds: float) -> None:
