@@ -49,13 +49,20 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "recompute-selective": ("shardlm", {"activation.checkpoint": "selective"}),
     "fp8": ("shardlm", {"precision.compute": "fp8"}),
     "fp8+compile": ("shardlm", {"precision.compute": "fp8", "train.compile": True}),
+    "cp-hop-32k": ("hop", {"kernel": "fused"}),
+    "cp-hop-32k-math": ("hop", {"kernel": "math"}),
 }
 SLOW = {"zero3+cpu-optimizer"}
 """Configurations whose step is seconds (a host AdamW over 1B parameters): fewer timed steps."""
 
 
 TINY = {"model.preset": "llama-tiny", "model.max_seq_len": 64}
-"""--tiny: a seconds-long smoke run of the script itself (with --device cpu, on any machine)."""
+"""--tiny: a seconds-long smoke run of the script itself (with --device cpu, on any machine):
+seq 64, every configuration in one child process, the hop at 512 tokens; FP8 emulated and
+compiled rows listed as not run on a CPU (compiling takes minutes there)."""
+SHAPE_NAME = {False: "llama-1b's shape (vocab 32000)", True: "llama-tiny"}
+HOP = {"tokens": 32768, "heads": 2, "head_dim": 128}
+"""The long-context row's hop (--tiny: 512 tokens)."""
 
 
 def common_overrides(args, work: Path) -> dict:
@@ -153,20 +160,80 @@ def _timed(step, warmup: int, timed: int, cfg) -> dict:
             "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else 0}
 
 
+def _hop(kernel: str, args, timed: int) -> dict:
+    """One context-parallel hop (the diagonal block: cp = 1) forward + backward, fused or math."""
+    import torch
+
+    from shardlm.parallel.context import ring_blocks
+
+    tokens = 512 if args.tiny else HOP["tokens"]
+    heads, d = HOP["heads"], HOP["head_dim"]
+    kernels = ring_blocks._has_cpu_flash, ring_blocks._has_cuda_fused
+    if kernel == "math":  # the portable path every device has
+        ring_blocks._has_cpu_flash = ring_blocks._has_cuda_fused = lambda q: False
+    try:
+        return _time_hop(ring_blocks, args.device, tokens, heads, d, timed, kernel)
+    finally:
+        ring_blocks._has_cpu_flash, ring_blocks._has_cuda_fused = kernels
+
+
+def _time_hop(ring_blocks, device: str, tokens: int, heads: int, d: int, timed: int, kernel: str) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, heads, tokens, d, generator=g).to(device, torch.bfloat16) for _ in range(4))
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step() -> None:
+        out, lse = ring_blocks.block_forward(q, k, v, True, d ** -0.5)
+        ring_blocks.block_backward(dout, q, k, v, out, lse, True, d ** -0.5)
+
+    start = time.perf_counter()
+    step()
+    sync()
+    warm_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(timed):
+        step()
+    sync()
+    seconds = (time.perf_counter() - start) / timed
+    return {"losses": [], "warmup_s": warm_s, "step_s": seconds, "tokens_per_s": tokens / seconds,
+            "flops_per_token": 0, "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
+            "shape": f"{tokens} tokens, {heads} heads of {d}, bf16, causal, {kernel}"}
+
+
 def run_one(name: str, args) -> dict:
     import torch
 
     loop, extra = CONFIGS[name]
+    if args.device == "cpu" and extra.get("train.compile"):
+        return {"name": name, "not_run": "compile is not timed on a CPU (the smoke mode)"}
     work = Path(args.work)
     overrides = {**common_overrides(args, work), **extra, "run.name": name.replace("+", "-")}
+    if args.device == "cpu" and extra.get("precision.compute") == "fp8":
+        overrides["precision.fp8_emulate"] = True  # a CPU has no FP8 matmuls
     timed = max(2, args.timed // 3) if name in SLOW else args.timed
     try:
-        out = (_plain if loop == "plain" else _shardlm)(overrides, args.warmup, timed)
+        if loop == "hop":
+            out = _hop(extra["kernel"], args, max(1, timed // 4))
+        else:
+            out = (_plain if loop == "plain" else _shardlm)(overrides, args.warmup, timed)
     except torch.OutOfMemoryError as e:
         return {"name": name, "error": f"out of memory: {str(e).splitlines()[0]}"}
     out["name"] = name
     out["timed_steps"] = timed
     return out
+
+
+def _caught(name: str, args) -> dict:
+    """run_one, a failure its row's error (the CPU smoke runs every row in one process)."""
+    import traceback
+
+    try:
+        return run_one(name, args)
+    except Exception:  # noqa: BLE001 - reported in the row
+        return {"name": name, "error": traceback.format_exc()[-1500:]}
 
 
 # -- the whole check -----------------------------------------------------------------------------
@@ -191,7 +258,7 @@ def environment() -> dict:
     return env
 
 
-def run_tests(out: Path, timeout: int) -> dict:
+def run_tests(out: Path, timeout: int, where: str = "tests") -> dict:
     """pytest -m cuda over the suite (tests/test_cuda.py and the cuda-marked tests elsewhere):
     counts and each test's outcome."""
     import xml.etree.ElementTree as ET
@@ -199,7 +266,7 @@ def run_tests(out: Path, timeout: int) -> dict:
     xml = out / "cuda-tests.xml"
     # --continue-on-collection-errors: a CPU test module whose optional import is missing on the
     # GPU machine (datasets, ...) must not stop the lane (it did, on an H200).
-    command = [sys.executable, "-m", "pytest", "-m", "cuda", "tests", "-q", "-rA",
+    command = [sys.executable, "-m", "pytest", "-m", "cuda", where, "-q", "-rA",
                "--continue-on-collection-errors",
                "-p", "no:cacheprovider", f"--junitxml={xml}", "-s"]
     start = time.perf_counter()
@@ -235,30 +302,34 @@ def run_bench(args, out: Path, deadline: float) -> tuple[list[dict], float | Non
         torch.cuda.empty_cache()
     except Exception as e:  # noqa: BLE001 - reported, the rest still runs
         print(f"matmul probe failed: {e}", flush=True)
-    for name in names:
+    # one process per configuration on a GPU (an out-of-memory ends that row only); the CPU
+    # smoke mode runs them all in one child (imports and the tokenizer once)
+    groups = [[n] for n in names] if args.device != "cpu" else [names]
+    for group in groups:
         left = deadline - time.monotonic()
         if left < 30:
-            rows.append({"name": name, "error": "not run: the check's time budget was spent"})
+            rows += [{"name": name, "error": "not run: the check's time budget was spent"} for name in group]
             continue
-        result_file = work / f"{name}.json"
-        command = [sys.executable, __file__, "--one", name, "--work", str(work), "--result", str(result_file),
+        result_file = work / f"{group[0]}.json"
+        command = [sys.executable, __file__, "--one", ",".join(group), "--work", str(work), "--result", str(result_file),
                    "--seq", str(args.seq), "--micro-batch", str(args.micro_batch),
                    "--device", args.device, *(["--tiny"] if args.tiny else []),
                    "--warmup", str(args.warmup), "--timed", str(args.timed)]
-        print(f"== {name}", flush=True)
+        print(f"== {', '.join(group)}", flush=True)
+        limit = min(left, args.config_timeout_s * len(group))
         try:
-            proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=min(left, args.config_timeout_s))
+            proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
             tail = (proc.stdout + proc.stderr)[-1500:]
-            row = (json.loads(result_file.read_text()) if result_file.exists()
-                   else {"name": name, "error": f"exit {proc.returncode}: {tail}"})
+            got = (json.loads(result_file.read_text()) if result_file.exists()
+                   else [{"name": name, "error": f"exit {proc.returncode}: {tail}"} for name in group])
         except subprocess.TimeoutExpired:
-            row = {"name": name, "error": f"timed out after {min(left, args.config_timeout_s):.0f} s"}
-        print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
-        rows.append(row)
+            got = [{"name": name, "error": f"timed out after {limit:.0f} s"} for name in group]
+        for row in got:
+            print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+        rows += got
     peak = 989e12  # H100 / H200 SXM dense bf16 (hardware.catalog)
     for row in rows:
-        if "tokens_per_s" in row:
+        if row.get("flops_per_token"):
             achieved = row["tokens_per_s"] * row["flops_per_token"]
             row["mfu"] = achieved / peak
             row["mfu_of_matmul"] = achieved / (matmul * 1e12) if matmul else None
@@ -291,15 +362,17 @@ def markdown(report: dict) -> str:
                      f"(dense bf16 peak) and against that matmul.\n" if matmul else "")
         cells = []
         for row in rows:
-            if "error" in row:
-                cells.append([row["name"], "—", "—", "—", "—", "—", str(row["error"][:200]), "—"])
+            if "error" in row or "not_run" in row:
+                why = f"not run: {row['not_run']}" if "not_run" in row else str(row["error"][:200])
+                cells.append([row["name"], "—", "—", "—", "—", "—", why, "—"])
                 continue
-            losses = ", ".join(f"{x:.4f}" for x in row["losses"][:3])
+            losses = ", ".join(f"{x:.4f}" for x in row["losses"][:3]) or row.get("shape", "")
             of_matmul = f"{row['mfu_of_matmul']:.1%}" if row.get("mfu_of_matmul") else "—"
-            cells.append([row["name"], f"{row['tokens_per_s']:,.0f}", f"{row['step_s']:.3f}", f"{row['mfu']:.1%}",
+            mfu = f"{row['mfu']:.1%}" if row.get("mfu") else "—"
+            cells.append([row["name"], f"{row['tokens_per_s']:,.0f}", f"{row['step_s']:.3f}", mfu,
                           of_matmul, f"{row['peak_device_bytes'] / 2**30:.1f}", losses, f"{row['warmup_s']:.1f}"])
         lines.append(table(("configuration", "tokens/s", "step (s)", "MFU (989)", "MFU (matmul)",
-                            "peak memory (GiB)", "first losses", "warm-up (s)"), cells))
+                            "peak memory (GiB)", "first losses (or the hop)", "warm-up (s)"), cells))
         by = {r["name"]: r for r in rows if "tokens_per_s" in r}
         ratios = [(a, b) for a, b in (("shardlm", "plain"), ("shardlm+compile", "plain+compile"))
                   if a in by and b in by]
@@ -317,9 +390,10 @@ def main() -> int:
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--only", default="", help="comma-separated configurations: " + ", ".join(CONFIGS))
     parser.add_argument("--budget-s", type=float, default=450, help="the whole check's time budget")
-    parser.add_argument("--tests-timeout-s", type=int, default=240)
+    parser.add_argument("--tests-timeout-s", type=int, default=300)
+    parser.add_argument("--tests", default="tests", help="where pytest looks for `cuda` tests (the smoke: tests/test_cuda.py)")
     parser.add_argument("--config-timeout-s", type=float, default=150)
-    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=None, help="2048 (--tiny: 64)")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timed", type=int, default=8)
@@ -329,10 +403,11 @@ def main() -> int:
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.seq = args.seq or (64 if args.tiny else 2048)
     sys.path.insert(0, str(ROOT / "src"))
     if args.one:
-        row = run_one(args.one, args)
-        Path(args.result).write_text(json.dumps(row))
+        rows = [_caught(name, args) for name in args.one.split(",")]
+        Path(args.result).write_text(json.dumps(rows))
         return 0
     if not args.out:
         parser.error("OUT_DIR is required")
@@ -341,12 +416,12 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "environment": environment(),
               "command": "bash bench/gpu_check.sh OUT_DIR",
-              "bench_shape": f"our decoder at llama-1b's shape (vocab 32000), bf16, seq {args.seq}, "
+              "bench_shape": f"our decoder at {SHAPE_NAME[args.tiny]}, bf16, seq {args.seq}, "
                              f"micro-batch {args.micro_batch}, {args.warmup} warm-up + {args.timed} "
                              f"timed steps"}
     print(json.dumps(report["environment"]), flush=True)
     if not args.skip_tests:
-        report["tests"] = run_tests(out, args.tests_timeout_s)
+        report["tests"] = run_tests(out, args.tests_timeout_s, args.tests)
         print(json.dumps(report["tests"], indent=1), flush=True)
         (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     if not args.skip_bench:

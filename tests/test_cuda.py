@@ -285,7 +285,7 @@ BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2^-7 = 7.8e-3 (a unit in the last 
 
 
 @pytest.mark.parametrize("masking", ["causal", "documents", "window"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_fused_cp_hop_equals_the_math_hop_on_the_gpu(monkeypatch, masking, dtype):
     """One rank's two hops (a front block of 256 earlier keys, the causal diagonal of 256) through
     CUDA's fused kernels (flash attention unmasked in bf16; memory-efficient attention with the

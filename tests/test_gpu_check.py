@@ -45,3 +45,41 @@ def test_calibrate_on_a_gpu_feeds_the_planner_s_compute_rate(monkeypatch, tmp_pa
                  "--precision", "bf16"]) == 0
     out = capsys.readouterr().out
     assert "compute rate from calibrated:" in out and f"bf16 on {GPU}" in out, out
+
+
+def test_the_gpu_check_runs_its_whole_lane_in_the_cpu_smoke_mode(tmp_path):
+    """`bash bench/gpu_check.sh OUT --tiny --device cpu` (the CI smoke of the GPU check): exit 0,
+    and gpu_check.json / .md list every `cuda` test of tests/test_cuda.py (skipped here: no
+    CUDA device) and every benchmark row — the training rows and the long-context hop rows
+    timed, the compiled ones listed as not run on a CPU. ~35 s of CPU on 2 cores (one child
+    process for every row; llama-tiny, seq 64, 1 + 1 steps)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", str(out), "--tiny", "--device", "cpu",
+                           "--tests", "tests/test_cuda.py", "--warmup", "1", "--timed", "1",
+                           "--micro-batch", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    markdown = (out / "gpu_check.md").read_text()
+    tree = ast.parse((ROOT / "tests" / "test_cuda.py").read_text())
+    tests = [f.name for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")]
+    cases = report["tests"]["cases"]
+    for name in tests:
+        ran = [case for case in cases if case.split("[")[0] == name]
+        assert ran and all(cases[c] == "skipped: no CUDA device" for c in ran), name
+        assert f"`{name}" in markdown
+    rows = {row["name"]: row for row in report["bench"]}
+    assert list(rows) == list(gpu_check.CONFIGS)
+    for name, (loop, extra) in gpu_check.CONFIGS.items():
+        assert f"| {name} |" in markdown
+        if extra.get("train.compile"):
+            assert "not_run" in rows[name], name
+        else:
+            assert rows[name]["tokens_per_s"] > 0 and "error" not in rows[name], rows[name]
+    assert {"cp-hop-32k", "cp-hop-32k-math", "shardlm+compile"} <= set(rows)
