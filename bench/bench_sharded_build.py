@@ -77,8 +77,9 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from common import GiB, MiB, bench_parser, machine, prepare, reproduce, reset_peak_rss, start_ranks, table  # noqa: E402
-from common.cli import read_jsonl, train_argv  # noqa: E402
+from common import (GiB, MiB, bench_parser, machine, prepare, proc_status, reproduce, reset_peak_rss,  # noqa: E402
+                    start_ranks, table)
+from common.cli import children, rank_of, read_jsonl, train_argv  # noqa: E402
 from shardlm.launch.allocator import DEFAULT_THRESHOLD  # noqa: E402
 
 WORLD = 2
@@ -223,22 +224,16 @@ def worker_peaks(launcher: subprocess.Popen, peaks: dict[int, int], metrics: Pat
     0.1 s poll)."""
     while launcher.poll() is None:
         done = not at_last_step and metrics.exists() and f'"step": {steps},' in metrics.read_text()
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
+        for pid in children(launcher.pid):
+            rank = rank_of(pid)
             try:
-                with open(f"/proc/{pid}/status") as f:
-                    status = dict(line.split(":", 1) for line in f if ":" in line)
-                if int(status["PPid"]) != launcher.pid or "VmHWM" not in status:
-                    continue
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-                rank = int(env[b"RANK"])
-                peaks[rank] = max(peaks.get(rank, 0), int(status["VmHWM"].split()[0]) * 1024)
+                hwm = proc_status("VmHWM", pid)
+            except (OSError, AttributeError):  # gone, or exiting (no memory lines left)
+                continue
+            if rank is not None:  # a worker
+                peaks[rank] = max(peaks.get(rank, 0), hwm)
                 if done:
                     at_last_step[rank] = peaks[rank]
-            except (OSError, KeyError, ValueError):  # gone, or not a worker
-                continue
         time.sleep(0.1)
 
 

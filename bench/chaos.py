@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chaos_cases import CASES, Case, command, losses  # the run's config; the disk and input fault cases
+from common.cli import children, rank_of
 
 VICTIMS = ("rank0", "rank1", "launcher")
 MOMENTS = ("random", "save")
@@ -54,30 +55,6 @@ NOTES_SAY = "did not finish writing"
 the wait for its note ends first, at the same timeout)."""
 BACKEND_TIMEOUT = "Timed out waiting"
 """gloo's own timeout: must never be what ends a frozen rank's peers."""
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
-
-
-def rank_of(pid: int) -> int | None:
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for item in env:
-        if item.startswith(b"RANK="):
-            return int(item[5:])
-    return None
 
 
 def alive(pid: int) -> bool:

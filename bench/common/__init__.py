@@ -179,9 +179,9 @@ def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int
 
 # -- memory and ledgers ------------------------------------------------------------------------
 
-def proc_status(field: str) -> int:
-    """One memory line of /proc/self/status (VmRSS, VmHWM, RssAnon, ...) in bytes (Linux)."""
-    with open("/proc/self/status") as f:
+def proc_status(field: str, pid: int | str = "self") -> int:
+    """One memory line of /proc/<pid>/status (VmRSS, VmHWM, RssAnon, ...) in bytes (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
         return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 

@@ -1,5 +1,6 @@
 """`shardlm` as a user runs it: a command line, the environment that finds this checkout's
-source, and a run's JSONL read back (torn lines skipped: a killed writer can leave half a line)."""
+source, a run's JSONL read back (torn lines skipped: a killed writer can leave half a line) and
+the worker processes a launcher started (Linux /proc)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,28 @@ def read_jsonl(path: str | Path, key: str | None = None) -> list[dict]:
         if key is None or key in record:
             records.append(record)
     return records
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def rank_of(pid: int) -> int | None:
+    """A worker's RANK (from its environment); None for another process or one gone."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
