@@ -33,7 +33,7 @@ import statistics
 import tempfile
 
 from common import (add_step_args, bench_parser, combine, err, ledger_text, prepare, reproduce, rounds, setup_line,
-                    speed_text, start_ranks, step_overrides, summarize, table, timed_steps)
+                    speed_text, start_ranks, step_overrides, summarize, table, train_timed)
 from shardlm.config.load import load_config
 
 from shardlm.train.build import build_run
@@ -48,23 +48,16 @@ def overrides_for(args, case: dict, run_dir: str) -> dict:
 
 
 def async_tp_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
-    """train_timed with each timed step's wait seconds beside its ledger."""
-    from shardlm.train.step import train_step
-
+    """train_timed with each timed step's wait seconds and collective calls beside its ledger."""
     run = build_run(load_config(overrides=overrides).validate())
-    ledger, ledgers, waits = run.strategy.ledger, [], []
+    ledger, calls, waits = run.strategy.ledger, [], []
 
-    def step(s: int) -> float:
-        ledger.reset()
-        return train_step(run, s).loss
-
-    def after(s: int, seconds: float) -> None:
-        ledgers.append((ledger.snapshot(), dict(ledger.calls)))
+    def after(s: int, seconds: float, result) -> None:
+        calls.append(dict(ledger.calls))
         waits.append(ledger.wait_s)
 
-    out = timed_steps(step, warmup, steps, after)
-    return {**out, "ledgers": [led for led, _ in ledgers[warmup:]], "calls": ledgers[-1][1],
-            "wait_s": statistics.median(waits[warmup:])}
+    out = train_timed(run, warmup, steps, after)
+    return {**out, "calls": calls[-1], "wait_s": statistics.median(waits[warmup:])}
 
 
 def measure(args, case: dict, tmp: str, tokens_per_step: int) -> dict:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chaos_cases import CASES, Case, command, losses  # the run's config; the disk and input fault cases
+from common import table, table_row
 from common.cli import children, rank_of
 
 VICTIMS = ("rank0", "rank1", "launcher")
@@ -220,28 +221,24 @@ def run_trial(root: Path, number: int, seed: int, ref: dict[int, float], train_s
     return trial
 
 
-def table(trials: list[Trial]) -> str:
-    head = (f"{'trial':>5}  {'victim':8}  {'signal':7}  {'moment':6}  {'killed at step':>14}  "
-            f"{'workers gone':12}  {'resumed by':26}  {'recovery s':>10}  {'exit':>4}  "
-            f"{'steps equal':>11}  {'s':>5}  verdict")
-    rows = [head, "-" * len(head)]
-    for t in trials:
-        gone = "-" if t.workers_gone is None else ("yes" if t.workers_gone else "NO")
-        verdict = (f"no kill: {t.note}" if not t.killed else
-                   f"survived {t.note}".strip() if t.survived else f"FAILED {t.note}".strip())
-        if t.watchdog_named is False:
-            verdict += " (neither the watchdog nor the save named the stalled rank)"
-        if t.mismatches:
-            verdict += f" (steps {t.mismatches[:5]} differ)"
-        if t.missing:
-            verdict += f"; steps {t.missing[:5]} not logged"
-        recovery = "-" if t.recovery_s is None else f"{t.recovery_s:.1f}"
-        rows.append(f"{t.number:>5}  {t.victim:8}  {t.signal:7}  {t.moment:6}  "
-                    f"{'-' if t.killed_at_step is None else t.killed_at_step:>14}  {gone:12}  "
-                    f"{t.resumed_by or '-':26}  {recovery:>10}  "
-                    f"{t.exit_code if t.exit_code is not None else '-':>4}  "
-                    f"{t.steps_checked - len(t.mismatches):>11}  {t.seconds:5.0f}  {verdict}")
-    return "\n".join(rows)
+HEADER = ("trial", "victim", "signal", "moment", "killed at step", "workers gone", "resumed by", "recovery s",
+          "exit", "steps equal", "s", "verdict")
+
+
+def trial_row(t: Trial) -> list:
+    gone = "-" if t.workers_gone is None else ("yes" if t.workers_gone else "NO")
+    verdict = (f"no kill: {t.note}" if not t.killed else
+               f"survived {t.note}".strip() if t.survived else f"FAILED {t.note}".strip())
+    if t.watchdog_named is False:
+        verdict += " (neither the watchdog nor the save named the stalled rank)"
+    if t.mismatches:
+        verdict += f" (steps {t.mismatches[:5]} differ)"
+    if t.missing:
+        verdict += f"; steps {t.missing[:5]} not logged"
+    return [t.number, t.victim, t.signal, t.moment, "-" if t.killed_at_step is None else t.killed_at_step, gone,
+            t.resumed_by or "-", "-" if t.recovery_s is None else f"{t.recovery_s:.1f}",
+            "-" if t.exit_code is None else t.exit_code, t.steps_checked - len(t.mismatches), f"{t.seconds:.0f}",
+            verdict]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,9 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         t = run_trial(root, n, args.seed, ref, train_s, args.steps, args.every, args.stop_fraction,
                       *([f"--parallel.collective_timeout_s={args.timeout:g}"] if args.timeout else []))
         trials.append(t)
-        print(table([t]).splitlines()[-1], flush=True)
+        print(table_row(trial_row(t)), flush=True)
     print()
-    print(table(trials))
+    print(table(HEADER, [trial_row(t) for t in trials]))
     killed = [t for t in trials if t.killed]
     survived = sum(t.survived for t in killed)
     mismatched = sum(bool(t.mismatches) for t in killed)
