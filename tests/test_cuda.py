@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import tiny_overrides
-from shardlm.train import loop as trainer
+from shardlm.train import build as run_build
 from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.launch.runtime import Runtime, pick_device
@@ -78,7 +78,7 @@ def one_rank_nccl(tmp_path, monkeypatch):
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'group'}", rank=0,
                             world_size=1, device_id=device)
     world = dist.group.WORLD
-    monkeypatch.setattr(trainer, "build_mesh",
+    monkeypatch.setattr(run_build, "build_mesh",
                         lambda dims, device, rank: Mesh(dims, 0, None, world, None, dp_group=world))
     try:
         yield Runtime(0, 1, 0, 1, device, "nccl")
@@ -369,3 +369,109 @@ def test_fused_cp_hop_at_32k_tokens_holds_no_score_block(monkeypatch, masking):
     assert _rel_err(out[:, :, rows], m_out) <= 2 * BF16_EPS + fp32
     torch.testing.assert_close(lse[:, :, rows], m_lse, rtol=fp32, atol=fp32 * 10)
     assert _rel_err(dq[:, :, rows], m_dq) <= 4 * BF16_EPS + fp32
+
+
+# -- one-GPU paths of what came after the H200 check of 2026-11-26 ----------------------------
+
+
+def test_muon_on_the_gpu_tracks_the_cpu_fp32_reference(tmp_path):
+    """train.optimizer = 'muon' (Newton-Schulz on the hidden matrices, AdamW on the rest) at fp32
+    on the GPU = on the CPU up to summation order (TF32 off). The losses as the AdamW test's
+    (1e-5); the parameters within 1e-4: each Newton-Schulz step (5 of them, coefficients |a| +
+    |b| + |c| = 10.3) can grow the input's relative rounding ~10x over a width-64 reduction
+    (64 x 1.2e-7), 5 x 10.3 x 7.7e-6 = 4e-4 of an update, and an update is lr (1e-3 order) of
+    a weight: 3 steps stay under 1e-5 of the weights; 1e-4 leaves the forward's differences room."""
+    steps = 3
+    muon = {"train.optimizer": "muon"}
+    cpu = _case(_overrides(tmp_path / "cpu", **{**muon, "run.device": "cpu"}), steps)
+    gpu = _case(_overrides(tmp_path / "gpu", **muon), steps)
+    print("muon losses cpu", cpu["losses"], "gpu", gpu["losses"], "params", _rel(gpu["params"], cpu["params"]))
+    assert gpu["losses"] == pytest.approx(cpu["losses"], rel=1e-5)
+    assert _rel(gpu["params"], cpu["params"]) <= 1e-4
+
+
+def test_fp8_all_gather_over_a_one_rank_nccl_group(tmp_path, one_rank_nccl):
+    """precision.fp8_all_gather: ZeRO-3 gathers the FP8 linears' weights in E4M3 through NCCL =
+    the same run without it, bit for bit (the CPU's argument, tests/test_fp8_all_gather.py:
+    tensorwise rounding is element by element at the whole weight's amax; AdamW's CUDA kernel is
+    element-wise too; clipping off). It takes our emulated FP8 matmul (precision.fp8_emulate);
+    with torchao's real FP8 GEMMs (fp8_emulate off) the gather is FSDP2's, not our engine's, and
+    the option is refused by name: checked here where torchao is installed."""
+    from shardlm.errors import ConfigError
+
+    steps = 3
+    base = _overrides(tmp_path, **{"parallel.zero_stage": 3, "precision.compute": "fp8",
+                                   "precision.fp8_emulate": True, "train.grad_clip": 0.0})
+    plain = _case({**base, "run.dir": str(tmp_path / "plain")}, steps, one_rank_nccl)
+    gathered = _case({**base, "precision.fp8_all_gather": True, "run.dir": str(tmp_path / "fp8")},
+                     steps, one_rank_nccl)
+    assert gathered["run"].strategy.shard_comm.backend == "nccl"
+    _bitwise(gathered, plain, "fp8 all-gather vs bf16 all-gather")
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        return  # the refusal below is the torchao path's; docs/gpu.md carries the wheel
+    with pytest.raises(ConfigError, match="fp8_emulate"):
+        load_config(overrides={**base, "precision.fp8_emulate": False, "precision.fp8_all_gather": True}).validate()
+
+
+def test_async_tp_pieces_equal_the_plain_linears_on_the_gpu(one_rank_nccl):
+    """parallel.async_tp's decomposed column (all-gather -> matmul) and row (matmul ->
+    reduce-scatter) linears, cut into 4 pieces over a one-rank NCCL group (each piece's
+    collective through NCCL, a copy), = F.linear on the GPU: outputs and the gradients of
+    input, weight and bias, fp32 (TF32 off). cuBLAS may take another kernel for a piece's rows
+    than for all of them, so not bitwise: both sum over the C = 256 features in fp32,
+    C·eps = 3e-5 relative."""
+    import torch.nn.functional as F
+
+    from shardlm.comm.collectives import Comm, CommLedger
+    from shardlm.parallel.tensor.async_tp import all_gather_matmul, matmul_reduce_scatter
+    from shardlm.parallel.tensor.ops import op_group
+
+    ledger = CommLedger()
+    group = op_group(Comm(dist.group.WORLD, "tp", ledger))
+    g = torch.Generator().manual_seed(0)
+    B, t, C, H = 2, 128, 256, 512
+    x = torch.randn(B, t, C, generator=g).cuda()
+    w1, b1, w2 = (torch.randn(*s, generator=g).cuda() * 0.05 for s in ((H, C), (H,), (C, H)))
+    probe = torch.randn(B, t, C, generator=g).cuda()
+    results = {}
+    for mode in ("pieces", "plain"):
+        leaves = [p.clone().requires_grad_() for p in (x, w1, b1, w2)]
+        xx, ww1, bb1, ww2 = leaves
+        if mode == "pieces":
+            hidden = all_gather_matmul(xx, ww1, bb1, group, 4)[0]
+            y = matmul_reduce_scatter(F.gelu(hidden), ww2, None, group, 4)
+        else:
+            y = F.linear(F.gelu(F.linear(xx, ww1, bb1)), ww2)
+        (y * probe).sum().backward()
+        results[mode] = [y.detach(), *(p.grad for p in leaves)]
+    tol = C * torch.finfo(torch.float32).eps
+    for name, a, b in zip(("y", "dx", "dw1", "db1", "dw2"), results["pieces"], results["plain"]):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()), msg=name)
+    assert ledger.calls["all_gather/tp"] >= 4 and ledger.calls["reduce_scatter/tp"] >= 4
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "gemma2"])
+def test_hf_family_logits_on_the_gpu_equal_transformers_on_the_gpu(tmp_path, name):
+    """A tiny random checkpoint of the family loaded by model.hf_path onto the GPU: our logits =
+    transformers' (the same checkpoint, on the GPU, its default attention) at fp32, TF32 off, within 1e-4 — the
+    CPU test's 1e-5 (tests/test_hf_families.py) with room for the GPU kernels' summation orders
+    over 2 layers of width <= 128."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    from test_hf_families import make_family_dir
+    from test_hf_path import overrides as hf_overrides
+
+    hf_dir, _ = make_family_dir(tmp_path, name)
+    cfg = load_config(overrides=hf_overrides(tmp_path, hf_dir, run__device="cuda")).validate()
+    run = build_run(cfg)
+    x = run.train_loader.micro_batches(0)[0][0].cuda()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).cuda().eval()
+    with torch.no_grad():
+        ours, theirs = run.model.eval()(x), hf(input_ids=x).logits
+    assert ours.is_cuda
+    diff = (ours.float() - theirs.float()).abs().max().item()
+    print(f"{name}: max |logits diff| on the GPU = {diff:.3g}")
+    torch.testing.assert_close(ours.float(), theirs.float(), atol=1e-4, rtol=1e-4)
