@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import machine, reproduce, table
+from common import machine, plot, reproduce, table
 from common.cli import read_jsonl, src_env, train_argv
 
 
@@ -95,23 +95,14 @@ def main() -> None:
     print(f"final loss gap (killed - fault-free): {losses['killed'][-1] - losses['fault-free'][-1]:+.4f}")
     print(f"quorums: {quorums}")
     if args.plot:
-        import matplotlib
+        def draw(ax) -> None:
+            for name, style in (("ordinary", ":"), ("fault-free", "-"), ("killed", "--")):
+                ax.plot(range(1, len(losses[name]) + 1), losses[name], style, label=name)
+            if alone:
+                ax.axvspan(alone[0] - 0.5, alone[-1] + 0.5, alpha=0.15, label="replica 0 alone")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name, style in (("ordinary", ":"), ("fault-free", "-"), ("killed", "--")):
-            ax.plot(range(1, len(losses[name]) + 1), losses[name], style, label=name)
-        if alone:
-            ax.axvspan(alone[0] - 0.5, alone[-1] + 0.5, alpha=0.15, label="replica 0 alone")
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss (replica 0's log)")
-        ax.set_title(f"{args.preset}, 2 replicas, replica 1 killed after step {args.kill}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"plot: {args.plot}")
+        plot(args.plot, f"{args.preset}, 2 replicas, replica 1 killed after step {args.kill}", "step",
+             "training loss (replica 0's log)", draw)
     print(machine())
     print(reproduce())
 

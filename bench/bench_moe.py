@@ -33,12 +33,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-from pathlib import Path
 
 import torch
 
-from common import (MiB, machine, peak_rss_bytes, prepare, reproduce, run_overrides, start_ranks, summarize, table,
-                    table_row, train_timed)
+from common import (MiB, machine, peak_rss_bytes, plot, prepare, reproduce, run_overrides, start_ranks, summarize,
+                    table, table_row, train_timed)
 from common.cli import read_jsonl
 from shardlm.config.load import load_config
 from shardlm.models import count_params
@@ -133,23 +132,13 @@ def part_two(args, tmp: str) -> None:
               f"{statistics.mean(x[1] for x in tail):.2f}, max {max(x[1] for x in curves[balance]):.2f}; "
               f"loss {curves[balance][0][2]:.3f} -> {statistics.mean(x[2] for x in tail):.3f}", flush=True)
     if args.plot:
-        import matplotlib
+        def draw(ax) -> None:
+            for balance, curve in curves.items():
+                ax.plot([c[0] for c in curve], [c[1] for c in curve], label=f"balance = {balance}")
+            ax.axhline(1.0, color="grey", lw=0.5)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for balance, curve in curves.items():
-            ax.plot([c[0] for c in curve], [c[1] for c in curve], label=f"balance = {balance}")
-        ax.set_xlabel("step")
-        ax.set_ylabel("imbalance: busiest expert / mean (worst block)")
-        ax.set_title("moe-tiny, 8 experts, top 2: load balance over a run")
-        ax.axhline(1.0, color="grey", lw=0.5)
-        ax.legend()
-        fig.tight_layout()
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.plot, dpi=100)
-        print(f"plot: {args.plot}")
+        plot(args.plot, "moe-tiny, 8 experts, top 2: load balance over a run", "step",
+             "imbalance: busiest expert / mean (worst block)", draw, dpi=100)
 
 
 def main() -> None:

@@ -292,6 +292,26 @@ def table(header: tuple | list, rows: list) -> str:
     return "\n".join([table_row(header), "|" + "---|" * len(header), *map(table_row, rows)])
 
 
+def plot(path: str | Path, title: str, xlabel: str, ylabel: str, draw: Callable, dpi: int = 120) -> None:
+    """A PNG at `path` (matplotlib, no display): `draw(ax)` plots the lines, then the labels,
+    the title and the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    draw(ax)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    print(f"plot: {path}")
+
+
 def reproduce() -> str:
     """The exact command that ran this bench (from the repository root)."""
     return f"Reproduce: PYTHONPATH=src python {shlex.join(sys.argv)}"
