@@ -250,7 +250,8 @@ def test_planner_bubble_and_memory_of_the_v_schedules(tmp_path):
     ZB-V P micro-batches of a rank's blocks (1F1B's first stage), DualPipeV P + 1/2. A user's
     table is planned the same way (1F1B's, written to a CSV: 1F1B's bubble and memory)."""
     from shardlm.config.dims import ParallelDims
-    from shardlm.planner.workload import Strategy, pp_bubble, pp_in_flight
+    from shardlm.planner.pipeline import pp_bubble, pp_in_flight
+    from shardlm.planner.workload import Strategy
 
     for p, m in [(2, 4), (4, 8), (4, 16)]:
         for name in ("zbv", "dualpipev"):

@@ -225,7 +225,7 @@ def test_pipeline_timing_counts_the_ledgers_bytes_and_exposes_the_reduction():
 @pytest.mark.parametrize("model", ["gpt2-350m", "llama-1b"])
 def test_gpipe_holds_every_micro_batch_and_1f1b_peaks_on_the_first_stage(model):
     from shardlm.planner.memory import stage_memories
-    from shardlm.planner.workload import pp_in_flight
+    from shardlm.planner.pipeline import pp_in_flight
 
     w = Workload(preset_model(model), 1024, 32)
     one_f = Strategy(ParallelDims(1, 2, pp=4), 1, 1, 16, dtypes=Dtypes("bf16"))  # M = 16 > P = 4
@@ -252,8 +252,8 @@ def test_interleaved_and_zero_bubble_follow_the_runtimes_orders():
     from types import SimpleNamespace
 
     from shardlm.parallel.pipeline.schedules import _list_schedule
-    from shardlm.parallel.pipeline.stages import OneFOneB
-    from shardlm.planner.workload import interleaved_peak, pp_bubble
+    from shardlm.parallel.pipeline.executor import OneFOneB
+    from shardlm.planner.pipeline import interleaved_peak, pp_bubble
 
     for p, v, m in [(2, 2, 4), (4, 2, 8), (4, 3, 4), (3, 2, 6)]:
         split = [(i * 7) % 3 + 1 for i in range(p * v)]

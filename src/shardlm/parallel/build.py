@@ -49,7 +49,8 @@ from shardlm.parallel.context.attention import CPState, apply_cp
 from shardlm.parallel.data.evaluation import global_target_counts, token_sums
 from shardlm.parallel.expert.dispatch import apply_ep, finish_moe_step, share_over_cp, spread_over_tp
 from shardlm.parallel.expert.balance import ExpertBalancer
-from shardlm.parallel.pipeline.stages import Schedule, Stage, apply_pp, schedule_for
+from shardlm.parallel.pipeline.executor import Schedule, schedule_for
+from shardlm.parallel.pipeline.stages import Stage, apply_pp
 from shardlm.parallel.pipeline.schedules import table_for
 from shardlm.parallel.pipeline.weight_grads import make_deferrable
 from shardlm.models.flops import pipeline_split

@@ -188,7 +188,7 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
                     dt: ActivationDtypes, mode: str, tp: int, sp: bool, with_loss: bool,
                     experts: tuple[int, int, float], cp: int = 1, loss_in_flight: float = 1,
                     offloaded: int = 0, cp_a2a: int = 1) -> Item:
-    """Saved activations of `in_flight` micro-batches (workload.pp_in_flight: 1F1B's first
+    """Saved activations of `in_flight` micro-batches (pipeline.pp_in_flight: 1F1B's first
     stage holds p of them, GPipe's every stage all m) plus the worst transient of backward: the
     loss, or one block's recomputation.
 
@@ -210,25 +210,10 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
     (parallel/blocks/activation.py: block b's backward fetches block b-1's).
     """
     tokens = micro * seq / cp
-    per_layer, text = block_activation(m, dt, mode, tp, sp, experts, seq)
-    full, _ = block_activation(m, dt, "none", tp, sp, experts, seq)
-    if cp > 1:  # the cp modes' own saved tensors ('selective' reruns the ring / all-to-all, 'full' the block)
-        extra, extra_text = cp_saved(m, dt, tp, cp_a2a)
-        full += extra
-        if mode == "none":
-            per_layer, text = per_layer + extra, f"{text} + {extra_text} (context parallel)"
+    per_layer, text, full = _block_saved(m, dt, mode, tp, sp, experts, seq, cp, cp_a2a)
     saved = (layers - offloaded) * in_flight * tokens * per_layer + min(2, offloaded) * tokens * per_layer
     final = _final_saved(m, dt, tp, sp)
-    # A block's backward holds the gradient of its output and, at the MLP, two f-wide
-    # gradients at once (measured: silu/gelu backward), on top of what it recomputes; torch's
-    # decomposed RMSNorm backward holds four fp32 h-vectors (worst at the final norm).
-    working = dt.compute * (m.d_model + 2 * visited_width(m, experts) / tp)
-    if m.attention == "math":  # its backward holds the s x s gradients of the probabilities and
-        # of the scores at once, per head, after the MLP's have gone: the larger of the two (measured)
-        working = max(working, dt.compute * (m.d_model + 2 * m.n_heads * seq / tp))
-    if m.norm == "rmsnorm":
-        working = max(working, 16 * m.d_model)
-    recompute = tokens * (full - per_layer + working)
+    recompute = tokens * (full - per_layer + _backward_working(m, dt, experts, tp, seq))
     if m.norm == "rmsnorm" and with_loss:  # the final norm's backward, its inputs still saved
         recompute = max(recompute, tokens * (final + 16 * m.d_model))
     loss = tokens * (final + 12 * m.vocab_size / tp) if with_loss else 0.0
@@ -268,3 +253,33 @@ def activation_peak(m: ModelConfig, seq: int, micro: int, layers: int, in_flight
     phases = {"loss": saved + waiting + loss + ids, "blocks": saved + waiting + recompute + ring + ids}
     return Item("activations", max(phases.values()), f"{mode} recompute; " + (
         "fused attention (no s² term)" if fused else "math attention (s² probabilities kept)"), parts, phases)
+
+
+def _block_saved(m: ModelConfig, dt: ActivationDtypes, mode: str, tp: int, sp: bool,
+                 experts: tuple[int, int, float], seq: int, cp: int, cp_a2a: int) -> tuple[float, str, float]:
+    """(bytes a block saves per local token under `mode`, how, what it saves with no
+    recomputation): with cp > 1 the cp modes' own saved tensors join the latter, and the former
+    when nothing is recomputed ('selective' reruns the ring / all-to-all, 'full' the block)."""
+    per_layer, text = block_activation(m, dt, mode, tp, sp, experts, seq)
+    full, _ = block_activation(m, dt, "none", tp, sp, experts, seq)
+    if cp > 1:
+        extra, extra_text = cp_saved(m, dt, tp, cp_a2a)
+        full += extra
+        if mode == "none":
+            per_layer, text = per_layer + extra, f"{text} + {extra_text} (context parallel)"
+    return per_layer, text, full
+
+
+def _backward_working(m: ModelConfig, dt: ActivationDtypes, experts: tuple[int, int, float], tp: int,
+                      seq: int) -> float:
+    """Bytes per token a block's backward holds besides what it recomputes. It holds the
+    gradient of its output and, at the MLP, two f-wide gradients at once (measured: silu/gelu
+    backward); torch's decomposed RMSNorm backward holds four fp32 h-vectors (worst at the final
+    norm)."""
+    working = dt.compute * (m.d_model + 2 * visited_width(m, experts) / tp)
+    if m.attention == "math":  # its backward holds the s x s gradients of the probabilities and
+        # of the scores at once, per head, after the MLP's have gone: the larger of the two (measured)
+        working = max(working, dt.compute * (m.d_model + 2 * m.n_heads * seq / tp))
+    if m.norm == "rmsnorm":
+        working = max(working, 16 * m.d_model)
+    return working

@@ -20,9 +20,10 @@ from shardlm.planner.activations import (activation_dtypes, activation_peak,
 from shardlm.planner.cp_modes import a2a_degree
 from shardlm.planner.muon import local_saving as muon_local_saving, momentum_item as muon_momentum_item
 from shardlm.planner.traffic import fp8_gathered_elements
+from shardlm.planner.pipeline import pp_hidden_bytes, pp_in_flight, pp_sends
 from shardlm.planner.workload import (DTYPE_BYTES, PHASES, Item, StageParams, Strategy, Workload,
-                                      effective_tier, offloaded_blocks, pipeline_layers, pp_hidden_bytes,
-                                      pp_in_flight, pp_sends, stage_params, validate, zero_ranks)
+                                      effective_tier, offloaded_blocks, pipeline_layers, stage_params,
+                                      validate, zero_ranks)
 from shardlm.parallel.data.zero.partition import model_state_bytes
 
 FRAGMENTATION = 0.10
@@ -283,38 +284,15 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
     if s.local:  # param.grad of everything by the end, fp32
         items[1].phases = {"blocks": 4 * sp.root_unit, "embedding": states["grads"],
                            "root": states["grads"]}
-    held = sum(i.bytes for i in parts if not i.phases)
-    phase = dict.fromkeys(PHASES, 0.0)  # each phase's transients, summed over parts in order
-    for i in parts:
-        for p, value in i.phases.items():
-            if p in phase:
-                phase[p] += value
-    worst = max(phase, key=phase.get)
+    held, phase, worst = _phases(parts)
     frag = FRAGMENTATION * phase[worst]
     items.append(Item("fragmentation allowance", frag, f"{FRAGMENTATION:.0%} x the worst phase's "
                       f"transients ({PHASES[worst]})"))
     train_peak = held + phase[worst] + frag
-    grad_copy = 0.0
-    if not s.local and states["opt_tier"] == "none" and states["g"] != DTYPE_BYTES[s.dtypes.master]:
-        shard = (sp.dense + sp.experts) / (states["n"] if s.zero_stage else 1)
-        grad_copy = DTYPE_BYTES[s.dtypes.master] * shard
-    if states["param_tier"] == "nvme":  # the step reads every shard back (materialize_all)
-        grad_copy += states["params"]
-    if cluster.device.kind == "cpu" and s.zero_stage in (1, 2):  # gloo all-gather's copy
-        grad_copy += states["p"] * max(sp.root_unit, sp.block_unit)
+    grad_copy = _step_grad_copy(s, states, cluster, sp)
     step_peak = sum(i.bytes for i in items[:3]) + grad_copy + calib.runtime_reserve
-    # The sharded build (parallel/data/zero/engine.py ZeroEngine.__init__), in its order: unit by unit its
-    # parameters, gradient buffer and master join what is held, while the unit's transients
-    # live — one parameter's freshly drawn fp32 values (<= the unit), the fp32 initial values
-    # unless they are the compute-dtype flat parameter itself (fp32 compute), and at stage 3
-    # the unit in full beside its shard; Adam's moments are allocated after the last unit.
-    unit = max(sp.root_unit, sp.block_unit)
-    p = states["p"]
-    transient = (4 + (4 if p != 4 else 0) + (p if s.zero_stage == 3 else 0)) * unit
-    moments = 0.0 if states["opt_tier"] != "none" else (
-        2 * DTYPE_BYTES[s.dtypes.master] * (sp.dense + sp.experts) / (states["n"] if s.zero_stage else 1))
     setup_peak = 0.0 if s.local else (sum(i.bytes for i in items[:3]) + calib.runtime_reserve
-                                      + max(0.0, transient - moments))
+                                      + _setup_transient(s, states, sp))
     if host:
         host.append(Item("worker process", HOST_PROCESS_BYTES, "torch + CUDA libraries (assumed)"))
     notes = [f"held throughout {_g(held)} + the worst phase, {PHASES[worst]}, {_g(phase[worst])}"
@@ -330,6 +308,48 @@ def _stage_memory(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -
     return Memory(sp.name, sp.dense + sp.experts, items, train_peak, step_peak, setup_peak,
                   cluster.device.memory, host, sum(i.bytes for i in host) * cluster.per_node,
                   0.9 * cluster.node.host_memory, notes)
+
+
+def _phases(parts: list[Item]) -> tuple[float, dict[str, float], str]:
+    """(what is held throughout, each phase's transients summed over `parts` in order, the worst
+    phase): transients of different phases do not coexist."""
+    held = sum(i.bytes for i in parts if not i.phases)
+    phase = dict.fromkeys(PHASES, 0.0)
+    for i in parts:
+        for p, value in i.phases.items():
+            if p in phase:
+                phase[p] += value
+    return held, phase, max(phase, key=phase.get)
+
+
+def _step_grad_copy(s: Strategy, states: dict, cluster: Cluster, sp: StageParams) -> float:
+    """What the optimizer step holds beyond the training peak's states: the gradient shard cast
+    to the master dtype, nvme parameter shards read back (materialize_all), gloo all-gather's
+    copy of a unit at stages 1-2 on a CPU."""
+    grad_copy = 0.0
+    if not s.local and states["opt_tier"] == "none" and states["g"] != DTYPE_BYTES[s.dtypes.master]:
+        shard = (sp.dense + sp.experts) / (states["n"] if s.zero_stage else 1)
+        grad_copy = DTYPE_BYTES[s.dtypes.master] * shard
+    if states["param_tier"] == "nvme":  # the step reads every shard back (materialize_all)
+        grad_copy += states["params"]
+    if cluster.device.kind == "cpu" and s.zero_stage in (1, 2):  # gloo all-gather's copy
+        grad_copy += states["p"] * max(sp.root_unit, sp.block_unit)
+    return grad_copy
+
+
+def _setup_transient(s: Strategy, states: dict, sp: StageParams) -> float:
+    """The sharded build's transient above the states (parallel/data/zero/engine.py
+    ZeroEngine._build_units), in its order: unit by unit its parameters, gradient buffer and
+    master join what is held, while the unit's transients live — one parameter's freshly drawn
+    fp32 values (<= the unit), the fp32 initial values unless they are the compute-dtype flat
+    parameter itself (fp32 compute), and at stage 3 the unit in full beside its shard; Adam's
+    moments are allocated after the last unit."""
+    unit = max(sp.root_unit, sp.block_unit)
+    p = states["p"]
+    transient = (4 + (4 if p != 4 else 0) + (p if s.zero_stage == 3 else 0)) * unit
+    moments = 0.0 if states["opt_tier"] != "none" else (
+        2 * DTYPE_BYTES[s.dtypes.master] * (sp.dense + sp.experts) / (states["n"] if s.zero_stage else 1))
+    return max(0.0, transient - moments)
 
 
 def offloaded_activations(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams) -> tuple[int, float]:

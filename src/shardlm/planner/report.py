@@ -16,8 +16,9 @@ from shardlm.planner.memory import Item, Memory, stage_memories
 from shardlm.planner.search import Plan, SearchResult
 from shardlm.planner.explain import describe_strategy, explain, step_parts
 from shardlm.planner.timing import Timing
-from shardlm.planner.workload import (Strategy, Workload, describe_dtypes, pipeline_layers,
-                                      pp_in_flight, shape_of, stage_params)
+from shardlm.planner.pipeline import pp_in_flight
+from shardlm.planner.workload import (Strategy, Workload, describe_dtypes, pipeline_layers, shape_of,
+                                      stage_params)
 
 GB = 1e9
 

@@ -27,9 +27,9 @@ from shardlm.planner.memory_bound import (ADAM_BYTES_PER_PARAM, WorkTerm,  # noq
 from shardlm.planner.comms import (CommTerm, CommTime, Windows, dp_comms, hidden,  # noqa: F401 (re-exported)
                                    measured_factor)
 from shardlm.planner.in_situ import in_situ_factor
+from shardlm.planner.pipeline import pp_bubble, pp_hidden_bytes
 from shardlm.planner.workload import (DTYPE_BYTES, StageParams, Strategy, Workload, effective_tier,
-                                      pipeline_layers, pp_bubble, pp_hidden_bytes,
-                                      stage_params, validate, zero_ranks)
+                                      pipeline_layers, stage_params, validate, zero_ranks)
 
 @dataclass
 class Timing:

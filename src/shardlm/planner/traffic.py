@@ -10,7 +10,7 @@ Pure functions; no torch. Notation: workload.py.
 from __future__ import annotations
 
 from shardlm.models import flops
-from shardlm.planner.workload import pp_hidden_bytes, pp_sends
+from shardlm.planner.pipeline import pp_hidden_bytes, pp_sends
 
 
 def tp_comm_bytes(m, tokens: int, tp: int, sequence_parallel: bool, e: int, recompute: str = "none",

@@ -22,7 +22,7 @@ from shardlm.models.moe import MoEStats
 from shardlm.models.precision import Precision
 from shardlm.parallel.build import StepHooks
 from shardlm.parallel.data.engine import DataParallelEngine
-from shardlm.parallel.pipeline.stages import Schedule
+from shardlm.parallel.pipeline.executor import Schedule
 from shardlm.train.tracking import StepTimes
 
 

@@ -23,7 +23,7 @@ from shardlm.models.precision import is_finite
 from shardlm.models.seq2seq import generate_seq2seq
 from shardlm.parallel.build import StepState
 from shardlm.parallel.data.evaluation import metrics_of
-from shardlm.parallel.pipeline.stages import StepIO
+from shardlm.parallel.pipeline.executor import StepIO
 from shardlm.train.run import Run
 from shardlm.parallel.data.zero.optim import lr_at, set_lr
 

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: a table of operations per rank, in the order each rank runs them;
 built for every named schedule (parallel/pipeline/schedules.py), read from a CSV for a user's own (here),
 checked before a run by simulating it (here), and executed by the one executor
-(parallel/pipeline/stages.py Schedule.run).
+(parallel/pipeline/executor.py Schedule.run).
 
 An operation is `<stage><kind><micro-batch>` (torch.distributed.pipelining's notation, as in its
 CSV tables): "3F1" runs global stage 3's forward of micro-batch 1. Kinds: F (forward), B (the
