@@ -12,7 +12,7 @@ The terms (docs/planner.md, "Validation", issue 41):
   their memory-bound work is all pass-scaled);
 - the optimizer's state read cold (memory_bound.cold_adamw): psi_opt x (the curve's DRAM end -
   its rate at psi_opt), / the cores' share with more ranks than cores;
-- the nvme tier's first chunk at the lone-request rate (catalog.local_disk_lone): the disk's
+- the nvme tier's first chunk at the lone-request rate (machine.local_disk_lone): the disk's
   streams rate per rank count is solved from the saved nvme rows' optimizer part (their cache's
   `calibrate --disk` figures), then 24 B x first chunk x (n / lone - n / streams);
 - stages 2-3's gradient shards as fresh pages (memory_bound._zero_copies): their bytes over the

@@ -11,7 +11,8 @@ from shardlm.cli.main import main
 from shardlm.config.schema import ZeroConfig
 from shardlm.config.dims import ParallelDims
 from shardlm.hardware import disk_probe, probe
-from shardlm.hardware.catalog import LOCAL_DISK_BANDWIDTH, local_cpu, local_disk
+from shardlm.hardware.catalog import local_cpu
+from shardlm.hardware.machine import LOCAL_DISK_BANDWIDTH, local_disk
 from shardlm.planner.workload import Dtypes, Strategy, Workload
 from shardlm.planner.timing import estimate_time
 from shardlm.planner.shapes import preset_model

@@ -444,7 +444,7 @@ def test_telemetry_takes_gpu_peaks_from_the_catalog():
 
 
 def test_cpu_share_time_shares_oversubscribed_cores():
-    from shardlm.hardware.catalog import cpu_share
+    from shardlm.hardware.machine import cpu_share
 
     assert cpu_share(1, 2) == 1.0 and cpu_share(2, 2) == 1.0
     assert cpu_share(4, 2) == 0.5 and cpu_share(3, 8) == 1.0

@@ -9,8 +9,8 @@ import pytest
 
 from shardlm.config.schema import ZeroConfig
 from shardlm.config.dims import ParallelDims
-from shardlm.hardware.catalog import (CALIBRATION, LINKS, Cluster, Device, MatmulCurve, Node, local_disk,
-                                      local_disk_lone)
+from shardlm.hardware.catalog import CALIBRATION, LINKS, Cluster, Device, MatmulCurve, Node
+from shardlm.hardware.machine import local_disk, local_disk_lone
 from shardlm.planner.workload import Dtypes, Strategy, Workload
 from shardlm.planner.timing import estimate_time
 from shardlm.planner.in_situ import in_situ_factor, pass_key, predicted_pass, step_pass_factor

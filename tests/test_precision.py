@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from conftest import tiny_overrides
 from shardlm.config.schema import PrecisionConfig
 from shardlm.config.load import load_config
-from shardlm.hardware.catalog import cpu_bf16_gemm
+from shardlm.hardware.machine import cpu_bf16_gemm
 from shardlm.models import precision
 from shardlm.models.precision import build_precision, fp32_gemm, fp32_gemm_active, gemm
 from shardlm.train.build import build_run

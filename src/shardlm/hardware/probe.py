@@ -390,7 +390,7 @@ def disk_streams(directory: Path | None = None, again: bool = False) -> dict[int
     """{ranks streaming at once: {"bytes_per_s": read + write in all, "directory": ...}} of this
     machine's disk (hardware/disk_probe.py): measured under `directory` for each of its STREAMS
     (`shardlm calibrate --disk`; anew with `again`), else only what the cache holds ({} where it
-    was never measured: the planner then assumes catalog.LOCAL_DISK_BANDWIDTH)."""
+    was never measured: the planner then assumes hardware.machine.LOCAL_DISK_BANDWIDTH)."""
     from shardlm.hardware.disk_probe import STREAMS, stream_bandwidth
 
     if directory is None:

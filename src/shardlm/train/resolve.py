@@ -24,7 +24,8 @@ from shardlm.config.load import config_from_dict
 from shardlm.config.dims import grad_accum_for
 from shardlm.config.load import FINETUNE_LR, FINETUNE_WARMUP_FRACTION, finetune_mode
 from shardlm.errors import ConfigError
-from shardlm.hardware.catalog import Cluster, choose_compute, cpu_bf16_gemm, device_for_gpu_name, local_cpu, parse_cluster
+from shardlm.hardware.catalog import Cluster, choose_compute, device_for_gpu_name, local_cpu, parse_cluster
+from shardlm.hardware.machine import cpu_bf16_gemm
 from shardlm.launch.runtime import Runtime, broadcast_text
 from shardlm.models.fp8 import check_fp8_device
 from shardlm.models.precision import carrier
@@ -159,7 +160,7 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
 
 def _auto_bf16_gemm(cfg: Config, cpu: torch.device | None) -> str:
     """precision.cpu_bf16_gemm = 'auto': 'fp32' for a bf16 run on a CPU whose torch bf16 matmul
-    is slower than its fp32 one (catalog.cpu_bf16_gemm, by the measured peaks), not compiled;
+    is slower than its fp32 one (hardware.machine.cpu_bf16_gemm, by the measured peaks), not compiled;
     'native' otherwise (a GPU, fp32 / fp16 compute, train.compile)."""
     if cpu is None or cpu.type != "cpu" or carrier(cfg.precision.compute) != "bf16" or cfg.train.compile:
         return "native"
