@@ -68,6 +68,25 @@ def _parser() -> argparse.ArgumentParser:
         prog="shardlm", description="Train language models efficiently on one device or many.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _train_args(sub)
+    launch_args(sub)
+    _generate_args(sub)
+    chat_args(sub)
+    _eval_args(sub)
+    sub.add_parser("presets", help="list the named model shapes with parameter counts")
+    _export_args(sub)
+    _estimate_args(sub)
+    _plan_args(sub)
+    calibrate_args(sub.add_parser(
+        "calibrate", help="time the model's own matmuls on this machine (best of N, cached) against "
+                          "the peak and the planner's assumption"))
+    study_args(sub)
+    compare_args(sub)
+    return parser
+
+
+def _train_args(sub) -> None:
+    """`shardlm train`: a config file, overrides, local workers, a dry run, a resume."""
     train = sub.add_parser(
         "train", help="train a model (config file + --section.key=value overrides)",
         description="Train a model. Settings: defaults < model preset < CONFIG (TOML) < overrides "
@@ -97,7 +116,10 @@ def _parser() -> argparse.ArgumentParser:
                             "checkpoint directory, or nothing for the newest run under run.dir "
                             "that has one. The run continues in that run's directory unless "
                             "run.name is given")
-    launch_args(sub)
+
+
+def _generate_args(sub) -> None:
+    """`shardlm generate`: sampling from a trained run."""
     gen = sub.add_parser("generate", help="sample text from a trained run (a KV cache: the prompt "
                                           "runs once, then one token per step)")
     gen.add_argument("--checkpoint", default="runs/latest", help="run directory (default runs/latest)")
@@ -111,7 +133,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-cache", action="store_true",
                      help="recompute the whole context for every token (decoder-only; for comparison)")
     gen.add_argument("--seed", type=int, default=0)
-    chat_args(sub)
+
+
+def _eval_args(sub) -> None:
+    """`shardlm eval`: a run's (or a transformers directory's) held-out figures."""
     ev = sub.add_parser("eval", help="a trained run's val_loss, val_perplexity and "
                                      "val_token_accuracy on its held-out split (or --data.* "
                                      "overrides: e.g. --data.val_source=test.parquet), one JSON "
@@ -122,7 +147,10 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--base", action="store_true",
                     help="also score the run's model.hf_path, untrained, on the same split (a "
                          "second JSON line)")
-    sub.add_parser("presets", help="list the named model shapes with parameter counts")
+
+
+def _export_args(sub) -> None:
+    """`shardlm export`: a run in transformers' or peft's format."""
     exp = sub.add_parser("export", help="write a trained run in another library's format")
     exp.add_argument("--checkpoint", default="runs/latest", help="run directory (default runs/latest)")
     exp.add_argument("--format", choices=["hf", "peft"], default="hf",
@@ -138,6 +166,10 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--force", action="store_true",
                      help="write into a non-empty output directory (files of the same names are "
                           "replaced)")
+
+
+def _estimate_args(sub) -> None:
+    """`shardlm estimate`: one configuration's memory and step time; its layout as options."""
     est = sub.add_parser(
         "estimate", help="per-rank memory and step time of one configuration, before running it",
         description="Predict per-rank memory by category (with the formula behind each line), "
@@ -160,6 +192,10 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--offload-optimizer", default="none", choices=["none", "cpu", "nvme"])
     est.add_argument("--offload-params", default="none", choices=["none", "cpu", "nvme"],
                      help="stage 3 only")
+
+
+def _plan_args(sub) -> None:
+    """`shardlm plan`: the search's batch and ranking options."""
     plan = sub.add_parser(
         "plan", help="rank the strategies that fit by predicted throughput, and say why",
         description="Search data/tensor/pipeline/expert parallel degrees, ZeRO stage, offload, "
@@ -176,12 +212,6 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--rank-by", choices=["speed", "cost"], default="speed",
                       help="order plans by time to train (speed) or by cost for --tokens (on one "
                            "cluster the two agree: same devices, same price)")
-    calibrate_args(sub.add_parser(
-        "calibrate", help="time the model's own matmuls on this machine (best of N, cached) against "
-                          "the peak and the planner's assumption"))
-    study_args(sub)
-    compare_args(sub)
-    return parser
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

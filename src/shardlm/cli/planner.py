@@ -260,8 +260,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     """The model's forward matmuls on this machine at the run's per-rank threads: best-of-N
     FLOP/s per shape (cached per CPU/GPU model, torch, threads, precision, shape), the curve
     against the square matmul peak MFU uses, and what the planner assumes instead."""
-    from shardlm.hardware.catalog import device_for_gpu_name, measured_curve
-    from shardlm.hardware.probe import cached_curve, cpu_peak_flops, device_name, machine_load, matmul_curve
+    from shardlm.hardware.catalog import measured_curve
+    from shardlm.hardware.probe import cached_curve, device_name, machine_load, matmul_curve
     from shardlm.launch.runtime import cpu_cores
     from shardlm.planner.compute import curve_rate
     from shardlm.planner.workload import matmul_shapes
@@ -285,29 +285,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     shapes = matmul_shapes(model, tokens, args.tp)
     curve = matmul_curve([s[1:4] for s in shapes], args.precision, threads, args.device, args.repeats,
                          args.again)
-    if cpu:
-        peak = cpu_peak_flops(args.precision, threads)
-    else:
-        gpu = device_for_gpu_name(device_name(args.device))
-        if gpu is None or args.precision not in gpu.peak:
-            raise ConfigError(f"{device_name(args.device)}: not in the catalog with {args.precision}; "
-                              f"no peak to compare with")
-        peak = gpu.peak[args.precision]
+    peak = _peak(args, threads)
     load, cores = machine_load()
-
-    def weighted(shapes, curve) -> float:
-        """The step's matmul FLOPs over their summed time: the rate the model's matmuls run at."""
-        return (sum(2 * m * k * n * count for _, m, k, n, count in shapes)
-                / sum(2 * m * k * n * count / c["flops_per_s"] for (_, m, k, n, count), c in zip(shapes, curve)))
-
-    total_flops = sum(2 * m * k * n * count for _, m, k, n, count in shapes)
-    measured = weighted(shapes, curve)
-    sizes = sorted({max(16, tokens // 2**i) for i in range(1, 4)})  # the curve below this batch
-    points = []
-    for size in sizes:
-        smaller = matmul_shapes(model, size, args.tp)
-        points.append((size, weighted(smaller, matmul_curve([x[1:4] for x in smaller], args.precision, threads,
-                                                            args.device, args.repeats, args.again))))
+    measured = _weighted(shapes, curve)
+    points = _smaller_batches(model, tokens, args, threads)
     # What the planner's time model reads for a run with these shapes (compute.compute_rate):
     # every point cached for this device, threads and precision, this model's included.
     planner_curve = measured_curve(cached_curve(args.precision, threads, args.device),
@@ -317,13 +298,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
              + (f", {threads} thread(s) per rank ({args.ranks} rank(s) on {cores} cores)" if cpu else "")
              + f", {args.precision}, micro-batch {args.micro_batch} x seq {seq} = {tokens} tokens"
              + (f", tp {args.tp}" if args.tp > 1 else ""),
-             f"  {'matmul':<20s} {'m x k x n':>22s} {'GFLOP/s':>10s} {'of peak':>8s} {'spread':>7s} "
-             f"{'step FLOPs':>10s}"]
-    for (name, m, k, n, count), c in zip(shapes, curve):
-        flagged = "  (under load)" if c["loaded"] else ""
-        lines.append(f"  {name:<20s} {f'{m} x {k} x {n}':>22s} {c['flops_per_s'] / 1e9:>10,.1f} "
-                     f"{c['flops_per_s'] / peak:>8.0%} {c['spread']:>7.0%} "
-                     f"{2 * m * k * n * count / total_flops:>10.0%}{flagged}")
+             *_matmul_rows(shapes, curve, peak)]
     lines += [f"  peak ({'the square matmul MFU uses' if cpu else 'the catalog'}): {peak / 1e9:,.1f} GFLOP/s",
               f"  the model's matmuls, FLOP-weighted: {measured / 1e9:,.1f} GFLOP/s = {measured / peak:.0%} "
               f"of the peak (forward shapes)",
@@ -348,3 +323,52 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                      f"{cores} cores): best of {args.repeats} kept; rerun with --again on an idle machine")
     print("\n".join(lines))
     return 0
+
+
+def _peak(args: argparse.Namespace, threads: int) -> float:
+    """The peak the matmuls are compared with: the square matmul MFU uses on a CPU (at these
+    threads), the catalog's for a GPU."""
+    from shardlm.hardware.catalog import device_for_gpu_name
+    from shardlm.hardware.probe import cpu_peak_flops, device_name
+
+    if args.device == "cpu":
+        return cpu_peak_flops(args.precision, threads)
+    gpu = device_for_gpu_name(device_name(args.device))
+    if gpu is None or args.precision not in gpu.peak:
+        raise ConfigError(f"{device_name(args.device)}: not in the catalog with {args.precision}; "
+                          f"no peak to compare with")
+    return gpu.peak[args.precision]
+
+
+def _weighted(shapes, curve) -> float:
+    """The step's matmul FLOPs over their summed time: the rate the model's matmuls run at."""
+    return (sum(2 * m * k * n * count for _, m, k, n, count in shapes)
+            / sum(2 * m * k * n * count / c["flops_per_s"] for (_, m, k, n, count), c in zip(shapes, curve)))
+
+
+def _smaller_batches(model, tokens: int, args: argparse.Namespace, threads: int) -> list[tuple[int, float]]:
+    """The curve below this batch: (tokens per micro-batch, FLOP-weighted rate) at 1/2, 1/4 and
+    1/8 of it (at least 16)."""
+    from shardlm.hardware.probe import matmul_curve
+    from shardlm.planner.workload import matmul_shapes
+
+    points = []
+    for size in sorted({max(16, tokens // 2**i) for i in range(1, 4)}):
+        smaller = matmul_shapes(model, size, args.tp)
+        points.append((size, _weighted(smaller, matmul_curve([x[1:4] for x in smaller], args.precision, threads,
+                                                             args.device, args.repeats, args.again))))
+    return points
+
+
+def _matmul_rows(shapes, curve, peak: float) -> list[str]:
+    """The table of the model's matmuls: each shape's rate, of the peak, spread and share of the
+    step's matmul FLOPs."""
+    total_flops = sum(2 * m * k * n * count for _, m, k, n, count in shapes)
+    lines = [f"  {'matmul':<20s} {'m x k x n':>22s} {'GFLOP/s':>10s} {'of peak':>8s} {'spread':>7s} "
+             f"{'step FLOPs':>10s}"]
+    for (name, m, k, n, count), c in zip(shapes, curve):
+        flagged = "  (under load)" if c["loaded"] else ""
+        lines.append(f"  {name:<20s} {f'{m} x {k} x {n}':>22s} {c['flops_per_s'] / 1e9:>10,.1f} "
+                     f"{c['flops_per_s'] / peak:>8.0%} {c['spread']:>7.0%} "
+                     f"{2 * m * k * n * count / total_flops:>10.0%}{flagged}")
+    return lines
