@@ -19,7 +19,7 @@ steps' cost spread over their rounds).
 
 On one machine the replicas' link is loopback shared memory, so the bytes saved barely show in
 tokens/s here; the bytes column is what a slow cross-datacenter link would carry. Every case
-runs in fresh processes; repeats run in interleaved rounds (bench/common.py).
+runs in fresh processes; repeats run in interleaved rounds (bench/common/).
 
 With --pretrain N every case starts from one checkpoint of N synchronous steps (DiLoCo's recipe:
 pre-train, then DiLoCo); the steps and losses reported are the ones after it.
