@@ -59,9 +59,11 @@ def _has_cpu_flash(q: torch.Tensor) -> bool:
 
 def _has_cuda_fused(q: torch.Tensor) -> bool:
     """CUDA's kernels that return a log-sum-exp take this q: fp32 / bf16 / fp16, a head width
-    that is a multiple of 8 and at most 256 (flash attention's limit)."""
+    that is a multiple of 8 and at most 256 (flash attention's limit). Not ROCm: its
+    memory-efficient attention does not pad the log-sum-exp (unchecked there: the math path)."""
     d = q.shape[-1]
-    return q.is_cuda and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and d % 8 == 0 and d <= 256
+    return (q.is_cuda and torch.version.hip is None and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and d % 8 == 0 and d <= 256)
 
 
 def _kernel(q: torch.Tensor, softcap: float) -> str:
