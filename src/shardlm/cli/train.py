@@ -220,16 +220,21 @@ def launch_workers(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
     if not cfg.run.name:  # also what lets restarted workers find the run's checkpoints
         argv.append(f"--run.name={unique_run_name()}")
     if cfg.parallel.fault_tolerant:  # a world per replica, restarted alone (parallel/data/fault_tolerant/launcher.py)
+        from shardlm.config.layout_rules import STAGE0_REPLICA_RANKS
         from shardlm.parallel.data.fault_tolerant.launcher import launch_replicas
 
-        if args.nproc != cfg.parallel.dp_replicate:
-            raise ConfigError(f"parallel.fault_tolerant: --nproc {args.nproc} must equal "
-                              f"parallel.dp_replicate = {cfg.parallel.dp_replicate} (one process "
-                              f"per replica)")
+        replicas = cfg.parallel.dp_replicate
+        if args.nproc % replicas:
+            raise ConfigError(f"parallel.fault_tolerant: --nproc {args.nproc} must be a multiple "
+                              f"of parallel.dp_replicate = {replicas} (replicas of equal ranks)")
+        if args.nproc > replicas and cfg.parallel.zero_stage == 0:
+            raise ConfigError(f"parallel.fault_tolerant: {replicas} replicas of "
+                              f"{args.nproc // replicas} ranks at parallel.zero_stage = 0: "
+                              f"{STAGE0_REPLICA_RANKS}: use stage 1")
         name = cfg.run.name or argv[-1].split("=", 1)[1]
-        return launch_replicas(args.nproc, ["-m", "shardlm", "train", *argv], cfg.run.dir, name,
+        return launch_replicas(replicas, ["-m", "shardlm", "train", *argv], cfg.run.dir, name,
                                args.max_restarts, cfg.parallel.collective_timeout_s or 600.0,
-                               args.quorum_endpoint)
+                               args.quorum_endpoint, args.nproc // replicas)
     return launch_local(args.nproc, ["-m", "shardlm", "train", *argv], args.max_restarts)
 
 

@@ -416,29 +416,36 @@ def _fp8_all_gather_composes(cfg: Config) -> list[str]:
     return problems
 
 
+STAGE0_REPLICA_RANKS = ("at ZeRO stage 0 every rank of a replica holds the whole gradient and "
+                        "would send all of it across replicas, dp_shard times stage 1's bytes for "
+                        "the same sum")
+"""Why a fault-tolerant replica of several ranks needs ZeRO stage >= 1 (also cli/train.py's
+check once --nproc fixes dp_shard = -1)."""
+
+
 @_cross("parallel.fault_tolerant", "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp",
         "parallel.cp", "parallel.pp", "parallel.ep", "parallel.zero_stage", "parallel.strategy",
         "train.global_batch", "train.local_sgd.every")
 def _fault_tolerant_layout(cfg: Config) -> list[str]:
-    """parallel.fault_tolerant (parallel/data/fault_tolerant/quorum.py): each replica is one process of its own, so
-    only plain data parallelism across replicas is built; the rest is refused here, by name,
-    with why it cannot be."""
+    """parallel.fault_tolerant (parallel/data/fault_tolerant/quorum.py): each replica is a world
+    of its own — one process, or dp_shard ranks that ZeRO shards over (stages 1-3: rank i's
+    gradient shard averaged with every live replica's rank i, torchft's fault-tolerant HSDP);
+    what cannot be built that way is refused here, by name, with why it cannot be."""
     par = cfg.parallel
     if not par.fault_tolerant:
         return []
     if par.dp_replicate < 2:
         return [f"parallel.fault_tolerant = true needs parallel.dp_replicate >= 2 (replicas that "
                 f"can drop out and rejoin), got {par.dp_replicate}"]
-    inside = "a replica is one process: a model cut across ranks needs ranks inside a replica"
+    inside = ("the quorum averages data-parallel shards only: a replica's model cut across ranks "
+              "needs its own groups laid out inside the replica")
     apart = [f"{k} = {v!r} ({why})" for k, v, why, on in (
-        ("parallel.dp_shard", par.dp_shard, "each replica is one rank: use 1 or -1",
-         par.dp_shard not in (1, -1)),
         ("parallel.tp", par.tp, inside, par.tp > 1),
         ("parallel.cp", par.cp, inside, par.cp > 1),
         ("parallel.pp", par.pp, inside, par.pp > 1),
         ("parallel.ep", par.ep, inside, par.ep > 1),
-        ("parallel.zero_stage", par.zero_stage, "one rank per replica shards nothing: use 0",
-         par.zero_stage != 0),
+        ("parallel.zero_stage", par.zero_stage, f"{STAGE0_REPLICA_RANKS}: use stage 1",
+         par.zero_stage == 0 and par.dp_shard not in (1, -1)),
         ("parallel.strategy", par.strategy, "each replica would plan alone, for a world it does "
          "not share", par.strategy != "manual"),
         ("train.global_batch", cfg.train.global_batch, "the global batch shrinks while a replica "
@@ -447,6 +454,6 @@ def _fault_tolerant_layout(cfg: Config) -> list[str]:
          "models between outer steps: a rejoining one has no single live state to take, and a "
          "replica lost mid-round takes its inner steps with it", cfg.train.local_sgd.every > 0),
     ) if on]
-    return ([f"parallel.fault_tolerant = true runs one process per replica (dp_replicate = "
-             f"{par.dp_replicate} ranks in all, ZeRO stage 0) and does not compose with: "
+    return ([f"parallel.fault_tolerant = true runs each replica as a world of its own (one "
+             f"process, or dp_shard ranks sharded by ZeRO) and does not compose with: "
              f"{'; '.join(apart)}"] if apart else [])

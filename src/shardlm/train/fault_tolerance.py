@@ -2,14 +2,17 @@
 replicas, the state a joining replica receives (parallel/data/fault_tolerant/quorum.py is the quorum and its group;
 parallel/data/fault_tolerant/launcher.py the launcher).
 
-A replica is one process whose mesh says dp_replicate = R and its replica id — so it reads its
-own share of every global batch and divides its loss by the global number of micro-batches, as
-rank r of an ordinary dp_replicate = R run does — with no process group at all: its gradients
-reach the other replicas only through the quorum's group.
+A replica is a world of N ranks (N = 1: one process) whose mesh says dp_replicate = R,
+dp_shard = N and its replica id — so rank i of replica r reads its own share of every global
+batch and divides its loss by the global number of micro-batches, as rank r·N + i of an ordinary
+hybrid (dp_replicate = R × dp_shard = N) run does — with process groups over its own ranks only
+(ZeRO shards over them): its gradient shard reaches the other replicas' rank i only through the
+quorum's group of local rank i.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +20,7 @@ from pathlib import Path
 import torch
 
 from shardlm.comm.collectives import CommLedger
-from shardlm.comm.mesh import Mesh
+from shardlm.comm.mesh import Mesh, build_mesh
 from shardlm.parallel.data.fault_tolerant.quorum import ReplicaGroup
 from shardlm.config.schema import Config
 from shardlm.config.dims import resolve_dims
@@ -38,18 +41,28 @@ class Replica:
 
     identity: ReplicaIdentity
     mesh: Mesh
-    """dp_replicate = R at this replica's position; no process group at all."""
+    """dp_replicate = R at this replica's position; groups over this replica's ranks only."""
     device: torch.device
+    rank: int
+    """This process's rank in its replica's world."""
+    ranks: int
 
     def resolve(self, cfg: Config, checkpoint: Path | None) -> Config:
         """Every 'auto' decided for the replicas' world, here alone (resolve.resolve_config's
         broadcast has no group to go through)."""
         return decide(cfg, self.mesh.dims.world_size, self.device, checkpoint).validate()
 
+    def eval_share(self) -> dict:
+        """The validation loader's data-parallel position: the replica's own ranks deal the
+        whole validation set among themselves (its sums never leave the replica), so every
+        replica evaluates the windows one run would."""
+        return {"dp_rank": self.rank, "dp_size": self.ranks}
+
     def open(self, cfg: Config, ledger: CommLedger) -> ReplicaGroup:
         """The quorum's store and group, its bytes in the run's `ledger`."""
         par = cfg.parallel
-        return ReplicaGroup(self.identity, ledger, par.quorum_timeout_s, par.collective_timeout_s)
+        return ReplicaGroup(self.identity, ledger, par.quorum_timeout_s, par.collective_timeout_s,
+                            self.rank, self.ranks)
 
 
 def replica_setup(cfg: Config, runtime: Runtime) -> Replica | None:
@@ -58,15 +71,21 @@ def replica_setup(cfg: Config, runtime: Runtime) -> Replica | None:
     if not cfg.parallel.fault_tolerant:
         return None
     identity = replica_identity()
-    if identity is None or runtime.world_size != 1:
+    if identity is None:
         raise ConfigError("parallel.fault_tolerant = true runs under `shardlm train --nproc N` "
-                          "(N = parallel.dp_replicate replicas of one process each), not in one "
-                          "process or under your own torchrun")
+                          "(N = parallel.dp_replicate replicas × their ranks), not in one process "
+                          "or under your own torchrun")
     if identity.replicas != cfg.parallel.dp_replicate:
         raise ConfigError(f"parallel.fault_tolerant: {identity.replicas} replicas were launched "
                           f"for parallel.dp_replicate = {cfg.parallel.dp_replicate}")
-    dims = resolve_dims(cfg.parallel, identity.replicas)
-    return Replica(identity, Mesh(dims, identity.replica, None, None, None), runtime.device)
+    n = runtime.world_size
+    dims = resolve_dims(cfg.parallel, identity.replicas * n)
+    # The replica's own groups (a world of n ranks, dp_replicate 1), seen as its place in the
+    # whole: rank i of replica r is rank r·n + i of the hybrid run it is one replica of.
+    inside = build_mesh(dataclasses.replace(dims, dp_replicate=1), runtime.device, runtime.rank)
+    mesh = dataclasses.replace(inside, dims=dims, rank=identity.replica * n + runtime.rank,
+                               dp_replicate_group=None)
+    return Replica(identity, mesh, runtime.device, runtime.rank, n)
 
 
 def average_step(run: Run, step: int, total: torch.Tensor,
@@ -131,7 +150,7 @@ def rejoin(run: Run) -> None:
     has nothing to train and no weights of its own to write."""
     if run.replicas is None or not run.replicas.joining:
         return
-    zeros = [torch.zeros_like(g) for g in run.strategy.grads()] + [torch.zeros(2)]
+    zeros = [torch.zeros_like(g) for g in run.strategy.grads()] + [torch.zeros(2, device=run.runtime.device)]
     quorum = run.replicas.join(zeros, run.start_step)
     if quorum is None:
         log.warning("shardlm: replica %d: the run finished before it could rejoin; it stops "

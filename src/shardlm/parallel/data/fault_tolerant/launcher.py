@@ -1,14 +1,16 @@
-"""`shardlm train --nproc N` with parallel.fault_tolerant: N replicas, each a process of its own
-(its own world: no process group spans two replicas), restarted when they die, and the
-coordination store they meet in — a TCPStore hosted here, listening on the one address
-`--quorum-endpoint` names (loopback by default: one machine).
+"""`shardlm train --nproc N` with parallel.fault_tolerant: dp_replicate replicas of
+N / dp_replicate processes each (each replica its own world: no process group spans two
+replicas; inside one, ZeRO shards over its ranks as usual), a replica restarted whole when one
+of its processes dies, and the coordination store they meet in — a TCPStore hosted here,
+listening on the one address `--quorum-endpoint` names (loopback by default: one machine).
 
 A replica's gradients are averaged with the others' over a group the replicas rebuild at each
 step from the live ones (parallel/data/fault_tolerant/quorum.py, after torchft's Lighthouse quorum and Manager). This
-module is the launcher half: it hosts the store, starts replica r with its identity in the
-environment, records in the store each death it sees (`deaths/<r>`, so the live replicas stop
-waiting for that one at once), and starts the replica again, up to `max_restarts` times; the new
-process rejoins from a live peer's state. The worker half of the environment is read here too
+module is the launcher half: it hosts the store, starts replica r's ranks with its identity in
+the environment (RANK / WORLD_SIZE of the replica's own world, its group formed in a file),
+records in the store each death it sees (`deaths/<r>`, so the live replicas stop waiting for
+that one at once), and starts the replica again, up to `max_restarts` times; the new processes
+rejoin from a live peer's state, rank i from its rank i. The worker half of the environment is read here too
 (`replica_identity`), as runtime.py reads the launcher's RANK / WORLD_SIZE.
 
 Each replica writes its own run directory, `<run.dir>/<run.name>/replica-<r>` (its metrics.jsonl,
@@ -22,16 +24,20 @@ import datetime
 import ipaddress
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardlm.errors import ConfigError
 from shardlm.launch.local import loopback_interface
-from shardlm.launch.runtime import FAULT_ENV, LAUNCHER_PID_ENV, loopback_store
+from shardlm.launch.runtime import (FAULT_ENV, LAUNCHER_PID_ENV, LOCAL_RENDEZVOUS_ENV,
+                                   RENDEZVOUS_PREFIX, loopback_store)
 
 log = logging.getLogger("shardlm")
 
@@ -136,89 +142,135 @@ def _is_loopback(host: str) -> bool:
 
 def launch_replicas(replicas: int, worker_argv: list[str], run_dir: str, run_name: str,
                     max_restarts: int = 0, store_timeout_s: float = 600.0,
-                    endpoint: str = "127.0.0.1:0") -> int:
-    """Run `replicas` worker processes (`python worker_argv...`), each replica one process,
-    meeting in a TCPStore hosted here, listening at `endpoint` only (--quorum-endpoint; by
-    default loopback, a free port), their gloo groups then on the loopback interface too (else
-    on the one gloo finds, or $GLOO_SOCKET_IFNAME). A worker that exits non-zero is counted
-    dead in the store and started again (it rejoins from a live peer) while restarts are left;
-    one that exits 0 has finished. Returns 0 when the run finished (every replica exited 0, or
-    the ones left without restarts died while the others finished), else 1.
-    SIGTERM / SIGINT here are passed on to the workers, which are then waited for."""
-    if replicas < 2 or max_restarts < 0:
-        raise ConfigError(f"fault-tolerant replicas: {replicas} replicas (need >= 2) and "
-                          f"--max-restarts {max_restarts} (>= 0)")
+                    endpoint: str = "127.0.0.1:0", ranks: int = 1) -> int:
+    """Run `replicas` replicas of `ranks` worker processes each (`python worker_argv...`; a
+    replica of several ranks is a world of its own, its process group formed in a file of a
+    private directory, as `--nproc` forms one), meeting in a TCPStore hosted here, listening at
+    `endpoint` only (--quorum-endpoint; by default loopback, a free port), their gloo groups
+    then on the loopback interface too (else on the one gloo finds, or $GLOO_SOCKET_IFNAME). A
+    replica one of whose workers exits non-zero is stopped whole, counted dead in the store and
+    started again (it rejoins from a live peer) while restarts are left; one whose workers all
+    exit 0 has finished. Returns 0 when the run finished (every replica exited 0, or the ones
+    left without restarts died while the others finished), else 1. SIGTERM / SIGINT here are
+    passed on to the workers, which are then waited for."""
+    if replicas < 2 or max_restarts < 0 or ranks < 1:
+        raise ConfigError(f"fault-tolerant replicas: {replicas} replicas (need >= 2) of {ranks} "
+                          f"rank(s) (>= 1) and --max-restarts {max_restarts} (>= 0)")
     host, port = quorum_endpoint(endpoint)
     store = loopback_store(host, port, True, datetime.timedelta(seconds=store_timeout_s))
     base = dict(os.environ)
     if _is_loopback(host):
         base.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        base.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
     base[LAUNCHER_PID_ENV] = str(os.getpid())  # the workers die with this process
     faults = replica_faults(base.pop(REPLICA_FAULTS_ENV, ""), base.pop(FAULT_ENV, ""), replicas)
+    where = f"[{host}]" if ":" in host else host
+    groups = Path(tempfile.mkdtemp(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}-"))  # 0700: ours
 
-    def start(replica: int, incarnation: int) -> subprocess.Popen:
-        env = dict(base, LOCAL_RANK=str(replica), LOCAL_WORLD_SIZE=str(replicas),
+    def start(replica: int, incarnation: int) -> list[subprocess.Popen]:
+        env = dict(base, WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(replicas * ranks),
                    TORCHELASTIC_RESTART_COUNT=str(incarnation))  # a planned fault strikes once
-        where = f"[{host}]" if ":" in host else host
         env[REPLICA_ENV] = f"{replica}/{replicas}/{incarnation}@{where}:{store.port}"
+        env[LOCAL_RENDEZVOUS_ENV] = str(groups / f"replica-{replica}")  # group-<incarnation>
+        (groups / f"replica-{replica}").mkdir(exist_ok=True)
         fault = fault_of(faults.get(replica, []), incarnation)
         if fault:
             env[FAULT_ENV] = fault
-        argv = replica_argv(worker_argv, run_dir, run_name, replica)
-        return subprocess.Popen([sys.executable, *argv], env=env)
+        argv = [sys.executable, *replica_argv(worker_argv, run_dir, run_name, replica)]
+        return [subprocess.Popen(argv, env=dict(env, RANK=str(i), LOCAL_RANK=str(replica * ranks + i)))
+                for i in range(ranks)]
 
-    procs = {r: start(r, 0) for r in range(replicas)}
-    restarts = {r: 0 for r in range(replicas)}
-    codes: dict[int, int] = {}
+    watch = _Watch(store, {r: start(r, 0) for r in range(replicas)}, start, max_restarts)
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    stopping = []
-
-    def forward(signum, frame) -> None:
-        stopping.append(signum)
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signum)
-
     for s in previous:
-        signal.signal(s, forward)
+        signal.signal(s, watch.forward)
     try:
-        while procs:
-            time.sleep(0.05)
-            for r, proc in list(procs.items()):
-                code = proc.poll()
-                if code is None:
-                    continue
-                del procs[r]
-                if code == 0 or stopping:
-                    codes[r] = code
-                    if code == 0:  # the run is done: a replica still waiting to rejoin stops
-                        store.set(DONE, "1")
-                    continue
-                store.add(DEATHS.format(r), 1)  # the live replicas stop waiting for it now
-                if not store.check([DONE]) and not state_holders(store, procs, restarts):
-                    log.error("shardlm: replica %d exited with %d and no live replica holds the "
-                              "training state any more (a restarted one would wait in vain to "
-                              "rejoin): the job stops; run it again to resume from its latest "
-                              "checkpoint (checkpoint.every)", r, code)
-                    codes[r] = code
-                    for other in procs.values():
-                        other.kill()
-                    procs.clear()
-                    break
-                if restarts[r] < max_restarts:
-                    restarts[r] += 1
-                    log.warning("shardlm: replica %d exited with %d: restarting it (%d of %d); it "
-                                "rejoins from a live replica", r, code, restarts[r], max_restarts)
-                    procs[r] = start(r, restarts[r])
-                else:
-                    log.error("shardlm: replica %d exited with %d and has no restart left: the "
-                              "others train on without it", r, code)
-                    codes[r] = code
+        watch.run()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        for proc in procs.values():
+        watch.kill_all()
+        shutil.rmtree(groups, ignore_errors=True)
+    if watch.stopping:
+        return 0 if all(c == 0 for c in watch.codes.values()) else 128 + watch.stopping[0]
+    return 0 if any(c == 0 for c in watch.codes.values()) else 1
+
+
+@dataclass
+class _Watch:
+    """The launcher's replicas while they run: each one's processes, its restarts, its exit."""
+
+    store: object
+    procs: dict[int, list[subprocess.Popen]]
+    start: Callable[[int, int], list[subprocess.Popen]]
+    max_restarts: int
+    restarts: dict[int, int] = field(default_factory=dict)
+    codes: dict[int, int] = field(default_factory=dict)
+    stopping: list[int] = field(default_factory=list)
+
+    def forward(self, signum, frame) -> None:
+        self.stopping.append(signum)
+        for group in self.procs.values():
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signum)
+
+    def kill_all(self) -> None:
+        for group in self.procs.values():
+            for proc in group:
+                proc.kill()
+        self.procs.clear()
+
+    def run(self) -> None:
+        self.restarts = {r: 0 for r in self.procs}
+        while self.procs:
+            time.sleep(0.05)
+            for r, group in list(self.procs.items()):
+                code = _replica_exit(group, wait_all=bool(self.stopping))
+                if code is not None and self._exited(r, code):
+                    return
+
+    def _exited(self, r: int, code: int) -> bool:
+        """Replica r's exit (`code`: its first failed worker's, or 0): finished, restarted, or
+        left out. True when the job stops here."""
+        del self.procs[r]
+        if code == 0 or self.stopping:
+            self.codes[r] = code
+            if code == 0:  # the run is done: a replica still waiting to rejoin stops
+                self.store.set(DONE, "1")
+            return False
+        self.store.add(DEATHS.format(r), 1)  # the live replicas stop waiting for it now
+        firsts = {other: group[0] for other, group in self.procs.items()}  # a replica's rank 0
+        if not self.store.check([DONE]) and not state_holders(self.store, firsts, self.restarts):
+            log.error("shardlm: replica %d exited with %d and no live replica holds the training "
+                      "state any more (a restarted one would wait in vain to rejoin): the job "
+                      "stops; run it again to resume from its latest checkpoint "
+                      "(checkpoint.every)", r, code)
+            self.codes[r] = code
+            self.kill_all()
+            return True
+        if self.restarts[r] < self.max_restarts:
+            self.restarts[r] += 1
+            log.warning("shardlm: replica %d exited with %d: restarting it (%d of %d); it "
+                        "rejoins from a live replica", r, code, self.restarts[r], self.max_restarts)
+            self.procs[r] = self.start(r, self.restarts[r])
+        else:
+            log.error("shardlm: replica %d exited with %d and has no restart left: the others "
+                      "train on without it", r, code)
+            self.codes[r] = code
+        return False
+
+
+def _replica_exit(group: list[subprocess.Popen], wait_all: bool) -> int | None:
+    """A replica's exit status once it has exited: 0 when every worker exited 0, else the
+    first failed worker's (the others, stopped with it: a replica is one world, lost whole).
+    None while it runs. `wait_all` (the launcher is stopping): wait for every worker's own exit."""
+    codes = [proc.poll() for proc in group]
+    failed = [c for c in codes if c not in (None, 0)]
+    if None in codes and (wait_all or not failed):
+        return None
+    for proc in group:
+        if proc.poll() is None:
             proc.kill()
-    if stopping:
-        return 0 if all(c == 0 for c in codes.values()) else 128 + stopping[0]
-    return 0 if any(c == 0 for c in codes.values()) else 1
+        proc.wait()
+    return failed[0] if failed else 0

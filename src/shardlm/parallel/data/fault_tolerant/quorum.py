@@ -4,7 +4,7 @@ step and the gloo group over it, through which their gradients are averaged.
 Every replica is a world of its own, so a dead one breaks no collective of the others'. They
 meet in a store the launcher hosts (parallel/data/fault_tolerant/launcher.py). Each synchronisation is a *round*:
 
-1. Each replica registers in round n: `round/<n>/member/<r>` = 'incarnation:step:role' (role
+1. Each replica (its rank 0) registers in round n: `round/<n>/member/<r>` = 'incarnation:step:role' (role
    'live', or 'join' for a restarted replica that needs the others' state).
 2. A live replica waits until every member of the last quorum has registered too, or was
    reported dead by the launcher (`deaths/<r>` beyond the incarnation it had), or
@@ -13,13 +13,15 @@ meet in a store the launcher hosts (parallel/data/fault_tolerant/launcher.py). E
    on all of them, whoever closed it and whoever came late. A live replica left out (it came
    after the close) cannot rejoin silently: it raises `ReplicaLost` (its process exits, the
    launcher starts it again, and it rejoins).
-3. The quorum's group is `ProcessGroupGloo(PrefixStore('round/<n>/group', store), index, size)`
+3. The quorum's group is `ProcessGroupGloo(PrefixStore('round/<n>/group/<i>', store), index, size)`
+   for local rank i (a replica of several ranks: rank i's shard meets the other replicas' rank i)
    — no default group, nothing shared with the dead — reused while the members stay the same.
 4. The gradients are all-reduced over it (summed: each replica's loss was divided by the
    global number of micro-batches, dp_replicate × grad_accum) and multiplied by dp_replicate /
    live, the mean over the replicas whose gradients were in it (a joining replica adds
    zeros). If the all-reduce fails (a peer died during it), the step is not committed — no
    optimizer step — and the replicas take it again in a new round (torchft's should_commit).
+   A replica of several ranks commits as one: its ranks agree on the outcome (`_agreed`).
 5. With a joining member, after the optimizer step the first live member broadcasts its whole
    state over the group (`share_state`) and the joiner takes it: it trains on from the next
    step, bit for bit the others' replica.
@@ -93,6 +95,12 @@ class ReplicaGroup:
     ledger: CommLedger
     quorum_timeout_s: float
     collective_timeout_s: float
+    rank: int = 0
+    """This process's rank in its replica's own world (a replica of N ranks: ZeRO inside it)."""
+    ranks: int = 1
+    """The replica's ranks: its rank 0 registers in each round and closes it; every rank reads
+    the round's one quorum from the store, and rank i all-reduces its gradient shard with rank i
+    of the other replicas, over a group of its own per round (`group/<i>`)."""
     store: dist.Store = field(init=False)
     round: int = 0
     """The next round this replica takes part in."""
@@ -128,6 +136,8 @@ class ReplicaGroup:
         return f"round/{n}/{what}"
 
     def _register(self, n: int, step: int, role: str) -> None:
+        if self.rank:  # the replica's rank 0 speaks for it
+            return
         me = Member(self.identity.replica, self.identity.incarnation, step, role)
         self.store.set(self._key(n, f"member/{me.replica}"), me.encode())
 
@@ -146,6 +156,8 @@ class ReplicaGroup:
                     else self.quorum_timeout_s)
         deadline = time.monotonic() + patience
         closed = self._key(n, "quorum")
+        while self.rank and not self.store.check([closed]):  # its rank 0 closes it (or dies:
+            time.sleep(POLL_S)  # the launcher then stops the whole replica)
         while not self.store.check([closed]):
             present = self._present(n)
             awaited = [(r, i) for r, i in self.last
@@ -174,7 +186,7 @@ class ReplicaGroup:
             self._group, self._group_key = None, key
         elif key != self._group_key or self._group is None:
             index = [m.replica for m in q.members].index(self.identity.replica)
-            prefix = dist.PrefixStore(self._key(q.round, "group"), self.store)
+            prefix = dist.PrefixStore(self._key(q.round, f"group/{self.rank}"), self.store)
             self._group = dist.ProcessGroupGloo(
                 prefix, index, len(q.members),
                 datetime.timedelta(seconds=self.collective_timeout_s or 600.0))
@@ -200,14 +212,17 @@ class ReplicaGroup:
             self.round, self.retries = n + 1, self.retries + 1  # a laggard restarts: again without it
             self.last = [(m.replica, m.incarnation) for m in q.members]
             return False
+        error = ""
         try:
             self._enter(q)
             self._all_reduce(tensors)
         except RuntimeError as e:
+            error = str(e).splitlines()[0][:200]
+        if not self._agreed(not error, tensors[-1].device):
             self._group, self.retries = None, self.retries + 1
             log.warning("shardlm: replicas: step %d not committed (round %d, quorum %s: %s); "
                         "taking it again with the replicas alive", step + 1, n, q.live,
-                        str(e).splitlines()[0][:200])
+                        error or "another rank of this replica saw its all-reduce fail")
             return False
         self.committed_retries, self.retries = self.retries, 0
         replicas, live = self.identity.replicas, len(q.live)
@@ -215,10 +230,37 @@ class ReplicaGroup:
             torch._foreach_mul_(tensors, replicas / live)
         return True
 
+    def _agreed(self, ok: bool, device: torch.device) -> bool:
+        """Whether every rank of this replica all-reduced its shard (an all-reduce may fail on
+        one rank and not another, as a peer replica dies): the replica commits as one."""
+        if self.ranks == 1:
+            return ok
+        flag = torch.tensor([float(ok)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # the replica's own world
+        return bool(flag.item() > 0)
+
     def join(self, zeros: list[torch.Tensor], step: int) -> Quorum | None:
         """A restarted replica: register as joining until a round takes it in, add zeros to
         that round's all-reduce (`zeros`: tensors shaped as the live replicas' gradients).
-        None when the run finished meanwhile."""
+        None when the run finished meanwhile. Its rank 0 finds the round and tells the others
+        through the store (`join/<replica>/<incarnation>`)."""
+        told = f"join/{self.identity.replica}/{self.identity.incarnation}"
+        if self.rank:
+            while not self.store.check([told]):
+                time.sleep(POLL_S)
+            n = int(self.store.get(told))
+            q = self._read(n) if n >= 0 else None
+        else:
+            q = self._join_round(step)
+            self.store.set(told, str(q.round if q else -1))
+        if q is not None:
+            self._enter(q)
+            self._all_reduce(zeros)
+        return q
+
+    def _join_round(self, step: int) -> Quorum | None:
+        """Rank 0 of a restarted replica: register as joining until a round takes it in; that
+        round's quorum, or None when the run finished meanwhile."""
         while True:
             if self.store.check([DONE]):
                 return None
@@ -236,8 +278,6 @@ class ReplicaGroup:
                 time.sleep(POLL_S)
             q = self._read(n)
             if self.identity.replica in q.joining:
-                self._enter(q)
-                self._all_reduce(zeros)
                 return q
 
     def joined(self) -> None:
