@@ -83,10 +83,46 @@ class ZeroEngine:
         self.ledger = ledger if ledger is not None else CommLedger()
         self.watchdog = watchdog
         self.splits = splits or {}
-        sharded = opts.stage >= 1
+        self.expert_splits = expert_splits or {}
         # Local SGD (train.local_sgd, parallel/data/zero/local_sgd.py): gradients reduced within the replica
         # only; the replicas meet in its outer step, over the replicate group.
         apart = train.local_sgd.every > 0
+        self._build_comms(apart)
+        nvme_dir = opts.nvme_dir or Path("offload")
+        self.tier = build_tier(opts.offload_optimizer, device, opts.master_dtype, nvme_dir,
+                               opts.nvme_chunk_bytes, opts.nvme_buffers, opts.offload_params == "nvme")
+        in_order = self._build_units(device, initializer)
+        for unit in self.units:
+            unit.attach_grads()
+        materialize_buffers(model, device)
+        self._build_norm_spans()
+        self.tier.build_optimizer(train)
+        self.optimizer = self.tier.optimizer
+        self.local_sgd = None  # train.local_sgd: the outer model and step (the loop calls it)
+        if apart:
+            from shardlm.parallel.data.zero.local_sgd import LocalSGD
+
+            self.local_sgd = LocalSGD(self, train.local_sgd)
+        self.param_store = build_param_store(opts.offload_params, in_order, device, nvme_dir)
+        self.sync = True
+        self.in_flight: list[tuple[Unit, object]] = []
+        if opts.stage == 3:
+            from shardlm.parallel.data.zero.params import ParamSharding
+
+            self.param_sharding = ParamSharding(in_order, opts, self.param_store, hold_for_step=mesh.dims.pp > 1)
+        self.muon = None  # train.optimizer = 'muon': its gathers and updates around the tier's step
+        if train.optimizer == "muon":
+            from shardlm.parallel.data.zero.optim import muon_params
+            from shardlm.parallel.data.zero.muon import ShardedMuon
+
+            names = {id(p): n for n, p in model.named_parameters()}
+            self.muon = ShardedMuon(self, {names[id(p)] for p in muon_params(model)}, train)
+        self._log_setup(in_order)
+
+    def _build_comms(self, apart: bool) -> None:
+        """The engine's groups: the shard group (stage 0: every data-parallel rank), the
+        replicas, tensor parallelism's, and the experts' shard / data-parallel group and ep."""
+        mesh, sharded, watchdog = self.mesh, self.opts.stage >= 1, self.watchdog
         # Stage 0 all-reduces over every data- and context-parallel rank: the world, unless
         # tensor parallelism takes a factor of it (or local SGD keeps the replicas apart).
         everyone = mesh.dp_shard_group if apart else mesh.dp_group
@@ -95,25 +131,27 @@ class ZeroEngine:
         self.tp_comm = Comm(mesh.tp_group, "tp", self.ledger, watchdog)
         self.replicate_comm = Comm(mesh.dp_replicate_group if sharded or apart else None,
                                    "dp_replicate", self.ledger, watchdog)
-        shard_world, shard_rank = (self.shard_comm.size, mesh.shard_rank) if sharded else (1, 0)
-        self.expert_splits = expert_splits or {}
         self.expert_comm = Comm(mesh.ep_shard_group if sharded else mesh.ep_dp_group,
                                 "ep_shard" if sharded else "ep_dp", self.ledger, watchdog)
         self.ep_comm = Comm(mesh.ep_group, "ep", self.ledger, watchdog)
-        expert_shard_rank = mesh.ep_shard_rank if sharded else 0
-        # One unit at a time, so setup never holds more than one unit's temporary fp32 copy.
+
+    def _build_units(self, device: torch.device, initializer: Initializer | None) -> list[Unit]:
+        """The sharded build, one unit at a time, so setup never holds more than one unit's
+        temporary fp32 copy: each unit's flat parameter, its hooks and its master segments in the
+        tier; at stage 3 only the shard stays. Returns every unit in forward order (stage 3
+        gathers them so)."""
+        opts, sharded = self.opts, self.opts.stage >= 1
+        shard_rank = self.mesh.shard_rank if sharded else 0
+        expert_shard_rank = self.mesh.ep_shard_rank if sharded else 0
         self.units: list[Unit] = []
         self.frozen: list[Unit] = []
         """Units of parameters that do not train (a LoRA run's base): no hooks, gradients,
         reductions or optimizer segments; at stage 3 gathered like the others."""
-        in_order: list[Unit] = []  # every unit, in forward order (stage 3 gathers them so)
+        in_order: list[Unit] = []
         # The optimizer's segments: pieces of this rank's shard, one per (unit, decay group).
         self.segments: list[tuple[Unit, slice]] = []
-        nvme_dir = opts.nvme_dir or Path("offload")
-        self.tier = build_tier(opts.offload_optimizer, device, opts.master_dtype, nvme_dir,
-                               opts.nvme_chunk_bytes, opts.nvme_buffers, opts.offload_params == "nvme")
         expert_modules = {n.rsplit(".", 1)[0] for n in self.expert_splits}
-        for spec in collect_units(model, opts.unit_classes, sorted(expert_modules),
+        for spec in collect_units(self.model, opts.unit_classes, sorted(expert_modules),
                                   opts.fp8_all_gather and opts.stage == 3):
             expert = spec.name.split("[")[0] in expert_modules  # "….experts[frozen]" too (LoRA)
             unit = (Unit(spec, self.expert_comm, expert_shard_rank, opts, device, initializer, True) if expert
@@ -136,42 +174,27 @@ class ZeroEngine:
             if opts.stage == 3:  # only the shard stays; parallel/data/zero/params.py gathers on demand
                 unit.flat_param.untyped_storage().resize_(0)
             self.units.append(unit)
-        for unit in self.units:
-            unit.attach_grads()
-        materialize_buffers(model, device)
+        return in_order
+
+    def _build_norm_spans(self) -> None:
+        """Where each trained parameter sits in its unit, in model order, and the ranges of it
+        this rank counts in the global norm. A parameter replicated across the tensor-parallel
+        group counts once (on its tp rank 0); a cut one (experts spread over ep × tp included)
+        counts on every rank (each holds a different piece), but for the ranges of it every rank
+        holds (placement.Split.copies), counted on tp rank 0."""
+        model, tp_rank = self.model, self.mesh.tp_rank
         spans = {id(p): (u, off, p.numel()) for u in self.units for p, off in zip(u.params, u.layout.offsets)}
         self._param_spans = [spans[id(p)] for p in model.parameters() if id(p) in spans]
-        # In the global norm, a parameter replicated across the tensor-parallel group counts once
-        # (on its tp rank 0); a cut one (experts spread over ep × tp included) counts on every
-        # rank (each holds a different piece), but
-        # for the ranges of it every rank holds (placement.Split.copies), counted on tp rank 0.
         names = {id(p): n for n, p in model.named_parameters()}
-        self._norm_spans = [[] if names[id(p)] in copies
-                            else self.splits[names[id(p)]].owned(mesh.tp_rank) if names[id(p)] in self.splits
-                            else [(0, p.numel())] if mesh.tp_rank == 0 or names[id(p)] in self.expert_splits
+        self._norm_spans = [[] if names[id(p)] in self.copies
+                            else self.splits[names[id(p)]].owned(tp_rank) if names[id(p)] in self.splits
+                            else [(0, p.numel())] if tp_rank == 0 or names[id(p)] in self.expert_splits
                             else []
                             for p in model.parameters() if id(p) in spans]
-        self.tier.build_optimizer(train)
-        self.optimizer = self.tier.optimizer
-        self.local_sgd = None  # train.local_sgd: the outer model and step (the loop calls it)
-        if apart:
-            from shardlm.parallel.data.zero.local_sgd import LocalSGD
 
-            self.local_sgd = LocalSGD(self, train.local_sgd)
-        self.param_store = build_param_store(opts.offload_params, in_order, device, nvme_dir)
-        self.sync = True
-        self.in_flight: list[tuple[Unit, object]] = []
-        if opts.stage == 3:
-            from shardlm.parallel.data.zero.params import ParamSharding
-
-            self.param_sharding = ParamSharding(in_order, opts, self.param_store, hold_for_step=mesh.dims.pp > 1)
-        self.muon = None  # train.optimizer = 'muon': its gathers and updates around the tier's step
-        if train.optimizer == "muon":
-            from shardlm.parallel.data.zero.optim import muon_params
-            from shardlm.parallel.data.zero.muon import ShardedMuon
-
-            names = {id(p): n for n, p in model.named_parameters()}
-            self.muon = ShardedMuon(self, {names[id(p)] for p in muon_params(model)}, train)
+    def _log_setup(self, in_order: list[Unit]) -> None:
+        opts = self.opts
+        shard_world = self.shard_comm.size if opts.stage >= 1 else 1
         fp8_units = [u for u in in_order if u.fp8_gather is not None]
         if fp8_units:  # precision.fp8_all_gather (parallel/data/zero/fp8_gather.py)
             log.info("zero: %d FP8 linear weights in %d units gathered in E4M3 (1 byte per element, one "
