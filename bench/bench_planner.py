@@ -266,7 +266,7 @@ def main(argv=None) -> None:
         # 220 to 423 MiB). Built here first, in a child of its own (this parent's RSS would
         # carry into the ranks, as the probe's did)
         data = overrides_for(args, 1, 0, "none", "none", "", "unused")
-        subprocess.run([sys.executable, "-c", "import sys, json; from shardlm.config import load_config; "
+        subprocess.run([sys.executable, "-c", "import sys, json; from shardlm.config.load import load_config; "
                         "from shardlm.data.loader import build_dataset; "
                         "cfg = load_config(overrides=json.loads(sys.argv[1])).validate(); "
                         "build_dataset(cfg.data, cfg.model.vocab_size, None, cfg.train.seq_len)",
