@@ -68,23 +68,7 @@ def launch_local(nproc: int, worker_argv: list[str], max_restarts: int = 0,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    # Each worker sets its own thread count (init_runtime); saying so here silences torchrun's
-    # OMP_NUM_THREADS=1 default and its warning.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_cores() // nproc)))
-    # The agent's shared rendezvous store outlives a restart, and with it the previous gang's
-    # process-group keys: a restarted worker can read a dead peer's address and fail to connect
-    # (seen here: one of two restarts wasted that way). Unshared, each round forms a fresh group
-    # (group-<restart count> below). Also required by the file rendezvous: a shared store would
-    # send the workers to a TCP server that does not exist.
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    loopback = loopback_interface()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
-    remove_dead_rendezvous_dirs(Path(tempfile.gettempdir()))
-    # mode 0700: ours only; our pid in the name says when its owner is gone
-    rendezvous_dir = Path(tempfile.mkdtemp(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}-"))
-    os.environ[LOCAL_RENDEZVOUS_ENV] = str(rendezvous_dir)
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    rendezvous_dir = _prepare_environment(nproc)
     args = get_args_parser().parse_args([
         *local_launch_args(nproc, rendezvous_dir, max_restarts),
         # torchrun's default is a `torchelastic_*` directory in $TMPDIR that nobody removes
@@ -98,37 +82,72 @@ def launch_local(nproc: int, worker_argv: list[str], max_restarts: int = 0,
         if relay.held():  # a gang restarted after a failure (--max-restarts), then finished
             write_run_log(worker_argv, "the workers finished after a restart", "", agent_log, relay)
     except ChildFailedError as e:
-        dead = dead_rank(e.failures)
-        log_file = write_run_log(worker_argv, "a worker failed", e.format_msg(), agent_log, relay)
-        if dead is None:  # no rank died: the workers' own tracebacks are the news
-            relay.show_held()
-        codes = {f.exitcode for f in e.failures.values()}
-        if DISK_EXIT in codes:  # the worker printed its DiskError: the one message to read
-            log.error("shardlm: a worker stopped on a disk error (exit %d): see its message above",
-                      DISK_EXIT)
-            return DISK_EXIT
-        if dead is None and e.get_first_failure()[1].exitcode == 2:  # a ConfigError (a checkpoint
-            # refused, say), printed by the worker; the others may have been stopped meanwhile
-            log.error("shardlm: the workers stopped on the error above (exit 2)")
-            return 2
-        rank, failure = dead or e.get_first_failure()
-        log.error("shardlm: %s", failure_line(rank, failure.exitcode, run_dir_of(worker_argv), log_file))
-        return 1
+        return _child_failed(e, worker_argv, agent_log, relay)
     except SignalException as e:
         # torchrun has forwarded the signal to the workers and waited for them to exit.
-        relay.show_held()
-        stopped = [r for r in range(nproc) if (rendezvous_dir / f"stopped-{r}").exists()]
-        if len(stopped) == nproc:
-            log.warning("shardlm: %s: the workers saved a checkpoint and stopped", e.sigval.name)
-            return 0
-        log.error("shardlm: %s: workers %s did not stop cleanly (no checkpoint saved by them)",
-                  e.sigval.name, sorted(set(range(nproc)) - set(stopped)))
-        return 128 + int(e.sigval)
+        return _signalled(e, nproc, rendezvous_dir, relay)
     finally:
         for name in (LOCAL_RENDEZVOUS_ENV, LAUNCHER_PID_ENV):
             os.environ.pop(name, None)
         shutil.rmtree(rendezvous_dir, ignore_errors=True)
     return 0
+
+
+def _prepare_environment(nproc: int) -> Path:
+    """The environment torchrun and the workers inherit, and the private rendezvous directory
+    (returned) named in it."""
+    # Each worker sets its own thread count (init_runtime); saying so here silences torchrun's
+    # OMP_NUM_THREADS=1 default and its warning.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_cores() // nproc)))
+    # The agent's shared rendezvous store outlives a restart, and with it the previous gang's
+    # process-group keys: a restarted worker can read a dead peer's address and fail to connect
+    # (seen here: one of two restarts wasted that way). Unshared, each round forms a fresh group
+    # (group-<restart count>: launch/runtime.py). Also required by the file rendezvous: a shared
+    # store would send the workers to a TCP server that does not exist.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    loopback = loopback_interface()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    remove_dead_rendezvous_dirs(Path(tempfile.gettempdir()))
+    # mode 0700: ours only; our pid in the name says when its owner is gone
+    rendezvous_dir = Path(tempfile.mkdtemp(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}-"))
+    os.environ[LOCAL_RENDEZVOUS_ENV] = str(rendezvous_dir)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    return rendezvous_dir
+
+
+def _child_failed(e, worker_argv: list[str], agent_log: AgentLog, relay: StderrRelay) -> int:
+    """The exit status of a gang whose worker failed, after the run log is written and the one
+    message to read is shown."""
+    dead = dead_rank(e.failures)
+    log_file = write_run_log(worker_argv, "a worker failed", e.format_msg(), agent_log, relay)
+    if dead is None:  # no rank died: the workers' own tracebacks are the news
+        relay.show_held()
+    codes = {f.exitcode for f in e.failures.values()}
+    if DISK_EXIT in codes:  # the worker printed its DiskError: the one message to read
+        log.error("shardlm: a worker stopped on a disk error (exit %d): see its message above",
+                  DISK_EXIT)
+        return DISK_EXIT
+    if dead is None and e.get_first_failure()[1].exitcode == 2:  # a ConfigError (a checkpoint
+        # refused, say), printed by the worker; the others may have been stopped meanwhile
+        log.error("shardlm: the workers stopped on the error above (exit 2)")
+        return 2
+    rank, failure = dead or e.get_first_failure()
+    log.error("shardlm: %s", failure_line(rank, failure.exitcode, run_dir_of(worker_argv), log_file))
+    return 1
+
+
+def _signalled(e, nproc: int, rendezvous_dir: Path, relay: StderrRelay) -> int:
+    """The exit status after a SIGTERM / SIGINT forwarded to the workers: 0 if each saved a
+    checkpoint and stopped, else 128 + the signal."""
+    relay.show_held()
+    stopped = [r for r in range(nproc) if (rendezvous_dir / f"stopped-{r}").exists()]
+    if len(stopped) == nproc:
+        log.warning("shardlm: %s: the workers saved a checkpoint and stopped", e.sigval.name)
+        return 0
+    log.error("shardlm: %s: workers %s did not stop cleanly (no checkpoint saved by them)",
+              e.sigval.name, sorted(set(range(nproc)) - set(stopped)))
+    return 128 + int(e.sigval)
 
 
 def remove_dead_rendezvous_dirs(tmp: Path) -> None:
