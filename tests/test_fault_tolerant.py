@@ -71,7 +71,7 @@ def _overrides(tmp_path: Path) -> dict:
 
 @pytest.mark.parametrize("change, says", [
     ({"parallel.dp_replicate": 1}, "needs parallel.dp_replicate >= 2"),
-    ({"parallel.tp": 2}, "parallel.tp = 2 (the quorum averages data-parallel shards only"),
+    ({"parallel.pp": 2}, "parallel.pp = 2 (the hybrid run numbers pipeline stages outermost"),
     ({"parallel.dp_shard": 2, "parallel.zero_stage": 0}, "parallel.zero_stage = 0 (at ZeRO stage 0 "
                                                          "every rank of a replica holds the whole"),
     ({"train.local_sgd.every": 4}, "train.local_sgd.every = 4 (local SGD's replicas hold different"),
@@ -190,7 +190,7 @@ def _launch(overrides: dict, faults: str, lost: int | None, ranks: int = 1) -> t
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
-    deadline = time.monotonic() + 240 * ranks  # a bound on a hang, not a timing the test depends on
+    deadline = time.monotonic() + 480 * ranks  # a bound on a hang, not a timing the test depends on
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             if lost is not None and any(f"replica {lost} waits to rejoin" in line for line in list(lines)):
@@ -341,15 +341,18 @@ def test_replicas_checkpoint_and_a_job_lost_whole_resumes_from_it(tmp_path, rank
     _assert_final_weights(tmp_path, run, rtol=0.0, atol=1e-5)
 
 
-@pytest.mark.parametrize("change", [{"train.optimizer": "muon"}, {"lora.rank": 4}],
-                         ids=["muon", "lora"])
-def test_a_rejoining_replica_takes_muon_and_lora_state(tmp_path, change):
+@pytest.mark.parametrize("change, ranks", [({"train.optimizer": "muon"}, 1), ({"lora.rank": 4}, 1),
+                                           ({"parallel.tp": 2, "parallel.zero_stage": 1}, 2)],
+                         ids=["muon", "lora", "tp2-replicas"])
+def test_a_rejoining_replica_takes_muon_and_lora_state(tmp_path, change, ranks):
     """Muon's momentum, and LoRA's adapters with the frozen base, go to a rejoining replica
     like AdamW's state: replica 1 killed after step 1, back by step 4 (replica 0 pauses after
     step 3), and both replicas' final weights are the same, bit for bit — a joiner that missed
-    any of the state (a zero momentum) would take a different update at its first step."""
+    any of the state (a zero momentum) would take a different update at its first step. And
+    replicas of tp = 2 ranks each: rank i (tp position i) takes its state from the live
+    replica's rank i."""
     overrides = {**_overrides(tmp_path), "train.steps": 6, **change}
-    code, output = _launch(overrides, "1:kill@1,0:stop@3", lost=1)
+    code, output = _launch(overrides, "1:kill@1,0:stop@3", lost=1, ranks=ranks)
     assert code == 0, output[-3000:]
     assert "replica 1 rejoined at step" in output, output[-3000:]
     records = _records(tmp_path / "runs" / "ft" / "replica-0" / "metrics.jsonl")

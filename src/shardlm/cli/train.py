@@ -227,7 +227,7 @@ def launch_workers(args: argparse.Namespace, cfg, overrides: list[str]) -> int:
         if args.nproc % replicas:
             raise ConfigError(f"parallel.fault_tolerant: --nproc {args.nproc} must be a multiple "
                               f"of parallel.dp_replicate = {replicas} (replicas of equal ranks)")
-        if args.nproc > replicas and cfg.parallel.zero_stage == 0:
+        if resolve_dims(cfg.parallel, args.nproc).dp_shard > 1 and cfg.parallel.zero_stage == 0:
             raise ConfigError(f"parallel.fault_tolerant: {replicas} replicas of "
                               f"{args.nproc // replicas} ranks at parallel.zero_stage = 0: "
                               f"{STAGE0_REPLICA_RANKS}: use stage 1")

@@ -429,7 +429,8 @@ check once --nproc fixes dp_shard = -1)."""
 def _fault_tolerant_layout(cfg: Config) -> list[str]:
     """parallel.fault_tolerant (parallel/data/fault_tolerant/quorum.py): each replica is a world
     of its own — one process, or dp_shard ranks that ZeRO shards over (stages 1-3: rank i's
-    gradient shard averaged with every live replica's rank i, torchft's fault-tolerant HSDP);
+    gradient shard averaged with every live replica's rank i, torchft's fault-tolerant HSDP),
+    tensor parallelism inside it too;
     what cannot be built that way is refused here, by name, with why it cannot be."""
     par = cfg.parallel
     if not par.fault_tolerant:
@@ -437,13 +438,13 @@ def _fault_tolerant_layout(cfg: Config) -> list[str]:
     if par.dp_replicate < 2:
         return [f"parallel.fault_tolerant = true needs parallel.dp_replicate >= 2 (replicas that "
                 f"can drop out and rejoin), got {par.dp_replicate}"]
-    inside = ("the quorum averages data-parallel shards only: a replica's model cut across ranks "
-              "needs its own groups laid out inside the replica")
+    unchecked = ("its groups would lie inside a replica too, but their pairing of rank i across "
+                 "replicas is not checked against one process: refused rather than unchecked")
     apart = [f"{k} = {v!r} ({why})" for k, v, why, on in (
-        ("parallel.tp", par.tp, inside, par.tp > 1),
-        ("parallel.cp", par.cp, inside, par.cp > 1),
-        ("parallel.pp", par.pp, inside, par.pp > 1),
-        ("parallel.ep", par.ep, inside, par.ep > 1),
+        ("parallel.cp", par.cp, unchecked, par.cp > 1),
+        ("parallel.pp", par.pp, "the hybrid run numbers pipeline stages outermost: a replica's "
+         "ranks are no block of consecutive ranks that a world of its own could be", par.pp > 1),
+        ("parallel.ep", par.ep, unchecked, par.ep > 1),
         ("parallel.zero_stage", par.zero_stage, f"{STAGE0_REPLICA_RANKS}: use stage 1",
          par.zero_stage == 0 and par.dp_shard not in (1, -1)),
         ("parallel.strategy", par.strategy, "each replica would plan alone, for a world it does "
@@ -455,5 +456,5 @@ def _fault_tolerant_layout(cfg: Config) -> list[str]:
          "replica lost mid-round takes its inner steps with it", cfg.train.local_sgd.every > 0),
     ) if on]
     return ([f"parallel.fault_tolerant = true runs each replica as a world of its own (one "
-             f"process, or dp_shard ranks sharded by ZeRO) and does not compose with: "
+             f"process, or dp_shard x tp ranks) and does not compose with: "
              f"{'; '.join(apart)}"] if apart else [])
