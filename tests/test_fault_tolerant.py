@@ -91,6 +91,17 @@ def test_replicas_of_several_ranks_shard_with_zero(tmp_path, stage):
                        "parallel.zero_stage": stage}).validate()
 
 
+def test_replicas_of_several_ranks_at_stage_0_are_refused_before_spawning(tmp_path, monkeypatch,
+                                                                           capsys):
+    """dp_shard = -1 resolves only once --nproc is known: 4 ranks for 2 replicas at stage 0 is
+    refused there (exit 2, a ConfigError), before any replica starts."""
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a replica was started"))
+    monkeypatch.setattr(cli_train, "probe_this_cpu", lambda *a, **k: None)  # not this test's
+    assert main(["train", "--nproc", "4", "--parallel.dp_shard=-1",
+                 *[f"--{k}={v}" for k, v in _overrides(tmp_path).items()]]) == 2
+    assert "2 replicas of 2 ranks at parallel.zero_stage = 0" in capsys.readouterr().err
+
+
 def test_replica_faults_name_their_replica_and_incarnation():
     assert replica_faults("1:kill@2, 0:stop@5", "", 2) == {1: ["kill@2"], 0: ["stop@5"]}
     assert replica_faults("", "kill@3", 2) == {0: ["kill@3"], 1: ["kill@3"]}
