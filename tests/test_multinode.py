@@ -64,11 +64,14 @@ def train_overrides(root: Path) -> list[str]:
     """gpt-tiny in fp32 at ZeRO-3, 8 sequences per step. No gradient clipping: the norm of one
     rank's shard and that of two shards' partial sums differ in the last bit, and clipping by it
     would carry that into the weights (measured: 1.2e-6); the gradients themselves are the same
-    sums (two micro-batches accumulated on one rank = reduce-scattered over two)."""
+    sums (two micro-batches accumulated on one rank = reduce-scattered over two). The collective
+    timeout is also how long a worker waits at the rendezvous for the other agent's workers: on
+    two cores shared with other tests one agent's start-up was seen 66 s behind the other's (a
+    deadline, not a pace: a dead peer is seen at once through its closed connections)."""
     values = tiny_overrides(root, train__steps=STEPS, train__seq_len=32, train__micro_batch=4,
                             train__global_batch=8, train__log_every=1, train__eval_batches=1,
                             train__grad_clip=0, checkpoint__every=EVERY, parallel__zero_stage=3,
-                            parallel__collective_timeout_s=60)
+                            parallel__collective_timeout_s=180)
     return [f"--{k}={v}" for k, v in values.items()]
 
 
