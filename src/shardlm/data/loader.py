@@ -35,7 +35,7 @@ from shardlm.config.schema import DataConfig
 from shardlm.errors import ConfigError
 from shardlm.launch.cache_files import move_aside, read_json_cache
 from shardlm.launch.files import atomic_write
-from shardlm.launch.runtime import cache_root
+from shardlm.launch.cache_files import cache_root
 from shardlm.data.corpus import corpus_files, fingerprint, iter_documents
 import shardlm.data.seq2seq as seq2seq
 import shardlm.data.sft as sft

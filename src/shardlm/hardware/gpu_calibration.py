@@ -3,13 +3,14 @@ machine (hardware/probe.py matmul_curve, cached under the name torch gives the G
 H100 80GB HBM3'), read for the catalog device of that GPU (catalog.device_for_gpu_name). The
 time model then prices the compute at the measured curve, as it does a CPU's, instead of the
 catalog's efficiency (planner/compute.py compute_rate, planner/memory_bound.py). Read only:
-nothing is measured here, and no GPU is needed to read it."""
+nothing is measured here, and neither a GPU nor torch is needed to read it (hardware/probe_cache.py)."""
 
 from __future__ import annotations
 
 import functools
 import os
 
+from shardlm.hardware import probe_cache
 from shardlm.hardware.catalog import Device, device_for_gpu_name
 from shardlm.hardware.curves import MatmulCurve, measured_curve
 
@@ -20,17 +21,13 @@ GPU_THREADS = 1
 def cached_gpu_curves() -> dict[str, dict[str, list[dict]]]:
     """Every matmul_curve entry the probe cache holds under a name other than this CPU's, for
     this torch version at GPU_THREADS: {the GPU's name: {precision: entries}}."""
-    import torch
-
-    from shardlm.hardware import probe
-
     out: dict[str, dict[str, list[dict]]] = {}
-    this_cpu = probe.cpu_name()
-    for key, value in sorted(probe._table().items()):
+    this_cpu, torch_version = probe_cache.cpu_name(), probe_cache.torch_version()
+    for key, value in sorted(probe_cache.read_table(probe_cache.cache_path()).items()):
         parts = key.split("|", 5)  # v<version>|<machine>|torch <version>|threads=<n>|<precision>|mm MxKxN
-        if (len(parts) == 6 and parts[0] == f"v{probe._VERSION}" and parts[1] != this_cpu
-                and parts[2] == f"torch {torch.__version__}" and parts[3] == f"threads={GPU_THREADS}"
-                and parts[5].startswith("mm ") and probe._plausible(value)):
+        if (len(parts) == 6 and parts[0] == f"v{probe_cache.VERSION}" and parts[1] != this_cpu
+                and parts[2] == f"torch {torch_version}" and parts[3] == f"threads={GPU_THREADS}"
+                and parts[5].startswith("mm ") and probe_cache.plausible(value)):
             out.setdefault(parts[1], {}).setdefault(parts[4], []).append(value)
     return out
 
@@ -40,10 +37,8 @@ def device_curves(device: Device) -> dict[str, MatmulCurve]:
     here on a GPU of that catalog entry (of several, the one with the most points), else {}."""
     if device.curves or device.kind not in ("cuda", "rocm"):
         return device.curves
-    from shardlm.hardware.probe import _cache_path
-
     try:
-        stamp = os.stat(_cache_path()).st_mtime_ns
+        stamp = os.stat(probe_cache.cache_path()).st_mtime_ns
     except OSError:
         return {}
     return _calibrated(device.name, stamp)

@@ -11,38 +11,26 @@ the decision in the run's resolved config and its checkpoints, and a resume keep
 
 from __future__ import annotations
 
-import math
 import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 
 from shardlm.hardware.gloo_probe import gloo_probe, in_step_probe
-from shardlm.launch.cache_files import read_json_cache, write_json_cache
-from shardlm.launch.runtime import cache_root, cpu_cores
+from shardlm.hardware import probe_cache
+from shardlm.hardware.probe_cache import cpu_name
+from shardlm.launch.cache_files import write_json_cache
+from shardlm.launch.runtime import cpu_cores
 
 MIB = 2**20
 _MATMUL_MAX = 2048
-_VERSION = 7
-"""Bumped when what is measured changes: older entries are ignored."""
+_VERSION = probe_cache.VERSION
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), part of every cache key."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _cache_path() -> Path:
-    return cache_root() / "hardware_probe.json"
+    return probe_cache.cache_path()
 
 
 def _cached(key: str, measure, machine: str | None = None, again: bool = False) -> dict | float:
@@ -53,7 +41,7 @@ def _cached(key: str, measure, machine: str | None = None, again: bool = False) 
     entry of the wrong shape is measured again."""
     full_key = f"v{_VERSION}|{machine or cpu_name()}|torch {torch.__version__}|{key}"
     table = _table()
-    if full_key not in table or again or not _plausible(table[full_key]):
+    if full_key not in table or again or not probe_cache.plausible(table[full_key]):
         value = measure()
         table = _table()
         table[full_key] = value
@@ -61,21 +49,9 @@ def _cached(key: str, measure, machine: str | None = None, again: bool = False) 
     return table[full_key]
 
 
-def _plausible(entry: object) -> bool:
-    """What a measurement writes: a finite number, or a non-empty table of them."""
-    if isinstance(entry, dict):
-        return bool(entry)
-    return isinstance(entry, (int, float)) and not isinstance(entry, bool) and math.isfinite(entry)
-
-
-def _check_table(value: object) -> str:
-    return "" if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object of entries"
-
-
 def _table() -> dict:
     """The whole cache, as on disk now ({} where there is none, or it was damaged)."""
-    table = read_json_cache(_cache_path(), _check_table, "hardware probe cache")
-    return table if isinstance(table, dict) else {}
+    return probe_cache.read_table(_cache_path())
 
 
 def _time_matmul(dtype: torch.dtype, seconds: float = 0.5) -> float:
@@ -369,7 +345,7 @@ def cached_curve(precision: str, threads: int, device: str = "cpu") -> list[dict
     count and precision: the model shapes any `shardlm calibrate` timed here, and the probe's
     generic ones. Read only: nothing is measured."""
     prefix = f"v{_VERSION}|{device_name(device)}|torch {torch.__version__}|threads={threads}|{precision}|mm "
-    return [value for key, value in sorted(_table().items()) if key.startswith(prefix) and _plausible(value)]
+    return [value for key, value in sorted(_table().items()) if key.startswith(prefix) and probe_cache.plausible(value)]
 
 
 def cached_pass(key: str, threads: int, measure, again: bool = False) -> dict:
@@ -383,7 +359,7 @@ def cached_passes(threads: int) -> dict[str, float]:
     pass_key -> seconds. Read only: nothing is measured."""
     prefix = f"v{_VERSION}|{cpu_name()}|torch {torch.__version__}|threads={threads}|pass "
     return {key[len(prefix):]: value["seconds"] for key, value in _table().items()
-            if key.startswith(prefix) and isinstance(value, dict) and _plausible(value.get("seconds"))}
+            if key.startswith(prefix) and isinstance(value, dict) and probe_cache.plausible(value.get("seconds"))}
 
 
 def disk_streams(directory: Path | None = None, again: bool = False) -> dict[int, dict]:
@@ -396,7 +372,7 @@ def disk_streams(directory: Path | None = None, again: bool = False) -> dict[int
     if directory is None:
         prefix = f"v{_VERSION}|{cpu_name()}|torch {torch.__version__}|disk|streams="
         return {int(key[len(prefix):]): value for key, value in _table().items()
-                if key.startswith(prefix) and key[len(prefix):].isdigit() and _plausible(value)}
+                if key.startswith(prefix) and key[len(prefix):].isdigit() and probe_cache.plausible(value)}
     return {n: _cached(f"disk|streams={n}", lambda: {"bytes_per_s": stream_bandwidth(directory, n),
                                                        "directory": str(directory.resolve())}, again=again)
             for n in STREAMS}

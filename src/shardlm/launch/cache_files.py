@@ -21,6 +21,13 @@ from pathlib import Path
 from shardlm.errors import ConfigError
 from shardlm.launch.files import atomic_write
 
+
+def cache_root(configured: str = "") -> Path:
+    """Per-user cache (tokenizers, token shards, the CPU FLOP probe): the configured path, else
+    $SHARDLM_CACHE, else ~/.cache/shardlm."""
+    return Path(configured or os.environ.get("SHARDLM_CACHE") or "~/.cache/shardlm").expanduser()
+
+
 log = logging.getLogger("shardlm")
 
 

@@ -57,12 +57,6 @@ class Runtime:
         return self.rank == 0
 
 
-def cache_root(configured: str = "") -> Path:
-    """Per-user cache (tokenizers, token shards, the CPU FLOP probe): the configured path, else
-    $SHARDLM_CACHE, else ~/.cache/shardlm."""
-    return Path(configured or os.environ.get("SHARDLM_CACHE") or "~/.cache/shardlm").expanduser()
-
-
 def tracker_environment() -> dict[str, str | bool]:
     """What the experiment trackers' own variables say (shardlm.train.tracking): whether W&B was told a
     mode or given a key (if not, it runs offline), its project, MLflow's tracking URI ('' = a file
