@@ -31,6 +31,20 @@ PERTURBED = os.environ.get("SHARDLM_TEST_PERTURB", "") not in ("", "0")
 if PERTURBED:
     _perturb()
 
+
+def _machine_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# The suite runs on one pytest-xdist worker per core (pyproject: `-n auto --dist loadfile`): most
+# of a test's time is a process starting, importing torch or waiting on a peer, so run one after
+# another they kept two cores ~40% busy. Each worker then owns its share of the cores: its ranks
+# divide that share (SHARDLM_CPU_CORES, read by launch/runtime.py cpu_cores) and its own torch
+# threads are that many, so two workers never run twice the machine's threads.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+if WORKERS > 1:
+    os.environ.setdefault("SHARDLM_CPU_CORES", str(max(1, _machine_cores() // WORKERS)))
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -41,8 +55,26 @@ import torch  # noqa: E402
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 
+if WORKERS > 1:
+    torch.set_num_threads(int(os.environ["SHARDLM_CPU_CORES"]))
+
 # Read before any test hides the GPUs below: whether this machine can run the `cuda` lane.
 HAS_CUDA = torch.cuda.is_available()
+
+# The files that take longest (a module's spawned world, several launches), measured on a
+# 2-core machine: handed to the workers first, so none starts last and keeps one worker busy
+# after the other has finished (longest first). Order only: a file missing here runs after them.
+LONGEST_FIRST = ("test_fault_tolerant.py", "test_multinode.py", "test_study.py", "test_faults.py",
+                 "test_restart.py", "test_compile.py", "test_checkpoint.py", "test_offload.py",
+                 "test_allocator.py", "test_zero.py", "test_damaged_inputs.py", "test_dry_run.py",
+                 "test_exit_stress.py", "test_pipeline.py", "test_tensor_parallel.py",
+                 "test_watchdog.py", "test_fp8_all_gather.py", "test_ray.py", "test_attention.py",
+                 "test_hf_models.py", "test_async_tp.py")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per core, at most 4 (each worker's heaviest test holds a few GiB)."""
+    return max(1, min(4, _machine_cores()))
 
 
 def pytest_configure(config):
@@ -51,6 +83,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: a file's order kept
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="no CUDA device"))
