@@ -30,10 +30,9 @@ from pathlib import Path
 
 from shardlm.config.schema import ZeroConfig
 from shardlm.config.load import load_config
-from shardlm.hardware.catalog import MIB, interpolate
+from shardlm.hardware.catalog import CALIBRATION, MIB, interpolate
 from shardlm.hardware.disk_probe import stream_rate
 from shardlm.planner.memory import nvme_first_chunk
-from shardlm.planner.memory_bound import MMAP_THRESHOLD
 from shardlm.planner.workload import stage_params, zero_ranks
 
 CORES = 2
@@ -46,7 +45,7 @@ def _row_setup(row: dict):
 
     sys.path.insert(0, str(Path(__file__).parent))
     import bench_planner as bp
-    from shardlm.hardware.catalog import CALIBRATION, LINKS, Cluster, Device, Node
+    from shardlm.hardware.catalog import LINKS, Cluster, Device, Node
     from shardlm.planner.search import config_strategy
 
     args = bp.parse_args([])
@@ -113,7 +112,7 @@ def deltas(rows: list[dict]) -> list[dict[str, float]]:
         if s.zero_stage >= 2:
             g, N = s.dtypes.grad_bytes, zero_ranks(s.layout)
             units = [sp.root_unit] + [sp.block_unit] * sp.layers
-            shards = sum(g * u / N for u in units if g * u / N >= MMAP_THRESHOLD) * (sp.dense + sp.experts) / sum(units)
+            shards = sum(g * u / N for u in units if g * u / N >= CALIBRATION["cpu"].mmap_threshold) * (sp.dense + sp.experts) / sum(units)
             d["gradient shards fresh"] = shards / (f["fresh"] * share)
         out.append(d)
     return out
