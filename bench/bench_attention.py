@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from memory_ledger import decoder_peak_bytes  # noqa: E402
 
 from shardlm.config.model import ModelConfig  # noqa: E402
-from shardlm.models import build_model  # noqa: E402
+from shardlm.models.decoder import build_model  # noqa: E402
 from shardlm.models.attention import attend, prepare  # noqa: E402
 from shardlm.data.packed import positions_from_starts  # noqa: E402
 from shardlm.planner.activations import ActivationDtypes, activation_peak

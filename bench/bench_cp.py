@@ -61,7 +61,7 @@ import torch
 from common import (MiB, by_group, err, ledger_text, machine, peak_rss_bytes, prepare, reproduce, reset_peak_rss,
                     run_overrides, start_ranks, table, table_row, train_timed)
 from shardlm.config.load import load_config
-from shardlm.models import count_params
+from shardlm.models.flops import count_params
 
 # (name, ranks, overrides)
 CASES = [("1 rank", 1, {}),

@@ -40,7 +40,7 @@ from common import (MiB, machine, peak_rss_bytes, plot, prepare, reproduce, run_
                     table, table_row, train_timed)
 from common.cli import read_jsonl
 from shardlm.config.load import load_config
-from shardlm.models import count_params
+from shardlm.models.flops import count_params
 from shardlm.models.flops import active_params
 
 SKEW = 10.0

@@ -83,7 +83,7 @@ def main() -> None:
                   {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD})
 
     from shardlm.config.load import load_config
-    from shardlm.models import count_params
+    from shardlm.models.flops import count_params
     from shardlm.train.build import build_run
     from shardlm.train.step import train_step
 

@@ -94,7 +94,7 @@ from pp_torch import torch_rank
 from shardlm.config.load import load_config
 from shardlm.parallel.pipeline.tables import V_SHAPED, check_table
 from shardlm.parallel.pipeline.schedules import table_for
-from shardlm.models import count_params
+from shardlm.models.flops import count_params
 from shardlm.models.flops import pipeline_split
 
 # key: (name, ranks, runner, spec). shardlm's spec: its overrides and the data-parallel degree

@@ -297,7 +297,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from shardlm.config.load import load_config
-    from shardlm.models import count_params
+    from shardlm.models.flops import count_params
 
     base = Path(args.dir)
     fstype = fs_type(base)

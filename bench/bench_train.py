@@ -25,7 +25,7 @@ from torch import nn
 from common import machine, reproduce, run_overrides, table, table_row, timed_steps
 from shardlm.config.load import load_config
 from shardlm.launch.runtime import cpu_cores
-from shardlm.models import count_params
+from shardlm.models.flops import count_params
 from shardlm.train.build import build_run
 from shardlm.train.step import train_step
 

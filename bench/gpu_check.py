@@ -97,7 +97,7 @@ def _plain(overrides: dict, warmup: int, timed: int) -> dict:
 
     from shardlm.config.load import load_config
     from shardlm.data.loader import Loader, build_dataset
-    from shardlm.models import build_model
+    from shardlm.models.decoder import build_model
     from shardlm.parallel.data.zero.optim import lr_at, param_groups
 
     cfg = load_config(overrides=overrides).validate()
@@ -139,7 +139,7 @@ def _shardlm(overrides: dict, warmup: int, timed: int) -> dict:
 def _timed(step, warmup: int, timed: int, cfg) -> dict:
     import torch
 
-    from shardlm.models import flops_per_token
+    from shardlm.models.flops import flops_per_token
 
     cuda = cfg.run.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)

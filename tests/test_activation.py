@@ -10,7 +10,8 @@ import torch
 from test_models import counted_flops
 
 from shardlm.config.model import ModelConfig
-from shardlm.models import build_model, flops_per_token
+from shardlm.models.decoder import build_model
+from shardlm.models.flops import flops_per_token
 from shardlm.config.presets import get_preset
 from shardlm.parallel.blocks.activation import apply_ac
 

@@ -24,7 +24,7 @@ from shardlm.data.loader import build_dataset
 from shardlm.data.loader import _windows
 from shardlm.data.sft import LOSS, START
 from shardlm.errors import ConfigError
-from shardlm.models import build_model
+from shardlm.models.decoder import build_model
 from shardlm.models.attention import attend, configure, prepare
 from shardlm.data.packed import PackedTokens, positions_from_starts
 from shardlm.parallel.blocks.activation import apply_ac

@@ -31,7 +31,7 @@ def test_the_bigram_model_would_go_on_past_the_end_of_turn(instruct):
     """The premise: without stop ids the greedy continuation does not end at <|im_end|>."""
     chat = chat_cli.load_chat_model(instruct, torch.device("cpu"))
     assert chat.stop_ids == {0, 2}  # the template's eos <|im_end|>, generation_config's [2, 0]
-    from shardlm.models import generate
+    from shardlm.models.decoder import generate
 
     prompt = chat.prompt_ids([{"role": "user", "content": "Hello there"}])
     out = generate(chat.model, torch.tensor([prompt]), 6, temperature=0)[0, len(prompt):].tolist()

@@ -10,7 +10,7 @@ from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
 from shardlm.data.tokenizer import train_tokenizer
 from shardlm.checkpoint.export import export_hf
-from shardlm.models import build_model
+from shardlm.models.decoder import build_model
 
 transformers = pytest.importorskip("transformers")
 

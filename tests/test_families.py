@@ -47,7 +47,7 @@ def _names_its_class(tmp_path: Path, name: str, model_type: str = "") -> None:
     from shardlm.checkpoint.export import hf_config, hf_state_dict
     from shardlm.checkpoint.hf_names import hf_family
     from shardlm.config.load import load_config
-    from shardlm.models import build_model
+    from shardlm.models.decoder import build_model
 
     fam = families.family(model_type or name)
     config = getattr(transformers, fam.config_class)(**TINY).to_dict()

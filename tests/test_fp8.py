@@ -271,7 +271,7 @@ def test_lora_bases_and_every_expert_multiply_in_fp8(tmp_path, extra):
     shows which quantisers ran): after a step every quantiser has rounded something — each
     frozen base's (QLoRA's dequantised from its bytes), each expert's — while LoRA's adapters
     stay plain linears in the compute dtype."""
-    from shardlm.models import build_model
+    from shardlm.models.decoder import build_model
     from shardlm.models.lora import DEFAULT_TARGETS, LoRALinear, apply_lora
     from shardlm.models.moe import Experts
     from shardlm.models.quant import quantizable, quantize_base
@@ -304,7 +304,7 @@ def test_an_fp8_block_traces_as_one_graph():
     import torch._dynamo
 
     from shardlm.config.model import ModelConfig
-    from shardlm.models import build_model
+    from shardlm.models.decoder import build_model
     from shardlm.config.presets import get_preset
 
     model = build_model(ModelConfig(**{**get_preset("llama-tiny"), "preset": "llama-tiny"}), "cpu", seed=0)

@@ -179,3 +179,32 @@ def test_the_contract_can_fail(tmp_path, monkeypatch):
                 f"shardlm.parallel.pipeline.stages (layer {_layer_of('shardlm.parallel')})") in str(e)
     else:
         raise AssertionError("the planted upward import was not reported")
+
+
+def _forwarding_modules(package: Path) -> list[str]:
+    """Modules that only pass on names defined elsewhere (issue 45: no shims): a body of nothing
+    but imports, `__all__` and a docstring, with at least one `from ... import`, or a
+    module-level `__getattr__` (a lazy re-export, PEP 562)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        body = ast.parse(path.read_text()).body
+        rest = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+                and not (isinstance(s, ast.ImportFrom) and s.module == "__future__")]
+        imports = [s for s in rest if isinstance(s, ast.ImportFrom)]
+        only = all(isinstance(s, (ast.Import, ast.ImportFrom)) or (isinstance(s, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in s.targets)) for s in rest)
+        lazy = any(isinstance(s, ast.FunctionDef) and s.name == "__getattr__" for s in body)
+        if (imports and only) or lazy:
+            found.append(path.relative_to(package.parent).as_posix())
+    return found
+
+
+def test_no_module_only_re_exports(tmp_path):
+    """Every name is imported from the module that defines it; a package's __init__ says what
+    is inside, it does not forward (checked to find both kinds in a planted package)."""
+    assert _forwarding_modules(PACKAGE) == []
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text('"""Doc."""\nfrom pkg.a import f\n__all__ = ["f"]\n')
+    (tmp_path / "pkg" / "lazy.py").write_text("def __getattr__(name):\n    return name\n")
+    (tmp_path / "pkg" / "a.py").write_text("from os import path\n\ndef f():\n    return path\n")
+    assert _forwarding_modules(tmp_path / "pkg") == ["pkg/__init__.py", "pkg/lazy.py"]

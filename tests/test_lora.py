@@ -18,7 +18,7 @@ from lora_cases import lora_case, lora_cases
 from parity import assert_matches
 from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
-from shardlm.models import build_model
+from shardlm.models.decoder import build_model
 from shardlm.models.lora import apply_lora, is_adapter
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.build import build_run

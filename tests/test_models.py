@@ -11,7 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from shardlm.config.model import ModelConfig
 from shardlm.config.load import load_config
-from shardlm.models import Decoder, build_model, count_params, flops_per_token, generate
+from shardlm.models.decoder import Decoder, build_model, generate
+from shardlm.models.flops import count_params, flops_per_token
 from shardlm.models.decoder import apply_rope, rope_tables
 from shardlm.models.flops import resolved_d_ff
 from shardlm.config.presets import PRESETS, PUBLISHED_PARAMS, get_preset

@@ -12,7 +12,7 @@ from conftest import tiny_overrides
 from parity import assert_matches
 from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
-from shardlm.models import build_model
+from shardlm.models.decoder import build_model
 from shardlm.models.moe import MoEStats, update_biases
 from shardlm.parallel.expert.dispatch import moe_record
 from shardlm.launch.spawn import run_ranks

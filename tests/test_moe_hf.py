@@ -67,7 +67,7 @@ from shardlm.config.load import load_config
 from shardlm.data.tokenizer import train_tokenizer
 from shardlm.errors import ConfigError
 from shardlm.checkpoint.export import export_hf, hf_family, hf_state_dict
-from shardlm.models import build_model
+from shardlm.models.decoder import build_model
 from shardlm.launch.spawn import run_ranks
 from shardlm.parallel.data.zero.units import collect_units
 from zero_cases import reference_case

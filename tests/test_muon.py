@@ -20,7 +20,7 @@ from ckpt_cases import straight_and_resumed
 from conftest import tiny_overrides
 from shardlm.config.load import load_config
 from shardlm.errors import ConfigError
-from shardlm.models import build_model
+from shardlm.models.decoder import build_model
 from shardlm.parallel.data.zero.optim import build_optimizer, init_adam_state, muon_params, newton_schulz
 from shardlm.launch.spawn import run_ranks
 from zero_cases import reference_case, train_cases

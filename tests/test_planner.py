@@ -128,7 +128,7 @@ def _measure(preset: str, param_dtype: str, mode: str, b: int = 2, s: int = 32):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from shardlm.models import build_model
+    from shardlm.models.decoder import build_model
     from shardlm.parallel.blocks.activation import apply_ac
 
     class Live(TorchDispatchMode):

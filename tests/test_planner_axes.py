@@ -63,7 +63,7 @@ def test_cp_saved_is_what_the_ring_and_ulysses_keep_beyond_one_process(preset, k
     import torch
 
     from shardlm.comm.collectives import Comm, CommLedger
-    from shardlm.models import build_model
+    from shardlm.models.decoder import build_model
     from shardlm.parallel.context.attention import CPState, RingAttention, UlyssesAttention
     from shardlm.planner.activations import ActivationDtypes, cp_saved
 

@@ -29,7 +29,7 @@ def _dispatched(cfg, b: int = 2, s: int = 24) -> tuple[float, float, int]:
     import torch
 
     from dispatch_count import dispatched
-    from shardlm.models import build_model
+    from shardlm.models.decoder import build_model
 
     torch.manual_seed(0)
     model = build_model(cfg).float()

@@ -12,7 +12,7 @@ from shardlm.config.load import load_config
 from shardlm.config.dims import ParallelDims
 from shardlm.errors import ConfigError
 from shardlm.hardware.catalog import parse_cluster
-from shardlm.models import flops_per_token
+from shardlm.models.flops import flops_per_token
 from shardlm.planner.memory import estimate_memory
 from shardlm.planner.search import config_strategy
 from shardlm.planner.shapes import preset_model

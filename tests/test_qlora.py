@@ -120,7 +120,7 @@ def test_fused_weights_are_quantised_per_checkpoint_tensor(tmp_path):
     as bitsandbytes': every dequantised weight of a QLoRA model is bitsandbytes' dequantize_4bit of
     the checkpoint's tensor (_against_bitsandbytes), the embeddings, norms and head untouched."""
     from shardlm.config.load import load_config
-    from shardlm.models import build_model
+    from shardlm.models.decoder import build_model
 
     cfg = load_config(overrides={**_base(tmp_path), "model.n_kv_heads": 2}).validate()
     model = build_model(cfg.model, "cpu", seed=0)
@@ -381,7 +381,7 @@ def _inference_uses_the_dequantised_base(run_dir: str) -> None:
     from safetensors.torch import load_file
 
     from shardlm.checkpoint.weights import WEIGHTS, load_for_inference, resolve_run_dir
-    from shardlm.models import build_model
+    from shardlm.models.decoder import build_model
     from shardlm.models.lora import DEFAULT_TARGETS, apply_lora
     from shardlm.models.quant import quantizable, quantize_base
 

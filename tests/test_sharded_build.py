@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_overrides
 from memory_ledger import StorageLedger
 from shardlm.config.load import load_config
-from shardlm.models import build_model
+from shardlm.models.decoder import build_model
 from shardlm.launch.spawn import run_ranks
 from shardlm.config.dims import resolve_dims
 from shardlm.launch.runtime import init_runtime

@@ -35,7 +35,7 @@ def test_loss_falls_on_default_corpus(tmp_path):
 def test_hfu_counts_recomputation_mfu_does_not(tmp_path):
     """MFU: model FLOPs (PaLM appendix B); HFU adds what activation checkpointing recomputes:
     equal without it, larger by exactly flops_per_token's recompute ratio with 'full'."""
-    from shardlm.models import flops_per_token
+    from shardlm.models.flops import flops_per_token
 
     for mode in ("none", "full", "selective"):
         cfg = load_config(overrides=tiny_overrides(tmp_path / mode, train__steps=2,

@@ -98,7 +98,7 @@ def step_overrides(args, run_dir: str | Path, keys: dict) -> dict:
 
 def setup_line(cfg, ranks: int, threads: int) -> str:
     """The report's first words: the machine, the ranks and threads, the model and its size."""
-    from shardlm.models import count_params
+    from shardlm.models.flops import count_params
 
     return (f"{machine()}; {ranks} gloo ranks x {threads} thread(s), {cfg.model.preset} "
             f"({count_params(cfg.model) / 1e6:.1f}M params)")

@@ -17,7 +17,7 @@ def reference_setup(overrides: dict, dp_rank: int, dp_size: int):
     whole from the same seed)."""
     from shardlm.config.load import load_config
     from shardlm.data.loader import Loader, build_dataset
-    from shardlm.models import build_model
+    from shardlm.models.decoder import build_model
 
     cfg = load_config(overrides=overrides).validate()
     t = cfg.train

@@ -140,7 +140,7 @@ def _load_transformers(run_dir: Path, cfg: Config, device: torch.device) -> nn.M
 
 def load_for_inference(path: str | Path, device: torch.device):
     """(model, tokenizer, config) of a saved run, model in eval mode on `device`."""
-    from shardlm.models import build_model
+    from shardlm.models.decoder import build_model
 
     run_dir = resolve_run_dir(path)
     cfg = load_config_json(run_dir)

@@ -99,7 +99,7 @@ def load_hf_for_inference(path: str | Path, device: torch.device, overrides: dic
     from shardlm.config.load import load_config
     from shardlm.config.hf_shapes import causal_lm_config, encoder_decoder_config
     from shardlm.data.tokenizer import hf_tokenizer
-    from shardlm.models import build_model
+    from shardlm.models.decoder import build_model
     from shardlm.models.init import materialize
 
     if encoder_decoder_config(str(path), ""):
@@ -186,7 +186,7 @@ def reply(chat: ChatModel, messages: list[dict], args: argparse.Namespace, out=N
     its text (without the stop token)."""
     import torch
 
-    from shardlm.models import generate
+    from shardlm.models.decoder import generate
     from shardlm.models.hf import CausalLMAdapter
     from shardlm.models.hf_build import generate_causal
 

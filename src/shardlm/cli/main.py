@@ -220,7 +220,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from shardlm.checkpoint.weights import load_for_inference
     from shardlm.launch.runtime import pick_device
     from shardlm.data.tokenizer import eot_id
-    from shardlm.models import generate
+    from shardlm.models.decoder import generate
     from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter
     from shardlm.models.hf_build import generate_causal
     from shardlm.models.seq2seq import generate_seq2seq
@@ -326,7 +326,7 @@ def evaluate_base(hf_path: str, run: str | None, overrides: dict[str, str]) -> d
 
 def cmd_presets() -> int:
     from shardlm.config.model import ModelConfig
-    from shardlm.models import count_params
+    from shardlm.models.flops import count_params
     from shardlm.models.flops import active_params
     from shardlm.config.presets import ALIASES, PRESETS
 

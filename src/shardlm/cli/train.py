@@ -71,7 +71,7 @@ def preflight(cfg, nproc: int) -> None:
     from shardlm.checkpoint.sharded import CHECKPOINTS
     from shardlm.config.dims import resolve_dims
     from shardlm.launch.runtime import launcher_sizes
-    from shardlm.models import count_params
+    from shardlm.models.flops import count_params
     from shardlm.models.precision import carrier
 
     run_dir = Path(cfg.run.dir) / cfg.run.name if cfg.run.name else Path(cfg.run.dir)
@@ -133,7 +133,7 @@ def train_here(cfg, on_step=None) -> int:
     from shardlm.launch.allocator import apply_malloc_policy
 
     malloc = apply_malloc_policy(cfg.run.malloc_mmap_threshold)  # before any large allocation
-    from shardlm.models import count_params
+    from shardlm.models.flops import count_params
     from shardlm.models.flops import active_params
     from shardlm.launch.runtime import launcher_ranks, launcher_sizes, note_clean_stop, shutdown
     from shardlm.train.build import build_run

@@ -28,7 +28,8 @@ from shardlm.data.tokenizer import hf_tokenizer
 from shardlm.errors import ConfigError
 from shardlm.launch.run_dir import claim_run_dir
 from shardlm.launch.runtime import Runtime, init_runtime
-from shardlm.models import build_model, flops_per_token
+from shardlm.models.decoder import build_model
+from shardlm.models.flops import flops_per_token
 from shardlm.models.attention import configure as configure_attention
 from shardlm.models.hf import Seq2SeqAdapter
 from shardlm.models.hf_build import build_hf_model, check_route

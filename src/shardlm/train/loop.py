@@ -13,7 +13,7 @@ from typing import Callable
 
 from shardlm.checkpoint.weights import save_weights
 from shardlm.launch.runtime import StopSignals, planned_fault
-from shardlm.models import build_model
+from shardlm.models.decoder import build_model
 from shardlm.models.moe import bias_tensors
 from shardlm.parallel.blocks.compile import compile_seconds
 from shardlm.parallel.expert.dispatch import moe_record

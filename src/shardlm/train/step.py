@@ -16,7 +16,7 @@ import torch
 
 from shardlm.comm.watchdog import watched
 from shardlm.data.seq2seq import Seq2SeqInputs
-from shardlm.models import generate
+from shardlm.models.decoder import generate
 from shardlm.models.hf import CausalLMAdapter
 from shardlm.models.hf_build import generate_causal
 from shardlm.models.precision import is_finite
