@@ -14,6 +14,12 @@ test_global_loss.py so after the suite; any file runs so with the variable set.
 import os
 
 
+def _machine_cores() -> int:
+    """The cores this process may run on (launch/runtime.py cpu_cores without its override: read
+    here before torch is imported)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _perturb() -> None:
     """Set before torch is imported: ATen reads its capability once; ranks inherit both."""
     flags = set()
@@ -23,8 +29,7 @@ def _perturb() -> None:
     except OSError:
         pass
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2" if "avx512f" in flags else "default")
-    os.environ.setdefault("SHARDLM_CPU_CORES", str(2 * (len(os.sched_getaffinity(0))
-                                                        if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)))
+    os.environ.setdefault("SHARDLM_CPU_CORES", str(2 * _machine_cores()))
 
 
 PERTURBED = os.environ.get("SHARDLM_TEST_PERTURB", "") not in ("", "0")
@@ -32,13 +37,10 @@ if PERTURBED:
     _perturb()
 
 
-def _machine_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-# The suite runs on one pytest-xdist worker per core (pyproject: `-n auto --dist loadfile`): most
-# of a test's time is a process starting, importing torch or waiting on a peer, so run one after
-# another they kept two cores ~40% busy. Each worker then owns its share of the cores: its ranks
+# The suite runs on one pytest-xdist worker per core (pyproject: `-n auto --dist loadfile`): a
+# test's time is much of it processes starting, importing torch or waiting on a peer, which the
+# other worker's computing fills (on 2 cores: 25.8 -> 22.2 min with more tests; both cores then
+# busy through the test phase). Each worker owns its share of the cores: its ranks
 # divide that share (SHARDLM_CPU_CORES, read by launch/runtime.py cpu_cores) and its own torch
 # threads are that many, so two workers never run twice the machine's threads.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
@@ -73,7 +75,8 @@ LONGEST_FIRST = ("test_fault_tolerant.py", "test_multinode.py", "test_study.py",
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: a worker per core, at most 4 (each worker's heaviest test holds a few GiB)."""
+    """`-n auto`: a worker per core, at most 4 (measured at 2; more workers also multiply the
+    memory of the ranks their tests start at once)."""
     return max(1, min(4, _machine_cores()))
 
 
