@@ -43,14 +43,14 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "shardlm": ("shardlm", {}),
     "plain+compile": ("plain", {"train.compile": True}),
     "shardlm+compile": ("shardlm", {"train.compile": True}),
+    "cp-hop-32k": ("hop", {"kernel": "fused"}),
+    "cp-hop-32k-math": ("hop", {"kernel": "math"}),
     "zero3+cpu-optimizer": ("shardlm", {"parallel.zero_stage": 3, "zero.offload_optimizer": "cpu"}),
     "activation-offload": ("shardlm", {"activation.offload": "cpu"}),
     "recompute-full": ("shardlm", {"activation.checkpoint": "full"}),
     "recompute-selective": ("shardlm", {"activation.checkpoint": "selective"}),
     "fp8": ("shardlm", {"precision.compute": "fp8"}),
     "fp8+compile": ("shardlm", {"precision.compute": "fp8", "train.compile": True}),
-    "cp-hop-32k": ("hop", {"kernel": "fused"}),
-    "cp-hop-32k-math": ("hop", {"kernel": "math"}),
 }
 SLOW = {"zero3+cpu-optimizer"}
 """Configurations whose step is seconds (a host AdamW over 1B parameters): fewer timed steps."""
@@ -266,7 +266,9 @@ def run_tests(out: Path, timeout: int, where: str = "tests") -> dict:
     xml = out / "cuda-tests.xml"
     # --continue-on-collection-errors: a CPU test module whose optional import is missing on the
     # GPU machine (datasets, ...) must not stop the lane (it did, on an H200).
-    command = [sys.executable, "-m", "pytest", "-m", "cuda", where, "-q", "-rA",
+    # -n 0: one process (the suite's default is a worker per core): the lane's tests share one
+    # GPU, and its memory assertions read the whole process's peak.
+    command = [sys.executable, "-m", "pytest", "-m", "cuda", where, "-q", "-rA", "-n", "0",
                "--continue-on-collection-errors",
                "-p", "no:cacheprovider", f"--junitxml={xml}", "-s"]
     start = time.perf_counter()
