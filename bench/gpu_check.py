@@ -264,11 +264,15 @@ def run_tests(out: Path, timeout: int, where: str = "tests") -> dict:
     import xml.etree.ElementTree as ET
 
     xml = out / "cuda-tests.xml"
-    # --continue-on-collection-errors: a CPU test module whose optional import is missing on the
-    # GPU machine (datasets, ...) must not stop the lane (it did, on an H200).
+    # Only the files that mark tests `cuda`: a CPU test module whose optional import is missing
+    # on the GPU machine (datasets) is then never imported (a collection error on an H200);
+    # --continue-on-collection-errors keeps the lane going should one still be.
     # -n 0: one process (the suite's default is a worker per core): the lane's tests share one
     # GPU, and its memory assertions read the whole process's peak.
-    command = [sys.executable, "-m", "pytest", "-m", "cuda", where, "-q", "-rA", "-n", "0",
+    base = ROOT / where
+    files = ([str(p.relative_to(ROOT)) for p in sorted(base.glob("test_*.py"))
+              if "pytest.mark.cuda" in p.read_text()] if base.is_dir() else [where])
+    command = [sys.executable, "-m", "pytest", "-m", "cuda", *files, "-q", "-rA", "-n", "0",
                "--continue-on-collection-errors",
                "-p", "no:cacheprovider", f"--junitxml={xml}", "-s"]
     start = time.perf_counter()

@@ -10,10 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from shardlm.cli.main import main
-from shardlm.hardware import probe
+from shardlm.hardware import gpu_calibration, probe, probe_cache
 from shardlm.hardware.catalog import find_device
 from shardlm.hardware.gpu_calibration import device_curves
 
@@ -45,6 +46,31 @@ def test_calibrate_on_a_gpu_feeds_the_planner_s_compute_rate(monkeypatch, tmp_pa
                  "--precision", "bf16"]) == 0
     out = capsys.readouterr().out
     assert "compute rate from calibrated:" in out and f"bf16 on {GPU}" in out, out
+    # Where torch is not imported the planner reads the installed distribution's version, which
+    # an image may record without torch.__version__'s local label (an H200's: '2.11.0' against
+    # '2.11.0+cu130'): the calibration is still this torch's.
+    label = "" if "+" in torch.__version__ else "+local"
+    monkeypatch.setattr(probe_cache, "torch_version", lambda: torch.__version__.split("+")[0] + label)
+    gpu_calibration._calibrated.cache_clear()
+    assert GPU in device_curves(find_device("H100-80GB"))["bf16"].source
+
+
+def test_a_gpu_run_finds_its_gpu_in_the_planner_s_catalog(monkeypatch):
+    """The runtime's view of a GPU machine for the planner (train/resolve.py local_hardware):
+    torch's name for the GPU ('NVIDIA H200') mapped to the catalog's entry — on an H200 the
+    name itself went to the cluster parser and every run's prediction was lost — and a GPU the
+    catalog lacks is an error that names it and lists what the catalog has."""
+    from shardlm.errors import ConfigError
+    from shardlm.train.resolve import local_hardware
+
+    names = {"NVIDIA H200": "H200-141GB", GPU: "H100-80GB", "NVIDIA A100-SXM4-80GB": "A100-80GB"}
+    for name, entry in names.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        cluster = local_hardware(torch.device("cuda", 0), 2)
+        assert (cluster.device.name, cluster.world_size) == (entry, 2), name
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Imaginary GPU X1")
+    with pytest.raises(ConfigError, match="'Imaginary GPU X1' matches no GPU of the planner's catalog .*H200-141GB"):
+        local_hardware(torch.device("cuda", 0), 1)
 
 
 def test_the_gpu_check_runs_its_whole_lane_in_the_cpu_smoke_mode(tmp_path):

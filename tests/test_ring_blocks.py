@@ -187,7 +187,8 @@ def test_the_cuda_wiring_on_the_cpu_equals_the_cpu_fused_hop(monkeypatch, dtype)
     log-sum-exp's padding cut off and restored, blind rows) over CPU stand-ins of the kernels
     = the CPU fused hop, bit for bit: the same CPU kernel on the same tiles' values (the
     bias padded to 16 keys is a copy of the same values, the padded rows never read). bf16
-    unmasked goes to flash, fp32 and masked hops to efficient attention."""
+    unmasked goes to flash, fp32 and masked hops to efficient attention; a masked bf16 hop's
+    backward to it on fp32 copies."""
     B, H, tq, tk, d = 2, 3, 40, 37, 16  # 37 keys: the bias's rows need padding to 48
     g = torch.Generator().manual_seed(7)
     q = torch.randn(B, H, tq, d, generator=g).to(dtype)
@@ -207,6 +208,12 @@ def test_the_cuda_wiring_on_the_cpu_equals_the_cpu_fused_hop(monkeypatch, dtype)
                              for kk, vv in [(k[:, :, keys].contiguous(), v[:, :, keys].contiguous())]]
     assert calls == {"flash": 1 if dtype == torch.bfloat16 else 0,
                      "efficient": 1 + (1 if dtype == torch.float32 else 0)}
+    if dtype == torch.bfloat16:  # the masked hop's backward runs in fp32 on CUDA (ring_blocks
+        # LOW_PRECISION_MASKED_BACKWARD): the CPU kernel on fp32 copies, rounded to bf16 once
+        keys, causal, mask = cases[0]
+        up = [t.float() for t in (dout, q, k[:, :, keys], v[:, :, keys], out)]
+        expected = block_backward(*up, lse, causal, SCALE, mask)
+        results["cpu"][0] = (results["cpu"][0][0], tuple(g.to(dtype) for g in expected))
     for (cpu_fwd, cpu_bwd), (cuda_fwd, cuda_bwd) in zip(results["cpu"], results["cuda"]):
         for a, b in zip((*cpu_fwd, *cpu_bwd), (*cuda_fwd, *cuda_bwd)):
             assert torch.equal(a, b)

@@ -241,6 +241,8 @@ def _nccl_wait_is_not_completion(rank: int, world_size: int) -> dict:
     watchdog = CollectiveWatchdog(1.0, rank, DeviceDone, start=False)
     comm = Comm(dist.group.WORLD, "dp", CommLedger(), watchdog)  # a group of one: every code path
     x = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(x)  # the communicator's lazy start (2 s on an H200) before anything is timed
+    torch.cuda.synchronize()
     _busy_stream(4.0)
     began = time.monotonic()
     raw = dist.all_reduce(x, async_op=True)  # torch's own handle, measured
@@ -265,7 +267,9 @@ def test_nccl_a_waited_collective_is_tracked_until_the_device_has_done_it(tmp_pa
     (out,) = run_ranks(_nccl_wait_is_not_completion, 1, tmp_path, timeout=120)
     print(out)
     assert out["backend"] == "nccl"
-    assert out["wait_s"] < 1.0 and not out["raw_completed_after_wait"]  # what the issue said
+    # what the issue said: wait() returns while the device still runs the 4 s queued before the
+    # collective (a wait for completion would take those 4 s); not a pace, a bound by that work
+    assert out["wait_s"] < 4.0 and not out["raw_completed_after_wait"]
     assert out["pending_after_wait"] == 1
     assert out["message"].startswith("shardlm watchdog: rank 0: all_reduce on group dp"), out
     assert out["cleared_when_done"]

@@ -22,14 +22,22 @@ def cached_gpu_curves() -> dict[str, dict[str, list[dict]]]:
     """Every matmul_curve entry the probe cache holds under a name other than this CPU's, for
     this torch version at GPU_THREADS: {the GPU's name: {precision: entries}}."""
     out: dict[str, dict[str, list[dict]]] = {}
-    this_cpu, torch_version = probe_cache.cpu_name(), probe_cache.torch_version()
+    this_cpu, torch_version = probe_cache.cpu_name(), _public(probe_cache.torch_version())
     for key, value in sorted(probe_cache.read_table(probe_cache.cache_path()).items()):
         parts = key.split("|", 5)  # v<version>|<machine>|torch <version>|threads=<n>|<precision>|mm MxKxN
         if (len(parts) == 6 and parts[0] == f"v{probe_cache.VERSION}" and parts[1] != this_cpu
-                and parts[2] == f"torch {torch_version}" and parts[3] == f"threads={GPU_THREADS}"
+                and _public(parts[2]) == f"torch {torch_version}" and parts[3] == f"threads={GPU_THREADS}"
                 and parts[5].startswith("mm ") and probe_cache.plausible(value)):
             out.setdefault(parts[1], {}).setdefault(parts[4], []).append(value)
     return out
+
+
+def _public(version: str) -> str:
+    """A torch version without its local label: calibrate writes torch.__version__
+    ('2.11.0+cu130'), while the planner, which imports no torch, reads the installed
+    distribution's, which an image may record without it ('2.11.0': seen on an H200, where the
+    calibration was then never read)."""
+    return version.split("+", 1)[0]
 
 
 def device_curves(device: Device) -> dict[str, MatmulCurve]:

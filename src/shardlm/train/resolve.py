@@ -24,7 +24,7 @@ from shardlm.config.load import config_from_dict
 from shardlm.config.dims import grad_accum_for
 from shardlm.config.load import FINETUNE_LR, FINETUNE_WARMUP_FRACTION, finetune_mode
 from shardlm.errors import ConfigError
-from shardlm.hardware.catalog import Cluster, choose_compute, device_for_gpu_name, local_cpu, parse_cluster
+from shardlm.hardware.catalog import DEVICES, Cluster, choose_compute, device_for_gpu_name, local_cpu, parse_cluster
 from shardlm.hardware.machine import cpu_bf16_gemm
 from shardlm.launch.runtime import Runtime, broadcast_text
 from shardlm.models.fp8 import check_fp8_device
@@ -39,7 +39,12 @@ def local_hardware(device: torch.device, world_size: int, mmap_threshold: int | 
     this GPU (an unknown one is an error that lists the names the catalog has)."""
     if device.type == "cpu":
         return local_cpu(world_size, mmap_threshold)
-    return parse_cluster(f"{world_size}x{torch.cuda.get_device_name(device)}")
+    name = torch.cuda.get_device_name(device)
+    known = device_for_gpu_name(name)  # torch's name ('NVIDIA H200') is no catalog name
+    if known is None:
+        catalog = ", ".join(d.name for d in DEVICES.values() if d.kind in ("cuda", "rocm"))
+        raise ConfigError(f"the GPU {name!r} matches no GPU of the planner's catalog ({catalog})")
+    return parse_cluster(f"{world_size}x{known.name}")
 
 
 def _auto_compute(device: torch.device) -> str:

@@ -22,7 +22,8 @@ Three kernels, chosen per hop (`_kernel`):
   same tiles as the CPU's (CUDA_MASK_ELEMENTS per call), the bias's rows padded to 16 elements
   (the kernel's alignment) and expanded over the heads; its log-sum-exp comes padded to a
   multiple of 32 query rows (cut off here, padded again for the backward). Rows that see no key
-  of a tile get output 0 here (the kernel's value for them is not relied on).
+  of a tile get output 0 here (the kernel's value for them is not relied on). A masked bf16 /
+  fp16 hop's backward runs in fp32 (LOW_PRECISION_MASKED_BACKWARD: the bf16 one was wrong).
 - math (portable): the scores in fp32, (B, h, tq, tk) per hop, several times over in the
   backward (scores, probabilities, their gradient). Soft-capped scores (Gemma 2) run it on every
   device: no kernel here takes a cap (flex attention's `score_mod` would; see docs/gpu.md), and
@@ -51,6 +52,11 @@ BIAS_ALIGN = 16
 own mask preprocessing pads to)."""
 LSE_ROWS = 32
 """Memory-efficient attention's log-sum-exp is padded to a multiple of 32 query rows on CUDA."""
+LOW_PRECISION_MASKED_BACKWARD = "fp32"
+"""On CUDA a masked hop's backward in bf16 / fp16 runs memory-efficient attention's backward on
+fp32 copies of the tile (linear in its rows and keys, no score block): its bf16 backward with
+the tiles' bias gave dq 0.28 away from the math hop on an H200 (torch 2.11, 2026-11-29; the
+forward and the fp32 backward agreed to their tolerances), so it is not used."""
 
 
 def _has_cpu_flash(q: torch.Tensor) -> bool:
@@ -238,6 +244,11 @@ def _fused_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: f
         offset = torch.zeros((), dtype=torch.uint64, device=device)
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), None, None, tq, tk, 0.0, causal, seed, offset, scale=scale)
+    if bias is not None and q.dtype != torch.float32:
+        # bf16 / fp16 under a mask: the backward in fp32 (LOW_PRECISION_MASKED_BACKWARD)
+        low = q.dtype
+        grads = _fused_backward(kernel, *(t.float() for t in (dout, q, k, v, out)), lse, causal, scale, bias.float())
+        return tuple(g.to(low) for g in grads)
     padded = torch.zeros((*lse.shape[:2], -(-tq // LSE_ROWS) * LSE_ROWS), dtype=torch.float32, device=device)
     padded[..., :tq] = lse
     seed = torch.zeros((), dtype=torch.int64, device=device)
