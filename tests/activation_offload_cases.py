@@ -20,7 +20,7 @@ def offload_cases(rank: int, world_size: int, cases: list[dict], steps: int) -> 
     def spy(self, t):  # a packed parameter would come back as a record, not the tensor itself
         packed = original(self, t)
         if not isinstance(packed, torch.Tensor):
-            block = self.blocks[packed.block]
+            block = self.blocks[packed.record.block]
             own = {p.untyped_storage().data_ptr() for p in block.parameters()}
             packed_params.append(int(t.untyped_storage().data_ptr() in own))
         return packed

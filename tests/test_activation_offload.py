@@ -41,7 +41,7 @@ def test_offloaded_gradients_are_bitwise_equal(name, forced_copy, monkeypatch):
         if not isinstance(packed, torch.Tensor):  # a host copy: it must not be a parameter's
             own = {p.untyped_storage().data_ptr() for p in model.parameters()}
             packed_params.append(t.untyped_storage().data_ptr() in own)
-            assert packed.host.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+            assert packed.record.host.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
         return packed
 
     monkeypatch.setattr(activation.ActivationOffload, "_pack", spy)
@@ -54,8 +54,9 @@ def test_offloaded_gradients_are_bitwise_equal(name, forced_copy, monkeypatch):
         assert torch.equal(grad, ref_grads[key]), key
     assert offload.packed_tensors + offload.deduplicated == len(packed_params) > 0
     assert offload.packed_bytes > 0
-    # Llama's norm outputs feed q, k, v and gate, up (separate linears): each copied once
-    assert (offload.deduplicated > 0) == (name == "llama-tiny")
+    # storage moves once: Llama's norm outputs feed q, k, v and gate, up (separate linears),
+    # GPT-2's q, k, v are views of one c_attn output: each copied once
+    assert offload.deduplicated > 0
     assert not any(packed_params)  # parameters stay where they are
     assert offload.skipped_params > 0 and offload.kept == 0
 

@@ -91,22 +91,19 @@ spawned rank too) to make every offloaded saved tensor a real, separate host cop
 unpack path is exercised and its results can be compared bitwise."""
 
 
-def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
-    """Strides of a gap-free tensor of `t`'s shape whose dimensions are laid out in `t`'s order
-    (what `empty_like(preserve_format)` gives, here for a host tensor that may be pinned): a
-    dense tensor's own strides; a view with gaps (q, k, v sliced out of one qkv projection) or an
-    expanded one gets a compact copy of just its elements."""
-    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)))  # innermost first
-    strides, step = [0] * t.dim(), 1
-    for d in order:
-        strides[d] = step
-        step *= max(t.size(d), 1)
-    return tuple(strides)
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that the view `t` reads: [first, last + 1) (a strided view with
+    gaps — q, k, v sliced out of one qkv projection — or an expanded one reads fewer bytes than
+    its shape says, or more than its elements)."""
+    size = t.element_size()
+    reach = sum((n - 1) * abs(step) for n, step in zip(t.shape, t.stride()))
+    return t.storage_offset() * size, (t.storage_offset() + reach + 1) * size
 
 
 class _Offloaded:
-    """One saved tensor in host memory: `host` (pinned on CUDA), and once fetched back the device
-    copy with the event that says it is there."""
+    """Bytes of one saved storage in host memory (pinned on CUDA): the whole storage, or the span
+    a view reads where that is less than half of it; and once fetched back, the device copy with
+    the event that says it is there. Every saved view of those bytes shares this record."""
 
     __slots__ = ("host", "device", "block", "offloaded", "fetched", "ready", "__weakref__")
 
@@ -114,6 +111,22 @@ class _Offloaded:
         self.host, self.device, self.block, self.offloaded = host, device, block, offloaded
         self.fetched: torch.Tensor | None = None
         self.ready = None
+
+
+class _View:
+    """A saved tensor as packed: its record's bytes, and the view of them it was (dtype, offset,
+    shape, strides: the same strides come back, which a compiled graph's backward relies on)."""
+
+    __slots__ = ("record", "dtype", "offset", "size", "stride")
+
+    def __init__(self, record: _Offloaded, t: torch.Tensor, start: int):
+        self.record, self.dtype, self.size, self.stride = record, t.dtype, t.size(), t.stride()
+        self.offset = (t.storage_offset() * t.element_size() - start) // t.element_size()
+
+    def on(self, data: torch.Tensor) -> torch.Tensor:
+        """The view rebuilt over `data` (the record's bytes, on the host or fetched back)."""
+        out = torch.empty(0, dtype=self.dtype, device=data.device)
+        return out.set_(data.untyped_storage(), self.offset, self.size, self.stride)
 
 
 class ActivationOffload:
@@ -133,12 +146,15 @@ class ActivationOffload:
       that ran ahead of copies slower than the compute would allocate every block's activations
       anyway (measured on an H200 with a small model: the peak fell by 0.41 of the bytes moved
       without this bound).
-    - A tensor saved by several ops of the block (a norm's output read by the q/k/v and the
-      gate/up projections, an input kept by two ops) is copied once: a pack finds the record of
-      the same storage, offset, shape, strides, dtype and version while the first tensor lives
-      (a weak reference, so a freed tensor's reused address is never taken for it). Measured on
-      an H200 (bench/gpu_check.py): without this, the bytes moved exceeded the device memory
-      freed by 2.4x.
+    - What moves is storage, not tensors: a saved view takes its whole storage to the host
+      (or, where it reads less than half of it, just the bytes it reads), once per block
+      while the first view packed lives (a weak reference, so a freed tensor's reused address
+      is never taken for it), and comes back as the same view (dtype, offset, shape and
+      strides: a compiled graph's backward checks them). The attention probabilities saved as
+      (B, h, T, T) and as (B·h, T, T), q, k, v sliced out of one projection, a norm's output
+      read by several linears: one copy each, the bytes the device frees. Measured on an H200
+      (bench/gpu_check.py, 2026-11-29): copied tensor by tensor, the bytes moved were 2.4x the
+      peak's fall, and compiled flex attention's backward refused the compact copies' strides.
     - On a CPU device the host is the device: pack returns the tensor itself (nothing moves,
       nothing is counted as offloaded), unless FORCE_HOST_COPY (tests) makes it a separate copy.
     - With recomputation (apply_ac, activation.checkpoint): a checkpointed block keeps only its
@@ -214,52 +230,65 @@ class ActivationOffload:
         return self._own
 
     def _pack(self, t: torch.Tensor):
-        if self._active is None or t.device.type == "meta":
+        if self._active is None or t.device.type == "meta" or t.numel() == 0:
             return t
-        if t.untyped_storage().data_ptr() in self._own_storage():
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self._own_storage():
             self.skipped_params += 1
             return t
         cuda = t.device.type == "cuda"
         if not (cuda or self.force_copy):
             self.kept += 1
             return t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-               t.dtype, t._version)
+        start, stop = _byte_span(t)
+        if 2 * (stop - start) >= storage.nbytes():  # most of it: the whole storage, once
+            start, stop = 0, storage.nbytes()
+        key = (storage.data_ptr(), start, stop, t._version)
         seen = self._seen.get(key)
         if seen is not None and seen[0]() is not None:  # alive: the address is still its own
             self.deduplicated += 1
-            return seen[1]
-        host = host_tensor(t.size(), t.dtype, pinned=cuda, stride=_dense_strides(t))
-        event = None
-        if cuda:
-            stream = self._side_stream(t.device)
-            stream.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(stream):
-                host.copy_(t, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-            t.record_stream(stream)
-        else:
-            host.copy_(t)
-        record = _Offloaded(host, t.device, self._active, event)
+            return _View(seen[1], t, start)
+        record = self._copy_out(storage, start, stop, t.device)
         self._groups[self._active].append(weakref.ref(record))
         self._seen[key] = (weakref.ref(t), record)
-        self.packed_bytes += t.numel() * t.element_size()
+        self.packed_bytes += stop - start
         self.packed_tensors += 1
-        return record
+        return _View(record, t, start)
+
+    def _copy_out(self, storage, start: int, stop: int, device: torch.device) -> _Offloaded:
+        """Bytes [start, stop) of a device storage to host memory (on CUDA: on the side stream,
+        after the compute stream's pending work; the storage is `record_stream`ed so its memory
+        is not reused before the copy ends)."""
+        src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (stop - start,), (1,))
+        cuda = device.type == "cuda"
+        host = host_tensor((stop - start,), torch.uint8, pinned=cuda)
+        event = None
+        if cuda:
+            stream = self._side_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                host.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            src.record_stream(stream)
+        else:
+            host.copy_(src)
+        return _Offloaded(host, device, self._active, event)
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        if packed.device.type != "cuda":  # forced copy on a CPU device: host memory is device memory
-            return packed.host
-        self._prefetch(packed.block - 1)
-        self._fetch(packed)
-        current = torch.cuda.current_stream(packed.device)
-        current.wait_event(packed.ready)
-        out, packed.fetched = packed.fetched, None  # host kept: a retained graph may unpack again
-        out.record_stream(current)  # allocated on the side stream, used on the compute stream
-        return out
+        record = packed.record
+        if record.device.type != "cuda":  # forced copy on a CPU device: host memory is device memory
+            return packed.on(record.host)
+        self._prefetch(record.block - 1)
+        self._fetch(record)
+        current = torch.cuda.current_stream(record.device)
+        current.wait_event(record.ready)
+        # kept on the record (the host copy too: a retained graph may unpack again) while a view
+        # of it is saved: the record goes when autograd frees the last of them
+        record.fetched.record_stream(current)  # allocated on the side stream, used on the compute stream
+        return packed.on(record.fetched)
 
     def _side_stream(self, device: torch.device):
         if self._stream is None:
@@ -272,9 +301,8 @@ class ActivationOffload:
         stream = self._side_stream(record.device)
         with torch.cuda.stream(stream):
             stream.wait_event(record.offloaded)
-            host = record.host
-            out = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=record.device)
-            out.copy_(host, non_blocking=True)
+            out = torch.empty_like(record.host, device=record.device)
+            out.copy_(record.host, non_blocking=True)
             record.ready = torch.cuda.Event()
             record.ready.record(stream)
         record.fetched = out
