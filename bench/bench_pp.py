@@ -1,77 +1,17 @@
 """Pipeline parallelism on CPU ranks (gloo): shardlm's schedules against tensor parallelism,
-ZeRO-3 and torch's own torch.distributed.pipelining schedules, on the same model and batches.
+ZeRO-3 and torch.distributed.pipelining's schedules, on the same model and batches.
 
-    2 ranks   pp=2 GPipe           parallel.pp=2, pp_schedule=gpipe, micro-batch b x M = G/b
-              pp=2 1F1B            pp_schedule=1f1b
-              pp=2 interleaved     pp_schedule=interleaved, pp_virtual=2 (4 stages of the model)
-              pp=2 zero-bubble     pp_schedule=zb (the fourth schedule; not in the issue's list)
-              pp=2 ZB-V            pp_schedule=zbv, pp_virtual=2: 4 stages in a V (rank 0: 0 and 3)
-              pp=2 DualPipeV       pp_schedule=dualpipev, pp_virtual=2 (the same V)
-              pp=2 1F1B ZeRO-2     1F1B at parallel.zero_stage=2 (the others run the default 0);
-                                   with dp=1 nothing is sharded, but the engine's flat gradient
-                                   buffer is then transient (the memory comparison with torch)
-              tp=2                 parallel.tp=2, the whole global batch G in one micro-batch
-              dp=2 ZeRO-3          parallel.zero_stage=3, G/2 per rank in one micro-batch
-              torch GPipe          torch.distributed.pipelining.ScheduleGPipe, the same stages
-              torch 1F1B           Schedule1F1B
-              torch interleaved    ScheduleInterleaved1F1B, 2 stages per rank (the same 4 stages)
-              torch ZB-V           ScheduleZBVZeroBubble, the same 4 stages in the same V
-              torch DualPipeV      ScheduleDualPipeV, likewise
-    4 ranks   pp=4 1F1B            (--four; 4 processes on this machine's cores: oversubscribed)
-              pp=2 x dp=2 1F1B     G/2 per pipeline: b x G/(2b)
-              torch 1F1B pp=4
+    2 ranks   pp=2 GPipe / 1F1B / interleaved / zero-bubble / ZB-V / DualPipeV / 1F1B ZeRO-2,
+              tp=2, dp=2 ZeRO-3, torch GPipe / 1F1B / interleaved / ZB-V / DualPipeV
+    4 ranks   pp=4 1F1B, pp=2 x dp=2 1F1B, torch 1F1B pp=4 (--four; oversubscribed on 2 cores)
 
-Every case trains the same global batch (G sequences of --seq tokens, default 8 x 128) in fp32
-from the same weights (models.build_model / the trainer's per-parameter init: a function of
-(seed, name)) on the same batches (shardlm's Loader: micro-batches and data-parallel ranks are
-consecutive slices of each global batch), with AdamW(fused=True, lr schedule lr_at, weight
-decay on matrices), clipping at 1.0. Step-1 and final losses must agree.
-
-GPT-2 ties its head to the token embedding. torch's stages would hold two independent copies
-(the first stage's embedding, the last stage's head) and train them apart, so every case here
-sets model.tie_embeddings=false (163M parameters instead of 124M): the same model everywhere,
-and shardlm's tied-weight path (Stage.sync_tied, all_reduce/pp_ends) is not exercised.
-
-torch's side: shardlm's Decoder built whole on each rank (build_model, same seed), cut into the
-split shardlm uses (models.flops.pipeline_split over pp x virtual stages; the embedding and
-positions on the first stage, the final norm and head on the last; global stage s on rank
-s mod pp, as both libraries place interleaved stages), each stage an nn.Module whose forward
-takes the previous stage's tensor (stage 0: the token ids), wrapped in a PipelineStage
-(shapes inferred at the first step); loss_fn = cross-entropy of logits.float(), mean per
-micro-batch, scale_grads=True (the gradients of the mean over the global batch, as shardlm's);
-schedule.step(..., return_outputs=False) so the last stage keeps no logits; gradient norm over
-the whole model (squared norms all-reduced over the pipeline), clip_grads_with_norm_.
-
-Memory: peak RSS is a per-process high-water mark, so every case runs in fresh processes with
-MALLOC_MMAP_THRESHOLD_=65536 unless the environment sets it (RSS then follows what is alive; see
-bench_zero.py). torch's side builds the whole model on each rank before cutting it (the brief
-it was asked under), shardlm builds on the meta device and materialises only its stage; so the
-mark is read at the end of setup ("setup"), reset (Linux: "5" written to /proc/self/clear_refs
-resets VmHWM) and read again after the timed steps ("steps": what training holds at its worst,
-setup excluded). "peak" = max of the two = the process's high-water mark without the reset. Per stage (max over a stage's data-parallel
-ranks), or per rank for tp / ZeRO-3. Note the reset also applies to the trainer's own
-pp_peak_rss_bytes_by_stage (read through step_record), which then equals "steps".
-
-Speed: step time = median of the timed steps, slowest rank; tokens/s global (G x seq per
-step). "CPU s/step" is this process's CPU time per timed step (all threads; median; busiest
-rank): the work a case does, much less sensitive than wall time to other jobs' load. Bubble
-(shardlm only): train.loop.step_record's pp_bubble (mean over stages of seconds blocked on a
-neighbour / step seconds) and pp_bubble_by_stage, median over the timed steps, beside the
-schedule's table's idle share simulated with unit times (shardlm.parallel.pipeline.tables.check_table:
-F = I = W, B = 2; no communication), its published formula (pipeline_schedules.bubble_formula:
-(P-1)/(V*M+P-1); ZB-V 0; DualPipeV (P-1)(F&B+B-3W) per rank with F&B = F+B; zb: its table's)
-and the planner's
-(planner.timing's bubble). It counts time blocked in the schedule's receives and sends only: a
-later stage that finishes its last backward before the first stage does waits in the step's
-next collective (the gradient norm's all-reduce), which it does not count. torch's schedules
-have no such counter (it would need hooks into their P2P waits); for every case, torch's
-included, "off-CPU share" = 1 - process CPU seconds / wall seconds of a timed step (median; max
-over a stage's ranks): gloo blocks rather than spins while waiting, so on 2 ranks with a core
-each it is the share of the step a rank did not compute — all its waits, the drain's
-included, plus whatever other jobs on the machine took from it (with 4 ranks on 2 cores it
-mostly measures waiting for a core). Ledger: rank 0's run.strategy.ledger for one timed step, by
-process group. Planner: planner.search.predict_local(cfg, ranks): tokens/s and the peak of the
-worst stage, and planner.memory.stage_memories for each stage's peak.
+Every case trains the same global batch (G sequences of --seq tokens) in fp32 from the same
+weights, with model.tie_embeddings=false (torch's stages would train two copies of a tied head);
+step-1 and final losses must agree. Measured per case: tokens/s and CPU s/step, peak RSS per
+stage at setup and over the steps (VmHWM reset between), pp_bubble from the trainer's step
+record beside the schedule table's, the published formula's and the planner's, the off-CPU
+share (1 - CPU s / wall s), rank 0's byte ledger by group, and the planner's prediction.
+Method and results: docs/benchmarks.md, "Pipeline parallelism".
 
 Reproduce:  PYTHONPATH=src python bench/bench_pp.py                 (gpt2-124m untied, 2 rounds, ~11 min idle)
             PYTHONPATH=src python bench/bench_pp.py --preset gpt-mini --steps 4 --no-four
