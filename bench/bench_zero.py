@@ -3,34 +3,14 @@
     case 0   shardlm zero_stage=0  <->  torch DistributedDataParallel
     case 1   shardlm zero_stage=1  <->  torch ZeroRedundancyOptimizer(AdamW) + DDP
     case 2   shardlm zero_stage=2  <->  torch FSDP2 fully_shard(reshard_after_forward=False)
-    case 2f  shardlm zero_stage=3 + reshard_after_forward=false
-                                   <->  torch FSDP2 fully_shard(reshard_after_forward=False)
+    case 2f  shardlm zero_stage=3 + reshard_after_forward=false  <->  the same torch run as 2
     case 3   shardlm zero_stage=3  <->  torch FSDP2 fully_shard(reshard_after_forward=True)
 
-Case 2f is FSDP2's own ZeRO-2: a unit's parameters are gathered for its forward and kept until
-its backward is done, so they are sharded between steps (stage 2 keeps them whole); the
-communication is stage 2's (one all-gather and one reduce-scatter per step). Cases 2 and 2f share
-one torch run.
-
-Both sides train the same Decoder (shardlm.models.build_model, same seed, so the same initial
-weights) on the same batches (shardlm's Loader, rank r's slice of each global batch), in fp32 —
-on this CPU fp32 matmul is faster than bf16, so fp32 is the fast setting and not a handicap —
-with the same AdamW (lr schedule lr_at, betas, eps, weight decay on matrices only, fused=True on
-every side; torch accepts it for plain tensors, DTensors and ZeroRedundancyOptimizer's local
-AdamW alike), gradient clipping at 1.0 and loss = cross entropy of logits.float().
-The torch side applies fully_shard to every block and then to the root, as torchtitan does.
-
-Every case runs in fresh processes (peak RSS is a per-process high-water mark, so cases cannot
-share a process). MALLOC_MMAP_THRESHOLD_=65536 is set before spawning unless the environment
-sets it (the ranks inherit it): glibc then serves blocks >= 64 KiB with mmap and returns them to
-the OS on free, so RSS follows what is actually alive — without it freed shards and gathers stay
-in the heap and RSS hides sharding. Peak RSS includes the interpreter, torch and the tokenizer (a baseline shared by both
-sides). Step time is the median of the timed steps after warm-up (slowest rank); tokens/s is
-global (micro_batch * seq_len * 2 ranks per step). "state" is the bytes of parameters, gradients
-and optimizer states the rank holds (shardlm: run.strategy.model_state_bytes(); torch: local
-shards of the same three, counted after optimizer.step while gradients exist; DDP's gradient
-buckets and FSDP2's transient unsharded buffers are not counted).
-Step-1 losses must agree (same weights, same batches): |Δ first| is against DDP's.
+Both sides train the same Decoder from the same weights on the same batches in fp32 with the
+same fused AdamW and clipping at 1.0. Measured: step time (median, slowest rank), global
+tokens/s, peak RSS (fresh processes, MALLOC_MMAP_THRESHOLD_=65536), "state" (parameters,
+gradients and optimizer states a rank holds) and |Δ first| (step-1 loss against DDP's).
+Method and results: docs/benchmarks.md, "Data parallel".
 
 Reproduce:  PYTHONPATH=src python bench/bench_zero.py                       (gpt2-124m, ~15 min)
             PYTHONPATH=src python bench/bench_zero.py --preset gpt-mini --steps 6
