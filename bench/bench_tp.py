@@ -1,43 +1,17 @@
 """Tensor parallelism on 2 CPU ranks (gloo): shardlm's tp=2 against data parallelism and against
 torch's own tensor parallelism (DTensor parallel styles) on the same model.
 
-    dp=2 ZeRO-0      shardlm, parallel.zero_stage=0, micro-batch B/2 per rank
-    dp=2 ZeRO-3      shardlm, parallel.zero_stage=3, micro-batch B/2 per rank
-    tp=2             shardlm, parallel.tp=2 (dp=1), micro-batch B
-    tp=2 SP          shardlm, parallel.tp=2 + parallel.sequence_parallel=true
-    torch TP         torch.distributed.tensor.parallel.parallelize_module on shardlm's Decoder:
-                     ColwiseParallel on attn.qkv and mlp.fc (gate_up), RowwiseParallel on
-                     attn.proj and mlp.proj (down); token embedding, positions, norms and head
-                     plain replicated tensors (torch's vocabulary-parallel embedding and
-                     loss_parallel are not used); loss F.cross_entropy of the whole logits
-    torch TP SP      the same + SequenceParallel on every norm: the residual stream sharded
-                     along the sequence between blocks (chunked before block 0, gathered before
-                     the head), all-gather / reduce-scatter around the column / row linears
+    dp=2 ZeRO-0 / dp=2 ZeRO-3   shardlm, micro-batch B/2 per rank
+    tp=2 / tp=2 SP              shardlm, parallel.tp=2 (+ sequence_parallel), micro-batch B
+    torch TP / torch TP SP      parallelize_module on shardlm's Decoder: ColwiseParallel on
+                                attn.qkv and mlp.fc, RowwiseParallel on attn.proj and mlp.proj
+                                (the fused qkv rows regrouped per rank), + SequenceParallel norms
 
-Every case trains the same global batch B (default 4 sequences of 128 tokens) in fp32 from the
-same weights (shardlm.models.build_model / the trainer's per-parameter init: a function of
-(seed, name)) on the same batches (shardlm's Loader: dp ranks take consecutive slices of each
-global batch, so dp=2 x B/2 and dp=1 x B see the same sequences), with AdamW(fused=True, lr
-schedule lr_at, weight decay on matrices), clipping at 1.0. The step-1 losses must agree.
-
-torch's ColwiseParallel cuts a weight into contiguous row blocks, but our q/k/v (and SwiGLU's
-gate/up) projection is one fused Linear: its rows are regrouped before parallelize_module so
-rank r's block holds its own heads' q, k and v rows (the three ranges shardlm's Split cuts), and
-each Attention's n_heads / n_kv_heads are set to the local counts. Same function, same values.
-
-Every case runs in fresh processes (peak RSS is a per-process high-water mark) with
-MALLOC_MMAP_THRESHOLD_=65536 unless the environment sets it, so RSS follows what is alive (see
-bench_zero.py). Peak RSS is the max over ranks and includes setup: torch's side builds the whole
-model on each rank before parallelize_module cuts it (as asked of it); shardlm builds on the
-meta device and materialises only its pieces. Step time is the median of the timed steps
-(slowest rank); tokens/s is global (B * seq per step). On a machine other jobs share, --repeat
-runs the case list round-robin and reports the median and range. "CPU s/step" (this process's
-CPU time per timed step, all its threads, median, the busier rank) moves much less with other
-jobs' load than wall time does: it is the work a case does, gloo's copies and reductions
-included (whether a wait for the other rank counts depends on how gloo waits; not separated).
-The ledger is shardlm's byte ledger (comm/collectives.py) for one timed step, by process group;
-for tp cases it is set beside planner.traffic.tp_comm_bytes * grad_accum. The planner columns
-are planner.search.predict_local(cfg, 2) for each shardlm case.
+Every case trains the same global batch B in fp32 from the same weights; step-1 losses must
+agree. Measured: global tokens/s (median and range over --repeat rounds), CPU s/step, peak RSS
+(max over ranks, setup included), the byte ledger of one step by group (tp cases beside
+planner.traffic.tp_comm_bytes) and planner.search.predict_local for each shardlm case.
+Method and results: docs/benchmarks.md, "Tensor parallelism".
 
 Reproduce:  PYTHONPATH=src python bench/bench_tp.py --repeat 2          (gpt2-124m, ~9 min idle)
             PYTHONPATH=src python bench/bench_tp.py --preset gpt-mini --steps 6
