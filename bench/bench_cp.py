@@ -1,46 +1,16 @@
 """Context parallelism on CPU ranks (gloo): one long sequence, split over cp ranks.
 
-    1 rank           the whole sequence in one process (ZeRO-0: the local engine)
-    cp=2 ZeRO-0      parallel.cp=2: each rank 2 of the 4 load-balanced chunks, ring attention
-    cp=2 ZeRO-3      the same, model states sharded over the two context-parallel ranks too
-    tp=2 SP          parallel.tp=2 + sequence parallelism, for comparison: the other way to split
-                     a long sequence's activations on 2 ranks
-    cp=2 ulysses     parallel.cp_mode=ulysses: all-to-all over heads, whole-sequence attention
-    cp=4 ring / ulysses / hybrid 2x2   the three modes on 4 ranks (hybrid: all-to-all over
-                     pairs, a ring of the two pairs)
+    one, cp (ZeRO-0), cp3 (ZeRO-3), tpsp (tp=2 SP), ulysses on 2 ranks; ring4, ulysses4,
+    hybrid4 (2x2) on 4 ranks
 
-Every case trains the same sequences (global batch B sequences of L tokens, default 1 x 8192)
-in fp32 from the same weights; the step-1 losses must agree. Per rank it reports:
-
-    activations   our own ledger of what one micro-batch's forward saves for backward: the
-                  distinct storages packed by torch.autograd.graph.saved_tensors_hooks (bytes
-                  the tensors hold, not the allocator's view)
-    peak RSS      the process's high-water mark (MALLOC_MMAP_THRESHOLD_=65536 unless set, so
-                  freed blocks go back to the OS and RSS follows what is alive; see bench_zero)
-    step RSS      peak RSS minus the RSS after setup: what training steps added on top of the
-                  model states built at setup
-    ledger        the byte ledger's bytes per step by group, the cp group's next to
-                  planner.cp_modes.cp_mode_bytes (the mode's all-to-alls + ring hops)
-    planner       planner.search.predict_local for the case's config on this CPU: tokens/s,
-                  activations (its activation peak) and peak per process, each with its error
-
-The cap check: with --cap-mib M (a per-rank memory budget), each case is marked as fitting or
-not by its peak RSS. A sequence whose activations do not fit M on one rank trains on 2.
-
-The sweep (--sweep L1,L2,...): memory linear in T/C, measured. Each case (default: 1 rank, cp=2
-ring and Ulysses, cp=4 ring, Ulysses and hybrid 2x2) runs every length in turn in one launch
-(one process group; VmHWM restarted before each build, so each length's peak RSS is its own),
-with --doc-mask on / off / both (data.document_mask: a text window is cut into documents at each
-end-of-text token, the ring masks each hop by them, one process and Ulysses attend each document
-on its own). The activation ledger's forward + backward is the warm-up; --steps 0 times it
-instead of an optimizer step. One row per mode x cp x doc mask x length:
-
-    activations   the ledger's bytes, the planner's (planner/activations.py: the blocks' saved
-                  tensors, cp_saved's for the cp modes, and the loss's: planned_saved) and the
-                  error; the planner's own activation term is that plus backward's transients
-    peak RSS      per rank; step RSS the largest rank's peak minus its RSS after setup
-    tok/s         tokens per second of the timed step, with the 1-minute load average beside it
-                  (a loaded machine's tokens/s measure the load, not the mode)
+Every case trains the same sequences in fp32 from the same weights; step-1 losses must agree.
+Per rank: activations (the saved-tensor ledger of one forward), peak RSS, step RSS (peak minus
+the RSS after setup), the byte ledger by group (cp beside planner.cp_modes.cp_mode_bytes) and
+the planner's tokens/s, activations and peak with their errors; --cap-mib M marks what fits.
+--sweep L1,L2,...: every length in one launch per case (VmHWM restarted before each build),
+--doc-mask on/off/both; a row per mode x cp x doc mask x length (activations beside the
+planner's, peak and step RSS, tok/s with the load average).
+Method and results: docs/benchmarks.md, "Context parallelism".
 
 Reproduce:  PYTHONPATH=src python bench/bench_cp.py                       (gpt-mini, 8192 tokens)
             PYTHONPATH=src python bench/bench_cp.py --seq 4096 --cases one,cp
