@@ -131,6 +131,54 @@ def test_a_fused_hop_allocates_no_score_block(masking):
         assert 0 < peak < score_block, f"{masking} {what}: {peak / 2**20:.1f} MiB"
 
 
+def test_a_soft_capped_hop_runs_in_tiles_of_query_rows(monkeypatch):
+    """Soft-capped scores (Gemma 2's c·tanh(s/c)) take no fused kernel: the math hop, a tile of
+    query rows at a time. Its forward and backward equal the same hop in one tile, fp32, with
+    documents and a window, over tiles of a few rows (tolerance as the fused test's: the tiles'
+    dk, dv sum over the tiles in another order; (n + d)·eps); and at T/C = 4096 tokens, 2 heads
+    of 16, the peak stays under one head's (T/C)² fp32 score block (64 MiB; the one-tile math hop
+    holds the scores of both heads several times over in its backward: scores, their capped
+    values and slope, probabilities, their gradient)."""
+    cap = 2.0
+    B, H, tq, tk, d = 2, 3, 96, 80, 16
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, H, tq, d, generator=g)
+    k, v = (torch.randn(B, H, tk + tq, d, generator=g) for _ in range(2))
+    dout = torch.randn(B, H, tq, d, generator=g)
+    qpos, kpos = torch.arange(tk, tk + tq), torch.arange(tk + tq)
+    mask = BlockMask(qpos, kpos, 40, _documents(B, tk + tq, seed=12))
+    out, lse = block_forward(q, k, v, False, SCALE, mask, cap)
+    results = {}
+    for elements in (1 << 40, 2 * 3 * 176 * 7):  # one tile; 7 query rows a tile
+        monkeypatch.setattr(ring_blocks, "MASK_ELEMENTS", elements)
+        results[elements] = (*block_forward(q, k, v, False, SCALE, mask, cap),
+                             *block_backward(dout, q, k, v, out, lse, False, SCALE, mask, cap))
+    bound = (tk + tq + d) * torch.finfo(torch.float32).eps
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results.values()):
+        seen = b.isfinite()
+        torch.testing.assert_close(a[seen], b[seen], rtol=bound, atol=bound, msg=name)
+    monkeypatch.undo()
+
+    T, H, d = 4096, 2, 16
+    q, k, v = (torch.randn(1, H, T, d, generator=g) for _ in range(3))
+    held = {}
+
+    def forward():
+        held["out"], held["lse"] = block_forward(q, k, v, True, SCALE, None, cap)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        peaks = {"forward": _allocation_peak(forward)}
+        dout = torch.ones_like(held["out"])
+        peaks["backward"] = _allocation_peak(
+            lambda: block_backward(dout, q, k, v, held["out"], held["lse"], True, SCALE, None, cap))
+    finally:
+        torch.set_num_threads(threads)
+    for what, peak in peaks.items():
+        assert 0 < peak < T * T * 4, f"soft-capped {what}: {peak / 2**20:.1f} MiB"
+
+
 def _cuda_kernels_on_the_cpu(monkeypatch) -> dict:
     """CUDA's fused path (ring_blocks._fused_forward/_backward's "cuda" branch) run on the CPU:
     torch's CUDA kernels replaced by the CPU flash kernel behind their CUDA signatures and

@@ -24,11 +24,14 @@ Three kernels, chosen per hop (`_kernel`):
   multiple of 32 query rows (cut off here, padded again for the backward). Rows that see no key
   of a tile get output 0 here (the kernel's value for them is not relied on). A masked bf16 /
   fp16 hop's backward runs in fp32 (LOW_PRECISION_MASKED_BACKWARD: the bf16 one was wrong).
-- math (portable): the scores in fp32, (B, h, tq, tk) per hop, several times over in the
-  backward (scores, probabilities, their gradient). Soft-capped scores (Gemma 2) run it on every
-  device: no kernel here takes a cap (flex attention's `score_mod` would; see docs/gpu.md), and
-  so does any other device, dtype or head width (> 256, not a multiple of 8 on CUDA). The math
-  path is the fused ones' reference in tests/test_ring_blocks.py and tests/test_cuda.py.
+- math (portable): the scores in fp32, a tile of query rows at a time (`_math_tiles`: at most
+  the device's mask elements of scores per tile over batch and heads, so linear in T/C like the
+  fused paths; the backward recomputes each tile's scores and probabilities). Soft-capped
+  scores (Gemma 2) run it on every device: no kernel here takes a cap (flex attention's
+  `score_mod` would, but has no backward on a CPU in torch 2.13 and takes no whole-attention
+  output and log-sum-exp in its autograd; see docs/gpu.md), and so does any other device, dtype
+  or head width (> 256, not a multiple of 8 on CUDA). The math path is the fused ones'
+  reference in tests/test_ring_blocks.py and tests/test_cuda.py.
 The log-sum-exp merge across hops (parallel/context/attention.py) is fp32 on every path.
 """
 
@@ -133,11 +136,15 @@ def block_forward(q, k, v, causal: bool, scale: float, mask: BlockMask | None = 
         if mask is None:
             return _fused_forward(kernel, q, k, v, causal, scale, None)
         return _fused_masked_forward(kernel, q, k, v, scale, mask)
-    allowed = None if mask is None else mask.allowed()
-    scores, _ = _scores(q, k, causal, scale, allowed, softcap)  # (B, h, tq, tk): any device
-    lse = scores.logsumexp(-1)
-    finite = lse.masked_fill(lse == float("-inf"), 0.0)  # an empty row: exp(-inf) = 0, not nan
-    return ((scores - finite.unsqueeze(-1)).exp() @ v.float()).to(q.dtype), lse
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    for rows, allowed in _math_tiles(q, k, causal, mask):
+        scores, _ = _scores(q[:, :, rows], k, scale, allowed, softcap)  # (B, h, r, tk): any device
+        tile_lse = scores.logsumexp(-1)
+        finite = tile_lse.masked_fill(tile_lse == float("-inf"), 0.0)  # an empty row: exp(-inf) = 0, not nan
+        out[:, :, rows] = ((scores - finite.unsqueeze(-1)).exp() @ v.float()).to(q.dtype)
+        lse[:, :, rows] = tile_lse
+    return out, lse
 
 
 def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask: BlockMask | None = None,
@@ -149,17 +156,45 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask: Bl
         if mask is None:
             return _fused_backward(kernel, dout, q, k, v, out, lse.to(torch.float32), causal, scale, None)
         return _fused_masked_backward(kernel, dout, q, k, v, out, lse, scale, mask)
-    qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
-    scores, slope = _scores(q, k, causal, scale, None if mask is None else mask.allowed(), softcap)
-    p = (scores - lse.unsqueeze(-1)).exp()  # this block's probabilities under the whole softmax
-    delta = (df * out.float()).sum(-1, keepdim=True)
-    ds = p * (df @ vf.transpose(-1, -2) - delta) * scale
-    if slope is not None:  # through the cap: c·tanh(s/c)' = 1 - tanh²(s/c)
-        ds = ds * slope
-    return (ds @ kf).to(q.dtype), (ds.transpose(-1, -2) @ qf).to(k.dtype), (p.transpose(-1, -2) @ df).to(v.dtype)
+    kf, vf = k.float(), v.float()
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for rows, allowed in _math_tiles(q, k, causal, mask):
+        qf, df = q[:, :, rows].float(), dout[:, :, rows].float()
+        scores, slope = _scores(q[:, :, rows], k, scale, allowed, softcap)
+        p = (scores - lse[:, :, rows].unsqueeze(-1)).exp()  # this block's probabilities under the whole softmax
+        delta = (df * out[:, :, rows].float()).sum(-1, keepdim=True)
+        ds = p * (df @ vf.transpose(-1, -2) - delta) * scale
+        if slope is not None:  # through the cap: c·tanh(s/c)' = 1 - tanh²(s/c)
+            ds = ds * slope
+        dq[:, :, rows] = (ds @ kf).to(q.dtype)
+        dk += ds.transpose(-1, -2) @ qf
+        dv += p.transpose(-1, -2) @ df
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _scores(q, k, causal: bool, scale: float, allowed: torch.Tensor | None, softcap: float = 0.0):
+def _math_tiles(q, k, causal: bool, mask: BlockMask | None) -> Iterator[tuple[slice, torch.Tensor | None]]:
+    """The math hop's tiles of query rows, each with which of the block's keys its rows may see
+    (None: all): at most the device's mask elements (_mask_elements) of fp32 scores per tile over
+    the batch and heads, so no (T/C)² block is ever held (soft-capped hops, which no fused kernel
+    here takes, are linear in T/C too). Causal: the diagonal block, queries and keys the same
+    positions."""
+    B, h, tq, _ = q.shape
+    tk = k.shape[2]
+    step = max(1, _mask_elements("cuda" if q.is_cuda else "cpu") // max(1, B * h * tk))
+    keys = torch.arange(tk, device=q.device) if causal and mask is None else None
+    for start in range(0, tq, step):
+        rows = slice(start, min(start + step, tq))
+        if mask is not None:
+            yield rows, mask.allowed(rows)
+        elif keys is not None:
+            yield rows, (torch.arange(rows.start, rows.stop, device=q.device)[:, None] >= keys[None, :])[None, None]
+        else:
+            yield rows, None
+
+
+def _scores(q, k, scale: float, allowed: torch.Tensor | None, softcap: float = 0.0):
     """The masked (and soft-capped) scores, fp32, and d(capped)/d(uncapped) = 1 - tanh² (None
     without a cap)."""
     scores, slope = (q.float() @ k.float().transpose(-1, -2)) * scale, None
@@ -168,12 +203,7 @@ def _scores(q, k, causal: bool, scale: float, allowed: torch.Tensor | None, soft
         scores, slope = capped * softcap, 1 - capped * capped
     if allowed is not None:
         return scores.masked_fill(~allowed, float("-inf")), slope
-    return (scores.masked_fill(_future(scores), float("-inf")) if causal else scores), slope
-
-
-def _future(scores: torch.Tensor) -> torch.Tensor:
-    tq, tk = scores.shape[-2:]
-    return torch.ones(tq, tk, dtype=torch.bool, device=scores.device).triu(1)
+    return scores, slope
 
 
 # ---------------------------------------------------------------------------------------------
