@@ -1,38 +1,13 @@
 """Memory and speed of full fine-tuning vs LoRA vs QLoRA (lora.quantize = nf4), one process.
 
-Method. Each mode runs in its own fresh subprocess (this script with --child), so each peak is
-its own: the ZeRO engine at stage 1 on one rank (parameters in the compute dtype, bf16; fp32
-masters and AdamW moments for what trains), micro-batch --micro-batch x --seq tokens, --steps
-steps on the stdlib corpus cut to data.max_bytes (tokenizer and token stream built once, in the
-parent, as is the CPU's matmul-peak probe). Each child's C allocator is as its user has it: a
-shardlm child applies run.malloc_mmap_threshold first, as `shardlm train` does (docs/allocator.md);
-a plain loop runs with glibc's own default (an environment's MALLOC_MMAP_THRESHOLD_ reaches both).
-  peak RSS    VmHWM of the child after the last step (build included: the sharded build
-              materialises one unit at a time, with an fp32 copy of that unit)
-  ledger      run.strategy.model_state_bytes(): params + grads + optimizer state held
-  formula     bytes per parameter (Ψ all parameters, Ψq those stored quantised, Ψa adapters):
-                full   16 Ψ            (bf16 params 2 + bf16 grads 2 + fp32 master 4 + moments 8)
-                lora    2 Ψ + 16 Ψa    (the base in bf16, the adapters as full fine-tuning)
-                qlora   2 (Ψ - Ψq) + 0.516 Ψq + 16 Ψa   (nf4: 4 bits + 8-bit absmax per 64 +
-                                                         fp32 per 256 absmaxes)
-                peft    2 Ψ + 12 Ψa    (fp32 adapters and moments, no separate master)
-  tokens/s    over the steps after the first (the first includes one-time allocation)
-"peft" is what a user does today: transformers' LlamaForCausalLM of the same shape built in
-bf16, peft's LoRA on the same linears, torch's AdamW, a plain loop (peft_child).
-
---instruct DIR: fine-tune a checkpoint as a download has it instead (bench/finetune_loop.py: a
-SmolLM2-135M-Instruct-shaped Llama saved by transformers with its tokenizer, ChatML template and
-generation config; random weights) on chats (data.format = chat: loss on the assistant turns,
-rows packed with document masks), and compare with the plain loop a user writes on the same
-checkpoint, fed shardlm's own batches (the same rows, loss masks and document starts):
-  loop        from_pretrained + peft LoRA + AdamW, the rows' documents kept apart (a 4-D mask and
-              per-document positions, as transformers takes them on the CPU)
-  loop-nodoc  the same loop attending across the documents of a row (what a loop that ignores
-              packing does: cheaper attention, another model of the data)
-  qloop       loop with bitsandbytes' 4-bit nf4 base (QLoRA as peft's docs write it)
-Step 1's loss must agree between shardlm and loop (the adapters start at zero: it is the
-checkpoint's own loss on those tokens); the table prints both.
-Results and discussion: docs/finetuning.md (QLoRA; the plain loop).
+Each mode runs in a fresh subprocess (this script with --child): ZeRO stage 1 on one rank, bf16
+compute, --steps steps. Measured: peak RSS (VmHWM, build included), the ledger
+(model_state_bytes) beside the formula (full 16 Ψ, lora 2 Ψ + 16 Ψa, qlora 2 (Ψ - Ψq) +
+0.516 Ψq + 16 Ψa, peft 2 Ψ + 12 Ψa bytes), tokens/s after the first step. "peft" is
+transformers' Llama with peft's LoRA and a plain loop. --instruct DIR fine-tunes a saved
+checkpoint on chats against the loop a user writes on it (bench/finetune_loop.py: loop,
+loop-nodoc, qloop); step 1's losses must agree. --profile N prints each side's op table.
+Results: docs/benchmarks.md, "Fine-tuning"; docs/finetuning.md.
 
 Reproduce:
     PYTHONPATH=src python bench/bench_finetune.py --modes qlora,lora,peft          # llama-1b
@@ -41,9 +16,6 @@ Reproduce:
     PYTHONPATH=src python bench/bench_finetune.py --modes lora@2,qlora@2      # ZeRO-3, 2 ranks
     PYTHONPATH=src python bench/bench_finetune.py --instruct /tmp/bench-instruct \
         --modes lora,loop,loop-nodoc,qlora,qloop --precision fp32 --seq 128 --micro-batch 4 --rank 8
-    PYTHONPATH=src python bench/bench_finetune.py --instruct /tmp/bench-instruct \
-        --modes lora,loop --precision fp32 --seq 128 --micro-batch 4 --rank 8 --steps 2 --profile 25
-(--profile N: where a step's time goes, each side's torch.profiler op table after its timed steps.)
 """
 
 from __future__ import annotations
