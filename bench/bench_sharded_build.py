@@ -1,41 +1,13 @@
 """The sharded build's memory: setup and training peak RSS per rank, next to one fp32 copy of
-the model (4 bytes x parameters, what every rank held at setup before models were built on the
-meta device and materialised a ZeRO unit at a time).
+the model (4 bytes x parameters).
 
-Method. One invocation = one row = one fresh pair of ranks (shardlm.launch.spawn.run_ranks, gloo,
-1 thread each): ZeRO stage 3, bf16 compute (fp32 masters), zero.offload_optimizer = "nvme" and
-zero.offload_params = "nvme" under a fresh temporary directory on the local disk (--dir; the
-script refuses tmpfs), micro-batch 1 x seq_len 128, --steps training steps on the default stdlib
-corpus cut to data.max_bytes, vocabulary as the preset has it. The tokenizer/token stream and
-the CPU's bf16 matmul peak (build_run looks it up for MFU) are built in the parent first, so no
-rank's peak includes them. Each rank applies the allocator policy `shardlm train` applies in its
-workers (shardlm.launch.allocator.apply_malloc_policy with run.malloc_mmap_threshold, 8 MiB by default,
-before build_run; the user's MALLOC_MMAP_THRESHOLD_ takes precedence as there): glibc then serves
-blocks at or above it with mmap and returns them on free (docs/allocator.md).
-
---via-cli runs the same configuration as the command users run instead, `shardlm train --nproc 2
---model.preset=... (the same overrides)`, in fresh workers started by torch's elastic launcher,
-and reports per rank the worker process's high-water mark (VmHWM read from /proc/<pid>/status
-every 0.1 s while it lives: the whole process, the end-of-run evaluation included) and rank 0's
-metrics.jsonl peak_rss_bytes (VmHWM at the end of the last training step), beside the byte
-ledger (model_state_bytes in the JSONL). The two invocations' peaks are the table in
-docs/benchmarks.md.
-
-Per rank, RSS is read from /proc/self/status: VmRSS of the bare interpreter and just after
-`import torch` (the rank's baseline, at the import of this module in the spawned process), and
-the high-water mark VmHWM over phases. The mark is reset at every phase boundary by writing "5"
-to /proc/self/clear_refs, and each segment's peak is charged to the phase running in it, so
-  setup peak    = max VmHWM from just before build_run until it returns,
-  training peak = max VmHWM over the training steps (it starts from the RSS setup left),
-  peak          = the larger of the two (the process's high-water mark after the reset).
-The phases inside
-setup and the steps are timed-free wrappers around shardlm's functions (build_dataset,
-parallelize, Unit.__init__, NvmeTier.add, FileParams.__init__, the forward, backward,
-finish_backward, the optimizer step and its parameter reads/writes, ...), patched in the rank
-processes only; the phase table lists each one's peak. "ledger" is
-run.strategy.model_state_bytes() (persistent params / grads / optimizer state in memory),
-"formula" run.strategy.predicted_state_bytes() (the ZeRO paper's per-rank bytes for this run's
-dtypes; it counts the bf16 parameter shard, which offload_params = nvme keeps on disk).
+One invocation = one row = a fresh pair of ranks at ZeRO-3, bf16 compute, optimizer and
+parameters offloaded to nvme under --dir (tmpfs refused), micro-batch 1, --steps steps. Per rank:
+RSS of the bare interpreter and after `import torch`, the setup peak, the training peak (VmHWM
+reset between phases through /proc/self/clear_refs), a phase table (each patched shardlm
+function's peak), the ledger (model_state_bytes) and the formula (predicted_state_bytes).
+--via-cli runs `shardlm train --nproc 2` with the same overrides and reads each worker's VmHWM
+from /proc and rank 0's metrics.jsonl. Method and results: docs/benchmarks.md, "Sharded build".
 
 Reproduce (one row per invocation; the 1.5B row takes ~10+ minutes):
     PYTHONPATH=src python bench/bench_sharded_build.py --preset gpt2-774m
