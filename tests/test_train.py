@@ -50,6 +50,25 @@ def test_hfu_counts_recomputation_mfu_does_not(tmp_path):
         assert math.isclose(result.hfu, result.mfu * ratio, rel_tol=1e-12)
 
 
+def test_an_mfu_above_one_on_a_cpu_measures_the_peak_again(tmp_path, recwarn):
+    """A cached CPU peak measured while other work shared the cores (planted: 1 MFLOP/s) makes
+    MFU read above 100%: the run measures the peak again (once), keeps it, says so, and the
+    records' MFU is against the new figure, which the probe cache now holds."""
+    from shardlm.hardware.probe import cpu_peak_flops
+    from shardlm.train import telemetry
+
+    telemetry.remeasured_cpu_peak.cache_clear()
+    run = build_run(load_config(overrides=tiny_overrides(tmp_path, train__steps=2)).validate())
+    run.peak_flops_per_device = 1e6
+    result = train(run)
+    assert any("is above 100%" in str(w.message) for w in recwarn.list)
+    peak = run.peak_flops_per_device
+    assert peak > 1e6 and peak == cpu_peak_flops(run.precision.gemm, torch.get_num_threads())
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        assert math.isclose(r["mfu"], r["tokens_per_s"] * run.flops_per_token / peak, rel_tol=1e-9)
+
+
 def test_same_seed_same_run(tmp_path):
     runs = [train(build_run(load_config(overrides=tiny_overrides(tmp_path / str(i), train__steps=5))))
             for i in range(2)]

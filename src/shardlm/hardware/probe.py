@@ -76,9 +76,10 @@ def _time_matmul(dtype: torch.dtype, seconds: float = 0.5) -> float:
     return best
 
 
-def cpu_peak_flops(precision: str, threads: int | None = None) -> float:
+def cpu_peak_flops(precision: str, threads: int | None = None, again: bool = False) -> float:
     """Dense matmul peak FLOP/s of this CPU in `precision` at `threads` threads (default: the
-    current torch thread count); measured once per (CPU, torch, threads, precision)."""
+    current torch thread count); measured once per (CPU, torch, threads, precision), or anew
+    with `again`."""
     threads = threads or torch.get_num_threads()
 
     def measure() -> float:
@@ -89,7 +90,7 @@ def cpu_peak_flops(precision: str, threads: int | None = None) -> float:
         finally:
             torch.set_num_threads(before)
 
-    return float(_cached(f"threads={threads}|matmul {precision}", measure))
+    return float(_cached(f"threads={threads}|matmul {precision}", measure, again=again))
 
 
 def measure_cpu(n_ranks: int) -> dict:

@@ -26,7 +26,7 @@ from shardlm.train.resolve import local_hardware
 from shardlm.train.run import Run, TrainResult
 from shardlm.train.step import StepResult, evaluate, train_step
 from shardlm.train.telemetry import (MetricsLog, ProgressDisplay, device_memory_record, peak_rss_bytes,
-                                     prediction_summary)
+                                     prediction_summary, restate_cpu_peak)
 from shardlm.train.tracking import StepProfiler, open_trackers
 
 log = logging.getLogger("shardlm")
@@ -136,6 +136,8 @@ def timed_step(run: Run, step: int, profiler: StepProfiler, stop_requested: bool
     start = time.perf_counter()
     out = train_step(run, step, stop_requested=stop_requested)
     record = step_record(run, step, out, time.perf_counter() - start)
+    if record["mfu"] > 1 and run.runtime.device.type == "cpu":
+        restate_cpu_peak(run, record)
     profiler.end(step + 1)
     if compiling:
         record["compile_s"] = compile_seconds() - compiled_before

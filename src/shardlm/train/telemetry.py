@@ -9,6 +9,7 @@ matmul probe in the run's precision, once per machine, and cached.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -28,6 +29,29 @@ def peak_flops(device: torch.device, precision: str) -> float:
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
     return cpu_peak_flops(precision)
+
+
+@functools.lru_cache(maxsize=None)
+def remeasured_cpu_peak(precision: str, threads: int) -> float:
+    """This CPU's matmul peak measured anew, once a process (the cache takes the new figure)."""
+    return cpu_peak_flops(precision, threads, again=True)
+
+
+def restate_cpu_peak(run, record: dict) -> None:
+    """A CPU run whose MFU is above 1 proves the cached peak low: measured while other work
+    shared the cores (seen: 59 GFLOP/s cached at 2 threads against 83 measured alone at one,
+    the README's first command then reporting MFU 112-115%). The peak is measured again, once
+    a process; the larger is kept and the record's MFU and HFU restated, with a warning."""
+    old = run.peak_flops_per_device
+    new = remeasured_cpu_peak(run.precision.gemm, torch.get_num_threads())
+    if new <= old:  # measured again already, or the FLOP count is what is high: left as it is
+        return
+    run.peak_flops_per_device = new
+    warnings.warn(f"MFU {record['mfu']:.0%} is above 100%: this CPU's cached {run.precision.gemm} peak "
+                  f"({old / 1e9:,.1f} GFLOP/s) was measured while other work shared its cores; "
+                  f"measured again: {new / 1e9:,.1f} GFLOP/s (the cache now holds it)", stacklevel=2)
+    for key in ("mfu", "hfu"):
+        record[key] *= old / new
 
 
 def gpu_peak_flops(name: str, precision: str) -> float:
