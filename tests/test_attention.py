@@ -108,10 +108,17 @@ def _positions() -> torch.Tensor:
     return positions_from_starts(starts)
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])  # multi-head, grouped-query
+@pytest.mark.parametrize("kv_heads", [4, 2, "2 repeated"])  # multi-head, grouped-query (CUDA's way)
 @pytest.mark.parametrize("documents", [False, True])
 @pytest.mark.parametrize("backend", ["sdpa", "per_document"])
-def test_backends_equal_math_with_gradients(backend, documents, kv_heads):
+def test_backends_equal_math_with_gradients(backend, documents, kv_heads, monkeypatch):
+    """'2 repeated': the kv heads repeated to the query heads before SDPA, as on CUDA where its
+    fused kernel would not broadcast them (attention.kernel_takes_grouped_kv)."""
+    if kv_heads == "2 repeated":
+        from shardlm.models import attention
+
+        monkeypatch.setattr(attention, "kernel_takes_grouped_kv", lambda *a: False)
+        kv_heads = 2
     positions = _positions() if documents else None
     outs = {}
     for name in ("math", backend):
@@ -122,6 +129,17 @@ def test_backends_equal_math_with_gradients(backend, documents, kv_heads):
         outs[name] = [out.detach(), q.grad, k.grad, v.grad]
     for got, ref in zip(outs[backend], outs["math"]):
         assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (got - ref).abs().max()
+
+
+def test_which_sdpa_calls_broadcast_grouped_kv_heads():
+    """CUDA's flash attention broadcasts grouped kv heads (bf16 / fp16, no mask); its
+    memory-efficient and cuDNN kernels do not, so fp32 or masked calls repeat the heads rather
+    than fall to SDPA's math kernel (measured on an H200); the CPU's kernels broadcast them."""
+    from shardlm.models.attention import kernel_takes_grouped_kv as takes
+
+    assert takes("cuda", torch.bfloat16, False) and takes("cuda", torch.float16, False)
+    assert not takes("cuda", torch.float32, False) and not takes("cuda", torch.bfloat16, True)
+    assert all(takes("cpu", dtype, masked) for dtype in (torch.float32, torch.bfloat16) for masked in (False, True))
 
 
 @pytest.mark.parametrize("documents", [False, True])

@@ -172,6 +172,36 @@ def test_activation_offload_equals_keeping_and_lowers_the_peak(tmp_path, documen
     assert saved >= 0.5 * moved["moved"]
 
 
+@pytest.mark.parametrize("dtype, masked", [(torch.float32, False), (torch.bfloat16, True)])
+def test_grouped_kv_attention_runs_a_fused_kernel_on_the_gpu(dtype, masked):
+    """Grouped-query attention (4 query heads over 2 kv heads) where CUDA's flash kernel does not
+    take the call (fp32; a mask: documents, a window): the kv heads are repeated first
+    (models/attention.py kernel_takes_grouped_kv), so SDPA runs its memory-efficient kernel, not
+    its math one, which held the (T, T) probabilities (measured on an H200, 2026-11-29: 77 MiB
+    against 1 MiB at 8 x 4 heads x 512 tokens, fp32). At 2048 tokens the forward's peak above its
+    inputs stays under 1/8 of those probabilities (512 MiB fp32) and matches the math backend."""
+    from shardlm.models.attention import attend, prepare
+
+    B, T = 8, 2048
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(B, 4, T, 16, generator=g).to("cuda", dtype).requires_grad_()
+    k, v = (torch.randn(B, 2, T, 16, generator=g).to("cuda", dtype).requires_grad_() for _ in range(2))
+    positions = torch.arange(T, device="cuda").remainder(T // 4).expand(B, T) if masked else None
+    mask = prepare("sdpa", positions, T, q.device, dtype) if masked else None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = attend(q, k, v, mask)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    probabilities = B * 4 * T * T * 4
+    print(f"{dtype} masked={masked}: forward peak {extra / 2**20:,.0f} MiB above its inputs")
+    assert extra < probabilities / 8
+    reference = attend(q, k, v, prepare("math", positions, T, q.device, dtype))
+    torch.testing.assert_close(out.float(), reference.float(), **(dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32
+                                                                  else dict(rtol=2e-2, atol=2e-2)))
+
+
 def test_flex_attention_with_documents_equals_per_document_math(tmp_path):
     """What model.attention = 'auto' picks on CUDA with document masks (flex) = the math
     reference, values and input gradients, fp32 within 1e-4 (different summation order)."""
@@ -352,10 +382,11 @@ def test_fused_cp_hop_equals_the_math_hop_on_the_gpu(monkeypatch, masking, dtype
             assert _rel_err(a, b) <= bwd_tol, (masking, causal, name, _rel_err(a, b))
 
 
-@pytest.mark.parametrize("masking", ["causal", "documents"])
+@pytest.mark.parametrize("masking", ["causal", "documents", "softcap"])
 def test_fused_cp_hop_at_32k_tokens_holds_no_score_block(monkeypatch, masking):
     """The long-context row: one GPU's hop over 32,768 tokens (cp = 1: the whole sequence is the
-    diagonal block), 4 heads of 128, bf16. The fused backward's peak above its inputs stays
+    diagonal block), 4 heads of 128, bf16; soft-capped (c = 20) it is the math hop in tiles of
+    query rows (CUDA_MASK_ELEMENTS of fp32 scores each). The fused backward's peak above its inputs stays
     under a quarter of ONE head's (T/C)² fp32 score block (1 GiB; the math hop would hold 4 heads'
     several times, 16 GiB each). Against the math hop on the last 512 query rows (they see all
     32k keys, the longest reduction): output, log-sum-exp and dq, tolerance as in the test
@@ -373,11 +404,12 @@ def test_fused_cp_hop_at_32k_tokens_holds_no_score_block(monkeypatch, masking):
         docs[:, T // 3:] += 1
         docs[:, T // 3 + 5000:] += 1
     mask = None if docs is None else BlockMask(pos, pos, 0, docs)
-    out, lse = block_forward(q, k, v, True, scale, mask)
+    cap = 20.0 if masking == "softcap" else 0.0  # Gemma 2's: the math hop, tiles of query rows
+    out, lse = block_forward(q, k, v, True, scale, mask, cap)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    dq, _, _ = block_backward(dout, q, k, v, out, lse, True, scale, mask)
+    dq, _, _ = block_backward(dout, q, k, v, out, lse, True, scale, mask, cap)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     block = T * T * 4  # one head's fp32 scores
@@ -386,9 +418,9 @@ def test_fused_cp_hop_at_32k_tokens_holds_no_score_block(monkeypatch, masking):
     assert extra < block / 4
     rows = slice(T - last, T)
     sub = BlockMask(pos[rows], pos, 0, docs)  # = causal (or the documents) for these rows
-    m_out, m_lse = _cp_hop(False, monkeypatch, block_forward, q[:, :, rows], k, v, False, scale, sub)
+    m_out, m_lse = _cp_hop(False, monkeypatch, block_forward, q[:, :, rows], k, v, False, scale, sub, cap)
     m_dq = _cp_hop(False, monkeypatch, block_backward, dout[:, :, rows], q[:, :, rows], k, v,
-                   out[:, :, rows], lse[:, :, rows], False, scale, sub)[0]
+                   out[:, :, rows], lse[:, :, rows], False, scale, sub, cap)[0]
     fp32 = (T + d) * torch.finfo(torch.float32).eps
     assert _rel_err(out[:, :, rows], m_out) <= 2 * BF16_EPS + fp32
     torch.testing.assert_close(lse[:, :, rows], m_lse, rtol=fp32, atol=fp32 * 10)

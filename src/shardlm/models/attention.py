@@ -171,11 +171,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
         raise ValueError(f"attention soft-capping needs model.attention = 'math' (got "
                          f"{'sdpa' if mask is None else mask.backend!r})")
     if mask is None:
-        # enable_gqa lets the kernel broadcast kv heads itself: measured 10-20% faster than
-        # repeat_interleave on torch 2.13 CPU (forward+backward), with identical outputs.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+        return sdpa(q, k, v, gqa, is_causal=True, scale=scale)
     if mask.backend == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.data, enable_gqa=gqa, scale=scale)
+        return sdpa(q, k, v, gqa, attn_mask=mask.data, scale=scale)
     if mask.backend == "per_document":
         return _per_document(q, k, v, mask.data, gqa, scale)
     if mask.backend == "flex":
@@ -183,15 +181,35 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     return _math(q, k, v, mask.data, scale, softcap)
 
 
+def kernel_takes_grouped_kv(device_type: str, dtype: torch.dtype, masked: bool) -> bool:
+    """Whether SDPA's fused kernel broadcasts grouped kv heads itself (enable_gqa) for this call.
+    On CUDA only flash attention does, and it takes neither fp32 nor a mask: the memory-efficient
+    and cuDNN kernels need as many kv heads as query heads, so SDPA fell back to its math kernel
+    and kept the (T, T) probabilities (torch 2.11 on an H200: 77 MiB against 1 MiB with the kv
+    heads repeated, fp32, 8 x 4 heads x 512 tokens; docs/gpu/h200-2026-11-29-run4-gqa.log). On
+    the CPU enable_gqa was measured 10-20% faster than repeating the heads (torch 2.13,
+    forward + backward), with identical outputs."""
+    return device_type != "cuda" or (dtype in (torch.bfloat16, torch.float16) and not masked)
+
+
+def sdpa(q, k, v, gqa: bool, **kwargs) -> torch.Tensor:
+    """F.scaled_dot_product_attention with grouped kv heads broadcast by the kernel where it
+    can, else repeated to the query heads first (kernel_takes_grouped_kv)."""
+    if gqa and not kernel_takes_grouped_kv(q.device.type, q.dtype, kwargs.get("attn_mask") is not None):
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **kwargs)
+
+
 def _per_document(q, k, v, lengths: tuple[tuple[int, ...], ...], gqa: bool,
                   scale: float | None = None) -> torch.Tensor:
     if all(len(row) == 1 for row in lengths):  # one document per row: one call
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+        return sdpa(q, k, v, gqa, is_causal=True, scale=scale)
     rows = []
     for b, row in enumerate(lengths):
         pieces = zip(*(t[b:b + 1].split(row, dim=2) for t in (q, k, v)))  # (1, h, len, hs) each
-        rows.append(torch.cat([F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
-                                                              enable_gqa=gqa, scale=scale)
+        rows.append(torch.cat([sdpa(qd, kd, vd, gqa, is_causal=True, scale=scale)
                                for qd, kd, vd in pieces], dim=2))
     return torch.cat(rows, dim=0)  # (B, nh, T, hs)
 

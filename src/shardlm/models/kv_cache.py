@@ -16,7 +16,8 @@ grouped-query broadcasting (n_kv_heads rows, not n_heads).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from shardlm.models.attention import sdpa
 
 
 class LayerCache:
@@ -56,9 +57,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     new, total = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if new == total:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+        return sdpa(q, k, v, gqa, is_causal=True, scale=scale)
     if new == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=scale)
+        return sdpa(q, k, v, gqa, scale=scale)
     past = total - new
     allowed = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(diagonal=past)  # (T_new, T_all)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa, scale=scale)
+    return sdpa(q, k, v, gqa, attn_mask=allowed, scale=scale)
