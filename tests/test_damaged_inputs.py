@@ -7,8 +7,10 @@ JSONDecodeError traceback until the user found and deleted it; a dangling chat_t
 trained on our default template, exit 0; `shardlm compare` on a metrics.jsonl of binary garbage
 was a UnicodeDecodeError traceback; random bytes named .parquet were a pyarrow traceback; a rank
 killed in a 4-rank ZeRO-3 run printed torch's elastic failure report and the survivors'
-tracebacks (195 lines). The probe's collectives (two spawned ranks, ~1 min here) are stubbed:
-what is under test is the cache file, not the measurement."""
+tracebacks (195 lines). The probe's collectives (two spawned ranks, ~1 min here) and its timed
+loops (matmuls, element-wise passes, AdamW over 16M parameters, 256 MiB copies: ~10 s of CPU per
+thread count) are stubbed: what is under test is the cache file, not the measurement; the
+cache's own code (read, move aside, measure what is missing, write) runs as it is."""
 
 from __future__ import annotations
 
@@ -34,11 +36,20 @@ def _args(overrides: dict) -> list[str]:
 
 
 def _stub_collectives(monkeypatch) -> None:
-    """gloo_probe and in_step_probe spawn ranks for a minute; their figures here are stand-ins."""
+    """gloo_probe and in_step_probe spawn ranks for a minute; their figures here are stand-ins.
+    So are the timed loops' (each a plausible finite rate, so every entry is cached as measured
+    and a process reading the cache measures nothing again)."""
     monkeypatch.setattr(probe, "gloo_probe", lambda: {"gloo_latency": 1e-4, "gloo_bandwidth": 1e9,
                                                       "baseline_rss": 3e8})
     monkeypatch.setattr(probe, "in_step_probe", lambda n, latency, bandwidth: {
         "gloo_in_step_latency": latency, "gloo_in_step_bandwidth": bandwidth})
+    flops = 1.5e10
+    monkeypatch.setattr(probe, "_time_matmul", lambda dtype, seconds=0.5: flops)
+    monkeypatch.setattr(probe, "_time_product", lambda m, k, n, *a, **kw: {"best_s": 2 * m * k * n / flops,
+                                                                          "median_s": 2 * m * k * n / flops})
+    for name, value in (("_memory_bandwidth", 2e10), ("_elementwise_bandwidth", 1e10),
+                        ("_fresh_bandwidth", 5e9), ("_adamw_seconds_per_param", 1e-9), ("_op_seconds", 5e-6)):
+        monkeypatch.setattr(probe, name, lambda *a, _value=value, **kw: _value)
 
 
 def _damaged_warnings(caplog, path: Path) -> list[str]:
