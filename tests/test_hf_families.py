@@ -304,10 +304,10 @@ def test_rope_the_decoder_cannot_compute_goes_the_transformers_way(tmp_path, rop
     cfg = load_config(overrides={"model.hf_path": str(tmp_path)})
     if unreadable:  # said by the route line, before anything is spawned
         with pytest.raises(ConfigError, match=unreadable):
-            route_line(cfg)
+            route_line(cfg.model)
         return
     assert causal_lm_config(str(tmp_path)) and "transformers" in cfg.model.preset
-    assert re.search(message, route_line(cfg)), route_line(cfg)
+    assert re.search(message, route_line(cfg.model)), route_line(cfg.model)
 
 
 def test_transformers_4_rope_scaling_spelling_maps_the_same(tmp_path):

@@ -76,7 +76,7 @@ def test_first_step_logits_are_the_librarys(tmp_path, gptj):
     from shardlm.train.step import train_step
 
     cfg = load_config(overrides=overrides(tmp_path, gptj)).validate()
-    assert route_line(cfg) == f"model: {gptj} {LINE}"
+    assert route_line(cfg.model) == f"model: {gptj} {LINE}"
     run = build_run(cfg)
     assert type(run.model.model).__name__ == "GPTJForCausalLM"
     reference = transformers.AutoModelForCausalLM.from_pretrained(gptj).eval()

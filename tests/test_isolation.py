@@ -41,7 +41,7 @@ def _run_dirs(tmp_path) -> list[Path]:
 def test_unnamed_runs_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
     monkeypatch.setattr(time, "strftime", lambda *_: "20250101-120000")  # the same second
     cfg = _cfg(tmp_path)
-    first, second = make_run_dir(cfg, ONE_PROCESS), make_run_dir(cfg, ONE_PROCESS)
+    first, second = make_run_dir(cfg.run, ONE_PROCESS), make_run_dir(cfg.run, ONE_PROCESS)
     assert first != second and first.is_dir() and second.is_dir()
     assert first.name.startswith("20250101-120000-") and second.name.startswith("20250101-120000-")
     for run_dir in (first, second):
@@ -52,7 +52,7 @@ def test_unnamed_runs_in_the_same_second_get_their_own_directories(tmp_path, mon
 def test_named_directory_may_exist_and_is_reentrant_in_one_process(tmp_path):
     cfg = _cfg(tmp_path, run__name="again")
     (tmp_path / "runs" / "again").mkdir(parents=True)  # a run to resume
-    assert make_run_dir(cfg, ONE_PROCESS) == make_run_dir(cfg, ONE_PROCESS)  # one process: its own
+    assert make_run_dir(cfg.run, ONE_PROCESS) == make_run_dir(cfg.run, ONE_PROCESS)  # one process: its own
     release_run_dir(Path(cfg.run.dir) / "again")
 
 
@@ -92,7 +92,7 @@ def ranks_make_run_dir(rank: int, world_size: int, overrides: dict) -> str:
     from shardlm.launch.runtime import init_runtime
 
     try:
-        return str(make_run_dir(load_config(overrides=overrides), init_runtime("cpu")))
+        return str(make_run_dir(load_config(overrides=overrides).run, init_runtime("cpu")))
     except ConfigError as e:
         return f"ConfigError: {e}"
 
@@ -121,4 +121,4 @@ def test_run_dir_that_cannot_be_created_is_a_config_error(tmp_path):
     (tmp_path / "file").write_text("")
     cfg = load_config(overrides={"run.dir": str(tmp_path / "file")})
     with pytest.raises(ConfigError, match="cannot create the run directory under"):
-        make_run_dir(cfg, ONE_PROCESS)
+        make_run_dir(cfg.run, ONE_PROCESS)

@@ -253,7 +253,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, force: bool = False,
     stacked = any(n.endswith(".experts.gate_up_proj") for n, _ in hf_model.named_parameters())
     ours = model.state_dict()
     if merge:
-        ours = merged_state_dict(ours, cfg)
+        ours = merged_state_dict(ours, cfg.model, cfg.lora)
     sd = hf_state_dict(ours, m, stacked_experts=stacked)
     renamed = registered_family(hf_family(m)).in_memory_names
     sd = {renamed.get(name, name): tensor for name, tensor in sd.items()}
@@ -285,11 +285,11 @@ def export_peft(run_dir: str | Path, out_dir: str | Path, force: bool = False) -
     _check_out(out, force)
     cfg = load_config_json(src)
     sd = load_file(str(src / WEIGHTS))
-    peft_adapter(sd, cfg)  # refused before anything is written
+    peft_adapter(sd, cfg.model, cfg.lora)  # refused before anything is written
     identity = read_identity(src)
 
     def write(staging: Path) -> None:
-        write_adapter(staging, sd, cfg)
+        write_adapter(staging, sd, cfg.model, cfg.lora)
         if identity is not None:  # the tokenizer beside the adapter, as peft users save it
             write_identity(src, staging, identity, tokenizer_only=True)
 

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from shardlm.checkpoint.hf_names import heads_first, hf_family, hf_sources
-from shardlm.config.schema import Config
+from shardlm.config.model import LoRAConfig, ModelConfig
 from shardlm.config.families import family as registered_family
 from shardlm.errors import ConfigError
 from shardlm.launch.files import atomic_write
@@ -51,12 +51,12 @@ def lora_modules(sd: dict[str, torch.Tensor]) -> list[str]:
     return [n[: -len(".lora_A.weight")] for n in sd if n.endswith(".lora_A.weight")]
 
 
-def _hf_targets(cfg: Config, modules: list[str]) -> tuple[dict[str, list[tuple[str, int]]], bool]:
+def _hf_targets(model: ModelConfig, modules: list[str]) -> tuple[dict[str, list[tuple[str, int]]], bool]:
     """Our adapted layer -> [(HF module name, rows of our output it holds)], and whether the
     HF modules include Conv1D (GPT-2: fan_in_fan_out). A layer with no HF module of its own (a
     mixture's router) is a ConfigError naming it."""
-    family = hf_family(cfg.model)
-    sources = hf_sources(cfg.model, family)
+    family = hf_family(model)
+    sources = hf_sources(model, family)
     out, transposed = {}, set()
     for module in modules:
         source = sources.get(f"{module}.weight")
@@ -86,10 +86,10 @@ def _target_modules(hf_names: list[str], n_layers: int) -> list[str]:
     return sorted(suffixes) + sorted(whole) + sorted(others)
 
 
-def peft_adapter(sd: dict[str, torch.Tensor], cfg: Config,
+def peft_adapter(sd: dict[str, torch.Tensor], model: ModelConfig, lora: LoRAConfig,
                  base_model: str | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config.json's contents, adapter_model.safetensors' tensors) for the adapters in
-    `sd` (our parameter names, as model.safetensors holds them) of a run configured by `cfg`."""
+    `sd` (our parameter names, as model.safetensors holds them) of a run of `model` with `lora`."""
     modules = lora_modules(sd)
     if not modules:
         raise ConfigError("this run has no LoRA adapters (lora.rank = 0): nothing to write in the "
@@ -99,9 +99,9 @@ def peft_adapter(sd: dict[str, torch.Tensor], cfg: Config,
         targets = {m: [(m.removeprefix(WRAPPED), sd[f"{m}.lora_B.weight"].shape[0])] for m in modules}
         fan_in_fan_out = False  # nn.Linear only (models/lora.py adapts nothing else)
     else:
-        targets, fan_in_fan_out = _hf_targets(cfg, modules)
-        family = hf_family(cfg.model)
-        sources = hf_sources(cfg.model, family)
+        targets, fan_in_fan_out = _hf_targets(model, modules)
+        family = hf_family(model)
+        sources = hf_sources(model, family)
     tensors: dict[str, torch.Tensor] = {}
     for module, parts in targets.items():
         a, b = sd[f"{module}.lora_A.weight"], sd[f"{module}.lora_B.weight"]
@@ -111,7 +111,6 @@ def peft_adapter(sd: dict[str, torch.Tensor], cfg: Config,
         for (hf_name, _), b_rows in zip(parts, b.split([rows for _, rows in parts])):
             tensors[f"{PEFT_PREFIX}{hf_name}.lora_A.weight"] = a.detach().cpu().contiguous().clone()
             tensors[f"{PEFT_PREFIX}{hf_name}.lora_B.weight"] = b_rows.detach().cpu().contiguous().clone()
-    lora = cfg.lora
     hf_names = [n for parts in targets.values() for n, _ in parts]
     # A mixture's dense MLP (Qwen3-MoE's dense blocks): PEFT under transformers 5 reads a target
     # module named gate_proj / up_proj / down_proj of a mixture as transformers 4's per-expert
@@ -124,7 +123,7 @@ def peft_adapter(sd: dict[str, torch.Tensor], cfg: Config,
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": fan_in_fan_out,
-        "target_modules": _target_modules(hf_names, cfg.model.n_layers),
+        "target_modules": _target_modules(hf_names, model.n_layers),
         "target_parameters": [f"{n}.weight" for n in by_weight] or None,
         "base_model_name_or_path": base_model, "inference_mode": True, "init_lora_weights": True,
         "use_rslora": False, "use_dora": False, "modules_to_save": None,
@@ -134,15 +133,15 @@ def peft_adapter(sd: dict[str, torch.Tensor], cfg: Config,
     return config, tensors
 
 
-def _base_model_name(cfg: Config) -> str | None:
-    return str(Path(cfg.model.hf_path).resolve()) if cfg.model.hf_path else None
+def _base_model_name(model: ModelConfig) -> str | None:
+    return str(Path(model.hf_path).resolve()) if model.hf_path else None
 
 
-def write_adapter(directory: Path, sd: dict[str, torch.Tensor], cfg: Config,
+def write_adapter(directory: Path, sd: dict[str, torch.Tensor], model: ModelConfig, lora: LoRAConfig,
                   base_model: str | None = None) -> Path:
     """adapter_config.json + adapter_model.safetensors in `directory` (created), each written
     whole then renamed into place. `base_model`: default the run's model.hf_path, if any."""
-    config, tensors = peft_adapter(sd, cfg, base_model or _base_model_name(cfg))
+    config, tensors = peft_adapter(sd, model, lora, base_model or _base_model_name(model))
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f"{ADAPTER_WEIGHTS}.{os.getpid()}.part"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -151,14 +150,15 @@ def write_adapter(directory: Path, sd: dict[str, torch.Tensor], cfg: Config,
     return directory
 
 
-def save_run_adapter(run_dir: Path, tensors: dict[str, torch.Tensor], cfg: Config) -> Path | None:
+def save_run_adapter(run_dir: Path, tensors: dict[str, torch.Tensor], model: ModelConfig,
+                     lora: LoRAConfig) -> Path | None:
     """At the end of a LoRA run: run_dir/adapter/ in the PEFT format, beside model.safetensors
     (with model.hf_path's tokenizer files, checkpoint/hf_dir.py write_identity). A model no
     transformers class expresses gets none (logged), never a failed run."""
     from shardlm.checkpoint.hf_dir import read_identity, write_identity
 
     try:
-        directory = write_adapter(run_dir / ADAPTER_DIR, tensors, cfg)
+        directory = write_adapter(run_dir / ADAPTER_DIR, tensors, model, lora)
         identity = read_identity(run_dir)
         if identity is not None:  # model.hf_path's tokenizer beside its adapter
             write_identity(run_dir, directory, identity, tokenizer_only=True)
@@ -168,17 +168,17 @@ def save_run_adapter(run_dir: Path, tensors: dict[str, torch.Tensor], cfg: Confi
         return None
 
 
-def merged_state_dict(sd: dict[str, torch.Tensor], cfg: Config) -> dict[str, torch.Tensor]:
+def merged_state_dict(sd: dict[str, torch.Tensor], model: ModelConfig, lora: LoRAConfig) -> dict[str, torch.Tensor]:
     """`sd` with every adapter folded into its layer's weight, W + (alpha / r) · B A (in fp32,
     then W's dtype), and the adapters dropped: the plain model computing what base + adapters do."""
     modules = lora_modules(sd)
     if not modules:
         raise ConfigError("--merge: this run has no LoRA adapters (lora.rank = 0); export it "
                           "without --merge")
-    if "head" in modules and cfg.model.tie_embeddings:
+    if "head" in modules and model.tie_embeddings:
         raise ConfigError("--merge: the adapters on the head would untie it from the embedding "
                           "(model.tie_embeddings = true); export with --format peft instead")
-    scaling = cfg.lora.alpha / cfg.lora.rank
+    scaling = lora.alpha / lora.rank
     out = {n: t for n, t in sd.items() if ".lora_A." not in n and ".lora_B." not in n}
     for module in modules:
         w = sd[f"{module}.weight"]

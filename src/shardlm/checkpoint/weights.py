@@ -63,7 +63,7 @@ def save_weights(run_dir: Path, model: nn.Module | dict[str, torch.Tensor], cfg:
     if cfg.lora.rank:  # the adapters also in the PEFT format, in run_dir/adapter/
         from shardlm.checkpoint.peft_adapter import save_run_adapter
 
-        save_run_adapter(run_dir, tensors, cfg)
+        save_run_adapter(run_dir, tensors, cfg.model, cfg.lora)
     point_latest(run_dir)
     return run_dir / WEIGHTS
 

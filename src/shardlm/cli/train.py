@@ -101,7 +101,7 @@ def preflight(cfg, nproc: int) -> None:
     check_inputs(cfg)  # a bad tokenizer, LoRA rank or data file: once, before any worker starts
     from shardlm.models.hf_build import route_line
 
-    line = route_line(cfg)  # which way a model.hf_path trains, said once before any worker starts
+    line = route_line(cfg.model)  # which way a model.hf_path trains, said once before any worker starts
     if line and (nproc or launcher_sizes()[0] == 1):
         print(f"shardlm: {line}", flush=True)
     if cfg.precision.compute == "fp8":  # FP8 hardware, or the emulation asked for: known here

@@ -26,6 +26,7 @@ from typing import Callable, Collection
 
 import torch
 
+from shardlm.config.model import ModelConfig
 from shardlm.config.schema import Config
 from shardlm.config.fields import document_mask_on
 from shardlm.errors import ConfigError
@@ -93,16 +94,16 @@ def build_hf_model(config_file: str | Path, vocab_size: int | None = None,
         return adapter(cls(config), vocab_size)
 
 
-def route_line(cfg: Config) -> str:
+def route_line(model: ModelConfig) -> str:
     """What `shardlm train` says before spawning about the path a model.hf_path takes through
     transformers ('' for our decoder and for an encoder-decoder, whose data.format says it)."""
-    config_file = causal_lm_config(cfg.model.hf_path)
+    config_file = causal_lm_config(model.hf_path)
     if not config_file:
         return ""
     cls, config = hf_model_class(config_file)
-    differs = decoder_problems(cfg.model.hf_path)  # a mapped family with a feature ours lacks
+    differs = decoder_problems(model.hf_path)  # a mapped family with a feature ours lacks
     why = f" (our decoder does not compute its {'; '.join(differs)})" if differs else ""
-    return (f"model: {cfg.model.hf_path} ({config.model_type}) through transformers' "
+    return (f"model: {model.hf_path} ({config.model_type}) through transformers' "
             f"{cls.__name__}{why}: mapped families get every axis; this path supports "
             f"{SUPPORTED}; not {UNSUPPORTED}")
 

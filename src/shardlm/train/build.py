@@ -17,7 +17,7 @@ from shardlm.checkpoint.sharded import load_with_fallback
 from shardlm.comm.collectives import DeviceDone
 from shardlm.comm.mesh import Mesh, build_mesh
 from shardlm.comm.watchdog import CollectiveWatchdog
-from shardlm.config.schema import Config
+from shardlm.config.schema import Config, RunConfig
 from shardlm.config.dims import resolve_dims
 from shardlm.config.fields import document_mask_on
 from shardlm.config.hf_shapes import causal_lm_config, encoder_decoder_config, transformers_config
@@ -48,10 +48,10 @@ from shardlm.train.tracking import StepTimes, device_synchronize, time_split_on
 log = logging.getLogger("shardlm")
 
 
-def make_run_dir(cfg: Config, runtime: Runtime) -> Path:
+def make_run_dir(run: RunConfig, runtime: Runtime) -> Path:
     # The run owns its directory: rank 0 creates it (a new, unique name unless run.name is given)
     # and holds its lock for the run's life; every rank gets rank 0's directory, or its error.
-    return claim_run_dir(cfg.run.dir, cfg.run.name, runtime)
+    return claim_run_dir(run.dir, run.name, runtime)
 
 
 def check_inputs(cfg: Config, user_model: bool = False) -> None:
@@ -96,10 +96,10 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
                           f"loads its own weights with from_pretrained)")
     check_inputs(cfg, user_model=model is not None)  # before the run directory exists
     runtime = runtime or init_runtime(cfg.run.device, cfg.parallel.collective_timeout_s)
-    run_dir = make_run_dir(cfg, runtime)
+    run_dir = make_run_dir(cfg.run, runtime)
     carry_identity(cfg.model.hf_path, run_dir, write=runtime.is_main)  # tokenizer, template, ids
     source = resume_source(cfg, run_dir, runtime)
-    replica = fault_tolerance.replica_setup(cfg, runtime)  # parallel.fault_tolerant: its own world
+    replica = fault_tolerance.replica_setup(cfg.parallel, runtime)  # parallel.fault_tolerant: its own world
     cfg = replica.resolve(cfg, source) if replica else resolve_config(cfg, runtime, source)
     mesh = replica.mesh if replica else build_mesh(resolve_dims(cfg.parallel, runtime.world_size), runtime.device, runtime.rank)
     t = cfg.train

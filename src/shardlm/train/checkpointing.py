@@ -16,7 +16,7 @@ from shardlm.checkpoint.sharded import (CHECKPOINTS, MANIFEST, CheckpointError, 
                                         find_checkpoint, newest_usable, read_manifest)
 
 from shardlm.checkpoint.reader import load_slices, raise_on_every_rank
-from shardlm.config.schema import Config
+from shardlm.config.schema import Config, ParallelConfig
 from shardlm.parallel.data.fault_tolerant.launcher import replica_identity
 from shardlm.launch.runtime import Runtime, agree_on_name, broadcast_text, is_restart
 from shardlm.train.run import Run
@@ -53,11 +53,11 @@ def resume_source(cfg: Config, run_dir: Path, runtime: Runtime | None = None,
     return Path(text) if kind == "path" else None
 
 
-def checkpoints_root(cfg: Config, run_dir: Path) -> Path:
+def checkpoints_root(parallel: ParallelConfig, run_dir: Path) -> Path:
     """The run's checkpoints/: in its run directory; with parallel.fault_tolerant, in the
     replicas' common one, <run.dir>/<run.name> (each replica's run directory is its replica-<r>:
     parallel/data/fault_tolerant/launcher.py), where whichever replica writes a checkpoint puts it."""
-    return (run_dir.parent if cfg.parallel.fault_tolerant else run_dir) / CHECKPOINTS
+    return (run_dir.parent if parallel.fault_tolerant else run_dir) / CHECKPOINTS
 
 
 def checkpoint_writer(cfg: Config, run_dir: Path, runtime: Runtime) -> CheckpointWriter:
@@ -67,7 +67,7 @@ def checkpoint_writer(cfg: Config, run_dir: Path, runtime: Runtime) -> Checkpoin
     identity = replica_identity() if cfg.parallel.fault_tolerant else None
     owner = f"replica-{identity.replica}-" if identity is not None else ""
     session = owner + agree_on_name(f"{os.getpid()}-{time.time_ns()}", runtime)
-    return CheckpointWriter(checkpoints_root(cfg, run_dir), runtime.rank, runtime.world_size,
+    return CheckpointWriter(checkpoints_root(cfg.parallel, run_dir), runtime.rank, runtime.world_size,
                             cfg.checkpoint.keep, cfg.checkpoint.async_, session=session,
                             timeout_s=cfg.parallel.collective_timeout_s or 3600.0, owner=owner)
 
@@ -77,7 +77,7 @@ def _choose_source(cfg: Config, run_dir: Path, rejected: dict[Path, str] | None)
     if choice == "never" or (cfg.parallel.fault_tolerant and is_restart()):
         return None  # (a restarted replica takes the live replicas' state: fault_tolerance.rejoin)
     if is_restart() or choice == "auto":
-        own = newest_usable(checkpoints_root(cfg, run_dir), rejected)
+        own = newest_usable(checkpoints_root(cfg.parallel, run_dir), rejected)
         if own is not None or choice == "auto":
             return own
     return find_checkpoint(choice, rejected)

@@ -22,7 +22,7 @@ import torch
 from shardlm.comm.collectives import CommLedger
 from shardlm.comm.mesh import Mesh, build_mesh
 from shardlm.parallel.data.fault_tolerant.quorum import ReplicaGroup
-from shardlm.config.schema import Config
+from shardlm.config.schema import Config, ParallelConfig
 from shardlm.config.dims import resolve_dims
 from shardlm.errors import ConfigError
 from shardlm.parallel.data.fault_tolerant.launcher import ReplicaIdentity, replica_identity
@@ -65,21 +65,21 @@ class Replica:
                             self.rank, self.ranks)
 
 
-def replica_setup(cfg: Config, runtime: Runtime) -> Replica | None:
+def replica_setup(parallel: ParallelConfig, runtime: Runtime) -> Replica | None:
     """With parallel.fault_tolerant: this process's replica (parallel/data/fault_tolerant/launcher.py set who it is);
     None otherwise."""
-    if not cfg.parallel.fault_tolerant:
+    if not parallel.fault_tolerant:
         return None
     identity = replica_identity()
     if identity is None:
         raise ConfigError("parallel.fault_tolerant = true runs under `shardlm train --nproc N` "
                           "(N = parallel.dp_replicate replicas × their ranks), not in one process "
                           "or under your own torchrun")
-    if identity.replicas != cfg.parallel.dp_replicate:
+    if identity.replicas != parallel.dp_replicate:
         raise ConfigError(f"parallel.fault_tolerant: {identity.replicas} replicas were launched "
-                          f"for parallel.dp_replicate = {cfg.parallel.dp_replicate}")
+                          f"for parallel.dp_replicate = {parallel.dp_replicate}")
     n = runtime.world_size
-    dims = resolve_dims(cfg.parallel, identity.replicas * n)
+    dims = resolve_dims(parallel, identity.replicas * n)
     # The replica's own groups (a world of n ranks, dp_replicate 1), seen as its place in the
     # whole: rank i of replica r is rank r·n + i of the hybrid run it is one replica of.
     inside = build_mesh(dataclasses.replace(dims, dp_replicate=1), runtime.device, runtime.rank)
