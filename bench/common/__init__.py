@@ -1,23 +1,18 @@
 """The bench toolkit: one way to start ranks, time steps, read memory and ledgers, and print a
 table. Every bench script imports it (`python bench/x.py` puts bench/ on sys.path first).
-Beside this module: common.cli (`shardlm train` as a user runs it, a run's JSONL read back) and
+Beside it: common.cli (`shardlm train` as a user runs it, a run's JSONL read back) and
 common.peer (the plain PyTorch loop a user would write, the anchor shardlm is timed against).
 
-A bench script is: bench_parser + add_step_args -> prepare() once in the parent -> for each case a
-`measure(case)` that runs a module-level rank function through start_ranks and returns
+A bench script: bench_parser + add_step_args -> prepare() once in the parent -> per case a
+`measure(case)` running a module-level rank function through start_ranks, returning
 summarize(ranks, tokens) -> rounds() over the cases -> table() of combine()d results ->
-machine() and reproduce(). The rank function builds its run, then calls timed_steps (or
-train_timed for shardlm's own train_step, which also reads each step's byte ledger).
+machine() and reproduce().
 
-Rules every figure here follows:
-- Every case runs in fresh processes: peak RSS is a per-process high-water mark.
-- MALLOC_MMAP_THRESHOLD_=65536 unless the environment sets it (inherited by the ranks): glibc
-  then serves blocks >= 64 KiB with mmap and returns them on free, so RSS follows what is alive.
-- Ranks run max(1, cores // ranks) threads each (shardlm.launch.spawn does it); the parent probes
-  the matmul peak and builds the dataset once at that thread count, so no rank's RSS holds them.
-- Ranks wait for each other every step: a step takes the slowest rank's median; memory is the
-  highest rank's. Repeats run in interleaved rounds (A B C, B C A, ...) so that load
-  from other jobs on a shared machine hits every case alike; tokens/s is their median (range).
+Every case runs in fresh processes (peak RSS is a per-process high-water mark), with
+MALLOC_MMAP_THRESHOLD_=65536 unless set (freed blocks >= 64 KiB go back to the OS), and
+max(1, cores // ranks) threads per rank. A step takes the slowest rank's median, memory the
+highest rank's; repeats run in interleaved rounds (A B C, B C A, ...) so that other jobs' load
+hits every case alike.
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from shardlm.config.load import typed_overrides
+from shardlm.config.load import load_config, typed_overrides
 from shardlm.launch.runtime import cpu_cores
 from shardlm.launch.spawn import run_ranks
 from shardlm.train.telemetry import peak_rss_bytes, reset_peak_rss  # noqa: F401 (the benches take both from here)
@@ -166,12 +161,16 @@ def train_timed(run, warmup: int, steps: int, after=None, first: int = 0) -> dic
     return {**timed_steps(step, warmup, steps, read), "ledgers": ledgers[warmup:]}
 
 
-def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
-    """A rank of a shardlm case: build_run, then train_timed; peak RSS after setup and at the end."""
-    from shardlm.config.load import load_config
+def build(overrides: dict):
+    """shardlm's run of these config overrides (build_run of the validated config)."""
     from shardlm.train.build import build_run
 
-    run = build_run(load_config(overrides=overrides).validate())
+    return build_run(load_config(overrides=overrides).validate())
+
+
+def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
+    """A rank of a shardlm case: build, then train_timed; peak RSS after setup and at the end."""
+    run = build(overrides)
     setup_rss = peak_rss_bytes()
     return {**train_timed(run, warmup, steps), "setup_rss": setup_rss, "rss": peak_rss_bytes(),
             "state": sum(run.strategy.model_state_bytes().values())}
