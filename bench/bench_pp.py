@@ -26,16 +26,16 @@ import argparse
 import os
 import statistics
 import tempfile
+import warnings
 
-from common import (MiB, add_step_args, bench_parser, combine, err, ledger_text, machine, peak_rss_bytes, prepare,
-                    reproduce, reset_peak_rss, rounds, speed_text, start_ranks, step_overrides, summarize, table,
-                    train_timed)
+from common import (MiB, add_step_args, bench_parser, build, combine, err, ledger_text, machine, peak_rss_bytes,
+                    prepare, reproduce, reset_peak_rss, rounds, speed_text, start_ranks, step_overrides, summarize,
+                    table, train_timed)
 from pp_torch import torch_rank
 from shardlm.config.load import load_config
 from shardlm.parallel.pipeline.tables import V_SHAPED, check_table
 from shardlm.parallel.pipeline.schedules import table_for
-from shardlm.models.flops import count_params
-from shardlm.models.flops import pipeline_split
+from shardlm.models.flops import count_params, pipeline_split
 
 # key: (name, ranks, runner, spec). shardlm's spec: its overrides and the data-parallel degree
 # (for the micro-batch); torch's: (schedule, pp, virtual).
@@ -97,15 +97,11 @@ def torch_layout(spec: tuple) -> dict:
 
 
 def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
-    import warnings
-
-    from shardlm.train.build import build_run
     from shardlm.train.loop import step_record
 
     # torch 2.13 deprecates all_gather_into_tensor (Schedule.by_stage calls it): once per rank
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
-
-    run = build_run(load_config(overrides=overrides).validate())
+    run = build(overrides)
     setup_rss = peak_rss_bytes()
     reset_peak_rss()  # the steps' own high-water mark follows (Linux; elsewhere the process's)
     records = []
@@ -115,15 +111,12 @@ def shardlm_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int
         records.append(step_record(run, s, result, seconds))
 
     out = train_timed(run, warmup, steps, after)
-    stage = run.schedule.stage.index if run.schedule is not None else rank
     return {**out, "setup_rss": setup_rss, "steps_rss": peak_rss_bytes(),
-            "stage": stage,
+            "stage": run.schedule.stage.index if run.schedule is not None else rank,
             "records": [{k: v for k, v in r.items() if k.startswith("pp_")} for r in records[warmup:]]}
 
 
-# ---------------------------------------------------------------------------------------------
-# Predictions and the tables
-
+# -- predictions and the tables ---------------------------------------------------------------
 
 def predictions(cfg, ranks: int) -> dict:
     """predict_local, and every stage's peak (planner.memory.stage_memories)."""
@@ -186,14 +179,13 @@ def speed_row(name: str, key: str, args, m: dict, pred: dict | None, ranks: int)
     if m["bubble"] is not None:
         bubble = f"{m['bubble']:.3f} ({' / '.join(f'{b:.3f}' for b in m['bubble_by_stage'])})"
         par = load_config(overrides=overrides_for(args, key, "")).validate().parallel
-        table = check_table(table_for(par.pp_schedule, par.pp, par.pp_virtual, accum)).idle
+        table = f"{check_table(table_for(par.pp_schedule, par.pp, par.pp_virtual, accum)).idle:.3f}"
         formula = f"{m['formula']:.3f}"
     else:
         bubble = formula = table = "–"
     planner = err(pred["tok_s"], m["tok_s"]) if pred else "–"
     planner_bubble = f"{pred['bubble']:.3f}" if pred and m["bubble"] is not None else "–"
     off_cpu = " / ".join(f"{v:.2f}" for v in m["off_cpu"])
-    table = table if isinstance(table, str) else f"{table:.3f}"
     return [name, ranks, f"{micro} x {accum}", speed_text(m, 1), f"{m['cpu_s']:.2f}", planner, bubble, table,
             formula, planner_bubble, off_cpu, ledger_text(m["ledger"], m["ledger_steady"])]
 
