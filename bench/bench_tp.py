@@ -49,9 +49,7 @@ def overrides_for(args, dp: int, case: dict, run_dir: str) -> dict:
     return step_overrides(args, run_dir, {"train.micro_batch": args.global_batch // dp, **case})
 
 
-# ---------------------------------------------------------------------------------------------
-# torch's tensor parallelism on the same Decoder
-
+# -- torch's tensor parallelism on the same Decoder -------------------------------------------
 
 @torch.no_grad()
 def regroup_rows(linear, segments: list[int], n: int) -> None:
@@ -126,16 +124,12 @@ def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     params = [p for p in model.parameters() if p.grad is not None]
-    kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
-    squares = []
-    for kind in kinds:
-        if kind:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in kind])
-            squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    total = torch.stack(squares).sum().sqrt()
-    for kind in kinds:
-        if kind:  # takes the parameters and scales their .grad
-            torch.nn.utils.clip_grads_with_norm_(kind, max_norm, total)
+    kinds = [k for k in ([p for p in params if isinstance(p, DTensor)],
+                         [p for p in params if not isinstance(p, DTensor)]) if k]
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in kind]) for kind in kinds]
+    total = torch.stack([(n.full_tensor() if isinstance(n, DTensor) else n) ** 2 for n in norms]).sum().sqrt()
+    for kind in kinds:  # takes the parameters and scales their .grad
+        torch.nn.utils.clip_grads_with_norm_(kind, max_norm, total)
     return total
 
 
@@ -155,9 +149,7 @@ def torch_rank(rank: int, world: int, overrides: dict, sequence_parallel: bool, 
     return {**timed_steps(step, warmup, steps), "setup_rss": setup_rss, "rss": peak_rss_bytes()}
 
 
-# ---------------------------------------------------------------------------------------------
-# Predictions and the table
-
+# -- predictions and the table ----------------------------------------------------------------
 
 def predictions(cfg) -> dict:
     """predict_local for a shardlm case, the tp formula for tp cases, and (for the report) the
