@@ -99,8 +99,7 @@ def torch_rank(rank: int, world: int, overrides: dict, reference: str, warmup: i
                          lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip),
                          lambda: held.update(state=torch_state_bytes(model, optimizer)))
 
-    out = timed_steps(step, warmup, steps)
-    return {**out, "setup_rss": setup_rss, "rss": peak_rss_bytes(), "state": held["state"]}
+    return {**timed_steps(step, warmup, steps), "setup_rss": setup_rss, "rss": peak_rss_bytes(), "state": held["state"]}
 
 
 def measure(fn, tmp: str, tokens_per_step: int, *args) -> dict:
