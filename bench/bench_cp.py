@@ -22,13 +22,15 @@ Reproduce:  PYTHONPATH=src python bench/bench_cp.py                       (gpt-m
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import tempfile
+import time
 
 import torch
 
-from common import (MiB, by_group, err, ledger_text, machine, peak_rss_bytes, prepare, reproduce, reset_peak_rss,
+from common import (MiB, build, by_group, err, ledger_text, machine, peak_rss_bytes, prepare, reproduce, reset_peak_rss,
                     run_overrides, start_ranks, table, table_row, train_timed)
 from shardlm.config.load import load_config
 from shardlm.models.flops import count_params
@@ -86,8 +88,6 @@ def documents_per_row(run) -> float:
 def measure(run, warmup: int, steps: int) -> dict:
     """The activation ledger's forward + backward, then train_timed (with no timed step, the
     ledger's seconds stand as the step's)."""
-    import time
-
     setup_rss = peak_rss_bytes()
     start = time.perf_counter()
     activations = saved_activation_bytes(run)
@@ -99,17 +99,12 @@ def measure(run, warmup: int, steps: int) -> dict:
 
 
 def rank_case(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
-    from shardlm.train.build import build_run
-
-    run = build_run(load_config(overrides=overrides).validate())
-    return measure(run, warmup, steps)
+    return measure(build(overrides), warmup, steps)
 
 
 def rank_sweep(rank: int, world: int, overrides: list[dict], warmup: int, steps: int) -> list[dict]:
     """One case at each sequence length in turn in the same processes (one launch, one process
     group), the peak RSS restarted before each build."""
-    import gc
-
     from shardlm.launch.runtime import init_runtime
     from shardlm.train.build import build_run
 
