@@ -28,7 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-from common import GiB, bench_parser, machine, prepare, reproduce, run_overrides, start_ranks, table, timed_steps
+import torch
+
+from common import (GiB, bench_parser, machine, peak_rss_bytes, prepare, reproduce, run_overrides, start_ranks, table,
+                    timed_steps)
+from shardlm.config.load import load_config
 
 
 def profiled(step, at: int, rows: int) -> str:
@@ -41,11 +45,7 @@ def profiled(step, at: int, rows: int) -> str:
 
 
 def child(overrides: dict, steps: int, profile: int = 0) -> dict:
-    import torch
-
-    from shardlm.config.load import load_config
     from shardlm.launch.allocator import apply_malloc_policy
-    from shardlm.train.telemetry import peak_rss_bytes
     from shardlm.train.build import build_run
     from shardlm.train.step import train_step
 
@@ -94,14 +94,10 @@ def peft_child(overrides: dict, steps: int, rank: int) -> dict:
     """What a user does today: transformers' LlamaForCausalLM of the same shape in bf16 (random
     weights), peft's LoRA on q/k/v/o/gate/up/down (ours fuses qkv and gate_up: the same
     adapted linears), torch's AdamW over the adapters, a plain loop, the same batch shape."""
-    import torch
+    import transformers
     from peft import LoraConfig, get_peft_model
 
-    import transformers
-
-    from shardlm.config.load import load_config
     from shardlm.checkpoint.export import hf_config
-    from shardlm.train.telemetry import peak_rss_bytes
 
     cfg = load_config(overrides=overrides).validate()
     start = time.perf_counter()
@@ -134,11 +130,7 @@ def peft_child(overrides: dict, steps: int, rank: int) -> dict:
 
 def loop_child(overrides: dict, steps: int, rank: int, mode: str, profile: int = 0) -> dict:
     """The plain transformers + peft loop (finetune_loop.py) on shardlm's batches for `overrides`."""
-    import torch
-
     from finetune_loop import loop_step, plain_model, same_batches
-    from shardlm.config.load import load_config
-    from shardlm.train.telemetry import peak_rss_bytes
 
     cfg = load_config(overrides=overrides).validate()
     loader = same_batches(cfg)
@@ -160,10 +152,6 @@ def loop_child(overrides: dict, steps: int, rank: int, mode: str, profile: int =
 def plain_result(model, optimizer, timed: dict, tokens: int, build_s: float, build_rss: int) -> dict:
     """A plain loop's row (peft_child, loop_child), in `child`'s keys: its parameters' and
     AdamW state's bytes for the ledger, no formula or prediction of ours."""
-    import torch
-
-    from shardlm.train.telemetry import peak_rss_bytes
-
     times = timed["seconds"]
     return {"build_s": build_s, "build_rss": build_rss, "peak_rss": peak_rss_bytes(), "losses": timed["losses"],
             "step_s": times, "tokens_per_s": tokens * max(len(times) - 1, 1) / sum(times[1:] or times),
@@ -218,8 +206,6 @@ def main() -> None:
                              "ops of most self CPU time (one-process modes; not timed)")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from shardlm.config.load import load_config
-
     overrides = {
         "model.preset": args.preset, "train.micro_batch": args.micro_batch, "train.seq_len": args.seq,
         "train.steps": args.steps, "train.lr": 1e-4, "data.max_bytes": args.max_bytes, "parallel.zero_stage": 1,
@@ -234,17 +220,15 @@ def main() -> None:
         overrides.pop("model.preset")
     modes = {"full": {}, "lora": {"lora.rank": args.rank},
              "qlora": {"lora.rank": args.rank, "lora.quantize": "nf4"}}
-    if args.child == "peft":
-        print("RESULT " + json.dumps(peft_child(overrides, args.steps, args.rank)), flush=True)
-        return
-    if args.child in ("loop", "loop-nodoc", "qloop"):
-        print("RESULT " + json.dumps(loop_child({**overrides, "lora.rank": args.rank}, args.steps, args.rank,
-                                                args.child, args.profile)), flush=True)
-        return
     if args.child:
         mode, _, ranks = args.child.partition("@")
-        result = (ranks_child({**overrides, **modes[mode]}, args.steps, int(ranks), args.dir) if ranks
-                  else child({**overrides, **modes[mode]}, args.steps, args.profile))
+        if mode == "peft":
+            result = peft_child(overrides, args.steps, args.rank)
+        elif mode in ("loop", "loop-nodoc", "qloop"):
+            result = loop_child({**overrides, "lora.rank": args.rank}, args.steps, args.rank, mode, args.profile)
+        else:
+            result = (ranks_child({**overrides, **modes[mode]}, args.steps, int(ranks), args.dir) if ranks
+                      else child({**overrides, **modes[mode]}, args.steps, args.profile))
         print("RESULT " + json.dumps(result), flush=True)
         return
     cfg = load_config(overrides=overrides).validate()
