@@ -2,82 +2,19 @@
 DeepSpeed's (deepspeed.moe.layer.MoE), one layer, forward + backward, on the same shapes,
 weights and tokens.
 
-    shardlm cf=F      shardlm.models.moe.MoE, capacity_factor F, its experts spread over the 2
-                      ranks by parallel.expert.dispatch.spread_experts (AllToAllDispatcher)
-    DeepSpeed cf=F    deepspeed.moe.layer.MoE(ep_size=2, k=2, capacity_factor=F,
-                      drop_tokens=True), set_deepspeed_parallelism() (expert group over both ranks)
-    shardlm dropless  capacity_factor 0
-    DeepSpeed no-drop drop_tokens=False (every expert padded to the largest load in the ep group)
+    shardlm cf=F / dropless        shardlm.models.moe.MoE, experts spread over the 2 ranks
+    DeepSpeed cf=F / no-drop       MoE(ep_size=2, k=2, capacity_factor=F, drop_tokens=True/False)
 
-What is the same. d_model, E experts (E/2 per rank: rank r holds experts [r·E/2, (r+1)·E/2) in
-both libraries), expert width f, top-2 of a softmax router in fp32 without bias, capacity
-ceil(F · 2 · N / E) per expert (both: DeepSpeed's ceil(N/E · 2F) with min_capacity=0), N tokens
-per rank, fp32, torch.set_num_threads(1) per rank. Each expert is shardlm's dense MLP
-(models.decoder.dense_mlp: GELU fc/proj or SwiGLU gate_up/down, no biases) — DeepSpeed's
-experts are that nn.Module itself, shardlm's the stacked (E, ...) tensors — with the same
-values: router N(0, 0.02) from --seed, expert e's weights N(0, 0.02) from its own generator
-(seed, e), so a rank draws only its own experts. Both ranks feed different tokens (N(0, 1) from
-(seed, rank); --skew s adds s·u to every token, u one shared N(0, 1) vector, which gives the
-router fixed per-expert offsets: uneven loads and capacity drops), the same ones in every case
-and step. DeepSpeed runs with
-top2_2nd_expert_sampling=False (no Gumbel noise on the second choice) and use_rts=False: then
-its choices are shardlm's (argmax of the softmax, then argmax of the other logits = top-2), and
-so are its drops (k=2 runs DeepSpeed's top2gating, whose policy is by position, not topkgating's
-by probability: both fill an expert's capacity with every first choice in token order, then the
-second choices; DeepSpeed computes the same capacity in float32 tensor arithmetic). One
-step = forward of a (B, T, C) batch + backward of sum(out · G) for a fixed random G plus
-aux_coef × the balancing loss (shardlm attaches its term internally, MoEStats.grad_scale = 1;
-DeepSpeed's l_aux is added to the objective); the input's gradient is computed too. No optimizer.
-Before the timed steps each case checks the layers agree: the first step's outputs of the two
-layers at the same capacity setting must be equal up to float rounding on every token that kept
-both choices (the "max |Δout|" line).
+DeepSpeed's gating is set to route as shardlm does (top2_2nd_expert_sampling=False,
+use_rts=False, min_capacity=0); the "max |Δout|" line checks the two layers agree on every token
+that kept both choices. Columns: step ms and CPU ms/step (median, busier rank), dropped share,
+expert rows per rank (padding included, by a forward hook), a2a bytes sent per rank per step,
+setup RSS and step peak RSS (Δ over the RSS before the timed steps). Method, the differences
+between the layers and results: docs/benchmarks.md, "Against DeepSpeed".
 
-What differs (read from deepspeed/moe/sharded_moe.py, 0.19.x):
-  * Dispatch. DeepSpeed scatters each rank's tokens into a dense (E, C, d) buffer (unused slots
-    zero), all-to-alls the whole buffer, runs each expert on ep·C rows (padding included) and
-    all-to-alls (E, C, d) back: its traffic and expert FLOPs are fixed by the capacity, not by
-    the load. shardlm first exchanges the per-expert counts (E int64), then sends only the
-    routed rows (uneven all_to_all_single) and runs each expert on exactly its rows.
-  * Dropless. DeepSpeed's drop_tokens=False sets C to the largest expert load over the ep group
-    (an all-reduce MAX each forward) and still pads every expert to it; shardlm's dropless
-    sends the routed rows unpadded.
-  * Gate weights after a drop. DeepSpeed renormalises the gates over the choices that survived
-    the capacity (a token that lost its second choice gives its first weight 1); shardlm
-    normalises over the k chosen before the capacity (the surviving choice keeps its weight, the
-    dropped one adds nothing). So outputs differ on tokens with a dropped choice.
-  * Balancing loss. DeepSpeed's top-2 l_aux = E² · mean_i(me_i · ce_i), ce_i the share of FIRST
-    choices only (Σ ce = 1: 1 at balance); shardlm's = E · Σ_i f_i · P_i with f_i the share of
-    all k choices (Σ f = k: 2 at balance), both per rank's tokens. The same --aux-coef multiplies
-    both; shardlm's z-loss is off (z_loss_coef 0: DeepSpeed has none). So the router's (and the
-    input's) gradients differ; the expert weights' do not (up to the drop renormalisation).
-  * Outputs: DeepSpeed's forward returns (out, l_aux, exp_counts); shardlm's just out.
-  * Dropped fraction: shardlm's from MoEStats (choices over capacity / choices), DeepSpeed's from
-    its gate's routes flagged -1 (same definition); summed over both ranks.
-
-Columns. Step = median over the timed steps of the slower rank's wall time (forward + backward;
-zeroing the gradients is outside it); CPU ms/step = this process's CPU time per timed step (all
-its threads, median, busier rank), which other jobs' load moves much less than wall time.
-Expert rows = rows the experts of a rank actually multiply per forward (measured by a forward
-hook; padding included), mean over ranks. a2a = bytes a rank sends to the other rank per step
-in all-to-alls, forward and backward (shardlm: its CommLedger; DeepSpeed: deepspeed.comm's
-all_to_all_single wrapped to count input bytes × (ep−1)/ep; neither counts DeepSpeed's dropless
-all-reduce of one int). Memory: every case runs in a fresh pair of processes
-(shardlm.launch.spawn.run_ranks: multiprocessing spawn, file rendezvous, gloo on the loopback
-interface) with MALLOC_MMAP_THRESHOLD_=65536 unless set (RSS then follows what is alive).
-"setup" is the RSS after building the layer (the libraries' imports included); the
-high-water mark is then reset after the warm-up steps ("5" to /proc/self/clear_refs) and "step
-peak" is VmHWM over the timed steps, "Δ" = step peak − RSS just before them (what a step adds at
-its worst), max over ranks. --repeat N runs the case list N times round-robin (fresh processes
-each time) and reports the median (range) of the runs' step and CPU times: on a machine other
-jobs share, wall time moves a lot; CPU time much less.
-
-DeepSpeed on CPU: it needs DS_ACCELERATOR=cpu (set here), deepspeed.init_distributed(
-dist_backend="gloo") after torch's process group exists (it wraps it), and at its first start it
-JIT-builds its shared-memory comm op (deepspeed_shm_comm_op, cached under
-~/.cache/torch_extensions; needs a C++ compiler and ninja). Its all-to-alls go through
-torch.distributed (gloo) like shardlm's. Install: pip install --no-deps deepspeed einops hjson
-msgpack ninja psutil py-cpuinfo (keeps the installed torch; pydantic, numpy, packaging, tqdm are
-already here).
+DeepSpeed on CPU: DS_ACCELERATOR=cpu (set here); its first start JIT-builds a comm op (needs a
+C++ compiler and ninja). Install: pip install --no-deps deepspeed einops hjson msgpack ninja
+psutil py-cpuinfo.
 
 Reproduce:  PYTHONPATH=src python bench/bench_moe_deepspeed.py
             PYTHONPATH=src python bench/bench_moe_deepspeed.py --tokens 2048 --skew 1 --repeat 3
@@ -110,9 +47,7 @@ CASES = {"shardlm": ("shardlm", "shardlm", False), "deepspeed": ("DeepSpeed", "d
 PAIRS = [("shardlm", "deepspeed"), ("shardlm-dropless", "deepspeed-dropless")]
 
 
-# ---------------------------------------------------------------------------------------------
-# The shared setup: config, weights, tokens
-
+# -- the shared setup: config, weights, tokens ----------------------------------------------
 
 def model_config(shape: dict, dropless: bool):
     return load_config(overrides={
@@ -150,9 +85,7 @@ def tokens(shape: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(x.shape, generator=g)
 
 
-# ---------------------------------------------------------------------------------------------
-# The two layers: each builder returns (step function, stats function)
-
+# -- the two layers: each builder returns (module, step function, stats function) ------------
 
 def build_shardlm(shape: dict, dropless: bool, rank: int):
     from shardlm.comm.collectives import Comm, CommLedger
@@ -286,19 +219,13 @@ def case_rank(rank: int, world: int, key: str, shape: dict) -> dict:
         mark_and_reset()
     dist.barrier()
     timed = timed_steps(run_step, warmup, shape["steps"], after)
-    seconds, cpu, before, first_out = timed["seconds"], timed["cpu"], marks["before"], marks["first_out"]
-    first_figures = marks["first_figures"]
-    peak = peak_rss_bytes()
-    f = figures()
-    kept = first_figures["kept_both"]
-    return {"seconds": seconds, "cpu": cpu, "setup_rss": setup_rss, "before": before, "peak": peak,
-            "dropped": f["dropped"], "choices": f["choices"], "rows": f["rows"], "a2a": f["a2a"],
-            "out": first_out, "kept_both": kept if kept is not None else torch.zeros(0, dtype=torch.bool)}
+    peak, f, kept = peak_rss_bytes(), figures(), marks["first_figures"]["kept_both"]
+    return {"seconds": timed["seconds"], "cpu": timed["cpu"], "setup_rss": setup_rss, "before": marks["before"],
+            "peak": peak, "dropped": f["dropped"], "choices": f["choices"], "rows": f["rows"], "a2a": f["a2a"],
+            "out": marks["first_out"], "kept_both": kept if kept is not None else torch.zeros(0, dtype=torch.bool)}
 
 
-# ---------------------------------------------------------------------------------------------
-# Driver
-
+# -- the driver ------------------------------------------------------------------------------
 
 def measure(key: str, shape: dict, tmp: str) -> dict:
     ranks = start_ranks(case_rank, WORLD, tmp, key, shape, timeout=1800)
