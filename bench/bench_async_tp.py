@@ -1,26 +1,13 @@
 """Overlapped tensor parallelism (parallel.async_tp) against blocking sequence parallelism on 2
-CPU ranks (gloo): tp=2 + sequence_parallel, the same model, batches and fp32 weights, with the
-all-gather / reduce-scatter around each column / row linear either waited on whole before (or
-after) the matmul, or cut into tp pieces in flight while the matmul of the rows already there
-runs (parallel/tensor/async_tp.py).
+CPU ranks (gloo): tp=2 + sequence_parallel, the same model, batches and weights.
 
     blocking SP   parallel.tp=2, parallel.sequence_parallel=true
     async TP      the same + parallel.async_tp=true
 
-Every case trains the same global batch in fresh processes; the cases run in interleaved rounds
-(A B, B A, ...) so other jobs' load hits both alike; tokens/s is the median over rounds of each
-run's median timed step (slowest rank), with its range. The step-1 and final losses must be
-equal bit for bit (the overlapped loops compute the same values: tests/test_async_tp.py), and
-the ledger's bytes per step the same (only the call count grows). "comm wait s/step" is the
-time blocked in the handles' wait() (CommLedger.wait_s, rank 0, median): what overlap can hide.
-The planner columns are planner.search.predict_local for each case (its async TP term:
-planner/timing.py _async_tp_overlap).
-
-On a CPU the overlap competes with the matmuls for the same cores: gloo moves the bytes with
-the CPU (memcpy and the reduction's additions in its own threads), so a rank that computes
-while its collective is in flight shares its cores with it. With few cores per rank, expect
-little or no gain, or a loss (more, smaller collectives and matmuls); the gain the
-decomposition exists for needs a device whose copies run beside its compute (GPU + NVLink).
+Measured: tokens/s (median over interleaved rounds, with range), step-1 and final losses (equal
+bit for bit), the ledger's bytes per step (the same), "comm wait s/step" (CommLedger.wait_s: what
+overlap can hide) and planner.search.predict_local. On a CPU gloo's copies share the cores with
+the matmuls: expect little or no gain. Results: docs/benchmarks.md, "Overlapped tensor parallelism".
 
 Reproduce:  PYTHONPATH=src python bench/bench_async_tp.py --repeat 3               (gpt-mini)
             PYTHONPATH=src python bench/bench_async_tp.py --preset gpt2-124m --repeat 2
@@ -32,11 +19,10 @@ import os
 import statistics
 import tempfile
 
-from common import (add_step_args, bench_parser, combine, err, ledger_text, prepare, reproduce, rounds, setup_line,
-                    speed_text, start_ranks, step_overrides, summarize, table, train_timed)
+from common import (add_step_args, bench_parser, build, combine, err, ledger_text, prepare, reproduce, rounds,
+                    setup_line, speed_text, start_ranks, step_overrides, summarize, table, train_timed)
 from shardlm.config.load import load_config
 
-from shardlm.train.build import build_run
 
 WORLD = 2
 CASES = {"blocking SP": {}, "async TP": {"parallel.async_tp": True}}
@@ -49,7 +35,7 @@ def overrides_for(args, case: dict, run_dir: str) -> dict:
 
 def async_tp_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
     """train_timed with each timed step's wait seconds and collective calls beside its ledger."""
-    run = build_run(load_config(overrides=overrides).validate())
+    run = build(overrides)
     ledger, calls, waits = run.strategy.ledger, [], []
 
     def after(s: int, seconds: float, result) -> None:
