@@ -1,28 +1,13 @@
 """DiLoCo / local SGD (train.local_sgd) against synchronous data parallelism, on 2 CPU ranks (gloo).
 
-    ddp      parallel.dp_replicate = 2 (dp_shard 1), gradients all-reduced across the replicas
-             every step (ZeRO stage 0: DDP)
-    H=4, H=8 the same replicas with train.local_sgd = {every = H, outer = "diloco"}: inner AdamW
-             steps on each replica's own data, then one all-reduce of the fp32 pseudo-gradient
-             and the outer Nesterov step (lr 0.7, momentum 0.9: the DiLoCo paper's)
+    ddp      parallel.dp_replicate = 2, gradients all-reduced every step (ZeRO stage 0: DDP)
+    H=4, H=8 train.local_sgd = {every = H, outer = "diloco"} (outer Nesterov, lr 0.7, momentum 0.9)
     avg H=4  (--outer average) plain local SGD: the replicas' parameters averaged every H steps
 
-Same model (same seed), same data (each replica its rank's slice of each global batch), same
-inner optimizer and lr schedule. Reported per case: the training loss at equal steps (the mean
-over the replicas of each replica's own loss: between outer steps, the local models'), the
-validation loss of the final model (every case ends on an outer step, so all replicas hold the
-same model: shardlm's evaluate, train.eval_batches micro-batches), the bytes that cross replicas
-per step (the byte ledger, averaged over the timed steps: DDP's gradient all-reduce on the "dp"
-group, DiLoCo's pseudo-gradient all-reduce on "dp_replicate"; the ledger counts an all-reduce
-as twice its tensor), and tokens/s over the timed steps (total tokens / total time: the outer
-steps' cost spread over their rounds).
-
-On one machine the replicas' link is loopback shared memory, so the bytes saved barely show in
-tokens/s here; the bytes column is what a slow cross-datacenter link would carry. Every case
-runs in fresh processes; repeats run in interleaved rounds (bench/common/).
-
-With --pretrain N every case starts from one checkpoint of N synchronous steps (DiLoCo's recipe:
-pre-train, then DiLoCo); the steps and losses reported are the ones after it.
+Same model, data, inner optimizer and schedule. Per case: the training loss at equal steps (mean
+over the replicas), the final model's validation loss, the bytes crossing replicas per step
+(byte ledger) and tokens/s. --pretrain N starts every case from one checkpoint of N synchronous
+steps. Results: docs/benchmarks.md, "Local SGD / DiLoCo".
 
 Reproduce:  PYTHONPATH=src python bench/bench_diloco.py                 (gpt-mini, 48 steps)
             PYTHONPATH=src python bench/bench_diloco.py --steps 94 [--outer average]
@@ -34,11 +19,10 @@ from __future__ import annotations
 import statistics
 import tempfile
 
-from common import (add_step_args, bench_parser, by_group, prepare, reproduce, rounds, run_overrides, setup_line,
-                    start_ranks, table, train_timed)
+from common import (add_step_args, bench_parser, build, by_group, prepare, reproduce, rounds, run_overrides, setup_line,
+                    speed_text, start_ranks, table, train_timed)
 from shardlm.checkpoint.sharded import CHECKPOINTS
 from shardlm.config.load import load_config
-from shardlm.train.build import build_run
 from shardlm.train.checkpointing import save_checkpoint
 from shardlm.train.step import evaluate, train_step
 
@@ -56,13 +40,13 @@ def cases(outer: str) -> dict[str, dict]:
 def bench_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int) -> dict:
     """warmup + steps steps from where the run starts (step 0, or --pretrain's checkpoint),
     each timed step's ledger; the final model's validation loss."""
-    run = build_run(load_config(overrides=overrides).validate())
+    run = build(overrides)
     return {**train_timed(run, warmup, steps, first=run.start_step), "val_loss": evaluate(run)["val_loss"]}
 
 
 def pretrain_rank(rank: int, world: int, overrides: dict, steps: int) -> str:
     """--pretrain: `steps` synchronous steps, then a checkpoint every case starts from."""
-    run = build_run(load_config(overrides=overrides).validate())
+    run = build(overrides)
     for step in range(steps):
         train_step(run, step)
     save_checkpoint(run, steps)  # rank 0 publishes it before returning
@@ -118,11 +102,10 @@ def main() -> None:
     for name in named:
         results = runs[name]
         losses = [statistics.mean(r["losses"][s - 1] for r in results) for s in marks]
-        speeds = sorted(r["tok_s"] for r in results)
+        speeds = [r["tok_s"] for r in results]
         rows.append([name, *(f"{v:.4f}" for v in losses), f"{statistics.mean(r['val_loss'] for r in results):.4f}",
                      f"{results[0]['cross_bytes'] / 2**20:,.3f}",
-                     f"{statistics.median(speeds):,.0f}" + (f" ({speeds[0]:,.0f}-{speeds[-1]:,.0f})"
-                                                             if speeds[-1] > speeds[0] else "")])
+                     speed_text({"tok_s": statistics.median(speeds), "tok_s_range": (min(speeds), max(speeds))})])
     print("\n" + table(header, rows))
     print(f"\n{reproduce()}")
 
