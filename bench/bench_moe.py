@@ -1,28 +1,13 @@
 """Mixture of experts on CPU ranks (gloo): expert parallelism under balanced and skewed routing,
 the hot-expert remedy, and load balance over a run.
 
-Part 1, expert parallelism on 2 ranks (each case in fresh processes):
-
-    ep=2 balanced        parallel.ep=2, model.balance=aux (the router as trained)
-    ep=2 skewed          model.balance=none and a skewed router: every MoE block's router gets
-                         +SKEW on experts 0 .. k-1 (all on rank 0 under the contiguous placement)
-                         for the choice, so each token's k choices go to rank 0's experts
-    ep=2 skewed+replace  the same, with parallel.ep_rebalance_every=2: after steps 2, 4, ... the
-                         experts are re-placed by the loads measured (the hot ones spread)
-    dp=2 balanced/skewed parallel.ep=1: every rank holds every expert (no all-to-all)
-
-Part 1 trains at lr 1e-5, so that the routing stays as initialised (near balanced) or as the
-skew makes it over the few steps measured (at a normal lr a fresh router collapses onto a few
-experts within ~10 steps: part 2). Per case: tokens/s (median of the timed steps, slowest rank), the all-to-all wait per step on each
-rank (moe_a2a_wait_s: a rank with no tokens for its experts waits there for the busy one),
-expert imbalance (max/mean expert load, worst block) and the ep ranks' imbalance (max/mean rank
-load), peak RSS per rank, the ledger's all-to-all bytes next to the planner's balanced-routing
-formula (planner.traffic.ep_comm_bytes), and the step-1 losses (the same in every balanced and
-every skewed case: where experts run does not change the arithmetic).
-
-Part 2, balance over a run (one process, --balance-steps steps of moe-tiny with 8 experts, top 2):
-model.balance = none / aux / bias, the JSONL's moe_imbalance (worst block's max/mean) per step,
-plotted to --plot (PNG, matplotlib).
+Part 1, 2 ranks, lr 1e-5 (the routing stays as initialised or as skewed): ep=2 balanced, ep=2
+skewed (every router gets +SKEW on rank 0's experts), ep=2 skewed+replace
+(parallel.ep_rebalance_every=2), dp=2 balanced/skewed. Per case: tokens/s, the all-to-all wait
+per rank, expert and rank imbalance, peak RSS per rank, the all-to-all bytes beside
+planner.traffic.ep_comm_bytes, the step-1 losses.
+Part 2, one process of moe-tiny for --balance-steps steps with model.balance none / aux / bias:
+moe_imbalance per step, plotted to --plot. Results: docs/benchmarks.md, "Mixture of experts".
 
 Reproduce:  PYTHONPATH=src python bench/bench_moe.py
             PYTHONPATH=src python bench/bench_moe.py --preset moe-tiny --skip-balance
@@ -36,12 +21,11 @@ import tempfile
 
 import torch
 
-from common import (MiB, machine, peak_rss_bytes, plot, prepare, reproduce, run_overrides, start_ranks, summarize,
-                    table, table_row, train_timed)
+from common import (MiB, build, machine, peak_rss_bytes, plot, prepare, reproduce, run_overrides, start_ranks,
+                    summarize, table, table_row, train_timed)
 from common.cli import read_jsonl
 from shardlm.config.load import load_config
-from shardlm.models.flops import count_params
-from shardlm.models.flops import active_params
+from shardlm.models.flops import active_params, count_params
 
 SKEW = 10.0
 """Added to the hot experts' router scores for the choice (probabilities are <= 1: decisive)."""
@@ -66,10 +50,9 @@ def overrides_for(args, case: dict, run_dir: str) -> dict:
 
 def rank_case(rank: int, world: int, overrides: dict, warmup: int, steps: int, skewed: bool) -> dict:
     from shardlm.models.moe import MoE
-    from shardlm.train.build import build_run
     from shardlm.train.loop import step_record
 
-    run = build_run(load_config(overrides=overrides).validate())
+    run = build(overrides)
     if skewed:
         k = run.cfg.model.top_k
         for module in run.model.modules():
@@ -114,7 +97,6 @@ def part_one(args, tmp: str) -> None:
 
 
 def part_two(args, tmp: str) -> None:
-    from shardlm.train.build import build_run
     from shardlm.train.loop import train
 
     curves = {}
@@ -123,7 +105,7 @@ def part_two(args, tmp: str) -> None:
                 "model.bias_update_rate": 0.01, "train.steps": args.balance_steps, "train.micro_batch": 8,
                 "train.seq_len": 64, "train.lr": 3e-3, "train.warmup_steps": 10, **run_overrides(tmp),
                 "run.name": f"balance-{balance}"}
-        run = build_run(load_config(overrides=over).validate())
+        run = build(over)
         train(run)
         rows = read_jsonl(run.run_dir / "metrics.jsonl", "moe_imbalance")
         curves[balance] = [(r["step"], r["moe_imbalance"], r["loss"]) for r in rows]
