@@ -284,16 +284,16 @@ def apply_tensor_parallel(model: nn.Module, comm: Comm, sequence_parallel: bool,
     return apply_tp_plan(model, comm, sequence_parallel)
 
 
-def initial_values(model: nn.Module, cfg: Config) -> Initializer:
+def initial_values(model: nn.Module, model_cfg: ModelConfig, seed: int) -> Initializer:
     """Where the parameters' first values come from: model.hf_path's checkpoint (our decoder,
     read from safetensors, or the transformers module build_run built from it: its tensors by
     name; LoRA adapters are new), or the model's own initialisation at train.seed."""
-    own = initializer_for(model, cfg.train.seed)
-    if cfg.model.hf_path and not isinstance(model, Decoder):  # build_run's transformers module
-        return with_adapters(module_initializer(cfg.model.hf_path, model), own)
-    if cfg.model.hf_path and isinstance(model, Decoder):  # build_run refuses any other model
+    own = initializer_for(model, seed)
+    if model_cfg.hf_path and not isinstance(model, Decoder):  # build_run's transformers module
+        return with_adapters(module_initializer(model_cfg.hf_path, model), own)
+    if model_cfg.hf_path and isinstance(model, Decoder):  # build_run refuses any other model
         # The checkpoint for its tensors; LoRA adapters are new: the model's own initial values.
-        return with_adapters(hf_initializer(cfg.model.hf_path, model, cfg.model), own)
+        return with_adapters(hf_initializer(model_cfg.hf_path, model, model_cfg), own)
     return own
 
 
@@ -332,7 +332,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
         mlp = cfg.model.mlp if isinstance(model, Decoder) else ""  # '': every linear but the head
         apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets, mlp, cfg.train.seed)
     # Taken before any step replaces a layer: initial values are those of the whole model.
-    initializer = (initial_values(model, cfg) if any(p.is_meta for p in model.parameters())
+    initializer = (initial_values(model, cfg.model, cfg.train.seed) if any(p.is_meta for p in model.parameters())
                    else None)
     if cfg.lora.quantize != "none":  # QLoRA: the frozen linears' bytes, made from those values
         dense = DEFAULT_TARGETS[cfg.model.mlp].split(",")

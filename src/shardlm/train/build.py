@@ -134,7 +134,7 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
         flops_per_token=flops[0], hardware_flops_per_token=flops[1],
         times=StepTimes(built.strategy.ledger, time_split_on(cfg.run.time_split, runtime.device),
                         device_synchronize(runtime.device)),
-        replicas=replica.open(cfg, built.strategy.ledger) if replica else None,
+        replicas=replica.open(cfg.parallel, built.strategy.ledger) if replica else None,
     )
     if run.replicas is not None:  # the mean over the live replicas; a joining replica's state
         fault_tolerance.add_step_hooks(run)

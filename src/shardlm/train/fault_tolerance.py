@@ -58,9 +58,8 @@ class Replica:
         replica evaluates the windows one run would."""
         return {"dp_rank": self.rank, "dp_size": self.ranks}
 
-    def open(self, cfg: Config, ledger: CommLedger) -> ReplicaGroup:
+    def open(self, par: ParallelConfig, ledger: CommLedger) -> ReplicaGroup:
         """The quorum's store and group, its bytes in the run's `ledger`."""
-        par = cfg.parallel
         return ReplicaGroup(self.identity, ledger, par.quorum_timeout_s, par.collective_timeout_s,
                             self.rank, self.ranks)
 

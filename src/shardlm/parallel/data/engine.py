@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from shardlm.checkpoint.sharded import StateSlice, param_state
-from shardlm.config.schema import Config
+from shardlm.config.schema import Config, TrainConfig
 from shardlm.comm.mesh import Mesh
 from shardlm.models.init import Initializer, initializer_for, materialize
 from shardlm.parallel.data.zero.optim import build_optimizer, init_adam_state
@@ -64,9 +64,9 @@ def _nbytes(tensors) -> int:
 
 
 class LocalEngine:
-    def __init__(self, model: nn.Module, cfg: Config, device: torch.device):
+    def __init__(self, model: nn.Module, train: TrainConfig, device: torch.device):
         self.model = model
-        self.optimizer = build_optimizer(model, cfg.train, device)
+        self.optimizer = build_optimizer(model, train, device)
         init_adam_state(self.optimizer)  # allocated now, so start-up reports what will be held
         self.ledger = CommLedger()
         self.local_sgd = None  # one process: no replicas
@@ -153,7 +153,7 @@ def apply_data_parallel(model: nn.Module, mesh: Mesh, cfg: Config, device: torch
     if mesh.dims.world_size == 1 and par.zero_stage == 0:
         if initializer is not None:  # one process, nothing sharded: the whole model, once
             materialize(model, device, cfg.train.seed, initializer)
-        return LocalEngine(model, cfg, device)
+        return LocalEngine(model, cfg.train, device)
     from shardlm.parallel.data.zero.engine import ZeroEngine
     from shardlm.parallel.data.zero.units import ZeroOptions
 
