@@ -30,6 +30,15 @@ def _documents(batch: int, length: int, seed: int) -> torch.Tensor:
     return ids
 
 
+def _front_hop(B: int, H: int, tq: int, tk: int, d: int, seed: int):
+    """q, k, v, dout and the positions of a rank's tq queries after tk earlier keys (random)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, tq, d, generator=g)
+    k, v = (torch.randn(B, H, tk + tq, d, generator=g) for _ in range(2))
+    dout = torch.randn(B, H, tq, d, generator=g)
+    return q, k, v, dout, torch.arange(tk, tk + tq), torch.arange(tk + tq)
+
+
 # A rank's hop in the ring's layout: its 96 queries sit after 80 earlier keys (a 'front' hop,
 # where some queries see no key of the block) and over their own 96 keys (the diagonal, causal).
 # The whole attention's output and log-sum-exp, which every hop's backward takes, are the math
@@ -46,11 +55,7 @@ def test_fused_hop_equals_the_math_hop(monkeypatch, masking):
     monkeypatch.setattr(ring_blocks, "MASK_ELEMENTS", 2 * 24 * 80)  # ~24 query rows per call
     monkeypatch.setattr(ring_blocks, "MIN_TILE_ROWS", 8)
     B, H, tq, tk, d = 2, 3, 96, 80, 16
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(B, H, tq, d, generator=g)
-    k, v = (torch.randn(B, H, tk + tq, d, generator=g) for _ in range(2))
-    dout = torch.randn(B, H, tq, d, generator=g)
-    qpos, kpos = torch.arange(tk, tk + tq), torch.arange(tk + tq)
+    q, k, v, dout, qpos, kpos = _front_hop(B, H, tq, tk, d, seed=1)
     docs = _documents(B, tk + tq, seed=2) if masking.startswith("documents") else None
     window = 40 if masking.endswith("window") else 0  # the front hop: rows blind to it too
     whole = BlockMask(qpos, kpos, window, docs)
@@ -141,11 +146,7 @@ def test_a_soft_capped_hop_runs_in_tiles_of_query_rows(monkeypatch):
     values and slope, probabilities, their gradient)."""
     cap = 2.0
     B, H, tq, tk, d = 2, 3, 96, 80, 16
-    g = torch.Generator().manual_seed(11)
-    q = torch.randn(B, H, tq, d, generator=g)
-    k, v = (torch.randn(B, H, tk + tq, d, generator=g) for _ in range(2))
-    dout = torch.randn(B, H, tq, d, generator=g)
-    qpos, kpos = torch.arange(tk, tk + tq), torch.arange(tk + tq)
+    q, k, v, dout, qpos, kpos = _front_hop(B, H, tq, tk, d, seed=11)
     mask = BlockMask(qpos, kpos, 40, _documents(B, tk + tq, seed=12))
     out, lse = block_forward(q, k, v, False, SCALE, mask, cap)
     results = {}
@@ -160,6 +161,7 @@ def test_a_soft_capped_hop_runs_in_tiles_of_query_rows(monkeypatch):
     monkeypatch.undo()
 
     T, H, d = 4096, 2, 16
+    g = torch.Generator().manual_seed(13)
     q, k, v = (torch.randn(1, H, T, d, generator=g) for _ in range(3))
     held = {}
 
