@@ -1,44 +1,17 @@
 """Sharded checkpoints on 2 CPU ranks (gloo): save (synchronous and asynchronous), the stall
 an asynchronous save causes in training, and load — next to the disk's own bandwidth.
 
-Method. Everything is written into one fresh directory under --dir (default ./runs, so on the
-file system checkpoints normally go to), removed at the end.
-
-1. The limit: the disk's write bandwidth in that directory — 1 writer writing --disk-mib MiB,
-   and 2 concurrent writers (threads) writing --disk-mib MiB each, every file written then
-   fsync'ed, as the checkpoint writer does; MB/s = bytes / (first write → last fsync). Each
-   figure is measured 3 times (first / best): on this VM the first touch of memory the guest
-   has not used lately (page cache included) is slow, so a repeat is faster. Also: cold read
-   (the file's pages dropped with posix_fadvise(DONTNEED)), SHA-256 in memory, and a 1 GiB
-   memory copy into new memory (what the asynchronous snapshot does: right after freeing as
-   much, and after 5 s idle, when a guest with free page reporting has handed it back to its
-   host) and into touched memory.
-2. Per stage (ZeRO 1: each rank writes half; ZeRO 0: rank 0 writes everything), one pair of
-   fresh processes: build the run (gpt2-124m, fp32), --warmup steps, --steps timed steps (the
-   median is the step time without a save), then a synchronous save (both ranks start it after a
-   barrier; stall = SaveReport.stall_s = the whole save; the effective bandwidth = total bytes /
-   the slowest rank's stall), one step, then an asynchronous save: its stall (snapshot +
-   hand-off) and its background write time (SaveReport.write_s), while training steps go on.
-   The number of steps run during it is agreed by the ranks: enough to outlast 1.5x the
-   synchronous save (at most --async-steps). A step overlaps the write if it started before
-   the last rank's writer finished (timestamps from CLOCK_MONOTONIC, shared by the processes);
-   the extra time = sum over overlapping steps of (step time - median step time without a save),
-   steps taken as the slower rank's. The phases of each save come from wrappers installed around
-   the names shardlm.checkpoint.sharded calls (write_safetensors, _safetensors_pieces, hashlib's
-   digest update, os.fsync): pieces, write (into the page cache), SHA-256 and fsync of the rank
-   file; snapshot = the asynchronous stall (a synchronous save writes from the live tensors);
-   "publish" = the rest of write_s (the note, rank 0 waiting for the others' notes, the
-   manifest, renames, directory fsyncs).
-3. Load, in a fresh pair of processes at the same layout: load_checkpoint into a freshly built
-   run with checkpoint.readers = "all" and "one", each cold (rank 0 drops the checkpoint files'
-   pages from the page cache first) and warm; the time includes SHA-256 verification, which is
-   reported separately (a wrapper around sharded._sha256, the verification itself) and after_load
-   (stage 1: the all-gather of the parameters). Then the stage-1 checkpoint loaded into 1
-   process at stage 0. Load time = the slowest rank's.
-
-The machine may be shared: the CPU seconds other processes took during each phase (machine busy
-time from /proc/stat minus this benchmark's own) are printed; figures from a phase where they
-are large are contaminated.
+Everything is written into one fresh directory under --dir (default ./runs), removed at the end.
+1. The limit: the disk's write bandwidth (1 and 2 writers, each file fsync'ed; first / best of
+   3), cold read, SHA-256 in memory and a 1 GiB memory copy (into new and into touched memory).
+2. Per ZeRO stage, fresh ranks: the step time without a save, a synchronous save (stall, MB/s),
+   then an asynchronous save's stall and background write while training goes on, the extra
+   step time of the steps it overlapped, and each save's phases (pieces, write, SHA-256, fsync,
+   snapshot, publish).
+3. Load into a fresh run with checkpoint.readers "all" and "one", cold and warm (SHA-256 and
+   after_load apart), then the stage-1 checkpoint into 1 process at stage 0.
+The CPU seconds other processes took during each phase are printed (large: contaminated).
+Method and results: docs/benchmarks.md, "Checkpoints".
 
 Reproduce:  PYTHONPATH=src SHARDLM_CACHE=/tmp/shc python bench/bench_checkpoint.py   (~5 min)
             PYTHONPATH=src python bench/bench_checkpoint.py --preset gpt-mini --stages 1
@@ -57,8 +30,8 @@ from pathlib import Path
 import torch
 
 from checkpoint_io import MB, OtherCpu, Probe, cpu_seconds, disk_limits, drop_cache, save_phases
-from common import (MiB, bench_parser, peak_rss_bytes, prepare, reproduce, run_overrides, setup_line, start_ranks,
-                    table, table_row, timed_steps)
+from common import (MiB, bench_parser, build, peak_rss_bytes, prepare, reproduce, run_overrides, setup_line,
+                    start_ranks, table, table_row, timed_steps)
 from shardlm.checkpoint.sharded import find_checkpoint
 from shardlm.config.load import load_config
 
@@ -87,11 +60,10 @@ def save_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int,
               max_async_steps: int) -> dict:
     import torch.distributed as dist
 
-    from shardlm.train.build import build_run
     from shardlm.train.checkpointing import save_checkpoint
     from shardlm.train.step import train_step
 
-    run = build_run(load_config(overrides=overrides).validate())
+    run = build(overrides)
     probe = Probe()
     base = timed_steps(lambda s: train_step(run, s).loss, warmup, steps)["seconds"]
     step = warmup + steps
@@ -134,11 +106,9 @@ def save_rank(rank: int, world: int, overrides: dict, warmup: int, steps: int,
 def load_rank(rank: int, world: int, overrides: dict, ckpt: str, modes: list) -> list[dict]:
     import torch.distributed as dist
 
-    from shardlm.train.build import build_run
-
     from shardlm.train.checkpointing import load_checkpoint
 
-    run = build_run(load_config(overrides=overrides).validate())
+    run = build(overrides)
     probe = Probe()
     real_after_load = run.strategy.after_load
 
