@@ -1,35 +1,20 @@
 """The planner's predictions against real training on this machine.
 
-For each case — 1, 2 and 4 ranks; ZeRO stages 0-3; activation checkpointing none/full; the
-nvme offload tier; the model axes: tensor parallelism (tp=2, with and without sequence
-parallelism), context parallelism (cp=2), both (cp=2 x tp=2), pipelines (pp=2: 1f1b, gpipe, zb;
-4 micro-batches), and for a mixture of experts (--preset moe-mini) expert parallelism (ep=2) — a fresh set of gloo ranks trains a few steps and reports, from rank 0:
-the model-state byte ledger (params + grads + optimizer, what the engine holds), the process's
-peak RSS (VmHWM), the bytes of new pages a step touches (minor page faults x the page size,
-median after the first step: no load changes them) and the median step time after the first,
-and the load average around it.
-The planner's `predict_local(cfg, ranks)` predicts the same three from the config alone (its
-compute rate from this machine's matmul curve and the in-situ factor of the model's whole pass:
-`shardlm calibrate --model PRESET --ranks N`, which this bench runs first for each rank count;
-cached, so once per machine; the table says what each prediction read).
-MALLOC_MMAP_THRESHOLD_=65536 is set for the ranks so RSS follows what is alive. Before each case
-the bench writes back dirty pages and waits (up to a minute) until the rest of the machine uses
-under a tenth of a core, and it reports what the rest used while the case ran ("other CPU":
-/proc/stat's busy time less the bench's and its ranks'); the load average lags a minute behind
-and cannot tell a case's neighbours from its own ranks. The calibration (`shardlm calibrate
---again`) is taken anew at the start, beside the cases it predicts, and with nvme cases the disk
-(`shardlm calibrate --disk .`: 1, 2 and 4 ranks streaming at once) too.
-
-Targets: model-state bytes within 2%, peak process memory within 10%, step time within 20% (issue 30).
+For each case (1, 2 and 4 ranks; ZeRO stages 0-3; activation checkpointing none/full; the nvme
+tier; tp=2 with and without SP, cp=2, cp=2 x tp=2, pp=2 1f1b/gpipe/zb; ep=2 with --preset
+moe-mini) a fresh set of gloo ranks trains a few steps and reports from rank 0: the model-state
+byte ledger, peak RSS (VmHWM), the bytes of new pages a step touches (minor faults x page size),
+the median step time after the first, and the CPU other processes used meanwhile. Beside each,
+`predict_local(cfg, ranks)` (after `shardlm calibrate --again`, and `--disk .` with nvme cases).
+Targets: model-state bytes within 2%, peak process memory within 10%, step time within 20%
+(issue 30). Method and results: docs/planner.md, docs/benchmarks.md.
 
 Reproduce:  PYTHONPATH=src python bench/bench_planner.py                    (gpt2-124m, ~10 min)
             PYTHONPATH=src python bench/bench_planner.py --preset gpt-mini --steps 4
             PYTHONPATH=src python bench/bench_planner.py --only 4,2,none,none   (one case; repeatable)
             PYTHONPATH=src python bench/bench_planner.py --only 2,0,none,none,tp2sp --only 2,1,none,none,cp2
             PYTHONPATH=src python bench/bench_planner.py --predict-from docs/planner/quiet-2026-11-26-gpt-mini.json
-                (no training: the saved cases' measurements stay, the planner predicts them anew
-                 on this machine's cached probe and calibration, and the table shows the saved
-                 prediction beside the new one)
+                (no training: the saved measurements, predicted anew on this machine)
 """
 
 from __future__ import annotations
@@ -37,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -91,8 +78,6 @@ def measure(rank: int, world_size: int, overrides: dict, steps: int) -> dict:
     from shardlm.train.telemetry import peak_rss_bytes
     from shardlm.train.build import build_run
     from shardlm.train.step import train_step
-
-    import resource
 
     run = build_run(load_config(overrides=overrides).validate())
     seconds, faults, cpu = [], [], []
@@ -192,6 +177,7 @@ def wait_until_quiet(limit_s: float = 60.0, window_s: float = 1.0, threshold: fl
 def predict_case(args, row: dict) -> dict:
     """The planner's prediction for a case (on this machine's cached probe and calibration)."""
     from shardlm.config.load import load_config
+    from shardlm.planner.explain import step_parts
     from shardlm.planner.search import predict_local
 
     settings = argparse.Namespace(**{**vars(args), **{k: row[k] for k in
@@ -207,20 +193,12 @@ def predict_case(args, row: dict) -> dict:
             "step_parts": {k: v for k, v in step_parts(t).items() if v > 0}}
 
 
-def step_parts(timing) -> dict[str, float]:
-    from shardlm.planner.explain import step_parts as parts
-
-    return parts(timing)
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
 
-    # The probe (its 256 MiB bandwidth buffers, its gloo ranks) runs in a child of its own: a
-    # process's peak RSS survives fork + exec into the ranks spawned after it (every case's
-    # measured peak read 774 MiB when the parent had probed), so this parent only reads the cache.
-    import subprocess
+    # The probe runs in a child of its own: a parent's peak RSS survives fork + exec into the
+    # ranks (every case's peak read 774 MiB when the parent had probed).
     if args.predict_from:
         saved = read_cases(args.predict_from)
         wanted = [(r["ranks"], r["ac"], r["axes"]) for r in saved]
@@ -235,21 +213,15 @@ def main(argv=None) -> None:
     counts = sorted({n for n, _, _ in wanted})
     subprocess.run([sys.executable, "-c", "import sys; from shardlm.hardware.probe import measure_cpu; "
                     f"[measure_cpu(n) for n in {counts}]"], check=True)
-    # The model's own matmuls and its whole pass at each rank count's threads, as a user runs
-    # before trusting a prediction (docs/planner.md sections 4, 4b): the pass each case's rank
-    # runs (context parallelism's half sequence, recomputation), and the plain one beside it.
-    # Timed anew before training (--again): this machine's speed drifts by up to ~10% over
-    # hours (gpt-mini's pass: 66.8 and 74 ms, an hour apart), and the cases are measured now;
-    # --predict-from reads the cache as it stands
+    # The model's whole pass at each rank count's threads (docs/planner.md sections 4, 4b), as
+    # each case's rank runs it and plain; timed anew (--again): the machine drifts ~10% over hours
     first = saved[0] if args.predict_from else {}
     model = {k: first.get(k, getattr(args, k)) for k in ("preset", "seq", "micro_batch", "precision")}
     # (with tensor parallelism, the shard's matmul shapes: --tp)
     passes = {(n, 1, 1, "none") for n in counts} | {(n, 2 if "cp2" in axes else 1, 2 if "tp2" in axes else 1, ac)
                                                      for n, ac, axes in wanted}
     if not args.predict_from and any(case[3] == "nvme" for case in selected):
-        # the disk as 1, 2 and 4 ranks stream through it at once, where the cases' files go; first,
-        # so the drive has settled from its ~2 GB by the first nvme case (right before it, the
-        # 1-rank gpt-mini nvme step measured 0.21 s against 0.165 s alone)
+        # the disk as 1, 2 and 4 ranks stream through it, first: the drive settles before the cases
         subprocess.run([sys.executable, "-m", "shardlm", "calibrate", "--disk", ".", "--again"], check=True,
                        stdout=subprocess.DEVNULL)
     for n, split, tp, ac in sorted(passes):
@@ -259,12 +231,8 @@ def main(argv=None) -> None:
                        + ([] if args.predict_from else ["--again"]), check=True, stdout=subprocess.DEVNULL)
 
     if not args.predict_from:
-        # The corpus's tokenizer and token shards, built once per cache and data source by the
-        # first rank that needs them: built inside the first case, they set its peak RSS (the
-        # AMD EPYC's first case, 1 rank at stage 0 on a fresh cache, peaked at 522 MiB against
-        # 440-457 for its neighbours; a tokenizer trained on the corpus here took a process from
-        # 220 to 423 MiB). Built here first, in a child of its own (this parent's RSS would
-        # carry into the ranks, as the probe's did)
+        # The tokenizer and token shards, built in a child of its own before the cases: built
+        # inside the first case they set its peak RSS (522 MiB against its neighbours' 440-457)
         data = overrides_for(args, 1, 0, "none", "none", "", "unused")
         subprocess.run([sys.executable, "-c", "import sys, json; from shardlm.config.load import load_config; "
                         "from shardlm.data.loader import build_dataset; "
