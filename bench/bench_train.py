@@ -1,11 +1,8 @@
 """Single-device training speed: shardlm's loop against a plain PyTorch loop, same process.
 
-The plain loop is what a user writes from the PyTorch tutorial / nanoGPT: the same GPT-2 maths
-(fused c_attn, scaled_dot_product_attention, tanh GELU, tied head), AdamW with default settings,
-autocast for bf16, gradient clipping at 1.0 as nanoGPT does. Both consume the identical batches
-(shardlm's sampler), and both are timed step by step after warm-up steps, interleaved in rounds so
-machine drift hits both alike. MFU = model FLOPs/s (6N + 12·L·d·T per token, PaLM appendix B) over
-the matmul peak this machine measured in that precision.
+The plain loop is what a user writes from nanoGPT (the same GPT-2 maths, default AdamW, autocast
+for bf16, clipping at 1.0), on the identical batches; both timed after warm-up in interleaved
+rounds. MFU = model FLOPs/s (6N + 12·L·d·T per token) over this machine's matmul peak.
 
 Reproduce:  python bench/bench_train.py            (all presets, fp32 and bf16; ~10 minutes)
             python bench/bench_train.py --presets gpt-tiny,gpt-mini --steps 6
@@ -71,8 +68,7 @@ def copy_weights(src: nn.Module, dst: nn.Module) -> None:
     """Start both loops from identical weights: the same maths must then give the same first loss
     (a check that the comparison is fair), and no loop is slowed by a worse init (PyTorch's
     default init drives this CPU into denormal floats within a few steps, 2-6x slower)."""
-    pairs = list(zip(src.parameters(), dst.parameters(), strict=True))
-    for a, b in pairs:
+    for a, b in zip(src.parameters(), dst.parameters(), strict=True):
         assert a.shape == b.shape, (a.shape, b.shape)
         b.copy_(a)
 
