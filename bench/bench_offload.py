@@ -1,15 +1,10 @@
 """Train a model whose model states do not fit in this machine's RAM, in one process, by
 streaming the optimizer state (fp32 masters + AdamW moments) from disk: the NVMe tier.
 
-Method. One process, ZeRO stage 1 on one rank (the engine with a shard of everything), bf16
-compute, fp32 masters, `zero.offload_optimizer = "nvme"` under --dir. Before training, the disk
-under --dir is measured with the same I/O the step does (O_DIRECT, 64 MiB aligned blocks):
-sequential write, sequential read, and both at once (one reader and one writer thread, the
-step's read-ahead/write-behind pattern, two threads per direction) — the bound the optimizer
-step is held to. The probe runs before and after training; the faster result counts.
-Then a few steps: per step the wall time, the optimizer step's time (streaming included), the
-bytes it read and wrote, and peak RSS (VmHWM). MALLOC_MMAP_THRESHOLD_=65536 is set (the
-script re-executes itself with it) so freed blocks leave RSS. Compute = step - optimizer.
+ZeRO stage 1 on one rank, bf16 compute, zero.offload_optimizer = "nvme" under --dir. The disk is
+probed with the step's own I/O (O_DIRECT, 64 MiB blocks: write, read, both at once) before and
+after training; then per step the wall time, the optimizer step's time, the bytes it moved and
+peak RSS. Results: docs/benchmarks.md, "Offload".
 
 Reproduce:  PYTHONPATH=src python bench/bench_offload.py                      (gpt2-2.7b, ~10 min)
             PYTHONPATH=src python bench/bench_offload.py --preset gpt2-1.5b --steps 2
