@@ -2,32 +2,19 @@
 (torchrun's --max-restarts, or a rerun with --resume) and checked against an uninterrupted
 reference: every step's loss in metrics.jsonl must be the reference's, bit for bit.
 
-Method. One reference run (`shardlm train --nproc 2`, gpt-tiny in fp32, a checkpoint every
---every steps, every step logged). Then --trials trials, each from its own random generator
-(--seed + trial number, so any trial can be rerun alone with --only): a fresh run of the same
-config with --max-restarts 3; a victim — rank 0, rank 1 or the launcher — and a moment:
-'random' (a uniform delay after the first logged step, within 70% of the reference's training time)
-or 'save' (the moment a checkpoint's temporary directory appears: inside the writer). The
-victim gets SIGKILL — or, for a rank with probability --stop-fraction, SIGSTOP (a frozen rank:
-the others' collective watchdog must name rank, op and group — or, frozen inside a save, rank
-0's wait for its note the missing rank — never gloo's own timeout, and the run goes on once
-torchrun has killed the frozen rank, 30 s after its SIGTERM). A killed rank: torchrun restarts the
-gang, which resumes from `latest`; its recovery time is from the signal to the next gang's first
-worker (a rank killed inside a save: seconds; before the save notes' wait gave up on a signal,
-30 s). A killed launcher: its workers must be gone within 15 s (they die with it), then the same
-command is run again with --resume (or without, when no checkpoint was saved yet). The trial
-survives when the run completes (exit 0, last step logged), no worker outlived a killed
-launcher, a stop was named (watchdog or save), and every logged step's loss (for a step logged
-twice, the later record) equals the reference's, bit for bit. A step never logged is counted
-apart, as a log gap: a kill after a checkpoint was published but before that step's metrics
-record was written loses the record, not state.
+Each trial (its own generator: --seed + trial, rerun alone with --only) picks a victim (rank 0,
+rank 1 or the launcher) and a moment ('random', or 'save': inside the checkpoint writer), and
+sends SIGKILL, or for a rank with probability --stop-fraction SIGSTOP (the watchdog, or rank 0's
+wait for the save notes, must name the frozen rank). It survives when the run completes, no
+worker outlives a killed launcher, a stop was named, and every logged step's loss equals the
+reference's; a step never logged is counted apart as a log gap. --cases runs chaos_cases.py's
+disk and input faults instead.
 
     python bench/chaos.py --trials 20            # the long form (minutes; not in CI)
     python bench/chaos.py --trials 1 --only 7    # trial 7 again, alone
     python bench/chaos.py --trials 6 --stop-fraction 0.5 --timeout 10   # frozen ranks too
 
-tests/test_faults.py runs a fast subset (two kills) in CI; tests/test_watchdog.py a frozen rank
-and tests/test_faults.py a rank killed inside a save, each timed.
+tests/test_faults.py runs a fast subset (two kills) in CI; tests/test_watchdog.py a frozen rank.
 """
 
 from __future__ import annotations
