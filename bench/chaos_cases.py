@@ -1,15 +1,13 @@
 """Chaos as data: the tiny run every chaos trial trains, and the disk and input faults (issue 25,
-part B), deterministic cases each checked once. bench/chaos.py, the driver, imports this module
-(never the other way): its random kills train this run, and its --cases runs the cases below.
+part B), deterministic cases each checked once. bench/chaos.py imports this module (never the
+other way).
 
     python bench/chaos.py --cases all            # every case below (about a minute)
     python bench/chaos.py --cases disk_full_2_ranks,lora_rank_too_large
 
-Each case runs `shardlm train` as a user would (a fresh process; a disk fault is injected into
-the workers by a sitecustomize on PYTHONPATH: os.fsync of a checkpoint shard fails with the
-errno once the first checkpoint is published, no disk is filled) and checks the outcome: the
-exit status, one message naming what failed and no traceback, no `.part` left, `latest` where
-it should be, and for a refused input that the run directory was never made.
+Each case runs `shardlm train` in a fresh process (a disk fault injected by a sitecustomize on
+PYTHONPATH) and checks the exit status, one message and no traceback, no `.part` left, `latest`
+where it should be, and for a refused input no run directory.
 """
 
 from __future__ import annotations
