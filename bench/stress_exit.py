@@ -1,18 +1,13 @@
 """Exit stress (issue 25): finished runs must exit 0, every time. Each configuration that aborted
-at interpreter exit (`terminate called without an active exception`, SIGABRT, after "done") is
-run --repeat times through the real command line, and the outcomes are counted.
+at interpreter exit (`terminate called without an active exception`) is run --repeat times
+through the real command line, and the outcomes are counted.
 
     python bench/stress_exit.py                      # --repeat 200 of each (hours on 2 cores)
     python bench/stress_exit.py --repeat 20 --only zero3-offload
 
-Configurations (tiny: seconds per run; llama-tiny / gpt-tiny in fp32, 3 steps):
-  zero3-offload   shardlm train --nproc 2, ZeRO-3 + activation offload (the issue's 2 in 6)
-  zero3           shardlm train --nproc 2, ZeRO-3 (the study's and the multi-node tests' point)
-  torchrun-agents two torchrun agents (--nnodes 2, one worker each) on loopback, their c10d
-                  rendezvous store hosted here, as tests/test_multinode.py runs them
-A run is 'aborted' when its output says `terminate called` or a worker's exit code is -6
-(SIGABRT); 'failed' when it exits non-zero otherwise. Prints a markdown table with the command
-that reproduces each row. tests/test_exit_stress.py is the CI-sized form.
+Configurations (3 steps of a tiny model): zero3-offload, zero3 (`shardlm train --nproc 2`),
+torchrun-agents (two torchrun agents on loopback). 'aborted': the output says `terminate called`
+or a worker exits -6; 'failed': any other non-zero exit. tests/test_exit_stress.py is the CI form.
 """
 
 from __future__ import annotations
