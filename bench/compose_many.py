@@ -1,9 +1,6 @@
 """More than two features of the composition matrix at once, against one process: bench/compose.py's
-features, base config, rank layout, reference and comparison, for a list of any length.
-
-Issue 28's case, the default: tp 2 x pp 2 x ZeRO-3 (dp_shard 2) x full recomputation on 8 gloo
-ranks, 4 steps of llama-tiny in fp32, every step's loss and gradient norm within 1e-4 relative of
-one process with the same global batch (the data-parallel ranks' micro-batches accumulated).
+features, base config, rank layout, reference and comparison, for a list of any length. Default:
+issue 28's tp 2 x pp 2 x ZeRO-3 (dp_shard 2) x full recomputation on 8 gloo ranks.
 
 Reproduce:  nice PYTHONPATH=src python bench/compose_many.py
             nice PYTHONPATH=src python bench/compose_many.py --features tp,pp,zero3,recompute_full \\
