@@ -1,22 +1,9 @@
 """Re-predict a saved bench_planner run of another machine whose probe cache was not kept, by the
-terms issue 41 part 3 added or changed, from the figures each saved row records (its
-`calibration` line: the pass and its parts, the memory probe's AdamW curve and fresh-page rate;
-its `step_parts`) and the arithmetic of the planner's own functions: saved prediction + what the
-new terms add. Used for the Intel Xeon's v7 runs (docs/planner/quiet-2026-11-27-v7-*.json),
-measured before these terms existed and whose cache (~/.cache/shardlm on that machine) is not in
-the repository; bench_planner.py --predict-from re-predicts a run in full where its cache is.
-
-The terms (docs/planner.md, "Validation", issue 41):
-- in-situ factor never under 1 (planner/in_situ.step_pass_factor): a row whose pass ran under
-  its parts gets (compute + memory-bound work) x (parts / pass - 1) more (only local rows had it:
-  their memory-bound work is all pass-scaled);
-- the optimizer's state read cold (memory_bound.cold_adamw): psi_opt x (the curve's DRAM end -
-  its rate at psi_opt), / the cores' share with more ranks than cores;
-- the nvme tier's first chunk at the lone-request rate (machine.local_disk_lone): the disk's
-  streams rate per rank count is solved from the saved nvme rows' optimizer part (their cache's
-  `calibrate --disk` figures), then 24 B x first chunk x (n / lone - n / streams);
-- stages 2-3's gradient shards as fresh pages (memory_bound._zero_copies): their bytes over the
-  row's fresh-page rate (x the share).
+terms issue 41 part 3 added or changed (docs/planner.md, "Validation"): saved prediction + what
+each new term adds, from the figures each saved row records (its `calibration` line and
+`step_parts`): the in-situ factor never under 1, the optimizer's state read cold, the nvme
+tier's first chunk at the lone-request rate, stages 2-3's gradient shards as fresh pages.
+bench_planner.py --predict-from re-predicts a run in full where its cache is.
 
     PYTHONPATH=src python bench/planner_delta.py docs/planner/quiet-2026-11-27-v7-gpt-mini.json ...
 """
