@@ -1,16 +1,11 @@
 """Attention backends on this machine (models/attention.py): which kernel is fastest with
 document masks, and what a forward + backward keeps, next to the planner's formula.
 
-1. Kernels. q, k, v of (B=4, H=8, T, D=64) fp32; rows cut into documents of random lengths
-   (mean `--doc`); forward + backward (and forward alone for FlexAttention, which has no CPU
-   backward in torch 2.13) of each backend through the same `prepare` + `attend` the model
-   runs, the mask built inside the timed call as the model builds it once per forward. 'sdpa,
-   one document' is plain causal attention over whole rows: the speed without document masks.
-   Median of --reps after one warm-up.
-2. Memory. A 2-layer decoder (d_model 256, 4 heads), b = 1, fp32: the peak bytes of live
-   tensors (parameters excluded; tests/memory_ledger.StorageLedger) during forward + loss +
-   backward from the first block's input, at two sequence lengths, against
-   planner.activations.activation_peak for that backend.
+1. Kernels: q, k, v of (4, 8, T, 64) fp32, rows cut into documents of mean length --doc; forward
+   + backward (forward alone for FlexAttention) of each backend through `prepare` + `attend`,
+   median of --reps; 'sdpa, one document' is plain causal attention.
+2. Memory: a 2-layer decoder's peak bytes of live tensors (tests/memory_ledger.StorageLedger)
+   during forward + loss + backward at two lengths, against planner.activations.activation_peak.
 
 Reproduce:  PYTHONPATH=src python bench/bench_attention.py            (~3 min, 1 thread)
 """
