@@ -1,18 +1,13 @@
 """Fault-tolerant replicas (parallel.fault_tolerant): a run that loses a replica mid-way, against
 the same run without a fault, and against ordinary dp_replicate = 2 training.
 
-Three runs of `shardlm train --nproc 2` (gpt-mini in fp32 by default, 2 replicas of one process):
-  ordinary     dp_replicate = 2, one gloo world (torchrun's launcher)
-  fault-free   parallel.fault_tolerant = true (parallel/data/fault_tolerant/launcher.py), nobody dies
-  killed       the same, replica 1 SIGKILLed after step --kill, restarted (--max-restarts 1);
-               it rejoins from replica 0's state
-For each: the launch's wall time, replica 0's loss per step and the quorum each step averaged
-over, and for the killed run the seconds from the kill to the rejoin, the steps replica 0 took
-alone and the samples they did not see (replica 1's share of those steps). The loss curves go
-to --plot (PNG). Timings on a shared machine are noisy: the load average is printed with them.
+Three runs of `shardlm train --nproc 2`: ordinary (dp_replicate = 2), fault-free
+(parallel.fault_tolerant = true) and killed (replica 1 SIGKILLed after step --kill, restarted,
+rejoining from replica 0's state). For each: wall time, replica 0's loss and quorum per step; for
+the killed run the seconds to rejoin, the steps alone and the samples missed. Curves to --plot.
 
     PYTHONPATH=src python bench/bench_fault_tolerance.py                 # gpt-mini, kill at 10 of 30
-    PYTHONPATH=src python bench/bench_fault_tolerance.py --preset gpt-tiny --steps 12 --kill 4
+    PYTHONPATH=src python bench/bench_fault_tolerance.py --preset gpt-tiny --seq 64 --steps 12 --kill 4
 """
 
 from __future__ import annotations
