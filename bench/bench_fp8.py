@@ -1,26 +1,14 @@
 """FP8 numerics on this CPU (precision.compute = 'fp8', precision.fp8_emulate = true): each
 scaling recipe's loss curve against bf16's, and its overflow / underflow fractions.
 
-The same run (model, data order, seed, learning rate) in bf16 and in emulated fp8 with each
-recipe. Per case:
-
-    loss           the mean of the last 20 training losses
-    vs bf16        that mean minus bf16's (nats); max |diff| is the largest gap at any one step
-    val            validation loss after the last step (20 batches; fp8: the forward in fp8)
-    fp32           the same run (same seed) in fp32: how far a change of precision alone, with
-                   no FP8 in it, moves the curve — the scale against which to read the gaps
-                   (a small model trained at this learning rate is chaotic: any change of
-                   rounding moves the trajectory; --seed repeats the comparison elsewhere)
-    overflow       the mean over steps of fp8_overflow (the JSONL key): the fraction of every
-                   quantised element clamped at the format's max
-    underflow      the same for fp8_underflow (nonzero values rounded to zero), overall and by
-                   tensor (input and weight in E4M3, the output gradient in E5M2)
-    s/step         mean step time: the emulation rounds through float8 and multiplies in bf16,
-                   so it is *slower* than bf16 — for numerics, not speed
+The same run (model, data order, seed, lr) in bf16, in fp32 (the gap a change of precision alone
+makes) and in emulated fp8 with each recipe. Per case: loss (mean of the last 20), vs bf16 and
+max |diff|, validation loss, overflow and underflow (mean of the JSONL's fp8_overflow /
+fp8_underflow, overall and by tensor), s/step (the emulation is slower than bf16: numerics, not
+speed).
 
 Reproduce:  PYTHONPATH=src python bench/bench_fp8.py                  (gpt-tiny, 300 steps, lr 1e-3)
             PYTHONPATH=src python bench/bench_fp8.py --lr 3e-3 --seed 1       (a chaotic regime)
-            PYTHONPATH=src python bench/bench_fp8.py --seed 1                     (another seed)
             PYTHONPATH=src python bench/bench_fp8.py --steps 100 --recipes tensorwise
 """
 
