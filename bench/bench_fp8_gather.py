@@ -1,22 +1,13 @@
 """FP8 all-gather at ZeRO-3 (precision.fp8_all_gather, issue 29 item 4): the same ZeRO-3 run on 2
-gloo ranks, FP8 emulated (tensorwise, fp32 master), with the blocks' FP8 linear weights gathered
-in bf16 (as before) or in E4M3 with one scale per weight (parallel/data/zero/fp8_gather.py).
+gloo ranks, FP8 emulated, with the blocks' FP8 linear weights gathered in bf16 or in E4M3 with
+one scale per weight (parallel/data/zero/fp8_gather.py).
 
-Per case: the all-gather bytes per step from the byte ledger beside the planner's prediction
-(planner/timing.py, the same config), the amax all-reduce's bytes (fp8 only: 4 bytes per weight
-per unit and forward, counted 2x as every all-reduce), the reduce-scatter's (unchanged), tokens/s
-(the slowest rank's median step; the median over interleaved rounds, with their range), the peak
-RSS of the highest rank, and the first and last loss. Gradient clipping is off (train.grad_clip =
-0): the two cases then train to the same bits (tests/test_fp8_all_gather.py says why clipping
-would not), which the loss columns show.
-
-On this CPU the emulation dominates a step (FP8 rounding in software, bf16 matmuls) and gloo's
-all-gather runs in shared memory: the bytes halve, the time barely moves. The point of the bytes
-is a network: the planner turns them into seconds for a cluster (`shardlm plan`).
-
-`--compose`: instead, the compositions tests/test_fp8_all_gather.py does not spawn (CI's time),
-each trained 2 steps without and with fp8_all_gather (gpt-tiny at d_model 32, clipping off): the
-same losses, parameters, fp8 figures and evaluation, bit for bit, and the ledger's all-gather bytes.
+Per case: the all-gather bytes per step (byte ledger) beside the planner's, the amax
+all-reduce's and the reduce-scatter's bytes, tokens/s (median over interleaved rounds, range),
+peak RSS and the first and last loss (clipping off: both cases train to the same bits).
+`--compose`: the compositions tests/test_fp8_all_gather.py does not spawn, 2 steps without and
+with fp8_all_gather: the same losses, parameters and evaluation, and the all-gather bytes.
+Results: docs/benchmarks.md, "FP8 all-gather at ZeRO-3".
 
 Reproduce:  PYTHONPATH=src python bench/bench_fp8_gather.py                 (gpt-mini, ~5 min)
             PYTHONPATH=src python bench/bench_fp8_gather.py --preset gpt-tiny --steps 4
