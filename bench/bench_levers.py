@@ -1,32 +1,12 @@
 """Which computation lever is worth it on this machine: each one switched on alone against the
 same baseline run, and what the planner says the same levers do on a GPU.
 
-Measured here (one process, `shardlm train` in a subprocess per case so each starts cold and its
-peak RSS is its own): tokens/s as the median of the steps after the first `--skip` (the compile,
-the first allocations), MFU and HFU from the run's JSONL, the process's peak RSS
-(`peak_rss_bytes`: VmHWM, the whole process — Python, torch, the data — not only activations),
-and the last loss (the same data and seed in every case, so a lever that changes the maths shows
-here). Levers:
-
-    baseline          precision.compute as given (--precision), eager, SDPA, activations kept
-    compile           train.compile = true (regional: each block; compile_s reported apart)
-    attention=math    model.attention = 'math': the plain matmul-softmax (stores the s^2 scores)
-    ckpt=selective    activation.checkpoint = 'selective'
-    ckpt=full         activation.checkpoint = 'full'
-    offload=cpu       activation.offload = 'cpu' (on a CPU the host *is* the device: bookkeeping only)
-    fp32 / bf16       the other precision
-    fp8 (emulated)    precision.compute = 'fp8', fp8_emulate: numerics, not speed (bench_fp8.py)
-
-The packed-sequence attention kernels (document masks) are ranked by bench/bench_attention.py,
-FP8's loss curve against bf16 by bench/bench_fp8.py; this script ranks whole training steps.
-
-Predicted (the planner, --gpu): the same model and batch on one GPU with recomputation none /
-selective / full and activation offload, bf16 — the levers the planner models. It does not model
-compilation or attention kernels (it assumes a fused kernel that stores no s^2 scores).
-
-Every lever runs --rounds times, the rounds interleaved in rotated orders, and its row is the
-median round: a shared machine's load comes and goes, and a lever run only once while the
-machine is busy would look slow.
+Measured (`shardlm train` in a subprocess per case): tokens/s (median of the steps after the
+first --skip), MFU and HFU from the run's JSONL, peak RSS and the last loss. Levers: baseline,
+compile, attention=math, ckpt=selective, ckpt=full, offload=cpu, the other precision, fp8
+(emulated: numerics, not speed). Predicted (--gpu): the planner's recomputation and offload
+levers on one GPU in bf16. Every lever runs --rounds times in rotated orders; its row is the
+median round. Results: docs/benchmarks.md, "Computation levers".
 
 Reproduce:  PYTHONPATH=src python bench/bench_levers.py                      (gpt-mini, ~15 min)
             PYTHONPATH=src python bench/bench_levers.py --preset gpt2-124m --steps 8 --micro-batch 4
@@ -45,10 +25,9 @@ from common.cli import read_jsonl, src_env, train_argv
 from shardlm.config.model import ModelConfig
 from shardlm.config.dims import ParallelDims
 from shardlm.hardware.catalog import parse_cluster
-from shardlm.planner.workload import Strategy, Workload
 from shardlm.planner.memory import estimate_memory
 from shardlm.planner.timing import estimate_time
-from shardlm.planner.workload import Dtypes
+from shardlm.planner.workload import Dtypes, Strategy, Workload
 from shardlm.config.presets import get_preset
 
 LEVERS = {  # name -> the overrides that switch it on (precision-dependent ones filled in main)
