@@ -1,20 +1,8 @@
-"""bench_finetune.py's other side: an instruct checkpoint as a download has it, chat data, and the
-plain transformers + peft loop a user would write instead of shardlm, fed the very batches
-shardlm trains on.
-
-instruct_checkpoint  a LlamaForCausalLM of SmolLM2-135M-Instruct's shape (30 layers, 576 wide,
-                     9 heads / 3 kv heads, 1536 MLP, 49,152 vocabulary, tied embeddings; random
-                     weights: none can be downloaded here) saved by transformers with a
-                     byte-level BPE trained on the chats, ChatML special tokens (bos <|im_start|>
-                     = 1, eos = pad <|im_end|> = 2), chat_template.jinja and generation_config.json
-chat_jsonl           chats from the standard library: a user asks what a function does, the
-                     assistant answers with its docstring
-same_batches         shardlm's own Loader over shardlm's own packing of the chats (the run's
-                     config): the rows, loss masks and document starts shardlm trains on
-loop_step            one step of the plain loop: the model's logits, cross-entropy over the
-                     counted targets (-100 ignored), backward, AdamW; with document masks, the
-                     rows' documents kept apart as transformers takes them on the CPU: a 4-D
-                     boolean mask (same document and causal) and per-document position ids
+"""bench_finetune.py's other side: an instruct checkpoint as a download has it (SmolLM2-135M-
+Instruct's shape, random weights, a BPE trained on the chats, ChatML tokens and template), chats
+from the standard library (a function's docstring as the answer), and the plain transformers +
+peft loop a user would write instead of shardlm, fed the very batches shardlm trains on
+(same_batches), its documents kept apart by a 4-D mask and per-document positions.
 """
 
 from __future__ import annotations
