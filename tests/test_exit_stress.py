@@ -22,12 +22,13 @@ Two checks per run:
     interpreter's finalisation (a canary object's __del__ writes a line only if module teardown
     runs). With the fix removed, this fails in every run (90 of 90), so RUNS = 6 (2 per
     configuration: each configuration's exit path twice, the second in a process that has
-    already forked a run) catch it as surely as 90 (12 before: the same check, twice the CPU);
+    already forked a run) catch it as surely as 90 (12 before: the same check, twice the runs);
   - both ranks exit 0 (an abort is -6). As a count this proves little here: in this harness the
     race itself is rarer than through the CLI (with the fix removed, 0 aborts in 90 runs, and 0
     in 71 earlier runs), which is why it ran 90 times before and now does not: the counting is
     bench/stress_exit.py's, over real CLI launches (`--repeat N`, default 200).
-Time: ~9 s for 12 runs on 2 shared cores (90 took 37-63 s); 6 now.
+Time: ~9 s for 12 runs on 2 shared cores (90 took 37-63 s); most of the test is the two rank
+processes' start-up and, on a fresh cache, the hardware probe, not the runs.
 """
 
 from __future__ import annotations
