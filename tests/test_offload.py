@@ -36,6 +36,20 @@ def _base(tmp_path, **extra) -> dict:
                                        "zero.nvme_chunk_mb": 1, **extra})
 
 
+_REFERENCES: dict[str, dict] = {}
+
+
+def _reference(base: dict) -> dict:
+    """`base` without offload, STEPS steps: trained once per config in this process (stage 3's
+    is the reference of both test_one_process_every_stage_and_tier and
+    test_stage3_parameter_offload: the same config, so the same run, whose results no test
+    changes). The run directory is not part of what it computes."""
+    key = json.dumps({k: v for k, v in base.items() if k != "run.dir"}, sort_keys=True)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train_case(base, STEPS)
+    return _REFERENCES[key]
+
+
 def _assert_equal(a: dict, b: dict, what: str) -> None:
     assert a["losses"] == b["losses"], what
     for name, value in a["params"].items():
@@ -46,7 +60,7 @@ def _assert_equal(a: dict, b: dict, what: str) -> None:
 def test_one_process_every_stage_and_tier(tmp_path, prec):
     for stage in (1, 2, 3):
         base = _base(tmp_path, **{"parallel.zero_stage": stage, "precision.compute": prec})
-        reference = train_case(base, STEPS)
+        reference = _reference(base)
         for tier in ("cpu", "nvme"):
             offloaded = train_case({**base, "zero.offload_optimizer": tier}, STEPS)
             _assert_equal(reference, offloaded, f"stage {stage} {prec} {tier}")
@@ -56,7 +70,7 @@ def test_one_process_every_stage_and_tier(tmp_path, prec):
 @pytest.mark.parametrize("prec", ["fp32", "bf16"])
 def test_stage3_parameter_offload(tmp_path, prec):
     base = _base(tmp_path, **{"parallel.zero_stage": 3, "precision.compute": prec})
-    reference = train_case(base, STEPS)
+    reference = _reference(base)
     for params, optimizer in (("cpu", "none"), ("nvme", "none"), ("nvme", "nvme")):
         offloaded = train_case({**base, "zero.offload_params": params,
                                 "zero.offload_optimizer": optimizer}, STEPS)
