@@ -1,25 +1,13 @@
 """The composition matrix: every pair of 23 everyday features, validated (no processes) and,
 with --run, trained for a few steps on a tiny model against one process.
 
-Each feature is a row of FEATURES: the config keys that turn it on. A pair is the base config
-plus both features' keys (`parallel.zero_stage` takes the larger of the two: a feature that
-needs stage >= 1 composes with one that needs stage 3). Validation (`Config.validate()`, before
-any process) sorts every pair into accepted or refused, and names the refusing rule
-(`config.rules.refusing_rules`: the function in shardlm/config/rules.py).
-
---run trains each accepted pair for STEPS steps on the ranks its layout needs (tp, cp, pp and
-hybrid's dp_replicate x dp_shard multiply; a pair with none of them, or one that needs data
-parallelism (ZeRO, ep, offload, async checkpoints), runs 2 data-parallel ranks; 8 at most:
-hybrid with a model axis) with shardlm.launch.spawn.run_ranks (gloo), and compares it with the
-reference: the same config in one process with every execution choice taken out (layout, ZeRO,
-offload, recomputation, activation offload, compile, planner, async checkpoints) and the
-data-parallel ranks' micro-batches as gradient accumulation — the same global batch, seed and
-data. What changes the arithmetic stays in the reference: MoE, fp16, fp8, LoRA, QLoRA, chat SFT,
-document masks. Compared: every step's loss and gradient norm (rank 0's), relative tolerance by
-the pair's precision (TOLERANCE: fp32 1e-4 — sums in another order over 4 Adam steps; fp16,
-bf16 (8 mantissa bits: sums over ranks in another order round differently) and fp8 (emulated)
-2e-2, 2e-2 and 5e-2). An async checkpoint is saved after step 2 and the run goes on
-while it writes: read back, it must equal that step's state exactly, on every rank.
+A pair is the base config plus both FEATURES rows' keys (`parallel.zero_stage` the larger).
+Validation sorts every pair into accepted or refused and names the refusing rule
+(`config.rules.refusing_rules`). --run trains each accepted pair for STEPS steps on the ranks its
+layout needs (8 at most) and compares every step's loss and gradient norm with the reference:
+the same config in one process, every execution choice taken out, the data-parallel ranks'
+micro-batches as gradient accumulation; relative tolerance by precision (TOLERANCE). An async
+checkpoint saved after step 2 must read back as that step's state exactly, on every rank.
 
 Reproduce:  PYTHONPATH=src python bench/compose.py                     (validation only, seconds)
             PYTHONPATH=src nice python bench/compose.py --run --batch  (every accepted pair)
@@ -45,10 +33,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from common import table
+from common import build, table
 from shardlm.config.load import load_config
 from shardlm.config.rules import refusing_rules
 from shardlm.errors import ConfigError
+from shardlm.launch.runtime import cpu_cores
+from shardlm.launch.spawn import run_ranks
 
 STEPS = 4
 SAVE_AFTER = 2  # async checkpoints: saved after this many steps, written while training goes on
@@ -230,12 +220,11 @@ def train_steps(rank: int, world_size: int, overrides: dict, steps: int, save_af
     whether it stepped; with checkpoint.async an asynchronous save after `save_after` steps."""
     import torch
 
-    from shardlm.train.build import build_run
     from shardlm.train.checkpointing import save_checkpoint
     from shardlm.train.step import train_step
 
     torch.manual_seed(0)
-    run = build_run(load_config(overrides=overrides).validate())
+    run = build(overrides)
     out: dict[str, Any] = {"losses": [], "norms": [], "stepped": [], "saved_exactly": None}
     saved: list = []
     for step in range(steps):
@@ -324,8 +313,6 @@ def verdict(pair: PairRun, ranks: list[dict], reference: dict) -> tuple[str, str
 
 def run_pair(a: Feature, b: Feature, root: Path, references: dict) -> tuple[str, str]:
     """('matched' | 'mismatch' | 'failed', detail) for one accepted pair, in processes of its own."""
-    from shardlm.launch.spawn import run_ranks
-
     pair = prepare((a, b), root)
     if pair.world > MAX_RANKS:
         return "failed", f"needs {pair.world} ranks (> {MAX_RANKS})"
@@ -359,8 +346,6 @@ def run_batch(chosen: list[tuple[Feature, Feature]], root: Path, references: dic
     """Every pair of `chosen`, pairs of one world size together in one spawn (chunks of
     BATCH); `report(a, b, outcome)` for each. A pair that failed in a batch, and those after
     it, run again alone (run_pair): a failure is recorded only from a pair's own processes."""
-    from shardlm.launch.spawn import run_ranks
-
     pairs = {pair_name(a, b): (a, b, prepare((a, b), root)) for a, b in chosen}
     by_world: dict[int, list[PairRun]] = {}
     for a, b, pair in pairs.values():
@@ -393,8 +378,6 @@ def run_batch(chosen: list[tuple[Feature, Feature]], root: Path, references: dic
 def _reference_many(rank: int, world_size: int, cases: list[tuple[str, dict]], world: int) -> dict:
     import torch
 
-    from shardlm.launch.runtime import cpu_cores
-
     os.environ["LOCAL_WORLD_SIZE"] = str(world)  # init_runtime sets threads from it
     torch.set_num_threads(max(1, cpu_cores() // world))
     return train_many(rank, world_size, cases, STEPS, SAVE_AFTER)
@@ -403,8 +386,6 @@ def _reference_many(rank: int, world_size: int, cases: list[tuple[str, dict]], w
 def _reference(overrides: dict, world: int, root: Path) -> dict:
     """The one-process run, spawned alone (its own threads: one rank's share of the cores, as
     each of the `world` ranks has, so CPU kernels split their reductions the same way)."""
-    from shardlm.launch.spawn import run_ranks
-
     overrides = {**overrides, "run.dir": str(root / "reference-runs")}
     out = run_ranks(_reference_many, 1, root, [("reference", overrides)], world, timeout=900)[0]["reference"]
     if isinstance(out, str):  # train_many's traceback
