@@ -1,28 +1,17 @@
-"""The whole GPU check in one run (issue 26): the `cuda` test lane, then shardlm against a plain
-PyTorch loop on one GPU, written as one JSON + one markdown report into OUT_DIR.
+"""The whole GPU check in one run: the `cuda` test lane, then shardlm against a plain PyTorch
+loop on one GPU (our decoder at Llama 3.2 1B's shape, bf16, seq 2048; the plain loop is what a
+careful PyTorch user writes, on the same model, batches and schedule), shardlm's levers and the
+long-context hop, written as one JSON + one markdown report into OUT_DIR. docs/gpu.md says what
+each row is and how MFU is counted; each configuration runs in its own process.
 
     bash bench/gpu_check.sh OUT_DIR                # from a bare GPU machine (wheels in .whl/)
     PYTHONPATH=src python bench/gpu_check.py OUT_DIR [--skip-tests] [--only a,b] [--budget-s 420]
-
-The benchmark: our decoder at Llama 3.2 1B's shape (16 layers, 2048 wide, GQA 32/8, SwiGLU 8192;
-a 32,000-token vocabulary, so the BPE tokenizer trains on the stdlib corpus in seconds) at bf16,
-seq 2048, on one GPU. The plain loop is the same model (same initial values: models.build_model
-at the run's seed), the same batches (shardlm's Loader), the same learning-rate schedule, SDPA, fp32 parameters under bf16
-autocast, torch's fused AdamW, gradient clipping and a loss read each step — what a careful
-PyTorch user writes — each with and without torch.compile (the plain loop compiles the whole
-model; shardlm compiles each block). Then shardlm's levers: ZeRO-3 with the optimizer on the
-CPU, activation offload, full and selective recomputation, FP8 (torchao, where installed).
-
-Each configuration runs in its own process (a failure or an out-of-memory ends that row only):
-warm-up steps (compilation included), then timed steps between device synchronisations.
-MFU = tokens/s x model FLOPs per token (models.flops: 6N + attention, PaLM appendix B) over the
-device's dense bf16 peak (989 TFLOP/s for H100/H200 SXM, from the catalog) and over a measured
-8192^3 bf16 matmul. Peak memory is torch.cuda.max_memory_allocated over the whole process.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -136,26 +125,30 @@ def _shardlm(overrides: dict, warmup: int, timed: int) -> dict:
     return _timed(lambda i: train_step(run, i).loss, warmup, timed, run.cfg)
 
 
+def _clock(step, warmup: int, timed: int, cuda: bool) -> tuple[list, float, float]:
+    """step(i)'s results over `warmup` then `timed` calls, the warm-up's seconds and the
+    timed calls' mean, each span closed by a device synchronisation."""
+    import torch
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    results, spans, start = [], [], time.perf_counter()
+    for first, count in ((0, warmup), (warmup, timed)):
+        results += [step(i) for i in range(first, first + count)]
+        sync()
+        spans.append(time.perf_counter() - start)
+        start = time.perf_counter()
+    return results, spans[0], spans[1] / timed
+
+
 def _timed(step, warmup: int, timed: int, cfg) -> dict:
     import torch
 
     from shardlm.models.flops import flops_per_token
 
     cuda = cfg.run.device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    losses = []
-    start = time.perf_counter()
-    for i in range(warmup):
-        losses.append(step(i))
-    sync()
-    warm_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for i in range(warmup, warmup + timed):
-        losses.append(step(i))
-    sync()
-    seconds = (time.perf_counter() - start) / timed
-    tokens = cfg.train.micro_batch * cfg.train.seq_len
-    return {"losses": losses, "warmup_s": warm_s, "step_s": seconds, "tokens_per_s": tokens / seconds,
+    losses, warm_s, seconds = _clock(step, warmup, timed, cuda)
+    return {"losses": losses, "warmup_s": warm_s, "step_s": seconds,
+            "tokens_per_s": cfg.train.micro_batch * cfg.train.seq_len / seconds,
             "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len),
             "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else 0}
 
@@ -183,21 +176,12 @@ def _time_hop(ring_blocks, device: str, tokens: int, heads: int, d: int, timed: 
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, heads, tokens, d, generator=g).to(device, torch.bfloat16) for _ in range(4))
     cuda = device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    def step() -> None:
+    def step(i: int) -> None:
         out, lse = ring_blocks.block_forward(q, k, v, True, d ** -0.5)
         ring_blocks.block_backward(dout, q, k, v, out, lse, True, d ** -0.5)
 
-    start = time.perf_counter()
-    step()
-    sync()
-    warm_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(timed):
-        step()
-    sync()
-    seconds = (time.perf_counter() - start) / timed
+    _, warm_s, seconds = _clock(step, 1, timed, cuda)
     return {"losses": [], "warmup_s": warm_s, "step_s": seconds, "tokens_per_s": tokens / seconds,
             "flops_per_token": 0, "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
             "shape": f"{tokens} tokens, {heads} heads of {d}, bf16, causal, {kernel}"}
@@ -352,10 +336,7 @@ def markdown(report: dict) -> str:
                  f"{env['bitsandbytes']}. Reproduce: `{report['command']}`\n")
     tests = report.get("tests")
     if tests:
-        counts: dict[str, int] = {}
-        for outcome in tests["cases"].values():
-            key = outcome.split(":")[0]
-            counts[key] = counts.get(key, 0) + 1
+        counts = collections.Counter(outcome.split(":")[0] for outcome in tests["cases"].values())
         lines.append(f"## cuda tests: {', '.join(f'{v} {k}' for k, v in counts.items())} "
                      f"(exit {tests['exit_code']}, {tests['seconds']} s)\n")
         lines += [f"- `{name}`: {outcome}" for name, outcome in tests["cases"].items()]
