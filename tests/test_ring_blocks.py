@@ -100,6 +100,26 @@ def _allocation_peak(fn) -> int:
     return peak
 
 
+def _diagonal_hop_peaks(q, k, v, mask, softcap: float = 0.0) -> dict[str, int]:
+    """The allocation peaks of a diagonal hop's forward and backward (dout = 1) on one thread:
+    the kernels' scratch is per thread, so the bound holds at any CPU kind and core count."""
+    held = {}
+
+    def forward():
+        held["out"], held["lse"] = block_forward(q, k, v, True, SCALE, mask, softcap)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        peaks = {"forward": _allocation_peak(forward)}
+        dout = torch.ones_like(held["out"])
+        peaks["backward"] = _allocation_peak(
+            lambda: block_backward(dout, q, k, v, held["out"], held["lse"], True, SCALE, mask, softcap))
+    finally:
+        torch.set_num_threads(threads)
+    return peaks
+
+
 @pytest.mark.parametrize("masking", ["causal", "documents"])
 def test_a_fused_hop_allocates_no_score_block(masking):
     """One rank's diagonal hop at T/C = 2048 tokens, 2 heads of 16: the fused forward and
@@ -117,20 +137,7 @@ def test_a_fused_hop_allocates_no_score_block(masking):
     docs[:, 700:] += 1
     docs[:, 1500:] += 1
     mask = None if masking == "causal" else BlockMask(pos, pos, 0, docs)
-    held = {}
-
-    def forward():
-        held["out"], held["lse"] = block_forward(q, k, v, True, SCALE, mask)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        peaks = {"forward": _allocation_peak(forward)}
-        dout = torch.ones_like(held["out"])
-        peaks["backward"] = _allocation_peak(
-            lambda: block_backward(dout, q, k, v, held["out"], held["lse"], True, SCALE, mask))
-    finally:
-        torch.set_num_threads(threads)
+    peaks = _diagonal_hop_peaks(q, k, v, mask)
     score_block = T * T * 4  # one head's fp32 scores
     for what, peak in peaks.items():
         assert 0 < peak < score_block, f"{masking} {what}: {peak / 2**20:.1f} MiB"
@@ -163,21 +170,7 @@ def test_a_soft_capped_hop_runs_in_tiles_of_query_rows(monkeypatch):
     T, H, d = 4096, 2, 16
     g = torch.Generator().manual_seed(13)
     q, k, v = (torch.randn(1, H, T, d, generator=g) for _ in range(3))
-    held = {}
-
-    def forward():
-        held["out"], held["lse"] = block_forward(q, k, v, True, SCALE, None, cap)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        peaks = {"forward": _allocation_peak(forward)}
-        dout = torch.ones_like(held["out"])
-        peaks["backward"] = _allocation_peak(
-            lambda: block_backward(dout, q, k, v, held["out"], held["lse"], True, SCALE, None, cap))
-    finally:
-        torch.set_num_threads(threads)
-    for what, peak in peaks.items():
+    for what, peak in _diagonal_hop_peaks(q, k, v, None, cap).items():
         assert 0 < peak < T * T * 4, f"soft-capped {what}: {peak / 2**20:.1f} MiB"
 
 
