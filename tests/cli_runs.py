@@ -4,7 +4,8 @@ logs its ledgers; every socket it listens on is loopback) and test_allocator.py 
 glibc's mmap threshold). Each of those once launched its own run (a launcher and two workers,
 each importing torch: 8-10 s apiece in CI); the checks are the same on the one run.
 
-Also the /proc readers those checks use: a process tree and its listening TCP sockets."""
+Also the /proc readers those checks use: a process's children, a process tree and its
+listening TCP sockets."""
 
 from __future__ import annotations
 
@@ -25,19 +26,46 @@ STEPS = 8
 period (each probe of the process tree takes milliseconds; the workers live for seconds)."""
 
 
-def process_tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, from the kernel's list of each of its threads'
+    children (/proc/PID/task/TID/children): the waits in test_restart.py and test_multinode.py
+    and process_tree below poll this every 10-50 ms, and a scan of every process's stat costs
+    ~10 ms of CPU on a hundred processes (a third of a core, for the whole of a run's start-up).
+    Without that list (a kernel built without CONFIG_PROC_CHILDREN), the scan."""
+    if not Path(f"/proc/{pid}/task/{pid}/children").exists() and Path(f"/proc/{pid}").exists():
+        return _children_by_scan(pid)
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # gone
+        return []
+    for task in tasks:
+        try:
+            out += [int(child) for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+        except OSError:  # the thread ended
+            continue
+    return out
+
+
+def _children_by_scan(pid: int) -> list[int]:
+    out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # exited while we looked
-        children.setdefault(parent, []).append(int(stat.parent.name))
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process below it."""
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()
         tree.append(pid)
-        todo += children.get(pid, [])
+        todo += children(pid)
     return tree
 
 

@@ -40,7 +40,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_overrides
-from test_restart import _children, _records
+from cli_runs import children as _children
+from test_restart import _records
 from shardlm.cli import main as cli
 from shardlm.checkpoint.weights import WEIGHTS
 from shardlm.config.load import load_config

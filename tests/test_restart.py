@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from cli_runs import children as _children
 from conftest import tiny_overrides
 from shardlm.launch.runtime import FAULT_ENV
 
@@ -55,39 +56,6 @@ def _final_loss(run_dir: Path) -> float:
     last = _records(run_dir)[-1]
     assert last["step"] == STEPS
     return last["loss"]
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`, from the kernel's list of each of its threads'
-    children (/proc/PID/task/TID/children): the waits here and in test_multinode.py poll this
-    every 10-50 ms, and a scan of every process's stat costs ~10 ms of CPU on a hundred
-    processes (a third of a core, for the whole of a run's start-up). Without that list (a
-    kernel built without CONFIG_PROC_CHILDREN), the scan."""
-    if not Path(f"/proc/{pid}/task/{pid}/children").exists() and Path(f"/proc/{pid}").exists():
-        return _children_by_scan(pid)
-    out = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:  # gone
-        return []
-    for task in tasks:
-        try:
-            out += [int(child) for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-        except OSError:  # the thread ended
-            continue
-    return out
-
-
-def _children_by_scan(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 def _stopped(pid: int) -> bool:
