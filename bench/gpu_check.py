@@ -15,6 +15,7 @@ import collections
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -155,8 +156,6 @@ def _timed(step, warmup: int, timed: int, cfg) -> dict:
 
 def _hop(kernel: str, args, timed: int) -> dict:
     """One context-parallel hop (the diagonal block: cp = 1) forward + backward, fused or math."""
-    import torch
-
     from shardlm.parallel.context import ring_blocks
 
     tokens = 512 if args.tiny else HOP["tokens"]
@@ -242,20 +241,24 @@ def environment() -> dict:
     return env
 
 
+CUDA_MARK = re.compile(r"^(?:\w+ = pytest\.mark\.cuda|@pytest\.mark\.cuda)\b", re.M)  # a line that marks
+
+
+def lane_files(folder: Path) -> list[Path]:
+    """The test files in `folder` that mark `cuda` tests (pytestmark, a named mark, a decorator)."""
+    return [p for p in sorted(folder.glob("test_*.py")) if CUDA_MARK.search(p.read_text())]
+
+
 def run_tests(out: Path, timeout: int, where: str = "tests") -> dict:
-    """pytest -m cuda over the suite (tests/test_cuda.py and the cuda-marked tests elsewhere):
+    """pytest -m cuda over the files that mark `cuda` tests (tests/test_cuda*.py, test_watchdog.py):
     counts and each test's outcome."""
     import xml.etree.ElementTree as ET
 
     xml = out / "cuda-tests.xml"
-    # Only the files that mark tests `cuda`: a CPU test module whose optional import is missing
-    # on the GPU machine (datasets) is then never imported (a collection error on an H200);
-    # --continue-on-collection-errors keeps the lane going should one still be.
-    # -n 0: one process (the suite's default is a worker per core): the lane's tests share one
-    # GPU, and its memory assertions read the whole process's peak.
+    # Only files that mark `cuda` tests: a CPU module whose import the GPU image lacks (datasets)
+    # is never collected. -n 0: the lane's tests share one GPU and read the process's peak.
     base = ROOT / where
-    files = ([str(p.relative_to(ROOT)) for p in sorted(base.glob("test_*.py"))
-              if "pytest.mark.cuda" in p.read_text()] if base.is_dir() else [where])
+    files = ([str(p.relative_to(ROOT)) for p in lane_files(base)] if base.is_dir() else [where])
     command = [sys.executable, "-m", "pytest", "-m", "cuda", *files, "-q", "-rA", "-n", "0",
                "--continue-on-collection-errors",
                "-p", "no:cacheprovider", f"--junitxml={xml}", "-s"]
@@ -378,7 +381,7 @@ def main() -> int:
     parser.add_argument("--only", default="", help="comma-separated configurations: " + ", ".join(CONFIGS))
     parser.add_argument("--budget-s", type=float, default=450, help="the whole check's time budget")
     parser.add_argument("--tests-timeout-s", type=int, default=300)
-    parser.add_argument("--tests", default="tests", help="where pytest looks for `cuda` tests (the smoke: tests/test_cuda.py)")
+    parser.add_argument("--tests", default="tests", help="where pytest looks for `cuda` tests: a folder or one file")
     parser.add_argument("--config-timeout-s", type=float, default=150)
     parser.add_argument("--seq", type=int, default=None, help="2048 (--tiny: 64)")
     parser.add_argument("--micro-batch", type=int, default=4)

@@ -73,13 +73,25 @@ def test_a_gpu_run_finds_its_gpu_in_the_planner_s_catalog(monkeypatch):
         local_hardware(torch.device("cuda", 0), 1)
 
 
+def _cuda_tests(source: str) -> list[str]:
+    """The test functions a file marks `cuda`: all of them under a module-level pytestmark,
+    else those whose decorators name the mark (test_watchdog.py's `needs_cuda`)."""
+    import ast
+
+    body = ast.parse(source).body
+    whole = any(isinstance(node, ast.Assign) and ast.unparse(node) == "pytestmark = pytest.mark.cuda"
+                for node in body)
+    return [f.name for f in body if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")
+            and (whole or "cuda" in ast.unparse(f.decorator_list))]
+
+
 def test_the_gpu_check_runs_its_whole_lane_in_the_cpu_smoke_mode(tmp_path):
     """`bash bench/gpu_check.sh OUT --tiny --device cpu` (the CI smoke of the GPU check): exit 0,
-    and gpu_check.json / .md list every `cuda` test of tests/test_cuda.py (skipped here: no
-    CUDA device) and every benchmark row — the training rows and the long-context hop rows
-    timed, the compiled ones listed as not run on a CPU. ~35 s of CPU on 2 cores (one child
+    and gpu_check.json / .md list every `cuda` test of the files that mark them (tests/test_cuda.py,
+    test_cuda_kernels.py, test_watchdog.py's NCCL pair: skipped here, no CUDA device) and every
+    benchmark row — the training rows and the long-context hop rows timed, the compiled ones
+    listed as not run on a CPU. ~35 s of CPU on 2 cores (one child
     process for every row; llama-tiny, seq 64, 1 + 1 steps)."""
-    import ast
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
@@ -87,14 +99,15 @@ def test_the_gpu_check_runs_its_whole_lane_in_the_cpu_smoke_mode(tmp_path):
     spec.loader.exec_module(gpu_check)
     out = tmp_path / "out"
     proc = subprocess.run(["bash", "bench/gpu_check.sh", str(out), "--tiny", "--device", "cpu",
-                           "--tests", "tests/test_cuda.py", "--warmup", "1", "--timed", "1",
+                           "--warmup", "1", "--timed", "1",
                            "--micro-batch", "1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     markdown = (out / "gpu_check.md").read_text()
-    tree = ast.parse((ROOT / "tests" / "test_cuda.py").read_text())
-    tests = [f.name for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")]
+    lane = gpu_check.lane_files(ROOT / "tests")
+    assert {p.name for p in lane} == {"test_cuda.py", "test_cuda_kernels.py", "test_watchdog.py"}
+    tests = [name for p in lane for name in _cuda_tests(p.read_text())]
     cases = report["tests"]["cases"]
     for name in tests:
         ran = [case for case in cases if case.split("[")[0] == name]

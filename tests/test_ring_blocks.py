@@ -252,7 +252,7 @@ def test_the_cuda_wiring_on_the_cpu_equals_the_cpu_fused_hop(monkeypatch, dtype)
     assert calls == {"flash": 1 if dtype == torch.bfloat16 else 0,
                      "efficient": 1 + (1 if dtype == torch.float32 else 0)}
     if dtype == torch.bfloat16:  # the masked hop's backward runs in fp32 on CUDA (ring_blocks
-        # LOW_PRECISION_MASKED_BACKWARD): the CPU kernel on fp32 copies, rounded to bf16 once
+        # _fused_backward): the CPU kernel on fp32 copies, rounded to bf16 once
         keys, causal, mask = cases[0]
         up = [t.float() for t in (dout, q, k[:, :, keys], v[:, :, keys], out)]
         expected = block_backward(*up, lse, causal, SCALE, mask)

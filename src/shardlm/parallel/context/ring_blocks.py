@@ -23,7 +23,7 @@ Three kernels, chosen per hop (`_kernel`):
   (the kernel's alignment) and expanded over the heads; its log-sum-exp comes padded to a
   multiple of 32 query rows (cut off here, padded again for the backward). Rows that see no key
   of a tile get output 0 here (the kernel's value for them is not relied on). A masked bf16 /
-  fp16 hop's backward runs in fp32 (LOW_PRECISION_MASKED_BACKWARD: the bf16 one was wrong).
+  fp16 hop's backward runs in fp32 (_fused_backward: the bf16 one was wrong).
 - math (portable): the scores in fp32, a tile of query rows at a time (`_math_tiles`: at most
   the device's mask elements of scores per tile over batch and heads, so linear in T/C like the
   fused paths; the backward recomputes each tile's scores and probabilities). Soft-capped
@@ -31,7 +31,7 @@ Three kernels, chosen per hop (`_kernel`):
   `score_mod` would, but has no backward on a CPU in torch 2.13 and takes no whole-attention
   output and log-sum-exp in its autograd; see docs/gpu.md), and so does any other device, dtype
   or head width (> 256, not a multiple of 8 on CUDA). The math path is the fused ones'
-  reference in tests/test_ring_blocks.py and tests/test_cuda.py.
+  reference in tests/test_ring_blocks.py and tests/test_cuda_kernels.py.
 The log-sum-exp merge across hops (parallel/context/attention.py) is fp32 on every path.
 """
 
@@ -55,11 +55,6 @@ BIAS_ALIGN = 16
 own mask preprocessing pads to)."""
 LSE_ROWS = 32
 """Memory-efficient attention's log-sum-exp is padded to a multiple of 32 query rows on CUDA."""
-LOW_PRECISION_MASKED_BACKWARD = "fp32"
-"""On CUDA a masked hop's backward in bf16 / fp16 runs memory-efficient attention's backward on
-fp32 copies of the tile (linear in its rows and keys, no score block): its bf16 backward with
-the tiles' bias gave dq 0.28 away from the math hop on an H200 (torch 2.11, 2026-11-29; the
-forward and the fp32 backward agreed to their tolerances), so it is not used."""
 
 
 def _has_cpu_flash(q: torch.Tensor) -> bool:
@@ -275,7 +270,10 @@ def _fused_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: f
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), None, None, tq, tk, 0.0, causal, seed, offset, scale=scale)
     if bias is not None and q.dtype != torch.float32:
-        # bf16 / fp16 under a mask: the backward in fp32 (LOW_PRECISION_MASKED_BACKWARD)
+        # bf16 / fp16 under a mask: memory-efficient attention's backward on fp32 copies of the
+        # tile (linear in its rows and keys). Its bf16 backward with a bias gave dq 0.28 away
+        # from the math hop on an H200 (torch 2.11, 2026-11-29), where its forward and its fp32
+        # backward agreed to their tolerances (docs/gpu/h200-2026-11-29-run3-masked-hop.log).
         low = q.dtype
         grads = _fused_backward(kernel, *(t.float() for t in (dout, q, k, v, out)), lse, causal, scale, bias.float())
         return tuple(g.to(low) for g in grads)
