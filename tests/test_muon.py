@@ -128,7 +128,6 @@ def test_muon_trains_and_resumes_bitwise(tmp_path):
     ({"train.optimizer": "sgd"}, r"train\.optimizer = 'sgd'; choose one of adamw, muon"),
     ({"train.optimizer": "muon", "parallel.zero_stage": 1, "zero.offload_optimizer": "nvme"},
      r"zero\.offload_optimizer = 'nvme'.*stream from disk.*train\.optimizer = 'adamw'"),
-    ({"train.optimizer": "muon", "lora.rank": 4}, r"lora\.rank = 4"),
     ({"train.muon_momentum": 1.0}, r"train\.muon_momentum"),
 ])
 def test_bad_optimizer_config_is_refused_early(override, said):
@@ -164,6 +163,10 @@ AXES = [  # (the layout on 2 ranks, what its one-process reference shares, the r
     ({"parallel.zero_stage": 3, "zero.offload_optimizer": "cpu", "zero.offload_params": "cpu"}, {}, 2),
     ({"parallel.cp": 2}, {}, 1),
     ({"parallel.tp": 2, "train.muon_split_fused": True}, {"train.muon_split_fused": True}, 1),
+    # LoRA's adapters are Muon's matrices (each factor its own): tp cuts B (column-parallel
+    # bases) or A (row-parallel), ZeRO-3 shards them (QLoRA: the same adapters on a 4-bit base)
+    ({"parallel.tp": 2}, {"lora.rank": 4}, 1),
+    ({"parallel.zero_stage": 3}, {"lora.rank": 4, "lora.quantize": "nf4"}, 2),
 ]
 
 
@@ -232,7 +235,8 @@ cp 5.7e-6; pp bit for bit (each stage steps whole matrices of the same micro-bat
 
 @pytest.mark.parametrize("index, what", [(0, "tp 2"), (1, "pp 2"), (2, "ep 2 (moe-tiny)"),
                                          (3, "ZeRO-3 + cpu offload"), (4, "cp 2"),
-                                         (5, "tp 2, q/k/v and gate/up apart")])
+                                         (5, "tp 2, q/k/v and gate/up apart"),
+                                         (6, "LoRA, tp 2"), (7, "QLoRA, ZeRO-3")])
 def test_muon_over_every_axis_matches_one_process(zero_runs, index, what):
     """Muon with tensor, pipeline, expert and context parallelism and with ZeRO-3 offloaded to
     the CPU, each on 2 ranks, against one process's Muon on the same global batch. tp's cut
@@ -251,8 +255,10 @@ def test_muon_over_every_axis_matches_one_process(zero_runs, index, what):
         matrices = sum(v.numel() for n, v in ref["params"].items()
                        if n.startswith("blocks.") and v.dim() == 2)
         assert [c["tp.muon"] for c in ranks[0]["comm_by_op"]] == [4 * matrices] * STEPS
-    if index == 3:
+    if index in (3, 7):  # 7: the adapters are the only Muon matrices (the base is frozen)
         assert all(c["dp_shard.muon"] > 0 for c in ranks[0]["comm_by_op"])
+    if index == 6:  # the adapters' cut factors gathered whole: B of column-, A of row-parallel bases
+        assert all(c["tp.muon"] > 0 for c in ranks[0]["comm_by_op"])
 
 
 def test_zero3_resumes_bitwise(zero_runs):

@@ -185,23 +185,20 @@ def _muon_layout(cfg: Config) -> list[str]:
     parallelism's cuts over the tp group (parallel/data/zero/muon.py); a pipeline stage, an expert-parallel
     rank and a context-parallel rank each hold their matrices whole (MoE's 3-D expert banks stay
     with AdamW), and replicas (hybrid sharding, fault-tolerant, local SGD) see the same averaged
-    gradient. Refused: the nvme tier, whose masters stream from disk through AdamW's chunked
-    step and are not in memory when Muon's update lands after it; and LoRA, whose low-rank
-    factors A (r x in) and B (out x r) are not the weight matrices Newton-Schulz orthogonalises
-    (their product is), so no reference runs Muon on them."""
+    gradient. LoRA and QLoRA by the same rule as every layer: the adapters' factors A (r x in)
+    and B (out x r) are the weights of two linear maps, each orthogonalised as its own matrix
+    (the frozen base trains not at all). Refused: the nvme tier, whose masters stream from
+    disk through AdamW's chunked step and are not in memory when Muon's update lands after it."""
     z = cfg.zero
     apart = {k: v for k, v, alone in (("zero.offload_optimizer", z.offload_optimizer, "nvme"),
                                       ("zero.offload_params", z.offload_params, "nvme"))
              if v == alone}
-    if cfg.lora.rank:
-        apart["lora.rank"] = cfg.lora.rank
     if cfg.train.optimizer != "muon" or not apart:
         return []
     return [f"train.optimizer = 'muon' with {', '.join(f'{k} = {v!r}' for k, v in apart.items())}: "
             f"the nvme tier's masters stream from disk inside AdamW's chunked step, not in memory when "
-            f"Muon's update is applied after it (use offload 'cpu'); LoRA's factors A and B are not "
-            f"the matrices Newton-Schulz orthogonalises (their product is). Use train.optimizer = "
-            f"'adamw' for this layout, or drop those settings"]
+            f"Muon's update is applied after it. Use offload 'cpu', or train.optimizer = 'adamw' "
+            f"for this layout"]
 
 
 @_cross("zero.offload_optimizer", "parallel.zero_stage")

@@ -129,7 +129,8 @@ def muon_update(grad: torch.Tensor, momentum_buffer: torch.Tensor, momentum: flo
 
 def muon_params(model: nn.Module) -> list[nn.Parameter]:
     """What Muon updates: the trainable weights of the hidden linear layers (nn.Linear, or
-    tensor parallelism's cuts of one) — 2-D, and neither
+    tensor parallelism's cuts of one; under LoRA / QLoRA the adapters' factors A and B, each a
+    linear map of its own, since the base is frozen) — 2-D, and neither
     an embedding nor the output head (a tied head is the embedding). Everything else
     (embeddings, head, norms, biases, 3-D expert banks) stays with AdamW, as Jordan and Moonlight
     prescribe."""
@@ -141,7 +142,7 @@ def muon_params(model: nn.Module) -> list[nn.Parameter]:
     for module in model.modules():
         # nn.Linear, or tensor parallelism's pieces of one (their class says `linear_map`)
         linear = isinstance(module, nn.Linear) or getattr(type(module), "linear_map", False)
-        w = module.weight if linear else None
+        w = getattr(module, "weight", None) if linear else None  # a QLoRA base holds codes instead
         if (isinstance(w, nn.Parameter) and w.requires_grad and w.dim() == 2
                 and id(w) not in excluded and id(w) not in seen):
             seen.add(id(w))
