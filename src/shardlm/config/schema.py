@@ -123,8 +123,9 @@ class TrainConfig:
     B))) with the same lr and decoupled weight decay — and AdamW (beta1, beta2, eps) on the
     embeddings, the output head, norms and biases (src/shardlm/parallel/data/zero/optim.py). With ZeRO (stages
     0-3) each matrix is gathered and orthogonalised by one owning rank, a tensor-parallel one
-    gathered whole over the tp group too (parallel/data/zero/muon.py); with every axis and the cpu tier; not
-    with the nvme tier or LoRA (refused; docs/computation.md)."""
+    gathered whole over the tp group too (parallel/data/zero/muon.py); with every axis, the cpu tier and
+    LoRA / QLoRA (each adapter factor a matrix of its own); not with the nvme tier (refused;
+    docs/computation.md)."""
     muon_momentum: float = 0.95
     """Muon's momentum coefficient mu (buf <- mu buf + g)."""
     muon_nesterov: bool = True
