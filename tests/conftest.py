@@ -106,13 +106,33 @@ def cpu_unless_cuda(request, monkeypatch):
 
 @pytest.fixture(scope="session", autouse=True)
 def session_cache(tmp_path_factory):
-    """Tokenizers, token shards and the CPU probe go to one fresh cache per session, so tests
-    never depend on (or pollute) the user's ~/.cache/shardlm."""
+    """Tokenizers and token shards go to one fresh cache per session (per xdist worker), so
+    tests never depend on (or pollute) the user's ~/.cache/shardlm. The CPU probe goes to one
+    fresh file per pytest run, shared by its workers ($SHARDLM_PROBE_CACHE in the run's base
+    temporary directory, which xdist's workers' own lie in): the machine is measured once a run
+    (~50 s of CPU for 1 and 2 ranks, ~50 s more for 4), not once a worker; a worker missing an
+    entry the other is measuring waits for it (hardware/probe.py _measuring). The whole cache
+    is not shared: a worker building a dataset deletes the `*.tmp.*` files in its cache
+    directory, another worker's half-written shard included. A test that injects timings or
+    damages the probe's file uses a cache of its own: private_cache."""
     path = tmp_path_factory.mktemp("shardlm-cache")
+    run_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # <run's base>/<worker id>
+        run_dir = run_dir.parent
     mp = pytest.MonkeyPatch()
     mp.setenv("SHARDLM_CACHE", str(path))
+    mp.setenv("SHARDLM_PROBE_CACHE", str(run_dir / "hardware_probe.json"))
     yield path
     mp.undo()
+
+
+def private_cache(monkeypatch, path):
+    """Point this test (and what it spawns) at a shardlm cache of its own, the probe's file
+    included: for a test that injects timings (they would reach every later test's planner
+    through the run's shared probe file) or damages that file. Returns `path`."""
+    monkeypatch.setenv("SHARDLM_CACHE", str(path))
+    monkeypatch.delenv("SHARDLM_PROBE_CACHE", raising=False)
+    return path
 
 
 def tiny_overrides(tmp_path, **extra) -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_overrides
+from conftest import private_cache, tiny_overrides
 from shardlm.cli import main as cli
 from shardlm.errors import ConfigError
 from shardlm.hardware import probe
@@ -89,7 +89,7 @@ def test_a_run_with_a_truncated_probe_cache_trains_and_leaves_a_valid_cache(tmp_
     """The issue's done-when: before, a JSONDecodeError traceback before any run directory."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    monkeypatch.setenv("SHARDLM_CACHE", str(cache))
+    private_cache(monkeypatch, cache)
     _stub_collectives(monkeypatch)
     whole = json.dumps({f"v{probe._VERSION}|{probe.cpu_name()}|torch {probe.torch.__version__}|"
                         f"threads={n}|matmul {p}": 1e10 for n in (1, 2) for p in probe.DTYPES}, indent=1)
@@ -104,6 +104,39 @@ def test_a_run_with_a_truncated_probe_cache_trains_and_leaves_a_valid_cache(tmp_
     assert any(key.endswith("|machine") for key in table) and any(key.endswith("|matmul fp32") for key in table)
     assert len(list(cache.glob("hardware_probe.json.damaged-*"))) == 1
     assert (tmp_path / "runs" / "probe" / "metrics.jsonl").is_file()
+
+
+def _measure_slowly(calls: Path, barrier) -> None:
+    """One process of the test below: wait for the other, then read the entry (a slow measure)."""
+    def measure() -> float:
+        with open(calls, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(2.0)  # the other process reads the table meanwhile: it misses the entry too
+        return 1.5e10
+
+    barrier.wait()
+    assert probe._cached("threads=1|slow entry", measure) == 1.5e10
+
+
+def test_two_processes_missing_one_probe_entry_measure_it_once(tmp_path, monkeypatch):
+    """The probe's lock (hardware/probe.py _measuring): of two processes that miss one entry at
+    once (the suite's xdist workers share a probe file), one measures and the other waits, then
+    reads what it wrote. Without the lock both measure (two lines in `calls`). Forked: nothing
+    re-imported, no torch op in the children."""
+    import multiprocessing
+
+    cache = private_cache(monkeypatch, tmp_path / "cache")
+    calls = tmp_path / "calls"
+    fork = multiprocessing.get_context("fork")
+    barrier = fork.Barrier(2)
+    procs = [fork.Process(target=_measure_slowly, args=(calls, barrier)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert len(calls.read_text().split()) == 1, calls.read_text()
+    assert list(json.loads((cache / "hardware_probe.json").read_text()).values()) == [1.5e10]
 
 
 @pytest.mark.parametrize("damage", ["tokens_cut", "meta_garbage", "tokenizer_cut"])
@@ -239,7 +272,7 @@ def test_a_rank_killed_in_a_four_rank_zero3_run_is_one_line(tmp_path, monkeypatc
     chaos = _chaos()
 
     cache = tmp_path / "cache"
-    monkeypatch.setenv("SHARDLM_CACHE", str(cache))  # the workers read the probe written here
+    private_cache(monkeypatch, cache)  # the workers read the probe written here
     _stub_collectives(monkeypatch)
     probe.measure_cpu(4)  # the launcher's and rank 0's reading of it, cached: nothing spawned
     run_dir = tmp_path / "runs" / "dead"

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from conftest import private_cache
 from shardlm.cli.main import main
 from shardlm.config.schema import ZeroConfig
 from shardlm.config.dims import ParallelDims
@@ -55,7 +56,7 @@ def test_calibrate_disk_is_cached_and_the_planner_gives_each_rank_its_share(monk
     """`shardlm calibrate --disk DIR` alone measures only the disk, once per stream count; the
     2-rank cluster then streams at 2 streams' rate in all (1.4 GB/s, not one stream's 1.0 or
     the assumed 1.2), and the optimizer step's disk time moves by exactly that."""
-    monkeypatch.setenv("SHARDLM_CACHE", str(tmp_path / "cache"))
+    private_cache(monkeypatch, tmp_path / "cache")
     rates = {1: 1.0e9, 2: 1.4e9, 4: 1.5e9}
     timed = []
     monkeypatch.setattr(disk_probe, "stream_bandwidth", lambda d, n: timed.append(n) or rates[n])

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import private_cache
 from shardlm.cli.main import main
 from shardlm.hardware import gpu_calibration, probe, probe_cache
 from shardlm.hardware.catalog import find_device
@@ -27,7 +28,7 @@ def test_calibrate_on_a_gpu_feeds_the_planner_s_compute_rate(monkeypatch, tmp_pa
     600 TFLOP/s, 61% of the catalog's 989) caches its curve under the GPU's name; the planner,
     on a machine without the GPU, then prices an H100 cluster at that curve (the estimate names
     it), and leaves the A100's catalog efficiency alone."""
-    monkeypatch.setenv("SHARDLM_CACHE", str(tmp_path))  # injected timings: not the session's cache
+    private_cache(monkeypatch, tmp_path)  # injected timings: not the session's cache
     rate = 600e12
     with monkeypatch.context() as m:
         m.setattr(torch.cuda, "is_available", lambda: True)

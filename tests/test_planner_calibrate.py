@@ -4,6 +4,7 @@ a decision (no test depends on this machine's speed)."""
 
 import pytest
 
+from conftest import private_cache
 from shardlm.cli.main import main
 from shardlm.config.dims import ParallelDims
 from shardlm.hardware import probe
@@ -29,7 +30,7 @@ def test_the_model_s_own_shapes():
 def test_best_of_n_cached_and_load_reported(monkeypatch, tmp_path):
     # injected timings go to a cache of their own: the session's is read by every planner
     # prediction on this machine (local_cpu's curve), which fake points would change
-    monkeypatch.setenv("SHARDLM_CACHE", str(tmp_path))
+    private_cache(monkeypatch, tmp_path)
     timings = iter([{"best_s": 1e-3, "median_s": 1.1e-3}, {"best_s": 1e-3, "median_s": 2e-3}])
     monkeypatch.setattr(probe, "_time_product", lambda *a: next(timings))
     monkeypatch.setattr(probe, "machine_load", lambda: (0.5, 2))
@@ -44,7 +45,7 @@ def test_best_of_n_cached_and_load_reported(monkeypatch, tmp_path):
 
 
 def test_calibrate_prints_the_curve_and_the_planner_s_assumption(monkeypatch, capsys, tmp_path):
-    monkeypatch.setenv("SHARDLM_CACHE", str(tmp_path))  # injected timings: not the session's cache
+    private_cache(monkeypatch, tmp_path)  # injected timings: not the session's cache
     monkeypatch.setattr(probe, "_time_product", lambda *a: {"best_s": 1e-3, "median_s": 1e-3})
     monkeypatch.setattr(probe, "machine_load", lambda: (9.0, 2))
     monkeypatch.setattr(probe, "cpu_peak_flops", lambda precision, threads=None: 1e11)

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from conftest import private_cache
 from shardlm.config.dims import ParallelDims
 from shardlm.hardware import probe
 from shardlm.hardware.catalog import CALIBRATION, LINKS, Cluster, Device, MatmulCurve, Node, intensity
@@ -75,7 +76,7 @@ def test_the_pass_is_timed_cached_and_read_by_local_cpu(monkeypatch, tmp_path):
     from shardlm.hardware.catalog import local_cpu
     from shardlm.train.calibration import measured_pass
 
-    monkeypatch.setenv("SHARDLM_CACHE", str(tmp_path))
+    private_cache(monkeypatch, tmp_path)
     m = preset_model("gpt-tiny")
     first = measured_pass(m, 1, 32, "fp32", threads=1, repeats=2)  # a real pass, timed here
     assert first["seconds"] > 0 and {"load_average", "loaded", "measured_at"} <= set(first)
@@ -169,7 +170,7 @@ def test_a_context_parallel_rank_reads_the_pass_of_its_share_of_the_sequence():
 def test_calibrate_does_not_time_a_pass_that_would_not_fit(monkeypatch, capsys, tmp_path):
     from shardlm.cli.main import main
 
-    monkeypatch.setenv("SHARDLM_CACHE", str(tmp_path))
+    private_cache(monkeypatch, tmp_path)
     monkeypatch.setattr(probe, "_time_product", lambda *a: {"best_s": 1e-3, "median_s": 1e-3})
     monkeypatch.setattr(probe, "cpu_peak_flops", lambda precision, threads=None: 1e11)
     monkeypatch.setattr(probe, "memory_probe", lambda threads, again=False: {"threads": threads})

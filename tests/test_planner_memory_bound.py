@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from conftest import private_cache
 from shardlm.config.dims import ParallelDims
 from shardlm.hardware import probe
 from shardlm.hardware.catalog import (CALIBRATION, LINKS, Cluster, Device, MatmulCurve, Node, interpolate,
@@ -144,7 +145,7 @@ def test_cp_step_time_prices_each_mode(mode, ulysses):
 
 
 def test_the_memory_probe_is_cached_and_local_cpu_reads_it(monkeypatch, tmp_path):
-    monkeypatch.setenv("SHARDLM_CACHE", str(tmp_path))
+    private_cache(monkeypatch, tmp_path)
     calls = []
     monkeypatch.setattr(probe, "_elementwise_bandwidth", lambda n, repeats=5: calls.append(n) or 2e10)
     monkeypatch.setattr(probe, "_fresh_bandwidth", lambda n, repeats=5: 3e9)

@@ -15,8 +15,6 @@ one per token) says which tokens are targets that carry loss; the split is by wh
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -33,7 +31,7 @@ from tokenizers import Tokenizer
 
 from shardlm.config.schema import DataConfig
 from shardlm.errors import ConfigError
-from shardlm.launch.cache_files import move_aside, read_json_cache
+from shardlm.launch.cache_files import file_lock, move_aside, read_json_cache
 from shardlm.launch.files import atomic_write
 from shardlm.launch.cache_files import cache_root
 from shardlm.data.corpus import corpus_files, fingerprint, iter_documents
@@ -73,17 +71,6 @@ class Dataset:
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive flock: of several ranks building the same entry, one builds, the rest wait."""
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def build_dataset(cfg: DataConfig, vocab_size: int,
@@ -130,7 +117,7 @@ def _build_entry(cfg: DataConfig, vocab_size: int, given: tuple[Tokenizer, int] 
     cache_dir = cache_root(cfg.cache_dir) / name
     if not (cache_dir / "done").exists() or entry_damage(cache_dir):
         cache_dir.mkdir(parents=True, exist_ok=True)
-        with _file_lock(cache_dir / "lock"):
+        with file_lock(cache_dir / "lock"):
             # Checked again under the lock: another rank may have finished (or repaired the
             # entry) while we waited.
             damage = entry_damage(cache_dir) if (cache_dir / "done").exists() else None

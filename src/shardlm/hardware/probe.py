@@ -1,9 +1,10 @@
 """This machine, measured: the CPU's matmul peak per precision, memory bandwidth, gloo between
 two local ranks, a worker's baseline RSS. One module, one cache file
-(`<shardlm cache>/hardware_probe.json`), used by telemetry (MFU's denominator), by the trainer
-(what precision.compute = 'auto' resolves to, decided once per run on rank 0), by the planner
-(hardware/catalog.py local_cpu), and by `shardlm calibrate` (matmul_curve: the model's own
-matmul shapes, best of N, load reported; on a CPU or a GPU).
+(`<shardlm cache>/hardware_probe.json`, or $SHARDLM_PROBE_CACHE: hardware/probe_cache.py), used
+by telemetry (MFU's denominator), by the trainer (what precision.compute = 'auto' resolves to,
+decided once per run on rank 0), by the planner (hardware/catalog.py local_cpu), and by
+`shardlm calibrate` (matmul_curve: the model's own matmul shapes, best of N, load reported; on
+a CPU or a GPU).
 
 A timing never decides arithmetic on its own: the trainer reads the probe on one rank, records
 the decision in the run's resolved config and its checkpoints, and a resume keeps it.
@@ -11,7 +12,9 @@ the decision in the run's resolved config and its checkpoints, and a resume keep
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +23,7 @@ import torch
 from shardlm.hardware.gloo_probe import gloo_probe, in_step_probe
 from shardlm.hardware import probe_cache
 from shardlm.hardware.probe_cache import cpu_name
-from shardlm.launch.cache_files import write_json_cache
+from shardlm.launch.cache_files import file_lock, write_json_cache
 from shardlm.launch.runtime import cpu_cores
 
 MIB = 2**20
@@ -35,18 +38,51 @@ def _cache_path() -> Path:
 
 def _cached(key: str, measure, machine: str | None = None, again: bool = False) -> dict | float:
     """The cache's entry for `key` on `machine` (default: this CPU's model), measured (and
-    written) on first use, or anew with `again`. Concurrent ranks may both measure; the file is
-    replaced atomically, so a reader never sees a torn table. A damaged file (cut short by a
-    crash, garbage) is moved aside with a warning and measured again (launch/cache_files.py); an
-    entry of the wrong shape is measured again."""
+    written) on first use, or anew with `again`. One process measures at a time (_measuring):
+    another that misses the same entry meanwhile waits, then reads what the first wrote. The
+    file is replaced atomically, so a reader never sees a torn table. A damaged file (cut short
+    by a crash, garbage) is moved aside with a warning and measured again
+    (launch/cache_files.py); an entry of the wrong shape is measured again."""
     full_key = f"v{_VERSION}|{machine or cpu_name()}|torch {torch.__version__}|{key}"
+
+    def missing(table: dict) -> bool:
+        return full_key not in table or not probe_cache.plausible(table[full_key])
+
     table = _table()
-    if full_key not in table or again or not probe_cache.plausible(table[full_key]):
-        value = measure()
-        table = _table()
-        table[full_key] = value
-        write_json_cache(_cache_path(), table, "hardware probe cache")
+    if again or missing(table):
+        with _measuring():
+            table = _table()
+            if again or missing(table):
+                value = measure()
+                table = _table()
+                table[full_key] = value
+                write_json_cache(_cache_path(), table, "hardware probe cache")
     return table[full_key]
+
+
+_HELD = threading.RLock()
+_depth = 0
+
+
+@contextlib.contextmanager
+def _measuring():
+    """The probe's measuring lock: an flock on `<cache file>.lock`, so that of the processes
+    missing an entry at once (the test suite's workers sharing a probe file, two runs started
+    together) one measures and the rest wait, instead of all measuring on the cores they share
+    (which slows each and skews what it measures). Held while measuring only (a read never
+    waits), and re-entrant in a process (a measurement that reads another entry). Where the lock
+    file cannot be created (a read-only cache) processes measure unlocked, as before it."""
+    global _depth
+    path = _cache_path()
+    with _HELD:
+        outer = _depth == 0
+        _depth += 1
+        try:
+            with (file_lock(path.with_name(path.name + ".lock"), optional=True) if outer
+                  else contextlib.nullcontext()):
+                yield
+        finally:
+            _depth -= 1
 
 
 def _table() -> dict:

@@ -1,5 +1,5 @@
 """The probe cache's format, readable without torch: where it is (`<shardlm cache>/
-hardware_probe.json`), how an entry is keyed ('v<VERSION>|<machine>|torch <version>|<what>'),
+hardware_probe.json`, or $SHARDLM_PROBE_CACHE), how an entry is keyed ('v<VERSION>|<machine>|torch <version>|<what>'),
 which entries are plausible. hardware/probe.py measures and writes it; the planner reads a
 GPU's calibrated curve from it (hardware/gpu_calibration.py) without importing torch, so that
 `shardlm plan` and `estimate` stay pure arithmetic."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import math
+import os
 import platform
 import sys
 from pathlib import Path
@@ -18,8 +19,17 @@ VERSION = 7
 """Bumped when what is measured changes: older entries are ignored."""
 
 
+PROBE_CACHE_ENV = "SHARDLM_PROBE_CACHE"
+"""Names the probe's cache file where it is set: a file of its own, apart from the rest of the
+shardlm cache. The test suite's workers (tests/conftest.py) each build tokens in a cache of their
+own but share one probe file, so the machine is measured once a run, not once a worker."""
+
+
 def cache_path() -> Path:
-    return cache_root() / "hardware_probe.json"
+    """The probe's cache file: $SHARDLM_PROBE_CACHE where set, else `<shardlm cache>/
+    hardware_probe.json` (launch/cache_files.py cache_root)."""
+    named = os.environ.get(PROBE_CACHE_ENV)
+    return Path(named).expanduser() if named else cache_root() / "hardware_probe.json"
 
 
 def cpu_name() -> str:

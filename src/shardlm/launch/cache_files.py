@@ -11,11 +11,13 @@ what to do, never a silent fallback. docs/reliability.md, Damaged inputs."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from shardlm.errors import ConfigError
@@ -29,6 +31,28 @@ def cache_root(configured: str = "") -> Path:
 
 
 log = logging.getLogger("shardlm")
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, optional: bool = False) -> Iterator[bool]:
+    """Exclusive flock on `path` (created where absent): of several processes building or
+    measuring the same entry, one does, the rest wait (the kernel releases it when its holder
+    dies, killed or not). `optional`: where the lock file cannot be created (a read-only cache
+    directory), go on unlocked, as every process did before the lock (yields False)."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")
+    except OSError:
+        if not optional:
+            raise
+        yield False
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def move_aside(path: Path, why: str, what: str = "cache") -> Path | None:
