@@ -414,20 +414,21 @@ def _fp8_all_gather_composes(cfg: Config) -> list[str]:
 
 
 STAGE0_REPLICA_RANKS = ("at ZeRO stage 0 every rank of a replica holds the whole gradient and "
-                        "would send all of it across replicas, dp_shard times stage 1's bytes for "
-                        "the same sum")
+                        "would send all of it across replicas, dp_shard x cp times stage 1's "
+                        "bytes for the same sum")
 """Why a fault-tolerant replica of several ranks needs ZeRO stage >= 1 (also cli/train.py's
 check once --nproc fixes dp_shard = -1)."""
 
 
 @_cross("parallel.fault_tolerant", "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp",
         "parallel.cp", "parallel.pp", "parallel.ep", "parallel.zero_stage", "parallel.strategy",
-        "train.global_batch", "train.local_sgd.every")
+        "train.global_batch", "train.local_sgd.every", "parallel.ep_rebalance_every")
 def _fault_tolerant_layout(cfg: Config) -> list[str]:
     """parallel.fault_tolerant (parallel/data/fault_tolerant/quorum.py): each replica is a world
-    of its own — one process, or dp_shard ranks that ZeRO shards over (stages 1-3: rank i's
+    of its own — one process, or dp_shard x cp ranks that ZeRO shards over (stages 1-3: rank i's
     gradient shard averaged with every live replica's rank i, torchft's fault-tolerant HSDP),
-    tensor parallelism inside it too;
+    tensor parallelism inside it too, and expert parallelism (rank i of every replica holds the
+    same experts: a replica's ranks are numbered as the hybrid run's, replica outermost);
     what cannot be built that way is refused here, by name, with why it cannot be."""
     par = cfg.parallel
     if not par.fault_tolerant:
@@ -435,17 +436,18 @@ def _fault_tolerant_layout(cfg: Config) -> list[str]:
     if par.dp_replicate < 2:
         return [f"parallel.fault_tolerant = true needs parallel.dp_replicate >= 2 (replicas that "
                 f"can drop out and rejoin), got {par.dp_replicate}"]
-    unchecked = ("its groups would lie inside a replica too, but their pairing of rank i across "
-                 "replicas is not checked against one process: refused rather than unchecked")
     apart = [f"{k} = {v!r} ({why})" for k, v, why, on in (
-        ("parallel.cp", par.cp, unchecked, par.cp > 1),
         ("parallel.pp", par.pp, "the hybrid run numbers pipeline stages outermost: a replica's "
          "ranks are no block of consecutive ranks that a world of its own could be", par.pp > 1),
-        ("parallel.ep", par.ep, unchecked, par.ep > 1),
         ("parallel.zero_stage", par.zero_stage, f"{STAGE0_REPLICA_RANKS}: use stage 1",
-         par.zero_stage == 0 and par.dp_shard not in (1, -1)),
+         par.zero_stage == 0 and (par.dp_shard not in (1, -1) or par.cp > 1)),
         ("parallel.strategy", par.strategy, "each replica would plan alone, for a world it does "
          "not share", par.strategy != "manual"),
+        ("parallel.ep_rebalance_every", par.ep_rebalance_every, "experts move between a "
+         "replica's ranks by the loads summed since the last move; a replica that rejoins takes "
+         "its peer's expert slots without the placement they follow or those loads, so its rank "
+         "i would add other experts' gradients to the live replicas' rank i",
+         par.ep_rebalance_every > 0),
         ("train.global_batch", cfg.train.global_batch, "the global batch shrinks while a replica "
          "is away: set train.grad_accum instead", cfg.train.global_batch > 0),
         ("train.local_sgd.every", cfg.train.local_sgd.every, "local SGD's replicas hold different "
@@ -453,5 +455,5 @@ def _fault_tolerant_layout(cfg: Config) -> list[str]:
          "replica lost mid-round takes its inner steps with it", cfg.train.local_sgd.every > 0),
     ) if on]
     return ([f"parallel.fault_tolerant = true runs each replica as a world of its own (one "
-             f"process, or dp_shard x tp ranks) and does not compose with: "
+             f"process, or dp_shard x cp x tp ranks) and does not compose with: "
              f"{'; '.join(apart)}"] if apart else [])
