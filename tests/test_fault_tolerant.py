@@ -75,6 +75,9 @@ def _overrides(tmp_path: Path) -> dict:
     ({"parallel.dp_shard": 2, "parallel.zero_stage": 0}, "parallel.zero_stage = 0 (at ZeRO stage 0 "
                                                          "every rank of a replica holds the whole"),
     ({"train.local_sgd.every": 4}, "train.local_sgd.every = 4 (local SGD's replicas hold different"),
+    ({"parallel.cp": 2}, "parallel.zero_stage = 0 (at ZeRO stage 0 every rank of a replica holds"),
+    ({"model.preset": "moe-tiny", "parallel.dp_shard": 2, "parallel.ep": 2, "parallel.zero_stage": 1,
+      "parallel.ep_rebalance_every": 2}, "parallel.ep_rebalance_every = 2 (experts move between"),
 ])
 def test_what_fault_tolerance_does_not_compose_with_is_refused(tmp_path, change, says):
     cfg = load_config(None, {**_overrides(tmp_path), **change})
@@ -221,14 +224,15 @@ def _records(path: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
 
 
-def _reference(tmp_path: Path, quorums: list[list[int]], ranks: int = 1):
+def _reference(tmp_path: Path, quorums: list[list[int]], ranks: int = 1, extra: dict | None = None):
     """The one-process run the replicas' steps equal, at their thread count (1 each on 2
     cores): a step of both replicas is the global batch (grad_accum 2·ranks, as ordinary
     dp_replicate = 2 × dp_shard = ranks); a step of one replica alone is its ranks'
     micro-batches (rank i of replica r has the reference's (r·ranks + i)-th), the mean over one
-    replica. Returns the run and its losses."""
+    replica. `ranks`: a replica's data-parallel ranks (its cp ranks read one micro-batch);
+    `extra`: the run's other settings (model, steps). Returns the run and its losses."""
     torch.set_num_threads(max(1, cpu_cores() // 2))
-    ref_cfg = load_config(None, {**_overrides(tmp_path), "parallel.dp_replicate": 1,
+    ref_cfg = load_config(None, {**_overrides(tmp_path), **(extra or {}), "parallel.dp_replicate": 1,
                                  "parallel.fault_tolerant": False, "train.grad_accum": 2 * ranks,
                                  "run.name": "reference"})
     run = build_run(ref_cfg.validate())
@@ -352,16 +356,51 @@ def test_replicas_checkpoint_and_a_job_lost_whole_resumes_from_it(tmp_path, rank
     _assert_final_weights(tmp_path, run, rtol=0.0, atol=1e-5)
 
 
+EP2_BIAS = {"model.preset": "moe-tiny", "model.balance": "bias", "model.bias_update_rate": 0.05}
+"""A MoE model whose routers balance by bias (DeepSeek-V3's): run state beside the weights."""
+
+
+# Replicas of 2 ranks with context or expert parallelism inside (rank i of every replica holds
+# the same parameter shards, the same experts), 3 steps, against one process of grad_accum 2 x the
+# replica's data-parallel ranks: the cp ranks' halves of a sequence summed by the reduction, the
+# ring's merged softmax, the experts' rows combined on another rank — fp32 reassociations of the
+# kind test_replicas_checkpoint_and_a_job_lost_whole_resumes_from_it bounds for 2 x 2 ranks (1e-4
+# on losses ~6, 1e-5 on weights after 9 steps: these take 3), with AdamW's eps 1e-4 as
+# tests/test_context_parallel.py's ADAM_EPS says why (a nearly cancelling gradient's rounding
+# stays a rounding of its update). Measured: cp 4.8e-7 on losses, 2.3e-6 on weights; ep 0 and
+# 6.3e-7. Rank i paired with the other replica's rank 1 - i instead: 8.7e-3 and 5.0e-3. The ep case
+# balances by bias (model.balance = 'bias'): the biases move by the step's loads, which only the
+# replicas' all-reduce makes the whole step's; each replica's own moved them apart (the replicas'
+# weights then differ, 3.4e-3 from one process).
+@pytest.mark.parametrize("layout, extra, data_ranks", [
+    ({"parallel.cp": 2, "parallel.zero_stage": 1}, {}, 1),
+    ({"parallel.dp_shard": 2, "parallel.ep": 2, "parallel.zero_stage": 1}, EP2_BIAS, 2),
+], ids=["cp2-replicas", "ep2-replicas"])
+def test_replicas_with_cp_or_ep_inside_equal_one_process(tmp_path, layout, extra, data_ranks):
+    extra = {**extra, "train.steps": 3, "train.eps": 1e-4}
+    code, output = _launch({**_overrides(tmp_path), **extra, **layout}, "", lost=None, ranks=2)
+    assert code == 0, output[-3000:]
+    records = _records(tmp_path / "runs" / "ft" / "replica-0" / "metrics.jsonl")
+    assert [r["quorum"] for r in records] == [[0, 1]] * 3, records
+    run, losses = _reference(tmp_path, [[0, 1]] * 3, data_ranks, extra)
+    got = [r["loss"] for r in records]
+    assert max(abs(a - b) for a, b in zip(got, losses)) < 1e-4, (got, losses)
+    _assert_final_weights(tmp_path, run, rtol=0.0, atol=1e-5)
+
+
 @pytest.mark.parametrize("change, ranks", [({"train.optimizer": "muon"}, 1), ({"lora.rank": 4}, 1),
-                                           ({"parallel.tp": 2, "parallel.zero_stage": 1}, 2)],
-                         ids=["muon", "lora", "tp2-replicas"])
+                                           ({"parallel.tp": 2, "parallel.zero_stage": 1}, 2),
+                                           ({**EP2_BIAS, "parallel.dp_shard": 2, "parallel.ep": 2,
+                                             "parallel.zero_stage": 1}, 2)],
+                         ids=["muon", "lora", "tp2-replicas", "ep2-replicas"])
 def test_a_rejoining_replica_takes_muon_and_lora_state(tmp_path, change, ranks):
     """Muon's momentum, and LoRA's adapters with the frozen base, go to a rejoining replica
     like AdamW's state: replica 1 killed after step 1, back by step 4 (replica 0 pauses after
     step 3), and both replicas' final weights are the same, bit for bit — a joiner that missed
     any of the state (a zero momentum) would take a different update at its first step. And
     replicas of tp = 2 ranks each: rank i (tp position i) takes its state from the live
-    replica's rank i."""
+    replica's rank i; and of ep = 2 (bias balancing): rank i takes the same experts' state and
+    the routers' biases (a joiner with its initial biases would route differently)."""
     overrides = {**_overrides(tmp_path), "train.steps": 6, **change}
     code, output = _launch(overrides, "1:kill@1,0:stop@3", lost=1, ranks=ranks)
     assert code == 0, output[-3000:]

@@ -95,10 +95,25 @@ def average_step(run: Run, step: int, total: torch.Tensor,
     False."""
     shared = torch.stack([total.detach().to(torch.float32),
                           torch.tensor(float(stop), device=total.device)])
-    if not run.replicas.average([*run.strategy.grads(), shared], step):
+    if not run.replicas.average([*run.strategy.grads(), *moe_sums(run), shared], step):
         run.strategy.zero_grad()
         return total, stop, False
     return shared[0].to(total.dtype), bool(shared[1] > 0), True
+
+
+def moe_sums(run: Run) -> list[torch.Tensor]:
+    """A mixture-of-experts model's step figures (models.moe.MoEStats.sums: the choices routed to
+    each expert), summed over the live replicas with the gradients (scaled as they are), so that
+    the loads bias balancing and expert re-placement move by are the whole step's on every
+    replica, and every replica moves its biases and experts alike: rank i of each then holds the
+    same experts and biases. [] without experts."""
+    moe = run.moe
+    if moe is None or not moe.layers:
+        return []
+    if moe.sums is None:  # a joiner, before its first forward: zeros of the same shape
+        moe.sums = torch.zeros(len(moe.layers), moe.experts + 4, dtype=torch.float64,
+                               device=run.runtime.device)
+    return [moe.sums]
 
 
 def add_step_hooks(run: Run) -> None:
@@ -119,14 +134,15 @@ def state_tensors(run: Run, steps_done: int) -> list[torch.Tensor]:
     """Everything a replica's training state is, as tensors every replica lists in the same
     order: the step, the optimizer's step count, the data position and the loss scaler; the
     parameters and optimizer moments (the checkpoint's slices: one definition of the state);
-    the RNG."""
+    the routers' balancing biases (model.balance = 'bias'); the RNG."""
     scaler = run.precision.scaler.state_dict()
     meta = torch.tensor([steps_done, adam_steps(run.strategy.optimizer),
                          run.train_loader.samples_done(steps_done),
                          *(float(scaler.get(k, 0)) for k in ("scale", "clean_steps", "skipped_steps"))],
                         dtype=torch.float64)
     slices = [s.tensor for s in run.strategy.state_slices()]
-    return [meta, *slices, torch.get_rng_state()]
+    biases = [run.moe.biases[k] for k in sorted(run.moe.biases)] if run.moe is not None else []
+    return [meta, *slices, *biases, torch.get_rng_state()]
 
 
 def writes_checkpoint(run: Run) -> bool:
@@ -149,7 +165,8 @@ def rejoin(run: Run) -> None:
     has nothing to train and no weights of its own to write."""
     if run.replicas is None or not run.replicas.joining:
         return
-    zeros = [torch.zeros_like(g) for g in run.strategy.grads()] + [torch.zeros(2, device=run.runtime.device)]
+    zeros = [torch.zeros_like(t) for t in [*run.strategy.grads(), *moe_sums(run)]]
+    zeros.append(torch.zeros(2, device=run.runtime.device))
     quorum = run.replicas.join(zeros, run.start_step)
     if quorum is None:
         log.warning("shardlm: replica %d: the run finished before it could rejoin; it stops "
