@@ -108,10 +108,12 @@ def world(tmp_path_factory):
     lora = {**tiny_overrides(tmp, model__preset="llama-tiny", train__steps=STEPS, train__micro_batch=4, lora__rank=4),
             "parallel.tp": 2, "parallel.sequence_parallel": True}
     full = {**base, "activation.checkpoint": "full"}
+    fp8 = {**base, "precision.compute": "fp8", "precision.fp8_emulate": True}
     cases = [(base, STEPS, -1), ({**base, "parallel.async_tp": True}, STEPS, -1),
              (lora, STEPS, -1), ({**lora, "parallel.async_tp": True}, STEPS, -1),
              (full, STEPS, -1), ({**full, "parallel.async_tp": True}, STEPS, -1),
-             ({**base, "parallel.async_tp": True, "train.compile": True}, STEPS, -1)]
+             ({**base, "parallel.async_tp": True, "train.compile": True}, STEPS, -1),
+             (fp8, STEPS, -1), ({**fp8, "parallel.async_tp": True}, STEPS, -1)]
     out = run_ranks(_ranks, 2, tmp, LAYERS, cases)
     return plain, out
 
@@ -185,7 +187,7 @@ def test_compiled_async_tp_matches_one_process(world):
     ({"parallel.tp": 2}, "parallel.sequence_parallel = true"),
     ({"parallel.tp": 1}, "parallel.tp > 1"),
     ({"parallel.tp": 2, "parallel.sequence_parallel": True, "precision.compute": "fp8",
-      "precision.fp8_emulate": True}, "precision.compute"),
+      "precision.fp8_emulate": True, "lora.rank": 4}, "unrounded gathered input"),
     ({"parallel.tp": 2, "parallel.sequence_parallel": True, "lora.rank": 4, "lora.quantize": "nf4"},
      "lora.quantize")])
 def test_config_refuses_what_async_tp_cannot_do(tmp_path, overrides, words):
@@ -229,3 +231,23 @@ def test_planner_hides_the_tp_collectives_behind_their_matmuls():
         assert times[1].step < times[0].step
         still = replace(cluster, measured=replace(CALIBRATION["cuda"], overlap=0.0))
         assert estimate_time(w, replace(blocking, async_tp=True), still).step >= estimate_time(w, blocking, still).step
+
+
+def test_fp8_async_tp_same_bits_as_blocking_fp8(world):
+    """precision.compute = 'fp8' (emulated, tensorwise) with async TP (parallel/tensor/async_fp8.py):
+    each sequence piece rounded at the whole tensor's amax (max-reduced over the group first),
+    so the operands are the blocking FP8 matmul's bit for bit, and the products are the same
+    bf16 matmuls of the same rows (gpt-tiny: biased linears, 4 x 16 rows a piece). Losses and
+    parameters after 3 steps equal bit for bit; the ledger's tensor-parallel bytes are the
+    blocking run's plus the amaxes' max-reductions (one fp32 scalar per decomposed linear: the
+    column's input forward, the row's output gradient backward)."""
+    _, out = world
+    for rank in range(2):
+        blocking, overlapped = out[rank]["train"][7], out[rank]["train"][8]
+        assert overlapped["losses"] == blocking["losses"]
+        for name, value in blocking["params"].items():
+            assert torch.equal(overlapped["params"][name], value), name
+    assert out[0]["train"][7]["losses"] != out[0]["train"][0]["losses"]  # FP8 rounded something
+    # 2 blocks x 4 decomposed linears, one fp32 amax each a step, an all_reduce counted 2x its bytes
+    extra = [a["tp"] - b["tp"] for a, b in zip(out[0]["train"][8]["comm_by_op"], out[0]["train"][7]["comm_by_op"])]
+    assert extra == [2 * 4 * 4 * 2] * STEPS

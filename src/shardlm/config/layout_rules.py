@@ -42,9 +42,13 @@ def _async_tp_composes(cfg: Config) -> list[str]:
                 f"parallel.sequence_parallel = true (got {str(par.sequence_parallel).lower()}); set "
                 f"them, or async_tp = false"]
     # train.compile: the decomposed linears are custom ops, each one opaque node of the block's graph
+    # precision.compute = 'fp8': each piece is rounded at the whole tensor's amax, max-reduced
+    # over the group first (parallel/tensor/async_fp8.py)
     blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
-        ("precision.compute", cfg.precision.compute, "an FP8 matmul scales its input by the whole "
-         "gathered input's amax, which no piece has; use bf16 or fp32", cfg.precision.compute == "fp8"),
+        ("lora.rank", cfg.lora.rank, "with precision.compute = 'fp8' the pieces travel rounded to "
+         "E4M3, and LoRA's adapter reads the unrounded gathered input: a second all-gather of "
+         "the same rows; LoRA composes with async TP in bf16 / fp32",
+         cfg.precision.compute == "fp8" and cfg.lora.rank > 0 and cfg.lora.quantize == "none"),
         ("lora.quantize", cfg.lora.quantize, "the quantised base is dequantised inside its own "
          "matmul; LoRA on a plain base composes", cfg.lora.quantize != "none")) if on]
     return ([f"parallel.async_tp = true does not compose yet with: {'; '.join(blocking)}. Or set "

@@ -244,21 +244,22 @@ class Fp8Quantiser:
         assert self.recipe != "blockwise", "blockwise tiles are not shared over a group"
         self.amax_reducers.update({role: reduce for role in roles})
 
-    def amax(self, x: torch.Tensor, role: str) -> torch.Tensor:
-        """max |x| of the whole tensor `x` is (a piece of, where the role is shared)."""
+    def amax(self, x: torch.Tensor, role: str, reduce: Callable | None = None) -> torch.Tensor:
+        """max |x| of the whole tensor `x` is (a piece of, where the role is shared, or where
+        `reduce` is given: async TP's sequence pieces, parallel/tensor/async_fp8.py)."""
         current = amax(x, None)
-        reduce = self.amax_reducers.get(role)
+        reduce = reduce or self.amax_reducers.get(role)
         return current if reduce is None else reduce(current)
 
-    def scale(self, x: torch.Tensor, role: str, record: bool) -> torch.Tensor:
+    def scale(self, x: torch.Tensor, role: str, record: bool, reduce: Callable | None = None) -> torch.Tensor:
         """The scale that takes the 2-D `x` into its role's format: a scalar, or one per tile."""
         fmt = FORMAT_OF[role]
         if self.recipe == "blockwise":
             tile = (self.block, self.block) if role == "weight" else (1, self.block)
             return fmt.max / amax(x, tile).clamp_min(EPS)
         if self.recipe == "delayed":
-            return self.delayed[role].scale_for(self.amax(x, role), fmt, record)
-        return fmt.max / self.amax(x, role).clamp_min(EPS)
+            return self.delayed[role].scale_for(self.amax(x, role, reduce), fmt, record)
+        return fmt.max / self.amax(x, role, reduce).clamp_min(EPS)
 
     def cast(self, x: torch.Tensor, role: str, record: bool,
              scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

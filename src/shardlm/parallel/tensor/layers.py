@@ -14,6 +14,7 @@ from shardlm.data.sft import IGNORE
 from shardlm.models.fp8 import Fp8Quantiser, fp8_linear
 from shardlm.models.quant import QuantFormat, quantized_linear, weight_of
 from shardlm.models.placement import even_range
+from shardlm.parallel.tensor.async_fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter
 from shardlm.parallel.tensor.async_tp import all_gather_matmul, matmul_reduce_scatter
 from shardlm.parallel.tensor.regions import (CopyToGroup, TPState, into_parallel_region, out_of_parallel_region,
                                              synced)
@@ -55,15 +56,18 @@ class ColumnParallelLinear(nn.Module):
         return fp8_linear(x, weight, bias, self.fp8)
 
     def overlaps(self) -> bool:
-        """parallel.async_tp on a sequence-sharded forward, on a plain (not FP8, not quantised)
-        base (config.layout_rules refuses FP8 and QLoRA with it); a column-parallel layer also
+        """parallel.async_tp on a sequence-sharded forward, on a base that is not quantised
+        (config.layout_rules refuses QLoRA with it), in FP8 only without LoRA's adapters (which
+        read the unrounded gathered input: refused there too); a column-parallel layer also
         only where it gathers its own input."""
-        plain = self.quant is None and self.fp8 is None
+        plain = self.quant is None and (self.fp8 is None or not hasattr(self, "lora_A"))
         return self.tp.overlapped and plain and getattr(self, "gather_input", True)
 
     def gathered(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the base's output, the whole-sequence input): all-gather then matmul, overlapped
-        (parallel/tensor/async_tp.py) or one after the other."""
+        (parallel/tensor/async_tp.py; in FP8 async_fp8.py) or one after the other."""
+        if self.overlaps() and self.fp8 is not None:
+            return fp8_all_gather_matmul(x, self.weight, self.bias, self.fp8, self.tp.group, self.tp.size)
         if self.overlaps():
             return all_gather_matmul(x, self.weight, self.bias, self.tp.group, self.tp.size)
         if self.gather_input:
@@ -125,6 +129,8 @@ class RowParallelLinear(nn.Module):
     def scattered(self, x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
         """The partial sums x W_localᵀ (+ extra) summed over the group (this rank's sequence chunk
         when sequence-parallel): matmul then reduction, overlapped under parallel.async_tp."""
+        if self.overlaps() and self.fp8 is not None:
+            return fp8_matmul_reduce_scatter(x, self.weight, self.fp8, self.tp.group, self.tp.size)
         if self.overlaps():
             return matmul_reduce_scatter(x, self.weight, extra, self.tp.group, self.tp.size)
         partial = self.base(x, None)
