@@ -54,6 +54,7 @@ from shardlm.parallel.data.fault_tolerant.quorum import ReplicaGroup, ReplicaLos
 from shardlm.train.build import build_run
 from shardlm.train.step import loss_of, train_step
 from shardlm.parallel.data.zero.optim import lr_at, set_lr
+from test_global_loss import CHATS
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 STEPS = 9
@@ -285,14 +286,14 @@ def test_a_killed_replica_drops_out_and_rejoins_from_a_live_peer(tmp_path):
     assert [r["loss"] for r in records] == losses
     _assert_final_weights(tmp_path, run)
 
-    # The bytes: an averaged step all-reduces every gradient and the (loss, stop) pair, fp32,
+    # The bytes: an averaged step all-reduces every gradient and (loss, stop, counted targets), fp32,
     # counted twice (reduce-scatter + all-gather); alone, nothing; the join sends the state.
     numel = sum(p.numel() for p in run.model.parameters())
     by_op = [r["comm_bytes_by_op"] for r in records]
-    assert all(b == {"all_reduce/replicas": 2 * 4 * (numel + 2)} for b in by_op[:2] + by_op[rejoin:])
+    assert all(b == {"all_reduce/replicas": 2 * 4 * (numel + 3)} for b in by_op[:2] + by_op[rejoin:])
     assert all(b == {} for b in by_op[2:rejoin - 1])
     state = 8 * 6 + 3 * 4 * numel + torch.get_rng_state().numel()  # meta, values + moments, RNG
-    assert by_op[rejoin - 1] == {"all_reduce/replicas": 2 * 4 * (numel + 2), "broadcast/replicas": state}
+    assert by_op[rejoin - 1] == {"all_reduce/replicas": 2 * 4 * (numel + 3), "broadcast/replicas": state}
 
 
 @pytest.mark.parametrize("ranks, layout", [
@@ -356,6 +357,10 @@ def test_replicas_checkpoint_and_a_job_lost_whole_resumes_from_it(tmp_path, rank
     _assert_final_weights(tmp_path, run, rtol=0.0, atol=1e-5)
 
 
+CHAT = {"data.format": "chat", "data.max_bytes": 0, "data.val_fraction": 0.1}
+"""Chat rows (tests/test_global_loss.py's CHATS: assistant turns of very different lengths), loss
+on the assistant's tokens only: one objective, the global batch's summed loss over its counted
+targets, whatever replica counted them."""
 EP2_BIAS = {"model.preset": "moe-tiny", "model.balance": "bias", "model.bias_update_rate": 0.05}
 """A MoE model whose routers balance by bias (DeepSeek-V3's): run state beside the weights."""
 
@@ -373,11 +378,14 @@ EP2_BIAS = {"model.preset": "moe-tiny", "model.balance": "bias", "model.bias_upd
 # replicas' all-reduce makes the whole step's; each replica's own moved them apart (the replicas'
 # weights then differ, 3.4e-3 from one process).
 @pytest.mark.parametrize("layout, extra, data_ranks", [
-    ({"parallel.cp": 2, "parallel.zero_stage": 1}, {}, 1),
+    ({"parallel.cp": 2, "parallel.zero_stage": 1}, CHAT, 1),
     ({"parallel.dp_shard": 2, "parallel.ep": 2, "parallel.zero_stage": 1}, EP2_BIAS, 2),
 ], ids=["cp2-replicas", "ep2-replicas"])
 def test_replicas_with_cp_or_ep_inside_equal_one_process(tmp_path, layout, extra, data_ranks):
     extra = {**extra, "train.steps": 3, "train.eps": 1e-4}
+    if extra.get("data.format") == "chat":
+        extra["data.source"] = str(tmp_path / "chat.jsonl")
+        Path(extra["data.source"]).write_text("".join(json.dumps(c) + "\n" for _ in range(12) for c in CHATS))
     code, output = _launch({**_overrides(tmp_path), **extra, **layout}, "", lost=None, ranks=2)
     assert code == 0, output[-3000:]
     records = _records(tmp_path / "runs" / "ft" / "replica-0" / "metrics.jsonl")

@@ -87,17 +87,28 @@ def replica_setup(parallel: ParallelConfig, runtime: Runtime) -> Replica | None:
     return Replica(identity, mesh, runtime.device, runtime.rank, n)
 
 
-def average_step(run: Run, step: int, total: torch.Tensor,
-                 stop: bool) -> tuple[torch.Tensor, bool, bool]:
+def average_step(run: Run, step: int, total: torch.Tensor, stop: bool,
+                 counted: float | None = None) -> tuple[torch.Tensor, bool, bool]:
     """After backward: the step's gradients, its summed loss and the stop flag averaged over
     the live replicas (the loss as an ordinary run's all-reduce sums it), and True; or, when
     the step did not commit (a replica died during the all-reduce), the gradients dropped and
-    False."""
+    False. `counted` (data whose targets may carry no loss: this replica's counted targets, as
+    the loss-token count found them over its own ranks): each replica's loss and gradients are
+    its own targets' mean, so they are weighted by `counted` and divided by its sum over the
+    live replicas — the global batch's summed loss over its counted targets, as one process's."""
     shared = torch.stack([total.detach().to(torch.float32),
-                          torch.tensor(float(stop), device=total.device)])
-    if not run.replicas.average([*run.strategy.grads(), *moe_sums(run), shared], step):
+                          torch.tensor(float(stop), device=total.device),
+                          torch.tensor(1.0 if counted is None else counted, device=total.device)])
+    grads = run.strategy.grads()
+    if counted is not None:
+        torch._foreach_mul_(grads, counted)
+        shared[0] *= counted
+    if not run.replicas.average([*grads, *moe_sums(run), shared], step):
         run.strategy.zero_grad()
         return total, stop, False
+    if counted is not None:  # (the live replicas' count, scaled by R / live as the sums are)
+        torch._foreach_div_(grads, float(shared[2]))
+        shared[0] /= shared[2]
     return shared[0].to(total.dtype), bool(shared[1] > 0), True
 
 
@@ -121,7 +132,9 @@ def add_step_hooks(run: Run) -> None:
     the live replicas (a step that did not commit is taken again); after the loss's
     all-reduce, a joining replica's state."""
     def average(state: StepState) -> bool:
-        state.total, state.stop, committed = average_step(run, state.step, state.total, state.stop)
+        counted = None if state.denominator is None else state.denominator * state.global_micro_batches
+        state.total, state.stop, committed = average_step(run, state.step, state.total, state.stop,
+                                                          counted)
         return committed
 
     def share(state: StepState) -> None:
@@ -166,7 +179,7 @@ def rejoin(run: Run) -> None:
     if run.replicas is None or not run.replicas.joining:
         return
     zeros = [torch.zeros_like(t) for t in [*run.strategy.grads(), *moe_sums(run)]]
-    zeros.append(torch.zeros(2, device=run.runtime.device))
+    zeros.append(torch.zeros(3, device=run.runtime.device))  # (loss, stop, counted targets)
     quorum = run.replicas.join(zeros, run.start_step)
     if quorum is None:
         log.warning("shardlm: replica %d: the run finished before it could rejoin; it stops "
