@@ -179,14 +179,20 @@ def _pure_bf16(cfg: Config) -> list[str]:
             if p.master == "bf16" and p.compute not in ("bf16", "fp8") else [])
 
 
-@_cross("train.local_sgd.every", "parallel.dp_replicate", "parallel.ep", "model.experts")
+@_cross("train.local_sgd.every", "parallel.dp_replicate", "parallel.ep_rebalance_every")
 def _local_sgd_layout(cfg: Config) -> list[str]:
-    """Local SGD / DiLoCo (parallel/data/zero/local_sgd.py) needs replicas, and is checked against one process
-    with ZeRO stages 0-3 and dp_shard ranks per replica, tp, cp and pp inside each replica,
-    optimizer and parameter offload (cpu, nvme) and LoRA (each rank's outer step on its own
-    piece of the masters: tests/test_local_sgd.py). A mixture of experts is refused: its router's
-    load-balancing state is not in the masters, so the outer step would leave each replica its
-    own, and no test holds the experts' all-to-all inside a replica yet."""
+    """Local SGD / DiLoCo (parallel/data/zero/local_sgd.py) needs replicas. It is checked against one
+    process with ZeRO stages 0-3 and dp_shard ranks per replica, tp, cp, pp, a mixture of experts
+    and expert parallelism inside each replica, optimizer and parameter offload (cpu, nvme) and
+    LoRA: each rank's outer step acts on its own piece of the masters (its tp cut, its stage's
+    blocks, its experts' shard), all-reduced with the rank at the same place in every other
+    replica, which holds the same piece (tests/test_local_sgd.py). The router's one state beside
+    its weights, the auxiliary-loss-free balancing bias (model.balance = 'bias'), is moved every
+    step by the loads summed over every rank, replicas included (parallel/expert/dispatch.py
+    finish_moe_step): it is the same on every replica at every step, so the outer step leaves it.
+    Re-placing experts by load (parallel.ep_rebalance_every) is refused: it moves a replica's
+    experts with their masters and moments (parallel/expert/balance.py), not with the outer model
+    and momentum each rank keeps of its shard."""
     every, par = cfg.train.local_sgd.every, cfg.parallel
     if not every:
         return []
@@ -194,13 +200,11 @@ def _local_sgd_layout(cfg: Config) -> list[str]:
         return [f"train.local_sgd.every = {every} synchronises replicas every {every} steps, but "
                 f"parallel.dp_replicate = 1: there is one replica. Set parallel.dp_replicate (the "
                 f"number of replicas, e.g. 2), or train.local_sgd.every = 0"]
-    apart = {k: v for k, v, alone in (("parallel.ep", par.ep, 1), ("model.experts", cfg.model.experts, 0))
-             if v != alone}
-    return ([f"train.local_sgd.every = {every} with a mixture of experts: the router's "
-             f"load-balancing state is each replica's own (not in the masters the outer step "
-             f"averages), and expert parallelism inside a replica is not checked against one "
-             f"process; got {', '.join(f'{k} = {v!r}' for k, v in apart.items())}. Use a dense "
-             f"model, or set train.local_sgd.every = 0"] if apart else [])
+    return ([f"train.local_sgd.every = {every} with parallel.ep_rebalance_every = "
+             f"{par.ep_rebalance_every}: re-placing experts moves their masters and Adam moments "
+             f"between a replica's ranks, but not the outer model and momentum local SGD keeps of "
+             f"each rank's shard. Set parallel.ep_rebalance_every = 0, or train.local_sgd.every = 0"]
+            if par.ep_rebalance_every else [])
 
 
 def refusing_rules(cfg: Config) -> dict[str, list[str]]:

@@ -131,7 +131,8 @@ class ZeroEngine:
         self.tp_comm = Comm(mesh.tp_group, "tp", self.ledger, watchdog)
         self.replicate_comm = Comm(mesh.dp_replicate_group if sharded or apart else None,
                                    "dp_replicate", self.ledger, watchdog)
-        self.expert_comm = Comm(mesh.ep_shard_group if sharded else mesh.ep_dp_group,
+        # The ranks holding the same experts: of this replica (sharded, or local SGD), else of all.
+        self.expert_comm = Comm(mesh.ep_shard_group if sharded or apart else mesh.ep_dp_group,
                                 "ep_shard" if sharded else "ep_dp", self.ledger, watchdog)
         self.ep_comm = Comm(mesh.ep_group, "ep", self.ledger, watchdog)
 

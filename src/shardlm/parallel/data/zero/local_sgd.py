@@ -20,6 +20,14 @@ state stays with its replica across rounds). Plain averaging is local SGD (Stich
 the outer copy of exactly the shard it owns (the engine's master segments), so they add 4Ψ/N
 bytes ('average') or 8Ψ/N ('diloco') per rank, N the replica's shard-group size.
 
+With a mixture of experts and expert parallelism inside each replica, a rank's masters are the
+dense part (its shard) and its own experts' (their shard over the replica's ranks holding the
+same experts); the dp_replicate group pairs the ranks at the same place of every replica, which
+hold the same experts, so each rank's outer step is on its own experts' pseudo-gradient. The
+router's one state outside the masters, the balancing bias (model.balance = 'bias'), needs no
+outer step: every rank moves it every step by the loads summed over every rank, replicas
+included (parallel/expert/dispatch.py finish_moe_step), so it is the same on every replica.
+
 The outer step is written as single-rounding element-wise operations (no fused multiply-add), so
 any slicing of the parameters — one process's whole tensors, a rank's flat shard — gives the same
 bits: what the test against one process checks.
