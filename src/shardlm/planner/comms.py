@@ -114,7 +114,8 @@ def dp_comms(w: Workload, s: Strategy, cluster: Cluster, sp: StageParams, win: W
             add(name, size, stride, volume, [("a block unit, in the optimizer step",
                 unit_collective(cluster, op, per_unit, size, stride), sp.layers, 0.0)])
     if s.local_sgd_every and replicas > 1:
-        _local_sgd_comm(add, s, cluster, u.psi, shard)
+        n = shard if s.zero_stage else 1  # the experts' shard: over the n / ep ranks holding them
+        _local_sgd_comm(add, s, cluster, sp.dense / n + sp.experts / max(1, n // s.layout.ep), n)
         replicas = 1  # no gradient crosses replicas on the other steps
     if s.zero_stage == 0:
         _stage0_comms(add, s, cluster, u, replicas)
@@ -191,15 +192,15 @@ def _add_comm(out: list[CommTime], cluster: Cluster, name: str, size: int, strid
                         sum(t.exposed for t in listed), latency, listed))
 
 
-def _local_sgd_comm(add, s: Strategy, cluster: Cluster, psi: float, shard: int) -> None:
+def _local_sgd_comm(add, s: Strategy, cluster: Cluster, elements: float, n: int) -> None:
     """parallel/data/zero/local_sgd.py: the replicas meet once a round, after its last step, in
-    one all-reduce of the fp32 pseudo-gradient of the rank's shard."""
+    one all-reduce of the fp32 pseudo-gradient of the rank's master shard (`elements`: its dense
+    part over the n shard ranks, its experts' over the n / ep holding the same experts)."""
     lay, replicas = s.layout, s.layout.dp_replicate
-    n = shard if s.zero_stage else 1
     add("all-reduce pseudo-gradient across replicas (local SGD)", replicas, lay.tp * n,
-        local_sgd_comm_bytes(psi, n, s.local_sgd_every),
+        local_sgd_comm_bytes(elements, 1, s.local_sgd_every),
         [(f"one a round of {s.local_sgd_every} steps, after its last: nothing to hide behind",
-          unit_collective(cluster, "all_reduce", 4 * psi / n, replicas, lay.tp * n), 1 / s.local_sgd_every,
+          unit_collective(cluster, "all_reduce", 4 * elements, replicas, lay.tp * n), 1 / s.local_sgd_every,
           0.0)])
 
 

@@ -126,8 +126,8 @@ def _state_items(sp: StageParams, lay: ParallelDims, s: Strategy, cluster: Clust
     if s.optimizer == "muon" and not local:
         items.append(muon_momentum_item(sp, s))
     if s.local_sgd_every:  # parallel/data/zero/local_sgd.py: θ_outer (and the momentum) of the rank's master shard
-        words = 2 if s.local_sgd_outer == "diloco" else 1
-        items.append(Item("local SGD outer model", 4.0 * words * (sp.dense + sp.experts) / n_dense,
+        words = 2 if s.local_sgd_outer == "diloco" else 1  # (the experts' shard: over N / ep ranks)
+        items.append(Item("local SGD outer model", 4.0 * words * (sp.dense / n_dense + sp.experts / n_expert),
                           f"{4 * words} B x Ψ_r{shard(s.zero_stage >= 1)} (fp32 θ_outer"
                           + (" + outer momentum" if words == 2 else "") + ", train.local_sgd)"))
     return items, {**total, "p": p, "g": g, "k": k, "n": n_dense, "opt_tier": opt_tier,
