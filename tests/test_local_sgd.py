@@ -479,13 +479,6 @@ def four_rank_check() -> None:
               f"{all(torch.equal(out[rank]['resumed']['params'][n], p) for n, p in got['params'].items())}")
 
 
-if __name__ == "__main__":
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # conftest, zero_cases
-    four_rank_check()
-
-
 def test_outer_settings_are_refused_not_ignored_with_the_plain_average(tmp_path):
     """outer = 'average' takes no outer lr or momentum: setting either is an error that says so
     (issue 42), while the defaults (not set) and 'diloco' with them pass."""
@@ -495,3 +488,10 @@ def test_outer_settings_are_refused_not_ignored_with_the_plain_average(tmp_path)
             load_config(overrides={**base, key: 0.5})
     load_config(overrides=base)
     load_config(overrides={**base, "train.local_sgd.outer": "diloco", "train.local_sgd.outer_lr": 0.5})
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # conftest, zero_cases
+    four_rank_check()
