@@ -41,19 +41,16 @@ def _async_tp_composes(cfg: Config) -> list[str]:
                 f"with the tensor-parallel matmuls: it needs parallel.tp > 1 (got {par.tp}) and "
                 f"parallel.sequence_parallel = true (got {str(par.sequence_parallel).lower()}); set "
                 f"them, or async_tp = false"]
-    # train.compile: the decomposed linears are custom ops, each one opaque node of the block's graph
+    # train.compile: the decomposed linears are custom ops, each one opaque node of the block's graph;
     # precision.compute = 'fp8': each piece is rounded at the whole tensor's amax, max-reduced
-    # over the group first (parallel/tensor/async_fp8.py)
-    blocking = [f"{key} = {value!r} ({why})" for key, value, why, on in (
-        ("lora.rank", cfg.lora.rank, "with precision.compute = 'fp8' the pieces travel rounded to "
-         "E4M3, and LoRA's adapter reads the unrounded gathered input: a second all-gather of "
-         "the same rows; LoRA composes with async TP in bf16 / fp32",
-         cfg.precision.compute == "fp8" and cfg.lora.rank > 0 and cfg.lora.quantize == "none"),
-        ("lora.quantize", cfg.lora.quantize, "the quantised base is dequantised inside its own "
-         "matmul; LoRA on a plain base composes", cfg.lora.quantize != "none")) if on]
-    return ([f"parallel.async_tp = true does not compose yet with: {'; '.join(blocking)}. Or set "
-             f"parallel.async_tp = false (blocking sequence parallelism composes with all of them)"]
-            if blocking else [])
+    # over the group first (parallel/tensor/async_fp8.py); lora.quantize: the base is dequantised
+    # for the pieces (layers.overlap_weight)
+    if cfg.precision.compute == "fp8" and cfg.lora.rank > 0:
+        return [f"parallel.async_tp = true with precision.compute = 'fp8' and lora.rank = {cfg.lora.rank}: "
+                f"the pieces travel rounded to E4M3, and LoRA's adapter reads the unrounded gathered "
+                f"input, which would be a second all-gather of the same rows. Set parallel.async_tp = "
+                f"false (blocking sequence parallelism composes with both), or train LoRA in bf16 / fp32"]
+    return []
 
 
 @_cross("parallel.pp", "parallel.pp_layers", "parallel.pp_schedule", "parallel.pp_virtual",

@@ -240,7 +240,8 @@ class ParallelConfig:
     into tp pieces whose collectives are in flight while the matmuls of the rows already there
     (or the next piece's partial sums) run (parallel/tensor/async_tp.py; Wang et al. 2023, torchtitan's
     async TP, Megatron-LM's tp_comm_overlap). Same bits and bytes as the blocking version on 2
-    ranks; not with train.compile, precision.compute = 'fp8' or lora.quantize yet."""
+    ranks; with train.compile, FP8 (pieces rounded at the whole tensor's amax: async_fp8.py) and
+    QLoRA (the base dequantised for the pieces); not FP8 with LoRA (refused)."""
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks (2·cp load-balanced chunks),
     attention by passing key/value blocks around a ring (parallel/context/attention.py); activations

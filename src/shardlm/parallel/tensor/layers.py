@@ -56,12 +56,23 @@ class ColumnParallelLinear(nn.Module):
         return fp8_linear(x, weight, bias, self.fp8)
 
     def overlaps(self) -> bool:
-        """parallel.async_tp on a sequence-sharded forward, on a base that is not quantised
-        (config.layout_rules refuses QLoRA with it), in FP8 only without LoRA's adapters (which
-        read the unrounded gathered input: refused there too); a column-parallel layer also
-        only where it gathers its own input."""
-        plain = self.quant is None and (self.fp8 is None or not hasattr(self, "lora_A"))
+        """parallel.async_tp on a sequence-sharded forward; in FP8 only on a plain base without
+        LoRA's adapters (which read the unrounded gathered input: config.layout_rules refuses
+        it); a column-parallel layer also only where it gathers its own input."""
+        plain = self.fp8 is None or (self.quant is None and not hasattr(self, "lora_A"))
         return self.tp.overlapped and plain and getattr(self, "gather_input", True)
+
+    def overlap_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight the overlapped matmuls multiply: the parameter, or QLoRA's frozen base
+        dequantised in the dtype its own matmul uses (models/quant.py QuantizedLinearFn) — a
+        tensor of its own, which the decomposed op keeps for its backward, where the blocking
+        layer keeps the 4-bit codes and dequantises again (docs/architecture.md, "Overlapped")."""
+        if self.quant is None:
+            return self.weight
+        kind = x.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        with torch.no_grad():
+            return weight_of(self.weight_q, self.quant, dtype)
 
     def gathered(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the base's output, the whole-sequence input): all-gather then matmul, overlapped
@@ -69,7 +80,7 @@ class ColumnParallelLinear(nn.Module):
         if self.overlaps() and self.fp8 is not None:
             return fp8_all_gather_matmul(x, self.weight, self.bias, self.fp8, self.tp.group, self.tp.size)
         if self.overlaps():
-            return all_gather_matmul(x, self.weight, self.bias, self.tp.group, self.tp.size)
+            return all_gather_matmul(x, self.overlap_weight(x), self.bias, self.tp.group, self.tp.size)
         if self.gather_input:
             x = into_parallel_region(x, self.tp)
         return self.base(x, self.bias), x
@@ -125,6 +136,7 @@ class RowParallelLinear(nn.Module):
     fp8: Fp8Quantiser | None = None  # precision.compute = 'fp8': the replaced layer's (_with_fp8)
     FP8_PIECES = ("weight", "input")  # cut here (input features); the output's gradient is whole
     base, overlaps = ColumnParallelLinear.base, ColumnParallelLinear.overlaps
+    overlap_weight = ColumnParallelLinear.overlap_weight
 
     def scattered(self, x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
         """The partial sums x W_localᵀ (+ extra) summed over the group (this rank's sequence chunk
@@ -132,7 +144,7 @@ class RowParallelLinear(nn.Module):
         if self.overlaps() and self.fp8 is not None:
             return fp8_matmul_reduce_scatter(x, self.weight, self.fp8, self.tp.group, self.tp.size)
         if self.overlaps():
-            return matmul_reduce_scatter(x, self.weight, extra, self.tp.group, self.tp.size)
+            return matmul_reduce_scatter(x, self.overlap_weight(x), extra, self.tp.group, self.tp.size)
         partial = self.base(x, None)
         return out_of_parallel_region(partial if extra is None else partial + extra, self.tp)
 
