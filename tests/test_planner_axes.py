@@ -305,6 +305,19 @@ def test_config_strategy_and_auto_keep_the_runs_pipeline():
     assert (resolved.parallel.pp, resolved.parallel.pp_schedule, resolved.parallel.pp_layers) == (2, "gpipe", "1,3")
 
 
+def test_auto_with_dualpipev_splits_the_batch_into_what_the_schedule_takes():
+    """parallel.strategy = 'auto' keeps a run's DualPipeV, which needs >= 2·pp micro-batches a
+    step: the search skips the splits it cannot take (it raised "this plan cannot run" on the
+    first of them before, so an auto run with DualPipeV stopped while resolving)."""
+    cfg = load_config(overrides={"model.preset": "llama-tiny", "model.n_layers": "4", "parallel.pp": "2",
+                                 "parallel.pp_virtual": "2", "parallel.pp_schedule": "dualpipev",
+                                 "train.micro_batch": "2", "train.grad_accum": "4", "train.seq_len": "32",
+                                 "precision.compute": "fp32"}).validate()
+    plans = plan_for_run(cfg.model, 2, "2xA100-80GB", (2, 4, cfg.train.seq_len), parallel=cfg.parallel)
+    assert plans and all(p.strategy.pp_schedule == "dualpipev" for p in plans)
+    assert all(p.strategy.grad_accum >= 4 for p in plans if p.strategy.layout.pp == 2)
+
+
 def test_search_tries_context_parallelism_only_where_activations_matter():
     from dataclasses import replace as with_
     from shardlm.planner.candidates import AUTO, rank_layouts as _layouts

@@ -29,7 +29,7 @@ from shardlm.planner.candidates import (AUTO, EVERYTHING, RUNTIME, Supported,  #
 from shardlm.planner.shapes import model_from_hf_config, model_from_params, preset_model
 from shardlm.planner.timing import Timing, estimate_time
 from shardlm.config.dims import ParallelDims
-from shardlm.planner.workload import Dtypes, Strategy, Workload, zero_ranks
+from shardlm.planner.workload import Dtypes, Strategy, Workload, schedule_takes, zero_ranks
 
 
 KEPT = ("tp", "cp", "pp", "ep", "dp_replicate", "sequence_parallel", "zero_stage")
@@ -185,8 +185,9 @@ def search(w: Workload, cluster: Cluster, dtypes: Dtypes, supported: Supported =
                 offloads = offloads[1:]  # sharding over one rank only pays with offload (unless
                 # the stage is the run's own: then it is kept, offloaded or not)
             for micro in divisors(per_rank):
-                if piped.get("pp_virtual", 1) > 1 and (per_rank // micro) % lay.pp:
-                    continue  # the interleaved schedule takes micro-batches in groups of pp
+                if lay.pp > 1 and not schedule_takes(piped.get("pp_schedule", ""), lay.pp,
+                                                     piped.get("pp_virtual", 1), per_rank // micro):
+                    continue  # a split the run's schedule cannot take (DualPipeV: >= 2·pp micro-batches)
                 for (recompute, act), asy in itertools.product(activation_choices(cluster, supported), overlapped):
                     tries = [Strategy(lay, stage, micro, per_rank // micro, recompute, opt, params, dtypes,
                                       sequence_parallel, **piped, async_tp=asy, activation_offload=act,

@@ -215,6 +215,15 @@ def validate(w: Workload, s: Strategy, cluster: Cluster) -> None:
         raise ConfigError("this plan cannot run:\n  - " + "\n  - ".join(errors))
 
 
+def schedule_takes(schedule: str, pp: int, virtual: int, grad_accum: int) -> bool:
+    """Whether a pipeline schedule runs `grad_accum` micro-batches a step: one of several chunks
+    a rank takes them in groups of pp, and DualPipeV at least 2·pp (its two directions' warm-ups;
+    _pipeline_errors words the same for a plan given whole)."""
+    if virtual > 1 and grad_accum % pp:
+        return False
+    return not (schedule == "dualpipev" and grad_accum < 2 * pp)
+
+
 def _pipeline_errors(w: Workload, s: Strategy) -> list[str]:
     """The pipeline keys' mistakes (as config/schema.py's validation words them for a run)."""
     lay, n = s.layout, w.model.n_layers
