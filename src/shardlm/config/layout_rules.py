@@ -428,8 +428,9 @@ def _fault_tolerant_layout(cfg: Config) -> list[str]:
     """parallel.fault_tolerant (parallel/data/fault_tolerant/quorum.py): each replica is a world
     of its own — one process, or dp_shard x cp ranks that ZeRO shards over (stages 1-3: rank i's
     gradient shard averaged with every live replica's rank i, torchft's fault-tolerant HSDP),
-    tensor parallelism inside it too, and expert parallelism (rank i of every replica holds the
-    same experts: a replica's ranks are numbered as the hybrid run's, replica outermost);
+    tensor, expert and pipeline parallelism inside it too (rank i of a replica is the hybrid
+    run's rank at its stage, replica and place, so rank i of every replica holds the same stage,
+    shards and experts: train/fault_tolerance.py replica_setup);
     what cannot be built that way is refused here, by name, with why it cannot be."""
     par = cfg.parallel
     if not par.fault_tolerant:
@@ -438,8 +439,6 @@ def _fault_tolerant_layout(cfg: Config) -> list[str]:
         return [f"parallel.fault_tolerant = true needs parallel.dp_replicate >= 2 (replicas that "
                 f"can drop out and rejoin), got {par.dp_replicate}"]
     apart = [f"{k} = {v!r} ({why})" for k, v, why, on in (
-        ("parallel.pp", par.pp, "the hybrid run numbers pipeline stages outermost: a replica's "
-         "ranks are no block of consecutive ranks that a world of its own could be", par.pp > 1),
         ("parallel.zero_stage", par.zero_stage, f"{STAGE0_REPLICA_RANKS}: use stage 1",
          par.zero_stage == 0 and (par.dp_shard not in (1, -1) or par.cp > 1)),
         ("parallel.strategy", par.strategy, "each replica would plan alone, for a world it does "
@@ -456,5 +455,5 @@ def _fault_tolerant_layout(cfg: Config) -> list[str]:
          "replica lost mid-round takes its inner steps with it", cfg.train.local_sgd.every > 0),
     ) if on]
     return ([f"parallel.fault_tolerant = true runs each replica as a world of its own (one "
-             f"process, or dp_shard x cp x tp ranks) and does not compose with: "
+             f"process, or pp x dp_shard x cp x tp ranks) and does not compose with: "
              f"{'; '.join(apart)}"] if apart else [])

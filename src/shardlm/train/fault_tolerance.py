@@ -53,10 +53,12 @@ class Replica:
         return decide(cfg, self.mesh.dims.world_size, self.device, checkpoint).validate()
 
     def eval_share(self) -> dict:
-        """The validation loader's data-parallel position: the replica's own ranks deal the
-        whole validation set among themselves (its sums never leave the replica), so every
-        replica evaluates the windows one run would."""
-        return {"dp_rank": self.rank, "dp_size": self.ranks}
+        """The validation loader's data-parallel position: the replica's own data-parallel ranks
+        (dp_shard of them; its tp, cp and pp ranks read the same windows) deal the whole
+        validation set among themselves (its sums never leave the replica), so every replica
+        evaluates the windows one run would."""
+        shards = self.mesh.dims.dp_shard
+        return {"dp_rank": self.mesh.dp_rank % shards, "dp_size": shards}
 
     def open(self, par: ParallelConfig, ledger: CommLedger) -> ReplicaGroup:
         """The quorum's store and group, its bytes in the run's `ledger`."""
@@ -80,10 +82,12 @@ def replica_setup(parallel: ParallelConfig, runtime: Runtime) -> Replica | None:
     n = runtime.world_size
     dims = resolve_dims(parallel, identity.replicas * n)
     # The replica's own groups (a world of n ranks, dp_replicate 1), seen as its place in the
-    # whole: rank i of replica r is rank r·n + i of the hybrid run it is one replica of.
+    # whole: rank i of replica r, at stage q = i // (n / pp) and place j = i % (n / pp) in it, is
+    # the hybrid run's rank at stage q, replica r, place j (pipeline stages outermost there).
     inside = build_mesh(dataclasses.replace(dims, dp_replicate=1), runtime.device, runtime.rank)
-    mesh = dataclasses.replace(inside, dims=dims, rank=identity.replica * n + runtime.rank,
-                               dp_replicate_group=None)
+    per = n // dims.pp
+    whole = (runtime.rank // per * identity.replicas + identity.replica) * per + runtime.rank % per
+    mesh = dataclasses.replace(inside, dims=dims, rank=whole, dp_replicate_group=None)
     return Replica(identity, mesh, runtime.device, runtime.rank, n)
 
 
