@@ -2,12 +2,12 @@
 replicas, the state a joining replica receives (parallel/data/fault_tolerant/quorum.py is the quorum and its group;
 parallel/data/fault_tolerant/launcher.py the launcher).
 
-A replica is a world of N ranks (N = 1: one process) whose mesh says dp_replicate = R,
-dp_shard = N and its replica id — so rank i of replica r reads its own share of every global
-batch and divides its loss by the global number of micro-batches, as rank r·N + i of an ordinary
-hybrid (dp_replicate = R × dp_shard = N) run does — with process groups over its own ranks only
-(ZeRO shards over them): its gradient shard reaches the other replicas' rank i only through the
-quorum's group of local rank i.
+A replica is a world of N = pp × dp_shard × cp × tp ranks (N = 1: one process) whose mesh says
+dp_replicate = R and its place in the whole — so rank i of replica r reads its own share of every
+global batch and divides its loss by the global number of micro-batches, as the rank at its
+stage, replica and place of an ordinary hybrid run does (replica_setup) — with process groups
+over its own ranks only (ZeRO shards over them): its gradient shard reaches the other replicas'
+rank i (the same stage, shard and experts) only through the quorum's group of local rank i.
 """
 
 from __future__ import annotations

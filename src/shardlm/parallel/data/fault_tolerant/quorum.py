@@ -14,12 +14,14 @@ meet in a store the launcher hosts (parallel/data/fault_tolerant/launcher.py). E
    after the close) cannot rejoin silently: it raises `ReplicaLost` (its process exits, the
    launcher starts it again, and it rejoins).
 3. The quorum's group is `ProcessGroupGloo(PrefixStore('round/<n>/group/<i>', store), index, size)`
-   for local rank i (a replica of several ranks: rank i's shard meets the other replicas' rank i)
+   for local rank i (a replica of several ranks: rank i's shard meets the other replicas' rank i,
+   which holds the same stage, shard and experts: train/fault_tolerance.py replica_setup)
    — no default group, nothing shared with the dead — reused while the members stay the same.
 4. The gradients are all-reduced over it (summed: each replica's loss was divided by the
    global number of micro-batches, dp_replicate × grad_accum) and multiplied by dp_replicate /
    live, the mean over the replicas whose gradients were in it (a joining replica adds
-   zeros). If the all-reduce fails (a peer died during it), the step is not committed — no
+   zeros; on data whose targets may carry no loss, each replica's share is weighted by its
+   counted targets: train/fault_tolerance.py average_step). If the all-reduce fails (a peer died during it), the step is not committed — no
    optimizer step — and the replicas take it again in a new round (torchft's should_commit).
    A replica of several ranks commits as one: its ranks agree on the outcome (`_agreed`).
 5. With a joining member, after the optimizer step the first live member broadcasts its whole
