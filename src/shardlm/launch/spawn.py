@@ -42,9 +42,13 @@ def _to_torch(x: Any) -> Any:
     return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
 
 
-PRELOAD = ("torch", "torch.distributed", "numpy", "shardlm.launch.spawn", "shardlm.train.build",
-           "shardlm.train.loop")
-"""What the fork server imports before forking ranks: torch and the trainer (the costly part)."""
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "shardlm.launch.spawn",
+           "shardlm.train.build", "shardlm.train.loop")
+"""What the fork server imports before forking ranks: torch and the trainer (the costly part).
+torch._dynamo too: torch imports it at the first call of a function it keeps from compilation
+(an optimizer's add_param_group, an init under a device context), so every rank that builds an
+optimizer paid ~3 s of CPU for it (10 two-rank launches of a Linear + AdamW: 31 -> 10.6 s of
+CPU, the process tree; the fork server pays it once, ~3.8 s). It starts no thread."""
 
 
 class _CallerFd:
