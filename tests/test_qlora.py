@@ -9,9 +9,7 @@ grad norm may differ in the last bit). Everything else is exact (torch.equal) or
 
 from __future__ import annotations
 
-import functools
 import os
-from unittest import mock
 
 import bitsandbytes.functional as bnb  # the `test` extra installs it: the reference formats
 import pytest
@@ -145,7 +143,7 @@ def test_fused_weights_are_quantised_per_checkpoint_tensor(tmp_path):
     plain = {n for n, _ in model.named_parameters() if not n.endswith("_q")}
     assert plain >= {"tok_emb.weight", "head.weight", "norm_f.weight"}
     cut = build_model(cfg.model, "meta", seed=0)  # tp > 1: the row-parallel linears by columns
-    quantize_base(cut, "nf4", names, tp=2)
+    quantize_base(cut, "nf4", names, columns=True)
     assert {n for n in names if cut.get_submodule(n).quant.transposed} == {
         n for n in names if n.endswith(tuple("." + p for p in ROW_PARALLEL))}
 
@@ -279,6 +277,8 @@ def test_bad_settings_are_refused(tmp_path):
         load_config(overrides={**_base(tmp_path), "lora.quantize": "nf3"}).validate()
     with pytest.raises(ConfigError, match="lora.rank"):
         load_config(overrides={**_base(tmp_path), "lora.rank": 0}).validate()
+    with pytest.raises(ConfigError, match="lora.quantize_layout = 'rows'.*across each row's blocks"):
+        load_config(overrides={**_base(tmp_path), "lora.quantize_layout": "rows", "parallel.tp": 2}).validate()
     load_config(overrides={**_base(tmp_path), "model.experts": 4}).validate()  # experts quantised
 
 
@@ -307,12 +307,9 @@ def two_rank_runs(tmp_path_factory):
     out, resumed = zip(*run_ranks(several, 2, tmp, [(qlora_cases, (cases,)), (straight_and_resumed, (resume,))]))
     saved = os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # one rank's thread count (zero_cases.reference_case)
-    import shardlm.parallel.build as build
-
-    as_tp2 = functools.partial(quantize_base, tp=2)  # the reference stores ROW_PARALLEL's columns, as tp = 2
-    try:  # tp: no data parallelism, the same batch in one process
-        with mock.patch.object(build, "quantize_base", lambda *a, **k: as_tp2(*a[:4], **k)):
-            one = {"dense": layout_case({**_base(tmp), **LAYOUT_EPS, "run.name": "one"}, LAYOUT_STEPS)}
+    try:  # tp: no data parallelism, the same batch in one process, ROW_PARALLEL stored by columns as tp = 2
+        one = {"dense": layout_case({**_base(tmp), **LAYOUT_EPS, "run.name": "one", "lora.quantize_layout": "columns"},
+                                    LAYOUT_STEPS)}
     finally:
         os.environ.pop("LOCAL_WORLD_SIZE") if saved is None else os.environ.update(LOCAL_WORLD_SIZE=saved)
     one["moe"] = reference_case({**_base(tmp), **MOE, **LAYOUT_EPS, "run.name": "one-moe"}, 2, LAYOUT_STEPS)

@@ -156,10 +156,11 @@ def load_for_inference(path: str | Path, device: torch.device):
     quantized = cfg.lora.quantize != "none"
     if quantized:  # QLoRA: the base's packed bytes load as saved, then become plain weights
         from shardlm.models.lora import DEFAULT_TARGETS
-        from shardlm.models.quant import quantizable, quantize_base
+        from shardlm.models.quant import by_columns, quantizable, quantize_base
 
         dense = DEFAULT_TARGETS[cfg.model.mlp].split(",")
-        quantize_base(model, cfg.lora.quantize, quantizable(model, dense), tp=cfg.parallel.tp)
+        quantize_base(model, cfg.lora.quantize, quantizable(model, dense),
+                      columns=by_columns(cfg.lora.quantize_layout, cfg.parallel.tp))
     state = take_bias_tensors(getattr(model, "moe_stats", None), _read_weights(run_dir, str(device)))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()

@@ -161,6 +161,7 @@ _CHOICES = {
     "zero.offload_optimizer": OFFLOAD_TIERS,
     "zero.offload_params": OFFLOAD_TIERS,
     "lora.quantize": ("none", "nf4", "int8"),
+    "lora.quantize_layout": ("auto", "rows", "columns"),
     "train.local_sgd.outer": LOCAL_SGD_OUTER,
 }
 

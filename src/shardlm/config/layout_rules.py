@@ -242,7 +242,7 @@ def _lora_layout(cfg: Config) -> list[str]:
              f"with: {'; '.join(blocking)}"] if blocking else [])
 
 
-@_cross("lora.quantize", "lora.rank", "model.hf_config")
+@_cross("lora.quantize", "lora.rank", "model.hf_config", "lora.quantize_layout", "parallel.tp")
 def _qlora_composes(cfg: Config) -> list[str]:
     """lora.quantize stores our decoder's frozen block linears as packed bytes (models/quant.py)."""
     q = cfg.lora.quantize
@@ -253,6 +253,9 @@ def _qlora_composes(cfg: Config) -> list[str]:
          "trains; set lora.rank > 0", cfg.lora.rank == 0),
         ("model.hf_config", cfg.model.hf_config, "a transformers model's layers are not ours to "
          "quantise; use model.hf_path or model.preset", bool(cfg.model.hf_config)),
+        ("lora.quantize_layout", cfg.lora.quantize_layout, f"parallel.tp = {cfg.parallel.tp} cuts the "
+         "row-parallel linears' input, across each row's blocks; use 'columns' or 'auto'",
+         cfg.lora.quantize_layout == "rows" and cfg.parallel.tp > 1),
     ) if on]
     return ([f"lora.quantize = {q!r} does not compose with: {'; '.join(blocking)}"]
             if blocking else [])

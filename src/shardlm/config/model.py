@@ -199,3 +199,10 @@ class LoRAConfig:
     quantisation: ~0.52 B/param), 'int8' (per-row absmax, LLM.int8's weights: ~1 B/param),
     'none'. Needs lora.rank > 0. MoE experts are quantised too; cut by tp (tp <= n_kv_heads)
     and ep as the float weights are."""
+    quantize_layout: str = "auto"
+    """How the row-parallel linears (attn.proj, mlp.proj, mlp.down) are packed: 'rows' (blocks
+    along each output row: bitsandbytes' layout, bit for bit its dequantised weight), 'columns'
+    (blocks down each input column, so tensor parallelism's cut of the input falls between
+    stored rows), 'auto' = 'columns' with parallel.tp > 1, else 'rows'. The two are different
+    roundings of the same weight: 'columns' at tp = 1 gives one process the bits a tp run's
+    pieces dequantise to (bench/compose.py's reference for a tp pair)."""

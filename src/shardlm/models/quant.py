@@ -141,15 +141,20 @@ def quantize_experts(experts: nn.Module, kind: str) -> dict[str, QuantFormat]:
     return formats
 
 
+def by_columns(layout: str, tp: int) -> bool:
+    """lora.quantize_layout: whether the ROW_PARALLEL linears are stored by columns."""
+    return layout == "columns" or (layout == "auto" and tp > 1)
+
+
 def quantize_base(model: nn.Module, kind: str, names: list[str], initializer: Initializer | None = None,
-                  tp: int = 1) -> tuple[QuantState, Initializer | None]:
+                  columns: bool = False) -> tuple[QuantState, Initializer | None]:
     """Store the weight of each linear layer in `names` (a LoRALinear or a frozen nn.Linear) as
     `<layer>.weight_q` bytes in format `kind`, and each MoE experts module in `names` (one with
     `stacked_weights`) as `<experts>.<attr>_q` (quantize_experts). On the meta device the bytes
     are made later, by the returned initializer, from `initializer`'s values of the float weight
     (one weight at a time: the sharded build); a materialised model's weights are quantised now.
-    `tp`: the run's tensor parallelism (> 1: ROW_PARALLEL linears stored by columns). Stored as
-    `model.quant`."""
+    `columns`: ROW_PARALLEL linears stored by columns (by_columns: lora.quantize_layout, which
+    tensor parallelism needs). Stored as `model.quant`."""
     if kind not in QUANTIZE_KINDS[1:]:
         raise ValueError(f"quantize kind {kind!r}: expected one of {', '.join(QUANTIZE_KINDS[1:])}")
     formats: dict[str, QuantFormat] = {}
@@ -165,7 +170,7 @@ def quantize_base(model: nn.Module, kind: str, names: list[str], initializer: In
             continue
         weight = module.weight
         fmt = QuantFormat(kind, (module.out_features, module.in_features),
-                          tp > 1 and any(name == p or name.endswith("." + p) for p in ROW_PARALLEL))
+                          columns and any(name == p or name.endswith("." + p) for p in ROW_PARALLEL))
         cuts = segments(model, name, fmt)
         if type(module) is nn.Linear:
             quantized = QuantizedLinear(module, fmt)

@@ -58,7 +58,7 @@ from shardlm.checkpoint.hf_dir import module_initializer
 from shardlm.checkpoint.hf_names import hf_initializer
 from shardlm.models.init import Initializer, initializer_for
 from shardlm.models.lora import DEFAULT_TARGETS, apply_lora, with_adapters
-from shardlm.models.quant import quantizable, quantize_base
+from shardlm.models.quant import by_columns, quantizable, quantize_base
 from shardlm.models.fp8 import Fp8State, apply_fp8
 from shardlm.models.moe import MoEStats
 from shardlm.errors import ConfigError
@@ -337,7 +337,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
     if cfg.lora.quantize != "none":  # QLoRA: the frozen linears' bytes, made from those values
         dense = DEFAULT_TARGETS[cfg.model.mlp].split(",")
         _, initializer = quantize_base(model, cfg.lora.quantize, quantizable(model, dense), initializer,
-                                       cfg.parallel.tp)
+                                       by_columns(cfg.lora.quantize_layout, cfg.parallel.tp))
     # The same Parameter objects under the same names: every later step sees a plain model.
     fp8 = apply_fp8(model, cfg.precision, device) if cfg.precision.compute == "fp8" else None
     if mesh.dims.ep > 1 and mesh.dims.tp > 1 and not isinstance(model, Decoder):
