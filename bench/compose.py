@@ -1,4 +1,4 @@
-"""The composition matrix: every pair of 23 everyday features, validated (no processes) and,
+"""The composition matrix: every pair of 24 everyday features, validated (no processes) and,
 with --run, trained for a few steps on a tiny model against one process.
 
 A pair is the base config plus both FEATURES rows' keys (`parallel.zero_stage` the larger).
@@ -71,6 +71,13 @@ class Feature:
     soft: tuple[str, ...] = ()
     """Keys whose value yields to the other feature's (chat SFT's document_mask = 'off', so the
     two features are separate, becomes 'on' with doc_mask)."""
+    elsewhere: str = ""
+    """Where its pairs are checked when they cannot be here: replicas that train apart (local
+    SGD: its reference is a simulation, not one process) or that are worlds of their own under a
+    launcher (fault tolerance) do not run in one spawned world."""
+    checked_with: tuple[str, ...] = ()
+    """The features `elsewhere`'s tests pair it with: --run reports those pairs as checked there,
+    the others as accepted and not run."""
 
 
 FEATURES = [
@@ -102,6 +109,7 @@ FEATURES = [
     Feature("doc_mask", {"data.document_mask": "on"}),
     Feature("auto", {"parallel.strategy": "auto"}),
     Feature("async_ckpt", {"checkpoint.async": True}, needs_dp=True),
+    Feature("periodic_ckpt", {"checkpoint.every": 2}),
 ]
 FRONTIER = [
     Feature("fp8_ag", {"parallel.zero_stage": 3, "precision.compute": "fp8", "precision.fp8_emulate": True,
@@ -112,13 +120,23 @@ FRONTIER = [
     Feature("dualpipev", {"parallel.pp": 2, "parallel.pp_virtual": 2, "parallel.pp_schedule": "dualpipev",
                           "train.grad_accum": 4, "model.n_layers": 4}),
     Feature("muon", {"train.optimizer": "muon"}),
+    Feature("ulysses", {"parallel.cp": 2, "parallel.cp_mode": "ulysses"}),
+    Feature("local_sgd", {"parallel.dp_replicate": 2, "train.local_sgd.every": 2},
+            elsewhere="tests/test_local_sgd.py (against the simulation of its replicas)",
+            checked_with=("zero3", "tp", "cp", "pp", "moe", "ep", "lora", "offload_cpu", "offload_nvme")),
+    Feature("ft", {"parallel.dp_replicate": 2, "parallel.fault_tolerant": True, "parallel.zero_stage": 1},
+            elsewhere="tests/test_fault_tolerant.py (replica worlds under the launcher)",
+            checked_with=("zero3", "hybrid", "tp", "cp", "pp", "moe", "ep", "muon", "lora", "chat_sft",
+                          "periodic_ckpt")),
 ]
 """Issue 42's newer features, outside the everyday matrix: --pairs names them, --frontier
 validates each against every feature (FEATURES and these)."""
+ELSEWHERE = "elsewhere"
+"""--run's outcome for an accepted pair with a feature checked `elsewhere` (its test's name)."""
 BY_NAME = {f.name: f for f in FEATURES + FRONTIER}
 LIFTED = ("fp8_ag+tp", "fp8_ag+tp_sp", "fp8_ag+lora", "fp8_ag+compile", "async_tp+compile",
           "tp+muon", "tp_sp+muon", "pp+muon", "ep+muon", "cp+muon", "hybrid+muon", "offload_cpu+muon",
-          "async_tp+muon", "zbv+muon")
+          "async_tp+muon", "zbv+muon", "lora+muon", "qlora+muon")
 """Pairs issue 42 accepted (refused before), each run against one process here."""
 
 BASE = {"model.preset": "llama-tiny", "precision.compute": "fp32", "run.device": "cpu",
@@ -126,7 +144,8 @@ BASE = {"model.preset": "llama-tiny", "precision.compute": "fp32", "run.device":
         "train.warmup_steps": 1, "train.eval_every": 0, "train.eval_batches": 1,
         "train.sample_tokens": 0, "data.max_bytes": 300_000, "run.progress": "off",
         "checkpoint.resume": "never"}
-EXECUTION = ("parallel.", "activation.", "zero.", "train.compile", "checkpoint.async", "precision.fp8_all_gather")
+EXECUTION = ("parallel.", "activation.", "zero.", "train.compile", "checkpoint.async", "checkpoint.every",
+             "precision.fp8_all_gather")
 """Keys that choose how a model trains, not what it computes: the reference leaves them out."""
 LARGEST = ("parallel.zero_stage",)
 """Keys two features may both set: the pair takes the larger value."""
@@ -182,6 +201,23 @@ def model_axes(overrides: dict[str, Any]) -> int:
     return math.prod(int(overrides.get(f"parallel.{axis}", 1)) for axis in ("tp", "cp", "pp"))
 
 
+def checked_elsewhere(features: tuple[Feature, ...]) -> str:
+    """Why --run does not train these features here ('' where it does): the test that checks
+    them (Feature.elsewhere, where its checked_with holds the others), else 'not run'."""
+    for f in features:
+        if f.elsewhere:
+            others = [g.name for g in features if g is not f]
+            if all(o in f.checked_with for o in others):
+                return f.elsewhere
+            return f"not run: {f.name} runs under its launcher or against a simulation, no test pairs it with {'+'.join(others)}"
+    return ""
+
+
+def _elsewhere(features: tuple[Feature, ...]) -> tuple[str, str]:
+    why = checked_elsewhere(features)
+    return ("accepted", why) if why.startswith("not run") else (ELSEWHERE, why)
+
+
 def validation(a: Feature, b: Feature) -> tuple[str, str]:
     """('accepted', ''), ('refused', the rules' names) or ('exclusive', why)."""
     try:
@@ -208,6 +244,8 @@ def reference_overrides(overrides: dict[str, Any], world: int) -> dict[str, Any]
     ref = {k: v for k, v in overrides.items() if not k.startswith(EXECUTION)}
     ref["train.grad_accum"] = int(overrides["train.grad_accum"]) * (world // model_axes(overrides))
     ref["parallel.dp_shard"] = 1
+    if int(overrides.get("parallel.tp", 1)) > 1 and overrides.get("lora.quantize", "none") != "none":
+        ref["lora.quantize_layout"] = "columns"  # the tp run's packing: the same rounding of the base
     return ref
 
 
@@ -217,7 +255,9 @@ def precision_of(overrides: dict[str, Any]) -> str:
 
 def train_steps(rank: int, world_size: int, overrides: dict, steps: int, save_after: int) -> dict:
     """A rank's run (or the one-process reference): every step's loss, gradient norm and
-    whether it stepped; with checkpoint.async an asynchronous save after `save_after` steps."""
+    whether it stepped; with checkpoint.async an asynchronous save after `save_after` steps, with
+    checkpoint.every a save every that many steps (as the loop saves), the one after `save_after`
+    steps read back."""
     import torch
 
     from shardlm.train.checkpointing import save_checkpoint
@@ -232,9 +272,11 @@ def train_steps(rank: int, world_size: int, overrides: dict, steps: int, save_af
         out["losses"].append(float(result.loss))
         out["norms"].append(float(result.grad_norm))
         out["stepped"].append(bool(result.stepped))
-        if run.cfg.checkpoint.async_ and step + 1 == save_after:
-            saved = [dataclasses.replace(s, tensor=s.tensor.clone()) for s in run.strategy.state_slices()]
-            save_checkpoint(run, step + 1)  # written in the background while the next steps run
+        every = run.cfg.checkpoint.every or (save_after if run.cfg.checkpoint.async_ else 0)
+        if every and (step + 1) % every == 0:
+            if step + 1 == save_after:
+                saved = [dataclasses.replace(s, tensor=s.tensor.clone()) for s in run.strategy.state_slices()]
+            save_checkpoint(run, step + 1)  # async: written in the background while the next steps run
     run.checkpoints.wait()
     if saved:  # the checkpoint holds the state of its step, not of the steps run while it wrote
         from shardlm.checkpoint.sharded import step_dir_name
@@ -312,8 +354,14 @@ def verdict(pair: PairRun, ranks: list[dict], reference: dict) -> tuple[str, str
 
 
 def run_pair(a: Feature, b: Feature, root: Path, references: dict) -> tuple[str, str]:
-    """('matched' | 'mismatch' | 'failed', detail) for one accepted pair, in processes of its own."""
-    pair = prepare((a, b), root)
+    """('matched' | 'mismatch' | 'failed', detail) for one accepted pair, in processes of its own
+    (or (ELSEWHERE, the test) for a pair it cannot run)."""
+    if checked_elsewhere((a, b)):
+        return _elsewhere((a, b))
+    try:
+        pair = prepare((a, b), root)
+    except Exception as e:
+        return "failed", _last_line(e)
     if pair.world > MAX_RANKS:
         return "failed", f"needs {pair.world} ranks (> {MAX_RANKS})"
     try:
@@ -346,7 +394,14 @@ def run_batch(chosen: list[tuple[Feature, Feature]], root: Path, references: dic
     """Every pair of `chosen`, pairs of one world size together in one spawn (chunks of
     BATCH); `report(a, b, outcome)` for each. A pair that failed in a batch, and those after
     it, run again alone (run_pair): a failure is recorded only from a pair's own processes."""
-    pairs = {pair_name(a, b): (a, b, prepare((a, b), root)) for a, b in chosen}
+    for a, b in [(a, b) for a, b in chosen if checked_elsewhere((a, b))]:
+        report(a, b, _elsewhere((a, b)))
+    pairs = {}
+    for a, b in [(a, b) for a, b in chosen if not checked_elsewhere((a, b))]:
+        try:
+            pairs[pair_name(a, b)] = (a, b, prepare((a, b), root))
+        except Exception as e:  # e.g. `auto` cannot plan the layout: recorded, the others go on
+            report(a, b, ("failed", _last_line(e)))
     by_world: dict[int, list[PairRun]] = {}
     for a, b, pair in pairs.values():
         if pair.world > MAX_RANKS:
@@ -418,9 +473,10 @@ def choose(names: str, rotate: int, seed: int, frontier: bool = False) -> list[t
 
 def markdown(results: dict[tuple[str, str], tuple[str, str]], ran: bool) -> str:
     """The upper triangle: A = accepted (and, with --run, M = matched one process, X = mismatch,
-    F = failed at run time), R<n> = refused by the n-th rule listed below the table."""
+    F = failed at run time, T = checked by a test of its own: Feature.elsewhere), R<n> = refused
+    by the n-th rule listed below the table."""
     rules = sorted({d for s, d in results.values() if s == "refused"})
-    code = {"accepted": "A", "matched": "M", "mismatch": "X", "failed": "F", "exclusive": "—"}
+    code = {"accepted": "A", "matched": "M", "mismatch": "X", "failed": "F", "exclusive": "—", ELSEWHERE: "T"}
     named = {n for pair in results for n in pair}
     features = [f for f in FEATURES + FRONTIER if f in FEATURES or f.name in named]
 
@@ -430,7 +486,7 @@ def markdown(results: dict[tuple[str, str], tuple[str, str]], ran: bool) -> str:
 
     rows = [[a.name, *(cell(a, b) if j > i else "" for j, b in enumerate(features))] for i, a in enumerate(features)]
     counts = {s: sum(1 for v in results.values() if v[0] == s)
-              for s in ("accepted", "matched", "mismatch", "failed", "refused", "exclusive")}
+              for s in ("accepted", "matched", ELSEWHERE, "mismatch", "failed", "refused", "exclusive")}
     lines = [table(["", *(f.name for f in features)], rows), "",
              "Refusing rules: " + "; ".join(f"R{i + 1} {r}" for i, r in enumerate(rules)), "",
              f"{len(results)} pairs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)]
@@ -445,7 +501,8 @@ def main() -> None:
     parser.add_argument("--rotate", type=int, default=0, help="a fixed random subset of this many pairs")
     parser.add_argument("--seed", type=int, default=0, help="which subset --rotate picks")
     parser.add_argument("--frontier", action="store_true",
-                        help="the pairs with a FRONTIER feature (fp8_ag, async_tp, zbv, dualpipev, muon) instead")
+                        help="the pairs with a FRONTIER feature (fp8_ag, async_tp, zbv, dualpipev, muon, "
+                             "ulysses, local_sgd, ft) instead")
     parser.add_argument("--json", default="", help="also write the results to this file")
     parser.add_argument("--batch", action="store_true", help=f"run the pairs of one world size together, "
                         f"{BATCH} per spawn (faster; a pair that fails there runs again alone)")
@@ -463,7 +520,7 @@ def main() -> None:
     for path in filter(None, args.results.split(",")):
         for name, (status, detail) in json.loads(Path(path).read_text()).items():
             pair = tuple(name.split("+"))
-            if pair in accepted and status in ("matched", "mismatch", "failed"):
+            if pair in accepted and status in ("matched", "mismatch", "failed", ELSEWHERE):
                 results[pair] = (status, detail)
     if args.run:
         root = Path(tempfile.mkdtemp(prefix="shardlm-compose-"))

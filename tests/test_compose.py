@@ -1,4 +1,4 @@
-"""The composition matrix (bench/compose.py): every pair of its 23 features validated — each
+"""The composition matrix (bench/compose.py): every pair of its 24 features validated — each
 refusal must be one docs/architecture.md lists, with its rule, under "Composition matrix" — and
 a fixed subset trained on gloo ranks against one process (the bench's reference and tolerances:
 fp32, every step's loss and gradient norm within 1e-4 relative)."""
@@ -43,7 +43,7 @@ def test_every_pair_is_accepted_or_refused_as_documented():
         if rules:
             assert len(rules) == 1, (a.name, b.name, rules)  # one reason per pair: the table's
             refused[compose.pair_name(a, b)] = next(iter(rules))
-    assert len(compose.FEATURES) == 23 and len(compose.pairs()) == 253
+    assert len(compose.FEATURES) == 24 and len(compose.pairs()) == 276
     assert exclusive == EXCLUSIVE
     documented = _documented_refusals()
     assert refused == documented, (  # a new refusal, or one removed, updates the docs' table
@@ -68,8 +68,8 @@ def test_frontier_pairs_are_accepted_or_refused_as_documented():
         if rules:
             assert len(rules) == 1, (a.name, b.name, rules)
             refused[frozenset((a.name, b.name))] = next(iter(rules))
-    assert refused == documented and len(refused) == 8
-    assert len(compose.pairs(frontier=True)) == 23 * 5 + 10
+    assert refused == documented and len(refused) == 5
+    assert len(compose.pairs(frontier=True)) == 24 * 8 + 28
     for name in compose.LIFTED:
         assert compose.validate_pair(*(compose.BY_NAME[n] for n in name.split("+"))) == {}, name
 
@@ -113,11 +113,12 @@ def test_nvme_snapshot_keeps_the_state_of_its_save(tmp_path):
     tier.close()
 
 
-SUBSET = ["offload_nvme+async_ckpt", "cp+chat_sft", "param_offload+lora", "tp+fp8"]
+SUBSET = ["offload_nvme+async_ckpt", "cp+chat_sft", "param_offload+lora", "tp+fp8", "zero3+periodic_ckpt"]
 """Four refusals this matrix removed: NVMe optimizer offload with an asynchronous save (read
 back: exactly step 2's state), the loss-masked SFT loss under cp, LoRA's frozen base through
-the nvme parameter store, fp8's tensor-parallel linears (emulated: 5e-2). All on 2 ranks: one
-spawn for the references, one for the pairs."""
+the nvme parameter store, fp8's tensor-parallel linears (emulated: 5e-2); and a periodic save
+(checkpoint.every = 2) of ZeRO-3 shards read back as step 2's state. All on 2 ranks: one spawn
+for the references, one for the pairs."""
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +135,11 @@ def subset_outcomes(tmp_path_factory):
 def test_pair_matches_one_process(subset_outcomes, pair):
     status, detail = subset_outcomes[pair]
     assert status == "matched", detail
+
+
+def test_a_pair_checked_elsewhere_is_reported_so(tmp_path):
+    """Local SGD's reference is a simulation of its replicas, a fault-tolerant replica a world
+    under the launcher: --run names the test that checks them instead of spawning."""
+    pair = (compose.BY_NAME["local_sgd"], compose.BY_NAME["zero3"])
+    status, detail = compose.run_pair(*pair, tmp_path, {})
+    assert status == compose.ELSEWHERE and "tests/test_local_sgd.py" in detail

@@ -444,8 +444,9 @@ def _fault_tolerant_layout(cfg: Config) -> list[str]:
     apart = [f"{k} = {v!r} ({why})" for k, v, why, on in (
         ("parallel.zero_stage", par.zero_stage, f"{STAGE0_REPLICA_RANKS}: use stage 1",
          par.zero_stage == 0 and (par.dp_shard not in (1, -1) or par.cp > 1)),
-        ("parallel.strategy", par.strategy, "each replica would plan alone, for a world it does "
-         "not share", par.strategy != "manual"),
+        ("parallel.strategy", par.strategy, "each replica plans from the machine it starts on, "
+         "and replicas on different machines could choose layouts whose shards do not pair rank "
+         "for rank across them: set the layout (shardlm plan prints one)", par.strategy != "manual"),
         ("parallel.ep_rebalance_every", par.ep_rebalance_every, "experts move between a "
          "replica's ranks by the loads summed since the last move; a replica that rejoins takes "
          "its peer's expert slots without the placement they follow or those loads, so its rank "
