@@ -180,10 +180,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="timed steps without a save")
     parser.add_argument("--async-steps", type=int, default=12, help="most steps run during an async save")
     parser.add_argument("--stages", default="1,0")
-    parser.add_argument("--disk-mib", type=int, default=1024, help="MiB per writer in the disk test")
+    parser.add_argument("--disk-mib", type=int, default=1024,
+                        help="MiB per writer in the disk test (at least 64: it writes 64 MiB chunks)")
     parser.add_argument("--dir", default="runs", help="parent of the temporary benchmark directory")
     parser.add_argument("--no-one-process", action="store_true", help="skip the 1-process load")
     args = parser.parse_args()
+    if args.disk_mib < 64:  # the disk test writes whole 64 MiB chunks: fewer would time nothing
+        parser.error(f"--disk-mib {args.disk_mib}: at least 64 (the disk test writes 64 MiB chunks)")
     stages = [int(s) for s in args.stages.split(",")]
 
     cfg = load_config(overrides=overrides_for(args, 0, "", "x")).validate()
