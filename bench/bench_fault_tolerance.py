@@ -82,7 +82,8 @@ def main() -> None:
     print(f"killed run: replica 1 killed after step {args.kill}; first step whose loss differs from the "
           f"fault-free run: {first_diff}; replica 0 alone at steps {alone[0] if alone else '-'}.."
           f"{alone[-1] if alone else '-'} ({len(alone)} steps, {len(alone) * tokens:,} tokens of replica 1's "
-          f"share not trained on); replica 1 rejoined after step {rejoin}")
+          f"share not trained on); replica 1 "
+          + (f"rejoined after step {rejoin}" if rejoin is not None else "had not rejoined when the run ended"))
     if killed["killed_at_s"] is not None and killed["rejoined_at_s"] is not None:
         print(f"kill -> rejoin: {killed['rejoined_at_s'] - killed['killed_at_s']:.1f} s (the restarted "
               f"process's start-up, then the state from replica 0); wall time vs fault-free: "
