@@ -78,7 +78,7 @@ class _RoundGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, bias, sink, q: Fp8Quantiser, group):
         ctx.q, ctx.group, ctx.bias_dtype = q, group, None if bias is None else bias.dtype
-        return y.clone() if bias is None else y + bias.to(y.dtype)
+        return y.view_as(y) if bias is None else y + bias.to(y.dtype)
 
     @staticmethod
     def backward(ctx, grad):

@@ -77,9 +77,9 @@ class ColumnParallelLinear(nn.Module):
     def gathered(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the base's output, the whole-sequence input): all-gather then matmul, overlapped
         (parallel/tensor/async_tp.py; in FP8 async_fp8.py) or one after the other."""
-        if self.overlaps() and self.fp8 is not None:
-            return fp8_all_gather_matmul(x, self.weight, self.bias, self.fp8, self.tp.group, self.tp.size)
         if self.overlaps():
+            if self.fp8 is not None:
+                return fp8_all_gather_matmul(x, self.weight, self.bias, self.fp8, self.tp.group, self.tp.size)
             return all_gather_matmul(x, self.overlap_weight(x), self.bias, self.tp.group, self.tp.size)
         if self.gather_input:
             x = into_parallel_region(x, self.tp)
@@ -141,9 +141,9 @@ class RowParallelLinear(nn.Module):
     def scattered(self, x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
         """The partial sums x W_localᵀ (+ extra) summed over the group (this rank's sequence chunk
         when sequence-parallel): matmul then reduction, overlapped under parallel.async_tp."""
-        if self.overlaps() and self.fp8 is not None:
-            return fp8_matmul_reduce_scatter(x, self.weight, self.fp8, self.tp.group, self.tp.size)
         if self.overlaps():
+            if self.fp8 is not None:
+                return fp8_matmul_reduce_scatter(x, self.weight, self.fp8, self.tp.group, self.tp.size)
             return matmul_reduce_scatter(x, self.overlap_weight(x), extra, self.tp.group, self.tp.size)
         partial = self.base(x, None)
         return out_of_parallel_region(partial if extra is None else partial + extra, self.tp)
