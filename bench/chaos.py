@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardlm.launch.runtime import FAULT_ENV
 from chaos_cases import CASES, Case, command, losses  # the run's config; the disk and input fault cases
 from common import table, table_row
 from common.cli import children, rank_of
@@ -43,6 +44,14 @@ NOTES_SAY = "did not finish writing"
 the wait for its note ends first, at the same timeout)."""
 BACKEND_TIMEOUT = "Timed out waiting"
 """gloo's own timeout: must never be what ends a frozen rank's peers."""
+
+
+def stopped(pid: int) -> bool:
+    """Whether `pid` is frozen (SIGSTOP: state T)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
 
 
 def alive(pid: int) -> bool:
@@ -72,6 +81,9 @@ class Trial:
     seconds: float = 0.0
     recovery_s: float | None = None
     """A rank's fault: seconds from the signal to the next gang's first worker."""
+    backstop: bool = False
+    """A 'random' moment that came after the victim froze itself at the backstop (the last step
+    but one: $SHARDLM_FAULT), so that a fast machine cannot end the run before the kill lands."""
     watchdog_named: bool | None = None
     """A stopped rank: whether the watchdog named the stalled collective, or the checkpoint's
     wait the rank that froze inside a save (and gloo's own timeout never ended either)."""
@@ -133,16 +145,23 @@ def run_trial(root: Path, number: int, seed: int, ref: dict[int, float], train_s
     ckpts = run_dir / "checkpoints"
     start = time.monotonic()
     log = open(root / f"{name}.log", "w")
+    env = dict(os.environ)
+    if trial.moment == "random":
+        # The backstop: the victim (every rank, if it is the launcher) freezes itself after the
+        # last step but one unless the kill came first. The reference's time runs to its exit,
+        # and a fast machine can be past the last step (ranks gone, nothing to kill) within 70%
+        # of it, however soon the poll below sees the step (CI: every step logged after 0.17 s;
+        # on 2026-11-30 the run's end came between the poll and the kill).
+        rank = "" if trial.victim == "launcher" else f":{trial.victim[-1]}"
+        env[FAULT_ENV] = f"stop@{steps - 1}/0{rank}"
     proc = subprocess.Popen(command(root, name, steps, every, *extra), stdout=log,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, env=env)
     try:
         first = _wait_for(lambda: bool(losses(run_dir)), proc, 600, poll=0.05)
         if first and trial.moment == "random":
-            # the delay, or the second-to-last step logged if that comes first: the reference's
-            # time runs to its exit, and a fast machine can be past the last step (ranks gone,
-            # nothing to kill) within 70% of it (seen in CI: every step logged after 0.17 s)
-            _wait_for(lambda: max(losses(run_dir), default=0) >= steps - 1, proc, trial.delay_s,
-                      poll=0.01)
+            # the delay, or the backstop's frozen victim if that comes first
+            _wait_for(lambda: max(losses(run_dir), default=0) >= steps - 1 and any(
+                stopped(w) for w in children(proc.pid)), proc, trial.delay_s, poll=0.01)
         elif first:
             _wait_for(lambda: ckpts.is_dir() and any(p.name.endswith(".tmp") for p in ckpts.iterdir()),
                       proc, 600)
@@ -151,6 +170,7 @@ def run_trial(root: Path, number: int, seed: int, ref: dict[int, float], train_s
             trial.note = "the run ended before the kill"
         else:
             trial.killed_at_step = max(losses(run_dir), default=0)
+            trial.backstop = any(stopped(w) for w in workers) and trial.signal == "SIGKILL"
             if trial.victim == "launcher":
                 os.kill(proc.pid, signal.SIGKILL)
                 trial.killed = True
@@ -187,9 +207,11 @@ def run_trial(root: Path, number: int, seed: int, ref: dict[int, float], train_s
         else:
             saved = (ckpts / "latest").exists()
             trial.resumed_by = "--resume" if saved else "rerun (no checkpoint yet)"
+            env.pop(FAULT_ENV, None)  # the run again, without the backstop
             again = subprocess.run(command(root, name, steps, every, *extra,
                                            *(["--resume"] if saved else [])),
-                                   stdout=log, stderr=subprocess.STDOUT, text=True, timeout=900)
+                                   stdout=log, stderr=subprocess.STDOUT, text=True, timeout=900,
+                                   env=env)
             trial.exit_code = again.returncode
     finally:
         if proc.poll() is None:
@@ -222,7 +244,8 @@ def trial_row(t: Trial) -> list:
         verdict += f" (steps {t.mismatches[:5]} differ)"
     if t.missing:
         verdict += f"; steps {t.missing[:5]} not logged"
-    return [t.number, t.victim, t.signal, t.moment, "-" if t.killed_at_step is None else t.killed_at_step, gone,
+    at = "-" if t.killed_at_step is None else f"{t.killed_at_step}{' (backstop)' if t.backstop else ''}"
+    return [t.number, t.victim, t.signal, t.moment, at, gone,
             t.resumed_by or "-", "-" if t.recovery_s is None else f"{t.recovery_s:.1f}",
             "-" if t.exit_code is None else t.exit_code, t.steps_checked - len(t.mismatches), f"{t.seconds:.0f}",
             verdict]

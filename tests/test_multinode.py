@@ -300,6 +300,13 @@ def test_fault_plans(monkeypatch):
     assert not fault.due(6)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert fault.due(6) and not fault.due(5)
+    monkeypatch.setenv(FAULT_ENV, "stop@7/1:1")  # rank 1 only (bench/chaos.py's backstop)
+    fault = planned_fault()
+    assert fault == Fault("stop", 7, 1, 1)
+    monkeypatch.setenv("RANK", "0")
+    assert not fault.due(7)
+    monkeypatch.setenv("RANK", "1")
+    assert fault.due(7)
     monkeypatch.setenv(FAULT_ENV, "explode@3")
     with pytest.raises(ConfigError, match="ACTION@STEP"):
         planned_fault()

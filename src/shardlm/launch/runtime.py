@@ -405,7 +405,8 @@ class StopSignals:
 
 
 FAULT_ENV = "SHARDLM_FAULT"
-"""Fault injection for the fault tests (tests/test_multinode.py): `ACTION@STEP[/ROUND]`."""
+"""Fault injection for the fault tests (tests/test_multinode.py, bench/chaos.py):
+`ACTION@STEP[/ROUND][:RANK]`."""
 
 
 @dataclass(frozen=True)
@@ -414,14 +415,17 @@ class Fault:
     the gang's `round` (torchrun's restart count, TORCHELASTIC_RESTART_COUNT): 'kill' = SIGKILL
     itself (a crashed worker), 'leave' = SIGKILL its parent, the torchrun agent, then itself (a
     lost machine), 'stop' = SIGSTOP itself (frozen until SIGCONT: a test's deterministic pause).
-    The round makes it fire once: a restarted gang that redoes the step is in another round."""
+    The round makes it fire once: a restarted gang that redoes the step is in another round.
+    `rank`: the one global rank it strikes (every rank if None)."""
 
     action: str
     step: int
     round: int = 0
+    rank: int | None = None
 
     def due(self, steps_done: int) -> bool:
-        return steps_done == self.step and restart_count() == self.round
+        return (steps_done == self.step and restart_count() == self.round
+                and self.rank in (None, int(os.environ.get("RANK", "0"))))
 
     def strike(self) -> None:
         log.warning("shardlm: %s=%s@%d/%d: %s now", FAULT_ENV, self.action, self.step, self.round,
@@ -438,11 +442,11 @@ def planned_fault() -> Fault | None:
     text = os.environ.get(FAULT_ENV, "").strip()
     if not text:
         return None
-    match = re.fullmatch(r"(kill|leave|stop)@(\d+)(?:/(\d+))?", text)
+    match = re.fullmatch(r"(kill|leave|stop)@(\d+)(?:/(\d+))?(?::(\d+))?", text)
     if match is None:
-        raise ConfigError(f"{FAULT_ENV}={text!r}: write ACTION@STEP[/ROUND] with ACTION kill, leave "
-                          f"or stop (e.g. kill@3), or unset it")
-    return Fault(match[1], int(match[2]), int(match[3] or 0))
+        raise ConfigError(f"{FAULT_ENV}={text!r}: write ACTION@STEP[/ROUND][:RANK] with ACTION kill, "
+                          f"leave or stop (e.g. kill@3, stop@7/0:1), or unset it")
+    return Fault(match[1], int(match[2]), int(match[3] or 0), None if match[4] is None else int(match[4]))
 
 
 RESTART_COUNT_ENV = "SHARDLM_RESTART_COUNT"
