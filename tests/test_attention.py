@@ -131,6 +131,27 @@ def test_backends_equal_math_with_gradients(backend, documents, kv_heads, monkey
         assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (got - ref).abs().max()
 
 
+@pytest.mark.parametrize("length", [64, 512])
+def test_short_half_precision_attention_runs_in_fp32_on_the_cpu(length):
+    """bf16 SDPA of at most CPU_HALF_IN_FP32_MAX_LEN positions is the fp32 kernel's output cast
+    back, under autocast too (which would cast the inputs down again); gradients reach q, k, v
+    in bf16. Longer: the half kernel, as torch runs it. Bit for bit: the same kernel on the same
+    inputs in one process, either way."""
+    from shardlm.models.attention import CPU_HALF_IN_FP32_MAX_LEN, sdpa
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, length, 16, generator=gen).bfloat16().requires_grad_()
+               for h in (4, 2, 2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sdpa(q, k, v, True, is_causal=True)
+    short = length <= CPU_HALF_IN_FP32_MAX_LEN
+    a, b, c = (t.detach().float() if short else t.detach() for t in (q, k, v))
+    expect = F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True).bfloat16()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expect)
+    out.sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (q, k, v))
+
+
 def test_which_sdpa_calls_broadcast_grouped_kv_heads():
     """CUDA's flash attention broadcasts grouped kv heads (bf16 / fp16, no mask); its
     memory-efficient and cuDNN kernels do not, so fp32 or masked calls repeat the heads rather
