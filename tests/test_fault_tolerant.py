@@ -393,16 +393,18 @@ def test_replicas_with_cp_ep_or_pp_inside_equal_one_process(tmp_path, layout, ex
     assert abs(records[-1]["val_loss"] - evaluate(run)["val_loss"]) < 1e-4, records[-1]
 
 
-@pytest.mark.parametrize("change, ranks", [({"train.optimizer": "muon"}, 1), ({"lora.rank": 4}, 1),
+@pytest.mark.parametrize("change, ranks", [({"train.optimizer": "muon", "lora.rank": 4}, 1),
                                            ({"parallel.tp": 2, "parallel.zero_stage": 1}, 2),
                                            ({**EP2_BIAS, "parallel.dp_shard": 2, "parallel.ep": 2,
                                              "parallel.zero_stage": 1}, 2)],
-                         ids=["muon", "lora", "tp2-replicas", "ep2-replicas"])
+                         ids=["muon-lora", "tp2-replicas", "ep2-replicas"])
 def test_a_rejoining_replica_takes_muon_and_lora_state(tmp_path, change, ranks):
-    """Muon's momentum, and LoRA's adapters with the frozen base, go to a rejoining replica
-    like AdamW's state: replica 1 killed after step 1, back by step 4 (replica 0 pauses after
-    step 3), and both replicas' final weights are the same, bit for bit — a joiner that missed
-    any of the state (a zero momentum) would take a different update at its first step. And
+    """Muon's momentum over LoRA's adapters, with the frozen base, go to a rejoining replica
+    like AdamW's state (one run for both: Muon orthogonalises each adapter factor, so its
+    momentum is the adapters' state): replica 1 killed after step 1, back by step 4 (replica 0
+    pauses after step 3), and both replicas' final weights are the same, bit for bit — a joiner
+    that missed any of the state (a zero momentum, an adapter at its initial zero) would take a
+    different update at its first step. And
     replicas of tp = 2 ranks each: rank i (tp position i) takes its state from the live
     replica's rank i; and of ep = 2 (bias balancing): rank i takes the same experts' state and
     the routers' biases (a joiner with its initial biases would route differently)."""
