@@ -184,8 +184,9 @@ def test_activation_formula_matches_what_autograd_keeps(preset, dtype, mode):
     b, s = 2, 32
     cfg, after_forward, peak = _measure(preset, dtype, mode, b, s)
     e = 4 if dtype == "fp32" else 2
-    dt = ActivationDtypes(e, e, norms_in_fp32=False)  # CPU autocast keeps LayerNorm's dtype
-    per_layer, _ = block_activation(cfg, dt, mode)
+    # CPU autocast keeps LayerNorm's dtype; bf16 attention of 32 positions runs in fp32 here
+    dt = ActivationDtypes(e, e, norms_in_fp32=False, cpu_half_attention=True)
+    per_layer, _ = block_activation(cfg, dt, mode, seq=s)
     norm = (8 * cfg.d_model + 4) if cfg.norm == "rmsnorm" else e * cfg.d_model + 2 * e
     saved = cfg.n_layers * per_layer + norm + e * cfg.d_model + e * cfg.vocab_size
     # The first block's input x0 is made outside the tracker: it is missing from the count

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from shardlm.config.model import ModelConfig
 from shardlm.hardware.catalog import Cluster
 from shardlm.models import flops
+from shardlm.models.attention import CPU_HALF_IN_FP32_MAX_LEN
 from shardlm.planner.workload import DTYPE_BYTES, Item, Strategy
 
 
@@ -26,12 +27,16 @@ class ActivationDtypes:
     """r: bytes of the residual stream: the parameters' dtype (fp32 in the one-process run)."""
     norms_in_fp32: bool
     """CUDA autocast runs layer_norm in fp32, so it saves an fp32 copy of its input."""
+    cpu_half_attention: bool = False
+    """Half-precision compute on a CPU, one process's attention kernel (no cp ring): sequences
+    of at most CPU_HALF_IN_FP32_MAX_LEN positions attend in fp32 (models/attention.py sdpa)."""
 
 
 def activation_dtypes(s: Strategy, cluster: Cluster) -> ActivationDtypes:
     compute = DTYPE_BYTES[s.dtypes.compute]
     return ActivationDtypes(compute, 4 if s.local else compute,
-                            cluster.calibration.norms_in_fp32 and s.dtypes.compute != "fp32")
+                            cluster.calibration.norms_in_fp32 and s.dtypes.compute != "fp32",
+                            cluster.device.kind == "cpu" and compute < 4 and s.layout.cp == 1)
 
 
 def _norm_saved(m: ModelConfig, dt: ActivationDtypes) -> tuple[float, str]:
@@ -73,6 +78,13 @@ def block_activation(m: ModelConfig, dt: ActivationDtypes, mode: str, tp: int = 
     then needed); with GQA its attention keeps e·a·s + 4·e·h (q, k and v expanded to every query
     head, the output's copy). Every other backend (sdpa, per_document, flex) stores no s² term.
     Measured: tests/test_attention.py.
+
+    Half precision on a CPU at s <= CPU_HALF_IN_FP32_MAX_LEN (dt.cpu_half_attention; `seq`
+    needed): the kernel runs on fp32 copies of q, k and v and keeps them and its fp32 output,
+    4(q+2kv) + 4q, where the half kernel kept the projection's output (q, k, v were views of it,
+    or v was with RoPE) and, with RoPE, the rotated q and k; the projection's input stays e·q.
+    selective: the kept attention output is the fp32 one (4q for e·q). Measured:
+    tests/test_planner.py.
     """
     h, a, e, r = m.d_model, m.n_heads, dt.compute, dt.residual
     hd = flops.head_dim(m)  # model.head_dim where a family sets it (Gemma, Qwen3): q = a·hd, not h
@@ -87,14 +99,16 @@ def block_activation(m: ModelConfig, dt: ActivationDtypes, mode: str, tp: int = 
     if math and seq <= 0:
         raise ValueError("model.attention = 'math' keeps s x s probabilities: block_activation needs seq")
     scores = e * a * seq if math else 4 * a  # probabilities, or the fused kernels' fp32 logsumexp
+    in_fp32 = dt.cpu_half_attention and not math and 0 < seq <= CPU_HALF_IN_FP32_MAX_LEN and e < 4
+    out = 4 if in_fp32 else e  # the bytes of the attention kernel's output it keeps
     scores_text = f"{e}as" if math else "4a"
     if mode == "full":
         value = r * h / (tp if sp else 1)
         return value, f"{r}h{'/t' if sp and tp > 1 else ''} (block input only)"
     if mode == "selective":
-        sharded = e * (q + 2 * kv) + scores + e * q + e * f * (mlp_mult // 2) + moe
+        sharded = e * (q + 2 * kv) + scores + out * q + e * f * (mlp_mult // 2) + moe
         replicated = r * h + 2 * e * h  # block input, attention and MLP output-projection outputs
-        text = (f"{r}h + 2·{e}h + ({e}(q+2kv) + {scores_text} + {e}q + {e}·{mlp_mult // 2}f)/t "
+        text = (f"{r}h + 2·{e}h + ({e}(q+2kv) + {scores_text} + {out}q + {e}·{mlp_mult // 2}f)/t "
                 "(matmul and attention outputs)")
     else:
         norm, norm_text = _norm_saved(m, dt)
@@ -104,9 +118,14 @@ def block_activation(m: ModelConfig, dt: ActivationDtypes, mode: str, tp: int = 
         if math and kv != q:  # GQA: q, k and v as per-head copies for the matmuls, the output's
             # copy for the projection; the projection's own output is no longer kept (measured)
             attention = scores + 4 * e * q
+        if in_fp32:  # fp32 q, k, v and output kept by the kernel, the projection's input in e
+            attention = 4 * (q + 2 * kv) + scores + 4 * q + e * q
         sharded = attention + mlp_mult * e * f + moe
         text = (f"2·{norm_text} + 2·{e}h + ({e}(q+2kv) + {scores_text} + {e}q + {mlp_mult}·{e}f"
                 + (f" + {e}(2q+kv) rope" if rope else "") + ")/t")
+        if in_fp32:
+            text = (f"2·{norm_text} + 2·{e}h + (4(q+2kv) + {scores_text} + 4q + {e}q + "
+                    f"{mlp_mult}·{e}f)/t (attention in fp32)")
     if tp > 1:
         replicated = replicated / tp if sp else replicated
     return replicated + sharded / tp, text
