@@ -1,20 +1,21 @@
 """parallel.fault_tolerant (parallel/data/fault_tolerant/quorum.py, parallel/data/fault_tolerant/launcher.py, train/fault_tolerance.py): two
-replicas of one process each; replica 1 is SIGKILLed after step 2, replica 0 trains on alone,
-the launcher restarts replica 1 and it rejoins from replica 0's state.
+replicas of one process each; replica 0 is SIGKILLed after step 2, replica 1 trains on alone,
+the launcher restarts replica 0 and it rejoins from replica 1's state; then replica 0 kills the
+launcher (the whole job lost) and the job resumes from the replicas' latest checkpoint.
 
 Checked against one process (llama-tiny, fp32, the replicas' thread count), bit for bit: with
 both replicas in the quorum, a step is the one-process step over both replicas' micro-batches
 (grad_accum 2: the suite's reference for ordinary dp_replicate = 2 training, tests/test_zero.py);
-with replica 0 alone, it is single-replica training from that same state — replica 0's
+with replica 1 alone, it is single-replica training from that same state — replica 1's
 micro-batch, its loss not halved. Both replicas' final weights equal the reference's.
 
-When replica 1 rejoins is not a matter of timing: replica 0 freezes itself (SIGSTOP) after step 5
-and the test lets it go on (SIGCONT) once the restarted replica 1 says it waits to rejoin, so the
-round after it always takes replica 1 in (or an earlier one, if replica 1 came back sooner:
+When replica 0 rejoins is not a matter of timing: replica 1 freezes itself (SIGSTOP) after step 5
+and the test lets it go on (SIGCONT) once the restarted replica 0 says it waits to rejoin, so the
+round after it always takes replica 0 in (or an earlier one, if replica 0 came back sooner:
 the checks follow the quorum the log records).
 
-Then: checkpoints with replicas (the lowest live replica writes; a job lost whole resumes from
-the latest to the reference's losses), the same rejoin with Muon and with LoRA, where the quorum
+Then: the same with 2-rank ZeRO-3 replicas; who writes a checkpoint (the lowest live
+replica); the same rejoin with Muon and with LoRA, where the quorum
 store listens (--quorum-endpoint), replicas with cp and ep inside, and the refusals. The
 quorum's failure paths, in one process: tests/test_quorum.py.
 """
@@ -183,12 +184,6 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def _run_with_a_kill(tmp_path: Path) -> tuple[int, str]:
-    """`shardlm train --nproc 2 --max-restarts 1`, replica 1 killed after step 2, replica 0
-    paused after step 5 until replica 1 waits to rejoin."""
-    return _launch(_overrides(tmp_path), "1:kill@2,0:stop@5", lost=1)
-
-
 def _launch(overrides: dict, faults: str, lost: int | None, ranks: int = 1) -> tuple[int, str]:
     """`shardlm train --nproc 2·ranks --max-restarts 1` (2 replicas of `ranks` ranks) with
     $SHARDLM_REPLICA_FAULTS `faults`; the other replica than `lost`, paused (a stop fault: every
@@ -264,35 +259,6 @@ def _assert_final_weights(tmp_path: Path, run, rtol: float = 0.0, atol: float = 
                    for n in reference), replica
 
 
-def test_a_killed_replica_drops_out_and_rejoins_from_a_live_peer(tmp_path):
-    code, output = _run_with_a_kill(tmp_path)
-    assert code == 0, output[-3000:]
-    assert "replica 1 exited with -9: restarting it" in output
-    assert "replica 1 rejoined at step" in output
-    records = _records(tmp_path / "runs" / "ft" / "replica-0" / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    quorums = [r["quorum"] for r in records]
-    joined = [r["step"] for r in records if r["quorum_joined"] == [1]]
-    assert len(joined) == 1 and 3 <= joined[0] <= 6, quorums  # stop@5: the round after at most
-    rejoin = joined[0]
-    assert quorums[:2] == [[0, 1]] * 2, quorums
-    assert quorums[2:rejoin] == [[0]] * (rejoin - 2), quorums  # alone, the join round included
-    assert quorums[rejoin:] == [[0, 1]] * (STEPS - rejoin), quorums
-
-    run, losses = _reference(tmp_path, quorums)
-    assert [r["loss"] for r in records] == losses
-    _assert_final_weights(tmp_path, run)
-
-    # The bytes: an averaged step all-reduces every gradient and (loss, stop, counted targets), fp32,
-    # counted twice (reduce-scatter + all-gather); alone, nothing; the join sends the state.
-    numel = sum(p.numel() for p in run.model.parameters())
-    by_op = [r["comm_bytes_by_op"] for r in records]
-    assert all(b == {"all_reduce/replicas": 2 * 4 * (numel + 3)} for b in by_op[:2] + by_op[rejoin:])
-    assert all(b == {} for b in by_op[2:rejoin - 1])
-    state = 8 * 6 + 3 * 4 * numel + torch.get_rng_state().numel()  # meta, values + moments, RNG
-    assert by_op[rejoin - 1] == {"all_reduce/replicas": 2 * 4 * (numel + 3), "broadcast/replicas": state}
-
-
 @pytest.mark.parametrize("ranks, layout", [
     (1, {}),
     (2, {"parallel.dp_shard": 2, "parallel.zero_stage": 3}),
@@ -305,10 +271,17 @@ def test_replicas_checkpoint_and_a_job_lost_whole_resumes_from_it(tmp_path, rank
     launcher after step 7 (a 'leave': the whole job lost at once, replica 1 with it, which
     cannot finish step 8 alone meanwhile: replica 0 is not reported dead). Launched again, the
     job resumes from step 6 and finishes; its losses and weights are the uninterrupted
-    one-process reference's."""
+    one-process reference's.
+
+    The drop-out and the rejoin themselves (one-rank replicas): the quorum of every step the
+    log records, the survivor's lone steps equal to single-replica training from the same state,
+    and the bytes: an averaged step all-reduces every gradient and (loss, stop, counted
+    targets), fp32, counted twice (reduce-scatter + all-gather); alone, nothing; the join sends
+    the state (AdamW's values and moments, the step, the RNG)."""
     overrides = {**_overrides(tmp_path), "checkpoint.every": 3, **layout}
     code, output = _launch(overrides, "0:kill@2,1:stop@5,0:leave@7/1", lost=0, ranks=ranks)
     assert code == -signal.SIGKILL, output[-3000:]  # the launcher, killed by replica 0
+    assert "replica 0 exited with -9: restarting it" in output, output[-3000:]
     assert "replica 0 rejoined at step" in output, output[-3000:]
     root = tmp_path / "runs" / "ft"
     assert sorted(p.name for p in (root / "checkpoints").glob("step-*")) == ["step-00000003",
@@ -331,8 +304,21 @@ def test_replicas_checkpoint_and_a_job_lost_whole_resumes_from_it(tmp_path, rank
 
     quorums = [r["quorum"] for r in survivor + resumed[1]]
     assert quorums[6:] == [[0, 1]] * 3, quorums
+    joined = [r["step"] for r in survivor if r.get("quorum_joined") == [0]]
+    assert len(joined) == 1 and 3 <= joined[0] <= 6, quorums  # stop@5: the round after at most
+    rejoin = joined[0]
+    assert quorums[:2] == [[0, 1]] * 2, quorums
+    assert quorums[2:rejoin] == [[1]] * (rejoin - 2), quorums  # alone, the join round included
+    assert quorums[rejoin:] == [[0, 1]] * (STEPS - rejoin), quorums
     run, losses = _reference(tmp_path, quorums, ranks)
     if ranks == 1:
+        numel = sum(p.numel() for p in run.model.parameters())
+        by_op = [r["comm_bytes_by_op"] for r in survivor]
+        averaged = {"all_reduce/replicas": 2 * 4 * (numel + 3)}
+        assert all(b == averaged for b in by_op[:2] + by_op[rejoin:]), by_op
+        assert all(b == {} for b in by_op[2:rejoin - 1]), by_op
+        state = 8 * 6 + 3 * 4 * numel + torch.get_rng_state().numel()  # meta, values + moments, RNG
+        assert by_op[rejoin - 1] == {**averaged, "broadcast/replicas": state}, by_op
         # Bit for bit: each side adds the same two fp32 terms (a sum of two is the same in
         # either order), and a resume restores the fp32 weights, the moments and the Adam step
         # exactly; with more terms the sums' order differs and calls for a tolerance.
