@@ -133,8 +133,8 @@ def test_backends_equal_math_with_gradients(backend, documents, kv_heads, monkey
 
 @pytest.mark.parametrize("length", [64, 512])
 def test_short_half_precision_attention_runs_in_fp32_on_the_cpu(length):
-    """bf16 SDPA of at most CPU_HALF_IN_FP32_MAX_LEN positions is the fp32 kernel's output cast
-    back, under autocast too (which would cast the inputs down again); gradients reach q, k, v
+    """bf16 SDPA of at most CPU_HALF_IN_FP32_MAX_LEN positions, when it will be differentiated,
+    is the fp32 kernel's output cast back, under autocast too (which would cast the inputs down again); gradients reach q, k, v
     in bf16. Longer: the half kernel, as torch runs it. Bit for bit: the same kernel on the same
     inputs in one process, either way."""
     from shardlm.models.attention import CPU_HALF_IN_FP32_MAX_LEN, sdpa
@@ -150,6 +150,9 @@ def test_short_half_precision_attention_runs_in_fp32_on_the_cpu(length):
     assert out.dtype == torch.bfloat16 and torch.equal(out, expect)
     out.sum().backward()
     assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (q, k, v))
+    with torch.no_grad():  # no backward to pay for: the half kernel, as torch runs it
+        half = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert torch.equal(sdpa(q, k, v, True, is_causal=True), half)
 
 
 def test_which_sdpa_calls_broadcast_grouped_kv_heads():

@@ -198,8 +198,10 @@ cast up, the output cast back): torch 2.13's fused CPU kernel pays a fixed cost 
 half-precision backward — forward + backward, 9 heads of 64 (3 kv), measured on an Intel Xeon with
 AMX: 1.49 / 0.58 ms at 64 positions, 4.4 / 2.0 at 128, 6.2 / 4.9 at 256, 22 / 28 at 768, 40 / 62
 at 1024 (bf16 / in fp32); in a LoRA fine-tune of 128-token rows split into documents the bf16
-backward was 34% of the step (bench/bench_finetune.py). Longer sequences keep the half kernel.
-fp32 is the more exact of the two; nothing is lost but a copy of q, k and v."""
+backward was 34% of the step (bench/bench_finetune.py). Longer sequences keep the half kernel,
+and so does a call without backward (evaluation, generation: its forward is the fast half;
+a decoding step's one query against a long cache would copy the cache). fp32 is the more exact
+of the two; nothing is lost but a copy of q, k and v."""
 
 
 def sdpa(q, k, v, gqa: bool, **kwargs) -> torch.Tensor:
@@ -207,7 +209,8 @@ def sdpa(q, k, v, gqa: bool, **kwargs) -> torch.Tensor:
     can, else repeated to the query heads first (kernel_takes_grouped_kv); short half-precision
     sequences on the CPU in fp32 (CPU_HALF_IN_FP32_MAX_LEN)."""
     if (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
-            and q.shape[-2] <= CPU_HALF_IN_FP32_MAX_LEN):
+            and max(q.shape[-2], k.shape[-2]) <= CPU_HALF_IN_FP32_MAX_LEN
+            and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         mask = kwargs.get("attn_mask")
         if mask is not None and mask.is_floating_point():
             kwargs["attn_mask"] = mask.float()
