@@ -137,7 +137,8 @@ def test_short_half_precision_attention_runs_in_fp32_on_the_cpu(length):
     is the fp32 kernel's output cast back, under autocast too (which would cast the inputs down again); gradients reach q, k, v
     in bf16. Longer: the half kernel, as torch runs it. Bit for bit: the same kernel on the same
     inputs in one process, either way."""
-    from shardlm.models.attention import CPU_HALF_IN_FP32_MAX_LEN, sdpa
+    from shardlm.models.attention import sdpa
+    from shardlm.models.flops import CPU_HALF_IN_FP32_MAX_LEN
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, length, 16, generator=gen).bfloat16().requires_grad_()

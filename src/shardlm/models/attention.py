@@ -43,6 +43,7 @@ from torch import nn
 
 from shardlm.config.fields import ATTENTION_BACKENDS
 from shardlm.errors import ConfigError
+from shardlm.models.flops import CPU_HALF_IN_FP32_MAX_LEN
 
 BACKENDS = ATTENTION_BACKENDS
 
@@ -190,18 +191,6 @@ def kernel_takes_grouped_kv(device_type: str, dtype: torch.dtype, masked: bool) 
     the CPU enable_gqa was measured 10-20% faster than repeating the heads (torch 2.13,
     forward + backward), with identical outputs."""
     return device_type != "cuda" or (dtype in (torch.bfloat16, torch.float16) and not masked)
-
-
-CPU_HALF_IN_FP32_MAX_LEN = 256
-"""On the CPU, SDPA on bf16 / fp16 inputs of at most this many positions runs in fp32 (the inputs
-cast up, the output cast back): torch 2.13's fused CPU kernel pays a fixed cost per call in its
-half-precision backward — forward + backward, 9 heads of 64 (3 kv), measured on an Intel Xeon with
-AMX: 1.49 / 0.58 ms at 64 positions, 4.4 / 2.0 at 128, 6.2 / 4.9 at 256, 22 / 28 at 768, 40 / 62
-at 1024 (bf16 / in fp32); in a LoRA fine-tune of 128-token rows split into documents the bf16
-backward was 34% of the step (bench/bench_finetune.py). Longer sequences keep the half kernel,
-and so does a call without backward (evaluation, generation: its forward is the fast half;
-a decoding step's one query against a long cache would copy the cache). fp32 is the more exact
-of the two; nothing is lost but a copy of q, k and v."""
 
 
 def sdpa(q, k, v, gqa: bool, **kwargs) -> torch.Tensor:

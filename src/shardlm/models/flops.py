@@ -248,3 +248,16 @@ def encoder_decoder_flops_per_token(encoder_matmul: int, decoder_matmul: int, cr
                    + cross_kv_matmul * S + head_matmul * T)
     attention = 12 * width * (encoder_layers * S * S + decoder_layers * (T * T + T * S))
     return float(matmuls + attention) / T
+
+
+CPU_HALF_IN_FP32_MAX_LEN = 256
+"""On the CPU, SDPA on bf16 / fp16 inputs of at most this many positions runs in fp32 (the inputs
+cast up, the output cast back): torch 2.13's fused CPU kernel pays a fixed cost per call in its
+half-precision backward — forward + backward, 9 heads of 64 (3 kv), measured on an Intel Xeon with
+AMX: 1.49 / 0.58 ms at 64 positions, 4.4 / 2.0 at 128, 6.2 / 4.9 at 256, 22 / 28 at 768, 40 / 62
+at 1024 (bf16 / in fp32); in a LoRA fine-tune of 128-token rows split into documents the bf16
+backward was 34% of the step (bench/bench_finetune.py). Longer sequences keep the half kernel,
+and so does a call without backward (evaluation, generation: its forward is the fast half;
+a decoding step's one query against a long cache would copy the cache). fp32 is the more exact
+of the two; nothing is lost but a copy of q, k and v. Here, torch-free, for the planner too
+(planner/activations.py counts what the fp32 kernel keeps); used by models/attention.py sdpa."""

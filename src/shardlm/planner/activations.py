@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from shardlm.config.model import ModelConfig
 from shardlm.hardware.catalog import Cluster
 from shardlm.models import flops
-from shardlm.models.attention import CPU_HALF_IN_FP32_MAX_LEN
 from shardlm.planner.workload import DTYPE_BYTES, Item, Strategy
 
 
@@ -99,7 +98,7 @@ def block_activation(m: ModelConfig, dt: ActivationDtypes, mode: str, tp: int = 
     if math and seq <= 0:
         raise ValueError("model.attention = 'math' keeps s x s probabilities: block_activation needs seq")
     scores = e * a * seq if math else 4 * a  # probabilities, or the fused kernels' fp32 logsumexp
-    in_fp32 = dt.cpu_half_attention and not math and 0 < seq <= CPU_HALF_IN_FP32_MAX_LEN and e < 4
+    in_fp32 = dt.cpu_half_attention and not math and 0 < seq <= flops.CPU_HALF_IN_FP32_MAX_LEN and e < 4
     out = 4 if in_fp32 else e  # the bytes of the attention kernel's output it keeps
     scores_text = f"{e}as" if math else "4a"
     if mode == "full":
