@@ -5,8 +5,9 @@ reference: every step's loss in metrics.jsonl must be the reference's, bit for b
 Each trial (its own generator: --seed + trial, rerun alone with --only) picks a victim (rank 0,
 rank 1 or the launcher) and a moment ('random', or 'save': inside the checkpoint writer), and
 sends SIGKILL (a 'random' moment not reached by the last step but one finds the victim, or for
-the launcher every rank, frozen there by $SHARDLM_FAULT: the table marks it "(backstop)"), or for a rank with probability --stop-fraction SIGSTOP (the watchdog, or rank 0's
-wait for the save notes, must name the frozen rank). It survives when the run completes, no
+the launcher every rank, frozen there by $SHARDLM_FAULT: the table marks it "(backstop)"), or
+for a rank with probability --stop-fraction SIGSTOP (the watchdog, or rank 0's wait for the save
+notes, must name the frozen rank). It survives when the run completes, no
 worker outlives a killed launcher, a stop was named, and every logged step's loss equals the
 reference's; a step never logged is counted apart as a log gap. --cases runs chaos_cases.py's
 disk and input faults instead.
