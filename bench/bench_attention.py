@@ -8,6 +8,8 @@ document masks, and what a forward + backward keeps, next to the planner's formu
    during forward + loss + backward at two lengths, against planner.activations.activation_peak.
 
 Reproduce:  PYTHONPATH=src python bench/bench_attention.py            (~3 min, 1 thread)
+Short rows (per_document vs one masked call where a row holds few documents):
+            PYTHONPATH=src python bench/bench_attention.py --threads 2 --cases 128:60,192:60,256:60,384:60,512:60
 """
 
 from __future__ import annotations
@@ -88,10 +90,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--cases", default="512:128,2048:128,2048:16", metavar="T:DOC,...",
+                   help="row lengths T with documents of mean length DOC")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{machine()}; {args.threads} thread(s); ms, median of {args.reps}\n")
-    cases = [(512, 128), (2048, 128), (2048, 16)]
+    cases = [tuple(int(n) for n in case.split(":")) for case in args.cases.split(",")]
     results = {case: kernels(*case, args.reps) for case in cases}
     print(table(["kernel (B=4, H=8, D=64, fp32)", *(f"T={T}, docs ~{m}" for T, m in cases)],
                 [[name, *(f"{results[c][name]:.1f}" for c in cases)] for name in results[cases[0]]]))
