@@ -16,6 +16,11 @@ Reproduce:
     PYTHONPATH=src python bench/bench_finetune.py --modes lora@2,qlora@2      # ZeRO-3, 2 ranks
     PYTHONPATH=src python bench/bench_finetune.py --instruct /tmp/bench-instruct \
         --modes lora,loop,loop-nodoc,qlora,qloop --precision fp32 --seq 128 --micro-batch 4 --rank 8
+    PYTHONPATH=src python bench/bench_finetune.py --instruct /tmp/bench-instruct --lockstep \
+        --modes lora,loop,qlora,qloop --precision fp32 --seq 128 --micro-batch 4 --rank 8 --steps 9
+--lockstep runs the modes side by side, one step of each in turn, and prints each step's ratio
+too: on a shared VM whose speed drifts ±25% over minutes, the modes run one after another can
+land in different phases of it.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +51,27 @@ def profiled(step, at: int, rows: int) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
+LOCKSTEP_ENV = "SHARDLM_BENCH_LOCKSTEP"
+"""Set by --lockstep in each child: its steps wait for the parent's word (lockstep_turns)."""
+
+
+def lockstep_turns():
+    """None, or under --lockstep the `after` of timed_steps: say READY (built) and wait for the
+    parent's word now, then after each step print STEPPED and wait for the word again (stdin's
+    end after the last), all outside the timed steps: the parent runs one child's step at a
+    time, the children in turn. The modes then share the machine's drift (±25% over minutes on a
+    shared 2-core VM) step by step instead of one mode's whole run each."""
+    if os.environ.get(LOCKSTEP_ENV) != "1":
+        return None
+    print("READY", flush=True)
+    sys.stdin.readline()
+
+    def stepped(step: int, seconds: float) -> None:
+        print("STEPPED", flush=True)
+        sys.stdin.readline()
+    return stepped
+
+
 def child(overrides: dict, steps: int, profile: int = 0) -> dict:
     from shardlm.launch.allocator import apply_malloc_policy
     from shardlm.train.build import build_run
@@ -54,7 +82,7 @@ def child(overrides: dict, steps: int, profile: int = 0) -> dict:
     start = time.perf_counter()
     run = build_run(cfg)
     build_s, build_rss = time.perf_counter() - start, peak_rss_bytes()
-    timed = timed_steps(lambda step: train_step(run, step).loss, 0, steps)
+    timed = timed_steps(lambda step: train_step(run, step).loss, 0, steps, after=lockstep_turns())
     losses, times = timed["losses"], timed["seconds"]
     tokens = run.cfg.train.micro_batch * run.cfg.train.seq_len * run.cfg.train.grad_accum
     quant = getattr(run.model, "quant", None)
@@ -143,7 +171,7 @@ def loop_child(overrides: dict, steps: int, rank: int, mode: str, profile: int =
     def step(at: int) -> float:
         return loop_step(model, optimizer, loader.micro_batches(at), mode != "loop-nodoc")
 
-    timed = timed_steps(step, 0, steps)
+    timed = timed_steps(step, 0, steps, after=lockstep_turns())
     t = cfg.train
     result = plain_result(model, optimizer, timed, t.micro_batch * t.seq_len * t.grad_accum, build_s, build_rss)
     return {**result, "profile": profiled(step, steps, profile) if profile else ""}  # after the peak is read
@@ -204,6 +232,10 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after the timed steps, one more step under torch.profiler: print its N "
                              "ops of most self CPU time (one-process modes; not timed)")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="run the modes side by side, one step of each in turn (step i of every "
+                             "mode, then step i + 1): each built alone first, then timed under the "
+                             "same drift of the machine; one-process modes (not peft, not MODE@N)")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     overrides = {
@@ -238,12 +270,14 @@ def main() -> None:
           f"on one process, batch {args.micro_batch}x{args.seq}, {args.steps} steps, lora.rank "
           f"{args.rank}", flush=True)
     rows, width = [], 2 if args.precision == "bf16" else 4
-    for mode in args.modes.split(","):
-        proc = subprocess.run([sys.executable, __file__, "--child", mode, *sys.argv[1:]],
-                              capture_output=True, text=True)
-        found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode or not found:
-            print(f"{mode}: FAILED (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+    modes = args.modes.split(",")
+    outputs = lockstep(modes, args.steps) if args.lockstep else [
+        (mode, *_finished(subprocess.run([sys.executable, __file__, "--child", mode, *sys.argv[1:]],
+                                         capture_output=True, text=True))) for mode in modes]
+    for mode, code, stdout, stderr in outputs:
+        found = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        if code or not found:
+            print(f"{mode}: FAILED (exit {code})\n{stderr[-3000:]}", flush=True)
             continue
         r = json.loads(found[-1][len("RESULT "):])
         rows.append((mode, r))
@@ -263,10 +297,58 @@ def main() -> None:
     for ours, theirs in (("lora", "loop"), ("lora", "loop-nodoc"), ("qlora", "qloop"), ("qlora", "loop")):
         if ours in found and theirs in found:
             a, b = found[ours], found[theirs]
-            print(f"shardlm {ours} / plain {theirs}: {a['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s, "
-                  f"peak RSS {a['peak_rss'] / GiB:.2f} / {b['peak_rss'] / GiB:.2f} GiB; step-1 loss "
+            # the same step's batch on both sides: each step's ratio, after the first
+            paired = sorted(y / x for x, y in zip(a["step_s"][1:], b["step_s"][1:]))
+            print(f"shardlm {ours} / plain {theirs}: {a['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s"
+                  + (f" (step by step: median {statistics.median(paired):.2f}x, {paired[0]:.2f}-"
+                     f"{paired[-1]:.2f}x)" if paired else "")
+                  + f", peak RSS {a['peak_rss'] / GiB:.2f} / {b['peak_rss'] / GiB:.2f} GiB; step-1 loss "
                   f"{a['losses'][0]:.4f} / {b['losses'][0]:.4f}")
     print(f"\n{reproduce()}")
+
+def _finished(proc: subprocess.CompletedProcess) -> tuple[int, str, str]:
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def lockstep(modes: list[str], steps: int) -> list[tuple[str, int, str, str]]:
+    """--lockstep: each mode's child started and built in turn (alone on the machine), then step
+    i of every mode in the order given before step i + 1 of any; (mode, exit code, stdout,
+    stderr) of each once all have finished."""
+    if any(m == "peft" or "@" in m for m in modes):
+        raise SystemExit("--lockstep: one-process modes only (not peft, not MODE@N)")
+    env = {**os.environ, LOCKSTEP_ENV: "1"}
+    children, outs = [], {}
+    for mode in modes:
+        err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty child never blocks
+        proc = subprocess.Popen([sys.executable, __file__, "--child", mode, *sys.argv[1:]], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+        children.append((mode, proc, err))
+        outs[mode] = _read_until(proc, "READY")  # built before the next one starts
+    for _ in range(steps):
+        for mode, proc, _ in children:
+            try:
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            except (BrokenPipeError, ValueError):  # it died: its exit code and stderr say why
+                continue
+            outs[mode] += _read_until(proc, "STEPPED")
+    results = []
+    for mode, proc, err in children:
+        rest, _ = proc.communicate()
+        err.seek(0)
+        results.append((mode, proc.returncode, outs[mode] + rest, err.read()))
+    return results
+
+
+def _read_until(proc: subprocess.Popen, word: str) -> str:
+    """The child's stdout up to and including the line `word` (or its end, if it died)."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.strip() == word:
+            break
+    return "".join(lines)
+
 
 if __name__ == "__main__":
     main()
