@@ -306,6 +306,7 @@ def main() -> None:
                   f"{a['losses'][0]:.4f} / {b['losses'][0]:.4f}")
     print(f"\n{reproduce()}")
 
+
 def _finished(proc: subprocess.CompletedProcess) -> tuple[int, str, str]:
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -317,26 +318,26 @@ def lockstep(modes: list[str], steps: int) -> list[tuple[str, int, str, str]]:
     if any(m == "peft" or "@" in m for m in modes):
         raise SystemExit("--lockstep: one-process modes only (not peft, not MODE@N)")
     env = {**os.environ, LOCKSTEP_ENV: "1"}
-    children, outs = [], {}
+    children, outs = [], []  # by position: a mode may be given twice
     for mode in modes:
         err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty child never blocks
         proc = subprocess.Popen([sys.executable, __file__, "--child", mode, *sys.argv[1:]], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
         children.append((mode, proc, err))
-        outs[mode] = _read_until(proc, "READY")  # built before the next one starts
+        outs.append(_read_until(proc, "READY"))  # built before the next one starts
     for _ in range(steps):
-        for mode, proc, _ in children:
+        for i, (_, proc, _) in enumerate(children):
             try:
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
             except (BrokenPipeError, ValueError):  # it died: its exit code and stderr say why
                 continue
-            outs[mode] += _read_until(proc, "STEPPED")
+            outs[i] += _read_until(proc, "STEPPED")
     results = []
-    for mode, proc, err in children:
+    for (mode, proc, err), out in zip(children, outs):
         rest, _ = proc.communicate()
         err.seek(0)
-        results.append((mode, proc.returncode, outs[mode] + rest, err.read()))
+        results.append((mode, proc.returncode, out + rest, err.read()))
     return results
 
 
