@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from compose import BY_NAME, MAX_RANKS, SAVE_AFTER, STEPS, Exclusive, _reference, prepare, train_steps, verdict
+from compose import MAX_RANKS, SAVE_AFTER, _reference, prepare, train_steps, verdict
+from compose_matrix import BY_NAME, STEPS, Exclusive
 
 from shardlm.config.load import load_config
 from shardlm.launch.spawn import run_ranks

@@ -19,6 +19,7 @@ _spec = importlib.util.spec_from_file_location("compose", REPO / "bench" / "comp
 compose = importlib.util.module_from_spec(_spec)
 sys.modules["compose"] = compose
 _spec.loader.exec_module(compose)
+import compose_matrix as matrix  # noqa: E402 (bench/ is on the path above)
 
 EXCLUSIVE = {"fp16+fp8", "recompute_full+recompute_selective", "offload_cpu+offload_nvme"}
 
@@ -34,16 +35,16 @@ def _documented_refusals() -> dict[str, str]:
 
 def test_every_pair_is_accepted_or_refused_as_documented():
     refused, exclusive = {}, set()
-    for a, b in compose.pairs():
+    for a, b in matrix.pairs():
         try:
-            rules = compose.validate_pair(a, b)
-        except compose.Exclusive:
-            exclusive.add(compose.pair_name(a, b))
+            rules = matrix.validate_pair(a, b)
+        except matrix.Exclusive:
+            exclusive.add(matrix.pair_name(a, b))
             continue
         if rules:
             assert len(rules) == 1, (a.name, b.name, rules)  # one reason per pair: the table's
-            refused[compose.pair_name(a, b)] = next(iter(rules))
-    assert len(compose.FEATURES) == 24 and len(compose.pairs()) == 276
+            refused[matrix.pair_name(a, b)] = next(iter(rules))
+    assert len(matrix.FEATURES) == 24 and len(matrix.pairs()) == 276
     assert exclusive == EXCLUSIVE
     documented = _documented_refusals()
     assert refused == documented, (  # a new refusal, or one removed, updates the docs' table
@@ -52,34 +53,34 @@ def test_every_pair_is_accepted_or_refused_as_documented():
 
 
 def test_frontier_pairs_are_accepted_or_refused_as_documented():
-    """The newer features (compose.FRONTIER) against every feature: each refusal one that
+    """The newer features (matrix.FRONTIER) against every feature: each refusal one that
     architecture.md's frontier table lists with its rule (and only those), and the pairs issue
-    42 part 4 lifted (compose.LIFTED) accepted."""
+    42 part 4 lifted (matrix.LIFTED) accepted."""
     text = (REPO / "docs" / "architecture.md").read_text()
     section = text[text.index("### Issue 42's newer features"):]
     documented = {frozenset((a, b)): rule for a, b, rule in
                   re.findall(r"^\| ([a-z0-9_]+) × ([a-z0-9_]+) \| (_[a-z0-9_]+) \|", section, re.M)}
     refused = {}
-    for a, b in compose.pairs(frontier=True):
+    for a, b in matrix.pairs(frontier=True):
         try:
-            rules = compose.validate_pair(a, b)
-        except compose.Exclusive:
+            rules = matrix.validate_pair(a, b)
+        except matrix.Exclusive:
             continue
         if rules:
             assert len(rules) == 1, (a.name, b.name, rules)
             refused[frozenset((a.name, b.name))] = next(iter(rules))
     assert refused == documented and len(refused) == 5
-    assert len(compose.pairs(frontier=True)) == 24 * 8 + 28
-    for name in compose.LIFTED:
-        assert compose.validate_pair(*(compose.BY_NAME[n] for n in name.split("+"))) == {}, name
+    assert len(matrix.pairs(frontier=True)) == 24 * 8 + 28
+    for name in matrix.LIFTED:
+        assert matrix.validate_pair(*(matrix.BY_NAME[n] for n in name.split("+"))) == {}, name
 
 
 def test_a_refusal_says_what_to_change():
-    tp4 = compose.Feature("tp4", {"parallel.tp": 4})  # > llama-tiny's 2 key/value heads
-    rules = compose.validate_pair(tp4, compose.BY_NAME["qlora"])
+    tp4 = matrix.Feature("tp4", {"parallel.tp": 4})  # > llama-tiny's 2 key/value heads
+    rules = matrix.validate_pair(tp4, matrix.BY_NAME["qlora"])
     assert list(rules) == ["_lora_layout"]
     assert "parallel.tp = 4" in rules["_lora_layout"][0] and "lora.quantize = 'none'" in rules["_lora_layout"][0]
-    assert compose.validate_pair(compose.BY_NAME["tp"], compose.BY_NAME["lora"]) == {}
+    assert matrix.validate_pair(matrix.BY_NAME["tp"], matrix.BY_NAME["lora"]) == {}
 
 
 def test_a_mismatch_is_reported():
@@ -123,11 +124,11 @@ for the references, one for the pairs."""
 
 @pytest.fixture(scope="module")
 def subset_outcomes(tmp_path_factory):
-    chosen = [tuple(compose.BY_NAME[n] for n in pair.split("+")) for pair in SUBSET]
-    assert all(compose.validate_pair(a, b) == {} for a, b in chosen)
+    chosen = [tuple(matrix.BY_NAME[n] for n in pair.split("+")) for pair in SUBSET]
+    assert all(matrix.validate_pair(a, b) == {} for a, b in chosen)
     outcomes = {}
     compose.run_batch(chosen, tmp_path_factory.mktemp("compose"), {},
-                      lambda a, b, outcome: outcomes.__setitem__(compose.pair_name(a, b), outcome))
+                      lambda a, b, outcome: outcomes.__setitem__(matrix.pair_name(a, b), outcome))
     return outcomes
 
 
@@ -140,6 +141,6 @@ def test_pair_matches_one_process(subset_outcomes, pair):
 def test_a_pair_checked_elsewhere_is_reported_so(tmp_path):
     """Local SGD's reference is a simulation of its replicas, a fault-tolerant replica a world
     under the launcher: --run names the test that checks them instead of spawning."""
-    pair = (compose.BY_NAME["local_sgd"], compose.BY_NAME["zero3"])
+    pair = (matrix.BY_NAME["local_sgd"], matrix.BY_NAME["zero3"])
     status, detail = compose.run_pair(*pair, tmp_path, {})
-    assert status == compose.ELSEWHERE and "tests/test_local_sgd.py" in detail
+    assert status == matrix.ELSEWHERE and "tests/test_local_sgd.py" in detail
