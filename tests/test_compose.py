@@ -1,4 +1,4 @@
-"""The composition matrix (bench/compose.py): every pair of its 24 features validated — each
+"""The composition matrix (bench/compose_matrix.py, run by bench/compose.py): every pair of its 24 features validated — each
 refusal must be one docs/architecture.md lists, with its rule, under "Composition matrix" — and
 a fixed subset trained on gloo ranks against one process (the bench's reference and tolerances:
 fp32, every step's loss and gradient norm within 1e-4 relative)."""
@@ -53,9 +53,9 @@ def test_every_pair_is_accepted_or_refused_as_documented():
 
 
 def test_frontier_pairs_are_accepted_or_refused_as_documented():
-    """The newer features (matrix.FRONTIER) against every feature: each refusal one that
+    """The newer features (compose_matrix.FRONTIER) against every feature: each refusal one that
     architecture.md's frontier table lists with its rule (and only those), and the pairs issue
-    42 part 4 lifted (matrix.LIFTED) accepted."""
+    42 part 4 lifted (compose_matrix.LIFTED) accepted."""
     text = (REPO / "docs" / "architecture.md").read_text()
     section = text[text.index("### Issue 42's newer features"):]
     documented = {frozenset((a, b)): rule for a, b, rule in
