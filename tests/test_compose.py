@@ -1,7 +1,8 @@
-"""The composition matrix (bench/compose_matrix.py, run by bench/compose.py): every pair of its 24 features validated — each
-refusal must be one docs/architecture.md lists, with its rule, under "Composition matrix" — and
-a fixed subset trained on gloo ranks against one process (the bench's reference and tolerances:
-fp32, every step's loss and gradient norm within 1e-4 relative)."""
+"""The composition matrix (bench/compose_matrix.py, run by bench/compose.py): every pair of its
+24 features validated — each refusal must be one docs/architecture.md lists, with its rule,
+under "Composition matrix" — and a fixed subset trained on gloo ranks against one process (the
+bench's reference and tolerances: fp32, every step's loss and gradient norm within 1e-4
+relative)."""
 
 from __future__ import annotations
 
