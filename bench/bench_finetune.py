@@ -17,7 +17,10 @@ Reproduce:
     PYTHONPATH=src python bench/bench_finetune.py --instruct /tmp/bench-instruct \
         --modes lora,loop,loop-nodoc,qlora,qloop --precision fp32 --seq 128 --micro-batch 4 --rank 8
     PYTHONPATH=src python bench/bench_finetune.py --instruct /tmp/bench-instruct --lockstep \
-        --modes lora,loop,qlora,qloop --precision fp32 --seq 128 --micro-batch 4 --rank 8 --steps 9
+        --modes lora,loop,qlora,qloop --precision fp32 --seq 128 --micro-batch 4 --rank 8 --steps 9 \
+        --run-steps 1000
+--run-steps N: train.compile = 'auto' as a run of N steps decides it (a long fine-tune compiles
+its blocks on a CPU: train/resolve.py decide_compile); without it the bench's few steps train eager.
 --lockstep runs the modes side by side, one step of each in turn, and prints each step's ratio
 too: on a shared VM whose speed drifts ±25% over minutes, the modes run one after another can
 land in different phases of it.
@@ -236,6 +239,10 @@ def main() -> None:
                         help="run the modes side by side, one step of each in turn (step i of every "
                              "mode, then step i + 1): each built alone first, then timed under the "
                              "same drift of the machine; one-process modes (not peft, not MODE@N)")
+    parser.add_argument("--run-steps", type=int, default=0, metavar="N",
+                        help="train.compile = 'auto' decided as `shardlm train` decides it for a run "
+                             "of N steps (default: --steps, which is short: eager); --set "
+                             "train.compile=... overrides")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     overrides = {
@@ -250,6 +257,15 @@ def main() -> None:
         overrides.update({"model.hf_path": str(instruct_checkpoint(root / "smollm2-135m-shape", chats)),
                           "data.source": str(chats), "data.format": "chat", "data.max_bytes": 0})
         overrides.pop("model.preset")
+    compile_said = ""
+    if not any(item.startswith("train.compile=") for item in args.set):
+        from shardlm.train.resolve import decide_compile
+
+        steps = args.run_steps or args.steps
+        on, why = decide_compile(load_config(overrides={**overrides, "train.steps": steps}).validate(), 1,
+                                 torch.device("cpu"))
+        overrides["train.compile"] = on
+        compile_said = f"train.compile = auto for a run of {steps} steps: {'on' if on else 'off'} ({why})"
     modes = {"full": {}, "lora": {"lora.rank": args.rank},
              "qlora": {"lora.rank": args.rank, "lora.quantize": "nf4"}}
     if args.child:
@@ -269,6 +285,8 @@ def main() -> None:
     print(f"{machine()}; {model} {' '.join(args.set)}, {args.precision} compute, ZeRO stage 1 "
           f"on one process, batch {args.micro_batch}x{args.seq}, {args.steps} steps, lora.rank "
           f"{args.rank}", flush=True)
+    if compile_said:
+        print(compile_said, flush=True)
     rows, width = [], 2 if args.precision == "bf16" else 4
     modes = args.modes.split(",")
     outputs = lockstep(modes, args.steps) if args.lockstep else [

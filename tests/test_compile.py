@@ -127,3 +127,66 @@ def test_compile_time_in_first_record(compiled_runs):
     first, second = rank0["records"]
     assert 0 < first["compile_s"] < first["step_time_s"]
     assert "compile_s" not in second
+
+
+# train.compile = 'auto' (the default): decided once per run (train/resolve.py decide_compile)
+
+
+def _auto_cfg(**extra):
+    """gpt2-124m in fp32 at 8 x 256 tokens a step (~16 s of matmuls at the stubbed peak): 2,000
+    steps are far past ten minutes, 2 steps far short of them."""
+    return load_config(overrides={"model.preset": "gpt2-124m", "precision.compute": "fp32", "lora.rank": 8,
+                                  "train.micro_batch": 8, "train.seq_len": 256, **extra}).validate()
+
+
+@pytest.fixture
+def peak(monkeypatch):
+    """The CPU's fp32 matmul peak stubbed at 100 GFLOP/s (no measurement, the same on every CPU)."""
+    import shardlm.hardware.probe as probe
+
+    monkeypatch.setattr(probe, "cpu_peak_flops", lambda precision, *a, **k: 100e9)
+
+
+def test_auto_compiles_a_long_run_on_a_cpu_and_only_that(peak, monkeypatch):
+    """On: LoRA, long, composes, Inductor builds. Off, each with its reason: short, a GPU, not
+    LoRA, settings that do not compile (per-document attention's data-dependent lengths), no C++
+    compiler."""
+    import shardlm.train.resolve as resolve
+
+    monkeypatch.setattr(resolve, "_inductor_broken", lambda: "")
+    cpu = torch.device("cpu")
+    on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000}), 1, cpu)
+    assert on and "long run" in why and "train.compile = false" in why
+    on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2}), 1, cpu)
+    assert not on and "short run" in why
+    on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000}), 1, torch.device("cuda"))
+    assert not on and "train.compile = true" in why
+    on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000, "lora.rank": 0}), 1, cpu)
+    assert not on and "not a LoRA" in why
+    on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000, "model.attention": "per_document"}), 1, cpu)
+    assert not on and "per_document" in why
+    monkeypatch.setattr(resolve, "_inductor_broken", lambda: "CalledProcessError: g++ not found")
+    on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000}), 1, cpu)
+    assert not on and "g++ not found" in why and "install g++" in why
+
+
+def test_auto_is_resolved_in_the_run_config_and_said(peak, monkeypatch, caplog):
+    """decide() leaves a bool in the config the run records; the choice to compile is logged.
+    'auto' never reaches the model unresolved as 'on' (compile_on is True only for True)."""
+    import shardlm.train.resolve as resolve
+    from shardlm.config.fields import compile_on
+
+    monkeypatch.setattr(resolve, "_inductor_broken", lambda: "")
+    with caplog.at_level(logging.INFO, logger="shardlm"):
+        cfg = resolve.decide(_auto_cfg(**{"train.steps": 2000}), 1, torch.device("cpu"))
+    assert cfg.train.compile is True and "train.compile = auto: on" in caplog.text
+    assert resolve.decide(_auto_cfg(**{"train.steps": 2}), 1, torch.device("cpu")).train.compile is False
+    assert not compile_on(_auto_cfg().train)
+
+
+def test_inductor_builds_a_kernel_on_this_machine():
+    """The probe auto relies on: '' where torch.compile works (it does wherever this suite's
+    compiled cases pass), a reason where it does not."""
+    from shardlm.train.resolve import _inductor_broken
+
+    assert _inductor_broken() == ""

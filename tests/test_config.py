@@ -38,8 +38,15 @@ def test_unknown_key_in_file(tmp_path):
 def test_type_errors_name_key_and_value():
     with pytest.raises(ConfigError, match=r"train\.steps must be an int, got 'ten'"):
         load_config(overrides={"train.steps": "ten"})
-    with pytest.raises(ConfigError, match=r"train\.compile must be a bool"):
-        load_config(overrides={"train.compile": "maybe"})
+    with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel must be a bool"):
+        load_config(overrides={"parallel.sequence_parallel": "maybe"})
+    # a union (bool | str): the words of a bool are one, 'auto' the other; anything else is named
+    assert load_config(overrides={"train.compile": "off"}).train.compile is False
+    assert load_config(overrides={"train.compile": "auto"}).train.compile == "auto"
+    with pytest.raises(ConfigError, match=r"train\.compile = 'maybe'; choose one of true, false, auto"):
+        load_config(overrides={"train.compile": "maybe"}).validate()
+    with pytest.raises(ConfigError, match=r"train\.compile must be a bool or a str, got 3"):
+        load_config(overrides={"train.compile": 3})
 
 
 def test_validate_lists_every_problem():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import types
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, get_type_hints
 
@@ -60,6 +61,12 @@ PACKED_FORMATS = ("chat", "prompt_completion")
 def document_mask_on(data: Any) -> bool:
     """data.document_mask resolved: 'on', 'off', or 'auto' = on for the packed formats."""
     return data.document_mask == "on" or (data.document_mask == "auto" and data.format in PACKED_FORMATS)
+
+
+def compile_on(train: Any) -> bool:
+    """train.compile resolved: only True compiles; 'auto' is decided before the run builds
+    (train/resolve.py decide_compile) and trains eager wherever it was not."""
+    return train.compile is True
 
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
@@ -131,6 +138,7 @@ LOCAL_SGD_OUTER = ("diloco", "average")
 
 _CHOICES = {
     "train.optimizer": ("adamw", "muon"),
+    "train.compile": (True, False, "auto"),
     "model.norm": ("layernorm", "rmsnorm"),
     "data.format": DATA_FORMATS,
     "data.document_mask": ("auto", "on", "off"),
@@ -343,7 +351,12 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 def _type_problem(value: Any, typ: type) -> str | None:
     """Why `value` cannot be a `typ` field's value (a Config built in Python is not parsed), or
-    None. Floats must also be finite: a NaN passes every comparison's negation unseen."""
+    None. Floats must also be finite: a NaN passes every comparison's negation unseen. A union
+    (train.compile: bool | str) takes a value of any of its types."""
+    if isinstance(typ, types.UnionType):
+        if any(_type_problem(value, each) is None for each in typ.__args__):
+            return None
+        return f"must be {a_type(typ)}, not {type(value).__name__}"
     if typ is bool:
         ok = isinstance(value, bool)
     elif typ is int:
@@ -372,5 +385,8 @@ def _cross(*keys: str) -> Callable:
 
 
 def a_type(typ: type) -> str:
-    """'an int', 'a float', 'a bool', 'a str': a type's name with its article, for messages."""
+    """'an int', 'a float', 'a bool', 'a str': a type's name with its article, for messages
+    ('a bool or a str' for a union)."""
+    if isinstance(typ, types.UnionType):
+        return " or ".join(a_type(each) for each in typ.__args__)
     return ("an " if typ.__name__[0] in "aeiou" else "a ") + typ.__name__

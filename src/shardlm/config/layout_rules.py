@@ -7,7 +7,7 @@ seq2seq and Muon against the axes. Each names the keys to change (docs/architect
 from __future__ import annotations
 
 
-from shardlm.config.fields import Config, _cross, document_mask_on
+from shardlm.config.fields import Config, _cross, compile_on, document_mask_on
 from shardlm.parallel.pipeline.tables import NAMED
 from shardlm.errors import ConfigError
 
@@ -304,7 +304,7 @@ def _attention_composes(cfg: Config) -> list[str]:
         why = f"data.document_mask = {cfg.data.document_mask!r} (on for data.format = {cfg.data.format!r})"
         if cfg.data.format == "seq2seq":
             problems.append(f"{why}: seq2seq examples are not packed; set data.document_mask = 'off' or 'auto'")
-    if attention == "per_document" and cfg.train.compile:
+    if attention == "per_document" and compile_on(cfg.train):
         problems.append("model.attention = 'per_document' with train.compile = true: its document "
                         "lengths are data-dependent and cannot be one graph; use 'auto' (sdpa with "
                         "a mask when compiled) or 'sdpa'")
@@ -365,7 +365,7 @@ def _fp8_composes(cfg: Config) -> list[str]:
          par.tp > kv),
         ("train.compile", cfg.train.compile, "'delayed' scaling's amax history is Python state the "
          "emulation updates inside the matmul, which a compiled block cannot trace; use fp8_recipe = "
-         "'tensorwise' or 'blockwise' (those compile)", cfg.train.compile and p.fp8_emulate
+         "'tensorwise' or 'blockwise' (those compile)", compile_on(cfg.train) and p.fp8_emulate
          and p.fp8_recipe == "delayed"),
     ) if on]
     # On FP8 hardware torchao's Float8Linear converts plain nn.Linear layers only; the emulation

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import tomllib
+import types
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -61,7 +62,15 @@ def _unknown_key(key: str) -> ConfigError:
 
 
 def _coerce(key: str, value: Any, typ: type) -> Any:
-    """Turn a TOML value or a command-line string into the field's type, or explain why not."""
+    """Turn a TOML value or a command-line string into the field's type, or explain why not. A
+    union (train.compile: bool | str) takes the first of its types the value parses as."""
+    if isinstance(typ, types.UnionType):
+        for each in typ.__args__:
+            try:
+                return _coerce(key, value, each)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key} must be {a_type(typ)}, got {value!r} ({type(value).__name__})")
     if isinstance(value, str) and typ is not str:
         text = value.strip()
         try:

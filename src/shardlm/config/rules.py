@@ -15,6 +15,11 @@ from shardlm.config.fields import (_CHOICES, _CROSS, _RULES, NVME_RING_MAX_MB, T
                                    tracker_names)
 
 
+def _spelled(choice: object) -> str:
+    """A choice as a config file spells it (TOML's true/false)."""
+    return str(choice).lower() if isinstance(choice, bool) else str(choice)
+
+
 @_cross("train.global_batch", "train.micro_batch")
 def _global_batch_in_micro_batches(cfg: Config) -> list[str]:
     t = cfg.train
@@ -253,7 +258,7 @@ def validation_errors(cfg: Config, sections: dict[str, type]) -> list[str]:
                 continue
             choices = _CHOICES.get(key)
             if choices is not None and value not in choices:
-                report(key, f"{key} = {value!r}; choose one of {', '.join(map(str, choices))}")
+                report(key, f"{key} = {value!r}; choose one of {', '.join(_spelled(c) for c in choices)}")
                 continue
             rule = _RULES.get(key)
             if rule is not None and not rule[0](value):

@@ -148,10 +148,14 @@ class TrainConfig:
     data-parallel ranks; scored as val_loss, val_perplexity, val_token_accuracy."""
     log_every: int = 1
     """Write a JSONL line every this many steps."""
-    compile: bool = False
+    compile: bool | str = "auto"
     """torch.compile each transformer block (regional: compile time does not grow with depth;
     the ZeRO and checkpointing hooks stay eager around it). Composes with ZeRO stages 0-3,
-    offload and activation.checkpoint = 'full'; other strategies are refused by validate()."""
+    offload and activation.checkpoint = 'full'; other strategies are refused by validate().
+    'auto': on for a LoRA / QLoRA fine-tune on a CPU long enough to repay the first step's
+    compile (ten minutes of matmuls at the machine's peak: train/resolve.py decide_compile),
+    whose settings compile and where Inductor finds a C++ compiler; off otherwise (GPUs, full
+    training: set true). The decision is recorded in the run's config."""
     on_nonfinite: str = "stop"
     """fp32/bf16: a NaN/inf gradient norm (a diverged run) 'stop's the run with an error, or
     'skip's that step and goes on (counted in the log's `skipped`). fp16 always skips and backs

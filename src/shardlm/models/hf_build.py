@@ -28,7 +28,7 @@ import torch
 
 from shardlm.config.model import ModelConfig
 from shardlm.config.schema import Config
-from shardlm.config.fields import document_mask_on
+from shardlm.config.fields import compile_on, document_mask_on
 from shardlm.errors import ConfigError
 from shardlm.models.hf import CausalLMAdapter, Seq2SeqAdapter
 from shardlm.config.hf_shapes import causal_lm_config, decoder_problems
@@ -136,7 +136,7 @@ def route_problems(cfg: Config) -> list[str]:
     if cfg.lora.quantize != "none":
         problems.append(f"lora.quantize = {cfg.lora.quantize!r} (QLoRA quantises shardlm's Decoder "
                         f"linears); set lora.quantize = 'none' (plain LoRA works)")
-    if cfg.train.compile:
+    if compile_on(cfg.train):
         problems.append("train.compile = true (not verified with a transformers module yet); set "
                         "train.compile = false")
     return problems

@@ -38,6 +38,7 @@ from torch import nn
 
 from shardlm.comm.collectives import Comm, CommLedger
 from shardlm.comm.watchdog import CollectiveWatchdog
+from shardlm.config.fields import compile_on
 from shardlm.config.schema import Config
 from shardlm.config.model import ModelConfig
 from shardlm.data.packed import counted_targets
@@ -368,7 +369,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
         kept = {name for name, _ in model.named_parameters()}
         for name in [n for n in experts if n not in kept]:  # other stages' experts (one dict: model.ep's)
             del experts[name]
-    apply_ac(model, cfg.activation.checkpoint, compiled=cfg.train.compile)
+    apply_ac(model, cfg.activation.checkpoint, compiled=compile_on(cfg.train))
     # Before the engine: its ZeRO-3 gather hooks then run inside the offload hooks' scope, so the
     # gathered parameters are recognised (and never copied) at pack time.
     apply_offload(model, cfg.activation.offload, cfg.activation.offload_blocks)
@@ -380,7 +381,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
         log.info("split backward (I, W): %d linear layers with deferrable weight gradients",
                  make_deferrable(model, stage.weight_grads))
     moe: MoEStats | None = getattr(model, "moe_stats", None)  # ours, or a CausalLMAdapter's
-    return Parallelized(model, apply_compile(model, cfg.train.compile), strategy, tp, cp, stage, schedule,
+    return Parallelized(model, apply_compile(model, compile_on(cfg.train)), strategy, tp, cp, stage, schedule,
                         fp8, moe, step_hooks(model, mesh, cfg, device, watchdog, strategy, moe, fp8, masked),
                         step_on_device=isinstance(strategy, LocalEngine) and moe is None,
                         replicas_apart=mesh.dims.dp_replicate if strategy.local_sgd is not None else 1)

@@ -19,7 +19,7 @@ from shardlm.comm.mesh import Mesh, build_mesh
 from shardlm.comm.watchdog import CollectiveWatchdog
 from shardlm.config.schema import Config, RunConfig
 from shardlm.config.dims import resolve_dims
-from shardlm.config.fields import document_mask_on
+from shardlm.config.fields import compile_on, document_mask_on
 from shardlm.config.hf_shapes import causal_lm_config, encoder_decoder_config, transformers_config
 from shardlm.data.loader import Dataset, Loader, build_dataset
 from shardlm.data.corpus import check_text_files
@@ -114,7 +114,7 @@ def build_run(cfg: Config, runtime: Runtime | None = None, model: nn.Module | No
                 if runtime.world_size > 1 and timeout else None)
     # data.document_mask: batches of PackedTokens, and the attention backend that runs them
     documents = document_mask_on(cfg.data)
-    log.info(configure_attention(model, cfg.model.attention, runtime.device, documents, t.compile))
+    log.info(configure_attention(model, cfg.model.attention, runtime.device, documents, compile_on(t)))
     built = parallelize(model, mesh, cfg, runtime.device, watchdog, run_dir,
                         masked=dataset.train_mask is not None or bool(dataset.source_len))
     common = dict(seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed, source_len=dataset.source_len,

@@ -12,6 +12,7 @@ import time
 from typing import Callable
 
 from shardlm.checkpoint.weights import save_weights
+from shardlm.config.fields import compile_on
 from shardlm.launch.runtime import StopSignals, planned_fault
 from shardlm.models.decoder import build_model
 from shardlm.models.moe import bias_tensors
@@ -130,7 +131,7 @@ def timed_step(run: Run, step: int, profiler: StepProfiler, stop_requested: bool
     """One step, timed and profiled, and its record: the first step's compile time, whether it
     was skipped, the fault-tolerant replicas' quorum."""
     run.strategy.ledger.reset()  # evaluation's gathers are not a training step's
-    compiling = run.cfg.train.compile and step == run.start_step  # the blocks compile now
+    compiling = compile_on(run.cfg.train) and step == run.start_step  # the blocks compile now
     compiled_before = compile_seconds() if compiling else 0.0
     profiler.begin(step + 1)
     start = time.perf_counter()

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from shardlm.checkpoint.sharded import MANIFEST, parse_manifest
+from shardlm.config.fields import compile_on
 from shardlm.config.schema import Config
 from shardlm.config.load import config_from_dict
 from shardlm.config.dims import grad_accum_for
@@ -89,6 +90,62 @@ def finetune_note(cfg: Config) -> str:
             f"train.warmup_steps or train.warmup_fraction to choose)")
 
 
+COMPILE_PAYS_AFTER_S = 600.0
+"""train.compile = 'auto' compiles a LoRA / QLoRA run on a CPU whose eager time, counted at the machine's
+measured matmul peak, is at least this long. The first step's compile costs tens of seconds (41 s
+cold, 9-23 s from the cache, for the 135M instruct shape's block on 2 cores, 2026-11-30); the
+fused element-wise work then saves 15-25% of each step (docs/finetuning.md), so a run of ten
+minutes or more repays it several times over, and a short one (every test, the README's default
+run) is not kept waiting."""
+
+
+def decide_compile(cfg: Config, world_size: int, device: torch.device) -> tuple[bool, str]:
+    """train.compile = 'auto' decided for this run: (compile?, why). On for a LoRA or QLoRA
+    fine-tune (where it was measured to pay: docs/finetuning.md) on a CPU (not yet measured on a
+    GPU) whose run is long (COMPILE_PAYS_AFTER_S), whose settings compose with compilation
+    (validate's rules, the transformers path's) and where Inductor builds a kernel (a C++
+    compiler: tried on a one-line function)."""
+    from shardlm.hardware.probe import cpu_peak_flops
+    from shardlm.models.flops import flops_per_token
+    from shardlm.models.hf_build import route_problems
+
+    if device.type != "cpu":
+        return False, f"not measured on a {device.type} yet; set train.compile = true to compile"
+    if not cfg.lora.rank:
+        return False, ("not a LoRA / QLoRA fine-tune: measured to gain there (a frozen base has no "
+                       "weight-gradient products, so fusing the element-wise rest saves a larger "
+                       "share), not elsewhere (gpt-mini pre-training 0.95x); set train.compile = true")
+    t = cfg.train
+    tokens = t.micro_batch * t.grad_accum * t.seq_len  # one rank's, each step
+    seconds = t.steps * tokens * flops_per_token(cfg.model, t.seq_len) / cpu_peak_flops(carrier(cfg.precision.compute))
+    if seconds < COMPILE_PAYS_AFTER_S:
+        return False, (f"a short run ({seconds:.0f} s of matmuls at this CPU's peak, under "
+                       f"{COMPILE_PAYS_AFTER_S:.0f} s: the compile would not pay)")
+    on = copy.deepcopy(cfg)
+    on.train.compile = True
+    try:
+        on.validate()
+    except ConfigError as err:
+        return False, f"these settings do not compile: {str(err).splitlines()[-1].strip(' -')}"
+    if route_problems(on):
+        return False, "the transformers path is not compiled yet"
+    broken = _inductor_broken()
+    if broken:
+        return False, f"Inductor cannot build CPU kernels here ({broken}); install g++ (or set CXX)"
+    return True, (f"a long run ({seconds / 60:.0f} min of matmuls at this CPU's peak): the first "
+                  f"step compiles each block (tens of seconds), the rest run fused; set "
+                  f"train.compile = false to train eager")
+
+
+def _inductor_broken() -> str:
+    """'' when torch.compile builds and runs a CPU kernel in this process, else why not."""
+    try:
+        torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(4))
+    except Exception as err:  # noqa: BLE001 - any failure means: train eager, and say why
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    return ""
+
+
 def with_global_batch(cfg: Config, world_size: int) -> Config:
     """With train.global_batch set: `cfg` with grad_accum = global_batch / (micro_batch x dp) at
     `world_size` ranks (a copy), so that a gang restarted at another size keeps the global batch,
@@ -157,6 +214,13 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
         cfg.precision.compute = compute
         log.info("precision.compute = auto: %s on this %s (decided once, recorded in the run's config)",
                  compute, device.type)
+    if cfg.train.compile == "auto":
+        on, why = (False, "deciding for another machine (--gpus)") if hardware else \
+            decide_compile(cfg, world_size, device)
+        cfg = copy.deepcopy(cfg)
+        cfg.train.compile = on
+        (log.info if on or "Inductor" in why else log.debug)(
+            "train.compile = auto: %s — %s", "on" if on else "off", why)
     if cfg.precision.cpu_bf16_gemm == "auto":
         cfg = copy.deepcopy(cfg)
         cfg.precision.cpu_bf16_gemm = _auto_bf16_gemm(cfg, device if hardware is None else None)
@@ -167,7 +231,7 @@ def _auto_bf16_gemm(cfg: Config, cpu: torch.device | None) -> str:
     """precision.cpu_bf16_gemm = 'auto': 'fp32' for a bf16 run on a CPU whose torch bf16 matmul
     is slower than its fp32 one (hardware.machine.cpu_bf16_gemm, by the measured peaks), not compiled;
     'native' otherwise (a GPU, fp32 / fp16 compute, train.compile)."""
-    if cpu is None or cpu.type != "cpu" or carrier(cfg.precision.compute) != "bf16" or cfg.train.compile:
+    if cpu is None or cpu.type != "cpu" or carrier(cfg.precision.compute) != "bf16" or compile_on(cfg.train):
         return "native"
     from shardlm.hardware.probe import cpu_peak_flops
 
