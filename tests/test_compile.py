@@ -141,10 +141,11 @@ def _auto_cfg(**extra):
 
 @pytest.fixture
 def peak(monkeypatch):
-    """The CPU's fp32 matmul peak stubbed at 100 GFLOP/s (no measurement, the same on every CPU)."""
+    """The CPU's fp32 matmul peak stubbed at 100 GFLOP/s, bf16's at 0 (no measurement, the same
+    on every CPU)."""
     import shardlm.hardware.probe as probe
 
-    monkeypatch.setattr(probe, "cpu_peak_flops", lambda precision, *a, **k: 100e9)
+    monkeypatch.setattr(probe, "cpu_peak_flops", lambda precision, *a, **k: 100e9 if precision == "fp32" else 0.0)
 
 
 def test_auto_compiles_a_long_run_on_a_cpu_and_only_that(peak, monkeypatch):
@@ -165,6 +166,8 @@ def test_auto_compiles_a_long_run_on_a_cpu_and_only_that(peak, monkeypatch):
     assert not on and "not a LoRA" in why
     on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000, "model.attention": "per_document"}), 1, cpu)
     assert not on and "per_document" in why
+    on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000, "precision.compute": "bf16"}), 1, cpu)
+    assert not on and "bf16 matmul is slower" in why  # the stub's bf16 peak: 0, as a CPU without bf16
     monkeypatch.setattr(resolve, "_inductor_broken", lambda: "CalledProcessError: g++ not found")
     on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000}), 1, cpu)
     assert not on and "g++ not found" in why and "install g++" in why

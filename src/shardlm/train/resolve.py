@@ -115,6 +115,10 @@ def decide_compile(cfg: Config, world_size: int, device: torch.device) -> tuple[
         return False, ("not a LoRA / QLoRA fine-tune: measured to gain there (a frozen base has no "
                        "weight-gradient products, so fusing the element-wise rest saves a larger "
                        "share), not elsewhere (gpt-mini pre-training 0.95x); set train.compile = true")
+    if (carrier(cfg.precision.compute) == "bf16" and cfg.precision.cpu_bf16_gemm != "native"
+            and cpu_bf16_gemm({p: cpu_peak_flops(p) for p in ("fp32", "bf16")}) == "fp32"):
+        return False, ("this CPU's bf16 matmul is slower than its fp32 one: eager multiplies bf16 "
+                       "operands in fp32 GEMMs (precision.cpu_bf16_gemm), a compiled block in bf16")
     t = cfg.train
     tokens = t.micro_batch * t.grad_accum * t.seq_len  # one rank's, each step
     seconds = t.steps * tokens * flops_per_token(cfg.model, t.seq_len) / cpu_peak_flops(carrier(cfg.precision.compute))
