@@ -81,3 +81,26 @@ def test_resumed_steps_nulls_and_missing_steps(tmp_path):
     short = _log(tmp_path / "d.jsonl", [{"step": 1, "loss": 3.0}])
     result = compare_runs(a, short)
     assert not result.diverged and result.only_a == [2, 3] and not result.match
+
+
+def test_a_record_cut_off_by_a_kill_is_ended_on_resume_and_skipped(tmp_path, caplog):
+    """A rank SIGKILLed inside its write leaves a record's first bytes without a newline (seen in
+    CI: a fault-tolerance test's replica killed with the whole job). The resumed run's MetricsLog
+    ends that line before appending, so its own records stay whole lines, and compare skips the
+    cut-off one (and says so) instead of refusing the log."""
+    from shardlm.train.telemetry import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    whole = json.dumps({"step": 1, "loss": 3.0}) + "\n"
+    path.write_text(whole + json.dumps({"step": 2, "loss": 2.5, "note": "x" * 50})[:30])
+    with caplog.at_level("WARNING", logger="shardlm"):
+        log = MetricsLog(path)
+    log.write({"step": 2, "loss": 2.5})
+    log.close()
+    assert "its last record was cut off" in caplog.text
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and lines[0] == whole.strip() and json.loads(lines[2]) == {"step": 2, "loss": 2.5}
+    run = read_run(path)
+    assert run.cut_off == 1 and sorted(run.steps) == [1, 2] and run.repeated == 0
+    MetricsLog(path).close()  # a log that ends whole gets no extra line
+    assert len(path.read_text().splitlines()) == 3

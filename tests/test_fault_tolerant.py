@@ -46,6 +46,7 @@ from shardlm.launch import runtime
 from shardlm.checkpoint.sharded import CheckpointWriter
 from shardlm.parallel.data.fault_tolerant.launcher import (JOINED, REPLICA_FAULTS_ENV, fault_of, quorum_endpoint,
                                                           replica_faults, state_holders)
+from shardlm.launch.failures import is_cut_off
 from shardlm.launch.runtime import cpu_cores
 from shardlm.models.moe import bias_tensors
 from shardlm.train.build import build_run
@@ -212,7 +213,9 @@ def _launch(overrides: dict, faults: str, lost: int | None, ranks: int = 1) -> t
 
 
 def _records(path: Path) -> list[dict]:
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+    """The step records; a record cut off by a SIGKILL mid-write (telemetry.is_cut_off) is not one."""
+    return [r for r in map(json.loads, (line for line in path.read_text().splitlines() if not is_cut_off(line)))
+            if "loss" in r]
 
 
 def _reference(tmp_path: Path, quorums: list[list[int]], ranks: int = 1, extra: dict | None = None):

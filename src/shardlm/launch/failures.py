@@ -100,6 +100,15 @@ def run_dir_of(worker_argv: list[str]) -> Path | None:
     return Path(cfg.run.dir) / cfg.run.name if cfg.run.name else None
 
 
+def is_cut_off(line: str) -> bool:
+    """Whether a metrics.jsonl line is a record cut off as it was written: a process killed in
+    the middle of its write (SIGKILL can end a write() short) leaves the start of a JSON object
+    without its end. Readers skip it (studies/compare.py); MetricsLog ends it with a newline
+    before a resumed run appends, so the records after it stay whole lines."""
+    text = line.strip()
+    return text.startswith("{") and not text.endswith("}")
+
+
 def last_step(run_dir: Path) -> int | None:
     """The last step metrics.jsonl recorded (its tail, read defensively), or None."""
     try:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardlm.errors import ConfigError
+from shardlm.launch.failures import is_cut_off
 
 LOG = "metrics.jsonl"
 """The file `shardlm train` writes in the run directory (rank 0: train.loop.train)."""
@@ -41,6 +42,8 @@ class RunLog:
     """step -> its last record."""
     repeated: int = 0
     """Records of a step logged again (a resume)."""
+    cut_off: int = 0
+    """Records cut off mid-line (telemetry.is_cut_off: the process was killed writing them)."""
 
 
 @dataclass
@@ -92,6 +95,9 @@ def read_run(path: str | Path, label: str = "RUN") -> RunLog:
                                   f"{raw[e.start:e.start + 4]!r}): binary data, not a {LOG} of "
                                   f"`shardlm train` (damaged by a crash or a bad copy?)") from None
             if not line.strip():
+                continue
+            if is_cut_off(line):
+                log.cut_off += 1
                 continue
             try:
                 record = json.loads(line)
@@ -171,6 +177,9 @@ def summary(c: Comparison) -> list[str]:
         if only:
             out.append(f"steps only in {label}: {len(only)} ({_steps(only)})")
     for label, log in (("A", c.a), ("B", c.b)):
+        if log.cut_off:
+            out.append(f"{label} has {log.cut_off} record(s) cut off mid-line (a process killed while "
+                       f"writing it): skipped")
         if log.repeated:
             out.append(f"{label} logged {log.repeated} step(s) again (a resume): the last record of each counts")
     pairs = [(c.a.steps[s].get("loss"), c.b.steps[s].get("loss")) for s in c.common]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import re
 import resource
@@ -22,6 +23,8 @@ from typing import Any, TextIO
 import torch
 
 from shardlm.hardware.probe import cpu_peak_flops
+
+log = logging.getLogger("shardlm")
 
 
 def peak_flops(device: torch.device, precision: str) -> float:
@@ -108,14 +111,28 @@ def device_memory_record(device: torch.device) -> dict:
     return {"peak_device_bytes": torch.cuda.max_memory_allocated(device)}
 
 
+def _ends_mid_line(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
+
+
 class MetricsLog:
     """One JSON object per line; flushed per write so a crashed run keeps its log. `first`'s
     keys join the first record written (the planner's "predicted" for the run), in place: the
-    trackers that log the same record next hold them too."""
+    trackers that log the same record next hold them too. Appending to a log whose last record
+    was cut off (launch/failures.py is_cut_off), it first ends that line."""
 
     def __init__(self, path: Path | None, first: dict[str, Any] | None = None):
         self.path = path
         self._file: TextIO | None = open(path, "a", buffering=1) if path else None
+        if self._file is not None and _ends_mid_line(path):
+            self._file.write("\n")
+            log.warning("%s: its last record was cut off (the run was killed while writing it): "
+                        "left as it is, this run's records start on the next line", path)
         self._first = first or {}
 
     def write(self, record: dict[str, Any]) -> None:
