@@ -103,10 +103,17 @@ def run_dir_of(worker_argv: list[str]) -> Path | None:
 def is_cut_off(line: str) -> bool:
     """Whether a metrics.jsonl line is a record cut off as it was written: a process killed in
     the middle of its write (SIGKILL can end a write() short) leaves the start of a JSON object
-    without its end. Readers skip it (studies/compare.py); MetricsLog ends it with a newline
-    before a resumed run appends, so the records after it stay whole lines."""
+    that does not parse (it may end in a nested object's '}'). Readers skip it
+    (studies/compare.py); MetricsLog ends it with a newline before a resumed run appends, so the
+    records after it stay whole lines."""
     text = line.strip()
-    return text.startswith("{") and not text.endswith("}")
+    if not text.startswith("{"):
+        return False
+    try:
+        json.loads(text)
+    except ValueError:
+        return True
+    return False
 
 
 def last_step(run_dir: Path) -> int | None:
