@@ -257,17 +257,20 @@ def main() -> None:
         overrides.update({"model.hf_path": str(instruct_checkpoint(root / "smollm2-135m-shape", chats)),
                           "data.source": str(chats), "data.format": "chat", "data.max_bytes": 0})
         overrides.pop("model.preset")
-    compile_said = ""
+    modes = {"full": {}, "lora": {"lora.rank": args.rank},
+             "qlora": {"lora.rank": args.rank, "lora.quantize": "nf4"}}
+    compile_said = []
     if not any(item.startswith("train.compile=") for item in args.set):
         from shardlm.train.resolve import decide_compile
 
         steps = args.run_steps or args.steps
-        on, why = decide_compile(load_config(overrides={**overrides, "train.steps": steps}).validate(), 1,
-                                 torch.device("cpu"))
-        overrides["train.compile"] = on
-        compile_said = f"train.compile = auto for a run of {steps} steps: {'on' if on else 'off'} ({why})"
-    modes = {"full": {}, "lora": {"lora.rank": args.rank},
-             "qlora": {"lora.rank": args.rank, "lora.quantize": "nf4"}}
+        wanted = [m.partition("@")[0] for m in ([args.child] if args.child else args.modes.split(","))]
+        for mode in [m for m in wanted if m in modes]:  # a child decides for its own mode only
+            cfg = load_config(overrides={**overrides, **modes[mode], "train.steps": steps}).validate()
+            on, why = decide_compile(cfg, 1, torch.device("cpu"))
+            modes[mode] = {**modes[mode], "train.compile": on}
+            compile_said.append(f"{mode}: train.compile = auto for a run of {steps} steps: "
+                                f"{'on' if on else 'off'} ({why})")
     if args.child:
         mode, _, ranks = args.child.partition("@")
         if mode == "peft":
@@ -285,8 +288,8 @@ def main() -> None:
     print(f"{machine()}; {model} {' '.join(args.set)}, {args.precision} compute, ZeRO stage 1 "
           f"on one process, batch {args.micro_batch}x{args.seq}, {args.steps} steps, lora.rank "
           f"{args.rank}", flush=True)
-    if compile_said:
-        print(compile_said, flush=True)
+    for line in compile_said:
+        print(line, flush=True)
     rows, width = [], 2 if args.precision == "bf16" else 4
     modes = args.modes.split(",")
     outputs = lockstep(modes, args.steps) if args.lockstep else [

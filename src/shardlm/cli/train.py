@@ -272,7 +272,7 @@ def dry_run(args: argparse.Namespace, cfg) -> int:
           + f". Resolved: ZeRO stage {resolved.parallel.zero_stage}"
           f"{_model_axes(resolve_dims(resolved.parallel, world), resolved.parallel)}, precision "
           f"{resolved.precision.compute}, micro-batch {resolved.train.micro_batch} x grad-accum "
-          f"{resolved.train.grad_accum}. Nothing was trained.")
+          f"{resolved.train.grad_accum}, compile {str(resolved.train.compile).lower()}. Nothing was trained.")
     return 0
 
 
