@@ -406,3 +406,23 @@ def test_a_checkpoint_of_the_old_one_string_qlora_layout_is_named_as_such(tmp_pa
         reader.entry("param/blocks.0.attn.qkv.weight_q", (96, 64))
     with pytest.raises(CheckpointError, match="different model"):
         reader.entry("param/blocks.0.attn.qkv.weight_q", (6145,))
+
+
+def test_both_dequantisation_paths_give_the_same_bits(monkeypatch):
+    """NF4 in fp32 on the CPU: bitsandbytes' kernel (used where installed: faster) and the torch
+    ops (used without it; in eager products into one reusable buffer, quant_format.product_weight)
+    give identical values, the buffer reused from one weight to the next."""
+    import shardlm.models.quant_format as qf
+
+    shapes = [(64, 256), (96, 128), (32, 64)]  # whole blocks (the kernel's case), the largest first
+    tables = [quantize(_weight(shape), "nf4") for shape in shapes]
+    fmts = [QuantFormat("nf4", shape) for shape in shapes]
+    assert qf._kernel_takes(fmts[0], torch.float32)
+    by_kernel = [qf.product_weight(t, f, torch.float32).clone() for t, f in zip(tables, fmts)]
+    monkeypatch.setattr(qf, "_BNB", False)  # as without bitsandbytes
+    assert not qf._kernel_takes(fmts[0], torch.float32)
+    by_torch = [qf.product_weight(t, f, torch.float32) for t, f in zip(tables, fmts)]
+    assert by_torch[0].data_ptr() == by_torch[1].data_ptr()  # the one scratch buffer
+    by_torch = [qf.product_weight(t, f, torch.float32).clone() for t, f in zip(tables, fmts)]
+    assert all(torch.equal(a, b) for a, b in zip(by_kernel, by_torch))
+    assert all(torch.equal(a, dequantize_torch(t, f, torch.float32)) for a, t, f in zip(by_kernel, tables, fmts))

@@ -234,20 +234,18 @@ def _double_quantize(absmax: torch.Tensor, fmt: QuantFormat,
 def dequantize(packed: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """The stored rows (R, K) in `dtype` from their byte table: the arithmetic in fp32, then
-    cast (the weight is this, or its transpose with fmt.transposed: `weight_of`). NF4 in fp32 on
-    the CPU goes through torch ops (a gather of each byte's two levels, then the blocks'
-    absmaxes: as fast as bitsandbytes' C kernel there, and into `out`, an fp32 (R, K) buffer,
-    when given); else through bitsandbytes' dequantize_4bit kernel (C on CPU, CUDA on GPU) when
-    it is installed and the rows are whole blocks, else torch ops (dequantize_torch): the same
-    values."""
+    cast (the weight is this, or its transpose with fmt.transposed: `weight_of`). NF4 goes
+    through bitsandbytes' dequantize_4bit kernel (C on a CPU, CUDA on a GPU) when it is
+    installed and the rows are whole blocks (`_kernel_takes`): on an AVX-512 Xeon 3-5x the torch
+    ops below in fp32 (the 135M shape's weights, 2026-11-30; bitwise the same values); else
+    through torch ops (a gather of each byte's two levels, then the blocks' absmaxes), in fp32
+    into `out`, an fp32 (R, K) buffer, when given."""
     if fmt.kind == "int8":
         return dequantize_torch(packed, fmt, dtype)
-    kernel = _bnb_kernel()
     r, k = fmt.rows
-    on_cpu = packed.device.type == "cpu" and dtype == torch.float32
     codes = packed[:, fmt.codes_at + fmt.blocks:]
-    if kernel is not None and not on_cpu and k % BLOCK == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16):
-        return kernel(codes.reshape(-1), _nf4_absmax(packed, fmt).reshape(-1), BLOCK, "nf4", [r, k], dtype)
+    if _kernel_takes(fmt, dtype):
+        return _bnb_kernel()(codes.reshape(-1), _nf4_absmax(packed, fmt).reshape(-1), BLOCK, "nf4", [r, k], dtype)
     if dtype == torch.float32:
         return _nf4_values(codes, _nf4_absmax(packed, fmt), fmt, out)
     return dequantize_torch(packed, fmt, dtype)
@@ -318,6 +316,12 @@ def _nf4_values(codes: torch.Tensor, absmax: torch.Tensor, fmt: QuantFormat,
     return values if out is None else out.copy_(values)
 
 
+def _kernel_takes(fmt: QuantFormat, dtype: torch.dtype) -> bool:
+    """Whether `dequantize` runs bitsandbytes' kernel for `fmt` in `dtype`."""
+    return (fmt.kind == "nf4" and fmt.rows[1] % BLOCK == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and _bnb_kernel() is not None)
+
+
 _BNB: object = None
 
 
@@ -360,11 +364,12 @@ _SCRATCH = threading.local()
 
 def product_weight(packed: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
     """The weight (out, in) for one product that keeps nothing of it (QuantizedLinearFn, LoRA's
-    fused layer): NF4 in fp32 on the CPU, outside a compiled graph, dequantised into this
-    thread's one reusable buffer, sized to the largest weight so far, which the next call
-    overwrites (no fresh pages per layer and pass); else a new tensor (`_weight`)."""
+    fused layer): NF4 in fp32 on the CPU by torch ops (no bitsandbytes), outside a compiled
+    graph, dequantised into this thread's one reusable buffer, sized to the largest weight so
+    far, which the next call overwrites (no fresh pages per layer and pass); else a new tensor
+    (`_weight`; bitsandbytes' kernel writes its own)."""
     if (fmt.kind != "nf4" or dtype != torch.float32 or packed.device.type != "cpu"
-            or torch.compiler.is_compiling()):
+            or torch.compiler.is_compiling() or _kernel_takes(fmt, dtype)):
         return _weight(packed, fmt, dtype)
     numel = fmt.numel
     buffer = getattr(_SCRATCH, "buffer", None)
