@@ -290,12 +290,16 @@ def _nf4_absmax(packed: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     """The blocks' absmaxes (fp32, (R, blocks)) undone from their double quantisation: level x
     its group's absmax2, plus the offset (two fp32 roundings, as bitsandbytes' dequantize_4bit)."""
     at, nb, g = fmt.codes_at, fmt.blocks, fmt.groups
-    offset, absmax2 = _fp32_from(packed, 0, 1), _fp32_from(packed, 8, g)  # (R, 1), (R, G)
-    phase = _fp32_from(packed, 4, 1, torch.int32)  # (R, 1)
+    header = _fp32_from(packed, 0, at // 4)  # (R, 2 + G): offset, phase (int32 bits), absmax2
+    offset, phase, absmax2 = header[:, :1], header[:, 1:2].view(torch.int32), header[:, 2:]
     codes = packed[:, at:at + nb].int()  # (R, nb)
     levels = torch.index_select(_table("dynamic", packed.device), 0, codes.view(-1)).view(codes.shape)
-    group = torch.arange(nb, device=packed.device).add(phase).div_(ABSMAX_BLOCK, rounding_mode="floor")
-    return levels.mul_(torch.gather(absmax2, 1, group)).add_(offset)
+    block = torch.arange(nb, dtype=torch.int32, device=packed.device)
+    if g <= 2:  # a row's blocks span at most two groups (K <= 16,448): the second from 256 - phase on
+        scale = torch.where(block >= ABSMAX_BLOCK - phase, absmax2[:, g - 1:], absmax2[:, :1])
+    else:
+        scale = torch.gather(absmax2, 1, block.add(phase).div_(ABSMAX_BLOCK, rounding_mode="floor").long())
+    return levels.mul_(scale).add_(offset)
 
 
 def _nf4_values(codes: torch.Tensor, absmax: torch.Tensor, fmt: QuantFormat,
