@@ -267,7 +267,7 @@ def main() -> None:
         wanted = [m.partition("@")[0] for m in ([args.child] if args.child else args.modes.split(","))]
         for mode in [m for m in wanted if m in modes]:  # a child decides for its own mode only
             cfg = load_config(overrides={**overrides, **modes[mode], "train.steps": steps}).validate()
-            on, why = decide_compile(cfg, 1, torch.device("cpu"))
+            on, why, _ = decide_compile(cfg, torch.device("cpu"))
             modes[mode] = {**modes[mode], "train.compile": on}
             compile_said.append(f"{mode}: train.compile = auto for a run of {steps} steps: "
                                 f"{'on' if on else 'off'} ({why})")

@@ -156,21 +156,21 @@ def test_auto_compiles_a_long_run_on_a_cpu_and_only_that(peak, monkeypatch):
 
     monkeypatch.setattr(resolve, "_inductor_broken", lambda: "")
     cpu = torch.device("cpu")
-    on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000}), 1, cpu)
+    on, why, _ = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000}), cpu)
     assert on and "long run" in why and "train.compile = false" in why
-    on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2}), 1, cpu)
-    assert not on and "short run" in why
-    on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000}), 1, torch.device("cuda"))
+    on, why, routine = resolve.decide_compile(_auto_cfg(**{"train.steps": 2}), cpu)
+    assert not on and "short run" in why and routine  # said at debug: every test run is short
+    on, why, _ = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000}), torch.device("cuda"))
     assert not on and "train.compile = true" in why
-    on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000, "lora.rank": 0}), 1, cpu)
+    on, why, _ = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000, "lora.rank": 0}), cpu)
     assert not on and "not a LoRA" in why
-    on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000, "model.attention": "per_document"}), 1, cpu)
+    on, why, _ = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000, "model.attention": "per_document"}), cpu)
     assert not on and "per_document" in why
-    on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000, "precision.compute": "bf16"}), 1, cpu)
+    on, why, _ = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000, "precision.compute": "bf16"}), cpu)
     assert not on and "bf16 matmul is slower" in why  # the stub's bf16 peak: 0, as a CPU without bf16
     monkeypatch.setattr(resolve, "_inductor_broken", lambda: "CalledProcessError: g++ not found")
-    on, why = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000}), 1, cpu)
-    assert not on and "g++ not found" in why and "install g++" in why
+    on, why, routine = resolve.decide_compile(_auto_cfg(**{"train.steps": 2000}), cpu)
+    assert not on and "g++ not found" in why and "install g++" in why and not routine
 
 
 def test_auto_is_resolved_in_the_run_config_and_said(peak, monkeypatch, caplog):

@@ -43,7 +43,7 @@ class RunLog:
     repeated: int = 0
     """Records of a step logged again (a resume)."""
     cut_off: int = 0
-    """Records cut off mid-line (telemetry.is_cut_off: the process was killed writing them)."""
+    """Records cut off mid-line (launch/failures.py is_cut_off: a process killed writing them)."""
 
 
 @dataclass
@@ -71,7 +71,8 @@ class Comparison:
 
 def read_run(path: str | Path, label: str = "RUN") -> RunLog:
     """A run directory's metrics.jsonl (or a .jsonl file given itself), by step. A path without
-    one, an empty log, a line that is not a JSON object with a 'step' is a ConfigError."""
+    one, an empty log, a line that is not a JSON object with a 'step' is a ConfigError; a record
+    cut off by a kill (is_cut_off) is skipped and counted."""
     path = Path(path)
     file = path / LOG if path.is_dir() else path
     if not path.exists():
@@ -96,12 +97,12 @@ def read_run(path: str | Path, label: str = "RUN") -> RunLog:
                                   f"`shardlm train` (damaged by a crash or a bad copy?)") from None
             if not line.strip():
                 continue
-            if is_cut_off(line):
-                log.cut_off += 1
-                continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
+                if is_cut_off(line):
+                    log.cut_off += 1
+                    continue
                 raise ConfigError(f"{file}:{lineno}: not JSON ({e.msg}): is this a {LOG} of "
                                   f"`shardlm train`?") from None
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):

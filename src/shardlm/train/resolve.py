@@ -15,6 +15,7 @@ import copy
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -50,9 +51,7 @@ def local_hardware(device: torch.device, world_size: int, mmap_threshold: int | 
 
 def _auto_compute(device: torch.device) -> str:
     if device.type == "cpu":
-        from shardlm.hardware.probe import cpu_peak_flops
-
-        return choose_compute("cpu", {p: cpu_peak_flops(p) for p in ("fp32", "bf16")})
+        return choose_compute("cpu", _cpu_peaks())
     known = device_for_gpu_name(torch.cuda.get_device_name(device))
     if known is not None:
         return choose_compute(known.kind, known.peak)
@@ -99,46 +98,66 @@ minutes or more repays it several times over, and a short one (every test, the R
 run) is not kept waiting."""
 
 
-def decide_compile(cfg: Config, world_size: int, device: torch.device) -> tuple[bool, str]:
+class CompileChoice(NamedTuple):
+    on: bool
+    why: str
+    routine: bool
+    """Off for a reason every short or non-LoRA run has (logged at debug), not one that stopped a
+    run which would otherwise compile (logged at info, as the choice to compile is)."""
+
+
+def decide_compile(cfg: Config, device: torch.device) -> CompileChoice:
     """train.compile = 'auto' decided for this run: (compile?, why). On for a LoRA or QLoRA
     fine-tune (where it was measured to pay: docs/finetuning.md) on a CPU (not yet measured on a
     GPU) whose run is long (COMPILE_PAYS_AFTER_S), whose settings compose with compilation
     (validate's rules, the transformers path's) and where Inductor builds a kernel (a C++
     compiler: tried on a one-line function)."""
-    from shardlm.hardware.probe import cpu_peak_flops
     from shardlm.models.flops import flops_per_token
     from shardlm.models.hf_build import route_problems
 
     if device.type != "cpu":
-        return False, f"not measured on a {device.type} yet; set train.compile = true to compile"
+        return CompileChoice(False, f"not measured on a {device.type} yet; set train.compile = true "
+                                    f"to compile", True)
     if not cfg.lora.rank:
-        return False, ("not a LoRA / QLoRA fine-tune: measured to gain there (a frozen base has no "
-                       "weight-gradient products, so fusing the element-wise rest saves a larger "
-                       "share), not elsewhere (gpt-mini pre-training 0.95x); set train.compile = true")
+        return CompileChoice(False, "not a LoRA / QLoRA fine-tune: measured to gain there (a frozen "
+                                    "base has no weight-gradient products, so fusing the element-wise "
+                                    "rest saves a larger share), not elsewhere (gpt-mini pre-training "
+                                    "0.95x); set train.compile = true", True)
+    peak = _cpu_peaks()
     if (carrier(cfg.precision.compute) == "bf16" and cfg.precision.cpu_bf16_gemm != "native"
-            and cpu_bf16_gemm({p: cpu_peak_flops(p) for p in ("fp32", "bf16")}) == "fp32"):
-        return False, ("this CPU's bf16 matmul is slower than its fp32 one: eager multiplies bf16 "
-                       "operands in fp32 GEMMs (precision.cpu_bf16_gemm), a compiled block in bf16")
+            and cpu_bf16_gemm(peak) == "fp32"):
+        return CompileChoice(False, "this CPU's bf16 matmul is slower than its fp32 one: eager "
+                                    "multiplies bf16 operands in fp32 GEMMs (precision.cpu_bf16_gemm), "
+                                    "a compiled block in bf16", True)
     t = cfg.train
     tokens = t.micro_batch * t.grad_accum * t.seq_len  # one rank's, each step
-    seconds = t.steps * tokens * flops_per_token(cfg.model, t.seq_len) / cpu_peak_flops(carrier(cfg.precision.compute))
+    seconds = t.steps * tokens * flops_per_token(cfg.model, t.seq_len) / peak[carrier(cfg.precision.compute)]
     if seconds < COMPILE_PAYS_AFTER_S:
-        return False, (f"a short run ({seconds:.0f} s of matmuls at this CPU's peak, under "
-                       f"{COMPILE_PAYS_AFTER_S:.0f} s: the compile would not pay)")
+        return CompileChoice(False, f"a short run ({seconds:.0f} s of matmuls at this CPU's peak, "
+                                    f"under {COMPILE_PAYS_AFTER_S:.0f} s: the compile would not pay)", True)
     on = copy.deepcopy(cfg)
     on.train.compile = True
     try:
         on.validate()
     except ConfigError as err:
-        return False, f"these settings do not compile: {str(err).splitlines()[-1].strip(' -')}"
+        return CompileChoice(False, f"these settings do not compile: "
+                                    f"{str(err).splitlines()[-1].strip(' -')}", False)
     if route_problems(on):
-        return False, "the transformers path is not compiled yet"
+        return CompileChoice(False, "the transformers path is not compiled yet", False)
     broken = _inductor_broken()
     if broken:
-        return False, f"Inductor cannot build CPU kernels here ({broken}); install g++ (or set CXX)"
-    return True, (f"a long run ({seconds / 60:.0f} min of matmuls at this CPU's peak): the first "
-                  f"step compiles each block (tens of seconds), the rest run fused; set "
-                  f"train.compile = false to train eager")
+        return CompileChoice(False, f"Inductor cannot build CPU kernels here ({broken}); install g++ "
+                                    f"(or set CXX)", False)
+    return CompileChoice(True, f"a long run ({seconds / 60:.0f} min of matmuls at this CPU's peak): the "
+                               f"first step compiles each block (tens of seconds), the rest run fused; "
+                               f"set train.compile = false to train eager", False)
+
+
+def _cpu_peaks() -> dict[str, float]:
+    """This CPU's measured matmul peaks, fp32 and bf16 (hardware/probe.py, cached)."""
+    from shardlm.hardware.probe import cpu_peak_flops
+
+    return {p: cpu_peak_flops(p) for p in ("fp32", "bf16")}
 
 
 def _inductor_broken() -> str:
@@ -219,12 +238,12 @@ def decide(cfg: Config, world_size: int, device: torch.device, checkpoint: Path 
         log.info("precision.compute = auto: %s on this %s (decided once, recorded in the run's config)",
                  compute, device.type)
     if cfg.train.compile == "auto":
-        on, why = (False, "deciding for another machine (--gpus)") if hardware else \
-            decide_compile(cfg, world_size, device)
+        choice = (CompileChoice(False, "deciding for another machine (--gpus)", True) if hardware
+                  else decide_compile(cfg, device))
         cfg = copy.deepcopy(cfg)
-        cfg.train.compile = on
-        (log.info if on or "Inductor" in why else log.debug)(
-            "train.compile = auto: %s — %s", "on" if on else "off", why)
+        cfg.train.compile = choice.on
+        (log.debug if choice.routine else log.info)("train.compile = auto: %s — %s",
+                                                    "on" if choice.on else "off", choice.why)
     if cfg.precision.cpu_bf16_gemm == "auto":
         cfg = copy.deepcopy(cfg)
         cfg.precision.cpu_bf16_gemm = _auto_bf16_gemm(cfg, device if hardware is None else None)
@@ -237,9 +256,7 @@ def _auto_bf16_gemm(cfg: Config, cpu: torch.device | None) -> str:
     'native' otherwise (a GPU, fp32 / fp16 compute, train.compile)."""
     if cpu is None or cpu.type != "cpu" or carrier(cfg.precision.compute) != "bf16" or compile_on(cfg.train):
         return "native"
-    from shardlm.hardware.probe import cpu_peak_flops
-
-    peak = {p: cpu_peak_flops(p) for p in ("fp32", "bf16")}
+    peak = _cpu_peaks()
     choice = cpu_bf16_gemm(peak)
     if choice == "fp32":
         log.info("precision.cpu_bf16_gemm = auto: fp32 — this CPU's bf16 matmul (%.1f GFLOP/s) is slower "
